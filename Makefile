@@ -1,0 +1,42 @@
+# deltagym Makefile. `make help` lists the targets.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-builtin-rules
+
+export GOFLAGS ?= -buildvcs=false
+BIN := $(CURDIR)/bin
+# Where the server keeps images, layers, checkpoints and its private Postgres.
+DATA ?= $(CURDIR)/.data
+
+# Each part of the project adds its own targets and prerequisites in mk/*.mk.
+DEPS_GROUPS := base
+TEST_PREREQS :=
+include $(sort $(wildcard mk/*.mk))
+
+.PHONY: help deps build test run bench lint generate checkgenerate clean
+
+help: ## list targets
+	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+
+deps: ## install the Debian packages and tools the project needs (idempotent)
+	@./scripts/deps.sh $(sort $(DEPS_GROUPS))
+
+$(BIN)/dg-init: sandbox/initproc/init.c | $(BIN)
+	$(CC) -O2 -static -Wall -Wextra -Werror -o $@ $<
+
+$(BIN):
+	@mkdir -p $@
+
+build: $(BIN)/dg-init ## build the server, CLI and the sandbox init
+	go build -o $(BIN)/ ./cmd/...
+
+test: deps $(BIN)/dg-init $(TEST_PREREQS) ## run every test (root runs the privileged ones)
+	go vet ./...
+	DELTAGYM_INIT=$(BIN)/dg-init go test -count=1 -timeout 30m ./...
+
+bench: deps $(BIN)/dg-init ## run the benchmarks (p50/p99)
+	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench . -benchtime 2000x -timeout 60m ./sandbox/...
+
+clean: ## remove build output (not the image cache)
+	rm -rf $(BIN)
