@@ -22,8 +22,10 @@ help: ## list targets
 deps: ## install the Debian packages and tools the project needs (idempotent)
 	@./scripts/deps.sh $(sort $(DEPS_GROUPS))
 
-$(BIN)/dg-init: sandbox/initproc/init.c | $(BIN)
+$(BIN)/dg-init: sandbox/initproc/csrc/init.c | $(BIN)
 	$(CC) -O2 -static -Wall -Wextra -Werror -o $@ $<
+
+init: $(BIN)/dg-init ## build the sandbox init (a small static C program)
 
 $(BIN):
 	@mkdir -p $@

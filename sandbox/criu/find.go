@@ -1,0 +1,57 @@
+package criu
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+)
+
+// EnvBinary names the environment variable that overrides where the CRIU wrapper is.
+const EnvBinary = "DELTAGYM_CRIU"
+
+// wrapperInRepo is where `make criu` (scripts/criu.sh) puts the wrapper, relative to the checkout.
+const wrapperInRepo = ".cache/criu/bin/criu"
+
+// Find returns the path of the CRIU 4.2.1+ wrapper written by scripts/criu.sh. It honours
+// DELTAGYM_CRIU, then looks for .cache/criu/bin/criu in the working directory and its parents up
+// to the checkout's go.mod. It never falls back to a criu on PATH: Debian 12's 3.17 and trixie's 4.1
+// do not work on this kernel.
+func Find() (string, error) {
+	if p := os.Getenv(EnvBinary); p != "" {
+		if err := executable(p); err != nil {
+			return "", fmt.Errorf("checking %s=%s: %w", EnvBinary, p, err)
+		}
+		return p, nil
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("finding criu: %w", err)
+	}
+	for {
+		p := filepath.Join(dir, wrapperInRepo)
+		if executable(p) == nil {
+			return p, nil
+		}
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			break
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			break
+		}
+		dir = parent
+	}
+	return "", fmt.Errorf("%w: no %s up to the checkout root and %s is unset (run `make criu`)",
+		ErrNotInstalled, wrapperInRepo, EnvBinary)
+}
+
+func executable(p string) error {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrNotInstalled, err)
+	}
+	if fi.IsDir() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("%w: %s is not an executable file", ErrNotInstalled, p)
+	}
+	return nil
+}

@@ -1,0 +1,77 @@
+package criu
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+
+	gocriu "github.com/checkpoint-restore/go-criu/v7"
+	"google.golang.org/protobuf/proto"
+)
+
+// Swrk runs one `criu swrk` worker per request through go-criu. It needs no long-lived process,
+// but pays CRIU's start-up (kernel feature detection) on every call.
+type Swrk struct {
+	bin string
+}
+
+// NewSwrk returns a Swrk that runs bin, or the wrapper Find returns when bin is empty.
+func NewSwrk(bin string) (*Swrk, error) {
+	if bin == "" {
+		var err error
+		if bin, err = Find(); err != nil {
+			return nil, err
+		}
+	}
+	return &Swrk{bin: bin}, nil
+}
+
+// Dump checkpoints the tree rooted at o.Pid into o.ImagesDir.
+func (w *Swrk) Dump(ctx context.Context, o DumpOpts) error {
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c := gocriu.MakeCriu()
+	c.SetCriuPath(w.bin)
+	if err := c.Dump(o.rpc(), nil); err != nil {
+		return fmt.Errorf("criu swrk dump (see %s): %w: %w", filepath.Join(o.ImagesDir, "dump.log"), ErrRequest, err)
+	}
+	return nil
+}
+
+// Restore recreates the tree saved in o.ImagesDir as a child of the calling process and returns
+// the host pid of its root; the caller reaps it.
+func (w *Swrk) Restore(ctx context.Context, o RestoreOpts) (int, error) {
+	if err := o.Validate(); err != nil {
+		return 0, err
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	c := gocriu.MakeCriu()
+	c.SetCriuPath(w.bin)
+	opts := o.rpc()
+	opts.RstSibling = proto.Bool(true)
+	n := &pidNotify{}
+	if err := c.Restore(opts, n); err != nil {
+		return 0, fmt.Errorf("criu swrk restore (see %s): %w: %w", filepath.Join(o.ImagesDir, "restore.log"), ErrRequest, err)
+	}
+	return int(n.pid), nil
+}
+
+// pidNotify records the restored root's pid from CRIU's post-restore notification.
+type pidNotify struct {
+	gocriu.NoNotify
+	pid int32
+}
+
+// PostRestore implements gocriu.Notify.
+func (n *pidNotify) PostRestore(pid int32) error {
+	n.pid = pid
+	return nil
+}
+
+var _ gocriu.Notify = (*pidNotify)(nil)

@@ -1,0 +1,346 @@
+// Package initproc speaks to dg-init, the resident init (pid 1) of a sandbox.
+//
+// The init is a small static C program (csrc/init.c, built by the
+// Makefile). The server holds one end of a SOCK_SEQPACKET socket pair; the init
+// has the other as fd 3. A Conn sends requests (ping, root swap, spawn) and
+// receives their replies and the init's exit events, one reader goroutine per
+// Conn. Requests are answered in order, so replies are matched by id.
+package initproc
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Message types; they match the enum in csrc/init.c.
+const (
+	msgPing  = 1
+	msgSpawn = 3
+	msgHost  = 4
+	msgReply = 100
+	msgExit  = 101
+)
+
+// Spawn flags; they match csrc/init.c.
+const (
+	// FlagSetsid starts the command in a new session.
+	FlagSetsid = 1 << 0
+	// FlagKeepCaps skips the capability drop and the seccomp filter. Only the
+	// init's own tests use it, to prove that the defaults are what take effect.
+	FlagKeepCaps = 1 << 1
+)
+
+const hdrLen = 12
+
+// ErrClosed is returned for requests on a Conn whose init has gone.
+var ErrClosed = errors.New("sandbox init is gone")
+
+// ExitEvent reports a process reaped by the init: its pid inside the sandbox
+// and its wait status.
+type ExitEvent struct {
+	Pid    int
+	Status unix.WaitStatus
+}
+
+// Conn is the server's end of the control socket of one init.
+type Conn struct {
+	sock *os.File
+	wmu  sync.Mutex // serialises sends and the order of pending replies
+
+	mu      sync.Mutex
+	nextID  uint32
+	pending map[uint32]pendingCall
+	// waiters holds a buffered channel per spawned pid, registered by the
+	// reader when the spawn reply arrives, before it can see that pid's exit.
+	waiters map[int]chan ExitEvent
+	closed  bool
+	done    chan struct{}
+}
+
+type pendingCall struct {
+	ch    chan reply
+	spawn bool
+}
+
+type reply struct {
+	err int32
+	val int32
+}
+
+// NewConn wraps the server's end of the socket pair and waits for the
+// init's hello.
+func NewConn(sock *os.File) (*Conn, error) {
+	c := &Conn{
+		sock:    sock,
+		pending: map[uint32]pendingCall{},
+		waiters: map[int]chan ExitEvent{},
+		done:    make(chan struct{}),
+	}
+	hello := make(chan reply, 1)
+	c.pending[0] = pendingCall{ch: hello}
+	c.nextID = 1
+	go c.readLoop()
+	select {
+	case r := <-hello:
+		if r.err != 0 {
+			return nil, fmt.Errorf("init hello: %w", syscall.Errno(r.err))
+		}
+	case <-c.done:
+		return nil, fmt.Errorf("waiting for init hello: %w", ErrClosed)
+	}
+	return c, nil
+}
+
+// Done is closed when the init has gone (its socket closed).
+func (c *Conn) Done() <-chan struct{} { return c.done }
+
+func (c *Conn) readLoop() {
+	defer c.shutdown()
+	buf := make([]byte, 64)
+	for {
+		n, err := c.sock.Read(buf)
+		if err != nil || n == 0 {
+			return
+		}
+		if n < hdrLen {
+			continue
+		}
+		typ := binary.NativeEndian.Uint32(buf[0:])
+		id := binary.NativeEndian.Uint32(buf[4:])
+		p := buf[hdrLen:n]
+		if len(p) < 8 {
+			continue
+		}
+		a := int32(binary.NativeEndian.Uint32(p[0:]))
+		b := int32(binary.NativeEndian.Uint32(p[4:]))
+		switch typ {
+		case msgReply:
+			c.mu.Lock()
+			pc, ok := c.pending[id]
+			delete(c.pending, id)
+			if ok && pc.spawn && b > 0 {
+				c.waiters[int(b)] = make(chan ExitEvent, 1)
+			}
+			c.mu.Unlock()
+			if ok {
+				pc.ch <- reply{a, b}
+			}
+		case msgExit:
+			ev := ExitEvent{Pid: int(a), Status: unix.WaitStatus(b)}
+			c.mu.Lock()
+			if ch, ok := c.waiters[ev.Pid]; ok {
+				delete(c.waiters, ev.Pid)
+				ch <- ev
+			}
+			c.mu.Unlock()
+		}
+	}
+}
+
+func (c *Conn) shutdown() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return
+	}
+	c.closed = true
+	close(c.done)
+	for id, pc := range c.pending {
+		close(pc.ch)
+		delete(c.pending, id)
+	}
+	for pid, ch := range c.waiters {
+		close(ch)
+		delete(c.waiters, pid)
+	}
+}
+
+// Close closes the socket; the init then exits and the kernel ends every
+// process of the sandbox's pid namespace. Close is idempotent.
+func (c *Conn) Close() error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	err := c.sock.Close()
+	if errors.Is(err, os.ErrClosed) {
+		err = nil
+	}
+	<-c.done
+	return err
+}
+
+func (c *Conn) call(typ uint32, payload []byte, files []int) (reply, error) {
+	return c.callSpawn(typ, payload, files, false)
+}
+
+func (c *Conn) callSpawn(typ uint32, payload []byte, files []int, spawn bool) (reply, error) {
+	ch := make(chan reply, 1)
+	c.wmu.Lock()
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		c.wmu.Unlock()
+		return reply{}, ErrClosed
+	}
+	id := c.nextID
+	c.nextID++
+	c.pending[id] = pendingCall{ch: ch, spawn: spawn}
+	c.mu.Unlock()
+	msg := make([]byte, hdrLen+len(payload))
+	binary.NativeEndian.PutUint32(msg[0:], typ)
+	binary.NativeEndian.PutUint32(msg[4:], id)
+	binary.NativeEndian.PutUint32(msg[8:], uint32(len(payload)))
+	copy(msg[hdrLen:], payload)
+	var oob []byte
+	if len(files) > 0 {
+		oob = unix.UnixRights(files...)
+	}
+	err := sendmsg(c.sock, msg, oob)
+	c.wmu.Unlock()
+	if err != nil {
+		c.mu.Lock()
+		delete(c.pending, id)
+		c.mu.Unlock()
+		return reply{}, fmt.Errorf("sending to init: %w", err)
+	}
+	r, ok := <-ch
+	if !ok {
+		return reply{}, ErrClosed
+	}
+	return r, nil
+}
+
+func sendmsg(f *os.File, msg, oob []byte) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	werr := rc.Write(func(fd uintptr) bool {
+		serr = unix.Sendmsg(int(fd), msg, oob, nil, unix.MSG_NOSIGNAL)
+		return serr != unix.EAGAIN
+	})
+	if werr != nil {
+		return werr
+	}
+	return serr
+}
+
+// Ping checks the init answers and returns its pid as the init sees it (1).
+func (c *Conn) Ping() (int, error) {
+	r, err := c.call(msgPing, nil, nil)
+	if err != nil {
+		return 0, err
+	}
+	return int(r.val), errnoOrNil(r.err)
+}
+
+// SetHostname sets the sandbox's host name (its uts namespace).
+func (c *Conn) SetHostname(name string) error {
+	r, err := c.call(msgHost, []byte(name), nil)
+	if err != nil {
+		return err
+	}
+	return errnoOrNil(r.err)
+}
+
+// SpawnRequest describes one command for the init to start.
+type SpawnRequest struct {
+	Argv  []string
+	Env   []string
+	Cwd   string
+	UID   uint32
+	GID   uint32
+	Flags uint32
+	// Stdin, Stdout, Stderr are passed to the command as fds 0, 1, 2.
+	Stdin, Stdout, Stderr *os.File
+	// CgroupProcs are open cgroup.procs files the command moves itself into
+	// before it execs, so that nothing it starts can escape them.
+	CgroupProcs []*os.File
+}
+
+// ErrSpawn wraps the errno with which a command could not be started.
+var ErrSpawn = errors.New("starting command")
+
+// Spawn starts a command and returns its pid inside the sandbox. Its exit
+// is collected with Wait(pid), which must be called (or Forget) for every
+// pid that Spawn returns.
+func (c *Conn) Spawn(req SpawnRequest) (int, error) {
+	if len(req.Argv) == 0 {
+		return 0, fmt.Errorf("%w: empty argv", ErrSpawn)
+	}
+	var b bytes.Buffer
+	var h [16]byte
+	binary.NativeEndian.PutUint32(h[0:], req.Flags)
+	binary.NativeEndian.PutUint32(h[4:], req.UID)
+	binary.NativeEndian.PutUint32(h[8:], req.GID)
+	binary.NativeEndian.PutUint32(h[12:], uint32(len(req.CgroupProcs)))
+	b.Write(h[:])
+	for _, s := range [][]string{{req.Cwd}, req.Argv, {""}, req.Env, {""}} {
+		for _, x := range s {
+			if bytes.IndexByte([]byte(x), 0) >= 0 {
+				return 0, fmt.Errorf("%w: NUL byte in an argument or variable", ErrSpawn)
+			}
+			b.WriteString(x)
+			b.WriteByte(0)
+		}
+	}
+	for _, a := range req.Argv {
+		if a == "" {
+			// An empty argument would end argv early in the wire format.
+			return 0, fmt.Errorf("%w: empty argument in argv", ErrSpawn)
+		}
+	}
+	if b.Len() > 200*1024 {
+		return 0, fmt.Errorf("%w: argv and env exceed 200 KiB", ErrSpawn)
+	}
+	fds := []int{int(req.Stdin.Fd()), int(req.Stdout.Fd()), int(req.Stderr.Fd())}
+	for _, f := range req.CgroupProcs {
+		fds = append(fds, int(f.Fd()))
+	}
+	r, err := c.callSpawn(msgSpawn, b.Bytes(), fds, true)
+	if err != nil {
+		return 0, err
+	}
+	if r.err != 0 {
+		if r.val > 0 {
+			c.Forget(int(r.val))
+		}
+		return 0, fmt.Errorf("%w %q: %w", ErrSpawn, req.Argv[0], syscall.Errno(r.err))
+	}
+	return int(r.val), nil
+}
+
+// Wait returns a channel that receives the exit of pid, a pid that Spawn
+// returned. The channel is closed without a value if the init goes away
+// first, or if pid is unknown.
+func (c *Conn) Wait(pid int) <-chan ExitEvent {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ch, ok := c.waiters[pid]; ok {
+		return ch
+	}
+	ch := make(chan ExitEvent)
+	close(ch)
+	return ch
+}
+
+// Forget drops interest in pid's exit (a background command).
+func (c *Conn) Forget(pid int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.waiters, pid)
+}
+
+func errnoOrNil(e int32) error {
+	if e == 0 {
+		return nil
+	}
+	return syscall.Errno(e)
+}

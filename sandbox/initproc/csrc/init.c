@@ -1,0 +1,422 @@
+// dg-init: the resident init (pid 1) of a deltagym sandbox.
+//
+// It is started by the server inside fresh user, mount, pid, ipc, uts and
+// cgroup namespaces, with the control socket as fd 3 (SOCK_SEQPACKET). It
+// stays tiny (static, no heap churn) because one runs per sandbox and its
+// private memory counts against the density target.
+//
+// Protocol: every message is a header {u32 type, u32 id, u32 len} followed by
+// len payload bytes, possibly with file descriptors (SCM_RIGHTS). Requests:
+//
+//   PING                      reply {i32 err=0}
+//   SPAWN fds:[in,out,err,cg...] payload: spawn_hdr, then NUL-terminated
+//                             cwd, argv..., "", env..., "". Starts a command
+//                             (vfork-style clone), reply {i32 err, i32 pid}
+//   HOST  payload: hostname   sethostname. reply {i32 err}
+//
+// Events sent without a request: EXIT {i32 pid, i32 wait status}, for every
+// child the init reaps (orphans re-parented to it included).
+//
+// Commands run with no_new_privs, a reduced capability bounding set, and the
+// seccomp filter below. The root swap is done by the server from outside
+// (see setup_mounts); the init mounts only its /proc and /dev, at start.
+// When the control socket closes (the server went away), the init exits and
+// the kernel kills everything in the sandbox's pid namespace.
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+enum {
+	MSG_PING = 1,
+	MSG_SPAWN = 3,
+	MSG_HOST = 4,
+	MSG_REPLY = 100,
+	MSG_EXIT = 101,
+};
+
+enum {
+	SPAWN_SETSID = 1u << 0,
+	SPAWN_KEEP_CAPS = 1u << 1, // for tests of the init itself only
+};
+
+struct hdr {
+	uint32_t type, id, len;
+};
+
+struct spawn_hdr {
+	uint32_t flags;
+	uint32_t uid, gid;
+	uint32_t ncg; // cgroup.procs fds after the 3 stdio fds
+};
+
+#define CTL 3
+#define MAXMSG (256 * 1024)
+#define MAXFDS 16
+#define MAXARGS 4096
+
+static char buf[MAXMSG];
+static int fds[MAXFDS];
+static int nfds;
+
+static int send_msg(uint32_t type, uint32_t id, const void *p, uint32_t len) {
+	struct hdr h = {type, id, len};
+	struct iovec iov[2] = {{&h, sizeof h}, {(void *)p, len}};
+	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2};
+	for (;;) {
+		ssize_t n = sendmsg(CTL, &m, MSG_NOSIGNAL);
+		if (n >= 0) return 0;
+		if (errno != EINTR) return -1;
+	}
+}
+
+static void reply(uint32_t id, int32_t err, int32_t val) {
+	int32_t r[2] = {err, val};
+	send_msg(MSG_REPLY, id, r, sizeof r);
+}
+
+static ssize_t recv_msg(struct hdr *h) {
+	char cbuf[CMSG_SPACE(sizeof(int) * MAXFDS)];
+	struct iovec iov[2] = {{h, sizeof *h}, {buf, sizeof buf}};
+	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+	ssize_t n;
+	do n = recvmsg(CTL, &m, MSG_CMSG_CLOEXEC);
+	while (n < 0 && errno == EINTR);
+	nfds = 0;
+	if (n <= 0) return n;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+			int k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+			for (int i = 0; i < k && nfds < MAXFDS; i++) memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+		}
+	}
+	if ((size_t)n < sizeof *h || h->len != (size_t)n - sizeof *h) return -2;
+	return n;
+}
+
+static void close_fds(void) {
+	for (int i = 0; i < nfds; i++) close(fds[i]);
+	nfds = 0;
+}
+
+// ---- root swap -------------------------------------------------------------
+
+static void warn(const char *what) {
+	char m[160] = "dg-init: ";
+	strncat(m, what, 100);
+	strcat(m, ": ");
+	strncat(m, strerror(errno), 40);
+	strcat(m, "\n");
+	(void)!write(2, m, strlen(m));
+}
+
+#define TRY(x, what)                        \
+	do {                                \
+		if ((x) < 0) {              \
+			int e_ = errno;     \
+			warn(what);         \
+			errno = e_;         \
+			return -1;          \
+		}                           \
+	} while (0)
+
+
+static int bind_dev(const char *name) {
+	char src[64] = "/.devsrc/", dst[64] = "/dev/";
+	strcat(src, name);
+	strcat(dst, name);
+	int fd = open(dst, O_CREAT | O_WRONLY | O_CLOEXEC | O_NOFOLLOW, 0666);
+	if (fd < 0) return -1;
+	close(fd);
+	return mount(src, dst, NULL, MS_BIND, NULL);
+}
+
+// setup_mounts mounts the sandbox's own /proc and a minimal /dev on the
+// spawn root the init starts on. The server later stacks the sandbox's
+// overlay on top and moves both into it (the root swap is done from
+// outside: the kernel refuses to attach a mount made by host root into a
+// mount namespace owned by the sandbox's user namespace). A user namespace
+// may mount proc only while a fully visible proc is mounted already: the
+// spawn root's host proc, which the sandbox's proc then covers.
+static int setup_mounts(void) {
+	// Mounts are private already: the spawn namespace made them so.
+	TRY(mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL), "mounting proc");
+	// Masked and read-only /proc paths.
+	static const char *masked[] = {"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/sysrq-trigger", 0};
+	for (int i = 0; masked[i]; i++) mount("/.devsrc/null", masked[i], NULL, MS_BIND, NULL);
+	static const char *ro[] = {"/proc/sys", "/proc/bus", "/proc/fs", "/proc/irq", 0};
+	for (int i = 0; ro[i]; i++) {
+		if (mount(ro[i], ro[i], NULL, MS_BIND | MS_REC, NULL) == 0)
+			mount(NULL, ro[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	}
+	TRY(mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k"), "mounting /dev");
+	static const char *devs[] = {"null", "zero", "full", "random", "urandom", "tty", 0};
+	for (int i = 0; devs[i]; i++) TRY(bind_dev(devs[i]), "binding a device node");
+	symlink("/proc/self/fd", "/dev/fd");
+	symlink("/proc/self/fd/0", "/dev/stdin");
+	symlink("/proc/self/fd/1", "/dev/stdout");
+	symlink("/proc/self/fd/2", "/dev/stderr");
+	mkdir("/dev/shm", 01777);
+	chmod("/dev/shm", 01777);
+	mkdir("/dev/pts", 0755);
+	TRY(mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m"), "mounting /dev/shm");
+	TRY(mount(NULL, "/dev", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC, NULL), "sealing /dev");
+	return 0;
+}
+
+// ---- spawning commands ------------------------------------------------------
+
+// The seccomp filter of every command: x86_64 only; these system calls fail
+// with EPERM. They administer the kernel or the mount tree, or are rarely
+// needed and often used in exploits. Everything else is allowed.
+static const int denied[] = {
+    SYS_mount, SYS_umount2, SYS_pivot_root, SYS_chroot, SYS_move_mount, SYS_open_tree, SYS_fsopen,
+    SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr, SYS_unshare, SYS_setns,
+    SYS_init_module, SYS_finit_module, SYS_delete_module, SYS_kexec_load, SYS_kexec_file_load,
+    SYS_reboot, SYS_swapon, SYS_swapoff, SYS_acct, SYS_syslog, SYS_bpf, SYS_perf_event_open,
+    SYS_userfaultfd, SYS_keyctl, SYS_add_key, SYS_request_key, SYS_open_by_handle_at,
+    SYS_name_to_handle_at, SYS_quotactl, SYS_iopl, SYS_ioperm, SYS_settimeofday, SYS_clock_settime,
+    SYS_clock_adjtime, SYS_adjtimex, SYS_vhangup, SYS_io_uring_setup, SYS_io_uring_enter,
+    SYS_io_uring_register, SYS_lookup_dcookie, SYS_kcmp, SYS_process_vm_writev, SYS_personality,
+};
+#define NDENIED (sizeof denied / sizeof denied[0])
+
+static struct sock_filter filter[4 + 2 * NDENIED + 3];
+static struct sock_fprog fprog;
+
+static void build_filter(void) {
+	int k = 0;
+	filter[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch));
+	filter[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0);
+	filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS);
+	filter[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr));
+	for (size_t i = 0; i < NDENIED; i++) {
+		filter[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, denied[i], 0, 1);
+		filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+	}
+	// x32 system calls (nr >= 0x40000000) are refused too.
+	filter[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1);
+	filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+	filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+	fprog.len = k;
+	fprog.filter = filter;
+}
+
+// Capabilities a command keeps (as root of the user namespace): those a
+// package manager and ordinary root tooling need, none that administers the
+// kernel, the mount tree or the network.
+static const int kept_caps[] = {
+    CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID,
+    CAP_SETPCAP, CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT, CAP_AUDIT_WRITE, CAP_SETFCAP,
+};
+
+static int keep_cap(int c) {
+	for (size_t i = 0; i < sizeof kept_caps / sizeof kept_caps[0]; i++)
+		if (kept_caps[i] == c) return 1;
+	return 0;
+}
+
+struct spawn_args {
+	struct spawn_hdr sh;
+	char *cwd;
+	char **argv, **envp;
+	int cg[MAXFDS];
+	int ncg;
+	int in, out, err;
+	int errpipe;
+};
+
+static char *argvbuf[MAXARGS];
+static char child_stack[64 * 1024] __attribute__((aligned(16)));
+
+static void child_fail(struct spawn_args *a, int step) {
+	int32_t e[2] = {errno, step};
+	(void)!write(a->errpipe, e, sizeof e);
+	_exit(127);
+}
+
+static int child_main(void *p) {
+	struct spawn_args *a = p;
+	sigset_t all;
+	sigemptyset(&all);
+	sigprocmask(SIG_SETMASK, &all, NULL);
+	for (int i = 0; i < a->ncg; i++)
+		if (write(a->cg[i], "0", 1) < 0) child_fail(a, 1);
+	if (a->sh.flags & SPAWN_SETSID) setsid();
+	if (dup2(a->in, 0) < 0 || dup2(a->out, 1) < 0 || dup2(a->err, 2) < 0) child_fail(a, 2);
+	if (!(a->sh.flags & SPAWN_KEEP_CAPS)) {
+		for (int c = 0; c <= CAP_LAST_CAP; c++)
+			if (!keep_cap(c) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) child_fail(a, 3);
+	}
+	if (a->sh.gid != 0 || a->sh.uid != 0) {
+		if (setgroups(0, NULL) < 0) child_fail(a, 4);
+		if (setresgid(a->sh.gid, a->sh.gid, a->sh.gid) < 0) child_fail(a, 4);
+		if (setresuid(a->sh.uid, a->sh.uid, a->sh.uid) < 0) child_fail(a, 4);
+	} else if (!(a->sh.flags & SPAWN_KEEP_CAPS)) {
+		// Root of the namespace: drop the capabilities that the bounding
+		// set no longer has from the effective, permitted and inheritable sets.
+		struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+		struct __user_cap_data_struct d[2] = {{0}};
+		for (size_t i = 0; i < sizeof kept_caps / sizeof kept_caps[0]; i++) {
+			int c = kept_caps[i];
+			d[c / 32].effective |= 1u << (c % 32);
+			d[c / 32].permitted |= 1u << (c % 32);
+		}
+		if (syscall(SYS_capset, &h, d) < 0) child_fail(a, 5);
+	}
+	if (a->cwd[0] && chdir(a->cwd) < 0) child_fail(a, 6);
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(a, 7);
+	if (!(a->sh.flags & SPAWN_KEEP_CAPS) && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog) < 0) child_fail(a, 8);
+	if (strchr(a->argv[0], '/'))
+		execve(a->argv[0], a->argv, a->envp);
+	else
+		execvpe(a->argv[0], a->argv, a->envp);
+	child_fail(a, 9);
+	return 0;
+}
+
+static int do_spawn(uint32_t len, int32_t *pid_out) {
+	static struct spawn_args a;
+	memset(&a, 0, sizeof a);
+	if (len < sizeof a.sh || nfds < 3) return EINVAL;
+	memcpy(&a.sh, buf, sizeof a.sh);
+	if (a.sh.ncg != (uint32_t)nfds - 3) return EINVAL;
+	a.in = fds[0];
+	a.out = fds[1];
+	a.err = fds[2];
+	a.ncg = a.sh.ncg;
+	for (int i = 0; i < a.ncg; i++) a.cg[i] = fds[3 + i];
+	// Strings: cwd, argv..., "", env..., "".
+	char *p = buf + sizeof a.sh, *end = buf + len;
+	if (end[-1] != 0) return EINVAL;
+	int k = 0;
+	a.cwd = p;
+	p += strlen(p) + 1;
+	a.argv = argvbuf;
+	while (p < end && *p && k < MAXARGS - 2) {
+		argvbuf[k++] = p;
+		p += strlen(p) + 1;
+	}
+	if (k == 0 || p >= end) return EINVAL;
+	argvbuf[k++] = NULL;
+	p++;
+	a.envp = argvbuf + k;
+	while (p < end && *p && k < MAXARGS - 1) {
+		argvbuf[k++] = p;
+		p += strlen(p) + 1;
+	}
+	argvbuf[k] = NULL;
+
+	int ep[2];
+	if (pipe2(ep, O_CLOEXEC) < 0) return errno;
+	a.errpipe = ep[1];
+	pid_t pid = clone(child_main, child_stack + sizeof child_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &a);
+	int saved = errno;
+	close(ep[1]);
+	if (pid < 0) {
+		close(ep[0]);
+		return saved;
+	}
+	int32_t e[2];
+	ssize_t n = read(ep[0], e, sizeof e);
+	close(ep[0]);
+	if (n == sizeof e) {
+		// The child failed before exec; it has exited, the reaper reports it.
+		*pid_out = pid;
+		return e[0] ? e[0] : EINVAL;
+	}
+	*pid_out = pid;
+	return 0;
+}
+
+// ---- main loop --------------------------------------------------------------
+
+static void reap(void) {
+	for (;;) {
+		int st;
+		pid_t p = waitpid(-1, &st, WNOHANG);
+		if (p <= 0) return;
+		int32_t ev[2] = {p, st};
+		send_msg(MSG_EXIT, 0, ev, sizeof ev);
+	}
+}
+
+int main(void) {
+	build_filter();
+	if (setup_mounts() < 0) return 1;
+	sigset_t mask;
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGCHLD);
+	sigaddset(&mask, SIGTERM);
+	sigaddset(&mask, SIGINT);
+	sigaddset(&mask, SIGHUP);
+	sigaddset(&mask, SIGPIPE);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	sigset_t chld;
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+	if (sfd < 0) return 1;
+	fcntl(CTL, F_SETFD, FD_CLOEXEC);
+	send_msg(MSG_REPLY, 0, "\0\0\0\0\0\0\0\0", 8); // hello
+	struct pollfd pf[2] = {{CTL, POLLIN, 0}, {sfd, POLLIN, 0}};
+	for (;;) {
+		if (poll(pf, 2, -1) < 0) {
+			if (errno == EINTR) continue;
+			return 1;
+		}
+		if (pf[1].revents) {
+			struct signalfd_siginfo si;
+			while (read(sfd, &si, sizeof si) > 0) {
+			}
+			reap();
+		}
+		if (!pf[0].revents) continue;
+		struct hdr h;
+		ssize_t n = recv_msg(&h);
+		if (n == 0) return 0; // server gone: end the sandbox
+		if (n < 0) {
+			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
+			close_fds();
+			if (n == -1) return 1;
+			reply(h.id, EPROTO, 0);
+			continue;
+		}
+		switch (h.type) {
+		case MSG_PING:
+			reply(h.id, 0, getpid());
+			break;
+		case MSG_SPAWN: {
+			int32_t pid = 0;
+			int e = do_spawn(h.len, &pid);
+			reply(h.id, e, pid);
+			break;
+		}
+		case MSG_HOST:
+			reply(h.id, sethostname(buf, h.len) < 0 ? errno : 0, 0);
+			break;
+		default:
+			reply(h.id, ENOSYS, 0);
+		}
+		close_fds();
+	}
+}

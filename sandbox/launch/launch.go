@@ -1,0 +1,320 @@
+// Package launch starts the resident init of a sandbox in its namespaces.
+//
+// Three costs shape it (MEASURED.md §2):
+//   - A new mount namespace copies every mount of its parent. The server's
+//     mount namespace holds a tmpfs per live layer, so inits are not cloned
+//     from it: a locked OS thread first enters a minimal "spawn" mount
+//     namespace (a tmpfs root holding only the static init binary, /proc and
+//     a few device nodes) and the init is cloned from that thread.
+//   - A new net namespace costs ~0.6–1 ms and is torn down asynchronously:
+//     NetPool keeps ready namespaces (loopback up), and the spawning thread
+//     enters one before the clone, so the init is born in it.
+//   - The user namespace maps the sandbox's uid 0..65535 onto a host range
+//     of its own, so root inside is not root outside.
+package launch
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/initproc"
+)
+
+// IDRange is the size of each sandbox's uid and gid range.
+const IDRange = 65536
+
+// SpawnNS is a minimal mount namespace that inits are cloned from.
+type SpawnNS struct {
+	fd       int // /proc/thread-self/ns/mnt of the namespace
+	initPath string
+}
+
+// NewSpawnNS creates the spawn namespace. initBinary is the path of the
+// static dg-init program on the host; it is copied into the namespace.
+func NewSpawnNS(initBinary string) (*SpawnNS, error) {
+	bin, err := os.ReadFile(initBinary)
+	if err != nil {
+		return nil, fmt.Errorf("reading init binary: %w", err)
+	}
+	type result struct {
+		fd  int
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		// This thread's namespaces are changed for good: it is never
+		// unlocked, so the runtime ends it when the goroutine returns.
+		runtime.LockOSThread()
+		fd, err := buildSpawnNS(bin)
+		ch <- result{fd, err}
+	}()
+	r := <-ch
+	if r.err != nil {
+		return nil, fmt.Errorf("building spawn namespace: %w", r.err)
+	}
+	return &SpawnNS{fd: r.fd, initPath: "/dg-init"}, nil
+}
+
+func buildSpawnNS(bin []byte) (int, error) {
+	if err := unix.Unshare(unix.CLONE_FS | unix.CLONE_NEWNS); err != nil {
+		return -1, fmt.Errorf("unshare: %w", err)
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return -1, fmt.Errorf("making mounts private: %w", err)
+	}
+	dir, err := os.MkdirTemp("", "dg-spawn-")
+	if err != nil {
+		return -1, err
+	}
+	defer os.Remove(dir)
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID, "mode=755,size=4m"); err != nil {
+		return -1, fmt.Errorf("mounting spawn root: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "dg-init"), bin, 0o755); err != nil {
+		return -1, err
+	}
+	for _, d := range []string{"proc", "dev", ".devsrc", "old"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			return -1, err
+		}
+	}
+	for _, d := range []string{"null", "zero", "full", "random", "urandom", "tty"} {
+		p := filepath.Join(dir, ".devsrc", d)
+		if err := os.WriteFile(p, nil, 0o666); err != nil {
+			return -1, err
+		}
+		if err := unix.Mount("/dev/"+d, p, "", unix.MS_BIND, ""); err != nil {
+			return -1, fmt.Errorf("binding /dev/%s: %w", d, err)
+		}
+	}
+	// A proc of the host's pid namespace: the kernel lets a user namespace
+	// mount its own proc only where a fully visible one exists already.
+	if err := unix.Mount("proc", filepath.Join(dir, "proc"), "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return -1, fmt.Errorf("mounting proc: %w", err)
+	}
+	if err := unix.PivotRoot(dir, filepath.Join(dir, "old")); err != nil {
+		return -1, fmt.Errorf("pivot_root: %w", err)
+	}
+	if err := unix.Chdir("/"); err != nil {
+		return -1, err
+	}
+	if err := unix.Unmount("/old", unix.MNT_DETACH); err != nil {
+		return -1, fmt.Errorf("detaching host root: %w", err)
+	}
+	if err := os.Remove("/old"); err != nil {
+		return -1, err
+	}
+	return unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+}
+
+// Close releases the namespace (it dies with the last init cloned from it).
+func (s *SpawnNS) Close() error {
+	if s.fd < 0 {
+		return nil
+	}
+	err := unix.Close(s.fd)
+	s.fd = -1
+	return err
+}
+
+// Config describes one init to start.
+type Config struct {
+	// HostID is the first host uid and gid of the sandbox's range.
+	HostID int
+	// NetNS is an fd of the net namespace to start in (from a NetPool);
+	// -1 keeps the host's, which only tests of the launcher itself use.
+	NetNS int
+	// Stderr receives the init's own diagnostics; nil discards them.
+	Stderr io.Writer
+}
+
+// Init is a started resident init.
+type Init struct {
+	Conn *initproc.Conn
+	// Pid is the init's pid in the host's pid namespace.
+	Pid   int
+	cmd   *exec.Cmd
+	done  chan struct{}
+	err   error
+	mntns int
+}
+
+// Swap makes the detached mount mountFD the sandbox's root. A locked thread
+// enters the sandbox's mount namespace, stacks the mount on the current
+// root, moves /proc and /dev into it, pivot_roots onto it and detaches the
+// old root. pivot_root re-points every task whose root or cwd is the old
+// root; others (cwd below /, open fds) keep reaching the old mount, which is
+// the caller's to handle. The caller keeps ownership of mountFD.
+func (in *Init) Swap(mountFD int) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends in the sandbox's namespace
+		errc <- swapLocked(in.mntns, mountFD)
+	}()
+	return <-errc
+}
+
+func swapLocked(mntns, mountFD int) error {
+	if err := unix.Unshare(unix.CLONE_FS); err != nil {
+		return fmt.Errorf("unsharing fs: %w", err)
+	}
+	if err := unix.Setns(mntns, unix.CLONE_NEWNS); err != nil {
+		return fmt.Errorf("entering sandbox mount namespace: %w", err)
+	}
+	if err := unix.MoveMount(mountFD, "", unix.AT_FDCWD, "/", unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attaching new root: %w", err)
+	}
+	if err := unix.Fchdir(mountFD); err != nil {
+		return fmt.Errorf("entering new root: %w", err)
+	}
+	for _, m := range []string{"proc", "dev"} {
+		if err := unix.MoveMount(unix.AT_FDCWD, "/"+m, unix.AT_FDCWD, m, 0); err != nil {
+			return fmt.Errorf("moving /%s: %w", m, err)
+		}
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("pivot_root: %w", err)
+	}
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("detaching old root: %w", err)
+	}
+	return nil
+}
+
+// Start clones the init into new user, mount, pid, ipc, uts and cgroup
+// namespaces (and the given net namespace) and waits for its hello.
+func (s *SpawnNS) Start(cfg Config) (*Init, error) {
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	// Non-blocking, so that the runtime poller serves it and Close
+	// interrupts a pending read.
+	if err := unix.SetNonblock(pair[0], true); err != nil {
+		unix.Close(pair[0])
+		unix.Close(pair[1])
+		return nil, err
+	}
+	ours := os.NewFile(uintptr(pair[0]), "init-control")
+	theirs := os.NewFile(uintptr(pair[1]), "init-control-child")
+	defer theirs.Close() // also closed below, once the child has it
+	// os/exec would open /dev/null for missing stdio inside the spawn
+	// namespace, which has none: give it the host's.
+	devnull, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		ours.Close()
+		return nil, err
+	}
+	defer devnull.Close()
+	var stderr io.Writer = devnull
+	if cfg.Stderr != nil {
+		stderr = cfg.Stderr
+	}
+
+	cmd := &exec.Cmd{
+		Path:       s.initPath,
+		Args:       []string{"dg-init"},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		ExtraFiles: []*os.File{theirs},
+		Stdin:      devnull,
+		Stdout:     devnull,
+		Stderr:     stderr,
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWIPC |
+				unix.CLONE_NEWUTS | unix.CLONE_NEWCGROUP,
+			UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: cfg.HostID, Size: IDRange}},
+			GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: cfg.HostID, Size: IDRange}},
+			GidMappingsEnableSetgroups: true,
+			// Become uid 0 of the new namespace before exec, or the init
+			// would run as an unmapped uid and exec would drop its caps.
+			Credential: &syscall.Credential{Uid: 0, Gid: 0},
+			// No Pdeathsig: it would fire when the spawning thread ends.
+			// The init exits by itself when its control socket closes.
+		},
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// Never unlocked: the thread's namespaces are changed for good.
+		errc <- s.startLocked(cmd, cfg.NetNS)
+	}()
+	if err := <-errc; err != nil {
+		ours.Close()
+		return nil, err
+	}
+	theirs.Close() // the init's end: only the child may hold it, so its exit is seen
+	in := &Init{Pid: cmd.Process.Pid, cmd: cmd, done: make(chan struct{}), mntns: -1}
+	go func() {
+		in.err = cmd.Wait()
+		close(in.done)
+	}()
+	conn, err := initproc.NewConn(ours)
+	if err != nil {
+		ours.Close()
+		_ = cmd.Process.Kill()
+		<-in.done
+		return nil, fmt.Errorf("starting init: %w", err)
+	}
+	in.Conn = conn
+	in.mntns, err = unix.Open(fmt.Sprintf("/proc/%d/ns/mnt", in.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		_ = in.Stop()
+		return nil, fmt.Errorf("opening init's mount namespace: %w", err)
+	}
+	return in, nil
+}
+
+func (s *SpawnNS) startLocked(cmd *exec.Cmd, netns int) error {
+	if err := unix.Unshare(unix.CLONE_FS); err != nil {
+		return fmt.Errorf("unsharing fs: %w", err)
+	}
+	if err := unix.Setns(s.fd, unix.CLONE_NEWNS); err != nil {
+		return fmt.Errorf("entering spawn namespace: %w", err)
+	}
+	if netns >= 0 {
+		if err := unix.Setns(netns, unix.CLONE_NEWNET); err != nil {
+			return fmt.Errorf("entering net namespace: %w", err)
+		}
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("starting init: %w", err)
+	}
+	return nil
+}
+
+// UserNS opens the init's user namespace (for idmapped mounts).
+func (in *Init) UserNS() (int, error) {
+	return unix.Open(fmt.Sprintf("/proc/%d/ns/user", in.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+}
+
+// Done is closed when the init process has exited.
+func (in *Init) Done() <-chan struct{} { return in.done }
+
+// Stop ends the init (and so every process of the sandbox) and waits for it.
+// Stop is idempotent.
+func (in *Init) Stop() error {
+	_ = in.Conn.Close()
+	if in.mntns >= 0 {
+		unix.Close(in.mntns)
+		in.mntns = -1
+	}
+	select {
+	case <-in.done:
+	default:
+		_ = in.cmd.Process.Kill()
+		<-in.done
+	}
+	var ee *exec.ExitError
+	if in.err != nil && !errors.As(in.err, &ee) {
+		return in.err
+	}
+	return nil
+}

@@ -1,0 +1,134 @@
+package launch_test
+
+import (
+	"bytes"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/initproc"
+	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/overlay"
+)
+
+func initBinary(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates namespaces and mounts (CI runs as root)")
+	}
+	p := os.Getenv("DELTAGYM_INIT")
+	if p == "" {
+		out, err := exec.Command("go", "env", "GOMOD").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		root := filepath.Dir(strings.TrimSpace(string(out)))
+		if out, err := exec.Command("make", "-C", root, "init").CombinedOutput(); err != nil {
+			t.Fatalf("building init: %v\n%s", err, out)
+		}
+		p = filepath.Join(root, "bin", "dg-init")
+	}
+	return p
+}
+
+func busybox(t *testing.T) string {
+	dir := t.TempDir()
+	for _, d := range []string{"bin", "proc", "dev", "tmp", "etc"} {
+		os.MkdirAll(filepath.Join(dir, d), 0o755)
+	}
+	os.Chmod(filepath.Join(dir, "tmp"), 0o1777)
+	bb, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		t.Skip("needs /bin/busybox (busybox-static): ", err)
+	}
+	os.WriteFile(filepath.Join(dir, "bin", "busybox"), bb, 0o755)
+	for _, a := range []string{"sh", "id", "ls", "cat", "echo", "grep", "mount", "stat"} {
+		os.Symlink("busybox", filepath.Join(dir, "bin", a))
+	}
+	return dir
+}
+
+func TestStartSwapSpawn(t *testing.T) {
+	bin := initBinary(t)
+	ns, err := launch.NewSpawnNS(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	netfd, err := launch.NewNetNS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(netfd)
+	in, err := ns.Start(launch.Config{HostID: 1 << 20, NetNS: netfd, Stderr: os.Stderr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Stop()
+	pid, err := in.Conn.Ping()
+	if err != nil || pid != 1 {
+		t.Fatalf("ping: pid %d err %v", pid, err)
+	}
+	userns, err := in.UserNS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(userns)
+
+	lower := busybox(t)
+	upperBase := t.TempDir()
+	if err := unix.Mount("tmpfs", upperBase, "tmpfs", 0, "size=16m"); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Unmount(upperBase, unix.MNT_DETACH)
+	os.Mkdir(filepath.Join(upperBase, "fs"), 0o755)
+	os.Mkdir(filepath.Join(upperBase, "work"), 0o755)
+	lfd, err := overlay.IDMapped(lower, userns, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(lfd)
+	ufd, err := overlay.IDMapped(upperBase, userns, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(ufd)
+	mfd, err := overlay.Mount(overlay.Spec{Lowers: []int{lfd}, UpperFD: ufd, UpperDir: "fs", WorkDir: "work", MounterID: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := in.Swap(mfd); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(mfd)
+
+	r, w, _ := os.Pipe()
+	devnull, _ := os.Open(os.DevNull)
+	p, err := in.Conn.Spawn(initproc.SpawnRequest{
+		Argv:   []string{"/bin/sh", "-c", "id; ls -ln /bin/busybox; echo hi > /tmp/x; ls -ln /tmp/x; grep Cap /proc/self/status; grep NoNewPrivs /proc/self/status; grep Seccomp: /proc/self/status; cat /proc/1/cmdline"},
+		Env:    []string{"PATH=/bin"},
+		Cwd:    "/",
+		Stdin:  devnull,
+		Stdout: w,
+		Stderr: w,
+	})
+	w.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	io.Copy(&out, r)
+	ev := <-in.Conn.Wait(p)
+	t.Logf("exit %v\n%s", ev.Status.ExitStatus(), out.String())
+	st, err := os.Stat(filepath.Join(upperBase, "fs", "tmp", "x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("upper file owner: %d", st.Sys().(*syscall.Stat_t).Uid)
+}

@@ -1,0 +1,172 @@
+// Package overlay builds the root filesystem of a sandbox as a detached
+// overlayfs mount (fsopen/fsconfig/fsmount), ready to be handed to the
+// sandbox's init, which makes it the root with one pivot_root.
+//
+// Layers are seen through idmapped mounts: a layer stores image-relative
+// ownership (uid 0 is the image's root), and an idmapped clone of it made for
+// a sandbox's user namespace shows those files as owned by the sandbox's
+// shifted uids. The writable upper is idmapped the same way, so that what a
+// sandbox writes is stored image-relative too, and a sealed upper can become
+// a lower of any sandbox, whatever its uid range.
+package overlay
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrTooDeep is returned for a stack deeper than the kernel accepts.
+var ErrTooDeep = errors.New("layer stack exceeds the kernel's 500 lowers")
+
+// MaxLowers is the kernel's limit on overlay lower layers (OVL_MAX_STACK).
+const MaxLowers = 500
+
+// IDMapped returns a detached, read-only or writable clone of the directory
+// dir, idmapped through the user namespace usernsFD. The caller owns the fd.
+func IDMapped(dir string, usernsFD int, readOnly bool) (int, error) {
+	fd, err := unix.OpenTree(unix.AT_FDCWD, dir, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("cloning %s: %w", dir, err)
+	}
+	attr := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_IDMAP, Userns_fd: uint64(usernsFD)}
+	if readOnly {
+		attr.Attr_set |= unix.MOUNT_ATTR_RDONLY
+	}
+	attr.Attr_set |= unix.MOUNT_ATTR_NODEV
+	if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, attr); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("idmapping %s: %w", dir, err)
+	}
+	return fd, nil
+}
+
+// Spec describes one overlay mount. Lowers are fds of directories (usually
+// idmapped clones), top first. UpperDir and WorkDir are paths, relative to
+// the fd UpperFD when it is set (an idmapped clone of the upper's parent).
+//
+// MounterID is the host uid and gid the overlay is created with. overlayfs
+// does all its work in the upper (work dir, copy-up, whiteouts) with the
+// credentials of its mounter; through an idmapped upper only uids of the
+// sandbox's range can be written, so the mount is made with the range's
+// root as fsuid and fsgid, keeping every capability.
+type Spec struct {
+	Lowers    []int
+	UpperFD   int
+	UpperDir  string
+	WorkDir   string
+	MounterID int
+}
+
+// Mount creates the overlay as a detached mount and returns its fd.
+func Mount(s Spec) (int, error) {
+	if s.MounterID == 0 {
+		return mount(s)
+	}
+	type result struct {
+		fd  int
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		fd, err := mountAs(s)
+		if err == nil {
+			// Back to fsuid 0: the kernel restores the file
+			// capabilities, and the thread can be reused.
+			unix.Setfsuid(0)
+			unix.Setfsgid(0)
+			if raiseCaps() == nil {
+				runtime.UnlockOSThread()
+			}
+		}
+		ch <- result{fd, err}
+	}()
+	r := <-ch
+	return r.fd, r.err
+}
+
+func mountAs(s Spec) (int, error) {
+	if err := unix.Setfsgid(s.MounterID); err != nil {
+		return -1, fmt.Errorf("setfsgid: %w", err)
+	}
+	if err := unix.Setfsuid(s.MounterID); err != nil {
+		return -1, fmt.Errorf("setfsuid: %w", err)
+	}
+	// Changing fsuid away from 0 clears the file capabilities from the
+	// effective set; raise them again from the permitted set.
+	if err := raiseCaps(); err != nil {
+		return -1, err
+	}
+	return mount(s)
+}
+
+func raiseCaps() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capget: %w", err)
+	}
+	data[0].Effective = data[0].Permitted
+	data[1].Effective = data[1].Permitted
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	return nil
+}
+
+func mount(s Spec) (int, error) {
+	if len(s.Lowers) > MaxLowers {
+		return -1, ErrTooDeep
+	}
+	if len(s.Lowers) == 0 {
+		return -1, errors.New("overlay needs at least one lower layer")
+	}
+	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("opening overlay context: %w", err)
+	}
+	defer unix.Close(fsfd)
+	set := func(k, v string) error {
+		if err := unix.FsconfigSetString(fsfd, k, v); err != nil {
+			return fmt.Errorf("overlay option %s=%s: %w", k, v, err)
+		}
+		return nil
+	}
+	for _, l := range s.Lowers {
+		if err := set("lowerdir+", "/proc/self/fd/"+strconv.Itoa(l)); err != nil {
+			return -1, err
+		}
+	}
+	if s.UpperDir != "" {
+		up, work := s.UpperDir, s.WorkDir
+		if s.UpperFD > 0 {
+			base := "/proc/self/fd/" + strconv.Itoa(s.UpperFD) + "/"
+			up, work = base+up, base+work
+		}
+		if err := set("upperdir", up); err != nil {
+			return -1, err
+		}
+		if err := set("workdir", work); err != nil {
+			return -1, err
+		}
+	}
+	// No index, no metacopy, no xino: layers must be self-contained
+	// directories that can be stacked under any other upper later.
+	for _, kv := range [][2]string{{"index", "off"}, {"metacopy", "off"}, {"xino", "off"}, {"redirect_dir", "off"}} {
+		if err := set(kv[0], kv[1]); err != nil {
+			return -1, err
+		}
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return -1, fmt.Errorf("creating overlay: %w", err)
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("mounting overlay: %w", err)
+	}
+	return mfd, nil
+}
