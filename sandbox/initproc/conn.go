@@ -67,6 +67,7 @@ type Conn struct {
 type pendingCall struct {
 	ch    chan reply
 	spawn bool
+	exit  chan ExitEvent // for a spawn: where its pid's exit goes
 }
 
 type reply struct {
@@ -126,7 +127,7 @@ func (c *Conn) readLoop() {
 			pc, ok := c.pending[id]
 			delete(c.pending, id)
 			if ok && pc.spawn && b > 0 {
-				c.waiters[int(b)] = make(chan ExitEvent, 1)
+				c.waiters[int(b)] = pc.exit
 			}
 			c.mu.Unlock()
 			if ok {
@@ -176,10 +177,10 @@ func (c *Conn) Close() error {
 }
 
 func (c *Conn) call(typ uint32, payload []byte, files []int) (reply, error) {
-	return c.callSpawn(typ, payload, files, false)
+	return c.callSpawn(typ, payload, files, nil)
 }
 
-func (c *Conn) callSpawn(typ uint32, payload []byte, files []int, spawn bool) (reply, error) {
+func (c *Conn) callSpawn(typ uint32, payload []byte, files []int, exit chan ExitEvent) (reply, error) {
 	ch := make(chan reply, 1)
 	c.wmu.Lock()
 	c.mu.Lock()
@@ -190,7 +191,7 @@ func (c *Conn) callSpawn(typ uint32, payload []byte, files []int, spawn bool) (r
 	}
 	id := c.nextID
 	c.nextID++
-	c.pending[id] = pendingCall{ch: ch, spawn: spawn}
+	c.pending[id] = pendingCall{ch: ch, spawn: exit != nil, exit: exit}
 	c.mu.Unlock()
 	msg := make([]byte, hdrLen+len(payload))
 	binary.NativeEndian.PutUint32(msg[0:], typ)
@@ -268,12 +269,17 @@ type SpawnRequest struct {
 // ErrSpawn wraps the errno with which a command could not be started.
 var ErrSpawn = errors.New("starting command")
 
-// Spawn starts a command and returns its pid inside the sandbox. Its exit
-// is collected with Wait(pid), which must be called (or Forget) for every
-// pid that Spawn returns.
-func (c *Conn) Spawn(req SpawnRequest) (int, error) {
+// Spawn starts a command and returns its pid inside the sandbox and a
+// channel that receives its exit (closed without a value if the init goes
+// away first). Call Forget for a pid whose exit no one will read.
+func (c *Conn) Spawn(req SpawnRequest) (int, <-chan ExitEvent, error) {
+	pid, exit, err := c.spawn(req)
+	return pid, exit, err
+}
+
+func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
 	if len(req.Argv) == 0 {
-		return 0, fmt.Errorf("%w: empty argv", ErrSpawn)
+		return 0, nil, fmt.Errorf("%w: empty argv", ErrSpawn)
 	}
 	var b bytes.Buffer
 	var h [16]byte
@@ -285,7 +291,7 @@ func (c *Conn) Spawn(req SpawnRequest) (int, error) {
 	for _, s := range [][]string{{req.Cwd}, req.Argv, {""}, req.Env, {""}} {
 		for _, x := range s {
 			if bytes.IndexByte([]byte(x), 0) >= 0 {
-				return 0, fmt.Errorf("%w: NUL byte in an argument or variable", ErrSpawn)
+				return 0, nil, fmt.Errorf("%w: NUL byte in an argument or variable", ErrSpawn)
 			}
 			b.WriteString(x)
 			b.WriteByte(0)
@@ -294,41 +300,28 @@ func (c *Conn) Spawn(req SpawnRequest) (int, error) {
 	for _, a := range req.Argv {
 		if a == "" {
 			// An empty argument would end argv early in the wire format.
-			return 0, fmt.Errorf("%w: empty argument in argv", ErrSpawn)
+			return 0, nil, fmt.Errorf("%w: empty argument in argv", ErrSpawn)
 		}
 	}
 	if b.Len() > 200*1024 {
-		return 0, fmt.Errorf("%w: argv and env exceed 200 KiB", ErrSpawn)
+		return 0, nil, fmt.Errorf("%w: argv and env exceed 200 KiB", ErrSpawn)
 	}
 	fds := []int{int(req.Stdin.Fd()), int(req.Stdout.Fd()), int(req.Stderr.Fd())}
 	for _, f := range req.CgroupProcs {
 		fds = append(fds, int(f.Fd()))
 	}
-	r, err := c.callSpawn(msgSpawn, b.Bytes(), fds, true)
+	exit := make(chan ExitEvent, 1)
+	r, err := c.callSpawn(msgSpawn, b.Bytes(), fds, exit)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	if r.err != 0 {
 		if r.val > 0 {
 			c.Forget(int(r.val))
 		}
-		return 0, fmt.Errorf("%w %q: %w", ErrSpawn, req.Argv[0], syscall.Errno(r.err))
+		return 0, nil, fmt.Errorf("%w %q: %w", ErrSpawn, req.Argv[0], syscall.Errno(r.err))
 	}
-	return int(r.val), nil
-}
-
-// Wait returns a channel that receives the exit of pid, a pid that Spawn
-// returned. The channel is closed without a value if the init goes away
-// first, or if pid is unknown.
-func (c *Conn) Wait(pid int) <-chan ExitEvent {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if ch, ok := c.waiters[pid]; ok {
-		return ch
-	}
-	ch := make(chan ExitEvent)
-	close(ch)
-	return ch
+	return int(r.val), exit, nil
 }
 
 // Forget drops interest in pid's exit (a background command).

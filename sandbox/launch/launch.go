@@ -295,6 +295,16 @@ func (in *Init) UserNS() (int, error) {
 	return unix.Open(fmt.Sprintf("/proc/%d/ns/user", in.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 }
 
+// ExitErr returns how the init exited, once Done is closed.
+func (in *Init) ExitErr() error {
+	select {
+	case <-in.done:
+		return in.err
+	default:
+		return nil
+	}
+}
+
 // Done is closed when the init process has exited.
 func (in *Init) Done() <-chan struct{} { return in.done }
 

@@ -110,7 +110,7 @@ func TestStartSwapSpawn(t *testing.T) {
 
 	r, w, _ := os.Pipe()
 	devnull, _ := os.Open(os.DevNull)
-	p, err := in.Conn.Spawn(initproc.SpawnRequest{
+	_, exitc, err := in.Conn.Spawn(initproc.SpawnRequest{
 		Argv:   []string{"/bin/sh", "-c", "id; ls -ln /bin/busybox; echo hi > /tmp/x; ls -ln /tmp/x; grep Cap /proc/self/status; grep NoNewPrivs /proc/self/status; grep Seccomp: /proc/self/status; cat /proc/1/cmdline"},
 		Env:    []string{"PATH=/bin"},
 		Cwd:    "/",
@@ -124,7 +124,7 @@ func TestStartSwapSpawn(t *testing.T) {
 	}
 	var out bytes.Buffer
 	io.Copy(&out, r)
-	ev := <-in.Conn.Wait(p)
+	ev := <-exitc
 	t.Logf("exit %v\n%s", ev.Status.ExitStatus(), out.String())
 	st, err := os.Stat(filepath.Join(upperBase, "fs", "tmp", "x"))
 	if err != nil {

@@ -1,0 +1,152 @@
+package cgroup
+
+import (
+	"fmt"
+	"os/exec"
+	"sort"
+	"testing"
+	"time"
+)
+
+// latencies records per-operation times and reports their p50 and p99.
+type latencies []time.Duration
+
+func (l latencies) report(b *testing.B) {
+	if len(l) == 0 {
+		return
+	}
+	sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
+	ms := func(q float64) float64 {
+		return float64(l[int(q*float64(len(l)-1))]) / float64(time.Millisecond)
+	}
+	b.ReportMetric(ms(0.50), "p50-ms")
+	b.ReportMetric(ms(0.99), "p99-ms")
+}
+
+func benchLimits(m *Manager) Limits {
+	if !m.hasLimits() {
+		return Limits{}
+	}
+	return Limits{MemoryBytes: 256 << 20, Pids: 100, CPUQuota: 1}
+}
+
+// BenchmarkCreateDelete measures a sandbox group's life with limits set.
+func BenchmarkCreateDelete(b *testing.B) {
+	for _, mode := range layouts(b) {
+		b.Run(mode.String(), func(b *testing.B) {
+			m := newManager(b, mode)
+			lim := benchLimits(m)
+			lat := make(latencies, 0, b.N)
+			for i := 0; b.Loop(); i++ {
+				t0 := time.Now()
+				c, err := m.Create(fmt.Sprintf("b%d", i), lim)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := c.Delete(); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(t0))
+			}
+			lat.report(b)
+		})
+	}
+}
+
+// BenchmarkSubCreateDelete measures the per-exec sub-group's life.
+func BenchmarkSubCreateDelete(b *testing.B) {
+	for _, mode := range layouts(b) {
+		b.Run(mode.String(), func(b *testing.B) {
+			m := newManager(b, mode)
+			c := create(b, m, "top", benchLimits(m))
+			lat := make(latencies, 0, b.N)
+			for i := 0; b.Loop(); i++ {
+				t0 := time.Now()
+				s, err := c.Sub(fmt.Sprintf("e%d", i))
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := s.Delete(); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(t0))
+			}
+			lat.report(b)
+		})
+	}
+}
+
+// startSleepers starts n sleeping processes in c and returns them.
+func startSleepers(b *testing.B, c *Cgroup, n int) []*exec.Cmd {
+	var out []*exec.Cmd
+	for range n {
+		cmd := exec.Command("sleep", "1000")
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		out = append(out, cmd)
+		if err := c.Add(cmd.Process.Pid); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			b.Fatal(err)
+		}
+	}
+	return out
+}
+
+// BenchmarkFreezeThaw measures Freeze then Thaw of a group of 2 processes.
+func BenchmarkFreezeThaw(b *testing.B) {
+	for _, mode := range layouts(b) {
+		b.Run(mode.String(), func(b *testing.B) {
+			m := newManager(b, mode)
+			c := create(b, m, "ft", Limits{})
+			cmds := startSleepers(b, c, 2)
+			b.Cleanup(func() {
+				_ = c.Kill()
+				for _, cmd := range cmds {
+					_ = cmd.Wait()
+				}
+			})
+			lat := make(latencies, 0, b.N)
+			for b.Loop() {
+				t0 := time.Now()
+				if err := c.Freeze(); err != nil {
+					b.Fatal(err)
+				}
+				if err := c.Thaw(); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(t0))
+			}
+			lat.report(b)
+		})
+	}
+}
+
+// BenchmarkKill2 measures Kill of a group of 2 processes, until the group
+// is empty (the processes are reaped outside the timing).
+func BenchmarkKill2(b *testing.B) {
+	for _, mode := range layouts(b) {
+		b.Run(mode.String(), func(b *testing.B) {
+			m := newManager(b, mode)
+			c := create(b, m, "kill", Limits{})
+			lat := make(latencies, 0, b.N)
+			for b.Loop() {
+				b.StopTimer()
+				cmds := startSleepers(b, c, 2)
+				b.StartTimer()
+				t0 := time.Now()
+				if err := c.Kill(); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(t0))
+				b.StopTimer()
+				for _, cmd := range cmds {
+					_ = cmd.Wait()
+				}
+				b.StartTimer()
+			}
+			lat.report(b)
+		})
+	}
+}

@@ -1,0 +1,776 @@
+package cgroup
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// DefaultRoot is the path segment under which a Manager keeps its groups.
+const DefaultRoot = "deltagym"
+
+// DefaultWaitTimeout bounds how long Freeze, Thaw and Kill wait for the
+// kernel to finish.
+const DefaultWaitTimeout = 10 * time.Second
+
+// cpuPeriod is the CFS period used for CPU quotas, in microseconds.
+const cpuPeriod = 100000
+
+// Config configures a Manager.
+type Config struct {
+	// Root is the path segment, directly below each hierarchy's root, that
+	// holds the manager's groups. Default DefaultRoot.
+	Root string
+	// WaitTimeout bounds Freeze, Thaw, Kill and Delete. Default
+	// DefaultWaitTimeout.
+	WaitTimeout time.Duration
+
+	// force restricts the detected layout (tests only).
+	force Mode
+}
+
+// Validate reports whether the configuration is usable.
+func (c Config) Validate() error {
+	if c.Root != "" {
+		if err := validName(c.Root); err != nil {
+			return fmt.Errorf("root %q: %w: %w", c.Root, ErrInvalidConfig, err)
+		}
+	}
+	if c.WaitTimeout < 0 {
+		return fmt.Errorf("wait timeout %v is negative: %w", c.WaitTimeout, ErrInvalidConfig)
+	}
+	return nil
+}
+
+func (c Config) withDefaults() Config {
+	if c.Root == "" {
+		c.Root = DefaultRoot
+	}
+	if c.WaitTimeout == 0 {
+		c.WaitTimeout = DefaultWaitTimeout
+	}
+	return c
+}
+
+// reserved are names that v1 groups already use for control files.
+var reserved = map[string]bool{"tasks": true, "notify_on_release": true, "release_agent": true}
+
+// validName accepts a single path segment of letters, digits, '-' and '_'
+// (no '.', so that no name can collide with a controller's file).
+func validName(name string) error {
+	if name == "" || len(name) > 128 || reserved[name] {
+		return fmt.Errorf("%q: %w", name, ErrInvalidName)
+	}
+	for _, r := range name {
+		ok := r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_'
+		if !ok {
+			return fmt.Errorf("%q: %w", name, ErrInvalidName)
+		}
+	}
+	return nil
+}
+
+// Limits are the resource limits of a sandbox's group. Zero means unlimited.
+type Limits struct {
+	// MemoryBytes caps memory use (and forbids swap when set).
+	MemoryBytes int64
+	// Pids caps the number of tasks (processes and threads).
+	Pids int64
+	// CPUQuota caps CPU time, in cores (0.5 is half of one core).
+	CPUQuota float64
+}
+
+// Validate reports whether the limits are usable.
+func (l Limits) Validate() error {
+	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUQuota < 0 || math.IsNaN(l.CPUQuota) || math.IsInf(l.CPUQuota, 0) {
+		return fmt.Errorf("%+v: %w", l, ErrInvalidLimits)
+	}
+	return nil
+}
+
+// Stats are a group's counters.
+type Stats struct {
+	// MemoryBytes is the current memory use.
+	MemoryBytes int64
+	// MemoryPeakBytes is the highest memory use seen (0 where the kernel
+	// does not track it).
+	MemoryPeakBytes int64
+	// OOMKills counts processes killed by the OOM killer for this group.
+	OOMKills int64
+	// Pids is the current number of tasks.
+	Pids int64
+	// PidsLimitHits counts forks refused because of the pids limit.
+	PidsLimitHits int64
+	// CPUUsec is the CPU time used, in microseconds (0 where unavailable).
+	CPUUsec int64
+}
+
+// Manager creates, lists and removes the groups of one Root.
+type Manager struct {
+	cfg Config
+	l   *layout
+}
+
+// New detects the host's cgroup layout and makes sure /<Root> exists in every
+// hierarchy it uses.
+func New(cfg Config) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.withDefaults()
+	l, err := detect(cfg.Root, cfg.force)
+	if err != nil {
+		return nil, err
+	}
+	m := &Manager{cfg: cfg, l: l}
+	if err := m.ensureBase(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// Mode returns the layout the manager works with.
+func (m *Manager) Mode() Mode { return m.l.mode }
+
+// CloneIntoComplete reports whether a process started with clone3
+// CLONE_INTO_CGROUP into [Cgroup.Dir] is thereby in every hierarchy of the
+// group (pure cgroup v2). Elsewhere the v1 groups still need Add.
+func (m *Manager) CloneIntoComplete() bool {
+	return m.l.mode == ModeUnified
+}
+
+// ensureBase creates /<Root> in each hierarchy and, for controllers used in
+// cgroup v2, enables them in the hierarchy root and in /<Root>, so that the
+// sandbox groups below get the controllers' files.
+func (m *Manager) ensureBase() error {
+	var v2ctrls string
+	for _, c := range limitControllers {
+		if m.l.ctrlV2[c] {
+			v2ctrls += " +" + c
+		}
+	}
+	for _, r := range m.l.roots() {
+		base := filepath.Join(r, m.cfg.Root)
+		if r == m.l.v2 && v2ctrls != "" {
+			if err := writeFile(filepath.Join(r, "cgroup.subtree_control"), v2ctrls[1:]); err != nil {
+				return fmt.Errorf("enabling controllers%s in %s: %w", v2ctrls, r, err)
+			}
+		}
+		if err := os.Mkdir(base, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("creating cgroup base %s: %w", base, err)
+		}
+		if r == m.l.v2 && v2ctrls != "" {
+			if err := writeFile(filepath.Join(base, "cgroup.subtree_control"), v2ctrls[1:]); err != nil {
+				return fmt.Errorf("enabling controllers%s in %s: %w", v2ctrls, base, err)
+			}
+		}
+	}
+	return nil
+}
+
+// group builds the handle of top-level group name without touching the
+// file system.
+func (m *Manager) group(name string) *Cgroup {
+	c := &Cgroup{
+		m:       m,
+		name:    name,
+		path:    "/" + m.cfg.Root + "/" + name,
+		trackV2: m.l.v2 != "",
+		limit:   map[string]string{},
+	}
+	for _, r := range m.l.roots() {
+		c.dirs = append(c.dirs, filepath.Join(r, m.cfg.Root, name))
+	}
+	c.track = c.dirs[0]
+	c.own = c.dirs
+	for _, ctrl := range limitControllers {
+		if r, ok := m.l.ctrl[ctrl]; ok {
+			c.limit[ctrl] = filepath.Join(r, m.cfg.Root, name)
+		}
+	}
+	c.top = c
+	return c
+}
+
+// Create makes the group name with the given limits in every hierarchy. A
+// name still in use gives ErrExist: reconcile with List and Remove first.
+func (m *Manager) Create(name string, lim Limits) (*Cgroup, error) {
+	if err := validName(name); err != nil {
+		return nil, fmt.Errorf("creating cgroup: %w", err)
+	}
+	if err := lim.Validate(); err != nil {
+		return nil, fmt.Errorf("creating cgroup %s: %w", name, err)
+	}
+	c := m.group(name)
+	if err := c.checkControllers(lim); err != nil {
+		return nil, fmt.Errorf("creating cgroup %s: %w", name, err)
+	}
+	var made []string
+	undo := func(err error) error {
+		errs := []error{err}
+		for i := len(made) - 1; i >= 0; i-- {
+			if e := unix.Rmdir(made[i]); e != nil && e != unix.ENOENT {
+				errs = append(errs, &os.PathError{Op: "rmdir", Path: made[i], Err: e})
+			}
+		}
+		return errors.Join(errs...)
+	}
+	for _, d := range c.own {
+		err := unix.Mkdir(d, 0o755)
+		if err == unix.ENOENT {
+			// The base was removed behind our back: make it again.
+			if err = m.ensureBase(); err == nil {
+				err = unix.Mkdir(d, 0o755)
+			}
+		}
+		if err == unix.EEXIST {
+			return nil, undo(fmt.Errorf("creating cgroup %s: %w", c.path, ErrExist))
+		}
+		if err != nil {
+			return nil, undo(fmt.Errorf("creating cgroup %s: %w", c.path, &os.PathError{Op: "mkdir", Path: d, Err: err}))
+		}
+		made = append(made, d)
+	}
+	if err := c.setLimits(lim, false); err != nil {
+		return nil, undo(fmt.Errorf("creating cgroup %s: %w", c.path, err))
+	}
+	return c, nil
+}
+
+// List returns the names of the groups below /<Root> in any hierarchy, such
+// as those a crashed server left behind.
+func (m *Manager) List() ([]string, error) {
+	seen := map[string]bool{}
+	for _, r := range m.l.roots() {
+		kids, err := childDirs(filepath.Join(r, m.cfg.Root))
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("listing cgroups: %w", err)
+		}
+		for _, k := range kids {
+			seen[k] = true
+		}
+	}
+	out := make([]string, 0, len(seen))
+	for k := range seen {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// Remove kills every process of group name and removes it, with its
+// sub-groups, from every hierarchy. Removing a group that does not exist is
+// not an error.
+func (m *Manager) Remove(name string) error {
+	if err := validName(name); err != nil {
+		return fmt.Errorf("removing cgroup: %w", err)
+	}
+	return m.group(name).Delete()
+}
+
+// Cgroup is one group: a sandbox's (from Manager.Create) or a sub-group of it
+// (from Sub). Its methods are safe for concurrent use.
+type Cgroup struct {
+	m    *Manager
+	top  *Cgroup // the top-level group whose limits apply; itself if top-level
+	name string
+	path string // relative to each hierarchy's root
+	// track is the directory in the hierarchy that tracks membership,
+	// freezes and kills.
+	track   string
+	trackV2 bool
+	// dirs are the directories whose cgroup.procs a member is written to,
+	// track first.
+	dirs []string
+	// own are the directories Delete removes.
+	own []string
+	// limit maps each available limit controller to the directory of its
+	// files (the top-level group's).
+	limit map[string]string
+
+	mu sync.Mutex
+}
+
+// Name returns the name the group was created with (its last path segment).
+func (c *Cgroup) Name() string { return c.name }
+
+// Path returns the group's path relative to a hierarchy's root, as shown in
+// /proc/<pid>/cgroup, e.g. "/deltagym/sb-1" or "/deltagym/sb-1/exec-3".
+func (c *Cgroup) Path() string { return c.path }
+
+// Dirs returns the group's directories, the tracking hierarchy's first.
+func (c *Cgroup) Dirs() []string { return append([]string(nil), c.dirs...) }
+
+func (c *Cgroup) deadline() time.Time { return time.Now().Add(c.m.cfg.WaitTimeout) }
+
+// wrap adds what was being done and ErrNotExist for a vanished group.
+func (c *Cgroup) wrap(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, os.ErrNotExist) && !errors.Is(err, ErrNotExist) {
+		return fmt.Errorf("%s cgroup %s: %w: %w", op, c.path, ErrNotExist, err)
+	}
+	return fmt.Errorf("%s cgroup %s: %w", op, c.path, err)
+}
+
+// Sub creates a child group. It exists only in the tracking hierarchy: its
+// processes stay in this group's limit groups, so they share its limits, and
+// Kill of the child kills them without touching this group's other
+// processes (even those that called setsid).
+func (c *Cgroup) Sub(name string) (*Cgroup, error) {
+	if err := validName(name); err != nil {
+		return nil, fmt.Errorf("creating sub-group of %s: %w", c.path, err)
+	}
+	child := &Cgroup{
+		m:       c.m,
+		top:     c.top,
+		name:    name,
+		path:    c.path + "/" + name,
+		track:   filepath.Join(c.track, name),
+		trackV2: c.trackV2,
+		limit:   c.limit,
+	}
+	child.dirs = append([]string{child.track}, c.dirs[1:]...)
+	child.own = []string{child.track}
+	if err := unix.Mkdir(child.track, 0o755); err != nil {
+		if err == unix.EEXIST {
+			return nil, fmt.Errorf("creating cgroup %s: %w", child.path, ErrExist)
+		}
+		return nil, child.wrap("creating", &os.PathError{Op: "mkdir", Path: child.track, Err: err})
+	}
+	return child, nil
+}
+
+// Add moves process pid (its whole thread group) into the group in every
+// hierarchy, the tracking one first.
+func (c *Cgroup) Add(pid int) error {
+	s := strconv.Itoa(pid)
+	for _, d := range c.dirs {
+		if err := writeFile(filepath.Join(d, "cgroup.procs"), s); err != nil {
+			return c.wrap("adding pid "+s+" to", err)
+		}
+	}
+	return nil
+}
+
+// OpenProcs opens cgroup.procs of every hierarchy of the group for writing,
+// the tracking hierarchy first. A process that inherits these files can move
+// itself into the group by writing "0" to each, even from inside a user and
+// cgroup namespace: the kernel checks the credentials and cgroup namespace
+// of the opener. The caller closes the files.
+func (c *Cgroup) OpenProcs() ([]*os.File, error) {
+	var out []*os.File
+	for _, d := range c.dirs {
+		f, err := os.OpenFile(filepath.Join(d, "cgroup.procs"), os.O_WRONLY, 0)
+		if err != nil {
+			for _, o := range out {
+				o.Close()
+			}
+			return nil, c.wrap("opening cgroup.procs of", err)
+		}
+		out = append(out, f)
+	}
+	return out, nil
+}
+
+// Dir opens the group's cgroup v2 directory, for clone3 CLONE_INTO_CGROUP
+// (os/exec: SysProcAttr.UseCgroupFD and CgroupFD). It returns ErrNoV2 on a
+// legacy host. See Manager.CloneIntoComplete. The caller closes the file.
+func (c *Cgroup) Dir() (*os.File, error) {
+	if !c.trackV2 {
+		return nil, c.wrap("opening directory of", ErrNoV2)
+	}
+	f, err := os.OpenFile(c.track, os.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return nil, c.wrap("opening directory of", err)
+	}
+	return f, nil
+}
+
+// Pids lists the processes of the group and of its sub-groups.
+func (c *Cgroup) Pids() ([]int, error) {
+	p, err := walkPids(c.track, nil)
+	return p, c.wrap("listing processes of", err)
+}
+
+// Freeze stops every process of the group (and its sub-groups) and returns
+// once the kernel reports the group frozen.
+func (c *Cgroup) Freeze() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.wrap("freezing", c.freeze(true, c.deadline()))
+}
+
+// Thaw resumes the group's processes and returns once the kernel reports the
+// group thawed.
+func (c *Cgroup) Thaw() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.wrap("thawing", c.freeze(false, c.deadline()))
+}
+
+func (c *Cgroup) freeze(on bool, deadline time.Time) error {
+	if c.trackV2 {
+		v, want := "0", int64(0)
+		if on {
+			v, want = "1", 1
+		}
+		if err := writeFile(filepath.Join(c.track, "cgroup.freeze"), v); err != nil {
+			return err
+		}
+		return waitEvent(c.track, "frozen", want, deadline)
+	}
+	state := "THAWED"
+	if on {
+		state = "FROZEN"
+	}
+	path := filepath.Join(c.track, "freezer.state")
+	if err := writeFile(path, state); err != nil {
+		return err
+	}
+	b := backoff{deadline: deadline}
+	for {
+		// Reading freezer.state is what advances FREEZING to FROZEN.
+		got, err := readFile(path)
+		if err != nil {
+			return err
+		}
+		if string(got) == state+"\n" {
+			return nil
+		}
+		if !b.wait() {
+			return fmt.Errorf("waiting for %s in %s: %w", state, path, ErrTimeout)
+		}
+	}
+}
+
+// Kill SIGKILLs every process of the group and its sub-groups and returns
+// once none is left (they may still be zombies for their parents to reap).
+// It does not change whether the group is frozen.
+func (c *Cgroup) Kill() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.wrap("killing", c.kill(c.deadline()))
+}
+
+func (c *Cgroup) kill(deadline time.Time) error {
+	if c.trackV2 {
+		if err := writeFile(filepath.Join(c.track, "cgroup.kill"), "1"); err != nil {
+			return err
+		}
+		return waitEvent(c.track, "populated", 0, deadline)
+	}
+	// v1: processes frozen by the v1 freezer do not act on SIGKILL, and
+	// unfrozen ones may fork while we signal: freeze, signal all, thaw,
+	// until none is left.
+	self, err := readInt(filepath.Join(c.track, "freezer.self_freezing"))
+	if err != nil {
+		return err
+	}
+	b := backoff{deadline: deadline}
+	signalled := map[int]bool{}
+	for {
+		pids, err := walkPids(c.track, nil)
+		if err != nil {
+			return err
+		}
+		if len(pids) == 0 {
+			break
+		}
+		fresh := false
+		for _, p := range pids {
+			fresh = fresh || !signalled[p]
+		}
+		// A process with SIGKILL pending cannot fork: once every
+		// listed process is signalled, only their exit is awaited.
+		if fresh {
+			if err := c.freeze(true, deadline); err != nil {
+				return err
+			}
+			if pids, err = walkPids(c.track, nil); err != nil {
+				return err
+			}
+			for _, p := range pids {
+				_ = unix.Kill(p, unix.SIGKILL) // ESRCH: already gone
+				signalled[p] = true
+			}
+			if err := c.freeze(false, deadline); err != nil {
+				return err
+			}
+		}
+		if !b.wait() {
+			return fmt.Errorf("waiting for %s to empty: %w", c.track, ErrTimeout)
+		}
+	}
+	if self == 1 {
+		return c.freeze(true, deadline)
+	}
+	return nil
+}
+
+// populated reports whether the group or a sub-group has a process. A
+// missing group is not populated.
+func (c *Cgroup) populated() (bool, error) {
+	if c.trackV2 {
+		v, err := readFile(filepath.Join(c.track, "cgroup.events"))
+		if errors.Is(err, os.ErrNotExist) {
+			return false, nil
+		}
+		if err != nil {
+			return false, err
+		}
+		n, _ := keyValue(v, "populated")
+		return n != 0, nil
+	}
+	p, err := walkPids(c.track, nil)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	return len(p) > 0, err
+}
+
+// Delete kills the group's processes, if any, and removes it and its
+// sub-groups. Deleting a deleted group is not an error.
+func (c *Cgroup) Delete() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	deadline := c.deadline()
+	pop, err := c.populated()
+	if err != nil {
+		return c.wrap("deleting", err)
+	}
+	if pop {
+		if err := c.kill(deadline); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return c.wrap("deleting", err)
+		}
+	}
+	var errs []error
+	for i, d := range c.own {
+		// The common case, a group without sub-groups or stray
+		// processes, is one rmdir.
+		err := unix.Rmdir(d)
+		if err == nil || err == unix.ENOENT {
+			continue
+		}
+		if err != unix.EBUSY && err != unix.EINTR {
+			errs = append(errs, &os.PathError{Op: "rmdir", Path: d, Err: err})
+			continue
+		}
+		if i > 0 {
+			// Processes only in a limit group (a server that crashed
+			// half-way through Add) escape the kill above.
+			if err := sweep(d, deadline); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+		}
+		if err := removeTree(d, deadline); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return c.wrap("deleting", errors.Join(errs...))
+}
+
+// sweep SIGKILLs the processes of dir and its descendants until none is left.
+func sweep(dir string, deadline time.Time) error {
+	b := backoff{deadline: deadline}
+	for {
+		pids, err := walkPids(dir, nil)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if len(pids) == 0 {
+			return nil
+		}
+		for _, p := range pids {
+			_ = unix.Kill(p, unix.SIGKILL)
+		}
+		if !b.wait() {
+			return fmt.Errorf("waiting for %s to empty: %w", dir, ErrTimeout)
+		}
+	}
+}
+
+// checkControllers fails with ErrControllerUnavailable when lim needs a
+// controller that no hierarchy offers.
+func (c *Cgroup) checkControllers(lim Limits) error {
+	need := map[string]bool{ctrlMemory: lim.MemoryBytes > 0, ctrlPids: lim.Pids > 0, ctrlCPU: lim.CPUQuota > 0}
+	for _, ctrl := range limitControllers {
+		if _, ok := c.limit[ctrl]; need[ctrl] && !ok {
+			return fmt.Errorf("%s: %w", ctrl, ErrControllerUnavailable)
+		}
+	}
+	return nil
+}
+
+// SetLimits changes the limits of a top-level group.
+func (c *Cgroup) SetLimits(lim Limits) error {
+	if c.top != c {
+		return c.wrap("setting limits of", ErrSubGroup)
+	}
+	if err := lim.Validate(); err != nil {
+		return c.wrap("setting limits of", err)
+	}
+	if err := c.checkControllers(lim); err != nil {
+		return c.wrap("setting limits of", err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.wrap("setting limits of", c.setLimits(lim, true))
+}
+
+// setLimits writes lim; with all false it skips unlimited values, which a
+// fresh group already has.
+func (c *Cgroup) setLimits(lim Limits, all bool) error {
+	v2 := c.m.l.ctrlV2
+	if d, ok := c.limit[ctrlMemory]; ok && (all || lim.MemoryBytes > 0) {
+		var err error
+		if v2[ctrlMemory] {
+			err = setMemoryV2(d, lim.MemoryBytes)
+		} else {
+			err = setMemoryV1(d, lim.MemoryBytes, c.m.l.swapAccounted)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if d, ok := c.limit[ctrlPids]; ok && (all || lim.Pids > 0) {
+		v := "max"
+		if lim.Pids > 0 {
+			v = strconv.FormatInt(lim.Pids, 10)
+		}
+		if err := writeFile(filepath.Join(d, "pids.max"), v); err != nil {
+			return err
+		}
+	}
+	if d, ok := c.limit[ctrlCPU]; ok && (all || lim.CPUQuota > 0) {
+		q := int64(-1)
+		if lim.CPUQuota > 0 {
+			q = max(int64(math.Round(lim.CPUQuota*cpuPeriod)), 1000)
+		}
+		if v2[ctrlCPU] {
+			v := "max"
+			if q > 0 {
+				v = strconv.FormatInt(q, 10)
+			}
+			if err := writeFile(filepath.Join(d, "cpu.max"), v+" "+strconv.Itoa(cpuPeriod)); err != nil {
+				return err
+			}
+		} else {
+			// A new group has the default period; SetLimits resets it.
+			if all {
+				if err := writeFile(filepath.Join(d, "cpu.cfs_period_us"), strconv.Itoa(cpuPeriod)); err != nil {
+					return err
+				}
+			}
+			if err := writeFile(filepath.Join(d, "cpu.cfs_quota_us"), strconv.FormatInt(q, 10)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func setMemoryV2(dir string, limit int64) error {
+	v, swap := "max", "max"
+	if limit > 0 {
+		v, swap = strconv.FormatInt(limit, 10), "0"
+	}
+	if err := writeFile(filepath.Join(dir, "memory.max"), v); err != nil {
+		return err
+	}
+	// No swap file without swap accounting.
+	if err := writeFile(filepath.Join(dir, "memory.swap.max"), swap); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// setMemoryV1 sets memory.limit_in_bytes and, where swap is accounted
+// (swapAccounted),
+// memory.memsw.limit_in_bytes to the same value (no swap). The kernel wants
+// memsw ≥ limit at every moment, so the order depends on the direction.
+func setMemoryV1(dir string, limit int64, swapAccounted bool) error {
+	v := "-1"
+	if limit > 0 {
+		v = strconv.FormatInt(limit, 10)
+	}
+	mem := filepath.Join(dir, "memory.limit_in_bytes")
+	memsw := filepath.Join(dir, "memory.memsw.limit_in_bytes")
+	if !swapAccounted {
+		return writeFile(mem, v)
+	}
+	err := writeFile(mem, v)
+	if errors.Is(err, unix.EINVAL) {
+		// Raising: memsw first.
+		if err := writeFile(memsw, v); err != nil {
+			return err
+		}
+		return writeFile(mem, v)
+	}
+	if err != nil {
+		return err
+	}
+	return writeFile(memsw, v)
+}
+
+// Stats reads the group's counters. For a sub-group, memory and pid figures
+// are those of the top-level group whose limits it shares; CPU time is the
+// group's own where cgroup v2 tracks membership.
+func (c *Cgroup) Stats() (Stats, error) {
+	var s Stats
+	var err error
+	v2 := c.m.l.ctrlV2
+	if d, ok := c.limit[ctrlMemory]; ok {
+		if v2[ctrlMemory] {
+			if s.MemoryBytes, err = readInt(filepath.Join(d, "memory.current")); err != nil {
+				return s, c.wrap("reading stats of", err)
+			}
+			if s.MemoryPeakBytes, err = readInt(filepath.Join(d, "memory.peak")); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return s, c.wrap("reading stats of", err)
+			}
+			s.OOMKills, err = readKey(filepath.Join(d, "memory.events"), "oom_kill")
+		} else {
+			if s.MemoryBytes, err = readInt(filepath.Join(d, "memory.usage_in_bytes")); err != nil {
+				return s, c.wrap("reading stats of", err)
+			}
+			if s.MemoryPeakBytes, err = readInt(filepath.Join(d, "memory.max_usage_in_bytes")); err != nil {
+				return s, c.wrap("reading stats of", err)
+			}
+			s.OOMKills, err = readKey(filepath.Join(d, "memory.oom_control"), "oom_kill")
+		}
+		if err != nil {
+			return s, c.wrap("reading stats of", err)
+		}
+	}
+	if d, ok := c.limit[ctrlPids]; ok {
+		if s.Pids, err = readInt(filepath.Join(d, "pids.current")); err != nil {
+			return s, c.wrap("reading stats of", err)
+		}
+		if s.PidsLimitHits, err = readKey(filepath.Join(d, "pids.events"), "max"); err != nil {
+			return s, c.wrap("reading stats of", err)
+		}
+	}
+	if c.trackV2 {
+		s.CPUUsec, err = readKey(filepath.Join(c.track, "cpu.stat"), "usage_usec")
+	} else if d, ok := c.limit[ctrlCPU]; ok {
+		var ns int64
+		if ns, err = readInt(filepath.Join(d, "cpuacct.usage")); errors.Is(err, os.ErrNotExist) {
+			err = nil
+		}
+		s.CPUUsec = ns / 1000
+	}
+	return s, c.wrap("reading stats of", err)
+}

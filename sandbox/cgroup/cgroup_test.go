@@ -1,0 +1,655 @@
+package cgroup
+
+import (
+	"encoding/json"
+	"errors"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestValidation(t *testing.T) {
+	t.Parallel()
+	configs := []struct {
+		cfg  Config
+		want error
+	}{
+		{Config{}, nil},
+		{Config{Root: "dg_1-x"}, nil},
+		{Config{Root: "a/b"}, ErrInvalidConfig},
+		{Config{Root: ".."}, ErrInvalidConfig},
+		{Config{WaitTimeout: -1}, ErrInvalidConfig},
+	}
+	for _, tc := range configs {
+		t.Run("config "+tc.cfg.Root, func(t *testing.T) {
+			if err := tc.cfg.Validate(); !errors.Is(err, tc.want) {
+				t.Fatalf("Validate(%+v) = %v, want %v", tc.cfg, err, tc.want)
+			}
+		})
+	}
+	names := map[string]bool{"sb-1": true, "A_b-9": true, "": false, "a/b": false, ".": false,
+		"..": false, ".x": false, "a.b": false, "tasks": false, "a b": false, strings.Repeat("x", 129): false}
+	for name, ok := range names {
+		t.Run("name "+name, func(t *testing.T) {
+			err := validName(name)
+			if ok != (err == nil) || (err != nil && !errors.Is(err, ErrInvalidName)) {
+				t.Fatalf("validName(%q) = %v", name, err)
+			}
+		})
+	}
+	limits := map[Limits]bool{{}: true, {MemoryBytes: 1 << 20, Pids: 5, CPUQuota: 0.5}: true,
+		{MemoryBytes: -1}: false, {Pids: -1}: false, {CPUQuota: -0.1}: false,
+		{CPUQuota: math.NaN()}: false, {CPUQuota: math.Inf(1)}: false}
+	for lim, ok := range limits {
+		err := lim.Validate()
+		if ok != (err == nil) || (err != nil && !errors.Is(err, ErrInvalidLimits)) {
+			t.Errorf("Validate(%+v) = %v", lim, err)
+		}
+	}
+}
+
+func TestCreateErrors(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			if _, err := m.Create("a/b", Limits{}); !errors.Is(err, ErrInvalidName) {
+				t.Errorf("Create(a/b) = %v, want ErrInvalidName", err)
+			}
+			if _, err := m.Create("x", Limits{Pids: -3}); !errors.Is(err, ErrInvalidLimits) {
+				t.Errorf("Create with negative pids = %v, want ErrInvalidLimits", err)
+			}
+			c := create(t, m, "dup", Limits{})
+			if _, err := m.Create("dup", Limits{}); !errors.Is(err, ErrExist) {
+				t.Errorf("second Create(dup) = %v, want ErrExist", err)
+			}
+			if _, err := c.Sub("s"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := c.Sub("s"); !errors.Is(err, ErrExist) {
+				t.Errorf("second Sub(s) = %v, want ErrExist", err)
+			}
+			if !m.hasLimits() {
+				if _, err := m.Create("lim", Limits{MemoryBytes: 1 << 25}); !errors.Is(err, ErrControllerUnavailable) {
+					t.Errorf("Create with memory limit = %v, want ErrControllerUnavailable", err)
+				}
+			}
+			// The failed Create must not have left a half-made group.
+			if names, err := m.List(); err != nil || len(names) != 1 || names[0] != "dup" {
+				t.Errorf("List = %v, %v; want [dup]", names, err)
+			}
+			if err := c.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Freeze(); !errors.Is(err, ErrNotExist) {
+				t.Errorf("Freeze after Delete = %v, want ErrNotExist", err)
+			}
+			if err := c.Add(os.Getpid()); !errors.Is(err, ErrNotExist) {
+				t.Errorf("Add after Delete = %v, want ErrNotExist", err)
+			}
+		})
+	}
+}
+
+// limitFiles reads back the limit files of c.
+func limitFiles(t *testing.T, c *Cgroup) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	read := func(ctrl, file string) {
+		b, err := os.ReadFile(filepath.Join(c.limit[ctrl], file))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[file] = strings.TrimSpace(string(b))
+	}
+	if c.m.l.ctrlV2[ctrlMemory] {
+		read(ctrlMemory, "memory.max")
+	} else {
+		read(ctrlMemory, "memory.limit_in_bytes")
+		read(ctrlMemory, "memory.memsw.limit_in_bytes")
+	}
+	read(ctrlPids, "pids.max")
+	if c.m.l.ctrlV2[ctrlCPU] {
+		read(ctrlCPU, "cpu.max")
+	} else {
+		read(ctrlCPU, "cpu.cfs_quota_us")
+		read(ctrlCPU, "cpu.cfs_period_us")
+	}
+	return out
+}
+
+func TestLimits(t *testing.T) {
+	const unlimitedV1 = "9223372036854771712" // v1 memory: -1, page-rounded
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			if !m.hasLimits() {
+				t.Skipf("the %s layout here has no limit controllers", mode)
+			}
+			c := create(t, m, "lim", Limits{MemoryBytes: 64 << 20, Pids: 50, CPUQuota: 0.5})
+			steps := []struct {
+				lim    Limits
+				v1, v2 map[string]string
+			}{
+				{Limits{MemoryBytes: 64 << 20, Pids: 50, CPUQuota: 0.5},
+					map[string]string{"memory.limit_in_bytes": "67108864", "memory.memsw.limit_in_bytes": "67108864", "pids.max": "50", "cpu.cfs_quota_us": "50000", "cpu.cfs_period_us": "100000"},
+					map[string]string{"memory.max": "67108864", "pids.max": "50", "cpu.max": "50000 100000"}},
+				// Raising memory needs memsw first on v1.
+				{Limits{MemoryBytes: 256 << 20, Pids: 7, CPUQuota: 1.5},
+					map[string]string{"memory.limit_in_bytes": "268435456", "memory.memsw.limit_in_bytes": "268435456", "pids.max": "7", "cpu.cfs_quota_us": "150000", "cpu.cfs_period_us": "100000"},
+					map[string]string{"memory.max": "268435456", "pids.max": "7", "cpu.max": "150000 100000"}},
+				{Limits{MemoryBytes: 32 << 20, CPUQuota: 0.001},
+					map[string]string{"memory.limit_in_bytes": "33554432", "memory.memsw.limit_in_bytes": "33554432", "pids.max": "max", "cpu.cfs_quota_us": "1000", "cpu.cfs_period_us": "100000"},
+					map[string]string{"memory.max": "33554432", "pids.max": "max", "cpu.max": "1000 100000"}},
+				{Limits{},
+					map[string]string{"memory.limit_in_bytes": unlimitedV1, "memory.memsw.limit_in_bytes": unlimitedV1, "pids.max": "max", "cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"},
+					map[string]string{"memory.max": "max", "pids.max": "max", "cpu.max": "max 100000"}},
+			}
+			for i, s := range steps {
+				if i > 0 {
+					if err := c.SetLimits(s.lim); err != nil {
+						t.Fatalf("SetLimits(%+v): %v", s.lim, err)
+					}
+				}
+				got := limitFiles(t, c)
+				for file, v := range got {
+					want, ok := s.v1[file]
+					if m.l.ctrlV2[strings.SplitN(file, ".", 2)[0]] {
+						want, ok = s.v2[file]
+					}
+					if !ok || v != want {
+						t.Errorf("step %d %+v: %s = %q, want %q", i, s.lim, file, v, want)
+					}
+				}
+			}
+			sub, err := c.Sub("exec")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := sub.SetLimits(Limits{Pids: 3}); !errors.Is(err, ErrSubGroup) {
+				t.Errorf("SetLimits on a sub-group = %v, want ErrSubGroup", err)
+			}
+		})
+	}
+}
+
+func TestOOMKill(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			if !m.hasLimits() {
+				t.Skipf("the %s layout here has no limit controllers", mode)
+			}
+			const limit = 32 << 20
+			c := create(t, m, "oom", Limits{MemoryBytes: limit})
+			h := startHelper(t, "hog", nil)
+			if err := c.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			h.open(t)
+			ws := h.wait(t)
+			if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+				t.Fatalf("hog of 256 MiB in a 32 MiB group ended with %v, want SIGKILL (stderr %q)", ws, h.stderr.String())
+			}
+			st, err := c.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.OOMKills < 1 {
+				t.Errorf("Stats.OOMKills = %d, want ≥ 1", st.OOMKills)
+			}
+			if st.MemoryPeakBytes != 0 && (st.MemoryPeakBytes < limit/2 || st.MemoryPeakBytes > limit+1<<20) {
+				t.Errorf("Stats.MemoryPeakBytes = %d, want about the limit %d", st.MemoryPeakBytes, limit)
+			}
+			t.Logf("stats after OOM: %+v", st)
+		})
+	}
+}
+
+func TestPidsLimit(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			if !m.hasLimits() {
+				t.Skipf("the %s layout here has no limit controllers", mode)
+			}
+			c := create(t, m, "forks", Limits{Pids: 20})
+			h := startCmd(t, "sh", "-c", `read x; i=0; while [ $i -lt 200 ]; do sleep 1000 >/dev/null 2>&1 & i=$((i+1)); done; echo all forked`)
+			if err := c.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			h.open(t)
+			ws := h.wait(t)
+			if ws.ExitStatus() == 0 {
+				t.Fatalf("200 forks under pids.max 20 succeeded")
+			}
+			if !strings.Contains(strings.ToLower(h.stderr.String()), "fork") {
+				t.Errorf("stderr %q does not tell of a failed fork", h.stderr.String())
+			}
+			st, err := c.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			pids, err := c.Pids()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.PidsLimitHits < 1 || st.Pids > 20 || len(pids) == 0 || len(pids) > 20 {
+				t.Errorf("Stats %+v, %d pids; want limit hits ≥ 1 and 1..20 pids", st, len(pids))
+			}
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			if pids, err := c.Pids(); err != nil || len(pids) != 0 {
+				t.Fatalf("after Kill: pids %v, %v", pids, err)
+			}
+		})
+	}
+}
+
+func TestFreezeThaw(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "freeze", Limits{})
+			dir := t.TempDir()
+			in, out := filepath.Join(dir, "in"), filepath.Join(dir, "out")
+			frozen := startHelper(t, "count", nil, in)
+			if err := c.Add(frozen.pid()); err != nil {
+				t.Fatal(err)
+			}
+			// A process left frozen by the v1 freezer could not be
+			// killed by the helper's cleanup, which runs before this.
+			t.Cleanup(func() { _ = c.Thaw() })
+			waitFor(t, "the counter in the group to run", func() bool { return counter(t, in) > 100 })
+			// Freezing twice is harmless.
+			for range 2 {
+				if err := c.Freeze(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			before := counter(t, in)
+			// A second counter outside the group makes a known amount
+			// of progress while the first must make none.
+			free := startHelper(t, "count", nil, out)
+			waitFor(t, "the counter outside to run", func() bool { return counter(t, out) > 20000 })
+			if after := counter(t, in); after != before {
+				t.Fatalf("frozen counter moved from %d to %d", before, after)
+			}
+			if err := c.Thaw(); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "the thawed counter to move", func() bool { return counter(t, in) > before })
+			_ = free
+		})
+	}
+}
+
+// startTree starts a "tree" helper in c and returns it and its two children,
+// the first of which called setsid.
+func startTree(t *testing.T, c *Cgroup) (*helper, int, int) {
+	t.Helper()
+	h := startHelper(t, "tree", nil)
+	if err := c.Add(h.pid()); err != nil {
+		t.Fatal(err)
+	}
+	h.open(t)
+	f := strings.Fields(h.line(t))
+	a, _ := strconv.Atoi(f[0])
+	b, _ := strconv.Atoi(f[1])
+	if sid, err := unix.Getsid(a); err != nil || sid != a {
+		t.Fatalf("getsid(%d) = %d, %v; want a session of its own", a, sid, err)
+	}
+	return h, a, b
+}
+
+func TestKillTree(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "tree", Limits{})
+			h, a, b := startTree(t, c)
+			pids, err := c.Pids()
+			if err != nil || len(pids) != 3 {
+				t.Fatalf("Pids = %v, %v; want the helper and its 2 children", pids, err)
+			}
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			if ws := h.wait(t); ws.Signal() != syscall.SIGKILL {
+				t.Errorf("helper ended with %v, want SIGKILL", ws)
+			}
+			for _, p := range []int{a, b} {
+				if !gone(p) {
+					t.Errorf("child %d survived Kill", p)
+				}
+			}
+			if pids, err := c.Pids(); err != nil || len(pids) != 0 {
+				t.Errorf("Pids after Kill = %v, %v", pids, err)
+			}
+			// The group is usable again, and Kill works on a frozen
+			// group, which stays frozen.
+			h2, _, _ := startTree(t, c)
+			t.Cleanup(func() { _ = c.Thaw() })
+			if err := c.Freeze(); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			if ws := h2.wait(t); ws.Signal() != syscall.SIGKILL {
+				t.Errorf("frozen helper ended with %v, want SIGKILL", ws)
+			}
+			if frozen, err := c.isFrozen(); err != nil || !frozen {
+				t.Errorf("after Kill of a frozen group: frozen %v, %v", frozen, err)
+			}
+			if err := c.Thaw(); err != nil {
+				t.Fatal(err)
+			}
+			h3, _, _ := startTree(t, c)
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			h3.wait(t)
+		})
+	}
+}
+
+func TestSubKill(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "top", Limits{})
+			keep := startCmd(t, "sleep", "1000")
+			if err := c.Add(keep.pid()); err != nil {
+				t.Fatal(err)
+			}
+			sub, err := c.Sub("exec-1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sub.Path() != c.Path()+"/exec-1" || sub.Name() != "exec-1" {
+				t.Errorf("sub Path %q Name %q", sub.Path(), sub.Name())
+			}
+			h, a, b := startTree(t, sub)
+			for _, d := range sub.Dirs()[1:] {
+				// Limit groups are the top group's: the exec is counted
+				// against the sandbox's limits.
+				if !inProcs(t, d, h.pid()) {
+					t.Errorf("sub-group process %d not in %s", h.pid(), d)
+				}
+			}
+			all, err := c.Pids()
+			if err != nil || len(all) != 4 {
+				t.Fatalf("top Pids = %v, %v; want 4 (its own and the sub-group's)", all, err)
+			}
+			if err := sub.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			h.wait(t)
+			for _, p := range []int{a, b} {
+				if !gone(p) {
+					t.Errorf("sub-group process %d survived", p)
+				}
+			}
+			if gone(keep.pid()) {
+				t.Fatalf("Kill of the sub-group killed the top group's process")
+			}
+			if left, err := c.Pids(); err != nil || len(left) != 1 || left[0] != keep.pid() {
+				t.Errorf("top Pids after sub Kill = %v, %v; want [%d]", left, err, keep.pid())
+			}
+			for range 2 {
+				if err := sub.Delete(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := os.Stat(sub.Dirs()[0]); !os.IsNotExist(err) {
+				t.Errorf("sub-group directory still there: %v", err)
+			}
+			// A sub-group left in place is removed (and killed) with its parent.
+			sub2, err := c.Sub("exec-2")
+			if err != nil {
+				t.Fatal(err)
+			}
+			h2, _, _ := startTree(t, sub2)
+			if err := c.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			h2.wait(t)
+			if ws := keep.wait(t); ws.Signal() != syscall.SIGKILL {
+				t.Errorf("top process ended with %v", ws)
+			}
+		})
+	}
+}
+
+func TestDeleteTwice(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c, err := m.Create("del", Limits{Pids: boolInt(m.hasLimits(), 10)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := startCmd(t, "sleep", "1000")
+			if err := c.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			for i := range 2 {
+				if err := c.Delete(); err != nil {
+					t.Fatalf("Delete #%d: %v", i+1, err)
+				}
+			}
+			if ws := h.wait(t); ws.Signal() != syscall.SIGKILL {
+				t.Errorf("process ended with %v, want SIGKILL", ws)
+			}
+			for _, d := range c.Dirs() {
+				if _, err := os.Stat(d); !os.IsNotExist(err) {
+					t.Errorf("%s still there: %v", d, err)
+				}
+			}
+		})
+	}
+}
+
+func boolInt(b bool, v int64) int64 {
+	if b {
+		return v
+	}
+	return 0
+}
+
+func TestListRemoveLeftovers(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			var hs []*helper
+			for _, n := range []string{"a", "b", "c"} {
+				c, err := m.Create(n, Limits{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				h := startCmd(t, "sleep", "1000")
+				hs = append(hs, h)
+				switch n {
+				case "a":
+					err = c.Add(h.pid())
+				case "b":
+					// A server that crashed in the middle of Add: the
+					// process is in the last limit group only.
+					err = writeFile(filepath.Join(c.dirs[len(c.dirs)-1], "cgroup.procs"), strconv.Itoa(h.pid()))
+					_, _ = c.Sub("exec-1")
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			// A new manager, as after a restart, finds and removes them.
+			m2, err := New(m.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			names, err := m2.List()
+			if err != nil || strings.Join(names, ",") != "a,b,c" {
+				t.Fatalf("List = %v, %v; want [a b c]", names, err)
+			}
+			for _, n := range names {
+				if err := m2.Remove(n); err != nil {
+					t.Fatalf("Remove(%s): %v", n, err)
+				}
+			}
+			if err := m2.Remove("never-made"); err != nil {
+				t.Errorf("Remove of a missing group = %v", err)
+			}
+			if names, err := m2.List(); err != nil || len(names) != 0 {
+				t.Errorf("List after Remove = %v, %v", names, err)
+			}
+			for _, h := range hs[:2] {
+				if ws := h.wait(t); ws.Signal() != syscall.SIGKILL {
+					t.Errorf("leftover process ended with %v, want SIGKILL", ws)
+				}
+			}
+		})
+	}
+}
+
+// TestOpenProcsFromUserNamespace checks that a process in a new user and
+// cgroup namespace, whose root is an unprivileged host uid, can move itself
+// into the group through cgroup.procs fds opened by host root, and cannot
+// open those files itself.
+func TestOpenProcsFromUserNamespace(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "userns", Limits{Pids: boolInt(m.hasLimits(), 100)})
+			files, err := c.OpenProcs()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() {
+				for _, f := range files {
+					f.Close()
+				}
+			}()
+			if len(files) != len(c.Dirs()) {
+				t.Fatalf("OpenProcs gave %d files for %d hierarchies", len(files), len(c.Dirs()))
+			}
+			bin := exposedBinary(t)
+			const hostUID = 100000
+			h := startHelper(t, "join", func(cmd *exec.Cmd) {
+				cmd.Path = bin
+				cmd.ExtraFiles = files
+				cmd.SysProcAttr = &syscall.SysProcAttr{
+					Cloneflags:  syscall.CLONE_NEWUSER | syscall.CLONE_NEWCGROUP,
+					UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: hostUID, Size: 65536}},
+					GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: hostUID, Size: 65536}},
+					// Become the namespace's root, host uid 100000.
+					Credential: &syscall.Credential{Uid: 0, Gid: 0, NoSetGroups: true},
+				}
+			}, strconv.Itoa(len(files)), filepath.Join(c.Dirs()[0], "cgroup.procs"))
+			var res joinResult
+			if err := json.Unmarshal([]byte(h.line(t)), &res); err != nil {
+				t.Fatalf("helper output: %v (stderr %q)", err, h.stderr.String())
+			}
+			t.Logf("inside: uid %d, writes %q, direct open %q, /proc/self/cgroup %q", res.UID, res.Writes, res.DirectOpen, res.ProcCgroup)
+			if res.UID != 0 {
+				t.Errorf("helper uid %d inside its namespace, want 0", res.UID)
+			}
+			for i, e := range res.Writes {
+				if e != "" {
+					t.Errorf("write of 0 to %s/cgroup.procs from inside: %s", c.Dirs()[i], e)
+				}
+			}
+			if res.DirectOpen == "" {
+				t.Errorf("the helper could open cgroup.procs itself; the test proves nothing")
+			}
+			for _, d := range c.Dirs() {
+				if !inProcs(t, d, h.pid()) {
+					t.Errorf("helper %d not in %s", h.pid(), d)
+				}
+			}
+			t.Logf("after unshare(CLONE_NEWCGROUP): %q %q", res.Unshare, res.AfterUnshare)
+			for _, line := range strings.Split(strings.TrimSpace(res.AfterUnshare), "\n") {
+				f := strings.SplitN(line, ":", 3)
+				joined := f[1] == "" && m.l.v2 != ""
+				for _, d := range c.Dirs()[1:] {
+					joined = joined || (f[1] != "" && strings.Contains(d, "/"+f[1]+"/"))
+				}
+				if joined && f[2] != "/" {
+					t.Errorf("in a cgroup namespace made after joining, %q is not the root", line)
+				}
+			}
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			h.wait(t)
+		})
+	}
+}
+
+// exposedBinary returns the copy of the test binary that an unprivileged uid
+// can run (see TestMain).
+func exposedBinary(t *testing.T) string {
+	t.Helper()
+	if exposedBin == "" {
+		t.Fatal("no copy of the test binary for unprivileged uids")
+	}
+	return exposedBin
+}
+
+// TestCloneIntoCgroup starts a process directly in the group's v2 directory
+// with clone3 CLONE_INTO_CGROUP.
+func TestCloneIntoCgroup(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "clone", Limits{})
+			sub, err := c.Sub("exec")
+			if err != nil {
+				t.Fatal(err)
+			}
+			dir, err := sub.Dir()
+			if mode == ModeLegacy {
+				if !errors.Is(err, ErrNoV2) {
+					t.Fatalf("Dir on legacy = %v, want ErrNoV2", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer dir.Close()
+			cmd := exec.Command("sleep", "1000")
+			cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(dir.Fd())}
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			defer cmd.Wait()
+			pids, err := sub.Pids()
+			if err != nil || len(pids) != 1 || pids[0] != cmd.Process.Pid {
+				_ = cmd.Process.Kill()
+				t.Fatalf("sub Pids = %v, %v; want [%d]", pids, err, cmd.Process.Pid)
+			}
+			if err := sub.Kill(); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

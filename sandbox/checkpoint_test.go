@@ -1,0 +1,273 @@
+package sandbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+func TestCheckpointRestoreBranches(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	sh(t, s, "echo base > /root/f; mkdir -p /data; echo keep > /data/k; rm /bin/true")
+	a, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.Parent != "" || a.Depth != 1 || s.Head() != a.ID {
+		t.Fatalf("first checkpoint %+v head %s", a, s.Head())
+	}
+	sh(t, s, "echo branch-b > /root/f; rm /data/k; echo new > /data/n")
+	bck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bck.Parent != a.ID {
+		t.Fatalf("parent %s, want %s", bck.Parent, a.ID)
+	}
+	sh(t, s, "echo live > /root/f")
+	if err := s.Restore(ctx, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	if out := sh(t, s, "cat /root/f /data/*; ls /bin/true 2>&1 || true"); out != "base\nkeep\nls: /bin/true: No such file or directory\n" {
+		t.Fatalf("at a: %q", out)
+	}
+	sh(t, s, "echo branch-c > /root/f")
+	c, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Parent != a.ID {
+		t.Fatalf("branch c parent %s, want %s", c.Parent, a.ID)
+	}
+	// Across branches, back and forth.
+	for _, step := range []struct{ id, want string }{{bck.ID, "branch-b\nnew\n"}, {c.ID, "branch-c\nkeep\n"}, {bck.ID, "branch-b\nnew\n"}} {
+		if err := s.Restore(ctx, step.id); err != nil {
+			t.Fatal(err)
+		}
+		if out := sh(t, s, "cat /root/f /data/*"); out != step.want {
+			t.Fatalf("restore %s: %q, want %q", step.id, out, step.want)
+		}
+	}
+	// From another sandbox, and into a fork.
+	other := b.create(t, sandbox.Spec{})
+	if err := other.Restore(ctx, c.ID); err != nil {
+		t.Fatal(err)
+	}
+	if out := sh(t, other, "cat /root/f"); out != "branch-c\n" {
+		t.Fatalf("other sandbox at c: %q", out)
+	}
+	kids, err := b.rt.Fork(ctx, bck.ID, 3, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, k := range kids {
+		t.Cleanup(func() { _ = k.Destroy(context.Background()) })
+		sh(t, k, "echo kid > /root/mine")
+		if out := sh(t, k, "cat /root/f; ls /root"); out != "branch-b\nf\nmine\n" {
+			t.Fatalf("fork %d: %q", i, out)
+		}
+	}
+	// Checkpoints outlive the sandbox that made them.
+	if err := s.Destroy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Destroy(ctx); err != nil {
+		t.Fatalf("second destroy: %v", err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "true"}); !errors.Is(err, sandbox.ErrClosed) {
+		t.Fatalf("exec on a destroyed sandbox: %v", err)
+	}
+	if err := other.Restore(ctx, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	if out := sh(t, other, "cat /root/f"); out != "base\n" {
+		t.Fatalf("after the maker closed: %q", out)
+	}
+	// Release, and unknown IDs.
+	if err := b.rt.ReleaseCheckpoint(a.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Restore(ctx, a.ID); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("restore of a released checkpoint: %v", err)
+	}
+	if err := b.rt.ReleaseCheckpoint("ck-nope"); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("release unknown: %v", err)
+	}
+	if _, err := b.rt.Fork(ctx, "ck-nope", 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("fork unknown: %v", err)
+	}
+	// The layers of b still serve the forks and the other checkpoints.
+	if out := sh(t, kids[0], "cat /root/f /root/mine"); out != "branch-b\nkid\n" {
+		t.Fatalf("fork after release: %q", out)
+	}
+}
+
+// A background process appending to a file across a checkpoint, through an
+// open fd and from a cwd below /, keeps running, its later writes land in
+// the live state, and the checkpoint shows the file as it was.
+func TestCheckpointWithBackgroundWriters(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	sh(t, s, "mkdir -p /w/sub")
+	// Writer 1 holds an fd open on /w/fd.log; writer 2 has cwd /w/sub and
+	// appends by relative path.
+	for _, cmd := range []string{
+		"exec 3>>/w/fd.log; i=0; while true; do i=$((i+1)); echo $i >&3; sleep 0.01; done",
+		"cd /w/sub && i=0; while true; do i=$((i+1)); echo $i >> cwd.log; sleep 0.01; done",
+	} {
+		if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: cmd, Background: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sh(t, s, "while [ ! -s /w/fd.log ] || [ ! -s /w/sub/cwd.log ]; do sleep 0.01; done")
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Read the checkpoint's view in a fork, twice, apart in time: it must
+	// not change, and the live files must keep growing.
+	kid, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kid[0].Destroy(context.Background()) })
+	snap1 := sh(t, kid[0], "cat /w/fd.log; echo --; cat /w/sub/cwd.log")
+	live1 := sh(t, s, "wc -l < /w/fd.log; wc -l < /w/sub/cwd.log")
+	sh(t, s, "sleep 0.3")
+	live2 := sh(t, s, "wc -l < /w/fd.log; wc -l < /w/sub/cwd.log")
+	snap2 := sh(t, kid[0], "cat /w/fd.log; echo --; cat /w/sub/cwd.log")
+	if snap1 != snap2 {
+		t.Fatalf("the checkpoint changed after it was taken")
+	}
+	if live1 == live2 {
+		t.Fatalf("writers stopped: %q", live1)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, s, "cat /w/fd.log; echo --; cat /w/sub/cwd.log"); got != snap1 {
+		t.Fatalf("restored state differs from the checkpoint:\n%q\nvs\n%q", got, snap1)
+	}
+	// The restore ended the writers.
+	if got := sh(t, s, "sleep 0.1; cat /w/fd.log; echo --; cat /w/sub/cwd.log"); got != snap1 {
+		t.Fatalf("writers survived the restore")
+	}
+}
+
+func TestRestoreAbortsExec(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{})
+	errc := make(chan error, 1)
+	go func() {
+		close(started)
+		_, err := s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 30"})
+		errc <- err
+	}()
+	<-started
+	// Wait until the sleep runs.
+	for !strings.Contains(sh(t, s, "ps -o args"), "sleep 30") {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; !errors.Is(err, sandbox.ErrAborted) {
+		t.Fatalf("exec during restore: %v, want ErrAborted", err)
+	}
+}
+
+func TestForkIntoAnotherRange(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	sh(t, s, "echo x > /tmp/agent-file; chown 1000:1000 /tmp/agent-file; echo r > /root/root-file")
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kids, err := b.rt.Fork(ctx, ck.ID, 2, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range kids {
+		t.Cleanup(func() { _ = k.Destroy(context.Background()) })
+		out := sh(t, k, "stat -c '%u:%g' /tmp/agent-file /root/root-file /bin/busybox; awk '{print $2}' /proc/self/uid_map")
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if len(lines) != 4 || lines[0] != "1000:1000" || lines[1] != "0:0" || lines[2] != "0:0" {
+			t.Fatalf("owners in the fork: %q", out)
+		}
+		if own := strings.Split(sh(t, s, "awk '{print $2}' /proc/self/uid_map"), "\n")[0]; own == lines[3] {
+			t.Fatalf("fork shares the uid range %s of its parent", own)
+		}
+	}
+}
+
+func TestCheckpointBudgetAndDiskLimit(t *testing.T) {
+	b := setup(t, func(c *sandbox.Config) { c.CheckpointBudgetBytes = 2 << 20 })
+	s := b.create(t, sandbox.Spec{Limits: sandbox.Limits{DiskBytes: 4 << 20}})
+	ctx := t.Context()
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "dd if=/dev/zero of=/big bs=1M count=10"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.ExitCode == 0 || !strings.Contains(string(res.Stderr), "No space left") {
+		t.Fatalf("filling the disk: %+v %s", res, res.Stderr)
+	}
+	if _, err := s.Checkpoint(ctx); !errors.Is(err, sandbox.ErrBudget) {
+		t.Fatalf("checkpoint over budget: %v", err)
+	}
+	sh(t, s, "rm /big; echo small > /small")
+	if _, err := s.Checkpoint(ctx); err != nil {
+		t.Fatalf("checkpoint within budget: %v", err)
+	}
+	if err := s.WriteFile(ctx, "/huge", make([]byte, 5<<20), 0, false); !errors.Is(err, sandbox.ErrBudget) {
+		t.Fatalf("write beyond the disk limit: %v", err)
+	}
+}
+
+func TestRestartKeepsCheckpoints(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	sh(t, s, "echo survived > /root/f")
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := s.ID()
+	// Stop the runtime as a crash would leave it: abandon it without
+	// closing, so its sandbox's init dies with its socket.
+	if err := b.rt.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rt2, err := sandbox.New(ctx, b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.rt = rt2
+	if ended := rt2.Ended(); len(ended) != 0 {
+		t.Fatalf("a clean close left %v", ended)
+	}
+	_ = live
+	k, err := rt2.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k[0].Destroy(ctx)
+	if out := sh(t, k[0], "cat /root/f"); out != "survived\n" {
+		t.Fatalf("after restart: %q", out)
+	}
+}

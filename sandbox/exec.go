@@ -1,0 +1,354 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/initproc"
+)
+
+// Defaults of ExecRequest.
+const (
+	DefaultTimeout   = 30 * time.Second
+	DefaultMaxOutput = 1 << 20
+	// MaxStdin caps the stdin a command can be given.
+	MaxStdin = 16 << 20
+)
+
+// ExecRequest describes a command to run in a sandbox.
+type ExecRequest struct {
+	// Argv is the command and its arguments; or
+	Argv []string
+	// Command is a shell string run by /bin/sh -c (or in Session).
+	Command string
+	Stdin   []byte
+	// Env is added to the sandbox's base environment, KEY=VALUE.
+	Env []string
+	Cwd string
+	// Timeout ends the command and everything it started; 0 means 30 s.
+	Timeout time.Duration
+	// Background returns at once with Pid; the process keeps running until
+	// it exits, the sandbox is restored or destroyed.
+	Background bool
+	// Session runs Command in the named persistent bash session, created on
+	// first use: cwd, exported variables and functions carry over.
+	Session string
+	// MaxOutput caps each of stdout and stderr; 0 means 1 MiB.
+	MaxOutput int
+}
+
+// ExecResult is the outcome of a command.
+type ExecResult struct {
+	Stdout, Stderr []byte
+	// ExitCode is -1 when the command was killed by a signal, and for
+	// background commands.
+	ExitCode int
+	// Signal names the signal that killed the command, e.g. "SIGKILL".
+	Signal                           string
+	TimedOut                         bool
+	StdoutTruncated, StderrTruncated bool
+	// Pid is the command's pid inside the sandbox.
+	Pid      int
+	Start    time.Time
+	Duration time.Duration
+}
+
+func (req *ExecRequest) validate() error {
+	if len(req.Argv) == 0 && req.Command == "" {
+		return fmt.Errorf("%w: exec needs argv or a command", ErrInvalid)
+	}
+	if len(req.Argv) > 0 && req.Command != "" {
+		return fmt.Errorf("%w: exec takes argv or a command, not both", ErrInvalid)
+	}
+	if req.Session != "" && req.Command == "" {
+		return fmt.Errorf("%w: a session runs a shell command, not argv", ErrInvalid)
+	}
+	if req.Session != "" && req.Background {
+		return fmt.Errorf("%w: a session command cannot be background", ErrInvalid)
+	}
+	if len(req.Stdin) > MaxStdin {
+		return fmt.Errorf("%w: stdin of %d bytes exceeds %d", ErrInvalid, len(req.Stdin), MaxStdin)
+	}
+	if req.Timeout < 0 || req.MaxOutput < 0 {
+		return fmt.Errorf("%w: negative timeout or output cap", ErrInvalid)
+	}
+	for _, kv := range req.Env {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return fmt.Errorf("%w: environment entry %q is not KEY=VALUE", ErrInvalid, kv)
+		}
+	}
+	for _, a := range req.Argv {
+		if a == "" || strings.IndexByte(a, 0) >= 0 {
+			return fmt.Errorf("%w: argv entries must be non-empty and free of NUL bytes", ErrInvalid)
+		}
+	}
+	if strings.IndexByte(req.Command, 0) >= 0 || strings.IndexByte(req.Cwd, 0) >= 0 {
+		return fmt.Errorf("%w: NUL byte in command or cwd", ErrInvalid)
+	}
+	return nil
+}
+
+// env returns the sandbox's base environment with extra on top.
+func (s *Sandbox) env(extra []string) []string {
+	base := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "TERM=dumb", "LANG=C.UTF-8"}
+	if s.spec.UID != 0 {
+		base[1] = "HOME=/tmp"
+	}
+	base = append(base, s.img.info.Config.Env...)
+	base = append(base, s.spec.Env...)
+	base = append(base, extra...)
+	// Later entries win.
+	seen := map[string]int{}
+	out := make([]string, 0, len(base))
+	for _, kv := range base {
+		k, _, _ := strings.Cut(kv, "=")
+		if i, ok := seen[k]; ok {
+			out[i] = kv
+			continue
+		}
+		seen[k] = len(out)
+		out = append(out, kv)
+	}
+	return out
+}
+
+func (s *Sandbox) cwd(c string) string {
+	if c != "" {
+		return c
+	}
+	if s.spec.Workdir != "" {
+		return s.spec.Workdir
+	}
+	if s.img.info.Config.WorkingDir != "" {
+		return s.img.info.Config.WorkingDir
+	}
+	return "/"
+}
+
+// beginExec takes the shared lock and returns the abort context of the
+// current generation.
+func (s *Sandbox) beginExec() (context.Context, error) {
+	s.op.RLock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		s.op.RUnlock()
+		return nil, fmt.Errorf("%w: sandbox %s", ErrClosed, s.id)
+	}
+	return s.gen, nil
+}
+
+func (s *Sandbox) subgroup(prefix string) (*cgroup.Cgroup, error) {
+	s.mu.Lock()
+	s.seq++
+	name := prefix + strconv.Itoa(s.seq)
+	s.mu.Unlock()
+	return s.work.Sub(name)
+}
+
+// Exec runs a command in the sandbox.
+func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error) {
+	if err := req.validate(); err != nil {
+		return ExecResult{}, err
+	}
+	if req.Timeout == 0 {
+		req.Timeout = DefaultTimeout
+	}
+	if req.MaxOutput == 0 {
+		req.MaxOutput = DefaultMaxOutput
+	}
+	if req.Session != "" {
+		return s.sessionExec(ctx, req)
+	}
+	gen, err := s.beginExec()
+	if err != nil {
+		return ExecResult{}, err
+	}
+	defer s.op.RUnlock()
+	argv := req.Argv
+	if req.Command != "" {
+		argv = []string{"/bin/sh", "-c", req.Command}
+	}
+	cg, err := s.subgroup("e")
+	if err != nil {
+		return ExecResult{}, fmt.Errorf("creating exec cgroup: %w", err)
+	}
+	keep := false // a background command's group lives on
+	defer func() {
+		if !keep {
+			_ = cg.Delete()
+		}
+	}()
+	procs, err := cg.OpenProcs()
+	if err != nil {
+		return ExecResult{}, fmt.Errorf("opening exec cgroup: %w", err)
+	}
+	defer closeAll(procs)
+
+	sr := initproc.SpawnRequest{
+		Argv: argv, Env: s.env(req.Env), Cwd: s.cwd(req.Cwd), UID: s.spec.UID, GID: s.spec.GID,
+		Flags: initproc.FlagSetsid, CgroupProcs: procs,
+		Stdin: s.rt.devnull, Stdout: s.rt.devnull, Stderr: s.rt.devnull,
+	}
+	if req.Background {
+		pid, _, err := s.init.Conn.Spawn(sr)
+		if err != nil {
+			return ExecResult{}, s.spawnError(err)
+		}
+		s.init.Conn.Forget(pid)
+		// The process lives in its group until it exits, or the sandbox is
+		// restored or destroyed, which remove the groups of every command.
+		keep = true
+		return ExecResult{ExitCode: -1, Pid: pid, Start: time.Now()}, nil
+	}
+
+	var stdinW *os.File
+	if len(req.Stdin) > 0 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return ExecResult{}, err
+		}
+		defer r.Close()
+		sr.Stdin, stdinW = r, w
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		return ExecResult{}, err
+	}
+	defer outR.Close()
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		outW.Close()
+		return ExecResult{}, err
+	}
+	defer errR.Close()
+	sr.Stdout, sr.Stderr = outW, errW
+	start := time.Now()
+	pid, exitc, err := s.init.Conn.Spawn(sr)
+	outW.Close()
+	errW.Close()
+	if sr.Stdin != s.rt.devnull {
+		sr.Stdin.Close()
+	}
+	if err != nil {
+		if stdinW != nil {
+			stdinW.Close()
+		}
+		return ExecResult{}, s.spawnError(err)
+	}
+	if stdinW != nil {
+		go func() {
+			_, _ = stdinW.Write(req.Stdin)
+			stdinW.Close()
+		}()
+	}
+	stdout := newCapture(outR, req.MaxOutput)
+	stderr := newCapture(errR, req.MaxOutput)
+
+	res := ExecResult{Pid: pid, Start: start, ExitCode: -1}
+	timer := time.NewTimer(req.Timeout)
+	defer timer.Stop()
+	var ev initproc.ExitEvent
+	var ok bool
+	var aborted error
+	select {
+	case ev, ok = <-exitc:
+	case <-timer.C:
+		res.TimedOut = true
+	case <-ctx.Done():
+		aborted = fmt.Errorf("%w: %w", ErrAborted, ctx.Err())
+	case <-gen.Done():
+		aborted = fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted)
+	}
+	// Whatever ended the wait, nothing the command started outlives it.
+	kerr := cg.Kill()
+	if !ok && aborted == nil {
+		ev, ok = <-exitc
+	}
+	s.init.Conn.Forget(pid)
+	res.Stdout, res.StdoutTruncated = stdout.wait()
+	res.Stderr, res.StderrTruncated = stderr.wait()
+	res.Duration = time.Since(start)
+	if aborted != nil {
+		return res, aborted
+	}
+	if !ok {
+		return res, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+	}
+	if kerr != nil {
+		return res, fmt.Errorf("ending the command's processes: %w", kerr)
+	}
+	switch {
+	case ev.Status.Exited():
+		res.ExitCode = ev.Status.ExitStatus()
+	case ev.Status.Signaled():
+		res.Signal = unix.SignalName(ev.Status.Signal())
+	}
+	return res, nil
+}
+
+func (s *Sandbox) spawnError(err error) error {
+	if errors.Is(err, initproc.ErrClosed) {
+		select {
+		case <-s.init.Done():
+			return fmt.Errorf("%w: the sandbox's init went away (%v)", ErrClosed, s.init.ExitErr())
+		case <-time.After(100 * time.Millisecond):
+		}
+		return fmt.Errorf("%w: the sandbox's init went away (still running)", ErrClosed)
+	}
+	var en unix.Errno
+	if errors.As(err, &en) && (en == unix.ENOENT || en == unix.EACCES || en == unix.ENOTDIR || en == unix.ENOEXEC) {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return err
+}
+
+func closeAll(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+// capture reads a stream to its end, keeping at most max bytes.
+type capture struct {
+	done      chan struct{}
+	buf       []byte
+	truncated bool
+}
+
+func newCapture(r io.Reader, limit int) *capture {
+	c := &capture{done: make(chan struct{})}
+	go func() {
+		defer close(c.done)
+		chunk := make([]byte, 32*1024)
+		for {
+			n, err := r.Read(chunk)
+			if n > 0 {
+				room := limit - len(c.buf)
+				if n > room {
+					c.truncated = true
+					n = max(room, 0)
+				}
+				c.buf = append(c.buf, chunk[:n]...)
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return c
+}
+
+func (c *capture) wait() ([]byte, bool) {
+	<-c.done
+	return c.buf, c.truncated
+}

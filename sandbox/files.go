@@ -1,0 +1,224 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// File actions run in the server, not in the sandbox: every path is resolved
+// with openat2 against the sandbox's root (/proc/<init>/root) with
+// RESOLVE_IN_ROOT (so "..", absolute symlinks and symlink races stay inside
+// the root), RESOLVE_NO_MAGICLINKS and RESOLVE_NO_XDEV (so /proc, /dev and
+// any other mount are out of reach: only the sandbox's own filesystem). The
+// thread doing it takes the sandbox user's host uid and gid as fsuid/fsgid,
+// so permissions and the owner of new files are those of the sandbox's user.
+
+// MaxFileBytes caps one read or write.
+const MaxFileBytes = 64 << 20
+
+const resolve = unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV
+
+// ReadFile reads up to max bytes (0: up to MaxFileBytes) of path from
+// offset, and returns them with the file's size.
+func (s *Sandbox) ReadFile(ctx context.Context, path string, offset, max int64) ([]byte, int64, error) {
+	if offset < 0 || max < 0 {
+		return nil, 0, fmt.Errorf("%w: negative offset or length", ErrInvalid)
+	}
+	if max == 0 || max > MaxFileBytes {
+		max = MaxFileBytes
+	}
+	var data []byte
+	var size int64
+	err := s.fileOp(path, func(root int, rel string) error {
+		fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_CLOEXEC | unix.O_NOCTTY | unix.O_NONBLOCK, Resolve: resolve})
+		if err != nil {
+			return err
+		}
+		f := os.NewFile(uintptr(fd), path)
+		defer f.Close()
+		st, err := f.Stat()
+		if err != nil {
+			return err
+		}
+		if !st.Mode().IsRegular() {
+			return fmt.Errorf("%w: %s is not a regular file", ErrInvalid, path)
+		}
+		size = st.Size()
+		n := min(max, size-offset)
+		if n <= 0 {
+			data = []byte{}
+			return nil
+		}
+		data = make([]byte, n)
+		k, err := f.ReadAt(data, offset)
+		data = data[:k]
+		if err == io.EOF {
+			err = nil
+		}
+		return err
+	})
+	return data, size, err
+}
+
+// WriteFile writes data to path (creating missing parent directories),
+// replacing its contents or appending to them. mode applies to a new file
+// (0 means 0644).
+func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode os.FileMode, appendTo bool) error {
+	if len(data) > MaxFileBytes {
+		return fmt.Errorf("%w: write of %d bytes exceeds %d", ErrInvalid, len(data), MaxFileBytes)
+	}
+	if mode == 0 {
+		mode = 0o644
+	}
+	if mode&^os.ModePerm != 0 {
+		return fmt.Errorf("%w: mode %o has bits other than permissions", ErrInvalid, mode)
+	}
+	return s.fileOp(path, func(root int, rel string) error {
+		if err := mkdirAll(root, rel); err != nil {
+			return err
+		}
+		flags := unix.O_WRONLY | unix.O_CREAT | unix.O_CLOEXEC | unix.O_NOCTTY | unix.O_NONBLOCK
+		if appendTo {
+			flags |= unix.O_APPEND
+		} else {
+			flags |= unix.O_TRUNC
+		}
+		fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: uint64(flags), Mode: uint64(mode), Resolve: resolve})
+		if err != nil {
+			return err
+		}
+		f := os.NewFile(uintptr(fd), path)
+		st, err := f.Stat()
+		if err == nil && !st.Mode().IsRegular() {
+			err = fmt.Errorf("%w: %s is not a regular file", ErrInvalid, path)
+		}
+		if err == nil {
+			_, err = f.Write(data)
+		}
+		return errors.Join(err, f.Close())
+	})
+}
+
+// mkdirAll creates the missing parents of rel, one component at a time,
+// each relative to its verified parent.
+func mkdirAll(root int, rel string) error {
+	parts := strings.Split(rel, "/")
+	dir, err := unix.Openat2(root, ".", &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
+	if err != nil {
+		return err
+	}
+	defer func() { unix.Close(dir) }()
+	for _, p := range parts[:len(parts)-1] {
+		if p == "" || p == "." {
+			continue
+		}
+		next, err := unix.Openat2(dir, p, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
+		if errors.Is(err, unix.ENOENT) {
+			if err := unix.Mkdirat(dir, p, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
+				return err
+			}
+			next, err = unix.Openat2(dir, p, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
+		}
+		if err != nil {
+			return err
+		}
+		unix.Close(dir)
+		dir = next
+	}
+	return nil
+}
+
+// fileOp runs fn on a thread with the sandbox user's fsuid, with an fd of
+// the sandbox's root and path made relative to it.
+func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error {
+	if path == "" || strings.IndexByte(path, 0) >= 0 || len(path) > 4096 {
+		return fmt.Errorf("%w: path %q", ErrInvalid, path)
+	}
+	rel := strings.TrimLeft(path, "/")
+	if rel == "" {
+		return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)
+	}
+	if _, err := s.beginExec(); err != nil {
+		return err
+	}
+	defer s.op.RUnlock()
+	uid, gid := s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		err, clean := s.fileOpLocked(uid, gid, rel, fn)
+		if clean {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
+	}()
+	err := <-errc
+	if err == nil {
+		return nil
+	}
+	var en unix.Errno
+	if errors.As(err, &en) {
+		switch en {
+		case unix.ENOENT:
+			return fmt.Errorf("%w: %s: no such file or directory", ErrInvalid, path)
+		case unix.EISDIR:
+			return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)
+		case unix.ENOTDIR:
+			return fmt.Errorf("%w: %s: a parent is not a directory", ErrInvalid, path)
+		case unix.EACCES, unix.EPERM:
+			return fmt.Errorf("%w: %s: permission denied", ErrInvalid, path)
+		case unix.EXDEV, unix.ELOOP:
+			return fmt.Errorf("%w: %s: leaves the sandbox's filesystem", ErrInvalid, path)
+		case unix.ENOSPC, unix.EDQUOT:
+			return fmt.Errorf("%w: %s: the sandbox's writable layer is full", ErrBudget, path)
+		case unix.EROFS:
+			return fmt.Errorf("%w: %s: read-only file system", ErrInvalid, path)
+		case unix.ENAMETOOLONG:
+			return fmt.Errorf("%w: %s: name too long", ErrInvalid, path)
+		}
+	}
+	return err
+}
+
+func (s *Sandbox) fileOpLocked(uid, gid int, rel string, fn func(int, string) error) (err error, clean bool) {
+	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("%w: the sandbox's init went away", ErrClosed), true
+	}
+	defer unix.Close(root)
+	if err := unix.Setfsgid(gid); err != nil {
+		return err, false
+	}
+	if err := unix.Setfsuid(uid); err != nil {
+		return err, false
+	}
+	if uid == s.hostID {
+		// The sandbox's root may write any file of its own filesystem.
+		if err := raiseCaps(); err != nil {
+			return err, false
+		}
+	}
+	err = fn(root, rel)
+	unix.Setfsuid(0)
+	unix.Setfsgid(0)
+	return err, raiseCaps() == nil
+}
+
+func raiseCaps() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return err
+	}
+	data[0].Effective = data[0].Permitted
+	data[1].Effective = data[1].Permitted
+	return unix.Capset(&hdr, &data[0])
+}

@@ -1,0 +1,293 @@
+// Package layers keeps the filesystem deltas of sandboxes: writable uppers
+// and the immutable layers they become when sealed.
+//
+// Each delta layer is its own small tmpfs, mounted in the server's mount
+// namespace at <dir>/<id>, holding fs/ (the overlay upper, later a lower) and
+// work/ (overlayfs's work dir). A tmpfs per layer gives three things at once:
+// the size limit of a sandbox's writable layer (size=), a discard that is one
+// lazy unmount instead of an rm of every file, and sealing that the kernel
+// enforces: a sealed layer's superblock is remounted read-only, so nothing —
+// not a stale fd, not a process whose cwd is in an old root — can change a
+// checkpoint afterwards.
+//
+// The mounts outlive the server process, so checkpoints survive a restart;
+// Reconcile adopts them and discards the ones no checkpoint needs. Layers are
+// reference counted by their users (checkpoints and live sandboxes); the last
+// Unref discards the layer in the background.
+package layers
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrNotFound is returned for a layer the store does not hold.
+var ErrNotFound = errors.New("layer not found")
+
+// Store holds the delta layers under one directory.
+type Store struct {
+	dir string
+
+	mu    sync.Mutex
+	refs  map[string]int
+	sizes map[string]int64 // sealed layers: bytes used
+	wg    sync.WaitGroup   // discards in flight
+}
+
+// New opens (creating if needed) the store at dir.
+func New(dir string) (*Store, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("creating layer store: %w", err)
+	}
+	return &Store{dir: dir, refs: map[string]int{}, sizes: map[string]int64{}}, nil
+}
+
+// Dir returns the directory of layer id (holding fs/ and work/).
+func (s *Store) Dir(id string) string { return filepath.Join(s.dir, id) }
+
+// Path returns the filesystem directory of layer id: the upper, or lower.
+func (s *Store) Path(id string) string { return filepath.Join(s.dir, id, "fs") }
+
+func newID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return "l" + hex.EncodeToString(b[:])
+}
+
+// NewUpper creates an empty writable layer of at most sizeBytes, with one
+// reference held by the caller.
+func (s *Store) NewUpper(sizeBytes int64) (string, error) {
+	id := newID()
+	d := s.Dir(id)
+	if err := os.Mkdir(d, 0o700); err != nil {
+		return "", fmt.Errorf("creating layer %s: %w", id, err)
+	}
+	opts := "mode=755,nr_inodes=0"
+	if sizeBytes > 0 {
+		opts += ",size=" + strconv.FormatInt(sizeBytes, 10)
+	}
+	if err := unix.Mount("dg-layer", d, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		os.Remove(d)
+		return "", fmt.Errorf("mounting layer %s: %w", id, err)
+	}
+	for _, sub := range []string{"fs", "work"} {
+		if err := os.Mkdir(filepath.Join(d, sub), 0o755); err != nil {
+			s.discard(id)
+			return "", fmt.Errorf("creating layer %s: %w", id, err)
+		}
+	}
+	s.mu.Lock()
+	s.refs[id] = 1
+	s.mu.Unlock()
+	return id, nil
+}
+
+// Seal makes layer id immutable: its tmpfs is remounted read-only, which the
+// kernel refuses while any file in it is open for writing. It returns the
+// bytes the layer uses.
+func (s *Store) Seal(id string) (int64, error) {
+	d := s.Dir(id)
+	// The work dir is overlayfs's scratch space; a lower needs none.
+	_ = os.RemoveAll(filepath.Join(d, "work", "work"))
+	if err := unix.Mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		return 0, fmt.Errorf("sealing layer %s: %w", id, err)
+	}
+	size := used(d)
+	s.mu.Lock()
+	s.sizes[id] = size
+	s.mu.Unlock()
+	return size, nil
+}
+
+// Unseal makes a sealed layer writable again; only for undoing a Seal whose
+// checkpoint could not be completed.
+func (s *Store) Unseal(id string) error {
+	if err := unix.Mount("", s.Dir(id), "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+		return fmt.Errorf("unsealing layer %s: %w", id, err)
+	}
+	s.mu.Lock()
+	delete(s.sizes, id)
+	s.mu.Unlock()
+	return nil
+}
+
+// Used returns the bytes layer id uses now.
+func (s *Store) Used(id string) int64 { return used(s.Dir(id)) }
+
+func used(dir string) int64 {
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) != nil {
+		return 0
+	}
+	return int64(st.Blocks-st.Bfree) * st.Bsize
+}
+
+// SealedBytes returns the total size of all sealed layers.
+func (s *Store) SealedBytes() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var n int64
+	for _, v := range s.sizes {
+		n += v
+	}
+	return n
+}
+
+// CopySealed copies the contents of layer src (frozen by the caller) into a
+// new layer and seals it: the checkpoint path for sandboxes whose live
+// processes still reach the current upper. The copy keeps owners, modes,
+// times, xattrs (overlay whiteouts and opaque marks included) and hard links.
+func (s *Store) CopySealed(src string, sizeBytes int64) (string, int64, error) {
+	id, err := s.NewUpper(sizeBytes)
+	if err != nil {
+		return "", 0, err
+	}
+	// cp -a keeps everything overlayfs relies on, trusted.* xattrs included
+	// when run as root.
+	out, err := exec.Command("cp", "-a", "--no-target-directory", s.Path(src), s.Path(id)+".tmp").CombinedOutput()
+	if err == nil {
+		if err = os.Remove(s.Path(id)); err == nil {
+			err = os.Rename(s.Path(id)+".tmp", s.Path(id))
+		}
+	} else {
+		err = fmt.Errorf("%w: %s", err, out)
+	}
+	if err != nil {
+		s.Unref(id)
+		return "", 0, fmt.Errorf("copying layer %s: %w", src, err)
+	}
+	size, err := s.Seal(id)
+	if err != nil {
+		s.Unref(id)
+		return "", 0, err
+	}
+	return id, size, nil
+}
+
+// Ref adds a reference to layer id, which must exist.
+func (s *Store) Ref(id string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.refs[id]; !ok {
+		return fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	s.refs[id]++
+	return nil
+}
+
+// Unref drops a reference; the last one discards the layer in the background.
+func (s *Store) Unref(id string) {
+	s.mu.Lock()
+	n, ok := s.refs[id]
+	if !ok {
+		s.mu.Unlock()
+		return
+	}
+	if n > 1 {
+		s.refs[id] = n - 1
+		s.mu.Unlock()
+		return
+	}
+	delete(s.refs, id)
+	delete(s.sizes, id)
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		s.discard(id)
+	}()
+}
+
+func (s *Store) discard(id string) {
+	d := s.Dir(id)
+	// A lazy unmount returns at once; the kernel frees the tmpfs when the
+	// last overlay using it goes.
+	_ = unix.Unmount(d, unix.MNT_DETACH)
+	_ = os.RemoveAll(d)
+}
+
+// Refs returns the number of references to layer id (for tests).
+func (s *Store) Refs(id string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.refs[id]
+}
+
+// Count returns how many layers the store holds.
+func (s *Store) Count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.refs)
+}
+
+// Reconcile adopts the layers left by an earlier run that are listed in
+// keep (each with the number of references it gets) and discards every other
+// entry of the store. It returns the kept layers that were missing (their
+// tmpfs did not survive, e.g. a reboot).
+func (s *Store) Reconcile(keep map[string]int) (missing []string, err error) {
+	entries, err := os.ReadDir(s.dir)
+	if err != nil {
+		return nil, fmt.Errorf("reading layer store: %w", err)
+	}
+	present := map[string]bool{}
+	for _, e := range entries {
+		id := e.Name()
+		if _, ok := keep[id]; ok && isMount(s.Dir(id)) {
+			present[id] = true
+			continue
+		}
+		s.discard(id)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for id, n := range keep {
+		if !present[id] {
+			missing = append(missing, id)
+			continue
+		}
+		s.refs[id] = n
+		s.sizes[id] = used(s.Dir(id))
+	}
+	return missing, nil
+}
+
+func isMount(dir string) bool {
+	var a, b unix.Stat_t
+	if unix.Lstat(dir, &a) != nil || unix.Lstat(filepath.Dir(dir), &b) != nil {
+		return false
+	}
+	return a.Dev != b.Dev
+}
+
+// Wait waits for background discards to finish.
+func (s *Store) Wait() { s.wg.Wait() }
+
+// Purge unmounts and removes every layer under dir: for tests and for
+// wiping a data directory.
+func Purge(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return err
+	}
+	var errs []error
+	for _, e := range entries {
+		d := filepath.Join(dir, e.Name())
+		_ = unix.Unmount(d, unix.MNT_DETACH)
+		if err := os.RemoveAll(d); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,643 @@
+// Package sandbox runs isolated Linux sandboxes whose whole filesystem state
+// can be checkpointed, rolled back and forked in about a millisecond.
+//
+// A sandbox is a resident init (sandbox/initproc, pid 1) in its own user,
+// mount, pid, ipc, uts, cgroup and net namespaces, with a cgroup of its own
+// (sandbox/cgroup) and a root that is an overlay (sandbox/overlay) of
+// read-only layers — the image's (sandbox/image), then delta layers sealed by
+// earlier checkpoints — under one writable upper (sandbox/layers).
+//
+// The life of a checkpoint:
+//
+//   - Checkpoint, fast path (no process but the init): the upper is sealed
+//     (its tmpfs remounted read-only), becomes the top lower of a new overlay
+//     with a fresh upper, and the new overlay is swapped in as the root
+//     (pivot_root, done from outside; sandbox/launch). The checkpoint is the
+//     list of delta layers, which no one can change any more.
+//   - Checkpoint with live processes (background commands, sessions): they
+//     may hold fds or a cwd in the current upper, which pivot_root would not
+//     re-point, so the upper is not sealed in place: the sandbox is frozen,
+//     a copy of the upper is sealed as the checkpoint's top layer, and the
+//     sandbox thaws and goes on with the upper it had.
+//   - Restore: every process but the init is killed, then an overlay of the
+//     checkpoint's layers with a fresh upper is swapped in. Any sandbox of the
+//     same image can restore any checkpoint, whichever sandbox made it.
+//   - Fork: new sandboxes start directly on the checkpoint's layers.
+//   - Checkpoints and their layers are reference counted and persisted under
+//     the data directory; they outlive their sandbox and a restart of the
+//     server, until released or expired.
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/image"
+	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/layers"
+)
+
+// Config configures a Runtime.
+type Config struct {
+	// DataDir holds images, layers and checkpoints (under DataDir/store).
+	DataDir string
+	// InitBinary is the static dg-init; "" means $DELTAGYM_INIT.
+	InitBinary string
+	// CgroupRoot is the cgroup path segment of the runtime's groups.
+	CgroupRoot string
+	// CheckpointBudgetBytes caps the bytes of all sealed layers; a checkpoint
+	// beyond it fails with ErrBudget. 0 means unlimited.
+	CheckpointBudgetBytes int64
+	// CheckpointTTL releases checkpoints this long after they were taken.
+	// 0 means they live until released.
+	CheckpointTTL time.Duration
+	// DefaultDiskBytes is the writable layer's size when Limits has none.
+	DefaultDiskBytes int64
+	// NetPool is how many ready net namespaces to keep (default 8).
+	NetPool int
+	// Logger receives the runtime's logs; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate reports whether the configuration is usable.
+func (c Config) Validate() error {
+	if c.DataDir == "" {
+		return fmt.Errorf("%w: DataDir is empty", ErrInvalid)
+	}
+	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.NetPool < 0 {
+		return fmt.Errorf("%w: negative budget, TTL, disk size or pool size", ErrInvalid)
+	}
+	return nil
+}
+
+// Limits are a sandbox's resource limits. Zero means the default (disk) or
+// unlimited (the others).
+type Limits struct {
+	MemoryBytes int64
+	Pids        int64
+	CPUs        float64
+	DiskBytes   int64
+}
+
+// Spec describes a sandbox to create.
+type Spec struct {
+	// Image names the image to start from, unless Checkpoint is set.
+	Image string
+	// Checkpoint starts the sandbox at this checkpoint (of its image).
+	Checkpoint string
+	Limits     Limits
+	Hostname   string
+	// UID and GID are the user commands run as (0: the namespace's root).
+	UID, GID uint32
+	// Env is the base environment of commands, KEY=VALUE.
+	Env []string
+	// Workdir is the default working directory of commands.
+	Workdir string
+}
+
+// ImageInfo describes an imported image.
+type ImageInfo struct {
+	Name   string
+	Digest string
+	Layers int
+	Config image.Config
+}
+
+// CheckpointInfo describes a checkpoint.
+type CheckpointInfo struct {
+	ID        string
+	Parent    string
+	Image     string
+	SandboxID string
+	Depth     int
+	SizeBytes int64
+	Created   time.Time
+}
+
+type imageRec struct {
+	info   ImageInfo
+	layers []string // directories, bottom first
+}
+
+// checkpoint is the persisted record of a checkpoint.
+type checkpoint struct {
+	ID        string    `json:"id"`
+	Parent    string    `json:"parent,omitempty"`
+	Image     string    `json:"image"`
+	SandboxID string    `json:"sandbox,omitempty"`
+	Layers    []string  `json:"layers"` // delta layers, bottom first
+	Size      int64     `json:"size"`
+	Created   time.Time `json:"created"`
+	Expires   time.Time `json:"expires,omitzero"`
+}
+
+func (c *checkpoint) info() CheckpointInfo {
+	return CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
+		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
+}
+
+// Runtime creates and tracks sandboxes, images and checkpoints.
+type Runtime struct {
+	cfg     Config
+	log     *slog.Logger
+	store   string
+	layers  *layers.Store
+	cg      *cgroup.Manager
+	spawn   *launch.SpawnNS
+	net     *launch.NetPool
+	devnull *os.File
+	skel    string
+
+	mu        sync.Mutex
+	sandboxes map[string]*Sandbox
+	images    map[string]*imageRec
+	ckpts     map[string]*checkpoint
+	ranges    []int // free host id ranges
+	ended     []string
+	closed    bool
+
+	done chan struct{}
+	wg   sync.WaitGroup
+}
+
+const (
+	firstHostID = 1 << 20
+	maxRanges   = 4096
+)
+
+// New starts a runtime on cfg.DataDir. It reconciles what an earlier run
+// left: checkpoints whose layers survived are adopted, every other layer is
+// discarded, leftover cgroups are removed, and sandboxes that were live are
+// reported by Ended.
+func New(ctx context.Context, cfg Config) (*Runtime, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.InitBinary == "" {
+		cfg.InitBinary = os.Getenv("DELTAGYM_INIT")
+	}
+	if cfg.InitBinary == "" {
+		return nil, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
+	}
+	if cfg.CgroupRoot == "" {
+		cfg.CgroupRoot = cgroup.DefaultRoot
+	}
+	if cfg.DefaultDiskBytes == 0 {
+		cfg.DefaultDiskBytes = 1 << 30
+	}
+	if cfg.NetPool == 0 {
+		cfg.NetPool = 8
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	r := &Runtime{
+		cfg: cfg, log: log, store: filepath.Join(cfg.DataDir, "store"),
+		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
+		done: make(chan struct{}),
+	}
+	for i := maxRanges - 1; i >= 0; i-- {
+		r.ranges = append(r.ranges, firstHostID+i*launch.IDRange)
+	}
+	var cleanup []func()
+	fail := func(err error) (*Runtime, error) {
+		for i := len(cleanup) - 1; i >= 0; i-- {
+			cleanup[i]()
+		}
+		return nil, err
+	}
+	for _, d := range []string{"images", "checkpoints", "sandboxes"} {
+		if err := os.MkdirAll(filepath.Join(r.store, d), 0o700); err != nil {
+			return fail(fmt.Errorf("creating data directory: %w", err))
+		}
+	}
+	var err error
+	if r.skel, err = makeSkeleton(r.store); err != nil {
+		return fail(err)
+	}
+	if r.layers, err = layers.New(filepath.Join(r.store, "layers")); err != nil {
+		return fail(err)
+	}
+	if r.cg, err = cgroup.New(cgroup.Config{Root: cfg.CgroupRoot}); err != nil {
+		return fail(fmt.Errorf("opening cgroups: %w", err))
+	}
+	if err := r.reconcile(); err != nil {
+		return fail(err)
+	}
+	if r.devnull, err = os.OpenFile(os.DevNull, os.O_RDWR, 0); err != nil {
+		return fail(err)
+	}
+	cleanup = append(cleanup, func() { r.devnull.Close() })
+	if r.spawn, err = launch.NewSpawnNS(cfg.InitBinary); err != nil {
+		return fail(err)
+	}
+	cleanup = append(cleanup, func() { r.spawn.Close() })
+	r.net = launch.NewNetPool(cfg.NetPool)
+	if cfg.CheckpointTTL > 0 {
+		r.wg.Add(1)
+		go r.expireLoop()
+	}
+	return r, nil
+}
+
+// makeSkeleton creates the bottom layer of every root: the directories the
+// sandbox needs whatever its image has (mount points, /tmp).
+func makeSkeleton(store string) (string, error) {
+	skel := filepath.Join(store, "skel")
+	for _, d := range []struct {
+		path string
+		mode os.FileMode
+	}{{"proc", 0o555}, {"dev", 0o755}, {"tmp", 0o1777}, {"run/deltagym", 0o755}, {"root", 0o700}, {"etc", 0o755}} {
+		p := filepath.Join(skel, d.path)
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			return "", fmt.Errorf("creating skeleton layer: %w", err)
+		}
+		if err := os.Chmod(p, d.mode); err != nil {
+			return "", err
+		}
+	}
+	return skel, nil
+}
+
+func (r *Runtime) reconcile() error {
+	// Images.
+	entries, err := os.ReadDir(filepath.Join(r.store, "images"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), ".") {
+			_ = os.RemoveAll(filepath.Join(r.store, "images", e.Name()))
+			continue
+		}
+		im, err := image.Load(filepath.Join(r.store, "images", e.Name()))
+		if err != nil {
+			r.log.Warn("dropping unreadable image", "image", e.Name(), "err", err)
+			continue
+		}
+		r.images[e.Name()] = &imageRec{info: imageInfo(e.Name(), im), layers: im.Layers}
+	}
+	// Checkpoints, and the layers they keep.
+	keep := map[string]int{}
+	entries, err = os.ReadDir(filepath.Join(r.store, "checkpoints"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		p := filepath.Join(r.store, "checkpoints", e.Name())
+		if !strings.HasSuffix(e.Name(), ".json") {
+			_ = os.Remove(p)
+			continue
+		}
+		b, err := os.ReadFile(p)
+		var c checkpoint
+		if err == nil {
+			err = json.Unmarshal(b, &c)
+		}
+		if err != nil || c.ID == "" || r.images[c.Image] == nil {
+			r.log.Warn("dropping unreadable checkpoint", "file", e.Name(), "err", err)
+			_ = os.Remove(p)
+			continue
+		}
+		r.ckpts[c.ID] = &c
+		for _, l := range c.Layers {
+			keep[l]++
+		}
+	}
+	missing, err := r.layers.Reconcile(keep)
+	if err != nil {
+		return err
+	}
+	if len(missing) > 0 {
+		gone := map[string]bool{}
+		for _, l := range missing {
+			gone[l] = true
+		}
+		for id, c := range r.ckpts {
+			for _, l := range c.Layers {
+				if gone[l] {
+					r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
+					r.dropCheckpointLocked(c, false)
+					break
+				}
+			}
+		}
+	}
+	// Sandboxes that were live: their inits died with the old server.
+	entries, err = os.ReadDir(filepath.Join(r.store, "sandboxes"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		r.ended = append(r.ended, e.Name())
+		_ = os.Remove(filepath.Join(r.store, "sandboxes", e.Name()))
+	}
+	sort.Strings(r.ended)
+	if len(r.ended) > 0 {
+		r.log.Info("sandboxes of the previous run were ended by the restart", "count", len(r.ended))
+	}
+	names, err := r.cg.List()
+	if err != nil {
+		return fmt.Errorf("listing leftover cgroups: %w", err)
+	}
+	for _, n := range names {
+		if err := r.cg.Remove(n); err != nil {
+			return fmt.Errorf("removing leftover cgroup %s: %w", n, err)
+		}
+	}
+	return nil
+}
+
+// Ended returns the sandboxes that were live when the previous server
+// process stopped; the restart ended them.
+func (r *Runtime) Ended() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.ended...)
+}
+
+func imageInfo(name string, im *image.Imported) ImageInfo {
+	return ImageInfo{Name: name, Digest: im.Digest, Layers: len(im.Layers), Config: im.Config}
+}
+
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$`)
+
+// ImportImage imports an OCI layout directory, a docker save tarball or a
+// rootfs directory as image name. Importing the same image again under the
+// same name is a no-op; another image under a taken name is ErrExists.
+func (r *Runtime) ImportImage(ctx context.Context, name, src string) (ImageInfo, error) {
+	if !nameRE.MatchString(name) {
+		return ImageInfo{}, fmt.Errorf("%w: image name %q: use letters, digits, '.', '_' and '-'", ErrInvalid, name)
+	}
+	tmp, err := os.MkdirTemp(filepath.Join(r.store, "images"), ".import-")
+	if err != nil {
+		return ImageInfo{}, err
+	}
+	defer os.RemoveAll(tmp)
+	im, err := image.Import(ctx, src, tmp)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, image.ErrUnknownFormat) || errors.Is(err, image.ErrInvalidImage) ||
+			errors.Is(err, image.ErrUnsafePath) || errors.Is(err, image.ErrDigestMismatch) || errors.Is(err, image.ErrUnsupportedCompression) {
+			return ImageInfo{}, fmt.Errorf("%w: importing image %s: %w", ErrInvalid, name, err)
+		}
+		return ImageInfo{}, fmt.Errorf("importing image %s: %w", name, err)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if old := r.images[name]; old != nil {
+		if old.info.Digest == im.Digest {
+			return old.info, nil
+		}
+		return ImageInfo{}, fmt.Errorf("%w: image %s (with another digest)", ErrExists, name)
+	}
+	dst := filepath.Join(r.store, "images", name)
+	if err := os.Rename(tmp, dst); err != nil {
+		return ImageInfo{}, fmt.Errorf("storing image %s: %w", name, err)
+	}
+	// Layer paths were recorded under tmp; load them again from dst.
+	im, err = image.Load(dst)
+	if err != nil {
+		return ImageInfo{}, fmt.Errorf("loading image %s: %w", name, err)
+	}
+	rec := &imageRec{info: imageInfo(name, im), layers: im.Layers}
+	r.images[name] = rec
+	return rec.info, nil
+}
+
+// Image returns the image called name.
+func (r *Runtime) Image(name string) (ImageInfo, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	im := r.images[name]
+	if im == nil {
+		return ImageInfo{}, fmt.Errorf("%w: image %q", ErrNotFound, name)
+	}
+	return im.info, nil
+}
+
+// Images lists the imported images by name.
+func (r *Runtime) Images() []ImageInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]ImageInfo, 0, len(r.images))
+	for _, im := range r.images {
+		out = append(out, im.info)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// Get returns the live sandbox id.
+func (r *Runtime) Get(id string) (*Sandbox, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := r.sandboxes[id]
+	if s == nil {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	return s, nil
+}
+
+// Sandboxes returns the number of live sandboxes.
+func (r *Runtime) Sandboxes() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.sandboxes)
+}
+
+// Checkpoint looks up checkpoint id.
+func (r *Runtime) Checkpoint(id string) (CheckpointInfo, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := r.ckpts[id]
+	if c == nil {
+		return CheckpointInfo{}, fmt.Errorf("%w: checkpoint %q", ErrNotFound, id)
+	}
+	return c.info(), nil
+}
+
+// Checkpoints returns the number of checkpoints held.
+func (r *Runtime) Checkpoints() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.ckpts)
+}
+
+// ReleaseCheckpoint forgets checkpoint id; its layers are freed once no
+// other checkpoint or sandbox uses them.
+func (r *Runtime) ReleaseCheckpoint(id string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := r.ckpts[id]
+	if c == nil {
+		return fmt.Errorf("%w: checkpoint %q", ErrNotFound, id)
+	}
+	r.dropCheckpointLocked(c, true)
+	return nil
+}
+
+func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
+	delete(r.ckpts, c.ID)
+	_ = os.Remove(filepath.Join(r.store, "checkpoints", c.ID+".json"))
+	if unref {
+		for _, l := range c.Layers {
+			r.layers.Unref(l)
+		}
+	}
+}
+
+func (r *Runtime) expireLoop() {
+	defer r.wg.Done()
+	tick := time.NewTicker(min(time.Second, r.cfg.CheckpointTTL/4+time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-r.done:
+			return
+		case now := <-tick.C:
+			r.mu.Lock()
+			for _, c := range r.ckpts {
+				if !c.Expires.IsZero() && now.After(c.Expires) {
+					r.dropCheckpointLocked(c, true)
+				}
+			}
+			r.mu.Unlock()
+		}
+	}
+}
+
+// addCheckpoint persists and registers a checkpoint whose layer references
+// the caller already holds for it.
+func (r *Runtime) addCheckpoint(c *checkpoint) error {
+	if r.cfg.CheckpointTTL > 0 {
+		c.Expires = c.Created.Add(r.cfg.CheckpointTTL)
+	}
+	b, err := json.Marshal(c)
+	if err != nil {
+		return err
+	}
+	dir := filepath.Join(r.store, "checkpoints")
+	tmp := filepath.Join(dir, "."+c.ID+".tmp")
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return fmt.Errorf("writing checkpoint %s: %w", c.ID, err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, c.ID+".json")); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("writing checkpoint %s: %w", c.ID, err)
+	}
+	r.mu.Lock()
+	r.ckpts[c.ID] = c
+	r.mu.Unlock()
+	return nil
+}
+
+func (r *Runtime) lookup(id string) (*checkpoint, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := r.ckpts[id]
+	if c == nil {
+		return nil, fmt.Errorf("%w: checkpoint %q", ErrNotFound, id)
+	}
+	return c, nil
+}
+
+func newID(prefix string) string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return prefix + hex.EncodeToString(b[:])
+}
+
+func (r *Runtime) takeRange() (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.ranges) == 0 {
+		return 0, fmt.Errorf("%w: no free uid range (%d sandboxes live)", ErrBudget, maxRanges)
+	}
+	h := r.ranges[len(r.ranges)-1]
+	r.ranges = r.ranges[:len(r.ranges)-1]
+	return h, nil
+}
+
+func (r *Runtime) putRange(h int) {
+	r.mu.Lock()
+	r.ranges = append(r.ranges, h)
+	r.mu.Unlock()
+}
+
+// Fork creates n sandboxes at checkpoint id, sharing its layers.
+func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*Sandbox, error) {
+	if n < 1 || n > 1024 {
+		return nil, fmt.Errorf("%w: fork count %d (1..1024)", ErrInvalid, n)
+	}
+	spec.Checkpoint = id
+	out := make([]*Sandbox, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 2)
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			out[i], errs[i] = r.Create(ctx, spec)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		for _, s := range out {
+			if s != nil {
+				_ = s.Destroy(context.WithoutCancel(ctx))
+			}
+		}
+		return nil, err
+	}
+	return out, nil
+}
+
+// Close destroys every live sandbox and stops the runtime. Checkpoints stay
+// on disk for the next run. Close is idempotent.
+func (r *Runtime) Close(ctx context.Context) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	r.closed = true
+	live := make([]*Sandbox, 0, len(r.sandboxes))
+	for _, s := range r.sandboxes {
+		live = append(live, s)
+	}
+	r.mu.Unlock()
+	var errs []error
+	for _, s := range live {
+		errs = append(errs, s.Destroy(ctx))
+	}
+	close(r.done)
+	r.wg.Wait()
+	errs = append(errs, r.net.Close(), r.spawn.Close())
+	r.layers.Wait()
+	r.devnull.Close()
+	return errors.Join(errs...)
+}
+
+// Purge removes a data directory written by a runtime, unmounting its
+// layers first. The runtime must be closed.
+func Purge(dataDir string) error {
+	err := layers.Purge(filepath.Join(dataDir, "store", "layers"))
+	return errors.Join(err, os.RemoveAll(dataDir))
+}

@@ -1,0 +1,529 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/overlay"
+)
+
+// Sandbox is one live sandbox. Its methods are safe for concurrent use:
+// Exec, ReadFile and WriteFile run side by side; Checkpoint, Restore and
+// Destroy run alone, and Restore and Destroy first abort running execs.
+type Sandbox struct {
+	rt      *Runtime
+	id      string
+	spec    Spec
+	img     *imageRec
+	hostID  int
+	netns   int
+	init    *launch.Init
+	cg      *cgroup.Cgroup
+	work    *cgroup.Cgroup // every command, session and background process
+	userns  int
+	created time.Time
+
+	// op serialises state changes (write lock) against commands and file
+	// actions (read lock).
+	op sync.RWMutex
+	// Guarded by op (write), read under op (read).
+	idmapped map[string]int // layer directory -> idmapped clone fd
+	stack    []string       // delta layers under the upper, bottom first (refs held)
+	upper    string         // live upper layer (ref held)
+	head     string
+
+	mu       sync.Mutex // guards the fields below
+	gen      context.Context
+	abort    context.CancelFunc
+	sessions map[string]*session
+	seq      int
+	closed   bool
+	done     chan struct{}
+}
+
+// ID returns the sandbox's id.
+func (s *Sandbox) ID() string { return s.id }
+
+// Image returns the name of the sandbox's image.
+func (s *Sandbox) Image() string { return s.img.info.Name }
+
+// Created returns when the sandbox was created.
+func (s *Sandbox) Created() time.Time { return s.created }
+
+// Done is closed when the sandbox is destroyed or its init has died.
+func (s *Sandbox) Done() <-chan struct{} { return s.done }
+
+// Head returns the checkpoint the live state descends from: the last one
+// taken or restored ("" for a sandbox made from an image and never
+// checkpointed).
+func (s *Sandbox) Head() string {
+	s.op.RLock()
+	defer s.op.RUnlock()
+	return s.head
+}
+
+// Create starts a sandbox from an image or a checkpoint.
+func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error) {
+	if err := spec.validate(); err != nil {
+		return nil, err
+	}
+	var ck *checkpoint
+	imgName := spec.Image
+	if spec.Checkpoint != "" {
+		if ck, err = r.lookup(spec.Checkpoint); err != nil {
+			return nil, err
+		}
+		if imgName != "" && imgName != ck.Image {
+			return nil, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", ErrMismatch, ck.ID, ck.Image, imgName)
+		}
+		imgName = ck.Image
+	}
+	r.mu.Lock()
+	img := r.images[imgName]
+	closed := r.closed
+	r.mu.Unlock()
+	if closed {
+		return nil, fmt.Errorf("%w: runtime is shutting down", ErrClosed)
+	}
+	if img == nil {
+		return nil, fmt.Errorf("%w: image %q", ErrNotFound, imgName)
+	}
+	s := &Sandbox{
+		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1,
+		idmapped: map[string]int{}, sessions: map[string]*session{}, done: make(chan struct{}),
+		created: time.Now(),
+	}
+	s.gen, s.abort = context.WithCancel(context.Background())
+
+	var undo []func() error
+	defer func() {
+		if err != nil {
+			var errs []error
+			for i := len(undo) - 1; i >= 0; i-- {
+				errs = append(errs, undo[i]())
+			}
+			if e := errors.Join(errs...); e != nil {
+				r.log.Warn("cleaning up a failed sandbox", "sandbox", s.id, "err", e)
+			}
+		}
+	}()
+	if s.hostID, err = r.takeRange(); err != nil {
+		return nil, err
+	}
+	undo = append(undo, func() error { r.putRange(s.hostID); return nil })
+	if s.netns, err = r.net.Get(); err != nil {
+		return nil, fmt.Errorf("creating net namespace: %w", err)
+	}
+	undo = append(undo, func() error { return unix.Close(s.netns) })
+	lim := cgroup.Limits{MemoryBytes: spec.Limits.MemoryBytes, Pids: spec.Limits.Pids, CPUQuota: spec.Limits.CPUs}
+	if s.cg, err = r.cg.Create(s.id, lim); err != nil {
+		return nil, fmt.Errorf("creating cgroup: %w", err)
+	}
+	undo = append(undo, s.cg.Delete)
+	if s.work, err = s.cg.Sub("w"); err != nil {
+		return nil, fmt.Errorf("creating cgroup: %w", err)
+	}
+	if s.init, err = r.spawn.Start(launch.Config{HostID: s.hostID, NetNS: s.netns, Stderr: os.Stderr}); err != nil {
+		return nil, err
+	}
+	undo = append(undo, s.init.Stop)
+	if err = s.cg.Add(s.init.Pid); err != nil {
+		return nil, fmt.Errorf("adding init to cgroup: %w", err)
+	}
+	if s.userns, err = s.init.UserNS(); err != nil {
+		return nil, fmt.Errorf("opening user namespace: %w", err)
+	}
+	undo = append(undo, s.closeFDs)
+	host := spec.Hostname
+	if host == "" {
+		host = "sandbox"
+	}
+	if err = s.init.Conn.SetHostname(host); err != nil {
+		return nil, fmt.Errorf("setting host name: %w", err)
+	}
+	var stack []string
+	if ck != nil {
+		stack = ck.Layers
+		s.head = ck.ID
+	}
+	for i, l := range stack {
+		if err = r.layers.Ref(l); err != nil {
+			for _, l := range stack[:i] {
+				r.layers.Unref(l)
+			}
+			return nil, fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, spec.Checkpoint)
+		}
+	}
+	s.stack = slices.Clone(stack)
+	undo = append(undo, func() error { s.unrefStack(); return nil })
+	if err = s.switchRoot(stack); err != nil {
+		return nil, err
+	}
+	undo = append(undo, func() error { s.rt.layers.Unref(s.upper); return nil })
+	if err = os.WriteFile(filepath.Join(r.store, "sandboxes", s.id), nil, 0o600); err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		os.Remove(filepath.Join(r.store, "sandboxes", s.id))
+		return nil, fmt.Errorf("%w: runtime is shutting down", ErrClosed)
+	}
+	r.sandboxes[s.id] = s
+	r.mu.Unlock()
+	go s.watch()
+	return s, nil
+}
+
+func (sp Spec) validate() error {
+	if sp.Image == "" && sp.Checkpoint == "" {
+		return fmt.Errorf("%w: a sandbox needs an image or a checkpoint", ErrInvalid)
+	}
+	l := sp.Limits
+	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUs < 0 || l.DiskBytes < 0 {
+		return fmt.Errorf("%w: negative limit", ErrInvalid)
+	}
+	if sp.UID >= launch.IDRange || sp.GID >= launch.IDRange {
+		return fmt.Errorf("%w: uid and gid must be below %d", ErrInvalid, launch.IDRange)
+	}
+	return nil
+}
+
+// watch destroys the sandbox if its init dies on its own.
+func (s *Sandbox) watch() {
+	select {
+	case <-s.init.Done():
+		s.mu.Lock()
+		closed := s.closed
+		s.mu.Unlock()
+		if !closed {
+			s.rt.log.Warn("sandbox init died; destroying the sandbox", "sandbox", s.id, "exit", s.init.ExitErr())
+			_ = s.Destroy(context.Background())
+		}
+	case <-s.done:
+	}
+}
+
+func (s *Sandbox) diskBytes() int64 {
+	if s.spec.Limits.DiskBytes > 0 {
+		return s.spec.Limits.DiskBytes
+	}
+	return s.rt.cfg.DefaultDiskBytes
+}
+
+// lowerFD returns the idmapped clone of a layer directory for this sandbox.
+func (s *Sandbox) lowerFD(dir string) (int, error) {
+	if fd, ok := s.idmapped[dir]; ok {
+		return fd, nil
+	}
+	fd, err := overlay.IDMapped(dir, s.userns, true)
+	if err != nil {
+		return -1, err
+	}
+	s.idmapped[dir] = fd
+	return fd, nil
+}
+
+// switchRoot makes a fresh upper over stack (delta layers, bottom first) the
+// sandbox's root. On success the sandbox's old upper (if any) is released
+// and the new one is s.upper; stack references are the caller's business.
+func (s *Sandbox) switchRoot(stack []string) error {
+	upper, err := s.rt.layers.NewUpper(s.diskBytes())
+	if err != nil {
+		return err
+	}
+	mfd, err := s.buildRoot(stack, upper)
+	if err == nil {
+		err = s.init.Swap(mfd)
+		unix.Close(mfd)
+	}
+	if err != nil {
+		s.rt.layers.Unref(upper)
+		return fmt.Errorf("switching root: %w", err)
+	}
+	if s.upper != "" {
+		s.rt.layers.Unref(s.upper)
+	}
+	s.upper = upper
+	return nil
+}
+
+func (s *Sandbox) buildRoot(stack []string, upper string) (int, error) {
+	lowers := make([]int, 0, len(stack)+len(s.img.layers)+1)
+	for i := len(stack) - 1; i >= 0; i-- {
+		fd, err := s.lowerFD(s.rt.layers.Path(stack[i]))
+		if err != nil {
+			return -1, err
+		}
+		lowers = append(lowers, fd)
+	}
+	for i := len(s.img.layers) - 1; i >= 0; i-- {
+		fd, err := s.lowerFD(s.img.layers[i])
+		if err != nil {
+			return -1, err
+		}
+		lowers = append(lowers, fd)
+	}
+	fd, err := s.lowerFD(s.rt.skel)
+	if err != nil {
+		return -1, err
+	}
+	lowers = append(lowers, fd)
+	ufd, err := overlay.IDMapped(s.rt.layers.Dir(upper), s.userns, false)
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(ufd)
+	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: "fs", WorkDir: "work", MounterID: s.hostID})
+}
+
+func (s *Sandbox) unrefStack() {
+	for _, l := range s.stack {
+		s.rt.layers.Unref(l)
+	}
+	s.stack = nil
+}
+
+func (s *Sandbox) closeFDs() error {
+	for k, fd := range s.idmapped {
+		unix.Close(fd)
+		delete(s.idmapped, k)
+	}
+	if s.userns >= 0 {
+		unix.Close(s.userns)
+		s.userns = -1
+	}
+	return nil
+}
+
+// beginOp aborts running execs when abort is set, then takes the write
+// lock. It fails if the sandbox is closed.
+func (s *Sandbox) beginOp(abort bool) error {
+	if abort {
+		s.mu.Lock()
+		s.abort()
+		s.mu.Unlock()
+	}
+	s.op.Lock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		s.op.Unlock()
+		return fmt.Errorf("%w: sandbox %s", ErrClosed, s.id)
+	}
+	if abort {
+		s.gen, s.abort = context.WithCancel(context.Background())
+	}
+	return nil
+}
+
+// Destroy ends every process of the sandbox and frees what it holds; its
+// checkpoints stay. Running execs return ErrAborted. Destroy is idempotent.
+func (s *Sandbox) Destroy(ctx context.Context) error {
+	if err := s.beginOp(true); err != nil {
+		if errors.Is(err, ErrClosed) {
+			return nil
+		}
+		return err
+	}
+	defer s.op.Unlock()
+	s.mu.Lock()
+	s.closed = true
+	s.abort()
+	sessions := s.sessions
+	s.sessions = map[string]*session{}
+	s.mu.Unlock()
+	for _, se := range sessions {
+		se.close()
+	}
+	var errs []error
+	errs = append(errs, s.init.Stop())
+	errs = append(errs, s.cg.Delete())
+	s.closeFDs()
+	unix.Close(s.netns)
+	s.unrefStack()
+	if s.upper != "" {
+		s.rt.layers.Unref(s.upper)
+		s.upper = ""
+	}
+	s.rt.putRange(s.hostID)
+	s.rt.mu.Lock()
+	delete(s.rt.sandboxes, s.id)
+	s.rt.mu.Unlock()
+	_ = os.Remove(filepath.Join(s.rt.store, "sandboxes", s.id))
+	close(s.done)
+	return errors.Join(errs...)
+}
+
+// killAll ends every process of the sandbox but the init, sessions included.
+func (s *Sandbox) killAll() error {
+	s.mu.Lock()
+	sessions := s.sessions
+	s.sessions = map[string]*session{}
+	s.mu.Unlock()
+	for _, se := range sessions {
+		se.close()
+	}
+	// Deleting the group kills everything in it and drops the sub-groups
+	// that commands left; a fresh one takes its place.
+	if err := s.work.Delete(); err != nil {
+		return fmt.Errorf("ending the sandbox's processes: %w", err)
+	}
+	w, err := s.cg.Sub("w")
+	if err != nil {
+		return fmt.Errorf("creating cgroup: %w", err)
+	}
+	s.work = w
+	return nil
+}
+
+// hasProcesses reports whether anything but the init runs in the sandbox.
+func (s *Sandbox) hasProcesses() (bool, error) {
+	pids, err := s.work.Pids()
+	if err != nil {
+		return false, err
+	}
+	return len(pids) > 0, nil
+}
+
+// Checkpoint records the sandbox's current filesystem state as an immutable
+// checkpoint. Background processes and sessions keep running.
+func (s *Sandbox) Checkpoint(ctx context.Context) (CheckpointInfo, error) {
+	if err := s.beginOp(false); err != nil {
+		return CheckpointInfo{}, err
+	}
+	defer s.op.Unlock()
+	r := s.rt
+	if b := r.cfg.CheckpointBudgetBytes; b > 0 {
+		if need := r.layers.SealedBytes() + r.layers.Used(s.upper); need > b {
+			return CheckpointInfo{}, fmt.Errorf("%w: checkpoint storage budget of %d bytes would be exceeded (%d needed); release checkpoints", ErrBudget, b, need)
+		}
+	}
+	live, err := s.hasProcesses()
+	if err != nil {
+		return CheckpointInfo{}, err
+	}
+	c := &checkpoint{ID: newID("ck-"), Parent: s.head, Image: s.img.info.Name, SandboxID: s.id, Created: time.Now()}
+	if !live {
+		err = s.sealAndSwap(c)
+	}
+	if live || errors.Is(err, unix.EBUSY) {
+		err = s.copyUpper(c)
+	}
+	if err != nil {
+		return CheckpointInfo{}, err
+	}
+	if err := r.addCheckpoint(c); err != nil {
+		for _, l := range c.Layers {
+			r.layers.Unref(l)
+		}
+		return CheckpointInfo{}, err
+	}
+	s.head = c.ID
+	return c.info(), nil
+}
+
+// sealAndSwap is the fast path: the upper itself becomes the checkpoint's
+// top layer, under a fresh upper.
+func (s *Sandbox) sealAndSwap(c *checkpoint) error {
+	r := s.rt
+	size, err := r.layers.Seal(s.upper)
+	if err != nil {
+		return err
+	}
+	old := s.upper
+	stack := append(slices.Clone(s.stack), old)
+	// switchRoot releases the old upper's reference: take one for the stack.
+	if err := r.layers.Ref(old); err != nil {
+		return err
+	}
+	if err := s.switchRoot(stack); err != nil {
+		r.layers.Unref(old)
+		if uerr := r.layers.Unseal(old); uerr != nil {
+			return errors.Join(err, uerr)
+		}
+		return err
+	}
+	s.stack = stack
+	for _, l := range stack {
+		_ = r.layers.Ref(l) // the checkpoint's references; all exist
+	}
+	c.Layers = slices.Clone(stack)
+	c.Size = size
+	return nil
+}
+
+// copyUpper is the path for a sandbox with live processes: freeze, seal a
+// copy of the upper, thaw.
+func (s *Sandbox) copyUpper(c *checkpoint) error {
+	r := s.rt
+	if err := s.cg.Freeze(); err != nil {
+		return fmt.Errorf("freezing sandbox: %w", err)
+	}
+	id, size, err := r.layers.CopySealed(s.upper, s.diskBytes())
+	if terr := s.cg.Thaw(); terr != nil {
+		err = errors.Join(err, fmt.Errorf("thawing sandbox: %w", terr))
+	}
+	if err != nil {
+		if id != "" {
+			r.layers.Unref(id)
+		}
+		return err
+	}
+	for _, l := range s.stack {
+		_ = r.layers.Ref(l)
+	}
+	c.Layers = append(slices.Clone(s.stack), id)
+	c.Size = size
+	return nil
+}
+
+// Restore puts the sandbox at checkpoint id: every process but the init is
+// ended (running execs return ErrAborted), and the checkpoint's layers under
+// a fresh upper become the root.
+func (s *Sandbox) Restore(ctx context.Context, id string) error {
+	r := s.rt
+	c, err := r.lookup(id)
+	if err != nil {
+		return err
+	}
+	if c.Image != s.img.info.Name {
+		return fmt.Errorf("%w: checkpoint %s is of image %s, the sandbox of %s", ErrMismatch, id, c.Image, s.img.info.Name)
+	}
+	if err := s.beginOp(true); err != nil {
+		return err
+	}
+	defer s.op.Unlock()
+	if err := s.killAll(); err != nil {
+		return err
+	}
+	stack := slices.Clone(c.Layers)
+	for i, l := range stack {
+		if err := r.layers.Ref(l); err != nil {
+			for _, l := range stack[:i] {
+				r.layers.Unref(l)
+			}
+			return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
+		}
+	}
+	if err := s.switchRoot(stack); err != nil {
+		for _, l := range stack {
+			r.layers.Unref(l)
+		}
+		return err
+	}
+	s.unrefStack()
+	s.stack = stack
+	s.head = id
+	return nil
+}

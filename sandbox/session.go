@@ -1,0 +1,359 @@
+package sandbox
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/initproc"
+)
+
+type out struct {
+	data      []byte
+	truncated bool
+	rc        int
+	ok        bool
+}
+
+// A session is a persistent bash, fed commands on its stdin. Each command is
+// sent as `eval $'…' </dev/null` — ANSI-C quoted, so any text is one word and
+// cannot break out of the protocol; eval runs it in the shell itself, so cd,
+// exports and functions persist — followed by a line that prints a sentinel
+// with $? on stdout and a sentinel on stderr. The sentinels carry a random
+// nonce per session, so no output can fake them.
+type session struct {
+	name    string
+	cg      *cgroup.Cgroup
+	hostPid int
+	stdin   *os.File
+	stdout  *bufio.Reader
+	stderr  *bufio.Reader
+	outF    *os.File
+	errF    *os.File
+	nonce   string
+	exited  chan struct{}
+
+	mu     sync.Mutex // one command at a time
+	broken bool
+}
+
+var sessionNameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
+
+func (s *Sandbox) sessionExec(ctx context.Context, req ExecRequest) (ExecResult, error) {
+	if !sessionNameRE.MatchString(req.Session) {
+		return ExecResult{}, fmt.Errorf("%w: session name %q: use 1-64 letters, digits, '_', '.', '-'", ErrInvalid, req.Session)
+	}
+	if len(req.Stdin) > 0 {
+		return ExecResult{}, fmt.Errorf("%w: session commands take no stdin", ErrInvalid)
+	}
+	gen, err := s.beginExec()
+	if err != nil {
+		return ExecResult{}, err
+	}
+	defer s.op.RUnlock()
+	se, err := s.session(req.Session)
+	if err != nil {
+		return ExecResult{}, err
+	}
+	res, err := se.run(ctx, gen, req)
+	if se.isBroken() {
+		s.mu.Lock()
+		if s.sessions[req.Session] == se {
+			delete(s.sessions, req.Session)
+		}
+		s.mu.Unlock()
+		se.close()
+	}
+	return res, err
+}
+
+// session returns the named session, starting it on first use.
+func (s *Sandbox) session(name string) (*session, error) {
+	s.mu.Lock()
+	se := s.sessions[name]
+	s.mu.Unlock()
+	if se != nil {
+		return se, nil
+	}
+	cg, err := s.subgroup("s")
+	if err != nil {
+		return nil, fmt.Errorf("creating session cgroup: %w", err)
+	}
+	se, err = s.startSession(name, cg)
+	if err != nil {
+		_ = cg.Delete()
+		return nil, err
+	}
+	s.mu.Lock()
+	if other := s.sessions[name]; other != nil {
+		s.mu.Unlock()
+		se.close()
+		return other, nil
+	}
+	s.sessions[name] = se
+	s.mu.Unlock()
+	return se, nil
+}
+
+func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error) {
+	procs, err := cg.OpenProcs()
+	if err != nil {
+		return nil, err
+	}
+	defer closeAll(procs)
+	inR, inW, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		return nil, err
+	}
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		outR.Close()
+		outW.Close()
+		return nil, err
+	}
+	_, wait, err := s.init.Conn.Spawn(initproc.SpawnRequest{
+		Argv: []string{"bash", "--noprofile", "--norc"}, Env: s.env([]string{"PS1=", "PS2="}),
+		Cwd: s.cwd(""), UID: s.spec.UID, GID: s.spec.GID, Flags: initproc.FlagSetsid, CgroupProcs: procs,
+		Stdin: inR, Stdout: outW, Stderr: errW,
+	})
+	inR.Close()
+	outW.Close()
+	errW.Close()
+	if err != nil {
+		inW.Close()
+		outR.Close()
+		errR.Close()
+		return nil, fmt.Errorf("starting session %s (bash): %w", name, s.spawnError(err))
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	se := &session{
+		name: name, cg: cg, stdin: inW, outF: outR, errF: errR,
+		stdout: bufio.NewReaderSize(outR, 64*1024), stderr: bufio.NewReaderSize(errR, 64*1024),
+		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
+	}
+	go func() {
+		<-wait
+		close(se.exited)
+	}()
+	// The only process in the group right now is bash: remember its host
+	// pid, so a timeout can kill what it runs and spare it.
+	pids, err := cg.Pids()
+	if err != nil || len(pids) != 1 {
+		se.close()
+		return nil, fmt.Errorf("starting session %s: cannot find its shell (%v)", name, err)
+	}
+	se.hostPid = pids[0]
+	return se, nil
+}
+
+// ansiC quotes s as a bash $'…' word.
+func ansiC(s string) string {
+	var b strings.Builder
+	b.WriteString("$'")
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == ' ' || c == '_' || c == '-' || c == '.' || c == '/' {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(&b, "\\x%02x", c)
+		}
+	}
+	b.WriteByte('\'')
+	return b.String()
+}
+
+func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, error) {
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	if se.broken {
+		return ExecResult{}, fmt.Errorf("%w: session %s has ended", ErrClosed, se.name)
+	}
+	tag := "__DG_" + se.nonce
+	script := ""
+	for _, kv := range req.Env {
+		k, v, _ := strings.Cut(kv, "=")
+		script += "export " + k + "=" + ansiC(v) + "; "
+	}
+	if req.Cwd != "" {
+		script += "cd " + ansiC(req.Cwd) + " && "
+	}
+	script += "eval " + ansiC(req.Command) + " </dev/null\n" +
+		"printf '\\n" + tag + "_RC=%d\\n' \"$?\"; printf '\\n" + tag + "\\n' >&2\n"
+	start := time.Now()
+	if _, err := se.stdin.Write([]byte(script)); err != nil {
+		se.broken = true
+		return ExecResult{}, fmt.Errorf("%w: session %s has ended", ErrClosed, se.name)
+	}
+	outc := make(chan out, 1)
+	errc := make(chan out, 1)
+	go func() {
+		d, t, rc, ok := readUntil(se.stdout, tag+"_RC=", req.MaxOutput)
+		outc <- out{d, t, rc, ok}
+	}()
+	go func() {
+		d, t, _, ok := readUntil(se.stderr, tag, req.MaxOutput)
+		errc <- out{d, t, 0, ok}
+	}()
+	res := ExecResult{Start: start, ExitCode: -1}
+	timer := time.NewTimer(req.Timeout)
+	defer timer.Stop()
+	var o, e out
+	gotOut, gotErr := false, false
+	for !gotOut || !gotErr {
+		select {
+		case o = <-outc:
+			gotOut = true
+		case e = <-errc:
+			gotErr = true
+		case <-timer.C:
+			if !res.TimedOut {
+				// End what the shell runs and spare the shell, which then
+				// prints the sentinels; give it a second to do so.
+				res.TimedOut = true
+				se.killChildren()
+				timer.Reset(time.Second)
+			} else {
+				// The shell itself is stuck (a builtin loop): end it.
+				se.broken = true
+				_ = se.cg.Kill()
+			}
+		case <-ctx.Done():
+			return res, se.abortRun(outc, errc, fmt.Errorf("%w: %w", ErrAborted, ctx.Err()))
+		case <-gen.Done():
+			return res, se.abortRun(outc, errc, fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted))
+		}
+	}
+	res.Duration = time.Since(start)
+	res.Stdout, res.StdoutTruncated = o.data, o.truncated
+	res.Stderr, res.StderrTruncated = e.data, e.truncated
+	if !o.ok || !e.ok {
+		se.broken = true
+		if res.TimedOut {
+			res.Signal = "SIGKILL"
+			return res, nil
+		}
+		// The shell exited (the command ran `exit`, say).
+		res.ExitCode = 0
+		return res, nil
+	}
+	if res.TimedOut {
+		res.Signal = "SIGKILL"
+		return res, nil
+	}
+	res.ExitCode = o.rc
+	if o.rc > 128 {
+		// bash reports a command killed by signal N as 128+N.
+		res.ExitCode = -1
+		res.Signal = signalName(o.rc - 128)
+	}
+	return res, nil
+}
+
+func (se *session) abortRun(outc, errc chan out, err error) error {
+	se.broken = true
+	_ = se.cg.Kill()
+	se.outF.Close()
+	se.errF.Close()
+	<-outc
+	<-errc
+	return err
+}
+
+// killChildren kills every process of the session but its shell.
+func (se *session) killChildren() {
+	if se.cg.Freeze() != nil {
+		return
+	}
+	pids, _ := se.cg.Pids()
+	for _, p := range pids {
+		if p != se.hostPid {
+			_ = killPid(p)
+		}
+	}
+	_ = se.cg.Thaw()
+}
+
+// readUntil reads lines until one starts with marker (and, for the stdout
+// marker, carries the exit code), keeping at most limit bytes of what came
+// before it, minus the newline the sentinel printf added.
+func readUntil(r *bufio.Reader, marker string, limit int) (data []byte, truncated bool, rc int, ok bool) {
+	var buf bytes.Buffer
+	atLineStart := true
+	for {
+		line, err := r.ReadSlice('\n')
+		if atLineStart && bytes.HasPrefix(line, []byte(marker)) && (len(line) > 0 && line[len(line)-1] == '\n') {
+			rest := strings.TrimSpace(string(line[len(marker):]))
+			if rest == "" || marker[len(marker)-1] == '=' {
+				if n, perr := strconv.Atoi(rest); perr == nil || rest == "" {
+					b := buf.Bytes()
+					if len(b) > 0 && b[len(b)-1] == '\n' {
+						b = b[:len(b)-1]
+					}
+					return b, truncated, n, true
+				}
+			}
+		}
+		if len(line) > 0 {
+			atLineStart = line[len(line)-1] == '\n'
+			room := limit + 1 - buf.Len() // +1: the sentinel's newline
+			if len(line) > room {
+				truncated = true
+				line = line[:max(room, 0)]
+			}
+			buf.Write(line)
+		}
+		if err != nil && err != bufio.ErrBufferFull {
+			b := buf.Bytes()
+			if len(b) > limit {
+				b = b[:limit]
+			}
+			return b, truncated, 0, false
+		}
+		if err == bufio.ErrBufferFull {
+			atLineStart = false
+		}
+	}
+}
+
+func (se *session) isBroken() bool {
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	return se.broken
+}
+
+func (se *session) close() {
+	_ = se.cg.Delete()
+	se.stdin.Close()
+	se.outF.Close()
+	se.errF.Close()
+}
+
+func killPid(hostPid int) error { return unix.Kill(hostPid, unix.SIGKILL) }
+
+func signalName(n int) string {
+	if name := unix.SignalName(unix.Signal(n)); name != "" {
+		return name
+	}
+	return "SIG" + strconv.Itoa(n)
+}
