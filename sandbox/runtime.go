@@ -44,6 +44,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/image"
 	"github.com/deltagym/deltagym/sandbox/launch"
@@ -220,7 +222,10 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		}
 		return nil, err
 	}
-	for _, d := range []string{"images", "checkpoints", "sandboxes"} {
+	if err := mountMeta(r.store); err != nil {
+		return fail(err)
+	}
+	for _, d := range []string{"images", "meta/checkpoints", "meta/sandboxes"} {
 		if err := os.MkdirAll(filepath.Join(r.store, d), 0o700); err != nil {
 			return fail(fmt.Errorf("creating data directory: %w", err))
 		}
@@ -252,6 +257,25 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		go r.expireLoop()
 	}
 	return r, nil
+}
+
+// mountMeta mounts a tmpfs for the metadata of checkpoints and sandboxes at
+// store/meta, unless one is there from an earlier run. Metadata lives as
+// long as the layers it describes (which are tmpfs too): across restarts of
+// the server, not across reboots; and writing it costs microseconds, not
+// a journal commit.
+func mountMeta(store string) error {
+	meta := filepath.Join(store, "meta")
+	if err := os.MkdirAll(meta, 0o700); err != nil {
+		return fmt.Errorf("creating data directory: %w", err)
+	}
+	if layers.IsMount(meta) {
+		return nil
+	}
+	if err := unix.Mount("dg-meta", meta, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=700,size=256m"); err != nil {
+		return fmt.Errorf("mounting metadata tmpfs: %w", err)
+	}
+	return nil
 }
 
 // makeSkeleton creates the bottom layer of every root: the directories the
@@ -293,12 +317,12 @@ func (r *Runtime) reconcile() error {
 	}
 	// Checkpoints, and the layers they keep.
 	keep := map[string]int{}
-	entries, err = os.ReadDir(filepath.Join(r.store, "checkpoints"))
+	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "checkpoints"))
 	if err != nil {
 		return err
 	}
 	for _, e := range entries {
-		p := filepath.Join(r.store, "checkpoints", e.Name())
+		p := filepath.Join(r.store, "meta", "checkpoints", e.Name())
 		if !strings.HasSuffix(e.Name(), ".json") {
 			_ = os.Remove(p)
 			continue
@@ -338,13 +362,13 @@ func (r *Runtime) reconcile() error {
 		}
 	}
 	// Sandboxes that were live: their inits died with the old server.
-	entries, err = os.ReadDir(filepath.Join(r.store, "sandboxes"))
+	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
 	if err != nil {
 		return err
 	}
 	for _, e := range entries {
 		r.ended = append(r.ended, e.Name())
-		_ = os.Remove(filepath.Join(r.store, "sandboxes", e.Name()))
+		_ = os.Remove(filepath.Join(r.store, "meta", "sandboxes", e.Name()))
 	}
 	sort.Strings(r.ended)
 	if len(r.ended) > 0 {
@@ -492,7 +516,7 @@ func (r *Runtime) ReleaseCheckpoint(id string) error {
 
 func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	delete(r.ckpts, c.ID)
-	_ = os.Remove(filepath.Join(r.store, "checkpoints", c.ID+".json"))
+	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
 	if unref {
 		for _, l := range c.Layers {
 			r.layers.Unref(l)
@@ -530,7 +554,7 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	if err != nil {
 		return err
 	}
-	dir := filepath.Join(r.store, "checkpoints")
+	dir := filepath.Join(r.store, "meta", "checkpoints")
 	tmp := filepath.Join(dir, "."+c.ID+".tmp")
 	if err := os.WriteFile(tmp, b, 0o600); err != nil {
 		return fmt.Errorf("writing checkpoint %s: %w", c.ID, err)
@@ -639,5 +663,6 @@ func (r *Runtime) Close(ctx context.Context) error {
 // layers first. The runtime must be closed.
 func Purge(dataDir string) error {
 	err := layers.Purge(filepath.Join(dataDir, "store", "layers"))
+	_ = unix.Unmount(filepath.Join(dataDir, "store", "meta"), unix.MNT_DETACH)
 	return errors.Join(err, os.RemoveAll(dataDir))
 }

@@ -41,6 +41,10 @@ type Sandbox struct {
 	stack    []string       // delta layers under the upper, bottom first (refs held)
 	upper    string         // live upper layer (ref held)
 	head     string
+	// spare is the next upper, prepared in the background after each root
+	// switch so that the next checkpoint or restore need not make one.
+	spare      chan spareUpper
+	spareReady bool
 
 	mu       sync.Mutex // guards the fields below
 	gen      context.Context
@@ -70,6 +74,16 @@ func (s *Sandbox) Head() string {
 	s.op.RLock()
 	defer s.op.RUnlock()
 	return s.head
+}
+
+// InitPid returns the host pid of the sandbox's init.
+func (s *Sandbox) InitPid() int { return s.init.Pid }
+
+// Depth returns the number of delta layers under the sandbox's upper.
+func (s *Sandbox) Depth() int {
+	s.op.RLock()
+	defer s.op.RUnlock()
+	return len(s.stack)
 }
 
 // Create starts a sandbox from an image or a checkpoint.
@@ -169,14 +183,14 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if err = s.switchRoot(stack); err != nil {
 		return nil, err
 	}
-	undo = append(undo, func() error { s.rt.layers.Unref(s.upper); return nil })
-	if err = os.WriteFile(filepath.Join(r.store, "sandboxes", s.id), nil, 0o600); err != nil {
+	undo = append(undo, func() error { s.dropSpare(); s.rt.layers.Unref(s.upper); return nil })
+	if err = os.WriteFile(filepath.Join(r.store, "meta", "sandboxes", s.id), nil, 0o600); err != nil {
 		return nil, err
 	}
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
-		os.Remove(filepath.Join(r.store, "sandboxes", s.id))
+		os.Remove(filepath.Join(r.store, "meta", "sandboxes", s.id))
 		return nil, fmt.Errorf("%w: runtime is shutting down", ErrClosed)
 	}
 	r.sandboxes[s.id] = s
@@ -238,27 +252,82 @@ func (s *Sandbox) lowerFD(dir string) (int, error) {
 // sandbox's root. On success the sandbox's old upper (if any) is released
 // and the new one is s.upper; stack references are the caller's business.
 func (s *Sandbox) switchRoot(stack []string) error {
-	upper, err := s.rt.layers.NewUpper(s.diskBytes())
+	sp, err := s.takeSpare()
 	if err != nil {
 		return err
 	}
-	mfd, err := s.buildRoot(stack, upper)
+	mfd, err := s.buildRoot(stack, sp.fd)
+	unix.Close(sp.fd)
 	if err == nil {
 		err = s.init.Swap(mfd)
 		unix.Close(mfd)
 	}
 	if err != nil {
-		s.rt.layers.Unref(upper)
+		s.rt.layers.Unref(sp.id)
 		return fmt.Errorf("switching root: %w", err)
 	}
 	if s.upper != "" {
 		s.rt.layers.Unref(s.upper)
 	}
-	s.upper = upper
+	s.upper = sp.id
+	s.prepareSpare()
 	return nil
 }
 
-func (s *Sandbox) buildRoot(stack []string, upper string) (int, error) {
+// spareUpper is an empty upper with its idmapped clone for this sandbox.
+type spareUpper struct {
+	id  string
+	fd  int
+	err error
+}
+
+func (s *Sandbox) newSpare() spareUpper {
+	id, err := s.rt.layers.NewUpper(s.diskBytes())
+	if err != nil {
+		return spareUpper{err: err}
+	}
+	fd, err := overlay.IDMapped(s.rt.layers.Dir(id), s.userns, false)
+	if err != nil {
+		s.rt.layers.Unref(id)
+		return spareUpper{err: err}
+	}
+	return spareUpper{id: id, fd: fd}
+}
+
+// prepareSpare starts making the next upper. Called with op held.
+func (s *Sandbox) prepareSpare() {
+	s.spare = make(chan spareUpper, 1)
+	s.spareReady = true
+	ch := s.spare
+	go func() { ch <- s.newSpare() }()
+}
+
+// takeSpare returns the prepared upper, or makes one. Called with op held.
+func (s *Sandbox) takeSpare() (spareUpper, error) {
+	var sp spareUpper
+	if s.spareReady {
+		sp = <-s.spare
+		s.spareReady = false
+	} else {
+		sp = s.newSpare()
+	}
+	return sp, sp.err
+}
+
+// dropSpare releases a prepared upper. Called with op held.
+func (s *Sandbox) dropSpare() {
+	if !s.spareReady {
+		return
+	}
+	sp := <-s.spare
+	s.spareReady = false
+	if sp.err == nil {
+		unix.Close(sp.fd)
+		s.rt.layers.Unref(sp.id)
+	}
+}
+
+func (s *Sandbox) buildRoot(stack []string, ufd int) (int, error) {
 	lowers := make([]int, 0, len(stack)+len(s.img.layers)+1)
 	for i := len(stack) - 1; i >= 0; i-- {
 		fd, err := s.lowerFD(s.rt.layers.Path(stack[i]))
@@ -279,11 +348,6 @@ func (s *Sandbox) buildRoot(stack []string, upper string) (int, error) {
 		return -1, err
 	}
 	lowers = append(lowers, fd)
-	ufd, err := overlay.IDMapped(s.rt.layers.Dir(upper), s.userns, false)
-	if err != nil {
-		return -1, err
-	}
-	defer unix.Close(ufd)
 	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: "fs", WorkDir: "work", MounterID: s.hostID})
 }
 
@@ -349,6 +413,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	var errs []error
 	errs = append(errs, s.init.Stop())
 	errs = append(errs, s.cg.Delete())
+	s.dropSpare()
 	s.closeFDs()
 	unix.Close(s.netns)
 	s.unrefStack()
@@ -360,7 +425,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	s.rt.mu.Lock()
 	delete(s.rt.sandboxes, s.id)
 	s.rt.mu.Unlock()
-	_ = os.Remove(filepath.Join(s.rt.store, "sandboxes", s.id))
+	_ = os.Remove(filepath.Join(s.rt.store, "meta", "sandboxes", s.id))
 	close(s.done)
 	return errors.Join(errs...)
 }

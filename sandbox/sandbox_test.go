@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,6 +19,7 @@ import (
 )
 
 var (
+	testSeq  atomic.Int64
 	initOnce sync.Once
 	initPath string
 	initErr  error
@@ -63,7 +66,7 @@ func setup(t testing.TB, mod ...func(*sandbox.Config)) *bundle {
 	t.Helper()
 	bin := initBinary(t)
 	dir := t.TempDir()
-	cfg := sandbox.Config{DataDir: filepath.Join(dir, "data"), InitBinary: bin, CgroupRoot: "dgtest-" + filepath.Base(dir)}
+	cfg := sandbox.Config{DataDir: filepath.Join(dir, "data"), InitBinary: bin, CgroupRoot: fmt.Sprintf("dgtest-%d-%d", os.Getpid(), testSeq.Add(1))}
 	for _, m := range mod {
 		m(&cfg)
 	}

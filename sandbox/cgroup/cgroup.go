@@ -565,13 +565,17 @@ func (c *Cgroup) Delete() error {
 			errs = append(errs, &os.PathError{Op: "rmdir", Path: d, Err: err})
 			continue
 		}
-		if i > 0 {
-			// Processes only in a limit group (a server that crashed
-			// half-way through Add) escape the kill above.
-			if err := sweep(d, deadline); err != nil {
+		if i == 0 {
+			// Sub-groups, or a process added since the kill above.
+			if err := c.kill(deadline); err != nil {
 				errs = append(errs, err)
 				continue
 			}
+		} else if err := sweep(d, deadline); err != nil {
+			// Processes only in a limit group (a server that crashed
+			// half-way through Add) escape the kill above.
+			errs = append(errs, err)
+			continue
 		}
 		if err := removeTree(d, deadline); err != nil {
 			errs = append(errs, err)

@@ -120,9 +120,11 @@ func findV1(ctrl string) string {
 }
 
 // hasV1Option reports whether the cgroup v1 mount at path has the controller
-// opt among its super options, from /proc/self/mountinfo.
+// opt among its super options, from /proc/thread-self/mountinfo: not
+// /proc/self, which shows the main thread's mount namespace, and a locked
+// goroutine of the sandbox runtime may have moved the main thread elsewhere.
 func hasV1Option(path, opt string) bool {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	data, err := os.ReadFile("/proc/thread-self/mountinfo")
 	if err != nil {
 		return false
 	}

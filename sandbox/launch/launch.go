@@ -21,6 +21,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -154,18 +155,59 @@ type Init struct {
 // root; others (cwd below /, open fds) keep reaching the old mount, which is
 // the caller's to handle. The caller keeps ownership of mountFD.
 func (in *Init) Swap(mountFD int) error {
+	return swapWorkers.do(in.mntns, mountFD)
+}
+
+// swapPool runs root swaps on long-lived locked threads, each with an fs
+// context of its own: a swap enters the sandbox's mount namespace and comes
+// back, so no thread is created per swap.
+type swapPool struct {
+	once sync.Once
+	jobs chan swapJob
+}
+
+type swapJob struct {
+	mntns, mountFD int
+	errc           chan error
+}
+
+var swapWorkers swapPool
+
+func (p *swapPool) do(mntns, mountFD int) error {
+	p.once.Do(func() {
+		p.jobs = make(chan swapJob)
+		for range 2 {
+			go swapWorker(p.jobs)
+		}
+	})
 	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends in the sandbox's namespace
-		errc <- swapLocked(in.mntns, mountFD)
-	}()
+	p.jobs <- swapJob{mntns, mountFD, errc}
 	return <-errc
 }
 
-func swapLocked(mntns, mountFD int) error {
+func swapWorker(jobs chan swapJob) {
+	runtime.LockOSThread() // never unlocked: the thread's fs context is its own
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
-		return fmt.Errorf("unsharing fs: %w", err)
+		panic(fmt.Sprintf("swap worker: unsharing fs: %v", err))
 	}
+	home, err := unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		panic(fmt.Sprintf("swap worker: opening own mount namespace: %v", err))
+	}
+	for j := range jobs {
+		err := swapLocked(j.mntns, j.mountFD)
+		if berr := unix.Setns(home, unix.CLONE_NEWNS); berr != nil {
+			// The thread cannot go home: let it die with the goroutine
+			// and start a fresh worker in its place.
+			j.errc <- errors.Join(err, fmt.Errorf("leaving sandbox mount namespace: %w", berr))
+			go swapWorker(jobs)
+			return
+		}
+		j.errc <- err
+	}
+}
+
+func swapLocked(mntns, mountFD int) error {
 	if err := unix.Setns(mntns, unix.CLONE_NEWNS); err != nil {
 		return fmt.Errorf("entering sandbox mount namespace: %w", err)
 	}

@@ -96,8 +96,10 @@ func (s *Store) NewUpper(sizeBytes int64) (string, error) {
 // bytes the layer uses.
 func (s *Store) Seal(id string) (int64, error) {
 	d := s.Dir(id)
-	// The work dir is overlayfs's scratch space; a lower needs none.
-	_ = os.RemoveAll(filepath.Join(d, "work", "work"))
+	// The work dir stays: the live overlay still holds work/work, and
+	// removing it under the overlay makes the remount fail with EBUSY (an
+	// unlinked directory in use) and breaks the overlay's later whiteouts
+	// and renames with EIO.
 	if err := unix.Mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
 		return 0, fmt.Errorf("sealing layer %s: %w", id, err)
 	}
@@ -241,7 +243,7 @@ func (s *Store) Reconcile(keep map[string]int) (missing []string, err error) {
 	present := map[string]bool{}
 	for _, e := range entries {
 		id := e.Name()
-		if _, ok := keep[id]; ok && isMount(s.Dir(id)) {
+		if _, ok := keep[id]; ok && IsMount(s.Dir(id)) {
 			present[id] = true
 			continue
 		}
@@ -260,7 +262,9 @@ func (s *Store) Reconcile(keep map[string]int) (missing []string, err error) {
 	return missing, nil
 }
 
-func isMount(dir string) bool {
+// IsMount reports whether dir is a mount point (on another device than
+// its parent).
+func IsMount(dir string) bool {
 	var a, b unix.Stat_t
 	if unix.Lstat(dir, &a) != nil || unix.Lstat(filepath.Dir(dir), &b) != nil {
 		return false

@@ -1,0 +1,237 @@
+package sandbox_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// lat records latencies and reports p50 and p99 in milliseconds.
+type lat []time.Duration
+
+func (l *lat) time(f func()) {
+	t := time.Now()
+	f()
+	*l = append(*l, time.Since(t))
+}
+
+func (l lat) report(b *testing.B, prefix string) {
+	if len(l) == 0 {
+		return
+	}
+	s := slices.Clone(l)
+	slices.Sort(s)
+	q := func(p float64) float64 {
+		return float64(s[min(len(s)-1, int(p*float64(len(s))))].Microseconds()) / 1000
+	}
+	b.ReportMetric(q(0.50), prefix+"p50-ms")
+	b.ReportMetric(q(0.99), prefix+"p99-ms")
+}
+
+func must(b testing.TB, err error) {
+	b.Helper()
+	if err != nil {
+		b.Fatal(err)
+	}
+}
+
+// benchSandbox creates a sandbox at stack depth `depth` with `procs` live
+// background processes.
+func benchSandbox(b *testing.B, bb *bundle, depth, procs int) *sandbox.Sandbox {
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	for i := range depth - 1 {
+		must(b, s.WriteFile(ctx, fmt.Sprintf("/layer/%d", i), []byte("x"), 0, false))
+		_, err := s.Checkpoint(ctx)
+		must(b, err)
+	}
+	for range procs {
+		_, err := s.Exec(ctx, sandbox.ExecRequest{Command: "while true; do sleep 1; done", Background: true})
+		must(b, err)
+	}
+	return s
+}
+
+// BenchmarkCheckpoint: a 4 KiB file changed, then a checkpoint; at stack
+// depth 1, 10 and 100, with 0 and 20 live background processes.
+func BenchmarkCheckpoint(b *testing.B) {
+	for _, depth := range []int{1, 10, 100} {
+		for _, procs := range []int{0, 20} {
+			b.Run(fmt.Sprintf("depth=%d/procs=%d", depth, procs), func(b *testing.B) {
+				bb := setup(b)
+				s := benchSandbox(b, bb, depth, procs)
+				ctx := context.Background()
+				base, err := s.Checkpoint(ctx)
+				must(b, err)
+				payload := make([]byte, 4096)
+				var l lat
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					must(b, s.WriteFile(ctx, "/f", payload, 0, false))
+					var ck sandbox.CheckpointInfo
+					l.time(func() { ck, err = s.Checkpoint(ctx) })
+					must(b, err)
+					// Stay at the same depth: go back to base, drop the new one.
+					b.StopTimer()
+					must(b, s.Restore(ctx, base.ID))
+					must(b, bb.rt.ReleaseCheckpoint(ck.ID))
+					b.StartTimer()
+				}
+				l.report(b, "")
+			})
+		}
+	}
+}
+
+// BenchmarkRollback restores to random nodes of a 1,000-checkpoint tree
+// (each node one 4 KiB write away from its parent).
+func BenchmarkRollback(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(1, 2))
+	nodes := make([]string, 0, 1000)
+	payload := make([]byte, 4096)
+	for i := range 1000 {
+		if len(nodes) > 0 && rng.IntN(4) == 0 {
+			must(b, s.Restore(ctx, nodes[rng.IntN(len(nodes))]))
+		}
+		must(b, s.WriteFile(ctx, fmt.Sprintf("/n/%d", i%50), payload, 0, false))
+		ck, err := s.Checkpoint(ctx)
+		must(b, err)
+		nodes = append(nodes, ck.ID)
+	}
+	var l lat
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		id := nodes[rng.IntN(len(nodes))]
+		var err error
+		l.time(func() { err = s.Restore(ctx, id) })
+		must(b, err)
+	}
+	l.report(b, "")
+	b.ReportMetric(float64(s.Depth()), "depth")
+}
+
+// BenchmarkRollbackWithProcs: rollback at depth 1, 10 and 100 with 0 and 20
+// live processes (which the rollback ends).
+func BenchmarkRollbackDepth(b *testing.B) {
+	for _, depth := range []int{1, 10, 100} {
+		for _, procs := range []int{0, 20} {
+			b.Run(fmt.Sprintf("depth=%d/procs=%d", depth, procs), func(b *testing.B) {
+				bb := setup(b)
+				s := benchSandbox(b, bb, depth, 0)
+				ctx := context.Background()
+				ck, err := s.Checkpoint(ctx)
+				must(b, err)
+				var l lat
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					b.StopTimer()
+					must(b, s.WriteFile(ctx, "/f", []byte("changed"), 0, false))
+					for range procs {
+						_, err := s.Exec(ctx, sandbox.ExecRequest{Command: "while true; do sleep 1; done", Background: true})
+						must(b, err)
+					}
+					b.StartTimer()
+					l.time(func() { err = s.Restore(ctx, ck.ID) })
+					must(b, err)
+				}
+				l.report(b, "")
+			})
+		}
+	}
+}
+
+// BenchmarkFork64 forks 64 sandboxes from one checkpoint and destroys them.
+func BenchmarkFork64(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	must(b, s.WriteFile(ctx, "/state", []byte("x"), 0, false))
+	ck, err := s.Checkpoint(ctx)
+	must(b, err)
+	var fork, cleanup lat
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		var kids []*sandbox.Sandbox
+		fork.time(func() { kids, err = bb.rt.Fork(ctx, ck.ID, 64, sandbox.Spec{}) })
+		must(b, err)
+		cleanup.time(func() {
+			for _, k := range kids {
+				must(b, k.Destroy(ctx))
+			}
+		})
+	}
+	fork.report(b, "fork-")
+	cleanup.report(b, "destroy-")
+}
+
+// BenchmarkExec runs `true`.
+func BenchmarkExec(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	var l lat
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		var err error
+		l.time(func() { _, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"/bin/true"}}) })
+		must(b, err)
+	}
+	l.report(b, "")
+}
+
+// BenchmarkRollbackFullCopy is the baseline of copytree-based sandboxes:
+// restore by copying the whole root filesystem as it was at the checkpoint.
+// The image has 10,000 files; 1,000 files / 50 MB were changed since. The
+// upper-only variant copies just the changed files.
+func BenchmarkRollbackFullCopy(b *testing.B) {
+	if os.Geteuid() != 0 {
+		b.Skip("needs root")
+	}
+	dir := b.TempDir()
+	snap := filepath.Join(dir, "snapshot")
+	upper := filepath.Join(dir, "upper")
+	live := filepath.Join(dir, "live")
+	for i := range 10000 {
+		p := filepath.Join(snap, fmt.Sprintf("d%02d/f%05d", i%100, i))
+		must(b, os.MkdirAll(filepath.Dir(p), 0o755))
+		must(b, os.WriteFile(p, make([]byte, 512), 0o644))
+	}
+	// The checkpointed state: the image with 1,000 files (50 MB) changed.
+	big := make([]byte, 50<<20/1000)
+	for i := range 1000 {
+		name := fmt.Sprintf("d%02d/f%05d", (i*10)%100, i*10)
+		for _, root := range []string{snap, upper} {
+			p := filepath.Join(root, name)
+			must(b, os.MkdirAll(filepath.Dir(p), 0o755))
+			must(b, os.WriteFile(p, big, 0o644))
+		}
+	}
+	for _, v := range []struct{ name, src string }{{"whole-root", snap}, {"upper-only", upper}} {
+		b.Run(v.name, func(b *testing.B) {
+			var l lat
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				must(b, os.RemoveAll(live))
+				b.StartTimer()
+				l.time(func() {
+					out, err := exec.Command("cp", "-a", v.src, live).CombinedOutput()
+					if err != nil {
+						b.Fatalf("%v: %s", err, out)
+					}
+				})
+			}
+			l.report(b, "")
+		})
+	}
+}
