@@ -39,6 +39,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -70,6 +71,11 @@ type Config struct {
 	DefaultDiskBytes int64
 	// NetPool is how many ready net namespaces to keep (default 8).
 	NetPool int
+	// FlattenDepth is the stack depth beyond which a checkpoint's layers
+	// are merged into one in the background (default 16). Checkpoints
+	// keep their contents and IDs; restores and later checkpoints use the
+	// merged layer instead of the stack it stands for.
+	FlattenDepth int
 	// Logger receives the runtime's logs; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -79,7 +85,7 @@ func (c Config) Validate() error {
 	if c.DataDir == "" {
 		return fmt.Errorf("%w: DataDir is empty", ErrInvalid)
 	}
-	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.NetPool < 0 {
+	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.NetPool < 0 || c.FlattenDepth < 0 {
 		return fmt.Errorf("%w: negative budget, TTL, disk size or pool size", ErrInvalid)
 	}
 	return nil
@@ -141,6 +147,9 @@ type checkpoint struct {
 	Image     string    `json:"image"`
 	SandboxID string    `json:"sandbox,omitempty"`
 	Layers    []string  `json:"layers"` // delta layers, bottom first
+	// Flat, once the background flattener has made it, is an equivalent
+	// shorter stack (one merged layer) that stands for Layers.
+	Flat      []string  `json:"flat,omitempty"`
 	Size      int64     `json:"size"`
 	Created   time.Time `json:"created"`
 	Expires   time.Time `json:"expires,omitzero"`
@@ -167,12 +176,15 @@ type Runtime struct {
 	sandboxes map[string]*Sandbox
 	images    map[string]*imageRec
 	ckpts     map[string]*checkpoint
+	flat      map[string]*checkpoint // stackKey(Layers) -> a checkpoint with Flat
+	flatBusy  map[string]bool        // checkpoints being flattened
 	ranges    []int // free host id ranges
 	ended     []string
 	closed    bool
 
-	done chan struct{}
-	wg   sync.WaitGroup
+	flatSem chan struct{} // one flattening at a time
+	done    chan struct{}
+	wg      sync.WaitGroup
 }
 
 const (
@@ -203,6 +215,9 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	if cfg.NetPool == 0 {
 		cfg.NetPool = 8
 	}
+	if cfg.FlattenDepth == 0 {
+		cfg.FlattenDepth = 16
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -210,7 +225,8 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	r := &Runtime{
 		cfg: cfg, log: log, store: filepath.Join(cfg.DataDir, "store"),
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
-		done: make(chan struct{}),
+		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
+		done: make(chan struct{}), flatSem: make(chan struct{}, 1),
 	}
 	for i := maxRanges - 1; i >= 0; i-- {
 		r.ranges = append(r.ranges, firstHostID+i*launch.IDRange)
@@ -341,6 +357,12 @@ func (r *Runtime) reconcile() error {
 		for _, l := range c.Layers {
 			keep[l]++
 		}
+		for _, l := range c.Flat {
+			keep[l]++
+		}
+		if len(c.Flat) > 0 {
+			r.flat[stackKey(c.Layers)] = &c
+		}
 	}
 	missing, err := r.layers.Reconcile(keep)
 	if err != nil {
@@ -352,7 +374,7 @@ func (r *Runtime) reconcile() error {
 			gone[l] = true
 		}
 		for id, c := range r.ckpts {
-			for _, l := range c.Layers {
+			for _, l := range append(slices.Clone(c.Layers), c.Flat...) {
 				if gone[l] {
 					r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
 					r.dropCheckpointLocked(c, false)
@@ -516,12 +538,86 @@ func (r *Runtime) ReleaseCheckpoint(id string) error {
 
 func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	delete(r.ckpts, c.ID)
+	if len(c.Flat) > 0 {
+		k := stackKey(c.Layers)
+		if r.flat[k] == c {
+			delete(r.flat, k)
+			// Another checkpoint of the same stack may have been
+			// flattened too: let it serve.
+			for _, o := range r.ckpts {
+				if len(o.Flat) > 0 && stackKey(o.Layers) == k {
+					r.flat[k] = o
+					break
+				}
+			}
+		}
+	}
 	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
 	if unref {
 		for _, l := range c.Layers {
 			r.layers.Unref(l)
 		}
+		for _, l := range c.Flat {
+			r.layers.Unref(l)
+		}
 	}
+}
+
+// stackKey identifies a stack of layers.
+func stackKey(stack []string) string { return strings.Join(stack, "/") }
+
+// shorten returns the shortest known stack equivalent to stack: its
+// longest prefix that a flattened checkpoint stands for, replaced by that
+// checkpoint's merged layer. The caller takes its references.
+func (r *Runtime) shorten(stack []string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.flat) == 0 {
+		return stack
+	}
+	for n := len(stack); n > 1; n-- {
+		if c := r.flat[stackKey(stack[:n])]; c != nil {
+			return append(slices.Clone(c.Flat), stack[n:]...)
+		}
+	}
+	return stack
+}
+
+// maybeFlatten merges a deep checkpoint's layers in the background.
+func (r *Runtime) maybeFlatten(c *checkpoint) {
+	if len(c.Layers) <= r.cfg.FlattenDepth {
+		return
+	}
+	r.mu.Lock()
+	if r.flatBusy[c.ID] || r.closed || len(c.Flat) > 0 {
+		r.mu.Unlock()
+		return
+	}
+	r.flatBusy[c.ID] = true
+	r.wg.Add(1)
+	r.mu.Unlock()
+	go func() {
+		defer r.wg.Done()
+		r.flatSem <- struct{}{}
+		defer func() { <-r.flatSem }()
+		f, err := r.layers.Flatten(c.Layers, 0)
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		delete(r.flatBusy, c.ID)
+		if err != nil {
+			r.log.Warn("flattening checkpoint", "checkpoint", c.ID, "err", err)
+			return
+		}
+		if r.ckpts[c.ID] != c {
+			r.layers.Unref(f) // released meanwhile
+			return
+		}
+		c.Flat = []string{f}
+		if err := r.writeCheckpoint(c); err != nil {
+			r.log.Warn("recording flattened checkpoint", "checkpoint", c.ID, "err", err)
+		}
+		r.flat[stackKey(c.Layers)] = c
+	}()
 }
 
 func (r *Runtime) expireLoop() {
@@ -550,6 +646,17 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	if r.cfg.CheckpointTTL > 0 {
 		c.Expires = c.Created.Add(r.cfg.CheckpointTTL)
 	}
+	if err := r.writeCheckpoint(c); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	r.ckpts[c.ID] = c
+	r.mu.Unlock()
+	return nil
+}
+
+// writeCheckpoint persists c atomically (write and rename).
+func (r *Runtime) writeCheckpoint(c *checkpoint) error {
 	b, err := json.Marshal(c)
 	if err != nil {
 		return err
@@ -563,9 +670,6 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 		os.Remove(tmp)
 		return fmt.Errorf("writing checkpoint %s: %w", c.ID, err)
 	}
-	r.mu.Lock()
-	r.ckpts[c.ID] = c
-	r.mu.Unlock()
 	return nil
 }
 

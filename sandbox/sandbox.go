@@ -167,16 +167,11 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	}
 	var stack []string
 	if ck != nil {
-		stack = ck.Layers
+		stack = r.shorten(ck.Layers)
 		s.head = ck.ID
 	}
-	for i, l := range stack {
-		if err = r.layers.Ref(l); err != nil {
-			for _, l := range stack[:i] {
-				r.layers.Unref(l)
-			}
-			return nil, fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, spec.Checkpoint)
-		}
+	if err = refAll(r, stack); err != nil {
+		return nil, fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, spec.Checkpoint)
 	}
 	s.stack = slices.Clone(stack)
 	undo = append(undo, func() error { s.unrefStack(); return nil })
@@ -351,6 +346,26 @@ func (s *Sandbox) buildRoot(stack []string, ufd int) (int, error) {
 	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: "fs", WorkDir: "work", MounterID: s.hostID})
 }
 
+// maxStack bounds the lowers of a sandbox's overlay, below the kernel's 500.
+const maxStack = overlay.MaxLowers - 20
+
+// refAll takes a reference on every layer of stack, or none.
+func refAll(r *Runtime, stack []string) error {
+	for i, l := range stack {
+		if err := r.layers.Ref(l); err != nil {
+			unrefAll(r, stack[:i])
+			return err
+		}
+	}
+	return nil
+}
+
+func unrefAll(r *Runtime, stack []string) {
+	for _, l := range stack {
+		r.layers.Unref(l)
+	}
+}
+
 func (s *Sandbox) unrefStack() {
 	for _, l := range s.stack {
 		s.rt.layers.Unref(l)
@@ -489,12 +504,11 @@ func (s *Sandbox) Checkpoint(ctx context.Context) (CheckpointInfo, error) {
 		return CheckpointInfo{}, err
 	}
 	if err := r.addCheckpoint(c); err != nil {
-		for _, l := range c.Layers {
-			r.layers.Unref(l)
-		}
+		unrefAll(r, c.Layers)
 		return CheckpointInfo{}, err
 	}
 	s.head = c.ID
+	r.maybeFlatten(c)
 	return c.info(), nil
 }
 
@@ -507,22 +521,33 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 		return err
 	}
 	old := s.upper
-	stack := append(slices.Clone(s.stack), old)
-	// switchRoot releases the old upper's reference: take one for the stack.
-	if err := r.layers.Ref(old); err != nil {
+	stack := r.shorten(append(slices.Clone(s.stack), old))
+	if len(stack)+len(s.img.layers)+1 > maxStack {
+		// The background flattener fell behind: merge now rather than
+		// hit the kernel's limit.
+		f, err := r.layers.Flatten(stack, 0)
+		if err != nil {
+			_ = r.layers.Unseal(old)
+			return err
+		}
+		defer r.layers.Unref(f) // the stack's reference is taken below
+		stack = []string{f}
+	}
+	// The new stack's references (switchRoot drops the upper's, and the
+	// old stack's are dropped below).
+	if err := refAll(r, stack); err != nil {
 		return err
 	}
 	if err := s.switchRoot(stack); err != nil {
-		r.layers.Unref(old)
+		unrefAll(r, stack)
 		if uerr := r.layers.Unseal(old); uerr != nil {
 			return errors.Join(err, uerr)
 		}
 		return err
 	}
+	s.unrefStack()
 	s.stack = stack
-	for _, l := range stack {
-		_ = r.layers.Ref(l) // the checkpoint's references; all exist
-	}
+	_ = refAll(r, stack) // the checkpoint's references; all exist
 	c.Layers = slices.Clone(stack)
 	c.Size = size
 	return nil
@@ -572,19 +597,12 @@ func (s *Sandbox) Restore(ctx context.Context, id string) error {
 	if err := s.killAll(); err != nil {
 		return err
 	}
-	stack := slices.Clone(c.Layers)
-	for i, l := range stack {
-		if err := r.layers.Ref(l); err != nil {
-			for _, l := range stack[:i] {
-				r.layers.Unref(l)
-			}
-			return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
-		}
+	stack := slices.Clone(r.shorten(c.Layers))
+	if err := refAll(r, stack); err != nil {
+		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
 	}
 	if err := s.switchRoot(stack); err != nil {
-		for _, l := range stack {
-			r.layers.Unref(l)
-		}
+		unrefAll(r, stack)
 		return err
 	}
 	s.unrefStack()

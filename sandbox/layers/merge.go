@@ -1,0 +1,273 @@
+package layers
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+const opaqueXattr = "trusted.overlay.opaque"
+
+// Merge squashes overlay layers srcs (bottom first) into the empty directory
+// dst, so that dst alone over any lower stack shows what srcs over it show:
+//
+//   - a whiteout (0:0 char device) removes what dst has at its path and
+//     stays a whiteout, since the layers below may have the path;
+//   - an opaque directory replaces what dst has and stays opaque;
+//   - a directory over a whiteout becomes opaque (the whiteout hid
+//     everything below it); over an opaque one it stays opaque;
+//   - any other entry replaces what dst has at its path.
+//
+// Owners, modes, times, xattrs (but overlay's own bookkeeping xattrs other
+// than the opaque mark) and hard links within a layer are kept.
+func Merge(dst string, srcs []string) error {
+	for _, src := range srcs {
+		links := map[[2]uint64]string{}
+		if err := mergeDir(src, dst, "", links); err != nil {
+			return fmt.Errorf("merging layer %s: %w", src, err)
+		}
+	}
+	return nil
+}
+
+func mergeDir(srcRoot, dstRoot, rel string, links map[[2]uint64]string) error {
+	entries, err := os.ReadDir(filepath.Join(srcRoot, rel))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		p := filepath.Join(rel, e.Name())
+		src := filepath.Join(srcRoot, p)
+		dst := filepath.Join(dstRoot, p)
+		var st unix.Stat_t
+		if err := unix.Lstat(src, &st); err != nil {
+			return err
+		}
+		var dt unix.Stat_t
+		dstErr := unix.Lstat(dst, &dt)
+		dstExists := dstErr == nil
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFCHR:
+			if st.Rdev == 0 { // whiteout
+				if err := removeAll(dst, dstExists); err != nil {
+					return err
+				}
+				if err := unix.Mknod(dst, unix.S_IFCHR|0o000, 0); err != nil {
+					return err
+				}
+				if err := copyMeta(src, dst, &st); err != nil {
+					return err
+				}
+				continue
+			}
+		case unix.S_IFDIR:
+			srcOpaque := isOpaque(src)
+			dstDir := dstExists && dt.Mode&unix.S_IFMT == unix.S_IFDIR
+			// Below a whiteout or an opaque dir, nothing of the lower
+			// stack shows through: keep it hidden.
+			opaque := srcOpaque || (dstExists && !dstDir && dt.Mode&unix.S_IFMT == unix.S_IFCHR && dt.Rdev == 0) || (dstDir && isOpaque(dst))
+			if srcOpaque || (dstExists && !dstDir) {
+				if err := removeAll(dst, dstExists); err != nil {
+					return err
+				}
+				dstDir = false
+			}
+			if !dstDir {
+				if err := unix.Mkdir(dst, 0o700); err != nil {
+					return err
+				}
+			}
+			if err := mergeDir(srcRoot, dstRoot, p, links); err != nil {
+				return err
+			}
+			if err := copyMeta(src, dst, &st); err != nil {
+				return err
+			}
+			if opaque {
+				if err := unix.Lsetxattr(dst, opaqueXattr, []byte("y"), 0); err != nil {
+					return err
+				}
+			}
+			continue
+		}
+		if err := removeAll(dst, dstExists); err != nil {
+			return err
+		}
+		key := [2]uint64{st.Dev, st.Ino}
+		if first, ok := links[key]; ok && st.Nlink > 1 {
+			if err := unix.Link(filepath.Join(dstRoot, first), dst); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := copyEntry(src, dst, &st); err != nil {
+			return err
+		}
+		if st.Nlink > 1 {
+			links[key] = p
+		}
+	}
+	return nil
+}
+
+// copySparse copies in to out, leaving holes where in has blocks of zeros.
+func copySparse(out, in *os.File) error {
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := in.Read(buf)
+		if n > 0 {
+			if allZero(buf[:n]) {
+				if _, serr := out.Seek(int64(n), io.SeekCurrent); serr != nil {
+					return serr
+				}
+			} else if _, werr := out.Write(buf[:n]); werr != nil {
+				return werr
+			}
+		}
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func removeAll(p string, exists bool) error {
+	if !exists {
+		return nil
+	}
+	return os.RemoveAll(p)
+}
+
+func isOpaque(p string) bool {
+	buf := make([]byte, 4)
+	n, err := unix.Lgetxattr(p, opaqueXattr, buf)
+	return err == nil && n == 1 && buf[0] == 'y'
+}
+
+func copyEntry(src, dst string, st *unix.Stat_t) error {
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		in, err := os.Open(src)
+		if err != nil {
+			return err
+		}
+		defer in.Close()
+		out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+		if err != nil {
+			return err
+		}
+		err = copySparse(out, in)
+		if err == nil {
+			// Holes at the end leave the size short: set it.
+			err = out.Truncate(st.Size)
+		}
+		if cerr := out.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return err
+		}
+	case unix.S_IFLNK:
+		target, err := os.Readlink(src)
+		if err != nil {
+			return err
+		}
+		if err := os.Symlink(target, dst); err != nil {
+			return err
+		}
+	case unix.S_IFCHR, unix.S_IFBLK, unix.S_IFIFO, unix.S_IFSOCK:
+		if err := unix.Mknod(dst, st.Mode, int(st.Rdev)); err != nil {
+			return err
+		}
+	default:
+		return fmt.Errorf("%s: unknown file type %o", src, st.Mode&unix.S_IFMT)
+	}
+	return copyMeta(src, dst, st)
+}
+
+// copyMeta copies xattrs, owner, mode and times from src to dst.
+func copyMeta(src, dst string, st *unix.Stat_t) error {
+	if err := copyXattrs(src, dst); err != nil {
+		return err
+	}
+	if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
+		return err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFLNK {
+		if err := unix.Chmod(dst, st.Mode&0o7777); err != nil {
+			return err
+		}
+	}
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	return unix.UtimesNanoAt(unix.AT_FDCWD, dst, ts, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+func copyXattrs(src, dst string) error {
+	size, err := unix.Llistxattr(src, nil)
+	if err != nil || size == 0 {
+		if errors.Is(err, unix.ENOTSUP) {
+			return nil
+		}
+		return err
+	}
+	buf := make([]byte, size)
+	size, err = unix.Llistxattr(src, buf)
+	if err != nil {
+		return err
+	}
+	for _, name := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
+		if name == "" || strings.HasPrefix(name, "trusted.overlay.") {
+			continue // overlay's own marks; the opaque mark is set by Merge
+		}
+		vsize, err := unix.Lgetxattr(src, name, nil)
+		if err != nil {
+			continue
+		}
+		val := make([]byte, vsize)
+		if vsize, err = unix.Lgetxattr(src, name, val); err != nil {
+			continue
+		}
+		if err := unix.Lsetxattr(dst, name, val[:vsize], 0); err != nil {
+			return fmt.Errorf("setting xattr %s on %s: %w", name, dst, err)
+		}
+	}
+	return nil
+}
+
+// Flatten merges layers ids (bottom first) into a new sealed layer and
+// returns it with one reference held by the caller.
+func (s *Store) Flatten(ids []string, sizeBytes int64) (string, error) {
+	id, err := s.NewUpper(sizeBytes)
+	if err != nil {
+		return "", err
+	}
+	srcs := make([]string, len(ids))
+	for i, l := range ids {
+		srcs[i] = s.Path(l)
+	}
+	if err := Merge(s.Path(id), srcs); err != nil {
+		s.Unref(id)
+		return "", err
+	}
+	if _, err := s.Seal(id); err != nil {
+		s.Unref(id)
+		return "", err
+	}
+	return id, nil
+}
