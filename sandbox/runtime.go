@@ -142,17 +142,17 @@ type imageRec struct {
 
 // checkpoint is the persisted record of a checkpoint.
 type checkpoint struct {
-	ID        string    `json:"id"`
-	Parent    string    `json:"parent,omitempty"`
-	Image     string    `json:"image"`
-	SandboxID string    `json:"sandbox,omitempty"`
-	Layers    []string  `json:"layers"` // delta layers, bottom first
+	ID        string   `json:"id"`
+	Parent    string   `json:"parent,omitempty"`
+	Image     string   `json:"image"`
+	SandboxID string   `json:"sandbox,omitempty"`
+	Layers    []string `json:"layers"` // delta layers, bottom first
 	// Flat, once the background flattener has made it, is an equivalent
 	// shorter stack (one merged layer) that stands for Layers.
-	Flat      []string  `json:"flat,omitempty"`
-	Size      int64     `json:"size"`
-	Created   time.Time `json:"created"`
-	Expires   time.Time `json:"expires,omitzero"`
+	Flat    []string  `json:"flat,omitempty"`
+	Size    int64     `json:"size"`
+	Created time.Time `json:"created"`
+	Expires time.Time `json:"expires,omitzero"`
 }
 
 func (c *checkpoint) info() CheckpointInfo {
@@ -178,7 +178,7 @@ type Runtime struct {
 	ckpts     map[string]*checkpoint
 	flat      map[string]*checkpoint // stackKey(Layers) -> a checkpoint with Flat
 	flatBusy  map[string]bool        // checkpoints being flattened
-	ranges    []int // free host id ranges
+	ranges    []int                  // free host id ranges
 	ended     []string
 	closed    bool
 
