@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -147,7 +148,11 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if s.work, err = s.cg.Sub("w"); err != nil {
 		return nil, fmt.Errorf("creating cgroup: %w", err)
 	}
-	if s.init, err = r.spawn.Start(launch.Config{HostID: s.hostID, NetNS: s.netns, Stderr: os.Stderr}); err != nil {
+	host := spec.Hostname
+	if host == "" {
+		host = "sandbox"
+	}
+	if s.init, err = r.spawn.Start(launch.Config{HostID: s.hostID, NetNS: s.netns, Stderr: os.Stderr, Hostname: host}); err != nil {
 		return nil, err
 	}
 	undo = append(undo, s.init.Stop)
@@ -158,13 +163,6 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		return nil, fmt.Errorf("opening user namespace: %w", err)
 	}
 	undo = append(undo, s.closeFDs)
-	host := spec.Hostname
-	if host == "" {
-		host = "sandbox"
-	}
-	if err = s.init.Conn.SetHostname(host); err != nil {
-		return nil, fmt.Errorf("setting host name: %w", err)
-	}
 	var stack []string
 	if ck != nil {
 		stack = r.shorten(ck.Layers)
@@ -201,6 +199,9 @@ func (sp Spec) validate() error {
 	l := sp.Limits
 	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUs < 0 || l.DiskBytes < 0 {
 		return fmt.Errorf("%w: negative limit", ErrInvalid)
+	}
+	if len(sp.Hostname) > 64 || strings.ContainsAny(sp.Hostname, "\x00/ ") {
+		return fmt.Errorf("%w: host name %q: at most 64 characters, no spaces or slashes", ErrInvalid, sp.Hostname)
 	}
 	if sp.UID >= launch.IDRange || sp.GID >= launch.IDRange {
 		return fmt.Errorf("%w: uid and gid must be below %d", ErrInvalid, launch.IDRange)

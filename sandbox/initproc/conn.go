@@ -23,7 +23,6 @@ import (
 const (
 	msgPing  = 1
 	msgSpawn = 3
-	msgHost  = 4
 	msgReply = 100
 	msgExit  = 101
 )
@@ -32,9 +31,6 @@ const (
 const (
 	// FlagSetsid starts the command in a new session.
 	FlagSetsid = 1 << 0
-	// FlagKeepCaps skips the capability drop and the seccomp filter. Only the
-	// init's own tests use it, to prove that the defaults are what take effect.
-	FlagKeepCaps = 1 << 1
 )
 
 const hdrLen = 12
@@ -240,15 +236,6 @@ func (c *Conn) Ping() (int, error) {
 		return 0, err
 	}
 	return int(r.val), errnoOrNil(r.err)
-}
-
-// SetHostname sets the sandbox's host name (its uts namespace).
-func (c *Conn) SetHostname(name string) error {
-	r, err := c.call(msgHost, []byte(name), nil)
-	if err != nil {
-		return err
-	}
-	return errnoOrNil(r.err)
 }
 
 // SpawnRequest describes one command for the init to start.

@@ -135,6 +135,8 @@ type Config struct {
 	NetNS int
 	// Stderr receives the init's own diagnostics; nil discards them.
 	Stderr io.Writer
+	// Hostname is the sandbox's host name (its uts namespace).
+	Hostname string
 }
 
 // Init is a started resident init.
@@ -263,7 +265,7 @@ func (s *SpawnNS) Start(cfg Config) (*Init, error) {
 
 	cmd := &exec.Cmd{
 		Path:       s.initPath,
-		Args:       []string{"dg-init"},
+		Args:       []string{"dg-init", cfg.Hostname},
 		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 		ExtraFiles: []*os.File{theirs},
 		Stdin:      devnull,

@@ -12,14 +12,14 @@
 //   SPAWN fds:[in,out,err,cg...] payload: spawn_hdr, then NUL-terminated
 //                             cwd, argv..., "", env..., "". Starts a command
 //                             (vfork-style clone), reply {i32 err, i32 pid}
-//   HOST  payload: hostname   sethostname. reply {i32 err}
 //
 // Events sent without a request: EXIT {i32 pid, i32 wait status}, for every
 // child the init reaps (orphans re-parented to it included).
 //
-// Commands run with no_new_privs, a reduced capability bounding set, and the
-// seccomp filter below. The root swap is done by the server from outside
-// (see setup_mounts); the init mounts only its /proc and /dev, at start.
+// The init mounts its /proc and /dev and sets the host name (argv[1]) at
+// start, then confines itself as it confines commands (see confine): the
+// root swap is done by the server from outside (see setup_mounts), so the
+// init keeps no privilege that a command lacks.
 // When the control socket closes (the server went away), the init exits and
 // the kernel kills everything in the sandbox's pid namespace.
 #define _GNU_SOURCE
@@ -49,14 +49,12 @@
 enum {
 	MSG_PING = 1,
 	MSG_SPAWN = 3,
-	MSG_HOST = 4,
 	MSG_REPLY = 100,
 	MSG_EXIT = 101,
 };
 
 enum {
 	SPAWN_SETSID = 1u << 0,
-	SPAWN_KEEP_CAPS = 1u << 1, // for tests of the init itself only
 };
 
 struct hdr {
@@ -263,29 +261,12 @@ static int child_main(void *p) {
 		if (write(a->cg[i], "0", 1) < 0) child_fail(a, 1);
 	if (a->sh.flags & SPAWN_SETSID) setsid();
 	if (dup2(a->in, 0) < 0 || dup2(a->out, 1) < 0 || dup2(a->err, 2) < 0) child_fail(a, 2);
-	if (!(a->sh.flags & SPAWN_KEEP_CAPS)) {
-		for (int c = 0; c <= CAP_LAST_CAP; c++)
-			if (!keep_cap(c) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) child_fail(a, 3);
-	}
 	if (a->sh.gid != 0 || a->sh.uid != 0) {
 		if (setgroups(0, NULL) < 0) child_fail(a, 4);
 		if (setresgid(a->sh.gid, a->sh.gid, a->sh.gid) < 0) child_fail(a, 4);
 		if (setresuid(a->sh.uid, a->sh.uid, a->sh.uid) < 0) child_fail(a, 4);
-	} else if (!(a->sh.flags & SPAWN_KEEP_CAPS)) {
-		// Root of the namespace: drop the capabilities that the bounding
-		// set no longer has from the effective, permitted and inheritable sets.
-		struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
-		struct __user_cap_data_struct d[2] = {{0}};
-		for (size_t i = 0; i < sizeof kept_caps / sizeof kept_caps[0]; i++) {
-			int c = kept_caps[i];
-			d[c / 32].effective |= 1u << (c % 32);
-			d[c / 32].permitted |= 1u << (c % 32);
-		}
-		if (syscall(SYS_capset, &h, d) < 0) child_fail(a, 5);
 	}
 	if (a->cwd[0] && chdir(a->cwd) < 0) child_fail(a, 6);
-	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) child_fail(a, 7);
-	if (!(a->sh.flags & SPAWN_KEEP_CAPS) && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog) < 0) child_fail(a, 8);
 	if (strchr(a->argv[0], '/'))
 		execve(a->argv[0], a->argv, a->envp);
 	else
@@ -360,9 +341,31 @@ static void reap(void) {
 	}
 }
 
-int main(void) {
+// confine drops what neither the init nor any command needs, once, for
+// everything the init will start: the capabilities outside kept_caps (from
+// the bounding, effective and permitted sets), then no_new_privs and the
+// seccomp filter. Commands inherit all three.
+static int confine(void) {
+	for (int c = 0; c <= CAP_LAST_CAP; c++)
+		if (!keep_cap(c) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) return -1;
+	struct __user_cap_header_struct h = {_LINUX_CAPABILITY_VERSION_3, 0};
+	struct __user_cap_data_struct d[2] = {{0}};
+	for (size_t i = 0; i < sizeof kept_caps / sizeof kept_caps[0]; i++) {
+		int c = kept_caps[i];
+		d[c / 32].effective |= 1u << (c % 32);
+		d[c / 32].permitted |= 1u << (c % 32);
+	}
+	TRY(syscall(SYS_capset, &h, d), "dropping capabilities");
+	TRY(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs");
 	build_filter();
+	TRY(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog), "installing the seccomp filter");
+	return 0;
+}
+
+int main(int argc, char **argv) {
 	if (setup_mounts() < 0) return 1;
+	if (argc > 1 && argv[1][0] && sethostname(argv[1], strlen(argv[1])) < 0) return 1;
+	if (confine() < 0) return 1;
 	sigset_t mask;
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
@@ -411,9 +414,6 @@ int main(void) {
 			reply(h.id, e, pid);
 			break;
 		}
-		case MSG_HOST:
-			reply(h.id, sethostname(buf, h.len) < 0 ? errno : 0, 0);
-			break;
 		default:
 			reply(h.id, ENOSYS, 0);
 		}
