@@ -152,7 +152,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if host == "" {
 		host = "sandbox"
 	}
-	if s.init, err = r.spawn.Start(launch.Config{HostID: s.hostID, NetNS: s.netns, Stderr: os.Stderr, Hostname: host}); err != nil {
+	if s.init, err = r.spawn.Start(launch.Config{HostID: s.hostID, NetNS: s.netns, Hostname: host}); err != nil {
 		return nil, err
 	}
 	undo = append(undo, s.init.Stop)

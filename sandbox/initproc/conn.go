@@ -311,6 +311,31 @@ func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
 	return int(r.val), exit, nil
 }
 
+// msgClone is the zygote's request to clone a new init (csrc/init.c).
+const msgClone = 10
+
+// Clone asks a zygote (`dg-init --zygote`) to clone a new init into fresh
+// user, mount, pid, ipc, uts and cgroup namespaces, in the net namespace
+// netns, with uid and gid 0 mapped to hostID and the given host name; ctl
+// becomes the new init's control socket. It returns the init's host pid and
+// a channel that receives its exit.
+func (c *Conn) Clone(hostID uint32, hostname string, netns int, ctl *os.File) (int, <-chan ExitEvent, error) {
+	payload := binary.NativeEndian.AppendUint32(nil, hostID)
+	payload = append(payload, hostname...)
+	exit := make(chan ExitEvent, 1)
+	r, err := c.callSpawn(msgClone, payload, []int{netns, int(ctl.Fd())}, exit)
+	if err != nil {
+		return 0, nil, err
+	}
+	if r.err != 0 {
+		if r.val > 0 {
+			c.Forget(int(r.val))
+		}
+		return 0, nil, fmt.Errorf("cloning a sandbox init: %w", syscall.Errno(r.err))
+	}
+	return int(r.val), exit, nil
+}
+
 // Forget drops interest in pid's exit (a background command).
 func (c *Conn) Forget(pid int) {
 	c.mu.Lock()

@@ -1,28 +1,33 @@
 // Package launch starts the resident init of a sandbox in its namespaces.
 //
-// Three costs shape it (MEASURED.md §2):
+// Four costs shape it (MEASURED.md §2):
 //   - A new mount namespace copies every mount of its parent. The server's
 //     mount namespace holds a tmpfs per live layer, so inits are not cloned
-//     from it: a locked OS thread first enters a minimal "spawn" mount
-//     namespace (a tmpfs root holding only the static init binary, /proc and
-//     a few device nodes) and the init is cloned from that thread.
+//     from it but from a minimal "spawn" mount namespace (a tmpfs root
+//     holding only the static init binary, /proc and a few device nodes).
+//   - A Go os/exec into a new user namespace costs several milliseconds.
+//     A zygote (`dg-init --zygote`, started once in the spawn namespace)
+//     clones each new init with one C clone() and writes its id maps; the
+//     clone needs no exec, it runs the init's main directly.
 //   - A new net namespace costs ~0.6–1 ms and is torn down asynchronously:
-//     NetPool keeps ready namespaces (loopback up), and the spawning thread
-//     enters one before the clone, so the init is born in it.
+//     NetPool keeps ready namespaces (loopback up); the zygote enters one
+//     before the clone, so the init is born in it.
 //   - The user namespace maps the sandbox's uid 0..65535 onto a host range
 //     of its own, so root inside is not root outside.
+//
+// The root swap is done from outside, by long-lived worker threads that
+// enter a sandbox's mount namespace and come back (see Init.Swap).
 package launch
 
 import (
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"sync"
-	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -32,10 +37,13 @@ import (
 // IDRange is the size of each sandbox's uid and gid range.
 const IDRange = 65536
 
-// SpawnNS is a minimal mount namespace that inits are cloned from.
+// SpawnNS is a minimal mount namespace that inits are cloned from, by a
+// zygote (`dg-init --zygote`) living in it.
 type SpawnNS struct {
-	fd       int // /proc/thread-self/ns/mnt of the namespace
-	initPath string
+	fd     int // /proc/thread-self/ns/mnt of the namespace
+	zygote *initproc.Conn
+	zcmd   *exec.Cmd
+	once   sync.Once
 }
 
 // NewSpawnNS creates the spawn namespace. initBinary is the path of the
@@ -61,7 +69,62 @@ func NewSpawnNS(initBinary string) (*SpawnNS, error) {
 	if r.err != nil {
 		return nil, fmt.Errorf("building spawn namespace: %w", r.err)
 	}
-	return &SpawnNS{fd: r.fd, initPath: "/dg-init"}, nil
+	s := &SpawnNS{fd: r.fd}
+	if err := s.startZygote(); err != nil {
+		unix.Close(s.fd)
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *SpawnNS) startZygote() error {
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("zygote socket: %w", err)
+	}
+	if err := unix.SetNonblock(pair[0], true); err != nil {
+		unix.Close(pair[0])
+		unix.Close(pair[1])
+		return err
+	}
+	ours := os.NewFile(uintptr(pair[0]), "zygote-control")
+	theirs := os.NewFile(uintptr(pair[1]), "zygote-control-child")
+	defer theirs.Close()
+	// os/exec would open /dev/null inside the spawn namespace, which has
+	// none: give it the host's.
+	devnull, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		ours.Close()
+		return err
+	}
+	defer devnull.Close()
+	cmd := &exec.Cmd{
+		Path:       "/dg-init",
+		Args:       []string{"dg-init", "--zygote"},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		ExtraFiles: []*os.File{theirs},
+		Stdin:      devnull,
+		Stdout:     devnull,
+		Stderr:     os.Stderr,
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread's namespaces are changed for good
+		errc <- s.startLocked(cmd)
+	}()
+	if err := <-errc; err != nil {
+		ours.Close()
+		return err
+	}
+	theirs.Close()
+	s.zcmd = cmd
+	if s.zygote, err = initproc.NewConn(ours); err != nil {
+		ours.Close()
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return fmt.Errorf("starting zygote: %w", err)
+	}
+	return nil
 }
 
 func buildSpawnNS(bin []byte) (int, error) {
@@ -116,13 +179,23 @@ func buildSpawnNS(bin []byte) (int, error) {
 	return unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 }
 
-// Close releases the namespace (it dies with the last init cloned from it).
+// Close stops the zygote and releases the namespace. Inits cloned from it
+// live on until their own control sockets close. Close is idempotent.
 func (s *SpawnNS) Close() error {
-	if s.fd < 0 {
+	var err error
+	s.once.Do(func() {
+		err = s.zygote.Close()
+		err = errors.Join(err, ignoreExit(s.zcmd.Wait()))
+		err = errors.Join(err, unix.Close(s.fd))
+	})
+	return err
+}
+
+func ignoreExit(err error) error {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
 		return nil
 	}
-	err := unix.Close(s.fd)
-	s.fd = -1
 	return err
 }
 
@@ -130,11 +203,8 @@ func (s *SpawnNS) Close() error {
 type Config struct {
 	// HostID is the first host uid and gid of the sandbox's range.
 	HostID int
-	// NetNS is an fd of the net namespace to start in (from a NetPool);
-	// -1 keeps the host's, which only tests of the launcher itself use.
+	// NetNS is an fd of the net namespace to start in (from a NetPool).
 	NetNS int
-	// Stderr receives the init's own diagnostics; nil discards them.
-	Stderr io.Writer
 	// Hostname is the sandbox's host name (its uts namespace).
 	Hostname string
 }
@@ -143,11 +213,11 @@ type Config struct {
 type Init struct {
 	Conn *initproc.Conn
 	// Pid is the init's pid in the host's pid namespace.
-	Pid   int
-	cmd   *exec.Cmd
-	done  chan struct{}
-	err   error
-	mntns int
+	Pid    int
+	done   chan struct{}
+	status unix.WaitStatus
+	mntns  int
+	once   sync.Once
 }
 
 // Swap makes the detached mount mountFD the sandbox's root. A locked thread
@@ -233,9 +303,13 @@ func swapLocked(mntns, mountFD int) error {
 	return nil
 }
 
-// Start clones the init into new user, mount, pid, ipc, uts and cgroup
-// namespaces (and the given net namespace) and waits for its hello.
+// Start clones a new init (through the zygote) into new user, mount, pid,
+// ipc, uts and cgroup namespaces and the given net namespace, and waits for
+// its hello.
 func (s *SpawnNS) Start(cfg Config) (*Init, error) {
+	if cfg.NetNS < 0 {
+		return nil, errors.New("starting init: a net namespace is required")
+	}
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("control socket: %w", err)
@@ -249,61 +323,23 @@ func (s *SpawnNS) Start(cfg Config) (*Init, error) {
 	}
 	ours := os.NewFile(uintptr(pair[0]), "init-control")
 	theirs := os.NewFile(uintptr(pair[1]), "init-control-child")
-	defer theirs.Close() // also closed below, once the child has it
-	// os/exec would open /dev/null for missing stdio inside the spawn
-	// namespace, which has none: give it the host's.
-	devnull, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	pid, exit, err := s.zygote.Clone(uint32(cfg.HostID), cfg.Hostname, cfg.NetNS, theirs)
+	theirs.Close() // only the init may hold its end, so that its exit is seen
 	if err != nil {
 		ours.Close()
-		return nil, err
+		return nil, fmt.Errorf("starting init: %w", err)
 	}
-	defer devnull.Close()
-	var stderr io.Writer = devnull
-	if cfg.Stderr != nil {
-		stderr = cfg.Stderr
-	}
-
-	cmd := &exec.Cmd{
-		Path:       s.initPath,
-		Args:       []string{"dg-init", cfg.Hostname},
-		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-		ExtraFiles: []*os.File{theirs},
-		Stdin:      devnull,
-		Stdout:     devnull,
-		Stderr:     stderr,
-		SysProcAttr: &syscall.SysProcAttr{
-			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWIPC |
-				unix.CLONE_NEWUTS | unix.CLONE_NEWCGROUP,
-			UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: cfg.HostID, Size: IDRange}},
-			GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: cfg.HostID, Size: IDRange}},
-			GidMappingsEnableSetgroups: true,
-			// Become uid 0 of the new namespace before exec, or the init
-			// would run as an unmapped uid and exec would drop its caps.
-			Credential: &syscall.Credential{Uid: 0, Gid: 0},
-			// No Pdeathsig: it would fire when the spawning thread ends.
-			// The init exits by itself when its control socket closes.
-		},
-	}
-	errc := make(chan error, 1)
+	in := &Init{Pid: pid, done: make(chan struct{}), mntns: -1}
 	go func() {
-		runtime.LockOSThread()
-		// Never unlocked: the thread's namespaces are changed for good.
-		errc <- s.startLocked(cmd, cfg.NetNS)
-	}()
-	if err := <-errc; err != nil {
-		ours.Close()
-		return nil, err
-	}
-	theirs.Close() // the init's end: only the child may hold it, so its exit is seen
-	in := &Init{Pid: cmd.Process.Pid, cmd: cmd, done: make(chan struct{}), mntns: -1}
-	go func() {
-		in.err = cmd.Wait()
+		if ev, ok := <-exit; ok {
+			in.status = ev.Status
+		}
 		close(in.done)
 	}()
 	conn, err := initproc.NewConn(ours)
 	if err != nil {
 		ours.Close()
-		_ = cmd.Process.Kill()
+		_ = unix.Kill(pid, unix.SIGKILL)
 		<-in.done
 		return nil, fmt.Errorf("starting init: %w", err)
 	}
@@ -316,20 +352,15 @@ func (s *SpawnNS) Start(cfg Config) (*Init, error) {
 	return in, nil
 }
 
-func (s *SpawnNS) startLocked(cmd *exec.Cmd, netns int) error {
+func (s *SpawnNS) startLocked(cmd *exec.Cmd) error {
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
 		return fmt.Errorf("unsharing fs: %w", err)
 	}
 	if err := unix.Setns(s.fd, unix.CLONE_NEWNS); err != nil {
 		return fmt.Errorf("entering spawn namespace: %w", err)
 	}
-	if netns >= 0 {
-		if err := unix.Setns(netns, unix.CLONE_NEWNET); err != nil {
-			return fmt.Errorf("entering net namespace: %w", err)
-		}
-	}
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("starting init: %w", err)
+		return fmt.Errorf("starting zygote: %w", err)
 	}
 	return nil
 }
@@ -339,11 +370,19 @@ func (in *Init) UserNS() (int, error) {
 	return unix.Open(fmt.Sprintf("/proc/%d/ns/user", in.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 }
 
-// ExitErr returns how the init exited, once Done is closed.
+// ExitErr describes how the init exited, once Done is closed.
 func (in *Init) ExitErr() error {
 	select {
 	case <-in.done:
-		return in.err
+		switch {
+		case in.status.Exited() && in.status.ExitStatus() == 0:
+			return nil
+		case in.status.Exited():
+			return fmt.Errorf("init exited with status %d", in.status.ExitStatus())
+		case in.status.Signaled():
+			return fmt.Errorf("init killed by %s", unix.SignalName(in.status.Signal()))
+		}
+		return errors.New("init is gone")
 	default:
 		return nil
 	}
@@ -355,20 +394,18 @@ func (in *Init) Done() <-chan struct{} { return in.done }
 // Stop ends the init (and so every process of the sandbox) and waits for it.
 // Stop is idempotent.
 func (in *Init) Stop() error {
-	_ = in.Conn.Close()
-	if in.mntns >= 0 {
-		unix.Close(in.mntns)
-		in.mntns = -1
-	}
-	select {
-	case <-in.done:
-	default:
-		_ = in.cmd.Process.Kill()
-		<-in.done
-	}
-	var ee *exec.ExitError
-	if in.err != nil && !errors.As(in.err, &ee) {
-		return in.err
-	}
+	in.once.Do(func() {
+		_ = in.Conn.Close()
+		if in.mntns >= 0 {
+			unix.Close(in.mntns)
+		}
+		// The init exits when its socket closes; a stuck one is killed.
+		select {
+		case <-in.done:
+		case <-time.After(2 * time.Second):
+			_ = unix.Kill(in.Pid, unix.SIGKILL)
+			<-in.done
+		}
+	})
 	return nil
 }

@@ -66,7 +66,7 @@ func TestStartSwapSpawn(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer unix.Close(netfd)
-	in, err := ns.Start(launch.Config{HostID: 1 << 20, NetNS: netfd, Stderr: os.Stderr})
+	in, err := ns.Start(launch.Config{HostID: 1 << 20, NetNS: netfd, Hostname: "probe"})
 	if err != nil {
 		t.Fatal(err)
 	}

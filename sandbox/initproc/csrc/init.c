@@ -35,6 +35,7 @@
 #include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -362,9 +363,9 @@ static int confine(void) {
 	return 0;
 }
 
-int main(int argc, char **argv) {
+static int init_main(const char *hostname) {
 	if (setup_mounts() < 0) return 1;
-	if (argc > 1 && argv[1][0] && sethostname(argv[1], strlen(argv[1])) < 0) return 1;
+	if (hostname && hostname[0] && sethostname(hostname, strlen(hostname)) < 0) return 1;
 	if (confine() < 0) return 1;
 	sigset_t mask;
 	sigemptyset(&mask);
@@ -419,4 +420,137 @@ int main(int argc, char **argv) {
 		}
 		close_fds();
 	}
+}
+
+// ---- zygote -------------------------------------------------------------------
+//
+// `dg-init --zygote` is started once by the server in its spawn mount
+// namespace, with its control socket as fd 3, and clones new inits on
+// request: a C clone() into fresh namespaces costs a fraction of a Go
+// os/exec with a user namespace, and the new init needs no exec: it is a
+// copy of the zygote that runs init_main.
+//
+//   ZSPAWN payload {u32 host_id, hostname} fds:[netns, init socket]
+//          reply {i32 err, i32 pid (host pid namespace)}
+//   events: EXIT {pid, status} when an init it cloned exits.
+
+#define ZSPAWN 10
+
+struct zargs {
+	int syncr, syncw, ctl;
+	char hostname[65];
+};
+
+static char zstack[256 * 1024] __attribute__((aligned(16)));
+
+static int zchild(void *p) {
+	struct zargs *z = p;
+	char c;
+	close(z->syncw);
+	if (read(z->syncr, &c, 1) != 1) _exit(1); // the zygote failed to map ids
+	close(z->syncr);
+	// uid and gid 0 of the new user namespace: the range's first host id.
+	if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 || setgroups(0, NULL) < 0) _exit(1);
+	if (dup2(z->ctl, CTL) < 0) _exit(1);
+	syscall(SYS_close_range, CTL + 1, ~0U, 0);
+	sigset_t none;
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	_exit(init_main(z->hostname));
+}
+
+static int write_file(const char *path, const char *data) {
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0) return -1;
+	ssize_t n = write(fd, data, strlen(data));
+	int e = errno;
+	close(fd);
+	errno = e;
+	return n == (ssize_t)strlen(data) ? 0 : -1;
+}
+
+static int zspawn(uint32_t len, int32_t *pid_out) {
+	if (len < 4 || len > 4 + 64 || nfds != 2) return EINVAL;
+	uint32_t host;
+	memcpy(&host, buf, 4);
+	static struct zargs z;
+	memset(&z, 0, sizeof z);
+	memcpy(z.hostname, buf + 4, len - 4);
+	z.ctl = fds[1];
+	if (setns(fds[0], CLONE_NEWNET) < 0) return errno;
+	int sp[2];
+	if (pipe2(sp, O_CLOEXEC) < 0) return errno;
+	z.syncr = sp[0];
+	z.syncw = sp[1];
+	pid_t pid = clone(zchild, zstack + sizeof zstack,
+	                  CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP | SIGCHLD, &z);
+	int e = errno;
+	close(sp[0]);
+	if (pid < 0) {
+		close(sp[1]);
+		return e;
+	}
+	char path[64], map[64];
+	snprintf(map, sizeof map, "0 %u %u\n", host, 65536u);
+	int err = 0;
+	snprintf(path, sizeof path, "/proc/%d/uid_map", pid);
+	if (write_file(path, map) < 0) err = errno;
+	snprintf(path, sizeof path, "/proc/%d/gid_map", pid);
+	if (!err && write_file(path, map) < 0) err = errno;
+	if (!err && write(sp[1], "x", 1) != 1) err = errno;
+	close(sp[1]); // a child that got no byte exits, and is reaped below
+	*pid_out = pid;
+	return err;
+}
+
+static int zygote_main(void) {
+	sigset_t mask;
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGCHLD);
+	sigaddset(&mask, SIGPIPE);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	sigset_t chld;
+	sigemptyset(&chld);
+	sigaddset(&chld, SIGCHLD);
+	int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+	if (sfd < 0) return 1;
+	fcntl(CTL, F_SETFD, FD_CLOEXEC);
+	send_msg(MSG_REPLY, 0, "\0\0\0\0\0\0\0\0", 8); // hello
+	struct pollfd pf[2] = {{CTL, POLLIN, 0}, {sfd, POLLIN, 0}};
+	for (;;) {
+		if (poll(pf, 2, -1) < 0) {
+			if (errno == EINTR) continue;
+			return 1;
+		}
+		if (pf[1].revents) {
+			struct signalfd_siginfo si;
+			while (read(sfd, &si, sizeof si) > 0) {
+			}
+			reap();
+		}
+		if (!pf[0].revents) continue;
+		struct hdr h;
+		ssize_t n = recv_msg(&h);
+		if (n == 0) return 0; // the server is gone; its inits follow
+		if (n < 0) {
+			close_fds();
+			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
+			if (n == -1) return 1;
+			reply(h.id, EPROTO, 0);
+			continue;
+		}
+		if (h.type == ZSPAWN) {
+			int32_t pid = 0;
+			int e = zspawn(h.len, &pid);
+			reply(h.id, e, e ? 0 : pid);
+		} else {
+			reply(h.id, ENOSYS, 0);
+		}
+		close_fds();
+	}
+}
+
+int main(int argc, char **argv) {
+	if (argc > 1 && strcmp(argv[1], "--zygote") == 0) return zygote_main();
+	return init_main(argc > 1 ? argv[1] : NULL);
 }
