@@ -446,6 +446,30 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// Freeze stops every process of the sandbox (the init included) until Thaw.
+func (s *Sandbox) Freeze() error {
+	if err := s.beginOp(false); err != nil {
+		return err
+	}
+	defer s.op.Unlock()
+	if err := s.cg.Freeze(); err != nil {
+		return fmt.Errorf("freezing sandbox %s: %w", s.id, err)
+	}
+	return nil
+}
+
+// Thaw resumes a frozen sandbox.
+func (s *Sandbox) Thaw() error {
+	if err := s.beginOp(false); err != nil {
+		return err
+	}
+	defer s.op.Unlock()
+	if err := s.cg.Thaw(); err != nil {
+		return fmt.Errorf("thawing sandbox %s: %w", s.id, err)
+	}
+	return nil
+}
+
 // killAll ends every process of the sandbox but the init, sessions included.
 func (s *Sandbox) killAll() error {
 	s.mu.Lock()

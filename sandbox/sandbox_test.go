@@ -346,3 +346,78 @@ func TestUserAndConfinement(t *testing.T) {
 		t.Fatalf("root confinement: %q", out)
 	}
 }
+
+func TestInitConfinedAndNamespaces(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Hostname: "box1"})
+	// The init itself keeps no privilege a command lacks.
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", s.InitPid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"CapEff:\t00000000a00405fb", "CapBnd:\t00000000a00405fb", "NoNewPrivs:\t1", "Seccomp:\t2"} {
+		if !strings.Contains(string(st), want) {
+			t.Errorf("init status lacks %q", want)
+		}
+	}
+	// Every namespace differs from the host's.
+	for _, ns := range []string{"user", "mnt", "pid", "ipc", "uts", "cgroup", "net"} {
+		host, _ := os.Readlink("/proc/self/ns/" + ns)
+		box, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/%s", s.InitPid(), ns))
+		if err != nil || host == box {
+			t.Errorf("namespace %s: host %s sandbox %s (%v)", ns, host, box, err)
+		}
+	}
+	out := sh(t, s, "hostname; cat /proc/1/cmdline; echo; unshare -m true 2>&1 || echo refused; ls /proc/kcore -l | cut -c1")
+	if !strings.HasPrefix(out, "box1\ndg-init") || !strings.Contains(out, "refused") {
+		t.Fatalf("inside: %q", out)
+	}
+}
+
+func TestFreezeThaw(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "while true; do echo x >> /tmp/ticks; sleep 0.01; done", Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	sh(t, s, "while [ ! -s /tmp/ticks ]; do sleep 0.01; done")
+	if err := s.Freeze(); err != nil {
+		t.Fatal(err)
+	}
+	n1, _, err := s.ReadFile(ctx, "/tmp/ticks", 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // a frozen writer must not advance in this window
+	n2, _, _ := s.ReadFile(ctx, "/tmp/ticks", 0, 0)
+	if len(n1) != len(n2) {
+		t.Fatalf("frozen sandbox kept writing: %d then %d bytes", len(n1), len(n2))
+	}
+	if err := s.Thaw(); err != nil {
+		t.Fatal(err)
+	}
+	sh(t, s, fmt.Sprintf("while [ $(wc -c < /tmp/ticks) -le %d ]; do sleep 0.01; done", len(n2)))
+}
+
+func TestCheckpointTTL(t *testing.T) {
+	b := setup(t, func(c *sandbox.Config) { c.CheckpointTTL = 200 * time.Millisecond })
+	s := b.create(t, sandbox.Spec{})
+	ck, err := s.Checkpoint(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := b.rt.Checkpoint(ck.ID); errors.Is(err, sandbox.ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("checkpoint outlived its TTL")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := s.Restore(t.Context(), ck.ID); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("restore of an expired checkpoint: %v", err)
+	}
+}
