@@ -12,9 +12,10 @@ DATA ?= $(CURDIR)/.data
 # Each part of the project adds its own targets and prerequisites in mk/*.mk.
 DEPS_GROUPS := base
 TEST_PREREQS :=
+BENCH_TARGETS :=
 include $(sort $(wildcard mk/*.mk))
 
-.PHONY: help deps build test run bench lint generate checkgenerate clean
+.PHONY: help deps build test run bench bench-sandbox lint generate checkgenerate clean init
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -37,8 +38,12 @@ test: deps $(BIN)/dg-init $(TEST_PREREQS) ## run every test (root runs the privi
 	go vet ./...
 	DELTAGYM_INIT=$(BIN)/dg-init go test -count=1 -timeout 30m ./...
 
-bench: deps $(BIN)/dg-init ## run the benchmarks (p50/p99)
-	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench . -benchtime 2000x -timeout 60m ./sandbox/...
+bench: bench-sandbox $(BENCH_TARGETS) ## run every benchmark (p50/p99)
+
+bench-sandbox: deps $(BIN)/dg-init ## sandbox runtime benchmarks: checkpoint, rollback, fork, exec, full-copy baseline
+	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'Checkpoint$$|Rollback$$|RollbackDepth|Exec$$' -benchtime 500x -timeout 30m ./sandbox/
+	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'Fork64|RollbackFullCopy' -benchtime 20x -timeout 30m ./sandbox/
+	go test -run '^$$' -bench . -benchtime 2000x -timeout 10m ./sandbox/cgroup/
 
 clean: ## remove build output (not the image cache)
 	rm -rf $(BIN)
