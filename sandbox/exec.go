@@ -306,8 +306,13 @@ func (s *Sandbox) spawnError(err error) error {
 		return fmt.Errorf("%w: the sandbox's init went away (still running)", ErrClosed)
 	}
 	var en unix.Errno
-	if errors.As(err, &en) && (en == unix.ENOENT || en == unix.EACCES || en == unix.ENOTDIR || en == unix.ENOEXEC) {
-		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	if errors.As(err, &en) {
+		switch en {
+		case unix.ENOENT, unix.EACCES, unix.ENOTDIR, unix.ENOEXEC:
+			return fmt.Errorf("%w: %w", ErrInvalid, err)
+		case unix.E2BIG:
+			return fmt.Errorf("%w: arguments and environment are too large for exec", ErrInvalid)
+		}
 	}
 	return err
 }

@@ -107,31 +107,39 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 	})
 }
 
-// mkdirAll creates the missing parents of rel, one component at a time,
-// each relative to its verified parent.
+// mkdirAll creates the missing parents of rel. Each prefix is resolved
+// from the root (so a symlink among the parents resolves as the sandbox
+// would resolve it), and a missing one is made relative to its parent's
+// verified fd.
 func mkdirAll(root int, rel string) error {
 	parts := strings.Split(rel, "/")
-	dir, err := unix.Openat2(root, ".", &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
-	if err != nil {
-		return err
-	}
-	defer func() { unix.Close(dir) }()
-	for _, p := range parts[:len(parts)-1] {
-		if p == "" || p == "." {
+	how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve}
+	for i := range len(parts) - 1 {
+		if parts[i] == "" || parts[i] == "." || parts[i] == ".." {
 			continue
 		}
-		next, err := unix.Openat2(dir, p, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
-		if errors.Is(err, unix.ENOENT) {
-			if err := unix.Mkdirat(dir, p, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
-				return err
-			}
-			next, err = unix.Openat2(dir, p, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
+		prefix := strings.Join(parts[:i+1], "/")
+		fd, err := unix.Openat2(root, prefix, how)
+		if err == nil {
+			unix.Close(fd)
+			continue
 		}
+		if !errors.Is(err, unix.ENOENT) {
+			return err
+		}
+		parent := "."
+		if i > 0 {
+			parent = strings.Join(parts[:i], "/")
+		}
+		pfd, err := unix.Openat2(root, parent, how)
 		if err != nil {
 			return err
 		}
-		unix.Close(dir)
-		dir = next
+		err = unix.Mkdirat(pfd, parts[i], 0o755)
+		unix.Close(pfd)
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return err
+		}
 	}
 	return nil
 }
@@ -151,16 +159,22 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	}
 	defer s.op.RUnlock()
 	uid, gid := s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		err, clean := s.fileOpLocked(uid, gid, rel, fn)
-		if clean {
-			runtime.UnlockOSThread()
+	var err error
+	// openat2 fails with EAGAIN when a rename races the lookup: retry.
+	for try := 0; try < 8; try++ {
+		errc := make(chan error, 1)
+		go func() {
+			runtime.LockOSThread()
+			err, clean := s.fileOpLocked(uid, gid, rel, fn)
+			if clean {
+				runtime.UnlockOSThread()
+			}
+			errc <- err
+		}()
+		if err = <-errc; !errors.Is(err, unix.EAGAIN) {
+			break
 		}
-		errc <- err
-	}()
-	err := <-errc
+	}
 	if err == nil {
 		return nil
 	}
@@ -183,6 +197,8 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 			return fmt.Errorf("%w: %s: read-only file system", ErrInvalid, path)
 		case unix.ENAMETOOLONG:
 			return fmt.Errorf("%w: %s: name too long", ErrInvalid, path)
+		case unix.EAGAIN:
+			return fmt.Errorf("%w: %s changed while being resolved; try again", ErrInvalid, path)
 		}
 	}
 	return err

@@ -306,7 +306,16 @@ func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
 		if r.val > 0 {
 			c.Forget(int(r.val))
 		}
-		return 0, nil, fmt.Errorf("%w %q: %w", ErrSpawn, req.Argv[0], syscall.Errno(r.err))
+		errno := syscall.Errno(r.err & 0xffff)
+		switch r.err >> 16 { // the step of init.c's child_main that failed
+		case 1:
+			return 0, nil, fmt.Errorf("%w: joining the command's cgroup: %w", ErrSpawn, errno)
+		case 4:
+			return 0, nil, fmt.Errorf("%w: switching to uid %d: %w", ErrSpawn, req.UID, errno)
+		case 6:
+			return 0, nil, fmt.Errorf("%w: changing to directory %q: %w", ErrSpawn, req.Cwd, errno)
+		}
+		return 0, nil, fmt.Errorf("%w %q: %w", ErrSpawn, req.Argv[0], errno)
 	}
 	return int(r.val), exit, nil
 }

@@ -128,6 +128,22 @@ func (s *SpawnNS) startZygote() error {
 }
 
 func buildSpawnNS(bin []byte) (int, error) {
+	// The locked thread may be the process's main thread, which the
+	// runtime keeps instead of ending it, and which /proc/self shows: go
+	// back to the host's namespace once done.
+	home, err := unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(home)
+	fd, err := buildSpawnNSIn(bin)
+	if err := unix.Setns(home, unix.CLONE_NEWNS); err != nil {
+		panic(fmt.Sprintf("leaving the spawn namespace: %v", err))
+	}
+	return fd, err
+}
+
+func buildSpawnNSIn(bin []byte) (int, error) {
 	if err := unix.Unshare(unix.CLONE_FS | unix.CLONE_NEWNS); err != nil {
 		return -1, fmt.Errorf("unshare: %w", err)
 	}
@@ -356,10 +372,20 @@ func (s *SpawnNS) startLocked(cmd *exec.Cmd) error {
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
 		return fmt.Errorf("unsharing fs: %w", err)
 	}
+	home, err := unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(home)
 	if err := unix.Setns(s.fd, unix.CLONE_NEWNS); err != nil {
 		return fmt.Errorf("entering spawn namespace: %w", err)
 	}
-	if err := cmd.Start(); err != nil {
+	err = cmd.Start()
+	// Back home: this may be the main thread, which outlives the goroutine.
+	if herr := unix.Setns(home, unix.CLONE_NEWNS); herr != nil {
+		panic(fmt.Sprintf("leaving the spawn namespace: %v", herr))
+	}
+	if err != nil {
 		return fmt.Errorf("starting zygote: %w", err)
 	}
 	return nil

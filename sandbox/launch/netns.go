@@ -106,6 +106,21 @@ func NewNetNS() (int, error) {
 }
 
 func newNetNSLocked() (int, error) {
+	// This may be the main thread, which outlives the goroutine: come back
+	// to the host's net namespace once the new one is open.
+	home, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(home)
+	fd, err := newNetNSIn()
+	if herr := unix.Setns(home, unix.CLONE_NEWNET); herr != nil {
+		panic(fmt.Sprintf("leaving a new net namespace: %v", herr))
+	}
+	return fd, err
+}
+
+func newNetNSIn() (int, error) {
 	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
 		return -1, fmt.Errorf("creating net namespace: %w", err)
 	}

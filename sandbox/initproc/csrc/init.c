@@ -323,8 +323,9 @@ static int do_spawn(uint32_t len, int32_t *pid_out) {
 	close(ep[0]);
 	if (n == sizeof e) {
 		// The child failed before exec; it has exited, the reaper reports it.
+		// The step that failed goes in the high bits (see conn.go).
 		*pid_out = pid;
-		return e[0] ? e[0] : EINVAL;
+		return (e[0] ? e[0] : EINVAL) | (e[1] << 16);
 	}
 	*pid_out = pid;
 	return 0;

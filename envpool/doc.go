@@ -1,0 +1,19 @@
+// Package envpool keeps deltagym's env catalog and, for each env, a pool of warm sandboxes.
+//
+// The catalog is loaded from a directory of spec files (one EnvSpec each, in its protobuf JSON
+// form, *.json) and can grow while the server runs
+// (Register). For each env the Manager runs the env's setup commands once in a sandbox created
+// from its image and checkpoints the result: the env's initial (pool) checkpoint. A populate
+// goroutine per env then keeps a buffered channel of warm sandboxes filled by forking that
+// checkpoint, so that Acquire is a hand-over, not a boot.
+//
+// Reset adds tasks: an env's reset hook runs with the seed and options as environment variables;
+// its stdout is the initial observation and the state after it is checkpointed (a task
+// checkpoint) and cached by (env, seed, options), so that the next reset of the same task is a
+// fork of that checkpoint instead of a rerun of the hook.
+//
+// Sandboxes handed out are leased: each Lease has a TTL renewed by every call (Begin) and by
+// Touch, and a reaper goroutine destroys the sandboxes whose lease expired while no call was in
+// flight. Reaping never releases checkpoints. The Manager knows nothing of the RPC server: it
+// reports checkpoints it takes and sandboxes it reaps through callbacks in its Config.
+package envpool

@@ -1,0 +1,123 @@
+package envpool
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// Lease is a sandbox handed to a client. Calls on it are serialised by Begin; each call and
+// Touch renew its TTL, and a call in flight (or waiting its turn) keeps the reaper away.
+type Lease struct {
+	m       *Manager
+	env     *Env
+	box     *sandbox.Sandbox
+	created time.Time
+
+	turn     chan struct{} // capacity 1: held by the call in progress
+	inflight atomic.Int32
+	expires  atomic.Int64 // unix nanoseconds
+
+	mu     sync.Mutex
+	cancel context.CancelCauseFunc // of the call in progress
+	ended  chan struct{}
+	once   sync.Once
+
+	value atomic.Value // the owner's per-sandbox state
+}
+
+// Value returns the state the owner attached with SetValue (nil if none).
+func (l *Lease) Value() any { return l.value.Load() }
+
+// SetValue attaches the owner's per-sandbox state (the server's episode); the Manager does not
+// use it. Every call must store the same concrete type.
+func (l *Lease) SetValue(v any) { l.value.Store(v) }
+
+// ID returns the sandbox id.
+func (l *Lease) ID() string { return l.box.ID() }
+
+// Env returns the env the sandbox belongs to.
+func (l *Lease) Env() *Env { return l.env }
+
+// Sandbox returns the leased sandbox.
+func (l *Lease) Sandbox() *sandbox.Sandbox { return l.box }
+
+// Created returns when the sandbox was handed over.
+func (l *Lease) Created() time.Time { return l.created }
+
+// Expires returns when the lease runs out unless renewed.
+func (l *Lease) Expires() time.Time { return time.Unix(0, l.expires.Load()) }
+
+// Ended is closed once the lease was closed or reaped.
+func (l *Lease) Ended() <-chan struct{} { return l.ended }
+
+// Touch renews the lease and returns its new expiry.
+func (l *Lease) Touch() time.Time {
+	t := time.Now().Add(l.m.cfg.LeaseTTL)
+	l.expires.Store(t.UnixNano())
+	return t
+}
+
+// Begin waits for the sandbox's turn (calls on one sandbox run one at a time, in arrival order
+// as far as Go's channel fairness goes) and renews the lease. It returns the context the call
+// must use — cancelled with cause ErrAborted by Abort — and the function that ends the call.
+func (l *Lease) Begin(ctx context.Context) (context.Context, func(), error) {
+	l.inflight.Add(1)
+	l.Touch()
+	select {
+	case l.turn <- struct{}{}:
+	case <-ctx.Done():
+		l.inflight.Add(-1)
+		return nil, nil, ctx.Err()
+	case <-l.ended:
+		l.inflight.Add(-1)
+		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
+	}
+	select {
+	case <-l.ended:
+		<-l.turn
+		l.inflight.Add(-1)
+		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
+	default:
+	}
+	cctx, cancel := context.WithCancelCause(ctx)
+	l.mu.Lock()
+	l.cancel = cancel
+	l.mu.Unlock()
+	end := func() {
+		l.mu.Lock()
+		l.cancel = nil
+		l.mu.Unlock()
+		cancel(nil)
+		l.Touch()
+		<-l.turn
+		l.inflight.Add(-1)
+	}
+	return cctx, end, nil
+}
+
+// Abort cancels the call in progress on the sandbox, if any, with cause ErrAborted.
+func (l *Lease) Abort() {
+	l.mu.Lock()
+	if l.cancel != nil {
+		l.cancel(ErrAborted)
+	}
+	l.mu.Unlock()
+}
+
+// Aborted reports whether ctx (from Begin) was cancelled by Abort.
+func Aborted(ctx context.Context) bool { return context.Cause(ctx) == ErrAborted }
+
+// end marks the lease ended (once) and reports whether this call ended it.
+func (l *Lease) end() bool {
+	first := false
+	l.once.Do(func() {
+		first = true
+		close(l.ended)
+	})
+	return first
+}

@@ -1,0 +1,380 @@
+package envpool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// Config configures a Manager.
+type Config struct {
+	// Runtime creates and forks the sandboxes. Required.
+	Runtime *sandbox.Runtime
+	// LeaseTTL is how long a leased sandbox lives without a call or heartbeat. Default 10m.
+	LeaseTTL time.Duration
+	// ReapInterval is how often the reaper looks for expired leases. Default LeaseTTL/10,
+	// between 10ms and 10s.
+	ReapInterval time.Duration
+	// AcquireTimeout bounds how long a Reset waits for a warm sandbox before failing with
+	// ErrExhausted. Default 10s.
+	AcquireTimeout time.Duration
+	// DefaultPoolSize is the pool size of envs whose spec says 0. Default 2.
+	DefaultPoolSize int
+	// DefaultStepTimeout is the step timeout of envs whose limits say 0. Default 30s.
+	DefaultStepTimeout time.Duration
+	// DefaultOutputBytes is the output cap of envs whose limits say 0. Default 1 MiB.
+	DefaultOutputBytes int
+	// Logger receives pool and reaper events. Default slog.Default().
+	Logger *slog.Logger
+	// OnCheckpoint, if set, is called for every checkpoint the Manager takes (pool, task,
+	// evaluate), for the ledger. It must not block.
+	OnCheckpoint func(env string, kind CheckpointKind, info sandbox.CheckpointInfo)
+	// OnEnd, if set, is called once for every lease that ends other than by CloseLease: reaped
+	// after its TTL, its sandbox died, or the Manager closed. It must not block.
+	OnEnd func(l *Lease, reason string)
+}
+
+// Validate checks the config and fills in defaults.
+func (c *Config) Validate() error {
+	if c.Runtime == nil {
+		return errors.New("envpool: Runtime is required")
+	}
+	if c.LeaseTTL <= 0 {
+		c.LeaseTTL = 10 * time.Minute
+	}
+	if c.ReapInterval <= 0 {
+		c.ReapInterval = min(max(c.LeaseTTL/10, 10*time.Millisecond), 10*time.Second)
+	}
+	if c.AcquireTimeout <= 0 {
+		c.AcquireTimeout = 10 * time.Second
+	}
+	if c.DefaultPoolSize <= 0 {
+		c.DefaultPoolSize = 2
+	}
+	if c.DefaultStepTimeout <= 0 {
+		c.DefaultStepTimeout = 30 * time.Second
+	}
+	if c.DefaultOutputBytes <= 0 {
+		c.DefaultOutputBytes = 1 << 20
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// Manager owns the catalog, the warm pools and the leases.
+type Manager struct {
+	cfg Config
+	rt  *sandbox.Runtime
+	log *slog.Logger
+
+	ctx    context.Context // of the pools' goroutines, cancelled by Close
+	cancel context.CancelFunc
+
+	mu     sync.Mutex
+	envs   map[string]*Env
+	leases map[string]*Lease
+	closed bool
+
+	reaperDone chan struct{}
+	retiring   sync.WaitGroup // pools of replaced envs being drained
+	closeOnce  sync.Once
+	closeErr   error
+}
+
+var errAcquireDeadline = errors.New("acquire deadline")
+
+// New starts a Manager with the given catalog: every env's pool starts warming in the
+// background.
+func New(cfg Config, specs []*deltagymv1.EnvSpec) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	m := &Manager{cfg: cfg, rt: cfg.Runtime, log: cfg.Logger, ctx: ctx, cancel: cancel,
+		envs: map[string]*Env{}, leases: map[string]*Lease{}, reaperDone: make(chan struct{})}
+	for _, s := range specs {
+		if _, err := m.Register(s, false); err != nil {
+			cancel()
+			m.closePools()
+			return nil, err
+		}
+	}
+	go m.reap()
+	return m, nil
+}
+
+// Register adds an env to the catalog and starts warming its pool. With replace, an env of the
+// same name is replaced (its pool is drained; its leased sandboxes keep running); without it the
+// name must be new (ErrEnvExists).
+func (m *Manager) Register(spec *deltagymv1.EnvSpec, replace bool) (*Env, error) {
+	if err := ValidateSpec(spec); err != nil {
+		return nil, err
+	}
+	spec = cloneSpec(spec)
+	env := &Env{spec: spec, stepTimeout: m.cfg.DefaultStepTimeout, outputCap: m.cfg.DefaultOutputBytes, tasks: newTaskCache()}
+	if t := spec.GetLimits().GetStepTimeoutSeconds(); t > 0 {
+		env.stepTimeout = time.Duration(t * float64(time.Second))
+	}
+	if o := spec.GetLimits().GetOutputBytes(); o > 0 {
+		env.outputCap = int(min(o, 64<<20))
+	}
+	size := int(spec.GetPoolSize())
+	if size == 0 {
+		size = m.cfg.DefaultPoolSize
+	}
+	env.pool = newPool(m, env, size)
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil, ErrClosed
+	}
+	old := m.envs[spec.GetName()]
+	if old != nil && !replace {
+		m.mu.Unlock()
+		return nil, fmt.Errorf("env %s: %w", spec.GetName(), ErrEnvExists)
+	}
+	m.envs[spec.GetName()] = env
+	env.pool.start(m.ctx)
+	m.mu.Unlock()
+	if old != nil {
+		m.retiring.Go(old.pool.close)
+	}
+	return env, nil
+}
+
+// ImageImported restarts the pools of envs on image whose setup failed (typically because the
+// image was missing).
+func (m *Manager) ImageImported(image string) {
+	m.mu.Lock()
+	var retry []*Env
+	for _, e := range m.envs {
+		if e.spec.GetImage() == image && e.Err() != nil {
+			retry = append(retry, e)
+		}
+	}
+	m.mu.Unlock()
+	for _, e := range retry {
+		if _, err := m.Register(e.spec, true); err != nil {
+			m.log.Warn("rewarming env", "env", e.Name(), "err", err)
+		}
+	}
+}
+
+// Env returns the catalog entry of name.
+func (m *Manager) Env(name string) (*Env, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e, ok := m.envs[name]
+	if !ok {
+		return nil, fmt.Errorf("env %q: %w", name, ErrUnknownEnv)
+	}
+	return e, nil
+}
+
+// Envs returns the catalog sorted by name.
+func (m *Manager) Envs() []*Env {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.SortedFunc(maps.Values(m.envs), func(a, b *Env) int {
+		if a.Name() < b.Name() {
+			return -1
+		}
+		if a.Name() > b.Name() {
+			return 1
+		}
+		return 0
+	})
+}
+
+// EnvForImage returns an env (the first by name) whose image is image, for checkpoints whose env
+// the caller does not know.
+func (m *Manager) EnvForImage(image string) (*Env, error) {
+	for _, e := range m.Envs() {
+		if e.spec.GetImage() == image {
+			return e, nil
+		}
+	}
+	return nil, fmt.Errorf("no env uses image %q: %w", image, ErrUnknownEnv)
+}
+
+// Active returns the number of live leases of the env named name.
+func (m *Manager) Active(name string) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n := 0
+	for _, l := range m.leases {
+		if l.env.Name() == name {
+			n++
+		}
+	}
+	return n
+}
+
+// Acquire takes a warm sandbox of env, waiting up to Config.AcquireTimeout (or ctx) for one.
+func (m *Manager) Acquire(ctx context.Context, env *Env) (*Lease, error) {
+	ctx, cancel := context.WithTimeoutCause(ctx, m.cfg.AcquireTimeout, errAcquireDeadline)
+	defer cancel()
+	sb, err := env.pool.take(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return m.adopt(env, sb)
+}
+
+// Fork creates n leased sandboxes of env at checkpoint.
+func (m *Manager) Fork(ctx context.Context, env *Env, checkpoint string, n int) ([]*Lease, error) {
+	sbs, err := m.rt.Fork(ctx, checkpoint, n, env.forkSpec())
+	if err != nil {
+		return nil, fmt.Errorf("forking %d from checkpoint %s: %w", n, checkpoint, err)
+	}
+	out := make([]*Lease, 0, len(sbs))
+	for i, sb := range sbs {
+		l, err := m.adopt(env, sb)
+		if err != nil {
+			for _, rest := range sbs[i:] {
+				_ = rest.Destroy(context.WithoutCancel(ctx))
+			}
+			for _, l := range out {
+				_ = m.CloseLease(context.WithoutCancel(ctx), l)
+			}
+			return nil, err
+		}
+		out = append(out, l)
+	}
+	return out, nil
+}
+
+func (m *Manager) adopt(env *Env, sb *sandbox.Sandbox) (*Lease, error) {
+	l := &Lease{m: m, env: env, box: sb, created: time.Now(), turn: make(chan struct{}, 1), ended: make(chan struct{})}
+	l.Touch()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		_ = sb.Destroy(context.Background())
+		return nil, ErrClosed
+	}
+	m.leases[sb.ID()] = l
+	return l, nil
+}
+
+// Lease returns the live lease of sandbox id.
+func (m *Manager) Lease(id string) (*Lease, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	l, ok := m.leases[id]
+	if !ok {
+		return nil, fmt.Errorf("sandbox %q: %w", id, ErrUnknownSandbox)
+	}
+	return l, nil
+}
+
+// Leases returns the live leases.
+func (m *Manager) Leases() []*Lease {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Collect(maps.Values(m.leases))
+}
+
+// CloseLease aborts the call in progress on the sandbox, destroys it and ends the lease. Closing
+// an ended lease succeeds.
+func (m *Manager) CloseLease(ctx context.Context, l *Lease) error {
+	m.mu.Lock()
+	if m.leases[l.ID()] == l {
+		delete(m.leases, l.ID())
+	}
+	m.mu.Unlock()
+	l.end()
+	l.Abort()
+	if err := l.box.Destroy(context.WithoutCancel(ctx)); err != nil {
+		return fmt.Errorf("destroying sandbox %s: %w", l.ID(), err)
+	}
+	return nil
+}
+
+// reap destroys the sandboxes whose lease expired with no call in flight, or whose init died.
+func (m *Manager) reap() {
+	defer close(m.reaperDone)
+	t := time.NewTicker(m.cfg.ReapInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-m.ctx.Done():
+			return
+		case <-t.C:
+		}
+		now := time.Now().UnixNano()
+		for _, l := range m.Leases() {
+			reason := ""
+			select {
+			case <-l.box.Done():
+				reason = "sandbox died"
+			default:
+				if l.inflight.Load() == 0 && l.expires.Load() < now {
+					reason = "lease expired"
+				}
+			}
+			if reason == "" {
+				continue
+			}
+			m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
+			if err := m.CloseLease(m.ctx, l); err != nil {
+				m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
+			}
+			if m.cfg.OnEnd != nil {
+				m.cfg.OnEnd(l, reason)
+			}
+		}
+	}
+}
+
+func (m *Manager) reportCheckpoint(env string, kind CheckpointKind, info sandbox.CheckpointInfo) {
+	if m.cfg.OnCheckpoint != nil {
+		m.cfg.OnCheckpoint(env, kind, info)
+	}
+}
+
+func (m *Manager) closePools() {
+	m.mu.Lock()
+	envs := slices.Collect(maps.Values(m.envs))
+	m.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, e := range envs {
+		wg.Go(e.pool.close)
+	}
+	wg.Wait()
+}
+
+// Close stops the pools and the reaper and destroys every warm and leased sandbox (checkpoints
+// stay). It is idempotent.
+func (m *Manager) Close(ctx context.Context) error {
+	m.closeOnce.Do(func() {
+		m.mu.Lock()
+		m.closed = true
+		m.mu.Unlock()
+		m.cancel()
+		<-m.reaperDone
+		m.closePools()
+		m.retiring.Wait()
+		var errs []error
+		for _, l := range m.Leases() {
+			if err := m.CloseLease(ctx, l); err != nil {
+				errs = append(errs, err)
+			}
+			if m.cfg.OnEnd != nil {
+				m.cfg.OnEnd(l, "server shutdown")
+			}
+		}
+		m.closeErr = errors.Join(errs...)
+	})
+	return m.closeErr
+}

@@ -1,0 +1,214 @@
+package envpool
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// ResetParams are the task parameters of a Reset.
+type ResetParams struct {
+	Seed    *int64
+	Options map[string]string
+}
+
+// ResetResult describes the start state of a Reset's sandbox.
+type ResetResult struct {
+	// Checkpoint is the episode's initial state: the task checkpoint when the env has a reset
+	// hook, else the env's pool checkpoint.
+	Checkpoint string
+	// Hook is the reset hook's result (nil without a hook). On a cached task it is the result of
+	// the run that made the task checkpoint.
+	Hook *sandbox.ExecResult
+	// Cached is set when the task checkpoint was reused (the sandbox is a fork of it).
+	Cached bool
+}
+
+var optionNameRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+
+// ErrBadOption means a Reset option's key is not a valid environment variable name.
+var ErrBadOption = fmt.Errorf("invalid reset option")
+
+type task struct {
+	checkpoint string
+	hook       sandbox.ExecResult
+}
+
+// taskCache maps a task key (seed and options) to the checkpoint after its reset hook.
+type taskCache struct {
+	mu    sync.Mutex
+	tasks map[string]task
+}
+
+func newTaskCache() *taskCache { return &taskCache{tasks: map[string]task{}} }
+
+func taskKey(p ResetParams) string {
+	var b strings.Builder
+	if p.Seed != nil {
+		b.WriteString(strconv.FormatInt(*p.Seed, 10))
+	}
+	for _, k := range slices.Sorted(maps.Keys(p.Options)) {
+		b.WriteString("\x00" + k + "=" + p.Options[k])
+	}
+	return b.String()
+}
+
+// Reset hands over a sandbox of env at the start of a task. Without a reset hook it is a warm
+// sandbox from the pool. With one, a cached task checkpoint is forked, or else a warm sandbox
+// runs the hook (seed as DELTAGYM_SEED, each option as a variable of its key) and the state after
+// it is checkpointed and cached.
+func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, ResetResult, error) {
+	for k := range p.Options {
+		if !optionNameRE.MatchString(k) || strings.HasPrefix(k, "DELTAGYM_") {
+			return nil, ResetResult{}, fmt.Errorf("option %q is not a variable name (or uses the DELTAGYM_ prefix): %w", k, ErrBadOption)
+		}
+	}
+	hook := env.spec.GetResetHook()
+	if hook == "" {
+		l, err := m.Acquire(ctx, env)
+		if err != nil {
+			return nil, ResetResult{}, err
+		}
+		return l, ResetResult{Checkpoint: env.pool.ckpt}, nil
+	}
+	key := taskKey(p)
+	env.tasks.mu.Lock()
+	t, ok := env.tasks.tasks[key]
+	env.tasks.mu.Unlock()
+	if ok {
+		ls, err := m.Fork(ctx, env, t.checkpoint, 1)
+		if err == nil {
+			h := t.hook
+			return ls[0], ResetResult{Checkpoint: t.checkpoint, Hook: &h, Cached: true}, nil
+		}
+		m.log.Warn("forking cached task; rerunning its hook", "env", env.Name(), "checkpoint", t.checkpoint, "err", err)
+	}
+	l, err := m.Acquire(ctx, env)
+	if err != nil {
+		return nil, ResetResult{}, err
+	}
+	fail := func(err error) (*Lease, ResetResult, error) {
+		_ = m.CloseLease(context.WithoutCancel(ctx), l)
+		return nil, ResetResult{}, err
+	}
+	vars := make([]string, 0, len(p.Options)+1)
+	if p.Seed != nil {
+		vars = append(vars, "DELTAGYM_SEED="+strconv.FormatInt(*p.Seed, 10))
+	}
+	for k, v := range p.Options {
+		vars = append(vars, k+"="+v)
+	}
+	res, err := l.box.Exec(ctx, sandbox.ExecRequest{Command: hook, Env: vars, Timeout: env.stepTimeout, MaxOutput: env.outputCap})
+	if err != nil {
+		return fail(fmt.Errorf("env %s: running reset hook: %w", env.Name(), err))
+	}
+	if res.ExitCode != 0 || res.TimedOut {
+		return fail(fmt.Errorf("env %s: reset hook exited %d (timed out %v): %s: %w",
+			env.Name(), res.ExitCode, res.TimedOut, tail(res.Stderr, 512), ErrBadOption))
+	}
+	info, err := l.box.Checkpoint(ctx)
+	if err != nil {
+		return fail(fmt.Errorf("env %s: checkpointing task: %w", env.Name(), err))
+	}
+	m.reportCheckpoint(env.Name(), KindTask, info)
+	env.tasks.mu.Lock()
+	env.tasks.tasks[key] = task{checkpoint: info.ID, hook: res}
+	env.tasks.mu.Unlock()
+	return l, ResetResult{Checkpoint: info.ID, Hook: &res}, nil
+}
+
+// Verdict is a verifier's result.
+type Verdict struct {
+	Reward     float64
+	Components map[string]float64
+	Output     string // stdout then stderr, cut at the env's output cap
+	Duration   time.Duration
+	// Checkpoint is the state Evaluate ran the verifier on ("" for Verify).
+	Checkpoint sandbox.CheckpointInfo
+}
+
+// Verify runs env's verifier in sb as it is (used by submit, which ends the episode). answer,
+// when set, is in the verifier's environment as DELTAGYM_ANSWER.
+func (m *Manager) Verify(ctx context.Context, env *Env, sb *sandbox.Sandbox, answer *string) (Verdict, error) {
+	if !env.HasVerifier() {
+		return Verdict{}, fmt.Errorf("env %s: %w", env.Name(), ErrNoVerifier)
+	}
+	var vars []string
+	if answer != nil {
+		vars = append(vars, "DELTAGYM_ANSWER="+*answer)
+	}
+	res, err := sb.Exec(ctx, sandbox.ExecRequest{Command: env.spec.GetVerifier(), Env: vars, Timeout: env.stepTimeout, MaxOutput: env.outputCap})
+	if err != nil {
+		return Verdict{}, fmt.Errorf("env %s: running verifier: %w", env.Name(), err)
+	}
+	v := Verdict{Output: string(res.Stdout) + string(res.Stderr), Duration: res.Duration}
+	if len(v.Output) > env.outputCap {
+		v.Output = v.Output[:env.outputCap]
+	}
+	if res.ExitCode != 0 || res.TimedOut {
+		return v, fmt.Errorf("env %s: verifier exited %d (timed out %v): %s: %w", env.Name(), res.ExitCode, res.TimedOut, tail(res.Stderr, 512), ErrVerifier)
+	}
+	v.Reward, v.Components, err = ParseReward(res.Stdout)
+	if err != nil {
+		return v, fmt.Errorf("env %s: %w", env.Name(), err)
+	}
+	return v, nil
+}
+
+// Evaluate runs the env's verifier on the lease's current state without changing it: it
+// checkpoints the sandbox (an evaluate checkpoint), forks one sandbox from it, runs the verifier
+// there and destroys the fork. The caller holds the lease's turn (Begin). Until checkpoints
+// capture processes, the verifier sees the sandbox's files only: no process of the sandbox runs
+// in the fork.
+func (m *Manager) Evaluate(ctx context.Context, l *Lease) (Verdict, error) {
+	if !l.env.HasVerifier() {
+		return Verdict{}, fmt.Errorf("env %s: %w", l.env.Name(), ErrNoVerifier)
+	}
+	info, err := l.box.Checkpoint(ctx)
+	if err != nil {
+		return Verdict{}, fmt.Errorf("checkpointing sandbox %s to evaluate: %w", l.ID(), err)
+	}
+	m.reportCheckpoint(l.env.Name(), KindEvaluate, info)
+	sbs, err := m.rt.Fork(ctx, info.ID, 1, l.env.forkSpec())
+	if err != nil {
+		return Verdict{}, fmt.Errorf("forking sandbox %s to evaluate: %w", l.ID(), err)
+	}
+	defer func() {
+		if err := sbs[0].Destroy(context.WithoutCancel(ctx)); err != nil {
+			m.log.Warn("destroying evaluate fork", "sandbox", sbs[0].ID(), "err", err)
+		}
+	}()
+	v, err := m.Verify(ctx, l.env, sbs[0], nil)
+	v.Checkpoint = info
+	return v, err
+}
+
+// ParseReward reads a verifier's reward from the last non-empty line of its stdout: a number,
+// or a JSON object {"reward": r, "components": {"name": x, ...}}.
+func ParseReward(stdout []byte) (float64, map[string]float64, error) {
+	lines := strings.Split(strings.TrimSpace(string(stdout)), "\n")
+	last := strings.TrimSpace(lines[len(lines)-1])
+	if last == "" {
+		return 0, nil, fmt.Errorf("verifier printed no reward: %w", ErrVerifier)
+	}
+	if r, err := strconv.ParseFloat(last, 64); err == nil {
+		return r, nil, nil
+	}
+	var obj struct {
+		Reward     *float64           `json:"reward"`
+		Components map[string]float64 `json:"components"`
+	}
+	if err := json.Unmarshal([]byte(last), &obj); err != nil || obj.Reward == nil {
+		return 0, nil, fmt.Errorf("verifier's last line %q is neither a number nor {\"reward\": ...}: %w", tail([]byte(last), 200), ErrVerifier)
+	}
+	return *obj.Reward, obj.Components, nil
+}

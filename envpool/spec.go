@@ -1,0 +1,126 @@
+package envpool
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+)
+
+// MaxPoolSize bounds an env's pool_size.
+const MaxPoolSize = 256
+
+var envNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
+
+// LoadDir reads every *.json file of dir as one EnvSpec (protobuf JSON: field names in
+// snake_case or lowerCamelCase, unknown fields refused) and validates it. The specs are returned
+// sorted by name. Any bad file fails the whole load with an error naming the file and field.
+func LoadDir(dir string) ([]*deltagymv1.EnvSpec, error) {
+	names, err := filepath.Glob(filepath.Join(dir, "*.json"))
+	if err != nil {
+		return nil, fmt.Errorf("listing env specs in %s: %w", dir, err)
+	}
+	sort.Strings(names)
+	seen := map[string]string{}
+	var specs []*deltagymv1.EnvSpec
+	for _, name := range names {
+		data, err := os.ReadFile(name)
+		if err != nil {
+			return nil, fmt.Errorf("reading env spec: %w", err)
+		}
+		spec, err := ParseSpec(data)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+		if prev, ok := seen[spec.GetName()]; ok {
+			return nil, fmt.Errorf("%s: field name: %q is also defined in %s: %w", name, spec.GetName(), prev, ErrInvalidSpec)
+		}
+		seen[spec.GetName()] = name
+		specs = append(specs, spec)
+	}
+	sort.Slice(specs, func(i, j int) bool { return specs[i].GetName() < specs[j].GetName() })
+	return specs, nil
+}
+
+// ParseSpec decodes one EnvSpec from its protobuf JSON form and validates it.
+func ParseSpec(data []byte) (*deltagymv1.EnvSpec, error) {
+	spec := &deltagymv1.EnvSpec{}
+	if err := protojson.Unmarshal(data, spec); err != nil {
+		return nil, fmt.Errorf("decoding: %v: %w", err, ErrInvalidSpec)
+	}
+	if err := ValidateSpec(spec); err != nil {
+		return nil, err
+	}
+	return spec, nil
+}
+
+// ValidateSpec checks a spec's fields; the error names the first bad field.
+func ValidateSpec(s *deltagymv1.EnvSpec) error {
+	bad := func(field, format string, args ...any) error {
+		return fmt.Errorf("field %s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidSpec)
+	}
+	if s == nil {
+		return bad("spec", "missing")
+	}
+	if !envNameRE.MatchString(s.GetName()) {
+		return bad("name", "%q is not 1-63 of lower-case letters, digits, '-', '_', '.' starting with a letter or digit", s.GetName())
+	}
+	if s.GetImage() == "" {
+		return bad("image", "required")
+	}
+	for i, c := range s.GetSetup() {
+		if strings.TrimSpace(c) == "" {
+			return bad(fmt.Sprintf("setup[%d]", i), "empty command")
+		}
+	}
+	for k := range s.GetEnv() {
+		if k == "" || strings.ContainsAny(k, "=\x00") {
+			return bad("env", "variable name %q is empty or holds '=' or NUL", k)
+		}
+	}
+	if w := s.GetWorkdir(); w != "" && !strings.HasPrefix(w, "/") {
+		return bad("workdir", "%q is not absolute", w)
+	}
+	if l := s.GetLimits(); l != nil {
+		for _, f := range []struct {
+			name string
+			v    float64
+		}{
+			{"limits.memory_bytes", float64(l.GetMemoryBytes())}, {"limits.pids", float64(l.GetPids())},
+			{"limits.cpus", l.GetCpus()}, {"limits.disk_bytes", float64(l.GetDiskBytes())},
+			{"limits.output_bytes", float64(l.GetOutputBytes())}, {"limits.step_timeout_seconds", l.GetStepTimeoutSeconds()},
+		} {
+			if f.v < 0 || math.IsNaN(f.v) || math.IsInf(f.v, 0) {
+				return bad(f.name, "%v is negative or not a number", f.v)
+			}
+		}
+	}
+	if b := s.GetBudgets(); b != nil {
+		if b.GetMaxSteps() < 0 {
+			return bad("budgets.max_steps", "%d is negative", b.GetMaxSteps())
+		}
+		if v := b.GetMaxSeconds(); v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
+			return bad("budgets.max_seconds", "%v is negative or not a number", v)
+		}
+	}
+	if p := s.GetPoolSize(); p < 0 || p > MaxPoolSize {
+		return bad("pool_size", "%d is not between 0 and %d", p, MaxPoolSize)
+	}
+	if _, ok := deltagymv1.ProcessMode_name[int32(s.GetProcessMode())]; !ok {
+		return bad("process_mode", "unknown value %d", s.GetProcessMode())
+	}
+	return nil
+}
+
+// cloneSpec returns a deep copy, so callers cannot change a registered spec.
+func cloneSpec(s *deltagymv1.EnvSpec) *deltagymv1.EnvSpec {
+	return proto.Clone(s).(*deltagymv1.EnvSpec)
+}

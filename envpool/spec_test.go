@@ -1,0 +1,108 @@
+package envpool_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/envpool"
+)
+
+func TestShippedSpecsLoad(t *testing.T) {
+	specs, err := envpool.LoadDir("../envs")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, s := range specs {
+		if s.GetName() == "shell" && s.GetImage() == "default" {
+			found = true
+		}
+	}
+	if !found {
+		t.Fatal("envs/ has no shell env on the default image")
+	}
+}
+
+func TestBadSpecsNameFileAndField(t *testing.T) {
+	cases := []struct {
+		name, body, field string
+	}{
+		{"bad name", `{"name": "Bad Name", "image": "x"}`, "field name"},
+		{"no image", `{"name": "a"}`, "field image"},
+		{"negative pool", `{"name": "a", "image": "x", "pool_size": -1}`, "field pool_size"},
+		{"huge pool", `{"name": "a", "image": "x", "poolSize": 100000}`, "field pool_size"},
+		{"negative memory", `{"name": "a", "image": "x", "limits": {"memory_bytes": -5}}`, "field limits.memory_bytes"},
+		{"negative budget", `{"name": "a", "image": "x", "budgets": {"max_steps": -1}}`, "field budgets.max_steps"},
+		{"relative workdir", `{"name": "a", "image": "x", "workdir": "tmp"}`, "field workdir"},
+		{"empty setup", `{"name": "a", "image": "x", "setup": ["ok", " "]}`, "field setup[1]"},
+		{"unknown field", `{"name": "a", "image": "x", "colour": "red"}`, "colour"},
+		{"not json", `{"name": `, "decoding"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			file := filepath.Join(dir, "bad.json")
+			if err := os.WriteFile(file, []byte(tc.body), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			_, err := envpool.LoadDir(dir)
+			if !errors.Is(err, envpool.ErrInvalidSpec) || !strings.Contains(err.Error(), file) || !strings.Contains(err.Error(), tc.field) {
+				t.Fatalf("error %v does not name %s and %q", err, file, tc.field)
+			}
+		})
+	}
+	t.Run("duplicate name", func(t *testing.T) {
+		dir := t.TempDir()
+		for _, f := range []string{"a.json", "b.json"} {
+			if err := os.WriteFile(filepath.Join(dir, f), []byte(`{"name": "same", "image": "x"}`), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := envpool.LoadDir(dir); !errors.Is(err, envpool.ErrInvalidSpec) || !strings.Contains(err.Error(), "a.json") {
+			t.Fatalf("duplicate: %v", err)
+		}
+	})
+}
+
+func TestParseReward(t *testing.T) {
+	cases := []struct {
+		out    string
+		reward float64
+		comp   map[string]float64
+		bad    bool
+	}{
+		{"0.5\n", 0.5, nil, false},
+		{"log line\n1\n\n", 1, nil, false},
+		{`{"reward": 2, "components": {"a": 1}}`, 2, map[string]float64{"a": 1}, false},
+		{"", 0, nil, true},
+		{"not a number", 0, nil, true},
+		{`{"components": {}}`, 0, nil, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.out, func(t *testing.T) {
+			r, comp, err := envpool.ParseReward([]byte(tc.out))
+			if tc.bad {
+				if !errors.Is(err, envpool.ErrVerifier) {
+					t.Fatalf("err %v, want ErrVerifier", err)
+				}
+				return
+			}
+			if err != nil || r != tc.reward || len(comp) != len(tc.comp) || comp["a"] != tc.comp["a"] {
+				t.Fatalf("got %v %v %v", r, comp, err)
+			}
+		})
+	}
+}
+
+func FuzzParseSpec(f *testing.F) {
+	f.Add([]byte(`{"name": "a", "image": "x", "setup": ["true"], "pool_size": 3}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		spec, err := envpool.ParseSpec(data)
+		if err == nil && envpool.ValidateSpec(spec) != nil {
+			t.Fatal("parsed spec fails validation")
+		}
+	})
+}

@@ -1,0 +1,11 @@
+# Trajectory ledger (server/ledger): its tests and the default `make run` use a private cluster of
+# Debian 12's PostgreSQL 15, started from /usr/lib/postgresql/15/bin by server/ledger/pgserver.
+DEPS_GROUPS += postgres
+
+.PHONY: ledger-test ledger-bench
+
+ledger-test: deps ## run the ledger tests against a real private Postgres
+	go test -count=1 -timeout 10m ./server/ledger/...
+
+ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/p99)
+	go test -run '^$$' -bench . -benchtime 100000x -timeout 20m ./server/ledger/

@@ -1,0 +1,15 @@
+# server.mk: run the server with its embedded defaults (the default image, envs/, a private
+# Postgres in $(DATA)), and its benchmarks.
+DEPS_GROUPS += postgres image
+SERVER_ADDR ?= 127.0.0.1:8080
+
+.PHONY: run server-bench
+
+$(BIN)/deltagym: $(BIN)/dg-init $(shell find cmd server envpool sandbox proto/gen -name '*.go' 2>/dev/null) go.mod go.sum | $(BIN)
+	go build -o $(BIN)/ ./cmd/...
+
+run: deps $(BIN)/deltagym $(BIN)/dg-init image ## run the server on $(SERVER_ADDR): default image, envs/, private Postgres in $(DATA)
+	DELTAGYM_INIT=$(BIN)/dg-init $(BIN)/deltagym serve --addr $(SERVER_ADDR) --data $(DATA) --envs $(CURDIR)/envs
+
+server-bench: deps $(BIN)/dg-init ## client-observed Reset, Step, Restore, Fork-16 over loopback gRPC (p50/p99)
+	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench . -benchtime 500x -timeout 30m ./server/

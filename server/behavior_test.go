@@ -1,0 +1,441 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/server"
+)
+
+func TestBadInput(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.MaxRequestBytes = 1 << 20 })
+	rr, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	sb := rr.Msg.GetSandboxId()
+	cases := []struct {
+		name string
+		call func(c api) error
+		want connect.Code
+	}{
+		{"unknown env", func(c api) error { _, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "nope"}); return err }, connect.CodeNotFound},
+		{"reset without env", func(c api) error { _, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{}); return err }, connect.CodeInvalidArgument},
+		{"bad option name", func(c api) error {
+			_, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "task", Options: map[string]string{"A=B": "x"}})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"unknown sandbox", func(c api) error {
+			_, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: "sb-nope", Action: execAction("true")})
+			return err
+		}, connect.CodeNotFound},
+		{"no action", func(c api) error { _, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb}); return err }, connect.CodeInvalidArgument},
+		{"command and argv", func(c api) error {
+			_, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{
+				Exec: &deltagymv1.ExecAction{Command: "true", Argv: []string{"true"}}}}})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"escaping path", func(c api) error {
+			_, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{
+				ReadFile: &deltagymv1.ReadFileAction{Path: "/no/such/file"}}}})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"oversized payload", func(c api) error {
+			_, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{
+				WriteFile: &deltagymv1.WriteFileAction{Path: "/tmp/big", Content: make([]byte, 2<<20)}}}})
+			return err
+		}, connect.CodeResourceExhausted},
+		{"unknown checkpoint", func(c api) error {
+			_, err := c.Restore(t.Context(), &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: "ck-nope"})
+			return err
+		}, connect.CodeNotFound},
+		{"fork n 0", func(c api) error {
+			_, err := c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"bad spec", func(c api) error {
+			_, err := c.RegisterEnv(t.Context(), &deltagymv1.RegisterEnvRequest{Spec: &deltagymv1.EnvSpec{Name: "Bad Name", Image: "default"}})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"env exists", func(c api) error {
+			_, err := c.RegisterEnv(t.Context(), &deltagymv1.RegisterEnvRequest{Spec: &deltagymv1.EnvSpec{Name: "plain", Image: "default"}})
+			return err
+		}, connect.CodeAlreadyExists},
+		{"unknown episode", func(c api) error {
+			_, err := c.GetTrajectory(t.Context(), &deltagymv1.GetTrajectoryRequest{EpisodeId: "ep_nope"})
+			return err
+		}, connect.CodeNotFound},
+	}
+	for _, cl := range b.clients() {
+		for _, tc := range cases {
+			t.Run(cl.name+"/"+tc.name, func(t *testing.T) {
+				err := tc.call(cl.c)
+				if codeOf(err) != tc.want {
+					t.Fatalf("got %v, want %v", err, tc.want)
+				}
+				if err != nil && strings.Contains(err.Error(), os.TempDir()+"/dgsrv") {
+					t.Fatalf("message leaks a host path: %v", err)
+				}
+			})
+		}
+	}
+	// The sandbox still works after all that.
+	st, err := b.connect.Step(t.Context(), connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: execAction("cat /tmp/plain")}))
+	must(t, err)
+	if stdout(t, st.Msg) != "plain\n" {
+		t.Fatalf("state %q", stdout(t, st.Msg))
+	}
+}
+
+func TestAuth(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.AuthToken = "s3cret"; c.NoLedger = true })
+	// The bundle's clients carry the token.
+	_, err := b.connect.ListEnvs(t.Context(), connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
+	must(t, err)
+	_, err = b.grpc.ListEnvs(t.Context(), &deltagymv1.ListEnvsRequest{})
+	must(t, err)
+	for _, tok := range []string{"", "Bearer wrong", "s3cret"} {
+		req, _ := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/ListEnvs", strings.NewReader("{}"))
+		req.Header.Set("Content-Type", "application/json")
+		if tok != "" {
+			req.Header.Set("Authorization", tok)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		must(t, err)
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 401 || !bytes.Contains(body, []byte("unauthenticated")) {
+			t.Fatalf("token %q: %d %s, want 401 unauthenticated", tok, resp.StatusCode, body)
+		}
+	}
+	// Plain curl-style JSON with the right token works.
+	req, _ := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/ListEnvs", strings.NewReader("{}"))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer s3cret")
+	resp, err := http.DefaultClient.Do(req)
+	must(t, err)
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !bytes.Contains(body, []byte(`"plain"`)) {
+		t.Fatalf("JSON ListEnvs: %d %s", resp.StatusCode, body)
+	}
+	// /metrics on the same port.
+	resp, err = http.Get("http://" + b.addr + "/metrics")
+	must(t, err)
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !bytes.Contains(body, []byte("deltagym_rpc_duration")) {
+		t.Fatalf("metrics lack the rpc histogram:\n%.2000s", body)
+	}
+}
+
+func TestBudgetTruncates(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	rr, err := b.grpc.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "short"})
+	must(t, err)
+	st, err := b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("true")})
+	must(t, err)
+	if st.GetTruncated() {
+		t.Fatal("truncated after 1 of 2 steps")
+	}
+	st, err = b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("true")})
+	must(t, err)
+	if !st.GetTruncated() || st.GetTerminated() {
+		t.Fatalf("second of 2 steps: %v", st)
+	}
+	_, err = b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("true")})
+	if codeOf(err) != connect.CodeFailedPrecondition {
+		t.Fatalf("step after truncation: %v", err)
+	}
+}
+
+func TestIdempotentRetries(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	for _, cl := range b.clients() {
+		t.Run(cl.name, func(t *testing.T) {
+			key := "k-" + cl.name
+			var wg sync.WaitGroup
+			ids := make([]string, 4)
+			for i := range ids {
+				wg.Go(func() {
+					r, err := cl.c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain", IdempotencyKey: key})
+					if err == nil {
+						ids[i] = r.GetSandboxId()
+					}
+				})
+			}
+			wg.Wait()
+			for _, id := range ids {
+				if id == "" || id != ids[0] {
+					t.Fatalf("retried resets gave %v", ids)
+				}
+			}
+			f1, err := cl.c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: ids[0]}, N: 3, IdempotencyKey: key})
+			must(t, err)
+			f2, err := cl.c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: ids[0]}, N: 3, IdempotencyKey: key})
+			must(t, err)
+			if strings.Join(f1.GetSandboxIds(), ",") != strings.Join(f2.GetSandboxIds(), ",") {
+				t.Fatalf("retried fork: %v then %v", f1.GetSandboxIds(), f2.GetSandboxIds())
+			}
+			ls, err := cl.c.ListSandboxes(t.Context(), &deltagymv1.ListSandboxesRequest{Env: "plain"})
+			must(t, err)
+			n := 0
+			for _, s := range ls.GetSandboxes() {
+				if s.GetSandboxId() == ids[0] || strings.Contains(strings.Join(f1.GetSandboxIds(), ","), s.GetSandboxId()) {
+					n++
+				}
+			}
+			if n != 4 {
+				t.Fatalf("%d of the 4 sandboxes listed", n)
+			}
+		})
+	}
+}
+
+func TestPoolBurst(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	const burst = 12 // pool size of "plain" is 4
+	var wg sync.WaitGroup
+	errs := make([]error, burst)
+	start := time.Now()
+	for i := range burst {
+		wg.Go(func() {
+			_, errs[i] = b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+		})
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil && codeOf(err) != connect.CodeResourceExhausted {
+			t.Fatalf("reset %d: %v", i, err)
+		}
+	}
+	t.Logf("burst of %d resets on a pool of 4 took %v", burst, time.Since(start))
+}
+
+func TestPoolExhausted(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.AcquireTimeout = time.Millisecond })
+	// "short" has a pool of 1; with a 1 ms acquire deadline, a burst must see ResourceExhausted
+	// rather than wait.
+	exhausted := 0
+	for range 20 {
+		_, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "short"}))
+		switch codeOf(err) {
+		case 0:
+		case connect.CodeResourceExhausted:
+			exhausted++
+		default:
+			t.Fatal(err)
+		}
+	}
+	if exhausted == 0 {
+		t.Fatal("20 back-to-back resets on a pool of 1 with a 1ms deadline never got ResourceExhausted")
+	}
+}
+
+func TestLeaseExpiry(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.LeaseTTL = 300 * time.Millisecond })
+	rr, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	kept, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	id := rr.Msg.GetSandboxId()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		// Heartbeats keep the second sandbox alive while the first expires.
+		_, err := b.connect.Heartbeat(t.Context(), connect.NewRequest(&deltagymv1.HeartbeatRequest{SandboxIds: []string{kept.Msg.GetSandboxId()}}))
+		must(t, err)
+		_, err = b.srv.Runtime().Get(id)
+		if err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("sandbox not reaped 10s after its 300ms lease")
+		}
+		time.Sleep(50 * time.Millisecond) // polling interval, not synchronisation
+	}
+	_, err = b.connect.Step(t.Context(), connect.NewRequest(&deltagymv1.StepRequest{SandboxId: id, Action: execAction("true")}))
+	if codeOf(err) != connect.CodeFailedPrecondition {
+		t.Fatalf("step on a reaped sandbox: %v", err)
+	}
+	_, err = b.connect.Step(t.Context(), connect.NewRequest(&deltagymv1.StepRequest{SandboxId: kept.Msg.GetSandboxId(), Action: execAction("true")}))
+	must(t, err)
+	// Its checkpoint survives: the episode's start state can still be forked.
+	_, err = b.connect.Fork(t.Context(), connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: rr.Msg.GetCheckpointId()}, N: 1}))
+	must(t, err)
+	tr, err := b.ledger.GetTrajectory(t.Context(), connect.NewRequest(&deltagymv1.GetTrajectoryRequest{EpisodeId: rr.Msg.GetEpisodeId()}))
+	must(t, err)
+	if s := tr.Msg.GetEpisode().GetStatus(); s != deltagymv1.EpisodeStatus_EPISODE_STATUS_TRUNCATED {
+		t.Fatalf("reaped episode status %v", s)
+	}
+}
+
+func TestRestoreAbortsExec(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	rr, err := b.grpc.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	sb := rr.GetSandboxId()
+	done := make(chan error, 1)
+	go func() {
+		_, err := b.grpc.Step(context.Background(), &deltagymv1.StepRequest{SandboxId: sb, Action: execAction("echo started > /tmp/s; sleep 30")})
+		done <- err
+	}()
+	for { // wait until the exec runs
+		st, err := b.srv.Runtime().Get(sb)
+		must(t, err)
+		if _, _, err := st.ReadFile(t.Context(), "/tmp/s", 0, 0); err == nil {
+			break
+		}
+		time.Sleep(10 * time.Millisecond) // polling interval
+	}
+	start := time.Now()
+	_, err = b.grpc.Restore(t.Context(), &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: rr.GetCheckpointId()})
+	must(t, err)
+	if err := <-done; codeOf(err) != connect.CodeAborted {
+		t.Fatalf("running exec: %v, want Aborted", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("restore waited %v for the exec", d)
+	}
+}
+
+// TestStepStreamConcurrent sends 32 `sleep 0.2` steps on 32 sandboxes through one stream; the
+// run intervals the server recorded must overlap. A step on an unknown sandbox gets an error item
+// and the stream goes on.
+func TestStepStreamConcurrent(t *testing.T) {
+	b := setup(t, nil)
+	ctx := t.Context()
+	rr, err := b.connect.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	fk, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: rr.Msg.GetSandboxId()}, N: 32}))
+	must(t, err)
+	stream := b.connect.StepStream(ctx)
+	for i, id := range fk.Msg.GetSandboxIds() {
+		must(t, stream.Send(&deltagymv1.StepStreamRequest{RequestId: uint64(i), Step: &deltagymv1.StepRequest{SandboxId: id, Action: execAction("sleep 0.2")}}))
+	}
+	must(t, stream.Send(&deltagymv1.StepStreamRequest{RequestId: 999, Step: &deltagymv1.StepRequest{SandboxId: "sb-nope", Action: execAction("true")}}))
+	// Two ordered steps on one sandbox.
+	first := fk.Msg.GetSandboxIds()[0]
+	must(t, stream.Send(&deltagymv1.StepStreamRequest{RequestId: 1000, Step: &deltagymv1.StepRequest{SandboxId: first, Action: execAction("echo a >> /tmp/order")}}))
+	must(t, stream.Send(&deltagymv1.StepStreamRequest{RequestId: 1001, Step: &deltagymv1.StepRequest{SandboxId: first, Action: execAction("echo b >> /tmp/order; cat /tmp/order")}}))
+	must(t, stream.CloseRequest())
+	got := map[uint64]*deltagymv1.StepStreamResponse{}
+	for {
+		r, err := stream.Receive()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		must(t, err)
+		got[r.GetRequestId()] = r
+	}
+	must(t, stream.CloseResponse())
+	if len(got) != 35 {
+		t.Fatalf("%d responses, want 35", len(got))
+	}
+	if e := got[999].GetError(); e == nil || connect.Code(e.GetCode()) != connect.CodeNotFound {
+		t.Fatalf("unknown sandbox item: %v", got[999])
+	}
+	if out := string(got[1001].GetStep().GetObservation().GetExec().GetStdout()); out != "a\nb\n" {
+		t.Fatalf("ordered steps: %q", out)
+	}
+	var latestStart, earliestEnd time.Time
+	for i, id := range fk.Msg.GetSandboxIds() {
+		if got[uint64(i)].GetError() != nil {
+			t.Fatalf("step %d: %v", i, got[uint64(i)].GetError())
+		}
+		tr, err := b.ledger.GetTrajectory(ctx, connect.NewRequest(&deltagymv1.GetTrajectoryRequest{EpisodeId: fk.Msg.GetEpisodeIds()[i]}))
+		must(t, err)
+		if len(tr.Msg.GetSteps()) == 0 {
+			t.Fatalf("sandbox %s: no step recorded", id)
+		}
+		s := tr.Msg.GetSteps()[0]
+		start := s.GetStartTime().AsTime()
+		end := start.Add(time.Duration(s.GetDurationSeconds() * float64(time.Second)))
+		if latestStart.IsZero() || start.After(latestStart) {
+			latestStart = start
+		}
+		if earliestEnd.IsZero() || end.Before(earliestEnd) {
+			earliestEnd = end
+		}
+	}
+	if !latestStart.Before(earliestEnd) {
+		t.Fatalf("the 32 steps did not all overlap: last start %v, first end %v", latestStart, earliestEnd)
+	}
+}
+
+// TestShutdownLeavesNothing closes a server with live sandboxes and looks for leftovers.
+func TestShutdownLeavesNothing(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	for range 3 {
+		_, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+		must(t, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	must(t, b.srv.Close(ctx))
+	cgs, _ := filepath.Glob("/sys/fs/cgroup/*/" + b.cgroup + "/*")
+	cgs2, _ := filepath.Glob("/sys/fs/cgroup/*/*/" + b.cgroup + "/*")
+	var left []string
+	for _, p := range append(cgs, cgs2...) {
+		if st, err := os.Stat(p); err == nil && st.IsDir() {
+			left = append(left, p)
+		}
+	}
+	if len(left) > 0 {
+		t.Fatalf("sandbox cgroups left: %v", left)
+	}
+	procs, _ := filepath.Glob("/proc/[0-9]*/cgroup")
+	for _, p := range procs {
+		data, err := os.ReadFile(p)
+		if err == nil && bytes.Contains(data, []byte("/"+b.cgroup+"/")) {
+			comm, _ := os.ReadFile(filepath.Join(filepath.Dir(p), "comm"))
+			t.Errorf("process %s (%s) left in the server's cgroups", filepath.Dir(p), bytes.TrimSpace(comm))
+		}
+	}
+}
+
+// TestStepStreamGRPC runs StepStream through the grpc-go client.
+func TestStepStreamGRPC(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	ctx := t.Context()
+	var ids []string
+	for range 2 {
+		r, err := b.grpc.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
+		must(t, err)
+		ids = append(ids, r.GetSandboxId())
+	}
+	st, err := b.grpc.StepStream(ctx)
+	must(t, err)
+	for i, cmd := range []string{"echo 1 > /tmp/x", "cat /tmp/x"} {
+		for j, id := range ids {
+			must(t, st.Send(&deltagymv1.StepStreamRequest{RequestId: uint64(10*i + j), Step: &deltagymv1.StepRequest{SandboxId: id, Action: execAction(cmd)}}))
+		}
+	}
+	must(t, st.Send(&deltagymv1.StepStreamRequest{RequestId: 99, Step: &deltagymv1.StepRequest{SandboxId: ids[0]}}))
+	must(t, st.CloseSend())
+	got := map[uint64]*deltagymv1.StepStreamResponse{}
+	for {
+		r, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		must(t, err)
+		got[r.GetRequestId()] = r
+	}
+	if len(got) != 5 || string(got[10].GetStep().GetObservation().GetExec().GetStdout()) != "1\n" ||
+		string(got[11].GetStep().GetObservation().GetExec().GetStdout()) != "1\n" {
+		t.Fatalf("responses %v", got)
+	}
+	if e := got[99].GetError(); e == nil || connect.Code(e.GetCode()) != connect.CodeInvalidArgument {
+		t.Fatalf("malformed item: %v", got[99])
+	}
+}

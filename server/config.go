@@ -1,0 +1,113 @@
+package server
+
+import (
+	"errors"
+	"flag"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// Config configures a Server.
+type Config struct {
+	// Addr is the listen address of Run. Default "127.0.0.1:8080".
+	Addr string
+	// DataDir holds images, layers, checkpoints, the ledger spool and the private Postgres.
+	// Default ".data".
+	DataDir string
+	// EnvsDir is the catalog directory of env spec files (*.json). Default "envs"; a missing
+	// directory means an empty catalog.
+	EnvsDir string
+	// InitBinary is the sandbox init (bin/dg-init); "" means $DELTAGYM_INIT.
+	InitBinary string
+	// CgroupRoot names the sandboxes' cgroup parent. Default "deltagym".
+	CgroupRoot string
+	// DefaultImageDir is imported as the image "default" at start when that image is missing
+	// and the directory exists. Default DataDir/images/default/rootfs.
+	DefaultImageDir string
+	// DatabaseURL is an external Postgres for the ledger; "" starts the private cluster in
+	// DataDir (unless NoLedger).
+	DatabaseURL string
+	// NoLedger turns the ledger off (for benchmarks); ledger queries then fail.
+	NoLedger bool
+	// AuthToken, when set, is the bearer token every EnvService and LedgerService call must
+	// carry. Default "" (auth off).
+	AuthToken string
+	// MaxRequestBytes bounds one request message. Default 16 MiB.
+	MaxRequestBytes int
+	// LeaseTTL is how long a sandbox lives without a call or heartbeat. Default 10m.
+	LeaseTTL time.Duration
+	// AcquireTimeout bounds how long a Reset waits for a warm sandbox. Default 10s.
+	AcquireTimeout time.Duration
+	// DefaultPoolSize is the pool size of envs whose spec says 0. Default 2.
+	DefaultPoolSize int
+	// ShutdownTimeout bounds the graceful drain of Run. Default 30s.
+	ShutdownTimeout time.Duration
+	// Logger receives structured logs. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// RegisterFlags binds the config's fields to flags of fs, with defaults from the config's
+// current values, or, when those are empty, from the environment (DELTAGYM_DATABASE_URL,
+// DELTAGYM_TOKEN, DELTAGYM_INIT, DELTAGYM_DATA) and the built-in defaults.
+func (c *Config) RegisterFlags(fs *flag.FlagSet) {
+	def := func(v, env, d string) string {
+		if v != "" {
+			return v
+		}
+		if e := os.Getenv(env); e != "" {
+			return e
+		}
+		return d
+	}
+	fs.StringVar(&c.Addr, "addr", def(c.Addr, "DELTAGYM_ADDR", "127.0.0.1:8080"), "listen address (Connect, gRPC, gRPC-Web, /metrics)")
+	fs.StringVar(&c.DataDir, "data", def(c.DataDir, "DELTAGYM_DATA", ".data"), "data directory: images, checkpoints, ledger spool, private Postgres")
+	fs.StringVar(&c.EnvsDir, "envs", def(c.EnvsDir, "DELTAGYM_ENVS", "envs"), "directory of env spec files (*.json)")
+	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init)")
+	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
+	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
+	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients (default: auth off)")
+	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", max(c.MaxRequestBytes, 16<<20), "largest accepted request message")
+	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")
+	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
+	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
+	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", max(c.ShutdownTimeout, 30*time.Second), "graceful shutdown drain limit")
+}
+
+// Validate checks the config and fills in defaults.
+func (c *Config) Validate() error {
+	if c.Addr == "" {
+		c.Addr = "127.0.0.1:8080"
+	}
+	if c.DataDir == "" {
+		c.DataDir = ".data"
+	}
+	abs, err := filepath.Abs(c.DataDir)
+	if err != nil {
+		return err
+	}
+	c.DataDir = abs
+	if c.EnvsDir == "" {
+		c.EnvsDir = "envs"
+	}
+	if c.CgroupRoot == "" {
+		c.CgroupRoot = "deltagym"
+	}
+	if c.DefaultImageDir == "" {
+		c.DefaultImageDir = filepath.Join(c.DataDir, "images", "default", "rootfs")
+	}
+	if c.NoLedger && c.DatabaseURL != "" {
+		return errors.New("server: --no-ledger and --database-url exclude each other")
+	}
+	if c.MaxRequestBytes <= 0 {
+		c.MaxRequestBytes = 16 << 20
+	}
+	if c.ShutdownTimeout <= 0 {
+		c.ShutdownTimeout = 30 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}

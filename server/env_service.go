@@ -1,0 +1,587 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"sort"
+	"strconv"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/deltagym/deltagym/envpool"
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/ledger"
+)
+
+// maxFork bounds one Fork's n.
+const maxFork = 1024
+
+type envService struct{ s *Server }
+
+var _ deltagymv1connect.EnvServiceHandler = (*envService)(nil)
+
+func (e *envService) envInfo(env *envpool.Env) *deltagymv1.EnvInfo {
+	return &deltagymv1.EnvInfo{Spec: env.Spec(), WarmCount: int32(env.Warm()), ActiveCount: int32(e.s.pools.Active(env.Name()))}
+}
+
+func (e *envService) ListEnvs(ctx context.Context, req *connect.Request[deltagymv1.ListEnvsRequest]) (*connect.Response[deltagymv1.ListEnvsResponse], error) {
+	resp := &deltagymv1.ListEnvsResponse{}
+	for _, env := range e.s.pools.Envs() {
+		resp.Envs = append(resp.Envs, e.envInfo(env))
+	}
+	return connect.NewResponse(resp), nil
+}
+
+func (e *envService) RegisterEnv(ctx context.Context, req *connect.Request[deltagymv1.RegisterEnvRequest]) (*connect.Response[deltagymv1.RegisterEnvResponse], error) {
+	env, err := e.s.pools.Register(req.Msg.GetSpec(), req.Msg.GetReplace())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	e.s.log.Info("env registered", "env", env.Name(), "replace", req.Msg.GetReplace())
+	return connect.NewResponse(&deltagymv1.RegisterEnvResponse{Env: e.envInfo(env)}), nil
+}
+
+func (e *envService) ImportImage(ctx context.Context, req *connect.Request[deltagymv1.ImportImageRequest]) (*connect.Response[deltagymv1.ImportImageResponse], error) {
+	m := req.Msg
+	if m.GetName() == "" || m.GetPath() == "" {
+		return nil, e.s.toConnect(fmt.Errorf("import needs a name and a path: %w", ErrInvalid))
+	}
+	if m.GetReference() != "" {
+		return nil, e.s.toConnect(fmt.Errorf("picking an image by reference is not supported yet; import a layout or archive holding one image: %w", ErrInvalid))
+	}
+	st, err := os.Stat(m.GetPath())
+	if err != nil {
+		return nil, e.s.toConnect(fmt.Errorf("image path %q does not exist on the server: %w", m.GetPath(), ErrInvalid))
+	}
+	switch m.GetFormat() {
+	case deltagymv1.ImageFormat_IMAGE_FORMAT_DOCKER_ARCHIVE:
+		if st.IsDir() {
+			return nil, e.s.toConnect(fmt.Errorf("%q is a directory, not a docker save tarball: %w", m.GetPath(), ErrInvalid))
+		}
+	case deltagymv1.ImageFormat_IMAGE_FORMAT_OCI_LAYOUT, deltagymv1.ImageFormat_IMAGE_FORMAT_ROOTFS_DIR:
+		if !st.IsDir() {
+			return nil, e.s.toConnect(fmt.Errorf("%q is not a directory: %w", m.GetPath(), ErrInvalid))
+		}
+	}
+	ctx, done := e.s.obs.op(ctx, "import_image")
+	info, err := e.s.rt.ImportImage(ctx, m.GetName(), m.GetPath())
+	done(err)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	e.s.pools.ImageImported(info.Name)
+	return connect.NewResponse(&deltagymv1.ImportImageResponse{Name: info.Name, Digest: info.Digest, LayerCount: int32(info.Layers)}), nil
+}
+
+func (e *envService) Reset(ctx context.Context, req *connect.Request[deltagymv1.ResetRequest]) (*connect.Response[deltagymv1.ResetResponse], error) {
+	resp, err := e.s.idem.do(ctx, "reset", req.Msg.GetIdempotencyKey(), func() (proto.Message, error) {
+		return e.reset(ctx, req.Msg)
+	})
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	return connect.NewResponse(resp.(*deltagymv1.ResetResponse)), nil
+}
+
+func (e *envService) reset(ctx context.Context, m *deltagymv1.ResetRequest) (*deltagymv1.ResetResponse, error) {
+	if m.GetEnv() == "" {
+		return nil, fmt.Errorf("reset needs an env: %w", ErrInvalid)
+	}
+	env, err := e.s.pools.Env(m.GetEnv())
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	ctx, done := e.s.obs.op(ctx, "reset")
+	l, res, err := e.s.pools.Reset(ctx, env, envpool.ResetParams{Seed: seedOf(m), Options: m.GetOptions()})
+	done(err)
+	if err != nil {
+		return nil, err
+	}
+	from, _ := e.s.ckpts.Load(res.Checkpoint)
+	meta, _ := from.(ckptMeta)
+	sess := e.s.startEpisode(l, m.GetRun(), m.GetGroupId(), seedOf(m), res.Checkpoint, ckptMeta{global: meta.global})
+	obs := &deltagymv1.ResetResult{Task: env.Task()}
+	info := map[string]string{"env": env.Name()}
+	if res.Hook != nil {
+		obs.Hook = execResult(*res.Hook)
+		info["task_cached"] = strconv.FormatBool(res.Cached)
+	}
+	info["server_seconds"] = strconv.FormatFloat(time.Since(start).Seconds(), 'g', 6, 64)
+	return &deltagymv1.ResetResponse{SandboxId: l.ID(), EpisodeId: sess.episode, CheckpointId: res.Checkpoint,
+		Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Reset_{Reset_: obs}}, Info: info,
+		LeaseExpireTime: timestamppb.New(l.Expires())}, nil
+}
+
+func seedOf(m *deltagymv1.ResetRequest) *int64 {
+	if m.Seed == nil {
+		return nil
+	}
+	v := m.GetSeed()
+	return &v
+}
+
+// lease finds a live, handed-over sandbox.
+func (s *Server) lease(id string) (*envpool.Lease, *session, error) {
+	if id == "" {
+		return nil, nil, fmt.Errorf("sandbox_id is required: %w", ErrInvalid)
+	}
+	l, err := s.pools.Lease(id)
+	if err != nil {
+		if _, ok := s.closed.Load(id); ok {
+			return nil, nil, fmt.Errorf("sandbox %s: %w", id, envpool.ErrLeaseEnded)
+		}
+		return nil, nil, err
+	}
+	sess := sessionOf(l)
+	if sess == nil {
+		return nil, nil, fmt.Errorf("sandbox %q: %w", id, envpool.ErrUnknownSandbox)
+	}
+	return l, sess, nil
+}
+
+// callErr turns an error of a call begun on l into ErrAborted when Restore or Close aborted it.
+func callErr(ctx context.Context, err error) error {
+	if err != nil && envpool.Aborted(ctx) {
+		return fmt.Errorf("%w: %w", envpool.ErrAborted, err)
+	}
+	return err
+}
+
+func (e *envService) Step(ctx context.Context, req *connect.Request[deltagymv1.StepRequest]) (*connect.Response[deltagymv1.StepResponse], error) {
+	resp, err := e.s.step(ctx, req.Msg)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	return connect.NewResponse(resp), nil
+}
+
+func validateAction(a *deltagymv1.Action) error {
+	switch k := a.GetKind().(type) {
+	case *deltagymv1.Action_Exec:
+		x := k.Exec
+		if (x.GetCommand() == "") == (len(x.GetArgv()) == 0) {
+			return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
+		}
+		if x.GetSession() != "" && len(x.GetArgv()) > 0 {
+			return fmt.Errorf("exec with a session takes a command, not argv: %w", ErrInvalid)
+		}
+		if x.GetTimeoutSeconds() < 0 {
+			return fmt.Errorf("exec timeout_seconds %v is negative: %w", x.GetTimeoutSeconds(), ErrInvalid)
+		}
+	case *deltagymv1.Action_WriteFile:
+		if k.WriteFile.GetPath() == "" {
+			return fmt.Errorf("write_file needs a path: %w", ErrInvalid)
+		}
+		if k.WriteFile.GetMode() > 0o7777 {
+			return fmt.Errorf("write_file mode %o has bits beyond 07777: %w", k.WriteFile.GetMode(), ErrInvalid)
+		}
+	case *deltagymv1.Action_ReadFile:
+		if k.ReadFile.GetPath() == "" {
+			return fmt.Errorf("read_file needs a path: %w", ErrInvalid)
+		}
+		if k.ReadFile.GetOffset() < 0 || k.ReadFile.GetMaxBytes() < 0 {
+			return fmt.Errorf("read_file offset and max_bytes must not be negative: %w", ErrInvalid)
+		}
+	case *deltagymv1.Action_Submit:
+	default:
+		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit): %w", ErrInvalid)
+	}
+	return nil
+}
+
+// step performs one Step (also for StepStream).
+func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagymv1.StepResponse, error) {
+	if err := validateAction(m.GetAction()); err != nil {
+		return nil, err
+	}
+	l, sess, err := s.lease(m.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	cctx, end, err := l.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer end()
+	sess.mu.Lock()
+	ended, episode, index := sess.ended, sess.episode, sess.base+sess.own
+	sess.mu.Unlock()
+	if ended {
+		return nil, fmt.Errorf("sandbox %s: episode %s is %s; Restore or Reset to go on: %w", l.ID(), episode, sess.status, ErrEpisodeEnded)
+	}
+	env := l.Env()
+	start := time.Now()
+	resp := &deltagymv1.StepResponse{EpisodeId: episode, StepIndex: int32(index), Info: map[string]string{}}
+	obs, reward, terminated, verr, err := s.act(cctx, l, m.GetAction())
+	if err != nil {
+		return nil, callErr(cctx, err)
+	}
+	dur := time.Since(start)
+	resp.Observation, resp.Reward, resp.Terminated = obs, reward, terminated
+	if verr != nil {
+		resp.Info["verifier_error"] = s.scrub(verr.Error())
+	}
+	sess.mu.Lock()
+	sess.own++
+	sess.total += reward
+	own := sess.own
+	elapsed := time.Since(sess.started)
+	sess.mu.Unlock()
+	if !terminated {
+		if n := env.MaxSteps(); n > 0 && index+1 >= n {
+			resp.Truncated = true
+			resp.Info["truncated_by"] = "max_steps"
+		} else if d := env.MaxDuration(); d > 0 && elapsed >= d {
+			resp.Truncated = true
+			resp.Info["truncated_by"] = "max_seconds"
+		}
+	}
+	if m.GetCheckpoint() {
+		cctx2, done := s.obs.op(cctx, "checkpoint")
+		info, err := l.Sandbox().Checkpoint(cctx2)
+		done(err)
+		if err != nil {
+			return nil, callErr(cctx, fmt.Errorf("checkpointing after the step: %w", err))
+		}
+		s.recordCheckpoint(env.Name(), ledger.KindUser, info, sess)
+		resp.CheckpointId = info.ID
+	}
+	if s.writer != nil {
+		action, _ := protojson.Marshal(m.GetAction())
+		obsBytes, _ := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+		s.ledgerErr(s.writer.Step(ledger.StepRow{EpisodeID: episode, Index: own - 1, Action: action, Observation: obsBytes,
+			Reward: reward, Terminated: terminated, Truncated: resp.Truncated, StartedAt: start, Duration: dur, CheckpointID: resp.CheckpointId}))
+		if _, ok := m.GetAction().GetKind().(*deltagymv1.Action_Submit); ok && verr == nil {
+			i := own - 1
+			sub := obs.GetSubmit()
+			s.ledgerErr(s.writer.Reward(ledger.RewardRow{EpisodeID: episode, StepIndex: &i, Source: ledger.SourceVerifier,
+				Components: sub.GetComponents(), Value: reward}))
+		}
+	}
+	switch {
+	case terminated && verr != nil:
+		s.endEpisode(sess, ledger.StatusFailed, ledger.FailureVerifier)
+	case terminated:
+		s.endEpisode(sess, ledger.StatusTerminated, ledger.FailureNone)
+	case resp.Truncated:
+		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+	}
+	return resp, nil
+}
+
+// act performs an action. verr is a verifier failure of a submit (the episode still ends).
+func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action) (obs *deltagymv1.Observation, reward float64, terminated bool, verr, err error) {
+	env, box := l.Env(), l.Sandbox()
+	switch k := a.GetKind().(type) {
+	case *deltagymv1.Action_Exec:
+		x := k.Exec
+		timeout := env.StepTimeout()
+		if t := time.Duration(x.GetTimeoutSeconds() * float64(time.Second)); t > 0 && t < timeout {
+			timeout = t
+		}
+		vars := make([]string, 0, len(x.GetEnv()))
+		for _, key := range slices.Sorted(maps.Keys(x.GetEnv())) {
+			vars = append(vars, key+"="+x.GetEnv()[key])
+		}
+		ctx, done := s.obs.op(ctx, "exec")
+		res, err := box.Exec(ctx, sandbox.ExecRequest{Argv: x.GetArgv(), Command: x.GetCommand(), Stdin: x.GetStdin(), Env: vars,
+			Cwd: x.GetCwd(), Timeout: timeout, Background: x.GetBackground(), Session: x.GetSession(), MaxOutput: env.OutputCap()})
+		done(err)
+		if err != nil {
+			return nil, 0, false, nil, err
+		}
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Exec{Exec: execResult(res)}}, 0, false, nil, nil
+	case *deltagymv1.Action_WriteFile:
+		w := k.WriteFile
+		mode := os.FileMode(w.GetMode())
+		if mode == 0 {
+			mode = 0o644
+		}
+		ctx, done := s.obs.op(ctx, "write_file")
+		err := box.WriteFile(ctx, w.GetPath(), w.GetContent(), mode, w.GetAppend())
+		done(err)
+		if err != nil {
+			return nil, 0, false, nil, err
+		}
+		_, size, err := box.ReadFile(ctx, w.GetPath(), 0, 0)
+		if err != nil {
+			return nil, 0, false, nil, err
+		}
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_WriteFile{WriteFile: &deltagymv1.WriteFileResult{Size: size}}}, 0, false, nil, nil
+	case *deltagymv1.Action_ReadFile:
+		r := k.ReadFile
+		limit := int64(env.OutputCap())
+		if n := r.GetMaxBytes(); n > 0 && n < limit {
+			limit = n
+		}
+		ctx, done := s.obs.op(ctx, "read_file")
+		data, size, err := box.ReadFile(ctx, r.GetPath(), r.GetOffset(), limit)
+		done(err)
+		if err != nil {
+			return nil, 0, false, nil, err
+		}
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_ReadFile{ReadFile: &deltagymv1.ReadFileResult{
+			Content: data, Size: size, Truncated: r.GetOffset()+int64(len(data)) < size}}}, 0, false, nil, nil
+	case *deltagymv1.Action_Submit:
+		ctx, done := s.obs.op(ctx, "verify")
+		v, err := s.pools.Verify(ctx, env, box, k.Submit.Answer)
+		done(err)
+		if err != nil && !errors.Is(err, envpool.ErrVerifier) && !errors.Is(err, envpool.ErrNoVerifier) {
+			return nil, 0, false, nil, err
+		}
+		sub := &deltagymv1.SubmitResult{Components: v.Components, Output: v.Output}
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Submit{Submit: sub}}, v.Reward, true, err, nil
+	}
+	return nil, 0, false, nil, fmt.Errorf("unknown action kind: %w", ErrInvalid)
+}
+
+func execResult(r sandbox.ExecResult) *deltagymv1.ExecResult {
+	return &deltagymv1.ExecResult{Stdout: r.Stdout, Stderr: r.Stderr, ExitCode: int32(r.ExitCode), Signal: signalNumber(r.Signal),
+		TimedOut: r.TimedOut, StdoutTruncated: r.StdoutTruncated, StderrTruncated: r.StderrTruncated,
+		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid)}
+}
+
+func (e *envService) StepStream(ctx context.Context, stream *connect.BidiStream[deltagymv1.StepStreamRequest, deltagymv1.StepStreamResponse]) error {
+	return e.s.stepStream(ctx, stream)
+}
+
+func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltagymv1.CheckpointRequest]) (*connect.Response[deltagymv1.CheckpointResponse], error) {
+	l, sess, err := e.s.lease(req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	cctx, end, err := l.Begin(ctx)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	defer end()
+	octx, done := e.s.obs.op(cctx, "checkpoint")
+	info, err := l.Sandbox().Checkpoint(octx)
+	done(err)
+	if err != nil {
+		return nil, e.s.toConnect(callErr(cctx, err))
+	}
+	e.s.recordCheckpoint(l.Env().Name(), ledger.KindUser, info, sess)
+	return connect.NewResponse(&deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: true}), nil
+}
+
+func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv1.RestoreRequest]) (*connect.Response[deltagymv1.RestoreResponse], error) {
+	if req.Msg.GetCheckpointId() == "" {
+		return nil, e.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	}
+	l, sess, err := e.s.lease(req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	meta, err := e.s.checkpointMeta(req.Msg.GetCheckpointId())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	if meta.env != l.Env().Name() {
+		return nil, e.s.toConnect(fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w",
+			req.Msg.GetCheckpointId(), meta.env, l.ID(), l.Env().Name(), sandbox.ErrMismatch))
+	}
+	l.Abort()
+	cctx, end, err := l.Begin(ctx)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	defer end()
+	octx, done := e.s.obs.op(cctx, "restore")
+	err = l.Sandbox().Restore(octx, req.Msg.GetCheckpointId())
+	done(err)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	e.s.endEpisode(sess, ledger.StatusBranched, ledger.FailureNone)
+	sess.mu.Lock()
+	run, group, seed := sess.run, sess.group, sess.seed
+	sess.mu.Unlock()
+	e.s.startEpisode(l, run, group, seed, req.Msg.GetCheckpointId(), meta)
+	sess.mu.Lock()
+	resp := &deltagymv1.RestoreResponse{EpisodeId: sess.episode, NextStepIndex: int32(sess.base)}
+	sess.mu.Unlock()
+	return connect.NewResponse(resp), nil
+}
+
+func (e *envService) Fork(ctx context.Context, req *connect.Request[deltagymv1.ForkRequest]) (*connect.Response[deltagymv1.ForkResponse], error) {
+	resp, err := e.s.idem.do(ctx, "fork", req.Msg.GetIdempotencyKey(), func() (proto.Message, error) {
+		return e.fork(ctx, req.Msg)
+	})
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	return connect.NewResponse(resp.(*deltagymv1.ForkResponse)), nil
+}
+
+func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*deltagymv1.ForkResponse, error) {
+	n := int(m.GetN())
+	if n < 1 || n > maxFork {
+		return nil, fmt.Errorf("fork n %d is not between 1 and %d: %w", n, maxFork, ErrInvalid)
+	}
+	var ckpt string
+	var meta ckptMeta
+	switch src := m.GetSource().(type) {
+	case *deltagymv1.ForkRequest_CheckpointId:
+		ckpt = src.CheckpointId
+		var err error
+		if meta, err = e.s.checkpointMeta(ckpt); err != nil {
+			return nil, err
+		}
+	case *deltagymv1.ForkRequest_SandboxId:
+		l, sess, err := e.s.lease(src.SandboxId)
+		if err != nil {
+			return nil, err
+		}
+		cctx, end, err := l.Begin(ctx)
+		if err != nil {
+			return nil, err
+		}
+		info, err := l.Sandbox().Checkpoint(cctx)
+		end()
+		if err != nil {
+			return nil, callErr(cctx, err)
+		}
+		ckpt = info.ID
+		meta = e.s.recordCheckpoint(l.Env().Name(), ledger.KindUser, info, sess)
+	default:
+		return nil, fmt.Errorf("fork needs a checkpoint_id or a sandbox_id: %w", ErrInvalid)
+	}
+	env, err := e.s.pools.Env(meta.env)
+	if err != nil {
+		return nil, err
+	}
+	ctx, done := e.s.obs.op(ctx, "fork")
+	leases, err := e.s.pools.Fork(ctx, env, ckpt, n)
+	done(err)
+	if err != nil {
+		return nil, err
+	}
+	run, group := m.GetRun(), m.GetGroupId()
+	if run == "" {
+		run = meta.run
+	}
+	if group == "" {
+		group = meta.group
+	}
+	resp := &deltagymv1.ForkResponse{CheckpointId: ckpt}
+	for _, l := range leases {
+		sess := e.s.startEpisode(l, run, group, nil, ckpt, meta)
+		resp.SandboxIds = append(resp.SandboxIds, l.ID())
+		resp.EpisodeIds = append(resp.EpisodeIds, sess.episode)
+	}
+	return resp, nil
+}
+
+func (e *envService) ReleaseCheckpoint(ctx context.Context, req *connect.Request[deltagymv1.ReleaseCheckpointRequest]) (*connect.Response[deltagymv1.ReleaseCheckpointResponse], error) {
+	id := req.Msg.GetCheckpointId()
+	if id == "" {
+		return nil, e.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	}
+	if err := e.s.rt.ReleaseCheckpoint(id); err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	e.s.ckpts.Delete(id)
+	if e.s.writer != nil {
+		e.s.ledgerErr(e.s.writer.CheckpointReleased(id, time.Now()))
+	}
+	return connect.NewResponse(&deltagymv1.ReleaseCheckpointResponse{}), nil
+}
+
+func (e *envService) Evaluate(ctx context.Context, req *connect.Request[deltagymv1.EvaluateRequest]) (*connect.Response[deltagymv1.EvaluateResponse], error) {
+	l, sess, err := e.s.lease(req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	cctx, end, err := l.Begin(ctx)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	defer end()
+	octx, done := e.s.obs.op(cctx, "evaluate")
+	v, err := e.s.pools.Evaluate(octx, l)
+	done(err)
+	if v.Checkpoint.ID != "" {
+		e.s.recordCheckpoint(l.Env().Name(), ledger.KindEvaluate, v.Checkpoint, sess)
+	}
+	if err != nil {
+		return nil, e.s.toConnect(callErr(cctx, err))
+	}
+	if e.s.writer != nil {
+		sess.mu.Lock()
+		ep, own := sess.episode, sess.own
+		sess.mu.Unlock()
+		e.s.ledgerErr(e.s.writer.Reward(ledger.RewardRow{EpisodeID: ep, StepIndex: &own, Source: "evaluate", Components: v.Components, Value: v.Reward}))
+	}
+	return connect.NewResponse(&deltagymv1.EvaluateResponse{Reward: v.Reward, Components: v.Components, Output: v.Output,
+		DurationSeconds: v.Duration.Seconds()}), nil
+}
+
+func (e *envService) Close(ctx context.Context, req *connect.Request[deltagymv1.CloseRequest]) (*connect.Response[deltagymv1.CloseResponse], error) {
+	id := req.Msg.GetSandboxId()
+	l, sess, err := e.s.lease(id)
+	if errors.Is(err, envpool.ErrLeaseEnded) {
+		return connect.NewResponse(&deltagymv1.CloseResponse{}), nil
+	}
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	e.s.closed.Store(id, struct{}{})
+	err = e.s.pools.CloseLease(ctx, l)
+	e.s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	return connect.NewResponse(&deltagymv1.CloseResponse{}), nil
+}
+
+func (e *envService) Heartbeat(ctx context.Context, req *connect.Request[deltagymv1.HeartbeatRequest]) (*connect.Response[deltagymv1.HeartbeatResponse], error) {
+	resp := &deltagymv1.HeartbeatResponse{}
+	for _, id := range req.Msg.GetSandboxIds() {
+		l, _, err := e.s.lease(id)
+		if err != nil {
+			resp.UnknownSandboxIds = append(resp.UnknownSandboxIds, id)
+			continue
+		}
+		resp.Leases = append(resp.Leases, &deltagymv1.Lease{SandboxId: id, ExpireTime: timestamppb.New(l.Touch())})
+	}
+	return connect.NewResponse(resp), nil
+}
+
+func (e *envService) GetSandbox(ctx context.Context, req *connect.Request[deltagymv1.GetSandboxRequest]) (*connect.Response[deltagymv1.GetSandboxResponse], error) {
+	l, _, err := e.s.lease(req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	return connect.NewResponse(&deltagymv1.GetSandboxResponse{Sandbox: e.s.describe(l)}), nil
+}
+
+func (e *envService) ListSandboxes(ctx context.Context, req *connect.Request[deltagymv1.ListSandboxesRequest]) (*connect.Response[deltagymv1.ListSandboxesResponse], error) {
+	m := req.Msg
+	resp := &deltagymv1.ListSandboxesResponse{}
+	for _, l := range e.s.pools.Leases() {
+		if sessionOf(l) == nil || (m.GetEnv() != "" && l.Env().Name() != m.GetEnv()) {
+			continue
+		}
+		d := e.s.describe(l)
+		if (m.GetRun() != "" && d.GetRun() != m.GetRun()) || (m.GetGroupId() != "" && d.GetGroupId() != m.GetGroupId()) {
+			continue
+		}
+		resp.Sandboxes = append(resp.Sandboxes, d)
+	}
+	sort.Slice(resp.Sandboxes, func(i, j int) bool {
+		return resp.Sandboxes[i].GetCreateTime().AsTime().Before(resp.Sandboxes[j].GetCreateTime().AsTime())
+	})
+	return connect.NewResponse(resp), nil
+}

@@ -1,0 +1,23 @@
+// Package ledger records deltagym's trajectories in Postgres: runs, episodes, steps (with capped
+// observations), rewards and the checkpoint tree, and answers the queries trainers need
+// (trajectories with inherited steps, checkpoint trees, GRPO group advantages, JSONL export).
+//
+// Writing goes through a Writer, whose append methods never wait for Postgres: rows are
+// group-committed to a durable local spool (append-only, length-prefixed, CRC-32C checksummed
+// segment files, fsynced once per Config.GroupCommit window) and delivered asynchronously in
+// batches (COPY for steps and rewards, batched statements for the rest) from a bounded in-memory
+// queue, or read back from the spool when that queue is full. Each delivery transaction takes
+// the spool's advisory lock, skips rows at or below the spool's mark in ledger_spool_marks and
+// advances the mark, so after a Postgres outage or restart, or a crash of the writer (even one
+// whose last COMMIT was still in flight), rows are delivered in order, exactly once.
+//
+// Durability: a graceful Close loses nothing (rows Postgres cannot take before its deadline stay
+// in the spool for the next writer on the directory). A SIGKILL of the writing process loses at
+// most the rows appended in the last group-commit window (default 10 ms) plus the write+fsync in
+// flight (Stats.MaxSync); TestSIGKILLLosesAtMostOneWindow measures it. Appends wait only if the
+// disk falls behind by Config.MaxPending bytes.
+//
+// The schema is a series of SQL migrations embedded in the binary and applied by Migrate in one
+// transaction under an advisory lock. Reading goes through a Store, whose queries flush the
+// writer first so they see rows appended just before.
+package ledger

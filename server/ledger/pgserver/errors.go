@@ -1,0 +1,15 @@
+package pgserver
+
+import "errors"
+
+// Sentinel errors returned (wrapped) by this package.
+var (
+	// ErrNoBinaries means the Postgres server binaries were not found in Config.BinDir.
+	ErrNoBinaries = errors.New("postgres binaries not found (run `make deps` or scripts/deps.sh postgres)")
+	// ErrSocketPathTooLong means DataDir is too deep for a unix socket path (108 bytes on Linux).
+	ErrSocketPathTooLong = errors.New("unix socket path too long")
+	// ErrExited means the postmaster exited before it accepted connections.
+	ErrExited = errors.New("postgres exited")
+	// ErrStopped means the server is not running.
+	ErrStopped = errors.New("postgres server stopped")
+)

@@ -1,0 +1,474 @@
+// Package pgserver runs a private PostgreSQL cluster for deltagym: the default ledger database
+// when no external Postgres URL is given, and the one the tests use.
+//
+// The cluster lives in DataDir/postgres (created with initdb on first start), listens only on a
+// unix socket in DataDir/pgsock (never TCP), logs to DataDir/postgres.log and holds a database
+// named by Config.Database ("deltagym"). When the caller is root, initdb and postgres run as the
+// `postgres` system user (Postgres refuses to run as root); the cluster and socket directories
+// are owned by it, and DataDir and its ancestors get the search (o+x) bit so that user can reach
+// them. A postmaster left behind by a crashed run is stopped and a stale postmaster.pid removed
+// before the new start.
+package pgserver
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DefaultBinDir is where Debian 12 installs the PostgreSQL 15 server binaries.
+const DefaultBinDir = "/usr/lib/postgresql/15/bin"
+
+// defaultSettings suit the ledger's write-heavy load (fewer forced checkpoints); Config.Settings
+// overrides them.
+var defaultSettings = map[string]string{"max_wal_size": "2GB"}
+
+// maxSocketPath is the size of sun_path on Linux, including the terminating NUL.
+const maxSocketPath = 108
+
+// Config describes a private cluster.
+type Config struct {
+	// DataDir holds the cluster (DataDir/postgres), its socket directory and its log. Required.
+	DataDir string
+	// BinDir holds initdb and postgres. Default DefaultBinDir.
+	BinDir string
+	// Database is created if absent. Default "deltagym".
+	Database string
+	// Settings are extra server settings passed as -c name=value (e.g. shared_buffers).
+	Settings map[string]string
+	// NoSync skips fsync in initdb and at run time: fast, for tests only (a machine crash can
+	// corrupt the cluster; a process crash cannot).
+	NoSync bool
+	// SmartTimeout is how long Stop waits for clients to disconnect (smart shutdown) before it
+	// asks for a fast shutdown. Default 3s.
+	SmartTimeout time.Duration
+}
+
+// Validate checks the config and fills in defaults.
+func (c *Config) Validate() error {
+	if c.DataDir == "" {
+		return errors.New("pgserver: DataDir is required")
+	}
+	abs, err := filepath.Abs(c.DataDir)
+	if err != nil {
+		return fmt.Errorf("resolving data dir: %w", err)
+	}
+	c.DataDir = abs
+	if c.BinDir == "" {
+		c.BinDir = DefaultBinDir
+	}
+	if c.Database == "" {
+		c.Database = "deltagym"
+	}
+	if c.SmartTimeout <= 0 {
+		c.SmartTimeout = 3 * time.Second
+	}
+	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
+		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
+	}
+	for _, b := range []string{"initdb", "postgres"} {
+		if _, err := os.Stat(filepath.Join(c.BinDir, b)); err != nil {
+			return fmt.Errorf("looking for %s in %s: %w", b, c.BinDir, ErrNoBinaries)
+		}
+	}
+	return nil
+}
+
+// Server is a running private cluster. Its methods are safe for concurrent use.
+type Server struct {
+	cfg     Config
+	pgdata  string
+	sockDir string
+	cred    *syscall.Credential // nil when not root
+
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	exited  chan struct{} // closed when cmd has exited
+	waitErr error
+	logFile *os.File
+}
+
+// Start starts (initdb'ing first if needed) the private cluster in dataDir with default settings.
+func Start(ctx context.Context, dataDir string) (*Server, error) {
+	return StartConfig(ctx, Config{DataDir: dataDir})
+}
+
+// StartConfig starts the private cluster described by cfg and creates its database.
+func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{
+		cfg:     cfg,
+		pgdata:  filepath.Join(cfg.DataDir, "postgres"),
+		sockDir: filepath.Join(cfg.DataDir, "pgsock"),
+	}
+	if os.Geteuid() == 0 {
+		cred, err := postgresUser()
+		if err != nil {
+			return nil, err
+		}
+		s.cred = cred
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o755); err != nil {
+		return nil, fmt.Errorf("creating data dir: %w", err)
+	}
+	if s.cred != nil {
+		if err := ensureTraversable(cfg.DataDir); err != nil {
+			return nil, err
+		}
+	}
+	if err := s.initdb(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.start(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.createDatabase(ctx, cfg.Database); err != nil {
+		_ = s.Stop(context.WithoutCancel(ctx))
+		return nil, err
+	}
+	return s, nil
+}
+
+// URL returns a pgx-compatible URL of the server's database over its unix socket.
+func (s *Server) URL() string { return s.URLFor(s.cfg.Database) }
+
+// URLFor returns the URL of another database of the same cluster.
+func (s *Server) URLFor(database string) string {
+	return fmt.Sprintf("postgres:///%s?host=%s&user=postgres&sslmode=disable",
+		url.PathEscape(database), url.QueryEscape(s.sockDir))
+}
+
+// SocketDir returns the directory holding the server's unix socket.
+func (s *Server) SocketDir() string { return s.sockDir }
+
+// Stop shuts the server down: a smart shutdown (waiting for clients) for up to
+// Config.SmartTimeout, then a fast one (disconnecting them), then, if ctx ends first, an
+// immediate one. Stop is idempotent.
+func (s *Server) Stop(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stopLocked(ctx)
+}
+
+// Restart stops the server and starts it again on the same cluster.
+func (s *Server) Restart(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.stopLocked(ctx); err != nil {
+		return err
+	}
+	return s.startLocked(ctx)
+}
+
+// StartAgain starts a server that was stopped. It is a no-op when the server runs.
+func (s *Server) StartAgain(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd != nil {
+		return nil
+	}
+	return s.startLocked(ctx)
+}
+
+func (s *Server) stopLocked(ctx context.Context) error {
+	if s.cmd == nil {
+		return nil
+	}
+	cmd, exited := s.cmd, s.exited
+	defer func() {
+		s.cmd = nil
+		if s.logFile != nil {
+			_ = s.logFile.Close()
+			s.logFile = nil
+		}
+	}()
+	steps := []struct {
+		sig  syscall.Signal
+		wait time.Duration
+	}{
+		{syscall.SIGTERM, s.cfg.SmartTimeout}, // smart
+		{syscall.SIGINT, 0},                   // fast: until ctx ends
+		{syscall.SIGQUIT, 10 * time.Second},   // immediate
+	}
+	for i, st := range steps {
+		if err := cmd.Process.Signal(st.sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
+			return fmt.Errorf("signalling postgres: %w", err)
+		}
+		var timeout <-chan time.Time
+		if st.wait > 0 {
+			t := time.NewTimer(st.wait)
+			defer t.Stop()
+			timeout = t.C
+		}
+		var done <-chan struct{}
+		if i == 1 {
+			done = ctx.Done()
+		}
+		select {
+		case <-exited:
+			return nil
+		case <-timeout:
+		case <-done:
+		}
+	}
+	return fmt.Errorf("stopping postgres pid %d: %w", cmd.Process.Pid, ctx.Err())
+}
+
+func (s *Server) start(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.startLocked(ctx)
+}
+
+func (s *Server) startLocked(ctx context.Context) error {
+	if err := s.clearStale(ctx); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(s.sockDir); err != nil {
+		return fmt.Errorf("clearing socket dir: %w", err)
+	}
+	if err := s.mkdirOwned(s.sockDir); err != nil {
+		return err
+	}
+	logFile, err := os.OpenFile(filepath.Join(s.cfg.DataDir, "postgres.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return fmt.Errorf("opening postgres log: %w", err)
+	}
+	args := []string{"-D", s.pgdata,
+		"-c", "listen_addresses=",
+		"-c", "unix_socket_directories=" + s.sockDir,
+		"-c", "unix_socket_permissions=0700",
+	}
+	if s.cfg.NoSync {
+		args = append(args, "-c", "fsync=off", "-c", "full_page_writes=off", "-c", "synchronous_commit=off")
+	}
+	for k, v := range defaultSettings {
+		if _, ok := s.cfg.Settings[k]; !ok {
+			args = append(args, "-c", k+"="+v)
+		}
+	}
+	for k, v := range s.cfg.Settings {
+		args = append(args, "-c", k+"="+v)
+	}
+	cmd := exec.Command(filepath.Join(s.cfg.BinDir, "postgres"), args...)
+	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin"}
+	cmd.Dir = "/"
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// Own process group: a terminal's ^C reaches the deltagym server, which stops Postgres last.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: s.cred}
+	if err := cmd.Start(); err != nil {
+		_ = logFile.Close()
+		return fmt.Errorf("starting postgres: %w", err)
+	}
+	exited := make(chan struct{})
+	s.cmd, s.exited, s.logFile = cmd, exited, logFile
+	go func() {
+		err := cmd.Wait()
+		s.waitErr = err
+		close(exited)
+	}()
+	if err := s.waitReady(ctx, exited); err != nil {
+		_ = s.stopLocked(context.WithoutCancel(ctx))
+		return err
+	}
+	return nil
+}
+
+// waitReady polls the socket until the server accepts a connection to its maintenance database.
+func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
+	delay := 2 * time.Millisecond
+	for {
+		cctx, cancel := context.WithTimeout(ctx, time.Second)
+		conn, err := pgx.Connect(cctx, s.URLFor("postgres"))
+		cancel()
+		if err == nil {
+			return conn.Close(ctx)
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-exited:
+			t.Stop()
+			return fmt.Errorf("waiting for postgres to accept connections: %w: %v; log: %s", ErrExited, s.waitErr, s.logTail())
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("waiting for postgres to accept connections: %w (last: %v)", ctx.Err(), err)
+		case <-t.C:
+		}
+		delay = min(delay*2, 50*time.Millisecond)
+	}
+}
+
+func (s *Server) createDatabase(ctx context.Context, name string) error {
+	conn, err := pgx.Connect(ctx, s.URLFor("postgres"))
+	if err != nil {
+		return fmt.Errorf("connecting to postgres: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)", name).Scan(&exists); err != nil {
+		return fmt.Errorf("looking up database %s: %w", name, err)
+	}
+	if exists {
+		return nil
+	}
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return fmt.Errorf("creating database %s: %w", name, err)
+	}
+	return nil
+}
+
+// initdb creates the cluster in a temporary directory and renames it into place, so a crash
+// during initdb never leaves a half-made cluster behind.
+func (s *Server) initdb(ctx context.Context) error {
+	if _, err := os.Stat(filepath.Join(s.pgdata, "PG_VERSION")); err == nil {
+		return nil
+	}
+	tmp := s.pgdata + ".initdb"
+	if err := os.RemoveAll(tmp); err != nil {
+		return fmt.Errorf("clearing %s: %w", tmp, err)
+	}
+	if err := s.mkdirOwned(tmp); err != nil {
+		return err
+	}
+	args := []string{"-D", tmp, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C"}
+	if s.cfg.NoSync {
+		args = append(args, "--no-sync")
+	}
+	cmd := exec.CommandContext(ctx, filepath.Join(s.cfg.BinDir, "initdb"), args...)
+	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin"}
+	cmd.Dir = "/"
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("running initdb: %w: %s", err, strings.TrimSpace(string(out)))
+	}
+	if err := os.RemoveAll(s.pgdata); err != nil {
+		return fmt.Errorf("clearing %s: %w", s.pgdata, err)
+	}
+	if err := os.Rename(tmp, s.pgdata); err != nil {
+		return fmt.Errorf("moving new cluster into place: %w", err)
+	}
+	return nil
+}
+
+// clearStale handles a postmaster.pid left by a crashed run: a postmaster of this cluster that is
+// still alive (its parent died) is shut down; a file naming a dead or unrelated process is removed.
+func (s *Server) clearStale(ctx context.Context) error {
+	pidPath := filepath.Join(s.pgdata, "postmaster.pid")
+	f, err := os.Open(pidPath)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("reading postmaster.pid: %w", err)
+	}
+	line, _ := bufio.NewReader(f).ReadString('\n')
+	_ = f.Close()
+	pid, err := strconv.Atoi(strings.TrimSpace(line))
+	if err == nil && pid > 0 && s.isOurPostmaster(pid) {
+		if err := syscall.Kill(pid, syscall.SIGINT); err != nil && !errors.Is(err, syscall.ESRCH) {
+			return fmt.Errorf("stopping orphaned postmaster %d: %w", pid, err)
+		}
+		delay := time.Millisecond
+		deadline := time.Now().Add(30 * time.Second)
+		for syscall.Kill(pid, 0) == nil {
+			if time.Now().After(deadline) {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+			t := time.NewTimer(delay)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return fmt.Errorf("waiting for orphaned postmaster %d: %w", pid, ctx.Err())
+			case <-t.C:
+			}
+			delay = min(delay*2, 50*time.Millisecond)
+		}
+	}
+	if err := os.Remove(pidPath); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("removing stale postmaster.pid: %w", err)
+	}
+	return nil
+}
+
+// isOurPostmaster reports whether pid is a live postgres whose working directory is our cluster.
+func (s *Server) isOurPostmaster(pid int) bool {
+	cwd, err := os.Readlink(fmt.Sprintf("/proc/%d/cwd", pid))
+	if err != nil || filepath.Clean(cwd) != s.pgdata {
+		return false
+	}
+	exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid))
+	return err == nil && filepath.Base(exe) == "postgres"
+}
+
+func (s *Server) mkdirOwned(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("creating %s: %w", dir, err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("setting mode of %s: %w", dir, err)
+	}
+	if s.cred != nil {
+		if err := os.Chown(dir, int(s.cred.Uid), int(s.cred.Gid)); err != nil {
+			return fmt.Errorf("giving %s to the postgres user: %w", dir, err)
+		}
+	}
+	return nil
+}
+
+func (s *Server) logTail() string {
+	b, err := os.ReadFile(filepath.Join(s.cfg.DataDir, "postgres.log"))
+	if err != nil {
+		return err.Error()
+	}
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func postgresUser() (*syscall.Credential, error) {
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("looking up the postgres system user (Postgres refuses to run as root): %w", err)
+	}
+	uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
+	gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
+	if err1 != nil || err2 != nil {
+		return nil, fmt.Errorf("parsing ids of the postgres user %q/%q", u.Uid, u.Gid)
+	}
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}, nil
+}
+
+// ensureTraversable gives dir and each of its ancestors the search bit for others, so that the
+// postgres user can reach the cluster below it. Read permission is not granted.
+func ensureTraversable(dir string) error {
+	for p := dir; ; p = filepath.Dir(p) {
+		fi, err := os.Stat(p)
+		if err != nil {
+			return fmt.Errorf("checking %s: %w", p, err)
+		}
+		if fi.Mode().Perm()&0o001 == 0 {
+			if err := os.Chmod(p, fi.Mode().Perm()|0o001); err != nil {
+				return fmt.Errorf("letting the postgres user traverse %s: %w", p, err)
+			}
+		}
+		if p == "/" || p == filepath.Dir(p) {
+			return nil
+		}
+	}
+}

@@ -1,0 +1,148 @@
+package pgserver
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+func skipUnlessPostgres(t *testing.T) {
+	t.Helper()
+	if _, err := os.Stat(filepath.Join(DefaultBinDir, "postgres")); err != nil {
+		t.Skipf("postgres 15 not installed in %s (run scripts/deps.sh postgres)", DefaultBinDir)
+	}
+}
+
+func ping(t *testing.T, url string) {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), url)
+	if err != nil {
+		t.Fatalf("connecting to %s: %v", url, err)
+	}
+	defer conn.Close(context.Background())
+	var one int
+	if err := conn.QueryRow(t.Context(), "SELECT 1").Scan(&one); err != nil || one != 1 {
+		t.Fatalf("SELECT 1 = %d, %v", one, err)
+	}
+}
+
+func TestStartStopRestart(t *testing.T) {
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	begin := time.Now()
+	s, err := StartConfig(t.Context(), Config{DataDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("fresh cluster: initdb+start+createdb in %v", time.Since(begin))
+	begin = time.Now()
+	fast, err := StartConfig(t.Context(), Config{DataDir: t.TempDir(), NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("fresh cluster without fsync (tests): initdb+start+createdb in %v", time.Since(begin))
+	if err := fast.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Stop(context.Background()) })
+	ping(t, s.URL())
+
+	// No TCP listener: the settings say so.
+	conn, err := pgx.Connect(t.Context(), s.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var listen string
+	if err := conn.QueryRow(t.Context(), "SHOW listen_addresses").Scan(&listen); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(t.Context())
+	if listen != "" {
+		t.Fatalf("listen_addresses = %q, want empty (unix socket only)", listen)
+	}
+
+	begin = time.Now()
+	if err := s.Restart(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restart of an existing cluster: %v", time.Since(begin))
+	ping(t, s.URL())
+
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatalf("second Stop: %v", err)
+	}
+	if _, err := pgx.Connect(t.Context(), s.URL()); err == nil {
+		t.Fatal("connected to a stopped server")
+	}
+	if err := s.StartAgain(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	ping(t, s.URL())
+}
+
+func TestStalePostmasterPid(t *testing.T) {
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	s, err := Start(t.Context(), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// A crashed run leaves a postmaster.pid naming a process that is gone.
+	pidFile := filepath.Join(dir, "postgres", "postmaster.pid")
+	if err := os.WriteFile(pidFile, []byte("999999\n"+filepath.Join(dir, "postgres")+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s2, err := Start(t.Context(), dir)
+	if err != nil {
+		t.Fatalf("start over a stale postmaster.pid: %v", err)
+	}
+	defer s2.Stop(context.Background())
+	ping(t, s2.URL())
+}
+
+func TestOrphanedPostmaster(t *testing.T) {
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	s, err := Start(t.Context(), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldPid := s.cmd.Process.Pid
+	// The process that started it "crashes": the postmaster is left running, unowned.
+	s2, err := Start(t.Context(), dir)
+	if err != nil {
+		t.Fatalf("start over a live orphaned postmaster: %v", err)
+	}
+	defer s2.Stop(context.Background())
+	<-s.exited // the orphan was shut down
+	ping(t, s2.URL())
+	b, err := os.ReadFile(filepath.Join(dir, "postgres", "postmaster.pid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(b[:len(strconv.Itoa(oldPid))]) == strconv.Itoa(oldPid) {
+		t.Fatalf("postmaster.pid still names the old postmaster %d", oldPid)
+	}
+}
+
+func TestSocketPathTooLong(t *testing.T) {
+	long := filepath.Join(t.TempDir(), string(make([]byte, 0)))
+	for len(long) < 120 {
+		long = filepath.Join(long, "deeper")
+	}
+	cfg := Config{DataDir: long}
+	if err := cfg.Validate(); err == nil {
+		t.Fatal("Validate accepted a data dir too deep for a unix socket")
+	}
+}

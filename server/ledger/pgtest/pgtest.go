@@ -1,0 +1,151 @@
+// Package pgtest gives tests a real, private Postgres with the ledger schema: one cluster per
+// test binary (started by Run from TestMain) and a fresh database per test, copied from a migrated
+// template, or a cluster of a test's own (Private) for tests that stop and restart it.
+package pgtest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/deltagym/deltagym/server/ledger"
+	"github.com/deltagym/deltagym/server/ledger/pgserver"
+)
+
+const templateDB = "ledger_template"
+
+var (
+	shared    *pgserver.Server
+	sharedErr error
+	mu        sync.Mutex // serialises CREATE DATABASE … TEMPLATE
+	counter   atomic.Int64
+)
+
+// Run starts the binary's shared cluster, runs the tests and stops it. Use it from TestMain:
+//
+//	func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
+//
+// If Postgres is not installed the tests still run, and Start skips them.
+func Run(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "pgtest")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pgtest:", err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if skipReason() == "" {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		shared, sharedErr = startWithTemplate(ctx, dir)
+		cancel()
+		if sharedErr == nil {
+			defer shared.Stop(context.Background())
+		}
+	}
+	return m.Run()
+}
+
+func skipReason() string {
+	if _, err := os.Stat(filepath.Join(pgserver.DefaultBinDir, "postgres")); err != nil {
+		return "postgres 15 not installed in " + pgserver.DefaultBinDir + " (run scripts/deps.sh postgres)"
+	}
+	return ""
+}
+
+func startWithTemplate(ctx context.Context, dir string) (*pgserver.Server, error) {
+	s, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Database: templateDB, NoSync: true,
+		SmartTimeout: 100 * time.Millisecond, Settings: map[string]string{"max_connections": "200"}})
+	if err != nil {
+		return nil, err
+	}
+	if err := ledger.MigrateURL(ctx, s.URL()); err != nil {
+		_ = s.Stop(context.Background())
+		return nil, err
+	}
+	return s, nil
+}
+
+// Start returns the URL of a fresh database with the ledger schema, dropped when the test ends.
+// It uses the shared cluster if TestMain called Run, else starts a cluster for the test.
+func Start(t testing.TB) string {
+	t.Helper()
+	return freshDB(t, server(t), templateDB)
+}
+
+// Empty is like Start but the database has no schema (for migration tests).
+func Empty(t testing.TB) string {
+	t.Helper()
+	return freshDB(t, server(t), "template0")
+}
+
+func server(t testing.TB) *pgserver.Server {
+	t.Helper()
+	if r := skipReason(); r != "" {
+		t.Skip(r)
+	}
+	if shared != nil {
+		return shared
+	}
+	if sharedErr != nil {
+		t.Fatalf("shared postgres: %v", sharedErr)
+	}
+	s, _ := Private(t)
+	return s
+}
+
+// Private starts a cluster of the test's own (stopped at cleanup) and returns it with the URL
+// of a migrated database on it, for tests that stop or restart Postgres.
+func Private(t testing.TB) (*pgserver.Server, string) {
+	t.Helper()
+	if r := skipReason(); r != "" {
+		t.Skip(r)
+	}
+	dir, err := os.MkdirTemp("", "pgtest") // short: t.TempDir can be too deep for a socket path
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := startWithTemplate(context.Background(), dir)
+	if err != nil {
+		os.RemoveAll(dir)
+		t.Fatalf("starting private postgres: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Stop(context.Background()); err != nil {
+			t.Errorf("stopping private postgres: %v", err)
+		}
+		os.RemoveAll(dir)
+	})
+	return s, freshDB(t, s, templateDB)
+}
+
+func freshDB(t testing.TB, s *pgserver.Server, template string) string {
+	t.Helper()
+	ctx := context.Background()
+	name := fmt.Sprintf("test_%d_%d", os.Getpid(), counter.Add(1))
+	conn, err := pgx.Connect(ctx, s.URLFor("postgres"))
+	if err != nil {
+		t.Fatalf("connecting to test postgres: %v", err)
+	}
+	defer conn.Close(ctx)
+	mu.Lock()
+	_, err = conn.Exec(ctx, "CREATE DATABASE "+name+" TEMPLATE "+template)
+	mu.Unlock()
+	if err != nil {
+		t.Fatalf("creating test database: %v", err)
+	}
+	t.Cleanup(func() {
+		conn, err := pgx.Connect(ctx, s.URLFor("postgres"))
+		if err != nil {
+			return // the test stopped the server for good
+		}
+		defer conn.Close(ctx)
+		_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
+	})
+	return s.URLFor(name)
+}

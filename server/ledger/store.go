@@ -1,0 +1,467 @@
+package ledger
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Flusher is what a Store needs of a Writer: queries flush first so they see rows written just
+// before them.
+type Flusher interface {
+	Flush(ctx context.Context) error
+}
+
+var _ Flusher = (*Writer)(nil)
+
+// Store answers queries over the ledger.
+type Store struct {
+	pool    *pgxpool.Pool
+	flusher Flusher
+	owned   bool
+}
+
+// Open connects a pool to url, migrates the schema and returns a Store. If w is not nil, every
+// query first flushes it. Close releases the pool.
+func Open(ctx context.Context, url string, w Flusher) (*Store, error) {
+	if err := MigrateURL(ctx, url); err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("opening ledger pool: %w", err)
+	}
+	return &Store{pool: pool, flusher: w, owned: true}, nil
+}
+
+// NewStore returns a Store over an existing, migrated pool (which the caller keeps and closes).
+func NewStore(pool *pgxpool.Pool, w Flusher) *Store { return &Store{pool: pool, flusher: w} }
+
+// Close releases the pool if Open made it. It is idempotent.
+func (s *Store) Close() {
+	if s.owned {
+		s.pool.Close()
+	}
+}
+
+func (s *Store) flush(ctx context.Context) error {
+	if s.flusher == nil {
+		return nil
+	}
+	return s.flusher.Flush(ctx)
+}
+
+// Episode is an episode as stored.
+type Episode struct {
+	ID              string       `json:"id"`
+	Env             string       `json:"env"`
+	Run             string       `json:"run,omitempty"`
+	Group           string       `json:"group,omitempty"`
+	Seed            int64        `json:"seed"`
+	StartCheckpoint string       `json:"start_checkpoint,omitempty"`
+	ParentEpisode   string       `json:"parent_episode,omitempty"`
+	Status          Status       `json:"status"`
+	FailureClass    FailureClass `json:"failure_class,omitempty"`
+	TotalReward     *float64     `json:"total_reward,omitempty"`
+	StartedAt       time.Time    `json:"started_at"`
+	EndedAt         *time.Time   `json:"ended_at,omitempty"`
+}
+
+const episodeCols = `id, env, run, group_id, seed, coalesce(start_checkpoint, ''), coalesce(parent_episode, ''),
+	status, coalesce(failure_class, ''), total_reward, started_at, ended_at`
+
+func scanEpisode(row pgx.Row) (Episode, error) {
+	var e Episode
+	var status, class string
+	err := row.Scan(&e.ID, &e.Env, &e.Run, &e.Group, &e.Seed, &e.StartCheckpoint, &e.ParentEpisode,
+		&status, &class, &e.TotalReward, &e.StartedAt, &e.EndedAt)
+	e.Status, e.FailureClass = Status(status), FailureClass(class)
+	e.StartedAt = e.StartedAt.UTC()
+	if e.EndedAt != nil {
+		t := e.EndedAt.UTC()
+		e.EndedAt = &t
+	}
+	return e, err
+}
+
+// EpisodeFilter selects episodes; set fields are ANDed. PageSize defaults to 100 (max 1000).
+type EpisodeFilter struct {
+	Run       string
+	Group     string
+	Env       string
+	PageSize  int
+	PageToken string // from the previous page; "" for the first
+}
+
+// ListEpisodes returns a page of episodes ordered by start time, and the token of the next page
+// ("" on the last page).
+func (s *Store) ListEpisodes(ctx context.Context, f EpisodeFilter) ([]Episode, string, error) {
+	if err := s.flush(ctx); err != nil {
+		return nil, "", err
+	}
+	size := f.PageSize
+	if size <= 0 {
+		size = 100
+	}
+	size = min(size, 1000)
+	where := []string{"true"}
+	var args []any
+	add := func(cond string, v any) {
+		args = append(args, v)
+		where = append(where, fmt.Sprintf(cond, len(args)))
+	}
+	if f.Run != "" {
+		add("run = $%d", f.Run)
+	}
+	if f.Group != "" {
+		add("group_id = $%d", f.Group)
+	}
+	if f.Env != "" {
+		add("env = $%d", f.Env)
+	}
+	if f.PageToken != "" {
+		at, id, err := decodeToken(f.PageToken)
+		if err != nil {
+			return nil, "", err
+		}
+		args = append(args, at, id)
+		where = append(where, fmt.Sprintf("(started_at, id) > ($%d, $%d)", len(args)-1, len(args)))
+	}
+	args = append(args, size+1)
+	q := fmt.Sprintf("SELECT %s FROM episodes WHERE %s ORDER BY started_at, id LIMIT $%d",
+		episodeCols, strings.Join(where, " AND "), len(args))
+	rows, err := s.pool.Query(ctx, q, args...)
+	if err != nil {
+		return nil, "", fmt.Errorf("listing episodes: %w", err)
+	}
+	eps, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Episode, error) { return scanEpisode(r) })
+	if err != nil {
+		return nil, "", fmt.Errorf("listing episodes: %w", err)
+	}
+	next := ""
+	if len(eps) > size {
+		eps = eps[:size]
+		last := eps[size-1]
+		next = encodeToken(last.StartedAt, last.ID)
+	}
+	return eps, next, nil
+}
+
+func encodeToken(at time.Time, id string) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(at.UTC().Format(time.RFC3339Nano) + "|" + id))
+}
+
+func decodeToken(tok string) (time.Time, string, error) {
+	b, err := base64.RawURLEncoding.DecodeString(tok)
+	if err == nil {
+		ts, id, ok := strings.Cut(string(b), "|")
+		if at, perr := time.Parse(time.RFC3339Nano, ts); ok && perr == nil {
+			return at, id, nil
+		}
+	}
+	return time.Time{}, "", fmt.Errorf("page token: %w", ErrInvalid)
+}
+
+// Episode returns one episode.
+func (s *Store) Episode(ctx context.Context, id string) (Episode, error) {
+	if err := s.flush(ctx); err != nil {
+		return Episode{}, err
+	}
+	return s.episode(ctx, id)
+}
+
+func (s *Store) episode(ctx context.Context, id string) (Episode, error) {
+	e, err := scanEpisode(s.pool.QueryRow(ctx, "SELECT "+episodeCols+" FROM episodes WHERE id = $1", id))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Episode{}, fmt.Errorf("episode %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return Episode{}, fmt.Errorf("reading episode %s: %w", id, err)
+	}
+	return e, nil
+}
+
+// TrajectoryStep is one step on a trajectory's path. Inherited steps belong to an ancestor
+// episode (StepRow.EpisodeID) and were taken before the checkpoint this episode started from.
+type TrajectoryStep struct {
+	StepRow
+	Inherited bool `json:"inherited"`
+}
+
+// Trajectory is the full path of an episode from its Reset.
+type Trajectory struct {
+	Episode Episode          `json:"episode"`
+	Steps   []TrajectoryStep `json:"steps"`
+	Rewards []RewardRow      `json:"rewards"`
+}
+
+// maxAncestry bounds the walk up the branch chain (a guard against a cycle in bad data).
+const maxAncestry = 10_000
+
+// Trajectory returns the episode's full path: the steps of the episodes it descends from, each
+// up to the checkpoint the next one started from (marked Inherited), then its own steps.
+func (s *Store) Trajectory(ctx context.Context, episodeID string) (*Trajectory, error) {
+	if err := s.flush(ctx); err != nil {
+		return nil, err
+	}
+	ep, err := s.episode(ctx, episodeID)
+	if err != nil {
+		return nil, err
+	}
+	type segment struct {
+		episode string
+		limit   int // steps with idx < limit; -1 for all
+	}
+	path := []segment{{episodeID, -1}}
+	seen := map[string]bool{episodeID: true}
+	cur := ep
+	for range maxAncestry {
+		if cur.StartCheckpoint == "" {
+			break
+		}
+		var ckEpisode *string
+		var ckStep *int32
+		err := s.pool.QueryRow(ctx, "SELECT episode_id, step_index FROM checkpoints WHERE id = $1", cur.StartCheckpoint).Scan(&ckEpisode, &ckStep)
+		if errors.Is(err, pgx.ErrNoRows) || (err == nil && (ckEpisode == nil || seen[*ckEpisode])) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("reading checkpoint %s: %w", cur.StartCheckpoint, err)
+		}
+		limit := 0
+		if ckStep != nil {
+			limit = int(*ckStep)
+		}
+		path = append(path, segment{*ckEpisode, limit})
+		seen[*ckEpisode] = true
+		if cur, err = s.episode(ctx, *ckEpisode); errors.Is(err, ErrNotFound) {
+			break
+		} else if err != nil {
+			return nil, err
+		}
+	}
+	t := &Trajectory{Episode: ep}
+	for i := len(path) - 1; i >= 0; i-- {
+		steps, err := s.steps(ctx, path[i].episode, path[i].limit)
+		if err != nil {
+			return nil, err
+		}
+		for _, st := range steps {
+			t.Steps = append(t.Steps, TrajectoryStep{StepRow: st, Inherited: i > 0})
+		}
+	}
+	if t.Rewards, err = s.rewards(ctx, episodeID); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+const stepCols = `episode_id, idx, action, observation, observation_size, observation_sha256, reward,
+	terminated, truncated, started_at, duration_ns, coalesce(checkpoint_id, '')`
+
+func (s *Store) steps(ctx context.Context, episodeID string, limit int) ([]StepRow, error) {
+	if limit < 0 {
+		limit = math.MaxInt32
+	}
+	rows, err := s.pool.Query(ctx, "SELECT "+stepCols+" FROM steps WHERE episode_id = $1 AND idx < $2 ORDER BY idx", episodeID, limit)
+	if err != nil {
+		return nil, fmt.Errorf("reading steps of %s: %w", episodeID, err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (StepRow, error) {
+		var st StepRow
+		var idx int32
+		var dur int64
+		var action []byte
+		err := r.Scan(&st.EpisodeID, &idx, &action, &st.Observation, &st.ObservationSize, &st.ObservationSHA256,
+			&st.Reward, &st.Terminated, &st.Truncated, &st.StartedAt, &dur, &st.CheckpointID)
+		st.Index, st.Duration, st.Action, st.StartedAt = int(idx), time.Duration(dur), json.RawMessage(action), st.StartedAt.UTC()
+		return st, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading steps of %s: %w", episodeID, err)
+	}
+	return out, nil
+}
+
+func (s *Store) rewards(ctx context.Context, episodeID string) ([]RewardRow, error) {
+	rows, err := s.pool.Query(ctx, `SELECT episode_id, step_index, source, components, value, created_at
+		FROM rewards WHERE episode_id = $1 ORDER BY id`, episodeID)
+	if err != nil {
+		return nil, fmt.Errorf("reading rewards of %s: %w", episodeID, err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RewardRow, error) {
+		var rw RewardRow
+		var step *int32
+		err := r.Scan(&rw.EpisodeID, &step, &rw.Source, &rw.Components, &rw.Value, &rw.CreatedAt)
+		if step != nil {
+			i := int(*step)
+			rw.StepIndex = &i
+		}
+		if len(rw.Components) == 0 {
+			rw.Components = nil
+		}
+		rw.CreatedAt = rw.CreatedAt.UTC()
+		return rw, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading rewards of %s: %w", episodeID, err)
+	}
+	return out, nil
+}
+
+// CheckpointNode is a checkpoint in a tree, with the checkpoints descending from it.
+type CheckpointNode struct {
+	CheckpointRow
+	Children []*CheckpointNode `json:"children,omitempty"`
+}
+
+// CheckpointTree returns the checkpoint forest of a run (every checkpoint taken in its episodes
+// or that they started from, with their ancestors) or, if episode is set, of one episode (the
+// checkpoints it took and started from, their ancestors, and every checkpoint descending from the
+// ones it took). Roots are checkpoints whose parent is not in the set; children are in creation
+// order.
+func (s *Store) CheckpointTree(ctx context.Context, run, episode string) ([]*CheckpointNode, error) {
+	if (run == "") == (episode == "") {
+		return nil, fmt.Errorf("checkpoint tree needs exactly one of run and episode: %w", ErrInvalid)
+	}
+	if err := s.flush(ctx); err != nil {
+		return nil, err
+	}
+	const cols = `id, coalesce(parent_id, ''), kind, env, sandbox, coalesce(episode_id, ''), coalesce(step_index, 0), created_at, released_at`
+	var q string
+	var arg string
+	if run != "" {
+		arg = run
+		q = `WITH RECURSIVE seed AS (
+			SELECT c.id FROM checkpoints c JOIN episodes e ON c.episode_id = e.id WHERE e.run = $1
+			UNION SELECT start_checkpoint FROM episodes WHERE run = $1 AND start_checkpoint IS NOT NULL
+		), anc AS (
+			SELECT c.* FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
+			UNION SELECT p.* FROM checkpoints p JOIN anc ON p.id = anc.parent_id
+		) SELECT ` + cols + ` FROM anc`
+	} else {
+		arg = episode
+		if _, err := s.episode(ctx, episode); err != nil {
+			return nil, err
+		}
+		q = `WITH RECURSIVE seed AS (
+			SELECT id FROM checkpoints WHERE episode_id = $1
+			UNION SELECT start_checkpoint FROM episodes WHERE id = $1 AND start_checkpoint IS NOT NULL
+		), anc AS (
+			SELECT c.* FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
+			UNION SELECT p.* FROM checkpoints p JOIN anc ON p.id = anc.parent_id
+		), des AS (
+			SELECT c.* FROM checkpoints c WHERE c.episode_id = $1
+			UNION SELECT ch.* FROM checkpoints ch JOIN des ON ch.parent_id = des.id
+		) SELECT ` + cols + ` FROM anc UNION SELECT ` + cols + ` FROM des`
+	}
+	rows, err := s.pool.Query(ctx, q, arg)
+	if err != nil {
+		return nil, fmt.Errorf("reading checkpoint tree: %w", err)
+	}
+	nodes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (*CheckpointNode, error) {
+		n := &CheckpointNode{}
+		var kind string
+		var step int32
+		err := r.Scan(&n.ID, &n.ParentID, &kind, &n.Env, &n.Sandbox, &n.EpisodeID, &step, &n.CreatedAt, &n.ReleasedAt)
+		n.Kind, n.StepIndex, n.CreatedAt = CheckpointKind(kind), int(step), n.CreatedAt.UTC()
+		return n, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading checkpoint tree: %w", err)
+	}
+	sort.Slice(nodes, func(i, j int) bool {
+		if !nodes[i].CreatedAt.Equal(nodes[j].CreatedAt) {
+			return nodes[i].CreatedAt.Before(nodes[j].CreatedAt)
+		}
+		return nodes[i].ID < nodes[j].ID
+	})
+	byID := make(map[string]*CheckpointNode, len(nodes))
+	for _, n := range nodes {
+		byID[n.ID] = n
+	}
+	var roots []*CheckpointNode
+	for _, n := range nodes {
+		if p, ok := byID[n.ParentID]; ok && n.ParentID != n.ID {
+			p.Children = append(p.Children, n)
+		} else {
+			roots = append(roots, n)
+		}
+	}
+	return roots, nil
+}
+
+// ReportReward records a reward synchronously (typically one computed by a trainer, with its
+// source name). The episode must exist.
+func (s *Store) ReportReward(ctx context.Context, r RewardRow) error {
+	if err := r.validate(); err != nil {
+		return err
+	}
+	if r.CreatedAt.IsZero() {
+		r.CreatedAt = time.Now()
+	}
+	if err := s.flush(ctx); err != nil {
+		return err
+	}
+	if _, err := s.episode(ctx, r.EpisodeID); err != nil {
+		return err
+	}
+	if _, err := s.pool.Exec(ctx, insertReward, rewardValues(&r)...); err != nil {
+		return fmt.Errorf("recording reward of %s: %w", r.EpisodeID, err)
+	}
+	return nil
+}
+
+// ExportedEpisode is one line of a JSONL export.
+type ExportedEpisode struct {
+	Episode Episode     `json:"episode"`
+	Steps   []StepRow   `json:"steps"`
+	Rewards []RewardRow `json:"rewards"`
+}
+
+// Export writes the episodes of run (every run when run is ""), one JSON object per line, each
+// with its own steps (not inherited ones) and rewards, ordered by run and start time.
+func (s *Store) Export(ctx context.Context, w io.Writer, run string) error {
+	if err := s.flush(ctx); err != nil {
+		return err
+	}
+	q := "SELECT " + episodeCols + " FROM episodes WHERE ($1 = '' OR run = $1) ORDER BY run, started_at, id"
+	rows, err := s.pool.Query(ctx, q, run)
+	if err != nil {
+		return fmt.Errorf("exporting episodes: %w", err)
+	}
+	eps, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Episode, error) { return scanEpisode(r) })
+	if err != nil {
+		return fmt.Errorf("exporting episodes: %w", err)
+	}
+	enc := json.NewEncoder(w)
+	for _, e := range eps {
+		line := ExportedEpisode{Episode: e}
+		if line.Steps, err = s.steps(ctx, e.ID, -1); err != nil {
+			return err
+		}
+		if line.Rewards, err = s.rewards(ctx, e.ID); err != nil {
+			return err
+		}
+		if line.Steps == nil {
+			line.Steps = []StepRow{}
+		}
+		if line.Rewards == nil {
+			line.Rewards = []RewardRow{}
+		}
+		if err := enc.Encode(&line); err != nil {
+			return fmt.Errorf("writing export: %w", err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,171 @@
+package ledger
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+)
+
+// Status is an episode's state in the ledger.
+type Status string
+
+// Episode statuses.
+const (
+	StatusRunning    Status = "running"
+	StatusTerminated Status = "terminated" // ended by the task (submit, verifier)
+	StatusTruncated  Status = "truncated"  // ended by a budget
+	StatusBranched   Status = "branched"   // ended by a restore into its sandbox
+	StatusFailed     Status = "failed"     // ended by an error; see FailureClass
+)
+
+func (s Status) valid() bool {
+	switch s {
+	case StatusRunning, StatusTerminated, StatusTruncated, StatusBranched, StatusFailed:
+		return true
+	}
+	return false
+}
+
+// FailureClass says whose fault a failed episode was.
+type FailureClass string
+
+// Failure classes; the empty class means no failure.
+const (
+	FailureNone     FailureClass = ""
+	FailureInfra    FailureClass = "infra"
+	FailureAgent    FailureClass = "agent"
+	FailureVerifier FailureClass = "verifier"
+)
+
+func (f FailureClass) valid() bool {
+	switch f {
+	case FailureNone, FailureInfra, FailureAgent, FailureVerifier:
+		return true
+	}
+	return false
+}
+
+// CheckpointKind says why a checkpoint was taken.
+type CheckpointKind string
+
+// Checkpoint kinds.
+const (
+	KindUser     CheckpointKind = "user"     // asked for by the client
+	KindPool     CheckpointKind = "pool"     // an env's warm initial state
+	KindTask     CheckpointKind = "task"     // a task's initial state after reset
+	KindEvaluate CheckpointKind = "evaluate" // taken before running the verifier
+)
+
+func (k CheckpointKind) valid() bool {
+	switch k {
+	case KindUser, KindPool, KindTask, KindEvaluate:
+		return true
+	}
+	return false
+}
+
+// Reward sources with a fixed meaning; any other non-empty string names a trainer's source.
+const (
+	SourceVerifier = "verifier"
+	SourceTrainer  = "trainer"
+)
+
+// EpisodeStart records the start of an episode (a Reset, or a restore or fork from a checkpoint).
+type EpisodeStart struct {
+	ID              string    `json:"id"`
+	Env             string    `json:"env"`
+	Run             string    `json:"run,omitempty"`
+	Group           string    `json:"group,omitempty"`
+	Seed            int64     `json:"seed"`
+	StartCheckpoint string    `json:"start_checkpoint,omitempty"` // the state it started from
+	ParentEpisode   string    `json:"parent_episode,omitempty"`   // the episode it branched from
+	StartedAt       time.Time `json:"started_at"`
+}
+
+// EpisodeEnd records how an episode ended.
+type EpisodeEnd struct {
+	ID           string       `json:"id"`
+	Status       Status       `json:"status"`
+	FailureClass FailureClass `json:"failure_class,omitempty"`
+	TotalReward  float64      `json:"total_reward"`
+	EndedAt      time.Time    `json:"ended_at"`
+}
+
+// StepRow is one step of an episode. Index counts the episode's own steps from 0.
+// Observation is stored capped (Config.ObservationCap); ObservationSize and ObservationSHA256
+// describe the full observation and are filled in by Writer.Step.
+type StepRow struct {
+	EpisodeID         string          `json:"episode_id"`
+	Index             int             `json:"index"`
+	Action            json.RawMessage `json:"action"`
+	Observation       []byte          `json:"observation"`
+	ObservationSize   int64           `json:"observation_size"`
+	ObservationSHA256 []byte          `json:"observation_sha256"`
+	Reward            float64         `json:"reward"`
+	Terminated        bool            `json:"terminated"`
+	Truncated         bool            `json:"truncated"`
+	StartedAt         time.Time       `json:"started_at"`
+	Duration          time.Duration   `json:"duration_ns"`
+	CheckpointID      string          `json:"checkpoint_id,omitempty"` // a checkpoint taken after the step
+}
+
+// CheckpointRow records a checkpoint. StepIndex is the number of the episode's own steps taken
+// when it was made (0: at the episode's start), so a branch from it inherits steps 0..StepIndex-1.
+type CheckpointRow struct {
+	ID         string         `json:"id"`
+	ParentID   string         `json:"parent_id,omitempty"`
+	Kind       CheckpointKind `json:"kind"`
+	Env        string         `json:"env"`
+	Sandbox    string         `json:"sandbox,omitempty"`
+	EpisodeID  string         `json:"episode_id,omitempty"`
+	StepIndex  int            `json:"step_index"`
+	CreatedAt  time.Time      `json:"created_at"`
+	ReleasedAt *time.Time     `json:"released_at,omitempty"` // read side only
+}
+
+// RewardRow is one reward of an episode, from the verifier or a trainer.
+type RewardRow struct {
+	EpisodeID  string             `json:"episode_id"`
+	StepIndex  *int               `json:"step_index,omitempty"` // nil: the episode as a whole
+	Source     string             `json:"source"`
+	Components map[string]float64 `json:"components,omitempty"`
+	Value      float64            `json:"value"`
+	CreatedAt  time.Time          `json:"created_at"`
+}
+
+func (r *EpisodeStart) validate() error {
+	if r.ID == "" || r.Env == "" {
+		return fmt.Errorf("episode start needs an id and an env: %w", ErrInvalid)
+	}
+	return nil
+}
+
+func (r *EpisodeEnd) validate() error {
+	if r.ID == "" {
+		return fmt.Errorf("episode end needs an id: %w", ErrInvalid)
+	}
+	if !r.Status.valid() || r.Status == StatusRunning {
+		return fmt.Errorf("episode %s: end status %q: %w", r.ID, r.Status, ErrInvalid)
+	}
+	if !r.FailureClass.valid() {
+		return fmt.Errorf("episode %s: failure class %q: %w", r.ID, r.FailureClass, ErrInvalid)
+	}
+	return nil
+}
+
+func (r *CheckpointRow) validate() error {
+	if r.ID == "" || r.Env == "" {
+		return fmt.Errorf("checkpoint needs an id and an env: %w", ErrInvalid)
+	}
+	if !r.Kind.valid() {
+		return fmt.Errorf("checkpoint %s: kind %q: %w", r.ID, r.Kind, ErrInvalid)
+	}
+	return nil
+}
+
+func (r *RewardRow) validate() error {
+	if r.EpisodeID == "" || r.Source == "" {
+		return fmt.Errorf("reward needs an episode id and a source: %w", ErrInvalid)
+	}
+	return nil
+}

@@ -1,0 +1,878 @@
+package ledger
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Config configures a Writer.
+type Config struct {
+	// URL is the Postgres URL of the ledger database. Required. It need not be reachable:
+	// rows wait in the spool until it is.
+	URL string
+	// SpoolDir holds the durable spool. Required. One writer per directory at a time.
+	SpoolDir string
+	// GroupCommit is the group-commit window: rows appended within it are written and fsynced
+	// together. A SIGKILL loses at most the rows of the last window (plus the fsync in flight).
+	// Default 10ms.
+	GroupCommit time.Duration
+	// QueueRows and QueueBytes bound the in-memory queue to Postgres. Past them rows are still
+	// spooled (never blocking the caller) and the deliverer reads them back from the spool.
+	// Defaults 100,000 rows and 64 MiB.
+	QueueRows  int
+	QueueBytes int
+	// BatchRows and BatchBytes bound one delivery transaction (up to three batches are in
+	// flight: being read, queued, being committed). Defaults 8192 rows and 16 MiB.
+	BatchRows  int
+	BatchBytes int
+	// ObservationCap caps a stored observation; its full size and SHA-256 are kept. Default 64 KiB.
+	ObservationCap int
+	// SegmentBytes is the size at which the spool starts a new segment file. Default 64 MiB.
+	SegmentBytes int64
+	// MaxPending bounds the frames waiting for the next group commit. Only a disk slower than
+	// the rows arriving fills it; appends then wait for the disk (never for Postgres).
+	// Default 256 MiB.
+	MaxPending int
+	// Logger receives delivery errors. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// Validate checks the config and fills in defaults.
+func (c *Config) Validate() error {
+	if c.URL == "" {
+		return fmt.Errorf("ledger writer needs a Postgres URL: %w", ErrInvalid)
+	}
+	if c.SpoolDir == "" {
+		return fmt.Errorf("ledger writer needs a spool dir: %w", ErrInvalid)
+	}
+	if _, err := pgx.ParseConfig(c.URL); err != nil {
+		return fmt.Errorf("parsing ledger URL: %w: %w", err, ErrInvalid)
+	}
+	if c.GroupCommit <= 0 {
+		c.GroupCommit = 10 * time.Millisecond
+	}
+	if c.QueueRows <= 0 {
+		c.QueueRows = 100_000
+	}
+	if c.QueueBytes <= 0 {
+		c.QueueBytes = 64 << 20
+	}
+	if c.BatchRows <= 0 {
+		c.BatchRows = 8192
+	}
+	if c.BatchBytes <= 0 {
+		c.BatchBytes = 16 << 20
+	}
+	if c.ObservationCap <= 0 {
+		c.ObservationCap = 64 << 10
+	}
+	if c.SegmentBytes <= 0 {
+		c.SegmentBytes = 64 << 20
+	}
+	if c.MaxPending <= 0 {
+		c.MaxPending = 256 << 20
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// Stats counts a writer's rows since it was opened (sequence numbers count from its spool's
+// first record).
+type Stats struct {
+	Appended  uint64 // last sequence number appended
+	Synced    uint64 // last sequence number durable in the spool
+	Delivered uint64 // last sequence number committed to Postgres
+	Spooled   uint64 // rows that bypassed the full in-memory queue and were read back from disk
+	Dropped   uint64 // rows Postgres rejected (e.g. a duplicate step), logged and skipped
+	Retries   uint64 // failed delivery attempts (Postgres unreachable, restarting…)
+	// MaxSync is the longest spool write+fsync so far: with GroupCommit, the bound on what a
+	// SIGKILL can lose.
+	MaxSync time.Duration
+}
+
+// Writer records ledger rows asynchronously. Its append methods (Step, EpisodeStarted,
+// EpisodeEnded, Checkpoint, CheckpointReleased, Reward) never wait for Postgres or the disk: a row
+// is encoded into the current group-commit buffer, which a syncer goroutine appends to the spool
+// and fsyncs every GroupCommit window; a deliverer goroutine then copies durable rows to Postgres
+// in batches (COPY for steps and rewards), in order, recording in the same transaction how far
+// the spool has been delivered, so that redelivery after a crash or outage neither loses nor
+// duplicates a row. The append methods take ownership of the slices in the rows they are given.
+type Writer struct {
+	cfg Config
+	sp  *spool
+
+	mu        sync.Mutex
+	nextSeq   uint64
+	chunks    [][]byte // frames not yet written to the spool
+	pending   int      // bytes in chunks
+	free      [][]byte // written chunks kept for reuse
+	drained   *sync.Cond
+	mem       []record // undelivered rows with contiguous seqs, when not overflowing
+	memBytes  int
+	overflow  bool // the queue was full: rows from here on are read back from the spool
+	synced    uint64
+	delivered uint64
+	closed    bool
+	changed   chan struct{} // closed and replaced whenever synced or delivered advance
+	syncErr   error
+	maxSync   time.Duration
+
+	kick     chan struct{} // the buffer became non-empty
+	flushNow chan struct{} // skip the rest of the window
+	stopSync chan struct{}
+	syncDone chan struct{}
+
+	cancelDeliver context.CancelFunc
+	deliverDone   chan struct{}
+	conn          *pgx.Conn // deliverer only
+	mark          uint64    // deliverer only: Postgres's delivery mark for this spool
+
+	spooled, dropped, retries atomic.Uint64
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// NewWriter opens (recovering) the spool and starts the syncer and deliverer. Rows left in the
+// spool by an earlier writer are delivered first.
+func NewWriter(cfg Config) (*Writer, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	sp, first, last, err := openSpool(cfg.SpoolDir, cfg.SegmentBytes)
+	if err != nil {
+		return nil, err
+	}
+	// Rows a previous writer delivered before closing need not be read back.
+	if d := sp.deliveredHint(); d >= first && d <= last {
+		first = d + 1
+	}
+	w := &Writer{
+		cfg:         cfg,
+		sp:          sp,
+		nextSeq:     last + 1,
+		synced:      last,
+		delivered:   first - 1,
+		overflow:    last >= first, // recovered rows are read from the spool
+		changed:     make(chan struct{}),
+		kick:        make(chan struct{}, 1),
+		flushNow:    make(chan struct{}, 1),
+		stopSync:    make(chan struct{}),
+		syncDone:    make(chan struct{}),
+		deliverDone: make(chan struct{}),
+	}
+	w.drained = sync.NewCond(&w.mu)
+	ctx, cancel := context.WithCancel(context.Background())
+	w.cancelDeliver = cancel
+	go w.syncLoop()
+	go w.deliverLoop(ctx)
+	return w, nil
+}
+
+// SpoolID names this writer's spool (its delivery mark in Postgres).
+func (w *Writer) SpoolID() string { return w.sp.id }
+
+// EpisodeStarted records the start of an episode. A zero StartedAt means now.
+func (w *Writer) EpisodeStarted(r EpisodeStart) error {
+	if err := r.validate(); err != nil {
+		return err
+	}
+	if r.StartedAt.IsZero() {
+		r.StartedAt = time.Now()
+	}
+	return w.append(record{kind: recEpisodeStart, start: &r})
+}
+
+// EpisodeEnded records how an episode ended. A zero EndedAt means now.
+func (w *Writer) EpisodeEnded(r EpisodeEnd) error {
+	if err := r.validate(); err != nil {
+		return err
+	}
+	if r.EndedAt.IsZero() {
+		r.EndedAt = time.Now()
+	}
+	return w.append(record{kind: recEpisodeEnd, end: &r})
+}
+
+// Step records one step. It caps the observation at Config.ObservationCap and fills in its
+// full size and SHA-256 unless ObservationSHA256 is already set. An empty action is stored as
+// JSON null. A zero StartedAt means now.
+func (w *Writer) Step(r StepRow) error {
+	if r.EpisodeID == "" || r.Index < 0 {
+		return fmt.Errorf("step needs an episode id and an index >= 0: %w", ErrInvalid)
+	}
+	if len(r.Action) == 0 {
+		r.Action = json.RawMessage("null")
+	} else if !json.Valid(r.Action) {
+		return fmt.Errorf("episode %s step %d: action is not JSON: %w", r.EpisodeID, r.Index, ErrInvalid)
+	}
+	if r.ObservationSHA256 == nil {
+		sum := sha256.Sum256(r.Observation)
+		r.ObservationSHA256 = sum[:]
+		r.ObservationSize = int64(len(r.Observation))
+	}
+	if r.Observation == nil {
+		r.Observation = []byte{}
+	}
+	if len(r.Observation) > w.cfg.ObservationCap {
+		r.Observation = r.Observation[:w.cfg.ObservationCap]
+	}
+	if r.StartedAt.IsZero() {
+		r.StartedAt = time.Now()
+	}
+	return w.append(record{kind: recStep, step: &r})
+}
+
+// Checkpoint records a checkpoint. A zero CreatedAt means now.
+func (w *Writer) Checkpoint(r CheckpointRow) error {
+	if err := r.validate(); err != nil {
+		return err
+	}
+	if r.CreatedAt.IsZero() {
+		r.CreatedAt = time.Now()
+	}
+	r.ReleasedAt = nil
+	return w.append(record{kind: recCheckpoint, ckpt: &r})
+}
+
+// CheckpointReleased records that checkpoint id was released. A zero at means now.
+func (w *Writer) CheckpointReleased(id string, at time.Time) error {
+	if id == "" {
+		return fmt.Errorf("checkpoint release needs an id: %w", ErrInvalid)
+	}
+	if at.IsZero() {
+		at = time.Now()
+	}
+	return w.append(record{kind: recRelease, release: &checkpointRelease{ID: id, At: at}})
+}
+
+// Reward records a reward (typically the verifier's). A zero CreatedAt means now.
+func (w *Writer) Reward(r RewardRow) error {
+	if err := r.validate(); err != nil {
+		return err
+	}
+	if r.CreatedAt.IsZero() {
+		r.CreatedAt = time.Now()
+	}
+	return w.append(record{kind: recReward, reward: &r})
+}
+
+func (w *Writer) append(r record) error {
+	size := r.size()
+	w.mu.Lock()
+	for w.pending >= w.cfg.MaxPending && !w.closed {
+		w.drained.Wait() // the disk is behind: see Config.MaxPending
+	}
+	if w.closed {
+		w.mu.Unlock()
+		return ErrClosed
+	}
+	r.seq = w.nextSeq
+	w.nextSeq++
+	wasEmpty := w.pending == 0
+	w.appendFrameLocked(&r, size)
+	big := w.pending >= 8<<20
+	if !w.overflow && len(w.mem) < w.cfg.QueueRows && w.memBytes+size <= w.cfg.QueueBytes {
+		w.mem = append(w.mem, r)
+		w.memBytes += size
+	} else {
+		w.overflow = true
+		w.spooled.Add(1)
+	}
+	w.mu.Unlock()
+	if wasEmpty {
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+	}
+	if big {
+		w.requestSync()
+	}
+	return nil
+}
+
+// chunkSize is the unit of the group-commit buffer: frames are appended to fixed chunks that are
+// reused, so a growing window never copies what it already holds.
+const chunkSize = 4 << 20
+
+func (w *Writer) appendFrameLocked(r *record, size int) {
+	n := len(w.chunks)
+	if n == 0 || cap(w.chunks[n-1])-len(w.chunks[n-1]) < size+frameHeader+1024 {
+		var c []byte
+		if k := len(w.free); k > 0 && size+frameHeader+1024 <= chunkSize {
+			c, w.free = w.free[k-1][:0], w.free[:k-1]
+		} else {
+			c = make([]byte, 0, max(chunkSize, size+frameHeader+1024))
+		}
+		w.chunks = append(w.chunks, c)
+		n++
+	}
+	before := len(w.chunks[n-1])
+	w.chunks[n-1] = appendFrame(w.chunks[n-1], r)
+	w.pending += len(w.chunks[n-1]) - before
+}
+
+func (w *Writer) requestSync() {
+	select {
+	case w.flushNow <- struct{}{}:
+	default:
+	}
+}
+
+// notifyLocked wakes everyone waiting for progress. w.mu must be held.
+func (w *Writer) notifyLocked() {
+	close(w.changed)
+	w.changed = make(chan struct{})
+}
+
+// syncLoop is the group commit: after the first row of a window arrives it waits out the
+// window (or a flush request), then writes and fsyncs everything buffered in one go.
+func (w *Writer) syncLoop() {
+	defer close(w.syncDone)
+	for {
+		stopping := false
+		select {
+		case <-w.kick:
+		case <-w.flushNow:
+		case <-w.stopSync:
+			stopping = true
+		}
+		if !stopping {
+			t := time.NewTimer(w.cfg.GroupCommit)
+			select {
+			case <-t.C:
+			case <-w.flushNow:
+			case <-w.stopSync:
+				stopping = true
+			}
+			t.Stop()
+		}
+		w.syncOnce()
+		if stopping {
+			return
+		}
+	}
+}
+
+func (w *Writer) syncOnce() {
+	w.mu.Lock()
+	chunks, last := w.chunks, w.nextSeq-1
+	w.chunks, w.pending = nil, 0
+	w.drained.Broadcast()
+	w.mu.Unlock()
+	if len(chunks) == 0 {
+		return
+	}
+	start := time.Now()
+	err := w.sp.write(chunks, last)
+	took := time.Since(start)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.maxSync = max(w.maxSync, took)
+	if err != nil {
+		// Keep the rows and retry at the next window.
+		w.cfg.Logger.Error("ledger spool write", "err", err)
+		for _, c := range chunks {
+			w.pending += len(c)
+		}
+		w.chunks = append(chunks, w.chunks...)
+		w.syncErr = err
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+		return
+	}
+	w.syncErr = nil
+	w.synced = last
+	for _, c := range chunks {
+		if cap(c) == chunkSize && len(w.free) < 16 {
+			w.free = append(w.free, c[:0])
+		}
+	}
+	w.notifyLocked()
+}
+
+// deliverLoop moves durable rows to Postgres, in sequence order, until ctx is cancelled or the
+// writer is closed and everything is delivered. A reader goroutine prepares the next batch
+// (from memory or the spool) while the current one is being committed.
+func (w *Writer) deliverLoop(ctx context.Context) {
+	defer close(w.deliverDone)
+	defer func() {
+		if w.conn != nil {
+			_ = w.conn.Close(context.Background())
+			w.conn = nil
+		}
+	}()
+	batches := make(chan []record, 1)
+	readerDone := make(chan struct{})
+	rctx, stopReader := context.WithCancel(ctx)
+	defer func() {
+		stopReader()
+		<-readerDone
+	}()
+	go func() {
+		defer close(readerDone)
+		defer close(batches)
+		w.mu.Lock()
+		pos := w.delivered
+		w.mu.Unlock()
+		for {
+			batch := w.nextBatch(rctx, pos)
+			if batch == nil {
+				return
+			}
+			pos = batch[len(batch)-1].seq
+			select {
+			case batches <- batch:
+			case <-rctx.Done():
+				return
+			}
+		}
+	}()
+	for batch := range batches {
+		if !w.deliver(ctx, batch) {
+			return
+		}
+		last := batch[len(batch)-1].seq
+		w.mu.Lock()
+		w.delivered = max(w.delivered, last)
+		w.notifyLocked()
+		w.mu.Unlock()
+		if err := w.sp.trim(last); err != nil {
+			w.cfg.Logger.Error("ledger spool trim", "err", err)
+		}
+	}
+}
+
+// popMemLocked drops rows up to pos (handed to the deliverer) from the in-memory queue.
+func (w *Writer) popMemLocked(pos uint64) {
+	i := 0
+	for i < len(w.mem) && w.mem[i].seq <= pos {
+		w.memBytes -= w.mem[i].size()
+		w.mem[i] = record{}
+		i++
+	}
+	w.mem = w.mem[i:]
+	if len(w.mem) == 0 {
+		w.mem = w.mem[:0:0]
+	}
+}
+
+// nextBatch waits for durable rows after pos and returns a batch of them: from the in-memory
+// queue when it holds the next row, from the spool otherwise. nil means stop.
+func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
+	w.mu.Lock()
+	for {
+		w.popMemLocked(pos)
+		next := pos + 1
+		if next <= w.synced {
+			if len(w.mem) > 0 && w.mem[0].seq == next {
+				n, bytes := 0, 0
+				for n < len(w.mem) && n < w.cfg.BatchRows && bytes < w.cfg.BatchBytes && w.mem[n].seq <= w.synced {
+					bytes += w.mem[n].size()
+					n++
+				}
+				batch := append([]record(nil), w.mem[:n]...)
+				w.popMemLocked(batch[n-1].seq)
+				w.mu.Unlock()
+				return batch
+			}
+			to := w.synced
+			if len(w.mem) > 0 {
+				to = min(to, w.mem[0].seq-1)
+			}
+			w.mu.Unlock()
+			batch, err := w.sp.read(next, to, w.cfg.BatchRows, w.cfg.BatchBytes)
+			if err != nil {
+				w.cfg.Logger.Error("ledger spool read", "err", err)
+				if len(batch) == 0 {
+					if !sleepCtx(ctx, time.Second) {
+						return nil
+					}
+					w.mu.Lock()
+					continue
+				}
+			}
+			if last := batch[len(batch)-1].seq; last == to {
+				w.mu.Lock()
+				if w.overflow && last == w.synced && len(w.mem) == 0 {
+					// Caught up with the spool: new rows may use the in-memory queue again.
+					w.overflow = false
+				}
+				w.mu.Unlock()
+			}
+			return batch
+		}
+		if w.closed && next == w.nextSeq {
+			w.mu.Unlock()
+			return nil
+		}
+		ch := w.changed
+		w.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return nil
+		}
+		w.mu.Lock()
+	}
+}
+
+// deliver commits batch to Postgres, retrying (reconnecting) until it succeeds or ctx ends.
+func (w *Writer) deliver(ctx context.Context, batch []record) bool {
+	backoff := 10 * time.Millisecond
+	for {
+		err := w.connect(ctx)
+		if err == nil {
+			// After a reconnect the mark says whether an earlier attempt committed after all.
+			for len(batch) > 0 && batch[0].seq <= w.mark {
+				batch = batch[1:]
+			}
+			if len(batch) == 0 {
+				return true
+			}
+			err = w.apply(ctx, batch, false)
+			if isDataError(err) {
+				err = w.apply(ctx, batch, true)
+			}
+			if err == nil {
+				w.mark = batch[len(batch)-1].seq
+				return true
+			}
+			_ = w.conn.Close(context.Background())
+			w.conn = nil
+		}
+		if ctx.Err() != nil {
+			return false
+		}
+		w.retries.Add(1)
+		w.cfg.Logger.Warn("ledger delivery; retrying", "err", err, "backoff", backoff)
+		if !sleepCtx(ctx, backoff) {
+			return false
+		}
+		backoff = min(backoff*2, time.Second)
+	}
+}
+
+// connect (re)connects, migrates and reads this spool's delivery mark.
+func (w *Writer) connect(ctx context.Context) error {
+	if w.conn != nil {
+		return nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(cctx, w.cfg.URL)
+	if err != nil {
+		return fmt.Errorf("connecting to ledger database: %w", err)
+	}
+	if err := Migrate(cctx, conn); err != nil {
+		_ = conn.Close(context.Background())
+		return err
+	}
+	var mark int64
+	err = conn.QueryRow(cctx, "SELECT seq FROM ledger_spool_marks WHERE spool_id = $1", w.sp.id).Scan(&mark)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		_ = conn.Close(context.Background())
+		return fmt.Errorf("reading delivery mark: %w", err)
+	}
+	w.conn, w.mark = conn, uint64(mark)
+	return nil
+}
+
+// isDataError reports whether Postgres rejected the rows themselves (a bad value or a duplicate
+// key), as opposed to the connection or the server failing.
+func isDataError(err error) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || len(pe.Code) < 2 {
+		return false
+	}
+	switch pe.Code[:2] {
+	case "22", "23", "54": // data exception, integrity constraint violation, limit exceeded
+		return true
+	}
+	return false
+}
+
+// spoolLockClass is the first key of the advisory locks that serialise a spool's deliveries
+// (the second is a hash of the spool id).
+const spoolLockClass int32 = 0x64676c73 // "dgls"
+
+var stepColumns = []string{"episode_id", "idx", "action", "observation", "observation_size",
+	"observation_sha256", "reward", "terminated", "truncated", "started_at", "duration_ns", "checkpoint_id"}
+
+var rewardColumns = []string{"episode_id", "step_index", "source", "components", "value", "created_at"}
+
+const (
+	insertRun     = "INSERT INTO runs (name) VALUES ($1) ON CONFLICT DO NOTHING"
+	insertEpisode = `INSERT INTO episodes (id, env, run, group_id, seed, start_checkpoint, parent_episode, started_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING`
+	insertCheckpoint = `INSERT INTO checkpoints (id, parent_id, kind, env, sandbox, episode_id, step_index, created_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING`
+	updateEpisode = `UPDATE episodes SET status = $2, failure_class = $3, total_reward = $4, ended_at = $5
+		WHERE id = $1`
+	updateRelease = "UPDATE checkpoints SET released_at = $2 WHERE id = $1 AND released_at IS NULL"
+	insertStep    = `INSERT INTO steps (episode_id, idx, action, observation, observation_size, observation_sha256,
+		reward, terminated, truncated, started_at, duration_ns, checkpoint_id)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT DO NOTHING`
+	insertReward = `INSERT INTO rewards (episode_id, step_index, source, components, value, created_at)
+		VALUES ($1, $2, $3, $4, $5, $6)`
+	upsertMark = `INSERT INTO ledger_spool_marks (spool_id, seq) VALUES ($1, $2)
+		ON CONFLICT (spool_id) DO UPDATE SET seq = excluded.seq, updated_at = now()`
+)
+
+func nullStr(s string) any {
+	if s == "" {
+		return nil
+	}
+	return s
+}
+
+func stepValues(s *StepRow) []any {
+	return []any{s.EpisodeID, int32(s.Index), s.Action, s.Observation, s.ObservationSize,
+		s.ObservationSHA256, s.Reward, s.Terminated, s.Truncated, s.StartedAt, int64(s.Duration), nullStr(s.CheckpointID)}
+}
+
+func rewardValues(r *RewardRow) []any {
+	var step any
+	if r.StepIndex != nil {
+		step = int32(*r.StepIndex)
+	}
+	comps := r.Components
+	if comps == nil {
+		comps = map[string]float64{}
+	}
+	return []any{r.EpisodeID, step, r.Source, comps, r.Value, r.CreatedAt}
+}
+
+// apply commits batch and the new delivery mark in one transaction. The fast path inserts
+// episodes, runs and checkpoints first, COPYs steps and rewards, then applies the updates in
+// order. The safe path (after Postgres rejected a row) does every row on its own under a
+// savepoint, logging and skipping the rows that fail.
+func (w *Writer) apply(ctx context.Context, batch []record, safe bool) error {
+	tx, err := w.conn.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("beginning delivery: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	// A writer killed after sending COMMIT leaves a transaction that may still commit after a new
+	// writer on the same spool read the mark. Serialise the spool's deliveries and read the mark
+	// under the lock, inside the transaction, so rows are never delivered twice.
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1, hashtext($2))", spoolLockClass, w.sp.id); err != nil {
+		return fmt.Errorf("locking spool mark: %w", err)
+	}
+	var mark int64
+	if err := tx.QueryRow(ctx, "SELECT coalesce((SELECT seq FROM ledger_spool_marks WHERE spool_id = $1), 0)", w.sp.id).Scan(&mark); err != nil {
+		return fmt.Errorf("reading delivery mark: %w", err)
+	}
+	for len(batch) > 0 && batch[0].seq <= uint64(mark) {
+		batch = batch[1:]
+	}
+	if len(batch) == 0 {
+		return nil
+	}
+	if safe {
+		for i := range batch {
+			if err := w.applyOne(ctx, tx, &batch[i]); err != nil {
+				return err
+			}
+		}
+	} else if err := applyFast(ctx, tx, batch); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, upsertMark, w.sp.id, int64(batch[len(batch)-1].seq)); err != nil {
+		return fmt.Errorf("recording delivery mark: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("committing delivery: %w", err)
+	}
+	return nil
+}
+
+func applyFast(ctx context.Context, tx pgx.Tx, batch []record) error {
+	var first, last pgx.Batch
+	var steps, rewards [][]any
+	runs := map[string]bool{}
+	for i := range batch {
+		r := &batch[i]
+		switch r.kind {
+		case recEpisodeStart:
+			s := r.start
+			if s.Run != "" && !runs[s.Run] {
+				runs[s.Run] = true
+				first.Queue(insertRun, s.Run)
+			}
+			first.Queue(insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), s.StartedAt)
+		case recCheckpoint:
+			c := r.ckpt
+			first.Queue(insertCheckpoint, c.ID, nullStr(c.ParentID), string(c.Kind), c.Env, c.Sandbox, nullStr(c.EpisodeID), int32(c.StepIndex), c.CreatedAt)
+		case recStep:
+			steps = append(steps, stepValues(r.step))
+		case recReward:
+			rewards = append(rewards, rewardValues(r.reward))
+		case recEpisodeEnd:
+			e := r.end
+			last.Queue(updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
+		case recRelease:
+			last.Queue(updateRelease, r.release.ID, r.release.At)
+		}
+	}
+	if first.Len() > 0 {
+		if err := tx.SendBatch(ctx, &first).Close(); err != nil {
+			return fmt.Errorf("inserting episodes and checkpoints: %w", err)
+		}
+	}
+	if len(steps) > 0 {
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"steps"}, stepColumns, pgx.CopyFromRows(steps)); err != nil {
+			return fmt.Errorf("copying steps: %w", err)
+		}
+	}
+	if len(rewards) > 0 {
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"rewards"}, rewardColumns, pgx.CopyFromRows(rewards)); err != nil {
+			return fmt.Errorf("copying rewards: %w", err)
+		}
+	}
+	if last.Len() > 0 {
+		if err := tx.SendBatch(ctx, &last).Close(); err != nil {
+			return fmt.Errorf("updating episodes and checkpoints: %w", err)
+		}
+	}
+	return nil
+}
+
+func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("beginning savepoint: %w", err)
+	}
+	switch r.kind {
+	case recEpisodeStart:
+		s := r.start
+		if s.Run != "" {
+			_, err = sp.Exec(ctx, insertRun, s.Run)
+		}
+		if err == nil {
+			_, err = sp.Exec(ctx, insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), s.StartedAt)
+		}
+	case recCheckpoint:
+		c := r.ckpt
+		_, err = sp.Exec(ctx, insertCheckpoint, c.ID, nullStr(c.ParentID), string(c.Kind), c.Env, c.Sandbox, nullStr(c.EpisodeID), int32(c.StepIndex), c.CreatedAt)
+	case recStep:
+		_, err = sp.Exec(ctx, insertStep, stepValues(r.step)...)
+	case recReward:
+		_, err = sp.Exec(ctx, insertReward, rewardValues(r.reward)...)
+	case recEpisodeEnd:
+		e := r.end
+		_, err = sp.Exec(ctx, updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
+	case recRelease:
+		_, err = sp.Exec(ctx, updateRelease, r.release.ID, r.release.At)
+	}
+	if err != nil {
+		_ = sp.Rollback(ctx)
+		if !isDataError(err) {
+			return err
+		}
+		w.dropped.Add(1)
+		w.cfg.Logger.Error("ledger row rejected by Postgres; skipped", "seq", r.seq, "kind", r.kind, "err", err)
+		return nil
+	}
+	return sp.Commit(ctx)
+}
+
+// Flush waits until every row appended before the call is committed to Postgres (the group
+// commit is cut short). It returns ctx's error wrapped with ErrUndelivered if ctx ends first.
+func (w *Writer) Flush(ctx context.Context) error {
+	w.mu.Lock()
+	target := w.nextSeq - 1
+	w.mu.Unlock()
+	w.requestSync()
+	return w.waitDelivered(ctx, target)
+}
+
+func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
+	for {
+		w.mu.Lock()
+		done, ch, left := w.delivered >= target, w.changed, target-min(w.delivered, target)
+		w.mu.Unlock()
+		if done {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-w.deliverDone:
+			return fmt.Errorf("flushing ledger: %d rows: %w", left, ErrUndelivered)
+		case <-ctx.Done():
+			return fmt.Errorf("flushing ledger: %d rows: %w: %w", left, ErrUndelivered, ctx.Err())
+		}
+	}
+}
+
+// Stats returns the writer's counters.
+func (w *Writer) Stats() Stats {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return Stats{
+		Appended:  w.nextSeq - 1,
+		Synced:    w.synced,
+		Delivered: w.delivered,
+		Spooled:   w.spooled.Load(),
+		Dropped:   w.dropped.Load(),
+		Retries:   w.retries.Load(),
+		MaxSync:   w.maxSync,
+	}
+}
+
+// Close stops accepting rows, makes every row durable in the spool and delivers what it can
+// before ctx ends. Rows still undelivered then stay in the spool for the next writer on the same
+// directory, and Close returns an error wrapping ErrUndelivered. Close is idempotent.
+func (w *Writer) Close(ctx context.Context) error {
+	w.closeOnce.Do(func() {
+		w.mu.Lock()
+		w.closed = true
+		target := w.nextSeq - 1
+		w.notifyLocked()
+		w.drained.Broadcast()
+		w.mu.Unlock()
+		close(w.stopSync)
+		<-w.syncDone
+		var errs []error
+		w.mu.Lock()
+		if w.syncErr != nil {
+			errs = append(errs, fmt.Errorf("closing ledger writer: %w", w.syncErr))
+		}
+		w.mu.Unlock()
+		errs = append(errs, w.waitDelivered(ctx, target))
+		w.cancelDeliver()
+		<-w.deliverDone
+		w.mu.Lock()
+		delivered := w.delivered
+		w.mu.Unlock()
+		errs = append(errs, w.sp.setDeliveredHint(delivered), w.sp.close())
+		w.closeErr = errors.Join(errs...)
+	})
+	return w.closeErr
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

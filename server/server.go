@@ -1,0 +1,256 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+	"connectrpc.com/grpchealth"
+	"connectrpc.com/grpcreflect"
+
+	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/ledger"
+	"github.com/deltagym/deltagym/server/ledger/pgserver"
+)
+
+// Server is a running deltagym service: the sandbox runtime, the env pools, the ledger and the
+// RPC handler over them.
+type Server struct {
+	cfg       Config
+	log       *slog.Logger
+	rt        *sandbox.Runtime
+	pools     *envpool.Manager
+	pg        *pgserver.Server
+	writer    *ledger.Writer
+	store     *ledger.Store
+	obs       *observability
+	handler   http.Handler
+	scrubbers [][2]string
+
+	ckpts  sync.Map // checkpoint id -> ckptMeta
+	closed sync.Map // ids of closed sandboxes -> struct{}
+	idem   *idempotency
+
+	mu       sync.Mutex
+	httpSrvs []*http.Server
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New starts the runtime, imports the default image if needed, loads the catalog, starts the
+// ledger (and the private Postgres unless Config.DatabaseURL or NoLedger) and builds the
+// handler. Close undoes it.
+func New(ctx context.Context, cfg Config) (_ *Server, err error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	s := &Server{cfg: cfg, log: cfg.Logger, idem: newIdempotency()}
+	s.scrubbers = [][2]string{{cfg.DataDir, "$DATA"}}
+	if abs, err := filepath.Abs(cfg.EnvsDir); err == nil {
+		s.scrubbers = append(s.scrubbers, [2]string{abs, "$ENVS"})
+	}
+	defer func() {
+		if err != nil {
+			_ = s.Close(context.WithoutCancel(ctx))
+		}
+	}()
+	specs, err := envpool.LoadDir(cfg.EnvsDir)
+	if err != nil {
+		return nil, fmt.Errorf("loading env catalog: %w", err)
+	}
+	if s.obs, err = newObservability(); err != nil {
+		return nil, err
+	}
+	s.rt, err = sandbox.New(ctx, sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CgroupRoot: cfg.CgroupRoot})
+	if err != nil {
+		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
+	}
+	if err := s.importDefaultImage(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.startLedger(ctx); err != nil {
+		return nil, err
+	}
+	s.pools, err = envpool.New(envpool.Config{
+		Runtime: s.rt, LeaseTTL: cfg.LeaseTTL, AcquireTimeout: cfg.AcquireTimeout, DefaultPoolSize: cfg.DefaultPoolSize,
+		Logger: s.log, OnCheckpoint: s.onPoolCheckpoint, OnEnd: s.onLeaseEnd,
+	}, specs)
+	if err != nil {
+		return nil, err
+	}
+	s.handler = s.buildHandler()
+	return s, nil
+}
+
+func (s *Server) importDefaultImage(ctx context.Context) error {
+	if _, err := s.rt.Image("default"); err == nil {
+		return nil
+	}
+	if _, err := os.Stat(s.cfg.DefaultImageDir); err != nil {
+		s.log.Warn("default image not built; envs on image \"default\" stay unready until it is imported (make image)", "dir", s.cfg.DefaultImageDir)
+		return nil
+	}
+	s.log.Info("importing default image", "dir", s.cfg.DefaultImageDir)
+	if _, err := s.rt.ImportImage(ctx, "default", s.cfg.DefaultImageDir); err != nil {
+		return fmt.Errorf("importing default image: %w", err)
+	}
+	return nil
+}
+
+func (s *Server) startLedger(ctx context.Context) error {
+	if s.cfg.NoLedger {
+		return nil
+	}
+	url := s.cfg.DatabaseURL
+	if url == "" {
+		pg, err := pgserver.Start(ctx, filepath.Join(s.cfg.DataDir, "pg"))
+		if err != nil {
+			return fmt.Errorf("starting private postgres: %w", err)
+		}
+		s.pg = pg
+		url = pg.URL()
+	}
+	if err := ledger.MigrateURL(ctx, url); err != nil {
+		return fmt.Errorf("migrating ledger: %w", err)
+	}
+	w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: filepath.Join(s.cfg.DataDir, "spool"), Logger: s.log})
+	if err != nil {
+		return fmt.Errorf("starting ledger writer: %w", err)
+	}
+	s.writer = w
+	if s.store, err = ledger.Open(ctx, url, w); err != nil {
+		return fmt.Errorf("opening ledger: %w", err)
+	}
+	return nil
+}
+
+// DatabaseURL returns the ledger's Postgres URL ("" without a ledger).
+func (s *Server) DatabaseURL() string {
+	switch {
+	case s.cfg.DatabaseURL != "":
+		return s.cfg.DatabaseURL
+	case s.pg != nil:
+		return s.pg.URL()
+	}
+	return ""
+}
+
+// Runtime returns the server's sandbox runtime (for tests and tools in the same process).
+func (s *Server) Runtime() *sandbox.Runtime { return s.rt }
+
+// Pools returns the server's env pools.
+func (s *Server) Pools() *envpool.Manager { return s.pools }
+
+// Ledger returns the ledger store (nil without a ledger).
+func (s *Server) Ledger() *ledger.Store { return s.store }
+
+func (s *Server) buildHandler() http.Handler {
+	opts := []connect.HandlerOption{
+		connect.WithReadMaxBytes(s.cfg.MaxRequestBytes),
+		connect.WithInterceptors(s.obs.interceptor(s.log), authInterceptor(s.cfg.AuthToken)),
+	}
+	mux := http.NewServeMux()
+	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
+	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
+	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)))
+	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)
+	mux.Handle(grpcreflect.NewHandlerV1(reflector))
+	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
+	mux.Handle("/metrics", s.obs.metricsHandler())
+	return mux
+}
+
+// Handler returns the HTTP handler of every service, health, reflection and /metrics.
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// Serve serves on ln (HTTP/1.1 and unencrypted HTTP/2) until Close; it then returns
+// http.ErrServerClosed.
+func (s *Server) Serve(ln net.Listener) error {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	hs := &http.Server{Handler: s.handler, Protocols: &p, ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
+	s.mu.Lock()
+	s.httpSrvs = append(s.httpSrvs, hs)
+	s.mu.Unlock()
+	return hs.Serve(ln)
+}
+
+// Close drains in-flight calls (until ctx ends), frees every sandbox, flushes the ledger and
+// stops the private Postgres. It is idempotent.
+func (s *Server) Close(ctx context.Context) error {
+	s.closeOnce.Do(func() {
+		var errs []error
+		s.mu.Lock()
+		srvs := s.httpSrvs
+		s.mu.Unlock()
+		for _, hs := range srvs {
+			if err := hs.Shutdown(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("draining http: %w", err))
+				_ = hs.Close()
+			}
+		}
+		if s.pools != nil {
+			errs = append(errs, s.pools.Close(ctx))
+		}
+		if s.rt != nil {
+			errs = append(errs, s.rt.Close(ctx))
+		}
+		if s.store != nil {
+			s.store.Close()
+		}
+		if s.writer != nil {
+			errs = append(errs, s.writer.Close(ctx))
+		}
+		if s.pg != nil {
+			errs = append(errs, s.pg.Stop(context.WithoutCancel(ctx)))
+		}
+		if s.obs != nil {
+			errs = append(errs, s.obs.shutdown(ctx))
+		}
+		s.closeErr = errors.Join(errs...)
+	})
+	return s.closeErr
+}
+
+// Run starts a Server on cfg.Addr and serves until ctx is cancelled, then shuts down
+// gracefully within cfg.ShutdownTimeout (see Close).
+func Run(ctx context.Context, cfg Config) error {
+	s, err := New(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", s.cfg.Addr)
+	if err != nil {
+		_ = s.Close(context.WithoutCancel(ctx))
+		return fmt.Errorf("listening on %s: %w", s.cfg.Addr, err)
+	}
+	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", s.cfg.AuthToken != "")
+	errc := make(chan error, 1)
+	go func() { errc <- s.Serve(ln) }()
+	var serveErr error
+	select {
+	case <-ctx.Done():
+	case serveErr = <-errc:
+	}
+	s.log.Info("shutting down")
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
+	defer cancel()
+	err = s.Close(sctx)
+	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
+		err = errors.Join(fmt.Errorf("serving: %w", serveErr), err)
+	}
+	return err
+}
