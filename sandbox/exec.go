@@ -147,6 +147,61 @@ func (s *Sandbox) beginExec() (context.Context, error) {
 	return s.gen, nil
 }
 
+// execGroup is an empty cgroup for one command, with its cgroup.procs
+// files open. Groups are reused: a command's group is empty once its
+// command returns (everything it started was killed), and making, opening
+// and removing one per command costs more than the rest of a short exec.
+type execGroup struct {
+	cg    *cgroup.Cgroup
+	procs []*os.File
+	work  *cgroup.Cgroup // the parent it belongs to: stale after a restore
+}
+
+func (s *Sandbox) execGroup() (*execGroup, error) {
+	s.mu.Lock()
+	if n := len(s.idle); n > 0 {
+		eg := s.idle[n-1]
+		s.idle = s.idle[:n-1]
+		s.mu.Unlock()
+		return eg, nil
+	}
+	s.mu.Unlock()
+	cg, err := s.subgroup("e")
+	if err != nil {
+		return nil, fmt.Errorf("creating exec cgroup: %w", err)
+	}
+	procs, err := cg.OpenProcs()
+	if err != nil {
+		_ = cg.Delete()
+		return nil, fmt.Errorf("opening exec cgroup: %w", err)
+	}
+	return &execGroup{cg: cg, procs: procs, work: s.work}, nil
+}
+
+// putExecGroup keeps an empty group for reuse. Called with op read-held.
+func (s *Sandbox) putExecGroup(eg *execGroup) {
+	s.mu.Lock()
+	if eg.work == s.work && len(s.idle) < 8 && !s.closed {
+		s.idle = append(s.idle, eg)
+		s.mu.Unlock()
+		return
+	}
+	s.mu.Unlock()
+	closeAll(eg.procs)
+	_ = eg.cg.Delete()
+}
+
+// dropExecGroups forgets the idle groups (their parent is being removed).
+func (s *Sandbox) dropExecGroups() {
+	s.mu.Lock()
+	idle := s.idle
+	s.idle = nil
+	s.mu.Unlock()
+	for _, eg := range idle {
+		closeAll(eg.procs)
+	}
+}
+
 func (s *Sandbox) subgroup(prefix string) (*cgroup.Cgroup, error) {
 	s.mu.Lock()
 	s.seq++
@@ -178,21 +233,24 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	if req.Command != "" {
 		argv = []string{"/bin/sh", "-c", req.Command}
 	}
-	cg, err := s.subgroup("e")
+	eg, err := s.execGroup()
 	if err != nil {
-		return ExecResult{}, fmt.Errorf("creating exec cgroup: %w", err)
+		return ExecResult{}, err
 	}
+	cg, procs := eg.cg, eg.procs
 	keep := false // a background command's group lives on
+	reuse := false
 	defer func() {
-		if !keep {
+		switch {
+		case keep:
+			closeAll(procs)
+		case reuse:
+			s.putExecGroup(eg)
+		default:
+			closeAll(procs)
 			_ = cg.Delete()
 		}
 	}()
-	procs, err := cg.OpenProcs()
-	if err != nil {
-		return ExecResult{}, fmt.Errorf("opening exec cgroup: %w", err)
-	}
-	defer closeAll(procs)
 
 	sr := initproc.SpawnRequest{
 		Argv: argv, Env: s.env(req.Env), Cwd: s.cwd(req.Cwd), UID: s.spec.UID, GID: s.spec.GID,
@@ -287,6 +345,7 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	if kerr != nil {
 		return res, fmt.Errorf("ending the command's processes: %w", kerr)
 	}
+	reuse = true // empty again: the next command can have it
 	switch {
 	case ev.Status.Exited():
 		res.ExitCode = ev.Status.ExitStatus()

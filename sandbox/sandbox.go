@@ -51,6 +51,7 @@ type Sandbox struct {
 	gen      context.Context
 	abort    context.CancelFunc
 	sessions map[string]*session
+	idle     []*execGroup // empty command cgroups, for reuse
 	seq      int
 	closed   bool
 	done     chan struct{}
@@ -428,6 +429,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	}
 	var errs []error
 	errs = append(errs, s.init.Stop())
+	s.dropExecGroups()
 	errs = append(errs, s.cg.Delete())
 	s.dropSpare()
 	s.closeFDs()
@@ -481,6 +483,7 @@ func (s *Sandbox) killAll() error {
 	}
 	// Deleting the group kills everything in it and drops the sub-groups
 	// that commands left; a fresh one takes its place.
+	s.dropExecGroups()
 	if err := s.work.Delete(); err != nil {
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
