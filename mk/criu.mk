@@ -6,3 +6,4 @@ CRIU := $(CRIU_PREFIX)/bin/criu
 .PHONY: criu
 criu: ## install CRIU 4.2.1+ into a private prefix (.cache/criu)
 	@./scripts/criu.sh $(CRIU_PREFIX)
+TEST_PREREQS += criu

@@ -77,3 +77,4 @@ breaking: proto-tools ## check proto/ for wire or JSON breaking changes against 
 	fi
 
 lint: lint-proto
+TEST_PREREQS += checkgenerate
