@@ -593,13 +593,31 @@ func (r *Runtime) maybeFlatten(c *checkpoint) {
 		r.mu.Unlock()
 		return
 	}
+	// The layers must outlive the merge even if the checkpoint is
+	// released meanwhile.
+	if err := refAll(r, c.Layers); err != nil {
+		r.mu.Unlock()
+		return
+	}
 	r.flatBusy[c.ID] = true
 	r.wg.Add(1)
 	r.mu.Unlock()
 	go func() {
 		defer r.wg.Done()
+		defer unrefAll(r, c.Layers)
 		r.flatSem <- struct{}{}
 		defer func() { <-r.flatSem }()
+		// Released meanwhile, or made shallow by a flattening of its
+		// ancestors that finished first: nothing to do.
+		r.mu.Lock()
+		live := r.ckpts[c.ID] == c
+		r.mu.Unlock()
+		if !live || len(r.shorten(c.Layers)) <= r.cfg.FlattenDepth {
+			r.mu.Lock()
+			delete(r.flatBusy, c.ID)
+			r.mu.Unlock()
+			return
+		}
 		f, err := r.layers.Flatten(c.Layers, 0)
 		r.mu.Lock()
 		defer r.mu.Unlock()
