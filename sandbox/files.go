@@ -150,6 +150,10 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	if path == "" || strings.IndexByte(path, 0) >= 0 || len(path) > 4096 {
 		return fmt.Errorf("%w: path %q", ErrInvalid, path)
 	}
+	if !strings.HasPrefix(path, "/") {
+		// Relative paths are relative to the sandbox's working directory.
+		path = s.cwd("") + "/" + path
+	}
 	rel := strings.TrimLeft(path, "/")
 	if rel == "" {
 		return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)

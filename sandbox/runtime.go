@@ -31,6 +31,7 @@ package sandbox
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -171,6 +172,7 @@ type Runtime struct {
 	net     *launch.NetPool
 	devnull *os.File
 	skel    string
+	lock    *os.File
 
 	mu        sync.Mutex
 	sandboxes map[string]*Sandbox
@@ -206,8 +208,17 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	if cfg.InitBinary == "" {
 		return nil, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
 	}
+	abs, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return nil, err
+	}
+	cfg.DataDir = abs
 	if cfg.CgroupRoot == "" {
-		cfg.CgroupRoot = cgroup.DefaultRoot
+		// One cgroup root per data directory: a runtime removes the groups
+		// it finds under its root as leftovers of its own previous run, so
+		// two servers must never share one.
+		sum := sha256.Sum256([]byte(abs))
+		cfg.CgroupRoot = cgroup.DefaultRoot + "-" + hex.EncodeToString(sum[:4])
 	}
 	if cfg.DefaultDiskBytes == 0 {
 		cfg.DefaultDiskBytes = 1 << 30
@@ -238,6 +249,15 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		}
 		return nil, err
 	}
+	if err := os.MkdirAll(r.store, 0o700); err != nil {
+		return fail(fmt.Errorf("creating data directory: %w", err))
+	}
+	lock, err := lockStore(r.store)
+	if err != nil {
+		return fail(err)
+	}
+	r.lock = lock
+	cleanup = append(cleanup, func() { lock.Close() })
 	if err := mountMeta(r.store); err != nil {
 		return fail(err)
 	}
@@ -246,7 +266,6 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 			return fail(fmt.Errorf("creating data directory: %w", err))
 		}
 	}
-	var err error
 	if r.skel, err = makeSkeleton(r.store); err != nil {
 		return fail(err)
 	}
@@ -273,6 +292,24 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		go r.expireLoop()
 	}
 	return r, nil
+}
+
+// lockStore takes an exclusive lock on the data directory for the life of
+// the runtime: two runtimes on one directory would discard each other's
+// layers and cgroups.
+func lockStore(store string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(store, "lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("opening data directory lock: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("%w: the data directory is in use by another deltagym server", ErrExists)
+		}
+		return nil, fmt.Errorf("locking data directory: %w", err)
+	}
+	return f, nil
 }
 
 // mountMeta mounts a tmpfs for the metadata of checkpoints and sandboxes at
@@ -778,6 +815,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	errs = append(errs, r.net.Close(), r.spawn.Close())
 	r.layers.Wait()
 	r.devnull.Close()
+	r.lock.Close()
 	return errors.Join(errs...)
 }
 

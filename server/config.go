@@ -21,7 +21,9 @@ type Config struct {
 	EnvsDir string
 	// InitBinary is the sandbox init (bin/dg-init); "" means $DELTAGYM_INIT.
 	InitBinary string
-	// CgroupRoot names the sandboxes' cgroup parent. Default "deltagym".
+	// CgroupRoot names the sandboxes' cgroup parent. Default: one derived
+	// from the data directory ("deltagym-<hash>"), so that servers on
+	// different data directories never touch each other's sandboxes.
 	CgroupRoot string
 	// DefaultImageDir is imported as the image "default" at start when that image is missing
 	// and the directory exists. Default DataDir/images/default/rootfs.
@@ -90,9 +92,6 @@ func (c *Config) Validate() error {
 	c.DataDir = abs
 	if c.EnvsDir == "" {
 		c.EnvsDir = "envs"
-	}
-	if c.CgroupRoot == "" {
-		c.CgroupRoot = "deltagym"
 	}
 	if c.DefaultImageDir == "" {
 		c.DefaultImageDir = filepath.Join(c.DataDir, "images", "default", "rootfs")

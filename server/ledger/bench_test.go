@@ -69,6 +69,8 @@ func benchWriter(b *testing.B, obsSize int) {
 	const perEpisode = 100
 	lat := make([]time.Duration, 0, b.N)
 	b.SetBytes(int64(obsSize))
+	pg0, _ := clusterCPU(dir)
+	self0 := selfCPU()
 	b.ResetTimer()
 	start := time.Now()
 	ep := ""
@@ -94,11 +96,15 @@ func benchWriter(b *testing.B, obsSize int) {
 	}
 	elapsed := time.Since(start)
 	b.StopTimer()
+	pg1, _ := clusterCPU(dir)
+	self1 := selfCPU()
 	slices.Sort(lat)
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "steps/s")
 	b.ReportMetric(float64(b.N)/appended.Seconds(), "appends/s")
 	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "step-p50-ns")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "step-p99-ns")
+	b.ReportMetric(float64(pg1-pg0)/1e3/float64(b.N), "pg-cpu-us/step")
+	b.ReportMetric(float64(self1-self0)/1e3/float64(b.N), "go-cpu-us/step")
 	st := w.Stats()
 	b.ReportMetric(float64(st.Spooled), "spooled-rows")
 }

@@ -36,6 +36,13 @@ const DefaultBinDir = "/usr/lib/postgresql/15/bin"
 // overrides them.
 var defaultSettings = map[string]string{"max_wal_size": "2GB"}
 
+// mallocEnv stops glibc from handing a backend's freed heap back to the kernel as soon as 128 KiB
+// sit free at its top. COPY resets its per-batch memory every few dozen 4 KiB rows; with the
+// default trim threshold each reset shrank the heap and the next batch faulted the same pages in
+// again (zeroed by the kernel): 7% of the backend's CPU in a COPY of 4 KiB observations. A
+// backend now keeps up to its peak heap until it exits.
+var mallocEnv = []string{"MALLOC_TRIM_THRESHOLD_=268435456", "MALLOC_TOP_PAD_=16777216"}
+
 // maxSocketPath is the size of sun_path on Linux, including the terminating NUL.
 const maxSocketPath = 108
 
@@ -266,7 +273,7 @@ func (s *Server) startLocked(ctx context.Context) error {
 		args = append(args, "-c", k+"="+v)
 	}
 	cmd := exec.Command(filepath.Join(s.cfg.BinDir, "postgres"), args...)
-	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin"}
+	cmd.Env = append([]string{"LC_ALL=C", "PATH=/usr/bin:/bin"}, mallocEnv...)
 	cmd.Dir = "/"
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// Own process group: a terminal's ^C reaches the deltagym server, which stops Postgres last.

@@ -1175,8 +1175,8 @@ type GroupAdvantage struct {
 	EpisodeId string `protobuf:"bytes,1,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
 	// reward is the episode's reward from the chosen source.
 	Reward float64 `protobuf:"fixed64,2,opt,name=reward,proto3" json:"reward,omitempty"`
-	// advantage is (reward - mean) / std over the counted episodes; zero when
-	// std is zero or the episode is not counted.
+	// advantage is (reward - mean) / (std + 1e-4) over the counted episodes;
+	// zero when the episode is not counted.
 	Advantage float64 `protobuf:"fixed64,3,opt,name=advantage,proto3" json:"advantage,omitempty"`
 	// counted is set when the episode entered mean and std.
 	Counted bool `protobuf:"varint,4,opt,name=counted,proto3" json:"counted,omitempty"`
@@ -1259,7 +1259,8 @@ type GetGroupAdvantagesResponse struct {
 	Advantages []*GroupAdvantage `protobuf:"bytes,1,rep,name=advantages,proto3" json:"advantages,omitempty"`
 	// mean is the mean reward of the counted episodes.
 	Mean float64 `protobuf:"fixed64,2,opt,name=mean,proto3" json:"mean,omitempty"`
-	// std is the population standard deviation of their rewards.
+	// std is the sample standard deviation of their rewards (n - 1 in the
+	// denominator; zero for a single episode).
 	Std float64 `protobuf:"fixed64,3,opt,name=std,proto3" json:"std,omitempty"`
 	// counted_count is the number of counted episodes.
 	CountedCount  int32 `protobuf:"varint,4,opt,name=counted_count,json=countedCount,proto3" json:"counted_count,omitempty"`

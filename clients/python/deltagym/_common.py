@@ -1,0 +1,172 @@
+"""Pieces shared by the sync and asyncio clients: addressing, auth, retry
+policy, request builders and observation rendering."""
+
+from __future__ import annotations
+
+import os
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from google.protobuf import json_format
+
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, ledger_service_pb2 as ls
+
+DEFAULT_ADDR = "127.0.0.1:8080"
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 16 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    # Reconnect quickly after a server restart, within the retry budget of
+    # RetryPolicy (the gRPC default waits a second, then longer).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+# Heartbeats go out at this fraction of the lease TTL, never more often than
+# MIN_HEARTBEAT seconds; before the first lease is seen, DEFAULT_HEARTBEAT.
+HEARTBEAT_FRACTION = 1 / 3
+MIN_HEARTBEAT = 0.2
+DEFAULT_HEARTBEAT = 60.0
+
+
+def resolve_addr(addr: Optional[str]) -> str:
+    """Returns addr, else $DELTAGYM_ADDR, else 127.0.0.1:8080. A leading
+    http:// is dropped (gRPC targets have no scheme)."""
+    a = addr or os.environ.get("DELTAGYM_ADDR") or DEFAULT_ADDR
+    for p in ("http://", "grpc://"):
+        if a.startswith(p):
+            a = a[len(p):]
+    return a.rstrip("/")
+
+
+def resolve_token(token: Optional[str]) -> str:
+    """Returns token, else $DELTAGYM_TOKEN, else ""."""
+    return token if token is not None else os.environ.get("DELTAGYM_TOKEN", "")
+
+
+def metadata(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def new_key() -> str:
+    """A fresh idempotency key."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How calls that are safe to repeat are retried on UNAVAILABLE.
+
+    Safe calls are the reads (ListEnvs, GetSandbox, ListSandboxes, Evaluate and
+    every LedgerService query), Heartbeat, Close (closing twice succeeds) and
+    Reset/Fork, which always carry an idempotency key. Step, Checkpoint,
+    Restore, RegisterEnv, ImportImage, ReleaseCheckpoint, ReportReward and
+    StepStream are never retried.
+    """
+
+    max_attempts: int = 5
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number attempt (0-based), jittered."""
+        b = min(self.max_backoff, self.initial_backoff * self.multiplier ** attempt)
+        return b * (0.5 + random.random() / 2)
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def reset_request(env: str, seed: Optional[int], options: Optional[Mapping[str, Any]], run: str,
+                  group_id: str, idempotency_key: Optional[str]) -> es.ResetRequest:
+    req = es.ResetRequest(env=env, options={k: str(v) for k, v in (options or {}).items()},
+                          run=run, group_id=group_id, idempotency_key=idempotency_key or new_key())
+    if seed is not None:
+        req.seed = int(seed)
+    return req
+
+
+def fork_request(checkpoint_id: Optional[str], sandbox_id: Optional[str], n: int, group_id: str, run: str,
+                 fresh_entropy: bool, idempotency_key: Optional[str]) -> es.ForkRequest:
+    if (checkpoint_id is None) == (sandbox_id is None):
+        raise ValueError("fork needs exactly one of checkpoint_id and sandbox_id")
+    req = es.ForkRequest(n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
+                         idempotency_key=idempotency_key or new_key())
+    if checkpoint_id is not None:
+        req.checkpoint_id = checkpoint_id
+    else:
+        req.sandbox_id = sandbox_id  # type: ignore[assignment]
+    return req
+
+
+def tree_request(run: Optional[str], episode_id: Optional[str]) -> ls.GetCheckpointTreeRequest:
+    if (run is None) == (episode_id is None):
+        raise ValueError("get_checkpoint_tree needs exactly one of run and episode_id")
+    return ls.GetCheckpointTreeRequest(run=run) if run is not None else ls.GetCheckpointTreeRequest(episode_id=episode_id)
+
+
+def env_spec(spec: Union[env_pb2.EnvSpec, Mapping[str, Any]]) -> env_pb2.EnvSpec:
+    """Accepts an EnvSpec or its JSON form as a dict (as in catalog files)."""
+    if isinstance(spec, env_pb2.EnvSpec):
+        return spec
+    return json_format.ParseDict(dict(spec), env_pb2.EnvSpec())
+
+
+def step_request(sandbox_id: str, action: Union[action_pb2.Action, str], checkpoint: bool) -> es.StepRequest:
+    from .actions import coerce
+
+    return es.StepRequest(sandbox_id=sandbox_id, action=coerce(action), checkpoint=checkpoint)
+
+
+def lease_seconds(ts: Any, now: float) -> Optional[float]:
+    """Seconds from now until a google.protobuf.Timestamp, or None when unset."""
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return None
+    return ts.seconds + ts.nanos / 1e9 - now
+
+
+def heartbeat_interval(ttl: Optional[float]) -> float:
+    if ttl is None or ttl <= 0:
+        return DEFAULT_HEARTBEAT
+    return max(MIN_HEARTBEAT, ttl * HEARTBEAT_FRACTION)
+
+
+def observation_text(obs: action_pb2.Observation) -> str:
+    """Renders an observation as the text an agent reads."""
+    kind = obs.WhichOneof("kind")
+    if kind == "exec":
+        return exec_text(obs.exec)
+    if kind == "reset":
+        parts = [obs.reset.task]
+        if obs.reset.HasField("hook"):
+            parts.append(exec_text(obs.reset.hook))
+        return "\n".join(p for p in parts if p)
+    if kind == "read_file":
+        return obs.read_file.content.decode("utf-8", "replace")
+    if kind == "write_file":
+        return f"wrote {obs.write_file.size} bytes"
+    if kind == "submit":
+        return obs.submit.output
+    return ""
+
+
+def exec_text(r: action_pb2.ExecResult) -> str:
+    out = r.stdout.decode("utf-8", "replace")
+    err = r.stderr.decode("utf-8", "replace")
+    text = out + err
+    if r.timed_out:
+        text += "[timed out]\n"
+    elif r.signal:
+        text += f"[killed by signal {r.signal}]\n"
+    elif r.exit_code not in (0, -1):
+        text += f"[exit {r.exit_code}]\n"
+    return text
+
+
+def ids(items: Sequence[Any]) -> list:
+    return [getattr(i, "id", i) for i in items]

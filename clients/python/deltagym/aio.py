@@ -1,0 +1,329 @@
+"""The asyncio deltagym client and its sandbox handle; the same calls as
+deltagym.client, awaited.
+
+    from deltagym import AsyncClient
+
+    async with AsyncClient() as c:
+        async with await c.reset("shell") as sb:
+            r = await sb.exec("echo hi")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, List, Mapping, Optional, Sequence, Union
+
+import grpc
+import grpc.aio
+
+from . import _common as c
+from ._proto.deltagym.v1 import (
+    action_pb2,
+    env_pb2,
+    env_service_pb2 as es,
+    env_service_pb2_grpc as es_grpc,
+    ledger_service_pb2 as ls,
+    ledger_service_pb2_grpc as ls_grpc,
+)
+from .actions import command as _command, argv as _argv, read_file as _read_file, submit as _submit, write_file as _write_file
+from .errors import DeltagymError, from_code, from_rpc_error
+
+__all__ = ["AsyncClient", "AsyncSandbox"]
+
+log = logging.getLogger("deltagym")
+
+
+class AsyncClient:
+    """An asyncio connection to a deltagym server covering EnvService and
+    LedgerService. Arguments as for deltagym.Client. Create it inside a
+    running event loop."""
+
+    def __init__(
+        self,
+        addr: Optional[str] = None,
+        *,
+        token: Optional[str] = None,
+        timeout: Optional[float] = None,
+        retry: c.RetryPolicy = c.RetryPolicy(),
+        heartbeat: bool = True,
+        channel: Optional[grpc.aio.Channel] = None,
+    ) -> None:
+        self.addr = c.resolve_addr(addr)
+        self._md = c.metadata(c.resolve_token(token))
+        self.timeout = timeout
+        self.retry = retry
+        self.heartbeat_enabled = heartbeat
+        self._own_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(self.addr, options=c.CHANNEL_OPTIONS)
+        self._env = es_grpc.EnvServiceStub(self._channel)
+        self._ledger = ls_grpc.LedgerServiceStub(self._channel)
+        self._lease_ttl: Optional[float] = None
+        self._handles: "set[AsyncSandbox]" = set()
+        self._closed = False
+
+    async def _call(self, name: str, fn: Any, req: Any, safe: bool) -> Any:
+        policy = self.retry if safe else c.NO_RETRY
+        attempt = 0
+        while True:
+            try:
+                return await fn(req, metadata=self._md, timeout=self.timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
+                    await asyncio.sleep(policy.backoff(attempt))
+                    attempt += 1
+                    continue
+                raise from_rpc_error(e, name) from None
+
+    def _saw_lease(self, ts: Any) -> None:
+        ttl = c.lease_seconds(ts, time.time())
+        if ttl is not None and ttl > 0:
+            self._lease_ttl = ttl
+
+    async def close(self) -> None:
+        """Closes every sandbox handle still open, then the channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        handles = list(self._handles)
+        results = await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
+        for h, r in zip(handles, results):
+            if isinstance(r, BaseException):
+                log.warning("closing sandbox %s: %s", h.id, r)
+        if self._own_channel:
+            await self._channel.close(None)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # --- EnvService -----------------------------------------------------------
+
+    async def list_envs(self) -> List[env_pb2.EnvInfo]:
+        return list((await self._call("ListEnvs", self._env.ListEnvs, es.ListEnvsRequest(), True)).envs)
+
+    async def register_env(self, spec: Union[env_pb2.EnvSpec, Mapping[str, Any]], *, replace: bool = False) -> env_pb2.EnvInfo:
+        req = es.RegisterEnvRequest(spec=c.env_spec(spec), replace=replace)
+        return (await self._call("RegisterEnv", self._env.RegisterEnv, req, False)).env
+
+    async def import_image(self, name: str, path: str, *, format: Optional[Union[es.ImageFormat, str]] = None, reference: str = "") -> es.ImportImageResponse:
+        req = es.ImportImageRequest(name=name, path=path, format=format, reference=reference)
+        return await self._call("ImportImage", self._env.ImportImage, req, False)
+
+    async def reset(
+        self,
+        env: str,
+        *,
+        seed: Optional[int] = None,
+        options: Optional[Mapping[str, Any]] = None,
+        run: str = "",
+        group_id: str = "",
+        idempotency_key: Optional[str] = None,
+    ) -> "AsyncSandbox":
+        req = c.reset_request(env, seed, options, run, group_id, idempotency_key)
+        resp: es.ResetResponse = await self._call("Reset", self._env.Reset, req, True)
+        self._saw_lease(resp.lease_expire_time)
+        return AsyncSandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
+                            start_checkpoint_id=resp.checkpoint_id, reset=resp)
+
+    async def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
+        return await self._call("Step", self._env.Step, c.step_request(sandbox_id, action, checkpoint), False)
+
+    async def step_stream(self, steps: Sequence[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
+        """Pipelines steps on one StepStream; results in the order sent."""
+        reqs = [es.StepStreamRequest(request_id=i, step=s) for i, s in enumerate(steps)]
+        out: List[Any] = [None] * len(reqs)
+        try:
+            call = self._env.StepStream(iter(reqs), metadata=self._md, timeout=self.timeout)
+            async for r in call:
+                if r.WhichOneof("result") == "step":
+                    out[r.request_id] = r.step
+                else:
+                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "StepStream") from None
+        for i, o in enumerate(out):
+            if o is None:
+                out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
+        return out
+
+    async def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+        req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
+        return await self._call("Checkpoint", self._env.Checkpoint, req, False)
+
+    async def restore(self, sandbox_id: str, checkpoint_id: str) -> es.RestoreResponse:
+        req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id)
+        return await self._call("Restore", self._env.Restore, req, False)
+
+    async def fork(
+        self,
+        *,
+        checkpoint_id: Optional[str] = None,
+        sandbox_id: Optional[str] = None,
+        n: int = 1,
+        group_id: str = "",
+        run: str = "",
+        fresh_entropy: bool = False,
+        idempotency_key: Optional[str] = None,
+    ) -> List["AsyncSandbox"]:
+        req = c.fork_request(checkpoint_id, sandbox_id, n, group_id, run, fresh_entropy, idempotency_key)
+        resp: es.ForkResponse = await self._call("Fork", self._env.Fork, req, True)
+        return [AsyncSandbox(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id)
+                for sid, eid in zip(resp.sandbox_ids, resp.episode_ids)]
+
+    async def release_checkpoint(self, checkpoint_id: str) -> None:
+        req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
+        await self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
+
+    async def evaluate(self, sandbox_id: str) -> es.EvaluateResponse:
+        return await self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True)
+
+    async def close_sandbox(self, sandbox_id: str) -> None:
+        await self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True)
+
+    async def heartbeat(self, sandbox_ids: Sequence[Union[str, "AsyncSandbox"]]) -> es.HeartbeatResponse:
+        resp = await self._call("Heartbeat", self._env.Heartbeat, es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids)), True)
+        for lease in resp.leases:
+            self._saw_lease(lease.expire_time)
+        return resp
+
+    async def get_sandbox(self, sandbox_id: str) -> env_pb2.Sandbox:
+        return (await self._call("GetSandbox", self._env.GetSandbox, es.GetSandboxRequest(sandbox_id=sandbox_id), True)).sandbox
+
+    async def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> List[env_pb2.Sandbox]:
+        req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
+        return list((await self._call("ListSandboxes", self._env.ListSandboxes, req, True)).sandboxes)
+
+    # --- LedgerService --------------------------------------------------------
+
+    async def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
+                            page_token: str = "") -> ls.ListEpisodesResponse:
+        req = ls.ListEpisodesRequest(run=run, group_id=group_id, env=env, page_size=page_size, page_token=page_token)
+        return await self._call("ListEpisodes", self._ledger.ListEpisodes, req, True)
+
+    async def iter_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0) -> AsyncIterator[ls.Episode]:
+        token = ""
+        while True:
+            page = await self.list_episodes(run=run, group_id=group_id, env=env, page_size=page_size, page_token=token)
+            for e in page.episodes:
+                yield e
+            token = page.next_page_token
+            if not token:
+                return
+
+    async def get_trajectory(self, episode_id: str) -> ls.GetTrajectoryResponse:
+        return await self._call("GetTrajectory", self._ledger.GetTrajectory, ls.GetTrajectoryRequest(episode_id=episode_id), True)
+
+    async def get_checkpoint_tree(self, *, run: Optional[str] = None, episode_id: Optional[str] = None) -> List[ls.CheckpointNode]:
+        resp = await self._call("GetCheckpointTree", self._ledger.GetCheckpointTree, c.tree_request(run, episode_id), True)
+        return list(resp.nodes)
+
+    async def get_group_advantages(self, group_id: str, *, reward_source: str = "") -> ls.GetGroupAdvantagesResponse:
+        req = ls.GetGroupAdvantagesRequest(group_id=group_id, reward_source=reward_source)
+        return await self._call("GetGroupAdvantages", self._ledger.GetGroupAdvantages, req, True)
+
+    async def report_reward(self, episode_id: str, name: str, value: float, *, source: str = "") -> None:
+        req = ls.ReportRewardRequest(episode_id=episode_id, name=name, value=value, source=source)
+        await self._call("ReportReward", self._ledger.ReportReward, req, False)
+
+
+class AsyncSandbox:
+    """A leased sandbox whose lease an asyncio task renews until close();
+    `async with` closes it. Attributes as for deltagym.Sandbox."""
+
+    def __init__(self, client: AsyncClient, sandbox_id: str, *, env: str, episode_id: str, start_checkpoint_id: str,
+                 reset: Optional[es.ResetResponse] = None) -> None:
+        self.client = client
+        self.id = sandbox_id
+        self.env = env
+        self.episode_id = episode_id
+        self.start_checkpoint_id = start_checkpoint_id
+        self.reset_response = reset
+        self.lost = False
+        self.closed = False
+        self._task: Optional[asyncio.Task] = None
+        client._handles.add(self)
+        if client.heartbeat_enabled:
+            self._task = asyncio.get_running_loop().create_task(self._heartbeats(), name=f"deltagym-heartbeat-{sandbox_id}")
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+
+    @property
+    def observation(self) -> Optional[action_pb2.Observation]:
+        return self.reset_response.observation if self.reset_response else None
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(c.heartbeat_interval(self.client._lease_ttl))
+            try:
+                resp = await self.client.heartbeat([self.id])
+            except DeltagymError as e:
+                log.warning("heartbeat of sandbox %s: %s", self.id, e)
+                continue
+            if self.id in resp.unknown_sandbox_ids:
+                self.lost = True
+                return
+
+    async def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
+        resp = await self.client.step(self.id, action, checkpoint=checkpoint)
+        self.episode_id = resp.episode_id or self.episode_id
+        return resp
+
+    async def exec(self, cmd: str, *, session: str = "", checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        return await self.step(_command(cmd, session=session, **kw), checkpoint=checkpoint)
+
+    async def run(self, args: Sequence[str], *, checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        return await self.step(_argv(args, **kw), checkpoint=checkpoint)
+
+    async def write_file(self, path: str, content: Union[bytes, str], *, mode: int = 0, append: bool = False) -> es.StepResponse:
+        return await self.step(_write_file(path, content, mode=mode, append=append))
+
+    async def read_file(self, path: str, *, offset: int = 0, max_bytes: int = 0) -> es.StepResponse:
+        return await self.step(_read_file(path, offset=offset, max_bytes=max_bytes))
+
+    async def submit(self, answer: Optional[str] = None) -> es.StepResponse:
+        return await self.step(_submit(answer))
+
+    async def checkpoint(self, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+        return await self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
+
+    async def restore(self, checkpoint_id: str) -> es.RestoreResponse:
+        resp = await self.client.restore(self.id, checkpoint_id)
+        self.episode_id = resp.episode_id
+        return resp
+
+    async def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["AsyncSandbox"]:
+        kids = await self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy)
+        for k in kids:
+            k.env = self.env
+        return kids
+
+    async def evaluate(self) -> es.EvaluateResponse:
+        return await self.client.evaluate(self.id)
+
+    async def describe(self) -> env_pb2.Sandbox:
+        return await self.client.get_sandbox(self.id)
+
+    async def close(self) -> None:
+        """Stops the heartbeat task and closes the sandbox. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self.client._handles.discard(self)
+        await self.client.close_sandbox(self.id)
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

@@ -1,0 +1,377 @@
+"""The synchronous deltagym client and its sandbox handle.
+
+    from deltagym import Client, actions
+
+    with Client() as c, c.reset("shell", seed=1) as sb:
+        print(sb.exec("echo hi").observation.exec.stdout)
+        ck = sb.checkpoint().checkpoint_id
+        sb.write_file("answer.txt", "42\\n")
+        print(sb.submit().reward)
+        sb.restore(ck)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+
+import grpc
+
+from . import _common as c
+from ._proto.deltagym.v1 import (
+    action_pb2,
+    env_pb2,
+    env_service_pb2 as es,
+    env_service_pb2_grpc as es_grpc,
+    ledger_service_pb2 as ls,
+    ledger_service_pb2_grpc as ls_grpc,
+)
+from .actions import command as _command, argv as _argv, read_file as _read_file, submit as _submit, write_file as _write_file
+from .errors import DeltagymError, from_code, from_rpc_error
+
+__all__ = ["Client", "Sandbox"]
+
+log = logging.getLogger("deltagym")
+
+
+class Client:
+    """A connection to a deltagym server covering EnvService and LedgerService.
+
+    Args:
+        addr: host:port of the server; default $DELTAGYM_ADDR, else 127.0.0.1:8080.
+        token: bearer token; default $DELTAGYM_TOKEN (none when unset).
+        timeout: deadline in seconds of each call; None means no deadline.
+        retry: how safe calls are retried on UNAVAILABLE (see RetryPolicy).
+        heartbeat: whether sandbox handles renew their leases in a background thread.
+        channel: an existing grpc.Channel to use instead of dialing addr.
+    """
+
+    def __init__(
+        self,
+        addr: Optional[str] = None,
+        *,
+        token: Optional[str] = None,
+        timeout: Optional[float] = None,
+        retry: c.RetryPolicy = c.RetryPolicy(),
+        heartbeat: bool = True,
+        channel: Optional[grpc.Channel] = None,
+    ) -> None:
+        self.addr = c.resolve_addr(addr)
+        self._md = c.metadata(c.resolve_token(token))
+        self.timeout = timeout
+        self.retry = retry
+        self.heartbeat_enabled = heartbeat
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(self.addr, options=c.CHANNEL_OPTIONS)
+        self._env = es_grpc.EnvServiceStub(self._channel)
+        self._ledger = ls_grpc.LedgerServiceStub(self._channel)
+        self._lease_ttl: Optional[float] = None
+        self._handles: "set[Sandbox]" = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # --- plumbing -------------------------------------------------------------
+
+    def _call(self, name: str, fn: Callable[..., Any], req: Any, safe: bool) -> Any:
+        policy = self.retry if safe else c.NO_RETRY
+        attempt = 0
+        while True:
+            try:
+                return fn(req, metadata=self._md, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
+                    time.sleep(policy.backoff(attempt))
+                    attempt += 1
+                    continue
+                raise from_rpc_error(e, name) from None
+
+    def _saw_lease(self, ts: Any) -> None:
+        ttl = c.lease_seconds(ts, time.time())
+        if ttl is not None and ttl > 0:
+            self._lease_ttl = ttl
+
+    def close(self) -> None:
+        """Closes every sandbox handle still open, then the channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            try:
+                h.close()
+            except DeltagymError as e:
+                log.warning("closing sandbox %s: %s", h.id, e)
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- EnvService -----------------------------------------------------------
+
+    def list_envs(self) -> List[env_pb2.EnvInfo]:
+        """Returns the catalog with the state of each env's warm pool."""
+        return list(self._call("ListEnvs", self._env.ListEnvs, es.ListEnvsRequest(), True).envs)
+
+    def register_env(self, spec: Union[env_pb2.EnvSpec, Mapping[str, Any]], *, replace: bool = False) -> env_pb2.EnvInfo:
+        """Adds an env (an EnvSpec or its JSON form as a dict) to the catalog."""
+        req = es.RegisterEnvRequest(spec=c.env_spec(spec), replace=replace)
+        return self._call("RegisterEnv", self._env.RegisterEnv, req, False).env
+
+    def import_image(self, name: str, path: str, *, format: Optional[Union[es.ImageFormat, str]] = None, reference: str = "") -> es.ImportImageResponse:
+        """Imports a base image from a path on the server (format: an es.ImageFormat value)."""
+        req = es.ImportImageRequest(name=name, path=path, format=format, reference=reference)
+        return self._call("ImportImage", self._env.ImportImage, req, False)
+
+    def reset(
+        self,
+        env: str,
+        *,
+        seed: Optional[int] = None,
+        options: Optional[Mapping[str, Any]] = None,
+        run: str = "",
+        group_id: str = "",
+        idempotency_key: Optional[str] = None,
+    ) -> "Sandbox":
+        """Leases a warm sandbox of env and starts an episode. Retried safely:
+        each call carries an idempotency key (a fresh one unless given)."""
+        req = c.reset_request(env, seed, options, run, group_id, idempotency_key)
+        resp: es.ResetResponse = self._call("Reset", self._env.Reset, req, True)
+        self._saw_lease(resp.lease_expire_time)
+        return Sandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
+                       start_checkpoint_id=resp.checkpoint_id, reset=resp)
+
+    def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
+        """Performs one action (an Action, or a str run as a shell command). Never retried."""
+        return self._call("Step", self._env.Step, c.step_request(sandbox_id, action, checkpoint), False)
+
+    def step_stream(self, steps: Iterable[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
+        """Pipelines steps over many sandboxes on one StepStream. Returns, in
+        the order sent, each step's response or the DeltagymError it failed with."""
+        reqs = [es.StepStreamRequest(request_id=i, step=s) for i, s in enumerate(steps)]
+        out: List[Any] = [None] * len(reqs)
+        try:
+            for r in self._env.StepStream(iter(reqs), metadata=self._md, timeout=self.timeout):
+                if r.WhichOneof("result") == "step":
+                    out[r.request_id] = r.step
+                else:
+                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "StepStream") from None
+        for i, o in enumerate(out):
+            if o is None:
+                out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
+        return out
+
+    def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint."""
+        req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
+        return self._call("Checkpoint", self._env.Checkpoint, req, False)
+
+    def restore(self, sandbox_id: str, checkpoint_id: str) -> es.RestoreResponse:
+        """Puts the sandbox at a checkpoint; a new episode starts there."""
+        req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id)
+        return self._call("Restore", self._env.Restore, req, False)
+
+    def fork(
+        self,
+        *,
+        checkpoint_id: Optional[str] = None,
+        sandbox_id: Optional[str] = None,
+        n: int = 1,
+        group_id: str = "",
+        run: str = "",
+        fresh_entropy: bool = False,
+        idempotency_key: Optional[str] = None,
+    ) -> List["Sandbox"]:
+        """Creates n sandboxes at a checkpoint or at a sandbox's current state
+        and returns their handles. Retried safely with an idempotency key."""
+        req = c.fork_request(checkpoint_id, sandbox_id, n, group_id, run, fresh_entropy, idempotency_key)
+        resp: es.ForkResponse = self._call("Fork", self._env.Fork, req, True)
+        return [Sandbox(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id)
+                for sid, eid in zip(resp.sandbox_ids, resp.episode_ids)]
+
+    def release_checkpoint(self, checkpoint_id: str) -> None:
+        """Drops the caller's hold on a checkpoint."""
+        req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
+        self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
+
+    def evaluate(self, sandbox_id: str) -> es.EvaluateResponse:
+        """Runs the verifier on the sandbox's state without changing it."""
+        return self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True)
+
+    def close_sandbox(self, sandbox_id: str) -> None:
+        """Ends the sandbox's episode and frees it. Closing twice succeeds."""
+        self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True)
+
+    def heartbeat(self, sandbox_ids: Sequence[Union[str, "Sandbox"]]) -> es.HeartbeatResponse:
+        """Renews the leases of sandboxes."""
+        resp = self._call("Heartbeat", self._env.Heartbeat, es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids)), True)
+        for lease in resp.leases:
+            self._saw_lease(lease.expire_time)
+        return resp
+
+    def get_sandbox(self, sandbox_id: str) -> env_pb2.Sandbox:
+        """Describes one sandbox."""
+        return self._call("GetSandbox", self._env.GetSandbox, es.GetSandboxRequest(sandbox_id=sandbox_id), True).sandbox
+
+    def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> List[env_pb2.Sandbox]:
+        """Lists the live sandboxes, filtered by env, run and group."""
+        req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
+        return list(self._call("ListSandboxes", self._env.ListSandboxes, req, True).sandboxes)
+
+    # --- LedgerService --------------------------------------------------------
+
+    def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
+                      page_token: str = "") -> ls.ListEpisodesResponse:
+        """Returns one page of episodes, newest first."""
+        req = ls.ListEpisodesRequest(run=run, group_id=group_id, env=env, page_size=page_size, page_token=page_token)
+        return self._call("ListEpisodes", self._ledger.ListEpisodes, req, True)
+
+    def iter_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0) -> Iterator[ls.Episode]:
+        """Yields every matching episode, newest first, fetching pages as needed."""
+        token = ""
+        while True:
+            page = self.list_episodes(run=run, group_id=group_id, env=env, page_size=page_size, page_token=token)
+            yield from page.episodes
+            token = page.next_page_token
+            if not token:
+                return
+
+    def get_trajectory(self, episode_id: str) -> ls.GetTrajectoryResponse:
+        """Returns an episode and its steps, inherited ones first."""
+        return self._call("GetTrajectory", self._ledger.GetTrajectory, ls.GetTrajectoryRequest(episode_id=episode_id), True)
+
+    def get_checkpoint_tree(self, *, run: Optional[str] = None, episode_id: Optional[str] = None) -> List[ls.CheckpointNode]:
+        """Returns the checkpoints of a run or of an episode's lineage, parents first."""
+        return list(self._call("GetCheckpointTree", self._ledger.GetCheckpointTree, c.tree_request(run, episode_id), True).nodes)
+
+    def get_group_advantages(self, group_id: str, *, reward_source: str = "") -> ls.GetGroupAdvantagesResponse:
+        """Computes the group-relative (GRPO) advantages of a group's episodes."""
+        req = ls.GetGroupAdvantagesRequest(group_id=group_id, reward_source=reward_source)
+        return self._call("GetGroupAdvantages", self._ledger.GetGroupAdvantages, req, True)
+
+    def report_reward(self, episode_id: str, name: str, value: float, *, source: str = "") -> None:
+        """Records a reward for an episode (same name and source replaces)."""
+        req = ls.ReportRewardRequest(episode_id=episode_id, name=name, value=value, source=source)
+        self._call("ReportReward", self._ledger.ReportReward, req, False)
+
+
+class Sandbox:
+    """A leased sandbox. Its lease is renewed by a background thread until
+    close(); use it as a context manager to close it.
+
+    Attributes:
+        id: the sandbox ID.
+        env: the env's catalog name ("" for forks until described).
+        episode_id: the current episode (updated by restore()).
+        start_checkpoint_id: the checkpoint the first episode started from.
+        reset_response: the ResetResponse, for sandboxes made by Reset.
+        lost: set when a heartbeat found the sandbox unknown (reaped or closed elsewhere).
+    """
+
+    def __init__(self, client: Client, sandbox_id: str, *, env: str, episode_id: str, start_checkpoint_id: str,
+                 reset: Optional[es.ResetResponse] = None) -> None:
+        self.client = client
+        self.id = sandbox_id
+        self.env = env
+        self.episode_id = episode_id
+        self.start_checkpoint_id = start_checkpoint_id
+        self.reset_response = reset
+        self.lost = False
+        self.closed = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        with client._lock:
+            client._handles.add(self)
+        if client.heartbeat_enabled:
+            self._thread = threading.Thread(target=self._heartbeats, name=f"deltagym-heartbeat-{sandbox_id}", daemon=True)
+            self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+
+    @property
+    def observation(self) -> Optional[action_pb2.Observation]:
+        """The Reset observation, for sandboxes made by Reset."""
+        return self.reset_response.observation if self.reset_response else None
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(c.heartbeat_interval(self.client._lease_ttl)):
+            try:
+                resp = self.client.heartbeat([self.id])
+            except DeltagymError as e:
+                log.warning("heartbeat of sandbox %s: %s", self.id, e)
+                continue
+            if self.id in resp.unknown_sandbox_ids:
+                self.lost = True
+                return
+
+    def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
+        """Performs one action; a str is run as a shell command."""
+        resp = self.client.step(self.id, action, checkpoint=checkpoint)
+        self.episode_id = resp.episode_id or self.episode_id
+        return resp
+
+    def exec(self, cmd: str, *, session: str = "", checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        """Runs a shell command (in a persistent bash session when named)."""
+        return self.step(_command(cmd, session=session, **kw), checkpoint=checkpoint)
+
+    def run(self, args: Sequence[str], *, checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        """Executes a program directly, without a shell."""
+        return self.step(_argv(args, **kw), checkpoint=checkpoint)
+
+    def write_file(self, path: str, content: Union[bytes, str], *, mode: int = 0, append: bool = False) -> es.StepResponse:
+        return self.step(_write_file(path, content, mode=mode, append=append))
+
+    def read_file(self, path: str, *, offset: int = 0, max_bytes: int = 0) -> es.StepResponse:
+        return self.step(_read_file(path, offset=offset, max_bytes=max_bytes))
+
+    def submit(self, answer: Optional[str] = None) -> es.StepResponse:
+        """Ends the episode; the response carries the verifier's reward."""
+        return self.step(_submit(answer))
+
+    def checkpoint(self, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+        return self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
+
+    def restore(self, checkpoint_id: str) -> es.RestoreResponse:
+        resp = self.client.restore(self.id, checkpoint_id)
+        self.episode_id = resp.episode_id
+        return resp
+
+    def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["Sandbox"]:
+        """Creates n sandboxes at this sandbox's current state."""
+        kids = self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy)
+        for k in kids:
+            k.env = self.env
+        return kids
+
+    def evaluate(self) -> es.EvaluateResponse:
+        return self.client.evaluate(self.id)
+
+    def describe(self) -> env_pb2.Sandbox:
+        return self.client.get_sandbox(self.id)
+
+    def close(self) -> None:
+        """Stops the heartbeats and closes the sandbox. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self.client._lock:
+            self.client._handles.discard(self)
+        self.client.close_sandbox(self.id)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
