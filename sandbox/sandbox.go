@@ -481,6 +481,13 @@ func (s *Sandbox) killAll() error {
 	for _, se := range sessions {
 		se.close()
 	}
+	if len(sessions) == 0 {
+		// Nothing to end: keep the group and its idle command groups (a
+		// rollback loop without processes should not pay for cgroups).
+		if live, err := s.hasProcesses(); err == nil && !live {
+			return nil
+		}
+	}
 	// Deleting the group kills everything in it and drops the sub-groups
 	// that commands left; a fresh one takes its place.
 	s.dropExecGroups()
