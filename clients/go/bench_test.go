@@ -1,0 +1,97 @@
+package deltagym_test
+
+import (
+	"slices"
+	"testing"
+	"time"
+
+	deltagym "github.com/deltagym/deltagym/clients/go"
+)
+
+// reportLatency reports the p50 and p99 of the samples.
+func reportLatency(b *testing.B, samples []time.Duration) {
+	if len(samples) == 0 {
+		return
+	}
+	slices.Sort(samples)
+	q := func(p float64) float64 {
+		return float64(samples[min(len(samples)-1, int(p*float64(len(samples))))].Microseconds()) / 1e3
+	}
+	b.ReportMetric(q(0.50), "p50-ms")
+	b.ReportMetric(q(0.99), "p99-ms")
+}
+
+// BenchmarkExecTrue times Exec("true") through the client, over loopback, per
+// protocol: client-observed latency of one step.
+func BenchmarkExecTrue(b *testing.B) {
+	if testServer == nil {
+		b.Skipf("needs the in-process server: %s", skipReason)
+	}
+	for _, p := range protocols {
+		b.Run(p.name, func(b *testing.B) {
+			c, err := deltagym.Dial(testAddr, p.opts...)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer c.Close()
+			sb, err := c.Reset(b.Context(), "shell")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer sb.Close(b.Context())
+			if err := sb.KeepAlive(0); err != nil {
+				b.Fatal(err)
+			}
+			start := sb.StartCheckpointID()
+			samples := make([]time.Duration, 0, b.N)
+			for b.Loop() {
+				t0 := time.Now()
+				res, err := sb.Exec(b.Context(), "true")
+				if err != nil {
+					b.Fatal(err)
+				}
+				samples = append(samples, time.Since(t0))
+				if res.Truncated { // the env's step budget: start a new episode (not timed)
+					if _, err := sb.Restore(b.Context(), start); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			reportLatency(b, samples)
+		})
+	}
+}
+
+// BenchmarkRestore times Restore of a sandbox to a checkpoint through the
+// client.
+func BenchmarkRestore(b *testing.B) {
+	if testServer == nil {
+		b.Skipf("needs the in-process server: %s", skipReason)
+	}
+	c, err := deltagym.Dial(testAddr)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	sb, err := c.Reset(b.Context(), "shell")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Close(b.Context())
+	if err := sb.KeepAlive(0); err != nil {
+		b.Fatal(err)
+	}
+	ck, err := sb.Checkpoint(b.Context())
+	if err != nil {
+		b.Fatal(err)
+	}
+	samples := make([]time.Duration, 0, b.N)
+	for b.Loop() {
+		t0 := time.Now()
+		if _, err := sb.Restore(b.Context(), ck.ID); err != nil {
+			b.Fatal(err)
+		}
+		samples = append(samples, time.Since(t0))
+	}
+	reportLatency(b, samples)
+}

@@ -1,0 +1,22 @@
+// Package deltagym is the Go client of a deltagym server: a typed wrapper over
+// the generated Connect clients of deltagym.v1.EnvService and
+// deltagym.v1.LedgerService.
+//
+// Dial returns a Client for one server. Reset and Fork hand out Sandbox
+// handles; a Sandbox performs steps (Exec, Run, WriteFile, ReadFile, Submit),
+// takes checkpoints, restores them, forks, evaluates and closes. A handle can
+// keep its lease alive with a background heartbeat (KeepAlive) that Close
+// stops.
+//
+// Calls are retried only when that is safe: on Unavailable, for calls that
+// change nothing (ListEnvs, GetSandbox, ListSandboxes, Heartbeat, the ledger
+// queries), for Close and ReportReward, which are idempotent, and for Reset and
+// Fork when they carry an idempotency key, which this package generates for
+// every call so that a retry returns the sandboxes of the first attempt.
+//
+// Errors keep their Connect code: connect.CodeOf(err) reports it through any
+// wrapping this package adds.
+//
+// The package uses only the generated code of proto/ (and connect-go); it
+// knows nothing of the server's internals.
+package deltagym

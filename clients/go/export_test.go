@@ -1,0 +1,7 @@
+package deltagym
+
+import "time"
+
+// SetOnBeat installs a hook called after each keep-alive heartbeat of s, for
+// tests; call it before KeepAlive.
+func SetOnBeat(s *Sandbox, f func(expiry time.Time, err error)) { s.onBeat = f }

@@ -1,0 +1,412 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+)
+
+// runCLI runs the CLI in-process and returns its output and exit status.
+func runCLI(t *testing.T, stdin string, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code = Main(t.Context(), args, strings.NewReader(stdin), &out, &errb)
+	return out.String(), errb.String(), code
+}
+
+func TestParseArgs(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		pos     []string
+		dashAt  int
+		seed    string
+		quiet   bool
+		wantErr bool
+	}{
+		{name: "flags first", args: []string{"--seed", "3", "shell"}, pos: []string{"shell"}, dashAt: -1, seed: "3"},
+		{name: "flags after", args: []string{"shell", "--seed", "3", "-q"}, pos: []string{"shell"}, dashAt: -1, seed: "3", quiet: true},
+		{name: "interleaved", args: []string{"a", "-q", "b", "--seed=4", "c"}, pos: []string{"a", "b", "c"}, dashAt: -1, seed: "4", quiet: true},
+		{name: "dash dash", args: []string{"sb", "-q", "--", "ls", "-la", "--seed", "9"}, pos: []string{"sb", "ls", "-la", "--seed", "9"}, dashAt: 1, quiet: true},
+		{name: "dash dash first", args: []string{"--", "-q"}, pos: []string{"-q"}, dashAt: 0},
+		{name: "none", args: nil, pos: nil, dashAt: -1},
+		{name: "unknown flag", args: []string{"sb", "--nope"}, wantErr: true},
+		{name: "missing value", args: []string{"sb", "--seed"}, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			fs := flag.NewFlagSet("t", flag.ContinueOnError)
+			fs.SetOutput(io.Discard)
+			seed := fs.String("seed", "", "")
+			quiet := fs.Bool("q", false, "")
+			pos, dashAt, err := parseArgs(fs, tt.args)
+			if tt.wantErr {
+				if err == nil {
+					t.Fatalf("parseArgs(%q) = %q, want an error", tt.args, pos)
+				}
+				return
+			}
+			if err != nil || !slices.Equal(pos, tt.pos) || dashAt != tt.dashAt || *seed != tt.seed || *quiet != tt.quiet {
+				t.Fatalf("parseArgs(%q) = %q, %d, %v (seed %q, q %v); want %q, %d (seed %q, q %v)",
+					tt.args, pos, dashAt, err, *seed, *quiet, tt.pos, tt.dashAt, tt.seed, tt.quiet)
+			}
+		})
+	}
+}
+
+func TestKVFlag(t *testing.T) {
+	kv := kvFlag{}
+	for _, s := range []string{"a=1", "b=x=y", "a=2", "c="} {
+		if err := kv.Set(s); err != nil {
+			t.Fatalf("Set(%q): %v", s, err)
+		}
+	}
+	if got := kv.String(); got != "a=2,b=x=y,c=" {
+		t.Fatalf("String() = %q", got)
+	}
+	for _, bad := range []string{"novalue", "=v"} {
+		if err := kv.Set(bad); err == nil {
+			t.Errorf("Set(%q) succeeded", bad)
+		}
+	}
+}
+
+func TestSetCommand(t *testing.T) {
+	tests := []struct {
+		name    string
+		session string
+		words   []string
+		command string
+		argv    []string
+		wantErr bool
+	}{
+		{name: "shell string", words: []string{"echo a | wc -c"}, command: "echo a | wc -c"},
+		{name: "argv", words: []string{"ls", "-la", "/"}, argv: []string{"ls", "-la", "/"}},
+		{name: "session quotes argv", session: "s", words: []string{"echo", "it's", "a b", "$HOME", "x=1"}, command: `echo 'it'\''s' 'a b' '$HOME' x=1`},
+		{name: "session shell string", session: "s", words: []string{"cd /tmp"}, command: "cd /tmp"},
+		{name: "empty", words: []string{""}, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a := &deltagymv1.ExecAction{Session: tt.session}
+			err := setCommand(a, tt.words)
+			if tt.wantErr {
+				if err == nil {
+					t.Fatal("no error")
+				}
+				return
+			}
+			if err != nil || a.GetCommand() != tt.command || !slices.Equal(a.GetArgv(), tt.argv) {
+				t.Fatalf("setCommand(%q) = command %q argv %q, %v; want %q %q", tt.words, a.GetCommand(), a.GetArgv(), err, tt.command, tt.argv)
+			}
+		})
+	}
+}
+
+// closedAddr returns a loopback address nothing listens on.
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	if err := ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
+
+func TestExitCodes(t *testing.T) {
+	down := closedAddr(t)
+	tests := []struct {
+		name   string
+		args   []string
+		code   int
+		stdout string // substring expected on stdout
+		stderr string // substring expected on stderr
+	}{
+		{name: "no command", args: nil, code: exitUsage, stderr: "Usage: deltagym"},
+		{name: "unknown command", args: []string{"frobnicate"}, code: exitUsage, stderr: `unknown command "frobnicate"`},
+		{name: "help", args: []string{"help"}, code: exitOK, stdout: "checkpoint"},
+		{name: "help flag", args: []string{"-h"}, code: exitOK, stdout: "Commands:"},
+		{name: "help command", args: []string{"help", "reset"}, code: exitOK, stdout: "-seed"},
+		{name: "help serve", args: []string{"help", "serve"}, code: exitOK, stdout: "-lease-ttl"},
+		{name: "command -h", args: []string{"fork", "-h"}, code: exitOK, stdout: "-checkpoint"},
+		{name: "reset without env", args: []string{"reset"}, code: exitUsage, stderr: "missing ENV"},
+		{name: "reset bad seed", args: []string{"reset", "shell", "--seed", "x"}, code: exitUsage, stderr: "not an integer"},
+		{name: "reset bad option", args: []string{"reset", "shell", "--option", "novalue"}, code: exitUsage, stderr: "want key=value"},
+		{name: "reset two envs", args: []string{"reset", "a", "b"}, code: exitUsage, stderr: `unexpected argument "b"`},
+		{name: "exec without command", args: []string{"exec", "sb"}, code: exitUsage, stderr: "missing SANDBOX and CMD"},
+		{name: "fork without source", args: []string{"fork", "-n", "2"}, code: exitUsage, stderr: "exactly one of --checkpoint and --sandbox"},
+		{name: "fork with both", args: []string{"fork", "--checkpoint", "c", "--sandbox", "s"}, code: exitUsage, stderr: "exactly one"},
+		{name: "fork of zero", args: []string{"fork", "--checkpoint", "c", "-n", "0"}, code: exitUsage, stderr: "want at least 1"},
+		{name: "write bad mode", args: []string{"write", "sb", "/p", "--mode", "9"}, code: exitUsage, stderr: "octal"},
+		{name: "traj csv", args: []string{"traj", "export", "--format", "csv"}, code: exitUsage, stderr: "only jsonl"},
+		{name: "traj unknown", args: []string{"traj", "import"}, code: exitUsage, stderr: "want export"},
+		{name: "db unknown", args: []string{"db", "drop"}, code: exitUsage, stderr: "want url"},
+		{name: "bad address", args: []string{"--addr", "nowhere", "envs"}, code: exitUsage, stderr: "bad server address"},
+		{name: "server down", args: []string{"envs", "--addr", down}, code: exitError, stderr: "unavailable: "},
+		{name: "server down hint", args: []string{"--addr", down, "close", "sb-1"}, code: exitError, stderr: "is a server running at http://" + down},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			stdout, stderr, code := runCLI(t, "", tt.args...)
+			if code != tt.code || !strings.Contains(stdout, tt.stdout) || !strings.Contains(stderr, tt.stderr) {
+				t.Fatalf("deltagym %q: exit %d, stdout %q, stderr %q; want exit %d, stdout with %q, stderr with %q",
+					tt.args, code, stdout, stderr, tt.code, tt.stdout, tt.stderr)
+			}
+		})
+	}
+}
+
+func TestPrintExec(t *testing.T) {
+	tests := []struct {
+		name           string
+		res            *deltagymv1.StepResponse
+		stdout, stderr string
+	}{
+		{
+			name:   "success is quiet",
+			res:    execResponse(&deltagymv1.ExecResult{Stdout: []byte("hi\n"), DurationSeconds: 0.001, Pid: 2}),
+			stdout: "hi\n",
+		},
+		{
+			name:   "failure",
+			res:    execResponse(&deltagymv1.ExecResult{Stdout: []byte("a"), Stderr: []byte("oops\n"), ExitCode: 3, DurationSeconds: 0.0123}),
+			stdout: "a",
+			stderr: "oops\ndeltagym: exit 3 in 12.3ms\n",
+		},
+		{
+			name:   "timeout truncated",
+			res:    execResponse(&deltagymv1.ExecResult{ExitCode: -1, Signal: 9, TimedOut: true, StdoutTruncated: true, DurationSeconds: 2}),
+			stderr: "deltagym: timed out in 2s, stdout truncated\n",
+		},
+		{
+			name:   "killed",
+			res:    execResponse(&deltagymv1.ExecResult{ExitCode: -1, Signal: 9, DurationSeconds: 0.0004}),
+			stderr: "deltagym: killed by signal 9 in 0.400ms\n",
+		},
+		{
+			name:   "background",
+			res:    execResponse(&deltagymv1.ExecResult{ExitCode: -1, Pid: 12}),
+			stderr: "deltagym: started in background, pid 12 in 0.000ms\n",
+		},
+		{
+			name: "checkpoint and truncation",
+			res: func() *deltagymv1.StepResponse {
+				r := execResponse(&deltagymv1.ExecResult{})
+				r.CheckpointId, r.Truncated, r.Reward = "ck-1", true, 0.5
+				return r
+			}(),
+			stderr: "deltagym: checkpoint ck-1; reward 0.5; episode truncated (budget spent)\n",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if err := printExec(&out, &errb, tt.res); err != nil {
+				t.Fatal(err)
+			}
+			if out.String() != tt.stdout || errb.String() != tt.stderr {
+				t.Fatalf("stdout %q stderr %q; want %q %q", out.String(), errb.String(), tt.stdout, tt.stderr)
+			}
+		})
+	}
+}
+
+func execResponse(e *deltagymv1.ExecResult) *deltagymv1.StepResponse {
+	return &deltagymv1.StepResponse{Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Exec{Exec: e}}}
+}
+
+func TestPrintTables(t *testing.T) {
+	now := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+	ts := timestamppb.New(now)
+	seed := int64(7)
+	answer := "42"
+	tests := []struct {
+		name  string
+		print func(w io.Writer) error
+		want  string
+	}{
+		{"envs", func(w io.Writer) error {
+			return printEnvs(w, &deltagymv1.ListEnvsResponse{Envs: []*deltagymv1.EnvInfo{
+				{Spec: &deltagymv1.EnvSpec{Name: "shell", Image: "default", Description: "A shell.\nMore."}, WarmCount: 4, ActiveCount: 1},
+				{Spec: &deltagymv1.EnvSpec{Name: "x"}},
+			}})
+		}, "" +
+			"NAME   WARM  ACTIVE  IMAGE    DESCRIPTION\n" +
+			"shell  4     1       default  A shell.…\n" +
+			"x      0     0       -        -\n"},
+		{"reset", func(w io.Writer) error {
+			return printReset(w, &deltagymv1.ResetResponse{
+				SandboxId: "sb-1", EpisodeId: "ep-1", CheckpointId: "ck-1", LeaseExpireTime: timestamppb.New(now.Add(10 * time.Minute)),
+				Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Reset_{Reset_: &deltagymv1.ResetResult{
+					Task: "Do it.\nWell.", Hook: &deltagymv1.ExecResult{Stdout: []byte("seed=7"), DurationSeconds: 0.002},
+				}}},
+			}, now)
+		}, "" +
+			"sandbox     sb-1\n" +
+			"episode     ep-1\n" +
+			"checkpoint  ck-1\n" +
+			"lease       expires in 10m0s\n" +
+			"task:\n  Do it.\n  Well.\n" +
+			"reset hook: exit 0 in 2.0ms\n  seed=7\n"},
+		{"checkpoint", func(w io.Writer) error {
+			return printCheckpoint(w, &deltagymv1.CheckpointResponse{CheckpointId: "ck-2", ParentId: "ck-1", Depth: 2,
+				Processes: []*deltagymv1.ProcessCapture{{Pid: 5, Command: "python3", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE, Reason: "filesystem mode"}}})
+		}, "" +
+			"checkpoint  ck-2\n" +
+			"parent      ck-1\n" +
+			"depth       2\n" +
+			"PID  CAPTURE  COMMAND  REASON\n" +
+			"5    none     python3  filesystem mode\n"},
+		{"fork", func(w io.Writer) error {
+			return printFork(w, &deltagymv1.ForkResponse{SandboxIds: []string{"sb-2", "sb-3"}, EpisodeIds: []string{"ep-2", "ep-3"}, CheckpointId: "ck-1"})
+		}, "" +
+			"forked 2 sandboxes from checkpoint ck-1\n" +
+			"SANDBOX  EPISODE\n" +
+			"sb-2     ep-2\n" +
+			"sb-3     ep-3\n"},
+		{"verdict", func(w io.Writer) error {
+			return printVerdict(w, 1, map[string]float64{"tests": 0.5, "correct": 1}, "ok", "took 3.0ms")
+		}, "" +
+			"reward      1 (took 3.0ms)\n" +
+			"components  correct=1 tests=0.5\n" +
+			"verifier output:\n  ok\n"},
+		{"episodes", func(w io.Writer) error {
+			return printEpisodes(w, []*deltagymv1.Episode{
+				{EpisodeId: "ep-1", Env: "shell", Run: "r", GroupId: "g", Status: deltagymv1.EpisodeStatus_EPISODE_STATUS_TERMINATED, StepCount: 3, TotalReward: 1, StartTime: ts},
+				{EpisodeId: "ep-2", Env: "shell", Status: deltagymv1.EpisodeStatus_EPISODE_STATUS_FAILED, FailureClass: deltagymv1.FailureClass_FAILURE_CLASS_INFRA},
+			})
+		}, "" +
+			"EPISODE  ENV    RUN  GROUP  STATUS          STEPS  REWARD  STARTED\n" +
+			"ep-1     shell  r    g      terminated      3      1       2026-11-30 12:00:00\n" +
+			"ep-2     shell  -    -      failed (infra)  0      0       -\n"},
+		{"trajectory", func(w io.Writer) error {
+			return printTrajectory(w, &deltagymv1.GetTrajectoryResponse{
+				Episode: &deltagymv1.Episode{EpisodeId: "ep-2", Env: "shell", Seed: &seed, Status: deltagymv1.EpisodeStatus_EPISODE_STATUS_TERMINATED,
+					TotalReward: 1, StartCheckpointId: "ck-1", ParentEpisodeId: "ep-1",
+					Rewards: []*deltagymv1.ReportedReward{{Name: "judge", Value: 0.5, Source: "llm"}}},
+				Steps: []*deltagymv1.TrajectoryStep{
+					{StepIndex: 0, EpisodeId: "ep-1", Inherited: true, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: "echo hi\necho more"}}},
+						Observation: execResponse(&deltagymv1.ExecResult{DurationSeconds: 0.001}).GetObservation()},
+					{StepIndex: 1, EpisodeId: "ep-2", Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagymv1.SubmitAction{Answer: &answer}}},
+						Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Submit{Submit: &deltagymv1.SubmitResult{Components: map[string]float64{"correct": 1}}}},
+						Reward:      1, Terminated: true},
+				},
+			})
+		}, "" +
+			"episode  ep-2\n" +
+			"env      shell\n" +
+			"seed     7\n" +
+			"status   terminated\n" +
+			"reward   1\n" +
+			"from     ck-1\n" +
+			"parent   ep-1\n" +
+			"STEP  ACTION         RESULT           REWARD  DONE        FROM\n" +
+			"0     exec echo hi…  exit 0 in 1.0ms  0       -           inherited from ep-1\n" +
+			"1     submit 42      correct=1        1       terminated  -\n" +
+			"reward judge = 0.5 (source llm)\n"},
+		{"advantages", func(w io.Writer) error {
+			return printAdvantages(w, &deltagymv1.GetGroupAdvantagesResponse{
+				Advantages: []*deltagymv1.GroupAdvantage{
+					{EpisodeId: "ep-1", Reward: 1, Advantage: 0.70711, Counted: true},
+					{EpisodeId: "ep-2", Reason: "still running"},
+				}, Mean: 0.5, Std: 0.70711, CountedCount: 1,
+			})
+		}, "" +
+			"EPISODE  REWARD  ADVANTAGE  COUNTED\n" +
+			"ep-1     1       0.70711    yes\n" +
+			"ep-2     0       0          no: still running\n" +
+			"counted 1, mean 0.5, std 0.70711\n"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var b bytes.Buffer
+			if err := tt.print(&b); err != nil {
+				t.Fatal(err)
+			}
+			if b.String() != tt.want {
+				t.Fatalf("got:\n%s\nwant:\n%s", b.String(), tt.want)
+			}
+		})
+	}
+}
+
+func TestPrintJSON(t *testing.T) {
+	var b bytes.Buffer
+	if err := printJSON(&b, &deltagymv1.ResetResponse{SandboxId: "sb-1", EpisodeId: "ep-1"}); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.String(); got != `{"sandboxId":"sb-1","episodeId":"ep-1"}`+"\n" && got != `{"sandboxId":"sb-1", "episodeId":"ep-1"}`+"\n" {
+		t.Fatalf("printJSON = %q", got)
+	}
+}
+
+func TestEmbeddedURL(t *testing.T) {
+	got, err := embeddedURL("/srv/dg data")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "postgres:///deltagym?host=%2Fsrv%2Fdg+data%2Fpg%2Fpgsock&user=postgres&sslmode=disable"
+	if got != want {
+		t.Fatalf("embeddedURL = %q, want %q", got, want)
+	}
+}
+
+func TestDBURL(t *testing.T) {
+	t.Setenv(envDatabaseURL, "")
+	data := t.TempDir()
+	stdout, stderr, code := runCLI(t, "", "db", "url", "--data", data)
+	want, _ := embeddedURL(data)
+	if code != exitOK || stdout != want+"\n" || !strings.Contains(stderr, "not running") {
+		t.Fatalf("db url: exit %d, stdout %q, stderr %q; want %q", code, stdout, stderr, want)
+	}
+	t.Setenv(envDatabaseURL, "postgres://db.example/x")
+	if stdout, _, code := runCLI(t, "", "db", "url"); code != exitOK || stdout != "postgres://db.example/x\n" {
+		t.Fatalf("db url from the environment: exit %d, %q", code, stdout)
+	}
+	if _, stderr, code := runCLI(t, "", "traj", "export", "--database-url", "", "--data", data); code != exitError || !strings.Contains(stderr, "no ledger database") {
+		t.Fatalf("traj export without a cluster: exit %d, stderr %q", code, stderr)
+	}
+}
+
+func TestWriteOutput(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "out.jsonl")
+	write := func(s string) func(io.Writer) error {
+		return func(w io.Writer) error { _, err := io.WriteString(w, s); return err }
+	}
+	if err := writeOutput(nil, path, write("one\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeOutput(nil, path, func(io.Writer) error { return context.Canceled }); err == nil {
+		t.Fatal("a failed write succeeded")
+	}
+	b, err := os.ReadFile(path)
+	if err != nil || string(b) != "one\n" {
+		t.Fatalf("file holds %q, %v: a failed write must leave the old content", b, err)
+	}
+	entries, _ := os.ReadDir(filepath.Dir(path))
+	if len(entries) != 1 {
+		t.Fatalf("temporary files left: %v", entries)
+	}
+	var out bytes.Buffer
+	if err := writeOutput(&out, "-", write("two\n")); err != nil || out.String() != "two\n" {
+		t.Fatalf("stdout got %q, %v", out.String(), err)
+	}
+}
+
+func writeFile(path, content string) error { return os.WriteFile(path, []byte(content), 0o644) }

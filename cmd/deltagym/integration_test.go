@@ -1,0 +1,265 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	deltagym "github.com/deltagym/deltagym/clients/go"
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+)
+
+// cli runs the CLI against the test server and fails the test unless it
+// exits with want.
+func cli(t *testing.T, want int, stdin string, args ...string) (stdout, stderr string) {
+	t.Helper()
+	stdout, stderr, code := runCLI(t, stdin, args...)
+	if code != want {
+		t.Fatalf("deltagym %q: exit %d, want %d\nstdout: %s\nstderr: %s", args, code, want, stdout, stderr)
+	}
+	return stdout, stderr
+}
+
+func mustContain(t *testing.T, what, got string, wants ...string) {
+	t.Helper()
+	for _, w := range wants {
+		if !strings.Contains(got, w) {
+			t.Fatalf("%s: %q does not contain %q", what, got, w)
+		}
+	}
+}
+
+// TestCLI walks every client subcommand once against the in-process server,
+// as a user would in a shell.
+func TestCLI(t *testing.T) {
+	needServer(t)
+	t.Setenv("DELTAGYM_ADDR", testAddr)
+	t.Setenv("DELTAGYM_TOKEN", testToken)
+	run := "cli-" + deltagym.NewIdempotencyKey()[:6]
+	group := run + "-g"
+
+	// Auth: the token comes from the environment; a wrong one is refused.
+	out, _ := cli(t, exitOK, "", "envs")
+	mustContain(t, "envs", out, "NAME", "shell")
+	_, errOut := cli(t, exitError, "", "envs", "--token", "wrong")
+	mustContain(t, "envs with a wrong token", errOut, "unauthenticated")
+
+	// reset, readable and machine forms.
+	out, _ = cli(t, exitOK, "", "reset", "shell", "--seed", "5", "--option", "QUESTION=why", "--run", run, "--group", group)
+	mustContain(t, "reset", out, "sandbox ", "episode ", "checkpoint ", "expires in", "seed=5")
+	first := strings.Fields(strings.SplitN(out, "\n", 2)[0])[1]
+	t.Cleanup(func() { runCLI(t, "", "close", first) })
+	out, _ = cli(t, exitOK, "", "reset", "shell", "--run", run, "--json")
+	var reset deltagymv1.ResetResponse
+	if err := protojson.Unmarshal([]byte(out), &reset); err != nil || reset.GetSandboxId() == "" {
+		t.Fatalf("reset --json printed %q: %v", out, err)
+	}
+	cli(t, exitOK, "", "close", reset.GetSandboxId())
+	out, _ = cli(t, exitOK, "", "reset", "shell", "--run", run, "-q")
+	sb := strings.TrimSpace(out)
+	t.Cleanup(func() { runCLI(t, "", "close", sb) })
+
+	// exec: argv, shell string, failure status, session state.
+	out, _ = cli(t, exitOK, "", "exec", sb, "--", "echo", "hello", "world")
+	if out != "hello world\n" {
+		t.Fatalf("exec argv printed %q", out)
+	}
+	out, errOut = cli(t, exitOK, "", "exec", sb, "echo out; echo err >&2; exit 3")
+	if out != "out\n" || !strings.Contains(errOut, "err\ndeltagym: exit 3 in ") {
+		t.Fatalf("exec failing command: stdout %q stderr %q", out, errOut)
+	}
+	cli(t, exitOK, "", "exec", sb, "--session", "s", "cd /tmp && X=7")
+	out, _ = cli(t, exitOK, "", "exec", sb, "--session", "s", "--", "echo", "$X", "in", "$(pwd)")
+	if out != "$X in $(pwd)\n" { // argv words are quoted for the session's shell
+		t.Fatalf("exec session argv printed %q", out)
+	}
+	out, _ = cli(t, exitOK, "", "exec", sb, "--session", "s", "echo $X in $(pwd)")
+	if out != "7 in /tmp\n" {
+		t.Fatalf("exec session printed %q", out)
+	}
+	out, _ = cli(t, exitOK, "stdin text", "exec", sb, "--stdin", "-", "--env", "V=1", "--cwd", "/tmp", "cat; echo $V $(pwd)")
+	if out != "stdin text1 /tmp\n" {
+		t.Fatalf("exec with stdin, env, cwd printed %q", out)
+	}
+	_, errOut = cli(t, exitOK, "", "exec", sb, "--timeout", "200ms", "sleep 5")
+	mustContain(t, "exec timeout", errOut, "timed out")
+
+	// write and read.
+	out, _ = cli(t, exitOK, "42", "write", sb, "/work/answer.txt")
+	mustContain(t, "write", out, "wrote 2 bytes to /work/answer.txt (file size 2)")
+	src := filepath.Join(t.TempDir(), "in.txt")
+	if err := writeFile(src, "from a file\n"); err != nil {
+		t.Fatal(err)
+	}
+	cli(t, exitOK, "", "write", sb, "/work/notes.txt", "--from", src, "--mode", "0600")
+	out, _ = cli(t, exitOK, "", "read", sb, "/work/notes.txt")
+	if out != "from a file\n" {
+		t.Fatalf("read printed %q", out)
+	}
+	out, errOut = cli(t, exitOK, "", "read", sb, "/work/notes.txt", "--max-bytes", "4")
+	if out != "from" || !strings.Contains(errOut, "printed 4 of 12 bytes") {
+		t.Fatalf("read --max-bytes: stdout %q stderr %q", out, errOut)
+	}
+
+	// checkpoint, evaluate, restore.
+	out, _ = cli(t, exitOK, "", "checkpoint", sb, "-q")
+	ckpt := strings.TrimSpace(out)
+	out, _ = cli(t, exitOK, "", "checkpoint", sb)
+	mustContain(t, "checkpoint", out, "checkpoint ", "parent ")
+	cli(t, exitOK, "", "exec", sb, "rm /work/answer.txt")
+	out, _ = cli(t, exitOK, "", "evaluate", sb)
+	mustContain(t, "evaluate after rm", out, "reward      0 (took ", "correct=0")
+	out, _ = cli(t, exitOK, "", "restore", sb, ckpt)
+	mustContain(t, "restore", out, "episode ", "next step ")
+	restored := strings.Fields(strings.SplitN(out, "\n", 2)[0])[1]
+	out, _ = cli(t, exitOK, "", "evaluate", sb, "--json")
+	var ev deltagymv1.EvaluateResponse
+	if err := protojson.Unmarshal([]byte(out), &ev); err != nil || ev.GetReward() != 1 {
+		t.Fatalf("evaluate --json after restore printed %q: %v", out, err)
+	}
+
+	// fork from the sandbox and from the checkpoint; submit in the children.
+	out, _ = cli(t, exitOK, "", "fork", "--sandbox", sb, "-n", "2", "--group", group, "-q")
+	kids := strings.Fields(out)
+	if len(kids) != 2 {
+		t.Fatalf("fork -q printed %q", out)
+	}
+	out, _ = cli(t, exitOK, "", "fork", "--checkpoint", ckpt, "-n", "1", "--group", group)
+	mustContain(t, "fork", out, "forked 1 sandboxes from checkpoint "+ckpt, "SANDBOX")
+	third := strings.Fields(strings.Split(out, "\n")[2])[0]
+	kids = append(kids, third)
+	out, _ = cli(t, exitOK, "", "submit", kids[0])
+	mustContain(t, "submit", out, "reward      1 (episode ", "terminated)", "correct=1")
+	cli(t, exitOK, "41", "write", kids[1], "/work/answer.txt")
+	out, _ = cli(t, exitOK, "", "submit", kids[1], "my answer")
+	mustContain(t, "submit wrong", out, "reward      0 (")
+	_, errOut = cli(t, exitError, "", "exec", kids[0], "true")
+	mustContain(t, "exec after submit", errOut, "failed_precondition")
+
+	out, _ = cli(t, exitOK, "", "sandboxes", "--run", run)
+	for _, id := range append([]string{first, sb}, kids...) {
+		mustContain(t, "sandboxes", out, id)
+	}
+	out, _ = cli(t, exitOK, "", "close", kids[0], kids[1], kids[2])
+	mustContain(t, "close", out, "closed "+kids[0], "closed "+kids[2])
+	_, errOut = cli(t, exitError, "", "restore", sb, "ck-unknown")
+	mustContain(t, "restore unknown", errOut, "not_found")
+
+	// The ledger.
+	out, _ = cli(t, exitOK, "", "episodes", "--run", run)
+	mustContain(t, "episodes", out, "EPISODE", restored, "branched", "terminated")
+	out, _ = cli(t, exitOK, "", "episodes", "--run", run, "--json")
+	var eps deltagymv1.ListEpisodesResponse
+	if err := protojson.Unmarshal([]byte(out), &eps); err != nil || len(eps.GetEpisodes()) < 6 {
+		t.Fatalf("episodes --json printed %q: %v", out, err)
+	}
+	out, _ = cli(t, exitOK, "", "trajectory", restored)
+	mustContain(t, "trajectory", out, "episode  "+restored, "inherited from ", "write /work/answer.txt")
+	out, _ = cli(t, exitOK, "", "advantages", group)
+	mustContain(t, "advantages", out, "counted 2, mean 0.5")
+	cli(t, exitOK, "", "release", ckpt)
+
+	out, _ = cli(t, exitOK, "", "traj", "export", "--run", run, "--format", "jsonl", "--database-url", testServer.DatabaseURL())
+	lines := 0
+	sc := bufio.NewScanner(strings.NewReader(out))
+	sc.Buffer(nil, 1<<24)
+	for sc.Scan() {
+		var line struct {
+			Episode struct {
+				ID  string `json:"id"`
+				Run string `json:"run"`
+			} `json:"episode"`
+			Steps []json.RawMessage `json:"steps"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &line); err != nil || line.Episode.Run != run {
+			t.Fatalf("export line %q: %v", sc.Text(), err)
+		}
+		lines++
+	}
+	if lines != len(eps.GetEpisodes()) {
+		t.Fatalf("export wrote %d episodes, the API lists %d", lines, len(eps.GetEpisodes()))
+	}
+	// db url, from the data directory: the URL the server uses.
+	t.Setenv(envDatabaseURL, "")
+	out, errOut = cli(t, exitOK, "", "db", "url", "--data", testDataDir)
+	if strings.TrimSpace(out) != testServer.DatabaseURL() || errOut != "" {
+		t.Fatalf("db url printed %q (stderr %q), the server uses %q", out, errOut, testServer.DatabaseURL())
+	}
+	// traj export through the private cluster the running server uses.
+	out2, _ := cli(t, exitOK, "", "traj", "export", "--run", run, "--data", testDataDir)
+	if out2 != out && strings.Count(out2, "\n") != lines {
+		t.Fatalf("export through the data directory wrote %d lines, want %d", strings.Count(out2, "\n"), lines)
+	}
+
+	out, _ = cli(t, exitOK, "", "close", sb, first)
+	mustContain(t, "close", out, "closed "+sb)
+	_, errOut = cli(t, exitError, "", "exec", sb, "true")
+	if !strings.Contains(errOut, "failed_precondition") && !strings.Contains(errOut, "not_found") {
+		t.Fatalf("exec on a closed sandbox: stderr %q", errOut)
+	}
+}
+
+// TestServe runs `deltagym serve` in-process on its own port, data directory
+// and cgroup root, and stops it by cancelling its context, as SIGINT would.
+func TestServe(t *testing.T) {
+	needServer(t)
+	addr := closedAddr(t)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	done := make(chan int, 1)
+	var stderr strings.Builder
+	a := &app{stdin: strings.NewReader(""), stdout: io.Discard, stderr: &stderr}
+	a.serveBase.CgroupRoot = "deltagym-servetest" // never the default root a `make run` may be using
+	data, err := os.MkdirTemp("", "dgserve-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		// Leaks are the server's to test; here they are cleaned up and logged.
+		if err := unmountLeftovers(data); err != nil {
+			t.Logf("warning: %v", err)
+		}
+		if err := os.RemoveAll(data); err != nil {
+			t.Logf("warning: %v", err)
+		}
+	}()
+	go func() {
+		done <- a.main(ctx, []string{"serve", "--addr", addr, "--data", data, "--envs", t.TempDir(),
+			"--init", testInit, "--no-ledger", "--token", "serve-token"})
+	}()
+	c, err := deltagym.Dial(addr, deltagym.WithToken("serve-token"), deltagym.WithRetry(100, 20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	envs, err := c.ListEnvs(ctx) // retried until the server listens
+	if err != nil || len(envs) != 0 {
+		t.Fatalf("ListEnvs on `deltagym serve` with an empty catalog = %v, %v", envs, err)
+	}
+	if _, err := c.Reset(ctx, "shell"); connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("Reset of an env not in the catalog = %v, want NotFound", err)
+	}
+	t0 := time.Now()
+	cancel()
+	if code := <-done; code != exitOK {
+		t.Fatalf("serve exited %d: %s", code, stderr.String())
+	}
+	t.Logf("serve stopped %v after its context ended", time.Since(t0))
+	once, err := deltagym.Dial(addr, deltagym.WithToken("serve-token"), deltagym.WithRetry(1, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer once.Close()
+	if _, err := once.ListEnvs(context.Background()); connect.CodeOf(err) != connect.CodeUnavailable {
+		t.Fatalf("ListEnvs after serve returned = %v, want Unavailable", err)
+	}
+}

@@ -1,0 +1,185 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"path/filepath"
+
+	"github.com/deltagym/deltagym/server/ledger"
+	"github.com/deltagym/deltagym/server/ledger/pgserver"
+)
+
+// Environment variables the ledger subcommands share with `deltagym serve`.
+const (
+	envDatabaseURL = "DELTAGYM_DATABASE_URL"
+	envDataDir     = "DELTAGYM_DATA"
+)
+
+// dbFlags are the flags that locate the ledger database.
+type dbFlags struct {
+	url  string
+	data string
+}
+
+func (d *dbFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&d.url, "database-url", os.Getenv(envDatabaseURL), "Postgres URL of the ledger (default $"+envDatabaseURL+", else the private cluster in the data directory)")
+	data := os.Getenv(envDataDir)
+	if data == "" {
+		data = ".data"
+	}
+	fs.StringVar(&d.data, "data", data, "server data directory holding the private Postgres cluster (default $"+envDataDir+" or .data)")
+}
+
+// pgDir is where `deltagym serve` keeps its private Postgres cluster (the
+// pgserver data directory) inside its data directory.
+func pgDir(dataDir string) string { return filepath.Join(dataDir, "pg") }
+
+// embeddedURL is the URL of the private cluster `deltagym serve` runs in
+// dataDir, in pgserver's layout (socket directory pgsock, database
+// "deltagym", user postgres). A test checks it against the server's own.
+func embeddedURL(dataDir string) (string, error) {
+	abs, err := filepath.Abs(dataDir)
+	if err != nil {
+		return "", fmt.Errorf("resolving data directory: %w", err)
+	}
+	return fmt.Sprintf("postgres:///%s?host=%s&user=postgres&sslmode=disable",
+		url.PathEscape("deltagym"), url.QueryEscape(filepath.Join(pgDir(abs), "pgsock"))), nil
+}
+
+// embeddedRunning reports whether the private cluster of dataDir listens.
+func embeddedRunning(dataDir string) bool {
+	_, err := os.Stat(filepath.Join(pgDir(dataDir), "pgsock", ".s.PGSQL.5432"))
+	return err == nil
+}
+
+// errNoCluster means the data directory has no Postgres cluster.
+var errNoCluster = errors.New("no ledger database")
+
+// openDatabase returns the URL of the ledger database and a function to call
+// when done with it. When the private cluster of the data directory is not
+// running (no server is), it is started for the duration of the command.
+func (d *dbFlags) openDatabase(ctx context.Context) (string, func(), error) {
+	if d.url != "" {
+		return d.url, func() {}, nil
+	}
+	u, err := embeddedURL(d.data)
+	if err != nil {
+		return "", nil, err
+	}
+	if embeddedRunning(d.data) {
+		return u, func() {}, nil
+	}
+	if _, err := os.Stat(filepath.Join(pgDir(d.data), "postgres", "PG_VERSION")); err != nil {
+		return "", nil, fmt.Errorf("%w: %s holds no Postgres cluster (run the server once with `make run`, or pass --database-url)", errNoCluster, d.data)
+	}
+	srv, err := pgserver.Start(ctx, pgDir(d.data))
+	if err != nil {
+		return "", nil, fmt.Errorf("starting the private Postgres of %s: %w", d.data, err)
+	}
+	return srv.URL(), func() { _ = srv.Stop(context.WithoutCancel(ctx)) }, nil
+}
+
+func runDB(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
+	var d dbFlags
+	d.register(fs)
+	pos, _, err := parseArgs(fs, args)
+	if err != nil {
+		return err
+	}
+	if err := wantArgs(pos, 1, 1, "subcommand (url)"); err != nil {
+		return err
+	}
+	if pos[0] != "url" {
+		return usageErrorf("unknown db subcommand %q (want url)", pos[0])
+	}
+	u := d.url
+	if u == "" {
+		if u, err = embeddedURL(d.data); err != nil {
+			return err
+		}
+		if !embeddedRunning(d.data) {
+			fmt.Fprintf(a.stderr, "deltagym: the private Postgres of %s is not running now (start the server with `make run`)\n", d.data)
+		}
+	}
+	_, err = fmt.Fprintln(a.stdout, u)
+	return err
+}
+
+func runTraj(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
+	var (
+		d      dbFlags
+		run    = fs.String("run", "", "export this run only (default: every run)")
+		format = fs.String("format", "jsonl", "output format (jsonl: one JSON object per episode)")
+		out    = fs.String("out", "-", "file to write (- for standard output)")
+	)
+	d.register(fs)
+	pos, _, err := parseArgs(fs, args)
+	if err != nil {
+		return err
+	}
+	if err := wantArgs(pos, 1, 1, "subcommand (export)"); err != nil {
+		return err
+	}
+	if pos[0] != "export" {
+		return usageErrorf("unknown traj subcommand %q (want export)", pos[0])
+	}
+	if *format != "jsonl" {
+		return usageErrorf("--format %q: only jsonl is supported", *format)
+	}
+	u, done, err := d.openDatabase(ctx)
+	if err != nil {
+		return err
+	}
+	defer done()
+	store, err := ledger.Open(ctx, u, nil)
+	if err != nil {
+		return fmt.Errorf("opening the ledger: %w", err)
+	}
+	defer store.Close()
+	return writeOutput(a.stdout, *out, func(w io.Writer) error {
+		if err := store.Export(ctx, w, *run); err != nil {
+			return fmt.Errorf("exporting trajectories: %w", err)
+		}
+		return nil
+	})
+}
+
+// writeOutput runs write on stdout or on a file created (through a temporary
+// file renamed into place) at path.
+func writeOutput(stdout io.Writer, path string, write func(io.Writer) error) error {
+	if path == "-" {
+		bw := bufio.NewWriterSize(stdout, 1<<16)
+		if err := write(bw); err != nil {
+			return err
+		}
+		return bw.Flush()
+	}
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
+	if err != nil {
+		return fmt.Errorf("creating output: %w", err)
+	}
+	bw := bufio.NewWriterSize(f, 1<<16)
+	err = write(bw)
+	if err == nil {
+		err = bw.Flush()
+	}
+	if err == nil {
+		err = f.Close()
+	} else {
+		_ = f.Close()
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), path)
+	}
+	if err != nil {
+		_ = os.Remove(f.Name())
+		return err
+	}
+	return nil
+}

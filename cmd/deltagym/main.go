@@ -1,0 +1,19 @@
+// Command deltagym runs the deltagym server (`deltagym serve`) and talks to a
+// running one: reset sandboxes, run commands in them, checkpoint, restore,
+// fork, evaluate, submit and close them, and read the trajectory ledger.
+//
+// Every client subcommand takes --addr (default $DELTAGYM_ADDR or
+// 127.0.0.1:8080), --token (default $DELTAGYM_TOKEN) and --json (print the
+// response as protojson, one object per line). Exit status: 0 on success, 1
+// on an error (its Connect code and message on stderr), 2 on a usage error.
+// `deltagym help` lists the subcommands.
+package main
+
+import (
+	"context"
+	"os"
+)
+
+func main() {
+	os.Exit(Main(context.Background(), os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+}

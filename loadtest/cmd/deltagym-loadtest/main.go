@@ -1,0 +1,165 @@
+// Command deltagym-loadtest drives a deltagym server with a load test scenario and prints
+// throughput, latency per operation (p50/p90/p99/max) and errors by code; it can write a
+// JSON report (--json) and a latency CDF plot (--plot), measure the full-copy baseline in
+// the same run (--full-copy), and start a private server for the run (--serve).
+//
+//	deltagym-loadtest --addr 127.0.0.1:8080 --scenario rollback --concurrency 64 --duration 30s
+//	deltagym-loadtest --serve bin/deltagym --init bin/dg-init --data .data/loadtest --envs envs --image-dir .data/images/default
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/deltagym/deltagym/loadtest"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("deltagym-loadtest", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cfg loadtest.Config
+	var srv loadtest.ServerConfig
+	var jsonPath, plotPath, serverLog string
+	var fullCopy, quiet bool
+	fs.StringVar(&cfg.Addr, "addr", os.Getenv("DELTAGYM_ADDR"), "server address host:port (ignored with --serve)")
+	fs.StringVar(&cfg.Token, "token", os.Getenv("DELTAGYM_TOKEN"), "bearer token")
+	fs.StringVar(&cfg.Scenario, "scenario", "rollback", "scenario: "+strings.Join(loadtest.Scenarios, ", ")+", or density")
+	var densityN int
+	fs.IntVar(&densityN, "density-n", 1000, "density: idle sandboxes to start")
+	fs.StringVar(&cfg.Env, "env", "shell", "env to reset sandboxes from")
+	fs.IntVar(&cfg.Concurrency, "concurrency", 64, "sandboxes (closed-loop workers)")
+	fs.Float64Var(&cfg.Rate, "rate", 0, "open-loop target rate in iterations/s (0: closed loop)")
+	fs.DurationVar(&cfg.Duration, "duration", 30*time.Second, "measured duration")
+	fs.DurationVar(&cfg.Warmup, "warmup", 3*time.Second, "warm-up before the measured duration (discarded)")
+	fs.IntVar(&cfg.FileSize, "file-size", 4096, "bytes the rollback scenario writes per iteration")
+	fs.IntVar(&cfg.Group, "group", 8, "children per fork in the grpo scenario")
+	fs.IntVar(&cfg.Conns, "conns", 4, "HTTP/2 connections shared by the workers")
+	fs.StringVar(&jsonPath, "json", "", "write the JSON report to this file")
+	fs.StringVar(&plotPath, "plot", "", "write a latency CDF plot (PNG) to this file")
+	fs.BoolVar(&fullCopy, "full-copy", false, "also measure the full-copy rollback baseline (10k files, 1,000 / 50 MB changed)")
+	fs.BoolVar(&quiet, "quiet", false, "no live progress line")
+	fs.StringVar(&srv.Binary, "serve", "", "start this server binary (bin/deltagym) for the run and stop it after")
+	fs.StringVar(&srv.Init, "init", os.Getenv("DELTAGYM_INIT"), "with --serve: the sandbox init (bin/dg-init)")
+	fs.StringVar(&srv.DataDir, "data", ".data/loadtest", "with --serve: the server's data dir; --full-copy scratch goes here too")
+	fs.StringVar(&srv.EnvsDir, "envs", "envs", "with --serve: the env catalog")
+	fs.StringVar(&srv.ImageDir, "image-dir", "", "with --serve: the built default image (.data/images/default), linked into the data dir")
+	fs.BoolVar(&srv.Ledger, "ledger", false, "with --serve: run the server with its ledger (default --no-ledger)")
+	fs.IntVar(&srv.PoolSize, "pool-size", 0, "with --serve: the server's --pool-size")
+	fs.BoolVar(&srv.IsolateCgroups, "isolate-cgroups", true, "with --serve: give the server private cgroup roots (another server's sandboxes stay untouched)")
+	fs.StringVar(&serverLog, "server-log", "", "with --serve: append the server's output to this file")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if !quiet {
+		cfg.Progress = stderr
+	}
+	var server *loadtest.Server
+	cgroupCPU := ""
+	if srv.Binary != "" {
+		if serverLog != "" {
+			f, err := os.OpenFile(serverLog, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+			if err != nil {
+				fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+				return 1
+			}
+			defer f.Close()
+			srv.Log = f
+		}
+		fmt.Fprintf(stderr, "starting %s (data %s) ...\n", srv.Binary, srv.DataDir)
+		s, err := loadtest.StartServer(ctx, srv)
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			return 1
+		}
+		defer func() {
+			if err := s.Close(); err != nil {
+				fmt.Fprintln(stderr, "deltagym-loadtest: stopping the server:", err)
+			}
+			fmt.Fprintf(stderr, "stopped server pid %d\n", s.PID)
+		}()
+		fmt.Fprintf(stderr, "server pid %d healthy on %s\n", s.PID, s.Addr)
+		server, cfg.Addr = s, s.Addr
+		cgroupCPU = s.SandboxCPUStat()
+	}
+	pid := 0
+	if server != nil {
+		pid = server.PID
+	}
+	if cfg.Scenario == "density" {
+		dc := loadtest.DensityConfig{Addr: cfg.Addr, Env: cfg.Env, N: densityN, ServerPID: pid}
+		if server != nil {
+			dc.MemoryCgroup = server.SandboxMemoryUsage()
+		}
+		d, err := loadtest.MeasureDensity(ctx, dc)
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			return 1
+		}
+		d.WriteSummary(stdout)
+		if jsonPath != "" {
+			b, _ := json.MarshalIndent(d, "", "  ")
+			if err := os.WriteFile(jsonPath, append(b, '\n'), 0o644); err != nil {
+				fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+				return 1
+			}
+		}
+		return 0
+	}
+	cfg.ServerPID = pid
+	probe := loadtest.StartProbe(pid, cgroupCPU)
+	rep, err := loadtest.Run(ctx, cfg)
+	if err != nil {
+		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+		return 1
+	}
+	rep.Machine = probe.End()
+	if fullCopy {
+		fmt.Fprintln(stderr, "measuring the full-copy baseline ...")
+		fc, err := loadtest.MeasureFullCopy(ctx, loadtest.FullCopyConfig{Dir: filepath.Join(srv.DataDir, "fullcopy")})
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest: full-copy baseline:", err)
+			return 1
+		}
+		solo, err := loadtest.Run(ctx, loadtest.Config{Addr: cfg.Addr, Token: cfg.Token, Env: cfg.Env, Scenario: "rollback",
+			Concurrency: 1, Duration: 3 * time.Second, Warmup: 500 * time.Millisecond})
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest: solo restore:", err)
+			return 1
+		}
+		fc.SetSoloRestore(solo.Ops["restore"].P50Ms, solo.Ops["restore"].P99Ms)
+		rep.FullCopy = fc
+	}
+	rep.WriteSummary(stdout)
+	if jsonPath != "" {
+		if err := rep.WriteJSON(jsonPath); err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			return 1
+		}
+	}
+	if plotPath != "" {
+		if err := rep.WritePlot(plotPath); err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			return 1
+		}
+	}
+	if rep.ErrorCount > 0 {
+		return 3
+	}
+	return 0
+}

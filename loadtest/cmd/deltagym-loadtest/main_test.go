@@ -1,0 +1,28 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+)
+
+func TestRunRejectsBadInput(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"unknown scenario", []string{"--addr", "127.0.0.1:1", "--scenario", "nope", "--quiet"}, 1, "is not one of"},
+		{"unknown flag", []string{"--frobnicate"}, 2, "flag provided but not defined"},
+		{"no address", []string{"--quiet"}, 1, "no server address"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv("DELTAGYM_ADDR", "")
+			var out, errOut bytes.Buffer
+			if code := run(t.Context(), tc.args, &out, &errOut); code != tc.code || !strings.Contains(errOut.String(), tc.want) {
+				t.Fatalf("run(%q) = %d, stderr %q; want %d and %q", tc.args, code, errOut.String(), tc.code, tc.want)
+			}
+		})
+	}
+}

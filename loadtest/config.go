@@ -1,0 +1,105 @@
+package loadtest
+
+import (
+	"fmt"
+	"io"
+	"slices"
+	"time"
+)
+
+// Scenarios lists the scenario names Run accepts.
+var Scenarios = []string{"rollback", "rollback-exec", "steps", "grpo", "tree", "mixed"}
+
+// Config configures Run.
+type Config struct {
+	// Addr is the server's host:port (gRPC over unencrypted HTTP/2).
+	Addr string
+	// Token is the bearer token, if the server wants one.
+	Token string
+	// Scenario is one of Scenarios.
+	Scenario string
+	// Env is the env every sandbox is reset from. Default "shell".
+	Env string
+	// Concurrency is the number of sandboxes (and closed-loop workers). Default 64.
+	Concurrency int
+	// Rate, when positive, makes the run open-loop: iterations start at this many per
+	// second whatever the latency (latency counts from the intended start, so queueing
+	// shows); 0 is closed-loop.
+	Rate float64
+	// Duration is the measured time, after Warmup. Default 30s.
+	Duration time.Duration
+	// Warmup runs before the measured time; its results are discarded. Default 3s.
+	Warmup time.Duration
+	// FileSize is the size of the file the rollback scenario writes. Default 4096.
+	FileSize int
+	// Group is the G of the grpo scenario (children per fork). Default 8.
+	Group int
+	// Conns is the number of HTTP/2 connections the workers share. Default 4.
+	Conns int
+	// ServerPID, when known, is the server whose RSS the timeline samples.
+	ServerPID int
+	// Progress receives a live progress line each second; nil for none.
+	Progress io.Writer
+}
+
+// Validate checks the config and fills in defaults.
+func (c *Config) Validate() error {
+	if c.Addr == "" {
+		return fmt.Errorf("no server address: %w", ErrInvalid)
+	}
+	if c.Scenario == "" {
+		c.Scenario = "rollback"
+	}
+	if !slices.Contains(Scenarios, c.Scenario) {
+		return fmt.Errorf("scenario %q is not one of %v: %w", c.Scenario, Scenarios, ErrInvalid)
+	}
+	if c.Env == "" {
+		c.Env = "shell"
+	}
+	if c.Concurrency == 0 {
+		c.Concurrency = 64
+	}
+	if c.Duration == 0 {
+		c.Duration = 30 * time.Second
+	}
+	if c.Warmup == 0 {
+		c.Warmup = 3 * time.Second
+	}
+	if c.FileSize == 0 {
+		c.FileSize = 4096
+	}
+	if c.Group == 0 {
+		c.Group = 8
+	}
+	if c.Conns == 0 {
+		c.Conns = 4
+	}
+	switch {
+	case c.Concurrency < 1:
+		return fmt.Errorf("concurrency %d is below 1: %w", c.Concurrency, ErrInvalid)
+	case c.Rate < 0:
+		return fmt.Errorf("rate %v is negative: %w", c.Rate, ErrInvalid)
+	case c.Duration < 0 || c.Warmup < 0:
+		return fmt.Errorf("duration and warm-up must not be negative: %w", ErrInvalid)
+	case c.FileSize < 16:
+		return fmt.Errorf("file size %d is below 16 bytes: %w", c.FileSize, ErrInvalid)
+	case c.Group < 1 || c.Conns < 1:
+		return fmt.Errorf("group and conns must be at least 1: %w", ErrInvalid)
+	}
+	return nil
+}
+
+// unit names what one iteration of a scenario is, for the throughput line.
+func unit(scenario string) string {
+	switch scenario {
+	case "rollback", "rollback-exec":
+		return "rollbacks"
+	case "steps":
+		return "steps"
+	case "grpo":
+		return "groups"
+	case "tree":
+		return "tree-ops"
+	}
+	return "iterations"
+}

@@ -1,0 +1,210 @@
+package loadtest
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"image/png"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+)
+
+func TestConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		ok   bool
+	}{
+		{"defaults", Config{Addr: "127.0.0.1:1"}, true},
+		{"no address", Config{}, false},
+		{"unknown scenario", Config{Addr: "x:1", Scenario: "nope"}, false},
+		{"negative rate", Config{Addr: "x:1", Rate: -1}, false},
+		{"tiny file", Config{Addr: "x:1", FileSize: 3}, false},
+		{"negative concurrency", Config{Addr: "x:1", Concurrency: -2}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.cfg.Validate()
+			if (err == nil) != tc.ok {
+				t.Fatalf("Validate() = %v, want ok=%v", err, tc.ok)
+			}
+			if err != nil && !errors.Is(err, ErrInvalid) {
+				t.Fatalf("Validate() = %v, want ErrInvalid", err)
+			}
+			if tc.ok && (tc.cfg.Concurrency != 64 || tc.cfg.Scenario != "rollback" || tc.cfg.FileSize != 4096) {
+				t.Fatalf("defaults not filled in: %+v", tc.cfg)
+			}
+		})
+	}
+}
+
+// TestRollbackScenario runs the rollback scenario against the real server for a few seconds:
+// no errors, rollbacks counted, every operation measured, and the report's outputs written.
+func TestRollbackScenario(t *testing.T) {
+	s := needServer(t)
+	rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", Concurrency: 8, Duration: 4 * time.Second, Warmup: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum bytes.Buffer
+	rep.WriteSummary(&sum)
+	t.Log("\n" + sum.String())
+	if rep.ErrorCount != 0 || len(rep.Errors) != 0 {
+		t.Fatalf("errors: %v (first wrong restore: %s)", rep.Errors, rep.FirstWrong)
+	}
+	if rep.Iterations == 0 || rep.Throughput <= 0 {
+		t.Fatalf("no rollbacks measured: %+v", rep)
+	}
+	for _, op := range []string{"restore", "read_file", "write_file", "iteration"} {
+		st, ok := rep.Ops[op]
+		if !ok || st.Count < rep.Iterations || st.P50Ms <= 0 || st.P99Ms < st.P50Ms || st.MaxMs < st.P99Ms {
+			t.Fatalf("op %s: %+v (iterations %d)", op, st, rep.Iterations)
+		}
+	}
+	if !bytes.Contains(sum.Bytes(), []byte(" rollbacks/s")) {
+		t.Fatalf("summary has no rollbacks/s line:\n%s", sum.String())
+	}
+	dir := t.TempDir()
+	if err := rep.WriteJSON(filepath.Join(dir, "r.json")); err != nil {
+		t.Fatal(err)
+	}
+	var back Report
+	b, _ := os.ReadFile(filepath.Join(dir, "r.json"))
+	if err := json.Unmarshal(b, &back); err != nil || back.Iterations != rep.Iterations || back.Ops["restore"].HistB64 == "" {
+		t.Fatalf("JSON report does not round-trip: %v", err)
+	}
+	if err := rep.WritePlot(filepath.Join(dir, "cdf.png")); err != nil {
+		t.Fatal(err)
+	}
+	f, _ := os.Open(filepath.Join(dir, "cdf.png"))
+	defer f.Close()
+	img, err := png.Decode(f)
+	if err != nil || img.Bounds().Dx() != 1000 {
+		t.Fatalf("plot is not a 1000-pixel-wide PNG: %v", err)
+	}
+}
+
+// TestVerificationDetectsWrongRestore proves the scenarios' checks can fail: an iteration
+// whose restore is skipped finds the file changed since the checkpoint and reports
+// ErrWrongRestore, while the same worker with its restore passes.
+func TestVerificationDetectsWrongRestore(t *testing.T) {
+	s := needServer(t)
+	conn, err := grpc.NewClient(s.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := deltagymv1.NewEnvServiceClient(conn)
+	cfg := Config{Addr: s.Addr}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	rec := newRecorder()
+	for _, name := range []string{"rollback", "rollback-exec"} {
+		t.Run(name, func(t *testing.T) {
+			w := newWorker(name, 1, c, &cfg)
+			skip := func(v bool) {
+				switch w := w.(type) {
+				case *rollbackWorker:
+					w.skipRestore = v
+				case *rollbackExecWorker:
+					w.skipRestore = v
+				}
+			}
+			if err := w.setup(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			defer w.close(t.Context())
+			if err := w.iterate(t.Context(), rec); err != nil {
+				t.Fatalf("iteration with restore: %v", err)
+			}
+			skip(true)
+			err := w.iterate(t.Context(), rec)
+			if !errors.Is(err, ErrWrongRestore) {
+				t.Fatalf("iteration without restore = %v, want ErrWrongRestore", err)
+			}
+			if errCode(err) != "wrong_restore" {
+				t.Fatalf("errCode = %q", errCode(err))
+			}
+			skip(false)
+			if err := w.iterate(t.Context(), rec); err != nil {
+				t.Fatalf("iteration with restore after a wrong one: %v", err)
+			}
+		})
+	}
+}
+
+// TestScenarios runs each other scenario briefly against the real server, with no errors.
+func TestScenarios(t *testing.T) {
+	s := needServer(t)
+	for _, tc := range []struct {
+		scenario string
+		ops      []string
+	}{
+		{"rollback-exec", []string{"restore", "exec"}},
+		{"steps", []string{"exec"}},
+		{"grpo", []string{"fork", "step", "evaluate", "close"}},
+		{"tree", []string{"step_checkpoint", "restore", "read_file"}},
+		{"mixed", []string{"restore", "exec", "fork", "step_checkpoint"}},
+	} {
+		t.Run(tc.scenario, func(t *testing.T) {
+			rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: tc.scenario, Concurrency: 4, Group: 4,
+				Duration: 3 * time.Second, Warmup: 500 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rep.ErrorCount != 0 {
+				t.Fatalf("errors: %v (%s)", rep.Errors, rep.FirstWrong)
+			}
+			if rep.Iterations == 0 {
+				t.Fatal("no iterations")
+			}
+			for _, op := range tc.ops {
+				if rep.Ops[op].Count == 0 {
+					t.Fatalf("op %s never measured: %v", op, rep.Ops)
+				}
+			}
+		})
+	}
+}
+
+// TestOpenLoop: at a rate the server easily sustains, the iterations measured match the
+// target rate, and the latency counts from the due time.
+func TestOpenLoop(t *testing.T) {
+	s := needServer(t)
+	const rate, secs = 20.0, 3
+	rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", Concurrency: 8, Rate: rate,
+		Duration: secs * time.Second, Warmup: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.ErrorCount != 0 {
+		t.Fatalf("errors: %v", rep.Errors)
+	}
+	if got := rep.Throughput; got < rate*0.7 || got > rate*1.1 {
+		t.Fatalf("open-loop throughput %.1f/s, want about %.0f/s", got, rate)
+	}
+}
+
+func TestFullCopy(t *testing.T) {
+	if os.Geteuid() != 0 {
+		// Not privileged: it only copies files; run it anyway.
+		t.Log("not root: full-copy baseline uses only ordinary files")
+	}
+	res, err := MeasureFullCopy(t.Context(), FullCopyConfig{Dir: t.TempDir(), Files: 200, Changed: 20, ChangedBytes: 20 * 10_000, Rounds: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := int64(180*4096 + 20*10_000); res.RootBytes != want {
+		t.Fatalf("root is %d bytes, want %d", res.RootBytes, want)
+	}
+	if res.WholeRootMs <= 0 || res.UpperOnlyMs <= 0 || len(res.WholeRootRuns) != 3 {
+		t.Fatalf("timings: %+v", res)
+	}
+}

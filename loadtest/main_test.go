@@ -1,0 +1,89 @@
+package loadtest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// testServer is the real server the privileged tests share; nil (with skipReason) when it
+// cannot run here.
+var (
+	testServer *Server
+	skipReason string
+)
+
+// firstFile returns the first of paths that exists, or "".
+func firstFile(paths ...string) string {
+	for _, p := range paths {
+		if p == "" {
+			continue
+		}
+		if _, err := os.Stat(p); err == nil {
+			abs, _ := filepath.Abs(p)
+			return abs
+		}
+	}
+	return ""
+}
+
+func TestMain(m *testing.M) {
+	code := func() int {
+		bin := firstFile(os.Getenv("DELTAGYM_BIN"), "../bin/deltagym")
+		init := firstFile(os.Getenv("DELTAGYM_INIT"), "../bin/dg-init")
+		img := firstFile(os.Getenv("DELTAGYM_IMAGE_DIR"), "../.data/images/default")
+		switch {
+		case os.Geteuid() != 0:
+			skipReason = "needs root: the server mounts overlays and creates cgroups"
+		case bin == "" || init == "":
+			skipReason = "needs bin/deltagym and bin/dg-init (make build, or DELTAGYM_BIN and DELTAGYM_INIT)"
+		case img == "":
+			skipReason = "needs the default image (make image, or DELTAGYM_IMAGE_DIR)"
+		}
+		if skipReason != "" {
+			return m.Run()
+		}
+		data, err := os.MkdirTemp("", "loadtest-server-")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer os.RemoveAll(data)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		log, _ := os.Create(filepath.Join(data, "server.log"))
+		testServer, err = StartServer(ctx, ServerConfig{Binary: bin, Init: init, DataDir: filepath.Join(data, "data"),
+			EnvsDir: firstFile("../envs"), ImageDir: img, IsolateCgroups: true, Log: log})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "starting the test server:", err)
+			return 1
+		}
+		code := m.Run()
+		if err := testServer.Close(); err != nil {
+			fmt.Fprintln(os.Stderr, "stopping the test server:", err)
+			code = 1
+		}
+		if err := testServer.Close(); err != nil { // Close is idempotent
+			fmt.Fprintln(os.Stderr, "second Close:", err)
+			code = 1
+		}
+		if code != 0 {
+			b, _ := os.ReadFile(filepath.Join(data, "server.log"))
+			fmt.Fprintf(os.Stderr, "server log:\n%s\n", b)
+		}
+		return code
+	}()
+	os.Exit(code)
+}
+
+// needServer skips t unless the shared real server runs.
+func needServer(t *testing.T) *Server {
+	t.Helper()
+	if testServer == nil {
+		t.Skip(skipReason)
+	}
+	return testServer
+}
