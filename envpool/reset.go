@@ -3,6 +3,7 @@ package envpool
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"regexp"
@@ -41,15 +42,55 @@ var ErrBadOption = fmt.Errorf("invalid reset option")
 type task struct {
 	checkpoint string
 	hook       sandbox.ExecResult
+	used       uint64 // tick of the last use, for eviction
 }
+
+// maxTasks bounds an env's task cache; the least recently used task's
+// checkpoint is released beyond it (a later reset of that task reruns its hook).
+const maxTasks = 1024
 
 // taskCache maps a task key (seed and options) to the checkpoint after its reset hook.
 type taskCache struct {
 	mu    sync.Mutex
 	tasks map[string]task
+	tick  uint64
 }
 
 func newTaskCache() *taskCache { return &taskCache{tasks: map[string]task{}} }
+
+// get returns the task of key, marking it used.
+func (c *taskCache) get(key string) (task, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t, ok := c.tasks[key]
+	if ok {
+		c.tick++
+		t.used = c.tick
+		c.tasks[key] = t
+	}
+	return t, ok
+}
+
+// put adds a task and returns the checkpoint of the one it evicted, if any.
+func (c *taskCache) put(key string, t task) (evicted string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.tick++
+	t.used = c.tick
+	c.tasks[key] = t
+	if len(c.tasks) <= maxTasks {
+		return ""
+	}
+	oldKey, old := "", uint64(1<<64-1)
+	for k, v := range c.tasks {
+		if v.used < old {
+			oldKey, old = k, v.used
+		}
+	}
+	evicted = c.tasks[oldKey].checkpoint
+	delete(c.tasks, oldKey)
+	return evicted
+}
 
 func taskKey(p ResetParams) string {
 	var b strings.Builder
@@ -81,10 +122,7 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		return l, ResetResult{Checkpoint: env.pool.ckpt}, nil
 	}
 	key := taskKey(p)
-	env.tasks.mu.Lock()
-	t, ok := env.tasks.tasks[key]
-	env.tasks.mu.Unlock()
-	if ok {
+	if t, ok := env.tasks.get(key); ok {
 		ls, err := m.Fork(ctx, env, t.checkpoint, 1)
 		if err == nil {
 			h := t.hook
@@ -120,9 +158,11 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		return fail(fmt.Errorf("env %s: checkpointing task: %w", env.Name(), err))
 	}
 	m.reportCheckpoint(env.Name(), KindTask, info)
-	env.tasks.mu.Lock()
-	env.tasks.tasks[key] = task{checkpoint: info.ID, hook: res}
-	env.tasks.mu.Unlock()
+	if old := env.tasks.put(key, task{checkpoint: info.ID, hook: res}); old != "" {
+		if err := m.rt.ReleaseCheckpoint(old); err != nil && !errors.Is(err, sandbox.ErrNotFound) {
+			m.log.Warn("releasing an evicted task checkpoint", "env", env.Name(), "checkpoint", old, "err", err)
+		}
+	}
 	return l, ResetResult{Checkpoint: info.ID, Hook: &res}, nil
 }
 
