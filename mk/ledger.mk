@@ -2,10 +2,13 @@
 # Debian 12's PostgreSQL 15, started from /usr/lib/postgresql/15/bin by server/ledger/pgserver.
 DEPS_GROUPS += postgres
 
-.PHONY: ledger-test ledger-bench
+.PHONY: ledger-test ledger-bench ledger-copycost
 
 ledger-test: deps ## run the ledger tests against a real private Postgres
 	go test -count=1 -timeout 10m ./server/ledger/...
 
-ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/p99)
-	go test -run '^$$' -bench . -benchtime 100000x -timeout 20m ./server/ledger/
+ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)
+	go test -run '^$$' -bench WriterSteps -benchtime 100000x -timeout 20m ./server/ledger/
+
+ledger-copycost: deps ## what Postgres spends per 4 KiB step row (CPU, WAL, disk), per schema variant
+	go test -run '^$$' -bench CopyCost -benchtime 100000x -timeout 20m ./server/ledger/
