@@ -45,7 +45,7 @@ var checkpointKind = map[ledger.CheckpointKind]deltagymv1.CheckpointKind{
 func episodeProto(e ledger.Episode) *deltagymv1.Episode {
 	p := &deltagymv1.Episode{EpisodeId: e.ID, Env: e.Env, Run: e.Run, GroupId: e.Group, StartCheckpointId: e.StartCheckpoint,
 		ParentEpisodeId: e.ParentEpisode, Status: episodeStatus[e.Status], FailureClass: failureClass[e.FailureClass],
-		StartTime: timestamppb.New(e.StartedAt)}
+		StartTime: timestamppb.New(e.StartedAt), StepCount: int32(e.Steps)}
 	if e.Seed != 0 {
 		seed := e.Seed
 		p.Seed = &seed
@@ -106,7 +106,6 @@ func (g *ledgerService) GetTrajectory(ctx context.Context, req *connect.Request[
 	}
 	ep := episodeProto(tr.Episode)
 	ep.Rewards = rewardsProto(tr.Rewards)
-	ep.StepCount = int32(len(tr.Steps))
 	resp := &deltagymv1.GetTrajectoryResponse{Episode: ep}
 	for i, s := range tr.Steps {
 		ts := &deltagymv1.TrajectoryStep{StepIndex: int32(i), EpisodeId: s.EpisodeID, Inherited: s.Inherited,

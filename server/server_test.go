@@ -166,6 +166,9 @@ func TestEveryRPC(t *testing.T) {
 			statuses := map[deltagymv1.EpisodeStatus]int{}
 			for _, e := range eps.GetEpisodes() {
 				statuses[e.GetStatus()]++
+				if e.GetEpisodeId() == rs.GetEpisodeId() && e.GetStepCount() != 1 {
+					t.Fatalf("listed episode has step_count %d, want 1 (its trajectory: 2 inherited steps, 1 own)", e.GetStepCount())
+				}
 			}
 			if statuses[deltagymv1.EpisodeStatus_EPISODE_STATUS_BRANCHED] != 1 || statuses[deltagymv1.EpisodeStatus_EPISODE_STATUS_TERMINATED] != 1 {
 				t.Fatalf("episode statuses %v", statuses)

@@ -75,16 +75,20 @@ type Episode struct {
 	TotalReward     *float64     `json:"total_reward,omitempty"`
 	StartedAt       time.Time    `json:"started_at"`
 	EndedAt         *time.Time   `json:"ended_at,omitempty"`
+	// Steps counts the steps the episode took itself (not those it
+	// inherited from the checkpoint it started at).
+	Steps int `json:"step_count"`
 }
 
 const episodeCols = `id, env, run, group_id, seed, coalesce(start_checkpoint, ''), coalesce(parent_episode, ''),
-	status, coalesce(failure_class, ''), total_reward, started_at, ended_at`
+	status, coalesce(failure_class, ''), total_reward, started_at, ended_at,
+	(SELECT count(*) FROM steps s WHERE s.episode_id = episodes.id)`
 
 func scanEpisode(row pgx.Row) (Episode, error) {
 	var e Episode
 	var status, class string
 	err := row.Scan(&e.ID, &e.Env, &e.Run, &e.Group, &e.Seed, &e.StartCheckpoint, &e.ParentEpisode,
-		&status, &class, &e.TotalReward, &e.StartedAt, &e.EndedAt)
+		&status, &class, &e.TotalReward, &e.StartedAt, &e.EndedAt, &e.Steps)
 	e.Status, e.FailureClass = Status(status), FailureClass(class)
 	e.StartedAt = e.StartedAt.UTC()
 	if e.EndedAt != nil {

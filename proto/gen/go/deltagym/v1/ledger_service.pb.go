@@ -240,8 +240,9 @@ type Episode struct {
 	FailureMessage string `protobuf:"bytes,11,opt,name=failure_message,json=failureMessage,proto3" json:"failure_message,omitempty"`
 	// total_reward is the sum of the episode's step rewards.
 	TotalReward float64 `protobuf:"fixed64,12,opt,name=total_reward,json=totalReward,proto3" json:"total_reward,omitempty"`
-	// step_count is the number of steps of the episode, inherited ones
-	// included.
+	// step_count is the number of steps the episode took itself; the steps
+	// it inherited from the checkpoint it started at are not counted (its
+	// trajectory lists them, marked inherited).
 	StepCount int32 `protobuf:"varint,13,opt,name=step_count,json=stepCount,proto3" json:"step_count,omitempty"`
 	// rewards holds the rewards reported with ReportReward.
 	Rewards []*ReportedReward `protobuf:"bytes,14,rep,name=rewards,proto3" json:"rewards,omitempty"`
