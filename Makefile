@@ -15,7 +15,7 @@ TEST_PREREQS :=
 BENCH_TARGETS :=
 include $(sort $(wildcard mk/*.mk))
 
-.PHONY: help deps build test run bench bench-sandbox lint generate checkgenerate clean init
+.PHONY: help deps build test run bench bench-sandbox lint generate checkgenerate clean clean-data init
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -47,3 +47,7 @@ bench-sandbox: deps $(BIN)/dg-init ## sandbox runtime benchmarks: checkpoint, ro
 
 clean: ## remove build output (not the image cache)
 	rm -rf $(BIN)
+
+clean-data: ## unmount and delete the (stopped) server's state in $(DATA) (keeps the image cache)
+	@findmnt -rn -o TARGET | grep "^$(DATA)/" | sort -r | xargs -r umount -l
+	rm -rf $(DATA)/sandbox $(DATA)/pg $(DATA)/spool $(DATA)/loadtest

@@ -135,9 +135,12 @@ func (a *app) main(ctx context.Context, args []string) int {
 func (a *app) runCommand(ctx context.Context, c command, args []string) int {
 	fs := a.flagSet(c)
 	err := c.run(ctx, a, fs, args)
+	var ce commandExit
 	switch {
 	case err == nil:
 		return exitOK
+	case errors.As(err, &ce):
+		return int(ce)
 	case errors.Is(err, flag.ErrHelp):
 		a.commandUsage(a.stdout, c, fs)
 		return exitOK
@@ -190,7 +193,7 @@ func (a *app) usage(w io.Writer) {
 	for _, c := range commands {
 		fmt.Fprintf(w, "  %-*s  %s\n", width, c.name, c.summary)
 	}
-	fmt.Fprintf(w, "\n`deltagym help COMMAND` describes a command. Exit status: 0 ok, 1 error, 2 usage.\n")
+	fmt.Fprintf(w, "\n`deltagym help COMMAND` describes a command. Exit status: 0 ok, 1 error, 2 usage; exec exits with its command's status (128+N for signal N, 124 on timeout).\n")
 }
 
 func (a *app) commandUsage(w io.Writer, c command, fs *flag.FlagSet) {

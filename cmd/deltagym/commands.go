@@ -181,9 +181,33 @@ func runExec(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		return err
 	}
 	if a.json {
-		return printJSON(a.stdout, res.Msg)
+		err = printJSON(a.stdout, res.Msg)
+	} else {
+		err = printExec(a.stdout, a.stderr, res.Msg)
 	}
-	return printExec(a.stdout, a.stderr, res.Msg)
+	if err != nil {
+		return err
+	}
+	return commandStatus(res.Msg.GetObservation().GetExec())
+}
+
+// commandExit carries the exit status of a command run by `exec`, which the
+// CLI exits with, as ssh and docker exec do: the command's own status,
+// 128+N when signal N killed it, 124 when it timed out.
+type commandExit int
+
+func (e commandExit) Error() string { return fmt.Sprintf("command exited with status %d", int(e)) }
+
+func commandStatus(e *deltagymv1.ExecResult) error {
+	switch {
+	case e.GetTimedOut():
+		return commandExit(124)
+	case e.GetSignal() != 0:
+		return commandExit(128 + e.GetSignal())
+	case e.GetExitCode() != 0:
+		return commandExit(e.GetExitCode() & 0xff)
+	}
+	return nil
 }
 
 // setCommand fills the command of an exec: one word is a shell string, several

@@ -73,7 +73,7 @@ func TestCLI(t *testing.T) {
 	if out != "hello world\n" {
 		t.Fatalf("exec argv printed %q", out)
 	}
-	out, errOut = cli(t, exitOK, "", "exec", sb, "echo out; echo err >&2; exit 3")
+	out, errOut = cli(t, 3, "", "exec", sb, "echo out; echo err >&2; exit 3") // the command's status
 	if out != "out\n" || !strings.Contains(errOut, "err\ndeltagym: exit 3 in ") {
 		t.Fatalf("exec failing command: stdout %q stderr %q", out, errOut)
 	}
@@ -90,7 +90,7 @@ func TestCLI(t *testing.T) {
 	if out != "stdin text1 /tmp\n" {
 		t.Fatalf("exec with stdin, env, cwd printed %q", out)
 	}
-	_, errOut = cli(t, exitOK, "", "exec", sb, "--timeout", "200ms", "sleep 5")
+	_, errOut = cli(t, 124, "", "exec", sb, "--timeout", "200ms", "sleep 5")
 	mustContain(t, "exec timeout", errOut, "timed out")
 
 	// write and read.
