@@ -70,7 +70,8 @@ type Config struct {
 	CheckpointTTL time.Duration
 	// DefaultDiskBytes is the writable layer's size when Limits has none.
 	DefaultDiskBytes int64
-	// NetPool is how many ready net namespaces to keep (default 8).
+	// NetPool is how many ready net namespaces to keep (default 64); net
+	// namespaces of ended sandboxes are reused.
 	NetPool int
 	// FlattenDepth is the stack depth beyond which a checkpoint's layers
 	// are merged into one in the background (default 16). Checkpoints
@@ -224,7 +225,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		cfg.DefaultDiskBytes = 1 << 30
 	}
 	if cfg.NetPool == 0 {
-		cfg.NetPool = 8
+		cfg.NetPool = 64
 	}
 	if cfg.FlattenDepth == 0 {
 		cfg.FlattenDepth = 16

@@ -433,7 +433,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	errs = append(errs, s.cg.Delete())
 	s.dropSpare()
 	s.closeFDs()
-	unix.Close(s.netns)
+	s.rt.net.Put(s.netns) // the init is gone: nothing of the sandbox is left in it
 	s.unrefStack()
 	if s.upper != "" {
 		s.rt.layers.Unref(s.upper)

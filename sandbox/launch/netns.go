@@ -72,6 +72,27 @@ func (p *NetPool) Get() (int, error) {
 	return NewNetNS()
 }
 
+// Put gives back the net namespace of a sandbox that has ended, for reuse:
+// making one and tearing it down costs more than a sandbox's whole start.
+// A sandbox cannot change its net namespace (it is owned by the host's user
+// namespace, so the sandbox's root has no CAP_NET_ADMIN over it): once its
+// processes are gone, only loopback, up, is left — and sockets in TIME_WAIT
+// for a minute, which is all a later sandbox could notice. Put closes fd when
+// the pool is full or closed.
+func (p *NetPool) Put(fd int) {
+	select {
+	case <-p.done:
+		unix.Close(fd)
+		return
+	default:
+	}
+	select {
+	case p.ready <- fd:
+	default:
+		unix.Close(fd)
+	}
+}
+
 // Close stops the pool and releases the namespaces it holds. Idempotent.
 func (p *NetPool) Close() error {
 	p.once.Do(func() {
