@@ -147,6 +147,44 @@ func (s *Sandbox) beginExec() (context.Context, error) {
 	return s.gen, nil
 }
 
+// plainCommand returns the words of a shell command line that the shell
+// would run as one simple command with those very arguments: words of plain
+// characters only (no quotes, expansions, globs, redirections, separators or
+// assignments), the first not a shell builtin or keyword. Such a line is
+// spawned directly, saving the exec of /bin/sh.
+func plainCommand(cmd string) ([]string, bool) {
+	words := strings.Fields(cmd)
+	if len(words) == 0 || len(words) > 64 || strings.ContainsAny(cmd, "\t\n\r\v\f") {
+		return nil, false
+	}
+	for _, w := range words {
+		for _, c := range w {
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("_./,:+@%-", c)) {
+				return nil, false
+			}
+		}
+	}
+	if shellWords[words[0]] {
+		return nil, false
+	}
+	return words, true
+}
+
+// shellWords are the builtins and keywords whose meaning inside a shell
+// differs from an executable of the same name (or which have none).
+var shellWords = map[string]bool{
+	"cd": true, "export": true, "exit": true, "set": true, "unset": true, "alias": true, "unalias": true,
+	"source": true, ".": true, "eval": true, "exec": true, "read": true, "shift": true, "trap": true,
+	"ulimit": true, "umask": true, "wait": true, "jobs": true, "fg": true, "bg": true, "type": true,
+	"command": true, "hash": true, "local": true, "return": true, "break": true, "continue": true,
+	"readonly": true, "declare": true, "typeset": true, "let": true, "times": true, "getopts": true,
+	"if": true, "then": true, "else": true, "elif": true, "fi": true, "for": true, "while": true,
+	"until": true, "do": true, "done": true, "case": true, "esac": true, "function": true, "select": true,
+	"time": true, "coproc": true, "history": true, "fc": true, "dirs": true, "pushd": true, "popd": true,
+	"shopt": true, "enable": true, "builtin": true, "caller": true, "disown": true, "suspend": true,
+	"logout": true, "help": true, "mapfile": true, "readarray": true, "compgen": true, "complete": true,
+}
+
 // execGroup is an empty cgroup for one command, with its cgroup.procs
 // files open. Groups are reused: a command's group is empty once its
 // command returns (everything it started was killed), and making, opening
@@ -230,8 +268,12 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	}
 	defer s.op.RUnlock()
 	argv := req.Argv
+	direct := false
 	if req.Command != "" {
 		argv = []string{"/bin/sh", "-c", req.Command}
+		if words, ok := plainCommand(req.Command); ok {
+			argv, direct = words, true
+		}
 	}
 	eg, err := s.execGroup()
 	if err != nil {
@@ -292,6 +334,12 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	sr.Stdout, sr.Stderr = outW, errW
 	start := time.Now()
 	pid, exitc, err := s.init.Conn.Spawn(sr)
+	if direct && errors.Is(err, initproc.ErrSpawn) && !errors.Is(err, initproc.ErrClosed) {
+		// Not found or not executable: let the shell run it and say so,
+		// as it would have (exit 126 or 127 with its message).
+		sr.Argv = []string{"/bin/sh", "-c", req.Command}
+		pid, exitc, err = s.init.Conn.Spawn(sr)
+	}
 	outW.Close()
 	errW.Close()
 	if sr.Stdin != s.rt.devnull {

@@ -421,3 +421,33 @@ func TestCheckpointTTL(t *testing.T) {
 		t.Fatalf("restore of an expired checkpoint: %v", err)
 	}
 }
+
+// A plain command line runs without a shell, with the result the shell
+// would give, not-found and builtins included.
+func TestPlainCommandsAsTheShellWould(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	for _, tc := range []struct {
+		cmd, stdout string
+		exit        int
+		stderrHas   string
+	}{
+		{"echo a  b", "a b\n", 0, ""},
+		{"true", "", 0, ""},
+		{"false", "", 1, ""},
+		{"no-such-command x", "", 127, "not found"},
+		{"cd /tmp", "", 0, ""},
+		{"exit 4", "", 4, ""},
+		{"echo $HOME", "/root\n", 0, ""},
+		{"echo a*b", "a*b\n", 0, ""},
+		{"/tmp", "", 126, "denied"},
+	} {
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Command: tc.cmd})
+		if err != nil {
+			t.Fatalf("%q: %v", tc.cmd, err)
+		}
+		if string(res.Stdout) != tc.stdout || res.ExitCode != tc.exit || !strings.Contains(string(res.Stderr), tc.stderrHas) {
+			t.Errorf("%q: stdout %q exit %d stderr %q", tc.cmd, res.Stdout, res.ExitCode, res.Stderr)
+		}
+	}
+}
