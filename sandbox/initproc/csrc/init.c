@@ -364,10 +364,10 @@ static int confine(void) {
 	return 0;
 }
 
-static int init_main(const char *hostname) {
-	if (setup_mounts() < 0) return 1;
-	if (hostname && hostname[0] && sethostname(hostname, strlen(hostname)) < 0) return 1;
-	if (confine() < 0) return 1;
+// serve sends the hello, then answers requests with handle and reports the
+// exits of reaped children, until the server closes the socket. Signals
+// that would end the process are blocked: it ends when its socket closes.
+static int serve(void (*handle)(struct hdr *h)) {
 	sigset_t mask;
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
@@ -398,29 +398,40 @@ static int init_main(const char *hostname) {
 		if (!pf[0].revents) continue;
 		struct hdr h;
 		ssize_t n = recv_msg(&h);
-		if (n == 0) return 0; // server gone: end the sandbox
+		if (n == 0) return 0; // the server is gone: so is what we serve
 		if (n < 0) {
-			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
 			close_fds();
+			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
 			if (n == -1) return 1;
 			reply(h.id, EPROTO, 0);
 			continue;
 		}
-		switch (h.type) {
-		case MSG_PING:
-			reply(h.id, 0, getpid());
-			break;
-		case MSG_SPAWN: {
-			int32_t pid = 0;
-			int e = do_spawn(h.len, &pid);
-			reply(h.id, e, pid);
-			break;
-		}
-		default:
-			reply(h.id, ENOSYS, 0);
-		}
+		handle(&h);
 		close_fds();
 	}
+}
+
+static void init_handle(struct hdr *h) {
+	switch (h->type) {
+	case MSG_PING:
+		reply(h->id, 0, getpid());
+		break;
+	case MSG_SPAWN: {
+		int32_t pid = 0;
+		int e = do_spawn(h->len, &pid);
+		reply(h->id, e, pid);
+		break;
+	}
+	default:
+		reply(h->id, ENOSYS, 0);
+	}
+}
+
+static int init_main(const char *hostname) {
+	if (setup_mounts() < 0) return 1;
+	if (hostname && hostname[0] && sethostname(hostname, strlen(hostname)) < 0) return 1;
+	if (confine() < 0) return 1;
+	return serve(init_handle);
 }
 
 // ---- zygote -------------------------------------------------------------------
@@ -504,54 +515,17 @@ static int zspawn(uint32_t len, int32_t *pid_out) {
 	return err;
 }
 
-static int zygote_main(void) {
-	sigset_t mask;
-	sigemptyset(&mask);
-	sigaddset(&mask, SIGCHLD);
-	sigaddset(&mask, SIGPIPE);
-	sigprocmask(SIG_BLOCK, &mask, NULL);
-	sigset_t chld;
-	sigemptyset(&chld);
-	sigaddset(&chld, SIGCHLD);
-	int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
-	if (sfd < 0) return 1;
-	fcntl(CTL, F_SETFD, FD_CLOEXEC);
-	send_msg(MSG_REPLY, 0, "\0\0\0\0\0\0\0\0", 8); // hello
-	struct pollfd pf[2] = {{CTL, POLLIN, 0}, {sfd, POLLIN, 0}};
-	for (;;) {
-		if (poll(pf, 2, -1) < 0) {
-			if (errno == EINTR) continue;
-			return 1;
-		}
-		if (pf[1].revents) {
-			struct signalfd_siginfo si;
-			while (read(sfd, &si, sizeof si) > 0) {
-			}
-			reap();
-		}
-		if (!pf[0].revents) continue;
-		struct hdr h;
-		ssize_t n = recv_msg(&h);
-		if (n == 0) return 0; // the server is gone; its inits follow
-		if (n < 0) {
-			close_fds();
-			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
-			if (n == -1) return 1;
-			reply(h.id, EPROTO, 0);
-			continue;
-		}
-		if (h.type == ZSPAWN) {
-			int32_t pid = 0;
-			int e = zspawn(h.len, &pid);
-			reply(h.id, e, e ? 0 : pid);
-		} else {
-			reply(h.id, ENOSYS, 0);
-		}
-		close_fds();
+static void zygote_handle(struct hdr *h) {
+	if (h->type != ZSPAWN) {
+		reply(h->id, ENOSYS, 0);
+		return;
 	}
+	int32_t pid = 0;
+	int e = zspawn(h->len, &pid);
+	reply(h->id, e, e ? 0 : pid);
 }
 
 int main(int argc, char **argv) {
-	if (argc > 1 && strcmp(argv[1], "--zygote") == 0) return zygote_main();
+	if (argc > 1 && strcmp(argv[1], "--zygote") == 0) return serve(zygote_handle);
 	return init_main(argc > 1 ? argv[1] : NULL);
 }
