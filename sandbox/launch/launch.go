@@ -234,6 +234,9 @@ type Init struct {
 	status unix.WaitStatus
 	mntns  int
 	once   sync.Once
+	// detached receives the outcome of the previous swap's detach of the
+	// old root, which finishes after Swap returns; the next Swap waits.
+	detached chan error
 }
 
 // Swap makes the detached mount mountFD the sandbox's root. A locked thread
@@ -242,8 +245,24 @@ type Init struct {
 // old root. pivot_root re-points every task whose root or cwd is the old
 // root; others (cwd below /, open fds) keep reaching the old mount, which is
 // the caller's to handle. The caller keeps ownership of mountFD.
+//
+// The detach of the old root is the slow part (the kernel waits for an RCU
+// grace period) and changes nothing the sandbox can see (the old root sits
+// on top of the new one, above every task's root), so Swap returns once
+// pivot_root is done and the worker detaches afterwards. Swaps of one init
+// are serialised by the caller; each waits for the previous detach.
 func (in *Init) Swap(mountFD int) error {
-	return swapWorkers.do(in.mntns, mountFD)
+	if in.detached != nil {
+		err := <-in.detached
+		in.detached = nil
+		if err != nil {
+			return fmt.Errorf("detaching the previous root: %w", err)
+		}
+	}
+	detached := make(chan error, 1)
+	err := swapWorkers.do(in.mntns, mountFD, detached)
+	in.detached = detached
+	return err
 }
 
 // swapPool runs root swaps on long-lived locked threads, each with an fs
@@ -256,12 +275,13 @@ type swapPool struct {
 
 type swapJob struct {
 	mntns, mountFD int
-	errc           chan error
+	errc           chan error // the swap's outcome
+	detached       chan error // then the old root's detach
 }
 
 var swapWorkers swapPool
 
-func (p *swapPool) do(mntns, mountFD int) error {
+func (p *swapPool) do(mntns, mountFD int, detached chan error) error {
 	p.once.Do(func() {
 		p.jobs = make(chan swapJob)
 		for range 2 {
@@ -269,7 +289,7 @@ func (p *swapPool) do(mntns, mountFD int) error {
 		}
 	})
 	errc := make(chan error, 1)
-	p.jobs <- swapJob{mntns, mountFD, errc}
+	p.jobs <- swapJob{mntns, mountFD, errc, detached}
 	return <-errc
 }
 
@@ -283,40 +303,46 @@ func swapWorker(jobs chan swapJob) {
 		panic(fmt.Sprintf("swap worker: opening own mount namespace: %v", err))
 	}
 	for j := range jobs {
-		err := swapLocked(j.mntns, j.mountFD)
+		pivoted, err := swapLocked(j.mntns, j.mountFD)
+		j.errc <- err
+		var derr error
+		if pivoted {
+			if derr = unix.Unmount(".", unix.MNT_DETACH); derr != nil {
+				derr = fmt.Errorf("detaching old root: %w", derr)
+			}
+		}
 		if berr := unix.Setns(home, unix.CLONE_NEWNS); berr != nil {
 			// The thread cannot go home: let it die with the goroutine
 			// and start a fresh worker in its place.
-			j.errc <- errors.Join(err, fmt.Errorf("leaving sandbox mount namespace: %w", berr))
+			j.detached <- errors.Join(derr, fmt.Errorf("leaving sandbox mount namespace: %w", berr))
 			go swapWorker(jobs)
 			return
 		}
-		j.errc <- err
+		j.detached <- derr
 	}
 }
 
-func swapLocked(mntns, mountFD int) error {
+// swapLocked does a swap up to pivot_root; it reports whether the old root
+// now waits on top to be detached (with the thread's cwd on it).
+func swapLocked(mntns, mountFD int) (pivoted bool, err error) {
 	if err := unix.Setns(mntns, unix.CLONE_NEWNS); err != nil {
-		return fmt.Errorf("entering sandbox mount namespace: %w", err)
+		return false, fmt.Errorf("entering sandbox mount namespace: %w", err)
 	}
 	if err := unix.MoveMount(mountFD, "", unix.AT_FDCWD, "/", unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-		return fmt.Errorf("attaching new root: %w", err)
+		return false, fmt.Errorf("attaching new root: %w", err)
 	}
 	if err := unix.Fchdir(mountFD); err != nil {
-		return fmt.Errorf("entering new root: %w", err)
+		return false, fmt.Errorf("entering new root: %w", err)
 	}
 	for _, m := range []string{"proc", "dev"} {
 		if err := unix.MoveMount(unix.AT_FDCWD, "/"+m, unix.AT_FDCWD, m, 0); err != nil {
-			return fmt.Errorf("moving /%s: %w", m, err)
+			return false, fmt.Errorf("moving /%s: %w", m, err)
 		}
 	}
 	if err := unix.PivotRoot(".", "."); err != nil {
-		return fmt.Errorf("pivot_root: %w", err)
+		return false, fmt.Errorf("pivot_root: %w", err)
 	}
-	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
-		return fmt.Errorf("detaching old root: %w", err)
-	}
-	return nil
+	return true, nil
 }
 
 // Start clones a new init (through the zygote) into new user, mount, pid,
