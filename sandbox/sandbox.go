@@ -504,11 +504,7 @@ func (s *Sandbox) killAll() error {
 
 // hasProcesses reports whether anything but the init runs in the sandbox.
 func (s *Sandbox) hasProcesses() (bool, error) {
-	pids, err := s.work.Pids()
-	if err != nil {
-		return false, err
-	}
-	return len(pids) > 0, nil
+	return s.work.Populated()
 }
 
 // Checkpoint records the sandbox's current filesystem state as an immutable

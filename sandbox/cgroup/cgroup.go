@@ -519,6 +519,15 @@ func (c *Cgroup) kill(deadline time.Time) error {
 
 // populated reports whether the group or a sub-group has a process. A
 // missing group is not populated.
+// Populated reports whether the group or any of its sub-groups has a
+// process: one read of cgroup.events where cgroup v2 tracks membership.
+func (c *Cgroup) Populated() (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p, err := c.populated()
+	return p, c.wrap("reading", err)
+}
+
 func (c *Cgroup) populated() (bool, error) {
 	if c.trackV2 {
 		v, err := readFile(filepath.Join(c.track, "cgroup.events"))
