@@ -621,6 +621,18 @@ func (r *Runtime) shorten(stack []string) []string {
 	return stack
 }
 
+// imageLowers returns the layers under every delta of image: the skeleton
+// and the image's own, bottom first.
+func (r *Runtime) imageLowers(image string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := []string{r.skel}
+	if im := r.images[image]; im != nil {
+		out = append(out, im.layers...)
+	}
+	return out
+}
+
 // maybeFlatten merges a deep checkpoint's layers in the background.
 func (r *Runtime) maybeFlatten(c *checkpoint) {
 	if len(c.Layers) <= r.cfg.FlattenDepth {
@@ -656,7 +668,7 @@ func (r *Runtime) maybeFlatten(c *checkpoint) {
 			r.mu.Unlock()
 			return
 		}
-		f, err := r.layers.Flatten(c.Layers, 0)
+		f, err := r.layers.Flatten(c.Layers, 0, r.imageLowers(c.Image))
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		delete(r.flatBusy, c.ID)

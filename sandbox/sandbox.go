@@ -556,7 +556,7 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 	if len(stack)+len(s.img.layers)+1 > maxStack {
 		// The background flattener fell behind: merge now rather than
 		// hit the kernel's limit.
-		f, err := r.layers.Flatten(stack, 0)
+		f, err := r.layers.Flatten(stack, 0, r.imageLowers(s.img.info.Name))
 		if err != nil {
 			_ = r.layers.Unseal(old)
 			return err

@@ -14,28 +14,55 @@ import (
 const opaqueXattr = "trusted.overlay.opaque"
 
 // Merge squashes overlay layers srcs (bottom first) into the empty directory
-// dst, so that dst alone over any lower stack shows what srcs over it show:
+// dst, so that dst over the layers below (bottom first: the image's) shows
+// what srcs over them show:
 //
-//   - a whiteout (0:0 char device) removes what dst has at its path and
-//     stays a whiteout, since the layers below may have the path;
+//   - a whiteout (0:0 char device) removes what dst has at its path, and
+//     stays a whiteout only where it hides something: where a layer below
+//     has the path, and not inside an opaque directory. A whiteout that
+//     hides nothing must go: overlayfs lists a directory that only one layer
+//     has (or an opaque one) as it is, whiteouts included;
 //   - an opaque directory replaces what dst has and stays opaque;
-//   - a directory over a whiteout becomes opaque (the whiteout hid
-//     everything below it); over an opaque one it stays opaque;
+//   - a directory over a whiteout or a non-directory becomes opaque (nothing
+//     below showed through); over an opaque one it stays opaque;
 //   - any other entry replaces what dst has at its path.
 //
 // Owners, modes, times, xattrs (but overlay's own bookkeeping xattrs other
 // than the opaque mark) and hard links within a layer are kept.
-func Merge(dst string, srcs []string) error {
+func Merge(dst string, srcs, below []string) error {
+	m := merger{dst: dst, below: below}
 	for _, src := range srcs {
-		links := map[[2]uint64]string{}
-		if err := mergeDir(src, dst, "", links); err != nil {
+		m.src = src
+		m.links = map[[2]uint64]string{}
+		if err := m.dir("", false); err != nil {
 			return fmt.Errorf("merging layer %s: %w", src, err)
 		}
 	}
 	return nil
 }
 
-func mergeDir(srcRoot, dstRoot, rel string, links map[[2]uint64]string) error {
+type merger struct {
+	src, dst string
+	below    []string
+	links    map[[2]uint64]string
+}
+
+// hidesSomething reports whether a layer below has rel (not as a whiteout).
+func (m *merger) hidesSomething(rel string) bool {
+	for _, b := range m.below {
+		var st unix.Stat_t
+		if unix.Lstat(filepath.Join(b, rel), &st) == nil && !(st.Mode&unix.S_IFMT == unix.S_IFCHR && st.Rdev == 0) {
+			return true
+		}
+	}
+	return false
+}
+
+func (m *merger) dir(rel string, inOpaque bool) error {
+	return mergeDir(m, m.src, m.dst, rel, m.links, inOpaque)
+}
+
+func mergeDir(m *merger, srcRoot, dstRoot, rel string, links map[[2]uint64]string, inOpaque bool) error {
 	entries, err := os.ReadDir(filepath.Join(srcRoot, rel))
 	if err != nil {
 		return err
@@ -57,6 +84,9 @@ func mergeDir(srcRoot, dstRoot, rel string, links map[[2]uint64]string) error {
 				if err := removeAll(dst, dstExists); err != nil {
 					return err
 				}
+				if inOpaque || !m.hidesSomething(p) {
+					continue
+				}
 				if err := unix.Mknod(dst, unix.S_IFCHR|0o000, 0); err != nil {
 					return err
 				}
@@ -70,7 +100,7 @@ func mergeDir(srcRoot, dstRoot, rel string, links map[[2]uint64]string) error {
 			dstDir := dstExists && dt.Mode&unix.S_IFMT == unix.S_IFDIR
 			// Below a whiteout or an opaque dir, nothing of the lower
 			// stack shows through: keep it hidden.
-			opaque := srcOpaque || (dstExists && !dstDir && dt.Mode&unix.S_IFMT == unix.S_IFCHR && dt.Rdev == 0) || (dstDir && isOpaque(dst))
+			opaque := srcOpaque || (dstExists && !dstDir) || (dstDir && isOpaque(dst))
 			if srcOpaque || (dstExists && !dstDir) {
 				if err := removeAll(dst, dstExists); err != nil {
 					return err
@@ -82,7 +112,7 @@ func mergeDir(srcRoot, dstRoot, rel string, links map[[2]uint64]string) error {
 					return err
 				}
 			}
-			if err := mergeDir(srcRoot, dstRoot, p, links); err != nil {
+			if err := mergeDir(m, srcRoot, dstRoot, p, links, inOpaque || opaque); err != nil {
 				return err
 			}
 			if err := copyMeta(src, dst, &st); err != nil {
@@ -251,8 +281,9 @@ func copyXattrs(src, dst string) error {
 }
 
 // Flatten merges layers ids (bottom first) into a new sealed layer and
-// returns it with one reference held by the caller.
-func (s *Store) Flatten(ids []string, sizeBytes int64) (string, error) {
+// returns it with one reference held by the caller. below are the layers
+// the result will sit on (the image's), bottom first.
+func (s *Store) Flatten(ids []string, sizeBytes int64, below []string) (string, error) {
 	id, err := s.NewUpper(sizeBytes)
 	if err != nil {
 		return "", err
@@ -261,7 +292,7 @@ func (s *Store) Flatten(ids []string, sizeBytes int64) (string, error) {
 	for i, l := range ids {
 		srcs[i] = s.Path(l)
 	}
-	if err := Merge(s.Path(id), srcs); err != nil {
+	if err := Merge(s.Path(id), srcs, below); err != nil {
 		s.Unref(id)
 		return "", err
 	}
