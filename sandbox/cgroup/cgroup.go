@@ -464,6 +464,10 @@ func (c *Cgroup) Kill() error {
 
 func (c *Cgroup) kill(deadline time.Time) error {
 	if c.trackV2 {
+		// The common case after a command returns: nothing left to kill.
+		if pop, err := c.populated(); err == nil && !pop {
+			return nil
+		}
 		if err := writeFile(filepath.Join(c.track, "cgroup.kill"), "1"); err != nil {
 			return err
 		}
