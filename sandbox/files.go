@@ -6,11 +6,12 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime"
 	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/fscred"
 )
 
 // File actions run in the server, not in the sandbox: every path is resolved
@@ -166,16 +167,7 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	var err error
 	// openat2 fails with EAGAIN when a rename races the lookup: retry.
 	for try := 0; try < 8; try++ {
-		errc := make(chan error, 1)
-		go func() {
-			runtime.LockOSThread()
-			err, clean := s.fileOpLocked(uid, gid, rel, fn)
-			if clean {
-				runtime.UnlockOSThread()
-			}
-			errc <- err
-		}()
-		if err = <-errc; !errors.Is(err, unix.EAGAIN) {
+		if err = s.fileOpOnce(uid, gid, rel, fn); !errors.Is(err, unix.EAGAIN) {
 			break
 		}
 	}
@@ -208,37 +200,15 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	return err
 }
 
-func (s *Sandbox) fileOpLocked(uid, gid int, rel string, fn func(int, string) error) (err error, clean bool) {
+// fileOpOnce opens the sandbox's root (as host root: the init runs as the
+// range's root, which the user's fsuid may not inspect), then runs fn with
+// the user's fsuid; the sandbox's root keeps its file capabilities, since it
+// may write any file of its own filesystem.
+func (s *Sandbox) fileOpOnce(uid, gid int, rel string, fn func(int, string) error) error {
 	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("%w: the sandbox's init went away", ErrClosed), true
+		return fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
 	}
 	defer unix.Close(root)
-	if err := unix.Setfsgid(gid); err != nil {
-		return err, false
-	}
-	if err := unix.Setfsuid(uid); err != nil {
-		return err, false
-	}
-	if uid == s.hostID {
-		// The sandbox's root may write any file of its own filesystem.
-		if err := raiseCaps(); err != nil {
-			return err, false
-		}
-	}
-	err = fn(root, rel)
-	unix.Setfsuid(0)
-	unix.Setfsgid(0)
-	return err, raiseCaps() == nil
-}
-
-func raiseCaps() error {
-	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
-	var data [2]unix.CapUserData
-	if err := unix.Capget(&hdr, &data[0]); err != nil {
-		return err
-	}
-	data[0].Effective = data[0].Permitted
-	data[1].Effective = data[1].Permitted
-	return unix.Capset(&hdr, &data[0])
+	return fscred.Run(uid, gid, uid == s.hostID, func() error { return fn(root, rel) })
 }

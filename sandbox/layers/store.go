@@ -217,20 +217,6 @@ func (s *Store) discard(id string) {
 	_ = os.RemoveAll(d)
 }
 
-// Refs returns the number of references to layer id (for tests).
-func (s *Store) Refs(id string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.refs[id]
-}
-
-// Count returns how many layers the store holds.
-func (s *Store) Count() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.refs)
-}
-
 // Reconcile adopts the layers left by an earlier run that are listed in
 // keep (each with the number of references it gets) and discards every other
 // entry of the store. It returns the kept layers that were missing (their

@@ -13,10 +13,11 @@ package overlay
 import (
 	"errors"
 	"fmt"
-	"runtime"
 	"strconv"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/fscred"
 )
 
 // ErrTooDeep is returned for a stack deeper than the kernel accepts.
@@ -66,56 +67,12 @@ func Mount(s Spec) (int, error) {
 	if s.MounterID == 0 {
 		return mount(s)
 	}
-	type result struct {
-		fd  int
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread()
-		fd, err := mountAs(s)
-		if err == nil {
-			// Back to fsuid 0: the kernel restores the file
-			// capabilities, and the thread can be reused.
-			unix.Setfsuid(0)
-			unix.Setfsgid(0)
-			if raiseCaps() == nil {
-				runtime.UnlockOSThread()
-			}
-		}
-		ch <- result{fd, err}
-	}()
-	r := <-ch
-	return r.fd, r.err
-}
-
-func mountAs(s Spec) (int, error) {
-	if err := unix.Setfsgid(s.MounterID); err != nil {
-		return -1, fmt.Errorf("setfsgid: %w", err)
-	}
-	if err := unix.Setfsuid(s.MounterID); err != nil {
-		return -1, fmt.Errorf("setfsuid: %w", err)
-	}
-	// Changing fsuid away from 0 clears the file capabilities from the
-	// effective set; raise them again from the permitted set.
-	if err := raiseCaps(); err != nil {
-		return -1, err
-	}
-	return mount(s)
-}
-
-func raiseCaps() error {
-	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
-	var data [2]unix.CapUserData
-	if err := unix.Capget(&hdr, &data[0]); err != nil {
-		return fmt.Errorf("capget: %w", err)
-	}
-	data[0].Effective = data[0].Permitted
-	data[1].Effective = data[1].Permitted
-	if err := unix.Capset(&hdr, &data[0]); err != nil {
-		return fmt.Errorf("capset: %w", err)
-	}
-	return nil
+	var fd int
+	err := fscred.Run(s.MounterID, s.MounterID, true, func() (err error) {
+		fd, err = mount(s)
+		return err
+	})
+	return fd, err
 }
 
 func mount(s Spec) (int, error) {
