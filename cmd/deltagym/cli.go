@@ -12,7 +12,6 @@ import (
 	"connectrpc.com/connect"
 
 	deltagym "github.com/deltagym/deltagym/clients/go"
-	"github.com/deltagym/deltagym/server"
 )
 
 // Exit statuses.
@@ -39,9 +38,6 @@ type app struct {
 	addr  string
 	token string
 	json  bool
-
-	// serveBase is the server config `serve` starts from, before its flags.
-	serveBase server.Config
 }
 
 // command is a subcommand.

@@ -13,7 +13,7 @@ import (
 // runServe runs the server in the foreground until SIGINT or SIGTERM, then
 // shuts it down gracefully.
 func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	cfg := a.serveBase // flags override it; tests use it to isolate the cgroup root
+	var cfg server.Config
 	cfg.RegisterFlags(fs)
 	pos, _, err := parseArgs(fs, args)
 	if err != nil {

@@ -1,0 +1,149 @@
+// Package servertest starts a real in-process deltagym server — sandbox
+// runtime, warm pools on the default image, private Postgres — on a loopback
+// port, for the integration tests of the clients and the CLI.
+package servertest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server"
+	"github.com/deltagym/deltagym/server/ledger/pgserver"
+)
+
+// Options adjust the test server.
+type Options struct {
+	// EnvsDir is the env catalog; default: the repository's envs/.
+	EnvsDir string
+	// AuthToken, when set, is the bearer token the server requires.
+	AuthToken string
+	// LeaseTTL overrides the server's lease TTL.
+	LeaseTTL time.Duration
+}
+
+// Server is a running test server.
+type Server struct {
+	*server.Server
+	// Addr is its loopback host:port.
+	Addr string
+	// DataDir is its data directory (removed by Close).
+	DataDir string
+	// InitBinary is the dg-init it runs sandboxes with.
+	InitBinary string
+
+	served chan error
+	log    *os.File
+}
+
+// Start starts a server. Where one cannot run here (not root; init, default
+// image or postgres missing) it returns a nil Server and the reason.
+func Start(ctx context.Context, opts Options) (*Server, string, error) {
+	if os.Geteuid() != 0 {
+		return nil, "sandboxes need root", nil
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		return nil, "", err
+	}
+	initBin := os.Getenv("DELTAGYM_INIT")
+	if initBin == "" {
+		initBin = filepath.Join(root, "bin", "dg-init")
+	}
+	image := filepath.Join(root, ".data", "images", "default", "rootfs")
+	if d := os.Getenv("DATA"); d != "" {
+		image = filepath.Join(d, "images", "default", "rootfs")
+	}
+	for _, need := range []struct{ path, hint string }{
+		{initBin, "the sandbox init is not built (make init)"},
+		{image, "the default image is not built (make image)"},
+		{filepath.Join(pgserver.DefaultBinDir, "postgres"), "postgres is not installed (make deps)"},
+	} {
+		if _, err := os.Stat(need.path); err != nil {
+			return nil, need.hint, nil
+		}
+	}
+	if opts.EnvsDir == "" {
+		opts.EnvsDir = filepath.Join(root, "envs")
+	}
+	data, err := os.MkdirTemp("", "dgtestsrv-")
+	if err != nil {
+		return nil, "", err
+	}
+	logFile, err := os.Create(filepath.Join(data, "server.log"))
+	if err != nil {
+		return nil, "", errors.Join(err, os.RemoveAll(data))
+	}
+	srv, err := server.New(ctx, server.Config{
+		DataDir:         data,
+		EnvsDir:         opts.EnvsDir,
+		InitBinary:      initBin,
+		DefaultImageDir: image,
+		AuthToken:       opts.AuthToken,
+		LeaseTTL:        opts.LeaseTTL,
+		AcquireTimeout:  time.Minute,
+		Logger:          slog.New(slog.NewTextHandler(logFile, nil)),
+	})
+	if err != nil {
+		logFile.Close()
+		return nil, "", errors.Join(err, purge(data))
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		logFile.Close()
+		return nil, "", errors.Join(err, srv.Close(ctx), purge(data))
+	}
+	s := &Server{Server: srv, Addr: ln.Addr().String(), DataDir: data, InitBinary: initBin,
+		served: make(chan error, 1), log: logFile}
+	go func() { s.served <- srv.Serve(ln) }()
+	return s, "", nil
+}
+
+// Close stops the server and removes its data directory, with the
+// checkpoint layers the runtime keeps mounted for a restart. On an error the
+// server's log goes to stderr.
+func (s *Server) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := s.Server.Close(ctx)
+	<-s.served
+	s.log.Close()
+	if err != nil {
+		if f, oerr := os.Open(s.log.Name()); oerr == nil {
+			_, _ = io.Copy(os.Stderr, f)
+			f.Close()
+		}
+	}
+	return errors.Join(err, purge(s.DataDir))
+}
+
+// purge removes a server data directory; the runtime's part of it holds
+// tmpfs mounts (sandbox.Purge unmounts them).
+func purge(data string) error {
+	return errors.Join(sandbox.Purge(filepath.Join(data, "sandbox")), os.RemoveAll(data))
+}
+
+// RepoRoot finds the module root from the working directory.
+func RepoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", fmt.Errorf("go.mod not found above %s", dir)
+		}
+		dir = parent
+	}
+}
