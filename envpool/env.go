@@ -34,6 +34,9 @@ func (e *Env) Name() string { return e.spec.GetName() }
 // Spec returns a copy of the env's spec.
 func (e *Env) Spec() *deltagymv1.EnvSpec { return cloneSpec(e.spec) }
 
+// ProcessMode is how the env's checkpoints capture live processes by default.
+func (e *Env) ProcessMode() deltagymv1.ProcessMode { return e.spec.GetProcessMode() }
+
 // StepTimeout returns the default and maximum wall time of one step.
 func (e *Env) StepTimeout() time.Duration { return e.stepTimeout }
 

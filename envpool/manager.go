@@ -38,7 +38,8 @@ type Config struct {
 	// evaluate), for the ledger. It must not block.
 	OnCheckpoint func(env string, kind CheckpointKind, info sandbox.CheckpointInfo)
 	// OnEnd, if set, is called once for every lease that ends other than by CloseLease: reaped
-	// after its TTL, its sandbox died, or the Manager closed. It must not block.
+	// after its TTL, its sandbox died, or the Manager closed; reason is EndExpired, EndDied or
+	// EndShutdown. It must not block.
 	OnEnd func(l *Lease, reason string)
 }
 
@@ -231,9 +232,23 @@ func (m *Manager) Acquire(ctx context.Context, env *Env) (*Lease, error) {
 	return m.adopt(env, sb)
 }
 
+// ForkOptions tunes Fork.
+type ForkOptions struct {
+	// FreshEntropy gives each child a seed of its own (sandbox.SeedPath).
+	FreshEntropy bool
+	// FilesOnly starts the children from the checkpoint's files even if it
+	// captured processes (sandbox.Spec.FilesOnly).
+	FilesOnly bool
+}
+
 // Fork creates n leased sandboxes of env at checkpoint.
-func (m *Manager) Fork(ctx context.Context, env *Env, checkpoint string, n int) ([]*Lease, error) {
-	sbs, err := m.rt.Fork(ctx, checkpoint, n, env.forkSpec())
+func (m *Manager) Fork(ctx context.Context, env *Env, checkpoint string, n int, o ...ForkOptions) ([]*Lease, error) {
+	spec := env.forkSpec()
+	for _, x := range o {
+		spec.FreshEntropy = spec.FreshEntropy || x.FreshEntropy
+		spec.FilesOnly = spec.FilesOnly || x.FilesOnly
+	}
+	sbs, err := m.rt.Fork(ctx, checkpoint, n, spec)
 	if err != nil {
 		return nil, fmt.Errorf("forking %d from checkpoint %s: %w", n, checkpoint, err)
 	}
@@ -301,6 +316,16 @@ func (m *Manager) CloseLease(ctx context.Context, l *Lease) error {
 	return nil
 }
 
+// Why a lease ended other than by CloseLease (the reason given to Config.OnEnd).
+const (
+	// EndExpired: the lease's TTL ran out with no call in flight (its client went away).
+	EndExpired = "lease expired"
+	// EndDied: the sandbox's init exited, so the sandbox is gone.
+	EndDied = "sandbox died"
+	// EndShutdown: the Manager was closed with the lease still held.
+	EndShutdown = "server shutdown"
+)
+
 // reap destroys the sandboxes whose lease expired with no call in flight, or whose init died.
 func (m *Manager) reap() {
 	defer close(m.reaperDone)
@@ -317,10 +342,10 @@ func (m *Manager) reap() {
 			reason := ""
 			select {
 			case <-l.box.Done():
-				reason = "sandbox died"
+				reason = EndDied
 			default:
 				if l.inflight.Load() == 0 && l.expires.Load() < now {
-					reason = "lease expired"
+					reason = EndExpired
 				}
 			}
 			if reason == "" {
@@ -371,7 +396,7 @@ func (m *Manager) Close(ctx context.Context) error {
 				errs = append(errs, err)
 			}
 			if m.cfg.OnEnd != nil {
-				m.cfg.OnEnd(l, "server shutdown")
+				m.cfg.OnEnd(l, EndShutdown)
 			}
 		}
 		m.closeErr = errors.Join(errs...)

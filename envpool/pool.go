@@ -72,7 +72,8 @@ func (p *pool) setup(ctx context.Context) (string, error) {
 				name, i, cmd, res.ExitCode, res.Signal, res.TimedOut, tail(res.Stderr, 512), ErrNotReady)
 		}
 	}
-	info, err := sb.Checkpoint(ctx)
+	// Forked to fill the pool: files only (template copies live in one sandbox).
+	info, err := sb.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	if err != nil {
 		return "", fmt.Errorf("env %s: checkpointing after setup: %w: %w", name, err, ErrNotReady)
 	}

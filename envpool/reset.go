@@ -153,7 +153,8 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		return fail(fmt.Errorf("env %s: reset hook exited %d (timed out %v): %s: %w",
 			env.Name(), res.ExitCode, res.TimedOut, tail(res.Stderr, 512), ErrBadOption))
 	}
-	info, err := l.box.Checkpoint(ctx)
+	// Forked for later resets of the task: files only.
+	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	if err != nil {
 		return fail(fmt.Errorf("env %s: checkpointing task: %w", env.Name(), err))
 	}
@@ -213,7 +214,8 @@ func (m *Manager) Evaluate(ctx context.Context, l *Lease) (Verdict, error) {
 	if !l.env.HasVerifier() {
 		return Verdict{}, fmt.Errorf("env %s: %w", l.env.Name(), ErrNoVerifier)
 	}
-	info, err := l.box.Checkpoint(ctx)
+	// The verifier runs in a fork: files only.
+	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	if err != nil {
 		return Verdict{}, fmt.Errorf("checkpointing sandbox %s to evaluate: %w", l.ID(), err)
 	}

@@ -8,7 +8,16 @@ import (
 )
 
 // Scenarios lists the scenario names Run accepts.
-var Scenarios = []string{"rollback", "rollback-exec", "steps", "grpo", "tree", "mixed"}
+var Scenarios = []string{"rollback", "rollback-exec", "rollback-process", "steps", "grpo", "tree", "mixed"}
+
+// Process capture methods of the rollback-process scenario (Config.ProcessMethod).
+const (
+	// ProcessTemplate is the fast path: a frozen template copy of each process.
+	ProcessTemplate = "template"
+	// ProcessCRIU is the CRIU path (PROCESS_MODE_CRIU), measured beside the fast path
+	// when the server offers it.
+	ProcessCRIU = "criu"
+)
 
 // Config configures Run.
 type Config struct {
@@ -34,10 +43,22 @@ type Config struct {
 	FileSize int
 	// Group is the G of the grpo scenario (children per fork). Default 8.
 	Group int
+	// ProcessMB is the memory, in MiB, the process of the rollback-process scenario holds
+	// (every page written). Default 8.
+	ProcessMB int
+	// ProcessMethod is how the rollback-process scenario's checkpoints capture its
+	// process: ProcessTemplate (default) or ProcessCRIU.
+	ProcessMethod string
 	// Conns is the number of HTTP/2 connections the workers share. Default 4.
 	Conns int
-	// ServerPID, when known, is the server whose RSS the timeline samples.
+	// ServerPID, when known, is the server whose RSS and CPU the timeline samples from
+	// /proc; 0 samples them from the server's /metrics.
 	ServerPID int
+	// SandboxCPUStat, when known, is the cgroup2 cpu.stat file accounting the CPU of every
+	// sandbox of the server (Server.SandboxCPUStat).
+	SandboxCPUStat string
+	// SampleInterval is the interval of the timeline's samples. Default 1s.
+	SampleInterval time.Duration
 	// Progress receives a live progress line each second; nil for none.
 	Progress io.Writer
 }
@@ -71,18 +92,33 @@ func (c *Config) Validate() error {
 	if c.Group == 0 {
 		c.Group = 8
 	}
+	if c.ProcessMB == 0 {
+		c.ProcessMB = 8
+	}
+	if c.ProcessMethod == "" {
+		c.ProcessMethod = ProcessTemplate
+	}
 	if c.Conns == 0 {
 		c.Conns = 4
+	}
+	if c.SampleInterval == 0 {
+		c.SampleInterval = time.Second
 	}
 	switch {
 	case c.Concurrency < 1:
 		return fmt.Errorf("concurrency %d is below 1: %w", c.Concurrency, ErrInvalid)
 	case c.Rate < 0:
 		return fmt.Errorf("rate %v is negative: %w", c.Rate, ErrInvalid)
+	case c.SampleInterval < 100*time.Millisecond:
+		return fmt.Errorf("sample interval %v is below 100ms: %w", c.SampleInterval, ErrInvalid)
 	case c.Duration < 0 || c.Warmup < 0:
 		return fmt.Errorf("duration and warm-up must not be negative: %w", ErrInvalid)
 	case c.FileSize < 16:
 		return fmt.Errorf("file size %d is below 16 bytes: %w", c.FileSize, ErrInvalid)
+	case c.ProcessMB < 1 || c.ProcessMB > 1024:
+		return fmt.Errorf("process size %d MiB is not within 1..1024: %w", c.ProcessMB, ErrInvalid)
+	case c.ProcessMethod != ProcessTemplate && c.ProcessMethod != ProcessCRIU:
+		return fmt.Errorf("process method %q is neither %q nor %q: %w", c.ProcessMethod, ProcessTemplate, ProcessCRIU, ErrInvalid)
 	case c.Group < 1 || c.Conns < 1:
 		return fmt.Errorf("group and conns must be at least 1: %w", ErrInvalid)
 	}
@@ -92,7 +128,7 @@ func (c *Config) Validate() error {
 // unit names what one iteration of a scenario is, for the throughput line.
 func unit(scenario string) string {
 	switch scenario {
-	case "rollback", "rollback-exec":
+	case "rollback", "rollback-exec", "rollback-process":
 		return "rollbacks"
 	case "steps":
 		return "steps"

@@ -28,6 +28,10 @@ func TestConfigValidate(t *testing.T) {
 		{"negative rate", Config{Addr: "x:1", Rate: -1}, false},
 		{"tiny file", Config{Addr: "x:1", FileSize: 3}, false},
 		{"negative concurrency", Config{Addr: "x:1", Concurrency: -2}, false},
+		{"tiny sample interval", Config{Addr: "x:1", SampleInterval: time.Millisecond}, false},
+		{"rollback-process", Config{Addr: "x:1", Scenario: "rollback-process"}, true},
+		{"negative process size", Config{Addr: "x:1", ProcessMB: -1}, false},
+		{"unknown process method", Config{Addr: "x:1", ProcessMethod: "dump"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.cfg.Validate()
@@ -37,7 +41,7 @@ func TestConfigValidate(t *testing.T) {
 			if err != nil && !errors.Is(err, ErrInvalid) {
 				t.Fatalf("Validate() = %v, want ErrInvalid", err)
 			}
-			if tc.ok && (tc.cfg.Concurrency != 64 || tc.cfg.Scenario != "rollback" || tc.cfg.FileSize != 4096) {
+			if tc.ok && (tc.cfg.Concurrency != 64 || tc.cfg.FileSize != 4096 || tc.cfg.ProcessMB != 8 || tc.cfg.ProcessMethod != ProcessTemplate) {
 				t.Fatalf("defaults not filled in: %+v", tc.cfg)
 			}
 		})

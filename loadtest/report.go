@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -29,14 +30,21 @@ type Report struct {
 	FirstWrong  string  `json:"first_wrong_restore,omitempty"`
 	// Ops holds latency per operation; "iteration" is a whole iteration.
 	Ops map[string]OpStats `json:"ops"`
-	// Timeline has one sample per second of the run (warm-up included).
+	// SampleSec is the interval of the timeline's samples.
+	SampleSec float64 `json:"sample_seconds"`
+	// Timeline has one sample per SampleSec of the run (warm-up included).
 	Timeline []Sample `json:"timeline"`
+	// Flatness compares the first and last window of the measured timeline.
+	Flatness *Flatness `json:"flatness,omitempty"`
 	// Errors counts failures by "operation: code".
 	Errors map[string]int64 `json:"errors"`
 	// Machine describes the load on the machine during the run.
 	Machine Machine `json:"machine"`
 	// FullCopy is the full-copy baseline, when measured in the same run.
 	FullCopy *FullCopyResult `json:"full_copy,omitempty"`
+	// ProcessCRIU is the CRIU variant of the rollback-process scenario, measured (or found
+	// not available) in the same run.
+	ProcessCRIU *ProcessVariant `json:"process_criu,omitempty"`
 
 	hists map[string]*hdrhistogram.Histogram
 }
@@ -89,6 +97,8 @@ func newReport(cfg Config, rec *recorder, setup time.Duration) *Report {
 	}
 	r.FirstWrong = rec.firstWrong
 	r.Timeline = rec.timeline
+	r.SampleSec = cfg.SampleInterval.Seconds()
+	r.Flatness = measureFlatness(r.Timeline, r.WarmupSec, r.DurationSec, numCPU())
 	return r
 }
 
@@ -125,11 +135,15 @@ func (r *Report) WriteSummary(w io.Writer) {
 			fmt.Fprintf(w, "  first wrong restore: %s\n", r.FirstWrong)
 		}
 	}
+	r.writeTimeline(w)
 	if m := r.Machine; m.CPUs > 0 {
 		r.writeMachine(w)
 	}
 	if fc := r.FullCopy; fc != nil {
 		fc.writeSummary(w, r)
+	}
+	if v := r.ProcessCRIU; v != nil {
+		v.writeSummary(w, r)
 	}
 }
 
@@ -153,55 +167,6 @@ func (r *Report) WriteJSON(path string) error {
 		return fmt.Errorf("writing report: %w", err)
 	}
 	return nil
-}
-
-// Sample is one second of the run: iterations and errors completed in it, and the server's
-// RSS when known.
-type Sample struct {
-	AtSec      float64 `json:"at_seconds"`
-	Iterations int64   `json:"iterations"`
-	Errors     int64   `json:"errors"`
-	ServerRSS  int64   `json:"server_rss_bytes,omitempty"`
-}
-
-// progress samples the run each second (into rec.timeline) and prints a live line to
-// cfg.Progress, until the returned stop is called.
-func progress(cfg Config, rec *recorder, start time.Time) (stop func()) {
-	done := make(chan struct{})
-	finished := make(chan struct{})
-	go func() {
-		defer close(finished)
-		t := time.NewTicker(time.Second)
-		defer t.Stop()
-		var last, lastErr int64
-		for {
-			select {
-			case <-done:
-				if cfg.Progress != nil {
-					fmt.Fprintln(cfg.Progress)
-				}
-				return
-			case now := <-t.C:
-				n, e := rec.liveIters.Load(), rec.liveErrors.Load()
-				rec.mu.Lock()
-				rec.timeline = append(rec.timeline, Sample{AtSec: now.Sub(start).Seconds(), Iterations: n - last, Errors: e - lastErr, ServerRSS: procRSS(cfg.ServerPID)})
-				rec.mu.Unlock()
-				lastErr = e
-				phase := "measuring"
-				if now.Before(rec.measureFrom) {
-					phase = "warm-up"
-				}
-				if cfg.Progress == nil {
-					last = n
-					continue
-				}
-				fmt.Fprintf(cfg.Progress, "\r[%5.1fs %-9s] %6d %s/s  total %d  errors %d   ", now.Sub(start).Seconds(), phase,
-					n-last, unit(cfg.Scenario), n, rec.liveErrors.Load())
-				last = n
-			}
-		}
-	}()
-	return func() { close(done); <-finished }
 }
 
 // Probe samples machine counters before a run; End fills in Machine after it.
@@ -310,19 +275,24 @@ func procCPU(pid int) float64 {
 }
 
 func cgroupUsage(path string) float64 {
+	v, _ := cgroupUsageOK(path)
+	return v
+}
+
+// cgroupUsageOK reads usage_usec of a cgroup2 cpu.stat file, in seconds.
+func cgroupUsageOK(path string) (float64, bool) {
 	if path == "" {
-		return 0
+		return 0, false
 	}
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return 0
+		return 0, false
 	}
 	for _, l := range strings.Split(string(b), "\n") {
 		if v, ok := strings.CutPrefix(l, "usage_usec "); ok {
-			var us float64
-			fmt.Sscan(v, &us)
-			return us / 1e6
+			us, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return us / 1e6, err == nil
 		}
 	}
-	return 0
+	return 0, false
 }

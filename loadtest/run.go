@@ -80,7 +80,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	rctx, cancel := context.WithDeadline(ctx, rec.measureTo)
 	defer cancel()
 
-	stopProgress := progress(cfg, rec, start)
+	stopProgress := progress(ctx, cfg, rec, start)
 	var backlog int64
 	if cfg.Rate > 0 {
 		backlog = openLoop(rctx, cfg, rec, workers)

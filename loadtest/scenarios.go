@@ -31,6 +31,8 @@ func newWorker(scenario string, id int, c deltagymv1.EnvServiceClient, cfg *Conf
 		return &rollbackWorker{base: b, size: cfg.FileSize}
 	case "rollback-exec":
 		return &rollbackExecWorker{base: b}
+	case "rollback-process":
+		return &rollbackProcessWorker{base: b, mb: cfg.ProcessMB, method: cfg.ProcessMethod}
 	case "steps":
 		return &stepsWorker{base: b}
 	case "grpo":

@@ -7,6 +7,9 @@ DEPS_GROUPS += postgres
 ledger-test: deps ## run the ledger tests against a real private Postgres
 	go test -count=1 -timeout 10m ./server/ledger/...
 
+# ledger-bench compares settings with DELTAGYM_LEDGER_BENCH_CONNS=n (delivery connections) and
+# DELTAGYM_LEDGER_BENCH_DELAY=d (Config.DeliveryDelay). The machine's other load moves steps/s a
+# lot; go-cpu-us/step and pg-cpu-us/step hold up better.
 ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)
 	go test -run '^$$' -bench WriterSteps -benchtime 100000x -timeout 20m ./server/ledger/
 

@@ -66,7 +66,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 	for _, depth := range []int{1, 10, 100} {
 		for _, procs := range []int{0, 20} {
 			b.Run(fmt.Sprintf("depth=%d/procs=%d", depth, procs), func(b *testing.B) {
-				bb := setup(b)
+				bb := setup(b, filesOnly) // the shell loops are trees: the frozen-copy path
 				s := benchSandbox(b, bb, depth, procs)
 				ctx := context.Background()
 				base, err := s.Checkpoint(ctx)
@@ -159,11 +159,27 @@ func BenchmarkFork64(b *testing.B) {
 	must(b, s.WriteFile(ctx, "/state", []byte("x"), 0, false))
 	ck, err := s.Checkpoint(ctx)
 	must(b, err)
-	var fork, cleanup lat
+	var fork, cold, cleanup lat
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
+		// Every other fan-out finds the warm-init pool full (steady
+		// state, the pool refilled between fan-outs), the others find it
+		// empty (a burst right after another).
+		warm := i%2 == 1 // the first fan-out sets the pool's size
+		b.StopTimer()
+		for deadline := time.Now().Add(time.Minute); warm && bb.rt.WarmInits() < 64; {
+			if time.Now().After(deadline) {
+				b.Fatalf("the warm-init pool holds %d inits after a minute", bb.rt.WarmInits())
+			}
+			time.Sleep(10 * time.Millisecond) // the pool refills in the background
+		}
+		b.StartTimer()
 		var kids []*sandbox.Sandbox
-		fork.time(func() { kids, err = bb.rt.Fork(ctx, ck.ID, 64, sandbox.Spec{}) })
+		l := &fork
+		if !warm {
+			l = &cold
+		}
+		l.time(func() { kids, err = bb.rt.Fork(ctx, ck.ID, 64, sandbox.Spec{}) })
 		must(b, err)
 		cleanup.time(func() {
 			for _, k := range kids {
@@ -172,6 +188,7 @@ func BenchmarkFork64(b *testing.B) {
 		})
 	}
 	fork.report(b, "fork-")
+	cold.report(b, "fork-cold-")
 	cleanup.report(b, "destroy-")
 }
 
@@ -234,4 +251,64 @@ func BenchmarkRollbackFullCopy(b *testing.B) {
 			l.report(b, "")
 		})
 	}
+}
+
+// BenchmarkCheckpointWithProcess and BenchmarkRollbackWithProcess: one
+// single-threaded python3 process holding 8 MB (its own heap, all touched)
+// or 100 MB, captured by template fork; rollback restores it in place.
+func BenchmarkCheckpointWithProcess(b *testing.B) {
+	for _, mb := range []int{8, 100} {
+		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+			bb := setup(b)
+			s := processSandbox(b, bb, mb)
+			ctx := context.Background()
+			var l lat
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				var ck sandbox.CheckpointInfo
+				var err error
+				l.time(func() { ck, err = s.Checkpoint(ctx) })
+				must(b, err)
+				b.StopTimer()
+				if len(ck.Processes) != 1 {
+					b.Fatalf("captured %+v", ck.Processes)
+				}
+				must(b, bb.rt.ReleaseCheckpoint(ck.ID))
+				b.StartTimer()
+			}
+			l.report(b, "")
+		})
+	}
+}
+
+func BenchmarkRollbackWithProcess(b *testing.B) {
+	for _, mb := range []int{8, 100} {
+		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+			bb := setup(b)
+			s := processSandbox(b, bb, mb)
+			ctx := context.Background()
+			ck, err := s.Checkpoint(ctx)
+			must(b, err)
+			var l lat
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				l.time(func() { err = s.Restore(ctx, ck.ID) })
+				must(b, err)
+			}
+			l.report(b, "")
+		})
+	}
+}
+
+// processSandbox starts a python3 process whose resident memory is about
+// mb megabytes (python itself is about 8).
+func processSandbox(b *testing.B, bb *bundle, mb int) *sandbox.Sandbox {
+	s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)})
+	ctx := context.Background()
+	extra := max(mb-8, 0) << 20
+	code := fmt.Sprintf("import time\nheap = b'x' * %d\nopen('/tmp/ready', 'w').close()\nwhile True:\n    time.sleep(0.05)\n", extra)
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", code}, Background: true})
+	must(b, err)
+	waitFor(b, s, "[ -e /tmp/ready ]")
+	return s
 }

@@ -127,7 +127,7 @@ func TestCheckpointWithBackgroundWriters(t *testing.T) {
 		}
 	}
 	sh(t, s, "while [ ! -s /w/fd.log ] || [ ! -s /w/sub/cwd.log ]; do sleep 0.01; done")
-	ck, err := s.Checkpoint(ctx)
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,4 +18,8 @@ var (
 	ErrAborted = errors.New("aborted")
 	// ErrMismatch: a checkpoint of another image than the sandbox's.
 	ErrMismatch = errors.New("checkpoint belongs to another image")
+	// ErrProcesses: a live process cannot be captured by a checkpoint, or a
+	// checkpoint's processes cannot be brought back (lost, or held by
+	// another sandbox).
+	ErrProcesses = errors.New("processes cannot be checkpointed or restored")
 )

@@ -19,7 +19,7 @@ import (
 // the attacked sandbox is still usable afterwards, and a bystander sandbox
 // of the same runtime keeps running commands with its files intact.
 func TestHostile(t *testing.T) {
-	b := setup(t)
+	b := setup(t, filesOnly) // background attackers are process trees
 	ctx := t.Context()
 	bystander := b.create(t, sandbox.Spec{})
 	sh(t, bystander, "echo intact > /root/keep")

@@ -203,7 +203,7 @@ func leakCycle(ctx context.Context, b *bundle, i int) error {
 }
 
 func TestNoLeaks(t *testing.T) {
-	b := setup(t)
+	b := setup(t, filesOnly) // background commands are process trees
 	ctx := t.Context()
 	cycles := 1000
 	if testing.Short() {

@@ -880,7 +880,7 @@ func modelImage(t *testing.T, b *bundle) *model {
 func TestModelFileOps(t *testing.T) {
 	// A shallow flattening depth: many restores and forks go through merged
 	// layers, whose whiteouts and opaque marks the model then checks.
-	b := setup(t, func(c *sandbox.Config) { c.FlattenDepth = 6 })
+	b := setup(t, filesOnly, func(c *sandbox.Config) { c.FlattenDepth = 6 })
 	ctx := t.Context()
 	seed := time.Now().UnixNano()
 	if v := os.Getenv("DG_MODEL_SEED"); v != "" {

@@ -73,11 +73,18 @@ type Config struct {
 	// NetPool is how many ready net namespaces to keep (default 64); net
 	// namespaces of ended sandboxes are reused.
 	NetPool int
+	// InitPool bounds the ready sandbox inits kept for fork fan-outs
+	// (warm.go): the pool grows to the largest Fork asked for, up to this
+	// (default 64; negative: none).
+	InitPool int
 	// FlattenDepth is the stack depth beyond which a checkpoint's layers
 	// are merged into one in the background (default 16). Checkpoints
 	// keep their contents and IDs; restores and later checkpoints use the
 	// merged layer instead of the stack it stands for.
 	FlattenDepth int
+	// ProcessMode is how checkpoints capture live processes unless told
+	// otherwise; ProcessesDefault means ProcessesTemplate.
+	ProcessMode ProcessMode
 	// Logger receives the runtime's logs; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -116,6 +123,12 @@ type Spec struct {
 	Env []string
 	// Workdir is the default working directory of commands.
 	Workdir string
+	// FreshEntropy writes a seed of the sandbox's own to SeedPath.
+	FreshEntropy bool
+	// FilesOnly starts from Checkpoint's files even when it captured
+	// processes, which only their own sandbox can bring back; without it
+	// such a checkpoint is refused with ErrProcesses.
+	FilesOnly bool
 }
 
 // ImageInfo describes an imported image.
@@ -135,6 +148,8 @@ type CheckpointInfo struct {
 	Depth     int
 	SizeBytes int64
 	Created   time.Time
+	// Processes are the live processes the checkpoint captured.
+	Processes []ProcessCapture
 }
 
 type imageRec struct {
@@ -154,12 +169,19 @@ type checkpoint struct {
 	Flat    []string  `json:"flat,omitempty"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
-	Expires time.Time `json:"expires,omitzero"`
+	// Procs are the templates of the processes that ran at the checkpoint
+	// (procs.go), held by sandbox SandboxID.
+	Procs   []procTemplate `json:"procs,omitempty"`
+	Expires time.Time      `json:"expires,omitzero"`
 }
 
 func (c *checkpoint) info() CheckpointInfo {
-	return CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
+	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
+	for _, p := range c.Procs {
+		ci.Processes = append(ci.Processes, ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session})
+	}
+	return ci
 }
 
 // Runtime creates and tracks sandboxes, images and checkpoints.
@@ -184,6 +206,10 @@ type Runtime struct {
 	ranges    []int                  // free host id ranges
 	ended     []string
 	closed    bool
+
+	warm       chan *warmInit // ready inits (warm.go)
+	warmKick   chan struct{}
+	warmTarget int // guarded by mu
 
 	flatSem chan struct{} // one flattening at a time
 	done    chan struct{}
@@ -227,6 +253,10 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	if cfg.NetPool == 0 {
 		cfg.NetPool = 64
 	}
+	if cfg.InitPool == 0 {
+		cfg.InitPool = 64
+	}
+	cfg.InitPool = max(cfg.InitPool, 0)
 	if cfg.FlattenDepth == 0 {
 		cfg.FlattenDepth = 16
 	}
@@ -288,6 +318,9 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	}
 	cleanup = append(cleanup, func() { r.spawn.Close() })
 	r.net = launch.NewNetPool(cfg.NetPool)
+	r.warm, r.warmKick = make(chan *warmInit, cfg.InitPool), make(chan struct{}, 1)
+	r.wg.Add(1)
+	go r.warmLoop()
 	if cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()
@@ -574,8 +607,19 @@ func (r *Runtime) ReleaseCheckpoint(id string) error {
 	return nil
 }
 
+// dropTemplatesLocked ends the process templates of c. Called with r.mu held.
+func (r *Runtime) dropTemplatesLocked(c *checkpoint) {
+	if len(c.Procs) == 0 {
+		return
+	}
+	if s := r.sandboxes[c.SandboxID]; s != nil {
+		s.dropTemplates(c.ID)
+	}
+}
+
 func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	delete(r.ckpts, c.ID)
+	r.dropTemplatesLocked(c)
 	if len(c.Flat) > 0 {
 		k := stackKey(c.Layers)
 		if r.flat[k] == c {
@@ -780,10 +824,11 @@ func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*San
 		return nil, fmt.Errorf("%w: fork count %d (1..1024)", ErrInvalid, n)
 	}
 	spec.Checkpoint = id
+	r.wantWarm(n)
 	out := make([]*Sandbox, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
-	sem := make(chan struct{}, 2)
+	sem := make(chan struct{}, forkParallel)
 	for i := range n {
 		wg.Add(1)
 		sem <- struct{}{}
@@ -825,6 +870,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	}
 	close(r.done)
 	r.wg.Wait()
+	r.drainWarm(ctx)
 	errs = append(errs, r.net.Close(), r.spawn.Close())
 	r.layers.Wait()
 	r.devnull.Close()

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -46,6 +47,14 @@ type Sandbox struct {
 	// switch so that the next checkpoint or restore need not make one.
 	spare      chan spareUpper
 	spareReady bool
+
+	// tpls holds the process templates of this sandbox's checkpoints, one
+	// frozen cgroup per checkpoint (procs.go).
+	tplMu   sync.Mutex
+	tpls    map[string]*cgroup.Cgroup
+	spareTG chan spareGroup // the next template group, made ahead
+
+	bg sync.WaitGroup // background removals of killed command groups
 
 	mu       sync.Mutex // guards the fields below
 	gen      context.Context
@@ -103,6 +112,10 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 			return nil, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", ErrMismatch, ck.ID, ck.Image, imgName)
 		}
 		imgName = ck.Image
+		if len(ck.Procs) > 0 && !spec.FilesOnly {
+			return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) that only sandbox %s can bring back: template copies are born in its pid namespace; restore it there, or take checkpoints with process mode filesystem",
+				ErrProcesses, ck.ID, procNames(ck.Procs), ck.SandboxID)
+		}
 	}
 	r.mu.Lock()
 	img := r.images[imgName]
@@ -117,6 +130,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	s := &Sandbox{
 		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1,
 		idmapped: map[string]int{}, sessions: map[string]*session{}, done: make(chan struct{}),
+		tpls:    map[string]*cgroup.Cgroup{},
 		created: time.Now(),
 	}
 	s.gen, s.abort = context.WithCancel(context.Background())
@@ -133,35 +147,18 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 			}
 		}
 	}()
-	if s.hostID, err = r.takeRange(); err != nil {
+	w, err := r.takeInit(spec.Hostname)
+	if err != nil {
 		return nil, err
 	}
-	undo = append(undo, func() error { r.putRange(s.hostID); return nil })
-	if s.netns, err = r.net.Get(); err != nil {
-		return nil, fmt.Errorf("creating net namespace: %w", err)
-	}
-	undo = append(undo, func() error { return unix.Close(s.netns) })
+	s.id, s.hostID, s.netns, s.cg, s.work, s.init, s.userns = w.id, w.hostID, w.netns, w.cg, w.work, w.init, w.userns
+	w.userns = -1 // the sandbox's now: closeFDs closes it
+	undo = append(undo, func() error { w.free(r); return nil })
 	lim := cgroup.Limits{MemoryBytes: spec.Limits.MemoryBytes, Pids: spec.Limits.Pids, CPUQuota: spec.Limits.CPUs}
-	if s.cg, err = r.cg.Create(s.id, lim); err != nil {
-		return nil, fmt.Errorf("creating cgroup: %w", err)
-	}
-	undo = append(undo, s.cg.Delete)
-	if s.work, err = s.cg.Sub("w"); err != nil {
-		return nil, fmt.Errorf("creating cgroup: %w", err)
-	}
-	host := spec.Hostname
-	if host == "" {
-		host = "sandbox"
-	}
-	if s.init, err = r.spawn.Start(launch.Config{HostID: s.hostID, NetNS: s.netns, Hostname: host}); err != nil {
-		return nil, err
-	}
-	undo = append(undo, s.init.Stop)
-	if err = s.cg.Add(s.init.Pid); err != nil {
-		return nil, fmt.Errorf("adding init to cgroup: %w", err)
-	}
-	if s.userns, err = s.init.UserNS(); err != nil {
-		return nil, fmt.Errorf("opening user namespace: %w", err)
+	if lim != (cgroup.Limits{}) {
+		if err = s.cg.SetLimits(lim); err != nil {
+			return nil, fmt.Errorf("setting limits: %w", err)
+		}
 	}
 	undo = append(undo, s.closeFDs)
 	var stack []string
@@ -178,6 +175,11 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		return nil, err
 	}
 	undo = append(undo, func() error { s.dropSpare(); s.rt.layers.Unref(s.upper); return nil })
+	if spec.FreshEntropy {
+		if err = s.writeSeed(newSeed()); err != nil {
+			return nil, err
+		}
+	}
 	if err = os.WriteFile(filepath.Join(r.store, "meta", "sandboxes", s.id), nil, 0o600); err != nil {
 		return nil, err
 	}
@@ -263,11 +265,17 @@ func (s *Sandbox) switchRoot(stack []string) error {
 		s.rt.layers.Unref(sp.id)
 		return fmt.Errorf("switching root: %w", err)
 	}
-	if s.upper != "" {
+	first := s.upper == ""
+	if !first {
 		s.rt.layers.Unref(s.upper)
 	}
 	s.upper = sp.id
-	s.prepareSpare()
+	// A new sandbox gets its spare at its first checkpoint or restore, not
+	// now: a fork fan-out would make one per child, competing for the CPU
+	// with the fan-out, for children that may never switch again.
+	if !first {
+		s.prepareSpare()
+	}
 	return nil
 }
 
@@ -430,7 +438,11 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	var errs []error
 	errs = append(errs, s.init.Stop())
 	s.dropExecGroups()
-	errs = append(errs, s.cg.Delete())
+	s.bg.Wait()                        // removals of killed command groups
+	errs = append(errs, s.cg.Delete()) // templates too
+	s.tplMu.Lock()
+	clear(s.tpls)
+	s.tplMu.Unlock()
 	s.dropSpare()
 	s.closeFDs()
 	s.rt.net.Put(s.netns) // the init is gone: nothing of the sandbox is left in it
@@ -473,13 +485,18 @@ func (s *Sandbox) Thaw() error {
 }
 
 // killAll ends every process of the sandbox but the init, sessions included.
+// The command group is killed without waiting and replaced by a fresh one:
+// its processes die in the background while the caller goes on (they can
+// run no code of their own; what a dying process's last system call writes
+// lands in the upper being discarded). A background job removes the old
+// group once it is empty.
 func (s *Sandbox) killAll() error {
 	s.mu.Lock()
 	sessions := s.sessions
 	s.sessions = map[string]*session{}
 	s.mu.Unlock()
 	for _, se := range sessions {
-		se.close()
+		se.closePipes() // their shells die with the group
 	}
 	if len(sessions) == 0 {
 		// Nothing to end: keep the group and its idle command groups (a
@@ -488,17 +505,27 @@ func (s *Sandbox) killAll() error {
 			return nil
 		}
 	}
-	// Deleting the group kills everything in it and drops the sub-groups
-	// that commands left; a fresh one takes its place.
 	s.dropExecGroups()
-	if err := s.work.Delete(); err != nil {
+	old := s.work
+	if err := old.SignalKill(); err != nil {
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
-	w, err := s.cg.Sub("w")
+	s.mu.Lock()
+	s.seq++
+	name := "w" + strconv.Itoa(s.seq)
+	s.mu.Unlock()
+	w, err := s.cg.Sub(name)
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
 	s.work = w
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		if err := old.Delete(); err != nil && !errors.Is(err, cgroup.ErrNotExist) {
+			s.rt.log.Warn("removing a killed command group", "sandbox", s.id, "err", err)
+		}
+	}()
 	return nil
 }
 
@@ -507,9 +534,25 @@ func (s *Sandbox) hasProcesses() (bool, error) {
 	return s.work.Populated()
 }
 
-// Checkpoint records the sandbox's current filesystem state as an immutable
-// checkpoint. Background processes and sessions keep running.
+// Checkpoint records the sandbox's current state as an immutable checkpoint,
+// its live processes as the runtime's default process mode says.
+// Background processes and sessions keep running.
 func (s *Sandbox) Checkpoint(ctx context.Context) (CheckpointInfo, error) {
+	return s.CheckpointWith(ctx, CheckpointOptions{})
+}
+
+// CheckpointWith is Checkpoint with options.
+func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (CheckpointInfo, error) {
+	mode := o.Processes
+	if mode == ProcessesDefault {
+		mode = s.rt.cfg.ProcessMode
+	}
+	if mode == ProcessesDefault {
+		mode = ProcessesTemplate
+	}
+	if mode < ProcessesNone || mode > ProcessesTemplate {
+		return CheckpointInfo{}, fmt.Errorf("%w: process mode %d", ErrInvalid, mode)
+	}
 	if err := s.beginOp(false); err != nil {
 		return CheckpointInfo{}, err
 	}
@@ -525,10 +568,18 @@ func (s *Sandbox) Checkpoint(ctx context.Context) (CheckpointInfo, error) {
 		return CheckpointInfo{}, err
 	}
 	c := &checkpoint{ID: newID("ck-"), Parent: s.head, Image: s.img.info.Name, SandboxID: s.id, Created: time.Now()}
-	if !live {
+	switch {
+	case !live:
 		err = s.sealAndSwap(c)
-	}
-	if live || errors.Is(err, unix.EBUSY) {
+		if errors.Is(err, unix.EBUSY) {
+			err = s.copyUpper(c)
+		}
+	case mode == ProcessesTemplate:
+		err = s.captureProcesses(c, func() error { return s.copyUpperFrozen(c) })
+		if err != nil && !errors.Is(err, ErrProcesses) {
+			err = fmt.Errorf("capturing processes: %w", err)
+		}
+	default:
 		err = s.copyUpper(c)
 	}
 	if err != nil {
@@ -536,6 +587,7 @@ func (s *Sandbox) Checkpoint(ctx context.Context) (CheckpointInfo, error) {
 	}
 	if err := r.addCheckpoint(c); err != nil {
 		unrefAll(r, c.Layers)
+		s.dropTemplates(c.ID)
 		return CheckpointInfo{}, err
 	}
 	s.head = c.ID
@@ -587,18 +639,32 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 // copyUpper is the path for a sandbox with live processes: freeze, seal a
 // copy of the upper, thaw.
 func (s *Sandbox) copyUpper(c *checkpoint) error {
-	r := s.rt
-	if err := s.cg.Freeze(); err != nil {
+	if err := s.work.Freeze(); err != nil {
 		return fmt.Errorf("freezing sandbox: %w", err)
 	}
-	id, size, err := r.layers.CopySealed(s.upper, s.diskBytes())
-	if terr := s.cg.Thaw(); terr != nil {
+	err := s.copyUpperFrozen(c)
+	if terr := s.work.Thaw(); terr != nil {
 		err = errors.Join(err, fmt.Errorf("thawing sandbox: %w", terr))
 	}
+	return err
+}
+
+// copyUpperFrozen seals a copy of the upper; the sandbox's commands are
+// frozen.
+func (s *Sandbox) copyUpperFrozen(c *checkpoint) error {
+	r := s.rt
+	// The spare upper (an empty tmpfs, made in the background) receives
+	// the copy; another is prepared for the next root switch.
+	sp, err := s.takeSpare()
 	if err != nil {
-		if id != "" {
-			r.layers.Unref(id)
-		}
+		return err
+	}
+	unix.Close(sp.fd)
+	id := sp.id
+	size, err := r.layers.CopyInto(s.upper, id)
+	s.prepareSpare()
+	if err != nil {
+		r.layers.Unref(id)
 		return err
 	}
 	for _, l := range s.stack {
@@ -613,6 +679,21 @@ func (s *Sandbox) copyUpper(c *checkpoint) error {
 // ended (running execs return ErrAborted), and the checkpoint's layers under
 // a fresh upper become the root.
 func (s *Sandbox) Restore(ctx context.Context, id string) error {
+	return s.RestoreWith(ctx, id, RestoreOptions{})
+}
+
+// RestoreWith is Restore with options.
+func (s *Sandbox) RestoreWith(ctx context.Context, id string, o RestoreOptions) error {
+	if err := s.restore(id, o); err != nil {
+		return err
+	}
+	if o.FreshEntropy {
+		return s.reseedSessions(ctx)
+	}
+	return nil
+}
+
+func (s *Sandbox) restore(id string, o RestoreOptions) error {
 	r := s.rt
 	c, err := r.lookup(id)
 	if err != nil {
@@ -620,6 +701,9 @@ func (s *Sandbox) Restore(ctx context.Context, id string) error {
 	}
 	if c.Image != s.img.info.Name {
 		return fmt.Errorf("%w: checkpoint %s is of image %s, the sandbox of %s", ErrMismatch, id, c.Image, s.img.info.Name)
+	}
+	if err := s.checkTemplates(c); err != nil {
+		return err
 	}
 	if err := s.beginOp(true); err != nil {
 		return err
@@ -639,5 +723,18 @@ func (s *Sandbox) Restore(ctx context.Context, id string) error {
 	s.unrefStack()
 	s.stack = stack
 	s.head = id
+	if o.FreshEntropy {
+		if err := s.writeSeed(newSeed()); err != nil {
+			return err
+		}
+	}
+	if len(c.Procs) > 0 {
+		if err := s.spawnCopies(c); err != nil {
+			// The filesystem is the checkpoint's; end whatever copies
+			// started, so the state is at least consistent.
+			_ = s.killAll()
+			return err
+		}
+	}
 	return nil
 }

@@ -44,6 +44,7 @@ type session struct {
 	errF    *os.File
 	nonce   string
 	exited  chan struct{}
+	status  unix.WaitStatus // how the shell ended, once exited is closed
 
 	mu     sync.Mutex // one command at a time
 	broken bool
@@ -152,10 +153,7 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 		stdout: bufio.NewReaderSize(outR, 64*1024), stderr: bufio.NewReaderSize(errR, 64*1024),
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
 	}
-	go func() {
-		<-wait
-		close(se.exited)
-	}()
+	go se.watchExit(wait)
 	// The only process in the group right now is bash: remember its host
 	// pid, so a timeout can kill what it runs and spare it.
 	pids, err := cg.Pids()
@@ -198,8 +196,13 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 	if req.Cwd != "" {
 		script += "cd " + ansiC(req.Cwd) + " && "
 	}
+	// The stderr sentinel goes first and the stdout one last: printing to
+	// stderr is a redirection that bash undoes (dup2 back from a saved fd)
+	// after it wrote, so a step that returned on its sentinel could leave
+	// bash in the middle of that undo, and a checkpoint taken then would
+	// capture the saved fd (procs.go replaces only 0, 1 and 2).
 	script += "eval " + ansiC(req.Command) + " </dev/null\n" +
-		"printf '\\n" + tag + "_RC=%d\\n' \"$?\"; printf '\\n" + tag + "\\n' >&2\n"
+		"__dg_rc=$?; printf '\\n" + tag + "\\n' >&2; printf '\\n" + tag + "_RC=%d\\n' \"$__dg_rc\"\n"
 	start := time.Now()
 	if _, err := se.stdin.Write([]byte(script)); err != nil {
 		se.broken = true
@@ -253,8 +256,17 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 			res.Signal = "SIGKILL"
 			return res, nil
 		}
-		// The shell exited (the command ran `exit`, say).
+		// The shell ended (the command ran `exit`, say): report how.
 		res.ExitCode = 0
+		select {
+		case <-se.exited:
+			if se.status.Signaled() {
+				res.ExitCode, res.Signal = -1, signalName(int(se.status.Signal()))
+			} else {
+				res.ExitCode = se.status.ExitStatus()
+			}
+		case <-time.After(200 * time.Millisecond):
+		}
 		return res, nil
 	}
 	if res.TimedOut {
@@ -344,6 +356,11 @@ func (se *session) isBroken() bool {
 
 func (se *session) close() {
 	_ = se.cg.Delete()
+	se.closePipes()
+}
+
+// closePipes closes the server's ends of the shell's stdio.
+func (se *session) closePipes() {
 	se.stdin.Close()
 	se.outF.Close()
 	se.errF.Close()
@@ -356,4 +373,31 @@ func signalName(n int) string {
 		return name
 	}
 	return "SIG" + strconv.Itoa(n)
+}
+
+// adoptSession makes a process copy of a session's shell (procs.go) the
+// session name, with the server's ends of its new pipes.
+func (s *Sandbox) adoptSession(name string, cg *cgroup.Cgroup, hostPid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent) {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	se := &session{
+		name: name, cg: cg, hostPid: hostPid, stdin: stdio[0], outF: stdio[1], errF: stdio[2],
+		stdout: bufio.NewReaderSize(stdio[1], 64*1024), stderr: bufio.NewReaderSize(stdio[2], 64*1024),
+		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
+	}
+	go se.watchExit(exit)
+	s.mu.Lock()
+	old := s.sessions[name]
+	s.sessions[name] = se
+	s.mu.Unlock()
+	if old != nil {
+		old.close()
+	}
+}
+
+func (se *session) watchExit(exit <-chan initproc.ExitEvent) {
+	if ev, ok := <-exit; ok {
+		se.status = ev.Status
+	}
+	close(se.exited)
 }

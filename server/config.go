@@ -75,6 +75,12 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
 	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", max(c.ShutdownTimeout, 30*time.Second), "graceful shutdown drain limit")
+	// The trace exporter is configured by the standard OpenTelemetry environment (see
+	// traceExporter); the flag is a shorthand for its endpoint variable.
+	fs.Func("trace-endpoint", "OTLP collector `URL` to export traces to, such as http://127.0.0.1:4318 (sets OTEL_EXPORTER_OTLP_ENDPOINT; "+
+		"OTEL_EXPORTER_OTLP_PROTOCOL=grpc for gRPC; default: $OTEL_EXPORTER_OTLP_ENDPOINT, else no export)", func(v string) error {
+		return os.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", v)
+	})
 }
 
 // Validate checks the config and fills in defaults.

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -12,6 +13,8 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -102,6 +105,7 @@ func (e *envService) reset(ctx context.Context, m *deltagymv1.ResetRequest) (*de
 		return nil, err
 	}
 	start := time.Now()
+	span := trace.SpanFromContext(ctx) // the RPC's
 	ctx, done := e.s.obs.op(ctx, "reset")
 	l, res, err := e.s.pools.Reset(ctx, env, envpool.ResetParams{Seed: seedOf(m), Options: m.GetOptions()})
 	done(err)
@@ -118,6 +122,9 @@ func (e *envService) reset(ctx context.Context, m *deltagymv1.ResetRequest) (*de
 		info["task_cached"] = strconv.FormatBool(res.Cached)
 	}
 	info["server_seconds"] = strconv.FormatFloat(time.Since(start).Seconds(), 'g', 6, 64)
+	span.SetAttributes(attribute.String("deltagym.env", env.Name()), attribute.String("deltagym.sandbox_id", l.ID()),
+		attribute.String("deltagym.episode_id", sess.episode), attribute.String("deltagym.checkpoint_id", res.Checkpoint),
+		attribute.Bool("deltagym.task_cached", res.Cached))
 	return &deltagymv1.ResetResponse{SandboxId: l.ID(), EpisodeId: sess.episode, CheckpointId: res.Checkpoint,
 		Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Reset_{Reset_: obs}}, Info: info,
 		LeaseExpireTime: timestamppb.New(l.Expires())}, nil
@@ -159,10 +166,14 @@ func callErr(ctx context.Context, err error) error {
 }
 
 func (e *envService) Step(ctx context.Context, req *connect.Request[deltagymv1.StepRequest]) (*connect.Response[deltagymv1.StepResponse], error) {
+	span := trace.SpanFromContext(ctx)
+	span.SetAttributes(attribute.String("deltagym.sandbox_id", req.Msg.GetSandboxId()), attribute.String("deltagym.action", actionKind(req.Msg.GetAction())))
 	resp, err := e.s.step(ctx, req.Msg)
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
+	span.SetAttributes(attribute.String("deltagym.episode_id", resp.GetEpisodeId()), attribute.Int("deltagym.step_index", int(resp.GetStepIndex())),
+		attribute.Bool("deltagym.terminated", resp.GetTerminated()), attribute.Bool("deltagym.truncated", resp.GetTruncated()))
 	return connect.NewResponse(resp), nil
 }
 
@@ -201,6 +212,19 @@ func validateAction(a *deltagymv1.Action) error {
 }
 
 // step performs one Step (also for StepStream).
+//
+// Time budget (the env's budgets.max_seconds, counted from the episode's start): a step begun
+// with the budget already spent does not perform its action; it is answered (and recorded) as a
+// truncated step with no observation and info action_skipped. An exec's timeout is the least of
+// the env's step timeout, the action's timeout_seconds and the time left in the budget, so a
+// command overruns the budget by no more than the time it takes to kill it and collect its
+// output; such an exec comes back timed_out and its step truncated. (A submit's verifier is not
+// bounded by the budget: judging the episode is not the agent's time.)
+//
+// Failures: a verifier that fails or prints no reward ends the episode failed with class
+// verifier (the step still answers, with info verifier_error); an action that fails because the
+// sandbox is gone or the server failed (infraFailure) ends it failed with class infra, and the
+// step returns the error.
 func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagymv1.StepResponse, error) {
 	if err := validateAction(m.GetAction()); err != nil {
 		return nil, err
@@ -215,7 +239,7 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	}
 	defer end()
 	sess.mu.Lock()
-	ended, episode, index := sess.ended, sess.episode, sess.base+sess.own
+	ended, episode, index, started := sess.ended, sess.episode, sess.base+sess.own, sess.started
 	sess.mu.Unlock()
 	if ended {
 		return nil, fmt.Errorf("sandbox %s: episode %s is %s; Restore or Reset to go on: %w", l.ID(), episode, sess.status, ErrEpisodeEnded)
@@ -223,9 +247,27 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	env := l.Env()
 	start := time.Now()
 	resp := &deltagymv1.StepResponse{EpisodeId: episode, StepIndex: int32(index), Info: map[string]string{}}
-	obs, reward, terminated, verr, err := s.act(cctx, l, m.GetAction())
-	if err != nil {
-		return nil, callErr(cctx, err)
+	var (
+		obs        *deltagymv1.Observation
+		reward     float64
+		terminated bool
+		verr       error
+		left       time.Duration // time left in the episode's time budget; 0: no budget
+		spent      bool
+	)
+	if d := env.MaxDuration(); d > 0 {
+		left = d - start.Sub(started)
+		spent = left <= 0
+	}
+	if spent {
+		resp.Truncated = true
+		resp.Info["truncated_by"] = "max_seconds"
+		resp.Info["action_skipped"] = "the episode's time budget was spent before the step began"
+	} else {
+		obs, reward, terminated, verr, err = s.act(cctx, l, m.GetAction(), left)
+		if err != nil {
+			return nil, s.stepFailed(cctx, l, sess, err)
+		}
 	}
 	dur := time.Since(start)
 	resp.Observation, resp.Reward, resp.Terminated = obs, reward, terminated
@@ -238,7 +280,7 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	own := sess.own
 	elapsed := time.Since(sess.started)
 	sess.mu.Unlock()
-	if !terminated {
+	if !terminated && !resp.Truncated {
 		if n := env.MaxSteps(); n > 0 && index+1 >= n {
 			resp.Truncated = true
 			resp.Info["truncated_by"] = "max_steps"
@@ -249,10 +291,10 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	}
 	if m.GetCheckpoint() {
 		cctx2, done := s.obs.op(cctx, "checkpoint")
-		info, err := l.Sandbox().Checkpoint(cctx2)
+		info, err := l.Sandbox().CheckpointWith(cctx2, sandbox.CheckpointOptions{Processes: processMode(env, deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED)})
 		done(err)
 		if err != nil {
-			return nil, callErr(cctx, fmt.Errorf("checkpointing after the step: %w", err))
+			return nil, s.stepFailed(cctx, l, sess, fmt.Errorf("checkpointing after the step: %w", err))
 		}
 		s.recordCheckpoint(env.Name(), ledger.KindUser, info, sess)
 		resp.CheckpointId = info.ID
@@ -280,9 +322,91 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	return resp, nil
 }
 
+// stepFailed handles err, the failure of a step's action on l (ctx is the call's, from Begin):
+// an infrastructure failure (infraFailure) ends the episode failed with class infra. It returns
+// the error for the client.
+func (s *Server) stepFailed(ctx context.Context, l *envpool.Lease, sess *session, err error) error {
+	err = callErr(ctx, err)
+	gone, infra := infraFailure(ctx, l.Sandbox(), err)
+	if !infra {
+		return err
+	}
+	sess.mu.Lock()
+	episode := sess.episode
+	sess.mu.Unlock()
+	s.log.Warn("episode failed: infrastructure error in a step", "sandbox", l.ID(), "episode", episode, "err", err)
+	s.endEpisode(sess, ledger.StatusFailed, ledger.FailureInfra)
+	if gone {
+		return fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
+			l.ID(), episode, sandbox.ErrClosed)
+	}
+	return err
+}
+
+// infraFailure reports whether err, from a call begun on a lease of box with context ctx (from
+// Begin), is the infrastructure's fault rather than the client's, and whether the sandbox is
+// gone. Infrastructure failures: the sandbox was destroyed under the call by the runtime because
+// its init died (the call ends aborted though neither the client nor the pools aborted it, or
+// closed with the init dead), or the server failed internally (an Internal error, such as a
+// spawn failing for a reason of the host). Not: bad input, exhausted limits, a shell session the
+// agent ended, aborts by Restore, Close or the reaper (which end the episode themselves), and the
+// caller's own cancellation or deadline.
+func infraFailure(ctx context.Context, box *sandbox.Sandbox, err error) (gone, infra bool) {
+	switch {
+	case err == nil, envpool.Aborted(ctx), ctx.Err() != nil:
+		return false, false
+	case errors.Is(err, sandbox.ErrAborted): // only Restore and Destroy abort an exec
+		return true, true
+	case errors.Is(err, sandbox.ErrClosed):
+		gone = initDead(box)
+		return gone, gone
+	}
+	return false, codeOf(err) == connect.CodeInternal
+}
+
+// initDeathGrace is how long initDead gives a dying init to finish exiting: a call can see the
+// init's connection close while the kernel is still tearing the process down.
+const initDeathGrace = 250 * time.Millisecond
+
+// initDead reports whether box's init has exited (the runtime then destroys the sandbox). It
+// waits up to initDeathGrace for the runtime to notice, then asks the kernel.
+func initDead(box *sandbox.Sandbox) bool {
+	t := time.NewTimer(initDeathGrace)
+	defer t.Stop()
+	select {
+	case <-box.Done():
+		return true
+	case <-t.C:
+	}
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", box.InitPid()))
+	if err != nil {
+		return true
+	}
+	i := bytes.LastIndexByte(st, ')') // the state follows the command name in parentheses
+	return i < 0 || i+2 >= len(st) || st[i+2] == 'Z' || st[i+2] == 'X'
+}
+
+// actionKind names an action's kind for traces.
+func actionKind(a *deltagymv1.Action) string {
+	switch a.GetKind().(type) {
+	case *deltagymv1.Action_Exec:
+		return "exec"
+	case *deltagymv1.Action_WriteFile:
+		return "write_file"
+	case *deltagymv1.Action_ReadFile:
+		return "read_file"
+	case *deltagymv1.Action_Submit:
+		return "submit"
+	}
+	return ""
+}
+
 // act performs an action. verr is a verifier failure of a submit (the episode still ends).
-func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action) (obs *deltagymv1.Observation, reward float64, terminated bool, verr, err error) {
+// left, when positive, is the time left in the episode's time budget, which bounds an exec's
+// timeout.
+func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action, left time.Duration) (obs *deltagymv1.Observation, reward float64, terminated bool, verr, err error) {
 	env, box := l.Env(), l.Sandbox()
+	attrs := []attribute.KeyValue{attribute.String("deltagym.sandbox_id", l.ID()), attribute.String("deltagym.env", env.Name())}
 	switch k := a.GetKind().(type) {
 	case *deltagymv1.Action_Exec:
 		x := k.Exec
@@ -290,13 +414,22 @@ func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action
 		if t := time.Duration(x.GetTimeoutSeconds() * float64(time.Second)); t > 0 && t < timeout {
 			timeout = t
 		}
+		if left > 0 && left < timeout {
+			timeout = left
+		}
 		vars := make([]string, 0, len(x.GetEnv()))
 		for _, key := range slices.Sorted(maps.Keys(x.GetEnv())) {
 			vars = append(vars, key+"="+x.GetEnv()[key])
 		}
 		ctx, done := s.obs.op(ctx, "exec")
+		span := trace.SpanFromContext(ctx)
+		span.SetAttributes(append(attrs, attribute.Float64("deltagym.exec.timeout_seconds", timeout.Seconds()),
+			attribute.Bool("deltagym.exec.background", x.GetBackground()))...)
 		res, err := box.Exec(ctx, sandbox.ExecRequest{Argv: x.GetArgv(), Command: x.GetCommand(), Stdin: x.GetStdin(), Env: vars,
 			Cwd: x.GetCwd(), Timeout: timeout, Background: x.GetBackground(), Session: x.GetSession(), MaxOutput: env.OutputCap()})
+		if err == nil {
+			span.SetAttributes(attribute.Int("deltagym.exec.exit_code", res.ExitCode), attribute.Bool("deltagym.exec.timed_out", res.TimedOut))
+		}
 		done(err)
 		if err != nil {
 			return nil, 0, false, nil, err
@@ -309,6 +442,7 @@ func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action
 			mode = 0o644
 		}
 		ctx, done := s.obs.op(ctx, "write_file")
+		trace.SpanFromContext(ctx).SetAttributes(append(attrs, attribute.Int("deltagym.file.bytes", len(w.GetContent())))...)
 		err := box.WriteFile(ctx, w.GetPath(), w.GetContent(), mode, w.GetAppend())
 		done(err)
 		if err != nil {
@@ -326,6 +460,7 @@ func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action
 			limit = n
 		}
 		ctx, done := s.obs.op(ctx, "read_file")
+		trace.SpanFromContext(ctx).SetAttributes(attrs...)
 		data, size, err := box.ReadFile(ctx, r.GetPath(), r.GetOffset(), limit)
 		done(err)
 		if err != nil {
@@ -335,6 +470,7 @@ func (s *Server) act(ctx context.Context, l *envpool.Lease, a *deltagymv1.Action
 			Content: data, Size: size, Truncated: r.GetOffset()+int64(len(data)) < size}}}, 0, false, nil, nil
 	case *deltagymv1.Action_Submit:
 		ctx, done := s.obs.op(ctx, "verify")
+		trace.SpanFromContext(ctx).SetAttributes(attrs...)
 		v, err := s.pools.Verify(ctx, env, box, k.Submit.Answer)
 		done(err)
 		if err != nil && !errors.Is(err, envpool.ErrVerifier) && !errors.Is(err, envpool.ErrNoVerifier) {
@@ -366,14 +502,36 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 		return nil, e.s.toConnect(err)
 	}
 	defer end()
+	if req.Msg.GetProcessMode() == deltagymv1.ProcessMode_PROCESS_MODE_CRIU {
+		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("process mode CRIU is not available yet: use PROCESS_MODE_TEMPLATE (restorable in this sandbox) or PROCESS_MODE_FILESYSTEM"))
+	}
 	octx, done := e.s.obs.op(cctx, "checkpoint")
-	info, err := l.Sandbox().Checkpoint(octx)
+	info, err := l.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: processMode(l.Env(), req.Msg.GetProcessMode())})
 	done(err)
 	if err != nil {
 		return nil, e.s.toConnect(callErr(cctx, err))
 	}
 	e.s.recordCheckpoint(l.Env().Name(), ledger.KindUser, info, sess)
-	return connect.NewResponse(&deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: true}), nil
+	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: true}
+	for _, p := range info.Processes {
+		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE})
+	}
+	return connect.NewResponse(resp), nil
+}
+
+// processMode picks how a checkpoint captures processes: the request's
+// mode, else the env's, else the runtime's default (templates).
+func processMode(env *envpool.Env, asked deltagymv1.ProcessMode) sandbox.ProcessMode {
+	if asked == deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED && env != nil {
+		asked = env.ProcessMode()
+	}
+	switch asked {
+	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
+		return sandbox.ProcessesNone
+	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
+		return sandbox.ProcessesTemplate
+	}
+	return sandbox.ProcessesDefault
 }
 
 func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv1.RestoreRequest]) (*connect.Response[deltagymv1.RestoreResponse], error) {
@@ -399,7 +557,7 @@ func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv
 	}
 	defer end()
 	octx, done := e.s.obs.op(cctx, "restore")
-	err = l.Sandbox().Restore(octx, req.Msg.GetCheckpointId())
+	err = l.Sandbox().RestoreWith(octx, req.Msg.GetCheckpointId(), sandbox.RestoreOptions{FreshEntropy: req.Msg.GetFreshEntropy()})
 	done(err)
 	if err != nil {
 		return nil, e.s.toConnect(err)
@@ -448,7 +606,9 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 		if err != nil {
 			return nil, err
 		}
-		info, err := l.Sandbox().Checkpoint(cctx)
+		// The children are other sandboxes: files only (template copies
+		// are born in the parent's pid namespace).
+		info, err := l.Sandbox().CheckpointWith(cctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 		end()
 		if err != nil {
 			return nil, callErr(cctx, err)
@@ -463,7 +623,10 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 		return nil, err
 	}
 	ctx, done := e.s.obs.op(ctx, "fork")
-	leases, err := e.s.pools.Fork(ctx, env, ckpt, n)
+	// Template copies are born in the sandbox that made them: children start
+	// from the checkpoint's files, and the response says which processes
+	// they do not run.
+	leases, err := e.s.pools.Fork(ctx, env, ckpt, n, envpool.ForkOptions{FreshEntropy: m.GetFreshEntropy(), FilesOnly: true})
 	done(err)
 	if err != nil {
 		return nil, err
@@ -476,6 +639,13 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 		group = meta.group
 	}
 	resp := &deltagymv1.ForkResponse{CheckpointId: ckpt}
+	if info, err := e.s.rt.Checkpoint(ckpt); err == nil {
+		for _, p := range info.Processes {
+			resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command,
+				Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE,
+				Reason: "captured as a template, which only sandbox " + info.SandboxID + " can restore; the children start from the checkpoint's files"})
+		}
+	}
 	for _, l := range leases {
 		sess := e.s.startEpisode(l, run, group, nil, ckpt, meta)
 		resp.SandboxIds = append(resp.SandboxIds, l.ID())

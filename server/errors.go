@@ -47,7 +47,7 @@ func codeOf(err error) connect.Code {
 		return connect.CodeAlreadyExists
 	case errors.Is(err, sandbox.ErrBudget), errors.Is(err, envpool.ErrExhausted):
 		return connect.CodeResourceExhausted
-	case errors.Is(err, sandbox.ErrClosed), errors.Is(err, sandbox.ErrMismatch), errors.Is(err, envpool.ErrLeaseEnded),
+	case errors.Is(err, sandbox.ErrClosed), errors.Is(err, sandbox.ErrMismatch), errors.Is(err, sandbox.ErrProcesses), errors.Is(err, envpool.ErrLeaseEnded),
 		errors.Is(err, envpool.ErrNoVerifier), errors.Is(err, envpool.ErrVerifier),
 		errors.Is(err, ErrEpisodeEnded), errors.Is(err, ErrNoLedger):
 		return connect.CodeFailedPrecondition

@@ -4,8 +4,10 @@ import (
 	"context"
 	"crypto/subtle"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
+	"os"
 	"strings"
 	"time"
 
@@ -14,16 +16,19 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	"go.opentelemetry.io/otel/metric"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 )
 
 // observability holds the server's OpenTelemetry providers: metrics exported in Prometheus
-// format at /metrics, and traces (one span per RPC and per sandbox operation) for whatever span
-// processor is added to tracerProvider.
+// format at /metrics, and traces (one span per RPC and per sandbox operation) exported over OTLP
+// when the environment names an endpoint (traceExporter).
 type observability struct {
 	registry       *prometheus.Registry
 	meterProvider  *sdkmetric.MeterProvider
@@ -41,8 +46,12 @@ func newObservability() (*observability, error) {
 	if err != nil {
 		return nil, err
 	}
+	tp, err := newTracerProvider(context.Background())
+	if err != nil {
+		return nil, err
+	}
 	o := &observability{registry: reg, meterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(exp)),
-		tracerProvider: sdktrace.NewTracerProvider()}
+		tracerProvider: tp}
 	o.tracer = o.tracerProvider.Tracer("github.com/deltagym/deltagym/server")
 	m := o.meterProvider.Meter("github.com/deltagym/deltagym/server")
 	buckets := metric.WithExplicitBucketBoundaries(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -60,12 +69,81 @@ func newObservability() (*observability, error) {
 	return o, nil
 }
 
+// newTracerProvider returns the server's tracer provider, exporting spans as the standard
+// OpenTelemetry environment asks (see traceExporter); without an exporter spans are made (for
+// the ids in logs) but go nowhere.
+func newTracerProvider(ctx context.Context) (*sdktrace.TracerProvider, error) {
+	exp, err := traceExporter(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if exp == nil {
+		return sdktrace.NewTracerProvider(), nil
+	}
+	// service.name defaults to "deltagym"; OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override.
+	res, err := resource.New(ctx, resource.WithAttributes(attribute.String("service.name", "deltagym")),
+		resource.WithFromEnv(), resource.WithTelemetrySDK())
+	if err != nil {
+		return nil, fmt.Errorf("building the trace resource: %w", err)
+	}
+	return sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res)), nil
+}
+
+// traceExporter returns the OTLP span exporter the standard environment variables ask for, or
+// nil when they ask for none. Spans are exported when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+// OTEL_EXPORTER_OTLP_ENDPOINT is set (the serve flag --trace-endpoint sets the latter) and
+// OTEL_TRACES_EXPORTER is not "none"; the protocol is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or
+// OTEL_EXPORTER_OTLP_PROTOCOL: "http/protobuf" (the default) or "grpc". Headers, timeout,
+// compression and TLS come from the other OTEL_EXPORTER_OTLP_* variables.
+func traceExporter(ctx context.Context) (sdktrace.SpanExporter, error) {
+	if os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") == "" && os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") == "" {
+		return nil, nil
+	}
+	switch e := os.Getenv("OTEL_TRACES_EXPORTER"); e {
+	case "", "otlp":
+	case "none":
+		return nil, nil
+	default:
+		return nil, fmt.Errorf("OTEL_TRACES_EXPORTER %q: want otlp or none: %w", e, ErrInvalid)
+	}
+	proto := os.Getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+	if proto == "" {
+		proto = os.Getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
+	}
+	var (
+		exp sdktrace.SpanExporter
+		err error
+	)
+	switch proto {
+	case "", "http/protobuf":
+		exp, err = otlptracehttp.New(ctx)
+	case "grpc":
+		exp, err = otlptracegrpc.New(ctx)
+	default:
+		return nil, fmt.Errorf("OTLP trace protocol %q: want http/protobuf or grpc: %w", proto, ErrInvalid)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("starting the OTLP trace exporter: %w", err)
+	}
+	return exp, nil
+}
+
 func (o *observability) metricsHandler() http.Handler {
 	return promhttp.HandlerFor(o.registry, promhttp.HandlerOpts{})
 }
 
+// traceFlushTimeout bounds how long shutdown waits for the last spans to reach the trace
+// collector, so that a collector which hangs does not hold up the server's shutdown.
+const traceFlushTimeout = 5 * time.Second
+
 func (o *observability) shutdown(ctx context.Context) error {
-	return errors.Join(o.meterProvider.Shutdown(ctx), o.tracerProvider.Shutdown(ctx))
+	tctx, cancel := context.WithTimeout(ctx, traceFlushTimeout)
+	defer cancel()
+	var terr error
+	if err := o.tracerProvider.Shutdown(tctx); err != nil {
+		terr = fmt.Errorf("flushing spans to the trace collector: %w", err)
+	}
+	return errors.Join(o.meterProvider.Shutdown(ctx), terr)
 }
 
 // op times one sandbox operation in a span and the operation histogram; call the returned

@@ -89,6 +89,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if err != nil {
 		return nil, err
 	}
+	s.registerRuntimeMetrics()
 	s.handler = s.buildHandler()
 	return s, nil
 }

@@ -146,12 +146,23 @@ func (s *Server) onPoolCheckpoint(env string, kind envpool.CheckpointKind, info 
 	s.recordCheckpoint(env, ledger.CheckpointKind(kind), info, nil)
 }
 
-// onLeaseEnd truncates the episode of a reaped sandbox.
+// onLeaseEnd ends the episode of a sandbox whose lease ended other than by Close: truncated when
+// the lease expired (its client went away and the episode just stops there), failed with class
+// infra when the sandbox died under it or the server shut down with it running.
 func (s *Server) onLeaseEnd(l *envpool.Lease, reason string) {
 	s.closed.Store(l.ID(), struct{}{})
-	if sess := sessionOf(l); sess != nil {
-		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+	sess := sessionOf(l)
+	if sess == nil {
+		return
 	}
+	if reason == envpool.EndExpired {
+		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+		return
+	}
+	if reason == envpool.EndDied {
+		s.log.Warn("episode failed: its sandbox died", "sandbox", l.ID(), "env", l.Env().Name())
+	}
+	s.endEpisode(sess, ledger.StatusFailed, ledger.FailureInfra)
 }
 
 func (s *Server) describe(l *envpool.Lease) *deltagymv1.Sandbox {

@@ -418,6 +418,25 @@ func (c *Cgroup) Thaw() error {
 	return c.wrap("thawing", c.freeze(false, c.deadline()))
 }
 
+// SetFrozen asks the kernel to freeze or thaw the group and, on cgroup v2,
+// returns without waiting for the processes to get there: the write marks
+// every process at once, and each stops (or goes on) at its next return to
+// user space. A process in ptrace-stop counts as frozen, and one detached
+// from ptrace in a group marked frozen freezes before it runs. On a legacy
+// (v1) host it waits, like Freeze and Thaw.
+func (c *Cgroup) SetFrozen(on bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.trackV2 {
+		return c.wrap("freezing", c.freeze(on, c.deadline()))
+	}
+	v := "0"
+	if on {
+		v = "1"
+	}
+	return c.wrap("freezing", writeFile(filepath.Join(c.track, "cgroup.freeze"), v))
+}
+
 func (c *Cgroup) freeze(on bool, deadline time.Time) error {
 	if c.trackV2 {
 		v, want := "0", int64(0)
@@ -460,6 +479,20 @@ func (c *Cgroup) Kill() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.wrap("killing", c.kill(c.deadline()))
+}
+
+// SignalKill sends SIGKILL to every process of the group and its
+// sub-groups. On cgroup v2 it returns at once, the processes dying in the
+// background (a process with SIGKILL pending runs no code of its own
+// again); Delete, later, waits for them. On a legacy (v1) host it waits,
+// like Kill.
+func (c *Cgroup) SignalKill() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.trackV2 {
+		return c.wrap("killing", c.kill(c.deadline()))
+	}
+	return c.wrap("killing", writeFile(filepath.Join(c.track, "cgroup.kill"), "1"))
 }
 
 func (c *Cgroup) kill(deadline time.Time) error {

@@ -345,6 +345,17 @@ func (c *Conn) Clone(hostID uint32, hostname string, netns int, ctl *os.File) (i
 	return int(r.val), exit, nil
 }
 
+// Watch returns a channel that receives the exit of pid, a child of the
+// init that it did not spawn for this Conn (a process copy made by
+// ptrace). Call it before the process can run.
+func (c *Conn) Watch(pid int) <-chan ExitEvent {
+	ch := make(chan ExitEvent, 1)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.waiters[pid] = ch
+	return ch
+}
+
 // Forget drops interest in pid's exit (a background command).
 func (c *Conn) Forget(pid int) {
 	c.mu.Lock()

@@ -90,7 +90,7 @@ func mergeDir(m *merger, srcRoot, dstRoot, rel string, links map[[2]uint64]strin
 				if err := unix.Mknod(dst, unix.S_IFCHR|0o000, 0); err != nil {
 					return err
 				}
-				if err := copyMeta(src, dst, &st); err != nil {
+				if err := copyMeta(src, dst, &st, false); err != nil {
 					return err
 				}
 				continue
@@ -115,7 +115,7 @@ func mergeDir(m *merger, srcRoot, dstRoot, rel string, links map[[2]uint64]strin
 			if err := mergeDir(m, srcRoot, dstRoot, p, links, inOpaque || opaque); err != nil {
 				return err
 			}
-			if err := copyMeta(src, dst, &st); err != nil {
+			if err := copyMeta(src, dst, &st, false); err != nil {
 				return err
 			}
 			if opaque {
@@ -135,7 +135,7 @@ func mergeDir(m *merger, srcRoot, dstRoot, rel string, links map[[2]uint64]strin
 			}
 			continue
 		}
-		if err := copyEntry(src, dst, &st); err != nil {
+		if err := copyEntry(src, dst, &st, false); err != nil {
 			return err
 		}
 		if st.Nlink > 1 {
@@ -190,7 +190,8 @@ func isOpaque(p string) bool {
 	return err == nil && n == 1 && buf[0] == 'y'
 }
 
-func copyEntry(src, dst string, st *unix.Stat_t) error {
+// copyEntry copies one non-directory entry with its metadata (see copyMeta).
+func copyEntry(src, dst string, st *unix.Stat_t, overlayMarks bool) error {
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
 		in, err := os.Open(src)
@@ -228,15 +229,17 @@ func copyEntry(src, dst string, st *unix.Stat_t) error {
 	default:
 		return fmt.Errorf("%s: unknown file type %o", src, st.Mode&unix.S_IFMT)
 	}
-	return copyMeta(src, dst, st)
+	return copyMeta(src, dst, st, overlayMarks)
 }
 
-// copyMeta copies xattrs, owner, mode and times from src to dst.
-func copyMeta(src, dst string, st *unix.Stat_t) error {
-	if err := copyXattrs(src, dst); err != nil {
+// copyMeta copies owner, xattrs (overlayfs's trusted.overlay.* marks only if
+// overlayMarks), mode and times from src to dst. The owner goes first:
+// chown drops security.capability and set-id bits.
+func copyMeta(src, dst string, st *unix.Stat_t, overlayMarks bool) error {
+	if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
 		return err
 	}
-	if err := unix.Lchown(dst, int(st.Uid), int(st.Gid)); err != nil {
+	if err := copyXattrs(src, dst, overlayMarks); err != nil {
 		return err
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFLNK {
@@ -248,7 +251,7 @@ func copyMeta(src, dst string, st *unix.Stat_t) error {
 	return unix.UtimesNanoAt(unix.AT_FDCWD, dst, ts, unix.AT_SYMLINK_NOFOLLOW)
 }
 
-func copyXattrs(src, dst string) error {
+func copyXattrs(src, dst string, overlayMarks bool) error {
 	size, err := unix.Llistxattr(src, nil)
 	if err != nil || size == 0 {
 		if errors.Is(err, unix.ENOTSUP) {
@@ -262,7 +265,7 @@ func copyXattrs(src, dst string) error {
 		return err
 	}
 	for _, name := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
-		if name == "" || strings.HasPrefix(name, "trusted.overlay.") {
+		if name == "" || !overlayMarks && strings.HasPrefix(name, "trusted.overlay.") {
 			continue // overlay's own marks; the opaque mark is set by Merge
 		}
 		vsize, err := unix.Lgetxattr(src, name, nil)

@@ -22,10 +22,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -41,6 +41,8 @@ type Store struct {
 	refs  map[string]int
 	sizes map[string]int64 // sealed layers: bytes used
 	wg    sync.WaitGroup   // discards in flight
+
+	pending atomic.Int64 // discards in flight, for Pending
 }
 
 // New opens (creating if needed) the store at dir.
@@ -144,35 +146,13 @@ func (s *Store) SealedBytes() int64 {
 	return n
 }
 
-// CopySealed copies the contents of layer src (frozen by the caller) into a
-// new layer and seals it: the checkpoint path for sandboxes whose live
-// processes still reach the current upper. The copy keeps owners, modes,
-// times, xattrs (overlay whiteouts and opaque marks included) and hard links.
-func (s *Store) CopySealed(src string, sizeBytes int64) (string, int64, error) {
-	id, err := s.NewUpper(sizeBytes)
-	if err != nil {
-		return "", 0, err
+// CopyInto copies layer src into dst, a new empty upper, and seals dst. It
+// returns the bytes dst uses.
+func (s *Store) CopyInto(src, dst string) (int64, error) {
+	if err := copyTree(s.Path(src), s.Path(dst)); err != nil {
+		return 0, fmt.Errorf("copying layer %s: %w", src, err)
 	}
-	// cp -a keeps everything overlayfs relies on, trusted.* xattrs included
-	// when run as root.
-	out, err := exec.Command("cp", "-a", "--no-target-directory", s.Path(src), s.Path(id)+".tmp").CombinedOutput()
-	if err == nil {
-		if err = os.Remove(s.Path(id)); err == nil {
-			err = os.Rename(s.Path(id)+".tmp", s.Path(id))
-		}
-	} else {
-		err = fmt.Errorf("%w: %s", err, out)
-	}
-	if err != nil {
-		s.Unref(id)
-		return "", 0, fmt.Errorf("copying layer %s: %w", src, err)
-	}
-	size, err := s.Seal(id)
-	if err != nil {
-		s.Unref(id)
-		return "", 0, err
-	}
-	return id, size, nil
+	return s.Seal(dst)
 }
 
 // Ref adds a reference to layer id, which must exist.
@@ -202,12 +182,18 @@ func (s *Store) Unref(id string) {
 	delete(s.refs, id)
 	delete(s.sizes, id)
 	s.wg.Add(1)
+	s.pending.Add(1)
 	s.mu.Unlock()
 	go func() {
 		defer s.wg.Done()
+		defer s.pending.Add(-1)
 		s.discard(id)
 	}()
 }
+
+// Pending returns the number of background discards in flight: the backlog
+// of released layers not yet unmounted and removed.
+func (s *Store) Pending() int { return int(s.pending.Load()) }
 
 func (s *Store) discard(id string) {
 	d := s.Dir(id)

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -60,7 +61,10 @@ func benchWriter(b *testing.B, obsSize int) {
 	if err := ledger.MigrateURL(ctx, srv.URL()); err != nil {
 		b.Fatal(err)
 	}
-	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool")})
+	// DELTAGYM_LEDGER_BENCH_CONNS and _DELAY override Config.Conns and DeliveryDelay, to compare.
+	conns, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_CONNS"))
+	delay, _ := time.ParseDuration(os.Getenv("DELTAGYM_LEDGER_BENCH_DELAY"))
+	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -5,11 +5,15 @@
 // Writing goes through a Writer, whose append methods never wait for Postgres: rows are
 // group-committed to a durable local spool (append-only, length-prefixed, CRC-32C checksummed
 // segment files, fsynced once per Config.GroupCommit window) and delivered asynchronously in
-// batches (COPY for steps and rewards, batched statements for the rest) from a bounded in-memory
-// queue, or read back from the spool when that queue is full. Each delivery transaction takes
-// the spool's advisory lock, skips rows at or below the spool's mark in ledger_spool_marks and
-// advances the mark, so after a Postgres outage or restart, or a crash of the writer (even one
-// whose last COMMIT was still in flight), rows are delivered in order, exactly once.
+// batches (binary COPY for steps and rewards, batched statements for the rest) from a bounded
+// in-memory queue, or read back from the spool when that queue is full. Up to Config.Conns
+// batches are copied at once, on as many connections, and commit in order. Each delivery
+// transaction takes the spool's advisory lock, checks the spool's mark in ledger_spool_marks
+// (rolling back and redoing the batch past the mark if the mark already covers some of its rows)
+// and advances the mark, so after a Postgres outage or restart, or a crash of the writer (even
+// one whose last COMMIT was still in flight), rows are delivered in order, exactly once. At a
+// low row rate, deliveries are gathered over Config.DeliveryDelay (default 100 ms) to spare
+// Postgres a transaction and WAL fsync per group commit.
 //
 // Durability: a graceful Close loses nothing (rows Postgres cannot take before its deadline stay
 // in the spool for the next writer on the directory). A SIGKILL of the writing process loses at

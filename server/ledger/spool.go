@@ -1,8 +1,8 @@
 package ledger
 
 import (
-	"bufio"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -35,7 +35,8 @@ type spool struct {
 	// Reader only (the deliverer's prefetching goroutine): where the last read stopped.
 	cur struct {
 		f    *os.File
-		r    *bufio.Reader
+		buf  []byte // a slab of bytes read from f: frames before off are handed out, the rest unparsed
+		off  int
 		seg  uint64
 		next uint64 // seq of the next frame at the reader's position
 	}
@@ -238,7 +239,7 @@ func (s *spool) seek(seq uint64) error {
 		if err != nil {
 			return fmt.Errorf("opening spool segment: %w", err)
 		}
-		s.cur.f, s.cur.r, s.cur.seg, s.cur.next = f, bufio.NewReaderSize(f, 1<<20), first, first
+		s.cur.f, s.cur.buf, s.cur.off, s.cur.seg, s.cur.next = f, nil, 0, first, first
 	}
 	for s.cur.next < seq {
 		if _, err := s.readFrame(); err != nil {
@@ -249,33 +250,66 @@ func (s *spool) seek(seq uint64) error {
 }
 
 func (s *spool) readFrame() (record, error) {
-	hdr, err := s.cur.r.Peek(frameHeader)
-	if err != nil {
+	if err := s.fill(frameHeader); err != nil {
 		return record{}, err
 	}
-	size := frameHeader + int(uint32(hdr[0])|uint32(hdr[1])<<8|uint32(hdr[2])<<16|uint32(hdr[3])<<24)
+	size := frameHeader + int(binary.LittleEndian.Uint32(s.cur.buf[s.cur.off:]))
 	if size > frameHeader+maxPayload {
 		return record{}, fmt.Errorf("frame length: %w", ErrSpoolCorrupt)
 	}
-	buf := make([]byte, size)
-	if _, err := io.ReadFull(s.cur.r, buf); err != nil {
+	if err := s.fill(size); err != nil {
 		return record{}, err
 	}
-	r, _, err := parseFrame(buf)
+	// No CRC here: every frame was checked when the spool was opened (recoverSegment) or was
+	// written by this process, and the frame's seq is still checked. That spares a second
+	// checksum pass over each row read back.
+	r, _, err := parseFrameCheck(s.cur.buf[s.cur.off:s.cur.off+size], false)
 	if err != nil {
 		return record{}, err
 	}
 	if r.seq != s.cur.next {
 		return record{}, fmt.Errorf("seq %d where %d expected: %w", r.seq, s.cur.next, ErrSpoolCorrupt)
 	}
+	s.cur.off += size
 	s.cur.next++
 	return r, nil
+}
+
+// readSlab is the size of the reader's slabs. Records decoded from a slab point into it (no copy
+// per frame), so a slab is never overwritten: a full one is left to the garbage collector once
+// the records in it are delivered, and reading continues in a new one.
+const readSlab = 4 << 20
+
+// fill makes at least n unparsed bytes available in the cursor's slab, reading ahead as far as
+// the slab allows. It returns io.EOF at the end of the file, io.ErrUnexpectedEOF inside a frame.
+func (s *spool) fill(n int) error {
+	c := &s.cur
+	for len(c.buf)-c.off < n {
+		if cap(c.buf)-c.off < n {
+			nb := make([]byte, len(c.buf)-c.off, max(readSlab, n))
+			copy(nb, c.buf[c.off:])
+			c.buf, c.off = nb, 0
+		}
+		k, err := c.f.Read(c.buf[len(c.buf):cap(c.buf)])
+		c.buf = c.buf[:len(c.buf)+k]
+		if k > 0 {
+			continue
+		}
+		if err == nil || errors.Is(err, io.EOF) {
+			if len(c.buf) == c.off {
+				return io.EOF
+			}
+			return io.ErrUnexpectedEOF
+		}
+		return fmt.Errorf("reading spool segment: %w", err)
+	}
+	return nil
 }
 
 func (s *spool) closeCursor() {
 	if s.cur.f != nil {
 		_ = s.cur.f.Close()
-		s.cur.f, s.cur.r = nil, nil
+		s.cur.f, s.cur.buf, s.cur.off = nil, nil, 0
 	}
 }
 

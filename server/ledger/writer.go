@@ -31,10 +31,20 @@ type Config struct {
 	// Defaults 100,000 rows and 64 MiB.
 	QueueRows  int
 	QueueBytes int
-	// BatchRows and BatchBytes bound one delivery transaction (up to three batches are in
-	// flight: being read, queued, being committed). Defaults 8192 rows and 16 MiB.
+	// BatchRows and BatchBytes bound one delivery transaction (up to Conns+2 batches are in
+	// flight: being read, queued, and Conns being copied or committed). Defaults 8192 rows and
+	// 16 MiB.
 	BatchRows  int
 	BatchBytes int
+	// DeliveryDelay is how long durable rows may wait to be delivered together with later ones
+	// while fewer than BatchRows/4 are waiting: at a low row rate it turns a Postgres
+	// transaction (and WAL fsync) per group commit into one per DeliveryDelay. Flush, Close and
+	// the Store's queries (which flush) skip it. Default 100ms; negative means no delay.
+	DeliveryDelay time.Duration
+	// Conns is the number of delivery connections: up to Conns batches are copied into
+	// Postgres at once (a COPY keeps one backend busy on one CPU); they still commit in order.
+	// Default 2.
+	Conns int
 	// ObservationCap caps a stored observation; its full size and SHA-256 are kept. Default 64 KiB.
 	ObservationCap int
 	// SegmentBytes is the size at which the spool starts a new segment file. Default 64 MiB.
@@ -73,6 +83,12 @@ func (c *Config) Validate() error {
 	if c.BatchBytes <= 0 {
 		c.BatchBytes = 16 << 20
 	}
+	if c.DeliveryDelay == 0 {
+		c.DeliveryDelay = 100 * time.Millisecond
+	}
+	if c.Conns <= 0 {
+		c.Conns = 2
+	}
 	if c.ObservationCap <= 0 {
 		c.ObservationCap = 64 << 10
 	}
@@ -105,10 +121,10 @@ type Stats struct {
 // Writer records ledger rows asynchronously. Its append methods (Step, EpisodeStarted,
 // EpisodeEnded, Checkpoint, CheckpointReleased, Reward) never wait for Postgres or the disk: a row
 // is encoded into the current group-commit buffer, which a syncer goroutine appends to the spool
-// and fsyncs every GroupCommit window; a deliverer goroutine then copies durable rows to Postgres
-// in batches (COPY for steps and rewards), in order, recording in the same transaction how far
-// the spool has been delivered, so that redelivery after a crash or outage neither loses nor
-// duplicates a row. The append methods take ownership of the slices in the rows they are given.
+// and fsyncs every GroupCommit window; a deliverer then copies durable rows to Postgres in
+// batches (COPY for steps and rewards) over up to Config.Conns connections at once, committing
+// them in order and recording in the same transaction how far the spool has been delivered, so
+// that redelivery after a crash or outage neither loses nor duplicates a row (deliver.go). The append methods take ownership of the slices in the rows they are given.
 type Writer struct {
 	cfg Config
 	sp  *spool
@@ -124,6 +140,7 @@ type Writer struct {
 	overflow  bool // the queue was full: rows from here on are read back from the spool
 	synced    uint64
 	delivered uint64
+	flushTo   uint64 // rows up to here are delivered without DeliveryDelay
 	closed    bool
 	changed   chan struct{} // closed and replaced whenever synced or delivered advance
 	syncErr   error
@@ -136,8 +153,6 @@ type Writer struct {
 
 	cancelDeliver context.CancelFunc
 	deliverDone   chan struct{}
-	conn          *pgx.Conn // deliverer only
-	mark          uint64    // deliverer only: Postgres's delivery mark for this spool
 
 	spooled, dropped, retries atomic.Uint64
 
@@ -406,58 +421,6 @@ func (w *Writer) syncOnce() {
 	w.notifyLocked()
 }
 
-// deliverLoop moves durable rows to Postgres, in sequence order, until ctx is cancelled or the
-// writer is closed and everything is delivered. A reader goroutine prepares the next batch
-// (from memory or the spool) while the current one is being committed.
-func (w *Writer) deliverLoop(ctx context.Context) {
-	defer close(w.deliverDone)
-	defer func() {
-		if w.conn != nil {
-			_ = w.conn.Close(context.Background())
-			w.conn = nil
-		}
-	}()
-	batches := make(chan []record, 1)
-	readerDone := make(chan struct{})
-	rctx, stopReader := context.WithCancel(ctx)
-	defer func() {
-		stopReader()
-		<-readerDone
-	}()
-	go func() {
-		defer close(readerDone)
-		defer close(batches)
-		w.mu.Lock()
-		pos := w.delivered
-		w.mu.Unlock()
-		for {
-			batch := w.nextBatch(rctx, pos)
-			if batch == nil {
-				return
-			}
-			pos = batch[len(batch)-1].seq
-			select {
-			case batches <- batch:
-			case <-rctx.Done():
-				return
-			}
-		}
-	}()
-	for batch := range batches {
-		if !w.deliver(ctx, batch) {
-			return
-		}
-		last := batch[len(batch)-1].seq
-		w.mu.Lock()
-		w.delivered = max(w.delivered, last)
-		w.notifyLocked()
-		w.mu.Unlock()
-		if err := w.sp.trim(last); err != nil {
-			w.cfg.Logger.Error("ledger spool trim", "err", err)
-		}
-	}
-}
-
 // popMemLocked drops rows up to pos (handed to the deliverer) from the in-memory queue.
 func (w *Writer) popMemLocked(pos uint64) {
 	i := 0
@@ -475,11 +438,25 @@ func (w *Writer) popMemLocked(pos uint64) {
 // nextBatch waits for durable rows after pos and returns a batch of them: from the in-memory
 // queue when it holds the next row, from the spool otherwise. nil means stop.
 func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
+	var readyAt time.Time // when rows were first seen waiting (DeliveryDelay)
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
 	w.mu.Lock()
 	for {
 		w.popMemLocked(pos)
 		next := pos + 1
-		if next <= w.synced {
+		var wait time.Duration
+		if next <= w.synced && !w.closed && w.flushTo <= pos && w.synced-pos < uint64(w.cfg.BatchRows/4) && w.cfg.DeliveryDelay > 0 {
+			if readyAt.IsZero() {
+				readyAt = time.Now()
+			}
+			wait = w.cfg.DeliveryDelay - time.Since(readyAt)
+		}
+		if next <= w.synced && wait <= 0 {
 			if len(w.mem) > 0 && w.mem[0].seq == next {
 				n, bytes := 0, 0
 				for n < len(w.mem) && n < w.cfg.BatchRows && bytes < w.cfg.BatchBytes && w.mem[n].seq <= w.synced {
@@ -523,74 +500,23 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 		}
 		ch := w.changed
 		w.mu.Unlock()
+		var expired <-chan time.Time
+		if wait > 0 {
+			if timer == nil {
+				timer = time.NewTimer(wait)
+			} else {
+				timer.Reset(wait)
+			}
+			expired = timer.C
+		}
 		select {
 		case <-ch:
+		case <-expired:
 		case <-ctx.Done():
 			return nil
 		}
 		w.mu.Lock()
 	}
-}
-
-// deliver commits batch to Postgres, retrying (reconnecting) until it succeeds or ctx ends.
-func (w *Writer) deliver(ctx context.Context, batch []record) bool {
-	backoff := 10 * time.Millisecond
-	for {
-		err := w.connect(ctx)
-		if err == nil {
-			// After a reconnect the mark says whether an earlier attempt committed after all.
-			for len(batch) > 0 && batch[0].seq <= w.mark {
-				batch = batch[1:]
-			}
-			if len(batch) == 0 {
-				return true
-			}
-			err = w.apply(ctx, batch, false)
-			if isDataError(err) {
-				err = w.apply(ctx, batch, true)
-			}
-			if err == nil {
-				w.mark = batch[len(batch)-1].seq
-				return true
-			}
-			_ = w.conn.Close(context.Background())
-			w.conn = nil
-		}
-		if ctx.Err() != nil {
-			return false
-		}
-		w.retries.Add(1)
-		w.cfg.Logger.Warn("ledger delivery; retrying", "err", err, "backoff", backoff)
-		if !sleepCtx(ctx, backoff) {
-			return false
-		}
-		backoff = min(backoff*2, time.Second)
-	}
-}
-
-// connect (re)connects, migrates and reads this spool's delivery mark.
-func (w *Writer) connect(ctx context.Context) error {
-	if w.conn != nil {
-		return nil
-	}
-	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(cctx, w.cfg.URL)
-	if err != nil {
-		return fmt.Errorf("connecting to ledger database: %w", err)
-	}
-	if err := Migrate(cctx, conn); err != nil {
-		_ = conn.Close(context.Background())
-		return err
-	}
-	var mark int64
-	err = conn.QueryRow(cctx, "SELECT seq FROM ledger_spool_marks WHERE spool_id = $1", w.sp.id).Scan(&mark)
-	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		_ = conn.Close(context.Background())
-		return fmt.Errorf("reading delivery mark: %w", err)
-	}
-	w.conn, w.mark = conn, uint64(mark)
-	return nil
 }
 
 // isDataError reports whether Postgres rejected the rows themselves (a bad value or a duplicate
@@ -610,9 +536,6 @@ func isDataError(err error) bool {
 // spoolLockClass is the first key of the advisory locks that serialise a spool's deliveries
 // (the second is a hash of the spool id).
 const spoolLockClass int32 = 0x64676c73 // "dgls"
-
-var stepColumns = []string{"episode_id", "idx", "action", "observation", "observation_size",
-	"observation_sha256", "reward", "terminated", "truncated", "started_at", "duration_ns", "checkpoint_id"}
 
 var rewardColumns = []string{"episode_id", "step_index", "source", "components", "value", "created_at"}
 
@@ -656,101 +579,6 @@ func rewardValues(r *RewardRow) []any {
 		comps = map[string]float64{}
 	}
 	return []any{r.EpisodeID, step, r.Source, comps, r.Value, r.CreatedAt}
-}
-
-// apply commits batch and the new delivery mark in one transaction. The fast path inserts
-// episodes, runs and checkpoints first, COPYs steps and rewards, then applies the updates in
-// order. The safe path (after Postgres rejected a row) does every row on its own under a
-// savepoint, logging and skipping the rows that fail.
-func (w *Writer) apply(ctx context.Context, batch []record, safe bool) error {
-	tx, err := w.conn.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("beginning delivery: %w", err)
-	}
-	defer tx.Rollback(context.WithoutCancel(ctx))
-	// A writer killed after sending COMMIT leaves a transaction that may still commit after a new
-	// writer on the same spool read the mark. Serialise the spool's deliveries and read the mark
-	// under the lock, inside the transaction, so rows are never delivered twice.
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1, hashtext($2))", spoolLockClass, w.sp.id); err != nil {
-		return fmt.Errorf("locking spool mark: %w", err)
-	}
-	var mark int64
-	if err := tx.QueryRow(ctx, "SELECT coalesce((SELECT seq FROM ledger_spool_marks WHERE spool_id = $1), 0)", w.sp.id).Scan(&mark); err != nil {
-		return fmt.Errorf("reading delivery mark: %w", err)
-	}
-	for len(batch) > 0 && batch[0].seq <= uint64(mark) {
-		batch = batch[1:]
-	}
-	if len(batch) == 0 {
-		return nil
-	}
-	if safe {
-		for i := range batch {
-			if err := w.applyOne(ctx, tx, &batch[i]); err != nil {
-				return err
-			}
-		}
-	} else if err := applyFast(ctx, tx, batch); err != nil {
-		return err
-	}
-	if _, err := tx.Exec(ctx, upsertMark, w.sp.id, int64(batch[len(batch)-1].seq)); err != nil {
-		return fmt.Errorf("recording delivery mark: %w", err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("committing delivery: %w", err)
-	}
-	return nil
-}
-
-func applyFast(ctx context.Context, tx pgx.Tx, batch []record) error {
-	var first, last pgx.Batch
-	var steps, rewards [][]any
-	runs := map[string]bool{}
-	for i := range batch {
-		r := &batch[i]
-		switch r.kind {
-		case recEpisodeStart:
-			s := r.start
-			if s.Run != "" && !runs[s.Run] {
-				runs[s.Run] = true
-				first.Queue(insertRun, s.Run)
-			}
-			first.Queue(insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), s.StartedAt)
-		case recCheckpoint:
-			c := r.ckpt
-			first.Queue(insertCheckpoint, c.ID, nullStr(c.ParentID), string(c.Kind), c.Env, c.Sandbox, nullStr(c.EpisodeID), int32(c.StepIndex), c.CreatedAt)
-		case recStep:
-			steps = append(steps, stepValues(r.step))
-		case recReward:
-			rewards = append(rewards, rewardValues(r.reward))
-		case recEpisodeEnd:
-			e := r.end
-			last.Queue(updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
-		case recRelease:
-			last.Queue(updateRelease, r.release.ID, r.release.At)
-		}
-	}
-	if first.Len() > 0 {
-		if err := tx.SendBatch(ctx, &first).Close(); err != nil {
-			return fmt.Errorf("inserting episodes and checkpoints: %w", err)
-		}
-	}
-	if len(steps) > 0 {
-		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"steps"}, stepColumns, pgx.CopyFromRows(steps)); err != nil {
-			return fmt.Errorf("copying steps: %w", err)
-		}
-	}
-	if len(rewards) > 0 {
-		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"rewards"}, rewardColumns, pgx.CopyFromRows(rewards)); err != nil {
-			return fmt.Errorf("copying rewards: %w", err)
-		}
-	}
-	if last.Len() > 0 {
-		if err := tx.SendBatch(ctx, &last).Close(); err != nil {
-			return fmt.Errorf("updating episodes and checkpoints: %w", err)
-		}
-	}
-	return nil
 }
 
 func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
@@ -797,6 +625,10 @@ func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
 func (w *Writer) Flush(ctx context.Context) error {
 	w.mu.Lock()
 	target := w.nextSeq - 1
+	if target > w.flushTo {
+		w.flushTo = target
+		w.notifyLocked()
+	}
 	w.mu.Unlock()
 	w.requestSync()
 	return w.waitDelivered(ctx, target)

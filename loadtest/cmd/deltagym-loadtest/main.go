@@ -5,6 +5,7 @@
 //
 //	deltagym-loadtest --addr 127.0.0.1:8080 --scenario rollback --concurrency 64 --duration 30s
 //	deltagym-loadtest --serve bin/deltagym --init bin/dg-init --data .data/loadtest --envs envs --image-dir .data/images/default
+//	deltagym-loadtest --scenario rollback-process --process-mb 8 --concurrency 64   # plus the CRIU variant, or "not available"
 package main
 
 import (
@@ -48,8 +49,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.DurationVar(&cfg.Duration, "duration", 30*time.Second, "measured duration")
 	fs.DurationVar(&cfg.Warmup, "warmup", 3*time.Second, "warm-up before the measured duration (discarded)")
 	fs.IntVar(&cfg.FileSize, "file-size", 4096, "bytes the rollback scenario writes per iteration")
+	fs.IntVar(&cfg.ProcessMB, "process-mb", 8, "rollback-process: MiB the process of each sandbox holds (every page written)")
+	fs.StringVar(&cfg.ProcessMethod, "process-method", loadtest.ProcessTemplate, "rollback-process: how checkpoints capture the process: template, or criu")
+	var noCRIU bool
+	fs.BoolVar(&noCRIU, "no-criu", false, "rollback-process: do not measure (or probe) the CRIU variant beside the template run")
 	fs.IntVar(&cfg.Group, "group", 8, "children per fork in the grpo scenario")
 	fs.IntVar(&cfg.Conns, "conns", 4, "HTTP/2 connections shared by the workers")
+	fs.DurationVar(&cfg.SampleInterval, "sample", time.Second, "interval of the timeline's samples (throughput, server RSS, discard backlog, CPU per process)")
 	fs.StringVar(&jsonPath, "json", "", "write the JSON report to this file")
 	fs.StringVar(&plotPath, "plot", "", "write a latency CDF plot (PNG) to this file")
 	fs.BoolVar(&fullCopy, "full-copy", false, "also measure the full-copy rollback baseline (10k files, 1,000 / 50 MB changed)")
@@ -121,7 +127,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		return 0
 	}
-	cfg.ServerPID = pid
+	cfg.ServerPID, cfg.SandboxCPUStat = pid, cgroupCPU
 	probe := loadtest.StartProbe(pid, cgroupCPU)
 	rep, err := loadtest.Run(ctx, cfg)
 	if err != nil {
@@ -144,6 +150,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		fc.SetSoloRestore(solo.Ops["restore"].P50Ms, solo.Ops["restore"].P99Ms)
 		rep.FullCopy = fc
+	}
+	if cfg.Scenario == "rollback-process" && cfg.ProcessMethod == loadtest.ProcessTemplate && !noCRIU {
+		fmt.Fprintln(stderr, "measuring the CRIU variant of rollback-process ...")
+		cc := cfg
+		cc.Duration, cc.Progress = min(cfg.Duration, 10*time.Second), nil
+		v, err := loadtest.MeasureProcessCRIU(ctx, cc)
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest: CRIU variant:", err)
+			return 1
+		}
+		rep.ProcessCRIU = v
 	}
 	rep.WriteSummary(stdout)
 	if jsonPath != "" {

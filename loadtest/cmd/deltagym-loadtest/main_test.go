@@ -16,6 +16,8 @@ func TestRunRejectsBadInput(t *testing.T) {
 		{"unknown scenario", []string{"--addr", "127.0.0.1:1", "--scenario", "nope", "--quiet"}, 1, "is not one of"},
 		{"unknown flag", []string{"--frobnicate"}, 2, "flag provided but not defined"},
 		{"no address", []string{"--quiet"}, 1, "no server address"},
+		{"process size", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-mb", "-3", "--quiet"}, 1, "process size -3 MiB"},
+		{"process method", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-method", "dump", "--quiet"}, 1, "process method"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("DELTAGYM_ADDR", "")

@@ -1130,7 +1130,12 @@ type RestoreRequest struct {
 	// sandbox_id is the sandbox to restore.
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	// checkpoint_id is the state to restore it to.
-	CheckpointId  string `protobuf:"bytes,2,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	CheckpointId string `protobuf:"bytes,2,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// fresh_entropy gives the restored state randomness of its own: a new
+	// seed in /run/deltagym/fork-seed before the restored processes run, and
+	// a reseeded $RANDOM in every restored session. Without it, processes
+	// restored from one checkpoint share the random state they had in memory.
+	FreshEntropy  bool `protobuf:"varint,3,opt,name=fresh_entropy,json=freshEntropy,proto3" json:"fresh_entropy,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1177,6 +1182,13 @@ func (x *RestoreRequest) GetCheckpointId() string {
 		return x.CheckpointId
 	}
 	return ""
+}
+
+func (x *RestoreRequest) GetFreshEntropy() bool {
+	if x != nil {
+		return x.FreshEntropy
+	}
+	return false
 }
 
 // RestoreResponse is the response of Restore.
@@ -1379,7 +1391,12 @@ type ForkResponse struct {
 	// episode_ids identifies their episodes, in the same order.
 	EpisodeIds []string `protobuf:"bytes,2,rep,name=episode_ids,json=episodeIds,proto3" json:"episode_ids,omitempty"`
 	// checkpoint_id is the checkpoint the children start from.
-	CheckpointId  string `protobuf:"bytes,3,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	CheckpointId string `protobuf:"bytes,3,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// processes lists the processes the checkpoint captured that the
+	// children do not run (method CAPTURE_METHOD_NONE, with the reason):
+	// template copies are born in the sandbox that made them, so a fork
+	// starts from the checkpoint's files.
+	Processes     []*ProcessCapture `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1433,6 +1450,13 @@ func (x *ForkResponse) GetCheckpointId() string {
 		return x.CheckpointId
 	}
 	return ""
+}
+
+func (x *ForkResponse) GetProcesses() []*ProcessCapture {
+	if x != nil {
+		return x.Processes
+	}
+	return nil
 }
 
 // ReleaseCheckpointRequest is the request of ReleaseCheckpoint.
@@ -2174,11 +2198,12 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12\x14\n" +
 	"\x05depth\x18\x03 \x01(\x05R\x05depth\x129\n" +
 	"\tprocesses\x18\x04 \x03(\v2\x1b.deltagym.v1.ProcessCaptureR\tprocesses\x12\x18\n" +
-	"\adurable\x18\x05 \x01(\bR\adurable\"T\n" +
+	"\adurable\x18\x05 \x01(\bR\adurable\"y\n" +
 	"\x0eRestoreRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12#\n" +
-	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\"X\n" +
+	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\x12#\n" +
+	"\rfresh_entropy\x18\x03 \x01(\bR\ffreshEntropy\"X\n" +
 	"\x0fRestoreResponse\x12\x1d\n" +
 	"\n" +
 	"episode_id\x18\x01 \x01(\tR\tepisodeId\x12&\n" +
@@ -2192,13 +2217,14 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x03run\x18\x05 \x01(\tR\x03run\x12'\n" +
 	"\x0fidempotency_key\x18\x06 \x01(\tR\x0eidempotencyKey\x12#\n" +
 	"\rfresh_entropy\x18\a \x01(\bR\ffreshEntropyB\b\n" +
-	"\x06source\"u\n" +
+	"\x06source\"\xb0\x01\n" +
 	"\fForkResponse\x12\x1f\n" +
 	"\vsandbox_ids\x18\x01 \x03(\tR\n" +
 	"sandboxIds\x12\x1f\n" +
 	"\vepisode_ids\x18\x02 \x03(\tR\n" +
 	"episodeIds\x12#\n" +
-	"\rcheckpoint_id\x18\x03 \x01(\tR\fcheckpointId\"?\n" +
+	"\rcheckpoint_id\x18\x03 \x01(\tR\fcheckpointId\x129\n" +
+	"\tprocesses\x18\x04 \x03(\v2\x1b.deltagym.v1.ProcessCaptureR\tprocesses\"?\n" +
 	"\x18ReleaseCheckpointRequest\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\"\x1b\n" +
 	"\x19ReleaseCheckpointResponse\"0\n" +
@@ -2346,46 +2372,47 @@ var file_deltagym_v1_env_service_proto_depIdxs = []int32{
 	13, // 13: deltagym.v1.StepStreamResponse.error:type_name -> deltagym.v1.ErrorStatus
 	42, // 14: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
 	43, // 15: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	36, // 16: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
-	28, // 17: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
-	40, // 18: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
-	44, // 19: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
-	44, // 20: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
-	1,  // 21: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
-	3,  // 22: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
-	5,  // 23: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
-	7,  // 24: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
-	9,  // 25: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
-	11, // 26: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
-	14, // 27: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
-	16, // 28: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
-	18, // 29: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
-	20, // 30: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
-	22, // 31: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
-	24, // 32: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
-	26, // 33: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
-	29, // 34: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
-	31, // 35: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
-	2,  // 36: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
-	4,  // 37: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
-	6,  // 38: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
-	8,  // 39: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
-	10, // 40: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
-	12, // 41: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
-	15, // 42: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
-	17, // 43: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
-	19, // 44: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
-	21, // 45: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
-	23, // 46: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
-	25, // 47: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
-	27, // 48: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
-	30, // 49: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
-	32, // 50: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
-	36, // [36:51] is the sub-list for method output_type
-	21, // [21:36] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	43, // 16: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	36, // 17: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
+	28, // 18: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
+	40, // 19: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
+	44, // 20: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
+	44, // 21: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
+	1,  // 22: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
+	3,  // 23: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
+	5,  // 24: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
+	7,  // 25: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
+	9,  // 26: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
+	11, // 27: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
+	14, // 28: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
+	16, // 29: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
+	18, // 30: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
+	20, // 31: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
+	22, // 32: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
+	24, // 33: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
+	26, // 34: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
+	29, // 35: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
+	31, // 36: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
+	2,  // 37: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
+	4,  // 38: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
+	6,  // 39: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
+	8,  // 40: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
+	10, // 41: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
+	12, // 42: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
+	15, // 43: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
+	17, // 44: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
+	19, // 45: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
+	21, // 46: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
+	23, // 47: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
+	25, // 48: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
+	27, // 49: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
+	30, // 50: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
+	32, // 51: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
+	37, // [37:52] is the sub-list for method output_type
+	22, // [22:37] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_service_proto_init() }

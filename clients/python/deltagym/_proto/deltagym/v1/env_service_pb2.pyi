@@ -205,12 +205,14 @@ class CheckpointResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., depth: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[_env_pb2.ProcessCapture, _Mapping]]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("sandbox_id", "checkpoint_id")
+    __slots__ = ("sandbox_id", "checkpoint_id", "fresh_entropy")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    FRESH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     checkpoint_id: str
-    def __init__(self, sandbox_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
+    fresh_entropy: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., fresh_entropy: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("episode_id", "next_step_index")
@@ -239,14 +241,16 @@ class ForkRequest(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., n: _Optional[int] = ..., group_id: _Optional[str] = ..., run: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., fresh_entropy: _Optional[bool] = ...) -> None: ...
 
 class ForkResponse(_message.Message):
-    __slots__ = ("sandbox_ids", "episode_ids", "checkpoint_id")
+    __slots__ = ("sandbox_ids", "episode_ids", "checkpoint_id", "processes")
     SANDBOX_IDS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     sandbox_ids: _containers.RepeatedScalarFieldContainer[str]
     episode_ids: _containers.RepeatedScalarFieldContainer[str]
     checkpoint_id: str
-    def __init__(self, sandbox_ids: _Optional[_Iterable[str]] = ..., episode_ids: _Optional[_Iterable[str]] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[_env_pb2.ProcessCapture]
+    def __init__(self, sandbox_ids: _Optional[_Iterable[str]] = ..., episode_ids: _Optional[_Iterable[str]] = ..., checkpoint_id: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[_env_pb2.ProcessCapture, _Mapping]]] = ...) -> None: ...
 
 class ReleaseCheckpointRequest(_message.Message):
     __slots__ = ("checkpoint_id",)

@@ -1,0 +1,188 @@
+package loadtest
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseMetrics(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		text string
+		want map[string]float64
+		ok   bool
+	}{
+		{"labels and plain", `# HELP deltagym_checkpoints checkpoints
+# TYPE deltagym_checkpoints gauge
+deltagym_checkpoints{otel_scope_name="x",otel_scope_version=""} 12
+process_resident_memory_bytes 2.807808e+07
+`, map[string]float64{"deltagym_checkpoints": 12, "process_resident_memory_bytes": 28078080}, true},
+		{"summed over label sets", "a{code=\"ok\"} 1\na{code=\"x\"} 2\n", map[string]float64{"a": 3}, true},
+		{"label value with braces and spaces", "a{msg=\"} {\"} 5 1700000000\n", map[string]float64{"a": 5}, true},
+		{"bad value", "a 1x\n", nil, false},
+		{"no value", "a{b=\"c\"}\n", nil, false},
+		{"unterminated labels", "a{b=\"c\" 1\n", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseMetrics(strings.NewReader(tc.text))
+			if (err == nil) != tc.ok {
+				t.Fatalf("parseMetrics = %v, %v; want ok=%v", got, err, tc.ok)
+			}
+			if err != nil {
+				if !errors.Is(err, ErrUnexpected) {
+					t.Fatalf("error %v is not ErrUnexpected", err)
+				}
+				return
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("parseMetrics = %v, want %v", got, tc.want)
+			}
+			for k, v := range tc.want {
+				if got[k] != v {
+					t.Fatalf("%s = %v, want %v (all: %v)", k, got[k], v, got)
+				}
+			}
+		})
+	}
+}
+
+// series builds a timeline of n one-second samples after a 2 s warm-up (two samples), with
+// per-second values from f(i) for i in [0, n).
+func series(n int, f func(i int) (perSec float64, rss, backlog int64)) []Sample {
+	var tl []Sample
+	for i := -2; i < n; i++ {
+		p, rss, b := f(max(i, 0))
+		tl = append(tl, Sample{AtSec: float64(i + 3), IntervalSec: 1, Iterations: int64(p), PerSec: p, ServerRSS: rss,
+			DiscardBacklog: b, ServerCPU: 0.5, SandboxCPU: 0.25, LoadgenCPU: 0.1, MachineBusy: 0.5})
+	}
+	return tl
+}
+
+func TestMeasureFlatness(t *testing.T) {
+	const mb = 1 << 20
+	for _, tc := range []struct {
+		name                     string
+		tl                       []Sample
+		thr, rss, backlog        bool
+		verdict                  string
+		ratio                    float64
+		firstBacklog, lastBacklg int64
+	}{
+		{"flat", series(300, func(i int) (float64, int64, int64) { return 2000 + float64(i%7), 100 * mb, int64(i % 5) }),
+			true, true, true, "flat", 1, 4, 4},
+		{"throughput falls", series(300, func(i int) (float64, int64, int64) { return 2000 - 4*float64(i), 100 * mb, 2 }),
+			false, true, true, "NOT flat: throughput", 0.49, 2, 2},
+		{"rss grows", series(300, func(i int) (float64, int64, int64) { return 2000, int64(100+i) * mb, 2 }),
+			true, false, true, "NOT flat: server RSS", 1, 2, 2},
+		{"backlog grows", series(300, func(i int) (float64, int64, int64) { return 2000, 100 * mb, int64(i) }),
+			true, true, false, "NOT flat: discard backlog", 1, 59, 299},
+		{"short run uses thirds", series(9, func(i int) (float64, int64, int64) { return 100, 50 * mb, 0 }),
+			true, true, true, "flat", 1, 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := measureFlatness(tc.tl, 2, float64(len(tc.tl)-2), 2)
+			if f == nil {
+				t.Fatal("no flatness for a long enough timeline")
+			}
+			if f.ThroughputFlat != tc.thr || f.RSSFlat != tc.rss || f.BacklogFlat != tc.backlog || !strings.HasPrefix(f.Verdict, tc.verdict) {
+				t.Fatalf("flatness %+v, want throughput %v rss %v backlog %v verdict %q", f, tc.thr, tc.rss, tc.backlog, tc.verdict)
+			}
+			if math.Abs(f.ThroughputRatio-tc.ratio) > 0.02 || f.FirstBacklogMax != tc.firstBacklog || f.LastBacklogMax != tc.lastBacklg {
+				t.Fatalf("ratio %.3f backlog %d -> %d; want %.2f, %d -> %d", f.ThroughputRatio, f.FirstBacklogMax, f.LastBacklogMax,
+					tc.ratio, tc.firstBacklog, tc.lastBacklg)
+			}
+			if f.ServerCores != 0.5 || f.SandboxCores != 0.25 || f.MachineCores != 1 {
+				t.Fatalf("cores %+v", f)
+			}
+			if len(tc.tl) > 100 && f.WindowSec != 60 {
+				t.Fatalf("window %v s, want 60", f.WindowSec)
+			}
+		})
+	}
+	if f := measureFlatness(series(1, func(int) (float64, int64, int64) { return 1, 1, 0 }), 2, 1, 2); f != nil {
+		t.Fatalf("flatness of one measured sample: %+v", f)
+	}
+}
+
+// TestTimeline runs the rollback scenarios against the real server for a few seconds with
+// 1 s samples: with the server's PID (RSS and CPU from /proc, sandbox CPU from its cgroup)
+// and without it (RSS and CPU from the server's /metrics). Every sample has the server's
+// runtime gauges, and the summary and JSON carry the table and the flatness verdict.
+func TestTimeline(t *testing.T) {
+	s := needServer(t)
+	for _, tc := range []struct {
+		name     string
+		scenario string
+		pid      int
+		cpuStat  string
+	}{
+		// rollback-exec runs a process in each sandbox per iteration: sandbox CPU shows.
+		{"proc", "rollback-exec", s.PID, s.SandboxCPUStat()},
+		{"metrics", "rollback", 0, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const conc = 8
+			rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: tc.scenario, Concurrency: conc, Duration: 4 * time.Second,
+				Warmup: time.Second, SampleInterval: time.Second, ServerPID: tc.pid, SandboxCPUStat: tc.cpuStat})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var sum bytes.Buffer
+			rep.WriteSummary(&sum)
+			t.Log("\n" + sum.String())
+			if rep.ErrorCount != 0 {
+				t.Fatalf("errors: %v", rep.Errors)
+			}
+			if n := len(rep.Timeline); n < 4 || n > 5 {
+				t.Fatalf("%d samples in a 5 s run at 1 s", n)
+			}
+			var iters int64
+			var srvCPU, boxCPU, genCPU float64
+			for i, x := range rep.Timeline {
+				if x.IntervalSec < 0.5 || x.IntervalSec > 2 || math.Abs(x.PerSec-float64(x.Iterations)/x.IntervalSec) > 1e-6 {
+					t.Fatalf("sample %d: %+v", i, x)
+				}
+				if x.ServerRSS < 8<<20 || x.DiscardBacklog < 0 || x.LiveSandboxes < conc || x.Checkpoints < conc || x.ServerCPU < 0 {
+					t.Fatalf("sample %d lacks the server's gauges: %+v", i, x)
+				}
+				if (x.SandboxCPU >= 0) != (tc.cpuStat != "") {
+					t.Fatalf("sample %d: sandbox CPU %v with cpu.stat %q", i, x.SandboxCPU, tc.cpuStat)
+				}
+				iters += x.Iterations
+				srvCPU += x.ServerCPU
+				boxCPU += x.SandboxCPU
+				genCPU += x.LoadgenCPU
+			}
+			if iters < rep.Iterations/2 || srvCPU <= 0 || genCPU <= 0 || (tc.cpuStat != "" && boxCPU <= 0) {
+				t.Fatalf("timeline totals: %d iterations (report %d), CPU server %.2f sandboxes %.2f load generator %.2f",
+					iters, rep.Iterations, srvCPU, boxCPU, genCPU)
+			}
+			f := rep.Flatness
+			if f == nil || f.FirstPerSec <= 0 || f.LastPerSec <= 0 || f.FirstRSS <= 0 || f.Verdict == "" || f.ServerCores <= 0 {
+				t.Fatalf("flatness: %+v", f)
+			}
+			for _, want := range []string{"timeline (1s samples", "rollbacks/s", "flatness (first vs last", "CPU over the measured run"} {
+				if !strings.Contains(sum.String(), want) {
+					t.Fatalf("summary lacks %q:\n%s", want, sum.String())
+				}
+			}
+			path := filepath.Join(t.TempDir(), "r.json")
+			if err := rep.WriteJSON(path); err != nil {
+				t.Fatal(err)
+			}
+			var back Report
+			b, _ := os.ReadFile(path)
+			if err := json.Unmarshal(b, &back); err != nil || len(back.Timeline) != len(rep.Timeline) || back.Flatness == nil ||
+				back.Timeline[0].Checkpoints != rep.Timeline[0].Checkpoints || back.SampleSec != 1 {
+				t.Fatalf("JSON timeline does not round-trip: %v", err)
+			}
+		})
+	}
+}

@@ -1,0 +1,761 @@
+package sandbox
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/initproc"
+	"github.com/deltagym/deltagym/sandbox/ptfork"
+)
+
+// Process checkpoints, fast path (template fork; see docs/ARCHITECTURE.md).
+//
+// At a checkpoint with live processes, the sandbox's command group is
+// frozen, the upper is copied and sealed (the live processes keep the upper
+// they have), and every process is seized with ptrace and made to clone
+// itself (sandbox/ptfork): the copy — the template — is moved into a frozen
+// cgroup of its own checkpoint ("t-<checkpoint>", under the sandbox's group,
+// so it counts against the sandbox's memory limit) before it is detached,
+// so it never runs; the live process is detached and goes on. A template's
+// root is the sandbox's root, and every root swap (pivot_root) re-points
+// the roots of all tasks whose root is the old root, so a template's root
+// follows the sandbox's live root.
+//
+// At an in-place restore, after the root swap, each template is seized, its
+// group thawed (it is in ptrace-stop, so it cannot run), and made to clone
+// itself again; the group is frozen again before the template is detached.
+// The new copy is fixed up by system calls injected into it, so they run
+// with its own credentials and meet its seccomp filter: chdir to its cwd's
+// path in the restored root; every regular file it had open in the
+// sandbox's root is reopened by path with the same flags and offset (so it
+// reaches the restored state, not the discarded upper); a session's shell
+// gets fresh pipes for stdin, stdout and stderr (the server takes its ends
+// with pidfd_getfd). Other descriptions (the host's /dev/null, sockets,
+// pipes between processes) stay shared with the template, which is frozen:
+// a listening socket keeps listening on the same port.
+//
+// Templates are copies of one thread: multithreaded processes, process trees
+// (a command with children), processes with a writable shared file mapping
+// or an open deleted file, or with a root of their own, are refused with
+// ErrProcesses naming them; such sandboxes are checkpointed with
+// ProcessesNone (files only). Templates live in the sandbox's pid
+// namespace, so only the sandbox that made them restores them; restoring or
+// forking such a checkpoint into another sandbox fails with ErrProcesses.
+
+// ProcessMode says how a checkpoint captures the sandbox's live processes.
+type ProcessMode int
+
+// Process modes.
+const (
+	// ProcessesDefault is the runtime's Config.ProcessMode.
+	ProcessesDefault ProcessMode = iota
+	// ProcessesNone captures files only; a restore ends every process.
+	ProcessesNone
+	// ProcessesTemplate keeps a frozen template copy of each process.
+	ProcessesTemplate
+)
+
+// CheckpointOptions tunes one checkpoint.
+type CheckpointOptions struct {
+	Processes ProcessMode
+}
+
+// ProcessCapture tells how one process was captured by a checkpoint.
+type ProcessCapture struct {
+	Pid     int    // inside the sandbox, at the checkpoint
+	Command string // its name
+	Method  string // "template"
+	Session string // the session whose shell it is, if any
+}
+
+// procTemplate is the persisted record of one template.
+type procTemplate struct {
+	HostPid int       `json:"host_pid"`
+	Start   uint64    `json:"start"` // start time, guards against pid reuse
+	NSPid   int       `json:"ns_pid"`
+	Comm    string    `json:"comm"`
+	Cwd     string    `json:"cwd"`
+	Files   []tplFile `json:"files,omitempty"`
+	Session string    `json:"session,omitempty"`
+}
+
+// tplFile is a file a template has open in the sandbox's root.
+type tplFile struct {
+	FD    int    `json:"fd"`
+	Path  string `json:"path"`
+	Flags int    `json:"flags"`
+	Pos   int64  `json:"pos"`
+}
+
+// procInfo is what inspecting a live process found.
+type procInfo struct {
+	tpl    procTemplate
+	ppid   int
+	reason string // why it cannot be a template, if it cannot
+}
+
+func (t procTemplate) name() string { return fmt.Sprintf("pid %d (%s)", t.NSPid, t.Comm) }
+
+// inspect reads what a template of pid needs. rootMnt is the mount id of
+// the sandbox's root.
+func inspect(pid int, rootMnt uint64) (procInfo, error) {
+	dir := "/proc/" + strconv.Itoa(pid)
+	var pi procInfo
+	stat, err := os.ReadFile(dir + "/stat")
+	if err != nil {
+		return pi, err
+	}
+	// comm is in parentheses and may hold spaces; fields follow the last ')'.
+	open, end := strings.IndexByte(string(stat), '('), strings.LastIndexByte(string(stat), ')')
+	if open < 0 || end < open {
+		return pi, fmt.Errorf("parsing %s/stat", dir)
+	}
+	pi.tpl.Comm = string(stat[open+1 : end])
+	f := strings.Fields(string(stat[end+1:]))
+	if len(f) < 20 {
+		return pi, fmt.Errorf("parsing %s/stat", dir)
+	}
+	pi.ppid, _ = strconv.Atoi(f[1])
+	pi.tpl.Start, _ = strconv.ParseUint(f[19], 10, 64)
+	pi.tpl.HostPid = pid
+	status, err := os.ReadFile(dir + "/status")
+	if err != nil {
+		return pi, err
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		v = strings.TrimSpace(v)
+		switch k {
+		case "NSpid":
+			ns := strings.Fields(v)
+			pi.tpl.NSPid, _ = strconv.Atoi(ns[len(ns)-1])
+		case "Threads":
+			if v != "1" {
+				pi.reason = "it has " + v + " threads (template copies are single-threaded)"
+			}
+		}
+	}
+	if mnt, err := mntID(dir + "/root"); err != nil {
+		return pi, err
+	} else if mnt != rootMnt && pi.reason == "" {
+		pi.reason = "it has a root of its own"
+	}
+	if pi.tpl.Cwd, err = os.Readlink(dir + "/cwd"); err != nil {
+		return pi, err
+	}
+	if mnt, err := mntID(dir + "/cwd"); err != nil {
+		return pi, err
+	} else if mnt != rootMnt && pi.reason == "" {
+		pi.reason = "its working directory " + pi.tpl.Cwd + " is outside the sandbox's root filesystem"
+	}
+	if err := inspectFiles(dir, rootMnt, &pi); err != nil {
+		return pi, err
+	}
+	if pi.reason == "" {
+		pi.reason, err = sharedWritableMap(dir)
+	}
+	return pi, err
+}
+
+func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
+	ents, err := os.ReadDir(dir + "/fd")
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		link, err := os.Readlink(dir + "/fd/" + e.Name())
+		if err != nil {
+			continue // closed meanwhile
+		}
+		if !strings.HasPrefix(link, "/") {
+			continue // pipes, sockets, anonymous inodes: shared with the template
+		}
+		info, err := os.ReadFile(dir + "/fdinfo/" + e.Name())
+		if err != nil {
+			continue
+		}
+		var tf tplFile
+		var mnt uint64
+		tf.FD, tf.Path = fd, link
+		for _, line := range strings.Split(string(info), "\n") {
+			k, v, _ := strings.Cut(line, ":")
+			v = strings.TrimSpace(v)
+			switch k {
+			case "pos":
+				tf.Pos, _ = strconv.ParseInt(v, 10, 64)
+			case "flags":
+				fl, _ := strconv.ParseInt(v, 8, 64)
+				tf.Flags = int(fl)
+			case "mnt_id":
+				mnt, _ = strconv.ParseUint(v, 10, 64)
+			}
+		}
+		if mnt != rootMnt {
+			continue // /dev, /proc, the host's /dev/null: shared
+		}
+		if strings.HasSuffix(link, " (deleted)") {
+			if pi.reason == "" {
+				pi.reason = fmt.Sprintf("it holds the deleted file %s open (fd %d)", strings.TrimSuffix(link, " (deleted)"), fd)
+			}
+			continue
+		}
+		pi.tpl.Files = append(pi.tpl.Files, tf)
+	}
+	return nil
+}
+
+// sharedWritableMap names a file the process maps shared and writable: a
+// copy would write through to the live state's file, not its own.
+func sharedWritableMap(dir string) (string, error) {
+	f, err := os.Open(dir + "/maps")
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fl := strings.Fields(sc.Text())
+		if len(fl) < 6 || len(fl[1]) < 4 || fl[1][1] != 'w' || fl[1][3] != 's' {
+			continue
+		}
+		p := fl[5]
+		if strings.HasPrefix(p, "/") && !strings.HasPrefix(p, "/dev/") {
+			return "it maps " + p + " shared and writable", nil
+		}
+	}
+	return "", sc.Err()
+}
+
+func mntID(path string) (uint64, error) {
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, path, 0, unix.STATX_MNT_ID, &st); err != nil {
+		return 0, fmt.Errorf("statx %s: %w", path, err)
+	}
+	return st.Mnt_id, nil
+}
+
+// captureProcesses makes templates of the sandbox's live processes and
+// calls copyFS while every one of them is stopped, so that the files and
+// the processes are captured at the same instant. Called with op held.
+//
+// The processes are stopped by ptrace, not by the freezer: each is seized
+// and interrupted, and the command group is listed again until no new
+// process appears (a stopped process cannot fork).
+func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err error) {
+	rootMnt, err := mntID("/proc/" + strconv.Itoa(s.init.Pid) + "/root")
+	if err != nil {
+		return err
+	}
+	tr := ptfork.NewSession()
+	defer func() {
+		// The originals go on (if templates were made, they are detached
+		// by now, into their frozen group).
+		if cerr := tr.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+	}()
+	seized := map[int]*ptfork.Proc{}
+	var order []int
+	for round := 0; ; round++ {
+		pids, err := s.work.Pids()
+		if err != nil {
+			return err
+		}
+		var fresh []*ptfork.Proc
+		for _, pid := range pids {
+			if seized[pid] != nil {
+				continue
+			}
+			p, err := tr.Seize(pid)
+			if errors.Is(err, ptfork.ErrGone) {
+				continue
+			}
+			if errors.Is(err, ptfork.ErrThreads) {
+				pi, ierr := inspect(pid, rootMnt)
+				if ierr != nil {
+					continue
+				}
+				if pi.reason == "" {
+					pi.reason = "it is multithreaded (template copies are single-threaded)"
+				}
+				return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
+			}
+			if err != nil {
+				return fmt.Errorf("%w: pid %d: %w", ErrProcesses, pid, err)
+			}
+			seized[pid] = p
+			fresh = append(fresh, p)
+		}
+		if len(fresh) == 0 {
+			break
+		}
+		if round == 10 {
+			return fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem)", ErrProcesses)
+		}
+		for _, p := range fresh {
+			if err := p.Wait(); err != nil {
+				delete(seized, p.Pid)
+				continue // it exited
+			}
+			order = append(order, p.Pid)
+		}
+	}
+	s.mu.Lock()
+	sessionOf := map[int]string{}
+	for name, se := range s.sessions {
+		sessionOf[se.hostPid] = name
+	}
+	s.mu.Unlock()
+	procs := make([]procInfo, 0, len(order))
+	byPid := map[int]*procInfo{}
+	for _, pid := range order {
+		pi, err := inspect(pid, rootMnt)
+		if err != nil {
+			return fmt.Errorf("inspecting pid %d: %w", pid, err)
+		}
+		pi.tpl.Session = sessionOf[pid]
+		procs = append(procs, pi)
+	}
+	for i := range procs {
+		byPid[procs[i].tpl.HostPid] = &procs[i]
+	}
+	for _, pi := range procs {
+		if parent := byPid[pi.ppid]; parent != nil {
+			return fmt.Errorf("%w: %s is a child of %s: process trees cannot be template-copied; checkpoint files only (process mode filesystem) or end the tree first",
+				ErrProcesses, pi.tpl.name(), parent.tpl.name())
+		}
+		if pi.reason != "" {
+			return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
+		}
+	}
+	if err := copyFS(); err != nil {
+		return err
+	}
+	tg, err := s.takeTemplateGroup()
+	if err != nil {
+		return err
+	}
+	var made []*ptfork.Proc
+	for i, pi := range procs {
+		t, _, err := seized[pi.tpl.HostPid].Fork()
+		if err == nil {
+			made = append(made, t)
+			err = tg.Add(t.Pid)
+		}
+		if err != nil {
+			for _, t := range made {
+				t.Kill()
+			}
+			_ = tg.Delete()
+			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, pi.tpl.name(), err)
+		}
+		procs[i].tpl.HostPid = t.Pid
+		if st, err := startTime(t.Pid); err == nil {
+			procs[i].tpl.Start = st
+		}
+	}
+	// Into their frozen group before the originals go on.
+	for _, t := range made {
+		if err := t.Detach(); err != nil {
+			for _, t := range made {
+				t.Kill()
+			}
+			_ = tg.Delete()
+			return err
+		}
+	}
+	c.Procs = make([]procTemplate, len(procs))
+	for i := range procs {
+		c.Procs[i] = procs[i].tpl
+	}
+	s.tplMu.Lock()
+	s.tpls[c.ID] = tg
+	s.tplMu.Unlock()
+	return nil
+}
+
+// takeTemplateGroup returns an empty, frozen cgroup for the templates of
+// one checkpoint, made ahead in the background.
+func (s *Sandbox) takeTemplateGroup() (*cgroup.Cgroup, error) {
+	s.tplMu.Lock()
+	ch := s.spareTG
+	s.spareTG = nil
+	s.tplMu.Unlock()
+	var tg *cgroup.Cgroup
+	var err error
+	if ch != nil {
+		r := <-ch
+		tg, err = r.cg, r.err
+	} else {
+		tg, err = s.newTemplateGroup()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("creating template cgroup: %w", err)
+	}
+	next := make(chan spareGroup, 1)
+	s.tplMu.Lock()
+	s.spareTG = next
+	s.tplMu.Unlock()
+	go func() {
+		g, err := s.newTemplateGroup()
+		next <- spareGroup{g, err}
+	}()
+	return tg, nil
+}
+
+type spareGroup struct {
+	cg  *cgroup.Cgroup
+	err error
+}
+
+func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) {
+	s.mu.Lock()
+	s.seq++
+	name := "t" + strconv.Itoa(s.seq)
+	s.mu.Unlock()
+	tg, err := s.cg.Sub(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := tg.Freeze(); err != nil {
+		_ = tg.Delete()
+		return nil, err
+	}
+	return tg, nil
+}
+
+func startTime(pid int) (uint64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	end := strings.LastIndexByte(string(b), ')')
+	f := strings.Fields(string(b[end+1:]))
+	if len(f) < 20 {
+		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
+	}
+	return strconv.ParseUint(f[19], 10, 64)
+}
+
+// checkTemplates fails unless every template of c is alive and frozen.
+func (s *Sandbox) checkTemplates(c *checkpoint) error {
+	if len(c.Procs) == 0 {
+		return nil
+	}
+	if c.SandboxID != s.id {
+		return fmt.Errorf("%w: checkpoint %s holds live processes (%s) that only sandbox %s can bring back: template copies are born in its pid namespace; restore it there, or take checkpoints with process mode filesystem",
+			ErrProcesses, c.ID, procNames(c.Procs), c.SandboxID)
+	}
+	s.tplMu.Lock()
+	tg := s.tpls[c.ID]
+	s.tplMu.Unlock()
+	for _, t := range c.Procs {
+		st, err := startTime(t.HostPid)
+		if err != nil || st != t.Start || tg == nil {
+			return fmt.Errorf("%w: %s of checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back", ErrProcesses, t.name(), c.ID)
+		}
+	}
+	return nil
+}
+
+func procNames(ps []procTemplate) string {
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.name()
+	}
+	return strings.Join(names, ", ")
+}
+
+// spawnCopies forks a copy of each template of c into the live state, after
+// the root swap. Called with op held; the command group is empty.
+func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
+	s.tplMu.Lock()
+	tg := s.tpls[c.ID]
+	s.tplMu.Unlock()
+	if tg == nil {
+		return fmt.Errorf("%w: the templates of checkpoint %s were released", ErrProcesses, c.ID)
+	}
+	tr := ptfork.NewSession()
+	defer func() {
+		if cerr := tr.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+	}()
+	tpls := make([]*ptfork.Proc, len(c.Procs))
+	for i, t := range c.Procs {
+		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
+			return fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
+		}
+	}
+	// The templates are seized with an interrupt pending: thawed, they stop
+	// in ptrace before running any code of their own.
+	if err := tg.SetFrozen(false); err != nil {
+		return err
+	}
+	defer func() {
+		// Marked frozen before the templates are detached (tr.Close).
+		if ferr := tg.SetFrozen(true); ferr != nil {
+			err = errors.Join(err, ferr)
+		}
+	}()
+	var copies []*ptfork.Proc
+	defer func() {
+		if err != nil {
+			for _, cp := range copies {
+				cp.Kill()
+			}
+		}
+	}()
+	type pending struct {
+		cp    *ptfork.Proc
+		nsPid int
+		t     procTemplate
+		stdio [3]*os.File // session: the server's ends
+		cg    *cgroup.Cgroup
+	}
+	var ready []pending
+	for i, t := range c.Procs {
+		if err := tpls[i].Wait(); err != nil {
+			return fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
+		}
+		cp, nsPid, err := tpls[i].Fork()
+		if err != nil {
+			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, t.name(), err)
+		}
+		copies = append(copies, cp)
+		pd := pending{cp: cp, nsPid: nsPid, t: t}
+		if pd.stdio, err = fixUp(cp, t); err != nil {
+			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, t.name(), err)
+		}
+		prefix := "b"
+		if t.Session != "" {
+			prefix = "s"
+		}
+		if pd.cg, err = s.subgroup(prefix); err != nil {
+			closeFiles(pd.stdio[:])
+			return fmt.Errorf("creating cgroup: %w", err)
+		}
+		if err := pd.cg.Add(cp.Pid); err != nil {
+			closeFiles(pd.stdio[:])
+			return err
+		}
+		ready = append(ready, pd)
+	}
+	// Everything is in place: let the copies run.
+	for _, pd := range ready {
+		var exit <-chan initproc.ExitEvent
+		if pd.t.Session != "" {
+			exit = s.init.Conn.Watch(pd.nsPid)
+		}
+		if err := pd.cp.Detach(); err != nil {
+			closeFiles(pd.stdio[:])
+			return err
+		}
+		if pd.t.Session != "" {
+			s.adoptSession(pd.t.Session, pd.cg, pd.cp.Pid, pd.stdio, exit)
+		}
+	}
+	return nil
+}
+
+func closeFiles(fs []*os.File) {
+	for _, f := range fs {
+		if f != nil {
+			f.Close()
+		}
+	}
+}
+
+// fixUp makes a stopped copy belong to the restored state, by system calls
+// it makes itself. For a session's shell it returns the server's ends of its
+// new stdin, stdout and stderr pipes.
+func fixUp(cp *ptfork.Proc, t procTemplate) (stdio [3]*os.File, err error) {
+	const page = 4096
+	mem, err := cp.Syscall(unix.SYS_MMAP, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
+	if err != nil {
+		return stdio, fmt.Errorf("mapping scratch memory: %w", err)
+	}
+	defer func() {
+		if _, uerr := cp.Syscall(unix.SYS_MUNMAP, mem, page); uerr != nil && err == nil {
+			err = fmt.Errorf("unmapping scratch memory: %w", uerr)
+		}
+	}()
+	str := func(p string) (uintptr, error) {
+		if len(p)+1 > page {
+			return 0, fmt.Errorf("path too long: %q", p)
+		}
+		return mem, cp.Write(mem, append([]byte(p), 0))
+	}
+	a, err := str(t.Cwd)
+	if err != nil {
+		return stdio, err
+	}
+	if _, err := cp.Syscall(unix.SYS_CHDIR, a); err != nil {
+		return stdio, fmt.Errorf("chdir %s: %w", t.Cwd, err)
+	}
+	for _, f := range t.Files {
+		if a, err = str(f.Path); err != nil {
+			return stdio, err
+		}
+		flags := f.Flags &^ (unix.O_CREAT | unix.O_EXCL | unix.O_TRUNC | unix.O_NOCTTY)
+		fdcwd := unix.AT_FDCWD
+		nfd, err := cp.Syscall(unix.SYS_OPENAT, uintptr(fdcwd), a, uintptr(flags), 0)
+		if err != nil {
+			return stdio, fmt.Errorf("reopening %s (fd %d): %w", f.Path, f.FD, err)
+		}
+		if _, err := cp.Syscall(unix.SYS_DUP3, nfd, uintptr(f.FD), uintptr(f.Flags&unix.O_CLOEXEC)); err != nil {
+			return stdio, fmt.Errorf("dup3 onto fd %d: %w", f.FD, err)
+		}
+		if _, err := cp.Syscall(unix.SYS_CLOSE, nfd); err != nil {
+			return stdio, fmt.Errorf("close: %w", err)
+		}
+		if f.Flags&unix.O_APPEND == 0 && f.Pos > 0 {
+			if _, err := cp.Syscall(unix.SYS_LSEEK, uintptr(f.FD), uintptr(f.Pos), 0); err != nil && !errors.Is(err, unix.ESPIPE) {
+				return stdio, fmt.Errorf("seeking fd %d: %w", f.FD, err)
+			}
+		}
+	}
+	if t.Session == "" {
+		return stdio, nil
+	}
+	return sessionPipes(cp, mem)
+}
+
+// sessionPipes gives a copied shell fresh pipes as fds 0, 1 and 2 and
+// returns the server's ends: stdin's write end, stdout's and stderr's read
+// ends.
+func sessionPipes(cp *ptfork.Proc, mem uintptr) (stdio [3]*os.File, err error) {
+	pidfd, err := unix.PidfdOpen(cp.Pid, 0)
+	if err != nil {
+		return stdio, fmt.Errorf("pidfd_open: %w", err)
+	}
+	defer unix.Close(pidfd)
+	var fds [6]int32 // r0 w0 r1 w1 r2 w2, in the copy
+	for i := 0; i < 3; i++ {
+		if _, err := cp.Syscall(unix.SYS_PIPE2, mem, unix.O_CLOEXEC); err != nil {
+			return stdio, fmt.Errorf("pipe2: %w", err)
+		}
+		var b [8]byte
+		if err := cp.Read(mem, b[:]); err != nil {
+			return stdio, err
+		}
+		fds[2*i] = *(*int32)(unsafe.Pointer(&b[0]))
+		fds[2*i+1] = *(*int32)(unsafe.Pointer(&b[4]))
+	}
+	// The copy's ends become its 0, 1, 2; ours are taken out of its table.
+	mine := [3]int32{fds[0], fds[3], fds[5]}
+	theirs := [3]int32{fds[1], fds[2], fds[4]}
+	for i, fd := range mine {
+		if _, err := cp.Syscall(unix.SYS_DUP3, uintptr(fd), uintptr(i), 0); err != nil {
+			return stdio, fmt.Errorf("dup3 onto fd %d: %w", i, err)
+		}
+	}
+	names := [3]string{"session stdin", "session stdout", "session stderr"}
+	for i, fd := range theirs {
+		h, err := unix.PidfdGetfd(pidfd, int(fd), 0)
+		if err != nil {
+			closeFiles(stdio[:])
+			return [3]*os.File{}, fmt.Errorf("pidfd_getfd: %w", err)
+		}
+		stdio[i] = os.NewFile(uintptr(h), names[i])
+	}
+	for _, fd := range slices.Concat(mine[:], theirs[:]) {
+		if _, err := cp.Syscall(unix.SYS_CLOSE, uintptr(fd)); err != nil {
+			closeFiles(stdio[:])
+			return [3]*os.File{}, fmt.Errorf("close: %w", err)
+		}
+	}
+	return stdio, nil
+}
+
+// dropTemplates ends the templates of checkpoint id, if this sandbox holds
+// them.
+func (s *Sandbox) dropTemplates(id string) {
+	s.tplMu.Lock()
+	tg := s.tpls[id]
+	delete(s.tpls, id)
+	s.tplMu.Unlock()
+	if tg != nil {
+		if err := tg.Delete(); err != nil {
+			s.rt.log.Warn("ending process templates", "sandbox", s.id, "checkpoint", id, "err", err)
+		}
+	}
+}
+
+// SeedPath is where a sandbox restored or forked with fresh entropy finds
+// its own random seed (decimal, one line), for programs to reseed from:
+// copies of one template share the random state they had in memory.
+const SeedPath = "/run/deltagym/fork-seed"
+
+// RestoreOptions tunes one restore.
+type RestoreOptions struct {
+	// FreshEntropy writes a new seed to SeedPath before the restored
+	// processes run, and reseeds every restored session's $RANDOM.
+	FreshEntropy bool
+}
+
+// newSeed returns a random seed.
+func newSeed() uint64 {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return binary.LittleEndian.Uint64(b[:])
+}
+
+// writeSeed writes seed to SeedPath as the sandbox's root, whatever user
+// commands run as. The caller holds op.
+func (s *Sandbox) writeSeed(seed uint64) error {
+	rel := strings.TrimPrefix(SeedPath, "/")
+	err := s.fileOpOnce(s.hostID, s.hostID, rel, func(root int, rel string) error {
+		if err := mkdirAll(root, rel); err != nil {
+			return err
+		}
+		fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: unix.O_WRONLY | unix.O_CREAT | unix.O_TRUNC | unix.O_CLOEXEC | unix.O_NOFOLLOW, Mode: 0o644, Resolve: resolve})
+		if err != nil {
+			return err
+		}
+		f := os.NewFile(uintptr(fd), SeedPath)
+		_, err = f.WriteString(strconv.FormatUint(seed, 10) + "\n")
+		return errors.Join(err, f.Close())
+	})
+	if err != nil {
+		return fmt.Errorf("writing %s: %w", SeedPath, err)
+	}
+	return nil
+}
+
+// reseedSessions sets $RANDOM in every session to a fresh value.
+func (s *Sandbox) reseedSessions(ctx context.Context) error {
+	s.mu.Lock()
+	names := make([]string, 0, len(s.sessions))
+	for n := range s.sessions {
+		names = append(names, n)
+	}
+	s.mu.Unlock()
+	for _, n := range names {
+		res, err := s.Exec(ctx, ExecRequest{Session: n, Command: "RANDOM=" + strconv.FormatUint(newSeed()%32768, 10), Timeout: 10 * time.Second})
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("exit %d: %s", res.ExitCode, res.Stderr)
+		}
+		if err != nil {
+			return fmt.Errorf("reseeding session %s: %w", n, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,406 @@
+package sandbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// filesOnly makes checkpoints capture files only, for tests of filesystem
+// semantics whose background commands are process trees.
+func filesOnly(c *sandbox.Config) { c.ProcessMode = sandbox.ProcessesNone }
+
+// defaultImage imports the project's default image (python3, bash) built by
+// `make image`, or skips.
+func defaultImage(t testing.TB, b *bundle) string {
+	t.Helper()
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(filepath.Dir(strings.TrimSpace(string(out))), ".data", "images", "default", "rootfs")
+	if _, err := os.Stat(filepath.Join(root, "usr", "bin", "python3")); err != nil {
+		t.Skipf("the default image is not built (make image): %v", err)
+	}
+	if _, err := b.rt.ImportImage(t.Context(), "default", root); err != nil {
+		t.Fatal(err)
+	}
+	return "default"
+}
+
+// waitFor runs cond (a shell test) in s until it holds, for up to 10 s.
+func waitFor(t testing.TB, s *sandbox.Sandbox, cond string) {
+	t.Helper()
+	res, err := s.Exec(t.Context(), sandbox.ExecRequest{Command: "for i in $(seq 1000); do if " + cond + "; then exit 0; fi; sleep 0.01; done; exit 1", Timeout: 15 * time.Second})
+	if err != nil || res.ExitCode != 0 {
+		t.Fatalf("waiting for %s: %v %+v", cond, err, res)
+	}
+}
+
+// counterPy counts "inc" lines read from the FIFO /tmp/ctl (held open) and
+// writes the count to /tmp/count after each.
+const counterPy = `
+import os
+fd = os.open("/tmp/ctl", os.O_RDWR)
+f = os.fdopen(fd, "r")
+i = 0
+for line in f:
+    i += 1
+    with open("/tmp/count.new", "w") as o:
+        o.write(str(i))
+    os.rename("/tmp/count.new", "/tmp/count")
+`
+
+// countCounters counts the sandbox's counter.py processes (templates are
+// processes of the sandbox too).
+const countCounters = "grep -l '[c]ounter.py' /proc/[0-9]*/cmdline 2>/dev/null | wc -l"
+
+func startCounter(t testing.TB, s *sandbox.Sandbox) {
+	t.Helper()
+	sh(t, s, "mkfifo /tmp/ctl")
+	if err := s.WriteFile(t.Context(), "/tmp/counter.py", []byte(counterPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(t.Context(), sandbox.ExecRequest{Argv: []string{"python3", "/tmp/counter.py"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func inc(t testing.TB, s *sandbox.Sandbox, want int) {
+	t.Helper()
+	sh(t, s, "echo inc > /tmp/ctl")
+	waitFor(t, s, fmt.Sprintf(`[ "$(cat /tmp/count 2>/dev/null)" = %d ]`, want))
+}
+
+func TestTemplateCounterRestores(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	startCounter(t, s)
+	for i := 1; i <= 5; i++ {
+		inc(t, s, i)
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck.Processes) != 1 || ck.Processes[0].Command != "python3" || ck.Processes[0].Method != "template" {
+		t.Fatalf("captured %+v", ck.Processes)
+	}
+	for i := 6; i <= 9; i++ {
+		inc(t, s, i)
+	}
+	for round := range 3 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := sh(t, s, "cat /tmp/count"); got != "5" {
+			t.Fatalf("round %d: count file after restore %q", round, got)
+		}
+		// The process's memory is the checkpoint's: it goes on from 5.
+		inc(t, s, 6)
+		inc(t, s, 7)
+		if got := sh(t, s, countCounters); got != "2\n" { // the copy and its template
+			t.Fatalf("round %d: %q counter processes", round, got)
+		}
+	}
+}
+
+func TestTemplateSessionRestores(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	run := func(cmd string) string {
+		t.Helper()
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: cmd, Timeout: 5 * time.Second})
+		if err != nil || res.ExitCode != 0 {
+			t.Fatalf("session %q: %v %+v", cmd, err, res)
+		}
+		return string(res.Stdout)
+	}
+	run("mkdir -p /work/a && cd /work/a && export FOO=one && f() { echo \"f1 $FOO $(pwd)\"; }")
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck.Processes) != 1 || ck.Processes[0].Session != "main" {
+		t.Fatalf("captured %+v", ck.Processes)
+	}
+	run("cd / && export FOO=two && f() { echo changed; }")
+	if got := run("f"); got != "changed\n" {
+		t.Fatalf("before restore: %q", got)
+	}
+	for range 3 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := run("f; echo $FOO; pwd"); got != "f1 one /work/a\none\n/work/a\n" {
+			t.Fatalf("after restore: %q", got)
+		}
+		run("cd / && export FOO=three")
+	}
+}
+
+// serverPy is a single-threaded HTTP service with in-memory state that also
+// appends every hit to a database file it keeps open.
+const serverPy = `
+import http.server, os
+db = open("/srv/db.log", "a")
+state = {"n": 0}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/inc":
+            state["n"] += 1
+            db.write("hit %d\n" % state["n"]); db.flush()
+        body = str(state["n"]).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", 8000), H).serve_forever()
+`
+
+func TestTemplateServiceAndDatabase(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	sh(t, s, "mkdir -p /srv")
+	if err := s.WriteFile(ctx, "/srv/server.py", []byte(serverPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/srv/server.py"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	get := func(path string) string {
+		t.Helper()
+		return sh(t, s, "python3 -c 'import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(\"http://127.0.0.1:8000"+path+"\").read().decode())'")
+	}
+	waitFor(t, s, "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))' 2>/dev/null")
+	// A tree of checkpoints: each stage adds hits; restores jump between
+	// stages at random and every one must show the stage's state, in the
+	// service's memory and in its database file alike.
+	type stage struct {
+		id string
+		n  int
+	}
+	var stages []stage
+	n := 0
+	for range 4 {
+		for range 1 + rand.IntN(3) {
+			n++
+			if got := get("/inc"); got != fmt.Sprint(n) {
+				t.Fatalf("inc: %q, want %d", got, n)
+			}
+		}
+		ck, err := s.Checkpoint(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stages = append(stages, stage{ck.ID, n})
+	}
+	cycles := 100
+	if testing.Short() {
+		cycles = 20
+	}
+	for i := range cycles {
+		st := stages[rand.IntN(len(stages))]
+		if err := s.Restore(ctx, st.id); err != nil {
+			t.Fatalf("cycle %d: %v", i, err)
+		}
+		if got := get("/"); got != fmt.Sprint(st.n) {
+			t.Fatalf("cycle %d: service says %q after restoring stage %d", i, got, st.n)
+		}
+		if got := sh(t, s, "wc -l < /srv/db.log"); strings.TrimSpace(got) != fmt.Sprint(st.n) {
+			t.Fatalf("cycle %d: database has %q lines, want %d", i, got, st.n)
+		}
+		// Diverge, so the next restore has something to undo.
+		if got := get("/inc"); got != fmt.Sprint(st.n+1) {
+			t.Fatalf("cycle %d: inc after restore: %q", i, got)
+		}
+		if got := sh(t, s, "tail -n1 /srv/db.log"); got != fmt.Sprintf("hit %d\n", st.n+1) {
+			t.Fatalf("cycle %d: the copy's writes did not reach the live database: %q", i, got)
+		}
+	}
+}
+
+func TestTemplateRefusals(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	cases := []struct {
+		name string
+		argv []string
+		want string
+	}{
+		{"threads", []string{"python3", "-c", "import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)"}, "threads"},
+		{"tree", []string{"sh", "-c", "sleep 100 & sleep 100"}, "child of"},
+		{"deleted file", []string{"python3", "-c", "import os,time; f=open('/tmp/gone','w'); os.unlink('/tmp/gone'); time.sleep(100)"}, "deleted file"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: tc.argv, Background: true}); err != nil {
+				t.Fatal(err)
+			}
+			sh(t, s, "sleep 0.3")
+			_, err := s.Checkpoint(ctx)
+			if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("checkpoint: %v, want ErrProcesses about %q", err, tc.want)
+			}
+			// Files only still works, and nothing was changed.
+			ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+			if err != nil || len(ck.Processes) != 0 {
+				t.Fatalf("files-only checkpoint: %+v %v", ck, err)
+			}
+			if err := s.Restore(ctx, ck.ID); err != nil { // ends the process
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func TestTemplateLostAndForeign(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	startCounter(t, s)
+	inc(t, s, 1)
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another sandbox cannot bring the process back.
+	other := b.create(t, sandbox.Spec{Image: "default"})
+	if err := other.Restore(ctx, ck.ID); !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "python3") {
+		t.Fatalf("restore elsewhere: %v", err)
+	}
+	if _, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrProcesses) {
+		t.Fatalf("fork: %v", err)
+	}
+	// Asked for, a fork starts from the checkpoint's files.
+	kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{FilesOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, kids[0], "cat /tmp/count; echo; "+countCounters); got != "1\n0\n" {
+		t.Fatalf("files-only fork: %q", got)
+	}
+	_ = kids[0].Destroy(context.Background())
+	// The agent kills everything it can see, templates included.
+	_, _ = s.Exec(ctx, sandbox.ExecRequest{Command: "kill -9 -1"})
+	err = s.Restore(ctx, ck.ID)
+	if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "python3") || !strings.Contains(err.Error(), "lost") {
+		t.Fatalf("restore with a killed template: %v", err)
+	}
+	// Releasing the checkpoint frees its templates; the sandbox works on.
+	if err := b.rt.ReleaseCheckpoint(ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, s, "echo ok"); got != "ok\n" {
+		t.Fatal(got)
+	}
+}
+
+func TestTemplatesFreedOnRelease(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	startCounter(t, s)
+	inc(t, s, 1)
+	var ids []string
+	for range 5 {
+		ck, err := s.Checkpoint(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, ck.ID)
+	}
+	count := func() string { return sh(t, s, countCounters) }
+	if got := count(); got != "6\n" { // the live one and 5 templates
+		t.Fatalf("%q python processes, want 6", got)
+	}
+	for _, id := range ids {
+		if err := b.rt.ReleaseCheckpoint(id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := count(); got != "1\n" {
+		t.Fatalf("%q python processes after releasing every checkpoint, want 1", got)
+	}
+	_ = s.Destroy(context.Background())
+}
+
+func TestFreshEntropy(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	py := "import time\nwhile True:\n    try:\n        v = open('/run/deltagym/fork-seed').read()\n    except OSError:\n        v = 'none\\n'\n    open('/tmp/seen.new', 'w').write(v)\n    __import__('os').rename('/tmp/seen.new', '/tmp/seen')\n    time.sleep(0.005)\n"
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", py}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	random := func() string {
+		t.Helper()
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "echo $RANDOM"})
+		if err != nil || res.ExitCode != 0 {
+			t.Fatalf("session: %v %+v", err, res)
+		}
+		return string(res.Stdout)
+	}
+	random()
+	waitFor(t, s, "[ -e /tmp/seen ]")
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Plain restores: every copy of the shell draws the same number.
+	same := map[string]bool{}
+	for range 3 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		same[random()] = true
+	}
+	if len(same) != 1 {
+		t.Fatalf("copies of one template drew %v; expected one shared value", same)
+	}
+	shells, seeds := map[string]bool{}, map[string]bool{}
+	for range 8 {
+		if err := s.RestoreWith(ctx, ck.ID, sandbox.RestoreOptions{FreshEntropy: true}); err != nil {
+			t.Fatal(err)
+		}
+		shells[random()] = true
+		seed := sh(t, s, "cat /run/deltagym/fork-seed")
+		waitFor(t, s, fmt.Sprintf(`[ "$(cat /tmp/seen)" = %q ]`, strings.TrimSpace(seed)))
+		seeds[seed] = true
+	}
+	if len(shells) != 8 || len(seeds) != 8 {
+		t.Fatalf("8 fresh-entropy restores: %d distinct $RANDOM, %d distinct seeds seen by python", len(shells), len(seeds))
+	}
+	kids, err := b.rt.Fork(ctx, mustFilesOnly(t, s), 2, sandbox.Spec{FreshEntropy: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, c := sh(t, kids[0], "cat /run/deltagym/fork-seed"), sh(t, kids[1], "cat /run/deltagym/fork-seed")
+	for _, k := range kids {
+		_ = k.Destroy(context.Background())
+	}
+	if a == c {
+		t.Fatalf("two forks got the same seed %q", a)
+	}
+}
+
+func mustFilesOnly(t *testing.T, s *sandbox.Sandbox) string {
+	t.Helper()
+	ck, err := s.CheckpointWith(t.Context(), sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ck.ID
+}

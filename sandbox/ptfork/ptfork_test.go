@@ -1,0 +1,191 @@
+//go:build linux && amd64
+
+package ptfork
+
+import (
+	"bufio"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func needRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("ptrace of another process needs root (CAP_SYS_PTRACE)")
+	}
+}
+
+// counter starts a python3 loop printing "pid counter" lines; lines
+// receives them.
+func counter(t testing.TB) (*exec.Cmd, chan [2]int) {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not on the host")
+	}
+	cmd := exec.Command(py, "-u", "-c", `
+import os, time
+i = 0
+while True:
+    i += 1
+    os.write(1, b"%d %d\n" % (os.getpid(), i))
+    time.sleep(0.002)
+`)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan [2]int, 1<<16)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			f := strings.Fields(sc.Text())
+			if len(f) != 2 {
+				continue
+			}
+			p, _ := strconv.Atoi(f[0])
+			n, _ := strconv.Atoi(f[1])
+			lines <- [2]int{p, n}
+		}
+		close(lines)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return cmd, lines
+}
+
+func TestForkContinuesFromStop(t *testing.T) {
+	needRoot(t)
+	cmd, lines := counter(t)
+	pid := cmd.Process.Pid
+	last := 0
+	for l := range lines {
+		if last = l[1]; last >= 20 {
+			break
+		}
+	}
+	s := NewSession()
+	p, err := s.Attach(pid)
+	if err != nil {
+		s.Close()
+		t.Fatal(err)
+	}
+	// Everything printed before the stop is in the pipe by now.
+	time.Sleep(20 * time.Millisecond)
+	for len(lines) > 0 {
+		l := <-lines
+		last = l[1]
+	}
+	c, nsPid, err := p.Fork()
+	if err != nil {
+		s.Close()
+		t.Fatal(err)
+	}
+	if nsPid != c.Pid {
+		t.Errorf("clone returned %d, the event said %d (same pid namespace)", nsPid, c.Pid)
+	}
+	copyPid := c.Pid
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = unix.Kill(copyPid, unix.SIGKILL)
+		var ws unix.WaitStatus
+		_, _ = unix.Wait4(copyPid, &ws, 0, nil) // CLONE_PARENT: we are its parent
+	}()
+	first := map[int]int{}
+	deadline := time.After(5 * time.Second)
+	for len(first) < 2 {
+		select {
+		case l := <-lines:
+			if _, ok := first[l[0]]; !ok {
+				first[l[0]] = l[1]
+			}
+		case <-deadline:
+			t.Fatalf("only %v printed after the fork", first)
+		}
+	}
+	if first[pid] != last+1 || first[copyPid] != last+1 {
+		t.Fatalf("after stopping at %d: original (%d) went on at %d, copy (%d) at %d: %v", last, pid, first[pid], copyPid, first[copyPid], first)
+	}
+}
+
+func TestSyscallInCopy(t *testing.T) {
+	needRoot(t)
+	cmd, lines := counter(t)
+	<-lines
+	s := NewSession()
+	defer s.Close()
+	p, err := s.Attach(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, _, err := p.Fork()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Kill()
+	r, err := c.Syscall(unix.SYS_GETPID)
+	if err != nil || int(r) != c.Pid {
+		t.Fatalf("getpid in the copy: %d, %v; want %d", r, err, c.Pid)
+	}
+	if _, err := c.Syscall(unix.SYS_CLOSE, 12345); err != unix.EBADF {
+		t.Fatalf("close(12345) in the copy: %v, want EBADF", err)
+	}
+}
+
+func TestRefusesThreads(t *testing.T) {
+	needRoot(t)
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not on the host")
+	}
+	cmd := exec.Command(py, "-c", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\nprint('go', flush=True)\ntime.sleep(60)")
+	out, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	bufio.NewReader(out).ReadString('\n')
+	s := NewSession()
+	defer s.Close()
+	if _, err := s.Attach(cmd.Process.Pid); err == nil || !strings.Contains(err.Error(), "threads") {
+		t.Fatalf("attach to a 2-thread process: %v", err)
+	}
+}
+
+func BenchmarkFork8MB(b *testing.B) {
+	needRoot(b)
+	cmd, lines := counter(b)
+	go func() {
+		for range lines {
+		}
+	}()
+	s := NewSession()
+	defer s.Close()
+	p, err := s.Attach(cmd.Process.Pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		c, _, err := p.Fork()
+		if err != nil {
+			b.Fatal(err)
+		}
+		c.Kill()
+		var ws unix.WaitStatus
+		_, _ = unix.Wait4(c.Pid, &ws, 0, nil)
+	}
+}

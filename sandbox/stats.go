@@ -1,0 +1,6 @@
+package sandbox
+
+// DiscardBacklog returns the number of released delta layers whose discard
+// (a lazy unmount and removal, run in the background) has not finished yet.
+// A backlog that grows during a steady load means discards fall behind.
+func (r *Runtime) DiscardBacklog() int { return r.layers.Pending() }

@@ -1,0 +1,7 @@
+package server
+
+// Unexported functions the external tests use.
+var (
+	InfraFailure  = infraFailure
+	TraceExporter = traceExporter
+)

@@ -1,0 +1,73 @@
+package server_test
+
+import (
+	"strings"
+	"testing"
+
+	"connectrpc.com/connect"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/server"
+)
+
+func sessionAction(cmd string) *deltagymv1.Action {
+	return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: cmd, Session: "main"}}}
+}
+
+// TestProcessCheckpointOverAPI: a session's shell is captured by a Checkpoint (reported with
+// its method) and comes back on Restore with its working directory and variables; process
+// mode FILESYSTEM captures none; a fork of a state with processes is refused clearly.
+func TestProcessCheckpointOverAPI(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	ctx := t.Context()
+	rr, err := b.connect.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	sb := rr.Msg.GetSandboxId()
+	step := func(a *deltagymv1.Action) string {
+		t.Helper()
+		res, err := b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: a}))
+		must(t, err)
+		ex := res.Msg.GetObservation().GetExec()
+		if ex.GetExitCode() != 0 {
+			t.Fatalf("step: exit %d: %s", ex.GetExitCode(), ex.GetStderr())
+		}
+		return string(ex.GetStdout())
+	}
+	// busybox has no bash: stand ash in for it.
+	step(execAction("printf '#!/bin/sh\\nexec /bin/busybox ash\\n' > /bin/bash && chmod +x /bin/bash"))
+	step(sessionAction("mkdir -p /work && cd /work && export X=kept"))
+	ck, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb}))
+	must(t, err)
+	ps := ck.Msg.GetProcesses()
+	if len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE {
+		t.Fatalf("captured %v", ps)
+	}
+	step(sessionAction("cd / && export X=changed"))
+	_, err = b.connect.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: ck.Msg.GetCheckpointId()}))
+	must(t, err)
+	if got := step(sessionAction("echo $X; pwd")); got != "kept\n/work\n" {
+		t.Log(step(execAction("cat /proc/*/status | grep -E 'Name|State|^Pid'; ls -l /proc/*/fd/ 2>&1; true")))
+		t.Fatalf("session after restore: %q", got)
+	}
+	// A fork starts from the checkpoint's files and says which processes it left behind.
+	fr, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck.Msg.GetCheckpointId()}, N: 1}))
+	must(t, err)
+	if ps := fr.Msg.GetProcesses(); len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE || !strings.Contains(ps[0].GetReason(), "only sandbox") {
+		t.Fatalf("fork of a checkpoint with processes reported %v", ps)
+	}
+	fs, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM}))
+	must(t, err)
+	if len(fs.Msg.GetProcesses()) != 0 {
+		t.Fatalf("files-only checkpoint captured %v", fs.Msg.GetProcesses())
+	}
+	_, err = b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_CRIU}))
+	if codeOf(err) != connect.CodeUnimplemented {
+		t.Fatalf("CRIU mode: %v", err)
+	}
+	// Fork from the sandbox itself carries files (its processes stay).
+	fk, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}, N: 2, FreshEntropy: true}))
+	must(t, err)
+	if len(fk.Msg.GetSandboxIds()) != 2 {
+		t.Fatalf("fork: %v", fk.Msg)
+	}
+}
