@@ -11,7 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/criu"
 )
 
 // lat records latencies and reports p50 and p99 in milliseconds.
@@ -311,4 +314,62 @@ func processSandbox(b *testing.B, bb *bundle, mb int) *sandbox.Sandbox {
 	must(b, err)
 	waitFor(b, s, "[ -e /tmp/ready ]")
 	return s
+}
+
+// BenchmarkRollbackWithProcessCRIU restores the process of
+// BenchmarkRollbackWithProcess through the tuned CRIU path instead (a swrk
+// worker per call with the kernel features cached, the sandbox's own
+// namespaces, sandbox/criu.RestoreTree), for the ratio in one run. The
+// process redirects its stdio to the sandbox's /dev/null first: CRIU
+// cannot dump the host's.
+func BenchmarkRollbackWithProcessCRIU(b *testing.B) {
+	for _, mb := range []int{8, 100} {
+		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+			bin, err := criu.Find()
+			if err != nil {
+				b.Skipf("criu is not installed (make criu): %v", err)
+			}
+			swrk, err := criu.NewSwrk(bin)
+			must(b, err)
+			bb := setup(b)
+			s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)})
+			ctx := context.Background()
+			code := fmt.Sprintf("import time\nheap = b'x' * %d\nopen('/tmp/ready', 'w').close()\nwhile True:\n    time.sleep(0.05)\n", max(mb-8, 0)<<20)
+			_, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", `exec python3 -c "$0" </dev/null >/dev/null 2>&1`, code}, Background: true})
+			must(b, err)
+			waitFor(b, s, "[ -e /tmp/ready ]")
+			kids, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", s.InitPid(), s.InitPid()))
+			must(b, err)
+			var pid int
+			if _, err := fmt.Sscan(string(kids), &pid); err != nil {
+				b.Fatalf("finding the process: %q: %v", kids, err)
+			}
+			img := b.TempDir()
+			var dump lat
+			dump.time(func() {
+				err = swrk.DumpTree(ctx, criu.TreeDumpOpts{Pid: pid, NSPid: s.InitPid(), ImagesDir: img})
+			})
+			must(b, err)
+			cgs, err := criu.CgroupDirs(s.InitPid())
+			must(b, err)
+			var l lat
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				var rpid int
+				l.time(func() {
+					rpid, err = swrk.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: img, NSPid: s.InitPid(), Cgroups: cgs})
+				})
+				must(b, err)
+				b.StopTimer()
+				// The restored process is our child: end and reap it, so
+				// that its pid is free for the next restore.
+				_ = unix.Kill(rpid, unix.SIGKILL)
+				var ws unix.WaitStatus
+				_, _ = unix.Wait4(rpid, &ws, 0, nil)
+				b.StartTimer()
+			}
+			l.report(b, "restore-")
+			dump.report(b, "dump-")
+		})
+	}
 }

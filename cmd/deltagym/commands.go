@@ -381,6 +381,7 @@ func runRead(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	var (
 		durable = fs.Bool("durable", false, "keep the checkpoint on disk so it survives a server restart")
+		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox) or files (none); default: the env's")
 		quiet   = fs.Bool("q", false, "print only the checkpoint ID")
 	)
 	pos, _, err := parseArgs(fs, args)
@@ -395,7 +396,17 @@ func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string)
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: pos[0], Durable: *durable}))
+	mode := deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED
+	switch *procs {
+	case "":
+	case "template":
+		mode = deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE
+	case "files":
+		mode = deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM
+	default:
+		return usageErrorf("--processes %q: want template or files", *procs)
+	}
+	res, err := c.EnvService().Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: pos[0], Durable: *durable, ProcessMode: mode}))
 	if err != nil {
 		return err
 	}
@@ -434,6 +445,7 @@ func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse) error {
 }
 
 func runRestore(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
+	fresh := fs.Bool("fresh-entropy", false, "give the restored processes new randomness (/run/deltagym/fork-seed, sessions' $RANDOM)")
 	pos, _, err := parseArgs(fs, args)
 	if err != nil {
 		return err
@@ -446,7 +458,7 @@ func runRestore(ctx context.Context, a *app, fs *flag.FlagSet, args []string) er
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: pos[0], CheckpointId: pos[1]}))
+	res, err := c.EnvService().Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: pos[0], CheckpointId: pos[1], FreshEntropy: *fresh}))
 	if err != nil {
 		return err
 	}
