@@ -544,15 +544,17 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 		if pd.stdio, err = fixUp(cp, t); err != nil {
 			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, t.name(), err)
 		}
-		prefix := "b"
+		// The copy is in the template's limit groups, the sandbox's: only
+		// its place in the tracking hierarchy changes. A session's shell
+		// gets a group of its own (a timeout kills what it runs).
+		pd.cg = s.work
 		if t.Session != "" {
-			prefix = "s"
+			if pd.cg, err = s.subgroup("s"); err != nil {
+				closeFiles(pd.stdio[:])
+				return fmt.Errorf("creating cgroup: %w", err)
+			}
 		}
-		if pd.cg, err = s.subgroup(prefix); err != nil {
-			closeFiles(pd.stdio[:])
-			return fmt.Errorf("creating cgroup: %w", err)
-		}
-		if err := pd.cg.Add(cp.Pid); err != nil {
+		if err := pd.cg.Move(cp.Pid); err != nil {
 			closeFiles(pd.stdio[:])
 			return err
 		}
@@ -587,31 +589,47 @@ func closeFiles(fs []*os.File) {
 // it makes itself. For a session's shell it returns the server's ends of its
 // new stdin, stdout and stderr pipes.
 func fixUp(cp *ptfork.Proc, t procTemplate) (stdio [3]*os.File, err error) {
+	// Scratch memory for paths and pipe2's result, mapped when first
+	// needed (not on the stack: the copy may run on a stack of its own
+	// making, with live data below its stack pointer).
 	const page = 4096
-	mem, err := cp.Syscall(unix.SYS_MMAP, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
-	if err != nil {
-		return stdio, fmt.Errorf("mapping scratch memory: %w", err)
-	}
+	var mem uintptr
+	mapped := false
 	defer func() {
-		if _, uerr := cp.Syscall(unix.SYS_MUNMAP, mem, page); uerr != nil && err == nil {
-			err = fmt.Errorf("unmapping scratch memory: %w", uerr)
+		if mapped {
+			if _, uerr := cp.Syscall(unix.SYS_MUNMAP, mem, page); uerr != nil && err == nil {
+				err = fmt.Errorf("unmapping scratch memory: %w", uerr)
+			}
 		}
 	}()
 	str := func(p string) (uintptr, error) {
-		if len(p)+1 > page {
+		b := append([]byte(p), 0)
+		if len(b) > page {
 			return 0, fmt.Errorf("path too long: %q", p)
 		}
-		return mem, cp.Write(mem, append([]byte(p), 0))
+		if mem == 0 {
+			a, err := cp.Syscall(unix.SYS_MMAP, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
+			if err != nil {
+				return 0, fmt.Errorf("mapping scratch memory: %w", err)
+			}
+			mem, mapped = a, true
+		}
+		return mem, cp.Write(mem, b)
 	}
-	a, err := str(t.Cwd)
-	if err != nil {
-		return stdio, err
-	}
-	if _, err := cp.Syscall(unix.SYS_CHDIR, a); err != nil {
-		return stdio, fmt.Errorf("chdir %s: %w", t.Cwd, err)
+	// A cwd at the root needs nothing: the root swap re-pointed the
+	// template's, and the copy inherits it.
+	if t.Cwd != "/" {
+		a, err := str(t.Cwd)
+		if err != nil {
+			return stdio, err
+		}
+		if _, err := cp.Syscall(unix.SYS_CHDIR, a); err != nil {
+			return stdio, fmt.Errorf("chdir %s: %w", t.Cwd, err)
+		}
 	}
 	for _, f := range t.Files {
-		if a, err = str(f.Path); err != nil {
+		a, err := str(f.Path)
+		if err != nil {
 			return stdio, err
 		}
 		flags := f.Flags &^ (unix.O_CREAT | unix.O_EXCL | unix.O_TRUNC | unix.O_NOCTTY)
@@ -634,6 +652,9 @@ func fixUp(cp *ptfork.Proc, t procTemplate) (stdio [3]*os.File, err error) {
 	}
 	if t.Session == "" {
 		return stdio, nil
+	}
+	if _, err := str(""); err != nil { // scratch for pipe2's result
+		return stdio, err
 	}
 	return sessionPipes(cp, mem)
 }

@@ -362,6 +362,14 @@ func (c *Cgroup) Add(pid int) error {
 	return nil
 }
 
+// Move moves process pid into the group in the tracking hierarchy only: for
+// a process already in the group's limit groups, such as a copy of one of
+// the group's own processes or a process of one of its sub-groups.
+func (c *Cgroup) Move(pid int) error {
+	s := strconv.Itoa(pid)
+	return c.wrap("moving pid "+s+" to", writeFile(filepath.Join(c.track, "cgroup.procs"), s))
+}
+
 // OpenProcs opens cgroup.procs of every hierarchy of the group for writing,
 // the tracking hierarchy first. A process that inherits these files can move
 // itself into the group by writing "0" to each, even from inside a user and
