@@ -441,6 +441,8 @@ func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) {
 	return tg, nil
 }
 
+// startTime returns when pid started (clock ticks since boot), or an error
+// if it is gone or dying (a zombie).
 func startTime(pid int) (uint64, error) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
@@ -450,6 +452,9 @@ func startTime(pid int) (uint64, error) {
 	f := strings.Fields(string(b[end+1:]))
 	if len(f) < 20 {
 		return 0, fmt.Errorf("parsing /proc/%d/stat", pid)
+	}
+	if f[0] == "Z" || f[0] == "X" {
+		return 0, fmt.Errorf("pid %d has exited", pid)
 	}
 	return strconv.ParseUint(f[19], 10, 64)
 }
@@ -501,6 +506,9 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	tpls := make([]*ptfork.Proc, len(c.Procs))
 	for i, t := range c.Procs {
 		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
+			if errors.Is(err, ptfork.ErrGone) {
+				return fmt.Errorf("%w: %s of checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back", ErrProcesses, t.name(), c.ID)
+			}
 			return fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
 		}
 	}
@@ -533,6 +541,9 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	var ready []pending
 	for i, t := range c.Procs {
 		if err := tpls[i].Wait(); err != nil {
+			if errors.Is(err, ptfork.ErrGone) {
+				return fmt.Errorf("%w: %s of checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back", ErrProcesses, t.name(), c.ID)
+			}
 			return fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
 		}
 		cp, nsPid, err := tpls[i].Fork()
