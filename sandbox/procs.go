@@ -295,7 +295,7 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 				if pi.reason == "" {
 					pi.reason = "it is multithreaded (template copies are single-threaded)"
 				}
-				return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
+				return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
 			}
 			if err != nil {
 				return fmt.Errorf("%w: pid %d: %w", ErrProcesses, pid, err)
@@ -307,7 +307,7 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 			break
 		}
 		if round == 10 {
-			return fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem)", ErrProcesses)
+			return fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem; CLI: --processes files)", ErrProcesses)
 		}
 		for _, p := range fresh {
 			if err := p.Wait(); err != nil {
@@ -338,11 +338,11 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 	}
 	for _, pi := range procs {
 		if parent := byPid[pi.ppid]; parent != nil {
-			return fmt.Errorf("%w: %s is a child of %s: process trees cannot be template-copied; checkpoint files only (process mode filesystem) or end the tree first",
+			return fmt.Errorf("%w: %s is a child of %s: process trees cannot be template-copied; checkpoint files only (process mode filesystem; CLI: --processes files) or end the tree first",
 				ErrProcesses, pi.tpl.name(), parent.tpl.name())
 		}
 		if pi.reason != "" {
-			return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
+			return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
 		}
 	}
 	if err := copyFS(); err != nil {
@@ -474,7 +474,7 @@ func (s *Sandbox) checkTemplates(c *checkpoint) error {
 	for _, t := range c.Procs {
 		st, err := startTime(t.HostPid)
 		if err != nil || st != t.Start || tg == nil {
-			return fmt.Errorf("%w: %s of checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back", ErrProcesses, t.name(), c.ID)
+			return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
 		}
 	}
 	return nil
@@ -507,7 +507,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	for i, t := range c.Procs {
 		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
 			if errors.Is(err, ptfork.ErrGone) {
-				return fmt.Errorf("%w: %s of checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back", ErrProcesses, t.name(), c.ID)
+				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
 			}
 			return fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
 		}
@@ -542,7 +542,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	for i, t := range c.Procs {
 		if err := tpls[i].Wait(); err != nil {
 			if errors.Is(err, ptfork.ErrGone) {
-				return fmt.Errorf("%w: %s of checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back", ErrProcesses, t.name(), c.ID)
+				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
 			}
 			return fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
 		}

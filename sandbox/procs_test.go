@@ -242,6 +242,7 @@ func TestTemplateRefusals(t *testing.T) {
 	}{
 		{"threads", []string{"python3", "-c", "import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)"}, "threads"},
 		{"tree", []string{"sh", "-c", "sleep 100 & sleep 100"}, "child of"},
+		{"tree and threads", []string{"sh", "-c", "sleep 100 & python3 -c 'import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)'"}, "cannot be template-copied"},
 		{"deleted file", []string{"python3", "-c", "import os,time; f=open('/tmp/gone','w'); os.unlink('/tmp/gone'); time.sleep(100)"}, "deleted file"},
 	}
 	for _, tc := range cases {
@@ -251,7 +252,7 @@ func TestTemplateRefusals(t *testing.T) {
 			}
 			sh(t, s, "sleep 0.3")
 			_, err := s.Checkpoint(ctx)
-			if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), tc.want) {
+			if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "\n") {
 				t.Fatalf("checkpoint: %v, want ErrProcesses about %q", err, tc.want)
 			}
 			// Files only still works, and nothing was changed.

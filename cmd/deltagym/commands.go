@@ -204,6 +204,8 @@ func commandStatus(e *deltagymv1.ExecResult) error {
 		return commandExit(124)
 	case e.GetSignal() != 0:
 		return commandExit(128 + e.GetSignal())
+	case e.GetPid() != 0 && e.GetExitCode() == -1:
+		return nil // started in the background
 	case e.GetExitCode() != 0:
 		return commandExit(e.GetExitCode() & 0xff)
 	}

@@ -92,6 +92,7 @@ type Proc struct {
 	Signal   unix.Signal
 	sysAddr  uint64
 	attached bool
+	stopped  bool // its registers are saved
 }
 
 // Attach seizes the process and waits for it to stop. The process must be
@@ -165,6 +166,7 @@ func (p *Proc) saveRegs() error {
 		return fmt.Errorf("reading registers of pid %d: %w", p.Pid, err)
 	}
 	rewind(&p.Regs)
+	p.stopped = true
 	return nil
 }
 
@@ -273,7 +275,7 @@ func (p *Proc) Fork() (*Proc, int, error) {
 	if child <= 0 {
 		return nil, 0, fmt.Errorf("%w: clone in pid %d reported no child", ErrStop, p.Pid)
 	}
-	c := &Proc{s: p.s, Pid: child, attached: true, sysAddr: p.sysAddr, Regs: p.Regs}
+	c := &Proc{s: p.s, Pid: child, attached: true, stopped: true, sysAddr: p.sysAddr, Regs: p.Regs}
 	p.s.procs[child] = c
 	// The auto-attached copy starts in a PTRACE_EVENT_STOP.
 	for {
@@ -301,6 +303,18 @@ func (p *Proc) Fork() (*Proc, int, error) {
 func (p *Proc) Detach() error {
 	if !p.attached {
 		return nil
+	}
+	if !p.stopped {
+		// Seized but never waited for: its stop is pending (or it has
+		// ended); only a stopped tracee can be detached.
+		if err := p.Wait(); err != nil {
+			p.attached = false
+			delete(p.s.procs, p.Pid)
+			if errors.Is(err, ErrGone) {
+				return nil
+			}
+			return err
+		}
 	}
 	p.attached = false
 	delete(p.s.procs, p.Pid)
