@@ -1,12 +1,14 @@
 package loadtest
 
 import (
+	"context"
 	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/HdrHistogram/hdrhistogram-go"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
 
@@ -61,13 +63,26 @@ func (r *recorder) record(op string, start time.Time, d time.Duration) {
 
 // fail counts err under "op: code" when start is in the window.
 func (r *recorder) fail(op string, start time.Time, err error) {
-	r.liveErrors.Add(1)
-	if !r.inWindow(start) {
+	if !r.inWindow(start) || cutByEnd(err) && !time.Now().Before(r.measureTo) {
+		// Outside the window, or a call the run's own end cut short.
 		return
 	}
+	r.liveErrors.Add(1)
 	r.mu.Lock()
 	r.errors[op+": "+errCode(err)]++
 	r.mu.Unlock()
+}
+
+// cutByEnd reports whether err is a deadline or a cancellation, what a call in
+// flight gets when the run ends.
+func cutByEnd(err error) bool {
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return true
+	}
+	if s, ok := status.FromError(err); ok {
+		return s.Code() == codes.DeadlineExceeded || s.Code() == codes.Canceled
+	}
+	return false
 }
 
 // errCode names an error: a gRPC code, or the load test's own verification failures.
