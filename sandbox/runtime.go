@@ -870,7 +870,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	}
 	close(r.done)
 	r.wg.Wait()
-	r.drainWarm(ctx)
+	r.drainWarm()
 	errs = append(errs, r.net.Close(), r.spawn.Close())
 	r.layers.Wait()
 	r.devnull.Close()

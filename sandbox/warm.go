@@ -1,7 +1,6 @@
 package sandbox
 
 import (
-	"context"
 	"errors"
 	"time"
 
@@ -179,7 +178,7 @@ func (r *Runtime) warmLoop() {
 }
 
 // drainWarm frees the pool's inits. The warm loop has stopped.
-func (r *Runtime) drainWarm(context.Context) {
+func (r *Runtime) drainWarm() {
 	for {
 		select {
 		case w := <-r.warm:

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
-	"google.golang.org/protobuf/proto"
 )
 
 // maxMsg is CRIU's CR_MAX_MSG_SIZE: no RPC message is larger.
@@ -151,37 +150,11 @@ func (s *Service) call(ctx context.Context, typ rpc.CriuReqType, opts *rpc.CriuO
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Now()) })
 	defer stop()
 
-	req := &rpc.CriuReq{Type: typ.Enum(), Opts: opts}
-	buf := make([]byte, maxMsg)
-	for {
-		b, err := proto.Marshal(req)
-		if err != nil {
-			return nil, fmt.Errorf("encoding criu %s request: %w", typ, err)
-		}
-		if _, err := c.Write(b); err != nil {
-			return nil, fmt.Errorf("sending criu %s request: %w", typ, err)
-		}
-		n, err := c.Read(buf)
-		if err != nil {
-			if ctx.Err() != nil {
-				err = ctx.Err()
-			}
-			return nil, fmt.Errorf("reading criu %s response (see %s): %w", typ, log, err)
-		}
-		resp := &rpc.CriuResp{}
-		if err := proto.Unmarshal(buf[:n], resp); err != nil {
-			return nil, fmt.Errorf("decoding criu %s response: %w", typ, err)
-		}
-		if !resp.GetSuccess() {
-			return nil, fmt.Errorf("criu %s: %w: %s (errno %d, see %s)",
-				typ, ErrRequest, resp.GetCrErrmsg(), resp.GetCrErrno(), log)
-		}
-		if resp.GetType() != rpc.CriuReqType_NOTIFY {
-			return resp, nil
-		}
-		// Notifications (action scripts) are acknowledged; nothing here hooks them.
-		req = &rpc.CriuReq{Type: rpc.CriuReqType_NOTIFY.Enum(), NotifySuccess: proto.Bool(true)}
+	resp, err := exchange(c, typ, opts, log)
+	if err != nil && ctx.Err() != nil {
+		return nil, fmt.Errorf("%w: %w", ctx.Err(), err)
 	}
+	return resp, err
 }
 
 // Close stops the service. It is idempotent.
