@@ -63,7 +63,7 @@ func (r *recorder) record(op string, start time.Time, d time.Duration) {
 
 // fail counts err under "op: code" when start is in the window.
 func (r *recorder) fail(op string, start time.Time, err error) {
-	if !r.inWindow(start) || cutByEnd(err) && !time.Now().Before(r.measureTo) {
+	if !r.inWindow(start) || cutByEnd(err) && !time.Now().Add(endSlack).Before(r.measureTo) {
 		// Outside the window, or a call the run's own end cut short.
 		return
 	}
@@ -72,6 +72,10 @@ func (r *recorder) fail(op string, start time.Time, err error) {
 	r.errors[op+": "+errCode(err)]++
 	r.mu.Unlock()
 }
+
+// endSlack is how early before the run's end a deadline error may arrive and still be the run's
+// end: the server's copy of the deadline (the grpc-timeout header) can fire a little before ours.
+const endSlack = 100 * time.Millisecond
 
 // cutByEnd reports whether err is a deadline or a cancellation, what a call in
 // flight gets when the run ends.

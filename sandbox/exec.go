@@ -371,7 +371,8 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	case <-timer.C:
 		res.TimedOut = true
 	case <-ctx.Done():
-		aborted = fmt.Errorf("%w: %w", ErrAborted, ctx.Err())
+		// The caller's own deadline or cancellation, not an abort by Restore or Destroy.
+		aborted = fmt.Errorf("command cut short: %w", context.Cause(ctx))
 	case <-gen.Done():
 		aborted = fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted)
 	}

@@ -242,7 +242,8 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 				_ = se.cg.Kill()
 			}
 		case <-ctx.Done():
-			return res, se.abortRun(outc, errc, fmt.Errorf("%w: %w", ErrAborted, ctx.Err()))
+			// The caller's own deadline or cancellation, not an abort by Restore or Destroy.
+			return res, se.abortRun(outc, errc, fmt.Errorf("session command cut short: %w", context.Cause(ctx)))
 		case <-gen.Done():
 			return res, se.abortRun(outc, errc, fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted))
 		}

@@ -308,6 +308,28 @@ func TestRestoreAbortsExec(t *testing.T) {
 	}
 }
 
+// TestStepDeadline: a step cut short by the caller's own deadline answers DeadlineExceeded, not
+// Aborted (which means a Restore or Close ended it), for a plain exec and a session command alike.
+func TestStepDeadline(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	rr, err := b.grpc.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	// busybox has no bash: stand ash in for it.
+	_, err = b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("printf '#!/bin/sh\\nexec /bin/busybox ash\\n' > /bin/bash && chmod +x /bin/bash")})
+	must(t, err)
+	for _, a := range []*deltagymv1.Action{execAction("sleep 30"), sessionAction("sleep 30")} {
+		ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+		_, err := b.grpc.Step(ctx, &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: a})
+		cancel()
+		if codeOf(err) != connect.CodeDeadlineExceeded {
+			t.Fatalf("step past the caller's deadline: %v, want DeadlineExceeded", err)
+		}
+	}
+	// The sandbox serves the next step.
+	_, err = b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("true")})
+	must(t, err)
+}
+
 // TestStepStreamConcurrent sends 32 `sleep 0.2` steps on 32 sandboxes through one stream; the
 // run intervals the server recorded must overlap. A step on an unknown sandbox gets an error item
 // and the stream goes on.

@@ -241,7 +241,7 @@ func TestInfraFailure(t *testing.T) {
 			{"closed, init dead", ctx, deadBox, fmt.Errorf("%w: the sandbox's init went away", sandbox.ErrClosed), true, true},
 			{"exec aborted by the runtime", ctx, deadBox, fmt.Errorf("%w: the sandbox was restored or closed", sandbox.ErrAborted), true, true},
 			{"aborted by restore or close", aborted, liveBox, fmt.Errorf("%w: x", sandbox.ErrAborted), false, false},
-			{"caller cancelled", cancelled, liveBox, fmt.Errorf("%w: %w", sandbox.ErrAborted, context.Canceled), false, false},
+			{"caller cancelled", cancelled, liveBox, fmt.Errorf("command cut short: %w", context.Canceled), false, false},
 			{"internal", ctx, liveBox, errors.New("opening cgroup.procs: too many open files"), false, true},
 		}
 		for _, tc := range cases {
