@@ -239,6 +239,9 @@ type ForkOptions struct {
 	// FilesOnly starts the children from the checkpoint's files even if it
 	// captured processes (sandbox.Spec.FilesOnly).
 	FilesOnly bool
+	// SkipTemplates starts the children without the processes the
+	// checkpoint keeps as templates (sandbox.Spec.SkipTemplates).
+	SkipTemplates bool
 }
 
 // Fork creates n leased sandboxes of env at checkpoint.
@@ -247,6 +250,7 @@ func (m *Manager) Fork(ctx context.Context, env *Env, checkpoint string, n int, 
 	for _, x := range o {
 		spec.FreshEntropy = spec.FreshEntropy || x.FreshEntropy
 		spec.FilesOnly = spec.FilesOnly || x.FilesOnly
+		spec.SkipTemplates = spec.SkipTemplates || x.SkipTemplates
 	}
 	sbs, err := m.rt.Fork(ctx, checkpoint, n, spec)
 	if err != nil {

@@ -11,10 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/sandbox"
-	"github.com/deltagym/deltagym/sandbox/criu"
 )
 
 // lat records latencies and reports p50 and p99 in milliseconds.
@@ -258,49 +256,68 @@ func BenchmarkRollbackFullCopy(b *testing.B) {
 
 // BenchmarkCheckpointWithProcess and BenchmarkRollbackWithProcess: one
 // single-threaded python3 process holding 8 MB (its own heap, all touched)
-// or 100 MB, captured by template fork; rollback restores it in place.
+// or 100 MB, captured by the fast path (template fork) and by the general
+// path (process mode criu: a criu swrk per call, the sandbox's own
+// namespaces, sandbox/criu.DumpTree and RestoreTree), in one run; rollback
+// restores it in place.
 func BenchmarkCheckpointWithProcess(b *testing.B) {
-	for _, mb := range []int{8, 100} {
-		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
-			bb := setup(b)
-			s := processSandbox(b, bb, mb)
-			ctx := context.Background()
-			var l lat
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				var ck sandbox.CheckpointInfo
-				var err error
-				l.time(func() { ck, err = s.Checkpoint(ctx) })
-				must(b, err)
-				b.StopTimer()
-				if len(ck.Processes) != 1 {
-					b.Fatalf("captured %+v", ck.Processes)
+	for _, path := range processPaths {
+		for _, mb := range []int{8, 100} {
+			b.Run(fmt.Sprintf("path=%s/rss=%dMB", path.name, mb), func(b *testing.B) {
+				path.need(b)
+				bb := setup(b)
+				s := processSandbox(b, bb, mb)
+				ctx := context.Background()
+				var l lat
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					var ck sandbox.CheckpointInfo
+					var err error
+					l.time(func() { ck, err = s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode}) })
+					must(b, err)
+					b.StopTimer()
+					if len(ck.Processes) != 1 || ck.Processes[0].Method != path.name {
+						b.Fatalf("captured %+v", ck.Processes)
+					}
+					must(b, bb.rt.ReleaseCheckpoint(ck.ID))
+					b.StartTimer()
 				}
-				must(b, bb.rt.ReleaseCheckpoint(ck.ID))
-				b.StartTimer()
-			}
-			l.report(b, "")
-		})
+				l.report(b, "")
+			})
+		}
 	}
 }
 
 func BenchmarkRollbackWithProcess(b *testing.B) {
-	for _, mb := range []int{8, 100} {
-		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
-			bb := setup(b)
-			s := processSandbox(b, bb, mb)
-			ctx := context.Background()
-			ck, err := s.Checkpoint(ctx)
-			must(b, err)
-			var l lat
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				l.time(func() { err = s.Restore(ctx, ck.ID) })
+	for _, path := range processPaths {
+		for _, mb := range []int{8, 100} {
+			b.Run(fmt.Sprintf("path=%s/rss=%dMB", path.name, mb), func(b *testing.B) {
+				path.need(b)
+				bb := setup(b)
+				s := processSandbox(b, bb, mb)
+				ctx := context.Background()
+				ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
 				must(b, err)
-			}
-			l.report(b, "")
-		})
+				var l lat
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					l.time(func() { err = s.Restore(ctx, ck.ID) })
+					must(b, err)
+				}
+				l.report(b, "")
+			})
+		}
 	}
+}
+
+// processPaths are the two ways a process is checkpointed.
+var processPaths = []struct {
+	name string
+	mode sandbox.ProcessMode
+	need func(testing.TB)
+}{
+	{"template", sandbox.ProcessesTemplate, func(testing.TB) {}},
+	{"criu", sandbox.ProcessesCRIU, func(t testing.TB) { needCRIU(t) }},
 }
 
 // processSandbox starts a python3 process whose resident memory is about
@@ -316,60 +333,3 @@ func processSandbox(b *testing.B, bb *bundle, mb int) *sandbox.Sandbox {
 	return s
 }
 
-// BenchmarkRollbackWithProcessCRIU restores the process of
-// BenchmarkRollbackWithProcess through the tuned CRIU path instead (a swrk
-// worker per call with the kernel features cached, the sandbox's own
-// namespaces, sandbox/criu.RestoreTree), for the ratio in one run. The
-// process redirects its stdio to the sandbox's /dev/null first: CRIU
-// cannot dump the host's.
-func BenchmarkRollbackWithProcessCRIU(b *testing.B) {
-	for _, mb := range []int{8, 100} {
-		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
-			bin, err := criu.Find()
-			if err != nil {
-				b.Skipf("criu is not installed (make criu): %v", err)
-			}
-			swrk, err := criu.NewSwrk(bin)
-			must(b, err)
-			bb := setup(b)
-			s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)})
-			ctx := context.Background()
-			code := fmt.Sprintf("import time\nheap = b'x' * %d\nopen('/tmp/ready', 'w').close()\nwhile True:\n    time.sleep(0.05)\n", max(mb-8, 0)<<20)
-			_, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", `exec python3 -c "$0" </dev/null >/dev/null 2>&1`, code}, Background: true})
-			must(b, err)
-			waitFor(b, s, "[ -e /tmp/ready ]")
-			kids, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", s.InitPid(), s.InitPid()))
-			must(b, err)
-			var pid int
-			if _, err := fmt.Sscan(string(kids), &pid); err != nil {
-				b.Fatalf("finding the process: %q: %v", kids, err)
-			}
-			img := b.TempDir()
-			var dump lat
-			dump.time(func() {
-				err = swrk.DumpTree(ctx, criu.TreeDumpOpts{Pid: pid, NSPid: s.InitPid(), ImagesDir: img})
-			})
-			must(b, err)
-			cgs, err := criu.CgroupDirs(s.InitPid())
-			must(b, err)
-			var l lat
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				var rpid int
-				l.time(func() {
-					rpid, err = swrk.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: img, NSPid: s.InitPid(), Cgroups: cgs})
-				})
-				must(b, err)
-				b.StopTimer()
-				// The restored process is our child: end and reap it, so
-				// that its pid is free for the next restore.
-				_ = unix.Kill(rpid, unix.SIGKILL)
-				var ws unix.WaitStatus
-				_, _ = unix.Wait4(rpid, &ws, 0, nil)
-				b.StartTimer()
-			}
-			l.report(b, "restore-")
-			dump.report(b, "dump-")
-		})
-	}
-}

@@ -300,6 +300,12 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		Stdin: s.rt.devnull, Stdout: s.rt.devnull, Stderr: s.rt.devnull,
 	}
 	if req.Background {
+		// The sandbox's own /dev/null, so that CRIU can save the command
+		// with the rest of the sandbox (it cannot take the host's).
+		if null := s.devNull(); null != nil {
+			defer null.Close()
+			sr.Stdin, sr.Stdout, sr.Stderr = null, null, null
+		}
 		pid, _, err := s.init.Conn.Spawn(sr)
 		if err != nil {
 			return ExecResult{}, s.spawnError(err)
@@ -464,4 +470,26 @@ func newCapture(r io.Reader, limit int) *capture {
 func (c *capture) wait() ([]byte, bool) {
 	<-c.done
 	return c.buf, c.truncated
+}
+
+// devNull opens the sandbox's /dev/null, or returns nil if it is not the
+// null device (the sandbox's root may have replaced it). An O_RDWR open of
+// a FIFO put in its place does not block.
+func (s *Sandbox) devNull() *os.File {
+	root, err := unix.Open(fmt.Sprintf("/proc/%d/root", s.init.Pid), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil
+	}
+	defer unix.Close(root)
+	fd, err := unix.Openat2(root, "dev/null", &unix.OpenHow{Flags: unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS})
+	if err != nil {
+		return nil
+	}
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != unix.Mkdev(1, 3) {
+		unix.Close(fd)
+		return nil
+	}
+	return os.NewFile(uintptr(fd), "/dev/null")
 }

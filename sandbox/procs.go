@@ -77,8 +77,9 @@ type CheckpointOptions struct {
 type ProcessCapture struct {
 	Pid     int    // inside the sandbox, at the checkpoint
 	Command string // its name
-	Method  string // "template"
+	Method  string // "template" or "criu"
 	Session string // the session whose shell it is, if any
+	Reason  string // why the general path (criu) took it
 }
 
 // procTemplate is the persisted record of one template.
@@ -105,6 +106,9 @@ type procInfo struct {
 	tpl    procTemplate
 	ppid   int
 	reason string // why it cannot be a template, if it cannot
+	// deleted names an open deleted file: neither path takes it (criu's
+	// ghost files fail to restore across the sandbox's mount namespace).
+	deleted string
 }
 
 func (t procTemplate) name() string { return fmt.Sprintf("pid %d (%s)", t.NSPid, t.Comm) }
@@ -213,6 +217,7 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
 		if strings.HasSuffix(link, " (deleted)") {
 			if pi.reason == "" {
 				pi.reason = fmt.Sprintf("it holds the deleted file %s open (fd %d)", strings.TrimSuffix(link, " (deleted)"), fd)
+				pi.deleted = pi.reason
 			}
 			continue
 		}
@@ -251,14 +256,17 @@ func mntID(path string) (uint64, error) {
 	return st.Mnt_id, nil
 }
 
-// captureProcesses makes templates of the sandbox's live processes and
-// calls copyFS while every one of them is stopped, so that the files and
-// the processes are captured at the same instant. Called with op held.
+// captureProcesses captures the sandbox's live processes — templates for
+// what the fast path can copy, CRIU images for the other trees (or for all
+// of them in ProcessesCRIU) — and calls copyFS while every one of them is
+// stopped, so that the files and the processes are captured at the same
+// instant. Called with op held.
 //
-// The processes are stopped by ptrace, not by the freezer: each is seized
-// and interrupted, and the command group is listed again until no new
-// process appears (a stopped process cannot fork).
-func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err error) {
+// Single-threaded processes are stopped by ptrace, not by the freezer: each
+// is seized and interrupted, and the command group is listed again until
+// no new process appears (a stopped process cannot fork). Trees for CRIU
+// are released from ptrace and dumped by criu, which leaves them stopped.
+func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode ProcessMode, copyFS func() error) (err error) {
 	rootMnt, err := mntID("/proc/" + strconv.Itoa(s.init.Pid) + "/root")
 	if err != nil {
 		return err
@@ -272,6 +280,7 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 		}
 	}()
 	seized := map[int]*ptfork.Proc{}
+	threaded := map[int]bool{} // cannot be seized: they go on until criu stops them
 	var order []int
 	for round := 0; ; round++ {
 		pids, err := s.work.Pids()
@@ -279,8 +288,9 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 			return err
 		}
 		var fresh []*ptfork.Proc
+		more := false
 		for _, pid := range pids {
-			if seized[pid] != nil {
+			if seized[pid] != nil || threaded[pid] {
 				continue
 			}
 			p, err := tr.Seize(pid)
@@ -288,14 +298,9 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 				continue
 			}
 			if errors.Is(err, ptfork.ErrThreads) {
-				pi, ierr := inspect(pid, rootMnt)
-				if ierr != nil {
-					continue
-				}
-				if pi.reason == "" {
-					pi.reason = "it is multithreaded (template copies are single-threaded)"
-				}
-				return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
+				threaded[pid], more = true, true
+				order = append(order, pid)
+				continue
 			}
 			if err != nil {
 				return fmt.Errorf("%w: pid %d: %w", ErrProcesses, pid, err)
@@ -303,7 +308,7 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 			seized[pid] = p
 			fresh = append(fresh, p)
 		}
-		if len(fresh) == 0 {
+		if len(fresh) == 0 && !more {
 			break
 		}
 		if round == 10 {
@@ -324,36 +329,88 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 	}
 	s.mu.Unlock()
 	procs := make([]procInfo, 0, len(order))
-	byPid := map[int]*procInfo{}
 	for _, pid := range order {
 		pi, err := inspect(pid, rootMnt)
 		if err != nil {
+			if threaded[pid] {
+				continue // it ended meanwhile
+			}
 			return fmt.Errorf("inspecting pid %d: %w", pid, err)
 		}
 		pi.tpl.Session = sessionOf[pid]
 		procs = append(procs, pi)
 	}
-	for i := range procs {
-		byPid[procs[i].tpl.HostPid] = &procs[i]
-	}
-	for _, pi := range procs {
-		if parent := byPid[pi.ppid]; parent != nil {
-			return fmt.Errorf("%w: %s is a child of %s: process trees cannot be template-copied; checkpoint files only (process mode filesystem; CLI: --processes files) or end the tree first",
-				ErrProcesses, pi.tpl.name(), parent.tpl.name())
+	units := splitTrees(procs)
+	var tplProcs []procInfo
+	var trees []procTree
+	for _, u := range units {
+		why := u.criuReason(mode)
+		if why == "" {
+			tplProcs = append(tplProcs, u.procs[0])
+			continue
 		}
-		if pi.reason != "" {
-			return fmt.Errorf("%w: %s cannot be template-copied: %s; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first", ErrProcesses, pi.tpl.name(), pi.reason)
+		for _, p := range u.procs {
+			if p.deleted != "" {
+				return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+					ErrProcesses, p.tpl.name(), p.deleted)
+			}
+			if p.tpl.Session != "" {
+				return fmt.Errorf("%w: session %q cannot be captured: its shell %s must be saved with CRIU (%s), which cannot take a session's pipes to the server yet; end what it started in the background, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+					ErrProcesses, p.tpl.Session, p.tpl.name(), why)
+			}
+		}
+		u.why = why
+		trees = append(trees, u)
+	}
+	if len(trees) > 0 {
+		// Released from ptrace, dumped, left stopped by criu.
+		for _, u := range trees {
+			for _, p := range u.procs {
+				if sp := seized[p.tpl.HostPid]; sp != nil {
+					delete(seized, p.tpl.HostPid)
+					if err := sp.Detach(); err != nil {
+						return fmt.Errorf("%w: releasing %s for CRIU: %w", ErrProcesses, p.tpl.name(), err)
+					}
+				}
+			}
+		}
+		defer func() {
+			// Everything criu stopped goes on (trees may have grown while
+			// not stopped: list the group, not the trees).
+			pids, lerr := s.work.Pids()
+			err = errors.Join(err, lerr)
+			var cont []int
+			for _, p := range pids {
+				if seized[p] == nil {
+					cont = append(cont, p)
+				}
+			}
+			resumeTrees(cont)
+			if err != nil {
+				_ = os.RemoveAll(s.rt.criuDir(c.ID))
+			}
+		}()
+		dctx := context.WithoutCancel(ctx) // never leave a tree half-dumped
+		for i, u := range trees {
+			cu, err := s.dumpTree(dctx, c, i, u.procs[0].tpl.HostPid, u.procs, u.why)
+			if err != nil {
+				return err
+			}
+			c.Images = append(c.Images, cu)
 		}
 	}
 	if err := copyFS(); err != nil {
 		return err
+	}
+	if len(tplProcs) == 0 {
+		return nil
 	}
 	tg, err := s.takeTemplateGroup()
 	if err != nil {
 		return err
 	}
 	var made []*ptfork.Proc
-	for i, pi := range procs {
+	for i, pi := range tplProcs {
 		t, _, err := seized[pi.tpl.HostPid].Fork()
 		if err == nil {
 			made = append(made, t)
@@ -366,9 +423,9 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 			_ = tg.Delete()
 			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, pi.tpl.name(), err)
 		}
-		procs[i].tpl.HostPid = t.Pid
+		tplProcs[i].tpl.HostPid = t.Pid
 		if st, err := startTime(t.Pid); err == nil {
-			procs[i].tpl.Start = st
+			tplProcs[i].tpl.Start = st
 		}
 	}
 	// Into their frozen group before the originals go on.
@@ -381,14 +438,69 @@ func (s *Sandbox) captureProcesses(c *checkpoint, copyFS func() error) (err erro
 			return err
 		}
 	}
-	c.Procs = make([]procTemplate, len(procs))
-	for i := range procs {
-		c.Procs[i] = procs[i].tpl
+	c.Procs = make([]procTemplate, len(tplProcs))
+	for i := range tplProcs {
+		c.Procs[i] = tplProcs[i].tpl
 	}
 	s.tplMu.Lock()
 	s.tpls[c.ID] = tg
 	s.tplMu.Unlock()
 	return nil
+}
+
+// procTree is one process tree of the command group: a process whose
+// parent is outside the group (the init, or the server for a tree criu
+// restored), and its descendants.
+type procTree struct {
+	procs []procInfo // the root first
+	why   string
+}
+
+// splitTrees groups procs into trees, in the order of their roots.
+func splitTrees(procs []procInfo) []procTree {
+	byPid := map[int]int{}
+	for i, p := range procs {
+		byPid[p.tpl.HostPid] = i
+	}
+	rootOf := func(i int) int {
+		for n := 0; n < len(procs); n++ {
+			j, ok := byPid[procs[i].ppid]
+			if !ok {
+				break
+			}
+			i = j
+		}
+		return i
+	}
+	var roots []int
+	members := map[int][]procInfo{}
+	for i := range procs {
+		r := rootOf(i)
+		if _, ok := members[r]; !ok {
+			roots = append(roots, r)
+			members[r] = []procInfo{procs[r]}
+		}
+		if r != i {
+			members[r] = append(members[r], procs[i])
+		}
+	}
+	out := make([]procTree, len(roots))
+	for k, r := range roots {
+		out[k] = procTree{procs: members[r]}
+	}
+	return out
+}
+
+// criuReason says why t takes the general path, or "" for a template.
+func (t procTree) criuReason(mode ProcessMode) string {
+	switch {
+	case mode == ProcessesCRIU:
+		return "process mode criu"
+	case len(t.procs) > 1:
+		return fmt.Sprintf("%s is a child of it: process trees are not template-copied", t.procs[1].tpl.name())
+	default:
+		return t.procs[0].reason
+	}
 }
 
 // takeTemplateGroup returns an empty, frozen cgroup for the templates of

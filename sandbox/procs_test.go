@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -231,19 +232,23 @@ func TestTemplateServiceAndDatabase(t *testing.T) {
 	}
 }
 
-func TestTemplateRefusals(t *testing.T) {
+// TestProcessPathChoice: what the fast path cannot copy — threads, trees, an open deleted file
+// — is saved with CRIU, each process reported with the reason, and restored; a session's
+// shell with a child is refused with a clear error, and files only still works.
+func TestProcessPathChoice(t *testing.T) {
+	needCRIU(t)
 	b := setup(t)
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
 	cases := []struct {
-		name string
-		argv []string
-		want string
+		name    string
+		argv    []string
+		methods string
+		reason  string
 	}{
-		{"threads", []string{"python3", "-c", "import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)"}, "threads"},
-		{"tree", []string{"sh", "-c", "sleep 100 & sleep 100"}, "child of"},
-		{"tree and threads", []string{"sh", "-c", "sleep 100 & python3 -c 'import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)'"}, "cannot be template-copied"},
-		{"deleted file", []string{"python3", "-c", "import os,time; f=open('/tmp/gone','w'); os.unlink('/tmp/gone'); time.sleep(100)"}, "deleted file"},
+		{"threads", []string{"python3", "-c", "import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)"}, "python3:criu", "threads"},
+		{"tree", []string{"sh", "-c", "sleep 100 & sleep 100"}, "sh:criu sleep:criu sleep:criu", "child of"},
+		{"tree and threads", []string{"sh", "-c", "sleep 100 & python3 -c 'import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)'"}, "python3:criu sh:criu sleep:criu", "child of"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -251,20 +256,64 @@ func TestTemplateRefusals(t *testing.T) {
 				t.Fatal(err)
 			}
 			sh(t, s, "sleep 0.3")
-			_, err := s.Checkpoint(ctx)
-			if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "\n") {
-				t.Fatalf("checkpoint: %v, want ErrProcesses about %q", err, tc.want)
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
 			}
-			// Files only still works, and nothing was changed.
-			ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
-			if err != nil || len(ck.Processes) != 0 {
-				t.Fatalf("files-only checkpoint: %+v %v", ck, err)
+			got := strings.Fields(methods(ck.Processes))
+			slices.Sort(got)
+			if strings.Join(got, " ") != tc.methods || !strings.Contains(ck.Processes[0].Reason, tc.reason) {
+				t.Fatalf("captured %q (%+v), want %q with a reason about %q", got, ck.Processes, tc.methods, tc.reason)
 			}
-			if err := s.Restore(ctx, ck.ID); err != nil { // ends the process
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				t.Fatal(err)
+			}
+			// CRIU brings each process back with its pid.
+			for _, p := range ck.Processes {
+				if got := sh(t, s, fmt.Sprintf("cat /proc/%d/comm", p.Pid)); got != p.Command+"\n" {
+					t.Fatalf("pid %d after restore is %q, want %s", p.Pid, got, p.Command)
+				}
+			}
+			// Files only ends them all.
+			fo, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+			if err != nil || len(fo.Processes) != 0 {
+				t.Fatalf("files-only checkpoint: %+v %v", fo, err)
+			}
+			if err := s.Restore(ctx, fo.ID); err != nil {
 				t.Fatal(err)
 			}
 		})
 	}
+	t.Run("deleted file", func(t *testing.T) {
+		if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", "import os,time; f=open('/tmp/gone','w'); os.unlink('/tmp/gone'); time.sleep(100)"}, Background: true}); err != nil {
+			t.Fatal(err)
+		}
+		sh(t, s, "sleep 0.3")
+		_, err := s.Checkpoint(ctx)
+		if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "deleted file /tmp/gone") || strings.Contains(err.Error(), "\n") {
+			t.Fatalf("checkpoint: %v, want ErrProcesses about the deleted file", err)
+		}
+		fo, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Restore(ctx, fo.ID); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("session with a child", func(t *testing.T) {
+		if res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "sleep 100 &", Timeout: 5 * time.Second}); err != nil || res.ExitCode != 0 {
+			t.Fatalf("session: %v %+v", err, res)
+		}
+		_, err := s.Checkpoint(ctx)
+		if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), `session "main"`) || strings.Contains(err.Error(), "\n") {
+			t.Fatalf("checkpoint: %v, want ErrProcesses about the session", err)
+		}
+		// Nothing was changed: the session goes on.
+		if res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "jobs | wc -l", Timeout: 5 * time.Second}); err != nil || string(res.Stdout) != "1\n" {
+			t.Fatalf("session after the refusal: %v %+v", err, res)
+		}
+	})
 }
 
 func TestTemplateLostAndForeign(t *testing.T) {

@@ -49,6 +49,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/image"
 	"github.com/deltagym/deltagym/sandbox/launch"
 	"github.com/deltagym/deltagym/sandbox/layers"
@@ -85,6 +86,9 @@ type Config struct {
 	// ProcessMode is how checkpoints capture live processes unless told
 	// otherwise; ProcessesDefault means ProcessesTemplate.
 	ProcessMode ProcessMode
+	// CRIU is the criu binary of the general path (procs_criu.go); empty
+	// means criu.Find (DELTAGYM_CRIU, or the checkout's .cache/criu).
+	CRIU string
 	// Logger receives the runtime's logs; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -125,10 +129,14 @@ type Spec struct {
 	Workdir string
 	// FreshEntropy writes a seed of the sandbox's own to SeedPath.
 	FreshEntropy bool
-	// FilesOnly starts from Checkpoint's files even when it captured
-	// processes, which only their own sandbox can bring back; without it
-	// such a checkpoint is refused with ErrProcesses.
+	// FilesOnly starts from Checkpoint's files alone, without the
+	// processes it captured.
 	FilesOnly bool
+	// SkipTemplates starts from Checkpoint's files and the process trees it
+	// saved with CRIU, without the processes it keeps as templates, which
+	// only their own sandbox can bring back. Without it (or FilesOnly) a
+	// checkpoint with templates is refused with ErrProcesses.
+	SkipTemplates bool
 }
 
 // ImageInfo describes an imported image.
@@ -171,8 +179,10 @@ type checkpoint struct {
 	Created time.Time `json:"created"`
 	// Procs are the templates of the processes that ran at the checkpoint
 	// (procs.go), held by sandbox SandboxID.
-	Procs   []procTemplate `json:"procs,omitempty"`
-	Expires time.Time      `json:"expires,omitzero"`
+	Procs []procTemplate `json:"procs,omitempty"`
+	// Images are the process trees saved by CRIU (procs_criu.go).
+	Images  []criuUnit `json:"images,omitempty"`
+	Expires time.Time  `json:"expires,omitzero"`
 }
 
 func (c *checkpoint) info() CheckpointInfo {
@@ -180,6 +190,11 @@ func (c *checkpoint) info() CheckpointInfo {
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
 	for _, p := range c.Procs {
 		ci.Processes = append(ci.Processes, ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session})
+	}
+	for _, u := range c.Images {
+		for _, p := range u.Procs {
+			ci.Processes = append(ci.Processes, ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "criu", Reason: u.Why})
+		}
 	}
 	return ci
 }
@@ -196,6 +211,10 @@ type Runtime struct {
 	devnull *os.File
 	skel    string
 	lock    *os.File
+
+	criuOnce sync.Once
+	criuW    *criu.Swrk
+	criuErr  error
 
 	mu        sync.Mutex
 	sandboxes map[string]*Sandbox
@@ -635,6 +654,9 @@ func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 		}
 	}
 	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
+	if len(c.Images) > 0 {
+		_ = os.RemoveAll(r.criuDir(c.ID))
+	}
 	if unref {
 		for _, l := range c.Layers {
 			r.layers.Unref(l)

@@ -112,8 +112,8 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 			return nil, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", ErrMismatch, ck.ID, ck.Image, imgName)
 		}
 		imgName = ck.Image
-		if len(ck.Procs) > 0 && !spec.FilesOnly {
-			return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) that only sandbox %s can bring back: template copies are born in its pid namespace; restore it there, or take checkpoints with process mode filesystem",
+		if len(ck.Procs) > 0 && !spec.FilesOnly && !spec.SkipTemplates {
+			return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) that only sandbox %s can bring back: template copies are born in its pid namespace; restore it there, start without them, or take checkpoints with process mode filesystem or criu",
 				ErrProcesses, ck.ID, procNames(ck.Procs), ck.SandboxID)
 		}
 	}
@@ -177,6 +177,11 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	undo = append(undo, func() error { s.dropSpare(); s.rt.layers.Unref(s.upper); return nil })
 	if spec.FreshEntropy {
 		if err = s.writeSeed(newSeed()); err != nil {
+			return nil, err
+		}
+	}
+	if ck != nil && !spec.FilesOnly {
+		if err = s.restoreTrees(ctx, ck); err != nil {
 			return nil, err
 		}
 	}
@@ -550,7 +555,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	if mode == ProcessesDefault {
 		mode = ProcessesTemplate
 	}
-	if mode < ProcessesNone || mode > ProcessesTemplate {
+	if mode < ProcessesNone || mode > ProcessesCRIU {
 		return CheckpointInfo{}, fmt.Errorf("%w: process mode %d", ErrInvalid, mode)
 	}
 	if err := s.beginOp(false); err != nil {
@@ -574,8 +579,8 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 		if errors.Is(err, unix.EBUSY) {
 			err = s.copyUpper(c)
 		}
-	case mode == ProcessesTemplate:
-		err = s.captureProcesses(c, func() error { return s.copyUpperFrozen(c) })
+	case mode == ProcessesTemplate, mode == ProcessesCRIU:
+		err = s.captureProcesses(ctx, c, mode, func() error { return s.copyUpperFrozen(c) })
 		if err != nil && !errors.Is(err, ErrProcesses) {
 			err = fmt.Errorf("capturing processes: %w", err)
 		}
@@ -588,6 +593,9 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	if err := r.addCheckpoint(c); err != nil {
 		unrefAll(r, c.Layers)
 		s.dropTemplates(c.ID)
+		if len(c.Images) > 0 {
+			_ = os.RemoveAll(r.criuDir(c.ID))
+		}
 		return CheckpointInfo{}, err
 	}
 	s.head = c.ID
@@ -684,7 +692,7 @@ func (s *Sandbox) Restore(ctx context.Context, id string) error {
 
 // RestoreWith is Restore with options.
 func (s *Sandbox) RestoreWith(ctx context.Context, id string, o RestoreOptions) error {
-	if err := s.restore(id, o); err != nil {
+	if err := s.restore(ctx, id, o); err != nil {
 		return err
 	}
 	if o.FreshEntropy {
@@ -693,7 +701,7 @@ func (s *Sandbox) RestoreWith(ctx context.Context, id string, o RestoreOptions) 
 	return nil
 }
 
-func (s *Sandbox) restore(id string, o RestoreOptions) error {
+func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) error {
 	r := s.rt
 	c, err := r.lookup(id)
 	if err != nil {
@@ -725,6 +733,14 @@ func (s *Sandbox) restore(id string, o RestoreOptions) error {
 	s.head = id
 	if o.FreshEntropy {
 		if err := s.writeSeed(newSeed()); err != nil {
+			return err
+		}
+	}
+	// CRIU trees first: they need the pids they had, which the template
+	// copies' new pids could take.
+	if len(c.Images) > 0 {
+		if err := s.restoreTrees(ctx, c); err != nil {
+			_ = s.killAll()
 			return err
 		}
 	}

@@ -502,9 +502,6 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 		return nil, e.s.toConnect(err)
 	}
 	defer end()
-	if req.Msg.GetProcessMode() == deltagymv1.ProcessMode_PROCESS_MODE_CRIU {
-		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("process mode CRIU is not available yet: use PROCESS_MODE_TEMPLATE (restorable in this sandbox) or PROCESS_MODE_FILESYSTEM"))
-	}
 	octx, done := e.s.obs.op(cctx, "checkpoint")
 	info, err := l.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: processMode(l.Env(), req.Msg.GetProcessMode())})
 	done(err)
@@ -514,9 +511,17 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 	e.s.recordCheckpoint(l.Env().Name(), ledger.KindUser, info, sess)
 	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: true}
 	for _, p := range info.Processes {
-		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE})
+		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: captureMethod(p.Method), Reason: p.Reason})
 	}
 	return connect.NewResponse(resp), nil
+}
+
+// captureMethod names a sandbox.ProcessCapture method on the wire.
+func captureMethod(m string) deltagymv1.CaptureMethod {
+	if m == "criu" {
+		return deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
+	}
+	return deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
 }
 
 // processMode picks how a checkpoint captures processes: the request's
@@ -530,6 +535,8 @@ func processMode(env *envpool.Env, asked deltagymv1.ProcessMode) sandbox.Process
 		return sandbox.ProcessesNone
 	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
 		return sandbox.ProcessesTemplate
+	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
+		return sandbox.ProcessesCRIU
 	}
 	return sandbox.ProcessesDefault
 }
@@ -624,9 +631,9 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 	}
 	ctx, done := e.s.obs.op(ctx, "fork")
 	// Template copies are born in the sandbox that made them: children start
-	// from the checkpoint's files, and the response says which processes
-	// they do not run.
-	leases, err := e.s.pools.Fork(ctx, env, ckpt, n, envpool.ForkOptions{FreshEntropy: m.GetFreshEntropy(), FilesOnly: true})
+	// from the checkpoint's files and CRIU trees, and the response says
+	// which processes they do not run.
+	leases, err := e.s.pools.Fork(ctx, env, ckpt, n, envpool.ForkOptions{FreshEntropy: m.GetFreshEntropy(), SkipTemplates: true})
 	done(err)
 	if err != nil {
 		return nil, err
@@ -641,9 +648,13 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 	resp := &deltagymv1.ForkResponse{CheckpointId: ckpt}
 	if info, err := e.s.rt.Checkpoint(ckpt); err == nil {
 		for _, p := range info.Processes {
-			resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command,
-				Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE,
-				Reason: "captured as a template, which only sandbox " + info.SandboxID + " can restore; the children start from the checkpoint's files"})
+			pc := &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU,
+				Reason: "restored in every child from the checkpoint's CRIU image"}
+			if p.Method != "criu" {
+				pc.Method = deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE
+				pc.Reason = "captured as a template, which only sandbox " + info.SandboxID + " can restore; the children run without it (checkpoint with process mode criu to carry it)"
+			}
+			resp.Processes = append(resp.Processes, pc)
 		}
 	}
 	for _, l := range leases {

@@ -7,6 +7,7 @@ import (
 	"connectrpc.com/connect"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/server"
 )
 
@@ -60,14 +61,42 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 	if len(fs.Msg.GetProcesses()) != 0 {
 		t.Fatalf("files-only checkpoint captured %v", fs.Msg.GetProcesses())
 	}
-	_, err = b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_CRIU}))
-	if codeOf(err) != connect.CodeUnimplemented {
-		t.Fatalf("CRIU mode: %v", err)
-	}
 	// Fork from the sandbox itself carries files (its processes stay).
 	fk, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}, N: 2, FreshEntropy: true}))
 	must(t, err)
 	if len(fk.Msg.GetSandboxIds()) != 2 {
 		t.Fatalf("fork: %v", fk.Msg)
+	}
+	if _, err := criu.Find(); err != nil {
+		t.Skipf("the CRIU part needs criu (make criu): %v", err)
+	}
+	// CRIU cannot take a session's shell: refused, naming the session.
+	_, err = b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_CRIU}))
+	if codeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), `session "main"`) {
+		t.Fatalf("CRIU mode with a session: %v", err)
+	}
+	// A background process saved with CRIU runs in every fork of the checkpoint.
+	rr2, err := b.connect.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	sb2 := rr2.Msg.GetSandboxId()
+	_, err = b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb2,
+		Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Argv: []string{"sleep", "1000"}, Background: true}}}}))
+	must(t, err)
+	ck2, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb2, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_CRIU}))
+	must(t, err)
+	if ps := ck2.Msg.GetProcesses(); len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU || ps[0].GetReason() == "" {
+		t.Fatalf("CRIU checkpoint captured %v", ps)
+	}
+	fr2, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck2.Msg.GetCheckpointId()}, N: 2}))
+	must(t, err)
+	if ps := fr2.Msg.GetProcesses(); len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU {
+		t.Fatalf("fork of a CRIU checkpoint reported %v", ps)
+	}
+	for _, kid := range fr2.Msg.GetSandboxIds() {
+		res, err := b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: kid, Action: execAction("grep -l '[s]leep' /proc/[0-9]*/cmdline | wc -l")}))
+		must(t, err)
+		if got := strings.TrimSpace(string(res.Msg.GetObservation().GetExec().GetStdout())); got != "1" {
+			t.Fatalf("fork %s runs %q sleep processes, want 1", kid, got)
+		}
 	}
 }

@@ -383,7 +383,7 @@ func runRead(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	var (
 		durable = fs.Bool("durable", false, "keep the checkpoint on disk so it survives a server restart")
-		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox) or files (none); default: the env's")
+		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's")
 		quiet   = fs.Bool("q", false, "print only the checkpoint ID")
 	)
 	pos, _, err := parseArgs(fs, args)
@@ -405,8 +405,10 @@ func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string)
 		mode = deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE
 	case "files":
 		mode = deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM
+	case "criu":
+		mode = deltagymv1.ProcessMode_PROCESS_MODE_CRIU
 	default:
-		return usageErrorf("--processes %q: want template or files", *procs)
+		return usageErrorf("--processes %q: want template, criu or files", *procs)
 	}
 	res, err := c.EnvService().Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: pos[0], Durable: *durable, ProcessMode: mode}))
 	if err != nil {

@@ -82,12 +82,19 @@ type TreeDumpOpts struct {
 	ImagesDir string
 	// LeaveRunning keeps the tree running after the dump instead of killing it.
 	LeaveRunning bool
+	// LeaveStopped leaves every task of the tree stopped (SIGSTOP) after
+	// the dump, for the caller to resume with SIGCONT once it has saved
+	// what must match the images (the files the tree has open).
+	LeaveStopped bool
 }
 
 // Validate reports whether the options can be used.
 func (o TreeDumpOpts) Validate() error {
 	if o.Pid <= 0 || o.NSPid <= 0 || o.Pid == o.NSPid {
 		return fmt.Errorf("%w: tree pid %d in the namespaces of %d", ErrInvalidConfig, o.Pid, o.NSPid)
+	}
+	if o.LeaveRunning && o.LeaveStopped {
+		return fmt.Errorf("%w: leave running and leave stopped both set", ErrInvalidConfig)
 	}
 	if !filepath.IsAbs(o.ImagesDir) {
 		return fmt.Errorf("%w: images dir %q is not absolute", ErrInvalidConfig, o.ImagesDir)
@@ -109,6 +116,10 @@ type TreeRestoreOpts struct {
 	// restored into: criu joins them before it forks the tree. Empty leaves
 	// the tree in the caller's cgroups.
 	Cgroups []string
+	// ToInit makes the root criu's child rather than the caller's: when
+	// criu exits, the root is re-parented to the sandbox's init, which
+	// reaps it, and a root that a failed restore killed is reaped by criu.
+	ToInit bool
 }
 
 // Validate reports whether the options can be used.
@@ -193,6 +204,7 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 		ImagesDir:         proto.String(o.ImagesDir),
 		Pid:               proto.Int32(int32(o.Pid)),
 		LeaveRunning:      proto.Bool(o.LeaveRunning),
+		LeaveStopped:      proto.Bool(o.LeaveStopped),
 		NetworkLock:       rpc.CriuNetworkLockMethod_SKIP.Enum(),
 		ManageCgroups:     proto.Bool(true),
 		ManageCgroupsMode: rpc.CriuCgMode_IGNORE.Enum(),
@@ -232,7 +244,7 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 		ImagesDir:         proto.String(o.ImagesDir),
 		ManageCgroups:     proto.Bool(true),
 		ManageCgroupsMode: rpc.CriuCgMode_IGNORE.Enum(),
-		RstSibling:        proto.Bool(true),
+		RstSibling:        proto.Bool(!o.ToInit),
 		// The tree's tasks run in the sandbox's user namespace, where
 		// SO_SNDBUFFORCE/SO_RCVBUFFORCE (host CAP_NET_ADMIN) fail and any
 		// socket's restore with them; unprivileged mode sets the plain

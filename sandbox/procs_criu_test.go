@@ -1,0 +1,160 @@
+package sandbox_test
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/criu"
+)
+
+// needCRIU skips unless criu is installed (make criu).
+func needCRIU(t testing.TB) {
+	t.Helper()
+	if _, err := criu.Find(); err != nil {
+		t.Skipf("criu is not installed (make criu): %v", err)
+	}
+}
+
+// treeCounterPy is counterPy with its paths under argv[1], and optionally
+// a second thread (argv[2] == "thread") or a child process (argv[2] ==
+// "child") that lives as long as it does.
+const treeCounterPy = `
+import os, sys, threading, time, subprocess
+d = sys.argv[1]
+if sys.argv[2] == "thread":
+    threading.Thread(target=time.sleep, args=(1e6,), daemon=True).start()
+elif sys.argv[2] == "child":
+    subprocess.Popen(["sleep", "1000000"])
+fd = os.open(d + "/ctl", os.O_RDWR)
+f = os.fdopen(fd, "r")
+i = 0
+for line in f:
+    i += 1
+    with open(d + "/count.new", "w") as o:
+        o.write(str(i))
+    os.rename(d + "/count.new", d + "/count")
+`
+
+// startTreeCounter starts a counter in dir (kind: "plain", "thread" or
+// "child").
+func startTreeCounter(t testing.TB, s *sandbox.Sandbox, dir, kind string) {
+	t.Helper()
+	sh(t, s, fmt.Sprintf("mkdir -p %s && mkfifo %s/ctl", dir, dir))
+	if err := s.WriteFile(t.Context(), "/tmp/tree-counter.py", []byte(treeCounterPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(t.Context(), sandbox.ExecRequest{Argv: []string{"python3", "/tmp/tree-counter.py", dir, kind}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func incIn(t testing.TB, s *sandbox.Sandbox, dir string, want int) {
+	t.Helper()
+	sh(t, s, "echo inc > "+dir+"/ctl")
+	waitFor(t, s, fmt.Sprintf(`[ "$(cat %s/count 2>/dev/null)" = %d ]`, dir, want))
+}
+
+func methods(ps []sandbox.ProcessCapture) string {
+	var out []string
+	for _, p := range ps {
+		out = append(out, p.Command+":"+p.Method)
+	}
+	return strings.Join(out, " ")
+}
+
+// TestCRIUTreeAndThreads: a counter with a child process and a
+// multithreaded counter take the CRIU path, a plain counter beside them
+// the template path, all in one checkpoint. Restored in place (twice) and
+// forked into two new sandboxes, every counter goes on from the
+// checkpoint's count, independently; releasing the checkpoint removes its
+// images.
+func TestCRIUTreeAndThreads(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	kinds := []string{"plain", "thread", "child"}
+	for _, k := range kinds {
+		startTreeCounter(t, s, "/tmp/"+k, k)
+		for i := 1; i <= 3; i++ {
+			incIn(t, s, "/tmp/"+k, i)
+		}
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := methods(ck.Processes), "python3:template python3:criu python3:criu sleep:criu"; got != want {
+		t.Fatalf("captured %q, want %q", got, want)
+	}
+	images := filepath.Join(b.cfg.DataDir, "store", "criu", ck.ID)
+	if _, err := os.Stat(images); err != nil {
+		t.Fatalf("images: %v", err)
+	}
+	for _, k := range kinds {
+		incIn(t, s, "/tmp/"+k, 4)
+		incIn(t, s, "/tmp/"+k, 5)
+	}
+	for round := range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		for _, k := range kinds {
+			if got := sh(t, s, "cat /tmp/"+k+"/count"); got != "3" {
+				t.Fatalf("round %d: %s count file after restore %q", round, k, got)
+			}
+			incIn(t, s, "/tmp/"+k, 4)
+		}
+	}
+	if got := sh(t, s, "grep -l '[s]leep' /proc/[0-9]*/cmdline | wc -l"); got != "1\n" {
+		t.Fatalf("%q sleep processes after restores, want 1", got)
+	}
+	if _, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrProcesses) {
+		t.Fatalf("fork of a checkpoint with a template: %v, want ErrProcesses", err)
+	}
+	kids, err := b.rt.Fork(ctx, ck.ID, 2, sandbox.Spec{SkipTemplates: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, kid := range kids {
+		t.Cleanup(func() { _ = kid.Destroy(ctx) })
+		for _, k := range kinds[1:] { // the template stays with its own sandbox
+			for n := 4; n <= 4+i; n++ {
+				incIn(t, kid, "/tmp/"+k, n)
+			}
+		}
+	}
+	if err := b.rt.ReleaseCheckpoint(ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(images); !os.IsNotExist(err) {
+		t.Fatalf("images after release: %v", err)
+	}
+}
+
+// TestCRIUForced: process mode criu saves even a plain process with CRIU.
+func TestCRIUForced(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	startTreeCounter(t, s, "/tmp/p", "plain")
+	incIn(t, s, "/tmp/p", 1)
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := methods(ck.Processes); got != "python3:criu" {
+		t.Fatalf("captured %q", got)
+	}
+	incIn(t, s, "/tmp/p", 2)
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	incIn(t, s, "/tmp/p", 2)
+}
