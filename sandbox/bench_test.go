@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/deltagym/deltagym/sandbox"
 )
 
@@ -322,7 +321,7 @@ var processPaths = []struct {
 
 // processSandbox starts a python3 process whose resident memory is about
 // mb megabytes (python itself is about 8).
-func processSandbox(b *testing.B, bb *bundle, mb int) *sandbox.Sandbox {
+func processSandbox(b testing.TB, bb *bundle, mb int) *sandbox.Sandbox {
 	s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)})
 	ctx := context.Background()
 	extra := max(mb-8, 0) << 20
@@ -332,4 +331,3 @@ func processSandbox(b *testing.B, bb *bundle, mb int) *sandbox.Sandbox {
 	waitFor(b, s, "[ -e /tmp/ready ]")
 	return s
 }
-

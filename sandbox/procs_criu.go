@@ -36,7 +36,7 @@ import (
 // Restore: after the root swap, each tree is restored by criu into the
 // sandbox's namespaces and a command group of its own, with the pids it
 // had (so they must be free: the restore waits for the killed processes to
-// be reaped). Its root is criu's child, then the sandbox init's. Trees are
+// be reaped). Its root is a child of the server, which reaps it. Trees are
 // restored before template copies are forked, whose new pids could take
 // theirs.
 //
@@ -107,6 +107,9 @@ func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, 
 	return u, nil
 }
 
+// restoreTimeout bounds one tree's restore by criu.
+const restoreTimeout = 2 * time.Minute
+
 // restoreTrees brings back every CRIU tree of c in the sandbox, after its
 // root swap. Called with op held.
 func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint) error {
@@ -169,10 +172,22 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
 	start := time.Now()
-	if _, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: s.init.Pid, Cgroups: cg.Dirs(), ToInit: true}); err != nil {
+	// A restore that hangs (criu waiting on a task that will never report)
+	// must not hold the sandbox forever.
+	ctx, cancel := context.WithTimeout(ctx, restoreTimeout)
+	defer cancel()
+	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: s.init.Pid, Cgroups: cg.Dirs()})
+	if err != nil {
+		// A root criu made and killed is our child: a zombie of the
+		// sandbox's pid namespace would keep its init from exiting.
+		reapRestoredRoots()
 		_ = cg.Delete()
 		return fmt.Errorf("%w: restoring %s from checkpoint %s's CRIU image: %w", ErrProcesses, u.name(), c.ID, err)
 	}
+	// The root is the server's child (criu restores it as its sibling: as
+	// criu's child it would go to the host's init when criu exits, which
+	// reaps it late, keeping its pid taken in the sandbox).
+	reapOnExit(pid)
 	s.rt.log.Debug("process tree restored", "sandbox", s.id, "checkpoint", c.ID, "tree", u.name(), "took", time.Since(start))
 	return nil
 }
@@ -206,4 +221,58 @@ func resumeTrees(pids []int) {
 	for _, p := range pids {
 		_ = unix.Kill(p, unix.SIGCONT)
 	}
+}
+
+// reapRestoredRoots makes sure every child of the server that lives in a
+// sandbox's pid namespace — a root of a tree whose restore failed, killed by
+// criu, perhaps not dead yet — is reaped once it has exited. Roots already
+// watched get a second watcher, which finds nothing to reap.
+func reapRestoredRoots() {
+	tasks, _ := os.ReadDir("/proc/self/task")
+	for _, t := range tasks {
+		b, err := os.ReadFile("/proc/self/task/" + t.Name() + "/children")
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(b)) {
+			pid, err := strconv.Atoi(f)
+			if err != nil {
+				continue
+			}
+			st, err := os.ReadFile("/proc/" + f + "/status")
+			if err != nil {
+				continue
+			}
+			for _, line := range strings.Split(string(st), "\n") {
+				if v, ok := strings.CutPrefix(line, "NSpid:"); ok && len(strings.Fields(v)) > 1 {
+					reapOnExit(pid)
+				}
+			}
+		}
+	}
+}
+
+// reapOnExit reaps child pid once it has exited. A blocking wait4 would not
+// do: the root may be seized by a later checkpoint, and a wait by the
+// tracer's process reports (and consumes) its ptrace stops. A pidfd becomes
+// readable only on exit.
+func reapOnExit(pid int) {
+	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	if err != nil {
+		return
+	}
+	f := os.NewFile(uintptr(fd), "pidfd")
+	go func() {
+		defer f.Close()
+		if rc, err := f.SyscallConn(); err == nil {
+			_ = rc.Read(func(fd uintptr) bool {
+				p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+				n, _ := unix.Poll(p, 0)
+				return n > 0
+			})
+		}
+		// By the pidfd, not the pid: the pid may be reaped and reused.
+		var info unix.Siginfo
+		_ = unix.Waitid(unix.P_PIDFD, int(f.Fd()), &info, unix.WEXITED|unix.WNOHANG, nil)
+	}()
 }

@@ -157,4 +157,27 @@ func TestCRIUForced(t *testing.T) {
 		t.Fatal(err)
 	}
 	incIn(t, s, "/tmp/p", 2)
+	// A damaged image fails the restore clearly, leaves nothing behind (a
+	// zombie root would keep the sandbox's init from exiting: Destroy in
+	// the cleanup would hang), and the sandbox goes on.
+	bad, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mm, err := filepath.Glob(filepath.Join(b.cfg.DataDir, "store", "criu", bad.ID, "0", "mm-*.img"))
+	if err != nil || len(mm) == 0 {
+		t.Fatalf("mm images: %v %v", mm, err)
+	}
+	for _, p := range mm {
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Restore(ctx, bad.ID); !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "python3") {
+		t.Fatalf("restore of a damaged image: %v, want ErrProcesses naming python3", err)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	incIn(t, s, "/tmp/p", 2)
 }

@@ -116,10 +116,6 @@ type TreeRestoreOpts struct {
 	// restored into: criu joins them before it forks the tree. Empty leaves
 	// the tree in the caller's cgroups.
 	Cgroups []string
-	// ToInit makes the root criu's child rather than the caller's: when
-	// criu exits, the root is re-parented to the sandbox's init, which
-	// reaps it, and a root that a failed restore killed is reaped by criu.
-	ToInit bool
 }
 
 // Validate reports whether the options can be used.
@@ -244,7 +240,7 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 		ImagesDir:         proto.String(o.ImagesDir),
 		ManageCgroups:     proto.Bool(true),
 		ManageCgroupsMode: rpc.CriuCgMode_IGNORE.Enum(),
-		RstSibling:        proto.Bool(!o.ToInit),
+		RstSibling:        proto.Bool(true),
 		// The tree's tasks run in the sandbox's user namespace, where
 		// SO_SNDBUFFORCE/SO_RCVBUFFORCE (host CAP_NET_ADMIN) fail and any
 		// socket's restore with them; unprivileged mode sets the plain
