@@ -618,7 +618,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	tpls := make([]*ptfork.Proc, len(c.Procs))
 	for i, t := range c.Procs {
 		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
-			if errors.Is(err, ptfork.ErrGone) {
+			if errors.Is(err, ptfork.ErrGone) || dying(t.HostPid) {
 				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
 			}
 			return fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
@@ -902,4 +902,16 @@ func (s *Sandbox) reseedSessions(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// dying reports whether pid is exiting (a template killed just now cannot
+// be seized: EPERM) or gone, waiting up to 200 ms for it to get there.
+func dying(pid int) bool {
+	for range 20 {
+		if _, err := startTime(pid); err != nil {
+			return true
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return false
 }

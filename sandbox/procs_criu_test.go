@@ -181,3 +181,34 @@ func TestCRIUForced(t *testing.T) {
 	}
 	incIn(t, s, "/tmp/p", 2)
 }
+
+// TestCRIUSurvivesRestart: a checkpoint whose processes were saved with CRIU brings them back
+// in a sandbox of a new runtime on the same data directory.
+func TestCRIUSurvivesRestart(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	img := defaultImage(t, b)
+	s := b.create(t, sandbox.Spec{Image: img})
+	ctx := t.Context()
+	startTreeCounter(t, s, "/tmp/c", "child")
+	incIn(t, s, "/tmp/c", 1)
+	incIn(t, s, "/tmp/c", 2)
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.rt.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.rt = nil
+	rt, err := sandbox.New(ctx, b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.rt = rt
+	s2 := b.create(t, sandbox.Spec{Checkpoint: ck.ID})
+	if got := sh(t, s2, "cat /tmp/c/count"); got != "2" {
+		t.Fatalf("count file %q", got)
+	}
+	incIn(t, s2, "/tmp/c", 3)
+}
