@@ -57,7 +57,7 @@ var commands = []command{
 	{name: "exec", args: "SANDBOX [--session S] [--timeout D] [--cwd DIR] [--env k=v]... [--stdin FILE|-] -- CMD...", summary: "run a command (one word: a shell string; several: argv)", run: runExec},
 	{name: "write", args: "SANDBOX PATH [--from FILE|-] [--mode 0644] [--append]", summary: "write a file (from stdin by default)", run: runWrite},
 	{name: "read", args: "SANDBOX PATH [--offset N] [--max-bytes N]", summary: "print a file", run: runRead},
-	{name: "checkpoint", args: "SANDBOX [--processes template|files] [--durable] [-q]", summary: "checkpoint a sandbox", run: runCheckpoint},
+	{name: "checkpoint", args: "SANDBOX [--processes template|criu|files] [--durable] [-q]", summary: "checkpoint a sandbox", run: runCheckpoint},
 	{name: "restore", args: "SANDBOX CHECKPOINT [--fresh-entropy]", summary: "restore a sandbox to a checkpoint (starts a new episode)", run: runRestore},
 	{name: "fork", args: "(--checkpoint ID | --sandbox ID) -n N [--group G] [--run R] [-q]", summary: "create N sandboxes at a checkpoint or a sandbox's state", run: runFork},
 	{name: "release", args: "CHECKPOINT", summary: "release a checkpoint", run: runRelease},

@@ -537,6 +537,18 @@ func printFork(w io.Writer, m *deltagymv1.ForkResponse) error {
 		}
 		t.row(id, orDash(ep))
 	}
+	if err := t.flush(); err != nil {
+		return err
+	}
+	if len(m.GetProcesses()) == 0 {
+		return nil
+	}
+	fmt.Fprintln(w, "processes of the checkpoint in each child:")
+	t = newTable(w, "PID", "CAPTURE", "COMMAND", "REASON")
+	for _, p := range m.GetProcesses() {
+		t.row(strconv.Itoa(int(p.GetPid())), strings.ToLower(strings.TrimPrefix(p.GetMethod().String(), "CAPTURE_METHOD_")),
+			shortText(p.GetCommand(), 40), orDash(p.GetReason()))
+	}
 	return t.flush()
 }
 
