@@ -354,15 +354,27 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 				return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem; CLI: --processes files)",
 					ErrProcesses, p.tpl.name(), p.deleted)
 			}
-			if p.tpl.Session != "" {
-				return fmt.Errorf("%w: session %q cannot be captured: its shell %s must be saved with CRIU (%s), which cannot take a session's pipes to the server yet; end what it started in the background, or checkpoint files only (process mode filesystem; CLI: --processes files)",
-					ErrProcesses, p.tpl.Session, p.tpl.name(), why)
+			if p.tpl.Session != "" && p.tpl.HostPid != u.procs[0].tpl.HostPid {
+				return fmt.Errorf("%w: session %q cannot be captured: its shell %s is not the root of its process tree; end it, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+					ErrProcesses, p.tpl.Session, p.tpl.name())
 			}
 		}
 		u.why = why
 		trees = append(trees, u)
 	}
 	if len(trees) > 0 {
+		mounts, err := mountIDs(s.init.Pid)
+		if err != nil {
+			return err
+		}
+		for _, u := range trees {
+			for _, p := range u.procs {
+				if path := staleMapping(p.tpl.HostPid, mounts); path != "" {
+					return fmt.Errorf("%w: %s cannot be saved with CRIU (%s): it maps %s from an earlier root of the sandbox (it was brought back from a template, which keeps the root it was made in), which CRIU cannot find; restart it, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+						ErrProcesses, p.tpl.name(), u.why, path)
+				}
+			}
+		}
 		// Released from ptrace, dumped, left stopped by criu.
 		for _, u := range trees {
 			for _, p := range u.procs {

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/sandbox/criu"
+	"github.com/deltagym/deltagym/sandbox/initproc"
 )
 
 // Process checkpoints, general path (CRIU; see docs/ARCHITECTURE.md).
@@ -40,11 +41,14 @@ import (
 // restored before template copies are forked, whose new pids could take
 // theirs.
 //
-// Limits: a tree's stdio must be files of the sandbox (background commands
-// get the sandbox's own /dev/null); a session's shell with children is
-// refused (its pipes to the server are not handed to criu yet); a dump
-// costs about 70–150 ms and a restore 30–90 ms, against about 1 ms for a
-// template.
+// A session's shell is the root of its tree: its stdio pipes to the server
+// are recorded by inode and replaced at restore by fresh ones (inherit_fd).
+//
+// Limits: a tree's stdio must be files of the sandbox or the session's pipes
+// (background commands get the sandbox's own /dev/null); a process brought
+// back from a template maps files of an earlier root, a mount criu cannot
+// find, and is refused; a dump costs about 65–135 ms and a restore 20–75 ms,
+// against about 1–3 ms for a template.
 
 // ProcessesCRIU saves every process tree as a CRIU image.
 const ProcessesCRIU ProcessMode = ProcessesTemplate + 1
@@ -54,6 +58,11 @@ type criuUnit struct {
 	Dir   string     `json:"dir"` // images, under store/criu
 	Procs []criuProc `json:"procs"`
 	Why   string     `json:"why"` // why the fast path did not take it
+	// Session names the session whose shell is the root, if any, and
+	// Pipes the keys (pipe:[inode]) of its stdin, stdout and stderr, the
+	// server's pipes, replaced by fresh ones at restore.
+	Session string    `json:"session,omitempty"`
+	Pipes   [3]string `json:"pipes,omitzero"`
 }
 
 // criuProc is one process of a tree, as the checkpoint saw it.
@@ -86,9 +95,18 @@ func (r *Runtime) criuDir(id string) string { return filepath.Join(r.store, "cri
 // dumpTree saves the tree rooted at host pid root as unit n of checkpoint c
 // and leaves it stopped. procs are its processes (host pids), root first.
 func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, procs []procInfo, why string) (criuUnit, error) {
-	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), strconv.Itoa(n)), Why: why}
+	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session}
 	for _, p := range procs {
 		u.Procs = append(u.Procs, criuProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
+	}
+	if u.Session != "" {
+		for fd := range u.Pipes {
+			link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", root, fd))
+			if err != nil || !strings.HasPrefix(link, "pipe:[") {
+				return u, fmt.Errorf("%w: session %q: its shell's fd %d is %q, not the server's pipe", ErrProcesses, u.Session, fd, link)
+			}
+			u.Pipes[fd] = link
+		}
 	}
 	sw, err := s.rt.criuSwrk()
 	if err != nil {
@@ -167,17 +185,50 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 			return err
 		}
 	}
-	cg, err := s.subgroup("c")
+	// A session's shell gets a group of its own, as a started one does (a
+	// timeout kills what it runs), and fresh pipes to the server.
+	prefix := "c"
+	if u.Session != "" {
+		prefix = "s"
+	}
+	cg, err := s.subgroup(prefix)
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
+	}
+	var inherit []criu.InheritFile
+	var ours, theirs [3]*os.File // the server's ends; the shell's
+	if u.Session != "" {
+		defer closeFiles(theirs[:])
+		for i := range 3 {
+			r, w, err := os.Pipe()
+			if err != nil {
+				closeFiles(ours[:])
+				_ = cg.Delete()
+				return err
+			}
+			if i == 0 {
+				ours[i], theirs[i] = w, r
+			} else {
+				ours[i], theirs[i] = r, w
+			}
+			// criu reopens the shell's end through /proc/self/fd as the
+			// shell's user: the pipe must be that user's.
+			if err := unix.Fchown(int(theirs[i].Fd()), s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)); err != nil {
+				closeFiles(ours[:])
+				_ = cg.Delete()
+				return fmt.Errorf("handing a pipe to the session's shell: %w", err)
+			}
+			inherit = append(inherit, criu.InheritFile{Key: u.Pipes[i], File: theirs[i]})
+		}
 	}
 	start := time.Now()
 	// A restore that hangs (criu waiting on a task that will never report)
 	// must not hold the sandbox forever.
 	ctx, cancel := context.WithTimeout(ctx, restoreTimeout)
 	defer cancel()
-	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: s.init.Pid, Cgroups: cg.Dirs()})
+	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: s.init.Pid, Cgroups: cg.Dirs(), Inherit: inherit})
 	if err != nil {
+		closeFiles(ours[:])
 		// A root criu made and killed is our child: a zombie of the
 		// sandbox's pid namespace would keep its init from exiting.
 		reapRestoredRoots()
@@ -187,7 +238,10 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	// The root is the server's child (criu restores it as its sibling: as
 	// criu's child it would go to the host's init when criu exits, which
 	// reaps it late, keeping its pid taken in the sandbox).
-	reapOnExit(pid)
+	exit := reapOnExit(pid)
+	if u.Session != "" {
+		s.adoptSession(u.Session, cg, pid, ours, exit)
+	}
 	s.rt.log.Debug("process tree restored", "sandbox", s.id, "checkpoint", c.ID, "tree", u.name(), "took", time.Since(start))
 	return nil
 }
@@ -256,13 +310,16 @@ func reapRestoredRoots() {
 // do: the root may be seized by a later checkpoint, and a wait by the
 // tracer's process reports (and consumes) its ptrace stops. A pidfd becomes
 // readable only on exit.
-func reapOnExit(pid int) {
+func reapOnExit(pid int) <-chan initproc.ExitEvent {
+	exit := make(chan initproc.ExitEvent, 1)
 	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
 	if err != nil {
-		return
+		close(exit)
+		return exit
 	}
 	f := os.NewFile(uintptr(fd), "pidfd")
 	go func() {
+		defer close(exit)
 		defer f.Close()
 		if rc, err := f.SyscallConn(); err == nil {
 			_ = rc.Read(func(fd uintptr) bool {
@@ -271,8 +328,50 @@ func reapOnExit(pid int) {
 				return n > 0
 			})
 		}
-		// By the pidfd, not the pid: the pid may be reaped and reused.
-		var info unix.Siginfo
-		_ = unix.Waitid(unix.P_PIDFD, int(f.Fd()), &info, unix.WEXITED|unix.WNOHANG, nil)
+		var ws unix.WaitStatus
+		if got, err := unix.Wait4(pid, &ws, unix.WNOHANG, nil); err == nil && got == pid {
+			exit <- initproc.ExitEvent{Pid: pid, Status: ws}
+		}
 	}()
+	return exit
+}
+
+// mountIDs returns the ids of the mounts of pid's mount namespace.
+func mountIDs(pid int) (map[uint64]bool, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		return nil, err
+	}
+	ids := map[uint64]bool{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 0 {
+			if id, err := strconv.ParseUint(f[0], 10, 64); err == nil {
+				ids[id] = true
+			}
+		}
+	}
+	return ids, nil
+}
+
+// staleMapping names a file pid maps from a mount that is not in mounts
+// (an earlier root of the sandbox), or returns "".
+func staleMapping(pid int, mounts map[uint64]bool) string {
+	dir := fmt.Sprintf("/proc/%d/map_files/", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return ""
+	}
+	for _, e := range ents {
+		var st unix.Statx_t
+		if unix.Statx(unix.AT_FDCWD, dir+e.Name(), 0, unix.STATX_MNT_ID, &st) != nil {
+			continue
+		}
+		if !mounts[st.Mnt_id] {
+			if link, err := os.Readlink(dir + e.Name()); err == nil {
+				return link
+			}
+			return "a file"
+		}
+	}
+	return ""
 }

@@ -234,7 +234,8 @@ func TestTemplateServiceAndDatabase(t *testing.T) {
 
 // TestProcessPathChoice: what the fast path cannot copy — threads, trees, an open deleted file
 // — is saved with CRIU, each process reported with the reason, and restored; a session's
-// shell with a child is refused with a clear error, and files only still works.
+// shell with a child is saved with CRIU too, with fresh pipes to the server at restore; an open
+// deleted file is refused with a clear error, and files only still works.
 func TestProcessPathChoice(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
@@ -302,16 +303,40 @@ func TestProcessPathChoice(t *testing.T) {
 		}
 	})
 	t.Run("session with a child", func(t *testing.T) {
-		if res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "sleep 100 &", Timeout: 5 * time.Second}); err != nil || res.ExitCode != 0 {
-			t.Fatalf("session: %v %+v", err, res)
+		run := func(cmd string) string {
+			t.Helper()
+			res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: cmd, Timeout: 5 * time.Second})
+			if err != nil || res.ExitCode != 0 {
+				t.Fatalf("session %q: %v %+v", cmd, err, res)
+			}
+			return string(res.Stdout)
 		}
-		_, err := s.Checkpoint(ctx)
-		if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), `session "main"`) || strings.Contains(err.Error(), "\n") {
-			t.Fatalf("checkpoint: %v, want ErrProcesses about the session", err)
+		run("mkdir -p /work/s")
+		run("sleep 100 &")
+		run("cd /work/s && export X=kept && f() { echo f1; }")
+		ck, err := s.Checkpoint(ctx)
+		if err != nil {
+			t.Fatal(err)
 		}
-		// Nothing was changed: the session goes on.
-		if res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "jobs | wc -l", Timeout: 5 * time.Second}); err != nil || string(res.Stdout) != "1\n" {
-			t.Fatalf("session after the refusal: %v %+v", err, res)
+		got := strings.Fields(methods(ck.Processes))
+		slices.Sort(got)
+		if strings.Join(got, " ") != "bash:criu sleep:criu" || ck.Processes[0].Session != "main" {
+			t.Fatalf("captured %+v", ck.Processes)
+		}
+		run("cd / && export X=changed && f() { echo f2; }")
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := run("echo $X; pwd; f; jobs | wc -l"); got != "kept\n/work/s\nf1\n1\n" {
+			t.Fatalf("session after restore: %q", got)
+		}
+		// Restored again, from the restored shell's own state.
+		run("export X=again")
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := run("echo $X"); got != "kept\n" {
+			t.Fatalf("session after a second restore: %q", got)
 		}
 	})
 }

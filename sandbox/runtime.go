@@ -192,8 +192,12 @@ func (c *checkpoint) info() CheckpointInfo {
 		ci.Processes = append(ci.Processes, ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session})
 	}
 	for _, u := range c.Images {
-		for _, p := range u.Procs {
-			ci.Processes = append(ci.Processes, ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "criu", Reason: u.Why})
+		for i, p := range u.Procs {
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "criu", Reason: u.Why}
+			if i == 0 {
+				pc.Session = u.Session
+			}
+			ci.Processes = append(ci.Processes, pc)
 		}
 	}
 	return ci

@@ -116,6 +116,16 @@ type TreeRestoreOpts struct {
 	// restored into: criu joins them before it forks the tree. Empty leaves
 	// the tree in the caller's cgroups.
 	Cgroups []string
+	// Inherit hands files to the tree in place of what it had: each
+	// replaces every descriptor of the dumped tree whose key it names,
+	// such as "pipe:[1234]" (the link of /proc/<pid>/fd/<n> at the dump).
+	Inherit []InheritFile
+}
+
+// InheritFile is one file handed to a restored tree (TreeRestoreOpts.Inherit).
+type InheritFile struct {
+	Key  string
+	File *os.File
 }
 
 // Validate reports whether the options can be used.
@@ -235,6 +245,11 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 	defer ns.close()
 	// criu's fds: 3 is the RPC socket, then the pid, user and mnt namespaces.
 	extra := []*os.File{ns["pid"], ns["user"], ns["mnt"]}
+	inherit := []*rpc.InheritFd{{Key: proto.String(pidNSKey), Fd: proto.Int32(4)}}
+	for i, f := range o.Inherit {
+		extra = append(extra, f.File)
+		inherit = append(inherit, &rpc.InheritFd{Key: proto.String(f.Key), Fd: proto.Int32(int32(7 + i))})
+	}
 	opts := &rpc.CriuOpts{
 		ImagesDirFd:       proto.Int32(-1),
 		ImagesDir:         proto.String(o.ImagesDir),
@@ -246,7 +261,7 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 		// socket's restore with them; unprivileged mode sets the plain
 		// SO_SNDBUF/SO_RCVBUF instead.
 		Unprivileged: proto.Bool(true),
-		InheritFd:    []*rpc.InheritFd{{Key: proto.String(pidNSKey), Fd: proto.Int32(4)}},
+		InheritFd:    inherit,
 		LogFile:      proto.String("restore.log"),
 		LogLevel:     proto.Int32(2),
 	}
