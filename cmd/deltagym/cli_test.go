@@ -410,3 +410,17 @@ func TestWriteOutput(t *testing.T) {
 }
 
 func writeFile(path, content string) error { return os.WriteFile(path, []byte(content), 0o644) }
+
+// TestServePprofLoopbackOnly: --pprof refuses an address off loopback before anything starts.
+func TestServePprofLoopbackOnly(t *testing.T) {
+	for _, addr := range []string{"0.0.0.0:6061", "10.1.2.3:6061", "nonsense"} {
+		if _, err := servePprof(addr); err == nil || !strings.Contains(err.Error(), "--pprof") {
+			t.Fatalf("--pprof %s: %v, want a usage error", addr, err)
+		}
+	}
+	stop, err := servePprof("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop()
+}
