@@ -55,6 +55,9 @@ type Sandbox struct {
 	spareTG chan spareGroup // the next template group, made ahead
 
 	bg sync.WaitGroup // background removals of killed command groups
+	// killed is the command group killAll ended last (its processes may
+	// still be exiting). Guarded by op.
+	killed *cgroup.Cgroup
 
 	mu       sync.Mutex // guards the fields below
 	gen      context.Context
@@ -524,6 +527,7 @@ func (s *Sandbox) killAll() error {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
 	s.work = w
+	s.killed = old
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
@@ -745,6 +749,10 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		}
 	}
 	if len(c.Procs) > 0 {
+		// The copies share their sockets with the templates, and so did the
+		// processes just killed: one of those, not dead yet, could accept a
+		// connection meant for the restored state and reset it as it dies.
+		s.waitKilled()
 		if err := s.spawnCopies(c); err != nil {
 			// The filesystem is the checkpoint's; end whatever copies
 			// started, so the state is at least consistent.
@@ -753,4 +761,21 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		}
 	}
 	return nil
+}
+
+// waitKilled waits, for up to 2 s, until the processes of the command group
+// last killed by killAll have exited. Called with op held.
+func (s *Sandbox) waitKilled() {
+	g := s.killed
+	if g == nil {
+		return
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		live, err := g.Populated()
+		if err != nil || !live || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(200 * time.Microsecond)
+	}
 }
