@@ -116,18 +116,21 @@ func TestTemplateCounterRestores(t *testing.T) {
 	}
 }
 
+// inSession runs cmd in s's session "main" and returns its stdout; it must exit 0.
+func inSession(t testing.TB, s *sandbox.Sandbox, cmd string) string {
+	t.Helper()
+	res, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: cmd, Timeout: 5 * time.Second})
+	if err != nil || res.ExitCode != 0 {
+		t.Fatalf("session %q: %v %+v", cmd, err, res)
+	}
+	return string(res.Stdout)
+}
+
 func TestTemplateSessionRestores(t *testing.T) {
 	b := setup(t)
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
-	run := func(cmd string) string {
-		t.Helper()
-		res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: cmd, Timeout: 5 * time.Second})
-		if err != nil || res.ExitCode != 0 {
-			t.Fatalf("session %q: %v %+v", cmd, err, res)
-		}
-		return string(res.Stdout)
-	}
+	run := func(cmd string) string { t.Helper(); return inSession(t, s, cmd) }
 	run("mkdir -p /work/a && cd /work/a && export FOO=one && f() { echo \"f1 $FOO $(pwd)\"; }")
 	ck, err := s.Checkpoint(ctx)
 	if err != nil {
@@ -303,14 +306,7 @@ func TestProcessPathChoice(t *testing.T) {
 		}
 	})
 	t.Run("session with a child", func(t *testing.T) {
-		run := func(cmd string) string {
-			t.Helper()
-			res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: cmd, Timeout: 5 * time.Second})
-			if err != nil || res.ExitCode != 0 {
-				t.Fatalf("session %q: %v %+v", cmd, err, res)
-			}
-			return string(res.Stdout)
-		}
+		run := func(cmd string) string { t.Helper(); return inSession(t, s, cmd) }
 		run("mkdir -p /work/s")
 		run("sleep 100 &")
 		run("cd /work/s && export X=kept && f() { echo f1; }")
