@@ -1,6 +1,7 @@
 package sandbox_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -211,4 +212,34 @@ func TestCRIUSurvivesRestart(t *testing.T) {
 		t.Fatalf("count file %q", got)
 	}
 	incIn(t, s2, "/tmp/c", 3)
+}
+
+// TestCRIUForkFreshEntropy: a session saved with CRIU runs in every fork; with fresh entropy
+// each fork's $RANDOM differs.
+func TestCRIUForkFreshEntropy(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	inSession(t, s, "export X=kept; RANDOM=7")
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kids, err := b.rt.Fork(ctx, ck.ID, 4, sandbox.Spec{FreshEntropy: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, kid := range kids {
+		t.Cleanup(func() { _ = kid.Destroy(context.Background()) })
+		out := inSession(t, kid, "echo $X $RANDOM")
+		if !strings.HasPrefix(out, "kept ") {
+			t.Fatalf("fork's session: %q", out)
+		}
+		seen[out] = true
+	}
+	if len(seen) != len(kids) {
+		t.Fatalf("%d forks, %d distinct $RANDOM: %v", len(kids), len(seen), seen)
+	}
 }

@@ -200,6 +200,13 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	r.sandboxes[s.id] = s
 	r.mu.Unlock()
 	go s.watch()
+	if spec.FreshEntropy && ck != nil && !spec.FilesOnly {
+		// Sessions brought back from CRIU images share their $RANDOM.
+		if err := s.reseedSessions(ctx); err != nil {
+			_ = s.Destroy(context.WithoutCancel(ctx))
+			return nil, err
+		}
+	}
 	return s, nil
 }
 
