@@ -215,9 +215,11 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
 			continue // /dev, /proc, the host's /dev/null: shared
 		}
 		if strings.HasSuffix(link, " (deleted)") {
+			if pi.deleted == "" {
+				pi.deleted = fmt.Sprintf("it holds the deleted file %s open (fd %d)", strings.TrimSuffix(link, " (deleted)"), fd)
+			}
 			if pi.reason == "" {
-				pi.reason = fmt.Sprintf("it holds the deleted file %s open (fd %d)", strings.TrimSuffix(link, " (deleted)"), fd)
-				pi.deleted = pi.reason
+				pi.reason = pi.deleted
 			}
 			continue
 		}

@@ -153,7 +153,7 @@ func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint) error {
 	return nil
 }
 
-func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *checkpoint, u criuUnit) error {
+func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *checkpoint, u criuUnit) (err error) {
 	// Concurrent restores of one image (a fork fan-out) each get a
 	// directory of hard links, for criu's log and its scratch files.
 	tmp, err := os.MkdirTemp(run, "r")
@@ -197,13 +197,17 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	}
 	var inherit []criu.InheritFile
 	var ours, theirs [3]*os.File // the server's ends; the shell's
+	defer func() {
+		closeFiles(theirs[:])
+		if err != nil {
+			closeFiles(ours[:])
+			_ = cg.Delete()
+		}
+	}()
 	if u.Session != "" {
-		defer closeFiles(theirs[:])
 		for i := range 3 {
 			r, w, err := os.Pipe()
 			if err != nil {
-				closeFiles(ours[:])
-				_ = cg.Delete()
 				return err
 			}
 			if i == 0 {
@@ -214,8 +218,6 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 			// criu reopens the shell's end through /proc/self/fd as the
 			// shell's user: the pipe must be that user's.
 			if err := unix.Fchown(int(theirs[i].Fd()), s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)); err != nil {
-				closeFiles(ours[:])
-				_ = cg.Delete()
 				return fmt.Errorf("handing a pipe to the session's shell: %w", err)
 			}
 			inherit = append(inherit, criu.InheritFile{Key: u.Pipes[i], File: theirs[i]})
@@ -228,11 +230,9 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	defer cancel()
 	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: s.init.Pid, Cgroups: cg.Dirs(), Inherit: inherit})
 	if err != nil {
-		closeFiles(ours[:])
 		// A root criu made and killed is our child: a zombie of the
 		// sandbox's pid namespace would keep its init from exiting.
 		reapRestoredRoots()
-		_ = cg.Delete()
 		return fmt.Errorf("%w: restoring %s from checkpoint %s's CRIU image: %w", ErrProcesses, u.name(), c.ID, err)
 	}
 	// The root is the server's child (criu restores it as its sibling: as

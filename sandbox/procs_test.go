@@ -289,20 +289,23 @@ func TestProcessPathChoice(t *testing.T) {
 		})
 	}
 	t.Run("deleted file", func(t *testing.T) {
-		if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", "import os,time; f=open('/tmp/gone','w'); os.unlink('/tmp/gone'); time.sleep(100)"}, Background: true}); err != nil {
-			t.Fatal(err)
-		}
-		sh(t, s, "sleep 0.3")
-		_, err := s.Checkpoint(ctx)
-		if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "deleted file /tmp/gone") || strings.Contains(err.Error(), "\n") {
-			t.Fatalf("checkpoint: %v, want ErrProcesses about the deleted file", err)
-		}
-		fo, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.Restore(ctx, fo.ID); err != nil {
-			t.Fatal(err)
+		// Alone, and in a process that CRIU would take anyway (threads).
+		for _, thread := range []string{"", "import threading; threading.Thread(target=time.sleep,args=(100,)).start(); "} {
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", "import os,time; " + thread + "f=open('/tmp/gone','w'); os.unlink('/tmp/gone'); time.sleep(100)"}, Background: true}); err != nil {
+				t.Fatal(err)
+			}
+			sh(t, s, "sleep 0.3")
+			_, err := s.Checkpoint(ctx)
+			if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "deleted file /tmp/gone") || strings.Contains(err.Error(), "\n") {
+				t.Fatalf("checkpoint (%q): %v, want ErrProcesses about the deleted file", thread, err)
+			}
+			fo, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Restore(ctx, fo.ID); err != nil {
+				t.Fatal(err)
+			}
 		}
 	})
 	t.Run("session with a child", func(t *testing.T) {
