@@ -49,11 +49,11 @@ import (
 //
 // Templates are copies of one thread: multithreaded processes, process trees
 // (a command with children), processes with a writable shared file mapping
-// or an open deleted file, or with a root of their own, are refused with
-// ErrProcesses naming them; such sandboxes are checkpointed with
-// ProcessesNone (files only). Templates live in the sandbox's pid
-// namespace, so only the sandbox that made them restores them; restoring or
-// forking such a checkpoint into another sandbox fails with ErrProcesses.
+// or with a root of their own take the general path (procs_criu.go); an
+// open deleted file is refused with ErrProcesses naming the process.
+// Templates live in the sandbox's pid namespace, so only the sandbox that
+// made them copies them; other sandboxes and forks get CRIU images made from
+// them (procs_image.go).
 
 // ProcessMode says how a checkpoint captures the sandbox's live processes.
 type ProcessMode int
@@ -71,6 +71,10 @@ const (
 // CheckpointOptions tunes one checkpoint.
 type CheckpointOptions struct {
 	Processes ProcessMode
+	// Durable also saves the processes kept as templates as CRIU images,
+	// in the background, so that the checkpoint brings them back after its
+	// sandbox is gone, after a restart, or once a template is lost.
+	Durable bool
 }
 
 // ProcessCapture tells how one process was captured by a checkpoint.
@@ -91,6 +95,9 @@ type procTemplate struct {
 	Cwd     string    `json:"cwd"`
 	Files   []tplFile `json:"files,omitempty"`
 	Session string    `json:"session,omitempty"`
+	// Leader is set when the process led its own session (as every
+	// command does): its copies call setsid, so that they lead one too.
+	Leader bool `json:"leader,omitempty"`
 }
 
 // tplFile is a file a template has open in the sandbox's root.
@@ -133,6 +140,7 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 		return pi, fmt.Errorf("parsing %s/stat", dir)
 	}
 	pi.ppid, _ = strconv.Atoi(f[1])
+	pi.tpl.Leader = f[3] == strconv.Itoa(pid)
 	pi.tpl.Start, _ = strconv.ParseUint(f[19], 10, 64)
 	pi.tpl.HostPid = pid
 	status, err := os.ReadFile(dir + "/status")
@@ -364,18 +372,10 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 		u.why = why
 		trees = append(trees, u)
 	}
+	var mounts map[uint64]bool
 	if len(trees) > 0 {
-		mounts, err := mountIDs(s.init.Pid)
-		if err != nil {
+		if mounts, err = mountIDs(s.init.Pid); err != nil {
 			return err
-		}
-		for _, u := range trees {
-			for _, p := range u.procs {
-				if path := staleMapping(p.tpl.HostPid, mounts); path != "" {
-					return fmt.Errorf("%w: %s cannot be saved with CRIU (%s): it maps %s from an earlier root of the sandbox (it was brought back from a template, which keeps the root it was made in), which CRIU cannot find; restart it, or checkpoint files only (process mode filesystem; CLI: --processes files)",
-						ErrProcesses, p.tpl.name(), u.why, path)
-				}
-			}
 		}
 		// Released from ptrace, dumped, left stopped by criu.
 		for _, u := range trees {
@@ -406,7 +406,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 		}()
 		dctx := context.WithoutCancel(ctx) // never leave a tree half-dumped
 		for i, u := range trees {
-			cu, err := s.dumpTree(dctx, c, i, u.procs[0].tpl.HostPid, u.procs, u.why)
+			cu, err := s.dumpTree(dctx, c, i, u.procs[0].tpl.HostPid, u.procs, u.why, mounts)
 			if err != nil {
 				return err
 			}
@@ -428,6 +428,19 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 		t, _, err := seized[pi.tpl.HostPid].Fork()
 		if err == nil {
 			made = append(made, t)
+			reapIfOurs(t.Pid)
+		}
+		if err == nil && pi.tpl.Leader {
+			// Born in the process's session and group, the template
+			// would keep their id, the process's pid, taken after the
+			// process ends: a CRIU tree that had that pid could not be
+			// restored. (Before it joins its frozen group: a frozen
+			// task runs no injected call.)
+			if _, serr := t.Syscall(unix.SYS_SETSID); serr != nil {
+				err = fmt.Errorf("setsid: %w", serr)
+			}
+		}
+		if err == nil {
 			err = tg.Add(t.Pid)
 		}
 		if err != nil {
@@ -617,6 +630,8 @@ func procNames(ps []procTemplate) string {
 // spawnCopies forks a copy of each template of c into the live state, after
 // the root swap. Called with op held; the command group is empty.
 func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
+	s.tplRun.Lock()
+	defer s.tplRun.Unlock()
 	s.tplMu.Lock()
 	tg := s.tpls[c.ID]
 	s.tplMu.Unlock()
@@ -663,6 +678,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 		t     procTemplate
 		stdio [3]*os.File // session: the server's ends
 		cg    *cgroup.Cgroup
+		exit  <-chan initproc.ExitEvent // set if the server reaps it
 	}
 	var ready []pending
 	for i, t := range c.Procs {
@@ -677,7 +693,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, t.name(), err)
 		}
 		copies = append(copies, cp)
-		pd := pending{cp: cp, nsPid: nsPid, t: t}
+		pd := pending{cp: cp, nsPid: nsPid, t: t, exit: reapIfOurs(cp.Pid)}
 		if pd.stdio, err = fixUp(cp, t); err != nil {
 			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, t.name(), err)
 		}
@@ -699,8 +715,8 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	}
 	// Everything is in place: let the copies run.
 	for _, pd := range ready {
-		var exit <-chan initproc.ExitEvent
-		if pd.t.Session != "" {
+		exit := pd.exit
+		if pd.t.Session != "" && exit == nil {
 			exit = s.init.Conn.Watch(pd.nsPid)
 		}
 		if err := pd.cp.Detach(); err != nil {
@@ -752,6 +768,13 @@ func fixUp(cp *ptfork.Proc, t procTemplate) (stdio [3]*os.File, err error) {
 			mem, mapped = a, true
 		}
 		return mem, cp.Write(mem, b)
+	}
+	// A copy is born in its template's session; the process it copies led
+	// one of its own.
+	if t.Leader {
+		if _, err := cp.Syscall(unix.SYS_SETSID); err != nil {
+			return stdio, fmt.Errorf("setsid: %w", err)
+		}
 	}
 	// A cwd at the root needs nothing: the root swap re-pointed the
 	// template's, and the copy inherits it.

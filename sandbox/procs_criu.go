@@ -44,11 +44,13 @@ import (
 // A session's shell is the root of its tree: its stdio pipes to the server
 // are recorded by inode and replaced at restore by fresh ones (inherit_fd).
 //
+// A process brought back from a template maps files of an earlier root, a
+// mount the swaps have detached, which criu cannot find: such files are
+// external to the dump and handed in at restore (extFile).
+//
 // Limits: a tree's stdio must be files of the sandbox or the session's pipes
-// (background commands get the sandbox's own /dev/null); a process brought
-// back from a template maps files of an earlier root, a mount criu cannot
-// find, and is refused; a dump costs about 65–135 ms and a restore 20–75 ms,
-// against about 1–3 ms for a template.
+// (background commands get the sandbox's own /dev/null); a dump costs about
+// 65–135 ms and a restore 20–75 ms, against about 1–3 ms for a template.
 
 // ProcessesCRIU saves every process tree as a CRIU image.
 const ProcessesCRIU ProcessMode = ProcessesTemplate + 1
@@ -63,6 +65,11 @@ type criuUnit struct {
 	// server's pipes, replaced by fresh ones at restore.
 	Session string    `json:"session,omitempty"`
 	Pipes   [3]string `json:"pipes,omitzero"`
+	// Ext are the files the tree reached on a detached mount.
+	Ext []extFile `json:"ext,omitempty"`
+	// Stopped is set when the image is of a stopped task (made from a
+	// template): the restore lets it go on.
+	Stopped bool `json:"stopped,omitempty"`
 }
 
 // criuProc is one process of a tree, as the checkpoint saw it.
@@ -93,11 +100,22 @@ func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
 func (r *Runtime) criuDir(id string) string { return filepath.Join(r.store, "criu", id) }
 
 // dumpTree saves the tree rooted at host pid root as unit n of checkpoint c
-// and leaves it stopped. procs are its processes (host pids), root first.
-func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, procs []procInfo, why string) (criuUnit, error) {
+// and leaves it stopped. procs are its processes (host pids), root first;
+// mounts are the ids of the sandbox's mounts.
+func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, procs []procInfo, why string, mounts map[uint64]bool) (criuUnit, error) {
 	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session}
+	seen := map[string]bool{}
 	for _, p := range procs {
 		u.Procs = append(u.Procs, criuProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
+		ext, err := detachedFiles(p.tpl.HostPid, mounts, seen)
+		if err != nil {
+			return u, err
+		}
+		u.Ext = append(u.Ext, ext...)
+	}
+	ext := make([]string, len(u.Ext))
+	for i, e := range u.Ext {
+		ext[i] = e.Key
 	}
 	if u.Session != "" {
 		for fd := range u.Pipes {
@@ -116,7 +134,7 @@ func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, 
 		return u, err
 	}
 	start := time.Now()
-	err = sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: root, NSPid: s.init.Pid, ImagesDir: u.Dir, LeaveStopped: true})
+	err = sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: root, NSPid: s.init.Pid, ImagesDir: u.Dir, LeaveStopped: true, ExternalFiles: ext})
 	if err != nil {
 		return u, fmt.Errorf("%w: saving %s (%s) with CRIU: %w; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first",
 			ErrProcesses, u.name(), why, err)
@@ -128,10 +146,10 @@ func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, 
 // restoreTimeout bounds one tree's restore by criu.
 const restoreTimeout = 2 * time.Minute
 
-// restoreTrees brings back every CRIU tree of c in the sandbox, after its
-// root swap. Called with op held.
-func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint) error {
-	if len(c.Images) == 0 {
+// restoreTrees brings back the CRIU trees units of c in the sandbox, after
+// its root swap. Called with op held.
+func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint, units []criuUnit) error {
+	if len(units) == 0 {
 		return nil
 	}
 	sw, err := s.rt.criuSwrk()
@@ -142,7 +160,7 @@ func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint) error {
 	if err := os.MkdirAll(run, 0o700); err != nil {
 		return err
 	}
-	for _, u := range c.Images {
+	for _, u := range units {
 		if err := s.waitPidsFree(u); err != nil {
 			return err
 		}
@@ -195,9 +213,16 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
-	var inherit []criu.InheritFile
+	inherit, err := s.openExternal(u)
+	if err != nil {
+		_ = cg.Delete()
+		return err
+	}
 	var ours, theirs [3]*os.File // the server's ends; the shell's
 	defer func() {
+		for _, f := range inherit {
+			f.File.Close()
+		}
 		closeFiles(theirs[:])
 		if err != nil {
 			closeFiles(ours[:])
@@ -239,6 +264,9 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	// criu's child it would go to the host's init when criu exits, which
 	// reaps it late, keeping its pid taken in the sandbox).
 	exit := reapOnExit(pid)
+	if u.Stopped {
+		_ = unix.Kill(pid, unix.SIGCONT)
+	}
 	if u.Session != "" {
 		s.adoptSession(u.Session, cg, pid, ours, exit)
 	}
@@ -306,10 +334,30 @@ func reapRestoredRoots() {
 	}
 }
 
-// reapOnExit reaps child pid once it has exited. A blocking wait4 would not
-// do: the root may be seized by a later checkpoint, and a wait by the
-// tracer's process reports (and consumes) its ptrace stops. A pidfd becomes
-// readable only on exit.
+// reapIfOurs arranges for pid to be reaped by the server if the server is
+// its parent: a copy made with CLONE_PARENT of a process criu restored (the
+// server's child) is the server's child too, and no init would reap it.
+// It returns the exit channel, or nil if pid is not the server's child.
+func reapIfOurs(pid int) <-chan initproc.ExitEvent {
+	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return nil
+	}
+	i := strings.LastIndexByte(string(st), ')')
+	if i < 0 {
+		return nil
+	}
+	f := strings.Fields(string(st[i+1:]))
+	if len(f) < 2 || f[1] != strconv.Itoa(os.Getpid()) {
+		return nil
+	}
+	return reapOnExit(pid)
+}
+
+// reapOnExit reaps child pid once it has exited. A blocking wait4 alone
+// would not do: the root may be seized by a later checkpoint, and a wait by
+// the tracer's process reports (and consumes) its ptrace stops. A pidfd
+// becomes readable only on exit.
 func reapOnExit(pid int) <-chan initproc.ExitEvent {
 	exit := make(chan initproc.ExitEvent, 1)
 	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
@@ -328,9 +376,19 @@ func reapOnExit(pid int) <-chan initproc.ExitEvent {
 				return n > 0
 			})
 		}
+		// It has exited, so it stops no more: a blocking wait consumes
+		// no ptrace stop. It blocks while another tracer (criu, which
+		// dumped and killed it) has yet to release it.
 		var ws unix.WaitStatus
-		if got, err := unix.Wait4(pid, &ws, unix.WNOHANG, nil); err == nil && got == pid {
-			exit <- initproc.ExitEvent{Pid: pid, Status: ws}
+		for {
+			got, err := unix.Wait4(pid, &ws, 0, nil)
+			if err == unix.EINTR {
+				continue
+			}
+			if err == nil && got == pid {
+				exit <- initproc.ExitEvent{Pid: pid, Status: ws}
+			}
+			return
 		}
 	}()
 	return exit
@@ -353,25 +411,94 @@ func mountIDs(pid int) (map[uint64]bool, error) {
 	return ids, nil
 }
 
-// staleMapping names a file pid maps from a mount that is not in mounts
-// (an earlier root of the sandbox), or returns "".
-func staleMapping(pid int, mounts map[uint64]bool) string {
-	dir := fmt.Sprintf("/proc/%d/map_files/", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return ""
+// extFile is a file a tree reaches on an earlier root of the sandbox: a
+// process brought back from a template maps the libraries and program of
+// the root it was first started in, a mount the root swaps have detached
+// since, which criu cannot find. The dump names each such file external
+// and the restore hands in the same path opened in the restored root. The
+// swaps move every other mount (/dev, /proc) to the new root, so only the
+// root's files are ever on a detached mount, and their paths (relative to
+// that mount's root) are paths in the sandbox.
+type extFile struct {
+	Key  string `json:"key"`  // file[<mount id>:<inode>], hex, as criu names it
+	Path string `json:"path"` // in the sandbox
+	Dir  bool   `json:"dir,omitempty"`
+}
+
+// detachedFiles lists the files pid maps, runs, has open or has as its cwd
+// or root that are on a mount not in mounts (the sandbox's namespace).
+func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]extFile, error) {
+	dir := "/proc/" + strconv.Itoa(pid) + "/"
+	links := []string{dir + "exe", dir + "cwd", dir + "root"}
+	for _, sub := range []string{"map_files/", "fd/"} {
+		ents, err := os.ReadDir(dir + sub)
+		if err != nil {
+			return nil, err
+		}
+		for _, e := range ents {
+			links = append(links, dir+sub+e.Name())
+		}
 	}
-	for _, e := range ents {
+	var out []extFile
+	for _, l := range links {
 		var st unix.Statx_t
-		if unix.Statx(unix.AT_FDCWD, dir+e.Name(), 0, unix.STATX_MNT_ID, &st) != nil {
+		if unix.Statx(unix.AT_FDCWD, l, 0, unix.STATX_MNT_ID|unix.STATX_INO|unix.STATX_TYPE, &st) != nil {
+			continue // closed or unmapped meanwhile
+		}
+		switch st.Mode & unix.S_IFMT {
+		case unix.S_IFREG, unix.S_IFDIR, unix.S_IFCHR, unix.S_IFBLK:
+		default:
+			continue // pipes, sockets: not files of a mount
+		}
+		if mounts[st.Mnt_id] {
 			continue
 		}
-		if !mounts[st.Mnt_id] {
-			if link, err := os.Readlink(dir + e.Name()); err == nil {
-				return link
-			}
-			return "a file"
+		key := fmt.Sprintf("file[%x:%x]", st.Mnt_id, st.Ino)
+		if seen[key] {
+			continue
 		}
+		path, err := os.Readlink(l)
+		if err != nil {
+			continue
+		}
+		if !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
+			return nil, fmt.Errorf("%w: pid %d reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, pid, path)
+		}
+		seen[key] = true
+		out = append(out, extFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})
 	}
-	return ""
+	return out, nil
+}
+
+// openExternal opens the files of u's dump that were on a detached mount,
+// by path in the sandbox's (restored) root, to hand them to criu.
+func (s *Sandbox) openExternal(u criuUnit) ([]criu.InheritFile, error) {
+	if len(u.Ext) == 0 {
+		return nil, nil
+	}
+	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+	}
+	defer unix.Close(root)
+	var out []criu.InheritFile
+	for _, e := range u.Ext {
+		flags := uint64(unix.O_RDONLY | unix.O_CLOEXEC | unix.O_NOFOLLOW)
+		if e.Dir {
+			flags |= unix.O_DIRECTORY
+		}
+		rel := strings.TrimLeft(e.Path, "/")
+		if rel == "" {
+			rel = "."
+		}
+		fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: flags, Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
+		if err != nil {
+			for _, f := range out {
+				f.File.Close()
+			}
+			return nil, fmt.Errorf("%w: %s, which %s had open or mapped at the checkpoint, cannot be opened in the restored root: %w", ErrProcesses, e.Path, u.name(), err)
+		}
+		out = append(out, criu.InheritFile{Key: e.Key, File: os.NewFile(uintptr(fd), e.Path)})
+	}
+	return out, nil
 }

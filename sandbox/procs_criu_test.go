@@ -115,8 +115,14 @@ func TestCRIUTreeAndThreads(t *testing.T) {
 	if got := sh(t, s, "grep -l '[s]leep' /proc/[0-9]*/cmdline | wc -l"); got != "1\n" {
 		t.Fatalf("%q sleep processes after restores, want 1", got)
 	}
-	if _, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrProcesses) {
-		t.Fatalf("fork of a checkpoint with a template: %v, want ErrProcesses", err)
+	// Forks get every counter: the template's through an image of it.
+	all, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = all[0].Destroy(ctx) })
+	for _, k := range kinds {
+		incIn(t, all[0], "/tmp/"+k, 4)
 	}
 	kids, err := b.rt.Fork(ctx, ck.ID, 2, sandbox.Spec{SkipTemplates: true})
 	if err != nil {
@@ -198,15 +204,7 @@ func TestCRIUSurvivesRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := b.rt.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	b.rt = nil
-	rt, err := sandbox.New(ctx, b.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.rt = rt
+	b.restart(t)
 	s2 := b.create(t, sandbox.Spec{Checkpoint: ck.ID})
 	if got := sh(t, s2, "cat /tmp/c/count"); got != "2" {
 		t.Fatalf("count file %q", got)
@@ -241,5 +239,106 @@ func TestCRIUForkFreshEntropy(t *testing.T) {
 	}
 	if len(seen) != len(kids) {
 		t.Fatalf("%d forks, %d distinct $RANDOM: %v", len(kids), len(seen), seen)
+	}
+}
+
+// TestTemplateImages: a checkpoint whose process is kept as a template brings it back away
+// from the template through a CRIU image made from it: restored in another sandbox, forked,
+// restored in place after the template was killed, and after its sandbox was destroyed. A
+// template copied after a restore maps files of a root since detached: its image works too.
+// A durable checkpoint's image is made in the background and outlives the runtime.
+func TestTemplateImages(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	img := defaultImage(t, b)
+	s := b.create(t, sandbox.Spec{Image: img})
+	ctx := t.Context()
+	startCounter(t, s)
+	inc(t, s, 1)
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	// In another sandbox: from the checkpoint's count, on its own.
+	other := b.create(t, sandbox.Spec{Image: img})
+	if err := other.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, other, "cat /tmp/count"); got != "1" {
+		t.Fatalf("count file in another sandbox %q", got)
+	}
+	inc(t, other, 2)
+	inc(t, other, 3)
+	// Forks, each its own counter.
+	kids, err := b.rt.Fork(ctx, ck.ID, 2, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, kid := range kids {
+		t.Cleanup(func() { _ = kid.Destroy(context.Background()) })
+		for n := 2; n <= 2+i; n++ {
+			inc(t, kid, n)
+		}
+		if got := sh(t, kid, countCounters); got != "1\n" {
+			t.Fatalf("fork %d runs %q counters", i, got)
+		}
+	}
+	// In place, the template serves; a checkpoint of the restored copy
+	// (which maps the first root's files) forks too.
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	ck2, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kids2, err := b.rt.Fork(ctx, ck2.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kids2[0].Destroy(context.Background()) })
+	inc(t, kids2[0], 3)
+	// Templates killed: the in-place restore falls back on the image.
+	_, _ = s.Exec(ctx, sandbox.ExecRequest{Command: "kill -9 -1"})
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	// A checkpoint whose sandbox is destroyed keeps its process.
+	s3 := b.create(t, sandbox.Spec{Image: img})
+	startCounter(t, s3)
+	inc(t, s3, 1)
+	inc(t, s3, 2)
+	ck3, err := s3.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s3.Destroy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s4 := b.create(t, sandbox.Spec{Checkpoint: ck3.ID})
+	inc(t, s4, 3)
+	// A durable checkpoint outlives the runtime.
+	ck4, err := s4.CheckpointWith(ctx, sandbox.CheckpointOptions{Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.restart(t) // waits for the background image
+	s5 := b.create(t, sandbox.Spec{Checkpoint: ck4.ID})
+	inc(t, s5, 4)
+	// Released, a checkpoint's images go.
+	for _, id := range []string{ck.ID, ck2.ID, ck3.ID, ck4.ID} {
+		if err := b.rt.ReleaseCheckpoint(id); err != nil && !errors.Is(err, sandbox.ErrNotFound) {
+			t.Fatal(err)
+		}
+	}
+	if ents, _ := os.ReadDir(filepath.Join(b.cfg.DataDir, "store", "criu")); len(ents) > 1 { // run/
+		var names []string
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		t.Fatalf("images left after release: %v", names)
 	}
 }

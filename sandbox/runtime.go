@@ -181,8 +181,11 @@ type checkpoint struct {
 	// (procs.go), held by sandbox SandboxID.
 	Procs []procTemplate `json:"procs,omitempty"`
 	// Images are the process trees saved by CRIU (procs_criu.go).
-	Images  []criuUnit `json:"images,omitempty"`
-	Expires time.Time  `json:"expires,omitzero"`
+	Images []criuUnit `json:"images,omitempty"`
+	// TplImages are CRIU images of the templates (procs_image.go), made
+	// once when needed. Guarded by Runtime.mu.
+	TplImages []criuUnit `json:"tpl_images,omitempty"`
+	Expires   time.Time  `json:"expires,omitzero"`
 }
 
 func (c *checkpoint) info() CheckpointInfo {
@@ -219,6 +222,11 @@ type Runtime struct {
 	criuOnce sync.Once
 	criuW    *criu.Swrk
 	criuErr  error
+	// tplImageMu serialises the making of images from templates.
+	tplImageMu sync.Mutex
+	// imaging counts durable checkpoints' images being made; Close waits
+	// for them before it ends the sandboxes.
+	imaging sync.WaitGroup
 
 	mu        sync.Mutex
 	sandboxes map[string]*Sandbox
@@ -658,7 +666,7 @@ func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 		}
 	}
 	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
-	if len(c.Images) > 0 {
+	if len(c.Images) > 0 || len(c.Procs) > 0 {
 		_ = os.RemoveAll(r.criuDir(c.ID))
 	}
 	if unref {
@@ -885,6 +893,9 @@ func (r *Runtime) Close(ctx context.Context) error {
 		return nil
 	}
 	r.closed = true
+	r.mu.Unlock()
+	r.imaging.Wait()
+	r.mu.Lock()
 	live := make([]*Sandbox, 0, len(r.sandboxes))
 	for _, s := range r.sandboxes {
 		live = append(live, s)

@@ -50,8 +50,11 @@ type Sandbox struct {
 
 	// tpls holds the process templates of this sandbox's checkpoints, one
 	// frozen cgroup per checkpoint (procs.go).
-	tplMu   sync.Mutex
-	tpls    map[string]*cgroup.Cgroup
+	tplMu sync.Mutex
+	tpls  map[string]*cgroup.Cgroup
+	// tplRun is held while templates are copied (one ptrace tracer at a
+	// time).
+	tplRun  sync.Mutex
 	spareTG chan spareGroup // the next template group, made ahead
 
 	bg sync.WaitGroup // background removals of killed command groups
@@ -106,6 +109,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		return nil, err
 	}
 	var ck *checkpoint
+	var tplUnits []criuUnit
 	imgName := spec.Image
 	if spec.Checkpoint != "" {
 		if ck, err = r.lookup(spec.Checkpoint); err != nil {
@@ -116,8 +120,11 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		}
 		imgName = ck.Image
 		if len(ck.Procs) > 0 && !spec.FilesOnly && !spec.SkipTemplates {
-			return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) that only sandbox %s can bring back: template copies are born in its pid namespace; restore it there, start without them, or take checkpoints with process mode filesystem or criu",
-				ErrProcesses, ck.ID, procNames(ck.Procs), ck.SandboxID)
+			// Templates are born in their sandbox's pid namespace: a new
+			// sandbox gets their CRIU images.
+			if tplUnits, err = r.imagesForTemplates(ctx, ck); err != nil {
+				return nil, err
+			}
 		}
 	}
 	r.mu.Lock()
@@ -184,7 +191,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		}
 	}
 	if ck != nil && !spec.FilesOnly {
-		if err = s.restoreTrees(ctx, ck); err != nil {
+		if err = s.restoreTrees(ctx, ck, slices.Concat(ck.Images, tplUnits)); err != nil {
 			return nil, err
 		}
 	}
@@ -441,6 +448,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 		return err
 	}
 	defer s.op.Unlock()
+	s.imageAllTemplates(ctx)
 	s.mu.Lock()
 	s.closed = true
 	s.abort()
@@ -451,6 +459,15 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 		se.close()
 	}
 	var errs []error
+	// Templates first: one killed while frozen (an agent's kill -9 -1)
+	// stays half-exited until thawed, and the init's exit waits for every
+	// task of its pid namespace.
+	s.tplMu.Lock()
+	for id, tg := range s.tpls {
+		errs = append(errs, tg.Delete())
+		delete(s.tpls, id)
+	}
+	s.tplMu.Unlock()
 	errs = append(errs, s.init.Stop())
 	s.dropExecGroups()
 	s.bg.Wait()                        // removals of killed command groups
@@ -611,6 +628,15 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	}
 	s.head = c.ID
 	r.maybeFlatten(c)
+	if o.Durable && len(c.Procs) > 0 {
+		r.imaging.Add(1)
+		go func() {
+			defer r.imaging.Done()
+			if _, err := r.imagesForTemplates(context.Background(), c); err != nil && r.ckptLive(c) {
+				r.log.Warn("saving a durable checkpoint's processes", "checkpoint", c.ID, "err", err)
+			}
+		}()
+	}
 	return c.info(), nil
 }
 
@@ -721,8 +747,15 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if c.Image != s.img.info.Name {
 		return fmt.Errorf("%w: checkpoint %s is of image %s, the sandbox of %s", ErrMismatch, id, c.Image, s.img.info.Name)
 	}
-	if err := s.checkTemplates(c); err != nil {
-		return err
+	// Templates serve a restore in their own sandbox; elsewhere, or once
+	// lost, their CRIU images do (made now if need be and possible).
+	units, copies := c.Images, len(c.Procs) > 0
+	if copies && (c.SandboxID != s.id || s.checkTemplates(c) != nil) {
+		imgs, err := r.imagesForTemplates(ctx, c)
+		if err != nil {
+			return err
+		}
+		units, copies = slices.Concat(c.Images, imgs), false
 	}
 	if err := s.beginOp(true); err != nil {
 		return err
@@ -749,13 +782,13 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	}
 	// CRIU trees first: they need the pids they had, which the template
 	// copies' new pids could take.
-	if len(c.Images) > 0 {
-		if err := s.restoreTrees(ctx, c); err != nil {
+	if len(units) > 0 {
+		if err := s.restoreTrees(ctx, c, units); err != nil {
 			_ = s.killAll()
 			return err
 		}
 	}
-	if len(c.Procs) > 0 {
+	if copies {
 		// The copies share their sockets with the templates, and so did the
 		// processes just killed: one of those, not dead yet, could accept a
 		// connection meant for the restored state and reset it as it dies.
@@ -764,7 +797,17 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 			// The filesystem is the checkpoint's; end whatever copies
 			// started, so the state is at least consistent.
 			_ = s.killAll()
-			return err
+			// A template found dying (killed while frozen) is lost: its
+			// image, if the checkpoint has one, serves instead.
+			imgs := r.tplImages(c)
+			if len(imgs) == 0 {
+				return err
+			}
+			s.waitKilled()
+			if ierr := s.restoreTrees(ctx, c, imgs); ierr != nil {
+				_ = s.killAll()
+				return errors.Join(err, ierr)
+			}
 		}
 	}
 	return nil

@@ -95,6 +95,21 @@ func setup(t testing.TB, mod ...func(*sandbox.Config)) *bundle {
 	return b
 }
 
+// restart closes the bundle's runtime and starts a new one on its data
+// directory.
+func (b *bundle) restart(t testing.TB) {
+	t.Helper()
+	if err := b.rt.Close(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	b.rt = nil
+	rt, err := sandbox.New(t.Context(), b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.rt = rt
+}
+
 func (b *bundle) create(t testing.TB, spec sandbox.Spec) *sandbox.Sandbox {
 	t.Helper()
 	if spec.Image == "" && spec.Checkpoint == "" {

@@ -503,7 +503,7 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 	}
 	defer end()
 	octx, done := e.s.obs.op(cctx, "checkpoint")
-	info, err := l.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: processMode(l.Env(), req.Msg.GetProcessMode())})
+	info, err := l.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: processMode(l.Env(), req.Msg.GetProcessMode()), Durable: req.Msg.GetDurable()})
 	done(err)
 	if err != nil {
 		return nil, e.s.toConnect(callErr(cctx, err))
@@ -511,6 +511,9 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 	e.s.recordCheckpoint(l.Env().Name(), ledger.KindUser, info, sess)
 	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: true}
 	for _, p := range info.Processes {
+		if p.Method == "template" && !req.Msg.GetDurable() {
+			resp.Durable = false
+		}
 		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: captureMethod(p.Method), Reason: p.Reason})
 	}
 	return connect.NewResponse(resp), nil
@@ -597,6 +600,7 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 	}
 	var ckpt string
 	var meta ckptMeta
+	var skipWhy string // why the children run none of the source's processes
 	switch src := m.GetSource().(type) {
 	case *deltagymv1.ForkRequest_CheckpointId:
 		ckpt = src.CheckpointId
@@ -613,9 +617,14 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 		if err != nil {
 			return nil, err
 		}
-		// The children are other sandboxes: files only (template copies
-		// are born in the parent's pid namespace).
-		info, err := l.Sandbox().CheckpointWith(cctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+		// The children get the sandbox's processes too; one that cannot be
+		// captured leaves them with its files only, and the response says
+		// why.
+		info, err := l.Sandbox().CheckpointWith(cctx, sandbox.CheckpointOptions{})
+		if errors.Is(err, sandbox.ErrProcesses) {
+			skipWhy = err.Error()
+			info, err = l.Sandbox().CheckpointWith(cctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+		}
 		end()
 		if err != nil {
 			return nil, callErr(cctx, err)
@@ -630,10 +639,18 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 		return nil, err
 	}
 	ctx, done := e.s.obs.op(ctx, "fork")
-	// Template copies are born in the sandbox that made them: children start
-	// from the checkpoint's files and CRIU trees, and the response says
-	// which processes they do not run.
-	leases, err := e.s.pools.Fork(ctx, env, ckpt, n, envpool.ForkOptions{FreshEntropy: m.GetFreshEntropy(), SkipTemplates: true})
+	// Processes kept as templates reach the children through CRIU images
+	// made from the templates (once per checkpoint). If that cannot be
+	// done (the templates' sandbox is gone, a process CRIU refuses), the
+	// children start from the files and the response says why.
+	leases, err := e.s.pools.Fork(ctx, env, ckpt, n, envpool.ForkOptions{FreshEntropy: m.GetFreshEntropy()})
+	if errors.Is(err, sandbox.ErrProcesses) {
+		skipTpl := err.Error()
+		leases, err = e.s.pools.Fork(ctx, env, ckpt, n, envpool.ForkOptions{FreshEntropy: m.GetFreshEntropy(), SkipTemplates: true})
+		if skipWhy == "" {
+			skipWhy = skipTpl
+		}
+	}
 	done(err)
 	if err != nil {
 		return nil, err
@@ -651,10 +668,17 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 			pc := &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU,
 				Reason: "restored in every child from the checkpoint's CRIU image"}
 			if p.Method != "criu" {
-				pc.Method = deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE
-				pc.Reason = "captured as a template, which only sandbox " + info.SandboxID + " can restore; the children run without it (checkpoint with process mode criu to carry it)"
+				pc.Reason = "restored in every child from a CRIU image of its template"
+				if skipWhy != "" {
+					pc.Method = deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE
+					pc.Reason = "the children run without it: " + skipWhy
+				}
 			}
 			resp.Processes = append(resp.Processes, pc)
+		}
+		if skipWhy != "" && len(info.Processes) == 0 {
+			resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE,
+				Reason: "the children start from the sandbox's files only: " + skipWhy})
 		}
 	}
 	for _, l := range leases {

@@ -43,6 +43,9 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 	if len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE {
 		t.Fatalf("captured %v", ps)
 	}
+	if ck.Msg.GetDurable() {
+		t.Fatal("a checkpoint holding a template reported durable")
+	}
 	step(sessionAction("cd / && export X=changed"))
 	_, err = b.connect.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: ck.Msg.GetCheckpointId()}))
 	must(t, err)
@@ -50,31 +53,72 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 		t.Log(step(execAction("cat /proc/*/status | grep -E 'Name|State|^Pid'; ls -l /proc/*/fd/ 2>&1; true")))
 		t.Fatalf("session after restore: %q", got)
 	}
-	// A fork starts from the checkpoint's files and says which processes it left behind.
+	// A fork carries the session through a CRIU image of its template (without criu, it
+	// starts from the files and says which process it left behind).
+	_, criuErr := criu.Find()
 	fr, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck.Msg.GetCheckpointId()}, N: 1}))
 	must(t, err)
-	if ps := fr.Msg.GetProcesses(); len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE || !strings.Contains(ps[0].GetReason(), "only sandbox") {
+	ps = fr.Msg.GetProcesses()
+	switch {
+	case len(ps) != 1:
 		t.Fatalf("fork of a checkpoint with processes reported %v", ps)
+	case criuErr != nil && (ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE || !strings.Contains(ps[0].GetReason(), "CRIU")):
+		t.Fatalf("fork without criu reported %v", ps)
+	case criuErr == nil && ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU:
+		t.Fatalf("fork reported %v", ps)
+	}
+	if criuErr == nil {
+		res, err := b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: fr.Msg.GetSandboxIds()[0], Action: sessionAction("echo $X; pwd")}))
+		must(t, err)
+		if got := string(res.Msg.GetObservation().GetExec().GetStdout()); got != "kept\n/work\n" {
+			t.Fatalf("session in a fork: %q", got)
+		}
 	}
 	fs, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM}))
 	must(t, err)
 	if len(fs.Msg.GetProcesses()) != 0 {
 		t.Fatalf("files-only checkpoint captured %v", fs.Msg.GetProcesses())
 	}
-	// Fork from the sandbox itself carries files (its processes stay).
+	// Fork from the sandbox itself carries its session too.
 	fk, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}, N: 2, FreshEntropy: true}))
 	must(t, err)
 	if len(fk.Msg.GetSandboxIds()) != 2 {
 		t.Fatalf("fork: %v", fk.Msg)
 	}
-	if _, err := criu.Find(); err != nil {
-		t.Skipf("the CRIU part needs criu (make criu): %v", err)
+	if criuErr != nil {
+		t.Skipf("the CRIU part needs criu (make criu): %v", criuErr)
 	}
-	// A shell brought back from a template maps files of the root it was made in, which CRIU
-	// cannot find: refused, saying so.
-	_, err = b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_CRIU}))
-	if codeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "earlier root") {
-		t.Fatalf("CRIU mode on a template copy: %v", err)
+	dk, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, Durable: true}))
+	must(t, err)
+	if !dk.Msg.GetDurable() {
+		t.Fatal("a checkpoint asked durable reported not durable")
+	}
+	for _, kid := range fk.Msg.GetSandboxIds() {
+		res, err := b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: kid, Action: sessionAction("echo $X")}))
+		must(t, err)
+		if got := string(res.Msg.GetObservation().GetExec().GetStdout()); got != "kept\n" {
+			t.Fatalf("session in a fork of the sandbox: %q", got)
+		}
+	}
+	// A shell brought back from a template maps files of the root it was made in, a mount
+	// detached since: CRIU saves it all the same, and it comes back in place and in a fork.
+	cc, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_CRIU}))
+	must(t, err)
+	if ps := cc.Msg.GetProcesses(); len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU {
+		t.Fatalf("CRIU checkpoint of a template copy captured %v", ps)
+	}
+	step(sessionAction("cd / && export X=again"))
+	_, err = b.connect.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: cc.Msg.GetCheckpointId()}))
+	must(t, err)
+	if got := step(sessionAction("echo $X; pwd")); got != "kept\n/work\n" {
+		t.Fatalf("session after restoring its CRIU image: %q", got)
+	}
+	fc, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: cc.Msg.GetCheckpointId()}, N: 1}))
+	must(t, err)
+	res, err := b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: fc.Msg.GetSandboxIds()[0], Action: sessionAction("echo $X; pwd")}))
+	must(t, err)
+	if got := string(res.Msg.GetObservation().GetExec().GetStdout()); got != "kept\n/work\n" {
+		t.Fatalf("session in a fork of the CRIU checkpoint: %q", got)
 	}
 	// A background process saved with CRIU runs in every fork of the checkpoint.
 	rr2, err := b.connect.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))

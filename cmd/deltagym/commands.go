@@ -382,7 +382,7 @@ func runRead(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 
 func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	var (
-		durable = fs.Bool("durable", false, "keep the checkpoint on disk so it survives a server restart")
+		durable = fs.Bool("durable", false, "also save processes kept as templates as CRIU images, so the checkpoint survives a restart with them")
 		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's")
 		quiet   = fs.Bool("q", false, "print only the checkpoint ID")
 	)

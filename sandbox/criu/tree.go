@@ -86,6 +86,11 @@ type TreeDumpOpts struct {
 	// the dump, for the caller to resume with SIGCONT once it has saved
 	// what must match the images (the files the tree has open).
 	LeaveStopped bool
+	// ExternalFiles names files the tree reaches on a mount criu cannot
+	// find in the mount namespace (a detached one), as criu keys them:
+	// "file[<mount id>:<inode>]", both hex. criu records only the key; the
+	// restore must hand each one in (TreeRestoreOpts.Inherit).
+	ExternalFiles []string
 }
 
 // Validate reports whether the options can be used.
@@ -98,6 +103,11 @@ func (o TreeDumpOpts) Validate() error {
 	}
 	if !filepath.IsAbs(o.ImagesDir) {
 		return fmt.Errorf("%w: images dir %q is not absolute", ErrInvalidConfig, o.ImagesDir)
+	}
+	for _, k := range o.ExternalFiles {
+		if !strings.HasPrefix(k, "file[") || !strings.HasSuffix(k, "]") {
+			return fmt.Errorf("%w: external file key %q is not file[<mount>:<inode>]", ErrInvalidConfig, k)
+		}
 	}
 	return nil
 }
@@ -118,7 +128,10 @@ type TreeRestoreOpts struct {
 	Cgroups []string
 	// Inherit hands files to the tree in place of what it had: each
 	// replaces every descriptor of the dumped tree whose key it names,
-	// such as "pipe:[1234]" (the link of /proc/<pid>/fd/<n> at the dump).
+	// such as "pipe:[1234]" (the link of /proc/<pid>/fd/<n> at the dump),
+	// or a key of TreeDumpOpts.ExternalFiles: criu reopens that file
+	// through /proc with the flags the tree had, and checks its size and
+	// mode against the dump's.
 	Inherit []InheritFile
 }
 
@@ -214,7 +227,7 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 		NetworkLock:       rpc.CriuNetworkLockMethod_SKIP.Enum(),
 		ManageCgroups:     proto.Bool(true),
 		ManageCgroupsMode: rpc.CriuCgMode_IGNORE.Enum(),
-		External:          []string{fmt.Sprintf("pid[%d]:%s", pidIno, pidNSKey), "mnt[]"},
+		External:          append([]string{fmt.Sprintf("pid[%d]:%s", pidIno, pidNSKey), "mnt[]"}, o.ExternalFiles...),
 		LogFile:           proto.String("dump.log"),
 		LogLevel:          proto.Int32(2),
 	}

@@ -981,8 +981,9 @@ type CheckpointRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// sandbox_id is the sandbox to checkpoint.
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	// durable keeps the checkpoint on disk, so that it survives a server
-	// restart; otherwise it may live in memory only.
+	// durable makes the checkpoint survive a server restart and the end of
+	// its sandbox with its processes: those kept as frozen templates are also
+	// saved as CRIU images, in the background (files are always kept).
 	Durable bool `protobuf:"varint,2,opt,name=durable,proto3" json:"durable,omitempty"`
 	// process_mode is how to capture live processes; unspecified means the
 	// env's default.
@@ -1053,7 +1054,8 @@ type CheckpointResponse struct {
 	Depth int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	// processes tells how each live process was captured.
 	Processes []*ProcessCapture `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
-	// durable is set when the checkpoint is on disk.
+	// durable is set when the checkpoint survives a server restart whole:
+	// it holds no process kept only as a template, or durable was asked for.
 	Durable       bool `protobuf:"varint,5,opt,name=durable,proto3" json:"durable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
