@@ -309,6 +309,35 @@ func BenchmarkRollbackWithProcess(b *testing.B) {
 	}
 }
 
+// BenchmarkRestoreElsewhereWithProcess: a checkpoint whose process is kept
+// as a template, restored in another sandbox of the same image — through a
+// CRIU image made from the template on the first restore (reported apart as
+// image-ms) and reused by every later one.
+func BenchmarkRestoreElsewhereWithProcess(b *testing.B) {
+	for _, mb := range []int{8, 100} {
+		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+			needCRIU(b)
+			bb := setup(b)
+			s := processSandbox(b, bb, mb)
+			ctx := context.Background()
+			ck, err := s.Checkpoint(ctx)
+			must(b, err)
+			other := bb.create(b, sandbox.Spec{Image: s.Image()})
+			start := time.Now()
+			must(b, other.Restore(ctx, ck.ID))
+			first := time.Since(start)
+			var l lat
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				l.time(func() { err = other.Restore(ctx, ck.ID) })
+				must(b, err)
+			}
+			l.report(b, "")
+			b.ReportMetric(float64(first.Microseconds())/1000, "first-ms")
+		})
+	}
+}
+
 // processPaths are the two ways a process is checkpointed.
 var processPaths = []struct {
 	name string
