@@ -306,20 +306,29 @@ func TestTemplateImages(t *testing.T) {
 		t.Fatal(err)
 	}
 	inc(t, s, 2)
-	// A checkpoint whose sandbox is destroyed keeps its process.
+	// A checkpoint whose sandbox is destroyed keeps its processes (two
+	// templates of one checkpoint: neither may run while the other is
+	// copied).
 	s3 := b.create(t, sandbox.Spec{Image: img})
 	startCounter(t, s3)
 	inc(t, s3, 1)
 	inc(t, s3, 2)
+	inSession(t, s3, "export X=kept")
 	ck3, err := s3.Checkpoint(ctx)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if len(ck3.Processes) != 2 {
+		t.Fatalf("captured %+v", ck3.Processes)
 	}
 	if err := s3.Destroy(ctx); err != nil {
 		t.Fatal(err)
 	}
 	s4 := b.create(t, sandbox.Spec{Checkpoint: ck3.ID})
 	inc(t, s4, 3)
+	if got := inSession(t, s4, "echo $X"); got != "kept\n" {
+		t.Fatalf("session from a destroyed sandbox's checkpoint: %q", got)
+	}
 	// A durable checkpoint outlives the runtime.
 	ck4, err := s4.CheckpointWith(ctx, sandbox.CheckpointOptions{Durable: true})
 	if err != nil {

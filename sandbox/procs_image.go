@@ -98,8 +98,23 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 	}()
 	start := time.Now()
 	ctx = context.WithoutCancel(ctx) // never leave a copy half-dumped
+	s.tplMu.Lock()
+	tg := s.tpls[c.ID]
+	s.tplMu.Unlock()
+	if tg == nil {
+		return nil, fmt.Errorf("%w: the templates of checkpoint %s were released", ErrProcesses, c.ID)
+	}
+	copies, err := s.stoppedCopies(tg, c.Procs)
+	defer func() {
+		for _, cp := range copies {
+			_ = cp.cg.Delete() // kills the copy if it is still there
+		}
+	}()
+	if err != nil {
+		return nil, fmt.Errorf("%w: copying the frozen copies kept by checkpoint %s to save them as CRIU images: %w", ErrProcesses, c.ID, err)
+	}
 	for i, t := range c.Procs {
-		u, err := s.imageTemplate(ctx, sw, c, i, t)
+		u, err := s.imageCopy(ctx, sw, c, i, t, copies[i])
 		if err != nil {
 			return units, fmt.Errorf("%w: saving the frozen copy of %s kept by checkpoint %s as a CRIU image: %w", ErrProcesses, t.name(), c.ID, err)
 		}
@@ -119,34 +134,20 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 	return units, nil
 }
 
-// imageTemplate makes the image of template n of c.
-func (s *Sandbox) imageTemplate(ctx context.Context, sw *criu.Swrk, c *checkpoint, n int, t procTemplate) (criuUnit, error) {
-	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), "t"+strconv.Itoa(n)), Why: "saved from its template", Session: t.Session, Stopped: true}
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
-	if tg == nil {
-		return u, fmt.Errorf("the templates were released")
-	}
-	// Beside the command group, not in it: a checkpoint taken meanwhile
-	// must not see the copy.
-	s.mu.Lock()
-	s.seq++
-	name := "i" + strconv.Itoa(s.seq)
-	s.mu.Unlock()
-	cg, err := s.cg.Sub(name)
-	if err != nil {
-		return u, fmt.Errorf("creating cgroup: %w", err)
-	}
-	defer func() { _ = cg.Delete() }() // kills the copy if it is still there
-	copyPid, nsPid, err := s.stoppedCopy(tg, cg, t)
-	if err != nil {
-		return u, err
-	}
-	u.Procs = []criuProc{{NSPid: nsPid, Comm: t.Comm}}
+// stopped is a copy of a template, stopped before it ran, in a group of
+// its own.
+type stopped struct {
+	hostPid, nsPid int
+	cg             *cgroup.Cgroup
+}
+
+// imageCopy dumps copy cp of template n of c (criu kills it).
+func (s *Sandbox) imageCopy(ctx context.Context, sw *criu.Swrk, c *checkpoint, n int, t procTemplate, cp stopped) (criuUnit, error) {
+	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), "t"+strconv.Itoa(n)), Why: "saved from its template", Session: t.Session, Stopped: true,
+		Procs: []criuProc{{NSPid: cp.nsPid, Comm: t.Comm}}}
 	if t.Session != "" {
 		for fd := range u.Pipes {
-			link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", copyPid, fd))
+			link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", cp.hostPid, fd))
 			if err != nil || !strings.HasPrefix(link, "pipe:[") {
 				return u, fmt.Errorf("the copy's fd %d is %q, not a pipe", fd, link)
 			}
@@ -157,7 +158,7 @@ func (s *Sandbox) imageTemplate(ctx context.Context, sw *criu.Swrk, c *checkpoin
 	if err != nil {
 		return u, err
 	}
-	if u.Ext, err = detachedFiles(copyPid, mounts, map[string]bool{}); err != nil {
+	if u.Ext, err = detachedFiles(cp.hostPid, mounts, map[string]bool{}); err != nil {
 		return u, err
 	}
 	ext := make([]string, len(u.Ext))
@@ -167,74 +168,94 @@ func (s *Sandbox) imageTemplate(ctx context.Context, sw *criu.Swrk, c *checkpoin
 	if err := os.MkdirAll(u.Dir, 0o700); err != nil {
 		return u, err
 	}
-	if err := sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: copyPid, NSPid: s.init.Pid, ImagesDir: u.Dir, ExternalFiles: ext}); err != nil {
+	if err := sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: cp.hostPid, NSPid: s.init.Pid, ImagesDir: u.Dir, ExternalFiles: ext}); err != nil {
 		return u, err
 	}
 	return u, nil
 }
 
-// stoppedCopy forks a copy of template t (of group tg), fixes it up in the
-// live root, moves it into cg and leaves it stopped (SIGSTOP) before it
-// runs. It returns the copy's host pid and its pid in the sandbox.
-func (s *Sandbox) stoppedCopy(tg, cg *cgroup.Cgroup, t procTemplate) (hostPid, nsPid int, err error) {
+// stoppedCopies forks a copy of each template tpls (of group tg), fixes it
+// up in the live root, moves it into a group of its own beside the command
+// group (a checkpoint taken meanwhile must not see it) and leaves it
+// stopped (SIGSTOP) before it runs. Every template is seized before the
+// group is thawed, as for a restore. Copies made are returned even on
+// error, for the caller to end.
+func (s *Sandbox) stoppedCopies(tg *cgroup.Cgroup, tpls []procTemplate) (out []stopped, err error) {
 	tr := ptfork.NewSession()
 	defer func() {
 		if cerr := tr.Close(); cerr != nil {
 			err = errors.Join(err, cerr)
 		}
 	}()
-	tpl, err := tr.Seize(t.HostPid)
-	if err != nil {
-		return 0, 0, err
+	seized := make([]*ptfork.Proc, len(tpls))
+	for i, t := range tpls {
+		if seized[i], err = tr.Seize(t.HostPid); err != nil {
+			return nil, fmt.Errorf("%s: %w", t.name(), err)
+		}
 	}
 	if err := tg.SetFrozen(false); err != nil {
-		return 0, 0, err
+		return nil, err
 	}
 	defer func() {
-		// Frozen again before the template is detached (tr.Close).
+		// Frozen again before the templates are detached (tr.Close).
 		if ferr := tg.SetFrozen(true); ferr != nil {
 			err = errors.Join(err, ferr)
 		}
 	}()
-	if err := tpl.Wait(); err != nil {
-		return 0, 0, fmt.Errorf("stopping the template: %w", err)
-	}
-	cp, nsPid, err := tpl.Fork()
-	if err != nil {
-		return 0, 0, fmt.Errorf("copying: %w", err)
-	}
-	reapIfOurs(cp.Pid)
-	stdio, err := fixUp(cp, t)
-	// The session's pipes only have to exist for the dump; criu records
-	// them by inode, and a restore hands in fresh ones.
-	closeFiles(stdio[:])
-	if err == nil {
-		err = cg.Move(cp.Pid)
-	}
-	if err != nil {
-		cp.Kill()
-		return 0, 0, fmt.Errorf("fixing up a copy: %w", err)
-	}
-	cp.Signal = unix.SIGSTOP
-	if err := cp.Detach(); err != nil {
-		cp.Kill()
-		return 0, 0, err
-	}
-	// The stop is delivered once the copy is scheduled.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		st, err := os.ReadFile("/proc/" + strconv.Itoa(cp.Pid) + "/stat")
+	for i, t := range tpls {
+		if err := seized[i].Wait(); err != nil {
+			return out, fmt.Errorf("stopping the template of %s: %w", t.name(), err)
+		}
+		cp, nsPid, err := seized[i].Fork()
 		if err != nil {
-			return 0, 0, fmt.Errorf("the copy ended: %w", err)
+			return out, fmt.Errorf("copying %s: %w", t.name(), err)
 		}
-		if i := strings.LastIndexByte(string(st), ')'); i > 0 && len(st) > i+2 && st[i+2] == 'T' {
-			return cp.Pid, nsPid, nil
+		reapIfOurs(cp.Pid)
+		s.mu.Lock()
+		s.seq++
+		name := "i" + strconv.Itoa(s.seq)
+		s.mu.Unlock()
+		cg, err := s.cg.Sub(name)
+		if err != nil {
+			cp.Kill()
+			return out, fmt.Errorf("creating cgroup: %w", err)
 		}
-		if time.Now().After(deadline) {
-			return 0, 0, fmt.Errorf("the copy did not stop")
+		out = append(out, stopped{hostPid: cp.Pid, nsPid: nsPid, cg: cg})
+		stdio, err := fixUp(cp, t)
+		// The session's pipes only have to exist for the dump; criu
+		// records them by inode, and a restore hands in fresh ones.
+		closeFiles(stdio[:])
+		if err == nil {
+			err = cg.Move(cp.Pid)
 		}
-		time.Sleep(100 * time.Microsecond)
+		if err != nil {
+			cp.Kill()
+			return out, fmt.Errorf("fixing up the copy of %s: %w", t.name(), err)
+		}
+		cp.Signal = unix.SIGSTOP
+		if err := cp.Detach(); err != nil {
+			cp.Kill()
+			return out, err
+		}
 	}
+	// The stops are delivered once the copies are scheduled.
+	deadline := time.Now().Add(5 * time.Second)
+	for _, c := range out {
+		for {
+			st, err := os.ReadFile("/proc/" + strconv.Itoa(c.hostPid) + "/stat")
+			if err != nil {
+				return out, fmt.Errorf("a copy ended: %w", err)
+			}
+			if i := strings.LastIndexByte(string(st), ')'); i > 0 && len(st) > i+2 && st[i+2] == 'T' {
+				break
+			}
+			if time.Now().After(deadline) {
+				return out, fmt.Errorf("a copy did not stop")
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
+	return out, nil
 }
 
 // ckptLive reports whether c is still a checkpoint of the runtime.

@@ -312,6 +312,9 @@ func TestProcessPathChoice(t *testing.T) {
 		run := func(cmd string) string { t.Helper(); return inSession(t, s, cmd) }
 		run("mkdir -p /work/s")
 		run("sleep 100 &")
+		// Until the job's fork has become sleep (the checkpoint would
+		// otherwise see a second bash).
+		run(`until [ "$(cat /proc/$!/comm)" = sleep ]; do sleep 0.01; done`)
 		run("cd /work/s && export X=kept && f() { echo f1; }")
 		ck, err := s.Checkpoint(ctx)
 		if err != nil {
