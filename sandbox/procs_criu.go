@@ -70,6 +70,21 @@ type criuUnit struct {
 	// Stopped is set when the image is of a stopped task (made from a
 	// template): the restore lets it go on.
 	Stopped bool `json:"stopped,omitempty"`
+	// Bytes is the size of the images, charged to the checkpoint budget.
+	Bytes int64 `json:"bytes,omitempty"`
+}
+
+// dirBytes is the size of the files in dir (not recursive: criu writes
+// its images flat).
+func dirBytes(dir string) int64 {
+	ents, _ := os.ReadDir(dir)
+	var n int64
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() {
+			n += fi.Size()
+		}
+	}
+	return n
 }
 
 // criuProc is one process of a tree, as the checkpoint saw it.
@@ -139,6 +154,7 @@ func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, 
 		return u, fmt.Errorf("%w: saving %s (%s) with CRIU: %w; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first",
 			ErrProcesses, u.name(), why, err)
 	}
+	u.Bytes = dirBytes(u.Dir)
 	s.rt.log.Debug("process tree dumped", "sandbox", s.id, "checkpoint", c.ID, "tree", u.name(), "why", why, "took", time.Since(start))
 	return u, nil
 }

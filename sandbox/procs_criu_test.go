@@ -337,7 +337,8 @@ func TestTemplateImages(t *testing.T) {
 	b.restart(t) // waits for the background image
 	s5 := b.create(t, sandbox.Spec{Checkpoint: ck4.ID})
 	inc(t, s5, 4)
-	// Released, a checkpoint's images go.
+	// The images are charged to the checkpoint budget; released, they go.
+	before := b.rt.CheckpointBytes()
 	for _, id := range []string{ck.ID, ck2.ID, ck3.ID, ck4.ID} {
 		if err := b.rt.ReleaseCheckpoint(id); err != nil && !errors.Is(err, sandbox.ErrNotFound) {
 			t.Fatal(err)
@@ -349,5 +350,9 @@ func TestTemplateImages(t *testing.T) {
 			names = append(names, e.Name())
 		}
 		t.Fatalf("images left after release: %v", names)
+	}
+	// Four checkpoints, each with at least one image of a python3 (a few MB).
+	if after := b.rt.CheckpointBytes(); before-after < 4<<20 {
+		t.Fatalf("checkpoint bytes %d before releasing the images, %d after", before, after)
 	}
 }

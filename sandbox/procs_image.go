@@ -130,6 +130,9 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 		c.TplImages = nil
 		return units, err
 	}
+	for _, u := range units {
+		s.rt.imageBytes.Add(u.Bytes)
+	}
 	s.rt.log.Debug("templates saved as CRIU images", "sandbox", s.id, "checkpoint", c.ID, "n", len(units), "took", time.Since(start))
 	return units, nil
 }
@@ -171,6 +174,7 @@ func (s *Sandbox) imageCopy(ctx context.Context, sw *criu.Swrk, c *checkpoint, n
 	if err := sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: cp.hostPid, NSPid: s.init.Pid, ImagesDir: u.Dir, ExternalFiles: ext}); err != nil {
 		return u, err
 	}
+	u.Bytes = dirBytes(u.Dir)
 	return u, nil
 }
 

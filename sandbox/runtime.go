@@ -44,6 +44,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -63,8 +64,9 @@ type Config struct {
 	InitBinary string
 	// CgroupRoot is the cgroup path segment of the runtime's groups.
 	CgroupRoot string
-	// CheckpointBudgetBytes caps the bytes of all sealed layers; a checkpoint
-	// beyond it fails with ErrBudget. 0 means unlimited.
+	// CheckpointBudgetBytes caps the bytes of all sealed layers and CRIU
+	// images; a checkpoint beyond it fails with ErrBudget. 0 means
+	// unlimited.
 	CheckpointBudgetBytes int64
 	// CheckpointTTL releases checkpoints this long after they were taken.
 	// 0 means they live until released.
@@ -188,6 +190,16 @@ type checkpoint struct {
 	Expires   time.Time  `json:"expires,omitzero"`
 }
 
+// imageBytes is the size of c's CRIU images. Called with Runtime.mu held
+// (TplImages may change).
+func (c *checkpoint) imageBytes() int64 {
+	var n int64
+	for _, u := range slices.Concat(c.Images, c.TplImages) {
+		n += u.Bytes
+	}
+	return n
+}
+
 func (c *checkpoint) info() CheckpointInfo {
 	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
@@ -227,6 +239,9 @@ type Runtime struct {
 	// imaging counts durable checkpoints' images being made; Close waits
 	// for them before it ends the sandboxes.
 	imaging sync.WaitGroup
+	// imageBytes is the size of every checkpoint's CRIU images, charged to
+	// the checkpoint budget with the sealed layers.
+	imageBytes atomic.Int64
 
 	mu        sync.Mutex
 	sandboxes map[string]*Sandbox
@@ -456,6 +471,7 @@ func (r *Runtime) reconcile() error {
 			continue
 		}
 		r.ckpts[c.ID] = &c
+		r.imageBytes.Add(c.imageBytes())
 		for _, l := range c.Layers {
 			keep[l]++
 		}
@@ -668,6 +684,7 @@ func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
 	if len(c.Images) > 0 || len(c.Procs) > 0 {
 		_ = os.RemoveAll(r.criuDir(c.ID))
+		r.imageBytes.Add(-c.imageBytes())
 	}
 	if unref {
 		for _, l := range c.Layers {
@@ -797,6 +814,7 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	}
 	r.mu.Lock()
 	r.ckpts[c.ID] = c
+	r.imageBytes.Add(c.imageBytes())
 	r.mu.Unlock()
 	return nil
 }

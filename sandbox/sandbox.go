@@ -592,8 +592,8 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	defer s.op.Unlock()
 	r := s.rt
 	if b := r.cfg.CheckpointBudgetBytes; b > 0 {
-		if need := r.layers.SealedBytes() + r.layers.Used(s.upper); need > b {
-			return CheckpointInfo{}, fmt.Errorf("%w: checkpoint storage budget of %d bytes would be exceeded (%d needed); release checkpoints", ErrBudget, b, need)
+		if need := r.CheckpointBytes() + r.layers.Used(s.upper); need > b {
+			return CheckpointInfo{}, fmt.Errorf("%w: checkpoint storage budget of %d bytes (layers and process images) would be exceeded (%d needed); release checkpoints", ErrBudget, b, need)
 		}
 	}
 	live, err := s.hasProcesses()

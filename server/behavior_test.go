@@ -134,8 +134,10 @@ func TestAuth(t *testing.T) {
 	must(t, err)
 	body, _ = io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if !bytes.Contains(body, []byte("deltagym_rpc_duration")) {
-		t.Fatalf("metrics lack the rpc histogram:\n%.2000s", body)
+	for _, m := range []string{"deltagym_rpc_duration", "deltagym_checkpoints_bytes", "deltagym_layers_discard_backlog"} {
+		if !bytes.Contains(body, []byte(m)) {
+			t.Fatalf("metrics lack %s:\n%.2000s", m, body)
+		}
 	}
 }
 
