@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/criu"
 )
 
 // filesOnly makes checkpoints capture files only, for tests of filesystem
@@ -232,6 +233,34 @@ func TestTemplateServiceAndDatabase(t *testing.T) {
 		if got := sh(t, s, "tail -n1 /srv/db.log"); got != fmt.Sprintf("hit %d\n", st.n+1) {
 			t.Fatalf("cycle %d: the copy's writes did not reach the live database: %q", i, got)
 		}
+	}
+	if _, err := criu.Find(); err != nil {
+		t.Skipf("forks of the service need criu (make criu): %v", err)
+	}
+	// Forks of a stage: each child's service answers on the same port with
+	// the stage's state, and goes on on its own.
+	st := stages[len(stages)-1]
+	kids, err := b.rt.Fork(ctx, st.id, 2, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kget := func(k *sandbox.Sandbox, path string) string {
+		t.Helper()
+		return sh(t, k, "python3 -c 'import urllib.request,sys; sys.stdout.write(urllib.request.urlopen(\"http://127.0.0.1:8000"+path+"\").read().decode())'")
+	}
+	for i, k := range kids {
+		t.Cleanup(func() { _ = k.Destroy(context.Background()) })
+		for j := range i + 1 {
+			if got := kget(k, "/inc"); got != fmt.Sprint(st.n+1+j) {
+				t.Fatalf("fork %d: inc %q, want %d", i, got, st.n+1+j)
+			}
+		}
+		if got := sh(t, k, "tail -n1 /srv/db.log"); got != fmt.Sprintf("hit %d\n", st.n+1+i) {
+			t.Fatalf("fork %d: database ends %q", i, got)
+		}
+	}
+	if got := kget(kids[0], "/"); got != fmt.Sprint(st.n+1) {
+		t.Fatalf("fork 0 after fork 1 went on: %q", got)
 	}
 }
 
