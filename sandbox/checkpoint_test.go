@@ -102,6 +102,11 @@ func TestCheckpointRestoreBranches(t *testing.T) {
 	if _, err := b.rt.Fork(ctx, "ck-nope", 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrNotFound) {
 		t.Fatalf("fork unknown: %v", err)
 	}
+	// Children failing alike say so once.
+	if _, err := b.rt.Fork(ctx, "ck-nope", 3, sandbox.Spec{}); !errors.Is(err, sandbox.ErrNotFound) ||
+		strings.Count(err.Error(), "ck-nope") != 1 || !strings.Contains(err.Error(), "(3 children)") {
+		t.Fatalf("fork unknown, 3 children: %v", err)
+	}
 	// The layers of b still serve the forks and the other checkpoints.
 	if out := sh(t, kids[0], "cat /root/f /root/mine"); out != "branch-b\nkid\n" {
 		t.Fatalf("fork after release: %q", out)

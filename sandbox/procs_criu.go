@@ -100,13 +100,18 @@ func (u criuUnit) name() string {
 	return fmt.Sprintf("pid %d (%s)", u.Procs[0].NSPid, u.Procs[0].Comm)
 }
 
-// criuSwrk returns the runtime's criu runner, finding criu on first use.
+// criuSwrk returns the runtime's criu runner, finding criu on first use
+// (and again after a failure: criu installed while the server runs is
+// found without a restart).
 func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
-	r.criuOnce.Do(func() {
-		r.criuW, r.criuErr = criu.NewSwrk(r.cfg.CRIU)
-	})
-	if r.criuErr != nil {
-		return nil, fmt.Errorf("%w: the general path needs CRIU 4.2.1+ (run `make criu`): %w", ErrProcesses, r.criuErr)
+	r.criuMu.Lock()
+	defer r.criuMu.Unlock()
+	if r.criuW == nil {
+		w, err := criu.NewSwrk(r.cfg.CRIU)
+		if err != nil {
+			return nil, fmt.Errorf("%w: the general path needs CRIU 4.2.1+ (run `make criu`): %w", ErrProcesses, err)
+		}
+		r.criuW = w
 	}
 	return r.criuW, nil
 }

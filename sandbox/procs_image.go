@@ -43,8 +43,10 @@ import (
 // When: on demand, the first time a checkpoint's processes are needed away
 // from their templates (Create from it, Restore in another sandbox); in the
 // background right after a checkpoint taken with CheckpointOptions.Durable;
-// and when the sandbox holding the templates is destroyed (not when the
-// runtime shuts down), so that its checkpoints keep their processes.
+// and when the sandbox holding the templates is destroyed (closed, reaped,
+// or at a clean shutdown of the runtime), so that its checkpoints keep
+// their processes. Only a crash of the server loses the templates of
+// checkpoints not taken durable.
 
 // tplImages returns the images made from c's templates, if any.
 func (r *Runtime) tplImages(c *checkpoint) []criuUnit {
@@ -71,7 +73,7 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 	owner := r.sandboxes[c.SandboxID]
 	r.mu.Unlock()
 	if owner == nil {
-		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which is gone; only a checkpoint taken durable keeps them past its sandbox",
+		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (a crash of the server, or CRIU missing then); fork the checkpoint to start from its files only, and take checkpoints durable to keep processes through a crash",
 			ErrProcesses, c.ID, procNames(c.Procs), c.SandboxID)
 	}
 	return owner.imageTemplates(ctx, c)
@@ -270,17 +272,10 @@ func (r *Runtime) ckptLive(c *checkpoint) bool {
 }
 
 // imageAllTemplates saves the templates of every checkpoint the sandbox
-// holds as CRIU images, before it is destroyed, so that those checkpoints
-// keep their processes (not when the runtime shuts down: templates of
-// checkpoints not taken durable do not outlive the server). Called with op
-// held.
+// holds as CRIU images, before it is destroyed (closed, reaped, or ended by
+// a clean shutdown), so that those checkpoints keep their processes. Called
+// with op held.
 func (s *Sandbox) imageAllTemplates(ctx context.Context) {
-	s.rt.mu.Lock()
-	closing := s.rt.closed
-	s.rt.mu.Unlock()
-	if closing {
-		return
-	}
 	s.tplMu.Lock()
 	ids := make([]string, 0, len(s.tpls))
 	for id := range s.tpls {

@@ -231,9 +231,8 @@ type Runtime struct {
 	skel    string
 	lock    *os.File
 
-	criuOnce sync.Once
-	criuW    *criu.Swrk
-	criuErr  error
+	criuMu sync.Mutex
+	criuW  *criu.Swrk // found on first use (procs_criu.go)
 	// tplImageMu serialises the making of images from templates.
 	tplImageMu sync.Mutex
 	// imaging counts durable checkpoints' images being made; Close waits
@@ -906,7 +905,7 @@ func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*San
 		}()
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := joinDistinct(errs); err != nil {
 		for _, s := range out {
 			if s != nil {
 				_ = s.Destroy(context.WithoutCancel(ctx))
@@ -915,6 +914,27 @@ func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*San
 		return nil, err
 	}
 	return out, nil
+}
+
+// joinDistinct joins the errors of a fan-out, each distinct message once
+// (n children failing alike give one message, with their count).
+func joinDistinct(errs []error) error {
+	var out []error
+	count := map[string]int{}
+	for _, err := range errs {
+		if err == nil {
+			continue
+		}
+		if count[err.Error()]++; count[err.Error()] == 1 {
+			out = append(out, err)
+		}
+	}
+	for i, err := range out {
+		if n := count[err.Error()]; n > 1 {
+			out[i] = fmt.Errorf("%w (%d children)", err, n)
+		}
+	}
+	return errors.Join(out...)
 }
 
 // Close destroys every live sandbox and stops the runtime. Checkpoints stay

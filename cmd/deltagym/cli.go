@@ -54,7 +54,7 @@ var commands = []command{
 	{name: "serve", args: "[server flags]", summary: "run the server in the foreground", run: runServe, noClient: true},
 	{name: "envs", summary: "list the env catalog and warm pools", run: runEnvs},
 	{name: "reset", args: "ENV [--seed N] [--option k=v]... [--run R] [--group G] [-q]", summary: "take a warm sandbox of ENV and start an episode", run: runReset},
-	{name: "exec", args: "SANDBOX [--session S] [--timeout D] [--cwd DIR] [--env k=v]... [--stdin FILE|-] -- CMD...", summary: "run a command (one word: a shell string; several: argv)", run: runExec},
+	{name: "exec", args: "SANDBOX [--session S | --background] [--timeout D] [--cwd DIR] [--env k=v]... [--stdin FILE|-] [--checkpoint] -- CMD...", summary: "run a command (one word: a shell string; several: argv)", run: runExec},
 	{name: "write", args: "SANDBOX PATH [--from FILE|-] [--mode 0644] [--append]", summary: "write a file (from stdin by default)", run: runWrite},
 	{name: "read", args: "SANDBOX PATH [--offset N] [--max-bytes N]", summary: "print a file", run: runRead},
 	{name: "checkpoint", args: "SANDBOX [--processes template|criu|files] [--durable] [-q]", summary: "checkpoint a sandbox", run: runCheckpoint},

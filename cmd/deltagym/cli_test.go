@@ -202,7 +202,7 @@ func TestPrintExec(t *testing.T) {
 		{
 			name:   "background",
 			res:    execResponse(&deltagymv1.ExecResult{ExitCode: -1, Pid: 12}),
-			stderr: "deltagym: started in background, pid 12 in 0.000ms\n",
+			stderr: "deltagym: started in background, pid 12\n",
 		},
 		{
 			name: "checkpoint and truncation",

@@ -382,7 +382,7 @@ func runRead(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 
 func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	var (
-		durable = fs.Bool("durable", false, "also save processes kept as templates as CRIU images, so the checkpoint survives a restart with them")
+		durable = fs.Bool("durable", false, "save processes kept as templates as CRIU images at once, so the checkpoint keeps them even through a crash of the server")
 		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's")
 		quiet   = fs.Bool("q", false, "print only the checkpoint ID")
 	)
@@ -441,7 +441,7 @@ func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse) error {
 		t := newTable(w, "PID", "CAPTURE", "COMMAND", "REASON")
 		for _, p := range m.GetProcesses() {
 			t.row(strconv.Itoa(int(p.GetPid())), strings.ToLower(strings.TrimPrefix(p.GetMethod().String(), "CAPTURE_METHOD_")),
-				shortText(p.GetCommand(), 40), orDash(p.GetReason()))
+				shortText(p.GetCommand(), 40), orDash(oneLine(p.GetReason())))
 		}
 		return t.flush()
 	}
@@ -522,6 +522,12 @@ func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		for _, id := range res.Msg.GetSandboxIds() {
 			fmt.Fprintln(a.stdout, id)
 		}
+		// Processes the children run without are worth a word even here.
+		for _, p := range res.Msg.GetProcesses() {
+			if p.GetMethod() == deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE {
+				fmt.Fprintf(a.stderr, "deltagym: the children run without pid %d (%s): %s\n", p.GetPid(), p.GetCommand(), oneLine(p.GetReason()))
+			}
+		}
 		return nil
 	}
 	return printFork(a.stdout, res.Msg)
@@ -547,7 +553,7 @@ func printFork(w io.Writer, m *deltagymv1.ForkResponse) error {
 	t = newTable(w, "PID", "CAPTURE", "COMMAND", "REASON")
 	for _, p := range m.GetProcesses() {
 		t.row(strconv.Itoa(int(p.GetPid())), strings.ToLower(strings.TrimPrefix(p.GetMethod().String(), "CAPTURE_METHOD_")),
-			shortText(p.GetCommand(), 40), orDash(p.GetReason()))
+			shortText(p.GetCommand(), 40), orDash(oneLine(p.GetReason())))
 	}
 	return t.flush()
 }

@@ -164,6 +164,7 @@ func execStatus(e *deltagymv1.ExecResult) string {
 		fmt.Fprintf(&b, "killed by signal %d", e.GetSignal())
 	case e.GetPid() != 0 && e.GetExitCode() == -1:
 		fmt.Fprintf(&b, "started in background, pid %d", e.GetPid())
+		return b.String() // it runs on: no duration
 	default:
 		fmt.Fprintf(&b, "exit %d", e.GetExitCode())
 	}
@@ -196,4 +197,9 @@ func ensureNewline(s string) string {
 		return s
 	}
 	return s + "\n"
+}
+
+// oneLine makes s one line (" ; " between its lines, runs of spaces as one), for a table cell.
+func oneLine(s string) string {
+	return strings.Join(strings.Fields(strings.ReplaceAll(s, "\n", " ; ")), " ")
 }

@@ -981,9 +981,10 @@ type CheckpointRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// sandbox_id is the sandbox to checkpoint.
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	// durable makes the checkpoint survive a server restart and the end of
-	// its sandbox with its processes: those kept as frozen templates are also
-	// saved as CRIU images, in the background (files are always kept).
+	// durable makes the checkpoint keep its processes even through a crash of
+	// the server: those kept as frozen templates are saved as CRIU images at
+	// once, in the background (otherwise when first needed elsewhere, when
+	// the sandbox ends, or at a clean shutdown; files are always kept).
 	Durable bool `protobuf:"varint,2,opt,name=durable,proto3" json:"durable,omitempty"`
 	// process_mode is how to capture live processes; unspecified means the
 	// env's default.
@@ -1054,8 +1055,9 @@ type CheckpointResponse struct {
 	Depth int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	// processes tells how each live process was captured.
 	Processes []*ProcessCapture `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
-	// durable is set when the checkpoint survives a server restart whole:
-	// it holds no process kept only as a template, or durable was asked for.
+	// durable is set when the checkpoint survives even a crash of the server
+	// whole: it holds no process kept only as a template, or durable was
+	// asked for.
 	Durable       bool `protobuf:"varint,5,opt,name=durable,proto3" json:"durable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
