@@ -534,7 +534,11 @@ func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 }
 
 func printFork(w io.Writer, m *deltagymv1.ForkResponse) error {
-	fmt.Fprintf(w, "forked %d sandboxes from checkpoint %s\n", len(m.GetSandboxIds()), m.GetCheckpointId())
+	noun := "sandboxes"
+	if len(m.GetSandboxIds()) == 1 {
+		noun = "sandbox"
+	}
+	fmt.Fprintf(w, "forked %d %s from checkpoint %s\n", len(m.GetSandboxIds()), noun, m.GetCheckpointId())
 	t := newTable(w, "SANDBOX", "EPISODE")
 	for i, id := range m.GetSandboxIds() {
 		ep := ""

@@ -135,7 +135,7 @@ func TestCLI(t *testing.T) {
 		t.Fatalf("fork -q printed %q", out)
 	}
 	out, _ = cli(t, exitOK, "", "fork", "--checkpoint", ckpt, "-n", "1", "--group", group)
-	mustContain(t, "fork", out, "forked 1 sandboxes from checkpoint "+ckpt, "SANDBOX")
+	mustContain(t, "fork", out, "forked 1 sandbox from checkpoint "+ckpt, "SANDBOX")
 	third := strings.Fields(strings.Split(out, "\n")[2])[0]
 	kids = append(kids, third)
 	out, _ = cli(t, exitOK, "", "submit", kids[0])
