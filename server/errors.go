@@ -77,7 +77,25 @@ func (s *Server) toConnect(err error) error {
 		s.log.Error("internal error", "err", err)
 		return connect.NewError(code, errors.New("internal error (details in the server log)"))
 	}
-	return connect.NewError(code, errors.New(s.scrub(err.Error())))
+	msg := s.scrub(err.Error())
+	// The code already says it: "not_found: checkpoint …", not
+	// "not_found: not found: checkpoint …".
+	if p, ok := codePhrase[code]; ok {
+		if rest, cut := strings.CutPrefix(msg, p+": "); cut && rest != "" {
+			msg = rest
+		}
+	}
+	return connect.NewError(code, errors.New(msg))
+}
+
+// codePhrase is the text a sentinel error of the runtime puts first in its
+// messages, which the code it maps to repeats.
+var codePhrase = map[connect.Code]string{
+	connect.CodeNotFound:          sandbox.ErrNotFound.Error(),
+	connect.CodeInvalidArgument:   sandbox.ErrInvalid.Error(),
+	connect.CodeAlreadyExists:     sandbox.ErrExists.Error(),
+	connect.CodeResourceExhausted: sandbox.ErrBudget.Error(),
+	connect.CodeAborted:           sandbox.ErrAborted.Error(),
 }
 
 // scrub replaces the server's host paths in a message.
