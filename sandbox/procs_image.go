@@ -118,6 +118,7 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 	for i, t := range c.Procs {
 		u, err := s.imageCopy(ctx, sw, c, i, t, copies[i])
 		if err != nil {
+			_ = os.RemoveAll(u.Dir) // what criu wrote of it
 			return units, fmt.Errorf("%w: saving the frozen copy of %s kept by checkpoint %s as a CRIU image: %w", ErrProcesses, t.name(), c.ID, err)
 		}
 		units = append(units, u)
