@@ -241,11 +241,15 @@ func (s *Sandbox) dropExecGroups() {
 }
 
 func (s *Sandbox) subgroup(prefix string) (*cgroup.Cgroup, error) {
+	return s.work.Sub(s.groupName(prefix))
+}
+
+// groupName returns a cgroup name not used before in the sandbox.
+func (s *Sandbox) groupName(prefix string) string {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	s.seq++
-	name := prefix + strconv.Itoa(s.seq)
-	s.mu.Unlock()
-	return s.work.Sub(name)
+	return prefix + strconv.Itoa(s.seq)
 }
 
 // Exec runs a command in the sandbox.

@@ -565,11 +565,7 @@ type spareGroup struct {
 }
 
 func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) {
-	s.mu.Lock()
-	s.seq++
-	name := "t" + strconv.Itoa(s.seq)
-	s.mu.Unlock()
-	tg, err := s.cg.Sub(name)
+	tg, err := s.cg.Sub(s.groupName("t"))
 	if err != nil {
 		return nil, err
 	}

@@ -218,11 +218,7 @@ func (s *Sandbox) stoppedCopies(tg *cgroup.Cgroup, tpls []procTemplate) (out []s
 			return out, fmt.Errorf("copying %s: %w", t.name(), err)
 		}
 		reapIfOurs(cp.Pid)
-		s.mu.Lock()
-		s.seq++
-		name := "i" + strconv.Itoa(s.seq)
-		s.mu.Unlock()
-		cg, err := s.cg.Sub(name)
+		cg, err := s.cg.Sub(s.groupName("i"))
 		if err != nil {
 			cp.Kill()
 			return out, fmt.Errorf("creating cgroup: %w", err)

@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -542,11 +541,7 @@ func (s *Sandbox) killAll() error {
 	if err := old.SignalKill(); err != nil {
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
-	s.mu.Lock()
-	s.seq++
-	name := "w" + strconv.Itoa(s.seq)
-	s.mu.Unlock()
-	w, err := s.cg.Sub(name)
+	w, err := s.cg.Sub(s.groupName("w"))
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
