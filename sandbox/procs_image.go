@@ -261,6 +261,19 @@ func (s *Sandbox) stoppedCopies(tg *cgroup.Cgroup, tpls []procTemplate) (out []s
 	return out, nil
 }
 
+// startImaging counts a background save of images (Runtime.imaging) unless
+// the runtime is closing (its sandboxes save their templates as they end).
+// Under mu, so that no Add races Close's Wait.
+func (r *Runtime) startImaging() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return false
+	}
+	r.imaging.Add(1)
+	return true
+}
+
 // ckptLive reports whether c is still a checkpoint of the runtime.
 func (r *Runtime) ckptLive(c *checkpoint) bool {
 	r.mu.Lock()

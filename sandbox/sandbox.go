@@ -623,8 +623,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	}
 	s.head = c.ID
 	r.maybeFlatten(c)
-	if o.Durable && len(c.Procs) > 0 {
-		r.imaging.Add(1)
+	if o.Durable && len(c.Procs) > 0 && r.startImaging() {
 		go func() {
 			defer r.imaging.Done()
 			if _, err := r.imagesForTemplates(context.Background(), c); err != nil && r.ckptLive(c) {
