@@ -469,6 +469,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	for i := range tplProcs {
 		c.Procs[i] = tplProcs[i].tpl
 	}
+	c.TplGroup = tg.Name()
 	s.tplMu.Lock()
 	s.tpls[c.ID] = tg
 	s.tplMu.Unlock()

@@ -45,8 +45,10 @@ import (
 // background right after a checkpoint taken with CheckpointOptions.Durable;
 // and when the sandbox holding the templates is destroyed (closed, reaped,
 // or at a clean shutdown of the runtime), so that its checkpoints keep
-// their processes. Only a crash of the server loses the templates of
-// checkpoints not taken durable.
+// their processes; and by the next server after a crash (readopt.go). A
+// template lost before any of these (an agent's kill -9 -1, the sandbox's
+// init killed) takes its process with it, unless the checkpoint was taken
+// durable.
 
 // tplImages returns the images made from c's templates, if any.
 func (r *Runtime) tplImages(c *checkpoint) []criuUnit {
@@ -73,7 +75,7 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 	owner := r.sandboxes[c.SandboxID]
 	r.mu.Unlock()
 	if owner == nil {
-		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (a crash of the server, or CRIU missing then); fork the checkpoint to start from its files only, and take checkpoints durable to keep processes through a crash",
+		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (its init was killed, a template was found thawed after a crash, or CRIU was missing then); fork the checkpoint to start from its files only, and take checkpoints durable to keep processes whatever happens to the sandbox",
 			ErrProcesses, c.ID, procNames(c.Procs), c.SandboxID)
 	}
 	return owner.imageTemplates(ctx, c)

@@ -25,6 +25,15 @@ func filesOnly(c *sandbox.Config) { c.ProcessMode = sandbox.ProcessesNone }
 // `make image`, or skips.
 func defaultImage(t testing.TB, b *bundle) string {
 	t.Helper()
+	if _, err := b.rt.ImportImage(t.Context(), "default", defaultRootfs(t)); err != nil {
+		t.Fatal(err)
+	}
+	return "default"
+}
+
+// defaultRootfs returns the root of the default image, or skips.
+func defaultRootfs(t testing.TB) string {
+	t.Helper()
 	out, err := exec.Command("go", "env", "GOMOD").Output()
 	if err != nil {
 		t.Fatal(err)
@@ -33,10 +42,7 @@ func defaultImage(t testing.TB, b *bundle) string {
 	if _, err := os.Stat(filepath.Join(root, "usr", "bin", "python3")); err != nil {
 		t.Skipf("the default image is not built (make image): %v", err)
 	}
-	if _, err := b.rt.ImportImage(t.Context(), "default", root); err != nil {
-		t.Fatal(err)
-	}
-	return "default"
+	return root
 }
 
 // waitFor runs cond (a shell test) in s until it holds, for up to 10 s.

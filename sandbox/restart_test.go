@@ -3,10 +3,14 @@ package sandbox_test
 import (
 	"bufio"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -40,6 +44,9 @@ func crashChild() {
 	if err != nil {
 		fail(err)
 	}
+	if os.Getenv("DG_CRASH_CHILD") == "templates" {
+		crashWithTemplates(rt, fail)
+	}
 	if _, err := rt.ImportImage(ctx, "busybox", os.Getenv("DG_ROOTFS")); err != nil {
 		fail(err)
 	}
@@ -64,18 +71,61 @@ func crashChild() {
 	select {}
 }
 
-// A server killed with SIGKILL leaves nothing running, and the next one
-// reconciles: live sandboxes are reported ended, their cgroups and layers
-// are gone, and checkpoints are still restorable.
-func TestCrashRestart(t *testing.T) {
-	b := setup(t)
+// crashWithTemplates runs the counter of procs_test.go in the default
+// image and takes two checkpoints that keep it as a template, at counts 3
+// and 5; it counts on to 6 and waits to be killed.
+func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
+	ctx := context.Background()
+	if _, err := rt.ImportImage(ctx, "default", os.Getenv("DG_ROOTFS")); err != nil {
+		fail(err)
+	}
+	s, err := rt.Create(ctx, sandbox.Spec{Image: "default"})
+	if err != nil {
+		fail(err)
+	}
+	run := func(cmd string) {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Command: cmd, Timeout: 15 * time.Second})
+		if err != nil || res.ExitCode != 0 {
+			fail(fmt.Errorf("%s: %v %+v", cmd, err, res))
+		}
+	}
+	run("mkfifo /tmp/ctl")
+	if err := s.WriteFile(ctx, "/tmp/counter.py", []byte(counterPy), 0o644, false); err != nil {
+		fail(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/counter.py"}, Background: true}); err != nil {
+		fail(err)
+	}
+	inc := func(n int) {
+		run(fmt.Sprintf(`echo inc > /tmp/ctl; for i in $(seq 1000); do [ "$(cat /tmp/count 2>/dev/null)" = %d ] && exit 0; sleep 0.01; done; exit 1`, n))
+	}
+	var ids []string
+	for n := 1; n <= 6; n++ {
+		inc(n)
+		if n == 3 || n == 5 {
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				fail(err)
+			}
+			ids = append(ids, ck.ID)
+		}
+	}
+	fmt.Println("READY", ids[0], ids[1], s.ID(), s.InitPid())
+	select {}
+}
+
+// crash runs the test binary as a crash-test server (mode: "1" or
+// "templates", rootfs: the image it imports), SIGKILLs it once it is ready
+// and returns the fields of its READY line.
+func crash(t *testing.T, b *bundle, mode, rootfs string) []string {
+	t.Helper()
 	if err := b.rt.Close(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 	b.rt = nil
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "DG_CRASH_CHILD=1", "DG_DATA="+b.cfg.DataDir, "DG_INIT="+b.cfg.InitBinary,
-		"DG_CGROUP="+b.cfg.CgroupRoot, "DG_ROOTFS="+b.root)
+	cmd.Env = append(os.Environ(), "DG_CRASH_CHILD="+mode, "DG_DATA="+b.cfg.DataDir, "DG_INIT="+b.cfg.InitBinary,
+		"DG_CGROUP="+b.cfg.CgroupRoot, "DG_ROOTFS="+rootfs)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -90,32 +140,31 @@ func TestCrashRestart(t *testing.T) {
 		cmd.Wait()
 		t.Fatalf("child: %q %v", line, err)
 	}
-	var ck, sb string
-	var initPid int
-	fmt.Sscan(strings.TrimPrefix(line, "READY "), &ck, &sb, &initPid)
 	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	cmd.Wait()
-	// The init notices its server is gone and takes the sandbox with it.
+	return strings.Fields(strings.TrimPrefix(line, "READY "))
+}
+
+// waitGone waits up to 10 s for pid to exit.
+func waitGone(t *testing.T, pid int, what string) {
+	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if _, err := os.Stat(fmt.Sprintf("/proc/%d", initPid)); os.IsNotExist(err) {
-			break
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); os.IsNotExist(err) {
+			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("init %d outlived its server", initPid)
+			t.Fatalf("%s (pid %d) did not exit", what, pid)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	rt, err := sandbox.New(t.Context(), b.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b.rt = rt
-	if ended := rt.Ended(); len(ended) != 1 || ended[0] != sb {
-		t.Fatalf("ended %v, want [%s]", ended, sb)
-	}
+}
+
+// checkNoCgroups fails for every group left under the runtime's root.
+func checkNoCgroups(t *testing.T, b *bundle) {
+	t.Helper()
 	for _, h := range []string{"unified", "memory", "pids"} {
 		entries, _ := os.ReadDir(filepath.Join("/sys/fs/cgroup", h, b.cfg.CgroupRoot))
 		for _, e := range entries {
@@ -132,6 +181,28 @@ func TestCrashRestart(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A server killed with SIGKILL leaves nothing running, and the next one
+// reconciles: live sandboxes are reported ended, their cgroups and layers
+// are gone, and checkpoints are still restorable.
+func TestCrashRestart(t *testing.T) {
+	b := setup(t)
+	f := crash(t, b, "1", b.root)
+	ck, sb := f[0], f[1]
+	initPid, _ := strconv.Atoi(f[2])
+	// The init notices its server is gone and, keeping no template, takes
+	// the sandbox with it.
+	waitGone(t, initPid, "the init of a sandbox without templates, after its server")
+	rt, err := sandbox.New(t.Context(), b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.rt = rt
+	if ended := rt.Ended(); len(ended) != 1 || ended[0] != sb {
+		t.Fatalf("ended %v, want [%s]", ended, sb)
+	}
+	checkNoCgroups(t, b)
 	info, err := rt.Checkpoint(ck)
 	if err != nil {
 		t.Fatal(err)
@@ -150,4 +221,125 @@ func TestCrashRestart(t *testing.T) {
 	if got := sh(t, k[0], "cat /root/f"); got != "before crash" {
 		t.Fatalf("restored %q", got)
 	}
+}
+
+// After a crash, the init of a sandbox whose checkpoints keep templates ends
+// every other process and stays; the next server saves the templates as
+// CRIU images and ends the sandbox. A template group found thawed counts as
+// lost.
+func TestCrashReadoptsTemplates(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	f := crash(t, b, "templates", defaultRootfs(t))
+	ck3, ck5, sb := f[0], f[1], f[2]
+	initPid, _ := strconv.Atoi(f[3])
+	pidns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", initPid))
+	if err != nil {
+		t.Fatalf("the init of a sandbox with templates did not outlive its server: %v", err)
+	}
+	// Left running: the init and the two templates; the live counter ends.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var left []string
+		procs, _ := filepath.Glob("/proc/[0-9]*/ns/pid")
+		for _, p := range procs {
+			if ns, err := os.Readlink(p); err == nil && ns == pidns {
+				comm, _ := os.ReadFile(filepath.Join(filepath.Dir(filepath.Dir(p)), "comm"))
+				left = append(left, strings.TrimSpace(string(comm)))
+			}
+		}
+		slices.Sort(left)
+		if slices.Equal(left, []string{"dg-init", "python3", "python3"}) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("left in the orphaned sandbox: %v", left)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Thaw the second checkpoint's template group: it counts as lost.
+	thawTemplateGroup(t, b, sb, ck5)
+	rt, err := sandbox.New(t.Context(), b.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.rt = rt
+	if ended := rt.Ended(); len(ended) != 1 || ended[0] != sb {
+		t.Fatalf("ended %v, want [%s]", ended, sb)
+	}
+	waitGone(t, initPid, "the init of a re-adopted sandbox")
+	checkNoCgroups(t, b)
+	// The first checkpoint brings its counter back, at 3, in a fork.
+	k, err := rt.Fork(t.Context(), ck3, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = k[0].Destroy(context.Background()) })
+	if got := sh(t, k[0], "cat /tmp/count"); got != "3" {
+		t.Fatalf("count file %q", got)
+	}
+	inc(t, k[0], 4)
+	// The second one lost its process: its files only.
+	if _, err := rt.Fork(t.Context(), ck5, 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "python3") {
+		t.Fatalf("fork of a checkpoint whose template was found thawed: %v", err)
+	}
+	k2, err := rt.Fork(t.Context(), ck5, 1, sandbox.Spec{FilesOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = k2[0].Destroy(context.Background()) })
+	if got := sh(t, k2[0], "cat /tmp/count"); got != "5" {
+		t.Fatalf("count file %q", got)
+	}
+}
+
+// thawTemplateGroup thaws the template group of checkpoint ck of sandbox sb,
+// as found through the runtime's records.
+func thawTemplateGroup(t *testing.T, b *bundle, sb, ck string) {
+	t.Helper()
+	meta := filepath.Join(b.cfg.DataDir, "store", "meta")
+	var rec struct {
+		Cgroup string `json:"cgroup"`
+	}
+	var c struct {
+		TplGroup string `json:"tpl_group"`
+	}
+	for _, x := range []struct {
+		path string
+		v    any
+	}{{filepath.Join(meta, "sandboxes", sb), &rec}, {filepath.Join(meta, "checkpoints", ck+".json"), &c}} {
+		raw, err := os.ReadFile(x.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := json.Unmarshal(raw, x.v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range []struct{ file, v string }{{"unified/%s/%s/%s/cgroup.freeze", "0"}, {"freezer/%s/%s/%s/freezer.state", "THAWED"}} {
+		p := filepath.Join("/sys/fs/cgroup", fmt.Sprintf(f.file, b.cfg.CgroupRoot, rec.Cgroup, c.TplGroup))
+		if _, err := os.Stat(p); err == nil {
+			if err := os.WriteFile(p, []byte(f.v), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			return
+		}
+	}
+	t.Fatalf("no template group %s in sandbox group %s", c.TplGroup, rec.Cgroup)
+}
+
+// Purging the data directory of a crashed runtime ends the sandboxes it left
+// waiting for re-adoption.
+func TestPurgeEndsOrphans(t *testing.T) {
+	b := setup(t)
+	f := crash(t, b, "templates", defaultRootfs(t))
+	initPid, _ := strconv.Atoi(f[3])
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d", initPid)); err != nil {
+		t.Fatalf("the init of a sandbox with templates did not outlive its server: %v", err)
+	}
+	if err := sandbox.Purge(b.cfg.DataDir); err != nil {
+		t.Fatal(err)
+	}
+	waitGone(t, initPid, "the init of a purged sandbox")
+	checkNoCgroups(t, b)
 }

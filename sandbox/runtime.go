@@ -182,6 +182,9 @@ type checkpoint struct {
 	// Procs are the templates of the processes that ran at the checkpoint
 	// (procs.go), held by sandbox SandboxID.
 	Procs []procTemplate `json:"procs,omitempty"`
+	// TplGroup names the frozen cgroup of the templates, a sub-group of
+	// the sandbox's: a server restarted after a crash finds them there.
+	TplGroup string `json:"tpl_group,omitempty"`
 	// Images are the process trees saved by CRIU (procs_criu.go).
 	Images []criuUnit `json:"images,omitempty"`
 	// TplImages are CRIU images of the templates (procs_image.go), made
@@ -351,7 +354,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	if r.cg, err = cgroup.New(cgroup.Config{Root: cfg.CgroupRoot}); err != nil {
 		return fail(fmt.Errorf("opening cgroups: %w", err))
 	}
-	if err := r.reconcile(); err != nil {
+	if err := r.reconcile(ctx); err != nil {
 		return fail(err)
 	}
 	if r.devnull, err = os.OpenFile(os.DevNull, os.O_RDWR, 0); err != nil {
@@ -444,7 +447,7 @@ func makeSkeleton(store string) (string, error) {
 	return skel, nil
 }
 
-func (r *Runtime) reconcile() error {
+func (r *Runtime) reconcile(ctx context.Context) error {
 	// Images.
 	entries, err := os.ReadDir(filepath.Join(r.store, "images"))
 	if err != nil {
@@ -496,6 +499,19 @@ func (r *Runtime) reconcile() error {
 			r.flat[stackKey(c.Layers)] = &c
 		}
 	}
+	// Sandboxes that were live ended with the old server. After a crash,
+	// one whose checkpoints kept templates is still there (readopt.go):
+	// before its live root is discarded with the other layers, its
+	// templates are saved.
+	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		r.ended = append(r.ended, e.Name())
+		r.readopt(ctx, e.Name())
+		_ = os.Remove(r.sandboxRecordPath(e.Name()))
+	}
 	missing, err := r.layers.Reconcile(keep)
 	if err != nil {
 		return err
@@ -514,15 +530,6 @@ func (r *Runtime) reconcile() error {
 				}
 			}
 		}
-	}
-	// Sandboxes that were live: their inits died with the old server.
-	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
-	if err != nil {
-		return err
-	}
-	for _, e := range entries {
-		r.ended = append(r.ended, e.Name())
-		_ = os.Remove(filepath.Join(r.store, "meta", "sandboxes", e.Name()))
 	}
 	sort.Strings(r.ended)
 	if len(r.ended) > 0 {
@@ -969,9 +976,19 @@ func (r *Runtime) Close(ctx context.Context) error {
 }
 
 // Purge removes a data directory written by a runtime, unmounting its
-// layers first. The runtime must be closed.
+// layers first. The runtime must be closed: ErrExists if one holds the
+// directory. Sandboxes a crashed runtime left waiting for re-adoption
+// (readopt.go) are ended.
 func Purge(dataDir string) error {
-	err := layers.Purge(filepath.Join(dataDir, "store", "layers"))
+	if _, err := os.Stat(filepath.Join(dataDir, "store")); err == nil {
+		lock, err := lockStore(filepath.Join(dataDir, "store"))
+		if err != nil {
+			return err
+		}
+		defer lock.Close()
+	}
+	err := endOrphans(filepath.Join(dataDir, "store", "meta", "sandboxes"))
+	err = errors.Join(err, layers.Purge(filepath.Join(dataDir, "store", "layers")))
 	_ = unix.Unmount(filepath.Join(dataDir, "store", "layers"), unix.MNT_DETACH)
 	_ = unix.Unmount(filepath.Join(dataDir, "store", "meta"), unix.MNT_DETACH)
 	return errors.Join(err, os.RemoveAll(dataDir))

@@ -194,7 +194,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 			return nil, err
 		}
 	}
-	if err = os.WriteFile(filepath.Join(r.store, "meta", "sandboxes", s.id), nil, 0o600); err != nil {
+	if err = r.writeSandboxRecord(s); err != nil {
 		return nil, err
 	}
 	r.mu.Lock()

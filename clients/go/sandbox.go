@@ -361,9 +361,9 @@ func (s *Sandbox) Submit(ctx context.Context, answer ...string) (*SubmitResult, 
 // CheckpointOption sets a field of a Checkpoint call.
 type CheckpointOption func(*deltagymv1.CheckpointRequest)
 
-// Durable makes the checkpoint keep its processes even through a crash of
-// the server: those kept as templates are saved as CRIU images at once, in
-// the background.
+// Durable makes the checkpoint keep its processes whatever happens to its
+// sandbox (an agent's kill -9 -1 included): those kept as templates are
+// saved as CRIU images at once, in the background.
 func Durable() CheckpointOption { return func(r *deltagymv1.CheckpointRequest) { r.Durable = true } }
 
 // WithProcessMode sets how the checkpoint captures live processes.
@@ -379,8 +379,8 @@ type Checkpoint struct {
 	ParentID string
 	// Depth is the number of its ancestors.
 	Depth int
-	// Durable is set when it survives even a crash of the server whole (no
-	// process kept only as a template).
+	// Durable is set when nothing that happens to the sandbox can take its
+	// processes (none is kept only as a frozen template).
 	Durable bool
 	// Processes tells how each live process was captured.
 	Processes []*deltagymv1.ProcessCapture

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
@@ -423,4 +424,36 @@ func TestServePprofLoopbackOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop()
+}
+
+func TestPurge(t *testing.T) {
+	data := t.TempDir()
+	store := filepath.Join(data, "sandbox", "store")
+	if err := os.MkdirAll(filepath.Join(store, "meta", "checkpoints"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	// A running server holds the lock on its store.
+	lock, err := os.OpenFile(filepath.Join(store, "lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	if _, stderr, code := runCLI(t, "", "purge", "--data", data); code != exitError || !strings.Contains(stderr, "a server is running on "+data+": stop it first") {
+		t.Fatalf("purge under a running server: exit %d, stderr %q", code, stderr)
+	}
+	if _, err := os.Stat(store); err != nil {
+		t.Fatalf("purge under a running server removed its store: %v", err)
+	}
+	lock.Close()
+	if stdout, stderr, code := runCLI(t, "", "purge", "--data", data); code != exitOK || stdout != "purged "+filepath.Join(data, "sandbox")+"\n" {
+		t.Fatalf("purge: exit %d, stdout %q, stderr %q", code, stdout, stderr)
+	}
+	if _, err := os.Stat(filepath.Join(data, "sandbox")); !os.IsNotExist(err) {
+		t.Fatalf("purge left %v", err)
+	}
+	if _, stderr, code := runCLI(t, "", "purge", "extra"); code != exitUsage || !strings.Contains(stderr, `unexpected argument "extra"`) {
+		t.Fatalf("purge with an argument: exit %d, stderr %q", code, stderr)
+	}
 }

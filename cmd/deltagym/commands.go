@@ -382,7 +382,7 @@ func runRead(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 
 func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	var (
-		durable = fs.Bool("durable", false, "save processes kept as templates as CRIU images at once, so the checkpoint keeps them even through a crash of the server")
+		durable = fs.Bool("durable", false, "save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (an agent's kill -9 -1 included)")
 		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's")
 		quiet   = fs.Bool("q", false, "print only the checkpoint ID")
 	)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -182,4 +183,32 @@ func writeOutput(stdout io.Writer, path string, write func(io.Writer) error) err
 		return err
 	}
 	return nil
+}
+
+// runPurge deletes the sandbox runtime's state in a stopped server's data
+// directory: its imported images, checkpoints and layers, and the sandboxes
+// a crashed server left waiting for the next one (their inits keep the
+// templates of process checkpoints). `make clean-data` runs it.
+func runPurge(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
+	data := os.Getenv(envDataDir)
+	if data == "" {
+		data = ".data"
+	}
+	fs.StringVar(&data, "data", data, "server data directory (default $"+envDataDir+" or .data)")
+	pos, _, err := parseArgs(fs, args)
+	if err != nil {
+		return err
+	}
+	if err := wantArgs(pos, 0, 0, ""); err != nil {
+		return err
+	}
+	dir := filepath.Join(data, "sandbox")
+	if err := sandbox.Purge(dir); err != nil {
+		if errors.Is(err, sandbox.ErrExists) {
+			return fmt.Errorf("a server is running on %s: stop it first", data)
+		}
+		return err
+	}
+	_, err = fmt.Fprintf(a.stdout, "purged %s\n", dir)
+	return err
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -322,14 +323,22 @@ func (c *Cgroup) wrap(op string, err error) error {
 	return fmt.Errorf("%s cgroup %s: %w", op, c.path, err)
 }
 
-// Sub creates a child group. It exists only in the tracking hierarchy: its
-// processes stay in this group's limit groups, so they share its limits, and
-// Kill of the child kills them without touching this group's other
-// processes (even those that called setsid).
-func (c *Cgroup) Sub(name string) (*Cgroup, error) {
+// Open returns the existing top-level group name, such as one a crashed
+// server left behind; ErrNotExist if it is not there.
+func (m *Manager) Open(name string) (*Cgroup, error) {
 	if err := validName(name); err != nil {
-		return nil, fmt.Errorf("creating sub-group of %s: %w", c.path, err)
+		return nil, fmt.Errorf("opening cgroup: %w", err)
 	}
+	c := m.group(name)
+	if _, err := os.Stat(c.track); err != nil {
+		return nil, c.wrap("opening", err)
+	}
+	return c, nil
+}
+
+// child builds the handle of sub-group name without touching the file
+// system.
+func (c *Cgroup) child(name string) *Cgroup {
 	child := &Cgroup{
 		m:       c.m,
 		top:     c.top,
@@ -341,6 +350,52 @@ func (c *Cgroup) Sub(name string) (*Cgroup, error) {
 	}
 	child.dirs = append([]string{child.track}, c.dirs[1:]...)
 	child.own = []string{child.track}
+	return child
+}
+
+// OpenSub returns the existing sub-group name (made by Sub, perhaps by an
+// earlier server); ErrNotExist if it is not there.
+func (c *Cgroup) OpenSub(name string) (*Cgroup, error) {
+	if err := validName(name); err != nil {
+		return nil, fmt.Errorf("opening sub-group of %s: %w", c.path, err)
+	}
+	child := c.child(name)
+	if _, err := os.Stat(child.track); err != nil {
+		return nil, child.wrap("opening", err)
+	}
+	return child, nil
+}
+
+// SelfFrozen reports whether the group itself was asked to freeze (not
+// merely an ancestor) and the kernel reports it frozen.
+func (c *Cgroup) SelfFrozen() (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.trackV2 {
+		own, err := readInt(filepath.Join(c.track, "cgroup.freeze"))
+		if err != nil || own != 1 {
+			return false, c.wrap("reading freezer state of", err)
+		}
+		frozen, err := readKey(filepath.Join(c.track, "cgroup.events"), "frozen")
+		return frozen == 1, c.wrap("reading freezer state of", err)
+	}
+	self, err := readInt(filepath.Join(c.track, "freezer.self_freezing"))
+	if err != nil || self != 1 {
+		return false, c.wrap("reading freezer state of", err)
+	}
+	st, err := readFile(filepath.Join(c.track, "freezer.state"))
+	return strings.TrimSpace(string(st)) == "FROZEN", c.wrap("reading freezer state of", err)
+}
+
+// Sub creates a child group. It exists only in the tracking hierarchy: its
+// processes stay in this group's limit groups, so they share its limits, and
+// Kill of the child kills them without touching this group's other
+// processes (even those that called setsid).
+func (c *Cgroup) Sub(name string) (*Cgroup, error) {
+	if err := validName(name); err != nil {
+		return nil, fmt.Errorf("creating sub-group of %s: %w", c.path, err)
+	}
+	child := c.child(name)
 	if err := unix.Mkdir(child.track, 0o755); err != nil {
 		if err == unix.EEXIST {
 			return nil, fmt.Errorf("creating cgroup %s: %w", child.path, ErrExist)

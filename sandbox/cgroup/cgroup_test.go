@@ -653,3 +653,70 @@ func TestCloneIntoCgroup(t *testing.T) {
 		})
 	}
 }
+
+// A new manager, as after a restart, opens the groups an earlier one made
+// and tells a sub-group frozen on its own from one frozen by its parent or
+// thawed.
+func TestOpenAndSelfFrozen(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "top", Limits{})
+			sub, err := c.Sub("t1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := startCmd(t, "sleep", "1000")
+			if err := sub.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = c.Thaw(); _ = sub.Thaw() })
+			if err := sub.Freeze(); err != nil {
+				t.Fatal(err)
+			}
+			m2, err := New(m.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := m2.Open("missing"); !errors.Is(err, ErrNotExist) {
+				t.Fatalf("Open of a missing group = %v, want ErrNotExist", err)
+			}
+			c2, err := m2.Open("top")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := c2.OpenSub("t2"); !errors.Is(err, ErrNotExist) {
+				t.Fatalf("OpenSub of a missing group = %v, want ErrNotExist", err)
+			}
+			sub2, err := c2.OpenSub("t1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if pids, err := sub2.Pids(); err != nil || len(pids) != 1 || pids[0] != h.pid() {
+				t.Fatalf("Pids of the reopened group = %v, %v", pids, err)
+			}
+			check := func(what string, want bool) {
+				t.Helper()
+				if got, err := sub2.SelfFrozen(); err != nil || got != want {
+					t.Fatalf("%s: SelfFrozen = %v, %v; want %v", what, got, err, want)
+				}
+			}
+			check("frozen itself", true)
+			if err := sub2.Thaw(); err != nil {
+				t.Fatal(err)
+			}
+			check("thawed", false)
+			if err := c2.Freeze(); err != nil {
+				t.Fatal(err)
+			}
+			check("frozen by its parent only", false)
+			if err := c2.Thaw(); err != nil {
+				t.Fatal(err)
+			}
+			if err := c2.Delete(); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

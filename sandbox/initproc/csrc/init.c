@@ -20,9 +20,12 @@
 // start, then confines itself as it confines commands (see confine): the
 // root swap is done by the server from outside (see setup_mounts), so the
 // init keeps no privilege that a command lacks.
-// When the control socket closes (the server went away), the init exits and
-// the kernel kills everything in the sandbox's pid namespace.
+// When the control socket closes (the server went away), the init kills
+// every process of the sandbox but the frozen templates of process
+// checkpoints (see orphaned), and exits once none is left: the kernel then
+// ends the pid namespace. A restarted server re-adopts the templates.
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -34,6 +37,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -45,6 +49,7 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 enum {
@@ -331,6 +336,93 @@ static int do_spawn(uint32_t len, int32_t *pid_out) {
 	return 0;
 }
 
+// ---- orphaned ---------------------------------------------------------------
+//
+// The server is gone (a crash, a SIGKILL). What the sandbox ran is ended; the
+// templates of its process checkpoints are kept, frozen, for the next server
+// on the same data directory to re-adopt (it saves them as CRIU images, then
+// ends the sandbox). A template is a process whose cgroup (in the sandbox's
+// cgroup namespace) is a template group, named t<n>; the copies the next
+// server makes of them to save them are in groups named i<n>, kept too.
+// Processes inside cannot create or join groups. The init waits for its
+// children until none is left, then exits.
+
+// is_template reports whether pid is in a template group (or an image
+// copy's).
+static int is_template(long pid) {
+	char path[64], b[1024];
+	snprintf(path, sizeof path, "/proc/%ld/cgroup", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) return 0;
+	ssize_t n = read(fd, b, sizeof b - 1);
+	close(fd);
+	if (n <= 0) return 0;
+	b[n] = 0;
+	for (char *line = b, *end; *line; line = end + 1) {
+		end = strchr(line, '\n');
+		if (!end) end = line + strlen(line);
+		char *base = end;
+		while (base > line && base[-1] != '/') base--;
+		if (base > line && (*base == 't' || *base == 'i') && base + 1 < end) {
+			char *d = base + 1;
+			while (d < end && *d >= '0' && *d <= '9') d++;
+			if (d == end) return 1;
+		}
+		if (!*end) break;
+	}
+	return 0;
+}
+
+// kill_others SIGKILLs every process but the init and the templates and
+// returns how many it found alive (zombies aside).
+static int kill_others(int *kept) {
+	DIR *d = opendir("/proc");
+	if (!d) return 0;
+	int left = 0;
+	*kept = 0;
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		char *end;
+		long pid = strtol(e->d_name, &end, 10);
+		if (*end || pid <= 1) continue;
+		if (is_template(pid)) {
+			(*kept)++;
+			continue;
+		}
+		char path[64], st[256];
+		snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+		int fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0) continue;
+		ssize_t n = read(fd, st, sizeof st - 1);
+		close(fd);
+		if (n <= 0) continue;
+		st[n] = 0;
+		char *p = strrchr(st, ')');
+		if (p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X')) continue;
+		kill(pid, SIGKILL);
+		left++;
+	}
+	closedir(d);
+	return left;
+}
+
+static int orphaned(void) {
+	if (getpid() != 1) return 0; // only ever the init of a sandbox's pid namespace
+	int kept = 0;
+	for (;;) {
+		int left = kill_others(&kept);
+		while (waitpid(-1, NULL, WNOHANG) > 0) {
+		}
+		if (!left) break;
+		struct timespec ts = {0, 1000000};
+		nanosleep(&ts, NULL);
+	}
+	if (!kept) return 0;
+	for (;;) {
+		if (waitpid(-1, NULL, 0) < 0 && errno == ECHILD) return 0;
+	}
+}
+
 // ---- main loop --------------------------------------------------------------
 
 static void reap(void) {
@@ -365,9 +457,10 @@ static int confine(void) {
 }
 
 // serve sends the hello, then answers requests with handle and reports the
-// exits of reaped children, until the server closes the socket. Signals
-// that would end the process are blocked: it ends when its socket closes.
-static int serve(void (*handle)(struct hdr *h)) {
+// exits of reaped children, until the server closes the socket; then it
+// returns what gone returns. Signals that would end the process are
+// blocked: it ends when its socket closes.
+static int serve(void (*handle)(struct hdr *h), int (*gone)(void)) {
 	sigset_t mask;
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
@@ -398,7 +491,7 @@ static int serve(void (*handle)(struct hdr *h)) {
 		if (!pf[0].revents) continue;
 		struct hdr h;
 		ssize_t n = recv_msg(&h);
-		if (n == 0) return 0; // the server is gone: so is what we serve
+		if (n == 0) return gone(); // the server is gone
 		if (n < 0) {
 			close_fds();
 			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
@@ -431,7 +524,7 @@ static int init_main(const char *hostname) {
 	if (setup_mounts() < 0) return 1;
 	if (hostname && hostname[0] && sethostname(hostname, strlen(hostname)) < 0) return 1;
 	if (confine() < 0) return 1;
-	return serve(init_handle);
+	return serve(init_handle, orphaned);
 }
 
 // ---- zygote -------------------------------------------------------------------
@@ -515,6 +608,9 @@ static int zspawn(uint32_t len, int32_t *pid_out) {
 	return err;
 }
 
+// The zygote has nothing to keep: its inits see their own sockets close.
+static int zygote_gone(void) { return 0; }
+
 static void zygote_handle(struct hdr *h) {
 	if (h->type != ZSPAWN) {
 		reply(h->id, ENOSYS, 0);
@@ -526,6 +622,6 @@ static void zygote_handle(struct hdr *h) {
 }
 
 int main(int argc, char **argv) {
-	if (argc > 1 && strcmp(argv[1], "--zygote") == 0) return serve(zygote_handle);
+	if (argc > 1 && strcmp(argv[1], "--zygote") == 0) return serve(zygote_handle, zygote_gone);
 	return init_main(argc > 1 ? argv[1] : NULL);
 }

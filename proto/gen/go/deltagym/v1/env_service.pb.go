@@ -981,10 +981,12 @@ type CheckpointRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// sandbox_id is the sandbox to checkpoint.
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	// durable makes the checkpoint keep its processes even through a crash of
-	// the server: those kept as frozen templates are saved as CRIU images at
-	// once, in the background (otherwise when first needed elsewhere, when
-	// the sandbox ends, or at a clean shutdown; files are always kept).
+	// durable makes the checkpoint keep its processes whatever happens to its
+	// sandbox: those kept as frozen templates are saved as CRIU images at
+	// once, in the background. Otherwise they are saved when first needed
+	// elsewhere, when the sandbox ends, at a clean shutdown, or by the next
+	// server after a crash, and lost if a template is lost first (an agent's
+	// kill -9 -1, the sandbox killed from outside). Files are always kept.
 	Durable bool `protobuf:"varint,2,opt,name=durable,proto3" json:"durable,omitempty"`
 	// process_mode is how to capture live processes; unspecified means the
 	// env's default.
@@ -1055,9 +1057,9 @@ type CheckpointResponse struct {
 	Depth int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	// processes tells how each live process was captured.
 	Processes []*ProcessCapture `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
-	// durable is set when the checkpoint survives even a crash of the server
-	// whole: it holds no process kept only as a template, or durable was
-	// asked for.
+	// durable is set when nothing that happens to the sandbox can take the
+	// checkpoint's processes: it holds no process kept only as a frozen
+	// template, or durable was asked for.
 	Durable       bool `protobuf:"varint,5,opt,name=durable,proto3" json:"durable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -1,0 +1,201 @@
+package sandbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/launch"
+)
+
+// Re-adopting templates after a crash.
+//
+// A sandbox ends with the server that runs it: a clean stop destroys it
+// (saving its checkpoints' templates as CRIU images first), and a crash
+// closes its init's control socket. The init then ends every process but the
+// frozen templates (dg-init's orphaned) and stays, holding the sandbox's
+// namespaces, until they are gone. The next server on the data directory
+// finds it through the sandbox's record (store/meta/sandboxes/<id>), saves
+// each checkpoint's templates as CRIU images — the same path as a clean
+// stop (procs_image.go) — and then ends the sandbox. A template whose group
+// is found thawed, or that is gone or is another process now (its start
+// time), counts as lost: its checkpoint brings back its files, and its
+// processes only from a durable image.
+
+// sandboxRecord is what the data directory keeps of a live sandbox, for the
+// next server.
+type sandboxRecord struct {
+	InitPid    int    `json:"init_pid"`
+	InitStart  uint64 `json:"init_start"`  // guards against pid reuse
+	Cgroup     string `json:"cgroup"`      // the sandbox's top-level group
+	CgroupRoot string `json:"cgroup_root"` // the runtime's (Config.CgroupRoot)
+}
+
+// endOrphans ends the sandboxes whose records are in dir and whose inits
+// are still there.
+func endOrphans(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil // no records, no sandboxes
+	}
+	var errs []error
+	for _, e := range entries {
+		b, err := os.ReadFile(filepath.Join(dir, e.Name()))
+		var rec sandboxRecord
+		if err != nil || json.Unmarshal(b, &rec) != nil || rec.InitPid <= 0 || rec.CgroupRoot == "" {
+			continue
+		}
+		if st, err := startTime(rec.InitPid); err != nil || st != rec.InitStart {
+			continue
+		}
+		m, err := cgroup.New(cgroup.Config{Root: rec.CgroupRoot})
+		if err == nil {
+			err = m.Remove(rec.Cgroup) // the init and the templates with the rest
+		}
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+func (r *Runtime) sandboxRecordPath(id string) string {
+	return filepath.Join(r.store, "meta", "sandboxes", id)
+}
+
+func (r *Runtime) writeSandboxRecord(s *Sandbox) error {
+	st, err := startTime(s.init.Pid)
+	if err != nil {
+		return fmt.Errorf("reading the init's start time: %w", err)
+	}
+	b, err := json.Marshal(sandboxRecord{InitPid: s.init.Pid, InitStart: st, Cgroup: s.cg.Name(), CgroupRoot: r.cfg.CgroupRoot})
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(r.sandboxRecordPath(s.id), b, 0o600)
+}
+
+// readopt saves the templates that sandbox id of a crashed server left, then
+// ends what is left of the sandbox. Called by New, before the layers (the
+// sandbox's live root among them) are reconciled.
+func (r *Runtime) readopt(ctx context.Context, id string) {
+	b, err := os.ReadFile(r.sandboxRecordPath(id))
+	var rec sandboxRecord
+	if err == nil {
+		err = json.Unmarshal(b, &rec)
+	}
+	if err != nil || rec.InitPid <= 0 || rec.Cgroup == "" {
+		return // an older server's record: its inits took everything with them
+	}
+	pidfd, err := unix.PidfdOpen(rec.InitPid, 0)
+	if err != nil {
+		return // the init is gone, and its templates with it
+	}
+	defer unix.Close(pidfd)
+	if st, err := startTime(rec.InitPid); err != nil || st != rec.InitStart {
+		return // another process has the pid now
+	}
+	cg, err := r.cg.Open(rec.Cgroup)
+	if err != nil {
+		r.log.Warn("a crashed server's sandbox lost its cgroup; its templates are lost", "sandbox", id, "err", err)
+		_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
+		return
+	}
+	s := &Sandbox{rt: r, id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid}, tpls: map[string]*cgroup.Cgroup{},
+		// Clear of the group names the crashed server used.
+		seq: 1 << 30}
+	var cks []*checkpoint
+	for _, c := range r.ckpts {
+		if c.SandboxID != id || len(c.Procs) == 0 || len(c.TplImages) > 0 || c.TplGroup == "" {
+			continue
+		}
+		tg, err := cg.OpenSub(c.TplGroup)
+		if err == nil {
+			var frozen bool
+			if frozen, err = tg.SelfFrozen(); err == nil && !frozen {
+				err = errors.New("found thawed")
+			}
+		}
+		if err != nil {
+			r.log.Warn("templates lost in a crash", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
+			continue
+		}
+		s.tpls[c.ID] = tg
+		cks = append(cks, c)
+	}
+	if len(cks) > 0 {
+		if err := s.endAllButTemplates(); err != nil {
+			r.log.Warn("ending the processes of a crashed server's sandbox", "sandbox", id, "err", err)
+		}
+		slices.SortFunc(cks, func(a, b *checkpoint) int { return a.Created.Compare(b.Created) })
+		for _, c := range cks {
+			units, err := s.imageTemplates(ctx, c)
+			if err != nil {
+				r.log.Warn("templates lost in a crash: saving them as CRIU images failed", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
+				continue
+			}
+			r.log.Info("templates re-adopted after a crash", "checkpoint", c.ID, "sandbox", id, "images", len(units))
+		}
+	}
+	// End the sandbox. Template groups first: a frozen template with a
+	// SIGKILL pending would hold the pid namespace's end.
+	for _, tg := range s.tpls {
+		if err := tg.Delete(); err != nil {
+			r.log.Warn("removing a crashed server's template group", "sandbox", id, "err", err)
+		}
+	}
+	_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
+	// The init is not our child: wait for its exit on the pidfd.
+	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	if n, err := unix.Poll(fds, 5000); err != nil || n == 0 {
+		r.log.Warn("the init of a crashed server's sandbox did not exit", "sandbox", id, "pid", rec.InitPid, "err", err)
+	}
+}
+
+// endAllButTemplates kills every process of a crashed server's sandbox but
+// its init and its templates. Its init does the same (dg-init's orphaned),
+// unless the sandbox was frozen at the crash: it is thawed here.
+func (s *Sandbox) endAllButTemplates() error {
+	if frozen, err := s.cg.SelfFrozen(); err == nil && frozen {
+		if err := s.cg.Thaw(); err != nil {
+			return err
+		}
+	}
+	keep := map[int]bool{s.init.Pid: true}
+	for _, tg := range s.tpls {
+		pids, err := tg.Pids()
+		if err != nil {
+			return err
+		}
+		for _, p := range pids {
+			keep[p] = true
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		pids, err := s.cg.Pids()
+		if err != nil {
+			return err
+		}
+		left := 0
+		for _, p := range pids {
+			if !keep[p] {
+				_ = unix.Kill(p, unix.SIGKILL)
+				left++
+			}
+		}
+		if left == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d processes did not end", left)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
