@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -187,5 +188,65 @@ func BenchmarkFork8MB(b *testing.B) {
 		c.Kill()
 		var ws unix.WaitStatus
 		_, _ = unix.Wait4(c.Pid, &ws, 0, nil)
+	}
+}
+
+// A session runs its tracees on its own CPU while they are attached; each
+// gets its own mask back on detach, a copy its parent's, and the tracer's
+// thread too.
+func TestCPUMaskRestored(t *testing.T) {
+	needRoot(t)
+	if runtime.NumCPU() < 2 {
+		t.Skip("one CPU: nothing to pin")
+	}
+	cmd, lines := counter(t)
+	<-lines
+	go func() {
+		for range lines {
+		}
+	}()
+	var all unix.CPUSet
+	if err := unix.SchedGetaffinity(cmd.Process.Pid, &all); err != nil {
+		t.Fatal(err)
+	}
+	s := NewSession()
+	var mine unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &mine); err != nil || mine.Count() != 1 {
+		s.Close()
+		t.Fatalf("tracer's mask during the session: %d CPUs, %v; want 1", mine.Count(), err)
+	}
+	p, err := s.Attach(cmd.Process.Pid)
+	if err != nil {
+		s.Close()
+		t.Fatal(err)
+	}
+	c, _, err := p.Fork()
+	if err != nil {
+		s.Close()
+		t.Fatal(err)
+	}
+	var m unix.CPUSet
+	if err := unix.SchedGetaffinity(c.Pid, &m); err != nil || m != mine {
+		s.Close()
+		t.Fatalf("copy's mask while attached: %v, %v; want the session's CPU", m, err)
+	}
+	copyPid := c.Pid
+	defer func() {
+		_ = unix.Kill(copyPid, unix.SIGKILL)
+		var ws unix.WaitStatus
+		_, _ = unix.Wait4(copyPid, &ws, 0, nil)
+	}()
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, pid := range []int{cmd.Process.Pid, copyPid} {
+		if err := unix.SchedGetaffinity(pid, &m); err != nil || m != all {
+			t.Fatalf("mask of %d after detach: %d CPUs, %v; want %d", pid, m.Count(), err, all.Count())
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := unix.SchedGetaffinity(0, &m); err != nil || m.Count() != runtime.NumCPU() {
+		t.Fatalf("a thread's mask after the session: %d CPUs, %v", m.Count(), err)
 	}
 }
