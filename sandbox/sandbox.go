@@ -814,12 +814,5 @@ func (s *Sandbox) waitKilled() {
 	if g == nil {
 		return
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		live, err := g.Populated()
-		if err != nil || !live || time.Now().After(deadline) {
-			return
-		}
-		time.Sleep(200 * time.Microsecond)
-	}
+	_ = g.WaitEmpty(2 * time.Second)
 }

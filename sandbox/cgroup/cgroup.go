@@ -647,6 +647,30 @@ func (c *Cgroup) populated() (bool, error) {
 	return len(p) > 0, err
 }
 
+// WaitEmpty waits up to timeout until the group and its sub-groups have no
+// process left (a killed group's processes are exiting); ErrTimeout if
+// some are still there then. A missing group is empty.
+func (c *Cgroup) WaitEmpty(timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	if c.trackV2 {
+		err := waitEvent(c.track, "populated", 0, deadline)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return c.wrap("waiting for the processes of", err)
+	}
+	b := backoff{deadline: deadline}
+	for {
+		pop, err := c.Populated()
+		if err != nil || !pop {
+			return err
+		}
+		if !b.wait() {
+			return c.wrap("waiting for the processes of", ErrTimeout)
+		}
+	}
+}
+
 // Delete kills the group's processes, if any, and removes it and its
 // sub-groups. Deleting a deleted group is not an error.
 func (c *Cgroup) Delete() error {

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -716,6 +717,41 @@ func TestOpenAndSelfFrozen(t *testing.T) {
 			}
 			if err := c2.Delete(); err != nil {
 				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// WaitEmpty returns once a killed group's processes are gone, and times
+// out while one lives.
+func TestWaitEmpty(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "wait", Limits{})
+			sub, err := c.Sub("w1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := startCmd(t, "sleep", "1000")
+			if err := sub.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.WaitEmpty(20 * time.Millisecond); !errors.Is(err, ErrTimeout) {
+				t.Fatalf("WaitEmpty with a live process = %v, want ErrTimeout", err)
+			}
+			if err := unix.Kill(h.pid(), unix.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.WaitEmpty(5 * time.Second); err != nil {
+				t.Fatalf("WaitEmpty after the kill = %v", err)
+			}
+			if err := c.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.WaitEmpty(time.Millisecond); err != nil {
+				t.Fatalf("WaitEmpty of a deleted group = %v", err)
 			}
 		})
 	}

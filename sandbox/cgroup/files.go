@@ -182,8 +182,17 @@ func (b *backoff) wait() bool {
 		return true
 	}
 	d := 20 * time.Microsecond << min(b.n-4, 6)
-	time.Sleep(d)
+	sleep(d)
 	return true
+}
+
+// sleep pauses the calling thread for d. Not time.Sleep: with its CPUs
+// idle, the Go runtime waits for its timers in epoll_wait, whose timeout is
+// in milliseconds, so a 20 µs time.Sleep lasts a millisecond.
+func sleep(d time.Duration) {
+	ts := unix.NsecToTimespec(int64(d))
+	for unix.Nanosleep(&ts, &ts) == unix.EINTR {
+	}
 }
 
 // readPids lists cgroup.procs of dir.
