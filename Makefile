@@ -50,5 +50,5 @@ clean: ## remove build output (not the image cache)
 
 clean-data: ## unmount and delete the (stopped) server's state in $(DATA) (keeps the image cache)
 	@if [ -x $(BIN)/deltagym ]; then $(BIN)/deltagym purge --data $(DATA); fi
-	@findmnt -rn -o TARGET | grep "^$(DATA)/" | sort -r | xargs -r umount -l
+	@findmnt -rn -o TARGET | { grep "^$(DATA)/" || true; } | sort -r | xargs -r umount -l
 	rm -rf $(DATA)/sandbox $(DATA)/pg $(DATA)/spool $(DATA)/loadtest

@@ -75,7 +75,7 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 	owner := r.sandboxes[c.SandboxID]
 	r.mu.Unlock()
 	if owner == nil {
-		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (its init was killed, a template was found thawed after a crash, or CRIU was missing then); fork the checkpoint to start from its files only, and take checkpoints durable to keep processes whatever happens to the sandbox",
+		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (its init was killed, a template was found thawed after a crash, or CRIU was missing then); its files can still be restored or forked, without those processes; take checkpoints durable to keep processes whatever happens to the sandbox",
 			ErrProcesses, c.ID, procNames(c.Procs), c.SandboxID)
 	}
 	return owner.imageTemplates(ctx, c)

@@ -72,8 +72,11 @@ func crashChild() {
 }
 
 // crashWithTemplates runs the counter of procs_test.go in the default
-// image and takes two checkpoints that keep it as a template, at counts 3
-// and 5; it counts on to 6 and waits to be killed.
+// image and a session, and takes two checkpoints that keep both as
+// templates, at counts 3 and 5; it counts on to 6 and waits to be killed.
+// The session runs a command right before each checkpoint and before the
+// end: the init's exit events then often sit unread in the server's socket
+// when it dies, and the init sees ECONNRESET, not EOF.
 func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 	ctx := context.Background()
 	if _, err := rt.ImportImage(ctx, "default", os.Getenv("DG_ROOTFS")); err != nil {
@@ -96,6 +99,11 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/counter.py"}, Background: true}); err != nil {
 		fail(err)
 	}
+	session := func() {
+		if res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "cd /tmp; X=kept"}); err != nil || res.ExitCode != 0 {
+			fail(fmt.Errorf("session: %v %+v", err, res))
+		}
+	}
 	inc := func(n int) {
 		run(fmt.Sprintf(`echo inc > /tmp/ctl; for i in $(seq 1000); do [ "$(cat /tmp/count 2>/dev/null)" = %d ] && exit 0; sleep 0.01; done; exit 1`, n))
 	}
@@ -103,6 +111,7 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 	for n := 1; n <= 6; n++ {
 		inc(n)
 		if n == 3 || n == 5 {
+			session()
 			ck, err := s.Checkpoint(ctx)
 			if err != nil {
 				fail(err)
@@ -110,6 +119,7 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 			ids = append(ids, ck.ID)
 		}
 	}
+	session()
 	fmt.Println("READY", ids[0], ids[1], s.ID(), s.InitPid())
 	select {}
 }
@@ -237,7 +247,8 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the init of a sandbox with templates did not outlive its server: %v", err)
 	}
-	// Left running: the init and the two templates; the live counter ends.
+	// Left running: the init and the templates of the counter and the
+	// session's shell; the live ones end.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var left []string
@@ -249,7 +260,7 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 			}
 		}
 		slices.Sort(left)
-		if slices.Equal(left, []string{"dg-init", "python3", "python3"}) {
+		if slices.Equal(left, []string{"bash", "bash", "dg-init", "python3", "python3"}) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -279,6 +290,9 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 		t.Fatalf("count file %q", got)
 	}
 	inc(t, k[0], 4)
+	if res, err := k[0].Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: "echo $X $(pwd)"}); err != nil || string(res.Stdout) != "kept /tmp\n" {
+		t.Fatalf("the session's shell after the crash: %v %+v", err, res)
+	}
 	// The second one lost its process: its files only.
 	if _, err := rt.Fork(t.Context(), ck5, 1, sandbox.Spec{}); !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "python3") {
 		t.Fatalf("fork of a checkpoint whose template was found thawed: %v", err)

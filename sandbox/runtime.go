@@ -533,7 +533,7 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 	}
 	sort.Strings(r.ended)
 	if len(r.ended) > 0 {
-		r.log.Info("sandboxes of the previous run were ended by the restart", "count", len(r.ended))
+		r.log.Info("the sandboxes of the previous run ended with it (warm-pool ones included)", "count", len(r.ended))
 	}
 	names, err := r.cg.List()
 	if err != nil {

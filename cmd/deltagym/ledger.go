@@ -34,7 +34,7 @@ func (d *dbFlags) register(fs *flag.FlagSet) {
 	if data == "" {
 		data = ".data"
 	}
-	fs.StringVar(&d.data, "data", data, "server data directory holding the private Postgres cluster (default $"+envDataDir+" or .data)")
+	fs.StringVar(&d.data, "data", data, "server data directory holding the private Postgres cluster ($"+envDataDir+" sets the default)")
 }
 
 // pgDir is where `deltagym serve` keeps its private Postgres cluster (the
@@ -186,15 +186,16 @@ func writeOutput(stdout io.Writer, path string, write func(io.Writer) error) err
 }
 
 // runPurge deletes the sandbox runtime's state in a stopped server's data
-// directory: its imported images, checkpoints and layers, and the sandboxes
-// a crashed server left waiting for the next one (their inits keep the
-// templates of process checkpoints). `make clean-data` runs it.
+// directory (its checkpoints, layers and imported images) and ends what a
+// crashed server left running: the sandboxes waiting for the next server
+// (their inits keep the templates of process checkpoints) and the private
+// Postgres. `make clean-data` runs it, then deletes the rest.
 func runPurge(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	data := os.Getenv(envDataDir)
 	if data == "" {
 		data = ".data"
 	}
-	fs.StringVar(&data, "data", data, "server data directory (default $"+envDataDir+" or .data)")
+	fs.StringVar(&data, "data", data, "server data directory ($"+envDataDir+" sets the default)")
 	pos, _, err := parseArgs(fs, args)
 	if err != nil {
 		return err
@@ -207,6 +208,11 @@ func runPurge(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 		if errors.Is(err, sandbox.ErrExists) {
 			return fmt.Errorf("a server is running on %s: stop it first", data)
 		}
+		return err
+	}
+	// The server is not running (Purge holds its lock): a postmaster of
+	// its private cluster is an orphan of a crash.
+	if err := pgserver.StopOrphan(ctx, pgDir(data)); err != nil {
 		return err
 	}
 	_, err = fmt.Fprintf(a.stdout, "purged %s\n", dir)

@@ -495,7 +495,9 @@ static int serve(void (*handle)(struct hdr *h), int (*gone)(void)) {
 		if (n < 0) {
 			close_fds();
 			if (n == -1 && (errno == EAGAIN || errno == EINTR)) continue;
-			if (n == -1) return 1;
+			// ECONNRESET: the server died with messages of ours
+			// unread. Gone all the same.
+			if (n == -1) return gone();
 			reply(h.id, EPROTO, 0);
 			continue;
 		}

@@ -151,6 +151,13 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	return s, nil
 }
 
+// StopOrphan shuts down the postmaster of the private cluster in dataDir that a crashed run left
+// running, if there is one. The cluster must not be in use by a live server.
+func StopOrphan(ctx context.Context, dataDir string) error {
+	s := &Server{pgdata: filepath.Join(dataDir, "postgres")}
+	return s.clearStale(ctx)
+}
+
 // URL returns a pgx-compatible URL of the server's database over its unix socket.
 func (s *Server) URL() string { return s.URLFor(s.cfg.Database) }
 

@@ -146,3 +146,25 @@ func TestSocketPathTooLong(t *testing.T) {
 		t.Fatal("Validate accepted a data dir too deep for a unix socket")
 	}
 }
+
+// StopOrphan shuts down a postmaster left by a crashed run, and is a no-op
+// when there is none.
+func TestStopOrphan(t *testing.T) {
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	if err := StopOrphan(t.Context(), dir); err != nil {
+		t.Fatalf("StopOrphan without a cluster: %v", err)
+	}
+	s, err := Start(t.Context(), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The process that started it "crashes": the postmaster is left running.
+	if err := StopOrphan(t.Context(), dir); err != nil {
+		t.Fatal(err)
+	}
+	<-s.exited
+	if _, err := os.Stat(filepath.Join(dir, "postgres", "postmaster.pid")); !os.IsNotExist(err) {
+		t.Fatalf("postmaster.pid after StopOrphan: %v", err)
+	}
+}
