@@ -970,6 +970,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	r.drainWarm()
 	errs = append(errs, r.net.Close(), r.spawn.Close())
 	r.layers.Wait()
+	errs = append(errs, r.cg.RemoveBase())
 	r.devnull.Close()
 	r.lock.Close()
 	return errors.Join(errs...)

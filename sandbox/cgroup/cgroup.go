@@ -148,6 +148,18 @@ func (m *Manager) CloneIntoComplete() bool {
 	return m.l.mode == ModeUnified
 }
 
+// RemoveBase removes /<Root> from each hierarchy once no group is left
+// in it (a runtime that closed); one still holding groups stays.
+func (m *Manager) RemoveBase() error {
+	for _, r := range m.l.roots() {
+		base := filepath.Join(r, m.cfg.Root)
+		if err := unix.Rmdir(base); err != nil && err != unix.ENOENT && err != unix.EBUSY && err != unix.ENOTEMPTY {
+			return fmt.Errorf("removing cgroup base %s: %w", base, &os.PathError{Op: "rmdir", Path: base, Err: err})
+		}
+	}
+	return nil
+}
+
 // ensureBase creates /<Root> in each hierarchy and, for controllers used in
 // cgroup v2, enables them in the hierarchy root and in /<Root>, so that the
 // sandbox groups below get the controllers' files.

@@ -525,6 +525,24 @@ func TestListRemoveLeftovers(t *testing.T) {
 					t.Errorf("leftover process ended with %v, want SIGKILL", ws)
 				}
 			}
+			// A base with a group stays; an empty one goes.
+			if _, err := m2.Create("kept", Limits{}); err != nil {
+				t.Fatal(err)
+			}
+			if err := m2.RemoveBase(); err != nil {
+				t.Fatalf("RemoveBase with a group left: %v", err)
+			}
+			if err := m2.Remove("kept"); err != nil {
+				t.Fatal(err)
+			}
+			if err := m2.RemoveBase(); err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range m2.l.roots() {
+				if _, err := os.Stat(filepath.Join(r, m2.cfg.Root)); !os.IsNotExist(err) {
+					t.Errorf("base in %s after RemoveBase: %v", r, err)
+				}
+			}
 		})
 	}
 }

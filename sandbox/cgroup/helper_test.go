@@ -338,7 +338,7 @@ func newManager(t testing.TB, mode Mode) *Manager {
 			}
 		}
 		for _, r := range m.l.roots() {
-			if err := os.Remove(filepath.Join(r, root)); err != nil {
+			if err := os.Remove(filepath.Join(r, root)); err != nil && !os.IsNotExist(err) {
 				t.Error(err)
 			}
 		}
