@@ -31,6 +31,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/deltagym/deltagym/sandbox/cpupin"
+
 	"github.com/deltagym/deltagym/sandbox/initproc"
 )
 
@@ -268,9 +270,15 @@ func (in *Init) Swap(mountFD int) error {
 // swapPool runs root swaps on long-lived locked threads, each with an fs
 // context of its own: a swap enters the sandbox's mount namespace and comes
 // back, so no thread is created per swap.
+//
+// A job is a hand-over to a sleeping thread: the workers are moved to the
+// caller's CPU first, where waking one is a plain switch rather than the
+// wake-up of an idle vCPU (cpupin).
 type swapPool struct {
 	once sync.Once
 	jobs chan swapJob
+	mu   sync.Mutex
+	tids map[int]bool // the workers' threads
 }
 
 type swapJob struct {
@@ -284,17 +292,35 @@ var swapWorkers swapPool
 func (p *swapPool) do(mntns, mountFD int, detached chan error) error {
 	p.once.Do(func() {
 		p.jobs = make(chan swapJob)
+		p.tids = map[int]bool{}
 		for range 2 {
-			go swapWorker(p.jobs)
+			go p.worker()
 		}
 	})
+	if cpu, err := cpupin.Current(); err == nil {
+		set := cpupin.Set(cpu)
+		p.mu.Lock()
+		for tid := range p.tids {
+			_ = unix.SchedSetaffinity(tid, &set)
+		}
+		p.mu.Unlock()
+	}
 	errc := make(chan error, 1)
 	p.jobs <- swapJob{mntns, mountFD, errc, detached}
 	return <-errc
 }
 
-func swapWorker(jobs chan swapJob) {
+func (p *swapPool) worker() {
 	runtime.LockOSThread() // never unlocked: the thread's fs context is its own
+	tid := unix.Gettid()
+	p.mu.Lock()
+	p.tids[tid] = true
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		delete(p.tids, tid)
+		p.mu.Unlock()
+	}()
 	if err := unix.Unshare(unix.CLONE_FS); err != nil {
 		panic(fmt.Sprintf("swap worker: unsharing fs: %v", err))
 	}
@@ -302,7 +328,7 @@ func swapWorker(jobs chan swapJob) {
 	if err != nil {
 		panic(fmt.Sprintf("swap worker: opening own mount namespace: %v", err))
 	}
-	for j := range jobs {
+	for j := range p.jobs {
 		pivoted, err := swapLocked(j.mntns, j.mountFD)
 		j.errc <- err
 		var derr error
@@ -315,7 +341,7 @@ func swapWorker(jobs chan swapJob) {
 			// The thread cannot go home: let it die with the goroutine
 			// and start a fresh worker in its place.
 			j.detached <- errors.Join(derr, fmt.Errorf("leaving sandbox mount namespace: %w", berr))
-			go swapWorker(jobs)
+			go p.worker()
 			return
 		}
 		j.detached <- derr

@@ -34,9 +34,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cpupin"
 )
 
 // Sentinel errors.
@@ -82,19 +83,11 @@ type Session struct {
 func NewSession() *Session {
 	runtime.LockOSThread()
 	s := &Session{procs: map[int]*Proc{}}
-	if cpu, err := getcpu(); err == nil && unix.SchedGetaffinity(0, &s.old) == nil {
-		s.cpu.Set(cpu)
+	if cpu, err := cpupin.Current(); err == nil && unix.SchedGetaffinity(0, &s.old) == nil {
+		s.cpu = cpupin.Set(cpu)
 		s.pinned = unix.SchedSetaffinity(0, &s.cpu) == nil
 	}
 	return s
-}
-
-func getcpu() (int, error) {
-	var cpu uint32
-	if _, _, e := unix.RawSyscall(unix.SYS_GETCPU, uintptr(unsafe.Pointer(&cpu)), 0, 0); e != 0 {
-		return 0, e
-	}
-	return int(cpu), nil
 }
 
 // pin moves p onto the session's CPU, keeping its mask for unpin.
