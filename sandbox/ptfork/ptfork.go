@@ -169,7 +169,12 @@ func (s *Session) Seize(pid int) (*Proc, error) {
 	} else if n != 1 {
 		return nil, fmt.Errorf("%w: pid %d has %d threads", ErrThreads, pid, n)
 	}
+	// Onto the session's CPU first, while it sleeps: the interrupt then
+	// wakes it here, and nothing has to migrate a running task.
+	p := &Proc{s: s, Pid: pid}
+	s.pin(p)
 	if err := ptrace(unix.PTRACE_SEIZE, pid, 0, unix.PTRACE_O_TRACEFORK|unix.PTRACE_O_TRACECLONE|ptraceOTraceSysgood); err != nil {
+		_ = p.unpin()
 		if errors.Is(err, unix.ESRCH) {
 			return nil, fmt.Errorf("%w: pid %d", ErrGone, pid)
 		}
@@ -177,11 +182,11 @@ func (s *Session) Seize(pid int) (*Proc, error) {
 	}
 	if err := ptrace(unix.PTRACE_INTERRUPT, pid, 0, 0); err != nil {
 		_ = unix.PtraceDetach(pid)
+		_ = p.unpin()
 		return nil, fmt.Errorf("interrupting pid %d: %w", pid, err)
 	}
-	p := &Proc{s: s, Pid: pid, attached: true}
+	p.attached = true
 	s.procs[pid] = p
-	s.pin(p)
 	return p, nil
 }
 
