@@ -86,12 +86,13 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 	if err != nil {
 		fail(err)
 	}
-	run := func(cmd string) {
+	runIn := func(s *sandbox.Sandbox, cmd string) {
 		res, err := s.Exec(ctx, sandbox.ExecRequest{Command: cmd, Timeout: 15 * time.Second})
 		if err != nil || res.ExitCode != 0 {
 			fail(fmt.Errorf("%s: %v %+v", cmd, err, res))
 		}
 	}
+	run := func(cmd string) { runIn(s, cmd) }
 	run("mkfifo /tmp/ctl")
 	if err := s.WriteFile(ctx, "/tmp/counter.py", []byte(counterPy), 0o644, false); err != nil {
 		fail(err)
@@ -104,9 +105,10 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 			fail(fmt.Errorf("session: %v %+v", err, res))
 		}
 	}
-	inc := func(n int) {
-		run(fmt.Sprintf(`echo inc > /tmp/ctl; for i in $(seq 1000); do [ "$(cat /tmp/count 2>/dev/null)" = %d ] && exit 0; sleep 0.01; done; exit 1`, n))
+	incIn := func(s *sandbox.Sandbox, n int) {
+		runIn(s, fmt.Sprintf(`echo inc > /tmp/ctl; for i in $(seq 1000); do [ "$(cat /tmp/count 2>/dev/null)" = %d ] && exit 0; sleep 0.01; done; exit 1`, n))
 	}
+	inc := func(n int) { incIn(s, n) }
 	var ids []string
 	for n := 1; n <= 6; n++ {
 		inc(n)
@@ -120,7 +122,19 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 		}
 	}
 	session()
-	fmt.Println("READY", ids[0], ids[1], s.ID(), s.InitPid())
+	// A fork of the first checkpoint: its counter comes from a CRIU image,
+	// a child of the server, and so is the template its checkpoint keeps.
+	kids, err := rt.Fork(ctx, ids[0], 1, sandbox.Spec{})
+	if err != nil {
+		fail(err)
+	}
+	incIn(kids[0], 4)
+	ck, err := kids[0].Checkpoint(ctx)
+	if err != nil {
+		fail(err)
+	}
+	incIn(kids[0], 5)
+	fmt.Println("READY", ids[0], ids[1], s.ID(), s.InitPid(), ck.ID, kids[0].InitPid())
 	select {}
 }
 
@@ -241,8 +255,12 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
 	f := crash(t, b, "templates", defaultRootfs(t))
-	ck3, ck5, sb := f[0], f[1], f[2]
+	ck3, ck5, sb, ckFork := f[0], f[1], f[2], f[4]
 	initPid, _ := strconv.Atoi(f[3])
+	forkInit, _ := strconv.Atoi(f[5])
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d", forkInit)); err != nil {
+		t.Fatalf("the init of a forked sandbox with templates did not outlive its server: %v", err)
+	}
 	pidns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", initPid))
 	if err != nil {
 		t.Fatalf("the init of a sandbox with templates did not outlive its server: %v", err)
@@ -275,11 +293,23 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 		t.Fatal(err)
 	}
 	b.rt = rt
-	if ended := rt.Ended(); len(ended) != 1 || ended[0] != sb {
-		t.Fatalf("ended %v, want [%s]", ended, sb)
+	if ended := rt.Ended(); len(ended) != 2 || !slices.Contains(ended, sb) {
+		t.Fatalf("ended %v, want %s and the fork", ended, sb)
 	}
 	waitGone(t, initPid, "the init of a re-adopted sandbox")
+	waitGone(t, forkInit, "the init of a re-adopted fork")
 	checkNoCgroups(t, b)
+	// The fork's checkpoint: its counter (a copy of a process criu
+	// restored, whose parent was the server) comes back at 4.
+	kf, err := rt.Fork(t.Context(), ckFork, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kf[0].Destroy(context.Background()) })
+	if got := sh(t, kf[0], "cat /tmp/count"); got != "4" {
+		t.Fatalf("count file in a fork of the fork's checkpoint %q", got)
+	}
+	inc(t, kf[0], 5)
 	// The first checkpoint brings its counter back, at 3, in a fork.
 	k, err := rt.Fork(t.Context(), ck3, 1, sandbox.Spec{})
 	if err != nil {

@@ -419,7 +419,14 @@ static int orphaned(void) {
 	}
 	if (!kept) return 0;
 	for (;;) {
-		if (waitpid(-1, NULL, 0) < 0 && errno == ECHILD) return 0;
+		if (waitpid(-1, NULL, 0) >= 0 || errno != ECHILD) continue;
+		// No child of ours, but a template whose parent is the server
+		// (a copy of a process criu restored) becomes ours only once
+		// the server has finished exiting, after its socket closed.
+		kill_others(&kept);
+		if (!kept) return 0;
+		struct timespec ts = {0, 10000000};
+		nanosleep(&ts, NULL);
 	}
 }
 
