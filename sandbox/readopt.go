@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -33,37 +34,38 @@ import (
 // sandboxRecord is what the data directory keeps of a live sandbox, for the
 // next server.
 type sandboxRecord struct {
-	InitPid    int    `json:"init_pid"`
-	InitStart  uint64 `json:"init_start"`  // guards against pid reuse
-	Cgroup     string `json:"cgroup"`      // the sandbox's top-level group
-	CgroupRoot string `json:"cgroup_root"` // the runtime's (Config.CgroupRoot)
+	InitPid   int    `json:"init_pid"`
+	InitStart uint64 `json:"init_start"` // guards against pid reuse
+	Cgroup    string `json:"cgroup"`     // the sandbox's top-level group
 }
 
-// endOrphans ends the sandboxes whose records are in dir and whose inits
-// are still there.
-func endOrphans(dir string) error {
-	entries, err := os.ReadDir(dir)
+// endGroups removes every cgroup of the runtime whose store is store, with
+// whatever still runs in them: a crashed runtime's sandboxes waiting with
+// their templates, and the groups of its warm inits. The runtime records
+// its cgroup root in the store (cgroupRootFile).
+func endGroups(store string) error {
+	b, err := os.ReadFile(filepath.Join(store, cgroupRootFile))
 	if err != nil {
-		return nil // no records, no sandboxes
+		return nil // no runtime ran here, or one from before the record
+	}
+	m, err := cgroup.New(cgroup.Config{Root: strings.TrimSpace(string(b))})
+	if err != nil {
+		return err
+	}
+	names, err := m.List()
+	if err != nil {
+		return err
 	}
 	var errs []error
-	for _, e := range entries {
-		b, err := os.ReadFile(filepath.Join(dir, e.Name()))
-		var rec sandboxRecord
-		if err != nil || json.Unmarshal(b, &rec) != nil || rec.InitPid <= 0 || rec.CgroupRoot == "" {
-			continue
-		}
-		if st, err := startTime(rec.InitPid); err != nil || st != rec.InitStart {
-			continue
-		}
-		m, err := cgroup.New(cgroup.Config{Root: rec.CgroupRoot})
-		if err == nil {
-			err = m.Remove(rec.Cgroup) // the init and the templates with the rest
-		}
-		errs = append(errs, err)
+	for _, n := range names {
+		errs = append(errs, m.Remove(n))
 	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, m.RemoveBase())...)
 }
+
+// cgroupRootFile names, in the store, the file holding the runtime's
+// cgroup root (Config.CgroupRoot).
+const cgroupRootFile = "cgroup_root"
 
 func (r *Runtime) sandboxRecordPath(id string) string {
 	return filepath.Join(r.store, "meta", "sandboxes", id)
@@ -74,7 +76,7 @@ func (r *Runtime) writeSandboxRecord(s *Sandbox) error {
 	if err != nil {
 		return fmt.Errorf("reading the init's start time: %w", err)
 	}
-	b, err := json.Marshal(sandboxRecord{InitPid: s.init.Pid, InitStart: st, Cgroup: s.cg.Name(), CgroupRoot: r.cfg.CgroupRoot})
+	b, err := json.Marshal(sandboxRecord{InitPid: s.init.Pid, InitStart: st, Cgroup: s.cg.Name()})
 	if err != nil {
 		return err
 	}

@@ -337,6 +337,9 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	}
 	r.lock = lock
 	cleanup = append(cleanup, func() { lock.Close() })
+	if err := os.WriteFile(filepath.Join(r.store, cgroupRootFile), []byte(cfg.CgroupRoot+"\n"), 0o600); err != nil {
+		return fail(fmt.Errorf("recording the cgroup root: %w", err))
+	}
 	if err := mountMeta(r.store); err != nil {
 		return fail(err)
 	}
@@ -978,8 +981,8 @@ func (r *Runtime) Close(ctx context.Context) error {
 
 // Purge removes a data directory written by a runtime, unmounting its
 // layers first. The runtime must be closed: ErrExists if one holds the
-// directory. Sandboxes a crashed runtime left waiting for re-adoption
-// (readopt.go) are ended.
+// directory. The runtime's cgroups go too, with what a crashed runtime
+// left running in them: sandboxes waiting for re-adoption (readopt.go).
 func Purge(dataDir string) error {
 	if _, err := os.Stat(filepath.Join(dataDir, "store")); err == nil {
 		lock, err := lockStore(filepath.Join(dataDir, "store"))
@@ -988,7 +991,7 @@ func Purge(dataDir string) error {
 		}
 		defer lock.Close()
 	}
-	err := endOrphans(filepath.Join(dataDir, "store", "meta", "sandboxes"))
+	err := endGroups(filepath.Join(dataDir, "store"))
 	err = errors.Join(err, layers.Purge(filepath.Join(dataDir, "store", "layers")))
 	_ = unix.Unmount(filepath.Join(dataDir, "store", "layers"), unix.MNT_DETACH)
 	_ = unix.Unmount(filepath.Join(dataDir, "store", "meta"), unix.MNT_DETACH)
