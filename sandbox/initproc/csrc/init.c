@@ -22,8 +22,8 @@
 // init keeps no privilege that a command lacks.
 // When the control socket closes (the server went away), the init kills
 // every process of the sandbox but the frozen templates of process
-// checkpoints (see orphaned), and exits once none is left: the kernel then
-// ends the pid namespace. A restarted server re-adopts the templates.
+// checkpoints (see orphaned), and exits once none of those is left: the
+// kernel then ends the pid namespace. A restarted server re-adopts the templates.
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -344,8 +344,8 @@ static int do_spawn(uint32_t len, int32_t *pid_out) {
 // ends the sandbox). A template is a process whose cgroup (in the sandbox's
 // cgroup namespace) is a template group, named t<n>; the copies the next
 // server makes of them to save them are in groups named i<n>, kept too.
-// Processes inside cannot create or join groups. The init waits for its
-// children until none is left, then exits.
+// Processes inside cannot create or join groups. The init reaps its
+// children until no template is left in its pid namespace, then exits.
 
 // is_template reports whether pid is in a template group (or an image
 // copy's).
