@@ -31,11 +31,11 @@ import (
 // symlink targets, hard-link groups, user xattrs) is read back and compared
 // with the model after every restore and fork, and now and then in between.
 //
-// The model is POSIX. Two overlayfs behaviours shape the generator rather
-// than the model: a file with several names in a sealed layer is never
-// changed (copy-up would split it from its other names at the next
-// checkpoint: TestHardlinkCopyUpAcrossCheckpoint), and directories are
-// renamed only when the outcome does not depend on whether the kernel
+// The model is POSIX, hard links included: a change through one name of a
+// file sealed in a layer shows through its other names, in the live
+// sandbox and in every later checkpoint (TestHardlinksKeptAcrossCheckpoints).
+// One overlayfs behaviour shapes the generator rather than the model:
+// directories are renamed only when the outcome does not depend on whether the kernel
 // renames them or busybox mv copies them after EXDEV (redirect_dir=off):
 // no sparse file (a copy fills it in), no xattr (busybox cp drops them),
 // no hard link (cp finds links by st_ino, which overlayfs with xino=off
@@ -62,9 +62,6 @@ type minode struct {
 	size   int64            // sparse files
 	blocks map[int64][]byte // sparse files: probe offset -> block bytes
 	xattrs map[string]string
-	// lower: the inode lives in a sealed layer; a change through one of
-	// its names copies that name up alone.
-	lower bool
 }
 
 func newFile(mode uint32, data []byte) *minode {
@@ -125,9 +122,8 @@ func newModel() *model {
 	return &model{nodes: map[string]*mnode{"/w": {kind: 'd', mode: 0o755}}}
 }
 
-// clone copies the model, keeping hard links shared; lower marks every
-// inode as sealed (the copy is a checkpoint's view).
-func (m *model) clone(lower bool) *model {
+// clone copies the model, keeping hard links shared.
+func (m *model) clone() *model {
 	c := &model{nodes: make(map[string]*mnode, len(m.nodes))}
 	inos := map[*minode]*minode{}
 	for p, n := range m.nodes {
@@ -135,23 +131,12 @@ func (m *model) clone(lower bool) *model {
 		if n.ino != nil {
 			if inos[n.ino] == nil {
 				inos[n.ino] = n.ino.clone()
-				if lower {
-					inos[n.ino].lower = true
-				}
 			}
 			nn.ino = inos[n.ino]
 		}
 		c.nodes[p] = &nn
 	}
 	return c
-}
-
-func (m *model) markLower() {
-	for _, n := range m.nodes {
-		if n.ino != nil {
-			n.ino.lower = true
-		}
-	}
 }
 
 func (m *model) sorted(keep func(string, *mnode) bool) []string {
@@ -175,22 +160,8 @@ func (m *model) names(in *minode) int {
 	return k
 }
 
-// frozen reports whether file p is one of several names of a sealed inode.
-// Changing it would copy p up alone; overlayfs (index=off) then shows the
-// change through the other names too while the mount's inode cache lasts,
-// but a checkpoint keeps them on the old inode (TestHardlinkCopyUpAcross-
-// Checkpoint), so the generator leaves such files alone.
-func (m *model) frozen(p string) bool {
-	n := m.nodes[p]
-	return n.kind == 'f' && n.ino.lower && m.names(n.ino) > 1
-}
-
-// own returns the inode of file p ready for a change (p is not frozen).
-func (m *model) own(p string) *minode {
-	n := m.nodes[p]
-	n.ino.lower = false // copied up
-	return n.ino
-}
+// own returns the inode of file p, for a change.
+func (m *model) own(p string) *minode { return m.nodes[p].ino }
 
 func under(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
 
@@ -239,11 +210,6 @@ func (g *modelGen) files(small bool) []string {
 	return g.m.sorted(func(p string, n *mnode) bool { return n.kind == 'f' && (!small || !n.ino.sparse) })
 }
 
-// mutable drops the frozen files from list.
-func (g *modelGen) mutable(list []string) []string {
-	return slices.DeleteFunc(list, g.m.frozen)
-}
-
 // newName returns a free name in a random directory.
 func (g *modelGen) newName(maxDepth int) (string, bool) {
 	d, ok := g.pick(g.dirs(maxDepth))
@@ -289,7 +255,7 @@ func (g *modelGen) step() bool {
 	m := g.m
 	switch op := g.rng.Intn(100); {
 	case op < 14: // create or overwrite a small file
-		p, ok := g.pick(g.mutable(g.files(true)))
+		p, ok := g.pick(g.files(true))
 		if !ok || g.rng.Intn(2) == 0 {
 			if p, ok = g.newName(4); !ok {
 				return false
@@ -303,7 +269,7 @@ func (g *modelGen) step() bool {
 		}
 		g.sh("%s > %s", cmd, p)
 	case op < 22: // append
-		p, ok := g.pick(g.mutable(g.files(true)))
+		p, ok := g.pick(g.files(true))
 		if !ok {
 			return false
 		}
@@ -312,7 +278,7 @@ func (g *modelGen) step() bool {
 		in.data = append(slices.Clone(in.data), data...)
 		g.sh("%s >> %s", cmd, p)
 	case op < 27: // truncate a small file
-		p, ok := g.pick(g.mutable(g.files(true)))
+		p, ok := g.pick(g.files(true))
 		if !ok {
 			return false
 		}
@@ -330,7 +296,7 @@ func (g *modelGen) step() bool {
 		delete(m.nodes, p)
 		g.sh("rm %s", p)
 	case op < 43: // rename a file or symlink, to a new name or over a file
-		src, ok := g.pick(g.mutable(m.sorted(func(_ string, n *mnode) bool { return n.kind != 'd' })))
+		src, ok := g.pick(m.sorted(func(_ string, n *mnode) bool { return n.kind != 'd' }))
 		if !ok {
 			return false
 		}
@@ -398,7 +364,7 @@ func (g *modelGen) step() bool {
 	case op < 61: // rename a directory
 		return g.renameDir()
 	case op < 67: // chmod
-		p, ok := g.pick(g.mutable(m.sorted(func(_ string, n *mnode) bool { return n.kind != 'l' })))
+		p, ok := g.pick(m.sorted(func(_ string, n *mnode) bool { return n.kind != 'l' }))
 		if !ok {
 			return false
 		}
@@ -420,7 +386,7 @@ func (g *modelGen) step() bool {
 		m.nodes[p] = &mnode{kind: 'l', target: t}
 		g.sh("ln -s %s %s", t, p)
 	case op < 80: // hard link
-		src, ok := g.pick(g.mutable(g.files(false)))
+		src, ok := g.pick(g.files(false))
 		if !ok {
 			return false
 		}
@@ -434,7 +400,7 @@ func (g *modelGen) step() bool {
 	case op < 86: // sparse files: create, write a probe block, resize
 		return g.sparse()
 	case op < 93: // user xattrs
-		p, ok := g.pick(g.mutable(g.files(false)))
+		p, ok := g.pick(g.files(false))
 		if !ok {
 			return false
 		}
@@ -451,7 +417,7 @@ func (g *modelGen) step() bool {
 		in.xattrs[k] = v
 		g.sh("%s set %s %s '%s'", modelXA, p, k, v)
 	default: // a write through the file API, outside any command
-		p, ok := g.pick(g.mutable(g.files(true)))
+		p, ok := g.pick(g.files(true))
 		if !ok || g.rng.Intn(2) == 0 {
 			if p, ok = g.newName(4); !ok {
 				return false
@@ -517,7 +483,6 @@ func (g *modelGen) renameDir() bool {
 			// Either way the files end up in the upper layer.
 			if moved[n.ino] == nil {
 				moved[n.ino] = n.ino.clone()
-				moved[n.ino].lower = false
 			}
 			n.ino = moved[n.ino]
 		}
@@ -550,7 +515,7 @@ func (g *modelGen) sparse() bool {
 		m.nodes[p] = &mnode{kind: 'f', ino: &minode{mode: 0o644, sparse: true, size: size, blocks: map[int64][]byte{}, xattrs: map[string]string{}}}
 		g.sh("truncate -s %d %s", size, p)
 	case r < 8:
-		p, ok := g.pick(g.mutable(big))
+		p, ok := g.pick(big)
 		if !ok {
 			return false
 		}
@@ -571,7 +536,7 @@ func (g *modelGen) sparse() bool {
 		in.blocks[o] = blk
 		g.sh("printf '%%s' %s | dd of=%s bs=1 seek=%d conv=notrunc 2>/dev/null", q(data), p, o+off)
 	default:
-		p, ok := g.pick(g.mutable(big))
+		p, ok := g.pick(big)
 		if !ok {
 			return false
 		}
@@ -670,14 +635,9 @@ func parseListing(out string) (map[string]*listed, error) {
 }
 
 // diffTree compares a listing with the model and returns the differences.
-//
-// Hard-link groups are compared only when groups is set: right after a
-// restore or fork, when every file is in a sealed layer and its (st_dev,
-// st_ino) are those of the layer's inode. A file copied up into the upper
-// may report the inode number of its copy-up origin under one name and of
-// the upper inode under another (overlayfs with xino=off), so stat cannot
-// tell the groups of the live upper.
-func diffTree(m *model, got map[string]*listed, groups bool) []string {
+// Hard-link groups are told by (st_dev, st_ino): with its index, overlayfs
+// reports every name of a copied-up file with its origin's inode.
+func diffTree(m *model, got map[string]*listed) []string {
 	var diffs []string
 	byIno := map[string][]string{}
 	for p, l := range got {
@@ -729,10 +689,6 @@ func diffTree(m *model, got map[string]*listed, groups bool) []string {
 		if m.nodes[p] == nil {
 			diffs = append(diffs, fmt.Sprintf("%s: unexpected entry (mode %o)", p, got[p].mode))
 		}
-	}
-	if !groups {
-		sort.Strings(diffs)
-		return diffs
 	}
 	// Hard-link groups: the names sharing an inode must be the same sets.
 	want := map[string]string{}
@@ -846,7 +802,7 @@ func modelImage(t *testing.T, b *bundle) *model {
 	file := func(p, data string, mode uint32) *minode {
 		must(os.WriteFile(filepath.Join(root, p), []byte(data), 0o600))
 		must(unix.Chmod(filepath.Join(root, p), mode))
-		in := &minode{mode: mode, data: []byte(data), xattrs: map[string]string{}, lower: true}
+		in := &minode{mode: mode, data: []byte(data), xattrs: map[string]string{}}
 		m.nodes[p] = &mnode{kind: 'f', ino: in}
 		return in
 	}
@@ -946,7 +902,7 @@ func TestModelFileOps(t *testing.T) {
 		}
 		stats.batches++
 	}
-	var check func(sb *sandbox.Sandbox, m *model, when string, groups bool)
+	var check func(sb *sandbox.Sandbox, m *model, when string)
 	g := &modelGen{rng: rng, m: m}
 	g.write = func(p string, data []byte, mode os.FileMode, appendTo bool) {
 		t.Helper()
@@ -958,11 +914,11 @@ func TestModelFileOps(t *testing.T) {
 		}
 		note("WriteFile %s (%d bytes, mode %o, append %v)", p, len(data), mode, appendTo)
 		if checkAll {
-			check(s, g.m, "after WriteFile "+p, false)
+			check(s, g.m, "after WriteFile "+p)
 		}
 		stats.hostWrites++
 	}
-	check = func(sb *sandbox.Sandbox, m *model, when string, groups bool) {
+	check = func(sb *sandbox.Sandbox, m *model, when string) {
 		t.Helper()
 		start := time.Now()
 		res, err := sb.Exec(ctx, sandbox.ExecRequest{Command: listScript, MaxOutput: 16 << 20, Timeout: time.Minute})
@@ -973,7 +929,7 @@ func TestModelFileOps(t *testing.T) {
 		if err != nil {
 			t.Fatalf("seed %d: %v", seed, err)
 		}
-		if d := diffTree(m, got, groups); len(d) > 0 {
+		if d := diffTree(m, got); len(d) > 0 {
 			t.Fatalf("seed %d, after %d ops, %s: the tree differs from the model:\n%s", seed, stats.ops, when, strings.Join(d[:min(len(d), 30)], "\n")+"\n"+recent(append(diffPaths(d), strings.Fields(os.Getenv("DG_MODEL_PATHS"))...)...))
 		}
 		// A few small files read back through the file API too.
@@ -995,7 +951,7 @@ func TestModelFileOps(t *testing.T) {
 	}
 	var snaps []snap
 	bgLive := false
-	check(s, m, "at the start", true)
+	check(s, m, "at the start")
 	start := time.Now()
 	for stats.ops < target {
 		n := 1 + rng.Intn(40)
@@ -1009,7 +965,7 @@ func TestModelFileOps(t *testing.T) {
 		g.script.Reset()
 		flush()
 		if rng.Intn(5) == 0 || checkAll {
-			check(s, m, "after a batch", false)
+			check(s, m, "after a batch")
 		}
 		switch r := rng.Intn(100); {
 		case r < 35: // checkpoint, sometimes with a live process (frozen-copy path)
@@ -1023,12 +979,10 @@ func TestModelFileOps(t *testing.T) {
 			if err != nil {
 				t.Fatalf("seed %d: checkpoint: %v", seed, err)
 			}
-			snaps = append(snaps, snap{ck.ID, m.clone(true)})
+			snaps = append(snaps, snap{ck.ID, m.clone()})
 			note("checkpoint %s (live process %v)", ck.ID, bgLive)
 			if bgLive {
 				stats.copied++
-			} else {
-				m.markLower() // the upper was sealed under the live tree
 			}
 			stats.checkpoints++
 		case r < 57 && len(snaps) > 0: // restore a random earlier checkpoint
@@ -1037,11 +991,11 @@ func TestModelFileOps(t *testing.T) {
 				t.Fatalf("seed %d: restore %s: %v", seed, sn.id, err)
 			}
 			bgLive = false
-			m = sn.m.clone(true)
+			m = sn.m.clone()
 			g.m = m
 			stats.restores++
 			note("restore %s", sn.id)
-			check(s, m, "after restore to "+sn.id, true)
+			check(s, m, "after restore to "+sn.id)
 		case r < 63 && len(snaps) > 0: // fork: check one child, go on in the other
 			sn := snaps[rng.Intn(len(snaps))]
 			kids, err := b.rt.Fork(ctx, sn.id, 2, sandbox.Spec{})
@@ -1051,7 +1005,7 @@ func TestModelFileOps(t *testing.T) {
 			for _, k := range kids {
 				t.Cleanup(func() { _ = k.Destroy(context.Background()) })
 			}
-			check(kids[1], sn.m, "in a fork of "+sn.id, true)
+			check(kids[1], sn.m, "in a fork of "+sn.id)
 			if err := kids[1].Destroy(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -1059,11 +1013,11 @@ func TestModelFileOps(t *testing.T) {
 				t.Fatal(err)
 			}
 			s, bgLive = kids[0], false
-			m = sn.m.clone(true)
+			m = sn.m.clone()
 			g.m = m
 			stats.forks++
 			note("fork of %s", sn.id)
-			check(s, m, "in the fork of "+sn.id+" that goes on", true)
+			check(s, m, "in the fork of "+sn.id+" that goes on")
 		case r < 66 && len(snaps) > 4: // release an old checkpoint
 			i := rng.Intn(len(snaps) / 2)
 			id := snaps[i].id
@@ -1078,7 +1032,7 @@ func TestModelFileOps(t *testing.T) {
 			note("release %s", id)
 		}
 	}
-	check(s, m, "at the end", false)
+	check(s, m, "at the end")
 	el := time.Since(start)
 	kinds := map[string]int{}
 	for _, j := range journal {
@@ -1095,25 +1049,126 @@ func TestModelFileOps(t *testing.T) {
 		stats.ops, stats.batches, stats.hostWrites, stats.checkpoints, stats.copied, stats.restores, stats.forks, stats.releases, stats.checks, stats.listing.Round(time.Millisecond), el.Round(time.Millisecond))
 }
 
-// A file with two names is checkpointed, then changed through one name:
-// POSIX says the other name shows the change, and a checkpoint must keep
-// it. With overlayfs index=off, copy-up puts only the changed name in the
-// upper: the live overlay shows the other name changed or not depending on
-// its inode cache, and the checkpoint (and any restore or fork of it) shows
-// it with the old content, no longer linked.
-func TestHardlinkCopyUpAcrossCheckpoint(t *testing.T) {
-	if os.Getenv("DG_KNOWN_BUGS") == "" {
-		t.Skip("known bug (copy-up splits hard links at the next checkpoint, overlayfs index=off); set DG_KNOWN_BUGS=1 to run")
-	}
+// A file with several names is checkpointed, then changed through one name:
+// POSIX says the other names show the change, and every later checkpoint,
+// restore and fork must keep it so. overlayfs copies up the changed name
+// alone; its index makes the live mount show the others as the copy, and
+// the seal puts them into the layer too (overlay.Links).
+func TestHardlinksKeptAcrossCheckpoints(t *testing.T) {
 	b := setup(t)
-	s := b.create(t, sandbox.Spec{})
+	cases := []struct {
+		name      string
+		before    string // after the files are made, before the first checkpoint
+		change    string // after the first checkpoint
+		live      bool   // a background process runs: the checkpoint copies the upper
+		check     string
+		want      string
+		wantDepth int
+	}{
+		{name: "sealed", change: "echo new > /w/a",
+			check: "cat /w/a /w/b /w/c; stat -c %h /w/a /w/b", want: "new\nnew\nnew\n3\n3\n", wantDepth: 2},
+		{name: "live process", change: "echo new > /w/a", live: true,
+			check: "cat /w/a /w/b /w/c; stat -c %h /w/a", want: "new\nnew\nnew\n3\n", wantDepth: 2},
+		{name: "changed name removed", change: "echo new > /w/a; rm /w/a",
+			check: "cat /w/b /w/c; stat -c %h /w/b; test ! -e /w/a", want: "new\nnew\n2\n", wantDepth: 2},
+		{name: "changed name renamed", change: "echo new > /w/a; mv /w/a /w/d",
+			check: "cat /w/b /w/c /w/d; stat -c %h /w/d; test ! -e /w/a", want: "new\nnew\nnew\n3\n", wantDepth: 2},
+		{name: "a name replaced", change: "rm /w/c; echo other > /w/c; echo new > /w/b",
+			check: "cat /w/a /w/b /w/c; stat -c %h /w/a /w/c", want: "new\nnew\nother\n2\n1\n", wantDepth: 2},
+		{name: "a name in another directory", before: "mkdir /w/d; ln /w/a /w/d/e", change: "echo new >> /w/d/e",
+			check: "cat /w/a /w/c; stat -c %h /w/a", want: "old\nnew\nold\nnew\n4\n", wantDepth: 2},
+		{name: "change through an open fd", change: "exec 3>>/w/c; echo new >&3",
+			check: "cat /w/a; stat -c %h /w/b", want: "old\nnew\n3\n", wantDepth: 2},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := t.Context()
+			s := b.create(t, sandbox.Spec{})
+			sh(t, s, "mkdir /w; echo old > /w/a; ln /w/a /w/b; ln /w/a /w/c")
+			if tc.before != "" {
+				sh(t, s, tc.before)
+			}
+			if _, err := s.Checkpoint(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if tc.live {
+				if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 1000", Background: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			sh(t, s, tc.change)
+			if out := sh(t, s, tc.check); out != tc.want {
+				t.Fatalf("in the live sandbox: %q, want %q", out, tc.want)
+			}
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ck.Depth != tc.wantDepth {
+				t.Fatalf("checkpoint depth %d, want %d (the change in a layer of its own)", ck.Depth, tc.wantDepth)
+			}
+			if out := sh(t, s, tc.check); out != tc.want {
+				t.Fatalf("after the checkpoint: %q, want %q", out, tc.want)
+			}
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				t.Fatal(err)
+			}
+			if out := sh(t, s, tc.check); out != tc.want {
+				t.Fatalf("after restoring the checkpoint: %q, want %q", out, tc.want)
+			}
+			kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = kids[0].Destroy(context.Background()) })
+			if out := sh(t, kids[0], tc.check); out != tc.want {
+				t.Fatalf("in a fork of the checkpoint: %q, want %q", out, tc.want)
+			}
+			// Once more on top: the group now lives in the sealed layer.
+			sh(t, kids[0], "echo newer > /w/b")
+			ck2, err := kids[0].Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Restore(ctx, ck2.ID); err != nil {
+				t.Fatal(err)
+			}
+			// Every name of /w/b's inode shows the new content.
+			out := sh(t, s, `i=$(stat -c %i /w/b); n=$(stat -c %h /w/b); k=0
+for f in /w/* /w/*/*; do if [ -f "$f" ] && [ "$(stat -c %i "$f")" = "$i" ] && [ "$(cat "$f")" = newer ]; then k=$((k+1)); fi; done
+echo $n $k`)
+			var n, k int
+			if _, err := fmt.Sscan(out, &n, &k); err != nil || n < 2 || n != k {
+				t.Fatalf("after a second change, checkpoint and restore: %q, want \"N N\" (names of /w/b, names showing the change)", out)
+			}
+		})
+	}
+}
+
+// The same with the link group in the image's layer (on the data
+// directory's filesystem, not a delta layer's tmpfs).
+func TestHardlinksKeptInImage(t *testing.T) {
+	b := setup(t)
 	ctx := t.Context()
-	sh(t, s, "mkdir /w; echo old > /w/a; ln /w/a /w/b")
-	if _, err := s.Checkpoint(ctx); err != nil {
+	root := b.root // already imported as "busybox"; reused for a second image
+	for _, err := range []error{
+		os.MkdirAll(filepath.Join(root, "w/d"), 0o755),
+		os.WriteFile(filepath.Join(root, "w/a"), []byte("old\n"), 0o644),
+		os.Link(filepath.Join(root, "w/a"), filepath.Join(root, "w/b")),
+		os.Link(filepath.Join(root, "w/a"), filepath.Join(root, "w/d/c")),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := b.rt.ImportImage(ctx, "linked", root); err != nil {
 		t.Fatal(err)
 	}
-	if out := sh(t, s, "echo new > /w/a; cat /w/b"); out != "new\n" {
-		t.Logf("the live overlay shows the other name unchanged: %q", out)
+	s := b.create(t, sandbox.Spec{Image: "linked"})
+	const check, want = "cat /w/a /w/b /w/d/c; stat -c %h /w/b", "new\nnew\nnew\n3\n"
+	sh(t, s, "echo new > /w/d/c")
+	if out := sh(t, s, check); out != want {
+		t.Fatalf("in the live sandbox: %q, want %q", out, want)
 	}
 	ck, err := s.Checkpoint(ctx)
 	if err != nil {
@@ -1122,7 +1177,15 @@ func TestHardlinkCopyUpAcrossCheckpoint(t *testing.T) {
 	if err := s.Restore(ctx, ck.ID); err != nil {
 		t.Fatal(err)
 	}
-	if out := sh(t, s, "cat /w/a /w/b; stat -c %h /w/a"); out != "new\nnew\n2\n" {
-		t.Fatalf("after restoring the checkpoint: %q, want both names new and linked (\"new\\nnew\\n2\\n\")", out)
+	if out := sh(t, s, check); out != want {
+		t.Fatalf("after restoring the checkpoint: %q, want %q", out, want)
+	}
+	kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kids[0].Destroy(context.Background()) })
+	if out := sh(t, kids[0], check); out != want {
+		t.Fatalf("in a fork of the checkpoint: %q, want %q", out, want)
 	}
 }

@@ -54,6 +54,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/image"
 	"github.com/deltagym/deltagym/sandbox/launch"
 	"github.com/deltagym/deltagym/sandbox/layers"
+	"github.com/deltagym/deltagym/sandbox/overlay"
 )
 
 // Config configures a Runtime.
@@ -233,6 +234,7 @@ type Runtime struct {
 	devnull *os.File
 	skel    string
 	lock    *os.File
+	links   *overlay.Links // hard-link groups of lowers (sandbox.linkUp)
 
 	criuMu sync.Mutex
 	criuW  *criu.Swrk // found on first use (procs_criu.go)
@@ -317,6 +319,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
 		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
 		done: make(chan struct{}), flatSem: make(chan struct{}, 1),
+		links: overlay.NewLinks(),
 	}
 	for i := maxRanges - 1; i >= 0; i-- {
 		r.ranges = append(r.ranges, firstHostID+i*launch.IDRange)

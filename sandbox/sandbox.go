@@ -15,6 +15,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/layers"
 	"github.com/deltagym/deltagym/sandbox/overlay"
 )
 
@@ -374,7 +375,7 @@ func (s *Sandbox) buildRoot(stack []string, ufd int) (int, error) {
 		return -1, err
 	}
 	lowers = append(lowers, fd)
-	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: "fs", WorkDir: "work", MounterID: s.hostID})
+	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: layers.UpperDir, WorkDir: layers.WorkDir, MounterID: s.hostID})
 }
 
 // maxStack bounds the lowers of a sandbox's overlay, below the kernel's 500.
@@ -638,6 +639,9 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 // top layer, under a fresh upper.
 func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 	r := s.rt
+	if err := s.linkUp(); err != nil {
+		return err
+	}
 	size, err := r.layers.Seal(s.upper)
 	if err != nil {
 		return err
@@ -675,6 +679,33 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 	return nil
 }
 
+// linkUp puts into the upper the other names of every hard-linked lower
+// file the overlay copied up (overlay.Links), so that the layer the upper
+// becomes keeps the file's link group. Nothing runs in the sandbox.
+func (s *Sandbox) linkUp() error {
+	index := filepath.Join(s.rt.layers.Dir(s.upper), layers.WorkDir, "index")
+	if overlay.IndexEmpty(index) {
+		return nil
+	}
+	root, err := unix.Open(fmt.Sprintf("/proc/%d/root", s.init.Pid), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("opening the sandbox's root: %w", err)
+	}
+	defer unix.Close(root)
+	lowers := make([]string, 0, len(s.stack)+len(s.img.layers)+1)
+	for i := len(s.stack) - 1; i >= 0; i-- {
+		lowers = append(lowers, s.rt.layers.Path(s.stack[i]))
+	}
+	for i := len(s.img.layers) - 1; i >= 0; i-- {
+		lowers = append(lowers, s.img.layers[i])
+	}
+	lowers = append(lowers, s.rt.skel)
+	if _, err := s.rt.links.Materialize(root, index, lowers); err != nil {
+		return fmt.Errorf("keeping hard links whole: %w", err)
+	}
+	return nil
+}
+
 // copyUpper is the path for a sandbox with live processes: freeze, seal a
 // copy of the upper, thaw.
 func (s *Sandbox) copyUpper(c *checkpoint) error {
@@ -700,7 +731,11 @@ func (s *Sandbox) copyUpperFrozen(c *checkpoint) error {
 	}
 	unix.Close(sp.fd)
 	id := sp.id
-	size, err := r.layers.CopyInto(s.upper, id)
+	err = s.linkUp()
+	var size int64
+	if err == nil {
+		size, err = r.layers.CopyInto(s.upper, id)
+	}
 	s.prepareSpare()
 	if err != nil {
 		r.layers.Unref(id)

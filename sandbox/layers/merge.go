@@ -295,6 +295,10 @@ func (s *Store) Flatten(ids []string, sizeBytes int64, below []string) (string, 
 	for i, l := range ids {
 		srcs[i] = s.Path(l)
 	}
+	if err := os.Mkdir(s.Path(id), 0o755); err != nil {
+		s.Unref(id)
+		return "", fmt.Errorf("flattening: %w", err)
+	}
 	if err := Merge(s.Path(id), srcs, below); err != nil {
 		s.Unref(id)
 		return "", err

@@ -2,8 +2,9 @@
 // and the immutable layers they become when sealed.
 //
 // Each delta layer is its own small tmpfs, mounted in the server's mount
-// namespace at <dir>/<id>, holding fs/ (the overlay upper, later a lower) and
-// work/ (overlayfs's work dir). A tmpfs per layer gives three things at once:
+// namespace at <dir>/<id>, holding up/ (the overlay upper), work/
+// (overlayfs's work dir) and, once sealed, fs/ (the layer, a lower of later
+// overlays). A tmpfs per layer gives three things at once:
 // the size limit of a sandbox's writable layer (size=), a discard that is one
 // lazy unmount instead of an rm of every file, and sealing that the kernel
 // enforces: a sealed layer's superblock is remounted read-only, so nothing —
@@ -53,11 +54,21 @@ func New(dir string) (*Store, error) {
 	return &Store{dir: dir, refs: map[string]int{}, sizes: map[string]int64{}}, nil
 }
 
-// Dir returns the directory of layer id (holding fs/ and work/).
+// Dir returns the directory of layer id (holding up/, work/ and fs/).
 func (s *Store) Dir(id string) string { return filepath.Join(s.dir, id) }
 
-// Path returns the filesystem directory of layer id: the upper, or lower.
+// Path returns the filesystem directory of sealed layer id: a lower.
 func (s *Store) Path(id string) string { return filepath.Join(s.dir, id, "fs") }
+
+// UpperDir and WorkDir are the overlay's upper and work directories of a
+// writable layer, relative to its Dir.
+const (
+	UpperDir = "up"
+	WorkDir  = "work"
+)
+
+// UpperPath returns the upper directory of writable layer id.
+func (s *Store) UpperPath(id string) string { return filepath.Join(s.dir, id, UpperDir) }
 
 func newID() string {
 	var b [8]byte
@@ -81,7 +92,7 @@ func (s *Store) NewUpper(sizeBytes int64) (string, error) {
 		os.Remove(d)
 		return "", fmt.Errorf("mounting layer %s: %w", id, err)
 	}
-	for _, sub := range []string{"fs", "work"} {
+	for _, sub := range []string{UpperDir, WorkDir} {
 		if err := os.Mkdir(filepath.Join(d, sub), 0o755); err != nil {
 			s.discard(id)
 			return "", fmt.Errorf("creating layer %s: %w", id, err)
@@ -93,17 +104,48 @@ func (s *Store) NewUpper(sizeBytes int64) (string, error) {
 	return id, nil
 }
 
-// Seal makes layer id immutable: its tmpfs is remounted read-only, which the
-// kernel refuses while any file in it is open for writing. It returns the
-// bytes the layer uses.
+// Seal makes layer id immutable: its upper's entries move into fs/, the
+// overlay's index is emptied, and its tmpfs is remounted read-only, which
+// the kernel refuses while any file in it is open for writing. It returns
+// the bytes the layer uses.
+//
+// The entries move because the upper directory itself stays locked by its
+// overlay until that overlay's last user is gone (a process still inside
+// it, a frozen template), and overlayfs with an index refuses a lower that
+// another overlay holds as its upper (EBUSY). fs/ is a directory no overlay
+// ever wrote through. The index's links go because they would count in the
+// files' link counts once the layer is a lower.
 func (s *Store) Seal(id string) (int64, error) {
 	d := s.Dir(id)
+	moved, err := moveUpper(d)
+	if err != nil {
+		return 0, fmt.Errorf("sealing layer %s: %w", id, err)
+	}
 	// The work dir stays: the live overlay still holds work/work, and
 	// removing it under the overlay makes the remount fail with EBUSY (an
 	// unlinked directory in use) and breaks the overlay's later whiteouts
 	// and renames with EIO.
-	if err := unix.Mount("", d, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+	if err := remount(d, true); err != nil {
+		if moved {
+			if uerr := unmoveUpper(d); uerr != nil {
+				err = errors.Join(err, uerr)
+			}
+		}
 		return 0, fmt.Errorf("sealing layer %s: %w", id, err)
+	}
+	// Only now that the seal holds: a failed one leaves the overlay in use,
+	// index and all.
+	if moved && indexLinks(filepath.Join(d, WorkDir, "index")) {
+		err := remount(d, false)
+		if err == nil {
+			err = clearIndex(filepath.Join(d, WorkDir, "index"))
+		}
+		if rerr := remount(d, true); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return 0, fmt.Errorf("sealing layer %s: dropping the overlay's index: %w", id, err)
+		}
 	}
 	size := used(d)
 	s.mu.Lock()
@@ -112,10 +154,22 @@ func (s *Store) Seal(id string) (int64, error) {
 	return size, nil
 }
 
-// Unseal makes a sealed layer writable again; only for undoing a Seal whose
-// checkpoint could not be completed.
+func remount(d string, readOnly bool) error {
+	flags := uintptr(unix.MS_REMOUNT | unix.MS_NOSUID | unix.MS_NODEV)
+	if readOnly {
+		flags |= unix.MS_RDONLY
+	}
+	return unix.Mount("", d, "", flags, "")
+}
+
+// Unseal makes a sealed layer writable again, its entries back in the
+// upper; only for undoing a Seal whose checkpoint could not be completed.
 func (s *Store) Unseal(id string) error {
-	if err := unix.Mount("", s.Dir(id), "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+	d := s.Dir(id)
+	if err := remount(d, false); err != nil {
+		return fmt.Errorf("unsealing layer %s: %w", id, err)
+	}
+	if err := unmoveUpper(d); err != nil {
 		return fmt.Errorf("unsealing layer %s: %w", id, err)
 	}
 	s.mu.Lock()
@@ -149,7 +203,10 @@ func (s *Store) SealedBytes() int64 {
 // CopyInto copies layer src into dst, a new empty upper, and seals dst. It
 // returns the bytes dst uses.
 func (s *Store) CopyInto(src, dst string) (int64, error) {
-	if err := copyTree(s.Path(src), s.Path(dst)); err != nil {
+	if err := os.Mkdir(s.Path(dst), 0o755); err != nil {
+		return 0, fmt.Errorf("copying layer %s: %w", src, err)
+	}
+	if err := copyTree(s.UpperPath(src), s.Path(dst)); err != nil {
 		return 0, fmt.Errorf("copying layer %s: %w", src, err)
 	}
 	return s.Seal(dst)

@@ -111,9 +111,14 @@ func mount(s Spec) (int, error) {
 			return -1, err
 		}
 	}
-	// No index, no metacopy, no xino: layers must be self-contained
-	// directories that can be stacked under any other upper later.
-	for _, kv := range [][2]string{{"index", "off"}, {"metacopy", "off"}, {"xino", "off"}, {"redirect_dir", "off"}} {
+	// No metacopy, no redirects, no xino: layers must be self-contained
+	// directories that can be stacked under any other upper later. The
+	// index keeps hard links whole: a copied-up name's other names show
+	// the copy while this upper is mounted, and Links.Materialize puts them
+	// into the upper before it is sealed. With it, overlayfs refuses a
+	// lower that another overlay holds as its upper, which is why a sealed
+	// layer is a fresh directory (layers.Store.Seal).
+	for _, kv := range [][2]string{{"index", "on"}, {"metacopy", "off"}, {"xino", "off"}, {"redirect_dir", "off"}} {
 		if err := set(kv[0], kv[1]); err != nil {
 			return -1, err
 		}
