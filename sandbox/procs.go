@@ -610,7 +610,7 @@ func (s *Sandbox) checkTemplates(c *checkpoint) error {
 	for _, t := range c.Procs {
 		st, err := startTime(t.HostPid)
 		if err != nil || st != t.Start || tg == nil {
-			return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
+			return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore another checkpoint instead (one taken with process mode \"files\" keeps no processes)", ErrProcesses, t.name(), c.ID)
 		}
 	}
 	return nil
@@ -645,7 +645,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	for i, t := range c.Procs {
 		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
 			if errors.Is(err, ptfork.ErrGone) || dying(t.HostPid) {
-				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
+				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore another checkpoint instead (one taken with process mode \"files\" keeps no processes)", ErrProcesses, t.name(), c.ID)
 			}
 			return fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
 		}
@@ -681,7 +681,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 	for i, t := range c.Procs {
 		if err := tpls[i].Wait(); err != nil {
 			if errors.Is(err, ptfork.ErrGone) {
-				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore a files-only checkpoint instead", ErrProcesses, t.name(), c.ID)
+				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore another checkpoint instead (one taken with process mode \"files\" keeps no processes)", ErrProcesses, t.name(), c.ID)
 			}
 			return fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
 		}

@@ -59,7 +59,7 @@ var commands = []command{
 	{name: "read", args: "SANDBOX PATH [--offset N] [--max-bytes N]", summary: "print a file", run: runRead},
 	{name: "checkpoint", args: "SANDBOX [--processes template|criu|files] [--durable] [-q]", summary: "checkpoint a sandbox", run: runCheckpoint},
 	{name: "restore", args: "SANDBOX CHECKPOINT [--fresh-entropy]", summary: "restore a sandbox to a checkpoint (starts a new episode)", run: runRestore},
-	{name: "fork", args: "(--checkpoint ID | --sandbox ID) -n N [--group G] [--run R] [-q]", summary: "create N sandboxes at a checkpoint or a sandbox's state", run: runFork},
+	{name: "fork", args: "(CHECKPOINT | --checkpoint ID | --sandbox ID) -n N [--group G] [--run R] [-q]", summary: "create N sandboxes at a checkpoint or a sandbox's state", run: runFork},
 	{name: "release", args: "CHECKPOINT", summary: "release a checkpoint", run: runRelease},
 	{name: "evaluate", args: "SANDBOX", summary: "run the verifier without ending the episode", run: runEvaluate},
 	{name: "submit", args: "SANDBOX [ANSWER]", summary: "end the episode and run the verifier", run: runSubmit},
@@ -165,7 +165,11 @@ func describeError(err error, a *app) string {
 }
 
 func (a *app) clientFlags(fs *flag.FlagSet) {
-	fs.StringVar(&a.addr, "addr", a.addr, "server address, host:port or URL (default $DELTAGYM_ADDR or "+deltagym.DefaultAddr+")")
+	usage := "server address, host:port or URL"
+	if a.addr == "" { // else the flag package prints it as the default
+		usage += " (default $DELTAGYM_ADDR or " + deltagym.DefaultAddr + ")"
+	}
+	fs.StringVar(&a.addr, "addr", a.addr, usage)
 	fs.StringVar(&a.token, "token", a.token, "bearer token (default $DELTAGYM_TOKEN)")
 	fs.BoolVar(&a.json, "json", a.json, "print responses as JSON (protojson), one object per line")
 }
@@ -235,9 +239,13 @@ func parseArgs(fs *flag.FlagSet, args []string) (pos []string, dashAt int, err e
 	}
 }
 
-// wantArgs checks the number of positional arguments.
+// wantArgs checks the number of positional arguments; names are theirs,
+// joined by " and ".
 func wantArgs(pos []string, minN, maxN int, names string) error {
 	if len(pos) < minN {
+		if parts := strings.Split(names, " and "); len(pos) < len(parts) {
+			names = strings.Join(parts[len(pos):], " and ") // the ones not given
+		}
 		return usageErrorf("missing %s", names)
 	}
 	if maxN >= 0 && len(pos) > maxN {

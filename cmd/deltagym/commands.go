@@ -487,8 +487,14 @@ func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 	if err != nil {
 		return err
 	}
-	if err := wantArgs(pos, 0, 0, ""); err != nil {
+	if err := wantArgs(pos, 0, 1, "CHECKPOINT"); err != nil {
 		return err
+	}
+	if len(pos) == 1 { // fork CK, as restore SB CK takes it
+		if *ckpt != "" || *sandbox != "" {
+			return usageErrorf("give the checkpoint as an argument or with --checkpoint or --sandbox, not both")
+		}
+		*ckpt = pos[0]
 	}
 	req := &deltagymv1.ForkRequest{GroupId: *group, Run: *run, IdempotencyKey: *key, FreshEntropy: *fresh}
 	switch {
@@ -525,7 +531,7 @@ func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		// Processes the children run without are worth a word even here.
 		for _, p := range res.Msg.GetProcesses() {
 			if p.GetMethod() == deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE {
-				fmt.Fprintf(a.stderr, "deltagym: the children run without pid %d (%s): %s\n", p.GetPid(), p.GetCommand(), oneLine(p.GetReason()))
+				fmt.Fprintf(a.stderr, "deltagym: pid %d (%s): %s\n", p.GetPid(), p.GetCommand(), oneLine(p.GetReason()))
 			}
 		}
 		return nil

@@ -134,7 +134,7 @@ func TestCLI(t *testing.T) {
 	if len(kids) != 2 {
 		t.Fatalf("fork -q printed %q", out)
 	}
-	out, _ = cli(t, exitOK, "", "fork", "--checkpoint", ckpt, "-n", "1", "--group", group)
+	out, _ = cli(t, exitOK, "", "fork", ckpt, "-n", "1", "--group", group) // the checkpoint as an argument
 	mustContain(t, "fork", out, "forked 1 sandbox from checkpoint "+ckpt, "SANDBOX")
 	third := strings.Fields(strings.Split(out, "\n")[2])[0]
 	kids = append(kids, third)
