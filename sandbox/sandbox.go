@@ -42,6 +42,7 @@ type Sandbox struct {
 	idmapped map[string]int // layer directory -> idmapped clone fd
 	stack    []string       // delta layers under the upper, bottom first (refs held)
 	upper    string         // live upper layer (ref held)
+	upperFD  int            // idmapped clone of the upper's layer directory, or -1
 	head     string
 	// spare is the next upper, prepared in the background after each root
 	// switch so that the next checkpoint or restore need not make one.
@@ -138,7 +139,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		return nil, fmt.Errorf("%w: image %q", ErrNotFound, imgName)
 	}
 	s := &Sandbox{
-		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1,
+		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1, upperFD: -1,
 		idmapped: map[string]int{}, sessions: map[string]*session{}, done: make(chan struct{}),
 		tpls:    map[string]*cgroup.Cgroup{},
 		created: time.Now(),
@@ -184,7 +185,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if err = s.switchRoot(stack); err != nil {
 		return nil, err
 	}
-	undo = append(undo, func() error { s.dropSpare(); s.rt.layers.Unref(s.upper); return nil })
+	undo = append(undo, func() error { s.dropSpare(); s.releaseUpper(); return nil })
 	if spec.FreshEntropy {
 		if err = s.writeSeed(newSeed()); err != nil {
 			return nil, err
@@ -278,27 +279,44 @@ func (s *Sandbox) switchRoot(stack []string) error {
 		return err
 	}
 	mfd, err := s.buildRoot(stack, sp.fd)
-	unix.Close(sp.fd)
 	if err == nil {
 		err = s.init.Swap(mfd)
 		unix.Close(mfd)
 	}
 	if err != nil {
+		unix.Close(sp.fd)
 		s.rt.layers.Unref(sp.id)
 		return fmt.Errorf("switching root: %w", err)
 	}
-	first := s.upper == ""
-	if !first {
-		s.rt.layers.Unref(s.upper)
-	}
-	s.upper = sp.id
+	old := spareUpper{id: s.upper, fd: s.upperFD}
+	s.upper, s.upperFD = sp.id, sp.fd
 	// A new sandbox gets its spare at its first checkpoint or restore, not
 	// now: a fork fan-out would make one per child, competing for the CPU
 	// with the fan-out, for children that may never switch again.
-	if !first {
-		s.prepareSpare()
+	if old.id == "" {
+		return nil
 	}
+	// An upper that was not sealed (a restore's, not a checkpoint's)
+	// becomes the next spare once emptied: no new tmpfs, no discard.
+	if s.rt.layers.Reclaim(old.id) {
+		s.prepareSpareFrom(old)
+		return nil
+	}
+	unix.Close(old.fd)
+	s.prepareSpare()
 	return nil
+}
+
+// releaseUpper drops the live upper and its idmapped clone.
+func (s *Sandbox) releaseUpper() {
+	if s.upperFD >= 0 {
+		unix.Close(s.upperFD)
+		s.upperFD = -1
+	}
+	if s.upper != "" {
+		s.rt.layers.Unref(s.upper)
+		s.upper = ""
+	}
 }
 
 // spareUpper is an empty upper with its idmapped clone for this sandbox.
@@ -327,6 +345,25 @@ func (s *Sandbox) prepareSpare() {
 	s.spareReady = true
 	ch := s.spare
 	go func() { ch <- s.newSpare() }()
+}
+
+// prepareSpareFrom makes a reclaimed upper (layers.Store.Reclaim) the next
+// spare, emptied in the background. Called with op held.
+func (s *Sandbox) prepareSpareFrom(old spareUpper) {
+	s.spare = make(chan spareUpper, 1)
+	s.spareReady = true
+	ch := s.spare
+	go func() {
+		if err := s.rt.layers.Reset(old.id); err != nil {
+			// Its old overlay lives on (templates hold their roots): a
+			// new upper instead, as without reuse.
+			unix.Close(old.fd)
+			s.rt.layers.Unref(old.id)
+			ch <- s.newSpare()
+			return
+		}
+		ch <- old
+	}()
 }
 
 // takeSpare returns the prepared upper, or makes one. Called with op held.
@@ -479,10 +516,7 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	s.closeFDs()
 	s.rt.net.Put(s.netns) // the init is gone: nothing of the sandbox is left in it
 	s.unrefStack()
-	if s.upper != "" {
-		s.rt.layers.Unref(s.upper)
-		s.upper = ""
-	}
+	s.releaseUpper()
 	s.rt.putRange(s.hostID)
 	s.rt.mu.Lock()
 	delete(s.rt.sandboxes, s.id)

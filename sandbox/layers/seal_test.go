@@ -166,3 +166,60 @@ func TestCopyIntoSeals(t *testing.T) {
 	s.Unref(src)
 	s.Unref(dst)
 }
+
+func TestReclaimAndReset(t *testing.T) {
+	s := newStore(t)
+	id, err := s.NewUpper(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeUpper(t, s, id)
+	// A file still held (as an old overlay holds its upper's files): the
+	// reset must refuse, or the tmpfs could not be sealed later.
+	f, err := os.Open(filepath.Join(s.UpperPath(id), "w", "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !s.Reclaim(id) {
+		t.Fatal("Reclaim of an unsealed layer's last reference: false, want true")
+	}
+	if err := s.Reset(id); !errors.Is(err, unix.EBUSY) {
+		t.Fatalf("Reset while a removed file is held: %v, want EBUSY", err)
+	}
+	f.Close()
+	if err := s.Reset(id); err != nil {
+		t.Fatal(err)
+	}
+	for _, sub := range []string{UpperDir, WorkDir} {
+		if got := names(t, filepath.Join(s.Dir(id), sub)); len(got) != 0 {
+			t.Fatalf("%s after Reset: %v, want empty", sub, got)
+		}
+	}
+	// The reset layer seals like a new one.
+	if err := os.WriteFile(filepath.Join(s.UpperPath(id), "x"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Seal(id); err != nil {
+		t.Fatal(err)
+	}
+	// A sealed layer is not reclaimed: its last reference discards it.
+	if s.Reclaim(id) {
+		t.Fatal("Reclaim of a sealed layer: true, want false")
+	}
+	s.Wait()
+	if _, err := os.Lstat(s.Dir(id)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("sealed layer after its last reference: %v, want it discarded", err)
+	}
+	// Nor is a layer someone else still holds.
+	id2, err := s.NewUpper(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Ref(id2); err != nil {
+		t.Fatal(err)
+	}
+	if s.Reclaim(id2) {
+		t.Fatal("Reclaim of a layer with another reference: true, want false")
+	}
+	s.Unref(id2)
+}

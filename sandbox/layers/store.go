@@ -248,6 +248,51 @@ func (s *Store) Unref(id string) {
 	}()
 }
 
+// Reclaim drops the caller's reference to layer id, like Unref, except that
+// a writable layer (never sealed) whose last reference this is stays in the
+// store, still the caller's, and Reclaim returns true: Reset makes it an
+// empty upper again, cheaper than a new tmpfs and a discard.
+func (s *Store) Reclaim(id string) bool {
+	s.mu.Lock()
+	n, ok := s.refs[id]
+	_, sealed := s.sizes[id]
+	if ok && n == 1 && !sealed {
+		s.mu.Unlock()
+		return true
+	}
+	s.mu.Unlock()
+	s.Unref(id)
+	return false
+}
+
+// Reset empties a reclaimed writable layer: fresh upper and work
+// directories (new inodes: an overlay that still held the old ones keeps
+// them locked) on the same tmpfs, with the same size limit.
+//
+// It fails if the old overlay is still in use (a frozen template's root, a
+// process not dead yet): the files it holds, removed, would make this
+// tmpfs refuse its seal (EBUSY) for as long as it lives. A read-only
+// remount, undone at once, tells.
+func (s *Store) Reset(id string) error {
+	d := s.Dir(id)
+	for _, sub := range []string{UpperDir, WorkDir} {
+		p := filepath.Join(d, sub)
+		if err := os.RemoveAll(p); err != nil {
+			return fmt.Errorf("resetting layer %s: %w", id, err)
+		}
+		if err := os.Mkdir(p, 0o755); err != nil {
+			return fmt.Errorf("resetting layer %s: %w", id, err)
+		}
+	}
+	if err := remount(d, true); err != nil {
+		return fmt.Errorf("resetting layer %s: its old overlay is still in use: %w", id, err)
+	}
+	if err := remount(d, false); err != nil {
+		return fmt.Errorf("resetting layer %s: %w", id, err)
+	}
+	return nil
+}
+
 // Pending returns the number of background discards in flight: the backlog
 // of released layers not yet unmounted and removed.
 func (s *Store) Pending() int { return int(s.pending.Load()) }
