@@ -276,3 +276,26 @@ func TestRestartKeepsCheckpoints(t *testing.T) {
 		t.Fatalf("after restart: %q", out)
 	}
 }
+
+// Processes a restore ends are gone for the next command: none shows in
+// /proc (not even exiting), none holds what it held.
+func TestRestoreLeavesNoProcess(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	ck := mustCheckpoint(t, s)
+	for round := range 5 {
+		for range 20 {
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "while :; do :; done", Background: true}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := s.RestoreWith(ctx, ck, sandbox.RestoreOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		out := sh(t, s, "for p in /proc/[0-9]*; do n=${p#/proc/}; [ $n = 1 ] || [ $n = $$ ] || echo $n; done")
+		if out != "" {
+			t.Fatalf("round %d: processes after the restore: %q", round, out)
+		}
+	}
+}

@@ -135,9 +135,15 @@ func (s *Sandbox) cwd(c string) string {
 }
 
 // beginExec takes the shared lock and returns the abort context of the
-// current generation.
+// current generation. Processes that a restore killed are gone first: a
+// command never sees one (in /proc, or holding a port), though the restore
+// itself did not wait for them to exit.
 func (s *Sandbox) beginExec() (context.Context, error) {
 	s.op.RLock()
+	if s.killPending.Load() {
+		s.waitKilled()
+		s.killPending.Store(false)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {

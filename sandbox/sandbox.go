@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -62,6 +63,9 @@ type Sandbox struct {
 	// killed is the command group killAll ended last (its processes may
 	// still be exiting). Guarded by op.
 	killed *cgroup.Cgroup
+	// killPending: killed may still hold processes; the next command waits
+	// for them (beginExec).
+	killPending atomic.Bool
 
 	mu       sync.Mutex // guards the fields below
 	gen      context.Context
@@ -582,6 +586,7 @@ func (s *Sandbox) killAll() error {
 	}
 	s.work = w
 	s.killed = old
+	s.killPending.Store(true)
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
@@ -838,6 +843,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	s.unrefStack()
 	s.stack = stack
 	s.head = id
+
 	if o.FreshEntropy {
 		if err := s.writeSeed(newSeed()); err != nil {
 			return err
