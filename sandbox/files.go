@@ -178,7 +178,7 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	if errors.As(err, &en) {
 		switch en {
 		case unix.ENOENT:
-			return fmt.Errorf("%w: %s: no such file or directory", ErrInvalid, path)
+			return fmt.Errorf("%w: %s: no such file or directory", ErrNotFound, path)
 		case unix.EISDIR:
 			return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)
 		case unix.ENOTDIR:

@@ -67,12 +67,12 @@ func TestHostile(t *testing.T) {
 			if bytes.Contains(data, []byte("host-only")) {
 				t.Errorf("ReadFile %s reached the host: %q", p, data)
 			}
-			if err != nil && !errors.Is(err, sandbox.ErrInvalid) {
-				t.Errorf("ReadFile %s: %v, want ErrInvalid or a file of the sandbox", p, err)
+			if err != nil && !refusedPath(err) {
+				t.Errorf("ReadFile %s: %v, want ErrInvalid, ErrNotFound or a file of the sandbox", p, err)
 			}
 			err = s.WriteFile(ctx, p, []byte("escaped"), 0, false)
-			if err != nil && !errors.Is(err, sandbox.ErrInvalid) {
-				t.Errorf("WriteFile %s: %v, want ErrInvalid or a write inside", p, err)
+			if err != nil && !refusedPath(err) {
+				t.Errorf("WriteFile %s: %v, want ErrInvalid, ErrNotFound or a write inside", p, err)
 			}
 		}
 		if got, _ := os.ReadFile(secret); string(got) != "host-only" {
@@ -110,7 +110,7 @@ func TestHostile(t *testing.T) {
 				eagain++ // see below
 			case err == nil:
 				wrote++
-			case errors.Is(err, sandbox.ErrInvalid):
+			case refusedPath(err):
 				kinds[err.Error()[strings.LastIndex(err.Error(), ": ")+2:]]++
 				refused++
 			default:
@@ -122,7 +122,7 @@ func TestHostile(t *testing.T) {
 			}
 			if errors.Is(err, syscall.EAGAIN) {
 				eagain++
-			} else if err != nil && !errors.Is(err, sandbox.ErrInvalid) {
+			} else if err != nil && !refusedPath(err) {
 				t.Fatalf("ReadFile through the flipping link: %v", err)
 			}
 		}
@@ -422,4 +422,10 @@ func TestFileParentThroughAbsoluteSymlink(t *testing.T) {
 	if out := sh(t, s, "ls /a"); out != "link\nreal\nroot\n" {
 		t.Errorf("parents made in the wrong place: /a holds %q", out)
 	}
+}
+
+// refusedPath tells a file action's error for a path that leaves the sandbox or
+// is not there: the path is refused, or found missing inside the root.
+func refusedPath(err error) bool {
+	return errors.Is(err, sandbox.ErrInvalid) || errors.Is(err, sandbox.ErrNotFound)
 }

@@ -656,7 +656,7 @@ func (r *Runtime) Checkpoint(id string) (CheckpointInfo, error) {
 	defer r.mu.Unlock()
 	c := r.ckpts[id]
 	if c == nil {
-		return CheckpointInfo{}, fmt.Errorf("%w: checkpoint %q", ErrNotFound, id)
+		return CheckpointInfo{}, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
 	}
 	return c.info(), nil
 }
@@ -675,7 +675,7 @@ func (r *Runtime) ReleaseCheckpoint(id string) error {
 	defer r.mu.Unlock()
 	c := r.ckpts[id]
 	if c == nil {
-		return fmt.Errorf("%w: checkpoint %q", ErrNotFound, id)
+		return fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
 	}
 	r.dropCheckpointLocked(c, true)
 	return nil
@@ -869,7 +869,7 @@ func (r *Runtime) lookup(id string) (*checkpoint, error) {
 	defer r.mu.Unlock()
 	c := r.ckpts[id]
 	if c == nil {
-		return nil, fmt.Errorf("%w: checkpoint %q", ErrNotFound, id)
+		return nil, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
 	}
 	return c, nil
 }

@@ -206,7 +206,7 @@ func validateAction(a *deltagymv1.Action) error {
 		}
 	case *deltagymv1.Action_Submit:
 	default:
-		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit): %w", ErrInvalid)
+		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit; in JSON exec, writeFile, readFile or submit, other names are ignored): %w", ErrInvalid)
 	}
 	return nil
 }

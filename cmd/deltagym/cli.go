@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strconv"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -59,7 +61,7 @@ var commands = []command{
 	{name: "read", args: "SANDBOX PATH [--offset N] [--max-bytes N]", summary: "print a file", run: runRead},
 	{name: "checkpoint", args: "SANDBOX [--processes template|criu|files] [--durable] [-q]", summary: "checkpoint a sandbox", run: runCheckpoint},
 	{name: "restore", args: "SANDBOX CHECKPOINT [--fresh-entropy]", summary: "restore a sandbox to a checkpoint (starts a new episode)", run: runRestore},
-	{name: "fork", args: "(CHECKPOINT | --checkpoint ID | --sandbox ID) -n N [--group G] [--run R] [-q]", summary: "create N sandboxes at a checkpoint or a sandbox's state", run: runFork},
+	{name: "fork", args: "(CHECKPOINT | SANDBOX | --checkpoint ID | --sandbox ID) -n N [--group G] [--run R] [-q]", summary: "create N sandboxes at a checkpoint or a sandbox's state", run: runFork},
 	{name: "release", args: "CHECKPOINT", summary: "release a checkpoint", run: runRelease},
 	{name: "evaluate", args: "SANDBOX", summary: "run the verifier without ending the episode", run: runEvaluate},
 	{name: "submit", args: "SANDBOX [ANSWER]", summary: "end the episode and run the verifier", run: runSubmit},
@@ -251,6 +253,32 @@ func wantArgs(pos []string, minN, maxN int, names string) error {
 	if maxN >= 0 && len(pos) > maxN {
 		return usageErrorf("unexpected argument %q", pos[maxN])
 	}
+	return nil
+}
+
+// secondsFlag is a duration flag that also takes a plain number of seconds.
+type secondsFlag time.Duration
+
+func (f *secondsFlag) String() string {
+	if f == nil || *f == 0 {
+		return ""
+	}
+	return time.Duration(*f).String()
+}
+
+func (f *secondsFlag) Set(v string) error {
+	if s, err := strconv.ParseFloat(v, 64); err == nil {
+		if s < 0 || s > 1e9 {
+			return fmt.Errorf("%s: want a duration (1.5s, 2m) or seconds", v)
+		}
+		*f = secondsFlag(time.Duration(s * float64(time.Second)))
+		return nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return fmt.Errorf("%s: want a duration (1.5s, 2m) or seconds", v)
+	}
+	*f = secondsFlag(d)
 	return nil
 }
 

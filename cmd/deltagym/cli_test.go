@@ -155,6 +155,7 @@ func TestExitCodes(t *testing.T) {
 		{name: "fork with both", args: []string{"fork", "--checkpoint", "c", "--sandbox", "s"}, code: exitUsage, stderr: "exactly one"},
 		{name: "fork argument and flag", args: []string{"fork", "c", "--sandbox", "s"}, code: exitUsage, stderr: "not both"},
 		{name: "fork two arguments", args: []string{"fork", "c", "d"}, code: exitUsage, stderr: `unexpected argument "d"`},
+		{name: "exec bad timeout", args: []string{"exec", "sb", "--timeout", "soon", "true"}, code: exitUsage, stderr: "want a duration"},
 		{name: "restore without checkpoint", args: []string{"restore", "sb"}, code: exitUsage, stderr: "missing CHECKPOINT"},
 		{name: "fork of zero", args: []string{"fork", "--checkpoint", "c", "-n", "0"}, code: exitUsage, stderr: "want at least 1"},
 		{name: "write bad mode", args: []string{"write", "sb", "/p", "--mode", "9"}, code: exitUsage, stderr: "octal"},

@@ -140,7 +140,7 @@ func indent(s string) string {
 func runExec(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	var (
 		session = fs.String("session", "", "persistent bash session to run the command in")
-		timeout = fs.Duration("timeout", 0, "wall-time limit of the command (default: the env's step timeout)")
+		timeout = new(time.Duration)
 		cwd     = fs.String("cwd", "", "working directory inside the sandbox")
 		stdin   = fs.String("stdin", "", "file to give the command as standard input (- for this process's stdin)")
 		bg      = fs.Bool("background", false, "start the command in the background and return its pid")
@@ -148,6 +148,7 @@ func runExec(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		env     = kvFlag{}
 	)
 	fs.Var(env, "env", "environment variable key=value for the command (repeatable)")
+	fs.Var((*secondsFlag)(timeout), "timeout", "wall-time limit of the command: a duration (1.5s, 2m) or seconds (default: the env's step timeout)")
 	pos, _, err := parseArgs(fs, args)
 	if err != nil {
 		return err
@@ -490,11 +491,15 @@ func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 	if err := wantArgs(pos, 0, 1, "CHECKPOINT"); err != nil {
 		return err
 	}
-	if len(pos) == 1 { // fork CK, as restore SB CK takes it
+	if len(pos) == 1 { // fork CK (as restore SB CK takes it), or fork SB
 		if *ckpt != "" || *sandbox != "" {
 			return usageErrorf("give the checkpoint as an argument or with --checkpoint or --sandbox, not both")
 		}
-		*ckpt = pos[0]
+		if strings.HasPrefix(pos[0], "sb-") {
+			*sandbox = pos[0]
+		} else {
+			*ckpt = pos[0]
+		}
 	}
 	req := &deltagymv1.ForkRequest{GroupId: *group, Run: *run, IdempotencyKey: *key, FreshEntropy: *fresh}
 	switch {

@@ -93,6 +93,8 @@ func TestCLI(t *testing.T) {
 	}
 	_, errOut = cli(t, 124, "", "exec", sb, "--timeout", "200ms", "sleep 5")
 	mustContain(t, "exec timeout", errOut, "timed out")
+	_, errOut = cli(t, 124, "", "exec", sb, "--timeout", "0.2", "sleep 5") // plain seconds
+	mustContain(t, "exec timeout in seconds", errOut, "timed out")
 
 	// write and read.
 	out, _ = cli(t, exitOK, "42", "write", sb, "/work/answer.txt")
@@ -129,7 +131,7 @@ func TestCLI(t *testing.T) {
 	}
 
 	// fork from the sandbox and from the checkpoint; submit in the children.
-	out, _ = cli(t, exitOK, "", "fork", "--sandbox", sb, "-n", "2", "--group", group, "-q")
+	out, _ = cli(t, exitOK, "", "fork", sb, "-n", "2", "--group", group, "-q") // a sandbox as the argument
 	kids := strings.Fields(out)
 	if len(kids) != 2 {
 		t.Fatalf("fork -q printed %q", out)
