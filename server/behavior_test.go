@@ -199,6 +199,11 @@ func TestIdempotentRetries(t *testing.T) {
 			if strings.Join(f1.GetSandboxIds(), ",") != strings.Join(f2.GetSandboxIds(), ",") {
 				t.Fatalf("retried fork: %v then %v", f1.GetSandboxIds(), f2.GetSandboxIds())
 			}
+			// The key reused for another request: refused, nothing made.
+			_, err = cl.c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: ids[0]}, N: 2, IdempotencyKey: key})
+			if got := codeOf(err); got != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "different fork request") {
+				t.Fatalf("fork with a reused key and another n: %v (%v), want invalid_argument naming the reuse", err, got)
+			}
 			ls, err := cl.c.ListSandboxes(t.Context(), &deltagymv1.ListSandboxesRequest{Env: "plain"})
 			must(t, err)
 			n := 0

@@ -87,7 +87,7 @@ func (e *envService) ImportImage(ctx context.Context, req *connect.Request[delta
 }
 
 func (e *envService) Reset(ctx context.Context, req *connect.Request[deltagymv1.ResetRequest]) (*connect.Response[deltagymv1.ResetResponse], error) {
-	resp, err := e.s.idem.do(ctx, "reset", req.Msg.GetIdempotencyKey(), func() (proto.Message, error) {
+	resp, err := e.s.idem.do(ctx, "reset", req.Msg.GetIdempotencyKey(), req.Msg, func() (proto.Message, error) {
 		return e.reset(ctx, req.Msg)
 	})
 	if err != nil {
@@ -584,7 +584,7 @@ func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv
 }
 
 func (e *envService) Fork(ctx context.Context, req *connect.Request[deltagymv1.ForkRequest]) (*connect.Response[deltagymv1.ForkResponse], error) {
-	resp, err := e.s.idem.do(ctx, "fork", req.Msg.GetIdempotencyKey(), func() (proto.Message, error) {
+	resp, err := e.s.idem.do(ctx, "fork", req.Msg.GetIdempotencyKey(), req.Msg, func() (proto.Message, error) {
 		return e.fork(ctx, req.Msg)
 	})
 	if err != nil {

@@ -3,7 +3,9 @@ package server
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
+	"fmt"
 	"sync"
 	"time"
 
@@ -180,12 +182,15 @@ func (s *Server) describe(l *envpool.Lease) *deltagymv1.Sandbox {
 
 // idempotency remembers the responses of Reset and Fork by key, so a retry returns the first
 // call's response; concurrent calls with one key wait for the first. Failed calls are forgotten.
+// A key reused for a different request (another n, another source) is refused: a retry must
+// repeat its request.
 type idempotency struct {
 	mu sync.Mutex
 	m  map[string]*idemEntry
 }
 
 type idemEntry struct {
+	req  [32]byte // fingerprint of the request (requestPrint)
 	done chan struct{}
 	resp proto.Message
 	err  error
@@ -197,18 +202,22 @@ const idempotencyTTL = time.Hour
 
 func newIdempotency() *idempotency { return &idempotency{m: map[string]*idemEntry{}} }
 
-func (c *idempotency) do(ctx context.Context, kind, key string, f func() (proto.Message, error)) (proto.Message, error) {
+func (c *idempotency) do(ctx context.Context, kind, key string, req proto.Message, f func() (proto.Message, error)) (proto.Message, error) {
 	if key == "" {
 		return f()
 	}
+	fp := requestPrint(req)
 	key = kind + "\x00" + key
 	c.mu.Lock()
 	if e, ok := c.m[key]; ok {
 		c.mu.Unlock()
+		if e.req != fp {
+			return nil, fmt.Errorf("idempotency key %q was first used for a different %s request; a retry must repeat its request, a new request needs a new key: %w", key[len(kind)+1:], kind, ErrInvalid)
+		}
 		select {
 		case <-e.done:
 			if e.err != nil {
-				return c.do(ctx, kind, key[len(kind)+1:], f)
+				return c.do(ctx, kind, key[len(kind)+1:], req, f)
 			}
 			return e.resp, nil
 		case <-ctx.Done():
@@ -225,7 +234,7 @@ func (c *idempotency) do(ctx context.Context, kind, key string, f func() (proto.
 		default:
 		}
 	}
-	e := &idemEntry{done: make(chan struct{}), at: now}
+	e := &idemEntry{req: fp, done: make(chan struct{}), at: now}
 	c.m[key] = e
 	c.mu.Unlock()
 	e.resp, e.err = f()
@@ -236,4 +245,14 @@ func (c *idempotency) do(ctx context.Context, kind, key string, f func() (proto.
 	}
 	close(e.done)
 	return e.resp, e.err
+}
+
+// requestPrint fingerprints a request without its idempotency key.
+func requestPrint(req proto.Message) [32]byte {
+	m := proto.Clone(req)
+	if fd := m.ProtoReflect().Descriptor().Fields().ByName("idempotency_key"); fd != nil {
+		m.ProtoReflect().Clear(fd)
+	}
+	b, _ := proto.MarshalOptions{Deterministic: true}.Marshal(m)
+	return sha256.Sum256(b)
 }
