@@ -422,7 +422,8 @@ type ResetRequest struct {
 	// options are handed to the reset hook as environment variables.
 	Options map[string]string `protobuf:"bytes,3,rep,name=options,proto3" json:"options,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// idempotency_key makes retries safe: a second Reset with the same key
-	// returns the first one's response instead of taking another sandbox.
+	// returns the first one's response instead of taking another sandbox. The
+	// key reused for a different request is refused (INVALID_ARGUMENT).
 	IdempotencyKey string `protobuf:"bytes,4,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// run names the training or search run the episode belongs to.
 	Run string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
@@ -1270,7 +1271,8 @@ type ForkRequest struct {
 	// run names the run of the children's episodes; empty means the source's.
 	Run string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
 	// idempotency_key makes retries safe: a second Fork with the same key
-	// returns the first one's response.
+	// returns the first one's response. The key reused for a different request
+	// (another n or source) is refused (INVALID_ARGUMENT).
 	IdempotencyKey string `protobuf:"bytes,6,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// fresh_entropy gives each child distinct randomness: a reseeded kernel
 	// entropy view and a distinct DELTAGYM_SEED. Processes restored from
