@@ -395,27 +395,30 @@ func (s *Sandbox) dropSpare() {
 	}
 }
 
-func (s *Sandbox) buildRoot(stack []string, ufd int) (int, error) {
-	lowers := make([]int, 0, len(stack)+len(s.img.layers)+1)
+// lowerDirs returns the lower directories of an overlay over stack (delta
+// layers, bottom first), top first: the deltas, the image's layers, the
+// skeleton.
+func (s *Sandbox) lowerDirs(stack []string) []string {
+	dirs := make([]string, 0, len(stack)+len(s.img.layers)+1)
 	for i := len(stack) - 1; i >= 0; i-- {
-		fd, err := s.lowerFD(s.rt.layers.Path(stack[i]))
-		if err != nil {
-			return -1, err
-		}
-		lowers = append(lowers, fd)
+		dirs = append(dirs, s.rt.layers.Path(stack[i]))
 	}
 	for i := len(s.img.layers) - 1; i >= 0; i-- {
-		fd, err := s.lowerFD(s.img.layers[i])
+		dirs = append(dirs, s.img.layers[i])
+	}
+	return append(dirs, s.rt.skel)
+}
+
+func (s *Sandbox) buildRoot(stack []string, ufd int) (int, error) {
+	dirs := s.lowerDirs(stack)
+	lowers := make([]int, len(dirs))
+	for i, d := range dirs {
+		fd, err := s.lowerFD(d)
 		if err != nil {
 			return -1, err
 		}
-		lowers = append(lowers, fd)
+		lowers[i] = fd
 	}
-	fd, err := s.lowerFD(s.rt.skel)
-	if err != nil {
-		return -1, err
-	}
-	lowers = append(lowers, fd)
 	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: layers.UpperDir, WorkDir: layers.WorkDir, MounterID: s.hostID})
 }
 
@@ -731,15 +734,7 @@ func (s *Sandbox) linkUp() error {
 		return fmt.Errorf("opening the sandbox's root: %w", err)
 	}
 	defer unix.Close(root)
-	lowers := make([]string, 0, len(s.stack)+len(s.img.layers)+1)
-	for i := len(s.stack) - 1; i >= 0; i-- {
-		lowers = append(lowers, s.rt.layers.Path(s.stack[i]))
-	}
-	for i := len(s.img.layers) - 1; i >= 0; i-- {
-		lowers = append(lowers, s.img.layers[i])
-	}
-	lowers = append(lowers, s.rt.skel)
-	if _, err := s.rt.links.Materialize(root, index, lowers); err != nil {
+	if _, err := s.rt.links.Materialize(root, index, s.lowerDirs(s.stack)); err != nil {
 		return fmt.Errorf("keeping hard links whole: %w", err)
 	}
 	return nil

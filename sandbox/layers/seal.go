@@ -48,31 +48,29 @@ func unmoveUpper(d string) error {
 	return os.Remove(fs)
 }
 
-// indexLinks reports whether the overlay index directory dir has a link
-// to a file that has other names: a copied-up hard-linked file. Those links
-// would count in the file's link count once the layer is a lower.
-func indexLinks(dir string) bool {
+// indexLinks returns the names in the overlay index directory dir that link
+// to a file with other names: a copied-up hard-linked file. Those links
+// would count in the file's link count once the layer is a lower. An entry
+// that is a file's only name stays (the overlay may hold the inode;
+// unlinking it would make the remount fail with EBUSY), and so does the
+// overlay's shared whiteout; neither is in fs/. A missing or unreadable
+// index has none.
+func indexLinks(dir string) []string {
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return false
+		return nil
 	}
 	defer unix.Close(fd)
 	names, _ := readNames(fd)
+	var links []string
 	for _, n := range names {
 		var st unix.Stat_t
-		if unix.Fstatat(fd, n, &st, unix.AT_SYMLINK_NOFOLLOW) == nil && indexLink(&st) {
-			return true
+		if unix.Fstatat(fd, n, &st, unix.AT_SYMLINK_NOFOLLOW) == nil &&
+			st.Mode&unix.S_IFMT != unix.S_IFDIR && st.Mode&unix.S_IFMT != unix.S_IFCHR && st.Nlink > 1 {
+			links = append(links, n)
 		}
 	}
-	return false
-}
-
-// indexLink tells the index entries clearIndex removes: links to files
-// that have other names. An entry that is a file's only name stays (the
-// overlay may hold the inode; unlinking it would make the remount fail with
-// EBUSY), and so does the overlay's shared whiteout; neither is in fs/.
-func indexLink(st *unix.Stat_t) bool {
-	return st.Mode&unix.S_IFMT != unix.S_IFDIR && st.Mode&unix.S_IFMT != unix.S_IFCHR && st.Nlink > 1
+	return links
 }
 
 // moveEntries renames every entry of directory src into directory dst.
@@ -94,33 +92,6 @@ func moveEntries(src, dst string) error {
 	for _, n := range names {
 		if err := unix.Renameat(sfd, n, dfd, n); err != nil {
 			return &os.PathError{Op: "rename", Path: filepath.Join(src, n), Err: err}
-		}
-	}
-	return nil
-}
-
-// clearIndex unlinks an overlay index directory's links to files that have
-// other names (indexLink).
-func clearIndex(dir string) error {
-	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if errors.Is(err, unix.ENOENT) {
-		return nil
-	}
-	if err != nil {
-		return &os.PathError{Op: "open", Path: dir, Err: err}
-	}
-	defer unix.Close(fd)
-	names, err := readNames(fd)
-	if err != nil {
-		return &os.PathError{Op: "readdir", Path: dir, Err: err}
-	}
-	for _, n := range names {
-		var st unix.Stat_t
-		if unix.Fstatat(fd, n, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || !indexLink(&st) {
-			continue
-		}
-		if err := unix.Unlinkat(fd, n, 0); err != nil && !errors.Is(err, unix.ENOENT) {
-			return &os.PathError{Op: "unlink", Path: filepath.Join(dir, n), Err: err}
 		}
 	}
 	return nil

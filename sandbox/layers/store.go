@@ -104,10 +104,10 @@ func (s *Store) NewUpper(sizeBytes int64) (string, error) {
 	return id, nil
 }
 
-// Seal makes layer id immutable: its upper's entries move into fs/, the
-// overlay's index is emptied, and its tmpfs is remounted read-only, which
-// the kernel refuses while any file in it is open for writing. It returns
-// the bytes the layer uses.
+// Seal makes layer id immutable: its upper's entries move into fs/, its
+// tmpfs is remounted read-only (which the kernel refuses while any file in
+// it is open for writing), and the overlay index's links to hard-linked
+// files are dropped. It returns the bytes the layer uses.
 //
 // The entries move because the upper directory itself stays locked by its
 // overlay until that overlay's last user is gone (a process still inside
@@ -135,10 +135,20 @@ func (s *Store) Seal(id string) (int64, error) {
 	}
 	// Only now that the seal holds: a failed one leaves the overlay in use,
 	// index and all.
-	if moved && indexLinks(filepath.Join(d, WorkDir, "index")) {
+	var links []string
+	index := filepath.Join(d, WorkDir, "index")
+	if moved {
+		links = indexLinks(index)
+	}
+	if len(links) > 0 {
 		err := remount(d, false)
-		if err == nil {
-			err = clearIndex(filepath.Join(d, WorkDir, "index"))
+		for _, n := range links {
+			if err != nil {
+				break
+			}
+			if err = unix.Unlink(filepath.Join(index, n)); errors.Is(err, unix.ENOENT) {
+				err = nil
+			}
 		}
 		if rerr := remount(d, true); err == nil {
 			err = rerr
