@@ -303,7 +303,7 @@ func (s *Sandbox) switchRoot(stack []string) error {
 	// An upper that was not sealed (a restore's, not a checkpoint's)
 	// becomes the next spare once emptied: no new tmpfs, no discard.
 	if s.rt.layers.Reclaim(old.id) {
-		s.prepareSpareFrom(old)
+		s.prepareSpareFrom(old, s.init.OldRootGone())
 		return nil
 	}
 	unix.Close(old.fd)
@@ -352,12 +352,16 @@ func (s *Sandbox) prepareSpare() {
 }
 
 // prepareSpareFrom makes a reclaimed upper (layers.Store.Reclaim) the next
-// spare, emptied in the background. Called with op held.
-func (s *Sandbox) prepareSpareFrom(old spareUpper) {
+// spare, emptied in the background once the root it was the upper of is
+// detached (gone). Called with op held.
+func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}) {
 	s.spare = make(chan spareUpper, 1)
 	s.spareReady = true
 	ch := s.spare
 	go func() {
+		if gone != nil {
+			<-gone
+		}
 		if err := s.rt.layers.Reset(old.id); err != nil {
 			// Its old overlay lives on (templates hold their roots): a
 			// new upper instead, as without reuse.

@@ -239,6 +239,8 @@ type Init struct {
 	// detached receives the outcome of the previous swap's detach of the
 	// old root, which finishes after Swap returns; the next Swap waits.
 	detached chan error
+	// gone is closed once the previous swap's old root is detached.
+	gone chan struct{}
 }
 
 // Swap makes the detached mount mountFD the sandbox's root. A locked thread
@@ -261,11 +263,16 @@ func (in *Init) Swap(mountFD int) error {
 			return fmt.Errorf("detaching the previous root: %w", err)
 		}
 	}
-	detached := make(chan error, 1)
-	err := swapWorkers.do(in.mntns, mountFD, detached)
-	in.detached = detached
+	detached, gone := make(chan error, 1), make(chan struct{})
+	err := swapWorkers.do(in.mntns, mountFD, detached, gone)
+	in.detached, in.gone = detached, gone
 	return err
 }
+
+// OldRootGone returns a channel closed once the last Swap's old root is
+// detached (the detach finishes after Swap returns). Called, like Swap, by
+// the one caller that serialises the init's swaps.
+func (in *Init) OldRootGone() <-chan struct{} { return in.gone }
 
 // swapPool runs root swaps on long-lived locked threads, each with an fs
 // context of its own: a swap enters the sandbox's mount namespace and comes
@@ -285,11 +292,12 @@ type swapJob struct {
 	mntns, mountFD int
 	errc           chan error // the swap's outcome
 	detached       chan error // then the old root's detach
+	gone           chan struct{}
 }
 
 var swapWorkers swapPool
 
-func (p *swapPool) do(mntns, mountFD int, detached chan error) error {
+func (p *swapPool) do(mntns, mountFD int, detached chan error, gone chan struct{}) error {
 	p.once.Do(func() {
 		p.jobs = make(chan swapJob)
 		p.tids = map[int]bool{}
@@ -306,7 +314,7 @@ func (p *swapPool) do(mntns, mountFD int, detached chan error) error {
 		p.mu.Unlock()
 	}
 	errc := make(chan error, 1)
-	p.jobs <- swapJob{mntns, mountFD, errc, detached}
+	p.jobs <- swapJob{mntns, mountFD, errc, detached, gone}
 	return <-errc
 }
 
@@ -341,10 +349,12 @@ func (p *swapPool) worker() {
 			// The thread cannot go home: let it die with the goroutine
 			// and start a fresh worker in its place.
 			j.detached <- errors.Join(derr, fmt.Errorf("leaving sandbox mount namespace: %w", berr))
+			close(j.gone)
 			go p.worker()
 			return
 		}
 		j.detached <- derr
+		close(j.gone)
 	}
 }
 
