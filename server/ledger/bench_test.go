@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -33,16 +35,35 @@ func syntheticText(n int) []byte {
 	return out[:n]
 }
 
-// BenchmarkWriterSteps measures the writer alone: steps with 4 KiB observations appended as
-// fast as possible, timed until all are committed to a private Postgres (fsync on). It reports
-// steps/s end to end and the p50/p99 latency of the Step call itself.
+// BenchmarkWriterSteps measures the writer alone: steps with 4 KiB (and 256-byte) observations
+// timed until all are committed to a private Postgres (fsync on). It reports steps/s end to end
+// and the p50/p99 latency of the Step call itself.
+//
+// Two ways of offering the load:
+//   - rate=max appends as fast as possible. The writer is then overloaded: its in-memory queue
+//     fills and most rows are read back from the spool, which costs CPU that a writer keeping up
+//     never spends. steps/s is what it delivers in that state.
+//   - rate=50000 (DELTAGYM_LEDGER_BENCH_RATE) appends at the target rate, paced per millisecond.
+//     delivered-steps/s is what Postgres received from the end of the first second to the end
+//     of the appends: the offered rate if the writer keeps up. max-backlog-rows is the most rows
+//     appended but not yet in Postgres (sampled every 100 ms); it stays bounded when the writer
+//     keeps up and grows with the run when it does not. steps/s also counts the last batch's
+//     delivery after the appends, so it reads a little under the rate even then.
 func BenchmarkWriterSteps(b *testing.B) {
-	for _, size := range []int{4096, 256} {
-		b.Run(fmt.Sprintf("obs=%d", size), func(b *testing.B) { benchWriter(b, size) })
+	paced := 50_000
+	if r, err := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_RATE")); err == nil && r >= 1000 {
+		paced = r
+	}
+	for _, c := range []struct{ size, rate int }{{4096, 0}, {4096, paced}, {256, 0}} {
+		rate := "max"
+		if c.rate > 0 {
+			rate = strconv.Itoa(c.rate)
+		}
+		b.Run(fmt.Sprintf("obs=%d/rate=%s", c.size, rate), func(b *testing.B) { benchWriter(b, c.size, c.rate) })
 	}
 }
 
-func benchWriter(b *testing.B, obsSize int) {
+func benchWriter(b *testing.B, obsSize, rate int) {
 	if _, err := os.Stat(filepath.Join(pgserver.DefaultBinDir, "postgres")); err != nil {
 		b.Skip("postgres 15 not installed (run scripts/deps.sh postgres)")
 	}
@@ -52,8 +73,16 @@ func benchWriter(b *testing.B, obsSize int) {
 	}
 	defer os.RemoveAll(dir)
 	ctx := context.Background()
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir,
-		Settings: map[string]string{"shared_buffers": "512MB", "max_wal_size": "4GB"}})
+	// The cluster runs with pgserver's defaults, as `make run`'s does. DELTAGYM_LEDGER_BENCH_PG=
+	// name=value,… adds or overrides settings, to compare (shared_buffers=512MB, for one, made
+	// no difference).
+	settings := map[string]string{}
+	for _, kv := range strings.Split(os.Getenv("DELTAGYM_LEDGER_BENCH_PG"), ",") {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			settings[k] = v
+		}
+	}
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Settings: settings})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -64,7 +93,8 @@ func benchWriter(b *testing.B, obsSize int) {
 	// DELTAGYM_LEDGER_BENCH_CONNS and _DELAY override Config.Conns and DeliveryDelay, to compare.
 	conns, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_CONNS"))
 	delay, _ := time.ParseDuration(os.Getenv("DELTAGYM_LEDGER_BENCH_DELAY"))
-	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay})
+	queue, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_QUEUE_MB"))
+	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay, QueueBytes: queue << 20})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -75,10 +105,41 @@ func benchWriter(b *testing.B, obsSize int) {
 	b.SetBytes(int64(obsSize))
 	pg0, _ := clusterCPU(dir)
 	self0 := selfCPU()
+	var maxBacklog atomic.Uint64
+	stop := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				st := w.Stats()
+				if n := st.Appended - st.Delivered; n > maxBacklog.Load() {
+					maxBacklog.Store(n)
+				}
+			}
+		}
+	}()
 	b.ResetTimer()
 	start := time.Now()
 	ep := ""
+	// For a paced run: what Postgres received from the end of the first second (warm-up) to
+	// the end of the appends, the steady state the offered rate is compared with.
+	var warmAt time.Time
+	var warmDelivered uint64
 	for i := range b.N {
+		if rate > 0 && i%(rate/1000) == 0 {
+			if d := time.Until(start.Add(time.Duration(i) * time.Second / time.Duration(rate))); d > 0 {
+				time.Sleep(d)
+			}
+			if i == rate {
+				warmAt, warmDelivered = time.Now(), w.Stats().Delivered
+			}
+		}
 		if i%perEpisode == 0 {
 			ep = fmt.Sprintf("bench-%d", i/perEpisode)
 			if err := w.EpisodeStarted(ledger.EpisodeStart{ID: ep, Env: "env", Run: "bench"}); err != nil {
@@ -95,11 +156,14 @@ func benchWriter(b *testing.B, obsSize int) {
 		}
 	}
 	appended := time.Since(start)
+	endDelivered := w.Stats().Delivered
 	if err := w.Flush(ctx); err != nil {
 		b.Fatal(err)
 	}
 	elapsed := time.Since(start)
 	b.StopTimer()
+	close(stop)
+	<-sampled
 	pg1, _ := clusterCPU(dir)
 	self1 := selfCPU()
 	slices.Sort(lat)
@@ -111,4 +175,8 @@ func benchWriter(b *testing.B, obsSize int) {
 	b.ReportMetric(float64(self1-self0)/1e3/float64(b.N), "go-cpu-us/step")
 	st := w.Stats()
 	b.ReportMetric(float64(st.Spooled), "spooled-rows")
+	b.ReportMetric(float64(maxBacklog.Load()), "max-backlog-rows")
+	if !warmAt.IsZero() {
+		b.ReportMetric(float64(endDelivered-warmDelivered)/start.Add(appended).Sub(warmAt).Seconds(), "delivered-steps/s")
+	}
 }

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // spool is the writer's durable local log: a directory of append-only segment files named by
@@ -172,6 +174,13 @@ func (s *spool) write(chunks [][]byte, last uint64) error {
 		_ = s.active.Truncate(s.activeSize)
 		return fmt.Errorf("writing spool: %w", err)
 	}
+	// The rows are durable and the in-memory queue holds them: drop their pages from the page
+	// cache. Only an overloaded writer reads them back (from disk then). Kept cached, a busy
+	// spool grows the page cache by every row's bytes, pages that must be freshly allocated
+	// (and, on this VM, first touched) while Postgres needs new pages for the same rows;
+	// BenchmarkWriterSteps at rate=max went from 37k to 42k steps/s and 16 to 13.5 µs of
+	// writer CPU per step with it.
+	_ = unix.Fadvise(int(s.active.Fd()), s.activeSize&^4095, int64(n), unix.FADV_DONTNEED)
 	s.activeSize += int64(n)
 	if s.activeSize < s.segBytes {
 		return nil
