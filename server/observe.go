@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -38,6 +39,8 @@ type observability struct {
 	rpcDuration metric.Float64Histogram
 	opDuration  metric.Float64Histogram
 	rpcErrors   metric.Int64Counter
+
+	inflight atomic.Int64 // RPCs being served (adaptProcs)
 }
 
 func newObservability() (*observability, error) {
@@ -193,7 +196,9 @@ func (i *rpcInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		proc := req.Spec().Procedure
 		ctx, span := i.o.tracer.Start(ctx, strings.TrimPrefix(proc, "/"), trace.WithSpanKind(trace.SpanKindServer))
 		start := time.Now()
+		i.o.inflight.Add(1)
 		resp, err := next(ctx, req)
+		i.o.inflight.Add(-1)
 		i.o.finish(ctx, span, proc, start, err, i.log)
 		return resp, err
 	}
@@ -208,7 +213,9 @@ func (i *rpcInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc)
 		proc := conn.Spec().Procedure
 		ctx, span := i.o.tracer.Start(ctx, strings.TrimPrefix(proc, "/"), trace.WithSpanKind(trace.SpanKindServer))
 		start := time.Now()
+		i.o.inflight.Add(1)
 		err := next(ctx, conn)
+		i.o.inflight.Add(-1)
 		i.o.finish(ctx, span, proc, start, err, i.log)
 		return err
 	}

@@ -245,6 +245,11 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("listening on %s: %w", s.cfg.Addr, err)
 	}
 	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", s.cfg.AuthToken != "")
+	if os.Getenv("GOMAXPROCS") == "" { // a user's setting stands
+		actx, stopAdapt := context.WithCancel(ctx)
+		defer stopAdapt()
+		go adaptProcs(actx, &s.obs.inflight, s.log)
+	}
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(ln) }()
 	var serveErr error

@@ -10,7 +10,6 @@ import (
 	"net/http/pprof"
 	"os"
 	"os/signal"
-	"runtime"
 	"syscall"
 	"time"
 
@@ -32,7 +31,6 @@ func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	moreProcs()
 	if *pprofAddr != "" {
 		stopProf, err := servePprof(*pprofAddr)
 		if err != nil {
@@ -41,22 +39,6 @@ func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 		defer stopProf()
 	}
 	return server.Run(ctx, cfg)
-}
-
-// moreProcs gives the Go scheduler twice as many Ps as it would use
-// (GOMAXPROCS, which follows the CPUs and any cgroup CPU limit), unless the
-// GOMAXPROCS variable sets them. A rollback's mount system calls block in
-// the kernel (the mount namespace lock, RCU grace periods when an old root
-// is detached or an overlay freed), and a thread blocked in a system call
-// keeps its P until the runtime's monitor takes it back, about every 0.5 ms
-// here. With one P per CPU, a CPU sits idle meanwhile while requests wait
-// to run: the rollback load test (64 sandboxes on 2 CPUs) left 15% of the
-// machine idle and served 940–1,000 rollbacks/s; with two Ps per CPU it
-// used the machine to 94% and served 1,200–1,220.
-func moreProcs() {
-	if os.Getenv("GOMAXPROCS") == "" {
-		runtime.GOMAXPROCS(2 * runtime.GOMAXPROCS(0))
-	}
 }
 
 // servePprof serves net/http/pprof on addr, which must be a loopback address.
