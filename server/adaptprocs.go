@@ -12,13 +12,16 @@ import (
 // the CPUs and any cgroup CPU limit) while requests queue, and its own number
 // back once they stop.
 //
-// A rollback's system calls block in the kernel (the mount namespace lock,
-// RCU grace periods when an old root is detached or an overlay freed), and
-// a thread blocked in a system call keeps its P until the runtime's monitor
-// takes it back, about every 0.5 ms here. With one P per CPU a CPU then sits
-// idle while requests wait to run: the rollback load test (64 sandboxes on
-// 2 CPUs) left 15% of the machine idle at 940–1,120 rollbacks/s, and used it
-// to 96% at 1,190–1,290 with two Ps per CPU. With few requests the extra Ps
+// A rollback's system calls often wait in the kernel (overlay mounts on the
+// mount namespace lock, the root swap's worker on RCU grace periods, file
+// operations on copy-up), and a thread waiting in a system call keeps its P
+// until the runtime's monitor takes it back, about every 0.5 ms here. With
+// one P per CPU a CPU then sits idle while requests wait to run: under the
+// rollback load test (64 sandboxes on 2 CPUs) a goroutine dump showed 115
+// handlers runnable while 15% of the machine was idle, at 940–1,120
+// rollbacks/s; with two Ps per CPU it was 96% busy, at 1,190–1,290. (Moving
+// the longest wait, the old root's detach, out to a separate process
+// instead did not help: the many shorter ones add up.) With few requests the extra Ps
 // cost instead: idle ones wake threads that compete with the work, and a
 // single client's Step or Restore took 10–15% longer. So the Ps are doubled
 // only while more RPCs are in flight than there are Ps, for a few samples
