@@ -11,7 +11,7 @@ ledger-test: deps ## run the ledger tests against a real private Postgres
 # (rate=50000: delivered-steps/s and max-backlog-rows say whether it keeps up), 300,000 steps each.
 # It compares settings with DELTAGYM_LEDGER_BENCH_CONNS=n (delivery connections),
 # DELTAGYM_LEDGER_BENCH_DELAY=d (Config.DeliveryDelay), DELTAGYM_LEDGER_BENCH_QUEUE_MB=n
-# (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate) and
+# (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate, n >= 1000) and
 # DELTAGYM_LEDGER_BENCH_PG=name=value,... (Postgres settings). The machine's other load moves
 # steps/s a lot; go-cpu-us/step and pg-cpu-us/step hold up better.
 ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -476,5 +477,36 @@ func TestStepStreamGRPC(t *testing.T) {
 	}
 	if e := got[99].GetError(); e == nil || connect.Code(e.GetCode()) != connect.CodeInvalidArgument {
 		t.Fatalf("malformed item: %v", got[99])
+	}
+}
+
+// TestServeAfterClose: a Serve that starts after Close (its goroutine was started just
+// before Close ran) returns at once with its listener closed, instead of serving forever
+// and leaving whoever waits for it hanging.
+func TestServeAfterClose(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := b.srv.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- b.srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		if !errors.Is(err, http.ErrServerClosed) {
+			t.Fatalf("Serve after Close: %v, want http.ErrServerClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		ln.Close() // let the stray Serve end with the test
+		t.Fatal("Serve after Close is still serving after 10 s")
+	}
+	if c, err := net.Dial("tcp", ln.Addr().String()); err == nil {
+		c.Close()
+		t.Fatal("the listener of a Serve after Close still accepts connections")
 	}
 }

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"os"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -39,8 +38,6 @@ type observability struct {
 	rpcDuration metric.Float64Histogram
 	opDuration  metric.Float64Histogram
 	rpcErrors   metric.Int64Counter
-
-	inflight atomic.Int64 // RPCs being served (adaptProcs)
 }
 
 func newObservability() (*observability, error) {
@@ -196,9 +193,7 @@ func (i *rpcInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		proc := req.Spec().Procedure
 		ctx, span := i.o.tracer.Start(ctx, strings.TrimPrefix(proc, "/"), trace.WithSpanKind(trace.SpanKindServer))
 		start := time.Now()
-		i.o.inflight.Add(1)
 		resp, err := next(ctx, req)
-		i.o.inflight.Add(-1)
 		i.o.finish(ctx, span, proc, start, err, i.log)
 		return resp, err
 	}
@@ -213,9 +208,7 @@ func (i *rpcInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc)
 		proc := conn.Spec().Procedure
 		ctx, span := i.o.tracer.Start(ctx, strings.TrimPrefix(proc, "/"), trace.WithSpanKind(trace.SpanKindServer))
 		start := time.Now()
-		i.o.inflight.Add(1)
 		err := next(ctx, conn)
-		i.o.inflight.Add(-1)
 		i.o.finish(ctx, span, proc, start, err, i.log)
 		return err
 	}

@@ -43,6 +43,7 @@ type Server struct {
 
 	mu       sync.Mutex
 	httpSrvs []*http.Server
+	closing  bool // Close has begun: Serve refuses to start
 
 	closeOnce sync.Once
 	closeErr  error
@@ -190,6 +191,13 @@ func (s *Server) Serve(ln net.Listener) error {
 	hs := &http.Server{Handler: s.handler, Protocols: &p, ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
 	s.mu.Lock()
+	if s.closing {
+		// Close ran first (a Serve started in a goroutine just before it):
+		// it could not shut this one down.
+		s.mu.Unlock()
+		ln.Close()
+		return http.ErrServerClosed
+	}
 	s.httpSrvs = append(s.httpSrvs, hs)
 	s.mu.Unlock()
 	return hs.Serve(ln)
@@ -201,6 +209,7 @@ func (s *Server) Close(ctx context.Context) error {
 	s.closeOnce.Do(func() {
 		var errs []error
 		s.mu.Lock()
+		s.closing = true
 		srvs := s.httpSrvs
 		s.mu.Unlock()
 		for _, hs := range srvs {
@@ -245,11 +254,6 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("listening on %s: %w", s.cfg.Addr, err)
 	}
 	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", s.cfg.AuthToken != "")
-	if os.Getenv("GOMAXPROCS") == "" { // a user's setting stands
-		actx, stopAdapt := context.WithCancel(ctx)
-		defer stopAdapt()
-		go adaptProcs(actx, &s.obs.inflight, s.log)
-	}
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(ln) }()
 	var serveErr error

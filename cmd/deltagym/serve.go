@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/pprof"
@@ -31,6 +32,16 @@ func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	actx, stopAdapt := context.WithCancel(ctx)
+	adapted := make(chan struct{})
+	go func() {
+		defer close(adapted)
+		adaptProcs(actx, slog.Default())
+	}()
+	defer func() {
+		stopAdapt()
+		<-adapted
+	}()
 	if *pprofAddr != "" {
 		stopProf, err := servePprof(*pprofAddr)
 		if err != nil {

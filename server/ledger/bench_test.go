@@ -43,7 +43,8 @@ func syntheticText(n int) []byte {
 //   - rate=max appends as fast as possible. The writer is then overloaded: its in-memory queue
 //     fills and most rows are read back from the spool, which costs CPU that a writer keeping up
 //     never spends. steps/s is what it delivers in that state.
-//   - rate=50000 (DELTAGYM_LEDGER_BENCH_RATE) appends at the target rate, paced per millisecond.
+//   - rate=50000 (DELTAGYM_LEDGER_BENCH_RATE, at least 1000) appends at the target rate, paced
+//     per millisecond.
 //     delivered-steps/s is what Postgres received from the end of the first second to the end
 //     of the appends: the offered rate if the writer keeps up. max-backlog-rows is the most rows
 //     appended but not yet in Postgres (sampled every 100 ms); it stays bounded when the writer
@@ -136,9 +137,9 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 			if d := time.Until(start.Add(time.Duration(i) * time.Second / time.Duration(rate))); d > 0 {
 				time.Sleep(d)
 			}
-			if i == rate {
-				warmAt, warmDelivered = time.Now(), w.Stats().Delivered
-			}
+		}
+		if rate > 0 && i == rate {
+			warmAt, warmDelivered = time.Now(), w.Stats().Delivered
 		}
 		if i%perEpisode == 0 {
 			ep = fmt.Sprintf("bench-%d", i/perEpisode)
