@@ -42,11 +42,16 @@ func names(t *testing.T, dir string) []string {
 	return out
 }
 
-// writeUpper fills a fresh upper the way an overlay leaves it: files, a
-// hard-link group, and an index holding a link into the group, a file's
-// only name (a copy made for an unlink) and the shared whiteout.
-func writeUpper(t *testing.T, s *Store, id string) {
+// writtenUpper makes an upper of sizeBytes and fills it the way an overlay
+// leaves it: files, a hard-link group, and an index holding a link into the
+// group, a file's only name (a copy made for an unlink) and the shared
+// whiteout.
+func writtenUpper(t *testing.T, s *Store, sizeBytes int64) string {
 	t.Helper()
+	id, err := s.NewUpper(sizeBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
 	up := s.UpperPath(id)
 	must := func(err error) {
 		t.Helper()
@@ -63,15 +68,12 @@ func writeUpper(t *testing.T, s *Store, id string) {
 	must(os.Link(filepath.Join(up, "w", "a"), filepath.Join(index, "00fb21")))
 	must(os.WriteFile(filepath.Join(index, "00fb22"), []byte("orphan"), 0o644))
 	must(unix.Mknod(filepath.Join(index, "#1"), unix.S_IFCHR, 0))
+	return id
 }
 
 func TestSealMovesTheUpperAndDropsIndexLinks(t *testing.T) {
 	s := newStore(t)
-	id, err := s.NewUpper(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeUpper(t, s, id)
+	id := writtenUpper(t, s, 0)
 	if _, err := s.Seal(id); err != nil {
 		t.Fatal(err)
 	}
@@ -109,11 +111,7 @@ func TestSealMovesTheUpperAndDropsIndexLinks(t *testing.T) {
 // A seal refused (a file open for writing) leaves the upper as it was.
 func TestFailedSealLeavesTheUpper(t *testing.T) {
 	s := newStore(t)
-	id, err := s.NewUpper(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeUpper(t, s, id)
+	id := writtenUpper(t, s, 0)
 	f, err := os.OpenFile(filepath.Join(s.UpperPath(id), "w", "a"), os.O_WRONLY, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -141,11 +139,7 @@ func TestFailedSealLeavesTheUpper(t *testing.T) {
 // A layer written straight into fs/ (a copy) is sealed as it is.
 func TestCopyIntoSeals(t *testing.T) {
 	s := newStore(t)
-	src, err := s.NewUpper(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeUpper(t, s, src)
+	src := writtenUpper(t, s, 0)
 	dst, err := s.NewUpper(0)
 	if err != nil {
 		t.Fatal(err)
@@ -169,11 +163,7 @@ func TestCopyIntoSeals(t *testing.T) {
 
 func TestReclaimAndReset(t *testing.T) {
 	s := newStore(t)
-	id, err := s.NewUpper(1 << 20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	writeUpper(t, s, id)
+	id := writtenUpper(t, s, 1<<20)
 	// A file still held (as an old overlay holds its upper's files): the
 	// reset must refuse, or the tmpfs could not be sealed later.
 	f, err := os.Open(filepath.Join(s.UpperPath(id), "w", "a"))
