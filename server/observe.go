@@ -70,15 +70,18 @@ func newObservability() (*observability, error) {
 }
 
 // newTracerProvider returns the server's tracer provider, exporting spans as the standard
-// OpenTelemetry environment asks (see traceExporter); without an exporter spans are made (for
-// the ids in logs) but go nowhere.
+// OpenTelemetry environment asks (see traceExporter); without an exporter spans are not
+// recorded.
 func newTracerProvider(ctx context.Context) (*sdktrace.TracerProvider, error) {
 	exp, err := traceExporter(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if exp == nil {
-		return sdktrace.NewTracerProvider(), nil
+		// Spans that go nowhere are not recorded: their attributes, status
+		// and timing were 3% of the server's CPU under the rollback load
+		// test, for nothing.
+		return sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.NeverSample())), nil
 	}
 	// service.name defaults to "deltagym"; OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override.
 	res, err := resource.New(ctx, resource.WithAttributes(attribute.String("service.name", "deltagym")),

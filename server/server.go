@@ -176,7 +176,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
-	return mux
+	return growStacks(mux)
 }
 
 // Handler returns the HTTP handler of every service, health, reflection and /metrics.
