@@ -3,9 +3,12 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/sandbox"
 )
@@ -297,5 +300,116 @@ func TestRestoreLeavesNoProcess(t *testing.T) {
 		if out != "" {
 			t.Fatalf("round %d: processes after the restore: %q", round, out)
 		}
+	}
+}
+
+// TestRootSwappedInWhenNeeded: a restore or checkpoint that leaves nothing
+// running keeps the new root out of the init's mount namespace; file actions
+// see it all the same, /proc and /dev stay out of their reach, and the first
+// command, session or background process swaps it in with every change.
+func TestRootSwappedInWhenNeeded(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	// The device of the init's root: each overlay has its own.
+	rootDev := func() uint64 {
+		t.Helper()
+		var st unix.Stat_t
+		if err := unix.Stat(fmt.Sprintf("/proc/%d/root/", s.InitPid()), &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Dev
+	}
+	read := func(p string) string {
+		t.Helper()
+		data, _, err := s.ReadFile(ctx, p, 0, 0)
+		if err != nil {
+			t.Fatalf("read %s: %v", p, err)
+		}
+		return string(data)
+	}
+	write := func(p, data string) {
+		t.Helper()
+		if err := s.WriteFile(ctx, p, []byte(data), 0, false); err != nil {
+			t.Fatalf("write %s: %v", p, err)
+		}
+	}
+	sh(t, s, "mkdir /w; echo one > /w/f; ln -s /dev /w/devlink")
+	ck := mustCheckpoint(t, s)
+	dev := rootDev()
+	write("/w/f", "two")
+
+	if err := s.Restore(ctx, ck); err != nil {
+		t.Fatal(err)
+	}
+	if got := read("/w/f"); got != "one\n" {
+		t.Fatalf("after the restore, file actions read %q", got)
+	}
+	write("/w/g", "pending\n")
+	for _, p := range []string{"/dev/x", "/proc/x", "/w/devlink/x", "/dev/null"} {
+		if err := s.WriteFile(ctx, p, []byte("x"), 0, false); !errors.Is(err, sandbox.ErrInvalid) {
+			t.Errorf("write %s before the root is swapped in: %v, want ErrInvalid (as after)", p, err)
+		}
+	}
+	if _, _, err := s.ReadFile(ctx, "/proc/self/status", 0, 0); !errors.Is(err, sandbox.ErrInvalid) {
+		t.Errorf("read /proc/self/status before the root is swapped in: %v, want ErrInvalid", err)
+	}
+	// A checkpoint of the pending root seals what the file actions wrote.
+	ck2 := mustCheckpoint(t, s)
+	write("/w/g", "after ck2\n")
+	if rootDev() != dev {
+		t.Fatal("a restore and a checkpoint with nothing running swapped the root in")
+	}
+
+	// A command swaps it in, with what the file actions did.
+	if out := sh(t, s, "cat /w/f /w/g; ls /dev/null /proc/self/status; ls /dev /proc | grep -c '^x$' || true"); out != "one\nafter ck2\n/dev/null\n/proc/self/status\n0\n" {
+		t.Fatalf("the first command saw %q", out)
+	}
+	if rootDev() == dev {
+		t.Fatal("the command ran in the old root")
+	}
+	dev = rootDev()
+
+	// A session and a background process swap it in too.
+	if err := s.Restore(ctx, ck2); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.WriteFile(ctx, "/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash\n"), 0o755, false); err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "cat /w/g"})
+	if err != nil || string(res.Stdout) != "pending\n" {
+		t.Fatalf("session after a restore: %q %v", res.Stdout, err)
+	}
+	if rootDev() == dev {
+		t.Fatal("the session runs in the old root")
+	}
+	dev = rootDev()
+	if err := s.Restore(ctx, ck2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "echo bg > /w/bg", Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	if rootDev() == dev {
+		t.Fatal("the background process runs in the old root")
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if data, _, err := s.ReadFile(ctx, "/w/bg", 0, 0); err == nil && string(data) == "bg\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the background process's write never showed")
+		}
+	}
+
+	// Destroyed with a root pending: nothing of it stays (TestNoLeaks
+	// counts mounts and layers).
+	if err := s.Restore(ctx, ck); err != nil {
+		t.Fatal(err)
+	}
+	write("/w/h", "x")
+	if err := s.Destroy(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -277,6 +277,9 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		return ExecResult{}, err
 	}
 	defer s.op.RUnlock()
+	if err := s.materialize(); err != nil {
+		return ExecResult{}, err
+	}
 	argv := req.Argv
 	direct := false
 	if req.Command != "" {
@@ -486,13 +489,12 @@ func (c *capture) wait() ([]byte, bool) {
 // null device (the sandbox's root may have replaced it). An O_RDWR open of
 // a FIFO put in its place does not block.
 func (s *Sandbox) devNull() *os.File {
-	root, err := unix.Open(fmt.Sprintf("/proc/%d/root", s.init.Pid), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil
-	}
-	defer unix.Close(root)
-	fd, err := unix.Openat2(root, "dev/null", &unix.OpenHow{Flags: unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
-		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS})
+	fd := -1
+	err := s.withRoot(func(root int) (err error) {
+		fd, err = unix.Openat2(root, "dev/null", &unix.OpenHow{Flags: unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW,
+			Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS})
+		return err
+	})
 	if err != nil {
 		return nil
 	}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -200,15 +199,12 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	return err
 }
 
-// fileOpOnce opens the sandbox's root (as host root: the init runs as the
-// range's root, which the user's fsuid may not inspect), then runs fn with
-// the user's fsuid; the sandbox's root keeps its file capabilities, since it
-// may write any file of its own filesystem.
+// fileOpOnce runs fn on the sandbox's root (opened as host root: the init
+// runs as the range's root, which the user's fsuid may not inspect) with the
+// user's fsuid; the sandbox's root keeps its file capabilities, since it may
+// write any file of its own filesystem.
 func (s *Sandbox) fileOpOnce(uid, gid int, rel string, fn func(int, string) error) error {
-	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
-	}
-	defer unix.Close(root)
-	return fscred.Run(uid, gid, uid == s.hostID, func() error { return fn(root, rel) })
+	return s.withRoot(func(root int) error {
+		return fscred.Run(uid, gid, uid == s.hostID, func() error { return fn(root, rel) })
+	})
 }

@@ -199,6 +199,16 @@ func leakCycle(ctx context.Context, b *bundle, i int) error {
 			return fmt.Errorf("session: %v %+v", err, res)
 		}
 	}
+	if i%10 == 7 {
+		// Destroyed with its root not swapped in yet: a restore, then
+		// file actions only.
+		if err := s.Restore(ctx, ck2.ID); err != nil {
+			return fmt.Errorf("restore: %w", err)
+		}
+		if err := s.WriteFile(ctx, "/w/g", []byte("pending"), 0, false); err != nil {
+			return fmt.Errorf("write: %w", err)
+		}
+	}
 	return s.Destroy(ctx)
 }
 

@@ -277,6 +277,9 @@ func mntID(path string) (uint64, error) {
 // no new process appears (a stopped process cannot fork). Trees for CRIU
 // are released from ptrace and dumped by criu, which leaves them stopped.
 func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode ProcessMode, copyFS func() error) (err error) {
+	if err := s.materialize(); err != nil { // processes run: it is, but be sure
+		return err
+	}
 	rootMnt, err := mntID("/proc/" + strconv.Itoa(s.init.Pid) + "/root")
 	if err != nil {
 		return err

@@ -234,7 +234,8 @@ type Runtime struct {
 	devnull *os.File
 	skel    string
 	lock    *os.File
-	links   *overlay.Links // hard-link groups of lowers (sandbox.linkUp)
+	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
+	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
 	criuMu sync.Mutex
 	criuW  *criu.Swrk // found on first use (procs_criu.go)
@@ -367,6 +368,10 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		return fail(err)
 	}
 	cleanup = append(cleanup, func() { r.devnull.Close() })
+	if r.covers, err = makeCovers(r.store); err != nil {
+		return fail(err)
+	}
+	cleanup = append(cleanup, func() { r.covers.Close() })
 	if r.spawn, err = launch.NewSpawnNS(cfg.InitBinary); err != nil {
 		return fail(err)
 	}
@@ -451,6 +456,16 @@ func makeSkeleton(store string) (string, error) {
 		}
 	}
 	return skel, nil
+}
+
+// makeCovers prepares the covers of the mount points of a root that is not
+// the init's yet (overlay.Covers): /proc and /dev, as launch moves them.
+func makeCovers(store string) (*overlay.Covers, error) {
+	empty := filepath.Join(store, "cover")
+	if err := os.MkdirAll(empty, 0o555); err != nil {
+		return nil, fmt.Errorf("creating %s: %w", empty, err)
+	}
+	return overlay.NewCovers(empty, launch.MovedMounts...)
 }
 
 func (r *Runtime) reconcile(ctx context.Context) error {
@@ -978,6 +993,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	r.layers.Wait()
 	errs = append(errs, r.cg.RemoveBase())
 	r.devnull.Close()
+	r.covers.Close()
 	r.lock.Close()
 	return errors.Join(errs...)
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -49,6 +50,19 @@ type Sandbox struct {
 	// switch so that the next checkpoint or restore need not make one.
 	spare      chan spareUpper
 	spareReady bool
+
+	// root is the sandbox's root while it is not yet the root of the
+	// init's mount namespace: a detached mount, or -1. A restore or a
+	// checkpoint that leaves no process running does not swap the new
+	// root in; file actions use it as it is, and the first command or
+	// process to need the namespace swaps it in (materialize). A rollback
+	// loop of restores and file actions never swaps. nsUpper is the upper
+	// of the namespace's root meanwhile (stale, reachable by nothing).
+	// Guarded by op (write), or by op (read) with rootMu; read under op
+	// (read) with rootMu (read).
+	rootMu  sync.RWMutex
+	root    int
+	nsUpper spareUpper
 
 	// tpls holds the process templates of this sandbox's checkpoints, one
 	// frozen cgroup per checkpoint (procs.go).
@@ -143,7 +157,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		return nil, fmt.Errorf("%w: image %q", ErrNotFound, imgName)
 	}
 	s := &Sandbox{
-		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1, upperFD: -1,
+		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1, upperFD: -1, root: -1,
 		idmapped: map[string]int{}, sessions: map[string]*session{}, done: make(chan struct{}),
 		tpls:    map[string]*cgroup.Cgroup{},
 		created: time.Now(),
@@ -186,7 +200,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	}
 	s.stack = slices.Clone(stack)
 	undo = append(undo, func() error { s.unrefStack(); return nil })
-	if err = s.switchRoot(stack); err != nil {
+	if err = s.switchRoot(stack, false); err != nil {
 		return nil, err
 	}
 	undo = append(undo, func() error { s.dropSpare(); s.releaseUpper(); return nil })
@@ -275,17 +289,26 @@ func (s *Sandbox) lowerFD(dir string) (int, error) {
 }
 
 // switchRoot makes a fresh upper over stack (delta layers, bottom first) the
-// sandbox's root. On success the sandbox's old upper (if any) is released
-// and the new one is s.upper; stack references are the caller's business.
-func (s *Sandbox) switchRoot(stack []string) error {
+// sandbox's root. Unless pending is set, it becomes the root of the init's
+// mount namespace now; with pending set (the caller knows that no process
+// runs) it waits for materialize. On success the sandbox's old upper (if
+// any) is released and the new one is s.upper; stack references are the
+// caller's business.
+func (s *Sandbox) switchRoot(stack []string, pending bool) error {
 	sp, err := s.takeSpare()
 	if err != nil {
 		return err
 	}
 	mfd, err := s.buildRoot(stack, sp.fd)
 	if err == nil {
-		err = s.init.Swap(mfd)
-		unix.Close(mfd)
+		if pending {
+			err = s.rt.covers.Apply(mfd)
+		} else {
+			err = s.init.Swap(mfd)
+		}
+		if err != nil {
+			unix.Close(mfd)
+		}
 	}
 	if err != nil {
 		unix.Close(sp.fd)
@@ -294,25 +317,111 @@ func (s *Sandbox) switchRoot(stack []string) error {
 	}
 	old := spareUpper{id: s.upper, fd: s.upperFD}
 	s.upper, s.upperFD = sp.id, sp.fd
+	// A root that was pending goes with its fd; its upper follows.
+	if s.root >= 0 {
+		s.retire(old, s.closeRoot())
+		old = spareUpper{}
+	}
+	if pending {
+		s.root = mfd
+		if old.id != "" {
+			s.nsUpper = old // the namespace's root, until materialize
+		}
+		return nil
+	}
+	unix.Close(mfd) // it is attached: the namespace holds it
+	if s.nsUpper.id != "" {
+		old, s.nsUpper = s.nsUpper, spareUpper{}
+	}
+	s.retire(old, s.init.OldRootGone())
+	return nil
+}
+
+// closeRoot drops the pending root. It returns a channel closed once the
+// mount is gone: closing the last fd of a detached mount unmounts it, and
+// waits for an RCU grace period, on its own thread.
+func (s *Sandbox) closeRoot() <-chan struct{} {
+	fd := s.root
+	s.root = -1
+	gone := make(chan struct{})
+	go func() {
+		unix.Close(fd)
+		close(gone)
+	}()
+	return gone
+}
+
+// retire releases old, the upper of a root that goes away once gone is
+// closed: an upper that was not sealed (a restore's, not a checkpoint's)
+// becomes the next spare once emptied (no new tmpfs, no discard), unless a
+// spare is already there. Called with op held (write), or (read) with
+// rootMu.
+func (s *Sandbox) retire(old spareUpper, gone <-chan struct{}) {
 	// A new sandbox gets its spare at its first checkpoint or restore, not
 	// now: a fork fan-out would make one per child, competing for the CPU
 	// with the fan-out, for children that may never switch again.
 	if old.id == "" {
-		return nil
+		return
 	}
-	// An upper that was not sealed (a restore's, not a checkpoint's)
-	// becomes the next spare once emptied: no new tmpfs, no discard.
+	if s.spareReady {
+		unix.Close(old.fd)
+		s.rt.layers.Unref(old.id)
+		return
+	}
 	if s.rt.layers.Reclaim(old.id) {
-		s.prepareSpareFrom(old, s.init.OldRootGone())
-		return nil
+		s.prepareSpareFrom(old, gone)
+		return
 	}
 	unix.Close(old.fd)
 	s.prepareSpare()
+}
+
+// materialize makes a pending root (s.root) the root of the init's mount
+// namespace, before anything runs in the sandbox. Called with op held.
+func (s *Sandbox) materialize() error {
+	s.rootMu.Lock()
+	defer s.rootMu.Unlock()
+	if s.root < 0 {
+		return nil
+	}
+	if err := s.init.Swap(s.root); err != nil {
+		return fmt.Errorf("switching root: %w", err)
+	}
+	unix.Close(s.root) // attached: the namespace holds it
+	s.root = -1
+	old := s.nsUpper
+	s.nsUpper = spareUpper{}
+	s.retire(old, s.init.OldRootGone())
 	return nil
 }
 
-// releaseUpper drops the live upper and its idmapped clone.
+// withRoot calls fn with an fd of the sandbox's root: the pending one, or
+// the init's. Called with op held.
+func (s *Sandbox) withRoot(fn func(root int) error) error {
+	s.rootMu.RLock()
+	defer s.rootMu.RUnlock()
+	if s.root >= 0 {
+		return fn(s.root)
+	}
+	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+	}
+	defer unix.Close(root)
+	return fn(root)
+}
+
+// releaseUpper drops the live upper and its idmapped clone, and a pending
+// root with the namespace's.
 func (s *Sandbox) releaseUpper() {
+	if s.root >= 0 {
+		<-s.closeRoot()
+	}
+	if s.nsUpper.id != "" {
+		unix.Close(s.nsUpper.fd)
+		s.rt.layers.Unref(s.nsUpper.id)
+		s.nsUpper = spareUpper{}
+	}
 	if s.upperFD >= 0 {
 		unix.Close(s.upperFD)
 		s.upperFD = -1
@@ -710,7 +819,8 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 	if err := refAll(r, stack); err != nil {
 		return err
 	}
-	if err := s.switchRoot(stack); err != nil {
+	// No process runs (the caller checked): the new root waits.
+	if err := s.switchRoot(stack, true); err != nil {
 		unrefAll(r, stack)
 		if uerr := r.layers.Unseal(old); uerr != nil {
 			return errors.Join(err, uerr)
@@ -733,15 +843,12 @@ func (s *Sandbox) linkUp() error {
 	if overlay.IndexEmpty(index) {
 		return nil
 	}
-	root, err := unix.Open(fmt.Sprintf("/proc/%d/root", s.init.Pid), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("opening the sandbox's root: %w", err)
-	}
-	defer unix.Close(root)
-	if _, err := s.rt.links.Materialize(root, index, s.lowerDirs(s.stack)); err != nil {
-		return fmt.Errorf("keeping hard links whole: %w", err)
-	}
-	return nil
+	return s.withRoot(func(root int) error {
+		if _, err := s.rt.links.Materialize(root, index, s.lowerDirs(s.stack)); err != nil {
+			return fmt.Errorf("keeping hard links whole: %w", err)
+		}
+		return nil
+	})
 }
 
 // copyUpper is the path for a sandbox with live processes: freeze, seal a
@@ -835,7 +942,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if err := refAll(r, stack); err != nil {
 		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
 	}
-	if err := s.switchRoot(stack); err != nil {
+	// With no process to bring back, nothing runs until the next command,
+	// which swaps the root in then.
+	if err := s.switchRoot(stack, len(units) == 0 && !copies); err != nil {
 		unrefAll(r, stack)
 		return err
 	}

@@ -64,6 +64,9 @@ func (s *Sandbox) sessionExec(ctx context.Context, req ExecRequest) (ExecResult,
 		return ExecResult{}, err
 	}
 	defer s.op.RUnlock()
+	if err := s.materialize(); err != nil {
+		return ExecResult{}, err
+	}
 	se, err := s.session(req.Session)
 	if err != nil {
 		return ExecResult{}, err

@@ -243,6 +243,10 @@ type Init struct {
 	gone chan struct{}
 }
 
+// MovedMounts are the mounts of a sandbox's namespace that Swap moves onto
+// each new root (relative to the root).
+var MovedMounts = []string{"proc", "dev"}
+
 // Swap makes the detached mount mountFD the sandbox's root. A locked thread
 // enters the sandbox's mount namespace, stacks the mount on the current
 // root, moves /proc and /dev into it, pivot_roots onto it and detaches the
@@ -370,7 +374,7 @@ func swapLocked(mntns, mountFD int) (pivoted bool, err error) {
 	if err := unix.Fchdir(mountFD); err != nil {
 		return false, fmt.Errorf("entering new root: %w", err)
 	}
-	for _, m := range []string{"proc", "dev"} {
+	for _, m := range MovedMounts {
 		if err := unix.MoveMount(unix.AT_FDCWD, "/"+m, unix.AT_FDCWD, m, 0); err != nil {
 			return false, fmt.Errorf("moving /%s: %w", m, err)
 		}
