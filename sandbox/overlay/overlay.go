@@ -132,7 +132,7 @@ func init() { layersByFD.Store(true) }
 func setLayers(fsfd int, s Spec, set func(k, v string) error) error {
 	if layersByFD.Load() {
 		err := setLayersByFD(fsfd, s)
-		if !errors.Is(err, unix.EINVAL) || len(s.Lowers) == 0 {
+		if !errors.Is(err, unix.EINVAL) {
 			return err
 		}
 		// The first lower was refused: this kernel takes paths only.
@@ -219,7 +219,7 @@ func NewCovers(empty string, dirs ...string) (*Covers, error) {
 }
 
 // Apply mounts a cover on each of the directories of the detached mount
-// mountFD (about 5 µs each).
+// mountFD (5 µs each on an idle machine).
 func (c *Covers) Apply(mountFD int) error {
 	for _, d := range c.dirs {
 		fd, err := unix.OpenTree(c.tpl, "", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_EMPTY_PATH)
