@@ -32,6 +32,7 @@ func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	tuneGC(os.Getenv)
 	actx, stopAdapt := context.WithCancel(ctx)
 	adapted := make(chan struct{})
 	go func() {
