@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -148,6 +149,15 @@ func TestAuth(t *testing.T) {
 	for _, m := range []string{"deltagym_rpc_duration", "deltagym_checkpoints_bytes", "deltagym_layers_discard_backlog"} {
 		if !bytes.Contains(body, []byte(m)) {
 			t.Fatalf("metrics lack %s:\n%.2000s", m, body)
+		}
+	}
+	// Labelled by procedure and code: the three calls refused and the three served.
+	for _, re := range []string{
+		`deltagym_rpc_duration_seconds_count\{code="ok",[^}]*rpc="/deltagym.v1.EnvService/ListEnvs"[^}]*\} 3`,
+		`deltagym_rpc_errors_total\{code="unauthenticated",[^}]*rpc="/deltagym.v1.EnvService/ListEnvs"[^}]*\} 3`,
+	} {
+		if !regexp.MustCompile(re).Match(body) {
+			t.Errorf("metrics lack %s:\n%s", re, body)
 		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -38,6 +39,29 @@ type observability struct {
 	rpcDuration metric.Float64Histogram
 	opDuration  metric.Float64Histogram
 	rpcErrors   metric.Int64Counter
+	rpcAttrs    attrCache[rpcLabels]
+	opAttrs     attrCache[opLabels]
+}
+
+type rpcLabels struct{ procedure, code string }
+
+type opLabels struct {
+	op  string
+	err bool
+}
+
+// attrCache keeps the attribute set of each combination of labels, made on
+// first use: making one per measurement (sorting and allocating) was 1% of
+// the server's CPU under the rollback load test. The combinations are few:
+// the service's procedures and operations, times the codes.
+type attrCache[K comparable] struct{ m sync.Map }
+
+func (c *attrCache[K]) get(k K, build func() attribute.Set) metric.MeasurementOption {
+	if v, ok := c.m.Load(k); ok {
+		return v.(metric.MeasurementOption)
+	}
+	v, _ := c.m.LoadOrStore(k, metric.WithAttributeSet(build()))
+	return v.(metric.MeasurementOption)
 }
 
 func newObservability() (*observability, error) {
@@ -155,7 +179,9 @@ func (o *observability) op(ctx context.Context, name string) (context.Context, f
 	ctx, span := o.tracer.Start(ctx, "sandbox."+name)
 	start := time.Now()
 	return ctx, func(err error) {
-		o.opDuration.Record(ctx, time.Since(start).Seconds(), metric.WithAttributes(attribute.String("op", name), attribute.Bool("error", err != nil)))
+		o.opDuration.Record(ctx, time.Since(start).Seconds(), o.opAttrs.get(opLabels{name, err != nil}, func() attribute.Set {
+			return attribute.NewSet(attribute.String("op", name), attribute.Bool("error", err != nil))
+		}))
 		if err != nil {
 			span.SetStatus(codes.Error, err.Error())
 		}
@@ -168,10 +194,15 @@ func (o *observability) finish(ctx context.Context, span trace.Span, procedure s
 	if err != nil {
 		code = connect.CodeOf(err).String()
 		span.SetStatus(codes.Error, err.Error())
-		o.rpcErrors.Add(ctx, 1, metric.WithAttributes(attribute.String("rpc", procedure), attribute.String("code", code)))
+	}
+	attrs := o.rpcAttrs.get(rpcLabels{procedure, code}, func() attribute.Set {
+		return attribute.NewSet(attribute.String("rpc", procedure), attribute.String("code", code))
+	})
+	if err != nil {
+		o.rpcErrors.Add(ctx, 1, attrs)
 	}
 	d := time.Since(start)
-	o.rpcDuration.Record(ctx, d.Seconds(), metric.WithAttributes(attribute.String("rpc", procedure), attribute.String("code", code)))
+	o.rpcDuration.Record(ctx, d.Seconds(), attrs)
 	span.SetAttributes(attribute.String("rpc.code", code))
 	span.End()
 	if err != nil {
