@@ -315,24 +315,20 @@ func (s *Sandbox) switchRoot(stack []string, pending bool) error {
 		s.rt.layers.Unref(sp.id)
 		return fmt.Errorf("switching root: %w", err)
 	}
+	// old becomes the upper of the namespace's root.
 	old := spareUpper{id: s.upper, fd: s.upperFD}
 	s.upper, s.upperFD = sp.id, sp.fd
-	// A root that was pending goes with its fd; its upper follows.
 	if s.root >= 0 {
+		// A root that was pending goes with its fd, its upper follows;
+		// the namespace's root is still nsUpper's.
 		s.retire(old, s.closeRoot())
-		old = spareUpper{}
+		old, s.nsUpper = s.nsUpper, spareUpper{}
 	}
 	if pending {
-		s.root = mfd
-		if old.id != "" {
-			s.nsUpper = old // the namespace's root, until materialize
-		}
+		s.root, s.nsUpper = mfd, old
 		return nil
 	}
 	unix.Close(mfd) // it is attached: the namespace holds it
-	if s.nsUpper.id != "" {
-		old, s.nsUpper = s.nsUpper, spareUpper{}
-	}
 	s.retire(old, s.init.OldRootGone())
 	return nil
 }
