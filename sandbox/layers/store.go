@@ -312,9 +312,10 @@ func (s *Store) Reset(id string) error {
 // removeTree removes the directory name of dirfd with all it holds. It goes
 // by the entry types getdents reports (tmpfs reports them): a file is
 // unlinked, a directory removed (and gone into only if not empty), with no
-// failed attempt per entry as os.RemoveAll makes. Emptying the upper a
-// rollback loop's restore leaves (one changed file) and its work directory
-// took about 40 system calls; it takes 23.
+// failed attempt per entry as os.RemoveAll makes. A run of BenchmarkReset
+// (the upper a rollback loop's restore leaves, one changed file, and its
+// work directory) made 60 system calls, its own setup's included, and
+// makes 34 (strace -c over 1,000 runs).
 func removeTree(dirfd int, name string) error {
 	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ENOENT) {
