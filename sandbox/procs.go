@@ -727,6 +727,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 			s.adoptSession(pd.t.Session, pd.cg, pd.cp.Pid, pd.stdio, exit)
 		}
 	}
+	s.foldOnce(c)
 	return nil
 }
 
@@ -872,6 +873,7 @@ func (s *Sandbox) dropTemplates(id string) {
 	s.tplMu.Lock()
 	tg := s.tpls[id]
 	delete(s.tpls, id)
+	delete(s.folded, id)
 	s.tplMu.Unlock()
 	if tg != nil {
 		if err := tg.Delete(); err != nil {

@@ -3,7 +3,6 @@ package sandbox_test
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -341,35 +340,14 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 // as found through the runtime's records.
 func thawTemplateGroup(t *testing.T, b *bundle, sb, ck string) {
 	t.Helper()
-	meta := filepath.Join(b.cfg.DataDir, "store", "meta")
-	var rec struct {
-		Cgroup string `json:"cgroup"`
+	p := templateGroupFile(t, b, sb, ck, "cgroup.freeze")
+	v := "0"
+	if _, err := os.Stat(p); err != nil {
+		p, v = filepath.Join(filepath.Dir(p), "freezer.state"), "THAWED"
 	}
-	var c struct {
-		TplGroup string `json:"tpl_group"`
+	if err := os.WriteFile(p, []byte(v), 0o644); err != nil {
+		t.Fatal(err)
 	}
-	for _, x := range []struct {
-		path string
-		v    any
-	}{{filepath.Join(meta, "sandboxes", sb), &rec}, {filepath.Join(meta, "checkpoints", ck+".json"), &c}} {
-		raw, err := os.ReadFile(x.path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := json.Unmarshal(raw, x.v); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, f := range []struct{ file, v string }{{"unified/%s/%s/%s/cgroup.freeze", "0"}, {"freezer/%s/%s/%s/freezer.state", "THAWED"}} {
-		p := filepath.Join("/sys/fs/cgroup", fmt.Sprintf(f.file, b.cfg.CgroupRoot, rec.Cgroup, c.TplGroup))
-		if _, err := os.Stat(p); err == nil {
-			if err := os.WriteFile(p, []byte(f.v), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			return
-		}
-	}
-	t.Fatalf("no template group %s in sandbox group %s", c.TplGroup, rec.Cgroup)
 }
 
 // Purging the data directory of a crashed runtime ends the sandboxes it left

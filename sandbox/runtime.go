@@ -89,6 +89,10 @@ type Config struct {
 	// ProcessMode is how checkpoints capture live processes unless told
 	// otherwise; ProcessesDefault means ProcessesTemplate.
 	ProcessMode ProcessMode
+	// SmallPageTemplates leaves process templates in the 4 KiB pages they
+	// were copied with, instead of folding their memory into huge pages in
+	// the background (hugepages.go).
+	SmallPageTemplates bool
 	// CRIU is the criu binary of the general path (procs_criu.go); empty
 	// means criu.Find (DELTAGYM_CRIU, or the checkout's .cache/criu).
 	CRIU string
@@ -262,9 +266,11 @@ type Runtime struct {
 	warmKick   chan struct{}
 	warmTarget int // guarded by mu
 
-	flatSem chan struct{} // one flattening at a time
-	done    chan struct{}
-	wg      sync.WaitGroup
+	flatSem  chan struct{} // one flattening at a time
+	huge     chan hugeJob  // templates to fold into huge pages (hugepages.go)
+	hugeBusy atomic.Int64  // queued or being folded
+	done     chan struct{}
+	wg       sync.WaitGroup
 }
 
 const (
@@ -380,6 +386,9 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	r.warm, r.warmKick = make(chan *warmInit, cfg.InitPool), make(chan struct{}, 1)
 	r.wg.Add(1)
 	go r.warmLoop()
+	r.huge = make(chan hugeJob, hugeQueue)
+	r.wg.Add(1)
+	go r.hugeLoop()
 	if cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()

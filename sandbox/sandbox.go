@@ -68,6 +68,9 @@ type Sandbox struct {
 	// frozen cgroup per checkpoint (procs.go).
 	tplMu sync.Mutex
 	tpls  map[string]*cgroup.Cgroup
+	// folded holds the checkpoints whose templates were handed to the
+	// huge-page worker, on their first restore (hugepages.go).
+	folded map[string]bool
 	// tplRun is held while templates are copied (one ptrace tracer at a
 	// time).
 	tplRun  sync.Mutex
