@@ -377,6 +377,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	}
 	var mounts map[uint64]bool
 	if len(trees) > 0 {
+		s.init.Settled() // criu joins the namespace
 		if mounts, err = mountIDs(s.init.Pid); err != nil {
 			return err
 		}
@@ -556,7 +557,9 @@ func (s *Sandbox) takeTemplateGroup() (*cgroup.Cgroup, error) {
 	s.tplMu.Lock()
 	s.spareTG = next
 	s.tplMu.Unlock()
+	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
 	go func() {
+		defer s.bg.Done()
 		g, err := s.newTemplateGroup()
 		next <- spareGroup{g, err}
 	}()

@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -173,6 +174,9 @@ func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint, units []criuU
 	if len(units) == 0 {
 		return nil
 	}
+	s.init.Settled() // criu joins the namespace
+	// Until the last swap's old root is detached, it sits on top of the
+	// new one, where criu, joining the namespace, would look for files.
 	sw, err := s.rt.criuSwrk()
 	if err != nil {
 		return err
@@ -360,19 +364,28 @@ func reapRestoredRoots() {
 // server's child) is the server's child too, and no init would reap it.
 // It returns the exit channel, or nil if pid is not the server's child.
 func reapIfOurs(pid int) <-chan initproc.ExitEvent {
-	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
 	if err != nil {
 		return nil
 	}
-	i := strings.LastIndexByte(string(st), ')')
-	if i < 0 {
+	// The parent from the pidfd (Linux 6.13): a tenth of the cost of
+	// reading /proc/<pid>/stat, on every template restore.
+	info := unix.PidfdInfo{Mask: unix.PIDFD_INFO_PID}
+	ppid := -1
+	if err := unix.IoctlPidfdInfo(fd, &info); err == nil {
+		ppid = int(info.Ppid)
+	} else if st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat"); err == nil {
+		if i := bytes.LastIndexByte(st, ')'); i >= 0 {
+			if f := strings.Fields(string(st[i+1:])); len(f) >= 2 {
+				ppid, _ = strconv.Atoi(f[1])
+			}
+		}
+	}
+	if ppid != os.Getpid() {
+		unix.Close(fd)
 		return nil
 	}
-	f := strings.Fields(string(st[i+1:]))
-	if len(f) < 2 || f[1] != strconv.Itoa(os.Getpid()) {
-		return nil
-	}
-	return reapOnExit(pid)
+	return reapPidfd(pid, fd)
 }
 
 // reapOnExit reaps child pid once it has exited. A blocking wait4 alone
@@ -380,12 +393,18 @@ func reapIfOurs(pid int) <-chan initproc.ExitEvent {
 // the tracer's process reports (and consumes) its ptrace stops. A pidfd
 // becomes readable only on exit.
 func reapOnExit(pid int) <-chan initproc.ExitEvent {
-	exit := make(chan initproc.ExitEvent, 1)
 	fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
 	if err != nil {
+		exit := make(chan initproc.ExitEvent, 1)
 		close(exit)
 		return exit
 	}
+	return reapPidfd(pid, fd)
+}
+
+// reapPidfd is reapOnExit with a non-blocking pidfd of pid, which it closes.
+func reapPidfd(pid, fd int) <-chan initproc.ExitEvent {
+	exit := make(chan initproc.ExitEvent, 1)
 	f := os.NewFile(uintptr(fd), "pidfd")
 	go func() {
 		defer close(exit)

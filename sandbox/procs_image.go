@@ -89,6 +89,7 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 	if err := s.checkTemplates(c); err != nil {
 		return nil, err
 	}
+	s.init.Settled() // criu joins the namespace
 	sw, err := s.rt.criuSwrk()
 	if err != nil {
 		return nil, err

@@ -75,8 +75,9 @@ type Sandbox struct {
 	// time).
 	tplRun  sync.Mutex
 	spareTG chan spareGroup // the next template group, made ahead
+	spareW  chan spareGroup // the next command group, made ahead (op)
 
-	bg sync.WaitGroup // background removals of killed command groups
+	bg sync.WaitGroup // background removals of killed command groups, spare groups
 	// killed is the command group killAll ended last (its processes may
 	// still be exiting). Guarded by op.
 	killed *cgroup.Cgroup
@@ -695,7 +696,7 @@ func (s *Sandbox) killAll() error {
 	if err := old.SignalKill(); err != nil {
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
-	w, err := s.cg.Sub(s.groupName("w"))
+	w, err := s.takeWorkGroup()
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
@@ -710,6 +711,36 @@ func (s *Sandbox) killAll() error {
 		}
 	}()
 	return nil
+}
+
+// takeWorkGroup returns a new command group, made ahead in the background,
+// and starts making the next one: a mkdir in the tracking hierarchy, 35 µs
+// of CPU and more of waiting, that a restore with processes would pay
+// otherwise. (Made at the end of a restore instead, the next one would wait
+// for it: 1.09–1.15 against 0.98–1.02 ms p50 for an 8 MB template restore.)
+// Called with op held.
+func (s *Sandbox) takeWorkGroup() (*cgroup.Cgroup, error) {
+	var w *cgroup.Cgroup
+	var err error
+	if ch := s.spareW; ch != nil {
+		r := <-ch
+		w, err = r.cg, r.err
+	}
+	if w == nil {
+		if w, err = s.cg.Sub(s.groupName("w")); err != nil {
+			s.spareW = nil
+			return nil, err
+		}
+	}
+	next := make(chan spareGroup, 1)
+	s.spareW = next
+	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
+	go func() {
+		defer s.bg.Done()
+		g, err := s.cg.Sub(s.groupName("w"))
+		next <- spareGroup{g, err}
+	}()
+	return w, nil
 }
 
 // hasProcesses reports whether anything but the init runs in the sandbox.

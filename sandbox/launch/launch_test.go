@@ -2,10 +2,12 @@ package launch_test
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -55,6 +57,7 @@ func busybox(t *testing.T) string {
 }
 
 func TestStartSwapSpawn(t *testing.T) {
+	home := threadFS(t, "thread-self")
 	bin := initBinary(t)
 	ns, err := launch.NewSpawnNS(bin)
 	if err != nil {
@@ -107,6 +110,22 @@ func TestStartSwapSpawn(t *testing.T) {
 		t.Fatal(err)
 	}
 	unix.Close(mfd)
+	// Once settled, the old root no longer sits on top of the new one.
+	in.Settled()
+	info, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", in.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := 0
+	for line := range strings.Lines(string(info)) {
+		if f := strings.Fields(line); len(f) > 4 && f[4] == "/" {
+			roots++
+		}
+	}
+	if roots != 1 {
+		t.Fatalf("%d mounts on / after the swap settled:\n%s", roots, info)
+	}
+	checkThreadsHome(t, home)
 
 	r, w, _ := os.Pipe()
 	devnull, _ := os.Open(os.DevNull)
@@ -131,4 +150,44 @@ func TestStartSwapSpawn(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("upper file owner: %d", st.Sys().(*syscall.Stat_t).Uid)
+}
+
+// threadFS reads the mount namespace, root and working directory of
+// /proc/<task>.
+func threadFS(t *testing.T, task string) (fs [3]string) {
+	t.Helper()
+	for i, f := range []string{"ns/mnt", "root", "cwd"} {
+		l, err := os.Readlink("/proc/" + task + "/" + f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fs[i] = l
+	}
+	return fs
+}
+
+// checkThreadsHome checks that every thread of the process, the ones a swap
+// ran on included, has the mount namespace, root and working directory of
+// home. The main thread is left out: a goroutine that ends locked to it
+// (NewSpawnNS's) leaves it wedged, never to run Go code again.
+func checkThreadsHome(t *testing.T, home [3]string) {
+	t.Helper()
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range tasks {
+		if task.Name() == strconv.Itoa(os.Getpid()) {
+			continue
+		}
+		for i, f := range []string{"ns/mnt", "root", "cwd"} {
+			l, err := os.Readlink("/proc/self/task/" + task.Name() + "/" + f)
+			if err != nil {
+				continue // ended meanwhile
+			}
+			if l != home[i] {
+				t.Errorf("thread %s: %s is %q, not %q", task.Name(), f, l, home[i])
+			}
+		}
+	}
 }

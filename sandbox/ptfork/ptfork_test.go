@@ -250,3 +250,71 @@ func TestCPUMaskRestored(t *testing.T) {
 		t.Fatalf("a thread's mask after the session: %d CPUs, %v", m.Count(), err)
 	}
 }
+
+// A process that moved its vDSO away from where its auxiliary vector says
+// still gets system calls injected: the address is found in its maps.
+func TestSyscallWithMovedVDSO(t *testing.T) {
+	needRoot(t)
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not on the host")
+	}
+	// Moves [vdso] with mremap, then sleeps in raw system calls (its
+	// libc's cached vDSO entry points are stale now).
+	cmd := exec.Command(py, "-c", `
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[vdso]"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+size = hi - lo
+# A free spot: map, then unmap, an anonymous range.
+libc.mmap.restype = ctypes.c_void_p
+spot = libc.mmap(None, size + (1 << 20), 3, 0x22, -1, 0) + (1 << 20)
+libc.munmap(ctypes.c_void_p(spot - (1 << 20)), size + (1 << 20))
+MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
+got = libc.syscall(25, ctypes.c_void_p(lo), ctypes.c_size_t(size), ctypes.c_size_t(size), MREMAP_MAYMOVE | MREMAP_FIXED, ctypes.c_void_p(spot))
+if got != spot:
+    os.write(2, b"mremap failed %d\n" % ctypes.get_errno())
+    sys.exit(1)
+os.write(1, b"moved\n")
+while True:
+    libc.syscall(34)  # pause
+`)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil || line != "moved\n" {
+		t.Fatalf("the helper did not move its vDSO: %q %v", line, err)
+	}
+	pid := cmd.Process.Pid
+	if base, ok := auxvVDSO(pid); !ok {
+		t.Fatal("no vDSO address in the auxiliary vector")
+	} else if lo, _, err := vdsoRange(strconv.Itoa(pid)); err != nil || lo == base {
+		t.Fatalf("the vDSO did not move: maps %#x (%v), auxv %#x", lo, err, base)
+	}
+	s := NewSession()
+	defer s.Close()
+	p, err := s.Attach(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := p.Syscall(unix.SYS_GETPID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int(got) != pid {
+		t.Fatalf("getpid in the process returned %d, want %d", got, pid)
+	}
+}
