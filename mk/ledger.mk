@@ -19,3 +19,5 @@ ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/
 
 ledger-copycost: deps ## what Postgres spends per 4 KiB step row (CPU, WAL, disk), per schema variant
 	go test -run '^$$' -bench CopyCost -benchtime 100000x -timeout 20m ./server/ledger/
+
+BENCH_TARGETS += ledger-bench

@@ -56,3 +56,5 @@ loadtest-test: deps $(BIN)/deltagym $(BIN)/dg-init image ## the load test's own 
 
 # The load test's tests (about 40 s) start a real server from bin/deltagym: keep it fresh.
 TEST_PREREQS += $(BIN)/deltagym
+
+BENCH_TARGETS += loadtest

@@ -13,3 +13,5 @@ run: deps $(BIN)/deltagym $(BIN)/dg-init image criu ## run the server on $(SERVE
 
 server-bench: deps $(BIN)/dg-init ## client-observed Reset, Step, Restore, Fork-16 over loopback gRPC (p50/p99)
 	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench . -benchtime 500x -timeout 30m ./server/
+
+BENCH_TARGETS += server-bench

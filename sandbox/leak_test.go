@@ -199,6 +199,47 @@ func leakCycle(ctx context.Context, b *bundle, i int) error {
 			return fmt.Errorf("session: %v %+v", err, res)
 		}
 	}
+	if i%10 == 3 || i%10 == 8 {
+		// The same checkpoint again, and again: the root of the next
+		// restore is built ahead. A third restore uses it (3); a
+		// restore of another checkpoint drops it (8); the last one
+		// built is left for Destroy (both).
+		read := func(path string) string {
+			b, _, err := s.ReadFile(ctx, path, 0, 100)
+			if err != nil {
+				return "error: " + err.Error()
+			}
+			return string(b)
+		}
+		for range 2 {
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				return fmt.Errorf("restore again: %w", err)
+			}
+			if got, want := read("/root/n"), fmt.Sprintf("%d\n", i); got != want || read("/w/f") != "cycle" {
+				return fmt.Errorf("restored again: /root/n %q (want %q), /w/f %q", got, want, read("/w/f"))
+			}
+			if err := s.WriteFile(ctx, "/root/n", []byte("dirty"), 0, false); err != nil {
+				return fmt.Errorf("write: %w", err)
+			}
+		}
+		if i%10 == 8 {
+			if err := s.Restore(ctx, ck2.ID); err != nil {
+				return fmt.Errorf("restore the other: %w", err)
+			}
+			if got := read("/root/n"); got != "changed\n" {
+				return fmt.Errorf("restored the other: /root/n %q", got)
+			}
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				return fmt.Errorf("restore back: %w", err)
+			}
+		}
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			return fmt.Errorf("restore once more: %w", err)
+		}
+		if got := read("/root/n"); got != fmt.Sprintf("%d\n", i) {
+			return fmt.Errorf("restored once more: /root/n %q", got)
+		}
+	}
 	if i%10 == 7 {
 		// Destroyed with its root not swapped in yet: a restore, then
 		// file actions only.

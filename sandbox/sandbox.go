@@ -76,6 +76,8 @@ type Sandbox struct {
 	tplRun  sync.Mutex
 	spareTG chan spareGroup // the next template group, made ahead
 	spareW  chan spareGroup // the next command group, made ahead (op)
+	// lastRestore is the checkpoint the last restore restored (op).
+	lastRestore string
 
 	bg sync.WaitGroup // background removals of killed command groups, spare groups
 	// killed is the command group killAll ended last (its processes may
@@ -204,7 +206,7 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	}
 	s.stack = slices.Clone(stack)
 	undo = append(undo, func() error { s.unrefStack(); return nil })
-	if err = s.switchRoot(stack, false); err != nil {
+	if err = s.switchRoot(stack, false, false); err != nil {
 		return nil, err
 	}
 	undo = append(undo, func() error { s.dropSpare(); s.releaseUpper(); return nil })
@@ -298,19 +300,26 @@ func (s *Sandbox) lowerFD(dir string) (int, error) {
 // runs) it waits for materialize. On success the sandbox's old upper (if
 // any) is released and the new one is s.upper; stack references are the
 // caller's business.
-func (s *Sandbox) switchRoot(stack []string, pending bool) error {
-	sp, err := s.takeSpare()
+//
+// With again set (a restore of the checkpoint restored last), the root of
+// the next restore is built ahead over the same stack, on the upper this
+// switch retires (retire).
+func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
+	sp, err := s.takeSpareFor(stack)
 	if err != nil {
 		return err
 	}
-	mfd, err := s.buildRoot(stack, sp.fd)
-	if err == nil {
-		if pending {
+	mfd := sp.root
+	if !sp.built {
+		if mfd, err = s.buildRoot(stack, sp.fd); err == nil && pending {
 			err = s.rt.covers.Apply(mfd)
-		} else {
-			err = s.init.Swap(mfd)
+			if err != nil {
+				unix.Close(mfd)
+			}
 		}
-		if err != nil {
+	}
+	if err == nil && !pending {
+		if err = s.init.Swap(mfd); err != nil {
 			unix.Close(mfd)
 		}
 	}
@@ -319,22 +328,50 @@ func (s *Sandbox) switchRoot(stack []string, pending bool) error {
 		s.rt.layers.Unref(sp.id)
 		return fmt.Errorf("switching root: %w", err)
 	}
+	var next *nextRoot
+	if again {
+		if next, err = s.planRoot(stack); err != nil {
+			next = nil // built in time, then
+		}
+	}
 	// old becomes the upper of the namespace's root.
 	old := spareUpper{id: s.upper, fd: s.upperFD}
 	s.upper, s.upperFD = sp.id, sp.fd
 	if s.root >= 0 {
 		// A root that was pending goes with its fd, its upper follows;
 		// the namespace's root is still nsUpper's.
-		s.retire(old, s.closeRoot())
+		s.retire(old, s.closeRoot(), next)
 		old, s.nsUpper = s.nsUpper, spareUpper{}
+		next = nil
 	}
 	if pending {
 		s.root, s.nsUpper = mfd, old
 		return nil
 	}
 	unix.Close(mfd) // it is attached: the namespace holds it
-	s.retire(old, s.init.OldRootGone())
+	s.retire(old, s.init.OldRootGone(), next)
 	return nil
+}
+
+// nextRoot is what building a root ahead needs: the stack and the fds of
+// its lower directories (from the sandbox's cache, valid until Destroy,
+// which waits for the spare first).
+type nextRoot struct {
+	stack  []string
+	lowers []int
+}
+
+func (s *Sandbox) planRoot(stack []string) (*nextRoot, error) {
+	dirs := s.lowerDirs(stack)
+	n := &nextRoot{stack: slices.Clone(stack), lowers: make([]int, len(dirs))}
+	for i, d := range dirs {
+		fd, err := s.lowerFD(d)
+		if err != nil {
+			return nil, err
+		}
+		n.lowers[i] = fd
+	}
+	return n, nil
 }
 
 // closeRoot drops the pending root. It returns a channel closed once the
@@ -354,9 +391,9 @@ func (s *Sandbox) closeRoot() <-chan struct{} {
 // retire releases old, the upper of a root that goes away once gone is
 // closed: an upper that was not sealed (a restore's, not a checkpoint's)
 // becomes the next spare once emptied (no new tmpfs, no discard), unless a
-// spare is already there. Called with op held (write), or (read) with
-// rootMu.
-func (s *Sandbox) retire(old spareUpper, gone <-chan struct{}) {
+// spare is already there; with next, the next root is built on it. Called
+// with op held (write), or (read) with rootMu.
+func (s *Sandbox) retire(old spareUpper, gone <-chan struct{}, next *nextRoot) {
 	// A new sandbox gets its spare at its first checkpoint or restore, not
 	// now: a fork fan-out would make one per child, competing for the CPU
 	// with the fan-out, for children that may never switch again.
@@ -369,7 +406,7 @@ func (s *Sandbox) retire(old spareUpper, gone <-chan struct{}) {
 		return
 	}
 	if s.rt.layers.Reclaim(old.id) {
-		s.prepareSpareFrom(old, gone)
+		s.prepareSpareFrom(old, gone, next)
 		return
 	}
 	unix.Close(old.fd)
@@ -391,7 +428,7 @@ func (s *Sandbox) materialize() error {
 	s.root = -1
 	old := s.nsUpper
 	s.nsUpper = spareUpper{}
-	s.retire(old, s.init.OldRootGone())
+	s.retire(old, s.init.OldRootGone(), nil)
 	return nil
 }
 
@@ -437,6 +474,11 @@ type spareUpper struct {
 	id  string
 	fd  int
 	err error
+	// built: root is an overlay made ahead on this upper over stack, its
+	// /proc and /dev covered (nextRoot).
+	built bool
+	root  int
+	stack []string
 }
 
 func (s *Sandbox) newSpare() spareUpper {
@@ -462,8 +504,11 @@ func (s *Sandbox) prepareSpare() {
 
 // prepareSpareFrom makes a reclaimed upper (layers.Store.Reclaim) the next
 // spare, emptied in the background once the root it was the upper of is
-// detached (gone). Called with op held.
-func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}) {
+// detached (gone); with next, the next root is built on it there too: the
+// overlay's creation (150 µs of CPU, most of it the kernel's probes of the
+// upper and work directories) then leaves the next restore's path, when it
+// restores the same checkpoint again. Called with op held.
+func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *nextRoot) {
 	s.spare = make(chan spareUpper, 1)
 	s.spareReady = true
 	ch := s.spare
@@ -479,12 +524,29 @@ func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}) {
 			ch <- s.newSpare()
 			return
 		}
+		if next != nil {
+			mfd, err := overlay.Mount(overlay.Spec{Lowers: next.lowers, UpperFD: old.fd, UpperDir: layers.UpperDir, WorkDir: layers.WorkDir, MounterID: s.hostID})
+			if err == nil {
+				if err = s.rt.covers.Apply(mfd); err != nil {
+					unix.Close(mfd) // before the upper is used again
+				}
+			}
+			if err == nil {
+				old.built, old.root, old.stack = true, mfd, next.stack
+			}
+		}
 		ch <- old
 	}()
 }
 
 // takeSpare returns the prepared upper, or makes one. Called with op held.
-func (s *Sandbox) takeSpare() (spareUpper, error) {
+func (s *Sandbox) takeSpare() (spareUpper, error) { return s.takeSpareFor(nil) }
+
+// takeSpareFor is takeSpare for a root over stack: the spare comes with the
+// root built ahead if it was built over stack. A root built over another
+// stack is dropped, and its upper with it (reusable only once the overlay
+// is gone); a new upper serves instead.
+func (s *Sandbox) takeSpareFor(stack []string) (spareUpper, error) {
 	var sp spareUpper
 	if s.spareReady {
 		sp = <-s.spare
@@ -492,7 +554,22 @@ func (s *Sandbox) takeSpare() (spareUpper, error) {
 	} else {
 		sp = s.newSpare()
 	}
+	if sp.built && (stack == nil || !slices.Equal(sp.stack, stack)) {
+		s.dropBuilt(sp)
+		sp = s.newSpare()
+	}
 	return sp, sp.err
+}
+
+// dropBuilt releases a spare with a root built ahead, in the background.
+func (s *Sandbox) dropBuilt(sp spareUpper) {
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		unix.Close(sp.root) // unmounts it, after a grace period
+		unix.Close(sp.fd)
+		s.rt.layers.Unref(sp.id)
+	}()
 }
 
 // dropSpare releases a prepared upper. Called with op held.
@@ -502,6 +579,9 @@ func (s *Sandbox) dropSpare() {
 	}
 	sp := <-s.spare
 	s.spareReady = false
+	if sp.built {
+		unix.Close(sp.root)
+	}
 	if sp.err == nil {
 		unix.Close(sp.fd)
 		s.rt.layers.Unref(sp.id)
@@ -850,7 +930,7 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 		return err
 	}
 	// No process runs (the caller checked): the new root waits.
-	if err := s.switchRoot(stack, true); err != nil {
+	if err := s.switchRoot(stack, true, false); err != nil {
 		unrefAll(r, stack)
 		if uerr := r.layers.Unseal(old); uerr != nil {
 			return errors.Join(err, uerr)
@@ -974,7 +1054,11 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	}
 	// With no process to bring back, nothing runs until the next command,
 	// which swaps the root in then.
-	if err := s.switchRoot(stack, len(units) == 0 && !copies); err != nil {
+	// A checkpoint restored twice in a row is taken to be restored again:
+	// its next root is built ahead.
+	again := id == s.lastRestore
+	s.lastRestore = id
+	if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
 		unrefAll(r, stack)
 		return err
 	}

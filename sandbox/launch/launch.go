@@ -271,16 +271,19 @@ func (in *Init) Swap(mountFD int) error {
 			return fmt.Errorf("detaching the previous root: %w", err)
 		}
 	}
-	under, err := swapHere(in.mntns, mountFD)
-	if under >= 0 { // pivoted
-		detached, gone := make(chan error, 1), make(chan struct{})
-		in.detached = detached
-		in.goneMu.Lock()
-		in.gone = gone
-		in.goneMu.Unlock()
-		detachers.do(detachJob{in.mntns, under, detached, gone})
+	under, err, homeErr := swapHere(in.mntns, mountFD)
+	if under < 0 {
+		return errors.Join(err, homeErr)
 	}
-	return err
+	// Pivoted: the swap is done. A thread that could not come back (it
+	// ended) fails the next Swap, through the detach's outcome.
+	detached, gone := make(chan error, 1), make(chan struct{})
+	in.detached = detached
+	in.goneMu.Lock()
+	in.gone = gone
+	in.goneMu.Unlock()
+	detachers.do(detachJob{in.mntns, under, homeErr, detached, gone})
+	return nil
 }
 
 // OldRootGone returns a channel closed once the last Swap's old root is
@@ -346,35 +349,36 @@ func goHome(fs [3]int) error {
 // the sandbox's namespace ends with the goroutine.
 //
 // Once pivoted, it returns an O_PATH descriptor of the new root, on which
-// the old root now sits, waiting to be detached; else -1.
-func swapHere(mntns, mountFD int) (under int, err error) {
+// the old root now sits, waiting to be detached; else -1 and what failed.
+// homeErr says the thread could not leave the sandbox's namespace.
+func swapHere(mntns, mountFD int) (under int, err, homeErr error) {
 	fs, err := hostFS()
 	if err != nil {
-		return -1, err
+		return -1, err, nil
 	}
 	type result struct {
-		under int
-		err   error
+		under        int
+		err, homeErr error
 	}
 	done := make(chan result, 1)
 	go func() {
 		runtime.LockOSThread()
 		if err := unix.Unshare(unix.CLONE_FS); err != nil {
 			runtime.UnlockOSThread()
-			done <- result{-1, fmt.Errorf("unsharing the thread's fs context: %w", err)}
+			done <- result{-1, fmt.Errorf("unsharing the thread's fs context: %w", err), nil}
 			return
 		}
 		under, err := pivotOnto(mntns, mountFD)
 		if herr := goHome(fs); herr != nil {
 			// Locked, the thread ends with this goroutine.
-			done <- result{under, errors.Join(err, fmt.Errorf("leaving the sandbox's mount namespace: %w", herr))}
+			done <- result{under, err, fmt.Errorf("leaving the sandbox's mount namespace: %w", herr)}
 			return
 		}
 		runtime.UnlockOSThread()
-		done <- result{under, err}
+		done <- result{under, err, nil}
 	}()
 	r := <-done
-	return r.under, r.err
+	return r.under, r.err, r.homeErr
 }
 
 // pivotOnto enters mntns and makes mountFD its root (pivot_root), from the
@@ -426,6 +430,7 @@ type detachJob struct {
 	// the old root that sits on it (umount of "." there reaches the mount
 	// on top: the old root).
 	mntns, under int
+	pre          error // reported with the detach's outcome
 	detached     chan error
 	gone         chan struct{}
 }
@@ -485,6 +490,7 @@ func (p *detachPool) worker() {
 			err = fmt.Errorf("entering sandbox mount namespace: %w", err)
 		}
 		unix.Close(j.under)
+		err = errors.Join(j.pre, err)
 		if herr := goHome(fs); herr != nil {
 			// The thread cannot go home: let it die with the goroutine
 			// and start a fresh worker in its place.
