@@ -262,11 +262,16 @@ func Run(ctx context.Context, cfg Config) error {
 	case serveErr = <-errc:
 	}
 	s.log.Info("shutting down")
+	start := time.Now()
+	kept := s.rt.Checkpoints()
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
 	defer cancel()
 	err = s.Close(sctx)
 	if serveErr != nil && !errors.Is(serveErr, http.ErrServerClosed) {
 		err = errors.Join(fmt.Errorf("serving: %w", serveErr), err)
+	}
+	if err == nil {
+		s.log.Info("stopped: sandboxes ended, checkpoints kept for the next start", "checkpoints", kept, "data", s.cfg.DataDir, "took", time.Since(start).Round(time.Millisecond))
 	}
 	return err
 }
