@@ -33,17 +33,6 @@ for line in f:
     os.rename("/tmp/count.tmp", "/tmp/count")
 `
 
-func startBigCounter(t testing.TB, s *sandbox.Sandbox) {
-	t.Helper()
-	sh(t, s, "mkfifo /tmp/ctl")
-	if err := s.WriteFile(t.Context(), "/tmp/counter.py", []byte(bigCounterPy), 0o644, false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Exec(t.Context(), sandbox.ExecRequest{Argv: []string{"python3", "/tmp/counter.py"}, Background: true}); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // bigInc counts once and returns the memory's checksum at that count.
 func bigInc(t testing.TB, s *sandbox.Sandbox, want int) string {
 	t.Helper()
@@ -126,7 +115,7 @@ func TestTemplateHugePages(t *testing.T) {
 	// A sandbox whose limit leaves no room for huge pages: its template
 	// stays in small pages.
 	tight := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: 48 << 20}})
-	startBigCounter(t, tight)
+	startCounterOf(t, tight, bigCounterPy)
 	bigInc(t, tight, 1)
 	tightCk, err := tight.Checkpoint(ctx)
 	if err != nil {
@@ -137,7 +126,7 @@ func TestTemplateHugePages(t *testing.T) {
 	}
 
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
-	startBigCounter(t, s)
+	startCounterOf(t, s, bigCounterPy)
 	var sums []string
 	for i := 1; i <= 5; i++ {
 		sums = append(sums, bigInc(t, s, i))

@@ -72,10 +72,14 @@ for line in f:
 // processes of the sandbox too).
 const countCounters = "grep -l '[c]ounter.py' /proc/[0-9]*/cmdline 2>/dev/null | wc -l"
 
-func startCounter(t testing.TB, s *sandbox.Sandbox) {
+func startCounter(t testing.TB, s *sandbox.Sandbox) { t.Helper(); startCounterOf(t, s, counterPy) }
+
+// startCounterOf starts program, a counter fed through the FIFO /tmp/ctl,
+// in the background.
+func startCounterOf(t testing.TB, s *sandbox.Sandbox, program string) {
 	t.Helper()
 	sh(t, s, "mkfifo /tmp/ctl")
-	if err := s.WriteFile(t.Context(), "/tmp/counter.py", []byte(counterPy), 0o644, false); err != nil {
+	if err := s.WriteFile(t.Context(), "/tmp/counter.py", []byte(program), 0o644, false); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.Exec(t.Context(), sandbox.ExecRequest{Argv: []string{"python3", "/tmp/counter.py"}, Background: true}); err != nil {

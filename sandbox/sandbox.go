@@ -330,9 +330,7 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	}
 	var next *nextRoot
 	if again {
-		if next, err = s.planRoot(stack); err != nil {
-			next = nil // built in time, then
-		}
+		next, _ = s.planRoot(stack) // nil: the next restore builds its own
 	}
 	// old becomes the upper of the namespace's root.
 	old := spareUpper{id: s.upper, fd: s.upperFD}
@@ -361,6 +359,7 @@ type nextRoot struct {
 	lowers []int
 }
 
+// planRoot gathers what a root over stack needs. Called with op held.
 func (s *Sandbox) planRoot(stack []string) (*nextRoot, error) {
 	dirs := s.lowerDirs(stack)
 	n := &nextRoot{stack: slices.Clone(stack), lowers: make([]int, len(dirs))}
@@ -372,6 +371,12 @@ func (s *Sandbox) planRoot(stack []string) (*nextRoot, error) {
 		n.lowers[i] = fd
 	}
 	return n, nil
+}
+
+// mount makes the overlay of n with upper ufd (layers.UpperDir and WorkDir
+// in it), as the sandbox's host root.
+func (n *nextRoot) mount(hostID, ufd int) (int, error) {
+	return overlay.Mount(overlay.Spec{Lowers: n.lowers, UpperFD: ufd, UpperDir: layers.UpperDir, WorkDir: layers.WorkDir, MounterID: hostID})
 }
 
 // closeRoot drops the pending root. It returns a channel closed once the
@@ -525,7 +530,7 @@ func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *n
 			return
 		}
 		if next != nil {
-			mfd, err := overlay.Mount(overlay.Spec{Lowers: next.lowers, UpperFD: old.fd, UpperDir: layers.UpperDir, WorkDir: layers.WorkDir, MounterID: s.hostID})
+			mfd, err := next.mount(s.hostID, old.fd)
 			if err == nil {
 				if err = s.rt.covers.Apply(mfd); err != nil {
 					unix.Close(mfd) // before the upper is used again
@@ -603,16 +608,11 @@ func (s *Sandbox) lowerDirs(stack []string) []string {
 }
 
 func (s *Sandbox) buildRoot(stack []string, ufd int) (int, error) {
-	dirs := s.lowerDirs(stack)
-	lowers := make([]int, len(dirs))
-	for i, d := range dirs {
-		fd, err := s.lowerFD(d)
-		if err != nil {
-			return -1, err
-		}
-		lowers[i] = fd
+	n, err := s.planRoot(stack)
+	if err != nil {
+		return -1, err
 	}
-	return overlay.Mount(overlay.Spec{Lowers: lowers, UpperFD: ufd, UpperDir: layers.UpperDir, WorkDir: layers.WorkDir, MounterID: s.hostID})
+	return n.mount(s.hostID, ufd)
 }
 
 // maxStack bounds the lowers of a sandbox's overlay, below the kernel's 500.
@@ -851,6 +851,10 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 		return CheckpointInfo{}, err
 	}
 	defer s.op.Unlock()
+	// A restore after this one is not the same as the last restore
+	// again: a loop of restore, steps and checkpoint would have its
+	// checkpoints drop the roots built ahead (switchRoot).
+	s.lastRestore = ""
 	r := s.rt
 	if b := r.cfg.CheckpointBudgetBytes; b > 0 {
 		if need := r.CheckpointBytes() + r.layers.Used(s.upper); need > b {
@@ -1054,8 +1058,8 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	}
 	// With no process to bring back, nothing runs until the next command,
 	// which swaps the root in then.
-	// A checkpoint restored twice in a row is taken to be restored again:
-	// its next root is built ahead.
+	// A checkpoint restored twice in a row (no checkpoint in between) is
+	// taken to be restored again: its next root is built ahead.
 	again := id == s.lastRestore
 	s.lastRestore = id
 	if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
