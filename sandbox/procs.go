@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -237,14 +238,70 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
 }
 
 // sharedWritableMap names a file the process maps shared and writable: a
-// copy would write through to the live state's file, not its own.
+// copy would write through to the live state's file, not its own. It asks
+// the kernel for such mappings only (PROCMAP_QUERY, Linux 6.11: a few µs),
+// or else reads the whole maps file (140 µs for a python3 process here).
 func sharedWritableMap(dir string) (string, error) {
 	f, err := os.Open(dir + "/maps")
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
-	sc := bufio.NewScanner(f)
+	name, err := sharedWritableQuery(f)
+	if errors.Is(err, unix.ENOTTY) || errors.Is(err, unix.EINVAL) {
+		return sharedWritableScan(f)
+	}
+	return name, err
+}
+
+// procmapQuery is struct procmap_query of linux/fs.h.
+type procmapQuery struct {
+	Size, QueryFlags, QueryAddr                        uint64
+	VMAStart, VMAEnd, VMAFlags, VMAPageSize, VMAOffset uint64
+	Inode                                              uint64
+	DevMajor, DevMinor, VMANameSize, BuildIDSize       uint32
+	VMANameAddr, BuildIDAddr                           uint64
+}
+
+const (
+	procmapQueryIoctl     = 0xC0686611 // _IOWR(0x66, 17, struct procmap_query)
+	procmapWritable       = 0x02
+	procmapShared         = 0x08
+	procmapCoveringOrNext = 0x10
+	procmapFileBacked     = 0x20
+)
+
+// sharedWritableQuery walks the shared, writable, file-backed mappings of
+// an open maps file with PROCMAP_QUERY.
+func sharedWritableQuery(maps *os.File) (string, error) {
+	name := make([]byte, unix.PathMax)
+	for addr := uint64(0); ; {
+		q := procmapQuery{
+			Size:        uint64(unsafe.Sizeof(procmapQuery{})),
+			QueryFlags:  procmapCoveringOrNext | procmapWritable | procmapShared | procmapFileBacked,
+			QueryAddr:   addr,
+			VMANameSize: uint32(len(name)),
+			VMANameAddr: uint64(uintptr(unsafe.Pointer(&name[0]))),
+		}
+		_, _, errno := unix.Syscall(unix.SYS_IOCTL, maps.Fd(), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
+		runtime.KeepAlive(name)
+		if errno == unix.ENOENT {
+			return "", nil // no more
+		}
+		if errno != 0 {
+			return "", errno
+		}
+		p := string(name[:max(int(q.VMANameSize)-1, 0)]) // the size counts the NUL
+		if strings.HasPrefix(p, "/") && !strings.HasPrefix(p, "/dev/") {
+			return "it maps " + p + " shared and writable", nil
+		}
+		addr = q.VMAEnd
+	}
+}
+
+// sharedWritableScan is sharedWritableQuery by reading the maps file.
+func sharedWritableScan(maps *os.File) (string, error) {
+	sc := bufio.NewScanner(maps)
 	for sc.Scan() {
 		fl := strings.Fields(sc.Text())
 		if len(fl) < 6 || len(fl[1]) < 4 || fl[1][1] != 'w' || fl[1][3] != 's' {
