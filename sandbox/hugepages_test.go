@@ -97,9 +97,9 @@ func needTHP(t *testing.T) {
 func waitFolded(t testing.TB, b *bundle) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
-	for b.rt.FoldingTemplates() > 0 {
+	for b.rt.Folding() > 0 {
 		if time.Now().After(deadline) {
-			t.Fatalf("templates still being folded into huge pages after 30 s: %d", b.rt.FoldingTemplates())
+			t.Fatalf("templates still being folded into huge pages after 30 s: %d", b.rt.Folding())
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -210,4 +210,120 @@ func readJSON(t *testing.T, path string, v any) {
 	if err := json.Unmarshal(raw, v); err != nil {
 		t.Fatalf("%s: %v", path, err)
 	}
+}
+
+// A process's first checkpoint folds the live process itself into huge
+// pages (its template keeps the small pages they shared): it goes on
+// counting right, the templates of its later checkpoints share its huge
+// pages, and restores of checkpoints taken before and after the fold bring
+// back their memory. A copy a restore made is not folded again.
+func TestLiveProcessHugePages(t *testing.T) {
+	needTHP(t)
+	b := setup(t)
+	ctx := t.Context()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	startCounterOf(t, s, bigCounterPy)
+	sums := []string{bigInc(t, s, 1), bigInc(t, s, 2)}
+	ck1, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFolded(t, b)
+	if n := hugeBytes(t, livePid(t, b, s.ID())); n < 24<<20 {
+		t.Fatalf("the live process was not folded into huge pages at its first checkpoint: %d bytes in huge pages", n)
+	}
+	if n := hugeBytes(t, templatePid(t, b, s.ID(), ck1.ID)); n != 0 {
+		t.Fatalf("the first checkpoint's template was folded (%d bytes in huge pages) before a restore", n)
+	}
+	sums = append(sums, bigInc(t, s, 3), bigInc(t, s, 4))
+	ck2, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := hugeBytes(t, templatePid(t, b, s.ID(), ck2.ID)); n < 24<<20 {
+		t.Fatalf("a checkpoint of the folded process has a template in small pages: %d bytes in huge pages", n)
+	}
+	sums = append(sums, bigInc(t, s, 5))
+	restore := func(ck sandbox.CheckpointInfo, at int) {
+		t.Helper()
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := sh(t, s, "cut -d' ' -f1 /tmp/count"); got != strconv.Itoa(at)+"\n" {
+			t.Fatalf("count file after restoring the checkpoint taken at %d: %q", at, got)
+		}
+	}
+	// The first checkpoint's copies count on as the folded process did.
+	restore(ck1, 2)
+	for i := 3; i <= 4; i++ {
+		if got := bigInc(t, s, i); got != sums[i-1] {
+			t.Fatalf("count %d after restoring the first checkpoint: memory checksum %s, want %s", i, got, sums[i-1])
+		}
+	}
+	restore(ck2, 4)
+	if got := bigInc(t, s, 5); got != sums[4] {
+		t.Fatalf("count 5 after restoring the second checkpoint: memory checksum %s, want %s", got, sums[4])
+	}
+	// A copy of a folded template maps its huge pages; a byte it writes
+	// splits one 2 MiB mapping, and its checkpoint does not fold it again.
+	restore(ck1, 2)
+	waitFolded(t, b)
+	copyPid := livePid(t, b, s.ID())
+	before := hugeBytes(t, copyPid)
+	if before < 24<<20 {
+		t.Fatalf("a copy of a folded template has %d bytes in huge pages", before)
+	}
+	bigInc(t, s, 3)
+	written := hugeBytes(t, copyPid)
+	if written >= before {
+		t.Fatalf("a copy's write left its huge pages as they were (%d bytes, then %d)", before, written)
+	}
+	if _, err := s.Checkpoint(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFolded(t, b)
+	if n := hugeBytes(t, copyPid); n != written {
+		t.Fatalf("a restored copy was folded again at its checkpoint: %d bytes in huge pages, %d before", n, written)
+	}
+}
+
+// livePid is the host pid of the one python3 process of sandbox sb's
+// command groups (not a template).
+func livePid(t *testing.T, b *bundle, sb string) int {
+	t.Helper()
+	var rec struct {
+		Cgroup string `json:"cgroup"`
+	}
+	readJSON(t, filepath.Join(b.cfg.DataDir, "store", "meta", "sandboxes", sb), &rec)
+	group := "/" + strings.Trim(filepath.Join(b.cfg.CgroupRoot, rec.Cgroup), "/") + "/w"
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pids []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		cg, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+		if string(comm) != "python3\n" {
+			continue
+		}
+		for line := range strings.Lines(string(cg)) {
+			_, path, _ := strings.Cut(line, "::")
+			if _, p, ok := strings.Cut(line, ":freezer:"); ok {
+				path = p
+			}
+			if strings.HasPrefix(path, group) {
+				pids = append(pids, pid)
+				break
+			}
+		}
+	}
+	if len(pids) != 1 {
+		t.Fatalf("sandbox %s runs python3 as pids %v, want one", sb, pids)
+	}
+	return pids[0]
 }

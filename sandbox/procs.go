@@ -484,6 +484,10 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	if err != nil {
 		return err
 	}
+	live := make([]procTemplate, len(tplProcs))
+	for i := range tplProcs {
+		live[i] = tplProcs[i].tpl
+	}
 	var made []*ptfork.Proc
 	for i, pi := range tplProcs {
 		t, _, err := seized[pi.tpl.HostPid].Fork()
@@ -534,6 +538,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	s.tplMu.Lock()
 	s.tpls[c.ID] = tg
 	s.tplMu.Unlock()
+	s.foldLive(live)
 	return nil
 }
 
@@ -786,6 +791,12 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 		if pd.t.Session != "" {
 			s.adoptSession(pd.t.Session, pd.cg, pd.cp.Pid, pd.stdio, exit)
 		}
+	}
+	if s.liveSeen == nil {
+		s.liveSeen = map[int]uint64{}
+	}
+	for _, pd := range ready {
+		s.liveSeen[pd.cp.Pid] = 0
 	}
 	s.foldOnce(c)
 	return nil

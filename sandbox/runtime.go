@@ -89,9 +89,9 @@ type Config struct {
 	// ProcessMode is how checkpoints capture live processes unless told
 	// otherwise; ProcessesDefault means ProcessesTemplate.
 	ProcessMode ProcessMode
-	// SmallPageTemplates leaves process templates in the 4 KiB pages they
-	// were copied with, instead of folding their memory into huge pages in
-	// the background (hugepages.go).
+	// SmallPageTemplates leaves process templates, and the live processes
+	// checkpointed, in 4 KiB pages, instead of folding their memory into
+	// huge pages in the background (hugepages.go).
 	SmallPageTemplates bool
 	// CRIU is the criu binary of the general path (procs_criu.go); empty
 	// means criu.Find (DELTAGYM_CRIU, or the checkout's .cache/criu).

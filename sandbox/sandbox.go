@@ -78,6 +78,12 @@ type Sandbox struct {
 	spareW  chan spareGroup // the next command group, made ahead (op)
 	// lastRestore is the checkpoint the last restore restored (op).
 	lastRestore string
+	// liveSeen holds the live processes checkpointed since the last
+	// restore, and the copies it made: host pid -> start time (0 for a
+	// copy, whose start time is not read). A process not in it is folded
+	// into huge pages at its first checkpoint (hugepages.go). Guarded by
+	// op.
+	liveSeen map[int]uint64
 
 	bg sync.WaitGroup // background removals of killed command groups, spare groups
 	// killed is the command group killAll ended last (its processes may
@@ -776,6 +782,7 @@ func (s *Sandbox) killAll() error {
 	if err := old.SignalKill(); err != nil {
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
+	s.liveSeen = nil
 	w, err := s.takeWorkGroup()
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
