@@ -137,25 +137,31 @@ func buildSpawnNS(bin []byte) (int, error) {
 		return -1, err
 	}
 	defer unix.Close(home)
-	fd, err := buildSpawnNSIn(bin)
+	// The spawn root is mounted on a temporary directory of the host's,
+	// which is removed from the host's namespace: once the new one has
+	// pivoted away from it, the host's path is no longer its own.
+	dir, err := os.MkdirTemp("", "dg-spawn-")
+	if err != nil {
+		return -1, err
+	}
+	fd, err := buildSpawnNSIn(bin, dir)
 	if err := unix.Setns(home, unix.CLONE_NEWNS); err != nil {
 		panic(fmt.Sprintf("leaving the spawn namespace: %v", err))
+	}
+	if rerr := os.Remove(dir); rerr != nil && err == nil {
+		unix.Close(fd)
+		return -1, rerr
 	}
 	return fd, err
 }
 
-func buildSpawnNSIn(bin []byte) (int, error) {
+func buildSpawnNSIn(bin []byte, dir string) (int, error) {
 	if err := unix.Unshare(unix.CLONE_FS | unix.CLONE_NEWNS); err != nil {
 		return -1, fmt.Errorf("unshare: %w", err)
 	}
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return -1, fmt.Errorf("making mounts private: %w", err)
 	}
-	dir, err := os.MkdirTemp("", "dg-spawn-")
-	if err != nil {
-		return -1, err
-	}
-	defer os.Remove(dir)
 	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID, "mode=755,size=4m"); err != nil {
 		return -1, fmt.Errorf("mounting spawn root: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -59,11 +60,30 @@ func busybox(t *testing.T) string {
 func TestStartSwapSpawn(t *testing.T) {
 	home := threadFS(t, "thread-self")
 	bin := initBinary(t)
+	spawnDirs := func() map[string]bool {
+		m, _ := filepath.Glob(filepath.Join(os.TempDir(), "dg-spawn-*"))
+		out := map[string]bool{}
+		for _, d := range m {
+			out[d] = true
+		}
+		return out
+	}
+	before := spawnDirs()
 	ns, err := launch.NewSpawnNS(bin)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ns.Close()
+	// The spawn root's mount point is gone from the host's temporary
+	// directory (other tests' runtimes may hold theirs for a moment).
+	for d := range spawnDirs() {
+		if !before[d] {
+			time.Sleep(time.Second)
+			if _, err := os.Stat(d); err == nil {
+				t.Errorf("the spawn namespace left %s behind", d)
+			}
+		}
+	}
 	netfd, err := launch.NewNetNS()
 	if err != nil {
 		t.Fatal(err)
