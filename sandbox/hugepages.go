@@ -72,6 +72,10 @@ const (
 	// hugeMinResident is how many of a range's 512 small pages must be
 	// resident for the range to be folded.
 	hugeMinResident = 256
+	// A range the kernel could not fold for the moment is tried hugeTries
+	// times, hugeRetry apart.
+	hugeTries = 4
+	hugeRetry = 10 * time.Millisecond
 )
 
 // hugeJob is one process to fold: a template, or a live process.
@@ -263,20 +267,37 @@ func foldMemory(pidfd, pid int, room func() int64) (int64, error) {
 				end += hugePage
 			}
 			if end > a {
-				// struct iovec, for an address in the process, not ours.
-				iov := [2]uint64{uint64(a), uint64(end - a)}
-				n, _, errno := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(pidfd), uintptr(unsafe.Pointer(&iov)), 1, unix.MADV_COLLAPSE, 0, 0)
+				n, errno := collapse(pidfd, a, end)
+				if errno == unix.EAGAIN || errno == unix.ENOMEM {
+					// A range was busy (a page locked, or held by
+					// a process exiting: the previous template, say)
+					// or no huge page was free: each range again, a
+					// few times.
+					n, errno = 0, 0
+					for r := a; r < end && errno != unix.ESRCH; r += hugePage {
+						for try := 1; ; try++ {
+							m, e := collapse(pidfd, r, r+hugePage)
+							if e == 0 {
+								n += m
+							}
+							if e != unix.EAGAIN && e != unix.ENOMEM || try == hugeTries {
+								errno = e
+								break
+							}
+							time.Sleep(hugeRetry)
+						}
+					}
+				}
 				switch {
 				case errno == unix.ESRCH:
 					return folded, errHugeGone
-				case errno == unix.EINVAL && folded == 0:
+				case errno == unix.EINVAL && folded+n == 0:
 					return 0, fmt.Errorf("process_madvise(MADV_COLLAPSE): %w (transparent huge pages are off, or the kernel is older than 6.1)", errno)
-				case errno == 0:
-					folded += int64(n)
 				}
-				// Other errors (ENOMEM, EAGAIN: no huge page free now,
-				// or a range the kernel would not take) leave that run
-				// in small pages.
+				folded += n
+				// Ranges still failing (no huge page to be had, or
+				// a range the kernel would not take) stay in small
+				// pages.
 			}
 			if folded+hugePage > budget {
 				return folded, nil
@@ -285,6 +306,20 @@ func foldMemory(pidfd, pid int, room func() int64) (int64, error) {
 		}
 	}
 	return folded, nil
+}
+
+// collapse asks the kernel to fold [start, end) of the process pidfd into
+// huge pages, and returns how many bytes it took (all of them, or none: an
+// error is returned if any 2 MiB range failed, though the others were
+// folded).
+func collapse(pidfd int, start, end uintptr) (int64, unix.Errno) {
+	// struct iovec, for an address in the process, not ours.
+	iov := [2]uint64{uint64(start), uint64(end - start)}
+	n, _, errno := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(pidfd), uintptr(unsafe.Pointer(&iov)), 1, unix.MADV_COLLAPSE, 0, 0)
+	if errno != 0 {
+		return 0, errno
+	}
+	return int64(n), 0
 }
 
 // anonRanges lists the 2 MiB-aligned parts of the anonymous private writable
