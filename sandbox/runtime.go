@@ -93,6 +93,11 @@ type Config struct {
 	// checkpointed, in 4 KiB pages, instead of folding their memory into
 	// huge pages in the background (hugepages.go).
 	SmallPageTemplates bool
+	// KeepCgroupOptions leaves the host's cgroup2 hierarchy as it is,
+	// instead of turning on its option favordynmods, which the runtime
+	// does by default and leaves on (cgroup.Manager.FavorDynMods): every
+	// checkpoint and restore of a process moves one between groups.
+	KeepCgroupOptions bool
 	// CRIU is the criu binary of the general path (procs_criu.go); empty
 	// means criu.Find (DELTAGYM_CRIU, or the checkout's .cache/criu).
 	CRIU string
@@ -366,6 +371,13 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	}
 	if r.cg, err = cgroup.New(cgroup.Config{Root: cfg.CgroupRoot}); err != nil {
 		return fail(fmt.Errorf("opening cgroups: %w", err))
+	}
+	if !cfg.KeepCgroupOptions {
+		if on, err := r.cg.FavorDynMods(); err != nil {
+			log.Warn("cgroups: favordynmods could not be turned on; moving a process between groups will wait for an RCU grace period now and then (5-15 ms)", "err", err)
+		} else if on {
+			log.Info("cgroups: turned on the cgroup2 option favordynmods, for the whole host: moving a process between groups no longer waits for an RCU grace period (keep-cgroup-options leaves it off)")
+		}
 	}
 	if err := r.reconcile(ctx); err != nil {
 		return fail(err)

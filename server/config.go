@@ -25,6 +25,9 @@ type Config struct {
 	// from the data directory ("deltagym-<hash>"), so that servers on
 	// different data directories never touch each other's sandboxes.
 	CgroupRoot string
+	// KeepCgroupOptions leaves the host's cgroup2 hierarchy as found, instead of turning on
+	// its option favordynmods (sandbox.Config.KeepCgroupOptions).
+	KeepCgroupOptions bool
 	// DefaultImageDir is imported as the image "default" at start when that image is missing
 	// and the directory exists. Default DataDir/images/default/rootfs.
 	DefaultImageDir string
@@ -69,6 +72,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init)")
 	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
 	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
+	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")
 	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients (default: auth off)")
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", max(c.MaxRequestBytes, 16<<20), "largest accepted request message")
 	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")

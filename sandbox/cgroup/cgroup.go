@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -146,6 +147,56 @@ func (m *Manager) Mode() Mode { return m.l.mode }
 // group (pure cgroup v2). Elsewhere the v1 groups still need Add.
 func (m *Manager) CloneIntoComplete() bool {
 	return m.l.mode == ModeUnified
+}
+
+// FavorDynMods turns on the option favordynmods of the host's cgroup2
+// hierarchy, if it has one and the option is off, and says whether it did.
+//
+// Moving a process into a group (writing cgroup.procs) write-locks the
+// kernel's global cgroup_threadgroup_rwsem, which forks and exits
+// read-lock. By default it is a per-CPU rwsem, cheap for readers, whose
+// writer waits for an RCU grace period unless another writer left it a
+// moment before: on this 2-vCPU VM a move after 30 ms without one took
+// 5.8 ms instead of 0.11 ms, and 1–2% of checkpoints and restores (each
+// moves one process) took 10–15 ms. With favordynmods (Linux 6.0; made
+// for Android, which moves processes between groups all the time) the
+// rwsem stays in its slow mode: no move waits for a grace period, and
+// forks and exits pay an atomic operation instead. The rwsem is global,
+// so the option on the cgroup2 hierarchy serves moves in v1 hierarchies
+// too (where a remount cannot change it; the kernel's boot option
+// cgroup_favordynmods=true can).
+//
+// The hierarchy is reconfigured through fspick(2) with every super option
+// it had (a reconfiguration clears those it is not given), which leaves
+// the mount's own flags alone.
+func (m *Manager) FavorDynMods() (bool, error) {
+	if m.l.v2 == "" {
+		return false, nil
+	}
+	opts, err := superOptions(m.l.v2, "cgroup2")
+	if err != nil {
+		return false, err
+	}
+	if slices.Contains(opts, "favordynmods") {
+		return false, nil
+	}
+	fd, err := unix.Fspick(unix.AT_FDCWD, m.l.v2, unix.FSPICK_CLOEXEC)
+	if err != nil {
+		return false, fmt.Errorf("fspick %s: %w", m.l.v2, err)
+	}
+	defer unix.Close(fd)
+	for _, o := range append(opts, "favordynmods") {
+		if o == "rw" || o == "ro" {
+			continue // the superblock's, left as they are
+		}
+		if err := unix.FsconfigSetFlag(fd, o); err != nil {
+			return false, fmt.Errorf("reconfiguring %s with option %s: %w", m.l.v2, o, err)
+		}
+	}
+	if err := unix.FsconfigReconfigure(fd); err != nil {
+		return false, fmt.Errorf("reconfiguring %s with favordynmods: %w", m.l.v2, err)
+	}
+	return true, nil
 }
 
 // RemoveBase removes /<Root> from each hierarchy once no group is left

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -772,5 +773,62 @@ func TestWaitEmpty(t *testing.T) {
 				t.Fatalf("WaitEmpty of a deleted group = %v", err)
 			}
 		})
+	}
+}
+
+// FavorDynMods turns the option on in the cgroup2 hierarchy, keeps every
+// super option it had, leaves the mount's own flags alone, and does nothing
+// once the option is on.
+func TestFavorDynMods(t *testing.T) {
+	requireRoot(t)
+	m, err := New(Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.l.v2 == "" {
+		t.Skip("no cgroup2 hierarchy on this host")
+	}
+	mountFlags := func() string {
+		data, err := os.ReadFile("/proc/thread-self/mountinfo")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for line := range strings.Lines(string(data)) {
+			if f := strings.Fields(line); len(f) > 5 && f[4] == m.l.v2 {
+				return f[5]
+			}
+		}
+		t.Fatalf("no mount at %s", m.l.v2)
+		return ""
+	}
+	before, err := superOptions(m.l.v2, "cgroup2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	flags := mountFlags()
+	changed, err := m.FavorDynMods()
+	if err != nil {
+		t.Fatal(err)
+	}
+	after, err := superOptions(m.l.v2, "cgroup2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(after, "favordynmods") {
+		t.Fatalf("options after FavorDynMods: %v", after)
+	}
+	if changed == slices.Contains(before, "favordynmods") {
+		t.Fatalf("FavorDynMods said changed=%v with options %v before", changed, before)
+	}
+	for _, o := range before {
+		if !slices.Contains(after, o) {
+			t.Errorf("option %s lost: %v, then %v", o, before, after)
+		}
+	}
+	if f := mountFlags(); f != flags {
+		t.Errorf("mount flags changed: %s, then %s", flags, f)
+	}
+	if changed, err := m.FavorDynMods(); err != nil || changed {
+		t.Fatalf("second FavorDynMods: changed=%v, err %v", changed, err)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	cgroups "github.com/containerd/cgroups/v3"
@@ -124,14 +125,24 @@ func findV1(ctrl string) string {
 // /proc/self, which shows the main thread's mount namespace, and a locked
 // goroutine of the sandbox runtime may have moved the main thread elsewhere.
 func hasV1Option(path, opt string) bool {
+	opts, err := superOptions(path, "cgroup")
+	return err == nil && slices.Contains(opts, opt)
+}
+
+// superOptions returns the super options of the mount of file system type
+// fstype at path, from /proc/thread-self/mountinfo (the last such mount
+// there: the one on top).
+func superOptions(path, fstype string) ([]string, error) {
 	data, err := os.ReadFile("/proc/thread-self/mountinfo")
 	if err != nil {
-		return false
+		return nil, err
 	}
 	real, err := filepath.EvalSymlinks(path)
 	if err != nil {
 		real = path
 	}
+	var opts []string
+	found := false
 	for _, line := range bytes.Split(data, []byte("\n")) {
 		f := strings.Fields(string(line))
 		if len(f) < 10 || f[4] != real {
@@ -141,17 +152,16 @@ func hasV1Option(path, opt string) bool {
 			if x != "-" || i+3 >= len(f) {
 				continue
 			}
-			if f[i+1] != "cgroup" {
-				break
+			if f[i+1] == fstype {
+				opts, found = strings.Split(f[i+3], ","), true
 			}
-			for _, o := range strings.Split(f[i+3], ",") {
-				if o == opt {
-					return true
-				}
-			}
+			break
 		}
 	}
-	return false
+	if !found {
+		return nil, fmt.Errorf("no %s mount at %s in /proc/thread-self/mountinfo", fstype, path)
+	}
+	return opts, nil
 }
 
 // v2Controllers returns the controllers a cgroup2 mount offers at its root.
