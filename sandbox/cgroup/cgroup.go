@@ -157,8 +157,9 @@ func (m *Manager) CloneIntoComplete() bool {
 // read-lock. By default it is a per-CPU rwsem, cheap for readers, whose
 // writer waits for an RCU grace period unless another writer left it a
 // moment before: on this 2-vCPU VM a move after 30 ms without one took
-// 5.8 ms instead of 0.11 ms, and 1–2% of checkpoints and restores (each
-// moves one process) took 10–15 ms. With favordynmods (Linux 6.0; made
+// 5.8 ms instead of 0.15 ms with the option, and in some runs 1–2% of
+// the checkpoints of a tight loop (each moves one process) took 10–15 ms
+// in that move. With favordynmods (Linux 6.0; made
 // for Android, which moves processes between groups all the time) the
 // rwsem stays in its slow mode: no move waits for a grace period, and
 // forks and exits pay an atomic operation instead. The rwsem is global,
