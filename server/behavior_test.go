@@ -520,3 +520,106 @@ func TestServeAfterClose(t *testing.T) {
 		t.Fatal("the listener of a Serve after Close still accepts connections")
 	}
 }
+
+// A step with restore_checkpoint_id restores first, as Restore does (a new episode whose
+// indices continue from the checkpoint's step), then acts; over unary Step (Connect and gRPC)
+// and StepStream. Bad requests change nothing.
+func TestStepWithRestore(t *testing.T) {
+	b := setup(t, nil)
+	readF := &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{Path: "/tmp/f"}}}
+	writeF := func(s string) *deltagymv1.Action {
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{Path: "/tmp/f", Content: []byte(s)}}}
+	}
+	content := func(r *deltagymv1.StepResponse) string { return string(r.GetObservation().GetReadFile().GetContent()) }
+	for _, cl := range b.clients() {
+		t.Run(cl.name, func(t *testing.T) {
+			c, ctx := cl.c, t.Context()
+			rr, err := c.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
+			must(t, err)
+			sb := rr.GetSandboxId()
+			w, err := c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: writeF("checkpointed"), Checkpoint: true})
+			must(t, err)
+			ck := w.GetCheckpointId() // after step 0
+			_, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: writeF("changed")})
+			must(t, err)
+			for i := range 2 {
+				st, err := c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, RestoreCheckpointId: ck, Action: readF})
+				must(t, err)
+				if content(st) != "checkpointed" || st.GetStepIndex() != 1 || st.GetEpisodeId() == rr.GetEpisodeId() {
+					t.Fatalf("step %d with restore = %v", i, st)
+				}
+				gs, err := c.GetSandbox(ctx, &deltagymv1.GetSandboxRequest{SandboxId: sb})
+				must(t, err)
+				if gs.GetSandbox().GetEpisodeId() != st.GetEpisodeId() || gs.GetSandbox().GetNextStepIndex() != 2 {
+					t.Fatalf("sandbox after a step with restore: %v (step %v)", gs.GetSandbox(), st)
+				}
+				_, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: writeF("changed")})
+				must(t, err)
+			}
+			// Refused, with nothing restored: an unknown checkpoint, a checkpoint of another
+			// env, fresh entropy without a checkpoint, no action.
+			other, err := c.Reset(ctx, &deltagymv1.ResetRequest{Env: "task"})
+			must(t, err)
+			bad := []struct {
+				req  *deltagymv1.StepRequest
+				code connect.Code
+			}{
+				{&deltagymv1.StepRequest{SandboxId: sb, RestoreCheckpointId: "ck-nope", Action: readF}, connect.CodeNotFound},
+				{&deltagymv1.StepRequest{SandboxId: sb, RestoreCheckpointId: other.GetCheckpointId(), Action: readF}, connect.CodeFailedPrecondition},
+				{&deltagymv1.StepRequest{SandboxId: sb, RestoreFreshEntropy: true, Action: readF}, connect.CodeInvalidArgument},
+				{&deltagymv1.StepRequest{SandboxId: sb, RestoreCheckpointId: ck}, connect.CodeInvalidArgument},
+			}
+			for _, tc := range bad {
+				if _, err := c.Step(ctx, tc.req); codeOf(err) != tc.code {
+					t.Fatalf("step %v: %v, want %v", tc.req, err, tc.code)
+				}
+			}
+			st, err := c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: readF})
+			must(t, err)
+			if content(st) != "changed" {
+				t.Fatalf("a refused step with restore changed the sandbox: %q", content(st))
+			}
+		})
+	}
+	t.Run("stream", func(t *testing.T) {
+		ctx := t.Context()
+		rr, err := b.grpc.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
+		must(t, err)
+		sb := rr.GetSandboxId()
+		w, err := b.grpc.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: writeF("checkpointed"), Checkpoint: true})
+		must(t, err)
+		st, err := b.grpc.StepStream(ctx)
+		must(t, err)
+		reqs := []*deltagymv1.StepRequest{
+			{SandboxId: sb, Action: writeF("changed")},
+			{SandboxId: sb, RestoreCheckpointId: w.GetCheckpointId(), Action: readF},
+			{SandboxId: sb, Action: writeF("changed again")},
+			{SandboxId: sb, RestoreCheckpointId: w.GetCheckpointId(), RestoreFreshEntropy: true, Action: readF},
+			{SandboxId: sb, RestoreCheckpointId: "ck-nope", Action: readF},
+		}
+		for i, r := range reqs {
+			must(t, st.Send(&deltagymv1.StepStreamRequest{RequestId: uint64(i), Step: r}))
+		}
+		must(t, st.CloseSend())
+		got := map[uint64]*deltagymv1.StepStreamResponse{}
+		for {
+			r, err := st.Recv()
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			must(t, err)
+			got[r.GetRequestId()] = r
+		}
+		for _, i := range []uint64{1, 3} {
+			if s := got[i].GetStep(); content(s) != "checkpointed" || s.GetStepIndex() != 1 {
+				t.Fatalf("stream step %d with restore: %v", i, got[i])
+			}
+		}
+		if got[1].GetStep().GetEpisodeId() == got[3].GetStep().GetEpisodeId() {
+			t.Fatalf("two restores on a stream share episode %s", got[1].GetStep().GetEpisodeId())
+		}
+		if e := got[4].GetError(); e == nil || connect.Code(e.GetCode()) != connect.CodeNotFound {
+			t.Fatalf("stream step with an unknown checkpoint: %v", got[4])
+		}
+	})
+}

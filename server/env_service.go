@@ -229,15 +229,33 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	if err := validateAction(m.GetAction()); err != nil {
 		return nil, err
 	}
+	restore := m.GetRestoreCheckpointId()
+	if restore == "" && m.GetRestoreFreshEntropy() {
+		return nil, fmt.Errorf("restore_fresh_entropy is set without restore_checkpoint_id: %w", ErrInvalid)
+	}
 	l, sess, err := s.lease(m.GetSandboxId())
 	if err != nil {
 		return nil, err
+	}
+	var meta ckptMeta
+	if restore != "" {
+		// As Restore: checked before anything changes, and what runs in the
+		// sandbox is aborted.
+		if meta, err = s.restorable(l, restore); err != nil {
+			return nil, err
+		}
+		l.Abort()
 	}
 	cctx, end, err := l.Begin(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer end()
+	if restore != "" {
+		if err := s.restoreIn(cctx, l, sess, restore, meta, m.GetRestoreFreshEntropy()); err != nil {
+			return nil, err
+		}
+	}
 	sess.mu.Lock()
 	ended, episode, index, started := sess.ended, sess.episode, sess.base+sess.own, sess.started
 	sess.mu.Unlock()
@@ -552,13 +570,9 @@ func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
-	meta, err := e.s.checkpointMeta(req.Msg.GetCheckpointId())
+	meta, err := e.s.restorable(l, req.Msg.GetCheckpointId())
 	if err != nil {
 		return nil, e.s.toConnect(err)
-	}
-	if meta.env != l.Env().Name() {
-		return nil, e.s.toConnect(fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w",
-			req.Msg.GetCheckpointId(), meta.env, l.ID(), l.Env().Name(), sandbox.ErrMismatch))
 	}
 	l.Abort()
 	cctx, end, err := l.Begin(ctx)
@@ -566,21 +580,45 @@ func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv
 		return nil, e.s.toConnect(err)
 	}
 	defer end()
-	octx, done := e.s.obs.op(cctx, "restore")
-	err = l.Sandbox().RestoreWith(octx, req.Msg.GetCheckpointId(), sandbox.RestoreOptions{FreshEntropy: req.Msg.GetFreshEntropy()})
-	done(err)
-	if err != nil {
+	if err := e.s.restoreIn(cctx, l, sess, req.Msg.GetCheckpointId(), meta, req.Msg.GetFreshEntropy()); err != nil {
 		return nil, e.s.toConnect(err)
 	}
-	e.s.endEpisode(sess, ledger.StatusBranched, ledger.FailureNone)
-	sess.mu.Lock()
-	run, group, seed := sess.run, sess.group, sess.seed
-	sess.mu.Unlock()
-	e.s.startEpisode(l, run, group, seed, req.Msg.GetCheckpointId(), meta)
 	sess.mu.Lock()
 	resp := &deltagymv1.RestoreResponse{EpisodeId: sess.episode, NextStepIndex: int32(sess.base)}
 	sess.mu.Unlock()
 	return connect.NewResponse(resp), nil
+}
+
+// restorable checks that checkpoint id exists and can be restored in the sandbox of l, and
+// returns what the ledger knows of it.
+func (s *Server) restorable(l *envpool.Lease, id string) (ckptMeta, error) {
+	meta, err := s.checkpointMeta(id)
+	if err != nil {
+		return ckptMeta{}, err
+	}
+	if meta.env != l.Env().Name() {
+		return ckptMeta{}, fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w",
+			id, meta.env, l.ID(), l.Env().Name(), sandbox.ErrMismatch)
+	}
+	return meta, nil
+}
+
+// restoreIn restores the sandbox of l to checkpoint id (checked by restorable) and starts the
+// episode that begins there, ending the current one as branched. Called between l.Begin and its
+// end.
+func (s *Server) restoreIn(ctx context.Context, l *envpool.Lease, sess *session, id string, meta ckptMeta, fresh bool) error {
+	octx, done := s.obs.op(ctx, "restore")
+	err := l.Sandbox().RestoreWith(octx, id, sandbox.RestoreOptions{FreshEntropy: fresh})
+	done(err)
+	if err != nil {
+		return err
+	}
+	s.endEpisode(sess, ledger.StatusBranched, ledger.FailureNone)
+	sess.mu.Lock()
+	run, group, seed := sess.run, sess.group, sess.seed
+	sess.mu.Unlock()
+	s.startEpisode(l, run, group, seed, id, meta)
+	return nil
 }
 
 func (e *envService) Fork(ctx context.Context, req *connect.Request[deltagymv1.ForkRequest]) (*connect.Response[deltagymv1.ForkResponse], error) {

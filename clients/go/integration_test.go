@@ -451,3 +451,60 @@ func TestStepStreamClose(t *testing.T) {
 		}
 	}
 }
+
+// StepFrom restores and acts in one call; StepStream.SendRequest carries the
+// same request on a stream.
+func TestStepFrom(t *testing.T) {
+	needServer(t)
+	for _, p := range protocols {
+		t.Run(p.name, func(t *testing.T) {
+			ctx := t.Context()
+			c := dial(t, p.opts...)
+			sb := reset(t, c)
+			if _, err := sb.WriteFile(ctx, "/work/answer.txt", []byte("42")); err != nil {
+				t.Fatal(err)
+			}
+			ck, err := sb.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sb.Exec(ctx, "rm /work/answer.txt"); err != nil {
+				t.Fatal(err)
+			}
+			before := sb.EpisodeID()
+			sf, err := sb.StepFrom(ctx, ck.ID, deltagym.ExecAction("cat /work/answer.txt"), false)
+			if err != nil || string(sf.GetObservation().GetExec().GetStdout()) != "42" || sf.GetEpisodeId() == before || sb.EpisodeID() != sf.GetEpisodeId() {
+				t.Fatalf("StepFrom = %v, %v (episode before %s)", sf, err, before)
+			}
+			if _, err := sb.StepFrom(ctx, "ck-unknown", deltagym.ExecAction("true"), false); connect.CodeOf(err) != connect.CodeNotFound {
+				t.Fatalf("StepFrom an unknown checkpoint: %v, want NotFound", err)
+			}
+			stream, err := c.StepStream(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := stream.Send(sb.ID(), deltagym.ExecAction("rm /work/answer.txt"), false); err != nil {
+				t.Fatal(err)
+			}
+			id, err := stream.SendRequest(&deltagymv1.StepRequest{SandboxId: sb.ID(), RestoreCheckpointId: ck.ID, Action: deltagym.ExecAction("cat /work/answer.txt")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := stream.CloseSend(); err != nil {
+				t.Fatal(err)
+			}
+			for range 2 {
+				r, err := stream.Receive()
+				if err != nil || r.Err != nil {
+					t.Fatalf("stream: %+v, %v", r, err)
+				}
+				if r.RequestID == id && string(r.Response.GetObservation().GetExec().GetStdout()) != "42" {
+					t.Fatalf("stream step with restore = %v", r.Response)
+				}
+			}
+			if err := stream.Close(); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

@@ -257,6 +257,29 @@ func (s *Sandbox) Step(ctx context.Context, action *deltagymv1.Action, checkpoin
 	return res.Msg, nil
 }
 
+// StepFrom restores the sandbox to checkpoint checkpointID and then performs
+// a raw action, in one call: "go back to this node and try this action" in
+// a tree search. The restore is Restore's (the current episode ends as
+// branched, a new one starts at the checkpoint; the handle's EpisodeID
+// follows); if it fails, the action is not performed. Not retried.
+func (s *Sandbox) StepFrom(ctx context.Context, checkpointID string, action *deltagymv1.Action, checkpoint bool) (*deltagymv1.StepResponse, error) {
+	if err := s.checkOpen(); err != nil {
+		return nil, err
+	}
+	if checkpointID == "" {
+		return nil, fmt.Errorf("step in sandbox %s from a checkpoint: no checkpoint ID", s.id)
+	}
+	res, err := s.c.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: s.id, Action: action, Checkpoint: checkpoint, RestoreCheckpointId: checkpointID}))
+	if err != nil {
+		return nil, fmt.Errorf("step in sandbox %s from %s: %w", s.id, checkpointID, err)
+	}
+	s.mu.Lock()
+	s.episodeID = res.Msg.GetEpisodeId()
+	s.startCheckpoint = checkpointID
+	s.mu.Unlock()
+	return res.Msg, nil
+}
+
 func stepResult(m *deltagymv1.StepResponse) StepResult {
 	return StepResult{
 		EpisodeID:    m.GetEpisodeId(),

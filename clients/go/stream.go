@@ -45,6 +45,13 @@ func (c *Client) StepStream(ctx context.Context) (*StepStream, error) {
 
 // Send queues a step and returns the request ID its result will carry.
 func (s *StepStream) Send(sandboxID string, action *deltagymv1.Action, checkpoint bool) (uint64, error) {
+	return s.SendRequest(&deltagymv1.StepRequest{SandboxId: sandboxID, Action: action, Checkpoint: checkpoint})
+}
+
+// SendRequest queues any step, such as one that restores a checkpoint first
+// (StepRequest.RestoreCheckpointId), and returns the request ID its result
+// will carry.
+func (s *StepStream) SendRequest(step *deltagymv1.StepRequest) (uint64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -52,11 +59,7 @@ func (s *StepStream) Send(sandboxID string, action *deltagymv1.Action, checkpoin
 	}
 	s.nextID++
 	id := s.nextID
-	err := s.stream.Send(&deltagymv1.StepStreamRequest{
-		RequestId: id,
-		Step:      &deltagymv1.StepRequest{SandboxId: sandboxID, Action: action, Checkpoint: checkpoint},
-	})
-	if err != nil {
+	if err := s.stream.Send(&deltagymv1.StepStreamRequest{RequestId: id, Step: step}); err != nil {
 		return 0, fmt.Errorf("sending step %d: %w", id, err)
 	}
 	return id, nil

@@ -117,10 +117,12 @@ def env_spec(spec: Union[env_pb2.EnvSpec, Mapping[str, Any]]) -> env_pb2.EnvSpec
     return json_format.ParseDict(dict(spec), env_pb2.EnvSpec())
 
 
-def step_request(sandbox_id: str, action: Union[action_pb2.Action, str], checkpoint: bool) -> es.StepRequest:
+def step_request(sandbox_id: str, action: Union[action_pb2.Action, str], checkpoint: bool,
+                 restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepRequest:
     from .actions import coerce
 
-    return es.StepRequest(sandbox_id=sandbox_id, action=coerce(action), checkpoint=checkpoint)
+    return es.StepRequest(sandbox_id=sandbox_id, action=coerce(action), checkpoint=checkpoint,
+                          restore_checkpoint_id=restore or "", restore_fresh_entropy=fresh_entropy)
 
 
 def lease_seconds(ts: Any, now: float) -> Optional[float]:

@@ -129,8 +129,10 @@ class AsyncClient:
         return AsyncSandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
                             start_checkpoint_id=resp.checkpoint_id, reset=resp)
 
-    async def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
-        return await self._call("Step", self._env.Step, c.step_request(sandbox_id, action, checkpoint), False)
+    async def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
+                   restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+        req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy)
+        return await self._call("Step", self._env.Step, req, False)
 
     async def step_stream(self, steps: Sequence[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
         """Pipelines steps on one StepStream; results in the order sent."""
@@ -268,8 +270,9 @@ class AsyncSandbox:
                 self.lost = True
                 return
 
-    async def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
-        resp = await self.client.step(self.id, action, checkpoint=checkpoint)
+    async def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
+                   restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+        resp = await self.client.step(self.id, action, checkpoint=checkpoint, restore=restore, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id or self.episode_id
         return resp
 

@@ -147,9 +147,13 @@ class Client:
         return Sandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
                        start_checkpoint_id=resp.checkpoint_id, reset=resp)
 
-    def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
-        """Performs one action (an Action, or a str run as a shell command). Never retried."""
-        return self._call("Step", self._env.Step, c.step_request(sandbox_id, action, checkpoint), False)
+    def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
+             restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+        """Performs one action (an Action, or a str run as a shell command). Never retried.
+        With restore, the sandbox is first restored to that checkpoint, as restore() does
+        (a new episode starts there; fresh_entropy as in restore), in the same call."""
+        req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy)
+        return self._call("Step", self._env.Step, req, False)
 
     def step_stream(self, steps: Iterable[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
         """Pipelines steps over many sandboxes on one StepStream. Returns, in
@@ -313,9 +317,11 @@ class Sandbox:
                 self.lost = True
                 return
 
-    def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False) -> es.StepResponse:
-        """Performs one action; a str is run as a shell command."""
-        resp = self.client.step(self.id, action, checkpoint=checkpoint)
+    def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
+             restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+        """Performs one action; a str is run as a shell command. With restore, the
+        sandbox goes back to that checkpoint first, in the same call."""
+        resp = self.client.step(self.id, action, checkpoint=checkpoint, restore=restore, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id or self.episode_id
         return resp
 

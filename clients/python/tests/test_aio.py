@@ -32,6 +32,9 @@ def test_async_env_service(server):
                 assert (await sb.evaluate()).reward == 0.0
                 await sb.restore(ck)
                 assert (await sb.evaluate()).reward == 1.0
+                await sb.exec("rm /work/answer.txt")
+                r = await sb.step(actions.read_file("/work/answer.txt"), restore=ck)
+                assert r.observation.read_file.content == b"42" and sb.episode_id == r.episode_id
                 gid = uuid.uuid4().hex
                 kids = await sb.fork(2, group_id=gid)
                 assert {s.sandbox_id for s in await c.list_sandboxes(group_id=gid)} == {k.id for k in kids}

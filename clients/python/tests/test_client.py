@@ -85,6 +85,15 @@ def test_checkpoint_restore_evaluate(client: Client):
         client.release_checkpoint(r.checkpoint_id)
         with pytest.raises(deltagym.NotFound):
             sb.restore(r.checkpoint_id)
+        # A step may restore first, in the same call: a new episode starts at the checkpoint.
+        sb.write_file("/work/answer.txt", "7")
+        old = sb.episode_id
+        r = sb.step(actions.read_file("/work/answer.txt"), restore=ck.checkpoint_id)
+        assert r.observation.read_file.content == b"42"
+        assert r.episode_id != old and sb.episode_id == r.episode_id
+        with pytest.raises(deltagym.NotFound):
+            sb.step("true", restore="ck-does-not-exist")
+        assert sb.read_file("/work/answer.txt").observation.read_file.content == b"42"
 
 
 def test_relative_paths_use_workdir(client: Client):

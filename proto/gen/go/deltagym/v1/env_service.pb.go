@@ -605,9 +605,20 @@ type StepRequest struct {
 	Action *Action `protobuf:"bytes,2,opt,name=action,proto3" json:"action,omitempty"`
 	// checkpoint asks for a checkpoint of the state after the step, returned
 	// in StepResponse.checkpoint_id.
-	Checkpoint    bool `protobuf:"varint,3,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Checkpoint bool `protobuf:"varint,3,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
+	// restore_checkpoint_id, when set, first restores the sandbox to that
+	// checkpoint exactly as Restore does (the episode so far ends as branched
+	// and a new one starts at the checkpoint), then performs the action: "go
+	// back to this node and try this action" in one round trip, on Step and on
+	// StepStream. The response's episode_id and step_index are the new
+	// episode's. A restore that fails fails the step, with Restore's error, and
+	// the action is not performed.
+	RestoreCheckpointId string `protobuf:"bytes,4,opt,name=restore_checkpoint_id,json=restoreCheckpointId,proto3" json:"restore_checkpoint_id,omitempty"`
+	// restore_fresh_entropy is RestoreRequest.fresh_entropy for the restore of
+	// restore_checkpoint_id; without it, it is InvalidArgument.
+	RestoreFreshEntropy bool `protobuf:"varint,5,opt,name=restore_fresh_entropy,json=restoreFreshEntropy,proto3" json:"restore_fresh_entropy,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *StepRequest) Reset() {
@@ -657,6 +668,20 @@ func (x *StepRequest) GetAction() *Action {
 func (x *StepRequest) GetCheckpoint() bool {
 	if x != nil {
 		return x.Checkpoint
+	}
+	return false
+}
+
+func (x *StepRequest) GetRestoreCheckpointId() string {
+	if x != nil {
+		return x.RestoreCheckpointId
+	}
+	return ""
+}
+
+func (x *StepRequest) GetRestoreFreshEntropy() bool {
+	if x != nil {
+		return x.RestoreFreshEntropy
 	}
 	return false
 }
@@ -2159,14 +2184,16 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x11lease_expire_time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x0fleaseExpireTime\x1a7\n" +
 	"\tInfoEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"y\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x01\n" +
 	"\vStepRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
 	"\x06action\x18\x02 \x01(\v2\x13.deltagym.v1.ActionR\x06action\x12\x1e\n" +
 	"\n" +
 	"checkpoint\x18\x03 \x01(\bR\n" +
-	"checkpoint\"\xf5\x02\n" +
+	"checkpoint\x122\n" +
+	"\x15restore_checkpoint_id\x18\x04 \x01(\tR\x13restoreCheckpointId\x122\n" +
+	"\x15restore_fresh_entropy\x18\x05 \x01(\bR\x13restoreFreshEntropy\"\xf5\x02\n" +
 	"\fStepResponse\x12:\n" +
 	"\vobservation\x18\x01 \x01(\v2\x18.deltagym.v1.ObservationR\vobservation\x12\x16\n" +
 	"\x06reward\x18\x02 \x01(\x01R\x06reward\x12\x1e\n" +

@@ -55,7 +55,8 @@ type EnvServiceClient interface {
 	ImportImage(ctx context.Context, in *ImportImageRequest, opts ...grpc.CallOption) (*ImportImageResponse, error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(ctx context.Context, in *ResetRequest, opts ...grpc.CallOption) (*ResetResponse, error)
-	// Step performs one action in a sandbox.
+	// Step performs one action in a sandbox, after restoring it to a
+	// checkpoint if asked (StepRequest.restore_checkpoint_id).
 	Step(ctx context.Context, in *StepRequest, opts ...grpc.CallOption) (*StepResponse, error)
 	// StepStream pipelines steps over many sandboxes on one stream. Steps for
 	// one sandbox are performed in the order sent; responses for different
@@ -268,7 +269,8 @@ type EnvServiceServer interface {
 	ImportImage(context.Context, *ImportImageRequest) (*ImportImageResponse, error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *ResetRequest) (*ResetResponse, error)
-	// Step performs one action in a sandbox.
+	// Step performs one action in a sandbox, after restoring it to a
+	// checkpoint if asked (StepRequest.restore_checkpoint_id).
 	Step(context.Context, *StepRequest) (*StepResponse, error)
 	// StepStream pipelines steps over many sandboxes on one stream. Steps for
 	// one sandbox are performed in the order sent; responses for different

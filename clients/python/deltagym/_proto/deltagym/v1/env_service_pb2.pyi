@@ -118,14 +118,18 @@ class ResetResponse(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., info: _Optional[_Mapping[str, str]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("sandbox_id", "action", "checkpoint")
+    __slots__ = ("sandbox_id", "action", "checkpoint", "restore_checkpoint_id", "restore_fresh_entropy")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FRESH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     action: _action_pb2.Action
     checkpoint: bool
-    def __init__(self, sandbox_id: _Optional[str] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
+    restore_checkpoint_id: str
+    restore_fresh_entropy: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., checkpoint: _Optional[bool] = ..., restore_checkpoint_id: _Optional[str] = ..., restore_fresh_entropy: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("observation", "reward", "terminated", "truncated", "checkpoint_id", "info", "step_index", "episode_id")

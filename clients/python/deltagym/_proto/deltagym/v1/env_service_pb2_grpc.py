@@ -155,7 +155,8 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Step performs one action in a sandbox.
+        """Step performs one action in a sandbox, after restoring it to a
+        checkpoint if asked (StepRequest.restore_checkpoint_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

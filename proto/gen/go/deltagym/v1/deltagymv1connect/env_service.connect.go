@@ -77,7 +77,8 @@ type EnvServiceClient interface {
 	ImportImage(context.Context, *connect.Request[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *connect.Request[v1.ResetRequest]) (*connect.Response[v1.ResetResponse], error)
-	// Step performs one action in a sandbox.
+	// Step performs one action in a sandbox, after restoring it to a
+	// checkpoint if asked (StepRequest.restore_checkpoint_id).
 	Step(context.Context, *connect.Request[v1.StepRequest]) (*connect.Response[v1.StepResponse], error)
 	// StepStream pipelines steps over many sandboxes on one stream. Steps for
 	// one sandbox are performed in the order sent; responses for different
@@ -318,7 +319,8 @@ type EnvServiceHandler interface {
 	ImportImage(context.Context, *connect.Request[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *connect.Request[v1.ResetRequest]) (*connect.Response[v1.ResetResponse], error)
-	// Step performs one action in a sandbox.
+	// Step performs one action in a sandbox, after restoring it to a
+	// checkpoint if asked (StepRequest.restore_checkpoint_id).
 	Step(context.Context, *connect.Request[v1.StepRequest]) (*connect.Response[v1.StepResponse], error)
 	// StepStream pipelines steps over many sandboxes on one stream. Steps for
 	// one sandbox are performed in the order sent; responses for different
