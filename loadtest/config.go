@@ -7,6 +7,12 @@ import (
 	"time"
 )
 
+// The APIs Config.API names.
+const (
+	APIUnary  = "unary"
+	APIStream = "stream"
+)
+
 // Scenarios lists the scenario names Run accepts.
 var Scenarios = []string{"rollback", "rollback-exec", "rollback-process", "steps", "grpo", "tree", "mixed"}
 
@@ -49,6 +55,11 @@ type Config struct {
 	// ProcessMethod is how the rollback-process scenario's checkpoints capture its
 	// process: ProcessTemplate (default) or ProcessCRIU.
 	ProcessMethod string
+	// API is how the rollback scenarios call the server: APIUnary (default) makes the
+	// restore and each step a unary call; APIStream sends a sandbox's steps on one StepStream
+	// of its own, the restore carried by the first step of each iteration
+	// (StepRequest.restore_checkpoint_id): the same work in fewer, lighter messages.
+	API string
 	// Conns is the number of HTTP/2 connections the workers share. Default 4.
 	Conns int
 	// ServerPID, when known, is the server whose RSS and CPU the timeline samples from
@@ -73,6 +84,17 @@ func (c *Config) Validate() error {
 	}
 	if !slices.Contains(Scenarios, c.Scenario) {
 		return fmt.Errorf("scenario %q is not one of %v: %w", c.Scenario, Scenarios, ErrInvalid)
+	}
+	switch c.API {
+	case "":
+		c.API = APIUnary
+	case APIUnary:
+	case APIStream:
+		if c.Scenario != "rollback" && c.Scenario != "rollback-exec" {
+			return fmt.Errorf("api %q serves the rollback and rollback-exec scenarios, not %s: %w", c.API, c.Scenario, ErrInvalid)
+		}
+	default:
+		return fmt.Errorf("api %q is neither %q nor %q: %w", c.API, APIUnary, APIStream, ErrInvalid)
 	}
 	if c.Env == "" {
 		c.Env = "shell"

@@ -52,25 +52,17 @@ func TestConfigValidate(t *testing.T) {
 // no errors, rollbacks counted, every operation measured, and the report's outputs written.
 func TestRollbackScenario(t *testing.T) {
 	s := needServer(t)
+	// Over a StepStream the restore rides on the read.
+	stream, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", API: APIStream, Concurrency: 8, Duration: 2 * time.Second, Warmup: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkRollbacks(t, stream, "restore+read_file", "write_file", "iteration")
 	rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", Concurrency: 8, Duration: 4 * time.Second, Warmup: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	var sum bytes.Buffer
-	rep.WriteSummary(&sum)
-	t.Log("\n" + sum.String())
-	if rep.ErrorCount != 0 || len(rep.Errors) != 0 {
-		t.Fatalf("errors: %v (first wrong restore: %s)", rep.Errors, rep.FirstWrong)
-	}
-	if rep.Iterations == 0 || rep.Throughput <= 0 {
-		t.Fatalf("no rollbacks measured: %+v", rep)
-	}
-	for _, op := range []string{"restore", "read_file", "write_file", "iteration"} {
-		st, ok := rep.Ops[op]
-		if !ok || st.Count < rep.Iterations || st.P50Ms <= 0 || st.P99Ms < st.P50Ms || st.MaxMs < st.P99Ms {
-			t.Fatalf("op %s: %+v (iterations %d)", op, st, rep.Iterations)
-		}
-	}
+	sum := checkRollbacks(t, rep, "restore", "read_file", "write_file", "iteration")
 	if !bytes.Contains(sum.Bytes(), []byte(" rollbacks/s")) {
 		t.Fatalf("summary has no rollbacks/s line:\n%s", sum.String())
 	}
@@ -94,6 +86,28 @@ func TestRollbackScenario(t *testing.T) {
 	}
 }
 
+// checkRollbacks checks a rollback run's report: no error, and each of ops timed once per
+// iteration at least. It returns the printed summary.
+func checkRollbacks(t *testing.T, rep *Report, ops ...string) *bytes.Buffer {
+	t.Helper()
+	var sum bytes.Buffer
+	rep.WriteSummary(&sum)
+	t.Log("\n" + sum.String())
+	if rep.ErrorCount != 0 || len(rep.Errors) != 0 {
+		t.Fatalf("api %s: errors: %v (first wrong restore: %s)", rep.API, rep.Errors, rep.FirstWrong)
+	}
+	if rep.Iterations == 0 || rep.Throughput <= 0 {
+		t.Fatalf("api %s: no rollbacks measured: %+v", rep.API, rep)
+	}
+	for _, op := range ops {
+		st, ok := rep.Ops[op]
+		if !ok || st.Count < rep.Iterations || st.P50Ms <= 0 || st.P99Ms < st.P50Ms || st.MaxMs < st.P99Ms {
+			t.Fatalf("api %s: op %s: %+v (iterations %d)", rep.API, op, st, rep.Iterations)
+		}
+	}
+	return &sum
+}
+
 // TestVerificationDetectsWrongRestore proves the scenarios' checks can fail: an iteration
 // whose restore is skipped finds the file changed since the checkpoint and reports
 // ErrWrongRestore, while the same worker with its restore passes.
@@ -105,13 +119,14 @@ func TestVerificationDetectsWrongRestore(t *testing.T) {
 	}
 	defer conn.Close()
 	c := deltagymv1.NewEnvServiceClient(conn)
-	cfg := Config{Addr: s.Addr}
-	if err := cfg.Validate(); err != nil {
-		t.Fatal(err)
-	}
 	rec := newRecorder()
-	for _, name := range []string{"rollback", "rollback-exec"} {
-		t.Run(name, func(t *testing.T) {
+	for _, tc := range []struct{ name, api string }{{"rollback", APIUnary}, {"rollback-exec", APIUnary}, {"rollback", APIStream}, {"rollback-exec", APIStream}} {
+		name := tc.name
+		t.Run(name+"/"+tc.api, func(t *testing.T) {
+			cfg := Config{Addr: s.Addr, Scenario: name, API: tc.api}
+			if err := cfg.Validate(); err != nil {
+				t.Fatal(err)
+			}
 			w := newWorker(name, 1, c, &cfg)
 			skip := func(v bool) {
 				switch w := w.(type) {

@@ -17,6 +17,7 @@ import (
 // Report is the result of one Run, as written by WriteJSON.
 type Report struct {
 	Scenario    string  `json:"scenario"`
+	API         string  `json:"api"`
 	Unit        string  `json:"unit"`
 	Concurrency int     `json:"concurrency"`
 	Rate        float64 `json:"target_rate,omitempty"`
@@ -78,7 +79,7 @@ type Machine struct {
 func ms(us int64) float64 { return float64(us) / 1000 }
 
 func newReport(cfg Config, rec *recorder, setup time.Duration) *Report {
-	r := &Report{Scenario: cfg.Scenario, Unit: unit(cfg.Scenario), Concurrency: cfg.Concurrency, Rate: cfg.Rate,
+	r := &Report{Scenario: cfg.Scenario, API: cfg.API, Unit: unit(cfg.Scenario), Concurrency: cfg.Concurrency, Rate: cfg.Rate,
 		DurationSec: cfg.Duration.Seconds(), WarmupSec: cfg.Warmup.Seconds(), SetupSec: setup.Seconds(),
 		Iterations: rec.iterations.Load(), Ops: map[string]OpStats{}, Errors: map[string]int64{}, hists: map[string]*hdrhistogram.Histogram{}}
 	r.Throughput = float64(r.Iterations) / cfg.Duration.Seconds()
@@ -108,8 +109,12 @@ func (r *Report) WriteSummary(w io.Writer) {
 	if r.Rate > 0 {
 		mode = fmt.Sprintf("open loop at %.0f/s (backlog at end %d)", r.Rate, r.Backlog)
 	}
-	fmt.Fprintf(w, "scenario %s: %d sandboxes, %s, %.0fs measured after %.0fs warm-up (setup %.1fs)\n",
-		r.Scenario, r.Concurrency, mode, r.DurationSec, r.WarmupSec, r.SetupSec)
+	api := "unary calls"
+	if r.API == APIStream {
+		api = "one StepStream per sandbox, the restore carried by a step"
+	}
+	fmt.Fprintf(w, "scenario %s: %d sandboxes, %s, %s, %.0fs measured after %.0fs warm-up (setup %.1fs)\n",
+		r.Scenario, r.Concurrency, mode, api, r.DurationSec, r.WarmupSec, r.SetupSec)
 	fmt.Fprintf(w, "throughput: %.0f %s/s (%d in %.0fs), %d errors\n", r.Throughput, r.Unit, r.Iterations, r.DurationSec, r.ErrorCount)
 	fmt.Fprintf(w, "%-16s %10s %9s %9s %9s %9s %9s\n", "op", "count", "/s", "p50 ms", "p90 ms", "p99 ms", "max ms")
 	ops := make([]string, 0, len(r.Ops))

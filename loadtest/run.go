@@ -25,6 +25,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if cfg.Token != "" {
 		opts = append(opts, grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, o ...grpc.CallOption) error {
 			return invoker(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+cfg.Token), method, req, reply, cc, o...)
+		}), grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, o ...grpc.CallOption) (grpc.ClientStream, error) {
+			return streamer(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+cfg.Token), desc, cc, method, o...)
 		}))
 	}
 	clients := make([]deltagymv1.EnvServiceClient, cfg.Conns)

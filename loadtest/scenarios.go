@@ -7,6 +7,10 @@ import (
 	"math/rand/v2"
 	"strconv"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 )
 
@@ -25,7 +29,7 @@ type worker interface {
 const dataPath = "/work/loadtest.dat"
 
 func newWorker(scenario string, id int, c deltagymv1.EnvServiceClient, cfg *Config) worker {
-	b := base{c: c, env: cfg.Env, id: id, rng: rand.New(rand.NewPCG(uint64(id), 0x10ad7e57))}
+	b := base{c: c, env: cfg.Env, id: id, rng: rand.New(rand.NewPCG(uint64(id), 0x10ad7e57)), stream: cfg.API == APIStream}
 	switch scenario {
 	case "rollback":
 		return &rollbackWorker{base: b, size: cfg.FileSize}
@@ -53,6 +57,12 @@ type base struct {
 	id  int
 	rng *rand.Rand
 	sid string
+	// stream: steps go on st, a StepStream of the worker's own (APIStream), opened on
+	// first use; the worker waits for each answer before it sends the next step.
+	stream bool
+	st     grpc.BidiStreamingClient[deltagymv1.StepStreamRequest, deltagymv1.StepStreamResponse]
+	stop   context.CancelFunc // ends st
+	reqID  uint64
 }
 
 func (b *base) reset(ctx context.Context) error {
@@ -65,6 +75,7 @@ func (b *base) reset(ctx context.Context) error {
 }
 
 func (b *base) close(ctx context.Context) {
+	b.endStream()
 	if b.sid != "" {
 		_, _ = b.c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: b.sid})
 		b.sid = ""
@@ -72,7 +83,61 @@ func (b *base) close(ctx context.Context) {
 }
 
 func (b *base) step(ctx context.Context, a *deltagymv1.Action, checkpoint bool) (*deltagymv1.StepResponse, error) {
-	return b.c.Step(ctx, &deltagymv1.StepRequest{SandboxId: b.sid, Action: a, Checkpoint: checkpoint})
+	return b.stepReq(ctx, &deltagymv1.StepRequest{Action: a, Checkpoint: checkpoint})
+}
+
+// stepReq performs one step in the worker's sandbox: on its StepStream with APIStream, else
+// as a unary Step. A step that fails on the stream returns its error as a gRPC status, as
+// the unary call would.
+func (b *base) stepReq(ctx context.Context, req *deltagymv1.StepRequest) (*deltagymv1.StepResponse, error) {
+	req.SandboxId = b.sid
+	if !b.stream {
+		return b.c.Step(ctx, req)
+	}
+	if b.st == nil {
+		// The stream outlives this call's context: it lives until close (or a failure).
+		sctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+		st, err := b.c.StepStream(sctx)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		b.st, b.stop = st, stop
+	}
+	b.reqID++
+	if err := b.st.Send(&deltagymv1.StepStreamRequest{RequestId: b.reqID, Step: req}); err != nil {
+		b.endStream()
+		return nil, err
+	}
+	// The call's context ending cancels the stream (its answer may never come).
+	unwatch := context.AfterFunc(ctx, b.stop)
+	m, err := b.st.Recv()
+	if !unwatch() {
+		b.endStream()
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+	if err != nil {
+		b.endStream()
+		return nil, err
+	}
+	if m.GetRequestId() != b.reqID {
+		b.endStream()
+		return nil, fmt.Errorf("stream answered request %d, waiting for %d: %w", m.GetRequestId(), b.reqID, ErrUnexpected)
+	}
+	if e := m.GetError(); e != nil {
+		return nil, status.Error(codes.Code(e.GetCode()), e.GetMessage())
+	}
+	return m.GetStep(), nil
+}
+
+// endStream closes the worker's StepStream, if open.
+func (b *base) endStream() {
+	if b.st == nil {
+		return
+	}
+	_ = b.st.CloseSend()
+	b.stop()
+	b.st, b.stop = nil, nil
 }
 
 func (b *base) checkpoint(ctx context.Context) (string, error) {
@@ -154,6 +219,24 @@ func (w *rollbackWorker) change(ctx context.Context, rec *recorder) error {
 }
 
 func (w *rollbackWorker) iterate(ctx context.Context, rec *recorder) error {
+	if w.stream {
+		// The restore rides on the read: one message each way.
+		err := rec.op("restore+read_file", func() error {
+			req := &deltagymv1.StepRequest{Action: readAction(dataPath)}
+			if !w.skipRestore {
+				req.RestoreCheckpointId = w.ck
+			}
+			r, err := w.stepReq(ctx, req)
+			if err != nil {
+				return err
+			}
+			return w.check(r)
+		})
+		if err != nil {
+			return err
+		}
+		return w.change(ctx, rec)
+	}
 	if !w.skipRestore {
 		if err := rec.op("restore", func() error { return w.restore(ctx, w.ck) }); err != nil {
 			return err
@@ -164,15 +247,20 @@ func (w *rollbackWorker) iterate(ctx context.Context, rec *recorder) error {
 		if err != nil {
 			return err
 		}
-		if got := r.GetObservation().GetReadFile().GetContent(); !bytes.Equal(got, w.want) {
-			return fmt.Errorf("%s holds %q…, want %q…: %w", dataPath, head(got), head(w.want), ErrWrongRestore)
-		}
-		return nil
+		return w.check(r)
 	})
 	if err != nil {
 		return err
 	}
 	return w.change(ctx, rec)
+}
+
+// check says whether a read of the data file found the checkpointed content.
+func (w *rollbackWorker) check(r *deltagymv1.StepResponse) error {
+	if got := r.GetObservation().GetReadFile().GetContent(); !bytes.Equal(got, w.want) {
+		return fmt.Errorf("%s holds %q…, want %q…: %w", dataPath, head(got), head(w.want), ErrWrongRestore)
+	}
+	return nil
 }
 
 func head(b []byte) []byte { return b[:min(len(b), 24)] }
@@ -204,13 +292,19 @@ func (w *rollbackExecWorker) setup(ctx context.Context) error {
 }
 
 func (w *rollbackExecWorker) iterate(ctx context.Context, rec *recorder) error {
-	if !w.skipRestore {
+	req := &deltagymv1.StepRequest{Action: execAction("cat " + dataPath + " && echo changed > " + dataPath)}
+	op := "exec"
+	switch {
+	case w.skipRestore:
+	case w.stream:
+		req.RestoreCheckpointId, op = w.ck, "restore+exec" // one message each way
+	default:
 		if err := rec.op("restore", func() error { return w.restore(ctx, w.ck) }); err != nil {
 			return err
 		}
 	}
-	return rec.op("exec", func() error {
-		r, err := w.step(ctx, execAction("cat "+dataPath+" && echo changed > "+dataPath), false)
+	return rec.op(op, func() error {
+		r, err := w.stepReq(ctx, req)
 		if err != nil {
 			return err
 		}

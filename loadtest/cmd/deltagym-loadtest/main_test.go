@@ -18,6 +18,8 @@ func TestRunRejectsBadInput(t *testing.T) {
 		{"no address", []string{"--quiet"}, 1, "no server address"},
 		{"process size", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-mb", "-3", "--quiet"}, 1, "process size -3 MiB"},
 		{"process method", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-method", "dump", "--quiet"}, 1, "process method"},
+		{"unknown api", []string{"--addr", "127.0.0.1:1", "--api", "rest", "--quiet"}, 1, `api "rest" is neither`},
+		{"stream api elsewhere", []string{"--addr", "127.0.0.1:1", "--scenario", "grpo", "--api", "stream", "--quiet"}, 1, "serves the rollback and rollback-exec scenarios"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("DELTAGYM_ADDR", "")
