@@ -130,6 +130,20 @@ func (b *base) stepReq(ctx context.Context, req *deltagymv1.StepRequest) (*delta
 	return m.GetStep(), nil
 }
 
+// restoreFor restores the sandbox to checkpoint ck for step req (timed as op) unless skip:
+// with APIStream the step itself restores first (restore_checkpoint_id: one message each way),
+// else a timed Restore call does. It returns the name to time the step under.
+func (b *base) restoreFor(ctx context.Context, rec *recorder, req *deltagymv1.StepRequest, op, ck string, skip bool) (string, error) {
+	switch {
+	case skip:
+		return op, nil
+	case b.stream:
+		req.RestoreCheckpointId = ck
+		return "restore+" + op, nil
+	}
+	return op, rec.op("restore", func() error { return b.restore(ctx, ck) })
+}
+
 // endStream closes the worker's StepStream, if open.
 func (b *base) endStream() {
 	if b.st == nil {
@@ -219,31 +233,13 @@ func (w *rollbackWorker) change(ctx context.Context, rec *recorder) error {
 }
 
 func (w *rollbackWorker) iterate(ctx context.Context, rec *recorder) error {
-	if w.stream {
-		// The restore rides on the read: one message each way.
-		err := rec.op("restore+read_file", func() error {
-			req := &deltagymv1.StepRequest{Action: readAction(dataPath)}
-			if !w.skipRestore {
-				req.RestoreCheckpointId = w.ck
-			}
-			r, err := w.stepReq(ctx, req)
-			if err != nil {
-				return err
-			}
-			return w.check(r)
-		})
-		if err != nil {
-			return err
-		}
-		return w.change(ctx, rec)
+	req := &deltagymv1.StepRequest{Action: readAction(dataPath)}
+	op, err := w.restoreFor(ctx, rec, req, "read_file", w.ck, w.skipRestore)
+	if err != nil {
+		return err
 	}
-	if !w.skipRestore {
-		if err := rec.op("restore", func() error { return w.restore(ctx, w.ck) }); err != nil {
-			return err
-		}
-	}
-	err := rec.op("read_file", func() error {
-		r, err := w.step(ctx, readAction(dataPath), false)
+	err = rec.op(op, func() error {
+		r, err := w.stepReq(ctx, req)
 		if err != nil {
 			return err
 		}
@@ -293,15 +289,9 @@ func (w *rollbackExecWorker) setup(ctx context.Context) error {
 
 func (w *rollbackExecWorker) iterate(ctx context.Context, rec *recorder) error {
 	req := &deltagymv1.StepRequest{Action: execAction("cat " + dataPath + " && echo changed > " + dataPath)}
-	op := "exec"
-	switch {
-	case w.skipRestore:
-	case w.stream:
-		req.RestoreCheckpointId, op = w.ck, "restore+exec" // one message each way
-	default:
-		if err := rec.op("restore", func() error { return w.restore(ctx, w.ck) }); err != nil {
-			return err
-		}
+	op, err := w.restoreFor(ctx, rec, req, "exec", w.ck, w.skipRestore)
+	if err != nil {
+		return err
 	}
 	return rec.op(op, func() error {
 		r, err := w.stepReq(ctx, req)

@@ -472,15 +472,7 @@ func TestStepStreamGRPC(t *testing.T) {
 	}
 	must(t, st.Send(&deltagymv1.StepStreamRequest{RequestId: 99, Step: &deltagymv1.StepRequest{SandboxId: ids[0]}}))
 	must(t, st.CloseSend())
-	got := map[uint64]*deltagymv1.StepStreamResponse{}
-	for {
-		r, err := st.Recv()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		must(t, err)
-		got[r.GetRequestId()] = r
-	}
+	got := recvAll(t, st)
 	if len(got) != 5 || string(got[10].GetStep().GetObservation().GetExec().GetStdout()) != "1\n" ||
 		string(got[11].GetStep().GetObservation().GetExec().GetStdout()) != "1\n" {
 		t.Fatalf("responses %v", got)
@@ -601,15 +593,7 @@ func TestStepWithRestore(t *testing.T) {
 			must(t, st.Send(&deltagymv1.StepStreamRequest{RequestId: uint64(i), Step: r}))
 		}
 		must(t, st.CloseSend())
-		got := map[uint64]*deltagymv1.StepStreamResponse{}
-		for {
-			r, err := st.Recv()
-			if errors.Is(err, io.EOF) {
-				break
-			}
-			must(t, err)
-			got[r.GetRequestId()] = r
-		}
+		got := recvAll(t, st)
 		for _, i := range []uint64{1, 3} {
 			if s := got[i].GetStep(); content(s) != "checkpointed" || s.GetStepIndex() != 1 {
 				t.Fatalf("stream step %d with restore: %v", i, got[i])
@@ -622,4 +606,20 @@ func TestStepWithRestore(t *testing.T) {
 			t.Fatalf("stream step with an unknown checkpoint: %v", got[4])
 		}
 	})
+}
+
+// recvAll receives a gRPC StepStream's responses until it ends, by request ID.
+func recvAll(t *testing.T, st interface {
+	Recv() (*deltagymv1.StepStreamResponse, error)
+}) map[uint64]*deltagymv1.StepStreamResponse {
+	t.Helper()
+	got := map[uint64]*deltagymv1.StepStreamResponse{}
+	for {
+		r, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			return got
+		}
+		must(t, err)
+		got[r.GetRequestId()] = r
+	}
 }
