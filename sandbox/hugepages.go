@@ -116,14 +116,16 @@ func (s *Sandbox) foldOnce(c *checkpoint) {
 // worker, the first time each is checkpointed. Copies a restore made are
 // not: s.liveSeen holds them. Called with op held.
 func (s *Sandbox) foldLive(ps []procTemplate) {
+	if s.rt.cfg.SmallPageTemplates {
+		return
+	}
 	seen := make(map[int]uint64, len(ps))
 	for _, p := range ps {
 		st, ok := s.liveSeen[p.HostPid]
 		seen[p.HostPid] = p.Start
-		if ok && (st == 0 || st == p.Start) || s.rt.cfg.SmallPageTemplates {
-			continue
+		if !ok || st != 0 && st != p.Start {
+			s.queueFold(p.HostPid, "live "+p.name())
 		}
-		s.queueFold(p.HostPid, "live "+p.name())
 	}
 	s.liveSeen = seen
 }

@@ -242,19 +242,7 @@ func (c stepConfig) exec() *deltagymv1.ExecAction {
 // Step performs a raw action; checkpoint asks for a checkpoint after it. The
 // typed methods (Exec, Run, WriteFile, ReadFile, Submit) are built on it.
 func (s *Sandbox) Step(ctx context.Context, action *deltagymv1.Action, checkpoint bool) (*deltagymv1.StepResponse, error) {
-	if err := s.checkOpen(); err != nil {
-		return nil, err
-	}
-	res, err := s.c.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: s.id, Action: action, Checkpoint: checkpoint}))
-	if err != nil {
-		return nil, fmt.Errorf("step in sandbox %s: %w", s.id, err)
-	}
-	if ep := res.Msg.GetEpisodeId(); ep != "" {
-		s.mu.Lock()
-		s.episodeID = ep
-		s.mu.Unlock()
-	}
-	return res.Msg, nil
+	return s.step(ctx, &deltagymv1.StepRequest{Action: action, Checkpoint: checkpoint})
 }
 
 // StepFrom restores the sandbox to checkpoint checkpointID and then performs
@@ -263,19 +251,33 @@ func (s *Sandbox) Step(ctx context.Context, action *deltagymv1.Action, checkpoin
 // branched, a new one starts at the checkpoint; the handle's EpisodeID
 // follows); if it fails, the action is not performed. Not retried.
 func (s *Sandbox) StepFrom(ctx context.Context, checkpointID string, action *deltagymv1.Action, checkpoint bool) (*deltagymv1.StepResponse, error) {
-	if err := s.checkOpen(); err != nil {
-		return nil, err
-	}
 	if checkpointID == "" {
 		return nil, fmt.Errorf("step in sandbox %s from a checkpoint: no checkpoint ID", s.id)
 	}
-	res, err := s.c.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: s.id, Action: action, Checkpoint: checkpoint, RestoreCheckpointId: checkpointID}))
+	return s.step(ctx, &deltagymv1.StepRequest{Action: action, Checkpoint: checkpoint, RestoreCheckpointId: checkpointID})
+}
+
+// step sends req for this sandbox and follows the episode it reports.
+func (s *Sandbox) step(ctx context.Context, req *deltagymv1.StepRequest) (*deltagymv1.StepResponse, error) {
+	if err := s.checkOpen(); err != nil {
+		return nil, err
+	}
+	req.SandboxId = s.id
+	res, err := s.c.env.Step(ctx, connect.NewRequest(req))
+	from := req.GetRestoreCheckpointId()
 	if err != nil {
-		return nil, fmt.Errorf("step in sandbox %s from %s: %w", s.id, checkpointID, err)
+		if from != "" {
+			return nil, fmt.Errorf("step in sandbox %s from %s: %w", s.id, from, err)
+		}
+		return nil, fmt.Errorf("step in sandbox %s: %w", s.id, err)
 	}
 	s.mu.Lock()
-	s.episodeID = res.Msg.GetEpisodeId()
-	s.startCheckpoint = checkpointID
+	if ep := res.Msg.GetEpisodeId(); ep != "" {
+		s.episodeID = ep
+	}
+	if from != "" {
+		s.startCheckpoint = from
+	}
 	s.mu.Unlock()
 	return res.Msg, nil
 }
