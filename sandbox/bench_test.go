@@ -1,6 +1,7 @@
 package sandbox_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -8,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -119,6 +121,47 @@ func BenchmarkRollback(b *testing.B) {
 	}
 	l.report(b, "")
 	b.ReportMetric(float64(s.Depth()), "depth")
+}
+
+// BenchmarkRollbackLoop is the rollback load test's loop in one sandbox,
+// without the RPCs: restore the same checkpoint, read the file written
+// before it (and check it), write it again. cpu-us/op is the CPU the process
+// spent per loop (the background work the loop starts included), the
+// figure the load test's throughput on 2 cores follows.
+func BenchmarkRollbackLoop(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	orig := bytes.Repeat([]byte("c"), 4096)
+	changed := bytes.Repeat([]byte("x"), 4096)
+	must(b, s.WriteFile(ctx, "/work/state.txt", orig, 0, false))
+	ck, err := s.Checkpoint(ctx)
+	must(b, err)
+	must(b, s.WriteFile(ctx, "/work/state.txt", changed, 0, false))
+	var l lat
+	cpu0 := processCPU()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		l.time(func() {
+			must(b, s.Restore(ctx, ck.ID))
+			got, _, err := s.ReadFile(ctx, "/work/state.txt", 0, 0)
+			must(b, err)
+			if !bytes.Equal(got, orig) {
+				b.Fatalf("read %.8q after the restore", got)
+			}
+			must(b, s.WriteFile(ctx, "/work/state.txt", changed, 0, false))
+		})
+	}
+	b.StopTimer()
+	l.report(b, "")
+	b.ReportMetric(float64((processCPU()-cpu0).Microseconds())/float64(b.N), "cpu-us/op")
+}
+
+// processCPU returns the user and system CPU time this process has used.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // BenchmarkRollbackWithProcs: rollback at depth 1, 10 and 100 with 0 and 20

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"strings"
 
@@ -42,27 +41,18 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, offset, max int64) 
 		if err != nil {
 			return err
 		}
-		f := os.NewFile(uintptr(fd), path)
-		defer f.Close()
-		st, err := f.Stat()
-		if err != nil {
+		defer unix.Close(fd)
+		if size, err = regularSize(fd, path); err != nil {
 			return err
 		}
-		if !st.Mode().IsRegular() {
-			return fmt.Errorf("%w: %s is not a regular file", ErrInvalid, path)
-		}
-		size = st.Size()
 		n := min(max, size-offset)
 		if n <= 0 {
 			data = []byte{}
 			return nil
 		}
 		data = make([]byte, n)
-		k, err := f.ReadAt(data, offset)
+		k, err := preadFull(fd, data, offset)
 		data = data[:k]
-		if err == io.EOF {
-			err = nil
-		}
 		return err
 	})
 	return data, size, err
@@ -81,30 +71,80 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 	if mode&^os.ModePerm != 0 {
 		return fmt.Errorf("%w: mode %o has bits other than permissions", ErrInvalid, mode)
 	}
+	flags := unix.O_WRONLY | unix.O_CREAT | unix.O_CLOEXEC | unix.O_NOCTTY | unix.O_NONBLOCK
+	if appendTo {
+		flags |= unix.O_APPEND
+	} else {
+		flags |= unix.O_TRUNC
+	}
+	how := &unix.OpenHow{Flags: uint64(flags), Mode: uint64(mode), Resolve: resolve}
 	return s.fileOp(path, func(root int, rel string) error {
-		if err := mkdirAll(root, rel); err != nil {
-			return err
+		// Parents are made only when the open finds one missing: most
+		// writes go to existing directories.
+		fd, err := unix.Openat2(root, rel, how)
+		if errors.Is(err, unix.ENOENT) && strings.IndexByte(rel, '/') >= 0 {
+			if err := mkdirAll(root, rel); err != nil {
+				return err
+			}
+			fd, err = unix.Openat2(root, rel, how)
 		}
-		flags := unix.O_WRONLY | unix.O_CREAT | unix.O_CLOEXEC | unix.O_NOCTTY | unix.O_NONBLOCK
-		if appendTo {
-			flags |= unix.O_APPEND
-		} else {
-			flags |= unix.O_TRUNC
-		}
-		fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: uint64(flags), Mode: uint64(mode), Resolve: resolve})
 		if err != nil {
 			return err
 		}
-		f := os.NewFile(uintptr(fd), path)
-		st, err := f.Stat()
-		if err == nil && !st.Mode().IsRegular() {
-			err = fmt.Errorf("%w: %s is not a regular file", ErrInvalid, path)
-		}
+		_, err = regularSize(fd, path)
 		if err == nil {
-			_, err = f.Write(data)
+			err = writeFull(fd, data)
 		}
-		return errors.Join(err, f.Close())
+		return errors.Join(err, unix.Close(fd))
 	})
+}
+
+// regularSize returns the size of the open file fd, or ErrInvalid if it is
+// not a regular file. File actions use raw descriptors, not os.File, which
+// would ask the poller to take each one (refused for regular files).
+func regularSize(fd int, path string) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return 0, fmt.Errorf("%w: %s is not a regular file", ErrInvalid, path)
+	}
+	return st.Size, nil
+}
+
+// preadFull reads into b from offset until b is full or the file ends.
+func preadFull(fd int, b []byte, offset int64) (int, error) {
+	n := 0
+	for n < len(b) {
+		k, err := unix.Pread(fd, b[n:], offset+int64(n))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if k == 0 {
+			break
+		}
+		n += k
+	}
+	return n, nil
+}
+
+// writeFull writes all of b to fd.
+func writeFull(fd int, b []byte) error {
+	for len(b) > 0 {
+		k, err := unix.Write(fd, b)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		b = b[k:]
+	}
+	return nil
 }
 
 // mkdirAll creates the missing parents of rel. Each prefix is resolved

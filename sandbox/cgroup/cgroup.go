@@ -975,3 +975,62 @@ func (c *Cgroup) Stats() (Stats, error) {
 	}
 	return s, c.wrap("reading stats of", err)
 }
+
+// Events is a group's cgroup.events file, kept open so that reading it again
+// costs one pread: opening and closing a cgroup control file costs about
+// 85 µs of CPU on this kernel, which a rollback without processes would pay
+// at every restore only to learn that the group is empty.
+type Events struct {
+	mu sync.Mutex
+	fd int
+}
+
+// OpenEvents opens the group's cgroup.events. It returns nil, nil on a
+// cgroup v1 hierarchy, which has no such file (use Populated there).
+func (c *Cgroup) OpenEvents() (*Events, error) {
+	if !c.trackV2 {
+		return nil, nil
+	}
+	fd, err := openRetry(filepath.Join(c.track, "cgroup.events"), unix.O_RDONLY|unix.O_CLOEXEC)
+	if err != nil {
+		return nil, c.wrap("opening the events of", err)
+	}
+	return &Events{fd: fd}, nil
+}
+
+// Populated reports whether the group or one of its sub-groups has a process.
+// A group removed since its events were opened has none.
+func (e *Events) Populated() (bool, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.fd < 0 {
+		return false, errors.New("reading closed cgroup events")
+	}
+	var buf [256]byte
+	for {
+		n, err := unix.Pread(e.fd, buf[:], 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err == unix.ENODEV || err == unix.ENOENT {
+			return false, nil
+		}
+		if err != nil {
+			return false, fmt.Errorf("reading cgroup events: %w", err)
+		}
+		v, _ := keyValue(buf[:n], "populated")
+		return v != 0, nil
+	}
+}
+
+// Close closes the file. It is idempotent.
+func (e *Events) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.fd < 0 {
+		return nil
+	}
+	err := unix.Close(e.fd)
+	e.fd = -1
+	return err
+}

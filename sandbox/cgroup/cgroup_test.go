@@ -776,6 +776,77 @@ func TestWaitEmpty(t *testing.T) {
 	}
 }
 
+// Events read through one open file follow the group: empty, a process in a
+// sub-group, empty again after the kill, and empty once the group is gone;
+// Close is idempotent.
+func TestEvents(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "events", Limits{})
+			ev, err := c.OpenEvents()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ev == nil {
+				if c.trackV2 {
+					t.Fatal("OpenEvents = nil on a cgroup2 tracking hierarchy")
+				}
+				t.Skip("cgroup v1 tracking: no cgroup.events")
+			}
+			t.Cleanup(func() { ev.Close() })
+			populated := func() bool {
+				t.Helper()
+				p, err := ev.Populated()
+				if err != nil {
+					t.Fatal(err)
+				}
+				return p
+			}
+			if populated() {
+				t.Fatal("a new group reads populated")
+			}
+			sub, err := c.Sub("s")
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := startCmd(t, "sleep", "1000")
+			if err := sub.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			if !populated() {
+				t.Fatal("a group with a process in a sub-group reads empty")
+			}
+			if err := unix.Kill(h.pid(), unix.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			h.wait(t)
+			if err := c.WaitEmpty(5 * time.Second); err != nil {
+				t.Fatal(err)
+			}
+			if populated() {
+				t.Fatal("a group whose process was killed reads populated")
+			}
+			if err := c.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			if populated() {
+				t.Fatal("a deleted group reads populated")
+			}
+			if err := ev.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := ev.Close(); err != nil {
+				t.Fatalf("second Close = %v", err)
+			}
+			if _, err := ev.Populated(); err == nil {
+				t.Fatal("Populated after Close succeeded")
+			}
+		})
+	}
+}
+
 // FavorDynMods turns the option on in the cgroup2 hierarchy, keeps every
 // super option it had, leaves the mount's own flags alone, and does nothing
 // once the option is on.
