@@ -321,15 +321,11 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	}
 	mfd := sp.root
 	if !sp.built {
-		mfd, err = s.buildRoot(stack, sp.fd)
-	}
-	// Only a root that waits (pending) needs covers: one swapped in now
-	// gets the init's /proc and /dev at once. Built ahead, a root is
-	// covered here too, not in the background: most are swapped in, and
-	// two covers cost 5% of the server's CPU in the rollback load test.
-	if err == nil && pending {
-		if err = s.rt.covers.Apply(mfd); err != nil {
-			unix.Close(mfd)
+		if mfd, err = s.buildRoot(stack, sp.fd); err == nil && pending {
+			err = s.rt.covers.Apply(mfd)
+			if err != nil {
+				unix.Close(mfd)
+			}
 		}
 	}
 	if err == nil && !pending {
@@ -493,8 +489,8 @@ type spareUpper struct {
 	id  string
 	fd  int
 	err error
-	// built: root is an overlay made ahead on this upper over stack
-	// (nextRoot), without covers (switchRoot adds them if it waits).
+	// built: root is an overlay made ahead on this upper over stack, its
+	// /proc and /dev covered (nextRoot).
 	built bool
 	root  int
 	stack []string
@@ -544,7 +540,13 @@ func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *n
 			return
 		}
 		if next != nil {
-			if mfd, err := next.mount(s.hostID, old.fd); err == nil {
+			mfd, err := next.mount(s.hostID, old.fd)
+			if err == nil {
+				if err = s.rt.covers.Apply(mfd); err != nil {
+					unix.Close(mfd) // before the upper is used again
+				}
+			}
+			if err == nil {
 				old.built, old.root, old.stack = true, mfd, next.stack
 			}
 		}
