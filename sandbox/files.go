@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 
@@ -141,6 +142,9 @@ func writeFull(fd int, b []byte) error {
 		}
 		if err != nil {
 			return err
+		}
+		if k == 0 {
+			return io.ErrShortWrite
 		}
 		b = b[k:]
 	}
