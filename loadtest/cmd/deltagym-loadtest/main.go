@@ -21,8 +21,21 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/loadtest"
 )
+
+// isTerminal says whether w is a terminal: the live progress line rewrites itself with
+// carriage returns, which a file or a pipe would keep as one endless line.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -60,7 +73,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&jsonPath, "json", "", "write the JSON report to this file")
 	fs.StringVar(&plotPath, "plot", "", "write a latency CDF plot (PNG) to this file")
 	fs.BoolVar(&fullCopy, "full-copy", false, "also measure the full-copy rollback baseline (10k files, 1,000 / 50 MB changed)")
-	fs.BoolVar(&quiet, "quiet", false, "no live progress line")
+	fs.BoolVar(&quiet, "quiet", false, "no live progress line (there is none when stderr is not a terminal)")
 	fs.StringVar(&srv.Binary, "serve", "", "start this server binary (bin/deltagym) for the run and stop it after")
 	fs.StringVar(&srv.Init, "init", os.Getenv("DELTAGYM_INIT"), "with --serve: the sandbox init (bin/dg-init)")
 	fs.StringVar(&srv.DataDir, "data", ".data/loadtest", "with --serve: the server's data dir; --full-copy scratch goes here too")
@@ -73,7 +86,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	if !quiet {
+	if !quiet && isTerminal(stderr) {
 		cfg.Progress = stderr
 	}
 	var server *loadtest.Server
