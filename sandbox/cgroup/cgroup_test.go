@@ -683,14 +683,7 @@ func TestOpenAndSelfFrozen(t *testing.T) {
 			t.Parallel()
 			m := newManager(t, mode)
 			c := create(t, m, "top", Limits{})
-			sub, err := c.Sub("t1")
-			if err != nil {
-				t.Fatal(err)
-			}
-			h := startCmd(t, "sleep", "1000")
-			if err := sub.Add(h.pid()); err != nil {
-				t.Fatal(err)
-			}
+			sub, h := sleeperIn(t, c, "t1")
 			t.Cleanup(func() { _ = c.Thaw(); _ = sub.Thaw() })
 			if err := sub.Freeze(); err != nil {
 				t.Fatal(err)
@@ -749,14 +742,7 @@ func TestWaitEmpty(t *testing.T) {
 			t.Parallel()
 			m := newManager(t, mode)
 			c := create(t, m, "wait", Limits{})
-			sub, err := c.Sub("w1")
-			if err != nil {
-				t.Fatal(err)
-			}
-			h := startCmd(t, "sleep", "1000")
-			if err := sub.Add(h.pid()); err != nil {
-				t.Fatal(err)
-			}
+			_, h := sleeperIn(t, c, "w1")
 			if err := c.WaitEmpty(20 * time.Millisecond); !errors.Is(err, ErrTimeout) {
 				t.Fatalf("WaitEmpty with a live process = %v, want ErrTimeout", err)
 			}
@@ -807,14 +793,7 @@ func TestEvents(t *testing.T) {
 			if populated() {
 				t.Fatal("a new group reads populated")
 			}
-			sub, err := c.Sub("s")
-			if err != nil {
-				t.Fatal(err)
-			}
-			h := startCmd(t, "sleep", "1000")
-			if err := sub.Add(h.pid()); err != nil {
-				t.Fatal(err)
-			}
+			_, h := sleeperIn(t, c, "s")
 			if !populated() {
 				t.Fatal("a group with a process in a sub-group reads empty")
 			}

@@ -281,6 +281,20 @@ func (s *syncBuffer) String() string {
 var testSeq atomic.Int64
 
 // requireRoot skips tests that need to create cgroups.
+// sleeperIn makes the sub-group name of c with a sleeping process in it.
+func sleeperIn(t testing.TB, c *Cgroup, name string) (*Cgroup, *helper) {
+	t.Helper()
+	sub, err := c.Sub(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := startCmd(t, "sleep", "1000")
+	if err := sub.Add(h.pid()); err != nil {
+		t.Fatal(err)
+	}
+	return sub, h
+}
+
 func requireRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
