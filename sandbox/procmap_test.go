@@ -8,6 +8,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // sharedWritableMap finds a file mapped shared and writable, through the
@@ -84,6 +87,56 @@ sys.stdin.read()
 			t.Errorf("%s: PROCMAP_QUERY: %v", c.mode, err)
 		} else if err == nil && queried != c.want {
 			t.Errorf("%s: from PROCMAP_QUERY: %q; want %q", c.mode, queried, c.want)
+		}
+	}
+}
+
+// pidHolder finds a pid still held after its process is gone: a session
+// and group leader is killed and reaped while a member lives on, and the
+// leader's pid is reported as the member's (group or session) until the
+// member is gone too.
+func TestPidHolderSession(t *testing.T) {
+	// setsid makes sh a session leader; its child stays in the session.
+	cmd := exec.Command("setsid", "sh", "-c", "sleep 1000 & echo $!; exec sleep 1000")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Skipf("setsid: %v", err)
+	}
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	member, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Kill(member, unix.SIGKILL) })
+	leader := cmd.Process.Pid
+	want := map[int]bool{leader: true}
+	if got, err := pidHolder("/proc", want); err != nil || !strings.Contains(got, "pid "+strconv.Itoa(leader)+" is still taken (") {
+		t.Fatalf("leader alive: %q, %v", got, err)
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	got, err := pidHolder("/proc", want)
+	if err != nil || !strings.HasPrefix(got, "pid "+strconv.Itoa(leader)+" is still taken as the ") ||
+		!strings.HasSuffix(got, " of pid "+strconv.Itoa(member)+" (sleep)") {
+		t.Fatalf("leader reaped, member alive: %q, %v", got, err)
+	}
+	if err := unix.Kill(member, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	// The member is the init's child now (or a subreaper's): wait until
+	// it is reaped.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if got, err = pidHolder("/proc", want); err == nil && got == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("member killed: %q, %v", got, err)
 		}
 	}
 }

@@ -300,27 +300,69 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 }
 
 // waitPidsFree waits until no process of the sandbox holds a pid of u (the
-// killed processes of the state being left may still be dying).
+// killed processes of the state being left may still be dying). A pid stays
+// taken while a process has it as its process group or session too, after
+// the process that had it is gone: a killed member of a session whose
+// leader was reaped first keeps the leader's pid from criu (EEXIST).
 func (s *Sandbox) waitPidsFree(u criuUnit) error {
-	procDir := fmt.Sprintf("/proc/%d/root/proc/", s.init.Pid)
-	deadline := time.Now().Add(5 * time.Second)
+	procDir := fmt.Sprintf("/proc/%d/root/proc", s.init.Pid)
+	want := make(map[int]bool, len(u.Procs))
 	for _, p := range u.Procs {
-		for {
-			var st unix.Stat_t
-			err := unix.Stat(procDir+strconv.Itoa(p.NSPid), &st)
-			if errors.Is(err, unix.ENOENT) {
-				break
-			}
-			if err != nil {
-				return fmt.Errorf("checking pid %d: %w", p.NSPid, err)
-			}
-			if time.Now().After(deadline) {
-				return fmt.Errorf("%w: pid %d, which %s had at the checkpoint, is still taken in the sandbox 5 s after its processes were ended", ErrProcesses, p.NSPid, u.name())
-			}
-			time.Sleep(time.Millisecond)
+		want[p.NSPid] = true
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		holder, err := pidHolder(procDir, want)
+		if err != nil {
+			return err
+		}
+		if holder == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: %s, which %s needs back, 5 s after the sandbox's processes were ended", ErrProcesses, holder, u.name())
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// pidHolder looks through procDir (the sandbox's /proc) for a process that
+// has one of the pids of want as its pid, process group or session, and
+// says which; "" if none.
+func pidHolder(procDir string, want map[int]bool) (string, error) {
+	ents, err := os.ReadDir(procDir)
+	if err != nil {
+		return "", fmt.Errorf("listing the sandbox's processes: %w", err)
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(procDir + "/" + e.Name() + "/stat")
+		if err != nil {
+			continue // gone since the listing
+		}
+		// pid (comm) state ppid pgrp session …; comm may hold spaces.
+		st := string(b)
+		i := strings.LastIndexByte(st, ')')
+		f := strings.Fields(st[i+1:])
+		if i < 0 || len(f) < 4 {
+			continue
+		}
+		comm := st[strings.IndexByte(st, '(')+1 : i]
+		pgrp, _ := strconv.Atoi(f[2])
+		sid, _ := strconv.Atoi(f[3])
+		switch {
+		case want[pid]:
+			return fmt.Sprintf("pid %d is still taken (%s)", pid, comm), nil
+		case want[pgrp]:
+			return fmt.Sprintf("pid %d is still taken as the process group of pid %d (%s)", pgrp, pid, comm), nil
+		case want[sid]:
+			return fmt.Sprintf("pid %d is still taken as the session of pid %d (%s)", sid, pid, comm), nil
 		}
 	}
-	return nil
+	return "", nil
 }
 
 // resumeTrees lets stopped CRIU trees go on.
