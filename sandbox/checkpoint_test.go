@@ -334,26 +334,60 @@ func TestRootSwappedInWhenNeeded(t *testing.T) {
 			t.Fatalf("write %s: %v", p, err)
 		}
 	}
-	sh(t, s, "mkdir /w; echo one > /w/f; ln -s /dev /w/devlink")
+	sh(t, s, "mkdir /w; echo one > /w/f; ln -s /dev /w/devlink; ln -s /proc/self/status /w/st; ln -s f /w/flink")
 	ck := mustCheckpoint(t, s)
 	dev := rootDev()
 	write("/w/f", "two")
-
-	if err := s.Restore(ctx, ck); err != nil {
-		t.Fatal(err)
+	restore := func() {
+		t.Helper()
+		if err := s.Restore(ctx, ck); err != nil {
+			t.Fatal(err)
+		}
+		if pending, covered := s.RootCovered(); !pending || covered {
+			t.Fatalf("after a restore: root pending %v, covered %v; want pending, not covered", pending, covered)
+		}
 	}
+
+	restore()
 	if got := read("/w/f"); got != "one\n" {
 		t.Fatalf("after the restore, file actions read %q", got)
 	}
 	write("/w/g", "pending\n")
-	for _, p := range []string{"/dev/x", "/proc/x", "/w/devlink/x", "/dev/null"} {
-		if err := s.WriteFile(ctx, p, []byte("x"), 0, false); !errors.Is(err, sandbox.ErrInvalid) {
-			t.Errorf("write %s before the root is swapped in: %v, want ErrInvalid (as after)", p, err)
+	write("/w/new/dir/h", "made with its parents\n")
+	if _, covered := s.RootCovered(); covered {
+		t.Fatal("file actions on paths that cannot reach /proc or /dev covered the pending root")
+	}
+	// Each way into /proc or /dev, on a root not covered yet: the covers go
+	// on first, and the action fails as on a swapped-in root.
+	intoMounts := []string{"/dev/x", "/proc/x", "/w/devlink/x", "/dev/null", "/w/../proc/x", "w/../../dev/x", "/w/devlink/../w/f", "/proc", "/w/st"}
+	probe := func(op, p string) error {
+		if op == "write" {
+			return s.WriteFile(ctx, p, []byte("x"), 0, false)
+		}
+		_, _, err := s.ReadFile(ctx, p, 0, 0)
+		return err
+	}
+	for _, p := range intoMounts {
+		for _, op := range []string{"write", "read"} {
+			restore()
+			if err := probe(op, p); !errors.Is(err, sandbox.ErrInvalid) {
+				t.Errorf("%s %s before the root is swapped in: %v, want ErrInvalid (as after)", op, p, err)
+			}
+			if _, covered := s.RootCovered(); !covered {
+				t.Errorf("%s %s left the pending root without its covers", op, p)
+			}
 		}
 	}
-	if _, _, err := s.ReadFile(ctx, "/proc/self/status", 0, 0); !errors.Is(err, sandbox.ErrInvalid) {
-		t.Errorf("read /proc/self/status before the root is swapped in: %v, want ErrInvalid", err)
+	// A symbolic link that stays out of them covers too (the probe stops at
+	// any link), and resolves as in a live root.
+	restore()
+	if got := read("/w/flink"); got != "one\n" {
+		t.Fatalf("read through a link: %q", got)
 	}
+	if _, covered := s.RootCovered(); !covered {
+		t.Error("a path through a symbolic link did not cover the pending root")
+	}
+	write("/w/g", "pending\n")
 	// A checkpoint of the pending root seals what the file actions wrote.
 	ck2 := mustCheckpoint(t, s)
 	write("/w/g", "after ck2\n")
@@ -369,6 +403,13 @@ func TestRootSwappedInWhenNeeded(t *testing.T) {
 		t.Fatal("the command ran in the old root")
 	}
 	dev = rootDev()
+	for _, p := range intoMounts {
+		for _, op := range []string{"write", "read"} {
+			if err := probe(op, p); !errors.Is(err, sandbox.ErrInvalid) {
+				t.Errorf("%s %s in the swapped-in root: %v, want ErrInvalid", op, p, err)
+			}
+		}
+	}
 
 	// A session and a background process swap it in too.
 	if err := s.Restore(ctx, ck2); err != nil {

@@ -248,7 +248,7 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 // user's fsuid; the sandbox's root keeps its file capabilities, since it may
 // write any file of its own filesystem.
 func (s *Sandbox) fileOpOnce(uid, gid int, rel string, fn func(int, string) error) error {
-	return s.withRoot(func(root int) error {
+	return s.withRootFor(rel, func(root int) error {
 		return fscred.Run(uid, gid, uid == s.hostID, func() error { return fn(root, rel) })
 	})
 }

@@ -63,6 +63,11 @@ type Sandbox struct {
 	rootMu  sync.RWMutex
 	root    int
 	nsUpper spareUpper
+	// covered says whether root has its covers (overlay.Covers): they are
+	// put on when a file action could reach their directories (coverRoot).
+	// Set under coverMu; cleared with a new root, under op (write).
+	coverMu sync.Mutex
+	covered atomic.Bool
 
 	// tpls holds the process templates of this sandbox's checkpoints, one
 	// frozen cgroup per checkpoint (procs.go).
@@ -321,12 +326,7 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	}
 	mfd := sp.root
 	if !sp.built {
-		if mfd, err = s.buildRoot(stack, sp.fd); err == nil && pending {
-			err = s.rt.covers.Apply(mfd)
-			if err != nil {
-				unix.Close(mfd)
-			}
-		}
+		mfd, err = s.buildRoot(stack, sp.fd)
 	}
 	if err == nil && !pending {
 		if err = s.init.Swap(mfd); err != nil {
@@ -347,13 +347,16 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	s.upper, s.upperFD = sp.id, sp.fd
 	if s.root >= 0 {
 		// A root that was pending goes with its fd, its upper follows;
-		// the namespace's root is still nsUpper's.
-		s.retire(old, s.closeRoot(), next)
+		// the namespace's root is still nsUpper's. Nothing but file
+		// actions, all done (op is held), ever used it: once the fd is
+		// closed, no overlay holds the upper.
+		s.retireUnused(old, s.closeRoot(), next)
 		old, s.nsUpper = s.nsUpper, spareUpper{}
 		next = nil
 	}
 	if pending {
 		s.root, s.nsUpper = mfd, old
+		s.covered.Store(false)
 		return nil
 	}
 	unix.Close(mfd) // it is attached: the namespace holds it
@@ -409,6 +412,17 @@ func (s *Sandbox) closeRoot() <-chan struct{} {
 // spare is already there; with next, the next root is built on it. Called
 // with op held (write), or (read) with rootMu.
 func (s *Sandbox) retire(old spareUpper, gone <-chan struct{}, next *nextRoot) {
+	s.retireAs(old, gone, next, true)
+}
+
+// retireUnused is retire for the upper of a root no process ever had: once
+// gone is closed, no overlay holds it, and its reset skips the check
+// (layers.Store.ResetUnused).
+func (s *Sandbox) retireUnused(old spareUpper, gone <-chan struct{}, next *nextRoot) {
+	s.retireAs(old, gone, next, false)
+}
+
+func (s *Sandbox) retireAs(old spareUpper, gone <-chan struct{}, next *nextRoot, check bool) {
 	// A new sandbox gets its spare at its first checkpoint or restore, not
 	// now: a fork fan-out would make one per child, competing for the CPU
 	// with the fan-out, for children that may never switch again.
@@ -421,7 +435,7 @@ func (s *Sandbox) retire(old spareUpper, gone <-chan struct{}, next *nextRoot) {
 		return
 	}
 	if s.rt.layers.Reclaim(old.id) {
-		s.prepareSpareFrom(old, gone, next)
+		s.prepareSpareFrom(old, gone, next, check)
 		return
 	}
 	unix.Close(old.fd)
@@ -447,12 +461,24 @@ func (s *Sandbox) materialize() error {
 	return nil
 }
 
-// withRoot calls fn with an fd of the sandbox's root: the pending one, or
-// the init's. Called with op held.
+// withRoot calls fn with an fd of the sandbox's root: the pending one, with
+// its covers, or the init's. Called with op held.
 func (s *Sandbox) withRoot(fn func(root int) error) error {
+	return s.withRootFor("", fn)
+}
+
+// withRootFor is withRoot for a file action on rel (relative to the root):
+// a pending root gets its covers only if rel could reach their directories.
+// An empty rel always covers.
+func (s *Sandbox) withRootFor(rel string, fn func(root int) error) error {
 	s.rootMu.RLock()
 	defer s.rootMu.RUnlock()
 	if s.root >= 0 {
+		if !s.covered.Load() && (rel == "" || s.rt.covers.Needed(s.root, rel)) {
+			if err := s.coverRoot(); err != nil {
+				return err
+			}
+		}
 		return fn(s.root)
 	}
 	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -461,6 +487,21 @@ func (s *Sandbox) withRoot(fn func(root int) error) error {
 	}
 	defer unix.Close(root)
 	return fn(root)
+}
+
+// coverRoot puts the covers on the pending root, once. Called with rootMu
+// held (read or write).
+func (s *Sandbox) coverRoot() error {
+	s.coverMu.Lock()
+	defer s.coverMu.Unlock()
+	if s.covered.Load() {
+		return nil
+	}
+	if err := s.rt.covers.Apply(s.root); err != nil {
+		return err
+	}
+	s.covered.Store(true)
+	return nil
 }
 
 // releaseUpper drops the live upper and its idmapped clone, and a pending
@@ -489,8 +530,8 @@ type spareUpper struct {
 	id  string
 	fd  int
 	err error
-	// built: root is an overlay made ahead on this upper over stack, its
-	// /proc and /dev covered (nextRoot).
+	// built: root is an overlay made ahead on this upper over stack
+	// (nextRoot), without covers.
 	built bool
 	root  int
 	stack []string
@@ -523,7 +564,7 @@ func (s *Sandbox) prepareSpare() {
 // overlay's creation (150 µs of CPU, most of it the kernel's probes of the
 // upper and work directories) then leaves the next restore's path, when it
 // restores the same checkpoint again. Called with op held.
-func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *nextRoot) {
+func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *nextRoot, check bool) {
 	s.spare = make(chan spareUpper, 1)
 	s.spareReady = true
 	ch := s.spare
@@ -531,7 +572,11 @@ func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *n
 		if gone != nil {
 			<-gone
 		}
-		if err := s.rt.layers.Reset(old.id); err != nil {
+		reset := s.rt.layers.Reset
+		if !check {
+			reset = s.rt.layers.ResetUnused
+		}
+		if err := reset(old.id); err != nil {
 			// Its old overlay lives on (templates hold their roots): a
 			// new upper instead, as without reuse.
 			unix.Close(old.fd)
@@ -540,13 +585,7 @@ func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *n
 			return
 		}
 		if next != nil {
-			mfd, err := next.mount(s.hostID, old.fd)
-			if err == nil {
-				if err = s.rt.covers.Apply(mfd); err != nil {
-					unix.Close(mfd) // before the upper is used again
-				}
-			}
-			if err == nil {
+			if mfd, err := next.mount(s.hostID, old.fd); err == nil {
 				old.built, old.root, old.stack = true, mfd, next.stack
 			}
 		}

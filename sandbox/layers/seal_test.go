@@ -161,6 +161,32 @@ func TestCopyIntoSeals(t *testing.T) {
 	s.Unref(dst)
 }
 
+// TestResetUnused: ResetUnused empties a reclaimed layer like Reset, without
+// Reset's check, and the layer seals afterwards.
+func TestResetUnused(t *testing.T) {
+	s := newStore(t)
+	id := writtenUpper(t, s, 1<<20)
+	if !s.Reclaim(id) {
+		t.Fatal("Reclaim of an unsealed layer's last reference: false, want true")
+	}
+	if err := s.ResetUnused(id); err != nil {
+		t.Fatal(err)
+	}
+	for _, sub := range []string{UpperDir, WorkDir} {
+		if got := names(t, filepath.Join(s.Dir(id), sub)); len(got) != 0 {
+			t.Fatalf("%s after ResetUnused: %v, want empty", sub, got)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(s.UpperPath(id), "x"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Seal(id); err != nil {
+		t.Fatal(err)
+	}
+	s.Unref(id)
+	s.Wait()
+}
+
 func TestReclaimAndReset(t *testing.T) {
 	s := newStore(t)
 	id := writtenUpper(t, s, 1<<20)

@@ -285,7 +285,16 @@ func (s *Store) Reclaim(id string) bool {
 // process not dead yet): the files it holds, removed, would make this
 // tmpfs refuse its seal (EBUSY) for as long as it lives. A read-only
 // remount, undone at once, tells.
-func (s *Store) Reset(id string) error {
+func (s *Store) Reset(id string) error { return s.reset(id, true) }
+
+// ResetUnused is Reset for a layer the caller knows no overlay holds any
+// more: the upper of an overlay that was only ever the caller's (never a
+// process's root, cwd or open file) and that the caller unmounted. It skips
+// the read-only remount that Reset checks with (two remounts, 1.5% of the
+// server's CPU under the rollback load test).
+func (s *Store) ResetUnused(id string) error { return s.reset(id, false) }
+
+func (s *Store) reset(id string, check bool) error {
 	d := s.Dir(id)
 	dfd, err := unix.Open(d, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -299,6 +308,9 @@ func (s *Store) Reset(id string) error {
 		if err := unix.Mkdirat(dfd, sub, 0o755); err != nil {
 			return fmt.Errorf("resetting layer %s: %w", id, err)
 		}
+	}
+	if !check {
+		return nil
 	}
 	if err := remount(d, true); err != nil {
 		return fmt.Errorf("resetting layer %s: its old overlay is still in use: %w", id, err)
