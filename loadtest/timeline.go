@@ -248,6 +248,13 @@ type Flatness struct {
 	SandboxCores float64 `json:"sandbox_cores"`
 	LoadgenCores float64 `json:"loadgen_cores"`
 	MachineCores float64 `json:"machine_busy_cores"`
+	// CPU seconds per iteration over the measured part (-1: unknown), and the throughput
+	// the machine's CPUs would allow at that cost if nothing else ran (0: unknown): what
+	// bounds a closed-loop run on a small machine.
+	ServerCPUPerIter  float64 `json:"server_cpu_seconds_per_iteration"`
+	SandboxCPUPerIter float64 `json:"sandbox_cpu_seconds_per_iteration"`
+	LoadgenCPUPerIter float64 `json:"loadgen_cpu_seconds_per_iteration"`
+	CPUBoundPerSec    float64 `json:"cpu_bound_per_second"`
 
 	ThroughputFlat bool   `json:"throughput_flat"`
 	RSSFlat        bool   `json:"rss_flat"`
@@ -300,9 +307,11 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 		f.RSSGrowth = float64(f.LastRSS-f.FirstRSS) / float64(f.FirstRSS)
 	}
 	var secs, srv, box, gen, busy float64
+	var iters int64
 	srvOK, boxOK := true, true
 	for _, x := range in {
 		secs += x.IntervalSec
+		iters += x.Iterations
 		srv += x.ServerCPU
 		box += x.SandboxCPU
 		gen += x.LoadgenCPU
@@ -316,6 +325,23 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 	}
 	if !boxOK {
 		f.SandboxCores = -1
+	}
+	f.ServerCPUPerIter, f.SandboxCPUPerIter, f.LoadgenCPUPerIter = -1, -1, -1
+	if iters > 0 {
+		n := float64(iters)
+		f.LoadgenCPUPerIter = gen / n
+		per := f.LoadgenCPUPerIter
+		if srvOK {
+			f.ServerCPUPerIter = srv / n
+			per += f.ServerCPUPerIter
+		}
+		if boxOK {
+			f.SandboxCPUPerIter = box / n
+			per += f.SandboxCPUPerIter
+		}
+		if srvOK && per > 0 {
+			f.CPUBoundPerSec = float64(cpus) / per
+		}
 	}
 
 	f.ThroughputFlat = f.FirstPerSec > 0 && math.Abs(f.ThroughputRatio-1) <= flatThroughput
@@ -405,7 +431,19 @@ func (r *Report) writeTimeline(w io.Writer) {
 			100*f.RSSGrowth, gauge(f.FirstBacklogMax), gauge(f.LastBacklogMax))
 		fmt.Fprintf(w, "CPU over the measured run (cores of %.0f): server %s, sandboxes %s, load generator %.2f, whole machine %.2f (the rest is other processes)\n",
 			cpus, cores(f.ServerCores, f.ServerCores >= 0), cores(f.SandboxCores, f.SandboxCores >= 0), f.LoadgenCores, f.MachineCores)
+		if f.CPUBoundPerSec > 0 {
+			fmt.Fprintf(w, "CPU per iteration: server %s ms, sandboxes %s ms, load generator %.3f ms; at that cost %.0f CPUs allow at most %.0f %s/s\n",
+				millis(f.ServerCPUPerIter), millis(f.SandboxCPUPerIter), 1000*f.LoadgenCPUPerIter, cpus, f.CPUBoundPerSec, r.Unit)
+		}
 	}
+}
+
+// millis formats CPU seconds as milliseconds ("-" when unknown).
+func millis(v float64) string {
+	if v < 0 {
+		return "-"
+	}
+	return strconv.FormatFloat(1000*v, 'f', 3, 64)
 }
 
 func mib(b int64) string {

@@ -101,6 +101,16 @@ func TestMeasureFlatness(t *testing.T) {
 			if f.ServerCores != 0.5 || f.SandboxCores != 0.25 || f.MachineCores != 1 {
 				t.Fatalf("cores %+v", f)
 			}
+			// CPU per iteration over the measured part, and what 2 CPUs allow at that cost.
+			var n int64
+			for _, x := range tc.tl[2:] {
+				n += x.Iterations
+			}
+			per := float64(len(tc.tl)-2) / float64(n)
+			if math.Abs(f.ServerCPUPerIter-0.5*per) > 1e-9 || math.Abs(f.SandboxCPUPerIter-0.25*per) > 1e-9 ||
+				math.Abs(f.LoadgenCPUPerIter-0.1*per) > 1e-9 || math.Abs(f.CPUBoundPerSec-2/(0.85*per)) > 1e-6 {
+				t.Fatalf("CPU per iteration %+v, want server %g, sandboxes %g, loadgen %g s, bound %g/s", f, 0.5*per, 0.25*per, 0.1*per, 2/(0.85*per))
+			}
 			if len(tc.tl) > 100 && f.WindowSec != 60 {
 				t.Fatalf("window %v s, want 60", f.WindowSec)
 			}
@@ -168,7 +178,7 @@ func TestTimeline(t *testing.T) {
 			if f == nil || f.FirstPerSec <= 0 || f.LastPerSec <= 0 || f.FirstRSS <= 0 || f.Verdict == "" || f.ServerCores <= 0 {
 				t.Fatalf("flatness: %+v", f)
 			}
-			for _, want := range []string{"timeline (1s samples", "rollbacks/s", "flatness (first vs last", "CPU over the measured run"} {
+			for _, want := range []string{"timeline (1s samples", "rollbacks/s", "flatness (first vs last", "CPU over the measured run", "CPU per iteration: server "} {
 				if !strings.Contains(sum.String(), want) {
 					t.Fatalf("summary lacks %q:\n%s", want, sum.String())
 				}
