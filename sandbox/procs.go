@@ -353,7 +353,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	threaded := map[int]bool{} // cannot be seized: they go on until criu stops them
 	var order []int
 	for round := 0; ; round++ {
-		pids, err := s.work.Pids()
+		pids, err := s.workPidsNow()
 		if err != nil {
 			return err
 		}
@@ -452,7 +452,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 		defer func() {
 			// Everything criu stopped goes on (trees may have grown while
 			// not stopped: list the group, not the trees).
-			pids, lerr := s.work.Pids()
+			pids, lerr := s.workPidsNow()
 			err = errors.Join(err, lerr)
 			var cont []int
 			for _, p := range pids {

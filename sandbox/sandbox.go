@@ -85,6 +85,10 @@ type Sandbox struct {
 	// while that is the command group (op).
 	workEv   *cgroup.Events
 	workEvOf *cgroup.Cgroup
+	// workPids is the process list of workPidsOf, kept open for
+	// checkpoints while that is the command group (op).
+	workPids   *cgroup.PidList
+	workPidsOf *cgroup.Cgroup
 	// lastRestore is the checkpoint the last restore restored (op).
 	lastRestore string
 	// liveSeen holds the live processes checkpointed since the last
@@ -888,13 +892,34 @@ func (s *Sandbox) hasProcesses() (bool, error) {
 	return s.workEv.Populated()
 }
 
-// closeWorkEvents closes the kept events file of the command group. Called
-// with op held.
+// workPidsNow lists the processes of the command group, from its process
+// list kept open (a listing opens no file). Called with op held.
+func (s *Sandbox) workPidsNow() ([]int, error) {
+	if s.workPidsOf != s.work {
+		if s.workPids != nil {
+			s.workPids.Close()
+		}
+		s.workPids, s.workPidsOf = nil, nil
+		l, err := s.work.OpenPids()
+		if err != nil {
+			return nil, err
+		}
+		s.workPids, s.workPidsOf = l, s.work
+	}
+	return s.workPids.Pids()
+}
+
+// closeWorkEvents closes the kept events file and process list of the
+// command group. Called with op held.
 func (s *Sandbox) closeWorkEvents() {
 	if s.workEv != nil {
 		s.workEv.Close()
 	}
 	s.workEv, s.workEvOf = nil, nil
+	if s.workPids != nil {
+		s.workPids.Close()
+	}
+	s.workPids, s.workPidsOf = nil, nil
 }
 
 // Checkpoint records the sandbox's current state as an immutable checkpoint,

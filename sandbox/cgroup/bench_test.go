@@ -150,3 +150,37 @@ func BenchmarkKill2(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkPids lists a group with one sub-group holding a process: Pids
+// (opens every file) against a kept-open PidList.
+func BenchmarkPids(b *testing.B) {
+	for _, mode := range layouts(b) {
+		b.Run(mode.String(), func(b *testing.B) {
+			m := newManager(b, mode)
+			c, err := m.Create("pids", Limits{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { _ = c.Delete() })
+			_, h := sleeperIn(b, c, "s")
+			b.Cleanup(func() { _ = h.cmd.Process.Kill(); _, _ = h.cmd.Process.Wait() })
+			l, err := c.OpenPids()
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(l.Close)
+			for _, v := range []struct {
+				name string
+				list func() ([]int, error)
+			}{{"Pids", c.Pids}, {"PidList", l.Pids}} {
+				b.Run(v.name, func(b *testing.B) {
+					for b.Loop() {
+						if p, err := v.list(); err != nil || len(p) != 1 {
+							b.Fatal(p, err)
+						}
+					}
+				})
+			}
+		})
+	}
+}

@@ -882,3 +882,83 @@ func TestFavorDynMods(t *testing.T) {
 		t.Fatalf("second FavorDynMods: changed=%v, err %v", changed, err)
 	}
 }
+
+// TestPidList: a kept-open process list answers as Pids does while processes
+// and sub-groups come and go, a sub-group removed and made again under its
+// name included; the group's removal is ErrNotExist; Close is idempotent.
+func TestPidList(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "pidlist", Limits{})
+			l, err := c.OpenPids()
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(l.Close)
+			check := func(step string, want ...int) {
+				t.Helper()
+				got, err := l.Pids()
+				if err != nil {
+					t.Fatalf("%s: %v", step, err)
+				}
+				ref, err := c.Pids()
+				if err != nil {
+					t.Fatal(err)
+				}
+				slices.Sort(got)
+				slices.Sort(ref)
+				slices.Sort(want)
+				if !slices.Equal(got, want) || !slices.Equal(ref, want) {
+					t.Fatalf("%s: PidList %v, Pids %v, want %v", step, got, ref, want)
+				}
+			}
+			kill := func(h *helper) {
+				t.Helper()
+				if err := unix.Kill(h.pid(), unix.SIGKILL); err != nil {
+					t.Fatal(err)
+				}
+				h.wait(t)
+			}
+			check("empty")
+			s1, h1 := sleeperIn(t, c, "s1")
+			check("one sub-group", h1.pid())
+			_, h2 := sleeperIn(t, c, "s2")
+			check("two sub-groups", h1.pid(), h2.pid())
+			_, h3 := sleeperIn(t, s1, "deep")
+			check("a nested sub-group", h1.pid(), h2.pid(), h3.pid())
+			h4 := startCmd(t, "sleep", "1000")
+			if err := c.Add(h4.pid()); err != nil {
+				t.Fatal(err)
+			}
+			check("a process in the group itself", h1.pid(), h2.pid(), h3.pid(), h4.pid())
+			kill(h1)
+			kill(h3)
+			if err := s1.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			check("a sub-group removed", h2.pid(), h4.pid())
+			_, h5 := sleeperIn(t, c, "s1")
+			check("made again under its name", h2.pid(), h4.pid(), h5.pid())
+			for _, h := range []*helper{h2, h4, h5} {
+				kill(h)
+			}
+			if err := c.WaitEmpty(5 * time.Second); err != nil {
+				t.Fatal(err)
+			}
+			check("all ended")
+			if err := c.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := l.Pids(); !errors.Is(err, ErrNotExist) {
+				t.Fatalf("listing a removed group: %v, want ErrNotExist", err)
+			}
+			l.Close()
+			l.Close()
+			if _, err := l.Pids(); err == nil {
+				t.Fatal("Pids after Close succeeded")
+			}
+		})
+	}
+}
