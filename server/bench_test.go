@@ -57,18 +57,62 @@ func BenchmarkReset(b *testing.B) {
 	report(b, "server_", srv)
 }
 
-// BenchmarkStepTrue: Step exec `true`, ledger off and on. On this VM the `true` itself costs
-// about 1 ms: glibc's start-up probes the caches with CPUID, which traps to the hypervisor
-// (perf: intel_check_word, handle_intel). The nolibc variants run a 129-byte static binary that
-// only exits, so they show what deltagym itself adds to a step.
+// BenchmarkStepTrue: Step exec `true`, without the ledger (BenchmarkStepLedger compares
+// with and without it). On this VM the `true` itself costs about 1 ms: glibc's start-up
+// probes the caches with CPUID, which traps to the hypervisor (perf: intel_check_word,
+// handle_intel). The nolibc variant runs a 129-byte static binary that only exits, so it
+// shows what deltagym itself adds to a step.
 func BenchmarkStepTrue(b *testing.B) {
 	b.Run("ledger=off", func(b *testing.B) { bb, ctx := benchBundle(b); benchStep(b, bb, ctx, "true") })
-	b.Run("ledger=on", func(b *testing.B) { benchStep(b, setup(b, nil), context.Background(), "true") })
 	if runtime.GOARCH != "amd64" {
 		return
 	}
 	b.Run("nolibc/ledger=off", func(b *testing.B) { bb, ctx := benchBundle(b); benchStep(b, bb, ctx, "/bin/noop") })
-	b.Run("nolibc/ledger=on", func(b *testing.B) { benchStep(b, setup(b, nil), context.Background(), "/bin/noop") })
+}
+
+// BenchmarkStepLedger: the same Step load, one client, against a server with its ledger and
+// one without, in the same run: blocks of stepBlock steps alternate between the two, so that
+// the VM's speed, which drifts by a third within minutes here, weighs on both alike. A pause
+// after each block lets the ledger's deliveries of that block (Postgres's COPY, the writer)
+// finish before the other server's block starts; within a block they run as they would
+// under a steady load. The nolibc command shows deltagym's own part of a step.
+func BenchmarkStepLedger(b *testing.B) {
+	cmds := []string{"true"}
+	if runtime.GOARCH == "amd64" {
+		cmds = append(cmds, "/bin/noop")
+	}
+	off, _ := benchBundle(b)
+	on := setup(b, nil)
+	for _, cmd := range cmds {
+		name := "cmd=true"
+		if cmd != "true" {
+			name = "cmd=nolibc"
+		}
+		b.Run(name, func(b *testing.B) {
+			ctx := context.Background()
+			reqs := [2]*deltagymv1.StepRequest{stepRequest(b, off, ctx, cmd), stepRequest(b, on, ctx, cmd)}
+			clients := [2]*bundle{off, on}
+			var ds [2][]time.Duration
+			const stepBlock = 50
+			i := 0
+			for b.Loop() {
+				k := (i / stepBlock) % 2
+				start := time.Now()
+				_, err := clients[k].grpc.Step(ctx, reqs[k])
+				ds[k] = append(ds[k], time.Since(start))
+				must(b, err)
+				if i++; i%stepBlock == 0 {
+					b.StopTimer()
+					time.Sleep(150 * time.Millisecond)
+					b.StartTimer()
+				}
+			}
+			if len(ds[0]) > 0 && len(ds[1]) > 0 {
+				report(b, "off_", ds[0])
+				report(b, "on_", ds[1])
+			}
+		})
+	}
 }
 
 // noopELF is an x86-64 executable that calls exit(0) and nothing else: one ELF header, one
@@ -103,7 +147,9 @@ func noopELF() []byte {
 	return append(b, code...)
 }
 
-func benchStep(b *testing.B, bb *bundle, ctx context.Context, cmd string) {
+// stepRequest resets a sandbox of bb and returns a Step of cmd in it (writing /bin/noop
+// first if that is cmd).
+func stepRequest(b *testing.B, bb *bundle, ctx context.Context, cmd string) *deltagymv1.StepRequest {
 	r, err := bb.grpc.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
 	must(b, err)
 	if cmd == "/bin/noop" {
@@ -111,7 +157,11 @@ func benchStep(b *testing.B, bb *bundle, ctx context.Context, cmd string) {
 		must(b, err)
 		must(b, box.WriteFile(ctx, cmd, noopELF(), 0o755, false))
 	}
-	req := &deltagymv1.StepRequest{SandboxId: r.GetSandboxId(), Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Argv: []string{cmd}}}}}
+	return &deltagymv1.StepRequest{SandboxId: r.GetSandboxId(), Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Argv: []string{cmd}}}}}
+}
+
+func benchStep(b *testing.B, bb *bundle, ctx context.Context, cmd string) {
+	req := stepRequest(b, bb, ctx, cmd)
 	var ds []time.Duration
 	for b.Loop() {
 		start := time.Now()
