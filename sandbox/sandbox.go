@@ -81,14 +81,8 @@ type Sandbox struct {
 	tplRun  sync.Mutex
 	spareTG chan spareGroup // the next template group, made ahead
 	spareW  chan spareGroup // the next command group, made ahead (op)
-	// workEv is the events file of workEvOf, kept open for hasProcesses
-	// while that is the command group (op).
-	workEv   *cgroup.Events
-	workEvOf *cgroup.Cgroup
-	// workPids is the process list of workPidsOf, kept open for
-	// checkpoints while that is the command group (op).
-	workPids   *cgroup.PidList
-	workPidsOf *cgroup.Cgroup
+	// wf holds control files of the command group kept open (op).
+	wf workFiles
 	// lastRestore is the checkpoint the last restore restored (op).
 	lastRestore string
 	// liveSeen holds the live processes checkpointed since the last
@@ -696,7 +690,7 @@ func (s *Sandbox) unrefStack() {
 }
 
 func (s *Sandbox) closeFDs() error {
-	s.closeWorkEvents()
+	s.closeWorkFiles()
 	for k, fd := range s.idmapped {
 		unix.Close(fd)
 		delete(s.idmapped, k)
@@ -827,7 +821,7 @@ func (s *Sandbox) killAll() error {
 	}
 	s.dropExecGroups()
 	old := s.work
-	s.closeWorkEvents()
+	s.closeWorkFiles()
 	if err := old.SignalKill(); err != nil {
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
@@ -879,47 +873,66 @@ func (s *Sandbox) takeWorkGroup() (*cgroup.Cgroup, error) {
 	return w, nil
 }
 
-// hasProcesses reports whether anything but the init runs in the sandbox.
-func (s *Sandbox) hasProcesses() (bool, error) {
-	if s.workEvOf != s.work {
-		s.closeWorkEvents()
-		ev, err := s.work.OpenEvents()
-		if err != nil || ev == nil {
-			return s.work.Populated()
-		}
-		s.workEv, s.workEvOf = ev, s.work
-	}
-	return s.workEv.Populated()
+// workFiles are control files of the command group of, kept open while it is
+// the command group, so that reading them again opens nothing: its
+// cgroup.events (hasProcesses, at every restore; nil on cgroup v1) and its
+// process list (checkpoints with processes).
+type workFiles struct {
+	of      *cgroup.Cgroup
+	evTried bool
+	ev      *cgroup.Events
+	pids    *cgroup.PidList
 }
 
-// workPidsNow lists the processes of the command group, from its process
-// list kept open (a listing opens no file). Called with op held.
+// workFilesNow returns the kept files of the current command group. Called
+// with op held.
+func (s *Sandbox) workFilesNow() *workFiles {
+	if s.wf.of != s.work {
+		s.closeWorkFiles()
+		s.wf.of = s.work
+	}
+	return &s.wf
+}
+
+// closeWorkFiles closes the kept files of the command group. Called with op
+// held.
+func (s *Sandbox) closeWorkFiles() {
+	if s.wf.ev != nil {
+		s.wf.ev.Close()
+	}
+	if s.wf.pids != nil {
+		s.wf.pids.Close()
+	}
+	s.wf = workFiles{}
+}
+
+// hasProcesses reports whether anything but the init runs in the sandbox.
+func (s *Sandbox) hasProcesses() (bool, error) {
+	w := s.workFilesNow()
+	if !w.evTried {
+		// nil on cgroup v1, or if it cannot be opened: read the group's
+		// files each time then.
+		w.ev, _ = s.work.OpenEvents()
+		w.evTried = true
+	}
+	if w.ev == nil {
+		return s.work.Populated()
+	}
+	return w.ev.Populated()
+}
+
+// workPidsNow lists the processes of the command group. Called with op
+// held.
 func (s *Sandbox) workPidsNow() ([]int, error) {
-	if s.workPidsOf != s.work {
-		if s.workPids != nil {
-			s.workPids.Close()
-		}
-		s.workPids, s.workPidsOf = nil, nil
+	w := s.workFilesNow()
+	if w.pids == nil {
 		l, err := s.work.OpenPids()
 		if err != nil {
 			return nil, err
 		}
-		s.workPids, s.workPidsOf = l, s.work
+		w.pids = l
 	}
-	return s.workPids.Pids()
-}
-
-// closeWorkEvents closes the kept events file and process list of the
-// command group. Called with op held.
-func (s *Sandbox) closeWorkEvents() {
-	if s.workEv != nil {
-		s.workEv.Close()
-	}
-	s.workEv, s.workEvOf = nil, nil
-	if s.workPids != nil {
-		s.workPids.Close()
-	}
-	s.workPids, s.workPidsOf = nil, nil
+	return w.pids.Pids()
 }
 
 // Checkpoint records the sandbox's current state as an immutable checkpoint,

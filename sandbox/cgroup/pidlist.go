@@ -127,29 +127,8 @@ func (l *PidList) walk(d *pidDir, out []int) ([]int, error) {
 		k.seen = false
 	}
 	for _, name := range names {
-		for try := 0; try < 2; try++ {
-			k := d.kids[name]
-			if k == nil {
-				if k, err = openPidDir(d.dir, name, l.c.trackV2); groupGone(err) {
-					break // removed meanwhile
-				} else if err != nil {
-					return out, err
-				}
-				d.kids[name] = k
-			}
-			n := len(out)
-			out, err = l.walk(k, out)
-			if err == nil {
-				k.seen = true
-				break
-			}
-			out = out[:n]
-			if !groupGone(err) {
-				return out, err
-			}
-			// Removed, and maybe made again under the same name.
-			k.close()
-			delete(d.kids, name)
+		if out, err = l.walkKid(d, name, out); err != nil {
+			return out, err
 		}
 	}
 	for name, k := range d.kids {
@@ -157,6 +136,35 @@ func (l *PidList) walk(d *pidDir, out []int) ([]int, error) {
 			k.close()
 			delete(d.kids, name)
 		}
+	}
+	return out, nil
+}
+
+// walkKid appends the processes of d's sub-group name, opened if new. A
+// sub-group removed since is skipped; one found removed and made again under
+// its name is opened again.
+func (l *PidList) walkKid(d *pidDir, name string, out []int) ([]int, error) {
+	for try := 0; try < 2; try++ {
+		k := d.kids[name]
+		if k == nil {
+			var err error
+			if k, err = openPidDir(d.dir, name, l.c.trackV2); groupGone(err) {
+				return out, nil
+			} else if err != nil {
+				return out, err
+			}
+			d.kids[name] = k
+		}
+		more, err := l.walk(k, out)
+		if err == nil {
+			k.seen = true
+			return more, nil
+		}
+		if !groupGone(err) {
+			return out, err
+		}
+		k.close()
+		delete(d.kids, name)
 	}
 	return out, nil
 }
