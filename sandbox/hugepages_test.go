@@ -266,6 +266,13 @@ func TestLiveProcessHugePages(t *testing.T) {
 	}
 	// A copy of a folded template maps its huge pages; a byte it writes
 	// splits one 2 MiB mapping, and its checkpoint does not fold it again.
+	// The first checkpoint's template was queued for folding at its first
+	// restore; the worker runs at nice 19, so on a busy machine it may
+	// still be at it (copies forked meanwhile map what is folded so far).
+	waitFolded(t, b)
+	if n := hugeBytes(t, templatePid(t, b, s.ID(), ck1.ID)); n < 24<<20 {
+		t.Fatalf("the first checkpoint's template was not folded at its first restore: %d bytes in huge pages", n)
+	}
 	restore(ck1, 2)
 	waitFolded(t, b)
 	copyPid := livePid(t, b, s.ID())
