@@ -339,12 +339,43 @@ func BenchmarkCheckpointWithProcess(b *testing.B) {
 	}
 }
 
+// BenchmarkRollbackWithProcess restores in place, again and again, a
+// checkpoint of one process of 8 or 100 MB, by each path. Restores follow
+// each other at once; BenchmarkRollbackStepWithProcess runs a command
+// between them.
+//
+// path=template forks the copies of a checkpoint's next restore ahead, in
+// the background after each restore (ahead.go), unless restores come back
+// to back, as here: then each restore forks its copies.
+// path=template-at-restore always does (Config.ForkAtRestore).
 func BenchmarkRollbackWithProcess(b *testing.B) {
-	for _, path := range processPaths {
+	rollbackWithProcess(b, nil)
+}
+
+// BenchmarkRollbackStepWithProcess is BenchmarkRollbackWithProcess with an
+// agent's step between restores, not timed: one command (true) run in the
+// sandbox, and 5 ms standing for the model choosing its next action (an LLM
+// call takes far longer). The copies forked ahead after a restore are ready
+// by the next.
+func BenchmarkRollbackStepWithProcess(b *testing.B) {
+	rollbackWithProcess(b, func(s *sandbox.Sandbox) {
+		res, err := s.Exec(context.Background(), sandbox.ExecRequest{Argv: []string{"true"}})
+		must(b, err)
+		if res.ExitCode != 0 {
+			b.Fatalf("step: %+v", res)
+		}
+		time.Sleep(5 * time.Millisecond)
+	})
+}
+
+func rollbackWithProcess(b *testing.B, step func(*sandbox.Sandbox)) {
+	paths := slices.Insert(slices.Clone(processPaths), 1, processPaths[0])
+	paths[1].name = "template-at-restore"
+	for _, path := range paths {
 		for _, mb := range []int{8, 100} {
 			b.Run(fmt.Sprintf("path=%s/rss=%dMB", path.name, mb), func(b *testing.B) {
 				path.need(b)
-				bb := setup(b)
+				bb := setup(b, func(c *sandbox.Config) { c.ForkAtRestore = path.name == "template-at-restore" })
 				s := processSandbox(b, bb, mb)
 				ctx := context.Background()
 				ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
@@ -360,6 +391,11 @@ func BenchmarkRollbackWithProcess(b *testing.B) {
 				for i := 0; i < b.N; i++ {
 					l.time(func() { err = s.Restore(ctx, ck.ID) })
 					must(b, err)
+					if step != nil {
+						b.StopTimer()
+						step(s)
+						b.StartTimer()
+					}
 				}
 				l.report(b, "")
 			})

@@ -7,3 +7,24 @@ func (s *Sandbox) RootCovered() (pending, covered bool) {
 	defer s.rootMu.RUnlock()
 	return s.root >= 0, s.covered.Load()
 }
+
+// AheadPids waits for the job forking copies ahead, if one runs, and
+// returns the host pids of the copies forked ahead for checkpoint ck, if
+// the sandbox keeps copies for it.
+func (s *Sandbox) AheadPids(ck string) []int {
+	s.tplMu.Lock()
+	a := s.ahead
+	s.tplMu.Unlock()
+	if a == nil || a.ck != ck {
+		return nil
+	}
+	<-a.done
+	if a.err != nil {
+		return nil
+	}
+	pids := make([]int, len(a.procs))
+	for i, p := range a.procs {
+		pids[i] = p.pid
+	}
+	return pids
+}

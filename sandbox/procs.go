@@ -692,15 +692,21 @@ func procNames(ps []procTemplate) string {
 	return strings.Join(names, ", ")
 }
 
-// spawnCopies forks a copy of each template of c into the live state, after
-// the root swap. Called with op held; the command group is empty.
+// spawnCopies brings back the processes of c's templates into the live
+// state, after the root swap: the copies forked ahead after c's previous
+// restore if there are any (ahead.go), or copies forked now. Called with op
+// held; the command group is empty.
 func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
+	a := s.takeAhead(c) // before tplRun, which its job holds
 	s.tplRun.Lock()
 	defer s.tplRun.Unlock()
 	s.tplMu.Lock()
 	tg := s.tpls[c.ID]
 	s.tplMu.Unlock()
 	if tg == nil {
+		if a != nil {
+			s.endAhead(a, true)
+		}
 		return fmt.Errorf("%w: the templates of checkpoint %s were released", ErrProcesses, c.ID)
 	}
 	tr := ptfork.NewSession()
@@ -709,97 +715,188 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 			err = errors.Join(err, cerr)
 		}
 	}()
-	tpls := make([]*ptfork.Proc, len(c.Procs))
-	for i, t := range c.Procs {
-		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
-			if errors.Is(err, ptfork.ErrGone) || dying(t.HostPid) {
-				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore another checkpoint instead (one taken with process mode \"files\" keeps no processes)", ErrProcesses, t.name(), c.ID)
-			}
-			return fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
-		}
-	}
-	// The templates are seized with an interrupt pending: thawed, they stop
-	// in ptrace before running any code of their own.
-	if err := tg.SetFrozen(false); err != nil {
-		return err
-	}
+	thawed := false
 	defer func() {
-		// Marked frozen before the templates are detached (tr.Close).
-		if ferr := tg.SetFrozen(true); ferr != nil {
-			err = errors.Join(err, ferr)
-		}
-	}()
-	var copies []*ptfork.Proc
-	defer func() {
-		if err != nil {
-			for _, cp := range copies {
-				cp.Kill()
+		// Marked frozen again before the templates are detached
+		// (tr.Close), after failed copies are ended.
+		if thawed {
+			if ferr := tg.SetFrozen(true); ferr != nil {
+				err = errors.Join(err, ferr)
 			}
 		}
 	}()
-	type pending struct {
-		cp    *ptfork.Proc
-		nsPid int
-		t     procTemplate
-		stdio [3]*os.File // session: the server's ends
-		cg    *cgroup.Cgroup
-		exit  <-chan initproc.ExitEvent // set if the server reaps it
-	}
-	var ready []pending
-	for i, t := range c.Procs {
-		if err := tpls[i].Wait(); err != nil {
-			if errors.Is(err, ptfork.ErrGone) {
-				return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore another checkpoint instead (one taken with process mode \"files\" keeps no processes)", ErrProcesses, t.name(), c.ID)
-			}
-			return fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
-		}
-		cp, nsPid, err := tpls[i].Fork()
+	var copies []liveCopy
+	defer func() {
 		if err != nil {
-			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, t.name(), err)
-		}
-		copies = append(copies, cp)
-		pd := pending{cp: cp, nsPid: nsPid, t: t, exit: reapIfOurs(cp.Pid)}
-		if pd.stdio, err = fixUp(cp, t); err != nil {
-			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, t.name(), err)
-		}
-		// The copy is in the template's limit groups, the sandbox's: only
-		// its place in the tracking hierarchy changes. A session's shell
-		// gets a group of its own (a timeout kills what it runs).
-		pd.cg = s.work
-		if t.Session != "" {
-			if pd.cg, err = s.subgroup("s"); err != nil {
-				closeFiles(pd.stdio[:])
-				return fmt.Errorf("creating cgroup: %w", err)
+			for _, lc := range copies {
+				lc.cp.Kill()
+				closeFiles(lc.stdio[:])
 			}
 		}
-		if err := pd.cg.Move(cp.Pid); err != nil {
-			closeFiles(pd.stdio[:])
+	}()
+	if a != nil {
+		copies = s.useAhead(tr, c, a)
+	}
+	if copies == nil {
+		if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
 			return err
 		}
-		ready = append(ready, pd)
+	}
+	for i := range copies {
+		lc := &copies[i]
+		if lc.stdio, err = fixUp(lc.cp, lc.t); err != nil {
+			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, lc.t.name(), err)
+		}
 	}
 	// Everything is in place: let the copies run.
-	for _, pd := range ready {
-		exit := pd.exit
-		if pd.t.Session != "" && exit == nil {
-			exit = s.init.Conn.Watch(pd.nsPid)
+	for i, lc := range copies {
+		exit := lc.exit
+		if lc.t.Session != "" && exit == nil {
+			exit = s.init.Conn.Watch(lc.nsPid)
 		}
-		if err := pd.cp.Detach(); err != nil {
-			closeFiles(pd.stdio[:])
+		if err := lc.cp.Detach(); err != nil {
 			return err
 		}
-		if pd.t.Session != "" {
-			s.adoptSession(pd.t.Session, pd.cg, pd.cp.Pid, pd.stdio, exit)
+		if lc.t.Session != "" {
+			s.adoptSession(lc.t.Session, lc.cg, lc.cp.Pid, lc.stdio, exit)
+			copies[i].stdio = [3]*os.File{} // the session's now
 		}
 	}
 	if s.liveSeen == nil {
 		s.liveSeen = map[int]uint64{}
 	}
-	for _, pd := range ready {
-		s.liveSeen[pd.cp.Pid] = 0
+	for _, lc := range copies {
+		s.liveSeen[lc.cp.Pid] = 0
 	}
 	s.foldOnce(c)
+	s.forkAhead(c)
 	return nil
+}
+
+// liveCopy is a copy of a template on its way into the live state: stopped
+// under ptrace, in its group.
+type liveCopy struct {
+	cp    *ptfork.Proc
+	nsPid int
+	t     procTemplate
+	cg    *cgroup.Cgroup
+	stdio [3]*os.File               // session: the server's ends
+	exit  <-chan initproc.ExitEvent // set if the server reaps it
+}
+
+// copyGroup returns the group a copy of t goes to: the command group, or a
+// new group of its own under it for a session's shell (a timeout kills what
+// it runs). The copy is in the template's limit groups, the sandbox's: only
+// its place in the tracking hierarchy changes.
+func (s *Sandbox) copyGroup(t procTemplate) (*cgroup.Cgroup, error) {
+	if t.Session == "" {
+		return s.work, nil
+	}
+	g, err := s.subgroup("s")
+	if err != nil {
+		return nil, fmt.Errorf("creating cgroup: %w", err)
+	}
+	return g, nil
+}
+
+// forkCopies forks a copy of each template of c (in group tg) and moves it
+// into its group. It thaws tg (the templates stop in ptrace first: they are
+// seized with an interrupt pending); thawed says whether it did, for the
+// caller to freeze it again before the templates are detached. Copies made
+// are returned even on error.
+func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgroup) (copies []liveCopy, thawed bool, err error) {
+	tpls := make([]*ptfork.Proc, len(c.Procs))
+	for i, t := range c.Procs {
+		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
+			if errors.Is(err, ptfork.ErrGone) || dying(t.HostPid) {
+				return nil, false, lostTemplate(c, t)
+			}
+			return nil, false, fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
+		}
+	}
+	if err := tg.SetFrozen(false); err != nil {
+		return nil, false, err
+	}
+	for i, t := range c.Procs {
+		if err := tpls[i].Wait(); err != nil {
+			if errors.Is(err, ptfork.ErrGone) {
+				return copies, true, lostTemplate(c, t)
+			}
+			return copies, true, fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
+		}
+		cp, nsPid, err := tpls[i].Fork()
+		if err != nil {
+			return copies, true, fmt.Errorf("%w: copying %s: %w", ErrProcesses, t.name(), err)
+		}
+		lc := liveCopy{cp: cp, nsPid: nsPid, t: t, exit: reapIfOurs(cp.Pid)}
+		if lc.cg, err = s.copyGroup(t); err == nil {
+			err = lc.cg.Move(cp.Pid)
+		}
+		copies = append(copies, lc)
+		if err != nil {
+			return copies, true, err
+		}
+	}
+	return copies, true, nil
+}
+
+// useAhead takes the copies forked ahead for c (a): each is seized, then
+// moved into its group, which thaws it into its ptrace stop. It returns nil
+// if they cannot serve (one was killed: an agent's kill -9 -1, say), having
+// ended them; the caller forks copies instead.
+func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []liveCopy {
+	copies := make([]liveCopy, 0, len(a.procs))
+	err := func() error {
+		for i, p := range a.procs {
+			cp, err := tr.Seize(p.pid)
+			if err != nil {
+				return err
+			}
+			lc := liveCopy{cp: cp, nsPid: p.nsPid, t: c.Procs[i], exit: p.exit}
+			if lc.cg, err = s.copyGroup(lc.t); err == nil {
+				err = lc.cg.Move(cp.Pid)
+			}
+			copies = append(copies, lc)
+			if err != nil {
+				return err
+			}
+		}
+		for _, lc := range copies {
+			if err := lc.cp.Wait(); err != nil {
+				return err
+			}
+			// Parked, a copy is a process of the sandbox an agent can
+			// signal (pkill, kill -STOP); a fresh copy has no signal
+			// pending, and neither may this one.
+			pending, err := lc.cp.SignalsPending()
+			if err == nil && (pending || lc.cp.Signal != 0) {
+				err = errors.New("a signal was sent to a copy")
+			}
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	}()
+	if err == nil {
+		// The group, now empty, serves the next copies forked ahead.
+		s.aheadFree = a.cg
+		return copies
+	}
+	s.rt.log.Debug("template copies forked ahead are lost; forking new ones", "sandbox", s.id, "checkpoint", c.ID, "err", err)
+	for _, lc := range copies {
+		lc.cp.Kill()
+		if lc.cg != nil && lc.cg != s.work {
+			_ = lc.cg.Delete() // a session's, made for it
+		}
+	}
+	s.endAhead(a, true)
+	return nil
+}
+
+// lostTemplate is the error of a restore of c whose template of t is gone.
+func lostTemplate(c *checkpoint, t procTemplate) error {
+	return fmt.Errorf("%w: the frozen copy of %s kept by checkpoint %s was lost (killed after the checkpoint); the checkpoint can no longer bring it back; restore another checkpoint instead (one taken with process mode \"files\" keeps no processes)", ErrProcesses, t.name(), c.ID)
 }
 
 func closeFiles(fs []*os.File) {
@@ -941,6 +1038,7 @@ func sessionPipes(cp *ptfork.Proc, mem uintptr) (stdio [3]*os.File, err error) {
 // dropTemplates ends the templates of checkpoint id, if this sandbox holds
 // them.
 func (s *Sandbox) dropTemplates(id string) {
+	s.dropAhead(id, false)
 	s.tplMu.Lock()
 	tg := s.tpls[id]
 	delete(s.tpls, id)

@@ -250,15 +250,9 @@ func TestCRIUForkFreshEntropy(t *testing.T) {
 func TestTemplateImages(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
-	img := defaultImage(t, b)
-	s := b.create(t, sandbox.Spec{Image: img})
+	s, ck := counterCheckpoint(t, b)
+	img := s.Image()
 	ctx := t.Context()
-	startCounter(t, s)
-	inc(t, s, 1)
-	ck, err := s.Checkpoint(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	inc(t, s, 2)
 	// In another sandbox: from the checkpoint's count, on its own.
 	other := b.create(t, sandbox.Spec{Image: img})

@@ -169,6 +169,21 @@ func (s *Sandbox) endAllButTemplates() error {
 			return err
 		}
 	}
+	// Copies forked ahead (ahead.go) are frozen: on a legacy (v1) host a
+	// frozen process does not act on SIGKILL. Their groups go first (a
+	// deletion thaws what it kills).
+	if ents, err := os.ReadDir(s.cg.Dirs()[0]); err == nil {
+		for _, e := range ents {
+			if !e.IsDir() || !isAheadGroup(e.Name()) {
+				continue
+			}
+			if g, err := s.cg.OpenSub(e.Name()); err == nil {
+				if err := g.Delete(); err != nil {
+					return err
+				}
+			}
+		}
+	}
 	keep := map[int]bool{s.init.Pid: true}
 	for _, tg := range s.tpls {
 		pids, err := tg.Pids()

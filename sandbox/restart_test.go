@@ -121,6 +121,18 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 		}
 	}
 	session()
+	// Copies forked ahead (ahead.go), frozen outside the template groups:
+	// the orphaned init must end them. The last checkpoint restored twice
+	// in a row, with a step between.
+	for range 2 {
+		if err := s.Restore(ctx, ids[1]); err != nil {
+			fail(err)
+		}
+		inc(6)
+	}
+	if n := len(s.AheadPids(ids[1])); n != 2 {
+		fail(fmt.Errorf("%d copies forked ahead, want 2", n))
+	}
 	// A fork of the first checkpoint: its counter comes from a CRIU image,
 	// a child of the server, and so is the template its checkpoint keeps.
 	kids, err := rt.Fork(ctx, ids[0], 1, sandbox.Spec{})

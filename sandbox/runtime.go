@@ -93,6 +93,10 @@ type Config struct {
 	// checkpointed, in 4 KiB pages, instead of folding their memory into
 	// huge pages in the background (hugepages.go).
 	SmallPageTemplates bool
+	// ForkAtRestore forks each template's copy during the restore that
+	// needs it, instead of ahead of it, after the checkpoint's previous
+	// restore (ahead.go).
+	ForkAtRestore bool
 	// KeepCgroupOptions leaves the host's cgroup2 hierarchy as it is,
 	// instead of turning on its option favordynmods, which the runtime
 	// does by default and leaves on (cgroup.Manager.FavorDynMods): every

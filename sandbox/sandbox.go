@@ -78,13 +78,29 @@ type Sandbox struct {
 	folded map[string]bool
 	// tplRun is held while templates are copied (one ptrace tracer at a
 	// time).
-	tplRun  sync.Mutex
+	tplRun sync.Mutex
+	// ahead holds the copies forked ahead for the next restore of the
+	// checkpoint restored last (ahead.go). Guarded by tplMu.
+	ahead *aheadCopies
+	// aheadFree is an empty, frozen group for the next copies forked ahead:
+	// the group the last ones were taken from. Guarded by tplRun.
+	aheadFree *cgroup.Cgroup
+	// forkMu is held while a copy is forked ahead, and while the root is
+	// swapped: a task being cloned during a swap would keep the old root.
+	forkMu  sync.Mutex
 	spareTG chan spareGroup // the next template group, made ahead
 	spareW  chan spareGroup // the next command group, made ahead (op)
 	// wf holds control files of the command group kept open (op).
 	wf workFiles
-	// lastRestore is the checkpoint the last restore restored (op).
-	lastRestore string
+	// lastRestore is the checkpoint the last restore restored, and
+	// restoreAgain whether the one before restored it too (op).
+	lastRestore  string
+	restoreAgain bool
+	// restoreStart is when the running restore began; restoredAt when the
+	// last restore that brought back template copies ended (op). aheadTook
+	// is how long the last job forking copies ahead took (ahead.go).
+	restoreStart, restoredAt time.Time
+	aheadTook                atomic.Int64
 	// liveSeen holds the live processes checkpointed since the last
 	// restore, and the copies it made: host pid -> start time (0 for a
 	// copy, whose start time is not read). A process not in it is folded
@@ -327,7 +343,7 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 		mfd, err = s.buildRoot(stack, sp.fd)
 	}
 	if err == nil && !pending {
-		if err = s.init.Swap(mfd); err != nil {
+		if err = s.swap(mfd); err != nil {
 			unix.Close(mfd)
 		}
 	}
@@ -448,7 +464,7 @@ func (s *Sandbox) materialize() error {
 	if s.root < 0 {
 		return nil
 	}
-	if err := s.init.Swap(s.root); err != nil {
+	if err := s.swap(s.root); err != nil {
 		return fmt.Errorf("switching root: %w", err)
 	}
 	unix.Close(s.root) // attached: the namespace holds it
@@ -457,6 +473,14 @@ func (s *Sandbox) materialize() error {
 	s.nsUpper = spareUpper{}
 	s.retire(old, s.init.OldRootGone(), nil)
 	return nil
+}
+
+// swap makes root the root of the init's mount namespace (launch.Init.Swap),
+// while no copy is being forked ahead (ahead.go).
+func (s *Sandbox) swap(root int) error {
+	s.forkMu.Lock()
+	defer s.forkMu.Unlock()
+	return s.init.Swap(root)
 }
 
 // withRoot calls fn with an fd of the sandbox's root: the pending one, with
@@ -744,9 +768,10 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 		se.close()
 	}
 	var errs []error
-	// Templates first: one killed while frozen (an agent's kill -9 -1)
-	// stays half-exited until thawed, and the init's exit waits for every
-	// task of its pid namespace.
+	// Templates and copies forked ahead first: one killed while frozen (an
+	// agent's kill -9 -1) stays half-exited until thawed, and the init's
+	// exit waits for every task of its pid namespace.
+	errs = append(errs, s.endAheadNow())
 	s.tplMu.Lock()
 	for id, tg := range s.tpls {
 		errs = append(errs, tg.Delete())
@@ -1156,6 +1181,10 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		return err
 	}
 	defer s.op.Unlock()
+	s.restoreStart = time.Now()
+	if !copies {
+		s.dropAhead("", true) // kept for a checkpoint restored before
+	}
 	if err := s.killAll(); err != nil {
 		return err
 	}
@@ -1168,7 +1197,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	// A checkpoint restored twice in a row (no checkpoint in between) is
 	// taken to be restored again: its next root is built ahead.
 	again := id == s.lastRestore
-	s.lastRestore = id
+	s.lastRestore, s.restoreAgain = id, again
 	if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
 		unrefAll(r, stack)
 		return err

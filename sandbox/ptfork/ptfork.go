@@ -35,6 +35,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -398,6 +399,28 @@ func (p *Proc) Kill() {
 			}
 		}
 	}
+}
+
+// SignalsPending reports whether a signal is queued for the stopped
+// process (to it, or to its thread group), besides Signal, the one its
+// stop dequeued: detached, it would act on them.
+func (p *Proc) SignalsPending() (bool, error) {
+	var info [128]byte // one siginfo_t
+	for _, flags := range []uint32{0, unix.PTRACE_PEEKSIGINFO_SHARED} {
+		args := struct {
+			off   uint64
+			flags uint32
+			nr    int32
+		}{0, flags, 1}
+		n, _, e := unix.Syscall6(unix.SYS_PTRACE, unix.PTRACE_PEEKSIGINFO, uintptr(p.Pid), uintptr(unsafe.Pointer(&args)), uintptr(unsafe.Pointer(&info[0])), 0, 0)
+		if e != 0 {
+			return false, fmt.Errorf("reading the signal queue of pid %d: %w", p.Pid, e)
+		}
+		if n > 0 {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // Write copies b into the process's memory at addr.

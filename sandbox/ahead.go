@@ -1,0 +1,294 @@
+package sandbox
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/initproc"
+	"github.com/deltagym/deltagym/sandbox/ptfork"
+)
+
+// Copies forked ahead.
+//
+// A restore of a checkpoint with templates forks a copy of each template:
+// the kernel copies the template's page tables, 0.35–0.4 ms of an 8 MB
+// process's 1.1 ms rollback here. A checkpoint restored once is likely to be
+// restored again (a rollback loop, a GRPO group's next try, a search going
+// back to a node), so after each in-place restore a background job forks the
+// next copies of the same templates at once, while the restored copies run,
+// and parks them, frozen, in a group of their own (p<n>). The next restore
+// of that checkpoint takes them instead of forking: it seizes each, moves it
+// into the command group (which thaws it into the ptrace stop the seizure
+// asked for) and fixes it up as it would a copy just forked, after the root
+// swap.
+//
+// Why a parked copy is as good as a fresh one: it is a template's copy that
+// never ran, with the template's registers and, copy-on-write, its memory
+// (the template is frozen and never changes). It is frozen by the cgroup
+// freezer, as a template is, so neither a kill of the command group nor a
+// crash lets it run (after a crash dg-init ends it: it keeps t<n> and i<n>
+// groups only). Its root: it is born in the live root, and every pivot_root
+// re-points the tasks whose root is the old root, so the swap of the next
+// restore moves it into the restored root. A task still being cloned while
+// the root is swapped would miss that (its fs struct already copied), so the
+// job clones under forkMu, which the swaps hold too. Its cwd and files are
+// set by the fix-ups, by path, as for any copy.
+//
+// What it costs: one more process per template while the sandbox runs
+// (frozen: a pid, and page tables, 16 KiB for 8 MB), and the fork's CPU, off
+// the restore's path but spent all the same. Only the checkpoint restored
+// last keeps copies ahead; a restore of another, a checkpoint's release and
+// the sandbox's end drop them. A checkpoint with CRIU trees gets none: a copy
+// could hold a pid a tree needs back. Nor does a sandbox with a pids limit
+// that the copies would bring within a quarter of.
+
+// aheadCopies are the copies forked ahead for one checkpoint.
+type aheadCopies struct {
+	ck   string
+	done chan struct{} // closed when the job has ended; it sets the fields below
+	cg   *cgroup.Cgroup
+	// procs are the copies, in the order of the checkpoint's templates.
+	procs []aheadProc
+	err   error
+	// drop asks a job that has not started yet to make nothing.
+	drop atomic.Bool
+}
+
+type aheadProc struct {
+	pid, nsPid int
+	exit       <-chan initproc.ExitEvent // set if the server reaps it
+}
+
+// errAheadDropped: the copies were no longer wanted when the job started.
+var errAheadDropped = errors.New("dropped before the job started")
+
+// forkAhead starts a job that forks copies of c's templates for its next
+// restore, in place of those the sandbox kept for another checkpoint (if
+// any). Called with op held, after a restore of c made its copies.
+//
+// Only when c was restored twice in a row (no other restore, nor a
+// checkpoint, in between), the sign that it is restored again and again;
+// the same sign that builds its next root ahead (prepareSpareFrom). A
+// search that moves from node to node would waste the copies and the CPU.
+//
+// Not when restores come back to back: if this restore began sooner after
+// the previous one than the last job took, the next one would likely find
+// its copies not ready and wait for them, and a restore that waits for the
+// job costs more than one that forks (the job's seizures and cgroup moves
+// come on top of the fork: an 8 MB process's restore took 1.26 ms p50
+// waiting, 0.95 forking, back to back here; 0.76 against 1.06 with 3 ms
+// between restores).
+func (s *Sandbox) forkAhead(c *checkpoint) {
+	prev := s.restoredAt
+	s.restoredAt = time.Now()
+	if s.rt.cfg.ForkAtRestore || !s.restoreAgain || len(c.Images) > 0 || len(c.Procs) == 0 || !s.pidRoom(len(c.Procs)) ||
+		!prev.IsZero() && s.restoreStart.Sub(prev) < time.Duration(s.aheadTook.Load()) {
+		s.dropAhead("", true)
+		return
+	}
+	a := &aheadCopies{ck: c.ID, done: make(chan struct{})}
+	s.tplMu.Lock()
+	old := s.ahead
+	s.ahead = a
+	s.tplMu.Unlock()
+	if old != nil {
+		s.endAhead(old, true)
+	}
+	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
+	start := s.restoredAt
+	go func() {
+		defer s.bg.Done()
+		defer close(a.done)
+		a.err = s.forkAheadJob(c, a)
+		s.aheadTook.Store(int64(time.Since(start)))
+		if a.err != nil {
+			s.rt.log.Debug("forking template copies ahead", "sandbox", s.id, "checkpoint", c.ID, "err", a.err)
+		}
+	}()
+}
+
+// pidRoom says whether n more processes keep the sandbox within three
+// quarters of its pids limit (if it has one).
+func (s *Sandbox) pidRoom(n int) bool {
+	lim := s.spec.Limits.Pids
+	if lim <= 0 {
+		return true
+	}
+	st, err := s.cg.Stats()
+	return err == nil && (st.Pids+int64(n))*4 <= lim*3
+}
+
+// forkAheadJob forks a copy of each template of c into a new frozen group,
+// a.cg. On error the copies made so far are left there, for endAhead.
+func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
+	s.tplRun.Lock()
+	defer s.tplRun.Unlock()
+	if a.drop.Load() {
+		return errAheadDropped
+	}
+	s.tplMu.Lock()
+	tg := s.tpls[c.ID]
+	s.tplMu.Unlock()
+	if tg == nil {
+		return fmt.Errorf("the templates of checkpoint %s were released", c.ID)
+	}
+	// The group the last copies were taken from, if they were: empty and
+	// still frozen.
+	g := s.aheadFree
+	s.aheadFree = nil
+	if g == nil {
+		if g, err = s.cg.Sub(s.groupName("p")); err != nil {
+			return fmt.Errorf("creating cgroup: %w", err)
+		}
+		a.cg = g
+		if err := g.Freeze(); err != nil {
+			return err
+		}
+	}
+	a.cg = g
+	tr := ptfork.NewSession()
+	defer func() {
+		// The copies are detached into their frozen group, the templates
+		// (frozen again first) into theirs.
+		if cerr := tr.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+	}()
+	tpls := make([]*ptfork.Proc, len(c.Procs))
+	for i, t := range c.Procs {
+		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
+			return fmt.Errorf("%s: %w", t.name(), err)
+		}
+	}
+	if err := tg.SetFrozen(false); err != nil {
+		return err
+	}
+	defer func() {
+		if ferr := tg.SetFrozen(true); ferr != nil {
+			err = errors.Join(err, ferr)
+		}
+	}()
+	for i, t := range c.Procs {
+		if err := tpls[i].Wait(); err != nil {
+			return fmt.Errorf("stopping the template of %s: %w", t.name(), err)
+		}
+		s.forkMu.Lock()
+		cp, nsPid, err := tpls[i].Fork()
+		s.forkMu.Unlock()
+		if err != nil {
+			return fmt.Errorf("copying %s: %w", t.name(), err)
+		}
+		a.procs = append(a.procs, aheadProc{pid: cp.Pid, nsPid: nsPid, exit: reapIfOurs(cp.Pid)})
+		// Out of the template group before it is frozen again: a copy
+		// detached there would be a template to a restarted server.
+		if err := g.Move(cp.Pid); err != nil {
+			cp.Kill()
+			return err
+		}
+	}
+	return nil
+}
+
+// clearAhead returns the copies the sandbox keeps forked ahead, if any, and
+// forgets them.
+func (s *Sandbox) clearAhead() *aheadCopies {
+	s.tplMu.Lock()
+	defer s.tplMu.Unlock()
+	a := s.ahead
+	s.ahead = nil
+	return a
+}
+
+// takeAhead returns the copies forked ahead for c, once their job is done,
+// or nil; copies kept for another checkpoint are dropped. Called with op
+// held.
+func (s *Sandbox) takeAhead(c *checkpoint) *aheadCopies {
+	a := s.clearAhead()
+	if a == nil {
+		return nil
+	}
+	if a.ck != c.ID {
+		s.endAhead(a, true)
+		return nil
+	}
+	<-a.done
+	if a.err != nil || len(a.procs) != len(c.Procs) {
+		s.endAhead(a, true)
+		return nil
+	}
+	return a
+}
+
+// dropAhead drops the copies forked ahead, if they are for checkpoint id
+// (any checkpoint: ""). Their job, if running, ends first, in the
+// background. Called with op held, or (tracked false) not.
+func (s *Sandbox) dropAhead(id string, tracked bool) {
+	s.tplMu.Lock()
+	a := s.ahead
+	if a != nil && (id == "" || a.ck == id) {
+		s.ahead = nil
+	} else {
+		a = nil
+	}
+	s.tplMu.Unlock()
+	if a != nil {
+		s.endAhead(a, tracked)
+	}
+}
+
+// endAhead ends copies forked ahead that will not be used, and removes
+// their group, in the background once their job is done. With tracked (op
+// held), Destroy waits for that; a caller without op (a checkpoint's
+// release) must not add to s.bg, which Destroy may be waiting on: Destroy
+// ends such copies itself (endAheadNow), and the group's second removal is
+// a no-op.
+func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
+	a.drop.Store(true)
+	if tracked {
+		s.bg.Add(1)
+	}
+	go func() {
+		if tracked {
+			defer s.bg.Done()
+		}
+		<-a.done
+		if a.cg == nil {
+			return
+		}
+		if err := a.cg.Delete(); err != nil && !errors.Is(err, cgroup.ErrNotExist) {
+			s.rt.log.Warn("ending template copies forked ahead", "sandbox", s.id, "checkpoint", a.ck, "err", err)
+		}
+	}()
+}
+
+// endAheadNow ends the copies forked ahead, if any, and returns once they
+// are gone: before the sandbox's end, which a frozen process could hold up.
+// Called with op held.
+func (s *Sandbox) endAheadNow() error {
+	a := s.clearAhead()
+	if a == nil {
+		return nil
+	}
+	a.drop.Store(true)
+	<-a.done
+	if a.cg == nil {
+		return nil
+	}
+	return a.cg.Delete()
+}
+
+// isAheadGroup says whether name is that of a group of copies forked ahead.
+func isAheadGroup(name string) bool {
+	if len(name) < 2 || name[0] != 'p' {
+		return false
+	}
+	for _, r := range name[1:] {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return true
+}

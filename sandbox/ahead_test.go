@@ -1,0 +1,246 @@
+package sandbox_test
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/sandbox"
+	"golang.org/x/sys/unix"
+)
+
+// After a checkpoint with processes is restored twice in a row, copies of
+// its templates are forked ahead, frozen in a group of their own (not after
+// its first restore); the next restore of it
+// runs those copies (their pids become the live ones), which bring back the
+// checkpoint's memory, cwd, environment and open files as fresh copies do.
+// A copy forked ahead that is killed or signalled before it is used is
+// replaced by a fresh copy; a restore of another checkpoint, the checkpoint's release and
+// the sandbox's end drop the copies.
+func TestForkAhead(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	filesOnly, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	if err != nil {
+		t.Fatal(err)
+	}
+	startCounter(t, s)
+	inSession(t, s, "mkdir -p /work/a && cd /work/a && export FOO=one")
+	for i := 1; i <= 5; i++ {
+		inc(t, s, i)
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck.Processes) != 2 {
+		t.Fatalf("captured %+v", ck.Processes)
+	}
+	if pids := s.AheadPids(ck.ID); pids != nil {
+		t.Fatalf("copies forked ahead before any restore: %v", pids)
+	}
+	inc(t, s, 6)
+	inSession(t, s, "cd / && export FOO=two")
+	check := func(round string) {
+		t.Helper()
+		if got := sh(t, s, "cat /tmp/count"); got != "5" {
+			t.Fatalf("%s: count file after restore %q", round, got)
+		}
+		inc(t, s, 6) // the process's memory is the checkpoint's
+		inc(t, s, 7)
+		if got := inSession(t, s, "echo $FOO; pwd"); got != "one\n/work/a\n" {
+			t.Fatalf("%s: session after restore: %q", round, got)
+		}
+		inSession(t, s, "cd / && export FOO=three")
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	check("first restore")
+	if pids := s.AheadPids(ck.ID); pids != nil {
+		t.Fatalf("copies forked ahead after a first restore: %v", pids)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	check("second restore")
+	ahead := s.AheadPids(ck.ID)
+	for round := range 3 {
+		name := fmt.Sprintf("restore %d", round)
+		if len(ahead) != 2 {
+			t.Fatalf("%s: %d copies forked ahead, want 2", name, len(ahead))
+		}
+		for _, pid := range ahead {
+			aheadFrozen(t, pid)
+		}
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if live := livePid(t, b, s.ID()); !slices.Contains(ahead, live) {
+			t.Fatalf("%s: the live process is pid %d, not one of the copies forked ahead %v", name, live, ahead)
+		}
+		check(name)
+		next := s.AheadPids(ck.ID)
+		if len(next) != 2 || slices.Contains(next, ahead[0]) || slices.Contains(next, ahead[1]) {
+			t.Fatalf("%s: copies forked ahead next: %v (used: %v)", name, next, ahead)
+		}
+		ahead = next
+	}
+
+	// Killed before use (from outside, where the agent's kill -9 -1 would
+	// reach the templates too): the restore forks a fresh copy.
+	for _, pid := range ahead {
+		if err := unix.Kill(pid, unix.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitAllGone(t, ahead)
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if live := livePid(t, b, s.ID()); slices.Contains(ahead, live) {
+		t.Fatalf("the live process is pid %d, a killed copy", live)
+	}
+	check("restore after the copies forked ahead were killed")
+	ahead = s.AheadPids(ck.ID)
+	if len(ahead) != 2 {
+		t.Fatalf("%d copies forked ahead after a fallback, want 2", len(ahead))
+	}
+
+	// Signalled before use (an agent's kill -STOP reaches them as it
+	// reaches the templates; a signal whose default is to terminate, such
+	// as SIGTERM, kills them, frozen or not): a fresh copy has no signal
+	// pending, so the restore forks fresh copies.
+	for _, pid := range ahead {
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if live := livePid(t, b, s.ID()); slices.Contains(ahead, live) {
+		t.Fatalf("the live process is pid %d, a copy signalled before the restore", live)
+	}
+	waitAllGone(t, ahead)
+	check("restore after the copies forked ahead were signalled")
+	ahead = s.AheadPids(ck.ID)
+	if len(ahead) != 2 {
+		t.Fatalf("%d copies forked ahead after a fallback, want 2", len(ahead))
+	}
+
+	// Another checkpoint's restore drops them.
+	if err := s.Restore(ctx, filesOnly.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitAllGone(t, ahead)
+	if got := s.AheadPids(ck.ID); got != nil {
+		t.Fatalf("copies forked ahead kept after another checkpoint's restore: %v", got)
+	}
+	if got := sh(t, s, countCounters); got != "1\n" { // the template
+		t.Fatalf("%q counter processes after restoring a checkpoint without them", got)
+	}
+
+	// So does the checkpoint's release, the live copy going on. (Restores
+	// back to back fork no copies ahead: the checks are a step between.)
+	for range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		check("restoring again")
+	}
+	ahead = s.AheadPids(ck.ID)
+	if len(ahead) != 2 {
+		t.Fatalf("%d copies forked ahead, want 2", len(ahead))
+	}
+	if err := b.rt.ReleaseCheckpoint(ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	waitAllGone(t, ahead)
+	inc(t, s, 8)
+
+	// And the sandbox's end.
+	ck2, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := s.Restore(ctx, ck2.ID); err != nil {
+			t.Fatal(err)
+		}
+		inc(t, s, 9)
+	}
+	ahead = s.AheadPids(ck2.ID)
+	if len(ahead) != 2 {
+		t.Fatalf("%d copies forked ahead, want 2", len(ahead))
+	}
+	if err := s.Destroy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitAllGone(t, ahead)
+}
+
+// Under a ForkAtRestore runtime no copies are forked ahead: each restore
+// forks its copies.
+func TestForkAtRestore(t *testing.T) {
+	b := setup(t, func(c *sandbox.Config) { c.ForkAtRestore = true })
+	s, ck := counterCheckpoint(t, b)
+	ctx := t.Context()
+	for range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := s.AheadPids(ck.ID); got != nil {
+			t.Fatalf("copies forked ahead under ForkAtRestore: %v", got)
+		}
+		inc(t, s, 2)
+	}
+}
+
+// aheadFrozen fails unless pid is in a frozen group whose name is that of
+// copies forked ahead (p<n>).
+func aheadFrozen(t *testing.T, pid int) {
+	t.Helper()
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		t.Fatalf("copy forked ahead, pid %d: %v", pid, err)
+	}
+	for line := range strings.Lines(string(raw)) {
+		line = strings.TrimSpace(line)
+		var dir, file, want string
+		if _, p, ok := strings.Cut(line, "::"); ok {
+			dir, file, want = filepath.Join("/sys/fs/cgroup", p), "cgroup.freeze", "1"
+			if _, err := os.Stat(filepath.Join(dir, file)); err != nil {
+				dir = filepath.Join("/sys/fs/cgroup/unified", p)
+			}
+		} else if _, p, ok := strings.Cut(line, ":freezer:"); ok {
+			dir, file, want = filepath.Join("/sys/fs/cgroup/freezer", p), "freezer.state", "FROZEN"
+		} else {
+			continue
+		}
+		name := filepath.Base(dir)
+		if name[0] != 'p' {
+			continue
+		}
+		got, err := os.ReadFile(filepath.Join(dir, file))
+		if err != nil {
+			continue
+		}
+		if strings.TrimSpace(string(got)) != want {
+			t.Fatalf("copy forked ahead, pid %d: group %s is not frozen (%s: %q)", pid, dir, file, got)
+		}
+		return
+	}
+	t.Fatalf("copy forked ahead, pid %d, is in no frozen group p<n>:\n%s", pid, raw)
+}
+
+func waitAllGone(t *testing.T, pids []int) {
+	t.Helper()
+	for _, pid := range pids {
+		waitGone(t, pid, "a copy forked ahead")
+	}
+}
