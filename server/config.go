@@ -28,6 +28,10 @@ type Config struct {
 	// KeepCgroupOptions leaves the host's cgroup2 hierarchy as found, instead of turning on
 	// its option favordynmods (sandbox.Config.KeepCgroupOptions).
 	KeepCgroupOptions bool
+	// ForkAtRestore forks a template's copies during each restore instead of ahead of it,
+	// in the background after the previous one (sandbox.Config.ForkAtRestore): less CPU
+	// per restore, more latency.
+	ForkAtRestore bool
 	// DefaultImageDir is imported as the image "default" at start when that image is missing
 	// and the directory exists. Default DataDir/images/default/rootfs.
 	DefaultImageDir string
@@ -73,6 +77,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
 	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
 	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")
+	fs.BoolVar(&c.ForkAtRestore, "fork-at-restore", c.ForkAtRestore, "fork the copies of a checkpoint's processes during each restore, not ahead of it in the background (by default, a checkpoint restored twice in a row gets the copies of its next restore forked while the agent takes its step: a quicker restore for a little more CPU)")
 	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients (default: auth off)")
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", max(c.MaxRequestBytes, 16<<20), "largest accepted request message")
 	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")

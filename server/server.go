@@ -73,7 +73,8 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if s.obs, err = newObservability(); err != nil {
 		return nil, err
 	}
-	s.rt, err = sandbox.New(ctx, sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions})
+	s.rt, err = sandbox.New(ctx, sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions,
+		ForkAtRestore: cfg.ForkAtRestore})
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
 	}
