@@ -9,6 +9,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
+	"golang.org/x/sys/unix"
 )
 
 // Copies forked ahead.
@@ -59,7 +60,24 @@ type aheadCopies struct {
 
 type aheadProc struct {
 	pid, nsPid int
-	exit       <-chan initproc.ExitEvent // set if the server reaps it
+	// pidfd pins the copy's identity: a copy killed while parked (an
+	// agent's kill -9 -1) may have its pid taken by another process by
+	// the time a restore comes.
+	pidfd int
+	exit  <-chan initproc.ExitEvent // set if the server reaps it
+}
+
+// alive says whether the copy is still there (and so still has its pid).
+func (p aheadProc) alive() bool { return unix.PidfdSendSignal(p.pidfd, 0, nil, 0) == nil }
+
+// closeFDs closes the copies' pidfds, once their job is done.
+func (a *aheadCopies) closeFDs() {
+	for i := range a.procs {
+		if a.procs[i].pidfd >= 0 {
+			unix.Close(a.procs[i].pidfd)
+			a.procs[i].pidfd = -1
+		}
+	}
 }
 
 // errAheadDropped: the copies were no longer wanted when the job started.
@@ -85,7 +103,7 @@ func (s *Sandbox) forkAhead(c *checkpoint) {
 	prev := s.restoredAt
 	s.restoredAt = time.Now()
 	if s.rt.cfg.ForkAtRestore || !s.restoreAgain || len(c.Images) > 0 || len(c.Procs) == 0 || !s.pidRoom(len(c.Procs)) ||
-		!prev.IsZero() && s.restoreStart.Sub(prev) < time.Duration(s.aheadTook.Load()) {
+		!s.rt.aheadAlways && !prev.IsZero() && s.restoreStart.Sub(prev) < time.Duration(s.aheadTook.Load()) {
 		s.dropAhead("", true)
 		return
 	}
@@ -181,7 +199,13 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 		if err != nil {
 			return fmt.Errorf("copying %s: %w", t.name(), err)
 		}
-		a.procs = append(a.procs, aheadProc{pid: cp.Pid, nsPid: nsPid, exit: reapIfOurs(cp.Pid)})
+		exit := reapIfOurs(cp.Pid)
+		fd, err := unix.PidfdOpen(cp.Pid, 0)
+		if err != nil {
+			cp.Kill()
+			return fmt.Errorf("pidfd_open: %w", err)
+		}
+		a.procs = append(a.procs, aheadProc{pid: cp.Pid, nsPid: nsPid, pidfd: fd, exit: exit})
 		// Out of the template group before it is frozen again: a copy
 		// detached there would be a template to a restarted server.
 		if err := g.Move(cp.Pid); err != nil {
@@ -255,6 +279,7 @@ func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
 			defer s.bg.Done()
 		}
 		<-a.done
+		a.closeFDs()
 		if a.cg == nil {
 			return
 		}
@@ -274,10 +299,22 @@ func (s *Sandbox) endAheadNow() error {
 	}
 	a.drop.Store(true)
 	<-a.done
+	a.closeFDs()
 	if a.cg == nil {
 		return nil
 	}
 	return a.cg.Delete()
+}
+
+// waitAhead waits until the job forking copies ahead, if one runs, is done.
+// Called with op held: no new job starts meanwhile.
+func (s *Sandbox) waitAhead() {
+	s.tplMu.Lock()
+	a := s.ahead
+	s.tplMu.Unlock()
+	if a != nil {
+		<-a.done
+	}
 }
 
 // isAheadGroup says whether name is that of a group of copies forked ahead.

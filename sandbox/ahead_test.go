@@ -1,12 +1,14 @@
 package sandbox_test
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/deltagym/deltagym/sandbox"
 	"golang.org/x/sys/unix"
@@ -22,6 +24,7 @@ import (
 // the sandbox's end drop the copies.
 func TestForkAhead(t *testing.T) {
 	b := setup(t)
+	b.rt.ForkAheadAlways()
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
 	filesOnly, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
@@ -199,6 +202,86 @@ func TestForkAtRestore(t *testing.T) {
 		}
 		inc(t, s, 2)
 	}
+}
+
+// Restores that come back to back (sooner after the last than its job
+// took) fork their own copies and start no job; with a step between again,
+// copies are forked ahead again.
+func TestForkAheadBackToBack(t *testing.T) {
+	b := setup(t)
+	s, ck := counterCheckpoint(t, b)
+	ctx := t.Context()
+	restore := func(step bool) {
+		t.Helper()
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if step {
+			inc(t, s, 2)
+		}
+	}
+	restore(true)
+	restore(true) // restored twice in a row: a job starts
+	if n := len(s.AheadPids(ck.ID)); n != 1 {
+		t.Fatalf("%d copies forked ahead, want 1", n)
+	}
+	restore(false) // uses them (the job took less than the step)
+	restore(false) // back to back
+	if got := s.AheadPids(ck.ID); got != nil {
+		t.Fatalf("copies forked ahead after restores back to back: %v", got)
+	}
+	inc(t, s, 2)
+	restore(true)
+	if n := len(s.AheadPids(ck.ID)); n != 1 {
+		t.Fatalf("%d copies forked ahead with steps between restores again, want 1", n)
+	}
+}
+
+// A sandbox frozen right after a restore, while its job forks copies ahead,
+// is destroyed, its templates saved as CRIU images first (a template forks
+// the copy that is saved, so it must be able to run): a Freeze waits for the
+// job (frozen mid-fork, it would hold the templates), and Destroy ends what
+// a frozen sandbox runs and thaws it before it saves the templates.
+func TestForkAheadFreeze(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	b.rt.ForkAheadAlways()
+	s, ck := counterCheckpoint(t, b)
+	ctx := t.Context()
+	for range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The job runs right after the restore: freeze at once.
+	if err := s.Freeze(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.Destroy(context.Background()) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Destroy of a sandbox frozen right after a restore did not return in 20 s")
+	}
+	info, err := b.rt.Checkpoint(ck.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(info.Processes) != 1 {
+		t.Fatalf("the checkpoint lists %+v after its sandbox's end", info.Processes)
+	}
+	other := b.create(t, sandbox.Spec{Image: s.Image()})
+	if err := other.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, other, "cat /tmp/count"); got != "1" {
+		t.Fatalf("count file in another sandbox %q", got)
+	}
+	inc(t, other, 2)
 }
 
 // aheadFrozen fails unless pid is in a frozen group whose name is that of

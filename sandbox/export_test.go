@@ -28,3 +28,8 @@ func (s *Sandbox) AheadPids(ck string) []int {
 	}
 	return pids
 }
+
+// ForkAheadAlways makes the runtime fork copies ahead even after restores
+// that come back to back, so that tests do not depend on how long their
+// steps take against the job.
+func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }

@@ -734,19 +734,28 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 			}
 		}
 	}()
+	ahead := false
 	if a != nil {
 		copies = s.useAhead(tr, c, a)
+		ahead = copies != nil
 	}
-	if copies == nil {
-		if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
-			return err
+	for {
+		if copies == nil {
+			if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
+				return err
+			}
 		}
+		if err = fixUpAll(copies); err == nil || !ahead {
+			break
+		}
+		// Parked, a copy is within the agent's reach (prlimit, say):
+		// fresh copies instead.
+		s.rt.log.Debug("template copies forked ahead could not be fixed up; forking new ones", "sandbox", s.id, "checkpoint", c.ID, "err", err)
+		s.endCopies(copies)
+		copies, ahead = nil, false
 	}
-	for i := range copies {
-		lc := &copies[i]
-		if lc.stdio, err = fixUp(lc.cp, lc.t); err != nil {
-			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, lc.t.name(), err)
-		}
+	if err != nil {
+		return err
 	}
 	// Everything is in place: let the copies run.
 	for i, lc := range copies {
@@ -848,6 +857,9 @@ func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []
 	copies := make([]liveCopy, 0, len(a.procs))
 	err := func() error {
 		for i, p := range a.procs {
+			if !p.alive() {
+				return fmt.Errorf("pid %d ended", p.pid)
+			}
 			cp, err := tr.Seize(p.pid)
 			if err != nil {
 				return err
@@ -881,16 +893,35 @@ func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []
 	if err == nil {
 		// The group, now empty, serves the next copies forked ahead.
 		s.aheadFree = a.cg
+		a.closeFDs()
 		return copies
 	}
 	s.rt.log.Debug("template copies forked ahead are lost; forking new ones", "sandbox", s.id, "checkpoint", c.ID, "err", err)
+	s.endCopies(copies)
+	s.endAhead(a, true)
+	return nil
+}
+
+// endCopies ends copies that will not run, and the groups made for them.
+func (s *Sandbox) endCopies(copies []liveCopy) {
 	for _, lc := range copies {
 		lc.cp.Kill()
+		closeFiles(lc.stdio[:])
 		if lc.cg != nil && lc.cg != s.work {
 			_ = lc.cg.Delete() // a session's, made for it
 		}
 	}
-	s.endAhead(a, true)
+}
+
+// fixUpAll fixes up each of copies (fixUp).
+func fixUpAll(copies []liveCopy) error {
+	for i := range copies {
+		lc := &copies[i]
+		var err error
+		if lc.stdio, err = fixUp(lc.cp, lc.t); err != nil {
+			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, lc.t.name(), err)
+		}
+	}
 	return nil
 }
 

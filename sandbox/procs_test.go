@@ -95,6 +95,7 @@ func inc(t testing.TB, s *sandbox.Sandbox, want int) {
 
 func TestTemplateCounterRestores(t *testing.T) {
 	b := setup(t)
+	b.rt.ForkAheadAlways()
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
 	startCounter(t, s)

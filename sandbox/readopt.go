@@ -179,7 +179,7 @@ func (s *Sandbox) endAllButTemplates() error {
 			}
 			if g, err := s.cg.OpenSub(e.Name()); err == nil {
 				if err := g.Delete(); err != nil {
-					return err
+					s.rt.log.Warn("ending a crashed server's template copies forked ahead", "sandbox", s.id, "group", e.Name(), "err", err)
 				}
 			}
 		}

@@ -44,6 +44,7 @@ func crashChild() {
 		fail(err)
 	}
 	if os.Getenv("DG_CRASH_CHILD") == "templates" {
+		rt.ForkAheadAlways()
 		crashWithTemplates(rt, fail)
 	}
 	if _, err := rt.ImportImage(ctx, "busybox", os.Getenv("DG_ROOTFS")); err != nil {

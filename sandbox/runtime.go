@@ -280,6 +280,9 @@ type Runtime struct {
 	hugeBusy atomic.Int64  // queued or being folded
 	done     chan struct{}
 	wg       sync.WaitGroup
+	// aheadAlways forks copies ahead even after restores that come back
+	// to back (tests: their steps' length must not decide).
+	aheadAlways bool
 }
 
 const (

@@ -757,6 +757,17 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 		return err
 	}
 	defer s.op.Unlock()
+	if frozen, err := s.cg.SelfFrozen(); err == nil && frozen {
+		// Frozen (Freeze): the templates could not fork the copies
+		// that are saved. What the sandbox runs ends first; the
+		// templates stay frozen in groups of their own.
+		if err := s.killAll(); err != nil {
+			s.rt.log.Warn("ending a frozen sandbox's processes", "sandbox", s.id, "err", err)
+		}
+		if err := s.cg.Thaw(); err != nil {
+			s.rt.log.Warn("thawing a frozen sandbox to end it", "sandbox", s.id, "err", err)
+		}
+	}
 	s.imageAllTemplates(ctx)
 	s.mu.Lock()
 	s.closed = true
@@ -768,16 +779,17 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 		se.close()
 	}
 	var errs []error
-	// Templates and copies forked ahead first: one killed while frozen (an
-	// agent's kill -9 -1) stays half-exited until thawed, and the init's
-	// exit waits for every task of its pid namespace.
-	errs = append(errs, s.endAheadNow())
+	// Templates, then copies forked ahead, first: one killed while frozen
+	// (an agent's kill -9 -1) stays half-exited until thawed, and the
+	// init's exit waits for every task of its pid namespace. A job forking
+	// ahead from a template ends with it.
 	s.tplMu.Lock()
 	for id, tg := range s.tpls {
 		errs = append(errs, tg.Delete())
 		delete(s.tpls, id)
 	}
 	s.tplMu.Unlock()
+	errs = append(errs, s.endAheadNow())
 	errs = append(errs, s.init.Stop())
 	s.dropExecGroups()
 	s.bg.Wait()                        // removals of killed command groups
@@ -805,6 +817,9 @@ func (s *Sandbox) Freeze() error {
 		return err
 	}
 	defer s.op.Unlock()
+	// A job forking copies ahead stops for nothing but the sandbox's own
+	// freezer: frozen mid-fork, it would hold the templates until Thaw.
+	s.waitAhead()
 	if err := s.cg.Freeze(); err != nil {
 		return fmt.Errorf("freezing sandbox %s: %w", s.id, err)
 	}
@@ -1182,7 +1197,14 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	}
 	defer s.op.Unlock()
 	s.restoreStart = time.Now()
-	if !copies {
+	switch {
+	case len(units) > 0:
+		// Kept for another checkpoint (one with CRIU trees gets none):
+		// ended now, as they could hold pids the trees need back.
+		if err := s.endAheadNow(); err != nil {
+			s.rt.log.Warn("ending template copies forked ahead", "sandbox", s.id, "err", err)
+		}
+	case !copies:
 		s.dropAhead("", true) // kept for a checkpoint restored before
 	}
 	if err := s.killAll(); err != nil {

@@ -35,7 +35,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -401,24 +400,29 @@ func (p *Proc) Kill() {
 	}
 }
 
-// SignalsPending reports whether a signal is queued for the stopped
+// SignalsPending reports whether a signal is pending for the stopped
 // process (to it, or to its thread group), besides Signal, the one its
-// stop dequeued: detached, it would act on them.
+// stop dequeued: detached, it would act on them. It reads the pending
+// sets from /proc (a signal queued without its siginfo, past
+// RLIMIT_SIGPENDING, is in them too).
 func (p *Proc) SignalsPending() (bool, error) {
-	var info [128]byte // one siginfo_t
-	for _, flags := range []uint32{0, unix.PTRACE_PEEKSIGINFO_SHARED} {
-		args := struct {
-			off   uint64
-			flags uint32
-			nr    int32
-		}{0, flags, 1}
-		n, _, e := unix.Syscall6(unix.SYS_PTRACE, unix.PTRACE_PEEKSIGINFO, uintptr(p.Pid), uintptr(unsafe.Pointer(&args)), uintptr(unsafe.Pointer(&info[0])), 0, 0)
-		if e != 0 {
-			return false, fmt.Errorf("reading the signal queue of pid %d: %w", p.Pid, e)
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(p.Pid) + "/status")
+	if err != nil {
+		return false, err
+	}
+	n := 0
+	for line := range strings.Lines(string(b)) {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok || k != "SigPnd" && k != "ShdPnd" {
+			continue
 		}
-		if n > 0 {
+		n++
+		if strings.Trim(strings.TrimSpace(v), "0") != "" {
 			return true, nil
 		}
+	}
+	if n != 2 {
+		return false, fmt.Errorf("no SigPnd and ShdPnd in /proc/%d/status", p.Pid)
 	}
 	return false, nil
 }
