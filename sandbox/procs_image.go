@@ -216,7 +216,9 @@ func (s *Sandbox) stoppedCopies(tg *cgroup.Cgroup, tpls []procTemplate) (out []s
 		if err := seized[i].Wait(); err != nil {
 			return out, fmt.Errorf("stopping the template of %s: %w", t.name(), err)
 		}
+		s.forkMu.Lock() // no root swap while it is cloned (ahead.go)
 		cp, nsPid, err := seized[i].Fork()
+		s.forkMu.Unlock()
 		if err != nil {
 			return out, fmt.Errorf("copying %s: %w", t.name(), err)
 		}
