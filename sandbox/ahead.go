@@ -3,6 +3,8 @@ package sandbox
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -56,6 +58,26 @@ type aheadCopies struct {
 	err   error
 	// drop asks a job that has not started yet to make nothing.
 	drop atomic.Bool
+	// endOnce ends the copies and their group once (end).
+	endOnce sync.Once
+	endErr  error
+}
+
+// end makes a job that has not started make nothing, waits for the job,
+// and ends the copies: their pidfds, the processes and their group. Once;
+// later calls return the first's error.
+func (a *aheadCopies) end() error {
+	a.drop.Store(true)
+	<-a.done
+	a.endOnce.Do(func() {
+		a.closeFDs()
+		if a.cg != nil {
+			if err := a.cg.Delete(); err != nil && !errors.Is(err, cgroup.ErrNotExist) {
+				a.endErr = err
+			}
+		}
+	})
+	return a.endErr
 }
 
 type aheadProc struct {
@@ -263,47 +285,52 @@ func (s *Sandbox) dropAhead(id string, tracked bool) {
 	}
 }
 
-// endAhead ends copies forked ahead that will not be used, and removes
-// their group, in the background once their job is done. With tracked (op
-// held), Destroy waits for that; a caller without op (a checkpoint's
-// release) must not add to s.bg, which Destroy may be waiting on: Destroy
-// ends such copies itself (endAheadNow), and the group's second removal is
-// a no-op.
+// endAhead ends copies forked ahead that will not be used, in the
+// background. With tracked (op held), Destroy waits for that through s.bg;
+// a caller without op (a checkpoint's release) must not add to s.bg, which
+// Destroy may be waiting on: such copies are listed in s.aheadEnding until
+// ended, and Destroy ends them itself (endAheadNow).
 func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
 	a.drop.Store(true)
 	if tracked {
 		s.bg.Add(1)
+	} else {
+		s.tplMu.Lock()
+		s.aheadEnding = append(s.aheadEnding, a)
+		s.tplMu.Unlock()
 	}
 	go func() {
 		if tracked {
 			defer s.bg.Done()
 		}
-		<-a.done
-		a.closeFDs()
-		if a.cg == nil {
-			return
-		}
-		if err := a.cg.Delete(); err != nil && !errors.Is(err, cgroup.ErrNotExist) {
+		if err := a.end(); err != nil {
 			s.rt.log.Warn("ending template copies forked ahead", "sandbox", s.id, "checkpoint", a.ck, "err", err)
+		}
+		if !tracked {
+			s.tplMu.Lock()
+			s.aheadEnding = slices.DeleteFunc(s.aheadEnding, func(x *aheadCopies) bool { return x == a })
+			s.tplMu.Unlock()
 		}
 	}()
 }
 
-// endAheadNow ends the copies forked ahead, if any, and returns once they
-// are gone: before the sandbox's end, which a frozen process could hold up.
-// Called with op held.
+// endAheadNow ends the copies forked ahead, those being ended in the
+// background after a release included, and returns once they are gone:
+// before the sandbox's end, which a frozen process could hold up. Called
+// with op held.
 func (s *Sandbox) endAheadNow() error {
-	a := s.clearAhead()
-	if a == nil {
-		return nil
+	s.tplMu.Lock()
+	all := slices.Clone(s.aheadEnding)
+	if s.ahead != nil {
+		all = append(all, s.ahead)
+		s.ahead = nil
 	}
-	a.drop.Store(true)
-	<-a.done
-	a.closeFDs()
-	if a.cg == nil {
-		return nil
+	s.tplMu.Unlock()
+	var errs []error
+	for _, a := range all {
+		errs = append(errs, a.end())
 	}
-	return a.cg.Delete()
+	return errors.Join(errs...)
 }
 
 // waitAhead waits until the job forking copies ahead, if one runs, is done.

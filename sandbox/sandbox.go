@@ -82,6 +82,9 @@ type Sandbox struct {
 	// ahead holds the copies forked ahead for the next restore of the
 	// checkpoint restored last (ahead.go). Guarded by tplMu.
 	ahead *aheadCopies
+	// aheadEnding holds copies forked ahead being ended in the background
+	// after a checkpoint's release (endAhead). Guarded by tplMu.
+	aheadEnding []*aheadCopies
 	// aheadFree is an empty, frozen group for the next copies forked ahead:
 	// the group the last ones were taken from. Guarded by tplRun.
 	aheadFree *cgroup.Cgroup
