@@ -327,3 +327,44 @@ func waitAllGone(t *testing.T, pids []int) {
 		waitGone(t, pid, "a copy forked ahead")
 	}
 }
+
+// No copies are forked ahead when they would bring the sandbox within a
+// quarter of its pids limit: a counter and three sleeps, restored twice,
+// hold 9 pids (the init, 4 templates, 4 copies); 4 more are 13, over three
+// quarters of 16 but not of 64.
+func TestForkAheadPidsLimit(t *testing.T) {
+	for _, tc := range []struct {
+		pids  int64
+		ahead int
+	}{{16, 0}, {64, 4}} {
+		t.Run(fmt.Sprintf("pids=%d", tc.pids), func(t *testing.T) {
+			b := setup(t)
+			b.rt.ForkAheadAlways()
+			s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{Pids: tc.pids}})
+			ctx := t.Context()
+			startCounter(t, s)
+			for range 3 {
+				if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sleep", "1000"}, Background: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			inc(t, s, 1)
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(ck.Processes) != 4 {
+				t.Fatalf("captured %+v", ck.Processes)
+			}
+			for range 2 {
+				if err := s.Restore(ctx, ck.ID); err != nil {
+					t.Fatal(err)
+				}
+				inc(t, s, 2)
+			}
+			if got := len(s.AheadPids(ck.ID)); got != tc.ahead {
+				t.Fatalf("%d copies forked ahead under a pids limit of %d, want %d", got, tc.pids, tc.ahead)
+			}
+		})
+	}
+}

@@ -927,6 +927,18 @@ func setMemoryV1(dir string, limit int64, swapAccounted bool) error {
 	return writeFile(memsw, v)
 }
 
+// PidsCurrent reads how many tasks the group's pids controller counts (that
+// of the top-level group whose limits a sub-group shares): one file, where
+// Stats reads six. ErrNotExist without a pids controller.
+func (c *Cgroup) PidsCurrent() (int64, error) {
+	d, ok := c.limit[ctrlPids]
+	if !ok {
+		return 0, c.wrap("reading pids.current of", os.ErrNotExist)
+	}
+	n, err := readInt(filepath.Join(d, "pids.current"))
+	return n, c.wrap("reading pids.current of", err)
+}
+
 // Stats reads the group's counters. For a sub-group, memory and pid figures
 // are those of the top-level group whose limits it shares; CPU time is the
 // group's own where cgroup v2 tracks membership.

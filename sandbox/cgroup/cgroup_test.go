@@ -249,6 +249,10 @@ func TestPidsLimit(t *testing.T) {
 			if st.PidsLimitHits < 1 || st.Pids > 20 || len(pids) == 0 || len(pids) > 20 {
 				t.Errorf("Stats %+v, %d pids; want limit hits ≥ 1 and 1..20 pids", st, len(pids))
 			}
+			// The sleeps are idle: the count holds still.
+			if cur, err := c.PidsCurrent(); err != nil || cur != st.Pids {
+				t.Errorf("PidsCurrent = %d, %v; Stats said %d", cur, err, st.Pids)
+			}
 			if err := c.Kill(); err != nil {
 				t.Fatal(err)
 			}
