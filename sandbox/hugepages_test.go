@@ -294,6 +294,17 @@ func TestLiveProcessHugePages(t *testing.T) {
 	}
 }
 
+// exited says whether pid has exited (a zombie its parent has not reaped
+// yet: a copy a restore killed, say, keeps its group in /proc until then).
+func exited(pid int) bool {
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	i := strings.LastIndexByte(string(st), ')')
+	return i < 0 || len(st) < i+3 || st[i+2] == 'Z' || st[i+2] == 'X'
+}
+
 // livePid is the host pid of the one python3 process of sandbox sb's
 // command groups (not a template).
 func livePid(t *testing.T, b *bundle, sb string) int {
@@ -315,7 +326,7 @@ func livePid(t *testing.T, b *bundle, sb string) int {
 		}
 		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 		cg, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
-		if string(comm) != "python3\n" {
+		if string(comm) != "python3\n" || exited(pid) {
 			continue
 		}
 		for line := range strings.Lines(string(cg)) {
