@@ -121,11 +121,13 @@ var errAheadDropped = errors.New("dropped before the job started")
 // come on top of the fork: an 8 MB process's restore took 1.26 ms p50
 // waiting, 0.95 forking, back to back here; 0.76 against 1.06 with 3 ms
 // between restores).
-func (s *Sandbox) forkAhead(c *checkpoint) {
+// start is when this restore began; again says whether the one before it
+// restored c too.
+func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
 	prev := s.restoredAt
 	s.restoredAt = time.Now()
-	if s.rt.cfg.ForkAtRestore || !s.restoreAgain || len(c.Images) > 0 || len(c.Procs) == 0 ||
-		!s.rt.aheadAlways && !prev.IsZero() && s.restoreStart.Sub(prev) < time.Duration(s.aheadTook.Load()) {
+	if s.rt.cfg.ForkAtRestore || !again || len(c.Images) > 0 || len(c.Procs) == 0 ||
+		!s.rt.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.aheadTook.Load()) {
 		s.dropAhead("", true)
 		return
 	}
@@ -138,12 +140,12 @@ func (s *Sandbox) forkAhead(c *checkpoint) {
 		s.endAhead(old, true)
 	}
 	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
-	start := s.restoredAt
+	began := s.restoredAt
 	go func() {
 		defer s.bg.Done()
 		defer close(a.done)
 		a.err = s.forkAheadJob(c, a)
-		s.aheadTook.Store(int64(time.Since(start)))
+		s.aheadTook.Store(int64(time.Since(began)))
 		if a.err != nil {
 			s.rt.log.Debug("forking template copies ahead", "sandbox", s.id, "checkpoint", c.ID, "err", a.err)
 		}
@@ -162,8 +164,9 @@ func (s *Sandbox) pidRoom(n int) bool {
 	return err == nil && (cur+int64(n))*4 <= lim*3
 }
 
-// forkAheadJob forks a copy of each template of c into a new frozen group,
-// a.cg. On error the copies made so far are left there, for endAhead.
+// forkAheadJob forks a copy of each template of c into a frozen group, a.cg:
+// the one the last copies were taken from, or a new one. On error the
+// copies made so far are left there, for endAhead.
 func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 	s.tplRun.Lock()
 	defer s.tplRun.Unlock()
@@ -184,12 +187,8 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 	g := s.aheadFree
 	s.aheadFree = nil
 	if g == nil {
-		if g, err = s.cg.Sub(s.groupName("p")); err != nil {
+		if g, err = s.frozenGroup("p"); err != nil {
 			return fmt.Errorf("creating cgroup: %w", err)
-		}
-		a.cg = g
-		if err := g.Freeze(); err != nil {
-			return err
 		}
 	}
 	a.cg = g

@@ -633,16 +633,20 @@ type spareGroup struct {
 	err error
 }
 
-func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) {
-	tg, err := s.cg.Sub(s.groupName("t"))
+func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) { return s.frozenGroup("t") }
+
+// frozenGroup makes a new frozen sub-group of the sandbox's group, named
+// prefix and a number.
+func (s *Sandbox) frozenGroup(prefix string) (*cgroup.Cgroup, error) {
+	g, err := s.cg.Sub(s.groupName(prefix))
 	if err != nil {
 		return nil, err
 	}
-	if err := tg.Freeze(); err != nil {
-		_ = tg.Delete()
+	if err := g.Freeze(); err != nil {
+		_ = g.Delete()
 		return nil, err
 	}
-	return tg, nil
+	return g, nil
 }
 
 // startTime returns when pid started (clock ticks since boot), or an error
@@ -695,8 +699,9 @@ func procNames(ps []procTemplate) string {
 // spawnCopies brings back the processes of c's templates into the live
 // state, after the root swap: the copies forked ahead after c's previous
 // restore if there are any (ahead.go), or copies forked now. Called with op
-// held; the command group is empty.
-func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
+// held; the command group is empty. start is when the restore began; again
+// says whether the restore before it restored c too (forkAhead).
+func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err error) {
 	a := s.takeAhead(c) // before tplRun, which its job holds
 	s.tplRun.Lock()
 	defer s.tplRun.Unlock()
@@ -778,7 +783,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint) (err error) {
 		s.liveSeen[lc.cp.Pid] = 0
 	}
 	s.foldOnce(c)
-	s.forkAhead(c)
+	s.forkAhead(c, start, again)
 	return nil
 }
 

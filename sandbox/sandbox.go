@@ -95,15 +95,13 @@ type Sandbox struct {
 	spareW  chan spareGroup // the next command group, made ahead (op)
 	// wf holds control files of the command group kept open (op).
 	wf workFiles
-	// lastRestore is the checkpoint the last restore restored, and
-	// restoreAgain whether the one before restored it too (op).
-	lastRestore  string
-	restoreAgain bool
-	// restoreStart is when the running restore began; restoredAt when the
-	// last restore that brought back template copies ended (op). aheadTook
-	// is how long the last job forking copies ahead took (ahead.go).
-	restoreStart, restoredAt time.Time
-	aheadTook                atomic.Int64
+	// lastRestore is the checkpoint the last restore restored (op).
+	lastRestore string
+	// restoredAt is when the last restore that brought back template
+	// copies ended (op); aheadTook how long the last job forking copies
+	// ahead took (ahead.go).
+	restoredAt time.Time
+	aheadTook  atomic.Int64
 	// liveSeen holds the live processes checkpointed since the last
 	// restore, and the copies it made: host pid -> start time (0 for a
 	// copy, whose start time is not read). A process not in it is folded
@@ -1199,7 +1197,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		return err
 	}
 	defer s.op.Unlock()
-	s.restoreStart = time.Now()
+	start := time.Now()
 	switch {
 	case len(units) > 0:
 		// Kept for another checkpoint (one with CRIU trees gets none):
@@ -1222,7 +1220,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	// A checkpoint restored twice in a row (no checkpoint in between) is
 	// taken to be restored again: its next root is built ahead.
 	again := id == s.lastRestore
-	s.lastRestore, s.restoreAgain = id, again
+	s.lastRestore = id
 	if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
 		unrefAll(r, stack)
 		return err
@@ -1249,7 +1247,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		// processes just killed: one of those, not dead yet, could accept a
 		// connection meant for the restored state and reset it as it dies.
 		s.waitKilled()
-		if err := s.spawnCopies(c); err != nil {
+		if err := s.spawnCopies(c, start, again); err != nil {
 			// The filesystem is the checkpoint's; end whatever copies
 			// started, so the state is at least consistent.
 			_ = s.killAll()
