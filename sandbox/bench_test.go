@@ -316,9 +316,7 @@ func BenchmarkCheckpointWithProcess(b *testing.B) {
 				first, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
 				must(b, err)
 				must(b, bb.rt.ReleaseCheckpoint(first.ID))
-				for bb.rt.Folding() > 0 {
-					time.Sleep(5 * time.Millisecond)
-				}
+				waitFolded(b, bb)
 				var l lat
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
@@ -383,9 +381,7 @@ func rollbackWithProcess(b *testing.B, step func(*sandbox.Sandbox)) {
 				// The first restore hands the templates to the huge-page
 				// worker; timed restores begin once it is done.
 				must(b, s.Restore(ctx, ck.ID))
-				for bb.rt.Folding() > 0 {
-					time.Sleep(5 * time.Millisecond)
-				}
+				waitFolded(b, bb)
 				var l lat
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {

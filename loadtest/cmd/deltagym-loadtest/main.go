@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"syscall"
 	"time"
@@ -37,7 +38,21 @@ func isTerminal(w io.Writer) bool {
 	return err == nil
 }
 
+// loadGCPercent is the collector's GOGC for the load generator. Its live heap is small (the
+// workers' requests and the histograms), so at the default 100 the collector runs several times
+// a second, on CPU the server under test would otherwise get: at 400 the generator spent 0.161–
+// 0.173 against 0.188–0.201 ms per rollback in interleaved 20 s stream runs (64 sandboxes).
+const loadGCPercent = 400
+
+// tuneGC sets the collector, unless the environment does (GOGC).
+func tuneGC(getenv func(string) string) {
+	if getenv("GOGC") == "" {
+		debug.SetGCPercent(loadGCPercent)
+	}
+}
+
 func main() {
+	tuneGC(os.Getenv)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

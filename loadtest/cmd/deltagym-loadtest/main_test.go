@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"runtime/debug"
 	"strings"
 	"testing"
 )
@@ -28,5 +29,19 @@ func TestRunRejectsBadInput(t *testing.T) {
 				t.Fatalf("run(%q) = %d, stderr %q; want %d and %q", tc.args, code, errOut.String(), tc.code, tc.want)
 			}
 		})
+	}
+}
+
+func TestTuneGC(t *testing.T) {
+	pct := debug.SetGCPercent(100)
+	t.Cleanup(func() { debug.SetGCPercent(pct) })
+	tuneGC(func(string) string { return "" })
+	if got := debug.SetGCPercent(100); got != loadGCPercent {
+		t.Errorf("GC percent %d, want %d", got, loadGCPercent)
+	}
+	// Set in the environment: left as the runtime read it.
+	tuneGC(func(k string) string { return map[string]string{"GOGC": "50"}[k] })
+	if got := debug.SetGCPercent(100); got != 100 {
+		t.Errorf("GC percent %d with GOGC set, want it untouched (100)", got)
 	}
 }
