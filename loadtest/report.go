@@ -18,6 +18,7 @@ import (
 type Report struct {
 	Scenario    string  `json:"scenario"`
 	API         string  `json:"api"`
+	Conns       int     `json:"conns"` // HTTP/2 connections the workers shared
 	Unit        string  `json:"unit"`
 	Concurrency int     `json:"concurrency"`
 	Rate        float64 `json:"target_rate,omitempty"`
@@ -79,7 +80,7 @@ type Machine struct {
 func ms(us int64) float64 { return float64(us) / 1000 }
 
 func newReport(cfg Config, rec *recorder, setup time.Duration) *Report {
-	r := &Report{Scenario: cfg.Scenario, API: cfg.API, Unit: unit(cfg.Scenario), Concurrency: cfg.Concurrency, Rate: cfg.Rate,
+	r := &Report{Scenario: cfg.Scenario, API: cfg.API, Conns: cfg.Conns, Unit: unit(cfg.Scenario), Concurrency: cfg.Concurrency, Rate: cfg.Rate,
 		DurationSec: cfg.Duration.Seconds(), WarmupSec: cfg.Warmup.Seconds(), SetupSec: setup.Seconds(),
 		Iterations: rec.iterations.Load(), Ops: map[string]OpStats{}, Errors: map[string]int64{}, hists: map[string]*hdrhistogram.Histogram{}}
 	r.Throughput = float64(r.Iterations) / cfg.Duration.Seconds()
@@ -113,8 +114,12 @@ func (r *Report) WriteSummary(w io.Writer) {
 	if r.API == APIStream {
 		api = "one StepStream per sandbox, the restore carried by a step"
 	}
-	fmt.Fprintf(w, "scenario %s: %d sandboxes, %s, %s, %.0fs measured after %.0fs warm-up (setup %.1fs)\n",
-		r.Scenario, r.Concurrency, mode, api, r.DurationSec, r.WarmupSec, r.SetupSec)
+	conns := "one HTTP/2 connection"
+	if r.Conns > 1 {
+		conns = fmt.Sprintf("%d HTTP/2 connections", r.Conns)
+	}
+	fmt.Fprintf(w, "scenario %s: %d sandboxes, %s, %s, %s, %.0fs measured after %.0fs warm-up (setup %.1fs)\n",
+		r.Scenario, r.Concurrency, mode, api, conns, r.DurationSec, r.WarmupSec, r.SetupSec)
 	fmt.Fprintf(w, "throughput: %.0f %s/s (%d in %.0fs), %d errors\n", r.Throughput, r.Unit, r.Iterations, r.DurationSec, r.ErrorCount)
 	fmt.Fprintf(w, "%-16s %10s %9s %9s %9s %9s %9s\n", "op", "count", "/s", "p50 ms", "p90 ms", "p99 ms", "max ms")
 	ops := make([]string, 0, len(r.Ops))

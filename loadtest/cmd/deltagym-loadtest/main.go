@@ -83,7 +83,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&noCRIU, "no-criu", false, "rollback-process: do not measure (or probe) the CRIU variant beside the template run")
 	fs.IntVar(&cfg.Group, "group", 8, "children per fork in the grpo scenario")
 	fs.StringVar(&cfg.API, "api", loadtest.APIUnary, "rollback scenarios: "+loadtest.APIUnary+" (Restore and each step a unary call) or "+loadtest.APIStream+" (one StepStream per sandbox; the restore rides on a step, restore_checkpoint_id)")
-	fs.IntVar(&cfg.Conns, "conns", 4, "HTTP/2 connections shared by the workers")
+	fs.IntVar(&cfg.Conns, "conns", 1, "HTTP/2 connections shared by the workers")
 	fs.DurationVar(&cfg.SampleInterval, "sample", time.Second, "interval of the timeline's samples (throughput, server RSS, discard backlog, CPU per process)")
 	fs.StringVar(&jsonPath, "json", "", "write the JSON report to this file")
 	fs.StringVar(&plotPath, "plot", "", "write a latency CDF plot (PNG) to this file")
