@@ -77,17 +77,22 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig) (*DensityResult, err
 		return nil, fmt.Errorf("reset: %w", err)
 	}
 	ids := []string{r.GetSandboxId()}
+	var ckID string
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Minute)
 		defer cancel()
 		for _, id := range ids {
 			_, _ = c.Close(cctx, &deltagymv1.CloseRequest{SandboxId: id})
 		}
+		if ckID != "" {
+			_, _ = c.ReleaseCheckpoint(cctx, &deltagymv1.ReleaseCheckpointRequest{CheckpointId: ckID})
+		}
 	}()
 	ck, err := c.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: r.GetSandboxId()})
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
+	ckID = ck.GetCheckpointId()
 	time.Sleep(cfg.Settle) // let the warm pool refill before the baseline sample
 	res := &DensityResult{N: cfg.N, LoadBefore: loadavg()[0]}
 	memBefore, cgBefore, rssBefore := memAvailable(), readInt(cfg.MemoryCgroup), procRSS(cfg.ServerPID)

@@ -7,11 +7,15 @@ import (
 	"image/png"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 )
@@ -159,9 +163,25 @@ func TestVerificationDetectsWrongRestore(t *testing.T) {
 	}
 }
 
-// TestScenarios runs each other scenario briefly against the real server, with no errors.
+// TestScenarios runs each other scenario briefly against the real server, with no errors,
+// and leaves no checkpoint behind: each one a worker took is released by the end of the run
+// (a second release is NotFound).
 func TestScenarios(t *testing.T) {
 	s := needServer(t)
+	conn, err := grpc.NewClient(s.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := deltagymv1.NewEnvServiceClient(conn)
+	var mu sync.Mutex
+	var taken []string
+	checkpointTaken = func(id string) {
+		mu.Lock()
+		taken = append(taken, id)
+		mu.Unlock()
+	}
+	t.Cleanup(func() { checkpointTaken = nil })
 	for _, tc := range []struct {
 		scenario string
 		ops      []string
@@ -187,6 +207,19 @@ func TestScenarios(t *testing.T) {
 			for _, op := range tc.ops {
 				if rep.Ops[op].Count == 0 {
 					t.Fatalf("op %s never measured: %v", op, rep.Ops)
+				}
+			}
+			mu.Lock()
+			ids := taken
+			taken = nil
+			mu.Unlock()
+			if len(ids) == 0 {
+				t.Fatal("no checkpoint recorded as taken")
+			}
+			for _, id := range ids {
+				_, err := client.ReleaseCheckpoint(t.Context(), &deltagymv1.ReleaseCheckpointRequest{CheckpointId: id})
+				if status.Code(err) != codes.NotFound {
+					t.Fatalf("checkpoint %s (#%d of %d taken) left behind: a second release gave %v, want NotFound", id, slices.Index(ids, id), len(ids), err)
 				}
 			}
 		})

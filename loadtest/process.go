@@ -175,6 +175,7 @@ func (w *rollbackProcessWorker) setup(ctx context.Context) error {
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	w.ck = r.GetCheckpointId()
+	w.own(w.ck)
 	var seen []string
 	found := false
 	for _, p := range r.GetProcesses() {

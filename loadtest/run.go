@@ -110,8 +110,10 @@ func iterate(ctx context.Context, rec *recorder, w worker, start time.Time) {
 		}
 		return
 	}
-	if ctx.Err() != nil {
-		return // the run ended during the call: not a server error
+	if dl, ok := ctx.Deadline(); ctx.Err() != nil || ok && !time.Now().Before(dl) {
+		// The run ended during the call: not a server error. (gRPC fails a call past the
+		// deadline before the context's own timer has fired.)
+		return
 	}
 	op := "iteration"
 	var oe *opError
@@ -123,8 +125,11 @@ func iterate(ctx context.Context, rec *recorder, w worker, start time.Time) {
 	if errors.Is(err, ErrWrongRestore) {
 		rec.noteWrong(err)
 	}
-	// The sandbox may be in any state now: start it again.
-	w.close(ctx)
+	// The sandbox may be in any state now: start it again. Ending it (and releasing its
+	// checkpoints) must not be cut short by the end of the run.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	w.close(cctx)
+	cancel()
 	if err := w.setup(ctx); err != nil && ctx.Err() == nil {
 		rec.fail("setup", time.Now(), err)
 	}

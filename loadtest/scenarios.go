@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 
 	"google.golang.org/grpc"
@@ -63,6 +64,33 @@ type base struct {
 	st     grpc.BidiStreamingClient[deltagymv1.StepStreamRequest, deltagymv1.StepStreamResponse]
 	stop   context.CancelFunc // ends st
 	reqID  uint64
+	// cks are the checkpoints the worker took and has not released: close releases them,
+	// so that a run against a long-lived server leaves none behind (each holds its layers,
+	// and a checkpoint with processes its frozen templates, until released).
+	cks []string
+}
+
+// checkpointTaken is called with each checkpoint a worker takes (tests only).
+var checkpointTaken func(id string)
+
+// own records a checkpoint the worker took, for close to release.
+func (b *base) own(id string) {
+	if id == "" {
+		return
+	}
+	b.cks = append(b.cks, id)
+	if checkpointTaken != nil {
+		checkpointTaken(id)
+	}
+}
+
+// release releases a checkpoint the worker took.
+func (b *base) release(ctx context.Context, id string) error {
+	_, err := b.c.ReleaseCheckpoint(ctx, &deltagymv1.ReleaseCheckpointRequest{CheckpointId: id})
+	if err == nil || status.Code(err) == codes.NotFound {
+		b.cks = slices.DeleteFunc(b.cks, func(c string) bool { return c == id })
+	}
+	return err
 }
 
 func (b *base) reset(ctx context.Context) error {
@@ -79,6 +107,11 @@ func (b *base) close(ctx context.Context) {
 	if b.sid != "" {
 		_, _ = b.c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: b.sid})
 		b.sid = ""
+	}
+	// Deepest first: a tree's checkpoints were taken root first. One whose release fails
+	// stays listed, for the next close.
+	for i := len(b.cks) - 1; i >= 0; i-- {
+		_ = b.release(ctx, b.cks[i])
 	}
 }
 
@@ -159,6 +192,7 @@ func (b *base) checkpoint(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
+	b.own(r.GetCheckpointId())
 	return r.GetCheckpointId(), nil
 }
 
@@ -431,6 +465,7 @@ func (w *treeWorker) setup(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("writing the root: %w", err)
 	}
+	w.own(r.GetCheckpointId())
 	w.path = []string{r.GetCheckpointId()}
 	return nil
 }
@@ -445,6 +480,7 @@ func (w *treeWorker) iterate(ctx context.Context, rec *recorder) error {
 			if r.GetCheckpointId() == "" {
 				return fmt.Errorf("step asked for a checkpoint and got none: %w", ErrUnexpected)
 			}
+			w.own(r.GetCheckpointId())
 			w.path = append(w.path, r.GetCheckpointId())
 			return nil
 		})
@@ -469,10 +505,7 @@ func (w *treeWorker) iterate(ctx context.Context, rec *recorder) error {
 	// The branches below j are abandoned: release their checkpoints, deepest first.
 	for i := len(w.path) - 1; i > j; i-- {
 		id := w.path[i]
-		if err := rec.op("release", func() error {
-			_, err := w.c.ReleaseCheckpoint(ctx, &deltagymv1.ReleaseCheckpointRequest{CheckpointId: id})
-			return err
-		}); err != nil {
+		if err := rec.op("release", func() error { return w.release(ctx, id) }); err != nil {
 			return err
 		}
 	}
