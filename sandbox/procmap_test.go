@@ -114,6 +114,16 @@ func TestPidHolderSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = unix.Kill(member, unix.SIGKILL) })
+	// sh prints the member's pid once it has forked it, maybe before the
+	// child has exec'd sleep (its name would still be sh).
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if comm, err := os.ReadFile("/proc/" + strconv.Itoa(member) + "/comm"); err == nil && string(comm) == "sleep\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pid %d never became sleep", member)
+		}
+	}
 	leader := cmd.Process.Pid
 	want := map[int]bool{leader: true}
 	if got, err := pidHolder("/proc", want); err != nil || !strings.Contains(got, "pid "+strconv.Itoa(leader)+" is still taken (") {
