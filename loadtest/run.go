@@ -62,11 +62,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	wg.Wait()
 	defer func() {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-		defer cancel()
 		var cw sync.WaitGroup
 		for _, w := range workers {
-			cw.Go(func() { w.close(cctx) })
+			cw.Go(func() { w.close(ctx) })
 		}
 		cw.Wait()
 	}()
@@ -125,11 +123,8 @@ func iterate(ctx context.Context, rec *recorder, w worker, start time.Time) {
 	if errors.Is(err, ErrWrongRestore) {
 		rec.noteWrong(err)
 	}
-	// The sandbox may be in any state now: start it again. Ending it (and releasing its
-	// checkpoints) must not be cut short by the end of the run.
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-	w.close(cctx)
-	cancel()
+	// The sandbox may be in any state now: start it again.
+	w.close(ctx)
 	if err := w.setup(ctx); err != nil && ctx.Err() == nil {
 		rec.fail("setup", time.Now(), err)
 	}

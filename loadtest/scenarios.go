@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -102,7 +103,11 @@ func (b *base) reset(ctx context.Context) error {
 	return nil
 }
 
+// close ends the worker's sandbox and releases its checkpoints, on a context of its own (up to
+// a minute) so that the end of the run cannot cut it short.
 func (b *base) close(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
 	b.endStream()
 	if b.sid != "" {
 		_, _ = b.c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: b.sid})
@@ -110,8 +115,8 @@ func (b *base) close(ctx context.Context) {
 	}
 	// Deepest first: a tree's checkpoints were taken root first. One whose release fails
 	// stays listed, for the next close.
-	for i := len(b.cks) - 1; i >= 0; i-- {
-		_ = b.release(ctx, b.cks[i])
+	for _, id := range slices.Backward(slices.Clone(b.cks)) {
+		_ = b.release(ctx, id)
 	}
 }
 
