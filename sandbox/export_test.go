@@ -33,3 +33,7 @@ func (s *Sandbox) AheadPids(ck string) []int {
 // that come back to back, so that tests do not depend on how long their
 // steps take against the job.
 func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }
+
+// OnCPUBoost makes every restore that raises its sandbox's CPU weight call
+// f right after it did.
+func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }

@@ -699,8 +699,10 @@ func procNames(ps []procTemplate) string {
 // spawnCopies brings back the processes of c's templates into the live
 // state, after the root swap: the copies forked ahead after c's previous
 // restore if there are any (ahead.go), or copies forked now. Called with op
-// held; the command group is empty. start is when the restore began; again
-// says whether the restore before it restored c too (forkAhead).
+// held; the command group is empty, and the processes the restore killed
+// may still be exiting (waited for before the copies run). start is when
+// the restore began; again says whether the restore before it restored c
+// too (forkAhead).
 func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err error) {
 	a := s.takeAhead(c) // before tplRun, which its job holds
 	s.tplRun.Lock()
@@ -762,6 +764,11 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 	if err != nil {
 		return err
 	}
+	// The copies share their sockets with the templates, and so did the
+	// processes the restore killed: one of those, not dead yet, could
+	// accept a connection meant for the restored state and reset it as it
+	// dies. They exit while the copies are readied, then are waited for.
+	s.waitKilled()
 	// Everything is in place: let the copies run.
 	for i, lc := range copies {
 		exit := lc.exit

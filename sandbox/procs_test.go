@@ -134,6 +134,71 @@ func TestTemplateCounterRestores(t *testing.T) {
 	}
 }
 
+// A restore that brings back processes raises the sandbox's CPU weight
+// while it runs, and sets it back before it returns; one without processes
+// leaves it alone.
+func TestRestoreRaisesCPUWeight(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	// cpu.shares (v1) or cpu.weight (v2) of the sandbox's group.
+	var file, normal, high string
+	for _, f := range []struct{ path, high string }{
+		{"/sys/fs/cgroup/cpu/" + b.cfg.CgroupRoot + "/" + s.ID() + "/cpu.shares", "102400"},
+		{"/sys/fs/cgroup/" + b.cfg.CgroupRoot + "/" + s.ID() + "/cpu.weight", "10000"},
+	} {
+		if v, err := os.ReadFile(f.path); err == nil {
+			file, normal, high = f.path, strings.TrimSpace(string(v)), f.high
+			break
+		}
+	}
+	if file == "" {
+		t.Skip("the sandbox's group has no cpu controller here")
+	}
+	weight := func() string {
+		v, err := os.ReadFile(file)
+		if err != nil {
+			t.Error(err)
+		}
+		return strings.TrimSpace(string(v))
+	}
+	var during []string
+	b.rt.OnCPUBoost(func() { during = append(during, weight()) })
+
+	startCounter(t, s)
+	inc(t, s, 1)
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	for round := range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if len(during) != round+1 || during[round] != high {
+			t.Fatalf("round %d: weights seen during restores with processes %q, want %q each", round, during, high)
+		}
+		if got := weight(); got != normal {
+			t.Fatalf("round %d: %s = %s after the restore, want %s", round, file, got, normal)
+		}
+		inc(t, s, 2) // the process is back at 1
+	}
+	if err := s.Restore(ctx, files.ID); err != nil {
+		t.Fatal(err)
+	}
+	if len(during) != 2 {
+		t.Fatalf("a restore without processes raised the weight (%d raises in all)", len(during))
+	}
+	if got := weight(); got != normal {
+		t.Fatalf("%s = %s after a restore without processes, want %s", file, got, normal)
+	}
+}
+
 // inSession runs cmd in s's session "main" and returns its stdout; it must exit 0.
 func inSession(t testing.TB, s *sandbox.Sandbox, cmd string) string {
 	t.Helper()

@@ -95,6 +95,10 @@ type Sandbox struct {
 	spareW  chan spareGroup // the next command group, made ahead (op)
 	// wf holds control files of the command group kept open (op).
 	wf workFiles
+	// boost raises the group's CPU weight during a restore with processes
+	// (boostCPU); nil without a cpu controller. Opened on first use (op).
+	boost      *cgroup.CPUBoost
+	boostTried bool
 	// lastRestore is the checkpoint the last restore restored (op).
 	lastRestore string
 	// restoredAt is when the last restore that brought back template
@@ -716,6 +720,10 @@ func (s *Sandbox) unrefStack() {
 
 func (s *Sandbox) closeFDs() error {
 	s.closeWorkFiles()
+	if s.boost != nil {
+		s.boost.Close()
+		s.boost = nil
+	}
 	for k, fd := range s.idmapped {
 		unix.Close(fd)
 		delete(s.idmapped, k)
@@ -1198,6 +1206,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	}
 	defer s.op.Unlock()
 	start := time.Now()
+	if copies || len(units) > 0 {
+		defer s.boostCPU()()
+	}
 	switch {
 	case len(units) > 0:
 		// Kept for another checkpoint (one with CRIU trees gets none):
@@ -1243,10 +1254,6 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		}
 	}
 	if copies {
-		// The copies share their sockets with the templates, and so did the
-		// processes just killed: one of those, not dead yet, could accept a
-		// connection meant for the restored state and reset it as it dies.
-		s.waitKilled()
 		if err := s.spawnCopies(c, start, again); err != nil {
 			// The filesystem is the checkpoint's; end whatever copies
 			// started, so the state is at least consistent.
@@ -1265,6 +1272,39 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		}
 	}
 	return nil
+}
+
+// boostCPU raises the sandbox's CPU weight (cgroup.CPUBoost) and returns
+// what sets it back. A restore with processes holds it: what it waits for
+// runs in the sandbox's group (the killed processes' exit, the copies'
+// fix-ups, CRIU's restorer), and on CPUs busy with other sandboxes each of
+// those steps would otherwise queue behind all of them. The agent's own
+// processes are dying or stopped for nearly all of it: the restored ones
+// run only at its end. Called with op held.
+func (s *Sandbox) boostCPU() (unboost func()) {
+	if !s.boostTried {
+		s.boostTried = true
+		b, err := s.cg.OpenCPUBoost()
+		if err != nil {
+			s.rt.log.Warn("opening the sandbox's CPU weight; restores run at its normal weight", "sandbox", s.id, "err", err)
+		}
+		s.boost = b
+	}
+	if s.boost == nil {
+		return func() {}
+	}
+	if err := s.boost.Set(true); err != nil {
+		s.rt.log.Warn("raising the sandbox's CPU weight for a restore", "sandbox", s.id, "err", err)
+		return func() {}
+	}
+	if s.rt.onBoost != nil {
+		s.rt.onBoost()
+	}
+	return func() {
+		if err := s.boost.Set(false); err != nil {
+			s.rt.log.Warn("setting the sandbox's CPU weight back after a restore", "sandbox", s.id, "err", err)
+		}
+	}
 }
 
 // waitKilled waits, for up to 2 s, until the processes of the command group

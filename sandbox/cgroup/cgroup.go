@@ -1,6 +1,7 @@
 package cgroup
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"math"
@@ -1044,5 +1045,105 @@ func (e *Events) Close() error {
 	}
 	err := unix.Close(e.fd)
 	e.fd = -1
+	return err
+}
+
+// CPU weights a group is raised to by [CPUBoost.Set]: cgroup v2's cpu.weight
+// at its maximum (the default is 100), and cgroup v1's cpu.shares at the
+// same factor over its default of 1024.
+const (
+	boostWeightV2 = 10000
+	boostSharesV1 = 102400
+)
+
+// CPUBoost is a top-level group's CPU weight file (cpu.weight on cgroup v2,
+// cpu.shares on v1), kept open, through which the group's share of a busy
+// CPU is raised while the server does work inside it, then set back.
+//
+// Why: a restore with processes waits for work that runs in the sandbox's
+// group (the killed processes' exit, the copies' fix-ups made in their own
+// context, a CRIU restore's restorer). On a CPU busy with other sandboxes,
+// each of those wake-ups queues behind every other group with runnable
+// tasks: with 64 sandboxes busy on 2 CPUs, 55–75 ms for one restore (p50).
+// A raised weight gives the group an early virtual deadline, and the same
+// restore took 8 ms. The agent's own processes are dying or stopped for
+// nearly all of that time. A CPU quota (cpu.max, cpu.cfs_quota_us) still
+// applies.
+type CPUBoost struct {
+	mu     sync.Mutex
+	fd     int
+	normal []byte // the weight found at open, written back by Set(false)
+	high   []byte
+	on     bool
+}
+
+// OpenCPUBoost opens the weight file of the group's cpu controller (the
+// top-level group's, for a sub-group). It returns nil, nil when the host
+// gives the group no cpu controller.
+func (c *Cgroup) OpenCPUBoost() (*CPUBoost, error) {
+	d, ok := c.limit[ctrlCPU]
+	if !ok {
+		return nil, nil
+	}
+	name, high := "cpu.shares", boostSharesV1
+	if c.m.l.ctrlV2[ctrlCPU] {
+		name, high = "cpu.weight", boostWeightV2
+	}
+	p := filepath.Join(d, name)
+	fd, err := openRetry(p, unix.O_RDWR|unix.O_CLOEXEC)
+	if err != nil {
+		return nil, c.wrap("opening the CPU weight of", &os.PathError{Op: "open", Path: p, Err: err})
+	}
+	var buf [32]byte
+	n, err := unix.Pread(fd, buf[:], 0)
+	if err != nil {
+		unix.Close(fd)
+		return nil, c.wrap("reading the CPU weight of", &os.PathError{Op: "read", Path: p, Err: err})
+	}
+	normal := bytes.TrimSpace(buf[:n])
+	if _, err := strconv.Atoi(string(normal)); err != nil {
+		unix.Close(fd)
+		return nil, c.wrap("reading the CPU weight of", fmt.Errorf("%s holds %q", p, buf[:n]))
+	}
+	return &CPUBoost{fd: fd, normal: normal, high: []byte(strconv.Itoa(high))}, nil
+}
+
+// Set raises the group's weight (on) or puts back the one found at open.
+// Setting what is already set writes nothing.
+func (b *CPUBoost) Set(on bool) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.fd < 0 {
+		return errors.New("setting the CPU weight through a closed file")
+	}
+	if on == b.on {
+		return nil
+	}
+	v := b.normal
+	if on {
+		v = b.high
+	}
+	for {
+		_, err := unix.Pwrite(b.fd, v, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("setting the CPU weight to %s: %w", v, err)
+		}
+		b.on = on
+		return nil
+	}
+}
+
+// Close closes the file; the weight stays as last set. It is idempotent.
+func (b *CPUBoost) Close() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.fd < 0 {
+		return nil
+	}
+	err := unix.Close(b.fd)
+	b.fd = -1
 	return err
 }

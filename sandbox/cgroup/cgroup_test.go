@@ -1,8 +1,10 @@
 package cgroup
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
@@ -965,4 +967,133 @@ func TestPidList(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestCPUBoost raises a group's CPU weight and sets it back, and checks that
+// the weight does what it is for: of two busy processes on one CPU, the one
+// in the raised group gets nearly all of it.
+func TestCPUBoost(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			m := newManager(t, mode)
+			a := create(t, m, "boosted", Limits{})
+			b := create(t, m, "plain", Limits{})
+			sub, err := a.Sub("w")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = sub.Delete() })
+			// Through a sub-group: the top-level group's weight is raised.
+			boost, err := sub.OpenCPUBoost()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if boost == nil {
+				if _, ok := a.limit[ctrlCPU]; ok {
+					t.Fatal("OpenCPUBoost = nil for a group with a cpu controller")
+				}
+				t.Skipf("the %s layout here has no cpu controller", mode)
+			}
+			t.Cleanup(func() { boost.Close() })
+			file, want := "cpu.shares", "102400"
+			if m.l.ctrlV2[ctrlCPU] {
+				file, want = "cpu.weight", "10000"
+			}
+			weight := func() string {
+				t.Helper()
+				v, err := os.ReadFile(filepath.Join(a.limit[ctrlCPU], file))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return strings.TrimSpace(string(v))
+			}
+			normal := weight()
+
+			// Two spinning shells, one per group, on one CPU.
+			var cpus unix.CPUSet
+			if err := unix.SchedGetaffinity(0, &cpus); err != nil {
+				t.Fatal(err)
+			}
+			cpu := -1
+			for i := 0; i < 1024 && cpu < 0; i++ {
+				if cpus.IsSet(i) {
+					cpu = i
+				}
+			}
+			var one unix.CPUSet
+			one.Set(cpu)
+			spin := func(g *Cgroup) int {
+				h := startCmd(t, "sh", "-c", "while :; do :; done")
+				if err := unix.SchedSetaffinity(h.pid(), &one); err != nil {
+					t.Fatal(err)
+				}
+				if err := g.Add(h.pid()); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = unix.Kill(h.pid(), unix.SIGKILL); h.wait(t) })
+				return h.pid()
+			}
+			pa, pb := spin(sub), spin(b)
+			// share is pa's part of the CPU time both used over a second.
+			share := func() float64 {
+				t.Helper()
+				a0, b0 := cpuTicks(t, pa), cpuTicks(t, pb)
+				time.Sleep(time.Second)
+				da, db := cpuTicks(t, pa)-a0, cpuTicks(t, pb)-b0
+				if da+db == 0 {
+					t.Fatal("the spinning processes used no CPU in a second")
+				}
+				return float64(da) / float64(da+db)
+			}
+
+			if err := boost.Set(true); err != nil {
+				t.Fatal(err)
+			}
+			if got := weight(); got != want {
+				t.Fatalf("boosted: %s = %s, want %s", file, got, want)
+			}
+			if err := boost.Set(true); err != nil {
+				t.Fatalf("second Set(true): %v", err)
+			}
+			s := share()
+			t.Logf("boosted: %.1f%% of the CPU", s*100)
+			if s < 0.8 {
+				t.Errorf("boosted, the group's process got %.0f%% of a shared CPU, want nearly all", s*100)
+			}
+			if err := boost.Set(false); err != nil {
+				t.Fatal(err)
+			}
+			if got := weight(); got != normal {
+				t.Fatalf("unboosted: %s = %s, want %s as found", file, got, normal)
+			}
+			s = share()
+			t.Logf("unboosted: %.1f%% of the CPU", s*100)
+			if s > 0.8 {
+				t.Errorf("unboosted, the group's process still got %.0f%% of a shared CPU, want about half", s*100)
+			}
+			if err := boost.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := boost.Close(); err != nil {
+				t.Fatalf("second Close = %v", err)
+			}
+			if err := boost.Set(true); err == nil {
+				t.Fatal("Set after Close succeeded")
+			}
+		})
+	}
+}
+
+// cpuTicks returns the user and system CPU time of pid, in clock ticks.
+func cpuTicks(t testing.TB, pid int) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	// After the comm: state is field 0; utime and stime are 11 and 12.
+	u, _ := strconv.ParseInt(f[11], 10, 64)
+	s, _ := strconv.ParseInt(f[12], 10, 64)
+	return u + s
 }
