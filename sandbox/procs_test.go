@@ -141,17 +141,7 @@ func TestRestoreRaisesCPUWeight(t *testing.T) {
 	b := setup(t)
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
-	// cpu.shares (v1) or cpu.weight (v2) of the sandbox's group.
-	var file, normal, high string
-	for _, f := range []struct{ path, high string }{
-		{"/sys/fs/cgroup/cpu/" + b.cfg.CgroupRoot + "/" + s.ID() + "/cpu.shares", "102400"},
-		{"/sys/fs/cgroup/" + b.cfg.CgroupRoot + "/" + s.ID() + "/cpu.weight", "10000"},
-	} {
-		if v, err := os.ReadFile(f.path); err == nil {
-			file, normal, high = f.path, strings.TrimSpace(string(v)), f.high
-			break
-		}
-	}
+	file, high := cpuWeightFile(b, s)
 	if file == "" {
 		t.Skip("the sandbox's group has no cpu controller here")
 	}
@@ -162,6 +152,7 @@ func TestRestoreRaisesCPUWeight(t *testing.T) {
 		}
 		return strings.TrimSpace(string(v))
 	}
+	normal := weight()
 	var during []string
 	b.rt.OnCPUBoost(func() { during = append(during, weight()) })
 
@@ -197,6 +188,43 @@ func TestRestoreRaisesCPUWeight(t *testing.T) {
 	if got := weight(); got != normal {
 		t.Fatalf("%s = %s after a restore without processes, want %s", file, got, normal)
 	}
+
+	// A fork restores the process from an image of its template, raised
+	// too (criu's restorer runs in the child's group).
+	if _, err := criu.Find(); err != nil {
+		t.Logf("not checking forks: criu is not installed (make criu): %v", err)
+		return
+	}
+	var forked []string
+	b.rt.OnCPUBoost(func() { forked = append(forked, "raised") })
+	kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kids[0].Destroy(context.Background()) })
+	if len(forked) != 1 {
+		t.Fatalf("a fork of a checkpoint with a process raised its child's weight %d times, want once", len(forked))
+	}
+	kf, _ := cpuWeightFile(b, kids[0])
+	if v, err := os.ReadFile(kf); err != nil || strings.TrimSpace(string(v)) != normal {
+		t.Fatalf("the forked child's %s = %q (%v) after the fork, want %s", kf, v, err, normal)
+	}
+	inc(t, kids[0], 2) // the child's process is at 1
+}
+
+// cpuWeightFile returns the CPU weight file of s's group (cpu.shares on
+// cgroup v1, cpu.weight on v2) and the value a raised weight has there; ""
+// without a cpu controller.
+func cpuWeightFile(b *bundle, s *sandbox.Sandbox) (file, high string) {
+	for _, f := range []struct{ path, high string }{
+		{"/sys/fs/cgroup/cpu/" + b.cfg.CgroupRoot + "/" + s.ID() + "/cpu.shares", "102400"},
+		{"/sys/fs/cgroup/" + b.cfg.CgroupRoot + "/" + s.ID() + "/cpu.weight", "10000"},
+	} {
+		if _, err := os.Stat(f.path); err == nil {
+			return f.path, f.high
+		}
+	}
+	return "", ""
 }
 
 // inSession runs cmd in s's session "main" and returns its stdout; it must exit 0.

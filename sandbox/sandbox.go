@@ -250,8 +250,13 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		}
 	}
 	if ck != nil && !spec.FilesOnly {
-		if err = s.restoreTrees(ctx, ck, slices.Concat(ck.Images, tplUnits)); err != nil {
-			return nil, err
+		if units := slices.Concat(ck.Images, tplUnits); len(units) > 0 {
+			unboost := s.boostCPU() // as a restore does
+			err = s.restoreTrees(ctx, ck, units)
+			unboost()
+			if err != nil {
+				return nil, err
+			}
 		}
 	}
 	if err = r.writeSandboxRecord(s); err != nil {
