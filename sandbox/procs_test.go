@@ -134,7 +134,7 @@ func TestTemplateCounterRestores(t *testing.T) {
 	}
 }
 
-// A restore that brings back processes raises the sandbox's CPU weight
+// A checkpoint or restore with processes raises the sandbox's CPU weight
 // while it runs, and sets it back before it returns; one without processes
 // leaves it alone.
 func TestRestoreRaisesCPUWeight(t *testing.T) {
@@ -162,16 +162,25 @@ func TestRestoreRaisesCPUWeight(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if len(during) != 1 || during[0] != high {
+		t.Fatalf("weights seen during a checkpoint with a process %q, want %q", during, high)
+	}
+	if got := weight(); got != normal {
+		t.Fatalf("%s = %s after the checkpoint, want %s", file, got, normal)
+	}
 	files, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if len(during) != 1 {
+		t.Fatalf("a checkpoint of files only raised the weight")
 	}
 	inc(t, s, 2)
 	for round := range 2 {
 		if err := s.Restore(ctx, ck.ID); err != nil {
 			t.Fatal(err)
 		}
-		if len(during) != round+1 || during[round] != high {
+		if len(during) != round+2 || during[round+1] != high {
 			t.Fatalf("round %d: weights seen during restores with processes %q, want %q each", round, during, high)
 		}
 		if got := weight(); got != normal {
@@ -182,7 +191,7 @@ func TestRestoreRaisesCPUWeight(t *testing.T) {
 	if err := s.Restore(ctx, files.ID); err != nil {
 		t.Fatal(err)
 	}
-	if len(during) != 2 {
+	if len(during) != 3 {
 		t.Fatalf("a restore without processes raised the weight (%d raises in all)", len(during))
 	}
 	if got := weight(); got != normal {

@@ -1034,7 +1034,11 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 			err = s.copyUpper(c)
 		}
 	case mode == ProcessesTemplate, mode == ProcessesCRIU:
+		// As for a restore (boostCPU): each process must get a CPU to
+		// stop, to clone itself, and (CRIU) to run the parasite.
+		unboost := s.boostCPU()
 		err = s.captureProcesses(ctx, c, mode, func() error { return s.copyUpperFrozen(c) })
+		unboost()
 		if err != nil && !errors.Is(err, ErrProcesses) {
 			err = fmt.Errorf("capturing processes: %w", err)
 		}
@@ -1280,12 +1284,13 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 }
 
 // boostCPU raises the sandbox's CPU weight (cgroup.CPUBoost) and returns
-// what sets it back. A restore with processes holds it: what it waits for
-// runs in the sandbox's group (the killed processes' exit, the copies'
-// fix-ups, CRIU's restorer), and on CPUs busy with other sandboxes each of
-// those steps would otherwise queue behind all of them. The agent's own
-// processes are dying or stopped for nearly all of it: the restored ones
-// run only at its end. Called with op held.
+// what sets it back. A restore or checkpoint with processes holds it: what
+// it waits for runs in the sandbox's group (the killed processes' exit, the
+// ptrace stops, the clones and fix-ups made in the processes' own context,
+// CRIU's parasite and restorer), and on CPUs busy with other sandboxes each
+// of those steps would otherwise queue behind all of them. The agent's own
+// processes are dying or stopped for nearly all of it: they run again only
+// at its end. Called with op held.
 func (s *Sandbox) boostCPU() (unboost func()) {
 	if !s.boostTried {
 		s.boostTried = true
