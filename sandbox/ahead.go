@@ -26,7 +26,11 @@ import (
 // of that checkpoint takes them instead of forking: it seizes each, moves it
 // into the command group (which thaws it into the ptrace stop the seizure
 // asked for) and fixes it up as it would a copy just forked, after the root
-// swap.
+// swap; but the job already made the session a copy of a session leader
+// leads (setsid does not depend on the root), one round trip to the copy
+// fewer at the restore: under the rollback-process load test, whose copies
+// need no other fix-up, 6.9–7.7 ms p50 against 7.8–9.0 in three
+// interleaved pairs.
 //
 // Why a parked copy is as good as a fresh one: it is a template's copy that
 // never ran, with the template's registers and, copy-on-write, its memory
@@ -87,6 +91,10 @@ type aheadProc struct {
 	// the time a restore comes.
 	pidfd int
 	exit  <-chan initproc.ExitEvent // set if the server reaps it
+	// led: the copy already leads a session of its own (its template's
+	// process did), made by the job, so that the restore's fix-ups do not
+	// make one more round trip to the copy for it.
+	led bool
 }
 
 // alive says whether the copy is still there (and so still has its pid).
@@ -230,7 +238,14 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 			cp.Kill()
 			return fmt.Errorf("pidfd_open: %w", err)
 		}
-		a.procs = append(a.procs, aheadProc{pid: cp.Pid, nsPid: nsPid, pidfd: fd, exit: exit})
+		ap := aheadProc{pid: cp.Pid, nsPid: nsPid, pidfd: fd, exit: exit}
+		if t.Leader {
+			// Where the restore would, in the copy's own context; a copy
+			// that cannot gets its session at the restore instead.
+			_, serr := cp.Syscall(unix.SYS_SETSID)
+			ap.led = serr == nil
+		}
+		a.procs = append(a.procs, ap)
 		// Out of the template group before it is frozen again: a copy
 		// detached there would be a template to a restarted server.
 		if err := g.Move(cp.Pid); err != nil {

@@ -1,11 +1,13 @@
 package sandbox_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -79,12 +81,21 @@ func TestForkAhead(t *testing.T) {
 		}
 		for _, pid := range ahead {
 			aheadFrozen(t, pid)
+			// Both processes led a session of their own, and so do their
+			// copies from the start (the job makes it, not the restore).
+			if sid := sessionOf(t, pid); sid != pid {
+				t.Fatalf("%s: copy %d forked ahead is in session %d, want its own", name, pid, sid)
+			}
 		}
 		if err := s.Restore(ctx, ck.ID); err != nil {
 			t.Fatal(err)
 		}
-		if live := livePid(t, b, s.ID()); !slices.Contains(ahead, live) {
+		live := livePid(t, b, s.ID())
+		if !slices.Contains(ahead, live) {
 			t.Fatalf("%s: the live process is pid %d, not one of the copies forked ahead %v", name, live, ahead)
+		}
+		if sid := sessionOf(t, live); sid != live {
+			t.Fatalf("%s: the live process %d is in session %d, want its own", name, live, sid)
 		}
 		check(name)
 		next := s.AheadPids(ck.ID)
@@ -367,4 +378,20 @@ func TestForkAheadPidsLimit(t *testing.T) {
 			}
 		})
 	}
+}
+
+// sessionOf returns the session of host pid (as the host sees it).
+func sessionOf(t *testing.T, pid int) int {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// pid (comm) state ppid pgrp session …; comm may hold spaces.
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	sid, err := strconv.Atoi(f[3])
+	if err != nil {
+		t.Fatalf("/proc/%d/stat: %q", pid, b)
+	}
+	return sid
 }

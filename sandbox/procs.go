@@ -803,6 +803,7 @@ type liveCopy struct {
 	cg    *cgroup.Cgroup
 	stdio [3]*os.File               // session: the server's ends
 	exit  <-chan initproc.ExitEvent // set if the server reaps it
+	led   bool                      // it leads its session already (aheadProc.led)
 }
 
 // copyGroup returns the group a copy of t goes to: the command group, or a
@@ -876,7 +877,7 @@ func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []
 			if err != nil {
 				return err
 			}
-			lc := liveCopy{cp: cp, nsPid: p.nsPid, t: c.Procs[i], exit: p.exit}
+			lc := liveCopy{cp: cp, nsPid: p.nsPid, t: c.Procs[i], exit: p.exit, led: p.led}
 			if lc.cg, err = s.copyGroup(lc.t); err == nil {
 				err = lc.cg.Move(cp.Pid)
 			}
@@ -930,7 +931,9 @@ func fixUpAll(copies []liveCopy) error {
 	for i := range copies {
 		lc := &copies[i]
 		var err error
-		if lc.stdio, err = fixUp(lc.cp, lc.t); err != nil {
+		t := lc.t
+		t.Leader = t.Leader && !lc.led
+		if lc.stdio, err = fixUp(lc.cp, t); err != nil {
 			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, lc.t.name(), err)
 		}
 	}
