@@ -34,6 +34,6 @@ func (s *Sandbox) AheadPids(ck string) []int {
 // steps take against the job.
 func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }
 
-// OnCPUBoost makes every restore that raises its sandbox's CPU weight call
-// f right after it did.
+// OnCPUBoost makes every checkpoint, restore or fork that raises its
+// sandbox's CPU weight call f right after it did.
 func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }

@@ -137,7 +137,7 @@ func TestTemplateCounterRestores(t *testing.T) {
 // A checkpoint or restore with processes raises the sandbox's CPU weight
 // while it runs, and sets it back before it returns; one without processes
 // leaves it alone.
-func TestRestoreRaisesCPUWeight(t *testing.T) {
+func TestProcessCheckpointRestoreRaiseCPUWeight(t *testing.T) {
 	b := setup(t)
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()

@@ -283,8 +283,8 @@ type Runtime struct {
 	// aheadAlways forks copies ahead even after restores that come back
 	// to back (tests: their steps' length must not decide).
 	aheadAlways bool
-	// onBoost, if set (tests), is called inside each restore that raised
-	// its sandbox's CPU weight, right after it did.
+	// onBoost, if set (tests), is called inside each checkpoint, restore
+	// or fork that raised its sandbox's CPU weight, right after it did.
 	onBoost func()
 }
 

@@ -95,8 +95,9 @@ type Sandbox struct {
 	spareW  chan spareGroup // the next command group, made ahead (op)
 	// wf holds control files of the command group kept open (op).
 	wf workFiles
-	// boost raises the group's CPU weight during a restore with processes
-	// (boostCPU); nil without a cpu controller. Opened on first use (op).
+	// boost raises the group's CPU weight during a checkpoint or restore
+	// with processes (boostCPU); nil without a cpu controller. Opened on
+	// first use (op).
 	boost      *cgroup.CPUBoost
 	boostTried bool
 	// lastRestore is the checkpoint the last restore restored (op).
