@@ -238,14 +238,19 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 			cp.Kill()
 			return fmt.Errorf("pidfd_open: %w", err)
 		}
-		ap := aheadProc{pid: cp.Pid, nsPid: nsPid, pidfd: fd, exit: exit}
+		a.procs = append(a.procs, aheadProc{pid: cp.Pid, nsPid: nsPid, pidfd: fd, exit: exit})
 		if t.Leader {
 			// Where the restore would, in the copy's own context; a copy
 			// that cannot gets its session at the restore instead.
 			_, serr := cp.Syscall(unix.SYS_SETSID)
-			ap.led = serr == nil
+			if cp.Signal != 0 {
+				// Sent while it stepped (the agent can signal a copy):
+				// detached, it would take it, out of the restore's sight.
+				cp.Kill()
+				return fmt.Errorf("the copy of %s was sent signal %d as it was made", t.name(), cp.Signal)
+			}
+			a.procs[len(a.procs)-1].led = serr == nil
 		}
-		a.procs = append(a.procs, ap)
 		// Out of the template group before it is frozen again: a copy
 		// detached there would be a template to a restarted server.
 		if err := g.Move(cp.Pid); err != nil {

@@ -700,9 +700,9 @@ func procNames(ps []procTemplate) string {
 // state, after the root swap: the copies forked ahead after c's previous
 // restore if there are any (ahead.go), or copies forked now. Called with op
 // held; the command group is empty, and the processes the restore killed
-// may still be exiting (waited for before the copies run). start is when
-// the restore began; again says whether the restore before it restored c
-// too (forkAhead).
+// may still be exiting (waited for before copies are forked or run). start
+// is when the restore began; again says whether the restore before it
+// restored c too (forkAhead).
 func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err error) {
 	a := s.takeAhead(c) // before tplRun, which its job holds
 	s.tplRun.Lock()
@@ -748,6 +748,9 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 	}
 	for {
 		if copies == nil {
+			// Forking counts against the pids and memory limits, which
+			// the killed processes count in until they are gone.
+			s.waitKilled()
 			if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
 				return err
 			}
@@ -767,7 +770,8 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 	// The copies share their sockets with the templates, and so did the
 	// processes the restore killed: one of those, not dead yet, could
 	// accept a connection meant for the restored state and reset it as it
-	// dies. They exit while the copies are readied, then are waited for.
+	// dies. They exit while copies forked ahead are readied, then are
+	// waited for (at once when copies are forked now).
 	s.waitKilled()
 	// Everything is in place: let the copies run.
 	for i, lc := range copies {

@@ -1266,7 +1266,10 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if copies {
 		if err := s.spawnCopies(c, start, again); err != nil {
 			// The filesystem is the checkpoint's; end whatever copies
-			// started, so the state is at least consistent.
+			// started, so the state is at least consistent. The
+			// processes the restore killed first, which spawnCopies
+			// may have failed before waiting for: killAll forgets them.
+			s.waitKilled()
 			_ = s.killAll()
 			// A template found dying (killed while frozen) is lost: its
 			// image, if the checkpoint has one, serves instead.
@@ -1290,8 +1293,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 // ptrace stops, the clones and fix-ups made in the processes' own context,
 // CRIU's parasite and restorer), and on CPUs busy with other sandboxes each
 // of those steps would otherwise queue behind all of them. The agent's own
-// processes are dying or stopped for nearly all of it: they run again only
-// at its end. Called with op held.
+// processes are dying or stopped for most of it; those it brings back run
+// raised from their start until it returns (a CRIU tree restored before
+// another, copies once detached). Called with op held.
 func (s *Sandbox) boostCPU() (unboost func()) {
 	if !s.boostTried {
 		s.boostTried = true

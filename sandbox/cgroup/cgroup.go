@@ -1067,7 +1067,7 @@ const (
 // tasks: with 64 sandboxes busy on 2 CPUs, 55–75 ms for one restore (p50).
 // A raised weight gives the group an early virtual deadline, and the same
 // restore took 8 ms. The agent's own processes are dying or stopped for
-// nearly all of that time. A CPU quota (cpu.max, cpu.cfs_quota_us) still
+// most of that time. A CPU quota (cpu.max, cpu.cfs_quota_us) still
 // applies.
 type CPUBoost struct {
 	mu     sync.Mutex
