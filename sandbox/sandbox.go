@@ -119,7 +119,7 @@ type Sandbox struct {
 	// still be exiting). Guarded by op.
 	killed *cgroup.Cgroup
 	// killPending: killed may still hold processes; the next command waits
-	// for them (beginExec).
+	// for them (beginExec), unless a wait found them gone (waitKilled).
 	killPending atomic.Bool
 
 	mu       sync.Mutex // guards the fields below
@@ -1301,7 +1301,7 @@ func (s *Sandbox) boostCPU() (unboost func()) {
 		s.boostTried = true
 		b, err := s.cg.OpenCPUBoost()
 		if err != nil {
-			s.rt.log.Warn("opening the sandbox's CPU weight; restores run at its normal weight", "sandbox", s.id, "err", err)
+			s.rt.log.Warn("opening the sandbox's CPU weight; checkpoints and restores run at its normal weight", "sandbox", s.id, "err", err)
 		}
 		s.boost = b
 	}
@@ -1309,7 +1309,7 @@ func (s *Sandbox) boostCPU() (unboost func()) {
 		return func() {}
 	}
 	if err := s.boost.Set(true); err != nil {
-		s.rt.log.Warn("raising the sandbox's CPU weight for a restore", "sandbox", s.id, "err", err)
+		s.rt.log.Warn("raising the sandbox's CPU weight", "sandbox", s.id, "err", err)
 		return func() {}
 	}
 	if s.rt.onBoost != nil {
@@ -1317,17 +1317,22 @@ func (s *Sandbox) boostCPU() (unboost func()) {
 	}
 	return func() {
 		if err := s.boost.Set(false); err != nil {
-			s.rt.log.Warn("setting the sandbox's CPU weight back after a restore", "sandbox", s.id, "err", err)
+			s.rt.log.Warn("setting the sandbox's CPU weight back", "sandbox", s.id, "err", err)
 		}
 	}
 }
 
 // waitKilled waits, for up to 2 s, until the processes of the command group
-// last killed by killAll have exited. Called with op held.
+// last killed by killAll have exited. Once they have, later calls return at
+// once: a restore with processes waits, and its next command then opens
+// the group's cgroup.events no more (see cgroup.Events for what an open
+// costs). Called with op held.
 func (s *Sandbox) waitKilled() {
 	g := s.killed
-	if g == nil {
+	if g == nil || !s.killPending.Load() {
 		return
 	}
-	_ = g.WaitEmpty(2 * time.Second)
+	if g.WaitEmpty(2*time.Second) == nil {
+		s.killPending.Store(false)
+	}
 }
