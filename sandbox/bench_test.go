@@ -13,10 +13,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/benchq"
 	"github.com/deltagym/deltagym/sandbox"
 )
 
-// lat records latencies and reports p50 and p99 in milliseconds.
+// lat records latencies and reports p50, p99 and the maximum in milliseconds
+// (benchq).
 type lat []time.Duration
 
 func (l *lat) time(f func()) {
@@ -26,16 +28,7 @@ func (l *lat) time(f func()) {
 }
 
 func (l lat) report(b *testing.B, prefix string) {
-	if len(l) == 0 {
-		return
-	}
-	s := slices.Clone(l)
-	slices.Sort(s)
-	q := func(p float64) float64 {
-		return float64(s[min(len(s)-1, int(p*float64(len(s))))].Microseconds()) / 1000
-	}
-	b.ReportMetric(q(0.50), prefix+"p50-ms")
-	b.ReportMetric(q(0.99), prefix+"p99-ms")
+	benchq.Report(b, l, prefix)
 }
 
 func must(b testing.TB, err error) {
@@ -449,4 +442,46 @@ func processSandbox(b testing.TB, bb *bundle, mb int) *sandbox.Sandbox {
 	must(b, err)
 	waitFor(b, s, "[ -e /tmp/ready ]")
 	return s
+}
+
+// BenchmarkRollbackAfterAllocWithProcess restores a checkpoint of an 8 MB
+// python3 process after the copy running since the last restore allocated
+// and wrote mb megabytes more (untimed): the restore ends a process with
+// that much memory of its own, which its exit frees.
+func BenchmarkRollbackAfterAllocWithProcess(b *testing.B) {
+	for _, mb := range []int{64, 512} {
+		b.Run(fmt.Sprintf("alloc=%dMB", mb), func(b *testing.B) {
+			bb := setup(b)
+			s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)})
+			ctx := context.Background()
+			code := fmt.Sprintf(`import os, time
+open('/tmp/ready', 'w').close()
+while True:
+    if os.path.exists('/tmp/alloc'):
+        more = b'y' * %d
+        open('/tmp/allocated', 'w').close()
+        while True:
+            time.sleep(0.05)
+    time.sleep(0.002)
+`, mb<<20)
+			_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", code}, Background: true})
+			must(b, err)
+			waitFor(b, s, "[ -e /tmp/ready ]")
+			ck, err := s.Checkpoint(ctx)
+			must(b, err)
+			must(b, s.Restore(ctx, ck.ID))
+			waitFolded(b, bb)
+			var l lat
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				sh(b, s, "touch /tmp/alloc")
+				waitFor(b, s, "[ -e /tmp/allocated ]")
+				b.StartTimer()
+				l.time(func() { err = s.Restore(ctx, ck.ID) })
+				must(b, err)
+			}
+			l.report(b, "")
+		})
+	}
 }

@@ -3,24 +3,20 @@ package cgroup
 import (
 	"fmt"
 	"os/exec"
-	"sort"
 	"testing"
 	"time"
+
+	"github.com/deltagym/deltagym/internal/benchq"
 )
 
-// latencies records per-operation times and reports their p50 and p99.
+// latencies records per-operation times and reports their p50, p99 and maximum.
 type latencies []time.Duration
 
 func (l latencies) report(b *testing.B) {
 	if len(l) == 0 {
 		return
 	}
-	sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
-	ms := func(q float64) float64 {
-		return float64(l[int(q*float64(len(l)-1))]) / float64(time.Millisecond)
-	}
-	b.ReportMetric(ms(0.50), "p50-ms")
-	b.ReportMetric(ms(0.99), "p99-ms")
+	benchq.Report(b, l, "")
 }
 
 func benchLimits(m *Manager) Limits {

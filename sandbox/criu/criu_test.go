@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +17,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/benchq"
 )
 
 // counterPort is where the test tree listens, on 127.0.0.1 inside its own net namespace.
@@ -450,14 +451,9 @@ func TestValidate(t *testing.T) {
 	}
 }
 
-// percentiles reports p50 and p99 of durations in milliseconds.
+// percentiles reports p50, p99 and the maximum of durations in milliseconds.
 func percentiles(b *testing.B, d []time.Duration) {
-	slices.Sort(d)
-	at := func(q float64) float64 {
-		return float64(d[min(len(d)-1, int(q*float64(len(d))))].Microseconds()) / 1000
-	}
-	b.ReportMetric(at(0.50), "p50-ms")
-	b.ReportMetric(at(0.99), "p99-ms")
+	benchq.Report(b, d, "")
 	b.ReportMetric(0, "ns/op")
 }
 

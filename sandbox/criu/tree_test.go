@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/deltagym/deltagym/internal/benchq"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
@@ -453,14 +454,9 @@ func TestDumpTreeRefusesOutsider(t *testing.T) {
 	}
 }
 
-// percentiles reports p50 and p99 of durations in milliseconds.
+// percentiles reports p50, p99 and the maximum of durations in milliseconds.
 func percentiles(b *testing.B, d []time.Duration) {
-	slices.Sort(d)
-	at := func(q float64) float64 {
-		return float64(d[min(len(d)-1, int(q*float64(len(d))))].Microseconds()) / 1000
-	}
-	b.ReportMetric(at(0.50), "p50-ms")
-	b.ReportMetric(at(0.99), "p99-ms")
+	benchq.Report(b, d, "")
 	b.ReportMetric(0, "ns/op")
 }
 
