@@ -141,7 +141,7 @@ func (s *Sandbox) cwd(c string) string {
 func (s *Sandbox) beginExec() (context.Context, error) {
 	s.op.RLock()
 	if s.killPending.Load() {
-		s.waitKilled()
+		s.waitKilledGroups(2 * time.Second)
 		s.killPending.Store(false)
 	}
 	s.mu.Lock()

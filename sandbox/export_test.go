@@ -37,3 +37,12 @@ func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }
 // OnCPUBoost makes every checkpoint, restore or fork that raises its
 // sandbox's CPU weight call f right after it did.
 func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
+
+// OnSettleKilled makes every restore that killed processes call f with how
+// it went on before they were gone: "gone" (they were), "exiting" (each
+// thread of theirs was in its exit), "waited" (the limits had no room:
+// it waited for them to be gone) or "timeout".
+func (r *Runtime) OnSettleKilled(f func(how string)) { r.onSettle = f }
+
+// ThreadExiting reports whether thread tid is exiting, a zombie or gone.
+var ThreadExiting = threadExiting

@@ -750,7 +750,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 		if copies == nil {
 			// Forking counts against the pids and memory limits, which
 			// the killed processes count in until they are gone.
-			s.waitKilled()
+			s.settleKilled()
 			if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
 				return err
 			}
@@ -768,11 +768,11 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 		return err
 	}
 	// The copies share their sockets with the templates, and so did the
-	// processes the restore killed: one of those, not dead yet, could
+	// processes the restore killed: one of those, not exiting yet, could
 	// accept a connection meant for the restored state and reset it as it
-	// dies. They exit while copies forked ahead are readied, then are
-	// waited for (at once when copies are forked now).
-	s.waitKilled()
+	// dies. They exit while the copies are readied; settleKilled then
+	// waits, if need be, until they are past that (or gone).
+	s.settleKilled()
 	// Everything is in place: let the copies run.
 	for i, lc := range copies {
 		exit := lc.exit

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -628,4 +629,159 @@ func mustFilesOnly(t *testing.T, s *sandbox.Sandbox) string {
 		t.Fatal(err)
 	}
 	return ck.ID
+}
+
+// growPy waits until /tmp/grow exists, then takes as many megabytes as its
+// argument says, writes its pid to /tmp/grown, and sleeps.
+const growPy = `
+import os, sys, time
+open("/tmp/ready", "w").close()
+while not os.path.exists("/tmp/grow"):
+    time.sleep(0.002)
+more = b"y" * (int(sys.argv[1]) << 20)
+with open("/tmp/grown", "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    time.sleep(1)
+`
+
+// memoryFile returns the file holding s's memory use, or "".
+func memoryFile(b *bundle, s *sandbox.Sandbox) string {
+	for _, f := range []string{
+		"/sys/fs/cgroup/memory/" + b.cfg.CgroupRoot + "/" + s.ID() + "/memory.usage_in_bytes",
+		"/sys/fs/cgroup/" + b.cfg.CgroupRoot + "/" + s.ID() + "/memory.current",
+	} {
+		if _, err := os.Stat(f); err == nil {
+			return f
+		}
+	}
+	return ""
+}
+
+// A restore lets the copies run once the processes it killed are exiting,
+// not once they are gone: the killed python here had 256 MB of its own,
+// which takes its exit tens of milliseconds to free. The next command
+// still finds them gone. With less than a quarter of the memory limit
+// free, the restore waits for them instead.
+func TestRestoreAfterProcessGrew(t *testing.T) {
+	b := setup(t)
+	var mu sync.Mutex
+	var hows []string
+	b.rt.OnSettleKilled(func(how string) {
+		mu.Lock()
+		defer mu.Unlock()
+		hows = append(hows, how)
+	})
+	// took returns how the restores since it was last called went on.
+	took := func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		h := hows
+		hows = nil
+		return h
+	}
+	for _, c := range []struct {
+		name  string
+		grow  int64 // MB
+		limit int64
+		want  string
+	}{
+		{"no limit", 256, 0, "exiting"},
+		// 768 MB of 896: less than a quarter free, until the killed
+		// process has freed a seventh of it.
+		{"memory limit", 768, 896 << 20, "waited"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := t.Context()
+			s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: c.limit}})
+			mem := memoryFile(b, s)
+			if c.limit > 0 && mem == "" {
+				t.Skip("no memory controller here")
+			}
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", growPy, fmt.Sprint(c.grow)}, Background: true}); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, s, "[ -e /tmp/ready ]")
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen := 0
+			for round := range 3 {
+				sh(t, s, "touch /tmp/grow")
+				waitFor(t, s, "[ -e /tmp/grown ]")
+				old := strings.TrimSpace(sh(t, s, "cat /tmp/grown"))
+				took()
+				if err := s.Restore(ctx, ck.ID); err != nil {
+					t.Fatal(err)
+				}
+				// Rarely, on a busy machine, the killed process has
+				// freed much (or all) by the time the restore looks.
+				got := took()
+				if len(got) != 1 {
+					t.Errorf("round %d: the restore went on with the killed process %q, want [%q]", round, got, c.want)
+				} else if got[0] == c.want {
+					seen++
+				}
+				// The next command waits for the killed process: gone,
+				// its memory freed.
+				sh(t, s, fmt.Sprintf(`st=$(cut -d' ' -f3 /proc/%s/stat 2>/dev/null); [ -z "$st" ] || [ "$st" = Z ]`, old))
+				if mem != "" {
+					raw, err := os.ReadFile(mem)
+					if err != nil {
+						t.Fatal(err)
+					}
+					var used int64
+					fmt.Sscan(string(raw), &used)
+					if used > c.grow<<20 {
+						t.Errorf("round %d: the sandbox uses %d MB after the next command, more than the killed process held", round, used>>20)
+					}
+				}
+				// The files are the checkpoint's; the next round makes the
+				// copy grow again.
+				if out := sh(t, s, "ls /tmp"); strings.Contains(out, "grow") {
+					t.Fatalf("round %d: /tmp after the restore: %q", round, out)
+				}
+			}
+			if seen < 2 {
+				t.Errorf("%d of 3 restores went on with the killed process %q, want at least 2", seen, c.want)
+			}
+		})
+	}
+}
+
+// ThreadExiting tells a running thread from a zombie and a pid gone.
+func TestThreadExiting(t *testing.T) {
+	if sandbox.ThreadExiting(os.Getpid()) {
+		t.Error("the test's own thread reported exiting")
+	}
+	cmd := exec.Command("true")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	// Not waited for: a zombie once it has exited.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(raw), ") Z ") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("true did not exit: %s", raw)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if !sandbox.ThreadExiting(pid) {
+		t.Error("a zombie was not reported exiting")
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if !sandbox.ThreadExiting(pid) {
+		t.Error("a pid gone was not reported exiting")
+	}
 }

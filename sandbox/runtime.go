@@ -286,6 +286,10 @@ type Runtime struct {
 	// onBoost, if set (tests), is called inside each checkpoint, restore
 	// or fork that raised its sandbox's CPU weight, right after it did.
 	onBoost func()
+	// onSettle, if set (tests), is told how each restore that killed
+	// processes went on (Sandbox.settleKilled): "gone", "exiting",
+	// "waited" or "timeout".
+	onSettle func(how string)
 }
 
 const (

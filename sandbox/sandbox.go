@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -115,9 +116,12 @@ type Sandbox struct {
 	liveSeen map[int]uint64
 
 	bg sync.WaitGroup // background removals of killed command groups, spare groups
-	// killed is the command group killAll ended last (its processes may
-	// still be exiting). Guarded by op.
-	killed *cgroup.Cgroup
+	// killed holds the command groups killAll ended whose processes may
+	// still be exiting (at most maxKilled). Guarded by op.
+	killed []*cgroup.Cgroup
+	// killedSettled: the processes of killed are past harming the copies a
+	// restore lets run (settleKilled), though not gone. Guarded by op.
+	killedSettled bool
 	// killPending: killed may still hold processes; the next command waits
 	// for them (beginExec), unless a wait found them gone (waitKilled).
 	killPending atomic.Bool
@@ -886,7 +890,19 @@ func (s *Sandbox) killAll() error {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
 	s.work = w
-	s.killed = old
+	if !s.killPending.Load() {
+		s.killed = s.killed[:0] // waited for since (beginExec)
+	}
+	if len(s.killed) >= maxKilled {
+		// Restores in a row whose killed processes outlive them: the
+		// oldest must be gone by now, or nearly.
+		s.waitKilled()
+		if len(s.killed) >= maxKilled {
+			s.killed = s.killed[1:]
+		}
+	}
+	s.killed = append(s.killed, old)
+	s.killedSettled = false
 	s.killPending.Store(true)
 	s.bg.Add(1)
 	go func() {
@@ -1266,10 +1282,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if copies {
 		if err := s.spawnCopies(c, start, again); err != nil {
 			// The filesystem is the checkpoint's; end whatever copies
-			// started, so the state is at least consistent. The
-			// processes the restore killed first, which spawnCopies
-			// may have failed before waiting for: killAll forgets them.
-			s.waitKilled()
+			// started, so the state is at least consistent.
 			_ = s.killAll()
 			// A template found dying (killed while frozen) is lost: its
 			// image, if the checkpoint has one, serves instead.
@@ -1322,17 +1335,193 @@ func (s *Sandbox) boostCPU() (unboost func()) {
 	}
 }
 
-// waitKilled waits, for up to 2 s, until the processes of the command group
-// last killed by killAll have exited. Once they have, later calls return at
+// maxKilled bounds the killed command groups a sandbox remembers (killed).
+const maxKilled = 8
+
+// waitKilled waits, for up to 2 s, until the processes of the command
+// groups killAll ended have exited. Once they have, later calls return at
 // once: a restore with processes waits, and its next command then opens
-// the group's cgroup.events no more (see cgroup.Events for what an open
+// the groups' cgroup.events no more (see cgroup.Events for what an open
 // costs). Called with op held.
 func (s *Sandbox) waitKilled() {
-	g := s.killed
-	if g == nil || !s.killPending.Load() {
+	if !s.killPending.Load() {
 		return
 	}
-	if g.WaitEmpty(2*time.Second) == nil {
+	if s.waitKilledGroups(2 * time.Second) {
+		s.killed = nil
 		s.killPending.Store(false)
+	}
+}
+
+// waitKilledGroups waits, for up to timeout, until the processes of the
+// killed groups have exited, and reports whether they have. It changes
+// nothing: beginExec calls it holding op shared.
+func (s *Sandbox) waitKilledGroups(timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for _, g := range s.killed {
+		if g.WaitEmpty(max(time.Until(deadline), 0)) != nil {
+			// Removed while it was watched (the background Delete, once
+			// it was empty), its cgroup.events reads fail.
+			if pop, err := g.Populated(); err != nil || pop {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// settleKilled returns once the processes killAll ended can no longer get
+// in the way of the copies a restore is about to fork or let run, which
+// need not be once they are gone. A killed process frees its memory first
+// as it exits, and a process with hundreds of megabytes of its own takes
+// tens of milliseconds to (31 ms for 512 MB here): waiting for that made a
+// restore after an agent's process grew as slow.
+//
+// What matters to the copies:
+//   - A killed thread still inside a system call could complete it: one in
+//     accept(2) on a socket the copies share (through their template)
+//     takes a connection meant for them, then resets it as it dies. Once
+//     in the kernel's exit path (PF_EXITING in /proc/<tid>/stat) it makes
+//     no system call again.
+//   - The dying count in the sandbox's memory and pids limits until gone.
+//     The copies go on at once only while the sandbox has a quarter of each
+//     limit free beside them; otherwise this waits for them to be gone.
+//
+// So it returns at once when they are gone, as soon as every thread of
+// theirs is exiting when the limits leave room, and else when they are
+// gone (waitKilled). The next command still waits for them to be gone
+// (beginExec). Called with op held.
+func (s *Sandbox) settleKilled() {
+	if !s.killPending.Load() || s.killedSettled {
+		return
+	}
+	// Killed processes with little memory of their own are gone within a
+	// fraction of a millisecond (an 8 MB python3: about 0.1 ms), sooner
+	// than their threads can be listed and looked at.
+	if s.waitKilledGroups(killedGrace) {
+		s.killed = nil
+		s.killPending.Store(false)
+		s.settled("gone")
+		return
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for pause, first := 50*time.Microsecond, true; ; pause, first = min(2*pause, time.Millisecond), false {
+		gone, exiting := s.killedState()
+		// The room is judged once, while the killed still hold most of
+		// what they had: as they exit it grows.
+		switch {
+		case gone:
+			s.killed = nil
+			s.killPending.Store(false)
+			s.settled("gone")
+			return
+		case first && !s.limitsRoom():
+			s.waitKilled()
+			s.settled("waited")
+			return
+		case exiting:
+			s.killedSettled = true
+			s.settled("exiting")
+			return
+		case time.Now().After(deadline):
+			s.settled("timeout") // as waitKilled: the next command waits again
+			return
+		}
+		nap(pause)
+	}
+}
+
+// killedGrace is how long settleKilled waits for the killed processes to be
+// gone before it looks at their threads.
+const killedGrace = 150 * time.Microsecond
+
+// settled tells the test hook (onSettle) how settleKilled returned.
+func (s *Sandbox) settled(how string) {
+	if s.rt.onSettle != nil {
+		s.rt.onSettle(how)
+	}
+}
+
+// killedState reports whether the processes of the killed groups are all
+// gone, and else whether every thread of theirs is exiting (or gone).
+func (s *Sandbox) killedState() (gone, exiting bool) {
+	gone, exiting = true, true
+	for _, g := range s.killed {
+		// One read of cgroup.events tells the common case, an empty
+		// group, where listing its threads costs several.
+		if pop, err := g.Populated(); err != nil || !pop {
+			if err != nil {
+				return false, false
+			}
+			continue
+		}
+		tids, err := g.Threads()
+		if errors.Is(err, cgroup.ErrNotExist) {
+			continue // emptied and removed meanwhile
+		}
+		if err != nil {
+			return false, false
+		}
+		gone = gone && len(tids) == 0
+		for _, tid := range tids {
+			if !threadExiting(tid) {
+				return false, false
+			}
+		}
+	}
+	return gone, exiting
+}
+
+// limitsRoom reports whether the sandbox has at least a quarter of its
+// memory and pids limits free (each it has).
+func (s *Sandbox) limitsRoom() bool {
+	lim := s.spec.Limits
+	if lim.MemoryBytes > 0 {
+		n, err := s.cg.MemoryCurrent()
+		if err != nil || lim.MemoryBytes-n < lim.MemoryBytes/4 {
+			return false
+		}
+	}
+	if lim.Pids > 0 {
+		n, err := s.cg.PidsCurrent()
+		if err != nil || lim.Pids-n < lim.Pids/4 {
+			return false
+		}
+	}
+	return true
+}
+
+// pfExiting is the kernel's PF_EXITING task flag: the task is in do_exit.
+const pfExiting = 0x4
+
+// threadExiting reports whether thread tid is in the kernel's exit path,
+// a zombie, or gone.
+func threadExiting(tid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/stat")
+	if err != nil {
+		return errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ESRCH)
+	}
+	// pid (comm) state ppid pgrp session tty_nr tpgid flags ...; comm may
+	// hold spaces and parentheses.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 7 {
+		return false
+	}
+	if f[0][0] == 'Z' || f[0][0] == 'X' {
+		return true
+	}
+	flags, err := strconv.ParseUint(string(f[6]), 10, 64)
+	return err == nil && flags&pfExiting != 0
+}
+
+// nap sleeps for d on the calling thread: an idle Go runtime's time.Sleep
+// lasts at least a millisecond.
+func nap(d time.Duration) {
+	ts := unix.NsecToTimespec(int64(d))
+	for unix.Nanosleep(&ts, &ts) == unix.EINTR {
 	}
 }

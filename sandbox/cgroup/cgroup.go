@@ -530,6 +530,17 @@ func (c *Cgroup) Pids() ([]int, error) {
 	return p, c.wrap("listing processes of", err)
 }
 
+// Threads lists the threads (task ids) of the group and of its sub-groups:
+// cgroup.threads where cgroup v2 tracks membership, tasks on v1.
+func (c *Cgroup) Threads() ([]int, error) {
+	file := "tasks"
+	if c.trackV2 {
+		file = "cgroup.threads"
+	}
+	t, err := walkIDs(c.track, file, nil)
+	return t, c.wrap("listing threads of", err)
+}
+
 // Freeze stops every process of the group (and its sub-groups) and returns
 // once the kernel reports the group frozen.
 func (c *Cgroup) Freeze() error {
@@ -682,13 +693,12 @@ func (c *Cgroup) kill(deadline time.Time) error {
 	return nil
 }
 
-// populated reports whether the group or a sub-group has a process. A
-// missing group is not populated.
 // Populated reports whether the group or any of its sub-groups has a
-// process: one read of cgroup.events where cgroup v2 tracks membership.
+// process: one read of cgroup.events where cgroup v2 tracks membership. A
+// missing group is not populated. It does not wait for a Freeze, Kill or
+// Delete in progress (a Delete of a killed group holds the group until its
+// processes are gone).
 func (c *Cgroup) Populated() (bool, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	p, err := c.populated()
 	return p, c.wrap("reading", err)
 }
@@ -938,6 +948,22 @@ func (c *Cgroup) PidsCurrent() (int64, error) {
 	}
 	n, err := readInt(filepath.Join(d, "pids.current"))
 	return n, c.wrap("reading pids.current of", err)
+}
+
+// MemoryCurrent reads how many bytes the group's memory controller charges
+// (that of the top-level group whose limits a sub-group shares): one file,
+// where Stats reads six. ErrNotExist without a memory controller.
+func (c *Cgroup) MemoryCurrent() (int64, error) {
+	d, ok := c.limit[ctrlMemory]
+	if !ok {
+		return 0, c.wrap("reading memory use of", os.ErrNotExist)
+	}
+	file := "memory.usage_in_bytes"
+	if c.m.l.ctrlV2[ctrlMemory] {
+		file = "memory.current"
+	}
+	n, err := readInt(filepath.Join(d, file))
+	return n, c.wrap("reading memory use of", err)
 }
 
 // Stats reads the group's counters. For a sub-group, memory and pid figures

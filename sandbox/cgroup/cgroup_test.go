@@ -1097,3 +1097,63 @@ func cpuTicks(t testing.TB, pid int) int64 {
 	s, _ := strconv.ParseInt(f[12], 10, 64)
 	return u + s
 }
+
+// Threads lists every thread of the group and its sub-groups: all of a
+// multithreaded process's, and a sub-group's process. MemoryCurrent reads
+// the group's charge.
+func TestThreadsAndMemoryCurrent(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			var lim Limits
+			if m.hasLimits() {
+				lim.MemoryBytes = 256 << 20
+			}
+			c := create(t, m, "threads", lim)
+			// The helper is a Go program: it runs several threads.
+			h := startHelper(t, "count", nil, filepath.Join(t.TempDir(), "n"))
+			if err := c.Add(h.pid()); err != nil {
+				t.Fatal(err)
+			}
+			_, sleeper := sleeperIn(t, c, "sub")
+			var want []int
+			waitFor(t, "the helper's threads", func() bool {
+				ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", h.pid()))
+				if err != nil {
+					t.Fatal(err)
+				}
+				want = want[:0]
+				for _, e := range ents {
+					tid, _ := strconv.Atoi(e.Name())
+					want = append(want, tid)
+				}
+				return len(want) > 1
+			})
+			want = append(want, sleeper.pid())
+			got, err := c.Threads()
+			if err != nil {
+				t.Fatal(err)
+			}
+			slices.Sort(got)
+			slices.Sort(want)
+			if !slices.Equal(got, want) {
+				t.Errorf("Threads = %v, want %v (the helper's threads and the sub-group's sleeper)", got, want)
+			}
+			if pids, _ := c.Pids(); len(pids) != 2 {
+				t.Errorf("Pids = %v, want the 2 processes", pids)
+			}
+			if m.hasLimits() {
+				if n, err := c.MemoryCurrent(); err != nil || n <= 0 {
+					t.Errorf("MemoryCurrent = %d, %v; want > 0", n, err)
+				}
+			}
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
+			}
+			if got, err := c.Threads(); err != nil || len(got) != 0 {
+				t.Errorf("after Kill: Threads = %v, %v", got, err)
+			}
+		})
+	}
+}

@@ -196,8 +196,11 @@ func sleep(d time.Duration) {
 }
 
 // readPids lists cgroup.procs of dir.
-func readPids(dir string) ([]int, error) {
-	b, err := readFile(filepath.Join(dir, "cgroup.procs"))
+func readPids(dir string) ([]int, error) { return readIDs(dir, "cgroup.procs") }
+
+// readIDs lists the ids in file of dir (cgroup.procs, cgroup.threads, tasks).
+func readIDs(dir, file string) ([]int, error) {
+	b, err := readFile(filepath.Join(dir, file))
 	if err != nil {
 		return nil, err
 	}
@@ -205,7 +208,7 @@ func readPids(dir string) ([]int, error) {
 	for _, f := range bytes.Fields(b) {
 		p, err := strconv.Atoi(string(f))
 		if err != nil {
-			return nil, fmt.Errorf("parsing %s/cgroup.procs: %w", dir, err)
+			return nil, fmt.Errorf("parsing %s/%s: %w", dir, file, err)
 		}
 		out = append(out, p)
 	}
@@ -228,8 +231,12 @@ func childDirs(dir string) ([]string, error) {
 }
 
 // walkPids lists the processes of dir and all its descendants.
-func walkPids(dir string, out []int) ([]int, error) {
-	p, err := readPids(dir)
+func walkPids(dir string, out []int) ([]int, error) { return walkIDs(dir, "cgroup.procs", out) }
+
+// walkIDs lists the ids in file (cgroup.procs, cgroup.threads, tasks) of
+// dir and all its descendants.
+func walkIDs(dir, file string, out []int) ([]int, error) {
+	p, err := readIDs(dir, file)
 	if err != nil {
 		return out, err
 	}
@@ -239,7 +246,7 @@ func walkPids(dir string, out []int) ([]int, error) {
 		return out, err
 	}
 	for _, k := range kids {
-		if out, err = walkPids(filepath.Join(dir, k), out); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if out, err = walkIDs(filepath.Join(dir, k), file, out); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return out, err
 		}
 	}
