@@ -294,17 +294,6 @@ func TestLiveProcessHugePages(t *testing.T) {
 	}
 }
 
-// exited says whether pid has exited (a zombie its parent has not reaped
-// yet: a copy a restore killed, say, keeps its group in /proc until then).
-func exited(pid int) bool {
-	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return true
-	}
-	i := strings.LastIndexByte(string(st), ')')
-	return i < 0 || len(st) < i+3 || st[i+2] == 'Z' || st[i+2] == 'X'
-}
-
 // livePid is the host pid of the one python3 process of sandbox sb's
 // command groups (not a template).
 func livePid(t *testing.T, b *bundle, sb string) int {
@@ -326,7 +315,10 @@ func livePid(t *testing.T, b *bundle, sb string) int {
 		}
 		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 		cg, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
-		if string(comm) != "python3\n" || exited(pid) {
+		// A copy a restore killed may still be exiting (the restore
+		// does not wait for it to be gone), or a zombie its parent has
+		// not reaped yet.
+		if string(comm) != "python3\n" || sandbox.ThreadExiting(pid) {
 			continue
 		}
 		for line := range strings.Lines(string(cg)) {

@@ -750,7 +750,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 		if copies == nil {
 			// Forking counts against the pids and memory limits, which
 			// the killed processes count in until they are gone.
-			s.settleKilled()
+			s.settleKilled(c)
 			if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
 				return err
 			}
@@ -772,7 +772,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 	// accept a connection meant for the restored state and reset it as it
 	// dies. They exit while the copies are readied; settleKilled then
 	// waits, if need be, until they are past that (or gone).
-	s.settleKilled()
+	s.settleKilled(c)
 	// Everything is in place: let the copies run.
 	for i, lc := range copies {
 		exit := lc.exit

@@ -632,13 +632,21 @@ func mustFilesOnly(t *testing.T, s *sandbox.Sandbox) string {
 }
 
 // growPy waits until /tmp/grow exists, then takes as many megabytes as its
-// argument says, writes its pid to /tmp/grown, and sleeps.
+// first argument says, writes its pid to /tmp/grown, and sleeps. With
+// "shared" as its second argument it listens on a TCP port from the start
+// (its checkpoint's templates hold the socket too); with "own", once grown
+// (they do not).
 const growPy = `
-import os, sys, time
+import os, socket, sys, time
+mode = sys.argv[2]
+if mode == "shared":
+    shared = socket.create_server(("127.0.0.1", 0))
 open("/tmp/ready", "w").close()
 while not os.path.exists("/tmp/grow"):
     time.sleep(0.002)
 more = b"y" * (int(sys.argv[1]) << 20)
+if mode == "own":
+    own = socket.create_server(("127.0.0.1", 0))
 with open("/tmp/grown", "w") as f:
     f.write(str(os.getpid()))
 while True:
@@ -662,7 +670,8 @@ func memoryFile(b *bundle, s *sandbox.Sandbox) string {
 // not once they are gone: the killed python here had 256 MB of its own,
 // which takes its exit tens of milliseconds to free. The next command
 // still finds them gone. With less than a quarter of the memory limit
-// free, the restore waits for them instead.
+// free, or a socket of the killed process's own open, the restore waits
+// for them instead.
 func TestRestoreAfterProcessGrew(t *testing.T) {
 	b := setup(t)
 	var mu sync.Mutex
@@ -681,15 +690,21 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 		return h
 	}
 	for _, c := range []struct {
-		name  string
-		grow  int64 // MB
-		limit int64
-		want  string
+		name    string
+		grow    int64 // MB
+		sockets string
+		limit   int64
+		want    string
 	}{
-		{"no limit", 256, 0, "exiting"},
+		{"no limit", 256, "none", 0, "exiting"},
 		// 768 MB of 896: less than a quarter free, until the killed
 		// process has freed a seventh of it.
-		{"memory limit", 768, 896 << 20, "waited"},
+		{"memory limit", 768, "none", 896 << 20, "waited"},
+		// A listener the templates hold too: the copies share it.
+		{"shared socket", 256, "shared", 0, "exiting"},
+		// A listener of the killed process's own stays open until its
+		// memory is freed: the restore waits.
+		{"own socket", 256, "own", 0, "sockets"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := t.Context()
@@ -698,7 +713,7 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 			if c.limit > 0 && mem == "" {
 				t.Skip("no memory controller here")
 			}
-			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", growPy, fmt.Sprint(c.grow)}, Background: true}); err != nil {
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", growPy, fmt.Sprint(c.grow), c.sockets}, Background: true}); err != nil {
 				t.Fatal(err)
 			}
 			waitFor(t, s, "[ -e /tmp/ready ]")

@@ -1054,6 +1054,9 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 		// As for a restore (boostCPU): each process must get a CPU to
 		// stop, to clone itself, and (CRIU) to run the parasite.
 		unboost := s.boostCPU()
+		// Its clones count against the pids and memory limits, which the
+		// processes a restore just killed may still count in.
+		s.waitKilled()
 		err = s.captureProcesses(ctx, c, mode, func() error { return s.copyUpperFrozen(c) })
 		unboost()
 		if err != nil && !errors.Is(err, ErrProcesses) {
@@ -1371,11 +1374,11 @@ func (s *Sandbox) waitKilledGroups(timeout time.Duration) bool {
 }
 
 // settleKilled returns once the processes killAll ended can no longer get
-// in the way of the copies a restore is about to fork or let run, which
-// need not be once they are gone. A killed process frees its memory first
-// as it exits, and a process with hundreds of megabytes of its own takes
-// tens of milliseconds to (31 ms for 512 MB here): waiting for that made a
-// restore after an agent's process grew as slow.
+// in the way of the copies of c's templates a restore is about to fork or
+// let run, which need not be once they are gone. A killed process frees its
+// memory first as it exits, and a process with hundreds of megabytes of its
+// own takes tens of milliseconds to (31 ms for 512 MB here): waiting for
+// that made a restore after an agent's process grew as slow.
 //
 // What matters to the copies:
 //   - A killed thread still inside a system call could complete it: one in
@@ -1383,15 +1386,22 @@ func (s *Sandbox) waitKilledGroups(timeout time.Duration) bool {
 //     takes a connection meant for them, then resets it as it dies. Once
 //     in the kernel's exit path (PF_EXITING in /proc/<tid>/stat) it makes
 //     no system call again.
+//   - A dying process keeps its files open until its memory is freed
+//     (exit_files comes after exit_mm). A socket of its own, one no
+//     template holds, can still take connections without it (a listener
+//     in an SO_REUSEPORT group with the copies', say, resets them at the
+//     close) and keeps its port or name from the copies.
 //   - The dying count in the sandbox's memory and pids limits until gone.
-//     The copies go on at once only while the sandbox has a quarter of each
-//     limit free beside them; otherwise this waits for them to be gone.
 //
-// So it returns at once when they are gone, as soon as every thread of
-// theirs is exiting when the limits leave room, and else when they are
-// gone (waitKilled). The next command still waits for them to be gone
-// (beginExec). Called with op held.
-func (s *Sandbox) settleKilled() {
+// So it returns at once when they are gone (waiting up to killedGrace for
+// that: the common case), as soon as every thread of theirs is exiting if
+// they hold no socket of their own and the sandbox keeps a quarter of its
+// memory and pids limits free beside them and the copies, and else when
+// they are gone (waitKilled). The next command still waits for them to be
+// gone (beginExec). Copies that write memory faster than the dying free
+// theirs could still meet the memory limit; a quarter of it free makes
+// that unlikely. Called with op held.
+func (s *Sandbox) settleKilled(c *checkpoint) {
 	if !s.killPending.Load() || s.killedSettled {
 		return
 	}
@@ -1406,20 +1416,24 @@ func (s *Sandbox) settleKilled() {
 	}
 	deadline := time.Now().Add(2 * time.Second)
 	for pause, first := 50*time.Microsecond, true; ; pause, first = min(2*pause, time.Millisecond), false {
-		gone, exiting := s.killedState()
-		// The room is judged once, while the killed still hold most of
-		// what they had: as they exit it grows.
+		gone, tids := s.killedState()
 		switch {
 		case gone:
 			s.killed = nil
 			s.killPending.Store(false)
 			s.settled("gone")
 			return
-		case first && !s.limitsRoom():
+		// The room is judged once, while the killed still hold most of
+		// what they had: as they exit it grows.
+		case first && !s.limitsRoom(len(c.Procs)):
 			s.waitKilled()
 			s.settled("waited")
 			return
-		case exiting:
+		case tids != nil && ownSockets(tids, c):
+			s.waitKilled()
+			s.settled("sockets")
+			return
+		case tids != nil:
 			s.killedSettled = true
 			s.settled("exiting")
 			return
@@ -1443,15 +1457,16 @@ func (s *Sandbox) settled(how string) {
 }
 
 // killedState reports whether the processes of the killed groups are all
-// gone, and else whether every thread of theirs is exiting (or gone).
-func (s *Sandbox) killedState() (gone, exiting bool) {
-	gone, exiting = true, true
+// gone, and else lists their threads if every one is exiting (nil if one
+// is not yet, or they could not be listed).
+func (s *Sandbox) killedState() (gone bool, exiting []int) {
+	gone, exiting = true, []int{}
 	for _, g := range s.killed {
-		// One read of cgroup.events tells the common case, an empty
-		// group, where listing its threads costs several.
+		// One read of cgroup.events tells an empty group, where listing
+		// its threads costs several.
 		if pop, err := g.Populated(); err != nil || !pop {
 			if err != nil {
-				return false, false
+				return false, nil
 			}
 			continue
 		}
@@ -1460,35 +1475,81 @@ func (s *Sandbox) killedState() (gone, exiting bool) {
 			continue // emptied and removed meanwhile
 		}
 		if err != nil {
-			return false, false
+			return false, nil
 		}
 		gone = gone && len(tids) == 0
 		for _, tid := range tids {
 			if !threadExiting(tid) {
-				return false, false
+				return false, nil
 			}
 		}
+		exiting = append(exiting, tids...)
 	}
 	return gone, exiting
 }
 
-// limitsRoom reports whether the sandbox has at least a quarter of its
-// memory and pids limits free (each it has).
-func (s *Sandbox) limitsRoom() bool {
-	lim := s.spec.Limits
-	if lim.MemoryBytes > 0 {
-		n, err := s.cg.MemoryCurrent()
-		if err != nil || lim.MemoryBytes-n < lim.MemoryBytes/4 {
+// limitsRoom reports whether the sandbox keeps at least a quarter of its
+// memory and pids limits (each it has) free, with n more tasks for the
+// copies.
+func (s *Sandbox) limitsRoom(n int) bool {
+	if lim := s.spec.Limits.MemoryBytes; lim > 0 {
+		cur, err := s.cg.MemoryCurrent()
+		if err != nil || lim-cur < lim/4 {
 			return false
 		}
 	}
-	if lim.Pids > 0 {
-		n, err := s.cg.PidsCurrent()
-		if err != nil || lim.Pids-n < lim.Pids/4 {
-			return false
+	return s.pidRoom(n)
+}
+
+// ownSockets reports whether one of threads tids holds a socket that no
+// template of c holds (or its files cannot be read).
+func ownSockets(tids []int, c *checkpoint) bool {
+	var shared map[string]bool
+	for _, tid := range tids {
+		own, err := socketLinks(tid)
+		if err != nil {
+			return true
+		}
+		for _, l := range own {
+			if shared == nil {
+				shared = map[string]bool{}
+				for _, t := range c.Procs {
+					ls, err := socketLinks(t.HostPid)
+					if err != nil {
+						return true
+					}
+					for _, l := range ls {
+						shared[l] = true
+					}
+				}
+			}
+			if !shared[l] {
+				return true
+			}
 		}
 	}
-	return true
+	return false
+}
+
+// socketLinks lists the sockets thread tid holds open ("socket:[inode]");
+// none for a thread gone.
+func socketLinks(tid int) ([]string, error) {
+	dir := "/proc/" + strconv.Itoa(tid) + "/fd/"
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ESRCH) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range ents {
+		l, err := os.Readlink(dir + e.Name())
+		if err == nil && strings.HasPrefix(l, "socket:") {
+			out = append(out, l)
+		}
+	}
+	return out, nil
 }
 
 // pfExiting is the kernel's PF_EXITING task flag: the task is in do_exit.
