@@ -1406,8 +1406,13 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 		return
 	}
 	// Killed processes with little memory of their own are gone within a
-	// fraction of a millisecond (an 8 MB python3: about 0.1 ms), sooner
-	// than their threads can be listed and looked at.
+	// fraction of a millisecond (an 8 MB python3: about 0.1 ms; a few under
+	// load, the sandbox's CPU weight raised), sooner than their threads can
+	// be listed and looked at. And while the restore runs, their exit runs
+	// raised: once it returns, a killed process still exiting competes at
+	// the normal weight, and the next command and the group's removal wait
+	// for it meanwhile. Going on before they are gone pays for processes
+	// whose exit takes longer than that.
 	if s.waitKilledGroups(killedGrace) {
 		s.killed = nil
 		s.killPending.Store(false)
@@ -1446,8 +1451,14 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 }
 
 // killedGrace is how long settleKilled waits for the killed processes to be
-// gone before it looks at their threads.
-const killedGrace = 150 * time.Microsecond
+// gone before it looks at their threads. Under `make loadtest-process` (64
+// sandboxes, an 8 MB python3 each, both CPUs busy) a grace of 150 µs let
+// most restores go on before the killed copy was gone: restore p50 6.4 →
+// 4.1 ms, but 5.9–6.2 → 8.6–9.2 ms of the server's CPU per iteration (the
+// next command and the group's removal each polling its cgroup.events
+// while the copy, no longer raised, took its time to exit) and 74–77 → 62–65
+// rollbacks/s.
+const killedGrace = 2 * time.Millisecond
 
 // settled tells the test hook (onSettle) how settleKilled returned.
 func (s *Sandbox) settled(how string) {
