@@ -1394,10 +1394,11 @@ func (s *Sandbox) waitKilledGroups(timeout time.Duration) bool {
 //   - The dying count in the sandbox's memory and pids limits until gone.
 //
 // So it returns at once when they are gone (waiting up to killedGrace for
-// that: the common case), as soon as every thread of theirs is exiting if
-// they hold no socket of their own and the sandbox keeps a quarter of its
-// memory and pids limits free beside them and the copies, and else when
-// they are gone (waitKilled). The next command still waits for them to be
+// that: the common case); if they freed killedFreeing meanwhile (their exit
+// is long for the memory it frees), as soon as every thread of theirs is
+// exiting if they hold no socket of their own and the sandbox keeps a
+// quarter of its memory and pids limits free beside them and the copies;
+// and else when they are gone (waitKilled). The next command still waits for them to be
 // gone (beginExec). Copies that write memory faster than the dying free
 // theirs could still meet the memory limit; a quarter of it free makes
 // that unlikely. Called with op held.
@@ -1408,15 +1409,22 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 	// Killed processes with little memory of their own are gone within a
 	// fraction of a millisecond (an 8 MB python3: about 0.1 ms; a few under
 	// load, the sandbox's CPU weight raised), sooner than their threads can
-	// be listed and looked at. And while the restore runs, their exit runs
-	// raised: once it returns, a killed process still exiting competes at
-	// the normal weight, and the next command and the group's removal wait
-	// for it meanwhile. Going on before they are gone pays for processes
-	// whose exit takes longer than that.
+	// be listed and looked at.
+	before, memOK := s.memoryNow()
 	if s.waitKilledGroups(killedGrace) {
 		s.killed = nil
 		s.killPending.Store(false)
 		s.settled("gone")
+		return
+	}
+	// Still there. Going on without them pays only while they free memory
+	// (killedFreeing in the grace): a killed process that is slow to go
+	// because it waits for a CPU gets one sooner now, its CPU weight raised
+	// with the restore's, than once the restore has returned, when the
+	// next command and the group's removal would poll for it meanwhile.
+	if after, ok := s.memoryNow(); !memOK || !ok || before-after < killedFreeing {
+		s.waitKilled()
+		s.settled("slow")
 		return
 	}
 	deadline := time.Now().Add(2 * time.Second)
@@ -1450,14 +1458,25 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 	}
 }
 
+// killedFreeing is how much memory the killed processes must free during
+// killedGrace for settleKilled to go on without them.
+const killedFreeing = 8 << 20
+
+// memoryNow reads the sandbox's memory use, if it has a memory controller.
+func (s *Sandbox) memoryNow() (int64, bool) {
+	n, err := s.cg.MemoryCurrent()
+	return n, err == nil
+}
+
 // killedGrace is how long settleKilled waits for the killed processes to be
-// gone before it looks at their threads. Under `make loadtest-process` (64
-// sandboxes, an 8 MB python3 each, both CPUs busy) a grace of 150 µs let
-// most restores go on before the killed copy was gone: restore p50 6.4 →
-// 4.1 ms, but 5.9–6.2 → 8.6–9.2 ms of the server's CPU per iteration (the
-// next command and the group's removal each polling its cgroup.events
-// while the copy, no longer raised, took its time to exit) and 74–77 → 62–65
-// rollbacks/s.
+// gone before it looks at how fast they free memory. Under `make
+// loadtest-process` (64 sandboxes, an 8 MB python3 each, both CPUs busy)
+// going on after a grace of 150 µs, whatever the killed copy was doing,
+// took the server 5.9–6.2 → 8.6–9.2 ms of CPU per iteration (the next
+// command and the group's removal each polling its cgroup.events while the
+// copy, no longer raised, waited for a CPU to exit) and 74–77 → 62–65
+// rollbacks/s; after 2 ms, still 8.1–8.4 against 6.7–7.2. See
+// docs/ARCHITECTURE.md (known limits).
 const killedGrace = 2 * time.Millisecond
 
 // settled tells the test hook (onSettle) how settleKilled returned.
