@@ -39,9 +39,11 @@ func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }
 func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
 
 // OnSettleKilled makes every restore that killed processes call f with how
-// it went on before they were gone: "gone" (they were), "exiting" (each
-// thread of theirs was in its exit), "waited" (the limits had no room:
-// it waited for them to be gone) or "timeout".
+// it went on: "gone" (they were), "slow" (not freeing memory fast enough to
+// be worth going on without them: it waited for them to be gone),
+// "exiting" (it went on, each thread of theirs in its exit), "waited" (the
+// limits had no room), "sockets" (they held a socket of their own) or
+// "timeout".
 func (r *Runtime) OnSettleKilled(f func(how string)) { r.onSettle = f }
 
 // ThreadExiting reports whether thread tid is exiting, a zombie or gone.

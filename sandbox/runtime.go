@@ -287,8 +287,8 @@ type Runtime struct {
 	// or fork that raised its sandbox's CPU weight, right after it did.
 	onBoost func()
 	// onSettle, if set (tests), is told how each restore that killed
-	// processes went on (Sandbox.settleKilled): "gone", "exiting",
-	// "waited" or "timeout".
+	// processes went on (Sandbox.settleKilled): "gone", "slow", "exiting",
+	// "waited", "sockets" or "timeout".
 	onSettle func(how string)
 }
 
