@@ -454,17 +454,7 @@ func BenchmarkRollbackAfterAllocWithProcess(b *testing.B) {
 			bb := setup(b)
 			s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)})
 			ctx := context.Background()
-			code := fmt.Sprintf(`import os, time
-open('/tmp/ready', 'w').close()
-while True:
-    if os.path.exists('/tmp/alloc'):
-        more = b'y' * %d
-        open('/tmp/allocated', 'w').close()
-        while True:
-            time.sleep(0.05)
-    time.sleep(0.002)
-`, mb<<20)
-			_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", code}, Background: true})
+			_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", growPy, fmt.Sprint(mb), "none"}, Background: true})
 			must(b, err)
 			waitFor(b, s, "[ -e /tmp/ready ]")
 			ck, err := s.Checkpoint(ctx)
@@ -475,8 +465,8 @@ while True:
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				b.StopTimer()
-				sh(b, s, "touch /tmp/alloc")
-				waitFor(b, s, "[ -e /tmp/allocated ]")
+				sh(b, s, "touch /tmp/grow")
+				waitFor(b, s, "[ -e /tmp/grown ]")
 				b.StartTimer()
 				l.time(func() { err = s.Restore(ctx, ck.ID) })
 				must(b, err)

@@ -1398,10 +1398,10 @@ func (s *Sandbox) waitKilledGroups(timeout time.Duration) bool {
 // is long for the memory it frees), as soon as every thread of theirs is
 // exiting if they hold no socket of their own and the sandbox keeps a
 // quarter of its memory and pids limits free beside them and the copies;
-// and else when they are gone (waitKilled). The next command still waits for them to be
-// gone (beginExec). Copies that write memory faster than the dying free
-// theirs could still meet the memory limit; a quarter of it free makes
-// that unlikely. Called with op held.
+// and else when they are gone (waitKilled). The next command still waits
+// for them to be gone (beginExec). Copies that write memory faster than the
+// dying free theirs could still meet the memory limit; a quarter of it free
+// makes that unlikely. Called with op held.
 func (s *Sandbox) settleKilled(c *checkpoint) {
 	if !s.killPending.Load() || s.killedSettled {
 		return
@@ -1410,7 +1410,7 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 	// fraction of a millisecond (an 8 MB python3: about 0.1 ms; a few under
 	// load, the sandbox's CPU weight raised), sooner than their threads can
 	// be listed and looked at.
-	before, memOK := s.memoryNow()
+	before, memErr := s.cg.MemoryCurrent()
 	if s.waitKilledGroups(killedGrace) {
 		s.killed = nil
 		s.killPending.Store(false)
@@ -1422,7 +1422,7 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 	// because it waits for a CPU gets one sooner now, its CPU weight raised
 	// with the restore's, than once the restore has returned, when the
 	// next command and the group's removal would poll for it meanwhile.
-	if after, ok := s.memoryNow(); !memOK || !ok || before-after < killedFreeing {
+	if after, err := s.cg.MemoryCurrent(); memErr != nil || err != nil || before-after < killedFreeing {
 		s.waitKilled()
 		s.settled("slow")
 		return
@@ -1461,12 +1461,6 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 // killedFreeing is how much memory the killed processes must free during
 // killedGrace for settleKilled to go on without them.
 const killedFreeing = 8 << 20
-
-// memoryNow reads the sandbox's memory use, if it has a memory controller.
-func (s *Sandbox) memoryNow() (int64, bool) {
-	n, err := s.cg.MemoryCurrent()
-	return n, err == nil
-}
 
 // killedGrace is how long settleKilled waits for the killed processes to be
 // gone before it looks at how fast they free memory. Under `make
