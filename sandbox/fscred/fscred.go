@@ -35,32 +35,63 @@ func Run(uid, gid int, keepCaps bool, fn func() error) error {
 }
 
 func run(uid, gid int, keepCaps bool, fn func() error) (err error, clean bool) {
-	if err := unix.Setfsgid(gid); err != nil {
-		return fmt.Errorf("setfsgid: %w", err), false
+	// setfsuid and setfsgid report no failure: the ids are read back
+	// (an invalid id, -1, changes nothing and costs no credentials).
+	unix.Setfsgid(gid)
+	if g, _ := unix.SetfsgidRetGid(-1); g != gid {
+		return fmt.Errorf("setfsgid %d: the thread's fsgid is %d", gid, g), restore()
 	}
-	if err := unix.Setfsuid(uid); err != nil {
-		return fmt.Errorf("setfsuid: %w", err), false
+	unix.Setfsuid(uid)
+	if u, _ := unix.SetfsuidRetUid(-1); u != uid {
+		return fmt.Errorf("setfsuid %d: the thread's fsuid is %d", uid, u), restore()
 	}
 	if keepCaps {
 		if err := RaiseCaps(); err != nil {
-			return err, false
+			return err, restore()
 		}
 	}
 	err = fn()
-	// Back to fsuid 0: the kernel restores the file capabilities to the
-	// effective set; raise the rest too.
+	return err, restore()
+}
+
+// restore puts the thread back to fsuid and fsgid 0 with its effective
+// capabilities its permitted ones, and reports whether it is.
+//
+// Each change of a thread's credentials is a new credential structure,
+// freed after an RCU grace period, and on the VM this is developed on a BPF
+// program hooked to commit_creds makes each cost microseconds: under the
+// rollback load test, where every file action and overlay mount runs here,
+// setfsuid, setfsgid and capset took 3–4% of the machine's CPU. Back at
+// fsuid 0 the kernel raises the file capabilities from the permitted set
+// itself, so the thread is already as it was: a capset only when capget
+// finds otherwise (BenchmarkRun, means of seven interleaved runs: 18.5 →
+// 17.5 µs with keepCaps, 15.3 → 13.8 without).
+func restore() bool {
 	unix.Setfsuid(0)
 	unix.Setfsgid(0)
-	return err, RaiseCaps() == nil
+	if u, _ := unix.SetfsuidRetUid(-1); u != 0 {
+		return false
+	}
+	if g, _ := unix.SetfsgidRetGid(-1); g != 0 {
+		return false
+	}
+	return raiseCaps(false) == nil
 }
 
 // RaiseCaps makes the calling thread's effective capabilities its permitted
 // ones.
-func RaiseCaps() error {
+func RaiseCaps() error { return raiseCaps(true) }
+
+// raiseCaps is RaiseCaps; unless always, it sets nothing when they are
+// already.
+func raiseCaps(always bool) error {
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
 	var data [2]unix.CapUserData
 	if err := unix.Capget(&hdr, &data[0]); err != nil {
 		return fmt.Errorf("capget: %w", err)
+	}
+	if !always && data[0].Effective == data[0].Permitted && data[1].Effective == data[1].Permitted {
+		return nil
 	}
 	data[0].Effective = data[0].Permitted
 	data[1].Effective = data[1].Permitted
