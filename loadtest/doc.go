@@ -4,7 +4,8 @@
 // histograms per operation, errors by code, a JSON report and a latency CDF plot, and a
 // timeline sampled every Config.SampleInterval (throughput, server RSS, the server's discard
 // backlog and other gauges from its /metrics, CPU of the server, its sandboxes and the load
-// generator) judged for flatness, first against last minute, for sustained runs. It also
+// generator, and the CPU time of a fixed task, which shows the machine's own speed drifting)
+// judged for flatness, first against last minute, for sustained runs. It also
 // holds the baselines measured beside it in the same run (a local full-copy rollback; the
 // CRIU variant of rollback-process, MeasureProcessCRIU, or "not available") and a
 // launcher that starts a private server for one run (StartServer).

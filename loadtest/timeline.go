@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -38,6 +39,9 @@ type Sample struct {
 	LoadgenCPU float64 `json:"loadgen_cpu_seconds"`
 	// MachineBusy is the fraction of all CPUs' time not idle (/proc/stat), whoever used it.
 	MachineBusy float64 `json:"machine_busy_fraction"`
+	// ProbeCPU is the CPU seconds a fixed task took at the interval's end (speedProbe): it
+	// grows when the machine slows down, whatever the server does (-1: unknown).
+	ProbeCPU float64 `json:"probe_cpu_seconds"`
 }
 
 // counters are the cumulative readings a Sample is the difference of.
@@ -49,6 +53,7 @@ type counters struct {
 	sandboxCPU float64 // -1: unknown
 	loadgenCPU float64
 	machine    cpuTimes
+	probe      float64 // -1: unknown
 }
 
 // sampler reads the counters and gauges of a run.
@@ -57,11 +62,12 @@ type sampler struct {
 	rec     *recorder
 	metrics string // the server's /metrics URL
 	http    *http.Client
+	probe   *speedProbe
 }
 
 func newSampler(cfg *Config, rec *recorder) *sampler {
 	return &sampler{cfg: cfg, rec: rec, metrics: "http://" + cfg.Addr + "/metrics",
-		http: &http.Client{Timeout: min(cfg.SampleInterval, 2*time.Second)}}
+		http: &http.Client{Timeout: min(cfg.SampleInterval, 2*time.Second)}, probe: newSpeedProbe()}
 }
 
 // read takes the cumulative counters now; m is the latest scrape of /metrics (nil when it
@@ -82,6 +88,8 @@ func (s *sampler) read(m map[string]float64) counters {
 			c.sandboxCPU = v
 		}
 	}
+	// After the CPU readings: the probe's own CPU goes to the next interval's load generator.
+	c.probe = s.probe.run()
 	return c
 }
 
@@ -90,7 +98,7 @@ func (s *sampler) sample(start time.Time, prev, cur counters, m map[string]float
 	d := cur.at.Sub(prev.at).Seconds()
 	x := Sample{AtSec: cur.at.Sub(start).Seconds(), IntervalSec: d, Iterations: cur.iters - prev.iters,
 		Errors: cur.errs - prev.errs, DiscardBacklog: -1, LiveSandboxes: -1, Checkpoints: -1,
-		ServerCPU: -1, SandboxCPU: -1, LoadgenCPU: cur.loadgenCPU - prev.loadgenCPU}
+		ServerCPU: -1, SandboxCPU: -1, LoadgenCPU: cur.loadgenCPU - prev.loadgenCPU, ProbeCPU: cur.probe}
 	if d > 0 {
 		x.PerSec = float64(x.Iterations) / d
 	}
@@ -255,6 +263,13 @@ type Flatness struct {
 	SandboxCPUPerIter float64 `json:"sandbox_cpu_seconds_per_iteration"`
 	LoadgenCPUPerIter float64 `json:"loadgen_cpu_seconds_per_iteration"`
 	CPUBoundPerSec    float64 `json:"cpu_bound_per_second"`
+	// The machine's speed in the two windows: the median CPU seconds of the fixed task
+	// (Sample.ProbeCPU; -1: unknown), and the server's CPU seconds per iteration (-1:
+	// unknown). Both rising together mean the machine slowed down, not the server.
+	FirstProbeCPU         float64 `json:"first_window_probe_cpu_seconds"`
+	LastProbeCPU          float64 `json:"last_window_probe_cpu_seconds"`
+	FirstServerCPUPerIter float64 `json:"first_window_server_cpu_seconds_per_iteration"`
+	LastServerCPUPerIter  float64 `json:"last_window_server_cpu_seconds_per_iteration"`
 
 	ThroughputFlat bool   `json:"throughput_flat"`
 	RSSFlat        bool   `json:"rss_flat"`
@@ -306,6 +321,8 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 	if f.FirstRSS > 0 {
 		f.RSSGrowth = float64(f.LastRSS-f.FirstRSS) / float64(f.FirstRSS)
 	}
+	f.FirstProbeCPU, f.LastProbeCPU = medianProbe(first), medianProbe(last)
+	f.FirstServerCPUPerIter, f.LastServerCPUPerIter = serverPerIter(first), serverPerIter(last)
 	var secs, srv, box, gen, busy float64
 	var iters int64
 	srvOK, boxOK := true, true
@@ -377,6 +394,49 @@ func rate(xs []Sample) float64 {
 	return float64(n) / d
 }
 
+// speedVerdict reads the ratio of the probe's last to first time.
+func speedVerdict(ratio float64) string {
+	switch {
+	case ratio >= 1+flatThroughput:
+		return "the machine ran slower at the end (a server's CPU per iteration rising as much is the machine's doing)"
+	case ratio <= 1-flatThroughput:
+		return "the machine ran faster at the end"
+	}
+	return "the machine's speed held"
+}
+
+// medianProbe is the median of the samples' ProbeCPU; -1 if none has one.
+func medianProbe(xs []Sample) float64 {
+	var v []float64
+	for _, x := range xs {
+		if x.ProbeCPU > 0 {
+			v = append(v, x.ProbeCPU)
+		}
+	}
+	if len(v) == 0 {
+		return -1
+	}
+	slices.Sort(v)
+	return v[len(v)/2]
+}
+
+// serverPerIter is the server's CPU seconds per iteration over the samples; -1 if unknown.
+func serverPerIter(xs []Sample) float64 {
+	var cpu float64
+	var n int64
+	for _, x := range xs {
+		if x.ServerCPU < 0 {
+			return -1
+		}
+		cpu += x.ServerCPU
+		n += x.Iterations
+	}
+	if n == 0 {
+		return -1
+	}
+	return cpu / float64(n)
+}
+
 func maxBacklog(xs []Sample) int64 {
 	m := int64(-1)
 	for _, x := range xs {
@@ -400,8 +460,8 @@ func (r *Report) writeTimeline(w io.Writer) {
 	cpus := float64(max(r.Machine.CPUs, numCPU()))
 	fmt.Fprintf(w, "timeline (%gs samples, %d per row; warm-up until %.0fs; CPU in cores, i.e. CPU seconds per second):\n",
 		r.SampleSec, k, r.WarmupSec)
-	fmt.Fprintf(w, "%7s %11s %6s %8s %7s %5s %6s %7s %9s %8s %8s\n",
-		"t s", r.Unit+"/s", "errors", "RSS MiB", "backlog", "live", "ckpts", "server", "sandboxes", "loadgen", "machine")
+	fmt.Fprintf(w, "%7s %11s %6s %8s %7s %5s %6s %7s %9s %8s %8s %8s\n",
+		"t s", r.Unit+"/s", "errors", "RSS MiB", "backlog", "live", "ckpts", "server", "sandboxes", "loadgen", "machine", "probe ms")
 	for i := 0; i < len(tl); i += k {
 		row := tl[i:min(i+k, len(tl))]
 		var n, errs int64
@@ -421,9 +481,13 @@ func (r *Report) writeTimeline(w io.Writer) {
 			backlog = max(backlog, x.DiscardBacklog)
 		}
 		end := row[len(row)-1]
-		fmt.Fprintf(w, "%7.0f %11.0f %6d %8s %7s %5s %6s %7s %9s %8.2f %8.2f\n", end.AtSec, float64(n)/d, errs,
+		probe := "-"
+		if p := medianProbe(row); p > 0 {
+			probe = strconv.FormatFloat(1000*p, 'f', 2, 64)
+		}
+		fmt.Fprintf(w, "%7.0f %11.0f %6d %8s %7s %5s %6s %7s %9s %8.2f %8.2f %8s\n", end.AtSec, float64(n)/d, errs,
 			mib(end.ServerRSS), gauge(backlog), gauge(end.LiveSandboxes), gauge(end.Checkpoints),
-			cores(srv/d, srvOK), cores(box/d, boxOK), gen/d, busy/d)
+			cores(srv/d, srvOK), cores(box/d, boxOK), gen/d, busy/d, probe)
 	}
 	if f := r.Flatness; f != nil {
 		fmt.Fprintf(w, "flatness (first vs last %.0fs of the measured run): %s; %s %.0f -> %.0f /s (x%.2f), server RSS %s -> %s MiB (%+.1f%%), discard backlog max %s -> %s\n",
@@ -434,6 +498,15 @@ func (r *Report) writeTimeline(w io.Writer) {
 		if f.CPUBoundPerSec > 0 {
 			fmt.Fprintf(w, "CPU per iteration: server %s ms, sandboxes %s ms, load generator %.3f ms; at that cost %.0f CPUs allow at most %.0f %s/s\n",
 				millis(f.ServerCPUPerIter), millis(f.SandboxCPUPerIter), 1000*f.LoadgenCPUPerIter, cpus, f.CPUBoundPerSec, r.Unit)
+		}
+		if f.FirstProbeCPU > 0 && f.LastProbeCPU > 0 {
+			fmt.Fprintf(w, "machine speed (first vs last %.0fs): a fixed task took %.2f -> %.2f ms of CPU (x%.2f)", f.WindowSec,
+				1000*f.FirstProbeCPU, 1000*f.LastProbeCPU, f.LastProbeCPU/f.FirstProbeCPU)
+			if f.FirstServerCPUPerIter > 0 && f.LastServerCPUPerIter > 0 {
+				fmt.Fprintf(w, ", the server's CPU per iteration %.3f -> %.3f ms (x%.2f)", 1000*f.FirstServerCPUPerIter,
+					1000*f.LastServerCPUPerIter, f.LastServerCPUPerIter/f.FirstServerCPUPerIter)
+			}
+			fmt.Fprintln(w, "; "+speedVerdict(f.LastProbeCPU/f.FirstProbeCPU))
 		}
 	}
 }

@@ -7,9 +7,13 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestParseMetrics(t *testing.T) {
@@ -121,6 +125,123 @@ func TestMeasureFlatness(t *testing.T) {
 	}
 }
 
+// TestFlatnessMachineSpeed: a run whose throughput falls while the server's CPU per second
+// holds and the fixed task slows as much is reported with the machine's speed beside the
+// verdict, window medians of the probe and the server's CPU per iteration in each window.
+func TestFlatnessMachineSpeed(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		probeEnd   float64 // the probe's time at the end, in ms (1 at the start)
+		thrEnd     float64 // the throughput at the end (2000 at the start)
+		wantSpeed  string
+		wantVerdic string
+	}{
+		{"machine slows", 1.4, 1400, "the machine ran slower at the end", "NOT flat: throughput"},
+		{"server slows", 1, 1400, "the machine's speed held", "NOT flat: throughput"},
+		{"machine speeds up", 0.7, 2000, "the machine ran faster at the end", "flat"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const n = 300
+			at := func(i int, from, to float64) float64 { return from + (to-from)*float64(i)/(n-1) }
+			var tl []Sample
+			for i := -2; i < n; i++ {
+				j := max(i, 0)
+				p := at(j, 2000, tc.thrEnd)
+				tl = append(tl, Sample{AtSec: float64(i + 3), IntervalSec: 1, Iterations: int64(p), PerSec: p, ServerRSS: 64 << 20,
+					ServerCPU: 1.3, SandboxCPU: 0, LoadgenCPU: 0.2, MachineBusy: 0.8, ProbeCPU: at(j, 1, tc.probeEnd) / 1000})
+			}
+			f := measureFlatness(tl, 2, n, 2)
+			if f == nil || !strings.HasPrefix(f.Verdict, tc.wantVerdic) {
+				t.Fatalf("flatness %+v, want verdict %q", f, tc.wantVerdic)
+			}
+			// Window medians: the first minute's probe is near 1 ms, the last's near the end.
+			wantFirst, wantLast := at(30, 1, tc.probeEnd)/1000, at(n-31, 1, tc.probeEnd)/1000
+			if math.Abs(f.FirstProbeCPU-wantFirst) > 2e-6 || math.Abs(f.LastProbeCPU-wantLast) > 2e-6 {
+				t.Fatalf("probe %g -> %g s, want %g -> %g", f.FirstProbeCPU, f.LastProbeCPU, wantFirst, wantLast)
+			}
+			var it0, it1 int64
+			for i, x := range tl[2:] {
+				if i < 60 {
+					it0 += x.Iterations
+				}
+				if i >= n-60 {
+					it1 += x.Iterations
+				}
+			}
+			if math.Abs(f.FirstServerCPUPerIter-1.3*60/float64(it0)) > 1e-9 || math.Abs(f.LastServerCPUPerIter-1.3*60/float64(it1)) > 1e-9 {
+				t.Fatalf("server CPU per iteration %g -> %g s, want %g -> %g", f.FirstServerCPUPerIter, f.LastServerCPUPerIter,
+					1.3*60/float64(it0), 1.3*60/float64(it1))
+			}
+			var sum bytes.Buffer
+			(&Report{Unit: "rollbacks", SampleSec: 1, WarmupSec: 2, Timeline: tl, Flatness: f, Machine: Machine{CPUs: 2}}).writeTimeline(&sum)
+			for _, want := range []string{"probe ms", "machine speed (first vs last 60s): a fixed task took", "the server's CPU per iteration", tc.wantSpeed} {
+				if !strings.Contains(sum.String(), want) {
+					t.Fatalf("summary lacks %q:\n%s", want, sum.String())
+				}
+			}
+		})
+	}
+	// Without probe readings, no speed line.
+	f := measureFlatness(series(300, func(int) (float64, int64, int64) { return 2000, 64 << 20, 0 }), 2, 300, 2)
+	if f.FirstProbeCPU != -1 || f.LastProbeCPU != -1 {
+		t.Fatalf("probe %g -> %g with no readings, want -1", f.FirstProbeCPU, f.LastProbeCPU)
+	}
+}
+
+// TestSpeedProbe: the fixed task takes some CPU time, the same within a factor on an idle
+// thread, and counts only the thread's own: with a spinning thread on the same CPU it takes
+// about twice as long by the clock, not in CPU time.
+func TestSpeedProbe(t *testing.T) {
+	p := newSpeedProbe()
+	var v []float64
+	for range 5 {
+		x := p.run()
+		if x <= 0 || x > 1 {
+			t.Fatalf("probe took %g s of CPU", x)
+		}
+		v = append(v, x)
+	}
+	lo, hi := slices.Min(v), slices.Max(v)
+	if hi > 3*lo {
+		t.Fatalf("probe times %v vary more than threefold", v)
+	}
+
+	// Both threads on CPU 0 (this goroutine's thread stays locked: it ends with the test).
+	var cpu0 unix.CPUSet
+	cpu0.Set(0)
+	runtime.LockOSThread()
+	if err := unix.SchedSetaffinity(0, &cpu0); err != nil {
+		t.Skipf("cannot pin threads: %v", err)
+	}
+	stop := make(chan struct{})
+	spinning := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // ends with the goroutine
+		spinning <- unix.SchedSetaffinity(0, &cpu0)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	}()
+	defer close(stop)
+	if err := <-spinning; err != nil {
+		t.Skipf("cannot pin threads: %v", err)
+	}
+	var cpu float64
+	start := time.Now()
+	for range 20 {
+		cpu += p.run()
+	}
+	wall := time.Since(start).Seconds()
+	if cpu > 20*3*slices.Max(v) || wall < 1.3*cpu {
+		t.Fatalf("20 probes sharing a CPU with a spinner: %.1f ms of CPU in %.1f ms (alone: %v s each)", 1000*cpu, 1000*wall, v)
+	}
+	t.Logf("20 probes sharing a CPU with a spinner: %.1f ms of CPU in %.1f ms", 1000*cpu, 1000*wall)
+}
+
 // TestTimeline runs the rollback scenarios against the real server for a few seconds with
 // 1 s samples: with the server's PID (RSS and CPU from /proc, sandbox CPU from its cgroup)
 // and without it (RSS and CPU from the server's /metrics). Every sample has the server's
@@ -162,6 +283,9 @@ func TestTimeline(t *testing.T) {
 				if x.ServerRSS < 8<<20 || x.DiscardBacklog < 0 || x.LiveSandboxes < conc || x.Checkpoints < conc || x.ServerCPU < 0 {
 					t.Fatalf("sample %d lacks the server's gauges: %+v", i, x)
 				}
+				if x.ProbeCPU <= 0 {
+					t.Fatalf("sample %d has no probe time: %+v", i, x)
+				}
 				if (x.SandboxCPU >= 0) != (tc.cpuStat != "") {
 					t.Fatalf("sample %d: sandbox CPU %v with cpu.stat %q", i, x.SandboxCPU, tc.cpuStat)
 				}
@@ -178,7 +302,7 @@ func TestTimeline(t *testing.T) {
 			if f == nil || f.FirstPerSec <= 0 || f.LastPerSec <= 0 || f.FirstRSS <= 0 || f.Verdict == "" || f.ServerCores <= 0 {
 				t.Fatalf("flatness: %+v", f)
 			}
-			for _, want := range []string{"timeline (1s samples", "rollbacks/s", "flatness (first vs last", "CPU over the measured run", "CPU per iteration: server "} {
+			for _, want := range []string{"timeline (1s samples", "rollbacks/s", "flatness (first vs last", "CPU over the measured run", "CPU per iteration: server ", "probe ms", "machine speed (first vs last"} {
 				if !strings.Contains(sum.String(), want) {
 					t.Fatalf("summary lacks %q:\n%s", want, sum.String())
 				}
