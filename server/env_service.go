@@ -320,7 +320,7 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	if s.writer != nil {
 		action, _ := protojson.Marshal(m.GetAction())
 		obsBytes, _ := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
-		s.ledgerErr(s.writer.Step(ledger.StepRow{EpisodeID: episode, Index: own - 1, Action: action, Observation: obsBytes,
+		s.ledgerErr(s.writer.Step(ledger.StepRow{EpisodeID: episode, Index: own - 1, Action: action, ActionValid: true, Observation: obsBytes,
 			Reward: reward, Terminated: terminated, Truncated: resp.Truncated, StartedAt: start, Duration: dur, CheckpointID: resp.CheckpointId}))
 		if _, ok := m.GetAction().GetKind().(*deltagymv1.Action_Submit); ok && verr == nil {
 			i := own - 1

@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/base64"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -89,14 +90,20 @@ func BenchmarkCopyCost(b *testing.B) {
 	if _, err := os.Stat(filepath.Join(pgserver.DefaultBinDir, "postgres")); err != nil {
 		b.Skip("postgres 15 not installed (run scripts/deps.sh postgres)")
 	}
-	variants := []struct{ name, sql string }{
-		{"schema", ""}, // as migrated
+	variants := []struct {
+		name, sql string
+		write     bool // rows of a 4 KiB write_file: the content in the action, a small observation
+	}{
+		{"schema", "", false}, // as migrated
 		// Before 0002: the small columns EXTENDED, so 4 KiB rows pushed them to TOAST.
 		{"small-cols-extended", `ALTER TABLE steps ALTER COLUMN action SET STORAGE EXTENDED,
 			ALTER COLUMN observation_sha256 SET STORAGE EXTENDED, ALTER COLUMN episode_id SET STORAGE EXTENDED,
-			ALTER COLUMN checkpoint_id SET STORAGE EXTENDED`},
+			ALTER COLUMN checkpoint_id SET STORAGE EXTENDED`, false},
 		// No lz4 for rows up to a page: less CPU, three times the disk (one 4 KiB row per page).
-		{"uncompressed", "ALTER TABLE steps SET (toast_tuple_target = 8160)"},
+		{"uncompressed", "ALTER TABLE steps SET (toast_tuple_target = 8160)", false},
+		// 4 KiB writes: the action compressed with lz4 (0003), and with pglz as before it.
+		{"write-action", "", true},
+		{"write-action-pglz", "ALTER TABLE steps ALTER COLUMN action SET COMPRESSION pglz", true},
 	}
 	dir, err := os.MkdirTemp("", "pgcost")
 	if err != nil {
@@ -141,9 +148,14 @@ func BenchmarkCopyCost(b *testing.B) {
 			now := time.Now()
 			for i := range b.N {
 				off := (i * 997) % (len(text) - 4096)
-				obs := text[off : off+4096]
+				obs, action := text[off:off+4096], []byte(`{"exec":"make test"}`)
+				if v.write {
+					action = fmt.Appendf(nil, `{"writeFile":{"path":"/work/notes.txt","content":%q}}`,
+						base64.StdEncoding.EncodeToString(obs))
+					obs = []byte(`{"writeFile":{"bytesWritten":4096}}`)
+				}
 				sum := sha256.Sum256(obs)
-				rows = append(rows, []any{fmt.Sprintf("bench-%d-%d", vi, i/100), int32(i % 100), []byte(`{"exec":"make test"}`),
+				rows = append(rows, []any{fmt.Sprintf("bench-%d-%d", vi, i/100), int32(i % 100), action,
 					obs, int64(len(obs)), sum[:], 0.5, false, false, now, int64(time.Millisecond), nil})
 			}
 			var wal0, wal1, size, toasted int64

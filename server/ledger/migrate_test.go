@@ -2,8 +2,11 @@ package ledger_test
 
 import (
 	"context"
+	"encoding/base64"
+	"fmt"
 	"math/rand/v2"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 
@@ -90,5 +93,30 @@ func TestStepsStayInline(t *testing.T) {
 				t.Fatalf("%d steps read back whole, want %d", n, steps)
 			}
 		})
+	}
+}
+
+// A step's action big enough to be compressed (a write_file's content, base64 in its JSON,
+// with a small observation) is compressed with lz4 (0003), not pglz, and reads back whole.
+func TestActionCompressedWithLZ4(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *ledger.Config) { c.Logger = quiet })
+	must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: "ep", Env: "env"}))
+	content := strings.Repeat("print('hello')\n", 400) // 6,000 bytes
+	action := fmt.Appendf(nil, `{"writeFile":{"path":"/work/a.py","content":%q}}`, base64.StdEncoding.EncodeToString([]byte(content)))
+	const steps = 5
+	for i := range steps {
+		r := stepRow("ep", i)
+		r.Action = action
+		must(t, b.w.Step(r))
+	}
+	must(t, b.w.Flush(t.Context()))
+	if n := count(t, b.url, "SELECT count(*) FROM steps WHERE pg_column_compression(action) = 'lz4'"); n != steps {
+		t.Fatalf("%d actions compressed with lz4, want %d (methods: %d pglz, %d none)", n, steps,
+			count(t, b.url, "SELECT count(*) FROM steps WHERE pg_column_compression(action) = 'pglz'"),
+			count(t, b.url, "SELECT count(*) FROM steps WHERE pg_column_compression(action) IS NULL"))
+	}
+	if n := count(t, b.url, "SELECT count(*) FROM steps WHERE convert_from(decode(action->'writeFile'->>'content', 'base64'), 'UTF8') = $1", content); n != steps {
+		t.Fatalf("%d actions read back whole, want %d", n, steps)
 	}
 }

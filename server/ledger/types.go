@@ -107,6 +107,10 @@ type StepRow struct {
 	StartedAt         time.Time       `json:"started_at"`
 	Duration          time.Duration   `json:"duration_ns"`
 	CheckpointID      string          `json:"checkpoint_id,omitempty"` // a checkpoint taken after the step
+	// ActionValid says that Action is valid JSON already (protojson's output, as the server
+	// records it), so Writer.Step does not check it again: the check costs about what making
+	// it did (for a write_file of 4 KiB, its content base64 in the JSON).
+	ActionValid bool `json:"-"`
 }
 
 // CheckpointRow records a checkpoint. StepIndex is the number of the episode's own steps taken

@@ -223,14 +223,15 @@ func (w *Writer) EpisodeEnded(r EpisodeEnd) error {
 
 // Step records one step. It caps the observation at Config.ObservationCap and fills in its
 // full size and SHA-256 unless ObservationSHA256 is already set. An empty action is stored as
-// JSON null. A zero StartedAt means now.
+// JSON null; one that is not JSON is refused (ErrInvalid) unless ActionValid vouches for it.
+// A zero StartedAt means now.
 func (w *Writer) Step(r StepRow) error {
 	if r.EpisodeID == "" || r.Index < 0 {
 		return fmt.Errorf("step needs an episode id and an index >= 0: %w", ErrInvalid)
 	}
 	if len(r.Action) == 0 {
 		r.Action = json.RawMessage("null")
-	} else if !json.Valid(r.Action) {
+	} else if !r.ActionValid && !json.Valid(r.Action) {
 		return fmt.Errorf("episode %s step %d: action is not JSON: %w", r.EpisodeID, r.Index, ErrInvalid)
 	}
 	if r.ObservationSHA256 == nil {
