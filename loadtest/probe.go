@@ -7,18 +7,19 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// speedProbe times a fixed task on one thread, for the timeline: how fast the machine runs,
-// whatever the server does. A virtual machine's speed drifts with what its neighbours on the
-// host do (the 2-vCPU VM deltagym is developed on varies by a third within minutes), and in
-// a sustained run that reads as the server slowing down: the server's CPU per iteration and
-// the probe's time rising together say the machine slowed, the first alone that the server
-// did.
+// speedProbe times a fixed task on one thread, for the timeline: how fast the machine runs
+// user-space code, whatever the server does. A virtual machine's speed drifts with what its
+// neighbours on the host do (the 2-vCPU VM deltagym is developed on varies by a third within
+// minutes), and in a sustained run that reads as the server slowing down. The server's CPU
+// per iteration and the probe's time rising together point at the machine; the first alone
+// at the server. The probe is user-space work only: much of the server's cost is the
+// kernel's (mounts, RCU, credentials), which a slower host can slow by another factor.
 //
 // The task hashes 1 MiB (SHA-256) and copies 8 MiB, through buffers bigger than the
 // caches' share of a small machine, so that both the cores and the memory are measured. Its
 // time is the thread's CPU time (CLOCK_THREAD_CPUTIME_ID): waiting for a CPU does not count,
-// so a machine busy with the run itself does not inflate it, except through what shares a
-// physical core with it, which stays the same over a run.
+// but what shares a physical core or the caches with it does, the run's own load included,
+// so the probe compares like with like only while that load is steady.
 type speedProbe struct {
 	hash     []byte
 	src, dst []byte

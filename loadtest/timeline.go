@@ -39,8 +39,8 @@ type Sample struct {
 	LoadgenCPU float64 `json:"loadgen_cpu_seconds"`
 	// MachineBusy is the fraction of all CPUs' time not idle (/proc/stat), whoever used it.
 	MachineBusy float64 `json:"machine_busy_fraction"`
-	// ProbeCPU is the CPU seconds a fixed task took at the interval's end (speedProbe): it
-	// grows when the machine slows down, whatever the server does (-1: unknown).
+	// ProbeCPU is the CPU seconds a fixed user-space task took at the interval's end
+	// (speedProbe): it grows when the machine slows down (-1: unknown).
 	ProbeCPU float64 `json:"probe_cpu_seconds"`
 }
 
@@ -265,7 +265,7 @@ type Flatness struct {
 	CPUBoundPerSec    float64 `json:"cpu_bound_per_second"`
 	// The machine's speed in the two windows: the median CPU seconds of the fixed task
 	// (Sample.ProbeCPU; -1: unknown), and the server's CPU seconds per iteration (-1:
-	// unknown). Both rising together mean the machine slowed down, not the server.
+	// unknown). Both rising together point at the machine rather than the server.
 	FirstProbeCPU         float64 `json:"first_window_probe_cpu_seconds"`
 	LastProbeCPU          float64 `json:"last_window_probe_cpu_seconds"`
 	FirstServerCPUPerIter float64 `json:"first_window_server_cpu_seconds_per_iteration"`
@@ -398,11 +398,11 @@ func rate(xs []Sample) float64 {
 func speedVerdict(ratio float64) string {
 	switch {
 	case ratio >= 1+flatThroughput:
-		return "the machine ran slower at the end (a server's CPU per iteration rising as much is the machine's doing)"
+		return "the machine ran user-space code slower at the end"
 	case ratio <= 1-flatThroughput:
-		return "the machine ran faster at the end"
+		return "the machine ran user-space code faster at the end"
 	}
-	return "the machine's speed held"
+	return "the machine's user-space speed held"
 }
 
 // medianProbe is the median of the samples' ProbeCPU; -1 if none has one.
@@ -500,7 +500,7 @@ func (r *Report) writeTimeline(w io.Writer) {
 				millis(f.ServerCPUPerIter), millis(f.SandboxCPUPerIter), 1000*f.LoadgenCPUPerIter, cpus, f.CPUBoundPerSec, r.Unit)
 		}
 		if f.FirstProbeCPU > 0 && f.LastProbeCPU > 0 {
-			fmt.Fprintf(w, "machine speed (first vs last %.0fs): a fixed task took %.2f -> %.2f ms of CPU (x%.2f)", f.WindowSec,
+			fmt.Fprintf(w, "machine speed (first vs last %.0fs): a fixed user-space task took %.2f -> %.2f ms of CPU (x%.2f)", f.WindowSec,
 				1000*f.FirstProbeCPU, 1000*f.LastProbeCPU, f.LastProbeCPU/f.FirstProbeCPU)
 			if f.FirstServerCPUPerIter > 0 && f.LastServerCPUPerIter > 0 {
 				fmt.Fprintf(w, ", the server's CPU per iteration %.3f -> %.3f ms (x%.2f)", 1000*f.FirstServerCPUPerIter,

@@ -156,8 +156,8 @@ func BenchmarkRollbackLoop(b *testing.B) {
 	b.ReportMetric(float64((machineBusy()-busy0).Microseconds())/float64(b.N), "machine-cpu-us/op")
 }
 
-// machineBusy returns the time all CPUs have spent not idle (/proc/stat),
-// in clock ticks of 10 ms.
+// machineBusy returns the time all CPUs have spent not idle (/proc/stat:
+// user, nice, system, irq and softirq), counted in /proc/stat's 10 ms ticks.
 func machineBusy() time.Duration {
 	b, err := os.ReadFile("/proc/stat")
 	if err != nil {

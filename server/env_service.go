@@ -318,7 +318,10 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 		resp.CheckpointId = info.ID
 	}
 	if s.writer != nil {
-		action, _ := protojson.Marshal(m.GetAction())
+		action, aerr := protojson.Marshal(m.GetAction())
+		if aerr != nil { // recorded as JSON null, and said
+			s.ledgerErr(fmt.Errorf("episode %s step %d: encoding the action: %w", episode, own-1, aerr))
+		}
 		obsBytes, _ := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
 		s.ledgerErr(s.writer.Step(ledger.StepRow{EpisodeID: episode, Index: own - 1, Action: action, ActionValid: true, Observation: obsBytes,
 			Reward: reward, Terminated: terminated, Truncated: resp.Truncated, StartedAt: start, Duration: dur, CheckpointID: resp.CheckpointId}))

@@ -4,10 +4,13 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 func needRoot(t *testing.T) {
@@ -23,11 +26,10 @@ type creds struct {
 	capEff, capPrm uint64
 }
 
-func readCreds(t *testing.T, status string) creds {
-	t.Helper()
+func readCreds(status string) (creds, error) {
 	b, err := os.ReadFile(status)
 	if err != nil {
-		t.Fatal(err)
+		return creds{}, err
 	}
 	var c creds
 	for _, l := range strings.Split(string(b), "\n") {
@@ -44,10 +46,13 @@ func readCreds(t *testing.T, status string) creds {
 			c.capPrm, _ = strconv.ParseUint(f[0], 16, 64)
 		}
 	}
-	return c
+	return c, nil
 }
 
-const capDACOverride = 1 << 1
+const (
+	capDACOverride = 1 << 1
+	capSysAdmin    = 1 << 21
+)
 
 // TestRun: fn runs with the ids asked for, with or without the file
 // capabilities, and every thread of the process is back at fsuid 0 with
@@ -56,9 +61,9 @@ func TestRun(t *testing.T) {
 	needRoot(t)
 	for _, keep := range []bool{false, true} {
 		var got creds
-		err := Run(12345, 23456, keep, func() error {
-			got = readCreds(t, "/proc/thread-self/status")
-			return nil
+		err := Run(12345, 23456, keep, func() (err error) {
+			got, err = readCreds("/proc/thread-self/status")
+			return err
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -93,7 +98,10 @@ func TestRun(t *testing.T) {
 		t.Fatalf("listing threads: %v", err)
 	}
 	for _, st := range tasks {
-		c := readCreds(t, st)
+		c, err := readCreds(st)
+		if err != nil {
+			continue // a thread that has exited since
+		}
 		if c.fsuid != 0 || c.fsgid != 0 || c.capEff != c.capPrm {
 			t.Errorf("thread %s left with fsuid %d fsgid %d, effective capabilities %x of %x", st, c.fsuid, c.fsgid, c.capEff, c.capPrm)
 		}
@@ -115,4 +123,66 @@ func BenchmarkRun(b *testing.B) {
 			}
 		})
 	}
+}
+
+// TestRunRestoresThread: the thread is handed back clean (run reports it so) after fn ran,
+// after fn dropped a capability the kernel does not give back at fsuid 0, and after ids the
+// kernel refuses (setfsuid and setfsgid report no failure: Run reads the ids back).
+func TestRunRestoresThread(t *testing.T) {
+	needRoot(t)
+	for _, tc := range []struct {
+		name     string
+		uid, gid int
+		fn       func() error
+		wantErr  bool
+	}{
+		{"fn does nothing", 12345, 23456, func() error { return nil }, false},
+		{"fn drops CAP_SYS_ADMIN", 12345, 23456, func() error { return dropEffective(capSysAdmin) }, false},
+		{"invalid uid", -1, 23456, func() error { return nil }, true},
+		{"invalid gid", 12345, 1<<32 - 1, func() error { return nil }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			done := make(chan struct{})
+			var err error
+			var clean bool
+			var after creds
+			var readErr error
+			go func() {
+				defer close(done)
+				runtime.LockOSThread()
+				defer runtime.UnlockOSThread()
+				ran := false
+				err, clean = run(tc.uid, tc.gid, true, func() error { ran = true; return tc.fn() })
+				if tc.wantErr && ran {
+					readErr = errors.New("fn ran with ids the kernel refused")
+					return
+				}
+				after, readErr = readCreds("/proc/thread-self/status")
+			}()
+			<-done
+			if readErr != nil {
+				t.Fatal(readErr)
+			}
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("run returned %v, want an error: %v", err, tc.wantErr)
+			}
+			if !clean {
+				t.Fatal("run reports the thread unclean")
+			}
+			if after.fsuid != 0 || after.fsgid != 0 || after.capEff != after.capPrm {
+				t.Fatalf("thread left with fsuid %d fsgid %d, effective capabilities %x of %x", after.fsuid, after.fsgid, after.capEff, after.capPrm)
+			}
+		})
+	}
+}
+
+// dropEffective clears bits of the calling thread's effective capabilities (the low word).
+func dropEffective(bits uint32) error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return err
+	}
+	data[0].Effective &^= bits
+	return unix.Capset(&hdr, &data[0])
 }
