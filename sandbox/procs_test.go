@@ -721,8 +721,19 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			seen := 0
-			for round := range 3 {
+			// How a restore goes on depends on how far the killed process
+			// got in the grace: on a machine busy with other tests it may
+			// not have run at all ("slow": it waits, as before the rule
+			// existed; seen in about one round in four on an idle
+			// machine, and in two of three once in CI). Such rounds prove
+			// nothing either way: rounds go on, up to 12, until the
+			// outcome wanted has been seen twice, and no round may go on
+			// in a way the rule forbids.
+			allowed := map[string]bool{c.want: true, "slow": true, "gone": true}
+			seen, rounds := 0, 0
+			var outcomes []string
+			for round := 0; round < 12 && (round < 3 || seen < 2); round++ {
+				rounds++
 				sh(t, s, "touch /tmp/grow")
 				waitFor(t, s, "[ -e /tmp/grown ]")
 				old := strings.TrimSpace(sh(t, s, "cat /tmp/grown"))
@@ -733,8 +744,9 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 				// Rarely, on a busy machine, the killed process has
 				// freed much (or all) by the time the restore looks.
 				got := took()
-				if len(got) != 1 {
-					t.Errorf("round %d: the restore went on with the killed process %q, want [%q]", round, got, c.want)
+				outcomes = append(outcomes, got...)
+				if len(got) != 1 || !allowed[got[0]] {
+					t.Errorf("round %d: the restore went on with the killed process %q, want [%q] (or slow, or gone)", round, got, c.want)
 				} else if got[0] == c.want {
 					seen++
 				}
@@ -759,8 +771,9 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 				}
 			}
 			if seen < 2 {
-				t.Errorf("%d of 3 restores went on with the killed process %q, want at least 2", seen, c.want)
+				t.Errorf("%d of %d restores went on with the killed process %q, want at least 2 (all: %q)", seen, rounds, c.want, outcomes)
 			}
+			t.Logf("restores went on with the killed process: %q", outcomes)
 		})
 	}
 }
