@@ -123,17 +123,19 @@ var errAheadDropped = errors.New("dropped before the job started")
 // search that moves from node to node would waste the copies and the CPU.
 //
 // Not when restores come back to back: if this restore began sooner after
-// the previous one than the last job took, the next one would likely find
-// its copies not ready and wait for them, and a restore that waits for the
-// job costs more than one that forks (the job's seizures and cgroup moves
-// come on top of the fork: an 8 MB process's restore took 1.26 ms p50
-// waiting, 0.95 forking, back to back here; 0.76 against 1.06 with 3 ms
-// between restores).
+// the previous one returned than the last job took, the next one would
+// likely find its copies not ready and wait for them, and a restore that
+// waits for the job costs more than one that forks (the job's seizures and
+// cgroup moves come on top of the fork: an 8 MB process's restore took 1.26
+// ms p50 waiting, 0.95 forking, back to back here; 0.76 against 1.06 with 3
+// ms between restores). The gap is the agent's step: it is counted from the
+// previous restore's return, not from before that restore detached its
+// copies, which on a busy machine made restores back to back look spaced
+// (TestForkAheadBackToBack failed so in CI).
 // start is when this restore began; again says whether the one before it
 // restored c too.
 func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
-	prev := s.restoredAt
-	s.restoredAt = time.Now()
+	prev := s.restoredAt // set once the restore before this one had returned
 	if s.rt.cfg.ForkAtRestore || !again || len(c.Images) > 0 || len(c.Procs) == 0 ||
 		!s.rt.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.aheadTook.Load()) {
 		s.dropAhead("", true)
@@ -148,7 +150,7 @@ func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
 		s.endAhead(old, true)
 	}
 	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
-	began := s.restoredAt
+	began := time.Now()
 	go func() {
 		defer s.bg.Done()
 		defer close(a.done)

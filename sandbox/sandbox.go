@@ -104,7 +104,7 @@ type Sandbox struct {
 	// lastRestore is the checkpoint the last restore restored (op).
 	lastRestore string
 	// restoredAt is when the last restore that brought back template
-	// copies ended (op); aheadTook how long the last job forking copies
+	// copies returned (op); aheadTook how long the last job forking copies
 	// ahead took (ahead.go).
 	restoredAt time.Time
 	aheadTook  atomic.Int64
@@ -1298,6 +1298,10 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 				_ = s.killAll()
 				return errors.Join(err, ierr)
 			}
+		} else {
+			// Once the copies are detached and the templates frozen
+			// again: what comes before the next restore is the agent's.
+			s.restoredAt = time.Now()
 		}
 	}
 	return nil
