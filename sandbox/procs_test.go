@@ -697,9 +697,12 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 		want    string
 	}{
 		{"no limit", 256, "none", 0, "exiting"},
-		// 768 MB of 896: less than a quarter free, until the killed
-		// process has freed a seventh of it.
-		{"memory limit", 768, "none", 896 << 20, "waited"},
+		// 1472 MB of 1536: less than a quarter free until the killed
+		// process has freed 320 MB, about 13 ms of its exit here (it
+		// frees some 25 MB/ms), against the 2–3 ms the restore takes to
+		// look. With 768 MB of 896 it had only 96 MB to free, and once
+		// (round 0, on an idle machine) it had freed them by then.
+		{"memory limit", 1472, "none", 1536 << 20, "waited"},
 		// A listener the templates hold too: the copies share it.
 		{"shared socket", 256, "shared", 0, "exiting"},
 		// A listener of the killed process's own stays open until its

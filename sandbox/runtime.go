@@ -179,6 +179,9 @@ type CheckpointInfo struct {
 type imageRec struct {
 	info   ImageInfo
 	layers []string // directories, bottom first
+	// skel: roots of the image need the skeleton layer under its layers
+	// (skeletonCovered).
+	skel bool
 }
 
 // checkpoint is the persisted record of a checkpoint.
@@ -189,7 +192,9 @@ type checkpoint struct {
 	SandboxID string   `json:"sandbox,omitempty"`
 	Layers    []string `json:"layers"` // delta layers, bottom first
 	// Flat, once the background flattener has made it, is an equivalent
-	// shorter stack (one merged layer) that stands for Layers.
+	// shorter stack that stands for Layers: one merged layer, or for a hot
+	// checkpoint the bottom of Layers and one layer merged from the rest.
+	// It holds a reference to each of its layers.
 	Flat    []string  `json:"flat,omitempty"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
@@ -205,6 +210,9 @@ type checkpoint struct {
 	// once when needed. Guarded by Runtime.mu.
 	TplImages []criuUnit `json:"tpl_images,omitempty"`
 	Expires   time.Time  `json:"expires,omitzero"`
+	// hotTried: maybeFlattenHot has looked at the checkpoint. Guarded by
+	// Runtime.mu.
+	hotTried bool
 }
 
 // imageBytes is the size of c's CRIU images. Called with Runtime.mu held
@@ -474,14 +482,18 @@ func mountMeta(store string) error {
 	return nil
 }
 
-// makeSkeleton creates the bottom layer of every root: the directories the
-// sandbox needs whatever its image has (mount points, /tmp).
+// skeleton is what the bottom layer of every root holds: the directories
+// the sandbox needs whatever its image has (mount points, /tmp), with their
+// modes (a parent it implies is 0755).
+var skeleton = []struct {
+	path string
+	mode os.FileMode
+}{{"proc", 0o555}, {"dev", 0o755}, {"tmp", 0o777 | os.ModeSticky}, {"run/deltagym", 0o755}, {"root", 0o700}, {"etc", 0o755}}
+
+// makeSkeleton creates the skeleton layer.
 func makeSkeleton(store string) (string, error) {
 	skel := filepath.Join(store, "skel")
-	for _, d := range []struct {
-		path string
-		mode os.FileMode
-	}{{"proc", 0o555}, {"dev", 0o755}, {"tmp", 0o1777}, {"run/deltagym", 0o755}, {"root", 0o700}, {"etc", 0o755}} {
+	for _, d := range skeleton {
 		p := filepath.Join(skel, d.path)
 		if err := os.MkdirAll(p, 0o755); err != nil {
 			return "", fmt.Errorf("creating skeleton layer: %w", err)
@@ -491,6 +503,91 @@ func makeSkeleton(store string) (string, error) {
 		}
 	}
 	return skel, nil
+}
+
+// The skeleton in the image.
+//
+// The skeleton is one more lower layer under every root, and each lower
+// layer costs every mount and every lookup that reaches the bottom of the
+// stack. An image whose top layer has every directory of the skeleton
+// needs none: the skeleton sits below everything, so it only shows what
+// the layers above it lack, and a directory of the top layer stands over
+// the same directory of the skeleton, attributes and all. So an import
+// adds the skeleton's directories its top layer lacks (addSkeleton), where
+// doing so shows nothing the skeleton would not have shown; images that
+// cannot take them, and those imported before, keep the skeleton layer
+// (skeletonCovered).
+
+// skeletonCovered reports whether the top layer of an image (layers, bottom
+// first) has every directory of the skeleton, each component a directory.
+func skeletonCovered(layers []string) bool {
+	if len(layers) == 0 {
+		return false
+	}
+	top := layers[len(layers)-1]
+	for _, d := range skeleton {
+		for _, p := range skeletonPrefixes(d.path) {
+			if st, err := os.Lstat(filepath.Join(top, p)); err != nil || !st.IsDir() {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// skeletonPrefixes returns the paths from the first component of p to p.
+func skeletonPrefixes(p string) []string {
+	var out []string
+	for i := range len(p) {
+		if p[i] == '/' {
+			out = append(out, p[:i])
+		}
+	}
+	return append(out, p)
+}
+
+// addSkeleton creates in the top layer of an image being imported (layers,
+// bottom first) the skeleton's directories it lacks: each one only where no
+// layer of the image has something else at that path (a file, a link, a
+// whiteout), which the directory would hide or undo. A path where the top
+// layer has something else is left to the skeleton layer.
+func addSkeleton(layers []string) error {
+	if len(layers) == 0 {
+		return nil
+	}
+	top := layers[len(layers)-1]
+	for _, d := range skeleton {
+		prefixes := skeletonPrefixes(d.path)
+	walk:
+		for i, p := range prefixes {
+			st, err := os.Lstat(filepath.Join(top, p))
+			switch {
+			case err == nil && st.IsDir():
+				continue
+			case err == nil || !errors.Is(err, os.ErrNotExist):
+				break walk
+			}
+			for _, l := range layers[:len(layers)-1] {
+				if st, err := os.Lstat(filepath.Join(l, p)); err == nil && !st.IsDir() || err != nil && !errors.Is(err, os.ErrNotExist) {
+					break walk
+				}
+			}
+			mode := os.FileMode(0o755)
+			if i == len(prefixes)-1 {
+				mode = d.mode
+			}
+			if err := os.Mkdir(filepath.Join(top, p), 0o700); err != nil {
+				return fmt.Errorf("adding /%s to the image: %w", p, err)
+			}
+			if err := os.Lchown(filepath.Join(top, p), 0, 0); err != nil {
+				return fmt.Errorf("adding /%s to the image: %w", p, err)
+			}
+			if err := os.Chmod(filepath.Join(top, p), mode); err != nil {
+				return fmt.Errorf("adding /%s to the image: %w", p, err)
+			}
+		}
+	}
+	return nil
 }
 
 // makeCovers prepares the covers of the mount points of a root that is not
@@ -519,7 +616,7 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 			r.log.Warn("dropping unreadable image", "image", e.Name(), "err", err)
 			continue
 		}
-		r.images[e.Name()] = &imageRec{info: imageInfo(e.Name(), im), layers: im.Layers}
+		r.images[e.Name()] = &imageRec{info: imageInfo(e.Name(), im), layers: im.Layers, skel: !skeletonCovered(im.Layers)}
 	}
 	// Checkpoints, and the layers they keep.
 	keep := map[string]int{}
@@ -637,6 +734,9 @@ func (r *Runtime) ImportImage(ctx context.Context, name, src string) (ImageInfo,
 		}
 		return ImageInfo{}, fmt.Errorf("importing image %s: %w", name, err)
 	}
+	if err := addSkeleton(im.Layers); err != nil {
+		return ImageInfo{}, fmt.Errorf("importing image %s: %w", name, err)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if old := r.images[name]; old != nil {
@@ -654,7 +754,7 @@ func (r *Runtime) ImportImage(ctx context.Context, name, src string) (ImageInfo,
 	if err != nil {
 		return ImageInfo{}, fmt.Errorf("loading image %s: %w", name, err)
 	}
-	rec := &imageRec{info: imageInfo(name, im), layers: im.Layers}
+	rec := &imageRec{info: imageInfo(name, im), layers: im.Layers, skel: !skeletonCovered(im.Layers)}
 	r.images[name] = rec
 	return rec.info, nil
 }
@@ -794,15 +894,19 @@ func (r *Runtime) shorten(stack []string) []string {
 }
 
 // imageLowers returns the layers under every delta of image: the skeleton
-// and the image's own, bottom first.
+// (if the image needs it) and the image's own, bottom first.
 func (r *Runtime) imageLowers(image string) []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	out := []string{r.skel}
-	if im := r.images[image]; im != nil {
-		out = append(out, im.layers...)
+	im := r.images[image]
+	if im == nil {
+		return []string{r.skel}
 	}
-	return out
+	var out []string
+	if im.skel {
+		out = append(out, r.skel)
+	}
+	return append(out, im.layers...)
 }
 
 // maybeFlatten merges a deep checkpoint's layers in the background.
@@ -810,6 +914,70 @@ func (r *Runtime) maybeFlatten(c *checkpoint) {
 	if len(c.Layers) <= r.cfg.FlattenDepth {
 		return
 	}
+	r.flatten(c, false)
+}
+
+// Hot checkpoints.
+//
+// Every lower layer of a root costs each mount of it and each cold lookup
+// through it: the rollback loop of BenchmarkRollbackLoop took 20–40 µs
+// more machine CPU per restore over 3 delta layers than over 1 (612–635
+// against 650–690 µs, interleaved runs). A checkpoint restored again and
+// again (a rollback loop, a GRPO group's tries, a search returning to a
+// node) is mounted at every restore, and an env's checkpoints sit on at
+// least two deltas of their own: the env's setup and the reset's, the
+// load test's on three. So the second time in a row a checkpoint is
+// restored, its small top layers (flattenHotBytes in all) are merged into
+// one in the background, over the layers below them, which stay shared;
+// later restores mount the shorter stack. Large layers (an env's package
+// installs, say) are not copied: a merge that would take them stops below
+// them, and one that would merge fewer than two layers is not made.
+
+// flattenHotBytes bounds the layers merged for a hot checkpoint: the merge
+// copies them (into a layer counted against the checkpoint budget like
+// any other), once per hot checkpoint.
+const flattenHotBytes = 4 << 20
+
+// maybeFlattenHot merges the small top layers of c, restored twice in a
+// row, in the background, once per checkpoint.
+func (r *Runtime) maybeFlattenHot(c *checkpoint) {
+	if len(c.Layers) < 2 {
+		return
+	}
+	r.mu.Lock()
+	tried := c.hotTried
+	c.hotTried = true
+	r.mu.Unlock()
+	if !tried {
+		r.flatten(c, true)
+	}
+}
+
+// hotSplit returns how many of the bottom layers of stack a hot merge
+// keeps: the rest, at least two, are small enough to merge. ok is false if
+// no merge is worth making, or if its copy would bring the checkpoints
+// past three quarters of their budget.
+func (r *Runtime) hotSplit(stack []string) (keep int, ok bool) {
+	var total int64
+	keep = len(stack)
+	for keep > 0 {
+		n, sealed := r.layers.SealedSize(stack[keep-1])
+		if !sealed || total+n > flattenHotBytes {
+			break
+		}
+		total += n
+		keep--
+	}
+	if b := r.cfg.CheckpointBudgetBytes; b > 0 && (r.CheckpointBytes()+total)*4 > b*3 {
+		return keep, false
+	}
+	return keep, len(stack)-keep >= 2
+}
+
+// flatten merges c's layers in the background: all of them, or for a hot
+// checkpoint its small top ones (hotSplit). Once made, c.Flat is the
+// shorter stack that restores and later checkpoints use.
+func (r *Runtime) flatten(c *checkpoint, hot bool) {
 	r.mu.Lock()
 	if r.flatBusy[c.ID] || r.closed || len(c.Flat) > 0 {
 		r.mu.Unlock()
@@ -829,18 +997,39 @@ func (r *Runtime) maybeFlatten(c *checkpoint) {
 		defer unrefAll(r, c.Layers)
 		r.flatSem <- struct{}{}
 		defer func() { <-r.flatSem }()
+		done := func() {
+			r.mu.Lock()
+			delete(r.flatBusy, c.ID)
+			r.mu.Unlock()
+		}
 		// Released meanwhile, or made shallow by a flattening of its
 		// ancestors that finished first: nothing to do.
 		r.mu.Lock()
 		live := r.ckpts[c.ID] == c
 		r.mu.Unlock()
-		if !live || len(r.shorten(c.Layers)) <= r.cfg.FlattenDepth {
-			r.mu.Lock()
-			delete(r.flatBusy, c.ID)
-			r.mu.Unlock()
+		short := len(r.shorten(c.Layers))
+		keep := 0
+		switch {
+		case !live:
+			done()
+			return
+		case hot:
+			// A stack an ancestor's flattening shortened already is the
+			// deep flattener's.
+			var ok bool
+			if keep, ok = r.hotSplit(c.Layers); !ok || short < len(c.Layers) {
+				done()
+				return
+			}
+		case short <= r.cfg.FlattenDepth:
+			done()
 			return
 		}
-		f, err := r.layers.Flatten(c.Layers, 0, r.imageLowers(c.Image))
+		below := r.imageLowers(c.Image)
+		for _, l := range c.Layers[:keep] {
+			below = append(below, r.layers.Path(l))
+		}
+		f, err := r.layers.Flatten(c.Layers[keep:], 0, below)
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		delete(r.flatBusy, c.ID)
@@ -852,7 +1041,15 @@ func (r *Runtime) maybeFlatten(c *checkpoint) {
 			r.layers.Unref(f) // released meanwhile
 			return
 		}
-		c.Flat = []string{f}
+		// c.Flat holds a reference to each of its layers, the kept ones
+		// included (c.Layers holds them too: they cannot be gone).
+		flat := append(slices.Clone(c.Layers[:keep]), f)
+		if err := refAll(r, flat[:keep]); err != nil {
+			r.layers.Unref(f)
+			r.log.Warn("flattening checkpoint", "checkpoint", c.ID, "err", err)
+			return
+		}
+		c.Flat = flat
 		if err := r.writeCheckpoint(c); err != nil {
 			r.log.Warn("recording flattened checkpoint", "checkpoint", c.ID, "err", err)
 		}

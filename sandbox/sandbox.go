@@ -681,7 +681,7 @@ func (s *Sandbox) dropSpare() {
 
 // lowerDirs returns the lower directories of an overlay over stack (delta
 // layers, bottom first), top first: the deltas, the image's layers, the
-// skeleton.
+// skeleton if the image needs it.
 func (s *Sandbox) lowerDirs(stack []string) []string {
 	dirs := make([]string, 0, len(stack)+len(s.img.layers)+1)
 	for i := len(stack) - 1; i >= 0; i-- {
@@ -689,6 +689,9 @@ func (s *Sandbox) lowerDirs(stack []string) []string {
 	}
 	for i := len(s.img.layers) - 1; i >= 0; i-- {
 		dirs = append(dirs, s.img.layers[i])
+	}
+	if !s.img.skel {
+		return dirs
 	}
 	return append(dirs, s.rt.skel)
 }
@@ -1261,6 +1264,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	// taken to be restored again: its next root is built ahead.
 	again := id == s.lastRestore
 	s.lastRestore = id
+	if again {
+		r.maybeFlattenHot(c)
+	}
 	if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
 		unrefAll(r, stack)
 		return err

@@ -190,6 +190,15 @@ func (s *Store) Unseal(id string) error {
 	return nil
 }
 
+// SealedSize returns the bytes sealed layer id uses; sealed is false for
+// a layer not sealed (or not known).
+func (s *Store) SealedSize(id string) (n int64, sealed bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n, sealed = s.sizes[id]
+	return n, sealed
+}
+
 // Used returns the bytes layer id uses now.
 func (s *Store) Used(id string) int64 { return used(s.Dir(id)) }
 
