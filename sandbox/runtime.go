@@ -210,9 +210,9 @@ type checkpoint struct {
 	// once when needed. Guarded by Runtime.mu.
 	TplImages []criuUnit `json:"tpl_images,omitempty"`
 	Expires   time.Time  `json:"expires,omitzero"`
-	// hotTried: maybeFlattenHot has looked at the checkpoint. Guarded by
-	// Runtime.mu.
-	hotTried bool
+	// hotTried: maybeFlattenHot has looked at the checkpoint (without
+	// Runtime.mu: it is on the restore's path).
+	hotTried atomic.Bool
 }
 
 // imageBytes is the size of c's CRIU images. Called with Runtime.mu held
@@ -941,14 +941,7 @@ const flattenHotBytes = 4 << 20
 // maybeFlattenHot merges the small top layers of c, restored twice in a
 // row, in the background, once per checkpoint.
 func (r *Runtime) maybeFlattenHot(c *checkpoint) {
-	if len(c.Layers) < 2 {
-		return
-	}
-	r.mu.Lock()
-	tried := c.hotTried
-	c.hotTried = true
-	r.mu.Unlock()
-	if !tried {
+	if len(c.Layers) >= 2 && !c.hotTried.Swap(true) {
 		r.flatten(c, true)
 	}
 }
