@@ -1140,16 +1140,31 @@ func TestThreadsAndMemoryCurrent(t *testing.T) {
 			if pids, _ := c.Pids(); len(pids) != 2 {
 				t.Errorf("Pids = %v, want the 2 processes", pids)
 			}
-			if m.hasLimits() {
-				if n, err := c.MemoryCurrent(); err != nil || n <= 0 {
-					t.Errorf("MemoryCurrent = %d, %v; want > 0", n, err)
-				}
-			}
 			if err := c.Kill(); err != nil {
 				t.Fatal(err)
 			}
 			if got, err := c.Threads(); err != nil || len(got) != 0 {
 				t.Errorf("after Kill: Threads = %v, %v", got, err)
+			}
+			if !m.hasLimits() {
+				return
+			}
+			// Memory a member touches is charged to the group. (On v1 a
+			// joining task's earlier pages stay with its old group, so
+			// the helper allocates only once it is in.)
+			a := startHelper(t, "alloc", nil)
+			if err := c.Add(a.pid()); err != nil {
+				t.Fatal(err)
+			}
+			a.open(t)
+			if s := a.line(t); s != "allocated" {
+				t.Fatalf("alloc helper said %q", s)
+			}
+			if n, err := c.MemoryCurrent(); err != nil || n < 8<<20 {
+				t.Errorf("MemoryCurrent = %d, %v; want ≥ 8 MiB", n, err)
+			}
+			if err := c.Kill(); err != nil {
+				t.Fatal(err)
 			}
 		})
 	}

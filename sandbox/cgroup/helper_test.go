@@ -95,6 +95,18 @@ func runHelper(mode string, args []string) int {
 				return 1
 			}
 		}
+	case "alloc":
+		// Allocate and touch 8 MiB once let go, say so, then wait: memory
+		// it touches after joining a group is charged to it on v1 too,
+		// where a joining task's earlier pages stay with its old group.
+		gate()
+		b := make([]byte, 8<<20)
+		for j := 0; j < len(b); j += 4096 {
+			b[j] = 1
+		}
+		fmt.Println("allocated")
+		gate()
+		return int(b[0]) - 1
 	case "hog":
 		gate()
 		var keep [][]byte
