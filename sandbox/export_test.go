@@ -1,5 +1,7 @@
 package sandbox
 
+import "time"
+
 // RootCovered reports whether the sandbox's root is pending (not swapped in)
 // and has its covers (overlay.Covers).
 func (s *Sandbox) RootCovered() (pending, covered bool) {
@@ -29,6 +31,11 @@ func (s *Sandbox) AheadPids(ck string) []int {
 	return pids
 }
 
+// SetAheadTook sets how long the last job forking copies ahead took, which
+// the next restore compares the agent's step with (forkAhead). Call it with
+// no job running (AheadPids waits for one).
+func (s *Sandbox) SetAheadTook(d time.Duration) { s.aheadTook.Store(int64(d)) }
+
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their
 // steps take against the job.
@@ -45,6 +52,11 @@ func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
 // limits had no room), "sockets" (they held a socket of their own) or
 // "timeout".
 func (r *Runtime) OnSettleKilled(f func(how string)) { r.onSettle = f }
+
+// OnLimitsRoom makes every restore that judges the room its sandbox's
+// memory limit leaves beside the processes it killed call f with the limit
+// and the use it read.
+func (r *Runtime) OnLimitsRoom(f func(limit, current int64)) { r.onRoom = f }
 
 // ThreadExiting reports whether thread tid is exiting, a zombie or gone.
 var ThreadExiting = threadExiting

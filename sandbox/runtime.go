@@ -298,6 +298,9 @@ type Runtime struct {
 	// processes went on (Sandbox.settleKilled): "gone", "slow", "exiting",
 	// "waited", "sockets" or "timeout".
 	onSettle func(how string)
+	// onRoom, if set (tests), is told the memory use settleKilled judged
+	// the room by, against the limit (Sandbox.limitsRoom).
+	onRoom func(limit, current int64)
 }
 
 const (

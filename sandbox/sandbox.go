@@ -1528,6 +1528,9 @@ func (s *Sandbox) killedState() (gone bool, exiting []int) {
 func (s *Sandbox) limitsRoom(n int) bool {
 	if lim := s.spec.Limits.MemoryBytes; lim > 0 {
 		cur, err := s.cg.MemoryCurrent()
+		if s.rt.onRoom != nil && err == nil {
+			s.rt.onRoom(lim, cur)
+		}
 		if err != nil || lim-cur < lim/4 {
 			return false
 		}
