@@ -26,7 +26,13 @@ import (
 	"github.com/deltagym/deltagym/server/ledger/pgtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
+func TestMain(m *testing.M) {
+	if os.Getenv(crashChildEnv) != "" {
+		crashChild() // a server for TestCrashEndsEpisodes to kill
+		return
+	}
+	os.Exit(pgtest.Run(m))
+}
 
 // testEnvs are the catalog of the test servers, on the busybox image imported as "default".
 var testEnvs = map[string]string{

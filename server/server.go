@@ -135,6 +135,10 @@ func (s *Server) startLedger(ctx context.Context) error {
 	if s.store, err = ledger.Open(ctx, url, w); err != nil {
 		return fmt.Errorf("opening ledger: %w", err)
 	}
+	// A crash left the episodes of the previous run's sandboxes running; they ended with it.
+	if ended := s.rt.Ended(); len(ended) > 0 {
+		s.ledgerErr(w.SandboxesEnded(ended, time.Time{}))
+	}
 	return nil
 }
 

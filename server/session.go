@@ -73,7 +73,7 @@ func (s *Server) startEpisode(l *envpool.Lease, run, group string, seed *int64, 
 	sess.mu.Unlock()
 	if s.writer != nil {
 		row := ledger.EpisodeStart{ID: ep, Env: l.Env().Name(), Run: run, Group: group, StartCheckpoint: startCkpt,
-			ParentEpisode: from.episode, StartedAt: sess.started}
+			ParentEpisode: from.episode, Sandbox: l.ID(), StartedAt: sess.started}
 		if seed != nil {
 			row.Seed = *seed
 		}

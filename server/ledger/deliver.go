@@ -386,7 +386,7 @@ func prepare(batch []record) *delivery {
 				runs[s.Run] = true
 				d.inserts.Queue(insertRun, s.Run)
 			}
-			d.inserts.Queue(insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), s.StartedAt)
+			d.inserts.Queue(insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), nullStr(s.Sandbox), s.StartedAt)
 		case recCheckpoint:
 			c := r.ckpt
 			d.inserts.Queue(insertCheckpoint, c.ID, nullStr(c.ParentID), string(c.Kind), c.Env, c.Sandbox, nullStr(c.EpisodeID), int32(c.StepIndex), c.CreatedAt)
@@ -399,6 +399,8 @@ func prepare(batch []record) *delivery {
 			d.later.Queue(updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
 		case recRelease:
 			d.later.Queue(updateRelease, r.release.ID, r.release.At)
+		case recSandboxesEnded:
+			d.later.Queue(updateEnded, r.ended.IDs, r.ended.At)
 		}
 	}
 	return d

@@ -19,7 +19,15 @@ const (
 	recCheckpoint
 	recRelease
 	recReward
+	recSandboxesEnded
 )
+
+// sandboxesEnded records that sandboxes ended under their running episodes (a crash of the
+// server that ran them).
+type sandboxesEnded struct {
+	IDs []string
+	At  time.Time
+}
 
 // checkpointRelease records that a checkpoint was released.
 type checkpointRelease struct {
@@ -37,6 +45,7 @@ type record struct {
 	ckpt    *CheckpointRow
 	release *checkpointRelease
 	reward  *RewardRow
+	ended   *sandboxesEnded
 }
 
 // Frame layout: payload length (u32 LE), CRC-32C of everything after the CRC (u32 LE),
@@ -112,6 +121,7 @@ func (r *record) appendPayload(b []byte) []byte {
 		e.str(s.StartCheckpoint)
 		e.str(s.ParentEpisode)
 		e.time(s.StartedAt)
+		e.str(s.Sandbox) // last: records of earlier versions end before it
 	case recEpisodeEnd:
 		s := r.end
 		e.str(s.ID)
@@ -146,6 +156,12 @@ func (r *record) appendPayload(b []byte) []byte {
 	case recRelease:
 		e.str(r.release.ID)
 		e.time(r.release.At)
+	case recSandboxesEnded:
+		e.i64(int64(len(r.ended.IDs)))
+		for _, id := range r.ended.IDs {
+			e.str(id)
+		}
+		e.time(r.ended.At)
 	case recReward:
 		s := r.reward
 		e.str(s.EpisodeID)
@@ -173,6 +189,9 @@ func (r *record) decodePayload(b []byte) error {
 	case recEpisodeStart:
 		r.start = &EpisodeStart{ID: d.str(), Env: d.str(), Run: d.str(), Group: d.str(), Seed: d.i64(),
 			StartCheckpoint: d.str(), ParentEpisode: d.str(), StartedAt: d.time()}
+		if len(d.b) > 0 {
+			r.start.Sandbox = d.str()
+		}
 	case recEpisodeEnd:
 		r.end = &EpisodeEnd{ID: d.str(), Status: Status(d.str()), FailureClass: FailureClass(d.str()),
 			TotalReward: d.f64(), EndedAt: d.time()}
@@ -185,6 +204,16 @@ func (r *record) decodePayload(b []byte) error {
 			Sandbox: d.str(), EpisodeID: d.str(), StepIndex: int(d.i64()), CreatedAt: d.time()}
 	case recRelease:
 		r.release = &checkpointRelease{ID: d.str(), At: d.time()}
+	case recSandboxesEnded:
+		e := &sandboxesEnded{}
+		if n := d.i64(); n > 0 && n < int64(len(b)) {
+			e.IDs = make([]string, n)
+			for i := range e.IDs {
+				e.IDs[i] = d.str()
+			}
+		}
+		e.At = d.time()
+		r.ended = e
 	case recReward:
 		s := &RewardRow{EpisodeID: d.str()}
 		if d.bool() {

@@ -1,8 +1,10 @@
 package ledger
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -22,6 +24,22 @@ func sampleRecords() []record {
 		{kind: recReward, reward: &RewardRow{EpisodeID: "e", StepIndex: &step, Source: "verifier", Components: map[string]float64{"x": 1.5}, Value: 2, CreatedAt: now}},
 		{kind: recReward, reward: &RewardRow{EpisodeID: "e", Source: "trainer", Value: -1}},
 		{kind: recEpisodeEnd, end: &EpisodeEnd{ID: "e", Status: StatusFailed, FailureClass: FailureInfra, TotalReward: 1, EndedAt: now}},
+		{kind: recEpisodeStart, start: &EpisodeStart{ID: "e2", Env: "env", Sandbox: "sb-1", StartedAt: now}},
+		{kind: recSandboxesEnded, ended: &sandboxesEnded{IDs: []string{"sb-1", "sb-2"}, At: now}},
+	}
+}
+
+// An episode start spooled by an earlier version, without the sandbox, still reads.
+func TestEpisodeStartOfEarlierVersion(t *testing.T) {
+	r := record{seq: 9, kind: recEpisodeStart, start: &EpisodeStart{ID: "e", Env: "env", Run: "r", StartedAt: time.Unix(1700000000, 0).UTC()}}
+	b := appendFrame(nil, &r)
+	// Drop the sandbox (an empty string: one byte of length) and mend the frame's length and CRC.
+	b = b[:len(b)-1]
+	binary.LittleEndian.PutUint32(b, uint32(len(b)-frameHeader))
+	binary.LittleEndian.PutUint32(b[4:], crc32.Checksum(b[8:], castagnoli))
+	got, n, err := parseFrame(b)
+	if err != nil || n != len(b) || !reflect.DeepEqual(got, r) {
+		t.Fatalf("parse = %+v, %d, %v; want %+v", got.start, n, err, r.start)
 	}
 }
 

@@ -79,6 +79,7 @@ type EpisodeStart struct {
 	Seed            int64     `json:"seed"`
 	StartCheckpoint string    `json:"start_checkpoint,omitempty"` // the state it started from
 	ParentEpisode   string    `json:"parent_episode,omitempty"`   // the episode it branched from
+	Sandbox         string    `json:"sandbox,omitempty"`          // the sandbox it runs in
 	StartedAt       time.Time `json:"started_at"`
 }
 

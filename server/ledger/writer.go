@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -219,6 +220,19 @@ func (w *Writer) EpisodeEnded(r EpisodeEnd) error {
 		r.EndedAt = time.Now()
 	}
 	return w.append(record{kind: recEpisodeEnd, end: &r})
+}
+
+// SandboxesEnded records that sandboxes ids ended with the server that ran them (a crash): the
+// episodes still running in them end failed, class infra, as a graceful shutdown ends them
+// (sandbox ids are never reused: no later episode runs in one). A zero at means now.
+func (w *Writer) SandboxesEnded(ids []string, at time.Time) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	if at.IsZero() {
+		at = time.Now()
+	}
+	return w.append(record{kind: recSandboxesEnded, ended: &sandboxesEnded{IDs: slices.Clone(ids), At: at}})
 }
 
 // Step records one step. It caps the observation at Config.ObservationCap and fills in its
@@ -542,14 +556,16 @@ var rewardColumns = []string{"episode_id", "step_index", "source", "components",
 
 const (
 	insertRun     = "INSERT INTO runs (name) VALUES ($1) ON CONFLICT DO NOTHING"
-	insertEpisode = `INSERT INTO episodes (id, env, run, group_id, seed, start_checkpoint, parent_episode, started_at)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING`
+	insertEpisode = `INSERT INTO episodes (id, env, run, group_id, seed, start_checkpoint, parent_episode, sandbox, started_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING`
 	insertCheckpoint = `INSERT INTO checkpoints (id, parent_id, kind, env, sandbox, episode_id, step_index, created_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING`
 	updateEpisode = `UPDATE episodes SET status = $2, failure_class = $3, total_reward = $4, ended_at = $5
 		WHERE id = $1`
 	updateRelease = "UPDATE checkpoints SET released_at = $2 WHERE id = $1 AND released_at IS NULL"
-	insertStep    = `INSERT INTO steps (episode_id, idx, action, observation, observation_size, observation_sha256,
+	updateEnded   = `UPDATE episodes SET status = 'failed', failure_class = 'infra', ended_at = $2
+		WHERE sandbox = ANY($1) AND status = 'running'`
+	insertStep = `INSERT INTO steps (episode_id, idx, action, observation, observation_size, observation_sha256,
 		reward, terminated, truncated, started_at, duration_ns, checkpoint_id)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT DO NOTHING`
 	insertReward = `INSERT INTO rewards (episode_id, step_index, source, components, value, created_at)
@@ -594,7 +610,7 @@ func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
 			_, err = sp.Exec(ctx, insertRun, s.Run)
 		}
 		if err == nil {
-			_, err = sp.Exec(ctx, insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), s.StartedAt)
+			_, err = sp.Exec(ctx, insertEpisode, s.ID, s.Env, s.Run, s.Group, s.Seed, nullStr(s.StartCheckpoint), nullStr(s.ParentEpisode), nullStr(s.Sandbox), s.StartedAt)
 		}
 	case recCheckpoint:
 		c := r.ckpt
@@ -608,6 +624,8 @@ func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
 		_, err = sp.Exec(ctx, updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
 	case recRelease:
 		_, err = sp.Exec(ctx, updateRelease, r.release.ID, r.release.At)
+	case recSandboxesEnded:
+		_, err = sp.Exec(ctx, updateEnded, r.ended.IDs, r.ended.At)
 	}
 	if err != nil {
 		_ = sp.Rollback(ctx)

@@ -307,3 +307,32 @@ func TestWriterCloseLeaksNoGoroutine(t *testing.T) {
 		time.Sleep(min(delay, 10*time.Millisecond))
 	}
 }
+
+// The episodes still running in sandboxes that ended with a crashed server end failed (infra);
+// others, and those that had ended, keep their status.
+func TestSandboxesEnded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for i, e := range []struct{ id, sandbox string }{{"a", "sb-1"}, {"b", "sb-2"}, {"c", "sb-1"}, {"d", ""}} {
+		must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: e.id, Env: "env", Sandbox: e.sandbox, StartedAt: b.at(i)}))
+	}
+	must(t, b.w.EpisodeEnded(ledger.EpisodeEnd{ID: "c", Status: ledger.StatusTerminated, TotalReward: 1, EndedAt: b.at(5)}))
+	must(t, b.w.SandboxesEnded(nil, time.Time{})) // nothing to record
+	must(t, b.w.SandboxesEnded([]string{"sb-1", "sb-3"}, b.at(10)))
+	want := map[string]ledger.Status{"a": ledger.StatusFailed, "b": ledger.StatusRunning, "c": ledger.StatusTerminated, "d": ledger.StatusRunning}
+	for id, status := range want {
+		e, err := b.store.Episode(t.Context(), id)
+		must(t, err)
+		if e.Status != status {
+			t.Errorf("episode %s: %s, want %s", id, e.Status, status)
+		}
+	}
+	a, err := b.store.Episode(t.Context(), "a")
+	must(t, err)
+	if a.FailureClass != ledger.FailureInfra || a.EndedAt == nil || !a.EndedAt.Equal(b.at(10)) || a.Sandbox != "sb-1" {
+		t.Errorf("episode a: %+v, want failed (infra) at %v in sb-1", a, b.at(10))
+	}
+	if st := b.w.Stats(); st.Appended != 6 || st.Delivered != 6 {
+		t.Errorf("stats %+v: want 6 records appended and delivered", st)
+	}
+}

@@ -1,0 +1,126 @@
+package server_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/image/imagetest"
+	"github.com/deltagym/deltagym/server"
+	"github.com/deltagym/deltagym/server/ledger"
+	"github.com/deltagym/deltagym/server/ledger/pgtest"
+)
+
+// crashChildEnv holds the JSON config of the server the test binary runs as a crash child.
+const crashChildEnv = "DG_SERVER_CRASH_CHILD"
+
+// crashChild starts a server from the config in crashChildEnv, resets env "plain", prints the
+// episode once Postgres has it, and serves until it is killed.
+func crashChild() {
+	fail := func(err error) {
+		fmt.Println("error:", err)
+		os.Exit(1)
+	}
+	var cfg server.Config
+	if err := json.Unmarshal([]byte(os.Getenv(crashChildEnv)), &cfg); err != nil {
+		fail(err)
+	}
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	ctx := context.Background()
+	srv, err := server.New(ctx, cfg)
+	if err != nil {
+		fail(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fail(err)
+	}
+	go srv.Serve(ln)
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true)
+	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+	rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain", Run: "crash"}))
+	if err != nil {
+		fail(err)
+	}
+	if _, err := srv.Ledger().Episode(ctx, rr.Msg.EpisodeId); err != nil { // delivered
+		fail(err)
+	}
+	fmt.Println("episode", rr.Msg.EpisodeId, rr.Msg.SandboxId)
+	select {}
+}
+
+// An episode running when its server is killed ends failed (infra) once the server is back, as
+// a graceful shutdown ends it; its sandbox ended with the server.
+func TestCrashEndsEpisodes(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
+	}
+	envs := t.TempDir()
+	for name, body := range testEnvs {
+		must(t, os.WriteFile(filepath.Join(envs, name), []byte(body), 0o644))
+	}
+	data, err := os.MkdirTemp("", "dgcrash")
+	must(t, err)
+	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
+	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CgroupRoot: cg,
+		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t)}
+	t.Cleanup(func() {
+		if err := sandbox.Purge(filepath.Join(data, "sandbox")); err != nil {
+			t.Errorf("purging sandbox data: %v", err)
+		}
+		os.RemoveAll(data)
+		removeCgroupRoot(cg)
+	})
+	raw, err := json.Marshal(cfg)
+	must(t, err)
+	child := exec.Command(os.Args[0])
+	child.Env = append(os.Environ(), crashChildEnv+"="+string(raw))
+	child.Stderr = os.Stderr
+	out, err := child.StdoutPipe()
+	must(t, err)
+	must(t, child.Start())
+	line, err := bufio.NewReader(out).ReadString('\n')
+	_ = child.Process.Signal(syscall.SIGKILL)
+	_ = child.Wait()
+	f := strings.Fields(line)
+	if err != nil || len(f) != 3 || f[0] != "episode" {
+		t.Fatalf("crash child said %q (%v)", line, err)
+	}
+	episode, box := f[1], f[2]
+
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	srv, err := server.New(ctx, cfg)
+	must(t, err)
+	defer func() {
+		if err := srv.Close(context.Background()); err != nil {
+			t.Errorf("closing server: %v", err)
+		}
+	}()
+	if ended := srv.Runtime().Ended(); len(ended) == 0 || !strings.Contains(strings.Join(ended, " "), box) {
+		t.Fatalf("sandboxes ended with the crash: %v, want %s among them", ended, box)
+	}
+	e, err := srv.Ledger().Episode(ctx, episode)
+	must(t, err)
+	if e.Status != ledger.StatusFailed || e.FailureClass != ledger.FailureInfra || e.EndedAt == nil || e.Sandbox != box {
+		t.Fatalf("episode after the crash: %+v, want failed (infra), ended, in %s", e, box)
+	}
+}
