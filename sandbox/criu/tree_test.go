@@ -214,36 +214,28 @@ func children(t testing.TB, pid int) []int {
 	return out
 }
 
-// killTree SIGKILLs pid and its children, waits until each is gone and
-// reaps those that are the test's children (a restored root is).
+// killTree SIGKILLs pid and its children and waits until each is reaped,
+// reaping those that are the test's children (a restored root is).
 func killTree(t testing.TB, pid int) {
 	t.Helper()
-	for _, p := range append(children(t, pid), pid) {
-		pfd, err := unix.PidfdOpen(p, 0)
-		if err != nil {
-			t.Fatalf("opening pidfd of %d: %v", p, err)
+	pids := append(children(t, pid), pid)
+	fds, reaped := pidfds(t, pids)
+	// All first: one waited for alone might be a zombie its killed parent
+	// was never going to reap.
+	for i, fd := range fds {
+		if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil {
+			t.Fatalf("killing %d: %v", pids[i], err)
 		}
-		if err := unix.PidfdSendSignal(pfd, unix.SIGKILL, nil, 0); err != nil {
-			t.Fatalf("killing %d: %v", p, err)
-		}
-		fds := []unix.PollFd{{Fd: int32(pfd), Events: unix.POLLIN}}
-		for {
-			if _, err := unix.Poll(fds, 10_000); !errors.Is(err, unix.EINTR) {
-				break
-			}
-		}
-		if fds[0].Revents&unix.POLLIN == 0 {
-			t.Fatalf("%d did not exit within 10 s of SIGKILL", p)
-		}
-		var info unix.Siginfo
-		_ = unix.Waitid(unix.P_PIDFD, pfd, &info, unix.WEXITED|unix.WNOHANG, nil)
-		unix.Close(pfd)
 	}
+	reaped()
 }
 
-// pidfds opens pidfds of pids and returns a func that waits until all
-// have exited, reaping those that are the test's children.
-func pidfds(t testing.TB, pids []int) func() {
+// pidfds opens pidfds of pids and returns them with a func that waits until
+// all are reaped, reaping those that are the test's children. Exit (POLLIN)
+// is not enough: a zombie keeps its pid, and as its group and session the
+// root's, until the sandbox's init gets round to reaping it, and a restore
+// that needs them back fails with EEXIST until then.
+func pidfds(t testing.TB, pids []int) ([]int, func()) {
 	t.Helper()
 	var fds []int
 	for _, p := range pids {
@@ -253,8 +245,9 @@ func pidfds(t testing.TB, pids []int) func() {
 		}
 		fds = append(fds, fd)
 	}
-	return func() {
+	return fds, func() {
 		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
 		for i, fd := range fds {
 			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
 			for {
@@ -267,6 +260,13 @@ func pidfds(t testing.TB, pids []int) func() {
 			}
 			var info unix.Siginfo
 			_ = unix.Waitid(unix.P_PIDFD, fd, &info, unix.WEXITED|unix.WNOHANG, nil)
+			// A zombie still takes signal 0; only a reaped process is gone.
+			for !errors.Is(unix.PidfdSendSignal(fd, 0, nil, 0), unix.ESRCH) {
+				if time.Now().After(deadline) {
+					t.Fatalf("%d exited but was not reaped within 10 s", pids[i])
+				}
+				time.Sleep(time.Millisecond)
+			}
 			unix.Close(fd)
 		}
 	}
@@ -378,11 +378,11 @@ func TestTreeSameSandbox(t *testing.T) {
 	// A second dump and restore of the restored tree works the same way.
 	img2 := t.TempDir()
 	showLogs(t, img2)
-	gone := pidfds(t, append(children(t, rpid), rpid))
+	_, reaped := pidfds(t, append(children(t, rpid), rpid))
 	if err := b.swrk.DumpTree(ctx, criu.TreeDumpOpts{Pid: rpid, NSPid: s.InitPid(), ImagesDir: img2}); err != nil {
 		t.Fatal(err)
 	}
-	gone() // the dump killed the tree; its pids must be free again
+	reaped() // the dump killed the tree; its pids must be free again
 	rpid2, err := b.swrk.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: img2, NSPid: s.InitPid(), Cgroups: cgs})
 	if err != nil {
 		t.Fatal(err)

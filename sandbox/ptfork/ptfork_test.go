@@ -4,8 +4,10 @@ package ptfork
 
 import (
 	"bufio"
+	"bytes"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -22,22 +24,24 @@ func needRoot(t testing.TB) {
 	}
 }
 
-// counter starts a python3 loop printing "pid counter" lines; lines
-// receives them.
-func counter(t testing.TB) (*exec.Cmd, chan [2]int) {
-	t.Helper()
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Skip("python3 not on the host")
-	}
-	cmd := exec.Command(py, "-u", "-c", `
+// counterLoop prints a "pid counter" line every 2 ms, each with one write.
+const counterLoop = `
 import os, time
 i = 0
 while True:
     i += 1
     os.write(1, b"%d %d\n" % (os.getpid(), i))
     time.sleep(0.002)
-`)
+`
+
+// counter starts counterLoop in python3; lines receives its lines.
+func counter(t testing.TB) (*exec.Cmd, chan [2]int) {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not on the host")
+	}
+	cmd := exec.Command(py, "-u", "-c", counterLoop)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -66,15 +70,84 @@ while True:
 	return cmd, lines
 }
 
+// counterToFile starts counterLoop in python3 with its stdout appending to
+// a file and returns the file's path. No reader stands between the counter
+// and the file: once the counter is stopped, the file holds every line it
+// printed (a write to a regular file is done before its writer can stop).
+func counterToFile(t testing.TB) (*exec.Cmd, string) {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not on the host")
+	}
+	path := filepath.Join(t.TempDir(), "out")
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cmd := exec.Command(py, "-u", "-c", counterLoop)
+	cmd.Stdout = f
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return cmd, path
+}
+
+// readLines returns the complete "pid counter" lines of path from byte
+// *off on and moves *off past them; a line still being written is left
+// for the next call.
+func readLines(t testing.TB, path string, off *int64) [][2]int {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out [][2]int
+	for {
+		i := bytes.IndexByte(b[*off:], '\n')
+		if i < 0 {
+			return out
+		}
+		f := strings.Fields(string(b[*off : *off+int64(i)]))
+		*off += int64(i) + 1
+		if len(f) == 2 {
+			p, _ := strconv.Atoi(f[0])
+			n, _ := strconv.Atoi(f[1])
+			out = append(out, [2]int{p, n})
+		}
+	}
+}
+
+// poll calls done every millisecond until it returns true, or 5 s pass.
+func poll(done func() bool) bool {
+	deadline := time.Now().Add(5 * time.Second)
+	for !done() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
+}
+
 func TestForkContinuesFromStop(t *testing.T) {
 	needRoot(t)
-	cmd, lines := counter(t)
+	cmd, out := counterToFile(t)
 	pid := cmd.Process.Pid
+	var off int64
 	last := 0
-	for l := range lines {
-		if last = l[1]; last >= 20 {
-			break
+	if !poll(func() bool {
+		for _, l := range readLines(t, out, &off) {
+			last = l[1]
 		}
+		return last >= 20
+	}) {
+		t.Fatalf("the counter got to %d, not 20", last)
 	}
 	s := NewSession()
 	p, err := s.Attach(pid)
@@ -82,10 +155,8 @@ func TestForkContinuesFromStop(t *testing.T) {
 		s.Close()
 		t.Fatal(err)
 	}
-	// Everything printed before the stop is in the pipe by now.
-	time.Sleep(20 * time.Millisecond)
-	for len(lines) > 0 {
-		l := <-lines
+	// Stopped, it prints nothing more: the file's last line is its count.
+	for _, l := range readLines(t, out, &off) {
 		last = l[1]
 	}
 	c, nsPid, err := p.Fork()
@@ -106,16 +177,15 @@ func TestForkContinuesFromStop(t *testing.T) {
 		_, _ = unix.Wait4(copyPid, &ws, 0, nil) // CLONE_PARENT: we are its parent
 	}()
 	first := map[int]int{}
-	deadline := time.After(5 * time.Second)
-	for len(first) < 2 {
-		select {
-		case l := <-lines:
+	if !poll(func() bool {
+		for _, l := range readLines(t, out, &off) {
 			if _, ok := first[l[0]]; !ok {
 				first[l[0]] = l[1]
 			}
-		case <-deadline:
-			t.Fatalf("only %v printed after the fork", first)
 		}
+		return len(first) >= 2
+	}) {
+		t.Fatalf("only %v printed after the fork", first)
 	}
 	if first[pid] != last+1 || first[copyPid] != last+1 {
 		t.Fatalf("after stopping at %d: original (%d) went on at %d, copy (%d) at %d: %v", last, pid, first[pid], copyPid, first[copyPid], first)
