@@ -53,6 +53,10 @@ func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
 // "timeout".
 func (r *Runtime) OnSettleKilled(f func(how string)) { r.onSettle = f }
 
+// SetKilledGrace sets how long a restore waits for the processes it killed
+// to be gone before it looks at how fast they free memory (killedGrace).
+func (r *Runtime) SetKilledGrace(d time.Duration) { r.killedGrace = d }
+
 // OnLimitsRoom makes every restore that judges the room its sandbox's
 // memory limit leaves beside the processes it killed call f with the limit
 // and the use it read.

@@ -707,28 +707,36 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 		hows, room = nil, -1
 		return h, r
 	}
+	// The restore gives the killed process a grace (killedGrace, 2 ms) to
+	// be gone or free 8 MB; one that has not run by then goes "slow". On a
+	// machine busy with other tests that was 9 rounds of 10, so the cases
+	// that want it to have run give it 10 ms, and 768 MB to free, some 30
+	// ms of its exit here: still exiting when the restore looks.
 	for _, c := range []struct {
 		name    string
 		grow    int64 // MB
 		sockets string
 		limit   int64
+		grace   time.Duration
 		want    string
 	}{
-		{"no limit", 256, "none", 0, "exiting"},
+		{"no limit", 768, "none", 0, 10 * time.Millisecond, "exiting"},
 		// 1472 MB of 1536: less than a quarter free until the killed
 		// process has freed 320 MB, about 13 ms of its exit here (it
 		// frees some 25 MB/ms), against the 2–3 ms the restore takes to
 		// look. With 768 MB of 896 it had only 96 MB to free, and once
-		// (round 0, on an idle machine) it had freed them by then.
-		{"memory limit", 1472, "none", 1536 << 20, "waited"},
+		// (round 0, on an idle machine) it had freed them by then. A
+		// grace of 5 ms lets it free 125 MB of them.
+		{"memory limit", 1472, "none", 1536 << 20, 5 * time.Millisecond, "waited"},
 		// A listener the templates hold too: the copies share it.
-		{"shared socket", 256, "shared", 0, "exiting"},
+		{"shared socket", 768, "shared", 0, 10 * time.Millisecond, "exiting"},
 		// A listener of the killed process's own stays open until its
 		// memory is freed: the restore waits.
-		{"own socket", 256, "own", 0, "sockets"},
+		{"own socket", 768, "own", 0, 10 * time.Millisecond, "sockets"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := t.Context()
+			b.rt.SetKilledGrace(c.grace)
 			s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: c.limit}})
 			mem := memoryFile(b, s)
 			if c.limit > 0 && mem == "" {

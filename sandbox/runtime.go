@@ -301,6 +301,8 @@ type Runtime struct {
 	// onRoom, if set (tests), is told the memory use settleKilled judged
 	// the room by, against the limit (Sandbox.limitsRoom).
 	onRoom func(limit, current int64)
+	// killedGrace, if set (tests), replaces the constant of that name.
+	killedGrace time.Duration
 }
 
 const (

@@ -1421,7 +1421,11 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 	// load, the sandbox's CPU weight raised), sooner than their threads can
 	// be listed and looked at.
 	before, memErr := s.cg.MemoryCurrent()
-	if s.waitKilledGroups(killedGrace) {
+	grace := killedGrace
+	if g := s.rt.killedGrace; g > 0 {
+		grace = g
+	}
+	if s.waitKilledGroups(grace) {
 		s.killed = nil
 		s.killPending.Store(false)
 		s.settled("gone")
