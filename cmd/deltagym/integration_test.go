@@ -172,7 +172,7 @@ func TestCLI(t *testing.T) {
 	cli(t, exitOK, "", "release", ckpt)
 
 	out, _ = cli(t, exitOK, "", "traj", "export", "--run", run, "--format", "jsonl", "--database-url", testServer.DatabaseURL())
-	lines := 0
+	lines, kinds := 0, map[string]bool{}
 	sc := bufio.NewScanner(strings.NewReader(out))
 	sc.Buffer(nil, 1<<24)
 	for sc.Scan() {
@@ -181,12 +181,26 @@ func TestCLI(t *testing.T) {
 				ID  string `json:"id"`
 				Run string `json:"run"`
 			} `json:"episode"`
-			Steps []json.RawMessage `json:"steps"`
+			Steps []struct {
+				Observation map[string]json.RawMessage `json:"observation"`
+			} `json:"steps"`
 		}
 		if err := json.Unmarshal(sc.Bytes(), &line); err != nil || line.Episode.Run != run {
 			t.Fatalf("export line %q: %v", sc.Text(), err)
 		}
+		// Observations are exported as protojson, as actions are.
+		for _, st := range line.Steps {
+			if len(st.Observation) != 1 {
+				t.Fatalf("export line %q: a step's observation is not one kind of result", sc.Text())
+			}
+			for k := range st.Observation {
+				kinds[k] = true
+			}
+		}
 		lines++
+	}
+	if !kinds["exec"] || !kinds["writeFile"] {
+		t.Fatalf("exported observations of kinds %v, want exec and writeFile among them", kinds)
 	}
 	if lines != len(eps.GetEpisodes()) {
 		t.Fatalf("export wrote %d episodes, the API lists %d", lines, len(eps.GetEpisodes()))

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -11,9 +12,12 @@ import (
 	"os"
 	"path/filepath"
 
+	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 )
 
 // Environment variables the ledger subcommands share with `deltagym serve`.
@@ -144,11 +148,22 @@ func runTraj(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 	}
 	defer store.Close()
 	return writeOutput(a.stdout, *out, func(w io.Writer) error {
-		if err := store.Export(ctx, w, *run); err != nil {
+		if err := store.ExportWith(ctx, w, ledger.ExportOptions{Run: *run, Observation: observationJSON}); err != nil {
 			return fmt.Errorf("exporting trajectories: %w", err)
 		}
 		return nil
 	})
+}
+
+// observationJSON turns a step's stored observation, a deltagym.v1.Observation as the server
+// records it, into its protojson form, as actions are stored.
+func observationJSON(stored []byte) (json.RawMessage, bool) {
+	var o deltagymv1.Observation
+	if err := proto.Unmarshal(stored, &o); err != nil {
+		return nil, false
+	}
+	j, err := protojson.Marshal(&o)
+	return j, err == nil
 }
 
 // writeOutput runs write on stdout or on a file created (through a temporary

@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"bufio"
 	"bytes"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -302,7 +303,7 @@ func TestExportRoundTrip(t *testing.T) {
 			var ga, wa any
 			must(t, json.Unmarshal(s.Action, &ga))
 			must(t, json.Unmarshal(w.Action, &wa))
-			if !reflect.DeepEqual(ga, wa) || !bytes.Equal(s.Observation, w.Observation) || s.Index != w.Index ||
+			if !reflect.DeepEqual(ga, wa) || string(s.Observation) != "null" || !bytes.Equal(s.ObservationRaw, w.Observation) || s.Index != w.Index ||
 				s.Reward != w.Reward || s.Terminated != w.Terminated || s.Duration != w.Duration ||
 				!s.StartedAt.Equal(w.StartedAt) || s.ObservationSize != int64(len(w.Observation)) || len(s.ObservationSHA256) != 32 {
 				t.Fatalf("step %s/%d = %+v, want %+v", e.ID, j, s, w)
@@ -317,5 +318,52 @@ func TestExportRoundTrip(t *testing.T) {
 	must(t, b.store.Export(t.Context(), &buf, ""))
 	if n := strings.Count(buf.String(), "\n"); n != 3 {
 		t.Fatalf("exported %d episodes of every run, want 3", n)
+	}
+}
+
+// An export shows each observation as the JSON its decoder makes of it; one it cannot decode,
+// or one cut at the cap, keeps its bytes, marked.
+func TestExportObservations(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *ledger.Config) { c.ObservationCap = 16 })
+	must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: "o", Env: "env", Run: "obs", StartedAt: b.at(0)}))
+	for i, obs := range []string{"fine", "bad", "far too long to be kept whole"} {
+		must(t, b.w.Step(ledger.StepRow{EpisodeID: "o", Index: i, Observation: []byte(obs)}))
+	}
+	decode := func(stored []byte) (json.RawMessage, bool) {
+		if string(stored) == "bad" {
+			return nil, false
+		}
+		j, err := json.Marshal(map[string]string{"text": string(stored)})
+		return j, err == nil
+	}
+	var buf bytes.Buffer
+	must(t, b.store.ExportWith(t.Context(), &buf, ledger.ExportOptions{Run: "obs", Observation: decode}))
+	var line struct {
+		Steps []map[string]any `json:"steps"`
+	}
+	must(t, json.Unmarshal(buf.Bytes(), &line))
+	want := []struct {
+		obs       any
+		raw       string
+		truncated bool
+	}{
+		{map[string]any{"text": "fine"}, "", false},
+		{nil, "bad", false},
+		{nil, "far too long to ", true},
+	}
+	if len(line.Steps) != len(want) {
+		t.Fatalf("exported %d steps, want %d: %s", len(line.Steps), len(want), buf.String())
+	}
+	for i, w := range want {
+		st := line.Steps[i]
+		raw, _ := base64.StdEncoding.DecodeString(fmt.Sprint(st["observation_raw"]))
+		if st["observation_raw"] == nil {
+			raw = nil
+		}
+		trunc, _ := st["observation_truncated"].(bool)
+		if !reflect.DeepEqual(st["observation"], w.obs) || string(raw) != w.raw || trunc != w.truncated {
+			t.Errorf("step %d exported as %v, want observation %v, raw %q, truncated %v", i, st, w.obs, w.raw, w.truncated)
+		}
 	}
 }

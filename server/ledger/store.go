@@ -429,19 +429,44 @@ func (s *Store) ReportReward(ctx context.Context, r RewardRow) error {
 
 // ExportedEpisode is one line of a JSONL export.
 type ExportedEpisode struct {
-	Episode Episode     `json:"episode"`
-	Steps   []StepRow   `json:"steps"`
-	Rewards []RewardRow `json:"rewards"`
+	Episode Episode        `json:"episode"`
+	Steps   []ExportedStep `json:"steps"`
+	Rewards []RewardRow    `json:"rewards"`
 }
 
-// Export writes the episodes of run (every run when run is ""), one JSON object per line, each
-// with its own steps (not inherited ones) and rewards, ordered by run and start time.
+// ExportedStep is a step as exported: its observation as JSON where ExportOptions.Observation
+// could turn it (else null), and the stored bytes (base64) where it could not.
+type ExportedStep struct {
+	StepRow
+	Observation    json.RawMessage `json:"observation"`
+	ObservationRaw []byte          `json:"observation_raw,omitempty"`
+	// ObservationTruncated says the stored observation was cut at Config.ObservationCap:
+	// ObservationSize and ObservationSHA256 are the full one's.
+	ObservationTruncated bool `json:"observation_truncated,omitempty"`
+}
+
+// ExportOptions selects and shapes an export.
+type ExportOptions struct {
+	Run string // "" for every run
+	// Observation, if set, turns a stored observation into the JSON the export shows (false if
+	// it cannot). One cut at Config.ObservationCap is never given to it.
+	Observation func(stored []byte) (json.RawMessage, bool)
+}
+
+// Export writes the episodes of run (every run when run is ""), as ExportWith does with its
+// observations' bytes only.
 func (s *Store) Export(ctx context.Context, w io.Writer, run string) error {
+	return s.ExportWith(ctx, w, ExportOptions{Run: run})
+}
+
+// ExportWith writes the episodes o selects, one JSON object per line, each with its own steps
+// (not inherited ones) and rewards, ordered by run and start time.
+func (s *Store) ExportWith(ctx context.Context, w io.Writer, o ExportOptions) error {
 	if err := s.flush(ctx); err != nil {
 		return err
 	}
 	q := "SELECT " + episodeCols + " FROM episodes WHERE ($1 = '' OR run = $1) ORDER BY run, started_at, id"
-	rows, err := s.pool.Query(ctx, q, run)
+	rows, err := s.pool.Query(ctx, q, o.Run)
 	if err != nil {
 		return fmt.Errorf("exporting episodes: %w", err)
 	}
@@ -451,15 +476,25 @@ func (s *Store) Export(ctx context.Context, w io.Writer, run string) error {
 	}
 	enc := json.NewEncoder(w)
 	for _, e := range eps {
-		line := ExportedEpisode{Episode: e}
-		if line.Steps, err = s.steps(ctx, e.ID, -1); err != nil {
+		line := ExportedEpisode{Episode: e, Steps: []ExportedStep{}}
+		steps, err := s.steps(ctx, e.ID, -1)
+		if err != nil {
 			return err
+		}
+		for _, st := range steps {
+			x := ExportedStep{StepRow: st, ObservationTruncated: int64(len(st.Observation)) < st.ObservationSize}
+			if o.Observation != nil && !x.ObservationTruncated {
+				if j, ok := o.Observation(st.Observation); ok {
+					x.Observation = j
+				}
+			}
+			if x.Observation == nil {
+				x.ObservationRaw = st.Observation
+			}
+			line.Steps = append(line.Steps, x)
 		}
 		if line.Rewards, err = s.rewards(ctx, e.ID); err != nil {
 			return err
-		}
-		if line.Steps == nil {
-			line.Steps = []StepRow{}
 		}
 		if line.Rewards == nil {
 			line.Rewards = []RewardRow{}
