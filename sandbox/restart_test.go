@@ -378,3 +378,17 @@ func TestPurgeEndsOrphans(t *testing.T) {
 	waitGone(t, initPid, "the init of a purged sandbox")
 	checkNoCgroups(t, b)
 }
+
+// A second runtime on a data directory in use is refused, with whose it is and what to do.
+func TestDataDirInUse(t *testing.T) {
+	b := setup(t)
+	_, err := sandbox.New(t.Context(), b.cfg)
+	if !errors.Is(err, sandbox.ErrExists) || !strings.Contains(err.Error(), fmt.Sprintf("(pid %d)", os.Getpid())) || !strings.Contains(err.Error(), "--data") {
+		t.Fatalf("a second runtime on the data directory: %v, want ErrExists naming pid %d and --data", err, os.Getpid())
+	}
+	// The first runtime is unharmed.
+	s := b.create(t, sandbox.Spec{Image: "busybox"})
+	if got := sh(t, s, "echo ok"); got != "ok\n" {
+		t.Fatalf("the first runtime's sandbox: %q", got)
+	}
+}

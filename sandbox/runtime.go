@@ -29,6 +29,7 @@
 package sandbox
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -42,6 +43,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -446,9 +448,17 @@ func lockStore(store string) (*os.File, error) {
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		f.Close()
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil, fmt.Errorf("%w: the data directory is in use by another deltagym server", ErrExists)
+			who := "another deltagym server"
+			if b, err := os.ReadFile(f.Name()); err == nil && len(bytes.TrimSpace(b)) > 0 {
+				who += " (pid " + string(bytes.TrimSpace(b)) + ")"
+			}
+			return nil, fmt.Errorf("%w: the data directory %s is in use by %s; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", ErrExists, filepath.Dir(store), who)
 		}
 		return nil, fmt.Errorf("locking data directory: %w", err)
+	}
+	// Whose it is, for the message above (the lock is what counts).
+	if err := f.Truncate(0); err == nil {
+		_, _ = f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
 	}
 	return f, nil
 }

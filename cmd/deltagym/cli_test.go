@@ -375,6 +375,16 @@ func TestEmbeddedURL(t *testing.T) {
 func TestDBURL(t *testing.T) {
 	t.Setenv(envDatabaseURL, "")
 	data := t.TempDir()
+	if stdout, stderr, code := runCLI(t, "", "db", "url", "--data", data); code != exitError || stdout != "" || !strings.Contains(stderr, "no ledger database") || !strings.Contains(stderr, "--data") {
+		t.Fatalf("db url of a data directory without a cluster: exit %d, stdout %q, stderr %q", code, stdout, stderr)
+	}
+	// A cluster that is not running (no server is).
+	if err := os.MkdirAll(filepath.Join(pgDir(data), "postgres"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(pgDir(data), "postgres", "PG_VERSION"), []byte("15\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	stdout, stderr, code := runCLI(t, "", "db", "url", "--data", data)
 	want, _ := embeddedURL(data)
 	if code != exitOK || stdout != want+"\n" || !strings.Contains(stderr, "not running") {
@@ -384,7 +394,7 @@ func TestDBURL(t *testing.T) {
 	if stdout, _, code := runCLI(t, "", "db", "url"); code != exitOK || stdout != "postgres://db.example/x\n" {
 		t.Fatalf("db url from the environment: exit %d, %q", code, stdout)
 	}
-	if _, stderr, code := runCLI(t, "", "traj", "export", "--database-url", "", "--data", data); code != exitError || !strings.Contains(stderr, "no ledger database") {
+	if _, stderr, code := runCLI(t, "", "traj", "export", "--database-url", "", "--data", t.TempDir()); code != exitError || !strings.Contains(stderr, "no ledger database") {
 		t.Fatalf("traj export without a cluster: exit %d, stderr %q", code, stderr)
 	}
 }

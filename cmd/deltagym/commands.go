@@ -758,17 +758,22 @@ func runEpisodes(ctx context.Context, a *app, fs *flag.FlagSet, args []string) e
 	defer c.Close()
 	pageSize := 1000 // the server's largest page
 	if *limit > 0 {
-		pageSize = min(*limit, pageSize)
+		pageSize = min(*limit+1, pageSize) // one more tells whether there are more
 	}
 	var episodes []*deltagymv1.Episode
+	more := false
 	for e, err := range c.Episodes(ctx, deltagym.EpisodeFilter{Run: *run, Group: *group, Env: *env, PageSize: pageSize}) {
 		if err != nil {
 			return err
 		}
-		episodes = append(episodes, e)
 		if *limit > 0 && len(episodes) == *limit {
+			more = true
 			break
 		}
+		episodes = append(episodes, e)
+	}
+	if more {
+		fmt.Fprintf(a.stderr, "deltagym: the first %d episodes (oldest first) of more; --limit 0 lists them all\n", *limit)
 	}
 	if a.json {
 		return printJSON(a.stdout, &deltagymv1.ListEpisodesResponse{Episodes: episodes})

@@ -158,6 +158,10 @@ func TestCLI(t *testing.T) {
 	mustContain(t, "restore unknown", errOut, "not_found")
 
 	// The ledger.
+	out, errOut = cli(t, exitOK, "", "episodes", "--run", run, "--limit", "1")
+	if strings.Count(out, "\n") != 2 || !strings.Contains(errOut, "--limit 0") {
+		t.Fatalf("episodes --limit 1 printed %q, stderr %q: want one episode and a word that there are more", out, errOut)
+	}
 	out, _ = cli(t, exitOK, "", "episodes", "--run", run)
 	mustContain(t, "episodes", out, "EPISODE", restored, "branched", "terminated")
 	out, _ = cli(t, exitOK, "", "episodes", "--run", run, "--json")

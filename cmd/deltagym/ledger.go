@@ -80,14 +80,24 @@ func (d *dbFlags) openDatabase(ctx context.Context) (string, func(), error) {
 	if embeddedRunning(d.data) {
 		return u, func() {}, nil
 	}
-	if _, err := os.Stat(filepath.Join(pgDir(d.data), "postgres", "PG_VERSION")); err != nil {
-		return "", nil, fmt.Errorf("%w: %s holds no Postgres cluster (run the server once with `make run`, or pass --database-url)", errNoCluster, d.data)
+	if err := d.haveCluster(); err != nil {
+		return "", nil, err
 	}
 	srv, err := pgserver.Start(ctx, pgDir(d.data))
 	if err != nil {
 		return "", nil, fmt.Errorf("starting the private Postgres of %s: %w", d.data, err)
 	}
 	return srv.URL(), func() { _ = srv.Stop(context.WithoutCancel(ctx)) }, nil
+}
+
+// haveCluster fails with errNoCluster unless the data directory holds a private cluster.
+func (d *dbFlags) haveCluster() error {
+	if _, err := os.Stat(filepath.Join(pgDir(d.data), "postgres", "PG_VERSION")); err == nil {
+		return nil
+	}
+	abs, _ := filepath.Abs(d.data)
+	return fmt.Errorf("%w: %s holds no Postgres cluster. These commands read the ledger of the server whose data directory they are given, not the one at --addr: pass --data DIR (or set $%s; `make run` uses .data in the checkout), or --database-url for an external database",
+		errNoCluster, abs, envDataDir)
 }
 
 func runDB(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
@@ -105,6 +115,9 @@ func runDB(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	}
 	u := d.url
 	if u == "" {
+		if err := d.haveCluster(); err != nil {
+			return err
+		}
 		if u, err = embeddedURL(d.data); err != nil {
 			return err
 		}
