@@ -591,7 +591,8 @@ func (t procTree) criuReason(mode ProcessMode) string {
 	case mode == ProcessesCRIU:
 		return "process mode criu"
 	case len(t.procs) > 1:
-		return fmt.Sprintf("%s is a child of it: process trees are not template-copied", t.procs[1].tpl.name())
+		return fmt.Sprintf("in the process tree of %s, with %s a child of it: process trees are not template-copied",
+			t.procs[0].tpl.name(), t.procs[1].tpl.name())
 	default:
 		return t.procs[0].reason
 	}

@@ -45,7 +45,7 @@ trap 'exit 130' INT TERM # so that the EXIT trap cleans up
 chmod 0755 "$tmp"
 
 start=$SECONDS
-echo "build-default-image: [2/4] mmdebstrap --variant=minbase --include=$include $suite (about 30 s)"
+echo "build-default-image: [2/4] mmdebstrap --variant=minbase --include=$include $suite (a minute or two)"
 # The rootfs goes into a subdirectory: mmdebstrap wants to own (an empty) target directory.
 mmdebstrap --variant=minbase --include="$include" \
 	--aptopt='Acquire::Retries "3"' \
