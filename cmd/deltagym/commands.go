@@ -144,7 +144,7 @@ func runExec(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		cwd     = fs.String("cwd", "", "working directory inside the sandbox")
 		stdin   = fs.String("stdin", "", "file to give the command as standard input (- for this process's stdin)")
 		bg      = fs.Bool("background", false, "start the command in the background and return its pid")
-		ckpt    = fs.Bool("checkpoint", false, "checkpoint the state after the command and print its ID")
+		ckpt    = fs.Bool("checkpoint", false, "checkpoint the state after the command and print its ID on stderr (stdout is the command's; --json has it as checkpointId)")
 		env     = kvFlag{}
 	)
 	fs.Var(env, "env", "environment variable key=value for the command (repeatable)")
