@@ -13,7 +13,7 @@ fi
 out=$1
 stamp=.deltagym-image-stamp
 suite=bookworm
-include=bash,coreutils,python3,git,ca-certificates
+include=bash,coreutils,procps,python3,git,ca-certificates
 
 if [ -f "$out/$stamp" ]; then
 	echo "build-default-image: $out is already built ($(head -n1 "$out/$stamp")); nothing to do"
