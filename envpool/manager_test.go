@@ -5,6 +5,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -57,11 +59,16 @@ func newRuntime(t *testing.T) *sandbox.Runtime {
 // leases expire, and Close (twice) frees everything.
 func TestManager(t *testing.T) {
 	rt := newRuntime(t)
-	var kinds []envpool.CheckpointKind
+	var (
+		kindsMu sync.Mutex // OnCheckpoint runs on a pool goroutine
+		kinds   []envpool.CheckpointKind
+	)
 	ended := make(chan string, 16)
 	m, err := envpool.New(envpool.Config{Runtime: rt, LeaseTTL: 200 * time.Millisecond, AcquireTimeout: 20 * time.Second,
 		OnCheckpoint: func(env string, kind envpool.CheckpointKind, info sandbox.CheckpointInfo) {
+			kindsMu.Lock()
 			kinds = append(kinds, kind)
+			kindsMu.Unlock()
 		},
 		OnEnd: func(l *envpool.Lease, reason string) { ended <- reason },
 	}, []*deltagymv1.EnvSpec{{Name: "e", Image: "bb", Setup: []string{"echo once >> /tmp/setup"}, PoolSize: 2}})
@@ -72,17 +79,18 @@ func TestManager(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var leases []*envpool.Lease
-	for range 5 { // more than the pool holds
+	acquire := func() *envpool.Lease {
+		t.Helper()
 		l, err := m.Acquire(t.Context(), env)
 		if err != nil {
 			t.Fatal(err)
 		}
-		leases = append(leases, l)
+		return l
 	}
-	if len(kinds) != 1 || kinds[0] != envpool.KindPool {
-		t.Fatalf("checkpoints taken: %v, want one pool checkpoint", kinds)
-	}
+	// Use the first lease at once: its TTL runs from Acquire, and the burst below forks its
+	// sandboxes one at a time, which on a loaded machine can outlast the TTL. Between Acquire
+	// and Begin (which renews the lease) there is no I/O, so 200ms is ample.
+	leases := []*envpool.Lease{acquire()}
 	ctx, end, err := leases[0].Begin(t.Context())
 	if err != nil {
 		t.Fatal(err)
@@ -91,6 +99,15 @@ func TestManager(t *testing.T) {
 	end()
 	if err != nil || string(res.Stdout) != "once\n" {
 		t.Fatalf("setup state %q %v", res.Stdout, err)
+	}
+	for range 4 { // five in all, more than the pool holds
+		leases = append(leases, acquire())
+	}
+	kindsMu.Lock()
+	got := slices.Clone(kinds)
+	kindsMu.Unlock()
+	if len(got) != 1 || got[0] != envpool.KindPool {
+		t.Fatalf("checkpoints taken: %v, want one pool checkpoint", got)
 	}
 	// No call renews them: all five are reaped.
 	for range 5 {
