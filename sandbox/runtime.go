@@ -376,6 +376,9 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		return fail(fmt.Errorf("creating data directory: %w", err))
 	}
 	lock, err := lockStore(r.store)
+	if errors.Is(err, ErrExists) {
+		return fail(fmt.Errorf("%w; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", err))
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -452,7 +455,7 @@ func lockStore(store string) (*os.File, error) {
 			if b, err := os.ReadFile(f.Name()); err == nil && len(bytes.TrimSpace(b)) > 0 {
 				who += " (pid " + string(bytes.TrimSpace(b)) + ")"
 			}
-			return nil, fmt.Errorf("%w: the data directory %s is in use by %s; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", ErrExists, filepath.Dir(store), who)
+			return nil, fmt.Errorf("%w: the data directory %s is in use by %s", ErrExists, filepath.Dir(store), who)
 		}
 		return nil, fmt.Errorf("locking data directory: %w", err)
 	}
