@@ -123,4 +123,16 @@ func TestCrashEndsEpisodes(t *testing.T) {
 	if e.Status != ledger.StatusFailed || e.FailureClass != ledger.FailureInfra || e.EndedAt == nil || e.Sandbox != box {
 		t.Fatalf("episode after the crash: %+v, want failed (infra), ended, in %s", e, box)
 	}
+	// A call on the lost sandbox says what became of it.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	must(t, err)
+	go srv.Serve(ln)
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true)
+	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+	_, err = c.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: box,
+		Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: "true"}}}}))
+	if connect.CodeOf(err) != connect.CodeNotFound || !strings.Contains(err.Error(), "previous run") {
+		t.Fatalf("a step on the sandbox lost in the crash: %v, want NotFound saying it ended with the previous run", err)
+	}
 }

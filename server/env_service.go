@@ -148,6 +148,10 @@ func (s *Server) lease(id string) (*envpool.Lease, *session, error) {
 		if _, ok := s.closed.Load(id); ok {
 			return nil, nil, fmt.Errorf("sandbox %s: %w", id, envpool.ErrLeaseEnded)
 		}
+		if s.ended[id] {
+			return nil, nil, fmt.Errorf("sandbox %s ended with the server's previous run (its episode failed, class infra); Reset for a new one: %w",
+				id, envpool.ErrUnknownSandbox)
+		}
 		return nil, nil, err
 	}
 	sess := sessionOf(l)

@@ -39,7 +39,10 @@ type Server struct {
 
 	ckpts  sync.Map // checkpoint id -> ckptMeta
 	closed sync.Map // ids of closed sandboxes -> struct{}
-	idem   *idempotency
+	// ended holds the ids of the sandboxes that ended with the server's previous run (read
+	// only once New has returned).
+	ended map[string]bool
+	idem  *idempotency
 
 	mu       sync.Mutex
 	httpSrvs []*http.Server
@@ -77,6 +80,10 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 		ForkAtRestore: cfg.ForkAtRestore})
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
+	}
+	s.ended = map[string]bool{}
+	for _, id := range s.rt.Ended() {
+		s.ended[id] = true
 	}
 	if err := s.importDefaultImage(ctx); err != nil {
 		return nil, err

@@ -773,7 +773,7 @@ func runEpisodes(ctx context.Context, a *app, fs *flag.FlagSet, args []string) e
 		episodes = append(episodes, e)
 	}
 	if more {
-		fmt.Fprintf(a.stderr, "deltagym: the first %d episodes (oldest first) of more; --limit 0 lists them all\n", *limit)
+		fmt.Fprintf(a.stderr, "deltagym: showing the oldest %d; there are more (--limit 0 lists them all)\n", *limit)
 	}
 	if a.json {
 		return printJSON(a.stdout, &deltagymv1.ListEpisodesResponse{Episodes: episodes})
