@@ -95,6 +95,10 @@ func BenchmarkCopyCost(b *testing.B) {
 		write     bool // rows of a 4 KiB write_file: the content in the action, a small observation
 	}{
 		{"schema", "", false}, // as migrated
+		// Before pgserver set wal_init_zero=off: every new 16 MiB WAL segment written with zeros
+		// first. Run it alone (-bench CopyCost/wal-init-zero-on): a variant after another one in
+		// the same cluster may recycle that one's segments instead of creating new ones.
+		{"wal-init-zero-on", "SET wal_init_zero = on", false},
 		// Before 0002: the small columns EXTENDED, so 4 KiB rows pushed them to TOAST.
 		{"small-cols-extended", `ALTER TABLE steps ALTER COLUMN action SET STORAGE EXTENDED,
 			ALTER COLUMN observation_sha256 SET STORAGE EXTENDED, ALTER COLUMN episode_id SET STORAGE EXTENDED,

@@ -61,9 +61,17 @@ func TestStartStopRestart(t *testing.T) {
 	if err := conn.QueryRow(t.Context(), "SHOW listen_addresses").Scan(&listen); err != nil {
 		t.Fatal(err)
 	}
+	// The ledger's defaults apply: WAL segments are not zero-filled, forced checkpoints are rare.
+	var initZero, maxWAL string
+	if err := conn.QueryRow(t.Context(), "SELECT current_setting('wal_init_zero'), current_setting('max_wal_size')").Scan(&initZero, &maxWAL); err != nil {
+		t.Fatal(err)
+	}
 	conn.Close(t.Context())
 	if listen != "" {
 		t.Fatalf("listen_addresses = %q, want empty (unix socket only)", listen)
+	}
+	if initZero != "off" || maxWAL != "2GB" {
+		t.Fatalf("wal_init_zero = %s, max_wal_size = %s; want off and 2GB (defaultSettings)", initZero, maxWAL)
 	}
 
 	begin = time.Now()
