@@ -124,7 +124,10 @@ func (s *Server) startLedger(ctx context.Context) error {
 	}
 	url := s.cfg.DatabaseURL
 	if url == "" {
-		pg, err := pgserver.Start(ctx, filepath.Join(s.cfg.DataDir, "pg"))
+		// Supervised: a postmaster that dies (the OOM killer, a full disk) is started again,
+		// and the writer delivers what its spool kept meanwhile.
+		pg, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: filepath.Join(s.cfg.DataDir, "pg"),
+			Supervise: true, Logger: s.log})
 		if err != nil {
 			return fmt.Errorf("starting private postgres: %w", err)
 		}

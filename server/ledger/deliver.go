@@ -345,15 +345,26 @@ func (w *Writer) connectLane(ctx context.Context, ln *lane) error {
 		_ = conn.Close(context.Background())
 		return err
 	}
-	if _, err := conn.Exec(cctx, "SET lock_timeout = '"+lockTimeout+"'"); err != nil {
+	// synchronous_commit on, whatever the database's default: the spool drops what a
+	// delivery committed, so a commit must be in the WAL before it returns. With it off (a
+	// setting some databases run with), a Postgres crash loses the last commits, marks
+	// included, and their rows would be gone from both places: TestPostgresKilled lost 1,294
+	// of 20,000 steps that way on a cluster run with it off.
+	if _, err := conn.Exec(cctx, "SET lock_timeout = '"+lockTimeout+"'; SET synchronous_commit = on"); err != nil {
 		_ = conn.Close(context.Background())
-		return fmt.Errorf("setting lock timeout: %w", err)
+		return fmt.Errorf("setting lock timeout and synchronous commit: %w", err)
 	}
 	var mark int64
 	err = conn.QueryRow(cctx, "SELECT seq FROM ledger_spool_marks WHERE spool_id = $1", w.sp.id).Scan(&mark)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		_ = conn.Close(context.Background())
 		return fmt.Errorf("reading delivery mark: %w", err)
+	}
+	if uint64(mark) < ln.mark {
+		// Only a database that acknowledges commits it can lose does this (fsync off and a
+		// machine crash): the rows between are no longer in the spool either.
+		w.cfg.Logger.Error("the ledger database lost rows it had committed: its delivery mark went back",
+			"spool", w.sp.id, "mark", mark, "committed", ln.mark)
 	}
 	ln.conn, ln.mark = conn, uint64(mark)
 	return nil

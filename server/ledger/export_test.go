@@ -1,5 +1,7 @@
 package ledger
 
+import "context"
+
 // Buffered returns the bytes of rows waiting for the next group commit. It drops when the syncer
 // takes the window for a spool write, which is how TestSIGKILLLosesAtMostOneWindow sees when
 // the write+fsync in flight at the kill began.
@@ -7,4 +9,11 @@ func (w *Writer) Buffered() int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.pending
+}
+
+// Setting returns a server setting as one of the store's connections sees it.
+func (s *Store) Setting(ctx context.Context, name string) (string, error) {
+	var v string
+	err := s.pool.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&v)
+	return v, err
 }

@@ -37,7 +37,14 @@ func Open(ctx context.Context, url string, w Flusher) (*Store, error) {
 	if err := MigrateURL(ctx, url); err != nil {
 		return nil, err
 	}
-	pool, err := pgxpool.New(ctx, url)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("parsing ledger URL: %w", err)
+	}
+	// ReportReward's answer says the reward is stored: it must survive a Postgres crash
+	// whatever the database's default (see connectLane).
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("opening ledger pool: %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -243,6 +244,75 @@ func TestPostgresOutage(t *testing.T) {
 	}
 	if slowest > 250*time.Millisecond { // generous for a loaded 2-core machine; the outage is longer
 		t.Errorf("an append took %v during the outage; appends must not wait for Postgres", slowest)
+	}
+}
+
+// The postmaster of a supervised cluster (as the server runs its own) is killed outright in the
+// middle of a stream of writes: the cluster is started again, recovers, and every row is
+// delivered once.
+func TestPostgresKilled(t *testing.T) {
+	t.Parallel()
+	srv, url := pgtest.Supervised(t)
+	b := setupURL(t, url, func(c *ledger.Config) { c.QueueRows = 500 })
+	const total = 20_000
+	killAt := make(chan struct{})
+	appended := make(chan struct{})
+	go func() {
+		defer close(appended)
+		ep := ""
+		for i := range total {
+			if i%100 == 0 {
+				ep = fmt.Sprintf("ep-%d", i/100)
+				_ = b.w.EpisodeStarted(ledger.EpisodeStart{ID: ep, Env: "env", Run: "killed", StartedAt: b.at(i)})
+			}
+			_ = b.w.Step(stepRow(ep, i%100))
+			if i%100 == 99 {
+				_ = b.w.EpisodeEnded(ledger.EpisodeEnd{ID: ep, Status: ledger.StatusTruncated})
+			}
+			if i == 5_000 {
+				close(killAt)
+			}
+		}
+	}()
+	<-killAt
+	must(t, b.w.Flush(t.Context())) // some rows are in Postgres before the kill
+	pid := srv.Pid()
+	if pid == 0 {
+		t.Fatal("no postmaster")
+	}
+	must(t, syscall.Kill(pid, syscall.SIGKILL))
+	<-appended
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	must(t, b.w.Flush(ctx))
+	st := b.w.Stats()
+	t.Logf("stats %+v; postgres restarts %d", st, srv.Restarts())
+	if srv.Restarts() != 1 || srv.Pid() == pid || srv.Pid() == 0 {
+		t.Fatalf("postmaster %d killed: %d restarts, now pid %d; want it started again once", pid, srv.Restarts(), srv.Pid())
+	}
+	if st.Retries == 0 {
+		t.Fatalf("the kill was not felt: %+v", st)
+	}
+	if n := count(t, url, "SELECT count(*) FROM steps"); n != total {
+		t.Fatalf("steps = %d, want %d", n, total)
+	}
+	if n := count(t, url, "SELECT count(*) FROM episodes WHERE status = 'truncated'"); n != total/100 {
+		t.Fatalf("ended episodes = %d, want %d", n, total/100)
+	}
+}
+
+// The test clusters run with synchronous_commit off (pgserver's NoSync); the store's own
+// connections turn it on, so that a reward ReportReward acknowledged survives a Postgres crash.
+func TestStoreCommitsSynchronously(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	if def := count(t, b.url, "SELECT (current_setting('synchronous_commit') = 'off')::int"); def != 1 {
+		t.Skip("the test cluster does not run with synchronous_commit off")
+	}
+	v, err := b.store.Setting(t.Context(), "synchronous_commit")
+	must(t, err)
+	if v != "on" {
+		t.Fatalf("synchronous_commit = %s on the store's connections, want on", v)
 	}
 }
 

@@ -10,6 +10,9 @@ var (
 	ErrSocketPathTooLong = errors.New("unix socket path too long")
 	// ErrExited means the postmaster exited before it accepted connections.
 	ErrExited = errors.New("postgres exited")
+	// ErrStale means processes of an earlier postmaster of the cluster still run (its
+	// backends, after it was killed outright), so a new one cannot start yet.
+	ErrStale = errors.New("old postgres processes still running")
 	// ErrStopped means the server is not running.
 	ErrStopped = errors.New("postgres server stopped")
 )

@@ -7,7 +7,8 @@
 // `postgres` system user (Postgres refuses to run as root); the cluster and socket directories
 // are owned by it, and DataDir and its ancestors get the search (o+x) bit so that user can reach
 // them. A postmaster left behind by a crashed run is stopped and a stale postmaster.pid removed
-// before the new start.
+// before the new start. With Config.Supervise, a postmaster that exits on its own (killed, or
+// unable to write a full disk) is started again, with growing pauses between tries, until Stop.
 package pgserver
 
 import (
@@ -15,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/url"
 	"os"
 	"os/exec"
@@ -64,12 +66,23 @@ type Config struct {
 	Database string
 	// Settings are extra server settings passed as -c name=value (e.g. shared_buffers).
 	Settings map[string]string
-	// NoSync skips fsync in initdb and at run time: fast, for tests only (a machine crash can
-	// corrupt the cluster; a process crash cannot).
+	// NoSync skips fsync in initdb and at run time, and commits without waiting for the WAL
+	// (synchronous_commit off): fast, for tests only. A machine crash can corrupt the cluster;
+	// a Postgres crash cannot, but it loses the last transactions of sessions that do not turn
+	// synchronous_commit on (the ledger's do).
 	NoSync bool
 	// SmartTimeout is how long Stop waits for clients to disconnect (smart shutdown) before it
 	// asks for a fast shutdown. Default 3s.
 	SmartTimeout time.Duration
+	// Supervise starts the postmaster again when it exits without Stop: after RestartDelay,
+	// then after pauses doubling up to a minute while it fails to start. Its clients see an
+	// outage in between (the ledger writer keeps rows in its spool). Off, the cluster stays
+	// down until Restart or StartAgain.
+	Supervise bool
+	// RestartDelay is the first pause before a supervised restart. Default 500ms.
+	RestartDelay time.Duration
+	// Logger receives supervised exits and restarts. Default slog.Default().
+	Logger *slog.Logger
 }
 
 // Validate checks the config and fills in defaults.
@@ -90,6 +103,12 @@ func (c *Config) Validate() error {
 	}
 	if c.SmartTimeout <= 0 {
 		c.SmartTimeout = 3 * time.Second
+	}
+	if c.RestartDelay <= 0 {
+		c.RestartDelay = 500 * time.Millisecond
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
 	}
 	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
 		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
@@ -114,6 +133,10 @@ type Server struct {
 	exited  chan struct{} // closed when cmd has exited
 	waitErr error
 	logFile *os.File
+	// up is closed by Stop: it ends a supervised restart's wait. Made by each start that
+	// follows a Stop.
+	up       chan struct{}
+	restarts int // supervised restarts that succeeded
 }
 
 // Start starts (initdb'ing first if needed) the private cluster in dataDir with default settings.
@@ -184,6 +207,10 @@ func (s *Server) SocketDir() string { return s.sockDir }
 func (s *Server) Stop(ctx context.Context) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.up != nil {
+		close(s.up) // no supervised restart from now on
+		s.up = nil
+	}
 	return s.stopLocked(ctx)
 }
 
@@ -303,12 +330,82 @@ func (s *Server) startLocked(ctx context.Context) error {
 		err := cmd.Wait()
 		s.waitErr = err
 		close(exited)
+		if s.cfg.Supervise {
+			s.supervise(cmd)
+		}
 	}()
 	if err := s.waitReady(ctx, exited); err != nil {
 		_ = s.stopLocked(context.WithoutCancel(ctx))
 		return err
 	}
+	if s.up == nil {
+		s.up = make(chan struct{})
+	}
 	return nil
+}
+
+// supervise runs once cmd, a postmaster of this server, has exited. Unless it was stopped (or
+// replaced), it starts a new one: after Config.RestartDelay, then after pauses doubling up to a
+// minute for as long as starting fails (a full disk, say, on which the crash recovery cannot
+// write), until it runs or Stop is called.
+func (s *Server) supervise(cmd *exec.Cmd) {
+	s.mu.Lock()
+	if s.cmd != cmd || s.up == nil {
+		s.mu.Unlock()
+		return
+	}
+	up := s.up
+	s.cmd = nil
+	if s.logFile != nil {
+		_ = s.logFile.Close()
+		s.logFile = nil
+	}
+	s.cfg.Logger.Warn("private postgres exited; starting it again", "dir", s.cfg.DataDir, "exit", s.waitErr, "log", s.logTail())
+	s.mu.Unlock()
+	delay := s.cfg.RestartDelay
+	for {
+		t := time.NewTimer(delay)
+		select {
+		case <-up:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		s.mu.Lock()
+		if s.up != up || s.cmd != nil { // stopped, or started by the caller meanwhile
+			s.mu.Unlock()
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		err := s.startLocked(ctx)
+		cancel()
+		if err == nil {
+			s.restarts++
+			s.mu.Unlock()
+			s.cfg.Logger.Info("private postgres started again", "dir", s.cfg.DataDir)
+			return
+		}
+		s.mu.Unlock()
+		delay = min(2*delay, time.Minute)
+		s.cfg.Logger.Warn("starting private postgres again failed; trying again later", "dir", s.cfg.DataDir, "err", err, "in", delay)
+	}
+}
+
+// Pid returns the running postmaster's pid, or 0 while none runs.
+func (s *Server) Pid() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return 0
+	}
+	return s.cmd.Process.Pid
+}
+
+// Restarts returns how many times supervision has started the postmaster again.
+func (s *Server) Restarts() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.restarts
 }
 
 // waitReady polls the socket until the server accepts a connection to its maintenance database.
@@ -411,20 +508,75 @@ func (s *Server) clearStale(ctx context.Context) error {
 			if time.Now().After(deadline) {
 				_ = syscall.Kill(pid, syscall.SIGKILL)
 			}
-			t := time.NewTimer(delay)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return fmt.Errorf("waiting for orphaned postmaster %d: %w", pid, ctx.Err())
-			case <-t.C:
+			if err := pause(ctx, delay); err != nil {
+				return fmt.Errorf("waiting for orphaned postmaster %d: %w", pid, err)
 			}
 			delay = min(delay*2, 50*time.Millisecond)
 		}
+	}
+	// A postmaster killed outright (SIGKILL, the OOM killer) leaves its backends running until
+	// they notice, at their next wait: one in the middle of a long query takes a while. A new
+	// postmaster would refuse to start beside them ("pre-existing shared memory block is still
+	// in use"); waiting for them first spares those failed starts and, should they outlive the
+	// wait, says why.
+	if err := s.waitOldProcesses(ctx, 30*time.Second); err != nil {
+		return err
 	}
 	if err := os.Remove(pidPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("removing stale postmaster.pid: %w", err)
 	}
 	return nil
+}
+
+// waitOldProcesses waits until no postgres process works in this cluster (its working
+// directory), for up to timeout.
+func (s *Server) waitOldProcesses(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	delay := time.Millisecond
+	for {
+		pids := s.clusterProcesses()
+		if len(pids) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("postgres processes %v of the old server still run in %s: %w", pids, s.pgdata, ErrStale)
+		}
+		if err := pause(ctx, delay); err != nil {
+			return fmt.Errorf("waiting for the old server's postgres processes %v to exit: %w", pids, err)
+		}
+		delay = min(delay*2, 50*time.Millisecond)
+	}
+}
+
+// pause waits for d, or returns ctx's error if it ends first.
+func pause(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// clusterProcesses lists the live postgres processes whose working directory is this cluster.
+func (s *Server) clusterProcesses() []int {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var pids []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if s.isOurPostmaster(pid) { // any postgres process of the cluster, not only a postmaster
+			pids = append(pids, pid)
+		}
+	}
+	return pids
 }
 
 // isOurPostmaster reports whether pid is a live postgres whose working directory is our cluster.

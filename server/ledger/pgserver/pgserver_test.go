@@ -2,9 +2,12 @@ package pgserver
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -175,4 +178,101 @@ func TestStopOrphan(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "postgres", "postmaster.pid")); !os.IsNotExist(err) {
 		t.Fatalf("postmaster.pid after StopOrphan: %v", err)
 	}
+}
+
+// A supervised cluster whose postmaster is killed outright starts again, once the backend
+// it left running has gone; Stop during the pause before a restart ends supervision.
+func TestSupervisedRestart(t *testing.T) {
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
+		RestartDelay: 50 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop(context.Background())
+
+	// A backend busy in a query does not notice its postmaster's death until the query ends:
+	// a new postmaster must not start beside it.
+	conn, err := pgx.Connect(t.Context(), s.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var backend int
+	if err := conn.QueryRow(t.Context(), "SELECT pg_backend_pid()").Scan(&backend); err != nil {
+		t.Fatal(err)
+	}
+	busy := make(chan error, 1)
+	go func() {
+		_, err := conn.Exec(context.Background(), "SELECT count(*) FROM generate_series(1, 30000000)")
+		busy <- err
+	}()
+	time.Sleep(200 * time.Millisecond) // the query is running
+	s.mu.Lock()
+	old := s.cmd.Process.Pid
+	s.mu.Unlock()
+	if err := syscall.Kill(old, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+
+	deadline := time.Now().Add(time.Minute)
+	for s.Restarts() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("not started again within a minute; log: %s", s.logTail())
+		}
+		if running(backend) && s.Restarts() == 0 {
+			// Still running, so no new postmaster may be up yet.
+			if c, err := pgx.Connect(t.Context(), s.URL()); err == nil {
+				c.Close(context.Background())
+				if running(backend) {
+					t.Fatalf("a new postmaster accepts connections while backend %d of the killed one runs", backend)
+				}
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	<-busy // its connection broke with the old postmaster's death, or it finished
+	if running(backend) {
+		t.Fatalf("backend %d of the killed postmaster runs beside the new one", backend)
+	}
+	ping(t, s.URL())
+	s.mu.Lock()
+	now := s.cmd.Process.Pid
+	s.mu.Unlock()
+	if now == old {
+		t.Fatalf("postmaster pid %d unchanged", now)
+	}
+
+	// Killed again, then stopped before the pause is over: it stays down.
+	s.cfg.RestartDelay = 300 * time.Millisecond // read by the next supervision only
+	s.mu.Lock()
+	pid := s.cmd.Process.Pid
+	exited := s.exited
+	s.mu.Unlock()
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	if n := s.Restarts(); n != 1 {
+		t.Fatalf("Restarts = %d after Stop, want 1", n)
+	}
+	if pids := s.clusterProcesses(); len(pids) != 0 {
+		t.Fatalf("postgres processes %v run after Stop", pids)
+	}
+}
+
+// running reports whether pid is a live process, not a zombie (an orphaned backend is reaped
+// by whoever adopts it, perhaps later).
+func running(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return false
+	}
+	st := string(b)
+	i := strings.LastIndexByte(st, ')')
+	return i > 0 && i+2 < len(st) && st[i+2] != 'Z' && st[i+2] != 'X'
 }

@@ -6,6 +6,7 @@ package pgtest
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -42,7 +43,7 @@ func Run(m *testing.M) int {
 	defer os.RemoveAll(dir)
 	if skipReason() == "" {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		shared, sharedErr = startWithTemplate(ctx, dir)
+		shared, sharedErr = startWithTemplate(ctx, dir, false)
 		cancel()
 		if sharedErr == nil {
 			defer shared.Stop(context.Background())
@@ -58,9 +59,10 @@ func skipReason() string {
 	return ""
 }
 
-func startWithTemplate(ctx context.Context, dir string) (*pgserver.Server, error) {
+func startWithTemplate(ctx context.Context, dir string, supervise bool) (*pgserver.Server, error) {
 	s, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Database: templateDB, NoSync: true,
-		SmartTimeout: 100 * time.Millisecond, Settings: map[string]string{"max_connections": "200"}})
+		SmartTimeout: 100 * time.Millisecond, Settings: map[string]string{"max_connections": "200"},
+		Supervise: supervise, RestartDelay: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		return nil, err
 	}
@@ -103,6 +105,18 @@ func server(t testing.TB) *pgserver.Server {
 // of a migrated database on it, for tests that stop or restart Postgres.
 func Private(t testing.TB) (*pgserver.Server, string) {
 	t.Helper()
+	return private(t, false)
+}
+
+// Supervised is Private with the cluster supervised (pgserver.Config.Supervise), as the
+// server runs its own: a postmaster that dies is started again.
+func Supervised(t testing.TB) (*pgserver.Server, string) {
+	t.Helper()
+	return private(t, true)
+}
+
+func private(t testing.TB, supervise bool) (*pgserver.Server, string) {
+	t.Helper()
 	if r := skipReason(); r != "" {
 		t.Skip(r)
 	}
@@ -110,7 +124,7 @@ func Private(t testing.TB) (*pgserver.Server, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := startWithTemplate(context.Background(), dir)
+	s, err := startWithTemplate(context.Background(), dir, supervise)
 	if err != nil {
 		os.RemoveAll(dir)
 		t.Fatalf("starting private postgres: %v", err)
