@@ -25,6 +25,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -128,15 +129,22 @@ type Server struct {
 	sockDir string
 	cred    *syscall.Credential // nil when not root
 
-	mu      sync.Mutex
+	mu      sync.Mutex // guards cmd, exited, waitErr and logFile; held through a start or stop
 	cmd     *exec.Cmd
 	exited  chan struct{} // closed when cmd has exited
 	waitErr error
 	logFile *os.File
-	// up is closed by Stop: it ends a supervised restart's wait. Made by each start that
-	// follows a Stop.
-	up       chan struct{}
-	restarts int // supervised restarts that succeeded
+
+	// sup is supervision's state, apart from mu so that Stop can end a supervised start that
+	// holds mu (waiting for old backends, or for a long crash recovery).
+	sup struct {
+		sync.Mutex
+		armed  bool               // from a start by the caller until Stop
+		stop   chan struct{}      // closed by Stop
+		cancel context.CancelFunc // ends the supervised start in progress
+	}
+	pid      atomic.Int64 // the running postmaster's, 0 if none
+	restarts atomic.Int64 // supervised starts that succeeded
 }
 
 // Start starts (initdb'ing first if needed) the private cluster in dataDir with default settings.
@@ -175,6 +183,7 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	if err := s.start(ctx); err != nil {
 		return nil, err
 	}
+	s.arm()
 	if err := s.createDatabase(ctx, cfg.Database); err != nil {
 		_ = s.Stop(context.WithoutCancel(ctx))
 		return nil, err
@@ -205,33 +214,73 @@ func (s *Server) SocketDir() string { return s.sockDir }
 // Config.SmartTimeout, then a fast one (disconnecting them), then, if ctx ends first, an
 // immediate one. Stop is idempotent.
 func (s *Server) Stop(ctx context.Context) error {
+	s.disarm() // first: a supervised start in progress holds mu
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.up != nil {
-		close(s.up) // no supervised restart from now on
-		s.up = nil
-	}
 	return s.stopLocked(ctx)
 }
 
-// Restart stops the server and starts it again on the same cluster.
+// Restart stops the server and starts it again on the same cluster. If the start fails while
+// supervision is on, supervision keeps trying.
 func (s *Server) Restart(ctx context.Context) error {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if err := s.stopLocked(ctx); err != nil {
-		return err
+	err := s.stopLocked(ctx)
+	if err == nil {
+		err = s.startLocked(ctx)
 	}
-	return s.startLocked(ctx)
+	s.mu.Unlock()
+	return s.afterStart(err)
 }
 
 // StartAgain starts a server that was stopped. It is a no-op when the server runs.
 func (s *Server) StartAgain(ctx context.Context) error {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.cmd != nil {
-		return nil
+	var err error
+	if s.cmd == nil {
+		err = s.startLocked(ctx)
 	}
-	return s.startLocked(ctx)
+	s.mu.Unlock()
+	return s.afterStart(err)
+}
+
+// afterStart arms supervision after a successful start by the caller; after a failed one, a
+// supervised server that was not stopped goes on trying.
+func (s *Server) afterStart(err error) error {
+	if err == nil {
+		s.arm()
+	} else if stop, ok := s.armedStop(); ok && s.cfg.Supervise {
+		go s.retry(stop)
+	}
+	return err
+}
+
+// arm turns supervision on until Stop.
+func (s *Server) arm() {
+	s.sup.Lock()
+	defer s.sup.Unlock()
+	if !s.sup.armed {
+		s.sup.armed, s.sup.stop = true, make(chan struct{})
+	}
+}
+
+// disarm turns supervision off and ends a supervised start in progress.
+func (s *Server) disarm() {
+	s.sup.Lock()
+	defer s.sup.Unlock()
+	if s.sup.armed {
+		s.sup.armed = false
+		close(s.sup.stop)
+	}
+	if s.sup.cancel != nil {
+		s.sup.cancel()
+	}
+}
+
+// armedStop returns the channel Stop closes, if supervision is on.
+func (s *Server) armedStop() (chan struct{}, bool) {
+	s.sup.Lock()
+	defer s.sup.Unlock()
+	return s.sup.stop, s.sup.armed
 }
 
 func (s *Server) stopLocked(ctx context.Context) error {
@@ -241,6 +290,7 @@ func (s *Server) stopLocked(ctx context.Context) error {
 	cmd, exited := s.cmd, s.exited
 	defer func() {
 		s.cmd = nil
+		s.pid.Store(0)
 		if s.logFile != nil {
 			_ = s.logFile.Close()
 			s.logFile = nil
@@ -338,75 +388,87 @@ func (s *Server) startLocked(ctx context.Context) error {
 		_ = s.stopLocked(context.WithoutCancel(ctx))
 		return err
 	}
-	if s.up == nil {
-		s.up = make(chan struct{})
-	}
+	s.pid.Store(int64(cmd.Process.Pid))
 	return nil
 }
 
 // supervise runs once cmd, a postmaster of this server, has exited. Unless it was stopped (or
-// replaced), it starts a new one: after Config.RestartDelay, then after pauses doubling up to a
-// minute for as long as starting fails (a full disk, say, on which the crash recovery cannot
-// write), until it runs or Stop is called.
+// replaced) or supervision is off, it starts a new one (retry).
 func (s *Server) supervise(cmd *exec.Cmd) {
+	stop, ok := s.armedStop()
+	if !ok {
+		return // Stop, which stops what it finds
+	}
 	s.mu.Lock()
-	if s.cmd != cmd || s.up == nil {
+	if s.cmd != cmd {
 		s.mu.Unlock()
 		return
 	}
-	up := s.up
 	s.cmd = nil
+	s.pid.Store(0)
 	if s.logFile != nil {
 		_ = s.logFile.Close()
 		s.logFile = nil
 	}
 	s.cfg.Logger.Warn("private postgres exited; starting it again", "dir", s.cfg.DataDir, "exit", s.waitErr, "log", s.logTail())
 	s.mu.Unlock()
+	s.retry(stop)
+}
+
+// retry starts the postmaster again: after Config.RestartDelay, then after pauses doubling up
+// to a minute for as long as starting fails (a full disk, say, on which the crash recovery
+// cannot write), until it runs or stop is closed. A start waits as long as the postmaster
+// lives and is not ready (a long crash recovery), unless Stop ends it.
+func (s *Server) retry(stop chan struct{}) {
 	delay := s.cfg.RestartDelay
 	for {
 		t := time.NewTimer(delay)
 		select {
-		case <-up:
+		case <-stop:
 			t.Stop()
 			return
 		case <-t.C:
 		}
-		s.mu.Lock()
-		if s.up != up || s.cmd != nil { // stopped, or started by the caller meanwhile
-			s.mu.Unlock()
+		s.sup.Lock()
+		if !s.sup.armed || s.sup.stop != stop {
+			s.sup.Unlock()
 			return
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		err := s.startLocked(ctx)
-		cancel()
-		if err == nil {
-			s.restarts++
-			s.mu.Unlock()
-			s.cfg.Logger.Info("private postgres started again", "dir", s.cfg.DataDir)
-			return
+		ctx, cancel := context.WithCancel(context.Background())
+		s.sup.cancel = cancel
+		s.sup.Unlock()
+
+		s.mu.Lock()
+		started, err := false, error(nil)
+		if s.cmd == nil { // else the caller started it meanwhile
+			err = s.startLocked(ctx)
+			started = err == nil
 		}
 		s.mu.Unlock()
+		s.sup.Lock()
+		s.sup.cancel = nil
+		s.sup.Unlock()
+		cancel()
+		if err == nil {
+			if started {
+				s.restarts.Add(1)
+				s.cfg.Logger.Info("private postgres started again", "dir", s.cfg.DataDir)
+			}
+			return
+		}
+		if ctx.Err() != nil {
+			return // Stop
+		}
 		delay = min(2*delay, time.Minute)
 		s.cfg.Logger.Warn("starting private postgres again failed; trying again later", "dir", s.cfg.DataDir, "err", err, "in", delay)
 	}
 }
 
 // Pid returns the running postmaster's pid, or 0 while none runs.
-func (s *Server) Pid() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.cmd == nil {
-		return 0
-	}
-	return s.cmd.Process.Pid
-}
+func (s *Server) Pid() int { return int(s.pid.Load()) }
 
 // Restarts returns how many times supervision has started the postmaster again.
-func (s *Server) Restarts() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.restarts
-}
+func (s *Server) Restarts() int { return int(s.restarts.Load()) }
 
 // waitReady polls the socket until the server accepts a connection to its maintenance database.
 func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
@@ -566,27 +628,43 @@ func (s *Server) clusterProcesses() []int {
 	if err != nil {
 		return nil
 	}
+	pgdata := s.resolvedPGData()
 	var pids []int
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		if s.isOurPostmaster(pid) { // any postgres process of the cluster, not only a postmaster
+		if s.isOurs(pid, pgdata) {
 			pids = append(pids, pid)
 		}
 	}
 	return pids
 }
 
-// isOurPostmaster reports whether pid is a live postgres whose working directory is our cluster.
+// isOurPostmaster reports whether pid is a live postgres whose working directory is our cluster
+// (any process of the cluster: the postmaster and its backends all work there).
 func (s *Server) isOurPostmaster(pid int) bool {
+	return s.isOurs(pid, s.resolvedPGData())
+}
+
+func (s *Server) isOurs(pid int, pgdata string) bool {
 	cwd, err := os.Readlink(fmt.Sprintf("/proc/%d/cwd", pid))
-	if err != nil || filepath.Clean(cwd) != s.pgdata {
+	if err != nil || filepath.Clean(cwd) != pgdata {
 		return false
 	}
 	exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid))
-	return err == nil && filepath.Base(exe) == "postgres"
+	// A binary replaced by a package upgrade reads "…/postgres (deleted)".
+	return err == nil && filepath.Base(strings.TrimSuffix(exe, " (deleted)")) == "postgres"
+}
+
+// resolvedPGData is the cluster directory with symbolic links resolved, as the kernel shows a
+// process's working directory.
+func (s *Server) resolvedPGData() string {
+	if p, err := filepath.EvalSymlinks(s.pgdata); err == nil {
+		return p
+	}
+	return s.pgdata
 }
 
 func (s *Server) mkdirOwned(dir string) error {

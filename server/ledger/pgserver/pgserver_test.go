@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -180,8 +181,9 @@ func TestStopOrphan(t *testing.T) {
 	}
 }
 
-// A supervised cluster whose postmaster is killed outright starts again, once the backend
-// it left running has gone; Stop during the pause before a restart ends supervision.
+// A supervised cluster whose postmaster is killed outright starts again once the backend it
+// left running has gone; Stop while a supervised start waits for such a backend returns at once
+// and nothing starts after it.
 func TestSupervisedRestart(t *testing.T) {
 	skipUnlessPostgres(t)
 	dir := t.TempDir()
@@ -192,36 +194,18 @@ func TestSupervisedRestart(t *testing.T) {
 	}
 	defer s.Stop(context.Background())
 
-	// A backend busy in a query does not notice its postmaster's death until the query ends:
-	// a new postmaster must not start beside it.
-	conn, err := pgx.Connect(t.Context(), s.URL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var backend int
-	if err := conn.QueryRow(t.Context(), "SELECT pg_backend_pid()").Scan(&backend); err != nil {
-		t.Fatal(err)
-	}
-	busy := make(chan error, 1)
-	go func() {
-		_, err := conn.Exec(context.Background(), "SELECT count(*) FROM generate_series(1, 30000000)")
-		busy <- err
-	}()
-	time.Sleep(200 * time.Millisecond) // the query is running
-	s.mu.Lock()
-	old := s.cmd.Process.Pid
-	s.mu.Unlock()
+	// A backend busy in a query does not notice its postmaster's death until the query ends.
+	old := s.Pid()
+	backend, busy := busyBackend(t, s.URL(), 30_000_000)
 	if err := syscall.Kill(old, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-
 	deadline := time.Now().Add(time.Minute)
 	for s.Restarts() == 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("not started again within a minute; log: %s", s.logTail())
 		}
-		if running(backend) && s.Restarts() == 0 {
-			// Still running, so no new postmaster may be up yet.
+		if running(backend) {
 			if c, err := pgx.Connect(t.Context(), s.URL()); err == nil {
 				c.Close(context.Background())
 				if running(backend) {
@@ -236,25 +220,36 @@ func TestSupervisedRestart(t *testing.T) {
 		t.Fatalf("backend %d of the killed postmaster runs beside the new one", backend)
 	}
 	ping(t, s.URL())
-	s.mu.Lock()
-	now := s.cmd.Process.Pid
-	s.mu.Unlock()
-	if now == old {
-		t.Fatalf("postmaster pid %d unchanged", now)
+	if now := s.Pid(); now == old || now == 0 {
+		t.Fatalf("postmaster pid %d after the restart, killed %d", now, old)
+	}
+	// It waited for the backend instead of trying to start beside it.
+	if log := s.logTail(); strings.Contains(log, "pre-existing shared memory block") {
+		t.Fatalf("a start was tried beside the old backend; log: %s", log)
 	}
 
-	// Killed again, then stopped before the pause is over: it stays down.
-	s.cfg.RestartDelay = 300 * time.Millisecond // read by the next supervision only
-	s.mu.Lock()
-	pid := s.cmd.Process.Pid
-	exited := s.exited
-	s.mu.Unlock()
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+	// Killed again with a backend busy for longer; Stop while the supervised start waits for it.
+	old = s.Pid()
+	backend, busy = busyBackend(t, s.URL(), 40_000_000)
+	if err := syscall.Kill(old, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	<-exited
-	if err := s.Stop(t.Context()); err != nil {
+	for s.Pid() != 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond) // past the pause: the start waits for the backend
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	begin := time.Now()
+	if err := s.Stop(ctx); err != nil {
 		t.Fatal(err)
+	}
+	if !running(backend) {
+		t.Fatalf("Stop took %v, until the backend the supervised start waited for had gone", time.Since(begin))
+	}
+	<-busy
+	for running(backend) {
+		time.Sleep(10 * time.Millisecond)
 	}
 	time.Sleep(time.Second)
 	if n := s.Restarts(); n != 1 {
@@ -263,6 +258,28 @@ func TestSupervisedRestart(t *testing.T) {
 	if pids := s.clusterProcesses(); len(pids) != 0 {
 		t.Fatalf("postgres processes %v run after Stop", pids)
 	}
+}
+
+// busyBackend starts a query counting n rows on a connection of its own and returns its
+// backend's pid and a channel that gets the query's end.
+func busyBackend(t *testing.T, url string, n int) (int, <-chan error) {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var backend int
+	if err := conn.QueryRow(t.Context(), "SELECT pg_backend_pid()").Scan(&backend); err != nil {
+		t.Fatal(err)
+	}
+	busy := make(chan error, 1)
+	go func() {
+		_, err := conn.Exec(context.Background(), "SELECT count(*) FROM generate_series(1, $1::bigint)", n)
+		conn.Close(context.Background())
+		busy <- err
+	}()
+	time.Sleep(200 * time.Millisecond) // the query is running
+	return backend, busy
 }
 
 // running reports whether pid is a live process, not a zombie (an orphaned backend is reaped
@@ -275,4 +292,24 @@ func running(pid int) bool {
 	st := string(b)
 	i := strings.LastIndexByte(st, ')')
 	return i > 0 && i+2 < len(st) && st[i+2] != 'Z' && st[i+2] != 'X'
+}
+
+// The processes of a cluster reached through a symbolic link are found: the kernel shows their
+// working directory resolved.
+func TestClusterProcessesThroughSymlink(t *testing.T) {
+	skipUnlessPostgres(t)
+	real := t.TempDir()
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(real, link); err != nil {
+		t.Fatal(err)
+	}
+	s, err := StartConfig(t.Context(), Config{DataDir: link, NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop(context.Background())
+	pids := s.clusterProcesses()
+	if !slices.Contains(pids, s.Pid()) {
+		t.Fatalf("cluster processes %v lack the postmaster %d", pids, s.Pid())
+	}
 }

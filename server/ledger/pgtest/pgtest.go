@@ -60,8 +60,15 @@ func skipReason() string {
 }
 
 func startWithTemplate(ctx context.Context, dir string, supervise bool) (*pgserver.Server, error) {
+	settings := map[string]string{"max_connections": "200"}
+	if supervise {
+		// Commits made without synchronous_commit reach the WAL only with the WAL writer's
+		// next round: ten seconds, so that a kill loses them for sure if the ledger's commits
+		// were such (TestPostgresKilled).
+		settings["wal_writer_delay"] = "10s"
+	}
 	s, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Database: templateDB, NoSync: true,
-		SmartTimeout: 100 * time.Millisecond, Settings: map[string]string{"max_connections": "200"},
+		SmartTimeout: 100 * time.Millisecond, Settings: settings,
 		Supervise: supervise, RestartDelay: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		return nil, err
