@@ -445,6 +445,7 @@ func (s *Server) retry(stop chan struct{}) {
 			started = err == nil
 		}
 		s.mu.Unlock()
+		stopped := ctx.Err() != nil // Stop cancelled it
 		s.sup.Lock()
 		s.sup.cancel = nil
 		s.sup.Unlock()
@@ -456,8 +457,8 @@ func (s *Server) retry(stop chan struct{}) {
 			}
 			return
 		}
-		if ctx.Err() != nil {
-			return // Stop
+		if stopped {
+			return
 		}
 		delay = min(2*delay, time.Minute)
 		s.cfg.Logger.Warn("starting private postgres again failed; trying again later", "dir", s.cfg.DataDir, "err", err, "in", delay)
