@@ -188,15 +188,7 @@ func TestStopOrphan(t *testing.T) {
 // left running has gone; Stop while a supervised start waits for such a backend returns at once
 // and nothing starts after it.
 func TestSupervisedRestart(t *testing.T) {
-	skipUnlessPostgres(t)
-	dir := t.TempDir()
-	var supLog lockedBuffer
-	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
-		RestartDelay: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&supLog, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Stop(context.Background())
+	s, supLog, _ := startSupervised(t)
 
 	// A backend busy in a query does not notice its postmaster's death until the query ends.
 	old := s.Pid()
@@ -287,6 +279,22 @@ func busyBackend(t *testing.T, url string, n int) (int, <-chan error) {
 	return backend, busy
 }
 
+// startSupervised starts a supervised cluster (stopped at cleanup) whose supervision logs to
+// the returned buffer.
+func startSupervised(t *testing.T) (*Server, *lockedBuffer, string) {
+	t.Helper()
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	supLog := new(lockedBuffer)
+	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
+		RestartDelay: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(supLog, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Stop(context.Background()) })
+	return s, supLog, dir
+}
+
 // lockedBuffer is a bytes.Buffer safe for a logger's goroutines.
 type lockedBuffer struct {
 	mu sync.Mutex
@@ -350,15 +358,7 @@ func TestClusterProcessesThroughSymlink(t *testing.T) {
 
 // A supervised start that fails is tried again until one succeeds.
 func TestSupervisedRetry(t *testing.T) {
-	skipUnlessPostgres(t)
-	dir := t.TempDir()
-	var supLog lockedBuffer
-	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
-		RestartDelay: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&supLog, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Stop(context.Background())
+	s, supLog, dir := startSupervised(t)
 	// A setting Postgres refuses makes every start fail until it is taken back.
 	auto := filepath.Join(dir, "postgres", "postgresql.auto.conf")
 	good, err := os.ReadFile(auto)
