@@ -38,10 +38,10 @@ const DefaultBinDir = "/usr/lib/postgresql/15/bin"
 // defaultSettings suit the ledger's write-heavy load; Config.Settings overrides them.
 //   - max_wal_size: fewer forced checkpoints.
 //   - wal_init_zero=off: a new 16 MiB WAL segment is created by writing its last byte, not
-//     filled with zeros first. The zeros cost a quarter of the COPY backend's CPU with 4 KiB
-//     steps on this VM (writes into new page-cache pages are slow here: see
-//     BenchmarkCopyCost/wal-init-zero-on), and a segment recycled after a checkpoint never
-//     needed them. WAL stays durable: fdatasync makes the blocks a write allocated durable with
+//     filled with zeros first. The zeros were 7% of the machine's CPU (a seventh of
+//     Postgres's) in make ledger-bench's saturated run on this VM, where writes into new
+//     page-cache pages are slow (BenchmarkCopyCost/wal-init-zero-on keeps the old way), and a
+//     segment recycled after a checkpoint never needed them. WAL stays durable: fdatasync makes the blocks a write allocated durable with
 //     it. What changes is that a full disk is met by a WAL write, which Postgres answers by
 //     restarting, instead of by the segment's creation; the writer's spool keeps the rows
 //     until it is back.
