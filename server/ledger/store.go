@@ -41,9 +41,7 @@ func Open(ctx context.Context, url string, w Flusher) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("parsing ledger URL: %w", err)
 	}
-	// ReportReward's answer says the reward is stored: it must survive a Postgres crash
-	// whatever the database's default (see connectLane).
-	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "on"
+	commitDurably(cfg.ConnConfig)
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("opening ledger pool: %w", err)
