@@ -1,12 +1,16 @@
 package server
 
 import (
+	"cmp"
 	"errors"
 	"flag"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
 
 // Config configures a Server.
@@ -40,6 +44,10 @@ type Config struct {
 	DatabaseURL string
 	// NoLedger turns the ledger off (for benchmarks); ledger queries then fail.
 	NoLedger bool
+	// PostgresMemoryMB caps the memory of the private Postgres (its shared buffers, backends
+	// and the page cache of its files) with a control group of its own, in MiB. Default 512
+	// (pgserver.DefaultMemoryLimit); negative: no cap. Ignored with DatabaseURL.
+	PostgresMemoryMB int
 	// AuthToken, when set, is the bearer token every EnvService and LedgerService call must
 	// carry. Default "" (auth off).
 	AuthToken string
@@ -55,6 +63,17 @@ type Config struct {
 	ShutdownTimeout time.Duration
 	// Logger receives structured logs. Default slog.Default().
 	Logger *slog.Logger
+}
+
+// minPostgresMemoryMB is the smallest memory cap of the private Postgres.
+const minPostgresMemoryMB = 256
+
+// postgresMemoryLimit is pgserver.Config.MemoryLimit for PostgresMemoryMB.
+func (c *Config) postgresMemoryLimit() int64 {
+	if c.PostgresMemoryMB < 0 {
+		return -1
+	}
+	return int64(c.PostgresMemoryMB) << 20 // 0: pgserver's default
 }
 
 // RegisterFlags binds the config's fields to flags of fs, with defaults from the config's
@@ -76,6 +95,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init)")
 	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
 	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
+	fs.IntVar(&c.PostgresMemoryMB, "postgres-memory-mb", cmp.Or(c.PostgresMemoryMB, pgserver.DefaultMemoryLimit>>20),
+		"memory cap of the private Postgres in MiB, page cache included (a control group of its own: the ledger's growing files then reuse its pages; at least 256; -1: no cap)")
 	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")
 	fs.BoolVar(&c.ForkAtRestore, "fork-at-restore", c.ForkAtRestore, "fork the copies of a checkpoint's processes during each restore, not ahead of it in the background (by default, a checkpoint restored twice in a row gets the copies of its next restore forked while the agent takes its step: a quicker restore for a little more CPU)")
 	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients (default: auth off)")
@@ -113,6 +134,10 @@ func (c *Config) Validate() error {
 	}
 	if c.NoLedger && c.DatabaseURL != "" {
 		return errors.New("server: --no-ledger and --database-url exclude each other")
+	}
+	if c.PostgresMemoryMB > 0 && c.PostgresMemoryMB < minPostgresMemoryMB {
+		return fmt.Errorf("server: --postgres-memory-mb %d is too small: at least %d (the shared buffers alone take 128), or -1 for no cap",
+			c.PostgresMemoryMB, minPostgresMemoryMB)
 	}
 	if c.MaxRequestBytes <= 0 {
 		c.MaxRequestBytes = 16 << 20

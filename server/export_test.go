@@ -5,3 +5,6 @@ var (
 	InfraFailure  = infraFailure
 	TraceExporter = traceExporter
 )
+
+// PostgresMemoryLimit is postgresMemoryLimit, for tests.
+func (c *Config) PostgresMemoryLimit() int64 { return c.postgresMemoryLimit() }

@@ -126,8 +126,9 @@ func (s *Server) startLedger(ctx context.Context) error {
 	if url == "" {
 		// Supervised: a postmaster that dies (the OOM killer, a full disk) is started again,
 		// and the writer delivers what its spool kept meanwhile.
+		// Its memory is capped (Config.PostgresMemoryMB), its files' page cache included.
 		pg, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: filepath.Join(s.cfg.DataDir, "pg"),
-			Supervise: true, Logger: s.log})
+			Supervise: true, Logger: s.log, MemoryLimit: s.cfg.postgresMemoryLimit()})
 		if err != nil {
 			return fmt.Errorf("starting private postgres: %w", err)
 		}

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"flag"
 	"strings"
 	"testing"
 
@@ -8,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	"github.com/deltagym/deltagym/server"
 )
 
 func execAction(cmd string) *deltagymv1.Action {
@@ -213,5 +215,40 @@ func TestEveryRPC(t *testing.T) {
 			_, err = c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: sb})
 			must(t, err)
 		})
+	}
+}
+
+// TestPostgresMemoryFlag: --postgres-memory-mb maps to the private cluster's cap, and a cap too
+// small for Postgres's shared buffers is refused before anything starts.
+func TestPostgresMemoryFlag(t *testing.T) {
+	for _, c := range []struct {
+		args  []string
+		limit int64
+		err   string
+	}{
+		{nil, 512 << 20, ""},
+		{[]string{"--postgres-memory-mb", "1024"}, 1024 << 20, ""},
+		{[]string{"--postgres-memory-mb", "-1"}, -1, ""},
+		{[]string{"--postgres-memory-mb", "100"}, 0, "at least 256"},
+	} {
+		var cfg server.Config
+		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+		cfg.RegisterFlags(fs)
+		if err := fs.Parse(c.args); err != nil {
+			t.Fatal(err)
+		}
+		err := cfg.Validate()
+		if c.err != "" {
+			if err == nil || !strings.Contains(err.Error(), c.err) {
+				t.Fatalf("%v: Validate = %v, want %q", c.args, err, c.err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%v: %v", c.args, err)
+		}
+		if got := cfg.PostgresMemoryLimit(); got != c.limit {
+			t.Fatalf("%v: memory limit %d, want %d", c.args, got, c.limit)
+		}
 	}
 }

@@ -9,6 +9,8 @@
 // them. A postmaster left behind by a crashed run is stopped and a stale postmaster.pid removed
 // before the new start. With Config.Supervise, a postmaster that exits on its own (killed, or
 // unable to write a full disk) is started again, with growing pauses between tries, until Stop.
+// As root, the cluster runs in a control group of its own that caps its memory, page cache
+// included (Config.MemoryLimit, memgroup.go).
 package pgserver
 
 import (
@@ -30,6 +32,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
 )
 
 // DefaultBinDir is where Debian 12 installs the PostgreSQL 15 server binaries.
@@ -84,6 +88,11 @@ type Config struct {
 	RestartDelay time.Duration
 	// Logger receives supervised exits and restarts. Default slog.Default().
 	Logger *slog.Logger
+	// MemoryLimit caps the memory of the cluster's processes, its shared buffers and the page
+	// cache of its files, in bytes: when the caller is root, the postmaster runs in a control
+	// group of its own with that limit (memgroup.go says why). Default DefaultMemoryLimit;
+	// negative: no group.
+	MemoryLimit int64
 }
 
 // Validate checks the config and fills in defaults.
@@ -111,6 +120,9 @@ func (c *Config) Validate() error {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.MemoryLimit == 0 {
+		c.MemoryLimit = DefaultMemoryLimit
+	}
 	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
 		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
 	}
@@ -129,11 +141,15 @@ type Server struct {
 	sockDir string
 	cred    *syscall.Credential // nil when not root
 
-	mu      sync.Mutex // guards cmd, exited, waitErr and logFile; held through a start or stop
-	cmd     *exec.Cmd
-	exited  chan struct{} // closed when cmd has exited
-	waitErr error
-	logFile *os.File
+	mu     sync.Mutex // guards cmd, exited, waitErr, logFile and the group; held through a start or stop
+	cmd    *exec.Cmd
+	groups *cgroup.Manager // of group
+	group  *cgroup.Cgroup  // caps the cluster's memory (Config.MemoryLimit); nil without
+	// groupPath is group's path, for MemoryGroup without mu.
+	groupPath atomic.Pointer[string]
+	exited    chan struct{} // closed when cmd has exited
+	waitErr   error
+	logFile   *os.File
 
 	// sup is supervision's state, apart from mu so that Stop can end a supervised start that
 	// holds mu (waiting for old backends, or for a long crash recovery).
@@ -192,10 +208,18 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 }
 
 // StopOrphan shuts down the postmaster of the private cluster in dataDir that a crashed run left
-// running, if there is one. The cluster must not be in use by a live server.
+// running, if there is one, and removes the cluster's memory group. The cluster must not be in
+// use by a live server.
 func StopOrphan(ctx context.Context, dataDir string) error {
-	s := &Server{pgdata: filepath.Join(dataDir, "postgres")}
-	return s.clearStale(ctx)
+	abs, err := filepath.Abs(dataDir)
+	if err != nil {
+		return fmt.Errorf("resolving data dir: %w", err)
+	}
+	s := &Server{pgdata: filepath.Join(abs, "postgres")}
+	if err := s.clearStale(ctx); err != nil {
+		return err
+	}
+	return removeLeftGroup(s.pgdata)
 }
 
 // URL returns a pgx-compatible URL of the server's database over its unix socket.
@@ -217,7 +241,10 @@ func (s *Server) Stop(ctx context.Context) error {
 	s.disarm() // first: a supervised start in progress holds mu
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.stopLocked(ctx)
+	if err := s.stopLocked(ctx); err != nil {
+		return err
+	}
+	return s.removeGroup()
 }
 
 // Restart stops the server and starts it again on the same cluster. If the start fails while
@@ -364,7 +391,21 @@ func (s *Server) startLocked(ctx context.Context) error {
 	for k, v := range s.cfg.Settings {
 		args = append(args, "-c", k+"="+v)
 	}
-	cmd := exec.Command(filepath.Join(s.cfg.BinDir, "postgres"), args...)
+	if err := s.openGroup(); err != nil {
+		s.cfg.Logger.Warn("private postgres runs without its memory cap", "dir", s.cfg.DataDir, "err", err)
+	}
+	name, args, files, err := s.inGroup(filepath.Join(s.cfg.BinDir, "postgres"), args)
+	if err != nil {
+		_ = logFile.Close()
+		return fmt.Errorf("starting postgres in its memory group: %w", err)
+	}
+	defer func() {
+		for _, f := range files {
+			_ = f.Close()
+		}
+	}()
+	cmd := exec.Command(name, args...)
+	cmd.ExtraFiles = files
 	cmd.Env = append([]string{"LC_ALL=C", "PATH=/usr/bin:/bin"}, mallocEnv...)
 	cmd.Dir = "/"
 	cmd.Stdout, cmd.Stderr = logFile, logFile

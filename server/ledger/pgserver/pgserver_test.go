@@ -3,6 +3,7 @@ package pgserver
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -174,6 +175,7 @@ func TestStopOrphan(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	group := s.MemoryGroup()
 	// The process that started it "crashes": the postmaster is left running.
 	if err := StopOrphan(t.Context(), dir); err != nil {
 		t.Fatal(err)
@@ -181,6 +183,9 @@ func TestStopOrphan(t *testing.T) {
 	<-s.exited
 	if _, err := os.Stat(filepath.Join(dir, "postgres", "postmaster.pid")); !os.IsNotExist(err) {
 		t.Fatalf("postmaster.pid after StopOrphan: %v", err)
+	}
+	if group != "" {
+		groupGone(t, group)
 	}
 }
 
@@ -238,11 +243,16 @@ func TestSupervisedRestart(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
 	begin := time.Now()
+	group := s.MemoryGroup()
 	if err := s.Stop(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if !running(backend) {
+	switch {
+	case group == "" && !running(backend):
 		t.Fatalf("Stop took %v, until the backend the supervised start waited for had gone", time.Since(begin))
+	case group != "" && running(backend):
+		// With a memory group, Stop ends what is left of the cluster in it, at once.
+		t.Fatalf("Stop (%v) left the old backend running in the cluster's group %s", time.Since(begin), group)
 	}
 	<-busy
 	for running(backend) {
@@ -250,7 +260,7 @@ func TestSupervisedRestart(t *testing.T) {
 	}
 	time.Sleep(time.Second)
 	if n := s.Restarts(); n != 1 {
-		t.Fatalf("Restarts = %d after Stop, want 1", n)
+		t.Fatalf("Restarts = %d after Stop, want 1\nsupervision: %s\nlog: %s", n, supLog.String(), s.logTail())
 	}
 	if pids := s.clusterProcesses(); len(pids) != 0 {
 		t.Fatalf("postgres processes %v run after Stop", pids)
@@ -386,6 +396,132 @@ func TestSupervisedRetry(t *testing.T) {
 			t.Fatalf("not started again once the setting was taken back; supervision: %s\npostgres log: %s", supLog.String(), s.logTail())
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+	ping(t, s.URL())
+}
+
+// inCgroup reports whether process pid is in the group at path (relative to a hierarchy's
+// root): /proc/<pid>/cgroup names one path per hierarchy. A process gone counts as in.
+func inCgroup(t *testing.T, pid int, path string) bool {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if errors.Is(err, os.ErrNotExist) {
+		return true
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.SplitN(line, ":", 3)
+		if len(f) == 3 && f[2] == path {
+			return true
+		}
+	}
+	return false
+}
+
+// groupLimit reads the memory limit of the group at path, under cgroup v2 or v1.
+func groupLimit(t *testing.T, path string) string {
+	t.Helper()
+	for _, f := range []string{"/sys/fs/cgroup" + path + "/memory.max", "/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes"} {
+		if b, err := os.ReadFile(f); err == nil {
+			return strings.TrimSpace(string(b))
+		}
+	}
+	t.Fatalf("no memory limit file for group %s", path)
+	return ""
+}
+
+// TestMemoryGroup: as root, the cluster's every process runs in a memory-capped group of its
+// own, from the postmaster's start on, also after a supervised restart; Stop removes the group.
+func TestMemoryGroup(t *testing.T) {
+	skipUnlessPostgres(t)
+	if os.Geteuid() != 0 {
+		t.Skip("the memory group needs root (CI runs as root)")
+	}
+	dir := t.TempDir()
+	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
+		RestartDelay: 50 * time.Millisecond, MemoryLimit: 300 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Stop(context.Background()) })
+	group := s.MemoryGroup()
+	if group == "" {
+		t.Fatal("no memory group")
+	}
+	if got := groupLimit(t, group); got != strconv.Itoa(300<<20) {
+		t.Fatalf("memory limit of %s = %s, want %d", group, got, 300<<20)
+	}
+	check := func() {
+		t.Helper()
+		procs := s.clusterProcesses()
+		if len(procs) < 3 {
+			t.Fatalf("%d cluster processes, want the postmaster and its helpers", len(procs))
+		}
+		conn, err := pgx.Connect(t.Context(), s.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(context.Background())
+		var backend int
+		if err := conn.QueryRow(t.Context(), "SELECT pg_backend_pid()").Scan(&backend); err != nil {
+			t.Fatal(err)
+		}
+		for _, pid := range append(procs, backend) {
+			if !inCgroup(t, pid, group) {
+				b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+				t.Fatalf("cluster process %d is not in %s:\n%s", pid, group, b)
+			}
+		}
+	}
+	check()
+	old := s.Pid()
+	if err := syscall.Kill(old, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Minute)
+	for s.Pid() == old || s.Pid() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the killed postmaster was not started again")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	check()
+	if s.MemoryGroup() != group {
+		t.Fatalf("group %s after the restart, want %s", s.MemoryGroup(), group)
+	}
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	groupGone(t, group)
+}
+
+// groupGone fails unless the group at path is gone from every hierarchy.
+func groupGone(t *testing.T, path string) {
+	t.Helper()
+	dirs, err := filepath.Glob("/sys/fs/cgroup/*" + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat("/sys/fs/cgroup" + path); err == nil {
+		dirs = append(dirs, "/sys/fs/cgroup"+path)
+	}
+	if len(dirs) > 0 {
+		t.Fatalf("group %s left behind: %v", path, dirs)
+	}
+}
+
+// TestNoMemoryGroup: a negative MemoryLimit runs the cluster in the caller's groups.
+func TestNoMemoryGroup(t *testing.T) {
+	skipUnlessPostgres(t)
+	s, err := StartConfig(t.Context(), Config{DataDir: t.TempDir(), NoSync: true, MemoryLimit: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop(context.Background())
+	if g := s.MemoryGroup(); g != "" {
+		t.Fatalf("memory group %s with MemoryLimit -1", g)
 	}
 	ping(t, s.URL())
 }
