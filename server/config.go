@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -65,8 +66,11 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// minPostgresMemoryMB is the smallest memory cap of the private Postgres.
-const minPostgresMemoryMB = 256
+// minPostgresMemoryMB and maxPostgresMemoryMB bound the memory cap of the private Postgres.
+const (
+	minPostgresMemoryMB = 256
+	maxPostgresMemoryMB = 1 << 24 // 16 TiB
+)
 
 // postgresMemoryLimit is pgserver.Config.MemoryLimit for PostgresMemoryMB.
 func (c *Config) postgresMemoryLimit() int64 {
@@ -95,8 +99,17 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init)")
 	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
 	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
-	fs.IntVar(&c.PostgresMemoryMB, "postgres-memory-mb", cmp.Or(c.PostgresMemoryMB, pgserver.DefaultMemoryLimit>>20),
-		"memory cap of the private Postgres in MiB, page cache included (a control group of its own: the ledger's growing files then reuse its pages; at least 256; -1: no cap)")
+	c.PostgresMemoryMB = cmp.Or(c.PostgresMemoryMB, pgserver.DefaultMemoryLimit>>20)
+	fs.Func("postgres-memory-mb", fmt.Sprintf("memory cap of the private Postgres in `MiB`, page cache included: a control group of its own, "+
+		"in which the ledger's growing files reuse its pages (%d to %d; -1: no cap) (default %d)", minPostgresMemoryMB, maxPostgresMemoryMB, c.PostgresMemoryMB),
+		func(v string) error {
+			n, err := strconv.Atoi(v)
+			if err != nil || n != -1 && (n < minPostgresMemoryMB || n > maxPostgresMemoryMB) {
+				return fmt.Errorf("%q: a number of MiB from %d to %d (the shared buffers alone take 128), or -1 for no cap", v, minPostgresMemoryMB, maxPostgresMemoryMB)
+			}
+			c.PostgresMemoryMB = n
+			return nil
+		})
 	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")
 	fs.BoolVar(&c.ForkAtRestore, "fork-at-restore", c.ForkAtRestore, "fork the copies of a checkpoint's processes during each restore, not ahead of it in the background (by default, a checkpoint restored twice in a row gets the copies of its next restore forked while the agent takes its step: a quicker restore for a little more CPU)")
 	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients (default: auth off)")
@@ -135,9 +148,9 @@ func (c *Config) Validate() error {
 	if c.NoLedger && c.DatabaseURL != "" {
 		return errors.New("server: --no-ledger and --database-url exclude each other")
 	}
-	if c.PostgresMemoryMB > 0 && c.PostgresMemoryMB < minPostgresMemoryMB {
-		return fmt.Errorf("server: --postgres-memory-mb %d is too small: at least %d (the shared buffers alone take 128), or -1 for no cap",
-			c.PostgresMemoryMB, minPostgresMemoryMB)
+	if c.PostgresMemoryMB > 0 && (c.PostgresMemoryMB < minPostgresMemoryMB || c.PostgresMemoryMB > maxPostgresMemoryMB) {
+		return fmt.Errorf("server: --postgres-memory-mb %d: from %d to %d (the shared buffers alone take 128), or -1 for no cap",
+			c.PostgresMemoryMB, minPostgresMemoryMB, maxPostgresMemoryMB)
 	}
 	if c.MaxRequestBytes <= 0 {
 		c.MaxRequestBytes = 16 << 20

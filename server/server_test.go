@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"flag"
+	"io"
 	"strings"
 	"testing"
 
@@ -229,15 +230,19 @@ func TestPostgresMemoryFlag(t *testing.T) {
 		{nil, 512 << 20, ""},
 		{[]string{"--postgres-memory-mb", "1024"}, 1024 << 20, ""},
 		{[]string{"--postgres-memory-mb", "-1"}, -1, ""},
-		{[]string{"--postgres-memory-mb", "100"}, 0, "at least 256"},
+		{[]string{"--postgres-memory-mb", "100"}, 0, "from 256 to"},
+		{[]string{"--postgres-memory-mb", "0"}, 0, "from 256 to"},
+		{[]string{"--postgres-memory-mb", "-2"}, 0, "or -1 for no cap"},
+		{[]string{"--postgres-memory-mb", "99999999999"}, 0, "from 256 to"},
 	} {
 		var cfg server.Config
 		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
 		cfg.RegisterFlags(fs)
-		if err := fs.Parse(c.args); err != nil {
-			t.Fatal(err)
+		err := fs.Parse(c.args)
+		if err == nil {
+			err = cfg.Validate()
 		}
-		err := cfg.Validate()
 		if c.err != "" {
 			if err == nil || !strings.Contains(err.Error(), c.err) {
 				t.Fatalf("%v: Validate = %v, want %q", c.args, err, c.err)

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
@@ -15,9 +17,23 @@ import (
 // buffers (128 MB by default), its backends and the page cache of its files.
 const DefaultMemoryLimit = 512 << 20
 
-// memoryGroupRoot is the path segment, below each cgroup hierarchy's root, that holds the
-// groups of private clusters, one per cluster directory.
-const memoryGroupRoot = "deltagym-postgres"
+// memoryGroupPrefix starts the path segment, below each cgroup hierarchy's root, of a private
+// cluster's group: deltagym-pg-<hash of the cluster's directory>/postgres. Each cluster has a
+// base of its own, so that removing it at Stop never races another cluster making its group.
+const memoryGroupPrefix = "deltagym-pg-"
+
+// memoryGroupName is the group's name below its base.
+const memoryGroupName = "postgres"
+
+// memoryHeadroom is what a cap must leave above the shared buffers: backends and page cache.
+const memoryHeadroom = 256 << 20
+
+// failMoveForTest makes the postmaster's shell fail its move (tests of the fallback).
+var failMoveForTest bool
+
+// moveFailed is the exit status of the postmaster's shell when it could not move itself into
+// the group.
+const moveFailed = 111
 
 // Why a private cluster runs in a memory-capped control group of its own.
 //
@@ -36,33 +52,78 @@ const memoryGroupRoot = "deltagym-postgres"
 // The cap also keeps a long-running ledger's page cache from crowding the sandboxes' memory.
 // The kernel's OOM killer acts within the group only: a backend killed there makes the
 // postmaster restart the others (the ledger writer retries), a postmaster killed there is
-// started again by supervision.
+// started again by supervision. The group is also one in the cpu and pids hierarchies (the
+// cgroup package makes its groups so), so under CPU contention Postgres weighs as one group
+// against the server's threads, as each sandbox does; and it is outside the server's own
+// group, as the sandboxes are, so a service manager's limits on the server do not cover it.
+//
+// The postmaster cannot be moved after it starts (it may have forked already), and os/exec
+// runs nothing between fork and exec, so a shell does it: root (this process) opens the
+// group's cgroup.procs files, the kernel checks a move against the opener's credentials, and
+// the shell, already the postgres user, writes "0" (itself) to each, closes them and becomes
+// the postmaster. If that fails (a kernel that checks the writer's credentials instead, a
+// group removed from outside), the cluster starts without the cap, with a warning.
 
-// groupName names the cluster's group after its directory, so that a server started again
-// on the same data directory finds the group a crashed run left.
-func groupName(pgdata string) string {
+// groupRoot names the cluster's base after its directory, so that a server started again on
+// the same data directory finds the group a crashed run left.
+func groupRoot(pgdata string) string {
 	sum := sha256.Sum256([]byte(pgdata))
-	return "pg-" + hex.EncodeToString(sum[:6])
+	return memoryGroupPrefix + hex.EncodeToString(sum[:6])
 }
 
-// openGroup makes the cluster's memory group with Config.MemoryLimit, or takes over the one a
-// crashed run left, unless it has one already. Called with mu held.
+// memoryLimit is the cap: Config.MemoryLimit, raised to leave memoryHeadroom above
+// shared_buffers when the settings make those larger than the default's 128 MB.
+func (s *Server) memoryLimit() int64 {
+	buffers := int64(128 << 20)
+	if v, ok := s.cfg.Settings["shared_buffers"]; ok {
+		if b, err := pgBytes(v); err == nil {
+			buffers = b
+		}
+	}
+	return max(s.cfg.MemoryLimit, buffers+memoryHeadroom)
+}
+
+// pgBytes parses a PostgreSQL memory setting in bytes: a number with a unit (kB, MB, GB, TB)
+// or a bare number of 8 kB blocks.
+func pgBytes(v string) (int64, error) {
+	v = strings.TrimSpace(v)
+	unit := int64(8 << 10)
+	for suffix, u := range map[string]int64{"kB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40} {
+		if n, ok := strings.CutSuffix(v, suffix); ok {
+			v, unit = strings.TrimSpace(n), u
+			break
+		}
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("memory setting %q: not a size", v)
+	}
+	return n * unit, nil
+}
+
+// openGroup makes the cluster's memory group, or takes over the one a crashed run left, unless
+// it has one already. Without a cap (Config.MemoryLimit negative, or after a failed move) it
+// removes the one a crashed run may have left. Called with mu held.
 func (s *Server) openGroup() error {
-	if s.group != nil || s.cfg.MemoryLimit < 0 || os.Geteuid() != 0 {
+	if s.group != nil || os.Geteuid() != 0 {
 		return nil
 	}
-	m, err := cgroup.New(cgroup.Config{Root: memoryGroupRoot})
+	if s.cfg.MemoryLimit < 0 || s.noGroup {
+		return removeLeftGroup(s.pgdata)
+	}
+	m, err := cgroup.New(cgroup.Config{Root: groupRoot(s.pgdata)})
 	if err != nil {
 		return err
 	}
-	name, lim := groupName(s.pgdata), cgroup.Limits{MemoryBytes: s.cfg.MemoryLimit}
-	g, err := m.Create(name, lim)
+	lim := cgroup.Limits{MemoryBytes: s.memoryLimit()}
+	g, err := m.Create(memoryGroupName, lim)
 	if errors.Is(err, cgroup.ErrExist) {
-		if g, err = m.Open(name); err == nil {
+		if g, err = m.Open(memoryGroupName); err == nil {
 			err = g.SetLimits(lim)
 		}
 	}
 	if err != nil {
+		_ = m.RemoveBase()
 		return err
 	}
 	s.groups, s.group = m, g
@@ -71,14 +132,15 @@ func (s *Server) openGroup() error {
 	return nil
 }
 
-// removeGroup removes the cluster's group once its processes are gone. Called with mu held.
+// removeGroup removes the cluster's group and its base, ending whatever of the cluster still
+// runs there. Called with mu held.
 func (s *Server) removeGroup() error {
 	if s.group == nil {
 		return nil
 	}
 	err := s.groups.Remove(s.group.Name())
 	if err == nil {
-		err = s.groups.RemoveBase() // the last cluster's group takes the base along
+		err = s.groups.RemoveBase()
 	}
 	s.groups, s.group = nil, nil
 	s.groupPath.Store(nil)
@@ -88,44 +150,71 @@ func (s *Server) removeGroup() error {
 	return nil
 }
 
-// removeLeftGroup removes the memory group a crashed run left for the cluster in pgdata, if any.
+// dropGroup gives up the cap after a failed move: the group goes, and the next starts run
+// without one. Called with mu held.
+func (s *Server) dropGroup(why error) {
+	s.cfg.Logger.Warn("private postgres runs without its memory cap", "dir", s.cfg.DataDir, "err", why)
+	if err := s.removeGroup(); err != nil {
+		s.cfg.Logger.Warn("removing postgres memory group", "err", err)
+	}
+	s.noGroup = true
+}
+
+// removeLeftGroup removes the memory group a crashed run left for the cluster in pgdata, if
+// any, ending what still runs in it.
 func removeLeftGroup(pgdata string) error {
 	if os.Geteuid() != 0 {
 		return nil
 	}
-	s := &Server{pgdata: pgdata}
-	m, err := cgroup.New(cgroup.Config{Root: memoryGroupRoot})
+	root := groupRoot(pgdata)
+	if !groupExists(root) {
+		return nil
+	}
+	m, err := cgroup.New(cgroup.Config{Root: root})
 	if err != nil {
 		return fmt.Errorf("removing postgres memory group: %w", err)
 	}
-	g, err := m.Open(groupName(pgdata))
+	g, err := m.Open(memoryGroupName)
 	if err != nil {
 		return m.RemoveBase()
 	}
-	s.groups, s.group = m, g
+	s := &Server{groups: m, group: g}
 	return s.removeGroup()
 }
 
+// groupExists reports whether a base named root is in any cgroup hierarchy, without making
+// one (cgroup.New would).
+func groupExists(root string) bool {
+	dirs, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup", "*", root))
+	if len(dirs) > 0 {
+		return true
+	}
+	_, err := os.Stat(filepath.Join("/sys/fs/cgroup", root))
+	return err == nil
+}
+
 // inGroup turns the postmaster's command line into one that moves it into the cluster's group
-// before it starts, so that every process it forks is born there. The kernel checks moves into a
-// group against the credentials of whoever opened the group's cgroup.procs: this process, root,
-// opens them, and the shell, already the postgres user, writes "0" (itself) to each, closes
-// them and becomes the postmaster. It returns the command's name, arguments and files.
+// before it starts, so that every process it forks is born there (see above). It returns the
+// command's name, arguments and files.
 func (s *Server) inGroup(postgres string, args []string) (string, []string, []*os.File, error) {
 	if s.group == nil {
 		return postgres, args, nil, nil
 	}
 	files, err := s.group.OpenProcs()
 	if err != nil {
-		return "", nil, nil, err
+		s.dropGroup(err)
+		return postgres, args, nil, nil
 	}
 	var b strings.Builder
 	b.WriteString("{ ")
 	for i := range files {
 		fmt.Fprintf(&b, "echo 0 >&%d && ", 3+i)
 	}
-	b.WriteString(`:; } || { echo "deltagym: could not move postgres into its memory cgroup ` + s.group.Path() +
-		`" >&2; exit 1; }; exec`)
+	if failMoveForTest {
+		b.WriteString("false && ")
+	}
+	fmt.Fprintf(&b, `:; } || { echo "deltagym: could not move postgres into its memory cgroup %s" >&2; exit %d; }; exec`,
+		s.group.Path(), moveFailed)
 	for i := range files {
 		fmt.Fprintf(&b, " %d>&-", 3+i)
 	}

@@ -141,15 +141,16 @@ type Server struct {
 	sockDir string
 	cred    *syscall.Credential // nil when not root
 
-	mu     sync.Mutex // guards cmd, exited, waitErr, logFile and the group; held through a start or stop
-	cmd    *exec.Cmd
-	groups *cgroup.Manager // of group
-	group  *cgroup.Cgroup  // caps the cluster's memory (Config.MemoryLimit); nil without
+	mu      sync.Mutex // guards cmd, exited, waitErr, logFile and the group; held through a start or stop
+	cmd     *exec.Cmd
+	exited  chan struct{} // closed when cmd has exited
+	waitErr error
+	logFile *os.File
+	groups  *cgroup.Manager // of group
+	group   *cgroup.Cgroup  // caps the cluster's memory (Config.MemoryLimit); nil without
+	noGroup bool            // a move into the group failed: no cap from then on
 	// groupPath is group's path, for MemoryGroup without mu.
 	groupPath atomic.Pointer[string]
-	exited    chan struct{} // closed when cmd has exited
-	waitErr   error
-	logFile   *os.File
 
 	// sup is supervision's state, apart from mu so that Stop can end a supervised start that
 	// holds mu (waiting for old backends, or for a long crash recovery).
@@ -197,6 +198,11 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	if err := s.start(ctx); err != nil {
+		s.mu.Lock()
+		if gerr := s.removeGroup(); gerr != nil {
+			err = errors.Join(err, gerr)
+		}
+		s.mu.Unlock()
 		return nil, err
 	}
 	s.arm()
@@ -216,10 +222,8 @@ func StopOrphan(ctx context.Context, dataDir string) error {
 		return fmt.Errorf("resolving data dir: %w", err)
 	}
 	s := &Server{pgdata: filepath.Join(abs, "postgres")}
-	if err := s.clearStale(ctx); err != nil {
-		return err
-	}
-	return removeLeftGroup(s.pgdata)
+	// The group goes even if the postmaster would not: its removal ends what runs in it.
+	return errors.Join(s.clearStale(ctx), removeLeftGroup(s.pgdata))
 }
 
 // URL returns a pgx-compatible URL of the server's database over its unix socket.
@@ -241,10 +245,8 @@ func (s *Server) Stop(ctx context.Context) error {
 	s.disarm() // first: a supervised start in progress holds mu
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if err := s.stopLocked(ctx); err != nil {
-		return err
-	}
-	return s.removeGroup()
+	// The group goes even if the postmaster would not stop: its removal ends what runs in it.
+	return errors.Join(s.stopLocked(ctx), s.removeGroup())
 }
 
 // Restart stops the server and starts it again on the same cluster. If the start fails while
@@ -427,6 +429,11 @@ func (s *Server) startLocked(ctx context.Context) error {
 	}()
 	if err := s.waitReady(ctx, exited); err != nil {
 		_ = s.stopLocked(context.WithoutCancel(ctx))
+		var exit *exec.ExitError
+		if s.group != nil && errors.As(s.waitErr, &exit) && exit.ExitCode() == moveFailed {
+			s.dropGroup(fmt.Errorf("moving the postmaster into its group: %w", err))
+			return s.startLocked(ctx)
+		}
 		return err
 	}
 	s.pid.Store(int64(cmd.Process.Pid))

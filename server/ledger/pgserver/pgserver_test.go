@@ -247,12 +247,18 @@ func TestSupervisedRestart(t *testing.T) {
 	if err := s.Stop(ctx); err != nil {
 		t.Fatal(err)
 	}
+	took := time.Since(begin)
 	switch {
 	case group == "" && !running(backend):
-		t.Fatalf("Stop took %v, until the backend the supervised start waited for had gone", time.Since(begin))
-	case group != "" && running(backend):
-		// With a memory group, Stop ends what is left of the cluster in it, at once.
-		t.Fatalf("Stop (%v) left the old backend running in the cluster's group %s", time.Since(begin), group)
+		t.Fatalf("Stop took %v, until the backend the supervised start waited for had gone", took)
+	case group != "":
+		// With a memory group, Stop ends what is left of the cluster in it, at once (the
+		// group empties a moment before the killed process is reaped).
+		for end := time.Now().Add(5 * time.Second); running(backend); time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(end) {
+				t.Fatalf("Stop (%v) left the old backend running in the cluster's group %s", took, group)
+			}
+		}
 	}
 	<-busy
 	for running(backend) {
@@ -441,7 +447,7 @@ func TestMemoryGroup(t *testing.T) {
 	}
 	dir := t.TempDir()
 	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
-		RestartDelay: 50 * time.Millisecond, MemoryLimit: 300 << 20})
+		RestartDelay: 50 * time.Millisecond, MemoryLimit: 400 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -450,8 +456,8 @@ func TestMemoryGroup(t *testing.T) {
 	if group == "" {
 		t.Fatal("no memory group")
 	}
-	if got := groupLimit(t, group); got != strconv.Itoa(300<<20) {
-		t.Fatalf("memory limit of %s = %s, want %d", group, got, 300<<20)
+	if got := groupLimit(t, group); got != strconv.Itoa(400<<20) {
+		t.Fatalf("memory limit of %s = %s, want %d", group, got, 400<<20)
 	}
 	check := func() {
 		t.Helper()
@@ -497,18 +503,21 @@ func TestMemoryGroup(t *testing.T) {
 	groupGone(t, group)
 }
 
-// groupGone fails unless the group at path is gone from every hierarchy.
+// groupGone fails unless the group at path, and its base (path's parent), are gone from every
+// hierarchy.
 func groupGone(t *testing.T, path string) {
 	t.Helper()
-	dirs, err := filepath.Glob("/sys/fs/cgroup/*" + path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat("/sys/fs/cgroup" + path); err == nil {
-		dirs = append(dirs, "/sys/fs/cgroup"+path)
-	}
-	if len(dirs) > 0 {
-		t.Fatalf("group %s left behind: %v", path, dirs)
+	for _, p := range []string{path, filepath.Dir(path)} {
+		dirs, err := filepath.Glob("/sys/fs/cgroup/*" + p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat("/sys/fs/cgroup" + p); err == nil {
+			dirs = append(dirs, "/sys/fs/cgroup"+p)
+		}
+		if len(dirs) > 0 {
+			t.Fatalf("group %s left behind: %v", p, dirs)
+		}
 	}
 }
 
@@ -524,4 +533,88 @@ func TestNoMemoryGroup(t *testing.T) {
 		t.Fatalf("memory group %s with MemoryLimit -1", g)
 	}
 	ping(t, s.URL())
+}
+
+// TestMemoryGroupFallbacks: a failed move into the group starts the cluster without a cap; a
+// failed start leaves no group; a cluster started without a cap removes the group a crashed
+// capped run left.
+func TestMemoryGroupFallbacks(t *testing.T) {
+	skipUnlessPostgres(t)
+	if os.Geteuid() != 0 {
+		t.Skip("the memory group needs root (CI runs as root)")
+	}
+	t.Run("move fails", func(t *testing.T) {
+		failMoveForTest = true
+		defer func() { failMoveForTest = false }()
+		log := new(lockedBuffer)
+		s, err := StartConfig(t.Context(), Config{DataDir: t.TempDir(), NoSync: true, Logger: slog.New(slog.NewTextHandler(log, nil))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Stop(context.Background())
+		ping(t, s.URL())
+		if g := s.MemoryGroup(); g != "" {
+			t.Fatalf("memory group %s after a failed move", g)
+		}
+		if !strings.Contains(log.String(), "without its memory cap") || !strings.Contains(s.logTail(), "could not move postgres") {
+			t.Fatalf("no word of the failed move; server log: %s\npostgres log: %s", log, s.logTail())
+		}
+		if dirs, _ := filepath.Glob("/sys/fs/cgroup/*/" + groupRoot(s.pgdata)); len(dirs) > 0 {
+			t.Fatalf("group left after the failed move: %v", dirs)
+		}
+	})
+	t.Run("start fails", func(t *testing.T) {
+		dir := t.TempDir()
+		_, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Settings: map[string]string{"max_connections": "-5"}})
+		if err == nil {
+			t.Fatal("a cluster with max_connections=-5 started")
+		}
+		if groupExists(groupRoot(filepath.Join(dir, "postgres"))) {
+			t.Fatal("a failed start left its memory group")
+		}
+	})
+	t.Run("uncapped after capped crash", func(t *testing.T) {
+		dir := t.TempDir()
+		s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		group := s.MemoryGroup()
+		if group == "" {
+			t.Fatal("no memory group")
+		}
+		// The process that started it "crashes"; the next start runs without a cap.
+		s2, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, MemoryLimit: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s2.Stop(context.Background())
+		<-s.exited
+		ping(t, s2.URL())
+		groupGone(t, group)
+	})
+}
+
+func TestMemoryLimitLeavesRoomAboveSharedBuffers(t *testing.T) {
+	for _, c := range []struct {
+		limit   int64
+		buffers string
+		want    int64
+	}{
+		{512 << 20, "", 512 << 20},
+		{512 << 20, "128MB", 512 << 20},
+		{512 << 20, "512MB", 768 << 20},
+		{512 << 20, "1GB", 1280 << 20},
+		{512 << 20, "65536", 768 << 20}, // 8 kB blocks
+		{512 << 20, "262144kB", 512 << 20},
+		{512 << 20, "lots", 512 << 20},
+	} {
+		s := &Server{cfg: Config{MemoryLimit: c.limit, Settings: map[string]string{}}}
+		if c.buffers != "" {
+			s.cfg.Settings["shared_buffers"] = c.buffers
+		}
+		if got := s.memoryLimit(); got != c.want {
+			t.Errorf("limit %d, shared_buffers %q: cap %d, want %d", c.limit, c.buffers, got, c.want)
+		}
+	}
 }

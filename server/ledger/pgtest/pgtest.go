@@ -67,8 +67,10 @@ func startWithTemplate(ctx context.Context, dir string, supervise bool) (*pgserv
 		// were such (TestPostgresKilled).
 		settings["wal_writer_delay"] = "10s"
 	}
+	// No memory cap (pgserver's tests cover it): up to 200 backends of parallel tests could
+	// outgrow the default one, and an OOM kill restarts the whole shared cluster.
 	s, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Database: templateDB, NoSync: true,
-		SmartTimeout: 100 * time.Millisecond, Settings: settings,
+		MemoryLimit: -1, SmartTimeout: 100 * time.Millisecond, Settings: settings,
 		Supervise: supervise, RestartDelay: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		return nil, err
