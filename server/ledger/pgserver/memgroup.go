@@ -197,14 +197,14 @@ func groupExists(root string) bool {
 // inGroup turns the postmaster's command line into one that moves it into the cluster's group
 // before it starts, so that every process it forks is born there (see above). It returns the
 // command's name, arguments and files.
-func (s *Server) inGroup(postgres string, args []string) (string, []string, []*os.File, error) {
+func (s *Server) inGroup(postgres string, args []string) (string, []string, []*os.File) {
 	if s.group == nil {
-		return postgres, args, nil, nil
+		return postgres, args, nil
 	}
 	files, err := s.group.OpenProcs()
 	if err != nil {
 		s.dropGroup(err)
-		return postgres, args, nil, nil
+		return postgres, args, nil
 	}
 	var b strings.Builder
 	b.WriteString("{ ")
@@ -220,7 +220,7 @@ func (s *Server) inGroup(postgres string, args []string) (string, []string, []*o
 		fmt.Fprintf(&b, " %d>&-", 3+i)
 	}
 	b.WriteString(`; exec "$0" "$@"`)
-	return "/bin/sh", append([]string{"-c", b.String(), postgres}, args...), files, nil
+	return "/bin/sh", append([]string{"-c", b.String(), postgres}, args...), files
 }
 
 // MemoryGroup returns the path, below each cgroup hierarchy's root, of the control group that

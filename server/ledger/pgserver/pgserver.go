@@ -396,11 +396,7 @@ func (s *Server) startLocked(ctx context.Context) error {
 	if err := s.openGroup(); err != nil {
 		s.cfg.Logger.Warn("private postgres runs without its memory cap", "dir", s.cfg.DataDir, "err", err)
 	}
-	name, args, files, err := s.inGroup(filepath.Join(s.cfg.BinDir, "postgres"), args)
-	if err != nil {
-		_ = logFile.Close()
-		return fmt.Errorf("starting postgres in its memory group: %w", err)
-	}
+	name, args, files := s.inGroup(filepath.Join(s.cfg.BinDir, "postgres"), args)
 	defer func() {
 		for _, f := range files {
 			_ = f.Close()
