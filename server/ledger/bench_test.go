@@ -95,6 +95,10 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	conns, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_CONNS"))
 	delay, _ := time.ParseDuration(os.Getenv("DELTAGYM_LEDGER_BENCH_DELAY"))
 	queue, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_QUEUE_MB"))
+	// DELTAGYM_LEDGER_BENCH_BUFFERED=1 writes the spool through the page cache, as before
+	// O_DIRECT.
+	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
+	defer ledger.SetDirectSpool(true)
 	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay, QueueBytes: queue << 20})
 	if err != nil {
 		b.Fatal(err)

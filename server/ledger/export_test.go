@@ -17,3 +17,6 @@ func (s *Store) Setting(ctx context.Context, name string) (string, error) {
 	err := s.pool.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&v)
 	return v, err
 }
+
+// SetDirectSpool turns the spool's O_DIRECT writes on or off (directIO), for comparisons.
+func SetDirectSpool(on bool) { directIO = on }

@@ -4,7 +4,9 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"hash/crc32"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -188,4 +190,183 @@ func TestSpoolCorruptSealedSegment(t *testing.T) {
 	if _, _, _, err := openSpool(dir, 1000); !errors.Is(err, ErrSpoolCorrupt) {
 		t.Fatalf("open = %v, want ErrSpoolCorrupt", err)
 	}
+}
+
+func stepFrame(seq uint64, obs int) []byte {
+	r := record{seq: seq, kind: recStep, step: &StepRow{EpisodeID: "e", Index: int(seq), Action: json.RawMessage("1"), Observation: make([]byte, obs)}}
+	for i := range r.step.Observation {
+		r.step.Observation[i] = byte(seq) + byte(i)
+	}
+	return appendFrame(nil, &r)
+}
+
+func checkRecords(t *testing.T, recs []record, from uint64) {
+	t.Helper()
+	for i, r := range recs {
+		seq := from + uint64(i)
+		if r.seq != seq || r.step == nil || r.step.Index != int(seq) {
+			t.Fatalf("record %d: seq %d, want %d", i, r.seq, seq)
+		}
+		for j, c := range r.step.Observation {
+			if c != byte(seq)+byte(j) {
+				t.Fatalf("record %d: observation byte %d is %d, want %d", seq, j, c, byte(seq)+byte(j))
+			}
+		}
+	}
+}
+
+// The spool writes with O_DIRECT here (a test of its own says so), and every group commit of
+// a few frames rewrites the segment's last, partial block: a reader following the writer
+// commit by commit must still read every frame whole, never the zeros that padded the block
+// when it read it.
+func TestSpoolReaderFollowsDirectWrites(t *testing.T) {
+	for _, direct := range []bool{true, false} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
+			directIO = direct
+			defer func() { directIO = true }()
+			dir := t.TempDir()
+			sp, _, _, err := openSpool(dir, 64<<10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sp.close()
+			if sp.direct != direct {
+				t.Fatalf("direct = %v, want %v (does %s take O_DIRECT?)", sp.direct, direct, dir)
+			}
+			rng := rand.New(rand.NewPCG(1, 2))
+			seq, read := uint64(0), uint64(0)
+			for range 300 {
+				var chunks [][]byte
+				for range 1 + rng.IntN(4) {
+					seq++
+					chunks = append(chunks, stepFrame(seq, rng.IntN(3000)))
+				}
+				if err := sp.write(chunks, seq); err != nil {
+					t.Fatal(err)
+				}
+				recs, err := sp.read(read+1, seq, 1000, 1<<30)
+				if err != nil {
+					t.Fatalf("reading %d..%d: %v", read+1, seq, err)
+				}
+				checkRecords(t, recs, read+1)
+				read += uint64(len(recs))
+				if read != seq {
+					t.Fatalf("read up to %d of %d", read, seq)
+				}
+			}
+			if len(sp.segs) < 3 {
+				t.Fatalf("%d segments: the test meant to cross several", len(sp.segs))
+			}
+		})
+	}
+}
+
+func TestSpoolDirectIOUsed(t *testing.T) {
+	sp, _, _, err := openSpool(t.TempDir(), 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.close()
+	if !sp.direct {
+		t.Skipf("the file system of %s refuses O_DIRECT: the spool writes through the page cache there", os.TempDir())
+	}
+}
+
+// A crash leaves the newest segment ending in a zero-padded block: recovery cuts it to its
+// frames, and the spool goes on after them. A group commit bigger than the stage buffer takes
+// several writes.
+func TestSpoolDirectRecoversPaddedTail(t *testing.T) {
+	dir := t.TempDir()
+	sp, _, _, err := openSpool(dir, 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !sp.direct {
+		t.Skip("no O_DIRECT here")
+	}
+	var chunks [][]byte
+	seq := uint64(0)
+	for range 300 { // 1.2 MiB: over stageBytes
+		seq++
+		chunks = append(chunks, stepFrame(seq, 4096))
+	}
+	if err := sp.write(chunks, seq); err != nil {
+		t.Fatal(err)
+	}
+	seq++
+	if err := sp.write([][]byte{stepFrame(seq, 10)}, seq); err != nil {
+		t.Fatal(err)
+	}
+	logical := sp.activeSize
+	// "Crash": let go of the files without close's cut.
+	_ = sp.active.Close()
+	_ = sp.lock.Close()
+	seg := filepath.Join(dir, segName(1))
+	fi, err := os.Stat(seg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Size()%dioBlock != 0 || fi.Size() <= logical {
+		t.Fatalf("segment is %d bytes after a direct write of %d: want a padded block", fi.Size(), logical)
+	}
+	sp, first, last, err := openSpool(dir, 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.close()
+	if first != 1 || last != seq {
+		t.Fatalf("recovered [%d, %d], want [1, %d]", first, last, seq)
+	}
+	if fi, _ := os.Stat(seg); fi.Size() != logical {
+		t.Fatalf("recovered segment is %d bytes, want %d", fi.Size(), logical)
+	}
+	seq++
+	if err := sp.write([][]byte{stepFrame(seq, 5000)}, seq); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := sp.read(1, seq, 1000, 1<<30)
+	if err != nil || uint64(len(recs)) != seq {
+		t.Fatalf("read %d of %d records: %v", len(recs), seq, err)
+	}
+	checkRecords(t, recs, 1)
+}
+
+// A direct write that fails leaves the segment and the partial block it began with as they
+// were: the retry writes the same rows again after the same frames.
+func TestSpoolDirectWriteFails(t *testing.T) {
+	dir := t.TempDir()
+	sp, _, _, err := openSpool(dir, 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.close()
+	if !sp.direct {
+		t.Skip("no O_DIRECT here")
+	}
+	if err := sp.write([][]byte{stepFrame(1, 100), stepFrame(2, 5000)}, 2); err != nil {
+		t.Fatal(err)
+	}
+	good := sp.active
+	ro, err := os.Open(good.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp.active = ro // writes fail: EBADF
+	big := [][]byte{stepFrame(3, 700)}
+	for range 400 { // over stageBytes: the first of several writes fails
+		big = append(big, make([]byte, 4096))
+	}
+	if err := sp.write(big, 3); err == nil {
+		t.Fatal("write through a read-only descriptor succeeded")
+	}
+	sp.active = good
+	_ = ro.Close()
+	if err := sp.write([][]byte{stepFrame(3, 700), stepFrame(4, 9000)}, 4); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := sp.read(1, 4, 100, 1<<30)
+	if err != nil || len(recs) != 4 {
+		t.Fatalf("read %d records: %v", len(recs), err)
+	}
+	checkRecords(t, recs, 1)
 }
