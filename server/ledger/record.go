@@ -74,10 +74,7 @@ func appendFrame(buf []byte, r *record) []byte {
 
 // parseFrame decodes the frame at the start of b, returning the record and the frame's size.
 // errShortFrame means b ends inside the frame; any other error means the frame is corrupt.
-func parseFrame(b []byte) (record, int, error) { return parseFrameCheck(b, true) }
-
-// parseFrameCheck is parseFrame, checking the CRC only if verify is set.
-func parseFrameCheck(b []byte, verify bool) (record, int, error) {
+func parseFrame(b []byte) (record, int, error) {
 	if len(b) < frameHeader {
 		return record{}, 0, errShortFrame
 	}
@@ -89,7 +86,7 @@ func parseFrameCheck(b []byte, verify bool) (record, int, error) {
 	if len(b) < size {
 		return record{}, 0, errShortFrame
 	}
-	if verify && crc32.Checksum(b[8:size], castagnoli) != binary.LittleEndian.Uint32(b[4:]) {
+	if crc32.Checksum(b[8:size], castagnoli) != binary.LittleEndian.Uint32(b[4:]) {
 		return record{}, 0, fmt.Errorf("frame checksum: %w", ErrSpoolCorrupt)
 	}
 	r := record{seq: binary.LittleEndian.Uint64(b[8:]), kind: recKind(b[16])}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"math"
 	"os"
 	"path/filepath"
@@ -38,9 +39,12 @@ type spool struct {
 	// direct: the active segment is written with O_DIRECT from stage, a block-aligned buffer
 	// whose first tail bytes are the segment's bytes from activeSize rounded down to a block
 	// (directIO says why).
-	direct bool
-	stage  []byte
-	tail   int
+	direct   bool
+	noDirect bool // a direct write was refused: the page cache from then on
+	stage    []byte
+	tail     int
+
+	log *slog.Logger
 
 	// durable is the active segment's size at its last group commit, guarded by mu: a direct
 	// segment ends in a padded block past it, which the reader must not take for frames.
@@ -73,7 +77,7 @@ func openSpool(dir string, segBytes int64) (_ *spool, first, last uint64, err er
 		_ = lock.Close()
 		return nil, 0, 0, fmt.Errorf("locking spool %s: %w", dir, ErrSpoolLocked)
 	}
-	s := &spool{dir: dir, lock: lock, segBytes: segBytes}
+	s := &spool{dir: dir, lock: lock, segBytes: segBytes, log: slog.Default()}
 	defer func() {
 		if err != nil {
 			_ = s.close()
@@ -155,13 +159,31 @@ func (s *spool) recoverSegment(first uint64, newest bool) (uint64, error) {
 // a page the guest has not used lately costs about 5 µs to fill (ARCHITECTURE, "Memory new to
 // this VM"): the spool's write was 47% of the writer's CPU, 3.9 µs per 4 KiB step, in
 // BenchmarkWriterSteps at 30,000 steps/s. With O_DIRECT the rows go from one reused,
-// block-aligned buffer (stage) to the disk. The price: a group commit rewrites the segment's
-// last, partial block (its bytes so far unchanged) with the next rows after them, and the file
-// ends in a block padded with zeros until the segment is closed, when it is cut to its frames.
-// Recovery cuts a zero tail off the newest segment as it cuts a torn frame, and the reader stops
-// at the last group commit's end (durable). Where O_DIRECT is refused (a file system without
-// it, or one wanting blocks over dioBlock), the spool writes through the page cache.
+// block-aligned buffer (stage) to the disk.
+//
+// The price:
+//   - A group commit rewrites the segment's last, partial block: the bytes already there, the
+//     same again, then the new rows. Acknowledged rows are thus rewritten in place, as
+//     PostgreSQL rewrites its WAL's last page; a device that tore that block in a crash would
+//     take them with it (recovery cuts the newest segment at the first frame that does not
+//     check), and the reader checks each frame's CRC for the same reason.
+//   - The file ends in a block padded with zeros until the segment is closed or a new one
+//     starts, when it is cut to its frames: recovery cuts a zero tail off the newest segment as
+//     it cuts a torn frame, and the reader never reads past the last group commit (durable).
+//   - The reader reads through the page cache the block a direct write may be rewriting; the
+//     kernel drops the cached pages a direct write covers, and the bytes the reader may read
+//     (below durable) are the same in both.
+//
+// Where O_DIRECT is refused at open, or the file wants an alignment dioBlock does not meet
+// (statx's STATX_DIOALIGN), or a direct write fails with EINVAL anyway, the spool writes
+// through the page cache.
 var directIO = true
+
+// Hooks for tests that make writes fail.
+var (
+	pwrite    = unix.Pwrite
+	fdatasync = syscall.Fdatasync
+)
 
 const (
 	// dioBlock is the alignment of direct writes: offsets, lengths and the buffer.
@@ -170,27 +192,28 @@ const (
 	stageBytes = 1 << 20
 )
 
-// openSegment opens a segment for appending, with O_DIRECT if directIO and the file system
-// allow it.
-func openSegment(path string) (f *os.File, direct bool, err error) {
-	if directIO && directAligned(path) {
+// openSegment opens a segment for appending: with O_DIRECT if direct and the file allows it.
+func openSegment(path string, direct bool) (*os.File, bool, error) {
+	if direct {
 		fd, err := unix.Open(path, unix.O_CREAT|unix.O_WRONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0o600)
 		if err == nil {
-			return os.NewFile(uintptr(fd), path), true, nil
-		}
-		if !errors.Is(err, unix.EINVAL) {
+			if directAligned(fd) {
+				return os.NewFile(uintptr(fd), path), true, nil
+			}
+			_ = unix.Close(fd)
+		} else if !errors.Is(err, unix.EINVAL) {
 			return nil, false, &os.PathError{Op: "open", Path: path, Err: err}
 		}
 	}
-	f, err = os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	return f, false, err
 }
 
-// directAligned reports whether direct writes aligned to dioBlock suit the file system of
-// path's directory (statx's STATX_DIOALIGN; one that does not say is tried).
-func directAligned(path string) bool {
+// directAligned reports whether direct writes aligned to dioBlock suit the open file fd, as far
+// as statx says (file systems that do not say are trusted until a write fails with EINVAL).
+func directAligned(fd int) bool {
 	var st unix.Statx_t
-	if err := unix.Statx(unix.AT_FDCWD, filepath.Dir(path), 0, unix.STATX_DIOALIGN, &st); err != nil || st.Mask&unix.STATX_DIOALIGN == 0 {
+	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &st); err != nil || st.Mask&unix.STATX_DIOALIGN == 0 {
 		return true
 	}
 	return st.Dio_offset_align != 0 && dioBlock%st.Dio_offset_align == 0 && st.Dio_mem_align != 0 && dioBlock%st.Dio_mem_align == 0
@@ -211,7 +234,7 @@ func (s *spool) openActive() error {
 	first := s.segs[len(s.segs)-1]
 	s.mu.Unlock()
 	path := filepath.Join(s.dir, segName(first))
-	f, direct, err := openSegment(path)
+	f, direct, err := openSegment(path, directIO && !s.noDirect)
 	if err != nil {
 		return fmt.Errorf("opening spool segment: %w", err)
 	}
@@ -221,25 +244,29 @@ func (s *spool) openActive() error {
 		return fmt.Errorf("opening spool segment: %w", err)
 	}
 	size := fi.Size()
-	s.active, s.activeSize, s.direct, s.tail = f, size, direct, 0
+	tail := 0
 	if direct {
-		if s.stage == nil {
-			s.stage = alignedBuf(stageBytes)
-		}
 		// The next write starts at the last partial block: keep its bytes.
 		if base := size &^ (dioBlock - 1); size > base {
-			if err := readTail(path, s.stage[:size-base], base); err != nil {
+			if err := readTail(path, s.stageBuf()[:size-base], base); err != nil {
 				_ = f.Close()
-				s.active = nil
 				return err
 			}
-			s.tail = int(size - base)
+			tail = int(size - base)
 		}
 	}
+	s.active, s.activeSize, s.direct, s.tail = f, size, direct, tail
 	s.mu.Lock()
 	s.durable = size
 	s.mu.Unlock()
 	return syncDir(s.dir)
+}
+
+func (s *spool) stageBuf() []byte {
+	if s.stage == nil {
+		s.stage = alignedBuf(stageBytes)
+	}
+	return s.stage
 }
 
 func readTail(path string, b []byte, off int64) error {
@@ -254,33 +281,29 @@ func readTail(path string, b []byte, off int64) error {
 	return nil
 }
 
-// write appends chunks of frames (ending with seq last) to the active segment and makes them durable,
-// then starts a new segment if the active one is full. Called by the syncer only.
+// write appends chunks of frames (ending with seq last) to the active segment and makes them
+// durable, then starts a new segment if the active one is full. An error means the rows are
+// not durable: nothing of them is left in the segment, and the caller retries them all. Called
+// by the syncer only.
 func (s *spool) write(chunks [][]byte, last uint64) error {
-	var n int
-	var err error
-	if s.direct {
-		n, err = s.writeDirect(chunks)
-	} else {
-		n, err = s.writeBuffered(chunks)
-	}
-	if err == nil {
-		err = syscall.Fdatasync(int(s.active.Fd()))
+	n, err := s.writeSync(chunks)
+	if err != nil && s.direct && errors.Is(err, unix.EINVAL) {
+		// The file system took O_DIRECT at open but not these writes: go on through the
+		// page cache, for this segment and the next.
+		if berr := s.toBuffered(); berr != nil {
+			return fmt.Errorf("writing spool: %w (and going on without O_DIRECT: %w)", err, berr)
+		}
+		s.log.Warn("ledger spool: direct writes refused; writing through the page cache", "dir", s.dir, "err", err)
+		n, err = s.writeSync(chunks)
 	}
 	if err != nil {
-		// Leave no partial frames behind: the caller retries the whole buffer.
-		_ = s.active.Truncate(s.activeSize)
 		return fmt.Errorf("writing spool: %w", err)
 	}
 	if !s.direct {
 		// The rows are durable and, unless the writer is overloaded, the in-memory queue
 		// holds them too: drop their pages from the page cache (an overloaded writer reads
-		// them back from disk). Kept cached, a busy spool grows the page cache by every row's
-		// bytes, pages that must be freshly allocated (and, on this VM, first touched) while
-		// Postgres needs new pages for the same rows; BenchmarkWriterSteps at rate=max went
-		// from 37k to 42k steps/s and 16 to 13.5 µs of writer CPU per step with it. Only
-		// whole pages: the partial last one is appended to next (a length of 0 would also
-		// mean "to the end of the file").
+		// them back from disk). Only whole pages: the partial last one is appended to next
+		// (a length of 0 would also mean "to the end of the file").
 		ps := int64(os.Getpagesize())
 		if from, to := s.activeSize&^(ps-1), (s.activeSize+int64(n))&^(ps-1); to > from {
 			_ = unix.Fadvise(int(s.active.Fd()), from, to-from, unix.FADV_DONTNEED)
@@ -290,28 +313,88 @@ func (s *spool) write(chunks [][]byte, last uint64) error {
 	s.mu.Lock()
 	s.durable = s.activeSize
 	s.mu.Unlock()
-	if s.activeSize < s.segBytes {
-		return nil
+	if s.activeSize >= s.segBytes {
+		if err := s.rotate(last + 1); err != nil {
+			// The rows are durable: the segment stays active and grows, and the next
+			// write tries again.
+			s.log.Warn("ledger spool: could not start a new segment", "dir", s.dir, "err", err)
+		}
 	}
+	return nil
+}
+
+// writeSync writes chunks after the active segment's frames and fsyncs them. On failure it
+// leaves the segment, and stage's copy of its partial last block, as they were.
+func (s *spool) writeSync(chunks [][]byte) (n int, err error) {
+	if !s.direct {
+		n, err = s.writeBuffered(chunks)
+		if err == nil {
+			err = fdatasync(int(s.active.Fd()))
+		}
+		if err != nil {
+			_ = s.active.Truncate(s.activeSize)
+		}
+		return n, err
+	}
+	var saved [dioBlock]byte
+	tail := s.tail
+	copy(saved[:], s.stage[:tail])
+	n, err = s.writeDirect(chunks)
+	if err == nil {
+		err = fdatasync(int(s.active.Fd()))
+	}
+	if err != nil {
+		copy(s.stage, saved[:tail])
+		s.tail = tail
+		_ = s.active.Truncate(s.activeSize)
+	}
+	return n, err
+}
+
+// toBuffered reopens the active segment for writes through the page cache, cut to its frames.
+func (s *spool) toBuffered() error {
+	if err := s.active.Truncate(s.activeSize); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(s.active.Name(), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		return err
+	}
+	_ = s.active.Close()
+	s.active, s.direct, s.tail, s.noDirect = f, false, 0, true
+	return nil
+}
+
+// rotate starts the segment whose first record is first, once the active one is cut to its
+// frames and the new one is durably in the directory. On failure the active segment stays.
+func (s *spool) rotate(first uint64) error {
 	if s.direct {
-		// Cut the padding off: only the newest segment may end in anything but frames. If
-		// that fails the segment stays active and grows; the next write tries again.
+		// Only the newest segment may end in anything but frames.
 		if err := s.active.Truncate(s.activeSize); err != nil {
-			return nil
+			return err
 		}
-		if err := syscall.Fdatasync(int(s.active.Fd())); err != nil {
-			return nil
+		if err := fdatasync(int(s.active.Fd())); err != nil {
+			return err
 		}
+	}
+	path := filepath.Join(s.dir, segName(first))
+	f, direct, err := openSegment(path, directIO && !s.noDirect)
+	if err != nil {
+		return err
+	}
+	if err := syncDir(s.dir); err != nil {
+		_ = f.Close()
+		_ = os.Remove(path)
+		return err
 	}
 	old := s.active
 	s.mu.Lock()
-	s.segs = append(s.segs, last+1)
+	s.segs = append(s.segs, first)
 	s.durable = 0
 	s.mu.Unlock()
-	if err := s.openActive(); err != nil {
-		return err
-	}
-	return old.Close()
+	s.active, s.activeSize, s.direct, s.tail = f, 0, direct, 0
+	_ = old.Close() // its rows are durable
+	return nil
 }
 
 // writeBuffered appends chunks through the page cache.
@@ -328,25 +411,19 @@ func (s *spool) writeBuffered(chunks [][]byte) (n int, err error) {
 
 // writeDirect writes chunks after the active segment's frames with O_DIRECT, in whole blocks
 // from stage: the segment's partial last block first, the last block padded with zeros. It
-// leaves that block's bytes at the head of stage for the next write, or, failing, puts back
-// the ones it found there.
+// leaves that last block's bytes at the head of stage for the next write (writeSync puts the
+// old ones back if the write or its fsync fails).
 func (s *spool) writeDirect(chunks [][]byte) (n int, err error) {
-	var saved [dioBlock]byte
-	copy(saved[:], s.stage[:s.tail])
+	stage := s.stageBuf()
 	base := s.activeSize - int64(s.tail)
 	fill := s.tail
-	defer func() {
-		if err != nil {
-			copy(s.stage, saved[:s.tail])
-		}
-	}()
 	fd := int(s.active.Fd())
 	for _, c := range chunks {
 		for len(c) > 0 {
-			k := copy(s.stage[fill:], c)
+			k := copy(stage[fill:], c)
 			fill, c, n = fill+k, c[k:], n+k
-			if fill == len(s.stage) {
-				if err := pwriteFull(fd, s.stage, base); err != nil {
+			if fill == len(stage) {
+				if err := pwriteFull(fd, stage, base); err != nil {
 					return n, err
 				}
 				base, fill = base+int64(fill), 0
@@ -355,13 +432,13 @@ func (s *spool) writeDirect(chunks [][]byte) (n int, err error) {
 	}
 	if fill > 0 {
 		end := (fill + dioBlock - 1) &^ (dioBlock - 1)
-		clear(s.stage[fill:end])
-		if err := pwriteFull(fd, s.stage[:end], base); err != nil {
+		clear(stage[fill:end])
+		if err := pwriteFull(fd, stage[:end], base); err != nil {
 			return n, err
 		}
 	}
 	whole := fill &^ (dioBlock - 1)
-	copy(s.stage, s.stage[whole:fill])
+	copy(stage, stage[whole:fill])
 	s.tail = fill - whole
 	return n, nil
 }
@@ -370,7 +447,7 @@ func (s *spool) writeDirect(chunks [][]byte) (n int, err error) {
 // would no longer be aligned (the caller retries the whole group commit).
 func pwriteFull(fd int, b []byte, off int64) error {
 	for {
-		k, err := unix.Pwrite(fd, b, off)
+		k, err := pwrite(fd, b, off)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
@@ -458,10 +535,9 @@ func (s *spool) readFrame() (record, error) {
 	if err := s.fill(size); err != nil {
 		return record{}, err
 	}
-	// No CRC here: every frame was checked when the spool was opened (recoverSegment) or was
-	// written by this process, and the frame's seq is still checked. That spares a second
-	// checksum pass over each row read back.
-	r, _, err := parseFrameCheck(s.cur.buf[s.cur.off:s.cur.off+size], false)
+	// The CRC is checked again (0.2 µs for a 4 KiB row): a direct write rewrites the block of
+	// the last rows acknowledged (directIO).
+	r, _, err := parseFrame(s.cur.buf[s.cur.off : s.cur.off+size])
 	if err != nil {
 		return record{}, err
 	}
@@ -583,7 +659,7 @@ func (s *spool) close() error {
 	var errs []error
 	if s.active != nil {
 		if s.direct {
-			// Cut the padding off the last block (recovery would, too).
+			// Cut the padding off the last block. Not fsynced: recovery would cut it too.
 			_ = s.active.Truncate(s.activeSize)
 		}
 		errs = append(errs, s.active.Close())

@@ -176,6 +176,7 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
+	sp.log = cfg.Logger
 	// Rows a previous writer delivered before closing need not be read back.
 	if d := sp.deliveredHint(); d >= first && d <= last {
 		first = d + 1
