@@ -1,11 +1,12 @@
 # loadtest.mk: the load test harness (loadtest/, bin/deltagym-loadtest). `make loadtest`
 # starts a private server (own data dir, --no-ledger, free loopback port, private cgroup
-# roots), runs a 30-second rollback scenario with 64 sandboxes, measures the full-copy
+# roots), runs a 30-second rollback scenario with 64 sandboxes (each on a StepStream, the
+# restore carried by a step; --api unary makes three unary calls instead), measures the full-copy
 # baseline after it (same disk), prints the summary and the ratios, and stops
 # the server by its PID. Override LOADTEST_ARGS for another scenario, e.g.
 #   make loadtest LOADTEST_ARGS='--scenario grpo --duration 60s'
 LOADTEST_DATA ?= $(DATA)/loadtest
-LOADTEST_ARGS ?= --scenario rollback --concurrency 64 --duration 30s --full-copy
+LOADTEST_ARGS ?= --scenario rollback --api stream --concurrency 64 --duration 30s --full-copy
 LOADTEST_OUT ?= $(LOADTEST_DATA)/report
 
 # `make loadtest-sustained` is the same harness for 5 minutes (rollback, 64 sandboxes) with a
@@ -13,7 +14,7 @@ LOADTEST_OUT ?= $(LOADTEST_DATA)/report
 # checkpoints and CPU per process (server, sandboxes, load generator, whole machine), then a
 # flatness verdict (first vs last minute). Its server has its own data dir.
 LOADTEST_SUSTAINED_DATA ?= $(LOADTEST_DATA)/sustained
-LOADTEST_SUSTAINED_ARGS ?= --scenario rollback --concurrency 64 --duration 5m --warmup 10s --sample 5s
+LOADTEST_SUSTAINED_ARGS ?= --scenario rollback --api stream --concurrency 64 --duration 5m --warmup 10s --sample 5s
 LOADTEST_SUSTAINED_OUT ?= $(LOADTEST_SUSTAINED_DATA)/report
 
 # `make loadtest-process` is the rollback-process scenario (30 s, 64 sandboxes): one
