@@ -468,6 +468,7 @@ func (s *spool) read(from, to uint64, maxRows, maxBytes int) ([]record, error) {
 	bytes := 0
 	for from <= to && len(out) < maxRows && bytes < maxBytes {
 		if err := s.seek(from); err != nil {
+			s.closeCursor() // the next read starts over from the file
 			return out, err
 		}
 		r, err := s.readFrame()
@@ -484,6 +485,7 @@ func (s *spool) read(from, to uint64, maxRows, maxBytes int) ([]record, error) {
 			continue
 		}
 		if err != nil {
+			s.closeCursor()
 			return out, err
 		}
 		out = append(out, r)

@@ -567,3 +567,45 @@ func TestSpoolConcurrentReadWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A frame that fails its check is read again from the file at the next read, not from the
+// reader's slab: a read error the disk recovers from does not stop delivery for good.
+func TestSpoolReadRetriesFromFile(t *testing.T) {
+	dir := t.TempDir()
+	sp, _, _, err := openSpool(dir, 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.close()
+	if err := sp.write(frames(1, 10, 500), 10); err != nil {
+		t.Fatal(err)
+	}
+	seg := filepath.Join(dir, segName(1))
+	f, err := os.OpenFile(seg, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	off := int64(len(stepFrame(1, 500))*4 + frameHeader + 3) // inside frame 5's payload
+	b := make([]byte, 1)
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	flip := func() {
+		b[0] ^= 0xff
+		if _, err := f.WriteAt(b, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flip()
+	recs, err := sp.read(1, 10, 100, 1<<30)
+	if !errors.Is(err, ErrSpoolCorrupt) || len(recs) != 4 {
+		t.Fatalf("read %d records, err %v; want 4 and ErrSpoolCorrupt", len(recs), err)
+	}
+	flip()
+	recs, err = sp.read(5, 10, 100, 1<<30)
+	if err != nil || len(recs) != 6 {
+		t.Fatalf("read %d records after the repair: %v", len(recs), err)
+	}
+	checkRecords(t, recs, 5)
+}
