@@ -4,7 +4,8 @@
 //
 // Writing goes through a Writer, whose append methods never wait for Postgres: rows are
 // group-committed to a durable local spool (append-only, length-prefixed, CRC-32C checksummed
-// segment files, fsynced once per Config.GroupCommit window) and delivered asynchronously in
+// segment files, written with O_DIRECT where the file system allows it and fsynced once per
+// Config.GroupCommit window; spool.go's directIO says why) and delivered asynchronously in
 // batches (binary COPY for steps and rewards, batched statements for the rest) from a bounded
 // in-memory queue, or read back from the spool when that queue is full. Up to Config.Conns
 // batches are copied at once, on as many connections, and commit in order. Each delivery
