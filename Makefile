@@ -15,7 +15,7 @@ TEST_PREREQS :=
 BENCH_TARGETS :=
 include $(sort $(wildcard mk/*.mk))
 
-.PHONY: help deps build test run bench bench-sandbox lint generate checkgenerate clean clean-data init
+.PHONY: help deps build test run bench bench-sandbox lint generate checkgenerate clean clean-data clean-ledger init
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -49,7 +49,12 @@ bench-sandbox: deps $(BIN)/dg-init criu ## sandbox runtime benchmarks: checkpoin
 clean: ## remove build output (not the image cache)
 	rm -rf $(BIN)
 
-clean-data: ## unmount and delete the (stopped) server's state in $(DATA) (keeps the image cache)
+clean-data: ## unmount and delete the (stopped) server's sandboxes and checkpoints in $(DATA) (keeps the ledger and the image cache)
 	@if [ -x $(BIN)/deltagym ]; then $(BIN)/deltagym purge --data $(DATA); fi
 	@findmnt -rn -o TARGET | { grep "^$(DATA)/" || true; } | sort -r | xargs -r umount -l
-	rm -rf $(DATA)/sandbox $(DATA)/pg $(DATA)/spool $(DATA)/loadtest
+	rm -rf $(DATA)/sandbox $(DATA)/loadtest
+
+clean-ledger: ## delete the (stopped) server's recorded trajectories in $(DATA): its private Postgres and spool
+	@pid=$$(head -1 $(DATA)/pg/postgres/postmaster.pid 2>/dev/null || true); \
+	if [ -n "$$pid" ] && kill -0 "$$pid" 2>/dev/null; then echo "clean-ledger: Postgres (pid $$pid) still runs on $(DATA)/pg; stop the server first" >&2; exit 1; fi
+	rm -rf $(DATA)/pg $(DATA)/spool

@@ -123,6 +123,9 @@ func TestCrashEndsEpisodes(t *testing.T) {
 	if e.Status != ledger.StatusFailed || e.FailureClass != ledger.FailureInfra || e.EndedAt == nil || e.Sandbox != box {
 		t.Fatalf("episode after the crash: %+v, want failed (infra), ended, in %s", e, box)
 	}
+	if !strings.Contains(e.FailureMessage, "server ended") {
+		t.Fatalf("episode after the crash: failure message %q", e.FailureMessage)
+	}
 	// A call on the lost sandbox says what became of it.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	must(t, err)

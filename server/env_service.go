@@ -338,11 +338,11 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	}
 	switch {
 	case terminated && verr != nil:
-		s.endEpisode(sess, ledger.StatusFailed, ledger.FailureVerifier)
+		s.endEpisode(sess, ledger.StatusFailed, ledger.FailureVerifier, "the verifier failed: "+s.scrub(verr.Error()))
 	case terminated:
-		s.endEpisode(sess, ledger.StatusTerminated, ledger.FailureNone)
+		s.endEpisode(sess, ledger.StatusTerminated, ledger.FailureNone, "")
 	case resp.Truncated:
-		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone, "")
 	}
 	return resp, nil
 }
@@ -360,7 +360,11 @@ func (s *Server) stepFailed(ctx context.Context, l *envpool.Lease, sess *session
 	episode := sess.episode
 	sess.mu.Unlock()
 	s.log.Warn("episode failed: infrastructure error in a step", "sandbox", l.ID(), "episode", episode, "err", err)
-	s.endEpisode(sess, ledger.StatusFailed, ledger.FailureInfra)
+	msg := "infrastructure error in a step: " + s.scrub(err.Error())
+	if gone {
+		msg = "its sandbox went away during a step (its init died)"
+	}
+	s.endEpisode(sess, ledger.StatusFailed, ledger.FailureInfra, msg)
 	if gone {
 		return fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
 			l.ID(), episode, sandbox.ErrClosed)
@@ -620,7 +624,7 @@ func (s *Server) restoreIn(ctx context.Context, l *envpool.Lease, sess *session,
 	if err != nil {
 		return err
 	}
-	s.endEpisode(sess, ledger.StatusBranched, ledger.FailureNone)
+	s.endEpisode(sess, ledger.StatusBranched, ledger.FailureNone, "")
 	sess.mu.Lock()
 	run, group, seed := sess.run, sess.group, sess.seed
 	sess.mu.Unlock()
@@ -789,7 +793,7 @@ func (e *envService) Close(ctx context.Context, req *connect.Request[deltagymv1.
 	}
 	e.s.closed.Store(id, struct{}{})
 	err = e.s.pools.CloseLease(ctx, l)
-	e.s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+	e.s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone, "")
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}

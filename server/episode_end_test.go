@@ -177,6 +177,9 @@ func TestInfraFailure(t *testing.T) {
 			if ep.GetStatus() != deltagymv1.EpisodeStatus_EPISODE_STATUS_FAILED || ep.GetFailureClass() != deltagymv1.FailureClass_FAILURE_CLASS_INFRA {
 				t.Fatalf("episode after its init died: %v", ep)
 			}
+			if m := ep.GetFailureMessage(); !strings.Contains(m, "init died") && !strings.Contains(m, "init exited") {
+				t.Fatalf("failure message %q does not say the sandbox's init died", m)
+			}
 			if ep.GetStepCount() != 1 {
 				t.Fatalf("episode records %d steps, want the 1 that ran", ep.GetStepCount())
 			}
@@ -204,6 +207,9 @@ func TestInfraFailure(t *testing.T) {
 		ep := b.episode(t, rr.Msg.GetEpisodeId()).GetEpisode()
 		if ep.GetStatus() != deltagymv1.EpisodeStatus_EPISODE_STATUS_FAILED || ep.GetFailureClass() != deltagymv1.FailureClass_FAILURE_CLASS_INFRA {
 			t.Fatalf("reaped dead sandbox's episode: %v", ep)
+		}
+		if m := ep.GetFailureMessage(); m != "its sandbox died (its init exited)" {
+			t.Fatalf("reaped dead sandbox's episode: failure message %q", m)
 		}
 	})
 
@@ -284,6 +290,9 @@ func TestVerifierFailure(t *testing.T) {
 			e := ep.GetEpisode()
 			if e.GetStatus() != deltagymv1.EpisodeStatus_EPISODE_STATUS_FAILED || e.GetFailureClass() != deltagymv1.FailureClass_FAILURE_CLASS_VERIFIER {
 				t.Fatalf("episode after a failed verifier: %v", e)
+			}
+			if m := e.GetFailureMessage(); !strings.HasPrefix(m, "the verifier failed: ") || !strings.Contains(m, tc.wantErr) {
+				t.Fatalf("failure message %q, want the verifier's error (%q)", m, tc.wantErr)
 			}
 			if len(ep.GetSteps()) != 1 || !ep.GetSteps()[0].GetTerminated() {
 				t.Fatalf("recorded steps: %v", ep.GetSteps())

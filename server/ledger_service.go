@@ -45,7 +45,7 @@ var checkpointKind = map[ledger.CheckpointKind]deltagymv1.CheckpointKind{
 func episodeProto(e ledger.Episode) *deltagymv1.Episode {
 	p := &deltagymv1.Episode{EpisodeId: e.ID, Env: e.Env, Run: e.Run, GroupId: e.Group, StartCheckpointId: e.StartCheckpoint,
 		ParentEpisodeId: e.ParentEpisode, Status: episodeStatus[e.Status], FailureClass: failureClass[e.FailureClass],
-		StartTime: timestamppb.New(e.StartedAt), StepCount: int32(e.Steps)}
+		FailureMessage: e.FailureMessage, StartTime: timestamppb.New(e.StartedAt), StepCount: int32(e.Steps)}
 	if e.Seed != 0 {
 		seed := e.Seed
 		p.Seed = &seed

@@ -82,8 +82,9 @@ func (s *Server) startEpisode(l *envpool.Lease, run, group string, seed *int64, 
 	return sess
 }
 
-// endEpisode ends the running episode (if it runs) with status and records it.
-func (s *Server) endEpisode(sess *session, status ledger.Status, class ledger.FailureClass) {
+// endEpisode ends the running episode (if it runs) with status and records it; msg says why a
+// failed one failed.
+func (s *Server) endEpisode(sess *session, status ledger.Status, class ledger.FailureClass, msg string) {
 	sess.mu.Lock()
 	if sess.ended {
 		sess.mu.Unlock()
@@ -93,7 +94,8 @@ func (s *Server) endEpisode(sess *session, status ledger.Status, class ledger.Fa
 	ep, total := sess.episode, sess.total
 	sess.mu.Unlock()
 	if s.writer != nil {
-		s.ledgerErr(s.writer.EpisodeEnded(ledger.EpisodeEnd{ID: ep, Status: status, FailureClass: class, TotalReward: total, EndedAt: time.Now()}))
+		s.ledgerErr(s.writer.EpisodeEnded(ledger.EpisodeEnd{ID: ep, Status: status, FailureClass: class, FailureMessage: msg,
+			TotalReward: total, EndedAt: time.Now()}))
 	}
 }
 
@@ -158,13 +160,15 @@ func (s *Server) onLeaseEnd(l *envpool.Lease, reason string) {
 		return
 	}
 	if reason == envpool.EndExpired {
-		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone)
+		s.endEpisode(sess, ledger.StatusTruncated, ledger.FailureNone, "")
 		return
 	}
+	msg := "the server shut down while the episode ran"
 	if reason == envpool.EndDied {
 		s.log.Warn("episode failed: its sandbox died", "sandbox", l.ID(), "env", l.Env().Name())
+		msg = "its sandbox died (its init exited)"
 	}
-	s.endEpisode(sess, ledger.StatusFailed, ledger.FailureInfra)
+	s.endEpisode(sess, ledger.StatusFailed, ledger.FailureInfra, msg)
 }
 
 func (s *Server) describe(l *envpool.Lease) *deltagymv1.Sandbox {

@@ -337,6 +337,17 @@ func TestPrintTables(t *testing.T) {
 			"ep-1     1       0.70711    yes\n" +
 			"ep-2     0       0          no: still running\n" +
 			"counted 1, mean 0.5, std 0.70711\n"},
+		{"failed trajectory", func(w io.Writer) error {
+			return printTrajectory(w, &deltagymv1.GetTrajectoryResponse{
+				Episode: &deltagymv1.Episode{EpisodeId: "ep-3", Env: "shell", Status: deltagymv1.EpisodeStatus_EPISODE_STATUS_FAILED,
+					FailureClass: deltagymv1.FailureClass_FAILURE_CLASS_INFRA, FailureMessage: "its sandbox died (its init exited)"}})
+		}, "" +
+			"episode  ep-3\n" +
+			"env      shell\n" +
+			"status   failed\n" +
+			"failure  infra: its sandbox died (its init exited)\n" +
+			"reward   0\n" +
+			"STEP  ACTION  RESULT  REWARD  DONE  FROM\n"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

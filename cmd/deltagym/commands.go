@@ -794,6 +794,19 @@ func printEpisodes(w io.Writer, episodes []*deltagymv1.Episode) error {
 	return t.flush()
 }
 
+// failureText is a failed episode's failure class and message ("infra: its sandbox died"), or "".
+func failureText(e *deltagymv1.Episode) string {
+	fc := e.GetFailureClass()
+	if fc == deltagymv1.FailureClass_FAILURE_CLASS_UNSPECIFIED {
+		return e.GetFailureMessage()
+	}
+	s := strings.ToLower(strings.TrimPrefix(fc.String(), "FAILURE_CLASS_"))
+	if m := e.GetFailureMessage(); m != "" {
+		s += ": " + m
+	}
+	return s
+}
+
 func runTrajectory(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
 	pos, _, err := parseArgs(fs, args)
 	if err != nil {
@@ -830,6 +843,7 @@ func printTrajectory(w io.Writer, m *deltagymv1.GetTrajectoryResponse) error {
 		"group", e.GetGroupId(),
 		"seed", seed,
 		"status", episodeStatus(e.GetStatus()),
+		"failure", failureText(e),
 		"reward", formatFloat(e.GetTotalReward()),
 		"from", e.GetStartCheckpointId(),
 		"parent", e.GetParentEpisodeId(),

@@ -412,7 +412,7 @@ func prepare(batch []record) *delivery {
 			d.rewards = append(d.rewards, rewardValues(r.reward))
 		case recEpisodeEnd:
 			e := r.end
-			d.later.Queue(updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
+			d.later.Queue(updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt, nullStr(e.FailureMessage))
 		case recRelease:
 			d.later.Queue(updateRelease, r.release.ID, r.release.At)
 		case recSandboxesEnded:

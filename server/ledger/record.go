@@ -126,6 +126,7 @@ func (r *record) appendPayload(b []byte) []byte {
 		e.str(string(s.FailureClass))
 		e.f64(s.TotalReward)
 		e.time(s.EndedAt)
+		e.str(s.FailureMessage)
 	case recStep:
 		s := r.step
 		e.str(s.EpisodeID)
@@ -192,6 +193,9 @@ func (r *record) decodePayload(b []byte) error {
 	case recEpisodeEnd:
 		r.end = &EpisodeEnd{ID: d.str(), Status: Status(d.str()), FailureClass: FailureClass(d.str()),
 			TotalReward: d.f64(), EndedAt: d.time()}
+		if len(d.b) > 0 { // spooled by an earlier version without it
+			r.end.FailureMessage = d.str()
+		}
 	case recStep:
 		r.step = &StepRow{EpisodeID: d.str(), Index: int(d.i64()), Action: d.bytes(), Observation: d.bytes(),
 			ObservationSize: d.i64(), ObservationSHA256: d.bytes(), Reward: d.f64(), Terminated: d.bool(),

@@ -28,7 +28,7 @@ func sampleRecords() []record {
 		{kind: recRelease, release: &checkpointRelease{ID: "c1", At: now}},
 		{kind: recReward, reward: &RewardRow{EpisodeID: "e", StepIndex: &step, Source: "verifier", Components: map[string]float64{"x": 1.5}, Value: 2, CreatedAt: now}},
 		{kind: recReward, reward: &RewardRow{EpisodeID: "e", Source: "trainer", Value: -1}},
-		{kind: recEpisodeEnd, end: &EpisodeEnd{ID: "e", Status: StatusFailed, FailureClass: FailureInfra, TotalReward: 1, EndedAt: now}},
+		{kind: recEpisodeEnd, end: &EpisodeEnd{ID: "e", Status: StatusFailed, FailureClass: FailureInfra, FailureMessage: "its sandbox died", TotalReward: 1, EndedAt: now}},
 		{kind: recEpisodeStart, start: &EpisodeStart{ID: "e2", Env: "env", Sandbox: "sb-1", StartedAt: now}},
 		{kind: recSandboxesEnded, ended: &sandboxesEnded{IDs: []string{"sb-1", "sb-2"}, At: now}},
 	}
@@ -45,6 +45,19 @@ func TestEpisodeStartOfEarlierVersion(t *testing.T) {
 	got, n, err := parseFrame(b)
 	if err != nil || n != len(b) || !reflect.DeepEqual(got, r) {
 		t.Fatalf("parse = %+v, %d, %v; want %+v", got.start, n, err, r.start)
+	}
+}
+
+// An episode end spooled by an earlier version, without the failure message, still reads.
+func TestEpisodeEndOfEarlierVersion(t *testing.T) {
+	r := record{seq: 9, kind: recEpisodeEnd, end: &EpisodeEnd{ID: "e", Status: StatusFailed, FailureClass: FailureInfra, EndedAt: time.Unix(1700000000, 0).UTC()}}
+	b := appendFrame(nil, &r)
+	b = b[:len(b)-1] // the empty message: one byte of length
+	binary.LittleEndian.PutUint32(b, uint32(len(b)-frameHeader))
+	binary.LittleEndian.PutUint32(b[4:], crc32.Checksum(b[8:], castagnoli))
+	got, n, err := parseFrame(b)
+	if err != nil || n != len(b) || !reflect.DeepEqual(got, r) {
+		t.Fatalf("parse = %+v, %d, %v; want %+v", got.end, n, err, r.end)
 	}
 }
 

@@ -78,6 +78,7 @@ type Episode struct {
 	Sandbox         string       `json:"sandbox,omitempty"` // the sandbox it ran in
 	Status          Status       `json:"status"`
 	FailureClass    FailureClass `json:"failure_class,omitempty"`
+	FailureMessage  string       `json:"failure_message,omitempty"`
 	TotalReward     *float64     `json:"total_reward,omitempty"`
 	StartedAt       time.Time    `json:"started_at"`
 	EndedAt         *time.Time   `json:"ended_at,omitempty"`
@@ -87,14 +88,14 @@ type Episode struct {
 }
 
 const episodeCols = `id, env, run, group_id, seed, coalesce(start_checkpoint, ''), coalesce(parent_episode, ''),
-	coalesce(sandbox, ''), status, coalesce(failure_class, ''), total_reward, started_at, ended_at,
-	(SELECT count(*) FROM steps s WHERE s.episode_id = episodes.id)`
+	coalesce(sandbox, ''), status, coalesce(failure_class, ''), coalesce(failure_message, ''), total_reward,
+	started_at, ended_at, (SELECT count(*) FROM steps s WHERE s.episode_id = episodes.id)`
 
 func scanEpisode(row pgx.Row) (Episode, error) {
 	var e Episode
 	var status, class string
 	err := row.Scan(&e.ID, &e.Env, &e.Run, &e.Group, &e.Seed, &e.StartCheckpoint, &e.ParentEpisode,
-		&e.Sandbox, &status, &class, &e.TotalReward, &e.StartedAt, &e.EndedAt, &e.Steps)
+		&e.Sandbox, &status, &class, &e.FailureMessage, &e.TotalReward, &e.StartedAt, &e.EndedAt, &e.Steps)
 	e.Status, e.FailureClass = Status(status), FailureClass(class)
 	e.StartedAt = e.StartedAt.UTC()
 	if e.EndedAt != nil {

@@ -88,8 +88,10 @@ type EpisodeEnd struct {
 	ID           string       `json:"id"`
 	Status       Status       `json:"status"`
 	FailureClass FailureClass `json:"failure_class,omitempty"`
-	TotalReward  float64      `json:"total_reward"`
-	EndedAt      time.Time    `json:"ended_at"`
+	// FailureMessage says why a failed episode failed.
+	FailureMessage string    `json:"failure_message,omitempty"`
+	TotalReward    float64   `json:"total_reward"`
+	EndedAt        time.Time `json:"ended_at"`
 }
 
 // StepRow is one step of an episode. Index counts the episode's own steps from 0.

@@ -566,10 +566,11 @@ const (
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (id) DO NOTHING`
 	insertCheckpoint = `INSERT INTO checkpoints (id, parent_id, kind, env, sandbox, episode_id, step_index, created_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING`
-	updateEpisode = `UPDATE episodes SET status = $2, failure_class = $3, total_reward = $4, ended_at = $5
-		WHERE id = $1`
+	updateEpisode = `UPDATE episodes SET status = $2, failure_class = $3, total_reward = $4, ended_at = $5,
+		failure_message = $6 WHERE id = $1`
 	updateRelease = "UPDATE checkpoints SET released_at = $2 WHERE id = $1 AND released_at IS NULL"
-	updateEnded   = `UPDATE episodes SET status = 'failed', failure_class = 'infra', ended_at = $2
+	updateEnded   = `UPDATE episodes SET status = 'failed', failure_class = 'infra', ended_at = $2,
+		failure_message = 'the server ended (it crashed or was killed) while the episode ran'
 		WHERE sandbox = ANY($1) AND status = 'running'`
 	insertStep = `INSERT INTO steps (episode_id, idx, action, observation, observation_size, observation_sha256,
 		reward, terminated, truncated, started_at, duration_ns, checkpoint_id)
@@ -627,7 +628,7 @@ func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
 		_, err = sp.Exec(ctx, insertReward, rewardValues(r.reward)...)
 	case recEpisodeEnd:
 		e := r.end
-		_, err = sp.Exec(ctx, updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt)
+		_, err = sp.Exec(ctx, updateEpisode, e.ID, string(e.Status), nullStr(string(e.FailureClass)), e.TotalReward, e.EndedAt, nullStr(e.FailureMessage))
 	case recRelease:
 		_, err = sp.Exec(ctx, updateRelease, r.release.ID, r.release.At)
 	case recSandboxesEnded:

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -387,6 +388,9 @@ func TestSandboxesEnded(t *testing.T) {
 		must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: e.id, Env: "env", Sandbox: e.sandbox, StartedAt: b.at(i)}))
 	}
 	must(t, b.w.EpisodeEnded(ledger.EpisodeEnd{ID: "c", Status: ledger.StatusTerminated, TotalReward: 1, EndedAt: b.at(5)}))
+	must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: "f", Env: "env", Sandbox: "sb-1", StartedAt: b.at(6)}))
+	must(t, b.w.EpisodeEnded(ledger.EpisodeEnd{ID: "f", Status: ledger.StatusFailed, FailureClass: ledger.FailureVerifier,
+		FailureMessage: "the verifier failed: exit status 2", EndedAt: b.at(7)}))
 	must(t, b.w.SandboxesEnded(nil, time.Time{})) // nothing to record
 	must(t, b.w.SandboxesEnded([]string{"sb-1", "sb-3"}, b.at(10)))
 	want := map[string]ledger.Status{"a": ledger.StatusFailed, "b": ledger.StatusRunning, "c": ledger.StatusTerminated, "d": ledger.StatusRunning}
@@ -402,7 +406,16 @@ func TestSandboxesEnded(t *testing.T) {
 	if a.FailureClass != ledger.FailureInfra || a.EndedAt == nil || !a.EndedAt.Equal(b.at(10)) || a.Sandbox != "sb-1" {
 		t.Errorf("episode a: %+v, want failed (infra) at %v in sb-1", a, b.at(10))
 	}
-	if st := b.w.Stats(); st.Appended != 6 || st.Delivered != 6 {
-		t.Errorf("stats %+v: want 6 records appended and delivered", st)
+	if !strings.Contains(a.FailureMessage, "server ended") {
+		t.Errorf("episode a: failure message %q", a.FailureMessage)
+	}
+	// An episode that had ended keeps its own status and message.
+	f, err := b.store.Episode(t.Context(), "f")
+	must(t, err)
+	if f.Status != ledger.StatusFailed || f.FailureClass != ledger.FailureVerifier || f.FailureMessage != "the verifier failed: exit status 2" {
+		t.Errorf("episode f: %+v", f)
+	}
+	if st := b.w.Stats(); st.Appended != 8 || st.Delivered != 8 {
+		t.Errorf("stats %+v: want 8 records appended and delivered", st)
 	}
 }

@@ -234,12 +234,12 @@ class Client:
 
     def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
                       page_token: str = "") -> ls.ListEpisodesResponse:
-        """Returns one page of episodes, newest first."""
+        """Returns one page of episodes in the order they started, oldest first."""
         req = ls.ListEpisodesRequest(run=run, group_id=group_id, env=env, page_size=page_size, page_token=page_token)
         return self._call("ListEpisodes", self._ledger.ListEpisodes, req, True)
 
     def iter_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0) -> Iterator[ls.Episode]:
-        """Yields every matching episode, newest first, fetching pages as needed."""
+        """Yields every matching episode in the order they started, fetching pages as needed."""
         token = ""
         while True:
             page = self.list_episodes(run=run, group_id=group_id, env=env, page_size=page_size, page_token=token)

@@ -33,7 +33,9 @@ const (
 // LedgerService queries the recorded trajectories, rewards and checkpoint
 // trees, and takes rewards computed outside the server.
 type LedgerServiceClient interface {
-	// ListEpisodes lists episodes, newest first.
+	// ListEpisodes lists episodes in the order they started, oldest first;
+	// each page goes on where the last ended, so episodes started meanwhile
+	// come on later pages.
 	ListEpisodes(ctx context.Context, in *ListEpisodesRequest, opts ...grpc.CallOption) (*ListEpisodesResponse, error)
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(ctx context.Context, in *GetTrajectoryRequest, opts ...grpc.CallOption) (*GetTrajectoryResponse, error)
@@ -113,7 +115,9 @@ func (c *ledgerServiceClient) ReportReward(ctx context.Context, in *ReportReward
 // LedgerService queries the recorded trajectories, rewards and checkpoint
 // trees, and takes rewards computed outside the server.
 type LedgerServiceServer interface {
-	// ListEpisodes lists episodes, newest first.
+	// ListEpisodes lists episodes in the order they started, oldest first;
+	// each page goes on where the last ended, so episodes started meanwhile
+	// come on later pages.
 	ListEpisodes(context.Context, *ListEpisodesRequest) (*ListEpisodesResponse, error)
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(context.Context, *GetTrajectoryRequest) (*GetTrajectoryResponse, error)

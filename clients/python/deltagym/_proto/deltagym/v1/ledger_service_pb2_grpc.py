@@ -69,7 +69,9 @@ class LedgerServiceServicer:
     """
 
     def ListEpisodes(self, request, context):
-        """ListEpisodes lists episodes, newest first.
+        """ListEpisodes lists episodes in the order they started, oldest first;
+        each page goes on where the last ended, so episodes started meanwhile
+        come on later pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,7 +52,9 @@ const (
 
 // LedgerServiceClient is a client for the deltagym.v1.LedgerService service.
 type LedgerServiceClient interface {
-	// ListEpisodes lists episodes, newest first.
+	// ListEpisodes lists episodes in the order they started, oldest first;
+	// each page goes on where the last ended, so episodes started meanwhile
+	// come on later pages.
 	ListEpisodes(context.Context, *connect.Request[v1.ListEpisodesRequest]) (*connect.Response[v1.ListEpisodesResponse], error)
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
@@ -147,7 +149,9 @@ func (c *ledgerServiceClient) ReportReward(ctx context.Context, req *connect.Req
 
 // LedgerServiceHandler is an implementation of the deltagym.v1.LedgerService service.
 type LedgerServiceHandler interface {
-	// ListEpisodes lists episodes, newest first.
+	// ListEpisodes lists episodes in the order they started, oldest first;
+	// each page goes on where the last ended, so episodes started meanwhile
+	// come on later pages.
 	ListEpisodes(context.Context, *connect.Request[v1.ListEpisodesRequest]) (*connect.Response[v1.ListEpisodesResponse], error)
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
