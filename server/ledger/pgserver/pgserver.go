@@ -149,6 +149,9 @@ type Server struct {
 	groups  *cgroup.Manager // of group
 	group   *cgroup.Cgroup  // caps the cluster's memory (Config.MemoryLimit); nil without
 	noGroup bool            // a move into the group failed: no cap from then on
+	// logStart is the size postgres.log had when the postmaster last started: logTail shows
+	// what that run wrote, not what earlier ones did.
+	logStart atomic.Int64
 	// groupPath is group's path, for MemoryGroup without mu.
 	groupPath atomic.Pointer[string]
 
@@ -376,6 +379,9 @@ func (s *Server) startLocked(ctx context.Context) error {
 	logFile, err := os.OpenFile(filepath.Join(s.cfg.DataDir, "postgres.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return fmt.Errorf("opening postgres log: %w", err)
+	}
+	if fi, err := logFile.Stat(); err == nil {
+		s.logStart.Store(fi.Size())
 	}
 	args := []string{"-D", s.pgdata,
 		"-c", "listen_addresses=",
@@ -727,10 +733,15 @@ func (s *Server) mkdirOwned(dir string) error {
 	return nil
 }
 
+// logTail returns the end of what the postmaster's last run wrote to postgres.log, up to 2,000
+// bytes.
 func (s *Server) logTail() string {
 	b, err := os.ReadFile(filepath.Join(s.cfg.DataDir, "postgres.log"))
 	if err != nil {
 		return err.Error()
+	}
+	if start := s.logStart.Load(); start <= int64(len(b)) {
+		b = b[start:]
 	}
 	if len(b) > 2000 {
 		b = b[len(b)-2000:]

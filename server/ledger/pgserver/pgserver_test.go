@@ -226,7 +226,7 @@ func TestSupervisedRestart(t *testing.T) {
 		t.Fatalf("postmaster pid %d after the restart, killed %d", now, old)
 	}
 	// It waited for the backend instead of trying to start beside it.
-	if log := s.logTail(); strings.Contains(log, "pre-existing shared memory block") {
+	if log := wholeLog(t, s); strings.Contains(log, "pre-existing shared memory block") {
 		t.Fatalf("a start was tried beside the old backend; log: %s", log)
 	}
 
@@ -556,8 +556,8 @@ func TestMemoryGroupFallbacks(t *testing.T) {
 		if g := s.MemoryGroup(); g != "" {
 			t.Fatalf("memory group %s after a failed move", g)
 		}
-		if !strings.Contains(log.String(), "without its memory cap") || !strings.Contains(s.logTail(), "could not move postgres") {
-			t.Fatalf("no word of the failed move; server log: %s\npostgres log: %s", log, s.logTail())
+		if !strings.Contains(log.String(), "without its memory cap") || !strings.Contains(wholeLog(t, s), "could not move postgres") {
+			t.Fatalf("no word of the failed move; server log: %s\npostgres log: %s", log, wholeLog(t, s))
 		}
 		if dirs, _ := filepath.Glob("/sys/fs/cgroup/*/" + groupRoot(s.pgdata)); len(dirs) > 0 {
 			t.Fatalf("group left after the failed move: %v", dirs)
@@ -616,5 +616,46 @@ func TestMemoryLimitLeavesRoomAboveSharedBuffers(t *testing.T) {
 		if got := s.memoryLimit(); got != c.want {
 			t.Errorf("limit %d, shared_buffers %q: cap %d, want %d", c.limit, c.buffers, got, c.want)
 		}
+	}
+}
+
+// wholeLog is postgres.log as every run of the cluster wrote it.
+func wholeLog(t *testing.T, s *Server) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(s.cfg.DataDir, "postgres.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// The log's tail in errors and warnings is what the postmaster's last run wrote, not what runs
+// before it did.
+func TestLogTailOfLastRun(t *testing.T) {
+	skipUnlessPostgres(t)
+	dir := t.TempDir()
+	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, MemoryLimit: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop(context.Background())
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "postgres.log"), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = f.WriteString("an old line from an earlier run\n")
+	f.Close()
+	if err := s.StartAgain(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	tail := s.logTail()
+	if strings.Contains(tail, "an old line") || !strings.Contains(tail, "ready to accept connections") {
+		t.Fatalf("log tail after a new start:\n%s", tail)
+	}
+	if !strings.Contains(wholeLog(t, s), "an old line") {
+		t.Fatal("the old line is gone from the log")
 	}
 }
