@@ -785,8 +785,8 @@ func printEpisodes(w io.Writer, episodes []*deltagymv1.Episode) error {
 	t := newTable(w, "EPISODE", "ENV", "RUN", "GROUP", "STATUS", "STEPS", "REWARD", "STARTED")
 	for _, e := range episodes {
 		status := episodeStatus(e.GetStatus())
-		if fc := e.GetFailureClass(); fc != deltagymv1.FailureClass_FAILURE_CLASS_UNSPECIFIED {
-			status += " (" + strings.ToLower(strings.TrimPrefix(fc.String(), "FAILURE_CLASS_")) + ")"
+		if fc := failureClass(e.GetFailureClass()); fc != "" {
+			status += " (" + fc + ")"
 		}
 		t.row(e.GetEpisodeId(), e.GetEnv(), orDash(e.GetRun()), orDash(e.GetGroupId()), status,
 			strconv.Itoa(int(e.GetStepCount())), formatFloat(e.GetTotalReward()), formatTime(e.GetStartTime()))
@@ -794,17 +794,21 @@ func printEpisodes(w io.Writer, episodes []*deltagymv1.Episode) error {
 	return t.flush()
 }
 
+// failureClass is a failure class's name ("infra"), or "" for none.
+func failureClass(fc deltagymv1.FailureClass) string {
+	if fc == deltagymv1.FailureClass_FAILURE_CLASS_UNSPECIFIED {
+		return ""
+	}
+	return strings.ToLower(strings.TrimPrefix(fc.String(), "FAILURE_CLASS_"))
+}
+
 // failureText is a failed episode's failure class and message ("infra: its sandbox died"), or "".
 func failureText(e *deltagymv1.Episode) string {
-	fc := e.GetFailureClass()
-	if fc == deltagymv1.FailureClass_FAILURE_CLASS_UNSPECIFIED {
-		return e.GetFailureMessage()
+	fc, m := failureClass(e.GetFailureClass()), e.GetFailureMessage()
+	if fc != "" && m != "" {
+		return fc + ": " + m
 	}
-	s := strings.ToLower(strings.TrimPrefix(fc.String(), "FAILURE_CLASS_"))
-	if m := e.GetFailureMessage(); m != "" {
-		s += ": " + m
-	}
-	return s
+	return fc + m
 }
 
 func runTrajectory(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {

@@ -37,12 +37,10 @@ type spool struct {
 	active     *os.File
 	activeSize int64
 	// direct: the active segment is written with O_DIRECT from stage, a block-aligned buffer
-	// whose first tail bytes are the segment's bytes from activeSize rounded down to a block
-	// (directIO says why).
+	// that starts with the segment's partial last block (tailLen bytes; directIO says why).
 	direct   bool
 	noDirect bool // a direct write was refused: the page cache from then on
 	stage    []byte
-	tail     int
 
 	log *slog.Logger
 
@@ -244,7 +242,6 @@ func (s *spool) openActive() error {
 		return fmt.Errorf("opening spool segment: %w", err)
 	}
 	size := fi.Size()
-	tail := 0
 	if direct {
 		// The next write starts at the last partial block: keep its bytes.
 		if base := size &^ (dioBlock - 1); size > base {
@@ -252,15 +249,18 @@ func (s *spool) openActive() error {
 				_ = f.Close()
 				return err
 			}
-			tail = int(size - base)
 		}
 	}
-	s.active, s.activeSize, s.direct, s.tail = f, size, direct, tail
+	s.active, s.activeSize, s.direct = f, size, direct
 	s.mu.Lock()
 	s.durable = size
 	s.mu.Unlock()
 	return syncDir(s.dir)
 }
+
+// tailLen is the length of the active segment's partial last block, which a direct write
+// writes again (from the head of stage) before the new rows.
+func (s *spool) tailLen() int { return int(s.activeSize & (dioBlock - 1)) }
 
 func (s *spool) stageBuf() []byte {
 	if s.stage == nil {
@@ -337,15 +337,13 @@ func (s *spool) writeSync(chunks [][]byte) (n int, err error) {
 		return n, err
 	}
 	var saved [dioBlock]byte
-	tail := s.tail
-	copy(saved[:], s.stage[:tail])
+	tail := copy(saved[:], s.stageBuf()[:s.tailLen()])
 	n, err = s.writeDirect(chunks)
 	if err == nil {
 		err = fdatasync(int(s.active.Fd()))
 	}
 	if err != nil {
 		copy(s.stage, saved[:tail])
-		s.tail = tail
 		_ = s.active.Truncate(s.activeSize)
 	}
 	return n, err
@@ -356,12 +354,12 @@ func (s *spool) toBuffered() error {
 	if err := s.active.Truncate(s.activeSize); err != nil {
 		return err
 	}
-	f, err := os.OpenFile(s.active.Name(), os.O_WRONLY|os.O_APPEND, 0)
+	f, _, err := openSegment(s.active.Name(), false)
 	if err != nil {
 		return err
 	}
 	_ = s.active.Close()
-	s.active, s.direct, s.tail, s.noDirect = f, false, 0, true
+	s.active, s.direct, s.noDirect = f, false, true
 	return nil
 }
 
@@ -392,7 +390,7 @@ func (s *spool) rotate(first uint64) error {
 	s.segs = append(s.segs, first)
 	s.durable = 0
 	s.mu.Unlock()
-	s.active, s.activeSize, s.direct, s.tail = f, 0, direct, 0
+	s.active, s.activeSize, s.direct = f, 0, direct
 	_ = old.Close() // its rows are durable
 	return nil
 }
@@ -411,12 +409,13 @@ func (s *spool) writeBuffered(chunks [][]byte) (n int, err error) {
 
 // writeDirect writes chunks after the active segment's frames with O_DIRECT, in whole blocks
 // from stage: the segment's partial last block first, the last block padded with zeros. It
-// leaves that last block's bytes at the head of stage for the next write (writeSync puts the
-// old ones back if the write or its fsync fails).
+// leaves that last block's bytes at the head of stage for the next write, whose tailLen they
+// are once write has added n to activeSize (writeSync puts the old ones back if the write or
+// its fsync fails).
 func (s *spool) writeDirect(chunks [][]byte) (n int, err error) {
 	stage := s.stageBuf()
-	base := s.activeSize - int64(s.tail)
-	fill := s.tail
+	fill := s.tailLen()
+	base := s.activeSize - int64(fill)
 	fd := int(s.active.Fd())
 	for _, c := range chunks {
 		for len(c) > 0 {
@@ -439,7 +438,6 @@ func (s *spool) writeDirect(chunks [][]byte) (n int, err error) {
 	}
 	whole := fill &^ (dioBlock - 1)
 	copy(stage, stage[whole:fill])
-	s.tail = fill - whole
 	return n, nil
 }
 

@@ -404,7 +404,7 @@ func failNth[F any](t *testing.T, hook *F, n int, wrap func(orig F, fail func() 
 	return &calls
 }
 
-// A group commit of frames 1..k, big enough to take several direct writes when big.
+// frames returns the frames of seqs from..to, each with an observation of obs bytes.
 func frames(from, to uint64, obs int) [][]byte {
 	var out [][]byte
 	for seq := from; seq <= to; seq++ {
@@ -447,7 +447,7 @@ func TestSpoolDirectWriteFails(t *testing.T) {
 			if err := sp.write([][]byte{stepFrame(1, 100), stepFrame(2, 5000)}, 2); err != nil {
 				t.Fatal(err)
 			}
-			if sp.tail == 0 {
+			if sp.tailLen() == 0 {
 				t.Fatal("the test needs a partial last block")
 			}
 			size := sp.activeSize
