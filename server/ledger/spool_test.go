@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -254,6 +255,7 @@ func TestSpoolReaderFollowsDirectWrites(t *testing.T) {
 			}
 			rng := rand.New(rand.NewPCG(1, 2))
 			seq, read := uint64(0), uint64(0)
+			var all []record
 			for range 300 {
 				var chunks [][]byte
 				for range 1 + rng.IntN(4) {
@@ -267,15 +269,21 @@ func TestSpoolReaderFollowsDirectWrites(t *testing.T) {
 				if err != nil {
 					t.Fatalf("reading %d..%d: %v", read+1, seq, err)
 				}
+				if sp.cur.f != nil && sp.cur.direct != direct {
+					t.Fatalf("the reader's O_DIRECT is %v, the writer's %v", sp.cur.direct, direct)
+				}
 				checkRecords(t, recs, read+1)
 				read += uint64(len(recs))
 				if read != seq {
 					t.Fatalf("read up to %d of %d", read, seq)
 				}
+				all = append(all, recs...)
 			}
 			if len(sp.segs) < 3 {
 				t.Fatalf("%d segments: the test meant to cross several", len(sp.segs))
 			}
+			// Records point into the reader's slabs: later reads must not have changed them.
+			checkRecords(t, all, 1)
 		})
 	}
 }
@@ -621,4 +629,93 @@ func TestSpoolReadRetriesFromFile(t *testing.T) {
 		t.Fatalf("read %d records after the repair: %v", len(recs), err)
 	}
 	checkRecords(t, recs, 5)
+}
+
+// The reader reads more than a slab behind the writer, in batches that end anywhere, while
+// commits go on: every record it hands out stays whole to the end, across slabs and segments,
+// with O_DIRECT and without.
+func TestSpoolReaderAcrossSlabs(t *testing.T) {
+	for _, direct := range []bool{true, false} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
+			directIO = direct
+			defer func() { directIO = true }()
+			dir := t.TempDir()
+			sp, _, _, err := openSpool(dir, 6<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sp.close()
+			rng := rand.New(rand.NewPCG(3, 4))
+			seq, read := uint64(0), uint64(0)
+			var all []record
+			for seq < 6000 || read < seq {
+				if seq < 6000 {
+					var chunks [][]byte
+					for range 1 + rng.IntN(40) {
+						seq++
+						chunks = append(chunks, stepFrame(seq, rng.IntN(6000)))
+					}
+					if err := sp.write(chunks, seq); err != nil {
+						t.Fatal(err)
+					}
+				}
+				recs, err := sp.read(read+1, seq, 1+rng.IntN(30), 1<<30)
+				if err != nil {
+					t.Fatalf("reading from %d: %v", read+1, err)
+				}
+				if sp.cur.f != nil && sp.cur.direct != direct || sp.readBuffered.Load() {
+					t.Fatalf("the reader's O_DIRECT is %v (gave up: %v), the writer's %v", sp.cur.direct, sp.readBuffered.Load(), direct)
+				}
+				if c := sp.cur; c.direct && len(c.buf) > 0 && (uintptr(unsafe.Pointer(&c.buf[0]))|uintptr(c.pos-int64(len(c.buf))))&(dioBlock-1) != 0 {
+					t.Fatalf("the direct reader's slab starts at %p, file offset %d: not block-aligned", &c.buf[0], c.pos-int64(len(c.buf)))
+				}
+				checkRecords(t, recs, read+1)
+				read += uint64(len(recs))
+				all = append(all, recs...)
+			}
+			if len(sp.segs) < 3 {
+				t.Fatalf("%d segments: the test meant to cross several", len(sp.segs))
+			}
+			checkRecords(t, all, 1)
+		})
+	}
+}
+
+// A direct read refused with EINVAL (a file system that takes direct writes but not reads of
+// that alignment) makes the reader read through the page cache, from then on, losing nothing.
+func TestSpoolDirectReadRefused(t *testing.T) {
+	dir := t.TempDir()
+	if !takesDirect(t, dir) {
+		t.Skipf("%s refuses O_DIRECT", dir)
+	}
+	sp, _, _, err := openSpool(dir, 64<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.close()
+	refused := 0
+	pread = func(fd int, p []byte, off int64) (int, error) {
+		if fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0); err == nil && fl&unix.O_DIRECT != 0 {
+			refused++
+			return 0, unix.EINVAL
+		}
+		return unix.Pread(fd, p, off)
+	}
+	defer func() { pread = unix.Pread }()
+	if err := sp.write(frames(1, 100, 3000), 100); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := sp.read(1, 100, 1000, 1<<30)
+	if err != nil || len(recs) != 100 {
+		t.Fatalf("read %d records: %v", len(recs), err)
+	}
+	checkRecords(t, recs, 1)
+	if refused != 1 || sp.cur.direct || !sp.readBuffered.Load() {
+		t.Fatalf("%d direct reads refused, cursor direct %v, reading buffered %v; want 1, false, true", refused, sp.cur.direct, sp.readBuffered.Load())
+	}
+	sp.closeCursor()
+	recs, err = sp.read(50, 100, 1000, 1<<30)
+	if err != nil || len(recs) != 51 || refused != 1 {
+		t.Fatalf("read %d records again, %d refused: %v", len(recs), refused, err)
+	}
 }
