@@ -31,8 +31,8 @@ init: $(BIN)/dg-init ## build the sandbox init (a small static C program)
 $(BIN):
 	@mkdir -p $@
 
-build: $(BIN)/dg-init ## build the server, CLI and the sandbox init
-	go build -o $(BIN)/ ./cmd/...
+build: $(BIN)/dg-init ## build the server, CLI, load generator (bin/deltagym-loadtest) and the sandbox init
+	go build -o $(BIN)/ ./cmd/... ./loadtest/cmd/...
 
 test: deps $(BIN)/dg-init $(TEST_PREREQS) ## run every test (root runs the privileged ones)
 	go vet ./...

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -81,13 +82,13 @@ type Config struct {
 // Validate checks the config and fills in defaults.
 func (c *Config) Validate() error {
 	if c.Addr == "" {
-		return fmt.Errorf("no server address: %w", ErrInvalid)
+		return fmt.Errorf("no server address: pass --addr host:port of a running server (make run serves on 127.0.0.1:8080), or --serve bin/deltagym to start one: %w", ErrInvalid)
 	}
 	if c.Scenario == "" {
 		c.Scenario = "rollback"
 	}
 	if !slices.Contains(Scenarios, c.Scenario) {
-		return fmt.Errorf("scenario %q is not one of %v: %w", c.Scenario, Scenarios, ErrInvalid)
+		return fmt.Errorf("scenario %q is not one of %s, or density: %w", c.Scenario, strings.Join(Scenarios, ", "), ErrInvalid)
 	}
 	switch c.API {
 	case "":

@@ -37,6 +37,7 @@ type DensityConfig struct {
 
 // DensityResult is what N idle sandboxes cost.
 type DensityResult struct {
+	Scenario           string  `json:"scenario"` // "density"
 	N                  int     `json:"sandboxes"`
 	StartSeconds       float64 `json:"start_seconds"`
 	MemAvailDropBytes  int64   `json:"mem_available_drop_bytes"`
@@ -56,6 +57,9 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig) (*DensityResult, err
 	}
 	if cfg.Env == "" {
 		cfg.Env = "shell"
+	}
+	if cfg.N < 0 {
+		return nil, fmt.Errorf("density: %d sandboxes: %w", cfg.N, ErrInvalid)
 	}
 	if cfg.N == 0 {
 		cfg.N = 1000

@@ -6,15 +6,20 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // FullCopyConfig configures MeasureFullCopy, the baseline of rolling back by copying files
 // instead of swapping an overlay layer.
 type FullCopyConfig struct {
-	// Dir is a scratch directory (created, then removed), on the filesystem the server's
-	// data dir is on so that both copy on the same disk.
+	// Dir is a scratch directory (created, then removed). As root the copies are made in a
+	// private tmpfs mounted on it, the medium the server keeps its layers on (a mount
+	// namespace of the measuring thread's own, so nothing is left mounted whatever happens to
+	// the process); otherwise on Dir's own filesystem, and the result says which.
 	Dir string
 	// Files is the number of files of the image. Default 10,000.
 	Files int
@@ -57,10 +62,13 @@ func (c *FullCopyConfig) Validate() error {
 // FullCopyResult is the baseline: how long a rollback takes by copying the whole root back
 // from a saved copy, and by copying back only the changed files (an "upper-only" copy).
 type FullCopyResult struct {
-	Files         int       `json:"files"`
-	Changed       int       `json:"changed_files"`
-	ChangedBytes  int64     `json:"changed_bytes"`
-	RootBytes     int64     `json:"root_bytes"`
+	Files        int   `json:"files"`
+	Changed      int   `json:"changed_files"`
+	ChangedBytes int64 `json:"changed_bytes"`
+	RootBytes    int64 `json:"root_bytes"`
+	// Medium is the filesystem the copies were made on: "tmpfs" (as the server's layers), or
+	// Dir's own when no tmpfs could be mounted.
+	Medium        string    `json:"medium"`
 	WholeRootMs   float64   `json:"whole_root_copy_ms"`
 	UpperOnlyMs   float64   `json:"upper_only_copy_ms"`
 	WholeRootRuns []float64 `json:"whole_root_copy_runs_ms"`
@@ -96,6 +104,49 @@ func MeasureFullCopy(ctx context.Context, cfg FullCopyConfig) (*FullCopyResult, 
 		return nil, err
 	}
 	defer os.RemoveAll(scratch)
+	type result struct {
+		res *FullCopyResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		// The thread is left locked: it ends with the goroutine, and its mount namespace
+		// (with the tmpfs) with it.
+		runtime.LockOSThread()
+		medium := onTmpfs(scratch, 4*(int64(cfg.Files)*int64(cfg.FileSize)+cfg.ChangedBytes))
+		res, err := copyRollbacks(ctx, cfg, scratch)
+		if res != nil {
+			res.Medium = medium
+		}
+		done <- result{res, err}
+	}()
+	r := <-done
+	return r.res, r.err
+}
+
+// onTmpfs mounts a tmpfs of up to size bytes on dir in a mount namespace of the calling
+// thread's own, and returns the filesystem dir is then on.
+func onTmpfs(dir string, size int64) string {
+	if unix.Unshare(unix.CLONE_NEWNS) == nil && unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, "") == nil &&
+		unix.Mount("dg-fullcopy", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, fmt.Sprintf("size=%d,mode=0755", size)) == nil {
+		return "tmpfs"
+	}
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) != nil {
+		return "unknown"
+	}
+	switch st.Type {
+	case unix.TMPFS_MAGIC:
+		return "tmpfs"
+	case unix.EXT4_SUPER_MAGIC:
+		return "ext4 (no tmpfs: not root)"
+	}
+	return fmt.Sprintf("filesystem 0x%x (no tmpfs: not root)", st.Type)
+}
+
+// copyRollbacks makes the image, a saved checkpoint and the changed files in scratch and
+// times the rollbacks by copy.
+func copyRollbacks(ctx context.Context, cfg FullCopyConfig, scratch string) (*FullCopyResult, error) {
 	saved, upper, root := filepath.Join(scratch, "saved"), filepath.Join(scratch, "upper"), filepath.Join(scratch, "root")
 	big := int(cfg.ChangedBytes / int64(cfg.Changed))
 	small := make([]byte, cfg.FileSize)
@@ -143,8 +194,8 @@ func MeasureFullCopy(ctx context.Context, cfg FullCopyConfig) (*FullCopyResult, 
 }
 
 func (fc *FullCopyResult) writeSummary(w io.Writer, r *Report) {
-	fmt.Fprintf(w, "full-copy baseline (%d files, %d changed / %.0f MB, root %.0f MB): whole-root copy %.1f ms, upper-only copy %.1f ms\n",
-		fc.Files, fc.Changed, float64(fc.ChangedBytes)/1e6, float64(fc.RootBytes)/1e6, fc.WholeRootMs, fc.UpperOnlyMs)
+	fmt.Fprintf(w, "full-copy baseline (%d files, %d changed / %.0f MB, root %.0f MB, copied on %s): whole-root copy %.1f ms, upper-only copy %.1f ms\n",
+		fc.Files, fc.Changed, float64(fc.ChangedBytes)/1e6, float64(fc.RootBytes)/1e6, fc.Medium, fc.WholeRootMs, fc.UpperOnlyMs)
 	if fc.SoloRestoreP50Ms > 0 {
 		fmt.Fprintf(w, "restore with 1 sandbox p50 %.3f ms (p99 %.3f): %.0fx faster than whole-root copy, %.0fx faster than upper-only copy\n",
 			fc.SoloRestoreP50Ms, fc.SoloRestoreP99Ms, fc.WholeRootRatio, fc.UpperOnlyRatio)

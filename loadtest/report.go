@@ -29,7 +29,10 @@ type Report struct {
 	Throughput  float64 `json:"throughput_per_second"`
 	ErrorCount  int64   `json:"error_count"`
 	Backlog     int64   `json:"open_loop_backlog,omitempty"`
-	FirstWrong  string  `json:"first_wrong_restore,omitempty"`
+	// Interrupted: the run was stopped (SIGINT, SIGTERM) before its end; the report covers
+	// the measured time until then (DurationSec).
+	Interrupted bool   `json:"interrupted,omitempty"`
+	FirstWrong  string `json:"first_wrong_restore,omitempty"`
 	// Ops holds latency per operation; "iteration" is a whole iteration.
 	Ops map[string]OpStats `json:"ops"`
 	// SampleSec is the interval of the timeline's samples.
@@ -108,7 +111,10 @@ func newReport(cfg Config, rec *recorder, setup time.Duration) *Report {
 func (r *Report) WriteSummary(w io.Writer) {
 	mode := "closed loop"
 	if r.Rate > 0 {
-		mode = fmt.Sprintf("open loop at %.0f/s (backlog at end %d)", r.Rate, r.Backlog)
+		mode = fmt.Sprintf("open loop at %.0f/s", r.Rate)
+	}
+	if r.Interrupted {
+		fmt.Fprintf(w, "interrupted: the report covers the first %.1fs of the measured run\n", r.DurationSec)
 	}
 	api := "unary calls"
 	if r.API == APIStream {
@@ -121,6 +127,10 @@ func (r *Report) WriteSummary(w io.Writer) {
 	fmt.Fprintf(w, "scenario %s: %d sandboxes, %s, %s, %s, %.0fs measured after %.0fs warm-up (setup %.1fs)\n",
 		r.Scenario, r.Concurrency, mode, api, conns, r.DurationSec, r.WarmupSec, r.SetupSec)
 	fmt.Fprintf(w, "throughput: %.0f %s/s (%d in %.0fs), %d errors\n", r.Throughput, r.Unit, r.Iterations, r.DurationSec, r.ErrorCount)
+	if r.Rate > 0 && r.Throughput < 0.98*r.Rate {
+		fmt.Fprintf(w, "open loop: %.0f/s offered, %.0f/s completed: the server did not keep up (%d iterations still queued at the end; latencies count from when each was due)\n",
+			r.Rate, r.Throughput, r.Backlog)
+	}
 	fmt.Fprintf(w, "%-16s %10s %9s %9s %9s %9s %9s\n", "op", "count", "/s", "p50 ms", "p90 ms", "p99 ms", "max ms")
 	ops := make([]string, 0, len(r.Ops))
 	for op := range r.Ops {

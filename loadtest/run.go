@@ -4,12 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 )
@@ -42,8 +45,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	// Set up every sandbox, a few at a time (Reset waits on the warm pool).
 	workers := make([]worker, cfg.Concurrency)
 	setupStart := time.Now()
-	var setupErr error
-	var mu sync.Mutex
+	setupErrs := make([]error, len(workers))
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 8)
 	for i := range workers {
@@ -53,23 +55,22 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			if err := workers[i].setup(ctx); err != nil {
-				mu.Lock()
-				setupErr = errors.Join(setupErr, fmt.Errorf("setting up sandbox %d: %w", i, err))
-				mu.Unlock()
-			}
+			setupErrs[i] = workers[i].setup(ctx)
 		}()
 	}
 	wg.Wait()
 	defer func() {
+		// Also after an interrupt: the sandboxes are the server's until closed.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
 		var cw sync.WaitGroup
 		for _, w := range workers {
-			cw.Go(func() { w.close(ctx) })
+			cw.Go(func() { w.close(cctx) })
 		}
 		cw.Wait()
 	}()
-	if setupErr != nil {
-		return nil, setupErr
+	if err := setupError(cfg.Addr, setupErrs); err != nil {
+		return nil, err
 	}
 	setupTime := time.Since(setupStart)
 
@@ -89,11 +90,61 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	stopProgress()
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		// Interrupted: report what was measured until then, if the warm-up was over.
+		at := time.Now()
+		if !at.After(rec.measureFrom) {
+			return nil, err
+		}
+		if at.Before(rec.measureTo) {
+			rec.measureTo = at
+			cfg.Duration = at.Sub(rec.measureFrom)
+		}
+		r := newReport(cfg, rec, setupTime)
+		r.Backlog, r.Interrupted = backlog, true
+		return r, nil
 	}
 	r := newReport(cfg, rec, setupTime)
 	r.Backlog = backlog
 	return r, nil
+}
+
+// setupError sums up the sandboxes' set-up errors (nil when none failed): each distinct error
+// once, with the number of sandboxes it stopped, and what to do when the server could not be
+// reached at all.
+func setupError(addr string, errs []error) error {
+	var distinct []string
+	count := map[string]int{}
+	failed, unreachable := 0, 0
+	for _, err := range errs {
+		if err == nil {
+			continue
+		}
+		failed++
+		if status.Code(err) == codes.Unavailable {
+			unreachable++
+		}
+		msg := err.Error()
+		if count[msg] == 0 {
+			distinct = append(distinct, msg)
+		}
+		count[msg]++
+	}
+	if failed == 0 {
+		return nil
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "setting up %d of %d sandboxes failed:", failed, len(errs))
+	for i, msg := range distinct {
+		if i == 5 {
+			fmt.Fprintf(&b, "\n  ... and %d other errors", len(distinct)-i)
+			break
+		}
+		fmt.Fprintf(&b, "\n  %d x %s", count[msg], msg)
+	}
+	if unreachable == failed {
+		fmt.Fprintf(&b, "\nno deltagym server answers at %s: start one (make run serves on 127.0.0.1:8080) and pass its --addr, or let the load test start its own with --serve bin/deltagym", addr)
+	}
+	return errors.New(b.String())
 }
 
 // iterate runs one iteration of w and records it (under "iteration", from start) or its
@@ -101,11 +152,15 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 func iterate(ctx context.Context, rec *recorder, w worker, start time.Time) {
 	err := w.iterate(ctx, rec)
 	if err == nil {
+		end := time.Now()
 		rec.liveIters.Add(1)
-		if rec.inWindow(start) && time.Now().Before(rec.measureTo) {
+		// Throughput counts the iterations that end in the window, wherever they began: an
+		// iteration longer than the warm-up (a GRPO group) or queued in an open loop that
+		// cannot keep up still counts. Latency is recorded for those that begin in it.
+		if rec.inWindow(end) {
 			rec.iterations.Add(1)
-			rec.record("iteration", start, time.Since(start))
 		}
+		rec.record("iteration", start, end.Sub(start))
 		return
 	}
 	if dl, ok := ctx.Deadline(); ctx.Err() != nil || ok && !time.Now().Before(dl) {

@@ -56,8 +56,16 @@ type ServerConfig struct {
 
 // Validate checks the config and fills in defaults.
 func (c *ServerConfig) Validate() error {
-	if c.Binary == "" || c.Init == "" || c.DataDir == "" || c.EnvsDir == "" {
-		return fmt.Errorf("server config needs Binary, Init, DataDir and EnvsDir: %w", ErrInvalid)
+	for _, f := range []struct{ v, what string }{{c.Binary, "server binary (--serve bin/deltagym)"},
+		{c.Init, "sandbox init (--init bin/dg-init)"}, {c.DataDir, "data dir (--data)"}, {c.EnvsDir, "env catalog (--envs envs)"}} {
+		if f.v == "" {
+			return fmt.Errorf("starting a server needs its %s: %w", f.what, ErrInvalid)
+		}
+	}
+	if c.ImageDir == "" {
+		if _, err := os.Stat(filepath.Join(c.DataDir, "images", "default")); err != nil {
+			return fmt.Errorf("%s has no default image: pass --image-dir .data/images/default (built by make image): %w", c.DataDir, ErrInvalid)
+		}
 	}
 	if c.StartTimeout <= 0 {
 		c.StartTimeout = 3 * time.Minute

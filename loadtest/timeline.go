@@ -188,8 +188,8 @@ func parseMetrics(r io.Reader) (map[string]float64, error) {
 }
 
 // progress samples the run every cfg.SampleInterval (into rec.timeline) and prints a live
-// line to cfg.Progress each second, until the returned stop is called. Only whole intervals
-// are sampled.
+// line to cfg.Progress each second, until the returned stop is called. The last interval is
+// sampled if it is at least half an interval long.
 func progress(ctx context.Context, cfg Config, rec *recorder, start time.Time) (stop func()) {
 	done := make(chan struct{})
 	finished := make(chan struct{})
@@ -210,6 +210,15 @@ func progress(ctx context.Context, cfg Config, rec *recorder, start time.Time) (
 			case <-done:
 				if cfg.Progress != nil {
 					fmt.Fprintln(cfg.Progress)
+				}
+				// The interval the run ended in, if most of one: the run ends on the tick
+				// that would have sampled it.
+				if time.Since(prev.at) >= cfg.SampleInterval/2 {
+					m := s.scrape(sctx)
+					x := s.sample(start, prev, s.read(m), m)
+					rec.mu.Lock()
+					rec.timeline = append(rec.timeline, x)
+					rec.mu.Unlock()
 				}
 				return
 			case <-tick.C:
@@ -256,12 +265,15 @@ type Flatness struct {
 	SandboxCores float64 `json:"sandbox_cores"`
 	LoadgenCores float64 `json:"loadgen_cores"`
 	MachineCores float64 `json:"machine_busy_cores"`
-	// CPU seconds per iteration over the measured part (-1: unknown), and the throughput
-	// the machine's CPUs would allow at that cost if nothing else ran (0: unknown): what
-	// bounds a closed-loop run on a small machine.
+	// CPU seconds per iteration over the measured part (-1: unknown), the whole machine's
+	// busy CPU seconds per iteration (kernel threads and other processes included), and the
+	// throughput the machine's CPUs would allow at that whole-machine cost (0: unknown): a
+	// projection, since the cost per iteration changes with the load, but what bounds a
+	// closed-loop run on a small machine.
 	ServerCPUPerIter  float64 `json:"server_cpu_seconds_per_iteration"`
 	SandboxCPUPerIter float64 `json:"sandbox_cpu_seconds_per_iteration"`
 	LoadgenCPUPerIter float64 `json:"loadgen_cpu_seconds_per_iteration"`
+	MachineCPUPerIter float64 `json:"machine_cpu_seconds_per_iteration"`
 	CPUBoundPerSec    float64 `json:"cpu_bound_per_second"`
 	// The machine's speed in the two windows: the median CPU seconds of the fixed task
 	// (Sample.ProbeCPU; -1: unknown), and the server's CPU seconds per iteration (-1:
@@ -298,19 +310,14 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 	if len(in) < 2 {
 		return nil
 	}
+	// The windows are whole samples: a minute's worth, or a third of a shorter run.
 	from, to := in[0].AtSec-in[0].IntervalSec, in[len(in)-1].AtSec
-	w := math.Min(60, (to-from)/3)
-	var first, last []Sample
-	for _, x := range in {
-		if x.AtSec-x.IntervalSec < from+w-eps {
-			first = append(first, x)
-		}
-		if x.AtSec > to-w+eps {
-			last = append(last, x)
-		}
-	}
-	if len(first) == 0 || len(last) == 0 {
-		return nil
+	k := max(1, int(math.Min(60, (to-from)/3)/in[0].IntervalSec+eps))
+	k = min(k, len(in)/2)
+	first, last := in[:k], in[len(in)-k:]
+	w := 0.0
+	for _, x := range first {
+		w += x.IntervalSec
 	}
 	f := &Flatness{WindowSec: w, FirstPerSec: rate(first), LastPerSec: rate(last),
 		FirstBacklogMax: maxBacklog(first), LastBacklogMax: maxBacklog(last),
@@ -343,21 +350,19 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 	if !boxOK {
 		f.SandboxCores = -1
 	}
-	f.ServerCPUPerIter, f.SandboxCPUPerIter, f.LoadgenCPUPerIter = -1, -1, -1
+	f.ServerCPUPerIter, f.SandboxCPUPerIter, f.LoadgenCPUPerIter, f.MachineCPUPerIter = -1, -1, -1, -1
 	if iters > 0 {
 		n := float64(iters)
 		f.LoadgenCPUPerIter = gen / n
-		per := f.LoadgenCPUPerIter
 		if srvOK {
 			f.ServerCPUPerIter = srv / n
-			per += f.ServerCPUPerIter
 		}
 		if boxOK {
 			f.SandboxCPUPerIter = box / n
-			per += f.SandboxCPUPerIter
 		}
-		if srvOK && per > 0 {
-			f.CPUBoundPerSec = float64(cpus) / per
+		if busy > 0 {
+			f.MachineCPUPerIter = busy / n
+			f.CPUBoundPerSec = float64(cpus) / f.MachineCPUPerIter
 		}
 	}
 
@@ -496,8 +501,8 @@ func (r *Report) writeTimeline(w io.Writer) {
 		fmt.Fprintf(w, "CPU over the measured run (cores of %.0f): server %s, sandboxes %s, load generator %.2f, whole machine %.2f (the rest is other processes)\n",
 			cpus, cores(f.ServerCores, f.ServerCores >= 0), cores(f.SandboxCores, f.SandboxCores >= 0), f.LoadgenCores, f.MachineCores)
 		if f.CPUBoundPerSec > 0 {
-			fmt.Fprintf(w, "CPU per iteration: server %s ms, sandboxes %s ms, load generator %.3f ms; at that cost %.0f CPUs allow at most %.0f %s/s\n",
-				millis(f.ServerCPUPerIter), millis(f.SandboxCPUPerIter), 1000*f.LoadgenCPUPerIter, cpus, f.CPUBoundPerSec, r.Unit)
+			fmt.Fprintf(w, "CPU per iteration: server %s ms, sandboxes %s ms, load generator %.3f ms, whole machine %.3f ms; at the whole machine's cost %.0f CPUs fully busy would allow about %.0f %s/s\n",
+				millis(f.ServerCPUPerIter), millis(f.SandboxCPUPerIter), 1000*f.LoadgenCPUPerIter, 1000*f.MachineCPUPerIter, cpus, f.CPUBoundPerSec, r.Unit)
 		}
 		if f.FirstProbeCPU > 0 && f.LastProbeCPU > 0 {
 			fmt.Fprintf(w, "machine speed (first vs last %.0fs): a fixed user-space task took %.2f -> %.2f ms of CPU (x%.2f)", f.WindowSec,

@@ -2,8 +2,10 @@ package loadtest
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -14,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 func TestParseMetrics(t *testing.T) {
@@ -112,8 +116,8 @@ func TestMeasureFlatness(t *testing.T) {
 			}
 			per := float64(len(tc.tl)-2) / float64(n)
 			if math.Abs(f.ServerCPUPerIter-0.5*per) > 1e-9 || math.Abs(f.SandboxCPUPerIter-0.25*per) > 1e-9 ||
-				math.Abs(f.LoadgenCPUPerIter-0.1*per) > 1e-9 || math.Abs(f.CPUBoundPerSec-2/(0.85*per)) > 1e-6 {
-				t.Fatalf("CPU per iteration %+v, want server %g, sandboxes %g, loadgen %g s, bound %g/s", f, 0.5*per, 0.25*per, 0.1*per, 2/(0.85*per))
+				math.Abs(f.LoadgenCPUPerIter-0.1*per) > 1e-9 || math.Abs(f.MachineCPUPerIter-per) > 1e-9 || math.Abs(f.CPUBoundPerSec-2/per) > 1e-6 {
+				t.Fatalf("CPU per iteration %+v, want server %g, sandboxes %g, loadgen %g, machine %g s, bound %g/s", f, 0.5*per, 0.25*per, 0.1*per, per, 2/per)
 			}
 			if len(tc.tl) > 100 && f.WindowSec != 60 {
 				t.Fatalf("window %v s, want 60", f.WindowSec)
@@ -323,5 +327,62 @@ func TestTimeline(t *testing.T) {
 				t.Fatalf("JSON timeline does not round-trip: %v", err)
 			}
 		})
+	}
+}
+
+// sleeper is a worker whose iterations take d.
+type sleeper struct{ d time.Duration }
+
+func (sleeper) setup(context.Context) error { return nil }
+func (s sleeper) iterate(ctx context.Context, _ *recorder) error {
+	select {
+	case <-time.After(s.d):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+func (sleeper) close(context.Context) {}
+
+// Throughput counts the iterations that end inside the measured window, wherever they began:
+// iterations longer than the warm-up (a GRPO group) are not lost to the window's edges. Four
+// workers of 300 ms iterations, 100 ms of warm-up and 1 s measured: each ends iterations at
+// 0.3, 0.6 and 0.9 s, twelve in all (counting only those that began in the window gave 8).
+func TestThroughputCountsIterationsEndingInWindow(t *testing.T) {
+	rec := newRecorder()
+	start := time.Now()
+	rec.measureFrom = start.Add(100 * time.Millisecond)
+	rec.measureTo = rec.measureFrom.Add(time.Second)
+	ctx, cancel := context.WithDeadline(t.Context(), rec.measureTo)
+	defer cancel()
+	workers := []worker{sleeper{300 * time.Millisecond}, sleeper{300 * time.Millisecond}, sleeper{300 * time.Millisecond}, sleeper{300 * time.Millisecond}}
+	closedLoop(ctx, Config{}, rec, workers)
+	if n := rec.iterations.Load(); n != 12 {
+		t.Fatalf("%d iterations counted in the window, want 12", n)
+	}
+	if n := rec.hists["iteration"].TotalCount(); n != 8 {
+		t.Fatalf("%d iteration latencies, want the 8 that began in the window", n)
+	}
+}
+
+// A set-up that fails the same way for every sandbox says so once, with the count, and an
+// unreachable server gets advice.
+func TestSetupError(t *testing.T) {
+	errs := make([]error, 64)
+	for i := range errs {
+		errs[i] = fmt.Errorf("reset: %w", status.Error(codes.Unavailable, "connection refused"))
+	}
+	err := setupError("127.0.0.1:1", errs)
+	if err == nil || strings.Count(err.Error(), "connection refused") != 1 || !strings.Contains(err.Error(), "64 x reset") ||
+		!strings.Contains(err.Error(), "no deltagym server answers at 127.0.0.1:1") {
+		t.Fatalf("setupError = %v", err)
+	}
+	errs = make([]error, 4)
+	errs[2] = status.Error(codes.FailedPrecondition, "env not ready")
+	if err := setupError("x:1", errs); err == nil || strings.Contains(err.Error(), "no deltagym server") || !strings.Contains(err.Error(), "1 of 4") {
+		t.Fatalf("setupError = %v", err)
+	}
+	if err := setupError("x:1", make([]error, 3)); err != nil {
+		t.Fatalf("setupError of no failures = %v", err)
 	}
 }

@@ -33,6 +33,9 @@ LOADTEST_PROCESS_OUT ?= $(LOADTEST_PROCESS_DATA)/report
 $(BIN)/deltagym-loadtest: $(shell find loadtest -name '*.go' 2>/dev/null) proto/gen go.mod go.sum | $(BIN)
 	go build -o $(BIN)/ ./loadtest/cmd/deltagym-loadtest
 
+# `make bin/deltagym-loadtest` (a relative name) builds it too.
+bin/deltagym-loadtest: $(BIN)/deltagym-loadtest
+
 loadtest: deps $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 30 s rollback load test (64 sandboxes) against a fresh private server: <N> rollbacks/s, p50/p90/p99/max, errors
 	@mkdir -p $(LOADTEST_OUT)
 	$(BIN)/deltagym-loadtest --serve $(BIN)/deltagym --init $(BIN)/dg-init --data $(LOADTEST_DATA) --envs $(CURDIR)/envs \

@@ -206,7 +206,11 @@ func (o *observability) finish(ctx context.Context, span trace.Span, procedure s
 	span.SetAttributes(attribute.String("rpc.code", code))
 	span.End()
 	if err != nil {
-		log.LogAttrs(ctx, slog.LevelInfo, "rpc error", slog.String("rpc", procedure), slog.String("code", code),
+		level := slog.LevelInfo
+		if ctx.Err() != nil && (connect.CodeOf(err) == connect.CodeCanceled || errors.Is(err, context.Canceled)) {
+			level = slog.LevelDebug // the client went away (a stream it closed): not news
+		}
+		log.LogAttrs(ctx, level, "rpc error", slog.String("rpc", procedure), slog.String("code", code),
 			slog.Duration("duration", d), slog.String("err", err.Error()))
 	} else {
 		log.LogAttrs(ctx, slog.LevelDebug, "rpc", slog.String("rpc", procedure), slog.Duration("duration", d))

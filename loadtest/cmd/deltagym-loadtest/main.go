@@ -11,9 +11,11 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -98,7 +100,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&srv.PoolSize, "pool-size", 0, "with --serve: the server's --pool-size")
 	fs.BoolVar(&srv.IsolateCgroups, "isolate-cgroups", true, "with --serve: give the server private cgroup roots (another server's sandboxes stay untouched)")
 	fs.StringVar(&serverLog, "server-log", "", "with --serve: append the server's output to this file")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: deltagym-loadtest [flags]\n\n%s\nFlags:\n", scenarioHelp)
+		fs.PrintDefaults()
+	}
 	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if err := checkArgs(fs, &cfg, srv, densityN, jsonPath, plotPath); err != nil {
+		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
 		return 2
 	}
 	if !quiet && isTerminal(stderr) {
@@ -153,6 +166,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				fmt.Fprintln(stderr, "deltagym-loadtest:", err)
 				return 1
 			}
+			fmt.Fprintln(stderr, "report:", jsonPath)
+		}
+		if plotPath != "" {
+			fmt.Fprintf(stderr, "density measures no latency: no plot written (%s is left as it was)\n", plotPath)
 		}
 		return 0
 	}
@@ -164,6 +181,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	rep.Machine = probe.End()
+	if rep.Interrupted {
+		// What was measured, without the baselines the interrupt also asked to skip.
+		fullCopy, noCRIU = false, true
+	}
 	if fullCopy {
 		fmt.Fprintln(stderr, "measuring the full-copy baseline ...")
 		fc, err := loadtest.MeasureFullCopy(ctx, loadtest.FullCopyConfig{Dir: filepath.Join(srv.DataDir, "fullcopy")})
@@ -192,20 +213,90 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		rep.ProcessCRIU = v
 	}
 	rep.WriteSummary(stdout)
+	code := 0
 	if jsonPath != "" {
 		if err := rep.WriteJSON(jsonPath); err != nil {
 			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-			return 1
+			code = 1
+		} else {
+			fmt.Fprintln(stderr, "report:", jsonPath)
 		}
 	}
 	if plotPath != "" {
 		if err := rep.WritePlot(plotPath); err != nil {
 			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-			return 1
+			code = 1
+		} else {
+			fmt.Fprintln(stderr, "plot:", plotPath)
 		}
 	}
-	if rep.ErrorCount > 0 {
+	switch {
+	case code != 0:
+		return code
+	case rep.Interrupted:
+		return 130
+	case rep.ErrorCount > 0:
 		return 3
 	}
 	return 0
+}
+
+// scenarioHelp is what -h says about the scenarios.
+const scenarioHelp = `Scenarios (--scenario), each per sandbox, --concurrency sandboxes at once:
+  rollback          checkpoint once, then loop: restore, write a 4 KiB file, read back a file
+                    changed before the restore and check it is back (a wrong restore is an error)
+  rollback-exec     the same, one exec'd shell command checking the restored file and changing it
+  rollback-process  one python3 process of --process-mb MiB per sandbox, checkpointed with it;
+                    loop: restore, ask the process for its state and check it, change it; the
+                    CRIU path is measured beside it (--no-criu to skip)
+  steps             exec true, step after step (a restore when the episode's step budget ends)
+  grpo              fork --group children from a checkpoint, one step in each, evaluate each
+                    (the verifier must give reward 1), close them; its unit is a group
+  tree              random expansion (a step with a checkpoint) and backtracking (restore a
+                    checkpoint on the current path and check it)
+  mixed             rollback, steps, tree and grpo workers side by side (one each in turn)
+  density           start --density-n idle sandboxes; report memory per sandbox and start time
+The throughput line reads "<N> <unit>/s": rollbacks, steps, groups, tree-ops or iterations.
+With --serve the load test starts its own server (--init, --data, --envs, --image-dir);
+without it, --addr (or DELTAGYM_ADDR) names a running one, e.g. 127.0.0.1:8080 from make run.
+`
+
+// checkArgs rejects what the flags cannot mean before anything starts.
+func checkArgs(fs *flag.FlagSet, cfg *loadtest.Config, srv loadtest.ServerConfig, densityN int, jsonPath, plotPath string) error {
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected argument %q: every option is a flag (--name value); -h lists them", fs.Arg(0))
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	switch {
+	case set["concurrency"] && cfg.Concurrency < 1:
+		return fmt.Errorf("--concurrency %d: at least one sandbox", cfg.Concurrency)
+	case set["duration"] && cfg.Duration <= 0:
+		return fmt.Errorf("--duration %v: it must be positive", cfg.Duration)
+	case densityN < 1:
+		return fmt.Errorf("--density-n %d: at least one sandbox", densityN)
+	}
+	if srv.Binary == "" && cfg.Addr != "" {
+		if _, port, err := net.SplitHostPort(cfg.Addr); err != nil || port == "" {
+			return fmt.Errorf("--addr %q is not host:port (for example 127.0.0.1:8080)", cfg.Addr)
+		}
+	}
+	if cfg.Scenario != "density" {
+		c := *cfg
+		if srv.Binary != "" {
+			c.Addr = "127.0.0.1:1" // the server's address is known once it runs
+		}
+		if err := c.Validate(); err != nil {
+			return err
+		}
+	}
+	for _, p := range []string{jsonPath, plotPath} {
+		if p == "" {
+			continue
+		}
+		if err := unix.Access(filepath.Dir(p), unix.W_OK); err != nil {
+			return fmt.Errorf("cannot write %s: its directory: %w", p, err)
+		}
+	}
+	return nil
 }

@@ -14,13 +14,20 @@ func TestRunRejectsBadInput(t *testing.T) {
 		code int
 		want string
 	}{
-		{"unknown scenario", []string{"--addr", "127.0.0.1:1", "--scenario", "nope", "--quiet"}, 1, "is not one of"},
+		{"unknown scenario", []string{"--addr", "127.0.0.1:1", "--scenario", "nope", "--quiet"}, 2, "or density"},
+		{"unknown scenario before a server starts", []string{"--serve", "/nonexistent", "--scenario", "nope", "--quiet"}, 2, "is not one of"},
+		{"stray word", []string{"extra", "--addr", "127.0.0.1:1"}, 2, `unexpected argument "extra"`},
+		{"address without a port", []string{"--addr", "localhost"}, 2, "is not host:port"},
+		{"zero concurrency", []string{"--addr", "127.0.0.1:1", "--concurrency", "0"}, 2, "at least one sandbox"},
+		{"zero duration", []string{"--addr", "127.0.0.1:1", "--duration", "0s"}, 2, "must be positive"},
+		{"negative density", []string{"--addr", "127.0.0.1:1", "--scenario", "density", "--density-n", "-5"}, 2, "--density-n -5"},
+		{"unwritable report", []string{"--addr", "127.0.0.1:1", "--json", "/nonexistent/r.json"}, 2, "cannot write /nonexistent/r.json"},
 		{"unknown flag", []string{"--frobnicate"}, 2, "flag provided but not defined"},
-		{"no address", []string{"--quiet"}, 1, "no server address"},
-		{"process size", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-mb", "-3", "--quiet"}, 1, "process size -3 MiB"},
-		{"process method", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-method", "dump", "--quiet"}, 1, "process method"},
-		{"unknown api", []string{"--addr", "127.0.0.1:1", "--api", "rest", "--quiet"}, 1, `api "rest" is neither`},
-		{"stream api elsewhere", []string{"--addr", "127.0.0.1:1", "--scenario", "grpo", "--api", "stream", "--quiet"}, 1, "serves the rollback and rollback-exec scenarios"},
+		{"no address", []string{"--quiet"}, 2, "no server address: pass --addr"},
+		{"process size", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-mb", "-3", "--quiet"}, 2, "process size -3 MiB"},
+		{"process method", []string{"--addr", "127.0.0.1:1", "--scenario", "rollback-process", "--process-method", "dump", "--quiet"}, 2, "process method"},
+		{"unknown api", []string{"--addr", "127.0.0.1:1", "--api", "rest", "--quiet"}, 2, `api "rest" is neither`},
+		{"stream api elsewhere", []string{"--addr", "127.0.0.1:1", "--scenario", "grpo", "--api", "stream", "--quiet"}, 2, "serves the rollback and rollback-exec scenarios"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Setenv("DELTAGYM_ADDR", "")
