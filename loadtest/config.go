@@ -81,14 +81,14 @@ type Config struct {
 
 // Validate checks the config and fills in defaults.
 func (c *Config) Validate() error {
-	if c.Addr == "" {
-		return fmt.Errorf("no server address: pass --addr host:port of a running server (make run serves on 127.0.0.1:8080), or --serve bin/deltagym to start one: %w", ErrInvalid)
-	}
 	if c.Scenario == "" {
 		c.Scenario = "rollback"
 	}
 	if !slices.Contains(Scenarios, c.Scenario) {
 		return fmt.Errorf("scenario %q is not one of %s, or density: %w", c.Scenario, strings.Join(Scenarios, ", "), ErrInvalid)
+	}
+	if c.Addr == "" {
+		return fmt.Errorf("no server address: pass --addr host:port of a running server (make run serves on 127.0.0.1:8080), or --serve bin/deltagym to start one: %w", ErrInvalid)
 	}
 	switch c.API {
 	case "":
@@ -146,8 +146,10 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("process size %d MiB is not within 1..1024: %w", c.ProcessMB, ErrInvalid)
 	case c.ProcessMethod != ProcessTemplate && c.ProcessMethod != ProcessCRIU:
 		return fmt.Errorf("process method %q is neither %q nor %q: %w", c.ProcessMethod, ProcessTemplate, ProcessCRIU, ErrInvalid)
-	case c.Group < 1 || c.Conns < 1:
-		return fmt.Errorf("group and conns must be at least 1: %w", ErrInvalid)
+	case c.Group < 1:
+		return fmt.Errorf("group %d: at least one child per fork: %w", c.Group, ErrInvalid)
+	case c.Conns < 1:
+		return fmt.Errorf("conns %d: at least one connection: %w", c.Conns, ErrInvalid)
 	}
 	return nil
 }

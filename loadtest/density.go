@@ -98,7 +98,7 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig) (*DensityResult, err
 	}
 	ckID = ck.GetCheckpointId()
 	time.Sleep(cfg.Settle) // let the warm pool refill before the baseline sample
-	res := &DensityResult{N: cfg.N, LoadBefore: loadavg()[0]}
+	res := &DensityResult{Scenario: "density", N: cfg.N, LoadBefore: loadavg()[0]}
 	memBefore, cgBefore, rssBefore := memAvailable(), readInt(cfg.MemoryCgroup), procRSS(cfg.ServerPID)
 	start := time.Now()
 	for len(ids)-1 < cfg.N {

@@ -201,7 +201,7 @@ func (fc *FullCopyResult) writeSummary(w io.Writer, r *Report) {
 			fc.SoloRestoreP50Ms, fc.SoloRestoreP99Ms, fc.WholeRootRatio, fc.UpperOnlyRatio)
 	}
 	if r.Throughput > 0 && fc.WholeRootMs > 0 {
-		fmt.Fprintf(w, "throughput: %.0f rollbacks/s here vs %.2f/s by whole-root copy, %.1f/s by upper-only copy (one copier)\n",
+		fmt.Fprintf(w, "rollbacks/s: %.0f here vs %.2f/s by whole-root copy, %.1f/s by upper-only copy (one copier)\n",
 			r.Throughput, 1000/fc.WholeRootMs, 1000/fc.UpperOnlyMs)
 	}
 }

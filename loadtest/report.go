@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"slices"
 	"strconv"
@@ -140,6 +141,10 @@ func (r *Report) WriteSummary(w io.Writer) {
 	for _, op := range ops {
 		s := r.Ops[op]
 		fmt.Fprintf(w, "%-16s %10d %9.0f %9.3f %9.3f %9.3f %9.3f\n", op, s.Count, s.PerSec, s.P50Ms, s.P90Ms, s.P99Ms, s.MaxMs)
+	}
+	if it, ok := r.Ops["iteration"]; ok && math.Abs(float64(it.Count-r.Iterations)) > 0.05*float64(r.Iterations) {
+		fmt.Fprintf(w, "(the table times the calls and iterations that began in the window, %d iterations; the throughput counts those that ended in it, %d)\n",
+			it.Count, r.Iterations)
 	}
 	if len(r.Errors) > 0 {
 		keys := make([]string, 0, len(r.Errors))

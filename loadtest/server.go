@@ -62,6 +62,15 @@ func (c *ServerConfig) Validate() error {
 			return fmt.Errorf("starting a server needs its %s: %w", f.what, ErrInvalid)
 		}
 	}
+	if _, err := exec.LookPath(c.Binary); err != nil {
+		return fmt.Errorf("server binary %s (--serve): %w: %w", c.Binary, err, ErrInvalid)
+	}
+	if _, err := os.Stat(c.Init); err != nil {
+		return fmt.Errorf("sandbox init %s (--init; make build makes bin/dg-init): %w", c.Init, ErrInvalid)
+	}
+	if st, err := os.Stat(c.EnvsDir); err != nil || !st.IsDir() {
+		return fmt.Errorf("env catalog %s (--envs) is not a directory; the repository's envs/ is the default catalog: %w", c.EnvsDir, ErrInvalid)
+	}
 	if c.ImageDir == "" {
 		if _, err := os.Stat(filepath.Join(c.DataDir, "images", "default")); err != nil {
 			return fmt.Errorf("%s has no default image: pass --image-dir .data/images/default (built by make image): %w", c.DataDir, ErrInvalid)

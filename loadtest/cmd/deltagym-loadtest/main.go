@@ -84,7 +84,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var noCRIU bool
 	fs.BoolVar(&noCRIU, "no-criu", false, "rollback-process: do not measure (or probe) the CRIU variant beside the template run")
 	fs.IntVar(&cfg.Group, "group", 8, "children per fork in the grpo scenario")
-	fs.StringVar(&cfg.API, "api", loadtest.APIUnary, "rollback scenarios: "+loadtest.APIUnary+" (Restore and each step a unary call) or "+loadtest.APIStream+" (one StepStream per sandbox; the restore rides on a step, restore_checkpoint_id)")
+	fs.StringVar(&cfg.API, "api", "", "rollback scenarios: "+loadtest.APIStream+" (one StepStream per sandbox; the restore rides on a step, restore_checkpoint_id) or "+loadtest.APIUnary+" (Restore and each step a unary call); default "+loadtest.APIStream+" for rollback and rollback-exec, "+loadtest.APIUnary+" for the others")
 	fs.IntVar(&cfg.Conns, "conns", 1, "HTTP/2 connections shared by the workers")
 	fs.DurationVar(&cfg.SampleInterval, "sample", time.Second, "interval of the timeline's samples (throughput, server RSS, discard backlog, CPU per process)")
 	fs.StringVar(&jsonPath, "json", "", "write the JSON report to this file")
@@ -109,6 +109,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return 0
 		}
 		return 2
+	}
+	if cfg.API == "" && (cfg.Scenario == "rollback" || cfg.Scenario == "rollback-exec") {
+		cfg.API = loadtest.APIStream
 	}
 	if err := checkArgs(fs, &cfg, srv, densityN, jsonPath, plotPath); err != nil {
 		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
@@ -169,7 +172,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintln(stderr, "report:", jsonPath)
 		}
 		if plotPath != "" {
-			fmt.Fprintf(stderr, "density measures no latency: no plot written (%s is left as it was)\n", plotPath)
+			// No latency to plot; a plot left there by an earlier run would not be this run's.
+			if err := os.Remove(plotPath); err == nil {
+				fmt.Fprintf(stderr, "density measures no latency: no plot (removed the earlier run's %s)\n", plotPath)
+			} else {
+				fmt.Fprintln(stderr, "density measures no latency: no plot written")
+			}
 		}
 		return 0
 	}
@@ -181,8 +189,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	rep.Machine = probe.End()
-	if rep.Interrupted {
+	if rep.Interrupted && (fullCopy || cfg.Scenario == "rollback-process" && !noCRIU) {
 		// What was measured, without the baselines the interrupt also asked to skip.
+		fmt.Fprintln(stderr, "interrupted: the baselines (full copy, CRIU) are not measured")
 		fullCopy, noCRIU = false, true
 	}
 	if fullCopy {
@@ -273,6 +282,12 @@ func checkArgs(fs *flag.FlagSet, cfg *loadtest.Config, srv loadtest.ServerConfig
 		return fmt.Errorf("--concurrency %d: at least one sandbox", cfg.Concurrency)
 	case set["duration"] && cfg.Duration <= 0:
 		return fmt.Errorf("--duration %v: it must be positive", cfg.Duration)
+	case set["conns"] && cfg.Conns < 1:
+		return fmt.Errorf("--conns %d: at least one connection", cfg.Conns)
+	case set["group"] && cfg.Group < 1:
+		return fmt.Errorf("--group %d: at least one child per fork", cfg.Group)
+	case set["sample"] && cfg.SampleInterval <= 0:
+		return fmt.Errorf("--sample %v: it must be positive (100ms or more)", cfg.SampleInterval)
 	case densityN < 1:
 		return fmt.Errorf("--density-n %d: at least one sandbox", densityN)
 	}
@@ -293,6 +308,9 @@ func checkArgs(fs *flag.FlagSet, cfg *loadtest.Config, srv loadtest.ServerConfig
 	for _, p := range []string{jsonPath, plotPath} {
 		if p == "" {
 			continue
+		}
+		if st, err := os.Stat(p); err == nil && st.IsDir() {
+			return fmt.Errorf("cannot write %s: it is a directory; name a file in it", p)
 		}
 		if err := unix.Access(filepath.Dir(p), unix.W_OK); err != nil {
 			return fmt.Errorf("cannot write %s: its directory: %w", p, err)
