@@ -205,18 +205,28 @@ const (
 // openSegment opens a segment for appending: with O_DIRECT if direct and the file allows it.
 func openSegment(path string, direct bool) (*os.File, bool, error) {
 	if direct {
-		fd, err := unix.Open(path, unix.O_CREAT|unix.O_WRONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0o600)
-		if err == nil {
-			if directAligned(fd) {
-				return os.NewFile(uintptr(fd), path), true, nil
-			}
-			_ = unix.Close(fd)
-		} else if !errors.Is(err, unix.EINVAL) {
-			return nil, false, &os.PathError{Op: "open", Path: path, Err: err}
+		if f, err := openWithDirect(path, unix.O_CREAT|unix.O_WRONLY, 0o600); f != nil || err != nil {
+			return f, f != nil, err
 		}
 	}
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	return f, false, err
+}
+
+// openWithDirect opens path with O_DIRECT added to flags. It returns nil and no error when the file
+// refuses O_DIRECT (EINVAL) or wants an alignment dioBlock does not meet.
+func openWithDirect(path string, flags int, perm uint32) (*os.File, error) {
+	fd, err := unix.Open(path, flags|unix.O_DIRECT|unix.O_CLOEXEC, perm)
+	switch {
+	case errors.Is(err, unix.EINVAL):
+		return nil, nil
+	case err != nil:
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	case !directAligned(fd):
+		_ = unix.Close(fd)
+		return nil, nil
+	}
+	return os.NewFile(uintptr(fd), path), nil
 }
 
 // directAligned reports whether direct writes aligned to dioBlock suit the open file fd, as far
@@ -692,14 +702,8 @@ func preadFull(fd int, b []byte, off int64, direct bool) (int, error) {
 // openForReading opens a segment for the reader: with O_DIRECT if direct and the file allows it.
 func openForReading(path string, direct bool) (*os.File, bool, error) {
 	if direct {
-		fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
-		if err == nil {
-			if directAligned(fd) {
-				return os.NewFile(uintptr(fd), path), true, nil
-			}
-			_ = unix.Close(fd)
-		} else if !errors.Is(err, unix.EINVAL) {
-			return nil, false, &os.PathError{Op: "open", Path: path, Err: err}
+		if f, err := openWithDirect(path, unix.O_RDONLY, 0); f != nil || err != nil {
+			return f, f != nil, err
 		}
 	}
 	f, err := os.Open(path)
