@@ -89,22 +89,20 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		closedLoop(rctx, cfg, rec, workers)
 	}
 	stopProgress()
-	if err := ctx.Err(); err != nil {
-		// Interrupted: report what was measured until then, if the warm-up was over.
+	interrupted := ctx.Err() != nil
+	if interrupted {
+		// Report what was measured until then, if the warm-up was over.
 		at := time.Now()
 		if !at.After(rec.measureFrom) {
-			return nil, err
+			return nil, ctx.Err()
 		}
 		if at.Before(rec.measureTo) {
 			rec.measureTo = at
 			cfg.Duration = at.Sub(rec.measureFrom)
 		}
-		r := newReport(cfg, rec, setupTime)
-		r.Backlog, r.Interrupted = backlog, true
-		return r, nil
 	}
 	r := newReport(cfg, rec, setupTime)
-	r.Backlog = backlog
+	r.Backlog, r.Interrupted = backlog, interrupted
 	return r, nil
 }
 

@@ -198,6 +198,15 @@ func progress(ctx context.Context, cfg Config, rec *recorder, start time.Time) (
 	prevM := s.scrape(sctx)
 	prev := s.read(prevM)
 	prev.at = start
+	take := func() {
+		m := s.scrape(sctx)
+		cur := s.read(m)
+		x := s.sample(start, prev, cur, m)
+		rec.mu.Lock()
+		rec.timeline = append(rec.timeline, x)
+		rec.mu.Unlock()
+		prev = cur
+	}
 	go func() {
 		defer close(finished)
 		line := time.NewTicker(time.Second)
@@ -214,21 +223,11 @@ func progress(ctx context.Context, cfg Config, rec *recorder, start time.Time) (
 				// The interval the run ended in, if most of one: the run ends on the tick
 				// that would have sampled it.
 				if time.Since(prev.at) >= cfg.SampleInterval/2 {
-					m := s.scrape(sctx)
-					x := s.sample(start, prev, s.read(m), m)
-					rec.mu.Lock()
-					rec.timeline = append(rec.timeline, x)
-					rec.mu.Unlock()
+					take()
 				}
 				return
 			case <-tick.C:
-				m := s.scrape(sctx)
-				cur := s.read(m)
-				x := s.sample(start, prev, cur, m)
-				rec.mu.Lock()
-				rec.timeline = append(rec.timeline, x)
-				rec.mu.Unlock()
-				prev = cur
+				take()
 			case now := <-line.C:
 				n := rec.liveIters.Load()
 				if cfg.Progress != nil {

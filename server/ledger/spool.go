@@ -664,13 +664,12 @@ func (s *spool) newSlab(n int) {
 	c := &s.cur
 	rest := c.buf[c.off:]
 	lead := 0
-	size := max(readSlab, n)
 	var nb []byte
 	if c.direct {
 		lead = int(c.pos-int64(len(rest))) & (dioBlock - 1)
 		nb = alignedBuf((max(readSlab, lead+n) + dioBlock - 1) &^ (dioBlock - 1))
 	} else {
-		nb = make([]byte, 0, size)
+		nb = make([]byte, 0, max(readSlab, n))
 	}
 	c.buf = append(nb[:lead], rest...)
 	c.off = lead
