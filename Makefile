@@ -43,7 +43,7 @@ bench: bench-sandbox $(BENCH_TARGETS) ## run every benchmark (p50/p99)
 bench-sandbox: deps $(BIN)/dg-init criu ## sandbox runtime benchmarks: checkpoint, rollback (and the load test's loop with its CPU), fork, exec, full-copy baseline, processes (template vs CRIU)
 	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'Checkpoint$$|Rollback$$|RollbackLoop|RollbackDepth|Exec$$' -benchtime 500x -timeout 30m ./sandbox/
 	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'Fork64|RollbackFullCopy' -benchtime 20x -timeout 30m ./sandbox/
-	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'CheckpointWithProcess|RollbackWithProcess|RollbackStepWithProcess' -benchtime 100x -timeout 30m ./sandbox/
+	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'CheckpointWithProcess|RollbackWithProcess|RollbackStepWithProcess|RollbackVsCRIU' -benchtime 100x -timeout 30m ./sandbox/
 	go test -run '^$$' -bench . -benchtime 2000x -timeout 10m ./sandbox/cgroup/
 
 clean: ## remove build output (not the image cache)

@@ -216,11 +216,11 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 			return fmt.Errorf("%s: %w", t.name(), err)
 		}
 	}
-	if err := tg.SetFrozen(false); err != nil {
+	if err := s.setTplFrozen(tg, false); err != nil {
 		return err
 	}
 	defer func() {
-		if ferr := tg.SetFrozen(true); ferr != nil {
+		if ferr := s.setTplFrozen(tg, true); ferr != nil {
 			err = errors.Join(err, ferr)
 		}
 	}()

@@ -416,6 +416,69 @@ func rollbackWithProcess(b *testing.B, step func(*sandbox.Sandbox)) {
 	}
 }
 
+// BenchmarkRollbackVsCRIU sets the fast path against CRIU under the same
+// conditions: one sandbox's process checkpointed by the template path,
+// another's by CRIU, both restored in place in alternating blocks of
+// vsBlock back-to-back restores, until each path has b.N. Run one after the
+// other (BenchmarkRollbackWithProcess), the two paths meet the VM at
+// different moments, and its speed drifts by ±30% within minutes here, so
+// their ratio moves with it; alternating puts both in every stretch of the
+// run. It reports each path's p50 and p99 and the ratio of the p50s
+// (criu-p50 / template-p50). The first restore of a template block follows
+// a pause (the CRIU block), so the copies forked ahead serve it, as they
+// would after an agent's step; the others fork at restore.
+func BenchmarkRollbackVsCRIU(b *testing.B) {
+	for _, mb := range []int{8, 100} {
+		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+			needCRIU(b)
+			bb := setup(b)
+			ctx := context.Background()
+			type side struct {
+				s  *sandbox.Sandbox
+				ck string
+				l  lat
+			}
+			sides := make([]*side, len(processPaths))
+			for i, path := range processPaths {
+				s := processSandbox(b, bb, mb)
+				ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
+				must(b, err)
+				if len(ck.Processes) != 1 || ck.Processes[0].Method != path.name {
+					b.Fatalf("captured %+v", ck.Processes)
+				}
+				// The first restore hands the templates to the huge-page
+				// worker; timed restores begin once it is done.
+				must(b, s.Restore(ctx, ck.ID))
+				sides[i] = &side{s: s, ck: ck.ID}
+			}
+			waitFolded(b, bb)
+			b.ResetTimer()
+			for done := 0; done < b.N; done += vsBlock {
+				for _, sd := range sides {
+					for range min(vsBlock, b.N-done) {
+						var err error
+						sd.l.time(func() { err = sd.s.Restore(ctx, sd.ck) })
+						must(b, err)
+					}
+				}
+			}
+			b.StopTimer()
+			p50 := make([]float64, len(sides))
+			for i, sd := range sides {
+				sd.l.report(b, processPaths[i].name+"-")
+				d := slices.Clone(sd.l)
+				slices.Sort(d)
+				p50[i] = float64(d[len(d)/2])
+			}
+			b.ReportMetric(p50[1]/p50[0], "criu/template-p50")
+		})
+	}
+}
+
+// vsBlock is how many restores of one path BenchmarkRollbackVsCRIU makes
+// before it turns to the other.
+const vsBlock = 10
+
 // BenchmarkRestoreElsewhereWithProcess: a checkpoint whose process is kept
 // as a template, restored in another sandbox of the same image — through a
 // CRIU image made from the template on the first restore (reported apart as

@@ -236,12 +236,20 @@ func (s *Sandbox) putExecGroup(eg *execGroup) {
 }
 
 // dropExecGroups forgets the idle groups (their parent is being removed).
-func (s *Sandbox) dropExecGroups() {
+func (s *Sandbox) dropExecGroups() { closeExecGroups(s.takeExecGroups()) }
+
+// takeExecGroups takes the idle groups away, their files open: their parent
+// is retired (workGroup).
+func (s *Sandbox) takeExecGroups() []*execGroup {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	idle := s.idle
 	s.idle = nil
-	s.mu.Unlock()
-	for _, eg := range idle {
+	return idle
+}
+
+func closeExecGroups(egs []*execGroup) {
+	for _, eg := range egs {
 		closeAll(eg.procs)
 	}
 }

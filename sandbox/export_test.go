@@ -64,3 +64,11 @@ func (r *Runtime) OnLimitsRoom(f func(limit, current int64)) { r.onRoom = f }
 
 // ThreadExiting reports whether thread tid is exiting, a zombie or gone.
 var ThreadExiting = threadExiting
+
+// CommandGroup returns the directory of the sandbox's command group in the
+// tracking hierarchy.
+func (s *Sandbox) CommandGroup() string {
+	s.op.RLock()
+	defer s.op.RUnlock()
+	return s.work.Dirs()[0]
+}

@@ -624,14 +624,54 @@ func (s *Sandbox) takeTemplateGroup() (*cgroup.Cgroup, error) {
 	go func() {
 		defer s.bg.Done()
 		g, err := s.newTemplateGroup()
-		next <- spareGroup{g, err}
+		next <- spareGroup{cg: g, err: err}
 	}()
 	return tg, nil
 }
 
+// spareGroup is a template group made ahead.
 type spareGroup struct {
 	cg  *cgroup.Cgroup
 	err error
+}
+
+// closeControls closes the controls that are open.
+func closeControls(ks ...*cgroup.Control) {
+	for _, k := range ks {
+		if k != nil {
+			k.Close()
+		}
+	}
+}
+
+// moveCopy moves a copy into its group g: through the command group's
+// cgroup.procs opened ahead, if g is that group. Called with op held.
+func (s *Sandbox) moveCopy(g *cgroup.Cgroup, pid int) error {
+	if w := s.workFilesNow(); g == s.work && w.procs != nil {
+		return w.procs.Write(strconv.Itoa(pid))
+	}
+	return g.Move(pid)
+}
+
+// setTplFrozen freezes or thaws template group tg (SetFrozen) through its
+// cgroup.freeze kept open: a restore writes it twice, and so does a job
+// forking copies ahead. Only the file of the last group written is kept
+// (one per sandbox). Called with tplRun held.
+func (s *Sandbox) setTplFrozen(tg *cgroup.Cgroup, on bool) error {
+	if s.tplFreeze.of != tg {
+		closeControls(s.tplFreeze.k)
+		// nil on cgroup v1, or if it cannot be opened: SetFrozen then.
+		k, _ := tg.OpenControl("cgroup.freeze")
+		s.tplFreeze.of, s.tplFreeze.k = tg, k
+	}
+	if s.tplFreeze.k == nil {
+		return tg.SetFrozen(on)
+	}
+	v := "0"
+	if on {
+		v = "1"
+	}
+	return s.tplFreeze.k.Write(v)
 }
 
 func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) { return s.frozenGroup("t") }
@@ -728,7 +768,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 		// Marked frozen again before the templates are detached
 		// (tr.Close), after failed copies are ended.
 		if thawed {
-			if ferr := tg.SetFrozen(true); ferr != nil {
+			if ferr := s.setTplFrozen(tg, true); ferr != nil {
 				err = errors.Join(err, ferr)
 			}
 		}
@@ -841,7 +881,7 @@ func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgrou
 			return nil, false, fmt.Errorf("%w: %s: %w", ErrProcesses, t.name(), err)
 		}
 	}
-	if err := tg.SetFrozen(false); err != nil {
+	if err := s.setTplFrozen(tg, false); err != nil {
 		return nil, false, err
 	}
 	for i, t := range c.Procs {
@@ -857,7 +897,7 @@ func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgrou
 		}
 		lc := liveCopy{cp: cp, nsPid: nsPid, t: t, exit: reapIfOurs(cp.Pid)}
 		if lc.cg, err = s.copyGroup(t); err == nil {
-			err = lc.cg.Move(cp.Pid)
+			err = s.moveCopy(lc.cg, cp.Pid)
 		}
 		copies = append(copies, lc)
 		if err != nil {
@@ -884,7 +924,7 @@ func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []
 			}
 			lc := liveCopy{cp: cp, nsPid: p.nsPid, t: c.Procs[i], exit: p.exit, led: p.led}
 			if lc.cg, err = s.copyGroup(lc.t); err == nil {
-				err = lc.cg.Move(cp.Pid)
+				err = s.moveCopy(lc.cg, cp.Pid)
 			}
 			copies = append(copies, lc)
 			if err != nil {

@@ -850,3 +850,80 @@ func TestThreadExiting(t *testing.T) {
 		t.Error("a pid gone was not reported exiting")
 	}
 }
+
+// A restore with processes kills the command group and puts the copies in
+// another; once the killed group's processes are gone it serves a later
+// restore, with its idle exec group, rather than being removed while a new
+// one is made. So restores with a command between them take turns between
+// two groups. A group a session's shell had a group of its own under is
+// removed instead, and so are the others once the sandbox is closed.
+func TestCommandGroupsReused(t *testing.T) {
+	b := setup(t)
+	ctx := t.Context()
+	// groups lists the command groups (and the one made ahead) beside dir.
+	groups := func(dir string) []string {
+		t.Helper()
+		ents, err := os.ReadDir(filepath.Dir(dir))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, e := range ents {
+			if e.IsDir() && strings.HasPrefix(e.Name(), "w") {
+				out = append(out, e.Name())
+			}
+		}
+		return out
+	}
+	for _, c := range []struct {
+		name    string
+		session bool
+	}{{"background process", false}, {"session", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+			if c.session {
+				inSession(t, s, "cd /tmp")
+			} else {
+				if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sleep", "1000"}, Background: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seen := map[string]int{}
+			for range 8 {
+				if err := s.Restore(ctx, ck.ID); err != nil {
+					t.Fatal(err)
+				}
+				// A command: an exec group under the command group, idle
+				// when the next restore kills it.
+				sh(t, s, "true")
+				seen[filepath.Base(s.CommandGroup())]++
+			}
+			// The groups not used again are removed in the background.
+			g := s.CommandGroup()
+			deadline := time.Now().Add(10 * time.Second)
+			for len(groups(g)) > 3 {
+				if time.Now().After(deadline) {
+					t.Fatalf("after 8 restores: command groups %q, want the live one, one to serve again and one made ahead", groups(g))
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			switch {
+			case c.session && len(seen) != 8:
+				t.Errorf("the 8 restores of a session put it in %d groups, want 8 (one under which a session had its group is not used again): %v", len(seen), seen)
+			case !c.session && len(seen) > 3:
+				t.Errorf("the 8 restores put the copies in %d groups, want them to take turns: %v", len(seen), seen)
+			}
+			dir := filepath.Dir(s.CommandGroup())
+			if err := s.Destroy(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(dir); !os.IsNotExist(err) {
+				t.Fatalf("the sandbox's group is still there after Destroy: %v", err)
+			}
+		})
+	}
+}

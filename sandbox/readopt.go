@@ -109,7 +109,7 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 		_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 		return
 	}
-	s := &Sandbox{rt: r, id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid}, tpls: map[string]*cgroup.Cgroup{}, upperFD: -1,
+	s := &Sandbox{rt: r, reuseW: make(chan workGroup, 1), id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid}, tpls: map[string]*cgroup.Cgroup{}, upperFD: -1,
 		// Clear of the group names the crashed server used.
 		seq: 1 << 30}
 	var cks []*checkpoint

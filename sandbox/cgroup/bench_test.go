@@ -180,3 +180,41 @@ func BenchmarkPids(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkControl compares a write to cgroup.freeze through SetFrozen,
+// which opens the file each time, with one through a Control kept open.
+func BenchmarkControl(b *testing.B) {
+	for _, mode := range layouts(b) {
+		b.Run(mode.String(), func(b *testing.B) {
+			m := newManager(b, mode)
+			c := create(b, m, "control", Limits{})
+			if !c.trackV2 {
+				b.Skip("cgroup v1 tracking: no Control")
+			}
+			k, err := c.OpenControl("cgroup.freeze")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer k.Close()
+			for _, way := range []struct {
+				name  string
+				write func() error
+			}{
+				{"SetFrozen", func() error { return c.SetFrozen(false) }},
+				{"Control", func() error { return k.Write("0") }},
+			} {
+				b.Run(way.name, func(b *testing.B) {
+					lat := make(latencies, 0, b.N)
+					for b.Loop() {
+						t0 := time.Now()
+						if err := way.write(); err != nil {
+							b.Fatal(err)
+						}
+						lat = append(lat, time.Since(t0))
+					}
+					lat.report(b)
+				})
+			}
+		})
+	}
+}

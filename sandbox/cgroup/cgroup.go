@@ -541,6 +541,13 @@ func (c *Cgroup) Threads() ([]int, error) {
 	return t, c.wrap("listing threads of", err)
 }
 
+// SubGroups lists the names of the group's child groups in the tracking
+// hierarchy.
+func (c *Cgroup) SubGroups() ([]string, error) {
+	kids, err := childDirs(c.track)
+	return kids, c.wrap("listing sub-groups of", err)
+}
+
 // Freeze stops every process of the group (and its sub-groups) and returns
 // once the kernel reports the group frozen.
 func (c *Cgroup) Freeze() error {
@@ -1019,9 +1026,25 @@ func (c *Cgroup) Stats() (Stats, error) {
 // costs one pread: opening and closing a cgroup control file costs about
 // 85 µs of CPU on this kernel, which a rollback without processes would pay
 // at every restore only to learn that the group is empty.
-type Events struct {
+type Events struct{ openFile }
+
+// openFile is a control file kept open: its descriptor (-1 once closed)
+// and the lock its users hold around it.
+type openFile struct {
 	mu sync.Mutex
 	fd int
+}
+
+// Close closes the file. It is idempotent.
+func (f *openFile) Close() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fd < 0 {
+		return nil
+	}
+	err := unix.Close(f.fd)
+	f.fd = -1
+	return err
 }
 
 // OpenEvents opens the group's cgroup.events. It returns nil, nil on a
@@ -1034,7 +1057,7 @@ func (c *Cgroup) OpenEvents() (*Events, error) {
 	if err != nil {
 		return nil, c.wrap("opening the events of", err)
 	}
-	return &Events{fd: fd}, nil
+	return &Events{openFile{fd: fd}}, nil
 }
 
 // Populated reports whether the group or one of its sub-groups has a process.
@@ -1062,16 +1085,56 @@ func (e *Events) Populated() (bool, error) {
 	}
 }
 
-// Close closes the file. It is idempotent.
-func (e *Events) Close() error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.fd < 0 {
-		return nil
+// Control is a control file of the group's tracking hierarchy (cgroup v2),
+// kept open for a caller that writes it again and again, or that opens it
+// ahead of the moment a write must be quick: opening one costs 8.5 µs on
+// this kernel, a write on an open file 0.9 µs (BenchmarkControl), and a
+// restore with processes writes three (the template group's cgroup.freeze
+// twice, the new command group's cgroup.procs, the old one's cgroup.kill).
+// Its methods are safe for concurrent use.
+type Control struct {
+	openFile
+	path string
+}
+
+// OpenControl opens the group's control file name (cgroup.freeze,
+// cgroup.procs, cgroup.kill) for writing. It returns ErrNoV2 on a legacy
+// host, where the group's methods serve instead.
+func (c *Cgroup) OpenControl(name string) (*Control, error) {
+	if !c.trackV2 {
+		return nil, c.wrap("opening "+name+" of", ErrNoV2)
 	}
-	err := unix.Close(e.fd)
-	e.fd = -1
-	return err
+	path := filepath.Join(c.track, name)
+	fd, err := openRetry(path, unix.O_WRONLY|unix.O_CLOEXEC)
+	if err != nil {
+		return nil, c.wrap("opening "+name+" of", &os.PathError{Op: "open", Path: path, Err: err})
+	}
+	return &Control{openFile: openFile{fd: fd}, path: path}, nil
+}
+
+// Write writes data with one write(2): "1" or "0" to cgroup.freeze, as
+// SetFrozen does; "1" to cgroup.kill, as SignalKill; a pid to
+// cgroup.procs, as Move. Once the group is removed it fails with
+// ErrNotExist.
+func (k *Control) Write(data string) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.fd < 0 {
+		return fmt.Errorf("writing %s: %w", k.path, os.ErrClosed)
+	}
+	for {
+		_, err := unix.Write(k.fd, []byte(data))
+		switch err {
+		case nil:
+			return nil
+		case unix.EINTR:
+			continue
+		case unix.ENODEV:
+			// kernfs's answer once the group is gone.
+			return fmt.Errorf("writing %s: %w: %w", k.path, ErrNotExist, err)
+		}
+		return &os.PathError{Op: "write", Path: k.path, Err: err}
+	}
 }
 
 // CPU weights a group is raised to by [CPUBoost.Set]: cgroup v2's cpu.weight
@@ -1096,8 +1159,7 @@ const (
 // most of that time. A CPU quota (cpu.max, cpu.cfs_quota_us) still
 // applies.
 type CPUBoost struct {
-	mu     sync.Mutex
-	fd     int
+	openFile
 	normal []byte // the weight found at open, written back by Set(false)
 	high   []byte
 	on     bool
@@ -1131,7 +1193,7 @@ func (c *Cgroup) OpenCPUBoost() (*CPUBoost, error) {
 		unix.Close(fd)
 		return nil, c.wrap("reading the CPU weight of", fmt.Errorf("%s holds %q", p, buf[:n]))
 	}
-	return &CPUBoost{fd: fd, normal: normal, high: []byte(strconv.Itoa(high))}, nil
+	return &CPUBoost{openFile: openFile{fd: fd}, normal: normal, high: []byte(strconv.Itoa(high))}, nil
 }
 
 // Set raises the group's weight (on) or puts back the one found at open.
@@ -1160,16 +1222,4 @@ func (b *CPUBoost) Set(on bool) error {
 		b.on = on
 		return nil
 	}
-}
-
-// Close closes the file; the weight stays as last set. It is idempotent.
-func (b *CPUBoost) Close() error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.fd < 0 {
-		return nil
-	}
-	err := unix.Close(b.fd)
-	b.fd = -1
-	return err
 }

@@ -1169,3 +1169,79 @@ func TestThreadsAndMemoryCurrent(t *testing.T) {
 		})
 	}
 }
+
+// A Control kept open does what the group's methods do: freezes and thaws
+// through cgroup.freeze, moves a process in through cgroup.procs, kills
+// through cgroup.kill. Once the group is removed its writes fail with
+// ErrNotExist, and once closed with os.ErrClosed.
+func TestControl(t *testing.T) {
+	for _, mode := range layouts(t) {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			m := newManager(t, mode)
+			c := create(t, m, "control", Limits{})
+			if !c.trackV2 {
+				if _, err := c.OpenControl("cgroup.freeze"); !errors.Is(err, ErrNoV2) {
+					t.Fatalf("OpenControl on cgroup v1 tracking = %v, want ErrNoV2", err)
+				}
+				t.Skip("cgroup v1 tracking: the group's methods serve")
+			}
+			sub, err := c.Sub("moved")
+			if err != nil {
+				t.Fatal(err)
+			}
+			open := func(g *Cgroup, name string) *Control {
+				t.Helper()
+				k, err := g.OpenControl(name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { k.Close() })
+				return k
+			}
+			freeze, procs, kill := open(c, "cgroup.freeze"), open(sub, "cgroup.procs"), open(sub, "cgroup.kill")
+			_, h := sleeperIn(t, c, "s")
+			if err := freeze.Write("1"); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "the group to freeze", func() bool { f, err := c.isFrozen(); return err == nil && f })
+			if err := freeze.Write("0"); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "the group to thaw", func() bool { f, err := c.isFrozen(); return err == nil && !f })
+			if err := procs.Write(strconv.Itoa(h.pid())); err != nil {
+				t.Fatal(err)
+			}
+			if !inProcs(t, sub.track, h.pid()) {
+				t.Fatalf("pid %d is not in %s after the write", h.pid(), sub.track)
+			}
+			if err := kill.Write("1"); err != nil {
+				t.Fatal(err)
+			}
+			if st := h.wait(t); st.Signal() != unix.SIGKILL {
+				t.Fatalf("the sleeper ended with %v, want SIGKILL", st)
+			}
+			if err := sub.Delete(); err != nil {
+				t.Fatal(err)
+			}
+			if err := kill.Write("1"); !errors.Is(err, ErrNotExist) {
+				t.Fatalf("a write to a removed group's cgroup.kill = %v, want ErrNotExist", err)
+			}
+			if err := freeze.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if err := freeze.Close(); err != nil {
+				t.Fatalf("second Close = %v", err)
+			}
+			if err := freeze.Write("1"); !errors.Is(err, os.ErrClosed) {
+				t.Fatalf("a write after Close = %v, want os.ErrClosed", err)
+			}
+			if f, err := c.isFrozen(); err != nil || f {
+				t.Fatalf("the group reads frozen %v (%v) after a write to a closed Control", f, err)
+			}
+			if _, err := sub.OpenControl("cgroup.procs"); !errors.Is(err, ErrNotExist) {
+				t.Fatalf("OpenControl of a removed group = %v, want ErrNotExist", err)
+			}
+		})
+	}
+}
