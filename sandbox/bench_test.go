@@ -424,9 +424,12 @@ func rollbackWithProcess(b *testing.B, step func(*sandbox.Sandbox)) {
 // different moments, and its speed drifts by ±30% within minutes here, so
 // their ratio moves with it; alternating puts both in every stretch of the
 // run. It reports each path's p50 and p99 and the ratio of the p50s
-// (criu-p50 / template-p50). The first restore of a template block follows
-// a pause (the CRIU block), so the copies forked ahead serve it, as they
-// would after an agent's step; the others fork at restore.
+// (criu-p50 / template-p50). A restore forks the copies of the next one
+// ahead only if the pause before it was long enough (forkAhead): in each
+// template block, the first restore (after the CRIU block) forks at
+// restore and has the next one's copies forked ahead, which the second
+// takes, waiting for that job if it has not ended; the other eight fork at
+// restore, back to back, as in BenchmarkRollbackWithProcess.
 func BenchmarkRollbackVsCRIU(b *testing.B) {
 	for _, mb := range []int{8, 100} {
 		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {

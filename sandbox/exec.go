@@ -198,7 +198,7 @@ var shellWords = map[string]bool{
 type execGroup struct {
 	cg    *cgroup.Cgroup
 	procs []*os.File
-	work  *cgroup.Cgroup // the parent it belongs to: stale after a restore
+	work  *cgroup.Cgroup // the parent it belongs to: killed by a restore, it may serve again later
 }
 
 func (s *Sandbox) execGroup() (*execGroup, error) {

@@ -72,3 +72,18 @@ func (s *Sandbox) CommandGroup() string {
 	defer s.op.RUnlock()
 	return s.work.Dirs()[0]
 }
+
+// ReuseReady reports whether a killed command group waits to serve again.
+func (s *Sandbox) ReuseReady() bool { return len(s.reuseW) > 0 }
+
+// KilledGroups returns the directories of the killed command groups a
+// restore would wait for.
+func (s *Sandbox) KilledGroups() []string {
+	s.op.RLock()
+	defer s.op.RUnlock()
+	var out []string
+	for _, g := range s.killed {
+		out = append(out, g.Dirs()[0])
+	}
+	return out
+}

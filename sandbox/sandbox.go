@@ -123,7 +123,7 @@ type Sandbox struct {
 	// op.
 	liveSeen map[int]uint64
 
-	bg sync.WaitGroup // background removals of killed command groups, spare groups
+	bg sync.WaitGroup // background retirements of killed command groups, spare groups
 	// killed holds the command groups killAll ended whose processes may
 	// still be exiting (at most maxKilled). Guarded by op.
 	killed []*cgroup.Cgroup
@@ -875,11 +875,12 @@ func (s *Sandbox) Thaw() error {
 }
 
 // killAll ends every process of the sandbox but the init, sessions included.
-// The command group is killed without waiting and replaced by a fresh one:
-// its processes die in the background while the caller goes on (they can
-// run no code of their own; what a dying process's last system call writes
-// lands in the upper being discarded). A background job removes the old
-// group once it is empty.
+// The command group is killed without waiting and replaced by another
+// (takeWorkGroup): its processes die in the background while the caller
+// goes on (they can run no code of their own; what a dying process's last
+// system call writes lands in the upper being discarded). A background job
+// offers the old group for use again once it is empty, or removes it
+// (retireWork).
 func (s *Sandbox) killAll() error {
 	s.mu.Lock()
 	sessions := s.sessions
@@ -961,13 +962,15 @@ func (g workGroup) close() {
 // restored sandbox runs a command). Together that was about 110 µs of CPU
 // per restore, on a machine that back-to-back restores keep busy. So once
 // the killed group's processes are gone, retireWork offers it, with its idle
-// exec groups and its kept files, to the next restore instead (reuseW, one
-// at a time), and removes it only if none takes it.
+// exec groups and its kept files, to a later restore instead (reuseW, one
+// at a time: one offered while another waits there is removed). The one
+// waiting stays until a restore takes it or the sandbox is destroyed.
 //
-// A group is used again only if it is empty and has no sub-group but its
-// idle exec groups (a session's group, a CRIU tree's, an exec still
-// running when it was killed all make it removed instead), and the restore
-// that takes it forgets it among the killed groups it waits for.
+// A group is used again only if it is empty, not frozen (a checkpoint
+// freezes the command group; a thaw that failed would leave it so), and
+// has no sub-group but its idle exec groups (a session's group, a CRIU
+// tree's, a background command's all make it removed instead), and the
+// restore that takes it forgets it among the killed groups it waits for.
 // Restoring an 8 MB python3 back to back, in alternating blocks of 10
 // restores with and without reuse in one run, reuse took 0.94–0.98 of the
 // p50 (five runs).
@@ -981,6 +984,15 @@ const recycleWait = 2 * time.Second
 func (s *Sandbox) retireWork(g workGroup) {
 	defer s.bg.Done()
 	if s.reusable(g) {
+		// A group made at once (the first, or when the one made ahead
+		// failed) has no kept control files yet: opened here, off the
+		// restore's path.
+		if g.wf.procs == nil {
+			g.wf.procs, _ = g.cg.OpenControl("cgroup.procs")
+		}
+		if g.wf.kill == nil {
+			g.wf.kill, _ = g.cg.OpenControl("cgroup.kill")
+		}
 		select {
 		case s.reuseW <- g:
 			return
@@ -994,9 +1006,13 @@ func (s *Sandbox) retireWork(g workGroup) {
 }
 
 // reusable reports whether killed command group g, once empty, can serve
-// again: its only sub-groups are its idle exec groups.
+// again: it is not frozen, and its only sub-groups are its idle exec
+// groups.
 func (s *Sandbox) reusable(g workGroup) bool {
 	if g.cg.WaitEmpty(recycleWait) != nil {
+		return false
+	}
+	if frozen, err := g.cg.SelfFrozen(); err != nil || frozen {
 		return false
 	}
 	subs, err := g.cg.SubGroups()
@@ -1013,10 +1029,11 @@ func (s *Sandbox) reusable(g workGroup) bool {
 
 // takeWorkGroup returns a command group for the live processes: a killed
 // one whose processes are gone, if retireWork offers one, else a new one made
-// ahead in the background with its cgroup.procs and cgroup.kill opened, and
-// then it starts making the next: a mkdir in the tracking hierarchy, 35 µs
-// of CPU and more of waiting, and two opens of 8.5 µs each, that a restore
-// with processes would pay otherwise. (Made at the end of a restore
+// ahead in the background with its cgroup.procs and cgroup.kill opened (or
+// made now, without them, if there is none), and then it starts making the
+// next: a mkdir in the tracking hierarchy, 35 µs of CPU and more of waiting,
+// and two opens of 8.5 µs each, that a restore with processes would pay
+// otherwise. (Made at the end of a restore
 // instead, the next one would wait for it: 1.09–1.15 against 0.98–1.02 ms
 // p50 for an 8 MB template restore.) Called with op held.
 func (s *Sandbox) takeWorkGroup() workGroup {
@@ -1082,8 +1099,8 @@ type workFiles struct {
 	pids    *cgroup.PidList
 	// procs and kill are its cgroup.procs (copies of templates are moved
 	// in) and cgroup.kill (the next restore), opened ahead with the group
-	// (takeWorkGroup); nil for the sandbox's first command group, or on
-	// cgroup v1.
+	// (takeWorkGroup) or when it is retired to serve again (retireWork);
+	// nil for a group made at once until then, or on cgroup v1.
 	procs, kill *cgroup.Control
 }
 
