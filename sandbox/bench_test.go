@@ -430,9 +430,22 @@ func rollbackWithProcess(b *testing.B, step func(*sandbox.Sandbox)) {
 // restore and has the next one's copies forked ahead, which the second
 // takes, waiting for that job if it has not ended; the other eight fork at
 // restore, back to back, as in BenchmarkRollbackWithProcess.
+//
+// The process writes no file, so a template restore keeps the sandbox's
+// root (keepRoot): files=kept. With files=written, a file is written into
+// each sandbox before each of its restores (untimed), so that every restore
+// swaps in a new root, as after an agent's step that changed a file.
 func BenchmarkRollbackVsCRIU(b *testing.B) {
-	for _, mb := range []int{8, 100} {
-		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+	for _, c := range []struct {
+		mb    int
+		write bool
+	}{{8, false}, {8, true}, {100, false}, {100, true}} {
+		files := "kept"
+		if c.write {
+			files = "written"
+		}
+		mb := c.mb
+		b.Run(fmt.Sprintf("rss=%dMB/files=%s", mb, files), func(b *testing.B) {
 			needCRIU(b)
 			bb := setup(b)
 			ctx := context.Background()
@@ -459,6 +472,11 @@ func BenchmarkRollbackVsCRIU(b *testing.B) {
 			for done := 0; done < b.N; done += vsBlock {
 				for _, sd := range sides {
 					for range min(vsBlock, b.N-done) {
+						if c.write {
+							b.StopTimer()
+							must(b, sd.s.WriteFile(ctx, "/tmp/step", []byte("x"), 0o644, false))
+							b.StartTimer()
+						}
 						var err error
 						sd.l.time(func() { err = sd.s.Restore(ctx, sd.ck) })
 						must(b, err)

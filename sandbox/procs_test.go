@@ -977,3 +977,72 @@ func TestCommandGroupsReused(t *testing.T) {
 		})
 	}
 }
+
+// A restore with processes keeps the sandbox's root when it holds the
+// checkpoint's files already: over the checkpoint's layers, its upper as it
+// was when it became the upper. Any change, to a file, a directory entry,
+// or / itself, makes the restore swap in a new root, and the files are the
+// checkpoint's again.
+func TestRestoreKeepsUntouchedRoot(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sleep", "1000"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	restore := func() {
+		t.Helper()
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// rootMount is the mount id of the sandbox's root, as it sees it.
+	rootMount := func() string {
+		t.Helper()
+		return sh(t, s, `awk '$5 == "/" { id = $1 } END { print id }' /proc/self/mountinfo`)
+	}
+	// state is what the mutations below change.
+	const stateCmd = `stat -c '%a %Y' /; cat /etc/debian_version; ls /tmp; ls -d /d 2>/dev/null || true; python3 -c "import os; print(os.listxattr('/'))"`
+	restore() // a root over the checkpoint's layers
+	want := sh(t, s, stateCmd)
+	kept := rootMount()
+	restore()
+	if got := rootMount(); got != kept {
+		t.Fatalf("a restore with nothing written swapped the root: mount %s, then %s", kept, got)
+	}
+	for _, m := range []struct{ name, cmd string }{
+		{"a new file", "echo x > /tmp/new"},
+		{"a lower file changed", "echo changed >> /etc/debian_version"},
+		{"a lower file removed", "rm /etc/debian_version"},
+		{"a directory made and removed", "mkdir /d && rmdir /d"},
+		{"the mode of /", "chmod 700 /"},
+		{"the times of /", "touch -d 2001-01-01 /"},
+		{"an attribute of /", `python3 -c "import os; os.setxattr('/', 'user.deltagym', b'1')"`},
+	} {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Command: m.cmd})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.ExitCode != 0 {
+			t.Logf("%s: not possible here (%s), skipped", m.name, strings.TrimSpace(string(res.Stderr)))
+			continue
+		}
+		before := rootMount()
+		restore()
+		if rootMount() == before {
+			t.Errorf("%s: the restore kept the root", m.name)
+		}
+		if got := sh(t, s, stateCmd); got != want {
+			t.Errorf("%s: after the restore\n%s\nwant\n%s", m.name, got, want)
+		}
+		again := rootMount()
+		restore()
+		if got := rootMount(); got != again {
+			t.Errorf("%s: the next restore, with nothing written, swapped the root: %s, then %s", m.name, again, got)
+		}
+	}
+}

@@ -46,7 +46,13 @@ type Sandbox struct {
 	stack    []string       // delta layers under the upper, bottom first (refs held)
 	upper    string         // live upper layer (ref held)
 	upperFD  int            // idmapped clone of the upper's layer directory, or -1
-	head     string
+	// upperAt is how the upper's directory looked when it became the
+	// upper (keepRoot); ok is false if it could not be read.
+	upperAt struct {
+		st upperState
+		ok bool
+	}
+	head string
 	// spare is the next upper, prepared in the background after each root
 	// switch so that the next checkpoint or restore need not make one.
 	spare      chan spareUpper
@@ -383,6 +389,10 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	// old becomes the upper of the namespace's root.
 	old := spareUpper{id: s.upper, fd: s.upperFD}
 	s.upper, s.upperFD = sp.id, sp.fd
+	// Nothing has run in the new root yet: the copies come later, and the
+	// killed processes can start no system call.
+	st, err := readUpperState(s.rt.layers.UpperPath(sp.id))
+	s.upperAt.st, s.upperAt.ok = st, err == nil
 	if s.root >= 0 {
 		// A root that was pending goes with its fd, its upper follows;
 		// the namespace's root is still nsUpper's. Nothing but file
@@ -569,6 +579,7 @@ func (s *Sandbox) releaseUpper() {
 		s.rt.layers.Unref(s.upper)
 		s.upper = ""
 	}
+	s.upperAt.ok = false
 }
 
 // spareUpper is an empty upper with its idmapped clone for this sandbox.
@@ -1406,24 +1417,28 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		return err
 	}
 	stack := slices.Clone(r.shorten(c.Layers))
-	if err := refAll(r, stack); err != nil {
-		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
-	}
-	// With no process to bring back, nothing runs until the next command,
-	// which swaps the root in then.
 	// A checkpoint restored twice in a row (no checkpoint in between) is
 	// taken to be restored again: its next root is built ahead.
 	again := id == s.lastRestore
 	s.lastRestore = id
-	if again {
-		r.maybeFlattenHot(c)
+	// The root may hold the checkpoint's files already (keepRoot); else a
+	// new one is built over its layers and swapped in. With no process to
+	// bring back, nothing runs until the next command, which swaps the
+	// root in then.
+	if !copies || len(units) > 0 || !s.keepRoot(stack) {
+		if err := refAll(r, stack); err != nil {
+			return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
+		}
+		if again {
+			r.maybeFlattenHot(c)
+		}
+		if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
+			unrefAll(r, stack)
+			return err
+		}
+		s.unrefStack()
+		s.stack = stack
 	}
-	if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
-		unrefAll(r, stack)
-		return err
-	}
-	s.unrefStack()
-	s.stack = stack
 	s.head = id
 
 	if o.FreshEntropy {
@@ -1462,6 +1477,114 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 		}
 	}
 	return nil
+}
+
+// Keeping the root. A restore with processes swaps in a new root over the
+// checkpoint's layers with an empty upper. When the root it would replace is
+// over the same layers and its upper is still empty, the two hold the same
+// files, and the restore keeps the root instead: no overlay mounted, no
+// swap by the init, no old root detached, and none of the expedited RCU
+// grace period its teardown costs (the overlay's private layer mounts).
+// That is the case of a checkpoint restored again before anything wrote a
+// file: a rollback loop whose agent's steps only read, a tree search that
+// tries one move from a node after another, a process that keeps its state
+// in memory. Restoring an 8 MB python3 back to back, in alternating blocks
+// of 10 in one run, it took the p50 from 1.17–1.37 to 0.83–0.93 ms (0.68–0.71
+// of it, four runs). The upper counts as empty only if its directory has no
+// entry (no file, directory, whiteout or copied-up ancestor) and looks as it
+// did when it became the upper: mode, owner, times, size, link count and
+// extended attributes, so that a chmod, touch or setxattr of / itself, or a
+// directory made and removed again, is seen too. It is read once the
+// processes the restore killed are gone: a dying process's last system call
+// could still write.
+
+// upperState is what an upper's directory looks like: a change to the root
+// directory's own attributes shows in it, and so does any entry made in it
+// (a tmpfs directory's size and link count count them).
+type upperState struct {
+	mode         uint16
+	uid, gid     uint32
+	nlink        uint32
+	size         uint64
+	mtime, ctime unix.StatxTimestamp
+	xattrs       string // names and values
+}
+
+// readUpperState reads the state of upper directory dir.
+func readUpperState(dir string) (upperState, error) {
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, dir, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_BASIC_STATS, &st); err != nil {
+		return upperState{}, err
+	}
+	u := upperState{mode: st.Mode, uid: st.Uid, gid: st.Gid, nlink: st.Nlink, size: st.Size, mtime: st.Mtime, ctime: st.Ctime}
+	var names [4096]byte
+	n, err := unix.Llistxattr(dir, names[:])
+	if err != nil {
+		return upperState{}, err
+	}
+	var b strings.Builder
+	for name := range strings.SplitSeq(string(names[:n]), "\x00") {
+		if name == "" {
+			continue
+		}
+		var v [4096]byte
+		m, err := unix.Lgetxattr(dir, name, v[:])
+		if err != nil {
+			return upperState{}, err
+		}
+		b.WriteString(name + "=" + string(v[:m]) + "\x00")
+	}
+	u.xattrs = b.String()
+	return u, nil
+}
+
+// keepRoot reports whether the sandbox's root already holds the files of a
+// checkpoint over stack, so that a restore with processes keeps it: it is
+// the namespace's root (not pending), over stack, and its upper is as it
+// was when it became the upper, with no entry. It waits up to killedGrace
+// for the processes killAll ended to be gone (settleKilled would wait for
+// them before forking all the same). Called with op held, after killAll.
+func (s *Sandbox) keepRoot(stack []string) bool {
+	if s.root >= 0 || !s.upperAt.ok || !slices.Equal(s.stack, stack) {
+		return false
+	}
+	dir := s.rt.layers.UpperPath(s.upper)
+	unchanged := func() bool {
+		st, err := readUpperState(dir)
+		return err == nil && st == s.upperAt.st && dirEmpty(dir)
+	}
+	if !unchanged() {
+		return false
+	}
+	if s.killPending.Load() {
+		grace := killedGrace
+		if g := s.rt.killedGrace; g > 0 {
+			grace = g
+		}
+		if !s.waitKilledGroups(grace) {
+			return false
+		}
+		s.killed = nil
+		s.killPending.Store(false)
+		s.settled("gone")
+	}
+	return unchanged()
+}
+
+// dirEmpty reports whether directory dir has no entry but . and ..
+func dirEmpty(dir string) bool {
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	var buf [1024]byte
+	n, err := unix.Getdents(fd, buf[:])
+	if err != nil {
+		return false
+	}
+	_, _, names := unix.ParseDirent(buf[:n], -1, nil)
+	return len(names) == 0
 }
 
 // boostCPU raises the sandbox's CPU weight (cgroup.CPUBoost) and returns
