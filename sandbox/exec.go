@@ -141,7 +141,9 @@ func (s *Sandbox) cwd(c string) string {
 func (s *Sandbox) beginExec() (context.Context, error) {
 	s.op.RLock()
 	if s.killPending.Load() {
-		s.waitKilledGroups(2 * time.Second)
+		if !s.waitKilledGroups(2 * time.Second) {
+			s.stragglers.Store(true) // no longer waited for (keepRoot)
+		}
 		s.killPending.Store(false)
 	}
 	s.mu.Lock()

@@ -985,6 +985,9 @@ func TestCommandGroupsReused(t *testing.T) {
 // checkpoint's again.
 func TestRestoreKeepsUntouchedRoot(t *testing.T) {
 	b := setup(t)
+	// The killed copy must be gone or exiting for the root to be kept: on
+	// a busy machine it may take longer than the 0.5 ms a restore waits.
+	b.rt.SetKilledGrace(time.Second)
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
 	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sleep", "1000"}, Background: true}); err != nil {

@@ -139,6 +139,10 @@ type Sandbox struct {
 	// killPending: killed may still hold processes; the next command waits
 	// for them (beginExec), unless a wait found them gone (waitKilled).
 	killPending atomic.Bool
+	// stragglers: killed processes were given up on (no longer in killed)
+	// before they were seen gone; one could still write, and keepRoot no
+	// longer keeps a root.
+	stragglers atomic.Bool
 
 	mu       sync.Mutex // guards the fields below
 	gen      context.Context
@@ -372,9 +376,18 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	if !sp.built {
 		mfd, err = s.buildRoot(stack, sp.fd)
 	}
+	// How the new upper looks (keepRoot), read while no process can reach
+	// it: the root is still a detached mount.
+	var upperAt upperState
+	var upperErr error
+	if err == nil {
+		upperAt, upperErr = readUpperState(s.rt.layers.UpperPath(sp.id))
+	}
 	if err == nil && !pending {
 		if err = s.swap(mfd); err != nil {
 			unix.Close(mfd)
+			// The swap may have changed the namespace half-way.
+			s.upperAt.ok = false
 		}
 	}
 	if err != nil {
@@ -389,10 +402,7 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 	// old becomes the upper of the namespace's root.
 	old := spareUpper{id: s.upper, fd: s.upperFD}
 	s.upper, s.upperFD = sp.id, sp.fd
-	// Nothing has run in the new root yet: the copies come later, and the
-	// killed processes can start no system call.
-	st, err := readUpperState(s.rt.layers.UpperPath(sp.id))
-	s.upperAt.st, s.upperAt.ok = st, err == nil
+	s.upperAt.st, s.upperAt.ok = upperAt, upperErr == nil
 	if s.root >= 0 {
 		// A root that was pending goes with its fd, its upper follows;
 		// the namespace's root is still nsUpper's. Nothing but file
@@ -939,6 +949,7 @@ func (s *Sandbox) killAll() error {
 		s.waitKilled()
 		if len(s.killed) >= maxKilled {
 			s.killed = s.killed[1:]
+			s.stragglers.Store(true) // no longer waited for (keepRoot)
 		}
 	}
 	s.killed = append(s.killed, old.cg)
@@ -1425,12 +1436,12 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	// new one is built over its layers and swapped in. With no process to
 	// bring back, nothing runs until the next command, which swaps the
 	// root in then.
+	if again {
+		r.maybeFlattenHot(c)
+	}
 	if !copies || len(units) > 0 || !s.keepRoot(stack) {
 		if err := refAll(r, stack); err != nil {
 			return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
-		}
-		if again {
-			r.maybeFlattenHot(c)
 		}
 		if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
 			unrefAll(r, stack)
@@ -1496,12 +1507,17 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 // extended attributes, so that a chmod, touch or setxattr of / itself, or a
 // directory made and removed again, is seen too. It is read once the
 // processes the restore killed are gone: a dying process's last system call
-// could still write.
+// could still write. So a restore also swaps when the killed processes
+// are not gone or exiting within keepWait, after a restore with fresh
+// entropy (its seed file is in the upper), when a template has a file open
+// for writing (its copy reopens it, which copies it up), and for good once
+// a killed process was given up on before it was seen gone.
 
 // upperState is what an upper's directory looks like: a change to the root
 // directory's own attributes shows in it, and so does any entry made in it
 // (a tmpfs directory's size and link count count them).
 type upperState struct {
+	attributes   uint64 // chattr's flags
 	mode         uint16
 	uid, gid     uint32
 	nlink        uint32
@@ -1516,7 +1532,7 @@ func readUpperState(dir string) (upperState, error) {
 	if err := unix.Statx(unix.AT_FDCWD, dir, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_BASIC_STATS, &st); err != nil {
 		return upperState{}, err
 	}
-	u := upperState{mode: st.Mode, uid: st.Uid, gid: st.Gid, nlink: st.Nlink, size: st.Size, mtime: st.Mtime, ctime: st.Ctime}
+	u := upperState{attributes: st.Attributes, mode: st.Mode, uid: st.Uid, gid: st.Gid, nlink: st.Nlink, size: st.Size, mtime: st.Mtime, ctime: st.Ctime}
 	var names [4096]byte
 	n, err := unix.Llistxattr(dir, names[:])
 	if err != nil {
@@ -1541,11 +1557,13 @@ func readUpperState(dir string) (upperState, error) {
 // keepRoot reports whether the sandbox's root already holds the files of a
 // checkpoint over stack, so that a restore with processes keeps it: it is
 // the namespace's root (not pending), over stack, and its upper is as it
-// was when it became the upper, with no entry. It waits up to killedGrace
-// for the processes killAll ended to be gone (settleKilled would wait for
-// them before forking all the same). Called with op held, after killAll.
+// was when it became the upper, with no entry. The upper is read again
+// once every process killAll ended is gone or in its exit (it makes no
+// system call again), which it waits up to keepWait for; and never while
+// killed processes that were given up on may still run (stragglers).
+// Called with op held, after killAll.
 func (s *Sandbox) keepRoot(stack []string) bool {
-	if s.root >= 0 || !s.upperAt.ok || !slices.Equal(s.stack, stack) {
+	if s.root >= 0 || !s.upperAt.ok || s.stragglers.Load() || !slices.Equal(s.stack, stack) {
 		return false
 	}
 	dir := s.rt.layers.UpperPath(s.upper)
@@ -1556,20 +1574,34 @@ func (s *Sandbox) keepRoot(stack []string) bool {
 	if !unchanged() {
 		return false
 	}
-	if s.killPending.Load() {
-		grace := killedGrace
-		if g := s.rt.killedGrace; g > 0 {
-			grace = g
+	wait := keepWait
+	if g := s.rt.killedGrace; g > 0 {
+		wait = g
+	}
+	deadline := time.Now().Add(wait)
+	for pause := 20 * time.Microsecond; s.killPending.Load(); pause = min(2*pause, 200*time.Microsecond) {
+		gone, tids := s.killedState()
+		if gone {
+			s.killed = nil
+			s.killPending.Store(false)
+			s.settled("gone")
+			break
 		}
-		if !s.waitKilledGroups(grace) {
+		if tids != nil {
+			break // all exiting; settleKilled decides when the copies run
+		}
+		if time.Now().After(deadline) {
 			return false
 		}
-		s.killed = nil
-		s.killPending.Store(false)
-		s.settled("gone")
+		nap(pause)
 	}
 	return unchanged()
 }
+
+// keepWait bounds how long keepRoot waits for the killed processes to be
+// gone or exiting (an 8 MB python3 is gone within about 0.3 ms here); past
+// it the restore swaps, and settleKilled waits for them as before.
+const keepWait = 500 * time.Microsecond
 
 // dirEmpty reports whether directory dir has no entry but . and ..
 func dirEmpty(dir string) bool {
