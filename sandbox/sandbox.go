@@ -1009,12 +1009,7 @@ func (s *Sandbox) retireWork(g workGroup) {
 		// A group made at once (the first, or when the one made ahead
 		// failed) has no kept control files yet: opened here, off the
 		// restore's path.
-		if g.wf.procs == nil {
-			g.wf.procs, _ = g.cg.OpenControl("cgroup.procs")
-		}
-		if g.wf.kill == nil {
-			g.wf.kill, _ = g.cg.OpenControl("cgroup.kill")
-		}
+		g.wf.openControls()
 		select {
 		case s.reuseW <- g:
 			return
@@ -1085,10 +1080,7 @@ func (s *Sandbox) takeWorkGroup() workGroup {
 		g, err := s.cg.Sub(s.groupName("w"))
 		w := workGroup{cg: g, err: err, wf: workFiles{of: g}}
 		if err == nil {
-			// nil on cgroup v1, or if they cannot be opened: the
-			// group's methods serve then.
-			w.wf.procs, _ = g.OpenControl("cgroup.procs")
-			w.wf.kill, _ = g.OpenControl("cgroup.kill")
+			w.wf.openControls()
 		}
 		next <- w
 	}()
@@ -1141,6 +1133,18 @@ func (s *Sandbox) workFilesNow() *workFiles {
 func (s *Sandbox) closeWorkFiles() {
 	s.wf.close()
 	s.wf = workFiles{}
+}
+
+// openControls opens the group's cgroup.procs and cgroup.kill where they
+// are not open yet; they stay nil on cgroup v1, or if they cannot be opened
+// (the group's methods serve then).
+func (w *workFiles) openControls() {
+	if w.procs == nil {
+		w.procs, _ = w.of.OpenControl("cgroup.procs")
+	}
+	if w.kill == nil {
+		w.kill, _ = w.of.OpenControl("cgroup.kill")
+	}
 }
 
 func (w workFiles) close() {
