@@ -429,71 +429,84 @@ func rollbackWithProcess(b *testing.B, step func(*sandbox.Sandbox)) {
 // template block, the first restore (after the CRIU block) forks at
 // restore and has the next one's copies forked ahead, which the second
 // takes, waiting for that job if it has not ended; the other eight fork at
-// restore, back to back, as in BenchmarkRollbackWithProcess.
+// restore, back to back, as in BenchmarkRollbackWithProcess. With
+// files=step every restore follows a pause, and all but the first of a
+// block take copies forked ahead.
 //
-// The process writes no file, so a template restore keeps the sandbox's
-// root (keepRoot): files=kept. With files=written, a file is written into
-// each sandbox before each of its restores (untimed), so that every restore
-// swaps in a new root, as after an agent's step that changed a file.
+// What comes between restores (untimed) is the same for both paths:
+//   - files=kept: nothing. The process writes no file, so a template
+//     restore keeps the sandbox's root (keepRoot).
+//   - files=written: a file written into the sandbox by the server (a file
+//     action), so that every restore swaps in a new root, back to back.
+//   - files=step: an agent's step, a command that writes a file, then 5 ms
+//     standing for the model choosing its next action (an LLM call takes far
+//     longer): a new root every time, and the template path's copies forked
+//     ahead are ready by the next restore. That is the loop of a trainer.
 func BenchmarkRollbackVsCRIU(b *testing.B) {
-	for _, c := range []struct {
-		mb    int
-		write bool
-	}{{8, false}, {8, true}, {100, false}, {100, true}} {
-		files := "kept"
-		if c.write {
-			files = "written"
+	for _, mb := range []int{8, 100} {
+		for _, files := range []string{"kept", "written", "step"} {
+			rollbackVsCRIU(b, mb, files)
 		}
-		mb := c.mb
-		b.Run(fmt.Sprintf("rss=%dMB/files=%s", mb, files), func(b *testing.B) {
-			needCRIU(b)
-			bb := setup(b)
-			ctx := context.Background()
-			type side struct {
-				s  *sandbox.Sandbox
-				ck string
-				l  lat
-			}
-			sides := make([]*side, len(processPaths))
-			for i, path := range processPaths {
-				s := processSandbox(b, bb, mb)
-				ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
-				must(b, err)
-				if len(ck.Processes) != 1 || ck.Processes[0].Method != path.name {
-					b.Fatalf("captured %+v", ck.Processes)
-				}
-				// The first restore hands the templates to the huge-page
-				// worker; timed restores begin once it is done.
-				must(b, s.Restore(ctx, ck.ID))
-				sides[i] = &side{s: s, ck: ck.ID}
-			}
-			waitFolded(b, bb)
-			b.ResetTimer()
-			for done := 0; done < b.N; done += vsBlock {
-				for _, sd := range sides {
-					for range min(vsBlock, b.N-done) {
-						if c.write {
-							b.StopTimer()
-							must(b, sd.s.WriteFile(ctx, "/tmp/step", []byte("x"), 0o644, false))
-							b.StartTimer()
-						}
-						var err error
-						sd.l.time(func() { err = sd.s.Restore(ctx, sd.ck) })
-						must(b, err)
-					}
-				}
-			}
-			b.StopTimer()
-			p50 := make([]float64, len(sides))
-			for i, sd := range sides {
-				sd.l.report(b, processPaths[i].name+"-")
-				d := slices.Clone(sd.l)
-				slices.Sort(d)
-				p50[i] = float64(d[len(d)/2])
-			}
-			b.ReportMetric(p50[1]/p50[0], "criu/template-p50")
-		})
 	}
+}
+
+func rollbackVsCRIU(b *testing.B, mb int, files string) {
+	b.Run(fmt.Sprintf("rss=%dMB/files=%s", mb, files), func(b *testing.B) {
+		needCRIU(b)
+		bb := setup(b)
+		ctx := context.Background()
+		type side struct {
+			s  *sandbox.Sandbox
+			ck string
+			l  lat
+		}
+		sides := make([]*side, len(processPaths))
+		for i, path := range processPaths {
+			s := processSandbox(b, bb, mb)
+			ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
+			must(b, err)
+			if len(ck.Processes) != 1 || ck.Processes[0].Method != path.name {
+				b.Fatalf("captured %+v", ck.Processes)
+			}
+			// The first restore hands the templates to the huge-page
+			// worker; timed restores begin once it is done.
+			must(b, s.Restore(ctx, ck.ID))
+			sides[i] = &side{s: s, ck: ck.ID}
+		}
+		waitFolded(b, bb)
+		b.ResetTimer()
+		for done := 0; done < b.N; done += vsBlock {
+			for _, sd := range sides {
+				for range min(vsBlock, b.N-done) {
+					b.StopTimer()
+					switch files {
+					case "written":
+						must(b, sd.s.WriteFile(ctx, "/tmp/step", []byte("x"), 0o644, false))
+					case "step":
+						res, err := sd.s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", "echo $$ > /tmp/step"}})
+						must(b, err)
+						if res.ExitCode != 0 {
+							b.Fatalf("step: %+v", res)
+						}
+						time.Sleep(5 * time.Millisecond)
+					}
+					b.StartTimer()
+					var err error
+					sd.l.time(func() { err = sd.s.Restore(ctx, sd.ck) })
+					must(b, err)
+				}
+			}
+		}
+		b.StopTimer()
+		p50 := make([]float64, len(sides))
+		for i, sd := range sides {
+			sd.l.report(b, processPaths[i].name+"-")
+			d := slices.Clone(sd.l)
+			slices.Sort(d)
+			p50[i] = float64(d[len(d)/2])
+		}
+		b.ReportMetric(p50[1]/p50[0], "criu/template-p50")
+	})
 }
 
 // vsBlock is how many restores of one path BenchmarkRollbackVsCRIU makes
