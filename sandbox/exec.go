@@ -449,9 +449,26 @@ func (s *Sandbox) spawnError(err error) error {
 			return fmt.Errorf("%w: %w", ErrInvalid, err)
 		case unix.E2BIG:
 			return fmt.Errorf("%w: arguments and environment are too large for exec", ErrInvalid)
+		case unix.EAGAIN:
+			return s.pidsError(err)
 		}
 	}
 	return err
+}
+
+// pidsError is the error of a fork that failed with EAGAIN in the sandbox:
+// with a pids limit, ErrBudget naming it and what holds its pids.
+func (s *Sandbox) pidsError(err error) error {
+	lim := s.spec.Limits.Pids
+	if lim <= 0 || !errors.Is(err, unix.EAGAIN) {
+		return err
+	}
+	cur, cerr := s.cg.PidsCurrent()
+	if cerr != nil {
+		cur = -1
+	}
+	return fmt.Errorf("%w: the sandbox's pids limit (%d) is reached (%d in use; each process a checkpoint keeps as a frozen copy counts): %w; release checkpoints no longer needed, or end processes",
+		ErrBudget, lim, cur, err)
 }
 
 func closeAll(fs []*os.File) {

@@ -411,10 +411,17 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 		procs = append(procs, pi)
 	}
 	units := splitTrees(procs)
+	full, err := s.templatesFull(units, mode)
+	if err != nil {
+		return err
+	}
 	var tplProcs []procInfo
 	var trees []procTree
 	for _, u := range units {
 		why := u.criuReason(mode)
+		if why == "" && full != "" {
+			why = full
+		}
 		if why == "" {
 			tplProcs = append(tplProcs, u.procs[0])
 			continue
@@ -513,6 +520,9 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 				t.Kill()
 			}
 			_ = tg.Delete()
+			if perr := s.pidsError(err); perr != err {
+				return fmt.Errorf("copying %s: %w", pi.tpl.name(), perr)
+			}
 			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, pi.tpl.name(), err)
 		}
 		tplProcs[i].tpl.HostPid = t.Pid
@@ -596,6 +606,35 @@ func (t procTree) criuReason(mode ProcessMode) string {
 	default:
 		return t.procs[0].reason
 	}
+}
+
+// templatesFull says why the processes of units that a checkpoint in mode
+// would copy as templates go to CRIU instead, if they do: frozen copies
+// count against the sandbox's pids limit, and once they would take more
+// than three quarters of it, the rest is left to the live processes (a
+// sandbox whose checkpoints hold all its pids could not even start a
+// command). CRIU images hold no pid. Without CRIU, such a checkpoint fails
+// with ErrBudget.
+func (s *Sandbox) templatesFull(units []procTree, mode ProcessMode) (string, error) {
+	lim := s.spec.Limits.Pids
+	n := 0
+	for _, u := range units {
+		if u.criuReason(mode) == "" {
+			n++
+		}
+	}
+	if lim <= 0 || n == 0 {
+		return "", nil
+	}
+	cur, err := s.cg.PidsCurrent()
+	if err != nil || (cur+int64(n))*4 <= lim*3 {
+		return "", nil
+	}
+	why := fmt.Sprintf("the sandbox's pids limit (%d) keeps a quarter of its pids for the live processes, and frozen copies kept by checkpoints hold the rest (%d in use); release checkpoints no longer needed to have processes template-copied again", lim, cur)
+	if _, err := s.rt.criuSwrk(); err != nil {
+		return "", fmt.Errorf("%w: %s, and CRIU, which would save them holding no pid, is not available (%w)", ErrBudget, why, err)
+	}
+	return why, nil
 }
 
 // takeTemplateGroup returns an empty, frozen cgroup for the templates of
@@ -893,6 +932,9 @@ func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgrou
 		}
 		cp, nsPid, err := tpls[i].Fork()
 		if err != nil {
+			if perr := s.pidsError(err); perr != err {
+				return copies, true, fmt.Errorf("copying %s: %w", t.name(), perr)
+			}
 			return copies, true, fmt.Errorf("%w: copying %s: %w", ErrProcesses, t.name(), err)
 		}
 		lc := liveCopy{cp: cp, nsPid: nsPid, t: t, exit: reapIfOurs(cp.Pid)}

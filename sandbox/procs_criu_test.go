@@ -350,3 +350,66 @@ func TestTemplateImages(t *testing.T) {
 		t.Fatalf("checkpoint bytes %d before releasing the images, %d after", before, after)
 	}
 }
+
+// TestTemplatesLeavePids: frozen copies count against the sandbox's pids
+// limit, and once they would hold more than three quarters of it, a
+// checkpoint saves its processes with CRIU instead, saying why; the
+// sandbox can still run commands, and both kinds of checkpoint restore.
+func TestTemplatesLeavePids(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{Pids: 16}})
+	ctx := t.Context()
+	startCounter(t, s)
+	var templates []string
+	var criuCk string
+	for i := 1; i <= 14 && criuCk == ""; i++ {
+		inc(t, s, i)
+		ck, err := s.Checkpoint(ctx)
+		if err != nil {
+			t.Fatalf("checkpoint %d: %v", i, err)
+		}
+		if len(ck.Processes) != 1 {
+			t.Fatalf("checkpoint %d captured %+v", i, ck.Processes)
+		}
+		switch p := ck.Processes[0]; p.Method {
+		case "template":
+			templates = append(templates, ck.ID)
+		case "criu":
+			if !strings.Contains(p.Reason, "pids limit (16)") {
+				t.Fatalf("checkpoint %d went to CRIU for %q, want the pids limit named", i, p.Reason)
+			}
+			criuCk = ck.ID
+		}
+	}
+	// The init, the counter and 10 templates are 12: the 11th would be 13.
+	if criuCk == "" || len(templates) != 10 {
+		t.Fatalf("%d template checkpoints before CRIU took over (%q), want 10", len(templates), criuCk)
+	}
+	sh(t, s, "true")
+	if err := s.Restore(ctx, templates[0]); err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	if err := s.Restore(ctx, criuCk); err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 12)
+}
+
+// TestPidsLimitError: a command the pids limit leaves no room for fails
+// with ErrBudget naming the limit, not an internal error.
+func TestPidsLimitError(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Limits: sandbox.Limits{Pids: 8}})
+	ctx := t.Context()
+	var err error
+	for range 10 {
+		if _, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sleep", "1000"}, Background: true}); err != nil {
+			break
+		}
+	}
+	if !errors.Is(err, sandbox.ErrBudget) || !strings.Contains(err.Error(), "pids limit (8)") {
+		t.Fatalf("exec past the pids limit: %v, want ErrBudget naming the limit", err)
+	}
+}

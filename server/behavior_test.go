@@ -66,6 +66,10 @@ func TestBadInput(t *testing.T) {
 			_, err := c.Restore(t.Context(), &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: "ck-nope"})
 			return err
 		}, connect.CodeNotFound},
+		{"undefined process mode", func(c api) error {
+			_, err := c.Checkpoint(t.Context(), &deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode(7)})
+			return err
+		}, connect.CodeInvalidArgument},
 		{"fork n 0", func(c api) error {
 			_, err := c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}})
 			return err

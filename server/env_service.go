@@ -313,7 +313,11 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	}
 	if m.GetCheckpoint() {
 		cctx2, done := s.obs.op(cctx, "checkpoint")
-		info, err := l.Sandbox().CheckpointWith(cctx2, sandbox.CheckpointOptions{Processes: processMode(env, deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED)})
+		mode, err := processMode(env, deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED)
+		var info sandbox.CheckpointInfo
+		if err == nil {
+			info, err = l.Sandbox().CheckpointWith(cctx2, sandbox.CheckpointOptions{Processes: mode})
+		}
 		done(err)
 		if err != nil {
 			return nil, s.stepFailed(cctx, l, sess, fmt.Errorf("checkpointing after the step: %w", err))
@@ -531,8 +535,12 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 		return nil, e.s.toConnect(err)
 	}
 	defer end()
+	mode, err := processMode(l.Env(), req.Msg.GetProcessMode())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
 	octx, done := e.s.obs.op(cctx, "checkpoint")
-	info, err := l.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: processMode(l.Env(), req.Msg.GetProcessMode()), Durable: req.Msg.GetDurable()})
+	info, err := l.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: mode, Durable: req.Msg.GetDurable()})
 	done(err)
 	if err != nil {
 		return nil, e.s.toConnect(callErr(cctx, err))
@@ -557,20 +565,24 @@ func captureMethod(m string) deltagymv1.CaptureMethod {
 }
 
 // processMode picks how a checkpoint captures processes: the request's
-// mode, else the env's, else the runtime's default (templates).
-func processMode(env *envpool.Env, asked deltagymv1.ProcessMode) sandbox.ProcessMode {
+// mode, else the env's, else the runtime's default (templates). A value
+// the API does not define (a number sent over JSON, or by a newer client)
+// is ErrInvalid, not the default.
+func processMode(env *envpool.Env, asked deltagymv1.ProcessMode) (sandbox.ProcessMode, error) {
 	if asked == deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED && env != nil {
 		asked = env.ProcessMode()
 	}
 	switch asked {
+	case deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED:
+		return sandbox.ProcessesDefault, nil
 	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
-		return sandbox.ProcessesNone
+		return sandbox.ProcessesNone, nil
 	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
-		return sandbox.ProcessesTemplate
+		return sandbox.ProcessesTemplate, nil
 	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
-		return sandbox.ProcessesCRIU
+		return sandbox.ProcessesCRIU, nil
 	}
-	return sandbox.ProcessesDefault
+	return sandbox.ProcessesDefault, fmt.Errorf("process_mode %d is not one of PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE or PROCESS_MODE_CRIU: %w", asked, ErrInvalid)
 }
 
 func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv1.RestoreRequest]) (*connect.Response[deltagymv1.RestoreResponse], error) {
