@@ -26,6 +26,11 @@ func TestBadInput(t *testing.T) {
 	rr, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
 	must(t, err)
 	sb := rr.Msg.GetSandboxId()
+	// A checkpoint of another env (of the same image).
+	other, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "task"}))
+	must(t, err)
+	otherCk, err := b.connect.Checkpoint(t.Context(), connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: other.Msg.GetSandboxId()}))
+	must(t, err)
 	cases := []struct {
 		name string
 		call func(c api) error
@@ -70,6 +75,13 @@ func TestBadInput(t *testing.T) {
 			_, err := c.Checkpoint(t.Context(), &deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode(7)})
 			return err
 		}, connect.CodeInvalidArgument},
+		{"checkpoint of another env", func(c api) error {
+			_, err := c.Restore(t.Context(), &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: otherCk.Msg.GetCheckpointId()})
+			if err != nil && !strings.Contains(err.Error(), "fork the checkpoint") {
+				t.Errorf("restore of another env's checkpoint: %v, want a hint to fork it", err)
+			}
+			return err
+		}, connect.CodeFailedPrecondition},
 		{"fork n 0", func(c api) error {
 			_, err := c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}})
 			return err

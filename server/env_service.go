@@ -621,7 +621,7 @@ func (s *Server) restorable(l *envpool.Lease, id string) (ckptMeta, error) {
 	}
 	if meta.env != l.Env().Name() {
 		return ckptMeta{}, fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w",
-			id, meta.env, l.ID(), l.Env().Name(), sandbox.ErrMismatch)
+			id, meta.env, l.ID(), l.Env().Name(), ErrOtherEnv)
 	}
 	return meta, nil
 }

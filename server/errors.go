@@ -22,6 +22,8 @@ var (
 	ErrNoLedger = errors.New("ledger disabled on this server")
 	// ErrUnauthenticated means a missing or wrong bearer token.
 	ErrUnauthenticated = errors.New("missing or wrong bearer token")
+	// ErrOtherEnv means a restore of a checkpoint of another env than the sandbox's.
+	ErrOtherEnv = errors.New("a sandbox restores only checkpoints of its own env; fork the checkpoint for sandboxes of its env")
 )
 
 // codeOf maps an error to its Connect code. It is the one place where the sentinel errors of the
@@ -49,7 +51,7 @@ func codeOf(err error) connect.Code {
 		return connect.CodeResourceExhausted
 	case errors.Is(err, sandbox.ErrClosed), errors.Is(err, sandbox.ErrMismatch), errors.Is(err, sandbox.ErrProcesses), errors.Is(err, envpool.ErrLeaseEnded),
 		errors.Is(err, envpool.ErrNoVerifier), errors.Is(err, envpool.ErrVerifier),
-		errors.Is(err, ErrEpisodeEnded), errors.Is(err, ErrNoLedger):
+		errors.Is(err, ErrEpisodeEnded), errors.Is(err, ErrNoLedger), errors.Is(err, ErrOtherEnv):
 		return connect.CodeFailedPrecondition
 	case errors.Is(err, envpool.ErrClosed), errors.Is(err, ledger.ErrClosed):
 		return connect.CodeUnavailable

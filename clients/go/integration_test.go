@@ -508,3 +508,35 @@ func TestStepFrom(t *testing.T) {
 		})
 	}
 }
+
+// TestRestoreFreshEntropy: Restore and StepFrom with RestoreFreshEntropy
+// write a new seed at each restore.
+func TestRestoreFreshEntropy(t *testing.T) {
+	needServer(t)
+	ctx := t.Context()
+	c := dial(t, protocols[0].opts...)
+	sb := reset(t, c)
+	ck, err := sb.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seeds := map[string]bool{}
+	for range 3 {
+		if _, err := sb.Restore(ctx, ck.ID, deltagym.RestoreFreshEntropy()); err != nil {
+			t.Fatal(err)
+		}
+		seed, err := sb.ReadFile(ctx, "/run/deltagym/fork-seed")
+		if err != nil {
+			t.Fatal(err)
+		}
+		seeds[string(seed.Content)] = true
+		sf, err := sb.StepFrom(ctx, ck.ID, deltagym.ExecAction("cat /run/deltagym/fork-seed"), false, deltagym.RestoreFreshEntropy())
+		if err != nil {
+			t.Fatal(err)
+		}
+		seeds[string(sf.GetObservation().GetExec().GetStdout())] = true
+	}
+	if len(seeds) != 6 {
+		t.Fatalf("6 restores with fresh entropy gave %d distinct seeds", len(seeds))
+	}
+}

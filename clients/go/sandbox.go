@@ -250,12 +250,27 @@ func (s *Sandbox) Step(ctx context.Context, action *deltagymv1.Action, checkpoin
 // a tree search. The restore is Restore's (the current episode ends as
 // branched, a new one starts at the checkpoint; the handle's EpisodeID
 // follows); if it fails, the action is not performed. Not retried.
-func (s *Sandbox) StepFrom(ctx context.Context, checkpointID string, action *deltagymv1.Action, checkpoint bool) (*deltagymv1.StepResponse, error) {
+func (s *Sandbox) StepFrom(ctx context.Context, checkpointID string, action *deltagymv1.Action, checkpoint bool, opts ...RestoreOption) (*deltagymv1.StepResponse, error) {
 	if checkpointID == "" {
 		return nil, fmt.Errorf("step in sandbox %s from a checkpoint: no checkpoint ID", s.id)
 	}
-	return s.step(ctx, &deltagymv1.StepRequest{Action: action, Checkpoint: checkpoint, RestoreCheckpointId: checkpointID})
+	var rc restoreConfig
+	for _, o := range opts {
+		o(&rc)
+	}
+	return s.step(ctx, &deltagymv1.StepRequest{Action: action, Checkpoint: checkpoint, RestoreCheckpointId: checkpointID, RestoreFreshEntropy: rc.freshEntropy})
 }
+
+// RestoreOption changes a Restore or StepFrom.
+type RestoreOption func(*restoreConfig)
+
+type restoreConfig struct{ freshEntropy bool }
+
+// RestoreFreshEntropy gives the restored state randomness of its own
+// (RestoreRequest.fresh_entropy): a new seed in /run/deltagym/fork-seed
+// before the restored processes run, and a reseeded $RANDOM in each
+// restored session.
+func RestoreFreshEntropy() RestoreOption { return func(c *restoreConfig) { c.freshEntropy = true } }
 
 // step sends req for this sandbox and follows the episode it reports.
 func (s *Sandbox) step(ctx context.Context, req *deltagymv1.StepRequest) (*deltagymv1.StepResponse, error) {
@@ -440,11 +455,15 @@ type RestoreResult struct {
 // episode ends as branched and a new one starts; the handle's EpisodeID
 // follows. Restore is not retried: a second attempt would start another
 // episode.
-func (s *Sandbox) Restore(ctx context.Context, checkpointID string) (*RestoreResult, error) {
+func (s *Sandbox) Restore(ctx context.Context, checkpointID string, opts ...RestoreOption) (*RestoreResult, error) {
 	if err := s.checkOpen(); err != nil {
 		return nil, err
 	}
-	res, err := s.c.env.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: s.id, CheckpointId: checkpointID}))
+	var rc restoreConfig
+	for _, o := range opts {
+		o(&rc)
+	}
+	res, err := s.c.env.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: s.id, CheckpointId: checkpointID, FreshEntropy: rc.freshEntropy}))
 	if err != nil {
 		return nil, fmt.Errorf("restore of sandbox %s to %s: %w", s.id, checkpointID, err)
 	}

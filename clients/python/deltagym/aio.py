@@ -156,8 +156,8 @@ class AsyncClient:
         req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
         return await self._call("Checkpoint", self._env.Checkpoint, req, False)
 
-    async def restore(self, sandbox_id: str, checkpoint_id: str) -> es.RestoreResponse:
-        req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id)
+    async def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+        req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id, fresh_entropy=fresh_entropy)
         return await self._call("Restore", self._env.Restore, req, False)
 
     async def fork(
@@ -294,8 +294,8 @@ class AsyncSandbox:
     async def checkpoint(self, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
         return await self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
 
-    async def restore(self, checkpoint_id: str) -> es.RestoreResponse:
-        resp = await self.client.restore(self.id, checkpoint_id)
+    async def restore(self, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+        resp = await self.client.restore(self.id, checkpoint_id, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id
         return resp
 

@@ -178,9 +178,9 @@ class Client:
         req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
         return self._call("Checkpoint", self._env.Checkpoint, req, False)
 
-    def restore(self, sandbox_id: str, checkpoint_id: str) -> es.RestoreResponse:
+    def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
         """Puts the sandbox at a checkpoint; a new episode starts there."""
-        req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id)
+        req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id, fresh_entropy=fresh_entropy)
         return self._call("Restore", self._env.Restore, req, False)
 
     def fork(
@@ -346,8 +346,8 @@ class Sandbox:
     def checkpoint(self, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
         return self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
 
-    def restore(self, checkpoint_id: str) -> es.RestoreResponse:
-        resp = self.client.restore(self.id, checkpoint_id)
+    def restore(self, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+        resp = self.client.restore(self.id, checkpoint_id, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id
         return resp
 

@@ -94,6 +94,12 @@ def test_checkpoint_restore_evaluate(client: Client):
         with pytest.raises(deltagym.NotFound):
             sb.step("true", restore="ck-does-not-exist")
         assert sb.read_file("/work/answer.txt").observation.read_file.content == b"42"
+        # fresh_entropy: each restore writes a new seed for programs to read.
+        seeds = set()
+        for _ in range(3):
+            sb.restore(ck.checkpoint_id, fresh_entropy=True)
+            seeds.add(sb.read_file("/run/deltagym/fork-seed").observation.read_file.content)
+        assert len(seeds) == 3
 
 
 def test_relative_paths_use_workdir(client: Client):

@@ -1299,9 +1299,12 @@ type ForkRequest struct {
 	// returns the first one's response. The key reused for a different request
 	// (another n or source) is refused (INVALID_ARGUMENT).
 	IdempotencyKey string `protobuf:"bytes,6,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
-	// fresh_entropy gives each child distinct randomness: a reseeded kernel
-	// entropy view and a distinct DELTAGYM_SEED. Processes restored from
-	// templates keep the random state they had in memory.
+	// fresh_entropy gives each child randomness of its own, as
+	// RestoreRequest.fresh_entropy does: a distinct seed in
+	// /run/deltagym/fork-seed before its processes run, and a reseeded
+	// $RANDOM in every restored session. Other processes keep the random
+	// state they had in memory: a program that should diverge reads the
+	// seed file.
 	FreshEntropy  bool `protobuf:"varint,7,opt,name=fresh_entropy,json=freshEntropy,proto3" json:"fresh_entropy,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
