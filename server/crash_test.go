@@ -139,3 +139,85 @@ func TestCrashEndsEpisodes(t *testing.T) {
 		t.Fatalf("a step on the sandbox lost in the crash: %v, want NotFound saying it ended with the previous run", err)
 	}
 }
+
+// A checkpoint taken before a restart is restored after it with its steps numbered as before:
+// the server reads where it was taken from the ledger.
+func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
+	}
+	envs := t.TempDir()
+	for name, body := range testEnvs {
+		must(t, os.WriteFile(filepath.Join(envs, name), []byte(body), 0o644))
+	}
+	data, err := os.MkdirTemp("", "dgrestart")
+	must(t, err)
+	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
+	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CgroupRoot: cg,
+		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t),
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	t.Cleanup(func() {
+		if err := sandbox.Purge(filepath.Join(data, "sandbox")); err != nil {
+			t.Errorf("purging sandbox data: %v", err)
+		}
+		os.RemoveAll(data)
+		removeCgroupRoot(cg)
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) {
+		srv, err := server.New(ctx, cfg)
+		must(t, err)
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		must(t, err)
+		go srv.Serve(ln)
+		var protos http.Protocols
+		protos.SetUnencryptedHTTP2(true)
+		return srv, deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+	}
+	exec := func(c deltagymv1connect.EnvServiceClient, sb string) *deltagymv1.StepResponse {
+		st, err := c.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: execAction("true")}))
+		must(t, err)
+		return st.Msg
+	}
+
+	srv, c := start()
+	rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain", Run: "restart"}))
+	must(t, err)
+	sb := rr.Msg.GetSandboxId()
+	for range 3 {
+		exec(c, sb)
+	}
+	ck, err := c.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb}))
+	must(t, err)
+	before, err := c.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: ck.Msg.GetCheckpointId()}))
+	must(t, err)
+	if before.Msg.GetNextStepIndex() != 3 {
+		t.Fatalf("before the restart: next step %d, want 3", before.Msg.GetNextStepIndex())
+	}
+	must(t, srv.Close(ctx))
+
+	srv, c = start()
+	defer func() {
+		if err := srv.Close(context.Background()); err != nil {
+			t.Errorf("closing server: %v", err)
+		}
+	}()
+	rr, err = c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain", Run: "restart"}))
+	must(t, err)
+	sb = rr.Msg.GetSandboxId()
+	after, err := c.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: ck.Msg.GetCheckpointId()}))
+	must(t, err)
+	if after.Msg.GetNextStepIndex() != 3 {
+		t.Fatalf("after the restart: next step %d, want 3 as before", after.Msg.GetNextStepIndex())
+	}
+	st := exec(c, sb)
+	traj, err := srv.Ledger().Trajectory(ctx, st.GetEpisodeId())
+	must(t, err)
+	if n := len(traj.Steps); n != 4 || !traj.Steps[2].Inherited || traj.Steps[3].Inherited {
+		t.Fatalf("trajectory after the restart: %d steps (%+v), want 3 inherited and 1 own", n, traj.Steps)
+	}
+	if got := st.GetStepIndex(); got != 3 {
+		t.Fatalf("the step after the restart has index %d, want 3", got)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -122,7 +123,8 @@ func (s *Server) recordCheckpoint(env string, kind ledger.CheckpointKind, info s
 }
 
 // checkpointMeta returns what the server knows of checkpoint id; for checkpoints it did not
-// record (taken before a restart), the env is the first one on the checkpoint's image.
+// record (taken before a restart), what the ledger recorded, else (no ledger, or a checkpoint
+// the ledger never got) the env is the first one on the checkpoint's image.
 func (s *Server) checkpointMeta(id string) (ckptMeta, error) {
 	if v, ok := s.ckpts.Load(id); ok {
 		if _, err := s.rt.Checkpoint(id); err != nil {
@@ -133,6 +135,21 @@ func (s *Server) checkpointMeta(id string) (ckptMeta, error) {
 	info, err := s.rt.Checkpoint(id)
 	if err != nil {
 		return ckptMeta{}, err
+	}
+	// Taken before a restart: the ledger knows where (its env, episode and steps), so that
+	// the steps after restoring it are numbered as before the restart.
+	if s.store != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		p, err := s.store.CheckpointPlace(ctx, id)
+		cancel()
+		if err == nil {
+			meta := ckptMeta{env: p.Env, episode: p.Episode, run: p.Run, group: p.Group, own: p.Own, global: p.Global}
+			s.ckpts.Store(id, meta)
+			return meta, nil
+		}
+		if !errors.Is(err, ledger.ErrNotFound) {
+			s.log.Warn("reading a checkpoint's place from the ledger", "checkpoint", id, "err", err)
+		}
 	}
 	env, err := s.pools.EnvForImage(info.Image)
 	if err != nil {

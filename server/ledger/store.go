@@ -202,6 +202,77 @@ func (s *Store) episode(ctx context.Context, id string) (Episode, error) {
 	return e, nil
 }
 
+// CheckpointPlace is where a checkpoint was taken, as the ledger recorded it: its env, and,
+// for one taken in an episode, that episode, its run and group, the episode's own steps then
+// (Own), and the steps on its path from the Reset then, inherited ones included (Global: the
+// index of the next step after restoring it).
+type CheckpointPlace struct {
+	Env, Episode, Run, Group string
+	Own, Global              int
+}
+
+// CheckpointPlace returns where checkpoint id was taken (ErrNotFound if the ledger has no
+// record of it): what a restarted server knows of the checkpoints taken before.
+func (s *Store) CheckpointPlace(ctx context.Context, id string) (CheckpointPlace, error) {
+	if err := s.flush(ctx); err != nil {
+		return CheckpointPlace{}, err
+	}
+	var p CheckpointPlace
+	ep, own, err := s.checkpointAt(ctx, id, &p.Env)
+	if err != nil || ep == "" {
+		return p, err
+	}
+	e, err := s.episode(ctx, ep)
+	if err != nil {
+		return p, err
+	}
+	p.Episode, p.Run, p.Group, p.Own, p.Global = ep, e.Run, e.Group, own, own
+	seen := map[string]bool{ep: true}
+	for range maxAncestry {
+		if e.StartCheckpoint == "" {
+			break
+		}
+		var env string
+		up, limit, err := s.checkpointAt(ctx, e.StartCheckpoint, &env)
+		if errors.Is(err, ErrNotFound) || (err == nil && (up == "" || seen[up])) {
+			break
+		}
+		if err != nil {
+			return p, err
+		}
+		p.Global += limit
+		seen[up] = true
+		if e, err = s.episode(ctx, up); errors.Is(err, ErrNotFound) {
+			break
+		} else if err != nil {
+			return p, err
+		}
+	}
+	return p, nil
+}
+
+// checkpointAt reads checkpoint id's episode (empty if none) and step index, and its env
+// into env.
+func (s *Store) checkpointAt(ctx context.Context, id string, env *string) (string, int, error) {
+	var ep *string
+	var step *int32
+	err := s.pool.QueryRow(ctx, "SELECT env, episode_id, step_index FROM checkpoints WHERE id = $1", id).Scan(env, &ep, &step)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", 0, fmt.Errorf("checkpoint %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return "", 0, fmt.Errorf("reading checkpoint %s: %w", id, err)
+	}
+	if ep == nil {
+		return "", 0, nil
+	}
+	n := 0
+	if step != nil {
+		n = int(*step)
+	}
+	return *ep, n, nil
+}
+
 // TrajectoryStep is one step on a trajectory's path. Inherited steps belong to an ancestor
 // episode (StepRow.EpisodeID) and were taken before the checkpoint this episode started from.
 type TrajectoryStep struct {

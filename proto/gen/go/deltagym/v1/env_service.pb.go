@@ -1079,7 +1079,10 @@ type CheckpointResponse struct {
 	CheckpointId string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
 	// parent_id is the checkpoint this one descends from.
 	ParentId string `protobuf:"bytes,2,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
-	// depth is the number of ancestors of the checkpoint.
+	// depth is the number of delta layers the checkpoint's files stack on the
+	// image: one per checkpoint on its path, until the server merges layers
+	// (past 16), after which it is smaller than the number of ancestors.
+	// GetCheckpointTree gives the ancestors.
 	Depth int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	// processes tells how each live process was captured.
 	Processes []*ProcessCapture `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
