@@ -85,6 +85,11 @@ type ProcessCapture struct {
 	Method  string // "template" or "criu"
 	Session string // the session whose shell it is, if any
 	Reason  string // why the general path (criu) took it
+	// ImagePid is the pid a template's process has in forks, and in
+	// restores in other sandboxes, which bring it back from a CRIU image
+	// of a copy of the template: that copy's pid (0 until the image is
+	// made).
+	ImagePid int
 }
 
 // procTemplate is the persisted record of one template.

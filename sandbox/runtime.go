@@ -230,8 +230,12 @@ func (c *checkpoint) imageBytes() int64 {
 func (c *checkpoint) info() CheckpointInfo {
 	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
-	for _, p := range c.Procs {
-		ci.Processes = append(ci.Processes, ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session})
+	for i, p := range c.Procs {
+		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session}
+		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
+			pc.ImagePid = c.TplImages[i].Procs[0].NSPid
+		}
+		ci.Processes = append(ci.Processes, pc)
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {

@@ -1258,6 +1258,11 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	}
 	s.head = c.ID
 	r.maybeFlatten(c)
+	// Under the runtime's lock, as other readers: once added, the
+	// checkpoint's layers and images (TplImages) change under it.
+	r.mu.Lock()
+	info := c.info()
+	r.mu.Unlock()
 	if o.Durable && len(c.Procs) > 0 && r.startImaging() {
 		go func() {
 			defer r.imaging.Done()
@@ -1266,7 +1271,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 			}
 		}()
 	}
-	return c.info(), nil
+	return info, nil
 }
 
 // sealAndSwap is the fast path: the upper itself becomes the checkpoint's

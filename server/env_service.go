@@ -730,6 +730,12 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 				Reason: "restored in every child from the checkpoint's CRIU image"}
 			if p.Method != "criu" {
 				pc.Reason = "restored in every child from a CRIU image of its template"
+				if p.ImagePid > 0 && skipWhy == "" {
+					// The image is a copy's: the children have the process
+					// at that copy's pid.
+					pc.Pid = int32(p.ImagePid)
+					pc.Reason += fmt.Sprintf(", as pid %d (pid %d at the checkpoint)", p.ImagePid, p.Pid)
+				}
 				if skipWhy != "" {
 					pc.Method = deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE
 					pc.Reason = "the children run without it: " + skipWhy

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -72,6 +73,12 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 		must(t, err)
 		if got := string(res.Msg.GetObservation().GetExec().GetStdout()); got != "kept\n/work\n" {
 			t.Fatalf("session in a fork: %q", got)
+		}
+		// The fork reports the pid the child has the process at: its template's.
+		res, err = b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: fr.Msg.GetSandboxIds()[0], Action: sessionAction("/bin/busybox sh -c 'echo $PPID'")}))
+		must(t, err)
+		if got, want := strings.TrimSpace(string(res.Msg.GetObservation().GetExec().GetStdout())), fmt.Sprint(ps[0].GetPid()); got != want {
+			t.Fatalf("the session's shell in a fork is pid %s; the fork reported %s (%s)", got, want, ps[0].GetReason())
 		}
 	}
 	fs, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, ProcessMode: deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM}))
