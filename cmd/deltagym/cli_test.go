@@ -276,6 +276,7 @@ func TestPrintTables(t *testing.T) {
 			"checkpoint  ck-2\n" +
 			"parent      ck-1\n" +
 			"depth       2\n" +
+			"durable     no (frozen copies in the sandbox; --durable saves them as CRIU images)\n" +
 			"PID  CAPTURE  COMMAND  REASON\n" +
 			"5    none     python3  filesystem mode\n"},
 		{"fork", func(w io.Writer) error {

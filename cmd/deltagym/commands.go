@@ -422,11 +422,17 @@ func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string)
 		_, err := fmt.Fprintln(a.stdout, res.Msg.GetCheckpointId())
 		return err
 	}
-	return printCheckpoint(a.stdout, res.Msg)
+	if err := printCheckpoint(a.stdout, res.Msg); err != nil {
+		return err
+	}
+	if mode == deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM {
+		err = fields(a.stdout, "processes", "not captured (--processes files): restores and forks of it start none of the sandbox's running processes")
+	}
+	return err
 }
 
 func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse) error {
-	durable := ""
+	durable := "no (frozen copies in the sandbox; --durable saves them as CRIU images)"
 	if m.GetDurable() {
 		durable = "yes"
 	}
