@@ -463,9 +463,11 @@ func (s *Sandbox) pidsError(err error) error {
 	if lim <= 0 || !errors.Is(err, unix.EAGAIN) {
 		return err
 	}
+	// EAGAIN has other causes (a process limit of the uid): only one near
+	// the limit is the limit's.
 	cur, cerr := s.cg.PidsCurrent()
-	if cerr != nil {
-		cur = -1
+	if cerr != nil || cur+2 < lim {
+		return err
 	}
 	return fmt.Errorf("%w: the sandbox's pids limit (%d) is reached (%d in use; each process a checkpoint keeps as a frozen copy counts): %w; release checkpoints no longer needed, or end processes",
 		ErrBudget, lim, cur, err)

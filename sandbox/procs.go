@@ -615,11 +615,11 @@ func (t procTree) criuReason(mode ProcessMode) string {
 
 // templatesFull says why the processes of units that a checkpoint in mode
 // would copy as templates go to CRIU instead, if they do: frozen copies
-// count against the sandbox's pids limit, and once they would take more
-// than three quarters of it, the rest is left to the live processes (a
-// sandbox whose checkpoints hold all its pids could not even start a
-// command). CRIU images hold no pid. Without CRIU, such a checkpoint fails
-// with ErrBudget.
+// count against the sandbox's pids limit, and once the pids in use (live
+// processes, the init, frozen copies) and the new copies would pass three
+// quarters of it, the rest is left to the live processes (a sandbox whose
+// checkpoints hold all its pids could not even start a command). CRIU
+// images hold no pid. Without CRIU, such a checkpoint fails with ErrBudget.
 func (s *Sandbox) templatesFull(units []procTree, mode ProcessMode) (string, error) {
 	lim := s.spec.Limits.Pids
 	n := 0
@@ -635,7 +635,7 @@ func (s *Sandbox) templatesFull(units []procTree, mode ProcessMode) (string, err
 	if err != nil || (cur+int64(n))*4 <= lim*3 {
 		return "", nil
 	}
-	why := fmt.Sprintf("the sandbox's pids limit (%d) keeps a quarter of its pids for the live processes, and frozen copies kept by checkpoints hold the rest (%d in use); release checkpoints no longer needed to have processes template-copied again", lim, cur)
+	why := fmt.Sprintf("frozen copies would take the sandbox past three quarters of its pids limit (%d in use, %d new, limit %d; live processes and the frozen copies checkpoints keep count): a quarter is kept for the live processes; release checkpoints no longer needed, or end processes, to have processes template-copied again", cur, n, lim)
 	if _, err := s.rt.criuSwrk(); err != nil {
 		return "", fmt.Errorf("%w: %s, and CRIU, which would save them holding no pid, is not available (%w)", ErrBudget, why, err)
 	}

@@ -376,7 +376,7 @@ func TestTemplatesLeavePids(t *testing.T) {
 		case "template":
 			templates = append(templates, ck.ID)
 		case "criu":
-			if !strings.Contains(p.Reason, "pids limit (16)") {
+			if !strings.Contains(p.Reason, "limit 16") {
 				t.Fatalf("checkpoint %d went to CRIU for %q, want the pids limit named", i, p.Reason)
 			}
 			criuCk = ck.ID
@@ -412,4 +412,28 @@ func TestPidsLimitError(t *testing.T) {
 	if !errors.Is(err, sandbox.ErrBudget) || !strings.Contains(err.Error(), "pids limit (8)") {
 		t.Fatalf("exec past the pids limit: %v, want ErrBudget naming the limit", err)
 	}
+}
+
+// TestTemplatesFullWithoutCRIU: past three quarters of the pids limit,
+// without CRIU to save processes holding no pid, a checkpoint fails with
+// ErrBudget saying so, and the sandbox goes on.
+func TestTemplatesFullWithoutCRIU(t *testing.T) {
+	b := setup(t, func(c *sandbox.Config) { c.CRIU = "/nonexistent/criu" })
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{Pids: 8}})
+	ctx := t.Context()
+	startCounter(t, s)
+	var err error
+	n := 0
+	for ; n < 8; n++ {
+		inc(t, s, n+1)
+		if _, err = s.Checkpoint(ctx); err != nil {
+			break
+		}
+	}
+	// The init and the counter are 2: 4 templates make the 6 allowed.
+	if n != 4 || !errors.Is(err, sandbox.ErrBudget) || !strings.Contains(err.Error(), "CRIU") {
+		t.Fatalf("after %d checkpoints: %v, want ErrBudget naming CRIU after 4", n, err)
+	}
+	sh(t, s, "true")
+	inc(t, s, n+2)
 }

@@ -214,7 +214,7 @@ func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
 	st := exec(c, sb)
 	traj, err := srv.Ledger().Trajectory(ctx, st.GetEpisodeId())
 	must(t, err)
-	if n := len(traj.Steps); n != 4 || !traj.Steps[2].Inherited || traj.Steps[3].Inherited {
+	if n := len(traj.Steps); n != 4 || !traj.Steps[0].Inherited || !traj.Steps[1].Inherited || !traj.Steps[2].Inherited || traj.Steps[3].Inherited {
 		t.Fatalf("trajectory after the restart: %d steps (%+v), want 3 inherited and 1 own", n, traj.Steps)
 	}
 	if got := st.GetStepIndex(); got != 3 {

@@ -245,7 +245,7 @@ func (s *Server) step(ctx context.Context, m *deltagymv1.StepRequest) (*deltagym
 	if restore != "" {
 		// As Restore: checked before anything changes, and what runs in the
 		// sandbox is aborted.
-		if meta, err = s.restorable(l, restore); err != nil {
+		if meta, err = s.restorable(ctx, l, restore); err != nil {
 			return nil, err
 		}
 		l.Abort()
@@ -526,6 +526,10 @@ func (e *envService) StepStream(ctx context.Context, stream *connect.BidiStream[
 }
 
 func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltagymv1.CheckpointRequest]) (*connect.Response[deltagymv1.CheckpointResponse], error) {
+	// An undefined mode is refused before the request waits for the sandbox.
+	if _, err := processMode(nil, req.Msg.GetProcessMode()); err != nil {
+		return nil, e.s.toConnect(err)
+	}
 	l, sess, err := e.s.lease(req.Msg.GetSandboxId())
 	if err != nil {
 		return nil, e.s.toConnect(err)
@@ -593,7 +597,7 @@ func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
-	meta, err := e.s.restorable(l, req.Msg.GetCheckpointId())
+	meta, err := e.s.restorable(ctx, l, req.Msg.GetCheckpointId())
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
@@ -614,8 +618,8 @@ func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv
 
 // restorable checks that checkpoint id exists and can be restored in the sandbox of l, and
 // returns what the ledger knows of it.
-func (s *Server) restorable(l *envpool.Lease, id string) (ckptMeta, error) {
-	meta, err := s.checkpointMeta(id)
+func (s *Server) restorable(ctx context.Context, l *envpool.Lease, id string) (ckptMeta, error) {
+	meta, err := s.checkpointMeta(ctx, id)
 	if err != nil {
 		return ckptMeta{}, err
 	}
@@ -666,7 +670,7 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 	case *deltagymv1.ForkRequest_CheckpointId:
 		ckpt = src.CheckpointId
 		var err error
-		if meta, err = e.s.checkpointMeta(ckpt); err != nil {
+		if meta, err = e.s.checkpointMeta(ctx, ckpt); err != nil {
 			return nil, err
 		}
 	case *deltagymv1.ForkRequest_SandboxId:

@@ -125,7 +125,7 @@ func (s *Server) recordCheckpoint(env string, kind ledger.CheckpointKind, info s
 // checkpointMeta returns what the server knows of checkpoint id; for checkpoints it did not
 // record (taken before a restart), what the ledger recorded, else (no ledger, or a checkpoint
 // the ledger never got) the env is the first one on the checkpoint's image.
-func (s *Server) checkpointMeta(id string) (ckptMeta, error) {
+func (s *Server) checkpointMeta(ctx context.Context, id string) (ckptMeta, error) {
 	if v, ok := s.ckpts.Load(id); ok {
 		if _, err := s.rt.Checkpoint(id); err != nil {
 			return ckptMeta{}, err
@@ -139,7 +139,7 @@ func (s *Server) checkpointMeta(id string) (ckptMeta, error) {
 	// Taken before a restart: the ledger knows where (its env, episode and steps), so that
 	// the steps after restoring it are numbered as before the restart.
 	if s.store != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		p, err := s.store.CheckpointPlace(ctx, id)
 		cancel()
 		if err == nil {

@@ -271,14 +271,14 @@ func TestPrintTables(t *testing.T) {
 			"reset hook: exit 0 in 2.0ms\n  seed=7\n"},
 		{"checkpoint", func(w io.Writer) error {
 			return printCheckpoint(w, &deltagymv1.CheckpointResponse{CheckpointId: "ck-2", ParentId: "ck-1", Depth: 2,
-				Processes: []*deltagymv1.ProcessCapture{{Pid: 5, Command: "python3", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE, Reason: "filesystem mode"}}})
+				Processes: []*deltagymv1.ProcessCapture{{Pid: 5, Command: "python3", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE}}})
 		}, "" +
 			"checkpoint  ck-2\n" +
 			"parent      ck-1\n" +
 			"depth       2\n" +
 			"durable     no (frozen copies in the sandbox; --durable saves them as CRIU images)\n" +
-			"PID  CAPTURE  COMMAND  REASON\n" +
-			"5    none     python3  filesystem mode\n"},
+			"PID  CAPTURE   COMMAND  REASON\n" +
+			"5    template  python3  -\n"},
 		{"fork", func(w io.Writer) error {
 			return printFork(w, &deltagymv1.ForkResponse{SandboxIds: []string{"sb-2", "sb-3"}, EpisodeIds: []string{"ep-2", "ep-3"}, CheckpointId: "ck-1"})
 		}, "" +

@@ -22,6 +22,8 @@ func NewSwrk(bin string) (*Swrk, error) {
 		if bin, err = Find(); err != nil {
 			return nil, err
 		}
+	} else if err := executable(bin); err != nil {
+		return nil, fmt.Errorf("checking criu %s: %w", bin, err)
 	}
 	return &Swrk{bin: bin}, nil
 }

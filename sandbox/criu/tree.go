@@ -231,10 +231,12 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 		LogFile:           proto.String("dump.log"),
 		LogLevel:          proto.Int32(2),
 		// A connection still in a listening socket's queue, not accepted
-		// yet, is left out of the image rather than failing the dump: a
-		// frozen template's socket keeps every connection made to the
-		// port since its checkpoint (none of them is the checkpoint's),
-		// and one left there made its image fail at shutdown.
+		// yet, is left out of the image rather than failing the dump
+		// (its client sees a reset after a restore): a frozen template's
+		// socket keeps every connection made to the port since its
+		// checkpoint (none of them is the checkpoint's), and one left
+		// there made its image fail at shutdown; a live process's, one
+		// that arrived as it was dumped.
 		TcpSkipInFlight: proto.Bool(true),
 	}
 	log := filepath.Join(o.ImagesDir, "dump.log")

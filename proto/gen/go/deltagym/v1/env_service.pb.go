@@ -1080,8 +1080,8 @@ type CheckpointResponse struct {
 	// parent_id is the checkpoint this one descends from.
 	ParentId string `protobuf:"bytes,2,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
 	// depth is the number of delta layers the checkpoint's files stack on the
-	// image: one per checkpoint on its path, until the server merges layers
-	// (past 16), after which it is smaller than the number of ancestors.
+	// image: one per checkpoint on its path, fewer once the server has merged
+	// layers (past 16, or for a checkpoint restored again and again).
 	// GetCheckpointTree gives the ancestors.
 	Depth int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
 	// processes tells how each live process was captured.
