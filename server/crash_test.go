@@ -66,9 +66,10 @@ func crashChild() {
 	select {}
 }
 
-// An episode running when its server is killed ends failed (infra) once the server is back, as
-// a graceful shutdown ends it; its sandbox ended with the server.
-func TestCrashEndsEpisodes(t *testing.T) {
+// restartConfig is the configuration of a server that a test starts more than once, on the same
+// data directory and Postgres (removed at the test's end); it skips the test unless root.
+func restartConfig(t *testing.T) server.Config {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
 	}
@@ -76,11 +77,9 @@ func TestCrashEndsEpisodes(t *testing.T) {
 	for name, body := range testEnvs {
 		must(t, os.WriteFile(filepath.Join(envs, name), []byte(body), 0o644))
 	}
-	data, err := os.MkdirTemp("", "dgcrash")
+	data, err := os.MkdirTemp("", "dgrestart")
 	must(t, err)
 	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
-	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CgroupRoot: cg,
-		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t)}
 	t.Cleanup(func() {
 		if err := sandbox.Purge(filepath.Join(data, "sandbox")); err != nil {
 			t.Errorf("purging sandbox data: %v", err)
@@ -88,6 +87,14 @@ func TestCrashEndsEpisodes(t *testing.T) {
 		os.RemoveAll(data)
 		removeCgroupRoot(cg)
 	})
+	return server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CgroupRoot: cg,
+		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t)}
+}
+
+// An episode running when its server is killed ends failed (infra) once the server is back, as
+// a graceful shutdown ends it; its sandbox ended with the server.
+func TestCrashEndsEpisodes(t *testing.T) {
+	cfg := restartConfig(t)
 	raw, err := json.Marshal(cfg)
 	must(t, err)
 	child := exec.Command(os.Args[0])
@@ -143,26 +150,8 @@ func TestCrashEndsEpisodes(t *testing.T) {
 // A checkpoint taken before a restart is restored after it with its steps numbered as before:
 // the server reads where it was taken from the ledger.
 func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
-	}
-	envs := t.TempDir()
-	for name, body := range testEnvs {
-		must(t, os.WriteFile(filepath.Join(envs, name), []byte(body), 0o644))
-	}
-	data, err := os.MkdirTemp("", "dgrestart")
-	must(t, err)
-	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
-	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CgroupRoot: cg,
-		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t),
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
-	t.Cleanup(func() {
-		if err := sandbox.Purge(filepath.Join(data, "sandbox")); err != nil {
-			t.Errorf("purging sandbox data: %v", err)
-		}
-		os.RemoveAll(data)
-		removeCgroupRoot(cg)
-	})
+	cfg := restartConfig(t)
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) {
