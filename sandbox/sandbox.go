@@ -1246,6 +1246,9 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 		err = s.copyUpper(c)
 	}
 	if err != nil {
+		// A step after the files were copied failed (a template's fork,
+		// say): the copy's references go (none were taken otherwise).
+		unrefAll(r, c.Layers)
 		return CheckpointInfo{}, err
 	}
 	if err := r.addCheckpoint(c); err != nil {
