@@ -525,10 +525,7 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 				t.Kill()
 			}
 			_ = tg.Delete()
-			if perr := s.pidsError(err); perr != err {
-				return fmt.Errorf("copying %s: %w", pi.tpl.name(), perr)
-			}
-			return fmt.Errorf("%w: copying %s: %w", ErrProcesses, pi.tpl.name(), err)
+			return s.copyError(pi.tpl.name(), err)
 		}
 		tplProcs[i].tpl.HostPid = t.Pid
 		if st, err := startTime(t.Pid); err == nil {
@@ -611,6 +608,16 @@ func (t procTree) criuReason(mode ProcessMode) string {
 	default:
 		return t.procs[0].reason
 	}
+}
+
+// copyError is the error of a failed copy of process name (a template's,
+// or a template's copy): ErrBudget if the pids limit refused it
+// (pidsError), else ErrProcesses.
+func (s *Sandbox) copyError(name string, err error) error {
+	if perr := s.pidsError(err); perr != err {
+		return fmt.Errorf("copying %s: %w", name, perr)
+	}
+	return fmt.Errorf("%w: copying %s: %w", ErrProcesses, name, err)
 }
 
 // templatesFull says why the processes of units that a checkpoint in mode
@@ -937,10 +944,7 @@ func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgrou
 		}
 		cp, nsPid, err := tpls[i].Fork()
 		if err != nil {
-			if perr := s.pidsError(err); perr != err {
-				return copies, true, fmt.Errorf("copying %s: %w", t.name(), perr)
-			}
-			return copies, true, fmt.Errorf("%w: copying %s: %w", ErrProcesses, t.name(), err)
+			return copies, true, s.copyError(t.name(), err)
 		}
 		lc := liveCopy{cp: cp, nsPid: nsPid, t: t, exit: reapIfOurs(cp.Pid)}
 		if lc.cg, err = s.copyGroup(t); err == nil {

@@ -254,10 +254,7 @@ func (s *Sandbox) StepFrom(ctx context.Context, checkpointID string, action *del
 	if checkpointID == "" {
 		return nil, fmt.Errorf("step in sandbox %s from a checkpoint: no checkpoint ID", s.id)
 	}
-	var rc restoreConfig
-	for _, o := range opts {
-		o(&rc)
-	}
+	rc := restoreOptions(opts)
 	return s.step(ctx, &deltagymv1.StepRequest{Action: action, Checkpoint: checkpoint, RestoreCheckpointId: checkpointID, RestoreFreshEntropy: rc.freshEntropy})
 }
 
@@ -265,6 +262,14 @@ func (s *Sandbox) StepFrom(ctx context.Context, checkpointID string, action *del
 type RestoreOption func(*restoreConfig)
 
 type restoreConfig struct{ freshEntropy bool }
+
+func restoreOptions(opts []RestoreOption) restoreConfig {
+	var rc restoreConfig
+	for _, o := range opts {
+		o(&rc)
+	}
+	return rc
+}
 
 // RestoreFreshEntropy gives the restored state randomness of its own
 // (RestoreRequest.fresh_entropy): a new seed in /run/deltagym/fork-seed
@@ -459,10 +464,7 @@ func (s *Sandbox) Restore(ctx context.Context, checkpointID string, opts ...Rest
 	if err := s.checkOpen(); err != nil {
 		return nil, err
 	}
-	var rc restoreConfig
-	for _, o := range opts {
-		o(&rc)
-	}
+	rc := restoreOptions(opts)
 	res, err := s.c.env.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: s.id, CheckpointId: checkpointID, FreshEntropy: rc.freshEntropy}))
 	if err != nil {
 		return nil, fmt.Errorf("restore of sandbox %s to %s: %w", s.id, checkpointID, err)
