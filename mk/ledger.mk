@@ -1,10 +1,18 @@
 # Trajectory ledger (server/ledger): its tests and the default `make run` use a private cluster of
-# Debian 12's PostgreSQL 15, started from /usr/lib/postgresql/15/bin by server/ledger/pgserver.
+# Debian trixie's PostgreSQL 17, installed into $(PG_PREFIX) by scripts/postgres.sh and started by
+# server/ledger/pgserver, which finds it there (or through DELTAGYM_POSTGRES, a bin directory).
+# The deps group postgres installs patchelf for it, and bookworm's PostgreSQL 15: the postgres
+# system user, psql, and the binaries for a cluster that 15 made before.
 DEPS_GROUPS += postgres
+PG_PREFIX ?= $(CURDIR)/.cache/postgres
 
-.PHONY: ledger-test ledger-bench ledger-copycost
+.PHONY: postgres ledger-test ledger-bench ledger-copycost
 
-ledger-test: deps ## run the ledger tests against a real private Postgres
+postgres: deps ## install PostgreSQL 17 (Debian trixie) into a private prefix (.cache/postgres) for the private cluster
+	@./scripts/postgres.sh $(PG_PREFIX)
+TEST_PREREQS += postgres
+
+ledger-test: deps postgres ## run the ledger tests against a real private Postgres
 	go test -count=1 -timeout 10m ./server/ledger/...
 
 # ledger-bench runs the writer saturated (rate=max) and paced at the 50,000 steps/s target
@@ -14,10 +22,10 @@ ledger-test: deps ## run the ledger tests against a real private Postgres
 # (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate, n >= 1000) and
 # DELTAGYM_LEDGER_BENCH_PG=name=value,... (Postgres settings). The machine's other load moves
 # steps/s a lot; go-cpu-us/step and pg-cpu-us/step hold up better.
-ledger-bench: deps ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)
+ledger-bench: deps postgres ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)
 	go test -run '^$$' -bench WriterSteps -benchtime 300000x -timeout 20m ./server/ledger/
 
-ledger-copycost: deps ## what Postgres spends per 4 KiB step row (CPU, WAL, disk), per schema variant
+ledger-copycost: deps postgres ## what Postgres spends per 4 KiB step row (CPU, WAL, disk), per schema variant
 	go test -run '^$$' -bench CopyCost -benchtime 100000x -timeout 20m ./server/ledger/
 
 BENCH_TARGETS += ledger-bench

@@ -36,25 +36,25 @@ $(BIN)/deltagym-loadtest: $(shell find loadtest -name '*.go' 2>/dev/null) proto/
 # `make bin/deltagym-loadtest` (a relative name) builds it too.
 bin/deltagym-loadtest: $(BIN)/deltagym-loadtest
 
-loadtest: deps $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 30 s rollback load test (64 sandboxes) against a fresh private server: <N> rollbacks/s, p50/p90/p99/max, errors
+loadtest: deps postgres $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 30 s rollback load test (64 sandboxes) against a fresh private server: <N> rollbacks/s, p50/p90/p99/max, errors
 	@mkdir -p $(LOADTEST_OUT)
 	$(BIN)/deltagym-loadtest --serve $(BIN)/deltagym --init $(BIN)/dg-init --data $(LOADTEST_DATA) --envs $(CURDIR)/envs \
 		--image-dir $(DATA)/images/default --server-log $(LOADTEST_OUT)/server.log \
 		--json $(LOADTEST_OUT)/report.json --plot $(LOADTEST_OUT)/latency-cdf.png $(LOADTEST_ARGS)
 
-loadtest-sustained: deps $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 5 min rollback run (64 sandboxes), fresh private server: throughput, server RSS, discard backlog, CPU per process over time; flatness verdict
+loadtest-sustained: deps postgres $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 5 min rollback run (64 sandboxes), fresh private server: throughput, server RSS, discard backlog, CPU per process over time; flatness verdict
 	@mkdir -p $(LOADTEST_SUSTAINED_OUT)
 	$(BIN)/deltagym-loadtest --serve $(BIN)/deltagym --init $(BIN)/dg-init --data $(LOADTEST_SUSTAINED_DATA) --envs $(CURDIR)/envs \
 		--image-dir $(DATA)/images/default --server-log $(LOADTEST_SUSTAINED_OUT)/server.log \
 		--json $(LOADTEST_SUSTAINED_OUT)/report.json --plot $(LOADTEST_SUSTAINED_OUT)/latency-cdf.png $(LOADTEST_SUSTAINED_ARGS)
 
-loadtest-process: deps $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 30 s rollback-process run (64 sandboxes, one 8 MiB process each) vs CRIU (or "not available"), fresh private server
+loadtest-process: deps postgres $(BIN)/deltagym $(BIN)/dg-init $(BIN)/deltagym-loadtest image ## 30 s rollback-process run (64 sandboxes, one 8 MiB process each) vs CRIU (or "not available"), fresh private server
 	@mkdir -p $(LOADTEST_PROCESS_OUT)
 	$(BIN)/deltagym-loadtest --serve $(BIN)/deltagym --init $(BIN)/dg-init --data $(LOADTEST_PROCESS_DATA) --envs $(CURDIR)/envs \
 		--image-dir $(DATA)/images/default --server-log $(LOADTEST_PROCESS_OUT)/server.log \
 		--json $(LOADTEST_PROCESS_OUT)/report.json --plot $(LOADTEST_PROCESS_OUT)/latency-cdf.png $(LOADTEST_PROCESS_ARGS)
 
-loadtest-test: deps $(BIN)/deltagym $(BIN)/dg-init image ## the load test's own tests (a real server, a few seconds of rollbacks)
+loadtest-test: deps postgres $(BIN)/deltagym $(BIN)/dg-init image ## the load test's own tests (a real server, a few seconds of rollbacks)
 	DELTAGYM_INIT=$(BIN)/dg-init DELTAGYM_BIN=$(BIN)/deltagym DELTAGYM_IMAGE_DIR=$(DATA)/images/default \
 		go test -count=1 -timeout 10m ./loadtest/...
 

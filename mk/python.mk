@@ -28,7 +28,7 @@ $(PY_VENV)/.deltagym-installed: $(PY_VENV_STAMP) $(PY_SOURCES)
 
 python-venv: $(PY_VENV)/.deltagym-installed ## create the Python SDK test venv in .cache/py-venv (pinned)
 
-python-test: deps $(BIN)/dg-init $(PY_VENV)/.deltagym-installed ## run the Python SDK tests against a real server
+python-test: deps postgres $(BIN)/dg-init $(PY_VENV)/.deltagym-installed ## run the Python SDK tests against a real server
 	cd clients/python && DELTAGYM_INIT=$(BIN)/dg-init $(CURDIR)/$(PY_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests
 
 # The suite passed three runs in a row (about 35 s each, server build cached).

@@ -8,10 +8,10 @@ SERVER_ADDR ?= 127.0.0.1:8080
 $(BIN)/deltagym: $(BIN)/dg-init $(shell find cmd server envpool sandbox proto/gen -name '*.go' 2>/dev/null) go.mod go.sum | $(BIN)
 	go build -o $(BIN)/ ./cmd/...
 
-run: deps $(BIN)/deltagym $(BIN)/dg-init image criu ## run the server on $(SERVER_ADDR): default image, envs/, CRIU (process forks), private Postgres in $(DATA)
+run: deps postgres $(BIN)/deltagym $(BIN)/dg-init image criu ## run the server on $(SERVER_ADDR): default image, envs/, CRIU (process forks), private Postgres in $(DATA)
 	DELTAGYM_INIT=$(BIN)/dg-init $(BIN)/deltagym serve --addr $(SERVER_ADDR) --data $(DATA) --envs $(CURDIR)/envs
 
-server-bench: deps $(BIN)/dg-init ## client-observed Reset, Step, Restore, Fork-16 over loopback gRPC (p50/p99)
+server-bench: deps postgres $(BIN)/dg-init ## client-observed Reset, Step, Restore, Fork-16 over loopback gRPC (p50/p99)
 	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench . -benchtime 500x -timeout 30m ./server/
 
 BENCH_TARGETS += server-bench

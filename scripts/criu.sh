@@ -18,20 +18,14 @@
 #   PREFIX/usr/lib/x86_64-linux-gnu/        sid's ld-linux-x86-64.so.2, libc.so.6, libcompel.so.1, ...
 #   PREFIX/.stamp                           "criu <debian version>"; present = installed and checked
 #
-# Trust: apt verifies sid's InRelease with /usr/share/keyrings/debian-archive-keyring.gpg
-# (signed-by). Sid is signed by the "12/bookworm" and "13/trixie" automatic archive keys, both in
-# bookworm's debian-archive-keyring; the .debs are then checked against the signed hashes.
-# Acquire::Check-Valid-Until is off, as in this machine's own apt configuration: the mirror may
-# serve a frozen snapshot whose Valid-Until has passed. The signature is still required.
-#
-# Environment: CRIU_DEBIAN_MIRROR overrides the mirror read from /etc/apt/sources.list(.d).
+# Trust and the mirror: scripts/debian-private.sh.
 set -euo pipefail
 
 MIN_VERSION=4.2.1
-ARCH=amd64
-KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 
 die() { echo "criu.sh: $*" >&2; exit 1; }
+# shellcheck source=scripts/debian-private.sh
+. "$(dirname "${BASH_SOURCE[0]}")/debian-private.sh"
 
 [ $# -eq 1 ] || die "usage: scripts/criu.sh PREFIX"
 mkdir -p "$1"
@@ -54,12 +48,7 @@ for entry in "$PREFIX"/* "$PREFIX"/.[!.]*; do
 	*) die "$PREFIX holds ${entry##*/}, which this script did not write; use an empty or dedicated directory" ;;
 	esac
 done
-[ "$(dpkg --print-architecture)" = "$ARCH" ] || die "only $ARCH is supported"
 [ "$(id -u)" -eq 0 ] || die "run as root: 'criu check' needs root to verify the install"
-for tool in apt-get apt-cache dpkg-deb flock; do
-	command -v "$tool" >/dev/null || die "$tool is missing"
-done
-[ -r "$KEYRING" ] || die "$KEYRING is missing (apt-get install debian-archive-keyring)"
 
 # One installer at a time per prefix (make -j, parallel CI jobs).
 exec 9>"$PREFIX.lock"
@@ -69,74 +58,10 @@ if [ -f "$STAMP" ] && [ -x "$WRAPPER" ]; then
 	exit 0
 fi
 
-# debian_mirror prints the first Debian archive URI configured for a bookworm suite.
-debian_mirror() {
-	local f
-	for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-		[ -r "$f" ] || continue
-		# deb [options] URI suite components...
-		awk '$1 == "deb" { i = 2; if ($2 ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
-			if ($(i+1) == "bookworm") { print $i; exit } }' "$f"
-	done
-	for f in /etc/apt/sources.list.d/*.sources; do
-		[ -r "$f" ] || continue
-		# deb822 stanzas, separated by blank lines.
-		awk 'BEGIN { RS = ""; FS = "\n" }
-			{ uri = ""; ok = 0; deb = 0
-			  for (j = 1; j <= NF; j++) {
-				if ($j ~ /^URIs:/) { split($j, a, /[ \t]+/); uri = a[2] }
-				if ($j ~ /^Suites:/ && $j ~ /[ \t]bookworm([ \t]|$)/) ok = 1
-				if ($j ~ /^Types:/ && $j ~ /[ \t]deb([ \t]|$)/) deb = 1 }
-			  if (ok && deb && uri != "") { print uri; exit } }' "$f"
-	done
-}
-MIRROR=${CRIU_DEBIAN_MIRROR:-$(debian_mirror | head -n 1)}
-[ -n "$MIRROR" ] || die "no Debian mirror for bookworm in /etc/apt/sources.list(.d); set CRIU_DEBIAN_MIRROR"
-MIRROR=${MIRROR%/}
-
 start=$(date +%s.%N)
 work=$(mktemp -d "$PREFIX.work.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-chmod 0755 "$work"
-mkdir -p "$work"/{etc/parts,etc/sourceparts,etc/prefparts,etc/trustedparts,lists/partial,cache/archives/partial,log,debs,root}
-: >"$work/status"
-echo "deb [arch=$ARCH signed-by=$KEYRING] $MIRROR sid main" >"$work/etc/sources.list"
-# A complete private configuration: APT_CONFIG is read first and points every Dir:: at $work, so
-# neither /etc/apt/apt.conf.d (hooks such as appstream's Post-Invoke) nor the system's lists,
-# cache, status or lock are used.
-cat >"$work/apt.conf" <<EOF
-Dir::Etc::Main "/dev/null";
-Dir::Etc::Parts "$work/etc/parts";
-Dir::Etc::SourceList "$work/etc/sources.list";
-Dir::Etc::SourceParts "$work/etc/sourceparts";
-Dir::Etc::Preferences "/dev/null";
-Dir::Etc::PreferencesParts "$work/etc/prefparts";
-Dir::Etc::Trusted "/dev/null";
-Dir::Etc::TrustedParts "$work/etc/trustedparts";
-Dir::State "$work";
-Dir::State::Lists "$work/lists";
-Dir::State::status "$work/status";
-Dir::Cache "$work/cache";
-Dir::Log "$work/log";
-Debug::NoLocking "true";
-APT::Architecture "$ARCH";
-APT::Architectures { "$ARCH"; };
-Acquire::Languages "none";
-Acquire::Check-Valid-Until "false";
-EOF
-export APT_CONFIG=$work/apt.conf
-# apt drops to _apt to download; let it write there.
-if id _apt >/dev/null 2>&1; then chown -R _apt "$work/debs" "$work/lists/partial" "$work/cache/archives/partial"; fi
-
-echo "criu.sh: fetching sid's package list from $MIRROR" >&2
-apt-get -q update >"$work/log/update.log" 2>&1 || { cat "$work/log/update.log" >&2; die "apt-get update of sid failed"; }
-# A Release file that fails verification is only a warning to apt-get update, and apt then keeps
-# no InRelease in the lists: insist on a verified one.
-if grep -qE '^(W|E): .*(GPG error|NO_PUBKEY|not signed|EXPKEYSIG|BADSIG|REVKEYSIG)' "$work/log/update.log" ||
-	! compgen -G "$work/lists/*_dists_sid_InRelease" >/dev/null; then
-	cat "$work/log/update.log" >&2
-	die "sid's Release file could not be verified with $KEYRING"
-fi
+private_apt_init sid "$work"
 
 version=$(apt-cache show --no-all-versions criu 2>/dev/null | awk '/^Version:/ { print $2; exit }')
 [ -n "$version" ] || die "sid has no criu package"
@@ -146,16 +71,10 @@ dpkg --compare-versions "$upstream" ge "$MIN_VERSION" ||
 	die "sid's criu is $version, older than $MIN_VERSION; refusing (older CRIU fails on this kernel)"
 
 # The run-time closure: criu and everything it Depends on, recursively.
-mapfile -t pkgs < <(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts \
-	--no-breaks --no-replaces --no-enhances criu | grep -v '^ ' | grep -v '^<' | sort -u)
+mapfile -t pkgs < <(private_closure criu)
 echo "criu.sh: downloading criu $version and ${#pkgs[@]} packages: ${pkgs[*]}" >&2
-(cd "$work/debs" && apt-get -q download "${pkgs[@]}" >"$work/log/download.log" 2>&1) ||
-	{ cat "$work/log/download.log" >&2; die "apt-get download failed"; }
-
 root=$work/root
-for deb in "$work"/debs/*.deb; do
-	dpkg-deb -x "$deb" "$root"
-done
+private_unpack "$work" "$root" "${pkgs[@]}"
 loader=$root/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2
 [ -x "$root/usr/sbin/criu" ] && [ -e "$loader" ] || die "criu or its loader missing after unpacking"
 

@@ -8,7 +8,7 @@ need=(gcc make libc6-dev)
 for group in "$@"; do
 	case "$group" in
 	base) ;;
-	postgres) need+=(postgresql) ;;
+	postgres) need+=(postgresql patchelf) ;;
 	image) need+=(busybox-static mmdebstrap) ;;
 	*) echo "deps.sh: unknown group $group" >&2; exit 2 ;;
 	esac

@@ -65,8 +65,8 @@ func BenchmarkWriterSteps(b *testing.B) {
 }
 
 func benchWriter(b *testing.B, obsSize, rate int) {
-	if _, err := os.Stat(filepath.Join(pgserver.DefaultBinDir, "postgres")); err != nil {
-		b.Skip("postgres 15 not installed (run scripts/deps.sh postgres)")
+	if _, err := pgserver.FindBinDir(); err != nil {
+		b.Skip(err)
 	}
 	dir, err := os.MkdirTemp("", "pgbench")
 	if err != nil {

@@ -87,8 +87,8 @@ func selfCPU() time.Duration {
 // better than rows/s does), WAL and disk bytes per row, values moved to the TOAST table per
 // row, and the p50/p99 time of one batch.
 func BenchmarkCopyCost(b *testing.B) {
-	if _, err := os.Stat(filepath.Join(pgserver.DefaultBinDir, "postgres")); err != nil {
-		b.Skip("postgres 15 not installed (run scripts/deps.sh postgres)")
+	if _, err := pgserver.FindBinDir(); err != nil {
+		b.Skip(err)
 	}
 	variants := []struct {
 		name, sql string

@@ -64,11 +64,13 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 	for _, need := range []struct{ path, hint string }{
 		{initBin, "the sandbox init is not built (make init)"},
 		{image, "the default image is not built (make image)"},
-		{filepath.Join(pgserver.DefaultBinDir, "postgres"), "postgres is not installed (make deps)"},
 	} {
 		if _, err := os.Stat(need.path); err != nil {
 			return nil, need.hint, nil
 		}
+	}
+	if _, err := pgserver.FindBinDir(); err != nil {
+		return nil, err.Error(), nil
 	}
 	if opts.EnvsDir == "" {
 		opts.EnvsDir = filepath.Join(root, "envs")

@@ -5,7 +5,9 @@ import "errors"
 // Sentinel errors returned (wrapped) by this package.
 var (
 	// ErrNoBinaries means the Postgres server binaries were not found in Config.BinDir.
-	ErrNoBinaries = errors.New("postgres binaries not found (run `make deps` or scripts/deps.sh postgres)")
+	ErrNoBinaries = errors.New("postgres binaries not found (run `make postgres`)")
+	// ErrVersion means the cluster was made by another major version than the binaries'.
+	ErrVersion = errors.New("postgres major version mismatch")
 	// ErrSocketPathTooLong means DataDir is too deep for a unix socket path (108 bytes on Linux).
 	ErrSocketPathTooLong = errors.New("unix socket path too long")
 	// ErrExited means the postmaster exited before it accepted connections.

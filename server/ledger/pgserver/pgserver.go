@@ -36,9 +36,6 @@ import (
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 )
 
-// DefaultBinDir is where Debian 12 installs the PostgreSQL 15 server binaries.
-const DefaultBinDir = "/usr/lib/postgresql/15/bin"
-
 // defaultSettings suit the ledger's write-heavy load; Config.Settings overrides them.
 //   - max_wal_size: fewer forced checkpoints.
 //   - wal_init_zero=off: a new 16 MiB WAL segment is created by writing its last byte, not
@@ -65,8 +62,10 @@ const maxSocketPath = 108
 type Config struct {
 	// DataDir holds the cluster (DataDir/postgres), its socket directory and its log. Required.
 	DataDir string
-	// BinDir holds initdb and postgres. Default DefaultBinDir.
+	// BinDir holds initdb and postgres. Default FindBinDir's: the private PostgreSQL 17 of
+	// `make postgres`, else Debian's own install.
 	BinDir string
+	binFound bool // BinDir was searched for, not named by the caller or DELTAGYM_POSTGRES
 	// Database is created if absent. Default "deltagym".
 	Database string
 	// Settings are extra server settings passed as -c name=value (e.g. shared_buffers).
@@ -106,7 +105,13 @@ func (c *Config) Validate() error {
 	}
 	c.DataDir = abs
 	if c.BinDir == "" {
-		c.BinDir = DefaultBinDir
+		d, searched, err := findBinDir()
+		if err != nil {
+			return err
+		}
+		c.BinDir, c.binFound = d, searched
+	} else if err := hasBinaries(c.BinDir); err != nil {
+		return err
 	}
 	if c.Database == "" {
 		c.Database = "deltagym"
@@ -125,11 +130,6 @@ func (c *Config) Validate() error {
 	}
 	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
 		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
-	}
-	for _, b := range []string{"initdb", "postgres"} {
-		if _, err := os.Stat(filepath.Join(c.BinDir, b)); err != nil {
-			return fmt.Errorf("looking for %s in %s: %w", b, c.BinDir, ErrNoBinaries)
-		}
 	}
 	return nil
 }
@@ -177,6 +177,9 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := cfg.matchBinaries(ctx, filepath.Join(cfg.DataDir, "postgres")); err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		pgdata:  filepath.Join(cfg.DataDir, "postgres"),
@@ -193,8 +196,16 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("creating data dir: %w", err)
 	}
 	if s.cred != nil {
-		if err := ensureTraversable(cfg.DataDir); err != nil {
-			return nil, err
+		// The postgres user reaches the cluster and runs the binaries (a checkout's
+		// .cache/postgres under a home directory, say).
+		bin, err := filepath.EvalSymlinks(cfg.BinDir)
+		if err != nil {
+			return nil, fmt.Errorf("resolving %s: %w", cfg.BinDir, err)
+		}
+		for _, d := range []string{cfg.DataDir, bin} {
+			if err := ensureTraversable(d); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if err := s.initdb(ctx); err != nil {

@@ -21,8 +21,8 @@ import (
 
 func skipUnlessPostgres(t *testing.T) {
 	t.Helper()
-	if _, err := os.Stat(filepath.Join(DefaultBinDir, "postgres")); err != nil {
-		t.Skipf("postgres 15 not installed in %s (run scripts/deps.sh postgres)", DefaultBinDir)
+	if _, err := FindBinDir(); err != nil {
+		t.Skip(err)
 	}
 }
 
@@ -658,4 +658,74 @@ func TestLogTailOfLastRun(t *testing.T) {
 	if !strings.Contains(wholeLog(t, s), "an old line") {
 		t.Fatal("the old line is gone from the log")
 	}
+}
+
+// serverMajor is the major version the running cluster reports.
+func serverMajor(t *testing.T, url string) int {
+	t.Helper()
+	conn, err := pgx.Connect(t.Context(), url)
+	if err != nil {
+		t.Fatalf("connecting to %s: %v", url, err)
+	}
+	defer conn.Close(context.Background())
+	var num int
+	if err := conn.QueryRow(t.Context(), "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
+		t.Fatal(err)
+	}
+	return num / 10000
+}
+
+// TestFoundBinariesMatchCluster: a cluster made by Debian's PostgreSQL 15 (before the private
+// 17) is started with 15's binaries when the bin dir is searched for, and refused, saying what to
+// do, when 17's are named.
+func TestFoundBinariesMatchCluster(t *testing.T) {
+	skipUnlessPostgres(t)
+	found, err := FindBinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	newMajor, err := BinaryMajor(t.Context(), found)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := systemBinDir(15)
+	if old == "" || newMajor == 15 {
+		t.Skipf("needs Debian's PostgreSQL 15 and a newer private one (make postgres); found %s (%d)", found, newMajor)
+	}
+	if os.Getenv(EnvBinDir) != "" {
+		t.Skipf("%s is set: the bin dir is not searched for", EnvBinDir)
+	}
+	dir := t.TempDir()
+	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: old})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := serverMajor(t, s.URL()); got != 15 {
+		t.Fatalf("cluster runs %d, want 15", got)
+	}
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+
+	var log bytes.Buffer
+	s, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Logger: slog.New(slog.NewTextHandler(&log, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := serverMajor(t, s.URL()); got != 15 {
+		t.Fatalf("found binaries: cluster runs %d, want its own 15", got)
+	}
+	if !strings.Contains(log.String(), "older major version") {
+		t.Errorf("no warning logged about the older cluster: %s", log.String())
+	}
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+
+	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: found})
+	if !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), "made by PostgreSQL 15") ||
+		!strings.Contains(err.Error(), EnvBinDir) {
+		t.Fatalf("named %d binaries on a 15 cluster: %v, want ErrVersion saying what to do", newMajor, err)
+	}
+	t.Log(err)
 }

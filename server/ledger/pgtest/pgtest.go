@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -53,8 +52,8 @@ func Run(m *testing.M) int {
 }
 
 func skipReason() string {
-	if _, err := os.Stat(filepath.Join(pgserver.DefaultBinDir, "postgres")); err != nil {
-		return "postgres 15 not installed in " + pgserver.DefaultBinDir + " (run scripts/deps.sh postgres)"
+	if _, err := pgserver.FindBinDir(); err != nil {
+		return err.Error()
 	}
 	return ""
 }
