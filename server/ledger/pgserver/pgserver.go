@@ -64,7 +64,7 @@ type Config struct {
 	DataDir string
 	// BinDir holds initdb and postgres. Default FindBinDir's: the private PostgreSQL 17 of
 	// `make postgres`, else Debian's own install.
-	BinDir string
+	BinDir   string
 	binFound bool // BinDir was searched for, not named by the caller or DELTAGYM_POSTGRES
 	// Database is created if absent. Default "deltagym".
 	Database string
