@@ -99,6 +99,9 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	// O_DIRECT.
 	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
 	defer ledger.SetDirectSpool(true)
+	// DELTAGYM_LEDGER_BENCH_NEW_SLABS=1 reads rows back into new slabs, as before slab reuse.
+	ledger.SetSlabReuse(os.Getenv("DELTAGYM_LEDGER_BENCH_NEW_SLABS") != "1")
+	defer ledger.SetSlabReuse(true)
 	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay, QueueBytes: queue << 20})
 	if err != nil {
 		b.Fatal(err)

@@ -20,3 +20,6 @@ func (s *Store) Setting(ctx context.Context, name string) (string, error) {
 
 // SetDirectSpool turns the spool's O_DIRECT writes on or off (directIO), for comparisons.
 func SetDirectSpool(on bool) { directIO = on }
+
+// SetSlabReuse turns the spool reader's slab reuse on or off (to compare).
+func SetSlabReuse(on bool) { reuseSlabs = on }

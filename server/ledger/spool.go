@@ -65,7 +65,34 @@ type spool struct {
 		seg    uint64
 		next   uint64 // seq of the next frame at the reader's position
 	}
+	// Reader only: slabs the cursor has left (retired, each with the last record read from
+	// it) and slabs free to read into again (spare). A retired slab is spare once trim has
+	// been called past its last record: every batch holding records in it has then committed,
+	// and nothing else keeps them. Reusing slabs matters when the writer is behind and reads
+	// most rows back: a new 4 MiB slab costs a page fault and a page zeroed per 4 KiB (reuseSlabs).
+	retired []retiredSlab
+	spare   [][]byte
+	// trimmed is the last sequence number trim was called with (the deliverer's, read by the
+	// reader).
+	trimmed atomic.Uint64
 }
+
+// retiredSlab is a slab the cursor has left; last is the newest record read from it.
+type retiredSlab struct {
+	buf  []byte
+	last uint64
+}
+
+// maxRetired bounds the retired slabs tracked (more are left to the garbage collector): a
+// delivery that stalls while the reader reads ahead is bounded by the batches in flight, about
+// 24 slabs with the default batch size and connections. maxSpare bounds those kept free.
+const (
+	maxRetired = 64
+	maxSpare   = 4
+)
+
+// reuseSlabs can be turned off to compare (SetSlabReuse).
+var reuseSlabs = true
 
 func segName(first uint64) string { return fmt.Sprintf("%020d.seg", first) }
 
@@ -667,12 +694,58 @@ func (s *spool) newSlab(n int) {
 	var nb []byte
 	if c.direct {
 		lead = int(c.pos-int64(len(rest))) & (dioBlock - 1)
-		nb = alignedBuf((max(readSlab, lead+n) + dioBlock - 1) &^ (dioBlock - 1))
+		nb = s.takeSlab((max(readSlab, lead+n) + dioBlock - 1) &^ (dioBlock - 1))
 	} else {
 		nb = make([]byte, 0, max(readSlab, n))
 	}
-	c.buf = append(nb[:lead], rest...)
+	nb = append(nb[:lead], rest...)
+	s.retireSlab()
+	c.buf = nb
 	c.off = lead
+}
+
+// takeSlab returns a block-aligned slab of size bytes: a spare one when it has the standard
+// size, else a new one.
+func (s *spool) takeSlab(size int) []byte {
+	if size == readSlab && reuseSlabs {
+		done := s.trimmed.Load()
+		keep := s.retired[:0]
+		for _, r := range s.retired {
+			switch {
+			case r.last > done:
+				keep = append(keep, r)
+			case len(s.spare) < maxSpare:
+				s.spare = append(s.spare, r.buf)
+			}
+		}
+		clear(s.retired[len(keep):])
+		s.retired = keep
+		if k := len(s.spare); k > 0 {
+			b := s.spare[k-1]
+			s.spare[k-1] = nil
+			s.spare = s.spare[:k-1]
+			return b[:size:size]
+		}
+	}
+	return alignedBuf(size)
+}
+
+// retireSlab records that the cursor leaves its slab, for takeSlab to reuse once every record
+// read from it is delivered. Only a direct cursor's standard slabs are reused.
+func (s *spool) retireSlab() {
+	c := &s.cur
+	if c.buf == nil || !c.direct || cap(c.buf) != readSlab || !reuseSlabs {
+		return
+	}
+	var last uint64
+	if c.next > 0 {
+		last = c.next - 1
+	}
+	if len(s.retired) == maxRetired {
+		s.retired[0] = retiredSlab{}
+		s.retired = s.retired[1:]
+	}
+	s.retired = append(s.retired, retiredSlab{buf: c.buf[:0], last: last})
 }
 
 // preadFull reads b at off until it is full, the file ends or a read fails. A direct read that
@@ -737,6 +810,7 @@ func (s *spool) readEnd(first uint64) int64 {
 
 func (s *spool) closeCursor() {
 	if s.cur.f != nil {
+		s.retireSlab()
 		_ = s.cur.f.Close()
 		s.cur.f, s.cur.fd, s.cur.buf, s.cur.off, s.cur.direct = nil, -1, nil, 0, false
 	}
@@ -745,6 +819,9 @@ func (s *spool) closeCursor() {
 // trim removes the segments every record of which has been delivered, never the active one.
 // Called by the deliverer; it does not touch the reader's cursor.
 func (s *spool) trim(delivered uint64) error {
+	if delivered > s.trimmed.Load() {
+		s.trimmed.Store(delivered) // the deliverer is the only writer
+	}
 	s.mu.Lock()
 	var drop []uint64
 	for len(s.segs) > 1 && s.segs[1] <= delivered+1 {

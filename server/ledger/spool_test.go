@@ -719,3 +719,54 @@ func TestSpoolDirectReadRefused(t *testing.T) {
 		t.Fatalf("read %d records again, %d refused: %v", len(recs), refused, err)
 	}
 }
+
+// A saturated writer reads most rows back: the reader reuses a slab once every record read
+// from it has been delivered (trim), never before. Batches are held, as the deliverer holds
+// them, until twelve later ones have been read (more than a slab's worth, so that a slab
+// reused too early would be read into under records still held); each is checked whole before
+// it is trimmed.
+func TestSpoolReusesDeliveredSlabs(t *testing.T) {
+	sp, _ := openDirect(t, 64<<20)
+	const n, obs = 4000, 4000
+	for seq := uint64(1); seq <= n; seq += 100 {
+		if err := sp.write(frames(seq, seq+99, obs), seq+99); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type batch struct {
+		recs  []record
+		first uint64
+	}
+	var held []batch
+	slabs := map[uintptr]bool{}
+	switches := 0
+	var last uintptr
+	for read := uint64(0); read < n; {
+		recs, err := sp.read(read+1, n, 100, 1<<30)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, batch{recs, read + 1})
+		read += uint64(len(recs))
+		if base := uintptr(unsafe.Pointer(unsafe.SliceData(sp.cur.buf))); base != last {
+			slabs[base], last = true, base
+			switches++
+		}
+		for len(held) > 12 {
+			b := held[0]
+			held = held[1:]
+			checkRecords(t, b.recs, b.first)
+			if err := sp.trim(b.recs[len(b.recs)-1].seq); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for _, b := range held {
+		checkRecords(t, b.recs, b.first)
+	}
+	// 16 MB read through 4 MiB slabs: four or five of them, one or two reused.
+	if switches < 4 || len(slabs) >= switches {
+		t.Fatalf("the reader used %d slabs in %d: none reused", len(slabs), switches)
+	}
+	t.Logf("%d slabs for %d", len(slabs), switches)
+}
