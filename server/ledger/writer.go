@@ -49,7 +49,9 @@ type Config struct {
 	DeliveryDelay time.Duration
 	// Conns is the number of delivery connections: up to Conns batches are copied into
 	// Postgres at once (a COPY keeps one backend busy on one CPU); they still commit in order.
-	// Default 2.
+	// Default 4: on 2 CPUs, 2 left them idle while a batch committed (its WAL flush) or the
+	// next one was read back; 4 delivered 1-9% more steps/s saturated in 4 of 4 interleaved
+	// pairs (session 33).
 	Conns int
 	// ObservationCap caps a stored observation; its full size and SHA-256 are kept. Default 64 KiB.
 	ObservationCap int
@@ -93,7 +95,7 @@ func (c *Config) Validate() error {
 		c.DeliveryDelay = 100 * time.Millisecond
 	}
 	if c.Conns <= 0 {
-		c.Conns = 2
+		c.Conns = 4
 	}
 	if c.ObservationCap <= 0 {
 		c.ObservationCap = 64 << 10
