@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
@@ -99,6 +100,11 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	// O_DIRECT.
 	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
 	defer ledger.SetDirectSpool(true)
+	// The writer runs in `deltagym serve`, whose collector runs at GOGC 400 (cmd/deltagym/gc.go)
+	// unless GOGC is set: so does the benchmark (GOGC=100 for Go's default).
+	if os.Getenv("GOGC") == "" {
+		defer debug.SetGCPercent(debug.SetGCPercent(400))
+	}
 	// DELTAGYM_LEDGER_BENCH_NEW_SLABS=1 reads rows back into new slabs, as before slab reuse.
 	ledger.SetSlabReuse(os.Getenv("DELTAGYM_LEDGER_BENCH_NEW_SLABS") != "1")
 	defer ledger.SetSlabReuse(true)
