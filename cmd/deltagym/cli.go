@@ -70,7 +70,7 @@ var commands = []command{
 	{name: "episodes", args: "[--run R] [--group G] [--env E] [--limit N]", summary: "list recorded episodes", run: runEpisodes},
 	{name: "trajectory", args: "EPISODE", summary: "print an episode's steps from its reset", run: runTrajectory},
 	{name: "advantages", args: "GROUP [--source S]", summary: "group-relative (GRPO) advantages", run: runAdvantages},
-	{name: "traj", args: "export [--run NAME] --format jsonl [--out FILE]", summary: "export trajectories from the ledger database", run: runTraj, noClient: true},
+	{name: "traj", args: "export [--run NAME] [--format jsonl] [--out FILE]", summary: "export trajectories from the ledger database", run: runTraj, noClient: true},
 	{name: "db", args: "url", summary: "print the ledger database URL (for psql)", run: runDB, noClient: true},
 	{name: "purge", args: "[--data DIR]", summary: "end what a crashed server left running and delete its sandbox state (checkpoints, layers); keeps the ledger and the image cache", run: runPurge, noClient: true},
 }

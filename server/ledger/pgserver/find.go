@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -43,6 +44,11 @@ func findBinDir() (dir string, searched bool, err error) {
 		}
 		return d, false, nil
 	}
+	return findBinDirSearched()
+}
+
+// findBinDirSearched is FindBinDir without DELTAGYM_POSTGRES.
+func findBinDirSearched() (dir string, searched bool, err error) {
 	var starts []string
 	if wd, err := os.Getwd(); err == nil {
 		starts = append(starts, wd)
@@ -143,37 +149,53 @@ func clusterMajor(pgdata string) (int, error) {
 	return m, nil
 }
 
-// matchBinaries makes sure the binaries can open the cluster in pgdata: a cluster made by
-// another major version cannot be. When the bin dir was searched for rather than given (in
-// Config.BinDir or DELTAGYM_POSTGRES), Debian's install
-// of the cluster's own version is used instead, if there is one (a cluster made before the
-// private PostgreSQL 17, by the system's 15, keeps working); otherwise the error says what to do.
-func (c *Config) matchBinaries(ctx context.Context, pgdata string) error {
-	have, err := clusterMajor(pgdata)
-	if err != nil || have == 0 {
-		return err
-	}
+// matchBinaries makes sure the binaries can open the cluster in pgdata, and returns their major
+// version: a cluster made by another major version cannot be opened. When the bin dir was
+// searched for rather than given (in Config.BinDir or DELTAGYM_POSTGRES), Debian's install of the
+// cluster's own version is used instead, if there is one (a cluster made before the private
+// PostgreSQL 17, by the system's 15, keeps working); otherwise the error says what to do.
+func (c *Config) matchBinaries(ctx context.Context, pgdata string) (int, error) {
 	got, err := BinaryMajor(ctx, c.BinDir)
 	if err != nil {
-		return err
+		return 0, err
 	}
-	if got == have {
-		return nil
+	have, err := clusterMajor(pgdata)
+	if err != nil || have == 0 || have == got {
+		return got, err
 	}
 	if c.binFound {
 		if d := systemBinDir(have); d != "" {
 			c.Logger.Warn("private postgres: the cluster was made by an older major version; running it with that version's binaries",
 				"dir", pgdata, "cluster", have, "bin", d, "found", c.BinDir, "found_version", got)
 			c.BinDir = d
-			return nil
+			return have, nil
 		}
 	}
-	installed, _ := filepath.Glob(systemBinDirs)
-	sort.Strings(installed)
-	if len(installed) == 0 {
-		installed = []string{"none in " + filepath.Dir(filepath.Dir(systemBinDirs))}
-	}
-	return fmt.Errorf("%w: the cluster in %s was made by PostgreSQL %d and %s holds PostgreSQL %d (installed: %s); "+
+	return 0, fmt.Errorf("%w: the cluster in %s was made by PostgreSQL %d and %s holds PostgreSQL %d (found here: %s); "+
 		"set %s to a PostgreSQL %d bin directory, or move the cluster away to start a new one (`make clean-ledger` deletes the recorded trajectories)",
-		ErrVersion, pgdata, have, c.BinDir, got, strings.Join(installed, ", "), EnvBinDir, have)
+		ErrVersion, pgdata, have, c.BinDir, got, installedBinDirs(ctx), EnvBinDir, have)
+}
+
+// installedBinDirs lists the bin directories FindBinDir would consider, each with its major
+// version: the checkout's private one and Debian's.
+func installedBinDirs(ctx context.Context) string {
+	var dirs []string
+	if d, searched, err := findBinDirSearched(); err == nil && searched {
+		dirs = append(dirs, d)
+	}
+	system, _ := filepath.Glob(systemBinDirs)
+	sort.Strings(system)
+	var out []string
+	for _, d := range append(dirs, system...) {
+		if slices.ContainsFunc(out, func(s string) bool { return strings.HasPrefix(s, d+" ") }) {
+			continue
+		}
+		if m, err := BinaryMajor(ctx, d); err == nil {
+			out = append(out, fmt.Sprintf("%s (%d)", d, m))
+		}
+	}
+	if len(out) == 0 {
+		return "none"
+	}
+	return strings.Join(out, ", ")
 }

@@ -183,9 +183,11 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if err := cfg.matchBinaries(ctx, filepath.Join(cfg.DataDir, "postgres")); err != nil {
+	major, err := cfg.matchBinaries(ctx, filepath.Join(cfg.DataDir, "postgres"))
+	if err != nil {
 		return nil, err
 	}
+	cfg.Logger.Info("private postgres", "dir", cfg.DataDir, "version", major, "bin", cfg.BinDir)
 	s := &Server{
 		cfg:     cfg,
 		pgdata:  filepath.Join(cfg.DataDir, "postgres"),

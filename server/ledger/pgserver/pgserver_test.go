@@ -724,8 +724,23 @@ func TestFoundBinariesMatchCluster(t *testing.T) {
 
 	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: found})
 	if !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), "made by PostgreSQL 15") ||
-		!strings.Contains(err.Error(), EnvBinDir) {
+		!strings.Contains(err.Error(), EnvBinDir) || !strings.Contains(err.Error(), found+" (") {
 		t.Fatalf("named %d binaries on a 15 cluster: %v, want ErrVersion saying what to do", newMajor, err)
 	}
 	t.Log(err)
+
+	// The other way round: a cluster of the found version, 15's binaries named. The message
+	// points to the found ones.
+	dir = t.TempDir()
+	s, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: old})
+	if want := fmt.Sprintf("%s (%d)", found, newMajor); !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), want) {
+		t.Fatalf("named 15's binaries on a %d cluster: %v, want ErrVersion naming %s", newMajor, err, want)
+	}
 }
