@@ -9,7 +9,7 @@ PG_PREFIX ?= $(CURDIR)/.cache/postgres
 .PHONY: postgres ledger-test ledger-bench ledger-copycost
 
 postgres: deps ## install PostgreSQL 17 (Debian trixie) into a private prefix (.cache/postgres) for the private cluster
-	@./scripts/postgres.sh $(PG_PREFIX)
+	@./scripts/postgres.sh "$(PG_PREFIX)"
 TEST_PREREQS += postgres
 
 ledger-test: deps postgres ## run the ledger tests against a real private Postgres

@@ -63,7 +63,7 @@ work=$(mktemp -d "$PREFIX.work.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 private_apt_init sid "$work"
 
-version=$(apt-cache show --no-all-versions criu 2>/dev/null | awk '/^Version:/ { print $2; exit }')
+version=$(apt-cache show --no-all-versions criu 2>/dev/null | awk '/^Version:/ { print $2; exit }' || true)
 [ -n "$version" ] || die "sid has no criu package"
 upstream=${version#*:}
 upstream=${upstream%%-*}

@@ -50,7 +50,8 @@ private_apt_init() {
 		command -v "$tool" >/dev/null || die "$tool is missing"
 	done
 	[ -r "$PRIVATE_KEYRING" ] || die "$PRIVATE_KEYRING is missing (apt-get install debian-archive-keyring)"
-	mirror=${DELTAGYM_DEBIAN_MIRROR:-${CRIU_DEBIAN_MIRROR:-$(debian_mirror | head -n 1)}}
+	# sed, not head: head leaving early would kill debian_mirror with SIGPIPE (pipefail).
+	mirror=${DELTAGYM_DEBIAN_MIRROR:-${CRIU_DEBIAN_MIRROR:-$(debian_mirror | sed -n 1p)}}
 	[ -n "$mirror" ] || die "no Debian mirror for bookworm in /etc/apt/sources.list(.d); set DELTAGYM_DEBIAN_MIRROR"
 	mirror=${mirror%/}
 
@@ -83,7 +84,7 @@ Acquire::Check-Valid-Until "false";
 EOF
 	export APT_CONFIG=$work/apt.conf
 	# apt drops to _apt to download; let it write there.
-	if id _apt >/dev/null 2>&1; then chown -R _apt "$work/debs" "$work/lists/partial" "$work/cache/archives/partial"; fi
+	if [ "$(id -u)" -eq 0 ] && id _apt >/dev/null 2>&1; then chown -R _apt "$work/debs" "$work/lists/partial" "$work/cache/archives/partial"; fi
 
 	echo "${0##*/}: fetching $suite's package list from $mirror" >&2
 	apt-get -q update >"$work/log/update.log" 2>&1 || { cat "$work/log/update.log" >&2; die "apt-get update of $suite failed"; }

@@ -9,7 +9,8 @@
 # rows the ledger writer delivered 4-20% more steps/s with 17 in four of five interleaved runs
 # on this 2-core VM (docs/ARCHITECTURE.md). Trixie is a
 # stable release, so the major version stays 17 for its lifetime (a cluster cannot be opened by
-# another major version) and it gets security updates.
+# another major version). The install is the trixie package of the day it ran; delete PREFIX to
+# take a newer one (trixie's point and security updates).
 #
 # Trixie's binaries need glibc 2.41, which bookworm lacks, so the package's run-time closure
 # (postgresql-17 and the libraries it depends on, resolved with apt-cache against a private copy
@@ -35,14 +36,19 @@ die() { echo "postgres.sh: $*" >&2; exit 1; }
 . "$(dirname "${BASH_SOURCE[0]}")/debian-private.sh"
 
 [ $# -eq 1 ] || die "usage: scripts/postgres.sh PREFIX"
+case "$1" in *[[:space:]]*) die "PREFIX '$1' has white space, which the library check cannot take" ;; esac
 mkdir -p "$1"
 PREFIX=$(cd "$1" && pwd -P)
 STAMP=$PREFIX/.stamp
 BINDIR=$PREFIX/usr/lib/postgresql/$MAJOR/bin
 LIBDIR=$PREFIX/usr/lib/x86_64-linux-gnu
 
+# installed: stamped, and the binaries still run (they name the prefix's loader by absolute
+# path, so a moved checkout needs a new install).
+installed() { [ -f "$STAMP" ] && "$PREFIX/bin/postgres" -V >/dev/null 2>&1; }
+
 # Fast path: installed and checked before.
-if [ -f "$STAMP" ] && [ -x "$PREFIX/bin/postgres" ]; then
+if installed; then
 	echo "postgres.sh: $(cat "$STAMP") in $PREFIX (cached)" >&2
 	exit 0
 fi
@@ -60,17 +66,18 @@ command -v patchelf >/dev/null || die "patchelf is missing (scripts/deps.sh post
 # One installer at a time per prefix (make -j, parallel CI jobs).
 exec 9>"$PREFIX.lock"
 flock 9
-if [ -f "$STAMP" ] && [ -x "$PREFIX/bin/postgres" ]; then
+if installed; then
 	echo "postgres.sh: $(cat "$STAMP") in $PREFIX (installed by a concurrent run)" >&2
 	exit 0
 fi
+rm -f "$STAMP"
 
 start=$(date +%s.%N)
 work=$(mktemp -d "$PREFIX.work.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 private_apt_init "$SUITE" "$work"
 
-version=$(apt-cache show --no-all-versions "postgresql-$MAJOR" 2>/dev/null | awk '/^Version:/ { print $2; exit }')
+version=$(apt-cache show --no-all-versions "postgresql-$MAJOR" 2>/dev/null | awk '/^Version:/ { print $2; exit }' || true)
 [ -n "$version" ] || die "$SUITE has no postgresql-$MAJOR package"
 
 # The server's closure: the package and the libraries it depends on, recursively. The rest of
@@ -95,7 +102,9 @@ for f in "$rbin"/*; do
 	patchelf --set-interpreter "$LIBDIR/ld-linux-x86-64.so.2" --force-rpath --set-rpath "$LIBDIR" "$f"
 done
 
-# Swap the new tree into PREFIX.
+# Swap the new tree into PREFIX. From here on, a failure removes it: FindBinDir only takes a
+# stamped install, and the next run starts over.
+trap 'rm -rf "$work"; [ -f "$STAMP" ] || rm -rf "$PREFIX/usr" "$PREFIX/bin"' EXIT
 rm -rf "$PREFIX/usr" "$PREFIX/bin"
 mv "$root/usr" "$PREFIX/usr"
 ln -s "usr/lib/postgresql/$MAJOR/bin" "$PREFIX/bin"
@@ -110,7 +119,6 @@ check_libs() {
 		echo "$out" | awk -v p="$PREFIX/" '/not found/ || (/=>/ && !/linux-vdso/ && index($3, p) != 1) { bad = 1 } END { exit !bad }'; then
 		echo "$f:" >&2
 		echo "$out" >&2
-		rm -rf "$PREFIX/usr" "$PREFIX/bin"
 		die "a library of $f does not resolve inside the prefix (above)"
 	fi
 }

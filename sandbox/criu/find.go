@@ -13,8 +13,8 @@ const EnvBinary = "DELTAGYM_CRIU"
 const wrapperInRepo = ".cache/criu/bin/criu"
 
 // Find returns the path of the CRIU 4.2.1+ wrapper written by scripts/criu.sh. It honours
-// DELTAGYM_CRIU, then looks for .cache/criu/bin/criu in the working directory and its parents up
-// to the checkout's go.mod. It never falls back to a criu on PATH: Debian 12's 3.17 and trixie's 4.1
+// DELTAGYM_CRIU, then looks for .cache/criu/bin/criu at the root of the checkout (the directory
+// with go.mod) holding the working directory. It never falls back to a criu on PATH: Debian 12's 3.17 and trixie's 4.1
 // do not work on this kernel.
 func Find() (string, error) {
 	if p := os.Getenv(EnvBinary); p != "" {
@@ -27,12 +27,13 @@ func Find() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("finding criu: %w", err)
 	}
+	// Only at the checkout's root (the directory with go.mod): a .cache/criu elsewhere up the
+	// tree (under /tmp, say) is never run.
 	for {
-		p := filepath.Join(dir, wrapperInRepo)
-		if executable(p) == nil {
-			return p, nil
-		}
 		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			if p := filepath.Join(dir, wrapperInRepo); executable(p) == nil {
+				return p, nil
+			}
 			break
 		}
 		parent := filepath.Dir(dir)
@@ -41,7 +42,7 @@ func Find() (string, error) {
 		}
 		dir = parent
 	}
-	return "", fmt.Errorf("%w: no %s up to the checkout root and %s is unset (run `make criu`)",
+	return "", fmt.Errorf("%w: no %s at the checkout's root and %s is unset (run `make criu`)",
 		ErrNotInstalled, wrapperInRepo, EnvBinary)
 }
 

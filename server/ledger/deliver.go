@@ -134,6 +134,11 @@ func (w *Writer) deliverLoop(ctx context.Context) {
 			w.delivered = max(w.delivered, j.last)
 			w.notifyLocked()
 			w.mu.Unlock()
+			// After trim, the reader may read into the slabs j's rows were read back into
+			// (spool.takeSlab): j is done with them. (pgx's CopyFrom can return on a server
+			// error before its sending goroutine has stopped reading rows; that goroutine
+			// ends at its next write to the failed connection, microseconds later, long before
+			// a retry reconnects and commits.)
 			if err := w.sp.trim(j.last); err != nil {
 				w.cfg.Logger.Error("ledger spool trim", "err", err)
 			}

@@ -601,8 +601,9 @@ func (s *spool) readFrame() (record, error) {
 }
 
 // readSlab is the size of the reader's slabs. Records decoded from a slab point into it (no copy
-// per frame), so a slab's handed-out bytes are never overwritten: a full one is left to the
-// garbage collector once the records in it are delivered, and reading continues in a new one.
+// per frame), so a slab's handed-out bytes are never overwritten while a batch may hold them:
+// reading continues in another slab, and a full one is read into again only once the records
+// in it are delivered (takeSlab), or left to the garbage collector (dropSlabs).
 const readSlab = 4 << 20
 
 // The reader reads with O_DIRECT too where the file allows it (directIO says why). A direct
@@ -728,6 +729,19 @@ func (s *spool) takeSlab(size int) []byte {
 		}
 	}
 	return alignedBuf(size)
+}
+
+// dropSlabs forgets the retired and spare slabs, for the garbage collector to take once no batch
+// holds their records: the reader calls it when it serves rows from memory again, the writer
+// having caught up, so that a burst of reading back does not keep its slabs (up to 28 of 4 MiB
+// with the defaults) for good.
+func (s *spool) dropSlabs() {
+	if len(s.retired) == 0 && len(s.spare) == 0 {
+		return
+	}
+	clear(s.retired)
+	clear(s.spare)
+	s.retired, s.spare = s.retired[:0], s.spare[:0]
 }
 
 // retireSlab records that the cursor leaves its slab, for takeSlab to reuse once every record

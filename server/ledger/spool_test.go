@@ -722,12 +722,12 @@ func TestSpoolDirectReadRefused(t *testing.T) {
 
 // A saturated writer reads most rows back: the reader reuses a slab once every record read
 // from it has been delivered (trim), never before. Batches are held, as the deliverer holds
-// them, until twelve later ones have been read (more than a slab's worth, so that a slab
-// reused too early would be read into under records still held); each is checked whole before
-// it is trimmed.
+// them, until eleven later ones have been read: 1,100 rows of about 4 KiB, a little more than a
+// slab holds (1,033), so that a slab reused even a batch too early is one that held rows still
+// point into. Each batch is checked whole before it is trimmed.
 func TestSpoolReusesDeliveredSlabs(t *testing.T) {
 	sp, _ := openDirect(t, 64<<20)
-	const n, obs = 4000, 4000
+	const n, obs = 8000, 4000
 	for seq := uint64(1); seq <= n; seq += 100 {
 		if err := sp.write(frames(seq, seq+99, obs), seq+99); err != nil {
 			t.Fatal(err)
@@ -746,13 +746,23 @@ func TestSpoolReusesDeliveredSlabs(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		held = append(held, batch{recs, read + 1})
-		read += uint64(len(recs))
 		if base := uintptr(unsafe.Pointer(unsafe.SliceData(sp.cur.buf))); base != last {
+			// A slab read into again: no record still held may point into it.
+			if slabs[base] {
+				for _, b := range held {
+					for _, r := range b.recs {
+						if p := uintptr(unsafe.Pointer(unsafe.SliceData(r.step.Observation))); p >= base && p < base+readSlab {
+							t.Fatalf("slab %#x reused while record %d, held, points into it", base, r.seq)
+						}
+					}
+				}
+			}
 			slabs[base], last = true, base
 			switches++
 		}
-		for len(held) > 12 {
+		held = append(held, batch{recs, read + 1})
+		read += uint64(len(recs))
+		for len(held) > 11 {
 			b := held[0]
 			held = held[1:]
 			checkRecords(t, b.recs, b.first)
@@ -764,9 +774,15 @@ func TestSpoolReusesDeliveredSlabs(t *testing.T) {
 	for _, b := range held {
 		checkRecords(t, b.recs, b.first)
 	}
-	// 16 MB read through 4 MiB slabs: four or five of them, one or two reused.
+	// 32 MB read through 4 MiB slabs: eight or nine switches, most to a reused slab.
 	if switches < 4 || len(slabs) >= switches {
 		t.Fatalf("the reader used %d slabs in %d: none reused", len(slabs), switches)
 	}
 	t.Logf("%d slabs for %d", len(slabs), switches)
+
+	// Back to rows from memory: the reader lets go of its slabs.
+	sp.dropSlabs()
+	if len(sp.retired)+len(sp.spare) != 0 {
+		t.Fatalf("%d retired and %d spare slabs kept after dropSlabs", len(sp.retired), len(sp.spare))
+	}
 }

@@ -489,6 +489,7 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 				batch := append([]record(nil), w.mem[:n]...)
 				w.popMemLocked(batch[n-1].seq)
 				w.mu.Unlock()
+				w.sp.dropSlabs() // the reader's own state: this is the reader
 				return batch
 			}
 			to := w.synced

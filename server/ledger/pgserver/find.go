@@ -24,13 +24,17 @@ const EnvBinDir = "DELTAGYM_POSTGRES"
 // relative to the checkout.
 const binInRepo = ".cache/postgres/bin"
 
+// privateMajor is the major version scripts/postgres.sh installs.
+const privateMajor = 17
+
 // systemBinDirs matches Debian's installs of the server (package postgresql-N).
 const systemBinDirs = "/usr/lib/postgresql/*/bin"
 
 // FindBinDir returns the directory of initdb and postgres: $DELTAGYM_POSTGRES; else
-// .cache/postgres/bin (scripts/postgres.sh) in the working directory or the running program's,
-// or one of their parents up to the checkout's go.mod; else the newest of Debian's own installs
-// (/usr/lib/postgresql/N/bin).
+// .cache/postgres/bin (scripts/postgres.sh, which stamps a verified install) at the root of the
+// checkout (the directory with go.mod) holding the working directory or the running program;
+// else the newest of Debian's own installs (/usr/lib/postgresql/N/bin). Only a checkout's root is
+// looked in: a .cache/postgres elsewhere up the tree (under /tmp, say) is never run.
 func FindBinDir() (string, error) {
 	d, _, err := findBinDir()
 	return d, err
@@ -39,16 +43,32 @@ func FindBinDir() (string, error) {
 // findBinDir is FindBinDir; searched is false when the environment named the directory.
 func findBinDir() (dir string, searched bool, err error) {
 	if d := os.Getenv(EnvBinDir); d != "" {
-		if err := hasBinaries(d); err != nil {
+		abs, err := filepath.Abs(d)
+		if err != nil {
+			return "", false, fmt.Errorf("resolving %s=%s: %w", EnvBinDir, d, err)
+		}
+		if err := hasBinaries(abs); err != nil {
 			return "", false, fmt.Errorf("checking %s=%s: %w", EnvBinDir, d, err)
 		}
-		return d, false, nil
+		return abs, false, nil
 	}
 	return findBinDirSearched()
 }
 
 // findBinDirSearched is FindBinDir without DELTAGYM_POSTGRES.
 func findBinDirSearched() (dir string, searched bool, err error) {
+	if d := privateBinDir(); d != "" {
+		return d, true, nil
+	}
+	if d := newestSystemBinDir(); d != "" {
+		return d, true, nil
+	}
+	return "", false, fmt.Errorf("%w: no %s at the checkout's root, none in %s, and %s is unset (run `make postgres`)",
+		ErrNoBinaries, binInRepo, systemBinDirs, EnvBinDir)
+}
+
+// privateBinDir returns the checkout's stamped .cache/postgres/bin, or "".
+func privateBinDir() string {
 	var starts []string
 	if wd, err := os.Getwd(); err == nil {
 		starts = append(starts, wd)
@@ -57,25 +77,28 @@ func findBinDirSearched() (dir string, searched bool, err error) {
 		starts = append(starts, filepath.Dir(exe))
 	}
 	for _, dir := range starts {
-		for {
-			if d := filepath.Join(dir, binInRepo); hasBinaries(d) == nil {
-				return d, true, nil
+		if root := checkoutRoot(dir); root != "" {
+			d := filepath.Join(root, binInRepo)
+			if _, err := os.Stat(filepath.Join(filepath.Dir(d), ".stamp")); err == nil && hasBinaries(d) == nil {
+				return d
 			}
-			if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-				break
-			}
-			parent := filepath.Dir(dir)
-			if parent == dir {
-				break
-			}
-			dir = parent
 		}
 	}
-	if d := newestSystemBinDir(); d != "" {
-		return d, true, nil
+	return ""
+}
+
+// checkoutRoot returns the nearest directory at or above dir that holds go.mod, or "".
+func checkoutRoot(dir string) string {
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return ""
+		}
+		dir = parent
 	}
-	return "", false, fmt.Errorf("%w: no %s up to the checkout root, none in %s, and %s is unset (run `make postgres`)",
-		ErrNoBinaries, binInRepo, systemBinDirs, EnvBinDir)
 }
 
 // newestSystemBinDir returns Debian's install of the highest major version, or "".
@@ -123,7 +146,10 @@ func BinaryMajor(ctx context.Context, dir string) (int, error) {
 	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin"}
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		return 0, fmt.Errorf("running %s -V: %w: %s", filepath.Join(dir, "postgres"), err, bytes.TrimSpace(out))
+		// The private install's binaries name its loader by absolute path: a moved checkout
+		// fails here with "no such file or directory".
+		return 0, fmt.Errorf("running %s -V (for a checkout's .cache/postgres that was moved, run `make postgres` again): %w: %s",
+			filepath.Join(dir, "postgres"), err, bytes.TrimSpace(out))
 	}
 	m := versionLine.FindSubmatch(out)
 	if m == nil {
@@ -165,15 +191,15 @@ func (c *Config) matchBinaries(ctx context.Context, pgdata string) (int, error) 
 	}
 	if c.binFound {
 		if d := systemBinDir(have); d != "" {
-			c.Logger.Warn("private postgres: the cluster was made by an older major version; running it with that version's binaries",
+			c.Logger.Warn("private postgres: the cluster was made by another major version; running it with that version's binaries",
 				"dir", pgdata, "cluster", have, "bin", d, "found", c.BinDir, "found_version", got)
 			c.BinDir = d
 			return have, nil
 		}
 	}
 	return 0, fmt.Errorf("%w: the cluster in %s was made by PostgreSQL %d and %s holds PostgreSQL %d (found here: %s); "+
-		"set %s to a PostgreSQL %d bin directory, or move the cluster away to start a new one (`make clean-ledger` deletes the recorded trajectories)",
-		ErrVersion, pgdata, have, c.BinDir, got, installedBinDirs(ctx), EnvBinDir, have)
+		"install PostgreSQL %d (`make postgres` installs %d) or set %s to its bin directory, or move the cluster away to start a new one (`make clean-ledger` deletes the recorded trajectories)",
+		ErrVersion, pgdata, have, c.BinDir, got, installedBinDirs(ctx), have, privateMajor, EnvBinDir)
 }
 
 // installedBinDirs lists the bin directories FindBinDir would consider, each with its major

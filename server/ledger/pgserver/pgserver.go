@@ -110,14 +110,23 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("resolving data dir: %w", err)
 	}
 	c.DataDir = abs
+	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
+		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
+	}
 	if c.BinDir == "" {
 		d, searched, err := findBinDir()
 		if err != nil {
 			return err
 		}
 		c.BinDir, c.binFound = d, searched
-	} else if err := hasBinaries(c.BinDir); err != nil {
-		return err
+	} else {
+		// Absolute: initdb and postgres run with / as their working directory.
+		if c.BinDir, err = filepath.Abs(c.BinDir); err != nil {
+			return fmt.Errorf("resolving bin dir: %w", err)
+		}
+		if err := hasBinaries(c.BinDir); err != nil {
+			return err
+		}
 	}
 	if c.Database == "" {
 		c.Database = "deltagym"
@@ -133,9 +142,6 @@ func (c *Config) Validate() error {
 	}
 	if c.MemoryLimit == 0 {
 		c.MemoryLimit = DefaultMemoryLimit
-	}
-	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
-		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
 	}
 	return nil
 }
@@ -187,7 +193,12 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	cfg.Logger.Info("private postgres", "dir", cfg.DataDir, "version", major, "bin", cfg.BinDir)
+	if cfg.binFound && major != privateMajor && privateBinDir() == "" {
+		cfg.Logger.Warn("private postgres: PostgreSQL 17 is not installed in the checkout (make postgres); using Debian's own",
+			"dir", cfg.DataDir, "version", major, "bin", cfg.BinDir)
+	} else {
+		cfg.Logger.Info("private postgres", "dir", cfg.DataDir, "version", major, "bin", cfg.BinDir)
+	}
 	s := &Server{
 		cfg:     cfg,
 		pgdata:  filepath.Join(cfg.DataDir, "postgres"),

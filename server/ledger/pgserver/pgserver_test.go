@@ -158,8 +158,8 @@ func TestSocketPathTooLong(t *testing.T) {
 		long = filepath.Join(long, "deeper")
 	}
 	cfg := Config{DataDir: long}
-	if err := cfg.Validate(); err == nil {
-		t.Fatal("Validate accepted a data dir too deep for a unix socket")
+	if err := cfg.Validate(); !errors.Is(err, ErrSocketPathTooLong) {
+		t.Fatalf("Validate of a data dir too deep for a unix socket: %v, want ErrSocketPathTooLong", err)
 	}
 }
 
@@ -715,7 +715,7 @@ func TestFoundBinariesMatchCluster(t *testing.T) {
 	if got := serverMajor(t, s.URL()); got != 15 {
 		t.Fatalf("found binaries: cluster runs %d, want its own 15", got)
 	}
-	if !strings.Contains(log.String(), "older major version") {
+	if !strings.Contains(log.String(), "another major version") {
 		t.Errorf("no warning logged about the older cluster: %s", log.String())
 	}
 	if err := s.Stop(t.Context()); err != nil {
@@ -742,5 +742,50 @@ func TestFoundBinariesMatchCluster(t *testing.T) {
 	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: old})
 	if want := fmt.Sprintf("%s (%d)", found, newMajor); !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), want) {
 		t.Fatalf("named 15's binaries on a %d cluster: %v, want ErrVersion naming %s", newMajor, err, want)
+	}
+}
+
+// Only the checkout's root is looked in for .cache/postgres, and only a stamped install counts:
+// a .cache/postgres/bin up the tree from elsewhere (say under /tmp) is never run.
+func TestFindBinDirOnlyInCheckoutRoot(t *testing.T) {
+	if os.Getenv(EnvBinDir) != "" {
+		t.Skipf("%s is set", EnvBinDir)
+	}
+	top := t.TempDir()
+	fake := filepath.Join(top, binInRepo)
+	if err := os.MkdirAll(fake, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range []string{"initdb", "postgres"} {
+		if err := os.WriteFile(filepath.Join(fake, b), []byte("#!/bin/sh\nexit 1\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(top, ".cache/postgres/.stamp"), []byte("postgresql-17 fake\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	below := filepath.Join(top, "a", "b")
+	if err := os.MkdirAll(below, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if root := checkoutRoot(below); root != "" && strings.HasPrefix(root, top) {
+		t.Fatalf("checkoutRoot(%s) = %s without a go.mod", below, root)
+	}
+	t.Chdir(below)
+	if d, _, _ := findBinDirSearched(); d == fake {
+		t.Fatalf("found %s above a directory outside any checkout", d)
+	}
+	// With a go.mod beside it the same install counts, but only once stamped.
+	if err := os.WriteFile(filepath.Join(top, "go.mod"), []byte("module x\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if d := privateBinDir(); d != fake {
+		t.Fatalf("privateBinDir() = %q in a checkout with a stamped install, want %s", d, fake)
+	}
+	if err := os.Remove(filepath.Join(top, ".cache/postgres/.stamp")); err != nil {
+		t.Fatal(err)
+	}
+	if d := privateBinDir(); d == fake {
+		t.Fatal("an install without its stamp was found")
 	}
 }
