@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -34,6 +35,12 @@ func syntheticText(n int) []byte {
 		}
 	}
 	return out[:n]
+}
+
+// quietLogger logs warnings and errors only: an info line (the cluster's start) in the middle
+// of a benchmark's result line would break it.
+func quietLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
 // BenchmarkWriterSteps measures the writer alone: steps with 4 KiB (and 256-byte) observations
@@ -84,7 +91,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 			settings[k] = v
 		}
 	}
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Settings: settings})
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Settings: settings, Logger: quietLogger()})
 	if err != nil {
 		b.Fatal(err)
 	}

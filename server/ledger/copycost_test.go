@@ -115,7 +115,7 @@ func BenchmarkCopyCost(b *testing.B) {
 	}
 	defer os.RemoveAll(dir)
 	ctx := context.Background()
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir,
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Logger: quietLogger(),
 		Settings: map[string]string{"shared_buffers": "512MB", "max_wal_size": "4GB"}})
 	if err != nil {
 		b.Fatal(err)
