@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+
+	"github.com/deltagym/deltagym/internal/checkout"
 )
 
 // EnvBinary names the environment variable that overrides where the CRIU wrapper is.
@@ -27,20 +29,12 @@ func Find() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("finding criu: %w", err)
 	}
-	// Only at the checkout's root (the directory with go.mod): a .cache/criu elsewhere up the
-	// tree (under /tmp, say) is never run.
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			if p := filepath.Join(dir, wrapperInRepo); executable(p) == nil {
-				return p, nil
-			}
-			break
+	// Only at the checkout's root: a .cache/criu elsewhere up the tree (under /tmp, say) is
+	// never run.
+	if root := checkout.Root(dir); root != "" {
+		if p := filepath.Join(root, wrapperInRepo); executable(p) == nil {
+			return p, nil
 		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			break
-		}
-		dir = parent
 	}
 	return "", fmt.Errorf("%w: no %s at the checkout's root and %s is unset (run `make criu`)",
 		ErrNotInstalled, wrapperInRepo, EnvBinary)

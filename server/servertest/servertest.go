@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/checkout"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -138,14 +139,8 @@ func RepoRoot() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", fmt.Errorf("go.mod not found above %s", dir)
-		}
-		dir = parent
+	if root := checkout.Root(dir); root != "" {
+		return root, nil
 	}
+	return "", fmt.Errorf("go.mod not found above %s", dir)
 }

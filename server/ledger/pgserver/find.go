@@ -9,11 +9,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"slices"
 	"sort"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/deltagym/deltagym/internal/checkout"
 )
 
 // EnvBinDir names the environment variable that says which directory holds the PostgreSQL
@@ -77,7 +78,7 @@ func privateBinDir() string {
 		starts = append(starts, filepath.Dir(exe))
 	}
 	for _, dir := range starts {
-		if root := checkoutRoot(dir); root != "" {
+		if root := checkout.Root(dir); root != "" {
 			d := filepath.Join(root, binInRepo)
 			if _, err := os.Stat(filepath.Join(filepath.Dir(d), ".stamp")); err == nil && hasBinaries(d) == nil {
 				return d
@@ -85,20 +86,6 @@ func privateBinDir() string {
 		}
 	}
 	return ""
-}
-
-// checkoutRoot returns the nearest directory at or above dir that holds go.mod, or "".
-func checkoutRoot(dir string) string {
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return ""
-		}
-		dir = parent
-	}
 }
 
 // newestSystemBinDir returns Debian's install of the highest major version, or "".
@@ -205,17 +192,13 @@ func (c *Config) matchBinaries(ctx context.Context, pgdata string) (int, error) 
 // installedBinDirs lists the bin directories FindBinDir would consider, each with its major
 // version: the checkout's private one and Debian's.
 func installedBinDirs(ctx context.Context) string {
-	var dirs []string
-	if d, searched, err := findBinDirSearched(); err == nil && searched {
-		dirs = append(dirs, d)
+	dirs, _ := filepath.Glob(systemBinDirs)
+	sort.Strings(dirs)
+	if d := privateBinDir(); d != "" {
+		dirs = append([]string{d}, dirs...)
 	}
-	system, _ := filepath.Glob(systemBinDirs)
-	sort.Strings(system)
 	var out []string
-	for _, d := range append(dirs, system...) {
-		if slices.ContainsFunc(out, func(s string) bool { return strings.HasPrefix(s, d+" ") }) {
-			continue
-		}
+	for _, d := range dirs {
 		if m, err := BinaryMajor(ctx, d); err == nil {
 			out = append(out, fmt.Sprintf("%s (%d)", d, m))
 		}

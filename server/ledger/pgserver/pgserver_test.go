@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/deltagym/deltagym/internal/checkout"
 )
 
 func skipUnlessPostgres(t *testing.T) {
@@ -28,15 +30,24 @@ func skipUnlessPostgres(t *testing.T) {
 
 func ping(t *testing.T, url string) {
 	t.Helper()
+	if one := queryInt(t, url, "SELECT 1"); one != 1 {
+		t.Fatalf("SELECT 1 = %d", one)
+	}
+}
+
+// queryInt connects to url and returns the integer sql selects.
+func queryInt(t *testing.T, url, sql string) int {
+	t.Helper()
 	conn, err := pgx.Connect(t.Context(), url)
 	if err != nil {
 		t.Fatalf("connecting to %s: %v", url, err)
 	}
 	defer conn.Close(context.Background())
-	var one int
-	if err := conn.QueryRow(t.Context(), "SELECT 1").Scan(&one); err != nil || one != 1 {
-		t.Fatalf("SELECT 1 = %d, %v", one, err)
+	var n int
+	if err := conn.QueryRow(t.Context(), sql).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
 	}
+	return n
 }
 
 func TestStartStopRestart(t *testing.T) {
@@ -663,16 +674,7 @@ func TestLogTailOfLastRun(t *testing.T) {
 // serverMajor is the major version the running cluster reports.
 func serverMajor(t *testing.T, url string) int {
 	t.Helper()
-	conn, err := pgx.Connect(t.Context(), url)
-	if err != nil {
-		t.Fatalf("connecting to %s: %v", url, err)
-	}
-	defer conn.Close(context.Background())
-	var num int
-	if err := conn.QueryRow(t.Context(), "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
-		t.Fatal(err)
-	}
-	return num / 10000
+	return queryInt(t, url, "SELECT current_setting('server_version_num')::int") / 10000
 }
 
 // TestFoundBinariesMatchCluster: a cluster made by Debian's PostgreSQL 15 (before the private
@@ -768,8 +770,8 @@ func TestFindBinDirOnlyInCheckoutRoot(t *testing.T) {
 	if err := os.MkdirAll(below, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if root := checkoutRoot(below); root != "" && strings.HasPrefix(root, top) {
-		t.Fatalf("checkoutRoot(%s) = %s without a go.mod", below, root)
+	if root := checkout.Root(below); root != "" && strings.HasPrefix(root, top) {
+		t.Fatalf("checkout.Root(%s) = %s without a go.mod", below, root)
 	}
 	t.Chdir(below)
 	if d, _, _ := findBinDirSearched(); d == fake {
