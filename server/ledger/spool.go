@@ -85,10 +85,14 @@ type retiredSlab struct {
 
 // maxRetired bounds the retired slabs tracked (more are left to the garbage collector): a
 // delivery that stalls while the reader reads ahead is bounded by the batches in flight, about
-// 24 slabs with the default batch size and connections. maxSpare bounds those kept free.
+// 24 slabs with the default batch size and connections. maxSpare bounds those kept free: when a
+// stall ends, the commits free many slabs at once, and a spare list of 4 dropped the rest, so
+// the reader faulted in new memory for them (6% of the machine's CPU clearing new pages in
+// BenchmarkWriterSteps's saturated run on this VM). The spares are memory the reader already
+// held; dropSlabs lets them go when it catches up.
 const (
 	maxRetired = 64
-	maxSpare   = 4
+	maxSpare   = 32
 )
 
 // reuseSlabs can be turned off to compare (SetSlabReuse).

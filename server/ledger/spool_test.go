@@ -786,3 +786,47 @@ func TestSpoolReusesDeliveredSlabs(t *testing.T) {
 		t.Fatalf("%d retired and %d spare slabs kept after dropSlabs", len(sp.retired), len(sp.spare))
 	}
 }
+
+// TestSpoolReusesSlabsFreedTogether: when one trim frees every slab the reader has filled (a
+// stalled delivery catching up), the reader reuses all of them, not only a few.
+func TestSpoolReusesSlabsFreedTogether(t *testing.T) {
+	sp, _ := openDirect(t, 64<<20)
+	const n, obs = 20000, 4000
+	for seq := uint64(1); seq <= n; seq += 100 {
+		if err := sp.write(frames(seq, seq+99, obs), seq+99); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pass := func(from, to uint64) map[uintptr]bool {
+		slabs := map[uintptr]bool{}
+		for read := from - 1; read < to; {
+			recs, err := sp.read(read+1, to, 100, 1<<30)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkRecords(t, recs, read+1)
+			slabs[uintptr(unsafe.Pointer(unsafe.SliceData(sp.cur.buf)))] = true
+			read += uint64(len(recs))
+		}
+		return slabs
+	}
+	// Nothing delivered while the first 12,000 rows are read: every slab they filled stays
+	// retired. Then all are delivered at once, and the last 8,000 rows need fewer slabs.
+	const cut = 12000
+	first := pass(1, cut)
+	if len(first) < 10 {
+		t.Fatalf("the first rows went through %d slabs; the test needs 10 or more", len(first))
+	}
+	if err := sp.trim(cut); err != nil {
+		t.Fatal(err)
+	}
+	fresh := 0
+	for base := range pass(cut+1, n) {
+		if !first[base] {
+			fresh++
+		}
+	}
+	if fresh > 0 {
+		t.Fatalf("the last rows took %d new slabs with %d delivered ones to reuse", fresh, len(first)-1)
+	}
+}
