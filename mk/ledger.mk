@@ -16,13 +16,16 @@ ledger-test: deps postgres ## run the ledger tests against a real private Postgr
 	go test -count=1 -timeout 10m ./server/ledger/...
 
 # ledger-bench runs the writer saturated (rate=max) and paced at the 50,000 steps/s target
-# (rate=50000: delivered-steps/s and max-backlog-rows say whether it keeps up), 300,000 steps each.
+# (rate=50000: delivered-steps/s and max-backlog-rows say whether it keeps up), 300,000 steps each,
+# after as many untimed ones and a checkpoint (a warm-up: the timed WAL goes into recycled
+# segments, as a server's does once it has run a while).
 # It compares settings with DELTAGYM_LEDGER_BENCH_CONNS=n (delivery connections),
 # DELTAGYM_LEDGER_BENCH_DELAY=d (Config.DeliveryDelay), DELTAGYM_LEDGER_BENCH_QUEUE_MB=n
 # (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate, n >= 1000) and
 # DELTAGYM_LEDGER_BENCH_PG=name=value,... (Postgres settings), DELTAGYM_LEDGER_BENCH_NEW_SLABS=1
-# (the spool's reader without slab reuse) and DELTAGYM_POSTGRES=/usr/lib/postgresql/15/bin
-# (bookworm's PostgreSQL). The machine's other load moves steps/s a lot; go-cpu-us/step and
+# (the spool's reader without slab reuse), DELTAGYM_LEDGER_BENCH_COLD=1 (no warm-up: WAL into
+# new segments, as a new cluster's first gigabytes are) and
+# DELTAGYM_POSTGRES=/usr/lib/postgresql/15/bin (bookworm's PostgreSQL). The machine's other load moves steps/s a lot; go-cpu-us/step and
 # pg-cpu-us/step hold up better.
 ledger-bench: deps postgres ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)
 	go test -run '^$$' -bench WriterSteps -benchtime 300000x -timeout 20m ./server/ledger/

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -121,9 +123,58 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	}
 	defer w.Close(ctx)
 	text := syntheticText(1 << 20)
-	const perEpisode = 100
-	lat := make([]time.Duration, 0, b.N)
+	// appendSteps appends n steps of episodes named prefix-K, paced at rate steps/s (0: as fast
+	// as it can), calling each with the index and the Step call's latency.
+	appendSteps := func(prefix string, n, rate int, each func(i int, took time.Duration)) {
+		const perEpisode = 100
+		start := time.Now()
+		ep := ""
+		for i := range n {
+			if rate > 0 && i%(rate/1000) == 0 {
+				if d := time.Until(start.Add(time.Duration(i) * time.Second / time.Duration(rate))); d > 0 {
+					time.Sleep(d)
+				}
+			}
+			if i%perEpisode == 0 {
+				ep = fmt.Sprintf("%s-%d", prefix, i/perEpisode)
+				if err := w.EpisodeStarted(ledger.EpisodeStart{ID: ep, Env: "env", Run: "bench"}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			off := (i * 997) % (len(text) - obsSize)
+			t0 := time.Now()
+			err := w.Step(ledger.StepRow{EpisodeID: ep, Index: i % perEpisode, Action: []byte(`{"exec":"make test"}`),
+				Observation: text[off : off+obsSize], Reward: 0.5, Duration: time.Millisecond})
+			if each != nil {
+				each(i, time.Since(t0))
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	// Warm-up: a server that has run for a while writes its WAL into recycled segments, whose
+	// pages the kernel still holds, where a new cluster creates every segment (new blocks, new
+	// page-cache pages). The same number of steps, delivered and checkpointed, gets the
+	// cluster there before the timing starts. DELTAGYM_LEDGER_BENCH_COLD=1 skips it.
+	if os.Getenv("DELTAGYM_LEDGER_BENCH_COLD") != "1" {
+		appendSteps("warm", b.N, 0, nil)
+		if err := w.Flush(ctx); err != nil {
+			b.Fatal(err)
+		}
+		conn, err := pgx.Connect(ctx, srv.URL())
+		if err != nil {
+			b.Fatal(err)
+		}
+		_, err = conn.Exec(ctx, "CHECKPOINT")
+		conn.Close(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
 	b.SetBytes(int64(obsSize))
+	lat := make([]time.Duration, 0, b.N)
+	st0 := w.Stats()
 	pg0, _ := clusterCPU(dir)
 	self0 := selfCPU()
 	var maxBacklog atomic.Uint64
@@ -147,35 +198,16 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	}()
 	b.ResetTimer()
 	start := time.Now()
-	ep := ""
 	// For a paced run: what Postgres received from the end of the first second (warm-up) to
 	// the end of the appends, the steady state the offered rate is compared with.
 	var warmAt time.Time
 	var warmDelivered uint64
-	for i := range b.N {
-		if rate > 0 && i%(rate/1000) == 0 {
-			if d := time.Until(start.Add(time.Duration(i) * time.Second / time.Duration(rate))); d > 0 {
-				time.Sleep(d)
-			}
-		}
+	appendSteps("bench", b.N, rate, func(i int, took time.Duration) {
+		lat = append(lat, took)
 		if rate > 0 && i == rate {
 			warmAt, warmDelivered = time.Now(), w.Stats().Delivered
 		}
-		if i%perEpisode == 0 {
-			ep = fmt.Sprintf("bench-%d", i/perEpisode)
-			if err := w.EpisodeStarted(ledger.EpisodeStart{ID: ep, Env: "env", Run: "bench"}); err != nil {
-				b.Fatal(err)
-			}
-		}
-		off := (i * 997) % (len(text) - obsSize)
-		t0 := time.Now()
-		err := w.Step(ledger.StepRow{EpisodeID: ep, Index: i % perEpisode, Action: []byte(`{"exec":"make test"}`),
-			Observation: text[off : off+obsSize], Reward: 0.5, Duration: time.Millisecond})
-		lat = append(lat, time.Since(t0))
-		if err != nil {
-			b.Fatal(err)
-		}
-	}
+	})
 	appended := time.Since(start)
 	endDelivered := w.Stats().Delivered
 	if err := w.Flush(ctx); err != nil {
@@ -195,7 +227,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	b.ReportMetric(float64(pg1-pg0)/1e3/float64(b.N), "pg-cpu-us/step")
 	b.ReportMetric(float64(self1-self0)/1e3/float64(b.N), "go-cpu-us/step")
 	st := w.Stats()
-	b.ReportMetric(float64(st.Spooled), "spooled-rows")
+	b.ReportMetric(float64(st.Spooled-st0.Spooled), "spooled-rows")
 	b.ReportMetric(float64(maxBacklog.Load()), "max-backlog-rows")
 	if !warmAt.IsZero() {
 		b.ReportMetric(float64(endDelivered-warmDelivered)/start.Add(appended).Sub(warmAt).Seconds(), "delivered-steps/s")

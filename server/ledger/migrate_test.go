@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"context"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
@@ -118,5 +119,48 @@ func TestActionCompressedWithLZ4(t *testing.T) {
 	}
 	if n := count(t, b.url, "SELECT count(*) FROM steps WHERE convert_from(decode(action->'writeFile'->>'content', 'base64'), 'UTF8') = $1", content); n != steps {
 		t.Fatalf("%d actions read back whole, want %d", n, steps)
+	}
+}
+
+// A step's ids and hash are stored as they are (0006: never compressed nor moved out of
+// line): ids of MaxIDLen bytes fit next to an observation too big for the page, which goes to
+// TOAST; a longer id or a hash of another size is refused, and nothing of it is stored.
+func TestStepIDsPlain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *ledger.Config) { c.Logger = quiet })
+	random := make([]byte, 64<<10)
+	rng := rand.New(rand.NewPCG(5, 6))
+	for i := range random {
+		random[i] = byte(rng.Uint32())
+	}
+	ep := "ep-" + strings.Repeat("e", ledger.MaxIDLen-3)
+	ckpt := strings.Repeat("c", ledger.MaxIDLen)
+	must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: ep, Env: "env"}))
+	r := stepRow(ep, 0)
+	r.Observation, r.CheckpointID = random, ckpt
+	must(t, b.w.Step(r))
+	for _, bad := range []func(*ledger.StepRow){
+		func(r *ledger.StepRow) { r.EpisodeID += "x" },
+		func(r *ledger.StepRow) { r.CheckpointID = ckpt + "x" },
+		func(r *ledger.StepRow) { r.ObservationSHA256 = make([]byte, 31) },
+	} {
+		r := stepRow(ep, 1)
+		bad(&r)
+		if err := b.w.Step(r); !errors.Is(err, ledger.ErrInvalid) {
+			t.Fatalf("step refused with %v, want ErrInvalid", err)
+		}
+	}
+	must(t, b.w.Flush(t.Context()))
+	if n := count(t, b.url, "SELECT count(*) FROM steps"); n != 1 {
+		t.Fatalf("%d steps stored, want 1", n)
+	}
+	if n := count(t, b.url, "SELECT count(*) FROM steps WHERE episode_id = $1 AND checkpoint_id = $2 AND observation = $3",
+		ep, ckpt, random); n != 1 {
+		t.Fatal("the step did not read back whole")
+	}
+	for _, col := range []string{"episode_id", "observation_sha256", "checkpoint_id"} {
+		if n := count(t, b.url, "SELECT count(*) FROM steps WHERE pg_column_compression("+col+") IS NOT NULL"); n != 0 {
+			t.Fatalf("%s compressed", col)
+		}
 	}
 }

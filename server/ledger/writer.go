@@ -243,13 +243,27 @@ func (w *Writer) SandboxesEnded(ids []string, at time.Time) error {
 	return w.append(record{kind: recSandboxesEnded, ended: &sandboxesEnded{IDs: slices.Clone(ids), At: at}})
 }
 
+// MaxIDLen bounds a step's episode and checkpoint ids, in bytes. The server's own are under
+// 40.
+const MaxIDLen = 1024
+
 // Step records one step. It caps the observation at Config.ObservationCap and fills in its
-// full size and SHA-256 unless ObservationSHA256 is already set. An empty action is stored as
-// JSON null; one that is not JSON is refused (ErrInvalid) unless ActionValid vouches for it.
-// A zero StartedAt means now.
+// full size and SHA-256 unless ObservationSHA256 is already set (then 32 bytes). Ids over
+// MaxIDLen are refused (ErrInvalid). An empty action is stored as JSON null; one that is not
+// JSON is refused (ErrInvalid) unless ActionValid vouches for it. A zero StartedAt means now.
 func (w *Writer) Step(r StepRow) error {
 	if r.EpisodeID == "" || r.Index < 0 {
 		return fmt.Errorf("step needs an episode id and an index >= 0: %w", ErrInvalid)
+	}
+	// The steps table keeps these inline and uncompressed (migration 0006): bounded, a row
+	// of them always fits a page.
+	if len(r.EpisodeID) > MaxIDLen || len(r.CheckpointID) > MaxIDLen {
+		return fmt.Errorf("step %d: episode id of %d bytes, checkpoint id of %d: over %d: %w",
+			r.Index, len(r.EpisodeID), len(r.CheckpointID), MaxIDLen, ErrInvalid)
+	}
+	if r.ObservationSHA256 != nil && len(r.ObservationSHA256) != sha256.Size {
+		return fmt.Errorf("episode %s step %d: observation SHA-256 of %d bytes, want %d: %w",
+			r.EpisodeID, r.Index, len(r.ObservationSHA256), sha256.Size, ErrInvalid)
 	}
 	if len(r.Action) == 0 {
 		r.Action = json.RawMessage("null")
