@@ -639,3 +639,30 @@ func recvAll(t *testing.T, st interface {
 		got[r.GetRequestId()] = r
 	}
 }
+
+// Over JSON, an enum value by a name the schema lacks is refused with InvalidArgument (naming
+// it), not taken for unspecified; an unknown field is still ignored (a newer client's).
+func TestJSONEnumNames(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	post := func(body string) (int, string) {
+		req, _ := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/Checkpoint", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		must(t, err)
+		defer resp.Body.Close()
+		out, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(out)
+	}
+	for _, tc := range []struct{ body, code, has string }{
+		{`{"sandboxId":"sb-none","processMode":"CRIU"}`, "invalid_argument", `\"CRIU\" (processMode takes PROCESS_MODE_UNSPECIFIED, PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE, PROCESS_MODE_CRIU, or their numbers)`},
+		{`{"sandboxId":"sb-none","processMode":"PROCESS_MODE_CRIU"}`, "not_found", "sb-none"},
+		{`{"sandboxId":"sb-none","processMode":3}`, "not_found", "sb-none"},
+		{`{"sandboxId":"sb-none","fromANewerClient":{"x":1}}`, "not_found", "sb-none"},
+		{`{"sandboxId":"sb-none","fromANewerClient":1,"processMode":"CRIU"}`, "not_found", "sb-none"},
+	} {
+		status, body := post(tc.body)
+		if !strings.Contains(body, `"code":"`+tc.code+`"`) || !strings.Contains(body, tc.has) {
+			t.Errorf("%s: %d %s, want %s naming %s", tc.body, status, body, tc.code, tc.has)
+		}
+	}
+}

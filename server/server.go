@@ -184,6 +184,7 @@ func (s *Server) buildHandler() http.Handler {
 		connect.WithCompressMinBytes(compressMinBytes),
 		connect.WithInterceptors(s.obs.interceptor(s.log), authInterceptor(s.cfg.AuthToken)),
 	}
+	opts = append(opts, jsonCodecs()...)
 	mux := http.NewServeMux()
 	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
