@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
@@ -208,5 +209,76 @@ func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
 	}
 	if got := st.GetStepIndex(); got != 3 {
 		t.Fatalf("the step after the restart has index %d, want 3", got)
+	}
+}
+
+// Envs registered over the API are served again after a restart, a replaced catalog env as
+// replaced; a refused registration leaves nothing behind.
+func TestRegisteredEnvsKept(t *testing.T) {
+	cfg := restartConfig(t)
+	cfg.NoLedger, cfg.DatabaseURL = true, ""
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) {
+		srv, err := server.New(ctx, cfg)
+		must(t, err)
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		must(t, err)
+		go srv.Serve(ln)
+		return srv, deltagymv1connect.NewEnvServiceClient(http.DefaultClient, "http://"+ln.Addr().String())
+	}
+	register := func(c deltagymv1connect.EnvServiceClient, spec *deltagymv1.EnvSpec, replace bool) error {
+		_, err := c.RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: spec, Replace: replace}))
+		return err
+	}
+	kept := &deltagymv1.EnvSpec{Name: "kept", Image: "default", PoolSize: 1, Env: map[string]string{"WHO": "kept"}}
+	plain := &deltagymv1.EnvSpec{Name: "plain", Image: "default", PoolSize: 1, Env: map[string]string{"WHO": "replaced"}}
+
+	srv, c := start()
+	must(t, register(c, kept, false))
+	must(t, register(c, plain, true))
+	if err := register(c, &deltagymv1.EnvSpec{Name: "kept", Image: "other"}, false); codeOf(err) != connect.CodeAlreadyExists {
+		t.Fatalf("registering kept again: %v, want AlreadyExists", err)
+	}
+	if err := register(c, &deltagymv1.EnvSpec{Name: "Bad Name", Image: "default"}, false); codeOf(err) != connect.CodeInvalidArgument {
+		t.Fatalf("registering a bad name: %v, want InvalidArgument", err)
+	}
+	must(t, srv.Close(ctx))
+	files, err := os.ReadDir(filepath.Join(cfg.DataDir, "envs"))
+	must(t, err)
+	var names []string
+	for _, f := range files {
+		names = append(names, f.Name())
+	}
+	if strings.Join(names, " ") != "kept.json plain.json" {
+		t.Fatalf("kept files %v, want kept.json plain.json and nothing else", names)
+	}
+
+	srv, c = start()
+	defer func() {
+		if err := srv.Close(context.Background()); err != nil {
+			t.Errorf("closing server: %v", err)
+		}
+	}()
+	le, err := c.ListEnvs(ctx, connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
+	must(t, err)
+	got := map[string]*deltagymv1.EnvSpec{}
+	for _, e := range le.Msg.GetEnvs() {
+		got[e.GetSpec().GetName()] = e.GetSpec()
+	}
+	for _, want := range []*deltagymv1.EnvSpec{kept, plain} {
+		if !proto.Equal(got[want.GetName()], want) {
+			t.Fatalf("after the restart, env %s is %v, want %v", want.GetName(), got[want.GetName()], want)
+		}
+	}
+	for env, who := range map[string]string{"kept": "kept\n", "plain": "replaced\n"} {
+		rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: env}))
+		must(t, err)
+		st, err := c.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: rr.Msg.GetSandboxId(), Action: execAction("echo $WHO")}))
+		must(t, err)
+		if out := stdout(t, st.Msg); out != who {
+			t.Fatalf("env %s after the restart: WHO=%q, want %q", env, out, who)
+		}
 	}
 }

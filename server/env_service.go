@@ -46,7 +46,7 @@ func (e *envService) ListEnvs(ctx context.Context, req *connect.Request[deltagym
 }
 
 func (e *envService) RegisterEnv(ctx context.Context, req *connect.Request[deltagymv1.RegisterEnvRequest]) (*connect.Response[deltagymv1.RegisterEnvResponse], error) {
-	env, err := e.s.pools.Register(req.Msg.GetSpec(), req.Msg.GetReplace())
+	env, err := e.s.registerEnv(req.Msg.GetSpec(), req.Msg.GetReplace())
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}

@@ -43,6 +43,7 @@ type Server struct {
 	// only once New has returned).
 	ended map[string]bool
 	idem  *idempotency
+	regMu sync.Mutex // serialises RegisterEnv's keeping of specs
 
 	mu       sync.Mutex
 	httpSrvs []*http.Server
@@ -72,6 +73,9 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	specs, err := envpool.LoadDir(cfg.EnvsDir)
 	if err != nil {
 		return nil, fmt.Errorf("loading env catalog: %w", err)
+	}
+	if specs, err = s.withRegistered(specs); err != nil {
+		return nil, err
 	}
 	if s.obs, err = newObservability(); err != nil {
 		return nil, err

@@ -283,3 +283,41 @@ func TestServe(t *testing.T) {
 		t.Fatalf("ListEnvs after serve returned = %v, want Unavailable", err)
 	}
 }
+
+// import-image and register-env: an image imported by path, an env on it registered from a
+// spec file (kept in the server's data directory for its next start), a sandbox of it; bad
+// input refused with the reason.
+func TestCLICatalog(t *testing.T) {
+	needServer(t)
+	t.Setenv("DELTAGYM_ADDR", testAddr)
+	t.Setenv("DELTAGYM_TOKEN", testToken)
+	out, _ := cli(t, exitOK, "", "import-image", "cli-img", testImage, "--format", "rootfs")
+	mustContain(t, "import-image", out, "cli-img", "sha256:")
+	_, errOut := cli(t, exitUsage, "", "import-image", "cli-img", testImage, "--format", "zip")
+	mustContain(t, "import-image --format zip", errOut, "want oci, docker or rootfs")
+	_, errOut = cli(t, exitError, "", "import-image", "cli-img2", filepath.Join(t.TempDir(), "none"))
+	mustContain(t, "import-image of a missing path", errOut, "does not exist")
+
+	spec := filepath.Join(t.TempDir(), "cli-env.json")
+	if err := os.WriteFile(spec, []byte(`{"name": "cli-env", "image": "cli-img", "poolSize": 1, "env": {"WHO": "cli"}}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, _ = cli(t, exitOK, "", "register-env", spec)
+	mustContain(t, "register-env", out, "cli-env", "cli-img")
+	_, errOut = cli(t, exitError, "", "register-env", spec)
+	mustContain(t, "register-env again", errOut, "already_exists")
+	out, _ = cli(t, exitOK, `{"name": "cli-env", "image": "cli-img", "poolSize": 1, "env": {"WHO": "cli2"}}`, "register-env", "-", "--replace")
+	mustContain(t, "register-env --replace", out, "cli-env")
+	_, errOut = cli(t, exitUsage, `{"name": "cli-env", "imag": "x"}`, "register-env", "-")
+	mustContain(t, "register-env of a bad spec", errOut, "not an env spec", "imag")
+	kept, err := os.ReadFile(filepath.Join(testDataDir, "envs", "cli-env.json"))
+	if err != nil || !strings.Contains(string(kept), "cli2") {
+		t.Fatalf("the server kept %q (%v), want the replaced spec", kept, err)
+	}
+
+	sb, _ := cli(t, exitOK, "", "reset", "cli-env", "-q")
+	sb = strings.TrimSpace(sb)
+	out, _ = cli(t, exitOK, "", "exec", sb, "echo $WHO")
+	mustContain(t, "exec in the registered env", out, "cli2")
+	cli(t, exitOK, "", "close", sb)
+}

@@ -21,6 +21,7 @@ var (
 	testAddr    string
 	testDataDir string
 	testInit    string
+	testImage   string
 	skipReason  string
 )
 
@@ -53,7 +54,7 @@ func startTestServer(ctx context.Context) (stop func() error, err error) {
 		skipReason = reason
 		return func() error { return nil }, err
 	}
-	testServer, testAddr, testDataDir, testInit = srv.Server, srv.Addr, srv.DataDir, srv.InitBinary
+	testServer, testAddr, testDataDir, testInit, testImage = srv.Server, srv.Addr, srv.DataDir, srv.InitBinary, srv.ImageDir
 	return srv.Close, nil
 }
 

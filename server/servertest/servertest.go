@@ -39,6 +39,8 @@ type Server struct {
 	DataDir string
 	// InitBinary is the dg-init it runs sandboxes with.
 	InitBinary string
+	// ImageDir is the rootfs it imported as image "default".
+	ImageDir string
 
 	served chan error
 	log    *os.File
@@ -103,7 +105,7 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 		logFile.Close()
 		return nil, "", errors.Join(err, srv.Close(ctx), purge(data))
 	}
-	s := &Server{Server: srv, Addr: ln.Addr().String(), DataDir: data, InitBinary: initBin,
+	s := &Server{Server: srv, Addr: ln.Addr().String(), DataDir: data, InitBinary: initBin, ImageDir: image,
 		served: make(chan error, 1), log: logFile}
 	go func() { s.served <- srv.Serve(ln) }()
 	return s, "", nil

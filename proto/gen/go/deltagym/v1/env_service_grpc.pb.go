@@ -49,9 +49,12 @@ const (
 type EnvServiceClient interface {
 	// ListEnvs returns the catalog with the state of each env's warm pool.
 	ListEnvs(ctx context.Context, in *ListEnvsRequest, opts ...grpc.CallOption) (*ListEnvsResponse, error)
-	// RegisterEnv adds an env to the catalog and starts warming its pool.
+	// RegisterEnv adds an env to the catalog and starts warming its pool. The
+	// server keeps it (in its data directory, as <name>.json under envs/) and
+	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(ctx context.Context, in *RegisterEnvRequest, opts ...grpc.CallOption) (*RegisterEnvResponse, error)
-	// ImportImage imports a base image from a path on the server.
+	// ImportImage imports a base image from a path on the server. The server
+	// keeps it, as it keeps the default image, across restarts.
 	ImportImage(ctx context.Context, in *ImportImageRequest, opts ...grpc.CallOption) (*ImportImageResponse, error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(ctx context.Context, in *ResetRequest, opts ...grpc.CallOption) (*ResetResponse, error)
@@ -263,9 +266,12 @@ func (c *envServiceClient) ListSandboxes(ctx context.Context, in *ListSandboxesR
 type EnvServiceServer interface {
 	// ListEnvs returns the catalog with the state of each env's warm pool.
 	ListEnvs(context.Context, *ListEnvsRequest) (*ListEnvsResponse, error)
-	// RegisterEnv adds an env to the catalog and starts warming its pool.
+	// RegisterEnv adds an env to the catalog and starts warming its pool. The
+	// server keeps it (in its data directory, as <name>.json under envs/) and
+	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(context.Context, *RegisterEnvRequest) (*RegisterEnvResponse, error)
-	// ImportImage imports a base image from a path on the server.
+	// ImportImage imports a base image from a path on the server. The server
+	// keeps it, as it keeps the default image, across restarts.
 	ImportImage(context.Context, *ImportImageRequest) (*ImportImageResponse, error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *ResetRequest) (*ResetResponse, error)

@@ -134,14 +134,17 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterEnv(self, request, context):
-        """RegisterEnv adds an env to the catalog and starts warming its pool.
+        """RegisterEnv adds an env to the catalog and starts warming its pool. The
+        server keeps it (in its data directory, as <name>.json under envs/) and
+        serves it again after a restart, over a catalog env of the same name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ImportImage(self, request, context):
-        """ImportImage imports a base image from a path on the server.
+        """ImportImage imports a base image from a path on the server. The server
+        keeps it, as it keeps the default image, across restarts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -71,9 +71,12 @@ const (
 type EnvServiceClient interface {
 	// ListEnvs returns the catalog with the state of each env's warm pool.
 	ListEnvs(context.Context, *connect.Request[v1.ListEnvsRequest]) (*connect.Response[v1.ListEnvsResponse], error)
-	// RegisterEnv adds an env to the catalog and starts warming its pool.
+	// RegisterEnv adds an env to the catalog and starts warming its pool. The
+	// server keeps it (in its data directory, as <name>.json under envs/) and
+	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(context.Context, *connect.Request[v1.RegisterEnvRequest]) (*connect.Response[v1.RegisterEnvResponse], error)
-	// ImportImage imports a base image from a path on the server.
+	// ImportImage imports a base image from a path on the server. The server
+	// keeps it, as it keeps the default image, across restarts.
 	ImportImage(context.Context, *connect.Request[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *connect.Request[v1.ResetRequest]) (*connect.Response[v1.ResetResponse], error)
@@ -313,9 +316,12 @@ func (c *envServiceClient) ListSandboxes(ctx context.Context, req *connect.Reque
 type EnvServiceHandler interface {
 	// ListEnvs returns the catalog with the state of each env's warm pool.
 	ListEnvs(context.Context, *connect.Request[v1.ListEnvsRequest]) (*connect.Response[v1.ListEnvsResponse], error)
-	// RegisterEnv adds an env to the catalog and starts warming its pool.
+	// RegisterEnv adds an env to the catalog and starts warming its pool. The
+	// server keeps it (in its data directory, as <name>.json under envs/) and
+	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(context.Context, *connect.Request[v1.RegisterEnvRequest]) (*connect.Response[v1.RegisterEnvResponse], error)
-	// ImportImage imports a base image from a path on the server.
+	// ImportImage imports a base image from a path on the server. The server
+	// keeps it, as it keeps the default image, across restarts.
 	ImportImage(context.Context, *connect.Request[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *connect.Request[v1.ResetRequest]) (*connect.Response[v1.ResetResponse], error)
