@@ -139,8 +139,12 @@ func (s *Server) startLedger(ctx context.Context) error {
 		s.pg = pg
 		url = pg.URL()
 	}
-	if err := ledger.MigrateURL(ctx, url); err != nil {
+	applied, err := ledger.MigrateURL(ctx, url)
+	if err != nil {
 		return fmt.Errorf("migrating ledger: %w", err)
+	}
+	if len(applied) > 0 {
+		s.log.Info("ledger schema migrated", "applied", applied)
 	}
 	w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: filepath.Join(s.cfg.DataDir, "spool"), Logger: s.log})
 	if err != nil {

@@ -141,7 +141,7 @@ func BenchmarkCopyCost(b *testing.B) {
 			if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS steps, episodes, runs, rewards, checkpoints, ledger_spool_marks, schema_migrations"); err != nil {
 				b.Fatal(err)
 			}
-			if err := ledger.Migrate(ctx, conn); err != nil {
+			if _, err := ledger.Migrate(ctx, conn); err != nil {
 				b.Fatal(err)
 			}
 			if v.sql != "" {

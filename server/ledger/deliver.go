@@ -360,9 +360,13 @@ func (w *Writer) connectLane(ctx context.Context, ln *lane) error {
 	if err != nil {
 		return fmt.Errorf("connecting to ledger database: %w", err)
 	}
-	if err := Migrate(cctx, conn); err != nil {
+	applied, err := Migrate(cctx, conn)
+	if err != nil {
 		_ = conn.Close(context.Background())
 		return err
+	}
+	if len(applied) > 0 {
+		w.cfg.Logger.Info("ledger schema migrated", "applied", applied)
 	}
 	var mark int64
 	err = conn.QueryRow(cctx, "SELECT seq FROM ledger_spool_marks WHERE spool_id = $1", w.sp.id).Scan(&mark)

@@ -23,3 +23,6 @@ func SetDirectSpool(on bool) { directIO = on }
 
 // SetSlabReuse turns the spool reader's slab reuse on or off (to compare).
 func SetSlabReuse(on bool) { reuseSlabs = on }
+
+// ReaderSlabs returns how many retired and spare slabs the spool's reader keeps.
+func (w *Writer) ReaderSlabs() int { return int(w.sp.slabsKept.Load()) }

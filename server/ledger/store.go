@@ -34,7 +34,7 @@ type Store struct {
 // Open connects a pool to url, migrates the schema and returns a Store. If w is not nil, every
 // query first flushes it. Close releases the pool.
 func Open(ctx context.Context, url string, w Flusher) (*Store, error) {
-	if err := MigrateURL(ctx, url); err != nil {
+	if _, err := MigrateURL(ctx, url); err != nil {
 		return nil, err
 	}
 	cfg, err := pgxpool.ParseConfig(url)

@@ -144,6 +144,9 @@ func (r *EpisodeStart) validate() error {
 	if r.ID == "" || r.Env == "" {
 		return fmt.Errorf("episode start needs an id and an env: %w", ErrInvalid)
 	}
+	if len(r.ID) > MaxIDLen || len(r.StartCheckpoint) > MaxIDLen {
+		return fmt.Errorf("episode start: id of %d bytes, start checkpoint of %d: over %d: %w", len(r.ID), len(r.StartCheckpoint), MaxIDLen, ErrInvalid)
+	}
 	return nil
 }
 
@@ -163,6 +166,9 @@ func (r *EpisodeEnd) validate() error {
 func (r *CheckpointRow) validate() error {
 	if r.ID == "" || r.Env == "" {
 		return fmt.Errorf("checkpoint needs an id and an env: %w", ErrInvalid)
+	}
+	if len(r.ID) > MaxIDLen {
+		return fmt.Errorf("checkpoint id of %d bytes: over %d: %w", len(r.ID), MaxIDLen, ErrInvalid)
 	}
 	if !r.Kind.valid() {
 		return fmt.Errorf("checkpoint %s: kind %q: %w", r.ID, r.Kind, ErrInvalid)

@@ -243,8 +243,8 @@ func (w *Writer) SandboxesEnded(ids []string, at time.Time) error {
 	return w.append(record{kind: recSandboxesEnded, ended: &sandboxesEnded{IDs: slices.Clone(ids), At: at}})
 }
 
-// MaxIDLen bounds a step's episode and checkpoint ids, in bytes. The server's own are under
-// 40.
+// MaxIDLen bounds the ids of episodes and checkpoints the writer takes, in bytes: a step keeps
+// them inline and uncompressed (migration 0006). The server's own are under 40.
 const MaxIDLen = 1024
 
 // Step records one step. It caps the observation at Config.ObservationCap and fills in its
@@ -537,7 +537,13 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 			return nil
 		}
 		ch := w.changed
+		fromMemory := !w.overflow
 		w.mu.Unlock()
+		if fromMemory {
+			// Caught up and waiting: rows come from memory now, so the reader's slabs can go
+			// (a server that caught up and went idle would otherwise keep them).
+			w.sp.dropSlabs()
+		}
 		var expired <-chan time.Time
 		if wait > 0 {
 			if timer == nil {

@@ -427,3 +427,28 @@ func TestSandboxesEnded(t *testing.T) {
 		t.Errorf("stats %+v: want 8 records appended and delivered", st)
 	}
 }
+
+// A writer that read a burst back from its spool and caught up lets go of the reader's slabs
+// while it waits, with no row from memory to prompt it.
+func TestCaughtUpWriterDropsSlabs(t *testing.T) {
+	t.Parallel()
+	b := setup(t, func(c *ledger.Config) { c.QueueRows = 100 })
+	must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: "ep", Env: "env"}))
+	obs := bytes.Repeat([]byte("0123456789abcdef"), 250) // 4,000 bytes: 20 MB, several slabs
+	for i := range 5000 {
+		r := stepRow("ep", i)
+		r.Observation = obs
+		must(t, b.w.Step(r))
+	}
+	must(t, b.w.Flush(t.Context()))
+	if b.w.Stats().Spooled == 0 {
+		t.Fatal("no row was read back from the spool: the test needs an overflow")
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for b.w.ReaderSlabs() > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the idle writer still keeps %d slabs", b.w.ReaderSlabs())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

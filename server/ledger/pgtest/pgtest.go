@@ -74,7 +74,7 @@ func startWithTemplate(ctx context.Context, dir string, supervise bool) (*pgserv
 	if err != nil {
 		return nil, err
 	}
-	if err := ledger.MigrateURL(ctx, s.URL()); err != nil {
+	if _, err := ledger.MigrateURL(ctx, s.URL()); err != nil {
 		_ = s.Stop(context.Background())
 		return nil, err
 	}
