@@ -118,6 +118,14 @@ func New(cfg Config, specs []*deltagymv1.EnvSpec) (*Manager, error) {
 // same name is replaced (its pool is drained; its leased sandboxes keep running); without it the
 // name must be new (ErrEnvExists).
 func (m *Manager) Register(spec *deltagymv1.EnvSpec, replace bool) (*Env, error) {
+	return m.register(spec, replace, nil)
+}
+
+// errSuperseded: the env to be replaced is no longer the catalog's (register with expect).
+var errSuperseded = errors.New("env replaced meanwhile")
+
+// register is Register; with expect, it replaces only that entry, not one registered since.
+func (m *Manager) register(spec *deltagymv1.EnvSpec, replace bool, expect *Env) (*Env, error) {
 	if err := ValidateSpec(spec); err != nil {
 		return nil, err
 	}
@@ -144,6 +152,10 @@ func (m *Manager) Register(spec *deltagymv1.EnvSpec, replace bool) (*Env, error)
 		m.mu.Unlock()
 		return nil, fmt.Errorf("env %s: %w", spec.GetName(), ErrEnvExists)
 	}
+	if expect != nil && old != expect {
+		m.mu.Unlock()
+		return nil, errSuperseded
+	}
 	m.envs[spec.GetName()] = env
 	env.pool.start(m.ctx)
 	m.mu.Unlock()
@@ -165,7 +177,8 @@ func (m *Manager) ImageImported(image string) {
 	}
 	m.mu.Unlock()
 	for _, e := range retry {
-		if _, err := m.Register(e.spec, true); err != nil {
+		// Only if it is still the catalog's: a RegisterEnv may have replaced it meanwhile.
+		if _, err := m.register(e.spec, true, e); err != nil && !errors.Is(err, errSuperseded) {
 			m.log.Warn("rewarming env", "env", e.Name(), "err", err)
 		}
 	}

@@ -654,11 +654,11 @@ func TestJSONEnumNames(t *testing.T) {
 		return resp.StatusCode, string(out)
 	}
 	for _, tc := range []struct{ body, code, has string }{
-		{`{"sandboxId":"sb-none","processMode":"CRIU"}`, "invalid_argument", `\"CRIU\" (processMode takes PROCESS_MODE_UNSPECIFIED, PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE, PROCESS_MODE_CRIU, or their numbers)`},
+		{`{"sandboxId":"sb-none","processMode":"CRIU"}`, "invalid_argument", `processMode: \"CRIU\" is not a value of ProcessMode (PROCESS_MODE_UNSPECIFIED, PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE, PROCESS_MODE_CRIU, or their numbers)`},
 		{`{"sandboxId":"sb-none","processMode":"PROCESS_MODE_CRIU"}`, "not_found", "sb-none"},
 		{`{"sandboxId":"sb-none","processMode":3}`, "not_found", "sb-none"},
 		{`{"sandboxId":"sb-none","fromANewerClient":{"x":1}}`, "not_found", "sb-none"},
-		{`{"sandboxId":"sb-none","fromANewerClient":1,"processMode":"CRIU"}`, "not_found", "sb-none"},
+		{`{"sandboxId":"sb-none","fromANewerClient":1,"processMode":"CRIU"}`, "invalid_argument", `processMode: \"CRIU\"`},
 	} {
 		status, body := post(tc.body)
 		if !strings.Contains(body, `"code":"`+tc.code+`"`) || !strings.Contains(body, tc.has) {

@@ -254,6 +254,10 @@ func TestRegisteredEnvsKept(t *testing.T) {
 	if strings.Join(names, " ") != "kept.json plain.json" {
 		t.Fatalf("kept files %v, want kept.json plain.json and nothing else", names)
 	}
+	// What a crash or a later server may leave: a temporary file, a spec this one refuses.
+	envsDir := filepath.Join(cfg.DataDir, "envs")
+	must(t, os.WriteFile(filepath.Join(envsDir, ".register-123"), []byte("{"), 0o600))
+	must(t, os.WriteFile(filepath.Join(envsDir, "bad.json"), []byte(`{"name": "bad"}`), 0o600)) // no image
 
 	srv, c = start()
 	defer func() {
@@ -271,6 +275,18 @@ func TestRegisteredEnvsKept(t *testing.T) {
 		if !proto.Equal(got[want.GetName()], want) {
 			t.Fatalf("after the restart, env %s is %v, want %v", want.GetName(), got[want.GetName()], want)
 		}
+	}
+	if got["bad"] != nil {
+		t.Fatal("the bad kept spec is served")
+	}
+	files, err = os.ReadDir(envsDir)
+	must(t, err)
+	names = nil
+	for _, f := range files {
+		names = append(names, f.Name())
+	}
+	if strings.Join(names, " ") != "bad.json.bad kept.json plain.json" {
+		t.Fatalf("kept files after the restart %v, want the bad one set aside and the temporary one gone", names)
 	}
 	for env, who := range map[string]string{"kept": "kept\n", "plain": "replaced\n"} {
 		rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: env}))

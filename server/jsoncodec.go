@@ -20,10 +20,10 @@ import (
 // Unknown fields are still ignored, as connect does, so that a newer client's requests are
 // served.
 //
-// protojson has no option for that split: a request is read strictly first, and read again
-// ignoring what is unknown only when the strict read stopped at an unknown field. A request
-// with both an unknown field and an unknown enum name before it is still refused; one with the
-// enum name after the field is taken as connect takes it.
+// A request is read strictly first: nearly all are, in one pass. One the strict read refuses
+// is read as connect reads it (unknown fields and enum names ignored), and if that succeeds,
+// the JSON is walked along the message's descriptor for an enum name the schema lacks, in the
+// fields it knows; what the walk finds is the error.
 type jsonCodec struct{ name string }
 
 // jsonCodecs replace connect's for both names it serves JSON under.
@@ -75,51 +75,89 @@ func (c jsonCodec) Unmarshal(b []byte, m any) error {
 	if len(b) == 0 {
 		return errors.New("zero-length payload is not a valid JSON object")
 	}
-	err := protojson.Unmarshal(b, pm)
-	if err != nil && strings.Contains(err.Error(), "unknown field") {
-		proto.Reset(pm)
-		err = protojson.UnmarshalOptions{DiscardUnknown: true}.Unmarshal(b, pm)
+	if protojson.Unmarshal(b, pm) == nil {
+		return nil
 	}
-	if err != nil {
-		if _, field, ok := strings.Cut(err.Error(), "invalid value for enum field "); ok {
-			field, _, _ = strings.Cut(field, ":")
-			if names := enumNames(pm.ProtoReflect().Descriptor(), field, nil); names != nil {
-				return fmt.Errorf("unmarshal into %T: %w (%s takes %s, or their numbers)", m, err, field, strings.Join(names, ", "))
-			}
-		}
+	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(b, pm); err != nil {
+		return fmt.Errorf("unmarshal into %T: %w", m, err)
+	}
+	var v any
+	if err := json.Unmarshal(b, &v); err != nil { // protojson took it: cannot fail
+		return fmt.Errorf("unmarshal into %T: %w", m, err)
+	}
+	if err := checkEnumNames(pm.ProtoReflect().Descriptor(), v, ""); err != nil {
+		proto.Reset(pm)
 		return fmt.Errorf("unmarshal into %T: %w", m, err)
 	}
 	return nil
 }
 
-// enumNames returns the value names of the enum field called jsonName (or by its proto name)
-// in md or a message below it, nil if there is none.
-func enumNames(md protoreflect.MessageDescriptor, jsonName string, seen map[protoreflect.FullName]bool) []string {
-	if seen == nil {
-		seen = map[protoreflect.FullName]bool{}
-	}
-	if seen[md.FullName()] {
+// checkEnumNames walks v, the JSON of a message of type md, and returns an error naming the
+// first enum value given by a name the enum lacks, in a field md knows. Unknown fields and the
+// well-known types (their JSON is not a message's) are skipped.
+func checkEnumNames(md protoreflect.MessageDescriptor, v any, path string) error {
+	obj, ok := v.(map[string]any)
+	if !ok || strings.HasPrefix(string(md.FullName()), "google.protobuf.") {
 		return nil
 	}
-	seen[md.FullName()] = true
 	fields := md.Fields()
-	for i := range fields.Len() {
-		f := fields.Get(i)
-		if ed := f.Enum(); ed != nil && (f.JSONName() == jsonName || string(f.Name()) == jsonName) {
-			vals := ed.Values()
-			names := make([]string, vals.Len())
-			for j := range names {
-				names[j] = string(vals.Get(j).Name())
+	for key, val := range obj {
+		f := fields.ByJSONName(key)
+		if f == nil {
+			f = fields.ByTextName(key)
+		}
+		if f == nil || val == nil {
+			continue
+		}
+		p := key
+		if path != "" {
+			p = path + "." + key
+		}
+		var vals []any
+		switch {
+		case f.IsMap():
+			m, _ := val.(map[string]any)
+			for k, x := range m {
+				if err := checkValue(f.MapValue(), x, p+"["+k+"]"); err != nil {
+					return err
+				}
 			}
-			return names
+			continue
+		case f.IsList():
+			vals, _ = val.([]any)
+		default:
+			vals = []any{val}
+		}
+		for i, x := range vals {
+			q := p
+			if f.IsList() {
+				q = fmt.Sprintf("%s[%d]", p, i)
+			}
+			if err := checkValue(f, x, q); err != nil {
+				return err
+			}
 		}
 	}
-	for i := range fields.Len() {
-		if sub := fields.Get(i).Message(); sub != nil {
-			if names := enumNames(sub, jsonName, seen); names != nil {
-				return names
-			}
+	return nil
+}
+
+// checkValue checks one value of field f (a list's element or a map's value).
+func checkValue(f protoreflect.FieldDescriptor, x any, path string) error {
+	switch f.Kind() {
+	case protoreflect.MessageKind, protoreflect.GroupKind:
+		return checkEnumNames(f.Message(), x, path)
+	case protoreflect.EnumKind:
+		name, ok := x.(string)
+		ed := f.Enum()
+		if !ok || ed.FullName() == "google.protobuf.NullValue" || ed.Values().ByName(protoreflect.Name(name)) != nil {
+			return nil
 		}
+		vals := ed.Values()
+		names := make([]string, vals.Len())
+		for i := range names {
+			names[i] = string(vals.Get(i).Name())
+		}
+		return fmt.Errorf("%s: %q is not a value of %s (%s, or their numbers)", path, name, ed.Name(), strings.Join(names, ", "))
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"flag"
+	"fmt"
 	"path/filepath"
 	"strconv"
 
@@ -29,7 +30,11 @@ func runRegisterEnv(ctx context.Context, a *app, fs *flag.FlagSet, args []string
 	}
 	spec := &deltagymv1.EnvSpec{}
 	if err := protojson.Unmarshal(body, spec); err != nil {
-		return usageErrorf("%s: not an env spec (the JSON of envs/*.json): %v", pos[0], err)
+		from := pos[0]
+		if from == "-" {
+			from = "standard input"
+		}
+		return fmt.Errorf("%s: not an env spec (the JSON of envs/*.json; fields in proto/deltagym/v1/env.proto): %v", from, err)
 	}
 	c, err := a.dial()
 	if err != nil {
@@ -54,7 +59,7 @@ func runImportImage(ctx context.Context, a *app, fs *flag.FlagSet, args []string
 	if err != nil {
 		return err
 	}
-	if err := wantArgs(pos, 2, 2, "NAME PATH"); err != nil {
+	if err := wantArgs(pos, 2, 2, "NAME and PATH"); err != nil {
 		return err
 	}
 	req := &deltagymv1.ImportImageRequest{Name: pos[0], Path: pos[1]}

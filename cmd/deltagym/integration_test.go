@@ -308,8 +308,10 @@ func TestCLICatalog(t *testing.T) {
 	mustContain(t, "register-env again", errOut, "already_exists")
 	out, _ = cli(t, exitOK, `{"name": "cli-env", "image": "cli-img", "poolSize": 1, "env": {"WHO": "cli2"}}`, "register-env", "-", "--replace")
 	mustContain(t, "register-env --replace", out, "cli-env")
-	_, errOut = cli(t, exitUsage, `{"name": "cli-env", "imag": "x"}`, "register-env", "-")
-	mustContain(t, "register-env of a bad spec", errOut, "not an env spec", "imag")
+	_, errOut = cli(t, exitError, `{"name": "cli-env", "imag": "x"}`, "register-env", "-")
+	mustContain(t, "register-env of a bad spec", errOut, "standard input: not an env spec", "imag")
+	_, errOut = cli(t, exitUsage, "", "import-image", "cli-img")
+	mustContain(t, "import-image without a path", errOut, "PATH")
 	kept, err := os.ReadFile(filepath.Join(testDataDir, "envs", "cli-env.json"))
 	if err != nil || !strings.Contains(string(kept), "cli2") {
 		t.Fatalf("the server kept %q (%v), want the replaced spec", kept, err)
