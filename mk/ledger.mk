@@ -17,8 +17,9 @@ ledger-test: deps postgres ## run the ledger tests against a real private Postgr
 
 # ledger-bench runs the writer saturated (rate=max) and paced at the 50,000 steps/s target
 # (rate=50000: delivered-steps/s and max-backlog-rows say whether it keeps up), 300,000 steps each,
-# after as many untimed ones, a vacuum and a checkpoint (a warm-up: the timed WAL goes into
-# recycled segments, as a server's does once it has run a while).
+# after as many untimed ones and a checkpoint (a warm-up: the timed WAL goes into recycled
+# segments, as a server's does once it has run a while), with a vacuum of the warm-up's rows
+# running alongside the timed ones, as autovacuum does on a server (vacuum-ms: how long it took).
 # It compares settings with DELTAGYM_LEDGER_BENCH_CONNS=n (delivery connections),
 # DELTAGYM_LEDGER_BENCH_DELAY=d (Config.DeliveryDelay), DELTAGYM_LEDGER_BENCH_QUEUE_MB=n
 # (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate, n >= 1000) and
