@@ -25,7 +25,8 @@ ledger-test: deps postgres ## run the ledger tests against a real private Postgr
 # (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate, n >= 1000) and
 # DELTAGYM_LEDGER_BENCH_PG=name=value,... (Postgres settings), DELTAGYM_LEDGER_BENCH_NEW_SLABS=1
 # (the spool's reader without slab reuse), DELTAGYM_LEDGER_BENCH_COLD=1 (no warm-up: WAL into
-# new segments, as a new cluster's first gigabytes are) and
+# new segments, as a new cluster's first gigabytes are), DELTAGYM_LEDGER_BENCH_NO_VACUUM=1 (no
+# vacuum alongside the timed steps: autovacuum's, with the settings given) and
 # DELTAGYM_POSTGRES=/usr/lib/postgresql/15/bin (bookworm's PostgreSQL). The machine's other load moves steps/s a lot; go-cpu-us/step and
 # pg-cpu-us/step hold up better.
 ledger-bench: deps postgres ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)

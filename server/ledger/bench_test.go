@@ -205,7 +205,8 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	b.ResetTimer()
 	start := time.Now()
 	vacuum := make(chan time.Duration, 1) // how long the vacuum of the warm-up's rows took
-	if os.Getenv("DELTAGYM_LEDGER_BENCH_COLD") == "1" {
+	// DELTAGYM_LEDGER_BENCH_NO_VACUUM=1 leaves it to autovacuum (to compare its settings).
+	if os.Getenv("DELTAGYM_LEDGER_BENCH_COLD") == "1" || os.Getenv("DELTAGYM_LEDGER_BENCH_NO_VACUUM") == "1" {
 		vacuum <- 0
 	} else {
 		go func() {
