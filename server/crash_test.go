@@ -148,6 +148,20 @@ func TestCrashEndsEpisodes(t *testing.T) {
 	}
 }
 
+// startServing starts a server on cfg, serving on a loopback port, and returns it with an
+// EnvService client (HTTP/2 without TLS, as bidi streams need).
+func startServing(t *testing.T, ctx context.Context, cfg server.Config) (*server.Server, deltagymv1connect.EnvServiceClient) {
+	t.Helper()
+	srv, err := server.New(ctx, cfg)
+	must(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	must(t, err)
+	go srv.Serve(ln)
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true)
+	return srv, deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+}
+
 // A checkpoint taken before a restart is restored after it with its steps numbered as before:
 // the server reads where it was taken from the ledger.
 func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
@@ -155,16 +169,7 @@ func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) {
-		srv, err := server.New(ctx, cfg)
-		must(t, err)
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		must(t, err)
-		go srv.Serve(ln)
-		var protos http.Protocols
-		protos.SetUnencryptedHTTP2(true)
-		return srv, deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
-	}
+	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) { return startServing(t, ctx, cfg) }
 	exec := func(c deltagymv1connect.EnvServiceClient, sb string) *deltagymv1.StepResponse {
 		st, err := c.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: execAction("true")}))
 		must(t, err)
@@ -220,14 +225,7 @@ func TestRegisteredEnvsKept(t *testing.T) {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) {
-		srv, err := server.New(ctx, cfg)
-		must(t, err)
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		must(t, err)
-		go srv.Serve(ln)
-		return srv, deltagymv1connect.NewEnvServiceClient(http.DefaultClient, "http://"+ln.Addr().String())
-	}
+	start := func() (*server.Server, deltagymv1connect.EnvServiceClient) { return startServing(t, ctx, cfg) }
 	register := func(c deltagymv1connect.EnvServiceClient, spec *deltagymv1.EnvSpec, replace bool) error {
 		_, err := c.RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: spec, Replace: replace}))
 		return err
