@@ -733,10 +733,10 @@ func (s *spool) takeSlab(size int) []byte {
 			b := s.spare[k-1]
 			s.spare[k-1] = nil
 			s.spare = s.spare[:k-1]
-			s.slabsKept.Store(int32(len(s.retired) + len(s.spare)))
+			s.noteKept()
 			return b[:size:size]
 		}
-		s.slabsKept.Store(int32(len(s.retired) + len(s.spare)))
+		s.noteKept()
 	}
 	return alignedBuf(size)
 }
@@ -752,7 +752,7 @@ func (s *spool) dropSlabs() {
 	clear(s.retired)
 	clear(s.spare)
 	s.retired, s.spare = s.retired[:0], s.spare[:0]
-	s.slabsKept.Store(0)
+	s.noteKept()
 }
 
 // retireSlab records that the cursor leaves its slab, for takeSlab to reuse once every record
@@ -771,8 +771,11 @@ func (s *spool) retireSlab() {
 		s.retired = s.retired[1:]
 	}
 	s.retired = append(s.retired, retiredSlab{buf: c.buf[:0], last: last})
-	s.slabsKept.Store(int32(len(s.retired) + len(s.spare)))
+	s.noteKept()
 }
+
+// noteKept publishes how many slabs the reader keeps (slabsKept).
+func (s *spool) noteKept() { s.slabsKept.Store(int32(len(s.retired) + len(s.spare))) }
 
 // preadFull reads b at off until it is full, the file ends or a read fails. A direct read that
 // comes back short has met the end of the file: going on would read at an unaligned offset.
