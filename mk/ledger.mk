@@ -18,15 +18,18 @@ ledger-test: deps postgres ## run the ledger tests against a real private Postgr
 # ledger-bench runs the writer saturated (rate=max) and paced at the 50,000 steps/s target
 # (rate=50000: delivered-steps/s and max-backlog-rows say whether it keeps up), 300,000 steps each,
 # after as many untimed ones and a checkpoint (a warm-up: the timed WAL goes into recycled
-# segments, as a server's does once it has run a while), with a vacuum of the warm-up's rows
-# running alongside the timed ones, as autovacuum does on a server (vacuum-ms: how long it took).
+# segments, as a server's does once it has run a while). The writer vacuums the steps it delivered
+# every 10,000 (vacuums: how many in the timed run), as the server's does;
+# DELTAGYM_LEDGER_BENCH_VACUUM_STEPS=n sets that, and -1 leaves the table to autovacuum, modelled
+# by a vacuum of the warm-up's rows running alongside the timed ones (vacuum-ms: how long it took).
 # It compares settings with DELTAGYM_LEDGER_BENCH_CONNS=n (delivery connections),
 # DELTAGYM_LEDGER_BENCH_DELAY=d (Config.DeliveryDelay), DELTAGYM_LEDGER_BENCH_QUEUE_MB=n
 # (Config.QueueBytes), DELTAGYM_LEDGER_BENCH_RATE=n (the paced rate, n >= 1000) and
 # DELTAGYM_LEDGER_BENCH_PG=name=value,... (Postgres settings), DELTAGYM_LEDGER_BENCH_NEW_SLABS=1
 # (the spool's reader without slab reuse), DELTAGYM_LEDGER_BENCH_COLD=1 (no warm-up: WAL into
-# new segments, as a new cluster's first gigabytes are), DELTAGYM_LEDGER_BENCH_NO_VACUUM=1 (no
-# vacuum alongside the timed steps: autovacuum's, with the settings given) and
+# new segments, as a new cluster's first gigabytes are), DELTAGYM_LEDGER_BENCH_NO_VACUUM=1 (with
+# VACUUM_STEPS=-1, no vacuum alongside the timed steps: autovacuum's, with the settings given),
+# DELTAGYM_LEDGER_BENCH_PG_MB=n (the cluster's memory cap) and
 # DELTAGYM_POSTGRES=/usr/lib/postgresql/15/bin (bookworm's PostgreSQL). The machine's other load moves steps/s a lot; go-cpu-us/step and
 # pg-cpu-us/step hold up better.
 ledger-bench: deps postgres ## ledger writer throughput into Postgres (steps/s, Step p50/p99, CPU per step)

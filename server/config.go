@@ -49,6 +49,10 @@ type Config struct {
 	// and the page cache of its files) with a control group of its own, in MiB. Default 512
 	// (pgserver.DefaultMemoryLimit); negative: no cap. Ignored with DatabaseURL.
 	PostgresMemoryMB int
+	// LedgerVacuumSteps is how many steps the ledger writer delivers between two vacuums of
+	// the steps table, which it runs itself (ledger.Config.VacuumSteps). Default 10,000;
+	// negative: never (autovacuum alone).
+	LedgerVacuumSteps int
 	// AuthToken, when set, is the bearer token every EnvService and LedgerService call must
 	// carry. Default "" (auth off).
 	AuthToken string
@@ -108,6 +112,16 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 				return fmt.Errorf("%q: a number of MiB from %d to %d (the shared buffers alone take 128), or -1 for no cap", v, minPostgresMemoryMB, maxPostgresMemoryMB)
 			}
 			c.PostgresMemoryMB = n
+			return nil
+		})
+	fs.Func("ledger-vacuum-steps", "vacuum the ledger's steps table after every `N` steps delivered, while its new pages are still in Postgres's "+
+		"shared buffers, which autovacuum would otherwise read back from disk and write again (-1: leave it to autovacuum) (default 10000)",
+		func(v string) error {
+			n, err := strconv.Atoi(v)
+			if err != nil || n == 0 || n < -1 {
+				return fmt.Errorf("%q: a number of steps (1 or more), or -1 to leave the steps table to autovacuum", v)
+			}
+			c.LedgerVacuumSteps = n
 			return nil
 		})
 	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")

@@ -257,3 +257,37 @@ func TestPostgresMemoryFlag(t *testing.T) {
 		}
 	}
 }
+
+// TestLedgerVacuumFlag: --ledger-vacuum-steps takes a number of steps or -1, and refuses 0.
+func TestLedgerVacuumFlag(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		n    int
+		err  string
+	}{
+		{nil, 0, ""}, // the writer's default
+		{[]string{"--ledger-vacuum-steps", "500"}, 500, ""},
+		{[]string{"--ledger-vacuum-steps", "-1"}, -1, ""},
+		{[]string{"--ledger-vacuum-steps", "0"}, 0, "1 or more"},
+		{[]string{"--ledger-vacuum-steps", "-2"}, 0, "or -1 to leave"},
+		{[]string{"--ledger-vacuum-steps", "many"}, 0, "a number of steps"},
+	} {
+		var cfg server.Config
+		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
+		cfg.RegisterFlags(fs)
+		err := fs.Parse(c.args)
+		if c.err != "" {
+			if err == nil || !strings.Contains(err.Error(), c.err) {
+				t.Fatalf("%v: %v, want %q", c.args, err, c.err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%v: %v", c.args, err)
+		}
+		if cfg.LedgerVacuumSteps != c.n {
+			t.Fatalf("%v: LedgerVacuumSteps %d, want %d", c.args, cfg.LedgerVacuumSteps, c.n)
+		}
+	}
+}

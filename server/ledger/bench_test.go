@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -93,7 +94,9 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 			settings[k] = v
 		}
 	}
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Settings: settings, Logger: quietLogger()})
+	// DELTAGYM_LEDGER_BENCH_PG_MB overrides the cluster's memory cap (pgserver.DefaultMemoryLimit).
+	capMB, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_PG_MB"))
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Settings: settings, Logger: quietLogger(), MemoryLimit: int64(capMB) << 20})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -105,6 +108,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	conns, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_CONNS"))
 	delay, _ := time.ParseDuration(os.Getenv("DELTAGYM_LEDGER_BENCH_DELAY"))
 	queue, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_QUEUE_MB"))
+	vacuumSteps, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_VACUUM_STEPS"))
 	// DELTAGYM_LEDGER_BENCH_BUFFERED=1 writes the spool through the page cache, as before
 	// O_DIRECT.
 	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
@@ -117,7 +121,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	// DELTAGYM_LEDGER_BENCH_NEW_SLABS=1 reads rows back into new slabs, as before slab reuse.
 	ledger.SetSlabReuse(os.Getenv("DELTAGYM_LEDGER_BENCH_NEW_SLABS") != "1")
 	defer ledger.SetSlabReuse(true)
-	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay, QueueBytes: queue << 20})
+	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay, QueueBytes: queue << 20, VacuumSteps: vacuumSteps})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -158,11 +162,14 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	// memory group full (new blocks take the group's own reclaimed pages) and its heap faulted
 	// in. The same number of steps, delivered and checkpointed, gets the cluster there before
 	// the timing starts (which then starts with no checkpoint under way, where a server at this
-	// rate has one about every gigabyte of WAL). And such a server's autovacuum vacuums the
-	// rows it took, alongside the new ones (an insert-only table after each fifth or so of
-	// growth): the timed run vacuums the warm-up's rows, as many as it times, from its start,
-	// and waits for that vacuum to end before it stops the clock; its CPU counts in
-	// pg-cpu-us/step. DELTAGYM_LEDGER_BENCH_COLD=1 skips both.
+	// rate has one about every gigabyte of WAL). Every row is vacuumed once: the writer vacuums
+	// the steps it delivered every Config.VacuumSteps (vacuum.go), in the warm-up as in the
+	// timed run (vacuums counts the timed run's). DELTAGYM_LEDGER_BENCH_VACUUM_STEPS sets
+	// VacuumSteps; negative, the writer leaves the table to autovacuum, which vacuums an
+	// insert-only table after each fifth or so of growth, and the timed run models that by
+	// vacuuming the warm-up's rows, as many as it times, from its start, waiting for that
+	// vacuum to end before it stops the clock (vacuum-ms); its CPU counts in pg-cpu-us/step.
+	// DELTAGYM_LEDGER_BENCH_COLD=1 skips the warm-up and that vacuum.
 	if os.Getenv("DELTAGYM_LEDGER_BENCH_COLD") != "1" {
 		appendSteps("warm", b.N, 0, nil)
 		if err := w.Flush(ctx); err != nil {
@@ -206,13 +213,22 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	start := time.Now()
 	vacuum := make(chan time.Duration, 1) // how long the vacuum of the warm-up's rows took
 	// DELTAGYM_LEDGER_BENCH_NO_VACUUM=1 leaves it to autovacuum (to compare its settings).
-	if os.Getenv("DELTAGYM_LEDGER_BENCH_COLD") == "1" || os.Getenv("DELTAGYM_LEDGER_BENCH_NO_VACUUM") == "1" {
+	// With the writer vacuuming, the warm-up's rows are vacuumed already.
+	if os.Getenv("DELTAGYM_LEDGER_BENCH_COLD") == "1" || os.Getenv("DELTAGYM_LEDGER_BENCH_NO_VACUUM") == "1" || vacuumSteps >= 0 {
 		vacuum <- 0
 	} else {
 		go func() {
-			conn, err := pgx.Connect(ctx, srv.URL())
+			// What the vacuum did (pages read, hit, dirtied; WAL) is logged with -test.v.
+			cfg, err := pgx.ParseConfig(srv.URL())
+			if err != nil {
+				b.Error(err)
+				vacuum <- 0
+				return
+			}
+			cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { b.Logf("vacuum: %s", n.Message) }
+			conn, err := pgx.ConnectConfig(ctx, cfg)
 			if err == nil {
-				_, err = conn.Exec(ctx, "VACUUM steps")
+				_, err = conn.Exec(ctx, "VACUUM (VERBOSE) steps")
 				conn.Close(ctx)
 			}
 			if err != nil {
@@ -247,12 +263,14 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "steps/s")
 	b.ReportMetric(float64(b.N)/appended.Seconds(), "appends/s")
 	b.ReportMetric(float64(vacuumed.Milliseconds()), "vacuum-ms")
+
 	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "step-p50-ns")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "step-p99-ns")
 	b.ReportMetric(float64(pg1-pg0)/1e3/float64(b.N), "pg-cpu-us/step")
 	b.ReportMetric(float64(self1-self0)/1e3/float64(b.N), "go-cpu-us/step")
 	st := w.Stats()
 	b.ReportMetric(float64(st.Spooled-st0.Spooled), "spooled-rows")
+	b.ReportMetric(float64(st.Vacuums-st0.Vacuums), "vacuums")
 	b.ReportMetric(float64(maxBacklog.Load()), "max-backlog-rows")
 	if !warmAt.IsZero() {
 		b.ReportMetric(float64(endDelivered-warmDelivered)/start.Add(appended).Sub(warmAt).Seconds(), "delivered-steps/s")

@@ -49,6 +49,7 @@ type lane struct {
 type job struct {
 	batch []record
 	last  uint64 // seq of the batch's last row
+	steps int    // step rows in the batch
 	prev  *job   // the job committing before it; nil once it has finished
 
 	firstDone, done, trouble         chan struct{}
@@ -57,8 +58,14 @@ type job struct {
 }
 
 func newJob(batch []record, prev *job) *job {
-	return &job{batch: batch, last: batch[len(batch)-1].seq, prev: prev,
+	j := &job{batch: batch, last: batch[len(batch)-1].seq, prev: prev,
 		firstDone: make(chan struct{}), done: make(chan struct{}), trouble: make(chan struct{})}
+	for i := range batch {
+		if batch[i].kind == recStep {
+			j.steps++
+		}
+	}
+	return j
 }
 
 func (j *job) markFirstDone() { j.firstOnce.Do(func() { close(j.firstDone) }) }
@@ -134,6 +141,13 @@ func (w *Writer) deliverLoop(ctx context.Context) {
 			w.delivered = max(w.delivered, j.last)
 			w.notifyLocked()
 			w.mu.Unlock()
+			if j.steps > 0 {
+				w.stepsDelivered.Add(uint64(j.steps))
+				select {
+				case w.vacuumKick <- struct{}{}:
+				default:
+				}
+			}
 			// After trim, the reader may read into the slabs j's rows were read back into
 			// (spool.takeSlab): j is done with them. (pgx's CopyFrom can return on a server
 			// error before its sending goroutine has stopped reading rows; that goroutine

@@ -61,6 +61,10 @@ type Config struct {
 	// the rows arriving fills it; appends then wait for the disk (never for Postgres).
 	// Default 256 MiB.
 	MaxPending int
+	// VacuumSteps is how many steps the writer delivers between two vacuums of the steps table,
+	// which it runs itself while their pages are still in Postgres's shared buffers (vacuum.go
+	// says why). Default 10,000; negative: never (autovacuum alone).
+	VacuumSteps int
 	// Logger receives delivery errors. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -106,6 +110,9 @@ func (c *Config) Validate() error {
 	if c.MaxPending <= 0 {
 		c.MaxPending = 256 << 20
 	}
+	if c.VacuumSteps == 0 {
+		c.VacuumSteps = defaultVacuumSteps
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -121,6 +128,7 @@ type Stats struct {
 	Spooled   uint64 // rows that bypassed the full in-memory queue and were read back from disk
 	Dropped   uint64 // rows Postgres rejected (e.g. a duplicate step), logged and skipped
 	Retries   uint64 // failed delivery attempts (Postgres unreachable, restarting…)
+	Vacuums   uint64 // vacuums of the steps table the writer ran (Config.VacuumSteps)
 	// MaxSync is the longest spool write+fsync so far: with GroupCommit, the bound on what a
 	// SIGKILL can lose.
 	MaxSync time.Duration
@@ -162,6 +170,11 @@ type Writer struct {
 	cancelDeliver context.CancelFunc
 	deliverDone   chan struct{}
 
+	stepsDelivered atomic.Uint64 // step rows committed to Postgres
+	vacuumKick     chan struct{} // stepsDelivered advanced
+	vacuumDone     chan struct{}
+	vacuums        atomic.Uint64
+
 	spooled, dropped, retries atomic.Uint64
 
 	closeOnce sync.Once
@@ -196,12 +209,19 @@ func NewWriter(cfg Config) (*Writer, error) {
 		stopSync:    make(chan struct{}),
 		syncDone:    make(chan struct{}),
 		deliverDone: make(chan struct{}),
+		vacuumKick:  make(chan struct{}, 1),
+		vacuumDone:  make(chan struct{}),
 	}
 	w.drained = sync.NewCond(&w.mu)
 	ctx, cancel := context.WithCancel(context.Background())
 	w.cancelDeliver = cancel
 	go w.syncLoop()
 	go w.deliverLoop(ctx)
+	if cfg.VacuumSteps > 0 {
+		go w.vacuumLoop(ctx)
+	} else {
+		close(w.vacuumDone)
+	}
 	return w, nil
 }
 
@@ -712,6 +732,7 @@ func (w *Writer) Stats() Stats {
 		Spooled:   w.spooled.Load(),
 		Dropped:   w.dropped.Load(),
 		Retries:   w.retries.Load(),
+		Vacuums:   w.vacuums.Load(),
 		MaxSync:   w.maxSync,
 	}
 }
@@ -738,6 +759,7 @@ func (w *Writer) Close(ctx context.Context) error {
 		errs = append(errs, w.waitDelivered(ctx, target))
 		w.cancelDeliver()
 		<-w.deliverDone
+		<-w.vacuumDone
 		w.mu.Lock()
 		delivered := w.delivered
 		w.mu.Unlock()
