@@ -39,7 +39,7 @@ type Config struct {
 	OnCheckpoint func(env string, kind CheckpointKind, info sandbox.CheckpointInfo)
 	// OnEnd, if set, is called once for every lease that ends other than by CloseLease: reaped
 	// after its TTL, its sandbox died, or the Manager closed; reason is EndExpired, EndDied or
-	// EndShutdown. It must not block.
+	// EndShutdown. A reaped lease is still listed while it runs (see reap). It must not block.
 	OnEnd func(l *Lease, reason string)
 }
 
@@ -369,11 +369,13 @@ func (m *Manager) reap() {
 				continue
 			}
 			m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
-			if err := m.CloseLease(m.ctx, l); err != nil {
-				m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
-			}
+			// OnEnd first: a client that sees the sandbox gone then finds its episode ended
+			// (the server records the end in its ledger there).
 			if m.cfg.OnEnd != nil {
 				m.cfg.OnEnd(l, reason)
+			}
+			if err := m.CloseLease(m.ctx, l); err != nil {
+				m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
 			}
 		}
 	}

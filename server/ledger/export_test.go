@@ -1,6 +1,9 @@
 package ledger
 
-import "context"
+import (
+	"context"
+	"time"
+)
 
 // Buffered returns the bytes of rows waiting for the next group commit. It drops when the syncer
 // takes the window for a spool write, which is how TestSIGKILLLosesAtMostOneWindow sees when
@@ -26,3 +29,11 @@ func SetSlabReuse(on bool) { reuseSlabs = on }
 
 // ReaderSlabs returns how many retired and spare slabs the spool's reader keeps.
 func (w *Writer) ReaderSlabs() int { return int(w.sp.slabsKept.Load()) }
+
+// SetVacuumBackoff sets c's first and longest wait after a failed or held-back vacuum.
+func SetVacuumBackoff(c *Config, first, longest time.Duration) {
+	c.vacuumBackoff, c.vacuumBackoffMax = first, longest
+}
+
+// VacuumStatement is vacuumStatement, for a server_version_num.
+func VacuumStatement(version int) (string, error) { return vacuumStatement(version) }

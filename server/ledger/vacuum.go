@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 
@@ -25,33 +24,49 @@ import (
 // ring comes round to them. Vacuumed while they are still there, they are neither read nor
 // dirtied again: the vacuum sets their bits before they are first written. So the writer
 // vacuums the steps table itself, after every Config.VacuumSteps steps it delivers, on a
-// connection of its own, and freezes as it goes, so that the anti-wraparound vacuum finds the
-// pages all-frozen and skips them. Every 10,000 steps, each vacuum read and dirtied almost
+// connection of its own, and freezes as it goes (vacuum_freeze_min_age 0 on that connection:
+// the rows every snapshot sees), so that the anti-wraparound vacuum finds the pages all-frozen
+// and skips them. In steady state, every 10,000 steps, each vacuum read and dirtied almost
 // none of its 3,000–4,000 pages and took 10–20 ms of CPU; every 100,000 it read and dirtied
-// them all (VACUUM VERBOSE in the benchmark).
+// them all (VACUUM VERBOSE in the benchmark). It is not a VACUUM (FREEZE): that would be an
+// aggressive vacuum, which scans every page not yet frozen (a whole table autovacuum had
+// marked all-visible, the first time on an older ledger) and waits for a page a COPY has
+// pinned instead of skipping it till next time. Nor does it truncate the table: a COPY
+// extends it ahead of its rows, and truncating those empty pages back would take an exclusive
+// lock.
 //
 // A vacuum marks and freezes only rows every snapshot sees. The delivery's own transactions
 // hold that back a little: their COPYs' snapshots are as old as the oldest batch then in
 // flight, so the last batches committed wait for a later vacuum (under saturation, up to a few
 // times Conns×BatchRows steps). A long transaction elsewhere (an export, a psql session left
-// open) holds it back for as long as it runs, and each vacuum would then scan again all the
+// open, or a write in any database of the cluster, since a snapshot's horizon is the oldest
+// transaction running anywhere) holds it back for as long as it runs, and each vacuum would then scan again all the
 // pages since it began. So after each vacuum the writer reads how many pages are all-visible
 // (pg_class.relallvisible, which the vacuum just set): when that has not grown over vacuums
-// spanning more than four times the larger of VacuumSteps and Conns×BatchRows steps, it waits
-// before trying again (1 s, doubling up to a minute) instead of vacuuming every VacuumSteps,
-// until a vacuum gains pages again. It does not wait otherwise: a vacuum that found its pages
-// gone from the shared buffers (after a checkpoint, say) reads them back at about twice the
-// rate steps arrive, so the next vacuums, taken back to back, catch up, where waiting in
-// proportion to the time taken (tried first) let the pages between vacuums grow without end.
+// spanning more than four times the larger of VacuumSteps and Conns×BatchRows steps, it logs
+// so and waits before trying again (1 s, doubling up to a minute) instead of vacuuming every
+// VacuumSteps, until a vacuum gains pages again. It does not wait otherwise: a vacuum that
+// found its pages gone from the shared buffers (after a checkpoint, say) reads them back at
+// about twice the rate steps arrive, so the next vacuums, taken back to back, catch up, where
+// waiting in proportion to the time taken (tried first) let the pages between vacuums grow
+// without end.
+//
+// A vacuum that finds the table locked by another (autovacuum's, or an ANALYZE) is skipped,
+// not counted, and tried again a second later, steps or not. One that fails (Postgres
+// restarting) is tried again after the same waits as a held one, on a new connection.
 
 // defaultVacuumSteps is Config.VacuumSteps's default: BenchmarkWriterSteps with a vacuum every
 // 10,000 steps read and dirtied almost no page again, every 50,000 about a third of them.
 const defaultVacuumSteps = 10_000
 
-// vacuumConn is the writer's vacuum connection and the notices its last statement received.
+// vacuumConn is the writer's vacuum connection: what it learned about the server when it
+// connected, and the notices its last statement received.
 type vacuumConn struct {
 	conn    *pgx.Conn
+	version int    // server_version_num
+	stmt    string // the VACUUM for that version
 	notices []*pgconn.Notice
+	skipped bool // the last statement found the table locked (SKIP_LOCKED)
 }
 
 func (vc *vacuumConn) close() {
@@ -71,24 +86,35 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 	// patience is how many steps may pass without a vacuum gaining pages before it waits.
 	patience := 4 * max(every, uint64(w.cfg.Conns*w.cfg.BatchRows))
 	// at is the steps delivered when the last vacuum started; gainedAt, when the last one that
-	// gained pages did. No vacuum starts before next.
+	// gained pages did. No vacuum starts before next; owed means one is due at next whether
+	// steps arrive or not (the last was skipped or failed).
 	var at, gainedAt uint64
 	var next time.Time
+	var owed, held, failing bool
 	var last relVisibility
-	backoff := time.Second // after a failure or a vacuum held back
+	backoff := w.cfg.vacuumBackoff
+	wait := func() { // before the next vacuum, after a failed or held one
+		next = time.Now().Add(backoff)
+		backoff = min(2*backoff, w.cfg.vacuumBackoffMax)
+	}
 	for {
+		var retry <-chan time.Time
+		if owed {
+			retry = time.After(time.Until(next))
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-w.vacuumKick:
+		case <-retry:
 		}
-		if w.stepsDelivered.Load() < at+every {
+		if !owed && w.stepsDelivered.Load() < at+every {
 			continue
 		}
 		if !sleepCtx(ctx, time.Until(next)) {
 			return
 		}
-		at = w.stepsDelivered.Load()
+		start := w.stepsDelivered.Load()
 		vis, err := w.vacuum(ctx, vc)
 		switch {
 		case ctx.Err() != nil:
@@ -97,22 +123,40 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 			w.cfg.Logger.Warn("ledger: the writer does not vacuum the steps table; autovacuum will", "err", err)
 			return
 		case err != nil:
-			w.cfg.Logger.Warn("ledger: vacuuming the steps table", "err", err, "retry_in", backoff)
+			if !failing {
+				w.cfg.Logger.Warn("ledger: vacuuming the steps table", "err", err, "retry_in", backoff)
+			}
+			failing, owed = true, true
 			vc.close()
-		default:
-			w.vacuums.Add(1)
-			if vis.visible > last.visible || vis.pages <= last.pages {
-				gainedAt = at
-			}
-			last = vis
-			if at-gainedAt <= patience {
-				backoff, next = time.Second, time.Time{}
-				continue
-			}
-			w.cfg.Logger.Debug("ledger: an older snapshot holds the steps' vacuum back", "steps", at-gainedAt, "retry_in", backoff)
+			wait()
+			continue
+		case vc.skipped:
+			owed, next = true, time.Now().Add(w.cfg.vacuumBackoff)
+			continue
 		}
-		next = time.Now().Add(backoff)
-		backoff = min(2*backoff, time.Minute)
+		if failing {
+			w.cfg.Logger.Info("ledger: vacuuming the steps table again")
+		}
+		failing, owed, at = false, false, start
+		w.vacuums.Add(1)
+		w.cfg.Logger.Debug("ledger: vacuumed the steps table", "steps", at, "pages", vis.pages, "all_visible", vis.visible)
+		if vis.visible > last.visible || vis.pages <= last.pages {
+			gainedAt = at
+		}
+		last = vis
+		if at-gainedAt <= patience {
+			if held {
+				w.cfg.Logger.Info("ledger: the steps' vacuum is no longer held back")
+			}
+			held, backoff, next = false, w.cfg.vacuumBackoff, time.Time{}
+			continue
+		}
+		if !held {
+			w.cfg.Logger.Info("ledger: an older transaction holds the steps' vacuum back: it marks no page; trying less often until it does",
+				"steps", at-gainedAt)
+		}
+		held = true
+		wait()
 	}
 }
 
@@ -120,70 +164,116 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 // vacuum left them in pg_class.
 type relVisibility struct{ pages, visible int64 }
 
-// errNoVacuum means the writer cannot vacuum the steps table at all (not its owner, a server
-// too old).
+// errNoVacuum means the writer cannot vacuum the steps table at all: its role may not, or the
+// server is older than PostgreSQL 12.
 var errNoVacuum = errors.New("cannot vacuum")
 
 // vacuum runs one VACUUM of the steps table on vc, connecting it first if need be, and reads
-// what it left.
+// what it left. A connection that was closed under it (an idle timeout, a restart) is opened
+// again once.
 func (w *Writer) vacuum(ctx context.Context, vc *vacuumConn) (relVisibility, error) {
 	var vis relVisibility
-	if vc.conn == nil {
-		cfg, err := pgx.ParseConfig(w.cfg.URL)
-		if err != nil {
-			return vis, fmt.Errorf("parsing ledger URL: %w", err)
-		}
-		cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
-			// A vacuum or analyze of the table already running (autovacuum's) holds the lock
-			// SKIP_LOCKED skips on: this one is not needed then.
-			if n.Code != "55P03" {
-				vc.notices = append(vc.notices, n)
+	for attempt := 0; ; attempt++ {
+		fresh := vc.conn == nil
+		if fresh {
+			if err := w.connectVacuum(ctx, vc); err != nil {
+				return vis, err
 			}
 		}
-		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		c, err := pgx.ConnectConfig(cctx, cfg)
-		cancel()
-		if err != nil {
-			return vis, fmt.Errorf("connecting to ledger database: %w", err)
+		vc.notices, vc.skipped = vc.notices[:0], false
+		_, err := vc.conn.Exec(ctx, vc.stmt)
+		if err == nil {
+			break
 		}
-		vc.conn = c
+		if fresh || attempt > 0 || !vc.conn.IsClosed() || ctx.Err() != nil {
+			return vis, err
+		}
+		vc.close()
 	}
-	q, err := vacuumStatement(vc.conn.PgConn().ParameterStatus("server_version"))
-	if err != nil {
-		return vis, err
-	}
-	vc.notices = vc.notices[:0]
-	if _, err := vc.conn.Exec(ctx, q); err != nil {
-		return vis, err
-	}
-	// A vacuum it may not run is a warning, not an error: "permission denied to vacuum
-	// "steps", skipping it" when another role owns the table.
+	// What it may not vacuum is a warning, not an error: "permission denied to vacuum "steps",
+	// skipping it" (PostgreSQL 16 and later), "skipping "steps" --- only table or database
+	// owner can vacuum it" (12 to 15), in English. connectVacuum checks the privileges first;
+	// this is for what it could not foresee.
 	for _, n := range vc.notices {
-		if strings.Contains(n.Message, "permission denied") {
-			return vis, fmt.Errorf("%w: %s (its owner can)", errNoVacuum, n.Message)
+		if strings.Contains(n.Message, "permission denied") || strings.Contains(n.Message, "owner can vacuum") {
+			return vis, fmt.Errorf("%w: %s", errNoVacuum, n.Message)
 		}
 		w.cfg.Logger.Warn("ledger: vacuuming the steps table", "notice", n.Message)
 	}
-	err = vc.conn.QueryRow(ctx, "SELECT relpages, relallvisible FROM pg_class WHERE oid = 'steps'::regclass").
+	if vc.skipped {
+		return vis, nil
+	}
+	err := vc.conn.QueryRow(ctx, "SELECT relpages, relallvisible FROM pg_class WHERE oid = 'steps'::regclass").
 		Scan(&vis.pages, &vis.visible)
 	return vis, err
 }
 
-// vacuumStatement is the VACUUM for a server of the given version (its server_version
-// parameter, "17.6 (Debian …)"). SKIP_LOCKED (PostgreSQL 12) skips a table autovacuum is
-// vacuuming or analyzing instead of waiting for it; SKIP_DATABASE_STATS (16) skips the scan
-// of pg_class for the database's oldest transaction id, which a vacuum of one table every
-// fraction of a second need not repeat (autovacuum does it).
-func vacuumStatement(version string) (string, error) {
-	major, err := strconv.Atoi(strings.SplitN(strings.SplitN(version, " ", 2)[0], ".", 2)[0])
+// connectVacuum opens vc's connection, reads the server's version and checks that its role
+// may vacuum the steps table.
+func (w *Writer) connectVacuum(ctx context.Context, vc *vacuumConn) error {
+	cfg, err := pgx.ParseConfig(w.cfg.URL)
 	if err != nil {
-		return "", fmt.Errorf("%w: reading the server's version %q: %w", errNoVacuum, version, err)
+		return fmt.Errorf("parsing ledger URL: %w", err)
 	}
+	// Freeze the rows every snapshot sees, as it sets their pages all-visible (see above).
+	cfg.RuntimeParams["vacuum_freeze_min_age"] = "0"
+	cfg.RuntimeParams["application_name"] = "deltagym ledger vacuum"
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		if n.Code == "55P03" { // lock_not_available: SKIP_LOCKED skipped the table
+			vc.skipped = true
+			return
+		}
+		vc.notices = append(vc.notices, n)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c, err := pgx.ConnectConfig(cctx, cfg)
+	if err != nil {
+		return fmt.Errorf("connecting to ledger database: %w", err)
+	}
+	var may bool
+	err = c.QueryRow(cctx, "SELECT current_setting('server_version_num')::int").Scan(&vc.version)
+	if err == nil {
+		vc.stmt, err = vacuumStatement(vc.version)
+	}
+	if err == nil {
+		err = c.QueryRow(cctx, mayVacuumQuery(vc.version)).Scan(&may)
+	}
+	if err == nil && !may {
+		err = fmt.Errorf("%w: role %q may not vacuum the steps table (it may if it owns the table or the database, or on PostgreSQL 17 and later holds MAINTAIN on the table)",
+			errNoVacuum, c.Config().User)
+	}
+	if err != nil {
+		_ = c.Close(context.Background())
+		return err
+	}
+	vc.conn = c
+	return nil
+}
+
+// vacuumStatement is the VACUUM for a server of the given version (server_version_num).
+// SKIP_LOCKED (PostgreSQL 12) skips a table autovacuum is vacuuming or analyzing instead of
+// waiting for it; TRUNCATE false (12) leaves the empty pages a COPY extended the table by;
+// SKIP_DATABASE_STATS (16) skips the scan of pg_class for the database's oldest transaction
+// id, which a vacuum of one table every fraction of a second need not repeat (autovacuum
+// does it).
+func vacuumStatement(version int) (string, error) {
 	switch {
-	case major >= 16:
-		return "VACUUM (FREEZE, SKIP_LOCKED, SKIP_DATABASE_STATS) steps", nil
-	case major >= 12:
-		return "VACUUM (FREEZE, SKIP_LOCKED) steps", nil
+	case version >= 160000:
+		return "VACUUM (SKIP_LOCKED, TRUNCATE false, SKIP_DATABASE_STATS) steps", nil
+	case version >= 120000:
+		return "VACUUM (SKIP_LOCKED, TRUNCATE false) steps", nil
 	}
-	return "", fmt.Errorf("%w: PostgreSQL %d has no VACUUM (SKIP_LOCKED), which 12 and later have", errNoVacuum, major)
+	return "", fmt.Errorf("%w: the server (server_version_num %d) has no VACUUM (SKIP_LOCKED), which PostgreSQL 12 and later have", errNoVacuum, version)
+}
+
+// mayVacuumQuery asks whether the session's role may vacuum the steps table: on PostgreSQL 17
+// and later, if it holds MAINTAIN on it (its owner does, as do pg_maintain and superusers) or
+// owns the database; before, if it owns either (superusers pass pg_has_role).
+func mayVacuumQuery(version int) string {
+	owns := "pg_has_role((SELECT datdba FROM pg_database WHERE datname = current_database()), 'USAGE')"
+	if version >= 170000 {
+		return "SELECT has_table_privilege('steps', 'MAINTAIN') OR " + owns
+	}
+	return "SELECT pg_has_role((SELECT relowner FROM pg_class WHERE oid = 'steps'::regclass), 'USAGE') OR " + owns
 }

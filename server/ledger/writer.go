@@ -51,7 +51,7 @@ type Config struct {
 	// Postgres at once (a COPY keeps one backend busy on one CPU); they still commit in order.
 	// Default 4: on 2 CPUs, 2 left them idle while a batch committed (its WAL flush) or the
 	// next one was read back; 4 delivered 1-9% more steps/s saturated in 4 of 4 interleaved
-	// pairs (session 33).
+	// pairs (session 33). The writer opens one more connection for its vacuums (VacuumSteps).
 	Conns int
 	// ObservationCap caps a stored observation; its full size and SHA-256 are kept. Default 64 KiB.
 	ObservationCap int
@@ -65,6 +65,9 @@ type Config struct {
 	// which it runs itself while their pages are still in Postgres's shared buffers (vacuum.go
 	// says why). Default 10,000; negative: never (autovacuum alone).
 	VacuumSteps int
+	// vacuumBackoff and vacuumBackoffMax are the first and the longest wait after a failed or
+	// held-back vacuum. Defaults 1s and 1m (SetVacuumBackoff, for the tests).
+	vacuumBackoff, vacuumBackoffMax time.Duration
 	// Logger receives delivery errors. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -112,6 +115,12 @@ func (c *Config) Validate() error {
 	}
 	if c.VacuumSteps == 0 {
 		c.VacuumSteps = defaultVacuumSteps
+	}
+	if c.vacuumBackoff <= 0 {
+		c.vacuumBackoff = time.Second
+	}
+	if c.vacuumBackoffMax < c.vacuumBackoff {
+		c.vacuumBackoffMax = max(time.Minute, c.vacuumBackoff)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
