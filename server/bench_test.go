@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"runtime"
 	"slices"
+	"os"
 	"strconv"
 	"testing"
 	"time"
@@ -82,7 +83,9 @@ func BenchmarkStepLedger(b *testing.B) {
 		cmds = append(cmds, "/bin/noop")
 	}
 	off, _ := benchBundle(b)
-	on := setup(b, nil)
+	// DELTAGYM_BENCH_LEDGER_VACUUM_STEPS sets the ledger server's --ledger-vacuum-steps (-1: none).
+	vacuumSteps, _ := strconv.Atoi(os.Getenv("DELTAGYM_BENCH_LEDGER_VACUUM_STEPS"))
+	on := setup(b, func(c *server.Config) { c.LedgerVacuumSteps = vacuumSteps })
 	for _, cmd := range cmds {
 		name := "cmd=true"
 		if cmd != "true" {
