@@ -2,6 +2,8 @@
 # Postgres in $(DATA)), and its benchmarks.
 DEPS_GROUPS += postgres image
 SERVER_ADDR ?= 127.0.0.1:8080
+# SERVE_FLAGS adds flags of `deltagym serve` to make run (bin/deltagym serve -h lists them).
+SERVE_FLAGS ?=
 
 .PHONY: run server-bench
 
@@ -9,7 +11,7 @@ $(BIN)/deltagym: $(BIN)/dg-init $(shell find cmd server envpool sandbox proto/ge
 	go build -o $(BIN)/ ./cmd/...
 
 run: deps postgres $(BIN)/deltagym $(BIN)/dg-init image criu ## run the server on $(SERVER_ADDR): default image, envs/, CRIU (process forks), private Postgres in $(DATA)
-	DELTAGYM_INIT=$(BIN)/dg-init $(BIN)/deltagym serve --addr $(SERVER_ADDR) --data $(DATA) --envs $(CURDIR)/envs
+	DELTAGYM_INIT=$(BIN)/dg-init $(BIN)/deltagym serve --addr $(SERVER_ADDR) --data $(DATA) --envs $(CURDIR)/envs $(SERVE_FLAGS)
 
 server-bench: deps postgres $(BIN)/dg-init ## client-observed Reset, Step, Restore, Fork-16 over loopback gRPC (p50/p99)
 	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench . -benchtime 500x -timeout 30m ./server/

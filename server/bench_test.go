@@ -3,9 +3,9 @@ package server_test
 import (
 	"context"
 	"encoding/binary"
+	"os"
 	"runtime"
 	"slices"
-	"os"
 	"strconv"
 	"testing"
 	"time"
@@ -83,8 +83,9 @@ func BenchmarkStepLedger(b *testing.B) {
 		cmds = append(cmds, "/bin/noop")
 	}
 	off, _ := benchBundle(b)
-	// DELTAGYM_BENCH_LEDGER_VACUUM_STEPS sets the ledger server's --ledger-vacuum-steps (-1: none).
-	vacuumSteps, _ := strconv.Atoi(os.Getenv("DELTAGYM_BENCH_LEDGER_VACUUM_STEPS"))
+	// DELTAGYM_LEDGER_BENCH_VACUUM_STEPS sets the ledger server's --ledger-vacuum-steps (-1:
+	// none), as it sets BenchmarkWriterSteps's.
+	vacuumSteps, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_VACUUM_STEPS"))
 	on := setup(b, func(c *server.Config) { c.LedgerVacuumSteps = vacuumSteps })
 	for _, cmd := range cmds {
 		name := "cmd=true"

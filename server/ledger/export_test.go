@@ -37,3 +37,7 @@ func SetVacuumBackoff(c *Config, first, longest time.Duration) {
 
 // VacuumStatement is vacuumStatement, for a server_version_num.
 func VacuumStatement(version int) (string, error) { return vacuumStatement(version) }
+
+// SetBeforeWait makes Flush and Close call f each time before they wait for deliveries. Set it
+// before the first of those.
+func (w *Writer) SetBeforeWait(f func()) { w.beforeWait = f }

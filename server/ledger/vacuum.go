@@ -138,7 +138,9 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 			w.cfg.Logger.Info("ledger: vacuuming the steps table again")
 		}
 		failing, owed, at = false, false, start
-		w.vacuums.Add(1)
+		if w.vacuums.Add(1) == 1 {
+			w.cfg.Logger.Info(fmt.Sprintf("ledger: vacuuming the steps table every %d steps", every))
+		}
 		w.cfg.Logger.Debug("ledger: vacuumed the steps table", "steps", at, "pages", vis.pages, "all_visible", vis.visible)
 		if vis.visible > last.visible || vis.pages <= last.pages {
 			gainedAt = at
@@ -240,8 +242,8 @@ func (w *Writer) connectVacuum(ctx context.Context, vc *vacuumConn) error {
 		err = c.QueryRow(cctx, mayVacuumQuery(vc.version)).Scan(&may)
 	}
 	if err == nil && !may {
-		err = fmt.Errorf("%w: role %q may not vacuum the steps table (it may if it owns the table or the database, or on PostgreSQL 17 and later holds MAINTAIN on the table)",
-			errNoVacuum, c.Config().User)
+		err = fmt.Errorf("%w: role %q may not vacuum the steps table (it may if it owns the table or the database, or on PostgreSQL 17 and later holds MAINTAIN on it: GRANT MAINTAIN ON steps TO %s; --ledger-vacuum-steps -1 stops the writer trying)",
+			errNoVacuum, c.Config().User, c.Config().User)
 	}
 	if err != nil {
 		_ = c.Close(context.Background())

@@ -452,3 +452,26 @@ func TestCaughtUpWriterDropsSlabs(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// Close returns nil when the deliverer delivered the last rows just as it ended: the ending and
+// the rows' delivery then wake Close together, and it must not take the first for rows left
+// over. Close is held before it waits until both have happened, as when its goroutine is not
+// running then (CI saw it: "flushing ledger: 1 rows: rows left undelivered").
+func TestCloseRightAfterLastDelivery(t *testing.T) {
+	t.Parallel()
+	url := pgtest.Start(t)
+	for i := range 20 {
+		w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: t.TempDir(), Logger: quiet})
+		must(t, err)
+		w.SetBeforeWait(func() {
+			for w.Stats().Delivered < w.Stats().Appended {
+				time.Sleep(time.Millisecond)
+			}
+			time.Sleep(20 * time.Millisecond) // the deliverer ends once it has delivered all
+		})
+		must(t, w.EpisodeStarted(ledger.EpisodeStart{ID: fmt.Sprintf("close-%d", i), Env: "env"}))
+		if err := w.Close(t.Context()); err != nil {
+			t.Fatalf("close %d: %v", i, err)
+		}
+	}
+}
