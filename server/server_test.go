@@ -219,6 +219,19 @@ func TestEveryRPC(t *testing.T) {
 	}
 }
 
+// parseServe parses serve's flags into a validated Config.
+func parseServe(args []string) (server.Config, error) {
+	var cfg server.Config
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfg.RegisterFlags(fs)
+	err := fs.Parse(args)
+	if err == nil {
+		err = cfg.Validate()
+	}
+	return cfg, err
+}
+
 // TestPostgresMemoryFlag: --postgres-memory-mb maps to the private cluster's cap, and a cap too
 // small for Postgres's shared buffers is refused before anything starts.
 func TestPostgresMemoryFlag(t *testing.T) {
@@ -235,14 +248,7 @@ func TestPostgresMemoryFlag(t *testing.T) {
 		{[]string{"--postgres-memory-mb", "-2"}, 0, "or -1 for no cap"},
 		{[]string{"--postgres-memory-mb", "99999999999"}, 0, "from 256 to"},
 	} {
-		var cfg server.Config
-		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-		fs.SetOutput(io.Discard)
-		cfg.RegisterFlags(fs)
-		err := fs.Parse(c.args)
-		if err == nil {
-			err = cfg.Validate()
-		}
+		cfg, err := parseServe(c.args)
 		if c.err != "" {
 			if err == nil || !strings.Contains(err.Error(), c.err) {
 				t.Fatalf("%v: Validate = %v, want %q", c.args, err, c.err)
@@ -272,11 +278,7 @@ func TestLedgerVacuumFlag(t *testing.T) {
 		{[]string{"--ledger-vacuum-steps", "-2"}, 0, "or -1 to leave"},
 		{[]string{"--ledger-vacuum-steps", "many"}, 0, "a number of steps"},
 	} {
-		var cfg server.Config
-		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-		fs.SetOutput(io.Discard)
-		cfg.RegisterFlags(fs)
-		err := fs.Parse(c.args)
+		cfg, err := parseServe(c.args)
 		if c.err != "" {
 			if err == nil || !strings.Contains(err.Error(), c.err) {
 				t.Fatalf("%v: %v, want %q", c.args, err, c.err)
