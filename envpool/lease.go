@@ -77,15 +77,19 @@ func (l *Lease) Begin(ctx context.Context) (context.Context, func(), error) {
 		l.inflight.Add(-1)
 		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
 	}
+	cctx, cancel := context.WithCancelCause(ctx)
+	// The ended check and the cancel's store under one lock, which Abort takes too: an end and
+	// Abort between them would otherwise cancel nothing.
+	l.mu.Lock()
 	select {
 	case <-l.ended:
+		l.mu.Unlock()
+		cancel(nil)
 		<-l.turn
 		l.inflight.Add(-1)
 		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
 	default:
 	}
-	cctx, cancel := context.WithCancelCause(ctx)
-	l.mu.Lock()
 	l.cancel = cancel
 	l.mu.Unlock()
 	end := func() {

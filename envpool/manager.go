@@ -343,6 +343,9 @@ const (
 	EndShutdown = "server shutdown"
 )
 
+// reapTurnWait bounds how long the reaper waits for a call on a sandbox it reaps to return.
+const reapTurnWait = 5 * time.Second
+
 // reap destroys the sandboxes whose lease expired with no call in flight, or whose init died.
 func (m *Manager) reap() {
 	defer close(m.reaperDone)
@@ -369,10 +372,24 @@ func (m *Manager) reap() {
 				continue
 			}
 			m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
-			// OnEnd first: a client that sees the sandbox gone then finds its episode ended
-			// (the server records the end in its ledger there).
+			// OnEnd before the lease leaves the list, so that a client that sees the sandbox
+			// gone finds its episode ended (the server records the end in its ledger there),
+			// and with no call running on it: calls from now on are refused, the one in
+			// progress is cut short, and OnEnd runs holding the sandbox's turn (waiting at
+			// most reapTurnWait for a call that does not stop).
+			l.end()
+			l.Abort()
+			held := false
+			select {
+			case l.turn <- struct{}{}:
+				held = true
+			case <-time.After(reapTurnWait):
+			}
 			if m.cfg.OnEnd != nil {
 				m.cfg.OnEnd(l, reason)
+			}
+			if held {
+				<-l.turn
 			}
 			if err := m.CloseLease(m.ctx, l); err != nil {
 				m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)

@@ -3,6 +3,7 @@ package envpool_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -64,13 +65,29 @@ func TestManager(t *testing.T) {
 		kinds   []envpool.CheckpointKind
 	)
 	ended := make(chan string, 16)
+	var m *envpool.Manager
 	m, err := envpool.New(envpool.Config{Runtime: rt, LeaseTTL: 200 * time.Millisecond, AcquireTimeout: 20 * time.Second,
 		OnCheckpoint: func(env string, kind envpool.CheckpointKind, info sandbox.CheckpointInfo) {
 			kindsMu.Lock()
 			kinds = append(kinds, kind)
 			kindsMu.Unlock()
 		},
-		OnEnd: func(l *envpool.Lease, reason string) { ended <- reason },
+		OnEnd: func(l *envpool.Lease, reason string) {
+			// A reaped lease is still listed while OnEnd runs (a client sees it until its
+			// end is recorded), and no call starts on it.
+			if reason != envpool.EndShutdown {
+				if _, err := m.Lease(l.ID()); err != nil {
+					reason += fmt.Sprintf(" (during OnEnd, not listed: %v)", err)
+				}
+				if _, end, err := l.Begin(context.Background()); !errors.Is(err, envpool.ErrLeaseEnded) {
+					reason += fmt.Sprintf(" (during OnEnd, Begin: %v)", err)
+					if end != nil {
+						end()
+					}
+				}
+			}
+			ended <- reason
+		},
 	}, []*deltagymv1.EnvSpec{{Name: "e", Image: "bb", Setup: []string{"echo once >> /tmp/setup"}, PoolSize: 2}})
 	if err != nil {
 		t.Fatal(err)

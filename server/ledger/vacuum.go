@@ -52,8 +52,10 @@ import (
 // without end.
 //
 // A vacuum that finds the table locked by another (autovacuum's, or an ANALYZE) is skipped,
-// not counted, and tried again a second later, steps or not. One that fails (Postgres
-// restarting) is tried again after the same waits as a held one, on a new connection.
+// not counted, and tried again, steps or not, after the same waits as a held one; so is one
+// that fails (Postgres restarting), on a new connection. (A TOAST table found locked is
+// skipped without a word from Postgres: that vacuum counts, and its TOAST pages, those of
+// observations too big for a page, wait for the next.)
 
 // defaultVacuumSteps is Config.VacuumSteps's default: BenchmarkWriterSteps with a vacuum every
 // 10,000 steps read and dirtied almost no page again, every 50,000 about a third of them.
@@ -90,7 +92,7 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 	// steps arrive or not (the last was skipped or failed).
 	var at, gainedAt uint64
 	var next time.Time
-	var owed, held, failing bool
+	var owed, held, failing, skipping bool
 	var last relVisibility
 	backoff := w.cfg.vacuumBackoff
 	wait := func() { // before the next vacuum, after a failed or held one
@@ -131,9 +133,14 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 			wait()
 			continue
 		case vc.skipped:
-			owed, next = true, time.Now().Add(w.cfg.vacuumBackoff)
+			if !skipping {
+				w.cfg.Logger.Info("ledger: another vacuum or analyze holds the steps table; the writer's waits till it is done", "retry_in", backoff)
+			}
+			skipping, owed = true, true
+			wait()
 			continue
 		}
+		skipping = false
 		if failing {
 			w.cfg.Logger.Info("ledger: vacuuming the steps table again")
 		}
@@ -217,9 +224,9 @@ func (w *Writer) connectVacuum(ctx context.Context, vc *vacuumConn) error {
 	if err != nil {
 		return fmt.Errorf("parsing ledger URL: %w", err)
 	}
-	// Freeze the rows every snapshot sees, as it sets their pages all-visible (see above).
-	cfg.RuntimeParams["vacuum_freeze_min_age"] = "0"
-	cfg.RuntimeParams["application_name"] = "deltagym ledger vacuum"
+	if cfg.RuntimeParams["application_name"] == "" {
+		cfg.RuntimeParams["application_name"] = "deltagym ledger vacuum"
+	}
 	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
 		if n.Code == "55P03" { // lock_not_available: SKIP_LOCKED skipped the table
 			vc.skipped = true
@@ -233,8 +240,17 @@ func (w *Writer) connectVacuum(ctx context.Context, vc *vacuumConn) error {
 	if err != nil {
 		return fmt.Errorf("connecting to ledger database: %w", err)
 	}
+	// Freeze the rows every snapshot sees, as it sets their pages all-visible (see above), and
+	// let a long vacuum (the first of an older ledger) finish whatever the role's statement
+	// timeout. SET, not the startup packet, which a pooler such as PgBouncer may refuse or drop.
 	var may bool
-	err = c.QueryRow(cctx, "SELECT current_setting('server_version_num')::int").Scan(&vc.version)
+	_, err = c.Exec(cctx, "SET vacuum_freeze_min_age = 0")
+	if err == nil {
+		_, err = c.Exec(cctx, "SET statement_timeout = 0")
+	}
+	if err == nil {
+		err = c.QueryRow(cctx, "SELECT current_setting('server_version_num')::int").Scan(&vc.version)
+	}
 	if err == nil {
 		vc.stmt, err = vacuumStatement(vc.version)
 	}

@@ -460,11 +460,14 @@ func TestCaughtUpWriterDropsSlabs(t *testing.T) {
 func TestCloseRightAfterLastDelivery(t *testing.T) {
 	t.Parallel()
 	url := pgtest.Start(t)
+	held := 0
 	for i := range 20 {
 		w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: t.TempDir(), Logger: quiet})
 		must(t, err)
 		w.SetBeforeWait(func() {
-			for w.Stats().Delivered < w.Stats().Appended {
+			held++
+			deadline := time.Now().Add(10 * time.Second)
+			for w.Stats().Delivered < w.Stats().Appended && time.Now().Before(deadline) {
 				time.Sleep(time.Millisecond)
 			}
 			time.Sleep(20 * time.Millisecond) // the deliverer ends once it has delivered all
@@ -473,5 +476,8 @@ func TestCloseRightAfterLastDelivery(t *testing.T) {
 		if err := w.Close(t.Context()); err != nil {
 			t.Fatalf("close %d: %v", i, err)
 		}
+	}
+	if held < 10 {
+		t.Fatalf("Close waited for the deliveries %d times in 20, too few to test the race", held)
 	}
 }
