@@ -65,8 +65,7 @@ const defaultVacuumSteps = 10_000
 // connected, and the notices its last statement received.
 type vacuumConn struct {
 	conn    *pgx.Conn
-	version int    // server_version_num
-	stmt    string // the VACUUM for that version
+	stmt    string // the VACUUM for the server's version
 	notices []*pgconn.Notice
 	skipped bool // the last statement found the table locked (SKIP_LOCKED)
 }
@@ -243,19 +242,20 @@ func (w *Writer) connectVacuum(ctx context.Context, vc *vacuumConn) error {
 	// Freeze the rows every snapshot sees, as it sets their pages all-visible (see above), and
 	// let a long vacuum (the first of an older ledger) finish whatever the role's statement
 	// timeout. SET, not the startup packet, which a pooler such as PgBouncer may refuse or drop.
+	var version int
 	var may bool
 	_, err = c.Exec(cctx, "SET vacuum_freeze_min_age = 0")
 	if err == nil {
 		_, err = c.Exec(cctx, "SET statement_timeout = 0")
 	}
 	if err == nil {
-		err = c.QueryRow(cctx, "SELECT current_setting('server_version_num')::int").Scan(&vc.version)
+		err = c.QueryRow(cctx, "SELECT current_setting('server_version_num')::int").Scan(&version)
 	}
 	if err == nil {
-		vc.stmt, err = vacuumStatement(vc.version)
+		vc.stmt, err = vacuumStatement(version)
 	}
 	if err == nil {
-		err = c.QueryRow(cctx, mayVacuumQuery(vc.version)).Scan(&may)
+		err = c.QueryRow(cctx, mayVacuumQuery(version)).Scan(&may)
 	}
 	if err == nil && !may {
 		err = fmt.Errorf("%w: role %q may not vacuum the steps table (it may if it owns the table or the database, or on PostgreSQL 17 and later holds MAINTAIN on it: GRANT MAINTAIN ON steps TO %s; --ledger-vacuum-steps -1 stops the writer trying)",

@@ -37,19 +37,13 @@ func (b *logBuffer) String() string {
 	return b.buf.String()
 }
 
-// frozenSteps counts the step rows on pages the visibility map has all-frozen.
+// frozenSteps counts the step rows on pages the visibility map has all-frozen (watchVacuum
+// made the database ready for it).
 func frozenSteps(t *testing.T, dbURL string) int {
 	t.Helper()
-	conn, err := pgx.Connect(t.Context(), dbURL)
-	must(t, err)
-	defer conn.Close(context.Background())
-	_, err = conn.Exec(t.Context(), "CREATE EXTENSION IF NOT EXISTS pg_visibility")
-	must(t, err)
-	var n int
-	must(t, conn.QueryRow(t.Context(), `SELECT count(*) FROM steps s
+	return count(t, dbURL, `SELECT count(*) FROM steps s
 		JOIN pg_visibility_map('steps') v ON v.blkno = (s.ctid::text::point)[0]::bigint
-		WHERE v.all_frozen`).Scan(&n))
-	return n
+		WHERE v.all_frozen`)
 }
 
 // appendEpisodes appends episodes of perEpisode steps with 2 KiB random observations (lz4
@@ -72,15 +66,18 @@ func appendEpisodes(t *testing.T, w *ledger.Writer, prefix string, episodes, per
 	must(t, w.Flush(t.Context()))
 }
 
-// noAutovacuum turns autovacuum off for the steps table of the database at dbURL, so that
-// only the writer's vacuums mark and freeze it (and none locks it meanwhile).
-func noAutovacuum(t *testing.T, dbURL string) {
+// watchVacuum turns autovacuum off for the steps table of the database at dbURL, so that only
+// the writer's vacuums mark and freeze it (and none locks it meanwhile), and adds
+// pg_visibility there for frozenSteps.
+func watchVacuum(t *testing.T, dbURL string) {
 	t.Helper()
 	conn, err := pgx.Connect(t.Context(), dbURL)
 	must(t, err)
 	defer conn.Close(context.Background())
-	_, err = conn.Exec(t.Context(), "ALTER TABLE steps SET (autovacuum_enabled = off)")
-	must(t, err)
+	for _, q := range []string{"ALTER TABLE steps SET (autovacuum_enabled = off)", "CREATE EXTENSION IF NOT EXISTS pg_visibility"} {
+		_, err = conn.Exec(t.Context(), q)
+		must(t, err)
+	}
 }
 
 // waitFrozen waits up to 30 s for at least want steps to be frozen and returns how many are.
@@ -121,7 +118,7 @@ func TestWriterVacuumsSteps(t *testing.T) {
 		c.Conns, c.BatchRows = 1, 200
 		c.Logger = warnLogger(logs)
 	})
-	noAutovacuum(t, b.url)
+	watchVacuum(t, b.url)
 	appendEpisodes(t, b.w, "vac", total/100, 100)
 	// Each vacuum freezes what was committed when it started, and the next starts once every
 	// more steps are delivered: in the end, all but the steps delivered since the last one
@@ -140,7 +137,7 @@ func TestWriterVacuumsSteps(t *testing.T) {
 
 	// More steps than the default VacuumSteps, so that -1 meaning the default would show.
 	off := setup(t, func(c *ledger.Config) { c.VacuumSteps = -1 })
-	noAutovacuum(t, off.url)
+	watchVacuum(t, off.url)
 	appendEpisodes(t, off.w, "novac", 120, 100)
 	time.Sleep(500 * time.Millisecond)
 	if v := off.w.Stats().Vacuums; v != 0 {
@@ -156,7 +153,7 @@ func TestWriterVacuumsSteps(t *testing.T) {
 func TestWriterVacuumSkippedRetries(t *testing.T) {
 	t.Parallel()
 	b := setupURL(t, privateURL(t), func(c *ledger.Config) { c.VacuumSteps = 1000 })
-	noAutovacuum(t, b.url)
+	watchVacuum(t, b.url)
 	conn, err := pgx.Connect(t.Context(), b.url)
 	must(t, err)
 	defer conn.Close(context.Background())
@@ -251,7 +248,7 @@ func TestWriterVacuumHeldBack(t *testing.T) {
 		ledger.SetVacuumBackoff(c, 200*time.Millisecond, 800*time.Millisecond)
 		c.Logger = slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	})
-	noAutovacuum(t, b.url)
+	watchVacuum(t, b.url)
 	appendEpisodes(t, b.w, "before", 10, 100)
 	conn, err := pgx.Connect(t.Context(), b.url)
 	must(t, err)
