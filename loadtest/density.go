@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 )
@@ -20,6 +19,8 @@ import (
 type DensityConfig struct {
 	// Addr is the server's host:port.
 	Addr string
+	// Token is the bearer token, if the server wants one.
+	Token string
 	// Env is the env of the sandboxes. Default "shell".
 	Env string
 	// N is the number of idle sandboxes to start. Default 1,000.
@@ -70,7 +71,7 @@ func MeasureDensity(ctx context.Context, cfg DensityConfig) (*DensityResult, err
 	if cfg.Settle == 0 {
 		cfg.Settle = 2 * time.Second
 	}
-	conn, err := grpc.NewClient(cfg.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(cfg.Addr, DialOptions(cfg.Token)...)
 	if err != nil {
 		return nil, err
 	}

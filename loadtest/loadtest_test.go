@@ -14,7 +14,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
@@ -57,12 +56,12 @@ func TestConfigValidate(t *testing.T) {
 func TestRollbackScenario(t *testing.T) {
 	s := needServer(t)
 	// Over a StepStream the restore rides on the read.
-	stream, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", API: APIStream, Concurrency: 8, Duration: 2 * time.Second, Warmup: time.Second})
+	stream, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: "rollback", API: APIStream, Concurrency: 8, Duration: 2 * time.Second, Warmup: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
 	checkRollbacks(t, stream, "restore+read_file", "write_file", "iteration")
-	rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", Concurrency: 8, Duration: 4 * time.Second, Warmup: time.Second})
+	rep, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: "rollback", Concurrency: 8, Duration: 4 * time.Second, Warmup: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,7 +118,7 @@ func checkRollbacks(t *testing.T, rep *Report, ops ...string) *bytes.Buffer {
 // ErrWrongRestore, while the same worker with its restore passes.
 func TestVerificationDetectsWrongRestore(t *testing.T) {
 	s := needServer(t)
-	conn, err := grpc.NewClient(s.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(s.Addr, DialOptions(s.Token)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +128,7 @@ func TestVerificationDetectsWrongRestore(t *testing.T) {
 	for _, tc := range []struct{ name, api string }{{"rollback", APIUnary}, {"rollback-exec", APIUnary}, {"rollback", APIStream}, {"rollback-exec", APIStream}} {
 		name := tc.name
 		t.Run(name+"/"+tc.api, func(t *testing.T) {
-			cfg := Config{Addr: s.Addr, Scenario: name, API: tc.api}
+			cfg := Config{Addr: s.Addr, Token: s.Token, Scenario: name, API: tc.api}
 			if err := cfg.Validate(); err != nil {
 				t.Fatal(err)
 			}
@@ -170,7 +169,7 @@ func TestVerificationDetectsWrongRestore(t *testing.T) {
 // (a second release is NotFound).
 func TestScenarios(t *testing.T) {
 	s := needServer(t)
-	conn, err := grpc.NewClient(s.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(s.Addr, DialOptions(s.Token)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,7 +194,7 @@ func TestScenarios(t *testing.T) {
 		{"mixed", []string{"restore", "exec", "fork", "step_checkpoint"}},
 	} {
 		t.Run(tc.scenario, func(t *testing.T) {
-			rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: tc.scenario, Concurrency: 4, Group: 4,
+			rep, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: tc.scenario, Concurrency: 4, Group: 4,
 				Duration: 3 * time.Second, Warmup: 500 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
@@ -233,7 +232,7 @@ func TestScenarios(t *testing.T) {
 func TestOpenLoop(t *testing.T) {
 	s := needServer(t)
 	const rate, secs = 20.0, 3
-	rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback", Concurrency: 8, Rate: rate,
+	rep, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: "rollback", Concurrency: 8, Rate: rate,
 		Duration: secs * time.Second, Warmup: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

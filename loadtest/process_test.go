@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
 )
@@ -27,7 +26,7 @@ func skipUnavailable(t *testing.T, err error) {
 // it at its checkpointed counter, with no errors.
 func TestRollbackProcessScenario(t *testing.T) {
 	s := needServer(t)
-	rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: "rollback-process", Concurrency: 4,
+	rep, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: "rollback-process", Concurrency: 4,
 		Duration: 4 * time.Second, Warmup: time.Second})
 	skipUnavailable(t, err)
 	if err != nil {
@@ -55,12 +54,12 @@ func TestRollbackProcessScenario(t *testing.T) {
 // with it, the checkpointed counter is back, also after a wrong iteration.
 func TestProcessVerificationDetectsWrongRestore(t *testing.T) {
 	s := needServer(t)
-	conn, err := grpc.NewClient(s.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(s.Addr, DialOptions(s.Token)...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	cfg := Config{Addr: s.Addr, Scenario: "rollback-process", ProcessMB: 2}
+	cfg := Config{Addr: s.Addr, Token: s.Token, Scenario: "rollback-process", ProcessMB: 2}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +107,7 @@ func TestProcessVerificationDetectsWrongRestore(t *testing.T) {
 // reported as not available, with the server's reason, when it answers Unimplemented.
 func TestProcessCRIUSlot(t *testing.T) {
 	s := needServer(t)
-	v, err := MeasureProcessCRIU(t.Context(), Config{Addr: s.Addr, Concurrency: 2, Duration: 2 * time.Second, Warmup: 500 * time.Millisecond})
+	v, err := MeasureProcessCRIU(t.Context(), Config{Addr: s.Addr, Token: s.Token, Concurrency: 2, Duration: 2 * time.Second, Warmup: 500 * time.Millisecond})
 	skipUnavailable(t, err)
 	if err != nil {
 		t.Fatal(err)

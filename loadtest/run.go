@@ -10,8 +10,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
@@ -24,14 +22,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
-	if cfg.Token != "" {
-		opts = append(opts, grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, o ...grpc.CallOption) error {
-			return invoker(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+cfg.Token), method, req, reply, cc, o...)
-		}), grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, o ...grpc.CallOption) (grpc.ClientStream, error) {
-			return streamer(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+cfg.Token), desc, cc, method, o...)
-		}))
-	}
+	opts := DialOptions(cfg.Token)
 	clients := make([]deltagymv1.EnvServiceClient, cfg.Conns)
 	for i := range clients {
 		conn, err := grpc.NewClient(cfg.Addr, opts...)

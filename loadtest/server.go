@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 )
 
@@ -89,6 +88,8 @@ func (c *ServerConfig) Validate() error {
 type Server struct {
 	// Addr is its loopback listen address.
 	Addr string
+	// Token is the bearer token it requires, made for it by StartServer.
+	Token string
 	// PID is the process id of the server (with IsolateCgroups, of the shell that execs it:
 	// the same process).
 	PID int
@@ -126,7 +127,7 @@ func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
 	if cfg.PoolSize > 0 {
 		args = append(args, "--pool-size", strconv.Itoa(cfg.PoolSize))
 	}
-	s := &Server{Addr: addr, done: make(chan struct{})}
+	s := &Server{Addr: addr, Token: newToken(), done: make(chan struct{})}
 	var cmd *exec.Cmd
 	if cfg.IsolateCgroups {
 		s.cgName = fmt.Sprintf("deltagym-loadtest-%d", os.Getpid())
@@ -145,7 +146,8 @@ func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
 		cmd = exec.Command(cfg.Binary, args...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	}
-	cmd.Env = append(os.Environ(), "DELTAGYM_INIT="+cfg.Init)
+	// The token goes by the environment, which other users cannot read, not by argv.
+	cmd.Env = append(os.Environ(), "DELTAGYM_INIT="+cfg.Init, "DELTAGYM_TOKEN="+s.Token)
 	cmd.Stdout, cmd.Stderr = cfg.Log, cfg.Log
 	if err := cmd.Start(); err != nil {
 		s.removeCgroups()
@@ -163,7 +165,7 @@ func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
 }
 
 func (s *Server) waitHealthy(ctx context.Context) error {
-	conn, err := grpc.NewClient(s.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(s.Addr, DialOptions(s.Token)...)
 	if err != nil {
 		return fmt.Errorf("dialing %s: %w", s.Addr, err)
 	}

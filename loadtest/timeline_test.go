@@ -269,7 +269,7 @@ func TestTimeline(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const conc = 8
-			rep, err := Run(t.Context(), Config{Addr: s.Addr, Scenario: tc.scenario, Concurrency: conc, Duration: 4 * time.Second,
+			rep, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: tc.scenario, Concurrency: conc, Duration: 4 * time.Second,
 				Warmup: time.Second, SampleInterval: time.Second, ServerPID: tc.pid, SandboxCPUStat: tc.cpuStat})
 			if err != nil {
 				t.Fatal(err)

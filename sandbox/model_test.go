@@ -722,18 +722,26 @@ func diffPaths(diffs []string) []string {
 // xattrHelper builds the static xattr tool the model image carries.
 func xattrHelper(t *testing.T) string {
 	t.Helper()
+	return buildStaticC(t, "xa", xaSource)
+}
+
+// buildStaticC compiles a one-file C program, static, with $CC (as make init builds dg-init),
+// and returns the binary's path.
+func buildStaticC(t *testing.T, name, source string, flags ...string) string {
+	t.Helper()
 	dir := t.TempDir()
-	src := filepath.Join(dir, "xa.c")
-	if err := os.WriteFile(src, []byte(xaSource), 0o644); err != nil {
+	src := filepath.Join(dir, name+".c")
+	if err := os.WriteFile(src, []byte(source), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	bin := filepath.Join(dir, "xa")
+	bin := filepath.Join(dir, name)
 	cc := os.Getenv("CC")
 	if cc == "" {
 		cc = "cc"
 	}
-	if out, err := exec.Command(cc, "-O2", "-static", "-Wall", "-o", bin, src).CombinedOutput(); err != nil {
-		t.Fatalf("building the static xattr helper with %s (as make init builds dg-init): %v\n%s", cc, err, out)
+	args := append([]string{"-O2", "-static", "-Wall"}, flags...)
+	if out, err := exec.Command(cc, append(args, "-o", bin, src)...).CombinedOutput(); err != nil {
+		t.Fatalf("building the static helper %s with %s (as make init builds dg-init): %v\n%s", name, cc, err, out)
 	}
 	return bin
 }

@@ -739,7 +739,7 @@ var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9._-]{0,127}$`)
 // ImportImage imports an OCI layout directory, a docker save tarball or a
 // rootfs directory as image name. Importing the same image again under the
 // same name is a no-op; another image under a taken name is ErrExists.
-func (r *Runtime) ImportImage(ctx context.Context, name, src string) (ImageInfo, error) {
+func (r *Runtime) ImportImage(ctx context.Context, name, src string, opts ...image.Option) (ImageInfo, error) {
 	if !nameRE.MatchString(name) {
 		return ImageInfo{}, fmt.Errorf("%w: image name %q: use letters, digits, '.', '_' and '-'", ErrInvalid, name)
 	}
@@ -748,8 +748,11 @@ func (r *Runtime) ImportImage(ctx context.Context, name, src string) (ImageInfo,
 		return ImageInfo{}, err
 	}
 	defer os.RemoveAll(tmp)
-	im, err := image.Import(ctx, src, tmp)
+	im, err := image.Import(ctx, src, tmp, opts...)
 	if err != nil {
+		if errors.Is(err, image.ErrTooLarge) {
+			return ImageInfo{}, fmt.Errorf("%w: importing image %s: %w", ErrBudget, name, err)
+		}
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, image.ErrUnknownFormat) || errors.Is(err, image.ErrInvalidImage) ||
 			errors.Is(err, image.ErrUnsafePath) || errors.Is(err, image.ErrDigestMismatch) || errors.Is(err, image.ErrUnsupportedCompression) {
 			return ImageInfo{}, fmt.Errorf("%w: importing image %s: %w", ErrInvalid, name, err)

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -122,59 +121,6 @@ func TestBadInput(t *testing.T) {
 	must(t, err)
 	if stdout(t, st.Msg) != "plain\n" {
 		t.Fatalf("state %q", stdout(t, st.Msg))
-	}
-}
-
-func TestAuth(t *testing.T) {
-	b := setup(t, func(c *server.Config) { c.AuthToken = "s3cret"; c.NoLedger = true })
-	// The bundle's clients carry the token.
-	_, err := b.connect.ListEnvs(t.Context(), connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
-	must(t, err)
-	_, err = b.grpc.ListEnvs(t.Context(), &deltagymv1.ListEnvsRequest{})
-	must(t, err)
-	for _, tok := range []string{"", "Bearer wrong", "s3cret"} {
-		req, _ := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/ListEnvs", strings.NewReader("{}"))
-		req.Header.Set("Content-Type", "application/json")
-		if tok != "" {
-			req.Header.Set("Authorization", tok)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		must(t, err)
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 401 || !bytes.Contains(body, []byte("unauthenticated")) {
-			t.Fatalf("token %q: %d %s, want 401 unauthenticated", tok, resp.StatusCode, body)
-		}
-	}
-	// Plain curl-style JSON with the right token works.
-	req, _ := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/ListEnvs", strings.NewReader("{}"))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Authorization", "Bearer s3cret")
-	resp, err := http.DefaultClient.Do(req)
-	must(t, err)
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode != 200 || !bytes.Contains(body, []byte(`"plain"`)) {
-		t.Fatalf("JSON ListEnvs: %d %s", resp.StatusCode, body)
-	}
-	// /metrics on the same port.
-	resp, err = http.Get("http://" + b.addr + "/metrics")
-	must(t, err)
-	body, _ = io.ReadAll(resp.Body)
-	resp.Body.Close()
-	for _, m := range []string{"deltagym_rpc_duration", "deltagym_checkpoints_bytes", "deltagym_layers_discard_backlog"} {
-		if !bytes.Contains(body, []byte(m)) {
-			t.Fatalf("metrics lack %s:\n%.2000s", m, body)
-		}
-	}
-	// Labelled by procedure and code: the three calls refused and the three served.
-	for _, re := range []string{
-		`deltagym_rpc_duration_seconds_count\{code="ok",[^}]*rpc="/deltagym.v1.EnvService/ListEnvs"[^}]*\} 3`,
-		`deltagym_rpc_errors_total\{code="unauthenticated",[^}]*rpc="/deltagym.v1.EnvService/ListEnvs"[^}]*\} 3`,
-	} {
-		if !regexp.MustCompile(re).Match(body) {
-			t.Errorf("metrics lack %s:\n%s", re, body)
-		}
 	}
 }
 
@@ -647,6 +593,7 @@ func TestJSONEnumNames(t *testing.T) {
 	post := func(body string) (int, string) {
 		req, _ := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/Checkpoint", strings.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer "+b.token)
 		resp, err := http.DefaultClient.Do(req)
 		must(t, err)
 		defer resp.Body.Close()

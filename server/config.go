@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -53,9 +54,22 @@ type Config struct {
 	// the steps table, which it runs itself (ledger.Config.VacuumSteps). Default 10,000;
 	// negative: never (autovacuum alone).
 	LedgerVacuumSteps int
-	// AuthToken, when set, is the bearer token every EnvService and LedgerService call must
-	// carry. Default "" (auth off).
+	// AuthToken is the bearer token every call must carry. Default "": the token kept in
+	// DataDir/token, generated when missing (auth is on unless NoAuth).
 	AuthToken string
+	// NoAuth serves without a token; allowed only on a loopback Addr.
+	NoAuth bool
+	// TokenGroup, a group name or gid, may read the generated token file (mode 0640 instead of
+	// 0600).
+	TokenGroup string
+	// PublicHealth serves health, reflection and /metrics without a token.
+	PublicHealth bool
+	// ImportRoot is the only host directory ImportImage reads from: a request names a path
+	// below it. Default DataDir/imports.
+	ImportRoot string
+	// ImportMaxBytes caps what one image import may write (file contents, after
+	// decompression). Default 16 GiB.
+	ImportMaxBytes int64
 	// MaxRequestBytes bounds one request message. Default 16 MiB.
 	MaxRequestBytes int
 	// LeaseTTL is how long a sandbox lives without a call or heartbeat. Default 10m.
@@ -69,6 +83,9 @@ type Config struct {
 	// Logger receives structured logs. Default slog.Default().
 	Logger *slog.Logger
 }
+
+// defaultImportMaxBytes is Config.ImportMaxBytes when unset.
+const defaultImportMaxBytes = 16 << 30
 
 // minPostgresMemoryMB and maxPostgresMemoryMB bound the memory cap of the private Postgres.
 const (
@@ -126,7 +143,21 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		})
 	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")
 	fs.BoolVar(&c.ForkAtRestore, "fork-at-restore", c.ForkAtRestore, "fork the copies of a checkpoint's processes during each restore, not ahead of it in the background (by default, a checkpoint restored twice in a row gets the copies of its next restore forked while the agent takes its step: a quicker restore for a little more CPU)")
-	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients (default: auth off)")
+	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients; prefer $DELTAGYM_TOKEN, which other users cannot read in the process list "+
+		"(default: a random token kept in the data directory's file \"token\", mode 0600, made at the first start)")
+	fs.BoolVar(&c.NoAuth, "no-auth", c.NoAuth, "serve without a token (only on a loopback --addr: every local user can then drive the server)")
+	fs.StringVar(&c.TokenGroup, "token-group", c.TokenGroup, "a `group` (name or gid) that may read the generated token file (mode 0640)")
+	fs.BoolVar(&c.PublicHealth, "public-health", c.PublicHealth, "serve gRPC health, reflection and /metrics without a token")
+	fs.StringVar(&c.ImportRoot, "import-root", c.ImportRoot, "the only host `directory` ImportImage reads images from; requests name paths below it (default <data>/imports)")
+	c.ImportMaxBytes = cmp.Or(c.ImportMaxBytes, defaultImportMaxBytes)
+	fs.Func("import-max-bytes", fmt.Sprintf("most `bytes` one image import may write, after decompression (default %d)", c.ImportMaxBytes), func(v string) error {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n <= 0 {
+			return fmt.Errorf("%q: a positive number of bytes", v)
+		}
+		c.ImportMaxBytes = n
+		return nil
+	})
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", max(c.MaxRequestBytes, 16<<20), "largest accepted request message")
 	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")
 	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
@@ -158,6 +189,24 @@ func (c *Config) Validate() error {
 	}
 	if c.DefaultImageDir == "" {
 		c.DefaultImageDir = filepath.Join(c.DataDir, "images", "default", "rootfs")
+	}
+	if c.NoAuth && (c.AuthToken != "" || c.TokenGroup != "") {
+		return errors.New("server: --no-auth excludes --token and --token-group")
+	}
+	if c.NoAuth && !isLoopback(c.Addr) {
+		return fmt.Errorf("server: --addr %s: %w", c.Addr, errNoAuthExposed)
+	}
+	if strings.ContainsAny(c.AuthToken, " \t\r\n") {
+		return errors.New("server: the token may not contain white space")
+	}
+	if c.ImportRoot == "" {
+		c.ImportRoot = filepath.Join(c.DataDir, "imports")
+	}
+	if c.ImportRoot, err = filepath.Abs(c.ImportRoot); err != nil {
+		return err
+	}
+	if c.ImportMaxBytes <= 0 {
+		c.ImportMaxBytes = defaultImportMaxBytes
 	}
 	if c.NoLedger && c.DatabaseURL != "" {
 		return errors.New("server: --no-ledger and --database-url exclude each other")

@@ -55,7 +55,7 @@ func crashChild() {
 	go srv.Serve(ln)
 	var protos http.Protocols
 	protos.SetUnencryptedHTTP2(true)
-	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String(), connect.WithInterceptors(bearer(srv.Token())))
 	rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain", Run: "crash"}))
 	if err != nil {
 		fail(err)
@@ -140,7 +140,7 @@ func TestCrashEndsEpisodes(t *testing.T) {
 	go srv.Serve(ln)
 	var protos http.Protocols
 	protos.SetUnencryptedHTTP2(true)
-	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String(), connect.WithInterceptors(bearer(srv.Token())))
 	_, err = c.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: box,
 		Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: "true"}}}}))
 	if connect.CodeOf(err) != connect.CodeNotFound || !strings.Contains(err.Error(), "previous run") {
@@ -159,7 +159,7 @@ func startServing(t *testing.T, ctx context.Context, cfg server.Config) (*server
 	go srv.Serve(ln)
 	var protos http.Protocols
 	protos.SetUnencryptedHTTP2(true)
-	return srv, deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String())
+	return srv, deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String(), connect.WithInterceptors(bearer(srv.Token())))
 }
 
 // A checkpoint taken before a restart is restored after it with its steps numbered as before:

@@ -62,25 +62,33 @@ func (e *envService) ImportImage(ctx context.Context, req *connect.Request[delta
 	if m.GetReference() != "" {
 		return nil, e.s.toConnect(fmt.Errorf("picking an image by reference is not supported yet; import a layout or archive holding one image: %w", ErrInvalid))
 	}
-	st, err := os.Stat(m.GetPath())
+	src, err := e.s.imports.open(m.GetPath())
 	if err != nil {
-		return nil, e.s.toConnect(fmt.Errorf("image path %q does not exist on the server: %w", m.GetPath(), ErrInvalid))
+		return nil, e.s.toConnect(err)
+	}
+	defer src.Close()
+	st, err := src.Stat()
+	if err != nil {
+		return nil, e.s.toConnect(fmt.Errorf("reading image path %q: %w", m.GetPath(), err))
 	}
 	switch m.GetFormat() {
 	case deltagymv1.ImageFormat_IMAGE_FORMAT_DOCKER_ARCHIVE:
-		if st.IsDir() {
-			return nil, e.s.toConnect(fmt.Errorf("%q is a directory, not a docker save tarball: %w", m.GetPath(), ErrInvalid))
+		if !st.Mode().IsRegular() {
+			return nil, e.s.toConnect(fmt.Errorf("%q is not a docker save tarball (a regular file): %w", m.GetPath(), ErrInvalid))
 		}
 	case deltagymv1.ImageFormat_IMAGE_FORMAT_OCI_LAYOUT, deltagymv1.ImageFormat_IMAGE_FORMAT_ROOTFS_DIR:
 		if !st.IsDir() {
 			return nil, e.s.toConnect(fmt.Errorf("%q is not a directory: %w", m.GetPath(), ErrInvalid))
 		}
 	}
+	if !st.IsDir() && !st.Mode().IsRegular() {
+		return nil, e.s.toConnect(fmt.Errorf("%q is neither a directory nor a regular file: %w", m.GetPath(), ErrInvalid))
+	}
 	ctx, done := e.s.obs.op(ctx, "import_image")
-	info, err := e.s.rt.ImportImage(ctx, m.GetName(), m.GetPath())
+	info, err := e.s.rt.ImportImage(ctx, m.GetName(), fdPath(src), e.s.imports.options()...)
 	done(err)
 	if err != nil {
-		return nil, e.s.toConnect(err)
+		return nil, e.s.toConnect(renamedError{err: err, old: fdPath(src), new: m.GetPath()})
 	}
 	e.s.pools.ImageImported(info.Name)
 	return connect.NewResponse(&deltagymv1.ImportImageResponse{Name: info.Name, Digest: info.Digest, LayerCount: int32(info.Layers)}), nil

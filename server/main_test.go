@@ -31,6 +31,10 @@ func TestMain(m *testing.M) {
 		crashChild() // a server for TestCrashEndsEpisodes to kill
 		return
 	}
+	if os.Getenv(localUserEnv) != "" {
+		localUser() // an unprivileged local user for TestImportAsLocalUser
+		return
+	}
 	os.Exit(pgtest.Run(m))
 }
 
@@ -60,6 +64,7 @@ type bundle struct {
 	conn    *grpc.ClientConn
 	token   string
 	busybox string
+	data    string
 }
 
 func initBinary(t testing.TB) string {
@@ -94,7 +99,8 @@ func setup(t testing.TB, mod func(*server.Config)) *bundle {
 	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
 	busybox := imagetest.Busybox(t)
 	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: init, CgroupRoot: cg, DefaultImageDir: busybox,
-		LeaseTTL: time.Minute, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+		LeaseTTL: time.Minute, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		ImportRoot: filepath.Dir(busybox)} // the test's own directory: the busybox rootfs is importable
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -113,7 +119,7 @@ func setup(t testing.TB, mod func(*server.Config)) *bundle {
 	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
-	b := &bundle{srv: srv, addr: ln.Addr().String(), dbURL: cfg.DatabaseURL, cgroup: cg, token: cfg.AuthToken, busybox: busybox}
+	b := &bundle{srv: srv, addr: ln.Addr().String(), dbURL: cfg.DatabaseURL, cgroup: cg, token: srv.Token(), busybox: busybox, data: data}
 	var opts []connect.ClientOption
 	if b.token != "" {
 		opts = append(opts, connect.WithInterceptors(bearer(b.token)))

@@ -23,7 +23,7 @@ func TestProtocolsOnOnePort(t *testing.T) {
 		"grpc-web":     {connect.WithGRPCWeb()},
 	} {
 		t.Run(name, func(t *testing.T) {
-			c := deltagymv1connect.NewEnvServiceClient(http.DefaultClient, base, opts...)
+			c := deltagymv1connect.NewEnvServiceClient(http.DefaultClient, base, append(opts, connect.WithInterceptors(bearer(b.token)))...)
 			r, err := c.ListEnvs(t.Context(), connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
 			must(t, err)
 			if len(r.Msg.GetEnvs()) != len(testEnvs) {

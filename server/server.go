@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -36,6 +37,8 @@ type Server struct {
 	obs       *observability
 	handler   http.Handler
 	scrubbers [][2]string
+	token     string // the bearer token clients send; "" with auth off
+	imports   *importRoot
 
 	ckpts  sync.Map // checkpoint id -> ckptMeta
 	closed sync.Map // ids of closed sandboxes -> struct{}
@@ -61,7 +64,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger, idem: newIdempotency()}
-	s.scrubbers = [][2]string{{cfg.DataDir, "$DATA"}}
+	s.scrubbers = [][2]string{{cfg.ImportRoot, "$IMPORTS"}, {cfg.DataDir, "$DATA"}}
 	if abs, err := filepath.Abs(cfg.EnvsDir); err == nil {
 		s.scrubbers = append(s.scrubbers, [2]string{abs, "$ENVS"})
 	}
@@ -70,6 +73,12 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 			_ = s.Close(context.WithoutCancel(ctx))
 		}
 	}()
+	if err := s.setupAuth(); err != nil {
+		return nil, err
+	}
+	if s.imports, err = openImportRoot(cfg.ImportRoot, cfg.ImportMaxBytes); err != nil {
+		return nil, err
+	}
 	specs, err := envpool.LoadDir(cfg.EnvsDir)
 	if err != nil {
 		return nil, fmt.Errorf("loading env catalog: %w", err)
@@ -190,7 +199,7 @@ func (s *Server) buildHandler() http.Handler {
 		// Small responses go uncompressed: gzip costs more CPU than the bytes it saves (resetting
 		// a pooled compressor alone was 6% of the server's CPU under a Step load).
 		connect.WithCompressMinBytes(compressMinBytes),
-		connect.WithInterceptors(s.obs.interceptor(s.log), authInterceptor(s.cfg.AuthToken)),
+		connect.WithInterceptors(s.obs.interceptor(s.log)),
 	}
 	opts = append(opts, jsonCodecs()...)
 	mux := http.NewServeMux()
@@ -201,7 +210,12 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
-	return growStacks(mux)
+	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
+		refuse: s.obs.authRefused, next: mux}
+	if g.on {
+		g.want = sha256.Sum256([]byte(s.token))
+	}
+	return growStacks(g)
 }
 
 // Handler returns the HTTP handler of every service, health, reflection and /metrics.
@@ -261,6 +275,9 @@ func (s *Server) Close(ctx context.Context) error {
 		if s.obs != nil {
 			errs = append(errs, s.obs.shutdown(ctx))
 		}
+		if s.imports != nil {
+			errs = append(errs, s.imports.Close())
+		}
 		s.closeErr = errors.Join(errs...)
 	})
 	return s.closeErr
@@ -278,7 +295,7 @@ func Run(ctx context.Context, cfg Config) error {
 		_ = s.Close(context.WithoutCancel(ctx))
 		return fmt.Errorf("listening on %s: %w", s.cfg.Addr, err)
 	}
-	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", s.cfg.AuthToken != "")
+	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", !s.cfg.NoAuth)
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(ln) }()
 	var serveErr error

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -30,7 +31,43 @@ const (
 	EnvAddr = "DELTAGYM_ADDR"
 	// EnvToken names the variable holding the default bearer token.
 	EnvToken = "DELTAGYM_TOKEN"
+	// EnvTokenFile names the variable holding the path of a file with the bearer token.
+	EnvTokenFile = "DELTAGYM_TOKEN_FILE"
+	// EnvData names the variable holding the server's data directory, whose file "token"
+	// holds the token the server generated.
+	EnvData = "DELTAGYM_DATA"
 )
+
+// DefaultDataDir is the data directory of a server started from the working directory
+// (`make run`, `deltagym serve`) when $DELTAGYM_DATA is unset.
+const DefaultDataDir = ".data"
+
+// ResolveToken returns the bearer token a client sends when it is given none, from the first
+// of: $DELTAGYM_TOKEN; the file named by $DELTAGYM_TOKEN_FILE (an error when it cannot be
+// read); the file "token" in the server's data directory ($DELTAGYM_DATA, else .data), which
+// the server writes when it is started without a token, if this user may read it. "" means
+// none was found.
+func ResolveToken() (string, error) {
+	if tok := os.Getenv(EnvToken); tok != "" {
+		return tok, nil
+	}
+	if p := os.Getenv(EnvTokenFile); p != "" {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return "", fmt.Errorf("reading the token file of $%s: %w", EnvTokenFile, err)
+		}
+		return strings.TrimSpace(string(b)), nil
+	}
+	data := os.Getenv(EnvData)
+	if data == "" {
+		data = DefaultDataDir
+	}
+	b, err := os.ReadFile(filepath.Join(data, "token"))
+	if err != nil {
+		return "", nil // no server here, or not this user's to read: calls say unauthenticated
+	}
+	return strings.TrimSpace(string(b)), nil
+}
 
 // Option configures a Client.
 type Option func(*config)
@@ -48,7 +85,7 @@ type config struct {
 }
 
 // WithToken sends token as a bearer token on every call. Without it, Dial uses
-// $DELTAGYM_TOKEN when set; an empty token sends no Authorization header.
+// ResolveToken; an empty token sends no Authorization header.
 func WithToken(token string) Option {
 	return func(c *config) { c.token, c.tokenSet = token, true }
 }
@@ -105,7 +142,11 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 		o(&cfg)
 	}
 	if !cfg.tokenSet {
-		cfg.token = os.Getenv(EnvToken)
+		tok, err := ResolveToken()
+		if err != nil {
+			return nil, err
+		}
+		cfg.token = tok
 	}
 	if cfg.attempts < 1 {
 		cfg.attempts = 1

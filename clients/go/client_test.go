@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"net"
+	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -257,5 +259,53 @@ func TestExecResultOf(t *testing.T) {
 		string(r.Stdout) != "out" || string(r.Stderr) != "err" || r.ExitCode != 2 || r.OK() ||
 		r.Duration != 250*time.Millisecond || !r.StdoutTruncated {
 		t.Fatalf("ExecResultOf = %+v", r)
+	}
+}
+
+// ResolveToken takes the first of $DELTAGYM_TOKEN, the file $DELTAGYM_TOKEN_FILE and the data
+// directory's token file; a named file that cannot be read is an error, a data directory
+// without one is not.
+func TestResolveToken(t *testing.T) {
+	dir := t.TempDir()
+	data := filepath.Join(dir, "data")
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.Mkdir(data, 0o755))
+	must(os.WriteFile(filepath.Join(data, "token"), []byte("from-data\n"), 0o600))
+	named := filepath.Join(dir, "named")
+	must(os.WriteFile(named, []byte("  from-file \n"), 0o600))
+	cwd := filepath.Join(dir, "cwd")
+	must(os.MkdirAll(filepath.Join(cwd, DefaultDataDir), 0o755))
+	must(os.WriteFile(filepath.Join(cwd, DefaultDataDir, "token"), []byte("from-cwd\n"), 0o600))
+	t.Chdir(cwd)
+	for _, tc := range []struct {
+		name, token, file, data, want string
+		wantErr                       bool
+	}{
+		{name: "variable first", token: "from-env", file: named, data: data, want: "from-env"},
+		{name: "then the named file", file: named, data: data, want: "from-file"},
+		{name: "then the data directory", data: data, want: "from-data"},
+		{name: "then .data here", want: "from-cwd"},
+		{name: "named file missing", file: filepath.Join(dir, "missing"), data: data, wantErr: true},
+		{name: "data directory without a token", data: dir, want: ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Setenv(EnvToken, tc.token)
+			t.Setenv(EnvTokenFile, tc.file)
+			t.Setenv(EnvData, tc.data)
+			got, err := ResolveToken()
+			if (err != nil) != tc.wantErr || got != tc.want {
+				t.Fatalf("ResolveToken() = %q, %v; want %q (error: %v)", got, err, tc.want, tc.wantErr)
+			}
+			if tc.wantErr {
+				if _, err := Dial("127.0.0.1:1"); err == nil {
+					t.Fatal("Dial with an unreadable $DELTAGYM_TOKEN_FILE succeeded")
+				}
+			}
+		})
 	}
 }

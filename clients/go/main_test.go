@@ -63,6 +63,9 @@ func startTestServer(ctx context.Context) (stop func() error, err error) {
 	}
 	testServer, testAddr = srv.Server, srv.Addr
 	os.Setenv("DELTAGYM_ADDR", testAddr)
+	// Clients find the server's generated token in its data directory, as a user's find
+	// .data/token of `make run`.
+	os.Setenv("DELTAGYM_DATA", srv.DataDir)
 	return srv.Close, nil
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"path/filepath"
 	"strconv"
 
 	"connectrpc.com/connect"
@@ -63,9 +62,6 @@ func runImportImage(ctx context.Context, a *app, fs *flag.FlagSet, args []string
 		return err
 	}
 	req := &deltagymv1.ImportImageRequest{Name: pos[0], Path: pos[1]}
-	if abs, err := filepath.Abs(pos[1]); err == nil {
-		req.Path = abs
-	}
 	switch *format {
 	case "":
 	case "oci":

@@ -56,7 +56,7 @@ var commands = []command{
 	{name: "serve", args: "[server flags]", summary: "run the server in the foreground", run: runServe, noClient: true},
 	{name: "envs", summary: "list the env catalog and warm pools", run: runEnvs},
 	{name: "register-env", args: "SPEC.json|- [--replace]", summary: "add an env (the JSON of envs/*.json) to the catalog; the server keeps it across restarts", run: runRegisterEnv},
-	{name: "import-image", args: "NAME PATH [--format oci|docker|rootfs]", summary: "import an image from a path on the server's machine (a relative one from here), for envs to name", run: runImportImage},
+	{name: "import-image", args: "NAME PATH [--format oci|docker|rootfs]", summary: "import an image from the server's import root (--import-root, default <data>/imports; PATH relative to it), for envs to name", run: runImportImage},
 	{name: "reset", args: "ENV [--seed N] [--option k=v]... [--run R] [--group G] [-q]", summary: "take a warm sandbox of ENV and start an episode", run: runReset},
 	{name: "exec", args: "SANDBOX [--session S | --background] [--timeout D] [--cwd DIR] [--env k=v]... [--stdin FILE|-] [--checkpoint] -- CMD...", summary: "run a command (one word: a shell string; several: argv)", run: runExec},
 	{name: "write", args: "SANDBOX PATH [--from FILE|-] [--mode 0644] [--append]", summary: "write a file (from stdin by default)", run: runWrite},
@@ -174,7 +174,7 @@ func (a *app) clientFlags(fs *flag.FlagSet) {
 		usage += " (default $DELTAGYM_ADDR or " + deltagym.DefaultAddr + ")"
 	}
 	fs.StringVar(&a.addr, "addr", a.addr, usage)
-	fs.StringVar(&a.token, "token", a.token, "bearer token (default $DELTAGYM_TOKEN)")
+	fs.StringVar(&a.token, "token", a.token, "bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file in its data directory, $DELTAGYM_DATA or .data)")
 	fs.BoolVar(&a.json, "json", a.json, "print responses as JSON (protojson), one object per line")
 }
 

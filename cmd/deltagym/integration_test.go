@@ -295,8 +295,10 @@ func TestCLICatalog(t *testing.T) {
 	mustContain(t, "import-image", out, "cli-img", "sha256:")
 	_, errOut := cli(t, exitUsage, "", "import-image", "cli-img", testImage, "--format", "zip")
 	mustContain(t, "import-image --format zip", errOut, "want oci, docker or rootfs")
-	_, errOut = cli(t, exitError, "", "import-image", "cli-img2", filepath.Join(t.TempDir(), "none"))
-	mustContain(t, "import-image of a missing path", errOut, "does not exist")
+	_, errOut = cli(t, exitError, "", "import-image", "cli-img2", "none")
+	mustContain(t, "import-image of a missing path", errOut, "invalid_argument", `"none": nothing there below the server's import root`)
+	_, errOut = cli(t, exitError, "", "import-image", "cli-img2", t.TempDir())
+	mustContain(t, "import-image of a path outside the import root", errOut, "invalid_argument", "is not below the server's import root")
 
 	spec := filepath.Join(t.TempDir(), "cli-env.json")
 	if err := os.WriteFile(spec, []byte(`{"name": "cli-env", "image": "cli-img", "poolSize": 1, "env": {"WHO": "cli"}}`), 0o644); err != nil {

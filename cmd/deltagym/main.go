@@ -3,7 +3,9 @@
 // fork, evaluate, submit and close them, and read the trajectory ledger.
 //
 // Every client subcommand takes --addr (default $DELTAGYM_ADDR or
-// 127.0.0.1:8080), --token (default $DELTAGYM_TOKEN) and --json (print the
+// 127.0.0.1:8080), --token (default $DELTAGYM_TOKEN, else the file
+// $DELTAGYM_TOKEN_FILE, else the server's token file, .data/token or
+// $DELTAGYM_DATA/token) and --json (print the
 // response as protojson, one object per line). Exit status: 0 on success, 1
 // on an error (its Connect code and message on stderr), 2 on a usage error;
 // exec exits with its command's status (128+N for signal N, 124 on timeout).

@@ -20,6 +20,8 @@ var (
 	ErrUnsupportedEntry = errors.New("unsupported tar entry")
 	// ErrDirNotEmpty means the destination of an import is not an empty directory.
 	ErrDirNotEmpty = errors.New("import directory is not empty")
+	// ErrTooLarge means an import would write more than its cap (WithMaxBytes).
+	ErrTooLarge = errors.New("image too large")
 	// ErrNotImported means a directory holds no completed import.
 	ErrNotImported = errors.New("no imported image")
 )

@@ -61,7 +61,11 @@ type record struct {
 // directory per layer in dir (named 0, 1, … bottom first) and a record that Load reads. The
 // layers are built in a temporary directory inside dir and renamed into place; on error dir is
 // left empty.
-func Import(ctx context.Context, src string, dir string) (_ *Imported, err error) {
+func Import(ctx context.Context, src string, dir string, opts ...Option) (_ *Imported, err error) {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
 	if err := checkEmpty(dir); err != nil {
 		return nil, err
 	}
@@ -86,7 +90,7 @@ func Import(ctx context.Context, src string, dir string) (_ *Imported, err error
 		err = errors.Join(errs...)
 	}()
 
-	imp, err := importInto(ctx, src, staging)
+	imp, err := importInto(ctx, src, staging, newBudget(o.maxBytes))
 	if err != nil {
 		return nil, fmt.Errorf("importing %s: %w", src, err)
 	}
@@ -168,7 +172,7 @@ func checkEmpty(dir string) error {
 }
 
 // importInto recognises the source and builds its layers in staging.
-func importInto(ctx context.Context, src, staging string) (*Imported, error) {
+func importInto(ctx context.Context, src, staging string, b *budget) (*Imported, error) {
 	st, err := os.Stat(src)
 	if err != nil {
 		return nil, err
@@ -182,14 +186,14 @@ func importInto(ctx context.Context, src, staging string) (*Imported, error) {
 		defer ds.Close()
 		switch {
 		case ds.has(layoutFile) && ds.has(indexFile):
-			return importOCI(ctx, ds, staging)
+			return importOCI(ctx, ds, staging, b)
 		case ds.has(dockerManifestFile):
-			return importDocker(ctx, ds, staging)
+			return importDocker(ctx, ds, staging, b)
 		default:
-			return importRootfs(ctx, src, staging)
+			return importRootfs(ctx, src, staging, b)
 		}
 	case st.Mode().IsRegular():
-		f, err := openArchive(src, staging)
+		f, err := openArchive(src, staging, b)
 		if err != nil {
 			return nil, err
 		}
@@ -200,9 +204,9 @@ func importInto(ctx context.Context, src, staging string) (*Imported, error) {
 		}
 		switch {
 		case ts.has(layoutFile) && ts.has(indexFile):
-			return importOCI(ctx, ts, staging)
+			return importOCI(ctx, ts, staging, b)
 		case ts.has(dockerManifestFile):
-			return importDocker(ctx, ts, staging)
+			return importDocker(ctx, ts, staging, b)
 		default:
 			return nil, fmt.Errorf("tarball has neither index.json nor manifest.json: %w", ErrUnknownFormat)
 		}

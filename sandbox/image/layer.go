@@ -35,7 +35,9 @@ type layerWriter struct {
 	whiteouts bool
 	// dirTimes are applied last: creating entries in a directory changes its mtime.
 	dirTimes []dirTime
-	closed   bool
+	// budget is charged for every entry and its contents.
+	budget *budget
+	closed bool
 }
 
 type dirTime struct {
@@ -43,12 +45,12 @@ type dirTime struct {
 	atime, mtime time.Time
 }
 
-func openLayerWriter(dir string, whiteouts bool) (*layerWriter, error) {
+func openLayerWriter(dir string, whiteouts bool, b *budget) (*layerWriter, error) {
 	fd, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("opening layer directory: %w", err)
 	}
-	return &layerWriter{root: fd, whiteouts: whiteouts}, nil
+	return &layerWriter{root: fd, whiteouts: whiteouts, budget: b}, nil
 }
 
 // Close releases the layer root. It is idempotent.
@@ -105,6 +107,9 @@ func (w *layerWriter) apply(hdr *tar.Header, r io.Reader) error {
 	if hdr.Typeflag == tar.TypeXGlobalHeader {
 		return nil
 	}
+	if err := w.budget.take(entryCost); err != nil {
+		return err
+	}
 	name, err := cleanEntryName(hdr.Name)
 	if err != nil {
 		return err
@@ -156,6 +161,9 @@ func (w *layerWriter) write(pfd int, base, name string, hdr *tar.Header, r io.Re
 		w.dirTimes = append(w.dirTimes, dirTime{name: name, atime: hdr.AccessTime, mtime: hdr.ModTime})
 		return nil
 	case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old tars still use TypeRegA
+		if err := w.budget.take(hdr.Size); err != nil {
+			return err
+		}
 		if err := removeExisting(pfd, base); err != nil {
 			return err
 		}
@@ -165,7 +173,7 @@ func (w *layerWriter) write(pfd int, base, name string, hdr *tar.Header, r io.Re
 		}
 		f := os.NewFile(uintptr(fd), name)
 		defer f.Close()
-		n, err := io.Copy(f, r)
+		n, err := io.Copy(f, io.LimitReader(r, hdr.Size))
 		if err != nil {
 			return fmt.Errorf("copying contents: %w", err)
 		}

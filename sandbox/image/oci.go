@@ -131,7 +131,7 @@ func digestOf(b []byte) string {
 }
 
 // importOCI imports the one image of an OCI image layout.
-func importOCI(ctx context.Context, src source, staging string) (*Imported, error) {
+func importOCI(ctx context.Context, src source, staging string, limit *budget) (*Imported, error) {
 	b, err := readFile(src, indexFile)
 	if err != nil {
 		return nil, err
@@ -169,7 +169,7 @@ func importOCI(ctx context.Context, src source, staging string) (*Imported, erro
 		if err != nil {
 			return nil, err
 		}
-		dir, err := importLayer(ctx, src, name, staging, i, layerCheck{blob: l.Digest, size: l.Size, diffID: cfg.RootFS.DiffIDs[i]})
+		dir, err := importLayer(ctx, src, name, staging, i, layerCheck{blob: l.Digest, size: l.Size, diffID: cfg.RootFS.DiffIDs[i]}, limit)
 		if err != nil {
 			return nil, err
 		}
@@ -239,7 +239,7 @@ func parseConfig(b []byte, layers int) (*imageConfig, error) {
 }
 
 // importDocker imports the one image of a docker save archive (manifest.json format).
-func importDocker(ctx context.Context, src source, staging string) (*Imported, error) {
+func importDocker(ctx context.Context, src source, staging string, limit *budget) (*Imported, error) {
 	b, err := readFile(src, dockerManifestFile)
 	if err != nil {
 		return nil, err
@@ -274,7 +274,7 @@ func importDocker(ctx context.Context, src source, staging string) (*Imported, e
 		if d, ok := digestFromName(name); ok {
 			check.blob = d
 		}
-		dir, err := importLayer(ctx, src, name, staging, i, check)
+		dir, err := importLayer(ctx, src, name, staging, i, check, limit)
 		if err != nil {
 			return nil, err
 		}
@@ -302,7 +302,7 @@ type layerCheck struct {
 }
 
 // importLayer applies layer blob name into staging/<i> and returns that directory.
-func importLayer(ctx context.Context, src source, name, staging string, i int, check layerCheck) (string, error) {
+func importLayer(ctx context.Context, src source, name, staging string, i int, check layerCheck, b *budget) (string, error) {
 	r, err := src.open(name)
 	if err != nil {
 		return "", fmt.Errorf("opening layer %d: %w", i, err)
@@ -315,7 +315,7 @@ func importLayer(ctx context.Context, src source, name, staging string, i int, c
 	if err := os.Chmod(dir, 0o755); err != nil {
 		return "", fmt.Errorf("creating layer %d: %w", i, err)
 	}
-	if err := applyLayerBlob(ctx, r, dir, check); err != nil {
+	if err := applyLayerBlob(ctx, r, dir, check, b); err != nil {
 		return "", fmt.Errorf("applying layer %d (%s): %w", i, name, err)
 	}
 	return dir, nil
@@ -323,7 +323,7 @@ func importLayer(ctx context.Context, src source, name, staging string, i int, c
 
 // applyLayerBlob decompresses (gzip or none, by magic bytes) and applies a layer tar into
 // dir, hashing the stored and the uncompressed bytes as they stream past.
-func applyLayerBlob(ctx context.Context, r io.Reader, dir string, check layerCheck) error {
+func applyLayerBlob(ctx context.Context, r io.Reader, dir string, check layerCheck, b *budget) error {
 	blobHash := sha256.New()
 	counted := &countWriter{w: blobHash}
 	br := bufio.NewReaderSize(io.TeeReader(r, counted), 1<<16)
@@ -349,7 +349,7 @@ func applyLayerBlob(ctx context.Context, r io.Reader, dir string, check layerChe
 	diffHash := sha256.New()
 	tarStream = io.TeeReader(tarStream, diffHash)
 
-	w, err := openLayerWriter(dir, true)
+	w, err := openLayerWriter(dir, true, b)
 	if err != nil {
 		return err
 	}

@@ -317,12 +317,18 @@ func (p *Proc) syscall(nr uintptr, args []uintptr) (uintptr, int, error) {
 	return uintptr(out.Rax), child, nil
 }
 
-// Fork makes a copy of the stopped process with clone(CLONE_PARENT|SIGCHLD):
-// the copy is a sibling (its parent reaps it), stopped and attached to this
-// session with the registers the original had when it stopped. It returns
-// the copy and its pid as the original's pid namespace sees it.
+// CloneFlags are the flags of the clone Fork injects: a sibling (CLONE_PARENT)
+// whose end its parent learns by SIGCHLD. They hold no namespace flag: the
+// sandbox's seccomp filter, which the process may carry, refuses those
+// (sandbox/initproc/csrc/SECCOMP.md).
+const CloneFlags = unix.CLONE_PARENT | uintptr(unix.SIGCHLD)
+
+// Fork makes a copy of the stopped process with clone(CloneFlags): the copy
+// is a sibling (its parent reaps it), stopped and attached to this session
+// with the registers the original had when it stopped. It returns the copy
+// and its pid as the original's pid namespace sees it.
 func (p *Proc) Fork() (*Proc, int, error) {
-	nsPid, child, err := p.syscall(unix.SYS_CLONE, []uintptr{unix.CLONE_PARENT | uintptr(unix.SIGCHLD), 0, 0, 0, 0})
+	nsPid, child, err := p.syscall(unix.SYS_CLONE, []uintptr{CloneFlags, 0, 0, 0, 0})
 	if err != nil {
 		if child > 0 {
 			_ = unix.Kill(child, unix.SIGKILL)

@@ -4,6 +4,7 @@
 package servertest
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -24,8 +25,12 @@ import (
 type Options struct {
 	// EnvsDir is the env catalog; default: the repository's envs/.
 	EnvsDir string
-	// AuthToken, when set, is the bearer token the server requires.
+	// AuthToken, when set, is the bearer token the server requires; by default the server
+	// makes one and keeps it in DataDir/token (Server.Token returns it).
 	AuthToken string
+	// ImportRoot is where ImportImage may read images; default: the directory holding the
+	// default image's rootfs, so that tests can import it again.
+	ImportRoot string
 	// LeaseTTL overrides the server's lease TTL.
 	LeaseTTL time.Duration
 }
@@ -92,6 +97,7 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 		InitBinary:      initBin,
 		DefaultImageDir: image,
 		AuthToken:       opts.AuthToken,
+		ImportRoot:      cmp.Or(opts.ImportRoot, filepath.Dir(image)),
 		LeaseTTL:        opts.LeaseTTL,
 		AcquireTimeout:  time.Minute,
 		Logger:          slog.New(slog.NewTextHandler(logFile, nil)),

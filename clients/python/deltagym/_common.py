@@ -44,8 +44,26 @@ def resolve_addr(addr: Optional[str]) -> str:
 
 
 def resolve_token(token: Optional[str]) -> str:
-    """Returns token, else $DELTAGYM_TOKEN, else ""."""
-    return token if token is not None else os.environ.get("DELTAGYM_TOKEN", "")
+    """Returns the bearer token to send: token when given, else
+    $DELTAGYM_TOKEN, else the contents of the file $DELTAGYM_TOKEN_FILE (an
+    OSError when it cannot be read), else the file "token" of the server's
+    data directory ($DELTAGYM_DATA, else .data), which a server started
+    without a token writes, if this user may read it; else ""."""
+    if token is not None:
+        return token
+    env = os.environ.get("DELTAGYM_TOKEN", "")
+    if env:
+        return env
+    path = os.environ.get("DELTAGYM_TOKEN_FILE", "")
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    data = os.environ.get("DELTAGYM_DATA") or ".data"
+    try:
+        with open(os.path.join(data, "token"), encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""  # no server here, or not this user's to read
 
 
 def metadata(token: str) -> tuple:

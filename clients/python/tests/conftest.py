@@ -100,12 +100,12 @@ def _busybox_rootfs(root: Path) -> None:
     (root / "etc/hostname").write_text("sandbox\n")
 
 
-def _health(addr: str, timeout: float) -> bool:
+def _health(addr: str, timeout: float, token: str) -> bool:
     with grpc.insecure_channel(addr) as ch:
         check = ch.unary_unary("/grpc.health.v1.Health/Check",
                                request_serializer=lambda b: b, response_deserializer=lambda b: b)
         try:
-            resp = check(b"", timeout=timeout)
+            resp = check(b"", timeout=timeout, metadata=(("authorization", f"Bearer {token}"),))
         except grpc.RpcError:
             return False
     return resp == b"\x08\x01"  # HealthCheckResponse{status: SERVING}
@@ -167,11 +167,13 @@ def _serve(built: _Built, envs: dict, extra: list, ledger: bool) -> Iterator[Ser
     if not ledger:
         args.append("--no-ledger")
     env = {k: v for k, v in os.environ.items() if k not in ("DELTAGYM_TOKEN", "DELTAGYM_DATABASE_URL")}
+    token = next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--token"), None)
     with open(log, "wb") as lf:
         proc = subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not _health(addr, 1.0):
+        # Without --token the server writes its token to data/token before it listens.
+        while not _health(addr, 1.0, token or _read(data / "token")):
             if proc.poll() is not None:
                 pytest.fail(f"deltagym serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             if time.monotonic() > deadline:
@@ -189,13 +191,30 @@ def _serve(built: _Built, envs: dict, extra: list, ledger: bool) -> Iterator[Ser
         _cleanup(tmp)
 
 
+def _read(p: Path) -> str:
+    try:
+        return p.read_text().strip()
+    except OSError:
+        return ""
+
+
 @pytest.fixture(scope="session")
 def server(built: _Built) -> Iterator[Server]:
-    """The main test server: env "shell", ledger on when postgresql is installed."""
+    """The main test server: env "shell", ledger on when postgresql is
+    installed, and the token it generated, which clients find through
+    $DELTAGYM_TOKEN_FILE."""
     ledger = bool(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
     with _serve(built, {"shell": SHELL_ENV}, [], ledger) as s:
-        _wait_warm(s.addr)
-        yield s
+        old = os.environ.get("DELTAGYM_TOKEN_FILE")
+        os.environ["DELTAGYM_TOKEN_FILE"] = str(s.data / "token")
+        try:
+            _wait_warm(s.addr)
+            yield s
+        finally:
+            if old is None:
+                os.environ.pop("DELTAGYM_TOKEN_FILE", None)
+            else:
+                os.environ["DELTAGYM_TOKEN_FILE"] = old
 
 
 TOKEN = "py-test-token"

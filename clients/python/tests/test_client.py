@@ -3,6 +3,7 @@ heartbeats and context managers."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -263,7 +264,11 @@ def test_address_from_environment(server, monkeypatch):
 
 def test_register_env_and_import_image(client: Client, server):
     name = f"img-{uuid.uuid4().hex[:8]}"
-    imp = client.import_image(name, str(server.data / "images/default/rootfs"), format=es.IMAGE_FORMAT_ROOTFS_DIR)
+    # The server reads images only below its import root, <data>/imports by default.
+    shutil.copytree(server.data / "images/default/rootfs", server.data / "imports" / name, symlinks=True)
+    with pytest.raises(deltagym.InvalidArgument, match="import root"):
+        client.import_image(name, str(server.data / "images/default/rootfs"), format=es.IMAGE_FORMAT_ROOTFS_DIR)
+    imp = client.import_image(name, name, format=es.IMAGE_FORMAT_ROOTFS_DIR)
     assert imp.name == name and imp.digest.startswith("sha256:") and imp.layer_count >= 1
     env = f"reg-{uuid.uuid4().hex[:8]}"
     info = client.register_env({"name": env, "image": name, "task": "t", "verifier": "echo 0.5", "pool_size": 1})

@@ -26,6 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	deltagym "github.com/deltagym/deltagym/clients/go"
 	"github.com/deltagym/deltagym/loadtest"
 )
 
@@ -69,7 +70,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var jsonPath, plotPath, serverLog string
 	var fullCopy, quiet bool
 	fs.StringVar(&cfg.Addr, "addr", os.Getenv("DELTAGYM_ADDR"), "server address host:port (ignored with --serve)")
-	fs.StringVar(&cfg.Token, "token", os.Getenv("DELTAGYM_TOKEN"), "bearer token")
+	fs.StringVar(&cfg.Token, "token", "", "bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file, .data/token or $DELTAGYM_DATA/token; ignored with --serve)")
 	fs.StringVar(&cfg.Scenario, "scenario", "rollback", "scenario: "+strings.Join(loadtest.Scenarios, ", ")+", or density")
 	var densityN int
 	fs.IntVar(&densityN, "density-n", 1000, "density: idle sandboxes to start")
@@ -110,6 +111,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		return 2
 	}
+	if cfg.Token == "" {
+		tok, err := deltagym.ResolveToken()
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			return 2
+		}
+		cfg.Token = tok
+	}
 	if cfg.API == "" && (cfg.Scenario == "rollback" || cfg.Scenario == "rollback-exec") {
 		cfg.API = loadtest.APIStream
 	}
@@ -145,7 +154,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "stopped server pid %d\n", s.PID)
 		}()
 		fmt.Fprintf(stderr, "server pid %d healthy on %s\n", s.PID, s.Addr)
-		server, cfg.Addr = s, s.Addr
+		server, cfg.Addr, cfg.Token = s, s.Addr, s.Token
 		cgroupCPU = s.SandboxCPUStat()
 	}
 	pid := 0
@@ -153,7 +162,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		pid = server.PID
 	}
 	if cfg.Scenario == "density" {
-		dc := loadtest.DensityConfig{Addr: cfg.Addr, Env: cfg.Env, N: densityN, ServerPID: pid}
+		dc := loadtest.DensityConfig{Addr: cfg.Addr, Token: cfg.Token, Env: cfg.Env, N: densityN, ServerPID: pid}
 		if server != nil {
 			dc.MemoryCgroup = server.SandboxMemoryUsage()
 		}

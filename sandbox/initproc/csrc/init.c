@@ -32,6 +32,7 @@
 #include <linux/audit.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/netlink.h>
 #include <linux/seccomp.h>
 #include <poll.h>
 #include <sched.h>
@@ -189,9 +190,26 @@ static int setup_mounts(void) {
 
 // ---- spawning commands ------------------------------------------------------
 
-// The seccomp filter of every command: x86_64 only; these system calls fail
-// with EPERM. They administer the kernel or the mount tree, or are rarely
-// needed and often used in exploits. Everything else is allowed.
+// The seccomp filter of every command, x86_64 only (SECCOMP.md says why):
+// another architecture is killed; x32 calls fail with EPERM, and so do:
+// - clone with a namespace flag: a new user namespace gives its first
+//   process every capability over the namespaces made with it. The kernel
+//   reads the low 32 bits of clone's flags, and so does the filter;
+//   CLONE_NEWTIME is a bit of clone's exit signal (clone3 and unshare
+//   take it).
+// - the calls in denied: they administer the kernel or the mount tree, or
+//   are rarely needed and often used in exploits (unshare and setns: the
+//   namespaces again).
+// clone3 fails with ENOSYS: its flags are in memory, out of the filter's
+// reach, and libc and Go fall back on clone for ENOSYS (kernels before 5.3).
+// socket takes AF_UNIX, AF_INET, AF_INET6, and AF_NETLINK with NETLINK_ROUTE
+// only: other netlink protocols fail with EPROTONOSUPPORT, other families
+// with EAFNOSUPPORT, as on a kernel built without them; socketpair takes
+// AF_UNIX only (EAFNOSUPPORT). Everything else is allowed, among it what
+// the runtime runs in processes that carry the filter: the init's
+// clone(CLONE_VM|CLONE_VFORK|SIGCHLD), and ptfork's injected
+// clone(CLONE_PARENT|SIGCHLD), setsid, mmap, munmap, chdir, openat, dup3,
+// close, lseek and pipe2.
 static const int denied[] = {
     SYS_mount, SYS_umount2, SYS_pivot_root, SYS_chroot, SYS_move_mount, SYS_open_tree, SYS_fsopen,
     SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr, SYS_unshare, SYS_setns,
@@ -204,23 +222,71 @@ static const int denied[] = {
 };
 #define NDENIED (sizeof denied / sizeof denied[0])
 
-static struct sock_filter filter[4 + 2 * NDENIED + 3];
+#define CLONE_NS_FLAGS \
+	(CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET)
+
+#define LD(off) BPF_STMT(BPF_LD | BPF_W | BPF_ABS, (off))
+// The low 32 bits of argument i (x86_64 is little-endian).
+#define ARG(i) offsetof(struct seccomp_data, args[i])
+#define JEQ(k, jt, jf) BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (k), (jt), (jf))
+#define RET(v) BPF_STMT(BPF_RET | BPF_K, (v))
+#define ERR(e) RET(SECCOMP_RET_ERRNO | (e))
+
+// The head of the filter: the architecture, then the calls whose arguments
+// are checked. A jump skips jt or jf instructions. Each block returns, so
+// the accumulator still holds the call's number after a block it skipped.
+static const struct sock_filter head[] = {
+	LD(offsetof(struct seccomp_data, arch)),
+	JEQ(AUDIT_ARCH_X86_64, 1, 0),
+	RET(SECCOMP_RET_KILL_PROCESS),
+	LD(offsetof(struct seccomp_data, nr)),
+	BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1), // x32
+	ERR(EPERM),
+
+	// clone: no namespace flag.
+	JEQ(SYS_clone, 0, 4),
+	LD(ARG(0)),
+	BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, CLONE_NS_FLAGS, 0, 1),
+	ERR(EPERM),
+	RET(SECCOMP_RET_ALLOW),
+
+	// clone3: ENOSYS, whatever its flags.
+	JEQ(SYS_clone3, 0, 1),
+	ERR(ENOSYS),
+
+	// socket: the family, then a netlink socket's protocol.
+	JEQ(SYS_socket, 0, 10),
+	LD(ARG(0)),
+	JEQ(AF_UNIX, 6, 0),
+	JEQ(AF_INET, 5, 0),
+	JEQ(AF_INET6, 4, 0),
+	JEQ(AF_NETLINK, 0, 4),
+	LD(ARG(2)),
+	JEQ(NETLINK_ROUTE, 1, 0),
+	ERR(EPROTONOSUPPORT),
+	RET(SECCOMP_RET_ALLOW),
+	ERR(EAFNOSUPPORT),
+
+	// socketpair: AF_UNIX.
+	JEQ(SYS_socketpair, 0, 4),
+	LD(ARG(0)),
+	JEQ(AF_UNIX, 0, 1),
+	RET(SECCOMP_RET_ALLOW),
+	ERR(EAFNOSUPPORT),
+};
+#define NHEAD (sizeof head / sizeof head[0])
+
+static struct sock_filter filter[NHEAD + 2 * NDENIED + 1];
 static struct sock_fprog fprog;
 
 static void build_filter(void) {
-	int k = 0;
-	filter[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch));
-	filter[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0);
-	filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS);
-	filter[k++] = (struct sock_filter)BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr));
+	int k = NHEAD;
+	memcpy(filter, head, sizeof head);
 	for (size_t i = 0; i < NDENIED; i++) {
-		filter[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, denied[i], 0, 1);
-		filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
+		filter[k++] = (struct sock_filter)JEQ(denied[i], 0, 1);
+		filter[k++] = (struct sock_filter)ERR(EPERM);
 	}
-	// x32 system calls (nr >= 0x40000000) are refused too.
-	filter[k++] = (struct sock_filter)BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1);
-	filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM);
-	filter[k++] = (struct sock_filter)BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_ALLOW);
 	fprog.len = k;
 	fprog.filter = filter;
 }

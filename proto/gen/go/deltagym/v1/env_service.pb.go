@@ -269,7 +269,9 @@ type ImportImageRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// name is the name envs use to refer to the image.
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	// path is a path on the server's filesystem.
+	// path names the image below the server's import root: relative to it, or
+	// absolute and inside it. Symlinks are followed only while they stay below
+	// the root; any other path is refused with INVALID_ARGUMENT.
 	Path string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// format is the form of path; unspecified means detect.
 	Format ImageFormat `protobuf:"varint,3,opt,name=format,proto3,enum=deltagym.v1.ImageFormat" json:"format,omitempty"`

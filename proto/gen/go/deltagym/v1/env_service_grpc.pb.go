@@ -53,8 +53,10 @@ type EnvServiceClient interface {
 	// server keeps it (in its data directory, as <name>.json under envs/) and
 	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(ctx context.Context, in *RegisterEnvRequest, opts ...grpc.CallOption) (*RegisterEnvResponse, error)
-	// ImportImage imports a base image from a path on the server. The server
-	// keeps it, as it keeps the default image, across restarts.
+	// ImportImage imports a base image from below the server's import root, the
+	// one host directory the operator lets the API read (--import-root, by
+	// default <data>/imports). The server keeps it, as it keeps the default
+	// image, across restarts.
 	ImportImage(ctx context.Context, in *ImportImageRequest, opts ...grpc.CallOption) (*ImportImageResponse, error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(ctx context.Context, in *ResetRequest, opts ...grpc.CallOption) (*ResetResponse, error)
@@ -270,8 +272,10 @@ type EnvServiceServer interface {
 	// server keeps it (in its data directory, as <name>.json under envs/) and
 	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(context.Context, *RegisterEnvRequest) (*RegisterEnvResponse, error)
-	// ImportImage imports a base image from a path on the server. The server
-	// keeps it, as it keeps the default image, across restarts.
+	// ImportImage imports a base image from below the server's import root, the
+	// one host directory the operator lets the API read (--import-root, by
+	// default <data>/imports). The server keeps it, as it keeps the default
+	// image, across restarts.
 	ImportImage(context.Context, *ImportImageRequest) (*ImportImageResponse, error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *ResetRequest) (*ResetResponse, error)

@@ -143,8 +143,10 @@ class EnvServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ImportImage(self, request, context):
-        """ImportImage imports a base image from a path on the server. The server
-        keeps it, as it keeps the default image, across restarts.
+        """ImportImage imports a base image from below the server's import root, the
+        one host directory the operator lets the API read (--import-root, by
+        default <data>/imports). The server keeps it, as it keeps the default
+        image, across restarts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -75,8 +75,10 @@ type EnvServiceClient interface {
 	// server keeps it (in its data directory, as <name>.json under envs/) and
 	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(context.Context, *connect.Request[v1.RegisterEnvRequest]) (*connect.Response[v1.RegisterEnvResponse], error)
-	// ImportImage imports a base image from a path on the server. The server
-	// keeps it, as it keeps the default image, across restarts.
+	// ImportImage imports a base image from below the server's import root, the
+	// one host directory the operator lets the API read (--import-root, by
+	// default <data>/imports). The server keeps it, as it keeps the default
+	// image, across restarts.
 	ImportImage(context.Context, *connect.Request[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *connect.Request[v1.ResetRequest]) (*connect.Response[v1.ResetResponse], error)
@@ -320,8 +322,10 @@ type EnvServiceHandler interface {
 	// server keeps it (in its data directory, as <name>.json under envs/) and
 	// serves it again after a restart, over a catalog env of the same name.
 	RegisterEnv(context.Context, *connect.Request[v1.RegisterEnvRequest]) (*connect.Response[v1.RegisterEnvResponse], error)
-	// ImportImage imports a base image from a path on the server. The server
-	// keeps it, as it keeps the default image, across restarts.
+	// ImportImage imports a base image from below the server's import root, the
+	// one host directory the operator lets the API read (--import-root, by
+	// default <data>/imports). The server keeps it, as it keeps the default
+	// image, across restarts.
 	ImportImage(context.Context, *connect.Request[v1.ImportImageRequest]) (*connect.Response[v1.ImportImageResponse], error)
 	// Reset hands a warm sandbox of an env to the caller and starts an episode.
 	Reset(context.Context, *connect.Request[v1.ResetRequest]) (*connect.Response[v1.ResetResponse], error)
