@@ -68,13 +68,14 @@ func probe(t *testing.T, s *sandbox.Sandbox, mode string) map[string]string {
 	return got
 }
 
-// checkAnswers compares the probe's answers with want, both ways.
+// checkAnswers compares the probe's answers with want, both ways. A wanted
+// answer may list alternatives, "ok|EACCES".
 func checkAnswers(t *testing.T, got, want map[string]string) {
 	t.Helper()
 	for _, k := range slices.Sorted(maps.Keys(want)) {
 		if g, ok := got[k]; !ok {
 			t.Errorf("%s: no answer, want %s", k, want[k])
-		} else if g != want[k] {
+		} else if !slices.Contains(strings.Split(want[k], "|"), g) {
 			t.Errorf("%s: %s, want %s", k, g, want[k])
 		}
 	}
@@ -202,6 +203,90 @@ func TestSeccompSocketFamilies(t *testing.T) {
 		t.Errorf("ip link: %q", out)
 	}
 	canary(t, bystander)
+}
+
+// TestSeccompInetProtocols: AF_INET and AF_INET6 sockets take protocol 0,
+// IPPROTO_TCP, IPPROTO_UDP and their own ICMP (ping sockets) only, whatever
+// the type and its flags; every other protocol fails with EPROTONOSUPPORT,
+// and AF_INET's SOCK_PACKET (an AF_PACKET socket) with EAFNOSUPPORT.
+func TestSeccompInetProtocols(t *testing.T) {
+	b := setup(t)
+	img := seccompImage(t, b)
+	bystander := b.create(t, sandbox.Spec{})
+	s := b.create(t, sandbox.Spec{Image: img})
+	want := map[string]string{}
+	for _, k := range []string{"inet-tcp", "inet-udp", "inet-tcp+flags", "inet-udp+flags", "inet-tcp+HIGH",
+		"inet6-tcp", "inet6-udp", "inet6-tcp+flags", "inet6-udp+flags", "inet6-tcp+HIGH"} {
+		want["socket:"+k] = "ok"
+	}
+	// Ping sockets: the kernel answers EACCES outside
+	// net.ipv4.ping_group_range.
+	for _, k := range []string{"inet-icmp", "inet-icmp+flags", "inet6-icmpv6", "inet6-icmpv6+flags"} {
+		want["socket:"+k] = "ok|EACCES"
+	}
+	// Raw sockets of an allowed protocol pass the filter; the kernel wants
+	// CAP_NET_RAW, which commands lack.
+	for _, k := range []string{"inet-raw-icmp", "inet-raw-tcp", "inet6-raw-icmpv6"} {
+		want["socket:"+k] = "EPERM"
+	}
+	for _, k := range []string{"inet-mptcp", "inet-mptcp+flags", "inet-mptcp+HIGH", "inet6-mptcp", "inet-udplite",
+		"inet6-udplite", "inet-sctp", "inet-sctp-seqpacket", "inet6-sctp", "inet-dccp", "inet6-dccp", "inet-l2tp",
+		"inet6-l2tp", "inet-smc", "inet-raw", "inet6-raw", "inet-icmpv6", "inet6-icmp", "inet-negative"} {
+		want["socket:"+k] = "EPROTONOSUPPORT"
+	}
+	want["socket:inet-packet"] = "EAFNOSUPPORT"
+	want["socket:inet-packet+flags"] = "EAFNOSUPPORT"
+	// A byte goes over loopback with each allowed protocol.
+	for _, k := range []string{"inet-tcp", "inet-udp", "inet-stream", "inet6-tcp", "inet6-udp", "inet6-dgram"} {
+		want["loop:"+k] = "ok"
+	}
+	// Every protocol 0..300 of both families with a type no family takes:
+	// the kernel alone answers EINVAL for each, so another answer is the
+	// filter's.
+	for p := range 301 {
+		inet, inet6 := "EPROTONOSUPPORT", "EPROTONOSUPPORT"
+		switch p {
+		case unix.IPPROTO_IP, unix.IPPROTO_TCP, unix.IPPROTO_UDP:
+			inet, inet6 = "EINVAL", "EINVAL"
+		case unix.IPPROTO_ICMP:
+			inet = "EINVAL"
+		case unix.IPPROTO_ICMPV6:
+			inet6 = "EINVAL"
+		}
+		want[fmt.Sprintf("socket:inet-proto%d", p)] = inet
+		want[fmt.Sprintf("socket:inet6-proto%d", p)] = inet6
+	}
+	checkAnswers(t, probe(t, s, "inet"), want)
+	canary(t, bystander)
+}
+
+// TestSeccompCalls: open_tree_attr with its siblings open_tree and
+// mount_setattr, quotactl_fd and modify_ldt fail with EPERM, made so that
+// the kernel alone would answer otherwise; arch_prctl and the read-only
+// listmount, statmount and file_getattr are allowed, for root and for an
+// unprivileged user.
+func TestSeccompCalls(t *testing.T) {
+	b := setup(t)
+	img := seccompImage(t, b)
+	bystander := b.create(t, sandbox.Spec{})
+	for _, uid := range []uint32{0, 1000} {
+		t.Run(fmt.Sprintf("uid %d", uid), func(t *testing.T) {
+			s := b.create(t, sandbox.Spec{Image: img, UID: uid, GID: uid})
+			checkAnswers(t, probe(t, s, "calls"), map[string]string{
+				"open_tree_attr":   "EPERM",
+				"open_tree":        "EPERM",
+				"mount_setattr":    "EPERM",
+				"quotactl_fd":      "EPERM",
+				"modify_ldt:read":  "EPERM",
+				"modify_ldt:write": "EPERM",
+				"arch_prctl":       "ok",
+				"listmount":        "ok",
+				"statmount":        "ok",
+				"file_getattr":     "ok",
+			})
+			canary(t, bystander)
+		})
+	}
 }
 
 // TestSeccompPtforkCloneFlags: the clone that ptfork injects into processes
@@ -352,10 +437,14 @@ func TestSeccompCRIU(t *testing.T) {
 // attempt: ok, child (a clone that should have been refused made a
 // process, which exits at once), or the errno's name.
 const scprobeSource = `#define _GNU_SOURCE
+#include <asm/ldt.h>
+#include <asm/prctl.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/netlink.h>
 #include <linux/sched.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -369,7 +458,7 @@ const scprobeSource = `#define _GNU_SOURCE
 #include <sys/wait.h>
 #include <unistd.h>
 
-/* scprobe clone|clone3|socket|serve DIR|noop */
+/* scprobe clone|clone3|socket|inet|calls|serve DIR|noop */
 
 extern char **environ;
 
@@ -466,7 +555,7 @@ static void probe_clone3(void) {
 	children();
 }
 
-static void sock(const char *name, long fam, int type, int proto) {
+static void sock(const char *name, long fam, long type, long proto) {
 	long fd = syscall(SYS_socket, fam, type, proto);
 	printf("socket:%s %s\n", name, res(fd));
 	if (fd >= 0) close(fd);
@@ -538,6 +627,141 @@ static void probe_socket(void) {
 	pair("tipc", AF_TIPC, SOCK_RDM);
 }
 
+/* loop sends a byte from one socket to another over loopback: a
+   listener and a connection for SOCK_STREAM, two bound sockets for
+   SOCK_DGRAM. */
+static void loop(const char *name, int fam, int type, int proto) {
+	struct sockaddr_storage a;
+	socklen_t len = fam == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6);
+	memset(&a, 0, sizeof a);
+	a.ss_family = fam;
+	if (fam == AF_INET)
+		((struct sockaddr_in *)&a)->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	else
+		((struct sockaddr_in6 *)&a)->sin6_addr = in6addr_loopback;
+	const char *r = "ok";
+	int s = socket(fam, type | SOCK_CLOEXEC, proto), c = -1, p = -1;
+	char b = 'x';
+	if (s < 0 || bind(s, (struct sockaddr *)&a, len) < 0 || (type == SOCK_STREAM && listen(s, 1) < 0) ||
+	    getsockname(s, (struct sockaddr *)&a, &len) < 0 || (c = socket(fam, type | SOCK_CLOEXEC, proto)) < 0 ||
+	    connect(c, (struct sockaddr *)&a, len) < 0 || (type == SOCK_STREAM && (p = accept(s, NULL, NULL)) < 0) ||
+	    send(c, &b, 1, 0) != 1)
+		r = res(-1);
+	else if (recv(p >= 0 ? p : s, &b, 1, 0) != 1)
+		r = res(-1);
+	else if (b != 'x')
+		r = "garbled";
+	printf("loop:%s %s\n", name, r);
+	if (p >= 0) close(p);
+	if (c >= 0) close(c);
+	if (s >= 0) close(s);
+}
+
+/* probe_inet: AF_INET and AF_INET6 sockets by protocol. */
+static void probe_inet(void) {
+	const int flags = SOCK_NONBLOCK | SOCK_CLOEXEC;
+	sock("inet-tcp", AF_INET, SOCK_STREAM, IPPROTO_TCP);
+	sock("inet-udp", AF_INET, SOCK_DGRAM, IPPROTO_UDP);
+	sock("inet-tcp+flags", AF_INET, SOCK_STREAM | flags, IPPROTO_TCP);
+	sock("inet-udp+flags", AF_INET, SOCK_DGRAM | flags, 0);
+	sock("inet-tcp+HIGH", AF_INET, SOCK_STREAM, (1l << 32) | IPPROTO_TCP);
+	sock("inet-icmp", AF_INET, SOCK_DGRAM, IPPROTO_ICMP);
+	sock("inet-icmp+flags", AF_INET, SOCK_DGRAM | flags, IPPROTO_ICMP);
+	sock("inet6-tcp", AF_INET6, SOCK_STREAM, IPPROTO_TCP);
+	sock("inet6-udp", AF_INET6, SOCK_DGRAM, IPPROTO_UDP);
+	sock("inet6-tcp+flags", AF_INET6, SOCK_STREAM | flags, 0);
+	sock("inet6-udp+flags", AF_INET6, SOCK_DGRAM | flags, IPPROTO_UDP);
+	sock("inet6-tcp+HIGH", AF_INET6, SOCK_STREAM, (1l << 32) | IPPROTO_TCP);
+	sock("inet6-icmpv6", AF_INET6, SOCK_DGRAM, IPPROTO_ICMPV6);
+	sock("inet6-icmpv6+flags", AF_INET6, SOCK_DGRAM | flags, IPPROTO_ICMPV6);
+	sock("inet-raw-icmp", AF_INET, SOCK_RAW, IPPROTO_ICMP);
+	sock("inet-raw-tcp", AF_INET, SOCK_RAW, IPPROTO_TCP);
+	sock("inet6-raw-icmpv6", AF_INET6, SOCK_RAW, IPPROTO_ICMPV6);
+	sock("inet-mptcp", AF_INET, SOCK_STREAM, IPPROTO_MPTCP);
+	sock("inet-mptcp+flags", AF_INET, SOCK_STREAM | flags, IPPROTO_MPTCP);
+	sock("inet-mptcp+HIGH", AF_INET, SOCK_STREAM, (1l << 32) | IPPROTO_MPTCP);
+	sock("inet6-mptcp", AF_INET6, SOCK_STREAM, IPPROTO_MPTCP);
+	sock("inet-udplite", AF_INET, SOCK_DGRAM, IPPROTO_UDPLITE);
+	sock("inet6-udplite", AF_INET6, SOCK_DGRAM, IPPROTO_UDPLITE);
+	sock("inet-sctp", AF_INET, SOCK_STREAM, IPPROTO_SCTP);
+	sock("inet-sctp-seqpacket", AF_INET, SOCK_SEQPACKET, IPPROTO_SCTP);
+	sock("inet6-sctp", AF_INET6, SOCK_STREAM, IPPROTO_SCTP);
+	sock("inet-dccp", AF_INET, SOCK_DCCP, IPPROTO_DCCP);
+	sock("inet6-dccp", AF_INET6, SOCK_DCCP, IPPROTO_DCCP);
+	sock("inet-l2tp", AF_INET, SOCK_DGRAM, 115 /* IPPROTO_L2TP */);
+	sock("inet6-l2tp", AF_INET6, SOCK_DGRAM, 115);
+	sock("inet-smc", AF_INET, SOCK_STREAM, 256 /* IPPROTO_SMC */);
+	sock("inet-raw", AF_INET, SOCK_RAW, IPPROTO_RAW);
+	sock("inet6-raw", AF_INET6, SOCK_RAW, IPPROTO_RAW);
+	sock("inet-icmpv6", AF_INET, SOCK_DGRAM, IPPROTO_ICMPV6);
+	sock("inet6-icmp", AF_INET6, SOCK_DGRAM, IPPROTO_ICMP);
+	sock("inet-negative", AF_INET, SOCK_STREAM, -1);
+	/* The kernel turns AF_INET with SOCK_PACKET into AF_PACKET. */
+	sock("inet-packet", AF_INET, SOCK_PACKET, 0);
+	sock("inet-packet+flags", AF_INET, SOCK_PACKET | flags, 0x300 /* htons(ETH_P_ALL) */);
+	loop("inet-tcp", AF_INET, SOCK_STREAM, IPPROTO_TCP);
+	loop("inet-udp", AF_INET, SOCK_DGRAM, IPPROTO_UDP);
+	loop("inet-stream", AF_INET, SOCK_STREAM, 0);
+	loop("inet6-tcp", AF_INET6, SOCK_STREAM, IPPROTO_TCP);
+	loop("inet6-udp", AF_INET6, SOCK_DGRAM, IPPROTO_UDP);
+	loop("inet6-dgram", AF_INET6, SOCK_DGRAM, 0);
+	/* Type 15, as in probe_socket: the kernel alone answers EINVAL. */
+	for (int p = 0; p <= 300; p++) {
+		char n[32];
+		snprintf(n, sizeof n, "inet-proto%d", p);
+		sock(n, AF_INET, 15, p);
+		snprintf(n, sizeof n, "inet6-proto%d", p);
+		sock(n, AF_INET6, 15 | flags, p);
+	}
+}
+
+/* x86_64 numbers of calls newer than the libc headers. */
+#define NR_statmount 457
+#define NR_listmount 458
+#define NR_open_tree_attr 467
+#define NR_file_getattr 468
+
+static void call(const char *name, long r) {
+	printf("%s %s\n", name, res(r));
+}
+
+/* Each refused call is made so that the kernel alone would not answer
+   EPERM: an O_PATH descriptor for the open_tree calls, EBADF or EINVAL
+   for mount_setattr and quotactl_fd, success for modify_ldt (reading the
+   LDT, writing an empty entry). */
+static void probe_calls(void) {
+	long fd = syscall(NR_open_tree_attr, AT_FDCWD, "/", 0, NULL, 0);
+	call("open_tree_attr", fd);
+	if (fd >= 0) close(fd);
+	fd = syscall(SYS_open_tree, AT_FDCWD, "/", 0);
+	call("open_tree", fd);
+	if (fd >= 0) close(fd);
+	call("mount_setattr", syscall(SYS_mount_setattr, -1, "", 0, NULL, 0));
+	call("quotactl_fd", syscall(SYS_quotactl_fd, -1, 0, 0, NULL));
+	char ldt[64];
+	call("modify_ldt:read", syscall(SYS_modify_ldt, 0, ldt, sizeof ldt));
+	struct user_desc empty = {.read_exec_only = 1, .seg_not_present = 1};
+	call("modify_ldt:write", syscall(SYS_modify_ldt, 1, &empty, sizeof empty));
+	unsigned long base;
+	call("arch_prctl", syscall(SYS_arch_prctl, ARCH_GET_FS, &base));
+	struct {
+		uint32_t size, spare;
+		uint64_t mnt_id, param;
+	} req = {24, 0, ~0ull /* LSMT_ROOT */, 0};
+	uint64_t ids[256];
+	long n = syscall(NR_listmount, &req, ids, 256, 0);
+	call("listmount", n);
+	if (n > 0) {
+		static char sm[4096];
+		req.mnt_id = ids[0];
+		req.param = 1; /* STATMOUNT_SB_BASIC */
+		call("statmount", syscall(NR_statmount, &req, sm, sizeof sm, 0));
+	} else
+		call("statmount", -1);
+	uint64_t fa[3];
+	call("file_getattr", syscall(NR_file_getattr, AT_FDCWD, "/", fa, sizeof fa, 0));
+}
+
 /* serve DIR: for each line on the FIFO DIR/ctl, answers on the FIFO
    DIR/reply with the count of lines read, its Seccomp mode, and what its
    own clone(CLONE_NEWUSER), fork and socket(AF_VSOCK) got. One thread. */
@@ -584,10 +808,14 @@ int main(int argc, char **argv) {
 		probe_clone3();
 	else if (argc == 2 && !strcmp(argv[1], "socket"))
 		probe_socket();
+	else if (argc == 2 && !strcmp(argv[1], "inet"))
+		probe_inet();
+	else if (argc == 2 && !strcmp(argv[1], "calls"))
+		probe_calls();
 	else if (argc == 3 && !strcmp(argv[1], "serve"))
 		return serve(argv[2]);
 	else {
-		fputs("usage: scprobe clone|clone3|socket|serve DIR|noop\n", stderr);
+		fputs("usage: scprobe clone|clone3|socket|inet|calls|serve DIR|noop\n", stderr);
 		return 2;
 	}
 	return 0;

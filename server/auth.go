@@ -69,11 +69,11 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		g.next.ServeHTTP(w, r)
 		return
 	}
-	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	scheme, got, ok := strings.Cut(r.Header.Get("Authorization"), " ")
 	switch {
-	case !ok:
+	case !ok || !strings.EqualFold(scheme, "Bearer"): // the scheme's case does not matter (RFC 9110)
 		g.deny(w, r, "no token")
-	case !g.match(got):
+	case !g.match(strings.TrimLeft(got, " ")):
 		g.deny(w, r, "wrong token")
 	default:
 		g.next.ServeHTTP(w, r)
@@ -97,6 +97,10 @@ var errUnauthenticatedHint = fmt.Errorf("%w: send \"Authorization: Bearer <token
 	ErrUnauthenticated, TokenFile)
 
 func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
+	// The connection is closed after the answer (HTTP/1: Connection: close; HTTP/2: the server
+	// sends GOAWAY for it), so that a client without the token cannot keep descriptors of the
+	// server's open.
+	w.Header().Set("Connection", "close")
 	if g.refuse != nil {
 		g.refuse(reason)
 	}
@@ -133,30 +137,52 @@ func isLoopback(addr string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
+// listensOnLoopback reports whether ln accepts connections from this machine only: a TCP
+// listener on a loopback address, or a unix socket.
+func listensOnLoopback(ln net.Listener) bool {
+	switch a := ln.Addr().(type) {
+	case *net.TCPAddr:
+		return a.IP.IsLoopback()
+	case *net.UnixAddr:
+		return true
+	}
+	return false
+}
+
 // tokenBytes is the entropy of a generated token.
 const tokenBytes = 32
 
-// loadOrCreateToken returns the token kept in path, and whether it made a new one. A file that
-// is missing, malformed, not a regular file, not owned by this user, or readable by more than
-// the owner (and gid, when gid >= 0) is replaced by a new random token: a token that others
-// could have read is not a secret any more. The file is written to a temporary name and renamed
-// into place, mode 0600 (0640 with group gid).
-func loadOrCreateToken(path string, gid int) (string, bool, error) {
+// loadOrCreateToken returns the token kept in path, and why it made a new one ("" when it kept
+// the file's). The file is kept when it is a regular file of this user, readable by nobody else
+// or by group gid only (mode 0640 when gid >= 0, else 0600): a file only the owner could read is
+// opened to the group (chown, chmod) with its token unchanged. Anything else (missing,
+// malformed, a symlink, another owner, readable by others, or by a group that is no longer the
+// one asked for) is replaced by a new random token: a token that others could have read is not
+// a secret any more. A new file is written under a temporary name and renamed into place.
+func loadOrCreateToken(path string, gid int) (tok, why string, err error) {
+	tok, why = readOwnToken(path, gid)
+	if why == "" {
+		return tok, "", nil
+	}
+	raw := make([]byte, tokenBytes)
+	if _, err := rand.Read(raw); err != nil {
+		return "", "", fmt.Errorf("generating a token: %w", err)
+	}
+	tok = base64.RawURLEncoding.EncodeToString(raw)
+	if err := writeToken(path, tok, gid); err != nil {
+		return "", "", err
+	}
+	return tok, why, nil
+}
+
+func writeToken(path, tok string, gid int) error {
 	mode := fs.FileMode(0o600)
 	if gid >= 0 {
 		mode = 0o640
 	}
-	if tok, ok := readOwnToken(path, mode, gid); ok {
-		return tok, false, nil
-	}
-	raw := make([]byte, tokenBytes)
-	if _, err := rand.Read(raw); err != nil {
-		return "", false, fmt.Errorf("generating a token: %w", err)
-	}
-	tok := base64.RawURLEncoding.EncodeToString(raw)
 	tmp, err := os.CreateTemp(filepath.Dir(path), ".token-*")
 	if err != nil {
-		return "", false, fmt.Errorf("writing the token file: %w", err)
+		return fmt.Errorf("writing the token file: %w", err)
 	}
 	defer os.Remove(tmp.Name())
 	err = tmp.Chmod(mode)
@@ -176,32 +202,57 @@ func loadOrCreateToken(path string, gid int) (string, bool, error) {
 		err = os.Rename(tmp.Name(), path)
 	}
 	if err != nil {
-		return "", false, fmt.Errorf("writing the token file: %w", err)
+		return fmt.Errorf("writing the token file: %w", err)
 	}
-	return tok, true, nil
+	return nil
 }
 
-func readOwnToken(path string, mode fs.FileMode, gid int) (string, bool) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return "", false
+// readOwnToken returns the token of the file at path if it may be kept (see
+// loadOrCreateToken), else why not.
+func readOwnToken(path string, gid int) (string, string) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return "", "there was none"
+	case err != nil:
+		return "", "the old one could not be opened as a file (" + err.Error() + ")"
 	}
 	defer f.Close()
 	st, err := f.Stat()
-	if err != nil || !st.Mode().IsRegular() || st.Mode().Perm() != mode {
-		return "", false
+	if err != nil || !st.Mode().IsRegular() {
+		return "", "the old one is not a regular file"
 	}
 	sys, ok := st.Sys().(*syscall.Stat_t)
-	if !ok || int(sys.Uid) != os.Geteuid() || gid >= 0 && int(sys.Gid) != gid {
-		return "", false
+	if !ok || int(sys.Uid) != os.Geteuid() {
+		return "", "the old one belongs to another user"
+	}
+	switch perm := st.Mode().Perm(); {
+	case perm&0o037 != 0 || perm&0o400 == 0:
+		return "", fmt.Sprintf("the old one had mode %04o: others may have read it", perm)
+	case perm&0o040 != 0 && (gid < 0 || int(sys.Gid) != gid):
+		return "", fmt.Sprintf("the old one was readable by group %d, which is no longer the token group", sys.Gid)
 	}
 	b := make([]byte, 256)
 	n, _ := f.Read(b)
 	tok := string(bytes.TrimSpace(b[:n]))
 	if len(tok) < 16 || strings.ContainsAny(tok, " \t\r\n/") {
-		return "", false
+		return "", "the old one does not hold a token"
 	}
-	return tok, true
+	if gid >= 0 && (st.Mode().Perm() != 0o640 || int(sys.Gid) != gid) {
+		// Owner-only so far: open it to the token group, token unchanged.
+		if err := f.Chown(-1, gid); err != nil {
+			return "", "the old one could not be given to the token group (" + err.Error() + ")"
+		}
+		if err := f.Chmod(0o640); err != nil {
+			return "", "the old one could not be opened to the token group (" + err.Error() + ")"
+		}
+	}
+	if gid < 0 && st.Mode().Perm() != 0o600 {
+		if err := f.Chmod(0o600); err != nil {
+			return "", "the old one could not be made owner-only (" + err.Error() + ")"
+		}
+	}
+	return tok, ""
 }
 
 // lookupGroup resolves --token-group: a group name or a numeric gid.
@@ -218,6 +269,31 @@ func lookupGroup(name string) (int, error) {
 		return -1, fmt.Errorf("--token-group %q: gid %q: %w", name, g.Gid, err)
 	}
 	return gid, nil
+}
+
+// checkDataDir makes the data directory if it is missing and refuses one that another user
+// could change: it holds the token, the import root and the sandboxes' layers, written and
+// read by name, so its owner must be the server's user and nobody else may write to it.
+func checkDataDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("creating the data directory: %w", err)
+	}
+	st, err := os.Stat(dir)
+	if err != nil {
+		return fmt.Errorf("reading the data directory: %w", err)
+	}
+	sys, _ := st.Sys().(*syscall.Stat_t)
+	switch {
+	case !st.IsDir():
+		return fmt.Errorf("data directory %s is not a directory", dir)
+	case sys == nil || int(sys.Uid) != os.Geteuid():
+		return fmt.Errorf("data directory %s belongs to uid %d, not to the server's user (uid %d): whoever owns it could plant "+
+			"links to host files there; use a directory of the server's user", dir, sys.Uid, os.Geteuid())
+	case st.Mode().Perm()&0o022 != 0:
+		return fmt.Errorf("data directory %s is writable by others (mode %04o): whoever can write there could plant links to "+
+			"host files; chmod go-w it", dir, st.Mode().Perm())
+	}
+	return nil
 }
 
 // setupAuth settles the server's token: the configured one, or the one in the data directory's
@@ -239,17 +315,14 @@ func (s *Server) setupAuth() error {
 			return err
 		}
 	}
-	if err := os.MkdirAll(s.cfg.DataDir, 0o755); err != nil {
-		return fmt.Errorf("creating the data directory: %w", err)
-	}
 	path := filepath.Join(s.cfg.DataDir, TokenFile)
-	tok, made, err := loadOrCreateToken(path, gid)
+	tok, why, err := loadOrCreateToken(path, gid)
 	if err != nil {
 		return err
 	}
 	s.token = tok
-	if made {
-		s.log.Info("auth: a new bearer token is in the token file; clients read it from there", "file", path)
+	if why != "" {
+		s.log.Info("auth: a new bearer token is in the token file; clients read it from there", "file", path, "why", why)
 	} else {
 		s.log.Info("auth: clients must send the bearer token in the token file", "file", path)
 	}

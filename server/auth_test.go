@@ -6,12 +6,14 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -90,7 +92,7 @@ func TestAuthGeneratedToken(t *testing.T) {
 	}
 
 	api := "http://" + b.addr + "/deltagym.v1.EnvService/ListEnvs"
-	for _, auth := range []string{"", "Bearer", "Bearer ", "Bearer wrong", "Basic " + tok, "bearer " + tok, "Bearer " + tok + "x", "Bearer " + tok[:len(tok)-1]} {
+	for _, auth := range []string{"", "Bearer", "Bearer ", "Bearer wrong", "Basic " + tok, "Bearer" + tok, "Bearer " + tok + "x", "Bearer " + tok[:len(tok)-1]} {
 		code, body := post(t, api, auth, "{}")
 		if code != http.StatusUnauthorized || !strings.Contains(body, `"code":"unauthenticated"`) || !strings.Contains(body, "token") {
 			t.Errorf("Authorization %q: %d %s, want 401 unauthenticated saying where the token is", auth, code, body)
@@ -99,8 +101,10 @@ func TestAuthGeneratedToken(t *testing.T) {
 			t.Errorf("the refusal shows the token or a host path: %s", body)
 		}
 	}
-	if code, body := post(t, api, "Bearer "+tok, "{}"); code != 200 || !strings.Contains(body, `"plain"`) {
-		t.Fatalf("with the token: %d %s", code, body)
+	for _, auth := range []string{"Bearer " + tok, "bearer " + tok, "BEARER  " + tok} {
+		if code, body := post(t, api, auth, "{}"); code != 200 || !strings.Contains(body, `"plain"`) {
+			t.Fatalf("with the token (%.8s…): %d %s", auth, code, body)
+		}
 	}
 
 	// gRPC without a token: health and reflection too.
@@ -148,7 +152,7 @@ func TestAuthGeneratedToken(t *testing.T) {
 	for _, re := range []string{
 		`deltagym_auth_refused_total\{[^}]*reason="no token"[^}]*\} [1-9]`,
 		`deltagym_auth_refused_total\{[^}]*reason="wrong token"[^}]*\} [1-9]`,
-		`deltagym_rpc_duration_seconds_count\{code="ok",[^}]*rpc="/deltagym.v1.EnvService/ListEnvs"[^}]*\} 1\n`,
+		`deltagym_rpc_duration_seconds_count\{code="ok",[^}]*rpc="/deltagym.v1.EnvService/ListEnvs"[^}]*\} 3\n`,
 	} {
 		if !regexp.MustCompile(re).MatchString(metrics) {
 			t.Errorf("metrics lack %s", re)
@@ -316,14 +320,28 @@ func TestAuthTokenFile(t *testing.T) {
 		t.Fatalf("the symlink's target was written: %q", got)
 	}
 
-	// --token-group: 0640, owned by that group.
+	// --token-group opens the owner-only file to that group (0640), token unchanged; dropping
+	// the group again replaces the token, which the group may have read.
+	third := srv.Token()
 	cfg.TokenGroup = "65534"
 	srv = start(cfg)
+	if srv.Token() != third {
+		t.Fatalf("--token-group replaced the token %q with %q", third, srv.Token())
+	}
 	stop(srv)
 	st, err := os.Stat(path)
 	must(t, err)
 	if st.Mode().Perm() != 0o640 || st.Sys().(*syscall.Stat_t).Gid != 65534 {
 		t.Fatalf("token file with --token-group: %v gid %d", st.Mode(), st.Sys().(*syscall.Stat_t).Gid)
+	}
+	cfg.TokenGroup = ""
+	srv = start(cfg)
+	if srv.Token() == third {
+		t.Fatal("the token stayed when its group lost access")
+	}
+	stop(srv)
+	if st, err := os.Stat(path); err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("token file without a group: %v %v", st.Mode(), err)
 	}
 	cfg.TokenGroup = "no-such-group-here"
 	if _, err := server.New(t.Context(), cfg); err == nil || !strings.Contains(err.Error(), "no-such-group-here") {
@@ -370,5 +388,115 @@ func TestNoAuth(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(b.data, server.TokenFile)); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("a token file was written with auth off: %v", err)
+	}
+}
+
+// fakeListener reports a non-loopback address and accepts nothing.
+type fakeListener struct {
+	addr   net.Addr
+	closed chan struct{}
+}
+
+func (f *fakeListener) Accept() (net.Conn, error) { <-f.closed; return nil, net.ErrClosed }
+func (f *fakeListener) Close() error {
+	select {
+	case <-f.closed:
+	default:
+		close(f.closed)
+	}
+	return nil
+}
+func (f *fakeListener) Addr() net.Addr { return f.addr }
+
+// Without auth, Serve refuses a listener that is not on loopback, whatever name gave it.
+func TestNoAuthServeChecksListener(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger, c.NoAuth = true, true })
+	ln := &fakeListener{addr: &net.TCPAddr{IP: net.ParseIP("10.0.0.1"), Port: 8080}, closed: make(chan struct{})}
+	err := b.srv.Serve(ln)
+	if err == nil || !strings.Contains(err.Error(), "loopback") {
+		t.Fatalf("Serve on 10.0.0.1 without auth: %v", err)
+	}
+	select {
+	case <-ln.closed:
+	default:
+		t.Fatal("the refused listener was left open")
+	}
+}
+
+// A refused request's connection is closed after the answer: a client without the token
+// cannot hold the server's descriptors.
+func TestAuthClosesRefusedConnections(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.NoLedger = true })
+	req, err := http.NewRequestWithContext(t.Context(), "POST", "http://"+b.addr+"/deltagym.v1.EnvService/ListEnvs", strings.NewReader("{}"))
+	must(t, err)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	must(t, err)
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusUnauthorized || !resp.Close {
+		t.Fatalf("refused HTTP/1.1 request: %d, close %v", resp.StatusCode, resp.Close)
+	}
+	// HTTP/2: the server sends GOAWAY; the client's next request needs a new connection.
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true)
+	var dials atomic.Int32
+	tr := &http.Transport{Protocols: &protos, DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}}
+	defer tr.CloseIdleConnections()
+	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: tr}, "http://"+b.addr)
+	for range 3 {
+		if _, err := c.ListEnvs(t.Context(), connect.NewRequest(&deltagymv1.ListEnvsRequest{})); connect.CodeOf(err) != connect.CodeUnauthenticated {
+			t.Fatalf("HTTP/2 without a token: %v", err)
+		}
+	}
+	if n := dials.Load(); n != 3 {
+		t.Fatalf("3 refused HTTP/2 calls used %d connections, want 3 (each closed)", n)
+	}
+	ok := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: tr}, "http://"+b.addr, connect.WithInterceptors(bearer(b.token)))
+	dials.Store(0)
+	for range 3 {
+		_, err := ok.ListEnvs(t.Context(), connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
+		must(t, err)
+	}
+	if n := dials.Load(); n > 1 {
+		t.Fatalf("3 served HTTP/2 calls used %d new connections, want at most 1 (kept)", n)
+	}
+}
+
+// The server refuses a data directory another user owns or may write to.
+func TestDataDirOwner(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: makes a directory of another user")
+	}
+	for name, prep := range map[string]func(dir string) error{
+		"other owner":    func(dir string) error { return os.Chown(dir, 65534, 65534) },
+		"world-writable": func(dir string) error { return os.Chmod(dir, 0o777) },
+		"group-writable": func(dir string) error { return os.Chmod(dir, 0o770) },
+		"symlink to other": func(dir string) error {
+			if err := os.Chown(dir, 65534, 65534); err != nil {
+				return err
+			}
+			return os.Symlink(dir, dir+"-link")
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "data")
+			must(t, os.Mkdir(dir, 0o755))
+			must(t, prep(dir))
+			data := dir
+			if strings.Contains(name, "symlink") {
+				data = dir + "-link"
+			}
+			_, err := server.New(t.Context(), server.Config{DataDir: data, NoLedger: true, EnvsDir: t.TempDir()})
+			if err == nil || !strings.Contains(err.Error(), "data directory") {
+				t.Fatalf("a data directory with %s: %v", name, err)
+			}
+			if _, err := os.Stat(filepath.Join(dir, server.TokenFile)); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("a token was written into it: %v", err)
+			}
+		})
 	}
 }

@@ -24,8 +24,10 @@ func report(b *testing.B, prefix string, ds []time.Duration) {
 	b.ReportMetric(float64(ds[len(ds)*99/100].Microseconds())/1000, prefix+"p99_ms")
 }
 
+// benchBundle is a server without a ledger; DELTAGYM_BENCH_NO_AUTH=1 turns its auth off, to
+// measure what the token costs a call (the client sending it, the server checking it).
 func benchBundle(b *testing.B) (*bundle, context.Context) {
-	bb := setup(b, func(c *server.Config) { c.NoLedger = true })
+	bb := setup(b, func(c *server.Config) { c.NoLedger = true; c.NoAuth = os.Getenv("DELTAGYM_BENCH_NO_AUTH") == "1" })
 	return bb, context.Background()
 }
 

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -84,6 +85,27 @@ type Config struct {
 	Logger *slog.Logger
 }
 
+// parseBytes reads a size: digits, with an optional unit (K, KB, KiB, M, … T; all powers of
+// 1024, in any case).
+func parseBytes(v string) (int64, error) {
+	num := strings.TrimRight(v, "KkMmGgTtIiBb")
+	unit := strings.ToLower(strings.TrimSpace(v[len(num):]))
+	n, err := strconv.ParseInt(strings.TrimSpace(num), 10, 64)
+	if err != nil {
+		return 0, err
+	}
+	shift := map[string]uint{"": 0, "b": 0, "k": 10, "kb": 10, "kib": 10, "m": 20, "mb": 20, "mib": 20,
+		"g": 30, "gb": 30, "gib": 30, "t": 40, "tb": 40, "tib": 40}
+	sh, ok := shift[unit]
+	if !ok {
+		return 0, fmt.Errorf("unit %q", unit)
+	}
+	if n > math.MaxInt64>>sh {
+		return 0, errors.New("too large")
+	}
+	return n << sh, nil
+}
+
 // defaultImportMaxBytes is Config.ImportMaxBytes when unset.
 const defaultImportMaxBytes = 16 << 30
 
@@ -149,11 +171,10 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.TokenGroup, "token-group", c.TokenGroup, "a `group` (name or gid) that may read the generated token file (mode 0640)")
 	fs.BoolVar(&c.PublicHealth, "public-health", c.PublicHealth, "serve gRPC health, reflection and /metrics without a token")
 	fs.StringVar(&c.ImportRoot, "import-root", c.ImportRoot, "the only host `directory` ImportImage reads images from; requests name paths below it (default <data>/imports)")
-	c.ImportMaxBytes = cmp.Or(c.ImportMaxBytes, defaultImportMaxBytes)
-	fs.Func("import-max-bytes", fmt.Sprintf("most `bytes` one image import may write, after decompression (default %d)", c.ImportMaxBytes), func(v string) error {
-		n, err := strconv.ParseInt(v, 10, 64)
+	fs.Func("import-max-bytes", "most `bytes` one image import may write, after decompression: a number, or one with a unit such as 500MiB or 16GiB (default 16GiB)", func(v string) error {
+		n, err := parseBytes(v)
 		if err != nil || n <= 0 {
-			return fmt.Errorf("%q: a positive number of bytes", v)
+			return fmt.Errorf("%q: a positive size in bytes, such as 1073741824, 500MiB or 16GiB", v)
 		}
 		c.ImportMaxBytes = n
 		return nil

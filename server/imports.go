@@ -26,7 +26,7 @@ type importRoot struct {
 
 // errOutsideImports is the one answer for every path that is not below the import root, so
 // that the answer never tells whether something exists outside it.
-var errOutsideImports = errors.New("is not below the server's import root (--import-root): put the image there and name it by its path relative to that directory")
+var errOutsideImports = errors.New("is not below the server's import root (--import-root), or a symlink on its way leads out of it: put the image itself there and name it by its path relative to that directory")
 
 func openImportRoot(dir string, maxBytes int64) (*importRoot, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {

@@ -73,6 +73,9 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 			_ = s.Close(context.WithoutCancel(ctx))
 		}
 	}()
+	if err := checkDataDir(cfg.DataDir); err != nil {
+		return nil, err
+	}
 	if err := s.setupAuth(); err != nil {
 		return nil, err
 	}
@@ -221,14 +224,23 @@ func (s *Server) buildHandler() http.Handler {
 // Handler returns the HTTP handler of every service, health, reflection and /metrics.
 func (s *Server) Handler() http.Handler { return s.handler }
 
+// idleTimeout closes a connection that has had no request in flight for that long: clients
+// that went away leave no descriptors behind (the clients' own HTTP/2 pings keep theirs alive).
+const idleTimeout = 2 * time.Minute
+
 // Serve serves on ln (HTTP/1.1 and unencrypted HTTP/2) until Close; it then returns
 // http.ErrServerClosed.
 func (s *Server) Serve(ln net.Listener) error {
+	if s.cfg.NoAuth && !listensOnLoopback(ln) {
+		// A name (localhost) may resolve anywhere: what counts is where ln listens.
+		ln.Close()
+		return fmt.Errorf("serving on %s: %w", ln.Addr(), errNoAuthExposed)
+	}
 	var p http.Protocols
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)
 	hs := &http.Server{Handler: s.handler, Protocols: &p, ReadHeaderTimeout: 10 * time.Second,
-		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
+		IdleTimeout: idleTimeout, ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)}
 	s.mu.Lock()
 	if s.closing {
 		// Close ran first (a Serve started in a goroutine just before it):

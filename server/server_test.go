@@ -293,3 +293,26 @@ func TestLedgerVacuumFlag(t *testing.T) {
 		}
 	}
 }
+
+// --import-max-bytes takes a number of bytes or a size with a unit.
+func TestImportMaxBytesFlag(t *testing.T) {
+	for _, c := range []struct {
+		arg  string
+		want int64
+	}{
+		{"", 16 << 30}, {"1048576", 1 << 20}, {"500MiB", 500 << 20}, {"16GiB", 16 << 30}, {"1G", 1 << 30},
+		{"2k", 2 << 10}, {"3 TB", 3 << 40}, {"0", -1}, {"-5", -1}, {"12x", -1}, {"GiB", -1}, {"9999999TiB", -1},
+	} {
+		var args []string
+		if c.arg != "" {
+			args = []string{"--import-max-bytes", c.arg}
+		}
+		cfg, err := parseServe(args)
+		switch {
+		case c.want < 0 && err == nil:
+			t.Errorf("--import-max-bytes %q accepted: %d", c.arg, cfg.ImportMaxBytes)
+		case c.want >= 0 && (err != nil || cfg.ImportMaxBytes != c.want):
+			t.Errorf("--import-max-bytes %q: %d, %v; want %d", c.arg, cfg.ImportMaxBytes, err, c.want)
+		}
+	}
+}

@@ -159,6 +159,14 @@ func (a *app) runCommand(ctx context.Context, c command, args []string) int {
 // with a hint when the server cannot be reached.
 func describeError(err error, a *app) string {
 	msg := err.Error()
+	if connect.CodeOf(err) == connect.CodeUnauthenticated {
+		if tok, _ := deltagym.ResolveToken(); a.token == "" && tok == "" {
+			msg += " (this client found no token: give --token, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, " +
+				"or run from the directory that holds the server's data directory .data, or set $DELTAGYM_DATA to it)"
+		} else {
+			msg += " (this client sent a token the server does not take: the server's is in its data directory's file \"token\")"
+		}
+	}
 	if connect.CodeOf(err) == connect.CodeUnavailable {
 		addr, aerr := deltagym.BaseURL(a.addr)
 		if aerr == nil {

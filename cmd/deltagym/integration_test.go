@@ -52,7 +52,12 @@ func TestCLI(t *testing.T) {
 	out, _ := cli(t, exitOK, "", "envs")
 	mustContain(t, "envs", out, "NAME", "shell")
 	_, errOut := cli(t, exitError, "", "envs", "--token", "wrong")
-	mustContain(t, "envs with a wrong token", errOut, "unauthenticated")
+	mustContain(t, "envs with a wrong token", errOut, "unauthenticated", "sent a token the server does not take")
+	t.Setenv("DELTAGYM_TOKEN", "")
+	t.Setenv("DELTAGYM_DATA", t.TempDir())
+	_, errOut = cli(t, exitError, "", "envs")
+	mustContain(t, "envs without a token", errOut, "unauthenticated", "found no token", "$DELTAGYM_TOKEN_FILE")
+	t.Setenv("DELTAGYM_TOKEN", testToken)
 
 	// reset, readable and machine forms.
 	out, _ = cli(t, exitOK, "", "reset", "shell", "--seed", "5", "--option", "QUESTION=why", "--run", run, "--group", group)

@@ -173,7 +173,9 @@ func (w *layerWriter) write(pfd int, base, name string, hdr *tar.Header, r io.Re
 		}
 		f := os.NewFile(uintptr(fd), name)
 		defer f.Close()
-		n, err := io.Copy(f, io.LimitReader(r, hdr.Size))
+		// A tar reader writes a sparse file's holes as holes (its WriteTo seeks); a rootfs copy
+		// hands a reader cut at the size it listed.
+		n, err := io.Copy(f, r)
 		if err != nil {
 			return fmt.Errorf("copying contents: %w", err)
 		}

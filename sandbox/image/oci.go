@@ -347,7 +347,7 @@ func applyLayerBlob(ctx context.Context, r io.Reader, dir string, check layerChe
 		return fmt.Errorf("bzip2 layers are not supported (use gzip or uncompressed): %w", ErrUnsupportedCompression)
 	}
 	diffHash := sha256.New()
-	tarStream = io.TeeReader(tarStream, diffHash)
+	tarStream = io.TeeReader(&unpackReader{ctx: ctx, r: tarStream, b: b}, diffHash)
 
 	w, err := openLayerWriter(dir, true, b)
 	if err != nil {

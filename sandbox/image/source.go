@@ -37,8 +37,10 @@ func (s *dirSource) open(name string) (io.ReadCloser, error) {
 	if err != nil {
 		return nil, fmt.Errorf("image file %q: %w", name, err)
 	}
+	// O_NONBLOCK: a FIFO planted at the name must not hang the import (it is refused below as
+	// not a regular file); reads of a regular file ignore the flag.
 	how := unix.OpenHow{
-		Flags:   unix.O_RDONLY | unix.O_CLOEXEC,
+		Flags:   unix.O_RDONLY | unix.O_CLOEXEC | unix.O_NONBLOCK,
 		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS,
 	}
 	fd, err := unix.Openat2(s.root, clean, &how)
@@ -83,6 +85,14 @@ type tarMember struct {
 	size     int64
 }
 
+// The index of a tarball is bounded: an image archive holds a few files per layer, with short
+// names (a digest, a layer directory), so that a tarball of many members with long names cannot
+// make the index take the server's memory.
+const (
+	maxMembers    = 1 << 16
+	maxMemberName = 1024
+)
+
 func openTarSource(f *os.File) (*tarSource, error) {
 	s := &tarSource{f: f, members: map[string]tarMember{}}
 	if _, err := f.Seek(0, io.SeekStart); err != nil {
@@ -102,10 +112,16 @@ func openTarSource(f *os.File) (*tarSource, error) {
 			}
 			return nil, fmt.Errorf("reading image tarball: %w", err)
 		}
+		if len(hdr.Name) > maxMemberName || len(hdr.Linkname) > maxMemberName {
+			continue // never looked up: no name the manifest gives is that long
+		}
 		name, err := cleanEntryName(hdr.Name)
 		if err != nil {
 			// Never looked up: names come from the manifest and are cleaned the same way.
 			continue
+		}
+		if _, seen := s.members[name]; !seen && len(s.members) >= maxMembers {
+			return nil, fmt.Errorf("image tarball has more than %d members, more than an image archive needs: %w", maxMembers, ErrInvalidImage)
 		}
 		m := tarMember{typ: hdr.Typeflag, linkname: hdr.Linkname, size: hdr.Size}
 		if hdr.Typeflag == tar.TypeReg || hdr.Typeflag == tar.TypeRegA { //nolint:staticcheck // old tars

@@ -74,7 +74,7 @@ class AsyncClient:
                     await asyncio.sleep(policy.backoff(attempt))
                     attempt += 1
                     continue
-                raise from_rpc_error(e, name) from None
+                raise from_rpc_error(e, name, bool(self._md)) from None
 
     def _saw_lease(self, ts: Any) -> None:
         ttl = c.lease_seconds(ts, time.time())
@@ -146,7 +146,7 @@ class AsyncClient:
                 else:
                     out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "StepStream") from None
+            raise from_rpc_error(e, "StepStream", bool(self._md)) from None
         for i, o in enumerate(out):
             if o is None:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")

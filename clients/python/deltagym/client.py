@@ -85,7 +85,7 @@ class Client:
                     time.sleep(policy.backoff(attempt))
                     attempt += 1
                     continue
-                raise from_rpc_error(e, name) from None
+                raise from_rpc_error(e, name, bool(self._md)) from None
 
     def _saw_lease(self, ts: Any) -> None:
         ttl = c.lease_seconds(ts, time.time())
@@ -167,7 +167,7 @@ class Client:
                 else:
                     out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
         except grpc.RpcError as e:
-            raise from_rpc_error(e, "StepStream") from None
+            raise from_rpc_error(e, "StepStream", bool(self._md)) from None
         for i, o in enumerate(out):
             if o is None:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")

@@ -170,10 +170,18 @@ def from_code(code: grpc.StatusCode | int, message: str, method: str = "") -> De
     return cls(message, code=code, method=method)
 
 
-def from_rpc_error(err: grpc.RpcError, method: str = "") -> DeltagymError:
-    """Converts a grpc.RpcError (sync or aio) into the matching DeltagymError."""
+NO_TOKEN_HINT = (" (this client found no token: pass token=, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, "
+                 "or run from the directory that holds the server's data directory .data, or set $DELTAGYM_DATA to it)")
+
+
+def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True) -> DeltagymError:
+    """Converts a grpc.RpcError (sync or aio) into the matching DeltagymError.
+    An UNAUTHENTICATED error of a client that sent no token says where it
+    looked for one."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     if code is None:
         code = grpc.StatusCode.UNKNOWN
+    if code == grpc.StatusCode.UNAUTHENTICATED and not sent_token:
+        details = (details or "") + NO_TOKEN_HINT
     return from_code(code, details or "", method)

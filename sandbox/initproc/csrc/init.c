@@ -34,6 +34,7 @@
 #include <linux/filter.h>
 #include <linux/netlink.h>
 #include <linux/seccomp.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -190,6 +191,10 @@ static int setup_mounts(void) {
 
 // ---- spawning commands ------------------------------------------------------
 
+#ifndef SYS_open_tree_attr
+#define SYS_open_tree_attr 467 // x86_64, Linux 6.15
+#endif
+
 // The seccomp filter of every command, x86_64 only (SECCOMP.md says why):
 // another architecture is killed; x32 calls fail with EPERM, and so do:
 // - clone with a namespace flag: a new user namespace gives its first
@@ -203,22 +208,33 @@ static int setup_mounts(void) {
 // clone3 fails with ENOSYS: its flags are in memory, out of the filter's
 // reach, and libc and Go fall back on clone for ENOSYS (kernels before 5.3).
 // socket takes AF_UNIX, AF_INET, AF_INET6, and AF_NETLINK with NETLINK_ROUTE
-// only: other netlink protocols fail with EPROTONOSUPPORT, other families
-// with EAFNOSUPPORT, as on a kernel built without them; socketpair takes
-// AF_UNIX only (EAFNOSUPPORT). Everything else is allowed, among it what
-// the runtime runs in processes that carry the filter: the init's
+// only; AF_INET and AF_INET6 take protocol 0, IPPROTO_TCP, IPPROTO_UDP and
+// their own ICMP (ping sockets) only, and AF_INET no SOCK_PACKET (the kernel
+// makes that an AF_PACKET socket). As on a kernel built without the rest,
+// other families and SOCK_PACKET fail with EAFNOSUPPORT, other protocols
+// with EPROTONOSUPPORT (MPTCP, SCTP, UDPLITE, DCCP, L2TP, SMC, raw IP: code
+// a sandbox has no use for, some in modules the kernel loads on demand).
+// Family, type and protocol are ints: the filter reads their low 32 bits,
+// as the kernel does. socketpair takes AF_UNIX only (EAFNOSUPPORT).
+// Everything else is allowed (listmount, statmount, file_getattr and
+// file_setattr too: SECCOMP.md says why), among it what the runtime runs in
+// processes that carry the filter: the init's
 // clone(CLONE_VM|CLONE_VFORK|SIGCHLD), and ptfork's injected
 // clone(CLONE_PARENT|SIGCHLD), setsid, mmap, munmap, chdir, openat, dup3,
-// close, lseek and pipe2.
+// close, lseek and pipe2. Only clone, socket and socketpair load an
+// argument: the answer to every other call depends on its number alone, so
+// the kernel's action cache answers the allowed ones without running the
+// filter.
 static const int denied[] = {
-    SYS_mount, SYS_umount2, SYS_pivot_root, SYS_chroot, SYS_move_mount, SYS_open_tree, SYS_fsopen,
-    SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr, SYS_unshare, SYS_setns,
-    SYS_init_module, SYS_finit_module, SYS_delete_module, SYS_kexec_load, SYS_kexec_file_load,
-    SYS_reboot, SYS_swapon, SYS_swapoff, SYS_acct, SYS_syslog, SYS_bpf, SYS_perf_event_open,
-    SYS_userfaultfd, SYS_keyctl, SYS_add_key, SYS_request_key, SYS_open_by_handle_at,
-    SYS_name_to_handle_at, SYS_quotactl, SYS_iopl, SYS_ioperm, SYS_settimeofday, SYS_clock_settime,
-    SYS_clock_adjtime, SYS_adjtimex, SYS_vhangup, SYS_io_uring_setup, SYS_io_uring_enter,
-    SYS_io_uring_register, SYS_lookup_dcookie, SYS_kcmp, SYS_process_vm_writev, SYS_personality,
+    SYS_mount, SYS_umount2, SYS_pivot_root, SYS_chroot, SYS_move_mount, SYS_open_tree,
+    SYS_open_tree_attr, SYS_fsopen, SYS_fsconfig, SYS_fsmount, SYS_fspick, SYS_mount_setattr,
+    SYS_unshare, SYS_setns, SYS_init_module, SYS_finit_module, SYS_delete_module, SYS_kexec_load,
+    SYS_kexec_file_load, SYS_reboot, SYS_swapon, SYS_swapoff, SYS_acct, SYS_syslog, SYS_bpf,
+    SYS_perf_event_open, SYS_userfaultfd, SYS_keyctl, SYS_add_key, SYS_request_key,
+    SYS_open_by_handle_at, SYS_name_to_handle_at, SYS_quotactl, SYS_quotactl_fd, SYS_iopl,
+    SYS_ioperm, SYS_modify_ldt, SYS_settimeofday, SYS_clock_settime, SYS_clock_adjtime,
+    SYS_adjtimex, SYS_vhangup, SYS_io_uring_setup, SYS_io_uring_enter, SYS_io_uring_register,
+    SYS_lookup_dcookie, SYS_kcmp, SYS_process_vm_writev, SYS_personality,
 };
 #define NDENIED (sizeof denied / sizeof denied[0])
 
@@ -254,15 +270,27 @@ static const struct sock_filter head[] = {
 	JEQ(SYS_clone3, 0, 1),
 	ERR(ENOSYS),
 
-	// socket: the family, then a netlink socket's protocol.
-	JEQ(SYS_socket, 0, 10),
+	// socket: the family, then AF_INET's type, then the protocol of
+	// AF_INET, AF_INET6 and AF_NETLINK sockets.
+	JEQ(SYS_socket, 0, 20),
 	LD(ARG(0)),
-	JEQ(AF_UNIX, 6, 0),
-	JEQ(AF_INET, 5, 0),
-	JEQ(AF_INET6, 4, 0),
-	JEQ(AF_NETLINK, 0, 4),
+	JEQ(AF_UNIX, 16, 0),
+	JEQ(AF_INET, 0, 5),
+	LD(ARG(1)),
+	BPF_STMT(BPF_ALU | BPF_AND | BPF_K, 0xf), // SOCK_TYPE_MASK: the flags aside
+	JEQ(SOCK_PACKET, 13, 0),
 	LD(ARG(2)),
-	JEQ(NETLINK_ROUTE, 1, 0),
+	JEQ(IPPROTO_ICMP, 10, 6),
+	JEQ(AF_INET6, 0, 2),
+	LD(ARG(2)),
+	JEQ(IPPROTO_ICMPV6, 7, 3),
+	JEQ(AF_NETLINK, 0, 7),
+	LD(ARG(2)),
+	JEQ(NETLINK_ROUTE, 4, 3),
+	// AF_INET and AF_INET6, the protocol in the accumulator.
+	JEQ(IPPROTO_IP, 3, 0),
+	JEQ(IPPROTO_TCP, 2, 0),
+	JEQ(IPPROTO_UDP, 1, 0),
 	ERR(EPROTONOSUPPORT),
 	RET(SECCOMP_RET_ALLOW),
 	ERR(EAFNOSUPPORT),
