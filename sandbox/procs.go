@@ -104,6 +104,11 @@ type procTemplate struct {
 	// Leader is set when the process led its own session (as every
 	// command does): its copies call setsid, so that they lead one too.
 	Leader bool `json:"leader,omitempty"`
+	// Dumpable is the process's dumpable flag (PR_GET_DUMPABLE) when it was
+	// captured; its template is kept non-dumpable (guardTemplate) and its
+	// copies get the flag back. 0 in records that predate the guard, whose
+	// templates kept the process's flag.
+	Dumpable int `json:"dumpable,omitempty"`
 }
 
 // tplFile is a file a template has open in the sandbox's root.
@@ -518,6 +523,9 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 			}
 		}
 		if err == nil {
+			err = guardTemplate(t, &tplProcs[i].tpl)
+		}
+		if err == nil {
 			err = tg.Add(t.Pid)
 		}
 		if err != nil {
@@ -551,6 +559,29 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	s.tpls[c.ID] = tg
 	s.tplMu.Unlock()
 	s.foldLive(live)
+	return nil
+}
+
+// guardTemplate makes a new template non-dumpable, recording the process's
+// own flag in t. The template lives in the sandbox's pid namespace with the
+// process's credentials: dumpable, it would be open to the sandbox's own
+// commands through ptrace, /proc/PID/mem and process_vm_writev, and a write
+// into its memory would change every later restore and fork of the
+// checkpoint. Non-dumpable, only a holder of CAP_SYS_PTRACE over the
+// sandbox's user namespace reaches it: the server, never a command. (Before
+// the template joins its frozen group: a frozen task runs no injected call.)
+func guardTemplate(p *ptfork.Proc, t *procTemplate) error {
+	d, err := p.Syscall(unix.SYS_PRCTL, unix.PR_GET_DUMPABLE)
+	if err != nil {
+		return fmt.Errorf("reading the dumpable flag: %w", err)
+	}
+	t.Dumpable = int(d)
+	if d == 0 {
+		return nil
+	}
+	if _, err := p.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, 0); err != nil {
+		return fmt.Errorf("making the template non-dumpable: %w", err)
+	}
 	return nil
 }
 
@@ -1079,6 +1110,14 @@ func fixUp(cp *ptfork.Proc, t procTemplate) (stdio [3]*os.File, err error) {
 			mem, mapped = a, true
 		}
 		return mem, cp.Write(mem, b)
+	}
+	// A copy is born non-dumpable, as its template is kept; the process it
+	// copies was dumpable (1: the flag a process can set itself; 2, set by
+	// the kernel for some credential changes, cannot be, and stays 0).
+	if t.Dumpable == 1 {
+		if _, err := cp.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, 1); err != nil {
+			return stdio, fmt.Errorf("making the copy dumpable: %w", err)
+		}
 	}
 	// A copy is born in its template's session; the process it copies led
 	// one of its own.
