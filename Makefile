@@ -34,9 +34,12 @@ $(BIN):
 build: $(BIN)/dg-init ## build the server, CLI, load generator (bin/deltagym-loadtest) and the sandbox init
 	go build -o $(BIN)/ ./cmd/... ./loadtest/cmd/...
 
-test: deps $(BIN)/dg-init $(TEST_PREREQS) ## run every test (root runs the privileged ones)
-	go vet ./...
-	DELTAGYM_INIT=$(BIN)/dg-init go test -count=1 -timeout 30m ./...
+# Go modules: the server's (the root) and the Go client's, which has one of its own.
+GO_MODULES := . clients/go
+
+test: deps $(BIN)/dg-init $(BIN)/deltagym $(TEST_PREREQS) ## run every test (root runs the privileged ones)
+	for m in $(GO_MODULES); do (cd $$m && go vet ./...); done
+	for m in $(GO_MODULES); do (cd $$m && DELTAGYM_INIT=$(BIN)/dg-init go test -count=1 -timeout 30m ./...); done
 
 bench: bench-sandbox $(BENCH_TARGETS) ## run every benchmark (p50/p99)
 

@@ -12,7 +12,7 @@ import (
 
 	"google.golang.org/grpc"
 
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
 // DensityConfig configures MeasureDensity.

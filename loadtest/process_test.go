@@ -9,7 +9,7 @@ import (
 
 	"google.golang.org/grpc"
 
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
 // skipUnavailable skips t when err says the env cannot run the process scenario (no

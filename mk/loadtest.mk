@@ -30,7 +30,7 @@ LOADTEST_PROCESS_OUT ?= $(LOADTEST_PROCESS_DATA)/report
 
 .PHONY: loadtest loadtest-test loadtest-sustained loadtest-process
 
-$(BIN)/deltagym-loadtest: $(shell find loadtest -name '*.go' 2>/dev/null) proto/gen go.mod go.sum | $(BIN)
+$(BIN)/deltagym-loadtest: $(shell find loadtest clients/go -name "*.go" 2>/dev/null) go.mod go.sum | $(BIN)
 	go build -o $(BIN)/ ./loadtest/cmd/deltagym-loadtest
 
 # `make bin/deltagym-loadtest` (a relative name) builds it too.

@@ -23,7 +23,7 @@ PROTO_PY_PINS := grpcio-tools==1.85.1 grpcio==1.85.3 protobuf==7.36.2
 PROTO_VENV_STAMP := $(PROTO_VENV)/.deltagym-$(shell printf '%s' '$(PROTO_PY_PINS)' | cksum | cut -d' ' -f1)
 
 # Generated trees (each is wiped and rewritten by buf: `clean: true`).
-PROTO_GEN_DIRS := proto/gen/go clients/python/deltagym/_proto
+PROTO_GEN_DIRS := clients/go/gen clients/python/deltagym/_proto
 # Where `make breaking` compares against; skipped when it has no proto/ yet.
 PROTO_BREAKING_REF ?= main
 

@@ -7,7 +7,7 @@ SERVE_FLAGS ?=
 
 .PHONY: run server-bench
 
-$(BIN)/deltagym: $(BIN)/dg-init $(shell find cmd server envpool sandbox proto/gen -name '*.go' 2>/dev/null) go.mod go.sum | $(BIN)
+$(BIN)/deltagym: $(BIN)/dg-init $(shell find cmd server envpool sandbox clients/go internal -name '*.go' 2>/dev/null) go.mod go.sum clients/go/go.mod | $(BIN)
 	go build -o $(BIN)/ ./cmd/...
 
 run: deps postgres $(BIN)/deltagym $(BIN)/dg-init image criu ## run the server on $(SERVER_ADDR): default image, envs/, CRIU (process forks), private Postgres in $(DATA)

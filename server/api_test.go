@@ -6,8 +6,8 @@ import (
 	"connectrpc.com/connect"
 	"google.golang.org/grpc"
 
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
-	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 )
 
 // api is the unary part of both services, as one test body drives it over Connect or gRPC.

@@ -17,9 +17,9 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
-	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 	"github.com/deltagym/deltagym/server"
 )
 

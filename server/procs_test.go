@@ -7,7 +7,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/server"
 )

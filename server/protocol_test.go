@@ -8,8 +8,8 @@ import (
 	"google.golang.org/grpc/health/grpc_health_v1"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
-	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 	"github.com/deltagym/deltagym/server"
 )
 

@@ -18,7 +18,7 @@ import (
 	"connectrpc.com/grpcreflect"
 
 	"github.com/deltagym/deltagym/envpool"
-	"github.com/deltagym/deltagym/proto/gen/go/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"

@@ -13,7 +13,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 )
 
 // Exit statuses.

@@ -13,8 +13,8 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
 // The client subcommands call the generated clients that deltagym.Client wraps

@@ -14,8 +14,8 @@ import (
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/encoding/protojson"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/sandbox"
 )
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 import string
 from typing import Any, Dict, List, Optional, SupportsFloat, Tuple, Union
 
-import gymnasium
-from gymnasium import spaces
+try:
+    import gymnasium
+    from gymnasium import spaces
+except ImportError as e:  # the extra is not installed
+    raise ImportError('deltagym.gym needs Gymnasium: pip install "deltagym[gym]"') from e
 
 from . import _common as c
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es

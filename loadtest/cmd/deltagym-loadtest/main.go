@@ -26,7 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 	"github.com/deltagym/deltagym/loadtest"
 )
 

@@ -854,8 +854,8 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13SANDBOX_STATE_READY\x10\x01\x12\x16\n" +
 	"\x12SANDBOX_STATE_DONE\x10\x02\x12\x18\n" +
-	"\x14SANDBOX_STATE_CLOSED\x10\x03B\xaa\x01\n" +
-	"\x0fcom.deltagym.v1B\bEnvProtoP\x01Z@github.com/deltagym/deltagym/proto/gen/go/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
+	"\x14SANDBOX_STATE_CLOSED\x10\x03B\xac\x01\n" +
+	"\x0fcom.deltagym.v1B\bEnvProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
 	file_deltagym_v1_env_proto_rawDescOnce sync.Once

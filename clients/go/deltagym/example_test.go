@@ -8,7 +8,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 )
 
 // The examples run against the in-process server that TestMain starts; Dial("")

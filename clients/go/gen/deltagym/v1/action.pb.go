@@ -1012,8 +1012,8 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\x01R\x05value:\x028\x01\"N\n" +
 	"\vResetResult\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12+\n" +
-	"\x04hook\x18\x02 \x01(\v2\x17.deltagym.v1.ExecResultR\x04hookB\xad\x01\n" +
-	"\x0fcom.deltagym.v1B\vActionProtoP\x01Z@github.com/deltagym/deltagym/proto/gen/go/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
+	"\x04hook\x18\x02 \x01(\v2\x17.deltagym.v1.ExecResultR\x04hookB\xaf\x01\n" +
+	"\x0fcom.deltagym.v1B\vActionProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
 	file_deltagym_v1_action_proto_rawDescOnce sync.Once

@@ -2334,8 +2334,8 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x1d.deltagym.v1.HeartbeatRequest\x1a\x1e.deltagym.v1.HeartbeatResponse\x12M\n" +
 	"\n" +
 	"GetSandbox\x12\x1e.deltagym.v1.GetSandboxRequest\x1a\x1f.deltagym.v1.GetSandboxResponse\x12V\n" +
-	"\rListSandboxes\x12!.deltagym.v1.ListSandboxesRequest\x1a\".deltagym.v1.ListSandboxesResponseB\xb1\x01\n" +
-	"\x0fcom.deltagym.v1B\x0fEnvServiceProtoP\x01Z@github.com/deltagym/deltagym/proto/gen/go/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
+	"\rListSandboxes\x12!.deltagym.v1.ListSandboxesRequest\x1a\".deltagym.v1.ListSandboxesResponseB\xb3\x01\n" +
+	"\x0fcom.deltagym.v1B\x0fEnvServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
 	file_deltagym_v1_env_service_proto_rawDescOnce sync.Once

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 )
 
 // reportLatency reports the p50 and p99 of the samples.
@@ -24,8 +24,8 @@ func reportLatency(b *testing.B, samples []time.Duration) {
 // BenchmarkExecTrue times Exec("true") through the client, over loopback, per
 // protocol: client-observed latency of one step.
 func BenchmarkExecTrue(b *testing.B) {
-	if testServer == nil {
-		b.Skipf("needs the in-process server: %s", skipReason)
+	if testAddr == "" {
+		b.Skipf("needs the test server: %s", skipReason)
 	}
 	for _, p := range protocols {
 		b.Run(p.name, func(b *testing.B) {
@@ -65,8 +65,8 @@ func BenchmarkExecTrue(b *testing.B) {
 // BenchmarkRestore times Restore of a sandbox to a checkpoint through the
 // client.
 func BenchmarkRestore(b *testing.B) {
-	if testServer == nil {
-		b.Skipf("needs the in-process server: %s", skipReason)
+	if testAddr == "" {
+		b.Skipf("needs the test server: %s", skipReason)
 	}
 	c, err := deltagym.Dial(testAddr)
 	if err != nil {

@@ -9,7 +9,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
 // Sandbox is a handle on a sandbox leased from the server. Its methods are

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -14,8 +13,8 @@ import (
 
 	"connectrpc.com/connect"
 
-	deltagym "github.com/deltagym/deltagym/clients/go"
-	deltagymv1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
 // protocols are the wire protocols every RPC is checked through.
@@ -372,8 +371,8 @@ func TestRetryReachesLateServer(t *testing.T) {
 	if err := ln.Close(); err != nil {
 		t.Fatal(err)
 	}
-	hs := &http.Server{Handler: testServer.Handler(), Protocols: new(http.Protocols)}
-	hs.Protocols.SetUnencryptedHTTP2(true)
+	// The late server is a proxy to the test server on a new address.
+	var lateLn net.Listener
 	var attempts atomic.Int64
 	var listenErr error
 	served := make(chan struct{})
@@ -387,14 +386,15 @@ func TestRetryReachesLateServer(t *testing.T) {
 					listenErr = lerr
 					return res, err
 				}
-				go func() { defer close(served); _ = hs.Serve(late) }()
+				lateLn = late
+				go func() { defer close(served); proxy(late, testAddr) }()
 			}
 			return res, err
 		}
 	})
 	defer func() {
-		_ = hs.Close()
-		if listenErr == nil && attempts.Load() > 0 {
+		if lateLn != nil {
+			lateLn.Close()
 			<-served
 		}
 	}()
@@ -538,5 +538,33 @@ func TestRestoreFreshEntropy(t *testing.T) {
 	}
 	if len(seeds) != 6 {
 		t.Fatalf("6 restores with fresh entropy gave %d distinct seeds", len(seeds))
+	}
+}
+
+// proxy forwards every connection ln accepts to addr, until ln is closed and
+// every forwarded connection has ended.
+func proxy(ln net.Listener, addr string) {
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer c.Close()
+			up, err := net.Dial("tcp", addr)
+			if err != nil {
+				return
+			}
+			defer up.Close()
+			done := make(chan struct{})
+			go func() { io.Copy(up, c); up.(*net.TCPConn).CloseWrite(); close(done) }()
+			io.Copy(c, up)
+			c.(*net.TCPConn).CloseWrite()
+			<-done
+		}()
 	}
 }

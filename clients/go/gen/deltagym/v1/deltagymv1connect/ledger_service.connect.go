@@ -8,7 +8,7 @@ import (
 	connect "connectrpc.com/connect"
 	context "context"
 	errors "errors"
-	v1 "github.com/deltagym/deltagym/proto/gen/go/deltagym/v1"
+	v1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	http "net/http"
 	strings "strings"
 )

@@ -1575,8 +1575,8 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\rGetTrajectory\x12!.deltagym.v1.GetTrajectoryRequest\x1a\".deltagym.v1.GetTrajectoryResponse\x12b\n" +
 	"\x11GetCheckpointTree\x12%.deltagym.v1.GetCheckpointTreeRequest\x1a&.deltagym.v1.GetCheckpointTreeResponse\x12e\n" +
 	"\x12GetGroupAdvantages\x12&.deltagym.v1.GetGroupAdvantagesRequest\x1a'.deltagym.v1.GetGroupAdvantagesResponse\x12S\n" +
-	"\fReportReward\x12 .deltagym.v1.ReportRewardRequest\x1a!.deltagym.v1.ReportRewardResponseB\xb4\x01\n" +
-	"\x0fcom.deltagym.v1B\x12LedgerServiceProtoP\x01Z@github.com/deltagym/deltagym/proto/gen/go/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
+	"\fReportReward\x12 .deltagym.v1.ReportRewardRequest\x1a!.deltagym.v1.ReportRewardResponseB\xb6\x01\n" +
+	"\x0fcom.deltagym.v1B\x12LedgerServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
 	file_deltagym_v1_ledger_service_proto_rawDescOnce sync.Once
