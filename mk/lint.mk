@@ -1,0 +1,26 @@
+# lint.mk: the Go linters, pinned and installed into $(BIN): golangci-lint with the set in
+# .golangci.yml (function length and complexity included), and gVisor's checklocks, which checks
+# the `+checklocks` annotations of guarded fields. `make test` runs `make lint`.
+GOLANGCI_LINT_VERSION := v2.15.0
+CHECKLOCKS_VERSION := v0.0.0-20260905035102-160fafc42237
+LINT_GO_TOOLS := \
+	github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION) \
+	gvisor.dev/gvisor/tools/checklocks/cmd/checklocks@$(CHECKLOCKS_VERSION)
+
+.PHONY: lint-tools lint-go
+
+lint-tools: | $(BIN) ## install the pinned golangci-lint and checklocks into bin/
+	@for spec in $(LINT_GO_TOOLS); do \
+		mod=$${spec%@*}; want=$${spec#*@}; exe=$(BIN)/$${mod##*/}; \
+		have=$$( [ -x "$$exe" ] && go version -m "$$exe" | awk '$$1 == "mod" { print $$3 }' || true); \
+		if [ "$$have" != "$$want" ]; then \
+			echo "lint.mk: installing $$spec" >&2; \
+			GOFLAGS= GOBIN=$(BIN) go install "$$spec"; \
+		fi; \
+	done
+
+lint-go: lint-tools ## lint the Go modules: golangci-lint, then checklocks
+	for m in $(GO_MODULES); do (cd $$m && $(BIN)/golangci-lint run ./...); done
+	for m in $(GO_MODULES); do (cd $$m && go vet -vettool=$(BIN)/checklocks ./...); done
+
+lint: lint-go ## run every linter (proto, golangci-lint, checklocks)
