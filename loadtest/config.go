@@ -1,6 +1,7 @@
 package loadtest
 
 import (
+	"cmp"
 	"fmt"
 	"io"
 	"slices"
@@ -81,56 +82,19 @@ type Config struct {
 
 // Validate checks the config and fills in defaults.
 func (c *Config) Validate() error {
-	if c.Scenario == "" {
-		c.Scenario = "rollback"
+	if err := c.checkTarget(); err != nil {
+		return err
 	}
-	if !slices.Contains(Scenarios, c.Scenario) {
-		return fmt.Errorf("scenario %q is not one of %s, or density: %w", c.Scenario, strings.Join(Scenarios, ", "), ErrInvalid)
-	}
-	if c.Addr == "" {
-		return fmt.Errorf("no server address: pass --addr host:port of a running server (make run serves on 127.0.0.1:8080), or --serve bin/deltagym to start one: %w", ErrInvalid)
-	}
-	switch c.API {
-	case "":
-		c.API = APIUnary
-	case APIUnary:
-	case APIStream:
-		if c.Scenario != "rollback" && c.Scenario != "rollback-exec" {
-			return fmt.Errorf("api %q serves the rollback and rollback-exec scenarios, not %s: %w", c.API, c.Scenario, ErrInvalid)
-		}
-	default:
-		return fmt.Errorf("api %q is neither %q nor %q: %w", c.API, APIUnary, APIStream, ErrInvalid)
-	}
-	if c.Env == "" {
-		c.Env = "shell"
-	}
-	if c.Concurrency == 0 {
-		c.Concurrency = 64
-	}
-	if c.Duration == 0 {
-		c.Duration = 30 * time.Second
-	}
-	if c.Warmup == 0 {
-		c.Warmup = 3 * time.Second
-	}
-	if c.FileSize == 0 {
-		c.FileSize = 4096
-	}
-	if c.Group == 0 {
-		c.Group = 8
-	}
-	if c.ProcessMB == 0 {
-		c.ProcessMB = 8
-	}
-	if c.ProcessMethod == "" {
-		c.ProcessMethod = ProcessTemplate
-	}
-	if c.Conns == 0 {
-		c.Conns = 1
-	}
-	if c.SampleInterval == 0 {
-		c.SampleInterval = time.Second
-	}
+	c.Env = cmp.Or(c.Env, "shell")
+	c.Concurrency = cmp.Or(c.Concurrency, 64)
+	c.Duration = cmp.Or(c.Duration, 30*time.Second)
+	c.Warmup = cmp.Or(c.Warmup, 3*time.Second)
+	c.FileSize = cmp.Or(c.FileSize, 4096)
+	c.Group = cmp.Or(c.Group, 8)
+	c.ProcessMB = cmp.Or(c.ProcessMB, 8)
+	c.ProcessMethod = cmp.Or(c.ProcessMethod, ProcessTemplate)
+	c.Conns = cmp.Or(c.Conns, 1)
+	c.SampleInterval = cmp.Or(c.SampleInterval, time.Second)
 	switch {
 	case c.Concurrency < 1:
 		return fmt.Errorf("concurrency %d is below 1: %w", c.Concurrency, ErrInvalid)
@@ -150,6 +114,30 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("group %d: at least one child per fork: %w", c.Group, ErrInvalid)
 	case c.Conns < 1:
 		return fmt.Errorf("conns %d: at least one connection: %w", c.Conns, ErrInvalid)
+	}
+	return nil
+}
+
+// checkTarget checks what the run is aimed at, the scenario, the server and the API, and fills
+// in their defaults.
+func (c *Config) checkTarget() error {
+	c.Scenario = cmp.Or(c.Scenario, "rollback")
+	if !slices.Contains(Scenarios, c.Scenario) {
+		return fmt.Errorf("scenario %q is not one of %s, or density: %w", c.Scenario, strings.Join(Scenarios, ", "), ErrInvalid)
+	}
+	if c.Addr == "" {
+		return fmt.Errorf("no server address: pass --addr host:port of a running server (make run serves on 127.0.0.1:8080), or --serve bin/deltagym to start one: %w", ErrInvalid)
+	}
+	switch c.API {
+	case "":
+		c.API = APIUnary
+	case APIUnary:
+	case APIStream:
+		if c.Scenario != "rollback" && c.Scenario != "rollback-exec" {
+			return fmt.Errorf("api %q serves the rollback and rollback-exec scenarios, not %s: %w", c.API, c.Scenario, ErrInvalid)
+		}
+	default:
+		return fmt.Errorf("api %q is neither %q nor %q: %w", c.API, APIUnary, APIStream, ErrInvalid)
 	}
 	return nil
 }

@@ -27,11 +27,15 @@ type recorder struct {
 	measureFrom time.Time // warm-up ends
 	measureTo   time.Time // run ends
 
-	mu         sync.Mutex
-	hists      map[string]*hdrhistogram.Histogram
-	errors     map[string]int64
+	mu sync.Mutex
+	// +checklocks:mu
+	hists map[string]*hdrhistogram.Histogram
+	// +checklocks:mu
+	errors map[string]int64
+	// +checklocks:mu
 	firstWrong string
-	timeline   []Sample
+	// +checklocks:mu
+	timeline []Sample
 
 	iterations atomic.Int64 // successful iterations in the window
 	liveIters  atomic.Int64 // every successful iteration, for the progress line

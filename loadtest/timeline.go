@@ -329,6 +329,14 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 	}
 	f.FirstProbeCPU, f.LastProbeCPU = medianProbe(first), medianProbe(last)
 	f.FirstServerCPUPerIter, f.LastServerCPUPerIter = serverPerIter(first), serverPerIter(last)
+	f.addCPU(in, cpus)
+	f.judge()
+	return f
+}
+
+// addCPU fills in the CPU the measured samples in took, in cores and per iteration; -1 where a
+// sample could not measure it.
+func (f *Flatness) addCPU(in []Sample, cpus int) {
 	var secs, srv, box, gen, busy float64
 	var iters int64
 	srvOK, boxOK := true, true
@@ -350,21 +358,25 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 		f.SandboxCores = -1
 	}
 	f.ServerCPUPerIter, f.SandboxCPUPerIter, f.LoadgenCPUPerIter, f.MachineCPUPerIter = -1, -1, -1, -1
-	if iters > 0 {
-		n := float64(iters)
-		f.LoadgenCPUPerIter = gen / n
-		if srvOK {
-			f.ServerCPUPerIter = srv / n
-		}
-		if boxOK {
-			f.SandboxCPUPerIter = box / n
-		}
-		if busy > 0 {
-			f.MachineCPUPerIter = busy / n
-			f.CPUBoundPerSec = float64(cpus) / f.MachineCPUPerIter
-		}
+	if iters == 0 {
+		return
 	}
+	n := float64(iters)
+	f.LoadgenCPUPerIter = gen / n
+	if srvOK {
+		f.ServerCPUPerIter = srv / n
+	}
+	if boxOK {
+		f.SandboxCPUPerIter = box / n
+	}
+	if busy > 0 {
+		f.MachineCPUPerIter = busy / n
+		f.CPUBoundPerSec = float64(cpus) / f.MachineCPUPerIter
+	}
+}
 
+// judge sets the verdict: flat, or what moved between the first and the last window.
+func (f *Flatness) judge() {
 	f.ThroughputFlat = f.FirstPerSec > 0 && math.Abs(f.ThroughputRatio-1) <= flatThroughput
 	f.RSSFlat = f.FirstRSS == 0 || f.RSSGrowth <= flatRSS
 	f.BacklogFlat = f.LastBacklogMax <= max(2*f.FirstBacklogMax, flatBacklogMin)
@@ -382,7 +394,6 @@ func measureFlatness(tl []Sample, warmup, duration float64, cpus int) *Flatness 
 	if len(why) > 0 {
 		f.Verdict = "NOT flat: " + strings.Join(why, ", ")
 	}
-	return f
 }
 
 func rate(xs []Sample) float64 {

@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -222,20 +223,15 @@ func TestSpeedProbe(t *testing.T) {
 	if err := unix.SchedSetaffinity(0, &cpu0); err != nil {
 		t.Skipf("cannot pin threads: %v", err)
 	}
-	stop := make(chan struct{})
+	var stop atomic.Bool
 	spinning := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // ends with the goroutine
 		spinning <- unix.SchedSetaffinity(0, &cpu0)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
+		for !stop.Load() { // spins: the probes share the CPU with it
 		}
 	}()
-	defer close(stop)
+	defer stop.Store(true)
 	if err := <-spinning; err != nil {
 		t.Skipf("cannot pin threads: %v", err)
 	}
@@ -360,7 +356,10 @@ func TestThroughputCountsIterationsEndingInWindow(t *testing.T) {
 	if n := rec.iterations.Load(); n != 12 {
 		t.Fatalf("%d iterations counted in the window, want 12", n)
 	}
-	if n := rec.hists["iteration"].TotalCount(); n != 8 {
+	rec.mu.Lock()
+	n := rec.hists["iteration"].TotalCount()
+	rec.mu.Unlock()
+	if n != 8 {
 		t.Fatalf("%d iteration latencies, want the 8 that began in the window", n)
 	}
 }

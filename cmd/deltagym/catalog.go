@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"strconv"
 
@@ -12,24 +11,21 @@ import (
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
-// runRegisterEnv registers the env described by a spec file in the catalog's format (the
+// registerEnvCmd registers the env described by a spec file in the catalog's format (the
 // server's envs/*.json), which the server keeps across restarts.
-func runRegisterEnv(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	replace := fs.Bool("replace", false, "replace an env of the same name (its running sandboxes keep the old spec)")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "SPEC.json|-"); err != nil {
-		return err
-	}
-	body, err := readInput(a.stdin, pos[0])
+type registerEnvCmd struct {
+	Spec    string `arg:"" placeholder:"SPEC.json|-" help:"the env's spec file (- for standard input)"`
+	Replace bool   `help:"replace an env of the same name (its running sandboxes keep the old spec)"`
+}
+
+func (r *registerEnvCmd) Run(ctx context.Context, a *app) error {
+	body, err := readInput(a.stdin, r.Spec)
 	if err != nil {
 		return err
 	}
 	spec := &deltagymv1.EnvSpec{}
 	if err := protojson.Unmarshal(body, spec); err != nil {
-		from := pos[0]
+		from := r.Spec
 		if from == "-" {
 			from = "standard input"
 		}
@@ -40,39 +36,38 @@ func runRegisterEnv(ctx context.Context, a *app, fs *flag.FlagSet, args []string
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: spec, Replace: *replace}))
+	res, err := c.EnvService().RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: spec, Replace: r.Replace}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	return printEnvs(a.stdout, &deltagymv1.ListEnvsResponse{Envs: []*deltagymv1.EnvInfo{res.Msg.GetEnv()}})
 }
 
-// runImportImage imports an image from a path on the server's machine (a relative one is
-// taken from the working directory, for a server on this machine).
-func runImportImage(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	format := fs.String("format", "", "oci (an OCI layout directory), docker (a docker save tarball) or rootfs (a directory); default: found out from the path")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
+// imageFormats are the values of import-image --format ("": found out from the path).
+var imageFormats = map[string]deltagymv1.ImageFormat{
+	"":       deltagymv1.ImageFormat_IMAGE_FORMAT_UNSPECIFIED,
+	"oci":    deltagymv1.ImageFormat_IMAGE_FORMAT_OCI_LAYOUT,
+	"docker": deltagymv1.ImageFormat_IMAGE_FORMAT_DOCKER_ARCHIVE,
+	"rootfs": deltagymv1.ImageFormat_IMAGE_FORMAT_ROOTFS_DIR,
+}
+
+// importImageCmd imports an image from a path on the server's machine (a relative one is
+// taken from the server's import root).
+type importImageCmd struct {
+	Name   string `arg:"" help:"the image's name, for envs to give as their image"`
+	Path   string `arg:"" help:"the image on the server's machine, below its import root"`
+	Format string `predictor:"format" placeholder:"oci|docker|rootfs" help:"oci (an OCI layout directory), docker (a docker save tarball) or rootfs (a directory); default: found out from the path"`
+}
+
+func (ic *importImageCmd) Run(ctx context.Context, a *app) error {
+	format, ok := imageFormats[ic.Format]
+	if !ok {
+		return usageErrorf("--format %q: want oci, docker or rootfs", ic.Format)
 	}
-	if err := wantArgs(pos, 2, 2, "NAME and PATH"); err != nil {
-		return err
-	}
-	req := &deltagymv1.ImportImageRequest{Name: pos[0], Path: pos[1]}
-	switch *format {
-	case "":
-	case "oci":
-		req.Format = deltagymv1.ImageFormat_IMAGE_FORMAT_OCI_LAYOUT
-	case "docker":
-		req.Format = deltagymv1.ImageFormat_IMAGE_FORMAT_DOCKER_ARCHIVE
-	case "rootfs":
-		req.Format = deltagymv1.ImageFormat_IMAGE_FORMAT_ROOTFS_DIR
-	default:
-		return usageErrorf("--format %q: want oci, docker or rootfs", *format)
-	}
+	req := &deltagymv1.ImportImageRequest{Name: ic.Name, Path: ic.Path, Format: format}
 	c, err := a.dial()
 	if err != nil {
 		return err
@@ -82,7 +77,7 @@ func runImportImage(ctx context.Context, a *app, fs *flag.FlagSet, args []string
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	return fields(a.stdout, "image", res.Msg.GetName(), "digest", res.Msg.GetDigest(),

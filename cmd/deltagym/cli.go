@@ -3,15 +3,18 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
-	"sort"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/alecthomas/kong"
+	"github.com/posener/complete"
+	"github.com/willabides/kongplete"
 
 	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 )
@@ -23,136 +26,147 @@ const (
 	exitUsage = 2
 )
 
-// errUsage marks an error in the command line; Main prints it with the
-// subcommand's usage and exits with status 2.
+// errUsage marks an error in the command line that only a command's Run can see; Main prints
+// it with the command's usage and exits with status 2.
 var errUsage = errors.New("usage")
 
 func usageErrorf(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", errUsage, fmt.Sprintf(format, args...))
 }
 
-// app is one invocation of the CLI: its streams and the flags every client
-// subcommand shares.
+// clientFlags are the flags of every subcommand that calls a server. They sit on the root, so
+// that they go before or after the subcommand (deltagym --addr X envs, deltagym envs --addr X).
+type clientFlags struct {
+	Addr  string `group:"client" placeholder:"HOST:PORT" help:"server address, host:port or URL (default $DELTAGYM_ADDR or ${defaultAddr})"`
+	Token string `group:"client" placeholder:"TOKEN" help:"bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file in its data directory, $DELTAGYM_DATA or .data)"`
+	JSON  bool   `group:"client" name:"json" help:"print responses as JSON (protojson), one object per line"`
+}
+
+// app is one invocation of the CLI: its streams and its grammar, which kong fills in. Each
+// command is a struct whose fields are its arguments and flags and whose Run method does it.
 type app struct {
 	stdin          io.Reader
 	stdout, stderr io.Writer
 
-	addr  string
-	token string
-	json  bool
+	clientFlags
+
+	Serve       serveCmd       `cmd:"" passthrough:"" help:"run the server in the foreground (deltagym serve -h lists its flags)"`
+	Envs        envsCmd        `cmd:"" help:"list the env catalog and warm pools"`
+	RegisterEnv registerEnvCmd `cmd:"" help:"add an env (the JSON of envs/*.json) to the catalog; the server keeps it across restarts"`
+	ImportImage importImageCmd `cmd:"" help:"import an image from the server's import root (--import-root, default <data>/imports; PATH relative to it), for envs to name"`
+	Reset       resetCmd       `cmd:"" help:"take a warm sandbox of an env and start an episode"`
+	Exec        execCmd        `cmd:"" help:"run a command (one word: a shell string; several: argv, after --)"`
+	Write       writeCmd       `cmd:"" help:"write a file (from stdin by default)"`
+	Read        readCmd        `cmd:"" help:"print a file"`
+	Checkpoint  checkpointCmd  `cmd:"" help:"checkpoint a sandbox"`
+	Restore     restoreCmd     `cmd:"" help:"restore a sandbox to a checkpoint (starts a new episode)"`
+	Fork        forkCmd        `cmd:"" help:"create N sandboxes at a checkpoint or a sandbox's state"`
+	Release     releaseCmd     `cmd:"" help:"release a checkpoint"`
+	Evaluate    evaluateCmd    `cmd:"" help:"run the verifier without ending the episode"`
+	Submit      submitCmd      `cmd:"" help:"end the episode and run the verifier"`
+	Close       closeCmd       `cmd:"" help:"close sandboxes"`
+	Sandboxes   sandboxesCmd   `cmd:"" help:"list leased sandboxes"`
+	Episodes    episodesCmd    `cmd:"" help:"list recorded episodes"`
+	Trajectory  trajectoryCmd  `cmd:"" help:"print an episode's steps from its reset"`
+	Advantages  advantagesCmd  `cmd:"" help:"group-relative (GRPO) advantages"`
+	Traj        trajCmd        `cmd:"" help:"export trajectories from the ledger database"`
+	DB          dbCmd          `cmd:"" name:"db" help:"print the ledger database URL (for psql)"`
+	Purge       purgeCmd       `cmd:"" help:"end what a crashed server left running and delete its sandbox state (checkpoints, layers); keeps the ledger and the image cache"`
+	Completion  completionCmd  `cmd:"" help:"print the shell completion script for bash, zsh or fish"`
+	Help        helpCmd        `cmd:"" help:"describe a command"`
 }
 
-// command is a subcommand.
-type command struct {
-	name     string
-	args     string // synopsis of the arguments, for usage
-	summary  string
-	run      func(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
-	noClient bool // no --addr/--token/--json (serve, db url, traj export)
-}
-
-// commands is the table of subcommands, in the order usage lists them.
-var commands = []command{
-	{name: "serve", args: "[server flags]", summary: "run the server in the foreground", run: runServe, noClient: true},
-	{name: "envs", summary: "list the env catalog and warm pools", run: runEnvs},
-	{name: "register-env", args: "SPEC.json|- [--replace]", summary: "add an env (the JSON of envs/*.json) to the catalog; the server keeps it across restarts", run: runRegisterEnv},
-	{name: "import-image", args: "NAME PATH [--format oci|docker|rootfs]", summary: "import an image from the server's import root (--import-root, default <data>/imports; PATH relative to it), for envs to name", run: runImportImage},
-	{name: "reset", args: "ENV [--seed N] [--option k=v]... [--run R] [--group G] [-q]", summary: "take a warm sandbox of ENV and start an episode", run: runReset},
-	{name: "exec", args: "SANDBOX [--session S | --background] [--timeout D] [--cwd DIR] [--env k=v]... [--stdin FILE|-] [--checkpoint] -- CMD...", summary: "run a command (one word: a shell string; several: argv)", run: runExec},
-	{name: "write", args: "SANDBOX PATH [--from FILE|-] [--mode 0644] [--append]", summary: "write a file (from stdin by default)", run: runWrite},
-	{name: "read", args: "SANDBOX PATH [--offset N] [--max-bytes N]", summary: "print a file", run: runRead},
-	{name: "checkpoint", args: "SANDBOX [--processes template|criu|files] [--durable] [-q]", summary: "checkpoint a sandbox", run: runCheckpoint},
-	{name: "restore", args: "SANDBOX CHECKPOINT [--fresh-entropy]", summary: "restore a sandbox to a checkpoint (starts a new episode)", run: runRestore},
-	{name: "fork", args: "(CHECKPOINT | SANDBOX | --checkpoint ID | --sandbox ID) -n N [--group G] [--run R] [-q]", summary: "create N sandboxes at a checkpoint or a sandbox's state", run: runFork},
-	{name: "release", args: "CHECKPOINT", summary: "release a checkpoint", run: runRelease},
-	{name: "evaluate", args: "SANDBOX", summary: "run the verifier without ending the episode", run: runEvaluate},
-	{name: "submit", args: "SANDBOX [ANSWER]", summary: "end the episode and run the verifier", run: runSubmit},
-	{name: "close", args: "SANDBOX...", summary: "close sandboxes", run: runClose},
-	{name: "sandboxes", args: "[--env E] [--run R] [--group G]", summary: "list leased sandboxes", run: runSandboxes},
-	{name: "episodes", args: "[--run R] [--group G] [--env E] [--limit N]", summary: "list recorded episodes", run: runEpisodes},
-	{name: "trajectory", args: "EPISODE", summary: "print an episode's steps from its reset", run: runTrajectory},
-	{name: "advantages", args: "GROUP [--source S]", summary: "group-relative (GRPO) advantages", run: runAdvantages},
-	{name: "traj", args: "export [--run NAME] [--format jsonl] [--out FILE]", summary: "export trajectories from the ledger database", run: runTraj, noClient: true},
-	{name: "db", args: "url", summary: "print the ledger database URL (for psql)", run: runDB, noClient: true},
-	{name: "purge", args: "[--data DIR]", summary: "end what a crashed server left running and delete its sandbox state (checkpoints, layers); keeps the ledger and the image cache", run: runPurge, noClient: true},
-}
-
-func lookup(name string) (command, bool) {
-	for _, c := range commands {
-		if c.name == name {
-			return c, true
-		}
-	}
-	return command{}, false
-}
-
-// Main runs the CLI with args (without the program name) and returns the exit
-// status.
+// Main runs the CLI with args (without the program name) and returns the exit status.
 func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	a := &app{stdin: stdin, stdout: stdout, stderr: stderr}
 	return a.main(ctx, args)
 }
 
-func (a *app) main(ctx context.Context, args []string) int {
-	// Client flags may come before the subcommand too: deltagym --addr X envs.
-	global := flag.NewFlagSet("deltagym", flag.ContinueOnError)
-	global.SetOutput(io.Discard)
-	a.clientFlags(global)
-	if err := global.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			a.usage(a.stdout)
-			return exitOK
-		}
-		fmt.Fprintf(a.stderr, "deltagym: %v\n", err)
-		a.usage(a.stderr)
-		return exitUsage
-	}
-	args = global.Args()
-	if len(args) == 0 {
-		a.usage(a.stderr)
-		return exitUsage
-	}
-	name := args[0]
-	if name == "help" || name == "-h" || name == "--help" {
-		if len(args) > 1 {
-			if c, ok := lookup(args[1]); ok {
-				// The command's flags are defined by its run function: let it parse -h.
-				return a.runCommand(ctx, c, []string{"-h"})
-			}
-		}
-		a.usage(a.stdout)
-		return exitOK
-	}
-	c, ok := lookup(name)
-	if !ok {
-		fmt.Fprintf(a.stderr, "deltagym: unknown command %q\n", name)
-		a.usage(a.stderr)
-		return exitUsage
-	}
-	return a.runCommand(ctx, c, args[1:])
+// exitPanic carries the status kong's help and completion exit with out of the parse, to main.
+type exitPanic int
+
+func (a *app) parser(ctx context.Context) (*kong.Kong, error) {
+	return kong.New(a,
+		kong.Name("deltagym"),
+		kong.Description("Runs the deltagym server (deltagym serve) and talks to a running one. "+
+			"Exit status: 0 ok, 1 error, 2 usage; exec exits with its command's status (128+N for signal N, 124 on timeout)."),
+		kong.Writers(a.stdout, a.stderr),
+		kong.Exit(func(code int) { panic(exitPanic(code)) }),
+		kong.ExplicitGroups([]kong.Group{{Key: "client", Title: "Client flags (commands that call a server):"}}),
+		kong.ConfigureHelp(kong.HelpOptions{Compact: true, WrapUpperBound: 100}),
+		kong.Vars{"defaultAddr": deltagym.DefaultAddr},
+		kong.BindTo(ctx, (*context.Context)(nil)),
+		kong.Bind(a),
+	)
 }
 
-// runCommand runs one subcommand and maps its outcome to an exit status.
-func (a *app) runCommand(ctx context.Context, c command, args []string) int {
-	fs := a.flagSet(c)
-	err := c.run(ctx, a, fs, args)
+func (a *app) main(ctx context.Context, args []string) (code int) {
+	defer func() {
+		if r := recover(); r != nil {
+			p, ok := r.(exitPanic)
+			if !ok {
+				panic(r)
+			}
+			code = int(p)
+		}
+	}()
+	k, err := a.parser(ctx)
+	if err != nil { // the grammar itself is wrong: a bug, caught by every test
+		fmt.Fprintf(a.stderr, "deltagym: %v\n", err)
+		return exitError
+	}
+	if os.Getenv("COMP_LINE") != "" { // a shell asks for completions (deltagym completion)
+		kongplete.Complete(k, kongplete.WithPredictors(map[string]complete.Predictor{
+			"serve":     serveFlagPredictor(),
+			"processes": complete.PredictSet("template", "criu", "files"),
+			"format":    complete.PredictSet("oci", "docker", "rootfs"),
+		}))
+	}
+	kctx, err := k.Parse(args)
+	if err != nil {
+		var pe *kong.ParseError
+		if errors.As(err, &pe) {
+			a.printUsageError(pe.Context, err)
+			return exitUsage
+		}
+		fmt.Fprintf(a.stderr, "deltagym: %v\n", err)
+		return exitError
+	}
+	return a.exitStatus(kctx, kctx.Run())
+}
+
+// exitStatus maps a command's outcome to an exit status, printing the error.
+func (a *app) exitStatus(kctx *kong.Context, err error) int {
 	var ce commandExit
 	switch {
 	case err == nil:
 		return exitOK
 	case errors.As(err, &ce):
 		return int(ce)
-	case errors.Is(err, flag.ErrHelp):
-		a.commandUsage(a.stdout, c, fs)
-		return exitOK
 	case errors.Is(err, errUsage):
-		fmt.Fprintf(a.stderr, "deltagym %s: %s\n", c.name, strings.TrimPrefix(err.Error(), errUsage.Error()+": "))
-		a.commandUsage(a.stderr, c, fs)
+		a.printUsageError(kctx, err)
 		return exitUsage
-	default:
-		fmt.Fprintf(a.stderr, "deltagym %s: %s\n", c.name, describeError(err, a))
-		return exitError
 	}
+	fmt.Fprintf(a.stderr, "%s: %s\n", commandPath(kctx), describeError(err, a))
+	return exitError
+}
+
+// printUsageError prints a command-line error and the usage line of the command it is in.
+func (a *app) printUsageError(kctx *kong.Context, err error) {
+	fmt.Fprintf(a.stderr, "%s: %s\n", commandPath(kctx), strings.TrimPrefix(err.Error(), errUsage.Error()+": "))
+	if kctx != nil {
+		kctx.Stdout = a.stderr
+		_ = kctx.PrintUsage(true)
+		kctx.Stdout = a.stdout
+	}
+}
+
+// commandPath names the command kctx selected ("deltagym reset"), or the program.
+func commandPath(kctx *kong.Context) string {
+	if kctx != nil && kctx.Selected() != nil {
+		return kctx.Selected().FullPath()
+	}
+	return "deltagym"
 }
 
 // describeError renders an error for stderr: the Connect code and message,
@@ -160,7 +174,7 @@ func (a *app) runCommand(ctx context.Context, c command, args []string) int {
 func describeError(err error, a *app) string {
 	msg := err.Error()
 	if connect.CodeOf(err) == connect.CodeUnauthenticated {
-		if tok, _ := deltagym.ResolveToken(); a.token == "" && tok == "" {
+		if tok, _ := deltagym.ResolveToken(); a.Token == "" && tok == "" {
 			msg += " (this client found no token: give --token, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, " +
 				"or run from the directory that holds the server's data directory .data, or set $DELTAGYM_DATA to it)"
 		} else {
@@ -168,7 +182,7 @@ func describeError(err error, a *app) string {
 		}
 	}
 	if connect.CodeOf(err) == connect.CodeUnavailable {
-		addr, aerr := deltagym.BaseURL(a.addr)
+		addr, aerr := deltagym.BaseURL(a.Addr)
 		if aerr == nil {
 			msg += fmt.Sprintf(" (is a server running at %s? start one with `make run` or `deltagym serve`)", addr)
 		}
@@ -176,154 +190,46 @@ func describeError(err error, a *app) string {
 	return msg
 }
 
-func (a *app) clientFlags(fs *flag.FlagSet) {
-	usage := "server address, host:port or URL"
-	if a.addr == "" { // else the flag package prints it as the default
-		usage += " (default $DELTAGYM_ADDR or " + deltagym.DefaultAddr + ")"
-	}
-	fs.StringVar(&a.addr, "addr", a.addr, usage)
-	fs.StringVar(&a.token, "token", a.token, "bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file in its data directory, $DELTAGYM_DATA or .data)")
-	fs.BoolVar(&a.json, "json", a.json, "print responses as JSON (protojson), one object per line")
+// helpCmd is `deltagym help [COMMAND]`: the command's --help.
+type helpCmd struct {
+	Command []string `arg:"" optional:"" help:"the command to describe"`
 }
 
-// flagSet returns a subcommand's flag set, with the client flags unless the
-// command has none of its own.
-func (a *app) flagSet(c command) *flag.FlagSet {
-	fs := flag.NewFlagSet("deltagym "+c.name, flag.ContinueOnError)
-	fs.SetOutput(io.Discard) // Main prints errors and usage itself
-	if !c.noClient {
-		a.clientFlags(fs)
+func (h *helpCmd) Run(kctx *kong.Context) error {
+	sub, err := kctx.Parse(slices.Concat(h.Command, []string{"--help"}))
+	if err != nil {
+		return usageErrorf("%v", err)
 	}
-	return fs
+	return sub.Run() // serve passes --help on to its own flags; kong printed the others' help and exited
 }
 
-func (a *app) usage(w io.Writer) {
-	fmt.Fprintf(w, "Usage: deltagym [--addr ADDR] [--token T] [--json] COMMAND [ARGS]\n\nCommands:\n")
-	width := 0
-	for _, c := range commands {
-		width = max(width, len(c.name))
-	}
-	for _, c := range commands {
-		fmt.Fprintf(w, "  %-*s  %s\n", width, c.name, c.summary)
-	}
-	fmt.Fprintf(w, "\n`deltagym help COMMAND` describes a command. Exit status: 0 ok, 1 error, 2 usage; exec exits with its command's status (128+N for signal N, 124 on timeout).\n")
-}
+// seconds is a duration flag that also takes a plain number of seconds.
+type seconds time.Duration
 
-func (a *app) commandUsage(w io.Writer, c command, fs *flag.FlagSet) {
-	fmt.Fprintf(w, "Usage: deltagym %s %s\n  %s\n", c.name, c.args, c.summary)
-	if hasFlags(fs) {
-		fmt.Fprintf(w, "\nFlags:\n")
-		fs.SetOutput(w)
-		fs.PrintDefaults()
-		fs.SetOutput(io.Discard)
-	}
-}
-
-func hasFlags(fs *flag.FlagSet) bool {
-	n := 0
-	fs.VisitAll(func(*flag.Flag) { n++ })
-	return n > 0
-}
-
-// parseArgs parses fs's flags from args, allowing flags after positional
-// arguments (deltagym reset shell --seed 3). Everything after "--" is
-// positional. It returns the positional arguments and whether "--" was seen
-// (and at which index of them it stood).
-func parseArgs(fs *flag.FlagSet, args []string) (pos []string, dashAt int, err error) {
-	dashAt = -1
-	for {
-		if err := fs.Parse(args); err != nil {
-			if errors.Is(err, flag.ErrHelp) {
-				return nil, -1, err
-			}
-			return nil, -1, usageErrorf("%v", err)
-		}
-		rest := fs.Args()
-		consumed := len(args) - len(rest)
-		if consumed > 0 && args[consumed-1] == "--" {
-			return append(pos, rest...), len(pos), nil
-		}
-		if len(rest) == 0 {
-			return pos, dashAt, nil
-		}
-		pos = append(pos, rest[0])
-		args = rest[1:]
-	}
-}
-
-// wantArgs checks the number of positional arguments; names are theirs,
-// joined by " and ".
-func wantArgs(pos []string, minN, maxN int, names string) error {
-	if len(pos) < minN {
-		if parts := strings.Split(names, " and "); len(pos) < len(parts) {
-			names = strings.Join(parts[len(pos):], " and ") // the ones not given
-		}
-		return usageErrorf("missing %s", names)
-	}
-	if maxN >= 0 && len(pos) > maxN {
-		return usageErrorf("unexpected argument %q", pos[maxN])
-	}
-	return nil
-}
-
-// secondsFlag is a duration flag that also takes a plain number of seconds.
-type secondsFlag time.Duration
-
-func (f *secondsFlag) String() string {
-	if f == nil || *f == 0 {
-		return ""
-	}
-	return time.Duration(*f).String()
-}
-
-func (f *secondsFlag) Set(v string) error {
+func (f *seconds) UnmarshalText(b []byte) error {
+	v := string(b)
 	if s, err := strconv.ParseFloat(v, 64); err == nil {
 		if s < 0 || s > 1e9 {
 			return fmt.Errorf("%s: want a duration (1.5s, 2m) or seconds", v)
 		}
-		*f = secondsFlag(time.Duration(s * float64(time.Second)))
+		*f = seconds(time.Duration(s * float64(time.Second)))
 		return nil
 	}
 	d, err := time.ParseDuration(v)
 	if err != nil {
 		return fmt.Errorf("%s: want a duration (1.5s, 2m) or seconds", v)
 	}
-	*f = secondsFlag(d)
-	return nil
-}
-
-// kvFlag is a repeatable key=value flag.
-type kvFlag map[string]string
-
-func (k kvFlag) String() string {
-	keys := make([]string, 0, len(k))
-	for key := range k {
-		keys = append(keys, key)
-	}
-	sort.Strings(keys)
-	parts := make([]string, len(keys))
-	for i, key := range keys {
-		parts[i] = key + "=" + k[key]
-	}
-	return strings.Join(parts, ",")
-}
-
-func (k kvFlag) Set(s string) error {
-	key, value, ok := strings.Cut(s, "=")
-	if !ok || key == "" {
-		return fmt.Errorf("want key=value, got %q", s)
-	}
-	k[key] = value
+	*f = seconds(d)
 	return nil
 }
 
 // dial connects to the server named by the client flags.
 func (a *app) dial() (*deltagym.Client, error) {
 	var opts []deltagym.Option
-	if a.token != "" {
-		opts = append(opts, deltagym.WithToken(a.token))
+	if a.Token != "" {
+		opts = append(opts, deltagym.WithToken(a.Token))
 	}
-	c, err := deltagym.Dial(a.addr, opts...)
+	c, err := deltagym.Dial(a.Addr, opts...)
 	if err != nil {
 		return nil, usageErrorf("%v", err)
 	}

@@ -3,8 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
-	"flag"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -27,60 +27,81 @@ func runCLI(t *testing.T, stdin string, args ...string) (stdout, stderr string, 
 	return out.String(), errb.String(), code
 }
 
-func TestParseArgs(t *testing.T) {
+// parse parses args with the CLI's grammar, as Main does, without running the command.
+func parse(t *testing.T, args ...string) (*app, string, error) {
+	t.Helper()
+	a := &app{stdin: strings.NewReader(""), stdout: io.Discard, stderr: io.Discard}
+	k, err := a.parser(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	kctx, err := k.Parse(args)
+	if err != nil {
+		return a, "", err
+	}
+	return a, kctx.Command(), nil
+}
+
+// TestGrammar: client flags before or after the command, a command's flags before, after and
+// between its arguments, everything after -- an argument, values taken whole (no splitting at
+// commas or semicolons), serve's arguments passed through to its own flag set.
+func TestGrammar(t *testing.T) {
 	tests := []struct {
 		name    string
 		args    []string
-		pos     []string
-		dashAt  int
-		seed    string
-		quiet   bool
-		wantErr bool
+		command string
+		check   func(a *app) bool
+		wantErr string
 	}{
-		{name: "flags first", args: []string{"--seed", "3", "shell"}, pos: []string{"shell"}, dashAt: -1, seed: "3"},
-		{name: "flags after", args: []string{"shell", "--seed", "3", "-q"}, pos: []string{"shell"}, dashAt: -1, seed: "3", quiet: true},
-		{name: "interleaved", args: []string{"a", "-q", "b", "--seed=4", "c"}, pos: []string{"a", "b", "c"}, dashAt: -1, seed: "4", quiet: true},
-		{name: "dash dash", args: []string{"sb", "-q", "--", "ls", "-la", "--seed", "9"}, pos: []string{"sb", "ls", "-la", "--seed", "9"}, dashAt: 1, quiet: true},
-		{name: "dash dash first", args: []string{"--", "-q"}, pos: []string{"-q"}, dashAt: 0},
-		{name: "none", args: nil, pos: nil, dashAt: -1},
-		{name: "unknown flag", args: []string{"sb", "--nope"}, wantErr: true},
-		{name: "missing value", args: []string{"sb", "--seed"}, wantErr: true},
+		{name: "flags first", args: []string{"reset", "--seed", "3", "shell"}, command: "reset <env>",
+			check: func(a *app) bool { return a.Reset.Env == "shell" && *a.Reset.Seed == 3 }},
+		{name: "flags after", args: []string{"reset", "shell", "--seed", "3", "-q"}, command: "reset <env>",
+			check: func(a *app) bool { return a.Reset.Env == "shell" && *a.Reset.Seed == 3 && a.Reset.Quiet }},
+		{name: "client flags before and after", args: []string{"--addr", "h:1", "reset", "shell", "--json", "--token=t"}, command: "reset <env>",
+			check: func(a *app) bool { return a.Addr == "h:1" && a.JSON && a.Token == "t" }},
+		{name: "interleaved", args: []string{"restore", "sb", "--fresh-entropy", "ck", "--addr", "h:1"}, command: "restore <sandbox> <checkpoint>",
+			check: func(a *app) bool {
+				return a.Restore.Sandbox == "sb" && a.Restore.Checkpoint == "ck" && a.Restore.FreshEntropy && a.Addr == "h:1"
+			}},
+		{name: "dash dash", args: []string{"exec", "sb", "--session", "s", "--", "ls", "-la", "--seed", "9"}, command: "exec <sandbox> <command>",
+			check: func(a *app) bool {
+				return a.Exec.Sandbox == "sb" && a.Exec.Session == "s" && slices.Equal(a.Exec.Command, []string{"ls", "-la", "--seed", "9"})
+			}},
+		{name: "dash dash first", args: []string{"exec", "--", "sb", "-q"}, command: "exec <sandbox> <command>",
+			check: func(a *app) bool { return a.Exec.Sandbox == "sb" && slices.Equal(a.Exec.Command, []string{"-q"}) }},
+		{name: "values whole", args: []string{"exec", "sb", "--env", "K=a,b;c", "--env", "L=", "echo a,b", "c;d"}, command: "exec <sandbox> <command>",
+			check: func(a *app) bool {
+				return maps.Equal(a.Exec.Env, map[string]string{"K": "a,b;c", "L": ""}) && slices.Equal(a.Exec.Command, []string{"echo a,b", "c;d"})
+			}},
+		{name: "timeout in seconds", args: []string{"exec", "sb", "--timeout", "1.5", "true"}, command: "exec <sandbox> <command>",
+			check: func(a *app) bool { return time.Duration(a.Exec.Timeout) == 1500*time.Millisecond }},
+		{name: "timeout as a duration", args: []string{"exec", "sb", "--timeout=2m", "true"}, command: "exec <sandbox> <command>",
+			check: func(a *app) bool { return time.Duration(a.Exec.Timeout) == 2*time.Minute }},
+		{name: "fork -n", args: []string{"fork", "ck-1", "-n", "3", "-q"}, command: "fork <source>",
+			check: func(a *app) bool { return a.Fork.Source == "ck-1" && a.Fork.N == 3 && a.Fork.Quiet }},
+		{name: "serve passes its flags through", args: []string{"serve", "--addr", "127.0.0.1:9", "-pool-size", "4", "-h"}, command: "serve <args>",
+			check: func(a *app) bool {
+				return slices.Equal(a.Serve.Args, []string{"--addr", "127.0.0.1:9", "-pool-size", "4", "-h"}) && a.Addr == ""
+			}},
+		{name: "submit answer", args: []string{"submit", "sb", "42"}, command: "submit <sandbox> <answer>",
+			check: func(a *app) bool { return *a.Submit.Answer == "42" }},
+		{name: "unknown flag", args: []string{"reset", "sb", "--nope"}, wantErr: "unknown flag --nope"},
+		{name: "missing value", args: []string{"reset", "sb", "--seed"}, wantErr: "--seed: expected"},
+		{name: "bad timeout", args: []string{"exec", "sb", "--timeout", "soon", "true"}, wantErr: "want a duration"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			fs := flag.NewFlagSet("t", flag.ContinueOnError)
-			fs.SetOutput(io.Discard)
-			seed := fs.String("seed", "", "")
-			quiet := fs.Bool("q", false, "")
-			pos, dashAt, err := parseArgs(fs, tt.args)
-			if tt.wantErr {
-				if err == nil {
-					t.Fatalf("parseArgs(%q) = %q, want an error", tt.args, pos)
+			a, command, err := parse(t, tt.args...)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("parse(%q) = %q, %v; want an error with %q", tt.args, command, err, tt.wantErr)
 				}
 				return
 			}
-			if err != nil || !slices.Equal(pos, tt.pos) || dashAt != tt.dashAt || *seed != tt.seed || *quiet != tt.quiet {
-				t.Fatalf("parseArgs(%q) = %q, %d, %v (seed %q, q %v); want %q, %d (seed %q, q %v)",
-					tt.args, pos, dashAt, err, *seed, *quiet, tt.pos, tt.dashAt, tt.seed, tt.quiet)
+			if err != nil || command != tt.command || !tt.check(a) {
+				t.Fatalf("parse(%q) = %q, %v; want %q", tt.args, command, err, tt.command)
 			}
 		})
-	}
-}
-
-func TestKVFlag(t *testing.T) {
-	kv := kvFlag{}
-	for _, s := range []string{"a=1", "b=x=y", "a=2", "c="} {
-		if err := kv.Set(s); err != nil {
-			t.Fatalf("Set(%q): %v", s, err)
-		}
-	}
-	if got := kv.String(); got != "a=2,b=x=y,c=" {
-		t.Fatalf("String() = %q", got)
-	}
-	for _, bad := range []string{"novalue", "=v"} {
-		if err := kv.Set(bad); err == nil {
-			t.Errorf("Set(%q) succeeded", bad)
-		}
 	}
 }
 
@@ -140,28 +161,33 @@ func TestExitCodes(t *testing.T) {
 		stderr string // substring expected on stderr
 	}{
 		{name: "no command", args: nil, code: exitUsage, stderr: "Usage: deltagym"},
-		{name: "unknown command", args: []string{"frobnicate"}, code: exitUsage, stderr: `unknown command "frobnicate"`},
+		{name: "unknown command", args: []string{"frobnicate"}, code: exitUsage, stderr: "unexpected argument frobnicate"},
 		{name: "help", args: []string{"help"}, code: exitOK, stdout: "checkpoint"},
 		{name: "help flag", args: []string{"-h"}, code: exitOK, stdout: "Commands:"},
 		{name: "help command", args: []string{"help", "reset"}, code: exitOK, stdout: "-seed"},
 		{name: "help serve", args: []string{"help", "serve"}, code: exitOK, stdout: "-lease-ttl"},
+		{name: "serve -h", args: []string{"serve", "-h"}, code: exitOK, stdout: "-lease-ttl"},
+		{name: "serve bad flag", args: []string{"serve", "--lease-ttl", "soon"}, code: exitUsage, stderr: "-lease-ttl"},
+		{name: "help unknown", args: []string{"help", "frobnicate"}, code: exitUsage, stderr: "unexpected argument frobnicate"},
+		{name: "checkpoint bad processes", args: []string{"checkpoint", "sb", "--processes", "all"}, code: exitUsage, stderr: "want template, criu or files"},
+		{name: "completion of another shell", args: []string{"completion", "tcsh"}, code: exitUsage, stderr: `"bash","zsh","fish"`},
 		{name: "command -h", args: []string{"fork", "-h"}, code: exitOK, stdout: "-checkpoint"},
-		{name: "reset without env", args: []string{"reset"}, code: exitUsage, stderr: "missing ENV"},
-		{name: "reset bad seed", args: []string{"reset", "shell", "--seed", "x"}, code: exitUsage, stderr: "not an integer"},
-		{name: "reset bad option", args: []string{"reset", "shell", "--option", "novalue"}, code: exitUsage, stderr: "want key=value"},
-		{name: "reset two envs", args: []string{"reset", "a", "b"}, code: exitUsage, stderr: `unexpected argument "b"`},
-		{name: "exec without command", args: []string{"exec", "sb"}, code: exitUsage, stderr: "missing CMD"},
+		{name: "reset without env", args: []string{"reset"}, code: exitUsage, stderr: `expected "<env>"`},
+		{name: "reset bad seed", args: []string{"reset", "shell", "--seed", "x"}, code: exitUsage, stderr: "expected a valid 64 bit int"},
+		{name: "reset bad option", args: []string{"reset", "shell", "--option", "novalue"}, code: exitUsage, stderr: `expected "<key>=<value>"`},
+		{name: "reset two envs", args: []string{"reset", "a", "b"}, code: exitUsage, stderr: "unexpected argument b"},
+		{name: "exec without command", args: []string{"exec", "sb"}, code: exitUsage, stderr: `expected "<command> ..."`},
 		{name: "fork without source", args: []string{"fork", "-n", "2"}, code: exitUsage, stderr: "exactly one of --checkpoint and --sandbox"},
 		{name: "fork with both", args: []string{"fork", "--checkpoint", "c", "--sandbox", "s"}, code: exitUsage, stderr: "exactly one"},
 		{name: "fork argument and flag", args: []string{"fork", "c", "--sandbox", "s"}, code: exitUsage, stderr: "not both"},
-		{name: "fork two arguments", args: []string{"fork", "c", "d"}, code: exitUsage, stderr: `unexpected argument "d"`},
+		{name: "fork two arguments", args: []string{"fork", "c", "d"}, code: exitUsage, stderr: "unexpected argument d"},
 		{name: "exec bad timeout", args: []string{"exec", "sb", "--timeout", "soon", "true"}, code: exitUsage, stderr: "want a duration"},
-		{name: "restore without checkpoint", args: []string{"restore", "sb"}, code: exitUsage, stderr: "missing CHECKPOINT"},
+		{name: "restore without checkpoint", args: []string{"restore", "sb"}, code: exitUsage, stderr: `expected "<checkpoint>"`},
 		{name: "fork of zero", args: []string{"fork", "--checkpoint", "c", "-n", "0"}, code: exitUsage, stderr: "want at least 1"},
 		{name: "write bad mode", args: []string{"write", "sb", "/p", "--mode", "9"}, code: exitUsage, stderr: "octal"},
-		{name: "traj csv", args: []string{"traj", "export", "--format", "csv"}, code: exitUsage, stderr: "only jsonl"},
-		{name: "traj unknown", args: []string{"traj", "import"}, code: exitUsage, stderr: "want export"},
-		{name: "db unknown", args: []string{"db", "drop"}, code: exitUsage, stderr: "want url"},
+		{name: "traj csv", args: []string{"traj", "export", "--format", "csv"}, code: exitUsage, stderr: `--format must be one of "jsonl"`},
+		{name: "traj unknown", args: []string{"traj", "import"}, code: exitUsage, stderr: `unexpected argument import, did you mean "export"`},
+		{name: "db unknown", args: []string{"db", "drop"}, code: exitUsage, stderr: "unexpected argument drop"},
 		{name: "bad address", args: []string{"--addr", "nowhere", "envs"}, code: exitUsage, stderr: "bad server address"},
 		{name: "server down", args: []string{"envs", "--addr", down}, code: exitError, stderr: "unavailable: "},
 		{name: "server down hint", args: []string{"--addr", down, "close", "sb-1"}, code: exitError, stderr: "is a server running at http://" + down},
@@ -479,7 +505,7 @@ func TestPurge(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(data, "sandbox")); !os.IsNotExist(err) {
 		t.Fatalf("purge left %v", err)
 	}
-	if _, stderr, code := runCLI(t, "", "purge", "extra"); code != exitUsage || !strings.Contains(stderr, `unexpected argument "extra"`) {
+	if _, stderr, code := runCLI(t, "", "purge", "extra"); code != exitUsage || !strings.Contains(stderr, "unexpected argument extra") {
 		t.Fatalf("purge with an argument: exit %d, stderr %q", code, stderr)
 	}
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -21,14 +20,9 @@ import (
 // (with its auth and retry policy), so that --json prints the server's
 // responses as they are.
 
-func runEnvs(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 0, 0, ""); err != nil {
-		return err
-	}
+type envsCmd struct{}
+
+func (*envsCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
@@ -38,7 +32,7 @@ func runEnvs(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	return printEnvs(a.stdout, res.Msg)
@@ -54,33 +48,20 @@ func printEnvs(w io.Writer, m *deltagymv1.ListEnvsResponse) error {
 	return t.flush()
 }
 
-func runReset(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		seed  = fs.String("seed", "", "seed handed to the reset hook (an integer)")
-		opts  = kvFlag{}
-		run   = fs.String("run", "", "run the episode belongs to")
-		group = fs.String("group", "", "group (GRPO) the episode belongs to")
-		key   = fs.String("idempotency-key", "", "idempotency key (default: a random one, so retries are safe)")
-		quiet = fs.Bool("q", false, "print only the sandbox ID")
-	)
-	fs.Var(opts, "option", "task option key=value handed to the reset hook (repeatable)")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "ENV"); err != nil {
-		return err
-	}
-	req := &deltagymv1.ResetRequest{Env: pos[0], Run: *run, GroupId: *group, IdempotencyKey: *key}
-	if len(opts) > 0 {
-		req.Options = opts
-	}
-	if *seed != "" {
-		n, err := strconv.ParseInt(*seed, 10, 64)
-		if err != nil {
-			return usageErrorf("--seed %q is not an integer", *seed)
-		}
-		req.Seed = &n
+type resetCmd struct {
+	Env            string            `arg:"" help:"the env to take a sandbox of"`
+	Seed           *int64            `placeholder:"N" help:"seed handed to the reset hook (an integer)"`
+	Option         map[string]string `mapsep:"none" placeholder:"KEY=VALUE" help:"task option handed to the reset hook (repeatable)"`
+	RunName        string            `name:"run" help:"run the episode belongs to"`
+	Group          string            `help:"group (GRPO) the episode belongs to"`
+	IdempotencyKey string            `help:"idempotency key (default: a random one, so retries are safe)"`
+	Quiet          bool              `short:"q" name:"quiet" help:"print only the sandbox ID"`
+}
+
+func (r *resetCmd) Run(ctx context.Context, a *app) error {
+	req := &deltagymv1.ResetRequest{Env: r.Env, Run: r.RunName, GroupId: r.Group, IdempotencyKey: r.IdempotencyKey, Seed: r.Seed}
+	if len(r.Option) > 0 {
+		req.Options = r.Option
 	}
 	if req.IdempotencyKey == "" {
 		req.IdempotencyKey = deltagym.NewIdempotencyKey()
@@ -95,9 +76,9 @@ func runReset(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 		return err
 	}
 	switch {
-	case a.json:
+	case a.JSON:
 		return printJSON(a.stdout, res.Msg)
-	case *quiet:
+	case r.Quiet:
 		_, err := fmt.Fprintln(a.stdout, res.Msg.GetSandboxId())
 		return err
 	}
@@ -137,34 +118,28 @@ func indent(s string) string {
 	return strings.Join(lines, "")
 }
 
-func runExec(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		session = fs.String("session", "", "persistent bash session to run the command in")
-		timeout = new(time.Duration)
-		cwd     = fs.String("cwd", "", "working directory inside the sandbox")
-		stdin   = fs.String("stdin", "", "file to give the command as standard input (- for this process's stdin)")
-		bg      = fs.Bool("background", false, "start the command in the background and return its pid")
-		ckpt    = fs.Bool("checkpoint", false, "checkpoint the state after the command and print its ID on stderr (stdout is the command's; --json has it as checkpointId)")
-		env     = kvFlag{}
-	)
-	fs.Var(env, "env", "environment variable key=value for the command (repeatable)")
-	fs.Var((*secondsFlag)(timeout), "timeout", "wall-time limit of the command: a duration (1.5s, 2m) or seconds (default: the env's step timeout)")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
+type execCmd struct {
+	Sandbox    string            `arg:"" help:"the sandbox to run the command in"`
+	Command    []string          `arg:"" sep:"none" help:"the command: one word is a shell string, several an argv (after --, so that its flags stay its own)"`
+	Session    string            `help:"persistent bash session to run the command in"`
+	Background bool              `help:"start the command in the background and return its pid"`
+	Timeout    seconds           `placeholder:"DURATION" help:"wall-time limit of the command: a duration (1.5s, 2m) or seconds (default: the env's step timeout)"`
+	Cwd        string            `placeholder:"DIR" help:"working directory inside the sandbox"`
+	Env        map[string]string `mapsep:"none" placeholder:"KEY=VALUE" help:"environment variable for the command (repeatable)"`
+	Stdin      string            `placeholder:"FILE" help:"file to give the command as standard input (- for this process's stdin)"`
+	Checkpoint bool              `help:"checkpoint the state after the command and print its ID on stderr (stdout is the command's; --json has it as checkpointId)"`
+}
+
+func (e *execCmd) Run(ctx context.Context, a *app) error {
+	action := &deltagymv1.ExecAction{Cwd: e.Cwd, Session: e.Session, Background: e.Background, TimeoutSeconds: time.Duration(e.Timeout).Seconds()}
+	if len(e.Env) > 0 {
+		action.Env = e.Env
+	}
+	if err := setCommand(action, e.Command); err != nil {
 		return err
 	}
-	if err := wantArgs(pos, 2, -1, "SANDBOX and CMD"); err != nil {
-		return err
-	}
-	action := &deltagymv1.ExecAction{Cwd: *cwd, Session: *session, Background: *bg, TimeoutSeconds: timeout.Seconds()}
-	if len(env) > 0 {
-		action.Env = env
-	}
-	if err := setCommand(action, pos[1:]); err != nil {
-		return err
-	}
-	if *stdin != "" {
-		b, err := readInput(a.stdin, *stdin)
+	if e.Stdin != "" {
+		b, err := readInput(a.stdin, e.Stdin)
 		if err != nil {
 			return err
 		}
@@ -176,12 +151,12 @@ func runExec(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 	}
 	defer c.Close()
 	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
-		SandboxId: pos[0], Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: action}}, Checkpoint: *ckpt,
+		SandboxId: e.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: action}}, Checkpoint: e.Checkpoint,
 	}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		err = printJSON(a.stdout, res.Msg)
 	} else {
 		err = printExec(a.stdout, a.stderr, res.Msg)
@@ -298,28 +273,25 @@ func readInput(stdin io.Reader, name string) ([]byte, error) {
 	return b, nil
 }
 
-func runWrite(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		from    = fs.String("from", "-", "file to copy into the sandbox (- for standard input)")
-		mode    = fs.String("mode", "", "permission bits of a new file, in octal (default 0644)")
-		appendF = fs.Bool("append", false, "append instead of replacing")
-	)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 2, 2, "SANDBOX and PATH"); err != nil {
-		return err
-	}
-	action := &deltagymv1.WriteFileAction{Path: pos[1], Append: *appendF}
-	if *mode != "" {
-		m, err := strconv.ParseUint(*mode, 8, 32)
+type writeCmd struct {
+	Sandbox string `arg:"" help:"the sandbox to write in"`
+	Path    string `arg:"" help:"the file's path inside the sandbox"`
+	From    string `default:"-" placeholder:"FILE" help:"file to copy into the sandbox (- for standard input, the default)"`
+	Mode    string `placeholder:"0644" help:"permission bits of a new file, in octal (default 0644)"`
+	Append  bool   `help:"append instead of replacing"`
+}
+
+func (wc *writeCmd) Run(ctx context.Context, a *app) error {
+	action := &deltagymv1.WriteFileAction{Path: wc.Path, Append: wc.Append}
+	if wc.Mode != "" {
+		m, err := strconv.ParseUint(wc.Mode, 8, 32)
 		if err != nil || m > 0o7777 {
-			return usageErrorf("--mode %q is not an octal permission", *mode)
+			return usageErrorf("--mode %q is not an octal permission", wc.Mode)
 		}
 		action.Mode = uint32(m)
 	}
-	if action.Content, err = readInput(a.stdin, *from); err != nil {
+	var err error
+	if action.Content, err = readInput(a.stdin, wc.From); err != nil {
 		return err
 	}
 	c, err := a.dial()
@@ -328,12 +300,12 @@ func runWrite(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	}
 	defer c.Close()
 	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
-		SandboxId: pos[0], Action: &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: action}},
+		SandboxId: wc.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: action}},
 	}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	fmt.Fprintf(a.stdout, "wrote %d bytes to %s (file size %d)\n", len(action.Content), action.Path, res.Msg.GetObservation().GetWriteFile().GetSize())
@@ -343,82 +315,73 @@ func runWrite(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	return nil
 }
 
-func runRead(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		offset   = fs.Int64("offset", 0, "byte offset to start at")
-		maxBytes = fs.Int64("max-bytes", 0, "most bytes to read (default: the env's output cap)")
-	)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 2, 2, "SANDBOX and PATH"); err != nil {
-		return err
-	}
+type readCmd struct {
+	Sandbox  string `arg:"" help:"the sandbox to read from"`
+	Path     string `arg:"" help:"the file's path inside the sandbox"`
+	Offset   int64  `placeholder:"N" help:"byte offset to start at"`
+	MaxBytes int64  `placeholder:"N" help:"most bytes to read (default: the env's output cap)"`
+}
+
+func (r *readCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
-		SandboxId: pos[0], Action: &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{
-			Path: pos[1], Offset: *offset, MaxBytes: *maxBytes,
+		SandboxId: r.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{
+			Path: r.Path, Offset: r.Offset, MaxBytes: r.MaxBytes,
 		}}},
 	}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
-	r := res.Msg.GetObservation().GetReadFile()
-	if _, err := a.stdout.Write(r.GetContent()); err != nil {
+	rf := res.Msg.GetObservation().GetReadFile()
+	if _, err := a.stdout.Write(rf.GetContent()); err != nil {
 		return err
 	}
-	if r.GetTruncated() {
-		fmt.Fprintf(a.stderr, "deltagym: printed %d of %d bytes from offset %d; use --offset to read on\n", len(r.GetContent()), r.GetSize(), *offset)
+	if rf.GetTruncated() {
+		fmt.Fprintf(a.stderr, "deltagym: printed %d of %d bytes from offset %d; use --offset to read on\n", len(rf.GetContent()), rf.GetSize(), r.Offset)
 	}
 	return nil
 }
 
-func runCheckpoint(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		durable = fs.Bool("durable", false, "save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (an agent's kill -9 -1 included)")
-		procs   = fs.String("processes", "", "how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's")
-		quiet   = fs.Bool("q", false, "print only the checkpoint ID")
-	)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "SANDBOX"); err != nil {
-		return err
+// processModes are the values of checkpoint --processes ("": the env's).
+var processModes = map[string]deltagymv1.ProcessMode{
+	"":         deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED,
+	"template": deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE,
+	"criu":     deltagymv1.ProcessMode_PROCESS_MODE_CRIU,
+	"files":    deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM,
+}
+
+type checkpointCmd struct {
+	Sandbox   string `arg:"" help:"the sandbox to checkpoint"`
+	Durable   bool   `help:"save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (an agent's kill -9 -1 included)"`
+	Processes string `predictor:"processes" placeholder:"template|criu|files" help:"how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's"`
+	Quiet     bool   `short:"q" name:"quiet" help:"print only the checkpoint ID"`
+}
+
+func (ck *checkpointCmd) Run(ctx context.Context, a *app) error {
+	mode, ok := processModes[ck.Processes]
+	if !ok {
+		return usageErrorf("--processes %q: want template, criu or files", ck.Processes)
 	}
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	mode := deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED
-	switch *procs {
-	case "":
-	case "template":
-		mode = deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE
-	case "files":
-		mode = deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM
-	case "criu":
-		mode = deltagymv1.ProcessMode_PROCESS_MODE_CRIU
-	default:
-		return usageErrorf("--processes %q: want template, criu or files", *procs)
-	}
-	res, err := c.EnvService().Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: pos[0], Durable: *durable, ProcessMode: mode}))
+	res, err := c.EnvService().Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: ck.Sandbox, Durable: ck.Durable, ProcessMode: mode}))
 	if err != nil {
 		return err
 	}
 	switch {
-	case a.json:
+	case a.JSON:
 		return printJSON(a.stdout, res.Msg)
-	case *quiet:
+	case ck.Quiet:
 		_, err := fmt.Fprintln(a.stdout, res.Msg.GetCheckpointId())
 		return err
 	}
@@ -455,71 +418,69 @@ func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse) error {
 	return nil
 }
 
-func runRestore(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	fresh := fs.Bool("fresh-entropy", false, "give the restored processes new randomness (/run/deltagym/fork-seed, sessions' $RANDOM)")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 2, 2, "SANDBOX and CHECKPOINT"); err != nil {
-		return err
-	}
+type restoreCmd struct {
+	Sandbox      string `arg:"" help:"the sandbox to restore"`
+	Checkpoint   string `arg:"" help:"the checkpoint to restore it to"`
+	FreshEntropy bool   `help:"give the restored processes new randomness (/run/deltagym/fork-seed, sessions' $RANDOM)"`
+}
+
+func (r *restoreCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: pos[0], CheckpointId: pos[1], FreshEntropy: *fresh}))
+	res, err := c.EnvService().Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: r.Sandbox, CheckpointId: r.Checkpoint, FreshEntropy: r.FreshEntropy}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	return fields(a.stdout, "episode", res.Msg.GetEpisodeId(), "next step", strconv.Itoa(int(res.Msg.GetNextStepIndex())))
 }
 
-func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		ckpt    = fs.String("checkpoint", "", "checkpoint to fork from")
-		sandbox = fs.String("sandbox", "", "sandbox whose current state to fork (checkpointed first)")
-		n       = fs.Int("n", 1, "number of sandboxes to create")
-		group   = fs.String("group", "", "group (GRPO) of the new episodes")
-		run     = fs.String("run", "", "run of the new episodes (default: the source's)")
-		key     = fs.String("idempotency-key", "", "idempotency key (default: a random one, so retries are safe)")
-		fresh   = fs.Bool("fresh-entropy", false, "give each child distinct randomness")
-		quiet   = fs.Bool("q", false, "print only the new sandbox IDs, one per line")
-	)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 0, 1, "CHECKPOINT"); err != nil {
-		return err
-	}
-	if len(pos) == 1 { // fork CK (as restore SB CK takes it), or fork SB
-		if *ckpt != "" || *sandbox != "" {
+type forkCmd struct {
+	Source         string `arg:"" optional:"" help:"the checkpoint to fork from, or a sandbox (sb-…) whose current state to fork"`
+	Checkpoint     string `placeholder:"ID" help:"checkpoint to fork from"`
+	Sandbox        string `placeholder:"ID" help:"sandbox whose current state to fork (checkpointed first)"`
+	N              int    `short:"n" name:"count" default:"1" placeholder:"N" help:"number of sandboxes to create (default ${default})"`
+	Group          string `help:"group (GRPO) of the new episodes"`
+	RunName        string `name:"run" help:"run of the new episodes (default: the source's)"`
+	IdempotencyKey string `help:"idempotency key (default: a random one, so retries are safe)"`
+	FreshEntropy   bool   `help:"give each child distinct randomness"`
+	Quiet          bool   `short:"q" name:"quiet" help:"print only the new sandbox IDs, one per line"`
+}
+
+func (f *forkCmd) Help() string {
+	return "Give the source as an argument (a checkpoint, or a sandbox: sb-…) or with --checkpoint or --sandbox."
+}
+
+func (f *forkCmd) Run(ctx context.Context, a *app) error {
+	ckpt, sandbox := f.Checkpoint, f.Sandbox
+	if f.Source != "" { // fork CK (as restore SB CK takes it), or fork SB
+		if ckpt != "" || sandbox != "" {
 			return usageErrorf("give the checkpoint as an argument or with --checkpoint or --sandbox, not both")
 		}
-		if strings.HasPrefix(pos[0], "sb-") {
-			*sandbox = pos[0]
+		if strings.HasPrefix(f.Source, "sb-") {
+			sandbox = f.Source
 		} else {
-			*ckpt = pos[0]
+			ckpt = f.Source
 		}
 	}
-	req := &deltagymv1.ForkRequest{GroupId: *group, Run: *run, IdempotencyKey: *key, FreshEntropy: *fresh}
+	req := &deltagymv1.ForkRequest{GroupId: f.Group, Run: f.RunName, IdempotencyKey: f.IdempotencyKey, FreshEntropy: f.FreshEntropy}
 	switch {
-	case (*ckpt == "") == (*sandbox == ""):
+	case (ckpt == "") == (sandbox == ""):
 		return usageErrorf("give exactly one of --checkpoint and --sandbox")
-	case *ckpt != "":
-		req.Source = &deltagymv1.ForkRequest_CheckpointId{CheckpointId: *ckpt}
+	case ckpt != "":
+		req.Source = &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ckpt}
 	default:
-		req.Source = &deltagymv1.ForkRequest_SandboxId{SandboxId: *sandbox}
+		req.Source = &deltagymv1.ForkRequest_SandboxId{SandboxId: sandbox}
 	}
-	if *n < 1 || *n > 1<<20 {
-		return usageErrorf("-n %d: want at least 1", *n)
+	if f.N < 1 || f.N > 1<<20 {
+		return usageErrorf("-n %d: want at least 1", f.N)
 	}
-	req.N = int32(*n)
+	req.N = int32(f.N)
 	if req.IdempotencyKey == "" {
 		req.IdempotencyKey = deltagym.NewIdempotencyKey()
 	}
@@ -533,9 +494,9 @@ func runFork(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		return err
 	}
 	switch {
-	case a.json:
+	case a.JSON:
 		return printJSON(a.stdout, res.Msg)
-	case *quiet:
+	case f.Quiet:
 		for _, id := range res.Msg.GetSandboxIds() {
 			fmt.Fprintln(a.stdout, id)
 		}
@@ -579,48 +540,42 @@ func printFork(w io.Writer, m *deltagymv1.ForkResponse) error {
 	return t.flush()
 }
 
-func runRelease(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "CHECKPOINT"); err != nil {
-		return err
-	}
+type releaseCmd struct {
+	Checkpoint string `arg:"" help:"the checkpoint to release"`
+}
+
+func (r *releaseCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ReleaseCheckpoint(ctx, connect.NewRequest(&deltagymv1.ReleaseCheckpointRequest{CheckpointId: pos[0]}))
+	res, err := c.EnvService().ReleaseCheckpoint(ctx, connect.NewRequest(&deltagymv1.ReleaseCheckpointRequest{CheckpointId: r.Checkpoint}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
-	_, err = fmt.Fprintf(a.stdout, "released %s\n", pos[0])
+	_, err = fmt.Fprintf(a.stdout, "released %s\n", r.Checkpoint)
 	return err
 }
 
-func runEvaluate(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "SANDBOX"); err != nil {
-		return err
-	}
+type evaluateCmd struct {
+	Sandbox string `arg:"" help:"the sandbox to evaluate"`
+}
+
+func (e *evaluateCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Evaluate(ctx, connect.NewRequest(&deltagymv1.EvaluateRequest{SandboxId: pos[0]}))
+	res, err := c.EnvService().Evaluate(ctx, connect.NewRequest(&deltagymv1.EvaluateRequest{SandboxId: e.Sandbox}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	m := res.Msg
@@ -638,30 +593,25 @@ func printVerdict(w io.Writer, reward float64, components map[string]float64, ou
 	return nil
 }
 
-func runSubmit(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 2, "SANDBOX"); err != nil {
-		return err
-	}
-	action := &deltagymv1.SubmitAction{}
-	if len(pos) == 2 {
-		action.Answer = &pos[1]
-	}
+type submitCmd struct {
+	Sandbox string  `arg:"" help:"the sandbox whose episode to end"`
+	Answer  *string `arg:"" optional:"" help:"the answer handed to the verifier"`
+}
+
+func (sc *submitCmd) Run(ctx context.Context, a *app) error {
+	action := &deltagymv1.SubmitAction{Answer: sc.Answer}
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
-		SandboxId: pos[0], Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: action}},
+		SandboxId: sc.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: action}},
 	}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	m := res.Msg
@@ -676,26 +626,23 @@ func runSubmit(ctx context.Context, a *app, fs *flag.FlagSet, args []string) err
 	return printVerdict(a.stdout, m.GetReward(), sub.GetComponents(), sub.GetOutput(), note)
 }
 
-func runClose(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, -1, "SANDBOX"); err != nil {
-		return err
-	}
+type closeCmd struct {
+	Sandboxes []string `arg:"" name:"sandbox" sep:"none" help:"the sandboxes to close"`
+}
+
+func (cc *closeCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	var errs []error
-	for _, id := range pos {
+	for _, id := range cc.Sandboxes {
 		res, err := c.EnvService().Close(ctx, connect.NewRequest(&deltagymv1.CloseRequest{SandboxId: id}))
 		switch {
 		case err != nil:
 			errs = append(errs, fmt.Errorf("%s: %w", id, err))
-		case a.json:
+		case a.JSON:
 			if err := printJSON(a.stdout, res.Msg); err != nil {
 				return err
 			}
@@ -706,29 +653,23 @@ func runClose(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	return errors.Join(errs...)
 }
 
-func runSandboxes(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		env   = fs.String("env", "", "only sandboxes of this env")
-		run   = fs.String("run", "", "only sandboxes of this run")
-		group = fs.String("group", "", "only sandboxes of this group")
-	)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 0, 0, ""); err != nil {
-		return err
-	}
+type sandboxesCmd struct {
+	Env     string `help:"only sandboxes of this env"`
+	RunName string `name:"run" help:"only sandboxes of this run"`
+	Group   string `help:"only sandboxes of this group"`
+}
+
+func (sc *sandboxesCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ListSandboxes(ctx, connect.NewRequest(&deltagymv1.ListSandboxesRequest{Env: *env, Run: *run, GroupId: *group}))
+	res, err := c.EnvService().ListSandboxes(ctx, connect.NewRequest(&deltagymv1.ListSandboxesRequest{Env: sc.Env, Run: sc.RunName, GroupId: sc.Group}))
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
 	now := time.Now()
@@ -740,22 +681,17 @@ func runSandboxes(ctx context.Context, a *app, fs *flag.FlagSet, args []string) 
 	return t.flush()
 }
 
-func runEpisodes(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		run   = fs.String("run", "", "only episodes of this run")
-		group = fs.String("group", "", "only episodes of this group")
-		env   = fs.String("env", "", "only episodes of this env")
-		limit = fs.Int("limit", 100, "most episodes to print (0: all)")
-	)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 0, 0, ""); err != nil {
-		return err
-	}
-	if *limit < 0 {
-		return usageErrorf("--limit %d: want 0 or more", *limit)
+type episodesCmd struct {
+	RunName string `name:"run" help:"only episodes of this run"`
+	Group   string `help:"only episodes of this group"`
+	Env     string `help:"only episodes of this env"`
+	Limit   int    `default:"100" placeholder:"N" help:"most episodes to print (0: all; default ${default})"`
+}
+
+func (ec *episodesCmd) Run(ctx context.Context, a *app) error {
+	limit := ec.Limit
+	if limit < 0 {
+		return usageErrorf("--limit %d: want 0 or more", limit)
 	}
 	c, err := a.dial()
 	if err != nil {
@@ -763,25 +699,25 @@ func runEpisodes(ctx context.Context, a *app, fs *flag.FlagSet, args []string) e
 	}
 	defer c.Close()
 	pageSize := 1000 // the server's largest page
-	if *limit > 0 {
-		pageSize = min(*limit+1, pageSize) // one more tells whether there are more
+	if limit > 0 {
+		pageSize = min(limit+1, pageSize) // one more tells whether there are more
 	}
 	var episodes []*deltagymv1.Episode
 	more := false
-	for e, err := range c.Episodes(ctx, deltagym.EpisodeFilter{Run: *run, Group: *group, Env: *env, PageSize: pageSize}) {
+	for e, err := range c.Episodes(ctx, deltagym.EpisodeFilter{Run: ec.RunName, Group: ec.Group, Env: ec.Env, PageSize: pageSize}) {
 		if err != nil {
 			return err
 		}
-		if *limit > 0 && len(episodes) == *limit {
+		if limit > 0 && len(episodes) == limit {
 			more = true
 			break
 		}
 		episodes = append(episodes, e)
 	}
 	if more {
-		fmt.Fprintf(a.stderr, "deltagym: showing the oldest %d; there are more (--limit 0 lists them all)\n", *limit)
+		fmt.Fprintf(a.stderr, "deltagym: showing the oldest %d; there are more (--limit 0 lists them all)\n", limit)
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, &deltagymv1.ListEpisodesResponse{Episodes: episodes})
 	}
 	return printEpisodes(a.stdout, episodes)
@@ -817,24 +753,21 @@ func failureText(e *deltagymv1.Episode) string {
 	return fc + m
 }
 
-func runTrajectory(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "EPISODE"); err != nil {
-		return err
-	}
+type trajectoryCmd struct {
+	Episode string `arg:"" help:"the episode to print"`
+}
+
+func (tc *trajectoryCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.Trajectory(ctx, pos[0])
+	res, err := c.Trajectory(ctx, tc.Episode)
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res)
 	}
 	return printTrajectory(a.stdout, res)
@@ -885,25 +818,22 @@ func printTrajectory(w io.Writer, m *deltagymv1.GetTrajectoryResponse) error {
 	return nil
 }
 
-func runAdvantages(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	source := fs.String("source", "", "reward source (default: the verifier's reward)")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "GROUP"); err != nil {
-		return err
-	}
+type advantagesCmd struct {
+	Group  string `arg:"" help:"the group (GRPO)"`
+	Source string `help:"reward source (default: the verifier's reward)"`
+}
+
+func (ac *advantagesCmd) Run(ctx context.Context, a *app) error {
 	c, err := a.dial()
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.GroupAdvantages(ctx, pos[0], *source)
+	res, err := c.GroupAdvantages(ctx, ac.Group, ac.Source)
 	if err != nil {
 		return err
 	}
-	if a.json {
+	if a.JSON {
 		return printJSON(a.stdout, res)
 	}
 	return printAdvantages(a.stdout, res)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/url"
@@ -28,17 +27,8 @@ const (
 
 // dbFlags are the flags that locate the ledger database.
 type dbFlags struct {
-	url  string
-	data string
-}
-
-func (d *dbFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&d.url, "database-url", os.Getenv(envDatabaseURL), "Postgres URL of the ledger (default $"+envDatabaseURL+", else the private cluster in the data directory)")
-	data := os.Getenv(envDataDir)
-	if data == "" {
-		data = ".data"
-	}
-	fs.StringVar(&d.data, "data", data, "server data directory holding the private Postgres cluster ($"+envDataDir+" sets the default)")
+	URL  string `name:"database-url" env:"DELTAGYM_DATABASE_URL" placeholder:"URL" help:"Postgres URL of the ledger (default: the private cluster in the data directory)"`
+	Data string `env:"DELTAGYM_DATA" default:".data" placeholder:"DIR" help:"server data directory holding the private Postgres cluster (default ${default})"`
 }
 
 // pgDir is where `deltagym serve` keeps its private Postgres cluster (the
@@ -70,87 +60,75 @@ var errNoCluster = errors.New("no ledger database")
 // when done with it. When the private cluster of the data directory is not
 // running (no server is), it is started for the duration of the command.
 func (d *dbFlags) openDatabase(ctx context.Context) (string, func(), error) {
-	if d.url != "" {
-		return d.url, func() {}, nil
+	if d.URL != "" {
+		return d.URL, func() {}, nil
 	}
-	u, err := embeddedURL(d.data)
+	u, err := embeddedURL(d.Data)
 	if err != nil {
 		return "", nil, err
 	}
-	if embeddedRunning(d.data) {
+	if embeddedRunning(d.Data) {
 		return u, func() {}, nil
 	}
 	if err := d.haveCluster(); err != nil {
 		return "", nil, err
 	}
-	srv, err := pgserver.Start(ctx, pgDir(d.data))
+	srv, err := pgserver.Start(ctx, pgDir(d.Data))
 	if err != nil {
-		return "", nil, fmt.Errorf("starting the private Postgres of %s: %w", d.data, err)
+		return "", nil, fmt.Errorf("starting the private Postgres of %s: %w", d.Data, err)
 	}
 	return srv.URL(), func() { _ = srv.Stop(context.WithoutCancel(ctx)) }, nil
 }
 
 // haveCluster fails with errNoCluster unless the data directory holds a private cluster.
 func (d *dbFlags) haveCluster() error {
-	if _, err := os.Stat(filepath.Join(pgDir(d.data), "postgres", "PG_VERSION")); err == nil {
+	if _, err := os.Stat(filepath.Join(pgDir(d.Data), "postgres", "PG_VERSION")); err == nil {
 		return nil
 	}
-	abs, _ := filepath.Abs(d.data)
+	abs, _ := filepath.Abs(d.Data)
 	return fmt.Errorf("%w: %s holds no Postgres cluster. These commands read the ledger of the server whose data directory they are given, not the one at --addr: pass --data DIR (or set $%s; `make run` uses .data in the checkout), or --database-url for an external database",
 		errNoCluster, abs, envDataDir)
 }
 
-func runDB(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var d dbFlags
-	d.register(fs)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "subcommand (url)"); err != nil {
-		return err
-	}
-	if pos[0] != "url" {
-		return usageErrorf("unknown db subcommand %q (want url)", pos[0])
-	}
-	u := d.url
+type dbCmd struct {
+	URL dbURLCmd `cmd:"" name:"url" help:"print the ledger database URL (for psql)"`
+}
+
+type dbURLCmd struct {
+	dbFlags
+}
+
+func (d *dbURLCmd) Run(a *app) error {
+	u := d.URL
 	if u == "" {
+		var err error
 		if err := d.haveCluster(); err != nil {
 			return err
 		}
-		if u, err = embeddedURL(d.data); err != nil {
+		if u, err = embeddedURL(d.Data); err != nil {
 			return err
 		}
-		if !embeddedRunning(d.data) {
-			fmt.Fprintf(a.stderr, "deltagym: the private Postgres of %s is not running now (start the server with `make run`)\n", d.data)
+		if !embeddedRunning(d.Data) {
+			fmt.Fprintf(a.stderr, "deltagym: the private Postgres of %s is not running now (start the server with `make run`)\n", d.Data)
 		}
 	}
-	_, err = fmt.Fprintln(a.stdout, u)
+	_, err := fmt.Fprintln(a.stdout, u)
 	return err
 }
 
-func runTraj(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var (
-		d      dbFlags
-		run    = fs.String("run", "", "export this run only (default: every run)")
-		format = fs.String("format", "jsonl", "output format (jsonl: one JSON object per episode)")
-		out    = fs.String("out", "-", "file to write (- for standard output)")
-	)
-	d.register(fs)
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 1, 1, "subcommand (export)"); err != nil {
-		return err
-	}
-	if pos[0] != "export" {
-		return usageErrorf("unknown traj subcommand %q (want export)", pos[0])
-	}
-	if *format != "jsonl" {
-		return usageErrorf("--format %q: only jsonl is supported", *format)
-	}
-	u, done, err := d.openDatabase(ctx)
+type trajCmd struct {
+	Export trajExportCmd `cmd:"" help:"export trajectories from the ledger database"`
+}
+
+type trajExportCmd struct {
+	dbFlags
+	RunName string `name:"run" placeholder:"NAME" help:"export this run only (default: every run)"`
+	Format  string `enum:"jsonl" default:"jsonl" help:"output format (jsonl: one JSON object per episode)"`
+	Out     string `default:"-" placeholder:"FILE" help:"file to write (- for standard output, the default)"`
+}
+
+func (t *trajExportCmd) Run(ctx context.Context, a *app) error {
+	u, done, err := t.openDatabase(ctx)
 	if err != nil {
 		return err
 	}
@@ -160,8 +138,8 @@ func runTraj(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error
 		return fmt.Errorf("opening the ledger: %w", err)
 	}
 	defer store.Close()
-	return writeOutput(a.stdout, *out, func(w io.Writer) error {
-		if err := store.ExportWith(ctx, w, ledger.ExportOptions{Run: *run, Observation: observationJSON}); err != nil {
+	return writeOutput(a.stdout, t.Out, func(w io.Writer) error {
+		if err := store.ExportWith(ctx, w, ledger.ExportOptions{Run: t.RunName, Observation: observationJSON}); err != nil {
 			return fmt.Errorf("exporting trajectories: %w", err)
 		}
 		return nil
@@ -213,24 +191,17 @@ func writeOutput(stdout io.Writer, path string, write func(io.Writer) error) err
 	return nil
 }
 
-// runPurge deletes the sandbox runtime's state in a stopped server's data
+// purgeCmd deletes the sandbox runtime's state in a stopped server's data
 // directory (its checkpoints, layers and imported images) and ends what a
 // crashed server left running: the sandboxes waiting for the next server
 // (their inits keep the templates of process checkpoints) and the private
 // Postgres. `make clean-data` runs it, then deletes the rest.
-func runPurge(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	data := os.Getenv(envDataDir)
-	if data == "" {
-		data = ".data"
-	}
-	fs.StringVar(&data, "data", data, "server data directory ($"+envDataDir+" sets the default)")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
-	}
-	if err := wantArgs(pos, 0, 0, ""); err != nil {
-		return err
-	}
+type purgeCmd struct {
+	Data string `env:"DELTAGYM_DATA" default:".data" placeholder:"DIR" help:"server data directory (default ${default})"`
+}
+
+func (p *purgeCmd) Run(ctx context.Context, a *app) error {
+	data := p.Data
 	dir := filepath.Join(data, "sandbox")
 	if err := sandbox.Purge(dir); err != nil {
 		if errors.Is(err, sandbox.ErrExists) {
@@ -243,6 +214,6 @@ func runPurge(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 	if err := pgserver.StopOrphan(ctx, pgDir(data)); err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(a.stdout, "purged %s\n", dir)
+	_, err := fmt.Fprintf(a.stdout, "purged %s\n", dir)
 	return err
 }

@@ -9,7 +9,11 @@
 // response as protojson, one object per line). Exit status: 0 on success, 1
 // on an error (its Connect code and message on stderr), 2 on a usage error;
 // exec exits with its command's status (128+N for signal N, 124 on timeout).
-// `deltagym help` lists the subcommands.
+// `deltagym help` lists the subcommands, `deltagym help COMMAND` describes one, and
+// `deltagym completion bash|zsh|fish` prints a script that completes them in the shell.
+//
+// The grammar is declared as structs (cli.go: one per command, its fields its arguments and
+// flags) and parsed by kong; serve hands its arguments to the server's own flag set.
 package main
 
 import (

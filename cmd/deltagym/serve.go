@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -14,21 +15,43 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/posener/complete"
+
 	"github.com/deltagym/deltagym/server"
 )
 
-// runServe runs the server in the foreground until SIGINT or SIGTERM, then
-// shuts it down gracefully.
-func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) error {
-	var cfg server.Config
+// serveCmd runs the server in the foreground until SIGINT or SIGTERM, then shuts it down
+// gracefully. Its arguments are the server's own flags (server.Config.RegisterFlags, and
+// --pprof), parsed by the flag package: kong passes them through.
+type serveCmd struct {
+	Args []string `arg:"" optional:"" predictor:"serve" help:"the server's flags (deltagym serve -h lists them)"`
+}
+
+// serveFlags returns the flag set of serve, bound to cfg and pprofAddr.
+func serveFlags(cfg *server.Config, pprofAddr *string) *flag.FlagSet {
+	fs := flag.NewFlagSet("deltagym serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors and usage are printed by serveCmd.Run
 	cfg.RegisterFlags(fs)
-	pprofAddr := fs.String("pprof", "", "serve Go's profiler (/debug/pprof/) on this loopback `host:port`, for profiling under load; off by default")
-	pos, _, err := parseArgs(fs, args)
-	if err != nil {
-		return err
+	fs.StringVar(pprofAddr, "pprof", "", "serve Go's profiler (/debug/pprof/) on this loopback `host:port`, for profiling under load; off by default")
+	return fs
+}
+
+// serveFlagPredictor completes serve's flags.
+func serveFlagPredictor() complete.Predictor {
+	var names []string
+	serveFlags(&server.Config{}, new(string)).VisitAll(func(f *flag.Flag) { names = append(names, "--"+f.Name) })
+	return complete.PredictSet(names...)
+}
+
+func (s *serveCmd) Run(ctx context.Context, a *app) error {
+	var cfg server.Config
+	var pprofAddr string
+	fs := serveFlags(&cfg, &pprofAddr)
+	if err := fs.Parse(s.Args); err != nil {
+		return serveUsage(a, fs, err)
 	}
-	if err := wantArgs(pos, 0, 0, ""); err != nil {
-		return err
+	if fs.NArg() > 0 {
+		return serveUsage(a, fs, fmt.Errorf("unexpected argument %q", fs.Arg(0)))
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -43,14 +66,30 @@ func runServe(ctx context.Context, a *app, fs *flag.FlagSet, args []string) erro
 		stopAdapt()
 		<-adapted
 	}()
-	if *pprofAddr != "" {
-		stopProf, err := servePprof(*pprofAddr)
+	if pprofAddr != "" {
+		stopProf, err := servePprof(pprofAddr)
 		if err != nil {
 			return err
 		}
 		defer stopProf()
 	}
 	return server.Run(ctx, cfg)
+}
+
+// serveUsage prints serve's usage: on stdout for -h, after the error on stderr otherwise.
+func serveUsage(a *app, fs *flag.FlagSet, err error) error {
+	w := a.stdout
+	if !errors.Is(err, flag.ErrHelp) {
+		w = a.stderr
+		fmt.Fprintf(w, "deltagym serve: %v\n", err)
+	}
+	fmt.Fprintf(w, "Usage: deltagym serve [server flags]\n\nRun the server in the foreground until SIGINT or SIGTERM.\n\nFlags:\n")
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	return commandExit(exitUsage)
 }
 
 // servePprof serves net/http/pprof on addr, which must be a loopback address.

@@ -62,18 +62,50 @@ func main() {
 	os.Exit(code)
 }
 
+// options are the parsed command line.
+type options struct {
+	cfg                           loadtest.Config
+	srv                           loadtest.ServerConfig
+	densityN                      int
+	jsonPath, plotPath, serverLog string
+	fullCopy, quiet, noCRIU       bool
+	set                           map[string]bool // the flags given
+}
+
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, code := parseArgs(args, stderr)
+	if o == nil {
+		return code
+	}
+	if !o.quiet && isTerminal(stderr) {
+		o.cfg.Progress = stderr
+	}
+	var server *loadtest.Server
+	if o.srv.Binary != "" {
+		s, stop, err := startServer(ctx, o, stderr)
+		if err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			return 1
+		}
+		defer stop()
+		server = s
+	}
+	if o.cfg.Scenario == "density" {
+		return runDensity(ctx, o, server, stdout, stderr)
+	}
+	return runLoad(ctx, o, server, stdout, stderr)
+}
+
+// parseArgs parses and checks the command line. A nil options means exit with the code.
+func parseArgs(args []string, stderr io.Writer) (*options, int) {
+	o := &options{}
 	fs := flag.NewFlagSet("deltagym-loadtest", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	var cfg loadtest.Config
-	var srv loadtest.ServerConfig
-	var jsonPath, plotPath, serverLog string
-	var fullCopy, quiet bool
+	cfg, srv := &o.cfg, &o.srv
 	fs.StringVar(&cfg.Addr, "addr", os.Getenv("DELTAGYM_ADDR"), "server address host:port (ignored with --serve)")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file, .data/token or $DELTAGYM_DATA/token; ignored with --serve)")
 	fs.StringVar(&cfg.Scenario, "scenario", "rollback", "scenario: "+strings.Join(loadtest.Scenarios, ", ")+", or density")
-	var densityN int
-	fs.IntVar(&densityN, "density-n", 1000, "density: idle sandboxes to start")
+	fs.IntVar(&o.densityN, "density-n", 1000, "density: idle sandboxes to start")
 	fs.StringVar(&cfg.Env, "env", "shell", "env to reset sandboxes from")
 	fs.IntVar(&cfg.Concurrency, "concurrency", 64, "sandboxes (closed-loop workers)")
 	fs.Float64Var(&cfg.Rate, "rate", 0, "open-loop target rate in iterations/s (0: closed loop)")
@@ -82,16 +114,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.FileSize, "file-size", 4096, "bytes the rollback scenario writes per iteration")
 	fs.IntVar(&cfg.ProcessMB, "process-mb", 8, "rollback-process: MiB the process of each sandbox holds (every page written)")
 	fs.StringVar(&cfg.ProcessMethod, "process-method", loadtest.ProcessTemplate, "rollback-process: how checkpoints capture the process: template, or criu")
-	var noCRIU bool
-	fs.BoolVar(&noCRIU, "no-criu", false, "rollback-process: do not measure (or probe) the CRIU variant beside the template run")
+	fs.BoolVar(&o.noCRIU, "no-criu", false, "rollback-process: do not measure (or probe) the CRIU variant beside the template run")
 	fs.IntVar(&cfg.Group, "group", 8, "children per fork in the grpo scenario")
 	fs.StringVar(&cfg.API, "api", "", "rollback scenarios: "+loadtest.APIStream+" (one StepStream per sandbox; the restore rides on a step, restore_checkpoint_id) or "+loadtest.APIUnary+" (Restore and each step a unary call); default "+loadtest.APIStream+" for rollback and rollback-exec, "+loadtest.APIUnary+" for the others")
 	fs.IntVar(&cfg.Conns, "conns", 1, "HTTP/2 connections shared by the workers")
 	fs.DurationVar(&cfg.SampleInterval, "sample", time.Second, "interval of the timeline's samples (throughput, server RSS, discard backlog, CPU per process)")
-	fs.StringVar(&jsonPath, "json", "", "write the JSON report to this file")
-	fs.StringVar(&plotPath, "plot", "", "write a latency CDF plot (PNG) to this file")
-	fs.BoolVar(&fullCopy, "full-copy", false, "also measure the full-copy rollback baseline (10k files, 1,000 / 50 MB changed)")
-	fs.BoolVar(&quiet, "quiet", false, "no live progress line (there is none when stderr is not a terminal)")
+	fs.StringVar(&o.jsonPath, "json", "", "write the JSON report to this file")
+	fs.StringVar(&o.plotPath, "plot", "", "write a latency CDF plot (PNG) to this file")
+	fs.BoolVar(&o.fullCopy, "full-copy", false, "also measure the full-copy rollback baseline (10k files, 1,000 / 50 MB changed)")
+	fs.BoolVar(&o.quiet, "quiet", false, "no live progress line (there is none when stderr is not a terminal)")
 	fs.StringVar(&srv.Binary, "serve", "", "start this server binary (bin/deltagym) for the run and stop it after")
 	fs.StringVar(&srv.Init, "init", os.Getenv("DELTAGYM_INIT"), "with --serve: the sandbox init (bin/dg-init)")
 	fs.StringVar(&srv.DataDir, "data", ".data/loadtest", "with --serve: the server's data dir; --full-copy scratch goes here too")
@@ -100,163 +131,186 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&srv.Ledger, "ledger", false, "with --serve: run the server with its ledger (default --no-ledger)")
 	fs.IntVar(&srv.PoolSize, "pool-size", 0, "with --serve: the server's --pool-size")
 	fs.BoolVar(&srv.IsolateCgroups, "isolate-cgroups", true, "with --serve: give the server private cgroup roots (another server's sandboxes stay untouched)")
-	fs.StringVar(&serverLog, "server-log", "", "with --serve: append the server's output to this file")
+	fs.StringVar(&o.serverLog, "server-log", "", "with --serve: append the server's output to this file")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: deltagym-loadtest [flags]\n\n%s\nFlags:\n", scenarioHelp)
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return 0
+			return nil, 0
 		}
-		return 2
+		return nil, 2
 	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "deltagym-loadtest: unexpected argument %q: every option is a flag (--name value); -h lists them\n", fs.Arg(0))
+		return nil, 2
+	}
+	o.set = map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { o.set[f.Name] = true })
 	if cfg.Token == "" {
 		tok, err := deltagym.ResolveToken()
 		if err != nil {
 			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-			return 2
+			return nil, 2
 		}
 		cfg.Token = tok
 	}
 	if cfg.API == "" && (cfg.Scenario == "rollback" || cfg.Scenario == "rollback-exec") {
 		cfg.API = loadtest.APIStream
 	}
-	if err := checkArgs(fs, &cfg, srv, densityN, jsonPath, plotPath); err != nil {
+	if err := checkArgs(o); err != nil {
 		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-		return 2
+		return nil, 2
 	}
-	if !quiet && isTerminal(stderr) {
-		cfg.Progress = stderr
-	}
-	var server *loadtest.Server
-	cgroupCPU := ""
-	if srv.Binary != "" {
-		if serverLog != "" {
-			f, err := os.OpenFile(serverLog, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-			if err != nil {
-				fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-				return 1
-			}
-			defer f.Close()
-			srv.Log = f
-		}
-		fmt.Fprintf(stderr, "starting %s (data %s) ...\n", srv.Binary, srv.DataDir)
-		s, err := loadtest.StartServer(ctx, srv)
+	return o, 0
+}
+
+// startServer starts the server of --serve for the run, and returns it with the function that
+// stops it.
+func startServer(ctx context.Context, o *options, stderr io.Writer) (*loadtest.Server, func(), error) {
+	closeLog := func() {}
+	if o.serverLog != "" {
+		f, err := os.OpenFile(o.serverLog, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 		if err != nil {
-			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-			return 1
+			return nil, nil, err
 		}
-		defer func() {
-			if err := s.Close(); err != nil {
-				fmt.Fprintln(stderr, "deltagym-loadtest: stopping the server:", err)
-			}
-			fmt.Fprintf(stderr, "stopped server pid %d\n", s.PID)
-		}()
-		fmt.Fprintf(stderr, "server pid %d healthy on %s\n", s.PID, s.Addr)
-		server, cfg.Addr, cfg.Token = s, s.Addr, s.Token
-		cgroupCPU = s.SandboxCPUStat()
+		o.srv.Log, closeLog = f, func() { _ = f.Close() }
 	}
-	pid := 0
+	fmt.Fprintf(stderr, "starting %s (data %s) ...\n", o.srv.Binary, o.srv.DataDir)
+	s, err := loadtest.StartServer(ctx, o.srv)
+	if err != nil {
+		closeLog()
+		return nil, nil, err
+	}
+	fmt.Fprintf(stderr, "server pid %d healthy on %s\n", s.PID, s.Addr)
+	o.cfg.Addr, o.cfg.Token = s.Addr, s.Token
+	stop := func() {
+		if err := s.Close(); err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest: stopping the server:", err)
+		}
+		fmt.Fprintf(stderr, "stopped server pid %d\n", s.PID)
+		closeLog()
+	}
+	return s, stop, nil
+}
+
+// runDensity runs the density scenario and writes its summary and report.
+func runDensity(ctx context.Context, o *options, server *loadtest.Server, stdout, stderr io.Writer) int {
+	dc := loadtest.DensityConfig{Addr: o.cfg.Addr, Token: o.cfg.Token, Env: o.cfg.Env, N: o.densityN}
 	if server != nil {
-		pid = server.PID
+		dc.ServerPID, dc.MemoryCgroup = server.PID, server.SandboxMemoryUsage()
 	}
-	if cfg.Scenario == "density" {
-		dc := loadtest.DensityConfig{Addr: cfg.Addr, Token: cfg.Token, Env: cfg.Env, N: densityN, ServerPID: pid}
-		if server != nil {
-			dc.MemoryCgroup = server.SandboxMemoryUsage()
-		}
-		d, err := loadtest.MeasureDensity(ctx, dc)
-		if err != nil {
+	d, err := loadtest.MeasureDensity(ctx, dc)
+	if err != nil {
+		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+		return 1
+	}
+	d.WriteSummary(stdout)
+	if o.jsonPath != "" {
+		b, _ := json.MarshalIndent(d, "", "  ")
+		if err := os.WriteFile(o.jsonPath, append(b, '\n'), 0o644); err != nil {
 			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
 			return 1
 		}
-		d.WriteSummary(stdout)
-		if jsonPath != "" {
-			b, _ := json.MarshalIndent(d, "", "  ")
-			if err := os.WriteFile(jsonPath, append(b, '\n'), 0o644); err != nil {
-				fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-				return 1
-			}
-			fmt.Fprintln(stderr, "report:", jsonPath)
-		}
-		if plotPath != "" {
-			// No latency to plot; a plot left there by an earlier run would not be this run's.
-			if err := os.Remove(plotPath); err == nil {
-				fmt.Fprintf(stderr, "density measures no latency: no plot (removed the earlier run's %s)\n", plotPath)
-			} else {
-				fmt.Fprintln(stderr, "density measures no latency: no plot written")
-			}
-		}
-		return 0
+		fmt.Fprintln(stderr, "report:", o.jsonPath)
 	}
-	cfg.ServerPID, cfg.SandboxCPUStat = pid, cgroupCPU
-	probe := loadtest.StartProbe(pid, cgroupCPU)
+	if o.plotPath != "" {
+		// No latency to plot; a plot left there by an earlier run would not be this run's.
+		if err := os.Remove(o.plotPath); err == nil {
+			fmt.Fprintf(stderr, "density measures no latency: no plot (removed the earlier run's %s)\n", o.plotPath)
+		} else {
+			fmt.Fprintln(stderr, "density measures no latency: no plot written")
+		}
+	}
+	return 0
+}
+
+// runLoad runs a load scenario, the baselines asked for beside it, and writes the summary and
+// the outputs.
+func runLoad(ctx context.Context, o *options, server *loadtest.Server, stdout, stderr io.Writer) int {
+	cfg := o.cfg
+	if server != nil {
+		cfg.ServerPID, cfg.SandboxCPUStat = server.PID, server.SandboxCPUStat()
+	}
+	probe := loadtest.StartProbe(cfg.ServerPID, cfg.SandboxCPUStat)
 	rep, err := loadtest.Run(ctx, cfg)
 	if err != nil {
 		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
 		return 1
 	}
 	rep.Machine = probe.End()
-	if rep.Interrupted && (fullCopy || cfg.Scenario == "rollback-process" && !noCRIU) {
-		// What was measured, without the baselines the interrupt also asked to skip.
-		fmt.Fprintln(stderr, "interrupted: the baselines (full copy, CRIU) are not measured")
-		fullCopy, noCRIU = false, true
-	}
-	if fullCopy {
-		fmt.Fprintln(stderr, "measuring the full-copy baseline ...")
-		fc, err := loadtest.MeasureFullCopy(ctx, loadtest.FullCopyConfig{Dir: filepath.Join(srv.DataDir, "fullcopy")})
-		if err != nil {
-			fmt.Fprintln(stderr, "deltagym-loadtest: full-copy baseline:", err)
-			return 1
-		}
-		solo, err := loadtest.Run(ctx, loadtest.Config{Addr: cfg.Addr, Token: cfg.Token, Env: cfg.Env, Scenario: "rollback",
-			Concurrency: 1, Duration: 3 * time.Second, Warmup: 500 * time.Millisecond})
-		if err != nil {
-			fmt.Fprintln(stderr, "deltagym-loadtest: solo restore:", err)
-			return 1
-		}
-		fc.SetSoloRestore(solo.Ops["restore"].P50Ms, solo.Ops["restore"].P99Ms)
-		rep.FullCopy = fc
-	}
-	if cfg.Scenario == "rollback-process" && cfg.ProcessMethod == loadtest.ProcessTemplate && !noCRIU {
-		fmt.Fprintln(stderr, "measuring the CRIU variant of rollback-process ...")
-		cc := cfg
-		cc.Duration, cc.Progress = min(cfg.Duration, 10*time.Second), nil
-		v, err := loadtest.MeasureProcessCRIU(ctx, cc)
-		if err != nil {
-			fmt.Fprintln(stderr, "deltagym-loadtest: CRIU variant:", err)
-			return 1
-		}
-		rep.ProcessCRIU = v
+	if err := measureBaselines(ctx, o, cfg, rep, stderr); err != nil {
+		fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+		return 1
 	}
 	rep.WriteSummary(stdout)
-	code := 0
-	if jsonPath != "" {
-		if err := rep.WriteJSON(jsonPath); err != nil {
-			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-			code = 1
-		} else {
-			fmt.Fprintln(stderr, "report:", jsonPath)
-		}
-	}
-	if plotPath != "" {
-		if err := rep.WritePlot(plotPath); err != nil {
-			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
-			code = 1
-		} else {
-			fmt.Fprintln(stderr, "plot:", plotPath)
-		}
-	}
 	switch {
-	case code != 0:
-		return code
+	case !writeOutputs(o, rep, stderr):
+		return 1
 	case rep.Interrupted:
 		return 130
 	case rep.ErrorCount > 0:
 		return 3
 	}
 	return 0
+}
+
+// measureBaselines measures what --full-copy and rollback-process ask for beside the run, into
+// rep: the full-copy baseline with a solo restore to compare, and the CRIU variant.
+func measureBaselines(ctx context.Context, o *options, cfg loadtest.Config, rep *loadtest.Report, stderr io.Writer) error {
+	fullCopy := o.fullCopy
+	criu := cfg.Scenario == "rollback-process" && cfg.ProcessMethod == loadtest.ProcessTemplate && !o.noCRIU
+	if rep.Interrupted && (fullCopy || criu) {
+		// What was measured, without the baselines the interrupt also asked to skip.
+		fmt.Fprintln(stderr, "interrupted: the baselines (full copy, CRIU) are not measured")
+		return nil
+	}
+	if fullCopy {
+		fmt.Fprintln(stderr, "measuring the full-copy baseline ...")
+		fc, err := loadtest.MeasureFullCopy(ctx, loadtest.FullCopyConfig{Dir: filepath.Join(o.srv.DataDir, "fullcopy")})
+		if err != nil {
+			return fmt.Errorf("full-copy baseline: %w", err)
+		}
+		solo, err := loadtest.Run(ctx, loadtest.Config{Addr: cfg.Addr, Token: cfg.Token, Env: cfg.Env, Scenario: "rollback",
+			Concurrency: 1, Duration: 3 * time.Second, Warmup: 500 * time.Millisecond})
+		if err != nil {
+			return fmt.Errorf("solo restore: %w", err)
+		}
+		fc.SetSoloRestore(solo.Ops["restore"].P50Ms, solo.Ops["restore"].P99Ms)
+		rep.FullCopy = fc
+	}
+	if criu {
+		fmt.Fprintln(stderr, "measuring the CRIU variant of rollback-process ...")
+		cc := cfg
+		cc.Duration, cc.Progress = min(cfg.Duration, 10*time.Second), nil
+		v, err := loadtest.MeasureProcessCRIU(ctx, cc)
+		if err != nil {
+			return fmt.Errorf("CRIU variant: %w", err)
+		}
+		rep.ProcessCRIU = v
+	}
+	return nil
+}
+
+// writeOutputs writes the JSON report and the plot asked for; false if one could not be.
+func writeOutputs(o *options, rep *loadtest.Report, stderr io.Writer) bool {
+	ok := true
+	for _, out := range []struct {
+		path, what string
+		write      func(string) error
+	}{{o.jsonPath, "report", rep.WriteJSON}, {o.plotPath, "plot", rep.WritePlot}} {
+		if out.path == "" {
+			continue
+		}
+		if err := out.write(out.path); err != nil {
+			fmt.Fprintln(stderr, "deltagym-loadtest:", err)
+			ok = false
+			continue
+		}
+		fmt.Fprintf(stderr, "%s: %s\n", out.what, out.path)
+	}
+	return ok
 }
 
 // scenarioHelp is what -h says about the scenarios.
@@ -280,41 +334,44 @@ without it, --addr (or DELTAGYM_ADDR) names a running one, e.g. 127.0.0.1:8080 f
 `
 
 // checkArgs rejects what the flags cannot mean before anything starts.
-func checkArgs(fs *flag.FlagSet, cfg *loadtest.Config, srv loadtest.ServerConfig, densityN int, jsonPath, plotPath string) error {
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected argument %q: every option is a flag (--name value); -h lists them", fs.Arg(0))
+func checkArgs(o *options) error {
+	cfg := &o.cfg
+	for _, c := range []struct {
+		flag string
+		bad  bool
+		msg  string
+	}{
+		{"concurrency", cfg.Concurrency < 1, fmt.Sprintf("--concurrency %d: at least one sandbox", cfg.Concurrency)},
+		{"duration", cfg.Duration <= 0, fmt.Sprintf("--duration %v: it must be positive", cfg.Duration)},
+		{"conns", cfg.Conns < 1, fmt.Sprintf("--conns %d: at least one connection", cfg.Conns)},
+		{"group", cfg.Group < 1, fmt.Sprintf("--group %d: at least one child per fork", cfg.Group)},
+		{"sample", cfg.SampleInterval <= 0, fmt.Sprintf("--sample %v: it must be positive (100ms or more)", cfg.SampleInterval)},
+		{"", o.densityN < 1, fmt.Sprintf("--density-n %d: at least one sandbox", o.densityN)},
+	} {
+		if c.bad && (c.flag == "" || o.set[c.flag]) {
+			return errors.New(c.msg)
+		}
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	switch {
-	case set["concurrency"] && cfg.Concurrency < 1:
-		return fmt.Errorf("--concurrency %d: at least one sandbox", cfg.Concurrency)
-	case set["duration"] && cfg.Duration <= 0:
-		return fmt.Errorf("--duration %v: it must be positive", cfg.Duration)
-	case set["conns"] && cfg.Conns < 1:
-		return fmt.Errorf("--conns %d: at least one connection", cfg.Conns)
-	case set["group"] && cfg.Group < 1:
-		return fmt.Errorf("--group %d: at least one child per fork", cfg.Group)
-	case set["sample"] && cfg.SampleInterval <= 0:
-		return fmt.Errorf("--sample %v: it must be positive (100ms or more)", cfg.SampleInterval)
-	case densityN < 1:
-		return fmt.Errorf("--density-n %d: at least one sandbox", densityN)
-	}
-	if srv.Binary == "" && cfg.Addr != "" {
+	if o.srv.Binary == "" && cfg.Addr != "" {
 		if _, port, err := net.SplitHostPort(cfg.Addr); err != nil || port == "" {
 			return fmt.Errorf("--addr %q is not host:port (for example 127.0.0.1:8080)", cfg.Addr)
 		}
 	}
 	if cfg.Scenario != "density" {
 		c := *cfg
-		if srv.Binary != "" {
+		if o.srv.Binary != "" {
 			c.Addr = "127.0.0.1:1" // the server's address is known once it runs
 		}
 		if err := c.Validate(); err != nil {
 			return err
 		}
 	}
-	for _, p := range []string{jsonPath, plotPath} {
+	return checkOutputs(o.jsonPath, o.plotPath)
+}
+
+// checkOutputs checks that the output files can be written.
+func checkOutputs(paths ...string) error {
+	for _, p := range paths {
 		if p == "" {
 			continue
 		}
