@@ -92,9 +92,9 @@ func stripURLToken(r *http.Request, p string) {
 	r.RequestURI = r.URL.RequestURI()
 }
 
-// errUnauthenticatedHint is what a refused client is told: where the token is, not what it is.
-var errUnauthenticatedHint = fmt.Errorf("%w: send \"Authorization: Bearer <token>\"; without --token the server keeps its token in the file %q of its data directory (--data), readable by the user that runs it",
-	ErrUnauthenticated, TokenFile)
+// unauthenticatedHint is what a refused client is told: where the token is, not what it is.
+var unauthenticatedHint = fmt.Sprintf("missing or wrong bearer token: send \"Authorization: Bearer <token>\"; without --token the server keeps its token in the file %q of its data directory (--data), readable by the user that runs it",
+	TokenFile)
 
 func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 	// The connection is closed after the answer (HTTP/1: Connection: close; HTTP/2: the server
@@ -105,11 +105,11 @@ func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 		g.refuse(reason)
 	}
 	if g.errw.IsSupported(r) {
-		_ = g.errw.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errUnauthenticatedHint))
+		_ = g.errw.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errors.New(unauthenticatedHint)))
 		return
 	}
 	w.Header().Set("WWW-Authenticate", "Bearer")
-	http.Error(w, "unauthenticated: "+errUnauthenticatedHint.Error(), http.StatusUnauthorized)
+	http.Error(w, "unauthenticated: "+unauthenticatedHint, http.StatusUnauthorized)
 }
 
 func isPublic(p string) bool {

@@ -1,10 +1,26 @@
 package server
 
+import (
+	"context"
+
+	"connectrpc.com/connect"
+
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
+)
+
 // Unexported functions the external tests use.
 var (
-	InfraFailure  = infraFailure
 	TraceExporter = traceExporter
+	CodeOf        = codeOf
 )
+
+// InfraFailure is episode.InfraFailure with the server's idea of an internal error.
+func InfraFailure(ctx context.Context, box *sandbox.Sandbox, err error) (gone, infra bool) {
+	return episode.InfraFailure(ctx, box, err, isInternal)
+}
 
 // PostgresMemoryLimit is postgresMemoryLimit, for tests.
 func (c *Config) PostgresMemoryLimit() int64 { return c.postgresMemoryLimit() }
+
+var _ = connect.CodeInternal

@@ -142,9 +142,9 @@ func (w *Writer) deliverLoop(ctx context.Context) {
 			w.notifyLocked()
 			w.mu.Unlock()
 			if j.steps > 0 {
-				w.stepsDelivered.Add(uint64(j.steps))
+				w.vac.steps.Add(uint64(j.steps))
 				select {
-				case w.vacuumKick <- struct{}{}:
+				case w.vac.kick <- struct{}{}:
 				default:
 				}
 			}

@@ -80,7 +80,7 @@ func (vc *vacuumConn) close() {
 // vacuumLoop vacuums the steps table after every Config.VacuumSteps steps delivered, until ctx
 // ends.
 func (w *Writer) vacuumLoop(ctx context.Context) {
-	defer close(w.vacuumDone)
+	defer close(w.vac.done)
 	vc := &vacuumConn{}
 	defer vc.close()
 	every := uint64(w.cfg.VacuumSteps)
@@ -106,16 +106,16 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-w.vacuumKick:
+		case <-w.vac.kick:
 		case <-retry:
 		}
-		if !owed && w.stepsDelivered.Load() < at+every {
+		if !owed && w.vac.steps.Load() < at+every {
 			continue
 		}
 		if !sleepCtx(ctx, time.Until(next)) {
 			return
 		}
-		start := w.stepsDelivered.Load()
+		start := w.vac.steps.Load()
 		vis, err := w.vacuum(ctx, vc)
 		switch {
 		case ctx.Err() != nil:
@@ -144,7 +144,7 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 			w.cfg.Logger.Info("ledger: vacuuming the steps table again")
 		}
 		failing, owed, at = false, false, start
-		if w.vacuums.Add(1) == 1 {
+		if w.vac.runs.Add(1) == 1 {
 			w.cfg.Logger.Info(fmt.Sprintf("ledger: vacuuming the steps table every %d steps", every))
 		}
 		w.cfg.Logger.Debug("ledger: vacuumed the steps table", "steps", at, "pages", vis.pages, "all_visible", vis.visible)

@@ -154,37 +154,48 @@ type Writer struct {
 	cfg Config
 	sp  *spool
 
-	mu        sync.Mutex
-	nextSeq   uint64
-	chunks    [][]byte // frames not yet written to the spool
-	pending   int      // bytes in chunks
-	free      [][]byte // written chunks kept for reuse
-	drained   *sync.Cond
-	mem       []record // undelivered rows with contiguous seqs, when not overflowing
-	memBytes  int
-	overflow  bool // the queue was full: rows from here on are read back from the spool
-	synced    uint64
+	mu sync.Mutex
+	// +checklocks:mu
+	nextSeq uint64
+	// +checklocks:mu
+	chunks [][]byte // frames not yet written to the spool
+	// +checklocks:mu
+	pending int // bytes in chunks
+	// +checklocks:mu
+	free [][]byte // written chunks kept for reuse
+	// +checklocks:mu
+	drained *sync.Cond // on mu: pending went down, or the writer closed
+	// +checklocks:mu
+	mem []record // undelivered rows with contiguous seqs, when not overflowing
+	// +checklocks:mu
+	memBytes int
+	// +checklocks:mu
+	overflow bool // the queue was full: rows from here on are read back from the spool
+	// +checklocks:mu
+	synced uint64
+	// +checklocks:mu
 	delivered uint64
-	flushTo   uint64 // rows up to here are delivered without DeliveryDelay
-	closed    bool
-	changed   chan struct{} // closed and replaced whenever synced or delivered advance
-	syncErr   error
-	maxSync   time.Duration
+	// +checklocks:mu
+	flushTo uint64 // rows up to here are delivered without DeliveryDelay
+	// +checklocks:mu
+	closed bool
+	// +checklocks:mu
+	changed chan struct{} // closed and replaced whenever synced or delivered advance
+	// +checklocks:mu
+	syncErr error
+	// +checklocks:mu
+	maxSync time.Duration
 
-	kick     chan struct{} // the buffer became non-empty
-	flushNow chan struct{} // skip the rest of the window
-	stopSync chan struct{}
-	syncDone chan struct{}
+	syncer syncSignals
 
 	cancelDeliver context.CancelFunc
 	deliverDone   chan struct{}
 
-	stepsDelivered atomic.Uint64 // step rows committed to Postgres
-	vacuumKick     chan struct{} // stepsDelivered advanced
-	vacuumDone     chan struct{}
-	vacuums        atomic.Uint64
+	vac vacuumSignals
 
-	spooled, dropped, retries atomic.Uint64
+	// +checklocks:mu
+	spooled          atomic.Uint64 // counted under mu, where an append overflows
+	dropped, retries atomic.Uint64
 
 	closeOnce sync.Once
 	closeErr  error
@@ -192,8 +203,26 @@ type Writer struct {
 	beforeWait func() // tests: called by waitDelivered before it waits (SetBeforeWait)
 }
 
+// syncSignals are the channels between the appenders and the syncer (syncLoop).
+type syncSignals struct {
+	kick     chan struct{} // the buffer became non-empty
+	flushNow chan struct{} // skip the rest of the window
+	stop     chan struct{}
+	done     chan struct{}
+}
+
+// vacuumSignals are what the deliverer tells the vacuumer (vacuumLoop), and its count.
+type vacuumSignals struct {
+	steps atomic.Uint64 // step rows committed to Postgres
+	kick  chan struct{} // steps advanced
+	done  chan struct{}
+	runs  atomic.Uint64 // vacuums run
+}
+
 // NewWriter opens (recovering) the spool and starts the syncer and deliverer. Rows left in the
 // spool by an earlier writer are delivered first.
+//
+// +checklocksignore: the writer is not shared before its goroutines start.
 func NewWriter(cfg Config) (*Writer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -208,20 +237,17 @@ func NewWriter(cfg Config) (*Writer, error) {
 		first = d + 1
 	}
 	w := &Writer{
-		cfg:         cfg,
-		sp:          sp,
-		nextSeq:     last + 1,
-		synced:      last,
-		delivered:   first - 1,
-		overflow:    last >= first, // recovered rows are read from the spool
-		changed:     make(chan struct{}),
-		kick:        make(chan struct{}, 1),
-		flushNow:    make(chan struct{}, 1),
-		stopSync:    make(chan struct{}),
-		syncDone:    make(chan struct{}),
+		cfg:       cfg,
+		sp:        sp,
+		nextSeq:   last + 1,
+		synced:    last,
+		delivered: first - 1,
+		overflow:  last >= first, // recovered rows are read from the spool
+		changed:   make(chan struct{}),
+		syncer: syncSignals{kick: make(chan struct{}, 1), flushNow: make(chan struct{}, 1), stop: make(chan struct{}),
+			done: make(chan struct{})},
 		deliverDone: make(chan struct{}),
-		vacuumKick:  make(chan struct{}, 1),
-		vacuumDone:  make(chan struct{}),
+		vac:         vacuumSignals{kick: make(chan struct{}, 1), done: make(chan struct{})},
 	}
 	w.drained = sync.NewCond(&w.mu)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -231,7 +257,7 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if cfg.VacuumSteps > 0 {
 		go w.vacuumLoop(ctx)
 	} else {
-		close(w.vacuumDone)
+		close(w.vac.done)
 	}
 	return w, nil
 }
@@ -377,7 +403,7 @@ func (w *Writer) append(r record) error {
 	w.mu.Unlock()
 	if wasEmpty {
 		select {
-		case w.kick <- struct{}{}:
+		case w.syncer.kick <- struct{}{}:
 		default:
 		}
 	}
@@ -391,6 +417,7 @@ func (w *Writer) append(r record) error {
 // reused, so a growing window never copies what it already holds.
 const chunkSize = 4 << 20
 
+// +checklocks:w.mu
 func (w *Writer) appendFrameLocked(r *record, size int) {
 	n := len(w.chunks)
 	if n == 0 || cap(w.chunks[n-1])-len(w.chunks[n-1]) < size+frameHeader+1024 {
@@ -410,12 +437,14 @@ func (w *Writer) appendFrameLocked(r *record, size int) {
 
 func (w *Writer) requestSync() {
 	select {
-	case w.flushNow <- struct{}{}:
+	case w.syncer.flushNow <- struct{}{}:
 	default:
 	}
 }
 
-// notifyLocked wakes everyone waiting for progress. w.mu must be held.
+// notifyLocked wakes everyone waiting for progress.
+//
+// +checklocks:w.mu
 func (w *Writer) notifyLocked() {
 	close(w.changed)
 	w.changed = make(chan struct{})
@@ -424,21 +453,21 @@ func (w *Writer) notifyLocked() {
 // syncLoop is the group commit: after the first row of a window arrives it waits out the
 // window (or a flush request), then writes and fsyncs everything buffered in one go.
 func (w *Writer) syncLoop() {
-	defer close(w.syncDone)
+	defer close(w.syncer.done)
 	for {
 		stopping := false
 		select {
-		case <-w.kick:
-		case <-w.flushNow:
-		case <-w.stopSync:
+		case <-w.syncer.kick:
+		case <-w.syncer.flushNow:
+		case <-w.syncer.stop:
 			stopping = true
 		}
 		if !stopping {
 			t := time.NewTimer(w.cfg.GroupCommit)
 			select {
 			case <-t.C:
-			case <-w.flushNow:
-			case <-w.stopSync:
+			case <-w.syncer.flushNow:
+			case <-w.syncer.stop:
 				stopping = true
 			}
 			t.Stop()
@@ -474,7 +503,7 @@ func (w *Writer) syncOnce() {
 		w.chunks = append(chunks, w.chunks...)
 		w.syncErr = err
 		select {
-		case w.kick <- struct{}{}:
+		case w.syncer.kick <- struct{}{}:
 		default:
 		}
 		return
@@ -490,6 +519,8 @@ func (w *Writer) syncOnce() {
 }
 
 // popMemLocked drops rows up to pos (handed to the deliverer) from the in-memory queue.
+//
+// +checklocks:w.mu
 func (w *Writer) popMemLocked(pos uint64) {
 	i := 0
 	for i < len(w.mem) && w.mem[i].seq <= pos {
@@ -760,7 +791,7 @@ func (w *Writer) Stats() Stats {
 		Spooled:   w.spooled.Load(),
 		Dropped:   w.dropped.Load(),
 		Retries:   w.retries.Load(),
-		Vacuums:   w.vacuums.Load(),
+		Vacuums:   w.vac.runs.Load(),
 		MaxSync:   w.maxSync,
 	}
 }
@@ -776,8 +807,8 @@ func (w *Writer) Close(ctx context.Context) error {
 		w.notifyLocked()
 		w.drained.Broadcast()
 		w.mu.Unlock()
-		close(w.stopSync)
-		<-w.syncDone
+		close(w.syncer.stop)
+		<-w.syncer.done
 		var errs []error
 		w.mu.Lock()
 		if w.syncErr != nil {
@@ -787,7 +818,7 @@ func (w *Writer) Close(ctx context.Context) error {
 		errs = append(errs, w.waitDelivered(ctx, target))
 		w.cancelDeliver()
 		<-w.deliverDone
-		<-w.vacuumDone
+		<-w.vac.done
 		w.mu.Lock()
 		delivered := w.delivered
 		w.mu.Unlock()
