@@ -3,8 +3,6 @@ package server
 import (
 	"context"
 
-	"connectrpc.com/connect"
-
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/episode"
 )
@@ -12,7 +10,6 @@ import (
 // Unexported functions the external tests use.
 var (
 	TraceExporter = traceExporter
-	CodeOf        = codeOf
 )
 
 // InfraFailure is episode.InfraFailure with the server's idea of an internal error.
@@ -22,5 +19,3 @@ func InfraFailure(ctx context.Context, box *sandbox.Sandbox, err error) (gone, i
 
 // PostgresMemoryLimit is postgresMemoryLimit, for tests.
 func (c *Config) PostgresMemoryLimit() int64 { return c.postgresMemoryLimit() }
-
-var _ = connect.CodeInternal

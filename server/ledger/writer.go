@@ -548,51 +548,21 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 	for {
 		w.popMemLocked(pos)
 		next := pos + 1
-		var wait time.Duration
-		if next <= w.synced && !w.closed && w.flushTo <= pos && w.synced-pos < uint64(w.cfg.BatchRows/4) && w.cfg.DeliveryDelay > 0 {
-			if readyAt.IsZero() {
-				readyAt = time.Now()
-			}
-			wait = w.cfg.DeliveryDelay - time.Since(readyAt)
-		}
+		wait := w.deliveryWaitLocked(pos, &readyAt)
 		if next <= w.synced && wait <= 0 {
-			if len(w.mem) > 0 && w.mem[0].seq == next {
-				n, bytes := 0, 0
-				for n < len(w.mem) && n < w.cfg.BatchRows && bytes < w.cfg.BatchBytes && w.mem[n].seq <= w.synced {
-					bytes += w.mem[n].size()
-					n++
-				}
-				batch := append([]record(nil), w.mem[:n]...)
-				w.popMemLocked(batch[n-1].seq)
+			if batch := w.memBatchLocked(next); batch != nil {
 				w.mu.Unlock()
 				w.sp.dropSlabs() // the reader's own state: this is the reader
 				return batch
 			}
-			to := w.synced
-			if len(w.mem) > 0 {
-				to = min(to, w.mem[0].seq-1)
-			}
+			to := w.spoolEndLocked()
 			w.mu.Unlock()
-			batch, err := w.sp.read(next, to, w.cfg.BatchRows, w.cfg.BatchBytes)
-			if err != nil {
-				w.cfg.Logger.Error("ledger spool read", "err", err)
-				if len(batch) == 0 {
-					if !sleepCtx(ctx, time.Second) {
-						return nil
-					}
-					w.mu.Lock()
-					continue
-				}
+			batch, more := w.spoolBatch(ctx, next, to)
+			if batch != nil || !more {
+				return batch
 			}
-			if last := batch[len(batch)-1].seq; last == to {
-				w.mu.Lock()
-				if w.overflow && last == w.synced && len(w.mem) == 0 {
-					// Caught up with the spool: new rows may use the in-memory queue again.
-					w.overflow = false
-				}
-				w.mu.Unlock()
-			}
-			return batch
+			w.mu.Lock()
+			continue
 		}
 		if w.closed && next == w.nextSeq {
 			w.mu.Unlock()
@@ -601,28 +571,101 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 		ch := w.changed
 		fromMemory := !w.overflow
 		w.mu.Unlock()
-		if fromMemory {
-			// Caught up and waiting: rows come from memory now, so the reader's slabs can go
-			// (a server that caught up and went idle would otherwise keep them).
-			w.sp.dropSlabs()
-		}
-		var expired <-chan time.Time
-		if wait > 0 {
-			if timer == nil {
-				timer = time.NewTimer(wait)
-			} else {
-				timer.Reset(wait)
-			}
-			expired = timer.C
-		}
-		select {
-		case <-ch:
-		case <-expired:
-		case <-ctx.Done():
+		if !w.waitRows(ctx, ch, fromMemory, wait, &timer) {
 			return nil
 		}
 		w.mu.Lock()
 	}
+}
+
+// deliveryWaitLocked returns how much longer the durable rows after pos may wait for more
+// (Config.DeliveryDelay; 0 or less: deliver now). readyAt is when rows were first seen
+// waiting, set on the first call that sees them.
+//
+// +checklocks:w.mu
+func (w *Writer) deliveryWaitLocked(pos uint64, readyAt *time.Time) time.Duration {
+	if pos+1 > w.synced || w.closed || w.flushTo > pos || w.synced-pos >= uint64(w.cfg.BatchRows/4) || w.cfg.DeliveryDelay <= 0 {
+		return 0
+	}
+	if readyAt.IsZero() {
+		*readyAt = time.Now()
+	}
+	return w.cfg.DeliveryDelay - time.Since(*readyAt)
+}
+
+// memBatchLocked takes a batch from the in-memory queue if it starts with row next.
+//
+// +checklocks:w.mu
+func (w *Writer) memBatchLocked(next uint64) []record {
+	if len(w.mem) == 0 || w.mem[0].seq != next {
+		return nil
+	}
+	n, bytes := 0, 0
+	for n < len(w.mem) && n < w.cfg.BatchRows && bytes < w.cfg.BatchBytes && w.mem[n].seq <= w.synced {
+		bytes += w.mem[n].size()
+		n++
+	}
+	batch := append([]record(nil), w.mem[:n]...)
+	w.popMemLocked(batch[n-1].seq)
+	return batch
+}
+
+// spoolEndLocked is the last durable row that only the spool holds.
+//
+// +checklocks:w.mu
+func (w *Writer) spoolEndLocked() uint64 {
+	to := w.synced
+	if len(w.mem) > 0 {
+		to = min(to, w.mem[0].seq-1)
+	}
+	return to
+}
+
+// spoolBatch reads a batch of rows next..to back from the spool. With no rows, more says
+// whether to look again (a read failed: after a second) or stop (ctx ended).
+func (w *Writer) spoolBatch(ctx context.Context, next, to uint64) (batch []record, more bool) {
+	batch, err := w.sp.read(next, to, w.cfg.BatchRows, w.cfg.BatchBytes)
+	if err != nil {
+		w.cfg.Logger.Error("ledger spool read", "err", err)
+		if len(batch) == 0 {
+			return nil, sleepCtx(ctx, time.Second)
+		}
+	}
+	if last := batch[len(batch)-1].seq; last == to {
+		w.mu.Lock()
+		if w.overflow && last == w.synced && len(w.mem) == 0 {
+			// Caught up with the spool: new rows may use the in-memory queue again.
+			w.overflow = false
+		}
+		w.mu.Unlock()
+	}
+	return batch, true
+}
+
+// waitRows waits for ch (progress), for wait when positive (the delivery delay's end, on
+// *timer, made on first use), or for ctx's end, which it reports as false. fromMemory says
+// rows come from memory now, so that the reader's slabs can go (a server that caught up and
+// went idle would otherwise keep them).
+func (w *Writer) waitRows(ctx context.Context, ch <-chan struct{}, fromMemory bool, wait time.Duration, timer **time.Timer) bool {
+	if fromMemory {
+		w.sp.dropSlabs()
+	}
+	var expired <-chan time.Time
+	if wait > 0 {
+		if *timer == nil {
+			*timer = time.NewTimer(wait)
+		} else {
+			(*timer).Reset(wait)
+		}
+		expired = (*timer).C
+	}
+	select {
+	case <-ch:
+	case <-expired:
+	case <-ctx.Done():
+		return false
+	}
+	return true
 }
 
 // isDataError reports whether Postgres rejected the rows themselves (a bad value or a duplicate
@@ -748,7 +791,7 @@ func (w *Writer) Flush(ctx context.Context) error {
 func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 	for {
 		w.mu.Lock()
-		done, ch, left := w.delivered >= target, w.changed, target-min(w.delivered, target)
+		done, ch := w.delivered >= target, w.changed
 		w.mu.Unlock()
 		if done {
 			return nil
@@ -762,7 +805,7 @@ func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 			// The deliverer may have delivered the last rows just before it ended (both are
 			// ready then, and select picks either).
 			w.mu.Lock()
-			done, left = w.delivered >= target, target-min(w.delivered, target)
+			done, left := w.delivered >= target, target-min(w.delivered, target)
 			w.mu.Unlock()
 			if done {
 				return nil
@@ -770,7 +813,7 @@ func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 			return fmt.Errorf("flushing ledger: %d rows: %w", left, ErrUndelivered)
 		case <-ctx.Done():
 			w.mu.Lock()
-			done, left = w.delivered >= target, target-min(w.delivered, target)
+			done, left := w.delivered >= target, target-min(w.delivered, target)
 			w.mu.Unlock()
 			if done {
 				return nil
