@@ -89,7 +89,8 @@ func signalNumber(name string) int32 {
 	return int32(unix.SignalNum(name))
 }
 
-// recordStep records step index (the episode's own count) of episode ep, and a submit's reward.
+// recordStep records step index (the episode's own count) of episode ep, and a submit's reward
+// (none for a submit the time budget skipped, whose verifier never ran).
 func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took time.Duration, res *StepResult, verr error) {
 	action, err := protojson.Marshal(actionProto(a))
 	if err != nil { // recorded as JSON null, and said
@@ -100,9 +101,9 @@ func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took 
 	c.ledgerErr(c.rec.Step(ledger.StepRow{EpisodeID: ep, Index: index, Action: action, ActionValid: true, Observation: obsBytes,
 		Reward: res.Reward, Terminated: res.Terminated, Truncated: res.Truncated, StartedAt: start, Duration: took,
 		CheckpointID: res.CheckpointID}))
-	if _, ok := a.(Submit); ok && verr == nil {
+	if sub := res.Observation.Submit; sub != nil && verr == nil { // a submit the verifier judged
 		c.ledgerErr(c.rec.Reward(ledger.RewardRow{EpisodeID: ep, StepIndex: &index, Source: ledger.SourceVerifier,
-			Components: res.Observation.Submit.Components, Value: res.Reward}))
+			Components: sub.Components, Value: res.Reward}))
 	}
 }
 
