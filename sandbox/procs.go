@@ -76,6 +76,8 @@ type CheckpointOptions struct {
 	// in the background, so that the checkpoint brings them back after its
 	// sandbox is gone, after a restart, or once a template is lost.
 	Durable bool
+	// Labels are kept in the checkpoint's record (CheckpointInfo.Labels).
+	Labels map[string]string
 }
 
 // ProcessCapture tells how one process was captured by a checkpoint.

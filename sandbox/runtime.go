@@ -176,6 +176,9 @@ type CheckpointInfo struct {
 	Created   time.Time
 	// Processes are the live processes the checkpoint captured.
 	Processes []ProcessCapture
+	// Labels are the caller's (CheckpointOptions.Labels, SetCheckpointLabels), kept in the
+	// checkpoint's record: they survive a restart and go with the checkpoint.
+	Labels map[string]string
 }
 
 type imageRec struct {
@@ -212,6 +215,9 @@ type checkpoint struct {
 	// once when needed. Guarded by Runtime.mu.
 	TplImages []criuUnit `json:"tpl_images,omitempty"`
 	Expires   time.Time  `json:"expires,omitzero"`
+	// Labels are the caller's (CheckpointInfo.Labels). Once the checkpoint is
+	// added, guarded by Runtime.mu and replaced, never changed in place.
+	Labels map[string]string `json:"labels,omitempty"`
 	// hotTried: maybeFlattenHot has looked at the checkpoint (without
 	// Runtime.mu: it is on the restore's path).
 	hotTried atomic.Bool
@@ -229,7 +235,7 @@ func (c *checkpoint) imageBytes() int64 {
 
 func (c *checkpoint) info() CheckpointInfo {
 	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
-		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
+		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created, Labels: cloneLabels(c.Labels)}
 	for i, p := range c.Procs {
 		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {

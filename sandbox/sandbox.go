@@ -1223,7 +1223,8 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	if err != nil {
 		return CheckpointInfo{}, err
 	}
-	c := &checkpoint{ID: newID("ck-"), Parent: s.head, Image: s.img.info.Name, SandboxID: s.id, Created: time.Now()}
+	c := &checkpoint{ID: newID("ck-"), Parent: s.head, Image: s.img.info.Name, SandboxID: s.id, Created: time.Now(),
+		Labels: cloneLabels(o.Labels)}
 	switch {
 	case !live:
 		err = s.sealAndSwap(c)

@@ -92,9 +92,9 @@ func stripURLToken(r *http.Request, p string) {
 	r.RequestURI = r.URL.RequestURI()
 }
 
-// errUnauthenticatedHint is what a refused client is told: where the token is, not what it is.
-var errUnauthenticatedHint = fmt.Errorf("%w: send \"Authorization: Bearer <token>\"; without --token the server keeps its token in the file %q of its data directory (--data), readable by the user that runs it",
-	ErrUnauthenticated, TokenFile)
+// unauthenticatedHint is what a refused client is told: where the token is, not what it is.
+var unauthenticatedHint = fmt.Sprintf("missing or wrong bearer token: send \"Authorization: Bearer <token>\"; without --token the server keeps its token in the file %q of its data directory (--data), readable by the user that runs it",
+	TokenFile)
 
 func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 	// The connection is closed after the answer (HTTP/1: Connection: close; HTTP/2: the server
@@ -105,11 +105,11 @@ func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 		g.refuse(reason)
 	}
 	if g.errw.IsSupported(r) {
-		_ = g.errw.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errUnauthenticatedHint))
+		_ = g.errw.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errors.New(unauthenticatedHint)))
 		return
 	}
 	w.Header().Set("WWW-Authenticate", "Bearer")
-	http.Error(w, "unauthenticated: "+errUnauthenticatedHint.Error(), http.StatusUnauthorized)
+	http.Error(w, "unauthenticated: "+unauthenticatedHint, http.StatusUnauthorized)
 }
 
 func isPublic(p string) bool {
@@ -223,14 +223,11 @@ func readOwnToken(path string, gid int) (string, string) {
 		return "", "the old one is not a regular file"
 	}
 	sys, ok := st.Sys().(*syscall.Stat_t)
-	if !ok || int(sys.Uid) != os.Geteuid() {
+	if !ok {
 		return "", "the old one belongs to another user"
 	}
-	switch perm := st.Mode().Perm(); {
-	case perm&0o037 != 0 || perm&0o400 == 0:
-		return "", fmt.Sprintf("the old one had mode %04o: others may have read it", perm)
-	case perm&0o040 != 0 && (gid < 0 || int(sys.Gid) != gid):
-		return "", fmt.Sprintf("the old one was readable by group %d, which is no longer the token group", sys.Gid)
+	if why := tokenFileRefused(st.Mode().Perm(), sys, gid); why != "" {
+		return "", why
 	}
 	b := make([]byte, 256)
 	n, _ := f.Read(b)
@@ -238,21 +235,45 @@ func readOwnToken(path string, gid int) (string, string) {
 	if len(tok) < 16 || strings.ContainsAny(tok, " \t\r\n/") {
 		return "", "the old one does not hold a token"
 	}
-	if gid >= 0 && (st.Mode().Perm() != 0o640 || int(sys.Gid) != gid) {
-		// Owner-only so far: open it to the token group, token unchanged.
-		if err := f.Chown(-1, gid); err != nil {
-			return "", "the old one could not be given to the token group (" + err.Error() + ")"
-		}
-		if err := f.Chmod(0o640); err != nil {
-			return "", "the old one could not be opened to the token group (" + err.Error() + ")"
-		}
-	}
-	if gid < 0 && st.Mode().Perm() != 0o600 {
-		if err := f.Chmod(0o600); err != nil {
-			return "", "the old one could not be made owner-only (" + err.Error() + ")"
-		}
+	if why := restrictTokenFile(f, st.Mode().Perm(), int(sys.Gid), gid); why != "" {
+		return "", why
 	}
 	return tok, ""
+}
+
+// tokenFileRefused says why a token file of mode perm and owner sys may not be kept for token
+// group gid (-1: none), "" if it may.
+func tokenFileRefused(perm fs.FileMode, sys *syscall.Stat_t, gid int) string {
+	switch {
+	case int(sys.Uid) != os.Geteuid():
+		return "the old one belongs to another user"
+	case perm&0o037 != 0 || perm&0o400 == 0:
+		return fmt.Sprintf("the old one had mode %04o: others may have read it", perm)
+	case perm&0o040 != 0 && (gid < 0 || int(sys.Gid) != gid):
+		return fmt.Sprintf("the old one was readable by group %d, which is no longer the token group", sys.Gid)
+	}
+	return ""
+}
+
+// restrictTokenFile gives a kept token file of mode perm and group fileGid the mode and group
+// it should have: 0640 and group gid with a token group, else 0600. It says why it could not,
+// "" if it could.
+func restrictTokenFile(f *os.File, perm fs.FileMode, fileGid, gid int) string {
+	if gid >= 0 && (perm != 0o640 || fileGid != gid) {
+		// Owner-only so far: open it to the token group, token unchanged.
+		if err := f.Chown(-1, gid); err != nil {
+			return "the old one could not be given to the token group (" + err.Error() + ")"
+		}
+		if err := f.Chmod(0o640); err != nil {
+			return "the old one could not be opened to the token group (" + err.Error() + ")"
+		}
+	}
+	if gid < 0 && perm != 0o600 {
+		if err := f.Chmod(0o600); err != nil {
+			return "the old one could not be made owner-only (" + err.Error() + ")"
+		}
+	}
+	return ""
 }
 
 // lookupGroup resolves --token-group: a group name or a numeric gid.

@@ -33,7 +33,8 @@ import (
 // syncBuffer is a log sink tests read while the server writes to it.
 type syncBuffer struct {
 	mu sync.Mutex
-	b  bytes.Buffer
+	// +checklocks:mu
+	b bytes.Buffer
 }
 
 func (s *syncBuffer) Write(p []byte) (int, error) {

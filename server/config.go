@@ -194,31 +194,25 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 
 // Validate checks the config and fills in defaults.
 func (c *Config) Validate() error {
+	if err := c.defaults(); err != nil {
+		return err
+	}
+	return c.check()
+}
+
+// defaults fills in the fields left empty.
+func (c *Config) defaults() error {
 	if c.Addr == "" {
 		c.Addr = "127.0.0.1:8080"
 	}
-	if c.DataDir == "" {
-		c.DataDir = ".data"
-	}
-	abs, err := filepath.Abs(c.DataDir)
+	abs, err := filepath.Abs(cmp.Or(c.DataDir, ".data"))
 	if err != nil {
 		return err
 	}
 	c.DataDir = abs
-	if c.EnvsDir == "" {
-		c.EnvsDir = "envs"
-	}
+	c.EnvsDir = cmp.Or(c.EnvsDir, "envs")
 	if c.DefaultImageDir == "" {
 		c.DefaultImageDir = filepath.Join(c.DataDir, "images", "default", "rootfs")
-	}
-	if c.NoAuth && (c.AuthToken != "" || c.TokenGroup != "") {
-		return errors.New("server: --no-auth excludes --token and --token-group")
-	}
-	if c.NoAuth && !isLoopback(c.Addr) {
-		return fmt.Errorf("server: --addr %s: %w", c.Addr, errNoAuthExposed)
-	}
-	if strings.ContainsAny(c.AuthToken, " \t\r\n") {
-		return errors.New("server: the token may not contain white space")
 	}
 	if c.ImportRoot == "" {
 		c.ImportRoot = filepath.Join(c.DataDir, "imports")
@@ -229,13 +223,6 @@ func (c *Config) Validate() error {
 	if c.ImportMaxBytes <= 0 {
 		c.ImportMaxBytes = defaultImportMaxBytes
 	}
-	if c.NoLedger && c.DatabaseURL != "" {
-		return errors.New("server: --no-ledger and --database-url exclude each other")
-	}
-	if c.PostgresMemoryMB > 0 && (c.PostgresMemoryMB < minPostgresMemoryMB || c.PostgresMemoryMB > maxPostgresMemoryMB) {
-		return fmt.Errorf("server: --postgres-memory-mb %d: from %d to %d (the shared buffers alone take 128), or -1 for no cap",
-			c.PostgresMemoryMB, minPostgresMemoryMB, maxPostgresMemoryMB)
-	}
 	if c.MaxRequestBytes <= 0 {
 		c.MaxRequestBytes = 16 << 20
 	}
@@ -244,6 +231,27 @@ func (c *Config) Validate() error {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	return nil
+}
+
+// check refuses settings that exclude each other or are out of range.
+func (c *Config) check() error {
+	if c.NoAuth && (c.AuthToken != "" || c.TokenGroup != "") {
+		return errors.New("server: --no-auth excludes --token and --token-group")
+	}
+	if c.NoAuth && !isLoopback(c.Addr) {
+		return fmt.Errorf("server: --addr %s: %w", c.Addr, errNoAuthExposed)
+	}
+	if strings.ContainsAny(c.AuthToken, " \t\r\n") {
+		return errors.New("server: the token may not contain white space")
+	}
+	if c.NoLedger && c.DatabaseURL != "" {
+		return errors.New("server: --no-ledger and --database-url exclude each other")
+	}
+	if c.PostgresMemoryMB > 0 && (c.PostgresMemoryMB < minPostgresMemoryMB || c.PostgresMemoryMB > maxPostgresMemoryMB) {
+		return fmt.Errorf("server: --postgres-memory-mb %d: from %d to %d (the shared buffers alone take 128), or -1 for no cap",
+			c.PostgresMemoryMB, minPostgresMemoryMB, maxPostgresMemoryMB)
 	}
 	return nil
 }

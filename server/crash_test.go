@@ -162,10 +162,22 @@ func startServing(t *testing.T, ctx context.Context, cfg server.Config) (*server
 	return srv, deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String(), connect.WithInterceptors(bearer(srv.Token())))
 }
 
-// A checkpoint taken before a restart is restored after it with its steps numbered as before:
-// the server reads where it was taken from the ledger.
+// A checkpoint taken before a restart is restored after it with its steps numbered as before,
+// and forked into its run and group: the checkpoint's record keeps where it was taken, with
+// the ledger on or off.
 func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
-	cfg := restartConfig(t)
+	for _, withLedger := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ledger=%v", withLedger), func(t *testing.T) {
+			cfg := restartConfig(t)
+			if !withLedger {
+				cfg.DatabaseURL, cfg.NoLedger = "", true
+			}
+			restoreAfterRestart(t, cfg)
+		})
+	}
+}
+
+func restoreAfterRestart(t *testing.T, cfg server.Config) {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
@@ -177,7 +189,7 @@ func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
 	}
 
 	srv, c := start()
-	rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain", Run: "restart"}))
+	rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain", Run: "restart", GroupId: "g"}))
 	must(t, err)
 	sb := rr.Msg.GetSandboxId()
 	for range 3 {
@@ -207,13 +219,23 @@ func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
 		t.Fatalf("after the restart: next step %d, want 3 as before", after.Msg.GetNextStepIndex())
 	}
 	st := exec(c, sb)
+	if got := st.GetStepIndex(); got != 3 {
+		t.Fatalf("the step after the restart has index %d, want 3", got)
+	}
+	f, err := c.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck.Msg.GetCheckpointId()}, N: 1}))
+	must(t, err)
+	kid, err := c.GetSandbox(ctx, connect.NewRequest(&deltagymv1.GetSandboxRequest{SandboxId: f.Msg.GetSandboxIds()[0]}))
+	must(t, err)
+	if k := kid.Msg.GetSandbox(); k.GetRun() != "restart" || k.GetGroupId() != "g" || k.GetNextStepIndex() != 3 {
+		t.Fatalf("a fork of the checkpoint after the restart: %v, want run restart, group g, next step 3", k)
+	}
+	if srv.Ledger() == nil {
+		return
+	}
 	traj, err := srv.Ledger().Trajectory(ctx, st.GetEpisodeId())
 	must(t, err)
 	if n := len(traj.Steps); n != 4 || !traj.Steps[0].Inherited || !traj.Steps[1].Inherited || !traj.Steps[2].Inherited || traj.Steps[3].Inherited {
 		t.Fatalf("trajectory after the restart: %d steps (%+v), want 3 inherited and 1 own", n, traj.Steps)
-	}
-	if got := st.GetStepIndex(); got != 3 {
-		t.Fatalf("the step after the restart has index %d, want 3", got)
 	}
 }
 

@@ -3,10 +3,10 @@
 // reflection and Prometheus metrics at /metrics.
 //
 // A Server wires the sandbox runtime (package sandbox), the env catalog and warm pools (package
-// envpool) and the trajectory ledger (package server/ledger, on an external Postgres or a
-// private cluster in the data directory). It keeps each leased sandbox's episode: Reset starts
-// one; Step appends steps (submit terminates it, budgets truncate it); Restore ends it as
-// branched and starts a new one whose step indices continue from the checkpoint's; Close and
-// reaping truncate a running one. Calls on one sandbox are serialised, except that Restore and
-// Close abort a running exec.
+// envpool), the trajectory ledger (package server/ledger, on an external Postgres or a private
+// cluster in the data directory) and the episode core (package server/episode), which keeps
+// each leased sandbox's episode and every rule of it. The EnvService handlers are a thin layer
+// over the core: they decode a request into the core's domain types (episode_wire.go), call
+// it, and map its result and its error (errors.go: one table from error classes to codes).
+// Other protocol front ends call the same core.
 package server

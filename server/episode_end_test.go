@@ -11,8 +11,8 @@ import (
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
 
-	"github.com/deltagym/deltagym/envpool"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server"
 )

@@ -1,10 +1,21 @@
 package server
 
+import (
+	"context"
+
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
+)
+
 // Unexported functions the external tests use.
 var (
-	InfraFailure  = infraFailure
 	TraceExporter = traceExporter
 )
+
+// InfraFailure is episode.InfraFailure with the server's idea of an internal error.
+func InfraFailure(ctx context.Context, box *sandbox.Sandbox, err error) (gone, infra bool) {
+	return episode.InfraFailure(ctx, box, err, isInternal)
+}
 
 // PostgresMemoryLimit is postgresMemoryLimit, for tests.
 func (c *Config) PostgresMemoryLimit() int64 { return c.postgresMemoryLimit() }

@@ -10,8 +10,8 @@ import (
 
 	"google.golang.org/protobuf/encoding/protojson"
 
-	"github.com/deltagym/deltagym/envpool"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/envpool"
 )
 
 // Envs registered over the API (RegisterEnv) are kept in DataDir/envs, one <name>.json each in

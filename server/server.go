@@ -17,9 +17,11 @@ import (
 	"connectrpc.com/grpchealth"
 	"connectrpc.com/grpcreflect"
 
-	"github.com/deltagym/deltagym/envpool"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -40,17 +42,14 @@ type Server struct {
 	token     string // the bearer token clients send; "" with auth off
 	imports   *importRoot
 
-	ckpts  sync.Map // checkpoint id -> ckptMeta
-	closed sync.Map // ids of closed sandboxes -> struct{}
-	// ended holds the ids of the sandboxes that ended with the server's previous run (read
-	// only once New has returned).
-	ended map[string]bool
-	idem  *idempotency
+	core  *episode.Core
 	regMu sync.Mutex // serialises RegisterEnv's keeping of specs
 
-	mu       sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	httpSrvs []*http.Server
-	closing  bool // Close has begun: Serve refuses to start
+	// +checklocks:mu
+	closing bool // Close has begun: Serve refuses to start
 
 	closeOnce sync.Once
 	closeErr  error
@@ -63,7 +62,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: cfg.Logger, idem: newIdempotency()}
+	s := &Server{cfg: cfg, log: cfg.Logger}
 	s.scrubbers = [][2]string{{cfg.ImportRoot, "$IMPORTS"}, {cfg.DataDir, "$DATA"}}
 	if abs, err := filepath.Abs(cfg.EnvsDir); err == nil {
 		s.scrubbers = append(s.scrubbers, [2]string{abs, "$ENVS"})
@@ -97,26 +96,41 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
 	}
-	s.ended = map[string]bool{}
-	for _, id := range s.rt.Ended() {
-		s.ended[id] = true
-	}
 	if err := s.importDefaultImage(ctx); err != nil {
 		return nil, err
 	}
 	if err := s.startLedger(ctx); err != nil {
 		return nil, err
 	}
-	s.pools, err = envpool.New(envpool.Config{
-		Runtime: s.rt, LeaseTTL: cfg.LeaseTTL, AcquireTimeout: cfg.AcquireTimeout, DefaultPoolSize: cfg.DefaultPoolSize,
-		Logger: s.log, OnCheckpoint: s.onPoolCheckpoint, OnEnd: s.onLeaseEnd,
-	}, specs)
-	if err != nil {
+	if err := s.startEpisodes(specs); err != nil {
 		return nil, err
 	}
 	s.registerRuntimeMetrics()
 	s.handler = s.buildHandler()
 	return s, nil
+}
+
+// startEpisodes starts the episode core and the pools whose sandboxes it hands out.
+func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
+	var rec episode.Recorder
+	if s.writer != nil {
+		rec = s.writer
+	}
+	core, err := episode.New(episode.Config{Runtime: s.rt, Ledger: rec, Logger: s.log, Observe: s.obs.op, Internal: isInternal,
+		Scrub: s.scrub, Ended: s.rt.Ended()})
+	if err != nil {
+		return err
+	}
+	s.core = core
+	s.pools, err = envpool.New(envpool.Config{
+		Runtime: s.rt, LeaseTTL: s.cfg.LeaseTTL, AcquireTimeout: s.cfg.AcquireTimeout, DefaultPoolSize: s.cfg.DefaultPoolSize,
+		Logger: s.log, OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded,
+	}, specs)
+	if err != nil {
+		return err
+	}
+	core.UsePools(s.pools)
+	return nil
 }
 
 func (s *Server) importDefaultImage(ctx context.Context) error {
@@ -328,4 +342,10 @@ func Run(ctx context.Context, cfg Config) error {
 		s.log.Info("stopped: sandboxes ended, checkpoints kept for the next start", "checkpoints", kept, "data", s.cfg.DataDir, "took", time.Since(start).Round(time.Millisecond))
 	}
 	return err
+}
+
+func (s *Server) ledgerErr(err error) {
+	if err != nil {
+		s.log.Warn("recording to ledger", "err", err)
+	}
 }

@@ -7,18 +7,9 @@ import (
 	"sync"
 
 	"connectrpc.com/connect"
-	"golang.org/x/sys/unix"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
-
-// signalNumber converts a signal name ("SIGKILL") to its number (0 if none or unknown).
-func signalNumber(name string) int32 {
-	if name == "" {
-		return 0
-	}
-	return int32(unix.SignalNum(name))
-}
 
 // streamQueue is the maximum number of steps queued for one sandbox on a stream before the
 // stream stops reading (back-pressure).

@@ -28,8 +28,10 @@ import (
 // otlpReceiver collects the spans of OTLP trace exports, over HTTP (protobuf) or gRPC.
 type otlpReceiver struct {
 	coltracepb.UnimplementedTraceServiceServer
-	mu       sync.Mutex
-	spans    []*tracepb.Span
+	mu sync.Mutex
+	// +checklocks:mu
+	spans []*tracepb.Span
+	// +checklocks:mu
 	services []string // service.name of each export's resource
 }
 

@@ -92,25 +92,7 @@ func (w *Writer) deliverLoop(ctx context.Context) {
 		stopReader()
 		<-readerDone
 	}()
-	go func() {
-		defer close(readerDone)
-		defer close(batches)
-		w.mu.Lock()
-		pos := w.delivered
-		w.mu.Unlock()
-		for {
-			batch := w.nextBatch(rctx, pos)
-			if batch == nil {
-				return
-			}
-			pos = batch[len(batch)-1].seq
-			select {
-			case batches <- batch:
-			case <-rctx.Done():
-				return
-			}
-		}
-	}()
+	go w.readBatches(rctx, batches, readerDone)
 	var inflight []*job // oldest first
 	var prev *job
 	stopped := false
@@ -137,25 +119,7 @@ func (w *Writer) deliverLoop(ctx context.Context) {
 				stopped = true // stopping: the younger jobs give up too
 				continue
 			}
-			w.mu.Lock()
-			w.delivered = max(w.delivered, j.last)
-			w.notifyLocked()
-			w.mu.Unlock()
-			if j.steps > 0 {
-				w.stepsDelivered.Add(uint64(j.steps))
-				select {
-				case w.vacuumKick <- struct{}{}:
-				default:
-				}
-			}
-			// After trim, the reader may read into the slabs j's rows were read back into
-			// (spool.takeSlab): j is done with them. (pgx's CopyFrom can return on a server
-			// error before its sending goroutine has stopped reading rows; that goroutine
-			// ends at its next write to the failed connection, microseconds later, long before
-			// a retry reconnects and commits.)
-			if err := w.sp.trim(j.last); err != nil {
-				w.cfg.Logger.Error("ledger spool trim", "err", err)
-			}
+			w.committed(j)
 		case batch, ok := <-in:
 			if !ok {
 				src = nil
@@ -168,6 +132,52 @@ func (w *Writer) deliverLoop(ctx context.Context) {
 			inflight = append(inflight, j)
 			prev = j
 		}
+	}
+}
+
+// readBatches reads the batches to deliver, in order, into batches until ctx ends or the
+// writer is closed and drained; it then closes batches and done.
+func (w *Writer) readBatches(ctx context.Context, batches chan<- []record, done chan<- struct{}) {
+	defer close(done)
+	defer close(batches)
+	w.mu.Lock()
+	pos := w.delivered
+	w.mu.Unlock()
+	for {
+		batch := w.nextBatch(ctx, pos)
+		if batch == nil {
+			return
+		}
+		pos = batch[len(batch)-1].seq
+		select {
+		case batches <- batch:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// committed accounts for j, committed: the rows are delivered, the vacuumer counts its steps
+// and the spool drops them.
+func (w *Writer) committed(j *job) {
+	w.mu.Lock()
+	w.delivered = max(w.delivered, j.last)
+	w.notifyLocked()
+	w.mu.Unlock()
+	if j.steps > 0 {
+		w.vac.steps.Add(uint64(j.steps))
+		select {
+		case w.vac.kick <- struct{}{}:
+		default:
+		}
+	}
+	// After trim, the reader may read into the slabs j's rows were read back into
+	// (spool.takeSlab): j is done with them. (pgx's CopyFrom can return on a server error
+	// before its sending goroutine has stopped reading rows; that goroutine ends at its next
+	// write to the failed connection, microseconds later, long before a retry reconnects and
+	// commits.)
+	if err := w.sp.trim(j.last); err != nil {
+		w.cfg.Logger.Error("ledger spool trim", "err", err)
 	}
 }
 
@@ -269,74 +279,26 @@ func (w *Writer) attempt(ctx context.Context, ln *lane, j *job, sequential, safe
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	var d *delivery
 	if !sequential && !safe {
-		if p := j.prev; p != nil {
-			select {
-			case <-p.trouble: // the older job is retrying: do not race it
-				return errYield
-			default:
-			}
-			select {
-			case <-p.firstDone:
-			case <-p.trouble:
-				return errYield
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		}
-		d = prepare(j.batch)
-		if err := d.first(ctx, tx); err != nil {
-			return err
-		}
-		j.markFirstDone()
-		if err := d.copy(ctx, tx); err != nil {
-			return err
-		}
-		if err := waitPrev(ctx, j, true); err != nil {
+		if d, err = overlap(ctx, tx, j); err != nil {
 			return err
 		}
 	}
-	// A writer killed after sending COMMIT leaves a transaction that may still commit after a new
-	// writer on the same spool read the mark. Serialise the spool's marks and read the mark
-	// under the lock, inside the transaction, so rows are never delivered twice.
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1, hashtext($2))", spoolLockClass, w.sp.id); err != nil {
-		return fmt.Errorf("locking spool mark: %w", err)
+	mark, err := w.lockMark(ctx, tx)
+	if err != nil {
+		return err
 	}
-	var mark int64
-	if err := tx.QueryRow(ctx, "SELECT coalesce((SELECT seq FROM ledger_spool_marks WHERE spool_id = $1), 0)", w.sp.id).Scan(&mark); err != nil {
-		return fmt.Errorf("reading delivery mark: %w", err)
-	}
-	if d != nil && uint64(mark) >= j.batch[0].seq {
-		ln.mark = uint64(mark) // rows already delivered: runJob trims them and redoes the rest
+	if d != nil && mark >= j.batch[0].seq {
+		ln.mark = mark // rows already delivered: runJob trims them and redoes the rest
 		return errRedo
 	}
-	for len(j.batch) > 0 && j.batch[0].seq <= uint64(mark) {
+	for len(j.batch) > 0 && j.batch[0].seq <= mark {
 		j.batch = j.batch[1:]
 	}
 	if len(j.batch) == 0 {
 		return nil
 	}
-	switch {
-	case safe:
-		j.markFirstDone()
-		for i := range j.batch {
-			if err := w.applyOne(ctx, tx, &j.batch[i]); err != nil {
-				return err
-			}
-		}
-	case d == nil:
-		d = prepare(j.batch)
-		if err := d.first(ctx, tx); err != nil {
-			return err
-		}
-		j.markFirstDone()
-		if err := d.copy(ctx, tx); err != nil {
-			return err
-		}
-	}
-	if d != nil {
-		if err := d.updates(ctx, tx); err != nil {
-			return err
-		}
+	if err := w.apply(ctx, tx, j, d, safe); err != nil {
+		return err
 	}
 	last := j.batch[len(j.batch)-1].seq
 	if _, err := tx.Exec(ctx, upsertMark, w.sp.id, int64(last)); err != nil {
@@ -347,6 +309,78 @@ func (w *Writer) attempt(ctx context.Context, ln *lane, j *job, sequential, safe
 	}
 	ln.mark = last
 	return nil
+}
+
+// overlap runs the part of j's transaction that may overlap the older job: once the older job
+// has done its inserts, j's own and its COPY; then it waits for the older job to commit
+// (errYield as soon as an attempt of the older job fails).
+func overlap(ctx context.Context, tx pgx.Tx, j *job) (*delivery, error) {
+	if p := j.prev; p != nil {
+		select {
+		case <-p.trouble: // the older job is retrying: do not race it
+			return nil, errYield
+		default:
+		}
+		select {
+		case <-p.firstDone:
+		case <-p.trouble:
+			return nil, errYield
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	d := prepare(j.batch)
+	if err := d.first(ctx, tx); err != nil {
+		return nil, err
+	}
+	j.markFirstDone()
+	if err := d.copy(ctx, tx); err != nil {
+		return nil, err
+	}
+	if err := waitPrev(ctx, j, true); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// lockMark takes the spool's advisory lock and reads its delivery mark in tx. A writer killed
+// after sending COMMIT leaves a transaction that may still commit after a new writer on the
+// same spool read the mark: serialising the spool's marks and reading the mark under the lock,
+// inside the transaction, delivers rows never twice.
+func (w *Writer) lockMark(ctx context.Context, tx pgx.Tx) (uint64, error) {
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1, hashtext($2))", spoolLockClass, w.sp.id); err != nil {
+		return 0, fmt.Errorf("locking spool mark: %w", err)
+	}
+	var mark int64
+	if err := tx.QueryRow(ctx, "SELECT coalesce((SELECT seq FROM ledger_spool_marks WHERE spool_id = $1), 0)", w.sp.id).Scan(&mark); err != nil {
+		return 0, fmt.Errorf("reading delivery mark: %w", err)
+	}
+	return uint64(mark), nil
+}
+
+// apply writes j's rows in tx under the spool's lock: row by row on the safe path; else its
+// inserts and COPY if overlap did not (d nil), then its updates.
+func (w *Writer) apply(ctx context.Context, tx pgx.Tx, j *job, d *delivery, safe bool) error {
+	switch {
+	case safe:
+		j.markFirstDone()
+		for i := range j.batch {
+			if err := w.applyOne(ctx, tx, &j.batch[i]); err != nil {
+				return err
+			}
+		}
+		return nil
+	case d == nil:
+		d = prepare(j.batch)
+		if err := d.first(ctx, tx); err != nil {
+			return err
+		}
+		j.markFirstDone()
+		if err := d.copy(ctx, tx); err != nil {
+			return err
+		}
+	}
+	return d.updates(ctx, tx)
 }
 
 // commitDurably makes a connection's commits wait for the WAL, whatever the database's default

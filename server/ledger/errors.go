@@ -1,21 +1,25 @@
 package ledger
 
-import "errors"
+import (
+	"fmt"
 
-// Sentinel errors returned (wrapped) by this package.
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
+
+// Sentinel errors returned (wrapped) by this package, each of an errdefs class.
 var (
 	// ErrClosed means the writer was closed; the row was not recorded.
-	ErrClosed = errors.New("ledger writer closed")
+	ErrClosed = fmt.Errorf("ledger writer closed: %w", errdefs.ErrUnavailable)
 	// ErrInvalid means a row or query argument is malformed (bad status, kind, action JSON…).
-	ErrInvalid = errors.New("invalid ledger input")
+	ErrInvalid = fmt.Errorf("invalid ledger input: %w", errdefs.ErrInvalidArgument)
 	// ErrNotFound means the episode (or checkpoint) is not in the ledger.
-	ErrNotFound = errors.New("not found in ledger")
+	ErrNotFound = fmt.Errorf("not in the ledger: %w", errdefs.ErrNotFound)
 	// ErrSpoolLocked means another writer holds the spool directory.
-	ErrSpoolLocked = errors.New("spool directory in use by another writer")
+	ErrSpoolLocked = fmt.Errorf("spool directory in use by another writer: %w", errdefs.ErrFailedPrecondition)
 	// ErrSpoolCorrupt means a sealed spool segment failed its checksum (a torn tail of the
 	// newest segment is expected after a crash and is cut off instead).
-	ErrSpoolCorrupt = errors.New("spool segment corrupt")
+	ErrSpoolCorrupt = fmt.Errorf("spool segment corrupt: %w", errdefs.ErrInternal)
 	// ErrUndelivered means Close or Flush ended before every row reached Postgres; the rest stay
 	// in the spool and are delivered by the next writer on the same directory.
-	ErrUndelivered = errors.New("rows left undelivered in the spool")
+	ErrUndelivered = fmt.Errorf("rows left undelivered in the spool: %w", errdefs.ErrUnavailable)
 )

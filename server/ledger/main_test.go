@@ -25,12 +25,11 @@ func TestMain(m *testing.M) {
 }
 
 type bundle struct {
-	url    string
-	w      *ledger.Writer
-	store  *ledger.Store
-	spool  string
-	t0     time.Time
-	closed bool
+	url   string
+	w     *ledger.Writer
+	store *ledger.Store
+	spool string
+	t0    time.Time
 }
 
 // setup returns a writer and a store over a fresh database.

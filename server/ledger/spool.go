@@ -45,8 +45,9 @@ type spool struct {
 
 	log *slog.Logger
 
-	// durable is the active segment's size at its last group commit, guarded by mu: a direct
-	// segment ends in a padded block past it, which the reader must not take for frames.
+	// durable is the active segment's size at its last group commit: a direct segment ends in a
+	// padded block past it, which the reader must not take for frames.
+	// +checklocks:mu
 	durable int64
 
 	// readBuffered: the reader opens segments without O_DIRECT (set with noDirect).

@@ -80,42 +80,16 @@ func (vc *vacuumConn) close() {
 // vacuumLoop vacuums the steps table after every Config.VacuumSteps steps delivered, until ctx
 // ends.
 func (w *Writer) vacuumLoop(ctx context.Context) {
-	defer close(w.vacuumDone)
+	defer close(w.vac.done)
 	vc := &vacuumConn{}
 	defer vc.close()
 	every := uint64(w.cfg.VacuumSteps)
-	// patience is how many steps may pass without a vacuum gaining pages before it waits.
-	patience := 4 * max(every, uint64(w.cfg.Conns*w.cfg.BatchRows))
-	// at is the steps delivered when the last vacuum started; gainedAt, when the last one that
-	// gained pages did. No vacuum starts before next; owed means one is due at next whether
-	// steps arrive or not (the last was skipped or failed).
-	var at, gainedAt uint64
-	var next time.Time
-	var owed, held, failing, skipping bool
-	var last relVisibility
-	backoff := w.cfg.vacuumBackoff
-	wait := func() { // before the next vacuum, after a failed or held one
-		next = time.Now().Add(backoff)
-		backoff = min(2*backoff, w.cfg.vacuumBackoffMax)
-	}
+	p := &vacuumPlan{w: w, every: every, patience: 4 * max(every, uint64(w.cfg.Conns*w.cfg.BatchRows)), backoff: w.cfg.vacuumBackoff}
 	for {
-		var retry <-chan time.Time
-		if owed {
-			retry = time.After(time.Until(next))
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-w.vacuumKick:
-		case <-retry:
-		}
-		if !owed && w.stepsDelivered.Load() < at+every {
-			continue
-		}
-		if !sleepCtx(ctx, time.Until(next)) {
+		if !p.awaitDue(ctx) || !sleepCtx(ctx, time.Until(p.next)) {
 			return
 		}
-		start := w.stepsDelivered.Load()
+		start := w.vac.steps.Load()
 		vis, err := w.vacuum(ctx, vc)
 		switch {
 		case ctx.Err() != nil:
@@ -124,48 +98,102 @@ func (w *Writer) vacuumLoop(ctx context.Context) {
 			w.cfg.Logger.Warn("ledger: the writer does not vacuum the steps table; autovacuum will", "err", err)
 			return
 		case err != nil:
-			if !failing {
-				w.cfg.Logger.Warn("ledger: vacuuming the steps table", "err", err, "retry_in", backoff)
-			}
-			failing, owed = true, true
+			p.failed(err)
 			vc.close()
-			wait()
-			continue
 		case vc.skipped:
-			if !skipping {
-				w.cfg.Logger.Info("ledger: another vacuum or analyze holds the steps table; the writer's waits till it is done", "retry_in", backoff)
-			}
-			skipping, owed = true, true
-			wait()
-			continue
+			p.skipped()
+		default:
+			p.ran(start, vis)
 		}
-		skipping = false
-		if failing {
-			w.cfg.Logger.Info("ledger: vacuuming the steps table again")
-		}
-		failing, owed, at = false, false, start
-		if w.vacuums.Add(1) == 1 {
-			w.cfg.Logger.Info(fmt.Sprintf("ledger: vacuuming the steps table every %d steps", every))
-		}
-		w.cfg.Logger.Debug("ledger: vacuumed the steps table", "steps", at, "pages", vis.pages, "all_visible", vis.visible)
-		if vis.visible > last.visible || vis.pages <= last.pages {
-			gainedAt = at
-		}
-		last = vis
-		if at-gainedAt <= patience {
-			if held {
-				w.cfg.Logger.Info("ledger: the steps' vacuum is no longer held back")
-			}
-			held, backoff, next = false, w.cfg.vacuumBackoff, time.Time{}
-			continue
-		}
-		if !held {
-			w.cfg.Logger.Info("ledger: an older transaction holds the steps' vacuum back: it marks no page; trying less often until it does",
-				"steps", at-gainedAt)
-		}
-		held = true
-		wait()
 	}
+}
+
+// vacuumPlan decides when the writer's next vacuum runs.
+type vacuumPlan struct {
+	w *Writer
+	// every is the steps between two vacuums; patience, how many may pass without a vacuum
+	// gaining pages before it waits.
+	every, patience uint64
+	// at is the steps delivered when the last vacuum started; gainedAt, when the last one that
+	// gained pages did. No vacuum starts before next; owed means one is due at next whether
+	// steps arrive or not (the last was skipped or failed).
+	at, gainedAt                  uint64
+	next                          time.Time
+	owed, held, failing, skipping bool
+	last                          relVisibility
+	backoff                       time.Duration
+}
+
+// awaitDue waits until a vacuum is due (false: ctx ended).
+func (p *vacuumPlan) awaitDue(ctx context.Context) bool {
+	for {
+		var retry <-chan time.Time
+		if p.owed {
+			retry = time.After(time.Until(p.next))
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-p.w.vac.kick:
+		case <-retry:
+		}
+		if p.owed || p.w.vac.steps.Load() >= p.at+p.every {
+			return true
+		}
+	}
+}
+
+// wait puts off the next vacuum, after a failed or held one.
+func (p *vacuumPlan) wait() {
+	p.next = time.Now().Add(p.backoff)
+	p.backoff = min(2*p.backoff, p.w.cfg.vacuumBackoffMax)
+}
+
+func (p *vacuumPlan) failed(err error) {
+	if !p.failing {
+		p.w.cfg.Logger.Warn("ledger: vacuuming the steps table", "err", err, "retry_in", p.backoff)
+	}
+	p.failing, p.owed = true, true
+	p.wait()
+}
+
+func (p *vacuumPlan) skipped() {
+	if !p.skipping {
+		p.w.cfg.Logger.Info("ledger: another vacuum or analyze holds the steps table; the writer's waits till it is done", "retry_in", p.backoff)
+	}
+	p.skipping, p.owed = true, true
+	p.wait()
+}
+
+// ran accounts for a vacuum that started at start steps and left vis.
+func (p *vacuumPlan) ran(start uint64, vis relVisibility) {
+	log := p.w.cfg.Logger
+	p.skipping = false
+	if p.failing {
+		log.Info("ledger: vacuuming the steps table again")
+	}
+	p.failing, p.owed, p.at = false, false, start
+	if p.w.vac.runs.Add(1) == 1 {
+		log.Info(fmt.Sprintf("ledger: vacuuming the steps table every %d steps", p.every))
+	}
+	log.Debug("ledger: vacuumed the steps table", "steps", p.at, "pages", vis.pages, "all_visible", vis.visible)
+	if vis.visible > p.last.visible || vis.pages <= p.last.pages {
+		p.gainedAt = p.at
+	}
+	p.last = vis
+	if p.at-p.gainedAt <= p.patience {
+		if p.held {
+			log.Info("ledger: the steps' vacuum is no longer held back")
+		}
+		p.held, p.backoff, p.next = false, p.w.cfg.vacuumBackoff, time.Time{}
+		return
+	}
+	if !p.held {
+		log.Info("ledger: an older transaction holds the steps' vacuum back: it marks no page; trying less often until it does",
+			"steps", p.at-p.gainedAt)
+	}
+	p.held = true
+	p.wait()
 }
 
 // relVisibility is a table's size in pages and how many of them are all-visible, as its last

@@ -21,7 +21,8 @@ import (
 
 // logBuffer is an io.Writer for a slog handler that tests read while the writer logs.
 type logBuffer struct {
-	mu  sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	buf bytes.Buffer
 }
 

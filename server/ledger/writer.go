@@ -154,37 +154,48 @@ type Writer struct {
 	cfg Config
 	sp  *spool
 
-	mu        sync.Mutex
-	nextSeq   uint64
-	chunks    [][]byte // frames not yet written to the spool
-	pending   int      // bytes in chunks
-	free      [][]byte // written chunks kept for reuse
-	drained   *sync.Cond
-	mem       []record // undelivered rows with contiguous seqs, when not overflowing
-	memBytes  int
-	overflow  bool // the queue was full: rows from here on are read back from the spool
-	synced    uint64
+	mu sync.Mutex
+	// +checklocks:mu
+	nextSeq uint64
+	// +checklocks:mu
+	chunks [][]byte // frames not yet written to the spool
+	// +checklocks:mu
+	pending int // bytes in chunks
+	// +checklocks:mu
+	free [][]byte // written chunks kept for reuse
+	// +checklocks:mu
+	drained *sync.Cond // on mu: pending went down, or the writer closed
+	// +checklocks:mu
+	mem []record // undelivered rows with contiguous seqs, when not overflowing
+	// +checklocks:mu
+	memBytes int
+	// +checklocks:mu
+	overflow bool // the queue was full: rows from here on are read back from the spool
+	// +checklocks:mu
+	synced uint64
+	// +checklocks:mu
 	delivered uint64
-	flushTo   uint64 // rows up to here are delivered without DeliveryDelay
-	closed    bool
-	changed   chan struct{} // closed and replaced whenever synced or delivered advance
-	syncErr   error
-	maxSync   time.Duration
+	// +checklocks:mu
+	flushTo uint64 // rows up to here are delivered without DeliveryDelay
+	// +checklocks:mu
+	closed bool
+	// +checklocks:mu
+	changed chan struct{} // closed and replaced whenever synced or delivered advance
+	// +checklocks:mu
+	syncErr error
+	// +checklocks:mu
+	maxSync time.Duration
 
-	kick     chan struct{} // the buffer became non-empty
-	flushNow chan struct{} // skip the rest of the window
-	stopSync chan struct{}
-	syncDone chan struct{}
+	syncer syncSignals
 
 	cancelDeliver context.CancelFunc
 	deliverDone   chan struct{}
 
-	stepsDelivered atomic.Uint64 // step rows committed to Postgres
-	vacuumKick     chan struct{} // stepsDelivered advanced
-	vacuumDone     chan struct{}
-	vacuums        atomic.Uint64
+	vac vacuumSignals
 
-	spooled, dropped, retries atomic.Uint64
+	// +checklocks:mu
+	spooled          atomic.Uint64 // counted under mu, where an append overflows
+	dropped, retries atomic.Uint64
 
 	closeOnce sync.Once
 	closeErr  error
@@ -192,8 +203,26 @@ type Writer struct {
 	beforeWait func() // tests: called by waitDelivered before it waits (SetBeforeWait)
 }
 
+// syncSignals are the channels between the appenders and the syncer (syncLoop).
+type syncSignals struct {
+	kick     chan struct{} // the buffer became non-empty
+	flushNow chan struct{} // skip the rest of the window
+	stop     chan struct{}
+	done     chan struct{}
+}
+
+// vacuumSignals are what the deliverer tells the vacuumer (vacuumLoop), and its count.
+type vacuumSignals struct {
+	steps atomic.Uint64 // step rows committed to Postgres
+	kick  chan struct{} // steps advanced
+	done  chan struct{}
+	runs  atomic.Uint64 // vacuums run
+}
+
 // NewWriter opens (recovering) the spool and starts the syncer and deliverer. Rows left in the
 // spool by an earlier writer are delivered first.
+//
+// +checklocksignore: the writer is not shared before its goroutines start.
 func NewWriter(cfg Config) (*Writer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -208,20 +237,17 @@ func NewWriter(cfg Config) (*Writer, error) {
 		first = d + 1
 	}
 	w := &Writer{
-		cfg:         cfg,
-		sp:          sp,
-		nextSeq:     last + 1,
-		synced:      last,
-		delivered:   first - 1,
-		overflow:    last >= first, // recovered rows are read from the spool
-		changed:     make(chan struct{}),
-		kick:        make(chan struct{}, 1),
-		flushNow:    make(chan struct{}, 1),
-		stopSync:    make(chan struct{}),
-		syncDone:    make(chan struct{}),
+		cfg:       cfg,
+		sp:        sp,
+		nextSeq:   last + 1,
+		synced:    last,
+		delivered: first - 1,
+		overflow:  last >= first, // recovered rows are read from the spool
+		changed:   make(chan struct{}),
+		syncer: syncSignals{kick: make(chan struct{}, 1), flushNow: make(chan struct{}, 1), stop: make(chan struct{}),
+			done: make(chan struct{})},
 		deliverDone: make(chan struct{}),
-		vacuumKick:  make(chan struct{}, 1),
-		vacuumDone:  make(chan struct{}),
+		vac:         vacuumSignals{kick: make(chan struct{}, 1), done: make(chan struct{})},
 	}
 	w.drained = sync.NewCond(&w.mu)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -231,7 +257,7 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if cfg.VacuumSteps > 0 {
 		go w.vacuumLoop(ctx)
 	} else {
-		close(w.vacuumDone)
+		close(w.vac.done)
 	}
 	return w, nil
 }
@@ -377,7 +403,7 @@ func (w *Writer) append(r record) error {
 	w.mu.Unlock()
 	if wasEmpty {
 		select {
-		case w.kick <- struct{}{}:
+		case w.syncer.kick <- struct{}{}:
 		default:
 		}
 	}
@@ -391,6 +417,7 @@ func (w *Writer) append(r record) error {
 // reused, so a growing window never copies what it already holds.
 const chunkSize = 4 << 20
 
+// +checklocks:w.mu
 func (w *Writer) appendFrameLocked(r *record, size int) {
 	n := len(w.chunks)
 	if n == 0 || cap(w.chunks[n-1])-len(w.chunks[n-1]) < size+frameHeader+1024 {
@@ -410,12 +437,14 @@ func (w *Writer) appendFrameLocked(r *record, size int) {
 
 func (w *Writer) requestSync() {
 	select {
-	case w.flushNow <- struct{}{}:
+	case w.syncer.flushNow <- struct{}{}:
 	default:
 	}
 }
 
-// notifyLocked wakes everyone waiting for progress. w.mu must be held.
+// notifyLocked wakes everyone waiting for progress.
+//
+// +checklocks:w.mu
 func (w *Writer) notifyLocked() {
 	close(w.changed)
 	w.changed = make(chan struct{})
@@ -424,21 +453,21 @@ func (w *Writer) notifyLocked() {
 // syncLoop is the group commit: after the first row of a window arrives it waits out the
 // window (or a flush request), then writes and fsyncs everything buffered in one go.
 func (w *Writer) syncLoop() {
-	defer close(w.syncDone)
+	defer close(w.syncer.done)
 	for {
 		stopping := false
 		select {
-		case <-w.kick:
-		case <-w.flushNow:
-		case <-w.stopSync:
+		case <-w.syncer.kick:
+		case <-w.syncer.flushNow:
+		case <-w.syncer.stop:
 			stopping = true
 		}
 		if !stopping {
 			t := time.NewTimer(w.cfg.GroupCommit)
 			select {
 			case <-t.C:
-			case <-w.flushNow:
-			case <-w.stopSync:
+			case <-w.syncer.flushNow:
+			case <-w.syncer.stop:
 				stopping = true
 			}
 			t.Stop()
@@ -474,7 +503,7 @@ func (w *Writer) syncOnce() {
 		w.chunks = append(chunks, w.chunks...)
 		w.syncErr = err
 		select {
-		case w.kick <- struct{}{}:
+		case w.syncer.kick <- struct{}{}:
 		default:
 		}
 		return
@@ -490,6 +519,8 @@ func (w *Writer) syncOnce() {
 }
 
 // popMemLocked drops rows up to pos (handed to the deliverer) from the in-memory queue.
+//
+// +checklocks:w.mu
 func (w *Writer) popMemLocked(pos uint64) {
 	i := 0
 	for i < len(w.mem) && w.mem[i].seq <= pos {
@@ -517,51 +548,21 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 	for {
 		w.popMemLocked(pos)
 		next := pos + 1
-		var wait time.Duration
-		if next <= w.synced && !w.closed && w.flushTo <= pos && w.synced-pos < uint64(w.cfg.BatchRows/4) && w.cfg.DeliveryDelay > 0 {
-			if readyAt.IsZero() {
-				readyAt = time.Now()
-			}
-			wait = w.cfg.DeliveryDelay - time.Since(readyAt)
-		}
+		wait := w.deliveryWaitLocked(pos, &readyAt)
 		if next <= w.synced && wait <= 0 {
-			if len(w.mem) > 0 && w.mem[0].seq == next {
-				n, bytes := 0, 0
-				for n < len(w.mem) && n < w.cfg.BatchRows && bytes < w.cfg.BatchBytes && w.mem[n].seq <= w.synced {
-					bytes += w.mem[n].size()
-					n++
-				}
-				batch := append([]record(nil), w.mem[:n]...)
-				w.popMemLocked(batch[n-1].seq)
+			if batch := w.memBatchLocked(next); batch != nil {
 				w.mu.Unlock()
 				w.sp.dropSlabs() // the reader's own state: this is the reader
 				return batch
 			}
-			to := w.synced
-			if len(w.mem) > 0 {
-				to = min(to, w.mem[0].seq-1)
-			}
+			to := w.spoolEndLocked()
 			w.mu.Unlock()
-			batch, err := w.sp.read(next, to, w.cfg.BatchRows, w.cfg.BatchBytes)
-			if err != nil {
-				w.cfg.Logger.Error("ledger spool read", "err", err)
-				if len(batch) == 0 {
-					if !sleepCtx(ctx, time.Second) {
-						return nil
-					}
-					w.mu.Lock()
-					continue
-				}
+			batch, more := w.spoolBatch(ctx, next, to)
+			if batch != nil || !more {
+				return batch
 			}
-			if last := batch[len(batch)-1].seq; last == to {
-				w.mu.Lock()
-				if w.overflow && last == w.synced && len(w.mem) == 0 {
-					// Caught up with the spool: new rows may use the in-memory queue again.
-					w.overflow = false
-				}
-				w.mu.Unlock()
-			}
-			return batch
+			w.mu.Lock()
+			continue
 		}
 		if w.closed && next == w.nextSeq {
 			w.mu.Unlock()
@@ -570,28 +571,101 @@ func (w *Writer) nextBatch(ctx context.Context, pos uint64) []record {
 		ch := w.changed
 		fromMemory := !w.overflow
 		w.mu.Unlock()
-		if fromMemory {
-			// Caught up and waiting: rows come from memory now, so the reader's slabs can go
-			// (a server that caught up and went idle would otherwise keep them).
-			w.sp.dropSlabs()
-		}
-		var expired <-chan time.Time
-		if wait > 0 {
-			if timer == nil {
-				timer = time.NewTimer(wait)
-			} else {
-				timer.Reset(wait)
-			}
-			expired = timer.C
-		}
-		select {
-		case <-ch:
-		case <-expired:
-		case <-ctx.Done():
+		if !w.waitRows(ctx, ch, fromMemory, wait, &timer) {
 			return nil
 		}
 		w.mu.Lock()
 	}
+}
+
+// deliveryWaitLocked returns how much longer the durable rows after pos may wait for more
+// (Config.DeliveryDelay; 0 or less: deliver now). readyAt is when rows were first seen
+// waiting, set on the first call that sees them.
+//
+// +checklocks:w.mu
+func (w *Writer) deliveryWaitLocked(pos uint64, readyAt *time.Time) time.Duration {
+	if pos+1 > w.synced || w.closed || w.flushTo > pos || w.synced-pos >= uint64(w.cfg.BatchRows/4) || w.cfg.DeliveryDelay <= 0 {
+		return 0
+	}
+	if readyAt.IsZero() {
+		*readyAt = time.Now()
+	}
+	return w.cfg.DeliveryDelay - time.Since(*readyAt)
+}
+
+// memBatchLocked takes a batch from the in-memory queue if it starts with row next.
+//
+// +checklocks:w.mu
+func (w *Writer) memBatchLocked(next uint64) []record {
+	if len(w.mem) == 0 || w.mem[0].seq != next {
+		return nil
+	}
+	n, bytes := 0, 0
+	for n < len(w.mem) && n < w.cfg.BatchRows && bytes < w.cfg.BatchBytes && w.mem[n].seq <= w.synced {
+		bytes += w.mem[n].size()
+		n++
+	}
+	batch := append([]record(nil), w.mem[:n]...)
+	w.popMemLocked(batch[n-1].seq)
+	return batch
+}
+
+// spoolEndLocked is the last durable row that only the spool holds.
+//
+// +checklocks:w.mu
+func (w *Writer) spoolEndLocked() uint64 {
+	to := w.synced
+	if len(w.mem) > 0 {
+		to = min(to, w.mem[0].seq-1)
+	}
+	return to
+}
+
+// spoolBatch reads a batch of rows next..to back from the spool. With no rows, more says
+// whether to look again (a read failed: after a second) or stop (ctx ended).
+func (w *Writer) spoolBatch(ctx context.Context, next, to uint64) (batch []record, more bool) {
+	batch, err := w.sp.read(next, to, w.cfg.BatchRows, w.cfg.BatchBytes)
+	if err != nil {
+		w.cfg.Logger.Error("ledger spool read", "err", err)
+		if len(batch) == 0 {
+			return nil, sleepCtx(ctx, time.Second)
+		}
+	}
+	if last := batch[len(batch)-1].seq; last == to {
+		w.mu.Lock()
+		if w.overflow && last == w.synced && len(w.mem) == 0 {
+			// Caught up with the spool: new rows may use the in-memory queue again.
+			w.overflow = false
+		}
+		w.mu.Unlock()
+	}
+	return batch, true
+}
+
+// waitRows waits for ch (progress), for wait when positive (the delivery delay's end, on
+// *timer, made on first use), or for ctx's end, which it reports as false. fromMemory says
+// rows come from memory now, so that the reader's slabs can go (a server that caught up and
+// went idle would otherwise keep them).
+func (w *Writer) waitRows(ctx context.Context, ch <-chan struct{}, fromMemory bool, wait time.Duration, timer **time.Timer) bool {
+	if fromMemory {
+		w.sp.dropSlabs()
+	}
+	var expired <-chan time.Time
+	if wait > 0 {
+		if *timer == nil {
+			*timer = time.NewTimer(wait)
+		} else {
+			(*timer).Reset(wait)
+		}
+		expired = (*timer).C
+	}
+	select {
+	case <-ch:
+	case <-expired:
+	case <-ctx.Done():
+		return false
+	}
+	return true
 }
 
 // isDataError reports whether Postgres rejected the rows themselves (a bad value or a duplicate
@@ -717,7 +791,7 @@ func (w *Writer) Flush(ctx context.Context) error {
 func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 	for {
 		w.mu.Lock()
-		done, ch, left := w.delivered >= target, w.changed, target-min(w.delivered, target)
+		done, ch := w.delivered >= target, w.changed
 		w.mu.Unlock()
 		if done {
 			return nil
@@ -731,7 +805,7 @@ func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 			// The deliverer may have delivered the last rows just before it ended (both are
 			// ready then, and select picks either).
 			w.mu.Lock()
-			done, left = w.delivered >= target, target-min(w.delivered, target)
+			done, left := w.delivered >= target, target-min(w.delivered, target)
 			w.mu.Unlock()
 			if done {
 				return nil
@@ -739,7 +813,7 @@ func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 			return fmt.Errorf("flushing ledger: %d rows: %w", left, ErrUndelivered)
 		case <-ctx.Done():
 			w.mu.Lock()
-			done, left = w.delivered >= target, target-min(w.delivered, target)
+			done, left := w.delivered >= target, target-min(w.delivered, target)
 			w.mu.Unlock()
 			if done {
 				return nil
@@ -760,7 +834,7 @@ func (w *Writer) Stats() Stats {
 		Spooled:   w.spooled.Load(),
 		Dropped:   w.dropped.Load(),
 		Retries:   w.retries.Load(),
-		Vacuums:   w.vacuums.Load(),
+		Vacuums:   w.vac.runs.Load(),
 		MaxSync:   w.maxSync,
 	}
 }
@@ -776,8 +850,8 @@ func (w *Writer) Close(ctx context.Context) error {
 		w.notifyLocked()
 		w.drained.Broadcast()
 		w.mu.Unlock()
-		close(w.stopSync)
-		<-w.syncDone
+		close(w.syncer.stop)
+		<-w.syncer.done
 		var errs []error
 		w.mu.Lock()
 		if w.syncErr != nil {
@@ -787,7 +861,7 @@ func (w *Writer) Close(ctx context.Context) error {
 		errs = append(errs, w.waitDelivered(ctx, target))
 		w.cancelDeliver()
 		<-w.deliverDone
-		<-w.vacuumDone
+		<-w.vac.done
 		w.mu.Lock()
 		delivered := w.delivered
 		w.mu.Unlock()

@@ -170,9 +170,12 @@ type Server struct {
 	// sup is supervision's state, apart from mu so that Stop can end a supervised start that
 	// holds mu (waiting for old backends, or for a long crash recovery).
 	sup struct {
-		sync.Mutex
-		armed  bool               // from a start by the caller until Stop
-		stop   chan struct{}      // closed by Stop
+		mu sync.Mutex
+		// +checklocks:mu
+		armed bool // from a start by the caller until Stop
+		// +checklocks:mu
+		stop chan struct{} // closed by Stop
+		// +checklocks:mu
 		cancel context.CancelFunc // ends the supervised start in progress
 	}
 	pid      atomic.Int64 // the running postmaster's, 0 if none
@@ -318,8 +321,8 @@ func (s *Server) afterStart(err error) error {
 
 // arm turns supervision on until Stop.
 func (s *Server) arm() {
-	s.sup.Lock()
-	defer s.sup.Unlock()
+	s.sup.mu.Lock()
+	defer s.sup.mu.Unlock()
 	if !s.sup.armed {
 		s.sup.armed, s.sup.stop = true, make(chan struct{})
 	}
@@ -327,8 +330,8 @@ func (s *Server) arm() {
 
 // disarm turns supervision off and ends a supervised start in progress.
 func (s *Server) disarm() {
-	s.sup.Lock()
-	defer s.sup.Unlock()
+	s.sup.mu.Lock()
+	defer s.sup.mu.Unlock()
 	if s.sup.armed {
 		s.sup.armed = false
 		close(s.sup.stop)
@@ -340,8 +343,8 @@ func (s *Server) disarm() {
 
 // armedStop returns the channel Stop closes, if supervision is on.
 func (s *Server) armedStop() (chan struct{}, bool) {
-	s.sup.Lock()
-	defer s.sup.Unlock()
+	s.sup.mu.Lock()
+	defer s.sup.mu.Unlock()
 	return s.sup.stop, s.sup.armed
 }
 
@@ -509,14 +512,14 @@ func (s *Server) retry(stop chan struct{}) {
 			return
 		case <-t.C:
 		}
-		s.sup.Lock()
+		s.sup.mu.Lock()
 		if !s.sup.armed || s.sup.stop != stop {
-			s.sup.Unlock()
+			s.sup.mu.Unlock()
 			return
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		s.sup.cancel = cancel
-		s.sup.Unlock()
+		s.sup.mu.Unlock()
 
 		s.mu.Lock()
 		started, err := false, error(nil)
@@ -526,9 +529,9 @@ func (s *Server) retry(stop chan struct{}) {
 		}
 		s.mu.Unlock()
 		stopped := ctx.Err() != nil // Stop cancelled it
-		s.sup.Lock()
+		s.sup.mu.Lock()
 		s.sup.cancel = nil
-		s.sup.Unlock()
+		s.sup.mu.Unlock()
 		cancel()
 		if err == nil {
 			if started {

@@ -325,7 +325,8 @@ func startSupervised(t *testing.T) (*Server, *lockedBuffer, string) {
 // lockedBuffer is a bytes.Buffer safe for a logger's goroutines.
 type lockedBuffer struct {
 	mu sync.Mutex
-	b  bytes.Buffer
+	// +checklocks:mu
+	b bytes.Buffer
 }
 
 func (l *lockedBuffer) Write(p []byte) (int, error) {

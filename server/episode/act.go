@@ -1,0 +1,209 @@
+package episode
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// validate checks an action before anything runs.
+func validate(a Action) error {
+	switch x := a.(type) {
+	case Exec:
+		if (x.Command == "") == (len(x.Argv) == 0) {
+			return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
+		}
+		if x.Session != "" && len(x.Argv) > 0 {
+			return fmt.Errorf("exec with a session takes a command, not argv: %w", ErrInvalid)
+		}
+		if x.Timeout < 0 {
+			return fmt.Errorf("exec timeout_seconds %v is negative: %w", x.Timeout.Seconds(), ErrInvalid)
+		}
+	case WriteFile:
+		if x.Path == "" {
+			return fmt.Errorf("write_file needs a path: %w", ErrInvalid)
+		}
+		if x.Mode > 0o7777 {
+			return fmt.Errorf("write_file mode %o has bits beyond 07777: %w", uint32(x.Mode), ErrInvalid)
+		}
+	case ReadFile:
+		if x.Path == "" {
+			return fmt.Errorf("read_file needs a path: %w", ErrInvalid)
+		}
+		if x.Offset < 0 || x.MaxBytes < 0 {
+			return fmt.Errorf("read_file offset and max_bytes must not be negative: %w", ErrInvalid)
+		}
+	case Submit:
+	default:
+		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit; in JSON exec, writeFile, readFile or submit, other names are ignored): %w", ErrInvalid)
+	}
+	return nil
+}
+
+// outcome is what an action did. verr is a submit's verifier failure (the episode still ends).
+type outcome struct {
+	obs        Observation
+	reward     float64
+	terminated bool
+	verr       error
+}
+
+// act performs an action in b's sandbox. left, when positive, is the time left in the
+// episode's time budget, which bounds an exec's timeout.
+func (c *Core) act(ctx context.Context, b *box, a Action, left time.Duration) (outcome, error) {
+	l := b.lease
+	attrs := []attribute.KeyValue{attribute.String("deltagym.sandbox_id", l.ID()), attribute.String("deltagym.env", l.Env().Name())}
+	switch x := a.(type) {
+	case Exec:
+		return c.exec(ctx, l, x, left, attrs)
+	case WriteFile:
+		return c.writeFile(ctx, l, x, attrs)
+	case ReadFile:
+		return c.readFile(ctx, l, x, attrs)
+	case Submit:
+		ctx, done := c.cfg.Observe(ctx, "verify")
+		trace.SpanFromContext(ctx).SetAttributes(attrs...)
+		v, err := c.pools.Verify(ctx, l.Env(), l.Sandbox(), x.Answer)
+		done(err)
+		if err != nil && !errors.Is(err, envpool.ErrVerifier) && !errors.Is(err, envpool.ErrNoVerifier) {
+			return outcome{}, err
+		}
+		return outcome{obs: Observation{Submit: &SubmitResult{Components: v.Components, Output: v.Output}},
+			reward: v.Reward, terminated: true, verr: err}, nil
+	}
+	return outcome{}, fmt.Errorf("unknown action kind: %w", ErrInvalid)
+}
+
+func (c *Core) exec(ctx context.Context, l *envpool.Lease, x Exec, left time.Duration, attrs []attribute.KeyValue) (outcome, error) {
+	env := l.Env()
+	timeout := env.StepTimeout()
+	if x.Timeout > 0 && x.Timeout < timeout {
+		timeout = x.Timeout
+	}
+	if left > 0 && left < timeout {
+		timeout = left
+	}
+	ctx, done := c.cfg.Observe(ctx, "exec")
+	span := trace.SpanFromContext(ctx)
+	span.SetAttributes(append(attrs, attribute.Float64("deltagym.exec.timeout_seconds", timeout.Seconds()),
+		attribute.Bool("deltagym.exec.background", x.Background))...)
+	res, err := l.Sandbox().Exec(ctx, sandbox.ExecRequest{Argv: x.Argv, Command: x.Command, Stdin: x.Stdin, Env: sortedEnv(x.Env),
+		Cwd: x.Cwd, Timeout: timeout, Background: x.Background, Session: x.Session, MaxOutput: env.OutputCap()})
+	if err == nil {
+		span.SetAttributes(attribute.Int("deltagym.exec.exit_code", res.ExitCode), attribute.Bool("deltagym.exec.timed_out", res.TimedOut))
+	}
+	done(err)
+	if err != nil {
+		return outcome{}, err
+	}
+	return outcome{obs: Observation{Exec: &res}}, nil
+}
+
+func (c *Core) writeFile(ctx context.Context, l *envpool.Lease, w WriteFile, attrs []attribute.KeyValue) (outcome, error) {
+	mode := w.Mode
+	if mode == 0 {
+		mode = 0o644
+	}
+	ctx, done := c.cfg.Observe(ctx, "write_file")
+	trace.SpanFromContext(ctx).SetAttributes(append(attrs, attribute.Int("deltagym.file.bytes", len(w.Content)))...)
+	box := l.Sandbox()
+	err := box.WriteFile(ctx, w.Path, w.Content, mode, w.Append)
+	done(err)
+	if err != nil {
+		return outcome{}, err
+	}
+	_, size, err := box.ReadFile(ctx, w.Path, 0, 0)
+	if err != nil {
+		return outcome{}, err
+	}
+	return outcome{obs: Observation{WriteFile: &WriteFileResult{Size: size}}}, nil
+}
+
+func (c *Core) readFile(ctx context.Context, l *envpool.Lease, r ReadFile, attrs []attribute.KeyValue) (outcome, error) {
+	limit := int64(l.Env().OutputCap())
+	if r.MaxBytes > 0 && r.MaxBytes < limit {
+		limit = r.MaxBytes
+	}
+	ctx, done := c.cfg.Observe(ctx, "read_file")
+	trace.SpanFromContext(ctx).SetAttributes(attrs...)
+	data, size, err := l.Sandbox().ReadFile(ctx, r.Path, r.Offset, limit)
+	done(err)
+	if err != nil {
+		return outcome{}, err
+	}
+	return outcome{obs: Observation{ReadFile: &ReadFileResult{Content: data, Size: size, Truncated: r.Offset+int64(len(data)) < size}}}, nil
+}
+
+// callErr turns an error of a call begun on a lease into envpool.ErrAborted when Restore or
+// Close aborted it.
+func callErr(ctx context.Context, err error) error {
+	if err != nil && envpool.Aborted(ctx) {
+		return fmt.Errorf("%w: %w", envpool.ErrAborted, err)
+	}
+	return err
+}
+
+// infraFailure is InfraFailure with the core's idea of an internal error (Config.Internal).
+func (c *Core) infraFailure(ctx context.Context, box *sandbox.Sandbox, err error) (gone, infra bool) {
+	return InfraFailure(ctx, box, err, c.cfg.Internal)
+}
+
+// InfraFailure reports whether err, from a call begun on a lease of box with context ctx (from
+// Begin), is the infrastructure's fault rather than the client's, and whether the sandbox is
+// gone. Infrastructure failures: the sandbox was destroyed under the call by the runtime because
+// its init died (the call ends aborted though neither the client nor the pools aborted it, or
+// closed with the init dead), or the server failed internally (internal(err), such as a spawn
+// failing for a reason of the host). Not: bad input, exhausted limits, a shell session the
+// agent ended, aborts by Restore, Close or the reaper (which end the episode themselves), and
+// the caller's own cancellation or deadline.
+func InfraFailure(ctx context.Context, box *sandbox.Sandbox, err error, internal func(error) bool) (gone, infra bool) {
+	switch {
+	case err == nil, envpool.Aborted(ctx), ctx.Err() != nil:
+		return false, false
+	case errors.Is(err, sandbox.ErrAborted): // only Restore and Destroy abort an exec
+		return true, true
+	case errors.Is(err, sandbox.ErrClosed):
+		gone = initDead(box)
+		return gone, gone
+	}
+	return false, internal(err)
+}
+
+// Internal reports whether err is the server's own fault by its class alone: of class
+// errdefs.ErrInternal or of none, and not a context's end (Config.Internal's default).
+func Internal(err error) bool {
+	class := errdefs.Class(err)
+	return (class == nil || class == errdefs.ErrInternal) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
+}
+
+// initDeathGrace is how long initDead gives a dying init to finish exiting: a call can see the
+// init's connection close while the kernel is still tearing the process down.
+const initDeathGrace = 250 * time.Millisecond
+
+// initDead reports whether box's init has exited (the runtime then destroys the sandbox). It
+// waits up to initDeathGrace for the runtime to notice, then asks the kernel.
+func initDead(box *sandbox.Sandbox) bool {
+	t := time.NewTimer(initDeathGrace)
+	defer t.Stop()
+	select {
+	case <-box.Done():
+		return true
+	case <-t.C:
+	}
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", box.InitPid()))
+	if err != nil {
+		return true
+	}
+	i := bytes.LastIndexByte(st, ')') // the state follows the command name in parentheses
+	return i < 0 || i+2 >= len(st) || st[i+2] == 'Z' || st[i+2] == 'X'
+}

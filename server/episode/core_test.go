@@ -1,0 +1,296 @@
+package episode_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/image/imagetest"
+	"github.com/deltagym/deltagym/server/episode"
+	"github.com/deltagym/deltagym/server/ledger"
+)
+
+// recorder keeps what the core records, in order.
+type recorder struct {
+	mu sync.Mutex
+	// +checklocks:mu
+	starts []ledger.EpisodeStart
+	// +checklocks:mu
+	ends []ledger.EpisodeEnd
+	// +checklocks:mu
+	steps []ledger.StepRow
+	// +checklocks:mu
+	rewards []ledger.RewardRow
+	// +checklocks:mu
+	ckpts []ledger.CheckpointRow
+	// +checklocks:mu
+	released []string
+}
+
+func (r *recorder) EpisodeStarted(e ledger.EpisodeStart) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.starts = append(r.starts, e)
+	return nil
+}
+
+func (r *recorder) EpisodeEnded(e ledger.EpisodeEnd) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.ends = append(r.ends, e)
+	return nil
+}
+
+func (r *recorder) Step(s ledger.StepRow) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.steps = append(r.steps, s)
+	return nil
+}
+
+func (r *recorder) Reward(w ledger.RewardRow) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.rewards = append(r.rewards, w)
+	return nil
+}
+
+func (r *recorder) Checkpoint(c ledger.CheckpointRow) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.ckpts = append(r.ckpts, c)
+	return nil
+}
+
+func (r *recorder) CheckpointReleased(id string, _ time.Time) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.released = append(r.released, id)
+	return nil
+}
+
+// end returns how episode id ended, false if it did not.
+func (r *recorder) end(id string) (ledger.EpisodeEnd, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, e := range r.ends {
+		if e.ID == id {
+			return e, true
+		}
+	}
+	return ledger.EpisodeEnd{}, false
+}
+
+func (r *recorder) start(id string) (ledger.EpisodeStart, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, e := range r.starts {
+		if e.ID == id {
+			return e, true
+		}
+	}
+	return ledger.EpisodeStart{}, false
+}
+
+func (r *recorder) stepsOf(id string) []ledger.StepRow {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []ledger.StepRow
+	for _, s := range r.steps {
+		if s.EpisodeID == id {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+var runtimes atomic.Int64
+
+// setup starts a runtime on the busybox image, pools of env "e" (a verifier that rewards
+// /tmp/answer's number, four steps at most) and a core that records into a recorder: the
+// core as a front end other than the RPC handlers drives it.
+func setup(t *testing.T) (*episode.Core, *sandbox.Runtime, *recorder) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
+	}
+	init := os.Getenv("DELTAGYM_INIT")
+	if init == "" {
+		init, _ = filepath.Abs("../../bin/dg-init")
+	}
+	if _, err := os.Stat(init); err != nil {
+		t.Skip("needs bin/dg-init (make init) or DELTAGYM_INIT")
+	}
+	ctx := t.Context()
+	cfg := sandbox.Config{DataDir: filepath.Join(t.TempDir(), "data"), InitBinary: init,
+		CgroupRoot: fmt.Sprintf("dgeptest-%d-%d", os.Getpid(), runtimes.Add(1))}
+	rt, err := sandbox.New(ctx, cfg)
+	must(t, err)
+	t.Cleanup(func() {
+		if err := rt.Close(context.Background()); err != nil {
+			t.Errorf("closing runtime: %v", err)
+		}
+		if err := sandbox.Purge(cfg.DataDir); err != nil {
+			t.Errorf("purging: %v", err)
+		}
+		for _, d := range []string{"unified/", "memory/", "pids/", "cpu/", "freezer/", ""} {
+			_ = os.Remove("/sys/fs/cgroup/" + d + cfg.CgroupRoot)
+		}
+	})
+	_, err = rt.ImportImage(ctx, "default", imagetest.Busybox(t))
+	must(t, err)
+	rec := &recorder{}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	core, err := episode.New(episode.Config{Runtime: rt, Ledger: rec, Logger: log})
+	must(t, err)
+	spec := &deltagymv1.EnvSpec{Name: "e", Image: "default", Setup: []string{"echo base > /tmp/base"},
+		Verifier: "cat /tmp/answer 2>/dev/null || echo 0", Budgets: &deltagymv1.Budgets{MaxSteps: 4}, PoolSize: 2}
+	pools, err := envpool.New(envpool.Config{Runtime: rt, LeaseTTL: time.Minute, AcquireTimeout: time.Minute, Logger: log,
+		OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded}, []*deltagymv1.EnvSpec{spec})
+	must(t, err)
+	core.UsePools(pools)
+	t.Cleanup(func() {
+		if err := pools.Close(context.Background()); err != nil {
+			t.Errorf("closing pools: %v", err)
+		}
+	})
+	return core, rt, rec
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func stepOK(t *testing.T, core *episode.Core, sb string, a episode.Action) episode.StepResult {
+	t.Helper()
+	r, err := core.Step(t.Context(), episode.StepRequest{SandboxID: sb, Action: a})
+	must(t, err)
+	return r
+}
+
+// An episode driven through the core alone: every action, the budgets, the ledger's rows, a
+// restore's branch and its step numbering, a fork, an evaluation, a close.
+func TestEpisodeLifecycle(t *testing.T) {
+	core, rt, rec := setup(t)
+	ctx := t.Context()
+	rr, err := core.Reset(ctx, episode.ResetRequest{Env: "e", Run: "run", Group: "g"})
+	must(t, err)
+	sb, ep := rr.SandboxID, rr.EpisodeID
+	if s, ok := rec.start(ep); !ok || s.Env != "e" || s.Run != "run" || s.Sandbox != sb || s.StartCheckpoint != rr.CheckpointID {
+		t.Fatalf("episode start recorded as %+v (%v)", s, ok)
+	}
+	if r := stepOK(t, core, sb, episode.Exec{Command: "cat /tmp/base"}); string(r.Observation.Exec.Stdout) != "base\n" || r.StepIndex != 0 {
+		t.Fatalf("exec: %+v", r)
+	}
+	if r := stepOK(t, core, sb, episode.WriteFile{Path: "/tmp/answer", Content: []byte("1\n")}); r.Observation.WriteFile.Size != 2 || r.StepIndex != 1 {
+		t.Fatalf("write_file: %+v", r)
+	}
+	if r := stepOK(t, core, sb, episode.ReadFile{Path: "/tmp/answer", MaxBytes: 1}); string(r.Observation.ReadFile.Content) != "1" || !r.Observation.ReadFile.Truncated {
+		t.Fatalf("read_file: %+v", r)
+	}
+	ck, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: sb})
+	must(t, err)
+	if p, err := core.CheckpointPlace(ck.Info.ID); err != nil || p != (episode.Place{Env: "e", Episode: ep, Run: "run", Group: "g", Own: 3, Steps: 3}) {
+		t.Fatalf("the checkpoint's place: %+v, %v", p, err)
+	}
+	sub := stepOK(t, core, sb, episode.Submit{})
+	if !sub.Terminated || sub.Reward != 1 || sub.StepIndex != 3 {
+		t.Fatalf("submit: %+v", sub)
+	}
+	if e, ok := rec.end(ep); !ok || e.Status != ledger.StatusTerminated || e.TotalReward != 1 {
+		t.Fatalf("episode end recorded as %+v (%v)", e, ok)
+	}
+	if steps := rec.stepsOf(ep); len(steps) != 4 || steps[3].Index != 3 || !steps[3].Terminated {
+		t.Fatalf("recorded steps: %+v", steps)
+	}
+	if _, err := core.Step(ctx, episode.StepRequest{SandboxID: sb, Action: episode.Exec{Command: "true"}}); !errors.Is(err, episode.ErrEpisodeEnded) {
+		t.Fatalf("a step after the end: %v", err)
+	}
+
+	// A restore starts an episode where the checkpoint was: its steps number on from 3, and
+	// the budget of four steps truncates its first.
+	rs, err := core.Restore(ctx, episode.RestoreRequest{SandboxID: sb, CheckpointID: ck.Info.ID})
+	must(t, err)
+	if rs.NextStepIndex != 3 || rs.EpisodeID == ep {
+		t.Fatalf("restore: %+v", rs)
+	}
+	if s, _ := rec.start(rs.EpisodeID); s.ParentEpisode != ep || s.StartCheckpoint != ck.Info.ID || s.Run != "run" {
+		t.Fatalf("branch recorded as %+v", s)
+	}
+	r := stepOK(t, core, sb, episode.Exec{Argv: []string{"cat", "/tmp/answer"}})
+	if r.StepIndex != 3 || !r.Truncated || r.Info["truncated_by"] != "max_steps" || string(r.Observation.Exec.Stdout) != "1\n" {
+		t.Fatalf("the step after the restore: %+v", r)
+	}
+	if e, _ := rec.end(rs.EpisodeID); e.Status != ledger.StatusTruncated {
+		t.Fatalf("the branch ended %+v", e)
+	}
+
+	// A fork of the checkpoint continues its path in each child, and evaluating a child leaves
+	// it as it was.
+	f, err := core.Fork(ctx, episode.ForkRequest{CheckpointID: ck.Info.ID, N: 2})
+	must(t, err)
+	if len(f.Children) != 2 {
+		t.Fatalf("fork: %+v", f)
+	}
+	kid := f.Children[0].SandboxID
+	d, err := core.Sandbox(kid)
+	must(t, err)
+	if d.NextStepIndex != 3 || d.Run != "run" || d.Group != "g" || d.Done {
+		t.Fatalf("a child: %+v", d)
+	}
+	v, err := core.Evaluate(ctx, kid)
+	must(t, err)
+	if v.Reward != 1 {
+		t.Fatalf("evaluate: %+v", v)
+	}
+	must(t, core.Close(ctx, kid))
+	must(t, core.Close(ctx, kid)) // closing a closed sandbox succeeds
+	if _, err := core.Touch(kid); !errors.Is(err, envpool.ErrLeaseEnded) {
+		t.Fatalf("a closed sandbox: %v, want it closed", err)
+	}
+	if e, _ := rec.end(f.Children[0].EpisodeID); e.Status != ledger.StatusTruncated {
+		t.Fatalf("a closed child's episode ended %+v", e)
+	}
+	if len(core.Sandboxes(episode.Filter{Run: "run"})) != 2 { // the reset sandbox and the other child
+		t.Fatalf("sandboxes of run: %+v", core.Sandboxes(episode.Filter{Run: "run"}))
+	}
+
+	must(t, core.ReleaseCheckpoint(ck.Info.ID))
+	if _, err := core.CheckpointPlace(ck.Info.ID); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("a released checkpoint's place: %v", err)
+	}
+	if _, err := rt.Checkpoint(ck.Info.ID); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("a released checkpoint: %v", err)
+	}
+}
+
+// A reset with an idempotency key returns its first result to a retry.
+func TestResetIdempotent(t *testing.T) {
+	core, _, _ := setup(t)
+	ctx := t.Context()
+	req := episode.ResetRequest{Env: "e", IdempotencyKey: "k"}
+	a, err := core.Reset(ctx, req)
+	must(t, err)
+	b, err := core.Reset(ctx, req)
+	must(t, err)
+	if a.SandboxID != b.SandboxID || a.EpisodeID != b.EpisodeID {
+		t.Fatalf("a retry got %s/%s, the first call %s/%s", b.SandboxID, b.EpisodeID, a.SandboxID, a.EpisodeID)
+	}
+	req.Run = "other"
+	if _, err := core.Reset(ctx, req); !errors.Is(err, episode.ErrInvalid) {
+		t.Fatalf("the key reused for another request: %v", err)
+	}
+}

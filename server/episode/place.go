@@ -1,0 +1,132 @@
+package episode
+
+import (
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/ledger"
+)
+
+// Place is where a checkpoint was taken: its env and, for one taken in an episode, the episode
+// (with its run and group) and how many steps led there.
+type Place struct {
+	Env     string
+	Episode string
+	Run     string
+	Group   string
+	// Own is the episode's own steps when the checkpoint was taken (the ledger's step_index).
+	Own int
+	// Steps is the steps on its path: the index of the next step after restoring it.
+	Steps int
+}
+
+// The labels that keep a Place in a checkpoint's record.
+const (
+	labelEnv     = "deltagym.env"
+	labelEpisode = "deltagym.episode"
+	labelRun     = "deltagym.run"
+	labelGroup   = "deltagym.group"
+	labelOwn     = "deltagym.own_steps"
+	labelSteps   = "deltagym.steps"
+)
+
+// labels encodes p as checkpoint labels.
+func (p Place) labels() map[string]string {
+	m := map[string]string{labelEnv: p.Env}
+	if p.Episode != "" {
+		m[labelEpisode], m[labelOwn], m[labelSteps] = p.Episode, strconv.Itoa(p.Own), strconv.Itoa(p.Steps)
+	}
+	if p.Run != "" {
+		m[labelRun] = p.Run
+	}
+	if p.Group != "" {
+		m[labelGroup] = p.Group
+	}
+	return m
+}
+
+// placeOf decodes the Place that labels keep; false when they keep none.
+func placeOf(labels map[string]string) (Place, bool) {
+	p := Place{Env: labels[labelEnv], Episode: labels[labelEpisode], Run: labels[labelRun], Group: labels[labelGroup]}
+	if p.Env == "" {
+		return Place{}, false
+	}
+	p.Own, _ = strconv.Atoi(labels[labelOwn])
+	p.Steps, _ = strconv.Atoi(labels[labelSteps])
+	return p, true
+}
+
+// CheckpointPlace returns where checkpoint id was taken. A checkpoint the core neither took
+// nor labelled (one made through the runtime by a tool in the same process) is on no episode's
+// path; its env is the first one on its image.
+func (c *Core) CheckpointPlace(id string) (Place, error) {
+	info, err := c.rt.Checkpoint(id)
+	if err != nil {
+		return Place{}, err
+	}
+	if p, ok := placeOf(info.Labels); ok {
+		return p, nil
+	}
+	env, err := c.pools.EnvForImage(info.Image)
+	if err != nil {
+		return Place{}, err
+	}
+	return Place{Env: env.Name()}, nil
+}
+
+// restorable checks that checkpoint id exists and can be restored in b's sandbox, and returns
+// where it was taken.
+func (c *Core) restorable(b *box, id string) (Place, error) {
+	p, err := c.CheckpointPlace(id)
+	if err != nil {
+		return Place{}, err
+	}
+	if env := b.lease.Env().Name(); p.Env != env {
+		return Place{}, fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w", id, p.Env, b.lease.ID(), env, ErrOtherEnv)
+	}
+	return p, nil
+}
+
+// recordCheckpoint records in the ledger a checkpoint taken at p (whose labels keep p).
+func (c *Core) recordCheckpoint(kind ledger.CheckpointKind, info sandbox.CheckpointInfo, p Place) {
+	if c.rec == nil {
+		return
+	}
+	c.ledgerErr(c.rec.Checkpoint(ledger.CheckpointRow{ID: info.ID, ParentID: info.Parent, Kind: kind, Env: p.Env,
+		Sandbox: info.SandboxID, EpisodeID: p.Episode, StepIndex: p.Own, CreatedAt: info.Created}))
+}
+
+// labelCheckpoint labels a checkpoint someone else took (the pools) with p, and records it.
+func (c *Core) labelCheckpoint(kind ledger.CheckpointKind, info sandbox.CheckpointInfo, p Place) {
+	if err := c.rt.SetCheckpointLabels(info.ID, p.labels()); err != nil {
+		c.log.Warn("labelling a checkpoint with where it was taken", "checkpoint", info.ID, "err", err)
+	}
+	c.recordCheckpoint(kind, info, p)
+}
+
+// PoolCheckpoint is the pools' hook (envpool.Config.OnCheckpoint) for the checkpoints they take:
+// pool and task ones are labelled with their env and recorded; evaluate ones are left to
+// Evaluate, which knows their episode.
+func (c *Core) PoolCheckpoint(env string, kind envpool.CheckpointKind, info sandbox.CheckpointInfo) {
+	if kind == envpool.KindEvaluate {
+		return
+	}
+	c.labelCheckpoint(ledger.CheckpointKind(kind), info, Place{Env: env})
+}
+
+// ReleaseCheckpoint releases checkpoint id (with its labels) and records the release.
+func (c *Core) ReleaseCheckpoint(id string) error {
+	if id == "" {
+		return fmt.Errorf("checkpoint_id is required: %w", ErrInvalid)
+	}
+	if err := c.rt.ReleaseCheckpoint(id); err != nil {
+		return err
+	}
+	if c.rec != nil {
+		c.ledgerErr(c.rec.CheckpointReleased(id, time.Now()))
+	}
+	return nil
+}

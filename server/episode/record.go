@@ -1,0 +1,117 @@
+package episode
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/ledger"
+)
+
+// Recorder is what the core records in the ledger; *ledger.Writer is one. Its methods must not
+// block on the database.
+type Recorder interface {
+	EpisodeStarted(ledger.EpisodeStart) error
+	EpisodeEnded(ledger.EpisodeEnd) error
+	Step(ledger.StepRow) error
+	Reward(ledger.RewardRow) error
+	Checkpoint(ledger.CheckpointRow) error
+	CheckpointReleased(id string, at time.Time) error
+}
+
+var _ Recorder = (*ledger.Writer)(nil)
+
+func (c *Core) ledgerErr(err error) {
+	if err != nil {
+		c.log.Warn("recording to ledger", "err", err)
+	}
+}
+
+// The ledger keeps an action as the API's JSON (protojson of deltagym.v1.Action) and an
+// observation as the API's binary encoding (deltagym.v1.Observation), so that every front end's
+// trajectories read back the same way (LedgerService.GetTrajectory).
+
+// actionProto is a's API form.
+func actionProto(a Action) *deltagymv1.Action {
+	switch x := a.(type) {
+	case Exec:
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv,
+			Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd, TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}}}
+	case WriteFile:
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{Path: x.Path,
+			Content: x.Content, Mode: uint32(x.Mode), Append: x.Append}}}
+	case ReadFile:
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{Path: x.Path,
+			Offset: x.Offset, MaxBytes: x.MaxBytes}}}
+	case Submit:
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagymv1.SubmitAction{Answer: x.Answer}}}
+	}
+	return nil
+}
+
+// ObservationProto is o's API form (nil for a skipped step's).
+func ObservationProto(o Observation) *deltagymv1.Observation {
+	switch {
+	case o.Exec != nil:
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Exec{Exec: ExecResultProto(*o.Exec)}}
+	case o.WriteFile != nil:
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_WriteFile{WriteFile: &deltagymv1.WriteFileResult{Size: o.WriteFile.Size}}}
+	case o.ReadFile != nil:
+		r := o.ReadFile
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_ReadFile{ReadFile: &deltagymv1.ReadFileResult{
+			Content: r.Content, Size: r.Size, Truncated: r.Truncated}}}
+	case o.Submit != nil:
+		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Submit{Submit: &deltagymv1.SubmitResult{
+			Components: o.Submit.Components, Output: o.Submit.Output}}}
+	}
+	return nil
+}
+
+// ExecResultProto is r's API form.
+func ExecResultProto(r sandbox.ExecResult) *deltagymv1.ExecResult {
+	return &deltagymv1.ExecResult{Stdout: r.Stdout, Stderr: r.Stderr, ExitCode: int32(r.ExitCode), Signal: signalNumber(r.Signal),
+		TimedOut: r.TimedOut, StdoutTruncated: r.StdoutTruncated, StderrTruncated: r.StderrTruncated,
+		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid)}
+}
+
+// signalNumber converts a signal name ("SIGKILL") to its number (0 if none or unknown).
+func signalNumber(name string) int32 {
+	if name == "" {
+		return 0
+	}
+	return int32(unix.SignalNum(name))
+}
+
+// recordStep records step index (the episode's own count) of episode ep, and a submit's reward
+// (none for a submit the time budget skipped, whose verifier never ran).
+func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took time.Duration, res *StepResult, verr error) {
+	action, err := protojson.Marshal(actionProto(a))
+	if err != nil { // recorded as JSON null, and said
+		c.ledgerErr(fmt.Errorf("episode %s step %d: encoding the action: %w", ep, index, err))
+	}
+	obs := ObservationProto(res.Observation)
+	obsBytes, _ := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+	c.ledgerErr(c.rec.Step(ledger.StepRow{EpisodeID: ep, Index: index, Action: action, ActionValid: true, Observation: obsBytes,
+		Reward: res.Reward, Terminated: res.Terminated, Truncated: res.Truncated, StartedAt: start, Duration: took,
+		CheckpointID: res.CheckpointID}))
+	if sub := res.Observation.Submit; sub != nil && verr == nil { // a submit the verifier judged
+		c.ledgerErr(c.rec.Reward(ledger.RewardRow{EpisodeID: ep, StepIndex: &index, Source: ledger.SourceVerifier,
+			Components: sub.Components, Value: res.Reward}))
+	}
+}
+
+// sortedEnv is an exec's environment as KEY=value, sorted by key.
+func sortedEnv(env map[string]string) []string {
+	vars := make([]string, 0, len(env))
+	for _, key := range slices.Sorted(maps.Keys(env)) {
+		vars = append(vars, key+"="+env[key])
+	}
+	return vars
+}

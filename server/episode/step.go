@@ -1,0 +1,216 @@
+package episode
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/ledger"
+)
+
+// Step performs one step in sandbox req.SandboxID.
+//
+// Time budget (the env's budgets.max_seconds, counted from the episode's start): a step begun
+// with the budget already spent does not perform its action; it is answered (and recorded) as a
+// truncated step with no observation and info action_skipped. An exec's timeout is the least of
+// the env's step timeout, the action's and the time left in the budget, so a command overruns
+// the budget by no more than the time it takes to kill it and collect its output; such an exec
+// comes back timed out and its step truncated. (A submit's verifier is not bounded by the
+// budget: judging the episode is not the agent's time.) The step budget (budgets.max_steps)
+// truncates the step that reaches it.
+//
+// Failures: a verifier that fails or prints no reward ends the episode failed with class
+// verifier (the step still answers, with info verifier_error); an action that fails because the
+// sandbox is gone or the server failed (InfraFailure) ends it failed with class infra, and the
+// step returns the error.
+func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
+	if err := validate(req.Action); err != nil {
+		return StepResult{}, err
+	}
+	if req.RestoreCheckpointID == "" && req.RestoreFreshEntropy {
+		return StepResult{}, fmt.Errorf("restore_fresh_entropy is set without restore_checkpoint_id: %w", ErrInvalid)
+	}
+	b, err := c.lookup(req.SandboxID)
+	if err != nil {
+		return StepResult{}, err
+	}
+	cctx, end, err := c.beginTurn(ctx, b, req.RestoreCheckpointID, req.RestoreFreshEntropy)
+	if err != nil {
+		return StepResult{}, err
+	}
+	defer end()
+	return c.step(cctx, b, &req)
+}
+
+// beginTurn waits for b's turn (Lease.Begin) and returns the call's context and the function
+// that ends the turn. With a checkpoint to restore, the checkpoint is checked before anything
+// changes, what runs in the sandbox is aborted, and the sandbox is restored (restoreIn).
+func (c *Core) beginTurn(ctx context.Context, b *box, restore string, fresh bool) (context.Context, func(), error) {
+	var from Place
+	if restore != "" {
+		var err error
+		if from, err = c.restorable(b, restore); err != nil {
+			return nil, nil, err
+		}
+		b.lease.Abort()
+	}
+	cctx, end, err := b.lease.Begin(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	if restore != "" {
+		if err := c.restoreIn(cctx, b, restore, from, fresh); err != nil {
+			end()
+			return nil, nil, err
+		}
+	}
+	return cctx, end, nil
+}
+
+// step performs req's action on b, whose turn the caller holds (ctx is the turn's).
+func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, error) {
+	cur := b.current()
+	if cur.ended {
+		return StepResult{}, fmt.Errorf("sandbox %s: episode %s is %s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, ErrEpisodeEnded)
+	}
+	env := b.lease.Env()
+	start := time.Now()
+	index := cur.base + cur.own
+	res := StepResult{EpisodeID: cur.id, StepIndex: index, Info: map[string]string{}}
+	var out outcome
+	if left, spent := budgetLeft(env, start.Sub(cur.started)); spent {
+		res.Truncated = true
+		res.Info["truncated_by"] = "max_seconds"
+		res.Info["action_skipped"] = "the episode's time budget was spent before the step began"
+	} else {
+		var err error
+		if out, err = c.act(ctx, b, req.Action, left); err != nil {
+			return StepResult{}, c.stepFailed(ctx, b, err)
+		}
+	}
+	took := time.Since(start)
+	res.Observation, res.Reward, res.Terminated = out.obs, out.reward, out.terminated
+	if out.verr != nil {
+		res.Info["verifier_error"] = c.cfg.Scrub(out.verr.Error())
+	}
+	own, elapsed := b.count(out.reward)
+	if !res.Terminated && !res.Truncated {
+		truncate(env, index, elapsed, &res)
+	}
+	if req.Checkpoint {
+		id, err := c.checkpointAfter(ctx, b)
+		if err != nil {
+			return StepResult{}, c.stepFailed(ctx, b, fmt.Errorf("checkpointing after the step: %w", err))
+		}
+		res.CheckpointID = id
+	}
+	if c.rec != nil {
+		c.recordStep(cur.id, own-1, req.Action, start, took, &res, out.verr)
+	}
+	switch {
+	case res.Terminated && out.verr != nil:
+		c.endEpisode(b, ended{status: ledger.StatusFailed, class: ledger.FailureVerifier, msg: "the verifier failed: " + c.cfg.Scrub(out.verr.Error())})
+	case res.Terminated:
+		c.endEpisode(b, ended{status: ledger.StatusTerminated})
+	case res.Truncated:
+		c.endEpisode(b, ended{status: ledger.StatusTruncated})
+	}
+	return res, nil
+}
+
+// budgetLeft returns the time left in env's time budget for an episode that has run for ran
+// (0: no budget), and whether it is spent.
+func budgetLeft(env *envpool.Env, ran time.Duration) (left time.Duration, spent bool) {
+	d := env.MaxDuration()
+	if d <= 0 {
+		return 0, false
+	}
+	left = d - ran
+	return left, left <= 0
+}
+
+// truncate truncates step index of an episode that has run for elapsed when it reaches one of
+// env's budgets.
+func truncate(env *envpool.Env, index int, elapsed time.Duration, res *StepResult) {
+	if n := env.MaxSteps(); n > 0 && index+1 >= n {
+		res.Truncated = true
+		res.Info["truncated_by"] = "max_steps"
+	} else if d := env.MaxDuration(); d > 0 && elapsed >= d {
+		res.Truncated = true
+		res.Info["truncated_by"] = "max_seconds"
+	}
+}
+
+// count counts a step of b's episode with its reward, and returns the episode's own steps and
+// how long it has run.
+func (b *box) count(reward float64) (own int, elapsed time.Duration) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.ep.own++
+	b.ep.total += reward
+	return b.ep.own, time.Since(b.ep.started)
+}
+
+// checkpointAfter checkpoints b after a step, in the env's process mode.
+func (c *Core) checkpointAfter(ctx context.Context, b *box) (string, error) {
+	mode, err := processMode(b.lease.Env(), sandbox.ProcessesDefault)
+	if err != nil {
+		return "", err
+	}
+	p := b.place()
+	octx, done := c.cfg.Observe(ctx, "checkpoint")
+	info, err := b.lease.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: mode, Labels: p.labels()})
+	done(err)
+	if err != nil {
+		return "", err
+	}
+	c.recordCheckpoint(ledger.KindUser, info, p)
+	return info.ID, nil
+}
+
+// stepFailed handles err, the failure of a step's action on b (ctx is the turn's): an
+// infrastructure failure (InfraFailure) ends the episode failed with class infra. It returns
+// the error for the client.
+func (c *Core) stepFailed(ctx context.Context, b *box, err error) error {
+	err = callErr(ctx, err)
+	gone, infra := c.infraFailure(ctx, b.lease.Sandbox(), err)
+	if !infra {
+		return err
+	}
+	ep := b.current().id
+	c.log.Warn("episode failed: infrastructure error in a step", "sandbox", b.lease.ID(), "episode", ep, "err", err)
+	msg := "infrastructure error in a step: " + c.cfg.Scrub(err.Error())
+	if gone {
+		msg = "its sandbox went away during a step (its init died)"
+	}
+	c.endEpisode(b, ended{status: ledger.StatusFailed, class: ledger.FailureInfra, msg: msg})
+	if gone {
+		return fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
+			b.lease.ID(), ep, sandbox.ErrClosed)
+	}
+	return err
+}
+
+// processMode picks how a checkpoint captures processes: the asked mode, else the env's, else
+// the runtime's default (sandbox.ProcessesDefault).
+func processMode(env *envpool.Env, asked sandbox.ProcessMode) (sandbox.ProcessMode, error) {
+	if asked != sandbox.ProcessesDefault {
+		return asked, nil
+	}
+	switch m := env.ProcessMode(); m {
+	case deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED:
+		return sandbox.ProcessesDefault, nil
+	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
+		return sandbox.ProcessesNone, nil
+	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
+		return sandbox.ProcessesTemplate, nil
+	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
+		return sandbox.ProcessesCRIU, nil
+	default:
+		return sandbox.ProcessesDefault, fmt.Errorf("env %s: process_mode %d is not one of PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE or PROCESS_MODE_CRIU: %w",
+			env.Name(), m, ErrInvalid)
+	}
+}

@@ -1,0 +1,144 @@
+package server
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"strconv"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
+)
+
+// The mapping between EnvService's messages and the episode core's domain types.
+
+func resetRequest(m *deltagymv1.ResetRequest) episode.ResetRequest {
+	r := episode.ResetRequest{Env: m.GetEnv(), Options: m.GetOptions(), Run: m.GetRun(), Group: m.GetGroupId(),
+		IdempotencyKey: m.GetIdempotencyKey()}
+	if m.Seed != nil {
+		seed := m.GetSeed()
+		r.Seed = &seed
+	}
+	return r
+}
+
+func resetResponse(r episode.ResetResult) *deltagymv1.ResetResponse {
+	obs := &deltagymv1.ResetResult{Task: r.Task}
+	info := map[string]string{"env": r.Env}
+	if r.Hook != nil {
+		obs.Hook = episode.ExecResultProto(*r.Hook)
+		info["task_cached"] = strconv.FormatBool(r.TaskCached)
+	}
+	info["server_seconds"] = strconv.FormatFloat(r.Took.Seconds(), 'g', 6, 64)
+	return &deltagymv1.ResetResponse{SandboxId: r.SandboxID, EpisodeId: r.EpisodeID, CheckpointId: r.CheckpointID,
+		Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Reset_{Reset_: obs}}, Info: info,
+		LeaseExpireTime: timestamppb.New(r.LeaseExpires)}
+}
+
+func stepRequest(m *deltagymv1.StepRequest) episode.StepRequest {
+	return episode.StepRequest{SandboxID: m.GetSandboxId(), Action: action(m.GetAction()), Checkpoint: m.GetCheckpoint(),
+		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy()}
+}
+
+// action is a's domain form; nil (which the core refuses) for an action of no kind.
+func action(a *deltagymv1.Action) episode.Action {
+	switch k := a.GetKind().(type) {
+	case *deltagymv1.Action_Exec:
+		x := k.Exec
+		return episode.Exec{Command: x.GetCommand(), Argv: x.GetArgv(), Stdin: x.GetStdin(), Env: x.GetEnv(), Cwd: x.GetCwd(),
+			Timeout: seconds(x.GetTimeoutSeconds()), Background: x.GetBackground(), Session: x.GetSession()}
+	case *deltagymv1.Action_WriteFile:
+		w := k.WriteFile
+		return episode.WriteFile{Path: w.GetPath(), Content: w.GetContent(), Mode: os.FileMode(w.GetMode()), Append: w.GetAppend()}
+	case *deltagymv1.Action_ReadFile:
+		r := k.ReadFile
+		return episode.ReadFile{Path: r.GetPath(), Offset: r.GetOffset(), MaxBytes: r.GetMaxBytes()}
+	case *deltagymv1.Action_Submit:
+		return episode.Submit{Answer: k.Submit.Answer}
+	}
+	return nil
+}
+
+// seconds converts a number of seconds from the wire, saturating where a Duration ends.
+func seconds(s float64) time.Duration {
+	switch d := s * float64(time.Second); {
+	case d >= math.MaxInt64:
+		return math.MaxInt64
+	case d <= math.MinInt64:
+		return math.MinInt64
+	default:
+		return time.Duration(d)
+	}
+}
+
+func stepResponse(r episode.StepResult) *deltagymv1.StepResponse {
+	return &deltagymv1.StepResponse{EpisodeId: r.EpisodeID, StepIndex: int32(r.StepIndex), Observation: episode.ObservationProto(r.Observation),
+		Reward: r.Reward, Terminated: r.Terminated, Truncated: r.Truncated, CheckpointId: r.CheckpointID, Info: r.Info}
+}
+
+// processMode is a request's process mode. A value the API does not define (a number sent
+// over JSON, or by a newer client) is ErrInvalid, not the default.
+func processMode(asked deltagymv1.ProcessMode) (sandbox.ProcessMode, error) {
+	switch asked {
+	case deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED:
+		return sandbox.ProcessesDefault, nil
+	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
+		return sandbox.ProcessesNone, nil
+	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
+		return sandbox.ProcessesTemplate, nil
+	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
+		return sandbox.ProcessesCRIU, nil
+	}
+	return sandbox.ProcessesDefault, fmt.Errorf("process_mode %d is not one of PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE or PROCESS_MODE_CRIU: %w", asked, ErrInvalid)
+}
+
+func checkpointResponse(r episode.CheckpointResult) *deltagymv1.CheckpointResponse {
+	info := r.Info
+	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: r.Durable}
+	for _, p := range info.Processes {
+		m := deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
+		if p.Method == "criu" {
+			m = deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
+		}
+		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: m, Reason: p.Reason})
+	}
+	return resp
+}
+
+func forkRequest(m *deltagymv1.ForkRequest) episode.ForkRequest {
+	return episode.ForkRequest{CheckpointID: m.GetCheckpointId(), SandboxID: m.GetSandboxId(), N: int(m.GetN()), Run: m.GetRun(),
+		Group: m.GetGroupId(), FreshEntropy: m.GetFreshEntropy(), IdempotencyKey: m.GetIdempotencyKey()}
+}
+
+var captureMethods = map[episode.Capture]deltagymv1.CaptureMethod{
+	episode.CaptureTemplate: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE,
+	episode.CaptureCRIU:     deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU,
+	episode.CaptureNone:     deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE,
+}
+
+func forkResponse(r episode.ForkResult) *deltagymv1.ForkResponse {
+	resp := &deltagymv1.ForkResponse{CheckpointId: r.CheckpointID}
+	for _, p := range r.Processes {
+		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command,
+			Method: captureMethods[p.Method], Reason: p.Reason})
+	}
+	for _, ch := range r.Children {
+		resp.SandboxIds = append(resp.SandboxIds, ch.SandboxID)
+		resp.EpisodeIds = append(resp.EpisodeIds, ch.EpisodeID)
+	}
+	return resp
+}
+
+func sandboxProto(d episode.SandboxInfo) *deltagymv1.Sandbox {
+	state := deltagymv1.SandboxState_SANDBOX_STATE_READY
+	if d.Done {
+		state = deltagymv1.SandboxState_SANDBOX_STATE_DONE
+	}
+	return &deltagymv1.Sandbox{SandboxId: d.SandboxID, Env: d.Env, EpisodeId: d.EpisodeID, Run: d.Run, GroupId: d.Group, State: state,
+		NextStepIndex: int32(d.NextStepIndex), StartCheckpointId: d.StartCheckpoint, LeaseExpireTime: timestamppb.New(d.LeaseExpires),
+		CreateTime: timestamppb.New(d.Created)}
+}

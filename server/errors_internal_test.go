@@ -1,0 +1,95 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"testing"
+
+	"connectrpc.com/connect"
+
+	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
+	"github.com/deltagym/deltagym/server/ledger"
+)
+
+// Every error class has its code, and so has every sentinel of its class, wrapped or not.
+func TestCodeOfClasses(t *testing.T) {
+	want := map[error]connect.Code{
+		errdefs.ErrInvalidArgument: connect.CodeInvalidArgument, errdefs.ErrNotFound: connect.CodeNotFound,
+		errdefs.ErrAlreadyExists: connect.CodeAlreadyExists, errdefs.ErrFailedPrecondition: connect.CodeFailedPrecondition,
+		errdefs.ErrResourceExhausted: connect.CodeResourceExhausted, errdefs.ErrAborted: connect.CodeAborted,
+		errdefs.ErrUnavailable: connect.CodeUnavailable, errdefs.ErrUnauthenticated: connect.CodeUnauthenticated,
+		errdefs.ErrInternal: connect.CodeInternal,
+	}
+	for _, class := range errdefs.Classes {
+		code, ok := want[class]
+		if !ok {
+			t.Fatalf("class %v has no expected code in this test", class)
+		}
+		if got := codeOf(fmt.Errorf("doing x: %w", class)); got != code {
+			t.Errorf("class %v: code %v, want %v", class, got, code)
+		}
+	}
+	for _, sentinel := range []error{ErrInvalid, ErrNoLedger, ErrUnauthenticated, episode.ErrInvalid, episode.ErrEpisodeEnded,
+		episode.ErrOtherEnv, ledger.ErrClosed, ledger.ErrInvalid, ledger.ErrNotFound, ledger.ErrSpoolLocked,
+		ledger.ErrSpoolCorrupt, ledger.ErrUndelivered} {
+		class := errdefs.Class(sentinel)
+		if class == nil {
+			t.Errorf("%v wraps no class", sentinel)
+			continue
+		}
+		if got := codeOf(fmt.Errorf("doing x: %w", sentinel)); got != want[class] {
+			t.Errorf("%v: code %v, want %v", sentinel, got, want[class])
+		}
+	}
+}
+
+// Errors of several classes, and of none.
+func TestCodeOfPrecedence(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want connect.Code
+	}{
+		{"an abort over what the call returned", fmt.Errorf("%w: %w", envpool.ErrAborted, episode.ErrEpisodeEnded), connect.CodeAborted},
+		{"an abort over a closed sandbox", fmt.Errorf("%w: %w", envpool.ErrAborted, sandbox.ErrClosed), connect.CodeAborted},
+		{"an env not ready for want of its image", fmt.Errorf("env e: %w: %w", fmt.Errorf("image: %w", sandbox.ErrNotFound), envpool.ErrNotReady),
+			connect.CodeFailedPrecondition},
+		{"an env not ready, its cause classed", fmt.Errorf("env e: %w: %w", errdefs.ErrNotFound, envpool.ErrNotReady), connect.CodeFailedPrecondition},
+		{"unauthenticated over an old sentinel", fmt.Errorf("%w: %w", ErrUnauthenticated, sandbox.ErrNotFound), connect.CodeUnauthenticated},
+		{"a classed abort over an old sentinel", fmt.Errorf("%w: %w", errdefs.ErrAborted, sandbox.ErrInvalid), connect.CodeAborted},
+		{"not found over invalid", fmt.Errorf("%w: %w", errdefs.ErrInvalidArgument, errdefs.ErrNotFound), connect.CodeNotFound},
+		{"deadline", fmt.Errorf("exec: %w", context.DeadlineExceeded), connect.CodeDeadlineExceeded},
+		{"cancelled", fmt.Errorf("exec: %w", context.Canceled), connect.CodeCanceled},
+		{"a connect error", connect.NewError(connect.CodeOutOfRange, errors.New("x")), connect.CodeOutOfRange},
+		{"no class", errors.New("opening cgroup.procs: too many open files"), connect.CodeInternal},
+	} {
+		if got := codeOf(tc.err); got != tc.want {
+			t.Errorf("%s (%v): %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}
+
+// An error of no class reaches the client as Internal without its text; a classed one without
+// its class's words, which the code says.
+func TestToConnect(t *testing.T) {
+	s := &Server{log: slog.New(slog.NewTextHandler(io.Discard, nil)), scrubbers: [][2]string{{"/var/data", "$DATA"}}}
+	err := s.toConnect(errors.New("opening /var/data/x: too many open files"))
+	var ce *connect.Error
+	if !errors.As(err, &ce) || ce.Code() != connect.CodeInternal || ce.Message() != "internal error (details in the server log)" {
+		t.Fatalf("unclassified error: %v", err)
+	}
+	got := s.toConnect(fmt.Errorf("episode ep_1: %w", ledger.ErrNotFound))
+	if !errors.As(got, &ce) || ce.Code() != connect.CodeNotFound || ce.Message() != "episode ep_1: not in the ledger" {
+		t.Fatalf("classed error: %v", got)
+	}
+	got = s.toConnect(fmt.Errorf("%w: checkpoint %q in /var/data/c", sandbox.ErrNotFound, "ck"))
+	if !errors.As(got, &ce) || ce.Code() != connect.CodeNotFound || ce.Message() != `checkpoint "ck" in $DATA/c` {
+		t.Fatalf("runtime's error: %v", got)
+	}
+}
