@@ -36,9 +36,6 @@ type ResetResult struct {
 
 var optionNameRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
 
-// ErrBadOption means a Reset option's key is not a valid environment variable name.
-var ErrBadOption = fmt.Errorf("invalid reset option")
-
 type task struct {
 	checkpoint string
 	hook       sandbox.ExecResult
