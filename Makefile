@@ -15,7 +15,7 @@ TEST_PREREQS :=
 BENCH_TARGETS :=
 include $(sort $(wildcard mk/*.mk))
 
-.PHONY: help deps build test run bench bench-sandbox lint generate checkgenerate clean clean-data clean-ledger init
+.PHONY: help deps build test test-unit test-privileged test-race run bench bench-sandbox lint generate checkgenerate clean clean-data clean-ledger init
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -37,9 +37,32 @@ build: $(BIN)/dg-init ## build the server, CLI, load generator (bin/deltagym-loa
 # Go modules: the server's (the root) and the Go client's, which has one of its own.
 GO_MODULES := . clients/go
 
-test: deps $(BIN)/dg-init $(BIN)/deltagym $(TEST_PREREQS) ## run every test (root runs the privileged ones)
+# Test tiers (internal/testenv decides, test by test):
+# - unit: `go test -short`. Tests that need no root, no network and no Postgres, for any user,
+#   in seconds (no make prerequisite: Go alone). Privileged and integration tests skip under
+#   -short, saying so; envpool's suite runs here against the fake runtime (envpool/envpooltest).
+# - privileged and integration: `go test` without -short, as root. Real sandboxes (namespaces,
+#   mounts, cgroups, CRIU), a private Postgres the tests start when one needs it (pgtest), real
+#   servers; envpool's suite again, against the real runtime. Not root, the privileged tests
+#   skip, saying so.
+# - race: the packages with the most concurrency (envpool, server, server/ledger) under -race.
+# `make test` runs them all, with vet and the prerequisites' own tests (Python SDK, generated
+# code); CI runs `make test`.
+RACE_PKGS := ./envpool/... ./server/ ./server/ledger/
+
+test-unit: ## the unit tier: no root, network or Postgres, seconds (go test -short, both Go modules)
+	for m in $(GO_MODULES); do (cd $$m && go test -short -count=1 -timeout 5m ./...); done
+
+test-privileged: deps postgres criu image $(BIN)/dg-init $(BIN)/deltagym ## every Go test: the privileged and integration tiers with the unit one (as root)
+	for m in $(GO_MODULES); do (cd $$m && DELTAGYM_INIT=$(BIN)/dg-init go test -count=1 -timeout 30m ./...); done
+
+test-race: deps postgres $(BIN)/dg-init ## envpool, server and server/ledger under the race detector (as root)
+	DELTAGYM_INIT=$(BIN)/dg-init go test -race -count=1 -timeout 30m $(RACE_PKGS)
+
+test: deps $(BIN)/dg-init $(BIN)/deltagym $(TEST_PREREQS) ## run every test, every tier (root runs the privileged ones)
 	for m in $(GO_MODULES); do (cd $$m && go vet ./...); done
 	for m in $(GO_MODULES); do (cd $$m && DELTAGYM_INIT=$(BIN)/dg-init go test -count=1 -timeout 30m ./...); done
+	DELTAGYM_INIT=$(BIN)/dg-init go test -race -count=1 -timeout 30m $(RACE_PKGS)
 
 bench: bench-sandbox $(BENCH_TARGETS) ## run every benchmark (p50/p99)
 

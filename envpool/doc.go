@@ -16,4 +16,14 @@
 // Touch, and a reaper goroutine destroys the sandboxes whose lease expired while no call was in
 // flight. Reaping never releases checkpoints. The Manager knows nothing of the RPC server: it
 // reports checkpoints it takes and sandboxes it reaps through callbacks in its Config.
+//
+// The Manager reaches sandboxes through two small interfaces of its own: Backend (a runtime that
+// creates sandboxes, forks checkpoints and releases them) and Box (one sandbox: exec,
+// checkpoint, destroy), and time through a Clock (lease expiry, the reaper, acquire deadlines,
+// refill back-off). The sandbox runtime and the system's clock are the defaults; package
+// envpooltest has fakes of them, and the package's tests run one suite against the fake and the
+// real runtime alike.
+//
+// Lock order: Manager.mu, then a Lease's or a task cache's mu. None is held while a Backend or
+// Box is called or while the Config's callbacks run.
 package envpool

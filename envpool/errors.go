@@ -1,31 +1,39 @@
 package envpool
 
-import "errors"
+import (
+	"fmt"
 
-// Sentinel errors returned (wrapped) by this package. Errors of the sandbox runtime are passed
-// through wrapped, so callers can test them with errors.Is too.
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
+
+// Sentinel errors returned (wrapped) by this package. Each wraps its class of internal/errdefs,
+// so that callers test either the precise error or its class with errors.Is. Errors of the
+// sandbox runtime are passed through wrapped, so callers can test them with errors.Is too.
 var (
 	// ErrInvalidSpec means an env spec is malformed; the message names the file and field.
-	ErrInvalidSpec = errors.New("invalid env spec")
+	ErrInvalidSpec = fmt.Errorf("invalid env spec: %w", errdefs.ErrInvalidArgument)
+	// ErrBadOption means a Reset option's key is not a valid environment variable name, or the
+	// env's reset hook refused the task's seed and options.
+	ErrBadOption = fmt.Errorf("invalid reset option: %w", errdefs.ErrInvalidArgument)
 	// ErrUnknownEnv means no env of that name is in the catalog.
-	ErrUnknownEnv = errors.New("unknown env")
+	ErrUnknownEnv = fmt.Errorf("unknown env: %w", errdefs.ErrNotFound)
+	// ErrUnknownSandbox means no live lease has that sandbox id.
+	ErrUnknownSandbox = fmt.Errorf("unknown sandbox: %w", errdefs.ErrNotFound)
 	// ErrEnvExists means an env of that name is already in the catalog.
-	ErrEnvExists = errors.New("env already exists")
+	ErrEnvExists = fmt.Errorf("env already exists: %w", errdefs.ErrAlreadyExists)
 	// ErrNotReady means the env's pool could not be warmed (its image is missing or a setup
 	// command failed); the message says why.
-	ErrNotReady = errors.New("env not ready")
-	// ErrExhausted means no warm sandbox became free before the acquire deadline.
-	ErrExhausted = errors.New("no warm sandbox available")
-	// ErrUnknownSandbox means no live lease has that sandbox id.
-	ErrUnknownSandbox = errors.New("unknown sandbox")
+	ErrNotReady = fmt.Errorf("env not ready: %w", errdefs.ErrFailedPrecondition)
 	// ErrLeaseEnded means the lease was closed or reaped.
-	ErrLeaseEnded = errors.New("sandbox closed")
-	// ErrAborted means the call was aborted by a Restore or Close of its sandbox.
-	ErrAborted = errors.New("aborted by restore or close")
+	ErrLeaseEnded = fmt.Errorf("sandbox closed: %w", errdefs.ErrFailedPrecondition)
 	// ErrVerifier means the verifier failed or printed no reward.
-	ErrVerifier = errors.New("verifier failed")
+	ErrVerifier = fmt.Errorf("verifier failed: %w", errdefs.ErrFailedPrecondition)
 	// ErrNoVerifier means the env has no verifier.
-	ErrNoVerifier = errors.New("env has no verifier")
+	ErrNoVerifier = fmt.Errorf("env has no verifier: %w", errdefs.ErrFailedPrecondition)
+	// ErrExhausted means no warm sandbox became free before the acquire deadline.
+	ErrExhausted = fmt.Errorf("no warm sandbox available: %w", errdefs.ErrResourceExhausted)
+	// ErrAborted means the call was aborted by a Restore or Close of its sandbox.
+	ErrAborted = fmt.Errorf("aborted by restore or close: %w", errdefs.ErrAborted)
 	// ErrClosed means the Manager was closed.
-	ErrClosed = errors.New("env pool manager closed")
+	ErrClosed = fmt.Errorf("env pool manager closed: %w", errdefs.ErrUnavailable)
 )

@@ -15,15 +15,17 @@ import (
 type Lease struct {
 	m       *Manager
 	env     *Env
-	box     *sandbox.Sandbox
+	box     Box
 	created time.Time
 
 	turn     chan struct{} // capacity 1: held by the call in progress
 	inflight atomic.Int32
-	expires  atomic.Int64 // unix nanoseconds
+	expires  atomic.Int64 // unix nanoseconds of the Manager's Clock
 
-	mu     sync.Mutex
-	cancel context.CancelCauseFunc // of the call in progress
+	mu sync.Mutex
+	// cancel is the context cancel of the call in progress (nil between calls).
+	// +checklocks:mu
+	cancel context.CancelCauseFunc
 	ended  chan struct{}
 	once   sync.Once
 
@@ -43,8 +45,15 @@ func (l *Lease) ID() string { return l.box.ID() }
 // Env returns the env the sandbox belongs to.
 func (l *Lease) Env() *Env { return l.env }
 
-// Sandbox returns the leased sandbox.
-func (l *Lease) Sandbox() *sandbox.Sandbox { return l.box }
+// Sandbox returns the leased sandbox of the sandbox runtime (Config.Runtime), or nil when the
+// Manager's Backend is another (Box returns that one's).
+func (l *Lease) Sandbox() *sandbox.Sandbox {
+	sb, _ := l.box.(*sandbox.Sandbox)
+	return sb
+}
+
+// Box returns the leased sandbox as the Backend made it.
+func (l *Lease) Box() Box { return l.box }
 
 // Created returns when the sandbox was handed over.
 func (l *Lease) Created() time.Time { return l.created }
@@ -57,7 +66,7 @@ func (l *Lease) Ended() <-chan struct{} { return l.ended }
 
 // Touch renews the lease and returns its new expiry.
 func (l *Lease) Touch() time.Time {
-	t := time.Now().Add(l.m.cfg.LeaseTTL)
+	t := l.m.clock.Now().Add(l.m.cfg.LeaseTTL)
 	l.expires.Store(t.UnixNano())
 	return t
 }

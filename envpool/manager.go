@@ -16,8 +16,14 @@ import (
 
 // Config configures a Manager.
 type Config struct {
-	// Runtime creates and forks the sandboxes. Required.
+	// Runtime creates and forks the sandboxes. Required unless Backend is set.
 	Runtime *sandbox.Runtime
+	// Backend, if set, creates and forks the sandboxes instead of Runtime: another
+	// implementation of what the Manager uses of a runtime (envpooltest's fake, in tests).
+	Backend Backend
+	// Clock is the Manager's time (lease expiry, reaper, acquire deadlines). Default the
+	// system's.
+	Clock Clock
 	// LeaseTTL is how long a leased sandbox lives without a call or heartbeat. Default 10m.
 	LeaseTTL time.Duration
 	// ReapInterval is how often the reaper looks for expired leases. Default LeaseTTL/10,
@@ -45,8 +51,14 @@ type Config struct {
 
 // Validate checks the config and fills in defaults.
 func (c *Config) Validate() error {
-	if c.Runtime == nil {
-		return errors.New("envpool: Runtime is required")
+	if c.Backend == nil {
+		if c.Runtime == nil {
+			return errors.New("envpool: Runtime or Backend is required")
+		}
+		c.Backend = runtimeBackend{c.Runtime}
+	}
+	if c.Clock == nil {
+		c.Clock = systemClock{}
 	}
 	if c.LeaseTTL <= 0 {
 		c.LeaseTTL = 10 * time.Minute
@@ -72,18 +84,22 @@ func (c *Config) Validate() error {
 	return nil
 }
 
-// Manager owns the catalog, the warm pools and the leases.
+// Manager owns the catalog, the warm pools and the leases (lock order in the package doc).
 type Manager struct {
-	cfg Config
-	rt  *sandbox.Runtime
-	log *slog.Logger
+	cfg   Config
+	rt    Backend
+	clock Clock
+	log   *slog.Logger
 
 	ctx    context.Context // of the pools' goroutines, cancelled by Close
 	cancel context.CancelFunc
 
-	mu     sync.Mutex
-	envs   map[string]*Env
+	mu sync.Mutex
+	// +checklocks:mu
+	envs map[string]*Env
+	// +checklocks:mu
 	leases map[string]*Lease
+	// +checklocks:mu
 	closed bool
 
 	reaperDone chan struct{}
@@ -92,8 +108,6 @@ type Manager struct {
 	closeErr   error
 }
 
-var errAcquireDeadline = errors.New("acquire deadline")
-
 // New starts a Manager with the given catalog: every env's pool starts warming in the
 // background.
 func New(cfg Config, specs []*deltagymv1.EnvSpec) (*Manager, error) {
@@ -101,7 +115,7 @@ func New(cfg Config, specs []*deltagymv1.EnvSpec) (*Manager, error) {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	m := &Manager{cfg: cfg, rt: cfg.Runtime, log: cfg.Logger, ctx: ctx, cancel: cancel,
+	m := &Manager{cfg: cfg, rt: cfg.Backend, clock: cfg.Clock, log: cfg.Logger, ctx: ctx, cancel: cancel,
 		envs: map[string]*Env{}, leases: map[string]*Lease{}, reaperDone: make(chan struct{})}
 	for _, s := range specs {
 		if _, err := m.Register(s, false); err != nil {
@@ -236,9 +250,9 @@ func (m *Manager) Active(name string) int {
 
 // Acquire takes a warm sandbox of env, waiting up to Config.AcquireTimeout (or ctx) for one.
 func (m *Manager) Acquire(ctx context.Context, env *Env) (*Lease, error) {
-	ctx, cancel := context.WithTimeoutCause(ctx, m.cfg.AcquireTimeout, errAcquireDeadline)
-	defer cancel()
-	sb, err := env.pool.take(ctx)
+	deadline := m.clock.NewTimer(m.cfg.AcquireTimeout)
+	defer deadline.Stop()
+	sb, err := env.pool.take(ctx, deadline.C())
 	if err != nil {
 		return nil, err
 	}
@@ -286,8 +300,8 @@ func (m *Manager) Fork(ctx context.Context, env *Env, checkpoint string, n int, 
 	return out, nil
 }
 
-func (m *Manager) adopt(env *Env, sb *sandbox.Sandbox) (*Lease, error) {
-	l := &Lease{m: m, env: env, box: sb, created: time.Now(), turn: make(chan struct{}, 1), ended: make(chan struct{})}
+func (m *Manager) adopt(env *Env, sb Box) (*Lease, error) {
+	l := &Lease{m: m, env: env, box: sb, created: m.clock.Now(), turn: make(chan struct{}, 1), ended: make(chan struct{})}
 	l.Touch()
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -302,8 +316,8 @@ func (m *Manager) adopt(env *Env, sb *sandbox.Sandbox) (*Lease, error) {
 // Lease returns the live lease of sandbox id.
 func (m *Manager) Lease(id string) (*Lease, error) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	l, ok := m.leases[id]
+	m.mu.Unlock()
 	if !ok {
 		return nil, fmt.Errorf("sandbox %q: %w", id, ErrUnknownSandbox)
 	}
@@ -346,56 +360,77 @@ const (
 // reapTurnWait bounds how long the reaper waits for a call on a sandbox it reaps to return.
 const reapTurnWait = 5 * time.Second
 
-// reap destroys the sandboxes whose lease expired with no call in flight, or whose init died.
+// reap runs a sweep every ReapInterval until the Manager closes.
 func (m *Manager) reap() {
 	defer close(m.reaperDone)
-	t := time.NewTicker(m.cfg.ReapInterval)
-	defer t.Stop()
 	for {
+		// Armed after each sweep, not on a ticker: a sweep that outlasts the interval is not
+		// followed at once by another.
+		t := m.clock.NewTimer(m.cfg.ReapInterval)
 		select {
 		case <-m.ctx.Done():
+			t.Stop()
 			return
-		case <-t.C:
+		case <-t.C():
 		}
-		now := time.Now().UnixNano()
-		for _, l := range m.Leases() {
-			reason := ""
-			select {
-			case <-l.box.Done():
-				reason = EndDied
-			default:
-				if l.inflight.Load() == 0 && l.expires.Load() < now {
-					reason = EndExpired
-				}
+		m.sweep()
+	}
+}
+
+// sweep destroys the sandboxes whose lease expired with no call in flight, or whose sandbox died.
+func (m *Manager) sweep() {
+	now := m.clock.Now().UnixNano()
+	for _, l := range m.Leases() {
+		reason := ""
+		select {
+		case <-l.box.Done():
+			reason = EndDied
+		default:
+			if l.inflight.Load() == 0 && l.expires.Load() < now {
+				reason = EndExpired
 			}
-			if reason == "" {
-				continue
-			}
-			m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
-			// OnEnd before the lease leaves the list, so that a client that sees the sandbox
-			// gone finds its episode ended (the server records the end in its ledger there),
-			// and with no call running on it: calls from now on are refused, the one in
-			// progress is cut short, and OnEnd runs holding the sandbox's turn (waiting at
-			// most reapTurnWait for a call that does not stop).
-			l.end()
-			l.Abort()
-			held := false
-			select {
-			case l.turn <- struct{}{}:
-				held = true
-			case <-time.After(reapTurnWait):
-			}
-			if m.cfg.OnEnd != nil {
-				m.cfg.OnEnd(l, reason)
-			}
-			if held {
-				<-l.turn
-			}
-			if err := m.CloseLease(m.ctx, l); err != nil {
-				m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
-			}
+		}
+		if reason == "" {
+			continue
+		}
+		m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
+		// OnEnd before the lease leaves the list, so that a client that sees the sandbox gone
+		// finds its episode ended (the server records the end in its ledger there), and with no
+		// call running on it: calls from now on are refused, the one in progress is cut short,
+		// and OnEnd runs holding the sandbox's turn (waiting at most reapTurnWait for a call
+		// that does not stop).
+		l.end()
+		l.Abort()
+		held := m.holdTurn(l)
+		if m.cfg.OnEnd != nil {
+			m.cfg.OnEnd(l, reason)
+		}
+		if held {
+			<-l.turn
+		}
+		if err := m.CloseLease(m.ctx, l); err != nil {
+			m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
 		}
 	}
+}
+
+// holdTurn takes l's turn, waiting at most reapTurnWait (or until Close) for the call that
+// holds it, and reports whether it did.
+func (m *Manager) holdTurn(l *Lease) bool {
+	select {
+	case l.turn <- struct{}{}:
+		return true
+	default:
+	}
+	w := m.clock.NewTimer(reapTurnWait)
+	defer w.Stop()
+	select {
+	case l.turn <- struct{}{}:
+		return true
+	case <-w.C():
+	case <-m.ctx.Done():
+	}
+	return false
 }
 
 func (m *Manager) reportCheckpoint(env string, kind CheckpointKind, info sandbox.CheckpointInfo) {

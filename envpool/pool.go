@@ -2,7 +2,6 @@ package envpool
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -22,14 +21,14 @@ type pool struct {
 	ckpt  string
 	err   error
 
-	warm      chan *sandbox.Sandbox
+	warm      chan Box
 	done      chan struct{}
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
 
 func newPool(m *Manager, env *Env, size int) *pool {
-	return &pool{m: m, env: env, size: size, ready: make(chan struct{}), warm: make(chan *sandbox.Sandbox, size),
+	return &pool{m: m, env: env, size: size, ready: make(chan struct{}), warm: make(chan Box, size),
 		done: make(chan struct{})}
 }
 
@@ -97,12 +96,12 @@ func (p *pool) populate(ctx context.Context) {
 				return
 			}
 			p.m.log.Warn("refilling pool", "env", p.env.Name(), "err", err)
-			t := time.NewTimer(backoff)
+			t := p.m.clock.NewTimer(backoff)
 			select {
 			case <-p.done:
 				t.Stop()
 				return
-			case <-t.C:
+			case <-t.C():
 			}
 			backoff = min(backoff*2, 5*time.Second)
 			continue
@@ -118,14 +117,17 @@ func (p *pool) populate(ctx context.Context) {
 	}
 }
 
-// take hands over a warm sandbox, waiting for setup and then for a refill until ctx ends.
-func (p *pool) take(ctx context.Context) (*sandbox.Sandbox, error) {
+// take hands over a warm sandbox, waiting for setup and then for a refill until ctx ends
+// or deadline fires (ErrExhausted).
+func (p *pool) take(ctx context.Context, deadline <-chan time.Time) (Box, error) {
 	select {
 	case <-p.ready:
 	case <-p.done:
 		return nil, fmt.Errorf("env %s: %w", p.env.Name(), ErrClosed)
 	case <-ctx.Done():
-		return nil, p.exhausted(ctx)
+		return nil, ctx.Err()
+	case <-deadline:
+		return nil, p.exhausted()
 	}
 	if p.err != nil {
 		return nil, p.err
@@ -143,19 +145,18 @@ func (p *pool) take(ctx context.Context) (*sandbox.Sandbox, error) {
 		case <-p.done:
 			return nil, fmt.Errorf("env %s: %w", p.env.Name(), ErrClosed)
 		case <-ctx.Done():
-			return nil, p.exhausted(ctx)
+			return nil, ctx.Err()
+		case <-deadline:
+			return nil, p.exhausted()
 		}
 	}
 }
 
-func (p *pool) exhausted(ctx context.Context) error {
-	if errors.Is(context.Cause(ctx), errAcquireDeadline) {
-		return fmt.Errorf("env %s: all %d warm sandboxes taken: %w", p.env.Name(), p.size, ErrExhausted)
-	}
-	return ctx.Err()
+func (p *pool) exhausted() error {
+	return fmt.Errorf("env %s: all %d warm sandboxes taken: %w", p.env.Name(), p.size, ErrExhausted)
 }
 
-func (p *pool) destroy(sb *sandbox.Sandbox) {
+func (p *pool) destroy(sb Box) {
 	if err := sb.Destroy(context.Background()); err != nil {
 		p.m.log.Warn("destroying warm sandbox", "env", p.env.Name(), "sandbox", sb.ID(), "err", err)
 	}

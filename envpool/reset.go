@@ -36,9 +36,6 @@ type ResetResult struct {
 
 var optionNameRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
 
-// ErrBadOption means a Reset option's key is not a valid environment variable name.
-var ErrBadOption = fmt.Errorf("invalid reset option")
-
 type task struct {
 	checkpoint string
 	hook       sandbox.ExecResult
@@ -51,9 +48,11 @@ const maxTasks = 1024
 
 // taskCache maps a task key (seed and options) to the checkpoint after its reset hook.
 type taskCache struct {
-	mu    sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	tasks map[string]task
-	tick  uint64
+	// +checklocks:mu
+	tick uint64
 }
 
 func newTaskCache() *taskCache { return &taskCache{tasks: map[string]task{}} }
@@ -69,6 +68,13 @@ func (c *taskCache) get(key string) (task, bool) {
 		c.tasks[key] = t
 	}
 	return t, ok
+}
+
+// len returns the number of tasks cached.
+func (c *taskCache) len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.tasks)
 }
 
 // put adds a task and returns the checkpoint of the one it evicted, if any.
@@ -179,7 +185,7 @@ type Verdict struct {
 
 // Verify runs env's verifier in sb as it is (used by submit, which ends the episode). answer,
 // when set, is in the verifier's environment as DELTAGYM_ANSWER.
-func (m *Manager) Verify(ctx context.Context, env *Env, sb *sandbox.Sandbox, answer *string) (Verdict, error) {
+func (m *Manager) Verify(ctx context.Context, env *Env, sb Box, answer *string) (Verdict, error) {
 	if !env.HasVerifier() {
 		return Verdict{}, fmt.Errorf("env %s: %w", env.Name(), ErrNoVerifier)
 	}

@@ -64,61 +64,89 @@ func ParseSpec(data []byte) (*deltagymv1.EnvSpec, error) {
 
 // ValidateSpec checks a spec's fields; the error names the first bad field.
 func ValidateSpec(s *deltagymv1.EnvSpec) error {
-	bad := func(field, format string, args ...any) error {
-		return fmt.Errorf("field %s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidSpec)
-	}
 	if s == nil {
-		return bad("spec", "missing")
+		return badField("spec", "missing")
 	}
 	if !envNameRE.MatchString(s.GetName()) {
-		return bad("name", "%q is not 1-63 of lower-case letters, digits, '-', '_', '.' starting with a letter or digit", s.GetName())
+		return badField("name", "%q is not 1-63 of lower-case letters, digits, '-', '_', '.' starting with a letter or digit", s.GetName())
 	}
 	if s.GetImage() == "" {
-		return bad("image", "required")
+		return badField("image", "required")
 	}
+	for _, check := range []func(*deltagymv1.EnvSpec) error{validateCommands, validateLimits, validateBudgets} {
+		if err := check(s); err != nil {
+			return err
+		}
+	}
+	if p := s.GetPoolSize(); p < 0 || p > MaxPoolSize {
+		return badField("pool_size", "%d is not between 0 and %d", p, MaxPoolSize)
+	}
+	if _, ok := deltagymv1.ProcessMode_name[int32(s.GetProcessMode())]; !ok {
+		return badField("process_mode", "unknown value %d", s.GetProcessMode())
+	}
+	return nil
+}
+
+// badField is the error of a spec's bad field.
+func badField(field, format string, args ...any) error {
+	return fmt.Errorf("field %s: %s: %w", field, fmt.Sprintf(format, args...), ErrInvalidSpec)
+}
+
+// validateCommands checks the setup commands, the environment and the workdir.
+func validateCommands(s *deltagymv1.EnvSpec) error {
 	for i, c := range s.GetSetup() {
 		if strings.TrimSpace(c) == "" {
-			return bad(fmt.Sprintf("setup[%d]", i), "empty command")
+			return badField(fmt.Sprintf("setup[%d]", i), "empty command")
 		}
 	}
 	for k := range s.GetEnv() {
 		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return bad("env", "variable name %q is empty or holds '=' or NUL", k)
+			return badField("env", "variable name %q is empty or holds '=' or NUL", k)
 		}
 	}
 	if w := s.GetWorkdir(); w != "" && !strings.HasPrefix(w, "/") {
-		return bad("workdir", "%q is not absolute", w)
-	}
-	if l := s.GetLimits(); l != nil {
-		for _, f := range []struct {
-			name string
-			v    float64
-		}{
-			{"limits.memory_bytes", float64(l.GetMemoryBytes())}, {"limits.pids", float64(l.GetPids())},
-			{"limits.cpus", l.GetCpus()}, {"limits.disk_bytes", float64(l.GetDiskBytes())},
-			{"limits.output_bytes", float64(l.GetOutputBytes())}, {"limits.step_timeout_seconds", l.GetStepTimeoutSeconds()},
-		} {
-			if f.v < 0 || math.IsNaN(f.v) || math.IsInf(f.v, 0) {
-				return bad(f.name, "%v is negative or not a number", f.v)
-			}
-		}
-	}
-	if b := s.GetBudgets(); b != nil {
-		if b.GetMaxSteps() < 0 {
-			return bad("budgets.max_steps", "%d is negative", b.GetMaxSteps())
-		}
-		if v := b.GetMaxSeconds(); v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
-			return bad("budgets.max_seconds", "%v is negative or not a number", v)
-		}
-	}
-	if p := s.GetPoolSize(); p < 0 || p > MaxPoolSize {
-		return bad("pool_size", "%d is not between 0 and %d", p, MaxPoolSize)
-	}
-	if _, ok := deltagymv1.ProcessMode_name[int32(s.GetProcessMode())]; !ok {
-		return bad("process_mode", "unknown value %d", s.GetProcessMode())
+		return badField("workdir", "%q is not absolute", w)
 	}
 	return nil
 }
+
+// validateLimits checks that every limit is a finite, non-negative number.
+func validateLimits(s *deltagymv1.EnvSpec) error {
+	l := s.GetLimits()
+	if l == nil {
+		return nil
+	}
+	for _, f := range []struct {
+		name string
+		v    float64
+	}{
+		{"limits.memory_bytes", float64(l.GetMemoryBytes())}, {"limits.pids", float64(l.GetPids())},
+		{"limits.cpus", l.GetCpus()}, {"limits.disk_bytes", float64(l.GetDiskBytes())},
+		{"limits.output_bytes", float64(l.GetOutputBytes())}, {"limits.step_timeout_seconds", l.GetStepTimeoutSeconds()},
+	} {
+		if !finiteNonNegative(f.v) {
+			return badField(f.name, "%v is negative or not a number", f.v)
+		}
+	}
+	return nil
+}
+
+// validateBudgets checks the episode budgets.
+func validateBudgets(s *deltagymv1.EnvSpec) error {
+	b := s.GetBudgets()
+	if b == nil {
+		return nil
+	}
+	if b.GetMaxSteps() < 0 {
+		return badField("budgets.max_steps", "%d is negative", b.GetMaxSteps())
+	}
+	if v := b.GetMaxSeconds(); !finiteNonNegative(v) {
+		return badField("budgets.max_seconds", "%v is negative or not a number", v)
+	}
+	return nil
+}
+
+func finiteNonNegative(v float64) bool { return v >= 0 && !math.IsNaN(v) && !math.IsInf(v, 0) }
 
 // cloneSpec returns a deep copy, so callers cannot change a registered spec.
 func cloneSpec(s *deltagymv1.EnvSpec) *deltagymv1.EnvSpec {

@@ -21,7 +21,7 @@ func TestTaskCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	if _, ok := c.get("1"); ok {
 		t.Fatal("evicted task still cached")
 	}
-	if len(c.tasks) != maxTasks {
-		t.Fatalf("%d tasks cached, want %d", len(c.tasks), maxTasks)
+	if n := c.len(); n != maxTasks {
+		t.Fatalf("%d tasks cached, want %d", n, maxTasks)
 	}
 }

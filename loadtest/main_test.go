@@ -2,11 +2,14 @@ package loadtest
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 // testServer is the real server the privileged tests share; nil (with skipReason) when it
@@ -31,13 +34,15 @@ func firstFile(paths ...string) string {
 }
 
 func TestMain(m *testing.M) {
+	flag.Parse() // for testing.Short
 	code := func() int {
 		bin := firstFile(os.Getenv("DELTAGYM_BIN"), "../bin/deltagym")
 		init := firstFile(os.Getenv("DELTAGYM_INIT"), "../bin/dg-init")
 		img := firstFile(os.Getenv("DELTAGYM_IMAGE_DIR"), "../.data/images/default")
+		privileged := testenv.PrivilegedReason("the server mounts overlays and creates cgroups")
 		switch {
-		case os.Geteuid() != 0:
-			skipReason = "needs root: the server mounts overlays and creates cgroups"
+		case privileged != "":
+			skipReason = privileged
 		case bin == "" || init == "":
 			skipReason = "needs bin/deltagym and bin/dg-init (make build, or DELTAGYM_BIN and DELTAGYM_INIT)"
 		case img == "":

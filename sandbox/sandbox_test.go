@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 )
@@ -29,9 +30,7 @@ var (
 // make. Tests that need it skip unless root.
 func initBinary(t testing.TB) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups (CI runs as root)")
-	}
+	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups (CI runs as root)")
 	initOnce.Do(func() {
 		if p := os.Getenv("DELTAGYM_INIT"); p != "" {
 			initPath = p

@@ -6,12 +6,15 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 // An import adds the skeleton's directories its top layer lacks, with the
 // skeleton's modes, unless a layer has something else at the path: then the
 // image keeps the skeleton layer.
 func TestAddSkeleton(t *testing.T) {
+	testenv.Privileged(t, "gives the skeleton's directories their owners (lchown)")
 	mk := func(t *testing.T, n int) []string {
 		var ls []string
 		for i := range n {

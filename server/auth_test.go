@@ -27,6 +27,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/server"
 )
 
@@ -469,9 +470,7 @@ func TestAuthClosesRefusedConnections(t *testing.T) {
 
 // The server refuses a data directory another user owns or may write to.
 func TestDataDirOwner(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: makes a directory of another user")
-	}
+	testenv.Privileged(t, "makes a directory of another user")
 	for name, prep := range map[string]func(dir string) error{
 		"other owner":    func(dir string) error { return os.Chown(dir, 65534, 65534) },
 		"world-writable": func(dir string) error { return os.Chmod(dir, 0o777) },

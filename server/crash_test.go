@@ -21,6 +21,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 	"github.com/deltagym/deltagym/server"
@@ -71,9 +72,7 @@ func crashChild() {
 // data directory and Postgres (removed at the test's end); it skips the test unless root.
 func restartConfig(t *testing.T) server.Config {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
-	}
+	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups")
 	envs := t.TempDir()
 	for name, body := range testEnvs {
 		must(t, os.WriteFile(filepath.Join(envs, name), []byte(body), 0o644))

@@ -20,6 +20,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 	"github.com/deltagym/deltagym/server"
@@ -82,9 +83,7 @@ func initBinary(t testing.TB) string {
 // Postgres ledger, and clients of both kinds.
 func setup(t testing.TB, mod func(*server.Config)) *bundle {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
-	}
+	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups")
 	init := initBinary(t)
 	envs := t.TempDir()
 	for name, body := range testEnvs {

@@ -20,6 +20,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	cgroups "github.com/containerd/cgroups/v3"
+
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 // helperEnv selects a helper mode when the test binary runs as a child.
@@ -310,9 +312,7 @@ func sleeperIn(t testing.TB, c *Cgroup, name string) (*Cgroup, *helper) {
 
 func requireRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("creating cgroups needs root (run the tests as root; CI does)")
-	}
+	testenv.Privileged(t, "creating cgroups needs root (run the tests as root; CI does)")
 }
 
 // layouts lists the layouts the tests can run on this host: the detected

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/internal/benchq"
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 // counterPort is where the test tree listens, on 127.0.0.1 inside its own net namespace.
@@ -110,9 +111,7 @@ func (c cli) Restore(ctx context.Context, o RestoreOpts) (int, error) {
 // privileged skips unless the test runs as root with CRIU installed, and returns the wrapper.
 func privileged(t testing.TB) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: CRIU dumps and restores namespaces")
-	}
+	testenv.Privileged(t, "CRIU dumps and restores namespaces")
 	bin, err := Find()
 	if errors.Is(err, ErrNotInstalled) {
 		t.Skipf("criu is not installed (run `make criu` or set %s): %v", EnvBinary, err)

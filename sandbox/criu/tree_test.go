@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/internal/benchq"
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
@@ -45,9 +46,7 @@ type treeBundle struct {
 // setupTree skips unless root with CRIU and dg-init available.
 func setupTree(t testing.TB) *treeBundle {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: sandboxes use namespaces and cgroups, CRIU ptraces and setns")
-	}
+	testenv.Privileged(t, "sandboxes use namespaces and cgroups, CRIU ptraces and setns")
 	bin, err := criu.Find()
 	if errors.Is(err, criu.ErrNotInstalled) {
 		t.Skipf("criu is not installed (run `make criu` or set %s): %v", criu.EnvBinary, err)

@@ -11,13 +11,13 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: setfsuid to another uid needs CAP_SETUID")
-	}
+	testenv.Privileged(t, "setfsuid to another uid needs CAP_SETUID")
 }
 
 // creds is what /proc shows of one thread's filesystem credentials.

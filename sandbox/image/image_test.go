@@ -19,15 +19,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 	"golang.org/x/sys/unix"
 )
 
 func requireRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates device nodes, sets owners and trusted.* xattrs, mounts overlayfs")
-	}
+	testenv.Privileged(t, "creates device nodes, sets owners and trusted.* xattrs, mounts overlayfs")
 }
 
 var testConfig = imagetest.Config{

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox/initproc"
 	"github.com/deltagym/deltagym/sandbox/launch"
 	"github.com/deltagym/deltagym/sandbox/overlay"
@@ -22,9 +23,7 @@ import (
 
 func initBinary(t *testing.T) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates namespaces and mounts (CI runs as root)")
-	}
+	testenv.Privileged(t, "creates namespaces and mounts (CI runs as root)")
 	p := os.Getenv("DELTAGYM_INIT")
 	if p == "" {
 		out, err := exec.Command("go", "env", "GOMOD").Output()

@@ -8,13 +8,13 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 func newStore(t *testing.T) *Store {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: layers are tmpfs mounts")
-	}
+	testenv.Privileged(t, "layers are tmpfs mounts")
 	dir := t.TempDir()
 	s, err := New(dir)
 	if err != nil {

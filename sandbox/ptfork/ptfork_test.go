@@ -15,13 +15,13 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 func needRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("ptrace of another process needs root (CAP_SYS_PTRACE)")
-	}
+	testenv.Privileged(t, "ptrace of another process needs root (CAP_SYS_PTRACE)")
 }
 
 // counterLoop prints a "pid counter" line every 2 ms, each with one write.

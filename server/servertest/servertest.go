@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/deltagym/deltagym/internal/checkout"
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -54,8 +55,8 @@ type Server struct {
 // Start starts a server. Where one cannot run here (not root; init, default
 // image or postgres missing) it returns a nil Server and the reason.
 func Start(ctx context.Context, opts Options) (*Server, string, error) {
-	if os.Geteuid() != 0 {
-		return nil, "sandboxes need root", nil
+	if r := testenv.PrivilegedReason("sandboxes need namespaces, mounts and cgroups"); r != "" {
+		return nil, r, nil
 	}
 	root, err := RepoRoot()
 	if err != nil {

@@ -66,6 +66,10 @@ func checkoutRoot() (string, error) {
 // startTestServer starts the server, or sets skipReason.
 func startTestServer() (stop func() error, err error) {
 	none := func() error { return nil }
+	if testing.Short() {
+		skipReason = "the server needs root, a built server and Postgres: not in the unit tier (-short)"
+		return none, nil
+	}
 	if os.Geteuid() != 0 {
 		skipReason = "the server needs root (namespaces, mounts, cgroups)"
 		return none, nil

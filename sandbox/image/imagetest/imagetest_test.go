@@ -13,14 +13,13 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 )
 
 // TestBusybox runs the busybox rootfs's shell chrooted into it.
 func TestBusybox(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: chroot")
-	}
+	testenv.Privileged(t, "chroot")
 	root := imagetest.Busybox(t)
 	for _, applet := range []string{"sh", "ls", "cat", "echo", "sleep", "true", "false", "mkdir", "rm", "mv",
 		"ln", "chmod", "stat", "dd", "head", "tail", "wc", "id", "env", "kill", "ps", "setsid", "mount"} {

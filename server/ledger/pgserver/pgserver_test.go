@@ -19,10 +19,12 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/deltagym/deltagym/internal/checkout"
+	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 func skipUnlessPostgres(t *testing.T) {
 	t.Helper()
+	testenv.Integration(t, "a Postgres")
 	if _, err := FindBinDir(); err != nil {
 		t.Skip(err)
 	}

@@ -1,6 +1,9 @@
 // Package pgtest gives tests a real, private Postgres with the ledger schema: one cluster per
-// test binary (started by Run from TestMain) and a fresh database per test, copied from a migrated
-// template, or a cluster of a test's own (Private) for tests that stop and restart it.
+// test binary, started by the first test that asks for a database and stopped by Run (from
+// TestMain) once the tests are over, and a fresh database per test, copied from a migrated
+// template; or a cluster of a test's own (Private) for tests that stop and restart it. A binary
+// whose selected tests need no database starts no cluster. Under -short (the unit tier) tests
+// that need one skip.
 package pgtest
 
 import (
@@ -15,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -22,36 +26,67 @@ import (
 const templateDB = "ledger_template"
 
 var (
-	shared    *pgserver.Server
+	// sharedMu guards the shared cluster: started once, by the first test that needs it.
+	sharedMu sync.Mutex
+	// +checklocks:sharedMu
+	shared *pgserver.Server
+	// +checklocks:sharedMu
 	sharedErr error
+	// +checklocks:sharedMu
+	sharedDir string
+	// +checklocks:sharedMu
+	sharedRun bool       // Run is in charge: it stops the cluster after the tests
 	mu        sync.Mutex // serialises CREATE DATABASE … TEMPLATE
 	counter   atomic.Int64
 )
 
-// Run starts the binary's shared cluster, runs the tests and stops it. Use it from TestMain:
+// Run runs the tests and then stops the binary's shared cluster, if a test started it. Use it
+// from TestMain:
 //
 //	func TestMain(m *testing.M) { os.Exit(pgtest.Run(m)) }
 //
 // If Postgres is not installed the tests still run, and Start skips them.
 func Run(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "pgtest")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "pgtest:", err)
-		return 1
-	}
-	defer os.RemoveAll(dir)
-	if skipReason() == "" {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		shared, sharedErr = startWithTemplate(ctx, dir, false)
-		cancel()
-		if sharedErr == nil {
-			defer shared.Stop(context.Background())
+	sharedMu.Lock()
+	sharedRun = true
+	sharedMu.Unlock()
+	code := m.Run()
+	sharedMu.Lock()
+	defer sharedMu.Unlock()
+	if shared != nil {
+		if err := shared.Stop(context.Background()); err != nil {
+			fmt.Fprintln(os.Stderr, "pgtest: stopping the shared postgres:", err)
 		}
+		shared = nil
 	}
-	return m.Run()
+	if sharedDir != "" {
+		os.RemoveAll(sharedDir)
+	}
+	return code
+}
+
+// sharedServer returns the binary's shared cluster, starting it on first use, or nil when Run
+// is not in charge of stopping it.
+func sharedServer() (*pgserver.Server, error) {
+	sharedMu.Lock()
+	defer sharedMu.Unlock()
+	if !sharedRun || shared != nil || sharedErr != nil {
+		return shared, sharedErr
+	}
+	sharedDir, sharedErr = os.MkdirTemp("", "pgtest") // short: a socket path must fit 107 bytes
+	if sharedErr != nil {
+		return nil, sharedErr
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	shared, sharedErr = startWithTemplate(ctx, sharedDir, false)
+	return shared, sharedErr
 }
 
 func skipReason() string {
+	if r := testenv.IntegrationReason("a Postgres"); r != "" {
+		return r
+	}
 	if _, err := pgserver.FindBinDir(); err != nil {
 		return err.Error()
 	}
@@ -82,7 +117,7 @@ func startWithTemplate(ctx context.Context, dir string, supervise bool) (*pgserv
 }
 
 // Start returns the URL of a fresh database with the ledger schema, dropped when the test ends.
-// It uses the shared cluster if TestMain called Run, else starts a cluster for the test.
+// It uses the shared cluster if TestMain calls Run, else starts a cluster for the test.
 func Start(t testing.TB) string {
 	t.Helper()
 	return freshDB(t, server(t), templateDB)
@@ -99,13 +134,14 @@ func server(t testing.TB) *pgserver.Server {
 	if r := skipReason(); r != "" {
 		t.Skip(r)
 	}
-	if shared != nil {
-		return shared
+	s, err := sharedServer()
+	if err != nil {
+		t.Fatalf("shared postgres: %v", err)
 	}
-	if sharedErr != nil {
-		t.Fatalf("shared postgres: %v", sharedErr)
+	if s != nil {
+		return s
 	}
-	s, _ := Private(t)
+	s, _ = Private(t)
 	return s
 }
 
