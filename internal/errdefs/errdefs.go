@@ -37,12 +37,28 @@ var (
 var Classes = []error{ErrInvalidArgument, ErrNotFound, ErrAlreadyExists, ErrFailedPrecondition,
 	ErrResourceExhausted, ErrAborted, ErrUnavailable, ErrUnauthenticated, ErrInternal}
 
-// Class returns the class err wraps, the first of Classes in its chain's order of test, or nil
+// Class returns the class err wraps nearest its top: the unwrap tree is walked breadth first,
+// left to right, so that an error that wraps its own class and, as its cause, an error of
+// another class (an env not ready because its image is not found) has its own class. nil
 // when it wraps none.
 func Class(err error) error {
-	for _, c := range Classes {
-		if errors.Is(err, c) {
-			return c
+	queue := []error{err}
+	for len(queue) > 0 {
+		e := queue[0]
+		queue = queue[1:]
+		if e == nil {
+			continue
+		}
+		for _, c := range Classes {
+			if e == c {
+				return c
+			}
+		}
+		switch u := e.(type) {
+		case interface{ Unwrap() error }:
+			queue = append(queue, u.Unwrap())
+		case interface{ Unwrap() []error }:
+			queue = append(queue, u.Unwrap()...)
 		}
 	}
 	return nil
