@@ -78,11 +78,37 @@ type CheckpointOptions struct {
 	Durable bool
 }
 
+// CaptureMethod is how a checkpoint captured one process.
+type CaptureMethod int
+
+// Capture methods. Their names (String) are those of the API and the
+// ledger.
+const (
+	// CaptureTemplate: a frozen template copy, in the checkpoint's sandbox.
+	CaptureTemplate CaptureMethod = iota + 1
+	// CaptureCRIU: a CRIU image of the process's tree (the general path).
+	CaptureCRIU
+)
+
+// String returns the method's name: "template" or "criu".
+func (m CaptureMethod) String() string {
+	switch m {
+	case CaptureTemplate:
+		return "template"
+	case CaptureCRIU:
+		return "criu"
+	}
+	return "unknown"
+}
+
+// MarshalText encodes the method as its name.
+func (m CaptureMethod) MarshalText() ([]byte, error) { return []byte(m.String()), nil }
+
 // ProcessCapture tells how one process was captured by a checkpoint.
 type ProcessCapture struct {
 	Pid     int    // inside the sandbox, at the checkpoint
 	Command string // its name
-	Method  string // "template" or "criu"
+	Method  CaptureMethod
 	Session string // the session whose shell it is, if any
 	Reason  string // why the general path (criu) took it
 	// ImagePid is the pid a template's process has in forks, and in

@@ -231,7 +231,7 @@ func (c *checkpoint) info() CheckpointInfo {
 	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created}
 	for i, p := range c.Procs {
-		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session}
+		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
 			pc.ImagePid = c.TplImages[i].Procs[0].NSPid
 		}
@@ -239,7 +239,7 @@ func (c *checkpoint) info() CheckpointInfo {
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {
-			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "criu", Reason: u.Why}
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why}
 			if i == 0 {
 				pc.Session = u.Session
 			}

@@ -560,7 +560,7 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 	e.s.recordCheckpoint(l.Env().Name(), ledger.KindUser, info, sess)
 	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: true}
 	for _, p := range info.Processes {
-		if p.Method == "template" && !req.Msg.GetDurable() {
+		if p.Method == sandbox.CaptureTemplate && !req.Msg.GetDurable() {
 			resp.Durable = false
 		}
 		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: captureMethod(p.Method), Reason: p.Reason})
@@ -569,8 +569,8 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 }
 
 // captureMethod names a sandbox.ProcessCapture method on the wire.
-func captureMethod(m string) deltagymv1.CaptureMethod {
-	if m == "criu" {
+func captureMethod(m sandbox.CaptureMethod) deltagymv1.CaptureMethod {
+	if m == sandbox.CaptureCRIU {
 		return deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
 	}
 	return deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
@@ -740,7 +740,7 @@ func (e *envService) fork(ctx context.Context, m *deltagymv1.ForkRequest) (*delt
 		for _, p := range info.Processes {
 			pc := &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU,
 				Reason: "restored in every child from the checkpoint's CRIU image"}
-			if p.Method != "criu" {
+			if p.Method != sandbox.CaptureCRIU {
 				pc.Reason = "restored in every child from a CRIU image of its template"
 				if p.ImagePid > 0 && skipWhy == "" {
 					// The image is a copy's: the children have the process
