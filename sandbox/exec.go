@@ -167,7 +167,7 @@ func plainCommand(cmd string) ([]string, bool) {
 	}
 	for _, w := range words {
 		for _, c := range w {
-			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("_./,:+@%-", c)) {
+			if (c < 'a' || c > 'z') && (c < 'A' || c > 'Z') && (c < '0' || c > '9') && !strings.ContainsRune("_./,:+@%-", c) {
 				return nil, false
 			}
 		}
@@ -290,84 +290,106 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}
-	argv := req.Argv
-	direct := false
-	if req.Command != "" {
-		argv = []string{"/bin/sh", "-c", req.Command}
-		if words, ok := plainCommand(req.Command); ok {
-			argv, direct = words, true
-		}
-	}
+	argv, direct := execArgv(req)
 	eg, err := s.execGroup()
 	if err != nil {
 		return ExecResult{}, err
 	}
-	cg, procs := eg.cg, eg.procs
-	keep := false // a background command's group lives on
-	reuse := false
-	defer func() {
-		switch {
-		case keep:
-			closeAll(procs)
-		case reuse:
-			s.putExecGroup(eg)
-		default:
-			closeAll(procs)
-			_ = cg.Delete()
-		}
-	}()
-
 	sr := initproc.SpawnRequest{
 		Argv: argv, Env: s.env(req.Env), Cwd: s.cwd(req.Cwd), UID: s.spec.UID, GID: s.spec.GID,
-		Flags: initproc.FlagSetsid, CgroupProcs: procs,
+		Flags: initproc.FlagSetsid, CgroupProcs: eg.procs,
 		Stdin: s.rt.devnull, Stdout: s.rt.devnull, Stderr: s.rt.devnull,
 	}
+	var res ExecResult
+	keep, reuse := false, false // a background command's group lives on
 	if req.Background {
-		// The sandbox's own /dev/null, so that CRIU can save the command
-		// with the rest of the sandbox (it cannot take the host's).
-		if null := s.devNull(); null != nil {
-			defer null.Close()
-			sr.Stdin, sr.Stdout, sr.Stderr = null, null, null
-		}
-		pid, _, err := s.init.Conn.Spawn(sr)
-		if err != nil {
-			return ExecResult{}, s.spawnError(err)
-		}
-		s.init.Conn.Forget(pid)
-		// The process lives in its group until it exits, or the sandbox is
-		// restored or destroyed, which remove the groups of every command.
-		keep = true
-		return ExecResult{ExitCode: -1, Pid: pid, Start: time.Now()}, nil
+		res, err = s.spawnBackground(sr)
+		keep = err == nil
+	} else {
+		res, reuse, err = s.runCommand(ctx, gen, req, sr, direct, eg.cg)
 	}
+	switch {
+	case keep:
+		closeAll(eg.procs)
+	case reuse:
+		s.putExecGroup(eg)
+	default:
+		closeAll(eg.procs)
+		_ = eg.cg.Delete()
+	}
+	return res, err
+}
 
+// execArgv returns the argv that runs req: its Argv, or its Command through
+// /bin/sh -c, or (direct) the words of a plain command line (plainCommand)
+// spawned without the shell.
+func execArgv(req ExecRequest) (argv []string, direct bool) {
+	if req.Command == "" {
+		return req.Argv, false
+	}
+	if words, ok := plainCommand(req.Command); ok {
+		return words, true
+	}
+	return []string{"/bin/sh", "-c", req.Command}, false
+}
+
+// spawnBackground starts a background command (sr) and returns at once: the
+// process lives in its group until it exits, or the sandbox is restored or
+// destroyed, which remove the groups of every command.
+func (s *Sandbox) spawnBackground(sr initproc.SpawnRequest) (ExecResult, error) {
+	// The sandbox's own /dev/null, so that CRIU can save the command with
+	// the rest of the sandbox (it cannot take the host's).
+	if null := s.devNull(); null != nil {
+		defer null.Close()
+		sr.Stdin, sr.Stdout, sr.Stderr = null, null, null
+	}
+	pid, _, err := s.init.Conn.Spawn(sr)
+	if err != nil {
+		return ExecResult{}, s.spawnError(err)
+	}
+	s.init.Conn.Forget(pid)
+	return ExecResult{ExitCode: -1, Pid: pid, Start: time.Now()}, nil
+}
+
+// running is a foreground command started, its output being read.
+type running struct {
+	pid            int
+	exitc          <-chan initproc.ExitEvent
+	start          time.Time
+	stdout, stderr *capture
+}
+
+// runCommand runs a foreground command (sr) in group cg and waits for it
+// (waitCommand). reuse says the group is empty again, for the next command.
+func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initproc.SpawnRequest, direct bool, cg *cgroup.Cgroup) (res ExecResult, reuse bool, err error) {
 	var stdinW *os.File
 	if len(req.Stdin) > 0 {
 		r, w, err := os.Pipe()
 		if err != nil {
-			return ExecResult{}, err
+			return ExecResult{}, false, err
 		}
 		defer r.Close()
 		sr.Stdin, stdinW = r, w
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {
-		return ExecResult{}, err
+		return ExecResult{}, false, err
 	}
 	defer outR.Close()
 	errR, errW, err := os.Pipe()
 	if err != nil {
 		outW.Close()
-		return ExecResult{}, err
+		return ExecResult{}, false, err
 	}
 	defer errR.Close()
 	sr.Stdout, sr.Stderr = outW, errW
-	start := time.Now()
-	pid, exitc, err := s.init.Conn.Spawn(sr)
+	rc := running{start: time.Now()}
+	rc.pid, rc.exitc, err = s.init.Conn.Spawn(sr)
 	if direct && errors.Is(err, initproc.ErrSpawn) && !errors.Is(err, initproc.ErrClosed) {
 		// Not found or not executable: let the shell run it and say so,
 		// as it would have (exit 126 or 127 with its message).
 		sr.Argv = []string{"/bin/sh", "-c", req.Command}
-		pid, exitc, err = s.init.Conn.Spawn(sr)
+		rc.pid, rc.exitc, err = s.init.Conn.Spawn(sr)
 	}
 	outW.Close()
 	errW.Close()
@@ -378,7 +400,7 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		if stdinW != nil {
 			stdinW.Close()
 		}
-		return ExecResult{}, s.spawnError(err)
+		return ExecResult{}, false, s.spawnError(err)
 	}
 	if stdinW != nil {
 		go func() {
@@ -386,17 +408,24 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 			stdinW.Close()
 		}()
 	}
-	stdout := newCapture(outR, req.MaxOutput)
-	stderr := newCapture(errR, req.MaxOutput)
+	rc.stdout = newCapture(outR, req.MaxOutput)
+	rc.stderr = newCapture(errR, req.MaxOutput)
+	return s.waitCommand(ctx, gen, req.Timeout, cg, rc)
+}
 
-	res := ExecResult{Pid: pid, Start: start, ExitCode: -1}
-	timer := time.NewTimer(req.Timeout)
+// waitCommand waits for command rc to exit, time out, or be cut short (by
+// ctx, or by a restore or Destroy ending gen); whatever ended the wait,
+// everything in group cg is killed and the output read to its end. reuse
+// says the group is empty again.
+func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, cg *cgroup.Cgroup, rc running) (res ExecResult, reuse bool, err error) {
+	res = ExecResult{Pid: rc.pid, Start: rc.start, ExitCode: -1}
+	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	var ev initproc.ExitEvent
 	var ok bool
 	var aborted error
 	select {
-	case ev, ok = <-exitc:
+	case ev, ok = <-rc.exitc:
 	case <-timer.C:
 		res.TimedOut = true
 	case <-ctx.Done():
@@ -408,29 +437,28 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	// Whatever ended the wait, nothing the command started outlives it.
 	kerr := cg.Kill()
 	if !ok && aborted == nil {
-		ev, ok = <-exitc
+		ev, ok = <-rc.exitc
 	}
-	s.init.Conn.Forget(pid)
-	res.Stdout, res.StdoutTruncated = stdout.wait()
-	res.Stderr, res.StderrTruncated = stderr.wait()
-	res.Duration = time.Since(start)
+	s.init.Conn.Forget(rc.pid)
+	res.Stdout, res.StdoutTruncated = rc.stdout.wait()
+	res.Stderr, res.StderrTruncated = rc.stderr.wait()
+	res.Duration = time.Since(rc.start)
 	if aborted != nil {
-		return res, aborted
+		return res, false, aborted
 	}
 	if !ok {
-		return res, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+		return res, false, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
 	}
 	if kerr != nil {
-		return res, fmt.Errorf("ending the command's processes: %w", kerr)
+		return res, false, fmt.Errorf("ending the command's processes: %w", kerr)
 	}
-	reuse = true // empty again: the next command can have it
 	switch {
 	case ev.Status.Exited():
 		res.ExitCode = ev.Status.ExitStatus()
 	case ev.Status.Signaled():
 		res.Signal = unix.SignalName(ev.Status.Signal())
 	}
-	return res, nil
+	return res, true, nil
 }
 
 func (s *Sandbox) spawnError(err error) error {

@@ -252,62 +252,94 @@ func foldMemory(pidfd, pid int, room func() int64) (int64, error) {
 	if budget < hugePage {
 		return 0, errors.New("no memory to spare")
 	}
-	var folded int64
-	buf := make([]byte, 8*(hugePage/4096))
+	f := folder{pidfd: pidfd, pagemap: pagemap, budget: budget, buf: make([]byte, 8*(hugePage/4096))}
 	for _, rg := range ranges {
-		for a := rg[0]; a < rg[1]; {
-			// The longest run of dense ranges from a.
-			end := a
-			for end < rg[1] && folded+int64(end-a)+hugePage <= budget {
-				ok, err := dense(pagemap, end, buf)
-				if err != nil {
-					return folded, err
-				}
-				if !ok {
-					break
-				}
-				end += hugePage
-			}
-			if end > a {
-				n, errno := collapse(pidfd, a, end)
-				if errno == unix.EAGAIN || errno == unix.ENOMEM {
-					// A range was busy (a page locked, or held by
-					// a process exiting: the previous template, say)
-					// or no huge page was free: each range again, a
-					// few times.
-					n, errno = 0, 0
-					for r := a; r < end && errno != unix.ESRCH; r += hugePage {
-						for try := 1; ; try++ {
-							m, e := collapse(pidfd, r, r+hugePage)
-							if e == 0 {
-								n += m
-							}
-							if e != unix.EAGAIN && e != unix.ENOMEM || try == hugeTries {
-								errno = e
-								break
-							}
-							time.Sleep(hugeRetry)
-						}
-					}
-				}
-				switch {
-				case errno == unix.ESRCH:
-					return folded, errHugeGone
-				case errno == unix.EINVAL && folded+n == 0:
-					return 0, fmt.Errorf("process_madvise(MADV_COLLAPSE): %w (transparent huge pages are off, or the kernel is older than 6.1)", errno)
-				}
-				folded += n
-				// Ranges still failing (no huge page to be had, or
-				// a range the kernel would not take) stay in small
-				// pages.
-			}
-			if folded+hugePage > budget {
-				return folded, nil
-			}
-			a = max(end, a) + hugePage
+		if done, err := f.foldRange(rg); done || err != nil {
+			return f.folded, err
 		}
 	}
-	return folded, nil
+	return f.folded, nil
+}
+
+// folder folds the memory of one process within a budget of bytes.
+type folder struct {
+	pidfd   int
+	pagemap *os.File
+	budget  int64
+	folded  int64
+	buf     []byte // one huge page's pagemap entries
+}
+
+// foldRange folds the dense runs of range rg, within the budget. done says
+// the budget is spent.
+func (f *folder) foldRange(rg [2]uintptr) (done bool, err error) {
+	for a := rg[0]; a < rg[1]; {
+		end, err := f.denseRun(a, rg[1])
+		if err != nil {
+			return true, err
+		}
+		if end > a {
+			n, errno := collapseRetrying(f.pidfd, a, end)
+			switch {
+			case errno == unix.ESRCH:
+				return true, errHugeGone
+			case errno == unix.EINVAL && f.folded+n == 0:
+				f.folded = 0
+				return true, fmt.Errorf("process_madvise(MADV_COLLAPSE): %w (transparent huge pages are off, or the kernel is older than 6.1)", errno)
+			}
+			f.folded += n
+			// Ranges still failing (no huge page to be had, or a range
+			// the kernel would not take) stay in small pages.
+		}
+		if f.folded+hugePage > f.budget {
+			return true, nil
+		}
+		a = max(end, a) + hugePage
+	}
+	return false, nil
+}
+
+// denseRun returns the end of the longest run of dense huge-page ranges
+// from a, below limit and within the budget (a itself if there is none).
+func (f *folder) denseRun(a, limit uintptr) (uintptr, error) {
+	end := a
+	for end < limit && f.folded+int64(end-a)+hugePage <= f.budget {
+		ok, err := dense(f.pagemap, end, f.buf)
+		if err != nil {
+			return end, err
+		}
+		if !ok {
+			break
+		}
+		end += hugePage
+	}
+	return end, nil
+}
+
+// collapseRetrying is collapse of [start, end), and if a range was busy (a
+// page locked, or held by a process exiting: the previous template, say)
+// or no huge page was free, of each huge-page range again, a few times. It
+// returns the bytes folded and the error of the last range tried.
+func collapseRetrying(pidfd int, start, end uintptr) (int64, unix.Errno) {
+	n, errno := collapse(pidfd, start, end)
+	if errno != unix.EAGAIN && errno != unix.ENOMEM {
+		return n, errno
+	}
+	n, errno = 0, 0
+	for r := start; r < end && errno != unix.ESRCH; r += hugePage {
+		for try := 1; ; try++ {
+			m, e := collapse(pidfd, r, r+hugePage)
+			if e == 0 {
+				n += m
+			}
+			if e != unix.EAGAIN && e != unix.ENOMEM || try == hugeTries {
+				errno = e
+				break
+			}
+			time.Sleep(hugeRetry)
+		}
+	}
+	return n, errno
 }
 
 // collapse asks the kernel to fold [start, end) of the process pidfd into

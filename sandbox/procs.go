@@ -385,74 +385,132 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 			err = errors.Join(err, cerr)
 		}
 	}()
-	seized := map[int]*ptfork.Proc{}
-	threaded := map[int]bool{} // cannot be seized: they go on until criu stops them
-	var order []int
-	for round := 0; ; round++ {
-		pids, err := s.workPidsNow()
+	st, err := s.stopAll(tr)
+	if err != nil {
+		return err
+	}
+	procs, err := s.inspectAll(st, rootMnt)
+	if err != nil {
+		return err
+	}
+	tplProcs, trees, err := s.planCapture(splitTrees(procs), mode)
+	if err != nil {
+		return err
+	}
+	if len(trees) > 0 {
+		resume, err := s.dumpTrees(ctx, c, trees, st)
+		defer func() { err = resume(err) }()
 		if err != nil {
 			return err
 		}
-		var fresh []*ptfork.Proc
-		more := false
-		for _, pid := range pids {
-			if seized[pid] != nil || threaded[pid] {
-				continue
-			}
-			p, err := tr.Seize(pid)
-			if errors.Is(err, ptfork.ErrGone) {
-				continue
-			}
-			if errors.Is(err, ptfork.ErrThreads) {
-				threaded[pid], more = true, true
-				order = append(order, pid)
-				continue
-			}
-			if err != nil {
-				return fmt.Errorf("%w: pid %d: %w", ErrProcesses, pid, err)
-			}
-			seized[pid] = p
-			fresh = append(fresh, p)
+	}
+	if err := copyFS(); err != nil {
+		return err
+	}
+	if len(tplProcs) == 0 {
+		return nil
+	}
+	return s.makeTemplates(c, tplProcs, st.seized)
+}
+
+// stopSet is what stopAll stopped: the processes of the command group in
+// the order they were found.
+type stopSet struct {
+	seized   map[int]*ptfork.Proc // in ptrace-stop
+	threaded map[int]bool         // cannot be seized: they go on until criu stops them
+	order    []int
+}
+
+// stopAll seizes and stops every single-threaded process of the command
+// group, listing the group again until no new process appears: once it
+// returns, nothing in the group can fork but the threaded processes it
+// names (which criu stops). A process that exits meanwhile is left out.
+func (s *Sandbox) stopAll(tr *ptfork.Session) (stopSet, error) {
+	st := stopSet{seized: map[int]*ptfork.Proc{}, threaded: map[int]bool{}}
+	for round := 0; ; round++ {
+		pids, err := s.workPidsNow()
+		if err != nil {
+			return st, err
+		}
+		fresh, more, err := st.seizeNew(tr, pids)
+		if err != nil {
+			return st, err
 		}
 		if len(fresh) == 0 && !more {
-			break
+			return st, nil
 		}
 		if round == 10 {
-			return fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem; CLI: --processes files)", ErrProcesses)
+			return st, fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem; CLI: --processes files)", ErrProcesses)
 		}
 		for _, p := range fresh {
 			if err := p.Wait(); err != nil {
-				delete(seized, p.Pid)
+				delete(st.seized, p.Pid)
 				continue // it exited
 			}
-			order = append(order, p.Pid)
+			st.order = append(st.order, p.Pid)
 		}
 	}
+}
+
+// seizeNew seizes the processes of pids not seen before. It returns those
+// seized (not yet stopped) and whether it found a new threaded process.
+func (st *stopSet) seizeNew(tr *ptfork.Session, pids []int) (fresh []*ptfork.Proc, more bool, err error) {
+	for _, pid := range pids {
+		if st.seized[pid] != nil || st.threaded[pid] {
+			continue
+		}
+		p, err := tr.Seize(pid)
+		if errors.Is(err, ptfork.ErrGone) {
+			continue
+		}
+		if errors.Is(err, ptfork.ErrThreads) {
+			st.threaded[pid], more = true, true
+			st.order = append(st.order, pid)
+			continue
+		}
+		if err != nil {
+			return nil, false, fmt.Errorf("%w: pid %d: %w", ErrProcesses, pid, err)
+		}
+		st.seized[pid] = p
+		fresh = append(fresh, p)
+	}
+	return fresh, more, nil
+}
+
+// inspectAll inspects the stopped processes, in order, naming the session
+// whose shell each is. A threaded process that ended meanwhile is left
+// out; any other failure fails the capture.
+func (s *Sandbox) inspectAll(st stopSet, rootMnt uint64) ([]procInfo, error) {
 	s.mu.Lock()
 	sessionOf := map[int]string{}
 	for name, se := range s.sessions {
 		sessionOf[se.hostPid] = name
 	}
 	s.mu.Unlock()
-	procs := make([]procInfo, 0, len(order))
-	for _, pid := range order {
+	procs := make([]procInfo, 0, len(st.order))
+	for _, pid := range st.order {
 		pi, err := inspect(pid, rootMnt)
 		if err != nil {
-			if threaded[pid] {
+			if st.threaded[pid] {
 				continue // it ended meanwhile
 			}
-			return fmt.Errorf("inspecting pid %d: %w", pid, err)
+			return nil, fmt.Errorf("inspecting pid %d: %w", pid, err)
 		}
 		pi.tpl.Session = sessionOf[pid]
 		procs = append(procs, pi)
 	}
-	units := splitTrees(procs)
+	return procs, nil
+}
+
+// planCapture sorts the process trees into those copied as templates (one
+// process each, returned as tplProcs) and those CRIU dumps (trees, each
+// with its reason). It refuses what neither path brings back: an open
+// deleted file, a session's shell below the root of its tree.
+func (s *Sandbox) planCapture(units []procTree, mode ProcessMode) (tplProcs []procInfo, trees []procTree, err error) {
 	full, err := s.templatesFull(units, mode)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
-	var tplProcs []procInfo
-	var trees []procTree
 	for _, u := range units {
 		why := u.criuReason(mode)
 		if why == "" && full != "" {
@@ -462,67 +520,90 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 			tplProcs = append(tplProcs, u.procs[0])
 			continue
 		}
-		for _, p := range u.procs {
-			if p.deleted != "" {
-				return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem; CLI: --processes files)",
-					ErrProcesses, p.tpl.name(), p.deleted)
-			}
-			if p.tpl.Session != "" && p.tpl.HostPid != u.procs[0].tpl.HostPid {
-				return fmt.Errorf("%w: session %q cannot be captured: its shell %s is not the root of its process tree; end it, or checkpoint files only (process mode filesystem; CLI: --processes files)",
-					ErrProcesses, p.tpl.Session, p.tpl.name())
-			}
+		if err := u.criuCapturable(); err != nil {
+			return nil, nil, err
 		}
 		u.why = why
 		trees = append(trees, u)
 	}
-	var mounts map[uint64]bool
-	if len(trees) > 0 {
-		s.init.Settled() // criu joins the namespace
-		if mounts, err = mountIDs(s.init.Pid); err != nil {
-			return err
+	return tplProcs, trees, nil
+}
+
+// criuCapturable fails if CRIU cannot capture tree t in a way a restore
+// brings back.
+func (t procTree) criuCapturable() error {
+	for _, p := range t.procs {
+		if p.deleted != "" {
+			return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+				ErrProcesses, p.tpl.name(), p.deleted)
 		}
-		// Released from ptrace, dumped, left stopped by criu.
-		for _, u := range trees {
-			for _, p := range u.procs {
-				if sp := seized[p.tpl.HostPid]; sp != nil {
-					delete(seized, p.tpl.HostPid)
-					if err := sp.Detach(); err != nil {
-						return fmt.Errorf("%w: releasing %s for CRIU: %w", ErrProcesses, p.tpl.name(), err)
-					}
-				}
-			}
-		}
-		defer func() {
-			// Everything criu stopped goes on (trees may have grown while
-			// not stopped: list the group, not the trees).
-			pids, lerr := s.workPidsNow()
-			err = errors.Join(err, lerr)
-			var cont []int
-			for _, p := range pids {
-				if seized[p] == nil {
-					cont = append(cont, p)
-				}
-			}
-			resumeTrees(cont)
-			if err != nil {
-				_ = os.RemoveAll(s.rt.criuDir(c.ID))
-			}
-		}()
-		dctx := context.WithoutCancel(ctx) // never leave a tree half-dumped
-		for i, u := range trees {
-			cu, err := s.dumpTree(dctx, c, i, u.procs[0].tpl.HostPid, u.procs, u.why, mounts)
-			if err != nil {
-				return err
-			}
-			c.Images = append(c.Images, cu)
+		if p.tpl.Session != "" && p.tpl.HostPid != t.procs[0].tpl.HostPid {
+			return fmt.Errorf("%w: session %q cannot be captured: its shell %s is not the root of its process tree; end it, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+				ErrProcesses, p.tpl.Session, p.tpl.name())
 		}
 	}
-	if err := copyFS(); err != nil {
+	return nil
+}
+
+// dumpTrees releases trees from ptrace and has criu dump each into c's
+// images, which leaves them stopped. It returns resume, which the caller
+// calls with its result once the files are copied and the templates made:
+// it lets everything criu stopped go on, and on failure removes c's CRIU
+// directory. resume is never nil: the caller calls it even if dumpTrees
+// fails.
+func (s *Sandbox) dumpTrees(ctx context.Context, c *checkpoint, trees []procTree, st stopSet) (resume func(error) error, err error) {
+	resume = func(err error) error {
+		// Everything criu stopped goes on (trees may have grown while
+		// not stopped: list the group, not the trees).
+		pids, lerr := s.workPidsNow()
+		err = errors.Join(err, lerr)
+		var cont []int
+		for _, p := range pids {
+			if st.seized[p] == nil {
+				cont = append(cont, p)
+			}
+		}
+		resumeTrees(cont)
+		if err != nil {
+			_ = os.RemoveAll(s.rt.criuDir(c.ID))
+		}
 		return err
 	}
-	if len(tplProcs) == 0 {
-		return nil
+	// Until criu is at work, nothing is left stopped but what ptrace
+	// holds (which tr.Close releases).
+	none := func(err error) error { return err }
+	s.init.Settled() // criu joins the namespace
+	mounts, err := mountIDs(s.init.Pid)
+	if err != nil {
+		return none, err
 	}
+	// Released from ptrace, dumped, left stopped by criu.
+	for _, u := range trees {
+		for _, p := range u.procs {
+			if sp := st.seized[p.tpl.HostPid]; sp != nil {
+				delete(st.seized, p.tpl.HostPid)
+				if err := sp.Detach(); err != nil {
+					return none, fmt.Errorf("%w: releasing %s for CRIU: %w", ErrProcesses, p.tpl.name(), err)
+				}
+			}
+		}
+	}
+	dctx := context.WithoutCancel(ctx) // never leave a tree half-dumped
+	for i, u := range trees {
+		cu, err := s.dumpTree(dctx, c, i, u.procs[0].tpl.HostPid, u.procs, u.why, mounts)
+		if err != nil {
+			return resume, err
+		}
+		c.Images = append(c.Images, cu)
+	}
+	return resume, nil
+}
+
+// makeTemplates has each stopped process of tplProcs clone itself into a
+// template, in a frozen group of c's own, and records them in c. On
+// success every template is detached into its frozen group (it never
+// runs) before the originals go on; on failure none is left.
+func (s *Sandbox) makeTemplates(c *checkpoint, tplProcs []procInfo, seized map[int]*ptfork.Proc) error {
 	tg, err := s.takeTemplateGroup()
 	if err != nil {
 		return err
@@ -532,48 +613,26 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 		live[i] = tplProcs[i].tpl
 	}
 	var made []*ptfork.Proc
+	fail := func(err error) error {
+		for _, t := range made {
+			t.Kill()
+		}
+		_ = tg.Delete()
+		return err
+	}
 	for i, pi := range tplProcs {
-		t, _, err := seized[pi.tpl.HostPid].Fork()
-		if err == nil {
+		t, err := forkTemplate(seized[pi.tpl.HostPid], &tplProcs[i].tpl, tg)
+		if t != nil {
 			made = append(made, t)
-			reapIfOurs(t.Pid)
-		}
-		if err == nil && pi.tpl.Leader {
-			// Born in the process's session and group, the template
-			// would keep their id, the process's pid, taken after the
-			// process ends: a CRIU tree that had that pid could not be
-			// restored. (Before it joins its frozen group: a frozen
-			// task runs no injected call.)
-			if _, serr := t.Syscall(unix.SYS_SETSID); serr != nil {
-				err = fmt.Errorf("setsid: %w", serr)
-			}
-		}
-		if err == nil {
-			err = guardTemplate(t, &tplProcs[i].tpl)
-		}
-		if err == nil {
-			err = tg.Add(t.Pid)
 		}
 		if err != nil {
-			for _, t := range made {
-				t.Kill()
-			}
-			_ = tg.Delete()
-			return s.copyError(pi.tpl.name(), err)
-		}
-		tplProcs[i].tpl.HostPid = t.Pid
-		if st, err := startTime(t.Pid); err == nil {
-			tplProcs[i].tpl.Start = st
+			return fail(s.copyError(pi.tpl.name(), err))
 		}
 	}
 	// Into their frozen group before the originals go on.
 	for _, t := range made {
 		if err := t.Detach(); err != nil {
-			for _, t := range made {
-				t.Kill()
-			}
-			_ = tg.Delete()
-			return err
+			return fail(err)
 		}
 	}
 	c.Procs = make([]procTemplate, len(tplProcs))
@@ -586,6 +645,38 @@ func (s *Sandbox) captureProcesses(ctx context.Context, c *checkpoint, mode Proc
 	s.tplMu.Unlock()
 	s.foldLive(live)
 	return nil
+}
+
+// forkTemplate has stopped process p clone itself into a template in group
+// tg: a session leader of its own, non-dumpable (guardTemplate), still in
+// ptrace-stop. It updates t to describe the template (its pid and start
+// time). The template, if one was forked, is returned even on error.
+func forkTemplate(p *ptfork.Proc, t *procTemplate, tg *cgroup.Cgroup) (*ptfork.Proc, error) {
+	cp, _, err := p.Fork()
+	if err != nil {
+		return nil, err
+	}
+	reapIfOurs(cp.Pid)
+	if t.Leader {
+		// Born in the process's session and group, the template would
+		// keep their id, the process's pid, taken after the process ends:
+		// a CRIU tree that had that pid could not be restored. (Before it
+		// joins its frozen group: a frozen task runs no injected call.)
+		if _, serr := cp.Syscall(unix.SYS_SETSID); serr != nil {
+			return cp, fmt.Errorf("setsid: %w", serr)
+		}
+	}
+	if err := guardTemplate(cp, t); err != nil {
+		return cp, err
+	}
+	if err := tg.Add(cp.Pid); err != nil {
+		return cp, err
+	}
+	t.HostPid = cp.Pid
+	if st, err := startTime(cp.Pid); err == nil {
+		t.Start = st
+	}
+	return cp, nil
 }
 
 // guardTemplate makes a new template non-dumpable, recording the process's
@@ -890,6 +981,29 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 			}
 		}
 	}()
+	if copies, thawed, err = s.readyCopies(tr, c, tg, a); err != nil {
+		return err
+	}
+	// The copies share their sockets with the templates, and so did the
+	// processes the restore killed: one of those, not exiting yet, could
+	// accept a connection meant for the restored state and reset it as it
+	// dies. They exit while the copies are readied; settleKilled then
+	// waits, if need be, until they are past that (or gone).
+	s.settleKilled(c)
+	if err := s.letRun(copies); err != nil {
+		return err
+	}
+	s.foldOnce(c)
+	s.forkAhead(c, start, again)
+	return nil
+}
+
+// readyCopies returns a fixed-up copy of each template of c, stopped under
+// ptrace in its group: the copies forked ahead (a, if not nil) if they
+// serve, else copies forked now from the templates in group tg. thawed
+// says whether it thawed tg (forkCopies). Copies made are returned even on
+// error, for the caller to end.
+func (s *Sandbox) readyCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgroup, a *aheadCopies) (copies []liveCopy, thawed bool, err error) {
 	ahead := false
 	if a != nil {
 		copies = s.useAhead(tr, c, a)
@@ -901,11 +1015,11 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 			// the killed processes count in until they are gone.
 			s.settleKilled(c)
 			if copies, thawed, err = s.forkCopies(tr, c, tg); err != nil {
-				return err
+				return copies, thawed, err
 			}
 		}
 		if err = fixUpAll(copies); err == nil || !ahead {
-			break
+			return copies, thawed, err
 		}
 		// Parked, a copy is within the agent's reach (prlimit, say):
 		// fresh copies instead.
@@ -913,16 +1027,13 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 		s.endCopies(copies)
 		copies, ahead = nil, false
 	}
-	if err != nil {
-		return err
-	}
-	// The copies share their sockets with the templates, and so did the
-	// processes the restore killed: one of those, not exiting yet, could
-	// accept a connection meant for the restored state and reset it as it
-	// dies. They exit while the copies are readied; settleKilled then
-	// waits, if need be, until they are past that (or gone).
-	s.settleKilled(c)
-	// Everything is in place: let the copies run.
+}
+
+// letRun detaches the ready copies, which then run: a session's shell
+// becomes its session's (its stdio is cleared from copies, the session's
+// now). Every copy is remembered as seen live (liveSeen), for the
+// huge-page folding. Called with op held.
+func (s *Sandbox) letRun(copies []liveCopy) error {
 	for i, lc := range copies {
 		exit := lc.exit
 		if lc.t.Session != "" && exit == nil {
@@ -942,8 +1053,6 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 	for _, lc := range copies {
 		s.liveSeen[lc.cp.Pid] = 0
 	}
-	s.foldOnce(c)
-	s.forkAhead(c, start, again)
 	return nil
 }
 
@@ -1110,89 +1219,135 @@ func closeFiles(fs []*os.File) {
 // it makes itself. For a session's shell it returns the server's ends of its
 // new stdin, stdout and stderr pipes.
 func fixUp(cp *ptfork.Proc, t procTemplate) (stdio [3]*os.File, err error) {
-	// Scratch memory for paths and pipe2's result, mapped when first
-	// needed (not on the stack: the copy may run on a stack of its own
-	// making, with live data below its stack pointer).
-	const page = 4096
-	var mem uintptr
-	mapped := false
+	mem := &scratch{cp: cp}
 	defer func() {
-		if mapped {
-			if _, uerr := cp.Syscall(unix.SYS_MUNMAP, mem, page); uerr != nil && err == nil {
-				err = fmt.Errorf("unmapping scratch memory: %w", uerr)
-			}
+		if uerr := mem.release(); uerr != nil && err == nil {
+			err = uerr
 		}
 	}()
-	str := func(p string) (uintptr, error) {
-		b := append([]byte(p), 0)
-		if len(b) > page {
-			return 0, fmt.Errorf("path too long: %q", p)
-		}
-		if mem == 0 {
-			a, err := cp.Syscall(unix.SYS_MMAP, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
-			if err != nil {
-				return 0, fmt.Errorf("mapping scratch memory: %w", err)
-			}
-			mem, mapped = a, true
-		}
-		return mem, cp.Write(mem, b)
+	if err := fixUpIdentity(cp, t); err != nil {
+		return stdio, err
 	}
+	if err := fixUpFiles(cp, t, mem); err != nil {
+		return stdio, err
+	}
+	if t.Session == "" {
+		return stdio, nil
+	}
+	if _, err := mem.put(""); err != nil { // scratch for pipe2's result
+		return stdio, err
+	}
+	return sessionPipes(cp, mem.addr)
+}
+
+// scratch is a page of a stopped copy's memory for the arguments of the
+// system calls injected into it, mapped when first needed (not on the
+// stack: the copy may run on a stack of its own making, with live data
+// below its stack pointer).
+type scratch struct {
+	cp   *ptfork.Proc
+	addr uintptr
+	ok   bool // mapped
+}
+
+const scratchSize = 4096
+
+// put writes p, NUL-terminated, at the start of the page and returns its
+// address in the copy.
+func (m *scratch) put(p string) (uintptr, error) {
+	b := append([]byte(p), 0)
+	if len(b) > scratchSize {
+		return 0, fmt.Errorf("path too long: %q", p)
+	}
+	if !m.ok {
+		a, err := m.cp.Syscall(unix.SYS_MMAP, 0, scratchSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
+		if err != nil {
+			return 0, fmt.Errorf("mapping scratch memory: %w", err)
+		}
+		m.addr, m.ok = a, true
+	}
+	return m.addr, m.cp.Write(m.addr, b)
+}
+
+// release unmaps the page, if it was mapped.
+func (m *scratch) release() error {
+	if !m.ok {
+		return nil
+	}
+	if _, err := m.cp.Syscall(unix.SYS_MUNMAP, m.addr, scratchSize); err != nil {
+		return fmt.Errorf("unmapping scratch memory: %w", err)
+	}
+	return nil
+}
+
+// fixUpIdentity gives the copy back what its template was made not to
+// have: the process's dumpable flag and the lead of a session of its own.
+func fixUpIdentity(cp *ptfork.Proc, t procTemplate) error {
 	// A copy is born non-dumpable, as its template is kept; the process it
 	// copies was dumpable (1: the flag a process can set itself; 2, set by
 	// the kernel for some credential changes, cannot be, and stays 0).
 	if t.Dumpable == 1 {
 		if _, err := cp.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, 1); err != nil {
-			return stdio, fmt.Errorf("making the copy dumpable: %w", err)
+			return fmt.Errorf("making the copy dumpable: %w", err)
 		}
 	}
 	// A copy is born in its template's session; the process it copies led
 	// one of its own.
 	if t.Leader {
 		if _, err := cp.Syscall(unix.SYS_SETSID); err != nil {
-			return stdio, fmt.Errorf("setsid: %w", err)
+			return fmt.Errorf("setsid: %w", err)
 		}
 	}
+	return nil
+}
+
+// fixUpFiles points the copy's working directory and the files it has open
+// in the sandbox's root at the restored root: each file is reopened by path
+// with the same flags, on the same fd, at the same offset.
+func fixUpFiles(cp *ptfork.Proc, t procTemplate, mem *scratch) error {
 	// A cwd at the root needs nothing: the root swap re-pointed the
 	// template's, and the copy inherits it.
 	if t.Cwd != "/" {
-		a, err := str(t.Cwd)
+		a, err := mem.put(t.Cwd)
 		if err != nil {
-			return stdio, err
+			return err
 		}
 		if _, err := cp.Syscall(unix.SYS_CHDIR, a); err != nil {
-			return stdio, fmt.Errorf("chdir %s: %w", t.Cwd, err)
+			return fmt.Errorf("chdir %s: %w", t.Cwd, err)
 		}
 	}
 	for _, f := range t.Files {
-		a, err := str(f.Path)
-		if err != nil {
-			return stdio, err
-		}
-		flags := f.Flags &^ (unix.O_CREAT | unix.O_EXCL | unix.O_TRUNC | unix.O_NOCTTY)
-		fdcwd := unix.AT_FDCWD
-		nfd, err := cp.Syscall(unix.SYS_OPENAT, uintptr(fdcwd), a, uintptr(flags), 0)
-		if err != nil {
-			return stdio, fmt.Errorf("reopening %s (fd %d): %w", f.Path, f.FD, err)
-		}
-		if _, err := cp.Syscall(unix.SYS_DUP3, nfd, uintptr(f.FD), uintptr(f.Flags&unix.O_CLOEXEC)); err != nil {
-			return stdio, fmt.Errorf("dup3 onto fd %d: %w", f.FD, err)
-		}
-		if _, err := cp.Syscall(unix.SYS_CLOSE, nfd); err != nil {
-			return stdio, fmt.Errorf("close: %w", err)
-		}
-		if f.Flags&unix.O_APPEND == 0 && f.Pos > 0 {
-			if _, err := cp.Syscall(unix.SYS_LSEEK, uintptr(f.FD), uintptr(f.Pos), 0); err != nil && !errors.Is(err, unix.ESPIPE) {
-				return stdio, fmt.Errorf("seeking fd %d: %w", f.FD, err)
-			}
+		if err := reopenFile(cp, f, mem); err != nil {
+			return err
 		}
 	}
-	if t.Session == "" {
-		return stdio, nil
+	return nil
+}
+
+// reopenFile reopens f in the copy, on its fd, at its offset.
+func reopenFile(cp *ptfork.Proc, f tplFile, mem *scratch) error {
+	a, err := mem.put(f.Path)
+	if err != nil {
+		return err
 	}
-	if _, err := str(""); err != nil { // scratch for pipe2's result
-		return stdio, err
+	flags := f.Flags &^ (unix.O_CREAT | unix.O_EXCL | unix.O_TRUNC | unix.O_NOCTTY)
+	fdcwd := unix.AT_FDCWD
+	nfd, err := cp.Syscall(unix.SYS_OPENAT, uintptr(fdcwd), a, uintptr(flags), 0)
+	if err != nil {
+		return fmt.Errorf("reopening %s (fd %d): %w", f.Path, f.FD, err)
 	}
-	return sessionPipes(cp, mem)
+	if _, err := cp.Syscall(unix.SYS_DUP3, nfd, uintptr(f.FD), uintptr(f.Flags&unix.O_CLOEXEC)); err != nil {
+		return fmt.Errorf("dup3 onto fd %d: %w", f.FD, err)
+	}
+	if _, err := cp.Syscall(unix.SYS_CLOSE, nfd); err != nil {
+		return fmt.Errorf("close: %w", err)
+	}
+	if f.Flags&unix.O_APPEND == 0 && f.Pos > 0 {
+		if _, err := cp.Syscall(unix.SYS_LSEEK, uintptr(f.FD), uintptr(f.Pos), 0); err != nil && !errors.Is(err, unix.ESPIPE) {
+			return fmt.Errorf("seeking fd %d: %w", f.FD, err)
+		}
+	}
+	return nil
 }
 
 // sessionPipes gives a copied shell fresh pipes as fds 0, 1 and 2 and

@@ -196,38 +196,15 @@ func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint, units []criuU
 	return nil
 }
 
+// restoreTree has criu restore the process tree of unit u of checkpoint c
+// into the sandbox, in a cgroup of its own; a session's shell becomes its
+// session's again, with fresh pipes to the server.
 func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *checkpoint, u criuUnit) (err error) {
-	// Concurrent restores of one image (a fork fan-out) each get a
-	// directory of hard links, for criu's log and its scratch files.
-	tmp, err := os.MkdirTemp(run, "r")
+	tmp, err := linkImages(run, c, u)
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	// criu reads the images after it has joined the sandbox's user
-	// namespace, through its descriptor of this directory: they must be
-	// readable by others (store/criu itself is the host root's alone).
-	if err := os.Chmod(tmp, 0o711); err != nil {
-		return err
-	}
-	ents, err := os.ReadDir(u.Dir)
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("%w: the CRIU image of %s kept by checkpoint %s is gone", ErrProcesses, u.name(), c.ID)
-		}
-		return err
-	}
-	for _, e := range ents {
-		if strings.HasSuffix(e.Name(), ".log") {
-			continue
-		}
-		if err := os.Link(filepath.Join(u.Dir, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
-			return err
-		}
-		if err := os.Chmod(filepath.Join(tmp, e.Name()), 0o644); err != nil {
-			return err
-		}
-	}
 	// A session's shell gets a group of its own, as a started one does (a
 	// timeout kills what it runs), and fresh pipes to the server.
 	prefix := "c"
@@ -255,21 +232,10 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 		}
 	}()
 	if u.Session != "" {
-		for i := range 3 {
-			r, w, err := os.Pipe()
-			if err != nil {
-				return err
-			}
-			if i == 0 {
-				ours[i], theirs[i] = w, r
-			} else {
-				ours[i], theirs[i] = r, w
-			}
-			// criu reopens the shell's end through /proc/self/fd as the
-			// shell's user: the pipe must be that user's.
-			if err := unix.Fchown(int(theirs[i].Fd()), s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)); err != nil {
-				return fmt.Errorf("handing a pipe to the session's shell: %w", err)
-			}
+		if ours, theirs, err = s.shellPipes(); err != nil {
+			return err
+		}
+		for i := range theirs {
 			inherit = append(inherit, criu.InheritFile{Key: u.Pipes[i], File: theirs[i]})
 		}
 	}
@@ -297,6 +263,72 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	}
 	s.rt.log.Debug("process tree restored", "sandbox", s.id, "checkpoint", c.ID, "tree", u.name(), "took", time.Since(start))
 	return nil
+}
+
+// linkImages makes a directory under run of hard links to the images of u
+// (its logs left out), readable by criu once it has joined the sandbox's
+// user namespace, and returns it; the caller removes it. Concurrent
+// restores of one image (a fork fan-out) each get one, for criu's log and
+// its scratch files.
+func linkImages(run string, c *checkpoint, u criuUnit) (dir string, err error) {
+	tmp, err := os.MkdirTemp(run, "r")
+	if err != nil {
+		return "", err
+	}
+	defer func() {
+		if err != nil {
+			os.RemoveAll(tmp)
+		}
+	}()
+	// criu reads the images after it has joined the sandbox's user
+	// namespace, through its descriptor of this directory: they must be
+	// readable by others (store/criu itself is the host root's alone).
+	if err := os.Chmod(tmp, 0o711); err != nil {
+		return "", err
+	}
+	ents, err := os.ReadDir(u.Dir)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return "", fmt.Errorf("%w: the CRIU image of %s kept by checkpoint %s is gone", ErrProcesses, u.name(), c.ID)
+		}
+		return "", err
+	}
+	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".log") {
+			continue
+		}
+		if err := os.Link(filepath.Join(u.Dir, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
+			return "", err
+		}
+		if err := os.Chmod(filepath.Join(tmp, e.Name()), 0o644); err != nil {
+			return "", err
+		}
+	}
+	return tmp, nil
+}
+
+// shellPipes makes the stdin, stdout and stderr pipes of the shell of a
+// session restored by criu: ours are the server's ends, theirs the shell's, owned by
+// the sandbox's user. On error, the pipes made so far are returned, for
+// the caller to close.
+func (s *Sandbox) shellPipes() (ours, theirs [3]*os.File, err error) {
+	for i := range 3 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return ours, theirs, err
+		}
+		if i == 0 {
+			ours[i], theirs[i] = w, r
+		} else {
+			ours[i], theirs[i] = r, w
+		}
+		// criu reopens the shell's end through /proc/self/fd as the
+		// shell's user: the pipe must be that user's.
+		if err := unix.Fchown(int(theirs[i].Fd()), s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)); err != nil {
+			return ours, theirs, fmt.Errorf("handing a pipe to the session's shell: %w", err)
+		}
+	}
+	return ours, theirs, nil
 }
 
 // waitPidsFree waits until no process of the sandbox holds a pid of u (the

@@ -321,39 +321,9 @@ const (
 // discarded, leftover cgroups are removed, and sandboxes that were live are
 // reported by Ended.
 func New(ctx context.Context, cfg Config) (*Runtime, error) {
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	if cfg.InitBinary == "" {
-		cfg.InitBinary = os.Getenv("DELTAGYM_INIT")
-	}
-	if cfg.InitBinary == "" {
-		return nil, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
-	}
-	abs, err := filepath.Abs(cfg.DataDir)
+	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
-	}
-	cfg.DataDir = abs
-	if cfg.CgroupRoot == "" {
-		// One cgroup root per data directory: a runtime removes the groups
-		// it finds under its root as leftovers of its own previous run, so
-		// two servers must never share one.
-		sum := sha256.Sum256([]byte(abs))
-		cfg.CgroupRoot = cgroup.DefaultRoot + "-" + hex.EncodeToString(sum[:4])
-	}
-	if cfg.DefaultDiskBytes == 0 {
-		cfg.DefaultDiskBytes = 1 << 30
-	}
-	if cfg.NetPool == 0 {
-		cfg.NetPool = 64
-	}
-	if cfg.InitPool == 0 {
-		cfg.InitPool = 64
-	}
-	cfg.InitPool = max(cfg.InitPool, 0)
-	if cfg.FlattenDepth == 0 {
-		cfg.FlattenDepth = 16
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -376,72 +346,152 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		}
 		return nil, err
 	}
-	if err := os.MkdirAll(r.store, 0o700); err != nil {
-		return fail(fmt.Errorf("creating data directory: %w", err))
-	}
-	lock, err := lockStore(r.store)
-	if errors.Is(err, ErrExists) {
-		return fail(fmt.Errorf("%w; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", err))
-	}
-	if err != nil {
+	if err := r.openStore(&cleanup); err != nil {
 		return fail(err)
 	}
-	r.lock = lock
-	cleanup = append(cleanup, func() { lock.Close() })
-	if err := os.WriteFile(filepath.Join(r.store, cgroupRootFile), []byte(cfg.CgroupRoot+"\n"), 0o600); err != nil {
-		return fail(fmt.Errorf("recording the cgroup root: %w", err))
-	}
-	if err := mountMeta(r.store); err != nil {
+	if err := r.openCgroups(); err != nil {
 		return fail(err)
-	}
-	for _, d := range []string{"images", "meta/checkpoints", "meta/sandboxes"} {
-		if err := os.MkdirAll(filepath.Join(r.store, d), 0o700); err != nil {
-			return fail(fmt.Errorf("creating data directory: %w", err))
-		}
-	}
-	if r.skel, err = makeSkeleton(r.store); err != nil {
-		return fail(err)
-	}
-	if r.layers, err = layers.New(filepath.Join(r.store, "layers")); err != nil {
-		return fail(err)
-	}
-	if r.cg, err = cgroup.New(cgroup.Config{Root: cfg.CgroupRoot}); err != nil {
-		return fail(fmt.Errorf("opening cgroups: %w", err))
-	}
-	if !cfg.KeepCgroupOptions {
-		if on, err := r.cg.FavorDynMods(); err != nil {
-			log.Warn("cgroups: favordynmods could not be turned on; moving a process between groups will wait for an RCU grace period now and then (5-15 ms)", "err", err)
-		} else if on {
-			log.Info("cgroups: turned on the cgroup2 option favordynmods, for the whole host: moving a process between groups no longer waits for an RCU grace period (keep-cgroup-options leaves it off)")
-		}
 	}
 	if err := r.reconcile(ctx); err != nil {
 		return fail(err)
 	}
+	if err := r.openHost(&cleanup); err != nil {
+		return fail(err)
+	}
+	r.startLoops()
+	return r, nil
+}
+
+// withDefaults validates cfg and fills in its defaults: the init binary
+// from DELTAGYM_INIT, an absolute data directory, a cgroup root of the
+// data directory's own, and the sizes of disks and pools.
+func (cfg Config) withDefaults() (Config, error) {
+	if err := cfg.Validate(); err != nil {
+		return cfg, err
+	}
+	if cfg.InitBinary == "" {
+		cfg.InitBinary = os.Getenv("DELTAGYM_INIT")
+	}
+	if cfg.InitBinary == "" {
+		return cfg, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
+	}
+	abs, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.DataDir = abs
+	if cfg.CgroupRoot == "" {
+		// One cgroup root per data directory: a runtime removes the groups
+		// it finds under its root as leftovers of its own previous run, so
+		// two servers must never share one.
+		sum := sha256.Sum256([]byte(abs))
+		cfg.CgroupRoot = cgroup.DefaultRoot + "-" + hex.EncodeToString(sum[:4])
+	}
+	if cfg.DefaultDiskBytes == 0 {
+		cfg.DefaultDiskBytes = 1 << 30
+	}
+	if cfg.NetPool == 0 {
+		cfg.NetPool = 64
+	}
+	if cfg.InitPool == 0 {
+		cfg.InitPool = 64
+	}
+	cfg.InitPool = max(cfg.InitPool, 0)
+	if cfg.FlattenDepth == 0 {
+		cfg.FlattenDepth = 16
+	}
+	return cfg, nil
+}
+
+// openStore makes the data directory the runtime's: locked against a
+// second runtime, its metadata tmpfs mounted, its directories, skeleton
+// layer and layer store in place. What needs undoing on a later failure
+// is added to cleanup.
+func (r *Runtime) openStore(cleanup *[]func()) error {
+	if err := os.MkdirAll(r.store, 0o700); err != nil {
+		return fmt.Errorf("creating data directory: %w", err)
+	}
+	lock, err := lockStore(r.store)
+	if errors.Is(err, ErrExists) {
+		return fmt.Errorf("%w; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", err)
+	}
+	if err != nil {
+		return err
+	}
+	r.lock = lock
+	*cleanup = append(*cleanup, func() { lock.Close() })
+	if err := os.WriteFile(filepath.Join(r.store, cgroupRootFile), []byte(r.cfg.CgroupRoot+"\n"), 0o600); err != nil {
+		return fmt.Errorf("recording the cgroup root: %w", err)
+	}
+	if err := mountMeta(r.store); err != nil {
+		return err
+	}
+	for _, d := range []string{"images", "meta/checkpoints", "meta/sandboxes"} {
+		if err := os.MkdirAll(filepath.Join(r.store, d), 0o700); err != nil {
+			return fmt.Errorf("creating data directory: %w", err)
+		}
+	}
+	if r.skel, err = makeSkeleton(r.store); err != nil {
+		return err
+	}
+	if r.layers, err = layers.New(filepath.Join(r.store, "layers")); err != nil {
+		return err
+	}
+	return nil
+}
+
+// openCgroups opens the runtime's cgroup root, and turns on favordynmods
+// unless the configuration keeps the host's cgroup options.
+func (r *Runtime) openCgroups() error {
+	var err error
+	if r.cg, err = cgroup.New(cgroup.Config{Root: r.cfg.CgroupRoot}); err != nil {
+		return fmt.Errorf("opening cgroups: %w", err)
+	}
+	if r.cfg.KeepCgroupOptions {
+		return nil
+	}
+	if on, err := r.cg.FavorDynMods(); err != nil {
+		r.log.Warn("cgroups: favordynmods could not be turned on; moving a process between groups will wait for an RCU grace period now and then (5-15 ms)", "err", err)
+	} else if on {
+		r.log.Info("cgroups: turned on the cgroup2 option favordynmods, for the whole host: moving a process between groups no longer waits for an RCU grace period (keep-cgroup-options leaves it off)")
+	}
+	return nil
+}
+
+// openHost opens what every sandbox shares: the host's /dev/null, the
+// covers, the namespace spawner and the network pool. What needs undoing
+// on a later failure is added to cleanup.
+func (r *Runtime) openHost(cleanup *[]func()) error {
+	var err error
 	if r.devnull, err = os.OpenFile(os.DevNull, os.O_RDWR, 0); err != nil {
-		return fail(err)
+		return err
 	}
-	cleanup = append(cleanup, func() { r.devnull.Close() })
+	*cleanup = append(*cleanup, func() { r.devnull.Close() })
 	if r.covers, err = makeCovers(r.store); err != nil {
-		return fail(err)
+		return err
 	}
-	cleanup = append(cleanup, func() { r.covers.Close() })
-	if r.spawn, err = launch.NewSpawnNS(cfg.InitBinary); err != nil {
-		return fail(err)
+	*cleanup = append(*cleanup, func() { r.covers.Close() })
+	if r.spawn, err = launch.NewSpawnNS(r.cfg.InitBinary); err != nil {
+		return err
 	}
-	cleanup = append(cleanup, func() { r.spawn.Close() })
-	r.net = launch.NewNetPool(cfg.NetPool)
-	r.warm, r.warmKick = make(chan *warmInit, cfg.InitPool), make(chan struct{}, 1)
+	*cleanup = append(*cleanup, func() { r.spawn.Close() })
+	r.net = launch.NewNetPool(r.cfg.NetPool)
+	return nil
+}
+
+// startLoops starts the runtime's background loops: warm inits, huge-page
+// folding, and checkpoint expiry if checkpoints expire.
+func (r *Runtime) startLoops() {
+	r.warm, r.warmKick = make(chan *warmInit, r.cfg.InitPool), make(chan struct{}, 1)
 	r.wg.Add(1)
 	go r.warmLoop()
 	r.huge = make(chan hugeJob, hugeQueue)
 	r.wg.Add(1)
 	go r.hugeLoop()
-	if cfg.CheckpointTTL > 0 {
+	if r.cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()
 	}
-	return r, nil
 }
 
 // lockStore takes an exclusive lock on the data directory for the life of
@@ -622,8 +672,55 @@ func makeCovers(store string) (*overlay.Covers, error) {
 	return overlay.NewCovers(empty, launch.MovedMounts...)
 }
 
+// reconcile adopts what an earlier run left in the store: its images, the
+// checkpoints whose layers survived (and the layers they keep), the
+// templates of sandboxes that were live (readopt); everything else is
+// discarded, leftover cgroups included.
 func (r *Runtime) reconcile(ctx context.Context) error {
-	// Images.
+	if err := r.loadImages(); err != nil {
+		return err
+	}
+	keep, err := r.loadCheckpoints()
+	if err != nil {
+		return err
+	}
+	// Sandboxes that were live ended with the old server. After a crash,
+	// one whose checkpoints kept templates is still there (readopt.go):
+	// before its live root is discarded with the other layers, its
+	// templates are saved.
+	entries, err := os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		r.ended = append(r.ended, e.Name())
+		r.readopt(ctx, e.Name())
+		_ = os.Remove(r.sandboxRecordPath(e.Name()))
+	}
+	missing, err := r.layers.Reconcile(keep)
+	if err != nil {
+		return err
+	}
+	r.dropLost(missing)
+	sort.Strings(r.ended)
+	if len(r.ended) > 0 {
+		r.log.Info("the sandboxes of the previous run ended with it (warm-pool ones included)", "count", len(r.ended))
+	}
+	names, err := r.cg.List()
+	if err != nil {
+		return fmt.Errorf("listing leftover cgroups: %w", err)
+	}
+	for _, n := range names {
+		if err := r.cg.Remove(n); err != nil {
+			return fmt.Errorf("removing leftover cgroup %s: %w", n, err)
+		}
+	}
+	return nil
+}
+
+// loadImages adopts the imported images of the store; half-made imports
+// (hidden directories) are removed, unreadable images left out.
+func (r *Runtime) loadImages() error {
 	entries, err := os.ReadDir(filepath.Join(r.store, "images"))
 	if err != nil {
 		return err
@@ -640,14 +737,21 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 		}
 		r.images[e.Name()] = &imageRec{info: imageInfo(e.Name(), im), layers: im.Layers, skel: !skeletonCovered(im.Layers)}
 	}
-	// Checkpoints, and the layers they keep.
-	keep := map[string]int{}
-	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "checkpoints"))
+	return nil
+}
+
+// loadCheckpoints adopts the recorded checkpoints of known images, and
+// returns the layers they keep, each with its number of references.
+// Unreadable records are removed.
+func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
+	keep = map[string]int{}
+	dir := filepath.Join(r.store, "meta", "checkpoints")
+	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	for _, e := range entries {
-		p := filepath.Join(r.store, "meta", "checkpoints", e.Name())
+		p := filepath.Join(dir, e.Name())
 		if !strings.HasSuffix(e.Name(), ".json") {
 			_ = os.Remove(p)
 			continue
@@ -674,52 +778,27 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 			r.flat[stackKey(c.Layers)] = &c
 		}
 	}
-	// Sandboxes that were live ended with the old server. After a crash,
-	// one whose checkpoints kept templates is still there (readopt.go):
-	// before its live root is discarded with the other layers, its
-	// templates are saved.
-	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
-	if err != nil {
-		return err
+	return keep, nil
+}
+
+// dropLost drops the checkpoints one of whose layers is among missing.
+func (r *Runtime) dropLost(missing []string) {
+	if len(missing) == 0 {
+		return
 	}
-	for _, e := range entries {
-		r.ended = append(r.ended, e.Name())
-		r.readopt(ctx, e.Name())
-		_ = os.Remove(r.sandboxRecordPath(e.Name()))
+	gone := map[string]bool{}
+	for _, l := range missing {
+		gone[l] = true
 	}
-	missing, err := r.layers.Reconcile(keep)
-	if err != nil {
-		return err
-	}
-	if len(missing) > 0 {
-		gone := map[string]bool{}
-		for _, l := range missing {
-			gone[l] = true
-		}
-		for id, c := range r.ckpts {
-			for _, l := range append(slices.Clone(c.Layers), c.Flat...) {
-				if gone[l] {
-					r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
-					r.dropCheckpointLocked(c, false)
-					break
-				}
+	for id, c := range r.ckpts {
+		for _, l := range append(slices.Clone(c.Layers), c.Flat...) {
+			if gone[l] {
+				r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
+				r.dropCheckpointLocked(c, false)
+				break
 			}
 		}
 	}
-	sort.Strings(r.ended)
-	if len(r.ended) > 0 {
-		r.log.Info("the sandboxes of the previous run ended with it (warm-pool ones included)", "count", len(r.ended))
-	}
-	names, err := r.cg.List()
-	if err != nil {
-		return fmt.Errorf("listing leftover cgroups: %w", err)
-	}
-	for _, n := range names {
-		if err := r.cg.Remove(n); err != nil {
-			return fmt.Errorf("removing leftover cgroup %s: %w", n, err)
-		}
-	}
-	return nil
 }
 
 // Ended returns the sandboxes that were live when the previous server

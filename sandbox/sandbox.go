@@ -190,112 +190,42 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if err := spec.validate(); err != nil {
 		return nil, err
 	}
-	var ck *checkpoint
-	var tplUnits []criuUnit
-	imgName := spec.Image
-	if spec.Checkpoint != "" {
-		if ck, err = r.lookup(spec.Checkpoint); err != nil {
-			return nil, err
-		}
-		if imgName != "" && imgName != ck.Image {
-			return nil, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", ErrMismatch, ck.ID, ck.Image, imgName)
-		}
-		imgName = ck.Image
-		if len(ck.Procs) > 0 && !spec.FilesOnly && !spec.SkipTemplates {
-			// Templates are born in their sandbox's pid namespace: a new
-			// sandbox gets their CRIU images.
-			if tplUnits, err = r.imagesForTemplates(ctx, ck); err != nil {
-				return nil, err
-			}
-		}
-	}
-	r.mu.Lock()
-	img := r.images[imgName]
-	closed := r.closed
-	r.mu.Unlock()
-	if closed {
-		return nil, fmt.Errorf("%w: runtime is shutting down", ErrClosed)
-	}
-	if img == nil {
-		return nil, fmt.Errorf("%w: image %q", ErrNotFound, imgName)
+	src, err := r.createSource(ctx, spec)
+	if err != nil {
+		return nil, err
 	}
 	s := &Sandbox{
-		rt: r, id: newID("sb-"), spec: spec, img: img, netns: -1, userns: -1, upperFD: -1, root: -1,
+		rt: r, id: newID("sb-"), spec: spec, img: src.img, netns: -1, userns: -1, upperFD: -1, root: -1,
 		reuseW:   make(chan workGroup, 1),
 		idmapped: map[string]int{}, sessions: map[string]*session{}, done: make(chan struct{}),
 		tpls:    map[string]*cgroup.Cgroup{},
 		created: time.Now(),
 	}
 	s.gen, s.abort = context.WithCancel(context.Background())
-
-	var undo []func() error
+	var undo undoList
 	defer func() {
 		if err != nil {
-			var errs []error
-			for i := len(undo) - 1; i >= 0; i-- {
-				errs = append(errs, undo[i]())
-			}
-			if e := errors.Join(errs...); e != nil {
+			if e := undo.run(); e != nil {
 				r.log.Warn("cleaning up a failed sandbox", "sandbox", s.id, "err", e)
 			}
 		}
 	}()
-	w, err := r.takeInit(spec.Hostname)
-	if err != nil {
+	if err = s.adoptInit(&undo); err != nil {
 		return nil, err
 	}
-	s.id, s.hostID, s.netns, s.cg, s.work, s.init, s.userns = w.id, w.hostID, w.netns, w.cg, w.work, w.init, w.userns
-	w.userns = -1 // the sandbox's now: closeFDs closes it
-	undo = append(undo, func() error { w.free(r); return nil })
-	lim := cgroup.Limits{MemoryBytes: spec.Limits.MemoryBytes, Pids: spec.Limits.Pids, CPUQuota: spec.Limits.CPUs}
-	if lim != (cgroup.Limits{}) {
-		if err = s.cg.SetLimits(lim); err != nil {
-			return nil, fmt.Errorf("setting limits: %w", err)
-		}
-	}
-	undo = append(undo, s.closeFDs)
-	var stack []string
-	if ck != nil {
-		stack = r.shorten(ck.Layers)
-		s.head = ck.ID
-	}
-	if err = refAll(r, stack); err != nil {
-		return nil, fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, spec.Checkpoint)
-	}
-	s.stack = slices.Clone(stack)
-	undo = append(undo, func() error { s.unrefStack(); return nil })
-	if err = s.switchRoot(stack, false, false); err != nil {
+	if err = s.startRoot(src.ck, &undo); err != nil {
 		return nil, err
 	}
-	undo = append(undo, func() error { s.dropSpare(); s.releaseUpper(); return nil })
-	if spec.FreshEntropy {
-		if err = s.writeSeed(newSeed()); err != nil {
+	if src.ck != nil && !spec.FilesOnly {
+		if err = s.startProcesses(ctx, src); err != nil {
 			return nil, err
 		}
 	}
-	if ck != nil && !spec.FilesOnly {
-		if units := slices.Concat(ck.Images, tplUnits); len(units) > 0 {
-			unboost := s.boostCPU() // as a restore does
-			err = s.restoreTrees(ctx, ck, units)
-			unboost()
-			if err != nil {
-				return nil, err
-			}
-		}
-	}
-	if err = r.writeSandboxRecord(s); err != nil {
+	if err = r.register(s); err != nil {
 		return nil, err
 	}
-	r.mu.Lock()
-	if r.closed {
-		r.mu.Unlock()
-		os.Remove(filepath.Join(r.store, "meta", "sandboxes", s.id))
-		return nil, fmt.Errorf("%w: runtime is shutting down", ErrClosed)
-	}
-	r.sandboxes[s.id] = s
-	r.mu.Unlock()
 	go s.watch()
-	if spec.FreshEntropy && ck != nil && !spec.FilesOnly {
+	if spec.FreshEntropy && src.ck != nil && !spec.FilesOnly {
 		// Sessions brought back from CRIU images share their $RANDOM.
 		if err := s.reseedSessions(ctx); err != nil {
 			_ = s.Destroy(context.WithoutCancel(ctx))
@@ -303,6 +233,138 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		}
 	}
 	return s, nil
+}
+
+// undoList is the cleanup of a half-made sandbox, run last step first.
+type undoList []func() error
+
+func (u *undoList) add(f func() error) { *u = append(*u, f) }
+
+func (u undoList) run() error {
+	var errs []error
+	for i := len(u) - 1; i >= 0; i-- {
+		errs = append(errs, u[i]())
+	}
+	return errors.Join(errs...)
+}
+
+// createSource is what a new sandbox starts from: its image, and the
+// checkpoint (nil for an image) with the CRIU images of its templates
+// (tplUnits), which a new sandbox restores since templates serve only
+// their own sandbox.
+type createSource struct {
+	img      *imageRec
+	ck       *checkpoint
+	tplUnits []criuUnit
+}
+
+// createSource resolves spec's checkpoint and image; it fails if the
+// runtime is shutting down.
+func (r *Runtime) createSource(ctx context.Context, spec Spec) (createSource, error) {
+	var src createSource
+	imgName := spec.Image
+	if spec.Checkpoint != "" {
+		ck, err := r.lookup(spec.Checkpoint)
+		if err != nil {
+			return src, err
+		}
+		if imgName != "" && imgName != ck.Image {
+			return src, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", ErrMismatch, ck.ID, ck.Image, imgName)
+		}
+		imgName, src.ck = ck.Image, ck
+		if len(ck.Procs) > 0 && !spec.FilesOnly && !spec.SkipTemplates {
+			// Templates are born in their sandbox's pid namespace: a new
+			// sandbox gets their CRIU images.
+			if src.tplUnits, err = r.imagesForTemplates(ctx, ck); err != nil {
+				return src, err
+			}
+		}
+	}
+	r.mu.Lock()
+	src.img = r.images[imgName]
+	closed := r.closed
+	r.mu.Unlock()
+	if closed {
+		return src, fmt.Errorf("%w: runtime is shutting down", ErrClosed)
+	}
+	if src.img == nil {
+		return src, fmt.Errorf("%w: image %q", ErrNotFound, imgName)
+	}
+	return src, nil
+}
+
+// adoptInit takes a warm init (its namespaces and cgroups) for the sandbox
+// and sets the sandbox's limits on its group.
+func (s *Sandbox) adoptInit(undo *undoList) error {
+	r := s.rt
+	w, err := r.takeInit(s.spec.Hostname)
+	if err != nil {
+		return err
+	}
+	s.id, s.hostID, s.netns, s.cg, s.work, s.init, s.userns = w.id, w.hostID, w.netns, w.cg, w.work, w.init, w.userns
+	w.userns = -1 // the sandbox's now: closeFDs closes it
+	undo.add(func() error { w.free(r); return nil })
+	l := s.spec.Limits
+	lim := cgroup.Limits{MemoryBytes: l.MemoryBytes, Pids: l.Pids, CPUQuota: l.CPUs}
+	if lim != (cgroup.Limits{}) {
+		if err = s.cg.SetLimits(lim); err != nil {
+			return fmt.Errorf("setting limits: %w", err)
+		}
+	}
+	undo.add(s.closeFDs)
+	return nil
+}
+
+// startRoot makes the sandbox's root: a fresh upper over checkpoint ck's
+// layers (none for an image), with a fresh seed if the spec asks.
+func (s *Sandbox) startRoot(ck *checkpoint, undo *undoList) error {
+	r := s.rt
+	var stack []string
+	if ck != nil {
+		stack = r.shorten(ck.Layers)
+		s.head = ck.ID
+	}
+	if err := refAll(r, stack); err != nil {
+		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, s.spec.Checkpoint)
+	}
+	s.stack = slices.Clone(stack)
+	undo.add(func() error { s.unrefStack(); return nil })
+	if err := s.switchRoot(stack, false, false); err != nil {
+		return err
+	}
+	undo.add(func() error { s.dropSpare(); s.releaseUpper(); return nil })
+	if s.spec.FreshEntropy {
+		return s.writeSeed(newSeed())
+	}
+	return nil
+}
+
+// startProcesses restores the checkpoint's CRIU trees and the images of
+// its templates into the new sandbox.
+func (s *Sandbox) startProcesses(ctx context.Context, src createSource) error {
+	units := slices.Concat(src.ck.Images, src.tplUnits)
+	if len(units) == 0 {
+		return nil
+	}
+	unboost := s.boostCPU() // as a restore does
+	defer unboost()
+	return s.restoreTrees(ctx, src.ck, units)
+}
+
+// register records the sandbox and makes it the runtime's, unless the
+// runtime is shutting down.
+func (r *Runtime) register(s *Sandbox) error {
+	if err := r.writeSandboxRecord(s); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		os.Remove(filepath.Join(r.store, "meta", "sandboxes", s.id))
+		return fmt.Errorf("%w: runtime is shutting down", ErrClosed)
+	}
+	r.sandboxes[s.id] = s
+	return nil
 }
 
 func (sp Spec) validate() error {
@@ -1195,15 +1257,9 @@ func (s *Sandbox) Checkpoint(ctx context.Context) (CheckpointInfo, error) {
 
 // CheckpointWith is Checkpoint with options.
 func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (CheckpointInfo, error) {
-	mode := o.Processes
-	if mode == ProcessesDefault {
-		mode = s.rt.cfg.ProcessMode
-	}
-	if mode == ProcessesDefault {
-		mode = ProcessesTemplate
-	}
-	if mode < ProcessesNone || mode > ProcessesCRIU {
-		return CheckpointInfo{}, fmt.Errorf("%w: process mode %d", ErrInvalid, mode)
+	mode, err := s.processMode(o.Processes)
+	if err != nil {
+		return CheckpointInfo{}, err
 	}
 	if err := s.beginOp(false); err != nil {
 		return CheckpointInfo{}, err
@@ -1219,33 +1275,8 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 			return CheckpointInfo{}, fmt.Errorf("%w: checkpoint storage budget of %d bytes (layers and process images) would be exceeded (%d needed); release checkpoints", ErrBudget, b, need)
 		}
 	}
-	live, err := s.hasProcesses()
-	if err != nil {
-		return CheckpointInfo{}, err
-	}
 	c := &checkpoint{ID: newID("ck-"), Parent: s.head, Image: s.img.info.Name, SandboxID: s.id, Created: time.Now()}
-	switch {
-	case !live:
-		err = s.sealAndSwap(c)
-		if errors.Is(err, unix.EBUSY) {
-			err = s.copyUpper(c)
-		}
-	case mode == ProcessesTemplate, mode == ProcessesCRIU:
-		// As for a restore (boostCPU): each process must get a CPU to
-		// stop, to clone itself, and (CRIU) to run the parasite.
-		unboost := s.boostCPU()
-		// Its clones count against the pids and memory limits, which the
-		// processes a restore just killed may still count in.
-		s.waitKilled()
-		err = s.captureProcesses(ctx, c, mode, func() error { return s.copyUpperFrozen(c) })
-		unboost()
-		if err != nil && !errors.Is(err, ErrProcesses) {
-			err = fmt.Errorf("capturing processes: %w", err)
-		}
-	default:
-		err = s.copyUpper(c)
-	}
-	if err != nil {
+	if err := s.capture(ctx, c, mode); err != nil {
 		// A step after the files were copied failed (a template's fork,
 		// say): the copy's references go (none were taken otherwise).
 		unrefAll(r, c.Layers)
@@ -1275,6 +1306,54 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 		}()
 	}
 	return info, nil
+}
+
+// processMode resolves a checkpoint's process mode: the default is the
+// runtime's, and the runtime's default templates.
+func (s *Sandbox) processMode(mode ProcessMode) (ProcessMode, error) {
+	if mode == ProcessesDefault {
+		mode = s.rt.cfg.ProcessMode
+	}
+	if mode == ProcessesDefault {
+		mode = ProcessesTemplate
+	}
+	if mode < ProcessesNone || mode > ProcessesCRIU {
+		return 0, fmt.Errorf("%w: process mode %d", ErrInvalid, mode)
+	}
+	return mode, nil
+}
+
+// capture records the sandbox's files, and its live processes as mode
+// says, into c: without live processes the upper itself is sealed
+// (sealAndSwap), else a copy of it is, taken while the processes are
+// stopped. Called with op held.
+func (s *Sandbox) capture(ctx context.Context, c *checkpoint, mode ProcessMode) error {
+	live, err := s.hasProcesses()
+	if err != nil {
+		return err
+	}
+	switch {
+	case !live:
+		err = s.sealAndSwap(c)
+		if errors.Is(err, unix.EBUSY) {
+			err = s.copyUpper(c)
+		}
+	case mode == ProcessesTemplate, mode == ProcessesCRIU:
+		// As for a restore (boostCPU): each process must get a CPU to
+		// stop, to clone itself, and (CRIU) to run the parasite.
+		unboost := s.boostCPU()
+		// Its clones count against the pids and memory limits, which the
+		// processes a restore just killed may still count in.
+		s.waitKilled()
+		err = s.captureProcesses(ctx, c, mode, func() error { return s.copyUpperFrozen(c) })
+		unboost()
+		if err != nil && !errors.Is(err, ErrProcesses) {
+			err = fmt.Errorf("capturing processes: %w", err)
+		}
+	default:
+		err = s.copyUpper(c)
+	}
+	return err
 }
 
 // sealAndSwap is the fast path: the upper itself becomes the checkpoint's
@@ -1408,15 +1487,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if c.Image != s.img.info.Name {
 		return fmt.Errorf("%w: checkpoint %s is of image %s, the sandbox of %s", ErrMismatch, id, c.Image, s.img.info.Name)
 	}
-	// Templates serve a restore in their own sandbox; elsewhere, or once
-	// lost, their CRIU images do (made now if need be and possible).
-	units, copies := c.Images, len(c.Procs) > 0
-	if copies && (c.SandboxID != s.id || s.checkTemplates(c) != nil) {
-		imgs, err := r.imagesForTemplates(ctx, c)
-		if err != nil {
-			return err
-		}
-		units, copies = slices.Concat(c.Images, imgs), false
+	units, copies, err := s.restorePlan(ctx, c)
+	if err != nil {
+		return err
 	}
 	if err := s.beginOp(true); err != nil {
 		return err
@@ -1439,65 +1512,99 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if err := s.killAll(); err != nil {
 		return err
 	}
-	stack := slices.Clone(r.shorten(c.Layers))
 	// A checkpoint restored twice in a row (no checkpoint in between) is
 	// taken to be restored again: its next root is built ahead.
 	again := id == s.lastRestore
 	s.lastRestore = id
-	// The root may hold the checkpoint's files already (keepRoot); else a
-	// new one is built over its layers and swapped in. With no process to
-	// bring back, nothing runs until the next command, which swaps the
-	// root in then.
+	if err := s.restoreRoot(c, again, len(units) == 0 && !copies, copies && len(units) == 0); err != nil {
+		return err
+	}
+	if o.FreshEntropy {
+		if err := s.writeSeed(newSeed()); err != nil {
+			return err
+		}
+	}
+	return s.restoreProcesses(ctx, c, units, copies, start, again)
+}
+
+// restorePlan says how the processes of c come back in this sandbox: as
+// copies of its templates (copies), which serve only in their own sandbox
+// and while alive, and from CRIU units (c's trees, and images of its
+// templates where those do not serve, made now if need be and possible).
+func (s *Sandbox) restorePlan(ctx context.Context, c *checkpoint) (units []criuUnit, copies bool, err error) {
+	units, copies = c.Images, len(c.Procs) > 0
+	if copies && (c.SandboxID != s.id || s.checkTemplates(c) != nil) {
+		imgs, err := s.rt.imagesForTemplates(ctx, c)
+		if err != nil {
+			return nil, false, err
+		}
+		units, copies = slices.Concat(c.Images, imgs), false
+	}
+	return units, copies, nil
+}
+
+// restoreRoot puts checkpoint c's files in the sandbox's root: a new root
+// over its layers, or the root as it is when it holds them already
+// (keepRoot, tried only when mayKeep: copies alone come back). With
+// pending (no process to bring back), nothing runs until the next
+// command, which swaps the root in then. Called with op held, after
+// killAll.
+func (s *Sandbox) restoreRoot(c *checkpoint, again, pending, mayKeep bool) error {
+	r := s.rt
+	stack := slices.Clone(r.shorten(c.Layers))
 	if again {
 		r.maybeFlattenHot(c)
 	}
-	if !copies || len(units) > 0 || !s.keepRoot(stack) {
+	if !mayKeep || !s.keepRoot(stack) {
 		if err := refAll(r, stack); err != nil {
-			return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, id)
+			return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, c.ID)
 		}
-		if err := s.switchRoot(stack, len(units) == 0 && !copies, again); err != nil {
+		if err := s.switchRoot(stack, pending, again); err != nil {
 			unrefAll(r, stack)
 			return err
 		}
 		s.unrefStack()
 		s.stack = stack
 	}
-	s.head = id
+	s.head = c.ID
+	return nil
+}
 
-	if o.FreshEntropy {
-		if err := s.writeSeed(newSeed()); err != nil {
-			return err
-		}
-	}
-	// CRIU trees first: they need the pids they had, which the template
-	// copies' new pids could take.
+// restoreProcesses brings back c's processes: its CRIU units first (they
+// need the pids they had, which the template copies' new pids could take),
+// then copies of its templates; copies that fail end everything, and the
+// templates' images serve instead where c has them. Called with op held,
+// the root restored.
+func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []criuUnit, copies bool, start time.Time, again bool) error {
 	if len(units) > 0 {
 		if err := s.restoreTrees(ctx, c, units); err != nil {
 			_ = s.killAll()
 			return err
 		}
 	}
-	if copies {
-		if err := s.spawnCopies(c, start, again); err != nil {
-			// The filesystem is the checkpoint's; end whatever copies
-			// started, so the state is at least consistent.
-			_ = s.killAll()
-			// A template found dying (killed while frozen) is lost: its
-			// image, if the checkpoint has one, serves instead.
-			imgs := r.tplImages(c)
-			if len(imgs) == 0 {
-				return err
-			}
-			s.waitKilled()
-			if ierr := s.restoreTrees(ctx, c, imgs); ierr != nil {
-				_ = s.killAll()
-				return errors.Join(err, ierr)
-			}
-		} else {
-			// Once the copies are detached and the templates frozen
-			// again: what comes before the next restore is the agent's.
-			s.restoredAt = time.Now()
-		}
+	if !copies {
+		return nil
+	}
+	err := s.spawnCopies(c, start, again)
+	if err == nil {
+		// Once the copies are detached and the templates frozen again:
+		// what comes before the next restore is the agent's.
+		s.restoredAt = time.Now()
+		return nil
+	}
+	// The filesystem is the checkpoint's; end whatever copies started, so
+	// the state is at least consistent.
+	_ = s.killAll()
+	// A template found dying (killed while frozen) is lost: its image, if
+	// the checkpoint has one, serves instead.
+	imgs := s.rt.tplImages(c)
+	if len(imgs) == 0 {
+		return err
+	}
+	s.waitKilled()
+	if ierr := s.restoreTrees(ctx, c, imgs); ierr != nil {
+		_ = s.killAll()
+		return errors.Join(err, ierr)
 	}
 	return nil
 }
