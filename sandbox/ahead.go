@@ -111,7 +111,9 @@ func (a *aheadCopies) closeFDs() {
 }
 
 // errAheadDropped: the copies were no longer wanted when the job started.
-var errAheadDropped = errors.New("dropped before the job started")
+type errAheadDropped struct{}
+
+func (errAheadDropped) Error() string { return "dropped before the job started" }
 
 // forkAhead starts a job that forks copies of c's templates for its next
 // restore, in place of those the sandbox kept for another checkpoint (if
@@ -135,17 +137,19 @@ var errAheadDropped = errors.New("dropped before the job started")
 // start is when this restore began; again says whether the one before it
 // restored c too.
 func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
-	prev := s.restoredAt // set once the restore before this one had returned
+	s.procs.mu.Lock()
+	prev := s.procs.restoredAt // set once the restore before this one had returned
+	s.procs.mu.Unlock()
 	if s.rt.cfg.ForkAtRestore || !again || len(c.Images) > 0 || len(c.Procs) == 0 ||
-		!s.rt.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.aheadTook.Load()) {
+		!s.rt.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.procs.aheadTook.Load()) {
 		s.dropAhead("", true)
 		return
 	}
 	a := &aheadCopies{ck: c.ID, done: make(chan struct{})}
-	s.tplMu.Lock()
-	old := s.ahead
-	s.ahead = a
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	old := s.procs.ahead
+	s.procs.ahead = a
+	s.procs.mu.Unlock()
 	if old != nil {
 		s.endAhead(old, true)
 	}
@@ -155,7 +159,7 @@ func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
 		defer s.bg.Done()
 		defer close(a.done)
 		a.err = s.forkAheadJob(c, a)
-		s.aheadTook.Store(int64(time.Since(began)))
+		s.procs.aheadTook.Store(int64(time.Since(began)))
 		if a.err != nil {
 			s.rt.log.Debug("forking template copies ahead", "sandbox", s.id, "checkpoint", c.ID, "err", a.err)
 		}
@@ -177,41 +181,56 @@ func (s *Sandbox) pidRoom(n int) bool {
 // forkAheadJob forks a copy of each template of c into a frozen group, a.cg:
 // the one the last copies were taken from, or a new one. On error the
 // copies made so far are left there, for endAhead.
-func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
-	s.tplRun.Lock()
-	defer s.tplRun.Unlock()
+func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) error {
+	s.procs.run.Lock()
+	defer s.procs.run.Unlock()
 	if a.drop.Load() {
-		return errAheadDropped
+		return errAheadDropped{}
 	}
+	return s.forkAheadLocked(c, a)
+}
+
+// forkAheadLocked is forkAheadJob for a job still wanted, procs.run held.
+// +checklocks:s.procs.run
+func (s *Sandbox) forkAheadLocked(c *checkpoint, a *aheadCopies) error {
 	if !s.pidRoom(len(c.Procs)) {
 		return errors.New("the sandbox is near its pids limit")
 	}
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	tg := s.procs.tpls[c.ID]
+	s.procs.mu.Unlock()
 	if tg == nil {
 		return fmt.Errorf("the templates of checkpoint %s were released", c.ID)
 	}
 	// The group the last copies were taken from, if they were: empty and
 	// still frozen.
-	g := s.aheadFree
-	s.aheadFree = nil
+	g := s.procs.aheadFree
+	s.procs.aheadFree = nil
 	if g == nil {
+		var err error
 		if g, err = s.frozenGroup("p"); err != nil {
 			return fmt.Errorf("creating cgroup: %w", err)
 		}
 	}
 	a.cg = g
 	tr := ptfork.NewSession()
-	defer func() {
-		// The copies are detached into their frozen group, the templates
-		// (frozen again first) into theirs.
-		if cerr := tr.Close(); cerr != nil {
-			err = errors.Join(err, cerr)
-		}
-	}()
+	err := s.seizeTemplates(tr, c, tg, func(tpls []*ptfork.Proc) error { return forkParked(c, a, g, tpls, &s.procs.forkMu) })
+	// The copies are detached into their frozen group, the templates
+	// (frozen again first) into theirs.
+	if cerr := tr.Close(); cerr != nil {
+		err = errors.Join(err, cerr)
+	}
+	return err
+}
+
+// seizeTemplates seizes the templates of c, thaws their group tg (they stop
+// in ptrace first: they are seized with an interrupt pending), calls fork
+// with them, and freezes tg again; the caller closes tr.
+// +checklocks:s.procs.run
+func (s *Sandbox) seizeTemplates(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgroup, fork func([]*ptfork.Proc) error) error {
 	tpls := make([]*ptfork.Proc, len(c.Procs))
 	for i, t := range c.Procs {
+		var err error
 		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
 			return fmt.Errorf("%s: %w", t.name(), err)
 		}
@@ -219,18 +238,25 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 	if err := s.setTplFrozen(tg, false); err != nil {
 		return err
 	}
-	defer func() {
-		if ferr := s.setTplFrozen(tg, true); ferr != nil {
-			err = errors.Join(err, ferr)
-		}
-	}()
+	err := fork(tpls)
+	if ferr := s.setTplFrozen(tg, true); ferr != nil {
+		err = errors.Join(err, ferr)
+	}
+	return err
+}
+
+// forkParked has each seized template of c (tpls) fork a copy, which it
+// moves into group g (frozen) and records in a; a copy of a session
+// leader's process is made one too. On error the copies made so far are
+// left in g, for endAhead.
+func forkParked(c *checkpoint, a *aheadCopies, g *cgroup.Cgroup, tpls []*ptfork.Proc, forkMu *sync.Mutex) error {
 	for i, t := range c.Procs {
 		if err := tpls[i].Wait(); err != nil {
 			return fmt.Errorf("stopping the template of %s: %w", t.name(), err)
 		}
-		s.forkMu.Lock()
+		forkMu.Lock()
 		cp, nsPid, err := tpls[i].Fork()
-		s.forkMu.Unlock()
+		forkMu.Unlock()
 		if err != nil {
 			return fmt.Errorf("copying %s: %w", t.name(), err)
 		}
@@ -266,10 +292,10 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 // clearAhead returns the copies the sandbox keeps forked ahead, if any, and
 // forgets them.
 func (s *Sandbox) clearAhead() *aheadCopies {
-	s.tplMu.Lock()
-	defer s.tplMu.Unlock()
-	a := s.ahead
-	s.ahead = nil
+	s.procs.mu.Lock()
+	defer s.procs.mu.Unlock()
+	a := s.procs.ahead
+	s.procs.ahead = nil
 	return a
 }
 
@@ -297,14 +323,14 @@ func (s *Sandbox) takeAhead(c *checkpoint) *aheadCopies {
 // (any checkpoint: ""). Their job, if running, ends first, in the
 // background. Called with op held, or (tracked false) not.
 func (s *Sandbox) dropAhead(id string, tracked bool) {
-	s.tplMu.Lock()
-	a := s.ahead
+	s.procs.mu.Lock()
+	a := s.procs.ahead
 	if a != nil && (id == "" || a.ck == id) {
-		s.ahead = nil
+		s.procs.ahead = nil
 	} else {
 		a = nil
 	}
-	s.tplMu.Unlock()
+	s.procs.mu.Unlock()
 	if a != nil {
 		s.endAhead(a, tracked)
 	}
@@ -313,16 +339,16 @@ func (s *Sandbox) dropAhead(id string, tracked bool) {
 // endAhead ends copies forked ahead that will not be used, in the
 // background. With tracked (op held), Destroy waits for that through s.bg;
 // a caller without op (a checkpoint's release) must not add to s.bg, which
-// Destroy may be waiting on: such copies are listed in s.aheadEnding until
+// Destroy may be waiting on: such copies are listed in s.procs.aheadEnding until
 // ended, and Destroy ends them itself (endAheadNow).
 func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
 	a.drop.Store(true)
 	if tracked {
 		s.bg.Add(1)
 	} else {
-		s.tplMu.Lock()
-		s.aheadEnding = append(s.aheadEnding, a)
-		s.tplMu.Unlock()
+		s.procs.mu.Lock()
+		s.procs.aheadEnding = append(s.procs.aheadEnding, a)
+		s.procs.mu.Unlock()
 	}
 	go func() {
 		if tracked {
@@ -332,9 +358,9 @@ func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
 			s.rt.log.Warn("ending template copies forked ahead", "sandbox", s.id, "checkpoint", a.ck, "err", err)
 		}
 		if !tracked {
-			s.tplMu.Lock()
-			s.aheadEnding = slices.DeleteFunc(s.aheadEnding, func(x *aheadCopies) bool { return x == a })
-			s.tplMu.Unlock()
+			s.procs.mu.Lock()
+			s.procs.aheadEnding = slices.DeleteFunc(s.procs.aheadEnding, func(x *aheadCopies) bool { return x == a })
+			s.procs.mu.Unlock()
 		}
 	}()
 }
@@ -344,13 +370,13 @@ func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
 // before the sandbox's end, which a frozen process could hold up. Called
 // with op held.
 func (s *Sandbox) endAheadNow() error {
-	s.tplMu.Lock()
-	all := slices.Clone(s.aheadEnding)
-	if s.ahead != nil {
-		all = append(all, s.ahead)
-		s.ahead = nil
+	s.procs.mu.Lock()
+	all := slices.Clone(s.procs.aheadEnding)
+	if s.procs.ahead != nil {
+		all = append(all, s.procs.ahead)
+		s.procs.ahead = nil
 	}
-	s.tplMu.Unlock()
+	s.procs.mu.Unlock()
 	var errs []error
 	for _, a := range all {
 		errs = append(errs, a.end())
@@ -361,9 +387,9 @@ func (s *Sandbox) endAheadNow() error {
 // waitAhead waits until the job forking copies ahead, if one runs, is done.
 // Called with op held: no new job starts meanwhile.
 func (s *Sandbox) waitAhead() {
-	s.tplMu.Lock()
-	a := s.ahead
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	a := s.procs.ahead
+	s.procs.mu.Unlock()
 	if a != nil {
 		<-a.done
 	}

@@ -134,25 +134,27 @@ func (s *Sandbox) cwd(c string) string {
 	return "/"
 }
 
-// beginExec takes the shared lock and returns the abort context of the
-// current generation. Processes that a restore killed are gone first: a
-// command never sees one (in /proc, or holding a port), though the restore
-// itself did not wait for them to exit.
+// beginExec takes the shared lock, which the caller releases whatever it
+// returns, and returns the abort context of the current generation.
+// Processes that a restore killed are gone first: a command never sees one
+// (in /proc, or holding a port), though the restore itself did not wait for
+// them to exit.
+// +checklocksacquireread:s.op
 func (s *Sandbox) beginExec() (context.Context, error) {
 	s.op.RLock()
-	if s.killPending.Load() {
-		if !s.waitKilledGroups(2 * time.Second) {
-			s.stragglers.Store(true) // no longer waited for (keepRoot)
+	if s.cmds.killPending.Load() {
+		if !waitKilledGroups(s.killedGroups(), 2*time.Second) {
+			s.cmds.stragglers.Store(true) // no longer waited for (keepRoot)
 		}
-		s.killPending.Store(false)
+		s.cmds.killPending.Store(false)
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		s.op.RUnlock()
+	closed, gen := s.closed, s.gen
+	s.mu.Unlock()
+	if closed {
 		return nil, fmt.Errorf("%w: sandbox %s", ErrClosed, s.id)
 	}
-	return s.gen, nil
+	return gen, nil
 }
 
 // plainCommand returns the words of a shell command line that the shell
@@ -203,16 +205,19 @@ type execGroup struct {
 	work  *cgroup.Cgroup // the parent it belongs to: killed by a restore, it may serve again later
 }
 
+// execGroup returns an empty group for a command: an idle one, or a new
+// one. Called with op read-held.
 func (s *Sandbox) execGroup() (*execGroup, error) {
-	s.mu.Lock()
-	if n := len(s.idle); n > 0 {
-		eg := s.idle[n-1]
-		s.idle = s.idle[:n-1]
-		s.mu.Unlock()
+	s.cmds.mu.Lock()
+	work := s.cmds.work
+	if n := len(s.cmds.idle); n > 0 {
+		eg := s.cmds.idle[n-1]
+		s.cmds.idle = s.cmds.idle[:n-1]
+		s.cmds.mu.Unlock()
 		return eg, nil
 	}
-	s.mu.Unlock()
-	cg, err := s.subgroup("e")
+	s.cmds.mu.Unlock()
+	cg, err := work.Sub(s.groupName("e"))
 	if err != nil {
 		return nil, fmt.Errorf("creating exec cgroup: %w", err)
 	}
@@ -221,18 +226,21 @@ func (s *Sandbox) execGroup() (*execGroup, error) {
 		_ = cg.Delete()
 		return nil, fmt.Errorf("opening exec cgroup: %w", err)
 	}
-	return &execGroup{cg: cg, procs: procs, work: s.work}, nil
+	return &execGroup{cg: cg, procs: procs, work: work}, nil
 }
 
 // putExecGroup keeps an empty group for reuse. Called with op read-held.
 func (s *Sandbox) putExecGroup(eg *execGroup) {
 	s.mu.Lock()
-	if eg.work == s.work && len(s.idle) < 8 && !s.closed {
-		s.idle = append(s.idle, eg)
-		s.mu.Unlock()
+	closed := s.closed
+	s.mu.Unlock()
+	s.cmds.mu.Lock()
+	if eg.work == s.cmds.work && len(s.cmds.idle) < 8 && !closed {
+		s.cmds.idle = append(s.cmds.idle, eg)
+		s.cmds.mu.Unlock()
 		return
 	}
-	s.mu.Unlock()
+	s.cmds.mu.Unlock()
 	closeAll(eg.procs)
 	_ = eg.cg.Delete()
 }
@@ -240,13 +248,12 @@ func (s *Sandbox) putExecGroup(eg *execGroup) {
 // dropExecGroups forgets the idle groups (their parent is being removed).
 func (s *Sandbox) dropExecGroups() { closeExecGroups(s.takeExecGroups()) }
 
-// takeExecGroups takes the idle groups away, their files open: their parent
-// is retired (workGroup).
+// takeExecGroups takes the idle groups away, their files open.
 func (s *Sandbox) takeExecGroups() []*execGroup {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	idle := s.idle
-	s.idle = nil
+	s.cmds.mu.Lock()
+	defer s.cmds.mu.Unlock()
+	idle := s.cmds.idle
+	s.cmds.idle = nil
 	return idle
 }
 
@@ -256,8 +263,10 @@ func closeExecGroups(egs []*execGroup) {
 	}
 }
 
+// subgroup makes a new group under the command group, named prefix and a
+// number. Called with op held.
 func (s *Sandbox) subgroup(prefix string) (*cgroup.Cgroup, error) {
-	return s.work.Sub(s.groupName(prefix))
+	return s.workGroup().Sub(s.groupName(prefix))
 }
 
 // groupName returns a cgroup name not used before in the sandbox.
@@ -283,10 +292,10 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		return s.sessionExec(ctx, req)
 	}
 	gen, err := s.beginExec()
+	defer s.op.RUnlock()
 	if err != nil {
 		return ExecResult{}, err
 	}
-	defer s.op.RUnlock()
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}

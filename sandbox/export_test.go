@@ -5,18 +5,18 @@ import "time"
 // RootCovered reports whether the sandbox's root is pending (not swapped in)
 // and has its covers (overlay.Covers).
 func (s *Sandbox) RootCovered() (pending, covered bool) {
-	s.rootMu.RLock()
-	defer s.rootMu.RUnlock()
-	return s.root >= 0, s.covered.Load()
+	s.fs.mu.RLock()
+	defer s.fs.mu.RUnlock()
+	return s.fs.root >= 0, s.fs.covered.Load()
 }
 
 // AheadPids waits for the job forking copies ahead, if one runs, and
 // returns the host pids of the copies forked ahead for checkpoint ck, if
 // the sandbox keeps copies for it.
 func (s *Sandbox) AheadPids(ck string) []int {
-	s.tplMu.Lock()
-	a := s.ahead
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	a := s.procs.ahead
+	s.procs.mu.Unlock()
 	if a == nil || a.ck != ck {
 		return nil
 	}
@@ -34,7 +34,7 @@ func (s *Sandbox) AheadPids(ck string) []int {
 // SetAheadTook sets how long the last job forking copies ahead took, which
 // the next restore compares the agent's step with (forkAhead). Call it with
 // no job running (AheadPids waits for one).
-func (s *Sandbox) SetAheadTook(d time.Duration) { s.aheadTook.Store(int64(d)) }
+func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.aheadTook.Store(int64(d)) }
 
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their
@@ -68,21 +68,21 @@ var ThreadExiting = threadExiting
 // CommandGroup returns the directory of the sandbox's command group in the
 // tracking hierarchy.
 func (s *Sandbox) CommandGroup() string {
-	s.op.RLock()
-	defer s.op.RUnlock()
-	return s.work.Dirs()[0]
+	return s.workGroup().Dirs()[0]
 }
 
 // ReuseReady reports whether a killed command group waits to serve again.
-func (s *Sandbox) ReuseReady() bool { return len(s.reuseW) > 0 }
+func (s *Sandbox) ReuseReady() bool { return len(s.cmds.reuseW) > 0 }
 
 // KilledGroups returns the directories of the killed command groups a
 // restore would wait for.
 func (s *Sandbox) KilledGroups() []string {
 	s.op.RLock()
 	defer s.op.RUnlock()
+	s.cmds.mu.Lock()
+	defer s.cmds.mu.Unlock()
 	var out []string
-	for _, g := range s.killed {
+	for _, g := range s.cmds.killed {
 		out = append(out, g.Dirs()[0])
 	}
 	return out

@@ -94,15 +94,15 @@ func (s *Sandbox) foldOnce(c *checkpoint) {
 	if s.rt.cfg.SmallPageTemplates {
 		return
 	}
-	s.tplMu.Lock()
-	first := !s.folded[c.ID]
+	s.procs.mu.Lock()
+	first := !s.procs.folded[c.ID]
 	if first {
-		if s.folded == nil {
-			s.folded = map[string]bool{}
+		if s.procs.folded == nil {
+			s.procs.folded = map[string]bool{}
 		}
-		s.folded[c.ID] = true
+		s.procs.folded[c.ID] = true
 	}
-	s.tplMu.Unlock()
+	s.procs.mu.Unlock()
 	if !first {
 		return
 	}
@@ -111,23 +111,33 @@ func (s *Sandbox) foldOnce(c *checkpoint) {
 	}
 }
 
+// forgetLive forgets the live processes seen (liveSeen): a restore ended
+// them.
+func (s *Sandbox) forgetLive() {
+	s.procs.mu.Lock()
+	s.procs.liveSeen = nil
+	s.procs.mu.Unlock()
+}
+
 // foldLive hands the live processes a checkpoint just copied into templates
 // (ps: their records before they became the templates') to the huge-page
 // worker, the first time each is checkpointed. Copies a restore made are
-// not: s.liveSeen holds them. Called with op held.
+// not: s.procs.liveSeen holds them. Called with op held.
 func (s *Sandbox) foldLive(ps []procTemplate) {
 	if s.rt.cfg.SmallPageTemplates {
 		return
 	}
 	seen := make(map[int]uint64, len(ps))
+	s.procs.mu.Lock()
+	defer s.procs.mu.Unlock()
 	for _, p := range ps {
-		st, ok := s.liveSeen[p.HostPid]
+		st, ok := s.procs.liveSeen[p.HostPid]
 		seen[p.HostPid] = p.Start
 		if !ok || st != 0 && st != p.Start {
 			s.queueFold(p.HostPid, "live "+p.name())
 		}
 	}
-	s.liveSeen = seen
+	s.procs.liveSeen = seen
 }
 
 // queueFold hands process pid to the huge-page worker, unless it is gone or

@@ -12,6 +12,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -116,6 +118,17 @@ type ProcessCapture struct {
 	// of a copy of the template: that copy's pid (0 until the image is
 	// made).
 	ImagePid int
+}
+
+// templateGroups returns the sandbox's template groups.
+func (s *Sandbox) templateGroups() []*cgroup.Cgroup {
+	s.procs.mu.Lock()
+	defer s.procs.mu.Unlock()
+	out := make([]*cgroup.Cgroup, 0, len(s.procs.tpls))
+	for _, tg := range s.procs.tpls {
+		out = append(out, tg)
+	}
+	return out
 }
 
 // procTemplate is the persisted record of one template.
@@ -640,9 +653,9 @@ func (s *Sandbox) makeTemplates(c *checkpoint, tplProcs []procInfo, seized map[i
 		c.Procs[i] = tplProcs[i].tpl
 	}
 	c.TplGroup = tg.Name()
-	s.tplMu.Lock()
-	s.tpls[c.ID] = tg
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	s.procs.tpls[c.ID] = tg
+	s.procs.mu.Unlock()
 	s.foldLive(live)
 	return nil
 }
@@ -800,10 +813,10 @@ func (s *Sandbox) templatesFull(units []procTree, mode ProcessMode) (string, err
 // takeTemplateGroup returns an empty, frozen cgroup for the templates of
 // one checkpoint, made ahead in the background.
 func (s *Sandbox) takeTemplateGroup() (*cgroup.Cgroup, error) {
-	s.tplMu.Lock()
-	ch := s.spareTG
-	s.spareTG = nil
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	ch := s.procs.spareTG
+	s.procs.spareTG = nil
+	s.procs.mu.Unlock()
 	var tg *cgroup.Cgroup
 	var err error
 	if ch != nil {
@@ -816,9 +829,9 @@ func (s *Sandbox) takeTemplateGroup() (*cgroup.Cgroup, error) {
 		return nil, fmt.Errorf("creating template cgroup: %w", err)
 	}
 	next := make(chan spareGroup, 1)
-	s.tplMu.Lock()
-	s.spareTG = next
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	s.procs.spareTG = next
+	s.procs.mu.Unlock()
 	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
 	go func() {
 		defer s.bg.Done()
@@ -846,7 +859,9 @@ func closeControls(ks ...*cgroup.Control) {
 // moveCopy moves a copy into its group g: through the command group's
 // cgroup.procs opened ahead, if g is that group. Called with op held.
 func (s *Sandbox) moveCopy(g *cgroup.Cgroup, pid int) error {
-	if w := s.workFilesNow(); g == s.work && w.procs != nil {
+	s.cmds.mu.Lock()
+	defer s.cmds.mu.Unlock()
+	if w := s.workFilesNow(); g == s.cmds.work && w.procs != nil {
 		return w.procs.Write(strconv.Itoa(pid))
 	}
 	return g.Move(pid)
@@ -855,22 +870,23 @@ func (s *Sandbox) moveCopy(g *cgroup.Cgroup, pid int) error {
 // setTplFrozen freezes or thaws template group tg (SetFrozen) through its
 // cgroup.freeze kept open: a restore writes it twice, and so does a job
 // forking copies ahead. Only the file of the last group written is kept
-// (one per sandbox). Called with tplRun held.
+// (one per sandbox).
+// +checklocks:s.procs.run
 func (s *Sandbox) setTplFrozen(tg *cgroup.Cgroup, on bool) error {
-	if s.tplFreeze.of != tg {
-		closeControls(s.tplFreeze.k)
+	if s.procs.tplFreeze.of != tg {
+		closeControls(s.procs.tplFreeze.k)
 		// nil on cgroup v1, or if it cannot be opened: SetFrozen then.
 		k, _ := tg.OpenControl("cgroup.freeze")
-		s.tplFreeze.of, s.tplFreeze.k = tg, k
+		s.procs.tplFreeze.of, s.procs.tplFreeze.k = tg, k
 	}
-	if s.tplFreeze.k == nil {
+	if s.procs.tplFreeze.k == nil {
 		return tg.SetFrozen(on)
 	}
 	v := "0"
 	if on {
 		v = "1"
 	}
-	return s.tplFreeze.k.Write(v)
+	return s.procs.tplFreeze.k.Write(v)
 }
 
 func (s *Sandbox) newTemplateGroup() (*cgroup.Cgroup, error) { return s.frozenGroup("t") }
@@ -916,9 +932,9 @@ func (s *Sandbox) checkTemplates(c *checkpoint) error {
 		return fmt.Errorf("%w: checkpoint %s holds live processes (%s) that only sandbox %s can bring back: template copies are born in its pid namespace; restore it there, or take checkpoints with process mode filesystem",
 			ErrProcesses, c.ID, procNames(c.Procs), c.SandboxID)
 	}
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	tg := s.procs.tpls[c.ID]
+	s.procs.mu.Unlock()
 	for _, t := range c.Procs {
 		st, err := startTime(t.HostPid)
 		if err != nil || st != t.Start || tg == nil {
@@ -943,13 +959,20 @@ func procNames(ps []procTemplate) string {
 // may still be exiting (waited for before copies are forked or run). start
 // is when the restore began; again says whether the restore before it
 // restored c too (forkAhead).
-func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err error) {
-	a := s.takeAhead(c) // before tplRun, which its job holds
-	s.tplRun.Lock()
-	defer s.tplRun.Unlock()
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
+func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) error {
+	a := s.takeAhead(c) // before procs.run, which its job holds
+	s.procs.run.Lock()
+	defer s.procs.run.Unlock()
+	return s.spawnCopiesLocked(c, a, start, again)
+}
+
+// spawnCopiesLocked is spawnCopies once the copies forked ahead for c (a,
+// or nil) are taken and procs.run is held.
+// +checklocks:s.procs.run
+func (s *Sandbox) spawnCopiesLocked(c *checkpoint, a *aheadCopies, start time.Time, again bool) error {
+	s.procs.mu.Lock()
+	tg := s.procs.tpls[c.ID]
+	s.procs.mu.Unlock()
 	if tg == nil {
 		if a != nil {
 			s.endAhead(a, true)
@@ -957,45 +980,37 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 		return fmt.Errorf("%w: the templates of checkpoint %s were released", ErrProcesses, c.ID)
 	}
 	tr := ptfork.NewSession()
-	defer func() {
-		if cerr := tr.Close(); cerr != nil {
-			err = errors.Join(err, cerr)
-		}
-	}()
-	thawed := false
-	defer func() {
-		// Marked frozen again before the templates are detached
-		// (tr.Close), after failed copies are ended.
-		if thawed {
-			if ferr := s.setTplFrozen(tg, true); ferr != nil {
-				err = errors.Join(err, ferr)
-			}
-		}
-	}()
-	var copies []liveCopy
-	defer func() {
-		if err != nil {
-			for _, lc := range copies {
-				lc.cp.Kill()
-				closeFiles(lc.stdio[:])
-			}
-		}
-	}()
-	if copies, thawed, err = s.readyCopies(tr, c, tg, a); err != nil {
-		return err
+	copies, thawed, err := s.readyCopies(tr, c, tg, a)
+	if err == nil {
+		// The copies share their sockets with the templates, and so did
+		// the processes the restore killed: one of those, not exiting
+		// yet, could accept a connection meant for the restored state and
+		// reset it as it dies. They exit while the copies are readied;
+		// settleKilled then waits, if need be, until they are past that
+		// (or gone).
+		s.settleKilled(c)
+		err = s.letRun(copies)
 	}
-	// The copies share their sockets with the templates, and so did the
-	// processes the restore killed: one of those, not exiting yet, could
-	// accept a connection meant for the restored state and reset it as it
-	// dies. They exit while the copies are readied; settleKilled then
-	// waits, if need be, until they are past that (or gone).
-	s.settleKilled(c)
-	if err := s.letRun(copies); err != nil {
-		return err
+	if err == nil {
+		s.foldOnce(c)
+		s.forkAhead(c, start, again)
+	} else {
+		for _, lc := range copies {
+			lc.cp.Kill()
+			closeFiles(lc.stdio[:])
+		}
 	}
-	s.foldOnce(c)
-	s.forkAhead(c, start, again)
-	return nil
+	// Marked frozen again before the templates are detached (tr.Close),
+	// after failed copies are ended.
+	if thawed {
+		if ferr := s.setTplFrozen(tg, true); ferr != nil {
+			err = errors.Join(err, ferr)
+		}
+	}
+	if cerr := tr.Close(); cerr != nil {
+		err = errors.Join(err, cerr)
+	}
+	return err
 }
 
 // readyCopies returns a fixed-up copy of each template of c, stopped under
@@ -1003,6 +1018,7 @@ func (s *Sandbox) spawnCopies(c *checkpoint, start time.Time, again bool) (err e
 // serve, else copies forked now from the templates in group tg. thawed
 // says whether it thawed tg (forkCopies). Copies made are returned even on
 // error, for the caller to end.
+// +checklocks:s.procs.run
 func (s *Sandbox) readyCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgroup, a *aheadCopies) (copies []liveCopy, thawed bool, err error) {
 	ahead := false
 	if a != nil {
@@ -1047,11 +1063,13 @@ func (s *Sandbox) letRun(copies []liveCopy) error {
 			copies[i].stdio = [3]*os.File{} // the session's now
 		}
 	}
-	if s.liveSeen == nil {
-		s.liveSeen = map[int]uint64{}
+	s.procs.mu.Lock()
+	defer s.procs.mu.Unlock()
+	if s.procs.liveSeen == nil {
+		s.procs.liveSeen = map[int]uint64{}
 	}
 	for _, lc := range copies {
-		s.liveSeen[lc.cp.Pid] = 0
+		s.procs.liveSeen[lc.cp.Pid] = 0
 	}
 	return nil
 }
@@ -1074,7 +1092,7 @@ type liveCopy struct {
 // its place in the tracking hierarchy changes.
 func (s *Sandbox) copyGroup(t procTemplate) (*cgroup.Cgroup, error) {
 	if t.Session == "" {
-		return s.work, nil
+		return s.workGroup(), nil
 	}
 	g, err := s.subgroup("s")
 	if err != nil {
@@ -1088,6 +1106,7 @@ func (s *Sandbox) copyGroup(t procTemplate) (*cgroup.Cgroup, error) {
 // seized with an interrupt pending); thawed says whether it did, for the
 // caller to freeze it again before the templates are detached. Copies made
 // are returned even on error.
+// +checklocks:s.procs.run
 func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgroup) (copies []liveCopy, thawed bool, err error) {
 	tpls := make([]*ptfork.Proc, len(c.Procs))
 	for i, t := range c.Procs {
@@ -1128,46 +1147,12 @@ func (s *Sandbox) forkCopies(tr *ptfork.Session, c *checkpoint, tg *cgroup.Cgrou
 // moved into its group, which thaws it into its ptrace stop. It returns nil
 // if they cannot serve (one was killed: an agent's kill -9 -1, say), having
 // ended them; the caller forks copies instead.
+// +checklocks:s.procs.run
 func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []liveCopy {
-	copies := make([]liveCopy, 0, len(a.procs))
-	err := func() error {
-		for i, p := range a.procs {
-			if !p.alive() {
-				return fmt.Errorf("pid %d ended", p.pid)
-			}
-			cp, err := tr.Seize(p.pid)
-			if err != nil {
-				return err
-			}
-			lc := liveCopy{cp: cp, nsPid: p.nsPid, t: c.Procs[i], exit: p.exit, led: p.led}
-			if lc.cg, err = s.copyGroup(lc.t); err == nil {
-				err = s.moveCopy(lc.cg, cp.Pid)
-			}
-			copies = append(copies, lc)
-			if err != nil {
-				return err
-			}
-		}
-		for _, lc := range copies {
-			if err := lc.cp.Wait(); err != nil {
-				return err
-			}
-			// Parked, a copy is a process of the sandbox an agent can
-			// signal (pkill, kill -STOP); a fresh copy has no signal
-			// pending, and neither may this one.
-			pending, err := lc.cp.SignalsPending()
-			if err == nil && (pending || lc.cp.Signal != 0) {
-				err = errors.New("a signal was sent to a copy")
-			}
-			if err != nil {
-				return err
-			}
-		}
-		return nil
-	}()
+	copies, err := s.seizeAhead(tr, c, a)
 	if err == nil {
 		// The group, now empty, serves the next copies forked ahead.
-		s.aheadFree = a.cg
+		s.procs.aheadFree = a.cg
 		a.closeFDs()
 		return copies
 	}
@@ -1177,12 +1162,52 @@ func (s *Sandbox) useAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) []
 	return nil
 }
 
+// seizeAhead seizes each copy forked ahead for c (a) and moves it into its
+// group, which thaws it into its ptrace stop. It fails if one ended or was
+// sent a signal while parked; the copies seized are returned even then.
+func (s *Sandbox) seizeAhead(tr *ptfork.Session, c *checkpoint, a *aheadCopies) ([]liveCopy, error) {
+	copies := make([]liveCopy, 0, len(a.procs))
+	for i, p := range a.procs {
+		if !p.alive() {
+			return copies, fmt.Errorf("pid %d ended", p.pid)
+		}
+		cp, err := tr.Seize(p.pid)
+		if err != nil {
+			return copies, err
+		}
+		lc := liveCopy{cp: cp, nsPid: p.nsPid, t: c.Procs[i], exit: p.exit, led: p.led}
+		if lc.cg, err = s.copyGroup(lc.t); err == nil {
+			err = s.moveCopy(lc.cg, cp.Pid)
+		}
+		copies = append(copies, lc)
+		if err != nil {
+			return copies, err
+		}
+	}
+	for _, lc := range copies {
+		if err := lc.cp.Wait(); err != nil {
+			return copies, err
+		}
+		// Parked, a copy is a process of the sandbox an agent can signal
+		// (pkill, kill -STOP); a fresh copy has no signal pending, and
+		// neither may this one.
+		pending, err := lc.cp.SignalsPending()
+		if err == nil && (pending || lc.cp.Signal != 0) {
+			err = errors.New("a signal was sent to a copy")
+		}
+		if err != nil {
+			return copies, err
+		}
+	}
+	return copies, nil
+}
+
 // endCopies ends copies that will not run, and the groups made for them.
 func (s *Sandbox) endCopies(copies []liveCopy) {
 	for _, lc := range copies {
 		lc.cp.Kill()
 		closeFiles(lc.stdio[:])
-		if lc.cg != nil && lc.cg != s.work {
+		if lc.cg != nil && lc.cg != s.workGroup() {
 			_ = lc.cg.Delete() // a session's, made for it
 		}
 	}
@@ -1401,11 +1426,11 @@ func sessionPipes(cp *ptfork.Proc, mem uintptr) (stdio [3]*os.File, err error) {
 // them.
 func (s *Sandbox) dropTemplates(id string) {
 	s.dropAhead(id, false)
-	s.tplMu.Lock()
-	tg := s.tpls[id]
-	delete(s.tpls, id)
-	delete(s.folded, id)
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	tg := s.procs.tpls[id]
+	delete(s.procs.tpls, id)
+	delete(s.procs.folded, id)
+	s.procs.mu.Unlock()
 	if tg != nil {
 		if err := tg.Delete(); err != nil {
 			s.rt.log.Warn("ending process templates", "sandbox", s.id, "checkpoint", id, "err", err)
@@ -1484,4 +1509,63 @@ func dying(pid int) bool {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return false
+}
+
+// procState is the state of the sandbox's checkpointed processes: the
+// templates of its checkpoints (procs.go), the copies forked ahead for the
+// next restore (ahead.go), and what the huge-page worker was handed
+// (hugepages.go).
+type procState struct {
+	// mu guards the templates and the copies forked ahead.
+	mu sync.Mutex
+	// tpls holds the process templates of this sandbox's checkpoints, one
+	// frozen cgroup per checkpoint.
+	// +checklocks:mu
+	tpls map[string]*cgroup.Cgroup
+	// folded holds the checkpoints whose templates were handed to the
+	// huge-page worker, on their first restore.
+	// +checklocks:mu
+	folded map[string]bool
+	// ahead holds the copies forked ahead for the next restore of the
+	// checkpoint restored last.
+	// +checklocks:mu
+	ahead *aheadCopies
+	// aheadEnding holds copies forked ahead being ended in the background
+	// after a checkpoint's release (endAhead).
+	// +checklocks:mu
+	aheadEnding []*aheadCopies
+	// spareTG is the next template group, made ahead.
+	// +checklocks:mu
+	spareTG chan spareGroup
+	// liveSeen holds the live processes checkpointed since the last
+	// restore, and the copies it made: host pid -> start time (0 for a
+	// copy, whose start time is not read). A process not in it is folded
+	// into huge pages at its first checkpoint.
+	// +checklocks:mu
+	liveSeen map[int]uint64
+	// restoredAt is when the last restore that brought back template
+	// copies returned.
+	// +checklocks:mu
+	restoredAt time.Time
+	// aheadTook is how long the last job forking copies ahead took.
+	aheadTook atomic.Int64
+
+	// run is held while templates are copied (one ptrace tracer at a
+	// time).
+	run sync.Mutex
+	// aheadFree is an empty, frozen group for the next copies forked ahead:
+	// the group the last ones were taken from.
+	// +checklocks:run
+	aheadFree *cgroup.Cgroup
+	// tplFreeze is the cgroup.freeze of the template group written last,
+	// kept open (setTplFrozen).
+	// +checklocks:run
+	tplFreeze struct {
+		of *cgroup.Cgroup
+		k  *cgroup.Control
+	}
+
+	// forkMu is held while a copy is forked ahead, and while the root is
+	// swapped: a task being cloned during a swap would keep the old root.
+	forkMu sync.Mutex
 }

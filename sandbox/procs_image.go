@@ -83,9 +83,16 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 
 // imageTemplates saves each template of c as a CRIU image and records the
 // images with c. Called with r.tplImageMu held.
-func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []criuUnit, err error) {
-	s.tplRun.Lock()
-	defer s.tplRun.Unlock()
+func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) ([]criuUnit, error) {
+	s.procs.run.Lock()
+	defer s.procs.run.Unlock()
+	return s.imageTemplatesLocked(ctx, c)
+}
+
+// imageTemplatesLocked is imageTemplates with procs.run held. On error,
+// what it saved is removed.
+// +checklocks:s.procs.run
+func (s *Sandbox) imageTemplatesLocked(ctx context.Context, c *checkpoint) ([]criuUnit, error) {
 	if err := s.checkTemplates(c); err != nil {
 		return nil, err
 	}
@@ -94,30 +101,42 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 	if err != nil {
 		return nil, err
 	}
-	defer func() {
-		if err != nil {
-			for _, u := range units {
-				_ = os.RemoveAll(u.Dir)
-			}
-		}
-	}()
 	start := time.Now()
-	ctx = context.WithoutCancel(ctx) // never leave a copy half-dumped
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
+	s.procs.mu.Lock()
+	tg := s.procs.tpls[c.ID]
+	s.procs.mu.Unlock()
 	if tg == nil {
 		return nil, fmt.Errorf("%w: the templates of checkpoint %s were released", ErrProcesses, c.ID)
 	}
 	copies, err := s.stoppedCopies(tg, c.Procs)
-	defer func() {
-		for _, cp := range copies {
-			_ = cp.cg.Delete() // kills the copy if it is still there
-		}
-	}()
+	var units []criuUnit
 	if err != nil {
-		return nil, fmt.Errorf("%w: copying the frozen copies kept by checkpoint %s to save them as CRIU images: %w", ErrProcesses, c.ID, err)
+		err = fmt.Errorf("%w: copying the frozen copies kept by checkpoint %s to save them as CRIU images: %w", ErrProcesses, c.ID, err)
+	} else {
+		// Never leave a copy half-dumped.
+		units, err = s.imageCopies(context.WithoutCancel(ctx), sw, c, copies)
 	}
+	if err == nil {
+		err = s.rt.recordTplImages(c, units)
+	}
+	for _, cp := range copies {
+		_ = cp.cg.Delete() // kills the copy if it is still there
+	}
+	if err != nil {
+		for _, u := range units {
+			_ = os.RemoveAll(u.Dir)
+		}
+		return units, err
+	}
+	s.rt.log.Debug("templates saved as CRIU images", "sandbox", s.id, "checkpoint", c.ID, "n", len(units), "took", time.Since(start))
+	return units, nil
+}
+
+// imageCopies saves each of copies (of the templates of c) as a CRIU
+// image. On error it returns the images saved before, the failed one's
+// directory removed.
+func (s *Sandbox) imageCopies(ctx context.Context, sw *criu.Swrk, c *checkpoint, copies []stopped) ([]criuUnit, error) {
+	var units []criuUnit
 	for i, t := range c.Procs {
 		u, err := s.imageCopy(ctx, sw, c, i, t, copies[i])
 		if err != nil {
@@ -126,21 +145,26 @@ func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []cr
 		}
 		units = append(units, u)
 	}
-	s.rt.mu.Lock()
-	defer s.rt.mu.Unlock()
-	if s.rt.ckpts[c.ID] != c {
-		return units, fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, c.ID)
+	return units, nil
+}
+
+// recordTplImages records units as the images of c's templates, unless c
+// was released meanwhile.
+func (r *Runtime) recordTplImages(c *checkpoint, units []criuUnit) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.ckpts[c.ID] != c {
+		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, c.ID)
 	}
 	c.TplImages = units
-	if err := s.rt.writeCheckpoint(c); err != nil {
+	if err := r.writeCheckpoint(c); err != nil {
 		c.TplImages = nil
-		return units, err
+		return err
 	}
 	for _, u := range units {
-		s.rt.imageBytes.Add(u.Bytes)
+		r.imageBytes.Add(u.Bytes)
 	}
-	s.rt.log.Debug("templates saved as CRIU images", "sandbox", s.id, "checkpoint", c.ID, "n", len(units), "took", time.Since(start))
-	return units, nil
+	return nil
 }
 
 // stopped is a copy of a template, stopped before it ran, in a group of
@@ -216,9 +240,9 @@ func (s *Sandbox) stoppedCopies(tg *cgroup.Cgroup, tpls []procTemplate) (out []s
 		if err := seized[i].Wait(); err != nil {
 			return out, fmt.Errorf("stopping the template of %s: %w", t.name(), err)
 		}
-		s.forkMu.Lock() // no root swap while it is cloned (ahead.go)
+		s.procs.forkMu.Lock() // no root swap while it is cloned (ahead.go)
 		cp, nsPid, err := seized[i].Fork()
-		s.forkMu.Unlock()
+		s.procs.forkMu.Unlock()
 		if err != nil {
 			return out, fmt.Errorf("copying %s: %w", t.name(), err)
 		}
@@ -291,12 +315,12 @@ func (r *Runtime) ckptLive(c *checkpoint) bool {
 // a clean shutdown), so that those checkpoints keep their processes. Called
 // with op held.
 func (s *Sandbox) imageAllTemplates(ctx context.Context) {
-	s.tplMu.Lock()
-	ids := make([]string, 0, len(s.tpls))
-	for id := range s.tpls {
+	s.procs.mu.Lock()
+	ids := make([]string, 0, len(s.procs.tpls))
+	for id := range s.procs.tpls {
 		ids = append(ids, id)
 	}
-	s.tplMu.Unlock()
+	s.procs.mu.Unlock()
 	for _, id := range ids {
 		c, err := s.rt.lookup(id)
 		if err != nil {

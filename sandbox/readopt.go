@@ -98,7 +98,10 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 		_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 		return
 	}
-	s := &Sandbox{rt: r, reuseW: make(chan workGroup, 1), id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid}, tpls: map[string]*cgroup.Cgroup{}, upperFD: -1,
+	s := &Sandbox{rt: r, id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid},
+		fs:    rootFS{upperFD: -1},
+		cmds:  cmdGroups{reuseW: make(chan workGroup, 1)},
+		procs: procState{tpls: map[string]*cgroup.Cgroup{}},
 		// Clear of the group names the crashed server used.
 		seq: 1 << 30}
 	if cks := s.findTemplates(); len(cks) > 0 {
@@ -109,7 +112,7 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 	}
 	// End the sandbox. Template groups first: a frozen template with a
 	// SIGKILL pending would hold the pid namespace's end.
-	for _, tg := range s.tpls {
+	for _, tg := range s.templateGroups() {
 		if err := tg.Delete(); err != nil {
 			r.log.Warn("removing a crashed server's template group", "sandbox", id, "err", err)
 		}
@@ -147,11 +150,19 @@ func (r *Runtime) crashedInit(id string) (rec sandboxRecord, pidfd int, ok bool)
 
 // findTemplates finds the template groups, still frozen, of the
 // checkpoints of a crashed server's sandbox s that have no images of their
-// templates yet: it adds them to s.tpls and returns those checkpoints.
+// templates yet: it adds them to s.procs.tpls and returns those checkpoints.
 func (s *Sandbox) findTemplates() []*checkpoint {
 	r := s.rt
-	var cks []*checkpoint
+	r.mu.Lock()
+	all := make([]*checkpoint, 0, len(r.ckpts))
 	for _, c := range r.ckpts {
+		all = append(all, c)
+	}
+	r.mu.Unlock()
+	s.procs.mu.Lock()
+	defer s.procs.mu.Unlock()
+	var cks []*checkpoint
+	for _, c := range all {
 		if c.SandboxID != s.id || len(c.Procs) == 0 || len(c.TplImages) > 0 || c.TplGroup == "" {
 			continue
 		}
@@ -166,7 +177,7 @@ func (s *Sandbox) findTemplates() []*checkpoint {
 			r.log.Warn("templates lost in a crash", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
 			continue
 		}
-		s.tpls[c.ID] = tg
+		s.procs.tpls[c.ID] = tg
 		cks = append(cks, c)
 	}
 	return cks
@@ -211,7 +222,7 @@ func (s *Sandbox) endAllButTemplates() error {
 		}
 	}
 	keep := map[int]bool{s.init.Pid: true}
-	for _, tg := range s.tpls {
+	for _, tg := range s.templateGroups() {
 		pids, err := tg.Pids()
 		if err != nil {
 			return err

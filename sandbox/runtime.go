@@ -1,31 +1,3 @@
-// Package sandbox runs isolated Linux sandboxes whose whole filesystem state
-// can be checkpointed, rolled back and forked in about a millisecond.
-//
-// A sandbox is a resident init (sandbox/initproc, pid 1) in its own user,
-// mount, pid, ipc, uts, cgroup and net namespaces, with a cgroup of its own
-// (sandbox/cgroup) and a root that is an overlay (sandbox/overlay) of
-// read-only layers — the image's (sandbox/image), then delta layers sealed by
-// earlier checkpoints — under one writable upper (sandbox/layers).
-//
-// The life of a checkpoint:
-//
-//   - Checkpoint, fast path (no process but the init): the upper is sealed
-//     (its tmpfs remounted read-only), becomes the top lower of a new overlay
-//     with a fresh upper, and the new overlay is swapped in as the root
-//     (pivot_root, done from outside; sandbox/launch). The checkpoint is the
-//     list of delta layers, which no one can change any more.
-//   - Checkpoint with live processes (background commands, sessions): they
-//     may hold fds or a cwd in the current upper, which pivot_root would not
-//     re-point, so the upper is not sealed in place: the sandbox is frozen,
-//     a copy of the upper is sealed as the checkpoint's top layer, and the
-//     sandbox thaws and goes on with the upper it had.
-//   - Restore: every process but the init is killed, then an overlay of the
-//     checkpoint's layers with a fresh upper is swapped in. Any sandbox of the
-//     same image can restore any checkpoint, whichever sandbox made it.
-//   - Fork: new sandboxes start directly on the checkpoint's layers.
-//   - Checkpoints and their layers are reference counted and persisted under
-//     the data directory; they outlive their sandbox and a restart of the
-//     server, until released or expired.
 package sandbox
 
 import (
@@ -265,7 +237,9 @@ type Runtime struct {
 	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
 	criuMu sync.Mutex
-	criuW  *criu.Swrk // found on first use (procs_criu.go)
+	// criuW is found on first use (procs_criu.go).
+	// +checklocks:criuMu
+	criuW *criu.Swrk
 	// tplImageMu serialises the making of images from templates.
 	tplImageMu sync.Mutex
 	// imaging counts durable checkpoints' images being made; Close waits
@@ -275,19 +249,30 @@ type Runtime struct {
 	// the checkpoint budget with the sealed layers.
 	imageBytes atomic.Int64
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	sandboxes map[string]*Sandbox
-	images    map[string]*imageRec
-	ckpts     map[string]*checkpoint
-	flat      map[string]*checkpoint // stackKey(Layers) -> a checkpoint with Flat
-	flatBusy  map[string]bool        // checkpoints being flattened
-	ranges    []int                  // free host id ranges
-	ended     []string
-	closed    bool
+	// +checklocks:mu
+	images map[string]*imageRec
+	// +checklocks:mu
+	ckpts map[string]*checkpoint
+	// flat maps stackKey(Layers) to a checkpoint with Flat.
+	// +checklocks:mu
+	flat map[string]*checkpoint
+	// flatBusy holds the checkpoints being flattened.
+	// +checklocks:mu
+	flatBusy map[string]bool
+	// ranges holds the free host id ranges.
+	// +checklocks:mu
+	ranges []int
+	ended  []string
+	// +checklocks:mu
+	closed bool
 
-	warm       chan *warmInit // ready inits (warm.go)
-	warmKick   chan struct{}
-	warmTarget int // guarded by mu
+	warm     chan *warmInit // ready inits (warm.go)
+	warmKick chan struct{}
+	// +checklocks:mu
+	warmTarget int
 
 	flatSem  chan struct{} // one flattening at a time
 	huge     chan hugeJob  // templates to fold into huge pages (hugepages.go)
@@ -721,6 +706,8 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 // loadImages adopts the imported images of the store; half-made imports
 // (hidden directories) are removed, unreadable images left out.
 func (r *Runtime) loadImages() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	entries, err := os.ReadDir(filepath.Join(r.store, "images"))
 	if err != nil {
 		return err
@@ -744,6 +731,8 @@ func (r *Runtime) loadImages() error {
 // returns the layers they keep, each with its number of references.
 // Unreadable records are removed.
 func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	keep = map[string]int{}
 	dir := filepath.Join(r.store, "meta", "checkpoints")
 	entries, err := os.ReadDir(dir)
@@ -786,6 +775,8 @@ func (r *Runtime) dropLost(missing []string) {
 	if len(missing) == 0 {
 		return
 	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	gone := map[string]bool{}
 	for _, l := range missing {
 		gone[l] = true
@@ -936,6 +927,7 @@ func (r *Runtime) ReleaseCheckpoint(id string) error {
 }
 
 // dropTemplatesLocked ends the process templates of c. Called with r.mu held.
+// +checklocks:r.mu
 func (r *Runtime) dropTemplatesLocked(c *checkpoint) {
 	if len(c.Procs) == 0 {
 		return
@@ -945,6 +937,7 @@ func (r *Runtime) dropTemplatesLocked(c *checkpoint) {
 	}
 }
 
+// +checklocks:r.mu
 func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	delete(r.ckpts, c.ID)
 	r.dropTemplatesLocked(c)

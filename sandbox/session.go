@@ -34,6 +34,7 @@ type out struct {
 // with $? on stdout and a sentinel on stderr. The sentinels carry a random
 // nonce per session, so no output can fake them.
 type session struct {
+	// +checklocks:mu
 	name    string
 	cg      *cgroup.Cgroup
 	hostPid int
@@ -42,9 +43,10 @@ type session struct {
 	stderr  *bufio.Reader
 	outF    *os.File
 	errF    *os.File
-	nonce   string
-	exited  chan struct{}
-	status  unix.WaitStatus // how the shell ended, once exited is closed
+	// +checklocks:mu
+	nonce  string
+	exited chan struct{}
+	status unix.WaitStatus // how the shell ended, once exited is closed
 
 	mu     sync.Mutex // one command at a time
 	broken bool
@@ -60,10 +62,10 @@ func (s *Sandbox) sessionExec(ctx context.Context, req ExecRequest) (ExecResult,
 		return ExecResult{}, fmt.Errorf("%w: session commands take no stdin", ErrInvalid)
 	}
 	gen, err := s.beginExec()
+	defer s.op.RUnlock()
 	if err != nil {
 		return ExecResult{}, err
 	}
-	defer s.op.RUnlock()
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}
