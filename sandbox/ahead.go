@@ -141,7 +141,7 @@ func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
 	prev := s.procs.restoredAt // set once the restore before this one had returned
 	s.procs.mu.Unlock()
 	if s.rt.cfg.ForkAtRestore || !again || len(c.Images) > 0 || len(c.Procs) == 0 ||
-		!s.rt.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.procs.aheadTook.Load()) {
+		!s.rt.hooks.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.procs.aheadTook.Load()) {
 		s.dropAhead("", true)
 		return
 	}

@@ -388,8 +388,8 @@ func (s *Sandbox) boostCPU() (unboost func()) {
 		s.rt.log.Warn("raising the sandbox's CPU weight", "sandbox", s.id, "err", err)
 		return func() {}
 	}
-	if s.rt.onBoost != nil {
-		s.rt.onBoost()
+	if s.rt.hooks.onBoost != nil {
+		s.rt.hooks.onBoost()
 	}
 	return func() {
 		if err := b.Set(false); err != nil {
@@ -490,7 +490,7 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 	// be listed and looked at.
 	before, memErr := s.cg.MemoryCurrent()
 	grace := killedGrace
-	if g := s.rt.killedGrace; g > 0 {
+	if g := s.rt.hooks.killedGrace; g > 0 {
 		grace = g
 	}
 	if waitKilledGroups(s.cmds.killed, grace) {
@@ -557,8 +557,8 @@ const killedGrace = 2 * time.Millisecond
 
 // settled tells the test hook (onSettle) how settleKilled returned.
 func (s *Sandbox) settled(how string) {
-	if s.rt.onSettle != nil {
-		s.rt.onSettle(how)
+	if s.rt.hooks.onSettle != nil {
+		s.rt.hooks.onSettle(how)
 	}
 }
 
@@ -601,8 +601,8 @@ func (s *Sandbox) killedState() (gone bool, exiting []int) {
 func (s *Sandbox) limitsRoom(n int) bool {
 	if lim := s.spec.Limits.MemoryBytes; lim > 0 {
 		cur, err := s.cg.MemoryCurrent()
-		if s.rt.onRoom != nil && err == nil {
-			s.rt.onRoom(lim, cur)
+		if s.rt.hooks.onRoom != nil && err == nil {
+			s.rt.hooks.onRoom(lim, cur)
 		}
 		if err != nil || lim-cur < lim/4 {
 			return false

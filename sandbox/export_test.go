@@ -39,11 +39,11 @@ func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.aheadTook.Store(int64(
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their
 // steps take against the job.
-func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }
+func (r *Runtime) ForkAheadAlways() { r.hooks.aheadAlways = true }
 
 // OnCPUBoost makes every checkpoint, restore or fork that raises its
 // sandbox's CPU weight call f right after it did.
-func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
+func (r *Runtime) OnCPUBoost(f func()) { r.hooks.onBoost = f }
 
 // OnSettleKilled makes every restore that killed processes call f with how
 // it went on: "gone" (they were), "slow" (not freeing memory fast enough to
@@ -51,16 +51,16 @@ func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
 // "exiting" (it went on, each thread of theirs in its exit), "waited" (the
 // limits had no room), "sockets" (they held a socket of their own) or
 // "timeout".
-func (r *Runtime) OnSettleKilled(f func(how string)) { r.onSettle = f }
+func (r *Runtime) OnSettleKilled(f func(how string)) { r.hooks.onSettle = f }
 
 // SetKilledGrace sets how long a restore waits for the processes it killed
 // to be gone before it looks at how fast they free memory (killedGrace).
-func (r *Runtime) SetKilledGrace(d time.Duration) { r.killedGrace = d }
+func (r *Runtime) SetKilledGrace(d time.Duration) { r.hooks.killedGrace = d }
 
 // OnLimitsRoom makes every restore that judges the room its sandbox's
 // memory limit leaves beside the processes it killed call f with the limit
 // and the use it read.
-func (r *Runtime) OnLimitsRoom(f func(limit, current int64)) { r.onRoom = f }
+func (r *Runtime) OnLimitsRoom(f func(limit, current int64)) { r.hooks.onRoom = f }
 
 // ThreadExiting reports whether thread tid is exiting, a zombie or gone.
 var ThreadExiting = threadExiting

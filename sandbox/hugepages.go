@@ -147,11 +147,11 @@ func (s *Sandbox) queueFold(pid int, what string) {
 	if err != nil {
 		return // gone already (a template: the next restore says so)
 	}
-	s.rt.hugeBusy.Add(1)
+	s.rt.folds.busy.Add(1)
 	select {
-	case s.rt.huge <- hugeJob{pidfd: fd, pid: pid, room: s.memoryRoom, log: s.id + ": " + what}:
+	case s.rt.folds.queue <- hugeJob{pidfd: fd, pid: pid, room: s.memoryRoom, log: s.id + ": " + what}:
 	default:
-		s.rt.hugeBusy.Add(-1)
+		s.rt.folds.busy.Add(-1)
 		unix.Close(fd)
 		s.rt.log.Debug("huge pages: queue full, process left in small pages", "process", what, "sandbox", s.id)
 	}
@@ -159,7 +159,7 @@ func (s *Sandbox) queueFold(pid int, what string) {
 
 // Folding is how many processes (templates and live processes) wait to be,
 // or are being, folded into huge pages.
-func (r *Runtime) Folding() int { return int(r.hugeBusy.Load()) }
+func (r *Runtime) Folding() int { return int(r.folds.busy.Load()) }
 
 // memoryRoom is how many more bytes the sandbox's processes may take in
 // huge pages: what keeps it under three quarters of its memory limit, and
@@ -210,18 +210,18 @@ func (r *Runtime) hugeLoop() {
 		case <-r.done:
 			for {
 				select {
-				case j := <-r.huge:
+				case j := <-r.folds.queue:
 					unix.Close(j.pidfd)
-					r.hugeBusy.Add(-1)
+					r.folds.busy.Add(-1)
 				default:
 					return
 				}
 			}
-		case j := <-r.huge:
+		case j := <-r.folds.queue:
 			start := time.Now()
 			n, err := foldMemory(j.pidfd, j.pid, j.room)
 			unix.Close(j.pidfd)
-			r.hugeBusy.Add(-1)
+			r.folds.busy.Add(-1)
 			if err != nil {
 				r.log.Debug("huge pages: folding a process", "process", j.log, "folded_bytes", n, "err", err)
 				continue

@@ -105,16 +105,16 @@ func (u criuUnit) name() string {
 // (and again after a failure: criu installed while the server runs is
 // found without a restart).
 func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
-	r.criuMu.Lock()
-	defer r.criuMu.Unlock()
-	if r.criuW == nil {
+	r.pimg.mu.Lock()
+	defer r.pimg.mu.Unlock()
+	if r.pimg.swrk == nil {
 		w, err := criu.NewSwrk(r.cfg.CRIU)
 		if err != nil {
 			return nil, fmt.Errorf("%w: the general path needs CRIU 4.2.1+ (run `make criu`): %w", ErrProcesses, err)
 		}
-		r.criuW = w
+		r.pimg.swrk = w
 	}
-	return r.criuW, nil
+	return r.pimg.swrk, nil
 }
 
 // criuDir is where checkpoint id keeps its CRIU images.

@@ -66,8 +66,8 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
-	r.tplImageMu.Lock()
-	defer r.tplImageMu.Unlock()
+	r.pimg.tplMu.Lock()
+	defer r.pimg.tplMu.Unlock()
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
@@ -82,7 +82,7 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 }
 
 // imageTemplates saves each template of c as a CRIU image and records the
-// images with c. Called with r.tplImageMu held.
+// images with c. Called with r.pimg.tplMu held.
 func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) ([]criuUnit, error) {
 	s.procs.run.Lock()
 	defer s.procs.run.Unlock()
@@ -162,7 +162,7 @@ func (r *Runtime) recordTplImages(c *checkpoint, units []criuUnit) error {
 		return err
 	}
 	for _, u := range units {
-		r.imageBytes.Add(u.Bytes)
+		r.pimg.bytes.Add(u.Bytes)
 	}
 	return nil
 }
@@ -299,7 +299,7 @@ func (r *Runtime) startImaging() bool {
 	if r.closed {
 		return false
 	}
-	r.imaging.Add(1)
+	r.pimg.making.Add(1)
 	return true
 }
 

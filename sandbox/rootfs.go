@@ -738,7 +738,7 @@ func (s *Sandbox) keepRoot(stack []string) bool {
 		return false
 	}
 	wait := keepWait
-	if g := s.rt.killedGrace; g > 0 {
+	if g := s.rt.hooks.killedGrace; g > 0 {
 		wait = g
 	}
 	if !s.killedQuiet(time.Now().Add(wait)) {

@@ -236,18 +236,8 @@ type Runtime struct {
 	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
 	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
-	criuMu sync.Mutex
-	// criuW is found on first use (procs_criu.go).
-	// +checklocks:criuMu
-	criuW *criu.Swrk
-	// tplImageMu serialises the making of images from templates.
-	tplImageMu sync.Mutex
-	// imaging counts durable checkpoints' images being made; Close waits
-	// for them before it ends the sandboxes.
-	imaging sync.WaitGroup
-	// imageBytes is the size of every checkpoint's CRIU images, charged to
-	// the checkpoint budget with the sealed layers.
-	imageBytes atomic.Int64
+	// pimg is the runtime's CRIU and the images of checkpoints' processes.
+	pimg procImages
 
 	mu sync.Mutex
 	// +checklocks:mu
@@ -274,25 +264,54 @@ type Runtime struct {
 	// +checklocks:mu
 	warmTarget int
 
-	flatSem  chan struct{} // one flattening at a time
-	huge     chan hugeJob  // templates to fold into huge pages (hugepages.go)
-	hugeBusy atomic.Int64  // queued or being folded
-	done     chan struct{}
-	wg       sync.WaitGroup
+	flatSem chan struct{} // one flattening at a time
+	folds   foldQueue     // templates to fold into huge pages (hugepages.go)
+	done    chan struct{}
+	wg      sync.WaitGroup
+	hooks   testHooks
+}
+
+// procImages is the runtime's CRIU runner and the bookkeeping of the CRIU
+// images of checkpoints' processes.
+type procImages struct {
+	mu sync.Mutex
+	// swrk is found on first use (procs_criu.go).
+	// +checklocks:mu
+	swrk *criu.Swrk
+	// tplMu serialises the making of images from templates.
+	tplMu sync.Mutex
+	// making counts durable checkpoints' images being made; Close waits
+	// for them before it ends the sandboxes.
+	making sync.WaitGroup
+	// bytes is the size of every checkpoint's CRIU images, charged to the
+	// checkpoint budget with the sealed layers.
+	bytes atomic.Int64
+}
+
+// foldQueue holds the processes waiting to be folded into huge pages
+// (hugepages.go).
+type foldQueue struct {
+	queue chan hugeJob
+	busy  atomic.Int64 // queued or being folded
+}
+
+// testHooks change the runtime's behaviour or observe it, for tests
+// (export_test.go); all are unset in production.
+type testHooks struct {
 	// aheadAlways forks copies ahead even after restores that come back
 	// to back (tests: their steps' length must not decide).
 	aheadAlways bool
-	// onBoost, if set (tests), is called inside each checkpoint, restore
-	// or fork that raised its sandbox's CPU weight, right after it did.
+	// onBoost, if set, is called inside each checkpoint, restore or fork
+	// that raised its sandbox's CPU weight, right after it did.
 	onBoost func()
-	// onSettle, if set (tests), is told how each restore that killed
-	// processes went on (Sandbox.settleKilled): "gone", "slow", "exiting",
-	// "waited", "sockets" or "timeout".
+	// onSettle, if set, is told how each restore that killed processes
+	// went on (Sandbox.settleKilled): "gone", "slow", "exiting", "waited",
+	// "sockets" or "timeout".
 	onSettle func(how string)
-	// onRoom, if set (tests), is told the memory use settleKilled judged
-	// the room by, against the limit (Sandbox.limitsRoom).
+	// onRoom, if set, is told the memory use settleKilled judged the room
+	// by, against the limit (Sandbox.limitsRoom).
 	onRoom func(limit, current int64)
-	// killedGrace, if set (tests), replaces the constant of that name.
+	// killedGrace, if set, replaces the constant of that name.
 	killedGrace time.Duration
 }
 
@@ -470,7 +489,7 @@ func (r *Runtime) startLoops() {
 	r.warm, r.warmKick = make(chan *warmInit, r.cfg.InitPool), make(chan struct{}, 1)
 	r.wg.Add(1)
 	go r.warmLoop()
-	r.huge = make(chan hugeJob, hugeQueue)
+	r.folds.queue = make(chan hugeJob, hugeQueue)
 	r.wg.Add(1)
 	go r.hugeLoop()
 	if r.cfg.CheckpointTTL > 0 {
@@ -756,7 +775,7 @@ func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
 			continue
 		}
 		r.ckpts[c.ID] = &c
-		r.imageBytes.Add(c.imageBytes())
+		r.pimg.bytes.Add(c.imageBytes())
 		for _, l := range c.Layers {
 			keep[l]++
 		}
@@ -958,7 +977,7 @@ func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
 	if len(c.Images) > 0 || len(c.Procs) > 0 {
 		_ = os.RemoveAll(r.criuDir(c.ID))
-		r.imageBytes.Add(-c.imageBytes())
+		r.pimg.bytes.Add(-c.imageBytes())
 	}
 	if unref {
 		for _, l := range c.Layers {
@@ -1178,7 +1197,7 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	}
 	r.mu.Lock()
 	r.ckpts[c.ID] = c
-	r.imageBytes.Add(c.imageBytes())
+	r.pimg.bytes.Add(c.imageBytes())
 	r.mu.Unlock()
 	return nil
 }
@@ -1297,7 +1316,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	}
 	r.closed = true
 	r.mu.Unlock()
-	r.imaging.Wait()
+	r.pimg.making.Wait()
 	r.mu.Lock()
 	live := make([]*Sandbox, 0, len(r.sandboxes))
 	for _, s := range r.sandboxes {

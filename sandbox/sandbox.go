@@ -554,7 +554,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	r.mu.Unlock()
 	if o.Durable && len(c.Procs) > 0 && r.startImaging() {
 		go func() {
-			defer r.imaging.Done()
+			defer r.pimg.making.Done()
 			if _, err := r.imagesForTemplates(context.Background(), c); err != nil && r.ckptLive(c) {
 				r.log.Warn("saving a durable checkpoint's processes", "checkpoint", c.ID, "err", err)
 			}
