@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 	"golang.org/x/sys/unix"
 )
 
@@ -128,7 +129,7 @@ func (s *Sandbox) replaceWork() error {
 		old.close()
 		return fmt.Errorf("ending the sandbox's processes: %w", err)
 	}
-	s.forgetLive()
+	s.procs.ForgetLive()
 	w := s.takeWorkGroup()
 	if w.err != nil {
 		old.close()
@@ -294,6 +295,15 @@ type workFiles struct {
 	// (takeWorkGroup) or when it is retired to serve again (retireWork);
 	// nil for a group made at once until then, or on cgroup v1.
 	procs, kill *cgroup.Control
+}
+
+// closeControls closes the controls that are open.
+func closeControls(ks ...*cgroup.Control) {
+	for _, k := range ks {
+		if k != nil {
+			k.Close()
+		}
+	}
 }
 
 // workFilesNow returns the kept files of the current command group. Called
@@ -478,7 +488,7 @@ func waitKilledGroups(killed []*cgroup.Cgroup, timeout time.Duration) bool {
 // for them to be gone (beginExec). Copies that write memory faster than the
 // dying free theirs could still meet the memory limit; a quarter of it free
 // makes that unlikely. Called with op held.
-func (s *Sandbox) settleKilled(c *checkpoint) {
+func (s *Sandbox) settleKilled(tpls []procstate.Template) {
 	s.cmds.mu.Lock()
 	defer s.cmds.mu.Unlock()
 	if !s.cmds.killPending.Load() || s.cmds.killedSettled {
@@ -520,11 +530,11 @@ func (s *Sandbox) settleKilled(c *checkpoint) {
 			return
 		// The room is judged once, while the killed still hold most of
 		// what they had: as they exit it grows.
-		case first && !s.limitsRoom(len(c.Procs)):
+		case first && !s.limitsRoom(len(tpls)):
 			s.waitKilledLocked()
 			s.settled("waited")
 			return
-		case tids != nil && ownSockets(tids, c):
+		case tids != nil && ownSockets(tids, tpls):
 			s.waitKilledLocked()
 			s.settled("sockets")
 			return
@@ -608,12 +618,12 @@ func (s *Sandbox) limitsRoom(n int) bool {
 			return false
 		}
 	}
-	return s.pidRoom(n)
+	return procstate.PidRoom(s.spec.Limits.Pids, s.cg, n)
 }
 
 // ownSockets reports whether one of threads tids holds a socket that no
 // template of c holds (or its files cannot be read).
-func ownSockets(tids []int, c *checkpoint) bool {
+func ownSockets(tids []int, tpls []procstate.Template) bool {
 	var shared map[string]bool
 	for _, tid := range tids {
 		own, err := socketLinks(tid)
@@ -623,7 +633,7 @@ func ownSockets(tids []int, c *checkpoint) bool {
 		for _, l := range own {
 			if shared == nil {
 				shared = map[string]bool{}
-				for _, t := range c.Procs {
+				for _, t := range tpls {
 					ls, err := socketLinks(t.HostPid)
 					if err != nil {
 						return true

@@ -43,11 +43,13 @@
 //     killed whose processes may still be exiting (waited for, or settled,
 //     before copies run or the next command starts), groups made ahead or
 //     kept to serve again, their control files kept open, the CPU boost;
-//   - the process state (procState, procs.go): the templates of the
-//     sandbox's checkpoints, the copies forked ahead for the next restore
-//     (ahead.go), what the huge-page worker was handed (hugepages.go), and
-//     CRIU images of templates (procs_image.go); CRIU trees are dumped and
-//     restored by procs_criu.go.
+//   - the process state (sandbox/procstate): the templates of the
+//     sandbox's checkpoints, the CRIU trees, the copies forked ahead for
+//     the next restore, the CRIU images made from templates, and what the
+//     huge-page worker was handed. It reaches its sandbox through
+//     procstate.Host, which procHost (prochost.go) implements; the runtime
+//     decides which sandbox makes a checkpoint's images (procs_image.go)
+//     and runs the huge-page worker (procstate.Folder).
 //
 // The Sandbox itself keeps what belongs to no part: its identity, its init
 // and cgroup, its sessions (session.go), the checkpoint it descends from.
@@ -62,17 +64,19 @@
 //  2. rootFS.mu: held for writing across a root switch (under op, written)
 //     and the swap of a pending root (under op, read); for reading across a
 //     file action. rootFS.coverMu is taken under it (read).
-//  3. procState.run: one ptrace tracer of the templates at a time (a
+//  3. procstate.State.run: one ptrace tracer of the templates at a time (a
 //     restore's copies, a job forking copies ahead, copies saved as CRIU
 //     images).
-//  4. procState.forkMu: held while a copy is cloned from a template, and
-//     while the root is swapped (a task cloned during a swap keeps the old
-//     root); taken under rootFS.mu or procState.run, it takes nothing.
+//  4. procstate.State.forkMu: held while a copy is cloned from a template,
+//     and while the root is swapped (a task cloned during a swap keeps the
+//     old root; State.WithoutForks); taken under rootFS.mu or State.run, it
+//     takes nothing.
 //  5. cmdGroups.mu: the command groups; under rootFS.mu when a restore
 //     looks whether the killed processes are quiet (keepRoot), under
-//     procState.run when copies are moved in.
+//     State.run when copies are moved in (procstate.Host.MoveCopy).
 //  6. Runtime.mu: the runtime's images, checkpoints and sandboxes.
-//  7. procState.mu: templates, copies forked ahead, processes seen live.
+//  7. procstate.State.mu: templates, copies forked ahead, processes seen
+//     live.
 //  8. Sandbox.mu and session.mu: sessions, the abort context, group names;
 //     they take nothing.
 //

@@ -4,10 +4,12 @@ import (
 	"fmt"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Sentinel errors of the runtime, each wrapping its class of
-// internal/errdefs. Where the class's own message says it all (not found,
+// internal/errdefs; ErrBudget and ErrProcesses are those of the process
+// state (sandbox/procstate). Where the class's own message says it all (not found,
 // invalid argument, already exists, resource exhausted, aborted), the
 // sentinel's message is the class's: the server strips it from messages
 // whose status code repeats it (codePhrase in server/errors.go).
@@ -18,8 +20,9 @@ var (
 	ErrInvalid = fmt.Errorf("%w", errdefs.ErrInvalidArgument)
 	// ErrExists: an image name already taken by another image.
 	ErrExists = fmt.Errorf("%w", errdefs.ErrAlreadyExists)
-	// ErrBudget: a storage budget or disk limit is exhausted.
-	ErrBudget = fmt.Errorf("%w", errdefs.ErrResourceExhausted)
+	// ErrBudget: a storage budget, a disk limit or the pids limit is
+	// exhausted.
+	ErrBudget = procstate.ErrBudget
 	// ErrClosed: the sandbox has been destroyed.
 	ErrClosed = fmt.Errorf("sandbox is closed: %w", errdefs.ErrFailedPrecondition)
 	// ErrAborted: a running exec was aborted by Restore or Destroy.
@@ -29,5 +32,5 @@ var (
 	// ErrProcesses: a live process cannot be captured by a checkpoint, or a
 	// checkpoint's processes cannot be brought back (lost, or held by
 	// another sandbox).
-	ErrProcesses = fmt.Errorf("processes cannot be checkpointed or restored: %w", errdefs.ErrFailedPrecondition)
+	ErrProcesses = procstate.ErrProcesses
 )

@@ -14,6 +14,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Defaults of ExecRequest.
@@ -487,27 +488,10 @@ func (s *Sandbox) spawnError(err error) error {
 		case unix.E2BIG:
 			return fmt.Errorf("%w: arguments and environment are too large for exec", ErrInvalid)
 		case unix.EAGAIN:
-			return s.pidsError(err)
+			return procstate.PidsError(err, s.spec.Limits.Pids, s.cg)
 		}
 	}
 	return err
-}
-
-// pidsError is the error of a fork that failed with EAGAIN in the sandbox:
-// with a pids limit, ErrBudget naming it and what holds its pids.
-func (s *Sandbox) pidsError(err error) error {
-	lim := s.spec.Limits.Pids
-	if lim <= 0 || !errors.Is(err, unix.EAGAIN) {
-		return err
-	}
-	// EAGAIN has other causes (a process limit of the uid): only one near
-	// the limit is the limit's.
-	cur, cerr := s.cg.PidsCurrent()
-	if cerr != nil || cur+2 < lim {
-		return err
-	}
-	return fmt.Errorf("%w: the sandbox's pids limit (%d) is reached (%d in use; each process a checkpoint keeps as a frozen copy counts): %w; release checkpoints no longer needed, or end processes",
-		ErrBudget, lim, cur, err)
 }
 
 func closeAll(fs []*os.File) {

@@ -14,27 +14,13 @@ func (s *Sandbox) RootCovered() (pending, covered bool) {
 // returns the host pids of the copies forked ahead for checkpoint ck, if
 // the sandbox keeps copies for it.
 func (s *Sandbox) AheadPids(ck string) []int {
-	s.procs.mu.Lock()
-	a := s.procs.ahead
-	s.procs.mu.Unlock()
-	if a == nil || a.ck != ck {
-		return nil
-	}
-	<-a.done
-	if a.err != nil {
-		return nil
-	}
-	pids := make([]int, len(a.procs))
-	for i, p := range a.procs {
-		pids[i] = p.pid
-	}
-	return pids
+	return s.procs.AheadPids(ck)
 }
 
 // SetAheadTook sets how long the last job forking copies ahead took, which
 // the next restore compares the agent's step with (forkAhead). Call it with
 // no job running (AheadPids waits for one).
-func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.aheadTook.Store(int64(d)) }
+func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.SetAheadTook(d) }
 
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their

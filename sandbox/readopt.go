@@ -15,6 +15,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Re-adopting templates after a crash.
@@ -72,7 +73,7 @@ func (r *Runtime) sandboxRecordPath(id string) string {
 }
 
 func (r *Runtime) writeSandboxRecord(s *Sandbox) error {
-	st, err := startTime(s.init.Pid)
+	st, err := procstate.StartTime(s.init.Pid)
 	if err != nil {
 		return fmt.Errorf("reading the init's start time: %w", err)
 	}
@@ -99,11 +100,11 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 		return
 	}
 	s := &Sandbox{rt: r, id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid},
-		fs:    rootFS{upperFD: -1},
-		cmds:  cmdGroups{reuseW: make(chan workGroup, 1)},
-		procs: procState{tpls: map[string]*cgroup.Cgroup{}},
+		fs:   rootFS{upperFD: -1},
+		cmds: cmdGroups{reuseW: make(chan workGroup, 1)},
 		// Clear of the group names the crashed server used.
 		seq: 1 << 30}
+	s.procs = procstate.New((*procHost)(s), r.procConfig())
 	if cks := s.findTemplates(); len(cks) > 0 {
 		if err := s.endAllButTemplates(); err != nil {
 			r.log.Warn("ending the processes of a crashed server's sandbox", "sandbox", id, "err", err)
@@ -112,7 +113,7 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 	}
 	// End the sandbox. Template groups first: a frozen template with a
 	// SIGKILL pending would hold the pid namespace's end.
-	for _, tg := range s.templateGroups() {
+	for _, tg := range s.procs.Groups() {
 		if err := tg.Delete(); err != nil {
 			r.log.Warn("removing a crashed server's template group", "sandbox", id, "err", err)
 		}
@@ -141,7 +142,7 @@ func (r *Runtime) crashedInit(id string) (rec sandboxRecord, pidfd int, ok bool)
 	if err != nil {
 		return rec, -1, false // the init is gone, and its templates with it
 	}
-	if st, err := startTime(rec.InitPid); err != nil || st != rec.InitStart {
+	if st, err := procstate.StartTime(rec.InitPid); err != nil || st != rec.InitStart {
 		unix.Close(pidfd)
 		return rec, -1, false // another process has the pid now
 	}
@@ -150,7 +151,8 @@ func (r *Runtime) crashedInit(id string) (rec sandboxRecord, pidfd int, ok bool)
 
 // findTemplates finds the template groups, still frozen, of the
 // checkpoints of a crashed server's sandbox s that have no images of their
-// templates yet: it adds them to s.procs.tpls and returns those checkpoints.
+// templates yet: it adopts them (procstate.State.Adopt) and returns those
+// checkpoints.
 func (s *Sandbox) findTemplates() []*checkpoint {
 	r := s.rt
 	r.mu.Lock()
@@ -159,8 +161,6 @@ func (s *Sandbox) findTemplates() []*checkpoint {
 		all = append(all, c)
 	}
 	r.mu.Unlock()
-	s.procs.mu.Lock()
-	defer s.procs.mu.Unlock()
 	var cks []*checkpoint
 	for _, c := range all {
 		if c.SandboxID != s.id || len(c.Procs) == 0 || len(c.TplImages) > 0 || c.TplGroup == "" {
@@ -174,10 +174,10 @@ func (s *Sandbox) findTemplates() []*checkpoint {
 			}
 		}
 		if err != nil {
-			r.log.Warn("templates lost in a crash", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
+			r.log.Warn("templates lost in a crash", "checkpoint", c.ID, "processes", procstate.Names(c.Procs), "err", err)
 			continue
 		}
-		s.procs.tpls[c.ID] = tg
+		s.procs.Adopt(c.ID, tg)
 		cks = append(cks, c)
 	}
 	return cks
@@ -188,9 +188,9 @@ func (s *Sandbox) findTemplates() []*checkpoint {
 func (s *Sandbox) saveTemplates(ctx context.Context, cks []*checkpoint) {
 	slices.SortFunc(cks, func(a, b *checkpoint) int { return a.Created.Compare(b.Created) })
 	for _, c := range cks {
-		units, err := s.imageTemplates(ctx, c)
+		units, err := s.procs.Image(ctx, &c.Checkpoint, func(u []procstate.Unit) error { return s.rt.recordTplImages(c, u) })
 		if err != nil {
-			s.rt.log.Warn("templates lost in a crash: saving them as CRIU images failed", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
+			s.rt.log.Warn("templates lost in a crash: saving them as CRIU images failed", "checkpoint", c.ID, "processes", procstate.Names(c.Procs), "err", err)
 			continue
 		}
 		s.rt.log.Info("templates re-adopted after a crash", "checkpoint", c.ID, "sandbox", s.id, "images", len(units))
@@ -211,7 +211,7 @@ func (s *Sandbox) endAllButTemplates() error {
 	// deletion thaws what it kills).
 	if ents, err := os.ReadDir(s.cg.Dirs()[0]); err == nil {
 		for _, e := range ents {
-			if !e.IsDir() || !isAheadGroup(e.Name()) {
+			if !e.IsDir() || !procstate.IsAheadGroup(e.Name()) {
 				continue
 			}
 			if g, err := s.cg.OpenSub(e.Name()); err == nil {
@@ -222,7 +222,7 @@ func (s *Sandbox) endAllButTemplates() error {
 		}
 	}
 	keep := map[int]bool{s.init.Pid: true}
-	for _, tg := range s.templateGroups() {
+	for _, tg := range s.procs.Groups() {
 		pids, err := tg.Pids()
 		if err != nil {
 			return err

@@ -278,9 +278,7 @@ func (s *Sandbox) materialize() error {
 // swap makes root the root of the init's mount namespace (launch.Init.Swap),
 // while no copy is being forked ahead (ahead.go).
 func (s *Sandbox) swap(root int) error {
-	s.procs.forkMu.Lock()
-	defer s.procs.forkMu.Unlock()
-	return s.init.Swap(root)
+	return s.procs.WithoutForks(func() error { return s.init.Swap(root) })
 }
 
 // withRoot calls fn with an fd of the sandbox's root: the pending one, with

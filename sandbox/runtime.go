@@ -29,6 +29,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/launch"
 	"github.com/deltagym/deltagym/sandbox/layers"
 	"github.com/deltagym/deltagym/sandbox/overlay"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Config configures a Runtime.
@@ -160,11 +161,11 @@ type imageRec struct {
 
 // checkpoint is the persisted record of a checkpoint.
 type checkpoint struct {
-	ID        string   `json:"id"`
-	Parent    string   `json:"parent,omitempty"`
-	Image     string   `json:"image"`
-	SandboxID string   `json:"sandbox,omitempty"`
-	Layers    []string `json:"layers"` // delta layers, bottom first
+	// Its id, the sandbox that made it, and its processes.
+	procstate.Checkpoint
+	Parent string   `json:"parent,omitempty"`
+	Image  string   `json:"image"`
+	Layers []string `json:"layers"` // delta layers, bottom first
 	// Flat, once the background flattener has made it, is an equivalent
 	// shorter stack that stands for Layers: one merged layer, or for a hot
 	// checkpoint the bottom of Layers and one layer merged from the rest.
@@ -172,18 +173,7 @@ type checkpoint struct {
 	Flat    []string  `json:"flat,omitempty"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
-	// Procs are the templates of the processes that ran at the checkpoint
-	// (procs.go), held by sandbox SandboxID.
-	Procs []procTemplate `json:"procs,omitempty"`
-	// TplGroup names the frozen cgroup of the templates, a sub-group of
-	// the sandbox's: a server restarted after a crash finds them there.
-	TplGroup string `json:"tpl_group,omitempty"`
-	// Images are the process trees saved by CRIU (procs_criu.go).
-	Images []criuUnit `json:"images,omitempty"`
-	// TplImages are CRIU images of the templates (procs_image.go), made
-	// once when needed. Guarded by Runtime.mu.
-	TplImages []criuUnit `json:"tpl_images,omitempty"`
-	Expires   time.Time  `json:"expires,omitzero"`
+	Expires time.Time `json:"expires,omitzero"`
 	// hotTried: maybeFlattenHot has looked at the checkpoint (without
 	// Runtime.mu: it is on the restore's path).
 	hotTried atomic.Bool
@@ -264,8 +254,8 @@ type Runtime struct {
 	// +checklocks:mu
 	warmTarget int
 
-	flatSem chan struct{} // one flattening at a time
-	folds   foldQueue     // templates to fold into huge pages (hugepages.go)
+	flatSem chan struct{}     // one flattening at a time
+	folds   *procstate.Folder // processes to fold into huge pages
 	done    chan struct{}
 	wg      sync.WaitGroup
 	hooks   testHooks
@@ -286,13 +276,6 @@ type procImages struct {
 	// bytes is the size of every checkpoint's CRIU images, charged to the
 	// checkpoint budget with the sealed layers.
 	bytes atomic.Int64
-}
-
-// foldQueue holds the processes waiting to be folded into huge pages
-// (hugepages.go).
-type foldQueue struct {
-	queue chan hugeJob
-	busy  atomic.Int64 // queued or being folded
 }
 
 // testHooks change the runtime's behaviour or observe it, for tests
@@ -489,9 +472,12 @@ func (r *Runtime) startLoops() {
 	r.warm, r.warmKick = make(chan *warmInit, r.cfg.InitPool), make(chan struct{}, 1)
 	r.wg.Add(1)
 	go r.warmLoop()
-	r.folds.queue = make(chan hugeJob, hugeQueue)
+	r.folds = procstate.NewFolder(r.log)
 	r.wg.Add(1)
-	go r.hugeLoop()
+	go func() {
+		defer r.wg.Done()
+		r.folds.Run(r.done)
+	}()
 	if r.cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()
@@ -952,7 +938,7 @@ func (r *Runtime) dropTemplatesLocked(c *checkpoint) {
 		return
 	}
 	if s := r.sandboxes[c.SandboxID]; s != nil {
-		s.dropTemplates(c.ID)
+		s.procs.Drop(c.ID)
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Sandbox is one live sandbox. Its methods are safe for concurrent use:
@@ -23,7 +24,7 @@ import (
 //
 // Its state is in three parts, each with its own lock (doc.go gives the
 // order): the root filesystem (fs), the command groups (cmds) and the
-// process state (procs). op serialises the sandbox's state changes
+// process state (procs, sandbox/procstate). op serialises the sandbox's state changes
 // against its commands and file actions.
 type Sandbox struct {
 	rt      *Runtime
@@ -49,7 +50,7 @@ type Sandbox struct {
 
 	fs    rootFS
 	cmds  cmdGroups
-	procs procState
+	procs *procstate.State
 
 	bg sync.WaitGroup // background retirements of killed command groups, spare groups
 
@@ -115,13 +116,13 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	}
 	s := &Sandbox{
 		rt: r, id: newID("sb-"), spec: spec, img: src.img, netns: -1, userns: -1,
-		fs:    rootFS{upperFD: -1, root: -1, idmapped: map[string]int{}},
-		cmds:  cmdGroups{reuseW: make(chan workGroup, 1)},
-		procs: procState{tpls: map[string]*cgroup.Cgroup{}},
-		gen:   gen, abort: abort, head: head,
+		fs:   rootFS{upperFD: -1, root: -1, idmapped: map[string]int{}},
+		cmds: cmdGroups{reuseW: make(chan workGroup, 1)},
+		gen:  gen, abort: abort, head: head,
 		sessions: map[string]*session{}, done: make(chan struct{}),
 		created: time.Now(),
 	}
+	s.procs = procstate.New((*procHost)(s), r.procConfig())
 	var undo undoList
 	defer func() {
 		if err != nil {
@@ -175,7 +176,7 @@ func (u undoList) run() error {
 type createSource struct {
 	img      *imageRec
 	ck       *checkpoint
-	tplUnits []criuUnit
+	tplUnits []procstate.Unit
 }
 
 // createSource resolves spec's checkpoint and image; it fails if the
@@ -284,7 +285,7 @@ func (s *Sandbox) startProcesses(ctx context.Context, src createSource) error {
 	}
 	unboost := s.boostCPU() // as a restore does
 	defer unboost()
-	return s.restoreTrees(ctx, src.ck, units)
+	return s.procs.RestoreTrees(ctx, &src.ck.Checkpoint, units)
 }
 
 // register records the sandbox and makes it the runtime's, unless the
@@ -353,10 +354,7 @@ func (s *Sandbox) closeFDs() error {
 		s.cmds.boost = nil
 	}
 	s.cmds.mu.Unlock()
-	s.procs.run.Lock()
-	closeControls(s.procs.tplFreeze.k)
-	s.procs.tplFreeze.of, s.procs.tplFreeze.k = nil, nil
-	s.procs.run.Unlock()
+	s.procs.Close()
 	s.fs.mu.Lock()
 	for k, fd := range s.fs.idmapped {
 		unix.Close(fd)
@@ -430,20 +428,13 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	// (an agent's kill -9 -1) stays half-exited until thawed, and the
 	// init's exit waits for every task of its pid namespace. A job forking
 	// ahead from a template ends with it.
-	s.procs.mu.Lock()
-	for id, tg := range s.procs.tpls {
-		errs = append(errs, tg.Delete())
-		delete(s.procs.tpls, id)
-	}
-	s.procs.mu.Unlock()
-	errs = append(errs, s.endAheadNow())
+	errs = append(errs, s.procs.DeleteTemplates())
+	errs = append(errs, s.procs.EndAhead())
 	errs = append(errs, s.init.Stop())
 	s.dropExecGroups()
-	s.bg.Wait()                        // removals of killed command groups
-	errs = append(errs, s.cg.Delete()) // templates too
-	s.procs.mu.Lock()
-	clear(s.procs.tpls)
-	s.procs.mu.Unlock()
+	s.bg.Wait()    // removals of killed command groups
+	s.procs.Wait() // template groups made ahead, copies forked ahead ended
+	errs = append(errs, s.cg.Delete())
 	s.fs.mu.Lock()
 	s.dropSpare()
 	s.fs.mu.Unlock()
@@ -472,7 +463,7 @@ func (s *Sandbox) Freeze() error {
 	}
 	// A job forking copies ahead stops for nothing but the sandbox's own
 	// freezer: frozen mid-fork, it would hold the templates until Thaw.
-	s.waitAhead()
+	s.procs.WaitAhead()
 	if err := s.cg.Freeze(); err != nil {
 		return fmt.Errorf("freezing sandbox %s: %w", s.id, err)
 	}
@@ -530,7 +521,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 			return CheckpointInfo{}, fmt.Errorf("%w: checkpoint storage budget of %d bytes (layers and process images) would be exceeded (%d needed); release checkpoints", ErrBudget, b, need)
 		}
 	}
-	c := &checkpoint{ID: newID("ck-"), Parent: s.head, Image: s.img.info.Name, SandboxID: s.id, Created: time.Now()}
+	c := &checkpoint{Checkpoint: procstate.Checkpoint{ID: newID("ck-"), SandboxID: s.id}, Parent: s.head, Image: s.img.info.Name, Created: time.Now()}
 	if err := s.capture(ctx, c, mode); err != nil {
 		// A step after the files were copied failed (a template's fork,
 		// say): the copy's references go (none were taken otherwise).
@@ -539,7 +530,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	}
 	if err := r.addCheckpoint(c); err != nil {
 		unrefAll(r, c.Layers)
-		s.dropTemplates(c.ID)
+		s.procs.Drop(c.ID)
 		if len(c.Images) > 0 {
 			_ = os.RemoveAll(r.criuDir(c.ID))
 		}
@@ -600,7 +591,10 @@ func (s *Sandbox) capture(ctx context.Context, c *checkpoint, mode ProcessMode) 
 		// Its clones count against the pids and memory limits, which the
 		// processes a restore just killed may still count in.
 		s.waitKilled()
-		err = s.captureProcesses(ctx, c, mode, func() error { return s.copyUpperFrozen(c) })
+		err = s.materialize() // processes run: it is, but be sure
+		if err == nil {
+			err = s.procs.Capture(ctx, &c.Checkpoint, mode == ProcessesCRIU, func() error { return s.copyUpperFrozen(c) })
+		}
 		unboost()
 		if err != nil && !errors.Is(err, ErrProcesses) {
 			err = fmt.Errorf("capturing processes: %w", err)
@@ -655,11 +649,11 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	case len(units) > 0:
 		// Kept for another checkpoint (one with CRIU trees gets none):
 		// ended now, as they could hold pids the trees need back.
-		if err := s.endAheadNow(); err != nil {
+		if err := s.procs.EndAhead(); err != nil {
 			s.rt.log.Warn("ending template copies forked ahead", "sandbox", s.id, "err", err)
 		}
 	case !copies:
-		s.dropAhead("", true) // kept for a checkpoint restored before
+		s.procs.DropAhead() // kept for a checkpoint restored before
 	}
 	if err := s.killAll(); err != nil {
 		return err
@@ -683,9 +677,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 // copies of its templates (copies), which serve only in their own sandbox
 // and while alive, and from CRIU units (c's trees, and images of its
 // templates where those do not serve, made now if need be and possible).
-func (s *Sandbox) restorePlan(ctx context.Context, c *checkpoint) (units []criuUnit, copies bool, err error) {
+func (s *Sandbox) restorePlan(ctx context.Context, c *checkpoint) (units []procstate.Unit, copies bool, err error) {
 	units, copies = c.Images, len(c.Procs) > 0
-	if copies && (c.SandboxID != s.id || s.checkTemplates(c) != nil) {
+	if copies && (c.SandboxID != s.id || s.procs.Check(&c.Checkpoint) != nil) {
 		imgs, err := s.rt.imagesForTemplates(ctx, c)
 		if err != nil {
 			return nil, false, err
@@ -700,9 +694,9 @@ func (s *Sandbox) restorePlan(ctx context.Context, c *checkpoint) (units []criuU
 // then copies of its templates; copies that fail end everything, and the
 // templates' images serve instead where c has them. Called with op held,
 // the root restored.
-func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []criuUnit, copies bool, start time.Time, again bool) error {
+func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []procstate.Unit, copies bool, start time.Time, again bool) error {
 	if len(units) > 0 {
-		if err := s.restoreTrees(ctx, c, units); err != nil {
+		if err := s.procs.RestoreTrees(ctx, &c.Checkpoint, units); err != nil {
 			_ = s.killAll()
 			return err
 		}
@@ -710,13 +704,8 @@ func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []c
 	if !copies {
 		return nil
 	}
-	err := s.spawnCopies(c, start, again)
+	err := s.procs.SpawnCopies(&c.Checkpoint, start, again)
 	if err == nil {
-		// Once the copies are detached and the templates frozen again:
-		// what comes before the next restore is the agent's.
-		s.procs.mu.Lock()
-		s.procs.restoredAt = time.Now()
-		s.procs.mu.Unlock()
 		return nil
 	}
 	// The filesystem is the checkpoint's; end whatever copies started, so
@@ -729,7 +718,7 @@ func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []c
 		return err
 	}
 	s.waitKilled()
-	if ierr := s.restoreTrees(ctx, c, imgs); ierr != nil {
+	if ierr := s.procs.RestoreTrees(ctx, &c.Checkpoint, imgs); ierr != nil {
 		_ = s.killAll()
 		return errors.Join(err, ierr)
 	}
