@@ -12,9 +12,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/procstate"
-	"golang.org/x/sys/unix"
 )
 
 // Command groups are used again. Each restore with processes kills the

@@ -11,9 +11,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/layers"
 	"github.com/deltagym/deltagym/sandbox/overlay"
-	"golang.org/x/sys/unix"
 )
 
 // Keeping the root. A restore with processes swaps in a new root over the

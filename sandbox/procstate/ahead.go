@@ -8,10 +8,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
-	"golang.org/x/sys/unix"
 )
 
 // Copies forked ahead.

@@ -7,9 +7,10 @@ import (
 	"os"
 	"strconv"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
-	"golang.org/x/sys/unix"
 )
 
 // Groups returns the sandbox's template groups.

@@ -8,10 +8,11 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
-	"golang.org/x/sys/unix"
 )
 
 // SpawnCopies brings back the processes of c's templates into the live

@@ -10,10 +10,11 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
-	"golang.org/x/sys/unix"
 )
 
 // Image saves each template of c as a CRIU image and has record record the

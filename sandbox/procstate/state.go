@@ -9,10 +9,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/initproc"
-	"golang.org/x/sys/unix"
 )
 
 // Host is what the process state needs of its sandbox.
