@@ -2,7 +2,9 @@ package envpool
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -53,7 +55,7 @@ func (p *pool) setup(ctx context.Context) (string, error) {
 	name := p.env.Name()
 	sb, err := p.m.rt.Create(ctx, p.env.sandboxSpec())
 	if err != nil {
-		return "", fmt.Errorf("env %s: creating setup sandbox from image %q: %w: %w", name, p.env.spec.GetImage(), err, ErrNotReady)
+		return "", notReady(fmt.Sprintf("env %s: creating setup sandbox from image %q", name, p.env.spec.GetImage()), err)
 	}
 	defer func() {
 		if err := sb.Destroy(context.WithoutCancel(ctx)); err != nil {
@@ -64,17 +66,16 @@ func (p *pool) setup(ctx context.Context) (string, error) {
 		// Setup runs in /: it may be what creates the env's workdir.
 		res, err := sb.Exec(ctx, sandbox.ExecRequest{Command: cmd, Cwd: "/", Timeout: 10 * time.Minute, MaxOutput: 64 << 10})
 		if err != nil {
-			return "", fmt.Errorf("env %s: running setup[%d]: %w: %w", name, i, err, ErrNotReady)
+			return "", notReady(fmt.Sprintf("env %s: running setup[%d]", name, i), err)
 		}
 		if res.ExitCode != 0 || res.TimedOut {
-			return "", fmt.Errorf("env %s: setup[%d] %q exited %d (signal %q, timed out %v): %s: %w",
-				name, i, cmd, res.ExitCode, res.Signal, res.TimedOut, tail(res.Stderr, 512), ErrNotReady)
+			return "", notReady(fmt.Sprintf("env %s: setup[%d] %q", name, i, cmd), errors.New(describeExit(res)))
 		}
 	}
 	// Forked to fill the pool: files only (template copies live in one sandbox).
 	info, err := sb.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	if err != nil {
-		return "", fmt.Errorf("env %s: checkpointing after setup: %w: %w", name, err, ErrNotReady)
+		return "", notReady(fmt.Sprintf("env %s: checkpointing after setup", name), err)
 	}
 	p.m.reportCheckpoint(name, KindPool, info)
 	return info.ID, nil
@@ -184,4 +185,37 @@ func tail(b []byte, n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(b)
+}
+
+// notReadyError is an env that could not be warmed: ErrNotReady, with its cause. It unwraps to
+// ErrNotReady first, so that its class is FailedPrecondition whatever the cause's (an image
+// that is not found, say).
+type notReadyError struct {
+	what  string
+	cause error
+}
+
+func notReady(what string, cause error) error { return &notReadyError{what, cause} }
+
+func (e *notReadyError) Error() string {
+	return e.what + ": " + e.cause.Error() + ": " + ErrNotReady.Error()
+}
+
+func (e *notReadyError) Unwrap() []error { return []error{ErrNotReady, e.cause} }
+
+// describeExit says how a setup command ended, leaving out what did not happen.
+func describeExit(res sandbox.ExecResult) string {
+	var b strings.Builder
+	switch {
+	case res.TimedOut:
+		b.WriteString("timed out")
+	case res.Signal != "":
+		fmt.Fprintf(&b, "killed by signal %s", res.Signal)
+	default:
+		fmt.Fprintf(&b, "exited %d", res.ExitCode)
+	}
+	if out := strings.TrimSpace(tail(res.Stderr, 512)); out != "" {
+		fmt.Fprintf(&b, ", stderr: %s", out)
+	}
+	return b.String()
 }

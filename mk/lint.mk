@@ -24,3 +24,4 @@ lint-go: lint-tools ## lint the Go modules: golangci-lint, then checklocks
 	for m in $(GO_MODULES); do (cd $$m && go vet -vettool=$(BIN)/checklocks ./...); done
 
 lint: lint-go ## run every linter (proto, golangci-lint, checklocks)
+TEST_PREREQS += lint

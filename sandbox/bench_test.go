@@ -342,7 +342,7 @@ func BenchmarkCheckpointWithProcess(b *testing.B) {
 					l.time(func() { ck, err = s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode}) })
 					must(b, err)
 					b.StopTimer()
-					if len(ck.Processes) != 1 || ck.Processes[0].Method != path.name {
+					if len(ck.Processes) != 1 || ck.Processes[0].Method.String() != path.name {
 						b.Fatalf("captured %+v", ck.Processes)
 					}
 					must(b, bb.rt.ReleaseCheckpoint(ck.ID))
@@ -465,7 +465,7 @@ func rollbackVsCRIU(b *testing.B, mb int, files string) {
 			s := processSandbox(b, bb, mb)
 			ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: path.mode})
 			must(b, err)
-			if len(ck.Processes) != 1 || ck.Processes[0].Method != path.name {
+			if len(ck.Processes) != 1 || ck.Processes[0].Method.String() != path.name {
 				b.Fatalf("captured %+v", ck.Processes)
 			}
 			// The first restore hands the templates to the huge-page

@@ -1,25 +1,36 @@
 package sandbox
 
-import "errors"
+import (
+	"fmt"
 
-// Sentinel errors of the runtime. The RPC edge maps each to one status code.
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox/procstate"
+)
+
+// Sentinel errors of the runtime, each wrapping its class of
+// internal/errdefs; ErrBudget and ErrProcesses are those of the process
+// state (sandbox/procstate). Where the class's own message says it all (not found,
+// invalid argument, already exists, resource exhausted, aborted), the
+// sentinel's message is the class's: the server strips it from messages
+// whose status code repeats it (codePhrase in server/errors.go).
 var (
 	// ErrNotFound: an unknown sandbox, checkpoint or image.
-	ErrNotFound = errors.New("not found")
+	ErrNotFound = fmt.Errorf("%w", errdefs.ErrNotFound)
 	// ErrInvalid: bad input, such as a path that escapes or an empty argv.
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = fmt.Errorf("%w", errdefs.ErrInvalidArgument)
 	// ErrExists: an image name already taken by another image.
-	ErrExists = errors.New("already exists")
-	// ErrBudget: a storage budget or disk limit is exhausted.
-	ErrBudget = errors.New("resource exhausted")
+	ErrExists = fmt.Errorf("%w", errdefs.ErrAlreadyExists)
+	// ErrBudget: a storage budget, a disk limit or the pids limit is
+	// exhausted.
+	ErrBudget = procstate.ErrBudget
 	// ErrClosed: the sandbox has been destroyed.
-	ErrClosed = errors.New("sandbox is closed")
+	ErrClosed = fmt.Errorf("sandbox is closed: %w", errdefs.ErrFailedPrecondition)
 	// ErrAborted: a running exec was aborted by Restore or Destroy.
-	ErrAborted = errors.New("aborted")
+	ErrAborted = fmt.Errorf("%w", errdefs.ErrAborted)
 	// ErrMismatch: a checkpoint of another image than the sandbox's.
-	ErrMismatch = errors.New("checkpoint belongs to another image")
+	ErrMismatch = fmt.Errorf("checkpoint belongs to another image: %w", errdefs.ErrFailedPrecondition)
 	// ErrProcesses: a live process cannot be captured by a checkpoint, or a
 	// checkpoint's processes cannot be brought back (lost, or held by
 	// another sandbox).
-	ErrProcesses = errors.New("processes cannot be checkpointed or restored")
+	ErrProcesses = procstate.ErrProcesses
 )

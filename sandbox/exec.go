@@ -14,6 +14,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Defaults of ExecRequest.
@@ -134,25 +135,27 @@ func (s *Sandbox) cwd(c string) string {
 	return "/"
 }
 
-// beginExec takes the shared lock and returns the abort context of the
-// current generation. Processes that a restore killed are gone first: a
-// command never sees one (in /proc, or holding a port), though the restore
-// itself did not wait for them to exit.
+// beginExec takes the shared lock, which the caller releases whatever it
+// returns, and returns the abort context of the current generation.
+// Processes that a restore killed are gone first: a command never sees one
+// (in /proc, or holding a port), though the restore itself did not wait for
+// them to exit.
+// +checklocksacquireread:s.op
 func (s *Sandbox) beginExec() (context.Context, error) {
 	s.op.RLock()
-	if s.killPending.Load() {
-		if !s.waitKilledGroups(2 * time.Second) {
-			s.stragglers.Store(true) // no longer waited for (keepRoot)
+	if s.cmds.killPending.Load() {
+		if !waitKilledGroups(s.killedGroups(), 2*time.Second) {
+			s.cmds.stragglers.Store(true) // no longer waited for (keepRoot)
 		}
-		s.killPending.Store(false)
+		s.cmds.killPending.Store(false)
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		s.op.RUnlock()
+	closed, gen := s.closed, s.gen
+	s.mu.Unlock()
+	if closed {
 		return nil, fmt.Errorf("%w: sandbox %s", ErrClosed, s.id)
 	}
-	return s.gen, nil
+	return gen, nil
 }
 
 // plainCommand returns the words of a shell command line that the shell
@@ -167,7 +170,7 @@ func plainCommand(cmd string) ([]string, bool) {
 	}
 	for _, w := range words {
 		for _, c := range w {
-			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune("_./,:+@%-", c)) {
+			if (c < 'a' || c > 'z') && (c < 'A' || c > 'Z') && (c < '0' || c > '9') && !strings.ContainsRune("_./,:+@%-", c) {
 				return nil, false
 			}
 		}
@@ -203,16 +206,19 @@ type execGroup struct {
 	work  *cgroup.Cgroup // the parent it belongs to: killed by a restore, it may serve again later
 }
 
+// execGroup returns an empty group for a command: an idle one, or a new
+// one. Called with op read-held.
 func (s *Sandbox) execGroup() (*execGroup, error) {
-	s.mu.Lock()
-	if n := len(s.idle); n > 0 {
-		eg := s.idle[n-1]
-		s.idle = s.idle[:n-1]
-		s.mu.Unlock()
+	s.cmds.mu.Lock()
+	work := s.cmds.work
+	if n := len(s.cmds.idle); n > 0 {
+		eg := s.cmds.idle[n-1]
+		s.cmds.idle = s.cmds.idle[:n-1]
+		s.cmds.mu.Unlock()
 		return eg, nil
 	}
-	s.mu.Unlock()
-	cg, err := s.subgroup("e")
+	s.cmds.mu.Unlock()
+	cg, err := work.Sub(s.groupName("e"))
 	if err != nil {
 		return nil, fmt.Errorf("creating exec cgroup: %w", err)
 	}
@@ -221,18 +227,21 @@ func (s *Sandbox) execGroup() (*execGroup, error) {
 		_ = cg.Delete()
 		return nil, fmt.Errorf("opening exec cgroup: %w", err)
 	}
-	return &execGroup{cg: cg, procs: procs, work: s.work}, nil
+	return &execGroup{cg: cg, procs: procs, work: work}, nil
 }
 
 // putExecGroup keeps an empty group for reuse. Called with op read-held.
 func (s *Sandbox) putExecGroup(eg *execGroup) {
 	s.mu.Lock()
-	if eg.work == s.work && len(s.idle) < 8 && !s.closed {
-		s.idle = append(s.idle, eg)
-		s.mu.Unlock()
+	closed := s.closed
+	s.mu.Unlock()
+	s.cmds.mu.Lock()
+	if eg.work == s.cmds.work && len(s.cmds.idle) < 8 && !closed {
+		s.cmds.idle = append(s.cmds.idle, eg)
+		s.cmds.mu.Unlock()
 		return
 	}
-	s.mu.Unlock()
+	s.cmds.mu.Unlock()
 	closeAll(eg.procs)
 	_ = eg.cg.Delete()
 }
@@ -240,13 +249,12 @@ func (s *Sandbox) putExecGroup(eg *execGroup) {
 // dropExecGroups forgets the idle groups (their parent is being removed).
 func (s *Sandbox) dropExecGroups() { closeExecGroups(s.takeExecGroups()) }
 
-// takeExecGroups takes the idle groups away, their files open: their parent
-// is retired (workGroup).
+// takeExecGroups takes the idle groups away, their files open.
 func (s *Sandbox) takeExecGroups() []*execGroup {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	idle := s.idle
-	s.idle = nil
+	s.cmds.mu.Lock()
+	defer s.cmds.mu.Unlock()
+	idle := s.cmds.idle
+	s.cmds.idle = nil
 	return idle
 }
 
@@ -256,8 +264,10 @@ func closeExecGroups(egs []*execGroup) {
 	}
 }
 
+// subgroup makes a new group under the command group, named prefix and a
+// number. Called with op held.
 func (s *Sandbox) subgroup(prefix string) (*cgroup.Cgroup, error) {
-	return s.work.Sub(s.groupName(prefix))
+	return s.workGroup().Sub(s.groupName(prefix))
 }
 
 // groupName returns a cgroup name not used before in the sandbox.
@@ -283,91 +293,113 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		return s.sessionExec(ctx, req)
 	}
 	gen, err := s.beginExec()
+	defer s.op.RUnlock()
 	if err != nil {
 		return ExecResult{}, err
 	}
-	defer s.op.RUnlock()
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}
-	argv := req.Argv
-	direct := false
-	if req.Command != "" {
-		argv = []string{"/bin/sh", "-c", req.Command}
-		if words, ok := plainCommand(req.Command); ok {
-			argv, direct = words, true
-		}
-	}
+	argv, direct := execArgv(req)
 	eg, err := s.execGroup()
 	if err != nil {
 		return ExecResult{}, err
 	}
-	cg, procs := eg.cg, eg.procs
-	keep := false // a background command's group lives on
-	reuse := false
-	defer func() {
-		switch {
-		case keep:
-			closeAll(procs)
-		case reuse:
-			s.putExecGroup(eg)
-		default:
-			closeAll(procs)
-			_ = cg.Delete()
-		}
-	}()
-
 	sr := initproc.SpawnRequest{
 		Argv: argv, Env: s.env(req.Env), Cwd: s.cwd(req.Cwd), UID: s.spec.UID, GID: s.spec.GID,
-		Flags: initproc.FlagSetsid, CgroupProcs: procs,
+		Flags: initproc.FlagSetsid, CgroupProcs: eg.procs,
 		Stdin: s.rt.devnull, Stdout: s.rt.devnull, Stderr: s.rt.devnull,
 	}
+	var res ExecResult
+	keep, reuse := false, false // a background command's group lives on
 	if req.Background {
-		// The sandbox's own /dev/null, so that CRIU can save the command
-		// with the rest of the sandbox (it cannot take the host's).
-		if null := s.devNull(); null != nil {
-			defer null.Close()
-			sr.Stdin, sr.Stdout, sr.Stderr = null, null, null
-		}
-		pid, _, err := s.init.Conn.Spawn(sr)
-		if err != nil {
-			return ExecResult{}, s.spawnError(err)
-		}
-		s.init.Conn.Forget(pid)
-		// The process lives in its group until it exits, or the sandbox is
-		// restored or destroyed, which remove the groups of every command.
-		keep = true
-		return ExecResult{ExitCode: -1, Pid: pid, Start: time.Now()}, nil
+		res, err = s.spawnBackground(sr)
+		keep = err == nil
+	} else {
+		res, reuse, err = s.runCommand(ctx, gen, req, sr, direct, eg.cg)
 	}
+	switch {
+	case keep:
+		closeAll(eg.procs)
+	case reuse:
+		s.putExecGroup(eg)
+	default:
+		closeAll(eg.procs)
+		_ = eg.cg.Delete()
+	}
+	return res, err
+}
 
+// execArgv returns the argv that runs req: its Argv, or its Command through
+// /bin/sh -c, or (direct) the words of a plain command line (plainCommand)
+// spawned without the shell.
+func execArgv(req ExecRequest) (argv []string, direct bool) {
+	if req.Command == "" {
+		return req.Argv, false
+	}
+	if words, ok := plainCommand(req.Command); ok {
+		return words, true
+	}
+	return []string{"/bin/sh", "-c", req.Command}, false
+}
+
+// spawnBackground starts a background command (sr) and returns at once: the
+// process lives in its group until it exits, or the sandbox is restored or
+// destroyed, which remove the groups of every command.
+func (s *Sandbox) spawnBackground(sr initproc.SpawnRequest) (ExecResult, error) {
+	// The sandbox's own /dev/null, so that CRIU can save the command with
+	// the rest of the sandbox (it cannot take the host's).
+	if null := s.devNull(); null != nil {
+		defer null.Close()
+		sr.Stdin, sr.Stdout, sr.Stderr = null, null, null
+	}
+	pid, _, err := s.init.Conn.Spawn(sr)
+	if err != nil {
+		return ExecResult{}, s.spawnError(err)
+	}
+	s.init.Conn.Forget(pid)
+	return ExecResult{ExitCode: -1, Pid: pid, Start: time.Now()}, nil
+}
+
+// running is a foreground command started, its output being read.
+type running struct {
+	pid            int
+	exitc          <-chan initproc.ExitEvent
+	start          time.Time
+	stdout, stderr *capture
+}
+
+// runCommand runs a foreground command (sr) in group cg and waits for it
+// (waitCommand). reuse says the group is empty again, for the next command.
+func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initproc.SpawnRequest, direct bool, cg *cgroup.Cgroup) (res ExecResult, reuse bool, err error) {
 	var stdinW *os.File
 	if len(req.Stdin) > 0 {
 		r, w, err := os.Pipe()
 		if err != nil {
-			return ExecResult{}, err
+			return ExecResult{}, false, err
 		}
 		defer r.Close()
 		sr.Stdin, stdinW = r, w
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {
-		return ExecResult{}, err
+		return ExecResult{}, false, err
 	}
 	defer outR.Close()
 	errR, errW, err := os.Pipe()
 	if err != nil {
 		outW.Close()
-		return ExecResult{}, err
+		return ExecResult{}, false, err
 	}
 	defer errR.Close()
 	sr.Stdout, sr.Stderr = outW, errW
-	start := time.Now()
-	pid, exitc, err := s.init.Conn.Spawn(sr)
+	rc := running{start: time.Now()}
+	rc.pid, rc.exitc, err = s.init.Conn.Spawn(sr)
 	if direct && errors.Is(err, initproc.ErrSpawn) && !errors.Is(err, initproc.ErrClosed) {
 		// Not found or not executable: let the shell run it and say so,
 		// as it would have (exit 126 or 127 with its message).
 		sr.Argv = []string{"/bin/sh", "-c", req.Command}
-		pid, exitc, err = s.init.Conn.Spawn(sr)
+		rc.pid, rc.exitc, err = s.init.Conn.Spawn(sr)
 	}
 	outW.Close()
 	errW.Close()
@@ -378,7 +410,7 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		if stdinW != nil {
 			stdinW.Close()
 		}
-		return ExecResult{}, s.spawnError(err)
+		return ExecResult{}, false, s.spawnError(err)
 	}
 	if stdinW != nil {
 		go func() {
@@ -386,17 +418,24 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 			stdinW.Close()
 		}()
 	}
-	stdout := newCapture(outR, req.MaxOutput)
-	stderr := newCapture(errR, req.MaxOutput)
+	rc.stdout = newCapture(outR, req.MaxOutput)
+	rc.stderr = newCapture(errR, req.MaxOutput)
+	return s.waitCommand(ctx, gen, req.Timeout, cg, rc)
+}
 
-	res := ExecResult{Pid: pid, Start: start, ExitCode: -1}
-	timer := time.NewTimer(req.Timeout)
+// waitCommand waits for command rc to exit, time out, or be cut short (by
+// ctx, or by a restore or Destroy ending gen); whatever ended the wait,
+// everything in group cg is killed and the output read to its end. reuse
+// says the group is empty again.
+func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, cg *cgroup.Cgroup, rc running) (res ExecResult, reuse bool, err error) {
+	res = ExecResult{Pid: rc.pid, Start: rc.start, ExitCode: -1}
+	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	var ev initproc.ExitEvent
 	var ok bool
 	var aborted error
 	select {
-	case ev, ok = <-exitc:
+	case ev, ok = <-rc.exitc:
 	case <-timer.C:
 		res.TimedOut = true
 	case <-ctx.Done():
@@ -408,29 +447,28 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	// Whatever ended the wait, nothing the command started outlives it.
 	kerr := cg.Kill()
 	if !ok && aborted == nil {
-		ev, ok = <-exitc
+		ev, ok = <-rc.exitc
 	}
-	s.init.Conn.Forget(pid)
-	res.Stdout, res.StdoutTruncated = stdout.wait()
-	res.Stderr, res.StderrTruncated = stderr.wait()
-	res.Duration = time.Since(start)
+	s.init.Conn.Forget(rc.pid)
+	res.Stdout, res.StdoutTruncated = rc.stdout.wait()
+	res.Stderr, res.StderrTruncated = rc.stderr.wait()
+	res.Duration = time.Since(rc.start)
 	if aborted != nil {
-		return res, aborted
+		return res, false, aborted
 	}
 	if !ok {
-		return res, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+		return res, false, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
 	}
 	if kerr != nil {
-		return res, fmt.Errorf("ending the command's processes: %w", kerr)
+		return res, false, fmt.Errorf("ending the command's processes: %w", kerr)
 	}
-	reuse = true // empty again: the next command can have it
 	switch {
 	case ev.Status.Exited():
 		res.ExitCode = ev.Status.ExitStatus()
 	case ev.Status.Signaled():
 		res.Signal = unix.SignalName(ev.Status.Signal())
 	}
-	return res, nil
+	return res, true, nil
 }
 
 func (s *Sandbox) spawnError(err error) error {
@@ -450,27 +488,10 @@ func (s *Sandbox) spawnError(err error) error {
 		case unix.E2BIG:
 			return fmt.Errorf("%w: arguments and environment are too large for exec", ErrInvalid)
 		case unix.EAGAIN:
-			return s.pidsError(err)
+			return procstate.PidsError(err, s.spec.Limits.Pids, s.cg)
 		}
 	}
 	return err
-}
-
-// pidsError is the error of a fork that failed with EAGAIN in the sandbox:
-// with a pids limit, ErrBudget naming it and what holds its pids.
-func (s *Sandbox) pidsError(err error) error {
-	lim := s.spec.Limits.Pids
-	if lim <= 0 || !errors.Is(err, unix.EAGAIN) {
-		return err
-	}
-	// EAGAIN has other causes (a process limit of the uid): only one near
-	// the limit is the limit's.
-	cur, cerr := s.cg.PidsCurrent()
-	if cerr != nil || cur+2 < lim {
-		return err
-	}
-	return fmt.Errorf("%w: the sandbox's pids limit (%d) is reached (%d in use; each process a checkpoint keeps as a frozen copy counts): %w; release checkpoints no longer needed, or end processes",
-		ErrBudget, lim, cur, err)
 }
 
 func closeAll(fs []*os.File) {

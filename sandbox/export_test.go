@@ -5,45 +5,31 @@ import "time"
 // RootCovered reports whether the sandbox's root is pending (not swapped in)
 // and has its covers (overlay.Covers).
 func (s *Sandbox) RootCovered() (pending, covered bool) {
-	s.rootMu.RLock()
-	defer s.rootMu.RUnlock()
-	return s.root >= 0, s.covered.Load()
+	s.fs.mu.RLock()
+	defer s.fs.mu.RUnlock()
+	return s.fs.root >= 0, s.fs.covered.Load()
 }
 
 // AheadPids waits for the job forking copies ahead, if one runs, and
 // returns the host pids of the copies forked ahead for checkpoint ck, if
 // the sandbox keeps copies for it.
 func (s *Sandbox) AheadPids(ck string) []int {
-	s.tplMu.Lock()
-	a := s.ahead
-	s.tplMu.Unlock()
-	if a == nil || a.ck != ck {
-		return nil
-	}
-	<-a.done
-	if a.err != nil {
-		return nil
-	}
-	pids := make([]int, len(a.procs))
-	for i, p := range a.procs {
-		pids[i] = p.pid
-	}
-	return pids
+	return s.procs.AheadPids(ck)
 }
 
 // SetAheadTook sets how long the last job forking copies ahead took, which
 // the next restore compares the agent's step with (forkAhead). Call it with
 // no job running (AheadPids waits for one).
-func (s *Sandbox) SetAheadTook(d time.Duration) { s.aheadTook.Store(int64(d)) }
+func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.SetAheadTook(d) }
 
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their
 // steps take against the job.
-func (r *Runtime) ForkAheadAlways() { r.aheadAlways = true }
+func (r *Runtime) ForkAheadAlways() { r.hooks.aheadAlways = true }
 
 // OnCPUBoost makes every checkpoint, restore or fork that raises its
 // sandbox's CPU weight call f right after it did.
-func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
+func (r *Runtime) OnCPUBoost(f func()) { r.hooks.onBoost = f }
 
 // OnSettleKilled makes every restore that killed processes call f with how
 // it went on: "gone" (they were), "slow" (not freeing memory fast enough to
@@ -51,16 +37,16 @@ func (r *Runtime) OnCPUBoost(f func()) { r.onBoost = f }
 // "exiting" (it went on, each thread of theirs in its exit), "waited" (the
 // limits had no room), "sockets" (they held a socket of their own) or
 // "timeout".
-func (r *Runtime) OnSettleKilled(f func(how string)) { r.onSettle = f }
+func (r *Runtime) OnSettleKilled(f func(how string)) { r.hooks.onSettle = f }
 
 // SetKilledGrace sets how long a restore waits for the processes it killed
 // to be gone before it looks at how fast they free memory (killedGrace).
-func (r *Runtime) SetKilledGrace(d time.Duration) { r.killedGrace = d }
+func (r *Runtime) SetKilledGrace(d time.Duration) { r.hooks.killedGrace = d }
 
 // OnLimitsRoom makes every restore that judges the room its sandbox's
 // memory limit leaves beside the processes it killed call f with the limit
 // and the use it read.
-func (r *Runtime) OnLimitsRoom(f func(limit, current int64)) { r.onRoom = f }
+func (r *Runtime) OnLimitsRoom(f func(limit, current int64)) { r.hooks.onRoom = f }
 
 // ThreadExiting reports whether thread tid is exiting, a zombie or gone.
 var ThreadExiting = threadExiting
@@ -68,21 +54,21 @@ var ThreadExiting = threadExiting
 // CommandGroup returns the directory of the sandbox's command group in the
 // tracking hierarchy.
 func (s *Sandbox) CommandGroup() string {
-	s.op.RLock()
-	defer s.op.RUnlock()
-	return s.work.Dirs()[0]
+	return s.workGroup().Dirs()[0]
 }
 
 // ReuseReady reports whether a killed command group waits to serve again.
-func (s *Sandbox) ReuseReady() bool { return len(s.reuseW) > 0 }
+func (s *Sandbox) ReuseReady() bool { return len(s.cmds.reuseW) > 0 }
 
 // KilledGroups returns the directories of the killed command groups a
 // restore would wait for.
 func (s *Sandbox) KilledGroups() []string {
 	s.op.RLock()
 	defer s.op.RUnlock()
+	s.cmds.mu.Lock()
+	defer s.cmds.mu.Unlock()
 	var out []string
-	for _, g := range s.killed {
+	for _, g := range s.cmds.killed {
 		out = append(out, g.Dirs()[0])
 	}
 	return out

@@ -202,12 +202,12 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 	if rel == "" {
 		return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)
 	}
-	if _, err := s.beginExec(); err != nil {
+	_, err := s.beginExec()
+	defer s.op.RUnlock()
+	if err != nil {
 		return err
 	}
-	defer s.op.RUnlock()
 	uid, gid := s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)
-	var err error
 	// openat2 fails with EAGAIN when a rename races the lookup: retry.
 	for try := 0; try < 8; try++ {
 		if err = s.fileOpOnce(uid, gid, rel, fn); !errors.Is(err, unix.EAGAIN) {

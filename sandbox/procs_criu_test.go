@@ -63,7 +63,7 @@ func incIn(t testing.TB, s *sandbox.Sandbox, dir string, want int) {
 func methods(ps []sandbox.ProcessCapture) string {
 	var out []string
 	for _, p := range ps {
-		out = append(out, p.Command+":"+p.Method)
+		out = append(out, p.Command+":"+p.Method.String())
 	}
 	return strings.Join(out, " ")
 }
@@ -373,9 +373,9 @@ func TestTemplatesLeavePids(t *testing.T) {
 			t.Fatalf("checkpoint %d captured %+v", i, ck.Processes)
 		}
 		switch p := ck.Processes[0]; p.Method {
-		case "template":
+		case sandbox.CaptureTemplate:
 			templates = append(templates, ck.ID)
-		case "criu":
+		case sandbox.CaptureCRIU:
 			if !strings.Contains(p.Reason, "limit 16") {
 				t.Fatalf("checkpoint %d went to CRIU for %q, want the pids limit named", i, p.Reason)
 			}

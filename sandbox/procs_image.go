@@ -2,19 +2,9 @@ package sandbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
-	"time"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/deltagym/deltagym/sandbox/cgroup"
-	"github.com/deltagym/deltagym/sandbox/criu"
-	"github.com/deltagym/deltagym/sandbox/ptfork"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // CRIU images made from templates (see docs/ARCHITECTURE.md).
@@ -32,7 +22,7 @@ import (
 //     runs any code of its own, in a group of its own beside the command
 //     group (a checkpoint taken meanwhile does not see it);
 //  2. criu dumps the stopped copy — the files it maps from the root the
-//     process was first started in are external (extFile) — and kills it.
+//     process was first started in are external (procstate.ExtFile) — and kills it.
 //
 // The image records a stopped task: criu restores it stopped and the
 // restore sends SIGCONT. The copy has a pid of its own, which the image
@@ -51,7 +41,7 @@ import (
 // durable.
 
 // tplImages returns the images made from c's templates, if any.
-func (r *Runtime) tplImages(c *checkpoint) []criuUnit {
+func (r *Runtime) tplImages(c *checkpoint) []procstate.Unit {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return c.TplImages
@@ -59,15 +49,15 @@ func (r *Runtime) tplImages(c *checkpoint) []criuUnit {
 
 // imagesForTemplates returns CRIU images of c's templates, making them if
 // need be; the sandbox holding the templates must be alive then.
-func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criuUnit, error) {
+func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]procstate.Unit, error) {
 	if len(c.Procs) == 0 {
 		return nil, nil
 	}
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
-	r.tplImageMu.Lock()
-	defer r.tplImageMu.Unlock()
+	r.pimg.tplMu.Lock()
+	defer r.pimg.tplMu.Unlock()
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
@@ -76,194 +66,28 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]criu
 	r.mu.Unlock()
 	if owner == nil {
 		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (its init was killed, a template was found thawed after a crash, or CRIU was missing then); its files can still be restored or forked, without those processes; take checkpoints durable to keep processes whatever happens to the sandbox",
-			ErrProcesses, c.ID, procNames(c.Procs), c.SandboxID)
+			ErrProcesses, c.ID, procstate.Names(c.Procs), c.SandboxID)
 	}
-	return owner.imageTemplates(ctx, c)
+	return owner.procs.Image(ctx, &c.Checkpoint, func(u []procstate.Unit) error { return r.recordTplImages(c, u) })
 }
 
-// imageTemplates saves each template of c as a CRIU image and records the
-// images with c. Called with r.tplImageMu held.
-func (s *Sandbox) imageTemplates(ctx context.Context, c *checkpoint) (units []criuUnit, err error) {
-	s.tplRun.Lock()
-	defer s.tplRun.Unlock()
-	if err := s.checkTemplates(c); err != nil {
-		return nil, err
-	}
-	s.init.Settled() // criu joins the namespace
-	sw, err := s.rt.criuSwrk()
-	if err != nil {
-		return nil, err
-	}
-	defer func() {
-		if err != nil {
-			for _, u := range units {
-				_ = os.RemoveAll(u.Dir)
-			}
-		}
-	}()
-	start := time.Now()
-	ctx = context.WithoutCancel(ctx) // never leave a copy half-dumped
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
-	if tg == nil {
-		return nil, fmt.Errorf("%w: the templates of checkpoint %s were released", ErrProcesses, c.ID)
-	}
-	copies, err := s.stoppedCopies(tg, c.Procs)
-	defer func() {
-		for _, cp := range copies {
-			_ = cp.cg.Delete() // kills the copy if it is still there
-		}
-	}()
-	if err != nil {
-		return nil, fmt.Errorf("%w: copying the frozen copies kept by checkpoint %s to save them as CRIU images: %w", ErrProcesses, c.ID, err)
-	}
-	for i, t := range c.Procs {
-		u, err := s.imageCopy(ctx, sw, c, i, t, copies[i])
-		if err != nil {
-			_ = os.RemoveAll(u.Dir) // what criu wrote of it
-			return units, fmt.Errorf("%w: saving the frozen copy of %s kept by checkpoint %s as a CRIU image: %w", ErrProcesses, t.name(), c.ID, err)
-		}
-		units = append(units, u)
-	}
-	s.rt.mu.Lock()
-	defer s.rt.mu.Unlock()
-	if s.rt.ckpts[c.ID] != c {
-		return units, fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, c.ID)
+// recordTplImages records units as the images of c's templates, unless c
+// was released meanwhile.
+func (r *Runtime) recordTplImages(c *checkpoint, units []procstate.Unit) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.ckpts[c.ID] != c {
+		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, c.ID)
 	}
 	c.TplImages = units
-	if err := s.rt.writeCheckpoint(c); err != nil {
+	if err := r.writeCheckpoint(c); err != nil {
 		c.TplImages = nil
-		return units, err
+		return err
 	}
 	for _, u := range units {
-		s.rt.imageBytes.Add(u.Bytes)
+		r.pimg.bytes.Add(u.Bytes)
 	}
-	s.rt.log.Debug("templates saved as CRIU images", "sandbox", s.id, "checkpoint", c.ID, "n", len(units), "took", time.Since(start))
-	return units, nil
-}
-
-// stopped is a copy of a template, stopped before it ran, in a group of
-// its own.
-type stopped struct {
-	hostPid, nsPid int
-	cg             *cgroup.Cgroup
-}
-
-// imageCopy dumps copy cp of template n of c (criu kills it).
-func (s *Sandbox) imageCopy(ctx context.Context, sw *criu.Swrk, c *checkpoint, n int, t procTemplate, cp stopped) (criuUnit, error) {
-	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), "t"+strconv.Itoa(n)), Why: "saved from its template", Session: t.Session, Stopped: true,
-		Procs: []criuProc{{NSPid: cp.nsPid, Comm: t.Comm}}}
-	if t.Session != "" {
-		for fd := range u.Pipes {
-			link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", cp.hostPid, fd))
-			if err != nil || !strings.HasPrefix(link, "pipe:[") {
-				return u, fmt.Errorf("the copy's fd %d is %q, not a pipe", fd, link)
-			}
-			u.Pipes[fd] = link
-		}
-	}
-	mounts, err := mountIDs(s.init.Pid)
-	if err != nil {
-		return u, err
-	}
-	if u.Ext, err = detachedFiles(cp.hostPid, mounts, map[string]bool{}); err != nil {
-		return u, err
-	}
-	ext := make([]string, len(u.Ext))
-	for i, e := range u.Ext {
-		ext[i] = e.Key
-	}
-	if err := os.MkdirAll(u.Dir, 0o700); err != nil {
-		return u, err
-	}
-	if err := sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: cp.hostPid, NSPid: s.init.Pid, ImagesDir: u.Dir, ExternalFiles: ext}); err != nil {
-		return u, err
-	}
-	u.Bytes = dirBytes(u.Dir)
-	return u, nil
-}
-
-// stoppedCopies forks a copy of each template tpls (of group tg), fixes it
-// up in the live root, moves it into a group of its own beside the command
-// group (a checkpoint taken meanwhile must not see it) and leaves it
-// stopped (SIGSTOP) before it runs. Every template is seized before the
-// group is thawed, as for a restore. Copies made are returned even on
-// error, for the caller to end.
-func (s *Sandbox) stoppedCopies(tg *cgroup.Cgroup, tpls []procTemplate) (out []stopped, err error) {
-	tr := ptfork.NewSession()
-	defer func() {
-		if cerr := tr.Close(); cerr != nil {
-			err = errors.Join(err, cerr)
-		}
-	}()
-	seized := make([]*ptfork.Proc, len(tpls))
-	for i, t := range tpls {
-		if seized[i], err = tr.Seize(t.HostPid); err != nil {
-			return nil, fmt.Errorf("%s: %w", t.name(), err)
-		}
-	}
-	if err := tg.SetFrozen(false); err != nil {
-		return nil, err
-	}
-	defer func() {
-		// Frozen again before the templates are detached (tr.Close).
-		if ferr := tg.SetFrozen(true); ferr != nil {
-			err = errors.Join(err, ferr)
-		}
-	}()
-	for i, t := range tpls {
-		if err := seized[i].Wait(); err != nil {
-			return out, fmt.Errorf("stopping the template of %s: %w", t.name(), err)
-		}
-		s.forkMu.Lock() // no root swap while it is cloned (ahead.go)
-		cp, nsPid, err := seized[i].Fork()
-		s.forkMu.Unlock()
-		if err != nil {
-			return out, fmt.Errorf("copying %s: %w", t.name(), err)
-		}
-		reapIfOurs(cp.Pid)
-		cg, err := s.cg.Sub(s.groupName("i"))
-		if err != nil {
-			cp.Kill()
-			return out, fmt.Errorf("creating cgroup: %w", err)
-		}
-		out = append(out, stopped{hostPid: cp.Pid, nsPid: nsPid, cg: cg})
-		stdio, err := fixUp(cp, t)
-		// The session's pipes only have to exist for the dump; criu
-		// records them by inode, and a restore hands in fresh ones.
-		closeFiles(stdio[:])
-		if err == nil {
-			err = cg.Move(cp.Pid)
-		}
-		if err != nil {
-			cp.Kill()
-			return out, fmt.Errorf("fixing up the copy of %s: %w", t.name(), err)
-		}
-		cp.Signal = unix.SIGSTOP
-		if err := cp.Detach(); err != nil {
-			cp.Kill()
-			return out, err
-		}
-	}
-	// The stops are delivered once the copies are scheduled.
-	deadline := time.Now().Add(5 * time.Second)
-	for _, c := range out {
-		for {
-			st, err := os.ReadFile("/proc/" + strconv.Itoa(c.hostPid) + "/stat")
-			if err != nil {
-				return out, fmt.Errorf("a copy ended: %w", err)
-			}
-			if i := strings.LastIndexByte(string(st), ')'); i > 0 && len(st) > i+2 && st[i+2] == 'T' {
-				break
-			}
-			if time.Now().After(deadline) {
-				return out, fmt.Errorf("a copy did not stop")
-			}
-			time.Sleep(100 * time.Microsecond)
-		}
-	}
-	return out, nil
+	return nil
 }
 
 // startImaging counts a background save of images (Runtime.imaging) unless
@@ -275,7 +99,7 @@ func (r *Runtime) startImaging() bool {
 	if r.closed {
 		return false
 	}
-	r.imaging.Add(1)
+	r.pimg.making.Add(1)
 	return true
 }
 
@@ -291,13 +115,7 @@ func (r *Runtime) ckptLive(c *checkpoint) bool {
 // a clean shutdown), so that those checkpoints keep their processes. Called
 // with op held.
 func (s *Sandbox) imageAllTemplates(ctx context.Context) {
-	s.tplMu.Lock()
-	ids := make([]string, 0, len(s.tpls))
-	for id := range s.tpls {
-		ids = append(ids, id)
-	}
-	s.tplMu.Unlock()
-	for _, id := range ids {
+	for _, id := range s.procs.IDs() {
 		c, err := s.rt.lookup(id)
 		if err != nil {
 			continue

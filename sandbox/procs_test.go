@@ -107,7 +107,7 @@ func TestTemplateCounterRestores(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(ck.Processes) != 1 || ck.Processes[0].Command != "python3" || ck.Processes[0].Method != "template" {
+	if len(ck.Processes) != 1 || ck.Processes[0].Command != "python3" || ck.Processes[0].Method != sandbox.CaptureTemplate {
 		t.Fatalf("captured %+v", ck.Processes)
 	}
 	for i := 6; i <= 9; i++ {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Re-adopting templates after a crash.
@@ -72,7 +73,7 @@ func (r *Runtime) sandboxRecordPath(id string) string {
 }
 
 func (r *Runtime) writeSandboxRecord(s *Sandbox) error {
-	st, err := startTime(s.init.Pid)
+	st, err := procstate.StartTime(s.init.Pid)
 	if err != nil {
 		return fmt.Errorf("reading the init's start time: %w", err)
 	}
@@ -87,67 +88,32 @@ func (r *Runtime) writeSandboxRecord(s *Sandbox) error {
 // ends what is left of the sandbox. Called by New, before the layers (the
 // sandbox's live root among them) are reconciled.
 func (r *Runtime) readopt(ctx context.Context, id string) {
-	b, err := os.ReadFile(r.sandboxRecordPath(id))
-	var rec sandboxRecord
-	if err == nil {
-		err = json.Unmarshal(b, &rec)
-	}
-	if err != nil || rec.InitPid <= 0 || rec.Cgroup == "" {
-		return // an older server's record: its inits took everything with them
-	}
-	pidfd, err := unix.PidfdOpen(rec.InitPid, 0)
-	if err != nil {
-		return // the init is gone, and its templates with it
+	rec, pidfd, ok := r.crashedInit(id)
+	if !ok {
+		return
 	}
 	defer unix.Close(pidfd)
-	if st, err := startTime(rec.InitPid); err != nil || st != rec.InitStart {
-		return // another process has the pid now
-	}
 	cg, err := r.cg.Open(rec.Cgroup)
 	if err != nil {
 		r.log.Warn("a crashed server's sandbox lost its cgroup; its templates are lost", "sandbox", id, "err", err)
 		_ = unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 		return
 	}
-	s := &Sandbox{rt: r, reuseW: make(chan workGroup, 1), id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid}, tpls: map[string]*cgroup.Cgroup{}, upperFD: -1,
+	s := &Sandbox{rt: r, id: id, cg: cg, init: &launch.Init{Pid: rec.InitPid},
+		fs:   rootFS{upperFD: -1},
+		cmds: cmdGroups{reuseW: make(chan workGroup, 1)},
 		// Clear of the group names the crashed server used.
 		seq: 1 << 30}
-	var cks []*checkpoint
-	for _, c := range r.ckpts {
-		if c.SandboxID != id || len(c.Procs) == 0 || len(c.TplImages) > 0 || c.TplGroup == "" {
-			continue
-		}
-		tg, err := cg.OpenSub(c.TplGroup)
-		if err == nil {
-			var frozen bool
-			if frozen, err = tg.SelfFrozen(); err == nil && !frozen {
-				err = errors.New("found thawed")
-			}
-		}
-		if err != nil {
-			r.log.Warn("templates lost in a crash", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
-			continue
-		}
-		s.tpls[c.ID] = tg
-		cks = append(cks, c)
-	}
-	if len(cks) > 0 {
+	s.procs = procstate.New((*procHost)(s), r.procConfig())
+	if cks := s.findTemplates(); len(cks) > 0 {
 		if err := s.endAllButTemplates(); err != nil {
 			r.log.Warn("ending the processes of a crashed server's sandbox", "sandbox", id, "err", err)
 		}
-		slices.SortFunc(cks, func(a, b *checkpoint) int { return a.Created.Compare(b.Created) })
-		for _, c := range cks {
-			units, err := s.imageTemplates(ctx, c)
-			if err != nil {
-				r.log.Warn("templates lost in a crash: saving them as CRIU images failed", "checkpoint", c.ID, "processes", procNames(c.Procs), "err", err)
-				continue
-			}
-			r.log.Info("templates re-adopted after a crash", "checkpoint", c.ID, "sandbox", id, "images", len(units))
-		}
+		s.saveTemplates(ctx, cks)
 	}
 	// End the sandbox. Template groups first: a frozen template with a
 	// SIGKILL pending would hold the pid namespace's end.
-	for _, tg := range s.tpls {
+	for _, tg := range s.procs.Groups() {
 		if err := tg.Delete(); err != nil {
 			r.log.Warn("removing a crashed server's template group", "sandbox", id, "err", err)
 		}
@@ -157,6 +123,77 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
 	if n, err := unix.Poll(fds, 5000); err != nil || n == 0 {
 		r.log.Warn("the init of a crashed server's sandbox did not exit", "sandbox", id, "pid", rec.InitPid, "err", err)
+	}
+}
+
+// crashedInit reads the record of sandbox id of a crashed server and opens
+// a pidfd of its init; ok is false if there is nothing to re-adopt (an
+// older server's record, or the init is gone, its pid taken by another
+// process or not).
+func (r *Runtime) crashedInit(id string) (rec sandboxRecord, pidfd int, ok bool) {
+	b, err := os.ReadFile(r.sandboxRecordPath(id))
+	if err == nil {
+		err = json.Unmarshal(b, &rec)
+	}
+	if err != nil || rec.InitPid <= 0 || rec.Cgroup == "" {
+		return rec, -1, false // an older server's record: its inits took everything with them
+	}
+	pidfd, err = unix.PidfdOpen(rec.InitPid, 0)
+	if err != nil {
+		return rec, -1, false // the init is gone, and its templates with it
+	}
+	if st, err := procstate.StartTime(rec.InitPid); err != nil || st != rec.InitStart {
+		unix.Close(pidfd)
+		return rec, -1, false // another process has the pid now
+	}
+	return rec, pidfd, true
+}
+
+// findTemplates finds the template groups, still frozen, of the
+// checkpoints of a crashed server's sandbox s that have no images of their
+// templates yet: it adopts them (procstate.State.Adopt) and returns those
+// checkpoints.
+func (s *Sandbox) findTemplates() []*checkpoint {
+	r := s.rt
+	r.mu.Lock()
+	all := make([]*checkpoint, 0, len(r.ckpts))
+	for _, c := range r.ckpts {
+		all = append(all, c)
+	}
+	r.mu.Unlock()
+	var cks []*checkpoint
+	for _, c := range all {
+		if c.SandboxID != s.id || len(c.Procs) == 0 || len(c.TplImages) > 0 || c.TplGroup == "" {
+			continue
+		}
+		tg, err := s.cg.OpenSub(c.TplGroup)
+		if err == nil {
+			var frozen bool
+			if frozen, err = tg.SelfFrozen(); err == nil && !frozen {
+				err = errors.New("found thawed")
+			}
+		}
+		if err != nil {
+			r.log.Warn("templates lost in a crash", "checkpoint", c.ID, "processes", procstate.Names(c.Procs), "err", err)
+			continue
+		}
+		s.procs.Adopt(c.ID, tg)
+		cks = append(cks, c)
+	}
+	return cks
+}
+
+// saveTemplates saves the templates of cks as CRIU images, oldest
+// checkpoint first; a failure loses that checkpoint's templates only.
+func (s *Sandbox) saveTemplates(ctx context.Context, cks []*checkpoint) {
+	slices.SortFunc(cks, func(a, b *checkpoint) int { return a.Created.Compare(b.Created) })
+	for _, c := range cks {
+		units, err := s.procs.Image(ctx, &c.Checkpoint, func(u []procstate.Unit) error { return s.rt.recordTplImages(c, u) })
+		if err != nil {
+			s.rt.log.Warn("templates lost in a crash: saving them as CRIU images failed", "checkpoint", c.ID, "processes", procstate.Names(c.Procs), "err", err)
+			continue
+		}
+		s.rt.log.Info("templates re-adopted after a crash", "checkpoint", c.ID, "sandbox", s.id, "images", len(units))
 	}
 }
 
@@ -174,7 +211,7 @@ func (s *Sandbox) endAllButTemplates() error {
 	// deletion thaws what it kills).
 	if ents, err := os.ReadDir(s.cg.Dirs()[0]); err == nil {
 		for _, e := range ents {
-			if !e.IsDir() || !isAheadGroup(e.Name()) {
+			if !e.IsDir() || !procstate.IsAheadGroup(e.Name()) {
 				continue
 			}
 			if g, err := s.cg.OpenSub(e.Name()); err == nil {
@@ -185,7 +222,7 @@ func (s *Sandbox) endAllButTemplates() error {
 		}
 	}
 	keep := map[int]bool{s.init.Pid: true}
-	for _, tg := range s.tpls {
+	for _, tg := range s.procs.Groups() {
 		pids, err := tg.Pids()
 		if err != nil {
 			return err

@@ -1,31 +1,3 @@
-// Package sandbox runs isolated Linux sandboxes whose whole filesystem state
-// can be checkpointed, rolled back and forked in about a millisecond.
-//
-// A sandbox is a resident init (sandbox/initproc, pid 1) in its own user,
-// mount, pid, ipc, uts, cgroup and net namespaces, with a cgroup of its own
-// (sandbox/cgroup) and a root that is an overlay (sandbox/overlay) of
-// read-only layers — the image's (sandbox/image), then delta layers sealed by
-// earlier checkpoints — under one writable upper (sandbox/layers).
-//
-// The life of a checkpoint:
-//
-//   - Checkpoint, fast path (no process but the init): the upper is sealed
-//     (its tmpfs remounted read-only), becomes the top lower of a new overlay
-//     with a fresh upper, and the new overlay is swapped in as the root
-//     (pivot_root, done from outside; sandbox/launch). The checkpoint is the
-//     list of delta layers, which no one can change any more.
-//   - Checkpoint with live processes (background commands, sessions): they
-//     may hold fds or a cwd in the current upper, which pivot_root would not
-//     re-point, so the upper is not sealed in place: the sandbox is frozen,
-//     a copy of the upper is sealed as the checkpoint's top layer, and the
-//     sandbox thaws and goes on with the upper it had.
-//   - Restore: every process but the init is killed, then an overlay of the
-//     checkpoint's layers with a fresh upper is swapped in. Any sandbox of the
-//     same image can restore any checkpoint, whichever sandbox made it.
-//   - Fork: new sandboxes start directly on the checkpoint's layers.
-//   - Checkpoints and their layers are reference counted and persisted under
-//     the data directory; they outlive their sandbox and a restart of the
-//     server, until released or expired.
 package sandbox
 
 import (
@@ -57,6 +29,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/launch"
 	"github.com/deltagym/deltagym/sandbox/layers"
 	"github.com/deltagym/deltagym/sandbox/overlay"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // Config configures a Runtime.
@@ -191,11 +164,11 @@ type imageRec struct {
 
 // checkpoint is the persisted record of a checkpoint.
 type checkpoint struct {
-	ID        string   `json:"id"`
-	Parent    string   `json:"parent,omitempty"`
-	Image     string   `json:"image"`
-	SandboxID string   `json:"sandbox,omitempty"`
-	Layers    []string `json:"layers"` // delta layers, bottom first
+	// Its id, the sandbox that made it, and its processes.
+	procstate.Checkpoint
+	Parent string   `json:"parent,omitempty"`
+	Image  string   `json:"image"`
+	Layers []string `json:"layers"` // delta layers, bottom first
 	// Flat, once the background flattener has made it, is an equivalent
 	// shorter stack that stands for Layers: one merged layer, or for a hot
 	// checkpoint the bottom of Layers and one layer merged from the rest.
@@ -203,18 +176,7 @@ type checkpoint struct {
 	Flat    []string  `json:"flat,omitempty"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
-	// Procs are the templates of the processes that ran at the checkpoint
-	// (procs.go), held by sandbox SandboxID.
-	Procs []procTemplate `json:"procs,omitempty"`
-	// TplGroup names the frozen cgroup of the templates, a sub-group of
-	// the sandbox's: a server restarted after a crash finds them there.
-	TplGroup string `json:"tpl_group,omitempty"`
-	// Images are the process trees saved by CRIU (procs_criu.go).
-	Images []criuUnit `json:"images,omitempty"`
-	// TplImages are CRIU images of the templates (procs_image.go), made
-	// once when needed. Guarded by Runtime.mu.
-	TplImages []criuUnit `json:"tpl_images,omitempty"`
-	Expires   time.Time  `json:"expires,omitzero"`
+	Expires time.Time `json:"expires,omitzero"`
 	// Labels are the caller's (CheckpointInfo.Labels). Once the checkpoint is
 	// added, guarded by Runtime.mu and replaced, never changed in place.
 	Labels map[string]string `json:"labels,omitempty"`
@@ -237,7 +199,7 @@ func (c *checkpoint) info() CheckpointInfo {
 	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created, Labels: cloneLabels(c.Labels)}
 	for i, p := range c.Procs {
-		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "template", Session: p.Session}
+		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
 			pc.ImagePid = c.TplImages[i].Procs[0].NSPid
 		}
@@ -245,7 +207,7 @@ func (c *checkpoint) info() CheckpointInfo {
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {
-			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: "criu", Reason: u.Why}
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why}
 			if i == 0 {
 				pc.Session = u.Session
 			}
@@ -270,50 +232,75 @@ type Runtime struct {
 	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
 	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
-	criuMu sync.Mutex
-	criuW  *criu.Swrk // found on first use (procs_criu.go)
-	// tplImageMu serialises the making of images from templates.
-	tplImageMu sync.Mutex
-	// imaging counts durable checkpoints' images being made; Close waits
-	// for them before it ends the sandboxes.
-	imaging sync.WaitGroup
-	// imageBytes is the size of every checkpoint's CRIU images, charged to
-	// the checkpoint budget with the sealed layers.
-	imageBytes atomic.Int64
+	// pimg is the runtime's CRIU and the images of checkpoints' processes.
+	pimg procImages
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	sandboxes map[string]*Sandbox
-	images    map[string]*imageRec
-	ckpts     map[string]*checkpoint
-	flat      map[string]*checkpoint // stackKey(Layers) -> a checkpoint with Flat
-	flatBusy  map[string]bool        // checkpoints being flattened
-	ranges    []int                  // free host id ranges
-	ended     []string
-	closed    bool
+	// +checklocks:mu
+	images map[string]*imageRec
+	// +checklocks:mu
+	ckpts map[string]*checkpoint
+	// flat maps stackKey(Layers) to a checkpoint with Flat.
+	// +checklocks:mu
+	flat map[string]*checkpoint
+	// flatBusy holds the checkpoints being flattened.
+	// +checklocks:mu
+	flatBusy map[string]bool
+	// ranges holds the free host id ranges.
+	// +checklocks:mu
+	ranges []int
+	ended  []string
+	// +checklocks:mu
+	closed bool
 
-	warm       chan *warmInit // ready inits (warm.go)
-	warmKick   chan struct{}
-	warmTarget int // guarded by mu
+	warm     chan *warmInit // ready inits (warm.go)
+	warmKick chan struct{}
+	// +checklocks:mu
+	warmTarget int
 
-	flatSem  chan struct{} // one flattening at a time
-	huge     chan hugeJob  // templates to fold into huge pages (hugepages.go)
-	hugeBusy atomic.Int64  // queued or being folded
-	done     chan struct{}
-	wg       sync.WaitGroup
+	flatSem chan struct{}     // one flattening at a time
+	folds   *procstate.Folder // processes to fold into huge pages
+	done    chan struct{}
+	wg      sync.WaitGroup
+	hooks   testHooks
+}
+
+// procImages is the runtime's CRIU runner and the bookkeeping of the CRIU
+// images of checkpoints' processes.
+type procImages struct {
+	mu sync.Mutex
+	// swrk is found on first use (procs_criu.go).
+	// +checklocks:mu
+	swrk *criu.Swrk
+	// tplMu serialises the making of images from templates.
+	tplMu sync.Mutex
+	// making counts durable checkpoints' images being made; Close waits
+	// for them before it ends the sandboxes.
+	making sync.WaitGroup
+	// bytes is the size of every checkpoint's CRIU images, charged to the
+	// checkpoint budget with the sealed layers.
+	bytes atomic.Int64
+}
+
+// testHooks change the runtime's behaviour or observe it, for tests
+// (export_test.go); all are unset in production.
+type testHooks struct {
 	// aheadAlways forks copies ahead even after restores that come back
 	// to back (tests: their steps' length must not decide).
 	aheadAlways bool
-	// onBoost, if set (tests), is called inside each checkpoint, restore
-	// or fork that raised its sandbox's CPU weight, right after it did.
+	// onBoost, if set, is called inside each checkpoint, restore or fork
+	// that raised its sandbox's CPU weight, right after it did.
 	onBoost func()
-	// onSettle, if set (tests), is told how each restore that killed
-	// processes went on (Sandbox.settleKilled): "gone", "slow", "exiting",
-	// "waited", "sockets" or "timeout".
+	// onSettle, if set, is told how each restore that killed processes
+	// went on (Sandbox.settleKilled): "gone", "slow", "exiting", "waited",
+	// "sockets" or "timeout".
 	onSettle func(how string)
-	// onRoom, if set (tests), is told the memory use settleKilled judged
-	// the room by, against the limit (Sandbox.limitsRoom).
+	// onRoom, if set, is told the memory use settleKilled judged the room
+	// by, against the limit (Sandbox.limitsRoom).
 	onRoom func(limit, current int64)
-	// killedGrace, if set (tests), replaces the constant of that name.
+	// killedGrace, if set, replaces the constant of that name.
 	killedGrace time.Duration
 }
 
@@ -327,39 +314,9 @@ const (
 // discarded, leftover cgroups are removed, and sandboxes that were live are
 // reported by Ended.
 func New(ctx context.Context, cfg Config) (*Runtime, error) {
-	if err := cfg.Validate(); err != nil {
-		return nil, err
-	}
-	if cfg.InitBinary == "" {
-		cfg.InitBinary = os.Getenv("DELTAGYM_INIT")
-	}
-	if cfg.InitBinary == "" {
-		return nil, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
-	}
-	abs, err := filepath.Abs(cfg.DataDir)
+	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
-	}
-	cfg.DataDir = abs
-	if cfg.CgroupRoot == "" {
-		// One cgroup root per data directory: a runtime removes the groups
-		// it finds under its root as leftovers of its own previous run, so
-		// two servers must never share one.
-		sum := sha256.Sum256([]byte(abs))
-		cfg.CgroupRoot = cgroup.DefaultRoot + "-" + hex.EncodeToString(sum[:4])
-	}
-	if cfg.DefaultDiskBytes == 0 {
-		cfg.DefaultDiskBytes = 1 << 30
-	}
-	if cfg.NetPool == 0 {
-		cfg.NetPool = 64
-	}
-	if cfg.InitPool == 0 {
-		cfg.InitPool = 64
-	}
-	cfg.InitPool = max(cfg.InitPool, 0)
-	if cfg.FlattenDepth == 0 {
-		cfg.FlattenDepth = 16
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -382,72 +339,155 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		}
 		return nil, err
 	}
-	if err := os.MkdirAll(r.store, 0o700); err != nil {
-		return fail(fmt.Errorf("creating data directory: %w", err))
-	}
-	lock, err := lockStore(r.store)
-	if errors.Is(err, ErrExists) {
-		return fail(fmt.Errorf("%w; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", err))
-	}
-	if err != nil {
+	if err := r.openStore(&cleanup); err != nil {
 		return fail(err)
 	}
-	r.lock = lock
-	cleanup = append(cleanup, func() { lock.Close() })
-	if err := os.WriteFile(filepath.Join(r.store, cgroupRootFile), []byte(cfg.CgroupRoot+"\n"), 0o600); err != nil {
-		return fail(fmt.Errorf("recording the cgroup root: %w", err))
-	}
-	if err := mountMeta(r.store); err != nil {
+	if err := r.openCgroups(); err != nil {
 		return fail(err)
-	}
-	for _, d := range []string{"images", "meta/checkpoints", "meta/sandboxes"} {
-		if err := os.MkdirAll(filepath.Join(r.store, d), 0o700); err != nil {
-			return fail(fmt.Errorf("creating data directory: %w", err))
-		}
-	}
-	if r.skel, err = makeSkeleton(r.store); err != nil {
-		return fail(err)
-	}
-	if r.layers, err = layers.New(filepath.Join(r.store, "layers")); err != nil {
-		return fail(err)
-	}
-	if r.cg, err = cgroup.New(cgroup.Config{Root: cfg.CgroupRoot}); err != nil {
-		return fail(fmt.Errorf("opening cgroups: %w", err))
-	}
-	if !cfg.KeepCgroupOptions {
-		if on, err := r.cg.FavorDynMods(); err != nil {
-			log.Warn("cgroups: favordynmods could not be turned on; moving a process between groups will wait for an RCU grace period now and then (5-15 ms)", "err", err)
-		} else if on {
-			log.Info("cgroups: turned on the cgroup2 option favordynmods, for the whole host: moving a process between groups no longer waits for an RCU grace period (keep-cgroup-options leaves it off)")
-		}
 	}
 	if err := r.reconcile(ctx); err != nil {
 		return fail(err)
 	}
+	if err := r.openHost(&cleanup); err != nil {
+		return fail(err)
+	}
+	r.startLoops()
+	return r, nil
+}
+
+// withDefaults validates cfg and fills in its defaults: the init binary
+// from DELTAGYM_INIT, an absolute data directory, a cgroup root of the
+// data directory's own, and the sizes of disks and pools.
+func (cfg Config) withDefaults() (Config, error) {
+	if err := cfg.Validate(); err != nil {
+		return cfg, err
+	}
+	if cfg.InitBinary == "" {
+		cfg.InitBinary = os.Getenv("DELTAGYM_INIT")
+	}
+	if cfg.InitBinary == "" {
+		return cfg, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
+	}
+	abs, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.DataDir = abs
+	if cfg.CgroupRoot == "" {
+		// One cgroup root per data directory: a runtime removes the groups
+		// it finds under its root as leftovers of its own previous run, so
+		// two servers must never share one.
+		sum := sha256.Sum256([]byte(abs))
+		cfg.CgroupRoot = cgroup.DefaultRoot + "-" + hex.EncodeToString(sum[:4])
+	}
+	if cfg.DefaultDiskBytes == 0 {
+		cfg.DefaultDiskBytes = 1 << 30
+	}
+	if cfg.NetPool == 0 {
+		cfg.NetPool = 64
+	}
+	if cfg.InitPool == 0 {
+		cfg.InitPool = 64
+	}
+	cfg.InitPool = max(cfg.InitPool, 0)
+	if cfg.FlattenDepth == 0 {
+		cfg.FlattenDepth = 16
+	}
+	return cfg, nil
+}
+
+// openStore makes the data directory the runtime's: locked against a
+// second runtime, its metadata tmpfs mounted, its directories, skeleton
+// layer and layer store in place. What needs undoing on a later failure
+// is added to cleanup.
+func (r *Runtime) openStore(cleanup *[]func()) error {
+	if err := os.MkdirAll(r.store, 0o700); err != nil {
+		return fmt.Errorf("creating data directory: %w", err)
+	}
+	lock, err := lockStore(r.store)
+	if errors.Is(err, ErrExists) {
+		return fmt.Errorf("%w; a second server needs a data directory of its own (--data DIR, or make run DATA=DIR)", err)
+	}
+	if err != nil {
+		return err
+	}
+	r.lock = lock
+	*cleanup = append(*cleanup, func() { lock.Close() })
+	if err := os.WriteFile(filepath.Join(r.store, cgroupRootFile), []byte(r.cfg.CgroupRoot+"\n"), 0o600); err != nil {
+		return fmt.Errorf("recording the cgroup root: %w", err)
+	}
+	if err := mountMeta(r.store); err != nil {
+		return err
+	}
+	for _, d := range []string{"images", "meta/checkpoints", "meta/sandboxes"} {
+		if err := os.MkdirAll(filepath.Join(r.store, d), 0o700); err != nil {
+			return fmt.Errorf("creating data directory: %w", err)
+		}
+	}
+	if r.skel, err = makeSkeleton(r.store); err != nil {
+		return err
+	}
+	if r.layers, err = layers.New(filepath.Join(r.store, "layers")); err != nil {
+		return err
+	}
+	return nil
+}
+
+// openCgroups opens the runtime's cgroup root, and turns on favordynmods
+// unless the configuration keeps the host's cgroup options.
+func (r *Runtime) openCgroups() error {
+	var err error
+	if r.cg, err = cgroup.New(cgroup.Config{Root: r.cfg.CgroupRoot}); err != nil {
+		return fmt.Errorf("opening cgroups: %w", err)
+	}
+	if r.cfg.KeepCgroupOptions {
+		return nil
+	}
+	if on, err := r.cg.FavorDynMods(); err != nil {
+		r.log.Warn("cgroups: favordynmods could not be turned on; moving a process between groups will wait for an RCU grace period now and then (5-15 ms)", "err", err)
+	} else if on {
+		r.log.Info("cgroups: turned on the cgroup2 option favordynmods, for the whole host: moving a process between groups no longer waits for an RCU grace period (keep-cgroup-options leaves it off)")
+	}
+	return nil
+}
+
+// openHost opens what every sandbox shares: the host's /dev/null, the
+// covers, the namespace spawner and the network pool. What needs undoing
+// on a later failure is added to cleanup.
+func (r *Runtime) openHost(cleanup *[]func()) error {
+	var err error
 	if r.devnull, err = os.OpenFile(os.DevNull, os.O_RDWR, 0); err != nil {
-		return fail(err)
+		return err
 	}
-	cleanup = append(cleanup, func() { r.devnull.Close() })
+	*cleanup = append(*cleanup, func() { r.devnull.Close() })
 	if r.covers, err = makeCovers(r.store); err != nil {
-		return fail(err)
+		return err
 	}
-	cleanup = append(cleanup, func() { r.covers.Close() })
-	if r.spawn, err = launch.NewSpawnNS(cfg.InitBinary); err != nil {
-		return fail(err)
+	*cleanup = append(*cleanup, func() { r.covers.Close() })
+	if r.spawn, err = launch.NewSpawnNS(r.cfg.InitBinary); err != nil {
+		return err
 	}
-	cleanup = append(cleanup, func() { r.spawn.Close() })
-	r.net = launch.NewNetPool(cfg.NetPool)
-	r.warm, r.warmKick = make(chan *warmInit, cfg.InitPool), make(chan struct{}, 1)
+	*cleanup = append(*cleanup, func() { r.spawn.Close() })
+	r.net = launch.NewNetPool(r.cfg.NetPool)
+	return nil
+}
+
+// startLoops starts the runtime's background loops: warm inits, huge-page
+// folding, and checkpoint expiry if checkpoints expire.
+func (r *Runtime) startLoops() {
+	r.warm, r.warmKick = make(chan *warmInit, r.cfg.InitPool), make(chan struct{}, 1)
 	r.wg.Add(1)
 	go r.warmLoop()
-	r.huge = make(chan hugeJob, hugeQueue)
+	r.folds = procstate.NewFolder(r.log)
 	r.wg.Add(1)
-	go r.hugeLoop()
-	if cfg.CheckpointTTL > 0 {
+	go func() {
+		defer r.wg.Done()
+		r.folds.Run(r.done)
+	}()
+	if r.cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()
 	}
-	return r, nil
 }
 
 // lockStore takes an exclusive lock on the data directory for the life of
@@ -628,8 +668,57 @@ func makeCovers(store string) (*overlay.Covers, error) {
 	return overlay.NewCovers(empty, launch.MovedMounts...)
 }
 
+// reconcile adopts what an earlier run left in the store: its images, the
+// checkpoints whose layers survived (and the layers they keep), the
+// templates of sandboxes that were live (readopt); everything else is
+// discarded, leftover cgroups included.
 func (r *Runtime) reconcile(ctx context.Context) error {
-	// Images.
+	if err := r.loadImages(); err != nil {
+		return err
+	}
+	keep, err := r.loadCheckpoints()
+	if err != nil {
+		return err
+	}
+	// Sandboxes that were live ended with the old server. After a crash,
+	// one whose checkpoints kept templates is still there (readopt.go):
+	// before its live root is discarded with the other layers, its
+	// templates are saved.
+	entries, err := os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		r.ended = append(r.ended, e.Name())
+		r.readopt(ctx, e.Name())
+		_ = os.Remove(r.sandboxRecordPath(e.Name()))
+	}
+	missing, err := r.layers.Reconcile(keep)
+	if err != nil {
+		return err
+	}
+	r.dropLost(missing)
+	sort.Strings(r.ended)
+	if len(r.ended) > 0 {
+		r.log.Info("the sandboxes of the previous run ended with it (warm-pool ones included)", "count", len(r.ended))
+	}
+	names, err := r.cg.List()
+	if err != nil {
+		return fmt.Errorf("listing leftover cgroups: %w", err)
+	}
+	for _, n := range names {
+		if err := r.cg.Remove(n); err != nil {
+			return fmt.Errorf("removing leftover cgroup %s: %w", n, err)
+		}
+	}
+	return nil
+}
+
+// loadImages adopts the imported images of the store; half-made imports
+// (hidden directories) are removed, unreadable images left out.
+func (r *Runtime) loadImages() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	entries, err := os.ReadDir(filepath.Join(r.store, "images"))
 	if err != nil {
 		return err
@@ -646,14 +735,23 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 		}
 		r.images[e.Name()] = &imageRec{info: imageInfo(e.Name(), im), layers: im.Layers, skel: !skeletonCovered(im.Layers)}
 	}
-	// Checkpoints, and the layers they keep.
-	keep := map[string]int{}
-	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "checkpoints"))
+	return nil
+}
+
+// loadCheckpoints adopts the recorded checkpoints of known images, and
+// returns the layers they keep, each with its number of references.
+// Unreadable records are removed.
+func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	keep = map[string]int{}
+	dir := filepath.Join(r.store, "meta", "checkpoints")
+	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	for _, e := range entries {
-		p := filepath.Join(r.store, "meta", "checkpoints", e.Name())
+		p := filepath.Join(dir, e.Name())
 		if !strings.HasSuffix(e.Name(), ".json") {
 			_ = os.Remove(p)
 			continue
@@ -669,7 +767,7 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 			continue
 		}
 		r.ckpts[c.ID] = &c
-		r.imageBytes.Add(c.imageBytes())
+		r.pimg.bytes.Add(c.imageBytes())
 		for _, l := range c.Layers {
 			keep[l]++
 		}
@@ -680,52 +778,29 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 			r.flat[stackKey(c.Layers)] = &c
 		}
 	}
-	// Sandboxes that were live ended with the old server. After a crash,
-	// one whose checkpoints kept templates is still there (readopt.go):
-	// before its live root is discarded with the other layers, its
-	// templates are saved.
-	entries, err = os.ReadDir(filepath.Join(r.store, "meta", "sandboxes"))
-	if err != nil {
-		return err
+	return keep, nil
+}
+
+// dropLost drops the checkpoints one of whose layers is among missing.
+func (r *Runtime) dropLost(missing []string) {
+	if len(missing) == 0 {
+		return
 	}
-	for _, e := range entries {
-		r.ended = append(r.ended, e.Name())
-		r.readopt(ctx, e.Name())
-		_ = os.Remove(r.sandboxRecordPath(e.Name()))
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	gone := map[string]bool{}
+	for _, l := range missing {
+		gone[l] = true
 	}
-	missing, err := r.layers.Reconcile(keep)
-	if err != nil {
-		return err
-	}
-	if len(missing) > 0 {
-		gone := map[string]bool{}
-		for _, l := range missing {
-			gone[l] = true
-		}
-		for id, c := range r.ckpts {
-			for _, l := range append(slices.Clone(c.Layers), c.Flat...) {
-				if gone[l] {
-					r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
-					r.dropCheckpointLocked(c, false)
-					break
-				}
+	for id, c := range r.ckpts {
+		for _, l := range append(slices.Clone(c.Layers), c.Flat...) {
+			if gone[l] {
+				r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
+				r.dropCheckpointLocked(c, false)
+				break
 			}
 		}
 	}
-	sort.Strings(r.ended)
-	if len(r.ended) > 0 {
-		r.log.Info("the sandboxes of the previous run ended with it (warm-pool ones included)", "count", len(r.ended))
-	}
-	names, err := r.cg.List()
-	if err != nil {
-		return fmt.Errorf("listing leftover cgroups: %w", err)
-	}
-	for _, n := range names {
-		if err := r.cg.Remove(n); err != nil {
-			return fmt.Errorf("removing leftover cgroup %s: %w", n, err)
-		}
-	}
-	return nil
 }
 
 // Ended returns the sandboxes that were live when the previous server
@@ -863,15 +938,17 @@ func (r *Runtime) ReleaseCheckpoint(id string) error {
 }
 
 // dropTemplatesLocked ends the process templates of c. Called with r.mu held.
+// +checklocks:r.mu
 func (r *Runtime) dropTemplatesLocked(c *checkpoint) {
 	if len(c.Procs) == 0 {
 		return
 	}
 	if s := r.sandboxes[c.SandboxID]; s != nil {
-		s.dropTemplates(c.ID)
+		s.procs.Drop(c.ID)
 	}
 }
 
+// +checklocks:r.mu
 func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	delete(r.ckpts, c.ID)
 	r.dropTemplatesLocked(c)
@@ -892,7 +969,7 @@ func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	_ = os.Remove(filepath.Join(r.store, "meta", "checkpoints", c.ID+".json"))
 	if len(c.Images) > 0 || len(c.Procs) > 0 {
 		_ = os.RemoveAll(r.criuDir(c.ID))
-		r.imageBytes.Add(-c.imageBytes())
+		r.pimg.bytes.Add(-c.imageBytes())
 	}
 	if unref {
 		for _, l := range c.Layers {
@@ -1112,7 +1189,7 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	}
 	r.mu.Lock()
 	r.ckpts[c.ID] = c
-	r.imageBytes.Add(c.imageBytes())
+	r.pimg.bytes.Add(c.imageBytes())
 	r.mu.Unlock()
 	return nil
 }
@@ -1231,7 +1308,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	}
 	r.closed = true
 	r.mu.Unlock()
-	r.imaging.Wait()
+	r.pimg.making.Wait()
 	r.mu.Lock()
 	live := make([]*Sandbox, 0, len(r.sandboxes))
 	for _, s := range r.sandboxes {

@@ -349,7 +349,7 @@ func checkServer(t *testing.T, s *sandbox.Sandbox, dir string, n int) {
 	}
 }
 
-func captured(t *testing.T, ck sandbox.CheckpointInfo, method string) {
+func captured(t *testing.T, ck sandbox.CheckpointInfo, method sandbox.CaptureMethod) {
 	t.Helper()
 	if len(ck.Processes) != 1 || ck.Processes[0].Command != "scprobe" || ck.Processes[0].Method != method {
 		t.Fatalf("captured %+v, want scprobe by %s", ck.Processes, method)
@@ -373,7 +373,7 @@ func TestSeccompTemplateCopies(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	captured(t, ck, "template")
+	captured(t, ck, sandbox.CaptureTemplate)
 	checkServer(t, s, "/tmp/p", 2)
 	for round := range 3 {
 		if err := s.Restore(ctx, ck.ID); err != nil {
@@ -405,7 +405,7 @@ func TestSeccompCRIU(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	captured(t, ck, "criu")
+	captured(t, ck, sandbox.CaptureCRIU)
 	checkServer(t, s, "/tmp/p", 2)
 	if err := s.Restore(ctx, ck.ID); err != nil {
 		t.Fatal(err)
@@ -422,7 +422,7 @@ func TestSeccompCRIU(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	captured(t, tck, "template")
+	captured(t, tck, sandbox.CaptureTemplate)
 	checkServer(t, s, "/tmp/p", 3)
 	kids, err = b.rt.Fork(ctx, tck.ID, 1, sandbox.Spec{})
 	if err != nil {

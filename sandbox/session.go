@@ -34,6 +34,7 @@ type out struct {
 // with $? on stdout and a sentinel on stderr. The sentinels carry a random
 // nonce per session, so no output can fake them.
 type session struct {
+	// +checklocks:mu
 	name    string
 	cg      *cgroup.Cgroup
 	hostPid int
@@ -42,9 +43,10 @@ type session struct {
 	stderr  *bufio.Reader
 	outF    *os.File
 	errF    *os.File
-	nonce   string
-	exited  chan struct{}
-	status  unix.WaitStatus // how the shell ended, once exited is closed
+	// +checklocks:mu
+	nonce  string
+	exited chan struct{}
+	status unix.WaitStatus // how the shell ended, once exited is closed
 
 	mu     sync.Mutex // one command at a time
 	broken bool
@@ -60,10 +62,10 @@ func (s *Sandbox) sessionExec(ctx context.Context, req ExecRequest) (ExecResult,
 		return ExecResult{}, fmt.Errorf("%w: session commands take no stdin", ErrInvalid)
 	}
 	gen, err := s.beginExec()
+	defer s.op.RUnlock()
 	if err != nil {
 		return ExecResult{}, err
 	}
-	defer s.op.RUnlock()
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}
@@ -191,23 +193,8 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 		return ExecResult{}, fmt.Errorf("%w: session %s has ended", ErrClosed, se.name)
 	}
 	tag := "__DG_" + se.nonce
-	script := ""
-	for _, kv := range req.Env {
-		k, v, _ := strings.Cut(kv, "=")
-		script += "export " + k + "=" + ansiC(v) + "; "
-	}
-	if req.Cwd != "" {
-		script += "cd " + ansiC(req.Cwd) + " && "
-	}
-	// The stderr sentinel goes first and the stdout one last: printing to
-	// stderr is a redirection that bash undoes (dup2 back from a saved fd)
-	// after it wrote, so a step that returned on its sentinel could leave
-	// bash in the middle of that undo, and a checkpoint taken then would
-	// capture the saved fd (procs.go replaces only 0, 1 and 2).
-	script += "eval " + ansiC(req.Command) + " </dev/null\n" +
-		"__dg_rc=$?; printf '\\n" + tag + "\\n' >&2; printf '\\n" + tag + "_RC=%d\\n' \"$__dg_rc\"\n"
 	start := time.Now()
-	if _, err := se.stdin.Write([]byte(script)); err != nil {
+	if _, err := se.stdin.Write([]byte(sessionScript(req, tag))); err != nil {
 		se.broken = true
 		return ExecResult{}, fmt.Errorf("%w: session %s has ended", ErrClosed, se.name)
 	}
@@ -222,9 +209,44 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 		errc <- out{d, t, 0, ok}
 	}()
 	res := ExecResult{Start: start, ExitCode: -1}
-	timer := time.NewTimer(req.Timeout)
+	o, e, err := se.await(ctx, gen, req.Timeout, &res, outc, errc)
+	if err != nil {
+		return res, err
+	}
+	res.Duration = time.Since(start)
+	res.Stdout, res.StdoutTruncated = o.data, o.truncated
+	res.Stderr, res.StderrTruncated = e.data, e.truncated
+	se.conclude(&res, o, e)
+	return res, nil
+}
+
+// sessionScript is what the shell is fed to run req: the command with its
+// environment and directory, then the sentinels tagged tag.
+func sessionScript(req ExecRequest, tag string) string {
+	script := ""
+	for _, kv := range req.Env {
+		k, v, _ := strings.Cut(kv, "=")
+		script += "export " + k + "=" + ansiC(v) + "; "
+	}
+	if req.Cwd != "" {
+		script += "cd " + ansiC(req.Cwd) + " && "
+	}
+	// The stderr sentinel goes first and the stdout one last: printing to
+	// stderr is a redirection that bash undoes (dup2 back from a saved fd)
+	// after it wrote, so a step that returned on its sentinel could leave
+	// bash in the middle of that undo, and a checkpoint taken then would
+	// capture the saved fd (procs.go replaces only 0, 1 and 2).
+	return script + "eval " + ansiC(req.Command) + " </dev/null\n" +
+		"__dg_rc=$?; printf '\\n" + tag + "\\n' >&2; printf '\\n" + tag + "_RC=%d\\n' \"$__dg_rc\"\n"
+}
+
+// await waits for both sentinels (or the streams' end). At the timeout it
+// ends what the shell runs (res.TimedOut), and a second later the shell
+// itself; an abort (ctx, or a restore or Destroy ending gen) breaks the
+// session and returns its error. Called with se.mu held.
+func (se *session) await(ctx, gen context.Context, timeout time.Duration, res *ExecResult, outc, errc chan out) (o, e out, err error) {
+	timer := time.NewTimer(timeout)
 	defer timer.Stop()
-	var o, e out
 	gotOut, gotErr := false, false
 	for !gotOut || !gotErr {
 		select {
@@ -246,21 +268,25 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 			}
 		case <-ctx.Done():
 			// The caller's own deadline or cancellation, not an abort by Restore or Destroy.
-			return res, se.abortRun(outc, errc, fmt.Errorf("session command cut short: %w", context.Cause(ctx)))
+			return o, e, se.abortRun(outc, errc, fmt.Errorf("session command cut short: %w", context.Cause(ctx)))
 		case <-gen.Done():
-			return res, se.abortRun(outc, errc, fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted))
+			return o, e, se.abortRun(outc, errc, fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted))
 		}
 	}
-	res.Duration = time.Since(start)
-	res.Stdout, res.StdoutTruncated = o.data, o.truncated
-	res.Stderr, res.StderrTruncated = e.data, e.truncated
+	return o, e, nil
+}
+
+// conclude sets how the command ended from its sentinels' replies o and e:
+// its status, a timeout's SIGKILL, or, if the shell itself ended (the
+// command ran `exit`, say), how the shell did, which breaks the session.
+// Called with se.mu held.
+func (se *session) conclude(res *ExecResult, o, e out) {
 	if !o.ok || !e.ok {
 		se.broken = true
 		if res.TimedOut {
 			res.Signal = "SIGKILL"
-			return res, nil
+			return
 		}
-		// The shell ended (the command ran `exit`, say): report how.
 		res.ExitCode = 0
 		select {
 		case <-se.exited:
@@ -271,11 +297,11 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 			}
 		case <-time.After(200 * time.Millisecond):
 		}
-		return res, nil
+		return
 	}
 	if res.TimedOut {
 		res.Signal = "SIGKILL"
-		return res, nil
+		return
 	}
 	res.ExitCode = o.rc
 	if o.rc > 128 {
@@ -283,7 +309,6 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 		res.ExitCode = -1
 		res.Signal = signalName(o.rc - 128)
 	}
-	return res, nil
 }
 
 func (se *session) abortRun(outc, errc chan out, err error) error {

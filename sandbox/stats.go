@@ -7,4 +7,4 @@ func (r *Runtime) DiscardBacklog() int { return r.layers.Pending() }
 
 // CheckpointBytes returns the bytes charged to the checkpoint budget: every
 // sealed layer and every checkpoint's CRIU images.
-func (r *Runtime) CheckpointBytes() int64 { return r.layers.SealedBytes() + r.imageBytes.Load() }
+func (r *Runtime) CheckpointBytes() int64 { return r.layers.SealedBytes() + r.pimg.bytes.Load() }

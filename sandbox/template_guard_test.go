@@ -86,7 +86,7 @@ func TestTemplateGuard(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(ck.Processes) != 1 || ck.Processes[0].Method != "template" {
+	if len(ck.Processes) != 1 || ck.Processes[0].Method != sandbox.CaptureTemplate {
 		t.Fatalf("captured %+v", ck.Processes)
 	}
 	// The live process and its template: the agent may change its own

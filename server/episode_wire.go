@@ -101,7 +101,7 @@ func checkpointResponse(r episode.CheckpointResult) *deltagymv1.CheckpointRespon
 	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: r.Durable}
 	for _, p := range info.Processes {
 		m := deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
-		if p.Method == "criu" {
+		if p.Method == sandbox.CaptureCRIU {
 			m = deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
 		}
 		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: m, Reason: p.Reason})

@@ -58,12 +58,12 @@ func TestCodeOfPrecedence(t *testing.T) {
 	}{
 		{"an abort over what the call returned", fmt.Errorf("%w: %w", envpool.ErrAborted, episode.ErrEpisodeEnded), connect.CodeAborted},
 		{"an abort over a closed sandbox", fmt.Errorf("%w: %w", envpool.ErrAborted, sandbox.ErrClosed), connect.CodeAborted},
-		{"an env not ready for want of its image", fmt.Errorf("env e: %w: %w", fmt.Errorf("image: %w", sandbox.ErrNotFound), envpool.ErrNotReady),
+		{"an env not ready for want of its image", causedBy{envpool.ErrNotReady, fmt.Errorf("image: %w", sandbox.ErrNotFound)},
 			connect.CodeFailedPrecondition},
-		{"an env not ready, its cause classed", fmt.Errorf("env e: %w: %w", errdefs.ErrNotFound, envpool.ErrNotReady), connect.CodeFailedPrecondition},
-		{"unauthenticated over an old sentinel", fmt.Errorf("%w: %w", ErrUnauthenticated, sandbox.ErrNotFound), connect.CodeUnauthenticated},
-		{"a classed abort over an old sentinel", fmt.Errorf("%w: %w", errdefs.ErrAborted, sandbox.ErrInvalid), connect.CodeAborted},
-		{"not found over invalid", fmt.Errorf("%w: %w", errdefs.ErrInvalidArgument, errdefs.ErrNotFound), connect.CodeNotFound},
+		{"an env not ready, its cause classed", causedBy{envpool.ErrNotReady, errdefs.ErrNotFound}, connect.CodeFailedPrecondition},
+		{"unauthenticated over not found", fmt.Errorf("%w: %w", ErrUnauthenticated, sandbox.ErrNotFound), connect.CodeUnauthenticated},
+		{"an abort over invalid", fmt.Errorf("%w: %w", errdefs.ErrAborted, sandbox.ErrInvalid), connect.CodeAborted},
+		{"the class nearest the top", fmt.Errorf("%w: %w", errdefs.ErrInvalidArgument, fmt.Errorf("lookup: %w", errdefs.ErrNotFound)), connect.CodeInvalidArgument},
 		{"deadline", fmt.Errorf("exec: %w", context.DeadlineExceeded), connect.CodeDeadlineExceeded},
 		{"cancelled", fmt.Errorf("exec: %w", context.Canceled), connect.CodeCanceled},
 		{"a connect error", connect.NewError(connect.CodeOutOfRange, errors.New("x")), connect.CodeOutOfRange},
@@ -93,3 +93,10 @@ func TestToConnect(t *testing.T) {
 		t.Fatalf("runtime's error: %v", got)
 	}
 }
+
+// causedBy is an error of its own kind with a cause, as envpool's not-ready errors are: it
+// unwraps to itself first, then to the cause.
+type causedBy struct{ own, cause error }
+
+func (e causedBy) Error() string   { return e.own.Error() + ": " + e.cause.Error() }
+func (e causedBy) Unwrap() []error { return []error{e.own, e.cause} }

@@ -37,28 +37,28 @@ var (
 var Classes = []error{ErrInvalidArgument, ErrNotFound, ErrAlreadyExists, ErrFailedPrecondition,
 	ErrResourceExhausted, ErrAborted, ErrUnavailable, ErrUnauthenticated, ErrInternal}
 
-// Class returns the class err wraps nearest its top: the unwrap tree is walked breadth first,
-// left to right, so that an error that wraps its own class and, as its cause, an error of
-// another class (an env not ready because its image is not found) has its own class. nil
-// when it wraps none.
+// Class returns the first class met by a walk of err's unwrap tree in the order errors.Is
+// walks it: depth first, left to right. Along one chain that is the class nearest the top; an
+// error that joins its own kind and a cause (fmt.Errorf("%w: %w", ErrNotReady, cause)) lists
+// its own kind first, so that it keeps its class whatever the cause's (an env not ready for
+// want of its image is FailedPrecondition, not NotFound). nil when it wraps none.
 func Class(err error) error {
-	queue := []error{err}
-	for len(queue) > 0 {
-		e := queue[0]
-		queue = queue[1:]
-		if e == nil {
-			continue
+	if err == nil {
+		return nil
+	}
+	for _, c := range Classes {
+		if err == c {
+			return c
 		}
-		for _, c := range Classes {
-			if e == c {
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		return Class(u.Unwrap())
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			if c := Class(e); c != nil {
 				return c
 			}
-		}
-		switch u := e.(type) {
-		case interface{ Unwrap() error }:
-			queue = append(queue, u.Unwrap())
-		case interface{ Unwrap() []error }:
-			queue = append(queue, u.Unwrap()...)
 		}
 	}
 	return nil

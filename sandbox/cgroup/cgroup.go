@@ -1033,6 +1033,7 @@ type Events struct{ openFile }
 // and the lock its users hold around it.
 type openFile struct {
 	mu sync.Mutex
+	// +checklocks:mu
 	fd int
 }
 

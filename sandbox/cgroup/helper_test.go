@@ -278,7 +278,8 @@ func (h *helper) pid() int { return h.cmd.Process.Pid }
 // syncBuffer collects a child's stderr while the test may read it.
 type syncBuffer struct {
 	mu sync.Mutex
-	b  strings.Builder
+	// +checklocks:mu
+	b strings.Builder
 }
 
 func (s *syncBuffer) Write(p []byte) (int, error) {

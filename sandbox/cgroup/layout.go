@@ -182,35 +182,9 @@ func v2Controllers(root string) map[string]bool {
 // hybrid host's cgroup2 hierarchy).
 func detect(base string, force Mode) (*layout, error) {
 	l := &layout{ctrl: map[string]string{}, ctrlV2: map[string]bool{}}
-	var v2root string
-	switch cgroups.Mode() {
-	case cgroups.Unified:
-		v2root = mountRoot
-		l.mode = ModeUnified
-	case cgroups.Hybrid:
-		v2root = filepath.Join(mountRoot, "unified")
-		l.mode = ModeHybrid
-	case cgroups.Legacy:
-		l.mode = ModeLegacy
-	default:
-		return nil, fmt.Errorf("detecting cgroup layout: %w", ErrNoCgroups)
-	}
-	if force != 0 {
-		switch {
-		case force == ModeLegacy:
-			v2root = ""
-		case force == ModeUnified && v2root != "":
-		case force == l.mode:
-		default:
-			return nil, fmt.Errorf("forcing layout %s on a %s host: %w", force, l.mode, ErrNoCgroups)
-		}
-		l.mode = force
-	}
-	if v2root != "" && !supportsKill(v2root, base) {
-		if l.mode == ModeUnified && force == 0 {
-			return nil, fmt.Errorf("cgroup2 at %s lacks cgroup.kill (kernel < 5.14): %w", v2root, ErrNoCgroups)
-		}
-		v2root, l.mode = "", ModeLegacy
+	v2root, err := l.detectMode(base, force)
+	if err != nil {
+		return nil, err
 	}
 	l.v2 = v2root
 	avail := map[string]bool{}
@@ -240,6 +214,42 @@ func detect(base string, force Mode) (*layout, error) {
 		}
 	}
 	return l, nil
+}
+
+// detectMode sets l.mode, the host's layout as force restricts it, and
+// returns the root of the cgroup2 hierarchy the layout uses ("" for none:
+// legacy, or a cgroup2 without cgroup.kill on a hybrid host).
+func (l *layout) detectMode(base string, force Mode) (v2root string, err error) {
+	switch cgroups.Mode() {
+	case cgroups.Unified:
+		v2root = mountRoot
+		l.mode = ModeUnified
+	case cgroups.Hybrid:
+		v2root = filepath.Join(mountRoot, "unified")
+		l.mode = ModeHybrid
+	case cgroups.Legacy:
+		l.mode = ModeLegacy
+	default:
+		return "", fmt.Errorf("detecting cgroup layout: %w", ErrNoCgroups)
+	}
+	if force != 0 {
+		switch {
+		case force == ModeLegacy:
+			v2root = ""
+		case force == ModeUnified && v2root != "":
+		case force == l.mode:
+		default:
+			return "", fmt.Errorf("forcing layout %s on a %s host: %w", force, l.mode, ErrNoCgroups)
+		}
+		l.mode = force
+	}
+	if v2root != "" && !supportsKill(v2root, base) {
+		if l.mode == ModeUnified && force == 0 {
+			return "", fmt.Errorf("cgroup2 at %s lacks cgroup.kill (kernel < 5.14): %w", v2root, ErrNoCgroups)
+		}
+		v2root, l.mode = "", ModeLegacy
+	}
+	return v2root, nil
 }
 
 // supportsKill reports whether non-root groups of the cgroup2 mount at root

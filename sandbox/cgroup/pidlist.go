@@ -30,10 +30,13 @@ import (
 // (relative to the kept directory): v1 answers a re-read of an open
 // cgroup.procs from the list it built at the first read, for up to a second.
 type PidList struct {
-	mu   sync.Mutex
-	c    *Cgroup
+	mu sync.Mutex
+	// +checklocks:mu
+	c *Cgroup
+	// +checklocks:mu
 	root *pidDir
-	buf  []byte
+	// +checklocks:mu
+	buf []byte
 }
 
 // pidDir is one group's directory and cgroup.procs (-1 on v1), and its
@@ -107,6 +110,7 @@ func (l *PidList) Pids() ([]int, error) {
 }
 
 // walk appends the processes of d and its sub-groups to out.
+// +checklocks:l.mu
 func (l *PidList) walk(d *pidDir, out []int) ([]int, error) {
 	b, err := l.procsOf(d)
 	if err != nil {
@@ -143,6 +147,7 @@ func (l *PidList) walk(d *pidDir, out []int) ([]int, error) {
 // walkKid appends the processes of d's sub-group name, opened if new. A
 // sub-group removed since is skipped; one found removed and made again under
 // its name is opened again.
+// +checklocks:l.mu
 func (l *PidList) walkKid(d *pidDir, name string, out []int) ([]int, error) {
 	for try := 0; try < 2; try++ {
 		k := d.kids[name]
@@ -170,6 +175,7 @@ func (l *PidList) walkKid(d *pidDir, name string, out []int) ([]int, error) {
 }
 
 // procsOf reads the cgroup.procs of d.
+// +checklocks:l.mu
 func (l *PidList) procsOf(d *pidDir) ([]byte, error) {
 	if d.procs >= 0 {
 		return l.read(d.procs)
@@ -183,6 +189,7 @@ func (l *PidList) procsOf(d *pidDir) ([]byte, error) {
 }
 
 // read reads the whole of the control file fd from its start.
+// +checklocks:l.mu
 func (l *PidList) read(fd int) ([]byte, error) {
 	n := 0
 	for {
@@ -204,6 +211,7 @@ func (l *PidList) read(fd int) ([]byte, error) {
 }
 
 // subdirs lists the sub-directories of the directory fd, from its start.
+// +checklocks:l.mu
 func (l *PidList) subdirs(fd int) ([]string, error) {
 	if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
 		return nil, err

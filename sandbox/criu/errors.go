@@ -1,14 +1,18 @@
 package criu
 
-import "errors"
+import (
+	"fmt"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
 
 var (
 	// ErrNotInstalled means no CRIU wrapper was found: run `make criu` or set DELTAGYM_CRIU.
-	ErrNotInstalled = errors.New("criu is not installed")
+	ErrNotInstalled = fmt.Errorf("criu is not installed: %w", errdefs.ErrUnavailable)
 	// ErrInvalidConfig means a Config or an options struct failed validation.
-	ErrInvalidConfig = errors.New("invalid criu config")
+	ErrInvalidConfig = fmt.Errorf("invalid criu config: %w", errdefs.ErrInvalidArgument)
 	// ErrClosed means the Service was used after Close.
-	ErrClosed = errors.New("criu service is closed")
+	ErrClosed = fmt.Errorf("criu service is closed: %w", errdefs.ErrUnavailable)
 	// ErrRequest means CRIU answered a request with a failure; its log holds the reason.
-	ErrRequest = errors.New("criu request failed")
+	ErrRequest = fmt.Errorf("criu request failed: %w", errdefs.ErrInternal)
 )

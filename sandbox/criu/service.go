@@ -49,7 +49,8 @@ type Service struct {
 	exited  chan struct{}
 	waitErr error
 
-	mu     sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	closed bool
 }
 

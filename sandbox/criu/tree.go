@@ -551,8 +551,8 @@ func CgroupDirs(pid int) ([]string, error) {
 			continue
 		}
 		var base string
-		switch {
-		case f[1] == "":
+		switch f[1] {
+		case "":
 			base = "/sys/fs/cgroup/unified"
 			if _, err := os.Stat(base); err != nil {
 				base = "/sys/fs/cgroup"

@@ -1,27 +1,31 @@
 package image
 
-import "errors"
+import (
+	"fmt"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
 
 var (
 	// ErrUnknownFormat means the source is neither an OCI image layout, a docker save tarball
 	// nor a directory.
-	ErrUnknownFormat = errors.New("unknown image format")
+	ErrUnknownFormat = fmt.Errorf("unknown image format: %w", errdefs.ErrInvalidArgument)
 	// ErrInvalidImage means the source has the right shape but its index, manifest or config
 	// is malformed, missing, or names more than one image.
-	ErrInvalidImage = errors.New("invalid image")
+	ErrInvalidImage = fmt.Errorf("invalid image: %w", errdefs.ErrInvalidArgument)
 	// ErrDigestMismatch means a blob or layer does not hash to the digest that names it.
-	ErrDigestMismatch = errors.New("digest mismatch")
+	ErrDigestMismatch = fmt.Errorf("digest mismatch: %w", errdefs.ErrInvalidArgument)
 	// ErrUnsafePath means a layer entry would be written outside the layer directory: an
 	// absolute name, a ".." component, or a path through a symlink.
-	ErrUnsafePath = errors.New("unsafe path in layer")
+	ErrUnsafePath = fmt.Errorf("unsafe path in layer: %w", errdefs.ErrInvalidArgument)
 	// ErrUnsupportedCompression means a layer is compressed with something other than gzip.
-	ErrUnsupportedCompression = errors.New("unsupported layer compression")
+	ErrUnsupportedCompression = fmt.Errorf("unsupported layer compression: %w", errdefs.ErrInvalidArgument)
 	// ErrUnsupportedEntry means a layer holds a tar entry type that cannot be reproduced.
-	ErrUnsupportedEntry = errors.New("unsupported tar entry")
+	ErrUnsupportedEntry = fmt.Errorf("unsupported tar entry: %w", errdefs.ErrInvalidArgument)
 	// ErrDirNotEmpty means the destination of an import is not an empty directory.
-	ErrDirNotEmpty = errors.New("import directory is not empty")
+	ErrDirNotEmpty = fmt.Errorf("import directory is not empty: %w", errdefs.ErrAlreadyExists)
 	// ErrTooLarge means an import would write more than its cap (WithMaxBytes).
-	ErrTooLarge = errors.New("image too large")
+	ErrTooLarge = fmt.Errorf("image too large: %w", errdefs.ErrResourceExhausted)
 	// ErrNotImported means a directory holds no completed import.
-	ErrNotImported = errors.New("no imported image")
+	ErrNotImported = fmt.Errorf("no imported image: %w", errdefs.ErrNotFound)
 )

@@ -136,56 +136,14 @@ func (w *layerWriter) apply(hdr *tar.Header, r io.Reader) error {
 	return nil
 }
 
+// write makes the entry hdr (contents r) as base in directory pfd, name
+// being its path in the layer, by its type.
 func (w *layerWriter) write(pfd int, base, name string, hdr *tar.Header, r io.Reader) error {
 	switch hdr.Typeflag {
 	case tar.TypeDir:
-		var st unix.Stat_t
-		err := unix.Fstatat(pfd, base, &st, unix.AT_SYMLINK_NOFOLLOW)
-		switch {
-		case err == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR:
-			// Keep it (and its contents, and an opaque mark); only its metadata changes.
-		case err == nil || errors.Is(err, unix.ENOENT):
-			// Replace a non-directory, or make a new one.
-			if err := removeExisting(pfd, base); err != nil {
-				return err
-			}
-			if err := unix.Mkdirat(pfd, base, 0o700); err != nil {
-				return fmt.Errorf("creating directory: %w", err)
-			}
-		default:
-			return err
-		}
-		if err := w.setMeta(pfd, base, hdr, false); err != nil {
-			return err
-		}
-		w.dirTimes = append(w.dirTimes, dirTime{name: name, atime: hdr.AccessTime, mtime: hdr.ModTime})
-		return nil
+		return w.writeDir(pfd, base, name, hdr)
 	case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // old tars still use TypeRegA
-		if err := w.budget.take(hdr.Size); err != nil {
-			return err
-		}
-		if err := removeExisting(pfd, base); err != nil {
-			return err
-		}
-		fd, err := unix.Openat(pfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
-		if err != nil {
-			return fmt.Errorf("creating file: %w", err)
-		}
-		f := os.NewFile(uintptr(fd), name)
-		defer f.Close()
-		// A tar reader writes a sparse file's holes as holes (its WriteTo seeks); a rootfs copy
-		// hands a reader cut at the size it listed.
-		n, err := io.Copy(f, r)
-		if err != nil {
-			return fmt.Errorf("copying contents: %w", err)
-		}
-		if n != hdr.Size {
-			return fmt.Errorf("copied %d bytes of %d", n, hdr.Size)
-		}
-		if err := w.setMeta(pfd, base, hdr, false); err != nil {
-			return err
-		}
-		return f.Close()
+		return w.writeFile(pfd, base, name, hdr, r)
 	case tar.TypeSymlink:
 		if hdr.Linkname == "" {
 			return fmt.Errorf("symlink with an empty target: %w", ErrUnsupportedEntry)
@@ -198,26 +156,7 @@ func (w *layerWriter) write(pfd int, base, name string, hdr *tar.Header, r io.Re
 		}
 		return w.setMeta(pfd, base, hdr, false)
 	case tar.TypeLink:
-		target, err := cleanEntryName(hdr.Linkname)
-		if err != nil {
-			return fmt.Errorf("hardlink target: %w", err)
-		}
-		if target == "." || target == name {
-			return fmt.Errorf("hardlink to %q: %w", hdr.Linkname, ErrUnsupportedEntry)
-		}
-		tfd, tbase, err := w.parent(target, false)
-		if err != nil {
-			return fmt.Errorf("hardlink target: %w", err)
-		}
-		defer unix.Close(tfd)
-		if err := removeExisting(pfd, base); err != nil {
-			return err
-		}
-		// Flags 0: a symlink target is linked itself, never followed.
-		if err := unix.Linkat(tfd, tbase, pfd, base, 0); err != nil {
-			return fmt.Errorf("hardlinking to %s: %w", target, err)
-		}
-		return nil
+		return w.writeLink(pfd, base, name, hdr)
 	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
 		mode := map[byte]uint32{tar.TypeChar: unix.S_IFCHR, tar.TypeBlock: unix.S_IFBLK, tar.TypeFifo: unix.S_IFIFO}[hdr.Typeflag]
 		if err := removeExisting(pfd, base); err != nil {
@@ -231,6 +170,89 @@ func (w *layerWriter) write(pfd int, base, name string, hdr *tar.Header, r io.Re
 	default:
 		return fmt.Errorf("entry type %q: %w", hdr.Typeflag, ErrUnsupportedEntry)
 	}
+}
+
+// writeDir makes a directory entry: a directory already there keeps its
+// contents (and an opaque mark) and takes the entry's metadata; anything
+// else there is replaced. Its times are set last (dirTimes), once its
+// contents are written.
+func (w *layerWriter) writeDir(pfd int, base, name string, hdr *tar.Header) error {
+	var st unix.Stat_t
+	err := unix.Fstatat(pfd, base, &st, unix.AT_SYMLINK_NOFOLLOW)
+	switch {
+	case err == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR:
+		// Keep it (and its contents, and an opaque mark); only its metadata changes.
+	case err == nil || errors.Is(err, unix.ENOENT):
+		// Replace a non-directory, or make a new one.
+		if err := removeExisting(pfd, base); err != nil {
+			return err
+		}
+		if err := unix.Mkdirat(pfd, base, 0o700); err != nil {
+			return fmt.Errorf("creating directory: %w", err)
+		}
+	default:
+		return err
+	}
+	if err := w.setMeta(pfd, base, hdr, false); err != nil {
+		return err
+	}
+	w.dirTimes = append(w.dirTimes, dirTime{name: name, atime: hdr.AccessTime, mtime: hdr.ModTime})
+	return nil
+}
+
+// writeFile makes a regular file of exactly hdr.Size bytes read from r,
+// within the import's budget.
+func (w *layerWriter) writeFile(pfd int, base, name string, hdr *tar.Header, r io.Reader) error {
+	if err := w.budget.take(hdr.Size); err != nil {
+		return err
+	}
+	if err := removeExisting(pfd, base); err != nil {
+		return err
+	}
+	fd, err := unix.Openat(pfd, base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("creating file: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	defer f.Close()
+	// A tar reader writes a sparse file's holes as holes (its WriteTo seeks); a rootfs copy
+	// hands a reader cut at the size it listed.
+	n, err := io.Copy(f, r)
+	if err != nil {
+		return fmt.Errorf("copying contents: %w", err)
+	}
+	if n != hdr.Size {
+		return fmt.Errorf("copied %d bytes of %d", n, hdr.Size)
+	}
+	if err := w.setMeta(pfd, base, hdr, false); err != nil {
+		return err
+	}
+	return f.Close()
+}
+
+// writeLink makes a hard link to an entry written before, in the layer;
+// a link to a symlink links the symlink itself.
+func (w *layerWriter) writeLink(pfd int, base, name string, hdr *tar.Header) error {
+	target, err := cleanEntryName(hdr.Linkname)
+	if err != nil {
+		return fmt.Errorf("hardlink target: %w", err)
+	}
+	if target == "." || target == name {
+		return fmt.Errorf("hardlink to %q: %w", hdr.Linkname, ErrUnsupportedEntry)
+	}
+	tfd, tbase, err := w.parent(target, false)
+	if err != nil {
+		return fmt.Errorf("hardlink target: %w", err)
+	}
+	defer unix.Close(tfd)
+	if err := removeExisting(pfd, base); err != nil {
+		return err
+	}
+	// Flags 0: a symlink target is linked itself, never followed.
+	if err := unix.Linkat(tfd, tbase, pfd, base, 0); err != nil {
+		return fmt.Errorf("hardlinking to %s: %w", target, err)
+	}
+	return nil
 }
 
 // whiteout converts an OCI whiteout entry: ".wh..wh..opq" marks its directory opaque,

@@ -50,14 +50,21 @@ type Conn struct {
 	sock *os.File
 	wmu  sync.Mutex // serialises sends and the order of pending replies
 
-	mu      sync.Mutex
-	nextID  uint32
+	mu sync.Mutex
+	// nextID is taken with wmu held too, so that replies come in its
+	// order.
+	// +checklocks:mu
+	// +checklocks:wmu
+	nextID uint32
+	// +checklocks:mu
 	pending map[uint32]pendingCall
 	// waiters holds a buffered channel per spawned pid, registered by the
 	// reader when the spawn reply arrives, before it can see that pid's exit.
+	// +checklocks:mu
 	waiters map[int]chan ExitEvent
-	closed  bool
-	done    chan struct{}
+	// +checklocks:mu
+	closed bool
+	done   chan struct{}
 }
 
 type pendingCall struct {

@@ -246,7 +246,8 @@ type Init struct {
 	detached chan error
 	// gone is closed once the previous swap's old root is detached.
 	goneMu sync.Mutex
-	gone   chan struct{}
+	// +checklocks:goneMu
+	gone chan struct{}
 }
 
 // MovedMounts are the mounts of a sandbox's namespace that Swap moves onto

@@ -33,14 +33,7 @@ import (
 var (
 	seedFirst = flag.Uint64("layers.seed", 1, "first seed of the layer store's property tests")
 	seedCount = flag.Int("layers.seeds", envInt("DELTAGYM_LAYERS_SEEDS", 20), "number of seeds of the layer store's property tests (default $DELTAGYM_LAYERS_SEEDS, else 20)")
-	strict    = flag.Bool("layers.strict", false, "hold merged directories' xattrs to the stack's exactly (see mergeKeepsDirXattrs)")
 )
-
-// mergeKeepsDirXattrs: Merge sets a directory's xattrs from each layer's copy of it in turn and
-// removes none, so a merged directory keeps xattrs that only a lower copy of it had, which the
-// stack hides. Unless -layers.strict, the comparison of a merged view tolerates exactly that: a
-// directory's xattrs a superset of the stack's.
-const mergeKeepsDirXattrs = true
 
 func envInt(name string, def int) int {
 	if n, err := strconv.Atoi(os.Getenv(name)); err == nil && n > 0 {
@@ -240,9 +233,6 @@ func TestConformanceMergeIsTheStack(t *testing.T) {
 		got := snapshot(t, mountStack(t, []string{s.Path(base), s.Path(merged)}), false)
 		if len(got.ghosts) > 0 {
 			t.Errorf("the merged view lists names it has not (whiteouts kept where they hide nothing): %v", got.ghosts)
-		}
-		if mergeKeepsDirXattrs && !*strict {
-			tolerateDirXattrs(want, got)
 		}
 		if d := want.diff(got, false); len(d) > 0 {
 			t.Fatalf("the merged layer's view differs from the stack's (%d layers):\n%s", len(ids), strings.Join(d, "\n"))
@@ -670,19 +660,4 @@ func (tr *tree) diff(other *tree, rootTimes bool) []string {
 		}
 	}
 	return out
-}
-
-// tolerateDirXattrs gives got's directories want's xattrs where got's hold all of want's.
-func tolerateDirXattrs(want, got *tree) {
-	for p, a := range want.entries {
-		b, ok := got.entries[p]
-		if !ok || a.typ != unix.S_IFDIR || b.typ != unix.S_IFDIR {
-			continue
-		}
-		has := strings.Fields(b.xattrs)
-		if !slices.ContainsFunc(strings.Fields(a.xattrs), func(x string) bool { return !slices.Contains(has, x) }) {
-			b.xattrs = a.xattrs
-			got.entries[p] = b
-		}
-	}
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -51,7 +52,7 @@ type merger struct {
 func (m *merger) hidesSomething(rel string) bool {
 	for _, b := range m.below {
 		var st unix.Stat_t
-		if unix.Lstat(filepath.Join(b, rel), &st) == nil && !(st.Mode&unix.S_IFMT == unix.S_IFCHR && st.Rdev == 0) {
+		if unix.Lstat(filepath.Join(b, rel), &st) == nil && (st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != 0) {
 			return true
 		}
 	}
@@ -68,79 +69,115 @@ func mergeDir(m *merger, srcRoot, dstRoot, rel string, links map[[2]uint64]strin
 		return err
 	}
 	for _, e := range entries {
-		p := filepath.Join(rel, e.Name())
-		src := filepath.Join(srcRoot, p)
-		dst := filepath.Join(dstRoot, p)
-		var st unix.Stat_t
-		if err := unix.Lstat(src, &st); err != nil {
+		me := mergeEntry{m: m, srcRoot: srcRoot, dstRoot: dstRoot, rel: filepath.Join(rel, e.Name()), links: links, inOpaque: inOpaque}
+		if err := me.merge(); err != nil {
 			return err
 		}
-		var dt unix.Stat_t
-		dstErr := unix.Lstat(dst, &dt)
-		dstExists := dstErr == nil
-		switch st.Mode & unix.S_IFMT {
-		case unix.S_IFCHR:
-			if st.Rdev == 0 { // whiteout
-				if err := removeAll(dst, dstExists); err != nil {
-					return err
-				}
-				if inOpaque || !m.hidesSomething(p) {
-					continue
-				}
-				if err := unix.Mknod(dst, unix.S_IFCHR|0o000, 0); err != nil {
-					return err
-				}
-				if err := copyMeta(src, dst, &st, false); err != nil {
-					return err
-				}
-				continue
-			}
-		case unix.S_IFDIR:
-			srcOpaque := isOpaque(src)
-			dstDir := dstExists && dt.Mode&unix.S_IFMT == unix.S_IFDIR
-			// Below a whiteout or an opaque dir, nothing of the lower
-			// stack shows through: keep it hidden.
-			opaque := srcOpaque || (dstExists && !dstDir) || (dstDir && isOpaque(dst))
-			if srcOpaque || (dstExists && !dstDir) {
-				if err := removeAll(dst, dstExists); err != nil {
-					return err
-				}
-				dstDir = false
-			}
-			if !dstDir {
-				if err := unix.Mkdir(dst, 0o700); err != nil {
-					return err
-				}
-			}
-			if err := mergeDir(m, srcRoot, dstRoot, p, links, inOpaque || opaque); err != nil {
-				return err
-			}
-			if err := copyMeta(src, dst, &st, false); err != nil {
-				return err
-			}
-			if opaque {
-				if err := unix.Lsetxattr(dst, opaqueXattr, []byte("y"), 0); err != nil {
-					return err
-				}
-			}
-			continue
+	}
+	return nil
+}
+
+// mergeEntry is one entry of a layer merged onto the layer below it.
+type mergeEntry struct {
+	m                *merger
+	srcRoot, dstRoot string
+	rel              string
+	links            map[[2]uint64]string // first name merged of each hard-linked file
+	inOpaque         bool                 // under an opaque directory or a whiteout
+	src, dst         string
+	st, dt           unix.Stat_t // of src; of dst if dstExists
+	dstExists        bool
+}
+
+// merge puts the entry at its place in the destination: a whiteout kept
+// only where it hides something, a directory merged into the one there,
+// anything else copied over what is there (or linked to its first name).
+func (e *mergeEntry) merge() error {
+	e.src = filepath.Join(e.srcRoot, e.rel)
+	e.dst = filepath.Join(e.dstRoot, e.rel)
+	if err := unix.Lstat(e.src, &e.st); err != nil {
+		return err
+	}
+	e.dstExists = unix.Lstat(e.dst, &e.dt) == nil
+	switch e.st.Mode & unix.S_IFMT {
+	case unix.S_IFCHR:
+		if e.st.Rdev == 0 {
+			return e.whiteout()
 		}
-		if err := removeAll(dst, dstExists); err != nil {
+	case unix.S_IFDIR:
+		return e.dir()
+	}
+	return e.file()
+}
+
+// whiteout removes what the destination has at the entry, and keeps the
+// whiteout itself only if a layer below still has something there.
+func (e *mergeEntry) whiteout() error {
+	if err := removeAll(e.dst, e.dstExists); err != nil {
+		return err
+	}
+	if e.inOpaque || !e.m.hidesSomething(e.rel) {
+		return nil
+	}
+	if err := unix.Mknod(e.dst, unix.S_IFCHR, 0); err != nil {
+		return err
+	}
+	return copyMeta(e.src, e.dst, &e.st, false)
+}
+
+// dir merges a directory into the destination's, replacing what is there
+// if it is not a directory or the source is opaque.
+func (e *mergeEntry) dir() error {
+	srcOpaque := isOpaque(e.src)
+	dstDir := e.dstExists && e.dt.Mode&unix.S_IFMT == unix.S_IFDIR
+	// Below a whiteout or an opaque dir, nothing of the lower stack shows
+	// through: keep it hidden.
+	opaque := srcOpaque || (e.dstExists && !dstDir) || (dstDir && isOpaque(e.dst))
+	if srcOpaque || (e.dstExists && !dstDir) {
+		if err := removeAll(e.dst, e.dstExists); err != nil {
 			return err
 		}
-		key := [2]uint64{st.Dev, st.Ino}
-		if first, ok := links[key]; ok && st.Nlink > 1 {
-			if err := unix.Link(filepath.Join(dstRoot, first), dst); err != nil {
-				return err
-			}
-			continue
-		}
-		if err := copyEntry(src, dst, &st, false); err != nil {
+		dstDir = false
+	}
+	if !dstDir {
+		if err := unix.Mkdir(e.dst, 0o700); err != nil {
 			return err
 		}
-		if st.Nlink > 1 {
-			links[key] = p
+	}
+	if err := mergeDir(e.m, e.srcRoot, e.dstRoot, e.rel, e.links, e.inOpaque || opaque); err != nil {
+		return err
+	}
+	// overlayfs shows a merged directory with the upper copy's xattrs alone: those of a
+	// lower copy go.
+	if dstDir {
+		if err := dropXattrsNotIn(e.src, e.dst); err != nil {
+			return err
 		}
+	}
+	if err := copyMeta(e.src, e.dst, &e.st, false); err != nil {
+		return err
+	}
+	if opaque {
+		return unix.Lsetxattr(e.dst, opaqueXattr, []byte("y"), 0)
+	}
+	return nil
+}
+
+// file replaces what the destination has at the entry with a copy of it,
+// or a hard link to the copy of a file with the same inode.
+func (e *mergeEntry) file() error {
+	if err := removeAll(e.dst, e.dstExists); err != nil {
+		return err
+	}
+	key := [2]uint64{e.st.Dev, e.st.Ino}
+	if first, ok := e.links[key]; ok && e.st.Nlink > 1 {
+		return unix.Link(filepath.Join(e.dstRoot, first), e.dst)
+	}
+	if err := copyEntry(e.src, e.dst, &e.st, false); err != nil {
+		return err
+	}
+	if e.st.Nlink > 1 {
+		e.links[key] = e.rel
 	}
 	return nil
 }
@@ -249,6 +286,55 @@ func copyMeta(src, dst string, st *unix.Stat_t, overlayMarks bool) error {
 	}
 	ts := []unix.Timespec{st.Atim, st.Mtim}
 	return unix.UtimesNanoAt(unix.AT_FDCWD, dst, ts, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+// listXattrs returns the names of p's xattrs (not following a symlink).
+func listXattrs(p string) ([]string, error) {
+	for {
+		size, err := unix.Llistxattr(p, nil)
+		if err != nil || size == 0 {
+			if errors.Is(err, unix.ENOTSUP) {
+				return nil, nil
+			}
+			return nil, err
+		}
+		buf := make([]byte, size)
+		size, err = unix.Llistxattr(p, buf)
+		if errors.Is(err, unix.ERANGE) {
+			continue // grew in between
+		}
+		if err != nil {
+			return nil, err
+		}
+		var names []string
+		for _, name := range strings.Split(strings.TrimRight(string(buf[:size]), "\x00"), "\x00") {
+			if name != "" {
+				names = append(names, name)
+			}
+		}
+		return names, nil
+	}
+}
+
+// dropXattrsNotIn removes from dst the xattrs src lacks, but overlayfs's own marks.
+func dropXattrsNotIn(src, dst string) error {
+	have, err := listXattrs(dst)
+	if err != nil || len(have) == 0 {
+		return err
+	}
+	keep, err := listXattrs(src)
+	if err != nil {
+		return err
+	}
+	for _, name := range have {
+		if strings.HasPrefix(name, "trusted.overlay.") || slices.Contains(keep, name) {
+			continue
+		}
+		if err := unix.Lremovexattr(dst, name); err != nil && !errors.Is(err, unix.ENODATA) {
+			return fmt.Errorf("removing xattr %s from %s: %w", name, dst, err)
+		}
+	}
+	return nil
 }
 
 func copyXattrs(src, dst string, overlayMarks bool) error {

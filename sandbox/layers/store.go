@@ -33,17 +33,17 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// ErrNotFound is returned for a layer the store does not hold.
-var ErrNotFound = errors.New("layer not found")
-
 // Store holds the delta layers under one directory.
 type Store struct {
 	dir string
 
-	mu    sync.Mutex
-	refs  map[string]int
-	sizes map[string]int64 // sealed layers: bytes used
-	wg    sync.WaitGroup   // discards in flight
+	mu sync.Mutex
+	// +checklocks:mu
+	refs map[string]int
+	// sizes holds the bytes used by each sealed layer.
+	// +checklocks:mu
+	sizes map[string]int64
+	wg    sync.WaitGroup // discards in flight
 
 	pending atomic.Int64 // discards in flight, for Pending
 }
@@ -238,7 +238,7 @@ func (s *Store) Ref(id string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.refs[id]; !ok {
-		return fmt.Errorf("%w: %s", ErrNotFound, id)
+		return notFound(id)
 	}
 	s.refs[id]++
 	return nil

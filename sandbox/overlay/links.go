@@ -31,7 +31,8 @@ import (
 // when one of its linked files has been copied up. Entries of directories
 // that are gone (released layers) are dropped as the cache grows.
 type Links struct {
-	mu    sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	names map[string]linkedDir
 }
 

@@ -69,7 +69,7 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 	c.recordCheckpoint(ledger.KindUser, info, p)
 	res := CheckpointResult{Info: info, Durable: true}
 	for _, pc := range info.Processes {
-		if pc.Method == "template" && !req.Durable {
+		if pc.Method == sandbox.CaptureTemplate && !req.Durable {
 			res.Durable = false
 		}
 	}
@@ -198,7 +198,7 @@ func (c *Core) forkProcesses(ckpt, skipWhy string) []ProcessNote {
 	var out []ProcessNote
 	for _, p := range info.Processes {
 		n := ProcessNote{Pid: p.Pid, Command: p.Command, Method: CaptureCRIU, Reason: "restored in every child from the checkpoint's CRIU image"}
-		if p.Method != "criu" {
+		if p.Method != sandbox.CaptureCRIU {
 			n.Reason = "restored in every child from a CRIU image of its template"
 			if p.ImagePid > 0 && skipWhy == "" {
 				// The image is a copy's: the children have the process at that copy's pid.

@@ -127,8 +127,10 @@ type Client struct {
 	ledger  deltagymv1connect.LedgerServiceClient
 	ownHTTP *http.Client
 
-	mu        sync.Mutex
-	closed    bool
+	mu sync.Mutex
+	// +checklocks:mu
+	closed bool
+	// +checklocks:mu
 	keepalive map[*Sandbox]struct{}
 }
 
@@ -386,12 +388,14 @@ func (c *Client) Reset(ctx context.Context, env string, opts ...EpisodeOption) (
 	}
 	m := res.Msg
 	s := c.Sandbox(m.GetSandboxId())
+	s.reset = m
+	s.mu.Lock()
 	s.episodeID = m.GetEpisodeId()
 	s.startCheckpoint = m.GetCheckpointId()
-	s.reset = m
 	if t := m.GetLeaseExpireTime(); t != nil {
 		s.leaseExpiry = t.AsTime()
 	}
+	s.mu.Unlock()
 	return s, nil
 }
 
@@ -432,10 +436,12 @@ func (c *Client) fork(ctx context.Context, req *deltagymv1.ForkRequest, n int, o
 	out := &ForkResult{CheckpointID: m.GetCheckpointId()}
 	for i, id := range m.GetSandboxIds() {
 		s := c.Sandbox(id)
+		s.mu.Lock()
 		if i < len(m.GetEpisodeIds()) {
 			s.episodeID = m.GetEpisodeIds()[i]
 		}
 		s.startCheckpoint = m.GetCheckpointId()
+		s.mu.Unlock()
 		out.Sandboxes = append(out.Sandboxes, s)
 	}
 	return out, nil

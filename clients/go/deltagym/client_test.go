@@ -84,7 +84,8 @@ func TestRetrySafe(t *testing.T) {
 // attemptLog is an inner interceptor that records every attempt the retry
 // interceptor makes, with its request.
 type attemptLog struct {
-	mu       sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	attempts map[string][]any
 }
 

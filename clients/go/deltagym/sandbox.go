@@ -19,17 +19,24 @@ type Sandbox struct {
 	c  *Client
 	id string
 
-	mu              sync.Mutex
-	episodeID       string
+	mu sync.Mutex
+	// +checklocks:mu
+	episodeID string
+	// +checklocks:mu
 	startCheckpoint string
-	leaseExpiry     time.Time
-	reset           *deltagymv1.ResetResponse
-	closed          bool
-	closeErr        error
+	// +checklocks:mu
+	leaseExpiry time.Time
+	// reset is set before the handle is shared and never changed.
+	reset *deltagymv1.ResetResponse
+	// +checklocks:mu
+	closed bool
 
 	// keepalive, when running: closing stop ends the loop, which closes done.
+	// +checklocks:mu
 	kaStop chan struct{}
+	// +checklocks:mu
 	kaDone chan struct{}
+	// +checklocks:mu
 	kaErr  error
 	onBeat func(time.Time, error) // test hook, called after each heartbeat
 }

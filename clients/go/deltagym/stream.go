@@ -19,8 +19,10 @@ import (
 type StepStream struct {
 	stream *connect.BidiStreamForClient[deltagymv1.StepStreamRequest, deltagymv1.StepStreamResponse]
 
-	mu     sync.Mutex
+	mu sync.Mutex
+	// +checklocks:mu
 	nextID uint64
+	// +checklocks:mu
 	closed bool
 }
 

@@ -1,4 +1,4 @@
-package sandbox
+package procstate
 
 import (
 	"errors"
@@ -8,10 +8,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
-	"golang.org/x/sys/unix"
 )
 
 // Copies forked ahead.
@@ -111,11 +112,14 @@ func (a *aheadCopies) closeFDs() {
 }
 
 // errAheadDropped: the copies were no longer wanted when the job started.
-var errAheadDropped = errors.New("dropped before the job started")
+type errAheadDropped struct{}
+
+func (errAheadDropped) Error() string { return "dropped before the job started" }
 
 // forkAhead starts a job that forks copies of c's templates for its next
-// restore, in place of those the sandbox kept for another checkpoint (if
-// any). Called with op held, after a restore of c made its copies.
+// restore, in place of those the sandbox kept for another checkpoint (if any).
+// Called with the sandbox's state changes serialised, after a restore of c made
+// its copies.
 //
 // Only when c was restored twice in a row (no other restore, nor a
 // checkpoint, in between), the sign that it is restored again and again;
@@ -134,103 +138,127 @@ var errAheadDropped = errors.New("dropped before the job started")
 // (TestForkAheadBackToBack failed so in CI).
 // start is when this restore began; again says whether the one before it
 // restored c too.
-func (s *Sandbox) forkAhead(c *checkpoint, start time.Time, again bool) {
-	prev := s.restoredAt // set once the restore before this one had returned
-	if s.rt.cfg.ForkAtRestore || !again || len(c.Images) > 0 || len(c.Procs) == 0 ||
-		!s.rt.aheadAlways && !prev.IsZero() && start.Sub(prev) < time.Duration(s.aheadTook.Load()) {
-		s.dropAhead("", true)
+func (ps *State) forkAhead(c *Checkpoint, start time.Time, again bool) {
+	ps.mu.Lock()
+	prev := ps.restoredAt // set once the restore before this one had returned
+	ps.mu.Unlock()
+	if ps.cfg.ForkAtRestore || !again || len(c.Images) > 0 || len(c.Procs) == 0 ||
+		!ps.cfg.AheadAlways() && !prev.IsZero() && start.Sub(prev) < time.Duration(ps.aheadTook.Load()) {
+		ps.dropAhead("", true)
 		return
 	}
 	a := &aheadCopies{ck: c.ID, done: make(chan struct{})}
-	s.tplMu.Lock()
-	old := s.ahead
-	s.ahead = a
-	s.tplMu.Unlock()
+	ps.mu.Lock()
+	old := ps.ahead
+	ps.ahead = a
+	ps.mu.Unlock()
 	if old != nil {
-		s.endAhead(old, true)
+		ps.endAhead(old, true)
 	}
-	s.bg.Add(1) // Destroy waits for it before it removes the sandbox's group
+	ps.bg.Add(1) // the sandbox's end waits for it (Wait) before it removes its group
 	began := time.Now()
 	go func() {
-		defer s.bg.Done()
+		defer ps.bg.Done()
 		defer close(a.done)
-		a.err = s.forkAheadJob(c, a)
-		s.aheadTook.Store(int64(time.Since(began)))
+		a.err = ps.forkAheadJob(c, a)
+		ps.aheadTook.Store(int64(time.Since(began)))
 		if a.err != nil {
-			s.rt.log.Debug("forking template copies ahead", "sandbox", s.id, "checkpoint", c.ID, "err", a.err)
+			ps.h.Log().Debug("forking template copies ahead", "sandbox", ps.h.ID(), "checkpoint", c.ID, "err", a.err)
 		}
 	}()
 }
 
-// pidRoom says whether n more processes keep the sandbox within three
-// quarters of its pids limit (if it has one). Read by the job, off the
-// restore's path: a cgroup file costs tens of microseconds to read.
-func (s *Sandbox) pidRoom(n int) bool {
-	lim := s.spec.Limits.Pids
+// PidRoom says whether n more processes keep a sandbox of group cg within
+// three quarters of its pids limit lim (if it has one). A cgroup file costs
+// tens of microseconds to read: the job forking ahead reads it off the
+// restore's path.
+func PidRoom(lim int64, cg *cgroup.Cgroup, n int) bool {
 	if lim <= 0 {
 		return true
 	}
-	cur, err := s.cg.PidsCurrent()
+	cur, err := cg.PidsCurrent()
 	return err == nil && (cur+int64(n))*4 <= lim*3
 }
 
 // forkAheadJob forks a copy of each template of c into a frozen group, a.cg:
 // the one the last copies were taken from, or a new one. On error the
 // copies made so far are left there, for endAhead.
-func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
-	s.tplRun.Lock()
-	defer s.tplRun.Unlock()
+func (ps *State) forkAheadJob(c *Checkpoint, a *aheadCopies) error {
+	ps.run.Lock()
+	defer ps.run.Unlock()
 	if a.drop.Load() {
-		return errAheadDropped
+		return errAheadDropped{}
 	}
-	if !s.pidRoom(len(c.Procs)) {
+	return ps.forkAheadLocked(c, a)
+}
+
+// forkAheadLocked is forkAheadJob for a job still wanted, run held.
+// +checklocks:ps.run
+func (ps *State) forkAheadLocked(c *Checkpoint, a *aheadCopies) error {
+	if !PidRoom(ps.h.PidsLimit(), ps.h.Cgroup(), len(c.Procs)) {
 		return errors.New("the sandbox is near its pids limit")
 	}
-	s.tplMu.Lock()
-	tg := s.tpls[c.ID]
-	s.tplMu.Unlock()
+	ps.mu.Lock()
+	tg := ps.tpls[c.ID]
+	ps.mu.Unlock()
 	if tg == nil {
 		return fmt.Errorf("the templates of checkpoint %s were released", c.ID)
 	}
 	// The group the last copies were taken from, if they were: empty and
 	// still frozen.
-	g := s.aheadFree
-	s.aheadFree = nil
+	g := ps.aheadFree
+	ps.aheadFree = nil
 	if g == nil {
-		if g, err = s.frozenGroup("p"); err != nil {
+		var err error
+		if g, err = ps.frozenGroup("p"); err != nil {
 			return fmt.Errorf("creating cgroup: %w", err)
 		}
 	}
 	a.cg = g
 	tr := ptfork.NewSession()
-	defer func() {
-		// The copies are detached into their frozen group, the templates
-		// (frozen again first) into theirs.
-		if cerr := tr.Close(); cerr != nil {
-			err = errors.Join(err, cerr)
-		}
-	}()
+	err := ps.seizeTemplates(tr, c, tg, func(tpls []*ptfork.Proc) error { return forkParked(c, a, g, tpls, &ps.forkMu) })
+	// The copies are detached into their frozen group, the templates
+	// (frozen again first) into theirs.
+	if cerr := tr.Close(); cerr != nil {
+		err = errors.Join(err, cerr)
+	}
+	return err
+}
+
+// seizeTemplates seizes the templates of c, thaws their group tg (they stop
+// in ptrace first: they are seized with an interrupt pending), calls fork
+// with them, and freezes tg again; the caller closes tr.
+// +checklocks:ps.run
+func (ps *State) seizeTemplates(tr *ptfork.Session, c *Checkpoint, tg *cgroup.Cgroup, fork func([]*ptfork.Proc) error) error {
 	tpls := make([]*ptfork.Proc, len(c.Procs))
 	for i, t := range c.Procs {
+		var err error
 		if tpls[i], err = tr.Seize(t.HostPid); err != nil {
 			return fmt.Errorf("%s: %w", t.name(), err)
 		}
 	}
-	if err := s.setTplFrozen(tg, false); err != nil {
+	if err := ps.setTplFrozen(tg, false); err != nil {
 		return err
 	}
-	defer func() {
-		if ferr := s.setTplFrozen(tg, true); ferr != nil {
-			err = errors.Join(err, ferr)
-		}
-	}()
+	err := fork(tpls)
+	if ferr := ps.setTplFrozen(tg, true); ferr != nil {
+		err = errors.Join(err, ferr)
+	}
+	return err
+}
+
+// forkParked has each seized template of c (tpls) fork a copy, which it
+// moves into group g (frozen) and records in a; a copy of a session
+// leader's process is made one too. On error the copies made so far are
+// left in g, for endAhead.
+func forkParked(c *Checkpoint, a *aheadCopies, g *cgroup.Cgroup, tpls []*ptfork.Proc, forkMu *sync.Mutex) error {
 	for i, t := range c.Procs {
 		if err := tpls[i].Wait(); err != nil {
 			return fmt.Errorf("stopping the template of %s: %w", t.name(), err)
 		}
-		s.forkMu.Lock()
+		forkMu.Lock()
 		cp, nsPid, err := tpls[i].Fork()
-		s.forkMu.Unlock()
+		forkMu.Unlock()
 		if err != nil {
 			return fmt.Errorf("copying %s: %w", t.name(), err)
 		}
@@ -265,29 +293,29 @@ func (s *Sandbox) forkAheadJob(c *checkpoint, a *aheadCopies) (err error) {
 
 // clearAhead returns the copies the sandbox keeps forked ahead, if any, and
 // forgets them.
-func (s *Sandbox) clearAhead() *aheadCopies {
-	s.tplMu.Lock()
-	defer s.tplMu.Unlock()
-	a := s.ahead
-	s.ahead = nil
+func (ps *State) clearAhead() *aheadCopies {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	a := ps.ahead
+	ps.ahead = nil
 	return a
 }
 
 // takeAhead returns the copies forked ahead for c, once their job is done,
 // or nil; copies kept for another checkpoint are dropped. Called with op
 // held.
-func (s *Sandbox) takeAhead(c *checkpoint) *aheadCopies {
-	a := s.clearAhead()
+func (ps *State) takeAhead(c *Checkpoint) *aheadCopies {
+	a := ps.clearAhead()
 	if a == nil {
 		return nil
 	}
 	if a.ck != c.ID {
-		s.endAhead(a, true)
+		ps.endAhead(a, true)
 		return nil
 	}
 	<-a.done
 	if a.err != nil || len(a.procs) != len(c.Procs) {
-		s.endAhead(a, true)
+		ps.endAhead(a, true)
 		return nil
 	}
 	return a
@@ -295,62 +323,64 @@ func (s *Sandbox) takeAhead(c *checkpoint) *aheadCopies {
 
 // dropAhead drops the copies forked ahead, if they are for checkpoint id
 // (any checkpoint: ""). Their job, if running, ends first, in the
-// background. Called with op held, or (tracked false) not.
-func (s *Sandbox) dropAhead(id string, tracked bool) {
-	s.tplMu.Lock()
-	a := s.ahead
+// background. Called with the sandbox's state changes serialised, or (tracked
+// false) not.
+func (ps *State) dropAhead(id string, tracked bool) {
+	ps.mu.Lock()
+	a := ps.ahead
 	if a != nil && (id == "" || a.ck == id) {
-		s.ahead = nil
+		ps.ahead = nil
 	} else {
 		a = nil
 	}
-	s.tplMu.Unlock()
+	ps.mu.Unlock()
 	if a != nil {
-		s.endAhead(a, tracked)
+		ps.endAhead(a, tracked)
 	}
 }
 
-// endAhead ends copies forked ahead that will not be used, in the
-// background. With tracked (op held), Destroy waits for that through s.bg;
-// a caller without op (a checkpoint's release) must not add to s.bg, which
-// Destroy may be waiting on: such copies are listed in s.aheadEnding until
-// ended, and Destroy ends them itself (endAheadNow).
-func (s *Sandbox) endAhead(a *aheadCopies, tracked bool) {
+// endAhead ends copies forked ahead that will not be used, in the background.
+// With tracked (state changes serialised), the sandbox's end waits for that
+// (Wait); a caller outside them (a checkpoint's release) must not add to ps.bg,
+// which the sandbox's end may be waiting on: such copies are listed in
+// ps.aheadEnding until ended, and the sandbox's end ends them itself
+// (EndAhead).
+func (ps *State) endAhead(a *aheadCopies, tracked bool) {
 	a.drop.Store(true)
 	if tracked {
-		s.bg.Add(1)
+		ps.bg.Add(1)
 	} else {
-		s.tplMu.Lock()
-		s.aheadEnding = append(s.aheadEnding, a)
-		s.tplMu.Unlock()
+		ps.mu.Lock()
+		ps.aheadEnding = append(ps.aheadEnding, a)
+		ps.mu.Unlock()
 	}
 	go func() {
 		if tracked {
-			defer s.bg.Done()
+			defer ps.bg.Done()
 		}
 		if err := a.end(); err != nil {
-			s.rt.log.Warn("ending template copies forked ahead", "sandbox", s.id, "checkpoint", a.ck, "err", err)
+			ps.h.Log().Warn("ending template copies forked ahead", "sandbox", ps.h.ID(), "checkpoint", a.ck, "err", err)
 		}
 		if !tracked {
-			s.tplMu.Lock()
-			s.aheadEnding = slices.DeleteFunc(s.aheadEnding, func(x *aheadCopies) bool { return x == a })
-			s.tplMu.Unlock()
+			ps.mu.Lock()
+			ps.aheadEnding = slices.DeleteFunc(ps.aheadEnding, func(x *aheadCopies) bool { return x == a })
+			ps.mu.Unlock()
 		}
 	}()
 }
 
-// endAheadNow ends the copies forked ahead, those being ended in the
+// EndAhead ends the copies forked ahead, those being ended in the
 // background after a release included, and returns once they are gone:
 // before the sandbox's end, which a frozen process could hold up. Called
-// with op held.
-func (s *Sandbox) endAheadNow() error {
-	s.tplMu.Lock()
-	all := slices.Clone(s.aheadEnding)
-	if s.ahead != nil {
-		all = append(all, s.ahead)
-		s.ahead = nil
+// with the sandbox's state changes serialised.
+func (ps *State) EndAhead() error {
+	ps.mu.Lock()
+	all := slices.Clone(ps.aheadEnding)
+	if ps.ahead != nil {
+		all = append(all, ps.ahead)
+		ps.ahead = nil
 	}
-	s.tplMu.Unlock()
+	ps.mu.Unlock()
 	var errs []error
 	for _, a := range all {
 		errs = append(errs, a.end())
@@ -358,19 +388,20 @@ func (s *Sandbox) endAheadNow() error {
 	return errors.Join(errs...)
 }
 
-// waitAhead waits until the job forking copies ahead, if one runs, is done.
-// Called with op held: no new job starts meanwhile.
-func (s *Sandbox) waitAhead() {
-	s.tplMu.Lock()
-	a := s.ahead
-	s.tplMu.Unlock()
+// WaitAhead waits until the job forking copies ahead, if one runs, is done.
+// Called with the sandbox's state changes serialised: no new job starts
+// meanwhile.
+func (ps *State) WaitAhead() {
+	ps.mu.Lock()
+	a := ps.ahead
+	ps.mu.Unlock()
 	if a != nil {
 		<-a.done
 	}
 }
 
-// isAheadGroup says whether name is that of a group of copies forked ahead.
-func isAheadGroup(name string) bool {
+// IsAheadGroup says whether name is that of a group of copies forked ahead.
+func IsAheadGroup(name string) bool {
 	if len(name) < 2 || name[0] != 'p' {
 		return false
 	}

@@ -1,4 +1,4 @@
-package sandbox
+package procstate
 
 import (
 	"bytes"
@@ -47,87 +47,27 @@ import (
 //
 // A process brought back from a template maps files of an earlier root, a
 // mount the swaps have detached, which criu cannot find: such files are
-// external to the dump and handed in at restore (extFile).
+// external to the dump and handed in at restore (ExtFile).
 //
 // Limits: a tree's stdio must be files of the sandbox or the session's pipes
 // (background commands get the sandbox's own /dev/null); a dump costs about
 // 65–135 ms and a restore 20–75 ms, against about 1–3 ms for a template.
 
-// ProcessesCRIU saves every process tree as a CRIU image.
-const ProcessesCRIU ProcessMode = ProcessesTemplate + 1
-
-// criuUnit is one process tree of a checkpoint saved as a CRIU image.
-type criuUnit struct {
-	Dir   string     `json:"dir"` // images, under store/criu
-	Procs []criuProc `json:"procs"`
-	Why   string     `json:"why"` // why the fast path did not take it
-	// Session names the session whose shell is the root, if any, and
-	// Pipes the keys (pipe:[inode]) of its stdin, stdout and stderr, the
-	// server's pipes, replaced by fresh ones at restore.
-	Session string    `json:"session,omitempty"`
-	Pipes   [3]string `json:"pipes,omitzero"`
-	// Ext are the files the tree reached on a detached mount.
-	Ext []extFile `json:"ext,omitempty"`
-	// Stopped is set when the image is of a stopped task (made from a
-	// template): the restore lets it go on.
-	Stopped bool `json:"stopped,omitempty"`
-	// Bytes is the size of the images, charged to the checkpoint budget.
-	Bytes int64 `json:"bytes,omitempty"`
-}
-
-// dirBytes is the size of the files in dir (not recursive: criu writes
-// its images flat).
-func dirBytes(dir string) int64 {
-	ents, _ := os.ReadDir(dir)
-	var n int64
-	for _, e := range ents {
-		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() {
-			n += fi.Size()
-		}
-	}
-	return n
-}
-
-// criuProc is one process of a tree, as the checkpoint saw it.
-type criuProc struct {
-	NSPid int    `json:"ns_pid"`
-	Comm  string `json:"comm"`
-}
-
-func (u criuUnit) name() string {
+func (u Unit) name() string {
 	if len(u.Procs) == 0 {
 		return "a process tree"
 	}
 	return fmt.Sprintf("pid %d (%s)", u.Procs[0].NSPid, u.Procs[0].Comm)
 }
 
-// criuSwrk returns the runtime's criu runner, finding criu on first use
-// (and again after a failure: criu installed while the server runs is
-// found without a restart).
-func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
-	r.criuMu.Lock()
-	defer r.criuMu.Unlock()
-	if r.criuW == nil {
-		w, err := criu.NewSwrk(r.cfg.CRIU)
-		if err != nil {
-			return nil, fmt.Errorf("%w: the general path needs CRIU 4.2.1+ (run `make criu`): %w", ErrProcesses, err)
-		}
-		r.criuW = w
-	}
-	return r.criuW, nil
-}
-
-// criuDir is where checkpoint id keeps its CRIU images.
-func (r *Runtime) criuDir(id string) string { return filepath.Join(r.store, "criu", id) }
-
 // dumpTree saves the tree rooted at host pid root as unit n of checkpoint c
 // and leaves it stopped. procs are its processes (host pids), root first;
 // mounts are the ids of the sandbox's mounts.
-func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, procs []procInfo, why string, mounts map[uint64]bool) (criuUnit, error) {
-	u := criuUnit{Dir: filepath.Join(s.rt.criuDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session}
+func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, procs []procInfo, why string, mounts map[uint64]bool) (Unit, error) {
+	u := Unit{Dir: filepath.Join(ps.cfg.CRIUDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session}
 	seen := map[string]bool{}
 	for _, p := range procs {
-		u.Procs = append(u.Procs, criuProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
+		u.Procs = append(u.Procs, UnitProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
 		ext, err := detachedFiles(p.tpl.HostPid, mounts, seen)
 		if err != nil {
 			return u, err
@@ -147,7 +87,7 @@ func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, 
 			u.Pipes[fd] = link
 		}
 	}
-	sw, err := s.rt.criuSwrk()
+	sw, err := ps.h.CRIU()
 	if err != nil {
 		return u, err
 	}
@@ -155,90 +95,67 @@ func (s *Sandbox) dumpTree(ctx context.Context, c *checkpoint, n int, root int, 
 		return u, err
 	}
 	start := time.Now()
-	err = sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: root, NSPid: s.init.Pid, ImagesDir: u.Dir, LeaveStopped: true, ExternalFiles: ext})
+	err = sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: root, NSPid: ps.h.InitPid(), ImagesDir: u.Dir, LeaveStopped: true, ExternalFiles: ext})
 	if err != nil {
 		return u, fmt.Errorf("%w: saving %s (%s) with CRIU: %w; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first",
 			ErrProcesses, u.name(), why, err)
 	}
 	u.Bytes = dirBytes(u.Dir)
-	s.rt.log.Debug("process tree dumped", "sandbox", s.id, "checkpoint", c.ID, "tree", u.name(), "why", why, "took", time.Since(start))
+	ps.h.Log().Debug("process tree dumped", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "why", why, "took", time.Since(start))
 	return u, nil
 }
 
 // restoreTimeout bounds one tree's restore by criu.
 const restoreTimeout = 2 * time.Minute
 
-// restoreTrees brings back the CRIU trees units of c in the sandbox, after
-// its root swap. Called with op held.
-func (s *Sandbox) restoreTrees(ctx context.Context, c *checkpoint, units []criuUnit) error {
+// RestoreTrees brings back the CRIU trees units of c in the sandbox, after
+// its root swap. Called with the sandbox's state changes serialised.
+func (ps *State) RestoreTrees(ctx context.Context, c *Checkpoint, units []Unit) error {
 	if len(units) == 0 {
 		return nil
 	}
-	s.init.Settled() // criu joins the namespace
+	ps.h.Settled() // criu joins the namespace
 	// Until the last swap's old root is detached, it sits on top of the
 	// new one, where criu, joining the namespace, would look for files.
-	sw, err := s.rt.criuSwrk()
+	sw, err := ps.h.CRIU()
 	if err != nil {
 		return err
 	}
-	run := filepath.Join(s.rt.store, "criu", "run")
+	run := ps.cfg.RunDir
 	if err := os.MkdirAll(run, 0o700); err != nil {
 		return err
 	}
 	for _, u := range units {
-		if err := s.waitPidsFree(u); err != nil {
+		if err := ps.waitPidsFree(u); err != nil {
 			return err
 		}
-		if err := s.restoreTree(ctx, sw, run, c, u); err != nil {
+		if err := ps.restoreTree(ctx, sw, run, c, u); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *checkpoint, u criuUnit) (err error) {
-	// Concurrent restores of one image (a fork fan-out) each get a
-	// directory of hard links, for criu's log and its scratch files.
-	tmp, err := os.MkdirTemp(run, "r")
+// restoreTree has criu restore the process tree of unit u of checkpoint c
+// into the sandbox, in a cgroup of its own; a session's shell becomes its
+// session's again, with fresh pipes to the server.
+func (ps *State) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *Checkpoint, u Unit) (err error) {
+	tmp, err := linkImages(run, c, u)
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(tmp)
-	// criu reads the images after it has joined the sandbox's user
-	// namespace, through its descriptor of this directory: they must be
-	// readable by others (store/criu itself is the host root's alone).
-	if err := os.Chmod(tmp, 0o711); err != nil {
-		return err
-	}
-	ents, err := os.ReadDir(u.Dir)
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("%w: the CRIU image of %s kept by checkpoint %s is gone", ErrProcesses, u.name(), c.ID)
-		}
-		return err
-	}
-	for _, e := range ents {
-		if strings.HasSuffix(e.Name(), ".log") {
-			continue
-		}
-		if err := os.Link(filepath.Join(u.Dir, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
-			return err
-		}
-		if err := os.Chmod(filepath.Join(tmp, e.Name()), 0o644); err != nil {
-			return err
-		}
-	}
 	// A session's shell gets a group of its own, as a started one does (a
 	// timeout kills what it runs), and fresh pipes to the server.
 	prefix := "c"
 	if u.Session != "" {
 		prefix = "s"
 	}
-	cg, err := s.subgroup(prefix)
+	cg, err := ps.h.Subgroup(prefix)
 	if err != nil {
 		return fmt.Errorf("creating cgroup: %w", err)
 	}
-	inherit, err := s.openExternal(u)
+	inherit, err := ps.openExternal(u)
 	if err != nil {
 		_ = cg.Delete()
 		return err
@@ -255,21 +172,10 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 		}
 	}()
 	if u.Session != "" {
-		for i := range 3 {
-			r, w, err := os.Pipe()
-			if err != nil {
-				return err
-			}
-			if i == 0 {
-				ours[i], theirs[i] = w, r
-			} else {
-				ours[i], theirs[i] = r, w
-			}
-			// criu reopens the shell's end through /proc/self/fd as the
-			// shell's user: the pipe must be that user's.
-			if err := unix.Fchown(int(theirs[i].Fd()), s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)); err != nil {
-				return fmt.Errorf("handing a pipe to the session's shell: %w", err)
-			}
+		if ours, theirs, err = ps.shellPipes(); err != nil {
+			return err
+		}
+		for i := range theirs {
 			inherit = append(inherit, criu.InheritFile{Key: u.Pipes[i], File: theirs[i]})
 		}
 	}
@@ -278,7 +184,7 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 	// must not hold the sandbox forever.
 	ctx, cancel := context.WithTimeout(ctx, restoreTimeout)
 	defer cancel()
-	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: s.init.Pid, Cgroups: cg.Dirs(), Inherit: inherit})
+	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: ps.h.InitPid(), Cgroups: cg.Dirs(), Inherit: inherit})
 	if err != nil {
 		// A root criu made and killed is our child: a zombie of the
 		// sandbox's pid namespace would keep its init from exiting.
@@ -293,10 +199,77 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 		_ = unix.Kill(pid, unix.SIGCONT)
 	}
 	if u.Session != "" {
-		s.adoptSession(u.Session, cg, pid, ours, exit)
+		ps.h.AdoptSession(u.Session, cg, pid, ours, exit)
 	}
-	s.rt.log.Debug("process tree restored", "sandbox", s.id, "checkpoint", c.ID, "tree", u.name(), "took", time.Since(start))
+	ps.h.Log().Debug("process tree restored", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "took", time.Since(start))
 	return nil
+}
+
+// linkImages makes a directory under run of hard links to the images of u
+// (its logs left out), readable by criu once it has joined the sandbox's
+// user namespace, and returns it; the caller removes it. Concurrent
+// restores of one image (a fork fan-out) each get one, for criu's log and
+// its scratch files.
+func linkImages(run string, c *Checkpoint, u Unit) (dir string, err error) {
+	tmp, err := os.MkdirTemp(run, "r")
+	if err != nil {
+		return "", err
+	}
+	defer func() {
+		if err != nil {
+			os.RemoveAll(tmp)
+		}
+	}()
+	// criu reads the images after it has joined the sandbox's user
+	// namespace, through its descriptor of this directory: they must be
+	// readable by others (store/criu itself is the host root's alone).
+	if err := os.Chmod(tmp, 0o711); err != nil {
+		return "", err
+	}
+	ents, err := os.ReadDir(u.Dir)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return "", fmt.Errorf("%w: the CRIU image of %s kept by checkpoint %s is gone", ErrProcesses, u.name(), c.ID)
+		}
+		return "", err
+	}
+	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".log") {
+			continue
+		}
+		if err := os.Link(filepath.Join(u.Dir, e.Name()), filepath.Join(tmp, e.Name())); err != nil {
+			return "", err
+		}
+		if err := os.Chmod(filepath.Join(tmp, e.Name()), 0o644); err != nil {
+			return "", err
+		}
+	}
+	return tmp, nil
+}
+
+// shellPipes makes the stdin, stdout and stderr pipes of the shell of a session
+// restored by criu: ours are the server's ends, theirs the shell's, owned by
+// the sandbox's user. On error, the pipes made so far are returned, for the
+// caller to close.
+func (ps *State) shellPipes() (ours, theirs [3]*os.File, err error) {
+	uid, gid := ps.h.Owner()
+	for i := range 3 {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return ours, theirs, err
+		}
+		if i == 0 {
+			ours[i], theirs[i] = w, r
+		} else {
+			ours[i], theirs[i] = r, w
+		}
+		// criu reopens the shell's end through /proc/self/fd as the
+		// shell's user: the pipe must be that user's.
+		if err := unix.Fchown(int(theirs[i].Fd()), uid, gid); err != nil {
+			return ours, theirs, fmt.Errorf("handing a pipe to the session's shell: %w", err)
+		}
+	}
+	return ours, theirs, nil
 }
 
 // waitPidsFree waits until no process of the sandbox holds a pid of u (the
@@ -304,8 +277,8 @@ func (s *Sandbox) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c 
 // taken while a process has it as its process group or session too, after
 // the process that had it is gone: a killed member of a session whose
 // leader was reaped first keeps the leader's pid from criu (EEXIST).
-func (s *Sandbox) waitPidsFree(u criuUnit) error {
-	procDir := fmt.Sprintf("/proc/%d/root/proc", s.init.Pid)
+func (ps *State) waitPidsFree(u Unit) error {
+	procDir := fmt.Sprintf("/proc/%d/root/proc", ps.h.InitPid())
 	want := make(map[int]bool, len(u.Procs))
 	for _, p := range u.Procs {
 		want[p.NSPid] = true
@@ -493,23 +466,9 @@ func mountIDs(pid int) (map[uint64]bool, error) {
 	return ids, nil
 }
 
-// extFile is a file a tree reaches on an earlier root of the sandbox: a
-// process brought back from a template maps the libraries and program of
-// the root it was first started in, a mount the root swaps have detached
-// since, which criu cannot find. The dump names each such file external
-// and the restore hands in the same path opened in the restored root. The
-// swaps move every other mount (/dev, /proc) to the new root, so only the
-// root's files are ever on a detached mount, and their paths (relative to
-// that mount's root) are paths in the sandbox.
-type extFile struct {
-	Key  string `json:"key"`  // file[<mount id>:<inode>], hex, as criu names it
-	Path string `json:"path"` // in the sandbox
-	Dir  bool   `json:"dir,omitempty"`
-}
-
 // detachedFiles lists the files pid maps, runs, has open or has as its cwd
 // or root that are on a mount not in mounts (the sandbox's namespace).
-func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]extFile, error) {
+func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]ExtFile, error) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/"
 	links := []string{dir + "exe", dir + "cwd", dir + "root"}
 	for _, sub := range []string{"map_files/", "fd/"} {
@@ -521,7 +480,7 @@ func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]ext
 			links = append(links, dir+sub+e.Name())
 		}
 	}
-	var out []extFile
+	var out []ExtFile
 	for _, l := range links {
 		var st unix.Statx_t
 		if unix.Statx(unix.AT_FDCWD, l, 0, unix.STATX_MNT_ID|unix.STATX_INO|unix.STATX_TYPE, &st) != nil {
@@ -547,20 +506,20 @@ func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]ext
 			return nil, fmt.Errorf("%w: pid %d reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, pid, path)
 		}
 		seen[key] = true
-		out = append(out, extFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})
+		out = append(out, ExtFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})
 	}
 	return out, nil
 }
 
 // openExternal opens the files of u's dump that were on a detached mount,
 // by path in the sandbox's (restored) root, to hand them to criu.
-func (s *Sandbox) openExternal(u criuUnit) ([]criu.InheritFile, error) {
+func (ps *State) openExternal(u Unit) ([]criu.InheritFile, error) {
 	if len(u.Ext) == 0 {
 		return nil, nil
 	}
-	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	root, err := ps.h.OpenRoot()
 	if err != nil {
-		return nil, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+		return nil, err
 	}
 	defer unix.Close(root)
 	var out []criu.InheritFile
