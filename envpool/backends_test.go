@@ -13,6 +13,7 @@ import (
 
 	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/envpool/envpooltest"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
@@ -77,19 +78,18 @@ var runtimeCount atomic.Int64
 
 func openRuntime(t *testing.T) func(t *testing.T) *harness {
 	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups")
-	init := os.Getenv("DELTAGYM_INIT")
-	if init == "" {
-		init, _ = filepath.Abs("../bin/dg-init")
+	init, err := locate.Init()
+	if err != nil {
+		t.Skip(err)
 	}
-	if _, err := os.Stat(init); err != nil {
-		t.Skip("needs bin/dg-init (make init) or DELTAGYM_INIT")
-	}
+	criu, _ := locate.CRIU() // where it is expected if not installed: forks that need it fail
+
 	data, err := os.MkdirTemp("", "dgpool")
 	if err != nil {
 		t.Fatal(err)
 	}
 	cg := fmt.Sprintf("dgpooltest%d_%d", os.Getpid(), runtimeCount.Add(1))
-	rt, err := sandbox.New(t.Context(), sandbox.Config{DataDir: data, InitBinary: init, CgroupRoot: cg})
+	rt, err := sandbox.New(t.Context(), sandbox.Config{DataDir: data, InitBinary: init, CRIU: criu, CgroupRoot: cg})
 	if err != nil {
 		t.Fatal(err)
 	}

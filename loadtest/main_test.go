@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 )
 
@@ -37,14 +38,16 @@ func TestMain(m *testing.M) {
 	flag.Parse() // for testing.Short
 	code := func() int {
 		bin := firstFile(os.Getenv("DELTAGYM_BIN"), "../bin/deltagym")
-		init := firstFile(os.Getenv("DELTAGYM_INIT"), "../bin/dg-init")
+		init, initErr := locate.Init()
 		img := firstFile(os.Getenv("DELTAGYM_IMAGE_DIR"), "../.data/images/default")
 		privileged := testenv.PrivilegedReason("the server mounts overlays and creates cgroups")
 		switch {
 		case privileged != "":
 			skipReason = privileged
-		case bin == "" || init == "":
-			skipReason = "needs bin/deltagym and bin/dg-init (make build, or DELTAGYM_BIN and DELTAGYM_INIT)"
+		case bin == "":
+			skipReason = "needs bin/deltagym (make build, or DELTAGYM_BIN)"
+		case initErr != nil:
+			skipReason = initErr.Error()
 		case img == "":
 			skipReason = "needs the default image (make image, or DELTAGYM_IMAGE_DIR)"
 		}

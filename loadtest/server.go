@@ -28,7 +28,9 @@ var cgroupControllers = []string{"cpu", "memory", "pids", "unified"}
 type ServerConfig struct {
 	// Binary is the server executable (bin/deltagym).
 	Binary string
-	// Init is the sandbox init (bin/dg-init).
+	// Init is the sandbox init (bin/dg-init), passed as --init. Empty: the server's own
+	// default, which it finds itself ($DELTAGYM_INIT, else the dg-init beside it, else the
+	// checkout's bin/dg-init), as it finds CRIU and PostgreSQL.
 	Init string
 	// DataDir is the server's data directory (created).
 	DataDir string
@@ -56,7 +58,7 @@ type ServerConfig struct {
 // Validate checks the config and fills in defaults.
 func (c *ServerConfig) Validate() error {
 	for _, f := range []struct{ v, what string }{{c.Binary, "server binary (--serve bin/deltagym)"},
-		{c.Init, "sandbox init (--init bin/dg-init)"}, {c.DataDir, "data dir (--data)"}, {c.EnvsDir, "env catalog (--envs envs)"}} {
+		{c.DataDir, "data dir (--data)"}, {c.EnvsDir, "env catalog (--envs envs)"}} {
 		if f.v == "" {
 			return fmt.Errorf("starting a server needs its %s: %w", f.what, ErrInvalid)
 		}
@@ -64,7 +66,7 @@ func (c *ServerConfig) Validate() error {
 	if _, err := exec.LookPath(c.Binary); err != nil {
 		return fmt.Errorf("server binary %s (--serve): %w: %w", c.Binary, err, ErrInvalid)
 	}
-	if _, err := os.Stat(c.Init); err != nil {
+	if _, err := os.Stat(c.Init); c.Init != "" && err != nil {
 		return fmt.Errorf("sandbox init %s (--init; make build makes bin/dg-init): %w", c.Init, ErrInvalid)
 	}
 	if st, err := os.Stat(c.EnvsDir); err != nil || !st.IsDir() {
@@ -120,7 +122,10 @@ func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	args := []string{"serve", "--addr", addr, "--data", cfg.DataDir, "--envs", cfg.EnvsDir, "--init", cfg.Init}
+	args := []string{"serve", "--addr", addr, "--data", cfg.DataDir, "--envs", cfg.EnvsDir}
+	if cfg.Init != "" {
+		args = append(args, "--init", cfg.Init)
+	}
 	if !cfg.Ledger {
 		args = append(args, "--no-ledger")
 	}
@@ -147,7 +152,7 @@ func StartServer(ctx context.Context, cfg ServerConfig) (*Server, error) {
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	}
 	// The token goes by the environment, which other users cannot read, not by argv.
-	cmd.Env = append(os.Environ(), "DELTAGYM_INIT="+cfg.Init, "DELTAGYM_TOKEN="+s.Token)
+	cmd.Env = append(os.Environ(), "DELTAGYM_TOKEN="+s.Token)
 	cmd.Stdout, cmd.Stderr = cfg.Log, cfg.Log
 	if err := cmd.Start(); err != nil {
 		s.removeCgroups()

@@ -1,6 +1,7 @@
 # Trajectory ledger (server/ledger): its tests and the default `make run` use a private cluster of
 # Debian trixie's PostgreSQL 17, installed into $(PG_PREFIX) by scripts/postgres.sh and started by
-# server/ledger/pgserver, which finds it there (or through DELTAGYM_POSTGRES, a bin directory).
+# server/ledger/pgserver with the bin directories internal/locate finds (DELTAGYM_POSTGRES, a bin
+# directory; else this install, then Debian's): the default of deltagym serve --postgres-bin.
 # The deps group postgres installs patchelf for it, and bookworm's PostgreSQL 15: the postgres
 # system user, psql, and the binaries for a cluster that 15 made before.
 DEPS_GROUPS += postgres

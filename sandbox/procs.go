@@ -157,9 +157,9 @@ func (s *Sandbox) reseedSessions(ctx context.Context) error {
 	return nil
 }
 
-// criuSwrk returns the runtime's criu runner, finding criu on first use
-// (and again after a failure: criu installed while the server runs is
-// found without a restart).
+// criuSwrk returns the runtime's criu runner, made on first use from
+// Config.CRIU (and again after a failure: a wrapper installed at that path
+// while the server runs is used without a restart).
 func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
 	r.pimg.mu.Lock()
 	defer r.pimg.mu.Unlock()

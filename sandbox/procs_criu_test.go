@@ -9,14 +9,14 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/sandbox"
-	"github.com/deltagym/deltagym/sandbox/criu"
 )
 
 // needCRIU skips unless criu is installed (make criu).
 func needCRIU(t testing.TB) {
 	t.Helper()
-	if _, err := criu.Find(); err != nil {
+	if _, err := locate.CRIU(); err != nil {
 		t.Skipf("criu is not installed (make criu): %v", err)
 	}
 }
@@ -418,7 +418,7 @@ func TestPidsLimitError(t *testing.T) {
 // without CRIU to save processes holding no pid, a checkpoint fails with
 // ErrBudget saying so, and the sandbox goes on.
 func TestTemplatesFullWithoutCRIU(t *testing.T) {
-	b := setup(t, func(c *sandbox.Config) { c.CRIU = "/nonexistent/criu" })
+	b := setup(t, func(c *sandbox.Config) { c.CRIU = "" })
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{Pids: 8}})
 	ctx := t.Context()
 	startCounter(t, s)

@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/sandbox"
-	"github.com/deltagym/deltagym/sandbox/criu"
 )
 
 // filesOnly makes checkpoints capture files only, for tests of filesystem
@@ -201,7 +201,7 @@ func TestProcessCheckpointRestoreRaiseCPUWeight(t *testing.T) {
 
 	// A fork restores the process from an image of its template, raised
 	// too (criu's restorer runs in the child's group).
-	if _, err := criu.Find(); err != nil {
+	if _, err := locate.CRIU(); err != nil {
 		t.Logf("not checking forks: criu is not installed (make criu): %v", err)
 		return
 	}
@@ -354,7 +354,7 @@ func TestTemplateServiceAndDatabase(t *testing.T) {
 			t.Fatalf("cycle %d: the copy's writes did not reach the live database: %q", i, got)
 		}
 	}
-	if _, err := criu.Find(); err != nil {
+	if _, err := locate.CRIU(); err != nil {
 		t.Skipf("forks of the service need criu (make criu): %v", err)
 	}
 	// Forks of a stage: each child's service answers on the same port with

@@ -33,6 +33,7 @@ func crashChild() {
 	var cfg sandbox.Config
 	cfg.DataDir = os.Getenv("DG_DATA")
 	cfg.InitBinary = os.Getenv("DG_INIT")
+	cfg.CRIU = os.Getenv("DG_CRIU")
 	cfg.CgroupRoot = os.Getenv("DG_CGROUP")
 	fail := func(err error) {
 		fmt.Println("ERROR", err)
@@ -161,7 +162,7 @@ func crash(t *testing.T, b *bundle, mode, rootfs string) []string {
 	b.rt = nil
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "DG_CRASH_CHILD="+mode, "DG_DATA="+b.cfg.DataDir, "DG_INIT="+b.cfg.InitBinary,
-		"DG_CGROUP="+b.cfg.CgroupRoot, "DG_ROOTFS="+rootfs)
+		"DG_CRIU="+b.cfg.CRIU, "DG_CGROUP="+b.cfg.CgroupRoot, "DG_ROOTFS="+rootfs)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {

@@ -36,7 +36,9 @@ import (
 type Config struct {
 	// DataDir holds images, layers and checkpoints (under DataDir/store).
 	DataDir string
-	// InitBinary is the static dg-init; "" means $DELTAGYM_INIT.
+	// InitBinary is the static dg-init that runs as pid 1 of every
+	// sandbox (`make init` builds bin/dg-init; internal/locate.Init finds
+	// it). Required.
 	InitBinary string
 	// CgroupRoot is the cgroup path segment of the runtime's groups.
 	CgroupRoot string
@@ -77,8 +79,12 @@ type Config struct {
 	// does by default and leaves on (cgroup.Manager.FavorDynMods): every
 	// checkpoint and restore of a process moves one between groups.
 	KeepCgroupOptions bool
-	// CRIU is the criu binary of the general path (procs_criu.go); empty
-	// means criu.Find (DELTAGYM_CRIU, or the checkout's .cache/criu).
+	// CRIU is the CRIU 4.2.1+ wrapper of the general path, which saves
+	// and restores the processes templates cannot (`make criu` installs
+	// it; internal/locate.CRIU finds it). It is checked each time it is
+	// needed, not at New: a wrapper installed while the runtime runs is
+	// used from then on. Empty: none, and the checkpoints, restores and
+	// forks that need CRIU fail with ErrProcesses.
 	CRIU string
 	// Logger receives the runtime's logs; nil means slog.Default().
 	Logger *slog.Logger
@@ -88,6 +94,9 @@ type Config struct {
 func (c Config) Validate() error {
 	if c.DataDir == "" {
 		return fmt.Errorf("%w: DataDir is empty", ErrInvalid)
+	}
+	if c.InitBinary == "" {
+		return fmt.Errorf("%w: InitBinary is empty: no sandbox init (make init builds bin/dg-init)", ErrInvalid)
 	}
 	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.NetPool < 0 || c.FlattenDepth < 0 {
 		return fmt.Errorf("%w: negative budget, TTL, disk size or pool size", ErrInvalid)
@@ -355,18 +364,12 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 	return r, nil
 }
 
-// withDefaults validates cfg and fills in its defaults: the init binary
-// from DELTAGYM_INIT, an absolute data directory, a cgroup root of the
-// data directory's own, and the sizes of disks and pools.
+// withDefaults validates cfg and fills in its defaults: an absolute data
+// directory, a cgroup root of the data directory's own, and the sizes of
+// disks and pools.
 func (cfg Config) withDefaults() (Config, error) {
 	if err := cfg.Validate(); err != nil {
 		return cfg, err
-	}
-	if cfg.InitBinary == "" {
-		cfg.InitBinary = os.Getenv("DELTAGYM_INIT")
-	}
-	if cfg.InitBinary == "" {
-		return cfg, fmt.Errorf("%w: no init binary: set Config.InitBinary or DELTAGYM_INIT (make init builds bin/dg-init)", ErrInvalid)
 	}
 	abs, err := filepath.Abs(cfg.DataDir)
 	if err != nil {

@@ -6,52 +6,26 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 )
 
-var (
-	testSeq  atomic.Int64
-	initOnce sync.Once
-	initPath string
-	initErr  error
-)
+var testSeq atomic.Int64
 
-// initBinary returns the dg-init to use: $DELTAGYM_INIT, or one built with
-// make. Tests that need it skip unless root.
-func initBinary(t testing.TB) string {
-	t.Helper()
-	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups (CI runs as root)")
-	initOnce.Do(func() {
-		if p := os.Getenv("DELTAGYM_INIT"); p != "" {
-			initPath = p
-			return
-		}
-		out, err := exec.Command("go", "env", "GOMOD").Output()
-		if err != nil {
-			initErr = err
-			return
-		}
-		root := filepath.Dir(strings.TrimSpace(string(out)))
-		if out, err := exec.Command("make", "-C", root, "init").CombinedOutput(); err != nil {
-			initErr = errors.New(string(out))
-			return
-		}
-		initPath = filepath.Join(root, "bin", "dg-init")
-	})
-	if initErr != nil {
-		t.Fatalf("building dg-init: %v", initErr)
-	}
-	return initPath
+// criuBinary is the CRIU wrapper the tests' runtimes use: locate.CRIU's,
+// which is where the wrapper is expected when it is not installed (tests
+// that need it skip then: needCRIU).
+func criuBinary() string {
+	p, _ := locate.CRIU()
+	return p
 }
 
 type bundle struct {
@@ -63,9 +37,9 @@ type bundle struct {
 
 func setup(t testing.TB, mod ...func(*sandbox.Config)) *bundle {
 	t.Helper()
-	bin := initBinary(t)
+	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups (CI runs as root)")
 	dir := t.TempDir()
-	cfg := sandbox.Config{DataDir: filepath.Join(dir, "data"), InitBinary: bin, CgroupRoot: fmt.Sprintf("dgtest-%d-%d", os.Getpid(), testSeq.Add(1))}
+	cfg := sandbox.Config{DataDir: filepath.Join(dir, "data"), InitBinary: testenv.Init(t), CRIU: criuBinary(), CgroupRoot: fmt.Sprintf("dgtest-%d-%d", os.Getpid(), testSeq.Add(1))}
 	for _, m := range mod {
 		m(&cfg)
 	}

@@ -102,7 +102,7 @@ for f in "$rbin"/*; do
 	patchelf --set-interpreter "$LIBDIR/ld-linux-x86-64.so.2" --force-rpath --set-rpath "$LIBDIR" "$f"
 done
 
-# Swap the new tree into PREFIX. From here on, a failure removes it: FindBinDir only takes a
+# Swap the new tree into PREFIX. From here on, a failure removes it: internal/locate only takes a
 # stamped install, and the next run starts over.
 trap 'rm -rf "$work"; [ -f "$STAMP" ] || rm -rf "$PREFIX/usr" "$PREFIX/bin"' EXIT
 rm -rf "$PREFIX/usr" "$PREFIX/bin"

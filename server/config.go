@@ -26,8 +26,20 @@ type Config struct {
 	// EnvsDir is the catalog directory of env spec files (*.json). Default "envs"; a missing
 	// directory means an empty catalog.
 	EnvsDir string
-	// InitBinary is the sandbox init (bin/dg-init); "" means $DELTAGYM_INIT.
+	// InitBinary is the sandbox init, dg-init (sandbox.Config.InitBinary). Required;
+	// `deltagym serve` takes it from --init, by default the one internal/locate.Init finds.
 	InitBinary string
+	// CRIU is the CRIU 4.2.1+ wrapper that saves and restores the processes templates cannot
+	// (sandbox.Config.CRIU); it is checked when needed, so that one installed at this path
+	// while the server runs is used. Empty: none, and the checkpoints, restores and forks that
+	// need CRIU fail. `deltagym serve` takes it from --criu, by default internal/locate.CRIU's.
+	CRIU string
+	// PostgresBinDirs are the bin directories of PostgreSQL (initdb, postgres) for the private
+	// cluster, in order of preference (pgserver.Config.BinDirs): a new cluster is made by the
+	// first, an existing one run by the first of its own major version. Required unless
+	// DatabaseURL or NoLedger; `deltagym serve` takes them from --postgres-bin, by default
+	// internal/locate.PostgresBinDirs's.
+	PostgresBinDirs []string
 	// CgroupRoot names the sandboxes' cgroup parent. Default: one derived
 	// from the data directory ("deltagym-<hash>"), so that servers on
 	// different data directories never touch each other's sandboxes.
@@ -125,7 +137,9 @@ func (c *Config) postgresMemoryLimit() int64 {
 
 // RegisterFlags binds the config's fields to flags of fs, with defaults from the config's
 // current values, or, when those are empty, from the environment (DELTAGYM_DATABASE_URL,
-// DELTAGYM_TOKEN, DELTAGYM_INIT, DELTAGYM_DATA) and the built-in defaults.
+// DELTAGYM_TOKEN, DELTAGYM_INIT, DELTAGYM_DATA) and the built-in defaults. The defaults of
+// --criu and --postgres-bin are the config's values alone: the caller finds the programs
+// (internal/locate) before it registers the flags.
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	def := func(v, env, d string) string {
 		if v != "" {
@@ -139,7 +153,11 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Addr, "addr", def(c.Addr, "DELTAGYM_ADDR", "127.0.0.1:8080"), "listen address (Connect, gRPC, gRPC-Web, /metrics)")
 	fs.StringVar(&c.DataDir, "data", def(c.DataDir, "DELTAGYM_DATA", ".data"), "data directory: images, checkpoints, ledger spool, private Postgres")
 	fs.StringVar(&c.EnvsDir, "envs", def(c.EnvsDir, "DELTAGYM_ENVS", "envs"), "directory of env spec files (*.json)")
-	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init)")
+	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init; make init builds bin/dg-init)")
+	fs.StringVar(&c.CRIU, "criu", c.CRIU, "`path` of the CRIU 4.2.1+ wrapper that saves the processes templates cannot (make criu installs .cache/criu/bin/criu; "+
+		"used once it is there, even if installed while the server runs; empty: none, and the checkpoints that need it fail)")
+	fs.Var(dirList{&c.PostgresBinDirs}, "postgres-bin", "PostgreSQL bin `directories` (initdb, postgres) of the private Postgres, separated by colons, in order of preference: "+
+		"a new cluster is made by the first, an existing one run by the first of its own major version (make postgres installs PostgreSQL 17 in .cache/postgres)")
 	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
 	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
 	c.PostgresMemoryMB = cmp.Or(c.PostgresMemoryMB, pgserver.DefaultMemoryLimit>>20)
@@ -190,6 +208,28 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		"OTEL_EXPORTER_OTLP_PROTOCOL=grpc for gRPC; default: $OTEL_EXPORTER_OTLP_ENDPOINT, else no export)", func(v string) error {
 		return os.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", v)
 	})
+}
+
+// dirList is a flag.Value of directories separated by colons, as in $PATH.
+type dirList struct{ dirs *[]string }
+
+// String implements flag.Value.
+func (l dirList) String() string {
+	if l.dirs == nil {
+		return ""
+	}
+	return strings.Join(*l.dirs, string(os.PathListSeparator))
+}
+
+// Set implements flag.Value: v replaces the list.
+func (l dirList) Set(v string) error {
+	*l.dirs = nil
+	for _, d := range filepath.SplitList(v) {
+		if d != "" {
+			*l.dirs = append(*l.dirs, d)
+		}
+	}
+	return nil
 }
 
 // Validate checks the config and fills in defaults.

@@ -87,7 +87,7 @@ func restartConfig(t *testing.T) server.Config {
 		os.RemoveAll(data)
 		removeCgroupRoot(cg)
 	})
-	return server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CgroupRoot: cg,
+	return server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CRIU: criuBinary(), CgroupRoot: cg,
 		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t)}
 }
 

@@ -20,6 +20,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
@@ -68,14 +69,20 @@ type bundle struct {
 	data    string
 }
 
+// initBinary returns the sandbox init (locate.Init), or skips t.
 func initBinary(t testing.TB) string {
-	if p := os.Getenv("DELTAGYM_INIT"); p != "" {
-		return p
+	t.Helper()
+	p, err := locate.Init()
+	if err != nil {
+		t.Skip(err)
 	}
-	p, _ := filepath.Abs("../bin/dg-init")
-	if _, err := os.Stat(p); err != nil {
-		t.Skip("needs bin/dg-init (make init) or DELTAGYM_INIT")
-	}
+	return p
+}
+
+// criuBinary returns the CRIU wrapper (locate.CRIU): where it is expected when it is not
+// installed, so that the processes that need it fail as in a server without it.
+func criuBinary() string {
+	p, _ := locate.CRIU()
 	return p
 }
 
@@ -97,7 +104,7 @@ func setup(t testing.TB, mod func(*server.Config)) *bundle {
 	}
 	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
 	busybox := imagetest.Busybox(t)
-	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: init, CgroupRoot: cg, DefaultImageDir: busybox,
+	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: init, CRIU: criuBinary(), CgroupRoot: cg, DefaultImageDir: busybox,
 		LeaseTTL: time.Minute, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
 		ImportRoot: filepath.Dir(busybox)} // the test's own directory: the busybox rootfs is importable
 	if mod != nil {

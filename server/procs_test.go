@@ -8,7 +8,7 @@ import (
 	"connectrpc.com/connect"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
-	"github.com/deltagym/deltagym/sandbox/criu"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/server"
 )
 
@@ -56,7 +56,7 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 	}
 	// A fork carries the session through a CRIU image of its template (without criu, it
 	// starts from the files and says which process it left behind).
-	_, criuErr := criu.Find()
+	_, criuErr := locate.CRIU()
 	fr, err := b.connect.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck.Msg.GetCheckpointId()}, N: 1}))
 	must(t, err)
 	ps = fr.Msg.GetProcesses()

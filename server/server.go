@@ -91,8 +91,8 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if s.obs, err = newObservability(); err != nil {
 		return nil, err
 	}
-	s.rt, err = sandbox.New(ctx, sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions,
-		ForkAtRestore: cfg.ForkAtRestore})
+	s.rt, err = sandbox.New(ctx, sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
+		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore})
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
 	}
@@ -157,7 +157,7 @@ func (s *Server) startLedger(ctx context.Context) error {
 		// Supervised: a postmaster that dies (the OOM killer, a full disk) is started again,
 		// and the writer delivers what its spool kept meanwhile.
 		// Its memory is capped (Config.PostgresMemoryMB), its files' page cache included.
-		pg, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: filepath.Join(s.cfg.DataDir, "pg"),
+		pg, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: filepath.Join(s.cfg.DataDir, "pg"), BinDirs: s.cfg.PostgresBinDirs,
 			Supervise: true, Logger: s.log, MemoryLimit: s.cfg.postgresMemoryLimit()})
 		if err != nil {
 			return fmt.Errorf("starting private postgres: %w", err)

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -58,7 +59,9 @@ var errNoCluster = errors.New("no ledger database")
 
 // openDatabase returns the URL of the ledger database and a function to call
 // when done with it. When the private cluster of the data directory is not
-// running (no server is), it is started for the duration of the command.
+// running (no server is), it is started for the duration of the command,
+// with the PostgreSQL binaries internal/locate finds ($DELTAGYM_POSTGRES,
+// else the installed ones).
 func (d *dbFlags) openDatabase(ctx context.Context) (string, func(), error) {
 	if d.URL != "" {
 		return d.URL, func() {}, nil
@@ -73,9 +76,13 @@ func (d *dbFlags) openDatabase(ctx context.Context) (string, func(), error) {
 	if err := d.haveCluster(); err != nil {
 		return "", nil, err
 	}
-	srv, err := pgserver.Start(ctx, pgDir(d.Data))
+	binDirs, err := locate.PostgresBinDirs()
 	if err != nil {
 		return "", nil, fmt.Errorf("starting the private Postgres of %s: %w", d.Data, err)
+	}
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: pgDir(d.Data), BinDirs: binDirs})
+	if err != nil {
+		return "", nil, fmt.Errorf("starting the private Postgres of %s: %w", d.Data, postgresHint(ctx, err))
 	}
 	return srv.URL(), func() { _ = srv.Stop(context.WithoutCancel(ctx)) }, nil
 }

@@ -22,7 +22,9 @@ import (
 
 // serveCmd runs the server in the foreground until SIGINT or SIGTERM, then shuts it down
 // gracefully. Its arguments are the server's own flags (server.Config.RegisterFlags, and
-// --pprof), parsed by the flag package: kong passes them through.
+// --pprof), parsed by the flag package: kong passes them through. The programs the server
+// runs besides its own code (the sandbox init, CRIU, PostgreSQL) are found by internal/locate:
+// the defaults of --init, --criu and --postgres-bin.
 type serveCmd struct {
 	Args []string `arg:"" optional:"" predictor:"serve" help:"the server's flags (deltagym serve -h lists them)"`
 }
@@ -46,12 +48,17 @@ func serveFlagPredictor() complete.Predictor {
 func (s *serveCmd) Run(ctx context.Context, a *app) error {
 	var cfg server.Config
 	var pprofAddr string
+	found := findPrograms()
+	found.defaults(&cfg)
 	fs := serveFlags(&cfg, &pprofAddr)
 	if err := fs.Parse(s.Args); err != nil {
 		return serveUsage(a, fs, err)
 	}
 	if fs.NArg() > 0 {
 		return serveUsage(a, fs, fmt.Errorf("unexpected argument %q", fs.Arg(0)))
+	}
+	if err := found.check(&cfg, slog.Default()); err != nil {
+		return err
 	}
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -73,7 +80,7 @@ func (s *serveCmd) Run(ctx context.Context, a *app) error {
 		}
 		defer stopProf()
 	}
-	return server.Run(ctx, cfg)
+	return postgresHint(ctx, server.Run(ctx, cfg))
 }
 
 // serveUsage prints serve's usage: on stdout for -h, after the error on stderr otherwise.

@@ -9,8 +9,14 @@
 package testenv
 
 import (
+	"errors"
+	"fmt"
 	"os"
+	"os/exec"
+	"sync"
 	"testing"
+
+	"github.com/deltagym/deltagym/internal/locate"
 )
 
 // PrivilegedReason returns why a privileged test cannot run here ("" when it can): the unit
@@ -49,4 +55,35 @@ func Integration(t testing.TB, what string) {
 	if r := IntegrationReason(what); r != "" {
 		t.Skip(r)
 	}
+}
+
+var (
+	initOnce sync.Once
+	initPath string
+	initErr  error
+)
+
+// Init returns the sandbox init for a privileged test: the one $DELTAGYM_INIT names, else the
+// checkout's bin/dg-init, which `make init` builds, or brings up to date, first. It fails t when
+// neither can be had.
+func Init(t testing.TB) string {
+	t.Helper()
+	initOnce.Do(func() {
+		if os.Getenv(locate.EnvInit) == "" {
+			root := locate.Checkout()
+			if root == "" {
+				initErr = errors.New("not inside a checkout, and $" + locate.EnvInit + " is unset")
+				return
+			}
+			if out, err := exec.Command("make", "-C", root, "init").CombinedOutput(); err != nil {
+				initErr = fmt.Errorf("make init: %w\n%s", err, out)
+				return
+			}
+		}
+		initPath, initErr = locate.Init()
+	})
+	if initErr != nil {
+		t.Fatalf("the sandbox init: %v", initErr)
+	}
+	return initPath
 }

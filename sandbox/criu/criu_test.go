@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/internal/benchq"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 )
 
@@ -112,12 +113,9 @@ func (c cli) Restore(ctx context.Context, o RestoreOpts) (int, error) {
 func privileged(t testing.TB) string {
 	t.Helper()
 	testenv.Privileged(t, "CRIU dumps and restores namespaces")
-	bin, err := Find()
-	if errors.Is(err, ErrNotInstalled) {
-		t.Skipf("criu is not installed (run `make criu` or set %s): %v", EnvBinary, err)
-	}
+	bin, err := locate.CRIU()
 	if err != nil {
-		t.Fatal(err)
+		t.Skip(err)
 	}
 	for _, tool := range []string{"python3", "ip", "mount", "pivot_root", "mknod", "bash"} {
 		if _, err := exec.LookPath(tool); err != nil {
@@ -398,7 +396,8 @@ func TestServiceCloseTwice(t *testing.T) {
 	}
 }
 
-func TestFind(t *testing.T) {
+// NewSwrk and Start take only an executable file: an empty path means no CRIU.
+func TestNotInstalled(t *testing.T) {
 	dir := t.TempDir()
 	exe := filepath.Join(dir, "criu")
 	if err := os.WriteFile(exe, []byte("#!/bin/sh\n"), 0o755); err != nil {
@@ -409,20 +408,24 @@ func TestFind(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
-		name, env string
-		want      string
+		name, bin string
 		wantErr   error
 	}{
-		{"executable", exe, exe, nil},
-		{"missing", filepath.Join(dir, "nope"), "", ErrNotInstalled},
-		{"directory", dir, "", ErrNotInstalled},
-		{"not executable", plain, "", ErrNotInstalled},
+		{"executable", exe, nil},
+		{"empty", "", ErrNotInstalled},
+		{"missing", filepath.Join(dir, "nope"), ErrNotInstalled},
+		{"directory", dir, ErrNotInstalled},
+		{"not executable", plain, ErrNotInstalled},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			t.Setenv(EnvBinary, tc.env)
-			got, err := Find()
-			if !errors.Is(err, tc.wantErr) || got != tc.want {
-				t.Fatalf("Find() = %q, %v; want %q, %v", got, err, tc.want, tc.wantErr)
+			if _, err := NewSwrk(tc.bin); !errors.Is(err, tc.wantErr) {
+				t.Fatalf("NewSwrk(%q): %v, want %v", tc.bin, err, tc.wantErr)
+			}
+			if tc.wantErr == nil {
+				return
+			}
+			if _, err := Start(t.Context(), Config{Binary: tc.bin, WorkDir: dir}); !errors.Is(err, tc.wantErr) {
+				t.Fatalf("Start with %q: %v, want %v", tc.bin, err, tc.wantErr)
 			}
 		})
 	}

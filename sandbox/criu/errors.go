@@ -7,7 +7,8 @@ import (
 )
 
 var (
-	// ErrNotInstalled means no CRIU wrapper was found: run `make criu` or set DELTAGYM_CRIU.
+	// ErrNotInstalled means no CRIU wrapper was given, or the one given is not an executable
+	// file (`make criu` installs it).
 	ErrNotInstalled = fmt.Errorf("criu is not installed: %w", errdefs.ErrUnavailable)
 	// ErrInvalidConfig means a Config or an options struct failed validation.
 	ErrInvalidConfig = fmt.Errorf("invalid criu config: %w", errdefs.ErrInvalidArgument)

@@ -22,7 +22,8 @@ const maxMsg = 8192
 
 // Config configures a Service.
 type Config struct {
-	// Binary is the CRIU wrapper; empty means Find().
+	// Binary is the CRIU 4.2.1+ wrapper (scripts/criu.sh writes it; internal/locate.CRIU finds
+	// it). Required.
 	Binary string
 	// WorkDir is an existing absolute directory for the service socket and service.log.
 	WorkDir string
@@ -60,11 +61,8 @@ func Start(ctx context.Context, cfg Config) (*Service, error) {
 		return nil, err
 	}
 	bin := cfg.Binary
-	if bin == "" {
-		var err error
-		if bin, err = Find(); err != nil {
-			return nil, err
-		}
+	if err := executable(bin); err != nil {
+		return nil, fmt.Errorf("checking criu %q: %w", bin, err)
 	}
 	s := &Service{
 		sock:    filepath.Join(cfg.WorkDir, "criu.sock"),

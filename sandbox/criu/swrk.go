@@ -3,6 +3,7 @@ package criu
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v7"
@@ -15,17 +16,28 @@ type Swrk struct {
 	bin string
 }
 
-// NewSwrk returns a Swrk that runs bin, or the wrapper Find returns when bin is empty.
+// NewSwrk returns a Swrk that runs bin, the CRIU 4.2.1+ wrapper (internal/locate.CRIU finds
+// it). It fails with ErrNotInstalled when bin is empty or not an executable file.
 func NewSwrk(bin string) (*Swrk, error) {
-	if bin == "" {
-		var err error
-		if bin, err = Find(); err != nil {
-			return nil, err
-		}
-	} else if err := executable(bin); err != nil {
-		return nil, fmt.Errorf("checking criu %s: %w", bin, err)
+	if err := executable(bin); err != nil {
+		return nil, fmt.Errorf("checking criu %q: %w", bin, err)
 	}
 	return &Swrk{bin: bin}, nil
+}
+
+// executable fails with ErrNotInstalled unless p names an executable file.
+func executable(p string) error {
+	if p == "" {
+		return fmt.Errorf("%w: no CRIU wrapper was given", ErrNotInstalled)
+	}
+	fi, err := os.Stat(p)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrNotInstalled, err)
+	}
+	if fi.IsDir() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("%w: %s is not an executable file", ErrNotInstalled, p)
+	}
+	return nil
 }
 
 // Dump checkpoints the tree rooted at o.Pid into o.ImagesDir.

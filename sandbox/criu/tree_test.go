@@ -10,13 +10,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/internal/benchq"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/criu"
@@ -31,12 +31,6 @@ import (
 // host's).
 const counterCmd = `exec </dev/null >/dev/null 2>&1; sleep 1000 & i=0; while :; do read x < /tmp/in; i=$((i+1)); echo $i > /tmp/out; done`
 
-var (
-	initOnce sync.Once
-	initPath string
-	initErr  error
-)
-
 // treeBundle is a runtime with the busybox image and a CRIU worker.
 type treeBundle struct {
 	rt   *sandbox.Runtime
@@ -47,36 +41,13 @@ type treeBundle struct {
 func setupTree(t testing.TB) *treeBundle {
 	t.Helper()
 	testenv.Privileged(t, "sandboxes use namespaces and cgroups, CRIU ptraces and setns")
-	bin, err := criu.Find()
-	if errors.Is(err, criu.ErrNotInstalled) {
-		t.Skipf("criu is not installed (run `make criu` or set %s): %v", criu.EnvBinary, err)
-	}
+	bin, err := locate.CRIU()
 	if err != nil {
-		t.Fatal(err)
-	}
-	initOnce.Do(func() {
-		if p := os.Getenv("DELTAGYM_INIT"); p != "" {
-			initPath = p
-			return
-		}
-		out, err := exec.Command("go", "env", "GOMOD").Output()
-		if err != nil {
-			initErr = err
-			return
-		}
-		root := filepath.Dir(strings.TrimSpace(string(out)))
-		if out, err := exec.Command("make", "-C", root, "init").CombinedOutput(); err != nil {
-			initErr = errors.New(string(out))
-			return
-		}
-		initPath = filepath.Join(root, "bin", "dg-init")
-	})
-	if initErr != nil {
-		t.Fatalf("building dg-init: %v", initErr)
+		t.Skip(err)
 	}
 	dir := t.TempDir()
 	cfg := sandbox.Config{
-		DataDir: filepath.Join(dir, "data"), InitBinary: initPath,
+		DataDir: filepath.Join(dir, "data"), InitBinary: testenv.Init(t), CRIU: bin,
 		CgroupRoot: fmt.Sprintf("dgcriutree-%d-%d", os.Getpid(), time.Now().UnixNano()%1e6),
 	}
 	rt, err := sandbox.New(t.Context(), cfg)

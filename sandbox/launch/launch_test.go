@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -24,19 +23,7 @@ import (
 func initBinary(t *testing.T) string {
 	t.Helper()
 	testenv.Privileged(t, "creates namespaces and mounts (CI runs as root)")
-	p := os.Getenv("DELTAGYM_INIT")
-	if p == "" {
-		out, err := exec.Command("go", "env", "GOMOD").Output()
-		if err != nil {
-			t.Fatal(err)
-		}
-		root := filepath.Dir(strings.TrimSpace(string(out)))
-		if out, err := exec.Command("make", "-C", root, "init").CombinedOutput(); err != nil {
-			t.Fatalf("building init: %v\n%s", err, out)
-		}
-		p = filepath.Join(root, "bin", "dg-init")
-	}
-	return p
+	return testenv.Init(t)
 }
 
 func busybox(t *testing.T) string {

@@ -14,6 +14,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
 	"github.com/deltagym/deltagym/server/episode"
@@ -124,15 +125,14 @@ func setup(t *testing.T) (*episode.Core, *sandbox.Runtime, *recorder) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
 	}
-	init := os.Getenv("DELTAGYM_INIT")
-	if init == "" {
-		init, _ = filepath.Abs("../../bin/dg-init")
+	init, err := locate.Init()
+	if err != nil {
+		t.Skip(err)
 	}
-	if _, err := os.Stat(init); err != nil {
-		t.Skip("needs bin/dg-init (make init) or DELTAGYM_INIT")
-	}
+	criu, _ := locate.CRIU() // where it is expected if not installed: forks that need it fail
+
 	ctx := t.Context()
-	cfg := sandbox.Config{DataDir: filepath.Join(t.TempDir(), "data"), InitBinary: init,
+	cfg := sandbox.Config{DataDir: filepath.Join(t.TempDir(), "data"), InitBinary: init, CRIU: criu,
 		CgroupRoot: fmt.Sprintf("dgeptest-%d-%d", os.Getpid(), runtimes.Add(1))}
 	rt, err := sandbox.New(ctx, cfg)
 	must(t, err)

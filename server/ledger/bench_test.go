@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -76,7 +77,8 @@ func BenchmarkWriterSteps(b *testing.B) {
 }
 
 func benchWriter(b *testing.B, obsSize, rate int) {
-	if _, err := pgserver.FindBinDir(); err != nil {
+	binDirs, err := locate.PostgresBinDirs()
+	if err != nil {
 		b.Skip(err)
 	}
 	dir, err := os.MkdirTemp("", "pgbench")
@@ -96,7 +98,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	}
 	// DELTAGYM_LEDGER_BENCH_PG_MB overrides the cluster's memory cap (pgserver.DefaultMemoryLimit).
 	capMB, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_PG_MB"))
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Settings: settings, Logger: quietLogger(), MemoryLimit: int64(capMB) << 20})
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Settings: settings, Logger: quietLogger(), MemoryLimit: int64(capMB) << 20})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -96,7 +97,8 @@ func selfCPU() time.Duration {
 // row, and the p50/p99 time of one batch. Variants run in the order listed, in one cluster;
 // compare those after cold (-bench 'CopyCost/(cold|schema|ids-main)$').
 func BenchmarkCopyCost(b *testing.B) {
-	if _, err := pgserver.FindBinDir(); err != nil {
+	binDirs, err := locate.PostgresBinDirs()
+	if err != nil {
 		b.Skip(err)
 	}
 	variants := []struct {
@@ -131,7 +133,7 @@ func BenchmarkCopyCost(b *testing.B) {
 	}
 	defer os.RemoveAll(dir)
 	ctx := context.Background()
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Logger: quietLogger(),
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Logger: quietLogger(),
 		Settings: map[string]string{"shared_buffers": "512MB", "max_wal_size": "4GB"}})
 	if err != nil {
 		b.Fatal(err)

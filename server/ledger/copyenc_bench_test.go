@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -60,7 +61,8 @@ var copyPaths = map[string]func(ctx context.Context, tx pgx.Tx, rows []*ledger.S
 // rows/s (over its batches' time), the CPU a row cost this process (encoding and sending:
 // go-cpu-us/row) and the COPY's backend (pg-cpu-us/row), and the p50/p99 time of a batch.
 func BenchmarkStepCopy(b *testing.B) {
-	if _, err := pgserver.FindBinDir(); err != nil {
+	binDirs, err := locate.PostgresBinDirs()
+	if err != nil {
 		b.Skip(err)
 	}
 	dir, err := os.MkdirTemp("", "copybench")
@@ -69,7 +71,7 @@ func BenchmarkStepCopy(b *testing.B) {
 	}
 	defer os.RemoveAll(dir)
 	ctx := context.Background()
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Logger: quietLogger()})
+	srv, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Logger: quietLogger()})
 	if err != nil {
 		b.Fatal(err)
 	}

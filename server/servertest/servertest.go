@@ -7,7 +7,6 @@ import (
 	"cmp"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -15,11 +14,10 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/deltagym/deltagym/internal/checkout"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server"
-	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
 
 // Options adjust the test server.
@@ -62,25 +60,22 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	initBin := os.Getenv("DELTAGYM_INIT")
-	if initBin == "" {
-		initBin = filepath.Join(root, "bin", "dg-init")
+	initBin, err := locate.Init()
+	if err != nil {
+		return nil, err.Error(), nil
 	}
 	image := filepath.Join(root, ".data", "images", "default", "rootfs")
 	if d := os.Getenv("DATA"); d != "" {
 		image = filepath.Join(d, "images", "default", "rootfs")
 	}
-	for _, need := range []struct{ path, hint string }{
-		{initBin, "the sandbox init is not built (make init)"},
-		{image, "the default image is not built (make image)"},
-	} {
-		if _, err := os.Stat(need.path); err != nil {
-			return nil, need.hint, nil
-		}
+	if _, err := os.Stat(image); err != nil {
+		return nil, "the default image is not built (make image)", nil
 	}
-	if _, err := pgserver.FindBinDir(); err != nil {
+	pgBin, err := locate.PostgresBinDirs()
+	if err != nil {
 		return nil, err.Error(), nil
 	}
+	criu, _ := locate.CRIU() // where it is expected if not installed: forks that need it fail
 	if opts.EnvsDir == "" {
 		opts.EnvsDir = filepath.Join(root, "envs")
 	}
@@ -96,6 +91,8 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 		DataDir:         data,
 		EnvsDir:         opts.EnvsDir,
 		InitBinary:      initBin,
+		CRIU:            criu,
+		PostgresBinDirs: pgBin,
 		DefaultImageDir: image,
 		AuthToken:       opts.AuthToken,
 		ImportRoot:      cmp.Or(opts.ImportRoot, filepath.Dir(image)),
@@ -142,14 +139,10 @@ func purge(data string) error {
 	return errors.Join(sandbox.Purge(filepath.Join(data, "sandbox")), os.RemoveAll(data))
 }
 
-// RepoRoot finds the module root from the working directory.
+// RepoRoot returns the root of the checkout the test runs in (locate.Checkout).
 func RepoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	if root := checkout.Root(dir); root != "" {
+	if root := locate.Checkout(); root != "" {
 		return root, nil
 	}
-	return "", fmt.Errorf("go.mod not found above %s", dir)
+	return "", errors.New("not inside a checkout: no go.mod above the working directory")
 }

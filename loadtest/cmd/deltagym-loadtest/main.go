@@ -124,7 +124,7 @@ func parseArgs(args []string, stderr io.Writer) (*options, int) {
 	fs.BoolVar(&o.fullCopy, "full-copy", false, "also measure the full-copy rollback baseline (10k files, 1,000 / 50 MB changed)")
 	fs.BoolVar(&o.quiet, "quiet", false, "no live progress line (there is none when stderr is not a terminal)")
 	fs.StringVar(&srv.Binary, "serve", "", "start this server binary (bin/deltagym) for the run and stop it after")
-	fs.StringVar(&srv.Init, "init", os.Getenv("DELTAGYM_INIT"), "with --serve: the sandbox init (bin/dg-init)")
+	fs.StringVar(&srv.Init, "init", "", "with --serve: the sandbox init (default: the server's, $DELTAGYM_INIT, else the dg-init beside it, else the checkout's bin/dg-init)")
 	fs.StringVar(&srv.DataDir, "data", ".data/loadtest", "with --serve: the server's data dir; --full-copy scratch goes here too")
 	fs.StringVar(&srv.EnvsDir, "envs", "envs", "with --serve: the env catalog")
 	fs.StringVar(&srv.ImageDir, "image-dir", "", "with --serve: the built default image (.data/images/default), linked into the data dir")

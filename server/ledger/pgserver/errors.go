@@ -4,7 +4,8 @@ import "errors"
 
 // Sentinel errors returned (wrapped) by this package.
 var (
-	// ErrNoBinaries means the Postgres server binaries were not found in Config.BinDir.
+	// ErrNoBinaries means Config.BinDirs is empty, or one of its directories lacks initdb or
+	// postgres.
 	ErrNoBinaries = errors.New("postgres binaries not found (run `make postgres`)")
 	// ErrVersion means the cluster was made by another major version than the binaries'.
 	ErrVersion = errors.New("postgres major version mismatch")

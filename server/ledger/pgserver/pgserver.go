@@ -68,10 +68,11 @@ const maxSocketPath = 108
 type Config struct {
 	// DataDir holds the cluster (DataDir/postgres), its socket directory and its log. Required.
 	DataDir string
-	// BinDir holds initdb and postgres. Default FindBinDir's: the private PostgreSQL 17 of
-	// `make postgres`, else Debian's own install.
-	BinDir   string
-	binFound bool // BinDir was searched for, not named by the caller or DELTAGYM_POSTGRES
+	// BinDirs are directories holding initdb and postgres, in order of preference: a new
+	// cluster is made by the first, an existing one is run by the first of the cluster's own
+	// major version (a cluster made by another cannot be opened). Required;
+	// internal/locate.PostgresBinDirs lists the installed ones.
+	BinDirs []string
 	// Database is created if absent. Default "deltagym".
 	Database string
 	// Settings are extra server settings passed as -c name=value (e.g. shared_buffers).
@@ -113,20 +114,8 @@ func (c *Config) Validate() error {
 	if n := len(filepath.Join(c.DataDir, "pgsock", ".s.PGSQL.5432.lock")); n >= maxSocketPath {
 		return fmt.Errorf("data dir %s gives a %d-byte socket path: %w", c.DataDir, n, ErrSocketPathTooLong)
 	}
-	if c.BinDir == "" {
-		d, searched, err := findBinDir()
-		if err != nil {
-			return err
-		}
-		c.BinDir, c.binFound = d, searched
-	} else {
-		// Absolute: initdb and postgres run with / as their working directory.
-		if c.BinDir, err = filepath.Abs(c.BinDir); err != nil {
-			return fmt.Errorf("resolving bin dir: %w", err)
-		}
-		if err := hasBinaries(c.BinDir); err != nil {
-			return err
-		}
+	if c.BinDirs, err = checkBinDirs(c.BinDirs); err != nil {
+		return err
 	}
 	if c.Database == "" {
 		c.Database = "deltagym"
@@ -149,6 +138,7 @@ func (c *Config) Validate() error {
 // Server is a running private cluster. Its methods are safe for concurrent use.
 type Server struct {
 	cfg     Config
+	bin     string // the one of cfg.BinDirs that runs the cluster
 	pgdata  string
 	sockDir string
 	cred    *syscall.Credential // nil when not root
@@ -182,28 +172,19 @@ type Server struct {
 	restarts atomic.Int64 // supervised starts that succeeded
 }
 
-// Start starts (initdb'ing first if needed) the private cluster in dataDir with default settings.
-func Start(ctx context.Context, dataDir string) (*Server, error) {
-	return StartConfig(ctx, Config{DataDir: dataDir})
-}
-
 // StartConfig starts the private cluster described by cfg and creates its database.
 func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	major, err := cfg.matchBinaries(ctx, filepath.Join(cfg.DataDir, "postgres"))
+	bin, major, err := cfg.chooseBinDir(ctx, filepath.Join(cfg.DataDir, "postgres"))
 	if err != nil {
 		return nil, err
 	}
-	if cfg.binFound && major != privateMajor && privateBinDir() == "" {
-		cfg.Logger.Warn("private postgres: PostgreSQL 17 is not installed in the checkout (make postgres); using Debian's own",
-			"dir", cfg.DataDir, "version", major, "bin", cfg.BinDir)
-	} else {
-		cfg.Logger.Info("private postgres", "dir", cfg.DataDir, "version", major, "bin", cfg.BinDir)
-	}
+	cfg.Logger.Info("private postgres", "dir", cfg.DataDir, "version", major, "bin", bin)
 	s := &Server{
 		cfg:     cfg,
+		bin:     bin,
 		pgdata:  filepath.Join(cfg.DataDir, "postgres"),
 		sockDir: filepath.Join(cfg.DataDir, "pgsock"),
 	}
@@ -220,11 +201,11 @@ func StartConfig(ctx context.Context, cfg Config) (*Server, error) {
 	if s.cred != nil {
 		// The postgres user reaches the cluster and runs the binaries (a checkout's
 		// .cache/postgres under a home directory, say).
-		bin, err := filepath.EvalSymlinks(cfg.BinDir)
+		resolved, err := filepath.EvalSymlinks(bin)
 		if err != nil {
-			return nil, fmt.Errorf("resolving %s: %w", cfg.BinDir, err)
+			return nil, fmt.Errorf("resolving %s: %w", bin, err)
 		}
-		for _, d := range []string{cfg.DataDir, bin} {
+		for _, d := range []string{cfg.DataDir, resolved} {
 			if err := ensureTraversable(d); err != nil {
 				return nil, err
 			}
@@ -435,7 +416,7 @@ func (s *Server) startLocked(ctx context.Context) error {
 	if err := s.openGroup(); err != nil {
 		s.cfg.Logger.Warn("private postgres runs without its memory cap", "dir", s.cfg.DataDir, "err", err)
 	}
-	name, args, files := s.inGroup(filepath.Join(s.cfg.BinDir, "postgres"), args)
+	name, args, files := s.inGroup(filepath.Join(s.bin, "postgres"), args)
 	defer func() {
 		for _, f := range files {
 			_ = f.Close()
@@ -614,7 +595,7 @@ func (s *Server) initdb(ctx context.Context) error {
 	if s.cfg.NoSync {
 		args = append(args, "--no-sync")
 	}
-	cmd := exec.CommandContext(ctx, filepath.Join(s.cfg.BinDir, "initdb"), args...)
+	cmd := exec.CommandContext(ctx, filepath.Join(s.bin, "initdb"), args...)
 	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/bin:/bin"}
 	cmd.Dir = "/"
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred}

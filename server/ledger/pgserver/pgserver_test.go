@@ -18,16 +18,24 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/deltagym/deltagym/internal/checkout"
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 )
 
 func skipUnlessPostgres(t *testing.T) {
 	t.Helper()
+	binDirs(t)
+}
+
+// binDirs returns the installed PostgreSQL bin directories (locate.PostgresBinDirs), or skips t.
+func binDirs(t *testing.T) []string {
+	t.Helper()
 	testenv.Integration(t, "a Postgres")
-	if _, err := FindBinDir(); err != nil {
+	dirs, err := locate.PostgresBinDirs()
+	if err != nil {
 		t.Skip(err)
 	}
+	return dirs
 }
 
 func ping(t *testing.T, url string) {
@@ -56,13 +64,13 @@ func TestStartStopRestart(t *testing.T) {
 	skipUnlessPostgres(t)
 	dir := t.TempDir()
 	begin := time.Now()
-	s, err := StartConfig(t.Context(), Config{DataDir: dir})
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("fresh cluster: initdb+start+createdb in %v", time.Since(begin))
 	begin = time.Now()
-	fast, err := StartConfig(t.Context(), Config{DataDir: t.TempDir(), NoSync: true})
+	fast, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: t.TempDir(), NoSync: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +128,7 @@ func TestStartStopRestart(t *testing.T) {
 func TestStalePostmasterPid(t *testing.T) {
 	skipUnlessPostgres(t)
 	dir := t.TempDir()
-	s, err := Start(t.Context(), dir)
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +140,7 @@ func TestStalePostmasterPid(t *testing.T) {
 	if err := os.WriteFile(pidFile, []byte("999999\n"+filepath.Join(dir, "postgres")+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	s2, err := Start(t.Context(), dir)
+	s2, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir})
 	if err != nil {
 		t.Fatalf("start over a stale postmaster.pid: %v", err)
 	}
@@ -143,13 +151,13 @@ func TestStalePostmasterPid(t *testing.T) {
 func TestOrphanedPostmaster(t *testing.T) {
 	skipUnlessPostgres(t)
 	dir := t.TempDir()
-	s, err := Start(t.Context(), dir)
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
 	oldPid := s.cmd.Process.Pid
 	// The process that started it "crashes": the postmaster is left running, unowned.
-	s2, err := Start(t.Context(), dir)
+	s2, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir})
 	if err != nil {
 		t.Fatalf("start over a live orphaned postmaster: %v", err)
 	}
@@ -176,6 +184,17 @@ func TestSocketPathTooLong(t *testing.T) {
 	}
 }
 
+// A config names its binaries: none given, or a directory without them, is refused.
+func TestBinDirsChecked(t *testing.T) {
+	empty := t.TempDir()
+	for _, dirs := range [][]string{nil, {empty}} {
+		cfg := Config{DataDir: t.TempDir(), BinDirs: dirs}
+		if err := cfg.Validate(); !errors.Is(err, ErrNoBinaries) {
+			t.Fatalf("Validate with bin dirs %q: %v, want ErrNoBinaries", dirs, err)
+		}
+	}
+}
+
 // StopOrphan shuts down a postmaster left by a crashed run, and is a no-op
 // when there is none.
 func TestStopOrphan(t *testing.T) {
@@ -184,7 +203,7 @@ func TestStopOrphan(t *testing.T) {
 	if err := StopOrphan(t.Context(), dir); err != nil {
 		t.Fatalf("StopOrphan without a cluster: %v", err)
 	}
-	s, err := Start(t.Context(), dir)
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -315,7 +334,7 @@ func startSupervised(t *testing.T) (*Server, *lockedBuffer, string) {
 	skipUnlessPostgres(t)
 	dir := t.TempDir()
 	supLog := new(lockedBuffer)
-	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir, NoSync: true, Supervise: true,
 		RestartDelay: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(supLog, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -375,7 +394,7 @@ func TestClusterProcessesThroughSymlink(t *testing.T) {
 	if err := os.Symlink(real, link); err != nil {
 		t.Fatal(err)
 	}
-	s, err := StartConfig(t.Context(), Config{DataDir: link, NoSync: true})
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: link, NoSync: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -460,7 +479,7 @@ func TestMemoryGroup(t *testing.T) {
 		t.Skip("the memory group needs root (CI runs as root)")
 	}
 	dir := t.TempDir()
-	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Supervise: true,
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir, NoSync: true, Supervise: true,
 		RestartDelay: 50 * time.Millisecond, MemoryLimit: 400 << 20})
 	if err != nil {
 		t.Fatal(err)
@@ -538,7 +557,7 @@ func groupGone(t *testing.T, path string) {
 // TestNoMemoryGroup: a negative MemoryLimit runs the cluster in the caller's groups.
 func TestNoMemoryGroup(t *testing.T) {
 	skipUnlessPostgres(t)
-	s, err := StartConfig(t.Context(), Config{DataDir: t.TempDir(), NoSync: true, MemoryLimit: -1})
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: t.TempDir(), NoSync: true, MemoryLimit: -1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -561,7 +580,7 @@ func TestMemoryGroupFallbacks(t *testing.T) {
 		failMoveForTest = true
 		defer func() { failMoveForTest = false }()
 		log := new(lockedBuffer)
-		s, err := StartConfig(t.Context(), Config{DataDir: t.TempDir(), NoSync: true, Logger: slog.New(slog.NewTextHandler(log, nil))})
+		s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: t.TempDir(), NoSync: true, Logger: slog.New(slog.NewTextHandler(log, nil))})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -579,7 +598,7 @@ func TestMemoryGroupFallbacks(t *testing.T) {
 	})
 	t.Run("start fails", func(t *testing.T) {
 		dir := t.TempDir()
-		_, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Settings: map[string]string{"max_connections": "-5"}})
+		_, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir, NoSync: true, Settings: map[string]string{"max_connections": "-5"}})
 		if err == nil {
 			t.Fatal("a cluster with max_connections=-5 started")
 		}
@@ -589,7 +608,7 @@ func TestMemoryGroupFallbacks(t *testing.T) {
 	})
 	t.Run("uncapped after capped crash", func(t *testing.T) {
 		dir := t.TempDir()
-		s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true})
+		s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir, NoSync: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -598,7 +617,7 @@ func TestMemoryGroupFallbacks(t *testing.T) {
 			t.Fatal("no memory group")
 		}
 		// The process that started it "crashes"; the next start runs without a cap.
-		s2, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, MemoryLimit: -1})
+		s2, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir, NoSync: true, MemoryLimit: -1})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -648,7 +667,7 @@ func wholeLog(t *testing.T, s *Server) string {
 func TestLogTailOfLastRun(t *testing.T) {
 	skipUnlessPostgres(t)
 	dir := t.TempDir()
-	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, MemoryLimit: -1})
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: dir, NoSync: true, MemoryLimit: -1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -680,45 +699,40 @@ func serverMajor(t *testing.T, url string) int {
 	return queryInt(t, url, "SELECT current_setting('server_version_num')::int") / 10000
 }
 
-// TestFoundBinariesMatchCluster: a cluster made by Debian's PostgreSQL 15 (before the private
-// 17) is started with 15's binaries when the bin dir is searched for, and refused, saying what to
-// do, when 17's are named.
-func TestFoundBinariesMatchCluster(t *testing.T) {
-	skipUnlessPostgres(t)
-	found, err := FindBinDir()
+// TestBinDirsMatchCluster: a new cluster is made by the first bin directory given; a cluster
+// that Debian's PostgreSQL 15 made (before the private 17) runs with 15's binaries when they are
+// among those given, and is refused, naming the versions given, when they are not.
+func TestBinDirsMatchCluster(t *testing.T) {
+	dirs := binDirs(t)
+	preferred := dirs[0]
+	newMajor, err := BinaryMajor(t.Context(), preferred)
 	if err != nil {
 		t.Fatal(err)
 	}
-	newMajor, err := BinaryMajor(t.Context(), found)
-	if err != nil {
-		t.Fatal(err)
-	}
-	old := systemBinDir(15)
-	if old == "" || newMajor == 15 {
-		t.Skipf("needs Debian's PostgreSQL 15 and a newer private one (make postgres); found %s (%d)", found, newMajor)
-	}
-	if os.Getenv(EnvBinDir) != "" {
-		t.Skipf("%s is set: the bin dir is not searched for", EnvBinDir)
+	old := "/usr/lib/postgresql/15/bin"
+	if hasBinaries(old) != nil || newMajor == 15 {
+		t.Skipf("needs Debian's PostgreSQL 15 and a newer one (make postgres); found %s (%d)", preferred, newMajor)
 	}
 	dir := t.TempDir()
-	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: old})
+	s, err := StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDirs: []string{old, preferred}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := serverMajor(t, s.URL()); got != 15 {
-		t.Fatalf("cluster runs %d, want 15", got)
+		t.Fatalf("cluster runs %d, want 15, the first given", got)
 	}
 	if err := s.Stop(t.Context()); err != nil {
 		t.Fatal(err)
 	}
 
 	var log bytes.Buffer
-	s, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, Logger: slog.New(slog.NewTextHandler(&log, nil))})
+	s, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDirs: []string{preferred, old},
+		Logger: slog.New(slog.NewTextHandler(&log, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := serverMajor(t, s.URL()); got != 15 {
-		t.Fatalf("found binaries: cluster runs %d, want its own 15", got)
+		t.Fatalf("%d preferred: cluster runs %d, want its own 15", newMajor, got)
 	}
 	if !strings.Contains(log.String(), "another major version") {
 		t.Errorf("no warning logged about the older cluster: %s", log.String())
@@ -727,70 +741,10 @@ func TestFoundBinariesMatchCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: found})
-	if !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), "made by PostgreSQL 15") ||
-		!strings.Contains(err.Error(), EnvBinDir) || !strings.Contains(err.Error(), found+" (") {
-		t.Fatalf("named %d binaries on a 15 cluster: %v, want ErrVersion saying what to do", newMajor, err)
+	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDirs: []string{preferred}})
+	if want := fmt.Sprintf("%s (%d)", preferred, newMajor); !errors.Is(err, ErrVersion) ||
+		!strings.Contains(err.Error(), "made by PostgreSQL 15") || !strings.Contains(err.Error(), want) {
+		t.Fatalf("only %d's binaries for a 15 cluster: %v, want ErrVersion naming %s", newMajor, err, want)
 	}
 	t.Log(err)
-
-	// The other way round: a cluster of the found version, 15's binaries named. The message
-	// points to the found ones.
-	dir = t.TempDir()
-	s, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Stop(t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	_, err = StartConfig(t.Context(), Config{DataDir: dir, NoSync: true, BinDir: old})
-	if want := fmt.Sprintf("%s (%d)", found, newMajor); !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), want) {
-		t.Fatalf("named 15's binaries on a %d cluster: %v, want ErrVersion naming %s", newMajor, err, want)
-	}
-}
-
-// Only the checkout's root is looked in for .cache/postgres, and only a stamped install counts:
-// a .cache/postgres/bin up the tree from elsewhere (say under /tmp) is never run.
-func TestFindBinDirOnlyInCheckoutRoot(t *testing.T) {
-	if os.Getenv(EnvBinDir) != "" {
-		t.Skipf("%s is set", EnvBinDir)
-	}
-	top := t.TempDir()
-	fake := filepath.Join(top, binInRepo)
-	if err := os.MkdirAll(fake, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range []string{"initdb", "postgres"} {
-		if err := os.WriteFile(filepath.Join(fake, b), []byte("#!/bin/sh\nexit 1\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := os.WriteFile(filepath.Join(top, ".cache/postgres/.stamp"), []byte("postgresql-17 fake\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	below := filepath.Join(top, "a", "b")
-	if err := os.MkdirAll(below, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if root := checkout.Root(below); root != "" && strings.HasPrefix(root, top) {
-		t.Fatalf("checkout.Root(%s) = %s without a go.mod", below, root)
-	}
-	t.Chdir(below)
-	if d, _, _ := findBinDirSearched(); d == fake {
-		t.Fatalf("found %s above a directory outside any checkout", d)
-	}
-	// With a go.mod beside it the same install counts, but only once stamped.
-	if err := os.WriteFile(filepath.Join(top, "go.mod"), []byte("module x\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if d := privateBinDir(); d != fake {
-		t.Fatalf("privateBinDir() = %q in a checkout with a stamped install, want %s", d, fake)
-	}
-	if err := os.Remove(filepath.Join(top, ".cache/postgres/.stamp")); err != nil {
-		t.Fatal(err)
-	}
-	if d := privateBinDir(); d == fake {
-		t.Fatal("an install without its stamp was found")
-	}
 }

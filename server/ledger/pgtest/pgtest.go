@@ -18,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/internal/testenv"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
@@ -87,7 +88,7 @@ func skipReason() string {
 	if r := testenv.IntegrationReason("a Postgres"); r != "" {
 		return r
 	}
-	if _, err := pgserver.FindBinDir(); err != nil {
+	if _, err := locate.PostgresBinDirs(); err != nil {
 		return err.Error()
 	}
 	return ""
@@ -103,7 +104,11 @@ func startWithTemplate(ctx context.Context, dir string, supervise bool) (*pgserv
 	}
 	// No memory cap (pgserver's tests cover it): up to 200 backends of parallel tests could
 	// outgrow the default one, and an OOM kill restarts the whole shared cluster.
-	s, err := pgserver.StartConfig(ctx, pgserver.Config{DataDir: dir, Database: templateDB, NoSync: true,
+	binDirs, err := locate.PostgresBinDirs()
+	if err != nil {
+		return nil, err
+	}
+	s, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Database: templateDB, NoSync: true,
 		MemoryLimit: -1, SmartTimeout: 100 * time.Millisecond, Settings: settings,
 		Supervise: supervise, RestartDelay: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
