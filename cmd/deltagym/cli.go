@@ -181,6 +181,9 @@ func describeError(err error, a *app) string {
 			msg += " (this client sent a token the server does not take: the server's is in its data directory's file \"token\")"
 		}
 	}
+	if connect.CodeOf(err) == connect.CodeFailedPrecondition && strings.Contains(msg, "(process mode filesystem)") {
+		msg += " (with this CLI: checkpoint --processes files)"
+	}
 	if connect.CodeOf(err) == connect.CodeUnavailable {
 		addr, aerr := deltagym.BaseURL(a.Addr)
 		if aerr == nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"maps"
 	"net"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -507,5 +509,18 @@ func TestPurge(t *testing.T) {
 	}
 	if _, stderr, code := runCLI(t, "", "purge", "extra"); code != exitUsage || !strings.Contains(stderr, "unexpected argument extra") {
 		t.Fatalf("purge with an argument: exit %d, stderr %q", code, stderr)
+	}
+}
+
+// The CLI adds its own flag to the server's advice where the advice is the process mode.
+func TestDescribeErrorHints(t *testing.T) {
+	a := &app{}
+	capture := connect.NewError(connect.CodeFailedPrecondition, errors.New("processes: session \"sh\" cannot be captured: its shell is not the root of its process tree; end it, or checkpoint files only (process mode filesystem)"))
+	if got := describeError(capture, a); !strings.Contains(got, "checkpoint --processes files") {
+		t.Errorf("a capture refusal: %q", got)
+	}
+	other := connect.NewError(connect.CodeFailedPrecondition, errors.New("episode ended"))
+	if got := describeError(other, a); strings.Contains(got, "--processes") {
+		t.Errorf("another refusal got the process-mode hint: %q", got)
 	}
 }

@@ -103,7 +103,7 @@ func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
 			return stop, nil
 		}
 		if round == 10 {
-			return stop, fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem; CLI: --processes files)", ErrProcesses)
+			return stop, fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem)", ErrProcesses)
 		}
 		for _, p := range fresh {
 			if err := p.Wait(); err != nil {

@@ -97,7 +97,7 @@ func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, p
 	start := time.Now()
 	err = sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: root, NSPid: ps.h.InitPid(), ImagesDir: u.Dir, LeaveStopped: true, ExternalFiles: ext})
 	if err != nil {
-		return u, fmt.Errorf("%w: saving %s (%s) with CRIU: %w; checkpoint files only (process mode filesystem; CLI: --processes files) or end it first",
+		return u, fmt.Errorf("%w: saving %s (%s) with CRIU: %w; checkpoint files only (process mode filesystem) or end it first",
 			ErrProcesses, u.name(), why, err)
 	}
 	u.Bytes = dirBytes(u.Dir)

@@ -223,11 +223,11 @@ func mntID(path string) (uint64, error) {
 func (t procTree) criuCapturable() error {
 	for _, p := range t.procs {
 		if p.deleted != "" {
-			return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+			return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem)",
 				ErrProcesses, p.tpl.name(), p.deleted)
 		}
 		if p.tpl.Session != "" && p.tpl.HostPid != t.procs[0].tpl.HostPid {
-			return fmt.Errorf("%w: session %q cannot be captured: its shell %s is not the root of its process tree; end it, or checkpoint files only (process mode filesystem; CLI: --processes files)",
+			return fmt.Errorf("%w: session %q cannot be captured: its shell %s is not the root of its process tree; end it, or checkpoint files only (process mode filesystem)",
 				ErrProcesses, p.tpl.Session, p.tpl.name())
 		}
 	}
