@@ -63,10 +63,10 @@ type Config struct {
 	// (StepRequest.restore_checkpoint_id): the same work in fewer, lighter messages.
 	API string
 	// Conns is the number of HTTP/2 connections the workers share. Default 1: one connection
-	// lets both ends put the frames of many streams into one write, which took the load
-	// generator's CPU per rollback from 0.17–0.19 to 0.11–0.14 ms and the stream rollback test
-	// from 1,592–1,756 to 1,702–2,144 rollbacks/s (6 interleaved 20 s runs each, 64 sandboxes;
-	// unary calls: 1,241–1,282 to 1,331–1,343).
+	// lets both ends put the frames of many streams into one write, for less of the load
+	// generator's CPU per rollback and more rollbacks a second than four, on streams and in
+	// unary calls (--conns; docs/PERFORMANCE.md, "The load test" and "Figures behind design
+	// choices").
 	Conns int
 	// ServerPID, when known, is the server whose RSS and CPU the timeline samples from
 	// /proc; 0 samples them from the server's /metrics.

@@ -21,7 +21,7 @@ LOADTEST_SUSTAINED_OUT ?= $(LOADTEST_SUSTAINED_DATA)/report
 # single-threaded python3 process of LOADTEST_PROCESS_MB MiB per sandbox, checkpointed
 # once with its process as a template, then Restore + a check that the process is back at
 # its checkpointed counter with every page consistent + a change of it. Beside it the
-# CRIU variant runs, or is reported "not available" while the server answers
+# CRIU variant runs, or is reported "not available" if the server answers
 # Unimplemented for PROCESS_MODE_CRIU. Its server has its own data dir.
 LOADTEST_PROCESS_DATA ?= $(LOADTEST_DATA)/process
 LOADTEST_PROCESS_MB ?= 8
@@ -58,7 +58,7 @@ loadtest-test: deps postgres $(BIN)/deltagym $(BIN)/dg-init image ## the load te
 	DELTAGYM_INIT=$(BIN)/dg-init DELTAGYM_BIN=$(BIN)/deltagym DELTAGYM_IMAGE_DIR=$(DATA)/images/default \
 		go test -count=1 -timeout 10m ./loadtest/...
 
-# The load test's tests (about 40 s) start a real server from bin/deltagym: keep it fresh.
+# The load test's tests start a real server from bin/deltagym: keep it fresh.
 TEST_PREREQS += $(BIN)/deltagym
 
 BENCH_TARGETS += loadtest

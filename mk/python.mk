@@ -31,5 +31,5 @@ python-venv: $(PY_VENV)/.deltagym-installed ## create the Python SDK test venv i
 python-test: deps postgres $(BIN)/dg-init $(PY_VENV)/.deltagym-installed ## run the Python SDK tests against a real server
 	cd clients/python && DELTAGYM_INIT=$(BIN)/dg-init $(CURDIR)/$(PY_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests
 
-# The suite passed three runs in a row (about 35 s each, server build cached).
+# make test runs the Python suite too: it starts a real server from the cached build.
 TEST_PREREQS += python-test

@@ -181,7 +181,7 @@ func processCPU() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// BenchmarkRollbackWithProcs: rollback at depth 1, 10 and 100 with 0 and 20
+// BenchmarkRollbackDepth: rollback at depth 1, 10 and 100 with 0 and 20
 // live processes (which the rollback ends).
 func BenchmarkRollbackDepth(b *testing.B) {
 	for _, depth := range []int{1, 10, 100} {

@@ -19,24 +19,22 @@ import (
 )
 
 // Command groups are used again. Each restore with processes kills the
-// command group and needs a new one at once, for the copies: a new group
-// is a mkdir in the tracking hierarchy (made ahead, takeWorkGroup) and the
+// command group and needs a new one at once, for the copies: a new group is
+// a mkdir in the tracking hierarchy (made ahead, takeWorkGroup) and the
 // killed one an rmdir, with its exec groups (one more of each once the
-// restored sandbox runs a command). Together that was about 110 µs of CPU
-// per restore, on a machine that back-to-back restores keep busy. So once
-// the killed group's processes are gone, retireWork offers it, with its idle
-// exec groups and its kept files, to a later restore instead (reuseW, one
-// at a time: one offered while another waits there is removed). The one
-// waiting stays until a restore takes it or the sandbox is destroyed.
+// restored sandbox runs a command): CPU spent on every restore, on a
+// machine that back-to-back restores keep busy. So once the killed group's
+// processes are gone, retireWork offers it, with its idle exec groups and
+// its kept files, to a later restore instead (reuseW, one at a time: one
+// offered while another waits there is removed). The one waiting stays
+// until a restore takes it or the sandbox is destroyed.
 //
-// A group is used again only if it is empty, not frozen (a checkpoint
-// freezes the command group; a thaw that failed would leave it so), and
-// has no sub-group but its idle exec groups (a session's group, a CRIU
-// tree's, a background command's all make it removed instead), and the
-// restore that takes it forgets it among the killed groups it waits for.
-// Restoring an 8 MB python3 back to back, in alternating blocks of 10
-// restores with and without reuse in one run, reuse took 0.94–0.98 of the
-// p50 (five runs).
+// A group is used again only if it is empty, not frozen (a checkpoint that
+// copies the upper freezes the command group, copyUpper; a thaw that failed
+// would leave it so), and has no sub-group but its idle exec groups (a
+// session's group, a CRIU tree's, a background command's all make it
+// removed instead), and the restore that takes it forgets it among the
+// killed groups it waits for.
 
 // cmdGroups are the sandbox's command groups: the group every command,
 // session and background process runs in (work), the groups killAll ended
@@ -225,11 +223,11 @@ func (s *Sandbox) reusable(g workGroup) bool {
 // one whose processes are gone, if retireWork offers one, else a new one made
 // ahead in the background with its cgroup.procs and cgroup.kill opened (or
 // made now, without them, if there is none), and then it starts making the
-// next: a mkdir in the tracking hierarchy, 35 µs of CPU and more of waiting,
-// and two opens of 8.5 µs each, that a restore with processes would pay
-// otherwise. (Made at the end of a restore
-// instead, the next one would wait for it: 1.09–1.15 against 0.98–1.02 ms
-// p50 for an 8 MB template restore.) Called with op held.
+// next: a mkdir in the tracking hierarchy, with its CPU and its wait, and
+// two opens of control files (see cgroup.Control for what an open costs),
+// that a restore with processes would pay otherwise. (Made at the end of a
+// restore instead, the next restore back to back would wait for it.) Called
+// with op held.
 // +checklocks:s.cmds.mu
 func (s *Sandbox) takeWorkGroup() workGroup {
 	select {
@@ -463,9 +461,10 @@ func waitKilledGroups(killed []*cgroup.Cgroup, timeout time.Duration) bool {
 // settleKilled returns once the processes killAll ended can no longer get
 // in the way of the copies of c's templates a restore is about to fork or
 // let run, which need not be once they are gone. A killed process frees its
-// memory first as it exits, and a process with hundreds of megabytes of its
-// own takes tens of milliseconds to (31 ms for 512 MB here): waiting for
-// that made a restore after an agent's process grew as slow.
+// memory first as it exits, which for hundreds of megabytes of its own
+// lasts far longer than a restore: waiting for that would make a restore
+// after an agent's process grew as slow (such restores are what
+// BenchmarkRollbackAfterAllocWithProcess measures).
 //
 // What matters to the copies:
 //   - A killed thread still inside a system call could complete it: one in
@@ -496,9 +495,8 @@ func (s *Sandbox) settleKilled(tpls []procstate.Template) {
 		return
 	}
 	// Killed processes with little memory of their own are gone within a
-	// fraction of a millisecond (an 8 MB python3: about 0.1 ms; a few under
-	// load, the sandbox's CPU weight raised), sooner than their threads can
-	// be listed and looked at.
+	// fraction of a millisecond (a few under load, the sandbox's CPU weight
+	// raised), sooner than their threads can be listed and looked at.
 	before, memErr := s.cg.MemoryCurrent()
 	grace := killedGrace
 	if g := s.rt.hooks.killedGrace; g > 0 {
@@ -512,8 +510,8 @@ func (s *Sandbox) settleKilled(tpls []procstate.Template) {
 	}
 	// Still there. Going on without them pays only while they free memory
 	// (killedFreeing in the grace): a killed process that is slow to go
-	// because it waits for a CPU gets one sooner now, its CPU weight raised
-	// with the restore's, than once the restore has returned, when the
+	// because it waits for a CPU gets one sooner while its CPU weight is
+	// raised with the restore's than once the restore has returned, when the
 	// next command and the group's removal would poll for it meanwhile.
 	if after, err := s.cg.MemoryCurrent(); memErr != nil || err != nil || before-after < killedFreeing {
 		s.waitKilledLocked()
@@ -557,13 +555,12 @@ const killedFreeing = 8 << 20
 
 // killedGrace is how long settleKilled waits for the killed processes to be
 // gone before it looks at how fast they free memory. Under `make
-// loadtest-process` (64 sandboxes, an 8 MB python3 each, both CPUs busy)
-// going on after a grace of 150 µs, whatever the killed copy was doing,
-// took the server 5.9–6.2 → 8.6–9.2 ms of CPU per iteration (the next
-// command and the group's removal each polling its cgroup.events while the
-// copy, no longer raised, waited for a CPU to exit) and 74–77 → 62–65
-// rollbacks/s; after 2 ms, still 8.1–8.4 against 6.7–7.2. See
-// docs/ARCHITECTURE.md (known limits).
+// loadtest-process` (64 sandboxes, both CPUs busy) a shorter grace costs
+// the server more CPU per iteration and fewer rollbacks a second: a killed
+// copy not yet exiting finishes its exit at the normal CPU weight, after
+// the restore, while the next command and the group's removal each poll
+// its cgroup.events. See docs/ARCHITECTURE.md ("Settling the killed", and
+// "Known limits").
 const killedGrace = 2 * time.Millisecond
 
 // settled tells the test hook (onSettle) how settleKilled returned.

@@ -1,5 +1,6 @@
 // Package sandbox runs isolated Linux sandboxes whose whole filesystem state
-// can be checkpointed, rolled back and forked in about a millisecond.
+// can be checkpointed, rolled back and forked without copying a file
+// (docs/PERFORMANCE.md has what each costs).
 //
 // A sandbox is a resident init (sandbox/initproc, pid 1) in its own user,
 // mount, pid, ipc, uts, cgroup and net namespaces, with a cgroup of its own
@@ -16,9 +17,11 @@
 //     list of delta layers, which no one can change any more.
 //   - Checkpoint with live processes (background commands, sessions): they
 //     may hold fds or a cwd in the current upper, which pivot_root would not
-//     re-point, so the upper is not sealed in place: the sandbox is frozen,
-//     a copy of the upper is sealed as the checkpoint's top layer, and the
-//     sandbox thaws and goes on with the upper it had.
+//     re-point, so the upper is not sealed in place: the processes are
+//     stopped (the command group frozen, or each process seized with ptrace
+//     when the processes are captured too; sandbox/procstate), a copy of the
+//     upper is sealed as the checkpoint's top layer, and the sandbox goes on
+//     with the upper it had.
 //   - Restore: every process but the init is killed, then an overlay of the
 //     checkpoint's layers with a fresh upper is swapped in. Any sandbox of the
 //     same image can restore any checkpoint, whichever sandbox made it.

@@ -90,7 +90,7 @@ func (r *Runtime) recordTplImages(c *checkpoint, units []procstate.Unit) error {
 	return nil
 }
 
-// startImaging counts a background save of images (Runtime.imaging) unless
+// startImaging counts a background save of images (procImages.making) unless
 // the runtime is closing (its sandboxes save their templates as they end).
 // Under mu, so that no Add races Close's Wait.
 func (r *Runtime) startImaging() bool {

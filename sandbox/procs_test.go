@@ -394,8 +394,8 @@ func TestProcessPathChoice(t *testing.T) {
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	ctx := t.Context()
 	// procs lists the sandbox's processes as comm:threads, for waiting
-	// until a command has started all it should (a fixed pause was too
-	// short on a busy machine).
+	// until a command has started all it should (a fixed pause would be
+	// too short on a busy machine).
 	const procs = `for d in /proc/[0-9]*; do c=$(cat $d/comm 2>/dev/null) && echo "$c:$(ls $d/task | wc -l)"; done`
 	cases := []struct {
 		name    string
@@ -708,8 +708,8 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 		return h, r
 	}
 	// The restore gives the killed process a grace (killedGrace, 2 ms) to
-	// be gone or free 8 MB; one that has not run by then goes "slow". On a
-	// machine busy with other tests that was 9 rounds of 10, so the cases
+	// be gone or free 8 MB; one that has not run by then goes "slow", as
+	// most rounds would on a machine busy with other tests. So the cases
 	// that want it to have run give it 10 ms, and 768 MB to free, some 30
 	// ms of its exit here: still exiting when the restore looks.
 	for _, c := range []struct {
@@ -724,9 +724,9 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 		// 1472 MB of 1536: less than a quarter free until the killed
 		// process has freed 320 MB, about 13 ms of its exit here (it
 		// frees some 25 MB/ms), against the 2–3 ms the restore takes to
-		// look. With 768 MB of 896 it had only 96 MB to free, and once
-		// (round 0, on an idle machine) it had freed them by then. A
-		// grace of 5 ms lets it free 125 MB of them.
+		// look. With 768 MB of 896 it would have only 96 MB to free,
+		// which on an idle machine it can have freed by then. A grace of
+		// 5 ms lets it free 125 MB of them.
 		{"memory limit", 1472, "none", 1536 << 20, 5 * time.Millisecond, "waited"},
 		// A listener the templates hold too: the copies share it.
 		{"shared socket", 768, "shared", 0, 10 * time.Millisecond, "exiting"},
@@ -752,13 +752,12 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 			}
 			// How a restore goes on depends on how far the killed process
 			// got in the grace: on a machine busy with other tests it may
-			// not have run at all ("slow": it waits, as before the rule
-			// existed; 8 rounds of 37 in three runs on an idle machine,
-			// and once in CI the outcome wanted came in 1 round of 3).
-			// Such rounds prove nothing either way: rounds go on, up to
-			// 30, until the outcome wanted has been seen twice, and no
-			// round may go on in a way the rule forbids. (With 12, a run
-			// beside other tests failed: 6 rounds of 8 were "slow" there.)
+			// not have run at all ("slow": the restore waits for it), and
+			// even on an idle machine some rounds go so. Such rounds prove
+			// nothing either way: rounds go on, up to 30, until the outcome
+			// wanted has been seen twice, and no round may go on in a way
+			// the rule forbids. (Beside other tests, most of a dozen rounds
+			// can be "slow".)
 			allowed := map[string]bool{c.want: true, "slow": true, "gone": true}
 			seen, rounds := 0, 0
 			var outcomes []string

@@ -18,27 +18,27 @@ import (
 )
 
 // Keeping the root. A restore with processes swaps in a new root over the
-// checkpoint's layers with an empty upper. When the root it would replace is
-// over the same layers and its upper is still empty, the two hold the same
-// files, and the restore keeps the root instead: no overlay mounted, no
-// swap by the init, no old root detached, and none of the expedited RCU
+// checkpoint's layers with an empty upper. When the root it would replace
+// is over the same layers and its upper is still empty, the two hold the
+// same files, and the restore keeps the root instead: no overlay mounted,
+// no swap by the init, no old root detached, and none of the expedited RCU
 // grace period its teardown costs (the overlay's private layer mounts).
 // That is the case of a checkpoint restored again before anything wrote a
 // file: a rollback loop whose agent's steps only read, a tree search that
 // tries one move from a node after another, a process that keeps its state
-// in memory. Restoring an 8 MB python3 back to back, in alternating blocks
-// of 10 in one run, it took the p50 from 1.17–1.37 to 0.83–0.93 ms (0.68–0.71
-// of it, four runs). The upper counts as empty only if its directory has no
-// entry (no file, directory, whiteout or copied-up ancestor) and looks as it
-// did when it became the upper: mode, owner, times, size, link count and
-// extended attributes, so that a chmod, touch or setxattr of / itself, or a
-// directory made and removed again, is seen too. It is read once the
-// processes the restore killed are gone: a dying process's last system call
-// could still write. So a restore also swaps when the killed processes
-// are not gone or exiting within keepWait, after a restore with fresh
-// entropy (its seed file is in the upper), when a template has a file open
-// for writing (its copy reopens it, which copies it up), and for good once
-// a killed process was given up on before it was seen gone.
+// in memory. BenchmarkRollbackVsCRIU's template path shows what it spares,
+// files=kept against files=written (a new root each restore). The upper
+// counts as empty only if its directory has no entry (no file, directory,
+// whiteout or copied-up ancestor) and looks as it did when it became the
+// upper: mode, owner, times, size, link count and extended attributes, so
+// that a chmod, touch or setxattr of / itself, or a directory made and
+// removed again, is seen too. It is read once the processes the restore
+// killed are gone: a dying process's last system call could still write. So
+// a restore also swaps when the killed processes are not gone or exiting
+// within keepWait, after a restore with fresh entropy (its seed file is in
+// the upper), when a template has a file open for writing (its copy reopens
+// it, which copies it up), and for good once a killed process was given up
+// on before it was seen gone.
 
 // rootFS is the sandbox's root filesystem: the delta layers of the
 // checkpoint it descends from (stack), the live upper over them, the next
@@ -391,9 +391,9 @@ func (s *Sandbox) prepareSpare() {
 // prepareSpareFrom makes a reclaimed upper (layers.Store.Reclaim) the next
 // spare, emptied in the background once the root it was the upper of is
 // detached (gone); with next, the next root is built on it there too: the
-// overlay's creation (150 µs of CPU, most of it the kernel's probes of the
-// upper and work directories) then leaves the next restore's path, when it
-// restores the same checkpoint again. Called with op held.
+// overlay's creation (mostly the kernel's probes of the upper and work
+// directories) then leaves the next restore's path, when it restores the
+// same checkpoint again. Called with op held.
 // +checklocks:s.fs.mu
 func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *nextRoot, check bool) {
 	s.fs.spare = make(chan spareUpper, 1)
@@ -610,7 +610,7 @@ func (s *Sandbox) copyUpper(c *checkpoint) error {
 }
 
 // copyUpperFrozen seals a copy of the upper; the sandbox's commands are
-// frozen.
+// stopped (frozen by copyUpper, or seized by procstate.State.Capture).
 func (s *Sandbox) copyUpperFrozen(c *checkpoint) error {
 	r := s.rt
 	s.fs.mu.Lock()
@@ -754,8 +754,8 @@ func upperUnchanged(dir string, was upperState) bool {
 }
 
 // keepWait bounds how long keepRoot waits for the killed processes to be
-// gone or exiting (an 8 MB python3 is gone within about 0.3 ms here); past
-// it the restore swaps, and settleKilled waits for them as before.
+// gone or exiting (a small process is gone well within it); past it the
+// restore swaps, and settleKilled waits for them as for any swap.
 const keepWait = 500 * time.Microsecond
 
 // dirEmpty reports whether directory dir has no entry but . and ..

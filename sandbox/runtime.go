@@ -280,7 +280,7 @@ type Runtime struct {
 // images of checkpoints' processes.
 type procImages struct {
 	mu sync.Mutex
-	// swrk is found on first use (procs_criu.go).
+	// swrk is made on first use (criuSwrk).
 	// +checklocks:mu
 	swrk *criu.Swrk
 	// tplMu serialises the making of images from templates.
@@ -1031,18 +1031,17 @@ func (r *Runtime) maybeFlatten(c *checkpoint) {
 // Hot checkpoints.
 //
 // Every lower layer of a root costs each mount of it and each cold lookup
-// through it: the rollback loop of BenchmarkRollbackLoop took 20–40 µs
-// more machine CPU per restore over 3 delta layers than over 1 (612–635
-// against 650–690 µs, interleaved runs). A checkpoint restored again and
-// again (a rollback loop, a GRPO group's tries, a search returning to a
-// node) is mounted at every restore, and an env's checkpoints sit on at
-// least two deltas of their own: the env's setup and the reset's, the
-// load test's on three. So the second time in a row a checkpoint is
-// restored, its small top layers (flattenHotBytes in all) are merged into
-// one in the background, over the layers below them, which stay shared;
-// later restores mount the shorter stack. Large layers (an env's package
-// installs, say) are not copied: a merge that would take them stops below
-// them, and one that would merge fewer than two layers is not made.
+// through it, in the machine's CPU per restore (machine-cpu-us/op of
+// BenchmarkRollbackLoop). A checkpoint restored again and again (a rollback
+// loop, a GRPO group's tries, a search returning to a node) is mounted at
+// every restore, and an env's checkpoints sit on at least two deltas of
+// their own: the env's setup and the reset's, the load test's on three. So
+// the second time in a row a checkpoint is restored, its small top layers
+// (flattenHotBytes in all) are merged into one in the background, over the
+// layers below them, which stay shared; later restores mount the shorter
+// stack. Large layers (an env's package installs, say) are not copied: a
+// merge that would take them stops below them, and one that would merge
+// fewer than two layers is not made.
 
 // flattenHotBytes bounds the layers merged for a hot checkpoint: the merge
 // copies them (into a layer counted against the checkpoint budget like

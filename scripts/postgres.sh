@@ -5,12 +5,12 @@
 #   scripts/postgres.sh PREFIX
 #
 # Why not bookworm's PostgreSQL 15: 16 and later extend a table many pages at a time
-# (fallocate), where 15 writes one zeroed page per 8 KiB through the page cache; with 4 KiB step
-# rows the ledger writer delivered 4-20% more steps/s with 17 in four of five interleaved runs
-# on this 2-core VM (docs/ARCHITECTURE.md). Trixie is a
-# stable release, so the major version stays 17 for its lifetime (a cluster cannot be opened by
-# another major version). The install is the trixie package of the day it ran; delete PREFIX to
-# take a newer one (trixie's point and security updates).
+# (fallocate), where 15 writes one zeroed page per 8 KiB through the page cache, and with 4 KiB
+# step rows the ledger writer delivers more steps/s on 17 (docs/PERFORMANCE.md, "The ledger":
+# PostgreSQL 17 against 15, with the command). Trixie is a stable release, so the major version
+# stays 17 for its lifetime (a cluster cannot be opened by another major version). The install
+# is the trixie package of the day it ran; delete PREFIX to take a newer one (trixie's point and
+# security updates).
 #
 # Trixie's binaries need glibc 2.41, which bookworm lacks, so the package's run-time closure
 # (postgresql-17 and the libraries it depends on, resolved with apt-cache against a private copy

@@ -51,8 +51,9 @@ type opLabels struct {
 }
 
 // attrCache keeps the attribute set of each combination of labels, made on
-// first use: making one per measurement (sorting and allocating) was 1% of
-// the server's CPU under the rollback load test. The combinations are few:
+// first use: making one per measurement (sorting and allocating) would be a
+// measurable share of the server's CPU under the rollback load test. The
+// combinations are few:
 // the service's procedures and operations, times the codes.
 type attrCache[K comparable] struct{ m sync.Map }
 
@@ -106,8 +107,8 @@ func newTracerProvider(ctx context.Context) (*sdktrace.TracerProvider, error) {
 	}
 	if exp == nil {
 		// Spans that go nowhere are not recorded: their attributes, status
-		// and timing were 3% of the server's CPU under the rollback load
-		// test, for nothing.
+		// and timing would cost a measurable share of the server's CPU
+		// under the rollback load test, for nothing.
 		return sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.NeverSample())), nil
 	}
 	// service.name defaults to "deltagym"; OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override.

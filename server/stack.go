@@ -4,10 +4,11 @@ import "net/http"
 
 // A request's handler runs on a goroutine HTTP/2 starts for it, with the
 // runtime's smallest stack (2 KiB). Connect, the interceptors and a sandbox
-// operation go some 20 KiB deep, so the stack used to grow four times per
-// RPC, each growth copying a deeper stack and adjusting every frame of it:
-// 5–7% of the server's CPU under the rollback load test. growStacks grows it
-// once, at the top, where there are few frames to adjust.
+// operation go some 20 KiB deep, so the stack would grow four times per RPC
+// (doubling from 2 KiB), each growth copying a deeper stack and adjusting
+// every frame of it: a measurable share of the server's CPU under the
+// rollback load test. growStacks grows it once, at the top, where there are
+// few frames to adjust.
 
 // handlerStackBytes is the stack a handler gets before it runs: the frame
 // of growStack, which the runtime rounds up to the next power of two with

@@ -7,12 +7,14 @@ import (
 )
 
 // The server's live heap is small (tens of MiB: requests, not sandboxes,
-// make its garbage), so with Go's default GOGC of 100 the collector ran
-// several times a second under load: its mark workers and assists took 7%
-// of the server's CPU under the rollback load test, 1% at 400. A heap
-// allowed to reach five times the live one stays small next to what the
-// sandboxes hold (1,000 idle sandboxes grew the server's RSS by 9 KiB each
-// at 400, 17 KiB at 100). A soft limit of a quarter of the machine's memory
+// make its garbage), so with Go's default GOGC of 100 the collector runs
+// several times a second under load, and its mark workers and assists take
+// a measurable share of the server's CPU under the rollback load test, a
+// fraction of that at 400 (docs/PERFORMANCE.md, "The server process"). A
+// heap allowed to reach five times the live one stays small next to what
+// the sandboxes hold (the density load test reports the server's RSS per
+// sandbox; docs/PERFORMANCE.md, "Figures behind design choices"). A soft
+// limit of a quarter of the machine's memory
 // keeps a large live heap (big file reads in flight) from being allowed
 // five times its size: the collector works harder as the heap nears it.
 const serveGCPercent = 400

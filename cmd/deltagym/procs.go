@@ -18,16 +18,16 @@ import (
 // A rollback's system calls often wait in the kernel (overlay mounts on the
 // mount namespace lock, the root swap's worker on RCU grace periods, file
 // operations on copy-up), and a thread waiting in a system call keeps its P
-// until the runtime's monitor takes it back, about every 0.5 ms here. With
-// one P per CPU a CPU then sits idle while requests wait to run: under the
-// rollback load test (64 sandboxes on 2 CPUs) a goroutine dump showed 115
-// handlers runnable while 15% of the machine was idle, at 940–1,120
-// rollbacks/s; with two Ps per CPU it was 96% busy, at 1,190–1,290. (Moving
-// the longest wait, the old root's detach, out to a separate process
-// instead did not help: the many shorter ones add up.) With few requests,
-// extra Ps cost instead: idle ones wake threads that compete with the work,
-// and a single client's restore took 5–10% longer with the Ps always
-// doubled.
+// until the runtime's monitor takes it back. With one P per CPU a CPU then
+// sits idle while requests wait to run: under the rollback load test (64
+// sandboxes on 2 CPUs) a goroutine dump shows handlers runnable while part
+// of the machine is idle, and two Ps per CPU keep it busy and serve more
+// rollbacks a second (docs/PERFORMANCE.md, "The server process" and
+// "Figures behind design choices"). Moving the longest wait, the old root's
+// detach, out of the server would not help: the many shorter ones add up.
+// With few requests, extra Ps cost instead: idle ones wake threads that
+// compete with the work, and a single client's restore takes longer with
+// the Ps always doubled.
 func adaptProcs(ctx context.Context, log *slog.Logger) {
 	if os.Getenv("GOMAXPROCS") != "" {
 		return

@@ -157,16 +157,14 @@ func (m *Manager) CloneIntoComplete() bool {
 // kernel's global cgroup_threadgroup_rwsem, which forks and exits
 // read-lock. By default it is a per-CPU rwsem, cheap for readers, whose
 // writer waits for an RCU grace period unless another writer left it a
-// moment before: on this 2-vCPU VM a move after 30 ms without one took
-// 5.8 ms instead of 0.15 ms with the option, and in some runs 1–2% of
-// the checkpoints of a tight loop (each moves one process) took 10–15 ms
-// in that move. With favordynmods (Linux 6.0; made
-// for Android, which moves processes between groups all the time) the
-// rwsem stays in its slow mode: no move waits for a grace period, and
-// forks and exits pay an atomic operation instead. The rwsem is global,
-// so the option on the cgroup2 hierarchy serves moves in v1 hierarchies
-// too (where a remount cannot change it; the kernel's boot option
-// cgroup_favordynmods=true can).
+// moment before: on a VM with few CPUs such a move takes far longer than
+// the rest of a checkpoint, and a tight loop of checkpoints (each moves one
+// process) meets it now and then. With favordynmods (Linux 6.0; made for Android,
+// which moves processes between groups all the time) the rwsem stays in its
+// slow mode: no move waits for a grace period, and forks and exits pay an
+// atomic operation instead. The rwsem is global, so the option on the
+// cgroup2 hierarchy serves moves in v1 hierarchies too (where a remount
+// cannot change it; the kernel's boot option cgroup_favordynmods=true can).
 //
 // The hierarchy is reconfigured through fspick(2) with every super option
 // it had (a reconfiguration clears those it is not given), which leaves
@@ -1023,10 +1021,10 @@ func (c *Cgroup) Stats() (Stats, error) {
 }
 
 // Events is a group's cgroup.events file, kept open so that reading it again
-// costs one pread: opening and closing a cgroup control file cost about
-// 85 µs of CPU in a busy rollback loop on this kernel (8.5 µs on an idle
-// machine: BenchmarkControl), which a rollback without processes would pay
-// at every restore only to learn that the group is empty.
+// costs one pread: opening and closing a cgroup control file costs several
+// times more (BenchmarkControl), and more again in a busy rollback loop,
+// which a rollback without processes would pay at every restore only to
+// learn that the group is empty.
 type Events struct{ openFile }
 
 // openFile is a control file kept open: its descriptor (-1 once closed)
@@ -1089,12 +1087,12 @@ func (e *Events) Populated() (bool, error) {
 
 // Control is a control file of the group's tracking hierarchy (cgroup v2),
 // kept open for a caller that writes it again and again, or that opens it
-// ahead of the moment a write must be quick: opening, writing and closing
-// one takes 8.5 µs on an idle machine here, a write on an open file 0.9 µs
-// (BenchmarkControl), and more of both under load (see Events). A restore
-// that forks copies of templates writes three such files four times (the
-// template group's cgroup.freeze twice, the new command group's
-// cgroup.procs, the old one's cgroup.kill).
+// ahead of the moment a write must be quick: a write on an open file is a
+// fraction of opening, writing and closing one (BenchmarkControl), and both
+// cost more under load (see Events). A restore that forks copies of
+// templates writes three such files four times (the template group's
+// cgroup.freeze twice, the new command group's cgroup.procs, the old one's
+// cgroup.kill).
 // Its methods are safe for concurrent use.
 type Control struct {
 	openFile
@@ -1157,9 +1155,9 @@ const (
 // group (the killed processes' exit, the copies' fix-ups made in their own
 // context, a CRIU restore's restorer). On a CPU busy with other sandboxes,
 // each of those wake-ups queues behind every other group with runnable
-// tasks: with 64 sandboxes busy on 2 CPUs, 55–75 ms for one restore (p50).
-// A raised weight gives the group an early virtual deadline, and the same
-// restore took 8 ms. The agent's own processes are dying or stopped for
+// tasks: with 64 sandboxes busy on 2 CPUs (make loadtest-process), a
+// restore would take many times longer. A raised weight gives the group an
+// early virtual deadline. The agent's own processes are dying or stopped for
 // most of that time. A CPU quota (cpu.max, cpu.cfs_quota_us) still
 // applies. Close leaves the weight as last set.
 type CPUBoost struct {

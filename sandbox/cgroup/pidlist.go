@@ -16,11 +16,10 @@ import (
 // PidList lists a group's processes, its sub-groups' included, as Pids does,
 // from file descriptors it keeps open: the directory and cgroup.procs of the
 // group and of each sub-group it has met. A listing is then a pread and a
-// getdents per group instead of opening and closing both (about 10 µs each
-// here): 57–72 µs → 23–26 µs for a group with one sub-group
-// (BenchmarkPids; what is left is mostly getdents going through every
-// control file of each directory). A checkpoint with processes lists its
-// command group twice.
+// getdents per group instead of opening and closing both, which costs
+// several times as much (BenchmarkPids; what is left is mostly getdents
+// going through every control file of each directory). A checkpoint with
+// processes lists its command group twice.
 //
 // A group removed since is skipped (a sub-group) or reported as ErrNotExist
 // (the group itself); one removed and made again under the same name is

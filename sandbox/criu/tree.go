@@ -2,7 +2,8 @@ package criu
 
 // Dumping and restoring one process tree that lives inside a sandbox beside
 // the sandbox's init, without dumping or recreating the sandbox's
-// namespaces. See docs/CRIU.md, "Trees inside a sandbox".
+// namespaces. See docs/CRIU.md, "Trees inside a sandbox: Swrk.DumpTree and
+// Swrk.RestoreTree".
 //
 // CRIU 4.2.1 either dumps a namespace (and recreates it on restore) or, when
 // the tree shares the namespace with criu itself, leaves it alone and lets
@@ -40,10 +41,8 @@ package criu
 //     on SO_SNDBUFFORCE ("Unable to set socket SO_SNDBUFFORCE/SO_RCVBUFFORCE:
 //     Operation not permitted") otherwise.
 //
-// Measured on the 2-core VM, one swrk per call, 40 runs of a busybox sh with
-// a sleep child: DumpTree p50 74–86 ms (p99 118–125), RestoreTree into
-// another sandbox p50 34 ms (p99 63). A python3 tree with a listening INET
-// socket: about 145 ms / 90–140 ms (single runs).
+// What a dump and a restore cost (BenchmarkTreeDump, BenchmarkTreeRestore):
+// docs/PERFORMANCE.md, "CRIU alone".
 
 import (
 	"context"

@@ -58,14 +58,14 @@ func run(uid, gid int, keepCaps bool, fn func() error) (err error, clean bool) {
 // capabilities its permitted ones, and reports whether it is.
 //
 // Each change of a thread's credentials is a new credential structure,
-// freed after an RCU grace period, and on the VM this is developed on a BPF
-// program hooked to commit_creds makes each cost microseconds: under the
-// rollback load test, where every file action and overlay mount runs here,
-// setfsuid, setfsgid and capset took 3–4% of the machine's CPU. Back at
-// fsuid 0 the kernel raises the file capabilities from the permitted set
-// itself, so the thread is already as it was: a capset only when capget
-// finds otherwise (BenchmarkRun, means of seven interleaved runs: 18.5 →
-// 17.5 µs with keepCaps, 15.3 → 13.8 without).
+// freed after an RCU grace period, and a BPF program hooked to
+// commit_creds (as on the VM this is developed on) makes each cost
+// microseconds: under the rollback load test every file action and overlay
+// mount runs here, so setfsuid, setfsgid and capset are a measurable share
+// of the machine's CPU. Back at fsuid 0 the kernel raises the file
+// capabilities from the permitted set itself, so the thread is already as
+// it was: a capset only when capget finds otherwise, which spares one
+// credential change per call (BenchmarkRun).
 func restore() bool {
 	unix.Setfsuid(0)
 	unix.Setfsgid(0)

@@ -1,10 +1,13 @@
 // Package initproc speaks to dg-init, the resident init (pid 1) of a sandbox.
 //
 // The init is a small static C program (csrc/init.c, built by the
-// Makefile). The server holds one end of a SOCK_SEQPACKET socket pair; the init
-// has the other as fd 3. A Conn sends requests (ping, root swap, spawn) and
-// receives their replies and the init's exit events, one reader goroutine per
-// Conn. Requests are answered in order, so replies are matched by id.
+// Makefile). The server holds one end of a SOCK_SEQPACKET socket pair; the
+// init has the other as fd 3. A Conn waits for the init's hello, sends
+// requests (ping and spawn to an init, clone to the zygote, `dg-init
+// --zygote`) and receives their replies and the exit events of the
+// processes the init reaps, one reader goroutine per Conn. Requests are
+// answered in order, so replies are matched by id. The init takes no part
+// in a root swap: the server does it from outside (sandbox/launch).
 package initproc
 
 import (

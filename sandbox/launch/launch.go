@@ -1,22 +1,23 @@
 // Package launch starts the resident init of a sandbox in its namespaces.
 //
-// Four costs shape it (MEASURED.md §2):
+// Four costs shape it:
 //   - A new mount namespace copies every mount of its parent. The server's
 //     mount namespace holds a tmpfs per live layer, so inits are not cloned
 //     from it but from a minimal "spawn" mount namespace (a tmpfs root
 //     holding only the static init binary, /proc and a few device nodes).
-//   - A Go os/exec into a new user namespace costs several milliseconds.
+//   - A Go os/exec into a new user namespace is far slower than a clone.
 //     A zygote (`dg-init --zygote`, started once in the spawn namespace)
 //     clones each new init with one C clone() and writes its id maps; the
 //     clone needs no exec, it runs the init's main directly.
-//   - A new net namespace costs ~0.6–1 ms and is torn down asynchronously:
+//   - A new net namespace is slow to make and is torn down asynchronously:
 //     NetPool keeps ready namespaces (loopback up); the zygote enters one
 //     before the clone, so the init is born in it.
 //   - The user namespace maps the sandbox's uid 0..65535 onto a host range
 //     of its own, so root inside is not root outside.
 //
-// The root swap is done from outside, by long-lived worker threads that
-// enter a sandbox's mount namespace and come back (see Init.Swap).
+// The root swap is done from outside: the caller's thread enters the
+// sandbox's mount namespace, swaps the root and comes back (Init.Swap), and
+// long-lived worker threads detach the replaced roots afterwards.
 package launch
 
 import (
@@ -262,14 +263,14 @@ var MovedMounts = []string{"proc", "dev"}
 // which is the caller's to handle. The caller keeps ownership of mountFD.
 //
 // The detach of the old root is the slow part (the kernel waits for an RCU
-// grace period: 100 µs here) and changes nothing the sandbox can see (the
-// old root sits on top of the new one, above every task's root), so a
-// worker detaches it after Swap returns. Swaps of one init are serialised
-// by the caller; each waits for the previous detach.
+// grace period) and changes nothing the sandbox can see (the old root sits
+// on top of the new one, above every task's root), so a worker detaches it
+// after Swap returns. Swaps of one init are serialised by the caller; each
+// waits for the previous detach.
 //
 // The swap runs on the caller's thread, not on a worker's: handing it to a
-// locked worker thread and back cost 110 µs of the Go scheduler's hand-overs
-// per swap, against 60 µs for the swap itself.
+// locked worker thread and back costs more in the Go scheduler's hand-overs
+// than the swap itself.
 func (in *Init) Swap(mountFD int) error {
 	if in.detached != nil {
 		err := <-in.detached
@@ -461,11 +462,9 @@ func (p *detachPool) do(j detachJob) {
 	// Off the caller's CPU, where a restore goes on with the copies: their
 	// tracer is pinned there with the templates (ptfork), and the detach
 	// (its expedited RCU grace period, the old overlay's teardown) would
-	// take turns with them. Restoring an 8 MB python3 with a file written
-	// before each restore (a new root each time), in alternating blocks of
-	// 10 in one run: 0.86–0.99 of the p50 (seven runs, median 0.91) against
-	// the caller's CPU, and the same (0.98–1.02) as leaving it to the
-	// scheduler, which does not promise it.
+	// take turns with them, and a restore of a process with a new root
+	// would wait for the detach. Left to the scheduler, the detach often
+	// lands on the other CPU too, but nothing promises it.
 	if cpu, err := cpupin.Current(); err == nil {
 		set := p.cpus
 		set.Clear(cpu)

@@ -9,8 +9,8 @@ import (
 )
 
 // NetPool keeps net namespaces ready, loopback up and nothing else: a new
-// one costs ~0.6–1 ms to make and is torn down asynchronously, so sandbox
-// creation takes one from the pool and a goroutine refills it.
+// one is slow to make and is torn down asynchronously, so sandbox creation
+// takes one from the pool and a goroutine refills it.
 type NetPool struct {
 	ready  chan int
 	refill chan struct{}

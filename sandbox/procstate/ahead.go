@@ -18,20 +18,19 @@ import (
 // Copies forked ahead.
 //
 // A restore of a checkpoint with templates forks a copy of each template:
-// the kernel copies the template's page tables, 0.35–0.4 ms of an 8 MB
-// process's 1.1 ms rollback here. A checkpoint restored once is likely to be
-// restored again (a rollback loop, a GRPO group's next try, a search going
-// back to a node), so after each in-place restore a background job forks the
-// next copies of the same templates at once, while the restored copies run,
-// and parks them, frozen, in a group of their own (p<n>). The next restore
-// of that checkpoint takes them instead of forking: it seizes each, moves it
-// into the command group (which thaws it into the ptrace stop the seizure
-// asked for) and fixes it up as it would a copy just forked, after the root
-// swap; but the job already made the session a copy of a session leader
-// leads (setsid does not depend on the root), one round trip to the copy
-// fewer at the restore: under the rollback-process load test, whose copies
-// need no other fix-up, 6.9–7.7 ms p50 against 7.8–9.0 in three
-// interleaved pairs.
+// the kernel copies the template's page tables, a good part of a process's
+// rollback. A checkpoint restored once is likely to be restored again (a
+// rollback loop, a GRPO group's next try, a search going back to a node),
+// so after each in-place restore a background job forks the next copies of
+// the same templates at once, while the restored copies run, and parks
+// them, frozen, in a group of their own (p<n>). The next restore of that
+// checkpoint takes them instead of forking: it seizes each, moves it into
+// the command group (which thaws it into the ptrace stop the seizure asked
+// for) and fixes it up as it would a copy just forked, after the root swap;
+// but the job already made the session a copy of a session leader leads
+// (setsid does not depend on the root), one round trip to the copy fewer at
+// the restore, which the rollback-process load test's copies, with no other
+// fix-up, show in their latency.
 //
 // Why a parked copy is as good as a fresh one: it is a template's copy that
 // never ran, with the template's registers and, copy-on-write, its memory
@@ -130,12 +129,13 @@ func (errAheadDropped) Error() string { return "dropped before the job started" 
 // the previous one returned than the last job took, the next one would
 // likely find its copies not ready and wait for them, and a restore that
 // waits for the job costs more than one that forks (the job's seizures and
-// cgroup moves come on top of the fork: an 8 MB process's restore took 1.26
-// ms p50 waiting, 0.95 forking, back to back here; 0.76 against 1.06 with 3
-// ms between restores). The gap is the agent's step: it is counted from the
-// previous restore's return, not from before that restore detached its
-// copies, which on a busy machine made restores back to back look spaced
-// (TestForkAheadBackToBack failed so in CI).
+// cgroup moves come on top of the fork), while one that finds its copies
+// ready costs less (BenchmarkRollbackWithProcess, back to back, and
+// BenchmarkRollbackStepWithProcess, with a step between, each against
+// path=template-at-restore). The gap is the agent's step: it is counted
+// from the previous restore's return, not from before that restore
+// detached its copies, which on a busy machine would make restores back to
+// back look spaced (TestForkAheadBackToBack).
 // start is when this restore began; again says whether the one before it
 // restored c too.
 func (ps *State) forkAhead(c *Checkpoint, start time.Time, again bool) {

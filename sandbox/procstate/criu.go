@@ -50,8 +50,9 @@ import (
 // external to the dump and handed in at restore (ExtFile).
 //
 // Limits: a tree's stdio must be files of the sandbox or the session's pipes
-// (background commands get the sandbox's own /dev/null); a dump costs about
-// 65–135 ms and a restore 20–75 ms, against about 1–3 ms for a template.
+// (background commands get the sandbox's own /dev/null); a dump and a
+// restore cost many times a template's (BenchmarkRollbackVsCRIU,
+// docs/PERFORMANCE.md).
 
 func (u Unit) name() string {
 	if len(u.Procs) == 0 {

@@ -6,13 +6,18 @@
 //
 // Process checkpoints, fast path (template fork; see docs/ARCHITECTURE.md).
 //
-// At a checkpoint with live processes, the sandbox's command group is
-// frozen, the upper is copied and sealed (the live processes keep the upper
-// they have), and every process is seized with ptrace and made to clone
-// itself (sandbox/ptfork): the copy — the template — is moved into a frozen
-// cgroup of its own checkpoint ("t-<checkpoint>", under the sandbox's group,
-// so it counts against the sandbox's memory limit) before it is detached,
-// so it never runs; the live process is detached and goes on. A template's
+// At a checkpoint with live processes (Capture), every single-threaded
+// process of the sandbox's command group is seized with ptrace and
+// interrupted, not frozen, and the group is listed again until no new
+// process appears (a stopped process cannot fork); the trees of the general
+// path are dumped by criu, which leaves them stopped. While they are all
+// stopped the upper is copied and sealed (the live processes keep the upper
+// they have), so files and processes are of one instant. Then each seized
+// process is made to clone itself (sandbox/ptfork): the copy — the template
+// — is moved into a frozen cgroup of the checkpoint's own ("t<n>", a
+// sub-group of the sandbox's group beside the command group, so it counts
+// against the sandbox's memory and pids limits) before it is detached, so
+// it never runs; the live process is detached and goes on. A template's
 // root is the sandbox's root, and every root swap (pivot_root) re-points
 // the roots of all tasks whose root is the old root, so a template's root
 // follows the sandbox's live root.

@@ -21,10 +21,10 @@ import (
 //
 // A copy forked from a template gets a copy of the template's page tables:
 // one entry per 4 KiB page of private memory. For a 100 MB process that is
-// 25,600 entries, most of a restore's time (fork 1.1 ms, and as much again
-// for the previous copy's exit). Memory mapped by 2 MiB transparent huge
-// pages takes one entry per 2 MiB instead (fork 0.12 ms, exit 0.11 ms for
-// the same 100 MB, on this machine).
+// 25,600 entries, most of a restore's time (the fork, and as much again for
+// the previous copy's exit). Memory mapped by 2 MiB transparent huge pages
+// takes one entry per 2 MiB instead: a 512th of the entries to copy at the
+// fork and to free at the exit.
 //
 // So on the first in-place restore of a checkpoint, a background worker
 // folds its templates' anonymous memory into huge pages with
@@ -34,8 +34,8 @@ import (
 // table under the template's mmap lock, so a restore forking from the
 // template meanwhile is safe (it waits for at most one range). Copies share
 // the huge pages copy-on-write; a copy writing into one gets its own 4 KiB
-// page (the kernel splits the copy's mapping, about 14 µs the first time per
-// 2 MiB range).
+// page (the kernel splits the copy's mapping of that 2 MiB range, the first
+// time only).
 //
 // Why the first restore, not the checkpoint: a template shares its memory
 // with the live process it was cloned from, and folding gives it memory of
@@ -45,26 +45,26 @@ import (
 // templates of other checkpoints still share its pages. Checkpoints that
 // are never restored (most nodes of a search tree) are never folded.
 //
-// What it costs: the fold copies the memory (135–190 ms of CPU for 92 MB
-// here, most of it the first touch of the VM's fresh memory), on a thread
-// at nice 19. Only ranges at least half resident are folded (an untouched
-// reservation stays untouched), and only while the sandbox stays under
-// three quarters of its memory limit and the machine keeps a quarter of
-// its memory available. A template that cannot be folded (no huge page
-// free, no room, a kernel without MADV_COLLAPSE) is copied page by page, as
-// before.
+// What it costs: the fold copies the memory (on a VM, most of its CPU is
+// the first touch of memory new to the guest), on a thread at nice 19. Only
+// ranges at least half resident are folded (an untouched reservation stays
+// untouched), and only while the sandbox stays under three quarters of its
+// memory limit and the machine keeps a quarter of its memory available. A
+// template that cannot be folded (no huge page free, no room, a kernel
+// without MADV_COLLAPSE) stays in small pages, and its copies get page
+// tables of small pages.
 //
-// Live processes in huge pages. A checkpoint forks the live process too, and
-// pays the same per-page price: 2.3 ms of a 100 MB process's 3.7 ms
-// checkpoint was the fork. So the first time a process is checkpointed, the
-// worker also folds the live process itself. Its template keeps the small
-// pages; every later checkpoint forks the huge pages in a few hundred
-// microseconds, and its templates share them (they need no fold on
-// restore). That costs one copy of the process's memory, once, while the
-// first template lives, not one per checkpoint. Copies a restore forked are
-// not folded again: they hold their template's huge pages already, or small
-// ones the fold of that template replaces; folding a copy would copy again
-// every 2 MiB range it wrote a byte of, at each restore.
+// Live processes in huge pages. A checkpoint forks the live process too,
+// and pays the same per-page price: the fork is most of a large process's
+// checkpoint. So the first time a process is checkpointed, the worker also
+// folds the live process itself. Its template keeps the small pages; every
+// later checkpoint forks the huge pages, and its templates share them (they
+// need no fold on restore). That costs one copy of the process's memory,
+// once, while the first template lives, not one per checkpoint. Copies a
+// restore forked are not folded again: they hold their template's huge
+// pages already, or small ones the fold of that template replaces; folding
+// a copy would copy again every 2 MiB range it wrote a byte of, at each
+// restore.
 
 const (
 	hugePage = 2 << 20

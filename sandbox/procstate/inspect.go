@@ -142,8 +142,8 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
 
 // sharedWritableMap names a file the process maps shared and writable: a
 // copy would write through to the live state's file, not its own. It asks
-// the kernel for such mappings only (PROCMAP_QUERY, Linux 6.11: a few µs),
-// or else reads the whole maps file (140 µs for a python3 process here).
+// the kernel for such mappings only (PROCMAP_QUERY, Linux 6.11), or else
+// reads and parses the whole maps file, which costs many times more.
 func sharedWritableMap(dir string) (string, error) {
 	f, err := os.Open(dir + "/maps")
 	if err != nil {

@@ -20,10 +20,9 @@
 // are refused (ErrThreads); the target's children are not copied either (a
 // process tree is the caller's business).
 //
-// Figures on this VM (Linux 6.18, 2 vCPU; see MEASURED.md): one injected
-// system call costs two ptrace stops (about 13 µs); a copy of the test's
-// counter (BenchmarkFork8MB) 0.09 ms with the session on one CPU, 0.32 ms
-// when the copy is born on the other CPU (see Session).
+// One injected system call costs two ptrace stops. What a copy costs, with
+// the tracer and the process on one CPU and across two (see Session), is
+// BenchmarkFork8MB's, in docs/PERFORMANCE.md.
 package ptfork
 
 import (
@@ -68,8 +67,8 @@ const (
 // long as it is attached. Every ptrace request is a round trip between the
 // tracer and the tracee, and a copy is born where its parent runs: on one
 // CPU each hand-over is a plain switch, while across CPUs it wakes an idle
-// CPU first, which on a VM costs tens of microseconds (an 8 MB fork here:
-// 0.5 ms across CPUs, 0.3 ms on one). Pinning is best effort (a cpuset
+// CPU first, which on a VM goes through the hypervisor and costs more than
+// the request itself (BenchmarkFork8MB). Pinning is best effort (a cpuset
 // that excludes the CPU leaves the process where it is); each process gets
 // its own CPU mask back when it is detached, a copy its parent's.
 type Session struct {
@@ -525,10 +524,10 @@ var vdsoOff = sync.OnceValues(func() (uint64, error) {
 })
 
 // syscallInsn returns the address of a `syscall` instruction in the stopped
-// process pid: in its vDSO, found through its auxiliary vector (7 µs for a
-// python3 process here), or through its maps when the vDSO is not where
-// the vector says (it was moved or unmapped; reading the maps of the same
-// process takes 140 µs).
+// process pid: in its vDSO, found through its auxiliary vector (a few
+// words read), or through its maps when the vDSO is not where the vector
+// says (it was moved or unmapped; reading and parsing the maps costs many
+// times more).
 func syscallInsn(pid int) (uint64, error) {
 	off, err := vdsoOff()
 	if err != nil {

@@ -111,7 +111,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	delay, _ := time.ParseDuration(os.Getenv("DELTAGYM_LEDGER_BENCH_DELAY"))
 	queue, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_QUEUE_MB"))
 	vacuumSteps, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_VACUUM_STEPS"))
-	// DELTAGYM_LEDGER_BENCH_BUFFERED=1 writes the spool through the page cache, as before
+	// DELTAGYM_LEDGER_BENCH_BUFFERED=1 writes the spool through the page cache, to compare with
 	// O_DIRECT.
 	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
 	defer ledger.SetDirectSpool(true)
@@ -120,7 +120,8 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	if os.Getenv("GOGC") == "" {
 		defer debug.SetGCPercent(debug.SetGCPercent(400))
 	}
-	// DELTAGYM_LEDGER_BENCH_NEW_SLABS=1 reads rows back into new slabs, as before slab reuse.
+	// DELTAGYM_LEDGER_BENCH_NEW_SLABS=1 reads rows back into new slabs, to compare with slab
+	// reuse.
 	ledger.SetSlabReuse(os.Getenv("DELTAGYM_LEDGER_BENCH_NEW_SLABS") != "1")
 	defer ledger.SetSlabReuse(true)
 	w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool"), Conns: conns, DeliveryDelay: delay, QueueBytes: queue << 20, VacuumSteps: vacuumSteps})

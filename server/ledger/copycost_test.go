@@ -106,24 +106,26 @@ func BenchmarkCopyCost(b *testing.B) {
 		write     bool // rows of a 4 KiB write_file: the content in the action, a small observation
 	}{
 		// The schema on a new cluster: it creates the WAL segments that the variants after it
-		// recycle, as a server that has run a while does. It read 1-4 µs a row dearer here.
+		// recycle, as a server that has run a while does, so it reads dearer per row.
 		{"cold", "", false},
 		{"schema", "", false}, // as migrated
-		// Before pgserver set wal_init_zero=off: every new 16 MiB WAL segment written with zeros
-		// first. Run it alone (-bench CopyCost/wal-init-zero-on): a variant after another one in
+		// Postgres's default, which pgserver turns off: every new 16 MiB WAL segment written with
+		// zeros first. Run it alone (-bench CopyCost/wal-init-zero-on): a variant after another one in
 		// the same cluster may recycle that one's segments instead of creating new ones.
 		{"wal-init-zero-on", "SET wal_init_zero = on", false},
-		// Before 0002: the small columns EXTENDED, so 4 KiB rows pushed them to TOAST.
+		// The small columns EXTENDED, as 0001 left them and 0002 changes: 4 KiB rows push them
+		// to TOAST.
 		{"small-cols-extended", `ALTER TABLE steps ALTER COLUMN action SET STORAGE EXTENDED,
 			ALTER COLUMN observation_sha256 SET STORAGE EXTENDED, ALTER COLUMN episode_id SET STORAGE EXTENDED,
 			ALTER COLUMN checkpoint_id SET STORAGE EXTENDED`, false},
 		// No lz4 for rows up to a page: less CPU, three times the disk (one 4 KiB row per page).
 		{"uncompressed", "ALTER TABLE steps SET (toast_tuple_target = 8160)", false},
-		// Before 0006: the ids and the hash MAIN, so PostgreSQL tried to compress each of them
-		// in turn once the compressed observation left the row over the TOAST target.
+		// The ids and the hash MAIN, as 0002 left them and 0006 changes: PostgreSQL tries to
+		// compress each of them in turn once the compressed observation leaves the row over the
+		// TOAST target.
 		{"ids-main", `ALTER TABLE steps ALTER COLUMN episode_id SET STORAGE MAIN,
 			ALTER COLUMN observation_sha256 SET STORAGE MAIN, ALTER COLUMN checkpoint_id SET STORAGE MAIN`, false},
-		// 4 KiB writes: the action compressed with lz4 (0003), and with pglz as before it.
+		// 4 KiB writes: the action compressed with lz4 (0003), and with pglz, Postgres's default.
 		{"write-action", "", true},
 		{"write-action-pglz", "ALTER TABLE steps ALTER COLUMN action SET COMPRESSION pglz", true},
 	}

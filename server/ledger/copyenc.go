@@ -28,8 +28,8 @@ func stepTupleSize(s *StepRow) int {
 
 // appendStepTuple encodes s as one tuple of the binary COPY format, in copySteps's column order.
 // It writes the bytes itself instead of going through pgx's type map: a step is twelve
-// fixed-type values, and the generic path (one []any and twelve encode plans per row) cost more
-// Go CPU per row than the rest of delivery.
+// fixed-type values, and the generic path (one []any and twelve encode plans per row) costs
+// the writer more Go CPU per row (BenchmarkStepCopy; docs/PERFORMANCE.md, "Binary COPY").
 func appendStepTuple(b []byte, s *StepRow) []byte {
 	b = binary.BigEndian.AppendUint16(b, 12)
 	b = appendField(b, s.EpisodeID)

@@ -90,9 +90,10 @@ type retiredSlab struct {
 // maxRetired bounds the retired slabs tracked (more are left to the garbage collector): a
 // delivery that stalls while the reader reads ahead is bounded by the batches in flight, about
 // 24 slabs with the default batch size and connections. maxSpare bounds those kept free: when a
-// stall ends, the commits free many slabs at once, and a spare list of 4 dropped the rest, so
-// the reader faulted in new memory for them (6% of the machine's CPU clearing new pages in
-// BenchmarkWriterSteps's saturated run on this VM). The spares are memory the reader already
+// stall ends, the commits free many slabs at once, and a short spare list would drop most of
+// them, so the reader would fault in new memory for them (on a VM, clearing new pages is a
+// visible share of the machine's CPU in BenchmarkWriterSteps's saturated run). The spares are
+// memory the reader already
 // held; dropSlabs lets them go once rows come from memory again (nextBatch: at the next batch
 // from memory, or when it waits with the spool caught up).
 const (
@@ -197,11 +198,11 @@ func (s *spool) recoverSegment(first uint64, newest bool) (uint64, error) {
 
 // directIO makes the spool write its segments with O_DIRECT where the file system allows it.
 //
-// Through the page cache, every row was copied into pages that write then drops, and on this VM
-// a page the guest has not used lately costs about 5 µs to fill (ARCHITECTURE, "Memory new to
-// this VM"): the spool's write was 47% of the writer's CPU, 3.9 µs per 4 KiB step, in
-// BenchmarkWriterSteps at 30,000 steps/s. With O_DIRECT the rows go from one reused,
-// block-aligned buffer (stage) to the disk.
+// Through the page cache, every row is copied into pages that write then drops, and on a VM a
+// page the guest has not used lately costs microseconds to fill (docs/ARCHITECTURE.md, "Known
+// limits"): the spool's write would be a large share of the writer's CPU
+// (BenchmarkWriterSteps with DELTAGYM_LEDGER_BENCH_BUFFERED=1; docs/PERFORMANCE.md, "The
+// ledger"). With O_DIRECT the rows go from one reused, block-aligned buffer (stage) to the disk.
 //
 // The price:
 //   - A group commit rewrites the segment's last, partial block: the bytes already there, the
@@ -217,8 +218,8 @@ func (s *spool) recoverSegment(first uint64, newest bool) (uint64, error) {
 //
 // The reader, which reads rows back when the writer's in-memory queue has overflowed, reads
 // with O_DIRECT too, for the same reason: through the page cache each 4 KiB row read back
-// took a page new to the VM, and reading was 31% of the writer's CPU in BenchmarkWriterSteps'
-// saturated run (4.1 µs per row read back). fill says how its reads stay aligned.
+// takes a page new to the VM, a large share of the writer's CPU in BenchmarkWriterSteps'
+// saturated run. fill says how its reads stay aligned.
 //
 // Where O_DIRECT is refused at open, or the file wants an alignment dioBlock does not meet
 // (statx's STATX_DIOALIGN), or a direct write fails with EINVAL anyway, the spool writes
@@ -595,7 +596,7 @@ func (s *spool) readFrame() (record, error) {
 	if err := s.fill(size); err != nil {
 		return record{}, err
 	}
-	// The CRC is checked again (0.2 µs for a 4 KiB row): a direct write rewrites the block of
+	// The CRC is checked again (cheap beside the read): a direct write rewrites the block of
 	// the last rows acknowledged (directIO).
 	r, _, err := parseFrame(s.cur.buf[s.cur.off : s.cur.off+size])
 	if err != nil {
@@ -744,8 +745,8 @@ func (s *spool) takeSlab(size int) []byte {
 
 // dropSlabs forgets the retired and spare slabs, for the garbage collector to take once no batch
 // holds their records: the reader calls it when it serves rows from memory again, or waits with
-// the spool caught up, so that a burst of reading back does not keep its slabs (24-28 of 4 MiB
-// with the defaults, up to 96) for good.
+// the spool caught up, so that a burst of reading back does not keep its slabs (some two dozen
+// of 4 MiB with the defaults, up to maxRetired+maxSpare) for good.
 func (s *spool) dropSlabs() {
 	if len(s.retired) == 0 && len(s.spare) == 0 {
 		return

@@ -16,9 +16,8 @@ import (
 // wrap around. Autovacuum does that long after the page was written: once a fifth or so of the
 // table is new, at a throttled pace that does not keep up with 50,000 steps/s, and by then the
 // page has left Postgres's shared buffers and the memory group's page cache, so the vacuum
-// reads it back from disk, dirties it and writes it again (BenchmarkWriterSteps, a vacuum of
-// 600,000 rows alongside as many new ones: 5.3 s, 200,064 pages read and dirtied, Postgres
-// 26.75 µs of CPU per step against 17 without it).
+// reads it back from disk, dirties it and writes it again (BenchmarkWriterSteps with
+// DELTAGYM_LEDGER_BENCH_VACUUM_STEPS=-1 shows what that costs Postgres per step).
 //
 // A COPY leaves the pages it fills in a ring of shared buffers (16 MB per backend) until the
 // ring comes round to them. Vacuumed while they are still there, they are neither read nor
@@ -26,9 +25,9 @@ import (
 // vacuums the steps table itself, after every Config.VacuumSteps steps it delivers, on a
 // connection of its own, and freezes as it goes (vacuum_freeze_min_age 0 on that connection:
 // the rows every snapshot sees), so that the anti-wraparound vacuum finds the pages all-frozen
-// and skips them. In steady state, every 10,000 steps, each vacuum read and dirtied almost
-// none of its 3,000–4,000 pages and took 10–20 ms of CPU; every 100,000 it read and dirtied
-// them all (VACUUM VERBOSE in the benchmark). It is not a VACUUM (FREEZE): that would be an
+// and skips them. In steady state, at the default interval, each vacuum reads and dirties
+// almost none of its pages; at ten times that, it reads and dirties them all (VACUUM VERBOSE in
+// BenchmarkWriterSteps, DELTAGYM_LEDGER_BENCH_VACUUM_STEPS=n). It is not a VACUUM (FREEZE): that would be an
 // aggressive vacuum, which scans every page not yet frozen (a whole table autovacuum had
 // marked all-visible, the first time on an older ledger) and waits for a page a COPY has
 // pinned instead of skipping it till next time. Nor does it truncate the table: a COPY
@@ -46,10 +45,9 @@ import (
 // spanning more than four times the larger of VacuumSteps and Conns×BatchRows steps, it logs
 // so and waits before trying again (1 s, doubling up to a minute) instead of vacuuming every
 // VacuumSteps, until a vacuum gains pages again. It does not wait otherwise: a vacuum that
-// found its pages gone from the shared buffers (after a checkpoint, say) reads them back at
-// about twice the rate steps arrive, so the next vacuums, taken back to back, catch up, where
-// waiting in proportion to the time taken (tried first) let the pages between vacuums grow
-// without end.
+// found its pages gone from the shared buffers (after a checkpoint, say) reads them back faster
+// than steps arrive, so the next vacuums, taken back to back, catch up, where waiting in
+// proportion to the time taken would let the pages between vacuums grow without end.
 //
 // A vacuum that finds the table locked by another (autovacuum's, or an ANALYZE) is skipped,
 // not counted, and tried again, steps or not, after the same waits as a held one; so is one
@@ -57,8 +55,9 @@ import (
 // skipped without a word from Postgres: that vacuum counts, and its TOAST pages, those of
 // observations too big for a page, wait for the next.)
 
-// defaultVacuumSteps is Config.VacuumSteps's default: BenchmarkWriterSteps with a vacuum every
-// 10,000 steps read and dirtied almost no page again, every 50,000 about a third of them.
+// defaultVacuumSteps is Config.VacuumSteps's default: in BenchmarkWriterSteps a vacuum this
+// often reads and dirties almost no page again, where at five times the interval it reads back
+// part of them (docs/PERFORMANCE.md, "The ledger").
 const defaultVacuumSteps = 10_000
 
 // vacuumConn is the writer's vacuum connection: what it learned about the server when it

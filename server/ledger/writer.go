@@ -30,10 +30,10 @@ type Config struct {
 	// QueueRows and QueueBytes bound the in-memory queue to Postgres. Past them rows are still
 	// spooled (never blocking the caller) and the deliverer reads them back from the spool
 	// until it has caught up, which costs more CPU per row than it has been spared: a writer
-	// that overflows once stays behind longer. Defaults 100,000 rows and 256 MiB: 15,000 rows of
-	// 4 KiB in 64 MiB were a third of a second at 50,000 steps/s, and BenchmarkWriterSteps
-	// paced at that rate overflowed in 3 of 3 runs (39,135–41,723 steps/s delivered) against
-	// none of 3 with 256 MiB (41,927–48,712), interleaved. The memory is held only while
+	// that overflows once stays behind longer. Defaults 100,000 rows and 256 MiB: 64 MiB holds
+	// some 15,000 rows of 4 KiB, a third of a second at 50,000 steps/s, too little to ride out
+	// a slow commit (BenchmarkWriterSteps paced at that rate with DELTAGYM_LEDGER_BENCH_QUEUE_MB;
+	// docs/PERFORMANCE.md, "Figures behind design choices"). The memory is held only while
 	// Postgres is behind.
 	QueueRows  int
 	QueueBytes int
@@ -49,9 +49,10 @@ type Config struct {
 	DeliveryDelay time.Duration
 	// Conns is the number of delivery connections: up to Conns batches are copied into
 	// Postgres at once (a COPY keeps one backend busy on one CPU); they still commit in order.
-	// Default 4: on 2 CPUs, 2 left them idle while a batch committed (its WAL flush) or the
-	// next one was read back; 4 delivered 1-9% more steps/s saturated in 4 of 4 interleaved
-	// pairs (session 33). The writer opens one more connection for its vacuums (VacuumSteps).
+	// Default 4: on 2 CPUs, 2 leave them idle while a batch commits (its WAL flush) or the next
+	// one is read back, and 4 deliver more steps/s saturated (BenchmarkWriterSteps with
+	// DELTAGYM_LEDGER_BENCH_CONNS; docs/PERFORMANCE.md, "Figures behind design choices"). The
+	// writer opens one more connection for its vacuums (VacuumSteps).
 	Conns int
 	// ObservationCap caps a stored observation; its full size and SHA-256 are kept. Default 64 KiB.
 	ObservationCap int

@@ -250,9 +250,9 @@ func TestPostgresOutage(t *testing.T) {
 }
 
 // The postmaster of a supervised cluster (as the server runs its own) is killed outright in the
-// middle of a stream of writes, and its backends with it (alone, it left backends that finished
-// the whole stream before they saw it gone, once in CI: the writer never felt the kill): the
-// cluster is started again, recovers, and every row is delivered once.
+// middle of a stream of writes, and its backends with it (killed alone, it can leave backends
+// that finish the whole stream before they see it gone, and the writer never feels the kill):
+// the cluster is started again, recovers, and every row is delivered once.
 func TestPostgresKilled(t *testing.T) {
 	t.Parallel()
 	srv, url := pgtest.Supervised(t)
@@ -455,8 +455,8 @@ func TestCaughtUpWriterDropsSlabs(t *testing.T) {
 
 // Close returns nil when the deliverer delivered the last rows just as it ended: the ending and
 // the rows' delivery then wake Close together, and it must not take the first for rows left
-// over. Close is held before it waits until both have happened, as when its goroutine is not
-// running then (CI saw it: "flushing ledger: 1 rows: rows left undelivered").
+// over ("flushing ledger: 1 rows: rows left undelivered"). Close is held before it waits until
+// both have happened, as when its goroutine is not running then.
 func TestCloseRightAfterLastDelivery(t *testing.T) {
 	t.Parallel()
 	url := pgtest.Start(t)

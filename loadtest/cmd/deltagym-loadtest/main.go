@@ -43,8 +43,8 @@ func isTerminal(w io.Writer) bool {
 
 // loadGCPercent is the collector's GOGC for the load generator. Its live heap is small (the
 // workers' requests and the histograms), so at the default 100 the collector runs several times
-// a second, on CPU the server under test would otherwise get: at 400 the generator spent 0.161–
-// 0.173 against 0.188–0.201 ms per rollback in interleaved 20 s stream runs (64 sandboxes).
+// a second, on CPU the server under test would otherwise get: at 400 the generator spends less
+// CPU per rollback (docs/PERFORMANCE.md, "Figures behind design choices").
 const loadGCPercent = 400
 
 // tuneGC sets the collector, unless the environment does (GOGC).

@@ -1,14 +1,16 @@
 // dg-init: the resident init (pid 1) of a deltagym sandbox.
 //
-// It is started by the server inside fresh user, mount, pid, ipc, uts and
-// cgroup namespaces, with the control socket as fd 3 (SOCK_SEQPACKET). It
-// stays tiny (static, no heap churn) because one runs per sandbox and its
-// private memory counts against the density target.
+// It is cloned by the zygote (the same binary run as `dg-init --zygote`, see
+// below) into fresh user, mount, pid, ipc, uts and cgroup namespaces, in a
+// net namespace the server hands over, with the control socket as fd 3
+// (SOCK_SEQPACKET). It stays tiny (static, no heap churn) because one runs
+// per sandbox and its private memory counts against the density target.
 //
 // Protocol: every message is a header {u32 type, u32 id, u32 len} followed by
-// len payload bytes, possibly with file descriptors (SCM_RIGHTS). Requests:
+// len payload bytes, possibly with file descriptors (SCM_RIGHTS). At start
+// the init sends a hello, a REPLY with id 0. Requests:
 //
-//   PING                      reply {i32 err=0}
+//   PING                      reply {i32 err=0, i32 pid}
 //   SPAWN fds:[in,out,err,cg...] payload: spawn_hdr, then NUL-terminated
 //                             cwd, argv..., "", env..., "". Starts a command
 //                             (vfork-style clone), reply {i32 err, i32 pid}
@@ -16,14 +18,16 @@
 // Events sent without a request: EXIT {i32 pid, i32 wait status}, for every
 // child the init reaps (orphans re-parented to it included).
 //
-// The init mounts its /proc and /dev and sets the host name (argv[1]) at
-// start, then confines itself as it confines commands (see confine): the
-// root swap is done by the server from outside (see setup_mounts), so the
-// init keeps no privilege that a command lacks.
+// The init mounts its /proc and /dev and sets the host name (the zygote's
+// request's, or argv[1] when run directly) at start, then confines itself
+// as it confines commands (see confine): the root swap is done by the
+// server from outside (see setup_mounts), so the init keeps no privilege
+// that a command lacks.
 // When the control socket closes (the server went away), the init kills
 // every process of the sandbox but the frozen templates of process
 // checkpoints (see orphaned), and exits once none of those is left: the
-// kernel then ends the pid namespace. A restarted server re-adopts the templates.
+// kernel then ends the pid namespace. A restarted server finds the
+// templates and saves them as CRIU images (sandbox/readopt.go).
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>

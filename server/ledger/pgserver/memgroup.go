@@ -40,15 +40,13 @@ const moveFailed = 111
 // The ledger's rows grow Postgres's files for as long as the server runs: a table's heap and,
 // until checkpoints recycle its segments, the WAL. Without a cap, every new block of those
 // files takes a page the machine has never handed out, for the page cache keeps what it has
-// while free memory lasts. On this VM a page never handed out, or handed back to the host
-// (virtio_balloon's free page reporting), costs about 5 µs to touch first
-// (docs/ARCHITECTURE.md, known limits). Capped, the group's page cache stays within its
+// while free memory lasts. On a VM a page never handed out, or handed back to the host
+// (virtio_balloon's free page reporting), costs microseconds to touch first
+// (docs/ARCHITECTURE.md, "Known limits"). Capped, the group's page cache stays within its
 // limit: the kernel reclaims the group's own clean pages, written out already by the
-// checkpointer, and hands them to the new blocks, warm. BenchmarkWriterSteps at 30,000
-// steps/s, with and without the cap (a 384 MiB group, three interleaved pairs): Postgres
-// 19.9–21.4 against 26.0–31.8 µs of CPU per step, and the writer, whose spool's freed pages
-// no longer go to Postgres's growth, 9.5–11.0 against 13.1–15.3; with the 512 MiB default,
-// one pair: Postgres 20.5 and 23.2 against 33.9 and 31.2 µs.
+// checkpointer, and hands them to the new blocks, warm. That spares Postgres CPU per step, and
+// the writer too, whose spool's freed pages do not go to Postgres's growth
+// (BenchmarkWriterSteps with DELTAGYM_LEDGER_BENCH_PG_MB; docs/PERFORMANCE.md, "The ledger").
 //
 // The cap also keeps a long-running ledger's page cache from crowding the sandboxes' memory.
 // The kernel's OOM killer acts within the group only: a backend killed there makes the

@@ -39,26 +39,26 @@ import (
 // defaultSettings suit the ledger's write-heavy load; Config.Settings overrides them.
 //   - max_wal_size: fewer forced checkpoints.
 //   - wal_init_zero=off: a new 16 MiB WAL segment is created by writing its last byte, not
-//     filled with zeros first. The zeros were 7% of the machine's CPU (a seventh of
-//     Postgres's) in make ledger-bench's saturated run on this VM, where writes into new
-//     page-cache pages are slow (BenchmarkCopyCost/wal-init-zero-on keeps the old way), and a
-//     segment recycled after a checkpoint never needed them. WAL stays durable: fdatasync makes the blocks a write allocated durable with
-//     it. What changes is that a full disk is met by a WAL write, which Postgres answers by
-//     restarting, instead of by the segment's creation; the writer's spool keeps the rows
-//     until it is back.
+//     filled with zeros first. On a VM, where writes into new page-cache pages are slow, the
+//     zeros cost the COPY backends CPU per row and a batch its latency
+//     (BenchmarkCopyCost/wal-init-zero-on; docs/PERFORMANCE.md, "The ledger"), and a segment
+//     recycled after a checkpoint never needed them. WAL stays durable: fdatasync makes the
+//     blocks a write allocated durable with it. What changes is that a full disk is met by a
+//     WAL write, which Postgres answers by restarting, instead of by the segment's creation;
+//     the writer's spool keeps the rows until it is back.
 //   - wal_buffers=32MB, not the 4 MB that 128 MB of shared buffers gives. The ledger's four
-//     COPY backends fill 4 MB in a few milliseconds, and a backend that finds the buffers full
-//     writes WAL out itself (pg_stat_wal.wal_buffers_full); which part of that the gain is was
-//     not measured. BenchmarkWriterSteps (session 33, PostgreSQL 17), 6 of 6 interleaved pairs:
-//     saturated 8-11% more steps/s, paced at 50,000/s 10-20% more delivered, Postgres 1.1-1.7
-//     µs less CPU per step.
+//     COPY backends fill 4 MB within a batch, and a backend that finds the buffers full
+//     writes WAL out itself (pg_stat_wal.wal_buffers_full). The larger buffers deliver more
+//     steps/s, saturated and paced, for less of Postgres's CPU per step (BenchmarkWriterSteps
+//     with DELTAGYM_LEDGER_BENCH_PG=wal_buffers=4MB; docs/PERFORMANCE.md, "Figures behind
+//     design choices"); which part of that the backends' own WAL writes are is not known.
 var defaultSettings = map[string]string{"max_wal_size": "2GB", "wal_init_zero": "off", "wal_buffers": "32MB"}
 
 // mallocEnv stops glibc from handing a backend's freed heap back to the kernel as soon as 128 KiB
 // sit free at its top. COPY resets its per-batch memory every few dozen 4 KiB rows; with the
-// default trim threshold each reset shrank the heap and the next batch faulted the same pages in
-// again (zeroed by the kernel): 7% of the backend's CPU in a COPY of 4 KiB observations. A
-// backend now keeps up to its peak heap until it exits.
+// default trim threshold each reset would shrink the heap and the next batch fault the same
+// pages in again (zeroed by the kernel), a visible share of the backend's CPU in a COPY of 4 KiB
+// observations. A backend keeps up to its peak heap until it exits.
 var mallocEnv = []string{"MALLOC_TRIM_THRESHOLD_=268435456", "MALLOC_TOP_PAD_=16777216"}
 
 // maxSocketPath is the size of sun_path on Linux, including the terminating NUL.

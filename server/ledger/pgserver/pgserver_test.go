@@ -700,7 +700,7 @@ func serverMajor(t *testing.T, url string) int {
 }
 
 // TestBinDirsMatchCluster: a new cluster is made by the first bin directory given; a cluster
-// that Debian's PostgreSQL 15 made (before the private 17) runs with 15's binaries when they are
+// that Debian's PostgreSQL 15 made runs with 15's binaries when they are
 // among those given, and is refused, naming the versions given, when they are not.
 func TestBinDirsMatchCluster(t *testing.T) {
 	dirs := binDirs(t)
