@@ -18,7 +18,8 @@ include $(sort $(wildcard mk/*.mk))
 .PHONY: help deps build test test-unit test-privileged test-race run bench bench-sandbox lint generate checkgenerate clean clean-data clean-ledger init
 
 help: ## list targets
-	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}' | \
+		sed -e 's|\$$(DATA)|$(DATA)|g' -e 's|\$$(SERVER_ADDR)|$(SERVER_ADDR)|g' -e 's|\$$(PROTO_BREAKING_REF)|$(PROTO_BREAKING_REF)|g'
 
 deps: ## install the Debian packages and tools the project needs (idempotent)
 	@./scripts/deps.sh $(sort $(DEPS_GROUPS))
@@ -75,7 +76,7 @@ bench-sandbox: deps $(BIN)/dg-init criu ## sandbox runtime benchmarks: checkpoin
 clean: ## remove build output (not the image cache)
 	rm -rf $(BIN)
 
-clean-data: ## unmount and delete the (stopped) server's sandboxes and checkpoints in $(DATA) (keeps the ledger and the image cache)
+clean-data: ## unmount and delete the (stopped) server's sandbox store in .data: checkpoints, layers, imported images (keeps the ledger, registered envs, the default image)
 	@if [ -x $(BIN)/deltagym ]; then $(BIN)/deltagym purge --data $(DATA); fi
 	@findmnt -rn -o TARGET | { grep "^$(DATA)/" || true; } | sort -r | xargs -r umount -l
 	rm -rf $(DATA)/sandbox $(DATA)/loadtest

@@ -20,7 +20,7 @@ lint-tools: | $(BIN) ## install the pinned golangci-lint and checklocks into bin
 	done
 
 lint-go: lint-tools ## lint the Go modules: golangci-lint, then checklocks
-	for m in $(GO_MODULES); do (cd $$m && $(BIN)/golangci-lint run ./...); done
+	for m in $(GO_MODULES); do (cd $$m && $(BIN)/golangci-lint run --allow-serial-runners ./...); done
 	for m in $(GO_MODULES); do (cd $$m && go vet -vettool=$(BIN)/checklocks ./...); done
 
 lint: lint-go ## run every linter (proto, golangci-lint, checklocks)

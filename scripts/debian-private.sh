@@ -13,7 +13,7 @@
 # mirror may serve a frozen snapshot whose Valid-Until has passed. The signature is still
 # required.
 #
-# Environment: DELTAGYM_DEBIAN_MIRROR (or CRIU_DEBIAN_MIRROR, its older name) overrides the
+# Environment: DELTAGYM_DEBIAN_MIRROR (or CRIU_DEBIAN_MIRROR) overrides the
 # mirror read from /etc/apt/sources.list(.d). The caller defines die().
 
 PRIVATE_ARCH=amd64

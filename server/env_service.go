@@ -19,7 +19,11 @@ type envService struct{ s *Server }
 var _ deltagymv1connect.EnvServiceHandler = (*envService)(nil)
 
 func (e *envService) envInfo(env *envpool.Env) *deltagymv1.EnvInfo {
-	return &deltagymv1.EnvInfo{Spec: env.Spec(), WarmCount: int32(env.Warm()), ActiveCount: int32(e.s.pools.Active(env.Name()))}
+	info := &deltagymv1.EnvInfo{Spec: env.Spec(), WarmCount: int32(env.Warm()), ActiveCount: int32(e.s.pools.Active(env.Name()))}
+	if err := env.Err(); err != nil {
+		info.NotReady = err.Error()
+	}
+	return info
 }
 
 func (e *envService) ListEnvs(ctx context.Context, req *connect.Request[deltagymv1.ListEnvsRequest]) (*connect.Response[deltagymv1.ListEnvsResponse], error) {

@@ -71,7 +71,7 @@ type app struct {
 	Advantages  advantagesCmd  `cmd:"" help:"group-relative (GRPO) advantages"`
 	Traj        trajCmd        `cmd:"" help:"export trajectories from the ledger database"`
 	DB          dbCmd          `cmd:"" name:"db" help:"print the ledger database URL (for psql)"`
-	Purge       purgeCmd       `cmd:"" help:"end what a crashed server left running and delete its sandbox state (checkpoints, layers); keeps the ledger and the image cache"`
+	Purge       purgeCmd       `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`
 	Completion  completionCmd  `cmd:"" help:"print the shell completion script for bash, zsh or fish"`
 	Help        helpCmd        `cmd:"" help:"describe a command"`
 }
@@ -228,11 +228,16 @@ func (f *seconds) UnmarshalText(b []byte) error {
 
 // dial connects to the server named by the client flags.
 func (a *app) dial() (*deltagym.Client, error) {
-	var opts []deltagym.Option
-	if a.Token != "" {
-		opts = append(opts, deltagym.WithToken(a.Token))
+	// The token is resolved here so that describeError, not the client, gives the advice
+	// about a missing one, in terms of this CLI's flags.
+	tok := a.Token
+	if tok == "" {
+		var err error
+		if tok, err = deltagym.ResolveToken(); err != nil {
+			return nil, usageErrorf("%v", err)
+		}
 	}
-	c, err := deltagym.Dial(a.Addr, opts...)
+	c, err := deltagym.Dial(a.Addr, deltagym.WithToken(tok))
 	if err != nil {
 		return nil, usageErrorf("%v", err)
 	}

@@ -40,12 +40,26 @@ func (*envsCmd) Run(ctx context.Context, a *app) error {
 
 func printEnvs(w io.Writer, m *deltagymv1.ListEnvsResponse) error {
 	t := newTable(w, "NAME", "WARM", "ACTIVE", "IMAGE", "DESCRIPTION")
+	var broken []*deltagymv1.EnvInfo
 	for _, e := range m.GetEnvs() {
 		s := e.GetSpec()
-		t.row(s.GetName(), strconv.Itoa(int(e.GetWarmCount())), strconv.Itoa(int(e.GetActiveCount())),
+		warm := strconv.Itoa(int(e.GetWarmCount()))
+		if e.GetNotReady() != "" {
+			warm = "broken"
+			broken = append(broken, e)
+		}
+		t.row(s.GetName(), warm, strconv.Itoa(int(e.GetActiveCount())),
 			orDash(s.GetImage()), orDash(shortText(s.GetDescription(), 60)))
 	}
-	return t.flush()
+	if err := t.flush(); err != nil {
+		return err
+	}
+	for _, e := range broken {
+		if _, err := fmt.Fprintf(w, "env %s is not ready: %s\n", e.GetSpec().GetName(), e.GetNotReady()); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 type resetCmd struct {

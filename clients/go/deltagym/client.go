@@ -85,7 +85,8 @@ type config struct {
 }
 
 // WithToken sends token as a bearer token on every call. Without it, Dial uses
-// ResolveToken; an empty token sends no Authorization header.
+// ResolveToken, and when that finds none, an unauthenticated error says where
+// the client looked; an empty token sends no Authorization header.
 func WithToken(token string) Option {
 	return func(c *config) { c.token, c.tokenSet = token, true }
 }
@@ -176,6 +177,8 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 	interceptors := []connect.Interceptor{retryInterceptor{attempts: cfg.attempts, backoff: cfg.backoff, max: cfg.maxBackoff}}
 	if cfg.token != "" {
 		interceptors = append([]connect.Interceptor{bearerInterceptor("Bearer " + cfg.token)}, interceptors...)
+	} else if !cfg.tokenSet {
+		interceptors = append([]connect.Interceptor{noTokenInterceptor{}}, interceptors...)
 	}
 	copts = append(copts, connect.WithInterceptors(interceptors...))
 	copts = append(copts, cfg.connectOpts...)

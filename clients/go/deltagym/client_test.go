@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -306,6 +308,53 @@ func TestResolveToken(t *testing.T) {
 				if _, err := Dial("127.0.0.1:1"); err == nil {
 					t.Fatal("Dial with an unreadable $DELTAGYM_TOKEN_FILE succeeded")
 				}
+			}
+		})
+	}
+}
+
+// refusingEnvService answers every call unauthenticated, as a server does to a missing token.
+type refusingEnvService struct {
+	deltagymv1connect.UnimplementedEnvServiceHandler
+}
+
+func (refusingEnvService) ListEnvs(context.Context, *connect.Request[deltagymv1.ListEnvsRequest]) (*connect.Response[deltagymv1.ListEnvsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("missing or wrong bearer token"))
+}
+
+// A client that found no token says, in its unauthenticated errors, where it looked; one given
+// a token does not.
+func TestNoTokenHint(t *testing.T) {
+	_, h := deltagymv1connect.NewEnvServiceHandler(refusingEnvService{})
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	t.Setenv(EnvToken, "")
+	t.Setenv(EnvTokenFile, "")
+	t.Setenv(EnvData, t.TempDir())
+	for _, tc := range []struct {
+		name     string
+		opts     []Option
+		wantHint bool
+	}{
+		{name: "no token found", wantHint: true},
+		{name: "token given", opts: []Option{WithToken("wrong")}},
+		{name: "empty token given", opts: []Option{WithToken("")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := Dial(srv.URL, append(tc.opts, WithHTTPClient(srv.Client()), WithRetry(1, 0))...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			_, err = c.EnvService().ListEnvs(context.Background(), connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
+			if connect.CodeOf(err) != connect.CodeUnauthenticated {
+				t.Fatalf("ListEnvs: %v, want unauthenticated", err)
+			}
+			if got := strings.Contains(err.Error(), "found no token") && strings.Contains(err.Error(), "$"+EnvData); got != tc.wantHint {
+				t.Fatalf("hint in %q: %v, want %v", err, got, tc.wantHint)
+			}
+			if !strings.Contains(err.Error(), "missing or wrong bearer token") {
+				t.Fatalf("the server's message is lost: %q", err)
 			}
 		})
 	}

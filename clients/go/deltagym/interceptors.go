@@ -2,6 +2,7 @@ package deltagym
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"time"
 
@@ -104,4 +105,50 @@ func (r retryInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) 
 
 func (r retryInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return next
+}
+
+// noTokenHint is the advice added to an unauthenticated error of a client that found no token.
+const noTokenHint = " (this client found no token: pass WithToken, set $" + EnvToken + " or $" + EnvTokenFile +
+	", or run from the directory that holds the server's data directory " + DefaultDataDir + ", or set $" + EnvData + " to it)"
+
+// noTokenInterceptor adds noTokenHint to the unauthenticated errors of a client that sends no
+// token, so that the error says where the client looked.
+type noTokenInterceptor struct{}
+
+func withNoTokenHint(err error) error {
+	var ce *connect.Error
+	if !errors.As(err, &ce) || ce.Code() != connect.CodeUnauthenticated {
+		return err
+	}
+	out := connect.NewError(ce.Code(), errors.New(ce.Message()+noTokenHint))
+	for k, v := range ce.Meta() {
+		out.Meta()[k] = v
+	}
+	return out
+}
+
+func (noTokenInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		res, err := next(ctx, req)
+		return res, withNoTokenHint(err)
+	}
+}
+
+func (noTokenInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		return noTokenConn{next(ctx, spec)}
+	}
+}
+
+func (noTokenInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
+
+// noTokenConn is a client stream whose unauthenticated errors carry noTokenHint.
+type noTokenConn struct{ connect.StreamingClientConn }
+
+func (c noTokenConn) Send(m any) error    { return withNoTokenHint(c.StreamingClientConn.Send(m)) }
+func (c noTokenConn) Receive(m any) error { return withNoTokenHint(c.StreamingClientConn.Receive(m)) }
+func (c noTokenConn) CloseResponse() error {
+	return withNoTokenHint(c.StreamingClientConn.CloseResponse())
 }

@@ -26,7 +26,8 @@ try:
     import gymnasium
     from gymnasium import spaces
 except ImportError as e:  # the extra is not installed
-    raise ImportError('deltagym.gym needs Gymnasium: pip install "deltagym[gym]"') from e
+    raise ImportError('deltagym.gym needs Gymnasium: pip install gymnasium, or install this client with '
+                      'its extra, from the repository\'s root: pip install "./clients/python[gym]"') from e
 
 from . import _common as c
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es

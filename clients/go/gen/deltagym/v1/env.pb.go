@@ -521,7 +521,11 @@ type EnvInfo struct {
 	// warm_count is the number of warm sandboxes ready for Reset now.
 	WarmCount int32 `protobuf:"varint,2,opt,name=warm_count,json=warmCount,proto3" json:"warm_count,omitempty"`
 	// active_count is the number of sandboxes of this env leased to clients.
-	ActiveCount   int32 `protobuf:"varint,3,opt,name=active_count,json=activeCount,proto3" json:"active_count,omitempty"`
+	ActiveCount int32 `protobuf:"varint,3,opt,name=active_count,json=activeCount,proto3" json:"active_count,omitempty"`
+	// not_ready says why the env cannot hand out sandboxes (its image is
+	// missing, a setup command failed, ...); empty while it is being set up
+	// and once it is ready. Reset of such an env fails with failed_precondition.
+	NotReady      string `protobuf:"bytes,4,opt,name=not_ready,json=notReady,proto3" json:"not_ready,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -575,6 +579,13 @@ func (x *EnvInfo) GetActiveCount() int32 {
 		return x.ActiveCount
 	}
 	return 0
+}
+
+func (x *EnvInfo) GetNotReady() string {
+	if x != nil {
+		return x.NotReady
+	}
+	return ""
 }
 
 // ProcessCapture tells how one process of the sandbox was captured.
@@ -814,12 +825,13 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\aBudgets\x12\x1b\n" +
 	"\tmax_steps\x18\x01 \x01(\x05R\bmaxSteps\x12\x1f\n" +
 	"\vmax_seconds\x18\x02 \x01(\x01R\n" +
-	"maxSeconds\"u\n" +
+	"maxSeconds\"\x92\x01\n" +
 	"\aEnvInfo\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.deltagym.v1.EnvSpecR\x04spec\x12\x1d\n" +
 	"\n" +
 	"warm_count\x18\x02 \x01(\x05R\twarmCount\x12!\n" +
-	"\factive_count\x18\x03 \x01(\x05R\vactiveCount\"\x88\x01\n" +
+	"\factive_count\x18\x03 \x01(\x05R\vactiveCount\x12\x1b\n" +
+	"\tnot_ready\x18\x04 \x01(\tR\bnotReady\"\x88\x01\n" +
 	"\x0eProcessCapture\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x18\n" +
 	"\acommand\x18\x02 \x01(\tR\acommand\x122\n" +
