@@ -3,6 +3,7 @@ package sandbox
 import (
 	"fmt"
 	"maps"
+	"slices"
 )
 
 // Checkpoint labels are the caller's key-value pairs on a checkpoint (CheckpointOptions.Labels,
@@ -38,4 +39,18 @@ func (r *Runtime) SetCheckpointLabels(id string, labels map[string]string) error
 		return err
 	}
 	return nil
+}
+
+// CheckpointsWithout returns the ids of the checkpoints whose labels lack key, sorted.
+func (r *Runtime) CheckpointsWithout(key string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var ids []string
+	for id, c := range r.ckpts {
+		if _, ok := c.Labels[key]; !ok {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	return ids
 }

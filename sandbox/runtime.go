@@ -1205,13 +1205,24 @@ func (r *Runtime) writeCheckpoint(c *checkpoint) error {
 	dir := filepath.Join(r.store, "meta", "checkpoints")
 	tmp := filepath.Join(dir, "."+c.ID+".tmp")
 	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return fmt.Errorf("writing checkpoint %s: %w", c.ID, err)
+		os.Remove(tmp)
+		return recordErr(c.ID, err)
 	}
 	if err := os.Rename(tmp, filepath.Join(dir, c.ID+".json")); err != nil {
 		os.Remove(tmp)
-		return fmt.Errorf("writing checkpoint %s: %w", c.ID, err)
+		return recordErr(c.ID, err)
 	}
 	return nil
+}
+
+// recordErr is the error of writing checkpoint id's record: a full record filesystem is the
+// checkpoint budget's (ErrBudget: the caller may release checkpoints), anything else the
+// machine's.
+func recordErr(id string, err error) error {
+	if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT) {
+		return fmt.Errorf("writing checkpoint %s's record: the checkpoint records' filesystem is full (release checkpoints): %w: %w", id, ErrBudget, err)
+	}
+	return fmt.Errorf("writing checkpoint %s: %w", id, err)
 }
 
 func (r *Runtime) lookup(id string) (*checkpoint, error) {

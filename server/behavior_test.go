@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -93,6 +94,37 @@ func TestBadInput(t *testing.T) {
 			_, err := c.RegisterEnv(t.Context(), &deltagymv1.RegisterEnvRequest{Spec: &deltagymv1.EnvSpec{Name: "plain", Image: "default"}})
 			return err
 		}, connect.CodeAlreadyExists},
+		{"run too long", func(c api) error {
+			_, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain", Run: strings.Repeat("r", 64<<10)})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"option value with NUL", func(c api) error {
+			_, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "task", Options: map[string]string{"A": "b\x00c"}})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"idempotency key too long", func(c api) error {
+			_, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "nope", IdempotencyKey: strings.Repeat("k", 64<<10)})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"sandbox id too long", func(c api) error {
+			_, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: strings.Repeat("s", 64<<10), Action: execAction("true")})
+			if err != nil && len(err.Error()) > 1000 {
+				t.Errorf("the error quotes the id: %d bytes", len(err.Error()))
+			}
+			return err
+		}, connect.CodeInvalidArgument},
+		{"group too long for a fork", func(c api) error {
+			_, err := c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_SandboxId{SandboxId: sb}, N: 1, GroupId: strings.Repeat("g", 64<<10)})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"unknown image format", func(c api) error {
+			_, err := c.ImportImage(t.Context(), &deltagymv1.ImportImageRequest{Name: "x", Path: b.busybox, Format: deltagymv1.ImageFormat(99)})
+			return err
+		}, connect.CodeInvalidArgument},
+		{"reward not a number", func(c api) error {
+			_, err := c.ReportReward(t.Context(), &deltagymv1.ReportRewardRequest{EpisodeId: rr.Msg.GetEpisodeId(), Name: "r", Value: math.NaN()})
+			return err
+		}, connect.CodeInvalidArgument},
 		{"unknown episode", func(c api) error {
 			_, err := c.GetTrajectory(t.Context(), &deltagymv1.GetTrajectoryRequest{EpisodeId: "ep_nope"})
 			return err
@@ -290,8 +322,12 @@ func TestRestoreAbortsExec(t *testing.T) {
 	start := time.Now()
 	_, err = b.grpc.Restore(t.Context(), &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: rr.GetCheckpointId()})
 	must(t, err)
-	if err := <-done; codeOf(err) != connect.CodeAborted {
+	err = <-done
+	if codeOf(err) != connect.CodeAborted {
 		t.Fatalf("running exec: %v, want Aborted", err)
+	}
+	if n := strings.Count(err.Error(), "restore or close"); n != 1 {
+		t.Fatalf("running exec: %q says why %d times", err, n)
 	}
 	if d := time.Since(start); d > 10*time.Second {
 		t.Fatalf("restore waited %v for the exec", d)

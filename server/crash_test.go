@@ -171,12 +171,34 @@ func TestRestoreAfterRestartNumbersSteps(t *testing.T) {
 			if !withLedger {
 				cfg.DatabaseURL, cfg.NoLedger = "", true
 			}
-			restoreAfterRestart(t, cfg)
+			restoreAfterRestart(t, cfg, nil)
 		})
 	}
+	// A checkpoint whose record keeps no labels (as a server that kept places only in its
+	// ledger wrote it) gets its place from the ledger at start.
+	t.Run("labels from the ledger", func(t *testing.T) {
+		cfg := restartConfig(t)
+		restoreAfterRestart(t, cfg, func(ck string) {
+			record := filepath.Join(cfg.DataDir, "sandbox", "store", "meta", "checkpoints", ck+".json")
+			raw, err := os.ReadFile(record)
+			must(t, err)
+			var m map[string]any
+			must(t, json.Unmarshal(raw, &m))
+			if _, ok := m["labels"]; !ok {
+				t.Fatalf("the checkpoint's record has no labels: %s", raw)
+			}
+			delete(m, "labels")
+			raw, err = json.Marshal(m)
+			must(t, err)
+			must(t, os.WriteFile(record, raw, 0o600))
+		})
+	})
 }
 
-func restoreAfterRestart(t *testing.T, cfg server.Config) {
+// restoreAfterRestart checkpoints an episode after 3 steps, restarts the server (calling
+// between, if set, with the checkpoint's id while it is stopped) and checks that the
+// checkpoint's place survived.
+func restoreAfterRestart(t *testing.T, cfg server.Config, between func(ck string)) {
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
@@ -202,6 +224,9 @@ func restoreAfterRestart(t *testing.T, cfg server.Config) {
 		t.Fatalf("before the restart: next step %d, want 3", before.Msg.GetNextStepIndex())
 	}
 	must(t, srv.Close(ctx))
+	if between != nil {
+		between(ck.Msg.GetCheckpointId())
+	}
 
 	srv, c = start()
 	defer func() {

@@ -51,6 +51,9 @@ func (e *envService) ImportImage(ctx context.Context, req *connect.Request[delta
 	if m.GetReference() != "" {
 		return nil, e.s.toConnect(fmt.Errorf("picking an image by reference is not supported yet; import a layout or archive holding one image: %w", ErrInvalid))
 	}
+	if _, ok := deltagymv1.ImageFormat_name[int32(m.GetFormat())]; !ok {
+		return nil, e.s.toConnect(fmt.Errorf("unknown image format %d (leave it unset to have it found from the path): %w", m.GetFormat(), ErrInvalid))
+	}
 	src, err := e.s.imports.open(m.GetPath())
 	if err != nil {
 		return nil, e.s.toConnect(err)

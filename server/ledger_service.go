@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"connectrpc.com/connect"
@@ -179,6 +180,9 @@ func (g *ledgerService) ReportReward(ctx context.Context, req *connect.Request[d
 	m := req.Msg
 	if m.GetEpisodeId() == "" || m.GetName() == "" {
 		return nil, g.s.toConnect(fmt.Errorf("report_reward needs an episode_id and a name: %w", ErrInvalid))
+	}
+	if v := m.GetValue(); math.IsNaN(v) || math.IsInf(v, 0) {
+		return nil, g.s.toConnect(fmt.Errorf("report_reward value %v is not a finite number: %w", v, ErrInvalid))
 	}
 	src := m.GetSource()
 	if src == "" {

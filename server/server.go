@@ -105,6 +105,9 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if err := s.startEpisodes(specs); err != nil {
 		return nil, err
 	}
+	if err := s.labelFromLedger(ctx); err != nil {
+		return nil, err
+	}
 	s.registerRuntimeMetrics()
 	s.handler = s.buildHandler()
 	return s, nil
@@ -130,6 +133,32 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		return err
 	}
 	core.UsePools(s.pools)
+	return nil
+}
+
+// labelFromLedger labels the checkpoints whose records keep no place (taken by a server that
+// kept places only in its ledger) with the place the ledger knows.
+func (s *Server) labelFromLedger(ctx context.Context) error {
+	if s.store == nil {
+		return nil
+	}
+	n, err := s.core.LabelFrom(ctx, func(ctx context.Context, id string) (episode.Place, bool, error) {
+		p, err := s.store.CheckpointPlace(ctx, id)
+		if errors.Is(err, ledger.ErrNotFound) {
+			return episode.Place{}, false, nil
+		}
+		if err != nil {
+			return episode.Place{}, false, err
+		}
+		return episode.Place{Env: p.Env, Episode: p.Episode, Run: p.Run, Group: p.Group, Own: p.Own, Steps: p.Global}, true, nil
+	})
+	if n > 0 {
+		s.log.Info("checkpoints labelled with their places from the ledger", "checkpoints", n)
+	}
+	if err != nil {
+		// Not fatal: a checkpoint left unlabelled restores as one on no episode's path.
+		s.log.Warn("labelling checkpoints from the ledger", "err", err)
+	}
 	return nil
 }
 

@@ -212,7 +212,7 @@ type seconds time.Duration
 func (f *seconds) UnmarshalText(b []byte) error {
 	v := string(b)
 	if s, err := strconv.ParseFloat(v, 64); err == nil {
-		if s < 0 || s > 1e9 {
+		if !(s >= 0 && s <= 1e9) { // NaN too
 			return fmt.Errorf("%s: want a duration (1.5s, 2m) or seconds", v)
 		}
 		*f = seconds(time.Duration(s * float64(time.Second)))

@@ -5,10 +5,13 @@
 //
 // Each search takes its environment variable first (DELTAGYM_INIT, DELTAGYM_CRIU,
 // DELTAGYM_POSTGRES), then looks where `make` installs: in the checkout holding the working
-// directory, then in the checkout holding the running executable. A checkout is the nearest
+// executable, then in the checkout holding the working directory. A checkout is the nearest
 // directory at or above a path that holds go.mod, and only its root is looked in: a
 // .cache/criu or .cache/postgres further up the tree from elsewhere (under /tmp, say) is
-// never run. Errors say which make target installs what is missing.
+// never run. Since the server runs what it finds as root, a checkout and every directory from
+// its root down to a program it finds there must belong to this user or root and be writable
+// by no one else (but group root): a go.mod another user planted above the working directory is no checkout.
+// Errors say which make target installs what is missing.
 package locate
 
 import (
@@ -19,6 +22,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
 )
@@ -50,8 +55,8 @@ const (
 // ErrNotInstalled means a program was not found, or what was named is not an executable file.
 var ErrNotInstalled = fmt.Errorf("not installed: %w", errdefs.ErrUnavailable)
 
-// Checkout returns the root of the checkout holding the working directory, else of the one
-// holding the running executable, or "" outside any.
+// Checkout returns the root of the checkout holding the running executable, else of the one
+// holding the working directory, or "" outside any (trusted) checkout.
 func Checkout() string {
 	if roots := checkouts(); len(roots) > 0 {
 		return roots[0]
@@ -59,22 +64,57 @@ func Checkout() string {
 	return ""
 }
 
-// checkouts returns the roots of the checkouts holding the working directory and the running
-// executable, in that order, each once.
+// checkouts returns the roots of the trusted checkouts holding the running executable and the
+// working directory, in that order, each once.
 func checkouts() []string {
 	var roots []string
 	add := func(dir string) {
-		if r := checkoutRoot(dir); r != "" && (len(roots) == 0 || roots[0] != r) {
+		r := checkoutRoot(dir)
+		if r != "" && (len(roots) == 0 || roots[0] != r) && trusted(r, filepath.Join(r, "go.mod")) == nil {
 			roots = append(roots, r)
 		}
-	}
-	if wd, err := os.Getwd(); err == nil {
-		add(wd)
 	}
 	if exe, err := os.Executable(); err == nil {
 		add(filepath.Dir(exe))
 	}
+	if wd, err := os.Getwd(); err == nil {
+		add(wd)
+	}
 	return roots
+}
+
+// trusted checks that root and every path from it down to p (p below root) belongs to this
+// user or root and is writable by no one else (but group root), so that no other user can have
+// put p there.
+func trusted(root, p string) error {
+	rel, err := filepath.Rel(root, p)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		return fmt.Errorf("%s is not below %s", p, root)
+	}
+	uid := uint32(os.Geteuid())
+	cur := root
+	for _, part := range append([]string{"."}, strings.Split(rel, string(filepath.Separator))...) {
+		cur = filepath.Join(cur, part)
+		var st unix.Stat_t
+		if err := unix.Stat(cur, &st); err != nil {
+			return err
+		}
+		if st.Uid != uid && st.Uid != 0 {
+			return fmt.Errorf("%s belongs to uid %d, neither this user nor root", cur, st.Uid)
+		}
+		// Group root's members may write: they are root's peers.
+		if st.Mode&0o002 != 0 || (st.Mode&0o020 != 0 && st.Gid != 0) {
+			return fmt.Errorf("%s is writable by group %d or others (mode %o)", cur, st.Gid, st.Mode&0o7777)
+		}
+	}
+	return nil
+}
+
+// inCheckout returns p, under the checkout root, if it is an executable file there that
+// trusted admits.
+func inCheckout(root, rel string) (string, bool) {
+	p := filepath.Join(root, rel)
+	return p, Executable(p) == nil && trusted(root, p) == nil
 }
 
 // checkoutRoot returns the nearest directory at or above dir that holds go.mod, or "".
@@ -106,7 +146,7 @@ func Init() (string, error) {
 		}
 	}
 	for _, root := range checkouts() {
-		if p := filepath.Join(root, initInCheckout); Executable(p) == nil {
+		if p, ok := inCheckout(root, initInCheckout); ok {
 			return p, nil
 		}
 	}
@@ -131,7 +171,7 @@ func CRIU() (path string, err error) {
 	}
 	roots := checkouts()
 	for _, root := range roots {
-		if p := filepath.Join(root, criuInCheckout); Executable(p) == nil {
+		if p, ok := inCheckout(root, criuInCheckout); ok {
 			return p, nil
 		}
 	}
@@ -184,7 +224,8 @@ func InstalledPostgres() []string {
 func PrivatePostgres() string {
 	for _, root := range checkouts() {
 		d := filepath.Join(root, postgresInCheckout)
-		if _, err := os.Stat(filepath.Join(root, postgresStamp)); err == nil && hasPostgres(d) == nil {
+		if _, err := os.Stat(filepath.Join(root, postgresStamp)); err == nil && hasPostgres(d) == nil &&
+			trusted(root, filepath.Join(d, "postgres")) == nil && trusted(root, filepath.Join(d, "initdb")) == nil {
 			return d
 		}
 	}

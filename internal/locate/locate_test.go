@@ -176,3 +176,53 @@ func TestPostgresNamed(t *testing.T) {
 		t.Fatalf("PostgresBinDirs() = %q, %v; want only %s", dirs, err, dir)
 	}
 }
+
+// A checkout, or a path down to a program in it, that another user could have written is not
+// looked in: the server runs what it finds as root.
+func TestUntrustedCheckout(t *testing.T) {
+	clearEnv(t)
+	top := t.TempDir()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	writeFile(t, filepath.Join(top, "go.mod"), 0o644)
+	writeFile(t, filepath.Join(top, criuInCheckout), 0o755)
+	t.Chdir(top)
+	if p, err := CRIU(); err != nil || p != filepath.Join(top, criuInCheckout) {
+		t.Fatalf("CRIU() in a trusted checkout = %q, %v", p, err)
+	}
+	// A group other than root's: its members are not this user's peers.
+	gid := 65534
+	if os.Geteuid() != 0 {
+		gid = os.Getegid()
+	}
+	must(os.Chown(filepath.Join(top, ".cache"), -1, gid))
+	for _, tc := range []struct {
+		name string
+		path string
+		mode os.FileMode
+	}{
+		{"a checkout writable by others", top, 0o777},
+		{"a directory on the way writable by its group", filepath.Join(top, ".cache"), 0o775},
+		{"the program writable by others", filepath.Join(top, criuInCheckout), 0o757},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st, err := os.Stat(tc.path)
+			must(err)
+			must(os.Chmod(tc.path, tc.mode))
+			defer func() { must(os.Chmod(tc.path, st.Mode().Perm())) }()
+			if p, err := CRIU(); err == nil {
+				t.Fatalf("CRIU() = %q, found where another user could have put it", p)
+			}
+		})
+	}
+	if os.Geteuid() == 0 {
+		must(os.Chown(filepath.Join(top, "go.mod"), 65534, 65534))
+		if p, err := CRIU(); err == nil {
+			t.Fatalf("CRIU() = %q, found in a checkout whose go.mod belongs to another user", p)
+		}
+	}
+}

@@ -147,7 +147,7 @@ func (c *Core) readFile(ctx context.Context, l *envpool.Lease, r ReadFile, attrs
 // callErr turns an error of a call begun on a lease into envpool.ErrAborted when Restore or
 // Close aborted it.
 func callErr(ctx context.Context, err error) error {
-	if err != nil && envpool.Aborted(ctx) {
+	if err != nil && envpool.Aborted(ctx) && !errors.Is(err, envpool.ErrAborted) {
 		return fmt.Errorf("%w: %w", envpool.ErrAborted, err)
 	}
 	return err

@@ -18,6 +18,9 @@ const MaxFork = 1024
 // Reset hands over a sandbox of req.Env at the start of a task (envpool.Manager.Reset) and
 // starts its episode.
 func (c *Core) Reset(ctx context.Context, req ResetRequest) (ResetResult, error) {
+	if err := checkReset(&req); err != nil {
+		return ResetResult{}, err
+	}
 	return c.resets.do(ctx, "reset", req.IdempotencyKey, resetPrint(&req), func() (ResetResult, error) {
 		return c.reset(ctx, req)
 	})
@@ -36,6 +39,9 @@ func (c *Core) reset(ctx context.Context, req ResetRequest) (ResetResult, error)
 	l, res, err := c.pools.Reset(octx, env, envpool.ResetParams{Seed: req.Seed, Options: req.Options})
 	done(err)
 	if err != nil {
+		return ResetResult{}, err
+	}
+	if err := c.abandoned(ctx, l); err != nil {
 		return ResetResult{}, err
 	}
 	// The pools' checkpoints are on no episode's path: the episode's steps count from 0.
@@ -115,6 +121,9 @@ func (c *Core) restoreIn(ctx context.Context, b *box, id string, from Place, fre
 // first, its processes too; one that cannot be captured leaves the children its files only),
 // and starts an episode in each that continues the checkpoint's path.
 func (c *Core) Fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
+	if err := checkFork(&req); err != nil {
+		return ForkResult{}, err
+	}
 	return c.forks.do(ctx, "fork", req.IdempotencyKey, forkPrint(&req), func() (ForkResult, error) {
 		return c.fork(ctx, req)
 	})
@@ -144,6 +153,9 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	}
 	done(err)
 	if err != nil {
+		return ForkResult{}, err
+	}
+	if err := c.abandoned(ctx, leases...); err != nil {
 		return ForkResult{}, err
 	}
 	res := ForkResult{CheckpointID: ckpt, Processes: c.forkProcesses(ckpt, skipWhy)}
@@ -244,4 +256,19 @@ func (c *Core) Evaluate(ctx context.Context, id string) (Verdict, error) {
 		c.ledgerErr(c.rec.Reward(ledger.RewardRow{EpisodeID: p.Episode, StepIndex: &own, Source: "evaluate", Components: v.Components, Value: v.Reward}))
 	}
 	return Verdict{Reward: v.Reward, Components: v.Components, Output: v.Output, Took: v.Duration}, nil
+}
+
+// abandoned closes leases the pools just handed over when the caller has gone (its context is
+// done: a client that gave up waiting will never learn their ids, so they would only wait for
+// their lease to expire), and returns the context's error; nil while the caller waits.
+func (c *Core) abandoned(ctx context.Context, leases ...*envpool.Lease) error {
+	if ctx.Err() == nil {
+		return nil
+	}
+	for _, l := range leases {
+		if err := c.pools.CloseLease(context.WithoutCancel(ctx), l); err != nil {
+			c.log.Warn("closing a sandbox its caller gave up on", "sandbox", l.ID(), "err", err)
+		}
+	}
+	return fmt.Errorf("the caller went away before its sandboxes were handed over; they are closed: %w", ctx.Err())
 }

@@ -113,6 +113,9 @@ func (c *Core) lookup(id string) (*box, error) {
 	if id == "" {
 		return nil, fmt.Errorf("sandbox_id is required: %w", ErrInvalid)
 	}
+	if err := checkID("sandbox_id", id); err != nil {
+		return nil, err
+	}
 	c.mu.RLock()
 	b := c.boxes[id]
 	c.mu.RUnlock()

@@ -122,6 +122,13 @@ var runtimes atomic.Int64
 // core as a front end other than the RPC handlers drives it.
 func setup(t *testing.T) (*episode.Core, *sandbox.Runtime, *recorder) {
 	t.Helper()
+	core, rt, rec, _ := setupWith(t, nil)
+	return core, rt, rec
+}
+
+// setupWith is setup with the core's configuration changed by mod.
+func setupWith(t *testing.T, mod func(*episode.Config)) (*episode.Core, *sandbox.Runtime, *recorder, *envpool.Manager) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
 	}
@@ -151,7 +158,11 @@ func setup(t *testing.T) (*episode.Core, *sandbox.Runtime, *recorder) {
 	must(t, err)
 	rec := &recorder{}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	core, err := episode.New(episode.Config{Runtime: rt, Ledger: rec, Logger: log})
+	ecfg := episode.Config{Runtime: rt, Ledger: rec, Logger: log}
+	if mod != nil {
+		mod(&ecfg)
+	}
+	core, err := episode.New(ecfg)
 	must(t, err)
 	spec := &deltagymv1.EnvSpec{Name: "e", Image: "default", Setup: []string{"echo base > /tmp/base"},
 		Verifier: "cat /tmp/answer 2>/dev/null || echo 0", Budgets: &deltagymv1.Budgets{MaxSteps: 4}, PoolSize: 2}
@@ -164,7 +175,7 @@ func setup(t *testing.T) (*episode.Core, *sandbox.Runtime, *recorder) {
 			t.Errorf("closing pools: %v", err)
 		}
 	})
-	return core, rt, rec
+	return core, rt, rec, pools
 }
 
 func must(t *testing.T, err error) {
@@ -292,5 +303,48 @@ func TestResetIdempotent(t *testing.T) {
 	req.Run = "other"
 	if _, err := core.Reset(ctx, req); !errors.Is(err, episode.ErrInvalid) {
 		t.Fatalf("the key reused for another request: %v", err)
+	}
+}
+
+// A Fork whose caller went away while the pools made its children closes them: nobody will
+// learn their ids. The same for a Reset.
+func TestAbandonedCallsCloseTheirSandboxes(t *testing.T) {
+	var cancelOn sync.Map // op -> context.CancelFunc, called once the pools are done with op
+	core, _, rec, pools := setupWith(t, func(c *episode.Config) {
+		c.Observe = func(ctx context.Context, op string) (context.Context, func(error)) {
+			return ctx, func(error) {
+				if f, ok := cancelOn.LoadAndDelete(op); ok {
+					f.(context.CancelFunc)()
+				}
+			}
+		}
+	})
+	r, err := core.Reset(t.Context(), episode.ResetRequest{Env: "e"})
+	must(t, err)
+	rec.mu.Lock()
+	starts := len(rec.starts)
+	rec.mu.Unlock()
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancelOn.Store("fork", cancel)
+	if _, err := core.Fork(ctx, episode.ForkRequest{SandboxID: r.SandboxID, N: 3}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("fork abandoned by its caller: %v, want context.Canceled", err)
+	}
+	ctx, cancel = context.WithCancel(t.Context())
+	cancelOn.Store("reset", cancel)
+	if _, err := core.Reset(ctx, episode.ResetRequest{Env: "e"}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("reset abandoned by its caller: %v, want context.Canceled", err)
+	}
+	if got := core.Sandboxes(episode.Filter{}); len(got) != 1 || got[0].SandboxID != r.SandboxID {
+		t.Fatalf("sandboxes handed out: %+v, want only %s", got, r.SandboxID)
+	}
+	rec.mu.Lock()
+	n := len(rec.starts)
+	rec.mu.Unlock()
+	if n != starts {
+		t.Fatalf("%d episodes started for abandoned sandboxes", n-starts)
+	}
+	if n := pools.Active("e"); n != 1 {
+		t.Fatalf("%d leases of env e, want the one handed over", n)
 	}
 }

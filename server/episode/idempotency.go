@@ -1,6 +1,7 @@
 package episode
 
 import (
+	"container/list"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
@@ -12,35 +13,44 @@ import (
 	"time"
 )
 
+// MaxIdempotencyKey bounds an idempotency key's length in bytes.
+const MaxIdempotencyKey = 256
+
+// maxIdempotencyKeys bounds the keys one cache remembers: past it, a new key makes the oldest
+// finished one be forgotten before its ttl.
+const maxIdempotencyKeys = 1 << 16
+
 // idempotency remembers the results of calls of one kind (Reset, Fork) by key, so that a retry
 // returns the first call's result; concurrent calls with one key wait for the first. Failed
-// calls are forgotten. A key reused for a different request (another n, another source) is
-// refused: a retry must repeat its request. Keys are remembered for ttl after their call began:
-// every new key drops the expired ones from the front of order, the keys by age, so a key
-// costs O(1) amortized however many are remembered.
+// calls are forgotten at once. A key reused for a different request (another n, another
+// source) is refused: a retry must repeat its request. Keys are remembered for ttl after their
+// call began, and at most max of them: every new key drops the expired ones (and, past max,
+// the oldest finished ones) from the front of order, the keys by age, so a key costs O(1)
+// amortized however many are remembered.
 type idempotency[T any] struct {
 	mu sync.Mutex
 	// +checklocks:mu
 	ttl time.Duration
 	// +checklocks:mu
+	max int
+	// +checklocks:mu
 	m map[string]*idemEntry[T]
 	// +checklocks:mu
-	order []*idemEntry[T] // every entry made, oldest first from head; failed ones until they expire
-	// +checklocks:mu
-	head int
+	order list.List // of *idemEntry[T], oldest first; exactly the entries of m
 }
 
 type idemEntry[T any] struct {
 	key  string
 	req  [sha256.Size]byte // fingerprint of the request
 	at   time.Time
+	elem *list.Element // in order, while remembered
 	done chan struct{} // closed once resp and err are set
 	resp T
 	err  error
 }
 
 func newIdempotency[T any](ttl time.Duration) *idempotency[T] {
-	return &idempotency[T]{ttl: ttl, m: map[string]*idemEntry[T]{}}
+	return &idempotency[T]{ttl: ttl, max: maxIdempotencyKeys, m: map[string]*idemEntry[T]{}}
 }
 
 // do runs f for a request of fingerprint fp under key (none: f runs), or returns what the
@@ -75,45 +85,49 @@ func (c *idempotency[T]) do(ctx context.Context, kind, key string, fp [sha256.Si
 	c.expireLocked(now)
 	e := &idemEntry[T]{key: key, req: fp, at: now, done: make(chan struct{})}
 	c.m[key] = e
-	c.order = append(c.order, e)
+	e.elem = c.order.PushBack(e)
 	c.mu.Unlock()
 	e.resp, e.err = f()
 	if e.err != nil {
 		c.mu.Lock()
-		if c.m[key] == e {
-			delete(c.m, key)
-		}
+		c.forgetLocked(e)
 		c.mu.Unlock()
 	}
 	close(e.done)
 	return e.resp, e.err
 }
 
-// expireLocked forgets the keys older than ttl at now whose calls are done (one in progress
-// stops the sweep until it is done: calls are short next to ttl).
+// forgetLocked forgets e, if it is still remembered.
+//
+// +checklocks:c.mu
+func (c *idempotency[T]) forgetLocked(e *idemEntry[T]) {
+	if e.elem == nil {
+		return
+	}
+	c.order.Remove(e.elem)
+	e.elem = nil
+	if c.m[e.key] == e {
+		delete(c.m, e.key)
+	}
+}
+
+// expireLocked forgets the finished keys older than ttl at now, and the oldest finished ones
+// while max are remembered (one in progress stops the sweep until it is done: calls are short
+// next to ttl).
 //
 // +checklocks:c.mu
 func (c *idempotency[T]) expireLocked(now time.Time) {
-	for c.head < len(c.order) {
-		e := c.order[c.head]
-		if now.Sub(e.at) <= c.ttl {
-			break
+	for f := c.order.Front(); f != nil; f = c.order.Front() {
+		e := f.Value.(*idemEntry[T])
+		if now.Sub(e.at) <= c.ttl && c.order.Len() < c.max {
+			return
 		}
 		select {
 		case <-e.done:
 		default:
 			return
 		}
-		if c.m[e.key] == e {
-			delete(c.m, e.key)
-		}
-		c.order[c.head] = nil
-		c.head++
-	}
-	if c.head > 0 && 2*c.head >= len(c.order) {
-		n := copy(c.order, c.order[c.head:])
-		clear(c.order[n:])
-		c.order, c.head = c.order[:n], 0
+		c.forgetLocked(e)
 	}
 }
 

@@ -93,7 +93,7 @@ func TestIdempotencyExpiry(t *testing.T) {
 		t.Fatalf("%d keys remembered with a TTL of 1ns", n)
 	}
 	c.mu.Lock()
-	n := len(c.order)
+	n := c.order.Len()
 	c.mu.Unlock()
 	if n > 4 {
 		t.Fatalf("%d entries kept in order", n)
@@ -113,6 +113,37 @@ func TestIdempotencyExpiry(t *testing.T) {
 	}
 	close(running)
 	<-done
+}
+
+// A failed call leaves nothing behind; past its bound the cache forgets its oldest keys.
+func TestIdempotencyBounded(t *testing.T) {
+	c := newIdempotency[int](time.Hour)
+	fp := resetPrint(&ResetRequest{Env: "e"})
+	boom := func() (int, error) { return 0, errors.New("boom") }
+	for i := range 1000 {
+		if _, err := c.do(t.Context(), "reset", fmt.Sprint("failing-", i), fp, boom); err == nil {
+			t.Fatal("failing call succeeded")
+		}
+	}
+	c.mu.Lock()
+	kept, ordered := len(c.m), c.order.Len()
+	c.max = 100
+	c.mu.Unlock()
+	if kept != 0 || ordered != 0 {
+		t.Fatalf("after 1000 failed calls: %d keys, %d entries in order; want none", kept, ordered)
+	}
+	one := func() (int, error) { return 1, nil }
+	for i := range 1000 {
+		if _, err := c.do(t.Context(), "reset", fmt.Sprint("ok-", i), fp, one); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := c.size(); n != 100 {
+		t.Fatalf("%d keys remembered, want the bound 100", n)
+	}
+	if c.has("ok-0") || !c.has("ok-999") {
+		t.Fatal("the bound did not forget the oldest keys first")
+	}
 }
 
 func (c *idempotency[T]) has(key string) bool {

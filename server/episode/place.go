@@ -1,6 +1,8 @@
 package episode
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -63,6 +65,9 @@ func placeOf(labels map[string]string) (Place, bool) {
 // nor labelled (one made through the runtime by a tool in the same process) is on no episode's
 // path; its env is the first one on its image.
 func (c *Core) CheckpointPlace(id string) (Place, error) {
+	if err := checkID("checkpoint_id", id); err != nil {
+		return Place{}, err
+	}
 	info, err := c.rt.Checkpoint(id)
 	if err != nil {
 		return Place{}, err
@@ -129,4 +134,29 @@ func (c *Core) ReleaseCheckpoint(id string) error {
 		c.ledgerErr(c.rec.CheckpointReleased(id, time.Now()))
 	}
 	return nil
+}
+
+// PlaceFinder looks up where a checkpoint was taken in a record other than the checkpoint's own
+// (the ledger); found is false when it has none.
+type PlaceFinder func(ctx context.Context, id string) (p Place, found bool, err error)
+
+// LabelFrom labels each checkpoint that keeps no place in its labels (one taken by a server
+// that kept places only in its ledger) with the place find knows, and returns how many it
+// labelled. A checkpoint find knows nothing of is left as it is: its env is its image's.
+func (c *Core) LabelFrom(ctx context.Context, find PlaceFinder) (int, error) {
+	n := 0
+	for _, id := range c.rt.CheckpointsWithout(labelEnv) {
+		p, found, err := find(ctx, id)
+		if err != nil {
+			return n, fmt.Errorf("looking up the place of checkpoint %s: %w", id, err)
+		}
+		if !found || p.Env == "" {
+			continue
+		}
+		if err := c.rt.SetCheckpointLabels(id, p.labels()); err != nil && !errors.Is(err, sandbox.ErrNotFound) {
+			return n, fmt.Errorf("labelling checkpoint %s: %w", id, err)
+		}
+		n++
+	}
+	return n, nil
 }
