@@ -73,3 +73,12 @@ func (s *Sandbox) KilledGroups() []string {
 	}
 	return out
 }
+
+// FDsPerSandbox is what admission charges a sandbox in descriptors.
+const FDsPerSandbox = fdsPerSandbox
+
+// LayerMounts returns the layer mounts the runtime holds.
+func (r *Runtime) LayerMounts() int { return r.layers.Mounts() }
+
+// OpenFDs counts the process's open descriptors.
+func OpenFDs() (int, error) { return openFDs() }
