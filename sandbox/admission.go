@@ -6,6 +6,9 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -45,8 +48,9 @@ type Caps struct {
 	// Checkpoints caps the checkpoints held.
 	Checkpoints int
 	// Descriptors caps the descriptors of the server process: a new
-	// sandbox is admitted while those open and fdsPerSandbox for each
-	// sandbox admitted but not made yet stay within it.
+	// sandbox is admitted while those open (counted at most every
+	// fdRecount) and fdsPerSandbox for each sandbox made since the count or
+	// admitted but not made yet stay within it.
 	Descriptors int
 	// Mounts caps the layer mounts in the server's mount namespace (one
 	// tmpfs per writable or sealed layer): a sandbox is charged
@@ -245,43 +249,91 @@ func openFDs() (int, error) {
 	}
 }
 
+// admission is the runtime's caps and what counts against them besides the
+// runtime's own maps. Its mu is taken with Runtime.mu held or alone, and
+// takes no other lock.
+type admission struct {
+	caps Caps // in force, set at start
+	mu   sync.Mutex
+	// reserved counts sandboxes admitted and not made yet.
+	// +checklocks:mu
+	reserved int
+	// fds is the server's descriptors as last counted, at fdsAt (Unix
+	// nanoseconds); fdsMade, the sandboxes made since.
+	// +checklocks:mu
+	fds int
+	// +checklocks:mu
+	fdsMade int
+	fdsAt   atomic.Int64
+	// heads counts, per checkpoint, the live sandboxes whose state
+	// descends from it (their head): it does not expire meanwhile.
+	// +checklocks:mu
+	heads map[string]int
+	// ranges holds the free host id ranges.
+	// +checklocks:mu
+	ranges []int
+}
+
+// fdRecount is how old a count of the server's descriptors admission uses
+// may be: counting reads /proc/self/fd, some milliseconds with thousands
+// open. Between counts, each sandbox made since is charged fdsPerSandbox.
+const fdRecount = time.Second
+
+// countFDs counts the server's descriptors again if the last count is
+// older than fdRecount.
+func (r *Runtime) countFDs() error {
+	if time.Since(time.Unix(0, r.adm.fdsAt.Load())) < fdRecount {
+		return nil
+	}
+	n, err := openFDs()
+	if err != nil {
+		return fmt.Errorf("counting the server's descriptors: %w", err)
+	}
+	r.adm.mu.Lock()
+	r.adm.fds, r.adm.fdsMade = n, 0
+	r.adm.mu.Unlock()
+	r.adm.fdsAt.Store(time.Now().UnixNano())
+	return nil
+}
+
 // admitSandboxes reserves n sandboxes, or refuses them with ErrCap: the
 // runtime's sandbox, descriptor and mount caps must hold with them and
 // every sandbox reserved before. The caller makes them, then calls
 // register (which turns a reservation into a live sandbox) or unreserve.
 func (r *Runtime) admitSandboxes(n int) error {
-	fds := 0
-	if r.caps.Descriptors > 0 {
-		var err error
-		if fds, err = openFDs(); err != nil {
-			return fmt.Errorf("counting the server's descriptors: %w", err)
+	a := &r.adm
+	if a.caps.Descriptors > 0 {
+		if err := r.countFDs(); err != nil {
+			return err
 		}
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	live := len(r.sandboxes) + r.reserved
-	if c := r.caps.Sandboxes; c > 0 && live+n > c {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	live := len(r.sandboxes) + a.reserved
+	if c := a.caps.Sandboxes; c > 0 && live+n > c {
 		return r.capError(CapSandboxes, int64(c), int64(live), int64(n), "live sandboxes")
 	}
-	if c := r.caps.Descriptors; c > 0 {
-		if used := fds + r.reserved*fdsPerSandbox; used+n*fdsPerSandbox > c {
+	if c := a.caps.Descriptors; c > 0 {
+		if used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox; used+n*fdsPerSandbox > c {
 			return r.capError(CapDescriptors, int64(c), int64(used), int64(n*fdsPerSandbox), fmt.Sprintf("descriptors (%d a sandbox)", fdsPerSandbox))
 		}
 	}
-	if c := r.caps.Mounts; c > 0 {
-		if used := r.layers.Mounts() + r.reserved*mountsPerSandbox; used+n*mountsPerSandbox > c {
+	if c := a.caps.Mounts; c > 0 {
+		if used := r.layers.Mounts() + a.reserved*mountsPerSandbox; used+n*mountsPerSandbox > c {
 			return r.capError(CapMounts, int64(c), int64(used), int64(n*mountsPerSandbox), fmt.Sprintf("layer mounts (%d a sandbox)", mountsPerSandbox))
 		}
 	}
-	r.reserved += n
+	a.reserved += n
 	return nil
 }
 
 // unreserve gives back n reserved sandboxes that were not made.
 func (r *Runtime) unreserve(n int) {
-	r.mu.Lock()
-	r.reserved -= n
-	r.mu.Unlock()
+	r.adm.mu.Lock()
+	r.adm.reserved -= n
+	r.adm.mu.Unlock()
 }
 
 // admitCheckpoint refuses a checkpoint beyond the count, mount or bytes
@@ -292,13 +344,16 @@ func (r *Runtime) admitCheckpoint(need int64) error {
 			return r.capError(CapCheckpointBytes, b, used, need, "bytes of checkpoints (sealed layers and process images)")
 		}
 	}
+	a := &r.adm
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if c := r.caps.Checkpoints; c > 0 && len(r.ckpts) >= c {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if c := a.caps.Checkpoints; c > 0 && len(r.ckpts) >= c {
 		return r.capError(CapCheckpoints, int64(c), int64(len(r.ckpts)), 1, "checkpoints")
 	}
-	if c := r.caps.Mounts; c > 0 {
-		if used := r.layers.Mounts() + r.reserved*mountsPerSandbox; used+1 > c {
+	if c := a.caps.Mounts; c > 0 {
+		if used := r.layers.Mounts() + a.reserved*mountsPerSandbox; used+1 > c {
 			return r.capError(CapMounts, int64(c), int64(used), 1, "layer mounts (one a checkpoint)")
 		}
 	}
@@ -306,7 +361,7 @@ func (r *Runtime) admitCheckpoint(need int64) error {
 }
 
 // Caps returns the caps in force (0: none).
-func (r *Runtime) Caps() Caps { return r.caps }
+func (r *Runtime) Caps() Caps { return r.adm.caps }
 
 // admission puts the caps in force: the configured ones, the rest derived
 // from the host; the runtime's control group gets its memory cap. It logs
@@ -314,7 +369,8 @@ func (r *Runtime) Caps() Caps { return r.caps }
 func (r *Runtime) admission() error {
 	h := ReadHost()
 	d := HostCaps(h)
-	r.caps = r.cfg.Caps.withHost(d)
+	r.adm.caps = r.cfg.Caps.withHost(d)
+	c := r.adm.caps
 	mem := r.cfg.MemoryBytes
 	if mem == 0 {
 		mem = d.MemoryBytes
@@ -322,10 +378,10 @@ func (r *Runtime) admission() error {
 	if err := r.cg.SetBaseMemory(mem); err != nil {
 		return err
 	}
-	r.log.Info("admission caps", "sandboxes", r.caps.Sandboxes, "checkpoints", r.caps.Checkpoints,
-		"checkpoint_bytes", r.cfg.CheckpointBudgetBytes, "descriptors", r.caps.Descriptors, "mounts", r.caps.Mounts,
+	r.log.Info("admission caps", "sandboxes", c.Sandboxes, "checkpoints", c.Checkpoints,
+		"checkpoint_bytes", r.cfg.CheckpointBudgetBytes, "descriptors", c.Descriptors, "mounts", c.Mounts,
 		"memory_bytes", max(mem, 0), "sandboxes_bounded_by", d.Why)
-	for _, w := range HostWarnings(h, r.caps) {
+	for _, w := range HostWarnings(h, c) {
 		r.log.Warn("host setting too low for the admission caps: " + w)
 	}
 	return nil

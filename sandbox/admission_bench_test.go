@@ -64,8 +64,15 @@ func densityN() int {
 //   - memavail-KiB: the drop of the machine's MemAvailable per sandbox,
 //     what it costs the machine in all (net and other namespaces, the
 //     server's bookkeeping included).
+//
+// $DELTAGYM_DENSITY_CAPS=off lifts the sandbox and descriptor caps, to see
+// how many the machine holds past them.
 func BenchmarkIdleSandboxes(b *testing.B) {
-	bb := setup(b)
+	bb := setup(b, func(c *sandbox.Config) {
+		if os.Getenv("DELTAGYM_DENSITY_CAPS") == "off" {
+			c.Caps.Sandboxes, c.Caps.Descriptors = -1, -1
+		}
+	})
 	n := densityN()
 	s := bb.create(b, sandbox.Spec{})
 	ctx := context.Background()

@@ -271,7 +271,7 @@ type Runtime struct {
 	devnull *os.File
 	skel    string
 	lock    *os.File
-	caps    Caps            // in force (admission.go)
+	adm     admission       // caps and what counts against them (admission.go)
 	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
 	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
@@ -281,13 +281,6 @@ type Runtime struct {
 	mu sync.Mutex
 	// +checklocks:mu
 	sandboxes map[string]*Sandbox
-	// reserved counts sandboxes admitted and not made yet (admission.go).
-	// +checklocks:mu
-	reserved int
-	// heads counts, per checkpoint, the live sandboxes whose state
-	// descends from it (their head): it does not expire meanwhile.
-	// +checklocks:mu
-	heads map[string]int
 	// +checklocks:mu
 	images map[string]*imageRec
 	// +checklocks:mu
@@ -298,9 +291,6 @@ type Runtime struct {
 	// flatBusy holds the checkpoints being flattened.
 	// +checklocks:mu
 	flatBusy map[string]bool
-	// ranges holds the free host id ranges.
-	// +checklocks:mu
-	ranges []int
 	ended  []string
 	// +checklocks:mu
 	closed bool
@@ -375,14 +365,15 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		log = slog.Default()
 	}
 	r := &Runtime{
+		adm: admission{heads: map[string]int{}},
 		cfg: cfg, log: log, store: filepath.Join(cfg.DataDir, "store"),
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
-		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{}, heads: map[string]int{},
+		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
 		done: make(chan struct{}), flatSem: make(chan struct{}, 1),
 		links: overlay.NewLinks(),
 	}
 	for i := maxRanges - 1; i >= 0; i-- {
-		r.ranges = append(r.ranges, firstHostID+i*launch.IDRange)
+		r.adm.ranges = append(r.adm.ranges, firstHostID+i*launch.IDRange)
 	}
 	var cleanup []func()
 	fail := func(err error) (*Runtime, error) {
@@ -1228,8 +1219,10 @@ func (r *Runtime) expireLoop() {
 func (r *Runtime) expire(now time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
 	for _, c := range r.ckpts {
-		if c.Pinned || r.heads[c.ID] > 0 {
+		if c.Pinned || r.adm.heads[c.ID] > 0 {
 			continue
 		}
 		used := c.used.Load()
@@ -1246,21 +1239,21 @@ func (r *Runtime) expire(now time.Time) {
 // moveHead records that a live sandbox's state descends from checkpoint to
 // instead of from (either may be ""): to does not expire meanwhile.
 func (r *Runtime) moveHead(from, to string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.unpinHeadLocked(from)
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	r.adm.unpinHeadLocked(from)
 	if to != "" {
-		r.heads[to]++
+		r.adm.heads[to]++
 	}
 }
 
-// +checklocks:r.mu
-func (r *Runtime) unpinHeadLocked(id string) {
+// +checklocks:a.mu
+func (a *admission) unpinHeadLocked(id string) {
 	if id == "" {
 		return
 	}
-	if r.heads[id]--; r.heads[id] <= 0 {
-		delete(r.heads, id)
+	if a.heads[id]--; a.heads[id] <= 0 {
+		delete(a.heads, id)
 	}
 }
 
@@ -1313,20 +1306,20 @@ func newID(prefix string) string {
 }
 
 func (r *Runtime) takeRange() (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if len(r.ranges) == 0 {
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	if len(r.adm.ranges) == 0 {
 		return 0, fmt.Errorf("%w: no free uid range (%d sandboxes live)", ErrBudget, maxRanges)
 	}
-	h := r.ranges[len(r.ranges)-1]
-	r.ranges = r.ranges[:len(r.ranges)-1]
+	h := r.adm.ranges[len(r.adm.ranges)-1]
+	r.adm.ranges = r.adm.ranges[:len(r.adm.ranges)-1]
 	return h, nil
 }
 
 func (r *Runtime) putRange(h int) {
-	r.mu.Lock()
-	r.ranges = append(r.ranges, h)
-	r.mu.Unlock()
+	r.adm.mu.Lock()
+	r.adm.ranges = append(r.adm.ranges, h)
+	r.adm.mu.Unlock()
 }
 
 // Fork creates n sandboxes at checkpoint id, sharing its layers.

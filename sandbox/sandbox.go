@@ -320,9 +320,12 @@ func (r *Runtime) register(s *Sandbox, head string) error {
 		return fmt.Errorf("%w: runtime is shutting down", ErrClosed)
 	}
 	r.sandboxes[s.id] = s
-	r.reserved--
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	r.adm.reserved--
+	r.adm.fdsMade++
 	if head != "" {
-		r.heads[head]++
+		r.adm.heads[head]++
 	}
 	return nil
 }
@@ -489,8 +492,10 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	s.rt.putRange(s.hostID)
 	s.rt.mu.Lock()
 	delete(s.rt.sandboxes, s.id)
-	s.rt.unpinHeadLocked(s.head)
 	s.rt.mu.Unlock()
+	s.rt.adm.mu.Lock()
+	s.rt.adm.unpinHeadLocked(s.head)
+	s.rt.adm.mu.Unlock()
 	_ = os.Remove(filepath.Join(s.rt.store, "meta", "sandboxes", s.id))
 	close(s.done)
 	return errors.Join(errs...)
