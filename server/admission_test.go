@@ -84,6 +84,7 @@ func TestForkTwiceOverCaps(t *testing.T) {
 			continue
 		}
 		refusals++
+		t.Logf("fork %d refused: %v", i, err)
 		if codeOf(err) != connect.CodeResourceExhausted {
 			t.Fatalf("fork %d: %v, want resource_exhausted", i, err)
 		}
