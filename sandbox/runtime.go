@@ -291,7 +291,7 @@ type Runtime struct {
 	// flatBusy holds the checkpoints being flattened.
 	// +checklocks:mu
 	flatBusy map[string]bool
-	ended  []string
+	ended    []string
 	// +checklocks:mu
 	closed bool
 
