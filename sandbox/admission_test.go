@@ -87,15 +87,9 @@ func TestCapsRefuseBeforeCreating(t *testing.T) {
 		s := b.create(t, sandbox.Spec{})
 		ck, err := s.Checkpoint(t.Context())
 		must(t, err)
-		must(t, b.rt.Close(t.Context()))
-		b.rt = nil
-		fds, err := sandbox.OpenFDs()
-		must(t, err)
-		limit := fds + 2*sandbox.FDsPerSandbox + sandbox.FDsPerSandbox/2
-		b.cfg.Caps.Descriptors = limit
-		rt, err := sandbox.New(t.Context(), b.cfg)
-		must(t, err)
-		b.rt = rt
+		// Room for two sandboxes and a half: the count stands until fdRecount.
+		limit := b.rt.CountFDs() + 2*sandbox.FDsPerSandbox + sandbox.FDsPerSandbox/2
+		b.rt.SetCaps(sandbox.Caps{Descriptors: limit})
 		before := countNow(t, b)
 		_, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
 		refused(t, b, err, sandbox.CapDescriptors, int64(limit), before)
@@ -110,18 +104,19 @@ func TestCapsRefuseBeforeCreating(t *testing.T) {
 		s := b.create(t, sandbox.Spec{})
 		ck, err := s.Checkpoint(t.Context())
 		must(t, err)
-		limit := b.rt.LayerMounts() + 2*2
-		must(t, b.rt.Close(t.Context()))
-		b.rt = nil
-		b.cfg.Caps.Mounts = limit
-		rt, err := sandbox.New(t.Context(), b.cfg)
-		must(t, err)
-		b.rt = rt
+		limit := b.rt.LayerMounts() + 2*2 // two sandboxes' uppers and next uppers
+		b.rt.SetCaps(sandbox.Caps{Mounts: limit})
 		before := countNow(t, b)
 		_, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
 		refused(t, b, err, sandbox.CapMounts, int64(limit), before)
 		kids, err := b.rt.Fork(t.Context(), ck.ID, 2, sandbox.Spec{})
 		must(t, err)
+		// A checkpoint takes one more mount (its sealed layer).
+		limit = b.rt.LayerMounts()
+		b.rt.SetCaps(sandbox.Caps{Mounts: limit})
+		before = countNow(t, b)
+		_, err = s.Checkpoint(t.Context())
+		refused(t, b, err, sandbox.CapMounts, int64(limit), before)
 		for _, k := range kids {
 			must(t, k.Destroy(t.Context()))
 		}
