@@ -72,8 +72,9 @@ func (p *pool) setup(ctx context.Context) (string, error) {
 			return "", notReady(fmt.Sprintf("env %s: setup[%d] %q", name, i, cmd), errors.New(describeExit(res)))
 		}
 	}
-	// Forked to fill the pool: files only (template copies live in one sandbox).
-	info, err := sb.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	// Forked to fill the pool: files only (template copies live in one sandbox). Pinned: the
+	// pool releases it, never the checkpoint TTL.
+	info, err := sb.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone, Pinned: true})
 	if err != nil {
 		return "", notReady(fmt.Sprintf("env %s: checkpointing after setup", name), err)
 	}

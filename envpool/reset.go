@@ -159,8 +159,9 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		return fail(fmt.Errorf("env %s: reset hook exited %d (timed out %v): %s: %w",
 			env.Name(), res.ExitCode, res.TimedOut, tail(res.Stderr, 512), ErrBadOption))
 	}
-	// Forked for later resets of the task: files only.
-	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	// Forked for later resets of the task: files only. Pinned: the task cache releases it when it
+	// evicts the task, never the checkpoint TTL.
+	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone, Pinned: true})
 	if err != nil {
 		return fail(fmt.Errorf("env %s: checkpointing task: %w", env.Name(), err))
 	}

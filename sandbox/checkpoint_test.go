@@ -234,7 +234,7 @@ func TestCheckpointBudgetAndDiskLimit(t *testing.T) {
 	if res.ExitCode == 0 || !strings.Contains(string(res.Stderr), "No space left") {
 		t.Fatalf("filling the disk: %+v %s", res, res.Stderr)
 	}
-	if _, err := s.Checkpoint(ctx); !errors.Is(err, sandbox.ErrBudget) {
+	if _, err := s.Checkpoint(ctx); !errors.Is(err, sandbox.ErrCap) {
 		t.Fatalf("checkpoint over budget: %v", err)
 	}
 	sh(t, s, "rm /big; echo small > /small")

@@ -78,9 +78,12 @@
 //     looks whether the killed processes are quiet (keepRoot), under
 //     State.run when copies are moved in (procstate.Host.MoveCopy).
 //  6. Runtime.mu: the runtime's images, checkpoints and sandboxes.
-//  7. procstate.State.mu: templates, copies forked ahead, processes seen
+//  7. admission.mu: reservations, descriptor counts, checkpoint heads and
+//     uid ranges (admission.go); taken under Runtime.mu or alone, it takes
+//     nothing.
+//  8. procstate.State.mu: templates, copies forked ahead, processes seen
 //     live.
-//  8. Sandbox.mu and session.mu: sessions, the abort context, group names;
+//  9. Sandbox.mu and session.mu: sessions, the abort context, group names;
 //     they take nothing.
 //
 // Fields are annotated with the lock that guards them (+checklocks), and

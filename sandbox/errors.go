@@ -23,6 +23,9 @@ var (
 	// ErrBudget: a storage budget, a disk limit or the pids limit is
 	// exhausted.
 	ErrBudget = procstate.ErrBudget
+	// ErrCap: a server-wide cap (Config.Caps, CheckpointBudgetBytes) would
+	// be exceeded; the request was refused before anything was made.
+	ErrCap = fmt.Errorf("%w", errdefs.ErrResourceExhausted)
 	// ErrClosed: the sandbox has been destroyed.
 	ErrClosed = fmt.Errorf("sandbox is closed: %w", errdefs.ErrFailedPrecondition)
 	// ErrAborted: a running exec was aborted by Restore or Destroy.

@@ -73,3 +73,26 @@ func (s *Sandbox) KilledGroups() []string {
 	}
 	return out
 }
+
+// FDsPerSandbox is what admission charges a sandbox in descriptors.
+const FDsPerSandbox = fdsPerSandbox
+
+// LayerMounts returns the layer mounts the runtime holds.
+func (r *Runtime) LayerMounts() int { return r.layers.Mounts() }
+
+// OpenFDs counts the process's open descriptors.
+func OpenFDs() (int, error) { return openFDs() }
+
+// SetCaps replaces the caps in force, before the runtime is used
+// concurrently.
+func (r *Runtime) SetCaps(c Caps) { r.adm.caps = c }
+
+// CountFDs counts the server's descriptors as admission does and returns
+// the count, which admission uses for fdRecount.
+func (r *Runtime) CountFDs() int {
+	r.adm.fdsAt.Store(0)
+	_ = r.countFDs()
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	return r.adm.fds
+}

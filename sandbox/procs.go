@@ -43,6 +43,10 @@ type CheckpointOptions struct {
 	Durable bool
 	// Labels are kept in the checkpoint's record (CheckpointInfo.Labels).
 	Labels map[string]string
+	// Pinned keeps the checkpoint until it is released, whatever
+	// Config.CheckpointTTL: for checkpoints whose owner releases them
+	// (a pool's, a reset cache's).
+	Pinned bool
 }
 
 // CaptureMethod is how a checkpoint captured one process.

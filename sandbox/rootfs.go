@@ -367,7 +367,7 @@ type spareUpper struct {
 }
 
 func (s *Sandbox) newSpare() spareUpper {
-	id, err := s.rt.layers.NewUpper(s.diskBytes())
+	id, err := s.rt.layers.NewUpper(s.diskBytes(), s.inodes())
 	if err != nil {
 		return spareUpper{err: err}
 	}
@@ -667,6 +667,7 @@ func (s *Sandbox) restoreRoot(c *checkpoint, again, pending, mayKeep bool) error
 		s.unrefStack()
 		s.fs.stack = stack
 	}
+	r.moveHead(s.head, c.ID)
 	s.head = c.ID
 	return nil
 }

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -42,15 +43,37 @@ type Config struct {
 	InitBinary string
 	// CgroupRoot is the cgroup path segment of the runtime's groups.
 	CgroupRoot string
+	// Caps bound the sandboxes, checkpoints, descriptors and mounts the
+	// runtime holds at once (admission.go); a request beyond one fails with
+	// ErrCap before anything is made. Zero fields are derived from the
+	// machine (HostCaps), negative ones mean no cap.
+	Caps Caps
+	// CapFlags name, for each cap, the setting that raises it, for the
+	// refusals' messages (the server gives its flags).
+	CapFlags map[Cap]string
 	// CheckpointBudgetBytes caps the bytes of all sealed layers and CRIU
-	// images; a checkpoint beyond it fails with ErrBudget. 0 means
+	// images; a checkpoint beyond it fails with ErrCap. 0 means
 	// unlimited.
 	CheckpointBudgetBytes int64
-	// CheckpointTTL releases checkpoints this long after they were taken.
-	// 0 means they live until released.
+	// CheckpointTTL releases a checkpoint once it has not been used (taken,
+	// restored, forked from) for this long, unless it is pinned
+	// (CheckpointOptions.Pinned) or a live sandbox's state descends from
+	// it (its head). 0 means checkpoints live until released.
 	CheckpointTTL time.Duration
 	// DefaultDiskBytes is the writable layer's size when Limits has none.
 	DefaultDiskBytes int64
+	// DefaultInodes is the writable layer's inode limit (its files,
+	// directories and links) when Limits has none. 0: one per 8 KiB of the
+	// layer's size, at least 4096.
+	DefaultInodes int64
+	// CPUWeight is every sandbox's share of a busy CPU against the others
+	// (cgroup v2's cpu.weight scale, 1 to 10000). Default 100.
+	CPUWeight int
+	// MemoryBytes caps the memory of the runtime's control group, which
+	// holds every sandbox's and is charged, once a sandbox is gone, with
+	// the pages of the layers it wrote (sealed checkpoints' tmpfs pages).
+	// 0: derived from the machine (HostCaps); negative: no cap.
+	MemoryBytes int64
 	// NetPool is how many ready net namespaces to keep (default 64); net
 	// namespaces of ended sandboxes are reused.
 	NetPool int
@@ -98,8 +121,11 @@ func (c Config) Validate() error {
 	if c.InitBinary == "" {
 		return fmt.Errorf("%w: InitBinary is empty: no sandbox init (make init builds bin/dg-init)", ErrInvalid)
 	}
-	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.NetPool < 0 || c.FlattenDepth < 0 {
-		return fmt.Errorf("%w: negative budget, TTL, disk size or pool size", ErrInvalid)
+	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.DefaultInodes < 0 || c.NetPool < 0 || c.FlattenDepth < 0 {
+		return fmt.Errorf("%w: negative budget, TTL, disk size, inode count or pool size", ErrInvalid)
+	}
+	if c.CPUWeight < 0 || c.CPUWeight > 10000 {
+		return fmt.Errorf("%w: CPU weight %d: from 1 to 10000", ErrInvalid, c.CPUWeight)
 	}
 	return nil
 }
@@ -111,6 +137,8 @@ type Limits struct {
 	Pids        int64
 	CPUs        float64
 	DiskBytes   int64
+	// Inodes caps the files, directories and links of the writable layer.
+	Inodes int64
 }
 
 // Spec describes a sandbox to create.
@@ -185,13 +213,18 @@ type checkpoint struct {
 	Flat    []string  `json:"flat,omitempty"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
-	Expires time.Time `json:"expires,omitzero"`
+	// Pinned checkpoints never expire (CheckpointOptions.Pinned).
+	Pinned bool `json:"pinned,omitempty"`
 	// Labels are the caller's (CheckpointInfo.Labels). Once the checkpoint is
 	// added, guarded by Runtime.mu and replaced, never changed in place.
 	Labels map[string]string `json:"labels,omitempty"`
 	// hotTried: maybeFlattenHot has looked at the checkpoint (without
 	// Runtime.mu: it is on the restore's path).
 	hotTried atomic.Bool
+	// used is when the checkpoint was last taken, restored or forked from
+	// (Unix nanoseconds; 0: not since the runtime started), for
+	// CheckpointTTL.
+	used atomic.Int64
 }
 
 // imageBytes is the size of c's CRIU images. Called with Runtime.mu held
@@ -238,6 +271,7 @@ type Runtime struct {
 	devnull *os.File
 	skel    string
 	lock    *os.File
+	adm     admission       // caps and what counts against them (admission.go)
 	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
 	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
@@ -257,10 +291,7 @@ type Runtime struct {
 	// flatBusy holds the checkpoints being flattened.
 	// +checklocks:mu
 	flatBusy map[string]bool
-	// ranges holds the free host id ranges.
-	// +checklocks:mu
-	ranges []int
-	ended  []string
+	ended    []string
 	// +checklocks:mu
 	closed bool
 
@@ -313,9 +344,11 @@ type testHooks struct {
 	killedGrace time.Duration
 }
 
+// Host id ranges: sandbox n maps its ids 0..launch.IDRange-1 onto
+// firstHostID+n*launch.IDRange and up, all below 2^31.
 const (
 	firstHostID = 1 << 20
-	maxRanges   = 4096
+	maxRanges   = 1 << 15
 )
 
 // New starts a runtime on cfg.DataDir. It reconciles what an earlier run
@@ -332,6 +365,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		log = slog.Default()
 	}
 	r := &Runtime{
+		adm: admission{heads: map[string]int{}},
 		cfg: cfg, log: log, store: filepath.Join(cfg.DataDir, "store"),
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
 		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
@@ -339,7 +373,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		links: overlay.NewLinks(),
 	}
 	for i := maxRanges - 1; i >= 0; i-- {
-		r.ranges = append(r.ranges, firstHostID+i*launch.IDRange)
+		r.adm.ranges = append(r.adm.ranges, firstHostID+i*launch.IDRange)
 	}
 	var cleanup []func()
 	fail := func(err error) (*Runtime, error) {
@@ -352,6 +386,9 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		return fail(err)
 	}
 	if err := r.openCgroups(); err != nil {
+		return fail(err)
+	}
+	if err := r.admission(); err != nil {
 		return fail(err)
 	}
 	if err := r.reconcile(ctx); err != nil {
@@ -396,6 +433,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	if cfg.FlattenDepth == 0 {
 		cfg.FlattenDepth = 16
 	}
+	cfg.CPUWeight = cmp.Or(cfg.CPUWeight, 100)
 	return cfg, nil
 }
 
@@ -1160,6 +1198,8 @@ func (r *Runtime) flatten(c *checkpoint, hot bool) {
 	}()
 }
 
+// expireLoop releases the checkpoints no one has used for CheckpointTTL,
+// but those pinned or that a live sandbox descends from.
 func (r *Runtime) expireLoop() {
 	defer r.wg.Done()
 	tick := time.NewTicker(min(time.Second, r.cfg.CheckpointTTL/4+time.Millisecond))
@@ -1169,23 +1209,58 @@ func (r *Runtime) expireLoop() {
 		case <-r.done:
 			return
 		case now := <-tick.C:
-			r.mu.Lock()
-			for _, c := range r.ckpts {
-				if !c.Expires.IsZero() && now.After(c.Expires) {
-					r.dropCheckpointLocked(c, true)
-				}
-			}
-			r.mu.Unlock()
+			r.expire(now)
 		}
+	}
+}
+
+// expire releases the checkpoints unused since now - CheckpointTTL that
+// nothing references.
+func (r *Runtime) expire(now time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	for _, c := range r.ckpts {
+		if c.Pinned || r.adm.heads[c.ID] > 0 {
+			continue
+		}
+		used := c.used.Load()
+		if used == 0 { // adopted at start: its clock starts then
+			c.used.Store(now.UnixNano())
+			continue
+		}
+		if now.Sub(time.Unix(0, used)) > r.cfg.CheckpointTTL {
+			r.dropCheckpointLocked(c, true)
+		}
+	}
+}
+
+// moveHead records that a live sandbox's state descends from checkpoint to
+// instead of from (either may be ""): to does not expire meanwhile.
+func (r *Runtime) moveHead(from, to string) {
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	r.adm.unpinHeadLocked(from)
+	if to != "" {
+		r.adm.heads[to]++
+	}
+}
+
+// +checklocks:a.mu
+func (a *admission) unpinHeadLocked(id string) {
+	if id == "" {
+		return
+	}
+	if a.heads[id]--; a.heads[id] <= 0 {
+		delete(a.heads, id)
 	}
 }
 
 // addCheckpoint persists and registers a checkpoint whose layer references
 // the caller already holds for it.
 func (r *Runtime) addCheckpoint(c *checkpoint) error {
-	if r.cfg.CheckpointTTL > 0 {
-		c.Expires = c.Created.Add(r.cfg.CheckpointTTL)
-	}
+	c.used.Store(time.Now().UnixNano())
 	if err := r.writeCheckpoint(c); err != nil {
 		return err
 	}
@@ -1242,20 +1317,20 @@ func newID(prefix string) string {
 }
 
 func (r *Runtime) takeRange() (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if len(r.ranges) == 0 {
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	if len(r.adm.ranges) == 0 {
 		return 0, fmt.Errorf("%w: no free uid range (%d sandboxes live)", ErrBudget, maxRanges)
 	}
-	h := r.ranges[len(r.ranges)-1]
-	r.ranges = r.ranges[:len(r.ranges)-1]
+	h := r.adm.ranges[len(r.adm.ranges)-1]
+	r.adm.ranges = r.adm.ranges[:len(r.adm.ranges)-1]
 	return h, nil
 }
 
 func (r *Runtime) putRange(h int) {
-	r.mu.Lock()
-	r.ranges = append(r.ranges, h)
-	r.mu.Unlock()
+	r.adm.mu.Lock()
+	r.adm.ranges = append(r.adm.ranges, h)
+	r.adm.mu.Unlock()
 }
 
 // Fork creates n sandboxes at checkpoint id, sharing its layers.
@@ -1264,6 +1339,13 @@ func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*San
 		return nil, fmt.Errorf("%w: fork count %d (1..1024)", ErrInvalid, n)
 	}
 	spec.Checkpoint = id
+	if err := spec.validate(); err != nil {
+		return nil, err
+	}
+	// All n children or none: they are admitted together.
+	if err := r.admitSandboxes(n); err != nil {
+		return nil, err
+	}
 	r.wantWarm(n)
 	out := make([]*Sandbox, n)
 	errs := make([]error, n)
@@ -1275,7 +1357,7 @@ func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*San
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			out[i], errs[i] = r.Create(ctx, spec)
+			out[i], errs[i] = r.create(ctx, spec)
 		}()
 	}
 	wg.Wait()

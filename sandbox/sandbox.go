@@ -101,10 +101,26 @@ func (s *Sandbox) Depth() int {
 }
 
 // Create starts a sandbox from an image or a checkpoint.
-func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error) {
+func (r *Runtime) Create(ctx context.Context, spec Spec) (*Sandbox, error) {
 	if err := spec.validate(); err != nil {
 		return nil, err
 	}
+	if err := r.admitSandboxes(1); err != nil {
+		return nil, err
+	}
+	return r.create(ctx, spec)
+}
+
+// create makes a sandbox of a valid spec, admitted already: it takes one
+// of the runtime's reservations (admitSandboxes), which register turns into
+// the live sandbox, or gives it back if it fails before.
+func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error) {
+	registered := false
+	defer func() {
+		if !registered {
+			r.unreserve(1)
+		}
+	}()
 	src, err := r.createSource(ctx, spec)
 	if err != nil {
 		return nil, err
@@ -142,9 +158,10 @@ func (r *Runtime) Create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 			return nil, err
 		}
 	}
-	if err = r.register(s); err != nil {
+	if err = r.register(s, head); err != nil {
 		return nil, err
 	}
+	registered = true
 	go s.watch()
 	if spec.FreshEntropy && src.ck != nil && !spec.FilesOnly {
 		// Sessions brought back from CRIU images share their $RANDOM.
@@ -189,6 +206,7 @@ func (r *Runtime) createSource(ctx context.Context, spec Spec) (createSource, er
 		if err != nil {
 			return src, err
 		}
+		ck.used.Store(time.Now().UnixNano()) // for CheckpointTTL
 		if imgName != "" && imgName != ck.Image {
 			return src, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", ErrMismatch, ck.ID, ck.Image, imgName)
 		}
@@ -229,8 +247,9 @@ func (s *Sandbox) adoptInit(undo *undoList) error {
 	w.userns = -1 // the sandbox's now: closeFDs closes it
 	undo.add(func() error { w.free(r); return nil })
 	l := s.spec.Limits
-	lim := cgroup.Limits{MemoryBytes: l.MemoryBytes, Pids: l.Pids, CPUQuota: l.CPUs}
-	if lim != (cgroup.Limits{}) {
+	// The warm init's group has the runtime's CPU weight already (warm.go).
+	lim := cgroup.Limits{MemoryBytes: l.MemoryBytes, Pids: l.Pids, CPUQuota: l.CPUs, CPUWeight: r.cfg.CPUWeight}
+	if lim != (cgroup.Limits{CPUWeight: r.cfg.CPUWeight}) {
 		if err = s.cg.SetLimits(lim); err != nil {
 			return fmt.Errorf("setting limits: %w", err)
 		}
@@ -290,7 +309,7 @@ func (s *Sandbox) startProcesses(ctx context.Context, src createSource) error {
 
 // register records the sandbox and makes it the runtime's, unless the
 // runtime is shutting down.
-func (r *Runtime) register(s *Sandbox) error {
+func (r *Runtime) register(s *Sandbox, head string) error {
 	if err := r.writeSandboxRecord(s); err != nil {
 		return err
 	}
@@ -301,6 +320,13 @@ func (r *Runtime) register(s *Sandbox) error {
 		return fmt.Errorf("%w: runtime is shutting down", ErrClosed)
 	}
 	r.sandboxes[s.id] = s
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	r.adm.reserved--
+	r.adm.fdsMade++
+	if head != "" {
+		r.adm.heads[head]++
+	}
 	return nil
 }
 
@@ -309,7 +335,7 @@ func (sp Spec) validate() error {
 		return fmt.Errorf("%w: a sandbox needs an image or a checkpoint", ErrInvalid)
 	}
 	l := sp.Limits
-	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUs < 0 || l.DiskBytes < 0 {
+	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUs < 0 || l.DiskBytes < 0 || l.Inodes < 0 {
 		return fmt.Errorf("%w: negative limit", ErrInvalid)
 	}
 	if len(sp.Hostname) > 64 || strings.ContainsAny(sp.Hostname, "\x00/ ") {
@@ -342,6 +368,24 @@ func (s *Sandbox) diskBytes() int64 {
 	}
 	return s.rt.cfg.DefaultDiskBytes
 }
+
+// inodes is the writable layer's inode limit.
+func (s *Sandbox) inodes() int64 {
+	if s.spec.Limits.Inodes > 0 {
+		return s.spec.Limits.Inodes
+	}
+	if n := s.rt.cfg.DefaultInodes; n > 0 {
+		return n
+	}
+	return max(s.diskBytes()/inodeBytes, minInodes)
+}
+
+// The default inode limit of a writable layer: one per inodeBytes of its
+// size, at least minInodes.
+const (
+	inodeBytes = 8 << 10
+	minInodes  = 4096
+)
 
 // closeFDs closes the files the sandbox keeps open: the command group's
 // controls, the template group's freezer, the CPU weight, the idmapped
@@ -449,6 +493,9 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	s.rt.mu.Lock()
 	delete(s.rt.sandboxes, s.id)
 	s.rt.mu.Unlock()
+	s.rt.adm.mu.Lock()
+	s.rt.adm.unpinHeadLocked(s.head)
+	s.rt.adm.mu.Unlock()
 	_ = os.Remove(filepath.Join(s.rt.store, "meta", "sandboxes", s.id))
 	close(s.done)
 	return errors.Join(errs...)
@@ -516,13 +563,11 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	// checkpoints drop the roots built ahead (switchRoot).
 	s.lastRestore = ""
 	r := s.rt
-	if b := r.cfg.CheckpointBudgetBytes; b > 0 {
-		if need := r.CheckpointBytes() + s.upperUsed(); need > b {
-			return CheckpointInfo{}, fmt.Errorf("%w: checkpoint storage budget of %d bytes (layers and process images) would be exceeded (%d needed); release checkpoints", ErrBudget, b, need)
-		}
+	if err := r.admitCheckpoint(s.upperUsed()); err != nil {
+		return CheckpointInfo{}, err
 	}
 	c := &checkpoint{Checkpoint: procstate.Checkpoint{ID: newID("ck-"), SandboxID: s.id}, Parent: s.head, Image: s.img.info.Name, Created: time.Now(),
-		Labels: cloneLabels(o.Labels)}
+		Labels: cloneLabels(o.Labels), Pinned: o.Pinned}
 	if err := s.capture(ctx, c, mode); err != nil {
 		// A step after the files were copied failed (a template's fork,
 		// say): the copy's references go (none were taken otherwise).
@@ -537,6 +582,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 		}
 		return CheckpointInfo{}, err
 	}
+	r.moveHead(s.head, c.ID)
 	s.head = c.ID
 	r.maybeFlatten(c)
 	// Under the runtime's lock, as other readers: once added, the
@@ -630,6 +676,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if err != nil {
 		return err
 	}
+	c.used.Store(time.Now().UnixNano()) // for CheckpointTTL
 	if c.Image != s.img.info.Name {
 		return fmt.Errorf("%w: checkpoint %s is of image %s, the sandbox of %s", ErrMismatch, id, c.Image, s.img.info.Name)
 	}

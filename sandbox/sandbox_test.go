@@ -395,6 +395,10 @@ func TestCheckpointTTL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The sandbox's state descends from ck until it takes another.
+	if _, err := s.Checkpoint(t.Context()); err != nil {
+		t.Fatal(err)
+	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		if _, err := b.rt.Checkpoint(ck.ID); errors.Is(err, sandbox.ErrNotFound) {

@@ -51,7 +51,7 @@ func (r *Runtime) startInit(id, hostname string) (_ *warmInit, err error) {
 		w.netns = -1
 		return nil, errors.Join(errors.New("creating net namespace"), err)
 	}
-	if w.cg, err = r.cg.Create(id, cgroup.Limits{}); err != nil {
+	if w.cg, err = r.cg.Create(id, cgroup.Limits{CPUWeight: r.cfg.CPUWeight}); err != nil {
 		w.cg = nil
 		return nil, err
 	}

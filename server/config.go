@@ -93,6 +93,8 @@ type Config struct {
 	DefaultPoolSize int
 	// ShutdownTimeout bounds the graceful drain of Run. Default 30s.
 	ShutdownTimeout time.Duration
+	// Admission holds the server-wide caps on what the sandbox runtime holds at once.
+	Admission Admission
 	// Logger receives structured logs. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -202,6 +204,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
 	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", max(c.ShutdownTimeout, 30*time.Second), "graceful shutdown drain limit")
+	c.Admission.registerFlags(fs)
 	// The trace exporter is configured by the standard OpenTelemetry environment (see
 	// traceExporter); the flag is a shorthand for its endpoint variable.
 	fs.Func("trace-endpoint", "OTLP collector `URL` to export traces to, such as http://127.0.0.1:4318 (sets OTEL_EXPORTER_OTLP_ENDPOINT; "+
@@ -288,6 +291,9 @@ func (c *Config) check() error {
 	}
 	if c.NoLedger && c.DatabaseURL != "" {
 		return errors.New("server: --no-ledger and --database-url exclude each other")
+	}
+	if err := c.Admission.check(); err != nil {
+		return err
 	}
 	if c.PostgresMemoryMB > 0 && (c.PostgresMemoryMB < minPostgresMemoryMB || c.PostgresMemoryMB > maxPostgresMemoryMB) {
 		return fmt.Errorf("server: --postgres-memory-mb %d: from %d to %d (the shared buffers alone take 128), or -1 for no cap",

@@ -19,3 +19,10 @@ func InfraFailure(ctx context.Context, box *sandbox.Sandbox, err error) (gone, i
 
 // PostgresMemoryLimit is postgresMemoryLimit, for tests.
 func (c *Config) PostgresMemoryLimit() int64 { return c.postgresMemoryLimit() }
+
+// RuntimeConfig is the sandbox runtime's config the admission flags give on host h.
+func (a *Admission) RuntimeConfig(h sandbox.Host) sandbox.Config {
+	var c sandbox.Config
+	a.runtimeConfig(&c, h)
+	return c
+}

@@ -91,8 +91,14 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if s.obs, err = newObservability(); err != nil {
 		return nil, err
 	}
-	s.rt, err = sandbox.New(ctx, sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
-		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore})
+	// Descriptors: every sandbox holds some of the server's, and the caps derive from the limit.
+	if _, err := sandbox.RaiseNoFile(); err != nil {
+		s.log.Warn("raising the descriptor limit", "err", err)
+	}
+	rcfg := sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
+		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore, Logger: cfg.Logger}
+	cfg.Admission.runtimeConfig(&rcfg, sandbox.ReadHost())
+	s.rt, err = sandbox.New(ctx, rcfg)
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
 	}

@@ -89,11 +89,18 @@ type Limits struct {
 	Pids int64
 	// CPUQuota caps CPU time, in cores (0.5 is half of one core).
 	CPUQuota float64
+	// CPUWeight is the group's share of a busy CPU against its siblings,
+	// on cgroup v2's scale (1 to 10000, the kernel's default 100; v1's
+	// cpu.shares get the same factor over their default of 1024). 0
+	// leaves the group's weight as it is; a host without a cpu controller
+	// ignores it.
+	CPUWeight int
 }
 
 // Validate reports whether the limits are usable.
 func (l Limits) Validate() error {
-	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUQuota < 0 || math.IsNaN(l.CPUQuota) || math.IsInf(l.CPUQuota, 0) {
+	if l.MemoryBytes < 0 || l.Pids < 0 || l.CPUQuota < 0 || math.IsNaN(l.CPUQuota) || math.IsInf(l.CPUQuota, 0) ||
+		l.CPUWeight < 0 || l.CPUWeight > maxCPUWeight {
 		return fmt.Errorf("%+v: %w", l, ErrInvalidLimits)
 	}
 	return nil
@@ -872,6 +879,18 @@ func (c *Cgroup) setLimits(lim Limits, all bool) error {
 			return err
 		}
 	}
+	return c.setCPU(lim, all)
+}
+
+// setCPU writes lim's CPU weight and quota; with all false it skips an
+// unlimited quota.
+func (c *Cgroup) setCPU(lim Limits, all bool) error {
+	v2 := c.m.l.ctrlV2
+	if d, ok := c.limit[ctrlCPU]; ok && lim.CPUWeight > 0 {
+		if err := writeCPUWeight(d, v2[ctrlCPU], lim.CPUWeight); err != nil {
+			return err
+		}
+	}
 	if d, ok := c.limit[ctrlCPU]; ok && (all || lim.CPUQuota > 0) {
 		q := int64(-1)
 		if lim.CPUQuota > 0 {
@@ -898,6 +917,66 @@ func (c *Cgroup) setLimits(lim Limits, all bool) error {
 		}
 	}
 	return nil
+}
+
+// maxCPUWeight is cgroup v2's highest cpu.weight.
+const maxCPUWeight = 10000
+
+// writeCPUWeight sets a group's cpu.weight (v2) or the cpu.shares of the
+// same factor over v1's default (v1).
+func writeCPUWeight(dir string, v2 bool, w int) error {
+	if v2 {
+		return writeFile(filepath.Join(dir, "cpu.weight"), strconv.Itoa(w))
+	}
+	return writeFile(filepath.Join(dir, "cpu.shares"), strconv.Itoa(max(w*1024/100, 2)))
+}
+
+// SetBaseMemory caps the memory of the manager's root group, /<Root>, which
+// holds every group the manager makes: what its groups use together, and
+// what the kernel moves up to it when one of them is removed (the pages of
+// tmpfs files written from inside a group stay charged, to the parent once
+// the group is gone). limit 0 or less removes the cap. It does nothing on a
+// host whose memory controller is in no hierarchy.
+func (m *Manager) SetBaseMemory(limit int64) error {
+	r, ok := m.l.ctrl[ctrlMemory]
+	if !ok {
+		return nil
+	}
+	d := filepath.Join(r, m.cfg.Root)
+	var err error
+	if m.l.ctrlV2[ctrlMemory] {
+		err = setMemoryV2(d, max(limit, 0))
+	} else {
+		err = setMemoryV1(d, max(limit, 0), m.l.swapAccounted)
+	}
+	if err != nil {
+		return fmt.Errorf("capping the memory of cgroup /%s: %w", m.cfg.Root, err)
+	}
+	return nil
+}
+
+// BaseMemory returns the memory charged to the manager's root group and its
+// cap (0: none, or no memory controller).
+func (m *Manager) BaseMemory() (current, limit int64, err error) {
+	r, ok := m.l.ctrl[ctrlMemory]
+	if !ok {
+		return 0, 0, nil
+	}
+	d := filepath.Join(r, m.cfg.Root)
+	cur, lim := "memory.usage_in_bytes", "memory.limit_in_bytes"
+	if m.l.ctrlV2[ctrlMemory] {
+		cur, lim = "memory.current", "memory.max"
+	}
+	if current, err = readInt(filepath.Join(d, cur)); err != nil {
+		return 0, 0, err
+	}
+	if limit, err = readInt(filepath.Join(d, lim)); err != nil {
+		return 0, 0, err
+	}
+	if limit < 0 || limit >= math.MaxInt64/2 { // "max", or v1's unlimited
+		limit = 0
+	}
+	return current, limit, nil
 }
 
 func setMemoryV2(dir string, limit int64) error {

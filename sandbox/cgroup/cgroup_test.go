@@ -50,7 +50,8 @@ func TestValidation(t *testing.T) {
 	}
 	limits := map[Limits]bool{{}: true, {MemoryBytes: 1 << 20, Pids: 5, CPUQuota: 0.5}: true,
 		{MemoryBytes: -1}: false, {Pids: -1}: false, {CPUQuota: -0.1}: false,
-		{CPUQuota: math.NaN()}: false, {CPUQuota: math.Inf(1)}: false}
+		{CPUQuota: math.NaN()}: false, {CPUQuota: math.Inf(1)}: false,
+		{CPUWeight: 1}: true, {CPUWeight: 10000}: true, {CPUWeight: -1}: false, {CPUWeight: 10001}: false}
 	for lim, ok := range limits {
 		err := lim.Validate()
 		if ok != (err == nil) || (err != nil && !errors.Is(err, ErrInvalidLimits)) {

@@ -117,7 +117,7 @@ func TestConformanceSealIsReadOnly(t *testing.T) {
 // (unmounted, removed) in the background, and a discarded layer cannot be referenced again.
 func TestConformanceRefcounts(t *testing.T) {
 	s := newStore(t)
-	id, err := s.NewUpper(1 << 20)
+	id, err := s.NewUpper(1<<20, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,7 +185,7 @@ func TestConformanceCopyIsItsSeal(t *testing.T) {
 	forSeeds(t, func(t *testing.T, rng *rand.Rand) {
 		src := upperWith(t, s, genLayer(rng, nil, true))
 		defer s.Unref(src)
-		dst, err := s.NewUpper(0)
+		dst, err := s.NewUpper(0, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -402,7 +402,7 @@ func (l *layerSpec) add(p string, e *entrySpec) bool {
 // upperWith makes a writable layer holding l in its upper.
 func upperWith(t *testing.T, s *Store, l *layerSpec) string {
 	t.Helper()
-	id, err := s.NewUpper(0)
+	id, err := s.NewUpper(0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

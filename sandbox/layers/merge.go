@@ -373,7 +373,7 @@ func copyXattrs(src, dst string, overlayMarks bool) error {
 // returns it with one reference held by the caller. below are the layers
 // the result will sit on (the image's), bottom first.
 func (s *Store) Flatten(ids []string, sizeBytes int64, below []string) (string, error) {
-	id, err := s.NewUpper(sizeBytes)
+	id, err := s.NewUpper(sizeBytes, 0)
 	if err != nil {
 		return "", err
 	}

@@ -66,7 +66,7 @@ func BenchmarkReset(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	id, err := s.NewUpper(1 << 20)
+	id, err := s.NewUpper(1<<20, 0)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -48,7 +48,7 @@ func names(t *testing.T, dir string) []string {
 // whiteout.
 func writtenUpper(t *testing.T, s *Store, sizeBytes int64) string {
 	t.Helper()
-	id, err := s.NewUpper(sizeBytes)
+	id, err := s.NewUpper(sizeBytes, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +140,7 @@ func TestFailedSealLeavesTheUpper(t *testing.T) {
 func TestCopyIntoSeals(t *testing.T) {
 	s := newStore(t)
 	src := writtenUpper(t, s, 0)
-	dst, err := s.NewUpper(0)
+	dst, err := s.NewUpper(0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -227,7 +227,7 @@ func TestReclaimAndReset(t *testing.T) {
 		t.Fatalf("sealed layer after its last reference: %v, want it discarded", err)
 	}
 	// Nor is a layer someone else still holds.
-	id2, err := s.NewUpper(0)
+	id2, err := s.NewUpper(0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -78,15 +78,21 @@ func newID() string {
 	return "l" + hex.EncodeToString(b[:])
 }
 
-// NewUpper creates an empty writable layer of at most sizeBytes, with one
-// reference held by the caller.
-func (s *Store) NewUpper(sizeBytes int64) (string, error) {
+// NewUpper creates an empty writable layer of at most sizeBytes and inodes
+// files, directories and links (0: no limit), with one reference held by
+// the caller. Without an inode limit, a layer of small files could take
+// the kernel memory of an inode each far beyond its size in bytes.
+func (s *Store) NewUpper(sizeBytes, inodes int64) (string, error) {
 	id := newID()
 	d := s.Dir(id)
 	if err := os.Mkdir(d, 0o700); err != nil {
 		return "", fmt.Errorf("creating layer %s: %w", id, err)
 	}
+	// The tmpfs's root and the upper and work directories take three.
 	opts := "mode=755,nr_inodes=0"
+	if inodes > 0 {
+		opts = "mode=755,nr_inodes=" + strconv.FormatInt(inodes+3, 10)
+	}
 	if sizeBytes > 0 {
 		opts += ",size=" + strconv.FormatInt(sizeBytes, 10)
 	}
@@ -403,6 +409,14 @@ func removeEntries(fd int) error {
 // Pending returns the number of background discards in flight: the backlog
 // of released layers not yet unmounted and removed.
 func (s *Store) Pending() int { return int(s.pending.Load()) }
+
+// Mounts returns the number of layers the store holds, each a tmpfs mounted
+// in the server's mount namespace (discards in flight are detached already).
+func (s *Store) Mounts() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.refs)
+}
 
 func (s *Store) discard(id string) {
 	d := s.Dir(id)

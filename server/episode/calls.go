@@ -133,6 +133,11 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	if req.N < 1 || req.N > MaxFork {
 		return ForkResult{}, fmt.Errorf("fork n %d is not between 1 and %d: %w", req.N, MaxFork, ErrInvalid)
 	}
+	// Refused by the runtime's caps before the checkpoint of a sandbox is taken to fork from
+	// (the runtime checks again as it makes the children, all n or none).
+	if err := c.rt.CheckAdmission(req.N); err != nil {
+		return ForkResult{}, err
+	}
 	ckpt, from, skipWhy, err := c.forkSource(ctx, &req)
 	if err != nil {
 		return ForkResult{}, err

@@ -1,0 +1,156 @@
+package sandbox_test
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// BenchmarkFork1000 forks 1,000 sandboxes at once from a files-only
+// checkpoint, under the caps derived from the machine (a Fork beyond them
+// would be refused): p50/p99 of the whole fan-out.
+func BenchmarkFork1000(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	must(b, s.WriteFile(ctx, "/state", []byte("x"), 0, false))
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	must(b, err)
+	b.Logf("caps %+v", bb.rt.Caps())
+	var fork, cleanup lat
+	b.ResetTimer()
+	for range b.N {
+		var kids []*sandbox.Sandbox
+		fork.time(func() { kids, err = bb.rt.Fork(ctx, ck.ID, 1000, sandbox.Spec{}) })
+		must(b, err)
+		b.StopTimer()
+		cleanup.time(func() {
+			for _, k := range kids {
+				must(b, k.Destroy(ctx))
+			}
+		})
+		b.StartTimer()
+	}
+	fork.report(b, "fork1000-")
+	cleanup.report(b, "destroy1000-")
+}
+
+// densityN is how many idle sandboxes BenchmarkIdleSandboxes keeps alive
+// ($DELTAGYM_DENSITY_N, default 10,000).
+func densityN() int {
+	if n, err := strconv.Atoi(os.Getenv("DELTAGYM_DENSITY_N")); err == nil && n > 0 {
+		return n
+	}
+	return 10000
+}
+
+// BenchmarkIdleSandboxes starts densityN idle sandboxes (forks of a
+// files-only checkpoint, in fan-outs of 1,000) under the derived caps, then
+// reports what each costs and the latency of a command (a Step's exec) in
+// sandboxes picked at random among them:
+//   - private-KiB: the sum of Private_Clean, Private_Dirty and
+//     Private_Hugetlb (smaps_rollup) of a sandbox's processes (its init);
+//   - cgroup-KiB: the memory charged to its control group (its page cache,
+//     anonymous memory and, on cgroup v1, the kernel memory of its tasks:
+//     memory.usage_in_bytes);
+//   - kmem-KiB: the kernel memory alone (memory.kmem.usage_in_bytes);
+//   - memavail-KiB: the drop of the machine's MemAvailable per sandbox,
+//     what it costs the machine in all (net and other namespaces, the
+//     server's bookkeeping included).
+//
+// $DELTAGYM_DENSITY_CAPS=off lifts the sandbox and descriptor caps, to see
+// how many the machine holds past them.
+func BenchmarkIdleSandboxes(b *testing.B) {
+	bb := setup(b, func(c *sandbox.Config) {
+		if os.Getenv("DELTAGYM_DENSITY_CAPS") == "off" {
+			c.Caps.Sandboxes, c.Caps.Descriptors = -1, -1
+		}
+	})
+	n := densityN()
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+	must(b, err)
+	b.Logf("caps %+v", bb.rt.Caps())
+	before := memAvailable(b)
+	var all []*sandbox.Sandbox
+	defer func() {
+		for _, k := range all {
+			_ = k.Destroy(context.Background())
+		}
+	}()
+	for len(all) < n {
+		kids, err := bb.rt.Fork(ctx, ck.ID, min(1000, n-len(all)), sandbox.Spec{})
+		must(b, err)
+		all = append(all, kids...)
+	}
+	drop := before - memAvailable(b)
+	var priv, cg, kmem int64
+	for _, k := range all {
+		priv += privateBytes(b, k.InitPid())
+		dir := filepath.Join("/sys/fs/cgroup/memory", bb.cfg.CgroupRoot, k.ID())
+		cg += readBytes(b, filepath.Join(dir, "memory.usage_in_bytes"))
+		kmem += readBytes(b, filepath.Join(dir, "memory.kmem.usage_in_bytes"))
+	}
+	var step lat
+	b.ResetTimer()
+	for range b.N {
+		k := all[rand.IntN(len(all))]
+		step.time(func() {
+			if _, err := k.Exec(ctx, sandbox.ExecRequest{Command: "true"}); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+	b.StopTimer()
+	step.report(b, "step-")
+	per := func(v int64) float64 { return float64(v) / 1024 / float64(n) }
+	b.ReportMetric(float64(n), "sandboxes")
+	b.ReportMetric(per(priv), "private-KiB")
+	b.ReportMetric(per(cg), "cgroup-KiB")
+	b.ReportMetric(per(kmem), "kmem-KiB")
+	b.ReportMetric(per(drop*1024), "memavail-KiB")
+}
+
+// privateBytes sums the Private_* lines of a process's smaps_rollup.
+func privateBytes(b *testing.B, pid int) int64 {
+	raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	must(b, err)
+	var n int64
+	for _, l := range bytes.Split(raw, []byte{'\n'}) {
+		f := strings.Fields(string(l))
+		if len(f) == 3 && strings.HasPrefix(f[0], "Private_") {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			n += kb << 10
+		}
+	}
+	return n
+}
+
+func readBytes(b *testing.B, path string) int64 {
+	raw, err := os.ReadFile(path)
+	must(b, err)
+	v, err := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64)
+	must(b, err)
+	return v
+}
+
+// memAvailable is the machine's MemAvailable, in KiB.
+func memAvailable(b *testing.B) int64 {
+	raw, err := os.ReadFile("/proc/meminfo")
+	must(b, err)
+	for _, l := range strings.Split(string(raw), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == "MemAvailable:" {
+			v, _ := strconv.ParseInt(f[1], 10, 64)
+			return v
+		}
+	}
+	return 0
+}

@@ -1,0 +1,42 @@
+package sandbox
+
+import (
+	"strings"
+	"testing"
+)
+
+// The caps derived from a host are bounded by its scarcest resource, and
+// the warnings name the setting that holds caps set by hand.
+func TestHostCaps(t *testing.T) {
+	const gib = int64(1) << 30
+	small := Host{NoFile: 20000, PidMax: 32768, MountMax: 100000, Mounts: 100, MemoryBytes: 24 * gib}
+	d := HostCaps(small)
+	if d.Descriptors != 20000-descriptorReserve || d.Sandboxes != d.Descriptors/fdsPerSandbox || d.Why != "descriptors" {
+		t.Fatalf("caps of a host with 20,000 descriptors: %+v", d)
+	}
+	if d.Mounts != 100000-100-mountReserve || d.Checkpoints != d.Mounts/2 {
+		t.Fatalf("mount and checkpoint caps: %+v", d)
+	}
+	if d.CheckpointBytes != 12*gib || d.MemoryBytes != 21*gib {
+		t.Fatalf("checkpoint bytes %d, memory %d", d.CheckpointBytes, d.MemoryBytes)
+	}
+	big := small
+	big.NoFile = 1 << 20
+	if d := HostCaps(big); d.Sandboxes != int(21*gib/memPerSandbox) || d.Why != "memory" || d.Sandboxes < 10000 {
+		t.Fatalf("caps of a host with a million descriptors: %+v", d)
+	}
+	if w := HostWarnings(small, Caps{Sandboxes: 20000}); len(w) != 2 ||
+		!strings.Contains(w[0], "kernel.pid_max") || !strings.Contains(w[1], "RLIMIT_NOFILE") {
+		t.Fatalf("warnings for 20,000 sandboxes on a small host: %q", w)
+	}
+	if w := HostWarnings(small, Caps{Mounts: 200000}); len(w) != 1 || !strings.Contains(w[0], "fs.mount-max") {
+		t.Fatalf("warnings for 200,000 mounts: %q", w)
+	}
+	if w := HostWarnings(small, d.Caps); len(w) != 0 {
+		t.Fatalf("derived caps warn: %q", w)
+	}
+	c := Caps{Sandboxes: -1, Checkpoints: 5}.withHost(d)
+	if c.Sandboxes != 0 || c.Checkpoints != 5 || c.Descriptors != d.Descriptors || c.Mounts != d.Mounts {
+		t.Fatalf("caps -1 (none), 5 and derived: %+v", c)
+	}
+}

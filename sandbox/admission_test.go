@@ -1,0 +1,283 @@
+package sandbox_test
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// counts is what a refused request must leave as it was.
+type counts struct {
+	sandboxes, checkpoints, layerMounts, mounts, groups int
+}
+
+func countNow(t *testing.T, b *bundle) counts {
+	t.Helper()
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	groups, err := os.ReadDir(filepath.Join("/sys/fs/cgroup/memory", b.cfg.CgroupRoot))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return counts{b.rt.Sandboxes(), b.rt.Checkpoints(), b.rt.LayerMounts(), strings.Count(string(mi), b.dir), len(groups)}
+}
+
+// refused checks that err is the refusal of cap c of value limit, with its
+// flag, and that nothing was made.
+func refused(t *testing.T, b *bundle, err error, c sandbox.Cap, limit int64, before counts) {
+	t.Helper()
+	if !errors.Is(err, sandbox.ErrCap) || !errors.Is(err, errdefs.ErrResourceExhausted) {
+		t.Fatalf("want a refusal by cap %s, got %v", c, err)
+	}
+	for _, want := range []string{fmt.Sprintf("cap %q of %d", c, limit), "--max-" + string(c) + " raises it"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Fatalf("refusal %q does not say %q", err, want)
+		}
+	}
+	if after := countNow(t, b); after != before {
+		t.Fatalf("a refused request changed the counts: %+v, then %+v", before, after)
+	}
+}
+
+// capsBundle is a runtime with the given caps, no warm inits (so that
+// nothing is made in the background between two counts), and the flags the
+// server names in refusals.
+func capsBundle(t *testing.T, caps sandbox.Caps, mod ...func(*sandbox.Config)) *bundle {
+	flags := map[sandbox.Cap]string{}
+	for _, c := range []sandbox.Cap{sandbox.CapSandboxes, sandbox.CapCheckpoints, sandbox.CapCheckpointBytes, sandbox.CapDescriptors, sandbox.CapMounts} {
+		flags[c] = "--max-" + string(c)
+	}
+	return setup(t, append([]func(*sandbox.Config){func(c *sandbox.Config) {
+		c.Caps, c.CapFlags, c.InitPool = caps, flags, -1
+	}}, mod...)...)
+}
+
+// Each cap refuses the request that would pass it before anything is made,
+// and a Fork of n children takes all n or none.
+func TestCapsRefuseBeforeCreating(t *testing.T) {
+	t.Run("sandboxes", func(t *testing.T) {
+		b := capsBundle(t, sandbox.Caps{Sandboxes: 3})
+		s := b.create(t, sandbox.Spec{})
+		ck, err := s.Checkpoint(t.Context())
+		must(t, err)
+		before := countNow(t, b)
+		_, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
+		refused(t, b, err, sandbox.CapSandboxes, 3, before)
+		kids, err := b.rt.Fork(t.Context(), ck.ID, 2, sandbox.Spec{})
+		must(t, err)
+		before = countNow(t, b)
+		_, err = b.rt.Create(t.Context(), sandbox.Spec{Image: "busybox"})
+		refused(t, b, err, sandbox.CapSandboxes, 3, before)
+		must(t, kids[0].Destroy(t.Context()))
+		b.create(t, sandbox.Spec{}) // a closed sandbox's place is free again
+		must(t, kids[1].Destroy(t.Context()))
+	})
+	t.Run("descriptors", func(t *testing.T) {
+		b := capsBundle(t, sandbox.Caps{Descriptors: -1})
+		s := b.create(t, sandbox.Spec{})
+		ck, err := s.Checkpoint(t.Context())
+		must(t, err)
+		// Room for two sandboxes and a half: the count stands until fdRecount.
+		limit := b.rt.CountFDs() + 2*sandbox.FDsPerSandbox + sandbox.FDsPerSandbox/2
+		b.rt.SetCaps(sandbox.Caps{Descriptors: limit})
+		before := countNow(t, b)
+		_, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
+		refused(t, b, err, sandbox.CapDescriptors, int64(limit), before)
+		kids, err := b.rt.Fork(t.Context(), ck.ID, 2, sandbox.Spec{})
+		must(t, err)
+		for _, k := range kids {
+			must(t, k.Destroy(t.Context()))
+		}
+	})
+	t.Run("mounts", func(t *testing.T) {
+		b := capsBundle(t, sandbox.Caps{Mounts: -1})
+		s := b.create(t, sandbox.Spec{})
+		ck, err := s.Checkpoint(t.Context())
+		must(t, err)
+		limit := b.rt.LayerMounts() + 2*2 // two sandboxes' uppers and next uppers
+		b.rt.SetCaps(sandbox.Caps{Mounts: limit})
+		before := countNow(t, b)
+		_, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
+		refused(t, b, err, sandbox.CapMounts, int64(limit), before)
+		kids, err := b.rt.Fork(t.Context(), ck.ID, 2, sandbox.Spec{})
+		must(t, err)
+		// A checkpoint takes one more mount (its sealed layer).
+		limit = b.rt.LayerMounts()
+		b.rt.SetCaps(sandbox.Caps{Mounts: limit})
+		before = countNow(t, b)
+		_, err = s.Checkpoint(t.Context())
+		refused(t, b, err, sandbox.CapMounts, int64(limit), before)
+		for _, k := range kids {
+			must(t, k.Destroy(t.Context()))
+		}
+	})
+	t.Run("checkpoints", func(t *testing.T) {
+		b := capsBundle(t, sandbox.Caps{Checkpoints: 2})
+		s := b.create(t, sandbox.Spec{})
+		sh(t, s, "echo 1 > /f")
+		_, err := s.Checkpoint(t.Context())
+		must(t, err)
+		sh(t, s, "echo 2 > /f")
+		ck2, err := s.Checkpoint(t.Context())
+		must(t, err)
+		sh(t, s, "echo 3 > /f")
+		before := countNow(t, b)
+		_, err = s.Checkpoint(t.Context())
+		refused(t, b, err, sandbox.CapCheckpoints, 2, before)
+		if s.Head() != ck2.ID || sh(t, s, "cat /f") != "3\n" {
+			t.Fatalf("a refused checkpoint changed the sandbox: head %s, /f %q", s.Head(), sh(t, s, "cat /f"))
+		}
+		must(t, b.rt.ReleaseCheckpoint(ck2.ID))
+		if _, err := s.Checkpoint(t.Context()); err != nil {
+			t.Fatalf("a checkpoint within the cap once another was released: %v", err)
+		}
+	})
+	t.Run("checkpoint-bytes", func(t *testing.T) {
+		b := capsBundle(t, sandbox.Caps{}, func(c *sandbox.Config) { c.CheckpointBudgetBytes = 2 << 20 })
+		s := b.create(t, sandbox.Spec{})
+		sh(t, s, "dd if=/dev/zero of=/big bs=1M count=3 2>/dev/null")
+		before := countNow(t, b)
+		_, err := s.Checkpoint(t.Context())
+		refused(t, b, err, sandbox.CapCheckpointBytes, 2<<20, before)
+	})
+}
+
+// Descriptors admission charges a sandbox at least what one that has run
+// commands, with a background process, holds in the server.
+func TestAdmissionCharges(t *testing.T) {
+	b := capsBundle(t, sandbox.Caps{})
+	s := b.create(t, sandbox.Spec{})
+	ck, err := s.Checkpoint(t.Context())
+	must(t, err)
+	const n = 8
+	before, err := sandbox.OpenFDs()
+	must(t, err)
+	kids, err := b.rt.Fork(t.Context(), ck.ID, n, sandbox.Spec{})
+	must(t, err)
+	for _, k := range kids {
+		sh(t, k, "echo hi > /tmp/x; cat /tmp/x")
+		if _, err := k.Exec(t.Context(), sandbox.ExecRequest{Command: "sleep 100", Background: true}); err != nil {
+			t.Fatal(err)
+		}
+		sh(t, k, "true")
+	}
+	after, err := sandbox.OpenFDs()
+	must(t, err)
+	if each := float64(after-before) / n; each > sandbox.FDsPerSandbox {
+		t.Fatalf("a sandbox holds %.1f descriptors of the server; admission charges %d", each, sandbox.FDsPerSandbox)
+	} else {
+		t.Logf("%.1f descriptors a sandbox (charged %d)", each, sandbox.FDsPerSandbox)
+	}
+	for _, k := range kids {
+		must(t, k.Destroy(t.Context()))
+	}
+}
+
+// A checkpoint no live sandbox descends from, not pinned and not used for
+// the TTL, is released; a pinned one, and the head of a live sandbox, stay.
+func TestCheckpointTTLUnreferenced(t *testing.T) {
+	const ttl = 300 * time.Millisecond
+	b := setup(t, func(c *sandbox.Config) { c.CheckpointTTL = ttl })
+	s := b.create(t, sandbox.Spec{})
+	loose, err := s.Checkpoint(t.Context())
+	must(t, err)
+	pinned, err := s.CheckpointWith(t.Context(), sandbox.CheckpointOptions{Pinned: true})
+	must(t, err)
+	other := b.create(t, sandbox.Spec{})
+	head, err := other.Checkpoint(t.Context()) // other's head
+	must(t, err)
+	sh(t, other, "echo moved on > /f")
+	waitReleased(t, b, loose.ID, 20*ttl)
+	for _, id := range []string{pinned.ID, head.ID} {
+		if _, err := b.rt.Checkpoint(id); err != nil {
+			t.Fatalf("checkpoint %s expired while referenced: %v", id, err)
+		}
+	}
+	must(t, other.Destroy(t.Context()))
+	waitReleased(t, b, head.ID, 20*ttl)
+	if _, err := b.rt.Checkpoint(pinned.ID); err != nil {
+		t.Fatalf("a pinned checkpoint expired: %v", err)
+	}
+	must(t, b.rt.ReleaseCheckpoint(pinned.ID))
+}
+
+// waitReleased waits, up to a watchdog, for checkpoint id to be released.
+func waitReleased(t *testing.T, b *bundle, id string, watchdog time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(watchdog)
+	for {
+		if _, err := b.rt.Checkpoint(id); errors.Is(err, sandbox.ErrNotFound) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("checkpoint %s outlived its TTL by far", id)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// The writable layer holds at most its inode limit of entries: the next
+// file fails with ENOSPC while bytes are left.
+func TestLayerInodeLimit(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Limits: sandbox.Limits{Inodes: 100}})
+	res, err := s.Exec(t.Context(), sandbox.ExecRequest{Command: "mkdir /d && i=0; while touch /d/$i 2>/tmp/err; do i=$((i+1)); [ $i -ge 1000 ] && break; done; echo $i; cat /tmp/err"})
+	must(t, err)
+	out := strings.SplitN(string(res.Stdout), "\n", 2)
+	made, _ := strconv.Atoi(out[0])
+	if made < 90 || made >= 100 || !strings.Contains(out[1], "No space left") {
+		t.Fatalf("a layer limited to 100 inodes took %d files before: %q", made, out[1])
+	}
+	// The default: one inode per 8 KiB of the layer's size.
+	d := b.create(t, sandbox.Spec{Limits: sandbox.Limits{DiskBytes: 8 << 20}})
+	res, err = d.Exec(t.Context(), sandbox.ExecRequest{Command: "mkdir /d && i=0; while touch /d/$i 2>/dev/null; do i=$((i+1)); [ $i -ge 10000 ] && break; done; echo $i"})
+	must(t, err)
+	if made, _ := strconv.Atoi(strings.TrimSpace(string(res.Stdout))); made < 4000 || made >= 4096 {
+		t.Fatalf("an 8 MiB layer took %d files; its default limit is 4096 inodes", made)
+	}
+}
+
+// Every sandbox's group has the runtime's CPU weight, and the runtime's
+// group a memory cap that still holds the pages of the layers a closed
+// sandbox wrote.
+func TestCPUWeightAndMemoryCap(t *testing.T) {
+	b := setup(t, func(c *sandbox.Config) { c.CPUWeight = 50; c.MemoryBytes = 3 << 30 })
+	s := b.create(t, sandbox.Spec{})
+	shares, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/cpu", b.cfg.CgroupRoot, s.ID(), "cpu.shares"))
+	must(t, err)
+	if got := strings.TrimSpace(string(shares)); got != "512" {
+		t.Fatalf("cpu.shares of a sandbox of CPU weight 50: %s, want 512", got)
+	}
+	base := filepath.Join("/sys/fs/cgroup/memory", b.cfg.CgroupRoot)
+	limit, err := os.ReadFile(filepath.Join(base, "memory.limit_in_bytes"))
+	must(t, err)
+	if got := strings.TrimSpace(string(limit)); got != strconv.Itoa(3<<30) {
+		t.Fatalf("memory cap of the runtime's group: %s, want %d", got, 3<<30)
+	}
+	usage := func() int64 {
+		b, err := os.ReadFile(filepath.Join(base, "memory.usage_in_bytes"))
+		must(t, err)
+		n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+		must(t, err)
+		return n
+	}
+	before := usage()
+	sh(t, s, "dd if=/dev/urandom of=/big bs=1M count=32 2>/dev/null")
+	ck, err := s.Checkpoint(t.Context())
+	must(t, err)
+	must(t, s.Destroy(t.Context()))
+	if after := usage(); after-before < 30<<20 {
+		t.Fatalf("the runtime's group holds %d bytes more after a closed sandbox left a 32 MiB layer", after-before)
+	}
+	must(t, b.rt.ReleaseCheckpoint(ck.ID))
+}

@@ -1,0 +1,52 @@
+package layers
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestUpperInodeLimit: an upper made with an inode limit holds that many
+// entries (files and directories alike) and refuses the next with ENOSPC,
+// whatever bytes are left; one made without a limit takes more.
+func TestUpperInodeLimit(t *testing.T) {
+	s := newStore(t)
+	const limit = 50
+	id, err := s.NewUpper(64<<20, limit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Unref(id)
+	up := s.UpperPath(id)
+	if err := os.Mkdir(filepath.Join(up, "d"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	made := 1
+	for ; made < 10*limit; made++ {
+		err := os.WriteFile(filepath.Join(up, "d", strconv.Itoa(made)), nil, 0o644)
+		if errors.Is(err, unix.ENOSPC) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if made != limit {
+		t.Fatalf("the upper took %d entries, want %d (its inode limit)", made, limit)
+	}
+
+	free, err := s.NewUpper(64<<20, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Unref(free)
+	for i := range 2 * limit {
+		if err := os.WriteFile(filepath.Join(s.UpperPath(free), strconv.Itoa(i)), nil, 0o644); err != nil {
+			t.Fatalf("an upper without an inode limit refused entry %d: %v", i, err)
+		}
+	}
+}
