@@ -109,6 +109,7 @@ type Manager struct {
 
 	reaperDone chan struct{}
 	retiring   sync.WaitGroup // pools of replaced envs being drained
+	discard    sync.WaitGroup // verifiers' sandboxes being destroyed (Pristine)
 	closeOnce  sync.Once
 	closeErr   error
 }
@@ -478,6 +479,7 @@ func (m *Manager) Close(ctx context.Context) error {
 				m.cfg.OnEnd(l, EndShutdown)
 			}
 		}
+		m.discard.Wait()
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr

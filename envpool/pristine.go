@@ -85,11 +85,13 @@ func (m *Manager) Pristine(ctx context.Context, l *Lease, answer *string) (Verdi
 	if err != nil {
 		return Verdict{}, fmt.Errorf("env %s: forking the verifier's sandbox: %w", env.Name(), err)
 	}
-	defer func() {
+	// Destroyed after the verdict is answered (Close waits for it): unmounting and removing
+	// its cgroup are off the call's path.
+	defer m.discard.Go(func() {
 		if err := sbs[0].Destroy(context.WithoutCancel(ctx)); err != nil {
 			m.log.Warn("destroying a verifier's sandbox", "sandbox", sbs[0].ID(), "err", err)
 		}
-	}()
+	})
 	to, ok := sbs[0].(*sandbox.Sandbox)
 	if !ok {
 		return Verdict{}, fmt.Errorf("env %s: a pristine verifier needs the sandbox runtime's sandboxes: %w", env.Name(), ErrNotReady)

@@ -157,11 +157,10 @@ func validateEvaluation(s *deltagymv1.EnvSpec) error {
 		return badField("evaluation.mode", "unknown value %d", e.GetMode())
 	}
 	if e.GetMode() != deltagymv1.VerifierMode_VERIFIER_MODE_PRISTINE {
-		if len(e.GetCopyPaths()) > 0 || e.GetVerifierFiles() != "" || e.GetVerifierFilesPath() != "" || len(e.GetEnv()) > 0 ||
-			len(e.GetSecretOptions()) > 0 || e.GetMaxCopyBytes() != 0 || e.GetMaxCopyEntries() != 0 {
-			return badField("evaluation", "copy_paths, verifier_files, env, secret_options and the copy caps need mode VERIFIER_MODE_PRISTINE: elsewhere the agent's sandbox would see them")
+		if proto.Equal(e, &deltagymv1.Evaluation{Mode: e.GetMode()}) {
+			return nil
 		}
-		return nil
+		return badField("evaluation", "copy_paths, verifier_files, env, secret_options and the copy caps need mode VERIFIER_MODE_PRISTINE: elsewhere the agent's sandbox would see them")
 	}
 	if s.GetVerifier() == "" {
 		return badField("evaluation.mode", "VERIFIER_MODE_PRISTINE needs a verifier")
@@ -169,15 +168,8 @@ func validateEvaluation(s *deltagymv1.EnvSpec) error {
 	if e.GetMaxCopyBytes() < 0 || e.GetMaxCopyEntries() < 0 {
 		return badField("evaluation", "max_copy_bytes %d or max_copy_entries %d is negative", e.GetMaxCopyBytes(), e.GetMaxCopyEntries())
 	}
-	for k, v := range e.GetEnv() {
-		if k == "" || strings.ContainsAny(k, "=\x00") || strings.ContainsRune(v, 0) {
-			return badField("evaluation.env", "variable %q is empty or holds '=' or NUL, or its value holds NUL", k)
-		}
-	}
-	for i, o := range e.GetSecretOptions() {
-		if !optionNameRE.MatchString(o) || strings.HasPrefix(o, "DELTAGYM_") {
-			return badField(fmt.Sprintf("evaluation.secret_options[%d]", i), "%q is not a variable name (or uses the DELTAGYM_ prefix)", o)
-		}
+	if err := validateVerifierVars(e); err != nil {
+		return err
 	}
 	if f := e.GetVerifierFiles(); f != "" && (strings.ContainsRune(f, 0) || filepath.Clean(f) != f) {
 		return badField("evaluation.verifier_files", "%q is not a clean path below the server's import root", f)
@@ -190,6 +182,21 @@ func validateEvaluation(s *deltagymv1.EnvSpec) error {
 		files = DefaultVerifierFilesPath
 	}
 	return validateCopyPaths(e.GetCopyPaths(), files, e.GetVerifierFiles() != "")
+}
+
+// validateVerifierVars checks the verifier's environment and the secret options' names.
+func validateVerifierVars(e *deltagymv1.Evaluation) error {
+	for k, v := range e.GetEnv() {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.ContainsRune(v, 0) {
+			return badField("evaluation.env", "variable %q is empty or holds '=' or NUL, or its value holds NUL", k)
+		}
+	}
+	for i, o := range e.GetSecretOptions() {
+		if !optionNameRE.MatchString(o) || strings.HasPrefix(o, "DELTAGYM_") {
+			return badField(fmt.Sprintf("evaluation.secret_options[%d]", i), "%q is not a variable name (or uses the DELTAGYM_ prefix)", o)
+		}
+	}
+	return nil
 }
 
 // validateCopyPaths checks copy paths: clean, absolute, below /, none inside another and none

@@ -73,9 +73,13 @@ func (r *importRoot) rel(what, name string) (string, error) {
 func (r *importRoot) open(name string) (*os.File, error) { return r.openBelow("image path", name) }
 
 // openVerifierFiles resolves an env's verifier files directory below the root (openBelow),
-// for envpool.Config.OpenVerifierFiles.
+// for envpool.Config.OpenVerifierFiles, which gives the error its class (an invalid spec).
 func (r *importRoot) openVerifierFiles(name string) (*os.File, error) {
-	return r.openBelow("verifier files", name)
+	f, err := r.openBelow("verifier files", name)
+	if err != nil {
+		return nil, errors.New(strings.TrimSuffix(err.Error(), ": "+ErrInvalid.Error()))
+	}
+	return f, nil
 }
 
 // openBelow resolves name below the root and returns an O_PATH descriptor of it; what names
