@@ -277,8 +277,9 @@ type EnvSpec struct {
 	// them.
 	Setup []string `protobuf:"bytes,5,rep,name=setup,proto3" json:"setup,omitempty"`
 	// reset_hook is a shell command run at each Reset, after the sandbox is
-	// handed over. Each Reset option is in its environment as a variable named
-	// by the option's key, and the seed (when given) as DELTAGYM_SEED.
+	// handed over. Each Reset option but evaluation.secret_options is in its
+	// environment as a variable named by the option's key, and the seed (when
+	// given) as DELTAGYM_SEED.
 	ResetHook string `protobuf:"bytes,6,opt,name=reset_hook,json=resetHook,proto3" json:"reset_hook,omitempty"`
 	// verifier is a shell command run by Submit and Evaluate. The last line of
 	// its stdout is the reward: a number, or a JSON object
