@@ -59,11 +59,17 @@ func (s *Sandbox) CopyFrom(ctx context.Context, src *Sandbox, paths []string, li
 		}
 		rels[i] = rel
 	}
+	// Both ops before either root (the package's lock order), the source's first.
 	if _, err := src.beginExec(); err != nil {
 		src.op.RUnlock()
 		return CopyStats{}, err
 	}
 	defer src.op.RUnlock()
+	if _, err := s.beginExec(); err != nil {
+		s.op.RUnlock()
+		return CopyStats{}, err
+	}
+	defer s.op.RUnlock()
 	c := s.copier(lim)
 	err := src.withRootFor("", func(sroot int) error {
 		return s.copyInto(func(droot int) error {
@@ -104,6 +110,11 @@ func (s *Sandbox) CopyDirIn(ctx context.Context, dir *os.File, dst string, lim C
 		return CopyStats{}, fmt.Errorf("opening the directory to copy: %w", err)
 	}
 	defer unix.Close(fd)
+	if _, err := s.beginExec(); err != nil {
+		s.op.RUnlock()
+		return CopyStats{}, err
+	}
+	defer s.op.RUnlock()
 	c := s.copier(lim)
 	err = s.copyInto(func(droot int) error {
 		if err := ctx.Err(); err != nil {
@@ -137,15 +148,11 @@ func (s *Sandbox) copier(lim CopyLimits) *copier {
 }
 
 // copyInto runs fn with a descriptor of s's root, on a thread with s's user's fsuid and
-// fsgid and the file capabilities (to read any source file), with s alive throughout.
+// fsgid and the file capabilities (to read any source file). The caller holds s.op (read,
+// beginExec), which keeps s alive throughout.
 func (s *Sandbox) copyInto(fn func(root int) error) error {
-	_, err := s.beginExec()
-	defer s.op.RUnlock()
-	if err != nil {
-		return err
-	}
 	uid, gid := s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)
-	err = s.withRootFor("", func(root int) error {
+	err := s.withRootFor("", func(root int) error {
 		return fscred.Run(uid, gid, true, func() error { return fn(root) })
 	})
 	if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT) {
