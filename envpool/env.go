@@ -57,6 +57,12 @@ func (e *Env) Task() string { return e.spec.GetTask() }
 // HasVerifier reports whether the env defines a verifier.
 func (e *Env) HasVerifier() bool { return e.spec.GetVerifier() != "" }
 
+// Pristine reports whether the env's verifier runs in a fresh sandbox
+// (VERIFIER_MODE_PRISTINE).
+func (e *Env) Pristine() bool {
+	return e.spec.GetEvaluation().GetMode() == deltagymv1.VerifierMode_VERIFIER_MODE_PRISTINE
+}
+
 // Warm returns the number of warm sandboxes ready now.
 func (e *Env) Warm() int { return len(e.pool.warm) }
 

@@ -30,7 +30,22 @@ type Lease struct {
 	once   sync.Once
 
 	value atomic.Value // the owner's per-sandbox state
+	task  atomic.Pointer[map[string]string]
 }
+
+// Task returns the variables of the task the sandbox works on (Reset's options and
+// DELTAGYM_SEED), which a pristine verifier gets; nil for none. The map is not to be changed.
+func (l *Lease) Task() map[string]string {
+	if t := l.task.Load(); t != nil {
+		return *t
+	}
+	return nil
+}
+
+// SetTask sets the variables of the task the sandbox works on: Reset sets them, and the owner
+// when the sandbox's state comes from a checkpoint of another task (Restore, Fork; see
+// TaskOf). The map is not to be changed afterwards.
+func (l *Lease) SetTask(task map[string]string) { l.task.Store(&task) }
 
 // Value returns the state the owner attached with SetValue (nil if none).
 func (l *Lease) Value() any { return l.value.Load() }

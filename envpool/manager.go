@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"os"
 	"slices"
 	"sync"
 	"time"
@@ -43,6 +44,10 @@ type Config struct {
 	// OnCheckpoint, if set, is called for every checkpoint the Manager takes (pool, task,
 	// evaluate), for the ledger. It must not block.
 	OnCheckpoint func(env string, kind CheckpointKind, info sandbox.CheckpointInfo)
+	// OpenVerifierFiles, if set, opens a directory that an env spec names by
+	// evaluation.verifier_files: below the server's import root, resolved so that nothing
+	// leads out of it. Without it such an env is refused.
+	OpenVerifierFiles func(name string) (*os.File, error)
 	// OnEnd, if set, is called once for every lease that ends other than by CloseLease: reaped
 	// after its TTL, its sandbox died, or the Manager closed; reason is EndExpired, EndDied or
 	// EndShutdown. A reaped lease is still listed while it runs (see reap). It must not block.
@@ -104,6 +109,7 @@ type Manager struct {
 
 	reaperDone chan struct{}
 	retiring   sync.WaitGroup // pools of replaced envs being drained
+	discard    sync.WaitGroup // verifiers' sandboxes being destroyed (Pristine)
 	closeOnce  sync.Once
 	closeErr   error
 }
@@ -141,6 +147,9 @@ var errSuperseded = errors.New("env replaced meanwhile")
 // register is Register; with expect, it replaces only that entry, not one registered since.
 func (m *Manager) register(spec *deltagymv1.EnvSpec, replace bool, expect *Env) (*Env, error) {
 	if err := ValidateSpec(spec); err != nil {
+		return nil, err
+	}
+	if err := m.checkVerifierFiles(spec); err != nil {
 		return nil, err
 	}
 	spec = cloneSpec(spec)
@@ -470,6 +479,7 @@ func (m *Manager) Close(ctx context.Context) error {
 				m.cfg.OnEnd(l, EndShutdown)
 			}
 		}
+		m.discard.Wait()
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr

@@ -98,6 +98,20 @@ func (c *taskCache) put(key string, t task) (evicted string) {
 	return evicted
 }
 
+// vars returns the task's variables: each option by its key, and the seed as DELTAGYM_SEED
+// (nil for none).
+func (p ResetParams) vars() map[string]string {
+	if len(p.Options) == 0 && p.Seed == nil {
+		return nil
+	}
+	vars := make(map[string]string, len(p.Options)+1)
+	maps.Copy(vars, p.Options)
+	if p.Seed != nil {
+		vars["DELTAGYM_SEED"] = strconv.FormatInt(*p.Seed, 10)
+	}
+	return vars
+}
+
 func taskKey(p ResetParams) string {
 	var b strings.Builder
 	if p.Seed != nil {
@@ -125,6 +139,7 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		if err != nil {
 			return nil, ResetResult{}, err
 		}
+		l.SetTask(p.vars())
 		return l, ResetResult{Checkpoint: env.pool.ckpt}, nil
 	}
 	key := taskKey(p)
@@ -132,6 +147,7 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		ls, err := m.Fork(ctx, env, t.checkpoint, 1)
 		if err == nil {
 			h := t.hook
+			ls[0].SetTask(p.vars())
 			return ls[0], ResetResult{Checkpoint: t.checkpoint, Hook: &h, Cached: true}, nil
 		}
 		m.log.Warn("forking cached task; rerunning its hook", "env", env.Name(), "checkpoint", t.checkpoint, "err", err)
@@ -144,12 +160,13 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		_ = m.CloseLease(context.WithoutCancel(ctx), l)
 		return nil, ResetResult{}, err
 	}
+	// Secret options reach the verifier only (Pristine), never the hook.
+	secret := env.spec.GetEvaluation().GetSecretOptions()
 	vars := make([]string, 0, len(p.Options)+1)
-	if p.Seed != nil {
-		vars = append(vars, "DELTAGYM_SEED="+strconv.FormatInt(*p.Seed, 10))
-	}
-	for k, v := range p.Options {
-		vars = append(vars, k+"="+v)
+	for k, v := range p.vars() {
+		if !slices.Contains(secret, k) {
+			vars = append(vars, k+"="+v)
+		}
 	}
 	res, err := l.box.Exec(ctx, sandbox.ExecRequest{Command: hook, Env: vars, Timeout: env.stepTimeout, MaxOutput: env.outputCap})
 	if err != nil {
@@ -159,9 +176,11 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		return fail(fmt.Errorf("env %s: reset hook exited %d (timed out %v): %s: %w",
 			env.Name(), res.ExitCode, res.TimedOut, tail(res.Stderr, 512), ErrBadOption))
 	}
-	// Forked for later resets of the task: files only. Pinned: the task cache releases it when it
-	// evicts the task, never the checkpoint TTL.
-	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone, Pinned: true})
+	// Forked for later resets of the task: files only. Its labels keep the task, for the
+	// episodes that start from it. Pinned: the task cache releases it when it evicts the task,
+	// never the checkpoint TTL.
+	l.SetTask(p.vars())
+	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone, Pinned: true, Labels: TaskLabels(l.Task())})
 	if err != nil {
 		return fail(fmt.Errorf("env %s: checkpointing task: %w", env.Name(), err))
 	}
@@ -180,12 +199,16 @@ type Verdict struct {
 	Components map[string]float64
 	Output     string // stdout then stderr, cut at the env's output cap
 	Duration   time.Duration
-	// Checkpoint is the state Evaluate ran the verifier on ("" for Verify).
+	// Checkpoint is the state Evaluate ran the verifier on (none for Verify and Pristine).
 	Checkpoint sandbox.CheckpointInfo
+	// Refused says why the agent's state was refused without running the verifier
+	// (Pristine: a copy path held a symlink, FIFO, socket or device, or more than the
+	// env's copy caps); the reward is then 0. Empty when the verifier ran.
+	Refused string
 }
 
-// Verify runs env's verifier in sb as it is (used by submit, which ends the episode). answer,
-// when set, is in the verifier's environment as DELTAGYM_ANSWER.
+// Verify runs env's verifier in sb as it is (VERIFIER_MODE_SANDBOX). answer, when set, is in
+// the verifier's environment as DELTAGYM_ANSWER.
 func (m *Manager) Verify(ctx context.Context, env *Env, sb Box, answer *string) (Verdict, error) {
 	if !env.HasVerifier() {
 		return Verdict{}, fmt.Errorf("env %s: %w", env.Name(), ErrNoVerifier)
@@ -194,6 +217,11 @@ func (m *Manager) Verify(ctx context.Context, env *Env, sb Box, answer *string) 
 	if answer != nil {
 		vars = append(vars, "DELTAGYM_ANSWER="+*answer)
 	}
+	return m.runVerifier(ctx, env, sb, vars)
+}
+
+// runVerifier runs env's verifier in sb with vars over its environment and reads its reward.
+func (m *Manager) runVerifier(ctx context.Context, env *Env, sb Box, vars []string) (Verdict, error) {
 	res, err := sb.Exec(ctx, sandbox.ExecRequest{Command: env.spec.GetVerifier(), Env: vars, Timeout: env.stepTimeout, MaxOutput: env.outputCap})
 	if err != nil {
 		return Verdict{}, fmt.Errorf("env %s: running verifier: %w", env.Name(), err)
@@ -212,14 +240,27 @@ func (m *Manager) Verify(ctx context.Context, env *Env, sb Box, answer *string) 
 	return v, nil
 }
 
-// Evaluate runs the env's verifier on the lease's current state without changing it: it
-// checkpoints the sandbox (an evaluate checkpoint), forks one sandbox from it, runs the verifier
-// there and destroys the fork. The caller holds the lease's turn (Begin). Until checkpoints
-// capture processes, the verifier sees the sandbox's files only: no process of the sandbox runs
-// in the fork.
+// Submit judges the lease's state for a submit: in the agent's sandbox as it is (Verify), or,
+// for an env in VERIFIER_MODE_PRISTINE, in a fresh sandbox (Pristine). answer, when set, is
+// in the verifier's environment as DELTAGYM_ANSWER. The caller holds the lease's turn.
+func (m *Manager) Submit(ctx context.Context, l *Lease, answer *string) (Verdict, error) {
+	if l.env.Pristine() {
+		return m.Pristine(ctx, l, answer)
+	}
+	return m.Verify(ctx, l.env, l.box, answer)
+}
+
+// Evaluate runs the env's verifier on the lease's current state without changing it. For an
+// env in VERIFIER_MODE_PRISTINE it is Pristine, as a submit would judge it; else it
+// checkpoints the sandbox (an evaluate checkpoint), forks one sandbox from it, runs the
+// verifier there and destroys the fork. The caller holds the lease's turn (Begin). The
+// verifier sees the sandbox's files only: no process of the sandbox runs where it does.
 func (m *Manager) Evaluate(ctx context.Context, l *Lease) (Verdict, error) {
 	if !l.env.HasVerifier() {
 		return Verdict{}, fmt.Errorf("env %s: %w", l.env.Name(), ErrNoVerifier)
+	}
+	if l.env.Pristine() {
+		return m.Pristine(ctx, l, nil)
 	}
 	// The verifier runs in a fork: files only.
 	info, err := l.box.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})

@@ -73,7 +73,7 @@ func ValidateSpec(s *deltagymv1.EnvSpec) error {
 	if s.GetImage() == "" {
 		return badField("image", "required")
 	}
-	for _, check := range []func(*deltagymv1.EnvSpec) error{validateCommands, validateLimits, validateBudgets} {
+	for _, check := range []func(*deltagymv1.EnvSpec) error{validateCommands, validateLimits, validateBudgets, validateEvaluation} {
 		if err := check(s); err != nil {
 			return err
 		}
@@ -145,6 +145,87 @@ func validateBudgets(s *deltagymv1.EnvSpec) error {
 	}
 	return nil
 }
+
+// validateEvaluation checks where and how the verifier runs. A verifier_files directory is
+// checked when the env is registered (Manager.Register), where the import root is known.
+func validateEvaluation(s *deltagymv1.EnvSpec) error {
+	e := s.GetEvaluation()
+	if e == nil {
+		return nil
+	}
+	if _, ok := deltagymv1.VerifierMode_name[int32(e.GetMode())]; !ok {
+		return badField("evaluation.mode", "unknown value %d", e.GetMode())
+	}
+	if e.GetMode() != deltagymv1.VerifierMode_VERIFIER_MODE_PRISTINE {
+		if proto.Equal(e, &deltagymv1.Evaluation{Mode: e.GetMode()}) {
+			return nil
+		}
+		return badField("evaluation", "copy_paths, verifier_files, env, secret_options and the copy caps need mode VERIFIER_MODE_PRISTINE: elsewhere the agent's sandbox would see them")
+	}
+	if s.GetVerifier() == "" {
+		return badField("evaluation.mode", "VERIFIER_MODE_PRISTINE needs a verifier")
+	}
+	if e.GetMaxCopyBytes() < 0 || e.GetMaxCopyEntries() < 0 {
+		return badField("evaluation", "max_copy_bytes %d or max_copy_entries %d is negative", e.GetMaxCopyBytes(), e.GetMaxCopyEntries())
+	}
+	if err := validateVerifierVars(e); err != nil {
+		return err
+	}
+	if f := e.GetVerifierFiles(); f != "" && (strings.ContainsRune(f, 0) || filepath.Clean(f) != f) {
+		return badField("evaluation.verifier_files", "%q is not a clean path below the server's import root", f)
+	}
+	files := e.GetVerifierFilesPath()
+	if files != "" && !cleanBelowRoot(files) {
+		return badField("evaluation.verifier_files_path", "%q is not a clean absolute path below /", files)
+	}
+	if files == "" {
+		files = DefaultVerifierFilesPath
+	}
+	return validateCopyPaths(e.GetCopyPaths(), files, e.GetVerifierFiles() != "")
+}
+
+// validateVerifierVars checks the verifier's environment and the secret options' names.
+func validateVerifierVars(e *deltagymv1.Evaluation) error {
+	for k, v := range e.GetEnv() {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.ContainsRune(v, 0) {
+			return badField("evaluation.env", "variable %q is empty or holds '=' or NUL, or its value holds NUL", k)
+		}
+	}
+	for i, o := range e.GetSecretOptions() {
+		if !optionNameRE.MatchString(o) || strings.HasPrefix(o, "DELTAGYM_") {
+			return badField(fmt.Sprintf("evaluation.secret_options[%d]", i), "%q is not a variable name (or uses the DELTAGYM_ prefix)", o)
+		}
+	}
+	return nil
+}
+
+// validateCopyPaths checks copy paths: clean, absolute, below /, none inside another and none
+// overlapping where the verifier files go (files) when there are some.
+func validateCopyPaths(paths []string, files string, hasFiles bool) error {
+	for i, p := range paths {
+		field := fmt.Sprintf("evaluation.copy_paths[%d]", i)
+		if !cleanBelowRoot(p) {
+			return badField(field, "%q is not a clean absolute path below /", p)
+		}
+		if hasFiles && (within(p, files) || within(files, p)) {
+			return badField(field, "%q overlaps evaluation.verifier_files_path %q", p, files)
+		}
+		for j, q := range paths[:i] {
+			if within(p, q) || within(q, p) {
+				return badField(field, "%q overlaps evaluation.copy_paths[%d] %q", p, j, q)
+			}
+		}
+	}
+	return nil
+}
+
+// cleanBelowRoot reports whether p is a clean absolute path other than / (at most 4096 bytes).
+func cleanBelowRoot(p string) bool {
+	return strings.HasPrefix(p, "/") && p != "/" && len(p) <= 4096 && !strings.ContainsRune(p, 0) && filepath.Clean(p) == p
+}
+
+// within reports whether path p is dir or below it.
+func within(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
 
 func finiteNonNegative(v float64) bool { return v >= 0 && !math.IsNaN(v) && !math.IsInf(v, 0) }
 

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/internal/errdefs"
 )
 
 func TestShippedSpecsLoad(t *testing.T) {
@@ -65,6 +66,49 @@ func TestBadSpecsNameFileAndField(t *testing.T) {
 			t.Fatalf("duplicate: %v", err)
 		}
 	})
+}
+
+// The evaluation's fields are checked before the env is registered: every bad one names its
+// field and is an invalid spec (invalid_argument at the API).
+func TestEvaluationSpec(t *testing.T) {
+	const v = `"verifier": "true", `
+	bad := []struct {
+		name, body, field string
+	}{
+		{"unknown mode", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": 7}}`, "field evaluation.mode"},
+		{"pristine without a verifier", `{"name": "a", "image": "x", "evaluation": {"mode": "VERIFIER_MODE_PRISTINE"}}`, "field evaluation.mode"},
+		{"copy paths in the agent's sandbox", `{"name": "a", "image": "x", ` + v + `"evaluation": {"copy_paths": ["/work"]}}`, "field evaluation:"},
+		{"secret option in the agent's sandbox", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_SANDBOX", "secret_options": ["X"]}}`, "field evaluation:"},
+		{"verifier files in the agent's sandbox", `{"name": "a", "image": "x", ` + v + `"evaluation": {"verifier_files": "v"}}`, "field evaluation:"},
+		{"relative copy path", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "copy_paths": ["work/a"]}}`, "field evaluation.copy_paths[0]"},
+		{"root copy path", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "copy_paths": ["/"]}}`, "field evaluation.copy_paths[0]"},
+		{"unclean copy path", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "copy_paths": ["/work/../etc"]}}`, "field evaluation.copy_paths[0]"},
+		{"nested copy paths", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "copy_paths": ["/work", "/work/a"]}}`, "field evaluation.copy_paths[1]"},
+		{"copy path over the verifier files", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "verifier_files": "v", "copy_paths": ["/verifier/x"]}}`, "field evaluation.copy_paths[0]"},
+		{"unclean verifier files", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "verifier_files": "v/../../w"}}`, "field evaluation.verifier_files"},
+		{"relative verifier files path", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "verifier_files_path": "verifier"}}`, "field evaluation.verifier_files_path"},
+		{"bad env name", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "env": {"A=B": "c"}}}`, "field evaluation.env"},
+		{"bad secret option", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "secret_options": ["DELTAGYM_SEED"]}}`, "field evaluation.secret_options[0]"},
+		{"negative cap", `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "max_copy_bytes": -1}}`, "field evaluation:"},
+	}
+	for _, tc := range bad {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := envpool.ParseSpec([]byte(tc.body))
+			if !errors.Is(err, envpool.ErrInvalidSpec) || !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), tc.field) {
+				t.Fatalf("error %v is not an invalid spec naming %q", err, tc.field)
+			}
+		})
+	}
+	good := `{"name": "a", "image": "x", ` + v + `"evaluation": {"mode": "VERIFIER_MODE_PRISTINE", "copy_paths": ["/work/a", "/work/ab"],
+		"verifier_files": "envs/a", "verifier_files_path": "/opt/v", "env": {"PATH": "/bin"}, "secret_options": ["EXPECTED"],
+		"max_copy_bytes": 4096, "max_copy_entries": 3}}`
+	spec, err := envpool.ParseSpec([]byte(good))
+	if err != nil {
+		t.Fatalf("a good pristine spec: %v", err)
+	}
+	if e := spec.GetEvaluation(); len(e.GetCopyPaths()) != 2 || e.GetSecretOptions()[0] != "EXPECTED" || e.GetMaxCopyEntries() != 3 {
+		t.Fatalf("decoded evaluation: %v", e)
+	}
 }
 
 func TestParseReward(t *testing.T) {

@@ -86,6 +86,11 @@
 //  9. Sandbox.mu and session.mu: sessions, the abort context, group names;
 //     they take nothing.
 //
+// A copy between sandboxes (CopyFrom) holds the op and then the rootFS.mu of
+// both, each read, its source's before its destination's; its destination is
+// a sandbox no other copy reads from meanwhile (a pristine verifier's), so no
+// two copies wait for each other.
+//
 // Fields are annotated with the lock that guards them (+checklocks), and
 // functions with the locks they need held; `go vet -vettool=checklocks`
 // checks both.

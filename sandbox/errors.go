@@ -36,4 +36,7 @@ var (
 	// checkpoint's processes cannot be brought back (lost, or held by
 	// another sandbox).
 	ErrProcesses = procstate.ErrProcesses
+	// ErrUncopyable: a copy's source holds what a copy refuses (a symlink, device, FIFO or
+	// socket, a tree nested too deep), or more than the copy's limits (CopyFrom).
+	ErrUncopyable = fmt.Errorf("refused to copy: %w", errdefs.ErrFailedPrecondition)
 )

@@ -232,3 +232,79 @@ func BenchmarkHeartbeat(b *testing.B) {
 	}
 	report(b, "", ds)
 }
+
+// verifierBundle is a benchmark server with the shell env's spec in both verifier modes:
+// "shell" (pristine, as shipped) and "shell-sandbox" (the verifier in the agent's sandbox).
+func verifierBundle(b *testing.B) (*bundle, context.Context) {
+	bb, ctx := benchBundle(b)
+	bb.register(b, shellSpec(b))
+	in := shellSpec(b)
+	in.Name, in.Evaluation = "shell-sandbox", nil
+	bb.register(b, in)
+	return bb, ctx
+}
+
+// verifierModes are the envs of verifierBundle, by verifier mode.
+var verifierModes = []struct{ name, env string }{{"mode=sandbox", "shell-sandbox"}, {"mode=pristine", "shell"}}
+
+// answered resets a sandbox of env and writes the right answer; it returns the sandbox.
+func answered(b *testing.B, bb *bundle, ctx context.Context, env string) string {
+	r, err := bb.grpc.Reset(ctx, &deltagymv1.ResetRequest{Env: env})
+	must(b, err)
+	_, err = bb.grpc.Step(ctx, &deltagymv1.StepRequest{SandboxId: r.GetSandboxId(),
+		Action: &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{Path: "/work/answer.txt", Content: []byte("42\n")}}}})
+	must(b, err)
+	return r.GetSandboxId()
+}
+
+// BenchmarkEvaluate: Evaluate of a sandbox holding the right answer, in each verifier mode:
+// mode=sandbox checkpoints the sandbox and runs the verifier in a fork of it; mode=pristine
+// forks the env's initial checkpoint, copies /work/answer.txt in and runs the verifier there.
+func BenchmarkEvaluate(b *testing.B) {
+	bb, ctx := verifierBundle(b)
+	for _, m := range verifierModes {
+		b.Run(m.name, func(b *testing.B) {
+			req := &deltagymv1.EvaluateRequest{SandboxId: answered(b, bb, ctx, m.env)}
+			var ds []time.Duration
+			for b.Loop() {
+				start := time.Now()
+				r, err := bb.grpc.Evaluate(ctx, req)
+				ds = append(ds, time.Since(start))
+				must(b, err)
+				if r.GetReward() != 1 {
+					b.Fatalf("evaluate: %v", r)
+				}
+			}
+			report(b, "", ds)
+		})
+	}
+}
+
+// BenchmarkSubmit: the Step that submits a sandbox holding the right answer, in each verifier
+// mode (a new episode each time: reset and answer are not timed).
+func BenchmarkSubmit(b *testing.B) {
+	bb, ctx := verifierBundle(b)
+	submit := &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagymv1.SubmitAction{}}}
+	for _, m := range verifierModes {
+		b.Run(m.name, func(b *testing.B) {
+			var ds []time.Duration
+			for b.Loop() {
+				b.StopTimer()
+				sb := answered(b, bb, ctx, m.env)
+				b.StartTimer()
+				start := time.Now()
+				r, err := bb.grpc.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: submit})
+				ds = append(ds, time.Since(start))
+				must(b, err)
+				if r.GetReward() != 1 || !r.GetTerminated() {
+					b.Fatalf("submit: %v", r)
+				}
+				b.StopTimer()
+				_, err = bb.grpc.Close(ctx, &deltagymv1.CloseRequest{SandboxId: sb})
+				must(b, err)
+				b.StartTimer()
+			}
+			report(b, "", ds)
+		})
+	}
+}

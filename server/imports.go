@@ -26,7 +26,7 @@ type importRoot struct {
 
 // errOutsideImports is the one answer for every path that is not below the import root, so
 // that the answer never tells whether something exists outside it.
-var errOutsideImports = errors.New("is not below the server's import root (--import-root), or a symlink on its way leads out of it: put the image itself there and name it by its path relative to that directory")
+var errOutsideImports = errors.New("is not below the server's import root (--import-root), or a symlink on its way leads out of it: put it there and name it by its path relative to that directory")
 
 func openImportRoot(dir string, maxBytes int64) (*importRoot, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -49,30 +49,45 @@ func (r *importRoot) Close() error {
 	return err
 }
 
-// rel returns the path below the root that name (as a request gives it) stands for.
-func (r *importRoot) rel(name string) (string, error) {
+// rel returns the path below the root that name (as a request gives it) stands for; what
+// names the path in errors ("image path").
+func (r *importRoot) rel(what, name string) (string, error) {
 	if strings.ContainsRune(name, 0) {
-		return "", fmt.Errorf("image path %q %w: %w", name, errOutsideImports, ErrInvalid)
+		return "", fmt.Errorf("%s %q %w: %w", what, name, errOutsideImports, ErrInvalid)
 	}
 	if filepath.IsAbs(name) {
 		rel, err := filepath.Rel(r.dir, filepath.Clean(name))
 		if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
-			return "", fmt.Errorf("image path %q %w: %w", name, errOutsideImports, ErrInvalid)
+			return "", fmt.Errorf("%s %q %w: %w", what, name, errOutsideImports, ErrInvalid)
 		}
 		name = rel
 	}
 	clean := filepath.Clean(name)
 	if clean == ".." || strings.HasPrefix(clean, "../") {
-		return "", fmt.Errorf("image path %q %w: %w", name, errOutsideImports, ErrInvalid)
+		return "", fmt.Errorf("%s %q %w: %w", what, name, errOutsideImports, ErrInvalid)
 	}
 	return clean, nil
 }
 
-// open resolves name below the root and returns an O_PATH descriptor of it. A path that leaves
-// the root, by "..", an absolute symlink or one that climbs out, gets errOutsideImports; one that
-// is missing inside the root gets a not-found error naming it as the request did.
-func (r *importRoot) open(name string) (*os.File, error) {
-	rel, err := r.rel(name)
+// open resolves the image path name below the root (openBelow).
+func (r *importRoot) open(name string) (*os.File, error) { return r.openBelow("image path", name) }
+
+// openVerifierFiles resolves an env's verifier files directory below the root (openBelow),
+// for envpool.Config.OpenVerifierFiles, which gives the error its class (an invalid spec).
+func (r *importRoot) openVerifierFiles(name string) (*os.File, error) {
+	f, err := r.openBelow("verifier files", name)
+	if err != nil {
+		return nil, errors.New(strings.TrimSuffix(err.Error(), ": "+ErrInvalid.Error()))
+	}
+	return f, nil
+}
+
+// openBelow resolves name below the root and returns an O_PATH descriptor of it; what names
+// the path in errors. A path that leaves the root, by "..", an absolute symlink or one that
+// climbs out, gets errOutsideImports; one that is missing inside the root gets a not-found
+// error naming it as the request did.
+func (r *importRoot) openBelow(what, name string) (*os.File, error) {
+	rel, err := r.rel(what, name)
 	if err != nil {
 		return nil, err
 	}
@@ -82,11 +97,11 @@ func (r *importRoot) open(name string) (*os.File, error) {
 	case err == nil:
 		return os.NewFile(uintptr(fd), name), nil
 	case errors.Is(err, unix.EXDEV), errors.Is(err, unix.ELOOP):
-		return nil, fmt.Errorf("image path %q %w: %w", name, errOutsideImports, ErrInvalid)
+		return nil, fmt.Errorf("%s %q %w: %w", what, name, errOutsideImports, ErrInvalid)
 	case errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENOTDIR):
-		return nil, fmt.Errorf("image path %q: nothing there below the server's import root: %w", name, ErrInvalid)
+		return nil, fmt.Errorf("%s %q: nothing there below the server's import root: %w", what, name, ErrInvalid)
 	}
-	return nil, fmt.Errorf("opening image path %q below the import root: %w", name, err)
+	return nil, fmt.Errorf("opening %s %q below the import root: %w", what, name, err)
 }
 
 // options are the image options of every import from the root.

@@ -133,7 +133,7 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 	s.core = core
 	s.pools, err = envpool.New(envpool.Config{
 		Runtime: s.rt, LeaseTTL: s.cfg.LeaseTTL, AcquireTimeout: s.cfg.AcquireTimeout, DefaultPoolSize: s.cfg.DefaultPoolSize,
-		Logger: s.log, OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded,
+		Logger: s.log, OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded, OpenVerifierFiles: s.imports.openVerifierFiles,
 	}, specs)
 	if err != nil {
 		return err

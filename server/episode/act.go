@@ -50,12 +50,14 @@ func validate(a Action) error {
 	return nil
 }
 
-// outcome is what an action did. verr is a submit's verifier failure (the episode still ends).
+// outcome is what an action did. verr is a submit's verifier failure (the episode still ends);
+// refused says why a pristine verifier refused the agent's state (reward 0, the agent's fault).
 type outcome struct {
 	obs        Observation
 	reward     float64
 	terminated bool
 	verr       error
+	refused    string
 }
 
 // act performs an action in b's sandbox. left, when positive, is the time left in the
@@ -73,13 +75,13 @@ func (c *Core) act(ctx context.Context, b *box, a Action, left time.Duration) (o
 	case Submit:
 		ctx, done := c.cfg.Observe(ctx, "verify")
 		trace.SpanFromContext(ctx).SetAttributes(attrs...)
-		v, err := c.pools.Verify(ctx, l.Env(), l.Sandbox(), x.Answer)
+		v, err := c.pools.Submit(ctx, l, x.Answer)
 		done(err)
 		if err != nil && !errors.Is(err, envpool.ErrVerifier) && !errors.Is(err, envpool.ErrNoVerifier) {
 			return outcome{}, err
 		}
 		return outcome{obs: Observation{Submit: &SubmitResult{Components: v.Components, Output: v.Output}},
-			reward: v.Reward, terminated: true, verr: err}, nil
+			reward: v.Reward, terminated: true, verr: err, refused: v.Refused}, nil
 	}
 	return outcome{}, fmt.Errorf("unknown action kind: %w", ErrInvalid)
 }

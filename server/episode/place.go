@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"strconv"
 	"time"
 
@@ -23,6 +24,18 @@ type Place struct {
 	Own int
 	// Steps is the steps on its path: the index of the next step after restoring it.
 	Steps int
+	// task is the variables of the task its sandbox worked on (envpool.Lease.Task; nil for
+	// none): a sandbox restored to it, or forked from it, works on that task. A pointer keeps
+	// Place comparable.
+	task *map[string]string
+}
+
+// withTask returns p with task's variables (none for an empty task).
+func (p Place) withTask(task map[string]string) Place {
+	if len(task) > 0 {
+		p.task = &task
+	}
+	return p
 }
 
 // The labels that keep a Place in a checkpoint's record.
@@ -47,12 +60,16 @@ func (p Place) labels() map[string]string {
 	if p.Group != "" {
 		m[labelGroup] = p.Group
 	}
+	if p.task != nil {
+		maps.Copy(m, envpool.TaskLabels(*p.task))
+	}
 	return m
 }
 
 // placeOf decodes the Place that labels keep; false when they keep none.
 func placeOf(labels map[string]string) (Place, bool) {
 	p := Place{Env: labels[labelEnv], Episode: labels[labelEpisode], Run: labels[labelRun], Group: labels[labelGroup]}
+	p = p.withTask(envpool.TaskOf(labels))
 	if p.Env == "" {
 		return Place{}, false
 	}

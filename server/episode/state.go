@@ -48,7 +48,8 @@ func (b *box) current() state {
 func (b *box) place() Place {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return Place{Env: b.lease.Env().Name(), Episode: b.ep.id, Run: b.ep.run, Group: b.ep.group, Own: b.ep.own, Steps: b.ep.base + b.ep.own}
+	return Place{Env: b.lease.Env().Name(), Episode: b.ep.id, Run: b.ep.run, Group: b.ep.group, Own: b.ep.own, Steps: b.ep.base + b.ep.own}.
+		withTask(b.lease.Task())
 }
 
 func (b *box) describe() SandboxInfo {
@@ -79,8 +80,13 @@ type begin struct {
 	from       Place
 }
 
-// startEpisode starts b's next episode and records it.
+// startEpisode starts b's next episode and records it. An episode that starts at a
+// checkpoint of a task works on that task; one that starts at a checkpoint of none keeps its
+// sandbox's.
 func (c *Core) startEpisode(b *box, s begin) string {
+	if s.from.task != nil {
+		b.lease.SetTask(*s.from.task)
+	}
 	now := time.Now()
 	ep := newID("ep_")
 	b.mu.Lock()

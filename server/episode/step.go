@@ -96,6 +96,9 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	if out.verr != nil {
 		res.Info["verifier_error"] = c.cfg.Scrub(out.verr.Error())
 	}
+	if out.refused != "" {
+		res.Info["verifier_refused"] = out.refused
+	}
 	own, elapsed := b.count(out.reward)
 	if !res.Terminated && !res.Truncated {
 		truncate(env, index, elapsed, &res)

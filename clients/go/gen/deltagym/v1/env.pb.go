@@ -22,6 +22,63 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// VerifierMode is where an env's verifier runs.
+type VerifierMode int32
+
+const (
+	// VERIFIER_MODE_UNSPECIFIED means VERIFIER_MODE_SANDBOX.
+	VerifierMode_VERIFIER_MODE_UNSPECIFIED VerifierMode = 0
+	// VERIFIER_MODE_SANDBOX runs the verifier in the agent's sandbox as it is
+	// (submit) or in a fork of its files (Evaluate): it trusts whatever the
+	// agent left there, its PATH and programs included.
+	VerifierMode_VERIFIER_MODE_SANDBOX VerifierMode = 1
+	// VERIFIER_MODE_PRISTINE runs the verifier in a fresh sandbox made from the
+	// env's initial checkpoint (after setup), into which only copy_paths are
+	// copied from the agent's sandbox, as regular files and directories.
+	VerifierMode_VERIFIER_MODE_PRISTINE VerifierMode = 2
+)
+
+// Enum value maps for VerifierMode.
+var (
+	VerifierMode_name = map[int32]string{
+		0: "VERIFIER_MODE_UNSPECIFIED",
+		1: "VERIFIER_MODE_SANDBOX",
+		2: "VERIFIER_MODE_PRISTINE",
+	}
+	VerifierMode_value = map[string]int32{
+		"VERIFIER_MODE_UNSPECIFIED": 0,
+		"VERIFIER_MODE_SANDBOX":     1,
+		"VERIFIER_MODE_PRISTINE":    2,
+	}
+)
+
+func (x VerifierMode) Enum() *VerifierMode {
+	p := new(VerifierMode)
+	*p = x
+	return p
+}
+
+func (x VerifierMode) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (VerifierMode) Descriptor() protoreflect.EnumDescriptor {
+	return file_deltagym_v1_env_proto_enumTypes[0].Descriptor()
+}
+
+func (VerifierMode) Type() protoreflect.EnumType {
+	return &file_deltagym_v1_env_proto_enumTypes[0]
+}
+
+func (x VerifierMode) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use VerifierMode.Descriptor instead.
+func (VerifierMode) EnumDescriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{0}
+}
+
 // ProcessMode is how a checkpoint captures the processes running in the
 // sandbox.
 type ProcessMode int32
@@ -69,11 +126,11 @@ func (x ProcessMode) String() string {
 }
 
 func (ProcessMode) Descriptor() protoreflect.EnumDescriptor {
-	return file_deltagym_v1_env_proto_enumTypes[0].Descriptor()
+	return file_deltagym_v1_env_proto_enumTypes[1].Descriptor()
 }
 
 func (ProcessMode) Type() protoreflect.EnumType {
-	return &file_deltagym_v1_env_proto_enumTypes[0]
+	return &file_deltagym_v1_env_proto_enumTypes[1]
 }
 
 func (x ProcessMode) Number() protoreflect.EnumNumber {
@@ -82,7 +139,7 @@ func (x ProcessMode) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use ProcessMode.Descriptor instead.
 func (ProcessMode) EnumDescriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{0}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{1}
 }
 
 // CaptureMethod is how one process was captured by a checkpoint.
@@ -127,11 +184,11 @@ func (x CaptureMethod) String() string {
 }
 
 func (CaptureMethod) Descriptor() protoreflect.EnumDescriptor {
-	return file_deltagym_v1_env_proto_enumTypes[1].Descriptor()
+	return file_deltagym_v1_env_proto_enumTypes[2].Descriptor()
 }
 
 func (CaptureMethod) Type() protoreflect.EnumType {
-	return &file_deltagym_v1_env_proto_enumTypes[1]
+	return &file_deltagym_v1_env_proto_enumTypes[2]
 }
 
 func (x CaptureMethod) Number() protoreflect.EnumNumber {
@@ -140,7 +197,7 @@ func (x CaptureMethod) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use CaptureMethod.Descriptor instead.
 func (CaptureMethod) EnumDescriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{1}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
 }
 
 // SandboxState is the lifecycle state of a sandbox leased to a client.
@@ -185,11 +242,11 @@ func (x SandboxState) String() string {
 }
 
 func (SandboxState) Descriptor() protoreflect.EnumDescriptor {
-	return file_deltagym_v1_env_proto_enumTypes[2].Descriptor()
+	return file_deltagym_v1_env_proto_enumTypes[3].Descriptor()
 }
 
 func (SandboxState) Type() protoreflect.EnumType {
-	return &file_deltagym_v1_env_proto_enumTypes[2]
+	return &file_deltagym_v1_env_proto_enumTypes[3]
 }
 
 func (x SandboxState) Number() protoreflect.EnumNumber {
@@ -198,7 +255,7 @@ func (x SandboxState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SandboxState.Descriptor instead.
 func (SandboxState) EnumDescriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
 }
 
 // EnvSpec describes an environment: the image, how to set it up, its task,
@@ -220,8 +277,9 @@ type EnvSpec struct {
 	// them.
 	Setup []string `protobuf:"bytes,5,rep,name=setup,proto3" json:"setup,omitempty"`
 	// reset_hook is a shell command run at each Reset, after the sandbox is
-	// handed over. Each Reset option is in its environment as a variable named
-	// by the option's key, and the seed (when given) as DELTAGYM_SEED.
+	// handed over. Each Reset option but evaluation.secret_options is in its
+	// environment as a variable named by the option's key, and the seed (when
+	// given) as DELTAGYM_SEED.
 	ResetHook string `protobuf:"bytes,6,opt,name=reset_hook,json=resetHook,proto3" json:"reset_hook,omitempty"`
 	// verifier is a shell command run by Submit and Evaluate. The last line of
 	// its stdout is the reward: a number, or a JSON object
@@ -239,7 +297,10 @@ type EnvSpec struct {
 	// pool_size is the number of warm sandboxes kept ready for Reset.
 	PoolSize int32 `protobuf:"varint,12,opt,name=pool_size,json=poolSize,proto3" json:"pool_size,omitempty"`
 	// process_mode is the default way checkpoints capture live processes.
-	ProcessMode   ProcessMode `protobuf:"varint,13,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
+	ProcessMode ProcessMode `protobuf:"varint,13,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
+	// evaluation says where the verifier runs and what it sees; unset, it runs
+	// as VERIFIER_MODE_SANDBOX.
+	Evaluation    *Evaluation `protobuf:"bytes,14,opt,name=evaluation,proto3" json:"evaluation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -365,6 +426,135 @@ func (x *EnvSpec) GetProcessMode() ProcessMode {
 	return ProcessMode_PROCESS_MODE_UNSPECIFIED
 }
 
+func (x *EnvSpec) GetEvaluation() *Evaluation {
+	if x != nil {
+		return x.Evaluation
+	}
+	return nil
+}
+
+// Evaluation is how an env's verifier is run. Every field but mode needs
+// VERIFIER_MODE_PRISTINE.
+type Evaluation struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// mode is where the verifier runs.
+	Mode VerifierMode `protobuf:"varint,1,opt,name=mode,proto3,enum=deltagym.v1.VerifierMode" json:"mode,omitempty"`
+	// copy_paths are the absolute paths copied from the agent's sandbox into
+	// the verifier's: regular files and directories of them. A symlink (on the
+	// way or at the path), device, FIFO or socket is refused, and so is a copy
+	// past max_copy_bytes or max_copy_entries: the agent's state then gets
+	// reward 0 without the verifier running. A path the agent's sandbox lacks
+	// is left as the initial checkpoint has it.
+	CopyPaths []string `protobuf:"bytes,2,rep,name=copy_paths,json=copyPaths,proto3" json:"copy_paths,omitempty"`
+	// verifier_files is a directory below the server's import root
+	// (--import-root), relative to it, copied into the verifier's sandbox at
+	// verifier_files_path for each run; it is never in the agent's sandbox.
+	VerifierFiles string `protobuf:"bytes,3,opt,name=verifier_files,json=verifierFiles,proto3" json:"verifier_files,omitempty"`
+	// verifier_files_path is where verifier_files appear in the verifier's
+	// sandbox; empty means "/verifier".
+	VerifierFilesPath string `protobuf:"bytes,4,opt,name=verifier_files_path,json=verifierFilesPath,proto3" json:"verifier_files_path,omitempty"`
+	// env holds environment variables of the verifier only, over the env's own
+	// env (PATH among them).
+	Env map[string]string `protobuf:"bytes,5,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// secret_options names Reset options that reach the verifier only: the
+	// reset hook runs without them. Every Reset option, and the seed as
+	// DELTAGYM_SEED, is in the verifier's environment.
+	SecretOptions []string `protobuf:"bytes,6,rep,name=secret_options,json=secretOptions,proto3" json:"secret_options,omitempty"`
+	// max_copy_bytes caps the bytes copied from copy_paths; 0 means 64 MiB.
+	MaxCopyBytes int64 `protobuf:"varint,7,opt,name=max_copy_bytes,json=maxCopyBytes,proto3" json:"max_copy_bytes,omitempty"`
+	// max_copy_entries caps the files and directories copied from copy_paths;
+	// 0 means 10,000.
+	MaxCopyEntries int32 `protobuf:"varint,8,opt,name=max_copy_entries,json=maxCopyEntries,proto3" json:"max_copy_entries,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *Evaluation) Reset() {
+	*x = Evaluation{}
+	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Evaluation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Evaluation) ProtoMessage() {}
+
+func (x *Evaluation) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Evaluation.ProtoReflect.Descriptor instead.
+func (*Evaluation) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Evaluation) GetMode() VerifierMode {
+	if x != nil {
+		return x.Mode
+	}
+	return VerifierMode_VERIFIER_MODE_UNSPECIFIED
+}
+
+func (x *Evaluation) GetCopyPaths() []string {
+	if x != nil {
+		return x.CopyPaths
+	}
+	return nil
+}
+
+func (x *Evaluation) GetVerifierFiles() string {
+	if x != nil {
+		return x.VerifierFiles
+	}
+	return ""
+}
+
+func (x *Evaluation) GetVerifierFilesPath() string {
+	if x != nil {
+		return x.VerifierFilesPath
+	}
+	return ""
+}
+
+func (x *Evaluation) GetEnv() map[string]string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *Evaluation) GetSecretOptions() []string {
+	if x != nil {
+		return x.SecretOptions
+	}
+	return nil
+}
+
+func (x *Evaluation) GetMaxCopyBytes() int64 {
+	if x != nil {
+		return x.MaxCopyBytes
+	}
+	return 0
+}
+
+func (x *Evaluation) GetMaxCopyEntries() int32 {
+	if x != nil {
+		return x.MaxCopyEntries
+	}
+	return 0
+}
+
 // Limits bounds the resources of one sandbox. Zero means the server default.
 type Limits struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -387,7 +577,7 @@ type Limits struct {
 
 func (x *Limits) Reset() {
 	*x = Limits{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	mi := &file_deltagym_v1_env_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -399,7 +589,7 @@ func (x *Limits) String() string {
 func (*Limits) ProtoMessage() {}
 
 func (x *Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	mi := &file_deltagym_v1_env_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -412,7 +602,7 @@ func (x *Limits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Limits.ProtoReflect.Descriptor instead.
 func (*Limits) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{1}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *Limits) GetMemoryBytes() int64 {
@@ -471,7 +661,7 @@ type Budgets struct {
 
 func (x *Budgets) Reset() {
 	*x = Budgets{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -483,7 +673,7 @@ func (x *Budgets) String() string {
 func (*Budgets) ProtoMessage() {}
 
 func (x *Budgets) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -496,7 +686,7 @@ func (x *Budgets) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Budgets.ProtoReflect.Descriptor instead.
 func (*Budgets) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Budgets) GetMaxSteps() int32 {
@@ -532,7 +722,7 @@ type EnvInfo struct {
 
 func (x *EnvInfo) Reset() {
 	*x = EnvInfo{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -544,7 +734,7 @@ func (x *EnvInfo) String() string {
 func (*EnvInfo) ProtoMessage() {}
 
 func (x *EnvInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -557,7 +747,7 @@ func (x *EnvInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvInfo.ProtoReflect.Descriptor instead.
 func (*EnvInfo) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *EnvInfo) GetSpec() *EnvSpec {
@@ -606,7 +796,7 @@ type ProcessCapture struct {
 
 func (x *ProcessCapture) Reset() {
 	*x = ProcessCapture{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -618,7 +808,7 @@ func (x *ProcessCapture) String() string {
 func (*ProcessCapture) ProtoMessage() {}
 
 func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -631,7 +821,7 @@ func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessCapture.ProtoReflect.Descriptor instead.
 func (*ProcessCapture) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ProcessCapture) GetPid() int32 {
@@ -692,7 +882,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -704,7 +894,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -717,7 +907,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Sandbox) GetSandboxId() string {
@@ -794,7 +984,7 @@ var File_deltagym_v1_env_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\n" +
-	"\x15deltagym/v1/env.proto\x12\vdeltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf4\x03\n" +
+	"\x15deltagym/v1/env.proto\x12\vdeltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xad\x04\n" +
 	"\aEnvSpec\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
 	"\vdescription\x18\x02 \x01(\tR\vdescription\x12\x14\n" +
@@ -810,7 +1000,24 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	" \x01(\v2\x13.deltagym.v1.LimitsR\x06limits\x12.\n" +
 	"\abudgets\x18\v \x01(\v2\x14.deltagym.v1.BudgetsR\abudgets\x12\x1b\n" +
 	"\tpool_size\x18\f \x01(\x05R\bpoolSize\x12;\n" +
-	"\fprocess_mode\x18\r \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\x1a6\n" +
+	"\fprocess_mode\x18\r \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\x127\n" +
+	"\n" +
+	"evaluation\x18\x0e \x01(\v2\x17.deltagym.v1.EvaluationR\n" +
+	"evaluation\x1a6\n" +
+	"\bEnvEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x94\x03\n" +
+	"\n" +
+	"Evaluation\x12-\n" +
+	"\x04mode\x18\x01 \x01(\x0e2\x19.deltagym.v1.VerifierModeR\x04mode\x12\x1d\n" +
+	"\n" +
+	"copy_paths\x18\x02 \x03(\tR\tcopyPaths\x12%\n" +
+	"\x0everifier_files\x18\x03 \x01(\tR\rverifierFiles\x12.\n" +
+	"\x13verifier_files_path\x18\x04 \x01(\tR\x11verifierFilesPath\x122\n" +
+	"\x03env\x18\x05 \x03(\v2 .deltagym.v1.Evaluation.EnvEntryR\x03env\x12%\n" +
+	"\x0esecret_options\x18\x06 \x03(\tR\rsecretOptions\x12$\n" +
+	"\x0emax_copy_bytes\x18\a \x01(\x03R\fmaxCopyBytes\x12(\n" +
+	"\x10max_copy_entries\x18\b \x01(\x05R\x0emaxCopyEntries\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x01\n" +
@@ -851,7 +1058,11 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\x11lease_expire_time\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\x0fleaseExpireTime\x12;\n" +
 	"\vcreate_time\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"createTime*z\n" +
+	"createTime*d\n" +
+	"\fVerifierMode\x12\x1d\n" +
+	"\x19VERIFIER_MODE_UNSPECIFIED\x10\x00\x12\x19\n" +
+	"\x15VERIFIER_MODE_SANDBOX\x10\x01\x12\x1a\n" +
+	"\x16VERIFIER_MODE_PRISTINE\x10\x02*z\n" +
 	"\vProcessMode\x12\x1c\n" +
 	"\x18PROCESS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17PROCESS_MODE_FILESYSTEM\x10\x01\x12\x19\n" +
@@ -881,36 +1092,42 @@ func file_deltagym_v1_env_proto_rawDescGZIP() []byte {
 	return file_deltagym_v1_env_proto_rawDescData
 }
 
-var file_deltagym_v1_env_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_deltagym_v1_env_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_deltagym_v1_env_proto_goTypes = []any{
-	(ProcessMode)(0),              // 0: deltagym.v1.ProcessMode
-	(CaptureMethod)(0),            // 1: deltagym.v1.CaptureMethod
-	(SandboxState)(0),             // 2: deltagym.v1.SandboxState
-	(*EnvSpec)(nil),               // 3: deltagym.v1.EnvSpec
-	(*Limits)(nil),                // 4: deltagym.v1.Limits
-	(*Budgets)(nil),               // 5: deltagym.v1.Budgets
-	(*EnvInfo)(nil),               // 6: deltagym.v1.EnvInfo
-	(*ProcessCapture)(nil),        // 7: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),               // 8: deltagym.v1.Sandbox
-	nil,                           // 9: deltagym.v1.EnvSpec.EnvEntry
-	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
+	(VerifierMode)(0),             // 0: deltagym.v1.VerifierMode
+	(ProcessMode)(0),              // 1: deltagym.v1.ProcessMode
+	(CaptureMethod)(0),            // 2: deltagym.v1.CaptureMethod
+	(SandboxState)(0),             // 3: deltagym.v1.SandboxState
+	(*EnvSpec)(nil),               // 4: deltagym.v1.EnvSpec
+	(*Evaluation)(nil),            // 5: deltagym.v1.Evaluation
+	(*Limits)(nil),                // 6: deltagym.v1.Limits
+	(*Budgets)(nil),               // 7: deltagym.v1.Budgets
+	(*EnvInfo)(nil),               // 8: deltagym.v1.EnvInfo
+	(*ProcessCapture)(nil),        // 9: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),               // 10: deltagym.v1.Sandbox
+	nil,                           // 11: deltagym.v1.EnvSpec.EnvEntry
+	nil,                           // 12: deltagym.v1.Evaluation.EnvEntry
+	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
 }
 var file_deltagym_v1_env_proto_depIdxs = []int32{
-	9,  // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
-	4,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
-	5,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
-	0,  // 3: deltagym.v1.EnvSpec.process_mode:type_name -> deltagym.v1.ProcessMode
-	3,  // 4: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
-	1,  // 5: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
-	2,  // 6: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
-	10, // 7: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
-	10, // 8: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
-	9,  // [9:9] is the sub-list for method output_type
-	9,  // [9:9] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	11, // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
+	6,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
+	7,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
+	1,  // 3: deltagym.v1.EnvSpec.process_mode:type_name -> deltagym.v1.ProcessMode
+	5,  // 4: deltagym.v1.EnvSpec.evaluation:type_name -> deltagym.v1.Evaluation
+	0,  // 5: deltagym.v1.Evaluation.mode:type_name -> deltagym.v1.VerifierMode
+	12, // 6: deltagym.v1.Evaluation.env:type_name -> deltagym.v1.Evaluation.EnvEntry
+	4,  // 7: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
+	2,  // 8: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
+	3,  // 9: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
+	13, // 10: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
+	13, // 11: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
+	12, // [12:12] is the sub-list for method output_type
+	12, // [12:12] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_proto_init() }
@@ -923,8 +1140,8 @@ func file_deltagym_v1_env_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_proto_rawDesc), len(file_deltagym_v1_env_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   7,
+			NumEnums:      4,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

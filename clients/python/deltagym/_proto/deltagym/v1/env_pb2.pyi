@@ -10,6 +10,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class VerifierMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFIER_MODE_UNSPECIFIED: _ClassVar[VerifierMode]
+    VERIFIER_MODE_SANDBOX: _ClassVar[VerifierMode]
+    VERIFIER_MODE_PRISTINE: _ClassVar[VerifierMode]
+
 class ProcessMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROCESS_MODE_UNSPECIFIED: _ClassVar[ProcessMode]
@@ -30,6 +36,9 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_READY: _ClassVar[SandboxState]
     SANDBOX_STATE_DONE: _ClassVar[SandboxState]
     SANDBOX_STATE_CLOSED: _ClassVar[SandboxState]
+VERIFIER_MODE_UNSPECIFIED: VerifierMode
+VERIFIER_MODE_SANDBOX: VerifierMode
+VERIFIER_MODE_PRISTINE: VerifierMode
 PROCESS_MODE_UNSPECIFIED: ProcessMode
 PROCESS_MODE_FILESYSTEM: ProcessMode
 PROCESS_MODE_TEMPLATE: ProcessMode
@@ -44,7 +53,7 @@ SANDBOX_STATE_DONE: SandboxState
 SANDBOX_STATE_CLOSED: SandboxState
 
 class EnvSpec(_message.Message):
-    __slots__ = ("name", "description", "image", "task", "setup", "reset_hook", "verifier", "env", "workdir", "limits", "budgets", "pool_size", "process_mode")
+    __slots__ = ("name", "description", "image", "task", "setup", "reset_hook", "verifier", "env", "workdir", "limits", "budgets", "pool_size", "process_mode", "evaluation")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +74,7 @@ class EnvSpec(_message.Message):
     BUDGETS_FIELD_NUMBER: _ClassVar[int]
     POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_MODE_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     image: str
@@ -78,7 +88,35 @@ class EnvSpec(_message.Message):
     budgets: Budgets
     pool_size: int
     process_mode: ProcessMode
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[str] = ..., task: _Optional[str] = ..., setup: _Optional[_Iterable[str]] = ..., reset_hook: _Optional[str] = ..., verifier: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., pool_size: _Optional[int] = ..., process_mode: _Optional[_Union[ProcessMode, str]] = ...) -> None: ...
+    evaluation: Evaluation
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[str] = ..., task: _Optional[str] = ..., setup: _Optional[_Iterable[str]] = ..., reset_hook: _Optional[str] = ..., verifier: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., pool_size: _Optional[int] = ..., process_mode: _Optional[_Union[ProcessMode, str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ...) -> None: ...
+
+class Evaluation(_message.Message):
+    __slots__ = ("mode", "copy_paths", "verifier_files", "verifier_files_path", "env", "secret_options", "max_copy_bytes", "max_copy_entries")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    COPY_PATHS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FILES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FILES_PATH_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    SECRET_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_COPY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_COPY_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    mode: VerifierMode
+    copy_paths: _containers.RepeatedScalarFieldContainer[str]
+    verifier_files: str
+    verifier_files_path: str
+    env: _containers.ScalarMap[str, str]
+    secret_options: _containers.RepeatedScalarFieldContainer[str]
+    max_copy_bytes: int
+    max_copy_entries: int
+    def __init__(self, mode: _Optional[_Union[VerifierMode, str]] = ..., copy_paths: _Optional[_Iterable[str]] = ..., verifier_files: _Optional[str] = ..., verifier_files_path: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., secret_options: _Optional[_Iterable[str]] = ..., max_copy_bytes: _Optional[int] = ..., max_copy_entries: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("memory_bytes", "pids", "cpus", "disk_bytes", "output_bytes", "step_timeout_seconds")
