@@ -34,9 +34,15 @@ type spool struct {
 	mu   sync.Mutex // guards segs
 	segs []uint64   // first sequence number of each segment, ascending; the last is active
 
-	// Syncer only.
+	// Syncer only. activeSize is the end of the rows written to the active segment, syncedSize
+	// that of the rows fsynced (durable); the rows between them are in the file (a SIGKILL
+	// does not lose them) but not yet on stable storage.
 	active     *os.File
 	activeSize int64
+	syncedSize int64
+	// syncTail is a direct segment's partial last block at syncedSize: what stage starts with
+	// again when a failure takes the segment back there (revert).
+	syncTail []byte
 	// direct: the active segment is written with O_DIRECT from stage, a block-aligned buffer
 	// that starts with the segment's partial last block (tailLen bytes; directIO says why).
 	direct   bool
@@ -311,10 +317,31 @@ func (s *spool) openActive() error {
 		}
 	}
 	s.active, s.activeSize, s.direct = f, size, direct
-	s.mu.Lock()
-	s.durable = size
-	s.mu.Unlock()
+	s.markSynced()
 	return syncDir(s.dir)
+}
+
+// markSynced records that the active segment's rows are durable up to activeSize: the reader
+// may read them, and a later failure takes the segment back no further.
+func (s *spool) markSynced() {
+	s.syncedSize = s.activeSize
+	s.syncTail = append(s.syncTail[:0], s.stageBuf()[:s.tailLen()]...)
+	if !s.direct {
+		s.syncTail = s.syncTail[:0]
+	}
+	s.mu.Lock()
+	s.durable = s.syncedSize
+	s.mu.Unlock()
+}
+
+// revert takes the active segment back to its last fsync (syncedSize), dropping the rows
+// written after it: they are to be written again.
+func (s *spool) revert() {
+	_ = s.active.Truncate(s.syncedSize)
+	s.activeSize = s.syncedSize
+	if s.direct {
+		copy(s.stageBuf(), s.syncTail)
+	}
 }
 
 // tailLen is the length of the active segment's partial last block, which a direct write
@@ -340,38 +367,48 @@ func readTail(path string, b []byte, off int64) error {
 	return nil
 }
 
-// write appends chunks of frames (ending with seq last) to the active segment and makes them
-// durable, then starts a new segment if the active one is full. An error means the rows are
-// not durable: nothing of them is left in the segment, and the caller retries them all. Called
-// by the syncer only.
-func (s *spool) write(chunks [][]byte, last uint64) error {
-	n, err := s.writeSync(chunks)
+// write appends chunks of frames (ending with seq last) to the active segment, and with fsync
+// makes every row written so far durable, then starts a new segment if the active one is full.
+// Without fsync, the rows are in the file once it returns (a SIGKILL of the process does not
+// lose them) but not yet on stable storage. An error means chunks are not in the segment, and
+// with dropped, neither is anything written since the last fsync (the fsync failed): the caller
+// writes those rows again too. Called by the syncer only.
+func (s *spool) write(chunks [][]byte, last uint64, fsync bool) (dropped bool, err error) {
+	n, err := s.writeChunks(chunks)
 	if err != nil && s.direct && errors.Is(err, unix.EINVAL) {
 		// The file system took O_DIRECT at open but not these writes: go on through the
 		// page cache, for this segment and the next.
 		if berr := s.toBuffered(); berr != nil {
-			return fmt.Errorf("writing spool: %w (and going on without O_DIRECT: %w)", err, berr)
+			return false, fmt.Errorf("writing spool: %w (and going on without O_DIRECT: %w)", err, berr)
 		}
 		s.log.Warn("ledger spool: direct writes refused; writing through the page cache", "dir", s.dir, "err", err)
-		n, err = s.writeSync(chunks)
+		n, err = s.writeChunks(chunks)
 	}
 	if err != nil {
-		return fmt.Errorf("writing spool: %w", err)
+		return false, fmt.Errorf("writing spool: %w", err)
 	}
+	s.activeSize += int64(n)
+	if !fsync || s.activeSize == s.syncedSize {
+		return false, nil
+	}
+	if err := fdatasync(int(s.active.Fd())); err != nil {
+		// What the failed fsync covered may or may not be on the disk, and a later fsync
+		// would not say: write it all again.
+		s.revert()
+		return true, fmt.Errorf("syncing spool: %w", err)
+	}
+	from := s.syncedSize
+	s.markSynced()
 	if !s.direct {
 		// The rows are durable and, unless the writer is overloaded, the in-memory queue
 		// holds them too: drop their pages from the page cache (an overloaded writer reads
 		// them back from disk). Only whole pages: the partial last one is appended to next
 		// (a length of 0 would also mean "to the end of the file").
 		ps := int64(os.Getpagesize())
-		if from, to := s.activeSize&^(ps-1), (s.activeSize+int64(n))&^(ps-1); to > from {
+		if from, to := from&^(ps-1), s.activeSize&^(ps-1); to > from {
 			_ = unix.Fadvise(int(s.active.Fd()), from, to-from, unix.FADV_DONTNEED)
 		}
 	}
-	s.activeSize += int64(n)
-	s.mu.Lock()
-	s.durable = s.activeSize
-	s.mu.Unlock()
 	if s.activeSize >= s.segBytes {
 		if err := s.rotate(last + 1); err != nil {
 			// The rows are durable: the segment stays active and grows, and the next
@@ -379,17 +416,17 @@ func (s *spool) write(chunks [][]byte, last uint64) error {
 			s.log.Warn("ledger spool: could not start a new segment", "dir", s.dir, "err", err)
 		}
 	}
-	return nil
+	return false, nil
 }
 
-// writeSync writes chunks after the active segment's frames and fsyncs them. On failure it
-// leaves the segment, and stage's copy of its partial last block, as they were.
-func (s *spool) writeSync(chunks [][]byte) (n int, err error) {
+// writeChunks writes chunks after the active segment's frames. On failure it leaves the
+// segment, and stage's copy of its partial last block, as they were.
+func (s *spool) writeChunks(chunks [][]byte) (n int, err error) {
+	if len(chunks) == 0 {
+		return 0, nil
+	}
 	if !s.direct {
 		n, err = s.writeBuffered(chunks)
-		if err == nil {
-			err = fdatasync(int(s.active.Fd()))
-		}
 		if err != nil {
 			_ = s.active.Truncate(s.activeSize)
 		}
@@ -398,9 +435,6 @@ func (s *spool) writeSync(chunks [][]byte) (n int, err error) {
 	var saved [dioBlock]byte
 	tail := copy(saved[:], s.stageBuf()[:s.tailLen()])
 	n, err = s.writeDirect(chunks)
-	if err == nil {
-		err = fdatasync(int(s.active.Fd()))
-	}
 	if err != nil {
 		copy(s.stage, saved[:tail])
 		_ = s.active.Truncate(s.activeSize)
@@ -451,6 +485,7 @@ func (s *spool) rotate(first uint64) error {
 	s.durable = 0
 	s.mu.Unlock()
 	s.active, s.activeSize, s.direct = f, 0, direct
+	s.markSynced()
 	_ = old.Close() // its rows are durable
 	return nil
 }

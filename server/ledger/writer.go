@@ -23,10 +23,16 @@ type Config struct {
 	URL string
 	// SpoolDir holds the durable spool. Required. One writer per directory at a time.
 	SpoolDir string
-	// GroupCommit is the group-commit window: rows appended within it are written and fsynced
-	// together. A SIGKILL loses at most the rows of the last window (plus the fsync in flight).
-	// Default 10ms.
+	// GroupCommit is the group-commit window: rows appended within it are fsynced together,
+	// and written together unless a caller waits for them (Stored), which has them written at
+	// once. A SIGKILL loses at most the rows of the last window that no caller waited for
+	// (plus the write in flight); a crash of the machine those not yet fsynced. Default 10ms.
 	GroupCommit time.Duration
+	// Sync makes Stored wait for the fsync of the rows, not only for their write to the spool
+	// file: a row a caller was told is stored then survives a crash of the machine, not only
+	// one of the process, at the cost of a disk flush per group of concurrent callers
+	// (docs/OPERATIONS.md, "The ledger's acknowledgements").
+	Sync bool
 	// QueueRows and QueueBytes bound the in-memory queue to Postgres. Past them rows are still
 	// spooled (never blocking the caller) and the deliverer reads them back from the spool
 	// until it has caught up, which costs more CPU per row than it has been spared: a writer
@@ -133,7 +139,8 @@ func (c *Config) Validate() error {
 // first record).
 type Stats struct {
 	Appended  uint64 // last sequence number appended
-	Synced    uint64 // last sequence number durable in the spool
+	Written   uint64 // last sequence number written to the spool file (a SIGKILL keeps it)
+	Synced    uint64 // last sequence number durable in the spool (fsynced)
 	Delivered uint64 // last sequence number committed to Postgres
 	Spooled   uint64 // rows that bypassed the full in-memory queue and were read back from disk
 	Dropped   uint64 // rows Postgres rejected (e.g. a duplicate step), logged and skipped
@@ -147,7 +154,10 @@ type Stats struct {
 // Writer records ledger rows asynchronously. Its append methods (Step, EpisodeStarted,
 // EpisodeEnded, Checkpoint, CheckpointReleased, Reward) never wait for Postgres or the disk: a row
 // is encoded into the current group-commit buffer, which a syncer goroutine appends to the spool
-// and fsyncs every GroupCommit window; a deliverer then copies durable rows to Postgres in
+// and fsyncs every GroupCommit window. A caller that must not answer before its rows are stored
+// calls Stored, which has the buffer written at once (group commit: the rows of every caller
+// waiting by then go in one write) and waits for that write (and its fsync with Config.Sync).
+// A deliverer then copies durable rows to Postgres in
 // batches (COPY for steps and rewards) over up to Config.Conns connections at once, committing
 // them in order and recording in the same transaction how far the spool has been delivered, so
 // that redelivery after a crash or outage neither loses nor duplicates a row (deliver.go). The append methods take ownership of the slices in the rows they are given.
@@ -173,7 +183,13 @@ type Writer struct {
 	// +checklocks:mu
 	overflow bool // the queue was full: rows from here on are read back from the spool
 	// +checklocks:mu
-	synced uint64
+	unsynced [][]byte // chunks written to the spool but not yet fsynced: written again if a sync fails
+	// +checklocks:mu
+	written uint64 // last seq written to the spool file
+	// +checklocks:mu
+	synced uint64 // last seq fsynced
+	// +checklocks:mu
+	failures uint64 // failed spool writes so far (Stored fails when one happens while it waits)
 	// +checklocks:mu
 	delivered uint64
 	// +checklocks:mu
@@ -181,7 +197,7 @@ type Writer struct {
 	// +checklocks:mu
 	closed bool
 	// +checklocks:mu
-	changed chan struct{} // closed and replaced whenever synced or delivered advance
+	changed chan struct{} // closed and replaced whenever written, synced or delivered advance, or a spool write fails
 	// +checklocks:mu
 	syncErr error
 	// +checklocks:mu
@@ -207,7 +223,8 @@ type Writer struct {
 // syncSignals are the channels between the appenders and the syncer (syncLoop).
 type syncSignals struct {
 	kick     chan struct{} // the buffer became non-empty
-	flushNow chan struct{} // skip the rest of the window
+	writeNow chan struct{} // a caller waits for its rows (Stored): write the buffer now
+	flushNow chan struct{} // skip the rest of the window: write and fsync now
 	stop     chan struct{}
 	done     chan struct{}
 }
@@ -241,12 +258,13 @@ func NewWriter(cfg Config) (*Writer, error) {
 		cfg:       cfg,
 		sp:        sp,
 		nextSeq:   last + 1,
+		written:   last,
 		synced:    last,
 		delivered: first - 1,
 		overflow:  last >= first, // recovered rows are read from the spool
 		changed:   make(chan struct{}),
-		syncer: syncSignals{kick: make(chan struct{}, 1), flushNow: make(chan struct{}, 1), stop: make(chan struct{}),
-			done: make(chan struct{})},
+		syncer: syncSignals{kick: make(chan struct{}, 1), writeNow: make(chan struct{}, 1), flushNow: make(chan struct{}, 1),
+			stop: make(chan struct{}), done: make(chan struct{})},
 		deliverDone: make(chan struct{}),
 		vac:         vacuumSignals{kick: make(chan struct{}, 1), done: make(chan struct{})},
 	}
@@ -451,72 +469,158 @@ func (w *Writer) notifyLocked() {
 	w.changed = make(chan struct{})
 }
 
-// syncLoop is the group commit: after the first row of a window arrives it waits out the
-// window (or a flush request), then writes and fsyncs everything buffered in one go.
+// syncLoop is the group commit. Rows are fsynced by the end of the window that starts when the
+// first of them is seen (due), with whatever else is buffered by then; a caller waiting for
+// its rows (writeNow) has the buffer written at once, and fsynced too with Config.Sync. While
+// a write is in flight, the rows appended and the callers waiting meanwhile gather for the
+// next one.
 func (w *Writer) syncLoop() {
 	defer close(w.syncer.done)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	var due time.Time // zero: nothing waits for an fsync
 	for {
-		stopping := false
+		var expired <-chan time.Time
+		if !due.IsZero() {
+			timer.Reset(time.Until(due))
+			expired = timer.C
+		}
+		fsync, stopping := true, false
 		select {
 		case <-w.syncer.kick:
+			if due.IsZero() {
+				due = time.Now().Add(w.cfg.GroupCommit)
+			}
+			continue
+		case <-w.syncer.writeNow:
+			fsync = w.cfg.Sync
 		case <-w.syncer.flushNow:
+		case <-expired:
 		case <-w.syncer.stop:
 			stopping = true
 		}
-		if !stopping {
-			t := time.NewTimer(w.cfg.GroupCommit)
-			select {
-			case <-t.C:
-			case <-w.syncer.flushNow:
-			case <-w.syncer.stop:
-				stopping = true
-			}
-			t.Stop()
+		timer.Stop()
+		if w.syncOnce(fsync) {
+			due = time.Time{}
+		} else if now := time.Now(); due.IsZero() || !now.Before(due) {
+			// Written rows wait for their fsync, or a failed write is retried, a window on.
+			due = now.Add(w.cfg.GroupCommit)
 		}
-		w.syncOnce()
 		if stopping {
 			return
 		}
 	}
 }
 
-func (w *Writer) syncOnce() {
+// syncOnce writes the buffered rows to the spool, and with fsync makes every row written so far
+// durable. It reports whether every row written is durable.
+func (w *Writer) syncOnce(fsync bool) bool {
 	w.mu.Lock()
 	chunks, last := w.chunks, w.nextSeq-1
 	w.chunks, w.pending = nil, 0
 	w.drained.Broadcast()
+	idle := len(chunks) == 0 && (!fsync || w.synced == w.written)
+	clean := w.synced == w.written
 	w.mu.Unlock()
-	if len(chunks) == 0 {
-		return
+	if idle {
+		return clean
 	}
 	start := time.Now()
-	err := w.sp.write(chunks, last)
+	dropped, err := w.sp.write(chunks, last, fsync)
 	took := time.Since(start)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.maxSync = max(w.maxSync, took)
 	if err != nil {
-		// Keep the rows and retry at the next window.
+		// The rows not in the spool go back in front of the buffer, to be written again by
+		// the next write: these, and after a failed fsync every row past the last good one.
 		w.cfg.Logger.Error("ledger spool write", "err", err)
-		for _, c := range chunks {
+		back := chunks
+		if dropped {
+			back = append(w.unsynced, chunks...)
+			w.unsynced = nil
+			w.written = w.synced
+		}
+		for _, c := range back {
 			w.pending += len(c)
 		}
-		w.chunks = append(chunks, w.chunks...)
+		w.chunks = append(back, w.chunks...)
 		w.syncErr = err
-		select {
-		case w.syncer.kick <- struct{}{}:
-		default:
-		}
-		return
+		w.failures++
+		w.notifyLocked()
+		return false
 	}
 	w.syncErr = nil
+	w.written = last
+	if !fsync {
+		w.unsynced = append(w.unsynced, chunks...)
+		w.notifyLocked()
+		return false
+	}
+	w.maxSync = max(w.maxSync, took)
 	w.synced = last
-	for _, c := range chunks {
+	for _, c := range append(w.unsynced, chunks...) {
 		if cap(c) == chunkSize && len(w.free) < 16 {
 			w.free = append(w.free, c[:0])
 		}
 	}
+	w.unsynced = nil
 	w.notifyLocked()
+	return true
+}
+
+// Stored waits until every row appended before the call is stored in the spool: written to
+// the spool file, where a SIGKILL of the process does not lose it, and with Config.Sync
+// fsynced too, where a crash of the machine does not. It has the buffered rows written at
+// once: rows appended by concurrent callers go in one write, and each caller waits for the
+// write that holds its rows. Postgres is not waited for. If the write that was to hold them
+// fails, Stored returns an error wrapping ErrSpoolWrite; the rows stay buffered and later
+// writes retry them. It returns ctx's error if ctx ends first, and ErrClosed if the writer
+// closed without storing them.
+func (w *Writer) Stored(ctx context.Context) error {
+	w.mu.Lock()
+	target, failures := w.nextSeq-1, w.failures
+	w.mu.Unlock()
+	asked := false
+	for {
+		w.mu.Lock()
+		done, failed, err, ch := w.storedLocked() >= target, w.failures != failures, w.syncErr, w.changed
+		w.mu.Unlock()
+		switch {
+		case done:
+			return nil
+		case failed:
+			return fmt.Errorf("storing ledger rows: %w: %w", ErrSpoolWrite, err)
+		case !asked:
+			asked = true
+			select {
+			case w.syncer.writeNow <- struct{}{}:
+			default: // already asked: the next write takes these rows too
+			}
+		}
+		select {
+		case <-ch:
+		case <-w.syncer.done:
+			w.mu.Lock()
+			done = w.storedLocked() >= target
+			w.mu.Unlock()
+			if done {
+				return nil
+			}
+			return fmt.Errorf("storing ledger rows: %w", ErrClosed)
+		case <-ctx.Done():
+			return fmt.Errorf("storing ledger rows: %w", ctx.Err())
+		}
+	}
+}
+
+// storedLocked is the last row Stored counts as stored.
+//
+// +checklocks:w.mu
+func (w *Writer) storedLocked() uint64 {
+	if w.cfg.Sync {
+		return w.synced
+	}
+	return w.written
 }
 
 // popMemLocked drops rows up to pos (handed to the deliverer) from the in-memory queue.
@@ -830,6 +934,7 @@ func (w *Writer) Stats() Stats {
 	defer w.mu.Unlock()
 	return Stats{
 		Appended:  w.nextSeq - 1,
+		Written:   w.written,
 		Synced:    w.synced,
 		Delivered: w.delivered,
 		Spooled:   w.spooled.Load(),
