@@ -43,6 +43,12 @@ type spool struct {
 	// syncTail is a direct segment's partial last block at syncedSize: what stage starts with
 	// again when a failure takes the segment back there (revert).
 	syncTail []byte
+	// syncing is the fsync in flight (beginSync to endSync), which writes do not wait for: it
+	// makes the segment durable up to size, whose partial last block is tail.
+	syncing struct {
+		size int64
+		tail []byte
+	}
 	// direct: the active segment is written with O_DIRECT from stage, a block-aligned buffer
 	// that starts with the segment's partial last block (tailLen bytes; directIO says why).
 	direct   bool
@@ -334,6 +340,61 @@ func (s *spool) markSynced() {
 	s.mu.Unlock()
 }
 
+// beginSync starts an fsync of what is written so far: it returns a descriptor of the active
+// segment for fdatasync, which the caller closes, and runs beside later writes. Call endSync
+// with the result before the next beginSync.
+func (s *spool) beginSync() (int, error) {
+	fd, err := unix.Dup(int(s.active.Fd()))
+	if err != nil {
+		return -1, fmt.Errorf("syncing spool: %w", err)
+	}
+	s.syncing.size = s.activeSize
+	s.syncing.tail = append(s.syncing.tail[:0], s.stageBuf()[:s.tailLen()]...)
+	if !s.direct {
+		s.syncing.tail = s.syncing.tail[:0]
+	}
+	return fd, nil
+}
+
+// endSync records the end of the fsync beginSync started: on success the segment is durable up
+// to where it was then; on failure (err) it goes back to the last good fsync, the rows written
+// since dropped, to be written again.
+func (s *spool) endSync(err error) {
+	if err != nil {
+		s.revert()
+		return
+	}
+	from := s.syncedSize
+	s.syncedSize = s.syncing.size
+	s.syncTail, s.syncing.tail = s.syncing.tail, s.syncTail
+	s.mu.Lock()
+	s.durable = s.syncedSize
+	s.mu.Unlock()
+	if !s.direct {
+		// The rows are durable and, unless the writer is overloaded, the in-memory queue
+		// holds them too: drop their pages from the page cache (an overloaded writer reads
+		// them back from disk). Only whole pages: the partial last one is appended to next
+		// (a length of 0 would also mean "to the end of the file").
+		ps := int64(os.Getpagesize())
+		if from, to := from&^(ps-1), s.syncedSize&^(ps-1); to > from {
+			_ = unix.Fadvise(int(s.active.Fd()), from, to-from, unix.FADV_DONTNEED)
+		}
+	}
+}
+
+// rotateIfFull starts a new segment, whose first record follows last, once the active one is
+// full and durable to its end (no fsync in flight).
+func (s *spool) rotateIfFull(last uint64) {
+	if s.activeSize < s.segBytes || s.activeSize != s.syncedSize {
+		return
+	}
+	if err := s.rotate(last + 1); err != nil {
+		// The rows are durable: the segment stays active and grows, and a later fsync
+		// tries again.
+		s.log.Warn("ledger spool: could not start a new segment", "dir", s.dir, "err", err)
+	}
+}
+
 // revert takes the active segment back to its last fsync (syncedSize), dropping the rows
 // written after it: they are to be written again.
 func (s *spool) revert() {
@@ -372,51 +433,47 @@ func readTail(path string, b []byte, off int64) error {
 // Without fsync, the rows are in the file once it returns (a SIGKILL of the process does not
 // lose them) but not yet on stable storage. An error means chunks are not in the segment, and
 // with dropped, neither is anything written since the last fsync (the fsync failed): the caller
-// writes those rows again too. Called by the syncer only.
+// writes those rows again too.
 func (s *spool) write(chunks [][]byte, last uint64, fsync bool) (dropped bool, err error) {
+	if err := s.append(chunks); err != nil {
+		return false, err
+	}
+	if !fsync || s.activeSize == s.syncedSize {
+		return false, nil
+	}
+	fd, err := s.beginSync()
+	if err != nil {
+		return false, err
+	}
+	err = fdatasync(fd)
+	_ = unix.Close(fd)
+	s.endSync(err)
+	if err != nil {
+		return true, fmt.Errorf("syncing spool: %w", err)
+	}
+	s.rotateIfFull(last)
+	return false, nil
+}
+
+// append writes chunks of frames after the active segment's: they are in the file (a SIGKILL
+// of the process does not lose them), not yet durable. On error they are not in the file.
+// Called by the syncer only.
+func (s *spool) append(chunks [][]byte) error {
 	n, err := s.writeChunks(chunks)
 	if err != nil && s.direct && errors.Is(err, unix.EINVAL) {
 		// The file system took O_DIRECT at open but not these writes: go on through the
 		// page cache, for this segment and the next.
 		if berr := s.toBuffered(); berr != nil {
-			return false, fmt.Errorf("writing spool: %w (and going on without O_DIRECT: %w)", err, berr)
+			return fmt.Errorf("writing spool: %w (and going on without O_DIRECT: %w)", err, berr)
 		}
 		s.log.Warn("ledger spool: direct writes refused; writing through the page cache", "dir", s.dir, "err", err)
 		n, err = s.writeChunks(chunks)
 	}
 	if err != nil {
-		return false, fmt.Errorf("writing spool: %w", err)
+		return fmt.Errorf("writing spool: %w", err)
 	}
 	s.activeSize += int64(n)
-	if !fsync || s.activeSize == s.syncedSize {
-		return false, nil
-	}
-	if err := fdatasync(int(s.active.Fd())); err != nil {
-		// What the failed fsync covered may or may not be on the disk, and a later fsync
-		// would not say: write it all again.
-		s.revert()
-		return true, fmt.Errorf("syncing spool: %w", err)
-	}
-	from := s.syncedSize
-	s.markSynced()
-	if !s.direct {
-		// The rows are durable and, unless the writer is overloaded, the in-memory queue
-		// holds them too: drop their pages from the page cache (an overloaded writer reads
-		// them back from disk). Only whole pages: the partial last one is appended to next
-		// (a length of 0 would also mean "to the end of the file").
-		ps := int64(os.Getpagesize())
-		if from, to := from&^(ps-1), s.activeSize&^(ps-1); to > from {
-			_ = unix.Fadvise(int(s.active.Fd()), from, to-from, unix.FADV_DONTNEED)
-		}
-	}
-	if s.activeSize >= s.segBytes {
-		if err := s.rotate(last + 1); err != nil {
-			// The rows are durable: the segment stays active and grows, and the next
-			// write tries again.
-			s.log.Warn("ledger spool: could not start a new segment", "dir", s.dir, "err", err)
-		}
-	}
-	return false, nil
+	return nil
 }
 
 // writeChunks writes chunks after the active segment's frames. On failure it leaves the

@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"golang.org/x/sys/unix"
 )
 
 // Config configures a Writer.
@@ -469,103 +470,186 @@ func (w *Writer) notifyLocked() {
 	w.changed = make(chan struct{})
 }
 
-// syncLoop is the group commit. Rows are fsynced by the end of the window that starts when the
-// first of them is seen (due), with whatever else is buffered by then; a caller waiting for
-// its rows (writeNow) has the buffer written at once, and fsynced too with Config.Sync. While
-// a write is in flight, the rows appended and the callers waiting meanwhile gather for the
-// next one.
+// syncLoop is the group commit. Buffered rows are written to the spool when a caller waits for
+// them (writeNow), and at the end of the window that starts when the first of them is seen
+// (due), when an fsync of everything written starts too. The fsync runs beside the writes
+// (syncFile), so that a caller waiting for a write never waits for a disk flush; with
+// Config.Sync, callers wait for the fsync after their write, and those arriving while one is in
+// flight share the next. While a write or an fsync is in flight, rows and callers gather for
+// the next.
 func (w *Writer) syncLoop() {
 	defer close(w.syncer.done)
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
-	var due time.Time // zero: nothing waits for an fsync
+	var (
+		due      time.Time // when the rows not yet covered by an fsync must have one started
+		inFlight bool      // an fsync runs
+		covered  uint64    // the last row the fsync in flight covers
+		want     bool      // an fsync is to start as soon as none runs
+		done     = make(chan syncResult, 1)
+	)
 	for {
 		var expired <-chan time.Time
 		if !due.IsZero() {
 			timer.Reset(time.Until(due))
 			expired = timer.C
 		}
-		fsync, stopping := true, false
 		select {
 		case <-w.syncer.kick:
-			if due.IsZero() {
-				due = time.Now().Add(w.cfg.GroupCommit)
-			}
-			continue
 		case <-w.syncer.writeNow:
-			fsync = w.cfg.Sync
+			w.writeOnce()
+			want = want || w.cfg.Sync
 		case <-w.syncer.flushNow:
+			w.writeOnce()
+			want = true
 		case <-expired:
+			w.writeOnce()
+			want = true
+		case r := <-done:
+			inFlight = false
+			w.endSync(r)
 		case <-w.syncer.stop:
-			stopping = true
+			timer.Stop()
+			w.syncAll(inFlight, done)
+			return
 		}
 		timer.Stop()
-		if w.syncOnce(fsync) {
-			due = time.Time{}
-		} else if now := time.Now(); due.IsZero() || !now.Before(due) {
-			// Written rows wait for their fsync, or a failed write is retried, a window on.
-			due = now.Add(w.cfg.GroupCommit)
+		if want && !inFlight {
+			want = false
+			covered, inFlight = w.startSync(done)
 		}
-		if stopping {
-			return
+		switch {
+		case !w.uncovered(covered) || want:
+			due = time.Time{} // nothing waits, or an fsync starts once the one in flight ends
+		case due.IsZero() || !time.Now().Before(due):
+			due = time.Now().Add(w.cfg.GroupCommit)
 		}
 	}
 }
 
-// syncOnce writes the buffered rows to the spool, and with fsync makes every row written so far
-// durable. It reports whether every row written is durable.
-func (w *Writer) syncOnce(fsync bool) bool {
+// syncResult is the outcome of an fsync: it covered the rows up to seq to, the first chunks of
+// unsynced, and took took.
+type syncResult struct {
+	to     uint64
+	chunks int
+	took   time.Duration
+	err    error
+}
+
+// writeOnce writes the buffered rows to the spool file, and returns at once if there are none.
+func (w *Writer) writeOnce() {
 	w.mu.Lock()
 	chunks, last := w.chunks, w.nextSeq-1
 	w.chunks, w.pending = nil, 0
 	w.drained.Broadcast()
-	idle := len(chunks) == 0 && (!fsync || w.synced == w.written)
-	clean := w.synced == w.written
 	w.mu.Unlock()
-	if idle {
-		return clean
+	if len(chunks) == 0 {
+		return
 	}
-	start := time.Now()
-	dropped, err := w.sp.write(chunks, last, fsync)
-	took := time.Since(start)
+	err := w.sp.append(chunks)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if err != nil {
-		// The rows not in the spool go back in front of the buffer, to be written again by
-		// the next write: these, and after a failed fsync every row past the last good one.
+		// The rows go back in front of the buffer, for the next write.
 		w.cfg.Logger.Error("ledger spool write", "err", err)
-		back := chunks
-		if dropped {
-			back = append(w.unsynced, chunks...)
-			w.unsynced = nil
-			w.written = w.synced
-		}
-		for _, c := range back {
-			w.pending += len(c)
-		}
-		w.chunks = append(back, w.chunks...)
-		w.syncErr = err
-		w.failures++
-		w.notifyLocked()
-		return false
+		w.requeueLocked(chunks, err)
+		return
 	}
 	w.syncErr = nil
 	w.written = last
-	if !fsync {
-		w.unsynced = append(w.unsynced, chunks...)
-		w.notifyLocked()
-		return false
+	w.unsynced = append(w.unsynced, chunks...)
+	w.notifyLocked()
+}
+
+// requeueLocked puts chunks back in front of the buffer after a failed spool write (err).
+//
+// +checklocks:w.mu
+func (w *Writer) requeueLocked(chunks [][]byte, err error) {
+	for _, c := range chunks {
+		w.pending += len(c)
 	}
-	w.maxSync = max(w.maxSync, took)
-	w.synced = last
-	for _, c := range append(w.unsynced, chunks...) {
+	w.chunks = append(chunks, w.chunks...)
+	w.syncErr = err
+	w.failures++
+	w.notifyLocked()
+}
+
+// startSync starts an fsync of every row written so far (up to the last row it returns),
+// reporting to done; false if there is none to make durable or it could not start.
+func (w *Writer) startSync(done chan<- syncResult) (uint64, bool) {
+	w.mu.Lock()
+	r := syncResult{to: w.written, chunks: len(w.unsynced)}
+	idle := w.written == w.synced
+	w.mu.Unlock()
+	if idle {
+		return 0, false
+	}
+	fd, err := w.sp.beginSync()
+	if err != nil {
+		w.cfg.Logger.Error("ledger spool sync", "err", err)
+		return 0, false
+	}
+	go func() {
+		start := time.Now()
+		r.err = fdatasync(fd)
+		r.took = time.Since(start)
+		_ = unix.Close(fd)
+		done <- r
+	}()
+	return r.to, true
+}
+
+// endSync records an fsync's outcome. After a failure nothing written since the last good one
+// is in the spool any more: those rows go back in front of the buffer, to be written again.
+func (w *Writer) endSync(r syncResult) {
+	w.sp.endSync(r.err)
+	w.mu.Lock()
+	if r.err != nil {
+		w.cfg.Logger.Error("ledger spool sync", "err", r.err)
+		back := w.unsynced
+		w.unsynced, w.written = nil, w.synced
+		w.requeueLocked(back, fmt.Errorf("syncing spool: %w", r.err))
+		w.mu.Unlock()
+		return
+	}
+	w.maxSync = max(w.maxSync, r.took)
+	w.synced = r.to
+	for i, c := range w.unsynced[:r.chunks] {
 		if cap(c) == chunkSize && len(w.free) < 16 {
 			w.free = append(w.free, c[:0])
 		}
+		w.unsynced[i] = nil
 	}
-	w.unsynced = nil
+	w.unsynced = w.unsynced[r.chunks:]
+	if len(w.unsynced) == 0 {
+		w.unsynced = nil
+	}
+	clean, last := w.synced == w.written, w.written
 	w.notifyLocked()
-	return true
+	w.mu.Unlock()
+	if clean {
+		w.sp.rotateIfFull(last)
+	}
+}
+
+// uncovered reports whether rows are buffered, or written past covered (the last row of the
+// fsync in flight, if any) and not yet fsynced.
+func (w *Writer) uncovered(covered uint64) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.pending > 0 || w.written > max(w.synced, covered)
+}
+
+// syncAll writes and fsyncs every row, once the fsync in flight (if inFlight) has reported to
+// done: the end of the syncer. It gives up after a failure (Close reports it).
+func (w *Writer) syncAll(inFlight bool, done chan syncResult) {
+	if inFlight {
+		w.endSync(<-done)
+	}
+	w.writeOnce()
+	if _, ok := w.startSync(done); ok {
+		w.endSync(<-done)
+	}
 }
 
 // Stored waits until every row appended before the call is stored in the spool: written to
