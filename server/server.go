@@ -173,7 +173,7 @@ func (s *Server) startLedger(ctx context.Context) error {
 		s.log.Info("ledger schema migrated", "applied", applied)
 	}
 	w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: filepath.Join(s.cfg.DataDir, "spool"), VacuumSteps: s.cfg.LedgerVacuumSteps,
-		Sync: s.cfg.LedgerSync, Logger: s.log})
+		Sync: s.cfg.LedgerSync, PageCache: !s.cfg.LedgerSync, Logger: s.log})
 	if err != nil {
 		return fmt.Errorf("starting ledger writer: %w", err)
 	}

@@ -499,6 +499,20 @@ func (s *spool) writeChunks(chunks [][]byte) (n int, err error) {
 	return n, err
 }
 
+// usePageCache makes the spool write and read through the page cache from now on.
+func (s *spool) usePageCache() error {
+	s.noDirect = true
+	s.readBuffered.Store(true)
+	if !s.direct {
+		return nil
+	}
+	if err := s.toBuffered(); err != nil {
+		return fmt.Errorf("opening spool segment: %w", err)
+	}
+	s.markSynced() // what is there is durable: openActive synced it
+	return nil
+}
+
 // toBuffered reopens the active segment for writes through the page cache, cut to its frames.
 func (s *spool) toBuffered() error {
 	if err := s.active.Truncate(s.activeSize); err != nil {

@@ -18,7 +18,9 @@ import (
 // BenchmarkWriterStored measures what acknowledging a step costs its caller: a 4 KiB step
 // appended, then, as the server does before it answers, Stored. ack=none appends only (the
 // rows reach the spool within the group-commit window, unwaited for); ack=write waits for the
-// spool write that holds the row; ack=sync (Config.Sync, --ledger-sync) for its fsync too.
+// spool write that holds the row, through the page cache (Config.PageCache, as the server runs
+// without --ledger-sync); ack=write-direct the same with O_DIRECT, to compare; ack=sync
+// (Config.Sync, as --ledger-sync runs it) for the O_DIRECT write and its fsync.
 // callers=1 is one client stepping; callers=16 are concurrent callers, whose rows share
 // writes (group commit). It reports the p50/p99 latency of one caller's append+Stored, and
 // rows/s over all callers; a private Postgres takes the deliveries meanwhile.
@@ -46,10 +48,11 @@ func BenchmarkWriterStored(b *testing.B) {
 	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
 	defer ledger.SetDirectSpool(true)
 	text := syntheticText(1 << 20)
-	for _, ack := range []string{"none", "write", "sync"} {
+	for _, ack := range []string{"none", "write", "write-direct", "sync"} {
 		for _, callers := range []int{1, 16} {
 			b.Run(fmt.Sprintf("ack=%s/callers=%d", ack, callers), func(b *testing.B) {
-				w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool-"+ack+fmt.Sprint(callers)), Sync: ack == "sync"})
+				w, err := ledger.NewWriter(ledger.Config{URL: srv.URL(), SpoolDir: filepath.Join(dir, "spool-"+ack+fmt.Sprint(callers)), Sync: ack == "sync",
+					PageCache: ack == "write"})
 				if err != nil {
 					b.Fatal(err)
 				}

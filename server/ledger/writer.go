@@ -34,6 +34,12 @@ type Config struct {
 	// one of the process, at the cost of a disk flush per group of concurrent callers
 	// (docs/OPERATIONS.md, "The ledger's acknowledgements").
 	Sync bool
+	// PageCache writes the spool through the page cache instead of with O_DIRECT (spool.go's
+	// directIO says why that is the default): a caller of Stored then waits for a copy into
+	// memory, where an O_DIRECT write waits for the device, behind whatever else the disk is
+	// doing; each row costs the writer a little more CPU. Worth it where callers wait for
+	// writes but not for fsyncs (the server without --ledger-sync).
+	PageCache bool
 	// QueueRows and QueueBytes bound the in-memory queue to Postgres. Past them rows are still
 	// spooled (never blocking the caller) and the deliverer reads them back from the spool
 	// until it has caught up, which costs more CPU per row than it has been spared: a writer
@@ -251,6 +257,12 @@ func NewWriter(cfg Config) (*Writer, error) {
 		return nil, err
 	}
 	sp.log = cfg.Logger
+	if cfg.PageCache {
+		if err := sp.usePageCache(); err != nil {
+			_ = sp.close()
+			return nil, err
+		}
+	}
 	// Rows a previous writer delivered before closing need not be read back.
 	if d := sp.deliveredHint(); d >= first && d <= last {
 		first = d + 1
