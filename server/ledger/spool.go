@@ -382,6 +382,9 @@ func (s *spool) endSync(err error) {
 	}
 }
 
+// full reports whether the active segment has reached the size at which the next starts.
+func (s *spool) full() bool { return s.activeSize >= s.segBytes }
+
 // rotateIfFull starts a new segment, whose first record follows last, once the active one is
 // full and durable to its end (no fsync in flight).
 func (s *spool) rotateIfFull(last uint64) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -193,5 +194,56 @@ func TestStoredFailsWhenTheSpoolWriteFails(t *testing.T) {
 		if r.seq != uint64(i+1) || r.step.Index != i {
 			t.Fatalf("row %d: seq %d, step %d", i, r.seq, r.step.Index)
 		}
+	}
+}
+
+// A steady stream of callers waiting for their rows, each write landing while the last fsync
+// runs, still has the spool start a new segment each time one is full: none grows much past
+// Config.SegmentBytes.
+func TestStoredCallersRollSegmentsOver(t *testing.T) {
+	dir := t.TempDir()
+	const segBytes = 256 << 10
+	w, err := NewWriter(Config{URL: "postgres://deltagym@127.0.0.1:1/none?connect_timeout=1", SpoolDir: dir, SegmentBytes: segBytes,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Close(t.Context()) })
+	obs := make([]byte, 4096)
+	var wg sync.WaitGroup
+	for c := range 8 {
+		wg.Go(func() {
+			for i := range 200 {
+				if err := w.Step(StepRow{EpisodeID: fmt.Sprintf("ep%d", c), Index: i, Observation: obs}); err != nil {
+					t.Error(err)
+					return
+				}
+				if err := w.Stored(t.Context()); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	segs, err := filepath.Glob(filepath.Join(dir, "*.seg"))
+	must(t, err)
+	for _, p := range segs {
+		fi, err := os.Stat(p)
+		must(t, err)
+		// A segment is full once past segBytes: the write that took it there is its last.
+		if fi.Size() > 2*segBytes {
+			t.Fatalf("segment %s holds %d bytes, SegmentBytes %d: %d segments for 6.5 MB of rows", filepath.Base(p), fi.Size(), segBytes, len(segs))
+		}
+	}
+	if len(segs) < 10 {
+		t.Fatalf("%d segments for 6.5 MB of rows in segments of %d bytes", len(segs), segBytes)
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }

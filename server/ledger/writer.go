@@ -500,6 +500,10 @@ func (w *Writer) syncLoop() {
 		want     bool      // an fsync is to start as soon as none runs
 		done     = make(chan syncResult, 1)
 	)
+	write := func() {
+		inFlight = w.rollOver(inFlight, done)
+		w.writeOnce()
+	}
 	for {
 		var expired <-chan time.Time
 		if !due.IsZero() {
@@ -509,13 +513,13 @@ func (w *Writer) syncLoop() {
 		select {
 		case <-w.syncer.kick:
 		case <-w.syncer.writeNow:
-			w.writeOnce()
+			write()
 			want = want || w.cfg.Sync
 		case <-w.syncer.flushNow:
-			w.writeOnce()
+			write()
 			want = true
 		case <-expired:
-			w.writeOnce()
+			write()
 			want = true
 		case r := <-done:
 			inFlight = false
@@ -642,6 +646,23 @@ func (w *Writer) endSync(r syncResult) {
 	if clean {
 		w.sp.rotateIfFull(last)
 	}
+}
+
+// rollOver, once the active segment is full, makes it durable to its end and starts the next
+// (endSync), before anything more is written to it: with writes going on while each fsync runs,
+// a segment would otherwise never be durable to its end, and grow for as long as they go on. It
+// reports whether an fsync is still in flight (never, after a roll-over).
+func (w *Writer) rollOver(inFlight bool, done chan syncResult) bool {
+	if !w.sp.full() {
+		return inFlight
+	}
+	if inFlight {
+		w.endSync(<-done)
+	}
+	if _, ok := w.startSync(done); ok {
+		w.endSync(<-done)
+	}
+	return false
 }
 
 // uncovered reports whether rows are buffered, or written past covered (the last row of the
