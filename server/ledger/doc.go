@@ -20,6 +20,8 @@
 // has the rows appended before it written to the spool file at once (the rows of concurrent
 // callers together) and waits for that write: a SIGKILL of the process then loses none of them;
 // with Config.Sync it waits for their fsync too, and a crash of the machine loses none either.
+// The fsync runs beside the writes; with Config.PageCache the writes go through the page cache,
+// so that a caller waits for a copy into memory, not for the device.
 // A graceful Close loses nothing (rows Postgres cannot take before its deadline stay in the
 // spool for the next writer on the directory). Of the rows no caller waited for, a SIGKILL of
 // the writing process loses at most those appended in the last group-commit window (default

@@ -153,8 +153,8 @@ type Stats struct {
 	Dropped   uint64 // rows Postgres rejected (e.g. a duplicate step), logged and skipped
 	Retries   uint64 // failed delivery attempts (Postgres unreachable, restarting…)
 	Vacuums   uint64 // vacuums of the steps table the writer ran (Config.VacuumSteps)
-	// MaxSync is the longest spool write+fsync so far: with GroupCommit, the bound on what a
-	// SIGKILL can lose.
+	// MaxSync is the longest spool fsync so far: with GroupCommit, how long written rows may
+	// wait to be durable.
 	MaxSync time.Duration
 }
 
@@ -485,7 +485,7 @@ func (w *Writer) notifyLocked() {
 // syncLoop is the group commit. Buffered rows are written to the spool when a caller waits for
 // them (writeNow), and at the end of the window that starts when the first of them is seen
 // (due), when an fsync of everything written starts too. The fsync runs beside the writes
-// (syncFile), so that a caller waiting for a write never waits for a disk flush; with
+// (startSync), so that a caller waiting for a write never waits for a disk flush; with
 // Config.Sync, callers wait for the fsync after their write, and those arriving while one is in
 // flight share the next. While a write or an fsync is in flight, rows and callers gather for
 // the next.
