@@ -73,22 +73,25 @@ func BenchmarkStepTrue(b *testing.B) {
 	b.Run("nolibc/ledger=off", func(b *testing.B) { bb, ctx := benchBundle(b); benchStep(b, bb, ctx, "/bin/noop") })
 }
 
-// BenchmarkStepLedger: the same Step load, one client, against a server with its ledger and
-// one without, in the same run: blocks of stepBlock steps alternate between the two, so that
-// the VM's speed, which drifts by a third within minutes here, weighs on both alike. A pause
-// after each block lets the ledger's deliveries of that block (Postgres's COPY, the writer)
-// finish before the other server's block starts; within a block they run as they would
-// under a steady load. The nolibc command shows deltagym's own part of a step.
+// BenchmarkStepLedger: the same Step load, one client, against a server without its ledger,
+// one with it (a step answers once its rows are written to the spool) and one with
+// --ledger-sync (once they are fsynced), in the same run: blocks of stepBlock steps rotate
+// between the three, so that the VM's speed, which drifts by a third within minutes here,
+// weighs on all alike. A pause after each block lets the ledger's deliveries of that block
+// (Postgres's COPY, the writer) finish before the next server's block starts; within a block
+// they run as they would under a steady load. The nolibc command shows deltagym's own part of
+// a step.
 func BenchmarkStepLedger(b *testing.B) {
 	cmds := []string{"true"}
 	if runtime.GOARCH == "amd64" {
 		cmds = append(cmds, "/bin/noop")
 	}
 	off, _ := benchBundle(b)
-	// DELTAGYM_LEDGER_BENCH_VACUUM_STEPS sets the ledger server's --ledger-vacuum-steps (-1:
+	// DELTAGYM_LEDGER_BENCH_VACUUM_STEPS sets the ledger servers' --ledger-vacuum-steps (-1:
 	// none), as it sets BenchmarkWriterSteps's.
 	vacuumSteps, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_VACUUM_STEPS"))
 	on := setup(b, func(c *server.Config) { c.LedgerVacuumSteps = vacuumSteps })
+	synced := setup(b, func(c *server.Config) { c.LedgerVacuumSteps = vacuumSteps; c.LedgerSync = true })
 	for _, cmd := range cmds {
 		name := "cmd=true"
 		if cmd != "true" {
@@ -96,13 +99,16 @@ func BenchmarkStepLedger(b *testing.B) {
 		}
 		b.Run(name, func(b *testing.B) {
 			ctx := context.Background()
-			reqs := [2]*deltagymv1.StepRequest{stepRequest(b, off, ctx, cmd), stepRequest(b, on, ctx, cmd)}
-			clients := [2]*bundle{off, on}
-			var ds [2][]time.Duration
+			clients := [...]*bundle{off, on, synced}
+			var reqs [len(clients)]*deltagymv1.StepRequest
+			for k, c := range clients {
+				reqs[k] = stepRequest(b, c, ctx, cmd)
+			}
+			var ds [len(clients)][]time.Duration
 			const stepBlock = 50
 			i := 0
 			for b.Loop() {
-				k := (i / stepBlock) % 2
+				k := (i / stepBlock) % len(clients)
 				start := time.Now()
 				_, err := clients[k].grpc.Step(ctx, reqs[k])
 				ds[k] = append(ds[k], time.Since(start))
@@ -113,9 +119,8 @@ func BenchmarkStepLedger(b *testing.B) {
 					b.StartTimer()
 				}
 			}
-			if len(ds[0]) > 0 && len(ds[1]) > 0 {
-				report(b, "off_", ds[0])
-				report(b, "on_", ds[1])
+			for k, prefix := range []string{"off_", "on_", "sync_"} {
+				report(b, prefix, ds[k])
 			}
 		})
 	}

@@ -67,6 +67,10 @@ type Config struct {
 	// the steps table, which it runs itself (ledger.Config.VacuumSteps). Default 10,000;
 	// negative: never (autovacuum alone).
 	LedgerVacuumSteps int
+	// LedgerSync makes a call answer only once its ledger rows are fsynced in the spool, not
+	// only written to it (ledger.Config.Sync): they then survive a crash of the machine, not
+	// only one of the server. Default false.
+	LedgerSync bool
 	// AuthToken is the bearer token every call must carry. Default "": the token kept in
 	// DataDir/token, generated when missing (auth is on unless NoAuth).
 	AuthToken string
@@ -183,6 +187,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 			c.LedgerVacuumSteps = n
 			return nil
 		})
+	fs.BoolVar(&c.LedgerSync, "ledger-sync", c.LedgerSync, "answer a call only once its ledger rows are fsynced in the spool, so that they survive "+
+		"a crash of the machine, not only one of the server (by default a call waits for its rows' write to the spool, and the spool is fsynced every 10 ms)")
 	fs.BoolVar(&c.KeepCgroupOptions, "keep-cgroup-options", c.KeepCgroupOptions, "leave the host's cgroup2 mount as found (by default the server turns on its option favordynmods, host-wide, so that moving a process between cgroups never waits 5-15 ms for an RCU grace period)")
 	fs.BoolVar(&c.ForkAtRestore, "fork-at-restore", c.ForkAtRestore, "fork the copies of a checkpoint's processes during each restore, not ahead of it in the background (by default, a checkpoint restored twice in a row gets the copies of its next restore forked while the agent takes its step: a quicker restore for a little more CPU)")
 	fs.StringVar(&c.AuthToken, "token", def(c.AuthToken, "DELTAGYM_TOKEN", ""), "bearer token required of clients; prefer $DELTAGYM_TOKEN, which other users cannot read in the process list "+
@@ -294,6 +300,9 @@ func (c *Config) check() error {
 	}
 	if err := c.Admission.check(); err != nil {
 		return err
+	}
+	if c.NoLedger && c.LedgerSync {
+		return errors.New("server: --no-ledger and --ledger-sync exclude each other: without a ledger there are no rows to fsync")
 	}
 	if c.PostgresMemoryMB > 0 && (c.PostgresMemoryMB < minPostgresMemoryMB || c.PostgresMemoryMB > maxPostgresMemoryMB) {
 		return fmt.Errorf("server: --postgres-memory-mb %d: from %d to %d (the shared buffers alone take 128), or -1 for no cap",

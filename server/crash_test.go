@@ -32,8 +32,13 @@ import (
 // crashChildEnv holds the JSON config of the server the test binary runs as a crash child.
 const crashChildEnv = "DG_SERVER_CRASH_CHILD"
 
+// crashServeEnv, set, makes the crash child print "serving ADDR TOKEN" once it serves, and take
+// its calls from the test, instead of resetting a sandbox itself.
+const crashServeEnv = "DG_SERVER_CRASH_SERVE"
+
 // crashChild starts a server from the config in crashChildEnv, resets env "plain", prints the
-// episode once Postgres has it, and serves until it is killed.
+// episode once Postgres has it, and serves until it is killed (with crashServeEnv: serves the
+// test's calls).
 func crashChild() {
 	fail := func(err error) {
 		fmt.Println("error:", err)
@@ -54,6 +59,10 @@ func crashChild() {
 		fail(err)
 	}
 	go srv.Serve(ln)
+	if os.Getenv(crashServeEnv) != "" {
+		fmt.Println("serving", ln.Addr().String(), srv.Token())
+		select {}
+	}
 	var protos http.Protocols
 	protos.SetUnencryptedHTTP2(true)
 	c := deltagymv1connect.NewEnvServiceClient(&http.Client{Transport: &http.Transport{Protocols: &protos}}, "http://"+ln.Addr().String(), connect.WithInterceptors(bearer(srv.Token())))

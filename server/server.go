@@ -207,7 +207,8 @@ func (s *Server) startLedger(ctx context.Context) error {
 	if len(applied) > 0 {
 		s.log.Info("ledger schema migrated", "applied", applied)
 	}
-	w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: filepath.Join(s.cfg.DataDir, "spool"), VacuumSteps: s.cfg.LedgerVacuumSteps, Logger: s.log})
+	w, err := ledger.NewWriter(ledger.Config{URL: url, SpoolDir: filepath.Join(s.cfg.DataDir, "spool"), VacuumSteps: s.cfg.LedgerVacuumSteps,
+		Sync: s.cfg.LedgerSync, PageCache: !s.cfg.LedgerSync, Logger: s.log})
 	if err != nil {
 		return fmt.Errorf("starting ledger writer: %w", err)
 	}

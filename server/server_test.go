@@ -294,6 +294,20 @@ func TestLedgerVacuumFlag(t *testing.T) {
 	}
 }
 
+// --ledger-sync makes calls wait for their rows' fsync; it is off by default, and means nothing
+// without a ledger.
+func TestLedgerSyncFlag(t *testing.T) {
+	if cfg, err := parseServe(nil); err != nil || cfg.LedgerSync {
+		t.Fatalf("by default: LedgerSync %v (%v), want off", cfg.LedgerSync, err)
+	}
+	if cfg, err := parseServe([]string{"--ledger-sync"}); err != nil || !cfg.LedgerSync {
+		t.Fatalf("--ledger-sync: LedgerSync %v (%v), want on", cfg.LedgerSync, err)
+	}
+	if _, err := parseServe([]string{"--ledger-sync", "--no-ledger"}); err == nil || !strings.Contains(err.Error(), "exclude each other") {
+		t.Fatalf("--ledger-sync --no-ledger: %v, want them refused together", err)
+	}
+}
+
 // --import-max-bytes takes a number of bytes or a size with a unit.
 func TestImportMaxBytesFlag(t *testing.T) {
 	for _, c := range []struct {

@@ -46,6 +46,9 @@ func (c *Core) reset(ctx context.Context, req ResetRequest) (ResetResult, error)
 	}
 	// The pools' checkpoints are on no episode's path: the episode's steps count from 0.
 	_, ep := c.handOver(l, begin{run: req.Run, group: req.Group, seed: req.Seed, ckpt: res.Checkpoint})
+	if err := c.stored(ctx, nil); err != nil {
+		return ResetResult{}, err // the sandbox's lease expires unrenewed
+	}
 	return ResetResult{SandboxID: l.ID(), EpisodeID: ep, CheckpointID: res.Checkpoint, Env: env.Name(), Task: env.Task(),
 		Hook: res.Hook, TaskCached: res.Cached, Took: time.Since(start), LeaseExpires: l.Expires()}, nil
 }
@@ -73,6 +76,9 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 		return CheckpointResult{}, callErr(cctx, err)
 	}
 	c.recordCheckpoint(ledger.KindUser, info, p)
+	if err := c.stored(ctx, nil); err != nil {
+		return CheckpointResult{}, err
+	}
 	res := CheckpointResult{Info: info, Durable: true}
 	for _, pc := range info.Processes {
 		if pc.Method == sandbox.CaptureTemplate && !req.Durable {
@@ -98,6 +104,9 @@ func (c *Core) Restore(ctx context.Context, req RestoreRequest) (RestoreResult, 
 		return RestoreResult{}, err
 	}
 	defer end()
+	if err := c.stored(ctx, nil); err != nil {
+		return RestoreResult{}, err
+	}
 	cur := b.current()
 	return RestoreResult{EpisodeID: cur.id, NextStepIndex: cur.base}, nil
 }
@@ -168,6 +177,9 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	for _, l := range leases {
 		_, ep := c.handOver(l, s)
 		res.Children = append(res.Children, Child{SandboxID: l.ID(), EpisodeID: ep})
+	}
+	if err := c.stored(ctx, nil); err != nil {
+		return ForkResult{}, err // the children's leases expire unrenewed
 	}
 	return res, nil
 }
@@ -259,6 +271,9 @@ func (c *Core) Evaluate(ctx context.Context, id string) (Verdict, error) {
 	if c.rec != nil {
 		own := p.Own
 		c.ledgerErr(c.rec.Reward(ledger.RewardRow{EpisodeID: p.Episode, StepIndex: &own, Source: "evaluate", Components: v.Components, Value: v.Reward}))
+	}
+	if err := c.stored(ctx, nil); err != nil {
+		return Verdict{}, err
 	}
 	return Verdict{Reward: v.Reward, Components: v.Components, Output: v.Output, Took: v.Duration}, nil
 }

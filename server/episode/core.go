@@ -204,7 +204,7 @@ func (c *Core) Close(ctx context.Context, id string) error {
 	c.forget(b)
 	err = c.pools.CloseLease(ctx, b.lease)
 	c.endEpisode(b, ended{status: ledger.StatusTruncated})
-	return err
+	return c.stored(ctx, err)
 }
 
 // LeaseEnded is the pools' hook (envpool.Config.OnEnd) for a lease that ended other than by

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/image/imagetest"
@@ -36,12 +38,49 @@ type recorder struct {
 	ckpts []ledger.CheckpointRow
 	// +checklocks:mu
 	released []string
+	// +checklocks:mu
+	unstored []string // the kinds of the rows tied to an answer recorded since the last Stored
+	// +checklocks:mu
+	stored []string // the kinds of those rows Stored stored
+	// +checklocks:mu
+	storeErr error // what Stored returns (nil: the rows are stored)
+}
+
+// recorded notes a row of kind that Stored must store before the call answers.
+//
+// +checklocks:r.mu
+func (r *recorder) recorded(kind string) { r.unstored = append(r.unstored, kind) }
+
+func (r *recorder) Stored(context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.storeErr != nil {
+		return r.storeErr
+	}
+	r.stored = append(r.stored, r.unstored...)
+	r.unstored = nil
+	return nil
+}
+
+// failStores makes Stored return err (nil: succeed again).
+func (r *recorder) failStores(err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.storeErr = err
+}
+
+// notStored returns the kinds of the rows recorded since the last Stored.
+func (r *recorder) notStored() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.unstored)
 }
 
 func (r *recorder) EpisodeStarted(e ledger.EpisodeStart) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.starts = append(r.starts, e)
+	r.recorded("start")
 	return nil
 }
 
@@ -49,6 +88,7 @@ func (r *recorder) EpisodeEnded(e ledger.EpisodeEnd) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.ends = append(r.ends, e)
+	r.recorded("end")
 	return nil
 }
 
@@ -56,6 +96,7 @@ func (r *recorder) Step(s ledger.StepRow) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.steps = append(r.steps, s)
+	r.recorded("step")
 	return nil
 }
 
@@ -63,6 +104,7 @@ func (r *recorder) Reward(w ledger.RewardRow) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.rewards = append(r.rewards, w)
+	r.recorded("reward")
 	return nil
 }
 
@@ -70,6 +112,9 @@ func (r *recorder) Checkpoint(c ledger.CheckpointRow) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.ckpts = append(r.ckpts, c)
+	if c.Kind == ledger.KindUser || c.Kind == ledger.KindEvaluate { // not the pools' own, taken in the background
+		r.recorded("checkpoint")
+	}
 	return nil
 }
 
@@ -285,6 +330,79 @@ func TestEpisodeLifecycle(t *testing.T) {
 	}
 	if _, err := rt.Checkpoint(ck.Info.ID); !errors.Is(err, sandbox.ErrNotFound) {
 		t.Fatalf("a released checkpoint: %v", err)
+	}
+}
+
+// Every call answers only once the rows it recorded are stored (Recorder.Stored): the
+// episode's start, its steps, rewards and checkpoints, a restore's branch, a fork's children
+// and the end.
+func TestAnswersAfterRowsStored(t *testing.T) {
+	core, _, rec := setup(t)
+	ctx := t.Context()
+	check := func(call string) {
+		t.Helper()
+		if rows := rec.notStored(); len(rows) > 0 {
+			t.Fatalf("%s answered before its rows %v were stored", call, rows)
+		}
+	}
+	rr, err := core.Reset(ctx, episode.ResetRequest{Env: "e"})
+	must(t, err)
+	check("reset")
+	sb := rr.SandboxID
+	stepOK(t, core, sb, episode.Exec{Command: "echo 1 > /tmp/answer"})
+	check("step")
+	_, err = core.Step(ctx, episode.StepRequest{SandboxID: sb, Action: episode.Exec{Command: "true"}, Checkpoint: true})
+	must(t, err)
+	check("a step with a checkpoint")
+	ck, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: sb})
+	must(t, err)
+	check("checkpoint")
+	_, err = core.Restore(ctx, episode.RestoreRequest{SandboxID: sb, CheckpointID: ck.Info.ID})
+	must(t, err)
+	check("restore")
+	stepOK(t, core, sb, episode.Submit{})
+	check("submit")
+	f, err := core.Fork(ctx, episode.ForkRequest{CheckpointID: ck.Info.ID, N: 1})
+	must(t, err)
+	check("fork")
+	kid := f.Children[0].SandboxID
+	_, err = core.Evaluate(ctx, kid)
+	must(t, err)
+	check("evaluate")
+	must(t, core.Close(ctx, kid))
+	check("close")
+	rec.mu.Lock()
+	stored := slices.Sorted(slices.Values(rec.stored))
+	rec.mu.Unlock()
+	for _, kind := range []string{"checkpoint", "end", "reward", "start", "step"} {
+		if !slices.Contains(stored, kind) {
+			t.Fatalf("rows stored %v: no %s", stored, kind)
+		}
+	}
+}
+
+// A step whose rows cannot be stored fails as unavailable; it happened all the same, so the
+// episode counts it, its row stays recorded, and the next step comes after it.
+func TestStepFailsWhenItsRowsCannotBeStored(t *testing.T) {
+	core, _, rec := setup(t)
+	ctx := t.Context()
+	rr, err := core.Reset(ctx, episode.ResetRequest{Env: "e"})
+	must(t, err)
+	rec.failStores(fmt.Errorf("storing ledger rows: %w", ledger.ErrSpoolWrite))
+	_, err = core.Step(ctx, episode.StepRequest{SandboxID: rr.SandboxID, Action: episode.Exec{Command: "echo 1 > /tmp/answer"}})
+	if !errors.Is(err, ledger.ErrSpoolWrite) || !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("a step whose rows cannot be stored: %v, want unavailable (the spool write)", err)
+	}
+	if _, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: rr.SandboxID}); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("a checkpoint whose row cannot be stored: %v, want unavailable", err)
+	}
+	rec.failStores(nil)
+	r := stepOK(t, core, rr.SandboxID, episode.ReadFile{Path: "/tmp/answer"})
+	if r.StepIndex != 1 || string(r.Observation.ReadFile.Content) != "1\n" {
+		t.Fatalf("the step after: index %d, /tmp/answer %q; want index 1 and the first step's write", r.StepIndex, r.Observation.ReadFile.Content)
+	}
+	if steps := rec.stepsOf(rr.EpisodeID); len(steps) != 2 || steps[0].Index != 0 || steps[1].Index != 1 {
+		t.Fatalf("recorded steps %+v, want 0 and 1", steps)
 	}
 }
 

@@ -1,6 +1,7 @@
 package episode
 
 import (
+	"context"
 	"fmt"
 	"maps"
 	"slices"
@@ -24,6 +25,10 @@ type Recorder interface {
 	Reward(ledger.RewardRow) error
 	Checkpoint(ledger.CheckpointRow) error
 	CheckpointReleased(id string, at time.Time) error
+	// Stored waits until every row recorded before the call is stored where a crash of the
+	// server does not lose it (ledger.Writer.Stored: the spool), without waiting for the
+	// database.
+	Stored(ctx context.Context) error
 }
 
 var _ Recorder = (*ledger.Writer)(nil)
@@ -32,6 +37,25 @@ func (c *Core) ledgerErr(err error) {
 	if err != nil {
 		c.log.Warn("recording to ledger", "err", err)
 	}
+}
+
+// stored waits until the rows a call recorded are stored (Recorder.Stored), before the call
+// answers: a client is never told of a step, checkpoint or episode whose row a crash of the
+// server could still lose. err is the call's own error: a failed call waits too (the rows its
+// failure implies, such as a failed episode's end, are stored before it answers) and returns
+// err. A call that succeeded fails if its rows could not be stored (ledger.ErrSpoolWrite:
+// unavailable); what it did stands, in the sandbox and in the episode, and its rows stay
+// queued for the spool, so the episode and its ledger rows still agree.
+func (c *Core) stored(ctx context.Context, err error) error {
+	if c.rec == nil {
+		return err
+	}
+	serr := c.rec.Stored(ctx)
+	if err != nil {
+		c.ledgerErr(serr)
+		return err
+	}
+	return serr
 }
 
 // The ledger keeps an action as the API's JSON (protojson of deltagym.v1.Action) and an

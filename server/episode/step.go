@@ -42,7 +42,11 @@ func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
 		return StepResult{}, err
 	}
 	defer end()
-	return c.step(cctx, b, &req)
+	res, err := c.step(cctx, b, &req)
+	if err := c.stored(ctx, err); err != nil {
+		return StepResult{}, err
+	}
+	return res, nil
 }
 
 // beginTurn waits for b's turn (Lease.Begin) and returns the call's context and the function

@@ -16,11 +16,17 @@
 // low row rate, deliveries are gathered over Config.DeliveryDelay (default 100 ms) to spare
 // Postgres a transaction and WAL fsync per group commit.
 //
-// Durability: a graceful Close loses nothing (rows Postgres cannot take before its deadline stay
-// in the spool for the next writer on the directory). A SIGKILL of the writing process loses at
-// most the rows appended in the last group-commit window (default 10 ms) plus the write+fsync in
-// flight (Stats.MaxSync); TestSIGKILLLosesAtMostOneWindow measures it. Appends wait only if the
-// disk falls behind by Config.MaxPending bytes.
+// Durability: a caller that must not answer before its rows are safe calls Writer.Stored, which
+// has the rows appended before it written to the spool file at once (the rows of concurrent
+// callers together) and waits for that write: a SIGKILL of the process then loses none of them;
+// with Config.Sync it waits for their fsync too, and a crash of the machine loses none either.
+// The fsync runs beside the writes; with Config.PageCache the writes go through the page cache,
+// so that a caller waits for a copy into memory, not for the device.
+// A graceful Close loses nothing (rows Postgres cannot take before its deadline stay in the
+// spool for the next writer on the directory). Of the rows no caller waited for, a SIGKILL of
+// the writing process loses at most those appended in the last group-commit window (default
+// 10 ms) plus the write+fsync in flight (Stats.MaxSync); TestSIGKILLLosesAtMostOneWindow
+// measures it. Appends wait only if the disk falls behind by Config.MaxPending bytes.
 //
 // The schema is a series of SQL migrations embedded in the binary and applied by Migrate in one
 // transaction under an advisory lock. Reading goes through a Store, whose queries flush the

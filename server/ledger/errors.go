@@ -19,6 +19,9 @@ var (
 	// ErrSpoolCorrupt means a sealed spool segment failed its checksum (a torn tail of the
 	// newest segment is expected after a crash and is cut off instead).
 	ErrSpoolCorrupt = fmt.Errorf("spool segment corrupt: %w", errdefs.ErrInternal)
+	// ErrSpoolWrite means a write to the spool failed (a full or failing disk): the rows are
+	// not stored yet. They stay buffered and later writes retry them.
+	ErrSpoolWrite = fmt.Errorf("writing the ledger spool: %w", errdefs.ErrUnavailable)
 	// ErrUndelivered means Close or Flush ended before every row reached Postgres; the rest stay
 	// in the spool and are delivered by the next writer on the same directory.
 	ErrUndelivered = fmt.Errorf("rows left undelivered in the spool: %w", errdefs.ErrUnavailable)

@@ -19,6 +19,9 @@ var quiet = slog.New(slog.DiscardHandler)
 
 func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) != "" {
+		if os.Getenv(childStoredEnv) != "" {
+			os.Exit(storedChild())
+		}
 		os.Exit(killChild())
 	}
 	os.Exit(pgtest.Run(m))

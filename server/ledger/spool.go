@@ -34,9 +34,21 @@ type spool struct {
 	mu   sync.Mutex // guards segs
 	segs []uint64   // first sequence number of each segment, ascending; the last is active
 
-	// Syncer only.
+	// Syncer only. activeSize is the end of the rows written to the active segment, syncedSize
+	// that of the rows fsynced (durable); the rows between them are in the file (a SIGKILL
+	// does not lose them) but not yet on stable storage.
 	active     *os.File
 	activeSize int64
+	syncedSize int64
+	// syncTail is a direct segment's partial last block at syncedSize: what stage starts with
+	// again when a failure takes the segment back there (revert).
+	syncTail []byte
+	// syncing is the fsync in flight (beginSync to endSync), which writes do not wait for: it
+	// makes the segment durable up to size, whose partial last block is tail.
+	syncing struct {
+		size int64
+		tail []byte
+	}
 	// direct: the active segment is written with O_DIRECT from stage, a block-aligned buffer
 	// that starts with the segment's partial last block (tailLen bytes; directIO says why).
 	direct   bool
@@ -311,10 +323,89 @@ func (s *spool) openActive() error {
 		}
 	}
 	s.active, s.activeSize, s.direct = f, size, direct
-	s.mu.Lock()
-	s.durable = size
-	s.mu.Unlock()
+	s.markSynced()
 	return syncDir(s.dir)
+}
+
+// markSynced records that the active segment's rows are durable up to activeSize: the reader
+// may read them, and a later failure takes the segment back no further.
+func (s *spool) markSynced() {
+	s.syncedSize = s.activeSize
+	s.syncTail = append(s.syncTail[:0], s.stageBuf()[:s.tailLen()]...)
+	if !s.direct {
+		s.syncTail = s.syncTail[:0]
+	}
+	s.mu.Lock()
+	s.durable = s.syncedSize
+	s.mu.Unlock()
+}
+
+// beginSync starts an fsync of what is written so far: it returns a descriptor of the active
+// segment for fdatasync, which the caller closes, and runs beside later writes. Call endSync
+// with the result before the next beginSync.
+func (s *spool) beginSync() (int, error) {
+	fd, err := unix.Dup(int(s.active.Fd()))
+	if err != nil {
+		return -1, fmt.Errorf("syncing spool: %w", err)
+	}
+	s.syncing.size = s.activeSize
+	s.syncing.tail = append(s.syncing.tail[:0], s.stageBuf()[:s.tailLen()]...)
+	if !s.direct {
+		s.syncing.tail = s.syncing.tail[:0]
+	}
+	return fd, nil
+}
+
+// endSync records the end of the fsync beginSync started: on success the segment is durable up
+// to where it was then; on failure (err) it goes back to the last good fsync, the rows written
+// since dropped, to be written again.
+func (s *spool) endSync(err error) {
+	if err != nil {
+		s.revert()
+		return
+	}
+	from := s.syncedSize
+	s.syncedSize = s.syncing.size
+	s.syncTail, s.syncing.tail = s.syncing.tail, s.syncTail
+	s.mu.Lock()
+	s.durable = s.syncedSize
+	s.mu.Unlock()
+	if !s.direct {
+		// The rows are durable and, unless the writer is overloaded, the in-memory queue
+		// holds them too: drop their pages from the page cache (an overloaded writer reads
+		// them back from disk). Only whole pages: the partial last one is appended to next
+		// (a length of 0 would also mean "to the end of the file").
+		ps := int64(os.Getpagesize())
+		if from, to := from&^(ps-1), s.syncedSize&^(ps-1); to > from {
+			_ = unix.Fadvise(int(s.active.Fd()), from, to-from, unix.FADV_DONTNEED)
+		}
+	}
+}
+
+// full reports whether the active segment has reached the size at which the next starts.
+func (s *spool) full() bool { return s.activeSize >= s.segBytes }
+
+// rotateIfFull starts a new segment, whose first record follows last, once the active one is
+// full and durable to its end (no fsync in flight).
+func (s *spool) rotateIfFull(last uint64) {
+	if s.activeSize < s.segBytes || s.activeSize != s.syncedSize {
+		return
+	}
+	if err := s.rotate(last + 1); err != nil {
+		// The rows are durable: the segment stays active and grows, and a later fsync
+		// tries again.
+		s.log.Warn("ledger spool: could not start a new segment", "dir", s.dir, "err", err)
+	}
+}
+
+// revert takes the active segment back to its last fsync (syncedSize), dropping the rows
+// written after it: they are to be written again.
+func (s *spool) revert() {
+	_ = s.active.Truncate(s.syncedSize)
+	s.activeSize = s.syncedSize
+	if s.direct {
+		copy(s.stageBuf(), s.syncTail)
+	}
 }
 
 // tailLen is the length of the active segment's partial last block, which a direct write
@@ -340,12 +431,38 @@ func readTail(path string, b []byte, off int64) error {
 	return nil
 }
 
-// write appends chunks of frames (ending with seq last) to the active segment and makes them
-// durable, then starts a new segment if the active one is full. An error means the rows are
-// not durable: nothing of them is left in the segment, and the caller retries them all. Called
-// by the syncer only.
-func (s *spool) write(chunks [][]byte, last uint64) error {
-	n, err := s.writeSync(chunks)
+// write appends chunks of frames (ending with seq last) to the active segment, and with fsync
+// makes every row written so far durable, then starts a new segment if the active one is full.
+// Without fsync, the rows are in the file once it returns (a SIGKILL of the process does not
+// lose them) but not yet on stable storage. An error means chunks are not in the segment, and
+// with dropped, neither is anything written since the last fsync (the fsync failed): the caller
+// writes those rows again too.
+func (s *spool) write(chunks [][]byte, last uint64, fsync bool) (dropped bool, err error) {
+	if err := s.append(chunks); err != nil {
+		return false, err
+	}
+	if !fsync || s.activeSize == s.syncedSize {
+		return false, nil
+	}
+	fd, err := s.beginSync()
+	if err != nil {
+		return false, err
+	}
+	err = fdatasync(fd)
+	_ = unix.Close(fd)
+	s.endSync(err)
+	if err != nil {
+		return true, fmt.Errorf("syncing spool: %w", err)
+	}
+	s.rotateIfFull(last)
+	return false, nil
+}
+
+// append writes chunks of frames after the active segment's: they are in the file (a SIGKILL
+// of the process does not lose them), not yet durable. On error they are not in the file.
+// Called by the syncer only.
+func (s *spool) append(chunks [][]byte) error {
+	n, err := s.writeChunks(chunks)
 	if err != nil && s.direct && errors.Is(err, unix.EINVAL) {
 		// The file system took O_DIRECT at open but not these writes: go on through the
 		// page cache, for this segment and the next.
@@ -353,43 +470,23 @@ func (s *spool) write(chunks [][]byte, last uint64) error {
 			return fmt.Errorf("writing spool: %w (and going on without O_DIRECT: %w)", err, berr)
 		}
 		s.log.Warn("ledger spool: direct writes refused; writing through the page cache", "dir", s.dir, "err", err)
-		n, err = s.writeSync(chunks)
+		n, err = s.writeChunks(chunks)
 	}
 	if err != nil {
 		return fmt.Errorf("writing spool: %w", err)
 	}
-	if !s.direct {
-		// The rows are durable and, unless the writer is overloaded, the in-memory queue
-		// holds them too: drop their pages from the page cache (an overloaded writer reads
-		// them back from disk). Only whole pages: the partial last one is appended to next
-		// (a length of 0 would also mean "to the end of the file").
-		ps := int64(os.Getpagesize())
-		if from, to := s.activeSize&^(ps-1), (s.activeSize+int64(n))&^(ps-1); to > from {
-			_ = unix.Fadvise(int(s.active.Fd()), from, to-from, unix.FADV_DONTNEED)
-		}
-	}
 	s.activeSize += int64(n)
-	s.mu.Lock()
-	s.durable = s.activeSize
-	s.mu.Unlock()
-	if s.activeSize >= s.segBytes {
-		if err := s.rotate(last + 1); err != nil {
-			// The rows are durable: the segment stays active and grows, and the next
-			// write tries again.
-			s.log.Warn("ledger spool: could not start a new segment", "dir", s.dir, "err", err)
-		}
-	}
 	return nil
 }
 
-// writeSync writes chunks after the active segment's frames and fsyncs them. On failure it
-// leaves the segment, and stage's copy of its partial last block, as they were.
-func (s *spool) writeSync(chunks [][]byte) (n int, err error) {
+// writeChunks writes chunks after the active segment's frames. On failure it leaves the
+// segment, and stage's copy of its partial last block, as they were.
+func (s *spool) writeChunks(chunks [][]byte) (n int, err error) {
+	if len(chunks) == 0 {
+		return 0, nil
+	}
 	if !s.direct {
 		n, err = s.writeBuffered(chunks)
-		if err == nil {
-			err = fdatasync(int(s.active.Fd()))
-		}
 		if err != nil {
 			_ = s.active.Truncate(s.activeSize)
 		}
@@ -398,14 +495,25 @@ func (s *spool) writeSync(chunks [][]byte) (n int, err error) {
 	var saved [dioBlock]byte
 	tail := copy(saved[:], s.stageBuf()[:s.tailLen()])
 	n, err = s.writeDirect(chunks)
-	if err == nil {
-		err = fdatasync(int(s.active.Fd()))
-	}
 	if err != nil {
 		copy(s.stage, saved[:tail])
 		_ = s.active.Truncate(s.activeSize)
 	}
 	return n, err
+}
+
+// usePageCache makes the spool write and read through the page cache from now on.
+func (s *spool) usePageCache() error {
+	s.noDirect = true
+	s.readBuffered.Store(true)
+	if !s.direct {
+		return nil
+	}
+	if err := s.toBuffered(); err != nil {
+		return fmt.Errorf("opening spool segment: %w", err)
+	}
+	s.markSynced() // what is there is durable: openActive synced it
+	return nil
 }
 
 // toBuffered reopens the active segment for writes through the page cache, cut to its frames.
@@ -451,6 +559,7 @@ func (s *spool) rotate(first uint64) error {
 	s.durable = 0
 	s.mu.Unlock()
 	s.active, s.activeSize, s.direct = f, 0, direct
+	s.markSynced()
 	_ = old.Close() // its rows are durable
 	return nil
 }

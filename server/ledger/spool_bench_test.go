@@ -36,7 +36,8 @@ type benchLog interface {
 type spoolLog struct{ s *spool }
 
 func (l *spoolLog) append(frames [][]byte, first uint64) error {
-	return l.s.write(frames, first+uint64(len(frames))-1)
+	_, err := l.s.write(frames, first+uint64(len(frames))-1, true)
+	return err
 }
 
 func (l *spoolLog) readBack(first, last uint64) (int, error) {

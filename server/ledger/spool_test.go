@@ -113,7 +113,7 @@ func writeSpool(t *testing.T, dir string, segBytes int64, n int) {
 	}
 	for i := range n {
 		r := record{seq: last + 1 + uint64(i), kind: recStep, step: &StepRow{EpisodeID: "e", Index: i, Action: json.RawMessage("1"), Observation: make([]byte, 100)}}
-		if err := sp.write([][]byte{appendFrame(nil, &r)}, r.seq); err != nil {
+		if _, err := sp.write([][]byte{appendFrame(nil, &r)}, r.seq, true); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -262,7 +262,7 @@ func TestSpoolReaderFollowsDirectWrites(t *testing.T) {
 					seq++
 					chunks = append(chunks, stepFrame(seq, rng.IntN(3000)))
 				}
-				if err := sp.write(chunks, seq); err != nil {
+				if _, err := sp.write(chunks, seq, true); err != nil {
 					t.Fatal(err)
 				}
 				recs, err := sp.read(read+1, seq, 1000, 1<<30)
@@ -341,11 +341,11 @@ func TestSpoolDirectRecoversPaddedTail(t *testing.T) {
 		seq++
 		chunks = append(chunks, stepFrame(seq, 4096))
 	}
-	if err := sp.write(chunks, seq); err != nil {
+	if _, err := sp.write(chunks, seq, true); err != nil {
 		t.Fatal(err)
 	}
 	seq++
-	if err := sp.write([][]byte{stepFrame(seq, 10)}, seq); err != nil {
+	if _, err := sp.write([][]byte{stepFrame(seq, 10)}, seq, true); err != nil {
 		t.Fatal(err)
 	}
 	logical := sp.activeSize
@@ -372,7 +372,7 @@ func TestSpoolDirectRecoversPaddedTail(t *testing.T) {
 		t.Fatalf("recovered segment is %d bytes, want %d", fi.Size(), logical)
 	}
 	seq++
-	if err := sp.write([][]byte{stepFrame(seq, 5000)}, seq); err != nil {
+	if _, err := sp.write([][]byte{stepFrame(seq, 5000)}, seq, true); err != nil {
 		t.Fatal(err)
 	}
 	recs, err := sp.read(1, seq, 1000, 1<<30)
@@ -452,7 +452,7 @@ func TestSpoolDirectWriteFails(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			sp, dir := openDirect(t, 64<<20)
-			if err := sp.write([][]byte{stepFrame(1, 100), stepFrame(2, 5000)}, 2); err != nil {
+			if _, err := sp.write([][]byte{stepFrame(1, 100), stepFrame(2, 5000)}, 2, true); err != nil {
 				t.Fatal(err)
 			}
 			if sp.tailLen() == 0 {
@@ -463,16 +463,16 @@ func TestSpoolDirectWriteFails(t *testing.T) {
 			// 300 frames of 4 KiB: over stageBytes, so the second direct write comes after
 			// the first has overwritten the partial block's copy in stage.
 			group := frames(3, 302, 4096)
-			if err := sp.write(group, 302); err == nil {
+			if _, err := sp.write(group, 302, true); err == nil {
 				t.Fatal("the write did not fail")
 			}
 			if fi, _ := os.Stat(filepath.Join(dir, segName(1))); sp.activeSize != size || fi.Size() != size {
 				t.Fatalf("after the failure: activeSize %d, file %d bytes; want %d", sp.activeSize, fi.Size(), size)
 			}
-			if err := sp.write(group, 302); err != nil {
+			if _, err := sp.write(group, 302, true); err != nil {
 				t.Fatal(err)
 			}
-			if err := sp.write([][]byte{stepFrame(303, 333)}, 303); err != nil {
+			if _, err := sp.write([][]byte{stepFrame(303, 333)}, 303, true); err != nil {
 				t.Fatal(err)
 			}
 			if !sp.direct {
@@ -504,7 +504,7 @@ func TestSpoolDirectWriteFails(t *testing.T) {
 // the page cache instead, the segment cut to its frames first, and so do its later segments.
 func TestSpoolDirectRefusedFallsBack(t *testing.T) {
 	sp, dir := openDirect(t, 64<<10)
-	if err := sp.write([][]byte{stepFrame(1, 100)}, 1); err != nil {
+	if _, err := sp.write([][]byte{stepFrame(1, 100)}, 1, true); err != nil {
 		t.Fatal(err)
 	}
 	calls := failNth(t, &pwrite, 1, func(orig func(int, []byte, int64) (int, error), fail func() bool) func(int, []byte, int64) (int, error) {
@@ -516,7 +516,7 @@ func TestSpoolDirectRefusedFallsBack(t *testing.T) {
 	seq := uint64(1)
 	for range 40 { // about 160 KiB: two new segments
 		seq++
-		if err := sp.write([][]byte{stepFrame(seq, 4000)}, seq); err != nil {
+		if _, err := sp.write([][]byte{stepFrame(seq, 4000)}, seq, true); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -559,7 +559,7 @@ func TestSpoolConcurrentReadWrite(t *testing.T) {
 				seq++
 				chunks = append(chunks, stepFrame(seq, rng.IntN(6000)))
 			}
-			if err := sp.write(chunks, seq); err != nil {
+			if _, err := sp.write(chunks, seq, true); err != nil {
 				done <- err
 				return
 			}
@@ -598,7 +598,7 @@ func TestSpoolReadRetriesFromFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sp.close()
-	if err := sp.write(frames(1, 10, 500), 10); err != nil {
+	if _, err := sp.write(frames(1, 10, 500), 10, true); err != nil {
 		t.Fatal(err)
 	}
 	seg := filepath.Join(dir, segName(1))
@@ -655,7 +655,7 @@ func TestSpoolReaderAcrossSlabs(t *testing.T) {
 						seq++
 						chunks = append(chunks, stepFrame(seq, rng.IntN(6000)))
 					}
-					if err := sp.write(chunks, seq); err != nil {
+					if _, err := sp.write(chunks, seq, true); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -702,7 +702,7 @@ func TestSpoolDirectReadRefused(t *testing.T) {
 		return unix.Pread(fd, p, off)
 	}
 	defer func() { pread = unix.Pread }()
-	if err := sp.write(frames(1, 100, 3000), 100); err != nil {
+	if _, err := sp.write(frames(1, 100, 3000), 100, true); err != nil {
 		t.Fatal(err)
 	}
 	recs, err := sp.read(1, 100, 1000, 1<<30)
@@ -729,7 +729,7 @@ func TestSpoolReusesDeliveredSlabs(t *testing.T) {
 	sp, _ := openDirect(t, 64<<20)
 	const n, obs = 8000, 4000
 	for seq := uint64(1); seq <= n; seq += 100 {
-		if err := sp.write(frames(seq, seq+99, obs), seq+99); err != nil {
+		if _, err := sp.write(frames(seq, seq+99, obs), seq+99, true); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -793,7 +793,7 @@ func TestSpoolReusesSlabsFreedTogether(t *testing.T) {
 	sp, _ := openDirect(t, 64<<20)
 	const n, obs = 20000, 4000
 	for seq := uint64(1); seq <= n; seq += 100 {
-		if err := sp.write(frames(seq, seq+99, obs), seq+99); err != nil {
+		if _, err := sp.write(frames(seq, seq+99, obs), seq+99, true); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"golang.org/x/sys/unix"
 )
 
 // Config configures a Writer.
@@ -23,10 +24,22 @@ type Config struct {
 	URL string
 	// SpoolDir holds the durable spool. Required. One writer per directory at a time.
 	SpoolDir string
-	// GroupCommit is the group-commit window: rows appended within it are written and fsynced
-	// together. A SIGKILL loses at most the rows of the last window (plus the fsync in flight).
-	// Default 10ms.
+	// GroupCommit is the group-commit window: rows appended within it are fsynced together,
+	// and written together unless a caller waits for them (Stored), which has them written at
+	// once. A SIGKILL loses at most the rows of the last window that no caller waited for
+	// (plus the write in flight); a crash of the machine those not yet fsynced. Default 10ms.
 	GroupCommit time.Duration
+	// Sync makes Stored wait for the fsync of the rows, not only for their write to the spool
+	// file: a row a caller was told is stored then survives a crash of the machine, not only
+	// one of the process, at the cost of a disk flush per group of concurrent callers
+	// (docs/OPERATIONS.md, "The ledger's acknowledgements").
+	Sync bool
+	// PageCache writes the spool through the page cache instead of with O_DIRECT (spool.go's
+	// directIO says why that is the default): a caller of Stored then waits for a copy into
+	// memory, where an O_DIRECT write waits for the device, behind whatever else the disk is
+	// doing; each row costs the writer a little more CPU. Worth it where callers wait for
+	// writes but not for fsyncs (the server without --ledger-sync).
+	PageCache bool
 	// QueueRows and QueueBytes bound the in-memory queue to Postgres. Past them rows are still
 	// spooled (never blocking the caller) and the deliverer reads them back from the spool
 	// until it has caught up, which costs more CPU per row than it has been spared: a writer
@@ -133,21 +146,25 @@ func (c *Config) Validate() error {
 // first record).
 type Stats struct {
 	Appended  uint64 // last sequence number appended
-	Synced    uint64 // last sequence number durable in the spool
+	Written   uint64 // last sequence number written to the spool file (a SIGKILL keeps it)
+	Synced    uint64 // last sequence number durable in the spool (fsynced)
 	Delivered uint64 // last sequence number committed to Postgres
 	Spooled   uint64 // rows that bypassed the full in-memory queue and were read back from disk
 	Dropped   uint64 // rows Postgres rejected (e.g. a duplicate step), logged and skipped
 	Retries   uint64 // failed delivery attempts (Postgres unreachable, restarting…)
 	Vacuums   uint64 // vacuums of the steps table the writer ran (Config.VacuumSteps)
-	// MaxSync is the longest spool write+fsync so far: with GroupCommit, the bound on what a
-	// SIGKILL can lose.
+	// MaxSync is the longest spool fsync so far: with GroupCommit, how long written rows may
+	// wait to be durable.
 	MaxSync time.Duration
 }
 
 // Writer records ledger rows asynchronously. Its append methods (Step, EpisodeStarted,
 // EpisodeEnded, Checkpoint, CheckpointReleased, Reward) never wait for Postgres or the disk: a row
 // is encoded into the current group-commit buffer, which a syncer goroutine appends to the spool
-// and fsyncs every GroupCommit window; a deliverer then copies durable rows to Postgres in
+// and fsyncs every GroupCommit window. A caller that must not answer before its rows are stored
+// calls Stored, which has the buffer written at once (group commit: the rows of every caller
+// waiting by then go in one write) and waits for that write (and its fsync with Config.Sync).
+// A deliverer then copies durable rows to Postgres in
 // batches (COPY for steps and rewards) over up to Config.Conns connections at once, committing
 // them in order and recording in the same transaction how far the spool has been delivered, so
 // that redelivery after a crash or outage neither loses nor duplicates a row (deliver.go). The append methods take ownership of the slices in the rows they are given.
@@ -173,7 +190,13 @@ type Writer struct {
 	// +checklocks:mu
 	overflow bool // the queue was full: rows from here on are read back from the spool
 	// +checklocks:mu
-	synced uint64
+	unsynced [][]byte // chunks written to the spool but not yet fsynced: written again if a sync fails
+	// +checklocks:mu
+	written uint64 // last seq written to the spool file
+	// +checklocks:mu
+	synced uint64 // last seq fsynced
+	// +checklocks:mu
+	failures uint64 // failed spool writes so far (Stored fails when one happens while it waits)
 	// +checklocks:mu
 	delivered uint64
 	// +checklocks:mu
@@ -181,7 +204,7 @@ type Writer struct {
 	// +checklocks:mu
 	closed bool
 	// +checklocks:mu
-	changed chan struct{} // closed and replaced whenever synced or delivered advance
+	changed chan struct{} // closed and replaced whenever written, synced or delivered advance, or a spool write fails
 	// +checklocks:mu
 	syncErr error
 	// +checklocks:mu
@@ -207,7 +230,8 @@ type Writer struct {
 // syncSignals are the channels between the appenders and the syncer (syncLoop).
 type syncSignals struct {
 	kick     chan struct{} // the buffer became non-empty
-	flushNow chan struct{} // skip the rest of the window
+	writeNow chan struct{} // a caller waits for its rows (Stored): write the buffer now
+	flushNow chan struct{} // skip the rest of the window: write and fsync now
 	stop     chan struct{}
 	done     chan struct{}
 }
@@ -233,6 +257,12 @@ func NewWriter(cfg Config) (*Writer, error) {
 		return nil, err
 	}
 	sp.log = cfg.Logger
+	if cfg.PageCache {
+		if err := sp.usePageCache(); err != nil {
+			_ = sp.close()
+			return nil, err
+		}
+	}
 	// Rows a previous writer delivered before closing need not be read back.
 	if d := sp.deliveredHint(); d >= first && d <= last {
 		first = d + 1
@@ -241,12 +271,13 @@ func NewWriter(cfg Config) (*Writer, error) {
 		cfg:       cfg,
 		sp:        sp,
 		nextSeq:   last + 1,
+		written:   last,
 		synced:    last,
 		delivered: first - 1,
 		overflow:  last >= first, // recovered rows are read from the spool
 		changed:   make(chan struct{}),
-		syncer: syncSignals{kick: make(chan struct{}, 1), flushNow: make(chan struct{}, 1), stop: make(chan struct{}),
-			done: make(chan struct{})},
+		syncer: syncSignals{kick: make(chan struct{}, 1), writeNow: make(chan struct{}, 1), flushNow: make(chan struct{}, 1),
+			stop: make(chan struct{}), done: make(chan struct{})},
 		deliverDone: make(chan struct{}),
 		vac:         vacuumSignals{kick: make(chan struct{}, 1), done: make(chan struct{})},
 	}
@@ -451,36 +482,78 @@ func (w *Writer) notifyLocked() {
 	w.changed = make(chan struct{})
 }
 
-// syncLoop is the group commit: after the first row of a window arrives it waits out the
-// window (or a flush request), then writes and fsyncs everything buffered in one go.
+// syncLoop is the group commit. Buffered rows are written to the spool when a caller waits for
+// them (writeNow), and at the end of the window that starts when the first of them is seen
+// (due), when an fsync of everything written starts too. The fsync runs beside the writes
+// (startSync), so that a caller waiting for a write never waits for a disk flush; with
+// Config.Sync, callers wait for the fsync after their write, and those arriving while one is in
+// flight share the next. While a write or an fsync is in flight, rows and callers gather for
+// the next.
 func (w *Writer) syncLoop() {
 	defer close(w.syncer.done)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	var (
+		due      time.Time // when the rows not yet covered by an fsync must have one started
+		inFlight bool      // an fsync runs
+		covered  uint64    // the last row the fsync in flight covers
+		want     bool      // an fsync is to start as soon as none runs
+		done     = make(chan syncResult, 1)
+	)
+	write := func() {
+		inFlight = w.rollOver(inFlight, done)
+		w.writeOnce()
+	}
 	for {
-		stopping := false
+		var expired <-chan time.Time
+		if !due.IsZero() {
+			timer.Reset(time.Until(due))
+			expired = timer.C
+		}
 		select {
 		case <-w.syncer.kick:
+		case <-w.syncer.writeNow:
+			write()
+			want = want || w.cfg.Sync
 		case <-w.syncer.flushNow:
+			write()
+			want = true
+		case <-expired:
+			write()
+			want = true
+		case r := <-done:
+			inFlight = false
+			w.endSync(r)
 		case <-w.syncer.stop:
-			stopping = true
-		}
-		if !stopping {
-			t := time.NewTimer(w.cfg.GroupCommit)
-			select {
-			case <-t.C:
-			case <-w.syncer.flushNow:
-			case <-w.syncer.stop:
-				stopping = true
-			}
-			t.Stop()
-		}
-		w.syncOnce()
-		if stopping {
+			timer.Stop()
+			w.syncAll(inFlight, done)
 			return
+		}
+		timer.Stop()
+		if want && !inFlight {
+			want = false
+			covered, inFlight = w.startSync(done)
+		}
+		switch {
+		case !w.uncovered(covered) || want:
+			due = time.Time{} // nothing waits, or an fsync starts once the one in flight ends
+		case due.IsZero() || !time.Now().Before(due):
+			due = time.Now().Add(w.cfg.GroupCommit)
 		}
 	}
 }
 
-func (w *Writer) syncOnce() {
+// syncResult is the outcome of an fsync: it covered the rows up to seq to, the first chunks of
+// unsynced, and took took.
+type syncResult struct {
+	to     uint64
+	chunks int
+	took   time.Duration
+	err    error
+}
+
+// writeOnce writes the buffered rows to the spool file, and returns at once if there are none.
+func (w *Writer) writeOnce() {
 	w.mu.Lock()
 	chunks, last := w.chunks, w.nextSeq-1
 	w.chunks, w.pending = nil, 0
@@ -489,34 +562,182 @@ func (w *Writer) syncOnce() {
 	if len(chunks) == 0 {
 		return
 	}
-	start := time.Now()
-	err := w.sp.write(chunks, last)
-	took := time.Since(start)
+	err := w.sp.append(chunks)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.maxSync = max(w.maxSync, took)
 	if err != nil {
-		// Keep the rows and retry at the next window.
+		// The rows go back in front of the buffer, for the next write.
 		w.cfg.Logger.Error("ledger spool write", "err", err)
-		for _, c := range chunks {
-			w.pending += len(c)
-		}
-		w.chunks = append(chunks, w.chunks...)
-		w.syncErr = err
-		select {
-		case w.syncer.kick <- struct{}{}:
-		default:
-		}
+		w.requeueLocked(chunks, err)
 		return
 	}
 	w.syncErr = nil
-	w.synced = last
+	w.written = last
+	w.unsynced = append(w.unsynced, chunks...)
+	w.notifyLocked()
+}
+
+// requeueLocked puts chunks back in front of the buffer after a failed spool write (err).
+//
+// +checklocks:w.mu
+func (w *Writer) requeueLocked(chunks [][]byte, err error) {
 	for _, c := range chunks {
+		w.pending += len(c)
+	}
+	w.chunks = append(chunks, w.chunks...)
+	w.syncErr = err
+	w.failures++
+	w.notifyLocked()
+}
+
+// startSync starts an fsync of every row written so far (up to the last row it returns),
+// reporting to done; false if there is none to make durable or it could not start.
+func (w *Writer) startSync(done chan<- syncResult) (uint64, bool) {
+	w.mu.Lock()
+	r := syncResult{to: w.written, chunks: len(w.unsynced)}
+	idle := w.written == w.synced
+	w.mu.Unlock()
+	if idle {
+		return 0, false
+	}
+	fd, err := w.sp.beginSync()
+	if err != nil {
+		w.cfg.Logger.Error("ledger spool sync", "err", err)
+		return 0, false
+	}
+	go func() {
+		start := time.Now()
+		r.err = fdatasync(fd)
+		r.took = time.Since(start)
+		_ = unix.Close(fd)
+		done <- r
+	}()
+	return r.to, true
+}
+
+// endSync records an fsync's outcome. After a failure nothing written since the last good one
+// is in the spool any more: those rows go back in front of the buffer, to be written again.
+func (w *Writer) endSync(r syncResult) {
+	w.sp.endSync(r.err)
+	w.mu.Lock()
+	if r.err != nil {
+		w.cfg.Logger.Error("ledger spool sync", "err", r.err)
+		back := w.unsynced
+		w.unsynced, w.written = nil, w.synced
+		w.requeueLocked(back, fmt.Errorf("syncing spool: %w", r.err))
+		w.mu.Unlock()
+		return
+	}
+	w.maxSync = max(w.maxSync, r.took)
+	w.synced = r.to
+	for i, c := range w.unsynced[:r.chunks] {
 		if cap(c) == chunkSize && len(w.free) < 16 {
 			w.free = append(w.free, c[:0])
 		}
+		w.unsynced[i] = nil
 	}
+	w.unsynced = w.unsynced[r.chunks:]
+	if len(w.unsynced) == 0 {
+		w.unsynced = nil
+	}
+	clean, last := w.synced == w.written, w.written
 	w.notifyLocked()
+	w.mu.Unlock()
+	if clean {
+		w.sp.rotateIfFull(last)
+	}
+}
+
+// rollOver, once the active segment is full, makes it durable to its end and starts the next
+// (endSync), before anything more is written to it: with writes going on while each fsync runs,
+// a segment would otherwise never be durable to its end, and grow for as long as they go on. It
+// reports whether an fsync is still in flight (never, after a roll-over).
+func (w *Writer) rollOver(inFlight bool, done chan syncResult) bool {
+	if !w.sp.full() {
+		return inFlight
+	}
+	if inFlight {
+		w.endSync(<-done)
+	}
+	if _, ok := w.startSync(done); ok {
+		w.endSync(<-done)
+	}
+	return false
+}
+
+// uncovered reports whether rows are buffered, or written past covered (the last row of the
+// fsync in flight, if any) and not yet fsynced.
+func (w *Writer) uncovered(covered uint64) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.pending > 0 || w.written > max(w.synced, covered)
+}
+
+// syncAll writes and fsyncs every row, once the fsync in flight (if inFlight) has reported to
+// done: the end of the syncer. It gives up after a failure (Close reports it).
+func (w *Writer) syncAll(inFlight bool, done chan syncResult) {
+	if inFlight {
+		w.endSync(<-done)
+	}
+	w.writeOnce()
+	if _, ok := w.startSync(done); ok {
+		w.endSync(<-done)
+	}
+}
+
+// Stored waits until every row appended before the call is stored in the spool: written to
+// the spool file, where a SIGKILL of the process does not lose it, and with Config.Sync
+// fsynced too, where a crash of the machine does not. It has the buffered rows written at
+// once: rows appended by concurrent callers go in one write, and each caller waits for the
+// write that holds its rows. Postgres is not waited for. If the write that was to hold them
+// fails, Stored returns an error wrapping ErrSpoolWrite; the rows stay buffered and later
+// writes retry them. It returns ctx's error if ctx ends first, and ErrClosed if the writer
+// closed without storing them.
+func (w *Writer) Stored(ctx context.Context) error {
+	w.mu.Lock()
+	target, failures := w.nextSeq-1, w.failures
+	w.mu.Unlock()
+	asked := false
+	for {
+		w.mu.Lock()
+		done, failed, err, ch := w.storedLocked() >= target, w.failures != failures, w.syncErr, w.changed
+		w.mu.Unlock()
+		switch {
+		case done:
+			return nil
+		case failed:
+			return fmt.Errorf("storing ledger rows: %w: %w", ErrSpoolWrite, err)
+		case !asked:
+			asked = true
+			select {
+			case w.syncer.writeNow <- struct{}{}:
+			default: // already asked: the next write takes these rows too
+			}
+		}
+		select {
+		case <-ch:
+		case <-w.syncer.done:
+			w.mu.Lock()
+			done = w.storedLocked() >= target
+			w.mu.Unlock()
+			if done {
+				return nil
+			}
+			return fmt.Errorf("storing ledger rows: %w", ErrClosed)
+		case <-ctx.Done():
+			return fmt.Errorf("storing ledger rows: %w", ctx.Err())
+		}
+	}
+}
+
+// storedLocked is the last row Stored counts as stored.
+//
+// +checklocks:w.mu
+func (w *Writer) storedLocked() uint64 {
+	if w.cfg.Sync {
+		return w.synced
+	}
+	return w.written
 }
 
 // popMemLocked drops rows up to pos (handed to the deliverer) from the in-memory queue.
@@ -830,6 +1051,7 @@ func (w *Writer) Stats() Stats {
 	defer w.mu.Unlock()
 	return Stats{
 		Appended:  w.nextSeq - 1,
+		Written:   w.written,
 		Synced:    w.synced,
 		Delivered: w.delivered,
 		Spooled:   w.spooled.Load(),
