@@ -84,18 +84,19 @@ func (req *ExecRequest) validate() error {
 	}
 	for _, kv := range req.Env {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
-			return fmt.Errorf("%w: environment entry %q is not KEY=VALUE", ErrInvalid, kv)
+			return fmt.Errorf("%w: environment entry %.64q is not KEY=VALUE", ErrInvalid, kv)
 		}
 	}
-	for _, a := range req.Argv {
-		if a == "" || strings.IndexByte(a, 0) >= 0 {
-			return fmt.Errorf("%w: argv entries must be non-empty and free of NUL bytes", ErrInvalid)
-		}
+	if strings.IndexByte(req.Command, 0) >= 0 {
+		return fmt.Errorf("%w: NUL byte in command", ErrInvalid)
 	}
-	if strings.IndexByte(req.Command, 0) >= 0 || strings.IndexByte(req.Cwd, 0) >= 0 {
-		return fmt.Errorf("%w: NUL byte in command or cwd", ErrInvalid)
+	if req.Session != "" {
+		return nil // the command goes to the session's shell on its stdin
 	}
-	return nil
+	// The request's own part against the init's limits; Spawn checks the
+	// whole, with the sandbox's environment, before it sends.
+	argv, _ := execArgv(*req)
+	return initproc.CheckArgs(argv, req.Env, req.Cwd)
 }
 
 // env returns the sandbox's base environment with extra on top.
@@ -483,10 +484,10 @@ func (s *Sandbox) spawnError(err error) error {
 	var en unix.Errno
 	if errors.As(err, &en) {
 		switch en {
-		case unix.ENOENT, unix.EACCES, unix.ENOTDIR, unix.ENOEXEC:
+		case unix.ENOENT, unix.EACCES, unix.ENOTDIR, unix.ENOEXEC, unix.ETXTBSY, unix.ELOOP, unix.ENAMETOOLONG, unix.EISDIR:
 			return fmt.Errorf("%w: %w", ErrInvalid, err)
 		case unix.E2BIG:
-			return fmt.Errorf("%w: arguments and environment are too large for exec", ErrInvalid)
+			return fmt.Errorf("%w: arguments and environment are too large for exec: %w", ErrInvalid, err)
 		case unix.EAGAIN:
 			return procstate.PidsError(err, s.spec.Limits.Pids, s.cg)
 		}
