@@ -65,7 +65,7 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, offset, max int64) 
 // (0 means 0644).
 func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode os.FileMode, appendTo bool) error {
 	if len(data) > MaxFileBytes {
-		return fmt.Errorf("%w: write of %d bytes exceeds %d", ErrInvalid, len(data), MaxFileBytes)
+		return fmt.Errorf("%w: write of %d bytes exceeds the file cap of %d bytes; write the file in parts (append)", ErrInvalid, len(data), MaxFileBytes)
 	}
 	if mode == 0 {
 		mode = 0o644
