@@ -96,8 +96,18 @@ func (req *ExecRequest) validate() error {
 	// The request's own part against the init's limits; Spawn checks the
 	// whole, with the sandbox's environment, before it sends.
 	argv, _ := execArgv(*req)
-	return initproc.CheckArgs(argv, req.Env, req.Cwd)
+	if err := initproc.CheckArgs(argv, req.Env, req.Cwd); err != nil {
+		return invalidError{err}
+	}
+	return nil
 }
+
+// invalidError marks err, which says what is wrong with a request (and has the class
+// errdefs.ErrInvalidArgument already), as ErrInvalid, keeping its message.
+type invalidError struct{ error }
+
+// Unwrap returns ErrInvalid and the error.
+func (e invalidError) Unwrap() []error { return []error{ErrInvalid, e.error} }
 
 // env returns the sandbox's base environment with extra on top.
 func (s *Sandbox) env(extra []string) []string {
@@ -480,6 +490,9 @@ func (s *Sandbox) spawnError(err error) error {
 		case <-time.After(100 * time.Millisecond):
 		}
 		return fmt.Errorf("%w: the sandbox's init went away (still running)", ErrClosed)
+	}
+	if errors.Is(err, initproc.ErrTooLarge) || errors.Is(err, initproc.ErrBadArg) {
+		return invalidError{err} // past the init's limits with the sandbox's environment
 	}
 	var en unix.Errno
 	if errors.As(err, &en) {

@@ -184,14 +184,18 @@ func (c *Core) readFile(ctx context.Context, l *envpool.Lease, r ReadFile, attrs
 	return outcome{obs: Observation{ReadFile: &ReadFileResult{Content: data, Size: size, Truncated: r.Offset+int64(len(data)) < size}}}, nil
 }
 
-// agentError returns what the agent observes of err, the failure of an action in a sandbox
+// agentError returns what the agent observes of err, the failure of action a in a sandbox
 // (whose Done channel is gone), when the sandbox's own state caused it; nil when the caller or the infrastructure
 // did (see "Whose fault" above). The agent's: a file action's *sandbox.FileError (whose errnos
 // are only those the sandbox's filesystem gives); a command the init could not start for its
 // directory or its program (initproc.StepCwd, initproc.StepExec), but for E2BIG (the request's
 // size) and the errnos of a fault of the host (EFAULT, EBADF, EIO, ENFILE); a shell session
-// whose shell exited while the sandbox lives.
-func agentError(err error, gone <-chan struct{}) *ActionError {
+// whose shell exited while the sandbox lives. Never for a submit: how its verifier fails is the
+// verifier's (the episode ends failed, class verifier).
+func agentError(a Action, err error, gone <-chan struct{}) *ActionError {
+	if _, ok := a.(Submit); ok {
+		return nil
+	}
 	var fe *sandbox.FileError
 	if errors.As(err, &fe) {
 		return &ActionError{Errno: fe.Errno, Message: fe.Path + ": " + fe.Msg}

@@ -25,36 +25,42 @@ func TestAgentError(t *testing.T) {
 		err   error
 		gone  chan struct{}
 		errno unix.Errno // 0: not the agent's
+		a     Action     // nil: a read_file
 	}{
-		{"missing file", file(unix.ENOENT), live, unix.ENOENT},
-		{"FIFO with no reader", fmt.Errorf("writing: %w", file(unix.ENXIO)), live, unix.ENXIO},
-		{"running binary", file(unix.ETXTBSY), live, unix.ETXTBSY},
-		{"not a regular file", file(unix.EINVAL), live, unix.EINVAL},
-		{"full layer", file(unix.ENOSPC), live, unix.ENOSPC},
-		{"program missing", fmt.Errorf("%w: %w", sandbox.ErrInvalid, spawn(initproc.StepExec, unix.ENOENT)), live, unix.ENOENT},
-		{"program not executable", spawn(initproc.StepExec, unix.EACCES), live, unix.EACCES},
-		{"program busy", spawn(initproc.StepExec, unix.ETXTBSY), live, unix.ETXTBSY},
-		{"cwd missing", spawn(initproc.StepCwd, unix.ENOENT), live, unix.ENOENT},
-		{"argv too large for the kernel", spawn(initproc.StepExec, unix.E2BIG), live, 0},
-		{"argv too large for the init", spawn(initproc.StepInit, unix.E2BIG), live, 0},
-		{"exec fault", spawn(initproc.StepExec, unix.EFAULT), live, 0},
-		{"host out of files", spawn(initproc.StepExec, unix.ENFILE), live, 0},
-		{"joining the cgroup", spawn(initproc.StepCgroup, unix.ENOENT), live, 0},
-		{"switching uid", spawn(initproc.StepCreds, unix.EPERM), live, 0},
-		{"clone in the init", spawn(initproc.StepInit, unix.EAGAIN), live, 0},
-		{"session ended", fmt.Errorf("%w: session s", sandbox.ErrSessionEnded), live, unix.EPIPE},
-		{"session ended with its sandbox", fmt.Errorf("%w: session s", sandbox.ErrSessionEnded), gone, 0},
-		{"bare errno of the host", fmt.Errorf("reading: %w", unix.EIO), live, 0},
-		{"bare ENXIO, not from the sandbox's filesystem", unix.ENXIO, live, 0},
-		{"the init's limits", fmt.Errorf("%w: exec: argv has 6004 entries", initproc.ErrTooLarge), live, 0},
-		{"bad input", fmt.Errorf("%w: path", sandbox.ErrInvalid), live, 0},
-		{"aborted", sandbox.ErrAborted, live, 0},
-		{"closed", sandbox.ErrClosed, live, 0},
-		{"pids limit", fmt.Errorf("%w: the sandbox's pids limit: %w", sandbox.ErrBudget, unix.EAGAIN), live, 0},
+		{"missing file", file(unix.ENOENT), live, unix.ENOENT, nil},
+		{"FIFO with no reader", fmt.Errorf("writing: %w", file(unix.ENXIO)), live, unix.ENXIO, nil},
+		{"running binary", file(unix.ETXTBSY), live, unix.ETXTBSY, nil},
+		{"not a regular file", file(unix.EINVAL), live, unix.EINVAL, nil},
+		{"full layer", file(unix.ENOSPC), live, unix.ENOSPC, nil},
+		{"program missing", fmt.Errorf("%w: %w", sandbox.ErrInvalid, spawn(initproc.StepExec, unix.ENOENT)), live, unix.ENOENT, nil},
+		{"program not executable", spawn(initproc.StepExec, unix.EACCES), live, unix.EACCES, nil},
+		{"program busy", spawn(initproc.StepExec, unix.ETXTBSY), live, unix.ETXTBSY, nil},
+		{"cwd missing", spawn(initproc.StepCwd, unix.ENOENT), live, unix.ENOENT, nil},
+		{"argv too large for the kernel", spawn(initproc.StepExec, unix.E2BIG), live, 0, nil},
+		{"argv too large for the init", spawn(initproc.StepInit, unix.E2BIG), live, 0, nil},
+		{"exec fault", spawn(initproc.StepExec, unix.EFAULT), live, 0, nil},
+		{"host out of files", spawn(initproc.StepExec, unix.ENFILE), live, 0, nil},
+		{"joining the cgroup", spawn(initproc.StepCgroup, unix.ENOENT), live, 0, nil},
+		{"switching uid", spawn(initproc.StepCreds, unix.EPERM), live, 0, nil},
+		{"clone in the init", spawn(initproc.StepInit, unix.EAGAIN), live, 0, nil},
+		{"session ended", fmt.Errorf("%w: session s", sandbox.ErrSessionEnded), live, unix.EPIPE, nil},
+		{"session ended with its sandbox", fmt.Errorf("%w: session s", sandbox.ErrSessionEnded), gone, 0, nil},
+		{"bare errno of the host", fmt.Errorf("reading: %w", unix.EIO), live, 0, nil},
+		{"bare ENXIO, not from the sandbox's filesystem", unix.ENXIO, live, 0, nil},
+		{"the init's limits", fmt.Errorf("%w: exec: argv has 6004 entries", initproc.ErrTooLarge), live, 0, nil},
+		{"bad input", fmt.Errorf("%w: path", sandbox.ErrInvalid), live, 0, nil},
+		{"aborted", sandbox.ErrAborted, live, 0, nil},
+		{"closed", sandbox.ErrClosed, live, 0, nil},
+		{"pids limit", fmt.Errorf("%w: the sandbox's pids limit: %w", sandbox.ErrBudget, unix.EAGAIN), live, 0, nil},
+		{"a submit's verifier that cannot start", spawn(initproc.StepExec, unix.ENOENT), live, 0, Submit{}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got := agentError(tc.err, tc.gone)
+			a := tc.a
+			if a == nil {
+				a = ReadFile{Path: "/p"}
+			}
+			got := agentError(a, tc.err, tc.gone)
 			switch {
 			case tc.errno == 0 && got != nil:
 				t.Fatalf("agentError(%v) = %+v, want nil", tc.err, got)

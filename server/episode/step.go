@@ -90,7 +90,7 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	} else {
 		var err error
 		if out, err = c.act(ctx, b, req.Action, left); err != nil {
-			ae := agentError(err, b.lease.Sandbox().Done())
+			ae := agentError(req.Action, err, b.lease.Sandbox().Done())
 			if ae == nil || envpool.Aborted(ctx) {
 				return StepResult{}, c.stepFailed(ctx, b, err)
 			}
