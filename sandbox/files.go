@@ -102,8 +102,9 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 }
 
 // regularSize returns the size of the open file fd, or a *FileError if it
-// is not a regular file (EISDIR for a directory, else EINVAL). File actions use raw descriptors, not os.File, which
-// would ask the poller to take each one (refused for regular files).
+// is not a regular file (EISDIR for a directory, else EINVAL). File actions
+// use raw descriptors, not os.File, which would ask the poller to take each
+// one (refused for regular files).
 func regularSize(fd int, path string) (int64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
@@ -229,13 +230,16 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 		return err
 	}
 	uid, gid := s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)
+	// Only what fn meets on the sandbox's filesystem is a *FileError; the
+	// failures of reaching the root or taking the user's ids are the host's.
+	op := func(root int, rel string) error { return fileError(path, fn(root, rel)) }
 	// openat2 fails with EAGAIN when a rename races the lookup: retry.
 	for try := 0; try < 8; try++ {
-		if err = s.fileOpOnce(uid, gid, rel, fn); !errors.Is(err, unix.EAGAIN) {
+		if err = s.fileOpOnce(uid, gid, rel, op); !errors.Is(err, unix.EAGAIN) {
 			break
 		}
 	}
-	return fileError(path, err)
+	return err
 }
 
 // fileErrors words the errnos that the sandbox's filesystem gives a file

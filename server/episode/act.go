@@ -185,8 +185,8 @@ func (c *Core) readFile(ctx context.Context, l *envpool.Lease, r ReadFile, attrs
 }
 
 // agentError returns what the agent observes of err, the failure of action a in a sandbox
-// (whose Done channel is gone), when the sandbox's own state caused it; nil when the caller or the infrastructure
-// did (see "Whose fault" above). The agent's: a file action's *sandbox.FileError (whose errnos
+// (whose Done channel is gone), when the sandbox's own state caused it; nil when the caller or
+// the infrastructure did (see "Whose fault" above). The agent's: a file action's *sandbox.FileError (whose errnos
 // are only those the sandbox's filesystem gives); a command the init could not start for its
 // directory or its program (initproc.StepCwd, initproc.StepExec), but for E2BIG (the request's
 // size) and the errnos of a fault of the host (EFAULT, EBADF, EIO, ENFILE); a shell session
@@ -216,7 +216,7 @@ func agentError(a Action, err error, gone <-chan struct{}) *ActionError {
 			return nil
 		default:
 		}
-		return &ActionError{Errno: unix.EPIPE, Message: err.Error()}
+		return &ActionError{Errno: unix.EPIPE, Message: "the session's shell has exited; its next command starts another"}
 	}
 	return nil
 }
