@@ -1,7 +1,10 @@
 package sandbox
 
 import (
+	"cmp"
 	"fmt"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/sandbox/procstate"
@@ -39,4 +42,30 @@ var (
 	// ErrUncopyable: a copy's source holds what a copy refuses (a symlink, device, FIFO or
 	// socket, a tree nested too deep), or more than the copy's limits (CopyFrom).
 	ErrUncopyable = fmt.Errorf("refused to copy: %w", errdefs.ErrFailedPrecondition)
+	// ErrSessionEnded: a shell session's shell has exited (a command run
+	// in it ended it); the session's next command starts another shell.
+	ErrSessionEnded = fmt.Errorf("session ended: %w", errdefs.ErrFailedPrecondition)
 )
+
+// FileError is a file action's failure that the sandbox's filesystem gave:
+// the path missing, of the wrong type (a directory, a FIFO, a socket), not
+// permitted, a running program's, or the writable layer full. Errno is the
+// kernel's answer (EINVAL for a path that is not a regular file, which file
+// actions refuse by policy) and Msg says it in words. It wraps its class
+// (ErrNotFound for ENOENT, ErrBudget for a full layer, else ErrInvalid) and
+// the errno. Faults of the host (EIO, EMFILE, ENOMEM) are not FileErrors.
+type FileError struct {
+	Path  string
+	Errno unix.Errno
+	Msg   string
+	class error
+}
+
+// Error implements error.
+func (e *FileError) Error() string { return e.cls().Error() + ": " + e.Path + ": " + e.Msg }
+
+// Unwrap returns the error's class and its errno.
+func (e *FileError) Unwrap() []error { return []error{e.cls(), e.Errno} }
+
+// cls is the error's class; ErrInvalid for one made without.
+func (e *FileError) cls() error { return cmp.Or(e.class, ErrInvalid) }

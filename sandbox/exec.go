@@ -84,19 +84,30 @@ func (req *ExecRequest) validate() error {
 	}
 	for _, kv := range req.Env {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
-			return fmt.Errorf("%w: environment entry %q is not KEY=VALUE", ErrInvalid, kv)
+			return fmt.Errorf("%w: environment entry %.64q is not KEY=VALUE", ErrInvalid, kv)
 		}
 	}
-	for _, a := range req.Argv {
-		if a == "" || strings.IndexByte(a, 0) >= 0 {
-			return fmt.Errorf("%w: argv entries must be non-empty and free of NUL bytes", ErrInvalid)
-		}
+	if strings.IndexByte(req.Command, 0) >= 0 {
+		return fmt.Errorf("%w: NUL byte in command", ErrInvalid)
 	}
-	if strings.IndexByte(req.Command, 0) >= 0 || strings.IndexByte(req.Cwd, 0) >= 0 {
-		return fmt.Errorf("%w: NUL byte in command or cwd", ErrInvalid)
+	if req.Session != "" {
+		return nil // the command goes to the session's shell on its stdin
+	}
+	// The request's own part against the init's limits; Spawn checks the
+	// whole, with the sandbox's environment, before it sends.
+	argv, _ := execArgv(*req)
+	if err := initproc.CheckArgs(argv, req.Env, req.Cwd); err != nil {
+		return invalidError{err}
 	}
 	return nil
 }
+
+// invalidError marks err, which says what is wrong with a request (and has the class
+// errdefs.ErrInvalidArgument already), as ErrInvalid, keeping its message.
+type invalidError struct{ error }
+
+// Unwrap returns ErrInvalid and the error.
+func (e invalidError) Unwrap() []error { return []error{ErrInvalid, e.error} }
 
 // env returns the sandbox's base environment with extra on top.
 func (s *Sandbox) env(extra []string) []string {
@@ -480,13 +491,16 @@ func (s *Sandbox) spawnError(err error) error {
 		}
 		return fmt.Errorf("%w: the sandbox's init went away (still running)", ErrClosed)
 	}
+	if errors.Is(err, initproc.ErrTooLarge) || errors.Is(err, initproc.ErrBadArg) {
+		return invalidError{err} // past the init's limits with the sandbox's environment
+	}
 	var en unix.Errno
 	if errors.As(err, &en) {
 		switch en {
-		case unix.ENOENT, unix.EACCES, unix.ENOTDIR, unix.ENOEXEC:
+		case unix.ENOENT, unix.EACCES, unix.ENOTDIR, unix.ENOEXEC, unix.ETXTBSY, unix.ELOOP, unix.ENAMETOOLONG, unix.EISDIR:
 			return fmt.Errorf("%w: %w", ErrInvalid, err)
 		case unix.E2BIG:
-			return fmt.Errorf("%w: arguments and environment are too large for exec", ErrInvalid)
+			return fmt.Errorf("%w: arguments and environment are too large for exec: %w", ErrInvalid, err)
 		case unix.EAGAIN:
 			return procstate.PidsError(err, s.spec.Limits.Pids, s.cg)
 		}

@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -64,7 +65,7 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, offset, max int64) 
 // (0 means 0644).
 func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode os.FileMode, appendTo bool) error {
 	if len(data) > MaxFileBytes {
-		return fmt.Errorf("%w: write of %d bytes exceeds %d", ErrInvalid, len(data), MaxFileBytes)
+		return fmt.Errorf("%w: write of %d bytes exceeds the file cap of %d bytes; write the file in parts (append)", ErrInvalid, len(data), MaxFileBytes)
 	}
 	if mode == 0 {
 		mode = 0o644
@@ -100,18 +101,39 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode 
 	})
 }
 
-// regularSize returns the size of the open file fd, or ErrInvalid if it is
-// not a regular file. File actions use raw descriptors, not os.File, which
-// would ask the poller to take each one (refused for regular files).
+// regularSize returns the size of the open file fd, or a *FileError if it
+// is not a regular file (EISDIR for a directory, else EINVAL). File actions
+// use raw descriptors, not os.File, which would ask the poller to take each
+// one (refused for regular files).
 func regularSize(fd int, path string) (int64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return 0, err
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return 0, fmt.Errorf("%w: %s is not a regular file", ErrInvalid, path)
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+	case unix.S_IFDIR:
+		return 0, &FileError{Path: path, Errno: unix.EISDIR, Msg: "is a directory", class: ErrInvalid}
+	default:
+		return 0, &FileError{Path: path, Errno: unix.EINVAL, Msg: fileType(st.Mode) + ", not a regular file", class: ErrInvalid}
 	}
 	return st.Size, nil
+}
+
+// fileType names the type of a file that is not a regular file or a
+// directory.
+func fileType(mode uint32) string {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFIFO:
+		return "a FIFO"
+	case unix.S_IFSOCK:
+		return "a socket"
+	case unix.S_IFCHR:
+		return "a character device"
+	case unix.S_IFBLK:
+		return "a block device"
+	}
+	return "a special file"
 }
 
 // preadFull reads into b from offset until b is full or the file ends.
@@ -208,39 +230,60 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 		return err
 	}
 	uid, gid := s.hostID+int(s.spec.UID), s.hostID+int(s.spec.GID)
+	// Only what fn meets on the sandbox's filesystem is a *FileError; the
+	// failures of reaching the root or taking the user's ids are the host's.
+	op := func(root int, rel string) error { return fileError(path, fn(root, rel)) }
 	// openat2 fails with EAGAIN when a rename races the lookup: retry.
 	for try := 0; try < 8; try++ {
-		if err = s.fileOpOnce(uid, gid, rel, fn); !errors.Is(err, unix.EAGAIN) {
+		if err = s.fileOpOnce(uid, gid, rel, op); !errors.Is(err, unix.EAGAIN) {
 			break
 		}
 	}
-	if err == nil {
-		return nil
+	return err
+}
+
+// fileErrors words the errnos that the sandbox's filesystem gives a file
+// action, with their class (ErrInvalid where none is given). Other errnos
+// (EIO, EMFILE, ENOMEM, …) are the host's, and stay bare.
+var fileErrors = map[unix.Errno]struct {
+	msg   string
+	class error
+}{
+	unix.ENOENT:       {"no such file or directory", ErrNotFound},
+	unix.EISDIR:       {"is a directory", nil},
+	unix.ENOTDIR:      {"a parent is not a directory", nil},
+	unix.EACCES:       {"permission denied", nil},
+	unix.EPERM:        {"operation not permitted", nil},
+	unix.EXDEV:        {"leaves the sandbox's filesystem", nil},
+	unix.ELOOP:        {"leaves the sandbox's filesystem (or too many symbolic links)", nil},
+	unix.ENXIO:        {"a socket, or a FIFO with no reader: not a regular file", nil},
+	unix.ETXTBSY:      {"a running program's file (text file busy)", nil},
+	unix.ENOSPC:       {"the sandbox's writable layer is full", ErrBudget},
+	unix.EDQUOT:       {"the sandbox's writable layer is full", ErrBudget},
+	unix.EFBIG:        {"file too large", nil},
+	unix.EMLINK:       {"too many links", nil},
+	unix.EROFS:        {"read-only file system", nil},
+	unix.ENAMETOOLONG: {"name too long", nil},
+	unix.EAGAIN:       {"changed while being resolved; try again", nil},
+}
+
+// fileError turns err, a file action's failure on path, into a *FileError
+// when the sandbox's filesystem gave it (fileErrors); other errors return
+// as they are.
+func fileError(path string, err error) error {
+	var fe *FileError
+	if err == nil || errors.As(err, &fe) {
+		return err
 	}
 	var en unix.Errno
-	if errors.As(err, &en) {
-		switch en {
-		case unix.ENOENT:
-			return fmt.Errorf("%w: %s: no such file or directory", ErrNotFound, path)
-		case unix.EISDIR:
-			return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)
-		case unix.ENOTDIR:
-			return fmt.Errorf("%w: %s: a parent is not a directory", ErrInvalid, path)
-		case unix.EACCES, unix.EPERM:
-			return fmt.Errorf("%w: %s: permission denied", ErrInvalid, path)
-		case unix.EXDEV, unix.ELOOP:
-			return fmt.Errorf("%w: %s: leaves the sandbox's filesystem", ErrInvalid, path)
-		case unix.ENOSPC, unix.EDQUOT:
-			return fmt.Errorf("%w: %s: the sandbox's writable layer is full", ErrBudget, path)
-		case unix.EROFS:
-			return fmt.Errorf("%w: %s: read-only file system", ErrInvalid, path)
-		case unix.ENAMETOOLONG:
-			return fmt.Errorf("%w: %s: name too long", ErrInvalid, path)
-		case unix.EAGAIN:
-			return fmt.Errorf("%w: %s changed while being resolved; try again", ErrInvalid, path)
-		}
+	if !errors.As(err, &en) {
+		return err
 	}
-	return err
+	e, ok := fileErrors[en]
+	if !ok {
+		return err
+	}
+	return &FileError{Path: path, Errno: en, Msg: e.msg, class: cmp.Or(e.class, ErrInvalid)}
 }
 
 // fileOpOnce runs fn on the sandbox's root (opened as host root: the init

@@ -308,6 +308,11 @@ func (s *Sandbox) withRootHeld(rel string, fn func(root int) error) error {
 		}
 		return fn(s.fs.root)
 	}
+	// Until the last swap's old root is detached, it sits on the root's
+	// "/" (launch.Init.Swap): a resolution that steps onto "/" by ".."
+	// (a path's, or a relative link's such as /etc/os-release's) would
+	// cross it, which RESOLVE_NO_XDEV refuses with EXDEV.
+	s.init.Settled()
 	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("%w: the sandbox's init went away", ErrClosed)

@@ -186,17 +186,23 @@ func ansiC(s string) string {
 	return b.String()
 }
 
+// sessionEnded is the error of a command sent to session name after its
+// shell exited.
+func sessionEnded(name string) error {
+	return fmt.Errorf("%w: session %s: its shell has exited", ErrSessionEnded, name)
+}
+
 func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, error) {
 	se.mu.Lock()
 	defer se.mu.Unlock()
 	if se.broken {
-		return ExecResult{}, fmt.Errorf("%w: session %s has ended", ErrClosed, se.name)
+		return ExecResult{}, sessionEnded(se.name)
 	}
 	tag := "__DG_" + se.nonce
 	start := time.Now()
 	if _, err := se.stdin.Write([]byte(sessionScript(req, tag))); err != nil {
 		se.broken = true
-		return ExecResult{}, fmt.Errorf("%w: session %s has ended", ErrClosed, se.name)
+		return ExecResult{}, sessionEnded(se.name)
 	}
 	outc := make(chan out, 1)
 	errc := make(chan out, 1)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # build-default-image.sh OUT_DIR builds the default sandbox image rootfs for `make run`:
 # a Debian bookworm minbase with bash, coreutils, python3, git and ca-certificates, made by
-# Debian's mmdebstrap. It builds into a temp dir beside OUT_DIR and renames it into place, so
-# OUT_DIR is either complete (with a stamp file) or absent. A second run with the same OUT_DIR
-# does nothing.
+# Debian's mmdebstrap, with the host name "sandbox" and localhost entries in /etc/hosts
+# (image-identity.sh), never the build host's. It builds into a temp dir beside OUT_DIR and
+# renames it into place, so OUT_DIR is either complete (with a stamp file) or absent. A second
+# run with the same OUT_DIR does nothing.
 set -euo pipefail
 
 if [ $# -ne 1 ]; then
@@ -52,9 +53,11 @@ mmdebstrap --variant=minbase --include="$include" \
 	--customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*' \
 	"$suite" "$tmp/rootfs"
 
-echo "build-default-image: [3/4] trimming apt caches and lists"
+echo "build-default-image: [3/4] trimming apt caches and lists; the sandbox's host name and hosts"
 rm -rf "$tmp/rootfs/var/cache/apt/"* "$tmp/rootfs/var/lib/apt/lists/"* "$tmp/rootfs/var/log/apt/"*
 mkdir -p "$tmp/rootfs/var/lib/apt/lists/partial"
+# mmdebstrap copies the build host's name into /etc/hostname: a sandbox gets a fixed one.
+"$here/image-identity.sh" "$tmp/rootfs"
 
 echo "build-default-image: [4/4] installing into $out"
 printf 'mmdebstrap %s minbase include=%s built %s\n' "$suite" "$include" "$(date -u +%FT%TZ)" >"$tmp/rootfs/$stamp"

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
 
@@ -87,7 +88,8 @@ type Config struct {
 	// ImportMaxBytes caps what one image import may write (file contents, after
 	// decompression). Default 16 GiB.
 	ImportMaxBytes int64
-	// MaxRequestBytes bounds one request message. Default 16 MiB.
+	// MaxRequestBytes bounds one request message. Default RequestCapFor(sandbox.MaxFileBytes):
+	// a write_file of the largest file a sandbox takes fits in every encoding.
 	MaxRequestBytes int
 	// LeaseTTL is how long a sandbox lives without a call or heartbeat. Default 10m.
 	LeaseTTL time.Duration
@@ -205,7 +207,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		c.ImportMaxBytes = n
 		return nil
 	})
-	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", max(c.MaxRequestBytes, 16<<20), "largest accepted request message")
+	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", cmp.Or(c.MaxRequestBytes, RequestCapFor(sandbox.MaxFileBytes)),
+		"largest accepted request message, in `bytes` (the default carries a write_file of the largest file a sandbox takes, 64 MiB, in every encoding: Connect JSON base64-encodes it)")
 	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")
 	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
 	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
@@ -273,7 +276,7 @@ func (c *Config) defaults() error {
 		c.ImportMaxBytes = defaultImportMaxBytes
 	}
 	if c.MaxRequestBytes <= 0 {
-		c.MaxRequestBytes = 16 << 20
+		c.MaxRequestBytes = RequestCapFor(sandbox.MaxFileBytes)
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 30 * time.Second

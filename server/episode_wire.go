@@ -63,8 +63,12 @@ func action(a *deltagymv1.Action) episode.Action {
 	return nil
 }
 
-// seconds converts a number of seconds from the wire, saturating where a Duration ends.
+// seconds converts a number of seconds from the wire, saturating where a Duration ends. NaN
+// and the infinities, which no timeout means, become negative, which the core refuses.
 func seconds(s float64) time.Duration {
+	if math.IsNaN(s) || math.IsInf(s, 0) {
+		return -1
+	}
 	switch d := s * float64(time.Second); {
 	case d >= math.MaxInt64:
 		return math.MaxInt64

@@ -264,7 +264,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
-		refuse: s.obs.authRefused, next: mux}
+		refuse: s.obs.authRefused, next: capBodies(mux, s.cfg.MaxRequestBytes)}
 	if g.on {
 		g.want = sha256.Sum256([]byte(s.token))
 	}

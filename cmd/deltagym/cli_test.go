@@ -260,6 +260,21 @@ func TestPrintExec(t *testing.T) {
 	}
 }
 
+// An action the sandbox's state refused is said on stderr with its errno and the step's notes,
+// and gives the CLI's exit status.
+func TestObservedError(t *testing.T) {
+	var errb bytes.Buffer
+	res := &deltagymv1.StepResponse{CheckpointId: "ck-1", Observation: &deltagymv1.Observation{
+		Error: &deltagymv1.ActionError{Errno: 6, ErrnoName: "ENXIO", Message: "/tmp/sock: a socket, or a FIFO with no reader: not a regular file"}}}
+	err := observedError(&errb, res, 1)
+	if want := "deltagym: /tmp/sock: a socket, or a FIFO with no reader: not a regular file (ENXIO); checkpoint ck-1\n"; errb.String() != want || err != commandExit(1) {
+		t.Fatalf("stderr %q, err %v; want %q, status 1", errb.String(), err, want)
+	}
+	if got := summarizeObservation(res.GetObservation()); got != "error ENXIO" {
+		t.Fatalf("summary %q", got)
+	}
+}
+
 func execResponse(e *deltagymv1.ExecResult) *deltagymv1.StepResponse {
 	return &deltagymv1.StepResponse{Observation: &deltagymv1.Observation{Kind: &deltagymv1.Observation_Exec{Exec: e}}}
 }

@@ -172,6 +172,13 @@ func (e *execCmd) Run(ctx context.Context, a *app) error {
 	}
 	if a.JSON {
 		err = printJSON(a.stdout, res.Msg)
+	} else if e := res.Msg.GetObservation().GetError(); e != nil {
+		// As a shell says of a command it cannot run: 127 not found, 126 otherwise.
+		status := commandExit(126)
+		if e.GetErrnoName() == "ENOENT" {
+			status = 127
+		}
+		return observedError(a.stderr, res.Msg, status)
 	} else {
 		err = printExec(a.stdout, a.stderr, res.Msg)
 	}
@@ -179,6 +186,15 @@ func (e *execCmd) Run(ctx context.Context, a *app) error {
 		return err
 	}
 	return commandStatus(res.Msg.GetObservation().GetExec())
+}
+
+// observedError reports an action that the sandbox's own state refused (the observation's
+// error) on stderr, with the step's notes, and returns status, the CLI's exit status.
+func observedError(stderr io.Writer, m *deltagymv1.StepResponse, status commandExit) error {
+	e := m.GetObservation().GetError()
+	notes := append([]string{fmt.Sprintf("%s (%s)", e.GetMessage(), e.GetErrnoName())}, stepNotes(m)...)
+	fmt.Fprintf(stderr, "deltagym: %s\n", strings.Join(notes, "; "))
+	return status
 }
 
 // commandExit carries the exit status of a command run by `exec`, which the
@@ -322,6 +338,9 @@ func (wc *writeCmd) Run(ctx context.Context, a *app) error {
 	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
+	if res.Msg.GetObservation().GetError() != nil {
+		return observedError(a.stderr, res.Msg, 1)
+	}
 	fmt.Fprintf(a.stdout, "wrote %d bytes to %s (file size %d)\n", len(action.Content), action.Path, res.Msg.GetObservation().GetWriteFile().GetSize())
 	if notes := stepNotes(res.Msg); len(notes) > 0 {
 		fmt.Fprintf(a.stderr, "deltagym: %s\n", strings.Join(notes, "; "))
@@ -352,6 +371,9 @@ func (r *readCmd) Run(ctx context.Context, a *app) error {
 	}
 	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
+	}
+	if res.Msg.GetObservation().GetError() != nil {
+		return observedError(a.stderr, res.Msg, 1)
 	}
 	rf := res.Msg.GetObservation().GetReadFile()
 	if _, err := a.stdout.Write(rf.GetContent()); err != nil {

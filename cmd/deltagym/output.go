@@ -139,6 +139,9 @@ func summarizeAction(a *deltagymv1.Action) string {
 
 // summarizeObservation describes an observation in a few words.
 func summarizeObservation(o *deltagymv1.Observation) string {
+	if e := o.GetError(); e != nil {
+		return "error " + e.GetErrnoName()
+	}
 	switch k := o.GetKind().(type) {
 	case *deltagymv1.Observation_Exec:
 		return execStatus(k.Exec)

@@ -16,10 +16,13 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
 )
 
 // Message types; they match the enum in csrc/init.c.
@@ -266,20 +269,132 @@ type SpawnRequest struct {
 // ErrSpawn wraps the errno with which a command could not be started.
 var ErrSpawn = errors.New("starting command")
 
+// ErrTooLarge is a command past the init's limits (CheckArgs). It is the
+// request's fault, whatever the sandbox holds. Its message is its class's,
+// which the server drops from messages whose status code says it.
+var ErrTooLarge = fmt.Errorf("%w", errdefs.ErrInvalidArgument)
+
+// ErrBadArg is a command the init's wire format cannot carry: an empty
+// argument, or a NUL byte in a string. It is the request's fault.
+var ErrBadArg = fmt.Errorf("%w", errdefs.ErrInvalidArgument)
+
+// The init's limits on a command (csrc/init.c). A request past one is
+// refused before it is sent: the init would cut it (drop the arguments past
+// its table, and the environment with them) or drop the message.
+const (
+	// MaxEntries is how many argv and environment entries a command takes
+	// in all: the init's table of MAXARGS (4096) pointers less the two NULL
+	// ends.
+	MaxEntries = 4094
+	// MaxPayload is the most bytes of a spawn request's payload (header,
+	// cwd, argv and environment, each string NUL-terminated): under both the
+	// init's receive buffer (MAXMSG, 256 KiB) and the socket's send buffer
+	// (net.core.wmem_default, 208 KiB by default), which bounds one
+	// SOCK_SEQPACKET message.
+	MaxPayload = 200 << 10
+	// MaxString is the longest one argument or KEY=VALUE may be, in bytes:
+	// the kernel's MAX_ARG_STRLEN (32 pages) less the NUL; execve fails with
+	// E2BIG past it.
+	MaxString = 32*4096 - 1
+)
+
+// spawnHdrLen is the size of the spawn header (struct spawn_hdr of init.c).
+const spawnHdrLen = 16
+
+// CheckArgs checks a command against the init's limits (MaxEntries,
+// MaxPayload, MaxString) and its wire format (no empty argument, no NUL
+// byte). env is the command's whole environment, KEY=VALUE. An error wraps
+// ErrTooLarge or ErrBadArg and says which limit and by how much.
+func CheckArgs(argv, env []string, cwd string) error {
+	if len(argv) == 0 {
+		return fmt.Errorf("%w: exec: empty argv", ErrBadArg)
+	}
+	if n := len(argv) + len(env); n > MaxEntries {
+		return fmt.Errorf("%w: exec: argv has %d entries and the environment %d (the sandbox's own variables included): a command takes at most %d in all",
+			ErrTooLarge, len(argv), len(env), MaxEntries)
+	}
+	size := spawnHdrLen + len(cwd) + 1 + 1 + 1 // cwd and the two empty strings that end argv and env
+	if strings.IndexByte(cwd, 0) >= 0 {
+		return fmt.Errorf("%w: exec: NUL byte in cwd", ErrBadArg)
+	}
+	for i, a := range argv {
+		switch {
+		case a == "":
+			// An empty argument would end argv early in the wire format.
+			return fmt.Errorf("%w: exec: argv[%d] is empty", ErrBadArg, i)
+		case strings.IndexByte(a, 0) >= 0:
+			return fmt.Errorf("%w: exec: NUL byte in argv[%d]", ErrBadArg, i)
+		case len(a) > MaxString:
+			return fmt.Errorf("%w: exec: argv[%d] is %d bytes: at most %d (the kernel's limit on one argument)", ErrTooLarge, i, len(a), MaxString)
+		}
+		size += len(a) + 1
+	}
+	for _, kv := range env {
+		switch {
+		case strings.IndexByte(kv, 0) >= 0:
+			k, _, _ := strings.Cut(kv, "=")
+			return fmt.Errorf("%w: exec: NUL byte in environment variable %.64q", ErrBadArg, k)
+		case len(kv) > MaxString:
+			k, _, _ := strings.Cut(kv, "=")
+			return fmt.Errorf("%w: exec: environment variable %.64q is %d bytes: at most %d (the kernel's limit on one variable)", ErrTooLarge, k, len(kv), MaxString)
+		}
+		size += len(kv) + 1
+	}
+	if size > MaxPayload {
+		return fmt.Errorf("%w: exec: argv, environment and cwd take %d bytes (%d argv entries, %d variables, the sandbox's own included): a command takes at most %d",
+			ErrTooLarge, size, len(argv), len(env), MaxPayload)
+	}
+	return nil
+}
+
+// Steps at which the init can fail to start a command (SpawnError.Step);
+// they match child_main in csrc/init.c.
+const (
+	// StepInit: the init itself (cloning the command, or reading the
+	// request).
+	StepInit = 0
+	// StepCgroup: joining the command's cgroup.
+	StepCgroup = 1
+	// StepStdio: setting up fds 0, 1 and 2.
+	StepStdio = 2
+	// StepCreds: switching to the command's uid and gid.
+	StepCreds = 4
+	// StepCwd: changing to the command's directory.
+	StepCwd = 6
+	// StepExec: executing the program.
+	StepExec = 9
+)
+
+// SpawnError is the init's failure to start a command: the step that
+// failed and the errno it gave. It wraps ErrSpawn and the errno.
+type SpawnError struct {
+	Step  int
+	Errno syscall.Errno
+	what  string
+}
+
+// Error implements error.
+func (e *SpawnError) Error() string { return fmt.Sprintf("%v%s: %v", ErrSpawn, e.what, e.Errno) }
+
+// Unwrap returns ErrSpawn and the errno.
+func (e *SpawnError) Unwrap() []error { return []error{ErrSpawn, e.Errno} }
+
 // Spawn starts a command and returns its pid inside the sandbox and a
 // channel that receives its exit (closed without a value if the init goes
-// away first). Call Forget for a pid whose exit no one will read.
+// away first). Call Forget for a pid whose exit no one will read. A request
+// past the init's limits is refused before it is sent (CheckArgs); a
+// command the init could not start gives a *SpawnError.
 func (c *Conn) Spawn(req SpawnRequest) (int, <-chan ExitEvent, error) {
 	pid, exit, err := c.spawn(req)
 	return pid, exit, err
 }
 
 func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
-	if len(req.Argv) == 0 {
-		return 0, nil, fmt.Errorf("%w: empty argv", ErrSpawn)
+	if err := CheckArgs(req.Argv, req.Env, req.Cwd); err != nil {
+		return 0, nil, err
 	}
 	var b bytes.Buffer
-	var h [16]byte
+	var h [spawnHdrLen]byte
 	binary.NativeEndian.PutUint32(h[0:], req.Flags)
 	binary.NativeEndian.PutUint32(h[4:], req.UID)
 	binary.NativeEndian.PutUint32(h[8:], req.GID)
@@ -287,21 +402,9 @@ func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
 	b.Write(h[:])
 	for _, s := range [][]string{{req.Cwd}, req.Argv, {""}, req.Env, {""}} {
 		for _, x := range s {
-			if bytes.IndexByte([]byte(x), 0) >= 0 {
-				return 0, nil, fmt.Errorf("%w: NUL byte in an argument or variable", ErrSpawn)
-			}
 			b.WriteString(x)
 			b.WriteByte(0)
 		}
-	}
-	for _, a := range req.Argv {
-		if a == "" {
-			// An empty argument would end argv early in the wire format.
-			return 0, nil, fmt.Errorf("%w: empty argument in argv", ErrSpawn)
-		}
-	}
-	if b.Len() > 200*1024 {
-		return 0, nil, fmt.Errorf("%w: argv and env exceed 200 KiB", ErrSpawn)
 	}
 	fds := []int{int(req.Stdin.Fd()), int(req.Stdout.Fd()), int(req.Stderr.Fd())}
 	for _, f := range req.CgroupProcs {
@@ -316,16 +419,18 @@ func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
 		if r.val > 0 {
 			c.Forget(int(r.val))
 		}
-		errno := syscall.Errno(r.err & 0xffff)
-		switch r.err >> 16 { // the step of init.c's child_main that failed
-		case 1:
-			return 0, nil, fmt.Errorf("%w: joining the command's cgroup: %w", ErrSpawn, errno)
-		case 4:
-			return 0, nil, fmt.Errorf("%w: switching to uid %d: %w", ErrSpawn, req.UID, errno)
-		case 6:
-			return 0, nil, fmt.Errorf("%w: changing to directory %q: %w", ErrSpawn, req.Cwd, errno)
+		se := &SpawnError{Step: int(r.err >> 16), Errno: syscall.Errno(r.err & 0xffff)}
+		switch se.Step {
+		case StepCgroup:
+			se.what = ": joining the command's cgroup"
+		case StepCreds:
+			se.what = fmt.Sprintf(": switching to uid %d", req.UID)
+		case StepCwd:
+			se.what = fmt.Sprintf(": changing to directory %q", req.Cwd)
+		default:
+			se.what = fmt.Sprintf(" %q", req.Argv[0])
 		}
-		return 0, nil, fmt.Errorf("%w %q: %w", ErrSpawn, req.Argv[0], errno)
+		return 0, nil, se
 	}
 	return int(r.val), exit, nil
 }

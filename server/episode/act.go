@@ -6,29 +6,43 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/initproc"
 )
+
+// Whose fault an action's failure is. Each failure of a step's action is charged to one of
+// three, here and nowhere else:
+//
+//   - The caller's: the request is wrong whatever the sandbox holds (a missing field, an argv
+//     past the init's limits, a NUL byte in a string, '=' in a variable's name, a timeout that
+//     is negative, NaN or infinite). It is refused with invalid_argument before anything runs
+//     (validate, then the runtime's own checks, sandbox.ExecRequest and initproc.CheckArgs, which
+//     run before anything reaches the sandbox); nothing is recorded or changed.
+//   - The agent's: the sandbox's own state, which the agent's steps made, refused the action (a
+//     path that is missing, a directory, a FIFO, a socket or a running binary; a program that is
+//     missing or not executable; a full writable layer). The step is answered with
+//     Observation.Error, recorded and counted like any other, and the episode goes on
+//     (agentError).
+//   - The infrastructure's: the server or the machine failed (InfraFailure); the episode ends
+//     failed with class infra.
+//
+// What is none of these (an abort by Restore or Close, the caller's own deadline, the pids
+// limit) fails the call with its own code and leaves the episode as it is.
 
 // validate checks an action before anything runs.
 func validate(a Action) error {
 	switch x := a.(type) {
 	case Exec:
-		if (x.Command == "") == (len(x.Argv) == 0) {
-			return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
-		}
-		if x.Session != "" && len(x.Argv) > 0 {
-			return fmt.Errorf("exec with a session takes a command, not argv: %w", ErrInvalid)
-		}
-		if x.Timeout < 0 {
-			return fmt.Errorf("exec timeout_seconds %v is negative: %w", x.Timeout.Seconds(), ErrInvalid)
-		}
+		return validateExec(x)
 	case WriteFile:
 		if x.Path == "" {
 			return fmt.Errorf("write_file needs a path: %w", ErrInvalid)
@@ -46,6 +60,32 @@ func validate(a Action) error {
 	case Submit:
 	default:
 		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit; in JSON exec, writeFile, readFile or submit, other names are ignored): %w", ErrInvalid)
+	}
+	return nil
+}
+
+// validateExec checks an exec action before anything runs; the limits of the sandbox's init
+// on argv and the environment are checked by the runtime (sandbox.ExecRequest), which knows the
+// sandbox's own environment.
+func validateExec(x Exec) error {
+	if (x.Command == "") == (len(x.Argv) == 0) {
+		return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
+	}
+	if x.Session != "" && len(x.Argv) > 0 {
+		return fmt.Errorf("exec with a session takes a command, not argv: %w", ErrInvalid)
+	}
+	if x.Timeout < 0 {
+		return fmt.Errorf("exec timeout_seconds must be a finite number of seconds, 0 or more (0: the env's step timeout), not a negative, NaN or infinite one: %w", ErrInvalid)
+	}
+	for k, v := range x.Env {
+		switch {
+		case k == "":
+			return fmt.Errorf("exec env has a variable with an empty name: %w", ErrInvalid)
+		case strings.ContainsAny(k, "=\x00"):
+			return fmt.Errorf("exec env variable name %.64q contains '=' or a NUL byte: %w", k, ErrInvalid)
+		case strings.IndexByte(v, 0) >= 0:
+			return fmt.Errorf("exec env variable %.64q has a NUL byte in its value: %w", k, ErrInvalid)
+		}
 	}
 	return nil
 }
@@ -144,6 +184,43 @@ func (c *Core) readFile(ctx context.Context, l *envpool.Lease, r ReadFile, attrs
 		return outcome{}, err
 	}
 	return outcome{obs: Observation{ReadFile: &ReadFileResult{Content: data, Size: size, Truncated: r.Offset+int64(len(data)) < size}}}, nil
+}
+
+// agentError returns what the agent observes of err, the failure of action a in a sandbox
+// (whose Done channel is gone), when the sandbox's own state caused it; nil when the caller or
+// the infrastructure did (see "Whose fault" above). The agent's: a file action's *sandbox.FileError (whose errnos
+// are only those the sandbox's filesystem gives); a command the init could not start for its
+// directory or its program (initproc.StepCwd, initproc.StepExec), but for E2BIG (the request's
+// size) and the errnos of a fault of the host (EFAULT, EBADF, EIO, ENFILE); a shell session
+// whose shell exited while the sandbox lives. Never for a submit: how its verifier fails is the
+// verifier's (the episode ends failed, class verifier).
+func agentError(a Action, err error, gone <-chan struct{}) *ActionError {
+	if _, ok := a.(Submit); ok {
+		return nil
+	}
+	var fe *sandbox.FileError
+	if errors.As(err, &fe) {
+		return &ActionError{Errno: fe.Errno, Message: fe.Path + ": " + fe.Msg}
+	}
+	var se *initproc.SpawnError
+	if errors.As(err, &se) {
+		switch {
+		case se.Step != initproc.StepCwd && se.Step != initproc.StepExec:
+			return nil
+		case se.Errno == unix.E2BIG, se.Errno == unix.EFAULT, se.Errno == unix.EBADF, se.Errno == unix.EIO, se.Errno == unix.ENFILE:
+			return nil
+		}
+		return &ActionError{Errno: se.Errno, Message: se.Error()}
+	}
+	if errors.Is(err, sandbox.ErrSessionEnded) {
+		select {
+		case <-gone: // the sandbox went with it: InfraFailure's
+			return nil
+		default:
+		}
+		return &ActionError{Errno: unix.EPIPE, Message: "the session's shell has exited; its next command starts another"}
+	}
+	return nil
 }
 
 // callErr turns an error of a call begun on a lease into envpool.ErrAborted when Restore or

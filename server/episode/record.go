@@ -83,6 +83,9 @@ func actionProto(a Action) *deltagymv1.Action {
 // ObservationProto is o's API form (nil for a skipped step's).
 func ObservationProto(o Observation) *deltagymv1.Observation {
 	switch {
+	case o.Error != nil:
+		e := o.Error
+		return &deltagymv1.Observation{Error: &deltagymv1.ActionError{Errno: int32(e.Errno), ErrnoName: unix.ErrnoName(e.Errno), Message: e.Message}}
 	case o.Exec != nil:
 		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Exec{Exec: ExecResultProto(*o.Exec)}}
 	case o.WriteFile != nil:

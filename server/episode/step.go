@@ -22,7 +22,9 @@ import (
 // budget: judging the episode is not the agent's time.) The step budget (budgets.max_steps)
 // truncates the step that reaches it.
 //
-// Failures: a verifier that fails or prints no reward ends the episode failed with class
+// Failures: an action that the sandbox's own state refused (agentError) is the agent's: the
+// step answers with Observation.Error, is recorded and counted, and the episode goes on. A
+// verifier that fails or prints no reward ends the episode failed with class
 // verifier (the step still answers, with info verifier_error); an action that fails because the
 // sandbox is gone or the server failed (InfraFailure) ends it failed with class infra, and the
 // step returns the error.
@@ -92,7 +94,11 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	} else {
 		var err error
 		if out, err = c.act(ctx, b, req.Action, left); err != nil {
-			return StepResult{}, c.stepFailed(ctx, b, err)
+			ae := agentError(req.Action, err, b.lease.Sandbox().Done())
+			if ae == nil || envpool.Aborted(ctx) {
+				return StepResult{}, c.stepFailed(ctx, b, err)
+			}
+			out = outcome{obs: Observation{Error: ae}} // the agent's: observed, recorded, counted
 		}
 	}
 	took := time.Since(start)

@@ -4,6 +4,8 @@ import (
 	"os"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/deltagym/deltagym/sandbox"
 )
 
@@ -61,12 +63,21 @@ func (ReadFile) Kind() string { return "read_file" }
 // Kind returns "submit".
 func (Submit) Kind() string { return "submit" }
 
-// Observation is what an action saw; exactly one field is set, none for a skipped step.
+// Observation is what an action saw; exactly one field is set, none for a skipped step. Error
+// is set, alone, when the sandbox's own state refused the action (classify).
 type Observation struct {
 	Exec      *sandbox.ExecResult
 	WriteFile *WriteFileResult
 	ReadFile  *ReadFileResult
 	Submit    *SubmitResult
+	Error     *ActionError
+}
+
+// ActionError is why the sandbox's state refused an action: the errno it gave and what failed
+// where, in words.
+type ActionError struct {
+	Errno   unix.Errno
+	Message string
 }
 
 // WriteFileResult is the size of the file after a write.

@@ -158,6 +158,8 @@ def heartbeat_interval(ttl: Optional[float]) -> float:
 
 def observation_text(obs: action_pb2.Observation) -> str:
     """Renders an observation as the text an agent reads."""
+    if obs.HasField("error"):  # the sandbox's state refused the action
+        return f"[{obs.error.errno_name}: {obs.error.message}]\n"
     kind = obs.WhichOneof("kind")
     if kind == "exec":
         return exec_text(obs.exec)

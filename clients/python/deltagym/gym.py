@@ -127,6 +127,8 @@ class SandboxEnv(gymnasium.Env):
             info["exit_code"] = resp.observation.exec.exit_code
         if resp.observation.WhichOneof("kind") == "submit":
             info["components"] = dict(resp.observation.submit.components)
+        if resp.observation.HasField("error"):
+            info["error"] = resp.observation.error.errno_name
         return obs, float(resp.reward), bool(resp.terminated), bool(resp.truncated), info
 
     def render(self) -> Optional[str]:

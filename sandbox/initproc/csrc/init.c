@@ -401,7 +401,10 @@ static int do_spawn(uint32_t len, int32_t *pid_out) {
 		argvbuf[k++] = p;
 		p += strlen(p) + 1;
 	}
+	// A request past the table is refused, never cut (the server checks the
+	// same limit before it sends: initproc.MaxEntries).
 	if (k == 0 || p >= end) return EINVAL;
+	if (*p) return E2BIG;
 	argvbuf[k++] = NULL;
 	p++;
 	a.envp = argvbuf + k;
@@ -409,6 +412,7 @@ static int do_spawn(uint32_t len, int32_t *pid_out) {
 		argvbuf[k++] = p;
 		p += strlen(p) + 1;
 	}
+	if (p < end && *p) return E2BIG;
 	argvbuf[k] = NULL;
 
 	int ep[2];

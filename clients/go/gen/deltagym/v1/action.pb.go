@@ -468,7 +468,15 @@ type Observation struct {
 	//	*Observation_ReadFile
 	//	*Observation_Submit
 	//	*Observation_Reset_
-	Kind          isObservation_Kind `protobuf_oneof:"kind"`
+	Kind isObservation_Kind `protobuf_oneof:"kind"`
+	// error is set, and kind is not, when the action could not be carried out
+	// because of the sandbox's own state, which the agent made: a file action's
+	// path that is missing, a FIFO, a socket or a running binary; an argv whose
+	// program is missing or not executable; a full disk or process table. The
+	// step is recorded and counts, and the episode goes on. A request that is
+	// wrong whatever the sandbox holds is refused with INVALID_ARGUMENT
+	// instead, and a fault of the server or the machine fails the call.
+	Error         *ActionError `protobuf:"bytes,6,opt,name=error,proto3" json:"error,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -555,6 +563,13 @@ func (x *Observation) GetReset_() *ResetResult {
 	return nil
 }
 
+func (x *Observation) GetError() *ActionError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
 type isObservation_Kind interface {
 	isObservation_Kind()
 }
@@ -594,6 +609,71 @@ func (*Observation_Submit) isObservation_Kind() {}
 
 func (*Observation_Reset_) isObservation_Kind() {}
 
+// ActionError is why an action failed in the sandbox (Observation.error).
+type ActionError struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// errno is the Linux error number the sandbox's state gave, such as 2.
+	Errno int32 `protobuf:"varint,1,opt,name=errno,proto3" json:"errno,omitempty"`
+	// errno_name is its symbolic name, such as "ENOENT".
+	ErrnoName string `protobuf:"bytes,2,opt,name=errno_name,json=errnoName,proto3" json:"errno_name,omitempty"`
+	// message says what failed and where, such as
+	// "/tmp/fifo: a FIFO, not a regular file".
+	Message       string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ActionError) Reset() {
+	*x = ActionError{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ActionError) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ActionError) ProtoMessage() {}
+
+func (x *ActionError) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ActionError.ProtoReflect.Descriptor instead.
+func (*ActionError) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *ActionError) GetErrno() int32 {
+	if x != nil {
+		return x.Errno
+	}
+	return 0
+}
+
+func (x *ActionError) GetErrnoName() string {
+	if x != nil {
+		return x.ErrnoName
+	}
+	return ""
+}
+
+func (x *ActionError) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 // ExecResult is the outcome of an ExecAction.
 type ExecResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -624,7 +704,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_deltagym_v1_action_proto_msgTypes[6]
+	mi := &file_deltagym_v1_action_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -636,7 +716,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_action_proto_msgTypes[6]
+	mi := &file_deltagym_v1_action_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -649,7 +729,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{6}
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ExecResult) GetStdout() []byte {
@@ -726,7 +806,7 @@ type WriteFileResult struct {
 
 func (x *WriteFileResult) Reset() {
 	*x = WriteFileResult{}
-	mi := &file_deltagym_v1_action_proto_msgTypes[7]
+	mi := &file_deltagym_v1_action_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -738,7 +818,7 @@ func (x *WriteFileResult) String() string {
 func (*WriteFileResult) ProtoMessage() {}
 
 func (x *WriteFileResult) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_action_proto_msgTypes[7]
+	mi := &file_deltagym_v1_action_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -751,7 +831,7 @@ func (x *WriteFileResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileResult.ProtoReflect.Descriptor instead.
 func (*WriteFileResult) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{7}
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *WriteFileResult) GetSize() int64 {
@@ -776,7 +856,7 @@ type ReadFileResult struct {
 
 func (x *ReadFileResult) Reset() {
 	*x = ReadFileResult{}
-	mi := &file_deltagym_v1_action_proto_msgTypes[8]
+	mi := &file_deltagym_v1_action_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -788,7 +868,7 @@ func (x *ReadFileResult) String() string {
 func (*ReadFileResult) ProtoMessage() {}
 
 func (x *ReadFileResult) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_action_proto_msgTypes[8]
+	mi := &file_deltagym_v1_action_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -801,7 +881,7 @@ func (x *ReadFileResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResult.ProtoReflect.Descriptor instead.
 func (*ReadFileResult) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{8}
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ReadFileResult) GetContent() []byte {
@@ -840,7 +920,7 @@ type SubmitResult struct {
 
 func (x *SubmitResult) Reset() {
 	*x = SubmitResult{}
-	mi := &file_deltagym_v1_action_proto_msgTypes[9]
+	mi := &file_deltagym_v1_action_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -852,7 +932,7 @@ func (x *SubmitResult) String() string {
 func (*SubmitResult) ProtoMessage() {}
 
 func (x *SubmitResult) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_action_proto_msgTypes[9]
+	mi := &file_deltagym_v1_action_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -865,7 +945,7 @@ func (x *SubmitResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubmitResult.ProtoReflect.Descriptor instead.
 func (*SubmitResult) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{9}
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *SubmitResult) GetComponents() map[string]float64 {
@@ -896,7 +976,7 @@ type ResetResult struct {
 
 func (x *ResetResult) Reset() {
 	*x = ResetResult{}
-	mi := &file_deltagym_v1_action_proto_msgTypes[10]
+	mi := &file_deltagym_v1_action_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -908,7 +988,7 @@ func (x *ResetResult) String() string {
 func (*ResetResult) ProtoMessage() {}
 
 func (x *ResetResult) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_action_proto_msgTypes[10]
+	mi := &file_deltagym_v1_action_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -921,7 +1001,7 @@ func (x *ResetResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResetResult.ProtoReflect.Descriptor instead.
 func (*ResetResult) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{10}
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ResetResult) GetTask() string {
@@ -976,15 +1056,21 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\tmax_bytes\x18\x03 \x01(\x03R\bmaxBytes\"6\n" +
 	"\fSubmitAction\x12\x1b\n" +
 	"\x06answer\x18\x01 \x01(\tH\x00R\x06answer\x88\x01\x01B\t\n" +
-	"\a_answer\"\xa6\x02\n" +
+	"\a_answer\"\xd6\x02\n" +
 	"\vObservation\x12-\n" +
 	"\x04exec\x18\x01 \x01(\v2\x17.deltagym.v1.ExecResultH\x00R\x04exec\x12=\n" +
 	"\n" +
 	"write_file\x18\x02 \x01(\v2\x1c.deltagym.v1.WriteFileResultH\x00R\twriteFile\x12:\n" +
 	"\tread_file\x18\x03 \x01(\v2\x1b.deltagym.v1.ReadFileResultH\x00R\breadFile\x123\n" +
 	"\x06submit\x18\x04 \x01(\v2\x19.deltagym.v1.SubmitResultH\x00R\x06submit\x120\n" +
-	"\x05reset\x18\x05 \x01(\v2\x18.deltagym.v1.ResetResultH\x00R\x05resetB\x06\n" +
-	"\x04kind\"\xa1\x02\n" +
+	"\x05reset\x18\x05 \x01(\v2\x18.deltagym.v1.ResetResultH\x00R\x05reset\x12.\n" +
+	"\x05error\x18\x06 \x01(\v2\x18.deltagym.v1.ActionErrorR\x05errorB\x06\n" +
+	"\x04kind\"\\\n" +
+	"\vActionError\x12\x14\n" +
+	"\x05errno\x18\x01 \x01(\x05R\x05errno\x12\x1d\n" +
+	"\n" +
+	"errno_name\x18\x02 \x01(\tR\terrnoName\x12\x18\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\xa1\x02\n" +
 	"\n" +
 	"ExecResult\x12\x16\n" +
 	"\x06stdout\x18\x01 \x01(\fR\x06stdout\x12\x16\n" +
@@ -1027,7 +1113,7 @@ func file_deltagym_v1_action_proto_rawDescGZIP() []byte {
 	return file_deltagym_v1_action_proto_rawDescData
 }
 
-var file_deltagym_v1_action_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_deltagym_v1_action_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_deltagym_v1_action_proto_goTypes = []any{
 	(*Action)(nil),          // 0: deltagym.v1.Action
 	(*ExecAction)(nil),      // 1: deltagym.v1.ExecAction
@@ -1035,32 +1121,34 @@ var file_deltagym_v1_action_proto_goTypes = []any{
 	(*ReadFileAction)(nil),  // 3: deltagym.v1.ReadFileAction
 	(*SubmitAction)(nil),    // 4: deltagym.v1.SubmitAction
 	(*Observation)(nil),     // 5: deltagym.v1.Observation
-	(*ExecResult)(nil),      // 6: deltagym.v1.ExecResult
-	(*WriteFileResult)(nil), // 7: deltagym.v1.WriteFileResult
-	(*ReadFileResult)(nil),  // 8: deltagym.v1.ReadFileResult
-	(*SubmitResult)(nil),    // 9: deltagym.v1.SubmitResult
-	(*ResetResult)(nil),     // 10: deltagym.v1.ResetResult
-	nil,                     // 11: deltagym.v1.ExecAction.EnvEntry
-	nil,                     // 12: deltagym.v1.SubmitResult.ComponentsEntry
+	(*ActionError)(nil),     // 6: deltagym.v1.ActionError
+	(*ExecResult)(nil),      // 7: deltagym.v1.ExecResult
+	(*WriteFileResult)(nil), // 8: deltagym.v1.WriteFileResult
+	(*ReadFileResult)(nil),  // 9: deltagym.v1.ReadFileResult
+	(*SubmitResult)(nil),    // 10: deltagym.v1.SubmitResult
+	(*ResetResult)(nil),     // 11: deltagym.v1.ResetResult
+	nil,                     // 12: deltagym.v1.ExecAction.EnvEntry
+	nil,                     // 13: deltagym.v1.SubmitResult.ComponentsEntry
 }
 var file_deltagym_v1_action_proto_depIdxs = []int32{
 	1,  // 0: deltagym.v1.Action.exec:type_name -> deltagym.v1.ExecAction
 	2,  // 1: deltagym.v1.Action.write_file:type_name -> deltagym.v1.WriteFileAction
 	3,  // 2: deltagym.v1.Action.read_file:type_name -> deltagym.v1.ReadFileAction
 	4,  // 3: deltagym.v1.Action.submit:type_name -> deltagym.v1.SubmitAction
-	11, // 4: deltagym.v1.ExecAction.env:type_name -> deltagym.v1.ExecAction.EnvEntry
-	6,  // 5: deltagym.v1.Observation.exec:type_name -> deltagym.v1.ExecResult
-	7,  // 6: deltagym.v1.Observation.write_file:type_name -> deltagym.v1.WriteFileResult
-	8,  // 7: deltagym.v1.Observation.read_file:type_name -> deltagym.v1.ReadFileResult
-	9,  // 8: deltagym.v1.Observation.submit:type_name -> deltagym.v1.SubmitResult
-	10, // 9: deltagym.v1.Observation.reset:type_name -> deltagym.v1.ResetResult
-	12, // 10: deltagym.v1.SubmitResult.components:type_name -> deltagym.v1.SubmitResult.ComponentsEntry
-	6,  // 11: deltagym.v1.ResetResult.hook:type_name -> deltagym.v1.ExecResult
-	12, // [12:12] is the sub-list for method output_type
-	12, // [12:12] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	12, // 4: deltagym.v1.ExecAction.env:type_name -> deltagym.v1.ExecAction.EnvEntry
+	7,  // 5: deltagym.v1.Observation.exec:type_name -> deltagym.v1.ExecResult
+	8,  // 6: deltagym.v1.Observation.write_file:type_name -> deltagym.v1.WriteFileResult
+	9,  // 7: deltagym.v1.Observation.read_file:type_name -> deltagym.v1.ReadFileResult
+	10, // 8: deltagym.v1.Observation.submit:type_name -> deltagym.v1.SubmitResult
+	11, // 9: deltagym.v1.Observation.reset:type_name -> deltagym.v1.ResetResult
+	6,  // 10: deltagym.v1.Observation.error:type_name -> deltagym.v1.ActionError
+	13, // 11: deltagym.v1.SubmitResult.components:type_name -> deltagym.v1.SubmitResult.ComponentsEntry
+	7,  // 12: deltagym.v1.ResetResult.hook:type_name -> deltagym.v1.ExecResult
+	13, // [13:13] is the sub-list for method output_type
+	13, // [13:13] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_action_proto_init() }
@@ -1088,7 +1176,7 @@ func file_deltagym_v1_action_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_action_proto_rawDesc), len(file_deltagym_v1_action_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

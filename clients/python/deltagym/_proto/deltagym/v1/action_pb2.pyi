@@ -74,18 +74,30 @@ class SubmitAction(_message.Message):
     def __init__(self, answer: _Optional[str] = ...) -> None: ...
 
 class Observation(_message.Message):
-    __slots__ = ("exec", "write_file", "read_file", "submit", "reset")
+    __slots__ = ("exec", "write_file", "read_file", "submit", "reset", "error")
     EXEC_FIELD_NUMBER: _ClassVar[int]
     WRITE_FILE_FIELD_NUMBER: _ClassVar[int]
     READ_FILE_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     exec: ExecResult
     write_file: WriteFileResult
     read_file: ReadFileResult
     submit: SubmitResult
     reset: ResetResult
-    def __init__(self, exec: _Optional[_Union[ExecResult, _Mapping]] = ..., write_file: _Optional[_Union[WriteFileResult, _Mapping]] = ..., read_file: _Optional[_Union[ReadFileResult, _Mapping]] = ..., submit: _Optional[_Union[SubmitResult, _Mapping]] = ..., reset: _Optional[_Union[ResetResult, _Mapping]] = ...) -> None: ...
+    error: ActionError
+    def __init__(self, exec: _Optional[_Union[ExecResult, _Mapping]] = ..., write_file: _Optional[_Union[WriteFileResult, _Mapping]] = ..., read_file: _Optional[_Union[ReadFileResult, _Mapping]] = ..., submit: _Optional[_Union[SubmitResult, _Mapping]] = ..., reset: _Optional[_Union[ResetResult, _Mapping]] = ..., error: _Optional[_Union[ActionError, _Mapping]] = ...) -> None: ...
+
+class ActionError(_message.Message):
+    __slots__ = ("errno", "errno_name", "message")
+    ERRNO_FIELD_NUMBER: _ClassVar[int]
+    ERRNO_NAME_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    errno: int
+    errno_name: str
+    message: str
+    def __init__(self, errno: _Optional[int] = ..., errno_name: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ExecResult(_message.Message):
     __slots__ = ("stdout", "stderr", "exit_code", "signal", "timed_out", "stdout_truncated", "stderr_truncated", "duration_seconds", "pid")
