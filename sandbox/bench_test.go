@@ -354,6 +354,51 @@ func BenchmarkCheckpointWithProcess(b *testing.B) {
 	}
 }
 
+// BenchmarkCloseWithProcessCheckpoints closes a sandbox holding 20
+// checkpoints of a live python3 process (template path), one sandbox per
+// iteration. op=close is Sandbox.Close (what the server's Close and the
+// reaper call): the templates are saved as CRIU images in the background.
+// op=destroy is Sandbox.Destroy, which saves them before it returns. The
+// checkpoints are released after each close, untimed, so the background
+// saves of one iteration end soon and load the next only a little.
+func BenchmarkCloseWithProcessCheckpoints(b *testing.B) {
+	needCRIU(b)
+	for _, op := range []string{"close", "destroy"} {
+		b.Run("op="+op, func(b *testing.B) {
+			bb := setup(b)
+			ctx := context.Background()
+			var l lat
+			for b.Loop() {
+				b.StopTimer()
+				s := processSandbox(b, bb, 8)
+				ids := make([]string, 20)
+				for i := range ids {
+					ck, err := s.Checkpoint(ctx)
+					must(b, err)
+					if len(ck.Processes) != 1 {
+						b.Fatalf("captured %+v", ck.Processes)
+					}
+					ids[i] = ck.ID
+				}
+				b.StartTimer()
+				l.time(func() {
+					if op == "close" {
+						must(b, s.Close(ctx))
+					} else {
+						must(b, s.Destroy(ctx))
+					}
+				})
+				b.StopTimer()
+				for _, id := range ids {
+					must(b, bb.rt.ReleaseCheckpoint(id))
+				}
+				b.StartTimer()
+			}
+			l.report(b, "")
+		})
+	}
+}
+
 // BenchmarkRollbackWithProcess restores in place, again and again, a
 // checkpoint of one process of 8 or 100 MB, by each path. Restores follow
 // each other at once; BenchmarkRollbackStepWithProcess runs a command
