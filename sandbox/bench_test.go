@@ -399,6 +399,49 @@ func BenchmarkCloseWithProcessCheckpoints(b *testing.B) {
 	}
 }
 
+// killPy times 2,000 kill(2) calls of each kind from inside a sandbox: to
+// one process by pid (signal 0), and to every process (kill(-1, 0)); it
+// prints microseconds per call of each.
+const killPy = `
+import os, sys, time
+pid = int(sys.argv[1])
+def per(f, n=2000):
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n * 1e6
+print(per(lambda: os.kill(pid, 0)), per(lambda: os.kill(-1, 0)))
+`
+
+// BenchmarkKillInSandbox: what a command's kill(2) costs, to a process by
+// pid and to every process (kill -1), in a sandbox that holds a process
+// checkpoint (its template is one of the processes kill -1 would reach).
+// Each iteration is one run of killPy; the metrics are its averages.
+func BenchmarkKillInSandbox(b *testing.B) {
+	bb := setup(b)
+	s := processSandbox(b, bb, 8)
+	ctx := context.Background()
+	_, err := s.Checkpoint(ctx)
+	must(b, err)
+	must(b, s.WriteFile(ctx, "/tmp/kill.py", []byte(killPy), 0o644, false))
+	_, err = s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 1000", Background: true})
+	must(b, err)
+	var byPid, all []float64
+	for b.Loop() {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/kill.py $(grep -lx sleep /proc/[0-9]*/comm | head -1 | cut -d/ -f3)"})
+		must(b, err)
+		var p, a float64
+		if _, err := fmt.Sscan(string(res.Stdout), &p, &a); err != nil || res.ExitCode != 0 {
+			b.Fatalf("kill.py: %q %q", res.Stdout, res.Stderr)
+		}
+		byPid, all = append(byPid, p), append(all, a)
+	}
+	slices.Sort(byPid)
+	slices.Sort(all)
+	b.ReportMetric(byPid[len(byPid)/2], "us/kill-pid")
+	b.ReportMetric(all[len(all)/2], "us/kill-all")
+}
+
 // BenchmarkRollbackWithProcess restores in place, again and again, a
 // checkpoint of one process of 8 or 100 MB, by each path. Restores follow
 // each other at once; BenchmarkRollbackStepWithProcess runs a command
