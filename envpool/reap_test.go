@@ -135,9 +135,11 @@ func TestLeasesReapedOnTime(t *testing.T) {
 			if e.reason != envpool.EndExpired {
 				t.Errorf("lease %s ended: %s", e.id, e.reason)
 			}
-			if d := e.at.Sub(exp); d > late {
+			d := e.at.Sub(exp)
+			if d > late {
 				t.Errorf("lease %s reaped %v after it expired (at most %v)", e.id, d, late)
 			}
+			t.Logf("lease %s reaped %v after it expired", e.id, d.Round(time.Millisecond))
 		case <-watchdogT.C:
 			t.Fatalf("leases not reaped: %v", want)
 		}
