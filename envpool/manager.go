@@ -337,8 +337,8 @@ func (m *Manager) Leases() []*Lease {
 	return slices.Collect(maps.Values(m.leases))
 }
 
-// CloseLease aborts the call in progress on the sandbox, destroys it and ends the lease. Closing
-// an ended lease succeeds.
+// CloseLease aborts the call in progress on the sandbox, closes it (its teardown goes on in the
+// background) and ends the lease. Closing an ended lease succeeds.
 func (m *Manager) CloseLease(ctx context.Context, l *Lease) error {
 	m.mu.Lock()
 	if m.leases[l.ID()] == l {
