@@ -24,13 +24,16 @@ type Backend interface {
 }
 
 // Box is one sandbox, as the Manager uses it: it runs the env's setup commands, reset hook and
-// verifier (Exec), checkpoints its state, and is destroyed. Done is closed once the sandbox is
-// gone: destroyed, or dead on its own (its init exited). Destroy is idempotent.
+// verifier (Exec), checkpoints its state, and is closed or destroyed. Close ends the sandbox for
+// its callers at once and leaves its teardown to the background; Destroy returns once the
+// teardown is over. Done is closed once the sandbox is gone: torn down, or dead on its own (its
+// init exited). Close and Destroy are idempotent.
 type Box interface {
 	ID() string
 	Done() <-chan struct{}
 	Exec(ctx context.Context, req sandbox.ExecRequest) (sandbox.ExecResult, error)
 	CheckpointWith(ctx context.Context, o sandbox.CheckpointOptions) (sandbox.CheckpointInfo, error)
+	Close(ctx context.Context) error
 	Destroy(ctx context.Context) error
 }
 

@@ -13,13 +13,14 @@
 // fork of that checkpoint instead of a rerun of the hook.
 //
 // Sandboxes handed out are leased: each Lease has a TTL renewed by every call (Begin) and by
-// Touch, and a reaper goroutine destroys the sandboxes whose lease expired while no call was in
-// flight. Reaping never releases checkpoints. The Manager knows nothing of the RPC server: it
+// Touch, and a reaper goroutine closes the sandboxes whose lease expired while no call was in
+// flight, each on a goroutine of its own, at least once a second. Reaping never releases
+// checkpoints. The Manager knows nothing of the RPC server: it
 // reports checkpoints it takes and sandboxes it reaps through callbacks in its Config.
 //
 // The Manager reaches sandboxes through two small interfaces of its own: Backend (a runtime that
 // creates sandboxes, forks checkpoints and releases them) and Box (one sandbox: exec,
-// checkpoint, destroy), and time through a Clock (lease expiry, the reaper, acquire deadlines,
+// checkpoint, close, destroy), and time through a Clock (lease expiry, the reaper, acquire deadlines,
 // refill back-off). The sandbox runtime and the system's clock are the defaults; package
 // envpooltest has fakes of them, and the package's tests run one suite against the fake and the
 // real runtime alike.

@@ -27,8 +27,8 @@ type Config struct {
 	Clock Clock
 	// LeaseTTL is how long a leased sandbox lives without a call or heartbeat. Default 10m.
 	LeaseTTL time.Duration
-	// ReapInterval is how often the reaper looks for expired leases. Default LeaseTTL/10,
-	// between 10ms and 10s.
+	// ReapInterval is how often the reaper looks for expired leases: a lease is reaped at most
+	// about one interval after it expired. Default LeaseTTL/10, between 10ms and 1s.
 	ReapInterval time.Duration
 	// AcquireTimeout bounds how long a Reset waits for a warm sandbox before failing with
 	// ErrExhausted. Default 10s.
@@ -69,7 +69,7 @@ func (c *Config) Validate() error {
 		c.LeaseTTL = 10 * time.Minute
 	}
 	if c.ReapInterval <= 0 {
-		c.ReapInterval = min(max(c.LeaseTTL/10, 10*time.Millisecond), 10*time.Second)
+		c.ReapInterval = min(max(c.LeaseTTL/10, 10*time.Millisecond), time.Second)
 	}
 	if c.AcquireTimeout <= 0 {
 		c.AcquireTimeout = 10 * time.Second
@@ -107,7 +107,13 @@ type Manager struct {
 	// +checklocks:mu
 	closed bool
 
+	// tearing holds the sandboxes CloseLease closed whose teardown may not be over (their Done
+	// not closed yet): Close waits for them.
+	// +checklocks:mu
+	tearing []Box
+
 	reaperDone chan struct{}
+	reaping    sync.WaitGroup // reaps in progress (sweep)
 	retiring   sync.WaitGroup // pools of replaced envs being drained
 	discard    sync.WaitGroup // verifiers' sandboxes being destroyed (Pristine)
 	closeOnce  sync.Once
@@ -340,8 +346,8 @@ func (m *Manager) Leases() []*Lease {
 	return slices.Collect(maps.Values(m.leases))
 }
 
-// CloseLease aborts the call in progress on the sandbox, destroys it and ends the lease. Closing
-// an ended lease succeeds.
+// CloseLease aborts the call in progress on the sandbox, closes it (its teardown goes on in the
+// background) and ends the lease. Closing an ended lease succeeds.
 func (m *Manager) CloseLease(ctx context.Context, l *Lease) error {
 	m.mu.Lock()
 	if m.leases[l.ID()] == l {
@@ -350,8 +356,39 @@ func (m *Manager) CloseLease(ctx context.Context, l *Lease) error {
 	m.mu.Unlock()
 	l.end()
 	l.Abort()
-	if err := l.box.Destroy(context.WithoutCancel(ctx)); err != nil {
-		return fmt.Errorf("destroying sandbox %s: %w", l.ID(), err)
+	// Close, not Destroy: the sandbox's teardown (saving its checkpoints' templates, ending its
+	// processes) is the runtime's background work, never the caller's or the reaper's wait.
+	if err := l.box.Close(context.WithoutCancel(ctx)); err != nil {
+		return fmt.Errorf("closing sandbox %s: %w", l.ID(), err)
+	}
+	m.mu.Lock()
+	m.tearing = append(slices.DeleteFunc(m.tearing, gone), l.box)
+	m.mu.Unlock()
+	return nil
+}
+
+// gone reports whether b's teardown is over.
+func gone(b Box) bool {
+	select {
+	case <-b.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// waitTorn waits until the teardown of every sandbox CloseLease closed is over, or ctx is done.
+func (m *Manager) waitTorn(ctx context.Context) error {
+	m.mu.Lock()
+	boxes := slices.Clone(m.tearing)
+	m.tearing = nil
+	m.mu.Unlock()
+	for _, b := range boxes {
+		select {
+		case <-b.Done():
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for closed sandboxes to be torn down: %w", ctx.Err())
+		}
 	}
 	return nil
 }
@@ -386,7 +423,9 @@ func (m *Manager) reap() {
 	}
 }
 
-// sweep destroys the sandboxes whose lease expired with no call in flight, or whose sandbox died.
+// sweep reaps the sandboxes whose lease expired with no call in flight, or whose sandbox died.
+// Each reap runs on its own goroutine (Close waits for them): one that waits for a call to stop
+// (holdTurn) or for its sandbox to close delays no other lease's.
 func (m *Manager) sweep() {
 	now := m.clock.Now().UnixNano()
 	for _, l := range m.Leases() {
@@ -399,27 +438,33 @@ func (m *Manager) sweep() {
 				reason = EndExpired
 			}
 		}
-		if reason == "" {
+		// Ended already: reaped by an earlier sweep (still listed until its CloseLease) or
+		// closed by its client.
+		if reason == "" || !l.end() {
 			continue
 		}
-		m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
-		// OnEnd before the lease leaves the list, so that a client that sees the sandbox gone
-		// finds its episode ended (the server records the end in its ledger there), and with no
-		// call running on it: calls from now on are refused, the one in progress is cut short,
-		// and OnEnd runs holding the sandbox's turn (waiting at most reapTurnWait for a call
-		// that does not stop).
-		l.end()
-		l.Abort()
-		held := m.holdTurn(l)
-		if m.cfg.OnEnd != nil {
-			m.cfg.OnEnd(l, reason)
-		}
-		if held {
-			<-l.turn
-		}
-		if err := m.CloseLease(m.ctx, l); err != nil {
-			m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
-		}
+		m.reaping.Go(func() { m.reapLease(l, reason) })
+	}
+}
+
+// reapLease ends lease l, ended already (l.end), for reason.
+func (m *Manager) reapLease(l *Lease, reason string) {
+	m.log.Info("reaping sandbox", "sandbox", l.ID(), "env", l.env.Name(), "reason", reason)
+	// OnEnd before the lease leaves the list, so that a client that sees the sandbox gone
+	// finds its episode ended (the server records the end in its ledger there), and with no
+	// call running on it: calls from now on are refused, the one in progress is cut short,
+	// and OnEnd runs holding the sandbox's turn (waiting at most reapTurnWait for a call
+	// that does not stop).
+	l.Abort()
+	held := m.holdTurn(l)
+	if m.cfg.OnEnd != nil {
+		m.cfg.OnEnd(l, reason)
+	}
+	if held {
+		<-l.turn
+	}
+	if err := m.CloseLease(m.ctx, l); err != nil {
+		m.log.Warn("reaping sandbox", "sandbox", l.ID(), "err", err)
 	}
 }
 
@@ -460,7 +505,8 @@ func (m *Manager) closePools() {
 }
 
 // Close stops the pools and the reaper and destroys every warm and leased sandbox (checkpoints
-// stay). It is idempotent.
+// stay), and returns once every sandbox it closed, and every one closed before, is torn down (or
+// ctx is done). It is idempotent.
 func (m *Manager) Close(ctx context.Context) error {
 	m.closeOnce.Do(func() {
 		m.mu.Lock()
@@ -468,6 +514,7 @@ func (m *Manager) Close(ctx context.Context) error {
 		m.mu.Unlock()
 		m.cancel()
 		<-m.reaperDone
+		m.reaping.Wait()
 		m.closePools()
 		m.retiring.Wait()
 		var errs []error
@@ -480,6 +527,7 @@ func (m *Manager) Close(ctx context.Context) error {
 			}
 		}
 		m.discard.Wait()
+		errs = append(errs, m.waitTorn(ctx))
 		m.closeErr = errors.Join(errs...)
 	})
 	return m.closeErr

@@ -177,8 +177,8 @@ func exec(t *testing.T, l *envpool.Lease, cmd command) (sandbox.ExecResult, erro
 	return l.Box().Exec(ctx, sandbox.ExecRequest{Command: cmd.text})
 }
 
-// sweep moves the clock d (at least reapEvery) and waits until the reaper's sweep is over: the
-// reaper waits for its next round again.
+// sweep moves the clock d (at least reapEvery) and waits until the reaper's sweep and the reaps
+// it started are over: the reaper waits for its next round again.
 func (b *bundle) sweep(t *testing.T, d time.Duration) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), watchdog)
@@ -190,6 +190,7 @@ func (b *bundle) sweep(t *testing.T, d time.Duration) {
 	if err := b.clk.WaitForTimer(ctx, reapEvery); err != nil {
 		t.Fatalf("reaper's sweep not over: %v", err)
 	}
+	b.m.WaitReaps()
 }
 
 // ended returns the next OnEnd, failing if what it saw was wrong.
@@ -398,9 +399,9 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	_, err := b.m.Lease(left.ID())
 	wantErr(t, err, envpool.ErrUnknownSandbox, errdefs.ErrNotFound)
 	select {
-	case <-left.Box().Done():
-	default:
-		t.Fatal("reaped sandbox not destroyed")
+	case <-left.Box().Done(): // closed, its teardown over
+	case <-time.After(watchdog):
+		t.Fatal("reaped sandbox not torn down")
 	}
 	select {
 	case <-left.Ended():

@@ -105,8 +105,8 @@ func TestForkAhead(t *testing.T) {
 		ahead = next
 	}
 
-	// Killed before use (from outside, where the agent's kill -9 -1 would
-	// reach the templates too): the restore forks a fresh copy.
+	// Killed before use (parked copies, unlike templates, are within a
+	// command's reach; here from outside): the restore forks a fresh copy.
 	for _, pid := range ahead {
 		if err := unix.Kill(pid, unix.SIGKILL); err != nil {
 			t.Fatal(err)

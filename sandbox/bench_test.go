@@ -354,6 +354,94 @@ func BenchmarkCheckpointWithProcess(b *testing.B) {
 	}
 }
 
+// BenchmarkCloseWithProcessCheckpoints closes a sandbox holding 20
+// checkpoints of a live python3 process (template path), one sandbox per
+// iteration. op=close is Sandbox.Close (what the server's Close and the
+// reaper call): the templates are saved as CRIU images in the background.
+// op=destroy is Sandbox.Destroy, which saves them before it returns. The
+// checkpoints are released after each close, untimed, so the background
+// saves of one iteration end soon and load the next only a little.
+func BenchmarkCloseWithProcessCheckpoints(b *testing.B) {
+	needCRIU(b)
+	for _, op := range []string{"close", "destroy"} {
+		b.Run("op="+op, func(b *testing.B) {
+			bb := setup(b)
+			ctx := context.Background()
+			var l lat
+			for b.Loop() {
+				b.StopTimer()
+				s := processSandbox(b, bb, 8)
+				ids := make([]string, 20)
+				for i := range ids {
+					ck, err := s.Checkpoint(ctx)
+					must(b, err)
+					if len(ck.Processes) != 1 {
+						b.Fatalf("captured %+v", ck.Processes)
+					}
+					ids[i] = ck.ID
+				}
+				b.StartTimer()
+				l.time(func() {
+					if op == "close" {
+						must(b, s.Close(ctx))
+					} else {
+						must(b, s.Destroy(ctx))
+					}
+				})
+				b.StopTimer()
+				for _, id := range ids {
+					must(b, bb.rt.ReleaseCheckpoint(id))
+				}
+				b.StartTimer()
+			}
+			l.report(b, "")
+		})
+	}
+}
+
+// killPy times 2,000 kill(2) calls of each kind from inside a sandbox: to
+// one process by pid (signal 0), and to every process (kill(-1, 0)); it
+// prints microseconds per call of each.
+const killPy = `
+import os, sys, time
+pid = int(sys.argv[1])
+def per(f, n=2000):
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n * 1e6
+print(per(lambda: os.kill(pid, 0)), per(lambda: os.kill(-1, 0)))
+`
+
+// BenchmarkKillInSandbox: what a command's kill(2) costs, to a process by
+// pid and to every process (kill -1), in a sandbox that holds a process
+// checkpoint (its template is one of the processes kill -1 would reach).
+// Each iteration is one run of killPy; the metrics are its averages.
+func BenchmarkKillInSandbox(b *testing.B) {
+	bb := setup(b)
+	s := processSandbox(b, bb, 8)
+	ctx := context.Background()
+	_, err := s.Checkpoint(ctx)
+	must(b, err)
+	must(b, s.WriteFile(ctx, "/tmp/kill.py", []byte(killPy), 0o644, false))
+	_, err = s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 1000", Background: true})
+	must(b, err)
+	var byPid, all []float64
+	for b.Loop() {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/kill.py $(grep -lx sleep /proc/[0-9]*/comm | head -1 | cut -d/ -f3)"})
+		must(b, err)
+		var p, a float64
+		if _, err := fmt.Sscan(string(res.Stdout), &p, &a); err != nil || res.ExitCode != 0 {
+			b.Fatalf("kill.py: %q %q", res.Stdout, res.Stderr)
+		}
+		byPid, all = append(byPid, p), append(all, a)
+	}
+	slices.Sort(byPid)
+	slices.Sort(all)
+	b.ReportMetric(byPid[len(byPid)/2], "us/kill-pid")
+	b.ReportMetric(all[len(all)/2], "us/kill-all")
+}
+
 // BenchmarkRollbackWithProcess restores in place, again and again, a
 // checkpoint of one process of 8 or 100 MB, by each path. Restores follow
 // each other at once; BenchmarkRollbackStepWithProcess runs a command

@@ -1,6 +1,10 @@
 package sandbox
 
-import "time"
+import (
+	"time"
+
+	"golang.org/x/sys/unix"
+)
 
 // RootCovered reports whether the sandbox's root is pending (not swapped in)
 // and has its covers (overlay.Covers).
@@ -95,4 +99,21 @@ func (r *Runtime) CountFDs() int {
 	r.adm.mu.Lock()
 	defer r.adm.mu.Unlock()
 	return r.adm.fds
+}
+
+// KillTemplates kills the templates of checkpoint ck from outside the
+// sandbox (as the OOM killer or the host's root could), and returns how
+// many it killed.
+func (r *Runtime) KillTemplates(ck string) int {
+	c, err := r.lookup(ck)
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, p := range c.Procs {
+		if unix.Kill(p.HostPid, unix.SIGKILL) == nil {
+			n++
+		}
+	}
+	return n
 }

@@ -294,8 +294,11 @@ func TestTemplateImages(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = kids2[0].Destroy(context.Background()) })
 	inc(t, kids2[0], 3)
-	// Templates killed: the in-place restore falls back on the image.
-	_, _ = s.Exec(ctx, sandbox.ExecRequest{Command: "kill -9 -1"})
+	// Templates killed (from outside: no command can): the in-place
+	// restore falls back on the image.
+	if n := b.rt.KillTemplates(ck.ID); n != 1 {
+		t.Fatalf("killed %d templates", n)
+	}
 	if err := s.Restore(ctx, ck.ID); err != nil {
 		t.Fatal(err)
 	}
@@ -436,4 +439,37 @@ func TestTemplatesFullWithoutCRIU(t *testing.T) {
 	}
 	sh(t, s, "true")
 	inc(t, s, n+2)
+}
+
+// A process restored by CRIU signals its own processes as before: its
+// seccomp filter comes back without the init's listener, so the calls the
+// init answers are let through in it (criu.dropNotify) rather than failing
+// with ENOSYS.
+func TestCRIURestoredSignals(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	inSession(t, s, "sleep 1000 &")
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, sb := range []*sandbox.Sandbox{s, nil} {
+		if sb == s {
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = kids[0].Destroy(context.Background()) })
+			sb = kids[0]
+		}
+		if got := inSession(t, sb, "kill -0 $$ 2>&1; echo $?; kill %1 2>&1; wait %1; echo $?"); got != "0\n143\n" {
+			t.Fatalf("signals in a session restored by CRIU: %q", got)
+		}
+	}
 }

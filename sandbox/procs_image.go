@@ -112,15 +112,20 @@ func (r *Runtime) ckptLive(c *checkpoint) bool {
 
 // imageAllTemplates saves the templates of every checkpoint the sandbox
 // holds as CRIU images, before it is destroyed (closed, reaped, or ended by
-// a clean shutdown), so that those checkpoints keep their processes. Called
-// with op held.
+// a clean shutdown), so that those checkpoints keep their processes; once
+// ctx is done it saves no more (the checkpoints left keep their files).
+// Called with op held.
 func (s *Sandbox) imageAllTemplates(ctx context.Context) {
 	for _, id := range s.procs.IDs() {
 		c, err := s.rt.lookup(id)
 		if err != nil {
+			continue // released meanwhile: nothing to save
+		}
+		if ctx.Err() != nil {
+			s.rt.log.Warn("a checkpoint's processes are not saved before its sandbox ends: out of time", "sandbox", s.id, "checkpoint", id)
 			continue
 		}
-		if _, err := s.rt.imagesForTemplates(ctx, c); err != nil {
+		if _, err := s.rt.imagesForTemplates(ctx, c); err != nil && s.rt.ckptLive(c) {
 			s.rt.log.Warn("saving a checkpoint's processes before its sandbox ends", "sandbox", s.id, "checkpoint", id, "err", err)
 		}
 	}

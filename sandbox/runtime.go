@@ -300,6 +300,7 @@ type Runtime struct {
 	// +checklocks:mu
 	warmTarget int
 
+	ret     retirement        // teardowns of closed sandboxes (retire.go)
 	flatSem chan struct{}     // one flattening at a time
 	folds   *procstate.Folder // processes to fold into huge pages
 	done    chan struct{}
@@ -369,7 +370,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		cfg: cfg, log: log, store: filepath.Join(cfg.DataDir, "store"),
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
 		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
-		done: make(chan struct{}), flatSem: make(chan struct{}, 1),
+		done: make(chan struct{}), flatSem: make(chan struct{}, 1), ret: retirement{slots: make(chan struct{}, retireSlots())},
 		links: overlay.NewLinks(),
 	}
 	for i := maxRanges - 1; i >= 0; i-- {
@@ -1414,6 +1415,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	for _, s := range live {
 		errs = append(errs, s.Destroy(ctx))
 	}
+	r.ret.wg.Wait()
 	close(r.done)
 	r.wg.Wait()
 	r.drainWarm()

@@ -67,6 +67,11 @@ type Sandbox struct {
 	// +checklocks:mu
 	closed bool
 	done   chan struct{}
+
+	// tearOnce runs the teardown (Destroy, or the runtime's retirement
+	// after Close) once; tearErr is its result, read after tearOnce.Do.
+	tearOnce sync.Once
+	tearErr  error
 }
 
 // ID returns the sandbox's id.
@@ -435,17 +440,57 @@ func (s *Sandbox) beginOp(abort bool) error {
 	return nil
 }
 
-// Destroy ends every process of the sandbox and frees what it holds; its
-// checkpoints stay. Running execs return ErrAborted. Destroy is idempotent.
-func (s *Sandbox) Destroy(ctx context.Context) error {
-	err := s.beginOp(true)
-	defer s.op.Unlock()
-	if err != nil {
-		if errors.Is(err, ErrClosed) {
-			return nil
-		}
-		return err
+// Close ends the sandbox for its callers at once and leaves the rest of
+// Destroy's work to the runtime, in the background (retire.go): calls from
+// now on fail with ErrClosed and running execs return ErrAborted; ending its
+// processes, saving the templates of its checkpoints as CRIU images (so that
+// those checkpoints keep their processes) and freeing its mounts, groups and
+// namespaces follow off the caller's path, and Done is closed once they are
+// over. Close never waits for a call in progress, a CRIU dump or the
+// kernel: it takes only the sandbox's own small lock. Idempotent; a Destroy
+// after it waits for the teardown.
+func (s *Sandbox) Close(ctx context.Context) error {
+	if s.shut() {
+		s.rt.retire(s)
 	}
+	return nil
+}
+
+// Destroy ends every process of the sandbox and frees what it holds, and
+// returns once that is done; its checkpoints stay, their templates saved as
+// CRIU images first. Running execs return ErrAborted. Destroy is
+// idempotent, and waits for a teardown that Close started.
+func (s *Sandbox) Destroy(ctx context.Context) error {
+	s.shut()
+	return s.teardown(ctx)
+}
+
+// shut marks the sandbox closed and aborts what runs in it, and reports
+// whether this call did: no state change begins after it (beginOp).
+func (s *Sandbox) shut() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.closed = true
+	s.abort()
+	return true
+}
+
+// teardown runs tearDown once; later and concurrent calls wait for it and
+// return its result.
+func (s *Sandbox) teardown(ctx context.Context) error {
+	s.tearOnce.Do(func() { s.tearErr = s.tearDown(ctx) })
+	return s.tearErr
+}
+
+// tearDown is Destroy's work once the sandbox is shut: it waits for the
+// state change in progress, if any (aborted by shut), then saves the
+// templates, ends the processes and frees everything.
+func (s *Sandbox) tearDown(ctx context.Context) error {
+	s.op.Lock()
+	defer s.op.Unlock()
 	if frozen, err := s.cg.SelfFrozen(); err == nil && frozen {
 		// Frozen (Freeze): the templates could not fork the copies
 		// that are saved. What the sandbox runs ends first; the
@@ -459,8 +504,6 @@ func (s *Sandbox) Destroy(ctx context.Context) error {
 	}
 	s.imageAllTemplates(ctx)
 	s.mu.Lock()
-	s.closed = true
-	s.abort()
 	sessions := s.sessions
 	s.sessions = map[string]*session{}
 	s.mu.Unlock()

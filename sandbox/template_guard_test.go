@@ -127,3 +127,110 @@ func tampered(out string, n int) bool {
 	}
 	return got == n
 }
+
+// attackPy tries, on every counter.py process but itself, what a command
+// could do to a process it sees: scheduling and limits changed, ptrace, a
+// stop, pidfd_open, a pidfd of its /proc directory signalled, kill. One
+// line per process: its pid, then name=errno (0 for success) per attempt.
+const attackPy = `
+import ctypes, os, resource, signal
+libc = ctypes.CDLL(None, use_errno=True)
+def errno_of(f):
+    try:
+        f()
+        return 0
+    except OSError as e:
+        return e.errno
+def ptrace(pid):
+    if libc.ptrace(16, pid, None, None) != 0:  # PTRACE_ATTACH
+        raise OSError(ctypes.get_errno(), "ptrace")
+    libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+    try:
+        if b"counter.py" not in open(f"/proc/{pid}/cmdline", "rb").read():
+            continue
+    except OSError:
+        continue
+    r = []
+    r.append(("nice", errno_of(lambda: os.setpriority(os.PRIO_PROCESS, pid, 19))))
+    r.append(("prlimit", errno_of(lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE, (16, 16)))))
+    r.append(("affinity", errno_of(lambda: os.sched_setaffinity(pid, {0}))))
+    r.append(("ptrace", errno_of(lambda: ptrace(pid))))
+    r.append(("pidfd_open", errno_of(lambda: os.close(os.pidfd_open(pid)))))
+    def procfd():
+        fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGSTOP)
+        finally:
+            os.close(fd)
+    r.append(("procfd", errno_of(procfd)))
+    r.append(("tgkill", errno_of(lambda: _tgkill(pid))))
+    r.append(("kill", errno_of(lambda: os.kill(pid, signal.SIGKILL))))
+    print(pid, " ".join(f"{n}={e}" for n, e in r))
+`
+
+// tgkillPy defines _tgkill, tgkill(pid, pid, SIGCONT) through libc.
+const tgkillPy = `
+def _tgkill(pid):
+    if libc.syscall(234, pid, pid, 18) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill")
+`
+
+// An acknowledged checkpoint's processes stay restorable whatever a command
+// does to the templates it sees: signals of every kind (kill by pid, by
+// pidfd, by process group, kill -9 -1), ptrace, scheduling and limits
+// changes are refused for the templates, while they reach the agent's own
+// processes as before; a restore in place and a fork then bring the
+// process back at the checkpoint's state.
+func TestTemplatesSurviveTheAgent(t *testing.T) {
+	b := setup(t)
+	s, ck := counterCheckpoint(t, b)
+	ctx := t.Context()
+	src := strings.Replace(attackPy, "for pid in sorted", strings.TrimSpace(tgkillPy)+"\nfor pid in sorted", 1)
+	if err := s.WriteFile(ctx, "/tmp/attack.py", []byte(src), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 1000", Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	out := sh(t, s, "python3 /tmp/attack.py")
+	var live, tpl int
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 9 {
+			t.Fatalf("attack output %q", out)
+		}
+		switch strings.Join(f[1:], " ") {
+		case "nice=1 prlimit=1 affinity=1 ptrace=1 pidfd_open=1 procfd=1 tgkill=1 kill=1":
+			tpl++ // EPERM for each
+		case "nice=0 prlimit=0 affinity=0 ptrace=0 pidfd_open=0 procfd=0 tgkill=0 kill=0":
+			live++ // the agent's own process: all allowed
+		default:
+			t.Fatalf("attacks on pid %s: %s", f[0], strings.Join(f[1:], " "))
+		}
+	}
+	if live != 1 || tpl != 1 {
+		t.Fatalf("attacks on the live process and its template:\n%s", out)
+	}
+	// The template's process group, then everything.
+	sh(t, s, `me=$(cut -d' ' -f5 /proc/$$/stat); for p in /proc/[0-9]*; do g=$(cut -d' ' -f5 $p/stat 2>/dev/null) && [ "$g" -gt 1 ] && [ "$g" != "$me" ] && kill -9 -- -$g 2>/dev/null; done; true`)
+	if got := sh(t, s, "kill -9 -1; echo $?"); got != "0\n" {
+		t.Fatalf("kill -9 -1: %q", got)
+	}
+	if got := sh(t, s, "cat /proc/[0-9]*/comm 2>/dev/null | grep -cx sleep || true"); got != "0\n" {
+		t.Fatalf("kill -9 -1 left the agent's own processes: %q", got)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatalf("restore after the attacks: %v", err)
+	}
+	inc(t, s, 2)
+	if got := sh(t, s, countCounters); got != "2\n" { // the copy and its template
+		t.Fatalf("%q counters after the restore", got)
+	}
+	kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatalf("fork after the attacks: %v", err)
+	}
+	t.Cleanup(func() { _ = kids[0].Destroy(t.Context()) })
+	inc(t, kids[0], 2)
+}

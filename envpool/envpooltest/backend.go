@@ -408,6 +408,9 @@ func (s *Box) Destroy(ctx context.Context) error {
 	return err
 }
 
+// Close is Destroy: the fake's sandboxes hold nothing to tear down in the background.
+func (s *Box) Close(ctx context.Context) error { return s.Destroy(ctx) }
+
 // Kill makes the sandbox die on its own, as when its init exits: Done is closed and its commands
 // are cut short.
 func (s *Box) Kill() { s.end() }

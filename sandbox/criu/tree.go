@@ -45,6 +45,7 @@ package criu
 // docs/PERFORMANCE.md, "CRIU alone".
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -245,7 +246,40 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 	if err := adoptNamespaces(o.ImagesDir); err != nil {
 		return fmt.Errorf("rewriting the images in %s: %w", o.ImagesDir, err)
 	}
+	if err := dropNotify(o.ImagesDir); err != nil {
+		return fmt.Errorf("rewriting the seccomp filters in %s: %w", o.ImagesDir, err)
+	}
 	return nil
+}
+
+// The instruction "return SECCOMP_RET_USER_NOTIF" of a seccomp filter
+// (struct sock_filter: BPF_RET|BPF_K, jt 0, jf 0, k; little-endian), and the
+// same returning SECCOMP_RET_ALLOW.
+var (
+	retNotify = []byte{0x06, 0, 0, 0, 0x00, 0x00, 0xc0, 0x7f}
+	retAllow  = []byte{0x06, 0, 0, 0, 0x00, 0x00, 0xff, 0x7f}
+)
+
+// dropNotify rewrites the seccomp filters of a dump so that the calls they
+// hand to a listener (the sandbox's init, which answers a command's calls
+// that reach other processes: see dg-init's SECCOMP.md) are allowed. criu
+// restores a filter without its listener, and the kernel fails every call
+// a filter hands to no listener with ENOSYS: kill(2) among them. The
+// instructions keep their size, so the image's framing is unchanged.
+func dropNotify(dir string) error {
+	path := filepath.Join(dir, "seccomp.img")
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil // no filter
+	}
+	if err != nil {
+		return err
+	}
+	out := bytes.ReplaceAll(b, retNotify, retAllow)
+	if bytes.Equal(out, b) {
+		return nil
+	}
+	return os.WriteFile(path, out, 0o600)
 }
 
 // RestoreTree recreates a tree saved by DumpTree inside the sandbox whose

@@ -490,6 +490,7 @@ func (ps *State) Check(c *Checkpoint) error {
 
 // Drop ends the templates of checkpoint id, if this sandbox holds
 // them.
+// +checklocksignore: run is taken with TryLock, which checklocks does not follow.
 func (ps *State) Drop(id string) {
 	ps.dropAhead(id, false)
 	ps.mu.Lock()
@@ -497,9 +498,27 @@ func (ps *State) Drop(id string) {
 	delete(ps.tpls, id)
 	delete(ps.folded, id)
 	ps.mu.Unlock()
-	if tg != nil {
+	if tg == nil {
+		return
+	}
+	del := func() {
 		if err := tg.Delete(); err != nil {
 			ps.h.Log().Warn("ending process templates", "sandbox", ps.h.ID(), "checkpoint", id, "err", err)
 		}
 	}
+	// Templates being copied (a restore, an image being made: run held)
+	// are ended once that is over: a template group deleted while thawed
+	// and seized would leave its killed tracees to a tracer that no
+	// longer waits for them, and the init's exit waits for every task of
+	// its pid namespace. DeleteTemplates waits for these.
+	if !ps.run.TryLock() {
+		ps.dropping.Go(func() {
+			ps.run.Lock()
+			defer ps.run.Unlock()
+			del()
+		})
+		return
+	}
+	defer ps.run.Unlock()
+	del()
 }

@@ -108,6 +108,9 @@ type State struct {
 	// bg counts the background jobs that make groups under the sandbox's
 	// group or end copies forked ahead (Wait).
 	bg sync.WaitGroup
+	// dropping counts the template groups of released checkpoints waiting
+	// for run to be ended (Drop).
+	dropping sync.WaitGroup
 
 	// mu guards the templates and the copies forked ahead.
 	mu sync.Mutex
@@ -186,6 +189,7 @@ func (ps *State) IDs() []string {
 // one killed while frozen stays half-exited until thawed, and the init's
 // exit waits for every task of its pid namespace.
 func (ps *State) DeleteTemplates() error {
+	ps.dropping.Wait()
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	var errs []error

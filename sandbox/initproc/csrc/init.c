@@ -18,6 +18,10 @@
 // Events sent without a request: EXIT {i32 pid, i32 wait status}, for every
 // child the init reaps (orphans re-parented to it included).
 //
+// Beside its socket the init answers the calls its seccomp filter hands it:
+// those of every command that reach another process by pid, refused when
+// they aim at a checkpoint's template (see guard_notify).
+//
 // The init mounts its /proc and /dev and sets the host name (the zygote's
 // request's, or argv[1] when run directly) at start, then confines itself
 // as it confines commands (see confine): the root swap is done by the
@@ -49,8 +53,11 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/ioctl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -308,12 +315,83 @@ static const struct sock_filter head[] = {
 };
 #define NHEAD (sizeof head / sizeof head[0])
 
-static struct sock_filter filter[NHEAD + 2 * NDENIED + 1];
+// The calls that reach another process and could end or change a template
+// (see guard_notify): the filter hands them to the init, which answers them
+// (SECCOMP_RET_USER_NOTIF), unless they name no other process. The signals
+// the init sends itself carry the secret as their sixth argument (skill),
+// which no command can read (the init is not dumpable, and a filter cannot
+// be read back without CAP_SYS_ADMIN over the initial user namespace): a
+// call of the init's own waits for no one.
+static const int signal_calls[] = {
+    SYS_kill, SYS_tkill, SYS_tgkill, SYS_rt_sigqueueinfo, SYS_rt_tgsigqueueinfo,
+    SYS_pidfd_open, SYS_pidfd_send_signal,
+};
+#define NSIGCALLS (sizeof signal_calls / sizeof signal_calls[0])
+// Calls whose first argument is a pid, 0 for the caller.
+static const int pid0_calls[] = {SYS_sched_setaffinity, SYS_sched_setscheduler, SYS_sched_setparam, SYS_sched_setattr};
+#define NPID0 (sizeof pid0_calls / sizeof pid0_calls[0])
+// Calls whose second argument is a pid (or a group or user), 0 for the caller.
+static const int pid1_calls[] = {SYS_setpriority, SYS_ioprio_set};
+#define NPID1 (sizeof pid1_calls / sizeof pid1_calls[0])
+#define NGUARD (NSIGCALLS + 7 + NPID0 + 5 + NPID1 + 5 + 9)
+
+#define HI(off) ((off) + 4)
+#define JA(k) BPF_STMT(BPF_JMP | BPF_JA, (k))
+
+static uint64_t secret;
+static struct sock_filter filter[NHEAD + NGUARD + 2 * NDENIED + 1];
 static struct sock_fprog fprog;
 
+// guard_block appends the part of the filter that hands calls reaching other
+// processes to the init, at k, and returns the next index. It comes after
+// the x32 check, with the call's number in the accumulator; each block
+// returns or leaves the accumulator as it was.
+static int guard_block(int k) {
+	// Signals: the init's own (the secret in the sixth argument) pass.
+	for (size_t i = 0; i < NSIGCALLS; i++) filter[k++] = (struct sock_filter)JEQ(signal_calls[i], NSIGCALLS - i, 0);
+	filter[k++] = (struct sock_filter)JA(6);
+	filter[k++] = (struct sock_filter)LD(ARG(5));
+	filter[k++] = (struct sock_filter)JEQ((uint32_t)secret, 0, 3);
+	filter[k++] = (struct sock_filter)LD(HI(ARG(5)));
+	filter[k++] = (struct sock_filter)JEQ((uint32_t)(secret >> 32), 0, 1);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_ALLOW);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_USER_NOTIF);
+	// Scheduling of another process: pid in argument 0.
+	for (size_t i = 0; i < NPID0; i++) filter[k++] = (struct sock_filter)JEQ(pid0_calls[i], NPID0 - i, 0);
+	filter[k++] = (struct sock_filter)JA(4);
+	filter[k++] = (struct sock_filter)LD(ARG(0));
+	filter[k++] = (struct sock_filter)JEQ(0, 0, 1);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_ALLOW);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_USER_NOTIF);
+	// Priorities of another process: who in argument 1.
+	for (size_t i = 0; i < NPID1; i++) filter[k++] = (struct sock_filter)JEQ(pid1_calls[i], NPID1 - i, 0);
+	filter[k++] = (struct sock_filter)JA(4);
+	filter[k++] = (struct sock_filter)LD(ARG(1));
+	filter[k++] = (struct sock_filter)JEQ(0, 0, 1);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_ALLOW);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_USER_NOTIF);
+	// prlimit64: another process's limits set (reading them is harmless).
+	filter[k++] = (struct sock_filter)JEQ(SYS_prlimit64, 0, 8);
+	filter[k++] = (struct sock_filter)LD(ARG(0));
+	filter[k++] = (struct sock_filter)JEQ(0, 5, 0);
+	filter[k++] = (struct sock_filter)LD(ARG(2));
+	filter[k++] = (struct sock_filter)JEQ(0, 0, 2);
+	filter[k++] = (struct sock_filter)LD(HI(ARG(2)));
+	filter[k++] = (struct sock_filter)JEQ(0, 1, 0);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_USER_NOTIF);
+	filter[k++] = (struct sock_filter)RET(SECCOMP_RET_ALLOW);
+	return k;
+}
+
+// The head's first instructions, up to the x32 check: the guard block
+// follows them (the head's jumps are relative, and none crosses that point).
+#define NPRELUDE 6
+
 static void build_filter(void) {
-	int k = NHEAD;
-	memcpy(filter, head, sizeof head);
+	memcpy(filter, head, NPRELUDE * sizeof head[0]);
+	int k = guard_block(NPRELUDE);
+	memcpy(filter + k, head + NPRELUDE, (NHEAD - NPRELUDE) * sizeof head[0]);
+	k += NHEAD - NPRELUDE;
 	for (size_t i = 0; i < NDENIED; i++) {
 		filter[k++] = (struct sock_filter)JEQ(denied[i], 0, 1);
 		filter[k++] = (struct sock_filter)ERR(EPERM);
@@ -475,6 +553,10 @@ static int is_template(long pid) {
 	return 0;
 }
 
+// skill is kill(2) by the init itself: the secret lets it past the filter
+// (guard_block), so it never waits for its own answer.
+static long skill(long pid, int sig) { return syscall(SYS_kill, pid, sig, 0, 0, 0, secret); }
+
 // kill_others SIGKILLs every process but the init and the templates and
 // returns how many it found alive (zombies aside).
 static int kill_others(int *kept) {
@@ -501,7 +583,7 @@ static int kill_others(int *kept) {
 		st[n] = 0;
 		char *p = strrchr(st, ')');
 		if (p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X')) continue;
-		kill(pid, SIGKILL);
+		skill(pid, SIGKILL);
 		left++;
 	}
 	closedir(d);
@@ -532,6 +614,227 @@ static int orphaned(void) {
 	}
 }
 
+// ---- templates out of the commands' reach -------------------------------------
+//
+// Templates are processes of the sandbox's pid namespace with the
+// credentials of the processes they copy: a command holding CAP_KILL (root
+// in the sandbox) could signal them, and so end or stop an acknowledged
+// checkpoint's processes, or change their limits and scheduling, which the
+// copies would inherit. So every call that reaches another process by pid
+// is handed to the init (guard_block, SECCOMP_RET_USER_NOTIF), which
+// refuses it with EPERM when it targets a template, and otherwise lets the
+// kernel run it as the caller's (SECCOMP_USER_NOTIF_FLAG_CONTINUE), with the
+// caller's own permission checks. Two cannot be let through:
+// - kill(-1, sig) and kill(-pgrp, sig) (kill(0, sig)) when a template is in
+//   reach: the init signals each process they would reach but the
+//   templates, with the kernel's rule for who may signal whom
+//   (kill_ok_by_cred) applied to the caller's credentials, and answers as
+//   the kernel would;
+// - pidfd_send_signal, whose target is a descriptor the caller could swap
+//   between the init's look and the kernel's: the init resolves it once and
+//   signals the process it found itself.
+// Reading memory (ptrace, /proc/PID/mem, process_vm_readv) is kept out by
+// the templates' non-dumpable flag.
+
+static int notify_fd = -1;
+
+struct pcred {
+	long tgid;
+	unsigned uid[4]; // real, effective, saved, filesystem
+	unsigned long long capeff;
+};
+
+static int read_cred(long pid, struct pcred *c) {
+	char path[64], b[4096];
+	snprintf(path, sizeof path, "/proc/%ld/status", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) return -1;
+	ssize_t n = read(fd, b, sizeof b - 1);
+	close(fd);
+	if (n <= 0) return -1;
+	b[n] = 0;
+	char *p = strstr(b, "\nTgid:");
+	if (!p) return -1;
+	c->tgid = strtol(p + 6, NULL, 10);
+	p = strstr(b, "\nUid:");
+	if (!p || sscanf(p + 5, "%u %u %u %u", &c->uid[0], &c->uid[1], &c->uid[2], &c->uid[3]) != 4) return -1;
+	p = strstr(b, "\nCapEff:");
+	if (!p) return -1;
+	c->capeff = strtoull(p + 8, NULL, 16);
+	return 0;
+}
+
+// stat_ids reads the process group and session of pid.
+static int stat_ids(long pid, long *pgrp, long *sid) {
+	char path[64], st[512];
+	snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) return -1;
+	ssize_t n = read(fd, st, sizeof st - 1);
+	close(fd);
+	if (n <= 0) return -1;
+	st[n] = 0;
+	char *p = strrchr(st, ')');
+	long ppid;
+	char state;
+	if (!p || sscanf(p + 1, " %c %ld %ld %ld", &state, &ppid, pgrp, sid) != 4) return -1;
+	return 0;
+}
+
+// may_signal is the kernel's kill_ok_by_cred for caller c and process t:
+// CAP_KILL (every process of the sandbox is in its user namespace), or the
+// caller's real or effective uid is the target's real or saved one; and
+// SIGCONT within a session.
+static int may_signal(const struct pcred *c, long t, int sig) {
+	if (c->capeff & (1ULL << CAP_KILL)) return 1;
+	struct pcred tc;
+	if (read_cred(t, &tc) < 0) return 0;
+	unsigned cu = c->uid[0], ce = c->uid[1], tu = tc.uid[0], ts = tc.uid[2];
+	if (ce == ts || ce == tu || cu == ts || cu == tu) return 1;
+	long g, s1, s2;
+	return sig == SIGCONT && stat_ids(t, &g, &s1) == 0 && stat_ids(c->tgid, &g, &s2) == 0 && s1 == s2;
+}
+
+// group_has_template reports whether process group pgrp (every process if
+// 0) holds a template.
+static int group_has_template(long pgrp) {
+	DIR *d = opendir("/proc");
+	if (!d) return 1;
+	struct dirent *e;
+	int found = 0;
+	while (!found && (e = readdir(d))) {
+		char *end;
+		long pid = strtol(e->d_name, &end, 10);
+		long g, sid;
+		if (*end || pid <= 1) continue;
+		if (pgrp && (stat_ids(pid, &g, &sid) < 0 || g != pgrp)) continue;
+		found = is_template(pid);
+	}
+	closedir(d);
+	return found;
+}
+
+// signal_as sends sig, as caller c would with kill(2), to every process but
+// the init and the templates: of process group pgrp, or, for pgrp 0, every
+// one but the caller's own (kill(-1)). It returns the errno kill(2) would.
+static int signal_as(const struct pcred *c, long pgrp, int sig) {
+	DIR *d = opendir("/proc");
+	if (!d) return EAGAIN;
+	struct dirent *e;
+	int found = 0, sent = 0, last = 0;
+	while ((e = readdir(d))) {
+		char *end;
+		long pid = strtol(e->d_name, &end, 10);
+		long g, sid;
+		if (*end || pid <= 1 || is_template(pid)) continue;
+		if (pgrp ? (stat_ids(pid, &g, &sid) < 0 || g != pgrp) : pid == c->tgid) continue;
+		found++;
+		int err = 0;
+		if (!may_signal(c, pid, sig)) err = EPERM;
+		else if (skill(pid, sig) < 0) err = errno;
+		if (!err) sent++;
+		// kill(-1) answers the last error other than EPERM; a group, its
+		// last error unless one was sent.
+		if (pgrp ? err != 0 : err != EPERM) last = err;
+	}
+	closedir(d);
+	if (!found) return ESRCH;
+	return pgrp && sent ? 0 : last;
+}
+
+// fd_target resolves descriptor fd of caller to the process it names (a
+// pidfd, or a /proc/PID directory): the pid, -1 if it names none, -2 if the
+// init may not look (the caller is another user).
+static long fd_target(long caller, int fd) {
+	char path[64], b[1024];
+	snprintf(path, sizeof path, "/proc/%ld/fdinfo/%d", caller, fd);
+	int f = open(path, O_RDONLY | O_CLOEXEC);
+	if (f < 0) return errno == EACCES || errno == EPERM ? -2 : -1;
+	ssize_t n = read(f, b, sizeof b - 1);
+	close(f);
+	if (n <= 0) return -1;
+	b[n] = 0;
+	char *p = strstr(b, "\nPid:");
+	if (p) return strtol(p + 5, NULL, 10);
+	snprintf(path, sizeof path, "/proc/%ld/fd/%d", caller, fd);
+	n = readlink(path, b, sizeof b - 1);
+	if (n <= 6) return -1;
+	b[n] = 0;
+	char *end;
+	long pid = strncmp(b, "/proc/", 6) == 0 ? strtol(b + 6, &end, 10) : 0;
+	return pid > 0 && !*end ? pid : -1;
+}
+
+#define CONT (-1)
+
+// judge answers one call handed over by the filter: CONT to let it run,
+// else the errno it returns (0: done by the init, success).
+static int judge(const struct seccomp_notif *r) {
+	const __u64 *a = r->data.args;
+	long target = 0;
+	switch (r->data.nr) {
+	case SYS_kill: {
+		long pid = (int)a[0];
+		if (pid > 0) {
+			target = pid;
+			break;
+		}
+		struct pcred c;
+		long pgrp = -pid, sid;
+		if (read_cred(r->pid, &c) < 0 || ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->id) < 0) return ESRCH;
+		if (pid == 0 && stat_ids(c.tgid, &pgrp, &sid) < 0) return ESRCH;
+		if (pid == -1) pgrp = 0;
+		if (!group_has_template(pgrp)) return CONT;
+		return signal_as(&c, pgrp, (int)a[1]);
+	}
+	case SYS_tkill:
+	case SYS_rt_sigqueueinfo:
+	case SYS_pidfd_open:
+	case SYS_prlimit64:
+	case SYS_sched_setaffinity:
+	case SYS_sched_setscheduler:
+	case SYS_sched_setparam:
+	case SYS_sched_setattr:
+		target = (int)a[0];
+		break;
+	case SYS_tgkill:
+	case SYS_rt_tgsigqueueinfo:
+		target = (int)a[1];
+		break;
+	case SYS_setpriority: // PRIO_PROCESS; a group's or a user's: as asked
+		target = (int)a[0] == PRIO_PROCESS ? (int)a[1] : 0;
+		break;
+	case SYS_ioprio_set: // IOPRIO_WHO_PROCESS
+		target = (int)a[0] == 1 ? (int)a[1] : 0;
+		break;
+	case SYS_pidfd_send_signal: {
+		long t = fd_target(r->pid, (int)a[0]);
+		if (t == -2) return CONT; // the kernel's own checks, as the caller's
+		if (t <= 0) return t == 0 ? ESRCH : EBADF;
+		if (is_template(t)) return EPERM;
+		struct pcred c;
+		if (read_cred(r->pid, &c) < 0 || ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->id) < 0) return ESRCH;
+		if (!may_signal(&c, t, (int)a[1])) return EPERM;
+		return skill(t, (int)a[1]) < 0 ? errno : 0;
+	}
+	}
+	return target > 0 && is_template(target) ? EPERM : CONT;
+}
+
+// guard_notify answers one call the filter handed to the init.
+static void guard_notify(void) {
+	struct seccomp_notif req;
+	struct seccomp_notif_resp resp;
+	memset(&req, 0, sizeof req);
+	if (ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) return; // the caller went away
+	memset(&resp, 0, sizeof resp);
+	resp.id = req.id;
+	int e = judge(&req);
+	if (e == CONT) resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+	else resp.error = -e;
+	ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+}
+
 // ---- main loop --------------------------------------------------------------
 
 static void reap(void) {
@@ -560,8 +863,12 @@ static int confine(void) {
 	}
 	TRY(syscall(SYS_capset, &h, d), "dropping capabilities");
 	TRY(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs");
+	// Not dumpable: no command may read the secret in its memory.
+	TRY(prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "making the init non-dumpable");
+	TRY(getrandom(&secret, sizeof secret, 0), "drawing the filter's secret");
 	build_filter();
-	TRY(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog), "installing the seccomp filter");
+	notify_fd = syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, &fprog);
+	TRY(notify_fd, "installing the seccomp filter");
 	return 0;
 }
 
@@ -585,12 +892,14 @@ static int serve(void (*handle)(struct hdr *h), int (*gone)(void)) {
 	if (sfd < 0) return 1;
 	fcntl(CTL, F_SETFD, FD_CLOEXEC);
 	send_msg(MSG_REPLY, 0, "\0\0\0\0\0\0\0\0", 8); // hello
-	struct pollfd pf[2] = {{CTL, POLLIN, 0}, {sfd, POLLIN, 0}};
+	// notify_fd is -1 in the zygote, which poll skips.
+	struct pollfd pf[3] = {{CTL, POLLIN, 0}, {sfd, POLLIN, 0}, {notify_fd, POLLIN, 0}};
 	for (;;) {
-		if (poll(pf, 2, -1) < 0) {
+		if (poll(pf, 3, -1) < 0) {
 			if (errno == EINTR) continue;
 			return 1;
 		}
+		if (pf[2].revents & POLLIN) guard_notify();
 		if (pf[1].revents) {
 			struct signalfd_siginfo si;
 			while (read(sfd, &si, sizeof si) > 0) {
