@@ -137,6 +137,10 @@ func TestAttackProcSys(t *testing.T) {
 			t.Errorf("%s: succeeded", cmd)
 		}
 	}
+	// No sysfs: /sys is an empty directory of the image, or absent.
+	if out := s.sh(t, sb, "ls -A /sys 2>/dev/null; true"); out != "" {
+		t.Errorf("the sandbox has a /sys: %q", out)
+	}
 	for k, v := range host {
 		if data, _ := os.ReadFile(k); string(data) != v {
 			t.Errorf("the host's %s changed: %q, was %q", k, data, v)
