@@ -95,7 +95,8 @@ func run(m *testing.M) int {
 // end), and the canary whose Step latency the family must not disturb.
 type suite struct {
 	t        *testing.T
-	c        *deltagym.Client
+	c        *deltagym.Client // Connect
+	grpc     *deltagym.Client // the same server over gRPC, for the families of API input
 	canary   *deltagym.Sandbox
 	baseline time.Duration // the slowest of the canary's Steps before the attack
 }
@@ -124,8 +125,12 @@ func begin(t *testing.T) *suite {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &suite{t: t, c: c}
-	t.Cleanup(func() { c.Close() })
+	g, err := deltagym.Dial(srv.Addr, deltagym.WithToken(hostToken), deltagym.WithRetry(1, time.Millisecond), deltagym.WithGRPC())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &suite{t: t, c: c, grpc: g}
+	t.Cleanup(func() { c.Close(); g.Close() })
 	s.canary = s.sandbox(t)
 	s.sh(t, s.canary, "echo intact > /root/canary")
 	for range canarySteps {
