@@ -55,10 +55,10 @@ else:
 const helperPath = "/run/dgsec.py"
 
 var (
-	srv       *servertest.Server
-	skipWhy   string
-	startErr  error
-	hostToken string
+	srv      *servertest.Server
+	skipWhy  string // why srv could not start here (not root, -short, no image)
+	startErr error
+	token    string // srv's bearer token
 )
 
 func TestMain(m *testing.M) {
@@ -81,7 +81,7 @@ func run(m *testing.M) int {
 	srv, skipWhy, startErr = servertest.Start(ctx, servertest.Options{EnvsDir: envs})
 	cancel()
 	if srv != nil {
-		hostToken = srv.Token()
+		token = srv.Token()
 		defer func() {
 			if err := srv.Close(); err != nil {
 				fmt.Fprintln(os.Stderr, "closing the suite's server:", err)
@@ -91,10 +91,9 @@ func run(m *testing.M) int {
 	return m.Run()
 }
 
-// suite is one family's view of the server: a client, the sandboxes it made (closed at the
-// end), and the canary whose Step latency the family must not disturb.
+// suite is one family's view of the server: its clients, and the canary whose Step latency
+// the family must not disturb.
 type suite struct {
-	t        *testing.T
 	c        *deltagym.Client // Connect
 	grpc     *deltagym.Client // the same server over gRPC, for the families of API input
 	canary   *deltagym.Sandbox
@@ -121,15 +120,15 @@ func begin(t *testing.T) *suite {
 	if srv == nil {
 		t.Skip(skipWhy)
 	}
-	c, err := deltagym.Dial(srv.Addr, deltagym.WithToken(hostToken), deltagym.WithRetry(1, time.Millisecond))
+	c, err := deltagym.Dial(srv.Addr, deltagym.WithToken(token), deltagym.WithRetry(1, time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
-	g, err := deltagym.Dial(srv.Addr, deltagym.WithToken(hostToken), deltagym.WithRetry(1, time.Millisecond), deltagym.WithGRPC())
+	g, err := deltagym.Dial(srv.Addr, deltagym.WithToken(token), deltagym.WithRetry(1, time.Millisecond), deltagym.WithGRPC())
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &suite{t: t, c: c, grpc: g}
+	s := &suite{c: c, grpc: g}
 	t.Cleanup(func() { c.Close(); g.Close() })
 	s.canary = s.sandbox(t)
 	s.sh(t, s.canary, "echo intact > /root/canary")
