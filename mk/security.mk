@@ -9,6 +9,7 @@ FUZZTIME ?= 30s
 FUZZ_TARGETS := \
 	./server:FuzzRequestDecode \
 	./server:FuzzImportRoot \
+	./server:FuzzParseBytes \
 	./server/ledger:FuzzParseFrame \
 	./envpool:FuzzParseSpec \
 	./envpool:FuzzSpecRoundTrip \

@@ -2,6 +2,7 @@ package server
 
 import (
 	"errors"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
@@ -140,6 +141,29 @@ func FuzzImportRoot(f *testing.F) {
 		}
 		if got != dir && !strings.HasPrefix(got, dir+"/") {
 			t.Fatalf("open(%q) resolved to %s, outside the root %s", name, got, dir)
+		}
+	})
+}
+
+// FuzzParseBytes parses sizes as the flags take them (--import-max-bytes): a size that parses
+// is exactly the number times its unit, never one that wrapped around.
+func FuzzParseBytes(f *testing.F) {
+	f.Fuzz(func(t *testing.T, v string) {
+		n, err := parseBytes(v)
+		if err != nil {
+			return
+		}
+		num := strings.TrimSpace(strings.TrimRight(v, "KkMmGgTtIiBb"))
+		want, ok := new(big.Int).SetString(num, 10)
+		if !ok {
+			t.Fatalf("parseBytes(%q) = %d: the number %q does not parse", v, n, num)
+		}
+		unit := strings.ToLower(strings.TrimSpace(v[len(strings.TrimRight(v, "KkMmGgTtIiBb")):]))
+		shift := map[string]uint{"": 0, "b": 0, "k": 10, "kb": 10, "kib": 10, "m": 20, "mb": 20, "mib": 20,
+			"g": 30, "gb": 30, "gib": 30, "t": 40, "tb": 40, "tib": 40}[unit]
+		want.Lsh(want, shift)
+		if want.Cmp(big.NewInt(n)) != 0 {
+			t.Fatalf("parseBytes(%q) = %d, want %s", v, n, want)
 		}
 	})
 }
