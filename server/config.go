@@ -120,8 +120,8 @@ func parseBytes(v string) (int64, error) {
 	if !ok {
 		return 0, fmt.Errorf("unit %q", unit)
 	}
-	if n > math.MaxInt64>>sh {
-		return 0, errors.New("too large")
+	if n > math.MaxInt64>>sh || n < math.MinInt64>>sh {
+		return 0, errors.New("out of range")
 	}
 	return n << sh, nil
 }
