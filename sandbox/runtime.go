@@ -295,8 +295,7 @@ type Runtime struct {
 	// +checklocks:mu
 	closed bool
 
-	warm     chan *warmInit // ready inits (warm.go)
-	warmKick chan struct{}
+	warm warmInits // ready inits (warm.go)
 	// +checklocks:mu
 	warmTarget int
 
@@ -517,7 +516,7 @@ func (r *Runtime) openHost(cleanup *[]func()) error {
 // startLoops starts the runtime's background loops: warm inits, huge-page
 // folding, and checkpoint expiry if checkpoints expire.
 func (r *Runtime) startLoops() {
-	r.warm, r.warmKick = make(chan *warmInit, r.cfg.InitPool), make(chan struct{}, 1)
+	r.warm = warmInits{ready: make(chan *warmInit, r.cfg.InitPool), kick: make(chan struct{}, 1)}
 	r.wg.Add(1)
 	go r.warmLoop()
 	r.folds = procstate.NewFolder(r.log)

@@ -104,7 +104,7 @@ func (r *Runtime) takeInit(hostname string) (*warmInit, error) {
 	for hostname == "" || hostname == defaultHostname {
 		var w *warmInit
 		select {
-		case w = <-r.warm:
+		case w = <-r.warm.ready:
 		default:
 		}
 		if w == nil {
@@ -135,7 +135,7 @@ func (r *Runtime) wantWarm(n int) {
 
 func (r *Runtime) kickWarm() {
 	select {
-	case r.warmKick <- struct{}{}:
+	case r.warm.kick <- struct{}{}:
 	default:
 	}
 }
@@ -147,13 +147,13 @@ func (r *Runtime) warmLoop() {
 		select {
 		case <-r.done:
 			return
-		case <-r.warmKick:
+		case <-r.warm.kick:
 		}
 		for {
 			r.mu.Lock()
 			target := r.warmTarget
 			r.mu.Unlock()
-			if len(r.warm) >= target {
+			if len(r.warm.ready) >= target {
 				break
 			}
 			w, err := r.startInit(newID("sb-"), "")
@@ -167,7 +167,7 @@ func (r *Runtime) warmLoop() {
 				continue
 			}
 			select {
-			case r.warm <- w:
+			case r.warm.ready <- w:
 			case <-r.done:
 				w.free(r)
 				return
@@ -182,7 +182,7 @@ func (r *Runtime) warmLoop() {
 func (r *Runtime) drainWarm() {
 	for {
 		select {
-		case w := <-r.warm:
+		case w := <-r.warm.ready:
 			w.free(r)
 		default:
 			return
@@ -191,9 +191,16 @@ func (r *Runtime) drainWarm() {
 }
 
 // WarmInits reports how many ready inits the runtime holds.
-func (r *Runtime) WarmInits() int { return len(r.warm) }
+func (r *Runtime) WarmInits() int { return len(r.warm.ready) }
 
 // forkParallel is how many children of a Fork are made at once. Making one
 // is mostly waiting (mount-table locks, RCU grace periods, the root swap's
 // round trips), not CPU, so more than the cores run at once.
 var forkParallel = 4
+
+// warmInits is the pool of ready inits: ready holds them, a send on kick asks the filler to top
+// it up.
+type warmInits struct {
+	ready chan *warmInit
+	kick  chan struct{}
+}

@@ -75,7 +75,7 @@ func (j *job) markTrouble()   { j.troubleOnce.Do(func() { close(j.trouble) }) }
 // writer is closed and everything is delivered. A reader goroutine prepares batches (from memory
 // or the spool) while earlier ones are being copied and committed.
 func (w *Writer) deliverLoop(ctx context.Context) {
-	defer close(w.deliverDone)
+	defer close(w.deliver.done)
 	lanes := make([]*lane, w.cfg.Conns)
 	for i := range lanes {
 		lanes[i] = &lane{}
@@ -511,4 +511,10 @@ func (d *delivery) updates(ctx context.Context, tx pgx.Tx) error {
 		return fmt.Errorf("updating episodes and checkpoints: %w", err)
 	}
 	return nil
+}
+
+// deliverLoop is the delivering goroutine: cancel stops it, done is closed once it has returned.
+type deliverLoop struct {
+	cancel context.CancelFunc
+	done   chan struct{}
 }

@@ -212,8 +212,7 @@ type Writer struct {
 
 	syncer syncSignals
 
-	cancelDeliver context.CancelFunc
-	deliverDone   chan struct{}
+	deliver deliverLoop
 
 	vac vacuumSignals
 
@@ -278,12 +277,12 @@ func NewWriter(cfg Config) (*Writer, error) {
 		changed:   make(chan struct{}),
 		syncer: syncSignals{kick: make(chan struct{}, 1), writeNow: make(chan struct{}, 1), flushNow: make(chan struct{}, 1),
 			stop: make(chan struct{}), done: make(chan struct{})},
-		deliverDone: make(chan struct{}),
-		vac:         vacuumSignals{kick: make(chan struct{}, 1), done: make(chan struct{})},
+		deliver: deliverLoop{done: make(chan struct{})},
+		vac:     vacuumSignals{kick: make(chan struct{}, 1), done: make(chan struct{})},
 	}
 	w.drained = sync.NewCond(&w.mu)
 	ctx, cancel := context.WithCancel(context.Background())
-	w.cancelDeliver = cancel
+	w.deliver.cancel = cancel
 	go w.syncLoop()
 	go w.deliverLoop(ctx)
 	if cfg.VacuumSteps > 0 {
@@ -1023,7 +1022,7 @@ func (w *Writer) waitDelivered(ctx context.Context, target uint64) error {
 		}
 		select {
 		case <-ch:
-		case <-w.deliverDone:
+		case <-w.deliver.done:
 			// The deliverer may have delivered the last rows just before it ended (both are
 			// ready then, and select picks either).
 			w.mu.Lock()
@@ -1082,8 +1081,8 @@ func (w *Writer) Close(ctx context.Context) error {
 		}
 		w.mu.Unlock()
 		errs = append(errs, w.waitDelivered(ctx, target))
-		w.cancelDeliver()
-		<-w.deliverDone
+		w.deliver.cancel()
+		<-w.deliver.done
 		<-w.vac.done
 		w.mu.Lock()
 		delivered := w.delivered
