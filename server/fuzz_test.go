@@ -124,7 +124,7 @@ func FuzzImportRoot(f *testing.F) {
 	f.Fuzz(func(t *testing.T, name string) {
 		name = strings.ReplaceAll(name, "@ROOT@", dir)
 		name = strings.ReplaceAll(name, "@OUTSIDE@", outside)
-		if rel, err := r.rel(name); err == nil && (filepath.IsAbs(rel) || rel == ".." || strings.HasPrefix(rel, "../")) {
+		if rel, err := r.rel("image path", name); err == nil && (filepath.IsAbs(rel) || rel == ".." || strings.HasPrefix(rel, "../")) {
 			t.Fatalf("rel(%q) = %q: leaves the root", name, rel)
 		}
 		file, err := r.open(name)
