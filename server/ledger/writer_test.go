@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -283,13 +282,9 @@ func TestPostgresKilled(t *testing.T) {
 	if pid == 0 {
 		t.Fatal("no postmaster")
 	}
-	kids, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
-	must(t, syscall.Kill(pid, syscall.SIGKILL))
-	for _, k := range strings.Fields(string(kids)) {
-		if n, err := strconv.Atoi(k); err == nil {
-			_ = syscall.Kill(n, syscall.SIGKILL)
-		}
-	}
+	// The postmaster leads its process group (pgserver starts it with Setpgid): killing the
+	// group ends it and every backend at once, so no backend started meanwhile goes on serving.
+	must(t, syscall.Kill(-pid, syscall.SIGKILL))
 	<-appended
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()

@@ -2,6 +2,7 @@ package securitytest
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -58,6 +59,12 @@ func (h hostTargets) check(t *testing.T) {
 // refused tells a file action's refusal: an error the caller or the agent can act on
 // (invalid_argument, not_found, failed_precondition, permission), never an internal one.
 func refused(err error) bool {
+	// The sandbox's own filesystem refused it (no such file there, it leaves the filesystem, a
+	// permission): an observation of the step.
+	var ae *deltagym.ActionError
+	if errors.As(err, &ae) {
+		return true
+	}
 	switch connect.CodeOf(err) {
 	case connect.CodeInvalidArgument, connect.CodeNotFound, connect.CodeFailedPrecondition, connect.CodePermissionDenied:
 		return true

@@ -3,6 +3,7 @@ package deltagym
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"net"
 	"net/http/httptest"
 	"os"
@@ -357,5 +358,18 @@ func TestNoTokenHint(t *testing.T) {
 				t.Fatalf("the server's message is lost: %q", err)
 			}
 		})
+	}
+}
+
+// An observation's error comes back from the helpers as an *ActionError that unwraps to its errno.
+func TestActionErrorOf(t *testing.T) {
+	res := &deltagymv1.StepResponse{Observation: &deltagymv1.Observation{Error: &deltagymv1.ActionError{Errno: 2, ErrnoName: "ENOENT", Message: "/nope: no such file"}}}
+	err := actionError(res)
+	var ae *ActionError
+	if !errors.As(err, &ae) || ae.Name != "ENOENT" || !errors.Is(err, fs.ErrNotExist) || !strings.Contains(err.Error(), "/nope") {
+		t.Fatalf("actionError = %v", err)
+	}
+	if err := actionError(&deltagymv1.StepResponse{Observation: &deltagymv1.Observation{}}); err != nil {
+		t.Fatalf("no error in the observation: %v", err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"syscall"
 	"time"
 
 	"connectrpc.com/connect"
@@ -348,7 +349,7 @@ func (s *Sandbox) Exec(ctx context.Context, command string, opts ...StepOption) 
 	if err != nil {
 		return nil, err
 	}
-	return ExecResultOf(res), nil
+	return ExecResultOf(res), actionError(res)
 }
 
 // Run executes argv directly, without a shell.
@@ -361,7 +362,7 @@ func (s *Sandbox) Run(ctx context.Context, argv []string, opts ...StepOption) (*
 	if err != nil {
 		return nil, err
 	}
-	return ExecResultOf(res), nil
+	return ExecResultOf(res), actionError(res)
 }
 
 // WriteFile writes content to path inside the sandbox.
@@ -373,7 +374,7 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, content []byte, op
 	if err != nil {
 		return nil, err
 	}
-	return &WriteResult{StepResult: stepResult(res), Size: res.GetObservation().GetWriteFile().GetSize()}, nil
+	return &WriteResult{StepResult: stepResult(res), Size: res.GetObservation().GetWriteFile().GetSize()}, actionError(res)
 }
 
 // ReadFile reads path inside the sandbox (at most the env's output cap;
@@ -387,7 +388,31 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, opts ...StepOption)
 		return nil, err
 	}
 	r := res.GetObservation().GetReadFile()
-	return &ReadResult{StepResult: stepResult(res), Content: r.GetContent(), Size: r.GetSize(), Truncated: r.GetTruncated()}, nil
+	return &ReadResult{StepResult: stepResult(res), Content: r.GetContent(), Size: r.GetSize(), Truncated: r.GetTruncated()}, actionError(res)
+}
+
+// ActionError is an action the sandbox's own state refused (a missing file, a FIFO where a file
+// was to be read, a program that is not there): the step is recorded and counted and the
+// episode goes on. Exec, Run, ReadFile and WriteFile return it beside their result. It unwraps
+// to the syscall.Errno, so errors.Is(err, fs.ErrNotExist) and the like work.
+type ActionError struct {
+	Errno   int    // the Linux error number, such as 2
+	Name    string // its name, such as "ENOENT"
+	Message string // what failed and where
+}
+
+func (e *ActionError) Error() string { return e.Name + ": " + e.Message }
+
+// Unwrap returns the error number as a syscall.Errno.
+func (e *ActionError) Unwrap() error { return syscall.Errno(e.Errno) }
+
+// actionError returns the ActionError of a step's observation, or nil.
+func actionError(m *deltagymv1.StepResponse) error {
+	e := m.GetObservation().GetError()
+	if e == nil {
+		return nil
+	}
+	return &ActionError{Errno: int(e.GetErrno()), Name: e.GetErrnoName(), Message: e.GetMessage()}
 }
 
 // Submit ends the episode: the env's verifier runs and its reward is
