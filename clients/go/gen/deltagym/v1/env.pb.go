@@ -239,7 +239,10 @@ type EnvSpec struct {
 	// pool_size is the number of warm sandboxes kept ready for Reset.
 	PoolSize int32 `protobuf:"varint,12,opt,name=pool_size,json=poolSize,proto3" json:"pool_size,omitempty"`
 	// process_mode is the default way checkpoints capture live processes.
-	ProcessMode   ProcessMode `protobuf:"varint,13,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
+	ProcessMode ProcessMode `protobuf:"varint,13,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
+	// egress allows the env's sandboxes outbound connections; unset, they have
+	// none.
+	Egress        *Egress `protobuf:"bytes,14,opt,name=egress,proto3" json:"egress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -365,6 +368,65 @@ func (x *EnvSpec) GetProcessMode() ProcessMode {
 	return ProcessMode_PROCESS_MODE_UNSPECIFIED
 }
 
+func (x *EnvSpec) GetEgress() *Egress {
+	if x != nil {
+		return x.Egress
+	}
+	return nil
+}
+
+// Egress is the outbound network policy of an env's sandboxes. They reach the
+// listed destinations, and nothing else, through a proxy the server runs:
+// HTTP_PROXY and HTTPS_PROXY (and their lower-case forms) name it in their
+// environment, and it answers HTTP CONNECT and absolute-URI HTTP requests.
+type Egress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// allow lists the destinations as "host:port", host a DNS name or an IP
+	// address (IPv6 in brackets). The proxy resolves names itself. Loopback,
+	// link-local, private, multicast and unspecified addresses, and the
+	// server's own, are refused unless an entry names the address as an IP.
+	Allow         []string `protobuf:"bytes,1,rep,name=allow,proto3" json:"allow,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Egress) Reset() {
+	*x = Egress{}
+	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Egress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Egress) ProtoMessage() {}
+
+func (x *Egress) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Egress.ProtoReflect.Descriptor instead.
+func (*Egress) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Egress) GetAllow() []string {
+	if x != nil {
+		return x.Allow
+	}
+	return nil
+}
+
 // Limits bounds the resources of one sandbox. Zero means the server default.
 type Limits struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -387,7 +449,7 @@ type Limits struct {
 
 func (x *Limits) Reset() {
 	*x = Limits{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	mi := &file_deltagym_v1_env_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -399,7 +461,7 @@ func (x *Limits) String() string {
 func (*Limits) ProtoMessage() {}
 
 func (x *Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[1]
+	mi := &file_deltagym_v1_env_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -412,7 +474,7 @@ func (x *Limits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Limits.ProtoReflect.Descriptor instead.
 func (*Limits) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{1}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *Limits) GetMemoryBytes() int64 {
@@ -471,7 +533,7 @@ type Budgets struct {
 
 func (x *Budgets) Reset() {
 	*x = Budgets{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -483,7 +545,7 @@ func (x *Budgets) String() string {
 func (*Budgets) ProtoMessage() {}
 
 func (x *Budgets) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -496,7 +558,7 @@ func (x *Budgets) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Budgets.ProtoReflect.Descriptor instead.
 func (*Budgets) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Budgets) GetMaxSteps() int32 {
@@ -532,7 +594,7 @@ type EnvInfo struct {
 
 func (x *EnvInfo) Reset() {
 	*x = EnvInfo{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -544,7 +606,7 @@ func (x *EnvInfo) String() string {
 func (*EnvInfo) ProtoMessage() {}
 
 func (x *EnvInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -557,7 +619,7 @@ func (x *EnvInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvInfo.ProtoReflect.Descriptor instead.
 func (*EnvInfo) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *EnvInfo) GetSpec() *EnvSpec {
@@ -606,7 +668,7 @@ type ProcessCapture struct {
 
 func (x *ProcessCapture) Reset() {
 	*x = ProcessCapture{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -618,7 +680,7 @@ func (x *ProcessCapture) String() string {
 func (*ProcessCapture) ProtoMessage() {}
 
 func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -631,7 +693,7 @@ func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessCapture.ProtoReflect.Descriptor instead.
 func (*ProcessCapture) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ProcessCapture) GetPid() int32 {
@@ -692,7 +754,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -704,7 +766,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -717,7 +779,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Sandbox) GetSandboxId() string {
@@ -794,7 +856,7 @@ var File_deltagym_v1_env_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\n" +
-	"\x15deltagym/v1/env.proto\x12\vdeltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf4\x03\n" +
+	"\x15deltagym/v1/env.proto\x12\vdeltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa1\x04\n" +
 	"\aEnvSpec\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
 	"\vdescription\x18\x02 \x01(\tR\vdescription\x12\x14\n" +
@@ -810,10 +872,13 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	" \x01(\v2\x13.deltagym.v1.LimitsR\x06limits\x12.\n" +
 	"\abudgets\x18\v \x01(\v2\x14.deltagym.v1.BudgetsR\abudgets\x12\x1b\n" +
 	"\tpool_size\x18\f \x01(\x05R\bpoolSize\x12;\n" +
-	"\fprocess_mode\x18\r \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\x1a6\n" +
+	"\fprocess_mode\x18\r \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\x12+\n" +
+	"\x06egress\x18\x0e \x01(\v2\x13.deltagym.v1.EgressR\x06egress\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x1e\n" +
+	"\x06Egress\x12\x14\n" +
+	"\x05allow\x18\x01 \x03(\tR\x05allow\"\xc7\x01\n" +
 	"\x06Limits\x12!\n" +
 	"\fmemory_bytes\x18\x01 \x01(\x03R\vmemoryBytes\x12\x12\n" +
 	"\x04pids\x18\x02 \x01(\x05R\x04pids\x12\x12\n" +
@@ -882,35 +947,37 @@ func file_deltagym_v1_env_proto_rawDescGZIP() []byte {
 }
 
 var file_deltagym_v1_env_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_deltagym_v1_env_proto_goTypes = []any{
 	(ProcessMode)(0),              // 0: deltagym.v1.ProcessMode
 	(CaptureMethod)(0),            // 1: deltagym.v1.CaptureMethod
 	(SandboxState)(0),             // 2: deltagym.v1.SandboxState
 	(*EnvSpec)(nil),               // 3: deltagym.v1.EnvSpec
-	(*Limits)(nil),                // 4: deltagym.v1.Limits
-	(*Budgets)(nil),               // 5: deltagym.v1.Budgets
-	(*EnvInfo)(nil),               // 6: deltagym.v1.EnvInfo
-	(*ProcessCapture)(nil),        // 7: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),               // 8: deltagym.v1.Sandbox
-	nil,                           // 9: deltagym.v1.EnvSpec.EnvEntry
-	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
+	(*Egress)(nil),                // 4: deltagym.v1.Egress
+	(*Limits)(nil),                // 5: deltagym.v1.Limits
+	(*Budgets)(nil),               // 6: deltagym.v1.Budgets
+	(*EnvInfo)(nil),               // 7: deltagym.v1.EnvInfo
+	(*ProcessCapture)(nil),        // 8: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),               // 9: deltagym.v1.Sandbox
+	nil,                           // 10: deltagym.v1.EnvSpec.EnvEntry
+	(*timestamppb.Timestamp)(nil), // 11: google.protobuf.Timestamp
 }
 var file_deltagym_v1_env_proto_depIdxs = []int32{
-	9,  // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
-	4,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
-	5,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
+	10, // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
+	5,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
+	6,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
 	0,  // 3: deltagym.v1.EnvSpec.process_mode:type_name -> deltagym.v1.ProcessMode
-	3,  // 4: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
-	1,  // 5: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
-	2,  // 6: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
-	10, // 7: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
-	10, // 8: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
-	9,  // [9:9] is the sub-list for method output_type
-	9,  // [9:9] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	4,  // 4: deltagym.v1.EnvSpec.egress:type_name -> deltagym.v1.Egress
+	3,  // 5: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
+	1,  // 6: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
+	2,  // 7: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
+	11, // 8: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
+	11, // 9: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
+	10, // [10:10] is the sub-list for method output_type
+	10, // [10:10] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_proto_init() }
@@ -924,7 +991,7 @@ func file_deltagym_v1_env_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_proto_rawDesc), len(file_deltagym_v1_env_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   7,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

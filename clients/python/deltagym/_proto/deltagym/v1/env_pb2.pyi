@@ -44,7 +44,7 @@ SANDBOX_STATE_DONE: SandboxState
 SANDBOX_STATE_CLOSED: SandboxState
 
 class EnvSpec(_message.Message):
-    __slots__ = ("name", "description", "image", "task", "setup", "reset_hook", "verifier", "env", "workdir", "limits", "budgets", "pool_size", "process_mode")
+    __slots__ = ("name", "description", "image", "task", "setup", "reset_hook", "verifier", "env", "workdir", "limits", "budgets", "pool_size", "process_mode", "egress")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class EnvSpec(_message.Message):
     BUDGETS_FIELD_NUMBER: _ClassVar[int]
     POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_MODE_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     image: str
@@ -78,7 +79,14 @@ class EnvSpec(_message.Message):
     budgets: Budgets
     pool_size: int
     process_mode: ProcessMode
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[str] = ..., task: _Optional[str] = ..., setup: _Optional[_Iterable[str]] = ..., reset_hook: _Optional[str] = ..., verifier: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., pool_size: _Optional[int] = ..., process_mode: _Optional[_Union[ProcessMode, str]] = ...) -> None: ...
+    egress: Egress
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[str] = ..., task: _Optional[str] = ..., setup: _Optional[_Iterable[str]] = ..., reset_hook: _Optional[str] = ..., verifier: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., pool_size: _Optional[int] = ..., process_mode: _Optional[_Union[ProcessMode, str]] = ..., egress: _Optional[_Union[Egress, _Mapping]] = ...) -> None: ...
+
+class Egress(_message.Message):
+    __slots__ = ("allow",)
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("memory_bytes", "pids", "cpus", "disk_bytes", "output_bytes", "step_timeout_seconds")
