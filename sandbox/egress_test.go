@@ -87,3 +87,36 @@ func TestEgress(t *testing.T) {
 		t.Fatalf("egress service closed %d times by Destroy, want 1", n)
 	}
 }
+
+// BenchmarkCreateEgress creates sandboxes from a checkpoint, without egress and with it
+// (interleaved), and reports each kind's Create latency: a sandbox whose env allows no egress
+// pays nothing for it.
+func BenchmarkCreateEgress(b *testing.B) {
+	bb := setup(b)
+	ctx := context.Background()
+	s := bb.create(b, sandbox.Spec{})
+	ck, err := s.Checkpoint(ctx)
+	must(b, err)
+	pol, err := egress.ParsePolicy([]string{"127.0.0.1:1"})
+	must(b, err)
+	p, err := egress.New(egress.Config{Own: func(netip.Addr) bool { return false }})
+	must(b, err)
+	srv := &egressServer{proxy: p, policy: pol}
+	var plain, withEgress lat
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for _, kind := range []struct {
+			l    *lat
+			spec sandbox.Spec
+		}{{&plain, sandbox.Spec{Checkpoint: ck.ID}}, {&withEgress, sandbox.Spec{Checkpoint: ck.ID, Egress: srv}}} {
+			var sb *sandbox.Sandbox
+			kind.l.time(func() { sb, err = bb.rt.Create(ctx, kind.spec) })
+			must(b, err)
+			b.StopTimer()
+			must(b, sb.Destroy(ctx))
+			b.StartTimer()
+		}
+	}
+	plain.report(b, "create-")
+	withEgress.report(b, "create-egress-")
+}
