@@ -6,6 +6,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/egress"
 )
 
 // CheckpointKind says why the Manager took a checkpoint (the ledger's kinds).
@@ -26,6 +27,8 @@ type Env struct {
 	stepTimeout time.Duration
 	outputCap   int
 	tasks       *taskCache
+	// egress serves the env's sandboxes' outbound connections; nil when its spec allows none.
+	egress *envEgress
 }
 
 // Name returns the env's catalog name.
@@ -90,9 +93,16 @@ func (e *Env) Err() error {
 // sandboxSpec is the runtime spec of the env's sandboxes (Image set; clear it to fork).
 func (e *Env) sandboxSpec() sandbox.Spec {
 	l := e.spec.GetLimits()
-	env := make([]string, 0, len(e.spec.GetEnv()))
+	env := make([]string, 0, len(e.spec.GetEnv())+len(proxyVars))
 	for k, v := range e.spec.GetEnv() {
 		env = append(env, k+"="+v)
+	}
+	if e.egress != nil {
+		for _, k := range proxyVars {
+			if _, ok := e.spec.GetEnv()[k]; !ok {
+				env = append(env, k+"="+egress.ProxyURL)
+			}
+		}
 	}
 	sort.Strings(env)
 	return sandbox.Spec{
@@ -103,7 +113,16 @@ func (e *Env) sandboxSpec() sandbox.Spec {
 		Hostname: e.spec.GetName(),
 		Env:      env,
 		Workdir:  e.spec.GetWorkdir(),
+		Egress:   e.egressServer(),
 	}
+}
+
+// egressServer is the sandbox spec's Egress: nil (not a nil *envEgress) when the env has none.
+func (e *Env) egressServer() sandbox.EgressServer {
+	if e.egress == nil {
+		return nil
+	}
+	return e.egress
 }
 
 // forkSpec is the runtime spec for forking a checkpoint of the env (the image is the

@@ -13,6 +13,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/egress"
 )
 
 // Config configures a Manager.
@@ -52,6 +53,9 @@ type Config struct {
 	// after its TTL, its sandbox died, or the Manager closed; reason is EndExpired, EndDied or
 	// EndShutdown. A reaped lease is still listed while it runs (see reap). It must not block.
 	OnEnd func(l *Lease, reason string)
+	// Egress serves the outbound connections of envs whose spec allows some. Without it such
+	// an env is refused.
+	Egress *egress.Proxy
 }
 
 // Validate checks the config and fills in defaults.
@@ -160,6 +164,9 @@ func (m *Manager) register(spec *deltagymv1.EnvSpec, replace bool, expect *Env) 
 	}
 	spec = cloneSpec(spec)
 	env := &Env{spec: spec, stepTimeout: m.cfg.DefaultStepTimeout, outputCap: m.cfg.DefaultOutputBytes, tasks: newTaskCache()}
+	if err := env.setEgress(m.cfg.Egress); err != nil {
+		return nil, err
+	}
 	if t := spec.GetLimits().GetStepTimeoutSeconds(); t > 0 {
 		env.stepTimeout = time.Duration(t * float64(time.Second))
 	}

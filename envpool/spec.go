@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox/egress"
 )
 
 // MaxPoolSize bounds an env's pool_size.
@@ -73,7 +74,7 @@ func ValidateSpec(s *deltagymv1.EnvSpec) error {
 	if s.GetImage() == "" {
 		return badField("image", "required")
 	}
-	for _, check := range []func(*deltagymv1.EnvSpec) error{validateCommands, validateLimits, validateBudgets, validateEvaluation} {
+	for _, check := range []func(*deltagymv1.EnvSpec) error{validateCommands, validateLimits, validateBudgets, validateEvaluation, validateEgress} {
 		if err := check(s); err != nil {
 			return err
 		}
@@ -226,6 +227,20 @@ func cleanBelowRoot(p string) bool {
 
 // within reports whether path p is dir or below it.
 func within(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
+
+// validateEgress checks the egress allow-list's entries.
+func validateEgress(s *deltagymv1.EnvSpec) error {
+	allow := s.GetEgress().GetAllow()
+	if len(allow) > egress.MaxEntries {
+		return badField("egress.allow", "%d entries, at most %d", len(allow), egress.MaxEntries)
+	}
+	for i, a := range allow {
+		if _, err := egress.ParseEntry(a); err != nil {
+			return badField(fmt.Sprintf("egress.allow[%d]", i), "%v", err)
+		}
+	}
+	return nil
+}
 
 func finiteNonNegative(v float64) bool { return v >= 0 && !math.IsNaN(v) && !math.IsInf(v, 0) }
 

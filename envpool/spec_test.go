@@ -41,6 +41,9 @@ func TestBadSpecsNameFileAndField(t *testing.T) {
 		{"empty setup", `{"name": "a", "image": "x", "setup": ["ok", " "]}`, "field setup[1]"},
 		{"unknown field", `{"name": "a", "image": "x", "colour": "red"}`, "colour"},
 		{"not json", `{"name": `, "decoding"},
+		{"egress without port", `{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:443", "pypi.org"]}}`, "field egress.allow[1]"},
+		{"egress bad port", `{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:0"]}}`, "field egress.allow[0]"},
+		{"egress bad host", `{"name": "a", "image": "x", "egress": {"allow": ["*.org:443"]}}`, "field egress.allow[0]"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -149,4 +152,14 @@ func FuzzParseSpec(f *testing.F) {
 			t.Fatal("parsed spec fails validation")
 		}
 	})
+}
+
+func TestEgressSpecParses(t *testing.T) {
+	spec, err := envpool.ParseSpec([]byte(`{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:443", "127.0.0.1:8000", "[::1]:80"]}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := spec.GetEgress().GetAllow(); len(got) != 3 {
+		t.Fatalf("egress.allow = %v", got)
+	}
 }

@@ -10,7 +10,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -165,6 +167,17 @@ type Spec struct {
 	// only their own sandbox can bring back. Without it (or FilesOnly) a
 	// checkpoint with templates is refused with ErrProcesses.
 	SkipTemplates bool
+	// Egress, if set, serves the sandbox's outbound network: a listener on
+	// 127.0.0.1:egress.ProxyPort inside its net namespace, for its life.
+	// Without it the sandbox has loopback alone.
+	Egress EgressServer
+}
+
+// EgressServer serves the egress listener of a sandbox (sandbox/egress). The
+// Closer it returns ends the service and its connections; the sandbox
+// closes it before its net namespace serves another.
+type EgressServer interface {
+	ServeEgress(ln net.Listener, sandboxID string) io.Closer
 }
 
 // ImageInfo describes an imported image.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/egress"
 	"github.com/deltagym/deltagym/sandbox/launch"
 	"github.com/deltagym/deltagym/sandbox/procstate"
 )
@@ -37,6 +39,9 @@ type Sandbox struct {
 	cg      *cgroup.Cgroup
 	userns  int
 	created time.Time
+	// egress serves the sandbox's egress listener (Spec.Egress); set by
+	// Create, ended by Destroy.
+	egress io.Closer
 
 	// op serialises state changes (write lock) against commands and file
 	// actions (read lock).
@@ -155,6 +160,9 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if err = s.adoptInit(&undo); err != nil {
 		return nil, err
 	}
+	if err = s.startEgress(&undo); err != nil {
+		return nil, err
+	}
 	if err = s.startRoot(src.ck, &undo); err != nil {
 		return nil, err
 	}
@@ -261,6 +269,32 @@ func (s *Sandbox) adoptInit(undo *undoList) error {
 	}
 	undo.add(s.closeFDs)
 	return nil
+}
+
+// startEgress serves the egress proxy inside the sandbox's net namespace when
+// its spec asks; a sandbox without egress pays nothing.
+func (s *Sandbox) startEgress(undo *undoList) error {
+	if s.spec.Egress == nil {
+		return nil
+	}
+	ln, err := egress.Listen(s.netns)
+	if err != nil {
+		return fmt.Errorf("starting the egress proxy: %w", err)
+	}
+	s.egress = s.spec.Egress.ServeEgress(ln, s.id)
+	undo.add(s.stopEgress)
+	return nil
+}
+
+// stopEgress ends the egress service, if any: its listener and connections
+// belong to the net namespace, which goes back to the pool after.
+func (s *Sandbox) stopEgress() error {
+	if s.egress == nil {
+		return nil
+	}
+	err := s.egress.Close()
+	s.egress = nil
+	return err
 }
 
 // startRoot makes the sandbox's root: a fresh upper over checkpoint ck's
@@ -527,6 +561,7 @@ func (s *Sandbox) tearDown(ctx context.Context) error {
 	s.fs.mu.Unlock()
 	s.dropSpareWork()
 	s.closeFDs()
+	errs = append(errs, s.stopEgress())
 	s.rt.net.Put(s.netns) // the init is gone: nothing of the sandbox is left in it
 	s.fs.mu.Lock()
 	s.unrefStack()

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/sandbox/egress"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
 
@@ -60,6 +61,9 @@ type Config struct {
 	DatabaseURL string
 	// NoLedger turns the ledger off (for benchmarks); ledger queries then fail.
 	NoLedger bool
+	// EgressResolver resolves the names sandboxes ask the egress proxy for. Default the
+	// system's resolver.
+	EgressResolver egress.Resolver
 	// PostgresMemoryMB caps the memory of the private Postgres (its shared buffers, backends
 	// and the page cache of its files) with a control group of its own, in MiB. Default 512
 	// (pgserver.DefaultMemoryLimit); negative: no cap. Ignored with DatabaseURL.

@@ -131,9 +131,13 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		return err
 	}
 	s.core = core
+	proxy, err := s.newEgress()
+	if err != nil {
+		return err
+	}
 	s.pools, err = envpool.New(envpool.Config{
 		Runtime: s.rt, LeaseTTL: s.cfg.LeaseTTL, AcquireTimeout: s.cfg.AcquireTimeout, DefaultPoolSize: s.cfg.DefaultPoolSize,
-		Logger: s.log, OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded, OpenVerifierFiles: s.imports.openVerifierFiles,
+		Logger: s.log, OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded, OpenVerifierFiles: s.imports.openVerifierFiles, Egress: proxy,
 	}, specs)
 	if err != nil {
 		return err

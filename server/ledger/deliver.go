@@ -474,6 +474,8 @@ func prepare(batch []record) *delivery {
 			d.later.Queue(updateRelease, r.release.ID, r.release.At)
 		case recSandboxesEnded:
 			d.later.Queue(updateEnded, r.ended.IDs, r.ended.At)
+		case recEgress:
+			d.inserts.Queue(insertEgress, egressValues(r.egress)...)
 		}
 	}
 	return d

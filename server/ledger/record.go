@@ -20,6 +20,7 @@ const (
 	recRelease
 	recReward
 	recSandboxesEnded
+	recEgress
 )
 
 // sandboxesEnded records that sandboxes ended under their running episodes (a crash of the
@@ -46,6 +47,7 @@ type record struct {
 	release *checkpointRelease
 	reward  *RewardRow
 	ended   *sandboxesEnded
+	egress  *EgressRow
 }
 
 // Frame layout: payload length (u32 LE), CRC-32C of everything after the CRC (u32 LE),
@@ -177,6 +179,8 @@ func (r *record) appendPayload(b []byte) []byte {
 			e.str(k)
 			e.f64(v)
 		}
+	case recEgress:
+		e.egress(r.egress)
 	}
 	return e.b
 }
@@ -230,6 +234,8 @@ func (r *record) decodePayload(b []byte) error {
 			}
 		}
 		r.reward = s
+	case recEgress:
+		r.egress = d.egress()
 	default:
 		return fmt.Errorf("unknown record kind %d", r.kind)
 	}

@@ -982,6 +982,8 @@ func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
 		_, err = sp.Exec(ctx, updateRelease, r.release.ID, r.release.At)
 	case recSandboxesEnded:
 		_, err = sp.Exec(ctx, updateEnded, r.ended.IDs, r.ended.At)
+	case recEgress:
+		_, err = sp.Exec(ctx, insertEgress, egressValues(r.egress)...)
 	}
 	if err != nil {
 		_ = sp.Rollback(ctx)

@@ -300,7 +300,10 @@ type EnvSpec struct {
 	ProcessMode ProcessMode `protobuf:"varint,13,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
 	// evaluation says where the verifier runs and what it sees; unset, it runs
 	// as VERIFIER_MODE_SANDBOX.
-	Evaluation    *Evaluation `protobuf:"bytes,14,opt,name=evaluation,proto3" json:"evaluation,omitempty"`
+	Evaluation *Evaluation `protobuf:"bytes,14,opt,name=evaluation,proto3" json:"evaluation,omitempty"`
+	// egress allows the env's sandboxes outbound connections; unset, they have
+	// none.
+	Egress        *Egress `protobuf:"bytes,15,opt,name=egress,proto3" json:"egress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -433,6 +436,13 @@ func (x *EnvSpec) GetEvaluation() *Evaluation {
 	return nil
 }
 
+func (x *EnvSpec) GetEgress() *Egress {
+	if x != nil {
+		return x.Egress
+	}
+	return nil
+}
+
 // Evaluation is how an env's verifier is run. Every field but mode needs
 // VERIFIER_MODE_PRISTINE.
 type Evaluation struct {
@@ -555,6 +565,58 @@ func (x *Evaluation) GetMaxCopyEntries() int32 {
 	return 0
 }
 
+// Egress is the outbound network policy of an env's sandboxes. They reach the
+// listed destinations, and nothing else, through a proxy the server runs:
+// HTTP_PROXY and HTTPS_PROXY (and their lower-case forms) name it in their
+// environment, and it answers HTTP CONNECT and absolute-URI HTTP requests.
+type Egress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// allow lists the destinations as "host:port", host a DNS name or an IP
+	// address (IPv6 in brackets). The proxy resolves names itself. Loopback,
+	// link-local, private, multicast and unspecified addresses, and the
+	// server's own, are refused unless an entry names the address as an IP.
+	Allow         []string `protobuf:"bytes,1,rep,name=allow,proto3" json:"allow,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Egress) Reset() {
+	*x = Egress{}
+	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Egress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Egress) ProtoMessage() {}
+
+func (x *Egress) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Egress.ProtoReflect.Descriptor instead.
+func (*Egress) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Egress) GetAllow() []string {
+	if x != nil {
+		return x.Allow
+	}
+	return nil
+}
+
 // Limits bounds the resources of one sandbox. Zero means the server default.
 type Limits struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -577,7 +639,7 @@ type Limits struct {
 
 func (x *Limits) Reset() {
 	*x = Limits{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -589,7 +651,7 @@ func (x *Limits) String() string {
 func (*Limits) ProtoMessage() {}
 
 func (x *Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[2]
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -602,7 +664,7 @@ func (x *Limits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Limits.ProtoReflect.Descriptor instead.
 func (*Limits) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{2}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Limits) GetMemoryBytes() int64 {
@@ -661,7 +723,7 @@ type Budgets struct {
 
 func (x *Budgets) Reset() {
 	*x = Budgets{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -673,7 +735,7 @@ func (x *Budgets) String() string {
 func (*Budgets) ProtoMessage() {}
 
 func (x *Budgets) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -686,7 +748,7 @@ func (x *Budgets) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Budgets.ProtoReflect.Descriptor instead.
 func (*Budgets) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Budgets) GetMaxSteps() int32 {
@@ -722,7 +784,7 @@ type EnvInfo struct {
 
 func (x *EnvInfo) Reset() {
 	*x = EnvInfo{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -734,7 +796,7 @@ func (x *EnvInfo) String() string {
 func (*EnvInfo) ProtoMessage() {}
 
 func (x *EnvInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -747,7 +809,7 @@ func (x *EnvInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvInfo.ProtoReflect.Descriptor instead.
 func (*EnvInfo) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *EnvInfo) GetSpec() *EnvSpec {
@@ -796,7 +858,7 @@ type ProcessCapture struct {
 
 func (x *ProcessCapture) Reset() {
 	*x = ProcessCapture{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -808,7 +870,7 @@ func (x *ProcessCapture) String() string {
 func (*ProcessCapture) ProtoMessage() {}
 
 func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -821,7 +883,7 @@ func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessCapture.ProtoReflect.Descriptor instead.
 func (*ProcessCapture) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ProcessCapture) GetPid() int32 {
@@ -882,7 +944,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[6]
+	mi := &file_deltagym_v1_env_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -894,7 +956,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[6]
+	mi := &file_deltagym_v1_env_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -907,7 +969,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{6}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Sandbox) GetSandboxId() string {
@@ -984,7 +1046,7 @@ var File_deltagym_v1_env_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\n" +
-	"\x15deltagym/v1/env.proto\x12\vdeltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xad\x04\n" +
+	"\x15deltagym/v1/env.proto\x12\vdeltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x04\n" +
 	"\aEnvSpec\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
 	"\vdescription\x18\x02 \x01(\tR\vdescription\x12\x14\n" +
@@ -1003,7 +1065,8 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\fprocess_mode\x18\r \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\x127\n" +
 	"\n" +
 	"evaluation\x18\x0e \x01(\v2\x17.deltagym.v1.EvaluationR\n" +
-	"evaluation\x1a6\n" +
+	"evaluation\x12+\n" +
+	"\x06egress\x18\x0f \x01(\v2\x13.deltagym.v1.EgressR\x06egress\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x94\x03\n" +
@@ -1020,7 +1083,9 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\x10max_copy_entries\x18\b \x01(\x05R\x0emaxCopyEntries\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xc7\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x1e\n" +
+	"\x06Egress\x12\x14\n" +
+	"\x05allow\x18\x01 \x03(\tR\x05allow\"\xc7\x01\n" +
 	"\x06Limits\x12!\n" +
 	"\fmemory_bytes\x18\x01 \x01(\x03R\vmemoryBytes\x12\x12\n" +
 	"\x04pids\x18\x02 \x01(\x05R\x04pids\x12\x12\n" +
@@ -1093,7 +1158,7 @@ func file_deltagym_v1_env_proto_rawDescGZIP() []byte {
 }
 
 var file_deltagym_v1_env_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_deltagym_v1_env_proto_goTypes = []any{
 	(VerifierMode)(0),             // 0: deltagym.v1.VerifierMode
 	(ProcessMode)(0),              // 1: deltagym.v1.ProcessMode
@@ -1101,33 +1166,35 @@ var file_deltagym_v1_env_proto_goTypes = []any{
 	(SandboxState)(0),             // 3: deltagym.v1.SandboxState
 	(*EnvSpec)(nil),               // 4: deltagym.v1.EnvSpec
 	(*Evaluation)(nil),            // 5: deltagym.v1.Evaluation
-	(*Limits)(nil),                // 6: deltagym.v1.Limits
-	(*Budgets)(nil),               // 7: deltagym.v1.Budgets
-	(*EnvInfo)(nil),               // 8: deltagym.v1.EnvInfo
-	(*ProcessCapture)(nil),        // 9: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),               // 10: deltagym.v1.Sandbox
-	nil,                           // 11: deltagym.v1.EnvSpec.EnvEntry
-	nil,                           // 12: deltagym.v1.Evaluation.EnvEntry
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(*Egress)(nil),                // 6: deltagym.v1.Egress
+	(*Limits)(nil),                // 7: deltagym.v1.Limits
+	(*Budgets)(nil),               // 8: deltagym.v1.Budgets
+	(*EnvInfo)(nil),               // 9: deltagym.v1.EnvInfo
+	(*ProcessCapture)(nil),        // 10: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),               // 11: deltagym.v1.Sandbox
+	nil,                           // 12: deltagym.v1.EnvSpec.EnvEntry
+	nil,                           // 13: deltagym.v1.Evaluation.EnvEntry
+	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
 }
 var file_deltagym_v1_env_proto_depIdxs = []int32{
-	11, // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
-	6,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
-	7,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
+	12, // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
+	7,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
+	8,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
 	1,  // 3: deltagym.v1.EnvSpec.process_mode:type_name -> deltagym.v1.ProcessMode
 	5,  // 4: deltagym.v1.EnvSpec.evaluation:type_name -> deltagym.v1.Evaluation
-	0,  // 5: deltagym.v1.Evaluation.mode:type_name -> deltagym.v1.VerifierMode
-	12, // 6: deltagym.v1.Evaluation.env:type_name -> deltagym.v1.Evaluation.EnvEntry
-	4,  // 7: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
-	2,  // 8: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
-	3,  // 9: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
-	13, // 10: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
-	13, // 11: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
-	12, // [12:12] is the sub-list for method output_type
-	12, // [12:12] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	6,  // 5: deltagym.v1.EnvSpec.egress:type_name -> deltagym.v1.Egress
+	0,  // 6: deltagym.v1.Evaluation.mode:type_name -> deltagym.v1.VerifierMode
+	13, // 7: deltagym.v1.Evaluation.env:type_name -> deltagym.v1.Evaluation.EnvEntry
+	4,  // 8: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
+	2,  // 9: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
+	3,  // 10: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
+	14, // 11: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
+	14, // 12: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
+	13, // [13:13] is the sub-list for method output_type
+	13, // [13:13] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_proto_init() }
@@ -1141,7 +1208,7 @@ func file_deltagym_v1_env_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_proto_rawDesc), len(file_deltagym_v1_env_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   9,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x65ltagym/v1/env.proto\x12\x0b\x64\x65ltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xad\x04\n\x07\x45nvSpec\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12 \n\x0b\x64\x65scription\x18\x02 \x01(\tR\x0b\x64\x65scription\x12\x14\n\x05image\x18\x03 \x01(\tR\x05image\x12\x12\n\x04task\x18\x04 \x01(\tR\x04task\x12\x14\n\x05setup\x18\x05 \x03(\tR\x05setup\x12\x1d\n\nreset_hook\x18\x06 \x01(\tR\tresetHook\x12\x1a\n\x08verifier\x18\x07 \x01(\tR\x08verifier\x12/\n\x03\x65nv\x18\x08 \x03(\x0b\x32\x1d.deltagym.v1.EnvSpec.EnvEntryR\x03\x65nv\x12\x18\n\x07workdir\x18\t \x01(\tR\x07workdir\x12+\n\x06limits\x18\n \x01(\x0b\x32\x13.deltagym.v1.LimitsR\x06limits\x12.\n\x07\x62udgets\x18\x0b \x01(\x0b\x32\x14.deltagym.v1.BudgetsR\x07\x62udgets\x12\x1b\n\tpool_size\x18\x0c \x01(\x05R\x08poolSize\x12;\n\x0cprocess_mode\x18\r \x01(\x0e\x32\x18.deltagym.v1.ProcessModeR\x0bprocessMode\x12\x37\n\nevaluation\x18\x0e \x01(\x0b\x32\x17.deltagym.v1.EvaluationR\nevaluation\x1a\x36\n\x08\x45nvEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\"\x94\x03\n\nEvaluation\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x19.deltagym.v1.VerifierModeR\x04mode\x12\x1d\n\ncopy_paths\x18\x02 \x03(\tR\tcopyPaths\x12%\n\x0everifier_files\x18\x03 \x01(\tR\rverifierFiles\x12.\n\x13verifier_files_path\x18\x04 \x01(\tR\x11verifierFilesPath\x12\x32\n\x03\x65nv\x18\x05 \x03(\x0b\x32 .deltagym.v1.Evaluation.EnvEntryR\x03\x65nv\x12%\n\x0esecret_options\x18\x06 \x03(\tR\rsecretOptions\x12$\n\x0emax_copy_bytes\x18\x07 \x01(\x03R\x0cmaxCopyBytes\x12(\n\x10max_copy_entries\x18\x08 \x01(\x05R\x0emaxCopyEntries\x1a\x36\n\x08\x45nvEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\"\xc7\x01\n\x06Limits\x12!\n\x0cmemory_bytes\x18\x01 \x01(\x03R\x0bmemoryBytes\x12\x12\n\x04pids\x18\x02 \x01(\x05R\x04pids\x12\x12\n\x04\x63pus\x18\x03 \x01(\x01R\x04\x63pus\x12\x1d\n\ndisk_bytes\x18\x04 \x01(\x03R\tdiskBytes\x12!\n\x0coutput_bytes\x18\x05 \x01(\x03R\x0boutputBytes\x12\x30\n\x14step_timeout_seconds\x18\x06 \x01(\x01R\x12stepTimeoutSeconds\"G\n\x07\x42udgets\x12\x1b\n\tmax_steps\x18\x01 \x01(\x05R\x08maxSteps\x12\x1f\n\x0bmax_seconds\x18\x02 \x01(\x01R\nmaxSeconds\"\x92\x01\n\x07\x45nvInfo\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x14.deltagym.v1.EnvSpecR\x04spec\x12\x1d\n\nwarm_count\x18\x02 \x01(\x05R\twarmCount\x12!\n\x0c\x61\x63tive_count\x18\x03 \x01(\x05R\x0b\x61\x63tiveCount\x12\x1b\n\tnot_ready\x18\x04 \x01(\tR\x08notReady\"\x88\x01\n\x0eProcessCapture\x12\x10\n\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x18\n\x07\x63ommand\x18\x02 \x01(\tR\x07\x63ommand\x12\x32\n\x06method\x18\x03 \x01(\x0e\x32\x1a.deltagym.v1.CaptureMethodR\x06method\x12\x16\n\x06reason\x18\x04 \x01(\tR\x06reason\"\x94\x03\n\x07Sandbox\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x10\n\x03\x65nv\x18\x02 \x01(\tR\x03\x65nv\x12\x1d\n\nepisode_id\x18\x03 \x01(\tR\tepisodeId\x12\x10\n\x03run\x18\x04 \x01(\tR\x03run\x12\x19\n\x08group_id\x18\x05 \x01(\tR\x07groupId\x12/\n\x05state\x18\x06 \x01(\x0e\x32\x19.deltagym.v1.SandboxStateR\x05state\x12&\n\x0fnext_step_index\x18\x07 \x01(\x05R\rnextStepIndex\x12.\n\x13start_checkpoint_id\x18\x08 \x01(\tR\x11startCheckpointId\x12\x46\n\x11lease_expire_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0fleaseExpireTime\x12;\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\ncreateTime*d\n\x0cVerifierMode\x12\x1d\n\x19VERIFIER_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15VERIFIER_MODE_SANDBOX\x10\x01\x12\x1a\n\x16VERIFIER_MODE_PRISTINE\x10\x02*z\n\x0bProcessMode\x12\x1c\n\x18PROCESS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17PROCESS_MODE_FILESYSTEM\x10\x01\x12\x19\n\x15PROCESS_MODE_TEMPLATE\x10\x02\x12\x15\n\x11PROCESS_MODE_CRIU\x10\x03*~\n\rCaptureMethod\x12\x1e\n\x1a\x43\x41PTURE_METHOD_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43\x41PTURE_METHOD_NONE\x10\x01\x12\x1b\n\x17\x43\x41PTURE_METHOD_TEMPLATE\x10\x02\x12\x17\n\x13\x43\x41PTURE_METHOD_CRIU\x10\x03*x\n\x0cSandboxState\x12\x1d\n\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13SANDBOX_STATE_READY\x10\x01\x12\x16\n\x12SANDBOX_STATE_DONE\x10\x02\x12\x18\n\x14SANDBOX_STATE_CLOSED\x10\x03\x42\xac\x01\n\x0f\x63om.deltagym.v1B\x08\x45nvProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03\x44XX\xaa\x02\x0b\x44\x65ltagym.V1\xca\x02\x0b\x44\x65ltagym\\V1\xe2\x02\x17\x44\x65ltagym\\V1\\GPBMetadata\xea\x02\x0c\x44\x65ltagym::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x65ltagym/v1/env.proto\x12\x0b\x64\x65ltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xda\x04\n\x07\x45nvSpec\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12 \n\x0b\x64\x65scription\x18\x02 \x01(\tR\x0b\x64\x65scription\x12\x14\n\x05image\x18\x03 \x01(\tR\x05image\x12\x12\n\x04task\x18\x04 \x01(\tR\x04task\x12\x14\n\x05setup\x18\x05 \x03(\tR\x05setup\x12\x1d\n\nreset_hook\x18\x06 \x01(\tR\tresetHook\x12\x1a\n\x08verifier\x18\x07 \x01(\tR\x08verifier\x12/\n\x03\x65nv\x18\x08 \x03(\x0b\x32\x1d.deltagym.v1.EnvSpec.EnvEntryR\x03\x65nv\x12\x18\n\x07workdir\x18\t \x01(\tR\x07workdir\x12+\n\x06limits\x18\n \x01(\x0b\x32\x13.deltagym.v1.LimitsR\x06limits\x12.\n\x07\x62udgets\x18\x0b \x01(\x0b\x32\x14.deltagym.v1.BudgetsR\x07\x62udgets\x12\x1b\n\tpool_size\x18\x0c \x01(\x05R\x08poolSize\x12;\n\x0cprocess_mode\x18\r \x01(\x0e\x32\x18.deltagym.v1.ProcessModeR\x0bprocessMode\x12\x37\n\nevaluation\x18\x0e \x01(\x0b\x32\x17.deltagym.v1.EvaluationR\nevaluation\x12+\n\x06\x65gress\x18\x0f \x01(\x0b\x32\x13.deltagym.v1.EgressR\x06\x65gress\x1a\x36\n\x08\x45nvEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\"\x94\x03\n\nEvaluation\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x19.deltagym.v1.VerifierModeR\x04mode\x12\x1d\n\ncopy_paths\x18\x02 \x03(\tR\tcopyPaths\x12%\n\x0everifier_files\x18\x03 \x01(\tR\rverifierFiles\x12.\n\x13verifier_files_path\x18\x04 \x01(\tR\x11verifierFilesPath\x12\x32\n\x03\x65nv\x18\x05 \x03(\x0b\x32 .deltagym.v1.Evaluation.EnvEntryR\x03\x65nv\x12%\n\x0esecret_options\x18\x06 \x03(\tR\rsecretOptions\x12$\n\x0emax_copy_bytes\x18\x07 \x01(\x03R\x0cmaxCopyBytes\x12(\n\x10max_copy_entries\x18\x08 \x01(\x05R\x0emaxCopyEntries\x1a\x36\n\x08\x45nvEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\"\x1e\n\x06\x45gress\x12\x14\n\x05\x61llow\x18\x01 \x03(\tR\x05\x61llow\"\xc7\x01\n\x06Limits\x12!\n\x0cmemory_bytes\x18\x01 \x01(\x03R\x0bmemoryBytes\x12\x12\n\x04pids\x18\x02 \x01(\x05R\x04pids\x12\x12\n\x04\x63pus\x18\x03 \x01(\x01R\x04\x63pus\x12\x1d\n\ndisk_bytes\x18\x04 \x01(\x03R\tdiskBytes\x12!\n\x0coutput_bytes\x18\x05 \x01(\x03R\x0boutputBytes\x12\x30\n\x14step_timeout_seconds\x18\x06 \x01(\x01R\x12stepTimeoutSeconds\"G\n\x07\x42udgets\x12\x1b\n\tmax_steps\x18\x01 \x01(\x05R\x08maxSteps\x12\x1f\n\x0bmax_seconds\x18\x02 \x01(\x01R\nmaxSeconds\"\x92\x01\n\x07\x45nvInfo\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x14.deltagym.v1.EnvSpecR\x04spec\x12\x1d\n\nwarm_count\x18\x02 \x01(\x05R\twarmCount\x12!\n\x0c\x61\x63tive_count\x18\x03 \x01(\x05R\x0b\x61\x63tiveCount\x12\x1b\n\tnot_ready\x18\x04 \x01(\tR\x08notReady\"\x88\x01\n\x0eProcessCapture\x12\x10\n\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x18\n\x07\x63ommand\x18\x02 \x01(\tR\x07\x63ommand\x12\x32\n\x06method\x18\x03 \x01(\x0e\x32\x1a.deltagym.v1.CaptureMethodR\x06method\x12\x16\n\x06reason\x18\x04 \x01(\tR\x06reason\"\x94\x03\n\x07Sandbox\x12\x1d\n\nsandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x10\n\x03\x65nv\x18\x02 \x01(\tR\x03\x65nv\x12\x1d\n\nepisode_id\x18\x03 \x01(\tR\tepisodeId\x12\x10\n\x03run\x18\x04 \x01(\tR\x03run\x12\x19\n\x08group_id\x18\x05 \x01(\tR\x07groupId\x12/\n\x05state\x18\x06 \x01(\x0e\x32\x19.deltagym.v1.SandboxStateR\x05state\x12&\n\x0fnext_step_index\x18\x07 \x01(\x05R\rnextStepIndex\x12.\n\x13start_checkpoint_id\x18\x08 \x01(\tR\x11startCheckpointId\x12\x46\n\x11lease_expire_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.TimestampR\x0fleaseExpireTime\x12;\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.TimestampR\ncreateTime*d\n\x0cVerifierMode\x12\x1d\n\x19VERIFIER_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15VERIFIER_MODE_SANDBOX\x10\x01\x12\x1a\n\x16VERIFIER_MODE_PRISTINE\x10\x02*z\n\x0bProcessMode\x12\x1c\n\x18PROCESS_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17PROCESS_MODE_FILESYSTEM\x10\x01\x12\x19\n\x15PROCESS_MODE_TEMPLATE\x10\x02\x12\x15\n\x11PROCESS_MODE_CRIU\x10\x03*~\n\rCaptureMethod\x12\x1e\n\x1a\x43\x41PTURE_METHOD_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43\x41PTURE_METHOD_NONE\x10\x01\x12\x1b\n\x17\x43\x41PTURE_METHOD_TEMPLATE\x10\x02\x12\x17\n\x13\x43\x41PTURE_METHOD_CRIU\x10\x03*x\n\x0cSandboxState\x12\x1d\n\x19SANDBOX_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13SANDBOX_STATE_READY\x10\x01\x12\x16\n\x12SANDBOX_STATE_DONE\x10\x02\x12\x18\n\x14SANDBOX_STATE_CLOSED\x10\x03\x42\xac\x01\n\x0f\x63om.deltagym.v1B\x08\x45nvProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03\x44XX\xaa\x02\x0b\x44\x65ltagym.V1\xca\x02\x0b\x44\x65ltagym\\V1\xe2\x02\x17\x44\x65ltagym\\V1\\GPBMetadata\xea\x02\x0c\x44\x65ltagym::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,30 +37,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENVSPEC_ENVENTRY']._serialized_options = b'8\001'
   _globals['_EVALUATION_ENVENTRY']._loaded_options = None
   _globals['_EVALUATION_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_VERIFIERMODE']._serialized_start=2008
-  _globals['_VERIFIERMODE']._serialized_end=2108
-  _globals['_PROCESSMODE']._serialized_start=2110
-  _globals['_PROCESSMODE']._serialized_end=2232
-  _globals['_CAPTUREMETHOD']._serialized_start=2234
-  _globals['_CAPTUREMETHOD']._serialized_end=2360
-  _globals['_SANDBOXSTATE']._serialized_start=2362
-  _globals['_SANDBOXSTATE']._serialized_end=2482
+  _globals['_VERIFIERMODE']._serialized_start=2085
+  _globals['_VERIFIERMODE']._serialized_end=2185
+  _globals['_PROCESSMODE']._serialized_start=2187
+  _globals['_PROCESSMODE']._serialized_end=2309
+  _globals['_CAPTUREMETHOD']._serialized_start=2311
+  _globals['_CAPTUREMETHOD']._serialized_end=2437
+  _globals['_SANDBOXSTATE']._serialized_start=2439
+  _globals['_SANDBOXSTATE']._serialized_end=2559
   _globals['_ENVSPEC']._serialized_start=72
-  _globals['_ENVSPEC']._serialized_end=629
-  _globals['_ENVSPEC_ENVENTRY']._serialized_start=575
-  _globals['_ENVSPEC_ENVENTRY']._serialized_end=629
-  _globals['_EVALUATION']._serialized_start=632
-  _globals['_EVALUATION']._serialized_end=1036
-  _globals['_EVALUATION_ENVENTRY']._serialized_start=575
-  _globals['_EVALUATION_ENVENTRY']._serialized_end=629
-  _globals['_LIMITS']._serialized_start=1039
-  _globals['_LIMITS']._serialized_end=1238
-  _globals['_BUDGETS']._serialized_start=1240
-  _globals['_BUDGETS']._serialized_end=1311
-  _globals['_ENVINFO']._serialized_start=1314
-  _globals['_ENVINFO']._serialized_end=1460
-  _globals['_PROCESSCAPTURE']._serialized_start=1463
-  _globals['_PROCESSCAPTURE']._serialized_end=1599
-  _globals['_SANDBOX']._serialized_start=1602
-  _globals['_SANDBOX']._serialized_end=2006
+  _globals['_ENVSPEC']._serialized_end=674
+  _globals['_ENVSPEC_ENVENTRY']._serialized_start=620
+  _globals['_ENVSPEC_ENVENTRY']._serialized_end=674
+  _globals['_EVALUATION']._serialized_start=677
+  _globals['_EVALUATION']._serialized_end=1081
+  _globals['_EVALUATION_ENVENTRY']._serialized_start=620
+  _globals['_EVALUATION_ENVENTRY']._serialized_end=674
+  _globals['_EGRESS']._serialized_start=1083
+  _globals['_EGRESS']._serialized_end=1113
+  _globals['_LIMITS']._serialized_start=1116
+  _globals['_LIMITS']._serialized_end=1315
+  _globals['_BUDGETS']._serialized_start=1317
+  _globals['_BUDGETS']._serialized_end=1388
+  _globals['_ENVINFO']._serialized_start=1391
+  _globals['_ENVINFO']._serialized_end=1537
+  _globals['_PROCESSCAPTURE']._serialized_start=1540
+  _globals['_PROCESSCAPTURE']._serialized_end=1676
+  _globals['_SANDBOX']._serialized_start=1679
+  _globals['_SANDBOX']._serialized_end=2083
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ SANDBOX_STATE_DONE: SandboxState
 SANDBOX_STATE_CLOSED: SandboxState
 
 class EnvSpec(_message.Message):
-    __slots__ = ("name", "description", "image", "task", "setup", "reset_hook", "verifier", "env", "workdir", "limits", "budgets", "pool_size", "process_mode", "evaluation")
+    __slots__ = ("name", "description", "image", "task", "setup", "reset_hook", "verifier", "env", "workdir", "limits", "budgets", "pool_size", "process_mode", "evaluation", "egress")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class EnvSpec(_message.Message):
     POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_MODE_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     image: str
@@ -89,7 +90,8 @@ class EnvSpec(_message.Message):
     pool_size: int
     process_mode: ProcessMode
     evaluation: Evaluation
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[str] = ..., task: _Optional[str] = ..., setup: _Optional[_Iterable[str]] = ..., reset_hook: _Optional[str] = ..., verifier: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., pool_size: _Optional[int] = ..., process_mode: _Optional[_Union[ProcessMode, str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ...) -> None: ...
+    egress: Egress
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., image: _Optional[str] = ..., task: _Optional[str] = ..., setup: _Optional[_Iterable[str]] = ..., reset_hook: _Optional[str] = ..., verifier: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., pool_size: _Optional[int] = ..., process_mode: _Optional[_Union[ProcessMode, str]] = ..., evaluation: _Optional[_Union[Evaluation, _Mapping]] = ..., egress: _Optional[_Union[Egress, _Mapping]] = ...) -> None: ...
 
 class Evaluation(_message.Message):
     __slots__ = ("mode", "copy_paths", "verifier_files", "verifier_files_path", "env", "secret_options", "max_copy_bytes", "max_copy_entries")
@@ -117,6 +119,12 @@ class Evaluation(_message.Message):
     max_copy_bytes: int
     max_copy_entries: int
     def __init__(self, mode: _Optional[_Union[VerifierMode, str]] = ..., copy_paths: _Optional[_Iterable[str]] = ..., verifier_files: _Optional[str] = ..., verifier_files_path: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., secret_options: _Optional[_Iterable[str]] = ..., max_copy_bytes: _Optional[int] = ..., max_copy_entries: _Optional[int] = ...) -> None: ...
+
+class Egress(_message.Message):
+    __slots__ = ("allow",)
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("memory_bytes", "pids", "cpus", "disk_bytes", "output_bytes", "step_timeout_seconds")

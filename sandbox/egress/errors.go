@@ -1,0 +1,15 @@
+package egress
+
+import (
+	"fmt"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
+
+// Sentinel errors of the package, each wrapping its class of internal/errdefs.
+var (
+	// ErrBadEntry means an allow-list entry is not host:port; the message says why.
+	ErrBadEntry = fmt.Errorf("invalid egress entry: %w", errdefs.ErrInvalidArgument)
+	// ErrRefused means the policy refuses a destination; the message says why.
+	ErrRefused = fmt.Errorf("egress refused: %w", errdefs.ErrFailedPrecondition)
+)
