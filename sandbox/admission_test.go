@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -187,7 +188,11 @@ func TestAdmissionCharges(t *testing.T) {
 // the TTL, is released; a pinned one, and the head of a live sandbox, stay.
 func TestCheckpointTTLUnreferenced(t *testing.T) {
 	const ttl = 300 * time.Millisecond
-	b := setup(t, func(c *sandbox.Config) { c.CheckpointTTL = ttl })
+	expired := make(chan string, 16)
+	b := setup(t, func(c *sandbox.Config) {
+		c.CheckpointTTL = ttl
+		c.OnCheckpointExpired = func(id string) { expired <- id }
+	})
 	s := b.create(t, sandbox.Spec{})
 	loose, err := s.Checkpoint(t.Context())
 	must(t, err)
@@ -209,6 +214,14 @@ func TestCheckpointTTLUnreferenced(t *testing.T) {
 		t.Fatalf("a pinned checkpoint expired: %v", err)
 	}
 	must(t, b.rt.ReleaseCheckpoint(pinned.ID))
+	// The hook heard of the two that expired, and of nothing else.
+	var got []string
+	for len(expired) > 0 {
+		got = append(got, <-expired)
+	}
+	if len(got) != 2 || !slices.Contains(got, loose.ID) || !slices.Contains(got, head.ID) {
+		t.Fatalf("expiry hook called for %v, want %s and %s", got, loose.ID, head.ID)
+	}
 }
 
 // waitReleased waits, up to a watchdog, for checkpoint id to be released.

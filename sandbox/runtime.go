@@ -62,6 +62,10 @@ type Config struct {
 	// (CheckpointOptions.Pinned) or a live sandbox's state descends from
 	// it (its head). 0 means checkpoints live until released.
 	CheckpointTTL time.Duration
+	// OnCheckpointExpired, if set, is called with the id of each checkpoint
+	// CheckpointTTL released, once it is gone (on the runtime's own
+	// goroutine, with no lock held).
+	OnCheckpointExpired func(id string)
 	// DefaultDiskBytes is the writable layer's size when Limits has none.
 	DefaultDiskBytes int64
 	// DefaultInodes is the writable layer's inode limit (its files,
@@ -1222,14 +1226,18 @@ func (r *Runtime) expireLoop() {
 		case <-r.done:
 			return
 		case now := <-tick.C:
-			r.expire(now)
+			for _, id := range r.expire(now) {
+				if r.cfg.OnCheckpointExpired != nil {
+					r.cfg.OnCheckpointExpired(id)
+				}
+			}
 		}
 	}
 }
 
 // expire releases the checkpoints unused since now - CheckpointTTL that
-// nothing references.
-func (r *Runtime) expire(now time.Time) {
+// nothing references, and returns their ids.
+func (r *Runtime) expire(now time.Time) (expired []string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.adm.mu.Lock()
@@ -1245,8 +1253,10 @@ func (r *Runtime) expire(now time.Time) {
 		}
 		if now.Sub(time.Unix(0, used)) > r.cfg.CheckpointTTL {
 			r.dropCheckpointLocked(c, true)
+			expired = append(expired, c.ID)
 		}
 	}
+	return expired
 }
 
 // moveHead records that a live sandbox's state descends from checkpoint to

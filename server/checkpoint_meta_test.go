@@ -1,14 +1,18 @@
 package server_test
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
+	"github.com/jackc/pgx/v5"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server"
 )
 
@@ -48,5 +52,42 @@ func TestReleasedCheckpointLeavesNothing(t *testing.T) {
 	_, err = b.connect.ReleaseCheckpoint(ctx, connect.NewRequest(&deltagymv1.ReleaseCheckpointRequest{CheckpointId: ck}))
 	if connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("releasing it again: %v, want NotFound", err)
+	}
+}
+
+// A checkpoint its TTL released is recorded as released in the ledger, as one a call released.
+func TestExpiredCheckpointRecorded(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.Admission.CheckpointTTL = 300 * time.Millisecond })
+	ctx := t.Context()
+	rr, err := b.connect.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
+	must(t, err)
+	sb := rr.Msg.GetSandboxId()
+	ck, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb}))
+	must(t, err)
+	id := ck.Msg.GetCheckpointId()
+	// Closed, the sandbox no longer descends from it: nothing references it.
+	_, err = b.connect.Close(ctx, connect.NewRequest(&deltagymv1.CloseRequest{SandboxId: sb}))
+	must(t, err)
+	conn, err := pgx.Connect(ctx, b.dbURL)
+	must(t, err)
+	defer conn.Close(context.Background())
+	deadline := time.Now().Add(time.Minute) // a watchdog: the TTL is 300 ms
+	for {
+		var released bool
+		err := conn.QueryRow(ctx, `SELECT released_at IS NOT NULL FROM checkpoints WHERE id = $1`, id).Scan(&released)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+		if released {
+			break
+		}
+		if time.Now().After(deadline) {
+			_, rtErr := b.srv.Runtime().Checkpoint(id)
+			t.Fatalf("checkpoint %s not recorded as released (in the runtime: %v)", id, rtErr)
+		}
+		time.Sleep(20 * time.Millisecond) // polling the ledger's delivery
+	}
+	if _, err := b.srv.Runtime().Checkpoint(id); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("recorded as released but still held: %v", err)
 	}
 }

@@ -42,8 +42,9 @@ type Server struct {
 	token     string // the bearer token clients send; "" with auth off
 	imports   *importRoot
 
-	core  *episode.Core
-	regMu sync.Mutex // serialises RegisterEnv's keeping of specs
+	core    *episode.Core
+	coreSet chan struct{} // closed once core is set: the runtime's expiry hook reads it then
+	regMu   sync.Mutex    // serialises RegisterEnv's keeping of specs
 
 	mu sync.Mutex
 	// +checklocks:mu
@@ -98,6 +99,14 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	rcfg := sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
 		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore, Logger: cfg.Logger}
 	cfg.Admission.runtimeConfig(&rcfg, sandbox.ReadHost())
+	s.coreSet = make(chan struct{})
+	rcfg.OnCheckpointExpired = func(id string) {
+		select {
+		case <-s.coreSet:
+			s.core.CheckpointExpired(id)
+		default: // expired before the core started: no episode knew it
+		}
+	}
 	s.rt, err = sandbox.New(ctx, rcfg)
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
@@ -131,6 +140,7 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		return err
 	}
 	s.core = core
+	close(s.coreSet)
 	proxy, err := s.newEgress()
 	if err != nil {
 		return err

@@ -139,6 +139,14 @@ func (c *Core) PoolCheckpoint(env string, kind envpool.CheckpointKind, info sand
 	c.labelCheckpoint(ledger.CheckpointKind(kind), info, Place{Env: env})
 }
 
+// CheckpointExpired is the runtime's hook (sandbox.Config.OnCheckpointExpired) for a checkpoint
+// its TTL released: the ledger records the release as it does ReleaseCheckpoint's.
+func (c *Core) CheckpointExpired(id string) {
+	if c.rec != nil {
+		c.ledgerErr(c.rec.CheckpointReleased(id, time.Now()))
+	}
+}
+
 // ReleaseCheckpoint releases checkpoint id (with its labels) and records the release.
 func (c *Core) ReleaseCheckpoint(id string) error {
 	if id == "" {
