@@ -87,15 +87,8 @@ func stepResponse(r episode.StepResult) *deltagymv1.StepResponse {
 // processMode is a request's process mode. A value the API does not define (a number sent
 // over JSON, or by a newer client) is ErrInvalid, not the default.
 func processMode(asked deltagymv1.ProcessMode) (sandbox.ProcessMode, error) {
-	switch asked {
-	case deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED:
-		return sandbox.ProcessesDefault, nil
-	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
-		return sandbox.ProcessesNone, nil
-	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
-		return sandbox.ProcessesTemplate, nil
-	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
-		return sandbox.ProcessesCRIU, nil
+	if m, ok := episode.ProcessModeOf(asked); ok {
+		return m, nil
 	}
 	return sandbox.ProcessesDefault, fmt.Errorf("process_mode %d is not one of PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE or PROCESS_MODE_CRIU: %w", asked, ErrInvalid)
 }

@@ -213,17 +213,26 @@ func processMode(env *envpool.Env, asked sandbox.ProcessMode) (sandbox.ProcessMo
 	if asked != sandbox.ProcessesDefault {
 		return asked, nil
 	}
-	switch m := env.ProcessMode(); m {
-	case deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED:
-		return sandbox.ProcessesDefault, nil
-	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
-		return sandbox.ProcessesNone, nil
-	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
-		return sandbox.ProcessesTemplate, nil
-	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
-		return sandbox.ProcessesCRIU, nil
-	default:
+	m, ok := ProcessModeOf(env.ProcessMode())
+	if !ok {
 		return sandbox.ProcessesDefault, fmt.Errorf("env %s: process_mode %d is not one of PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE or PROCESS_MODE_CRIU: %w",
-			env.Name(), m, ErrInvalid)
+			env.Name(), env.ProcessMode(), ErrInvalid)
 	}
+	return m, nil
+}
+
+// ProcessModeOf is the runtime's mode for the API's (UNSPECIFIED: the default); false for a
+// value the API does not define.
+func ProcessModeOf(m deltagymv1.ProcessMode) (sandbox.ProcessMode, bool) {
+	switch m {
+	case deltagymv1.ProcessMode_PROCESS_MODE_UNSPECIFIED:
+		return sandbox.ProcessesDefault, true
+	case deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM:
+		return sandbox.ProcessesNone, true
+	case deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE:
+		return sandbox.ProcessesTemplate, true
+	case deltagymv1.ProcessMode_PROCESS_MODE_CRIU:
+		return sandbox.ProcessesCRIU, true
+	}
+	return sandbox.ProcessesDefault, false
 }

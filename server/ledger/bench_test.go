@@ -77,15 +77,6 @@ func BenchmarkWriterSteps(b *testing.B) {
 }
 
 func benchWriter(b *testing.B, obsSize, rate int) {
-	binDirs, err := locate.PostgresBinDirs()
-	if err != nil {
-		b.Skip(err)
-	}
-	dir, err := os.MkdirTemp("", "pgbench")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
 	ctx := context.Background()
 	// The cluster runs with pgserver's defaults, as `make run`'s does. DELTAGYM_LEDGER_BENCH_PG=
 	// name=value,… adds or overrides settings, to compare (shared_buffers=512MB, for one, made
@@ -98,14 +89,7 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	}
 	// DELTAGYM_LEDGER_BENCH_PG_MB overrides the cluster's memory cap (pgserver.DefaultMemoryLimit).
 	capMB, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_PG_MB"))
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Settings: settings, Logger: quietLogger(), MemoryLimit: int64(capMB) << 20})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer srv.Stop(ctx)
-	if _, err := ledger.MigrateURL(ctx, srv.URL()); err != nil {
-		b.Fatal(err)
-	}
+	srv, dir := benchPostgres(b, pgserver.Config{Settings: settings, MemoryLimit: int64(capMB) << 20})
 	// DELTAGYM_LEDGER_BENCH_CONNS and _DELAY override Config.Conns and DeliveryDelay, to compare.
 	conns, _ := strconv.Atoi(os.Getenv("DELTAGYM_LEDGER_BENCH_CONNS"))
 	delay, _ := time.ParseDuration(os.Getenv("DELTAGYM_LEDGER_BENCH_DELAY"))
@@ -278,4 +262,31 @@ func benchWriter(b *testing.B, obsSize, rate int) {
 	if !warmAt.IsZero() {
 		b.ReportMetric(float64(endDelivered-warmDelivered)/start.Add(appended).Sub(warmAt).Seconds(), "delivered-steps/s")
 	}
+}
+
+// benchPostgres starts a private Postgres cluster of cfg (BinDirs, DataDir and Logger filled in)
+// with the ledger's schema, for a benchmark, and returns it with its data directory; it is
+// stopped and removed when b ends. The benchmark skips where no PostgreSQL is installed.
+func benchPostgres(b *testing.B, cfg pgserver.Config) (*pgserver.Server, string) {
+	b.Helper()
+	binDirs, err := locate.PostgresBinDirs()
+	if err != nil {
+		b.Skip(err)
+	}
+	dir, err := os.MkdirTemp("", "pgbench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { os.RemoveAll(dir) })
+	cfg.BinDirs, cfg.DataDir, cfg.Logger = binDirs, dir, quietLogger()
+	ctx := context.Background()
+	srv, err := pgserver.StartConfig(ctx, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { srv.Stop(ctx) })
+	if _, err := ledger.MigrateURL(ctx, srv.URL()); err != nil {
+		b.Fatal(err)
+	}
+	return srv, dir
 }

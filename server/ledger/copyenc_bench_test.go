@@ -4,14 +4,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
-	"os"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -61,24 +59,8 @@ var copyPaths = map[string]func(ctx context.Context, tx pgx.Tx, rows []*ledger.S
 // rows/s (over its batches' time), the CPU a row cost this process (encoding and sending:
 // go-cpu-us/row) and the COPY's backend (pg-cpu-us/row), and the p50/p99 time of a batch.
 func BenchmarkStepCopy(b *testing.B) {
-	binDirs, err := locate.PostgresBinDirs()
-	if err != nil {
-		b.Skip(err)
-	}
-	dir, err := os.MkdirTemp("", "copybench")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
 	ctx := context.Background()
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Logger: quietLogger()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer srv.Stop(ctx)
-	if _, err := ledger.MigrateURL(ctx, srv.URL()); err != nil {
-		b.Fatal(err)
-	}
+	srv, _ := benchPostgres(b, pgserver.Config{})
 	text := syntheticText(1 << 20)
 	// A new cluster's first gigabyte of WAL goes into new segment files, later ones into
 	// recycled ones (BenchmarkCopyCost's "cold"): measure after that, as on a server that has

@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/deltagym/deltagym/internal/locate"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 )
@@ -25,24 +24,8 @@ import (
 // writes (group commit). It reports the p50/p99 latency of one caller's append+Stored, and
 // rows/s over all callers; a private Postgres takes the deliveries meanwhile.
 func BenchmarkWriterStored(b *testing.B) {
-	binDirs, err := locate.PostgresBinDirs()
-	if err != nil {
-		b.Skip(err)
-	}
-	dir, err := os.MkdirTemp("", "pgbench")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
 	ctx := context.Background()
-	srv, err := pgserver.StartConfig(ctx, pgserver.Config{BinDirs: binDirs, DataDir: dir, Logger: quietLogger()})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer srv.Stop(ctx)
-	if _, err := ledger.MigrateURL(ctx, srv.URL()); err != nil {
-		b.Fatal(err)
-	}
+	srv, dir := benchPostgres(b, pgserver.Config{})
 	// DELTAGYM_LEDGER_BENCH_BUFFERED=1 writes the spool through the page cache, to compare with
 	// O_DIRECT.
 	ledger.SetDirectSpool(os.Getenv("DELTAGYM_LEDGER_BENCH_BUFFERED") != "1")
