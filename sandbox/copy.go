@@ -210,22 +210,7 @@ func (c *copier) entry(src, dir int, name, shown string, depth int) error {
 		}
 		return c.dir(src, dir, name, shown, mode, depth)
 	}
-	return fmt.Errorf("%s is %s, not a regular file or directory: %w", shown, fileKind(st.Mode), ErrUncopyable)
-}
-
-// fileKind names the type of a mode for a refusal.
-func fileKind(mode uint32) string {
-	switch mode & unix.S_IFMT {
-	case unix.S_IFLNK:
-		return "a symbolic link"
-	case unix.S_IFIFO:
-		return "a FIFO"
-	case unix.S_IFSOCK:
-		return "a socket"
-	case unix.S_IFCHR, unix.S_IFBLK:
-		return "a device"
-	}
-	return "of an unknown type"
+	return fmt.Errorf("%s is %s, not a regular file or directory: %w", shown, fileType(st.Mode), ErrUncopyable)
 }
 
 // reopen opens what the O_PATH descriptor src holds, by the descriptor, and checks it is

@@ -124,6 +124,8 @@ func regularSize(fd int, path string) (int64, error) {
 // directory.
 func fileType(mode uint32) string {
 	switch mode & unix.S_IFMT {
+	case unix.S_IFLNK:
+		return "a symbolic link"
 	case unix.S_IFIFO:
 		return "a FIFO"
 	case unix.S_IFSOCK:
