@@ -123,14 +123,31 @@ func taskKey(p ResetParams) string {
 	return b.String()
 }
 
+// OptionKeyOK reports whether k may name a Reset option: options become environment variables
+// of the reset hook and the verifier, so a key is a variable name, and not one of DELTAGYM_'s.
+func OptionKeyOK(k string) bool {
+	return optionNameRE.MatchString(k) && !strings.HasPrefix(k, "DELTAGYM_")
+}
+
+// checkOption checks a Reset option: a key OptionKeyOK takes, a value without NUL.
+func checkOption(k, v string) error {
+	if !OptionKeyOK(k) {
+		return fmt.Errorf("option %.64q is not a variable name (or uses the DELTAGYM_ prefix): %w", k, ErrBadOption)
+	}
+	if strings.ContainsRune(v, 0) {
+		return fmt.Errorf("option %s's value holds NUL: %w", k, ErrBadOption)
+	}
+	return nil
+}
+
 // Reset hands over a sandbox of env at the start of a task. Without a reset hook it is a warm
 // sandbox from the pool. With one, a cached task checkpoint is forked, or else a warm sandbox
 // runs the hook (seed as DELTAGYM_SEED, each option as a variable of its key) and the state after
 // it is checkpointed and cached.
 func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, ResetResult, error) {
-	for k := range p.Options {
-		if !optionNameRE.MatchString(k) || strings.HasPrefix(k, "DELTAGYM_") {
-			return nil, ResetResult{}, fmt.Errorf("option %q is not a variable name (or uses the DELTAGYM_ prefix): %w", k, ErrBadOption)
+	for k, v := range p.Options {
+		if err := checkOption(k, v); err != nil {
+			return nil, ResetResult{}, err
 		}
 	}
 	hook := env.spec.GetResetHook()

@@ -193,7 +193,7 @@ func validateVerifierVars(e *deltagymv1.Evaluation) error {
 		}
 	}
 	for i, o := range e.GetSecretOptions() {
-		if !optionNameRE.MatchString(o) || strings.HasPrefix(o, "DELTAGYM_") {
+		if !OptionKeyOK(o) {
 			return badField(fmt.Sprintf("evaluation.secret_options[%d]", i), "%q is not a variable name (or uses the DELTAGYM_ prefix)", o)
 		}
 	}

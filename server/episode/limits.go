@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/deltagym/deltagym/envpool"
 )
 
 // Bounds on the strings a client hands the core that it keeps (in episodes, checkpoint labels,
@@ -66,8 +68,8 @@ func checkReset(req *ResetRequest) error {
 	return nil
 }
 
-// checkOptions checks a Reset's task options: they become environment variables of the reset
-// hook, so a key holds no '=' and nothing holds NUL.
+// checkOptions checks a Reset's task options before anything runs: their bounds, and what
+// makes an option (envpool.OptionKeyOK, no NUL in a value).
 func checkOptions(opts map[string]string) error {
 	if len(opts) > MaxOptions {
 		return fmt.Errorf("%d options, more than %d: %w", len(opts), MaxOptions, ErrInvalid)
@@ -75,12 +77,12 @@ func checkOptions(opts map[string]string) error {
 	total := 0
 	for k, v := range opts {
 		switch {
-		case k == "" || len(k) > MaxOptionKey:
-			return fmt.Errorf("option key of %d bytes: want 1 to %d: %w", len(k), MaxOptionKey, ErrInvalid)
-		case strings.ContainsAny(k, "=\x00"):
-			return fmt.Errorf("option key %q holds '=' or NUL: %w", k, ErrInvalid)
+		case len(k) > MaxOptionKey:
+			return fmt.Errorf("option key of %d bytes is longer than %d: %w", len(k), MaxOptionKey, ErrInvalid)
 		case len(v) > MaxOptionValue:
 			return fmt.Errorf("option %s's value of %d bytes is longer than %d: %w", k, len(v), MaxOptionValue, ErrInvalid)
+		case !envpool.OptionKeyOK(k):
+			return fmt.Errorf("option %.64q is not a variable name (or uses the DELTAGYM_ prefix): %w", k, ErrInvalid)
 		case strings.ContainsRune(v, 0):
 			return fmt.Errorf("option %s's value holds NUL: %w", k, ErrInvalid)
 		}
