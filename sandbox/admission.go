@@ -69,6 +69,7 @@ type Caps struct {
 // namespaces, the server's bookkeeping).
 const (
 	fdsPerSandbox    = 16
+	fdsPerWarm       = 4 // a warm init's: its socket, mount, user and net namespaces
 	mountsPerSandbox = 2
 	pidsPerSandbox   = 2
 	memPerSandbox    = 2 << 20
@@ -300,11 +301,27 @@ func (r *Runtime) countFDs() error {
 // runtime's sandbox, descriptor and mount caps must hold with them and
 // every sandbox reserved before. The caller makes them, then calls
 // register (which turns a reservation into a live sandbox) or unreserve.
+// The warm pool counts: a child that takes a warm init adds only what the
+// init does not hold yet (its descriptors were counted with the server's),
+// and the pool gives way: a request refused for descriptors while it holds
+// inits frees as many as it was short of (a freed init's net namespace may
+// stay in the net pool: so again while it is short) and is admitted then.
 func (r *Runtime) admitSandboxes(n int) error {
+	short, err := r.admitOnce(n)
+	for short > 0 && r.shedWarm((short+fdsPerWarm-1)/fdsPerWarm) > 0 {
+		r.adm.fdsAt.Store(0)
+		short, err = r.admitOnce(n)
+	}
+	return err
+}
+
+// admitOnce is admitSandboxes without the pool giving way: on a refusal
+// for descriptors it also returns how many descriptors were short.
+func (r *Runtime) admitOnce(n int) (short int, err error) {
 	a := &r.adm
 	if a.caps.Descriptors > 0 {
 		if err := r.countFDs(); err != nil {
-			return err
+			return 0, err
 		}
 	}
 	r.mu.Lock()
@@ -313,20 +330,22 @@ func (r *Runtime) admitSandboxes(n int) error {
 	defer a.mu.Unlock()
 	live := len(r.sandboxes) + a.reserved
 	if c := a.caps.Sandboxes; c > 0 && live+n > c {
-		return r.capError(CapSandboxes, int64(c), int64(live), int64(n), "live sandboxes")
+		return 0, r.capError(CapSandboxes, int64(c), int64(live), int64(n), "live sandboxes")
 	}
 	if c := a.caps.Descriptors; c > 0 {
-		if used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox; used+n*fdsPerSandbox > c {
-			return r.capError(CapDescriptors, int64(c), int64(used), int64(n*fdsPerSandbox), fmt.Sprintf("descriptors (%d a sandbox)", fdsPerSandbox))
+		used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox
+		need := n*fdsPerSandbox - min(n, max(len(r.warm.ready)-a.reserved, 0))*fdsPerWarm
+		if used+need > c {
+			return used + need - c, r.capError(CapDescriptors, int64(c), int64(used), int64(need), fmt.Sprintf("descriptors (%d a sandbox)", fdsPerSandbox))
 		}
 	}
 	if c := a.caps.Mounts; c > 0 {
 		if used := r.layers.Mounts() + a.reserved*mountsPerSandbox; used+n*mountsPerSandbox > c {
-			return r.capError(CapMounts, int64(c), int64(used), int64(n*mountsPerSandbox), fmt.Sprintf("layer mounts (%d a sandbox)", mountsPerSandbox))
+			return 0, r.capError(CapMounts, int64(c), int64(used), int64(n*mountsPerSandbox), fmt.Sprintf("layer mounts (%d a sandbox)", mountsPerSandbox))
 		}
 	}
 	a.reserved += n
-	return nil
+	return 0, nil
 }
 
 // unreserve gives back n reserved sandboxes that were not made.

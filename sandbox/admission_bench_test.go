@@ -9,26 +9,53 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/deltagym/deltagym/sandbox"
 )
 
 // BenchmarkFork1000 forks 1,000 sandboxes at once from a files-only
 // checkpoint, under the caps derived from the machine (a Fork beyond them
-// would be refused): p50/p99 of the whole fan-out.
+// would be refused), as a trainer forks its groups again and again: each
+// fan-out starts once the warm pool has refilled after the last one's
+// children were destroyed (fork1000-, p50/p99 of the whole fan-out), the
+// first from an empty pool (first-fork1000-). BenchmarkFork1000Cold forks
+// without a pool.
 func BenchmarkFork1000(b *testing.B) {
-	bb := setup(b)
+	benchFork1000(b, true)
+}
+
+// BenchmarkFork1000Cold is BenchmarkFork1000 on a runtime without a warm
+// pool: the Fork starts every child's init itself.
+func BenchmarkFork1000Cold(b *testing.B) {
+	benchFork1000(b, false)
+}
+
+func benchFork1000(b *testing.B, pool bool) {
+	const n = 1000
+	bb := setup(b, func(c *sandbox.Config) {
+		if !pool {
+			c.InitPool = -1
+		}
+	})
+	warm := make(chan int, 1)
+	bb.rt.OnWarm(func(ready int) {
+		select {
+		case <-warm:
+		default:
+		}
+		warm <- ready
+	})
 	s := bb.create(b, sandbox.Spec{})
 	ctx := context.Background()
 	must(b, s.WriteFile(ctx, "/state", []byte("x"), 0, false))
 	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	must(b, err)
 	b.Logf("caps %+v", bb.rt.Caps())
-	var fork, cleanup lat
-	b.ResetTimer()
-	for range b.N {
+	var first, fork, cleanup lat
+	round := func(l *lat) {
 		var kids []*sandbox.Sandbox
-		fork.time(func() { kids, err = bb.rt.Fork(ctx, ck.ID, 1000, sandbox.Spec{}) })
+		l.time(func() { kids, err = bb.rt.Fork(ctx, ck.ID, n, sandbox.Spec{}) })
 		must(b, err)
 		b.StopTimer()
 		cleanup.time(func() {
@@ -36,10 +63,34 @@ func BenchmarkFork1000(b *testing.B) {
 				must(b, k.Destroy(ctx))
 			}
 		})
+		if pool {
+			waitWarm(b, bb.rt, warm, n)
+		}
 		b.StartTimer()
+	}
+	b.StopTimer()
+	round(&first)
+	b.StartTimer()
+	for range b.N {
+		round(&fork)
+	}
+	if pool {
+		first.report(b, "first-fork1000-")
 	}
 	fork.report(b, "fork1000-")
 	cleanup.report(b, "destroy1000-")
+}
+
+// waitWarm waits until the warm pool holds n inits, on its reports.
+func waitWarm(b *testing.B, rt *sandbox.Runtime, warm <-chan int, n int) {
+	watchdog := time.After(5 * time.Minute)
+	for rt.WarmInits() < n {
+		select {
+		case <-warm:
+		case <-watchdog:
+			b.Fatalf("the warm pool holds %d inits of %d after 5 minutes", rt.WarmInits(), n)
+		}
+	}
 }
 
 // densityN is how many idle sandboxes BenchmarkIdleSandboxes keeps alive

@@ -3,6 +3,7 @@ package sandbox
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 // The caps derived from a host are bounded by its scarcest resource, and
@@ -38,5 +39,32 @@ func TestHostCaps(t *testing.T) {
 	c := Caps{Sandboxes: -1, Checkpoints: 5}.withHost(d)
 	if c.Sandboxes != 0 || c.Checkpoints != 5 || c.Descriptors != d.Descriptors || c.Mounts != d.Mounts {
 		t.Fatalf("caps -1 (none), 5 and derived: %+v", c)
+	}
+}
+
+// The pool's target is the largest fan-out asked for, and halves, down to
+// warmFloor, for every warmDecay in which no fan-out asked for it.
+func TestWarmTargetDecays(t *testing.T) {
+	r := &Runtime{cfg: Config{InitPool: maxFork}}
+	r.wantWarm(1000)
+	r.wantWarm(10) // a smaller fan-out neither lowers the target nor restarts its decay
+	t0 := r.warm.asked
+	for _, c := range []struct {
+		after time.Duration
+		want  int
+	}{
+		{0, 1000},
+		{warmDecay - time.Second, 1000},
+		{warmDecay, 500},
+		{3 * warmDecay, 125},
+		{10 * warmDecay, warmFloor},
+	} {
+		if got := r.warmWanted(t0.Add(c.after)); got != c.want {
+			t.Fatalf("%v after a Fork of 1000: target %d, want %d", c.after, got, c.want)
+		}
+	}
+	r.wantWarm(2000) // beyond Config.InitPool
+	if got := r.warmWanted(time.Now()); got != maxFork {
+		t.Fatalf("a Fork beyond InitPool sets the target to %d, want %d", got, maxFork)
 	}
 }

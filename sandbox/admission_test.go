@@ -294,3 +294,91 @@ func TestCPUWeightAndMemoryCap(t *testing.T) {
 	}
 	must(t, b.rt.ReleaseCheckpoint(ck.ID))
 }
+
+// warmReports makes the runtime's warm pool report each pass that filled
+// it as far as its target and the caps allow.
+func warmReports(b *bundle) <-chan int {
+	ch := make(chan int, 64)
+	b.rt.OnWarm(func(ready int) {
+		select {
+		case ch <- ready:
+		default:
+		}
+	})
+	return ch
+}
+
+// waitPool waits until the warm pool reports holding n inits.
+func waitPool(t *testing.T, b *bundle, reports <-chan int, n int) {
+	t.Helper()
+	watchdog := time.After(2 * time.Minute)
+	for b.rt.WarmInits() != n {
+		select {
+		case <-reports:
+		case <-watchdog:
+			t.Fatalf("the warm pool holds %d inits, not %d", b.rt.WarmInits(), n)
+		}
+	}
+}
+
+// The warm pool grows only in the room the caps leave, and gives its
+// descriptors back to a request the caps would otherwise refuse.
+func TestWarmPoolWithinCaps(t *testing.T) {
+	t.Run("sandboxes", func(t *testing.T) {
+		b := setup(t, func(c *sandbox.Config) { c.Caps.Sandboxes = 4 })
+		reports := warmReports(b)
+		s := b.create(t, sandbox.Spec{})
+		ck, err := s.CheckpointWith(t.Context(), sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+		must(t, err)
+		kids, err := b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
+		must(t, err)
+		if w := b.rt.WarmWanted(); w != 3 {
+			t.Fatalf("after a Fork of 3 the pool's target is %d", w)
+		}
+		for _, k := range kids {
+			must(t, k.Destroy(t.Context()))
+		}
+		waitPool(t, b, reports, 3) // one live sandbox and three inits: the cap
+		kid, err := b.rt.Create(t.Context(), sandbox.Spec{Checkpoint: ck.ID})
+		must(t, err)
+		// Two live sandboxes leave room for two inits: the pool refills
+		// the one the Create took up to that, and no further.
+		watchdog := time.After(2 * time.Minute)
+		for done := false; !done; {
+			select {
+			case got := <-reports:
+				if live := b.rt.Sandboxes(); got+live > 4 {
+					t.Fatalf("the pool holds %d inits beside %d sandboxes under a cap of 4", got, live)
+				}
+				done = got == 2
+			case <-watchdog:
+				t.Fatalf("the pool holds %d inits, not 2", b.rt.WarmInits())
+			}
+		}
+		must(t, kid.Destroy(t.Context()))
+	})
+	t.Run("descriptors", func(t *testing.T) {
+		b := setup(t, func(c *sandbox.Config) { c.Caps.Descriptors = -1 })
+		reports := warmReports(b)
+		s := b.create(t, sandbox.Spec{})
+		ck, err := s.CheckpointWith(t.Context(), sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
+		must(t, err)
+		kids, err := b.rt.Fork(t.Context(), ck.ID, 8, sandbox.Spec{})
+		must(t, err)
+		for _, k := range kids {
+			must(t, k.Destroy(t.Context()))
+		}
+		waitPool(t, b, reports, 8)
+		// Room for the descriptors of two sandboxes made from scratch: a
+		// Fork of 3 fits only with the pool's inits counted in, and the
+		// pool freeing some.
+		b.rt.SetCaps(sandbox.Caps{Descriptors: b.rt.CountFDs() + 2*sandbox.FDsPerSandbox})
+		kids, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
+		if err != nil {
+			t.Fatalf("a Fork of 3 the pool could make room for: %v", err)
+		}
+		for _, k := range kids {
+			must(t, k.Destroy(t.Context()))
+		}
+	})
+}

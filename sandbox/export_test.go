@@ -117,3 +117,10 @@ func (r *Runtime) KillTemplates(ck string) int {
 	}
 	return n
 }
+
+// OnWarm makes the warm pool call f with how many inits it holds after
+// each pass that filled it as far as its target and the caps allow.
+func (r *Runtime) OnWarm(f func(ready int)) { r.hooks.onWarm.Store(&f) }
+
+// WarmWanted is the warm pool's target.
+func (r *Runtime) WarmWanted() int { return r.warmWanted(time.Now()) }

@@ -85,7 +85,8 @@ type Config struct {
 	NetPool int
 	// InitPool bounds the ready sandbox inits kept for fork fan-outs
 	// (warm.go): the pool grows to the largest Fork asked for, up to this
-	// (default 64; negative: none).
+	// (default 1,024, the largest Fork; negative: none), and shrinks back
+	// when no fan-out has asked for it for warmDecay.
 	InitPool int
 	// FlattenDepth is the stack depth beyond which a checkpoint's layers
 	// are merged into one in the background (default 16). Checkpoints
@@ -313,8 +314,6 @@ type Runtime struct {
 	closed bool
 
 	warm warmInits // ready inits (warm.go)
-	// +checklocks:mu
-	warmTarget int
 
 	ret     retirement        // teardowns of closed sandboxes (retire.go)
 	flatSem chan struct{}     // one flattening at a time
@@ -359,6 +358,10 @@ type testHooks struct {
 	onRoom func(limit, current int64)
 	// killedGrace, if set, replaces the constant of that name.
 	killedGrace time.Duration
+	// onWarm, if set, is told how many inits the warm pool holds after
+	// each pass that filled it as far as its target and the caps allow
+	// (set while the warm loop runs).
+	onWarm atomic.Pointer[func(ready int)]
 }
 
 // Host id ranges: sandbox n maps its ids 0..launch.IDRange-1 onto
@@ -444,7 +447,7 @@ func (cfg Config) withDefaults() (Config, error) {
 		cfg.NetPool = 64
 	}
 	if cfg.InitPool == 0 {
-		cfg.InitPool = 64
+		cfg.InitPool = maxFork
 	}
 	cfg.InitPool = max(cfg.InitPool, 0)
 	if cfg.FlattenDepth == 0 {
@@ -1358,8 +1361,8 @@ func (r *Runtime) putRange(h int) {
 
 // Fork creates n sandboxes at checkpoint id, sharing its layers.
 func (r *Runtime) Fork(ctx context.Context, id string, n int, spec Spec) ([]*Sandbox, error) {
-	if n < 1 || n > 1024 {
-		return nil, fmt.Errorf("%w: fork count %d (1..1024)", ErrInvalid, n)
+	if n < 1 || n > maxFork {
+		return nil, fmt.Errorf("%w: fork count %d (1..%d)", ErrInvalid, n, maxFork)
 	}
 	spec.Checkpoint = id
 	if err := spec.validate(); err != nil {

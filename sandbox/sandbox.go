@@ -576,6 +576,7 @@ func (s *Sandbox) tearDown(ctx context.Context) error {
 	s.rt.adm.mu.Unlock()
 	_ = os.Remove(filepath.Join(s.rt.store, "meta", "sandboxes", s.id))
 	close(s.done)
+	s.rt.kickWarm() // its place is free: a pool the caps held short may grow
 	return errors.Join(errs...)
 }
 

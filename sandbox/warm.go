@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"errors"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -16,10 +17,14 @@ import (
 // inits ready and without), and none of it depends on the checkpoint the
 // sandbox starts from. The runtime keeps ready inits, each with its sandbox
 // id, uid range, net namespace and cgroups, so that a fork fan-out only
-// builds and swaps in roots. The pool grows to the largest fan-out asked
-// for (Fork of n, at most Config.InitPool), is refilled in the background,
-// and is emptied by Close. Inits with a host name other than the default
-// are started on demand.
+// builds and swaps in roots. The pool's target is the largest fan-out asked
+// for (Fork of n, at most Config.InitPool): a trainer forks groups of one
+// size again and again, and the pool is refilled in the background between
+// them. The target halves, down to warmFloor, for every warmDecay in which
+// no fan-out asked for it, freeing what it held; the pool grows only in the
+// room the admission caps leave (warmRoom), and a request the caps would
+// refuse frees it first (admitSandboxes). Close empties it. Inits with a
+// host name other than the default are started on demand.
 
 // warmInit is a sandbox-to-be, waiting for a root.
 type warmInit struct {
@@ -122,15 +127,82 @@ func (r *Runtime) takeInit(hostname string) (*warmInit, error) {
 	return r.startInit(newID("sb-"), hostname)
 }
 
-// wantWarm raises the pool's target to n inits (at most Config.InitPool).
+// maxFork is the largest fan-out of one Fork.
+const maxFork = 1024
+
+// The pool's decay: a target above warmFloor halves after warmDecay
+// without a fan-out that asked for it.
+const (
+	warmDecay = 2 * time.Minute
+	warmFloor = 64
+)
+
+// wantWarm raises the pool's target to n inits (at most Config.InitPool)
+// and restarts its decay if n reaches the target.
 func (r *Runtime) wantWarm(n int) {
 	n = min(n, r.cfg.InitPool)
-	r.mu.Lock()
-	if n > r.warmTarget {
-		r.warmTarget = n
+	w := &r.warm
+	w.mu.Lock()
+	if n >= w.target {
+		w.target, w.asked = n, time.Now()
 	}
-	r.mu.Unlock()
+	w.mu.Unlock()
 	r.kickWarm()
+}
+
+// warmWanted returns the pool's target, halving it first for every
+// warmDecay since a fan-out last asked for it.
+func (r *Runtime) warmWanted(now time.Time) int {
+	w := &r.warm
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for w.target > warmFloor && now.Sub(w.asked) >= warmDecay {
+		w.target = max(w.target/2, warmFloor)
+		w.asked = w.asked.Add(warmDecay)
+	}
+	return w.target
+}
+
+// warmRoom reports whether the caps leave room for one more warm init
+// beside the live sandboxes, those admitted and not made yet, and the
+// pool: it takes a sandbox's descriptors, and a sandbox's place since it
+// becomes one.
+func (r *Runtime) warmRoom() bool {
+	a := &r.adm
+	if a.caps.Descriptors > 0 && r.countFDs() != nil {
+		return false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if c := a.caps.Sandboxes; c > 0 && len(r.sandboxes)+a.reserved+len(r.warm.ready)+1 > c {
+		return false
+	}
+	c := a.caps.Descriptors
+	return c <= 0 || a.fds+(a.fdsMade+a.reserved+1)*fdsPerSandbox <= c
+}
+
+// fdsMadeWarm charges a warm init to the descriptors made since the last
+// count, as register charges a sandbox.
+func (r *Runtime) fdsMadeWarm() {
+	r.adm.mu.Lock()
+	r.adm.fdsMade++
+	r.adm.mu.Unlock()
+}
+
+// shedWarm frees up to n of the pool's inits and returns how many it freed.
+func (r *Runtime) shedWarm(n int) int {
+	freed := 0
+	for ; freed < n; freed++ {
+		select {
+		case w := <-r.warm.ready:
+			w.free(r)
+		default:
+			return freed
+		}
+	}
+	return freed
 }
 
 func (r *Runtime) kickWarm() {
@@ -140,42 +212,57 @@ func (r *Runtime) kickWarm() {
 	}
 }
 
-// warmLoop keeps the pool at its target.
+// warmLoop keeps the pool at its target: it refills the pool when kicked
+// and, every quarter of warmDecay, frees what a decayed target no longer
+// holds.
 func (r *Runtime) warmLoop() {
 	defer r.wg.Done()
+	tick := time.NewTicker(warmDecay / 4)
+	defer tick.Stop()
 	for {
 		select {
 		case <-r.done:
 			return
 		case <-r.warm.kick:
+		case <-tick.C:
 		}
-		for {
-			r.mu.Lock()
-			target := r.warmTarget
-			r.mu.Unlock()
-			if len(r.warm.ready) >= target {
-				break
-			}
-			w, err := r.startInit(newID("sb-"), "")
-			if err != nil {
-				r.log.Warn("starting a warm sandbox init", "err", err)
-				select {
-				case <-r.done:
-					return
-				case <-time.After(time.Second): // back off; demand starts inits itself meanwhile
-				}
-				continue
-			}
-			select {
-			case r.warm.ready <- w:
-			case <-r.done:
-				w.free(r)
-				return
-			default:
-				w.free(r)
-			}
+		if extra := len(r.warm.ready) - r.warmWanted(time.Now()); extra > 0 {
+			r.shedWarm(extra)
+		}
+		if !r.refillWarm() {
+			return
+		}
+		if f := r.hooks.onWarm.Load(); f != nil {
+			(*f)(len(r.warm.ready))
 		}
 	}
+}
+
+// refillWarm starts inits until the pool holds its target or the caps
+// leave no room; it returns false when the runtime is closing.
+func (r *Runtime) refillWarm() bool {
+	for len(r.warm.ready) < r.warmWanted(time.Now()) && r.warmRoom() {
+		w, err := r.startInit(newID("sb-"), "")
+		if err != nil {
+			r.log.Warn("starting a warm sandbox init", "err", err)
+			select {
+			case <-r.done:
+				return false
+			case <-time.After(time.Second): // back off; demand starts inits itself meanwhile
+			}
+			continue
+		}
+		r.fdsMadeWarm()
+		select {
+		case r.warm.ready <- w:
+		case <-r.done:
+			w.free(r)
+			return false
+		default:
+			w.free(r)
+		}
+	}
+	return true
 }
 
 // drainWarm frees the pool's inits. The warm loop has stopped.
@@ -203,4 +290,11 @@ var forkParallel = 4
 type warmInits struct {
 	ready chan *warmInit
 	kick  chan struct{}
+	mu    sync.Mutex
+	// target is how many inits the pool keeps; asked, when a fan-out last
+	// asked for that many (or the decay last halved it).
+	// +checklocks:mu
+	target int
+	// +checklocks:mu
+	asked time.Time
 }

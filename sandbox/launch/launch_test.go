@@ -20,7 +20,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/overlay"
 )
 
-func initBinary(t *testing.T) string {
+func initBinary(t testing.TB) string {
 	t.Helper()
 	testenv.Privileged(t, "creates namespaces and mounts (CI runs as root)")
 	return testenv.Init(t)
