@@ -449,7 +449,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	if cfg.InitPool == 0 {
 		cfg.InitPool = maxFork
 	}
-	cfg.InitPool = max(cfg.InitPool, 0)
+	cfg.InitPool = min(max(cfg.InitPool, 0), maxFork)
 	if cfg.FlattenDepth == 0 {
 		cfg.FlattenDepth = 16
 	}

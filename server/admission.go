@@ -39,6 +39,10 @@ type Admission struct {
 	SandboxMemoryBytes int64
 	// CPUWeight is each sandbox's CPU weight (--sandbox-cpu-weight, 1 to 10000). Default 100.
 	CPUWeight int
+	// WarmInits bounds the ready sandbox inits kept for fork fan-outs (--warm-inits): the pool
+	// grows to the largest Fork asked for, up to this, within the caps, and halves every two
+	// minutes no fan-out asks for it. Default 1,024 (the largest Fork); negative: none.
+	WarmInits int
 }
 
 // defaultCheckpointTTL is Admission.CheckpointTTL when unset.
@@ -97,6 +101,18 @@ func (a *Admission) registerFlags(fs *flag.FlagSet) {
 			}
 			return nil
 		})
+	fs.Func("warm-inits", "keep up to `n` sandbox inits ready for fork fan-outs: the pool grows to the largest Fork asked for, within the caps, and halves every two minutes no fan-out asks for it (default 1024; 0: none)",
+		func(v string) error {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 0 || n > 1024 {
+				return fmt.Errorf("%q: a number of inits from 0 (none) to 1024 (the largest Fork)", v)
+			}
+			a.WarmInits = n
+			if n == 0 {
+				a.WarmInits = -1
+			}
+			return nil
+		})
 	fs.IntVar(&a.CPUWeight, "sandbox-cpu-weight", max(a.CPUWeight, 100), "each sandbox's share of a busy CPU against the others (cgroup cpu.weight, 1 to 10000)")
 }
 
@@ -129,4 +145,5 @@ func (a *Admission) runtimeConfig(c *sandbox.Config, host sandbox.Host) {
 	}
 	c.MemoryBytes = a.SandboxMemoryBytes
 	c.CPUWeight = a.CPUWeight
+	c.InitPool = a.WarmInits
 }

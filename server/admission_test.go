@@ -122,7 +122,7 @@ func TestAdmissionFlags(t *testing.T) {
 		err  string
 	}{
 		{nil, func(r sandbox.Config) bool {
-			return r.Caps == (sandbox.Caps{}) && r.CheckpointBudgetBytes == 4<<30 && r.CheckpointTTL == time.Hour && r.CPUWeight == 100 &&
+			return r.Caps == (sandbox.Caps{}) && r.CheckpointBudgetBytes == 4<<30 && r.CheckpointTTL == time.Hour && r.CPUWeight == 100 && r.InitPool == 0 &&
 				strings.Contains(r.CapFlags[sandbox.CapSandboxes], "--max-sandboxes")
 		}, ""},
 		{[]string{"--max-sandboxes", "5", "--max-checkpoints", "-1", "--max-descriptors", "900", "--max-mounts", "70"}, func(r sandbox.Config) bool {
@@ -137,6 +137,9 @@ func TestAdmissionFlags(t *testing.T) {
 		{[]string{"--checkpoint-ttl", "90m", "--sandbox-cpu-weight", "250"}, func(r sandbox.Config) bool {
 			return r.CheckpointTTL == 90*time.Minute && r.CPUWeight == 250
 		}, ""},
+		{[]string{"--warm-inits", "100"}, func(r sandbox.Config) bool { return r.InitPool == 100 }, ""},
+		{[]string{"--warm-inits", "0"}, func(r sandbox.Config) bool { return r.InitPool < 0 }, ""},
+		{[]string{"--warm-inits", "2000"}, nil, "to 1024"},
 		{[]string{"--max-sandboxes", "-2"}, nil, "or -1 for no cap"},
 		{[]string{"--max-sandboxes", "many"}, nil, "a number"},
 		{[]string{"--max-checkpoint-bytes", "lots"}, nil, "a size in bytes"},
