@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math"
 	"time"
@@ -13,6 +14,7 @@ import (
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/server/episode"
 	"github.com/deltagym/deltagym/server/ledger"
 )
 
@@ -115,8 +117,14 @@ func (g *ledgerService) GetTrajectory(ctx context.Context, req *connect.Request[
 			DurationSeconds: s.Duration.Seconds(), CheckpointId: s.CheckpointID}
 		if len(s.Action) > 0 && string(s.Action) != "null" {
 			a := &deltagymv1.Action{}
-			if protojson.Unmarshal(s.Action, a) == nil {
+			if (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(s.Action, a) == nil {
 				ts.Action = a
+			}
+			var rec struct {
+				Cut *episode.ActionCut `json:"cut"`
+			}
+			if json.Unmarshal(s.Action, &rec) == nil && rec.Cut != nil {
+				ts.ActionBulkSizeBytes, ts.ActionBulkSha256 = rec.Cut.SizeBytes, rec.Cut.SHA256
 			}
 		}
 		o := &deltagymv1.Observation{}

@@ -2,6 +2,9 @@ package episode
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"slices"
@@ -116,10 +119,54 @@ func signalNumber(name string) int32 {
 	return int32(unix.SignalNum(name))
 }
 
+// ActionBytesCap is how much of an action's bulk — a write_file's content, an exec's stdin — the
+// ledger keeps. A step's row is one value of a COPY to Postgres: a row holding the largest write
+// (64 MiB, 90 MB as JSON) takes Postgres's COPY past its memory cap, and the ledger stalls behind it.
+const ActionBytesCap = 64 << 10
+
+// ActionCut is what a recorded action says of bulk it cut at ActionBytesCap: the JSON key "cut"
+// beside the action's own (which protojson readers discard), with the whole bulk's size and
+// SHA-256 (hex).
+type ActionCut struct {
+	SizeBytes int64  `json:"sizeBytes,string"`
+	SHA256    string `json:"sha256"`
+}
+
+// recordedAction is a's JSON as the ledger keeps it: protojson of its API form, its bulk cut at
+// ActionBytesCap and described under "cut".
+func recordedAction(a Action) ([]byte, error) {
+	p := actionProto(a)
+	var bulk *[]byte
+	switch k := p.GetKind().(type) {
+	case *deltagymv1.Action_WriteFile:
+		bulk = &k.WriteFile.Content
+	case *deltagymv1.Action_Exec:
+		bulk = &k.Exec.Stdin
+	}
+	if bulk == nil || len(*bulk) <= ActionBytesCap {
+		return protojson.Marshal(p)
+	}
+	sum := sha256.Sum256(*bulk)
+	cut := ActionCut{SizeBytes: int64(len(*bulk)), SHA256: hex.EncodeToString(sum[:])}
+	*bulk = (*bulk)[:ActionBytesCap:ActionBytesCap] // p is this call's own: the step's bytes are not changed
+	b, err := protojson.Marshal(p)
+	if err != nil {
+		return nil, err
+	}
+	fields := map[string]json.RawMessage{}
+	if err := json.Unmarshal(b, &fields); err != nil {
+		return nil, err
+	}
+	if fields["cut"], err = json.Marshal(cut); err != nil {
+		return nil, err
+	}
+	return json.Marshal(fields)
+}
+
 // recordStep records step index (the episode's own count) of episode ep, and a submit's reward
 // (none for a submit the time budget skipped, whose verifier never ran).
 func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took time.Duration, res *StepResult, verr error) {
-	action, err := protojson.Marshal(actionProto(a))
+	action, err := recordedAction(a)
 	if err != nil { // recorded as JSON null, and said
 		c.ledgerErr(fmt.Errorf("episode %s step %d: encoding the action: %w", ep, index, err))
 	}

@@ -501,9 +501,15 @@ type TrajectoryStep struct {
 	// duration_seconds is the server-side time the step took.
 	DurationSeconds float64 `protobuf:"fixed64,12,opt,name=duration_seconds,json=durationSeconds,proto3" json:"duration_seconds,omitempty"`
 	// checkpoint_id is the checkpoint taken after the step, if any.
-	CheckpointId  string `protobuf:"bytes,13,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	CheckpointId string `protobuf:"bytes,13,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// action_bulk_size_bytes is set when the ledger cut the action's bulk — a
+	// write_file's content or an exec's stdin — at its cap of 64 KiB: the
+	// whole bulk's size (action holds its first 64 KiB).
+	ActionBulkSizeBytes int64 `protobuf:"varint,14,opt,name=action_bulk_size_bytes,json=actionBulkSizeBytes,proto3" json:"action_bulk_size_bytes,omitempty"`
+	// action_bulk_sha256 is the hex SHA-256 of the whole bulk, when cut.
+	ActionBulkSha256 string `protobuf:"bytes,15,opt,name=action_bulk_sha256,json=actionBulkSha256,proto3" json:"action_bulk_sha256,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *TrajectoryStep) Reset() {
@@ -623,6 +629,20 @@ func (x *TrajectoryStep) GetDurationSeconds() float64 {
 func (x *TrajectoryStep) GetCheckpointId() string {
 	if x != nil {
 		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *TrajectoryStep) GetActionBulkSizeBytes() int64 {
+	if x != nil {
+		return x.ActionBulkSizeBytes
+	}
+	return 0
+}
+
+func (x *TrajectoryStep) GetActionBulkSha256() string {
+	if x != nil {
+		return x.ActionBulkSha256
 	}
 	return ""
 }
@@ -1471,7 +1491,7 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\x01R\x05value\x12\x16\n" +
 	"\x06source\x18\x03 \x01(\tR\x06source\x12;\n" +
 	"\vreport_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"reportTime\"\x9b\x04\n" +
+	"reportTime\"\xfe\x04\n" +
 	"\x0eTrajectoryStep\x12\x1d\n" +
 	"\n" +
 	"step_index\x18\x01 \x01(\x05R\tstepIndex\x12\x1d\n" +
@@ -1491,7 +1511,9 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\n" +
 	"start_time\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\tstartTime\x12)\n" +
 	"\x10duration_seconds\x18\f \x01(\x01R\x0fdurationSeconds\x12#\n" +
-	"\rcheckpoint_id\x18\r \x01(\tR\fcheckpointId\"\xb9\x02\n" +
+	"\rcheckpoint_id\x18\r \x01(\tR\fcheckpointId\x123\n" +
+	"\x16action_bulk_size_bytes\x18\x0e \x01(\x03R\x13actionBulkSizeBytes\x12,\n" +
+	"\x12action_bulk_sha256\x18\x0f \x01(\tR\x10actionBulkSha256\"\xb9\x02\n" +
 	"\x0eCheckpointNode\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12/\n" +
