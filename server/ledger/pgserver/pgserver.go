@@ -85,6 +85,11 @@ type Config struct {
 	// SmartTimeout is how long Stop waits for clients to disconnect (smart shutdown) before it
 	// asks for a fast shutdown. Default 3s.
 	SmartTimeout time.Duration
+	// FastTimeout is how long Stop waits for a fast shutdown (its checkpoint written) before it
+	// asks for an immediate one, and ImmediateTimeout how long it waits for that before it kills
+	// the postmaster: a postmaster that hangs (stopped, or stuck in a recovery) cannot hold
+	// the server's exit. Defaults 30s and 10s.
+	FastTimeout, ImmediateTimeout time.Duration
 	// Supervise starts the postmaster again when it exits without Stop: after RestartDelay,
 	// then after pauses doubling up to a minute while it fails to start. Its clients see an
 	// outage in between (the ledger writer keeps rows in its spool). Off, the cluster stays
@@ -122,6 +127,12 @@ func (c *Config) Validate() error {
 	}
 	if c.SmartTimeout <= 0 {
 		c.SmartTimeout = 3 * time.Second
+	}
+	if c.FastTimeout <= 0 {
+		c.FastTimeout = 30 * time.Second
+	}
+	if c.ImmediateTimeout <= 0 {
+		c.ImmediateTimeout = 10 * time.Second
 	}
 	if c.RestartDelay <= 0 {
 		c.RestartDelay = 500 * time.Millisecond
@@ -256,8 +267,9 @@ func (s *Server) URLFor(database string) string {
 func (s *Server) SocketDir() string { return s.sockDir }
 
 // Stop shuts the server down: a smart shutdown (waiting for clients) for up to
-// Config.SmartTimeout, then a fast one (disconnecting them), then, if ctx ends first, an
-// immediate one. Stop is idempotent.
+// Config.SmartTimeout, then a fast one (disconnecting them) until ctx ends or for up to
+// Config.FastTimeout, then an immediate one for up to Config.ImmediateTimeout, then SIGKILL.
+// Stop is idempotent.
 func (s *Server) Stop(ctx context.Context) error {
 	s.disarm() // first: a supervised start in progress holds mu
 	s.mu.Lock()
@@ -346,32 +358,33 @@ func (s *Server) stopLocked(ctx context.Context) error {
 		sig  syscall.Signal
 		wait time.Duration
 	}{
-		{syscall.SIGTERM, s.cfg.SmartTimeout}, // smart
-		{syscall.SIGINT, 0},                   // fast: until ctx ends
-		{syscall.SIGQUIT, 10 * time.Second},   // immediate
+		{syscall.SIGTERM, s.cfg.SmartTimeout},     // smart
+		{syscall.SIGINT, s.cfg.FastTimeout},       // fast, or until ctx ends
+		{syscall.SIGQUIT, s.cfg.ImmediateTimeout}, // immediate
+		{syscall.SIGKILL, s.cfg.ImmediateTimeout}, // its children see it gone and exit
 	}
 	for i, st := range steps {
 		if err := cmd.Process.Signal(st.sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
 			return fmt.Errorf("signalling postgres: %w", err)
 		}
-		var timeout <-chan time.Time
-		if st.wait > 0 {
-			t := time.NewTimer(st.wait)
-			defer t.Stop()
-			timeout = t.C
-		}
+		t := time.NewTimer(st.wait)
 		var done <-chan struct{}
 		if i == 1 {
 			done = ctx.Done()
 		}
 		select {
 		case <-exited:
+			t.Stop()
+			if i == len(steps)-1 {
+				return fmt.Errorf("stopping postgres pid %d: it answered no shutdown request and was killed", cmd.Process.Pid)
+			}
 			return nil
-		case <-timeout:
+		case <-t.C:
 		case <-done:
+			t.Stop()
 		}
 	}
-	return fmt.Errorf("stopping postgres pid %d: %w", cmd.Process.Pid, ctx.Err())
+	return fmt.Errorf("stopping postgres pid %d: still running after SIGKILL", cmd.Process.Pid)
 }
 
 func (s *Server) start(ctx context.Context) error {

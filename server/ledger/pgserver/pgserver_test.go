@@ -748,3 +748,25 @@ func TestBinDirsMatchCluster(t *testing.T) {
 	}
 	t.Log(err)
 }
+
+// A postmaster that answers no shutdown request (here: stopped) cannot hold Stop: after the
+// smart, fast and immediate requests time out it is killed, and Stop says so.
+func TestStopHungPostmaster(t *testing.T) {
+	skipUnlessPostgres(t)
+	s, err := StartConfig(t.Context(), Config{BinDirs: binDirs(t), DataDir: t.TempDir(), NoSync: true,
+		SmartTimeout: 50 * time.Millisecond, FastTimeout: 50 * time.Millisecond, ImmediateTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := s.Pid()
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	err = s.Stop(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "killed") {
+		t.Fatalf("Stop of a stopped postmaster: %v, want an error saying it was killed", err)
+	}
+	if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+		t.Fatalf("postmaster %d after Stop: %v, want it gone", pid, err)
+	}
+}
