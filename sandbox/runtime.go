@@ -207,6 +207,18 @@ type CheckpointInfo struct {
 	// Labels are the caller's (CheckpointOptions.Labels, SetCheckpointLabels), kept in the
 	// checkpoint's record: they survive a restart and go with the checkpoint.
 	Labels map[string]string
+	// Hold is what keeps it from Config.CheckpointTTL (ListCheckpoints fills it in).
+	Hold CheckpointHold
+}
+
+// CheckpointHold is what keeps a checkpoint from expiring: pinned (CheckpointOptions.Pinned),
+// live sandboxes whose state descends from it, and when it was last taken, restored or forked
+// from. Expires is when the TTL releases it if nothing changes (zero: never).
+type CheckpointHold struct {
+	Pinned   bool
+	Heads    int
+	LastUsed time.Time
+	Expires  time.Time
 }
 
 type imageRec struct {
@@ -976,6 +988,31 @@ func (r *Runtime) Checkpoint(id string) (CheckpointInfo, error) {
 		return CheckpointInfo{}, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
 	}
 	return c.info(), nil
+}
+
+// ListCheckpoints describes every checkpoint held, oldest first, with what holds it.
+func (r *Runtime) ListCheckpoints() []CheckpointInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.adm.mu.Lock()
+	defer r.adm.mu.Unlock()
+	out := make([]CheckpointInfo, 0, len(r.ckpts))
+	for _, c := range r.ckpts {
+		ci := c.info()
+		h := CheckpointHold{Pinned: c.Pinned, Heads: r.adm.heads[c.ID]}
+		if used := c.used.Load(); used != 0 {
+			h.LastUsed = time.Unix(0, used)
+		}
+		if ttl := r.cfg.CheckpointTTL; ttl > 0 && !h.Pinned && h.Heads == 0 && !h.LastUsed.IsZero() {
+			h.Expires = h.LastUsed.Add(ttl)
+		}
+		ci.Hold = h
+		out = append(out, ci)
+	}
+	slices.SortFunc(out, func(a, b CheckpointInfo) int {
+		return cmp.Or(a.Created.Compare(b.Created), strings.Compare(a.ID, b.ID))
+	})
+	return out
 }
 
 // Checkpoints returns the number of checkpoints held.

@@ -26,6 +26,7 @@ type api interface {
 	Heartbeat(context.Context, *deltagymv1.HeartbeatRequest) (*deltagymv1.HeartbeatResponse, error)
 	GetSandbox(context.Context, *deltagymv1.GetSandboxRequest) (*deltagymv1.GetSandboxResponse, error)
 	ListSandboxes(context.Context, *deltagymv1.ListSandboxesRequest) (*deltagymv1.ListSandboxesResponse, error)
+	ListCheckpoints(context.Context, *deltagymv1.ListCheckpointsRequest) (*deltagymv1.ListCheckpointsResponse, error)
 	ListEpisodes(context.Context, *deltagymv1.ListEpisodesRequest) (*deltagymv1.ListEpisodesResponse, error)
 	GetTrajectory(context.Context, *deltagymv1.GetTrajectoryRequest) (*deltagymv1.GetTrajectoryResponse, error)
 	GetCheckpointTree(context.Context, *deltagymv1.GetCheckpointTreeRequest) (*deltagymv1.GetCheckpointTreeResponse, error)
@@ -87,6 +88,10 @@ func (c connectAPI) GetSandbox(ctx context.Context, r *deltagymv1.GetSandboxRequ
 }
 func (c connectAPI) ListSandboxes(ctx context.Context, r *deltagymv1.ListSandboxesRequest) (*deltagymv1.ListSandboxesResponse, error) {
 	return call(c.e.ListSandboxes, ctx, r)
+}
+
+func (c connectAPI) ListCheckpoints(ctx context.Context, r *deltagymv1.ListCheckpointsRequest) (*deltagymv1.ListCheckpointsResponse, error) {
+	return call(c.e.ListCheckpoints, ctx, r)
 }
 func (c connectAPI) ListEpisodes(ctx context.Context, r *deltagymv1.ListEpisodesRequest) (*deltagymv1.ListEpisodesResponse, error) {
 	return call(c.l.ListEpisodes, ctx, r)
@@ -155,6 +160,10 @@ func (c grpcAPI) GetSandbox(ctx context.Context, r *deltagymv1.GetSandboxRequest
 }
 func (c grpcAPI) ListSandboxes(ctx context.Context, r *deltagymv1.ListSandboxesRequest) (*deltagymv1.ListSandboxesResponse, error) {
 	return g(c.EnvServiceClient.ListSandboxes, ctx, r)
+}
+
+func (c grpcAPI) ListCheckpoints(ctx context.Context, r *deltagymv1.ListCheckpointsRequest) (*deltagymv1.ListCheckpointsResponse, error) {
+	return g(c.EnvServiceClient.ListCheckpoints, ctx, r)
 }
 func (c grpcAPI) ListEpisodes(ctx context.Context, r *deltagymv1.ListEpisodesRequest) (*deltagymv1.ListEpisodesResponse, error) {
 	return g(c.l.ListEpisodes, ctx, r)

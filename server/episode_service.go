@@ -125,6 +125,16 @@ func (e *envService) Heartbeat(ctx context.Context, req *connect.Request[deltagy
 	return connect.NewResponse(resp), nil
 }
 
+func (e *envService) ListCheckpoints(ctx context.Context, req *connect.Request[deltagymv1.ListCheckpointsRequest]) (*connect.Response[deltagymv1.ListCheckpointsResponse], error) {
+	m := req.Msg
+	resp := &deltagymv1.ListCheckpointsResponse{}
+	f := episode.CheckpointFilter{Env: m.GetEnv(), Run: m.GetRun(), Group: m.GetGroupId(), Episode: m.GetEpisodeId()}
+	for _, d := range e.s.core.Checkpoints(f) {
+		resp.Checkpoints = append(resp.Checkpoints, checkpointSummaryProto(d))
+	}
+	return connect.NewResponse(resp), nil
+}
+
 func (e *envService) GetSandbox(ctx context.Context, req *connect.Request[deltagymv1.GetSandboxRequest]) (*connect.Response[deltagymv1.GetSandboxResponse], error) {
 	d, err := e.s.core.Sandbox(req.Msg.GetSandboxId())
 	if err != nil {

@@ -139,3 +139,18 @@ func sandboxProto(d episode.SandboxInfo) *deltagymv1.Sandbox {
 		NextStepIndex: int32(d.NextStepIndex), StartCheckpointId: d.StartCheckpoint, LeaseExpireTime: timestamppb.New(d.LeaseExpires),
 		CreateTime: timestamppb.New(d.Created)}
 }
+
+// checkpointSummaryProto is d's API form.
+func checkpointSummaryProto(d episode.CheckpointDesc) *deltagymv1.CheckpointSummary {
+	i, p, h := d.Info, d.Place, d.Info.Hold
+	out := &deltagymv1.CheckpointSummary{CheckpointId: i.ID, ParentId: i.Parent, Env: p.Env, EpisodeId: p.Episode, Run: p.Run,
+		GroupId: p.Group, StepIndex: int32(p.Steps), CreateTime: timestamppb.New(i.Created), SizeBytes: i.SizeBytes,
+		Depth: int32(i.Depth), Processes: int32(len(i.Processes)), Pinned: h.Pinned, LiveDescendants: int32(h.Heads)}
+	if !h.LastUsed.IsZero() {
+		out.LastUsedTime = timestamppb.New(h.LastUsed)
+	}
+	if !h.Expires.IsZero() {
+		out.ExpireTime = timestamppb.New(h.Expires)
+	}
+	return out
+}

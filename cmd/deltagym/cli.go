@@ -66,6 +66,7 @@ type app struct {
 	Submit      submitCmd      `cmd:"" help:"end the episode and run the verifier"`
 	Close       closeCmd       `cmd:"" help:"close sandboxes"`
 	Sandboxes   sandboxesCmd   `cmd:"" help:"list leased sandboxes"`
+	Checkpoints checkpointsCmd `cmd:"" help:"list the checkpoints the server holds and what keeps each (release frees them)"`
 	Episodes    episodesCmd    `cmd:"" help:"list recorded episodes"`
 	Trajectory  trajectoryCmd  `cmd:"" help:"print an episode's steps from its reset"`
 	Advantages  advantagesCmd  `cmd:"" help:"group-relative (GRPO) advantages"`

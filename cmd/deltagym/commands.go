@@ -717,6 +717,50 @@ func (sc *sandboxesCmd) Run(ctx context.Context, a *app) error {
 	return t.flush()
 }
 
+type checkpointsCmd struct {
+	Env     string `help:"only checkpoints of this env"`
+	RunName string `name:"run" help:"only checkpoints taken in episodes of this run"`
+	Group   string `help:"only checkpoints taken in episodes of this group"`
+	Episode string `help:"only checkpoints taken in this episode"`
+}
+
+func (cc *checkpointsCmd) Run(ctx context.Context, a *app) error {
+	c, err := a.dial()
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	res, err := c.EnvService().ListCheckpoints(ctx, connect.NewRequest(&deltagymv1.ListCheckpointsRequest{Env: cc.Env, Run: cc.RunName,
+		GroupId: cc.Group, EpisodeId: cc.Episode}))
+	if err != nil {
+		return err
+	}
+	if a.JSON {
+		return printJSON(a.stdout, res.Msg)
+	}
+	now := time.Now()
+	t := newTable(a.stdout, "CHECKPOINT", "ENV", "EPISODE", "STEP", "CREATED", "BYTES", "PROCS", "HELD BY")
+	for _, k := range res.Msg.GetCheckpoints() {
+		t.row(k.GetCheckpointId(), k.GetEnv(), orDash(k.GetEpisodeId()), strconv.Itoa(int(k.GetStepIndex())), formatTime(k.GetCreateTime()),
+			strconv.FormatInt(k.GetSizeBytes(), 10), strconv.Itoa(int(k.GetProcesses())), checkpointHold(k, now))
+	}
+	return t.flush()
+}
+
+// checkpointHold says what keeps checkpoint k: its pool, live sandboxes descending from it, or
+// the time left before the TTL releases it.
+func checkpointHold(k *deltagymv1.CheckpointSummary, now time.Time) string {
+	switch {
+	case k.GetPinned():
+		return "its env (pinned)"
+	case k.GetLiveDescendants() > 0:
+		return fmt.Sprintf("%d live sandboxes", k.GetLiveDescendants())
+	case k.GetExpireTime() != nil:
+		return formatLease(k.GetExpireTime(), now)
+	}
+	return "-"
+}
+
 type episodesCmd struct {
 	RunName string `name:"run" help:"only episodes of this run"`
 	Group   string `help:"only episodes of this group"`

@@ -185,3 +185,35 @@ func (c *Core) LabelFrom(ctx context.Context, find PlaceFinder) (int, error) {
 	}
 	return n, nil
 }
+
+// CheckpointFilter selects checkpoints by where they were taken; an empty field matches any.
+type CheckpointFilter struct {
+	Env, Run, Group, Episode string
+}
+
+// CheckpointDesc is a checkpoint the runtime holds and where it was taken.
+type CheckpointDesc struct {
+	Info  sandbox.CheckpointInfo
+	Place Place
+}
+
+// Checkpoints lists the checkpoints the runtime holds that match f, oldest first: the ones
+// clients took, and the pools' own (pinned), so that an operator at the checkpoint cap sees what
+// holds it.
+func (c *Core) Checkpoints(f CheckpointFilter) []CheckpointDesc {
+	var out []CheckpointDesc
+	for _, info := range c.rt.ListCheckpoints() {
+		p, ok := placeOf(info.Labels)
+		if !ok {
+			if env, err := c.pools.EnvForImage(info.Image); err == nil {
+				p = Place{Env: env.Name()}
+			}
+		}
+		if (f.Env != "" && p.Env != f.Env) || (f.Run != "" && p.Run != f.Run) || (f.Group != "" && p.Group != f.Group) ||
+			(f.Episode != "" && p.Episode != f.Episode) {
+			continue
+		}
+		out = append(out, CheckpointDesc{Info: info, Place: p})
+	}
+	return out
+}

@@ -502,6 +502,25 @@ func (c *Client) ListSandboxes(ctx context.Context, f SandboxFilter) ([]*deltagy
 	return res.Msg.GetSandboxes(), nil
 }
 
+// CheckpointFilter selects checkpoints in ListCheckpoints; empty fields match all.
+type CheckpointFilter struct {
+	Env, Run, Group, Episode string
+}
+
+// ListCheckpoints lists the checkpoints the server holds, oldest first, with where each was
+// taken and what keeps it from expiring.
+func (c *Client) ListCheckpoints(ctx context.Context, f CheckpointFilter) ([]*deltagymv1.CheckpointSummary, error) {
+	if err := c.checkOpen(); err != nil {
+		return nil, err
+	}
+	res, err := c.env.ListCheckpoints(ctx, connect.NewRequest(&deltagymv1.ListCheckpointsRequest{Env: f.Env, Run: f.Run,
+		GroupId: f.Group, EpisodeId: f.Episode}))
+	if err != nil {
+		return nil, fmt.Errorf("listing checkpoints: %w", err)
+	}
+	return res.Msg.GetCheckpoints(), nil
+}
+
 // Sandbox returns a handle for an existing sandbox, for example one whose ID
 // another process printed. It does not contact the server; its EpisodeID is
 // empty until a call tells it.

@@ -9,7 +9,7 @@
 // stops.
 //
 // Calls are retried only when that is safe: on Unavailable, for calls that
-// change nothing (ListEnvs, GetSandbox, ListSandboxes, Heartbeat, the ledger
+// change nothing (ListEnvs, GetSandbox, ListSandboxes, ListCheckpoints, Heartbeat, the ledger
 // queries), for Close and ReportReward, which are idempotent, and for Reset and
 // Fork when they carry an idempotency key, which this package generates for
 // every call so that a retry returns the sandboxes of the first attempt.

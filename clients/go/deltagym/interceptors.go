@@ -42,6 +42,7 @@ var readOnlyOrIdempotent = map[string]bool{
 	deltagymv1connect.EnvServiceListEnvsProcedure:              true,
 	deltagymv1connect.EnvServiceGetSandboxProcedure:            true,
 	deltagymv1connect.EnvServiceListSandboxesProcedure:         true,
+	deltagymv1connect.EnvServiceListCheckpointsProcedure:       true,
 	deltagymv1connect.EnvServiceHeartbeatProcedure:             true,
 	deltagymv1connect.EnvServiceCloseProcedure:                 true,
 	deltagymv1connect.LedgerServiceListEpisodesProcedure:       true,

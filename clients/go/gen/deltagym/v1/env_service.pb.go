@@ -2145,6 +2145,300 @@ func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
 	return nil
 }
 
+// ListCheckpointsRequest is the request of ListCheckpoints. An empty field
+// matches any checkpoint.
+type ListCheckpointsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// env keeps checkpoints of this env only.
+	Env string `protobuf:"bytes,1,opt,name=env,proto3" json:"env,omitempty"`
+	// run keeps checkpoints taken in an episode of this run only.
+	Run string `protobuf:"bytes,2,opt,name=run,proto3" json:"run,omitempty"`
+	// group_id keeps checkpoints taken in an episode of this group only.
+	GroupId string `protobuf:"bytes,3,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
+	// episode_id keeps checkpoints taken in this episode only.
+	EpisodeId     string `protobuf:"bytes,4,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListCheckpointsRequest) Reset() {
+	*x = ListCheckpointsRequest{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListCheckpointsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListCheckpointsRequest) ProtoMessage() {}
+
+func (x *ListCheckpointsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListCheckpointsRequest.ProtoReflect.Descriptor instead.
+func (*ListCheckpointsRequest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *ListCheckpointsRequest) GetEnv() string {
+	if x != nil {
+		return x.Env
+	}
+	return ""
+}
+
+func (x *ListCheckpointsRequest) GetRun() string {
+	if x != nil {
+		return x.Run
+	}
+	return ""
+}
+
+func (x *ListCheckpointsRequest) GetGroupId() string {
+	if x != nil {
+		return x.GroupId
+	}
+	return ""
+}
+
+func (x *ListCheckpointsRequest) GetEpisodeId() string {
+	if x != nil {
+		return x.EpisodeId
+	}
+	return ""
+}
+
+// ListCheckpointsResponse is the response of ListCheckpoints.
+type ListCheckpointsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// checkpoints lists the matching checkpoints, oldest first.
+	Checkpoints   []*CheckpointSummary `protobuf:"bytes,1,rep,name=checkpoints,proto3" json:"checkpoints,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListCheckpointsResponse) Reset() {
+	*x = ListCheckpointsResponse{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListCheckpointsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListCheckpointsResponse) ProtoMessage() {}
+
+func (x *ListCheckpointsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListCheckpointsResponse.ProtoReflect.Descriptor instead.
+func (*ListCheckpointsResponse) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *ListCheckpointsResponse) GetCheckpoints() []*CheckpointSummary {
+	if x != nil {
+		return x.Checkpoints
+	}
+	return nil
+}
+
+// CheckpointSummary describes a checkpoint the server holds.
+type CheckpointSummary struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// checkpoint_id is its ID.
+	CheckpointId string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// parent_id is the checkpoint it was taken after, if any.
+	ParentId string `protobuf:"bytes,2,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
+	// env is the env it belongs to.
+	Env string `protobuf:"bytes,3,opt,name=env,proto3" json:"env,omitempty"`
+	// episode_id, run and group_id are those of the episode it was taken in
+	// (empty for a pool's own checkpoint).
+	EpisodeId string `protobuf:"bytes,4,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
+	Run       string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
+	GroupId   string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
+	// step_index is the index of the next step after restoring it.
+	StepIndex int32 `protobuf:"varint,7,opt,name=step_index,json=stepIndex,proto3" json:"step_index,omitempty"`
+	// create_time is when it was taken.
+	CreateTime *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=create_time,json=createTime,proto3" json:"create_time,omitempty"`
+	// size_bytes is the size of its own layer (the files it changed).
+	SizeBytes int64 `protobuf:"varint,9,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	// depth is the number of layers under it.
+	Depth int32 `protobuf:"varint,10,opt,name=depth,proto3" json:"depth,omitempty"`
+	// processes is how many processes it captured.
+	Processes int32 `protobuf:"varint,11,opt,name=processes,proto3" json:"processes,omitempty"`
+	// pinned is set for checkpoints an env's pool or task cache keeps; they
+	// never expire, and Reset needs them.
+	Pinned bool `protobuf:"varint,12,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// live_descendants is how many live sandboxes' states descend from it;
+	// it does not expire while there are any.
+	LiveDescendants int32 `protobuf:"varint,13,opt,name=live_descendants,json=liveDescendants,proto3" json:"live_descendants,omitempty"`
+	// last_used_time is when it was last taken, restored or forked from.
+	LastUsedTime *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=last_used_time,json=lastUsedTime,proto3" json:"last_used_time,omitempty"`
+	// expire_time is when the server's checkpoint TTL (--checkpoint-ttl)
+	// releases it if nothing uses it before; unset if it does not expire.
+	ExpireTime    *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=expire_time,json=expireTime,proto3" json:"expire_time,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckpointSummary) Reset() {
+	*x = CheckpointSummary{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckpointSummary) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckpointSummary) ProtoMessage() {}
+
+func (x *CheckpointSummary) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckpointSummary.ProtoReflect.Descriptor instead.
+func (*CheckpointSummary) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *CheckpointSummary) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *CheckpointSummary) GetParentId() string {
+	if x != nil {
+		return x.ParentId
+	}
+	return ""
+}
+
+func (x *CheckpointSummary) GetEnv() string {
+	if x != nil {
+		return x.Env
+	}
+	return ""
+}
+
+func (x *CheckpointSummary) GetEpisodeId() string {
+	if x != nil {
+		return x.EpisodeId
+	}
+	return ""
+}
+
+func (x *CheckpointSummary) GetRun() string {
+	if x != nil {
+		return x.Run
+	}
+	return ""
+}
+
+func (x *CheckpointSummary) GetGroupId() string {
+	if x != nil {
+		return x.GroupId
+	}
+	return ""
+}
+
+func (x *CheckpointSummary) GetStepIndex() int32 {
+	if x != nil {
+		return x.StepIndex
+	}
+	return 0
+}
+
+func (x *CheckpointSummary) GetCreateTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreateTime
+	}
+	return nil
+}
+
+func (x *CheckpointSummary) GetSizeBytes() int64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *CheckpointSummary) GetDepth() int32 {
+	if x != nil {
+		return x.Depth
+	}
+	return 0
+}
+
+func (x *CheckpointSummary) GetProcesses() int32 {
+	if x != nil {
+		return x.Processes
+	}
+	return 0
+}
+
+func (x *CheckpointSummary) GetPinned() bool {
+	if x != nil {
+		return x.Pinned
+	}
+	return false
+}
+
+func (x *CheckpointSummary) GetLiveDescendants() int32 {
+	if x != nil {
+		return x.LiveDescendants
+	}
+	return 0
+}
+
+func (x *CheckpointSummary) GetLastUsedTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastUsedTime
+	}
+	return nil
+}
+
+func (x *CheckpointSummary) GetExpireTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpireTime
+	}
+	return nil
+}
+
 var File_deltagym_v1_env_service_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_env_service_proto_rawDesc = "" +
@@ -2309,12 +2603,42 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x03run\x18\x02 \x01(\tR\x03run\x12\x19\n" +
 	"\bgroup_id\x18\x03 \x01(\tR\agroupId\"K\n" +
 	"\x15ListSandboxesResponse\x122\n" +
-	"\tsandboxes\x18\x01 \x03(\v2\x14.deltagym.v1.SandboxR\tsandboxes*\x86\x01\n" +
+	"\tsandboxes\x18\x01 \x03(\v2\x14.deltagym.v1.SandboxR\tsandboxes\"v\n" +
+	"\x16ListCheckpointsRequest\x12\x10\n" +
+	"\x03env\x18\x01 \x01(\tR\x03env\x12\x10\n" +
+	"\x03run\x18\x02 \x01(\tR\x03run\x12\x19\n" +
+	"\bgroup_id\x18\x03 \x01(\tR\agroupId\x12\x1d\n" +
+	"\n" +
+	"episode_id\x18\x04 \x01(\tR\tepisodeId\"[\n" +
+	"\x17ListCheckpointsResponse\x12@\n" +
+	"\vcheckpoints\x18\x01 \x03(\v2\x1e.deltagym.v1.CheckpointSummaryR\vcheckpoints\"\xa4\x04\n" +
+	"\x11CheckpointSummary\x12#\n" +
+	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
+	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12\x10\n" +
+	"\x03env\x18\x03 \x01(\tR\x03env\x12\x1d\n" +
+	"\n" +
+	"episode_id\x18\x04 \x01(\tR\tepisodeId\x12\x10\n" +
+	"\x03run\x18\x05 \x01(\tR\x03run\x12\x19\n" +
+	"\bgroup_id\x18\x06 \x01(\tR\agroupId\x12\x1d\n" +
+	"\n" +
+	"step_index\x18\a \x01(\x05R\tstepIndex\x12;\n" +
+	"\vcreate_time\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"createTime\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\t \x01(\x03R\tsizeBytes\x12\x14\n" +
+	"\x05depth\x18\n" +
+	" \x01(\x05R\x05depth\x12\x1c\n" +
+	"\tprocesses\x18\v \x01(\x05R\tprocesses\x12\x16\n" +
+	"\x06pinned\x18\f \x01(\bR\x06pinned\x12)\n" +
+	"\x10live_descendants\x18\r \x01(\x05R\x0fliveDescendants\x12@\n" +
+	"\x0elast_used_time\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\flastUsedTime\x12;\n" +
+	"\vexpire_time\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"expireTime*\x86\x01\n" +
 	"\vImageFormat\x12\x1c\n" +
 	"\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17IMAGE_FORMAT_OCI_LAYOUT\x10\x01\x12\x1f\n" +
 	"\x1bIMAGE_FORMAT_DOCKER_ARCHIVE\x10\x02\x12\x1b\n" +
-	"\x17IMAGE_FORMAT_ROOTFS_DIR\x10\x032\xfb\b\n" +
+	"\x17IMAGE_FORMAT_ROOTFS_DIR\x10\x032\xd9\t\n" +
 	"\n" +
 	"EnvService\x12G\n" +
 	"\bListEnvs\x12\x1c.deltagym.v1.ListEnvsRequest\x1a\x1d.deltagym.v1.ListEnvsResponse\x12P\n" +
@@ -2334,7 +2658,8 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\tHeartbeat\x12\x1d.deltagym.v1.HeartbeatRequest\x1a\x1e.deltagym.v1.HeartbeatResponse\x12M\n" +
 	"\n" +
 	"GetSandbox\x12\x1e.deltagym.v1.GetSandboxRequest\x1a\x1f.deltagym.v1.GetSandboxResponse\x12V\n" +
-	"\rListSandboxes\x12!.deltagym.v1.ListSandboxesRequest\x1a\".deltagym.v1.ListSandboxesResponseB\xb3\x01\n" +
+	"\rListSandboxes\x12!.deltagym.v1.ListSandboxesRequest\x1a\".deltagym.v1.ListSandboxesResponse\x12\\\n" +
+	"\x0fListCheckpoints\x12#.deltagym.v1.ListCheckpointsRequest\x1a$.deltagym.v1.ListCheckpointsResponseB\xb3\x01\n" +
 	"\x0fcom.deltagym.v1B\x0fEnvServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
@@ -2350,7 +2675,7 @@ func file_deltagym_v1_env_service_proto_rawDescGZIP() []byte {
 }
 
 var file_deltagym_v1_env_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_deltagym_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
+var file_deltagym_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_deltagym_v1_env_service_proto_goTypes = []any{
 	(ImageFormat)(0),                  // 0: deltagym.v1.ImageFormat
 	(*ListEnvsRequest)(nil),           // 1: deltagym.v1.ListEnvsRequest
@@ -2385,77 +2710,86 @@ var file_deltagym_v1_env_service_proto_goTypes = []any{
 	(*GetSandboxResponse)(nil),        // 30: deltagym.v1.GetSandboxResponse
 	(*ListSandboxesRequest)(nil),      // 31: deltagym.v1.ListSandboxesRequest
 	(*ListSandboxesResponse)(nil),     // 32: deltagym.v1.ListSandboxesResponse
-	nil,                               // 33: deltagym.v1.ResetRequest.OptionsEntry
-	nil,                               // 34: deltagym.v1.ResetResponse.InfoEntry
-	nil,                               // 35: deltagym.v1.StepResponse.InfoEntry
-	nil,                               // 36: deltagym.v1.EvaluateResponse.ComponentsEntry
-	(*EnvInfo)(nil),                   // 37: deltagym.v1.EnvInfo
-	(*EnvSpec)(nil),                   // 38: deltagym.v1.EnvSpec
-	(*Observation)(nil),               // 39: deltagym.v1.Observation
-	(*timestamppb.Timestamp)(nil),     // 40: google.protobuf.Timestamp
-	(*Action)(nil),                    // 41: deltagym.v1.Action
-	(ProcessMode)(0),                  // 42: deltagym.v1.ProcessMode
-	(*ProcessCapture)(nil),            // 43: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),                   // 44: deltagym.v1.Sandbox
+	(*ListCheckpointsRequest)(nil),    // 33: deltagym.v1.ListCheckpointsRequest
+	(*ListCheckpointsResponse)(nil),   // 34: deltagym.v1.ListCheckpointsResponse
+	(*CheckpointSummary)(nil),         // 35: deltagym.v1.CheckpointSummary
+	nil,                               // 36: deltagym.v1.ResetRequest.OptionsEntry
+	nil,                               // 37: deltagym.v1.ResetResponse.InfoEntry
+	nil,                               // 38: deltagym.v1.StepResponse.InfoEntry
+	nil,                               // 39: deltagym.v1.EvaluateResponse.ComponentsEntry
+	(*EnvInfo)(nil),                   // 40: deltagym.v1.EnvInfo
+	(*EnvSpec)(nil),                   // 41: deltagym.v1.EnvSpec
+	(*Observation)(nil),               // 42: deltagym.v1.Observation
+	(*timestamppb.Timestamp)(nil),     // 43: google.protobuf.Timestamp
+	(*Action)(nil),                    // 44: deltagym.v1.Action
+	(ProcessMode)(0),                  // 45: deltagym.v1.ProcessMode
+	(*ProcessCapture)(nil),            // 46: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),                   // 47: deltagym.v1.Sandbox
 }
 var file_deltagym_v1_env_service_proto_depIdxs = []int32{
-	37, // 0: deltagym.v1.ListEnvsResponse.envs:type_name -> deltagym.v1.EnvInfo
-	38, // 1: deltagym.v1.RegisterEnvRequest.spec:type_name -> deltagym.v1.EnvSpec
-	37, // 2: deltagym.v1.RegisterEnvResponse.env:type_name -> deltagym.v1.EnvInfo
+	40, // 0: deltagym.v1.ListEnvsResponse.envs:type_name -> deltagym.v1.EnvInfo
+	41, // 1: deltagym.v1.RegisterEnvRequest.spec:type_name -> deltagym.v1.EnvSpec
+	40, // 2: deltagym.v1.RegisterEnvResponse.env:type_name -> deltagym.v1.EnvInfo
 	0,  // 3: deltagym.v1.ImportImageRequest.format:type_name -> deltagym.v1.ImageFormat
-	33, // 4: deltagym.v1.ResetRequest.options:type_name -> deltagym.v1.ResetRequest.OptionsEntry
-	39, // 5: deltagym.v1.ResetResponse.observation:type_name -> deltagym.v1.Observation
-	34, // 6: deltagym.v1.ResetResponse.info:type_name -> deltagym.v1.ResetResponse.InfoEntry
-	40, // 7: deltagym.v1.ResetResponse.lease_expire_time:type_name -> google.protobuf.Timestamp
-	41, // 8: deltagym.v1.StepRequest.action:type_name -> deltagym.v1.Action
-	39, // 9: deltagym.v1.StepResponse.observation:type_name -> deltagym.v1.Observation
-	35, // 10: deltagym.v1.StepResponse.info:type_name -> deltagym.v1.StepResponse.InfoEntry
+	36, // 4: deltagym.v1.ResetRequest.options:type_name -> deltagym.v1.ResetRequest.OptionsEntry
+	42, // 5: deltagym.v1.ResetResponse.observation:type_name -> deltagym.v1.Observation
+	37, // 6: deltagym.v1.ResetResponse.info:type_name -> deltagym.v1.ResetResponse.InfoEntry
+	43, // 7: deltagym.v1.ResetResponse.lease_expire_time:type_name -> google.protobuf.Timestamp
+	44, // 8: deltagym.v1.StepRequest.action:type_name -> deltagym.v1.Action
+	42, // 9: deltagym.v1.StepResponse.observation:type_name -> deltagym.v1.Observation
+	38, // 10: deltagym.v1.StepResponse.info:type_name -> deltagym.v1.StepResponse.InfoEntry
 	9,  // 11: deltagym.v1.StepStreamRequest.step:type_name -> deltagym.v1.StepRequest
 	10, // 12: deltagym.v1.StepStreamResponse.step:type_name -> deltagym.v1.StepResponse
 	13, // 13: deltagym.v1.StepStreamResponse.error:type_name -> deltagym.v1.ErrorStatus
-	42, // 14: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
-	43, // 15: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	43, // 16: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	36, // 17: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
+	45, // 14: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
+	46, // 15: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	46, // 16: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	39, // 17: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
 	28, // 18: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
-	40, // 19: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
-	44, // 20: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
-	44, // 21: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
-	1,  // 22: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
-	3,  // 23: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
-	5,  // 24: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
-	7,  // 25: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
-	9,  // 26: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
-	11, // 27: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
-	14, // 28: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
-	16, // 29: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
-	18, // 30: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
-	20, // 31: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
-	22, // 32: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
-	24, // 33: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
-	26, // 34: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
-	29, // 35: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
-	31, // 36: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
-	2,  // 37: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
-	4,  // 38: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
-	6,  // 39: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
-	8,  // 40: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
-	10, // 41: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
-	12, // 42: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
-	15, // 43: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
-	17, // 44: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
-	19, // 45: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
-	21, // 46: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
-	23, // 47: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
-	25, // 48: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
-	27, // 49: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
-	30, // 50: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
-	32, // 51: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
-	37, // [37:52] is the sub-list for method output_type
-	22, // [22:37] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	43, // 19: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
+	47, // 20: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
+	47, // 21: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
+	35, // 22: deltagym.v1.ListCheckpointsResponse.checkpoints:type_name -> deltagym.v1.CheckpointSummary
+	43, // 23: deltagym.v1.CheckpointSummary.create_time:type_name -> google.protobuf.Timestamp
+	43, // 24: deltagym.v1.CheckpointSummary.last_used_time:type_name -> google.protobuf.Timestamp
+	43, // 25: deltagym.v1.CheckpointSummary.expire_time:type_name -> google.protobuf.Timestamp
+	1,  // 26: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
+	3,  // 27: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
+	5,  // 28: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
+	7,  // 29: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
+	9,  // 30: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
+	11, // 31: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
+	14, // 32: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
+	16, // 33: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
+	18, // 34: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
+	20, // 35: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
+	22, // 36: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
+	24, // 37: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
+	26, // 38: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
+	29, // 39: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
+	31, // 40: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
+	33, // 41: deltagym.v1.EnvService.ListCheckpoints:input_type -> deltagym.v1.ListCheckpointsRequest
+	2,  // 42: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
+	4,  // 43: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
+	6,  // 44: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
+	8,  // 45: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
+	10, // 46: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
+	12, // 47: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
+	15, // 48: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
+	17, // 49: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
+	19, // 50: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
+	21, // 51: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
+	23, // 52: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
+	25, // 53: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
+	27, // 54: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
+	30, // 55: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
+	32, // 56: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
+	34, // 57: deltagym.v1.EnvService.ListCheckpoints:output_type -> deltagym.v1.ListCheckpointsResponse
+	42, // [42:58] is the sub-list for method output_type
+	26, // [26:42] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_service_proto_init() }
@@ -2480,7 +2814,7 @@ func file_deltagym_v1_env_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_service_proto_rawDesc), len(file_deltagym_v1_env_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   36,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -34,6 +34,7 @@ const (
 	EnvService_Heartbeat_FullMethodName         = "/deltagym.v1.EnvService/Heartbeat"
 	EnvService_GetSandbox_FullMethodName        = "/deltagym.v1.EnvService/GetSandbox"
 	EnvService_ListSandboxes_FullMethodName     = "/deltagym.v1.EnvService/ListSandboxes"
+	EnvService_ListCheckpoints_FullMethodName   = "/deltagym.v1.EnvService/ListCheckpoints"
 )
 
 // EnvServiceClient is the client API for EnvService service.
@@ -92,6 +93,10 @@ type EnvServiceClient interface {
 	GetSandbox(ctx context.Context, in *GetSandboxRequest, opts ...grpc.CallOption) (*GetSandboxResponse, error)
 	// ListSandboxes lists the sandboxes leased to clients.
 	ListSandboxes(ctx context.Context, in *ListSandboxesRequest, opts ...grpc.CallOption) (*ListSandboxesResponse, error)
+	// ListCheckpoints lists the checkpoints the server holds, with where each
+	// was taken and what keeps it from expiring: what to release when the
+	// checkpoint cap refuses a Checkpoint.
+	ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error)
 }
 
 type envServiceClient struct {
@@ -255,6 +260,16 @@ func (c *envServiceClient) ListSandboxes(ctx context.Context, in *ListSandboxesR
 	return out, nil
 }
 
+func (c *envServiceClient) ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListCheckpointsResponse)
+	err := c.cc.Invoke(ctx, EnvService_ListCheckpoints_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EnvServiceServer is the server API for EnvService service.
 // All implementations must embed UnimplementedEnvServiceServer
 // for forward compatibility.
@@ -311,6 +326,10 @@ type EnvServiceServer interface {
 	GetSandbox(context.Context, *GetSandboxRequest) (*GetSandboxResponse, error)
 	// ListSandboxes lists the sandboxes leased to clients.
 	ListSandboxes(context.Context, *ListSandboxesRequest) (*ListSandboxesResponse, error)
+	// ListCheckpoints lists the checkpoints the server holds, with where each
+	// was taken and what keeps it from expiring: what to release when the
+	// checkpoint cap refuses a Checkpoint.
+	ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error)
 	mustEmbedUnimplementedEnvServiceServer()
 }
 
@@ -365,6 +384,9 @@ func (UnimplementedEnvServiceServer) GetSandbox(context.Context, *GetSandboxRequ
 }
 func (UnimplementedEnvServiceServer) ListSandboxes(context.Context, *ListSandboxesRequest) (*ListSandboxesResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListSandboxes not implemented")
+}
+func (UnimplementedEnvServiceServer) ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListCheckpoints not implemented")
 }
 func (UnimplementedEnvServiceServer) mustEmbedUnimplementedEnvServiceServer() {}
 func (UnimplementedEnvServiceServer) testEmbeddedByValue()                    {}
@@ -646,6 +668,24 @@ func _EnvService_ListSandboxes_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _EnvService_ListCheckpoints_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListCheckpointsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EnvServiceServer).ListCheckpoints(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: EnvService_ListCheckpoints_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EnvServiceServer).ListCheckpoints(ctx, req.(*ListCheckpointsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // EnvService_ServiceDesc is the grpc.ServiceDesc for EnvService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -708,6 +748,10 @@ var EnvService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListSandboxes",
 			Handler:    _EnvService_ListSandboxes_Handler,
+		},
+		{
+			MethodName: "ListCheckpoints",
+			Handler:    _EnvService_ListCheckpoints_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -65,6 +65,9 @@ const (
 	// EnvServiceListSandboxesProcedure is the fully-qualified name of the EnvService's ListSandboxes
 	// RPC.
 	EnvServiceListSandboxesProcedure = "/deltagym.v1.EnvService/ListSandboxes"
+	// EnvServiceListCheckpointsProcedure is the fully-qualified name of the EnvService's
+	// ListCheckpoints RPC.
+	EnvServiceListCheckpointsProcedure = "/deltagym.v1.EnvService/ListCheckpoints"
 )
 
 // EnvServiceClient is a client for the deltagym.v1.EnvService service.
@@ -114,6 +117,10 @@ type EnvServiceClient interface {
 	GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.GetSandboxResponse], error)
 	// ListSandboxes lists the sandboxes leased to clients.
 	ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
+	// ListCheckpoints lists the checkpoints the server holds, with where each
+	// was taken and what keeps it from expiring: what to release when the
+	// checkpoint cap refuses a Checkpoint.
+	ListCheckpoints(context.Context, *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error)
 }
 
 // NewEnvServiceClient constructs a client for the deltagym.v1.EnvService service. By default, it
@@ -217,6 +224,12 @@ func NewEnvServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithSchema(envServiceMethods.ByName("ListSandboxes")),
 			connect.WithClientOptions(opts...),
 		),
+		listCheckpoints: connect.NewClient[v1.ListCheckpointsRequest, v1.ListCheckpointsResponse](
+			httpClient,
+			baseURL+EnvServiceListCheckpointsProcedure,
+			connect.WithSchema(envServiceMethods.ByName("ListCheckpoints")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -237,6 +250,7 @@ type envServiceClient struct {
 	heartbeat         *connect.Client[v1.HeartbeatRequest, v1.HeartbeatResponse]
 	getSandbox        *connect.Client[v1.GetSandboxRequest, v1.GetSandboxResponse]
 	listSandboxes     *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
+	listCheckpoints   *connect.Client[v1.ListCheckpointsRequest, v1.ListCheckpointsResponse]
 }
 
 // ListEnvs calls deltagym.v1.EnvService.ListEnvs.
@@ -314,6 +328,11 @@ func (c *envServiceClient) ListSandboxes(ctx context.Context, req *connect.Reque
 	return c.listSandboxes.CallUnary(ctx, req)
 }
 
+// ListCheckpoints calls deltagym.v1.EnvService.ListCheckpoints.
+func (c *envServiceClient) ListCheckpoints(ctx context.Context, req *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error) {
+	return c.listCheckpoints.CallUnary(ctx, req)
+}
+
 // EnvServiceHandler is an implementation of the deltagym.v1.EnvService service.
 type EnvServiceHandler interface {
 	// ListEnvs returns the catalog with the state of each env's warm pool.
@@ -361,6 +380,10 @@ type EnvServiceHandler interface {
 	GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.GetSandboxResponse], error)
 	// ListSandboxes lists the sandboxes leased to clients.
 	ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
+	// ListCheckpoints lists the checkpoints the server holds, with where each
+	// was taken and what keeps it from expiring: what to release when the
+	// checkpoint cap refuses a Checkpoint.
+	ListCheckpoints(context.Context, *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error)
 }
 
 // NewEnvServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -460,6 +483,12 @@ func NewEnvServiceHandler(svc EnvServiceHandler, opts ...connect.HandlerOption) 
 		connect.WithSchema(envServiceMethods.ByName("ListSandboxes")),
 		connect.WithHandlerOptions(opts...),
 	)
+	envServiceListCheckpointsHandler := connect.NewUnaryHandler(
+		EnvServiceListCheckpointsProcedure,
+		svc.ListCheckpoints,
+		connect.WithSchema(envServiceMethods.ByName("ListCheckpoints")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/deltagym.v1.EnvService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case EnvServiceListEnvsProcedure:
@@ -492,6 +521,8 @@ func NewEnvServiceHandler(svc EnvServiceHandler, opts ...connect.HandlerOption) 
 			envServiceGetSandboxHandler.ServeHTTP(w, r)
 		case EnvServiceListSandboxesProcedure:
 			envServiceListSandboxesHandler.ServeHTTP(w, r)
+		case EnvServiceListCheckpointsProcedure:
+			envServiceListCheckpointsHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -559,4 +590,8 @@ func (UnimplementedEnvServiceHandler) GetSandbox(context.Context, *connect.Reque
 
 func (UnimplementedEnvServiceHandler) ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.EnvService.ListSandboxes is not implemented"))
+}
+
+func (UnimplementedEnvServiceHandler) ListCheckpoints(context.Context, *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.EnvService.ListCheckpoints is not implemented"))
 }

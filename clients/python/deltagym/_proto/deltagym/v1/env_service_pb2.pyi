@@ -350,3 +350,55 @@ class ListSandboxesResponse(_message.Message):
     SANDBOXES_FIELD_NUMBER: _ClassVar[int]
     sandboxes: _containers.RepeatedCompositeFieldContainer[_env_pb2.Sandbox]
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[_env_pb2.Sandbox, _Mapping]]] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("env", "run", "group_id", "episode_id")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    run: str
+    group_id: str
+    episode_id: str
+    def __init__(self, env: _Optional[str] = ..., run: _Optional[str] = ..., group_id: _Optional[str] = ..., episode_id: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointSummary]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointSummary, _Mapping]]] = ...) -> None: ...
+
+class CheckpointSummary(_message.Message):
+    __slots__ = ("checkpoint_id", "parent_id", "env", "episode_id", "run", "group_id", "step_index", "create_time", "size_bytes", "depth", "processes", "pinned", "live_descendants", "last_used_time", "expire_time")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_DESCENDANTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    parent_id: str
+    env: str
+    episode_id: str
+    run: str
+    group_id: str
+    step_index: int
+    create_time: _timestamp_pb2.Timestamp
+    size_bytes: int
+    depth: int
+    processes: int
+    pinned: bool
+    live_descendants: int
+    last_used_time: _timestamp_pb2.Timestamp
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., env: _Optional[str] = ..., episode_id: _Optional[str] = ..., run: _Optional[str] = ..., group_id: _Optional[str] = ..., step_index: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., depth: _Optional[int] = ..., processes: _Optional[int] = ..., pinned: _Optional[bool] = ..., live_descendants: _Optional[int] = ..., last_used_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -115,6 +115,11 @@ class EnvServiceStub:
                 request_serializer=deltagym_dot_v1_dot_env__service__pb2.ListSandboxesRequest.SerializeToString,
                 response_deserializer=deltagym_dot_v1_dot_env__service__pb2.ListSandboxesResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/deltagym.v1.EnvService/ListCheckpoints',
+                request_serializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -246,6 +251,15 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """ListCheckpoints lists the checkpoints the server holds, with where each
+        was taken and what keeps it from expiring: what to release when the
+        checkpoint cap refuses a Checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +337,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.ListSandboxes,
                     request_deserializer=deltagym_dot_v1_dot_env__service__pb2.ListSandboxesRequest.FromString,
                     response_serializer=deltagym_dot_v1_dot_env__service__pb2.ListSandboxesResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -736,6 +755,33 @@ class EnvService:
             '/deltagym.v1.EnvService/ListSandboxes',
             deltagym_dot_v1_dot_env__service__pb2.ListSandboxesRequest.SerializeToString,
             deltagym_dot_v1_dot_env__service__pb2.ListSandboxesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltagym.v1.EnvService/ListCheckpoints',
+            deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsRequest.SerializeToString,
+            deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,
