@@ -335,6 +335,11 @@ func (w *Writer) SandboxesEnded(ids []string, at time.Time) error {
 // them inline and uncompressed (migration 0006). The server's own are under 40.
 const MaxIDLen = 1024
 
+// MaxActionBytes bounds a step's action JSON. The episode core cuts an action's bulk
+// (episode.ActionBytesCap); what remains — argv, environment, a path — is far smaller. A step's
+// row is one value of a COPY, and a frame of the spool at most maxPayload.
+const MaxActionBytes = 8 << 20
+
 // Step records one step. It caps the observation at Config.ObservationCap and fills in its
 // full size and SHA-256 unless ObservationSHA256 is already set (then 32 bytes). Ids over
 // MaxIDLen are refused (ErrInvalid). An empty action is stored as JSON null; one that is not
@@ -352,6 +357,10 @@ func (w *Writer) Step(r StepRow) error {
 	if r.ObservationSHA256 != nil && len(r.ObservationSHA256) != sha256.Size {
 		return fmt.Errorf("episode %s step %d: observation SHA-256 of %d bytes, want %d: %w",
 			r.EpisodeID, r.Index, len(r.ObservationSHA256), sha256.Size, ErrInvalid)
+	}
+	if len(r.Action) > MaxActionBytes {
+		return fmt.Errorf("episode %s step %d: action of %d bytes is over the ledger's %d (cut its bulk: episode.ActionBytesCap): %w",
+			r.EpisodeID, r.Index, len(r.Action), MaxActionBytes, ErrInvalid)
 	}
 	if len(r.Action) == 0 {
 		r.Action = json.RawMessage("null")
@@ -411,6 +420,9 @@ func (w *Writer) Reward(r RewardRow) error {
 
 func (w *Writer) append(r record) error {
 	size := r.size()
+	if size > maxPayload/2 { // a frame recovery would call corrupt must never be acknowledged
+		return fmt.Errorf("a row of about %d bytes is over the spool's frame cap of %d: %w", size, maxPayload, ErrInvalid)
+	}
 	w.mu.Lock()
 	for w.pending >= w.cfg.MaxPending && !w.closed {
 		w.drained.Wait() // the disk is behind: see Config.MaxPending

@@ -88,6 +88,9 @@ func TestInvalidRows(t *testing.T) {
 		err  error
 	}{
 		{"action not JSON", b.w.Step(ledger.StepRow{EpisodeID: "e", Action: json.RawMessage("{")})},
+		// An action past the cap would make a frame the spool's recovery calls corrupt.
+		{"action over the cap", b.w.Step(ledger.StepRow{EpisodeID: "e", ActionValid: true,
+			Action: json.RawMessage(`"` + strings.Repeat("a", ledger.MaxActionBytes) + `"`)})},
 		{"step without episode", b.w.Step(ledger.StepRow{})},
 		{"end status running", b.w.EpisodeEnded(ledger.EpisodeEnd{ID: "e", Status: ledger.StatusRunning})},
 		{"end status unknown", b.w.EpisodeEnded(ledger.EpisodeEnd{ID: "e", Status: "exploded"})},
@@ -476,3 +479,4 @@ func TestCloseRightAfterLastDelivery(t *testing.T) {
 		t.Fatalf("Close waited for the deliveries %d times in 20, too few to test the race", held)
 	}
 }
+
