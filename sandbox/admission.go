@@ -379,6 +379,11 @@ func (r *Runtime) admitCheckpoint(need int64) error {
 	return nil
 }
 
+// CheckCheckpointAdmission returns the refusal (ErrCap) a checkpoint would get now by the count
+// and mount caps, and by the bytes cap for what is held already: for a caller that does
+// something before it checkpoints (a step with a checkpoint after it).
+func (r *Runtime) CheckCheckpointAdmission() error { return r.admitCheckpoint(0) }
+
 // Caps returns the caps in force (0: none).
 func (r *Runtime) Caps() Caps { return r.adm.caps }
 

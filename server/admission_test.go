@@ -161,3 +161,43 @@ func TestAdmissionFlags(t *testing.T) {
 		}
 	}
 }
+
+// A Step asking for a checkpoint when the checkpoint cap is full is refused before its action
+// runs: resource_exhausted naming the cap, no step counted, nothing recorded, the episode going
+// on.
+func TestStepCheckpointAtCap(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.Admission.Checkpoints = 40 })
+	c := b.clients()[0].c
+	rr, err := c.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	sb, ep := rr.GetSandboxId(), rr.GetEpisodeId()
+	defer c.Close(t.Context(), &deltagymv1.CloseRequest{SandboxId: sb})
+	for n := 0; ; n++ {
+		_, err := c.Checkpoint(t.Context(), &deltagymv1.CheckpointRequest{SandboxId: sb})
+		if codeOf(err) == connect.CodeResourceExhausted {
+			break
+		}
+		must(t, err)
+		if n > 40 {
+			t.Fatal("40 checkpoints, none refused by a cap of 40")
+		}
+	}
+	before, _ := nextStep(t, c, sb)
+	_, err = c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb, Action: execAction("touch /tmp/ran"), Checkpoint: true})
+	if codeOf(err) != connect.CodeResourceExhausted || !strings.Contains(err.Error(), `"checkpoints"`) {
+		t.Fatalf("a step with a checkpoint at the cap: %v (%v), want resource_exhausted naming the cap", err, codeOf(err))
+	}
+	after, going := nextStep(t, c, sb)
+	if after != before || !going {
+		t.Fatalf("after the refused step: next step %d (was %d), episode going on %v", after, before, going)
+	}
+	st, err := c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb, Action: execAction("test -e /tmp/ran && echo ran || echo not")})
+	must(t, err)
+	if out := stdout(t, st); out != "not\n" {
+		t.Fatalf("the refused step's action ran: %q", out)
+	}
+	recorded, _ := stepsRecorded(t, c, ep)
+	if len(recorded) != int(after)+1 {
+		t.Fatalf("the ledger holds %d steps, want %d", len(recorded), after+1)
+	}
+}

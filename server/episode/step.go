@@ -2,11 +2,13 @@ package episode
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/envpool"
+	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger"
 )
@@ -82,6 +84,12 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	if cur.ended {
 		return StepResult{}, fmt.Errorf("sandbox %s: episode %s is %s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, ErrEpisodeEnded)
 	}
+	if req.Checkpoint {
+		// Refused before the action runs: nothing changes, no step is counted.
+		if err := c.rt.CheckCheckpointAdmission(); err != nil {
+			return StepResult{}, fmt.Errorf("checkpointing after the step: %w", err)
+		}
+	}
 	env := b.lease.Env()
 	start := time.Now()
 	index := cur.base + cur.own
@@ -115,7 +123,11 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	}
 	if req.Checkpoint {
 		id, err := c.checkpointAfter(ctx, b)
-		if err != nil {
+		switch {
+		case errors.Is(err, errdefs.ErrResourceExhausted):
+			// A cap filled since the check above: the step stands, recorded, without its checkpoint.
+			res.Info["checkpoint_refused"] = err.Error()
+		case err != nil:
 			return StepResult{}, c.stepFailed(ctx, b, fmt.Errorf("checkpointing after the step: %w", err))
 		}
 		res.CheckpointID = id

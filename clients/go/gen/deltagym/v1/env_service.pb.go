@@ -606,7 +606,10 @@ type StepRequest struct {
 	// action is what to do.
 	Action *Action `protobuf:"bytes,2,opt,name=action,proto3" json:"action,omitempty"`
 	// checkpoint asks for a checkpoint of the state after the step, returned
-	// in StepResponse.checkpoint_id.
+	// in StepResponse.checkpoint_id. A step the checkpoint caps would refuse
+	// is refused (resource_exhausted) before its action runs; if a cap fills
+	// while the action runs, the step stands without a checkpoint, its info
+	// saying why under checkpoint_refused.
 	Checkpoint bool `protobuf:"varint,3,opt,name=checkpoint,proto3" json:"checkpoint,omitempty"`
 	// restore_checkpoint_id, when set, first restores the sandbox to that
 	// checkpoint exactly as Restore does (the episode so far ends as branched
