@@ -275,6 +275,38 @@ func TestTemplateSessionRestores(t *testing.T) {
 	}
 }
 
+// A session's shell that a checkpoint's template copies shares its pipes with the template, so
+// its streams do not end when it does: a command that stops the shell comes back at its timeout
+// (killed), one that exits the shell comes back at once with its status, and the checkpoint
+// still restores the session.
+func TestTemplateSessionShellEnds(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	inSession(t, s, "export FOO=kept")
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	if len(ck.Processes) != 1 || ck.Processes[0].Method != sandbox.CaptureTemplate {
+		t.Fatalf("captured %+v, want the session's shell as a template", ck.Processes)
+	}
+	// A watchdog beyond the timeout and the second the shell is given after it.
+	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	res, err := s.Exec(wctx, sandbox.ExecRequest{Session: "main", Command: "kill -STOP $BASHPID", Timeout: 2 * time.Second})
+	if err != nil || !res.TimedOut || res.Signal != "SIGKILL" {
+		t.Fatalf("a command that stops its session's shell: %+v, %v; want it timed out and killed", res, err)
+	}
+	must(t, s.Restore(ctx, ck.ID))
+	res, err = s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "echo bye; exit 3", Timeout: 30 * time.Second})
+	if err != nil || res.TimedOut || res.ExitCode != 3 || string(res.Stdout) != "bye\n" {
+		t.Fatalf("a command that exits its session's shell: %+v, %v; want exit 3 with its output", res, err)
+	}
+	must(t, s.Restore(ctx, ck.ID))
+	if got := inSession(t, s, "echo $FOO"); got != "kept\n" {
+		t.Fatalf("the session after a restore: %q", got)
+	}
+}
+
 // serverPy is a single-threaded HTTP service with in-memory state that also
 // appends every hit to a database file it keeps open.
 const serverPy = `

@@ -254,12 +254,19 @@ func (se *session) await(ctx, gen context.Context, timeout time.Duration, res *E
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	gotOut, gotErr := false, false
+	exited := se.exited
 	for !gotOut || !gotErr {
 		select {
 		case o = <-outc:
 			gotOut = true
 		case e = <-errc:
 			gotErr = true
+		case <-exited:
+			// The shell is gone (the command ran exit, or the timeout killed it): its streams
+			// end only when every copy of their write ends is closed, and a checkpoint's
+			// template of the shell holds copies. Read what is buffered, then stop.
+			exited = nil
+			se.stopReading(exitDrain)
 		case <-timer.C:
 			if !res.TimedOut {
 				// End what the shell runs and spare the shell, which then
@@ -392,6 +399,20 @@ func (se *session) isBroken() bool {
 func (se *session) close() {
 	_ = se.cg.Delete()
 	se.closePipes()
+}
+
+// exitDrain is how long a session's streams are still read after its shell exited: what the
+// shell wrote is in the pipes already.
+const exitDrain = 100 * time.Millisecond
+
+// stopReading ends the reads of the shell's output after d: at once for streams that take no
+// deadline.
+func (se *session) stopReading(d time.Duration) {
+	for _, f := range []*os.File{se.outF, se.errF} {
+		if f.SetReadDeadline(time.Now().Add(d)) != nil {
+			f.Close()
+		}
+	}
 }
 
 // closePipes closes the server's ends of the shell's stdio.
