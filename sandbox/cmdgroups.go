@@ -477,7 +477,10 @@ func waitKilledGroups(killed []*cgroup.Cgroup, timeout time.Duration) bool {
 //     template holds, can still take connections without it (a listener
 //     in an SO_REUSEPORT group with the copies', say, resets them at the
 //     close) and keeps its port or name from the copies.
-//   - The dying count in the sandbox's memory and pids limits until gone.
+//   - The dying count in the sandbox's pids limit until gone, and in its
+//     memory limit until their address spaces are freed: by their exit,
+//     or later, by a host process that held one (a reader of its
+//     /proc/<pid>/stat) and let go of it last.
 //
 // So it returns at once when they are gone (waiting up to killedGrace for
 // that: the common case); if they freed killedFreeing meanwhile (their exit
