@@ -860,11 +860,12 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 						t.Errorf("round %d: the sandbox's processes hold %d MB after the next command, more than the killed process held", round, rss>>20)
 					}
 					// Its memory is uncharged as its address space goes,
-					// which the process need not outlive: a reader of its
-					// /proc/<pid>/stat (ps, another test's scan of /proc)
-					// holds the address space during its read, and the
-					// last to let go frees it, after the process has left
-					// its cgroup. So it is waited for (the deadline is a
+					// which the process need not outlive: the next command
+					// waits for the huge-page worker to let go of it, but
+					// a host process reading its /proc (ps, another test's
+					// scan of /proc) holds it during the read too, and
+					// frees it after the process has left its cgroup. So
+					// the uncharge is waited for (the deadline is a
 					// watchdog).
 					waitMemoryAtMost(t, mem, c.grow<<20)
 				}
