@@ -428,8 +428,39 @@ func (s *Sandbox) waitKilledLocked() {
 		return
 	}
 	if waitKilledGroups(s.cmds.killed, 2*time.Second) {
+		s.foldReleased(2 * time.Second)
 		s.cmds.killed = nil
 		s.cmds.killPending.Store(false)
+	}
+}
+
+// forgetKilled forgets the killed groups, found empty, unless the huge-page
+// worker is folding a process of the sandbox: the next command then waits
+// for it to let go (beginExec, foldReleased), the restore does not.
+// +checklocks:s.cmds.mu
+func (s *Sandbox) forgetKilled() {
+	if s.rt.folds.Folding(s.id) != nil {
+		return
+	}
+	s.cmds.killed = nil
+	s.cmds.killPending.Store(false)
+}
+
+// foldReleased waits, for up to timeout, until the huge-page worker has let
+// go of the process of the sandbox it is folding, if any: a killed process
+// whose address space it holds has left its cgroup, but its memory counts in
+// the sandbox's until the worker frees it (procstate.Folder.Folding). Called
+// once the killed groups are empty.
+func (s *Sandbox) foldReleased(timeout time.Duration) {
+	done := s.rt.folds.Folding(s.id)
+	if done == nil {
+		return
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
 	}
 }
 
@@ -477,7 +508,10 @@ func waitKilledGroups(killed []*cgroup.Cgroup, timeout time.Duration) bool {
 //     template holds, can still take connections without it (a listener
 //     in an SO_REUSEPORT group with the copies', say, resets them at the
 //     close) and keeps its port or name from the copies.
-//   - The dying count in the sandbox's memory and pids limits until gone.
+//   - The dying count in the sandbox's pids limit until gone, and in its
+//     memory limit until their address spaces are freed: by their exit,
+//     or later, by whatever held one and let go of it last (the huge-page
+//     worker, which the next command waits for; a reader of its /proc).
 //
 // So it returns at once when they are gone (waiting up to killedGrace for
 // that: the common case); if they freed killedFreeing meanwhile (their exit
@@ -503,8 +537,7 @@ func (s *Sandbox) settleKilled(tpls []procstate.Template) {
 		grace = g
 	}
 	if waitKilledGroups(s.cmds.killed, grace) {
-		s.cmds.killed = nil
-		s.cmds.killPending.Store(false)
+		s.forgetKilled()
 		s.settled("gone")
 		return
 	}
@@ -523,8 +556,7 @@ func (s *Sandbox) settleKilled(tpls []procstate.Template) {
 		gone, tids := s.killedState()
 		switch {
 		case gone:
-			s.cmds.killed = nil
-			s.cmds.killPending.Store(false)
+			s.forgetKilled()
 			s.settled("gone")
 			return
 		// The room is judged once, while the killed still hold most of
@@ -714,8 +746,7 @@ func (s *Sandbox) killedQuiet(deadline time.Time) bool {
 	for pause := 20 * time.Microsecond; s.cmds.killPending.Load(); pause = min(2*pause, 200*time.Microsecond) {
 		gone, tids := s.killedState()
 		if gone {
-			s.cmds.killed = nil
-			s.cmds.killPending.Store(false)
+			s.forgetKilled()
 			s.settled("gone")
 			return true
 		}

@@ -149,7 +149,8 @@ func (s *Sandbox) cwd(c string) string {
 // beginExec takes the shared lock, which the caller releases whatever it
 // returns, and returns the abort context of the current generation.
 // Processes that a restore killed are gone first: a command never sees one
-// (in /proc, or holding a port), though the restore itself did not wait for
+// (in /proc, or holding a port), nor memory of theirs that the huge-page
+// worker held (foldReleased), though the restore itself did not wait for
 // them to exit.
 // +checklocksacquireread:s.op
 func (s *Sandbox) beginExec() (context.Context, error) {
@@ -158,6 +159,7 @@ func (s *Sandbox) beginExec() (context.Context, error) {
 		if !waitKilledGroups(s.killedGroups(), 2*time.Second) {
 			s.cmds.stragglers.Store(true) // no longer waited for (keepRoot)
 		}
+		s.foldReleased(2 * time.Second)
 		s.cmds.killPending.Store(false)
 	}
 	s.mu.Lock()

@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -84,6 +85,7 @@ const (
 type hugeJob struct {
 	pidfd int
 	pid   int
+	sb    string // the sandbox's id
 	// room returns how many more bytes the process may take.
 	room func() int64
 	log  string // what it is, for the log
@@ -169,6 +171,17 @@ type Folder struct {
 	queue chan hugeJob
 	busy  atomic.Int64 // queued or being folded
 	log   *slog.Logger
+
+	mu sync.Mutex
+	// running is the job being folded, nil between jobs.
+	// +checklocks:mu
+	running *foldRun
+}
+
+// foldRun is a job being folded.
+type foldRun struct {
+	sb   string
+	done chan struct{} // closed once the worker has let go of the process
 }
 
 // NewFolder returns a Folder; Run folds what it is handed.
@@ -188,7 +201,7 @@ func (f *Folder) Queue(pid int, room func() int64, what, sb string) {
 	}
 	f.busy.Add(1)
 	select {
-	case f.queue <- hugeJob{pidfd: fd, pid: pid, room: room, log: sb + ": " + what}:
+	case f.queue <- hugeJob{pidfd: fd, pid: pid, sb: sb, room: room, log: sb + ": " + what}:
 	default:
 		f.busy.Add(-1)
 		unix.Close(fd)
@@ -216,7 +229,15 @@ func (f *Folder) Run(done <-chan struct{}) {
 			}
 		case j := <-f.queue:
 			start := time.Now()
+			run := &foldRun{sb: j.sb, done: make(chan struct{})}
+			f.mu.Lock()
+			f.running = run
+			f.mu.Unlock()
 			n, err := foldMemory(j.pidfd, j.pid, j.room)
+			f.mu.Lock()
+			f.running = nil
+			f.mu.Unlock()
+			close(run.done)
 			unix.Close(j.pidfd)
 			f.busy.Add(-1)
 			if err != nil {
@@ -226,6 +247,23 @@ func (f *Folder) Run(done <-chan struct{}) {
 			f.log.Debug("huge pages: process folded", "process", j.log, "folded_bytes", n, "took", time.Since(start))
 		}
 	}
+}
+
+// Folding returns a channel closed once the worker has let go of the process
+// of sandbox sb it is folding, or nil if it folds none. A process the worker
+// is folding can outlive none of its reads of /proc/<pid>/pagemap and
+// process_madvise calls, but each holds the process's address space: if
+// the process is killed meanwhile, it leaves its cgroup while its memory is
+// still charged, and the worker, as the last holder, frees that memory
+// (at nice 19). Jobs that start once the process has left its cgroup
+// cannot reach its address space any more.
+func (f *Folder) Folding(sb string) <-chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.running == nil || f.running.sb != sb {
+		return nil
+	}
+	return f.running.done
 }
 
 // errHugeGone says the process ended before or while it was folded.
