@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -116,4 +117,19 @@ func (r *Runtime) KillTemplates(ck string) int {
 		}
 	}
 	return n
+}
+
+// HoldRetirement takes every teardown slot, so that sandboxes closed from
+// now on stay retiring until the returned function (idempotent) gives the
+// slots back.
+func (r *Runtime) HoldRetirement() (release func()) {
+	n := cap(r.ret.slots)
+	for range n {
+		r.ret.slots <- struct{}{}
+	}
+	return sync.OnceFunc(func() {
+		for range n {
+			<-r.ret.slots
+		}
+	})
 }
