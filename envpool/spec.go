@@ -228,7 +228,8 @@ func cleanBelowRoot(p string) bool {
 // within reports whether path p is dir or below it.
 func within(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
 
-// validateEgress checks the egress allow-list's entries.
+// validateEgress checks the egress allow-list's entries and that its limits are numbers of
+// their kind (Env.setEgress checks them against the server's).
 func validateEgress(s *deltagymv1.EnvSpec) error {
 	allow := s.GetEgress().GetAllow()
 	if len(allow) > egress.MaxEntries {
@@ -239,8 +240,34 @@ func validateEgress(s *deltagymv1.EnvSpec) error {
 			return badField(fmt.Sprintf("egress.allow[%d]", i), "%v", err)
 		}
 	}
+	l := s.GetEgress().GetLimits()
+	if l == nil {
+		return nil
+	}
+	if len(allow) == 0 {
+		return badField("egress.limits", "limits without an allow-list: the env's sandboxes have no egress to bound")
+	}
+	for _, f := range []struct {
+		name string
+		v    float64
+	}{
+		{"max_connections", float64(l.GetMaxConnections())}, {"connections_per_second", l.GetConnectionsPerSecond()},
+		{"connection_burst", float64(l.GetConnectionBurst())}, {"max_bytes_up", float64(l.GetMaxBytesUp())},
+		{"max_bytes_down", float64(l.GetMaxBytesDown())}, {"bytes_per_second_up", float64(l.GetBytesPerSecondUp())},
+		{"bytes_per_second_down", float64(l.GetBytesPerSecondDown())}, {"idle_timeout_seconds", l.GetIdleTimeoutSeconds()},
+	} {
+		if !finiteNonNegative(f.v) {
+			return badField("egress.limits."+f.name, "%v: a number from 0 (the server's limit) up", f.v)
+		}
+	}
+	if t := l.GetIdleTimeoutSeconds(); t > maxEgressIdleSeconds {
+		return badField("egress.limits.idle_timeout_seconds", "%v: at most %d", t, maxEgressIdleSeconds)
+	}
 	return nil
 }
+
+// maxEgressIdleSeconds bounds an env's egress idle timeout (a day).
+const maxEgressIdleSeconds = 86400
 
 func finiteNonNegative(v float64) bool { return v >= 0 && !math.IsNaN(v) && !math.IsInf(v, 0) }
 

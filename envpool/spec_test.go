@@ -44,6 +44,9 @@ func TestBadSpecsNameFileAndField(t *testing.T) {
 		{"egress without port", `{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:443", "pypi.org"]}}`, "field egress.allow[1]"},
 		{"egress bad port", `{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:0"]}}`, "field egress.allow[0]"},
 		{"egress bad host", `{"name": "a", "image": "x", "egress": {"allow": ["*.org:443"]}}`, "field egress.allow[0]"},
+		{"egress limits alone", `{"name": "a", "image": "x", "egress": {"limits": {"max_connections": 2}}}`, "field egress.limits: limits without an allow-list"},
+		{"egress negative limit", `{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:443"], "limits": {"max_bytes_down": -1}}}`, "field egress.limits.max_bytes_down"},
+		{"egress idle past a day", `{"name": "a", "image": "x", "egress": {"allow": ["pypi.org:443"], "limits": {"idle_timeout_seconds": 86401}}}`, "field egress.limits.idle_timeout_seconds"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -229,6 +229,10 @@ func (r *Runtime) capError(c Cap, limit, used, asked int64, what string) error {
 	if f := r.cfg.CapFlags[c]; f != "" {
 		hint = "; " + f + " raises it"
 	}
+	if n := r.Retiring(); n > 0 && c != CapCheckpoints && c != CapCheckpointBytes {
+		// Closed sandboxes count with what they hold until torn down (retire.go).
+		hint += fmt.Sprintf("; %d closed sandboxes, not yet torn down, count among those in use", n)
+	}
 	return fmt.Errorf("%w: the server's cap %q of %d %s would be exceeded (%d in use, %d asked)%s",
 		ErrCap, c, limit, what, used, asked, hint)
 }

@@ -21,6 +21,7 @@ import (
 type egressServer struct {
 	proxy  *egress.Proxy
 	policy egress.Policy
+	limits egress.Limits
 	closed atomic.Int32
 }
 
@@ -32,7 +33,7 @@ type closeCount struct {
 func (c closeCount) Close() error { c.n.Add(1); return c.c.Close() }
 
 func (e *egressServer) ServeEgress(ln net.Listener, id string) io.Closer {
-	return closeCount{e.proxy.Serve(ln, egress.Target{Env: "t", Sandbox: id, Policy: e.policy}), &e.closed}
+	return closeCount{e.proxy.Serve(ln, egress.Target{Env: "t", Sandbox: id, Policy: e.policy, Limits: e.limits}), &e.closed}
 }
 
 // TestEgress serves an HTTP server on the host's 127.0.0.1, standing in for a package index,
@@ -101,7 +102,7 @@ func BenchmarkCreateEgress(b *testing.B) {
 	must(b, err)
 	p, err := egress.New(egress.Config{Own: func(netip.Addr) bool { return false }})
 	must(b, err)
-	srv := &egressServer{proxy: p, policy: pol}
+	srv := &egressServer{proxy: p, policy: pol, limits: egress.DefaultLimits()}
 	var plain, withEgress lat
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {

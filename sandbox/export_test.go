@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -124,3 +125,17 @@ func (r *Runtime) OnWarm(f func(ready int)) { r.hooks.onWarm.Store(&f) }
 
 // WarmWanted is the warm pool's target.
 func (r *Runtime) WarmWanted() int { return r.warmWanted(time.Now()) }
+// HoldRetirement takes every teardown slot, so that sandboxes closed from
+// now on stay retiring until the returned function (idempotent) gives the
+// slots back.
+func (r *Runtime) HoldRetirement() (release func()) {
+	n := cap(r.ret.slots)
+	for range n {
+		r.ret.slots <- struct{}{}
+	}
+	return sync.OnceFunc(func() {
+		for range n {
+			<-r.ret.slots
+		}
+	})
+}

@@ -26,8 +26,10 @@ import (
 // torn down, and each teardown is logged with its duration. Until its
 // teardown is over a closed sandbox is still the runtime's (Get finds it,
 // Sandboxes counts it, and its templates still serve forks of its
-// checkpoints); Done is closed once it is over. Runtime.Close waits for
-// every teardown.
+// checkpoints); Done is closed once it is over. So admission counts it
+// too, with its descriptors and mounts: closing sandboxes faster than they
+// are torn down holds no more than the caps, and a refusal says how many
+// of those in use are retiring. Runtime.Close waits for every teardown.
 type retirement struct {
 	// slots bounds the teardowns running at once.
 	slots chan struct{}

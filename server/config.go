@@ -64,6 +64,9 @@ type Config struct {
 	// EgressResolver resolves the names sandboxes ask the egress proxy for. Default the
 	// system's resolver.
 	EgressResolver egress.Resolver
+	// EgressLimits are the server's limits of each sandbox's egress, which an env may lower: a
+	// field left 0 is egress.DefaultLimits's; negative, no limit (--egress-* flags).
+	EgressLimits egress.Limits
 	// PostgresMemoryMB caps the memory of the private Postgres (its shared buffers, backends
 	// and the page cache of its files) with a control group of its own, in MiB. Default 512
 	// (pgserver.DefaultMemoryLimit); negative: no cap. Ignored with DatabaseURL.
@@ -218,6 +221,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", max(c.ShutdownTimeout, 30*time.Second), "graceful shutdown drain limit")
 	c.Admission.registerFlags(fs)
+	registerEgressFlags(fs, &c.EgressLimits)
 	// The trace exporter is configured by the standard OpenTelemetry environment (see
 	// traceExporter); the flag is a shorthand for its endpoint variable.
 	fs.Func("trace-endpoint", "OTLP collector `URL` to export traces to, such as http://127.0.0.1:4318 (sets OTEL_EXPORTER_OTLP_ENDPOINT; "+

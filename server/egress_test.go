@@ -2,7 +2,9 @@ package server_test
 
 import (
 	"context"
+	"flag"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -19,6 +21,7 @@ import (
 	"connectrpc.com/connect"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/sandbox/egress"
 	"github.com/deltagym/deltagym/server"
 	"github.com/deltagym/deltagym/server/ledger/pgtest"
 )
@@ -132,6 +135,90 @@ func TestEgress(t *testing.T) {
 	for i, why := range []string{"not in the env's allow-list", "127.0.0.1 is a loopback address", "10.0.0.7 is a private address"} {
 		if r := got[i+1]; r.allowed || !strings.Contains(r.reason, why) || r.up != 0 {
 			t.Errorf("row of %s: %+v, want refused: %q", refused[i], r, why)
+		}
+	}
+}
+
+// TestEgressLimits: an env lowers the server's egress limits and may not raise them; a
+// sandbox that passes its total bytes down is cut there, then refused with 403 naming the
+// limit, and the ledger has both rows with their reasons.
+func TestEgressLimits(t *testing.T) {
+	index := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, strings.Repeat("x", 5000))
+	}))
+	defer index.Close()
+	idx := index.Listener.Addr().String()
+	b := setup(t, func(c *server.Config) {
+		c.DatabaseURL = pgtest.Start(t)
+		c.EgressLimits = egress.Limits{MaxBytesDown: 1 << 20}
+		spec := fmt.Sprintf(`{"name": "egress", "image": "default", "pool_size": 1,
+			"egress": {"allow": [%q], "limits": {"max_bytes_down": 2000}}}`, idx)
+		must(t, os.WriteFile(filepath.Join(c.EnvsDir, "egress.json"), []byte(spec), 0o644))
+	})
+	ctx := t.Context()
+	c := b.connect
+	_, err := c.RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: &deltagymv1.EnvSpec{Name: "greedy", Image: "default",
+		Egress: &deltagymv1.Egress{Allow: []string{idx}, Limits: &deltagymv1.EgressLimits{MaxBytesDown: 2 << 20}}}}))
+	if connect.CodeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), "max_bytes_down 2097152 is above the server's 1048576") ||
+		!strings.Contains(err.Error(), "--egress-") {
+		t.Fatalf("an env raising the server's limit: %v", err)
+	}
+	rr, err := c.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "egress"}))
+	must(t, err)
+	sb := rr.Msg.GetSandboxId()
+	wget := func() *deltagymv1.ExecResult {
+		t.Helper()
+		r, err := c.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: execAction("wget -q -O - http://" + idx + "/big")}))
+		must(t, err)
+		return r.Msg.GetObservation().GetExec()
+	}
+	if o := wget(); len(o.GetStdout()) >= 5000 {
+		t.Fatalf("%d bytes through a limit of 2000: exit %d, stderr %q", len(o.GetStdout()), o.GetExitCode(), o.GetStderr())
+	}
+	if o := wget(); o.GetExitCode() == 0 || !strings.Contains(string(o.GetStderr()), "403") {
+		t.Fatalf("past the limit: exit %d, stderr %q; want a 403 from the proxy", o.GetExitCode(), o.GetStderr())
+	}
+	closeCtx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	must(t, b.srv.Close(closeCtx))
+	conn, err := pgx.Connect(ctx, b.dbURL)
+	must(t, err)
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(ctx, `SELECT allowed, coalesce(reason, ''), bytes_down FROM egress ORDER BY started_at`)
+	must(t, err)
+	var got []string
+	for rows.Next() {
+		var allowed bool
+		var reason string
+		var down int64
+		must(t, rows.Scan(&allowed, &reason, &down))
+		got = append(got, fmt.Sprintf("%v %d %s", allowed, down, reason))
+	}
+	must(t, rows.Err())
+	want := []string{"true 2000 cut: the sandbox's 2000 bytes down are used up (egress.limits.max_bytes_down)",
+		"false 0 egress cap: resource exhausted: the sandbox's 2000 bytes down are used up (egress.limits.max_bytes_down)"}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("egress rows:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// The --egress-* flags set the server's egress limits: a size, -1 for none.
+func TestEgressFlags(t *testing.T) {
+	var c server.Config
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	c.RegisterFlags(fs)
+	must(t, fs.Parse([]string{"--egress-max-connections=3", "--egress-connections-per-second=0.5", "--egress-max-bytes-down=1MiB",
+		"--egress-bytes-per-second-up=-1", "--egress-idle-timeout=90s"}))
+	want := egress.Limits{MaxConns: 3, ConnsPerSecond: 0.5, MaxBytesDown: 1 << 20, BytesPerSecondUp: -1, IdleTimeout: 90 * time.Second}
+	if c.EgressLimits != want {
+		t.Fatalf("limits %+v, want %+v", c.EgressLimits, want)
+	}
+	for _, bad := range []string{"--egress-max-connections=-2", "--egress-connections-per-second=NaN", "--egress-max-bytes-up=lots", "--egress-idle-timeout=-5s"} {
+		fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
+		c.RegisterFlags(fs)
+		if err := fs.Parse([]string{bad}); err == nil {
+			t.Errorf("%s: accepted", bad)
 		}
 	}
 }

@@ -7,17 +7,25 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/deltagym/deltagym/sandbox"
 )
 
 // Runtime gauges on /metrics (Prometheus names): deltagym_sandboxes_live,
+// deltagym_sandboxes_retiring (closed, teardown not over; counted in live too),
 // deltagym_checkpoints, deltagym_checkpoints_bytes (charged to the checkpoint budget: sealed
-// layers and CRIU images) and deltagym_layers_discard_backlog, read from the sandbox runtime at
-// each scrape; and the standard process collector's process_resident_memory_bytes and
+// layers and CRIU images) and deltagym_layers_discard_backlog; deltagym_admission_cap{cap} and
+// deltagym_admission_used{cap} for each admission cap in force (sandbox.CapUses); all read from
+// the sandbox runtime at each scrape; and the standard process collector's process_resident_memory_bytes and
 // process_cpu_seconds_total, so a load generator that did not start the server can follow
 // its memory and CPU over time.
 const (
 	metricSandboxes       = "deltagym.sandboxes.live"
+	metricRetiring        = "deltagym.sandboxes.retiring"
+	metricCap             = "deltagym.admission.cap"
+	metricCapUsed         = "deltagym.admission.used"
 	metricCheckpoints     = "deltagym.checkpoints"
 	metricDiscardBacklog  = "deltagym.layers.discard_backlog"
 	metricCheckpointBytes = "deltagym.checkpoints.bytes"
@@ -31,6 +39,43 @@ func (s *Server) registerRuntimeMetrics() {
 	if err := s.obs.registerRuntime(count(s.rt.Sandboxes), count(s.rt.Checkpoints), count(s.rt.DiscardBacklog), s.rt.CheckpointBytes); err != nil {
 		s.log.Warn("runtime metrics not exported", "err", err)
 	}
+	if err := s.obs.registerAdmission(count(s.rt.Retiring), s.rt.CapUses); err != nil {
+		s.log.Warn("admission metrics not exported", "err", err)
+	}
+}
+
+// registerAdmission registers the gauges of retiring sandboxes and of the admission caps in
+// force and their use, observed at each collection.
+func (o *observability) registerAdmission(retiring func() int64, caps func() []sandbox.CapUse) error {
+	m := o.meterProvider.Meter("github.com/deltagym/deltagym/server")
+	if _, err := m.Int64ObservableGauge(metricRetiring,
+		metric.WithDescription("closed sandboxes whose teardown is not over; they count against the caps until it is"),
+		metric.WithInt64Callback(func(_ context.Context, obs metric.Int64Observer) error {
+			obs.Observe(retiring())
+			return nil
+		})); err != nil {
+		return fmt.Errorf("registering gauge %s: %w", metricRetiring, err)
+	}
+	limit, err := m.Int64ObservableGauge(metricCap, metric.WithDescription("each admission cap in force, by cap (sandboxes, checkpoints, checkpoint-bytes, descriptors, mounts)"))
+	if err != nil {
+		return fmt.Errorf("registering gauge %s: %w", metricCap, err)
+	}
+	used, err := m.Int64ObservableGauge(metricCapUsed, metric.WithDescription("what counts against each admission cap in force, by cap"))
+	if err != nil {
+		return fmt.Errorf("registering gauge %s: %w", metricCapUsed, err)
+	}
+	_, err = m.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
+		for _, c := range caps() {
+			attrs := metric.WithAttributes(attribute.String("cap", string(c.Cap)))
+			obs.ObserveInt64(limit, c.Limit, attrs)
+			obs.ObserveInt64(used, c.Use, attrs)
+		}
+		return nil
+	}, limit, used)
+	if err != nil {
+		return fmt.Errorf("registering the admission gauges' callback: %w", err)
+	}
+	return nil
 }
 
 // registerRuntime registers one observable gauge per counter function, observed at each

@@ -10,5 +10,13 @@
 // to before) and dials the address it checked. Each connection, allowed or refused, is
 // reported to a Recorder.
 //
-// Lock order: Proxy.mu is a leaf.
+// Each sandbox's use of the proxy is bounded (Limits: the server's, which an env may lower):
+// connections open at once and a token bucket of new ones, bytes each way in total and a rate,
+// and an idle timeout. A connection beyond a limit on connections is answered 429 and one
+// made once a total is used up 403, with the limit named; one that passes a total, or stays
+// idle, is cut, and its record says why. Refusals are answered and recorded within bounds of
+// their own (refuseSlots, refusalRecordRate), so that a sandbox connecting in a loop costs
+// the server a bounded number of goroutines and ledger rows.
+//
+// Lock order: Server.mu, then a bucket's mu (a token bucket's own lock, a leaf).
 package egress

@@ -2,6 +2,7 @@ package egress
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -64,7 +65,10 @@ type Config struct {
 	DialTimeout time.Duration
 	// HeaderTimeout bounds reading a request's header (default 30 s).
 	HeaderTimeout time.Duration
-	Log           *slog.Logger
+	// Limits are the server's limits of each sandbox, which an env may lower (Limits.Within).
+	// The zero Limits bound nothing.
+	Limits Limits
+	Log    *slog.Logger
 }
 
 // Proxy serves the egress listeners of sandboxes. Its methods are safe for concurrent use.
@@ -96,6 +100,9 @@ func New(cfg Config) (*Proxy, error) {
 	return &Proxy{cfg: cfg}, nil
 }
 
+// Limits returns the server's limits of each sandbox (Config.Limits).
+func (p *Proxy) Limits() Limits { return p.cfg.Limits }
+
 // hostAddrs returns a test for the addresses of the host's interfaces.
 func hostAddrs() (func(netip.Addr) bool, error) {
 	ifaddrs, err := net.InterfaceAddrs()
@@ -111,11 +118,26 @@ func hostAddrs() (func(netip.Addr) bool, error) {
 	return func(a netip.Addr) bool { return set[a] }, nil
 }
 
-// Target is whom a listener serves: a sandbox of an env, under the env's policy.
+// Target is whom a listener serves: a sandbox of an env, under the env's policy and limits
+// (Limits.Within of the proxy's and the env's).
 type Target struct {
 	Env, Sandbox string
 	Policy       Policy
+	Limits       Limits
 }
+
+// Refusals are recorded at most refusalRecordRate a second (a burst of refusalRecordBurst)
+// for each sandbox; the count of those not recorded rides on the next one that is. Refusals
+// are answered by at most refuseSlots goroutines a sandbox, each waiting at most
+// refuseHeaderTimeout for the request it refuses; a connection beyond them is closed
+// unanswered. So a sandbox that connects in a loop costs the server a bounded number of
+// goroutines and ledger rows.
+const (
+	refusalRecordRate   = 10
+	refusalRecordBurst  = 50
+	refuseSlots         = 4
+	refuseHeaderTimeout = 2 * time.Second
+)
 
 // Server is one listener's service. Close ends it and its connections.
 type Server struct {
@@ -124,17 +146,40 @@ type Server struct {
 	target Target
 	wg     sync.WaitGroup
 	once   sync.Once
+	// done is closed by Close: it ends waits for a byte rate.
+	done chan struct{}
+	// up and down are the sandbox's traffic each way, for its totals and rates.
+	up   *way
+	down *way
+	// refusing holds a token for each refusal being answered.
+	refusing chan struct{}
+	// recRate bounds the refusals recorded; suppressed counts those it left out since the
+	// last one recorded.
+	recRate    *bucket
+	suppressed atomic.Int64
 
 	mu sync.Mutex
+	// connRate admits connections (Limits.ConnsPerSecond).
+	// +checklocks:mu
+	connRate *bucket
+	// conns are the open connections, served or being refused.
 	// +checklocks:mu
 	conns map[net.Conn]struct{}
+	// served counts the connections of conns being served (not refused), against
+	// Limits.MaxConns.
+	// +checklocks:mu
+	served int
 	// +checklocks:mu
 	closed bool
 }
 
 // Serve accepts connections on ln for t until the returned Server is closed; it owns ln.
 func (p *Proxy) Serve(ln net.Listener, t Target) *Server {
-	s := &Server{p: p, ln: ln, target: t, conns: map[net.Conn]struct{}{}}
+	l := t.Limits
+	s := &Server{p: p, ln: ln, target: t, conns: map[net.Conn]struct{}{}, done: make(chan struct{}),
+		connRate: newBucket(l.ConnsPerSecond, float64(max(l.ConnBurst, 1))),
+		up:       newWay("up", l.MaxBytesUp, l.BytesPerSecondUp), down: newWay("down", l.MaxBytesDown, l.BytesPerSecondDown),
+		refusing: make(chan struct{}, refuseSlots), recRate: newBucket(refusalRecordRate, refusalRecordBurst)}
 	s.wg.Add(1)
 	go s.accept()
 	return s
@@ -146,6 +191,7 @@ func (s *Server) Close() error {
 	var err error
 	s.once.Do(func() {
 		err = s.ln.Close()
+		close(s.done)
 		s.mu.Lock()
 		s.closed = true
 		for c := range s.conns {
@@ -167,52 +213,118 @@ func (s *Server) accept() {
 			}
 			return
 		}
-		if !s.track(c) {
+		why, ok := s.admit(c)
+		if !ok {
 			_ = c.Close()
 			return
 		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			defer s.untrack(c)
-			s.handle(c)
-		}()
+		if why == "" {
+			s.wg.Go(func() {
+				rec := s.handle(c)
+				s.untrack(c, true)
+				s.record(rec)
+			})
+			continue
+		}
+		select {
+		case s.refusing <- struct{}{}:
+			s.wg.Go(func() {
+				rec := s.refuse(c, why)
+				s.untrack(c, false)
+				<-s.refusing
+				s.record(rec)
+			})
+		default:
+			s.untrack(c, false)
+		}
 	}
 }
 
-func (s *Server) track(c net.Conn) bool {
+// admit tracks c and says why it is refused ("" when it is served) under the limits on
+// connections; ok is false once the server is closed.
+func (s *Server) admit(c net.Conn) (why string, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return false
+		return "", false
 	}
 	s.conns[c] = struct{}{}
-	return true
+	l := s.target.Limits
+	switch {
+	case l.MaxConns > 0 && s.served >= l.MaxConns:
+		return fmt.Sprintf("%d connections open at once (egress.limits.max_connections)", l.MaxConns), true
+	case !s.connRate.take():
+		return fmt.Sprintf("more than %v new connections a second, %d at once (egress.limits.connections_per_second, connection_burst)",
+			l.ConnsPerSecond, max(l.ConnBurst, 1)), true
+	}
+	s.served++
+	return "", true
 }
 
-func (s *Server) untrack(c net.Conn) {
+func (s *Server) untrack(c net.Conn, served bool) {
 	_ = c.Close()
 	s.mu.Lock()
 	delete(s.conns, c)
+	if served {
+		s.served--
+	}
 	s.mu.Unlock()
 }
 
-// handle serves one connection: one CONNECT tunnel, or one absolute-URI HTTP request.
-func (s *Server) handle(c net.Conn) {
-	rec := Record{Env: s.target.Env, Sandbox: s.target.Sandbox, Start: time.Now()}
-	defer func() {
-		rec.Duration = time.Since(rec.Start)
-		if r := s.p.cfg.Recorder; r != nil && rec.Host != "" {
-			r.Egress(rec)
+// record hands rec to the recorder: every allowed connection, and the refused ones within
+// recRate.
+func (s *Server) record(rec Record) {
+	r := s.p.cfg.Recorder
+	if r == nil || rec.Host == "" && rec.Reason == "" {
+		return // nothing was asked for
+	}
+	if !rec.Allowed {
+		if !s.recRate.take() {
+			s.suppressed.Add(1)
+			return
 		}
-	}()
+		if n := s.suppressed.Swap(0); n > 0 {
+			rec.Reason += fmt.Sprintf(" (and %d refusals before it not recorded)", n)
+		}
+	}
+	r.Egress(rec)
+}
+
+// refuse answers a connection the limits refuse with 429 and why, once it has sent its
+// request (or refuseHeaderTimeout has passed).
+func (s *Server) refuse(c net.Conn, why string) Record {
+	rec := Record{Env: s.target.Env, Sandbox: s.target.Sandbox, Start: time.Now(), Reason: fmt.Sprintf("%v: %s", ErrCapped, why)}
+	_ = c.SetReadDeadline(time.Now().Add(refuseHeaderTimeout))
+	if req, err := http.ReadRequest(bufio.NewReader(c)); err == nil {
+		rec.Host = req.Host
+		if host, port, err := target(req); err == nil {
+			rec.Host, rec.Port = host, port
+		}
+	}
+	reply(c, http.StatusTooManyRequests, why)
+	rec.Duration = time.Since(rec.Start)
+	return rec
+}
+
+// handle serves one connection: one CONNECT tunnel, or one absolute-URI HTTP request.
+func (s *Server) handle(c net.Conn) Record {
+	rec := Record{Env: s.target.Env, Sandbox: s.target.Sandbox, Start: time.Now()}
+	s.serve(c, &rec)
+	rec.Duration = time.Since(rec.Start)
+	return rec
+}
+
+func (s *Server) serve(c net.Conn, rec *Record) {
+	in := &idleReader{r: c, conn: c, act: &activity{}}
 	_ = c.SetReadDeadline(time.Now().Add(s.p.cfg.HeaderTimeout))
-	br := bufio.NewReader(c)
+	br := bufio.NewReader(in)
 	req, err := http.ReadRequest(br)
 	if err != nil {
 		return // not HTTP, or gone before its header: nothing was asked for
 	}
 	_ = c.SetReadDeadline(time.Time{})
+	in.idle = s.target.Limits.IdleTimeout
+	in.act.touch()
 	host, port, err := target(req)
 	if err != nil {
 		rec.Host, rec.Reason = req.Host, err.Error()
@@ -220,24 +332,35 @@ func (s *Server) handle(c net.Conn) {
 		return
 	}
 	rec.Host, rec.Port = host, port
-	up, status, err := s.dial(req.Context(), &rec)
+	dest := net.JoinHostPort(host, strconv.Itoa(int(port)))
+	if why := cmp.Or(s.up.spent(), s.down.spent()); why != "" {
+		rec.Reason = fmt.Sprintf("%v: %s", ErrCapped, why)
+		reply(c, http.StatusForbidden, fmt.Sprintf("%s: %s", dest, why))
+		return
+	}
+	up, status, err := s.dial(req.Context(), rec)
 	if err != nil {
 		rec.Reason = err.Error()
-		reply(c, status, fmt.Sprintf("%s: %v", net.JoinHostPort(host, strconv.Itoa(int(port))), err))
+		reply(c, status, fmt.Sprintf("%s: %v", dest, err))
 		return
 	}
 	defer up.Close()
 	rec.Allowed = true
-	var upN, downN int64
+	fromUp := &idleReader{r: up, conn: up, idle: in.idle, act: in.act}
+	toUp := &meter{conn: up, idle: in.idle, way: s.up, act: in.act, done: s.done}
+	toSandbox := &meter{conn: c, idle: in.idle, way: s.down, act: in.act, done: s.done}
 	if req.Method == http.MethodConnect {
 		if _, err := io.WriteString(c, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
 			return
 		}
-		upN, downN = pipe(c, io.MultiReader(io.LimitReader(br, int64(br.Buffered())), c), up)
+		err = pipe(c, up, io.MultiReader(io.LimitReader(br, int64(br.Buffered())), in), fromUp, toUp, toSandbox)
 	} else {
-		upN, downN = forward(c, req, up)
+		err = forward(req, fromUp, toUp, toSandbox)
 	}
-	rec.BytesUp, rec.BytesDown = upN, downN
+	rec.BytesUp, rec.BytesDown = toUp.n.Load(), toSandbox.n.Load()
+	if cut := (errCut{}); errors.As(err, &cut) {
+		rec.Reason = cut.why
+	}
 }
 
 // target returns the destination of a CONNECT or absolute-URI HTTP request.
@@ -300,44 +423,49 @@ func (s *Server) dial(ctx context.Context, rec *Record) (net.Conn, int, error) {
 	return up, 0, nil
 }
 
-// forward sends one HTTP request to up in origin form, with Connection: close, and copies the
-// answer back until up closes.
-func forward(c net.Conn, req *http.Request, up net.Conn) (int64, int64) {
+// forward sends one HTTP request to the destination (through toUp) in origin form, with
+// Connection: close, and copies the answer back (from fromUp) until the destination closes.
+func forward(req *http.Request, fromUp io.Reader, toUp, toSandbox io.Writer) error {
 	for _, h := range []string{"Proxy-Connection", "Proxy-Authorization", "Keep-Alive"} {
 		req.Header.Del(h)
 	}
 	req.Close = true
 	req.RequestURI = ""
-	cu := &counter{w: up}
-	if err := req.Write(cu); err != nil {
-		return cu.n.Load(), 0
+	if err := req.Write(toUp); err != nil {
+		return err
 	}
-	downN, _ := io.Copy(c, up)
-	return cu.n.Load(), downN
+	_, err := io.Copy(toSandbox, fromUp)
+	return err
 }
 
-// pipe copies both ways between the sandbox's connection (read through in) and up, passing on
-// each half-close, until both directions end.
-func pipe(c net.Conn, in io.Reader, up net.Conn) (int64, int64) {
-	var upN int64
-	done := make(chan struct{})
+// pipe copies both ways between the sandbox's connection c (read through fromSandbox) and
+// up, passing on each half-close, until both directions end. A direction cut by a limit
+// closes both connections; the cut is returned.
+func pipe(c, up net.Conn, fromSandbox, fromUp io.Reader, toUp, toSandbox io.Writer) error {
+	errc := make(chan error, 1)
 	go func() {
-		defer close(done)
-		upN, _ = io.Copy(up, in)
-		closeWrite(up)
+		_, err := io.Copy(toUp, fromSandbox)
+		end(err, c, up)
+		errc <- err
 	}()
-	downN, _ := io.Copy(c, up)
-	closeWrite(c)
-	<-done
-	return upN, downN
+	_, err := io.Copy(toSandbox, fromUp)
+	end(err, up, c)
+	if cut := (errCut{}); errors.As(err, &cut) {
+		<-errc
+		return err
+	}
+	return <-errc
 }
 
-func closeWrite(c net.Conn) {
-	if cw, ok := c.(interface{ CloseWrite() error }); ok {
-		_ = cw.CloseWrite()
+// end ends a direction of a tunnel from src to dst: half-closes dst, or closes both when a
+// limit cut it.
+func end(err error, src, dst net.Conn) {
+	if cut := (errCut{}); errors.As(err, &cut) {
+		_ = src.Close()
+		_ = dst.Close()
 		return
 	}
-	_ = c.Close()
+	closeWrite(dst)
 }
 
 // reply answers a refused or failed request and closes the exchange.
@@ -347,14 +475,10 @@ func reply(c net.Conn, status int, msg string) {
 		status, http.StatusText(status), len(body), body)
 }
 
-// counter counts the bytes written through it.
-type counter struct {
-	w io.Writer
-	n atomic.Int64
-}
-
-func (c *counter) Write(p []byte) (int, error) {
-	n, err := c.w.Write(p)
-	c.n.Add(int64(n))
-	return n, err
+func closeWrite(c net.Conn) {
+	if cw, ok := c.(interface{ CloseWrite() error }); ok {
+		_ = cw.CloseWrite()
+		return
+	}
+	_ = c.Close()
 }

@@ -99,15 +99,30 @@ type bundle struct {
 	index   *httptest.Server // stands in for a package index, on 127.0.0.1
 	port    int
 	proxy   string // the proxy's address
+	srv     *egress.Server
 	records *records
 }
+
+// bigBody is what the index serves at /big/<n>: n bytes.
+func bigBody(n int) string { return strings.Repeat("x", n) }
 
 // setup serves a proxy on 127.0.0.1 for a target whose policy is allow, with ${PORT} replaced
 // by the index's port.
 func setup(t *testing.T, res egress.Resolver, own func(netip.Addr) bool, allow ...string) *bundle {
 	t.Helper()
-	b := &bundle{records: &records{ch: make(chan egress.Record, 16)}}
+	return setupLimits(t, res, own, egress.Limits{}, allow...)
+}
+
+// setupLimits is setup with the target's limits.
+func setupLimits(t *testing.T, res egress.Resolver, own func(netip.Addr) bool, lim egress.Limits, allow ...string) *bundle {
+	t.Helper()
+	b := &bundle{records: &records{ch: make(chan egress.Record, 256)}}
 	b.index = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n, ok := strings.CutPrefix(r.URL.Path, "/big/"); ok {
+			size, _ := strconv.Atoi(n)
+			io.WriteString(w, bigBody(size))
+			return
+		}
 		body, _ := io.ReadAll(r.Body)
 		fmt.Fprintf(w, "index %s %s %s", r.Method, r.URL.Path, body)
 	}))
@@ -132,12 +147,12 @@ func setup(t *testing.T, res egress.Resolver, own func(netip.Addr) bool, allow .
 		t.Fatal(err)
 	}
 	b.proxy = ln.Addr().String()
-	srv := p.Serve(ln, egress.Target{Env: "e", Sandbox: "sb-1", Policy: pol})
+	b.srv = p.Serve(ln, egress.Target{Env: "e", Sandbox: "sb-1", Policy: pol, Limits: lim})
 	t.Cleanup(func() {
-		if err := srv.Close(); err != nil {
+		if err := b.srv.Close(); err != nil {
 			t.Error(err)
 		}
-		if err := srv.Close(); err != nil {
+		if err := b.srv.Close(); err != nil {
 			t.Errorf("second Close: %v", err)
 		}
 	})
@@ -157,6 +172,39 @@ func (b *bundle) get(t *testing.T, u string) (int, string) {
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(body)
+}
+
+// tunnel opens a CONNECT tunnel to hostport and returns it once the proxy answered 200, or
+// fails with the proxy's answer.
+func (b *bundle) tunnel(t *testing.T, hostport string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, br, code, body := b.tryTunnel(t, hostport)
+	if code != http.StatusOK {
+		t.Fatalf("CONNECT %s: %d %q", hostport, code, body)
+	}
+	return c, br
+}
+
+func (b *bundle) tryTunnel(t *testing.T, hostport string) (net.Conn, *bufio.Reader, int, string) {
+	t.Helper()
+	c, err := net.Dial("tcp", b.proxy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", hostport, hostport)
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		c.Close()
+		return nil, nil, resp.StatusCode, string(body)
+	}
+	return c, br, resp.StatusCode, ""
 }
 
 // connect opens a CONNECT tunnel to hostport and, once it is up, sends a GET through it.
@@ -280,5 +328,165 @@ func TestProxyRefusesOtherRequests(t *testing.T) {
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusBadRequest {
 		t.Fatalf("a request in origin form: %d", resp.StatusCode)
+	}
+}
+
+func TestLimitsWithin(t *testing.T) {
+	server := egress.Limits{MaxConns: 8, ConnsPerSecond: 5, ConnBurst: 10, MaxBytesUp: 1000, MaxBytesDown: 2000,
+		BytesPerSecondUp: 100, BytesPerSecondDown: 200, IdleTimeout: time.Minute}
+	got, err := server.Within(egress.Limits{MaxConns: 2, ConnsPerSecond: 1, MaxBytesDown: 500, IdleTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := server
+	want.MaxConns, want.ConnsPerSecond, want.MaxBytesDown, want.IdleTimeout = 2, 1, 500, time.Second
+	if got != want {
+		t.Fatalf("Within = %+v, want %+v", got, want)
+	}
+	if got, err := (egress.Limits{}).Within(egress.Limits{ConnsPerSecond: 3, MaxBytesUp: 1 << 40}); err != nil ||
+		got.ConnBurst != 6 || got.MaxBytesUp != 1<<40 {
+		t.Fatalf("within no server limits: %+v, %v", got, err)
+	}
+	for _, tc := range []struct {
+		env  egress.Limits
+		want string
+	}{
+		{egress.Limits{MaxConns: 9}, "max_connections 9 is above the server's 8"},
+		{egress.Limits{ConnsPerSecond: 6}, "connections_per_second 6 is above the server's 5"},
+		{egress.Limits{MaxBytesDown: 2001}, "max_bytes_down 2001 is above"},
+		{egress.Limits{BytesPerSecondUp: -1}, "bytes_per_second_up -1 is negative"},
+		{egress.Limits{IdleTimeout: time.Hour}, "idle_timeout"},
+	} {
+		_, err := server.Within(tc.env)
+		if !errors.Is(err, egress.ErrBadLimit) || !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Within(%+v): %v, want %q", tc.env, err, tc.want)
+		}
+	}
+}
+
+// refusedBy checks a refusal's answer and record: code, and the limit named in both.
+func refusedBy(t *testing.T, code int, body string, rec egress.Record, wantCode int, limit string) {
+	t.Helper()
+	if code != wantCode || !strings.Contains(body, limit) {
+		t.Errorf("answer %d %q, want %d naming %s", code, body, wantCode, limit)
+	}
+	if rec.Allowed || !strings.Contains(rec.Reason, "egress cap") || !strings.Contains(rec.Reason, limit) || rec.Host != "127.0.0.1" {
+		t.Errorf("record %+v, want a refusal naming %s", rec, limit)
+	}
+}
+
+// A sandbox holds at most MaxConns connections at once; the next is refused with 429 until
+// one ends.
+func TestProxyMaxConns(t *testing.T) {
+	b := setupLimits(t, nil, nil, egress.Limits{MaxConns: 2}, "127.0.0.1:${PORT}")
+	dest := "127.0.0.1:" + strconv.Itoa(b.port)
+	first, _ := b.tunnel(t, dest)
+	b.tunnel(t, dest)
+	_, _, code, body := b.tryTunnel(t, dest)
+	refusedBy(t, code, body, b.records.wait(t, 1)[0], http.StatusTooManyRequests, "max_connections")
+	code, body = b.get(t, "http://"+dest+"/a")
+	refusedBy(t, code, body, b.records.wait(t, 1)[0], http.StatusTooManyRequests, "max_connections")
+	first.Close()
+	if r := b.records.wait(t, 1)[0]; !r.Allowed {
+		t.Fatalf("the first tunnel's record: %+v", r)
+	}
+	if code, body := b.get(t, "http://"+dest+"/a"); code != 200 {
+		t.Fatalf("GET once a connection ended: %d %q", code, body)
+	}
+}
+
+// New connections are admitted by a token bucket.
+func TestProxyConnectionRate(t *testing.T) {
+	b := setupLimits(t, nil, nil, egress.Limits{ConnsPerSecond: 0.001, ConnBurst: 2}, "127.0.0.1:${PORT}")
+	u := "http://127.0.0.1:" + strconv.Itoa(b.port) + "/a"
+	for i := range 2 {
+		if code, body := b.get(t, u); code != 200 {
+			t.Fatalf("GET %d within the burst: %d %q", i, code, body)
+		}
+	}
+	b.records.wait(t, 2)
+	code, body := b.get(t, u)
+	refusedBy(t, code, body, b.records.wait(t, 1)[0], http.StatusTooManyRequests, "connections_per_second")
+}
+
+// The bytes down in all of a sandbox's connections stop at MaxBytesDown: the connection that
+// passes it is cut there, and the next is refused with 403. Up likewise.
+func TestProxyBytesTotal(t *testing.T) {
+	b := setupLimits(t, nil, nil, egress.Limits{MaxBytesDown: 1000, MaxBytesUp: 3000}, "127.0.0.1:${PORT}")
+	dest := "127.0.0.1:" + strconv.Itoa(b.port)
+	c, br := b.tunnel(t, dest)
+	fmt.Fprintf(c, "GET /big/5000 HTTP/1.1\r\nHost: %s\r\n\r\n", dest)
+	got, _ := io.ReadAll(br)
+	r := b.records.wait(t, 1)[0]
+	if len(got) != 1000 || r.BytesDown != 1000 || !r.Allowed || !strings.Contains(r.Reason, "cut: the sandbox's 1000 bytes down are used up (egress.limits.max_bytes_down)") {
+		t.Fatalf("%d bytes through, record %+v", len(got), r)
+	}
+	code, body := b.get(t, "http://"+dest+"/a")
+	refusedBy(t, code, body, b.records.wait(t, 1)[0], http.StatusForbidden, "max_bytes_down")
+
+	b = setupLimits(t, nil, nil, egress.Limits{MaxBytesUp: 3000}, "127.0.0.1:${PORT}")
+	dest = "127.0.0.1:" + strconv.Itoa(b.port)
+	c, _ = b.tunnel(t, dest)
+	fmt.Fprintf(c, "POST /up HTTP/1.1\r\nHost: %s\r\nContent-Length: 10000\r\n\r\n%s", dest, bigBody(10000))
+	r = b.records.wait(t, 1)[0]
+	if r.BytesUp != 3000 || !strings.Contains(r.Reason, "max_bytes_up") {
+		t.Fatalf("record %+v", r)
+	}
+}
+
+// A sandbox's bytes each way go at most at their rate, and a connection that waits for the
+// rate is not idle.
+func TestProxyByteRate(t *testing.T) {
+	const rate, size = 64 << 10, 192 << 10
+	b := setupLimits(t, nil, nil, egress.Limits{BytesPerSecondDown: rate, IdleTimeout: 400 * time.Millisecond}, "127.0.0.1:${PORT}")
+	dest := "127.0.0.1:" + strconv.Itoa(b.port)
+	start := time.Now()
+	code, body := b.get(t, "http://"+dest+"/big/"+strconv.Itoa(size))
+	took := time.Since(start)
+	if code != 200 || len(body) != size {
+		t.Fatalf("GET: %d, %d bytes", code, len(body))
+	}
+	// A second's worth goes at once, the rest at the rate.
+	if min := time.Duration(float64(size-rate) / rate * float64(time.Second)); took < min*9/10 {
+		t.Fatalf("%d bytes at %d a second took %v, under %v", size, rate, took, min)
+	}
+	if r := b.records.wait(t, 1)[0]; r.Reason != "" || r.BytesDown < size {
+		t.Fatalf("record %+v", r)
+	}
+}
+
+// A connection through which nothing goes for IdleTimeout is closed.
+func TestProxyIdleTimeout(t *testing.T) {
+	b := setupLimits(t, nil, nil, egress.Limits{IdleTimeout: 200 * time.Millisecond}, "127.0.0.1:${PORT}")
+	c, br := b.tunnel(t, "127.0.0.1:"+strconv.Itoa(b.port))
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second)) // watchdog
+	if n, err := br.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("read from an idle tunnel: %d, %v", n, err)
+	}
+	if r := b.records.wait(t, 1)[0]; !r.Allowed || !strings.Contains(r.Reason, "idle for 200ms") {
+		t.Fatalf("record %+v", r)
+	}
+}
+
+// A sandbox connecting in a loop past its limits is answered, but its refusals are recorded
+// within a rate.
+func TestProxyRefusalsRecordedWithinARate(t *testing.T) {
+	b := setupLimits(t, nil, nil, egress.Limits{MaxConns: 1}, "127.0.0.1:${PORT}")
+	dest := "127.0.0.1:" + strconv.Itoa(b.port)
+	b.tunnel(t, dest)
+	const n = 120
+	start := time.Now()
+	for range n {
+		if _, _, code, _ := b.tryTunnel(t, dest); code != http.StatusTooManyRequests {
+			t.Fatalf("CONNECT past the cap: %d", code)
+		}
+	}
+	took := time.Since(start)
+	if err := b.srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	recorded := len(b.records.ch)
+	if bound := 50 + int(10*took.Seconds()) + 1 + 1; recorded > bound || recorded < 50 {
+		t.Fatalf("%d refusals in %v: %d records, want 50 to %d", n, took, recorded, bound)
 	}
 }

@@ -575,7 +575,9 @@ type Egress struct {
 	// address (IPv6 in brackets). The proxy resolves names itself. Loopback,
 	// link-local, private, multicast and unspecified addresses, and the
 	// server's own, are refused unless an entry names the address as an IP.
-	Allow         []string `protobuf:"bytes,1,rep,name=allow,proto3" json:"allow,omitempty"`
+	Allow []string `protobuf:"bytes,1,rep,name=allow,proto3" json:"allow,omitempty"`
+	// limits bound each sandbox's use of the proxy.
+	Limits        *EgressLimits `protobuf:"bytes,2,opt,name=limits,proto3" json:"limits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -617,6 +619,128 @@ func (x *Egress) GetAllow() []string {
 	return nil
 }
 
+func (x *Egress) GetLimits() *EgressLimits {
+	if x != nil {
+		return x.Limits
+	}
+	return nil
+}
+
+// EgressLimits bound one sandbox's outbound connections over its life. A
+// field left 0 takes the server's limit (deltagym serve --egress-*); a field
+// may lower the server's limit, not raise it. A connection beyond a limit on
+// connections is answered 429, one made once a total is used up 403, the
+// limit named in the answer; one that passes a total or stays idle is cut.
+// Every refusal and cut is recorded in the ledger with its reason.
+type EgressLimits struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// max_connections caps the connections open at once.
+	MaxConnections int32 `protobuf:"varint,1,opt,name=max_connections,json=maxConnections,proto3" json:"max_connections,omitempty"`
+	// connections_per_second is the rate of new connections (a token bucket of
+	// connection_burst tokens; 0 takes twice the rate).
+	ConnectionsPerSecond float64 `protobuf:"fixed64,2,opt,name=connections_per_second,json=connectionsPerSecond,proto3" json:"connections_per_second,omitempty"`
+	ConnectionBurst      int32   `protobuf:"varint,3,opt,name=connection_burst,json=connectionBurst,proto3" json:"connection_burst,omitempty"`
+	// max_bytes_up caps the bytes sent to destinations; max_bytes_down, those
+	// received from them.
+	MaxBytesUp   int64 `protobuf:"varint,4,opt,name=max_bytes_up,json=maxBytesUp,proto3" json:"max_bytes_up,omitempty"`
+	MaxBytesDown int64 `protobuf:"varint,5,opt,name=max_bytes_down,json=maxBytesDown,proto3" json:"max_bytes_down,omitempty"`
+	// bytes_per_second_up and bytes_per_second_down cap the rate of each way,
+	// shared by the sandbox's connections.
+	BytesPerSecondUp   int64 `protobuf:"varint,6,opt,name=bytes_per_second_up,json=bytesPerSecondUp,proto3" json:"bytes_per_second_up,omitempty"`
+	BytesPerSecondDown int64 `protobuf:"varint,7,opt,name=bytes_per_second_down,json=bytesPerSecondDown,proto3" json:"bytes_per_second_down,omitempty"`
+	// idle_timeout_seconds closes a connection through which nothing went
+	// either way for so long.
+	IdleTimeoutSeconds float64 `protobuf:"fixed64,8,opt,name=idle_timeout_seconds,json=idleTimeoutSeconds,proto3" json:"idle_timeout_seconds,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *EgressLimits) Reset() {
+	*x = EgressLimits{}
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EgressLimits) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EgressLimits) ProtoMessage() {}
+
+func (x *EgressLimits) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EgressLimits.ProtoReflect.Descriptor instead.
+func (*EgressLimits) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *EgressLimits) GetMaxConnections() int32 {
+	if x != nil {
+		return x.MaxConnections
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetConnectionsPerSecond() float64 {
+	if x != nil {
+		return x.ConnectionsPerSecond
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetConnectionBurst() int32 {
+	if x != nil {
+		return x.ConnectionBurst
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetMaxBytesUp() int64 {
+	if x != nil {
+		return x.MaxBytesUp
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetMaxBytesDown() int64 {
+	if x != nil {
+		return x.MaxBytesDown
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetBytesPerSecondUp() int64 {
+	if x != nil {
+		return x.BytesPerSecondUp
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetBytesPerSecondDown() int64 {
+	if x != nil {
+		return x.BytesPerSecondDown
+	}
+	return 0
+}
+
+func (x *EgressLimits) GetIdleTimeoutSeconds() float64 {
+	if x != nil {
+		return x.IdleTimeoutSeconds
+	}
+	return 0
+}
+
 // Limits bounds the resources of one sandbox. Zero means the server default.
 type Limits struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -639,7 +763,7 @@ type Limits struct {
 
 func (x *Limits) Reset() {
 	*x = Limits{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -651,7 +775,7 @@ func (x *Limits) String() string {
 func (*Limits) ProtoMessage() {}
 
 func (x *Limits) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[3]
+	mi := &file_deltagym_v1_env_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -664,7 +788,7 @@ func (x *Limits) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Limits.ProtoReflect.Descriptor instead.
 func (*Limits) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{3}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Limits) GetMemoryBytes() int64 {
@@ -723,7 +847,7 @@ type Budgets struct {
 
 func (x *Budgets) Reset() {
 	*x = Budgets{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -735,7 +859,7 @@ func (x *Budgets) String() string {
 func (*Budgets) ProtoMessage() {}
 
 func (x *Budgets) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[4]
+	mi := &file_deltagym_v1_env_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -748,7 +872,7 @@ func (x *Budgets) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Budgets.ProtoReflect.Descriptor instead.
 func (*Budgets) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{4}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Budgets) GetMaxSteps() int32 {
@@ -784,7 +908,7 @@ type EnvInfo struct {
 
 func (x *EnvInfo) Reset() {
 	*x = EnvInfo{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -796,7 +920,7 @@ func (x *EnvInfo) String() string {
 func (*EnvInfo) ProtoMessage() {}
 
 func (x *EnvInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[5]
+	mi := &file_deltagym_v1_env_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -809,7 +933,7 @@ func (x *EnvInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EnvInfo.ProtoReflect.Descriptor instead.
 func (*EnvInfo) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{5}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *EnvInfo) GetSpec() *EnvSpec {
@@ -858,7 +982,7 @@ type ProcessCapture struct {
 
 func (x *ProcessCapture) Reset() {
 	*x = ProcessCapture{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[6]
+	mi := &file_deltagym_v1_env_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -870,7 +994,7 @@ func (x *ProcessCapture) String() string {
 func (*ProcessCapture) ProtoMessage() {}
 
 func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[6]
+	mi := &file_deltagym_v1_env_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -883,7 +1007,7 @@ func (x *ProcessCapture) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessCapture.ProtoReflect.Descriptor instead.
 func (*ProcessCapture) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{6}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ProcessCapture) GetPid() int32 {
@@ -944,7 +1068,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_deltagym_v1_env_proto_msgTypes[7]
+	mi := &file_deltagym_v1_env_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -956,7 +1080,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_proto_msgTypes[7]
+	mi := &file_deltagym_v1_env_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -969,7 +1093,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{7}
+	return file_deltagym_v1_env_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Sandbox) GetSandboxId() string {
@@ -1083,9 +1207,20 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\x10max_copy_entries\x18\b \x01(\x05R\x0emaxCopyEntries\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x1e\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"Q\n" +
 	"\x06Egress\x12\x14\n" +
-	"\x05allow\x18\x01 \x03(\tR\x05allow\"\xc7\x01\n" +
+	"\x05allow\x18\x01 \x03(\tR\x05allow\x121\n" +
+	"\x06limits\x18\x02 \x01(\v2\x19.deltagym.v1.EgressLimitsR\x06limits\"\xf4\x02\n" +
+	"\fEgressLimits\x12'\n" +
+	"\x0fmax_connections\x18\x01 \x01(\x05R\x0emaxConnections\x124\n" +
+	"\x16connections_per_second\x18\x02 \x01(\x01R\x14connectionsPerSecond\x12)\n" +
+	"\x10connection_burst\x18\x03 \x01(\x05R\x0fconnectionBurst\x12 \n" +
+	"\fmax_bytes_up\x18\x04 \x01(\x03R\n" +
+	"maxBytesUp\x12$\n" +
+	"\x0emax_bytes_down\x18\x05 \x01(\x03R\fmaxBytesDown\x12-\n" +
+	"\x13bytes_per_second_up\x18\x06 \x01(\x03R\x10bytesPerSecondUp\x121\n" +
+	"\x15bytes_per_second_down\x18\a \x01(\x03R\x12bytesPerSecondDown\x120\n" +
+	"\x14idle_timeout_seconds\x18\b \x01(\x01R\x12idleTimeoutSeconds\"\xc7\x01\n" +
 	"\x06Limits\x12!\n" +
 	"\fmemory_bytes\x18\x01 \x01(\x03R\vmemoryBytes\x12\x12\n" +
 	"\x04pids\x18\x02 \x01(\x05R\x04pids\x12\x12\n" +
@@ -1158,7 +1293,7 @@ func file_deltagym_v1_env_proto_rawDescGZIP() []byte {
 }
 
 var file_deltagym_v1_env_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_deltagym_v1_env_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_deltagym_v1_env_proto_goTypes = []any{
 	(VerifierMode)(0),             // 0: deltagym.v1.VerifierMode
 	(ProcessMode)(0),              // 1: deltagym.v1.ProcessMode
@@ -1167,34 +1302,36 @@ var file_deltagym_v1_env_proto_goTypes = []any{
 	(*EnvSpec)(nil),               // 4: deltagym.v1.EnvSpec
 	(*Evaluation)(nil),            // 5: deltagym.v1.Evaluation
 	(*Egress)(nil),                // 6: deltagym.v1.Egress
-	(*Limits)(nil),                // 7: deltagym.v1.Limits
-	(*Budgets)(nil),               // 8: deltagym.v1.Budgets
-	(*EnvInfo)(nil),               // 9: deltagym.v1.EnvInfo
-	(*ProcessCapture)(nil),        // 10: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),               // 11: deltagym.v1.Sandbox
-	nil,                           // 12: deltagym.v1.EnvSpec.EnvEntry
-	nil,                           // 13: deltagym.v1.Evaluation.EnvEntry
-	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
+	(*EgressLimits)(nil),          // 7: deltagym.v1.EgressLimits
+	(*Limits)(nil),                // 8: deltagym.v1.Limits
+	(*Budgets)(nil),               // 9: deltagym.v1.Budgets
+	(*EnvInfo)(nil),               // 10: deltagym.v1.EnvInfo
+	(*ProcessCapture)(nil),        // 11: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),               // 12: deltagym.v1.Sandbox
+	nil,                           // 13: deltagym.v1.EnvSpec.EnvEntry
+	nil,                           // 14: deltagym.v1.Evaluation.EnvEntry
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
 }
 var file_deltagym_v1_env_proto_depIdxs = []int32{
-	12, // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
-	7,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
-	8,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
+	13, // 0: deltagym.v1.EnvSpec.env:type_name -> deltagym.v1.EnvSpec.EnvEntry
+	8,  // 1: deltagym.v1.EnvSpec.limits:type_name -> deltagym.v1.Limits
+	9,  // 2: deltagym.v1.EnvSpec.budgets:type_name -> deltagym.v1.Budgets
 	1,  // 3: deltagym.v1.EnvSpec.process_mode:type_name -> deltagym.v1.ProcessMode
 	5,  // 4: deltagym.v1.EnvSpec.evaluation:type_name -> deltagym.v1.Evaluation
 	6,  // 5: deltagym.v1.EnvSpec.egress:type_name -> deltagym.v1.Egress
 	0,  // 6: deltagym.v1.Evaluation.mode:type_name -> deltagym.v1.VerifierMode
-	13, // 7: deltagym.v1.Evaluation.env:type_name -> deltagym.v1.Evaluation.EnvEntry
-	4,  // 8: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
-	2,  // 9: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
-	3,  // 10: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
-	14, // 11: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
-	14, // 12: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
-	13, // [13:13] is the sub-list for method output_type
-	13, // [13:13] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	14, // 7: deltagym.v1.Evaluation.env:type_name -> deltagym.v1.Evaluation.EnvEntry
+	7,  // 8: deltagym.v1.Egress.limits:type_name -> deltagym.v1.EgressLimits
+	4,  // 9: deltagym.v1.EnvInfo.spec:type_name -> deltagym.v1.EnvSpec
+	2,  // 10: deltagym.v1.ProcessCapture.method:type_name -> deltagym.v1.CaptureMethod
+	3,  // 11: deltagym.v1.Sandbox.state:type_name -> deltagym.v1.SandboxState
+	15, // 12: deltagym.v1.Sandbox.lease_expire_time:type_name -> google.protobuf.Timestamp
+	15, // 13: deltagym.v1.Sandbox.create_time:type_name -> google.protobuf.Timestamp
+	14, // [14:14] is the sub-list for method output_type
+	14, // [14:14] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_proto_init() }
@@ -1208,7 +1345,7 @@ func file_deltagym_v1_env_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_proto_rawDesc), len(file_deltagym_v1_env_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   10,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

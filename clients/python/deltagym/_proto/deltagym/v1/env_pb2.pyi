@@ -121,10 +121,32 @@ class Evaluation(_message.Message):
     def __init__(self, mode: _Optional[_Union[VerifierMode, str]] = ..., copy_paths: _Optional[_Iterable[str]] = ..., verifier_files: _Optional[str] = ..., verifier_files_path: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., secret_options: _Optional[_Iterable[str]] = ..., max_copy_bytes: _Optional[int] = ..., max_copy_entries: _Optional[int] = ...) -> None: ...
 
 class Egress(_message.Message):
-    __slots__ = ("allow",)
+    __slots__ = ("allow", "limits")
     ALLOW_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     allow: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, allow: _Optional[_Iterable[str]] = ...) -> None: ...
+    limits: EgressLimits
+    def __init__(self, allow: _Optional[_Iterable[str]] = ..., limits: _Optional[_Union[EgressLimits, _Mapping]] = ...) -> None: ...
+
+class EgressLimits(_message.Message):
+    __slots__ = ("max_connections", "connections_per_second", "connection_burst", "max_bytes_up", "max_bytes_down", "bytes_per_second_up", "bytes_per_second_down", "idle_timeout_seconds")
+    MAX_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CONNECTION_BURST_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SECOND_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SECOND_DOWN_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_connections: int
+    connections_per_second: float
+    connection_burst: int
+    max_bytes_up: int
+    max_bytes_down: int
+    bytes_per_second_up: int
+    bytes_per_second_down: int
+    idle_timeout_seconds: float
+    def __init__(self, max_connections: _Optional[int] = ..., connections_per_second: _Optional[float] = ..., connection_burst: _Optional[int] = ..., max_bytes_up: _Optional[int] = ..., max_bytes_down: _Optional[int] = ..., bytes_per_second_up: _Optional[int] = ..., bytes_per_second_down: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("memory_bytes", "pids", "cpus", "disk_bytes", "output_bytes", "step_timeout_seconds")
