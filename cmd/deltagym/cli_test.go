@@ -293,11 +293,17 @@ func TestPrintTables(t *testing.T) {
 			return printEnvs(w, &deltagymv1.ListEnvsResponse{Envs: []*deltagymv1.EnvInfo{
 				{Spec: &deltagymv1.EnvSpec{Name: "shell", Image: "default", Description: "A shell.\nMore."}, WarmCount: 4, ActiveCount: 1},
 				{Spec: &deltagymv1.EnvSpec{Name: "x"}},
+				{Spec: &deltagymv1.EnvSpec{Name: "y", Image: "default"}, NotReady: `env y: setup[0] "false": exited 1: env not ready`},
+				{Spec: &deltagymv1.EnvSpec{Name: "z", Image: "default"}, WaitingForCapacity: `creating setup sandbox from image "default": the server's cap "sandboxes" of 2 live sandboxes would be exceeded (2 in use, 1 asked)`},
 			}})
 		}, "" +
-			"NAME   WARM  ACTIVE  IMAGE    DESCRIPTION\n" +
-			"shell  4     1       default  A shell.…\n" +
-			"x      0     0       -        -\n"},
+			"NAME   WARM     ACTIVE  IMAGE    DESCRIPTION\n" +
+			"shell  4        1       default  A shell.…\n" +
+			"x      0        0       -        -\n" +
+			"y      broken   0       default  -\n" +
+			"z      waiting  0       default  -\n" +
+			`env y is not ready: env y: setup[0] "false": exited 1: env not ready` + "\n" +
+			`env z is waiting for capacity (its setup is retried): creating setup sandbox from image "default": the server's cap "sandboxes" of 2 live sandboxes would be exceeded (2 in use, 1 asked)` + "\n"},
 		{"reset", func(w io.Writer) error {
 			return printReset(w, &deltagymv1.ResetResponse{
 				SandboxId: "sb-1", EpisodeId: "ep-1", CheckpointId: "ck-1", LeaseExpireTime: timestamppb.New(now.Add(10 * time.Minute)),
