@@ -336,11 +336,16 @@ func TestPrintTables(t *testing.T) {
 			"sb-2     ep-2\n" +
 			"sb-3     ep-3\n"},
 		{"verdict", func(w io.Writer) error {
-			return printVerdict(w, 1, map[string]float64{"tests": 0.5, "correct": 1}, "ok", "took 3.0ms")
+			return printEvaluate(w, &deltagymv1.EvaluateResponse{Reward: 1, Components: map[string]float64{"tests": 0.5, "correct": 1}, Output: "ok", DurationSeconds: 0.003})
 		}, "" +
 			"reward      1 (took 3.0ms)\n" +
 			"components  correct=1 tests=0.5\n" +
 			"verifier output:\n  ok\n"},
+		{"verdict refused", func(w io.Writer) error {
+			return printEvaluate(w, &deltagymv1.EvaluateResponse{Output: "deltagym: the agent's state was not judged (reward 0): /tmp/x is a symbolic link\n"})
+		}, "" +
+			"reward  0\n" +
+			"verifier output:\n  deltagym: the agent's state was not judged (reward 0): /tmp/x is a symbolic link\n"},
 		{"episodes", func(w io.Writer) error {
 			return printEpisodes(w, []*deltagymv1.Episode{
 				{EpisodeId: "ep-1", Env: "shell", Run: "r", GroupId: "g", Status: deltagymv1.EpisodeStatus_EPISODE_STATUS_TERMINATED, StepCount: 3, TotalReward: 1, StartTime: ts},

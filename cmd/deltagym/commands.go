@@ -618,13 +618,27 @@ func (e *evaluateCmd) Run(ctx context.Context, a *app) error {
 	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
-	m := res.Msg
-	return printVerdict(a.stdout, m.GetReward(), m.GetComponents(), m.GetOutput(), "took "+formatSeconds(m.GetDurationSeconds()))
+	return printEvaluate(a.stdout, res.Msg)
 }
 
-// printVerdict prints a verifier's reward, components and output.
+// printEvaluate prints Evaluate's verdict, with the verifier's time if it ran: a state the
+// server refused to judge (its output says why) took none.
+func printEvaluate(w io.Writer, m *deltagymv1.EvaluateResponse) error {
+	note := ""
+	if d := m.GetDurationSeconds(); d > 0 {
+		note = "took " + formatSeconds(d)
+	}
+	return printVerdict(w, m.GetReward(), m.GetComponents(), m.GetOutput(), note)
+}
+
+// printVerdict prints a verifier's reward, with note in parentheses if there is one,
+// components and output.
 func printVerdict(w io.Writer, reward float64, components map[string]float64, output, note string) error {
-	if err := fields(w, "reward", formatFloat(reward)+" ("+note+")", "components", formatComponents(components)); err != nil {
+	r := formatFloat(reward)
+	if note != "" {
+		r += " (" + note + ")"
+	}
+	if err := fields(w, "reward", r, "components", formatComponents(components)); err != nil {
 		return err
 	}
 	if output != "" {
