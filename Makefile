@@ -18,7 +18,7 @@ include $(sort $(wildcard mk/*.mk))
 .PHONY: help deps build test test-unit test-privileged test-race run bench bench-sandbox lint generate checkgenerate clean clean-data clean-ledger init
 
 help: ## list targets
-	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}' | \
+	@grep -hE '^[a-zA-Z_/.-]+:.*## ' $(MAKEFILE_LIST) | sort | awk -F':.*## ' '{t[NR] = $$1; h[NR] = $$2; w = length($$1) > w ? length($$1) : w} END {for (i = 1; i <= NR; i++) printf "  %-*s  %s\n", w, t[i], h[i]}' | \
 		sed -e 's|\$$(DATA)|$(DATA)|g' -e 's|\$$(SERVER_ADDR)|$(SERVER_ADDR)|g' -e 's|\$$(PROTO_BREAKING_REF)|$(PROTO_BREAKING_REF)|g'
 
 deps: ## install the Debian packages and tools the project needs (idempotent)

@@ -1,6 +1,7 @@
 package envpool
 
 import (
+	"fmt"
 	"sort"
 	"time"
 
@@ -88,6 +89,16 @@ func (e *Env) Err() error {
 	default:
 		return nil
 	}
+}
+
+// Waiting returns why the env's setup waits for capacity (a cap of the server refused it; it is
+// retried), or nil: once ready or broken, and while its first setup runs. It wraps the cap's
+// refusal (class ResourceExhausted).
+func (e *Env) Waiting() error {
+	if w := e.pool.waitingErr(); w != nil {
+		return fmt.Errorf("%s: %w", w.what, w.cause)
+	}
+	return nil
 }
 
 // sandboxSpec is the runtime spec of the env's sandboxes (Image set; clear it to fork).

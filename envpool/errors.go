@@ -24,6 +24,10 @@ var (
 	// ErrNotReady means the env's pool could not be warmed (its image is missing or a setup
 	// command failed); the message says why.
 	ErrNotReady = fmt.Errorf("env not ready: %w", errdefs.ErrFailedPrecondition)
+	// ErrWaiting means the env's setup was refused by a cap of the server (its live sandboxes,
+	// checkpoints, descriptors or mounts) and is retried once capacity frees; the message names
+	// the cap.
+	ErrWaiting = fmt.Errorf("env waiting for capacity: %w", errdefs.ErrResourceExhausted)
 	// ErrLeaseEnded means the lease was closed or reaped.
 	ErrLeaseEnded = fmt.Errorf("sandbox closed: %w", errdefs.ErrFailedPrecondition)
 	// ErrVerifier means the verifier failed or printed no reward.

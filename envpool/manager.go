@@ -9,6 +9,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
@@ -116,10 +117,17 @@ type Manager struct {
 	// +checklocks:mu
 	tearing []Box
 
+	// freed is closed, and replaced, when capacity may have freed (kick), for the pools whose
+	// setup waits for it; waiters counts those pools.
+	// +checklocks:mu
+	freed   chan struct{}
+	waiters atomic.Int32
+
 	reaperDone chan struct{}
 	reaping    sync.WaitGroup // reaps in progress (sweep)
 	retiring   sync.WaitGroup // pools of replaced envs being drained
 	discard    sync.WaitGroup // verifiers' sandboxes being destroyed (Pristine)
+	watching   sync.WaitGroup // teardowns watched for waiting pools (CloseLease)
 	closeOnce  sync.Once
 	closeErr   error
 }
@@ -132,7 +140,7 @@ func New(cfg Config, specs []*deltagymv1.EnvSpec) (*Manager, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &Manager{cfg: cfg, rt: cfg.Backend, clock: cfg.Clock, log: cfg.Logger, ctx: ctx, cancel: cancel,
-		envs: map[string]*Env{}, leases: map[string]*Lease{}, reaperDone: make(chan struct{})}
+		envs: map[string]*Env{}, leases: map[string]*Lease{}, freed: make(chan struct{}), reaperDone: make(chan struct{})}
 	for _, s := range specs {
 		if _, err := m.Register(s, false); err != nil {
 			cancel()
@@ -371,7 +379,36 @@ func (m *Manager) CloseLease(ctx context.Context, l *Lease) error {
 	m.mu.Lock()
 	m.tearing = append(slices.DeleteFunc(m.tearing, gone), l.box)
 	m.mu.Unlock()
+	if m.waiters.Load() > 0 {
+		// Its sandbox counts against the caps until its teardown is over.
+		m.watching.Go(func() {
+			select {
+			case <-l.box.Done():
+				m.kick()
+			case <-m.ctx.Done():
+			}
+		})
+	}
 	return nil
+}
+
+// capacityFreed returns a channel closed at the next kick.
+func (m *Manager) capacityFreed() <-chan struct{} {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.freed
+}
+
+// kick tells the pools whose setup waits for capacity that some may have freed: a sandbox was
+// torn down or a checkpoint released. Without such pools it costs an atomic load.
+func (m *Manager) kick() {
+	if m.waiters.Load() == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	close(m.freed)
+	m.freed = make(chan struct{})
 }
 
 // gone reports whether b's teardown is over.
@@ -534,6 +571,7 @@ func (m *Manager) Close(ctx context.Context) error {
 			}
 		}
 		m.discard.Wait()
+		m.watching.Wait()
 		errs = append(errs, m.waitTorn(ctx))
 		m.closeErr = errors.Join(errs...)
 	})

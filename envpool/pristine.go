@@ -91,6 +91,7 @@ func (m *Manager) Pristine(ctx context.Context, l *Lease, answer *string) (Verdi
 		if err := sbs[0].Destroy(context.WithoutCancel(ctx)); err != nil {
 			m.log.Warn("destroying a verifier's sandbox", "sandbox", sbs[0].ID(), "err", err)
 		}
+		m.kick()
 	})
 	to, ok := sbs[0].(*sandbox.Sandbox)
 	if !ok {

@@ -206,6 +206,7 @@ func (m *Manager) Reset(ctx context.Context, env *Env, p ResetParams) (*Lease, R
 		if err := m.rt.ReleaseCheckpoint(old); err != nil && !errors.Is(err, sandbox.ErrNotFound) {
 			m.log.Warn("releasing an evicted task checkpoint", "env", env.Name(), "checkpoint", old, "err", err)
 		}
+		m.kick()
 	}
 	return l, ResetResult{Checkpoint: info.ID, Hook: &res}, nil
 }
@@ -293,6 +294,7 @@ func (m *Manager) Evaluate(ctx context.Context, l *Lease) (Verdict, error) {
 		if err := sbs[0].Destroy(context.WithoutCancel(ctx)); err != nil {
 			m.log.Warn("destroying evaluate fork", "sandbox", sbs[0].ID(), "err", err)
 		}
+		m.kick()
 	}()
 	v, err := m.Verify(ctx, l.env, sbs[0], nil)
 	v.Checkpoint = info

@@ -50,6 +50,7 @@ var suite = []struct {
 	{"Budgets", testBudgets},
 	{"Fork", testFork},
 	{"SetupFails", testSetupFails},
+	{"SetupWaitsForCapacity", testSetupWaitsForCapacity},
 	{"RegisterReplace", testRegisterReplace},
 	{"CloseEndsEverything", testCloseEndsEverything},
 }
@@ -810,6 +811,78 @@ func testSetupFails(t *testing.T, h *harness) {
 	b.m.ImageImported(image) // ready now: nothing to do
 	if b.env(t, "late") != again {
 		t.Fatal("ImageImported replaced a ready env")
+	}
+}
+
+// testSetupWaitsForCapacity: a setup refused by the server's sandbox cap leaves its env waiting
+// for capacity, not broken: Reset is refused at once as resource exhausted, naming the cap; a
+// sandbox torn down runs setup again at once, and the back-off runs it again when capacity
+// frees otherwise. The clock moves only where the back-off is the point.
+func testSetupWaitsForCapacity(t *testing.T, h *harness) {
+	h.needFake(t, "the sandbox cap is changed while the runtime runs")
+	ctx, cancel := context.WithTimeout(t.Context(), watchdog)
+	defer cancel()
+	h.fake.LimitLive(2)
+	b := setup(t, h, spec("a", h.image))
+	a := b.env(t, "a")
+	// Two leases hold the cap: a's refill after the second is refused, and waits on its
+	// back-off's timer, which never fires while the clock stands still.
+	l1, _ := b.acquire(t, a), b.acquire(t, a)
+	env, err := b.m.Register(spec("b", h.image, cmdSetup), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-env.Refused():
+	case <-env.Settled():
+		t.Fatalf("setup past the cap settled: checkpoint %q, err %v", env.InitialCheckpoint(), env.Err())
+	case <-ctx.Done():
+		t.Fatal("setup past the cap was not refused")
+	}
+	wantErr(t, env.Waiting(), sandbox.ErrCap, errdefs.ErrResourceExhausted)
+	if env.Err() != nil {
+		t.Fatalf("an env waiting for capacity is broken: %v", env.Err())
+	}
+	_, err = b.m.Acquire(ctx, env)
+	wantErr(t, err, envpool.ErrWaiting, sandbox.ErrCap)
+	if errdefs.Class(err) != errdefs.ErrResourceExhausted || !strings.Contains(err.Error(), `cap "sandboxes"`) {
+		t.Fatalf("Reset of an env waiting for capacity: %v (class %v)", err, errdefs.Class(err))
+	}
+	if err := b.m.CloseLease(ctx, l1); err != nil {
+		t.Fatal(err)
+	}
+	settled(ctx, t, env)
+	if got := run(t, b.acquire(t, env), cmdCatSetup); got != "once\n" {
+		t.Fatalf("the env's state once ready: %q", got)
+	}
+
+	later, err := b.m.Register(spec("c", h.image), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-later.Refused():
+	case <-ctx.Done():
+		t.Fatal("setup past the cap was not refused")
+	}
+	h.fake.LimitLive(8)
+	if err := b.clk.WaitForTimer(ctx, envpool.CapacityRetryMin); err != nil {
+		t.Fatalf("no retry armed: %v", err)
+	}
+	b.clk.Advance(envpool.CapacityRetryMin)
+	settled(ctx, t, later)
+}
+
+// settled waits for env's setup to be over and fails unless the env is ready.
+func settled(ctx context.Context, t *testing.T, env *envpool.Env) {
+	t.Helper()
+	select {
+	case <-env.Settled():
+	case <-ctx.Done():
+		t.Fatalf("env %s still waiting: %v", env.Name(), env.Waiting())
+	}
+	if env.Err() != nil || env.Waiting() != nil || env.InitialCheckpoint() == "" {
+		t.Fatalf("env %s: err %v, waiting %v, checkpoint %q", env.Name(), env.Err(), env.Waiting(), env.InitialCheckpoint())
 	}
 }
 

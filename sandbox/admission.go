@@ -406,6 +406,7 @@ func (r *Runtime) admission() error {
 	if err := r.cg.SetBaseMemory(mem); err != nil {
 		return err
 	}
+	d.Why = sandboxesBoundedBy(r.cfg.Caps.Sandboxes, r.cfg.CapFlags[CapSandboxes], d.Why)
 	r.log.Info("admission caps", "sandboxes", c.Sandboxes, "checkpoints", c.Checkpoints,
 		"checkpoint_bytes", r.cfg.CheckpointBudgetBytes, "descriptors", c.Descriptors, "mounts", c.Mounts,
 		"memory_bytes", max(mem, 0), "sandboxes_bounded_by", d.Why)
@@ -413,6 +414,24 @@ func (r *Runtime) admission() error {
 		r.log.Warn("host setting too low for the admission caps: " + w)
 	}
 	return nil
+}
+
+// sandboxesBoundedBy names what sets the sandbox cap, for the log: the setting that configured
+// it (set > 0; its flag's name where flag names one, as CapFlags do), "none" for no cap (set <
+// 0), else what of the host bounds the derived cap (why, Derived.Why).
+func sandboxesBoundedBy(set int, flag, why string) string {
+	switch {
+	case set < 0:
+		return "none"
+	case set == 0:
+		return why
+	}
+	for f := range strings.FieldsSeq(flag) {
+		if strings.HasPrefix(f, "--") {
+			return f
+		}
+	}
+	return "config"
 }
 
 // CheckAdmission returns the refusal (ErrCap) n more sandboxes would get

@@ -15,7 +15,7 @@ import (
 // state (sandbox/procstate). Where the class's own message says it all (not found,
 // invalid argument, already exists, resource exhausted, aborted), the
 // sentinel's message is the class's: the server strips it from messages
-// whose status code repeats it (trimClass in server/errors.go).
+// whose status code repeats it (errdefs.Message).
 var (
 	// ErrNotFound: an unknown sandbox, checkpoint or image.
 	ErrNotFound = fmt.Errorf("%w", errdefs.ErrNotFound)

@@ -125,6 +125,7 @@ func (r *Runtime) OnWarm(f func(ready int)) { r.hooks.onWarm.Store(&f) }
 
 // WarmWanted is the warm pool's target.
 func (r *Runtime) WarmWanted() int { return r.warmWanted(time.Now()) }
+
 // HoldRetirement takes every teardown slot, so that sandboxes closed from
 // now on stay retiring until the returned function (idempotent) gives the
 // slots back.

@@ -21,7 +21,10 @@ var _ deltagymv1connect.EnvServiceHandler = (*envService)(nil)
 func (e *envService) envInfo(env *envpool.Env) *deltagymv1.EnvInfo {
 	info := &deltagymv1.EnvInfo{Spec: env.Spec(), WarmCount: int32(env.Warm()), ActiveCount: int32(e.s.pools.Active(env.Name()))}
 	if err := env.Err(); err != nil {
-		info.NotReady = err.Error()
+		info.NotReady = e.s.message(err)
+	}
+	if err := env.Waiting(); err != nil {
+		info.WaitingForCapacity = e.s.message(err)
 	}
 	return info
 }

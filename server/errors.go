@@ -60,8 +60,9 @@ func codeOf(err error) connect.Code {
 func isInternal(err error) bool { return codeOf(err) == connect.CodeInternal }
 
 // toConnect turns err into a Connect error with the right code and a client-safe message: host
-// paths under the server's directories are replaced by placeholders, and internal errors are
-// reported without detail (the log has it).
+// paths under the server's directories are replaced by placeholders, the words of the error's
+// class are left out (errdefs.Message), and internal errors are reported without detail (the
+// log has it).
 func (s *Server) toConnect(err error) error {
 	if err == nil {
 		return nil
@@ -75,25 +76,14 @@ func (s *Server) toConnect(err error) error {
 		s.log.Error("internal error", "err", err)
 		return connect.NewError(code, errors.New("internal error (details in the server log)"))
 	}
-	return connect.NewError(code, errors.New(trimClass(s.scrub(err.Error()), code)))
+	return connect.NewError(code, errors.New(s.message(err)))
 }
 
-// trimClass drops from msg the text of its class where the code already says it: "not_found:
-// checkpoint …", not "not_found: not found: checkpoint …" or "… unknown env: not found".
-func trimClass(msg string, code connect.Code) string {
-	for class, c := range classCodes {
-		if c != code {
-			continue
-		}
-		p := class.Error()
-		if rest, ok := strings.CutPrefix(msg, p+": "); ok && rest != "" {
-			msg = rest
-		}
-		if rest, ok := strings.CutSuffix(msg, ": "+p); ok && rest != "" {
-			msg = rest
-		}
-	}
-	return msg
+// message is err's text for a client: host paths scrubbed and without the words of its class,
+// which its code says, or the field that holds it ("not_found: checkpoint …", not
+// "not_found: not found: checkpoint …" nor "… env not ready: failed precondition").
+func (s *Server) message(err error) string {
+	return errdefs.Strip(s.scrub(err.Error()), errdefs.Class(err))
 }
 
 // scrub replaces the server's host paths in a message.

@@ -61,6 +61,8 @@ func TestCodeOfPrecedence(t *testing.T) {
 		{"an env not ready for want of its image", causedBy{envpool.ErrNotReady, fmt.Errorf("image: %w", sandbox.ErrNotFound)},
 			connect.CodeFailedPrecondition},
 		{"an env not ready, its cause classed", causedBy{envpool.ErrNotReady, errdefs.ErrNotFound}, connect.CodeFailedPrecondition},
+		{"an env waiting for capacity", causedBy{envpool.ErrWaiting, fmt.Errorf("creating setup sandbox: %w", sandbox.ErrCap)},
+			connect.CodeResourceExhausted},
 		{"unauthenticated over not found", fmt.Errorf("%w: %w", ErrUnauthenticated, sandbox.ErrNotFound), connect.CodeUnauthenticated},
 		{"an abort over invalid", fmt.Errorf("%w: %w", errdefs.ErrAborted, sandbox.ErrInvalid), connect.CodeAborted},
 		{"the class nearest the top", fmt.Errorf("%w: %w", errdefs.ErrInvalidArgument, fmt.Errorf("lookup: %w", errdefs.ErrNotFound)), connect.CodeInvalidArgument},
@@ -91,6 +93,14 @@ func TestToConnect(t *testing.T) {
 	got = s.toConnect(fmt.Errorf("%w: checkpoint %q in /var/data/c", sandbox.ErrNotFound, "ck"))
 	if !errors.As(got, &ce) || ce.Code() != connect.CodeNotFound || ce.Message() != `checkpoint "ck" in $DATA/c` {
 		t.Fatalf("runtime's error: %v", got)
+	}
+	got = s.toConnect(fmt.Errorf("env shell: checkpointing task: %w: the server's cap %q", sandbox.ErrCap, "checkpoints"))
+	if !errors.As(got, &ce) || ce.Code() != connect.CodeResourceExhausted || ce.Message() != `env shell: checkpointing task: the server's cap "checkpoints"` {
+		t.Fatalf("a cap's refusal: %v", got)
+	}
+	got = s.toConnect(causedBy{fmt.Errorf("env x: %w", envpool.ErrNotReady), fmt.Errorf("image %q: %w", "y", sandbox.ErrNotFound)})
+	if !errors.As(got, &ce) || ce.Code() != connect.CodeFailedPrecondition || ce.Message() != `env x: env not ready: image "y": not found` {
+		t.Fatalf("an env not ready: %v", got)
 	}
 }
 

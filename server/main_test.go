@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -212,6 +214,21 @@ func codeOf(err error) connect.Code {
 		return ce.Code()
 	}
 	return connect.Code(status.Code(err))
+}
+
+// repeatsCode reports whether err's message says its code's words again, anywhere between its
+// ": " separators ("not_found: checkpoint x: not found").
+func repeatsCode(err error) bool {
+	if err == nil {
+		return false
+	}
+	msg := status.Convert(err).Message()
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		msg = ce.Message()
+	}
+	words := strings.ReplaceAll(codeOf(err).String(), "_", " ")
+	return slices.Contains(strings.Split(msg, ": "), words)
 }
 
 func must(t testing.TB, err error) {

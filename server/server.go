@@ -227,6 +227,11 @@ func (s *Server) startLedger(ctx context.Context) error {
 		return fmt.Errorf("starting ledger writer: %w", err)
 	}
 	s.writer = w
+	acked := "once in the spool's page cache: a server crash keeps them, a host crash may not (--ledger-sync fsyncs them)"
+	if s.cfg.LedgerSync {
+		acked = "once fsynced in the spool"
+	}
+	s.log.Info("ledger writer started", "ledger_sync", s.cfg.LedgerSync, "rows_acknowledged", acked)
 	if s.store, err = ledger.Open(ctx, url, w); err != nil {
 		return fmt.Errorf("opening ledger: %w", err)
 	}

@@ -293,11 +293,17 @@ func TestPrintTables(t *testing.T) {
 			return printEnvs(w, &deltagymv1.ListEnvsResponse{Envs: []*deltagymv1.EnvInfo{
 				{Spec: &deltagymv1.EnvSpec{Name: "shell", Image: "default", Description: "A shell.\nMore."}, WarmCount: 4, ActiveCount: 1},
 				{Spec: &deltagymv1.EnvSpec{Name: "x"}},
+				{Spec: &deltagymv1.EnvSpec{Name: "y", Image: "default"}, NotReady: `env y: setup[0] "false": exited 1: env not ready`},
+				{Spec: &deltagymv1.EnvSpec{Name: "z", Image: "default"}, WaitingForCapacity: `creating setup sandbox from image "default": the server's cap "sandboxes" of 2 live sandboxes would be exceeded (2 in use, 1 asked)`},
 			}})
 		}, "" +
-			"NAME   WARM  ACTIVE  IMAGE    DESCRIPTION\n" +
-			"shell  4     1       default  A shell.…\n" +
-			"x      0     0       -        -\n"},
+			"NAME   WARM     ACTIVE  IMAGE    DESCRIPTION\n" +
+			"shell  4        1       default  A shell.…\n" +
+			"x      0        0       -        -\n" +
+			"y      broken   0       default  -\n" +
+			"z      waiting  0       default  -\n" +
+			`env y is not ready: env y: setup[0] "false": exited 1: env not ready` + "\n" +
+			`env z is waiting for capacity (its setup is retried): creating setup sandbox from image "default": the server's cap "sandboxes" of 2 live sandboxes would be exceeded (2 in use, 1 asked)` + "\n"},
 		{"reset", func(w io.Writer) error {
 			return printReset(w, &deltagymv1.ResetResponse{
 				SandboxId: "sb-1", EpisodeId: "ep-1", CheckpointId: "ck-1", LeaseExpireTime: timestamppb.New(now.Add(10 * time.Minute)),
@@ -330,11 +336,16 @@ func TestPrintTables(t *testing.T) {
 			"sb-2     ep-2\n" +
 			"sb-3     ep-3\n"},
 		{"verdict", func(w io.Writer) error {
-			return printVerdict(w, 1, map[string]float64{"tests": 0.5, "correct": 1}, "ok", "took 3.0ms")
+			return printEvaluate(w, &deltagymv1.EvaluateResponse{Reward: 1, Components: map[string]float64{"tests": 0.5, "correct": 1}, Output: "ok", DurationSeconds: 0.003})
 		}, "" +
 			"reward      1 (took 3.0ms)\n" +
 			"components  correct=1 tests=0.5\n" +
 			"verifier output:\n  ok\n"},
+		{"verdict refused", func(w io.Writer) error {
+			return printEvaluate(w, &deltagymv1.EvaluateResponse{Output: "deltagym: the agent's state was not judged (reward 0): /tmp/x is a symbolic link\n"})
+		}, "" +
+			"reward  0\n" +
+			"verifier output:\n  deltagym: the agent's state was not judged (reward 0): /tmp/x is a symbolic link\n"},
 		{"episodes", func(w io.Writer) error {
 			return printEpisodes(w, []*deltagymv1.Episode{
 				{EpisodeId: "ep-1", Env: "shell", Run: "r", GroupId: "g", Status: deltagymv1.EpisodeStatus_EPISODE_STATUS_TERMINATED, StepCount: 3, TotalReward: 1, StartTime: ts},

@@ -40,13 +40,17 @@ func (*envsCmd) Run(ctx context.Context, a *app) error {
 
 func printEnvs(w io.Writer, m *deltagymv1.ListEnvsResponse) error {
 	t := newTable(w, "NAME", "WARM", "ACTIVE", "IMAGE", "DESCRIPTION")
-	var broken []*deltagymv1.EnvInfo
+	var notes []string
 	for _, e := range m.GetEnvs() {
 		s := e.GetSpec()
 		warm := strconv.Itoa(int(e.GetWarmCount()))
-		if e.GetNotReady() != "" {
+		switch {
+		case e.GetNotReady() != "":
 			warm = "broken"
-			broken = append(broken, e)
+			notes = append(notes, fmt.Sprintf("env %s is not ready: %s", s.GetName(), e.GetNotReady()))
+		case e.GetWaitingForCapacity() != "":
+			warm = "waiting"
+			notes = append(notes, fmt.Sprintf("env %s is waiting for capacity (its setup is retried): %s", s.GetName(), e.GetWaitingForCapacity()))
 		}
 		t.row(s.GetName(), warm, strconv.Itoa(int(e.GetActiveCount())),
 			orDash(s.GetImage()), orDash(shortText(s.GetDescription(), 60)))
@@ -54,8 +58,8 @@ func printEnvs(w io.Writer, m *deltagymv1.ListEnvsResponse) error {
 	if err := t.flush(); err != nil {
 		return err
 	}
-	for _, e := range broken {
-		if _, err := fmt.Fprintf(w, "env %s is not ready: %s\n", e.GetSpec().GetName(), e.GetNotReady()); err != nil {
+	for _, n := range notes {
+		if _, err := fmt.Fprintln(w, n); err != nil {
 			return err
 		}
 	}
@@ -614,13 +618,27 @@ func (e *evaluateCmd) Run(ctx context.Context, a *app) error {
 	if a.JSON {
 		return printJSON(a.stdout, res.Msg)
 	}
-	m := res.Msg
-	return printVerdict(a.stdout, m.GetReward(), m.GetComponents(), m.GetOutput(), "took "+formatSeconds(m.GetDurationSeconds()))
+	return printEvaluate(a.stdout, res.Msg)
 }
 
-// printVerdict prints a verifier's reward, components and output.
+// printEvaluate prints Evaluate's verdict, with the verifier's time if it ran: a state the
+// server refused to judge (its output says why) took none.
+func printEvaluate(w io.Writer, m *deltagymv1.EvaluateResponse) error {
+	note := ""
+	if d := m.GetDurationSeconds(); d > 0 {
+		note = "took " + formatSeconds(d)
+	}
+	return printVerdict(w, m.GetReward(), m.GetComponents(), m.GetOutput(), note)
+}
+
+// printVerdict prints a verifier's reward, with note in parentheses if there is one,
+// components and output.
 func printVerdict(w io.Writer, reward float64, components map[string]float64, output, note string) error {
-	if err := fields(w, "reward", formatFloat(reward)+" ("+note+")", "components", formatComponents(components)); err != nil {
+	r := formatFloat(reward)
+	if note != "" {
+		r += " (" + note + ")"
+	}
+	if err := fields(w, "reward", r, "components", formatComponents(components)); err != nil {
 		return err
 	}
 	if output != "" {

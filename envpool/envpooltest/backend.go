@@ -8,7 +8,8 @@
 // create from a checkpoint starts from a copy. A command runs the Script registered for its
 // exact text (Backend.Script), which reads and writes the sandbox's files through its Call, as
 // the shell command of the same text would in a real sandbox. Failures come on demand
-// (Backend.Fail) and a sandbox dies on demand (Box.Kill).
+// (Backend.Fail), a cap on the live sandboxes refuses as the runtime's does (Backend.LimitLive),
+// and a sandbox dies on demand (Box.Kill).
 package envpooltest
 
 import (
@@ -72,6 +73,8 @@ type Backend struct {
 	calls map[Op]int
 	// +checklocks:mu
 	seq int
+	// +checklocks:mu
+	maxLive int
 }
 
 type checkpoint struct {
@@ -112,6 +115,26 @@ func (b *Backend) Fail(op Op, err error) {
 		return
 	}
 	b.faults[op] = err
+}
+
+// LimitLive caps the live sandboxes at n (0: no cap), as the runtime's sandbox cap does: a
+// Create or Fork that would pass it is refused, before it makes anything, with sandbox.ErrCap
+// naming the cap. Sandboxes live already stay.
+func (b *Backend) LimitLive(n int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.maxLive = n
+}
+
+// admitLocked refuses n more sandboxes beyond the cap of LimitLive.
+//
+// +checklocks:b.mu
+func (b *Backend) admitLocked(n int) error {
+	if b.maxLive > 0 && len(b.boxes)+n > b.maxLive {
+		return fmt.Errorf("%w: the server's cap %q of %d live sandboxes would be exceeded (%d in use, %d asked)",
+			sandbox.ErrCap, sandbox.CapSandboxes, b.maxLive, len(b.boxes), n)
+	}
+	return nil
 }
 
 // Calls returns how many times op was called, failed calls included.
@@ -178,6 +201,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (envpool.Box, e
 	if !ok {
 		return nil, fmt.Errorf("%w: image %q", sandbox.ErrNotFound, spec.Image)
 	}
+	if err := b.admitLocked(1); err != nil {
+		return nil, err
+	}
 	return b.newBoxLocked(spec, spec.Image, "", files), nil
 }
 
@@ -200,6 +226,9 @@ func (b *Backend) Fork(ctx context.Context, id string, n int, spec sandbox.Spec)
 	}
 	if spec.Image != "" && spec.Image != ck.info.Image {
 		return nil, fmt.Errorf("%w: checkpoint %s is of image %s, not %s", sandbox.ErrMismatch, id, ck.info.Image, spec.Image)
+	}
+	if err := b.admitLocked(n); err != nil {
+		return nil, err
 	}
 	out := make([]envpool.Box, n)
 	for i := range out {

@@ -5,10 +5,15 @@
 // classes, never packages, to codes (server/errors.go).
 package errdefs
 
-import "errors"
+import (
+	"errors"
+	"strings"
+)
 
 // The classes. Messages of errors that wrap them say what was being done; the class says what
-// the caller can do about it.
+// the caller can do about it. An error's text holds its class's words ("…: not found") where it
+// wrapped it with %w; where the class is said otherwise (a status code at the API's edge, a
+// listing's state), Message gives the text without them.
 var (
 	// ErrInvalidArgument: the request is malformed or names something impossible; sending it
 	// again changes nothing.
@@ -62,4 +67,37 @@ func Class(err error) error {
 		}
 	}
 	return nil
+}
+
+// Message returns err's text without the words of its class (Class), which the caller says
+// otherwise, as a status code does: "env x: checkpointing: the server's cap …" for
+// "env x: checkpointing: resource exhausted: the server's cap …". The words go where they stand
+// alone between ": " separators, wherever in the chain a sentinel or a wrap put them; the words
+// of other classes stay (a failed precondition caused by an image "not found" says so). A text
+// that is the class's words alone is kept.
+func Message(err error) string {
+	if err == nil {
+		return ""
+	}
+	return Strip(err.Error(), Class(err))
+}
+
+// Strip removes from msg the segments, between ": " separators, that are class's words alone
+// (see Message). msg is returned as it is when class is nil or msg is nothing but its words.
+func Strip(msg string, class error) string {
+	if class == nil {
+		return msg
+	}
+	words := class.Error()
+	parts := strings.Split(msg, ": ")
+	kept := parts[:0]
+	for _, p := range parts {
+		if p != words {
+			kept = append(kept, p)
+		}
+	}
+	if len(kept) == 0 {
+		return msg
+	}
+	return strings.Join(kept, ": ")
 }

@@ -27,3 +27,28 @@ func TestClass(t *testing.T) {
 		t.Fatal("a package's own sentinel is lost through wrapping")
 	}
 }
+
+// The text of an error without its class's words: once in the middle, at either end, twice, and
+// those of another class kept.
+func TestMessage(t *testing.T) {
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{fmt.Errorf("env shell: checkpointing task: %w: the server's cap %q of 2 would be exceeded", ErrResourceExhausted, "checkpoints"),
+			`env shell: checkpointing task: the server's cap "checkpoints" of 2 would be exceeded`},
+		{fmt.Errorf("env x: setup[0]: exited 1: env not ready: %w", ErrFailedPrecondition), "env x: setup[0]: exited 1: env not ready"},
+		{fmt.Errorf("%w: checkpoint ck", ErrNotFound), "checkpoint ck"},
+		{fmt.Errorf("env x: %w: %w", fmt.Errorf("not ready: %w", ErrFailedPrecondition), fmt.Errorf("image y: %w", ErrNotFound)),
+			"env x: not ready: image y: not found"},
+		{fmt.Errorf("a: %w: b: %w", ErrAborted, ErrAborted), "a: b"},
+		{fmt.Errorf("file: not found here: %w", ErrNotFound), "file: not found here"},
+		{fmt.Errorf("%w", ErrNotFound), "not found"},
+		{errors.New("plain: not found"), "plain: not found"},
+		{nil, ""},
+	} {
+		if got := Message(tc.err); got != tc.want {
+			t.Errorf("Message(%q) = %q, want %q", tc.err, got, tc.want)
+		}
+	}
+}

@@ -18,3 +18,13 @@ var (
 	// ErrRefused means the policy refuses a destination; the message says why.
 	ErrRefused = fmt.Errorf("egress refused: %w", errdefs.ErrFailedPrecondition)
 )
+
+// plain is msg without the words of the error classes in it ("egress refused: not in the
+// env's allow-list", not "egress refused: failed precondition: …"): a reply's status says
+// the class to the program in the sandbox that reads its body.
+func plain(msg string) string {
+	for _, c := range errdefs.Classes {
+		msg = errdefs.Strip(msg, c)
+	}
+	return msg
+}

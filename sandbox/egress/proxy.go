@@ -470,7 +470,7 @@ func end(err error, src, dst net.Conn) {
 
 // reply answers a refused or failed request and closes the exchange.
 func reply(c net.Conn, status int, msg string) {
-	body := "egress: " + msg + "\n"
+	body := "egress: " + plain(msg) + "\n"
 	_, _ = fmt.Fprintf(c, "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
 		status, http.StatusText(status), len(body), body)
 }

@@ -28,9 +28,10 @@ func TestCheckArgsLimits(t *testing.T) {
 	}{
 		{"entries at the limit", entries(MaxEntries - 2), entries(2), ""},
 		{"entries past the limit", entries(MaxEntries - 1), entries(2), "at most 4094"},
-		{"argv alone past the limit", entries(6004), nil, "6004 entries"},
+		{"argv alone past the limit", entries(6005), nil, "exec: 6005 argv entries: a command takes at most 4094"},
+		{"argv and environment past the limit", entries(3), entries(4092), "exec: 3 argv entries and 4092 environment variables: a command"},
 		{"payload at the limit", full, nil, ""},
-		{"payload past the limit", append(full, "b"), nil, "at most 204800"},
+		{"payload past the limit", append(full, "b"), nil, "(3 argv entries): a command takes at most 204800"},
 		{"argument at the limit", []string{strings.Repeat("c", MaxString)}, nil, ""},
 		{"argument past the limit", []string{strings.Repeat("c", MaxString+1)}, nil, "at most 131071"},
 		{"variable past the limit", []string{"true"}, []string{"V=" + strings.Repeat("v", MaxString)}, "at most 131071"},
@@ -46,5 +47,13 @@ func TestCheckArgsLimits(t *testing.T) {
 		case tc.hint != "" && (err == nil || !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), tc.hint)):
 			t.Errorf("%s: %v, want invalid argument saying %q", tc.name, err, tc.hint)
 		}
+	}
+}
+
+// The init's own check counts the sandbox's variables with the request's, and says so.
+func TestSpawnCheckCountsTheSandboxsVariables(t *testing.T) {
+	err := checkArgs([]string{"true"}, make([]string, MaxEntries), "/", "the sandbox's own")
+	if want := "exec: 1 argv entry and 4094 environment variables (the sandbox's own included): a command takes at most 4094"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("%v, want %q", err, want)
 	}
 }

@@ -303,15 +303,23 @@ const spawnHdrLen = 16
 
 // CheckArgs checks a command against the init's limits (MaxEntries,
 // MaxPayload, MaxString) and its wire format (no empty argument, no NUL
-// byte). env is the command's whole environment, KEY=VALUE. An error wraps
+// byte). env is the command's environment, KEY=VALUE, as far as the caller
+// has it (a request's own variables; Spawn checks the whole, the sandbox's
+// own included), and the refusals count what it holds. An error wraps
 // ErrTooLarge or ErrBadArg and says which limit and by how much.
 func CheckArgs(argv, env []string, cwd string) error {
+	return checkArgs(argv, env, cwd, "")
+}
+
+// checkArgs is CheckArgs; whose says whose variables env holds beyond the
+// request's, for the refusals ("" for none).
+func checkArgs(argv, env []string, cwd, whose string) error {
 	if len(argv) == 0 {
 		return fmt.Errorf("%w: exec: empty argv", ErrBadArg)
 	}
 	if n := len(argv) + len(env); n > MaxEntries {
-		return fmt.Errorf("%w: exec: argv has %d entries and the environment %d (the sandbox's own variables included): a command takes at most %d in all",
-			ErrTooLarge, len(argv), len(env), MaxEntries)
+		return fmt.Errorf("%w: exec: %s: a command takes at most %d argv entries and environment variables in all",
+			ErrTooLarge, countArgs(argv, env, whose), MaxEntries)
 	}
 	size := spawnHdrLen + len(cwd) + 1 + 1 + 1 // cwd and the two empty strings that end argv and env
 	if strings.IndexByte(cwd, 0) >= 0 {
@@ -341,10 +349,32 @@ func CheckArgs(argv, env []string, cwd string) error {
 		size += len(kv) + 1
 	}
 	if size > MaxPayload {
-		return fmt.Errorf("%w: exec: argv, environment and cwd take %d bytes (%d argv entries, %d variables, the sandbox's own included): a command takes at most %d",
-			ErrTooLarge, size, len(argv), len(env), MaxPayload)
+		return fmt.Errorf("%w: exec: argv, environment and cwd take %d bytes (%s): a command takes at most %d",
+			ErrTooLarge, size, countArgs(argv, env, whose), MaxPayload)
 	}
 	return nil
+}
+
+// countArgs says how many argv entries and environment variables a
+// command has: "6005 argv entries", "1 argv entry and 4100 environment
+// variables (the sandbox's own included)".
+func countArgs(argv, env []string, whose string) string {
+	s := plural(len(argv), "argv entry", "argv entries")
+	if len(env) > 0 {
+		s += " and " + plural(len(env), "environment variable", "environment variables")
+		if whose != "" {
+			s += " (" + whose + " included)"
+		}
+	}
+	return s
+}
+
+// plural is "n many", or "1 one".
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
 }
 
 // Steps at which the init can fail to start a command (SpawnError.Step);
@@ -390,7 +420,7 @@ func (c *Conn) Spawn(req SpawnRequest) (int, <-chan ExitEvent, error) {
 }
 
 func (c *Conn) spawn(req SpawnRequest) (int, chan ExitEvent, error) {
-	if err := CheckArgs(req.Argv, req.Env, req.Cwd); err != nil {
+	if err := checkArgs(req.Argv, req.Env, req.Cwd, "the sandbox's own"); err != nil {
 		return 0, nil, err
 	}
 	var b bytes.Buffer

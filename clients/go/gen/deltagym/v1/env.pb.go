@@ -901,9 +901,14 @@ type EnvInfo struct {
 	// not_ready says why the env cannot hand out sandboxes (its image is
 	// missing, a setup command failed, ...); empty while it is being set up
 	// and once it is ready. Reset of such an env fails with failed_precondition.
-	NotReady      string `protobuf:"bytes,4,opt,name=not_ready,json=notReady,proto3" json:"not_ready,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	NotReady string `protobuf:"bytes,4,opt,name=not_ready,json=notReady,proto3" json:"not_ready,omitempty"`
+	// waiting_for_capacity says which of the server's caps refused the env's
+	// setup (live sandboxes, checkpoints, descriptors, mounts): the setup is
+	// retried, and the env is ready once capacity frees. Empty otherwise.
+	// Reset of such an env fails with resource_exhausted.
+	WaitingForCapacity string `protobuf:"bytes,5,opt,name=waiting_for_capacity,json=waitingForCapacity,proto3" json:"waiting_for_capacity,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *EnvInfo) Reset() {
@@ -960,6 +965,13 @@ func (x *EnvInfo) GetActiveCount() int32 {
 func (x *EnvInfo) GetNotReady() string {
 	if x != nil {
 		return x.NotReady
+	}
+	return ""
+}
+
+func (x *EnvInfo) GetWaitingForCapacity() string {
+	if x != nil {
+		return x.WaitingForCapacity
 	}
 	return ""
 }
@@ -1232,13 +1244,14 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"\aBudgets\x12\x1b\n" +
 	"\tmax_steps\x18\x01 \x01(\x05R\bmaxSteps\x12\x1f\n" +
 	"\vmax_seconds\x18\x02 \x01(\x01R\n" +
-	"maxSeconds\"\x92\x01\n" +
+	"maxSeconds\"\xc4\x01\n" +
 	"\aEnvInfo\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.deltagym.v1.EnvSpecR\x04spec\x12\x1d\n" +
 	"\n" +
 	"warm_count\x18\x02 \x01(\x05R\twarmCount\x12!\n" +
 	"\factive_count\x18\x03 \x01(\x05R\vactiveCount\x12\x1b\n" +
-	"\tnot_ready\x18\x04 \x01(\tR\bnotReady\"\x88\x01\n" +
+	"\tnot_ready\x18\x04 \x01(\tR\bnotReady\x120\n" +
+	"\x14waiting_for_capacity\x18\x05 \x01(\tR\x12waitingForCapacity\"\x88\x01\n" +
 	"\x0eProcessCapture\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x18\n" +
 	"\acommand\x18\x02 \x01(\tR\acommand\x122\n" +

@@ -173,16 +173,18 @@ class Budgets(_message.Message):
     def __init__(self, max_steps: _Optional[int] = ..., max_seconds: _Optional[float] = ...) -> None: ...
 
 class EnvInfo(_message.Message):
-    __slots__ = ("spec", "warm_count", "active_count", "not_ready")
+    __slots__ = ("spec", "warm_count", "active_count", "not_ready", "waiting_for_capacity")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     WARM_COUNT_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOT_READY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     spec: EnvSpec
     warm_count: int
     active_count: int
     not_ready: str
-    def __init__(self, spec: _Optional[_Union[EnvSpec, _Mapping]] = ..., warm_count: _Optional[int] = ..., active_count: _Optional[int] = ..., not_ready: _Optional[str] = ...) -> None: ...
+    waiting_for_capacity: str
+    def __init__(self, spec: _Optional[_Union[EnvSpec, _Mapping]] = ..., warm_count: _Optional[int] = ..., active_count: _Optional[int] = ..., not_ready: _Optional[str] = ..., waiting_for_capacity: _Optional[str] = ...) -> None: ...
 
 class ProcessCapture(_message.Message):
     __slots__ = ("pid", "command", "method", "reason")
