@@ -76,6 +76,10 @@ type cmdGroups struct {
 	// killPending: killed may still hold processes; the next command waits
 	// for them (beginExec), unless a wait found them gone (waitKilled).
 	killPending atomic.Bool
+	// foldPending: killed groups were found empty while the huge-page
+	// worker was folding a process of the sandbox; the next command waits
+	// for it to let go (beginExec, foldReleased).
+	foldPending atomic.Bool
 	// stragglers: killed processes were given up on (no longer in killed)
 	// before they were seen gone; one could still write, and keepRoot no
 	// longer keeps a root.
@@ -434,13 +438,13 @@ func (s *Sandbox) waitKilledLocked() {
 	}
 }
 
-// forgetKilled forgets the killed groups, found empty, unless the huge-page
-// worker is folding a process of the sandbox: the next command then waits
-// for it to let go (beginExec, foldReleased), the restore does not.
+// forgetKilled forgets the killed groups, found empty. If the huge-page
+// worker is folding a process of the sandbox, the next command waits for it
+// to let go (beginExec, foldReleased); the restore does not.
 // +checklocks:s.cmds.mu
 func (s *Sandbox) forgetKilled() {
 	if s.rt.folds.Folding(s.id) != nil {
-		return
+		s.cmds.foldPending.Store(true)
 	}
 	s.cmds.killed = nil
 	s.cmds.killPending.Store(false)

@@ -159,8 +159,12 @@ func (s *Sandbox) beginExec() (context.Context, error) {
 		if !waitKilledGroups(s.killedGroups(), 2*time.Second) {
 			s.cmds.stragglers.Store(true) // no longer waited for (keepRoot)
 		}
-		s.foldReleased(2 * time.Second)
+		s.cmds.foldPending.Store(true)
 		s.cmds.killPending.Store(false)
+	}
+	if s.cmds.foldPending.Load() {
+		s.foldReleased(2 * time.Second)
+		s.cmds.foldPending.Store(false)
 	}
 	s.mu.Lock()
 	closed, gen := s.closed, s.gen
