@@ -1,6 +1,7 @@
 package sandbox_test
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -373,4 +374,53 @@ func attackResult(t *testing.T, s *sandbox.Sandbox) string {
 	}
 	t.Fatal("the attack's result never came")
 	return ""
+}
+
+// The OOM killer never picks a template: a command raises the
+// oom_score_adj of every counter.py process it sees (the template's /proc
+// files belong to the sandbox's root: it may), then fills the sandbox's
+// memory. The filler is killed, the live counter may be, the template is
+// not: the checkpoint restores at its exact state. The template's memory
+// still counts against the sandbox's limit.
+func TestOOMSparesTemplates(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: 128 << 20}})
+	ctx := t.Context()
+	// 32 MiB of its own: the OOM killer's score for it, raised, beats a
+	// filler's, which cannot take what the counter's pages hold.
+	startCounterOf(t, s, "blob = bytearray(b'x' * (32 << 20))\n"+counterPy)
+	inc(t, s, 1)
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	raised := sh(t, s, `n=0; for p in $(grep -l '[c]ounter.py' /proc/[0-9]*/cmdline | cut -d/ -f3); do echo 1000 > /proc/$p/oom_score_adj && n=$((n+1)); done; echo $n`)
+	if raised != "2\n" { // the live counter and its template
+		t.Fatalf("raised the OOM score of %q counters, want 2", raised)
+	}
+	filler := "import os\na = []\nwhile True:\n    a.append(bytearray(b'y' * (1 << 20)))\n    os.pwrite(fd, b'%8d' % len(a), 0)\n"
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", "import os\nfd = os.open('/tmp/mb', os.O_WRONLY | os.O_CREAT)\n" + filler},
+		Timeout: 60 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Signal != "SIGKILL" && res.ExitCode != 137 {
+		t.Fatalf("the memory filler under a 128 MiB limit: %+v", res)
+	}
+	if got := sh(t, s, countCounters); got == "0\n" {
+		t.Fatal("the OOM killer took the template")
+	}
+	// The template's 32 MiB still count against the sandbox's limit.
+	if mb, err := strconv.Atoi(strings.TrimSpace(sh(t, s, "cat /tmp/mb"))); err != nil || mb > 100 {
+		t.Fatalf("the filler took %d MiB (%v) beside the template's 32 under a 128 MiB limit", mb, err)
+	}
+	// The second restore forks from the template (the first may take a
+	// copy forked ahead).
+	for round := range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatalf("restore %d after the OOM: %v", round, err)
+		}
+		inc(t, s, 2)
+	}
 }
