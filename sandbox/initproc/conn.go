@@ -3,7 +3,7 @@
 // The init is a small static C program (csrc/init.c, built by the
 // Makefile). The server holds one end of a SOCK_SEQPACKET socket pair; the
 // init has the other as fd 3. A Conn waits for the init's hello, sends
-// requests (ping and spawn to an init, clone to the zygote, `dg-init
+// requests (ping, spawn and guard to an init, clone to the zygote, `dg-init
 // --zygote`) and receives their replies and the exit events of the
 // processes the init reaps, one reader goroutine per Conn. Requests are
 // answered in order, so replies are matched by id. The init takes no part
