@@ -31,6 +31,8 @@ func (h *procHost) Log() *slog.Logger      { return h.rt.log }
 
 func (h *procHost) Watch(nsPid int) <-chan initproc.ExitEvent { return h.init.Conn.Watch(nsPid) }
 
+func (h *procHost) Guard(listener *os.File) error { return h.init.Conn.Guard(listener) }
+
 func (h *procHost) OpenRoot() (int, error) {
 	root, err := unix.Open("/proc/"+strconv.Itoa(h.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {

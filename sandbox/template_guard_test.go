@@ -1,8 +1,10 @@
 package sandbox_test
 
 import (
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/deltagym/deltagym/sandbox"
 )
@@ -233,4 +235,192 @@ func TestTemplatesSurviveTheAgent(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = kids[0].Destroy(t.Context()) })
 	inc(t, kids[0], 2)
+}
+
+// attackerPy runs, for each line read from the FIFO /tmp/actl, one attack
+// on every counter.py process but itself and appends a line to /tmp/ares:
+// the pids it aimed at and the errno of each attempt (0 for success).
+// "kill" signals by pid, "pidfd" by pidfd_send_signal on pidfd_open's
+// descriptor, "all" is kill(-1, SIGKILL), which spares the caller. It
+// attacks from a second thread: a filter stacked on the process must
+// reach every thread of it.
+const attackerPy = `
+import os, signal, threading
+fd = os.open("/tmp/actl", os.O_RDWR)
+f = os.fdopen(fd, "r")
+def counters():
+    out = []
+    for p in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if b"counter.py" in open(f"/proc/{p}/cmdline", "rb").read():
+                out.append(p)
+        except OSError:
+            pass
+    return out
+def errno_of(fn):
+    try:
+        fn()
+        return 0
+    except OSError as e:
+        return e.errno
+def pidfd_kill(p):
+    pfd = os.pidfd_open(p)
+    try:
+        signal.pidfd_send_signal(pfd, signal.SIGKILL)
+    finally:
+        os.close(pfd)
+def serve():
+    for line in f:
+        what = line.strip()
+        pids = counters()
+        if what == "kill":
+            r = [errno_of(lambda: os.kill(p, signal.SIGKILL)) for p in pids]
+        elif what == "pidfd":
+            r = [errno_of(lambda: pidfd_kill(p)) for p in pids]
+        else:
+            r = [errno_of(lambda: os.kill(-1, signal.SIGKILL))]
+        with open("/tmp/ares", "a") as o:
+            o.write(what + " " + " ".join(map(str, sorted(r))) + "\n")
+t = threading.Thread(target=serve)
+t.start()
+t.join()
+`
+
+// A process restored by CRIU is as unable to reach a checkpoint's
+// templates as a command the init started: a counter and an attacker are
+// saved with CRIU and restored from the image, then checkpointed again
+// (the counter by template); the restored attacker's kill by pid,
+// pidfd_send_signal and kill -9 -1 end the live counter but never its
+// template, so the second checkpoint restores at its exact state.
+func TestCRIURestoredCannotReachTemplates(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	for _, attack := range []string{"kill", "pidfd", "all"} {
+		t.Run(attack, func(t *testing.T) {
+			s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+			ctx := t.Context()
+			startCounter(t, s)
+			inc(t, s, 1)
+			sh(t, s, "mkfifo /tmp/actl")
+			if err := s.WriteFile(ctx, "/tmp/attacker.py", []byte(attackerPy), 0o644, false); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/attacker.py"}, Background: true}); err != nil {
+				t.Fatal(err)
+			}
+			saved, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := methods(saved.Processes); got != "python3:criu python3:criu" {
+				t.Fatalf("captured %q", got)
+			}
+			if err := s.Restore(ctx, saved.ID); err != nil {
+				t.Fatal(err)
+			}
+			inc(t, s, 2)
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The counter by template; the attacker, two threads, by CRIU.
+			if got := methods(ck.Processes); got != "python3:template python3:criu" {
+				t.Fatalf("captured %q", got)
+			}
+			// The attacker of the second round is restored from the
+			// second checkpoint's image, filters of the first restore
+			// and all.
+			for round := range 2 {
+				inc(t, s, 3)
+				// kill -9 -1 may end this command too, once it has written.
+				res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "echo " + attack + " > /tmp/actl"})
+				if err != nil || res.ExitCode != 0 && res.Signal != "SIGKILL" {
+					t.Fatalf("round %d: sending the attack: %v %+v", round, err, res)
+				}
+				out := strings.TrimSpace(attackResult(t, s))
+				want := map[string]string{"kill": "kill 0 1", "pidfd": "pidfd 0 1", "all": "all 0"}[attack]
+				if out != want {
+					t.Fatalf("round %d: the restored attacker reports %q, want %q (the live counter killed, its template refused)",
+						round, out, want)
+				}
+				if got := sh(t, s, countCounters); got != "1\n" { // the template
+					t.Fatalf("round %d: %q counters after the attack", round, got)
+				}
+				if err := s.Restore(ctx, ck.ID); err != nil {
+					t.Fatalf("round %d: restore after the attack: %v", round, err)
+				}
+			}
+			inc(t, s, 3)
+		})
+	}
+}
+
+// attackResult waits for attackerPy's line in /tmp/ares and returns it. A
+// wait that the attack itself ends (kill -9 -1 reaches the commands of the
+// sandbox too) is started again.
+func attackResult(t *testing.T, s *sandbox.Sandbox) string {
+	t.Helper()
+	for range 10 {
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Command: "for i in $(seq 1000); do [ -s /tmp/ares ] && exec cat /tmp/ares; sleep 0.01; done; exit 1", Timeout: 15 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.ExitCode == 0 {
+			return string(res.Stdout)
+		}
+		if res.Signal != "SIGKILL" {
+			t.Fatalf("waiting for the attack's result: %+v", res)
+		}
+	}
+	t.Fatal("the attack's result never came")
+	return ""
+}
+
+// The OOM killer never picks a template: a command raises the
+// oom_score_adj of every counter.py process it sees (the template's /proc
+// files belong to the sandbox's root: it may), then fills the sandbox's
+// memory. The filler is killed, the live counter may be, the template is
+// not: the checkpoint restores at its exact state. The template's memory
+// still counts against the sandbox's limit.
+func TestOOMSparesTemplates(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: 128 << 20}})
+	ctx := t.Context()
+	// 32 MiB of its own: the OOM killer's score for it, raised, beats a
+	// filler's, which cannot take what the counter's pages hold.
+	startCounterOf(t, s, "blob = bytearray(b'x' * (32 << 20))\n"+counterPy)
+	inc(t, s, 1)
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inc(t, s, 2)
+	raised := sh(t, s, `n=0; for p in $(grep -l '[c]ounter.py' /proc/[0-9]*/cmdline | cut -d/ -f3); do echo 1000 > /proc/$p/oom_score_adj && n=$((n+1)); done; echo $n`)
+	if raised != "2\n" { // the live counter and its template
+		t.Fatalf("raised the OOM score of %q counters, want 2", raised)
+	}
+	filler := "import os\na = []\nwhile True:\n    a.append(bytearray(b'y' * (1 << 20)))\n    os.pwrite(fd, b'%8d' % len(a), 0)\n"
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", "import os\nfd = os.open('/tmp/mb', os.O_WRONLY | os.O_CREAT)\n" + filler},
+		Timeout: 60 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Signal != "SIGKILL" && res.ExitCode != 137 {
+		t.Fatalf("the memory filler under a 128 MiB limit: %+v", res)
+	}
+	if got := sh(t, s, countCounters); got == "0\n" {
+		t.Fatal("the OOM killer took the template")
+	}
+	// The template's 32 MiB still count against the sandbox's limit.
+	if mb, err := strconv.Atoi(strings.TrimSpace(sh(t, s, "cat /tmp/mb"))); err != nil || mb > 100 {
+		t.Fatalf("the filler took %d MiB (%v) beside the template's 32 under a 128 MiB limit", mb, err)
+	}
+	// The second restore forks from the template (the first may take a
+	// copy forked ahead).
+	for round := range 2 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatalf("restore %d after the OOM: %v", round, err)
+		}
+		inc(t, s, 2)
+	}
 }

@@ -144,6 +144,9 @@ func New(cfg Config) (*Manager, error) {
 	if err := m.ensureBase(); err != nil {
 		return nil, err
 	}
+	if err := m.ensureHeld(); err != nil {
+		return nil, err
+	}
 	return m, nil
 }
 
@@ -215,7 +218,7 @@ func (m *Manager) RemoveBase() error {
 			return fmt.Errorf("removing cgroup base %s: %w", base, &os.PathError{Op: "rmdir", Path: base, Err: err})
 		}
 	}
-	return nil
+	return m.removeHeld()
 }
 
 // ensureBase creates /<Root> in each hierarchy and, for controllers used in
@@ -951,6 +954,11 @@ func (m *Manager) SetBaseMemory(limit int64) error {
 	}
 	if err != nil {
 		return fmt.Errorf("capping the memory of cgroup /%s: %w", m.cfg.Root, err)
+	}
+	if h := m.heldDir(); h != "" {
+		if err := setMemoryV1(h, max(limit, 0), m.l.swapAccounted); err != nil {
+			return fmt.Errorf("capping the memory of cgroup /%s%s: %w", m.cfg.Root, heldSuffix, err)
+		}
 	}
 	return nil
 }

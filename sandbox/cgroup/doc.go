@@ -31,6 +31,11 @@
 // inherits the sandbox's limits because its processes stay in the
 // sandbox's limit groups.
 //
+// Beside /<Root>, where memory is a v1 controller, /<Root>.held is a memory
+// group for the processes no sandbox's OOM kill may take, a checkpoint's
+// templates ([Cgroup.HoldMemory], [Cgroup.JoinMemory]; held.go says why
+// their memory still counts against their sandbox's limit).
+//
 // Processes enter a group with [Cgroup.Add], with the fds from
 // [Cgroup.OpenProcs] (a process, even one inside a user and cgroup namespace
 // whose root is unmapped, may write "0" to an fd that host root opened, to

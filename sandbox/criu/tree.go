@@ -47,6 +47,7 @@ package criu
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -61,6 +62,7 @@ import (
 	criucore "github.com/checkpoint-restore/go-criu/v7/crit/images/criu-core"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/inventory"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/pstree"
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/seccomp"
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
@@ -133,6 +135,11 @@ type TreeRestoreOpts struct {
 	// through /proc with the flags the tree had, and checks its size and
 	// mode against the dump's.
 	Inherit []InheritFile
+	// LeaveStopped leaves every task of the tree stopped (SIGSTOP) once it
+	// is restored, before it runs a single instruction of its own, for the
+	// caller to finish it (a filter stacked on it) and resume it with
+	// SIGCONT; StoppedTasks says which were stopped at the dump.
+	LeaveStopped bool
 }
 
 // InheritFile is one file handed to a restored tree (TreeRestoreOpts.Inherit).
@@ -252,34 +259,80 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 	return nil
 }
 
-// The instruction "return SECCOMP_RET_USER_NOTIF" of a seccomp filter
-// (struct sock_filter: BPF_RET|BPF_K, jt 0, jf 0, k; little-endian), and the
-// same returning SECCOMP_RET_ALLOW.
-var (
-	retNotify = []byte{0x06, 0, 0, 0, 0x00, 0x00, 0xc0, 0x7f}
-	retAllow  = []byte{0x06, 0, 0, 0, 0x00, 0x00, 0xff, 0x7f}
+// Returns of a seccomp filter's instructions (struct sock_filter: u16 code,
+// u8 jt, u8 jf, u32 k; little-endian).
+const (
+	bpfRetK          = 0x06 // BPF_RET|BPF_K
+	seccompRetNotify = 0x7fc00000
+	seccompRetAllow  = 0x7fff0000
+	bpfInsnLen       = 8
 )
 
 // dropNotify rewrites the seccomp filters of a dump so that the calls they
 // hand to a listener (the sandbox's init, which answers a command's calls
 // that reach other processes: see dg-init's SECCOMP.md) are allowed. criu
 // restores a filter without its listener, and the kernel fails every call
-// a filter hands to no listener with ENOSYS: kill(2) among them. The
-// instructions keep their size, so the image's framing is unchanged.
+// a filter hands to no listener with ENOSYS: kill(2) among them. A restore
+// stacks a filter with a listener of its own on every process it brings
+// back (sandbox/procstate, guard.go). Such a filter, whose every answer is
+// to allow or to hand over, allows everything once rewritten: it is
+// replaced by a single "allow", so that restoring and dumping a process
+// again and again adds an instruction to its filters, not a filter's worth.
 func dropNotify(dir string) error {
 	path := filepath.Join(dir, "seccomp.img")
-	b, err := os.ReadFile(path)
+	img, err := decodeImage(path, &seccomp.SeccompEntry{})
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // no filter
 	}
 	if err != nil {
 		return err
 	}
-	out := bytes.ReplaceAll(b, retNotify, retAllow)
-	if bytes.Equal(out, b) {
+	changed := false
+	for _, e := range img.Entries {
+		for _, f := range e.Message.(*seccomp.SeccompEntry).GetSeccompFilters() {
+			prog, handsOnly, ok := allowNotify(f.GetFilter())
+			if !ok {
+				continue
+			}
+			changed = true
+			if handsOnly {
+				prog = binary.LittleEndian.AppendUint32([]byte{bpfRetK, 0, 0, 0}, seccompRetAllow)
+			}
+			f.Filter = prog
+		}
+	}
+	if !changed {
 		return nil
 	}
-	return os.WriteFile(path, out, 0o600)
+	return encodeImage(path, img)
+}
+
+// allowNotify returns prog with every "return SECCOMP_RET_USER_NOTIF"
+// made "return SECCOMP_RET_ALLOW", whether every return of prog was one of
+// the two (then the program allows everything), and whether it changed
+// anything.
+func allowNotify(prog []byte) (out []byte, handsOnly, changed bool) {
+	if len(prog)%bpfInsnLen != 0 {
+		return nil, false, false
+	}
+	out = bytes.Clone(prog)
+	handsOnly = true
+	for i := 0; i < len(out); i += bpfInsnLen {
+		code := binary.LittleEndian.Uint16(out[i:])
+		if code&0x07 != 0x06 { // BPF_CLASS: not a return
+			continue
+		}
+		k := binary.LittleEndian.Uint32(out[i+4:])
+		switch {
+		case code == bpfRetK && k == seccompRetNotify:
+			binary.LittleEndian.PutUint32(out[i+4:], seccompRetAllow)
+			changed = true
+		case code == bpfRetK && k == seccompRetAllow:
+		default:
+			handsOnly = false
+		}
+	}
+	return out, handsOnly, changed
 }
 
 // RestoreTree recreates a tree saved by DumpTree inside the sandbox whose
@@ -316,6 +369,7 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 		// SO_SNDBUF/SO_RCVBUF instead.
 		Unprivileged: proto.Bool(true),
 		InheritFd:    inherit,
+		LeaveStopped: proto.Bool(o.LeaveStopped),
 		LogFile:      proto.String("restore.log"),
 		LogLevel:     proto.Int32(2),
 	}
@@ -341,6 +395,33 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 		return 0, err
 	}
 	return int(resp.GetRestore().GetPid()), nil
+}
+
+// taskStopped is criu's TASK_STOPPED, a core image's task state.
+const taskStopped = 3
+
+// StoppedTasks returns the pids (in the tree's pid namespace) of the tasks
+// a dump in dir saved stopped.
+func StoppedTasks(dir string) (map[int]bool, error) {
+	tree, err := decodeImage(filepath.Join(dir, "pstree.img"), &pstree.PstreeEntry{})
+	if err != nil {
+		return nil, err
+	}
+	out := map[int]bool{}
+	for _, e := range tree.Entries {
+		pid := e.Message.(*pstree.PstreeEntry).GetPid()
+		core, err := decodeImage(filepath.Join(dir, fmt.Sprintf("core-%d.img", pid)), &criucore.CoreEntry{})
+		if err != nil {
+			return nil, err
+		}
+		if len(core.Entries) == 0 {
+			return nil, fmt.Errorf("empty core image of task %d", pid)
+		}
+		if core.Entries[0].Message.(*criucore.CoreEntry).GetTc().GetTaskState() == taskStopped {
+			out[int(pid)] = true
+		}
+	}
+	return out, nil
 }
 
 // sameNS checks that pid shares the named namespaces of ns.

@@ -3,7 +3,7 @@
 // The init is a small static C program (csrc/init.c, built by the
 // Makefile). The server holds one end of a SOCK_SEQPACKET socket pair; the
 // init has the other as fd 3. A Conn waits for the init's hello, sends
-// requests (ping and spawn to an init, clone to the zygote, `dg-init
+// requests (ping, spawn and guard to an init, clone to the zygote, `dg-init
 // --zygote`) and receives their replies and the exit events of the
 // processes the init reaps, one reader goroutine per Conn. Requests are
 // answered in order, so replies are matched by id. The init takes no part
@@ -29,6 +29,7 @@ import (
 const (
 	msgPing  = 1
 	msgSpawn = 3
+	msgGuard = 4
 	msgReply = 100
 	msgExit  = 101
 )
@@ -249,6 +250,21 @@ func (c *Conn) Ping() (int, error) {
 		return 0, err
 	}
 	return int(r.val), errnoOrNil(r.err)
+}
+
+// Guard hands the init listener, the seccomp listener of a filter
+// GuardFilter made, for the init to answer its calls as it answers its own
+// filter's (csrc/SECCOMP.md). The init keeps a copy; the caller closes
+// listener.
+func (c *Conn) Guard(listener *os.File) error {
+	r, err := c.call(msgGuard, nil, []int{int(listener.Fd())})
+	if err != nil {
+		return err
+	}
+	if err := errnoOrNil(r.err); err != nil {
+		return fmt.Errorf("handing a seccomp listener to the init: %w", err)
+	}
+	return nil
 }
 
 // SpawnRequest describes one command for the init to start.

@@ -282,8 +282,14 @@ func forkParked(c *Checkpoint, a *aheadCopies, g *cgroup.Cgroup, tpls []*ptfork.
 			a.procs[len(a.procs)-1].led = serr == nil
 		}
 		// Out of the template group before it is frozen again: a copy
-		// detached there would be a template to a restarted server.
+		// detached there would be a template to a restarted server. Born
+		// in its template's held memory group (cgroup.HoldMemory), it
+		// joins the sandbox's.
 		if err := g.Move(cp.Pid); err != nil {
+			cp.Kill()
+			return err
+		}
+		if err := g.JoinMemory(cp.Pid); err != nil {
 			cp.Kill()
 			return err
 		}

@@ -314,6 +314,11 @@ func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc,
 	if err := tg.Add(cp.Pid); err != nil {
 		return cp, err
 	}
+	// Out of the sandbox's OOM killer's choice (cgroup.HoldMemory): a
+	// command may raise the template's oom_score_adj.
+	if err := tg.HoldMemory(cp.Pid); err != nil {
+		return cp, err
+	}
 	t.HostPid = cp.Pid
 	if start, err := StartTime(cp.Pid); err == nil {
 		t.Start = start

@@ -206,6 +206,11 @@ func (ps *State) forkCopies(tr *ptfork.Session, c *Checkpoint, tg *cgroup.Cgroup
 		if lc.cg, err = ps.copyGroup(t); err == nil {
 			err = ps.h.MoveCopy(lc.cg, cp.Pid)
 		}
+		if err == nil {
+			// Born in its template's held memory group (see
+			// cgroup.HoldMemory): its own memory is the sandbox's.
+			err = lc.cg.JoinMemory(cp.Pid)
+		}
 		copies = append(copies, lc)
 		if err != nil {
 			return copies, true, err

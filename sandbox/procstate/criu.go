@@ -185,7 +185,8 @@ func (ps *State) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *
 	// must not hold the sandbox forever.
 	ctx, cancel := context.WithTimeout(ctx, restoreTimeout)
 	defer cancel()
-	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: ps.h.InitPid(), Cgroups: cg.Dirs(), Inherit: inherit})
+	pid, err := sw.RestoreTree(ctx, criu.TreeRestoreOpts{ImagesDir: tmp, NSPid: ps.h.InitPid(), Cgroups: cg.Dirs(), Inherit: inherit,
+		LeaveStopped: true})
 	if err != nil {
 		// A root criu made and killed is our child: a zombie of the
 		// sandbox's pid namespace would keep its init from exiting.
@@ -196,8 +197,11 @@ func (ps *State) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *
 	// criu's child it would go to the host's init when criu exits, which
 	// reaps it late, keeping its pid taken in the sandbox).
 	exit := reapOnExit(pid)
-	if u.Stopped {
-		_ = unix.Kill(pid, unix.SIGCONT)
+	if err := ps.guardTree(cg, tmp, pid, u.Stopped); err != nil {
+		// Not one of its processes may run unguarded.
+		_ = cg.Kill()
+		<-exit
+		return fmt.Errorf("%w: restoring %s from checkpoint %s's CRIU image: %w", ErrProcesses, u.name(), c.ID, err)
 	}
 	if u.Session != "" {
 		ps.h.AdoptSession(u.Session, cg, pid, ours, exit)

@@ -58,6 +58,9 @@ type Host interface {
 	SessionShells() map[int]string
 	AdoptSession(name string, cg *cgroup.Cgroup, pid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent)
 
+	// Guard hands the init a seccomp listener of a process restored by
+	// criu (initproc.Conn.Guard).
+	Guard(listener *os.File) error
 	// CRIU returns the runtime's criu runner.
 	CRIU() (*criu.Swrk, error)
 	// QueueFold hands process pid to the huge-page worker (Folder).

@@ -169,6 +169,18 @@ func (s *Session) Seize(pid int) (*Proc, error) {
 	} else if n != 1 {
 		return nil, fmt.Errorf("%w: pid %d has %d threads", ErrThreads, pid, n)
 	}
+	return s.seize(pid)
+}
+
+// SeizeLeader is Seize for a process of any number of threads: it attaches
+// to the thread-group leader only, so calls injected run in that thread
+// while the others go on (or stay in a stop of their own). Fork is not for
+// such a Proc: a copy would have the leader's thread alone.
+func (s *Session) SeizeLeader(pid int) (*Proc, error) {
+	return s.seize(pid)
+}
+
+func (s *Session) seize(pid int) (*Proc, error) {
 	// Onto the session's CPU first, while it sleeps: the interrupt then
 	// wakes it here, and nothing has to migrate a running task.
 	p := &Proc{s: s, Pid: pid}

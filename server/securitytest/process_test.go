@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/deltagym/deltagym/clients/go/deltagym"
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
 // ptrace: the init and the frozen templates of a process checkpoint are out of reach of the
@@ -98,6 +99,80 @@ func TestAttackKillTemplates(t *testing.T) {
 	live := `for p in $(pgrep -x sleep); do grep -Eq '/[ti][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
 	if out := s.sh(t, sb, live); strings.TrimSpace(out) != "1" {
 		t.Fatalf("running sleeps after the restore: %q (all: %q)", out, s.sh(t, sb, "for p in $(pgrep -x sleep); do echo $p $(cat /proc/$p/cgroup); done"))
+	}
+}
+
+// kill from a process CRIU restored: a shell saved with CRIU and restored from its image runs
+// `kill -9 -1` (its own builtin) once a later checkpoint holds templates; the checkpoint restores
+// all the same, and its process is back.
+func TestAttackKillTemplatesFromCRIU(t *testing.T) {
+	s := begin(t)
+	sb := s.sandbox(t)
+	s.exec(t, sb, "sleep 1000", deltagym.InBackground())
+	s.sh(t, sb, "mkfifo /tmp/actl")
+	s.exec(t, sb, `bash -c 'exec 3<>/tmp/actl; while read -r c <&3; do kill -9 -1; echo $? > /tmp/ares; done'`,
+		deltagym.InBackground())
+	saved, err := sb.Checkpoint(t.Context(), deltagym.WithProcessMode(deltagymv1.ProcessMode_PROCESS_MODE_CRIU))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sb.Restore(t.Context(), saved.ID); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := sb.Checkpoint(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// kill -9 -1 ends this command too, once it has written.
+	s.exec(t, sb, "echo go > /tmp/actl")
+	for {
+		res := s.exec(t, sb, "for i in $(seq 1000); do [ -s /tmp/ares ] && exec cat /tmp/ares; sleep 0.01; done; exit 1")
+		if res.OK() {
+			if got := strings.TrimSpace(string(res.Stdout)); got != "0" {
+				t.Fatalf("kill -9 -1 from the restored shell: %q", got)
+			}
+			break
+		}
+		if res.Signal != 9 {
+			t.Fatalf("waiting for the attack: exit %d signal %d", res.ExitCode, res.Signal)
+		}
+	}
+	if _, err := sb.Restore(t.Context(), ck.ID); err != nil {
+		t.Fatalf("restoring the checkpoint after kill -9 -1 from a restored process: %v", err)
+	}
+	live := `for p in $(pgrep -x sleep); do grep -Eq '/[ti][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
+	if out := s.sh(t, sb, live); strings.TrimSpace(out) != "1" {
+		t.Fatalf("running sleeps after the restore: %q", out)
+	}
+}
+
+// OOM: a command raises the OOM score of every process it sees (a template's /proc files
+// belong to the sandbox's root) and fills the sandbox's memory: the OOM killer takes the
+// command, or the live process, never the template, and the checkpoint restores.
+func TestAttackOOMTemplates(t *testing.T) {
+	s := begin(t)
+	sb := s.sandbox(t)
+	// 64 MiB of its own: raised, its score beats the filler's.
+	s.exec(t, sb, `python3 -c "import time; b = bytearray(b'x' * (64 << 20)); time.sleep(1000)"`, deltagym.InBackground())
+	ck, err := sb.Checkpoint(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.sh(t, sb, `for p in $(pgrep python3); do echo 1000 > /proc/$p/oom_score_adj; done`)
+	res := s.exec(t, sb, `python3 -c "a = []
+while True: a.append(bytearray(b'y' * (1 << 20)))"`)
+	if res.OK() {
+		t.Fatal("the memory filler ended well")
+	}
+	// The first restore may take a copy forked ahead; the second forks from the template.
+	for round := range 2 {
+		if _, err := sb.Restore(t.Context(), ck.ID); err != nil {
+			t.Fatalf("restore %d after the OOM: %v", round, err)
+		}
+		live := `for p in $(pgrep python3); do grep -Eq '/[ti][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
+		if out := s.sh(t, sb, live); strings.TrimSpace(out) != "1" {
+			t.Fatalf("restore %d: %q python3 processes running", round, out)
+		}
 	}
 }
 

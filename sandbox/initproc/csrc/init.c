@@ -14,13 +14,17 @@
 //   SPAWN fds:[in,out,err,cg...] payload: spawn_hdr, then NUL-terminated
 //                             cwd, argv..., "", env..., "". Starts a command
 //                             (vfork-style clone), reply {i32 err, i32 pid}
+//   GUARD fds:[listener]      a seccomp listener to serve as the init's own
+//                             (see guard_add), reply {i32 err, i32 0}
 //
 // Events sent without a request: EXIT {i32 pid, i32 wait status}, for every
 // child the init reaps (orphans re-parented to it included).
 //
 // Beside its socket the init answers the calls its seccomp filter hands it:
 // those of every command that reach another process by pid, refused when
-// they aim at a checkpoint's template (see guard_notify).
+// they aim at a checkpoint's template (see guard_notify); and the same calls
+// of the processes CRIU restored, whose filters' listeners the server hands
+// it (GUARD).
 //
 // The init mounts its /proc and /dev and sets the host name (the zygote's
 // request's, or argv[1] when run directly) at start, then confines itself
@@ -68,6 +72,7 @@
 enum {
 	MSG_PING = 1,
 	MSG_SPAWN = 3,
+	MSG_GUARD = 4,
 	MSG_REPLY = 100,
 	MSG_EXIT = 101,
 };
@@ -839,7 +844,7 @@ static long fd_target(long caller, int fd) {
 
 // judge answers one call handed over by the filter: CONT to let it run,
 // else the errno it returns (0: done by the init, success).
-static int judge(const struct seccomp_notif *r) {
+static int judge(int nfd, const struct seccomp_notif *r) {
 	const __u64 *a = r->data.args;
 	long target = 0;
 	switch (r->data.nr) {
@@ -851,7 +856,7 @@ static int judge(const struct seccomp_notif *r) {
 		}
 		struct pcred c;
 		long pgrp = -pid, sid;
-		if (read_cred(r->pid, &c) < 0 || ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->id) < 0) return ESRCH;
+		if (read_cred(r->pid, &c) < 0 || ioctl(nfd, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->id) < 0) return ESRCH;
 		if (pid == 0 && stat_ids(c.tgid, &pgrp, &sid) < 0) return ESRCH;
 		if (pid == -1) pgrp = 0;
 		if (!group_has_template(pgrp)) return CONT;
@@ -883,7 +888,7 @@ static int judge(const struct seccomp_notif *r) {
 		if (t <= 0) return t == 0 ? ESRCH : EBADF;
 		if (is_template(t)) return EPERM;
 		struct pcred c;
-		if (read_cred(r->pid, &c) < 0 || ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->id) < 0) return ESRCH;
+		if (read_cred(r->pid, &c) < 0 || ioctl(nfd, SECCOMP_IOCTL_NOTIF_ID_VALID, &r->id) < 0) return ESRCH;
 		if (!may_signal(&c, t, (int)a[1])) return EPERM;
 		return skill(t, (int)a[1]) < 0 ? errno : 0;
 	}
@@ -891,18 +896,60 @@ static int judge(const struct seccomp_notif *r) {
 	return target > 0 && is_template(target) ? EPERM : CONT;
 }
 
-// guard_notify answers one call the filter handed to the init.
-static void guard_notify(void) {
+// guard_notify answers one call a filter handed to the init through
+// listener nfd.
+static void guard_notify(int nfd) {
 	struct seccomp_notif req;
 	struct seccomp_notif_resp resp;
 	memset(&req, 0, sizeof req);
-	if (ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) return; // the caller went away
+	if (ioctl(nfd, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) return; // the caller went away
 	memset(&resp, 0, sizeof resp);
 	resp.id = req.id;
-	int e = judge(&req);
+	int e = judge(nfd, &req);
 	if (e == CONT) resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
 	else resp.error = -e;
-	ioctl(notify_fd, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+	ioctl(nfd, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+}
+
+// ---- listeners of restored processes ------------------------------------------
+//
+// criu restores a process's filters without their listener, so the server
+// stacks a filter of its own on each process CRIU restored, before it runs
+// (sandbox/procstate, guard.go): it hands the same calls to a listener
+// created with it, which the server passes here (GUARD) and the init serves
+// as its own. Filters are inherited by fork, and a listener lives as long as
+// one process holds its filter: the kernel then reports POLLHUP, and the
+// init closes it. The poll set: the socket, the signalfd, the init's own
+// listener, then these.
+
+#define NFIXED 3
+#define MAXGUARDS 1024
+
+static struct pollfd pf[NFIXED + MAXGUARDS];
+static int npf = NFIXED;
+
+// guard_add serves listener fd from now on; it takes the descriptor.
+static int guard_add(int fd) {
+	if (npf == NFIXED + MAXGUARDS) {
+		close(fd);
+		return ENOSPC;
+	}
+	pf[npf++] = (struct pollfd){fd, POLLIN, 0};
+	return 0;
+}
+
+// guard_poll answers the calls waiting on the listeners of restored
+// processes, and drops those no process holds any longer.
+static void guard_poll(void) {
+	for (int i = NFIXED; i < npf;) {
+		if (pf[i].revents & POLLIN) guard_notify(pf[i].fd);
+		if (pf[i].revents & (POLLHUP | POLLERR | POLLNVAL)) {
+			close(pf[i].fd);
+			pf[i] = pf[--npf];
+			continue;
+		}
+		i++;
+	}
 }
 
 // ---- main loop --------------------------------------------------------------
@@ -966,13 +1013,16 @@ static int serve(void (*handle)(struct hdr *h), int (*gone)(void)) {
 	fcntl(CTL, F_SETFD, FD_CLOEXEC);
 	send_msg(MSG_REPLY, 0, "\0\0\0\0\0\0\0\0", 8); // hello
 	// notify_fd is -1 in the zygote, which poll skips.
-	struct pollfd pf[3] = {{CTL, POLLIN, 0}, {sfd, POLLIN, 0}, {notify_fd, POLLIN, 0}};
+	pf[0] = (struct pollfd){CTL, POLLIN, 0};
+	pf[1] = (struct pollfd){sfd, POLLIN, 0};
+	pf[2] = (struct pollfd){notify_fd, POLLIN, 0};
 	for (;;) {
-		if (poll(pf, 3, -1) < 0) {
+		if (poll(pf, npf, -1) < 0) {
 			if (errno == EINTR) continue;
 			return 1;
 		}
-		if (pf[2].revents & POLLIN) guard_notify();
+		if (pf[2].revents & POLLIN) guard_notify(notify_fd);
+		guard_poll();
 		if (pf[1].revents) {
 			struct signalfd_siginfo si;
 			while (read(sfd, &si, sizeof si) > 0) {
@@ -1008,6 +1058,14 @@ static void init_handle(struct hdr *h) {
 		reply(h->id, e, pid);
 		break;
 	}
+	case MSG_GUARD:
+		if (nfds != 1 || h->len != 0) {
+			reply(h->id, EINVAL, 0);
+			break;
+		}
+		nfds = 0; // guard_add takes it
+		reply(h->id, guard_add(fds[0]), 0);
+		break;
 	default:
 		reply(h->id, ENOSYS, 0);
 	}
