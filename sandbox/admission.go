@@ -49,8 +49,10 @@ type Caps struct {
 	Checkpoints int
 	// Descriptors caps the descriptors of the server process: a new
 	// sandbox is admitted while those open (counted at most every
-	// fdRecount) and fdsPerSandbox for each sandbox made since the count or
-	// admitted but not made yet stay within it.
+	// fdRecount), fdsPerSandbox for each sandbox made since the count or
+	// admitted but not made yet, and the hot set's descriptors
+	// (fdsPerHotSandbox for each sandbox it may hold, hot.go) stay within
+	// it.
 	Descriptors int
 	// Mounts caps the layer mounts in the server's mount namespace (one
 	// tmpfs per writable or sealed layer): a sandbox is charged
@@ -58,17 +60,18 @@ type Caps struct {
 	Mounts int
 }
 
-// What one sandbox takes, for admission. fdsPerSandbox bounds the server's
-// descriptors of a sandbox that has run commands (its init's socket, user
-// and net namespaces, root, upper, cgroup control files, a command's pipes;
-// TestAdmissionCharges measures it); a persistent session adds its pipes
-// beyond it, which the descriptors counted at the next admission include.
-// mountsPerSandbox is its upper and the next upper prepared ahead.
+// What one sandbox takes, for admission. fdsPerSandbox is the server's
+// descriptors of an idle sandbox: its init's control socket (a root not
+// swapped in yet adds one, which the descriptors counted at the next
+// admission include); what a sandbox in use keeps beyond it is bounded by
+// the hot set (hot.go), charged as a whole, fdsPerHotSandbox a sandbox
+// (TestAdmissionCharges measures both); a persistent session adds its
+// pipes, which the next count includes. mountsPerSandbox is its upper and the next upper prepared ahead.
 // pidsPerSandbox is its init and one command; memPerSandbox is the memory
 // an idle sandbox takes beside its own group's charge (kernel objects of its
 // namespaces, the server's bookkeeping).
 const (
-	fdsPerSandbox    = 16
+	fdsPerSandbox    = 1
 	mountsPerSandbox = 2
 	pidsPerSandbox   = 2
 	memPerSandbox    = 2 << 20
@@ -157,15 +160,19 @@ type Derived struct {
 	// Why names what bounds the sandbox cap ("descriptors", "pid_max",
 	// "memory", "mounts" or "uid ranges").
 	Why string
+	// HotSandboxes is the size of the hot set the descriptor cap leaves
+	// room for (hot.go), with Config.HotSandboxes 0.
+	HotSandboxes int
 }
 
 // HostCaps derives caps from the host's limits: descriptors and mounts
 // leave a reserve to the rest of the server, and live sandboxes are the
-// fewest that any of descriptors, pids, mounts, memory and uid ranges
-// allow.
+// fewest that any of descriptors (those the hot set leaves), pids, mounts,
+// memory and uid ranges allow.
 func HostCaps(h Host) Derived {
 	var d Derived
 	d.Descriptors = max(h.NoFile-descriptorReserve, h.NoFile/2)
+	d.HotSandboxes = hotSandboxes(0, d.Descriptors)
 	d.Mounts = max(h.MountMax-h.Mounts-mountReserve, 0)
 	d.MemoryBytes = h.MemoryBytes - max(1<<30, h.MemoryBytes/8)
 	d.CheckpointBytes = h.MemoryBytes / 2
@@ -174,7 +181,7 @@ func HostCaps(h Host) Derived {
 		n   int
 		why string
 	}{
-		{d.Descriptors / fdsPerSandbox, "descriptors"},
+		{(d.Descriptors - d.HotSandboxes*fdsPerHotSandbox) / fdsPerSandbox, "descriptors"},
 		{h.PidMax * 3 / 4 / pidsPerSandbox, "pid_max"},
 		{d.Mounts / 2 / mountsPerSandbox, "mounts"},
 		{int(max(d.MemoryBytes, 0) / memPerSandbox), "memory"},
@@ -195,9 +202,9 @@ func HostWarnings(h Host, c Caps) []string {
 		out = append(out, fmt.Sprintf("kernel.pid_max is %d: too few pids for %d sandboxes (%d each); raise it (sysctl kernel.pid_max=%d)",
 			h.PidMax, c.Sandboxes, pidsPerSandbox, c.Sandboxes*pidsPerSandbox*4/3+1))
 	}
-	if c.Sandboxes > 0 && h.NoFile > 0 && c.Sandboxes*fdsPerSandbox > h.NoFile {
-		out = append(out, fmt.Sprintf("RLIMIT_NOFILE is %d: too few descriptors for %d sandboxes (%d each); raise the hard limit (ulimit -Hn, or LimitNOFILE= of the service)",
-			h.NoFile, c.Sandboxes, fdsPerSandbox))
+	if hot := hotSandboxes(0, c.Descriptors) * fdsPerHotSandbox; c.Sandboxes > 0 && h.NoFile > 0 && c.Sandboxes*fdsPerSandbox+hot > h.NoFile {
+		out = append(out, fmt.Sprintf("RLIMIT_NOFILE is %d: too few descriptors for %d sandboxes (%d each, and %d for the sandboxes in use); raise the hard limit (ulimit -Hn, or LimitNOFILE= of the service)",
+			h.NoFile, c.Sandboxes, fdsPerSandbox, hot))
 	}
 	if c.Mounts > 0 && h.MountMax > 0 && c.Mounts+h.Mounts > h.MountMax {
 		out = append(out, fmt.Sprintf("fs.mount-max is %d with %d mounts in use: too few for a cap of %d layer mounts; raise it (sysctl fs.mount-max)",
@@ -316,8 +323,12 @@ func (r *Runtime) admitSandboxes(n int) error {
 		return r.capError(CapSandboxes, int64(c), int64(live), int64(n), "live sandboxes")
 	}
 	if c := a.caps.Descriptors; c > 0 {
-		if used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox; used+n*fdsPerSandbox > c {
-			return r.capError(CapDescriptors, int64(c), int64(used), int64(n*fdsPerSandbox), fmt.Sprintf("descriptors (%d a sandbox)", fdsPerSandbox))
+		// The hot set's descriptors are charged whole: those it holds
+		// now are in the count too, which errs on the safe side.
+		hot := r.hot.max * fdsPerHotSandbox
+		if used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox + hot; used+n*fdsPerSandbox > c {
+			return r.capError(CapDescriptors, int64(c), int64(used), int64(n*fdsPerSandbox),
+				fmt.Sprintf("descriptors (%d an idle sandbox, %d for the %d sandboxes used last)", fdsPerSandbox, hot, r.hot.max))
 		}
 	}
 	if c := a.caps.Mounts; c > 0 {
@@ -371,6 +382,7 @@ func (r *Runtime) admission() error {
 	d := HostCaps(h)
 	r.adm.caps = r.cfg.Caps.withHost(d)
 	c := r.adm.caps
+	r.hot = newHotSet(hotSandboxes(r.cfg.HotSandboxes, c.Descriptors))
 	mem := r.cfg.MemoryBytes
 	if mem == 0 {
 		mem = d.MemoryBytes
@@ -380,7 +392,7 @@ func (r *Runtime) admission() error {
 	}
 	r.log.Info("admission caps", "sandboxes", c.Sandboxes, "checkpoints", c.Checkpoints,
 		"checkpoint_bytes", r.cfg.CheckpointBudgetBytes, "descriptors", c.Descriptors, "mounts", c.Mounts,
-		"memory_bytes", max(mem, 0), "sandboxes_bounded_by", d.Why)
+		"memory_bytes", max(mem, 0), "sandboxes_bounded_by", d.Why, "hot_sandboxes", r.hot.max)
 	for _, w := range HostWarnings(h, c) {
 		r.log.Warn("host setting too low for the admission caps: " + w)
 	}
