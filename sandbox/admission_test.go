@@ -170,8 +170,12 @@ func TestAdmissionCharges(t *testing.T) {
 	before := serverFDs(t)
 	kids, err := b.rt.Fork(t.Context(), ck.ID, n, sandbox.Spec{})
 	must(t, err)
+	// New sandboxes join the hot set; the cooler closes what the least
+	// recently used keep, and those it leaves hot are cooled here.
+	waitHot(t, b, hot)
 	for _, k := range kids {
 		k.Settle() // the detach of the root each swapped out holds its namespace meanwhile
+		k.Cool()
 	}
 	if idle := float64(serverFDs(t)-before) / n; idle > sandbox.FDsPerSandbox {
 		t.Fatalf("an idle sandbox holds %.1f descriptors of the server; admission charges %d", idle, sandbox.FDsPerSandbox)
@@ -187,14 +191,7 @@ func TestAdmissionCharges(t *testing.T) {
 		must(t, k.Restore(t.Context(), kc.ID))
 		sh(t, k, "true")
 	}
-	// The cooler gives up the descriptors of the least recently used in
-	// the background (a watchdog, not a wait: it runs at once).
-	for deadline := time.Now().Add(10 * time.Second); b.rt.HotSandboxes() > hot; {
-		if time.Now().After(deadline) {
-			t.Fatalf("the hot set holds %d sandboxes, over its %d", b.rt.HotSandboxes(), hot)
-		}
-		runtime.Gosched()
-	}
+	waitHot(t, b, hot)
 	extra := serverFDs(t) - before - n*sandbox.FDsPerSandbox
 	if extra > hot*sandbox.FDsPerHotSandbox {
 		t.Fatalf("%d sandboxes used, %d of them hot, hold %d descriptors beyond their idle ones; admission charges %d a hot sandbox",
@@ -215,6 +212,18 @@ func TestAdmissionCharges(t *testing.T) {
 	}
 	for _, k := range kids {
 		must(t, k.Destroy(t.Context()))
+	}
+}
+
+// waitHot waits until the cooler, in the background, has brought the hot
+// set down to its bound (the deadline is a watchdog: it runs at once).
+func waitHot(t *testing.T, b *bundle, hot int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); b.rt.HotSandboxes() > hot; {
+		if time.Now().After(deadline) {
+			t.Fatalf("the hot set holds %d sandboxes, over its %d", b.rt.HotSandboxes(), hot)
+		}
+		runtime.Gosched()
 	}
 }
 

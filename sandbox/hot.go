@@ -23,8 +23,9 @@ import (
 // namespaces through its init's pidfd (launch.Init.NS), its layer clones
 // and control files by their paths, which are the server's own.
 //
-// A sandbox joins the set when an operation begins in it (beginOp,
-// beginExec). It cools only with op write-held, taken by TryLock: nothing
+// A sandbox joins the set when it is made (a fork fan-out leaves its
+// children's clones to the cooler) and when an operation begins in it
+// (beginOp, beginExec). It cools only with op write-held, taken by TryLock: nothing
 // runs in it then (a sandbox in use is skipped and stays in the set), and
 // the background jobs that use its descriptors outside op are waited for
 // (the spare upper's, the command group's made ahead) or see that it is
@@ -177,41 +178,54 @@ func (s *Sandbox) cool() bool {
 	if closed {
 		return true // its teardown closes everything
 	}
-	s.coolHeld()
+	closeClones(s.coolHeld())
 	// The template group's cgroup.freeze, under procstate's run lock: a
 	// job forking copies ahead may hold it for a moment.
 	s.procs.Close()
 	return true
 }
 
-// coolHeld is cool for a caller that holds op, or that owns a sandbox no
-// one else reaches yet.
-func (s *Sandbox) coolHeld() {
+// coolHeld is cool for a caller that holds op. It returns the idmapped
+// clones it took, for the caller to close (closeClones).
+func (s *Sandbox) coolHeld() []int {
 	s.fs.mu.Lock()
-	s.coolFS()
+	fds := s.coolFS()
 	s.fs.mu.Unlock()
 	s.cmds.mu.Lock()
 	s.coolCmds()
 	s.cmds.mu.Unlock()
+	return fds
 }
 
-// coolFS closes the idmapped clones of the layers and of the upper, and
-// drops the next upper prepared ahead (waiting for its job, which may use
-// the clones); a root not swapped in yet stays: it is the sandbox's state.
+// coolFS takes the idmapped clones of the layers and of the upper, which
+// the caller closes, and drops the next upper prepared ahead (waiting for
+// its job, which may use the clones); a root not swapped in yet stays: it
+// is the sandbox's state.
 // +checklocks:s.fs.mu
-func (s *Sandbox) coolFS() {
+func (s *Sandbox) coolFS() []int {
 	s.dropSpare()
+	fds := make([]int, 0, len(s.fs.idmapped)+2)
 	for k, fd := range s.fs.idmapped {
-		unix.Close(fd)
+		fds = append(fds, fd)
 		delete(s.fs.idmapped, k)
 	}
 	if s.fs.upperFD >= 0 {
-		unix.Close(s.fs.upperFD)
+		fds = append(fds, s.fs.upperFD)
 		s.fs.upperFD = -1
 	}
 	if s.fs.nsUpper.id != "" && s.fs.nsUpper.fd >= 0 {
-		unix.Close(s.fs.nsUpper.fd)
+		fds = append(fds, s.fs.nsUpper.fd)
 		s.fs.nsUpper.fd = -1
+	}
+	return fds
+}
+
+// closeClones closes idmapped clones. Each close of a detached mount's last
+// descriptor unmounts it and waits for an RCU grace period, which the
+// cooler pays, off the sandboxes' paths.
+func closeClones(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
 	}
 }
 

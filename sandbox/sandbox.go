@@ -182,13 +182,14 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 			return nil, err
 		}
 	}
-	// A new sandbox is idle: what making its root opened is closed
-	// (hot.go), before anyone else can reach it.
-	s.coolHeld()
 	if err = r.register(s, head); err != nil {
 		return nil, err
 	}
 	registered = true
+	// What making its root opened stays open until the sandbox is among
+	// the least recently used (hot.go): closing the idmapped clones costs
+	// an RCU grace period each, which a fork fan-out would wait for.
+	r.hot.touch(s)
 	go s.watch()
 	if spec.FreshEntropy && src.ck != nil && !spec.FilesOnly {
 		// Sessions brought back from CRIU images share their $RANDOM.

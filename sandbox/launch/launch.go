@@ -609,6 +609,9 @@ var ErrGone = errors.New("sandbox init is gone")
 // descriptor but its control socket; what it is asked for is opened on
 // demand, through this.
 func (in *Init) PidFD() (int, error) {
+	if in.Conn == nil {
+		return -1, fmt.Errorf("%w: no control socket to check its pid against", ErrGone)
+	}
 	fd, err := unix.PidfdOpen(in.Pid, 0)
 	if err != nil {
 		return -1, fmt.Errorf("%w: opening its pidfd: %w", ErrGone, err)

@@ -260,3 +260,32 @@ func TestInitNamespaces(t *testing.T) {
 		t.Fatalf("pidfd of an init gone: fd %d, err %v", fd, err)
 	}
 }
+
+// BenchmarkInitNS opens and closes the init's mount namespace through its
+// pidfd (launch.Init.NS), as a root swap does.
+func BenchmarkInitNS(b *testing.B) {
+	testenv.Privileged(b, "creates namespaces and mounts (CI runs as root)")
+	ns, err := launch.NewSpawnNS(testenv.Init(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ns.Close()
+	netfd, err := launch.NewNetNS()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(netfd)
+	in, err := ns.Start(launch.Config{HostID: 1 << 20, NetNS: netfd, Hostname: "probe"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer in.Stop()
+	b.ResetTimer()
+	for range b.N {
+		fd, err := in.NS(unix.PIDFD_GET_MNT_NAMESPACE)
+		if err != nil {
+			b.Fatal(err)
+		}
+		unix.Close(fd)
+	}
+}
