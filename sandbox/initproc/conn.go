@@ -256,6 +256,9 @@ func (c *Conn) PeerOpen() bool {
 	cerr := rc.Control(func(fd uintptr) {
 		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
 		n, err := unix.Poll(p, 0)
+		for err == unix.EINTR { // the Go runtime's preemption signals
+			n, err = unix.Poll(p, 0)
+		}
 		open = err == nil && (n == 0 || p[0].Revents&(unix.POLLHUP|unix.POLLRDHUP|unix.POLLERR|unix.POLLNVAL) == 0)
 	})
 	return cerr == nil && open
