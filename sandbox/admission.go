@@ -49,8 +49,10 @@ type Caps struct {
 	Checkpoints int
 	// Descriptors caps the descriptors of the server process: a new
 	// sandbox is admitted while those open (counted at most every
-	// fdRecount) and fdsPerSandbox for each sandbox made since the count or
-	// admitted but not made yet stay within it.
+	// fdRecount), fdsPerSandbox for each sandbox made since the count or
+	// admitted but not made yet, and the hot set's descriptors
+	// (fdsPerHotSandbox for each sandbox it may hold, hot.go) stay within
+	// it.
 	Descriptors int
 	// Mounts caps the layer mounts in the server's mount namespace (one
 	// tmpfs per writable or sealed layer): a sandbox is charged
@@ -58,18 +60,19 @@ type Caps struct {
 	Mounts int
 }
 
-// What one sandbox takes, for admission. fdsPerSandbox bounds the server's
-// descriptors of a sandbox that has run commands (its init's socket, user
-// and net namespaces, root, upper, cgroup control files, a command's pipes;
-// TestAdmissionCharges measures it); a persistent session adds its pipes
-// beyond it, which the descriptors counted at the next admission include.
-// mountsPerSandbox is its upper and the next upper prepared ahead.
+// What one sandbox takes, for admission. fdsPerSandbox is the server's
+// descriptors of an idle sandbox: its init's control socket (a root not
+// swapped in yet adds one, which the descriptors counted at the next
+// admission include); what a sandbox in use keeps beyond it is bounded by
+// the hot set (hot.go), charged as a whole, fdsPerHotSandbox a sandbox
+// (TestAdmissionCharges measures both); a persistent session adds its
+// pipes, which the next count includes. mountsPerSandbox is its upper and the next upper prepared ahead.
 // pidsPerSandbox is its init and one command; memPerSandbox is the memory
 // an idle sandbox takes beside its own group's charge (kernel objects of its
 // namespaces, the server's bookkeeping).
 const (
-	fdsPerSandbox    = 16
-	fdsPerWarm       = 4 // a warm init's: its socket, mount, user and net namespaces
+	fdsPerSandbox    = 1
+	fdsPerWarm       = 1 // a warm init's: its control socket
 	mountsPerSandbox = 2
 	pidsPerSandbox   = 2
 	memPerSandbox    = 2 << 20
@@ -158,15 +161,19 @@ type Derived struct {
 	// Why names what bounds the sandbox cap ("descriptors", "pid_max",
 	// "memory", "mounts" or "uid ranges").
 	Why string
+	// HotSandboxes is the size of the hot set the descriptor cap leaves
+	// room for (hot.go), with Config.HotSandboxes 0.
+	HotSandboxes int
 }
 
 // HostCaps derives caps from the host's limits: descriptors and mounts
 // leave a reserve to the rest of the server, and live sandboxes are the
-// fewest that any of descriptors, pids, mounts, memory and uid ranges
-// allow.
+// fewest that any of descriptors (those the hot set leaves), pids, mounts,
+// memory and uid ranges allow.
 func HostCaps(h Host) Derived {
 	var d Derived
 	d.Descriptors = max(h.NoFile-descriptorReserve, h.NoFile/2)
+	d.HotSandboxes = hotSandboxes(0, d.Descriptors)
 	d.Mounts = max(h.MountMax-h.Mounts-mountReserve, 0)
 	d.MemoryBytes = h.MemoryBytes - max(1<<30, h.MemoryBytes/8)
 	d.CheckpointBytes = h.MemoryBytes / 2
@@ -175,7 +182,7 @@ func HostCaps(h Host) Derived {
 		n   int
 		why string
 	}{
-		{d.Descriptors / fdsPerSandbox, "descriptors"},
+		{(d.Descriptors - d.HotSandboxes*fdsPerHotSandbox) / fdsPerSandbox, "descriptors"},
 		{h.PidMax * 3 / 4 / pidsPerSandbox, "pid_max"},
 		{d.Mounts / 2 / mountsPerSandbox, "mounts"},
 		{int(max(d.MemoryBytes, 0) / memPerSandbox), "memory"},
@@ -196,9 +203,9 @@ func HostWarnings(h Host, c Caps) []string {
 		out = append(out, fmt.Sprintf("kernel.pid_max is %d: too few pids for %d sandboxes (%d each); raise it (sysctl kernel.pid_max=%d)",
 			h.PidMax, c.Sandboxes, pidsPerSandbox, c.Sandboxes*pidsPerSandbox*4/3+1))
 	}
-	if c.Sandboxes > 0 && h.NoFile > 0 && c.Sandboxes*fdsPerSandbox > h.NoFile {
-		out = append(out, fmt.Sprintf("RLIMIT_NOFILE is %d: too few descriptors for %d sandboxes (%d each); raise the hard limit (ulimit -Hn, or LimitNOFILE= of the service)",
-			h.NoFile, c.Sandboxes, fdsPerSandbox))
+	if hot := hotSandboxes(0, c.Descriptors) * fdsPerHotSandbox; c.Sandboxes > 0 && h.NoFile > 0 && c.Sandboxes*fdsPerSandbox+hot > h.NoFile {
+		out = append(out, fmt.Sprintf("RLIMIT_NOFILE is %d: too few descriptors for %d sandboxes (%d each, and %d for the sandboxes in use); raise the hard limit (ulimit -Hn, or LimitNOFILE= of the service)",
+			h.NoFile, c.Sandboxes, fdsPerSandbox, hot))
 	}
 	if c.Mounts > 0 && h.MountMax > 0 && c.Mounts+h.Mounts > h.MountMax {
 		out = append(out, fmt.Sprintf("fs.mount-max is %d with %d mounts in use: too few for a cap of %d layer mounts; raise it (sysctl fs.mount-max)",
@@ -337,10 +344,16 @@ func (r *Runtime) admitOnce(n int) (short int, err error) {
 		return 0, r.capError(CapSandboxes, int64(c), int64(live), int64(n), "live sandboxes")
 	}
 	if c := a.caps.Descriptors; c > 0 {
-		used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox
-		need := n*fdsPerSandbox - min(n, max(len(r.warm.ready)-a.reserved, 0))*fdsPerWarm
+		// The hot set's descriptors are charged whole: those it holds
+		// now are in the count too, which errs on the safe side. A child
+		// that takes a warm init adds nothing: the init's socket is
+		// counted already.
+		hot := r.hot.max * fdsPerHotSandbox
+		used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox + hot
+		need := (n - min(n, max(len(r.warm.ready)-a.reserved, 0))) * fdsPerSandbox
 		if used+need > c {
-			return used + need - c, r.capError(CapDescriptors, int64(c), int64(used), int64(need), fmt.Sprintf("descriptors (%d a sandbox)", fdsPerSandbox))
+			return used + need - c, r.capError(CapDescriptors, int64(c), int64(used), int64(need),
+				fmt.Sprintf("descriptors (%d an idle sandbox, %d for the %d sandboxes used last)", fdsPerSandbox, hot, r.hot.max))
 		}
 	}
 	if c := a.caps.Mounts; c > 0 {
@@ -399,6 +412,7 @@ func (r *Runtime) admission() error {
 	d := HostCaps(h)
 	r.adm.caps = r.cfg.Caps.withHost(d)
 	c := r.adm.caps
+	r.hot = newHotSet(hotSandboxes(r.cfg.HotSandboxes, c.Descriptors))
 	mem := r.cfg.MemoryBytes
 	if mem == 0 {
 		mem = d.MemoryBytes
@@ -409,7 +423,7 @@ func (r *Runtime) admission() error {
 	d.Why = sandboxesBoundedBy(r.cfg.Caps.Sandboxes, r.cfg.CapFlags[CapSandboxes], d.Why)
 	r.log.Info("admission caps", "sandboxes", c.Sandboxes, "checkpoints", c.Checkpoints,
 		"checkpoint_bytes", r.cfg.CheckpointBudgetBytes, "descriptors", c.Descriptors, "mounts", c.Mounts,
-		"memory_bytes", max(mem, 0), "sandboxes_bounded_by", d.Why)
+		"memory_bytes", max(mem, 0), "sandboxes_bounded_by", d.Why, "hot_sandboxes", r.hot.max)
 	for _, w := range HostWarnings(h, c) {
 		r.log.Warn("host setting too low for the admission caps: " + w)
 	}

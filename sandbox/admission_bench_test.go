@@ -114,7 +114,10 @@ func densityN() int {
 //   - kmem-KiB: the kernel memory alone (memory.kmem.usage_in_bytes);
 //   - memavail-KiB: the drop of the machine's MemAvailable per sandbox,
 //     what it costs the machine in all (net and other namespaces, the
-//     server's bookkeeping included).
+//     server's bookkeeping included);
+//   - fds: the server's descriptors per sandbox, the net namespace pool's
+//     left out (serverFDs);
+//   - make-s: how long making them all took, in seconds.
 //
 // $DELTAGYM_DENSITY_CAPS=off lifts the sandbox and descriptor caps, to see
 // how many the machine holds past them.
@@ -130,7 +133,8 @@ func BenchmarkIdleSandboxes(b *testing.B) {
 	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesNone})
 	must(b, err)
 	b.Logf("caps %+v", bb.rt.Caps())
-	before := memAvailable(b)
+	before, fds := memAvailable(b), serverFDs(b)
+	start := time.Now()
 	var all []*sandbox.Sandbox
 	defer func() {
 		for _, k := range all {
@@ -142,6 +146,11 @@ func BenchmarkIdleSandboxes(b *testing.B) {
 		must(b, err)
 		all = append(all, kids...)
 	}
+	made := time.Since(start)
+	for _, k := range all {
+		k.Settle()
+	}
+	fds = serverFDs(b) - fds
 	drop := before - memAvailable(b)
 	var priv, cg, kmem int64
 	for _, k := range all {
@@ -168,6 +177,8 @@ func BenchmarkIdleSandboxes(b *testing.B) {
 	b.ReportMetric(per(cg), "cgroup-KiB")
 	b.ReportMetric(per(kmem), "kmem-KiB")
 	b.ReportMetric(per(drop*1024), "memavail-KiB")
+	b.ReportMetric(float64(fds)/float64(n), "fds")
+	b.ReportMetric(made.Seconds(), "make-s")
 }
 
 // privateBytes sums the Private_* lines of a process's smaps_rollup.

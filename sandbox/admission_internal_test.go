@@ -12,8 +12,23 @@ func TestHostCaps(t *testing.T) {
 	const gib = int64(1) << 30
 	small := Host{NoFile: 20000, PidMax: 32768, MountMax: 100000, Mounts: 100, MemoryBytes: 24 * gib}
 	d := HostCaps(small)
-	if d.Descriptors != 20000-descriptorReserve || d.Sandboxes != d.Descriptors/fdsPerSandbox || d.Why != "descriptors" {
+	// 20,000 descriptors leave room for 10,000 idle sandboxes beside the
+	// hot set: memory bounds them.
+	if d.Descriptors != 20000-descriptorReserve || d.HotSandboxes != d.Descriptors/4/fdsPerHotSandbox ||
+		d.Sandboxes != int(21*gib/memPerSandbox) || d.Why != "memory" || d.Sandboxes < 10000 {
 		t.Fatalf("caps of a host with 20,000 descriptors: %+v", d)
+	}
+	few := small
+	few.NoFile = 4096
+	if d := HostCaps(few); d.Descriptors != 3072 || d.HotSandboxes != 48 ||
+		d.Sandboxes != (3072-48*fdsPerHotSandbox)/fdsPerSandbox || d.Why != "descriptors" {
+		t.Fatalf("caps of a host with 4,096 descriptors: %+v", d)
+	}
+	if n := hotSandboxes(0, 1000); n != minHotSandboxes {
+		t.Fatalf("hot set under a cap of 1,000 descriptors: %d", n)
+	}
+	if n := hotSandboxes(-1, 1000); n != 0 {
+		t.Fatalf("hot set configured unbounded: %d", n)
 	}
 	if d.Mounts != 100000-100-mountReserve || d.Checkpoints != d.Mounts/2 {
 		t.Fatalf("mount and checkpoint caps: %+v", d)

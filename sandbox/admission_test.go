@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -88,8 +89,9 @@ func TestCapsRefuseBeforeCreating(t *testing.T) {
 		s := b.create(t, sandbox.Spec{})
 		ck, err := s.Checkpoint(t.Context())
 		must(t, err)
-		// Room for two sandboxes and a half: the count stands until fdRecount.
-		limit := b.rt.CountFDs() + 2*sandbox.FDsPerSandbox + sandbox.FDsPerSandbox/2
+		// Room for the hot set and two sandboxes: the count stands until
+		// fdRecount.
+		limit := b.rt.CountFDs() + b.rt.HotFDs() + 2*sandbox.FDsPerSandbox
 		b.rt.SetCaps(sandbox.Caps{Descriptors: limit})
 		before := countNow(t, b)
 		_, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
@@ -153,35 +155,92 @@ func TestCapsRefuseBeforeCreating(t *testing.T) {
 	})
 }
 
-// Descriptors admission charges a sandbox at least what one that has run
-// commands, with a background process, holds in the server.
+// Admission charges an idle sandbox what it holds of the server's
+// descriptors (its init's control socket), and the hot set what the
+// sandboxes used last keep: sandboxes that ran commands, background
+// processes, checkpoints and restores, more than the hot set holds, keep
+// no more than that between them, and a cold one works as before.
 func TestAdmissionCharges(t *testing.T) {
-	b := capsBundle(t, sandbox.Caps{})
+	const hot = 2
+	b := capsBundle(t, sandbox.Caps{}, func(c *sandbox.Config) { c.HotSandboxes = hot })
 	s := b.create(t, sandbox.Spec{})
 	ck, err := s.Checkpoint(t.Context())
 	must(t, err)
 	const n = 8
-	before, err := sandbox.OpenFDs()
-	must(t, err)
+	before := serverFDs(t)
 	kids, err := b.rt.Fork(t.Context(), ck.ID, n, sandbox.Spec{})
 	must(t, err)
+	// New sandboxes join the hot set; the cooler closes what the least
+	// recently used keep, and those it leaves hot are cooled here.
+	waitHot(t, b, hot)
+	for _, k := range kids {
+		k.Settle() // the detach of the root each swapped out holds its namespace meanwhile
+		k.Cool()
+	}
+	if idle := float64(serverFDs(t)-before) / n; idle > sandbox.FDsPerSandbox {
+		t.Fatalf("an idle sandbox holds %.1f descriptors of the server; admission charges %d", idle, sandbox.FDsPerSandbox)
+	}
 	for _, k := range kids {
 		sh(t, k, "echo hi > /tmp/x; cat /tmp/x")
 		if _, err := k.Exec(t.Context(), sandbox.ExecRequest{Command: "sleep 100", Background: true}); err != nil {
 			t.Fatal(err)
 		}
+		kc, err := k.Checkpoint(t.Context())
+		must(t, err)
+		sh(t, k, "echo bye > /tmp/x")
+		must(t, k.Restore(t.Context(), kc.ID))
 		sh(t, k, "true")
 	}
-	after, err := sandbox.OpenFDs()
+	waitHot(t, b, hot)
+	extra := serverFDs(t) - before - n*sandbox.FDsPerSandbox
+	if extra > hot*sandbox.FDsPerHotSandbox {
+		t.Fatalf("%d sandboxes used, %d of them hot, hold %d descriptors beyond their idle ones; admission charges %d a hot sandbox",
+			n, hot, extra, sandbox.FDsPerHotSandbox)
+	}
+	t.Logf("%d descriptors beyond the idle ones for %d hot sandboxes (charged %d each)", extra, hot, sandbox.FDsPerHotSandbox)
+	// The least recently used is cold: it opens what it needs again.
+	k := kids[0]
+	if got := sh(t, k, "cat /tmp/x"); got != "hi\n" {
+		t.Fatalf("a cold sandbox reads %q", got)
+	}
+	kc, err := k.Checkpoint(t.Context())
 	must(t, err)
-	if each := float64(after-before) / n; each > sandbox.FDsPerSandbox {
-		t.Fatalf("a sandbox holds %.1f descriptors of the server; admission charges %d", each, sandbox.FDsPerSandbox)
-	} else {
-		t.Logf("%.1f descriptors a sandbox (charged %d)", each, sandbox.FDsPerSandbox)
+	sh(t, k, "echo again > /tmp/x")
+	must(t, k.Restore(t.Context(), kc.ID))
+	if got := sh(t, k, "cat /tmp/x"); got != "hi\n" {
+		t.Fatalf("a sandbox restored cold reads %q", got)
 	}
 	for _, k := range kids {
 		must(t, k.Destroy(t.Context()))
 	}
+}
+
+// waitHot waits until the cooler, in the background, has brought the hot
+// set down to its bound (the deadline is a watchdog: it runs at once).
+func waitHot(t *testing.T, b *bundle, hot int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); b.rt.HotSandboxes() > hot; {
+		if time.Now().After(deadline) {
+			t.Fatalf("the hot set holds %d sandboxes, over its %d", b.rt.HotSandboxes(), hot)
+		}
+		runtime.Gosched()
+	}
+}
+
+// serverFDs counts the process's descriptors but the ready net namespaces
+// of the runtime's pool (Config.NetPool), which it refills in the
+// background.
+func serverFDs(t testing.TB) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	must(t, err)
+	n := 0
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && !strings.HasPrefix(l, "net:[") {
+			n++
+		}
+	}
+	return n
 }
 
 // A checkpoint no live sandbox descends from, not pinned and not used for
@@ -369,10 +428,10 @@ func TestWarmPoolWithinCaps(t *testing.T) {
 			must(t, k.Destroy(t.Context()))
 		}
 		waitPool(t, b, reports, 8)
-		// Room for the descriptors of two sandboxes made from scratch: a
-		// Fork of 3 fits only with the pool's inits counted in, and the
-		// pool freeing some.
-		b.rt.SetCaps(sandbox.Caps{Descriptors: b.rt.CountFDs() + 2*sandbox.FDsPerSandbox})
+		// Room for the descriptors of two sandboxes made from scratch
+		// beside the hot set's charge, less one: a Fork of 3 fits only
+		// with the pool's inits counted in, and the pool freeing some.
+		b.rt.SetCaps(sandbox.Caps{Descriptors: b.rt.CountFDs() + b.rt.HotFDs() + 2*sandbox.FDsPerSandbox - 1})
 		kids, err = b.rt.Fork(t.Context(), ck.ID, 3, sandbox.Spec{})
 		if err != nil {
 			t.Fatalf("a Fork of 3 the pool could make room for: %v", err)

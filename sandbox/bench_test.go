@@ -267,6 +267,44 @@ func BenchmarkExec(b *testing.B) {
 	l.report(b, "")
 }
 
+// BenchmarkCold is the first operation of a sandbox that has gone cold
+// (given up its kept descriptors, hot.go), which opens them again: exec
+// runs `/bin/true`, rollback restores a checkpoint after a file write. Its
+// figures against BenchmarkExec's and BenchmarkRollback's are the reopen's
+// cost.
+func BenchmarkCold(b *testing.B) {
+	for _, op := range []string{"exec", "rollback"} {
+		b.Run("op="+op, func(b *testing.B) {
+			bb := setup(b)
+			s := bb.create(b, sandbox.Spec{})
+			ctx := context.Background()
+			ck, err := s.Checkpoint(ctx)
+			must(b, err)
+			var l lat
+			b.ResetTimer()
+			for range b.N {
+				b.StopTimer()
+				if op == "rollback" {
+					must(b, s.WriteFile(ctx, "/f", []byte("x"), 0, false))
+				}
+				if !s.Cool() {
+					b.Fatal("an idle sandbox did not cool")
+				}
+				b.StartTimer()
+				l.time(func() {
+					if op == "exec" {
+						_, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"/bin/true"}})
+					} else {
+						err = s.Restore(ctx, ck.ID)
+					}
+				})
+				must(b, err)
+			}
+			l.report(b, "")
+		})
+	}
+}
+
 // BenchmarkRollbackFullCopy is the baseline of copytree-based sandboxes:
 // restore by copying the whole root filesystem as it was at the checkpoint.
 // The image has 10,000 files; 1,000 files / 50 MB were changed since. The

@@ -189,11 +189,17 @@ func (s *Sandbox) retireWork(g workGroup) {
 		// failed) has no kept control files yet: opened here, off the
 		// restore's path.
 		g.wf.openControls()
+		s.cmds.mu.Lock()
+		if s.cold.Load() {
+			g.closeFiles() // a cold sandbox keeps none (hot.go)
+		}
 		select {
 		case s.cmds.reuseW <- g:
+			s.cmds.mu.Unlock()
 			return
 		default: // one is waiting already
 		}
+		s.cmds.mu.Unlock()
 	}
 	g.close()
 	if err := g.cg.Delete(); err != nil && !errors.Is(err, cgroup.ErrNotExist) {

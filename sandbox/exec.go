@@ -154,6 +154,7 @@ func (s *Sandbox) cwd(c string) string {
 // them to exit.
 // +checklocksacquireread:s.op
 func (s *Sandbox) beginExec() (context.Context, error) {
+	s.rt.hot.touch(s)
 	s.op.RLock()
 	if s.cmds.killPending.Load() {
 		if !waitKilledGroups(s.killedGroups(), 2*time.Second) {
@@ -232,6 +233,14 @@ func (s *Sandbox) execGroup() (*execGroup, error) {
 		eg := s.cmds.idle[n-1]
 		s.cmds.idle = s.cmds.idle[:n-1]
 		s.cmds.mu.Unlock()
+		if eg.procs == nil { // closed while the sandbox was cold (hot.go)
+			procs, err := eg.cg.OpenProcs()
+			if err != nil {
+				_ = eg.cg.Delete()
+				return nil, fmt.Errorf("opening exec cgroup: %w", err)
+			}
+			eg.procs = procs
+		}
 		return eg, nil
 	}
 	s.cmds.mu.Unlock()

@@ -79,8 +79,26 @@ func (s *Sandbox) KilledGroups() []string {
 	return out
 }
 
-// FDsPerSandbox is what admission charges a sandbox in descriptors.
-const FDsPerSandbox = fdsPerSandbox
+// FDsPerSandbox is what admission charges an idle sandbox in descriptors,
+// and FDsPerHotSandbox each sandbox the hot set may hold.
+const (
+	FDsPerSandbox    = fdsPerSandbox
+	FDsPerHotSandbox = fdsPerHotSandbox
+)
+
+// Settle waits until the root the sandbox's last swap replaced is
+// detached.
+func (s *Sandbox) Settle() { s.init.Settled() }
+
+// Cool makes the sandbox give up its kept descriptors now (hot.go), and
+// reports whether it could (not while an operation runs in it).
+func (s *Sandbox) Cool() bool { return s.cool() }
+
+// HotSandboxes reports how many sandboxes the hot set holds.
+func (r *Runtime) HotSandboxes() int { return r.hot.Len() }
+
+// HotFDs is what admission charges for the hot set.
+func (r *Runtime) HotFDs() int { return r.hot.max * fdsPerHotSandbox }
 
 // LayerMounts returns the layer mounts the runtime holds.
 func (r *Runtime) LayerMounts() int { return r.layers.Mounts() }

@@ -58,7 +58,9 @@ type rootFS struct {
 	// upper is the live upper layer (ref held).
 	// +checklocks:mu
 	upper string
-	// upperFD is the idmapped clone of the upper's layer directory, or -1.
+	// upperFD is the idmapped clone of the upper's layer directory, or -1
+	// (given up when the sandbox goes cold; opened again when the upper is
+	// next mounted).
 	// +checklocks:mu
 	upperFD int
 	// upperAt is how the upper's directory looked when it became the
@@ -95,18 +97,25 @@ type rootFS struct {
 	covered atomic.Bool
 }
 
-// lowerFD returns the idmapped clone of a layer directory for this sandbox.
-// +checklocks:s.fs.mu
-func (s *Sandbox) lowerFD(dir string) (int, error) {
-	if fd, ok := s.fs.idmapped[dir]; ok {
-		return fd, nil
+// userNS opens the user namespace of the sandbox's init, which idmapped
+// clones of layer directories map onto.
+func (s *Sandbox) userNS() (int, error) {
+	fd, err := s.init.NS(unix.PIDFD_GET_USER_NAMESPACE)
+	if err != nil {
+		return -1, fmt.Errorf("%w: sandbox %s: %w", ErrClosed, s.id, err)
 	}
-	fd, err := overlay.IDMapped(dir, s.userns, true)
+	return fd, nil
+}
+
+// idmap makes an idmapped clone of layer directory dir for this sandbox
+// (overlay.IDMapped).
+func (s *Sandbox) idmap(dir string, readOnly bool) (int, error) {
+	userns, err := s.userNS()
 	if err != nil {
 		return -1, err
 	}
-	s.fs.idmapped[dir] = fd
-	return fd, nil
+	defer unix.Close(userns)
+	return overlay.IDMapped(dir, userns, readOnly)
 }
 
 // switchRoot makes a fresh upper over stack (delta layers, bottom first) the
@@ -126,7 +135,11 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 		return err
 	}
 	mfd := sp.root
-	if !sp.built {
+	if !sp.built && sp.fd < 0 {
+		// A spare reclaimed while the sandbox was cold (coolFS).
+		sp.fd, err = s.idmap(s.rt.layers.Dir(sp.id), false)
+	}
+	if err == nil && !sp.built {
 		mfd, err = s.buildRoot(stack, sp.fd)
 	}
 	// How the new upper looks (keepRoot), read while no process can reach
@@ -176,8 +189,9 @@ func (s *Sandbox) switchRoot(stack []string, pending, again bool) error {
 }
 
 // nextRoot is what building a root ahead needs: the stack and the fds of
-// its lower directories (from the sandbox's cache, valid until Destroy,
-// which waits for the spare first).
+// its lower directories (from the sandbox's cache, valid until Destroy or
+// until the sandbox goes cold (coolFS), each of which waits for the spare
+// first).
 type nextRoot struct {
 	stack  []string
 	lowers []int
@@ -188,12 +202,28 @@ type nextRoot struct {
 func (s *Sandbox) planRoot(stack []string) (*nextRoot, error) {
 	dirs := s.lowerDirs(stack)
 	n := &nextRoot{stack: slices.Clone(stack), lowers: make([]int, len(dirs))}
+	userns := -1 // opened for the clones not cached (a cold sandbox's)
+	var err error
 	for i, d := range dirs {
-		fd, err := s.lowerFD(d)
-		if err != nil {
-			return nil, err
+		fd, ok := s.fs.idmapped[d]
+		if !ok {
+			if userns < 0 {
+				if userns, err = s.userNS(); err != nil {
+					break
+				}
+			}
+			if fd, err = overlay.IDMapped(d, userns, true); err != nil {
+				break
+			}
+			s.fs.idmapped[d] = fd
 		}
 		n.lowers[i] = fd
+	}
+	if userns >= 0 {
+		unix.Close(userns)
+	}
+	if err != nil {
+		return nil, err
 	}
 	return n, nil
 }
@@ -376,7 +406,7 @@ func (s *Sandbox) newSpare() spareUpper {
 	if err != nil {
 		return spareUpper{err: err}
 	}
-	fd, err := overlay.IDMapped(s.rt.layers.Dir(id), s.userns, false)
+	fd, err := s.idmap(s.rt.layers.Dir(id), false)
 	if err != nil {
 		s.rt.layers.Unref(id)
 		return spareUpper{err: err}
@@ -420,7 +450,11 @@ func (s *Sandbox) prepareSpareFrom(old spareUpper, gone <-chan struct{}, next *n
 			ch <- s.newSpare()
 			return
 		}
-		if next != nil {
+		if next != nil && old.fd < 0 {
+			// The upper of a sandbox that went cold: its clone again.
+			old.fd, _ = s.idmap(s.rt.layers.Dir(old.id), false)
+		}
+		if next != nil && old.fd >= 0 {
 			if mfd, err := next.mount(s.hostID, old.fd); err == nil {
 				old.built, old.root, old.stack = true, mfd, next.stack
 			}

@@ -83,6 +83,13 @@ type Config struct {
 	// NetPool is how many ready net namespaces to keep (default 64); net
 	// namespaces of ended sandboxes are reused.
 	NetPool int
+	// HotSandboxes bounds the sandboxes that keep the descriptors that make
+	// them fast (their layers' idmapped clones, their command groups'
+	// control files); the least recently used beyond it give them up and
+	// open them again when next used (hot.go). 0: a quarter of the
+	// descriptor cap, 16 descriptors a sandbox (between 16 and 4,096;
+	// 1,024 without a descriptor cap); negative: no bound.
+	HotSandboxes int
 	// InitPool bounds the ready sandbox inits kept for fork fan-outs
 	// (warm.go): the pool grows to the largest Fork asked for, up to this
 	// (default 1,024, the largest Fork; negative: none), and shrinks back
@@ -302,6 +309,7 @@ type Runtime struct {
 	skel    string
 	lock    *os.File
 	adm     admission       // caps and what counts against them (admission.go)
+	hot     *hotSet         // sandboxes keeping their descriptors (hot.go)
 	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
 	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
 
@@ -402,7 +410,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
 		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
 		done: make(chan struct{}), flatSem: make(chan struct{}, 1), ret: retirement{slots: make(chan struct{}, retireSlots())},
-		links: overlay.NewLinks(),
+		links: overlay.NewLinks(), hot: newHotSet(0),
 	}
 	for i := maxRanges - 1; i >= 0; i-- {
 		r.adm.ranges = append(r.adm.ranges, firstHostID+i*launch.IDRange)
@@ -551,6 +559,10 @@ func (r *Runtime) startLoops() {
 	r.warm = warmInits{ready: make(chan *warmInit, r.cfg.InitPool), kick: make(chan struct{}, 1)}
 	r.wg.Add(1)
 	go r.warmLoop()
+	if r.hot.max > 0 {
+		r.wg.Add(1)
+		go r.coolLoop()
+	}
 	r.folds = procstate.NewFolder(r.log)
 	r.wg.Add(1)
 	go func() {

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -29,15 +30,18 @@ import (
 // process state (procs, sandbox/procstate). op serialises the sandbox's state changes
 // against its commands and file actions.
 type Sandbox struct {
-	rt      *Runtime
-	id      string
-	spec    Spec
-	img     *imageRec
-	hostID  int
-	netns   int
+	rt     *Runtime
+	id     string
+	spec   Spec
+	img    *imageRec
+	hostID int
+	// init is the sandbox's init, whose control socket is the one
+	// descriptor of the server an idle sandbox holds: its namespaces are
+	// opened through it when needed (launch.Init.NS), and the rest of
+	// what a sandbox in use keeps open is given up when it goes cold
+	// (hot.go).
 	init    *launch.Init
 	cg      *cgroup.Cgroup
-	userns  int
 	created time.Time
 	// egress serves the sandbox's egress listener (Spec.Egress); set by
 	// Create, ended by Destroy.
@@ -77,6 +81,13 @@ type Sandbox struct {
 	// after Close) once; tearErr is its result, read after tearOnce.Do.
 	tearOnce sync.Once
 	tearErr  error
+
+	// live: registered and not torn down; only a live sandbox joins the
+	// runtime's hot set (hot.go).
+	live atomic.Bool
+	// cold: the sandbox gave up its kept descriptors (set under cmds.mu
+	// by coolCmds, cleared when it joins the hot set again).
+	cold atomic.Bool
 }
 
 // ID returns the sandbox's id.
@@ -141,7 +152,7 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		head = src.ck.ID
 	}
 	s := &Sandbox{
-		rt: r, id: newID("sb-"), spec: spec, img: src.img, netns: -1, userns: -1,
+		rt: r, id: newID("sb-"), spec: spec, img: src.img,
 		fs:   rootFS{upperFD: -1, root: -1, idmapped: map[string]int{}},
 		cmds: cmdGroups{reuseW: make(chan workGroup, 1)},
 		gen:  gen, abort: abort, head: head,
@@ -175,6 +186,10 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		return nil, err
 	}
 	registered = true
+	// What making its root opened stays open until the sandbox is among
+	// the least recently used (hot.go): closing the idmapped clones costs
+	// an RCU grace period each, which a fork fan-out would wait for.
+	r.hot.touch(s)
 	go s.watch()
 	if spec.FreshEntropy && src.ck != nil && !spec.FilesOnly {
 		// Sessions brought back from CRIU images share their $RANDOM.
@@ -253,11 +268,10 @@ func (s *Sandbox) adoptInit(undo *undoList) error {
 	if err != nil {
 		return err
 	}
-	s.id, s.hostID, s.netns, s.cg, s.init, s.userns = w.id, w.hostID, w.netns, w.cg, w.init, w.userns
+	s.id, s.hostID, s.cg, s.init = w.id, w.hostID, w.cg, w.init
 	s.cmds.mu.Lock()
 	s.cmds.work = w.work
 	s.cmds.mu.Unlock()
-	w.userns = -1 // the sandbox's now: closeFDs closes it
 	undo.add(func() error { w.free(r); return nil })
 	l := s.spec.Limits
 	// The warm init's group has the runtime's CPU weight already (warm.go).
@@ -277,7 +291,12 @@ func (s *Sandbox) startEgress(undo *undoList) error {
 	if s.spec.Egress == nil {
 		return nil
 	}
-	ln, err := egress.Listen(s.netns)
+	netns, err := s.init.NS(unix.PIDFD_GET_NET_NAMESPACE)
+	if err != nil {
+		return fmt.Errorf("starting the egress proxy: %w", err)
+	}
+	ln, err := egress.Listen(netns)
+	unix.Close(netns)
 	if err != nil {
 		return fmt.Errorf("starting the egress proxy: %w", err)
 	}
@@ -359,6 +378,7 @@ func (r *Runtime) register(s *Sandbox, head string) error {
 		return fmt.Errorf("%w: runtime is shutting down", ErrClosed)
 	}
 	r.sandboxes[s.id] = s
+	s.live.Store(true)
 	r.adm.mu.Lock()
 	defer r.adm.mu.Unlock()
 	r.adm.reserved--
@@ -444,10 +464,6 @@ func (s *Sandbox) closeFDs() error {
 		delete(s.fs.idmapped, k)
 	}
 	s.fs.mu.Unlock()
-	if s.userns >= 0 {
-		unix.Close(s.userns)
-		s.userns = -1
-	}
 	return nil
 }
 
@@ -456,6 +472,7 @@ func (s *Sandbox) closeFDs() error {
 // sandbox is closed.
 // +checklocksacquire:s.op
 func (s *Sandbox) beginOp(abort bool) error {
+	s.rt.hot.touch(s)
 	if abort {
 		s.mu.Lock()
 		s.abort()
@@ -523,6 +540,8 @@ func (s *Sandbox) teardown(ctx context.Context) error {
 // state change in progress, if any (aborted by shut), then saves the
 // templates, ends the processes and frees everything.
 func (s *Sandbox) tearDown(ctx context.Context) error {
+	s.live.Store(false)
+	s.rt.hot.forget(s)
 	s.op.Lock()
 	defer s.op.Unlock()
 	if frozen, err := s.cg.SelfFrozen(); err == nil && frozen {
@@ -551,6 +570,9 @@ func (s *Sandbox) tearDown(ctx context.Context) error {
 	// ahead from a template ends with it.
 	errs = append(errs, s.procs.DeleteTemplates())
 	errs = append(errs, s.procs.EndAhead())
+	// The net namespace, taken from the init while it lives, goes back
+	// to the pool once nothing of the sandbox is left in it (below).
+	netns, nerr := s.init.NS(unix.PIDFD_GET_NET_NAMESPACE)
 	errs = append(errs, s.init.Stop())
 	s.dropExecGroups()
 	s.bg.Wait()    // removals of killed command groups
@@ -562,7 +584,9 @@ func (s *Sandbox) tearDown(ctx context.Context) error {
 	s.dropSpareWork()
 	s.closeFDs()
 	errs = append(errs, s.stopEgress())
-	s.rt.net.Put(s.netns) // the init is gone: nothing of the sandbox is left in it
+	if nerr == nil {
+		s.rt.net.Put(netns) // the init is gone: nothing of the sandbox is left in it
+	}
 	s.fs.mu.Lock()
 	s.unrefStack()
 	s.releaseUpper()

@@ -26,15 +26,15 @@ import (
 // refuse frees it first (admitSandboxes). Close empties it. Inits with a
 // host name other than the default are started on demand.
 
-// warmInit is a sandbox-to-be, waiting for a root.
+// warmInit is a sandbox-to-be, waiting for a root. It holds one of the
+// server's descriptors, its init's control socket: its namespaces are
+// reached through the init (launch.Init.NS) when needed.
 type warmInit struct {
 	id     string
 	hostID int
-	netns  int
 	cg     *cgroup.Cgroup
 	work   *cgroup.Cgroup
 	init   *launch.Init
-	userns int
 }
 
 const defaultHostname = "sandbox"
@@ -42,18 +42,22 @@ const defaultHostname = "sandbox"
 // startInit starts an init for sandbox id with the default host name
 // unless hostname is set. On error nothing is left.
 func (r *Runtime) startInit(id, hostname string) (_ *warmInit, err error) {
-	w := &warmInit{id: id, netns: -1, userns: -1}
+	w := &warmInit{id: id}
+	netns := -1
 	defer func() {
 		if err != nil {
 			w.free(r)
+			if netns >= 0 {
+				unix.Close(netns) // it may hold what a failed init left
+			}
 		}
 	}()
 	if w.hostID, err = r.takeRange(); err != nil {
 		w.hostID = 0
 		return nil, err
 	}
-	if w.netns, err = r.net.Get(); err != nil {
-		w.netns = -1
+	if netns, err = r.net.Get(); err != nil {
+		netns = -1
 		return nil, errors.Join(errors.New("creating net namespace"), err)
 	}
 	if w.cg, err = r.cg.Create(id, cgroup.Limits{CPUWeight: r.cfg.CPUWeight}); err != nil {
@@ -66,41 +70,42 @@ func (r *Runtime) startInit(id, hostname string) (_ *warmInit, err error) {
 	if hostname == "" {
 		hostname = defaultHostname
 	}
-	if w.init, err = r.spawn.Start(launch.Config{HostID: w.hostID, NetNS: w.netns, Hostname: hostname}); err != nil {
+	if w.init, err = r.spawn.Start(launch.Config{HostID: w.hostID, NetNS: netns, Hostname: hostname}); err != nil {
 		w.init = nil
 		return nil, err
 	}
+	unix.Close(netns) // the init holds it now
+	netns = -1
 	if err = w.cg.Add(w.init.Pid); err != nil {
-		return nil, err
-	}
-	if w.userns, err = w.init.UserNS(); err != nil {
-		w.userns = -1
 		return nil, err
 	}
 	return w, nil
 }
 
-// free ends the init and gives back what it holds.
+// free ends the init and gives back what it holds: its net namespace goes
+// back to the pool (r.stopInit).
 func (w *warmInit) free(r *Runtime) {
 	if w.init != nil {
-		_ = w.init.Stop()
+		_ = r.stopInit(w.init)
 	}
 	if w.cg != nil {
 		_ = w.cg.Delete()
 	}
-	if w.userns >= 0 {
-		unix.Close(w.userns)
-	}
-	if w.netns >= 0 {
-		if w.init != nil {
-			r.net.Put(w.netns) // the init is gone: nothing is left in it
-		} else {
-			unix.Close(w.netns)
-		}
-	}
 	if w.hostID != 0 {
 		r.putRange(w.hostID)
 	}
+}
+
+// stopInit ends an init and gives its net namespace back to the pool for
+// reuse (launch.NetPool.Put), taken from the init before it ends; an init
+// already gone leaves it to the kernel.
+func (r *Runtime) stopInit(in *launch.Init) error {
+	netns, nerr := in.NS(unix.PIDFD_GET_NET_NAMESPACE)
+	err := in.Stop()
+	if nerr == nil {
+		r.net.Put(netns) // the init is gone: nothing is left in it
+	}
+	return err
 }
 
 // takeInit returns a warm init for a sandbox with the given host name, or
@@ -180,7 +185,7 @@ func (r *Runtime) warmRoom() bool {
 		return false
 	}
 	c := a.caps.Descriptors
-	return c <= 0 || a.fds+(a.fdsMade+a.reserved+1)*fdsPerSandbox <= c
+	return c <= 0 || a.fds+(a.fdsMade+a.reserved+1)*fdsPerSandbox+r.hot.max*fdsPerHotSandbox <= c
 }
 
 // fdsMadeWarm charges a warm init to the descriptors made since the last

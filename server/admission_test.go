@@ -15,8 +15,9 @@ import (
 )
 
 // forkTwiceNoFile is the descriptor limit TestForkTwiceOverCaps runs the server with: room for
-// one Fork of 1024 children (a sandbox holds up to 16 of the server's descriptors), not two.
-const forkTwiceNoFile = 20000
+// one Fork of 1024 children, not two (1,976 descriptors for the server's sandboxes, an idle one
+// holding one, less 480 for the hot set of the sandboxes used last).
+const forkTwiceNoFile = 3000
 
 // Two Fork(n=1024) at once on a server whose descriptors hold one: the one beyond the caps is
 // refused with resource_exhausted naming the cap, its value and the flag that raises it, and

@@ -243,6 +243,28 @@ func sendmsg(f *os.File, msg, oob []byte) error {
 	return serr
 }
 
+// PeerOpen reports whether the init's end of the socket is still open. Only
+// the init holds it (close-on-exec, so its children hold it only between
+// fork and exec), and an init cannot be reaped before every task of its pid
+// namespace has exited: while its end is open, the init's pid is still its
+// own, which makes a pidfd opened by that pid before the check the init's.
+func (c *Conn) PeerOpen() bool {
+	rc, err := c.sock.SyscallConn()
+	if err != nil {
+		return false
+	}
+	open := false
+	cerr := rc.Control(func(fd uintptr) {
+		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
+		n, err := unix.Poll(p, 0)
+		for err == unix.EINTR { // the Go runtime's preemption signals
+			n, err = unix.Poll(p, 0)
+		}
+		open = err == nil && (n == 0 || p[0].Revents&(unix.POLLHUP|unix.POLLRDHUP|unix.POLLERR|unix.POLLNVAL) == 0)
+	})
+	return cerr == nil && open
+}
+
 // Ping checks the init answers and returns its pid as the init sees it (1).
 func (c *Conn) Ping() (int, error) {
 	r, err := c.call(msgPing, nil, nil)

@@ -240,7 +240,6 @@ type Init struct {
 	Pid    int
 	done   chan struct{}
 	status unix.WaitStatus
-	mntns  int
 	once   sync.Once
 	// detached receives the outcome of the previous swap's detach of the
 	// old root, which finishes after Swap returns; the next Swap waits.
@@ -279,8 +278,15 @@ func (in *Init) Swap(mountFD int) error {
 			return fmt.Errorf("detaching the previous root: %w", err)
 		}
 	}
-	under, err, homeErr := swapHere(in.mntns, mountFD)
+	// The namespace is opened for the swap and its detach (which closes
+	// it): an idle sandbox holds no descriptor of it.
+	mntns, err := in.NS(unix.PIDFD_GET_MNT_NAMESPACE)
+	if err != nil {
+		return err
+	}
+	under, err, homeErr := swapHere(mntns, mountFD)
 	if under < 0 {
+		unix.Close(mntns)
 		return errors.Join(err, homeErr)
 	}
 	// Pivoted: the swap is done. A thread that could not come back (it
@@ -290,7 +296,7 @@ func (in *Init) Swap(mountFD int) error {
 	in.goneMu.Lock()
 	in.gone = gone
 	in.goneMu.Unlock()
-	detachers.do(detachJob{in.mntns, under, homeErr, detached, gone})
+	detachers.do(detachJob{mntns, under, homeErr, detached, gone})
 	return nil
 }
 
@@ -437,6 +443,7 @@ type detachPool struct {
 }
 
 type detachJob struct {
+	// mntns is the sandbox's mount namespace, closed after the detach.
 	// under is a descriptor of the new root, closed after the detach of
 	// the old root that sits on it (umount of "." there reaches the mount
 	// on top: the old root).
@@ -510,6 +517,7 @@ func (p *detachPool) worker() {
 			err = fmt.Errorf("entering sandbox mount namespace: %w", err)
 		}
 		unix.Close(j.under)
+		unix.Close(j.mntns)
 		err = errors.Join(j.pre, err)
 		if herr := goHome(fs); herr != nil {
 			// The thread cannot go home: let it die with the goroutine
@@ -550,7 +558,7 @@ func (s *SpawnNS) Start(cfg Config) (*Init, error) {
 		ours.Close()
 		return nil, fmt.Errorf("starting init: %w", err)
 	}
-	in := &Init{Pid: pid, done: make(chan struct{}), mntns: -1}
+	in := &Init{Pid: pid, done: make(chan struct{})}
 	go func() {
 		if ev, ok := <-exit; ok {
 			in.status = ev.Status
@@ -565,11 +573,6 @@ func (s *SpawnNS) Start(cfg Config) (*Init, error) {
 		return nil, fmt.Errorf("starting init: %w", err)
 	}
 	in.Conn = conn
-	in.mntns, err = unix.Open(fmt.Sprintf("/proc/%d/ns/mnt", in.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		_ = in.Stop()
-		return nil, fmt.Errorf("opening init's mount namespace: %w", err)
-	}
 	return in, nil
 }
 
@@ -596,9 +599,44 @@ func (s *SpawnNS) startLocked(cmd *exec.Cmd) error {
 	return nil
 }
 
-// UserNS opens the init's user namespace (for idmapped mounts).
-func (in *Init) UserNS() (int, error) {
-	return unix.Open(fmt.Sprintf("/proc/%d/ns/user", in.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+// ErrGone is returned for a descriptor of an init that has exited.
+var ErrGone = errors.New("sandbox init is gone")
+
+// PidFD opens a pidfd of the init. It is opened by pid, and is the init's
+// because the init's end of its control socket is still open after it
+// (initproc.Conn.PeerOpen): an init that had exited, been reaped and had
+// its pid taken by another process would have closed it. An Init holds no
+// descriptor but its control socket; what it is asked for is opened on
+// demand, through this.
+func (in *Init) PidFD() (int, error) {
+	if in.Conn == nil {
+		return -1, fmt.Errorf("%w: no control socket to check its pid against", ErrGone)
+	}
+	fd, err := unix.PidfdOpen(in.Pid, 0)
+	if err != nil {
+		return -1, fmt.Errorf("%w: opening its pidfd: %w", ErrGone, err)
+	}
+	if !in.Conn.PeerOpen() {
+		unix.Close(fd)
+		return -1, fmt.Errorf("%w: its control socket is closed", ErrGone)
+	}
+	return fd, nil
+}
+
+// NS opens one of the init's namespaces: req is an ioctl of its pidfd,
+// unix.PIDFD_GET_MNT_NAMESPACE, PIDFD_GET_USER_NAMESPACE (for idmapped
+// mounts) or PIDFD_GET_NET_NAMESPACE. The caller closes the descriptor.
+func (in *Init) NS(req uint) (int, error) {
+	pfd, err := in.PidFD()
+	if err != nil {
+		return -1, err
+	}
+	fd, err := unix.IoctlRetInt(pfd, req)
+	unix.Close(pfd)
+	if err != nil {
+		return -1, fmt.Errorf("%w: opening its namespace: %w", ErrGone, err)
+	}
+	return fd, nil
 }
 
 // ExitErr describes how the init exited, once Done is closed.
@@ -627,9 +665,6 @@ func (in *Init) Done() <-chan struct{} { return in.done }
 func (in *Init) Stop() error {
 	in.once.Do(func() {
 		_ = in.Conn.Close()
-		if in.mntns >= 0 {
-			unix.Close(in.mntns)
-		}
 		// The init exits when its socket closes; a stuck one is killed.
 		select {
 		case <-in.done:

@@ -2,6 +2,7 @@ package launch_test
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -84,7 +85,7 @@ func TestStartSwapSpawn(t *testing.T) {
 	if err != nil || pid != 1 {
 		t.Fatalf("ping: pid %d err %v", pid, err)
 	}
-	userns, err := in.UserNS()
+	userns, err := in.NS(unix.PIDFD_GET_USER_NAMESPACE)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,5 +196,96 @@ func checkThreadsHome(t *testing.T, home [3]string) {
 				t.Errorf("thread %s: %s is %q, not %q", task.Name(), f, l, home[i])
 			}
 		}
+	}
+}
+
+// The init's namespaces are opened through a pidfd on demand, and are its
+// own; once the init has exited and been reaped (its pid free for another
+// process), none is opened.
+func TestInitNamespaces(t *testing.T) {
+	bin := initBinary(t)
+	ns, err := launch.NewSpawnNS(bin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	netfd, err := launch.NewNetNS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(netfd)
+	in, err := ns.Start(launch.Config{HostID: 1 << 20, NetNS: netfd, Hostname: "probe"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer in.Stop()
+	var want unix.Stat_t
+	if err := unix.Fstat(netfd, &want); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		req  uint
+		name string
+	}{{unix.PIDFD_GET_MNT_NAMESPACE, "mnt"}, {unix.PIDFD_GET_USER_NAMESPACE, "user"}, {unix.PIDFD_GET_NET_NAMESPACE, "net"}} {
+		fd, err := in.NS(c.req)
+		if err != nil {
+			t.Fatalf("%s namespace: %v", c.name, err)
+		}
+		var got, proc unix.Stat_t
+		err = unix.Fstat(fd, &got)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Stat(fmt.Sprintf("/proc/%d/ns/%s", in.Pid, c.name), &proc); err != nil {
+			t.Fatal(err)
+		}
+		if got.Ino != proc.Ino || got.Dev != proc.Dev {
+			t.Fatalf("%s namespace: inode %d, the init's is %d", c.name, got.Ino, proc.Ino)
+		}
+		if c.name == "net" && got.Ino != want.Ino {
+			t.Fatalf("net namespace: inode %d, the one it was started in is %d", got.Ino, want.Ino)
+		}
+	}
+	if err := unix.Kill(in.Pid, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	<-in.Done() // reaped by the zygote
+	if fd, err := in.NS(unix.PIDFD_GET_MNT_NAMESPACE); !errors.Is(err, launch.ErrGone) {
+		unix.Close(fd)
+		t.Fatalf("namespace of an init gone: fd %d, err %v", fd, err)
+	}
+	if fd, err := in.PidFD(); !errors.Is(err, launch.ErrGone) {
+		unix.Close(fd)
+		t.Fatalf("pidfd of an init gone: fd %d, err %v", fd, err)
+	}
+}
+
+// BenchmarkInitNS opens and closes the init's mount namespace through its
+// pidfd (launch.Init.NS), as a root swap does.
+func BenchmarkInitNS(b *testing.B) {
+	testenv.Privileged(b, "creates namespaces and mounts (CI runs as root)")
+	ns, err := launch.NewSpawnNS(testenv.Init(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ns.Close()
+	netfd, err := launch.NewNetNS()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(netfd)
+	in, err := ns.Start(launch.Config{HostID: 1 << 20, NetNS: netfd, Hostname: "probe"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer in.Stop()
+	b.ResetTimer()
+	for range b.N {
+		fd, err := in.NS(unix.PIDFD_GET_MNT_NAMESPACE)
+		if err != nil {
+			b.Fatal(err)
+		}
+		unix.Close(fd)
 	}
 }
