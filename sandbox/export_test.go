@@ -141,6 +141,9 @@ func (r *Runtime) KillTemplates(ck string) int {
 // each pass that filled it as far as its target and the caps allow.
 func (r *Runtime) OnWarm(f func(ready int)) { r.hooks.onWarm.Store(&f) }
 
+// KickWarm asks the warm pool for a pass.
+func (r *Runtime) KickWarm() { r.kickWarm() }
+
 // WarmWanted is the warm pool's target.
 func (r *Runtime) WarmWanted() int { return r.warmWanted(time.Now()) }
 
