@@ -850,8 +850,12 @@ func waitForCapacity(ctx context.Context, t *testing.T, h *harness) *bundle {
 	b := setup(t, h, spec("a", h.image))
 	a := b.env(t, "a")
 	// Two leases hold the cap: a's refill after the second is refused, and waits on its
-	// back-off's timer, which never fires while the clock stands still.
+	// back-off's first timer (10ms), which never fires while the clock stands still; so that
+	// only b takes the capacity a close frees.
 	l1, _ := b.acquire(t, a), b.acquire(t, a)
+	if err := b.clk.WaitForTimer(ctx, 10*time.Millisecond); err != nil {
+		t.Fatalf("a's refill past the cap is not waiting: %v", err)
+	}
 	env, err := b.m.Register(spec("b", h.image, cmdSetup), false)
 	if err != nil {
 		t.Fatal(err)
