@@ -77,6 +77,11 @@ func openFake(*testing.T) func(t *testing.T) *harness {
 var runtimeCount atomic.Int64
 
 func openRuntime(t *testing.T) func(t *testing.T) *harness {
+	return openRuntimeCapped(t, sandbox.Caps{})
+}
+
+// openRuntimeCapped is openRuntime with the runtime's admission caps.
+func openRuntimeCapped(t *testing.T, caps sandbox.Caps) func(t *testing.T) *harness {
 	testenv.Privileged(t, "sandboxes use namespaces, mounts and cgroups")
 	init, err := locate.Init()
 	if err != nil {
@@ -89,7 +94,7 @@ func openRuntime(t *testing.T) func(t *testing.T) *harness {
 		t.Fatal(err)
 	}
 	cg := fmt.Sprintf("dgpooltest%d_%d", os.Getpid(), runtimeCount.Add(1))
-	rt, err := sandbox.New(t.Context(), sandbox.Config{DataDir: data, InitBinary: init, CRIU: criu, CgroupRoot: cg})
+	rt, err := sandbox.New(t.Context(), sandbox.Config{DataDir: data, InitBinary: init, CRIU: criu, CgroupRoot: cg, Caps: caps})
 	if err != nil {
 		t.Fatal(err)
 	}

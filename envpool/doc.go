@@ -25,6 +25,10 @@
 // envpooltest has fakes of them, and the package's tests run one suite against the fake and the
 // real runtime alike.
 //
-// Lock order: Manager.mu, then a Lease's or a task cache's mu. None is held while a Backend or
-// Box is called or while the Config's callbacks run.
+// An env whose setup a cap of the server refuses (errdefs.ErrResourceExhausted) waits for
+// capacity rather than failing: Reset is refused with ErrWaiting, and setup runs again after a
+// back-off, or as soon as a sandbox the Manager closed or destroyed is torn down.
+//
+// Lock order: Manager.mu, then a Lease's or a task cache's mu; a pool's mu is taken alone. None
+// is held while a Backend or Box is called or while the Config's callbacks run.
 package envpool

@@ -79,28 +79,30 @@ func (p *pool) start(ctx context.Context) {
 // attempts that a cap refused. ok is false when the pool was closed while it waited.
 func (p *pool) settle(ctx context.Context) (ckpt string, err error, ok bool) {
 	backoff := capacityRetryMin
+	waited := false // counted in Manager.waiters (setWaiting)
+	defer func() {
+		if waited {
+			p.m.waiters.Add(-1)
+		}
+	}()
 	for {
 		// Taken before the attempt: capacity freed during it cuts the back-off short.
 		freed := p.m.capacityFreed()
 		ckpt, err := p.setup(ctx)
 		var w *waitingError
 		if !errors.As(err, &w) || ctx.Err() != nil {
-			if p.setWaiting(nil) {
-				p.m.waiters.Add(-1)
-			}
 			return ckpt, err, true
 		}
 		if p.setWaiting(w) {
 			p.m.log.Debug("env still waiting for capacity", "env", p.env.Name(), "retry_in", backoff, "err", err)
 		} else {
-			p.m.waiters.Add(1)
+			waited = true
 			p.m.log.Warn("env waiting for capacity", "env", p.env.Name(), "retry_in", backoff, "err", err)
 		}
 		t := p.m.clock.NewTimer(backoff)
 		select {
 		case <-p.done:
 			t.Stop()
-			p.m.waiters.Add(-1)
 			return "", nil, false
 		case <-freed:
 			t.Stop()
@@ -110,17 +112,17 @@ func (p *pool) settle(ctx context.Context) (ckpt string, err error, ok bool) {
 	}
 }
 
-// setWaiting records the refusal of the last setup (nil: none) and reports whether one was
-// recorded before.
+// setWaiting records the refusal of the last setup and reports whether one was recorded
+// before. The first counts the pool in Manager.waiters before it closes refused, so that a
+// sandbox closed by whoever saw refused closed is watched (CloseLease) and kicks the retry.
 func (p *pool) setWaiting(w *waitingError) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	was := p.waiting != nil
-	if w != nil {
-		p.waiting = w
-		if !was {
-			close(p.refused)
-		}
+	p.waiting = w
+	if !was {
+		p.m.waiters.Add(1)
+		close(p.refused)
 	}
 	return was
 }

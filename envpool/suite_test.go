@@ -819,15 +819,43 @@ func testSetupFails(t *testing.T, h *harness) {
 // sandbox torn down runs setup again at once, and the back-off runs it again when capacity
 // frees otherwise. The clock moves only where the back-off is the point.
 func testSetupWaitsForCapacity(t *testing.T, h *harness) {
-	h.needFake(t, "the sandbox cap is changed while the runtime runs")
+	h.needFake(t, "the sandbox cap is changed while the runtime runs (TestSetupWaitsForCapacityRuntime holds the runtime to the first part)")
 	ctx, cancel := context.WithTimeout(t.Context(), watchdog)
 	defer cancel()
 	h.fake.LimitLive(2)
+	b := waitForCapacity(ctx, t, h)
+
+	later, err := b.m.Register(spec("c", h.image), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-later.Refused():
+	case <-ctx.Done():
+		t.Fatal("setup past the cap was not refused")
+	}
+	h.fake.LimitLive(8)
+	if err := b.clk.WaitForTimer(ctx, envpool.CapacityRetryMin); err != nil {
+		t.Fatalf("no retry armed: %v", err)
+	}
+	b.clk.Advance(envpool.CapacityRetryMin)
+	settled(ctx, t, later)
+}
+
+// waitForCapacity is the part of testSetupWaitsForCapacity that needs only a sandbox cap of 2
+// on h: an env registered at the cap waits for capacity, is refused as such, and is set up
+// once a lease is closed, the clock standing still. It returns with the cap held by a lease
+// of env a and a warm sandbox of env b.
+func waitForCapacity(ctx context.Context, t *testing.T, h *harness) *bundle {
 	b := setup(t, h, spec("a", h.image))
 	a := b.env(t, "a")
 	// Two leases hold the cap: a's refill after the second is refused, and waits on its
-	// back-off's timer, which never fires while the clock stands still.
+	// back-off's first timer (10ms), which never fires while the clock stands still; so that
+	// only b takes the capacity a close frees.
 	l1, _ := b.acquire(t, a), b.acquire(t, a)
+	if err := b.clk.WaitForTimer(ctx, 10*time.Millisecond); err != nil {
+		t.Fatalf("a's refill past the cap is not waiting: %v", err)
+	}
 	env, err := b.m.Register(spec("b", h.image, cmdSetup), false)
 	if err != nil {
 		t.Fatal(err)
@@ -855,22 +883,16 @@ func testSetupWaitsForCapacity(t *testing.T, h *harness) {
 	if got := run(t, b.acquire(t, env), cmdCatSetup); got != "once\n" {
 		t.Fatalf("the env's state once ready: %q", got)
 	}
+	return b
+}
 
-	later, err := b.m.Register(spec("c", h.image), false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-later.Refused():
-	case <-ctx.Done():
-		t.Fatal("setup past the cap was not refused")
-	}
-	h.fake.LimitLive(8)
-	if err := b.clk.WaitForTimer(ctx, envpool.CapacityRetryMin); err != nil {
-		t.Fatalf("no retry armed: %v", err)
-	}
-	b.clk.Advance(envpool.CapacityRetryMin)
-	settled(ctx, t, later)
+// TestSetupWaitsForCapacityRuntime holds the sandbox runtime, capped at 2 live sandboxes, to
+// what testSetupWaitsForCapacity asks of the fake without changing the cap.
+func TestSetupWaitsForCapacityRuntime(t *testing.T) {
+	h := openRuntimeCapped(t, sandbox.Caps{Sandboxes: 2})(t)
+	ctx, cancel := context.WithTimeout(t.Context(), watchdog)
+	defer cancel()
+	waitForCapacity(ctx, t, h)
 }
 
 // settled waits for env's setup to be over and fails unless the env is ready.
