@@ -479,4 +479,3 @@ func TestCloseRightAfterLastDelivery(t *testing.T) {
 		t.Fatalf("Close waited for the deliveries %d times in 20, too few to test the race", held)
 	}
 }
-
