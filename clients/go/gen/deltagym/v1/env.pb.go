@@ -637,16 +637,20 @@ type EgressLimits struct {
 	// max_connections caps the connections open at once.
 	MaxConnections int32 `protobuf:"varint,1,opt,name=max_connections,json=maxConnections,proto3" json:"max_connections,omitempty"`
 	// connections_per_second is the rate of new connections (a token bucket of
-	// connection_burst tokens; 0 takes twice the rate).
+	// connection_burst tokens).
 	ConnectionsPerSecond float64 `protobuf:"fixed64,2,opt,name=connections_per_second,json=connectionsPerSecond,proto3" json:"connections_per_second,omitempty"`
-	ConnectionBurst      int32   `protobuf:"varint,3,opt,name=connection_burst,json=connectionBurst,proto3" json:"connection_burst,omitempty"`
-	// max_bytes_up caps the bytes sent to destinations; max_bytes_down, those
-	// received from them.
-	MaxBytesUp   int64 `protobuf:"varint,4,opt,name=max_bytes_up,json=maxBytesUp,proto3" json:"max_bytes_up,omitempty"`
+	// connection_burst is the token bucket's size: new connections beyond the
+	// rate allowed at once (0 takes twice the rate).
+	ConnectionBurst int32 `protobuf:"varint,3,opt,name=connection_burst,json=connectionBurst,proto3" json:"connection_burst,omitempty"`
+	// max_bytes_up caps the bytes sent to destinations.
+	MaxBytesUp int64 `protobuf:"varint,4,opt,name=max_bytes_up,json=maxBytesUp,proto3" json:"max_bytes_up,omitempty"`
+	// max_bytes_down caps the bytes received from destinations.
 	MaxBytesDown int64 `protobuf:"varint,5,opt,name=max_bytes_down,json=maxBytesDown,proto3" json:"max_bytes_down,omitempty"`
-	// bytes_per_second_up and bytes_per_second_down cap the rate of each way,
-	// shared by the sandbox's connections.
-	BytesPerSecondUp   int64 `protobuf:"varint,6,opt,name=bytes_per_second_up,json=bytesPerSecondUp,proto3" json:"bytes_per_second_up,omitempty"`
+	// bytes_per_second_up caps the rate of bytes sent, shared by the
+	// sandbox's connections.
+	BytesPerSecondUp int64 `protobuf:"varint,6,opt,name=bytes_per_second_up,json=bytesPerSecondUp,proto3" json:"bytes_per_second_up,omitempty"`
+	// bytes_per_second_down caps the rate of bytes received, shared by the
+	// sandbox's connections.
 	BytesPerSecondDown int64 `protobuf:"varint,7,opt,name=bytes_per_second_down,json=bytesPerSecondDown,proto3" json:"bytes_per_second_down,omitempty"`
 	// idle_timeout_seconds closes a connection through which nothing went
 	// either way for so long.

@@ -2277,11 +2277,13 @@ type CheckpointSummary struct {
 	ParentId string `protobuf:"bytes,2,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
 	// env is the env it belongs to.
 	Env string `protobuf:"bytes,3,opt,name=env,proto3" json:"env,omitempty"`
-	// episode_id, run and group_id are those of the episode it was taken in
-	// (empty for a pool's own checkpoint).
+	// episode_id is the episode it was taken in (empty for a pool's own
+	// checkpoint).
 	EpisodeId string `protobuf:"bytes,4,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
-	Run       string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
-	GroupId   string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
+	// run is that episode's run.
+	Run string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
+	// group_id is that episode's group.
+	GroupId string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
 	// step_index is the index of the next step after restoring it.
 	StepIndex int32 `protobuf:"varint,7,opt,name=step_index,json=stepIndex,proto3" json:"step_index,omitempty"`
 	// create_time is when it was taken.
