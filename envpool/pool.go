@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
@@ -38,6 +39,9 @@ type pool struct {
 	waiting *waitingError
 	// refused is closed when waiting is first set, so that a take waiting for setup returns.
 	refused chan struct{}
+	// refill is why the last refill failed, if it did (nil once one succeeds): a take that
+	// finds no warm sandbox says it, such as the cap that refused the refill.
+	refill atomic.Pointer[error]
 
 	warm      chan Box
 	done      chan struct{}
@@ -188,6 +192,7 @@ func (p *pool) populate(ctx context.Context) {
 				return
 			}
 			p.m.log.Warn("refilling pool", "env", p.env.Name(), "err", err)
+			p.refill.Store(&err)
 			t := p.m.clock.NewTimer(backoff)
 			select {
 			case <-p.done:
@@ -199,6 +204,7 @@ func (p *pool) populate(ctx context.Context) {
 			continue
 		}
 		backoff = 10 * time.Millisecond
+		p.refill.Store(nil)
 		for _, sb := range sbs {
 			select {
 			case p.warm <- sb:
@@ -272,6 +278,9 @@ func (p *pool) waitSetup(ctx context.Context, deadline <-chan time.Time) error {
 }
 
 func (p *pool) exhausted() error {
+	if why := p.refill.Load(); why != nil {
+		return fmt.Errorf("env %s: all %d warm sandboxes taken, and refilling fails: %v: %w", p.env.Name(), p.size, *why, ErrExhausted)
+	}
 	return fmt.Errorf("env %s: all %d warm sandboxes taken: %w", p.env.Name(), p.size, ErrExhausted)
 }
 

@@ -37,6 +37,7 @@ var suite = []struct {
 }{
 	{"SetupOnceAndBurst", testSetupOnceAndBurst},
 	{"Exhausted", testExhausted},
+	{"ExhaustedNamesCap", testExhaustedNamesCap},
 	{"RefillBackoff", testRefillBackoff},
 	{"LeaseExpiry", testLeaseExpiry},
 	{"CallInFlightKeepsReaperAway", testCallInFlight},
@@ -292,6 +293,37 @@ func testSetupOnceAndBurst(t *testing.T, h *harness) {
 	got := b.checkpoints()
 	if len(got) != 1 || got[0].kind != envpool.KindPool || got[0].id != env.InitialCheckpoint() || got[0].env != "e" {
 		t.Fatalf("checkpoints taken: %v, want the pool's (%s) alone", got, env.InitialCheckpoint())
+	}
+}
+
+// testExhaustedNamesCap: an acquire past the warm sandboxes while a cap refuses the pool's
+// refill fails at its deadline naming the cap, so that the caller sees what to raise.
+func testExhaustedNamesCap(t *testing.T, h *harness) {
+	h.needFake(t, "the sandbox cap is set on the fake backend")
+	ctx, cancel := context.WithTimeout(t.Context(), watchdog)
+	defer cancel()
+	h.fake.LimitLive(2)
+	b := setup(t, h, spec("a", h.image))
+	a := b.env(t, "a")
+	b.acquire(t, a)
+	b.acquire(t, a)
+	// The refill past the cap is refused, and waits on its back-off's first timer.
+	if err := b.clk.WaitForTimer(ctx, 10*time.Millisecond); err != nil {
+		t.Fatalf("a's refill past the cap is not waiting: %v", err)
+	}
+	res := make(chan error, 1)
+	go func() {
+		_, err := b.m.Acquire(ctx, a)
+		res <- err
+	}()
+	if err := b.clk.WaitForTimer(ctx, acquireTimeout); err != nil {
+		t.Fatal(err)
+	}
+	b.clk.Advance(acquireTimeout)
+	err := <-res
+	wantErr(t, err, envpool.ErrExhausted, errdefs.ErrResourceExhausted)
+	if !strings.Contains(err.Error(), `cap "sandboxes"`) {
+		t.Fatalf("an acquire the sandbox cap holds up: %v, want the cap named", err)
 	}
 }
 
