@@ -349,7 +349,7 @@ func (r *Runtime) admitOnce(n int) (short int, err error) {
 		// that takes a warm init adds nothing: the init's socket is
 		// counted already.
 		hot := r.hot.max * fdsPerHotSandbox
-		used := a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox + hot
+		used := r.descriptorsUsedLocked()
 		need := (n - min(n, max(len(r.warm.ready)-a.reserved, 0))) * fdsPerSandbox
 		if used+need > c {
 			return used + need - c, r.capError(CapDescriptors, int64(c), int64(used), int64(need),
@@ -363,6 +363,15 @@ func (r *Runtime) admitOnce(n int) (short int, err error) {
 	}
 	a.reserved += n
 	return 0, nil
+}
+
+// descriptorsUsedLocked is what admission counts of the server's descriptors: those open at
+// the last count, fdsPerSandbox for each sandbox made since or reserved, and the hot set's
+// charge, whole.
+// +checklocks:r.adm.mu
+func (r *Runtime) descriptorsUsedLocked() int {
+	a := &r.adm
+	return a.fds + (a.fdsMade+a.reserved)*fdsPerSandbox + r.hot.max*fdsPerHotSandbox
 }
 
 // unreserve gives back n reserved sandboxes that were not made.

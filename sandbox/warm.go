@@ -185,7 +185,7 @@ func (r *Runtime) warmRoom() bool {
 		return false
 	}
 	c := a.caps.Descriptors
-	return c <= 0 || a.fds+(a.fdsMade+a.reserved+1)*fdsPerSandbox+r.hot.max*fdsPerHotSandbox <= c
+	return c <= 0 || r.descriptorsUsedLocked()+fdsPerSandbox <= c
 }
 
 // fdsMadeWarm charges a warm init to the descriptors made since the last
