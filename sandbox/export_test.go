@@ -48,6 +48,10 @@ func (r *Runtime) OnSettleKilled(f func(how string)) { r.hooks.onSettle = f }
 // to be gone before it looks at how fast they free memory (killedGrace).
 func (r *Runtime) SetKilledGrace(d time.Duration) { r.hooks.killedGrace = d }
 
+// SetStopWait bounds how long a checkpoint waits for the sandbox's
+// processes to stop.
+func (r *Runtime) SetStopWait(d time.Duration) { r.hooks.stopWait = d }
+
 // OnLimitsRoom makes every restore that judges the room its sandbox's
 // memory limit leaves beside the processes it killed call f with the limit
 // and the use it read.

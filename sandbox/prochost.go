@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -83,5 +84,6 @@ func (r *Runtime) procConfig() procstate.Config {
 		ForkAtRestore: r.cfg.ForkAtRestore,
 		SmallPages:    r.cfg.SmallPageTemplates,
 		AheadAlways:   func() bool { return r.hooks.aheadAlways },
+		StopWait:      func() time.Duration { return r.hooks.stopWait },
 	}
 }

@@ -378,6 +378,9 @@ type testHooks struct {
 	onRoom func(limit, current int64)
 	// killedGrace, if set, replaces the constant of that name.
 	killedGrace time.Duration
+	// stopWait, if set, replaces procstate's bound on stopping the
+	// command group for a checkpoint.
+	stopWait time.Duration
 	// onWarm, if set, is told how many inits the warm pool holds after
 	// each pass that filled it as far as its target and the caps allow
 	// (set while the warm loop runs).

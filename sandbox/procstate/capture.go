@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -84,42 +85,102 @@ type stopSet struct {
 	order    []int
 }
 
+// stopWait bounds how long stopAll waits for the command group to stop:
+// a process seized just as it called vfork stops only once its child has
+// called exec.
+const stopWait = 10 * time.Second
+
 // stopAll seizes and stops every single-threaded process of the command
 // group, listing the group again until no new process appears: once it
 // returns, nothing in the group can fork but the threaded processes it
 // names (which criu stops). A process that exits meanwhile is left out.
+//
+// A child of vfork that has not called exec yet is left to run until it
+// does, and so is its parent, which waits for it in the kernel where no
+// ptrace stop reaches it: stopping the child would hold both forever.
 func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
 	stop := stopSet{seized: map[int]*ptfork.Proc{}, threaded: map[int]bool{}}
-	for round := 0; ; round++ {
+	limit := stopWait
+	if ps.cfg.StopWait != nil && ps.cfg.StopWait() > 0 {
+		limit = ps.cfg.StopWait()
+	}
+	deadline := time.Now().Add(limit)
+	pause := 20 * time.Microsecond
+	for round := 0; ; {
 		pids, err := ps.h.WorkPids()
 		if err != nil {
 			return stop, err
 		}
-		fresh, more, err := stop.seizeNew(tr, pids)
+		held, why, err := stop.vforkHeld(pids)
+		if err != nil {
+			return stop, err
+		}
+		fresh, more, err := stop.seizeNew(tr, pids, held)
 		if err != nil {
 			return stop, err
 		}
 		if len(fresh) == 0 && !more {
-			return stop, nil
+			if len(held) == 0 {
+				return stop, nil
+			}
+			if time.Now().After(deadline) {
+				return stop, fmt.Errorf("%w: %s for %v; checkpoint files only (process mode filesystem), or let it call exec", ErrProcesses, why, limit)
+			}
+			time.Sleep(pause) // the child runs to its exec; nothing tells when
+			pause = min(2*pause, 5*time.Millisecond)
+			continue
 		}
-		if round == 10 {
+		if round++; round > 10 {
 			return stop, fmt.Errorf("%w: processes keep starting (a fork loop?); checkpoint files only (process mode filesystem)", ErrProcesses)
 		}
 		for _, p := range fresh {
-			if err := p.Wait(); err != nil {
-				delete(stop.seized, p.Pid)
-				continue // it exited
+			if err := p.WaitFor(time.Until(deadline)); err != nil {
+				if errors.Is(err, ptfork.ErrGone) {
+					delete(stop.seized, p.Pid)
+					continue // it exited
+				}
+				return stop, fmt.Errorf("%w: stopping the sandbox's processes: %w; checkpoint files only (process mode filesystem)", ErrProcesses, err)
 			}
 			stop.order = append(stop.order, p.Pid)
 		}
 	}
 }
 
-// seizeNew seizes the processes of pids not seen before. It returns those
-// seized (not yet stopped) and whether it found a new threaded process.
-func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int) (fresh []*ptfork.Proc, more bool, err error) {
+// vforkHeld names the processes of pids that share their memory with their
+// parent (a vfork child before its exec) and the parents of those: stopAll
+// leaves both to run. why describes one such pair. A process already
+// stopped is not looked at: it was not such a child when it was seized,
+// and a stopped process does not vfork.
+func (stop *stopSet) vforkHeld(pids []int) (held map[int]bool, why string, err error) {
 	for _, pid := range pids {
 		if stop.seized[pid] != nil || stop.threaded[pid] {
+			continue
+		}
+		ppid, shared, err := ptfork.SharesParentMemory(pid)
+		if errors.Is(err, ptfork.ErrGone) {
+			continue
+		}
+		if err != nil {
+			return nil, "", fmt.Errorf("%w: %w", ErrProcesses, err)
+		}
+		if !shared {
+			continue
+		}
+		if held == nil {
+			held = map[int]bool{}
+		}
+		held[pid], held[ppid] = true, true
+		why = fmt.Sprintf("pid %d shares its memory with its parent %d (a vfork child that has not called exec, or a clone(CLONE_VM) child)", pid, ppid)
+	}
+	return held, why, nil
+}
+
+// seizeNew seizes the processes of pids not seen before, but those held.
+// It returns those seized (not yet stopped) and whether it found a new
+// threaded process.
+func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int, held map[int]bool) (fresh []*ptfork.Proc, more bool, err error) {
+	for _, pid := range pids {
+		if stop.seized[pid] != nil || stop.threaded[pid] || held[pid] {
 			continue
 		}
 		p, err := tr.Seize(pid)

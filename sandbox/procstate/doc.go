@@ -9,7 +9,11 @@
 // At a checkpoint with live processes (Capture), every single-threaded
 // process of the sandbox's command group is seized with ptrace and
 // interrupted, not frozen, and the group is listed again until no new
-// process appears (a stopped process cannot fork); the trees of the general
+// process appears (a stopped process cannot fork). A child of vfork that
+// has not called exec yet, and its parent, which the kernel holds until that
+// exec where no ptrace stop reaches it, are left to run to the exec; the
+// wait for the group to stop is bounded (stopWait), so a process that never
+// stops fails the checkpoint rather than holding it. The trees of the general
 // path are dumped by criu, which leaves them stopped. While they are all
 // stopped the upper is copied and sealed (the live processes keep the upper
 // they have), so files and processes are of one instant. Then each seized

@@ -81,6 +81,9 @@ type Config struct {
 	// AheadAlways forks copies ahead even after restores that come back
 	// to back (tests: their steps' length must not decide); nil for never.
 	AheadAlways func() bool
+	// StopWait bounds how long a capture waits for the command group to
+	// stop; 0 means stopWait.
+	StopWait func() time.Duration
 }
 
 // New returns the process state of the sandbox h, with no templates.

@@ -34,6 +34,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -48,12 +49,15 @@ var (
 	ErrGone = errors.New("process is gone")
 	// ErrStop: the process did not stop as expected.
 	ErrStop = errors.New("unexpected ptrace stop")
+	// ErrNoStop: a seized process did not stop within the time given.
+	ErrNoStop = errors.New("process did not stop")
 )
 
 // Kernel values not in x/sys/unix under these names.
 const (
 	ptraceEventStop      = 128
 	ptraceOTraceSysgood  = 1
+	kcmpVM               = 1
 	erestartsys          = 512
 	erestartnointr       = 513
 	erestartnohand       = 514
@@ -76,7 +80,17 @@ type Session struct {
 	cpu    unix.CPUSet // the session's CPU, if pinned
 	old    unix.CPUSet // the thread's mask before
 	pinned bool
+	// stuck: a tracee could not be detached (it never stopped). The
+	// thread stays locked so that it ends with its goroutine, and the
+	// kernel detaches its tracees then.
+	stuck bool
 }
+
+// init keeps the main goroutine on the main thread (an init's
+// LockOSThread does), so no session runs there: the main thread never ends,
+// and a session whose tracee would not stop relies on its thread ending
+// (Close).
+func init() { runtime.LockOSThread() }
 
 // NewSession locks the calling goroutine to its OS thread and pins the
 // thread to the CPU it runs on.
@@ -112,7 +126,9 @@ func (p *Proc) unpin() error {
 
 // Close detaches from every process still attached (restoring the
 // registers each had when it stopped) and unlocks the thread. Errors are
-// joined.
+// joined. If a process would not stop to be detached, the thread stays
+// locked to the goroutine: it ends with it, and the kernel detaches the
+// process then.
 func (s *Session) Close() error {
 	var errs []error
 	for _, p := range s.procs {
@@ -124,7 +140,9 @@ func (s *Session) Close() error {
 			return errors.Join(append(errs, fmt.Errorf("restoring the tracer's CPU mask: %w", err))...)
 		}
 	}
-	runtime.UnlockOSThread()
+	if !s.stuck {
+		runtime.UnlockOSThread()
+	}
 	return errors.Join(errs...)
 }
 
@@ -162,8 +180,13 @@ func (s *Session) Attach(pid int) (*Proc, error) {
 	return p, nil
 }
 
-// Seize attaches to pid and asks it to stop, without waiting.
+// Seize attaches to pid and asks it to stop, without waiting. A child the
+// session attached when a tracee forked (see Wait) is returned as it is:
+// its first stop is already on its way.
 func (s *Session) Seize(pid int) (*Proc, error) {
+	if p := s.procs[pid]; p != nil && p.attached && !p.stopped {
+		return p, nil
+	}
 	if n, err := threads(pid); err != nil {
 		return nil, err
 	} else if n != 1 {
@@ -209,24 +232,119 @@ func (p *Proc) Wait() error {
 		if err != nil {
 			return err
 		}
-		if ws.Exited() || ws.Signaled() {
-			p.attached = false
-			delete(p.s.procs, p.Pid)
-			return fmt.Errorf("%w: pid %d ended while stopping", ErrGone, p.Pid)
+		if done, err := p.settle(ws); done {
+			return err
 		}
-		if !ws.Stopped() {
+	}
+}
+
+// WaitFor is Wait for at most d. A process that does not stop by then
+// (one in a vfork whose child has not called exec, or in an uninterruptible
+// sleep) fails with ErrNoStop, naming its state; it stays seized, and its
+// stop is still pending.
+//
+// It polls: no wait call takes a time limit. The first polls yield the CPU,
+// which goes to the process when both are pinned to the session's CPU, so
+// a prompt stop is seen at once; then the pauses double up to a millisecond.
+func (p *Proc) WaitFor(d time.Duration) error {
+	deadline := time.Now().Add(d)
+	pause := time.Duration(0)
+	for tries := 0; ; tries++ {
+		var ws unix.WaitStatus
+		wpid, err := unix.Wait4(p.Pid, &ws, unix.WALL|unix.WNOHANG, nil)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return fmt.Errorf("waiting for pid %d: %w", p.Pid, err)
+		case wpid == p.Pid:
+			if done, err := p.settle(ws); done {
+				return err
+			}
 			continue
 		}
-		sig := ws.StopSignal()
-		if ws.TrapCause() == ptraceEventStop || sig == unix.SIGTRAP {
-			break
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: pid %d, %s, within %v", ErrNoStop, p.Pid, describe(p.Pid), d)
 		}
+		if tries < 32 {
+			_, _, _ = unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+			continue
+		}
+		pause = min(max(2*pause, 20*time.Microsecond), time.Millisecond)
+		time.Sleep(pause)
+	}
+}
+
+// settle handles one wait status of a process Wait waits for: done once
+// it has stopped (its registers saved) or ended (ErrGone). A fork, vfork
+// or clone stop (PTRACE_O_TRACEFORK and CLONE are set for injection) leaves
+// the new child attached to the session: it is recorded, so that Seize
+// returns it and Close detaches it.
+func (p *Proc) settle(ws unix.WaitStatus) (bool, error) {
+	if ws.Exited() || ws.Signaled() {
+		p.attached = false
+		delete(p.s.procs, p.Pid)
+		return true, fmt.Errorf("%w: pid %d ended while stopping", ErrGone, p.Pid)
+	}
+	if !ws.Stopped() {
+		return false, nil
+	}
+	sig := ws.StopSignal()
+	switch c := ws.TrapCause(); {
+	case c == unix.PTRACE_EVENT_FORK || c == unix.PTRACE_EVENT_VFORK || c == unix.PTRACE_EVENT_CLONE:
+		if msg, err := unix.PtraceGetEventMsg(p.Pid); err == nil && msg > 0 && p.s.procs[int(msg)] == nil {
+			c := &Proc{s: p.s, Pid: int(msg), attached: true}
+			p.s.procs[c.Pid] = c
+		}
+	case c == ptraceEventStop || sig == unix.SIGTRAP:
+	default:
 		// A signal-delivery stop: the signal was dequeued; deliver it on
 		// detach. The process is stopped all the same.
 		p.Signal = sig
-		break
 	}
-	return p.saveRegs()
+	return true, p.saveRegs()
+}
+
+// describe is pid's state and the kernel function it sleeps in, for an
+// error message.
+func describe(pid int) string {
+	state := "state unknown"
+	if b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat"); err == nil {
+		if i := strings.LastIndexByte(string(b), ')'); i > 0 && i+2 < len(b) {
+			state = "state " + string(b[i+2])
+		}
+	}
+	if w, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/wchan"); err == nil && len(w) > 0 && string(w) != "0" {
+		state += " in " + string(w)
+	}
+	return state
+}
+
+// SharesParentMemory reports whether pid shares its memory with its parent,
+// which it names: a child of vfork that has not yet called exec (its
+// parent cannot stop until it does), or of clone(CLONE_VM). ptrace can
+// neither stop the parent of the first nor copy either faithfully.
+func SharesParentMemory(pid int) (ppid int, shared bool, err error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, false, fmt.Errorf("%w: pid %d: %w", ErrGone, pid, err)
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	f := strings.Fields(string(b[i+1:]))
+	if i < 0 || len(f) < 2 {
+		return 0, false, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	if ppid, err = strconv.Atoi(f[1]); err != nil || ppid <= 0 {
+		return ppid, false, err
+	}
+	r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(ppid), kcmpVM, 0, 0, 0)
+	if e != 0 {
+		if e == unix.ESRCH {
+			return ppid, false, nil // one of them ended: nothing is shared now
+		}
+		return ppid, false, fmt.Errorf("comparing the memory of pid %d and its parent %d: %w", pid, ppid, e)
+	}
+	return ppid, r == 0, nil
 }
 
 func (p *Proc) saveRegs() error {
@@ -373,6 +491,10 @@ func (p *Proc) Fork() (*Proc, int, error) {
 	return c, int(nsPid), nil
 }
 
+// detachWait bounds Detach's wait for a process seized but not yet
+// stopped: it is either stopping now or blocked in the kernel.
+const detachWait = time.Second
+
 // Detach restores the registers saved at the stop and lets the process go
 // (or, in a frozen cgroup, stay frozen). It is idempotent.
 func (p *Proc) Detach() error {
@@ -381,8 +503,13 @@ func (p *Proc) Detach() error {
 	}
 	if !p.stopped {
 		// Seized but never waited for: its stop is pending (or it has
-		// ended); only a stopped tracee can be detached.
-		if err := p.Wait(); err != nil {
+		// ended); only a stopped tracee can be detached. One that will not
+		// stop is left to the end of the session's thread (Close).
+		if err := p.WaitFor(detachWait); err != nil {
+			if errors.Is(err, ErrNoStop) {
+				p.s.stuck = true
+				return errors.Join(err, p.unpin())
+			}
 			p.attached = false
 			delete(p.s.procs, p.Pid)
 			if errors.Is(err, ErrGone) {

@@ -5,6 +5,8 @@ package ptfork
 import (
 	"bufio"
 	"bytes"
+	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -386,5 +388,119 @@ while True:
 	}
 	if int(got) != pid {
 		t.Fatalf("getpid in the process returned %d, want %d", got, pid)
+	}
+}
+
+// vforkSource vforks. The child prints "child" and, before its exec, waits
+// for the file argv[1] to appear; the parent prints "parent" once the
+// kernel lets it return from vfork (the child's exec), then waits.
+const vforkSource = `#include <stdio.h>
+#include <time.h>
+#include <unistd.h>
+
+int main(int argc, char **argv) {
+	struct timespec ms = {0, 1000000};
+	if (argc != 2) return 2;
+	if (vfork() == 0) {
+		write(1, "child\n", 6);
+		while (access(argv[1], F_OK) != 0) nanosleep(&ms, 0);
+		execl("/bin/sleep", "sleep", "1000", (char *)0);
+		_exit(127);
+	}
+	write(1, "parent\n", 7);
+	for (;;) pause();
+}
+`
+
+// TestWaitForVforkParent: the parent of a vfork child that has not called
+// exec cannot stop. WaitFor gives up with ErrNoStop naming its state,
+// SharesParentMemory finds the child, and Close leaves the parent to the
+// end of the session's thread, which detaches it: it runs on once the
+// child has called exec.
+func TestWaitForVforkParent(t *testing.T) {
+	needRoot(t)
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "cc"
+	}
+	dir := t.TempDir()
+	src, bin, gate := filepath.Join(dir, "vf.c"), filepath.Join(dir, "vf"), filepath.Join(dir, "go")
+	if err := os.WriteFile(src, []byte(vforkSource), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(cc, "-O2", "-Wall", "-o", bin, src).CombinedOutput(); err != nil {
+		t.Fatalf("building the vfork helper with %s (as make init builds dg-init): %v\n%s", cc, err, out)
+	}
+	cmd := exec.Command(bin, gate)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	lines := bufio.NewScanner(out)
+	if !lines.Scan() || lines.Text() != "child" {
+		t.Fatalf("first line %q, want child", lines.Text())
+	}
+	parent := cmd.Process.Pid
+	child := 0
+	kids, err := os.ReadFile("/proc/" + strconv.Itoa(parent) + "/task/" + strconv.Itoa(parent) + "/children")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if child, err = strconv.Atoi(strings.TrimSpace(string(kids))); err != nil {
+		t.Fatalf("children of the parent: %q", kids)
+	}
+	if ppid, shared, err := SharesParentMemory(child); err != nil || !shared || ppid != parent {
+		t.Fatalf("SharesParentMemory(child) = %d, %v, %v; want %d, true", ppid, shared, err, parent)
+	}
+	if _, shared, err := SharesParentMemory(parent); err != nil || shared {
+		t.Fatalf("SharesParentMemory(parent) = %v, %v; want false", shared, err)
+	}
+
+	// The session's goroutine ends with its thread locked to it (Close
+	// leaves it so): the kernel detaches the parent then.
+	done := make(chan error, 1)
+	tid := make(chan int, 1)
+	go func() {
+		s := NewSession()
+		tid <- unix.Gettid()
+		p, err := s.Seize(parent)
+		if err != nil {
+			s.Close()
+			done <- err
+			return
+		}
+		werr := p.WaitFor(50 * time.Millisecond)
+		if cerr := s.Close(); !errors.Is(cerr, ErrNoStop) {
+			werr = fmt.Errorf("close: %v, want ErrNoStop (then wait: %w)", cerr, werr)
+		}
+		done <- werr
+	}()
+	if err := <-done; !errors.Is(err, ErrNoStop) || !strings.Contains(err.Error(), "state D") {
+		t.Fatalf("WaitFor on the vfork parent: %v, want ErrNoStop in state D", err)
+	}
+	tracer := <-tid
+	if tracer == unix.Getpid() {
+		t.Fatal("the session ran on the main thread, which never ends")
+	}
+	// The parent is detached when the thread ends, its task gone from
+	// /proc: only then may the child's exec let the parent run.
+	for {
+		if _, err := os.Stat("/proc/self/task/" + strconv.Itoa(tracer)); err != nil {
+			break
+		}
+		runtime.Gosched()
+	}
+	if err := os.WriteFile(gate, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if !lines.Scan() || lines.Text() != "parent" {
+		t.Fatalf("after the exec: %q, %v; want parent", lines.Text(), lines.Err())
 	}
 }
