@@ -46,13 +46,11 @@ func TestCheckpointDuringVfork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := os.MkdirAll(filepath.Join(b.root, "usr/local/bin"), 0o755); err != nil {
+		t.Fatal(err)
+	}
 	if err := os.WriteFile(filepath.Join(b.root, "usr/local/bin/vf"), data, 0o755); err != nil {
-		if err := os.MkdirAll(filepath.Join(b.root, "usr/local/bin"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(b.root, "usr/local/bin/vf"), data, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		t.Fatal(err)
 	}
 	if _, err := b.rt.ImportImage(t.Context(), "vfork", b.root); err != nil {
 		t.Fatal(err)
@@ -86,7 +84,8 @@ func TestCheckpointDuringVfork(t *testing.T) {
 	if len(cmds) != 2 || !strings.Contains(strings.Join(cmds, " "), "vf") || !strings.Contains(strings.Join(cmds, " "), "sleep") {
 		t.Fatalf("captured %q, want vf and sleep", cmds)
 	}
-	sh(t, s, "rm /tmp/parent; killall sleep vf; true")
+	sh(t, s, "kill -9 $(grep -lx -e sleep -e vf /proc/[0-9]*/comm | cut -d/ -f3)")
+	waitFor(t, s, "! "+running("sleep")+" && ! "+running("vf"))
 	if err := s.Restore(ctx, ck.ID); err != nil {
 		t.Fatal(err)
 	}

@@ -1,6 +1,7 @@
 package procstate
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -101,8 +102,8 @@ const stopWait = 10 * time.Second
 func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
 	stop := stopSet{seized: map[int]*ptfork.Proc{}, threaded: map[int]bool{}}
 	limit := stopWait
-	if ps.cfg.StopWait != nil && ps.cfg.StopWait() > 0 {
-		limit = ps.cfg.StopWait()
+	if ps.cfg.StopWait != nil {
+		limit = cmp.Or(ps.cfg.StopWait(), stopWait)
 	}
 	deadline := time.Now().Add(limit)
 	pause := 20 * time.Microsecond

@@ -26,6 +26,7 @@
 package ptfork
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -309,10 +310,8 @@ func (p *Proc) settle(ws unix.WaitStatus) (bool, error) {
 // error message.
 func describe(pid int) string {
 	state := "state unknown"
-	if b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat"); err == nil {
-		if i := strings.LastIndexByte(string(b), ')'); i > 0 && i+2 < len(b) {
-			state = "state " + string(b[i+2])
-		}
+	if f, err := statFields(pid); err == nil {
+		state = "state " + f[0]
 	}
 	if w, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/wchan"); err == nil && len(w) > 0 && string(w) != "0" {
 		state += " in " + string(w)
@@ -320,21 +319,50 @@ func describe(pid int) string {
 	return state
 }
 
+// statFields are the fields of /proc/<pid>/stat after the command name:
+// state, ppid, and on.
+func statFields(pid int) ([]string, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return nil, fmt.Errorf("%w: pid %d: %w", ErrGone, pid, err)
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 2 {
+		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	return f, nil
+}
+
+// parent is pid's parent, from a pidfd (PIDFD_GET_INFO, Linux 6.13: a
+// fraction of the cost of formatting /proc/<pid>/stat), else from stat.
+func parent(pid int) (int, error) {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return 0, fmt.Errorf("%w: pid %d: %w", ErrGone, pid, err)
+	}
+	info := unix.PidfdInfo{Mask: unix.PIDFD_INFO_PID}
+	err = unix.IoctlPidfdInfo(fd, &info)
+	unix.Close(fd)
+	if err == nil {
+		return int(info.Ppid), nil
+	}
+	f, err := statFields(pid)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(f[1])
+}
+
 // SharesParentMemory reports whether pid shares its memory with its parent,
 // which it names: a child of vfork that has not yet called exec (its
 // parent cannot stop until it does), or of clone(CLONE_VM). ptrace can
 // neither stop the parent of the first nor copy either faithfully.
 func SharesParentMemory(pid int) (ppid int, shared bool, err error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, false, fmt.Errorf("%w: pid %d: %w", ErrGone, pid, err)
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	f := strings.Fields(string(b[i+1:]))
-	if i < 0 || len(f) < 2 {
-		return 0, false, fmt.Errorf("malformed /proc/%d/stat", pid)
-	}
-	if ppid, err = strconv.Atoi(f[1]); err != nil || ppid <= 0 {
+	if ppid, err = parent(pid); err != nil || ppid <= 0 {
 		return ppid, false, err
 	}
 	r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(ppid), kcmpVM, 0, 0, 0)

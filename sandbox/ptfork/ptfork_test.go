@@ -504,3 +504,15 @@ func TestWaitForVforkParent(t *testing.T) {
 		t.Fatalf("after the exec: %q, %v; want parent", lines.Text(), lines.Err())
 	}
 }
+
+// BenchmarkSharesParentMemory: the look a checkpoint takes at each process
+// it has not seen before.
+func BenchmarkSharesParentMemory(b *testing.B) {
+	needRoot(b)
+	pid := os.Getpid()
+	for b.Loop() {
+		if _, shared, err := SharesParentMemory(pid); err != nil || shared {
+			b.Fatal(shared, err)
+		}
+	}
+}
