@@ -93,6 +93,10 @@ func (r *importRoot) openBelow(what, name string) (*os.File, error) {
 	}
 	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_MAGICLINKS}
 	fd, err := unix.Openat2(r.fd, rel, &how)
+	for errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+		// The kernel's answer when a mount or rename anywhere raced the lookup.
+		fd, err = unix.Openat2(r.fd, rel, &how)
+	}
 	switch {
 	case err == nil:
 		return os.NewFile(uintptr(fd), name), nil
