@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -359,6 +360,33 @@ func TestInitConfinedAndNamespaces(t *testing.T) {
 	out := sh(t, s, "hostname; cat /proc/1/cmdline; echo; unshare -m true 2>&1 || echo refused; ls /proc/kcore -l | cut -c1")
 	if !strings.HasPrefix(out, "box1\ndg-init") || !strings.Contains(out, "refused") {
 		t.Fatalf("inside: %q", out)
+	}
+}
+
+// Every sandbox's /dev is one read-only tree, with no filesystem of its
+// own but /dev/shm's, which each sandbox has to itself.
+func TestDevShared(t *testing.T) {
+	b := setup(t)
+	a, c := b.create(t, sandbox.Spec{}), b.create(t, sandbox.Spec{})
+	// The device number of /dev, and of /dev/shm, in each.
+	const probe = "stat -c '%d' /dev /dev/shm; ls /dev | tr '\\n' ' '; readlink /dev/fd; readlink /dev/stdin; stat -c '%a' /dev/shm; " +
+		"touch /dev/new 2>/dev/null || echo dev-ro; echo x > /dev/null && echo null-ok; head -c 4 /dev/zero | wc -c"
+	outA, outC := strings.Fields(sh(t, a, probe)), strings.Fields(sh(t, c, probe))
+	want := []string{"full", "null", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero", "/proc/self/fd", "/proc/self/fd/0", "1777", "dev-ro", "null-ok", "4"}
+	for _, out := range [][]string{outA, outC} {
+		if len(out) < 3 || !slices.Contains(out, "fd") || !slices.Equal(slices.DeleteFunc(slices.Clone(out[2:]), func(f string) bool { return f == "fd" }), want) {
+			t.Fatalf("/dev: %q, want devices %q", out, want)
+		}
+	}
+	if outA[0] != outC[0] {
+		t.Errorf("/dev is device %s in one sandbox and %s in another: a filesystem each", outA[0], outC[0])
+	}
+	if outA[1] == outA[0] || outA[1] == outC[1] {
+		t.Errorf("/dev/shm devices %s and %s (/dev %s): not a filesystem of each sandbox's own", outA[1], outC[1], outA[0])
+	}
+	sh(t, a, "echo x > /dev/shm/f")
+	if out := sh(t, c, "ls /dev/shm"); out != "" {
+		t.Errorf("/dev/shm of the second sandbox after the first wrote there: %q", out)
 	}
 }
 

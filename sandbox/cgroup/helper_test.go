@@ -365,9 +365,16 @@ func newManager(t testing.TB, mode Mode) *Manager {
 				t.Error(err)
 			}
 		}
+		if err := m.RemoveBase(); err != nil {
+			t.Error(err)
+		}
+		dirs := []string{m.heldDir()}
 		for _, r := range m.l.roots() {
-			if err := os.Remove(filepath.Join(r, root)); err != nil && !os.IsNotExist(err) {
-				t.Error(err)
+			dirs = append(dirs, filepath.Join(r, root))
+		}
+		for _, d := range dirs {
+			if _, err := os.Stat(d); d != "" && !os.IsNotExist(err) {
+				t.Errorf("%s left behind (%v)", d, err)
 			}
 		}
 	})

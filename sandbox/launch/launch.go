@@ -174,14 +174,14 @@ func buildSpawnNSIn(bin []byte, dir string) (int, error) {
 			return -1, err
 		}
 	}
-	for _, d := range []string{"null", "zero", "full", "random", "urandom", "tty"} {
-		p := filepath.Join(dir, ".devsrc", d)
-		if err := os.WriteFile(p, nil, 0o666); err != nil {
-			return -1, err
-		}
-		if err := unix.Mount("/dev/"+d, p, "", unix.MS_BIND, ""); err != nil {
-			return -1, fmt.Errorf("binding /dev/%s: %w", d, err)
-		}
+	// A tmpfs of its own, so that each sandbox's /dev binds the root of a
+	// superblock: CRIU takes a bind of a directory below one for a mount
+	// it cannot restore.
+	if err := unix.Mount("dg-dev", filepath.Join(dir, ".devsrc"), "tmpfs", unix.MS_NOSUID, "mode=755,size=64k"); err != nil {
+		return -1, fmt.Errorf("mounting the /dev tree: %w", err)
+	}
+	if err := buildDevTree(filepath.Join(dir, ".devsrc")); err != nil {
+		return -1, err
 	}
 	// A proc of the host's pid namespace: the kernel lets a user namespace
 	// mount its own proc only where a fully visible one exists already.
@@ -201,6 +201,42 @@ func buildSpawnNSIn(bin []byte, dir string) (int, error) {
 		return -1, err
 	}
 	return unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+}
+
+// buildDevTree fills dir with the /dev every sandbox sees: the host's
+// harmless device nodes (bound onto empty files), the standard symlinks,
+// and the mount points of /dev/shm and /dev/pts. Each init binds the tree
+// on its /dev instead of mounting a tmpfs of its own there: a superblock
+// costs every memory cgroup on the machine a slot in the kernel's shrinker
+// tables (mm/shrinker.c: a KiB for each 64 superblocks, in each group), so
+// superblocks a sandbox adds make each sandbox dearer as they multiply.
+// The tree belongs to the host's root, which sandboxes see as nobody, and
+// each init seals its bind read-only.
+func buildDevTree(dir string) error {
+	for _, d := range []string{"null", "zero", "full", "random", "urandom", "tty"} {
+		p := filepath.Join(dir, d)
+		if err := os.WriteFile(p, nil, 0o666); err != nil {
+			return err
+		}
+		if err := unix.Mount("/dev/"+d, p, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("binding /dev/%s: %w", d, err)
+		}
+	}
+	for name, target := range map[string]string{"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2"} {
+		if err := os.Symlink(target, filepath.Join(dir, name)); err != nil {
+			return err
+		}
+	}
+	for name, mode := range map[string]os.FileMode{"shm": 0o777 | os.ModeSticky, "pts": 0o755} {
+		p := filepath.Join(dir, name)
+		if err := os.Mkdir(p, mode); err != nil {
+			return err
+		}
+		if err := os.Chmod(p, mode); err != nil { // past the umask
+			return err
+		}
+	}
+	return nil
 }
 
 // Close stops the zygote and releases the namespace. Inits cloned from it

@@ -161,17 +161,6 @@ static void warn(const char *what) {
 		}                           \
 	} while (0)
 
-
-static int bind_dev(const char *name) {
-	char src[64] = "/.devsrc/", dst[64] = "/dev/";
-	strcat(src, name);
-	strcat(dst, name);
-	int fd = open(dst, O_CREAT | O_WRONLY | O_CLOEXEC | O_NOFOLLOW, 0666);
-	if (fd < 0) return -1;
-	close(fd);
-	return mount(src, dst, NULL, MS_BIND, NULL);
-}
-
 // setup_mounts mounts the sandbox's own /proc and a minimal /dev on the
 // spawn root the init starts on. The server later stacks the sandbox's
 // overlay on top and moves both into it (the root swap is done from
@@ -190,16 +179,10 @@ static int setup_mounts(void) {
 		if (mount(ro[i], ro[i], NULL, MS_BIND | MS_REC, NULL) == 0)
 			mount(NULL, ro[i], NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	}
-	TRY(mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k"), "mounting /dev");
-	static const char *devs[] = {"null", "zero", "full", "random", "urandom", "tty", 0};
-	for (int i = 0; devs[i]; i++) TRY(bind_dev(devs[i]), "binding a device node");
-	symlink("/proc/self/fd", "/dev/fd");
-	symlink("/proc/self/fd/0", "/dev/stdin");
-	symlink("/proc/self/fd/1", "/dev/stdout");
-	symlink("/proc/self/fd/2", "/dev/stderr");
-	mkdir("/dev/shm", 01777);
-	chmod("/dev/shm", 01777);
-	mkdir("/dev/pts", 0755);
+	// /dev is the spawn root's tree, shared by every sandbox (the launcher
+	// builds it: launch.buildDevTree says why it is not a tmpfs of each
+	// sandbox's); only /dev/shm, which the sandbox writes, is its own.
+	TRY(mount("/.devsrc", "/dev", NULL, MS_BIND | MS_REC, NULL), "mounting /dev");
 	TRY(mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m"), "mounting /dev/shm");
 	TRY(mount(NULL, "/dev", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC, NULL), "sealing /dev");
 	return 0;
