@@ -69,7 +69,10 @@ type Caps struct {
 // pipes, which the next count includes. mountsPerSandbox is its upper and the next upper prepared ahead.
 // pidsPerSandbox is its init and one command; memPerSandbox is the memory
 // an idle sandbox takes beside its own group's charge (kernel objects of its
-// namespaces, the server's bookkeeping).
+// namespaces, the server's bookkeeping, and most of all the kernel's
+// shrinker table of its memory group, a KiB for each 64 superblocks on the
+// machine, which grows with the sandboxes: 1.35 MiB a sandbox of 10,000,
+// docs/PERFORMANCE.md).
 const (
 	fdsPerSandbox    = 1
 	fdsPerWarm       = 1 // a warm init's: its control socket
