@@ -38,8 +38,11 @@ const ProcessesCRIU ProcessMode = ProcessesTemplate + 1
 type CheckpointOptions struct {
 	Processes ProcessMode
 	// Durable also saves the processes kept as templates as CRIU images,
-	// in the background, so that the checkpoint brings them back after its
-	// sandbox is gone, after a restart, or once a template is lost.
+	// before the checkpoint returns, so that the checkpoint brings them
+	// back after its sandbox is gone, after a restart, or once a template
+	// is lost. A process that could not be saved leaves the checkpoint
+	// standing (files and templates) and says why
+	// (ProcessCapture.Unsaved).
 	Durable bool
 	// Labels are kept in the checkpoint's record (CheckpointInfo.Labels).
 	Labels map[string]string
@@ -87,6 +90,11 @@ type ProcessCapture struct {
 	// of a copy of the template: that copy's pid (0 until the image is
 	// made).
 	ImagePid int
+	// Saved: the process has a CRIU image, so the checkpoint brings it
+	// back whatever happens to its sandbox or the server.
+	Saved bool
+	// Unsaved says why a durable checkpoint could not save the process.
+	Unsaved string
 }
 
 // moveCopy moves a copy into its group g: through the command group's
@@ -172,10 +180,15 @@ func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%w: the general path needs CRIU 4.2.1+ (run `make criu`): %w", ErrProcesses, err)
 		}
+		w.KeepLogs(filepath.Join(r.store, "criu-logs"), keptCRIULogs)
 		r.pimg.swrk = w
 	}
 	return r.pimg.swrk, nil
 }
+
+// keptCRIULogs is how many logs of failed CRIU requests the runtime keeps
+// (in store/criu-logs), for the errors that name them.
+const keptCRIULogs = 64
 
 // criuDir is where checkpoint id keeps its CRIU images.
 func (r *Runtime) criuDir(id string) string { return filepath.Join(r.store, "criu", id) }

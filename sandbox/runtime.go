@@ -280,13 +280,13 @@ func (c *checkpoint) info() CheckpointInfo {
 	for i, p := range c.Procs {
 		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
-			pc.ImagePid = c.TplImages[i].Procs[0].NSPid
+			pc.ImagePid, pc.Saved = c.TplImages[i].Procs[0].NSPid, true
 		}
 		ci.Processes = append(ci.Processes, pc)
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {
-			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why}
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Saved: true}
 			if i == 0 {
 				pc.Session = u.Session
 			}

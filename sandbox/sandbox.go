@@ -688,20 +688,37 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	r.moveHead(s.head, c.ID)
 	s.head = c.ID
 	r.maybeFlatten(c)
+	var unsaved string
+	if o.Durable && len(c.Procs) > 0 {
+		unsaved = s.saveDurable(ctx, c)
+	}
 	// Under the runtime's lock, as other readers: once added, the
 	// checkpoint's layers and images (TplImages) change under it.
 	r.mu.Lock()
 	info := c.info()
 	r.mu.Unlock()
-	if o.Durable && len(c.Procs) > 0 && r.startImaging() {
-		go func() {
-			defer r.pimg.making.Done()
-			if _, err := r.imagesForTemplates(context.Background(), c); err != nil && r.ckptLive(c) {
-				r.log.Warn("saving a durable checkpoint's processes", "checkpoint", c.ID, "err", err)
-			}
-		}()
+	for i := range info.Processes {
+		if !info.Processes[i].Saved {
+			info.Processes[i].Unsaved = unsaved
+		}
 	}
 	return info, nil
+}
+
+// saveDurable saves the templates of c, a checkpoint just taken durable,
+// as CRIU images, and returns why it could not ("" once saved). The
+// checkpoint stands either way: its files and templates are kept.
+func (s *Sandbox) saveDurable(ctx context.Context, c *checkpoint) string {
+	r := s.rt
+	if !r.startImaging() {
+		return "not saved: the server is shutting down"
+	}
+	defer r.pimg.making.Done()
+	if _, err := r.imagesForTemplates(ctx, c); err != nil {
+		r.log.Warn("saving a durable checkpoint's processes", "checkpoint", c.ID, "err", err)
+		return err.Error()
+	}
+	return ""
 }
 
 // processMode resolves a checkpoint's process mode: the default is the

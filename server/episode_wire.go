@@ -101,7 +101,11 @@ func checkpointResponse(r episode.CheckpointResult) *deltagymv1.CheckpointRespon
 		if p.Method == sandbox.CaptureCRIU {
 			m = deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
 		}
-		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: m, Reason: p.Reason})
+		pc := &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: m, Reason: p.Reason, Saved: p.Saved, UnsavedReason: p.Unsaved}
+		if !p.Saved && p.Unsaved == "" {
+			pc.UnsavedReason = "kept only as a frozen copy in its sandbox: a checkpoint taken durable saves it as a CRIU image"
+		}
+		resp.Processes = append(resp.Processes, pc)
 	}
 	return resp
 }

@@ -44,8 +44,8 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 	if len(ps) != 1 || ps[0].GetMethod() != deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE {
 		t.Fatalf("captured %v", ps)
 	}
-	if ck.Msg.GetDurable() {
-		t.Fatal("a checkpoint holding a template reported durable")
+	if ck.Msg.GetDurable() || ps[0].GetSaved() || !strings.Contains(ps[0].GetUnsavedReason(), "durable") {
+		t.Fatalf("a checkpoint holding a template reported durable %v, %v", ck.Msg.GetDurable(), ps[0])
 	}
 	step(sessionAction("cd / && export X=changed"))
 	_, err = b.connect.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: ck.Msg.GetCheckpointId()}))
@@ -98,7 +98,12 @@ func TestProcessCheckpointOverAPI(t *testing.T) {
 	dk, err := b.connect.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: sb, Durable: true}))
 	must(t, err)
 	if !dk.Msg.GetDurable() {
-		t.Fatal("a checkpoint asked durable reported not durable")
+		t.Fatalf("a checkpoint asked durable reported not durable: %v", dk.Msg.GetProcesses())
+	}
+	for _, p := range dk.Msg.GetProcesses() {
+		if !p.GetSaved() || p.GetUnsavedReason() != "" {
+			t.Fatalf("a durable checkpoint reported %v", p)
+		}
 	}
 	for _, kid := range fk.Msg.GetSandboxIds() {
 		res, err := b.connect.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: kid, Action: sessionAction("echo $X")}))

@@ -320,14 +320,28 @@ func TestPrintTables(t *testing.T) {
 			"reset hook: exit 0 in 2.0ms\n  seed=7\n"},
 		{"checkpoint", func(w io.Writer) error {
 			return printCheckpoint(w, &deltagymv1.CheckpointResponse{CheckpointId: "ck-2", ParentId: "ck-1", Depth: 2,
-				Processes: []*deltagymv1.ProcessCapture{{Pid: 5, Command: "python3", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE}}})
+				Processes: []*deltagymv1.ProcessCapture{{Pid: 5, Command: "python3", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE}}}, false)
 		}, "" +
 			"checkpoint  ck-2\n" +
 			"parent      ck-1\n" +
 			"depth       2\n" +
 			"durable     no (frozen copies in the sandbox; --durable saves them as CRIU images)\n" +
-			"PID  CAPTURE   COMMAND  REASON\n" +
-			"5    template  python3  -\n"},
+			"PID  CAPTURE   SAVED  COMMAND  REASON\n" +
+			"5    template  no     python3  -\n"},
+		{"checkpoint durable, one process unsaved", func(w io.Writer) error {
+			return printCheckpoint(w, &deltagymv1.CheckpointResponse{CheckpointId: "ck-3", ParentId: "ck-2", Depth: 3,
+				Processes: []*deltagymv1.ProcessCapture{
+					{Pid: 5, Command: "python3", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE, Saved: true},
+					{Pid: 9, Command: "vf", Method: deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE, UnsavedReason: "criu DUMP: it failed"}}}, true)
+		}, "" +
+			"checkpoint  ck-3\n" +
+			"parent      ck-2\n" +
+			"depth       3\n" +
+			"durable     no: a process could not be saved (below)\n" +
+			"PID  CAPTURE   SAVED  COMMAND  REASON\n" +
+			"5    template  yes    python3  -\n" +
+			"9    template  no     vf       -\n" +
+			"not saved: pid 9 (vf): criu DUMP: it failed\n"},
 		{"fork", func(w io.Writer) error {
 			return printFork(w, &deltagymv1.ForkResponse{SandboxIds: []string{"sb-2", "sb-3"}, EpisodeIds: []string{"ep-2", "ep-3"}, CheckpointId: "ck-1"})
 		}, "" +

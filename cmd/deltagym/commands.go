@@ -425,7 +425,7 @@ func (ck *checkpointCmd) Run(ctx context.Context, a *app) error {
 		_, err := fmt.Fprintln(a.stdout, res.Msg.GetCheckpointId())
 		return err
 	}
-	if err := printCheckpoint(a.stdout, res.Msg); err != nil {
+	if err := printCheckpoint(a.stdout, res.Msg, ck.Durable); err != nil {
 		return err
 	}
 	if mode == deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM {
@@ -434,26 +434,51 @@ func (ck *checkpointCmd) Run(ctx context.Context, a *app) error {
 	return err
 }
 
-func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse) error {
-	durable := "no (frozen copies in the sandbox; --durable saves them as CRIU images)"
-	if m.GetDurable() {
-		durable = "yes"
+// printCheckpoint prints checkpoint m; durable says it was asked for, so a
+// process left unsaved is a failure to report, not the default.
+func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse, durable bool) error {
+	var unsaved []*deltagymv1.ProcessCapture
+	for _, p := range m.GetProcesses() {
+		if !p.GetSaved() {
+			unsaved = append(unsaved, p)
+		}
+	}
+	state := "yes"
+	switch {
+	case m.GetDurable():
+	case durable && len(unsaved) == 1:
+		state = "no: a process could not be saved (below)"
+	case durable:
+		state = fmt.Sprintf("no: %d processes could not be saved (below)", len(unsaved))
+	default:
+		state = "no (frozen copies in the sandbox; --durable saves them as CRIU images)"
 	}
 	if err := fields(w,
 		"checkpoint", m.GetCheckpointId(),
 		"parent", m.GetParentId(),
 		"depth", strconv.Itoa(int(m.GetDepth())),
-		"durable", durable,
+		"durable", state,
 	); err != nil {
 		return err
 	}
-	if len(m.GetProcesses()) > 0 {
-		t := newTable(w, "PID", "CAPTURE", "COMMAND", "REASON")
-		for _, p := range m.GetProcesses() {
-			t.row(strconv.Itoa(int(p.GetPid())), strings.ToLower(strings.TrimPrefix(p.GetMethod().String(), "CAPTURE_METHOD_")),
-				shortText(p.GetCommand(), 40), orDash(oneLine(p.GetReason())))
+	if len(m.GetProcesses()) == 0 {
+		return nil
+	}
+	t := newTable(w, "PID", "CAPTURE", "SAVED", "COMMAND", "REASON")
+	for _, p := range m.GetProcesses() {
+		t.row(strconv.Itoa(int(p.GetPid())), strings.ToLower(strings.TrimPrefix(p.GetMethod().String(), "CAPTURE_METHOD_")),
+			yesNo(p.GetSaved()), shortText(p.GetCommand(), 40), orDash(oneLine(p.GetReason())))
+	}
+	if err := t.flush(); err != nil {
+		return err
+	}
+	if !durable {
+		return nil
+	}
+	for _, p := range unsaved {
+		if _, err := fmt.Fprintf(w, "not saved: pid %d (%s): %s\n", p.GetPid(), shortText(p.GetCommand(), 40), oneLine(p.GetUnsavedReason())); err != nil {
+			return err
 		}
-		return t.flush()
 	}
 	return nil
 }
@@ -951,4 +976,12 @@ func printAdvantages(w io.Writer, m *deltagymv1.GetGroupAdvantagesResponse) erro
 	}
 	_, err := fmt.Fprintf(w, "counted %d, mean %s, std %s\n", m.GetCountedCount(), formatFloat(m.GetMean()), formatFloat(m.GetStd()))
 	return err
+}
+
+// yesNo prints a flag.
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
 }

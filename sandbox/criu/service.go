@@ -149,7 +149,7 @@ func (s *Service) call(ctx context.Context, typ rpc.CriuReqType, opts *rpc.CriuO
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Now()) })
 	defer stop()
 
-	resp, err := exchange(c, typ, opts, log)
+	resp, err := exchange(c, typ, opts, log, nil)
 	if err != nil && ctx.Err() != nil {
 		return nil, fmt.Errorf("%w: %w", ctx.Err(), err)
 	}

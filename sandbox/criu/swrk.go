@@ -14,7 +14,14 @@ import (
 // but pays CRIU's start-up (kernel feature detection) on every call.
 type Swrk struct {
 	bin string
+	// keep is where the log of a failed request is kept (KeepLogs).
+	keep *logKeeper
 }
+
+// KeepLogs makes the Swrk keep the log of each failed request in dir, the
+// newest max of them, and name that copy in the error: the request's own
+// log goes with its images directory, which callers remove on failure.
+func (w *Swrk) KeepLogs(dir string, max int) { w.keep = &logKeeper{dir: dir, max: max} }
 
 // NewSwrk returns a Swrk that runs bin, the CRIU 4.2.1+ wrapper (internal/locate.CRIU finds
 // it). It fails with ErrNotInstalled when bin is empty or not an executable file.

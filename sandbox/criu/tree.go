@@ -484,7 +484,7 @@ func (w *Swrk) swrkIn(ctx context.Context, ns nsFiles, extra []*os.File, started
 	}
 	stop := context.AfterFunc(ctx, func() { _ = ours.SetDeadline(time.Now()) })
 	defer stop()
-	return exchange(ours, typ, opts, log)
+	return exchange(ours, typ, opts, log, w.keep)
 }
 
 // startInNS starts cmd from a thread that has entered the namespaces of ns
@@ -512,7 +512,8 @@ type rpcFile interface {
 }
 
 // exchange sends one request and answers notifications until the final response.
-func exchange(c rpcFile, typ rpc.CriuReqType, opts *rpc.CriuOpts, log string) (*rpc.CriuResp, error) {
+// A failed request's error names keep's copy of the log, if keep is set.
+func exchange(c rpcFile, typ rpc.CriuReqType, opts *rpc.CriuOpts, log string, keep *logKeeper) (*rpc.CriuResp, error) {
 	req := &rpc.CriuReq{Type: typ.Enum(), Opts: opts}
 	buf := make([]byte, maxMsg)
 	for {
@@ -535,8 +536,7 @@ func exchange(c rpcFile, typ rpc.CriuReqType, opts *rpc.CriuOpts, log string) (*
 			return nil, fmt.Errorf("decoding criu %s response: %w", typ, err)
 		}
 		if !resp.GetSuccess() {
-			return nil, fmt.Errorf("criu %s: %w: %s (errno %d, see %s)%s",
-				typ, ErrRequest, resp.GetCrErrmsg(), resp.GetCrErrno(), log, logErrors(log))
+			return nil, requestError(typ, resp, log, keep)
 		}
 		if resp.GetType() != rpc.CriuReqType_NOTIFY {
 			return resp, nil
@@ -545,26 +545,53 @@ func exchange(c rpcFile, typ rpc.CriuReqType, opts *rpc.CriuOpts, log string) (*
 	}
 }
 
+// requestError is the error of a failed request: the cause criu's log
+// gives first, past the lines every run here logs, then the log's path (a
+// kept copy, if keep is set). criu's own message (CrErrmsg) is its first
+// error line, which here is one of those.
+func requestError(typ rpc.CriuReqType, resp *rpc.CriuResp, log string, keep *logKeeper) error {
+	causes := logErrors(log)
+	if len(causes) == 0 {
+		causes = []string{strings.TrimSpace(resp.GetCrErrmsg())}
+	}
+	if keep != nil {
+		if kept, err := keep.keep(log, typ.String()); err == nil {
+			log = kept
+		}
+	}
+	return fmt.Errorf("criu %s: %w: %s (errno %d; criu's log: %s)", typ, ErrRequest, strings.Join(causes, "; "), resp.GetCrErrno(), log)
+}
+
 // logErrors returns the first error lines of a criu log that are not the
-// harmless ones every run logs here.
-func logErrors(log string) string {
+// harmless ones every run logs here, without criu's prefix (Error
+// (file:line):), most specific first: criu logs the cause, then what
+// failed because of it.
+func logErrors(log string) []string {
 	b, err := os.ReadFile(log)
 	if err != nil {
-		return ""
+		return nil
 	}
 	var out []string
 	for _, l := range strings.Split(string(b), "\n") {
-		if strings.Contains(l, "Error") && !strings.Contains(l, "RLIMIT_NOFILE") && !strings.Contains(l, "tables") {
-			out = append(out, strings.TrimSpace(l))
+		if !strings.Contains(l, "Error") || harmless(l) {
+			continue
 		}
+		if i := strings.Index(l, "):"); i >= 0 && strings.Contains(l[:i], "Error (") {
+			l = l[i+2:]
+		}
+		out = append(out, strings.TrimSpace(l))
 		if len(out) == 3 {
 			break
 		}
 	}
-	if len(out) == 0 {
-		return ""
-	}
-	return ": " + strings.Join(out, "; ")
+	return out
+}
+
+// harmless tells the error lines every criu run logs here, which cause
+// nothing: it cannot raise its own descriptor limit in the sandbox's user
+// namespace, and iptables tables it looks for are not there.
+func harmless(line string) bool {
+	return strings.Contains(line, "RLIMIT_NOFILE") || strings.Contains(line, "tables")
 }
 
 // adoptNamespaces rewrites the inventory of a tree dump so that the tree's

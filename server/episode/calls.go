@@ -81,9 +81,7 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 	}
 	res := CheckpointResult{Info: info, Durable: true}
 	for _, pc := range info.Processes {
-		if pc.Method == sandbox.CaptureTemplate && !req.Durable {
-			res.Durable = false
-		}
+		res.Durable = res.Durable && pc.Saved
 	}
 	return res, nil
 }

@@ -163,7 +163,8 @@ type CheckpointRequest struct {
 }
 
 // CheckpointResult is the checkpoint taken; Durable says whether it brings its processes back
-// after its sandbox is gone or the server restarts.
+// after its sandbox is gone or the server restarts: every one has an image (Info.Processes'
+// Saved), which a durable request waits for.
 type CheckpointResult struct {
 	Info    sandbox.CheckpointInfo
 	Durable bool

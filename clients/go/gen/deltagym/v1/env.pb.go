@@ -991,7 +991,15 @@ type ProcessCapture struct {
 	Method CaptureMethod `protobuf:"varint,3,opt,name=method,proto3,enum=deltagym.v1.CaptureMethod" json:"method,omitempty"`
 	// reason explains the method when it is not the one asked for (for example
 	// "multi-threaded").
-	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	// saved is set when the process has a CRIU image: the checkpoint brings it
+	// back after its sandbox is gone, after a server restart, or once its
+	// frozen template is lost.
+	Saved bool `protobuf:"varint,5,opt,name=saved,proto3" json:"saved,omitempty"`
+	// unsaved_reason says why the process is not saved: kept only as a frozen
+	// template in its sandbox (durable was not asked for), or why saving it
+	// failed (CRIU's error, naming the process and where its log is).
+	UnsavedReason string `protobuf:"bytes,6,opt,name=unsaved_reason,json=unsavedReason,proto3" json:"unsaved_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1050,6 +1058,20 @@ func (x *ProcessCapture) GetMethod() CaptureMethod {
 func (x *ProcessCapture) GetReason() string {
 	if x != nil {
 		return x.Reason
+	}
+	return ""
+}
+
+func (x *ProcessCapture) GetSaved() bool {
+	if x != nil {
+		return x.Saved
+	}
+	return false
+}
+
+func (x *ProcessCapture) GetUnsavedReason() string {
+	if x != nil {
+		return x.UnsavedReason
 	}
 	return ""
 }
@@ -1255,12 +1277,14 @@ const file_deltagym_v1_env_proto_rawDesc = "" +
 	"warm_count\x18\x02 \x01(\x05R\twarmCount\x12!\n" +
 	"\factive_count\x18\x03 \x01(\x05R\vactiveCount\x12\x1b\n" +
 	"\tnot_ready\x18\x04 \x01(\tR\bnotReady\x120\n" +
-	"\x14waiting_for_capacity\x18\x05 \x01(\tR\x12waitingForCapacity\"\x88\x01\n" +
+	"\x14waiting_for_capacity\x18\x05 \x01(\tR\x12waitingForCapacity\"\xc5\x01\n" +
 	"\x0eProcessCapture\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x18\n" +
 	"\acommand\x18\x02 \x01(\tR\acommand\x122\n" +
 	"\x06method\x18\x03 \x01(\x0e2\x1a.deltagym.v1.CaptureMethodR\x06method\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"\x94\x03\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\x12\x14\n" +
+	"\x05saved\x18\x05 \x01(\bR\x05saved\x12%\n" +
+	"\x0eunsaved_reason\x18\x06 \x01(\tR\runsavedReason\"\x94\x03\n" +
 	"\aSandbox\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x10\n" +

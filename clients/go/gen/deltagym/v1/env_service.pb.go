@@ -1013,8 +1013,9 @@ type CheckpointRequest struct {
 	// sandbox_id is the sandbox to checkpoint.
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	// durable makes the checkpoint keep its processes whatever happens to its
-	// sandbox: those kept as frozen templates are saved as CRIU images at
-	// once, in the background. Otherwise they are saved when first needed
+	// sandbox: those kept as frozen templates are saved as CRIU images before
+	// Checkpoint answers (tens of milliseconds a process), and the answer says
+	// which could not be and why. Otherwise they are saved when first needed
 	// elsewhere, when the sandbox ends, at a clean shutdown, or by the next
 	// server after a crash, and lost if a template is lost first (an agent's
 	// kill -9 -1, the sandbox killed from outside). Files are always kept.
@@ -1092,8 +1093,10 @@ type CheckpointResponse struct {
 	// processes tells how each live process was captured.
 	Processes []*ProcessCapture `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
 	// durable is set when nothing that happens to the sandbox can take the
-	// checkpoint's processes: it holds no process kept only as a frozen
-	// template, or durable was asked for.
+	// checkpoint's processes: every one is saved (ProcessCapture.saved). A
+	// process kept only as a frozen template, or one a durable checkpoint
+	// could not save, leaves it unset; its processes entry says why
+	// (unsaved_reason). The checkpoint's files are kept either way.
 	Durable       bool `protobuf:"varint,5,opt,name=durable,proto3" json:"durable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

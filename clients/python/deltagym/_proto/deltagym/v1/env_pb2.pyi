@@ -187,16 +187,20 @@ class EnvInfo(_message.Message):
     def __init__(self, spec: _Optional[_Union[EnvSpec, _Mapping]] = ..., warm_count: _Optional[int] = ..., active_count: _Optional[int] = ..., not_ready: _Optional[str] = ..., waiting_for_capacity: _Optional[str] = ...) -> None: ...
 
 class ProcessCapture(_message.Message):
-    __slots__ = ("pid", "command", "method", "reason")
+    __slots__ = ("pid", "command", "method", "reason", "saved", "unsaved_reason")
     PID_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    UNSAVED_REASON_FIELD_NUMBER: _ClassVar[int]
     pid: int
     command: str
     method: CaptureMethod
     reason: str
-    def __init__(self, pid: _Optional[int] = ..., command: _Optional[str] = ..., method: _Optional[_Union[CaptureMethod, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    saved: bool
+    unsaved_reason: str
+    def __init__(self, pid: _Optional[int] = ..., command: _Optional[str] = ..., method: _Optional[_Union[CaptureMethod, str]] = ..., reason: _Optional[str] = ..., saved: _Optional[bool] = ..., unsaved_reason: _Optional[str] = ...) -> None: ...
 
 class Sandbox(_message.Message):
     __slots__ = ("sandbox_id", "env", "episode_id", "run", "group_id", "state", "next_step_index", "start_checkpoint_id", "lease_expire_time", "create_time")

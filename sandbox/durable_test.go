@@ -1,0 +1,75 @@
+package sandbox_test
+
+import (
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// A durable checkpoint answers once its processes are saved, and says
+// which could not be and why: a process holding a pidfd of the sandbox's
+// init, which CRIU cannot save, is kept by template only (the checkpoint
+// stands and restores in place), its reason naming CRIU's cause and a log
+// that is there to read; a plain one beside it is saved.
+func TestDurableTellsUnsaved(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	for _, prog := range []string{
+		beatPy("plain", ""),
+		beatPy("pidfd", "fd = os.pidfd_open(1)"),
+	} {
+		if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, s, "[ -e /tmp/beat-plain ] && [ -e /tmp/beat-pidfd ]")
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("processes: %+v", ck.Processes)
+	if len(ck.Processes) != 2 {
+		t.Fatalf("captured %+v", ck.Processes)
+	}
+	logRE := regexp.MustCompile(`criu's log: ([^ )]+)`)
+	for _, p := range ck.Processes {
+		if p.Saved {
+			t.Errorf("pid %d saved, though a checkpoint's processes are saved together and one cannot be: %+v", p.Pid, p)
+			continue
+		}
+		m := logRE.FindStringSubmatch(p.Unsaved)
+		if !strings.Contains(p.Unsaved, "python3") || m == nil {
+			t.Fatalf("pid %d unsaved for %q: want CRIU's cause, naming the process and its log", p.Pid, p.Unsaved)
+		}
+		if _, err := os.Stat(m[1]); err != nil {
+			t.Errorf("the log the reason names: %v", err)
+		}
+	}
+	// The checkpoint stands: a restore in place brings both back.
+	sh(t, s, "pkill python3")
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	sh(t, s, "rm /tmp/beat-plain /tmp/beat-pidfd")
+	waitFor(t, s, "[ -e /tmp/beat-plain ] && [ -e /tmp/beat-pidfd ]")
+	// Without the pidfd, the durable checkpoint saves them all.
+	sh(t, s, "pkill -f beat-pidfd")
+	ck2, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck2.Processes) != 1 || !ck2.Processes[0].Saved || ck2.Processes[0].Unsaved != "" {
+		t.Fatalf("durable checkpoint of a plain process: %+v", ck2.Processes)
+	}
+}
+
+// beatPy is a program that runs setup, then writes /tmp/beat-<name> every
+// 10 ms.
+func beatPy(name, setup string) string {
+	return "import os, time\n" + setup + "\nwhile True:\n    open('/tmp/beat-" + name + "', 'w').close()\n    time.sleep(0.01)\n"
+}
