@@ -337,17 +337,19 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 		Stdin: s.rt.devnull, Stdout: s.rt.devnull, Stderr: s.rt.devnull,
 	}
 	var res ExecResult
-	keep, reuse := false, false // a background command's group lives on
+	after := groupEnded
 	if req.Background {
 		res, err = s.spawnBackground(sr)
-		keep = err == nil
+		if err == nil {
+			after = groupKept
+		}
 	} else {
-		res, reuse, err = s.runCommand(ctx, gen, req, sr, direct, eg.cg)
+		res, after, err = s.runCommand(ctx, gen, req, sr, direct, eg.cg)
 	}
-	switch {
-	case keep:
+	switch after {
+	case groupKept:
 		closeAll(eg.procs)
-	case reuse:
+	case groupEmpty:
 		s.putExecGroup(eg)
 	default:
 		closeAll(eg.procs)
@@ -355,6 +357,19 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	}
 	return res, err
 }
+
+// groupAfter is what becomes of a command's group once the exec returns.
+type groupAfter int
+
+const (
+	// groupEnded: delete it (killing what may be left).
+	groupEnded groupAfter = iota
+	// groupEmpty: it is empty, for the next command.
+	groupEmpty
+	// groupKept: processes the command started run on in it (a
+	// background command, or a command's leftovers).
+	groupKept
+)
 
 // execArgv returns the argv that runs req: its Argv, or its Command through
 // /bin/sh -c, or (direct) the words of a plain command line (plainCommand)
@@ -393,33 +408,44 @@ type running struct {
 	exitc          <-chan initproc.ExitEvent
 	start          time.Time
 	stdout, stderr *capture
+	// pipes are the inodes of the command's stdin (if it has one of its
+	// own), stdout and stderr pipes, which its leftovers give up
+	// (releaseLeftovers).
+	pipes []uint64
 }
 
 // runCommand runs a foreground command (sr) in group cg and waits for it
-// (waitCommand). reuse says the group is empty again, for the next command.
-func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initproc.SpawnRequest, direct bool, cg *cgroup.Cgroup) (res ExecResult, reuse bool, err error) {
+// (waitCommand), and says what becomes of the group.
+func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initproc.SpawnRequest, direct bool, cg *cgroup.Cgroup) (res ExecResult, after groupAfter, err error) {
 	var stdinW *os.File
+	pipes := []*os.File{}
 	if len(req.Stdin) > 0 {
 		r, w, err := os.Pipe()
 		if err != nil {
-			return ExecResult{}, false, err
+			return ExecResult{}, groupEnded, err
 		}
 		defer r.Close()
 		sr.Stdin, stdinW = r, w
+		pipes = append(pipes, r)
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {
-		return ExecResult{}, false, err
+		return ExecResult{}, groupEnded, err
 	}
 	defer outR.Close()
 	errR, errW, err := os.Pipe()
 	if err != nil {
 		outW.Close()
-		return ExecResult{}, false, err
+		return ExecResult{}, groupEnded, err
 	}
 	defer errR.Close()
 	sr.Stdout, sr.Stderr = outW, errW
 	rc := running{start: time.Now()}
+	if rc.pipes, err = pipeInodes(append(pipes, outR, errR)...); err != nil {
+		outW.Close()
+		errW.Close()
+		return ExecResult{}, groupEnded, err
+	}
 	rc.pid, rc.exitc, err = s.init.Conn.Spawn(sr)
 	if direct && errors.Is(err, initproc.ErrSpawn) && !errors.Is(err, initproc.ErrClosed) {
 		// Not found or not executable: let the shell run it and say so,
@@ -436,7 +462,7 @@ func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initp
 		if stdinW != nil {
 			stdinW.Close()
 		}
-		return ExecResult{}, false, s.spawnError(err)
+		return ExecResult{}, groupEnded, s.spawnError(err)
 	}
 	if stdinW != nil {
 		go func() {
@@ -450,10 +476,11 @@ func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initp
 }
 
 // waitCommand waits for command rc to exit, time out, or be cut short (by
-// ctx, or by a restore or Destroy ending gen); whatever ended the wait,
-// everything in group cg is killed and the output read to its end. reuse
-// says the group is empty again.
-func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, cg *cgroup.Cgroup, rc running) (res ExecResult, reuse bool, err error) {
+// ctx, or by a restore or Destroy ending gen). Once its own process has
+// exited, what it left running runs on (releaseLeftovers); whatever else
+// ended the wait, everything in group cg is killed. The output is read to
+// its end either way.
+func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, cg *cgroup.Cgroup, rc running) (res ExecResult, after groupAfter, err error) {
 	res = ExecResult{Pid: rc.pid, Start: rc.start, ExitCode: -1}
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
@@ -470,8 +497,18 @@ func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, c
 	case <-gen.Done():
 		aborted = fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted)
 	}
-	// Whatever ended the wait, nothing the command started outlives it.
-	kerr := cg.Kill()
+	var kerr error
+	left := false
+	if ok {
+		// Its leftovers give up its pipes, or end with it.
+		if left, kerr = s.releaseLeftovers(cg, rc.pipes); kerr != nil {
+			s.rt.log.Warn("ending what a command left running", "sandbox", s.id, "pid", rc.pid, "err", kerr)
+			left = false
+		}
+	}
+	if !left {
+		kerr = cg.Kill() // nothing the command started outlives it
+	}
 	if !ok && aborted == nil {
 		ev, ok = <-rc.exitc
 	}
@@ -480,13 +517,13 @@ func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, c
 	res.Stderr, res.StderrTruncated = rc.stderr.wait()
 	res.Duration = time.Since(rc.start)
 	if aborted != nil {
-		return res, false, aborted
+		return res, groupEnded, aborted
 	}
 	if !ok {
-		return res, false, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+		return res, groupEnded, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
 	}
 	if kerr != nil {
-		return res, false, fmt.Errorf("ending the command's processes: %w", kerr)
+		return res, groupEnded, fmt.Errorf("ending the command's processes: %w", kerr)
 	}
 	switch {
 	case ev.Status.Exited():
@@ -494,7 +531,10 @@ func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, c
 	case ev.Status.Signaled():
 		res.Signal = unix.SignalName(ev.Status.Signal())
 	}
-	return res, true, nil
+	if left {
+		return res, groupKept, nil
+	}
+	return res, groupEmpty, nil
 }
 
 func (s *Sandbox) spawnError(err error) error {

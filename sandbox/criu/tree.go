@@ -245,12 +245,19 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 		// there made its image fail at shutdown; a live process's, one
 		// that arrived as it was dumped.
 		TcpSkipInFlight: proto.Bool(true),
+		// A tree whose session or process group leader is not in it
+		// (`cmd &` whose shell has exited, a job of a session's shell)
+		// is saved all the same (leadOwnSession).
+		ShellJob: proto.Bool(true),
 	}
 	log := filepath.Join(o.ImagesDir, "dump.log")
 	if _, err := w.swrkIn(ctx, ns, nil, nil, rpc.CriuReqType_DUMP, opts, log); err != nil {
 		return err
 	}
 	if err := adoptNamespaces(o.ImagesDir); err != nil {
+		return fmt.Errorf("rewriting the images in %s: %w", o.ImagesDir, err)
+	}
+	if err := leadOwnSession(o.ImagesDir); err != nil {
 		return fmt.Errorf("rewriting the images in %s: %w", o.ImagesDir, err)
 	}
 	if err := dropNotify(o.ImagesDir); err != nil {
@@ -642,6 +649,47 @@ func adoptNamespaces(dir string) error {
 		return nil
 	}
 	return err
+}
+
+// leadOwnSession rewrites the process tree image of a dump so that the
+// tree's root leads the session and the process group of every process
+// whose leader is not in the tree: the root of `cmd &`, whose shell has
+// exited, is in the shell's session and group; a job of a session's shell,
+// in the shell's session. criu dumps such a tree only as a shell job, and
+// restores one only into its own session and group, which are outside the
+// sandbox's pid namespace. Restored, the tree is as a background command
+// is: a session of its own, led by its root.
+func leadOwnSession(dir string) error {
+	path := filepath.Join(dir, "pstree.img")
+	tree, err := decodeImage(path, &pstree.PstreeEntry{})
+	if err != nil {
+		return err
+	}
+	if len(tree.Entries) == 0 {
+		return errors.New("empty pstree image")
+	}
+	in := map[uint32]bool{}
+	for _, e := range tree.Entries {
+		in[e.Message.(*pstree.PstreeEntry).GetPid()] = true
+	}
+	root := tree.Entries[0].Message.(*pstree.PstreeEntry).GetPid()
+	changed := false
+	for i, e := range tree.Entries {
+		p := e.Message.(*pstree.PstreeEntry)
+		if !in[p.GetSid()] {
+			p.Sid, changed = proto.Uint32(root), true
+			if i == 0 {
+				p.Pgid = proto.Uint32(root) // a session's leader leads a group
+			}
+		}
+		if !in[p.GetPgid()] {
+			p.Pgid, changed = proto.Uint32(root), true
+		}
+	}
+	if !changed {
+		return nil
+	}
+	return encodeImage(path, tree)
 }
 
 // encodeImage replaces the image at path with img.

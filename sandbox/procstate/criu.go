@@ -71,7 +71,7 @@ func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, p
 		u.Procs = append(u.Procs, UnitProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
 		ext, err := detachedFiles(p.tpl.HostPid, mounts, seen)
 		if err != nil {
-			return u, err
+			return u, fmt.Errorf("pid %d (%s): %w", p.tpl.NSPid, p.tpl.Comm, err)
 		}
 		u.Ext = append(u.Ext, ext...)
 	}
@@ -472,12 +472,17 @@ func mountIDs(pid int) (map[uint64]bool, error) {
 }
 
 // detachedFiles lists the files pid maps, runs, has open or has as its cwd
-// or root that are on a mount not in mounts (the sandbox's namespace).
+// or root that are on a mount not in mounts (the sandbox's namespace). A
+// process gone has none: a tree runs between its release from ptrace and
+// criu's seizing it, and criu takes the tree as it finds it then.
 func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]ExtFile, error) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/"
 	links := []string{dir + "exe", dir + "cwd", dir + "root"}
 	for _, sub := range []string{"map_files/", "fd/"} {
 		ents, err := os.ReadDir(dir + sub)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, nil
+		}
 		if err != nil {
 			return nil, err
 		}

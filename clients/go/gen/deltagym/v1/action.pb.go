@@ -146,6 +146,13 @@ func (*Action_Submit) isAction_Kind() {}
 
 // ExecAction runs a process inside the sandbox, as the sandbox's user, with
 // the sandbox root as its root. Exactly one of command and argv is set.
+//
+// The step returns when the process itself exits, as in a terminal: what it
+// started and left running (`server &`, `nohup … &`, a daemon) runs on as
+// background processes of the sandbox, its output discarded from then on,
+// counted against the pids limit, and captured by checkpoints like any
+// other process. The timeout, and a restore or close that cuts the step
+// short, end everything the command started.
 type ExecAction struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// command is a shell string, run as `/bin/sh -c command`. With session set,
@@ -163,8 +170,9 @@ type ExecAction struct {
 	// cwd is the working directory inside the sandbox; empty means the env's
 	// working directory (or, with session, the session's current directory).
 	Cwd string `protobuf:"bytes,5,opt,name=cwd,proto3" json:"cwd,omitempty"`
-	// timeout_seconds bounds the wall time of the command; the process group is
-	// killed with SIGKILL when it passes and timed_out is set. Zero means the
+	// timeout_seconds bounds the wall time of the command; the command and
+	// everything it started are killed with SIGKILL when it passes and
+	// timed_out is set. Zero means the
 	// env's step timeout; larger values are capped to it.
 	TimeoutSeconds float64 `protobuf:"fixed64,6,opt,name=timeout_seconds,json=timeoutSeconds,proto3" json:"timeout_seconds,omitempty"`
 	// background starts the process and returns at once with its pid; its
