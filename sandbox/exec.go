@@ -498,15 +498,18 @@ func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, c
 		aborted = fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted)
 	}
 	var kerr error
-	left := false
+	left, kill := false, true
 	if ok {
 		// Its leftovers give up its pipes, or end with it.
-		if left, kerr = s.releaseLeftovers(cg, rc.pipes); kerr != nil {
-			s.rt.log.Warn("ending what a command left running", "sandbox", s.id, "pid", rc.pid, "err", kerr)
+		var lerr error
+		left, lerr = releaseLeftovers(cg, rc.pipes)
+		kill = lerr != nil
+		if lerr != nil {
+			s.rt.log.Warn("ending what a command left running", "sandbox", s.id, "pid", rc.pid, "err", lerr)
 			left = false
 		}
 	}
-	if !left {
+	if kill {
 		kerr = cg.Kill() // nothing the command started outlives it
 	}
 	if !ok && aborted == nil {

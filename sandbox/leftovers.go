@@ -46,19 +46,18 @@ var errLeftovers = errors.New("the processes the command left running could not 
 
 // releaseLeftovers gives every process of cg that holds one of the pipes
 // (inodes) the null device in its place. It reports whether processes are
-// left in cg. It runs on a thread of its own (a ptrace session's).
-func (s *Sandbox) releaseLeftovers(cg *cgroup.Cgroup, inodes []uint64) (left bool, err error) {
-	pids, err := cg.Pids()
-	if err != nil || len(pids) == 0 {
-		return false, err
+// left in cg (an empty group stays empty: only its processes could add
+// one). The ptrace session runs on a thread of its own.
+func releaseLeftovers(cg *cgroup.Cgroup, inodes []uint64) (left bool, err error) {
+	if pop, err := cg.Populated(); err != nil || !pop {
+		return false, err // the common case: nothing left
 	}
 	done := make(chan error, 1)
 	go func() { done <- redirectLeftovers(cg, inodes) }()
 	if err := <-done; err != nil {
 		return true, fmt.Errorf("%w: %w", errLeftovers, err)
 	}
-	pids, err = cg.Pids()
-	return len(pids) > 0, err
+	return cg.Populated()
 }
 
 // redirectLeftovers passes over cg until no process of it holds one of the
