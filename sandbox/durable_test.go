@@ -73,3 +73,28 @@ func TestDurableTellsUnsaved(t *testing.T) {
 func beatPy(name, setup string) string {
 	return "import os, time\n" + setup + "\nwhile True:\n    open('/tmp/beat-" + name + "', 'w').close()\n    time.sleep(0.01)\n"
 }
+
+// A process with a file of the sandbox's /dev/shm mapped (POSIX shared
+// memory, which checkpoints do not carry) is not reported saved by a
+// durable checkpoint, nor by a CRIU one: its image restores only in its own
+// sandbox.
+func TestDurableShmIsLocal(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	prog := beatPy("shm", "import mmap\nf = open('/dev/shm/seg', 'w+b')\nf.truncate(4096)\nm = mmap.mmap(f.fileno(), 4096)")
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/beat-shm ]")
+	for _, o := range []sandbox.CheckpointOptions{{Durable: true}, {Processes: sandbox.ProcessesCRIU}} {
+		ck, err := s.CheckpointWith(ctx, o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ck.Processes) != 1 || ck.Processes[0].Saved || !strings.Contains(ck.Processes[0].Unsaved, "/dev/shm/seg") {
+			t.Fatalf("checkpoint %+v: %+v, want unsaved for /dev/shm/seg", o, ck.Processes)
+		}
+	}
+}

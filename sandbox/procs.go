@@ -90,10 +90,13 @@ type ProcessCapture struct {
 	// of a copy of the template: that copy's pid (0 until the image is
 	// made).
 	ImagePid int
-	// Saved: the process has a CRIU image, so the checkpoint brings it
-	// back whatever happens to its sandbox or the server.
+	// Saved: the process has a CRIU image that restores anywhere, so the
+	// checkpoint brings it back whatever happens to its sandbox or the
+	// server.
 	Saved bool
-	// Unsaved says why a durable checkpoint could not save the process.
+	// Unsaved says why the process is not saved: a durable checkpoint
+	// could not save it, or its image restores only in its own sandbox (it
+	// has a file of the sandbox's /dev/shm open or mapped).
 	Unsaved string
 }
 

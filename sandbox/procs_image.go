@@ -3,6 +3,7 @@ package sandbox
 import (
 	"context"
 	"fmt"
+	"sync"
 
 	"github.com/deltagym/deltagym/sandbox/procstate"
 )
@@ -56,8 +57,11 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]proc
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
-	r.pimg.tplMu.Lock()
-	defer r.pimg.tplMu.Unlock()
+	unlock, err := r.pimg.tplLocks.lock(ctx, c.ID)
+	if err != nil {
+		return nil, fmt.Errorf("waiting for the images of checkpoint %s being made: %w", c.ID, err)
+	}
+	defer unlock()
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
@@ -127,6 +131,45 @@ func (s *Sandbox) imageAllTemplates(ctx context.Context) {
 		}
 		if _, err := s.rt.imagesForTemplates(ctx, c); err != nil && s.rt.ckptLive(c) {
 			s.rt.log.Warn("saving a checkpoint's processes before its sandbox ends", "sandbox", s.id, "checkpoint", id, "err", err)
+		}
+	}
+}
+
+// keyedLocks holds one lock for each key in use: images are made once per
+// checkpoint, and those of other checkpoints meanwhile (each sandbox's
+// one at a time, under its process state's lock).
+type keyedLocks struct {
+	mu sync.Mutex
+	// held maps a key locked to a channel closed when it is unlocked.
+	// +checklocks:mu
+	held map[string]chan struct{}
+}
+
+// lock takes key's lock, waiting while another holds it, until ctx is
+// done; unlock releases it.
+func (k *keyedLocks) lock(ctx context.Context, key string) (unlock func(), err error) {
+	for {
+		k.mu.Lock()
+		busy, ok := k.held[key]
+		if !ok {
+			if k.held == nil {
+				k.held = map[string]chan struct{}{}
+			}
+			mine := make(chan struct{})
+			k.held[key] = mine
+			k.mu.Unlock()
+			return func() {
+				k.mu.Lock()
+				delete(k.held, key)
+				k.mu.Unlock()
+				close(mine)
+			}, nil
+		}
+		k.mu.Unlock()
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
 		}
 	}
 }

@@ -18,8 +18,8 @@ import (
 // and id range. So a Close costs microseconds, whatever the sandbox holds
 // and whatever its kernel objects take to go.
 //
-// Bounded: at most retireSlots teardowns run at once (the images are made
-// one at a time anyway, under procImages.tplMu), and a teardown saves
+// Bounded: at most retireSlots teardowns run at once (each sandbox's
+// images are made one at a time, under its process state's lock), and a teardown saves
 // images for at most retireImagesFor; the checkpoints it has not reached
 // by then keep their files and lose their processes, which is logged.
 // Observable: Runtime.Retiring counts the sandboxes closed and not yet

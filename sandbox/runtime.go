@@ -280,13 +280,13 @@ func (c *checkpoint) info() CheckpointInfo {
 	for i, p := range c.Procs {
 		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
-			pc.ImagePid, pc.Saved = c.TplImages[i].Procs[0].NSPid, true
+			pc.ImagePid, pc.Saved, pc.Unsaved = c.TplImages[i].Procs[0].NSPid, c.TplImages[i].Local == "", c.TplImages[i].Local
 		}
 		ci.Processes = append(ci.Processes, pc)
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {
-			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Saved: true}
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Saved: u.Local == "", Unsaved: u.Local}
 			if i == 0 {
 				pc.Session = u.Session
 			}
@@ -350,8 +350,9 @@ type procImages struct {
 	// swrk is made on first use (criuSwrk).
 	// +checklocks:mu
 	swrk *criu.Swrk
-	// tplMu serialises the making of images from templates.
-	tplMu sync.Mutex
+	// tplLocks serialises the making of images from templates, per
+	// checkpoint.
+	tplLocks keyedLocks
 	// making counts durable checkpoints' images being made; Close waits
 	// for them before it ends the sandboxes.
 	making sync.WaitGroup

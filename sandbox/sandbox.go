@@ -698,8 +698,8 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	info := c.info()
 	r.mu.Unlock()
 	for i := range info.Processes {
-		if !info.Processes[i].Saved {
-			info.Processes[i].Unsaved = unsaved
+		if p := &info.Processes[i]; !p.Saved && p.Unsaved == "" {
+			p.Unsaved = unsaved
 		}
 	}
 	return info, nil

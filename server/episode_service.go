@@ -69,7 +69,7 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
-	return connect.NewResponse(checkpointResponse(r)), nil
+	return connect.NewResponse(checkpointResponse(r, e.s.scrub)), nil
 }
 
 func (e *envService) Restore(ctx context.Context, req *connect.Request[deltagymv1.RestoreRequest]) (*connect.Response[deltagymv1.RestoreResponse], error) {
@@ -86,7 +86,7 @@ func (e *envService) Fork(ctx context.Context, req *connect.Request[deltagymv1.F
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
-	return connect.NewResponse(forkResponse(r)), nil
+	return connect.NewResponse(forkResponse(r, e.s.scrub)), nil
 }
 
 func (e *envService) ReleaseCheckpoint(ctx context.Context, req *connect.Request[deltagymv1.ReleaseCheckpointRequest]) (*connect.Response[deltagymv1.ReleaseCheckpointResponse], error) {

@@ -93,7 +93,9 @@ func processMode(asked deltagymv1.ProcessMode) (sandbox.ProcessMode, error) {
 	return sandbox.ProcessesDefault, fmt.Errorf("process_mode %d is not one of PROCESS_MODE_FILESYSTEM, PROCESS_MODE_TEMPLATE or PROCESS_MODE_CRIU: %w", asked, ErrInvalid)
 }
 
-func checkpointResponse(r episode.CheckpointResult) *deltagymv1.CheckpointResponse {
+// checkpointResponse is r's API form; scrub takes the server's host paths
+// out of the reasons (criu's messages name its logs).
+func checkpointResponse(r episode.CheckpointResult, scrub func(string) string) *deltagymv1.CheckpointResponse {
 	info := r.Info
 	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: r.Durable}
 	for _, p := range info.Processes {
@@ -101,7 +103,7 @@ func checkpointResponse(r episode.CheckpointResult) *deltagymv1.CheckpointRespon
 		if p.Method == sandbox.CaptureCRIU {
 			m = deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
 		}
-		pc := &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: m, Reason: p.Reason, Saved: p.Saved, UnsavedReason: p.Unsaved}
+		pc := &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command, Method: m, Reason: scrub(p.Reason), Saved: p.Saved, UnsavedReason: scrub(p.Unsaved)}
 		if !p.Saved && p.Unsaved == "" {
 			pc.UnsavedReason = "kept only as a frozen copy in its sandbox: a checkpoint taken durable saves it as a CRIU image"
 		}
@@ -121,11 +123,13 @@ var captureMethods = map[episode.Capture]deltagymv1.CaptureMethod{
 	episode.CaptureNone:     deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE,
 }
 
-func forkResponse(r episode.ForkResult) *deltagymv1.ForkResponse {
+// forkResponse is r's API form; scrub takes the server's host paths out of
+// the reasons.
+func forkResponse(r episode.ForkResult, scrub func(string) string) *deltagymv1.ForkResponse {
 	resp := &deltagymv1.ForkResponse{CheckpointId: r.CheckpointID}
 	for _, p := range r.Processes {
 		resp.Processes = append(resp.Processes, &deltagymv1.ProcessCapture{Pid: int32(p.Pid), Command: p.Command,
-			Method: captureMethods[p.Method], Reason: p.Reason})
+			Method: captureMethods[p.Method], Reason: scrub(p.Reason)})
 	}
 	for _, ch := range r.Children {
 		resp.SandboxIds = append(resp.SandboxIds, ch.SandboxID)

@@ -74,6 +74,9 @@ func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, p
 			return u, fmt.Errorf("pid %d (%s): %w", p.tpl.NSPid, p.tpl.Comm, err)
 		}
 		u.Ext = append(u.Ext, ext...)
+		if u.Local == "" {
+			u.Local = sandboxLocal(p.tpl.HostPid, p.tpl.NSPid, p.tpl.Comm)
+		}
 	}
 	ext := make([]string, len(u.Ext))
 	for i, e := range u.Ext {
@@ -519,6 +522,28 @@ func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]Ext
 		out = append(out, ExtFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})
 	}
 	return out, nil
+}
+
+// sandboxLocal says why a process's image could be restored only in its
+// own sandbox, or "": it has a file of the sandbox's /dev/shm open or
+// mapped (POSIX shared memory and semaphores), a tmpfs of the sandbox's own
+// that checkpoints do not carry, which criu records by path. nsPid and
+// comm name the process.
+func sandboxLocal(pid, nsPid int, comm string) string {
+	dir := "/proc/" + strconv.Itoa(pid) + "/"
+	for _, sub := range []string{"fd/", "map_files/"} {
+		ents, err := os.ReadDir(dir + sub)
+		if err != nil {
+			continue
+		}
+		for _, e := range ents {
+			if path, err := os.Readlink(dir + sub + e.Name()); err == nil && strings.HasPrefix(path, "/dev/shm/") {
+				return fmt.Sprintf("pid %d (%s) has %s open or mapped: the sandbox's /dev/shm is not part of its checkpoints, so the process comes back only in this sandbox, while it lasts",
+					nsPid, comm, strings.TrimSuffix(path, " (deleted)"))
+			}
+		}
+	}
+	return ""
 }
 
 // openExternal opens the files of u's dump that were on a detached mount,

@@ -112,6 +112,7 @@ func (ps *State) imageCopy(ctx context.Context, sw *criu.Swrk, c *Checkpoint, n 
 	if u.Ext, err = detachedFiles(cp.hostPid, mounts, map[string]bool{}); err != nil {
 		return u, err
 	}
+	u.Local = sandboxLocal(cp.hostPid, t.NSPid, t.Comm)
 	ext := make([]string, len(u.Ext))
 	for i, e := range u.Ext {
 		ext[i] = e.Key

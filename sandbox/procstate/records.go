@@ -79,6 +79,9 @@ type Unit struct {
 	Stopped bool `json:"stopped,omitempty"`
 	// Bytes is the size of the images, charged to the checkpoint budget.
 	Bytes int64 `json:"bytes,omitempty"`
+	// Local says why the images restore only in the sandbox they were
+	// made in (sandboxLocal), if they do.
+	Local string `json:"local,omitempty"`
 }
 
 // dirBytes is the size of the files in dir (not recursive: criu writes

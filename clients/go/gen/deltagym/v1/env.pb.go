@@ -992,13 +992,15 @@ type ProcessCapture struct {
 	// reason explains the method when it is not the one asked for (for example
 	// "multi-threaded").
 	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
-	// saved is set when the process has a CRIU image: the checkpoint brings it
-	// back after its sandbox is gone, after a server restart, or once its
-	// frozen template is lost.
+	// saved is set when the process has a CRIU image that restores anywhere:
+	// the checkpoint brings it back after its sandbox is gone, after a server
+	// restart, or once its frozen template is lost.
 	Saved bool `protobuf:"varint,5,opt,name=saved,proto3" json:"saved,omitempty"`
 	// unsaved_reason says why the process is not saved: kept only as a frozen
-	// template in its sandbox (durable was not asked for), or why saving it
-	// failed (CRIU's error, naming the process and where its log is).
+	// template in its sandbox (durable was not asked for), why saving it
+	// failed (CRIU's error, naming the process and its log), or why its image
+	// restores only in its own sandbox (a file of the sandbox's /dev/shm, which
+	// checkpoints do not carry, open or mapped).
 	UnsavedReason string `protobuf:"bytes,6,opt,name=unsaved_reason,json=unsavedReason,proto3" json:"unsaved_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
