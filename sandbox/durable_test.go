@@ -2,6 +2,7 @@ package sandbox_test
 
 import (
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -65,6 +66,16 @@ func TestDurableTellsUnsaved(t *testing.T) {
 	}
 	if len(ck2.Processes) != 1 || !ck2.Processes[0].Saved || ck2.Processes[0].Unsaved != "" {
 		t.Fatalf("durable checkpoint of a plain process: %+v", ck2.Processes)
+	}
+	// CRIU's refusal stands: the sandbox's teardown does not ask again
+	// (one log of a failed request, the durable checkpoint's).
+	if err := s.Destroy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	<-s.Done()
+	logs, err := filepath.Glob(filepath.Join(b.cfg.DataDir, "store", "criu-logs", "*.log"))
+	if err != nil || len(logs) != 1 {
+		t.Fatalf("logs of failed CRIU requests: %v %v, want the durable checkpoint's alone", logs, err)
 	}
 }
 

@@ -2,9 +2,11 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 
+	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
@@ -65,6 +67,9 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]proc
 	if imgs := r.tplImages(c); len(imgs) > 0 {
 		return imgs, nil
 	}
+	if c.imageErr != nil {
+		return nil, c.imageErr
+	}
 	r.mu.Lock()
 	owner := r.sandboxes[c.SandboxID]
 	r.mu.Unlock()
@@ -72,7 +77,11 @@ func (r *Runtime) imagesForTemplates(ctx context.Context, c *checkpoint) ([]proc
 		return nil, fmt.Errorf("%w: checkpoint %s holds live processes (%s) as frozen copies in sandbox %s, which ended without saving them (its init was killed, a template was found thawed after a crash, or CRIU was missing then); its files can still be restored or forked, without those processes; take checkpoints durable to keep processes whatever happens to the sandbox",
 			ErrProcesses, c.ID, procstate.Names(c.Procs), c.SandboxID)
 	}
-	return owner.procs.Image(ctx, &c.Checkpoint, func(u []procstate.Unit) error { return r.recordTplImages(c, u) })
+	imgs, err := owner.procs.Image(ctx, &c.Checkpoint, func(u []procstate.Unit) error { return r.recordTplImages(c, u) })
+	if errors.Is(err, criu.ErrRequest) {
+		c.imageErr = err
+	}
+	return imgs, err
 }
 
 // recordTplImages records units as the images of c's templates, unless c

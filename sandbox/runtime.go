@@ -262,6 +262,10 @@ type checkpoint struct {
 	// (Unix nanoseconds; 0: not since the runtime started), for
 	// CheckpointTTL.
 	used atomic.Int64
+	// imageErr is why CRIU refused to save its templates (their frozen
+	// state does not change, nor will the answer): not asked again, at a
+	// teardown or a shutdown. Guarded by procImages.tplLocks (its key).
+	imageErr error
 }
 
 // imageBytes is the size of c's CRIU images. Called with Runtime.mu held
