@@ -267,6 +267,29 @@ func BenchmarkExec(b *testing.B) {
 	l.report(b, "")
 }
 
+// BenchmarkExecLeftover is an exec whose command leaves a process running
+// (`sleep 1000 & true` through the shell): the exec returns once the shell
+// has exited and the sleep holds /dev/null instead of the exec's pipes
+// (leftovers.go). Each leftover is ended outside the timing. Against
+// BenchmarkExec's figures: the shell's cost and the handover.
+func BenchmarkExecLeftover(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	ctx := context.Background()
+	var l lat
+	b.ResetTimer()
+	for range b.N {
+		var err error
+		l.time(func() { _, err = s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 1000 & true"}) })
+		must(b, err)
+		b.StopTimer()
+		_, err = s.Exec(ctx, sandbox.ExecRequest{Command: "pkill -x sleep; true"})
+		must(b, err)
+		b.StartTimer()
+	}
+	l.report(b, "")
+}
+
 // BenchmarkCold is the first operation of a sandbox that has gone cold
 // (given up its kept descriptors, hot.go), which opens them again: exec
 // runs `/bin/true`, rollback restores a checkpoint after a file write. Its
