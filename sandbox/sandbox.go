@@ -18,6 +18,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/egress"
 	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
@@ -688,37 +689,58 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	r.moveHead(s.head, c.ID)
 	s.head = c.ID
 	r.maybeFlatten(c)
-	var unsaved string
+	var serr error
 	if o.Durable && len(c.Procs) > 0 {
-		unsaved = s.saveDurable(ctx, c)
+		serr = s.saveDurable(ctx, c)
 	}
 	// Under the runtime's lock, as other readers: once added, the
 	// checkpoint's layers and images (TplImages) change under it.
 	r.mu.Lock()
 	info := c.info()
 	r.mu.Unlock()
-	for i := range info.Processes {
-		if p := &info.Processes[i]; !p.Saved && p.Unsaved == "" {
-			p.Unsaved = unsaved
-		}
+	if serr != nil {
+		unsavedReasons(info.Processes[:len(c.Procs)], serr)
 	}
 	return info, nil
 }
 
 // saveDurable saves the templates of c, a checkpoint just taken durable,
-// as CRIU images, and returns why it could not ("" once saved). The
-// checkpoint stands either way: its files and templates are kept.
-func (s *Sandbox) saveDurable(ctx context.Context, c *checkpoint) string {
+// as CRIU images, and returns why it could not. The checkpoint stands
+// either way: its files and templates are kept.
+func (s *Sandbox) saveDurable(ctx context.Context, c *checkpoint) error {
 	r := s.rt
 	if !r.startImaging() {
-		return "not saved: the server is shutting down"
+		return errors.New("the server is shutting down")
 	}
 	defer r.pimg.making.Done()
-	if _, err := r.imagesForTemplates(ctx, c); err != nil {
+	_, err := r.imagesForTemplates(ctx, c)
+	if err != nil {
 		r.log.Warn("saving a durable checkpoint's processes", "checkpoint", c.ID, "err", err)
-		return err.Error()
 	}
-	return ""
+	return err
+}
+
+// unsavedReasons says, of each of tpls (a checkpoint's template
+// processes, in order), why saving them failed with err: the process CRIU
+// refused gets CRIU's cause and log, the others that they are saved with
+// it.
+func unsavedReasons(tpls []ProcessCapture, err error) {
+	var ie *procstate.ImageError
+	if !errors.As(err, &ie) || ie.Index >= len(tpls) {
+		for i := range tpls {
+			tpls[i].Unsaved = "not saved: " + err.Error()
+		}
+		return
+	}
+	why := err.Error()
+	if re := (*criu.RequestError)(nil); errors.As(err, &re) {
+		why = "CRIU could not save it: " + re.Brief()
+	}
+	bad := tpls[ie.Index]
+	for i := range tpls {
+		tpls[i].Unsaved = fmt.Sprintf("not saved: a checkpoint's processes are saved together, and pid %d (%s) could not be", bad.Pid, bad.Command)
+	}
+	tpls[ie.Index].Unsaved = why
 }
 
 // processMode resolves a checkpoint's process mode: the default is the

@@ -566,7 +566,27 @@ func requestError(typ rpc.CriuReqType, resp *rpc.CriuResp, log string, keep *log
 			log = kept
 		}
 	}
-	return fmt.Errorf("criu %s: %w: %s (errno %d; criu's log: %s)", typ, ErrRequest, strings.Join(causes, "; "), resp.GetCrErrno(), log)
+	return &RequestError{Request: typ.String(), Causes: causes, Errno: int(resp.GetCrErrno()), Log: log}
+}
+
+// RequestError is a request criu answered with a failure (ErrRequest).
+type RequestError struct {
+	Request string   // DUMP, RESTORE
+	Causes  []string // its log's first error lines, the cause first
+	Errno   int
+	Log     string // where its log is
+}
+
+func (e *RequestError) Error() string {
+	return fmt.Sprintf("criu %s: %v: %s (errno %d; criu's log: %s)", e.Request, ErrRequest, strings.Join(e.Causes, "; "), e.Errno, e.Log)
+}
+
+// Unwrap makes the error ErrRequest.
+func (e *RequestError) Unwrap() error { return ErrRequest }
+
+// Brief is the causes and the log, for a reason shown beside a process.
+func (e *RequestError) Brief() string {
+	return fmt.Sprintf("%s (CRIU's log: %s)", strings.Join(e.Causes, "; "), e.Log)
 }
 
 // logErrors returns the first error lines of a criu log that are not the

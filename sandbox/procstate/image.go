@@ -78,7 +78,7 @@ func (ps *State) imageCopies(ctx context.Context, sw *criu.Swrk, c *Checkpoint, 
 		u, err := ps.imageCopy(ctx, sw, c, i, t, copies[i])
 		if err != nil {
 			_ = os.RemoveAll(u.Dir) // what criu wrote of it
-			return units, fmt.Errorf("%w: saving the frozen copy of %s kept by checkpoint %s as a CRIU image: %w", ErrProcesses, t.name(), c.ID, err)
+			return units, &ImageError{Index: i, Err: fmt.Errorf("%w: saving the frozen copy of %s kept by checkpoint %s as a CRIU image: %w", ErrProcesses, t.name(), c.ID, err)}
 		}
 		units = append(units, u)
 	}
@@ -208,3 +208,13 @@ func (ps *State) stoppedCopies(tg *cgroup.Cgroup, tpls []Template) (out []stoppe
 	}
 	return out, nil
 }
+
+// ImageError is a failure to save one template of a checkpoint, Index in
+// its Procs; the checkpoint's templates are saved together, so none is.
+type ImageError struct {
+	Index int
+	Err   error
+}
+
+func (e *ImageError) Error() string { return e.Err.Error() }
+func (e *ImageError) Unwrap() error { return e.Err }

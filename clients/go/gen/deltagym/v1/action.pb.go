@@ -152,7 +152,9 @@ func (*Action_Submit) isAction_Kind() {}
 // background processes of the sandbox, its output discarded from then on,
 // counted against the pids limit, and captured by checkpoints like any
 // other process. The timeout, and a restore or close that cuts the step
-// short, end everything the command started.
+// short, end everything the command started. In a session, a job left
+// running (`cmd &`) is the session's, as in a terminal: its output comes
+// with the session's later steps.
 type ExecAction struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// command is a shell string, run as `/bin/sh -c command`. With session set,

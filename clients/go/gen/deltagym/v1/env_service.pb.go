@@ -1014,8 +1014,10 @@ type CheckpointRequest struct {
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	// durable makes the checkpoint keep its processes whatever happens to its
 	// sandbox: those kept as frozen templates are saved as CRIU images before
-	// Checkpoint answers (tens of milliseconds a process), and the answer says
-	// which could not be and why. Otherwise they are saved when first needed
+	// Checkpoint answers (a CRIU dump of each, tenths of a second), and the
+	// answer says which could not be and why. A checkpoint's processes are
+	// saved together: one CRIU refuses leaves all unsaved, its reason CRIU's
+	// cause and log, the others' naming it. Otherwise they are saved when first needed
 	// elsewhere, when the sandbox ends, at a clean shutdown, or by the next
 	// server after a crash, and lost if a template is lost first (an agent's
 	// kill -9 -1, the sandbox killed from outside). Files are always kept.
