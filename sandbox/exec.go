@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"strconv"
 	"strings"
@@ -516,6 +515,13 @@ func (s *Sandbox) waitCommand(ctx, gen context.Context, timeout time.Duration, c
 		ev, ok = <-rc.exitc
 	}
 	s.init.Conn.Forget(rc.pid)
+	if !rc.outputEnds(leftoverWait) && left {
+		// A reference to the pipes the handover cannot see (one in
+		// flight in a unix socket, a poll of another thread): the
+		// command's group ends after all.
+		s.rt.log.Warn("ending what a command left running: its output did not end", "sandbox", s.id, "pid", rc.pid)
+		left, kerr = false, cg.Kill()
+	}
 	res.Stdout, res.StdoutTruncated = rc.stdout.wait()
 	res.Stderr, res.StderrTruncated = rc.stderr.wait()
 	res.Duration = time.Since(rc.start)
@@ -572,15 +578,40 @@ func closeAll(fs []*os.File) {
 	}
 }
 
+// outputEnds waits up to d for the command's output to end, and stops
+// reading it then if it has not: something outside the command's group
+// may hold its pipes (a process the command handed them to), and the
+// command's own process has exited or been killed. It reports whether the
+// output ended by itself.
+func (rc running) outputEnds(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for _, c := range []*capture{rc.stdout, rc.stderr} {
+		select {
+		case <-c.done:
+			continue
+		case <-t.C:
+		}
+		rc.stdout.stop()
+		rc.stderr.stop()
+		return false
+	}
+	return true
+}
+
 // capture reads a stream to its end, keeping at most max bytes.
 type capture struct {
+	f         *os.File
 	done      chan struct{}
 	buf       []byte
 	truncated bool
 }
 
-func newCapture(r io.Reader, limit int) *capture {
-	c := &capture{done: make(chan struct{})}
+// stop ends the reading where it is.
+func (c *capture) stop() { _ = c.f.SetReadDeadline(time.Now()) }
+
+func newCapture(r *os.File, limit int) *capture {
+	c := &capture{f: r, done: make(chan struct{})}
 	go func() {
 		defer close(c.done)
 		chunk := make([]byte, 32*1024)

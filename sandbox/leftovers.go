@@ -40,6 +40,11 @@ const leftoverRounds = 64
 // over until its next pass instead.
 const leftoverStop = time.Second
 
+// leftoverWait bounds the whole handover (many processes, each with a
+// table of many descriptors on the pipes), and then the wait for the
+// output's end: past it the command's group is ended as a whole.
+const leftoverWait = 2 * time.Second
+
 // errLeftovers says the leftovers could not all be given the null device:
 // the command's group is ended as a whole instead.
 var errLeftovers = errors.New("the processes the command left running could not be detached from its output")
@@ -53,7 +58,8 @@ func releaseLeftovers(cg *cgroup.Cgroup, inodes []uint64) (left bool, err error)
 		return false, err // the common case: nothing left
 	}
 	done := make(chan error, 1)
-	go func() { done <- redirectLeftovers(cg, inodes) }()
+	deadline := time.Now().Add(leftoverWait)
+	go func() { done <- redirectLeftovers(cg, inodes, deadline) }()
 	if err := <-done; err != nil {
 		return true, fmt.Errorf("%w: %w", errLeftovers, err)
 	}
@@ -61,8 +67,8 @@ func releaseLeftovers(cg *cgroup.Cgroup, inodes []uint64) (left bool, err error)
 }
 
 // redirectLeftovers passes over cg until no process of it holds one of the
-// pipes, each holder given the null device (nullAt).
-func redirectLeftovers(cg *cgroup.Cgroup, inodes []uint64) error {
+// pipes, each holder given the null device (nullAt), by deadline.
+func redirectLeftovers(cg *cgroup.Cgroup, inodes []uint64, deadline time.Time) error {
 	tr := ptfork.NewSession()
 	defer tr.Close()
 	pause := 50 * time.Microsecond
@@ -73,6 +79,9 @@ func redirectLeftovers(cg *cgroup.Cgroup, inodes []uint64) error {
 		}
 		holders, passed := 0, 0
 		for _, pid := range pids {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("not done within %v", leftoverWait)
+			}
 			fds, err := heldPipes(pid, inodes)
 			if err != nil || len(fds) == 0 {
 				continue // gone, or nothing of the command's
@@ -82,7 +91,7 @@ func redirectLeftovers(cg *cgroup.Cgroup, inodes []uint64) error {
 				passed++
 				continue
 			}
-			if err := nullAt(tr, pid, fds); err != nil && !errors.Is(err, ptfork.ErrGone) {
+			if err := nullAt(tr, pid, inodes); err != nil && !errors.Is(err, ptfork.ErrGone) {
 				return fmt.Errorf("pid %d: %w", pid, err)
 			}
 		}
@@ -170,12 +179,14 @@ func fdCloexec(pid, fd int) bool {
 	return false
 }
 
-// nullAt stops pid and makes each of fds a descriptor of the null device:
-// it opens /dev/null as the process sees it (in its root, through a page
-// it maps and unmaps again), dup3s it onto each, keeping each one's
-// close-on-exec flag, and closes it. The process then goes on where it
-// was.
-func nullAt(tr *ptfork.Session, pid int, fds []heldPipe) error {
+// nullAt stops pid and makes each of its descriptors on the pipes
+// (inodes) a descriptor of the null device: it opens /dev/null as the
+// process sees it (in its root, through a page it maps and unmaps again),
+// dup3s it onto each, keeping each one's close-on-exec flag, and closes
+// it. The process then goes on where it was. The descriptors are listed
+// once it has stopped: a pid that was reused meanwhile, or a descriptor
+// changed, holds none of the pipes then.
+func nullAt(tr *ptfork.Session, pid int, inodes []uint64) error {
 	p, err := tr.SeizeLeader(pid)
 	if err != nil {
 		return err
@@ -183,8 +194,11 @@ func nullAt(tr *ptfork.Session, pid int, fds []heldPipe) error {
 	if err := p.WaitFor(leftoverStop); err != nil {
 		return errors.Join(err, p.Detach())
 	}
-	err = injectNull(p, fds)
-	return errors.Join(err, p.Detach())
+	fds, err := heldPipes(pid, inodes)
+	if err != nil || len(fds) == 0 {
+		return p.Detach() // gone (killed) meanwhile, or nothing of the command's
+	}
+	return errors.Join(injectNull(p, fds), p.Detach())
 }
 
 func injectNull(p *ptfork.Proc, fds []heldPipe) error {

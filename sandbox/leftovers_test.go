@@ -138,3 +138,57 @@ func TestServerLeftoverForks(t *testing.T) {
 		}
 	}
 }
+
+// hidePy hands its stdout and stderr to a unix socket, in flight (never
+// received), puts /dev/null in their place and says so: a reference to
+// the exec's pipes that no process's descriptor table shows.
+const hidePy = `
+import array, os, socket, time
+a, b = socket.socketpair()
+a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [1, 2]))])
+n = os.open("/dev/null", os.O_RDWR)
+os.dup2(n, 1)
+os.dup2(n, 2)
+open("/tmp/hidden", "w").close()
+time.sleep(3600)
+`
+
+// zombieLeaderPy ends its main thread alone while another runs on: the
+// process's leader is a zombie, its pid still listed in its group.
+const zombieLeaderPy = `
+import ctypes, threading, time
+def run():
+    while True:
+        time.sleep(0.01)
+threading.Thread(target=run).start()
+open("/tmp/zl-ready", "w").close()
+ctypes.CDLL(None).syscall(60, 0)
+`
+
+// Leftovers that hold the exec's output where the handover cannot reach
+// it end with the command, and the exec returns; a process whose leader
+// thread has exited ends with the timeout.
+func TestExecLeftoversThatCannotStay(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	for name, prog := range map[string]string{"/tmp/hide.py": hidePy, "/tmp/zl.py": zombieLeaderPy} {
+		if err := s.WriteFile(ctx, name, []byte(prog), 0o644, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/hide.py & until [ -e /tmp/hidden ]; do sleep 0.01; done; echo main done", Timeout: 30 * time.Second})
+	if err != nil || res.ExitCode != 0 || res.TimedOut || string(res.Stdout) != "main done\n" {
+		t.Fatalf("exec whose leftover hides its pipes: %v %+v", err, res)
+	}
+	if out := sh(t, s, "pgrep -f '[h]ide.py' || true"); out != "" {
+		t.Fatalf("the leftover that hid the exec's pipes runs on: %q", out)
+	}
+	res, err = s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/zl.py & until [ -e /tmp/zl-ready ]; do sleep 0.01; done; sleep 1000", Timeout: 2 * time.Second})
+	if err != nil || !res.TimedOut {
+		t.Fatalf("timed-out exec with a process whose leader has exited: %v %+v", err, res)
+	}
+	if out := sh(t, s, "pgrep -f '[z]l.py' || true"); out != "" {
+		t.Fatalf("left after the timeout: %q", out)
+	}
+}

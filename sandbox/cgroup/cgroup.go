@@ -658,6 +658,13 @@ func (c *Cgroup) kill(deadline time.Time) error {
 		if err := writeFile(filepath.Join(c.track, "cgroup.kill"), "1"); err != nil {
 			return err
 		}
+		soon := time.Now().Add(killEachAfter)
+		if soon.Before(deadline) {
+			if err := waitEvent(c.track, "populated", 0, soon); !errors.Is(err, ErrTimeout) {
+				return err
+			}
+			c.killEach()
+		}
 		return waitEvent(c.track, "populated", 0, deadline)
 	}
 	// v1: processes frozen by the v1 freezer do not act on SIGKILL, and
@@ -706,6 +713,45 @@ func (c *Cgroup) kill(deadline time.Time) error {
 		return c.freeze(true, deadline)
 	}
 	return nil
+}
+
+// killEachAfter is how long a killed group may take to empty before each
+// of its processes is signalled too (killEach).
+const killEachAfter = 100 * time.Millisecond
+
+// killEach sends SIGKILL to each process of the group by pidfd:
+// cgroup.kill misses a process whose leader thread has exited while its
+// other threads run (it stays listed), which a signal to its pid reaches.
+// A pidfd whose process is not in the group once opened (the pid was
+// reused) is left alone.
+func (c *Cgroup) killEach() {
+	pids, err := walkPids(c.track, nil)
+	if err != nil {
+		return
+	}
+	rel := "0::" + strings.TrimPrefix(c.track, c.m.l.v2)
+	for _, pid := range pids {
+		fd, err := unix.PidfdOpen(pid, 0)
+		if err != nil {
+			continue
+		}
+		if raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup"); err == nil && inGroup(string(raw), rel) {
+			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+		}
+		unix.Close(fd)
+	}
+}
+
+// inGroup reports whether a /proc/PID/cgroup text puts the process in the
+// cgroup v2 group line ("0::/path") or below it.
+func inGroup(text, line string) bool {
+	for l := range strings.Lines(text) {
+		l = strings.TrimSuffix(l, "\n")
+		if l == line || strings.HasPrefix(l, line+"/") {
+			return true
+		}
+	}
+	return false
 }
 
 // Populated reports whether the group or any of its sub-groups has a

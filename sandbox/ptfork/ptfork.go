@@ -199,8 +199,12 @@ func (s *Session) Seize(pid int) (*Proc, error) {
 // SeizeLeader is Seize for a process of any number of threads: it attaches
 // to the thread-group leader only, so calls injected run in that thread
 // while the others go on (or stay in a stop of their own). Fork is not for
-// such a Proc: a copy would have the leader's thread alone.
+// such a Proc: a copy would have the leader's thread alone. A child the
+// session attached when a tracee forked is returned as it is, as by Seize.
 func (s *Session) SeizeLeader(pid int) (*Proc, error) {
+	if p := s.procs[pid]; p != nil && p.attached && !p.stopped {
+		return p, nil
+	}
 	return s.seize(pid)
 }
 
