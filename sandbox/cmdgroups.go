@@ -52,6 +52,12 @@ type cmdGroups struct {
 	// idle holds empty exec groups of work, for reuse.
 	// +checklocks:mu
 	idle []*execGroup
+	// kept holds exec groups kept for the processes their commands left
+	// running (keepExecGroup), and keptLeft how many the last sweep left.
+	// +checklocks:mu
+	kept []*execGroup
+	// +checklocks:mu
+	keptLeft int
 	// spareW is the next command group, made ahead.
 	// +checklocks:mu
 	spareW chan workGroup

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -271,6 +272,44 @@ func (s *Sandbox) putExecGroup(eg *execGroup) {
 	_ = eg.cg.Delete()
 }
 
+// keptSweep is how many groups kept for what commands left running (a
+// background command, a command's leftovers) accumulate before those found
+// empty again are removed: each is a directory that every listing of the
+// command group's processes (a checkpoint's, for one) reads.
+const keptSweep = 16
+
+// keepExecGroup keeps eg for the processes its command left running, and
+// removes kept groups whose processes have all exited, once enough have
+// accumulated (twice as many as the last sweep left). Called with op
+// read-held.
+func (s *Sandbox) keepExecGroup(eg *execGroup) {
+	closeAll(eg.procs)
+	eg.procs = nil
+	s.cmds.mu.Lock()
+	// Those of an earlier command group went with it.
+	work := s.cmds.work
+	s.cmds.kept = slices.DeleteFunc(s.cmds.kept, func(k *execGroup) bool { return k.work != work })
+	s.cmds.kept = append(s.cmds.kept, eg)
+	if len(s.cmds.kept) < max(keptSweep, 2*s.cmds.keptLeft) {
+		s.cmds.mu.Unlock()
+		return
+	}
+	sweep := s.cmds.kept
+	s.cmds.kept = nil
+	s.cmds.mu.Unlock()
+	// An empty group stays empty: only its processes could add one.
+	var still []*execGroup
+	for _, k := range sweep {
+		if pop, err := k.cg.Populated(); err != nil || pop || k.cg.Delete() != nil {
+			still = append(still, k)
+		}
+	}
+	s.cmds.mu.Lock()
+	s.cmds.kept = append(s.cmds.kept, still...)
+	s.cmds.keptLeft = len(s.cmds.kept)
+	s.cmds.mu.Unlock()
+}
+
 // dropExecGroups forgets the idle groups (their parent is being removed).
 func (s *Sandbox) dropExecGroups() { closeExecGroups(s.takeExecGroups()) }
 
@@ -347,7 +386,7 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	}
 	switch after {
 	case groupKept:
-		closeAll(eg.procs)
+		s.keepExecGroup(eg)
 	case groupEmpty:
 		s.putExecGroup(eg)
 	default:

@@ -1,6 +1,8 @@
 package sandbox_test
 
 import (
+	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -190,5 +192,32 @@ func TestExecLeftoversThatCannotStay(t *testing.T) {
 	}
 	if out := sh(t, s, "pgrep -f '[z]l.py' || true"); out != "" {
 		t.Fatalf("left after the timeout: %q", out)
+	}
+}
+
+// The groups kept for leftovers that have since exited are removed as
+// they accumulate: a sandbox whose commands each leave a short-lived
+// process does not gather a group per command.
+func TestLeftoverGroupsSwept(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	ctx := t.Context()
+	for range 100 {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "sleep 0.05 & true"})
+		if err != nil || res.ExitCode != 0 {
+			t.Fatalf("%v %+v", err, res)
+		}
+	}
+	// The exec groups of the sandbox's command group, in the tracking
+	// hierarchy (cgroup v2 where mounted, else the v1 freezer's).
+	var groups []string
+	for _, pattern := range []string{"/sys/fs/cgroup/unified/%s/*/w*/e*", "/sys/fs/cgroup/%s/*/w*/e*", "/sys/fs/cgroup/freezer/%s/*/w*/e*"} {
+		groups, _ = filepath.Glob(fmt.Sprintf(pattern, b.cfg.CgroupRoot))
+		if len(groups) > 0 {
+			break
+		}
+	}
+	if len(groups) == 0 || len(groups) > 40 {
+		t.Fatalf("%d exec groups after 100 commands that each left a process that exited soon", len(groups))
 	}
 }
