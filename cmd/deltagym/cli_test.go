@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"maps"
@@ -431,13 +432,21 @@ func TestPrintTables(t *testing.T) {
 	}
 }
 
+// --json writes one line, every field at its zero value too: a script
+// finds "durable": false, not a missing key.
 func TestPrintJSON(t *testing.T) {
 	var b bytes.Buffer
-	if err := printJSON(&b, &deltagymv1.ResetResponse{SandboxId: "sb-1", EpisodeId: "ep-1"}); err != nil {
+	if err := printJSON(&b, &deltagymv1.CheckpointResponse{CheckpointId: "ck-1",
+		Processes: []*deltagymv1.ProcessCapture{{Pid: 5, UnsavedReason: "why"}}}); err != nil {
 		t.Fatal(err)
 	}
-	if got := b.String(); got != `{"sandboxId":"sb-1","episodeId":"ep-1"}`+"\n" && got != `{"sandboxId":"sb-1", "episodeId":"ep-1"}`+"\n" {
-		t.Fatalf("printJSON = %q", got)
+	var got map[string]any
+	if err := json.Unmarshal(b.Bytes(), &got); err != nil || strings.Count(b.String(), "\n") != 1 {
+		t.Fatalf("printJSON = %q: %v", b.String(), err)
+	}
+	ps, _ := got["processes"].([]any)
+	if got["checkpointId"] != "ck-1" || got["durable"] != false || got["depth"] != float64(0) || len(ps) != 1 || ps[0].(map[string]any)["saved"] != false {
+		t.Fatalf("printJSON = %q", b.String())
 	}
 }
 

@@ -395,12 +395,14 @@ var processModes = map[string]deltagymv1.ProcessMode{
 	"template": deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE,
 	"criu":     deltagymv1.ProcessMode_PROCESS_MODE_CRIU,
 	"files":    deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM,
+	// The API's name, which the server's messages use.
+	"filesystem": deltagymv1.ProcessMode_PROCESS_MODE_FILESYSTEM,
 }
 
 type checkpointCmd struct {
 	Sandbox   string `arg:"" help:"the sandbox to checkpoint"`
 	Durable   bool   `help:"save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (an agent's kill -9 -1 included)"`
-	Processes string `predictor:"processes" placeholder:"template|criu|files" help:"how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none); default: the env's"`
+	Processes string `predictor:"processes" placeholder:"template|criu|files" help:"how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none; also filesystem); default: the env's"`
 	Quiet     bool   `short:"q" name:"quiet" help:"print only the checkpoint ID"`
 }
 

@@ -19,8 +19,10 @@ import (
 
 // printJSON writes m as one line of protojson (lowerCamelCase names, as the
 // Connect JSON API uses).
+// Every field is written, those at their zero value too (`"durable":
+// false`, not a missing key), so a script reads what it asks for.
 func printJSON(w io.Writer, m proto.Message) error {
-	b, err := protojson.Marshal(m)
+	b, err := protojson.MarshalOptions{EmitUnpopulated: true}.Marshal(m)
 	if err != nil {
 		return fmt.Errorf("encoding %s: %w", m.ProtoReflect().Descriptor().FullName(), err)
 	}
