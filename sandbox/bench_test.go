@@ -415,6 +415,40 @@ func BenchmarkCheckpointWithProcess(b *testing.B) {
 	}
 }
 
+// BenchmarkCheckpointDurable is a durable checkpoint of a live python3
+// process of 8 or 100 MB: the template, then its CRIU image, made before
+// the checkpoint returns. Against CheckpointWithProcess's template path,
+// the cost of the image.
+func BenchmarkCheckpointDurable(b *testing.B) {
+	needCRIU(b)
+	for _, mb := range []int{8, 100} {
+		b.Run(fmt.Sprintf("rss=%dMB", mb), func(b *testing.B) {
+			bb := setup(b)
+			s := processSandbox(b, bb, mb)
+			ctx := context.Background()
+			first, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{})
+			must(b, err)
+			must(b, bb.rt.ReleaseCheckpoint(first.ID))
+			waitFolded(b, bb)
+			var l lat
+			b.ResetTimer()
+			for range b.N {
+				var ck sandbox.CheckpointInfo
+				var err error
+				l.time(func() { ck, err = s.CheckpointWith(ctx, sandbox.CheckpointOptions{Durable: true}) })
+				must(b, err)
+				b.StopTimer()
+				if len(ck.Processes) != 1 || !ck.Processes[0].Saved {
+					b.Fatalf("captured %+v", ck.Processes)
+				}
+				must(b, bb.rt.ReleaseCheckpoint(ck.ID))
+				b.StartTimer()
+			}
+			l.report(b, "")
+		})
+	}
+}
+
 // BenchmarkCloseWithProcessCheckpoints closes a sandbox holding 20
 // checkpoints of a live python3 process (template path), one sandbox per
 // iteration. op=close is Sandbox.Close (what the server's Close and the

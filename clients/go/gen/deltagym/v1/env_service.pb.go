@@ -1014,7 +1014,8 @@ type CheckpointRequest struct {
 	SandboxId string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	// durable makes the checkpoint keep its processes whatever happens to its
 	// sandbox: those kept as frozen templates are saved as CRIU images before
-	// Checkpoint answers (a CRIU dump of each, tenths of a second), and the
+	// Checkpoint answers (a CRIU dump of each, growing with its memory: see
+	// docs/PERFORMANCE.md, "Durable checkpoints"), and the
 	// answer says which could not be and why. A checkpoint's processes are
 	// saved together: one CRIU refuses leaves all unsaved, its reason CRIU's
 	// cause and log, the others' naming it. Otherwise they are saved when first needed
