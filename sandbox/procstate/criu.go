@@ -2,6 +2,7 @@ package procstate
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -63,20 +64,18 @@ func (u Unit) name() string {
 
 // dumpTree saves the tree rooted at host pid root as unit n of checkpoint c
 // and leaves it stopped. procs are its processes (host pids), root first;
-// mounts are the ids of the sandbox's mounts.
-func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, procs []procInfo, why string, mounts map[uint64]bool) (Unit, error) {
+// mounts are the sandbox's mounts.
+func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, procs []procInfo, why string, mounts sandboxMounts) (Unit, error) {
 	u := Unit{Dir: filepath.Join(ps.cfg.CRIUDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session}
 	seen := map[string]bool{}
 	for _, p := range procs {
 		u.Procs = append(u.Procs, UnitProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
-		ext, err := detachedFiles(p.tpl.HostPid, mounts, seen)
+		r, err := detachedFiles(p.tpl.HostPid, mounts, seen)
 		if err != nil {
 			return u, fmt.Errorf("pid %d (%s): %w", p.tpl.NSPid, p.tpl.Comm, err)
 		}
-		u.Ext = append(u.Ext, ext...)
-		if u.Local == "" {
-			u.Local = sandboxLocal(p.tpl.HostPid, p.tpl.NSPid, p.tpl.Comm)
-		}
+		u.Ext = append(u.Ext, r.ext...)
+		u.Local = cmp.Or(u.Local, r.local(p.tpl.NSPid, p.tpl.Comm))
 	}
 	ext := make([]string, len(u.Ext))
 	for i, e := range u.Ext {
@@ -457,43 +456,77 @@ func reapPidfd(pid, fd int) <-chan initproc.ExitEvent {
 	return exit
 }
 
-// mountIDs returns the ids of the mounts of pid's mount namespace.
-func mountIDs(pid int) (map[uint64]bool, error) {
+// sandboxMounts are the mounts of a sandbox's namespace: their ids, and
+// the id of its /dev/shm.
+type sandboxMounts struct {
+	ids map[uint64]bool
+	shm uint64
+}
+
+// mountIDs returns the mounts of pid's mount namespace.
+func mountIDs(pid int) (sandboxMounts, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
 	if err != nil {
-		return nil, err
+		return sandboxMounts{}, err
 	}
-	ids := map[uint64]bool{}
+	m := sandboxMounts{ids: map[uint64]bool{}}
 	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 0 {
-			if id, err := strconv.ParseUint(f[0], 10, 64); err == nil {
-				ids[id] = true
+		f := strings.Fields(line)
+		if len(f) < 5 {
+			continue
+		}
+		if id, err := strconv.ParseUint(f[0], 10, 64); err == nil {
+			m.ids[id] = true
+			if f[4] == "/dev/shm" {
+				m.shm = id
 			}
 		}
 	}
-	return ids, nil
+	return m, nil
+}
+
+// reach is what detachedFiles finds a process reaches beyond the files of
+// the sandbox's mounts.
+type reach struct {
+	ext []ExtFile
+	// shm is a file of the sandbox's /dev/shm the process has open or
+	// mapped (POSIX shared memory and semaphores), if any: a tmpfs of the
+	// sandbox's own that checkpoints do not carry, which criu records by
+	// path, so the process's image restores only in its own sandbox.
+	shm string
+}
+
+// local says why the process nsPid (comm) comes back only in its own
+// sandbox, or "".
+func (r reach) local(nsPid int, comm string) string {
+	if r.shm == "" {
+		return ""
+	}
+	return fmt.Sprintf("pid %d (%s) has %s open or mapped: the sandbox's /dev/shm is not part of its checkpoints, so the process comes back only in this sandbox, while it lasts",
+		nsPid, comm, strings.TrimSuffix(r.shm, " (deleted)"))
 }
 
 // detachedFiles lists the files pid maps, runs, has open or has as its cwd
-// or root that are on a mount not in mounts (the sandbox's namespace). A
-// process gone has none: a tree runs between its release from ptrace and
-// criu's seizing it, and criu takes the tree as it finds it then.
-func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]ExtFile, error) {
+// or root that are on a mount not in mounts (the sandbox's namespace), and
+// one it has on the sandbox's /dev/shm. A process gone has none: a tree
+// runs between its release from ptrace and criu's seizing it, and criu
+// takes the tree as it finds it then.
+func detachedFiles(pid int, mounts sandboxMounts, seen map[string]bool) (reach, error) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/"
 	links := []string{dir + "exe", dir + "cwd", dir + "root"}
 	for _, sub := range []string{"map_files/", "fd/"} {
 		ents, err := os.ReadDir(dir + sub)
 		if errors.Is(err, os.ErrNotExist) {
-			return nil, nil
+			return reach{}, nil
 		}
 		if err != nil {
-			return nil, err
+			return reach{}, err
 		}
 		for _, e := range ents {
 			links = append(links, dir+sub+e.Name())
 		}
 	}
-	var out []ExtFile
+	var out reach
 	for _, l := range links {
 		var st unix.Statx_t
 		if unix.Statx(unix.AT_FDCWD, l, 0, unix.STATX_MNT_ID|unix.STATX_INO|unix.STATX_TYPE, &st) != nil {
@@ -504,7 +537,10 @@ func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]Ext
 		default:
 			continue // pipes, sockets: not files of a mount
 		}
-		if mounts[st.Mnt_id] {
+		if st.Mnt_id == mounts.shm && out.shm == "" {
+			out.shm, _ = os.Readlink(l)
+		}
+		if mounts.ids[st.Mnt_id] {
 			continue
 		}
 		key := fmt.Sprintf("file[%x:%x]", st.Mnt_id, st.Ino)
@@ -516,34 +552,12 @@ func detachedFiles(pid int, mounts map[uint64]bool, seen map[string]bool) ([]Ext
 			continue
 		}
 		if !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
-			return nil, fmt.Errorf("%w: pid %d reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, pid, path)
+			return reach{}, fmt.Errorf("%w: pid %d reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, pid, path)
 		}
 		seen[key] = true
-		out = append(out, ExtFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})
+		out.ext = append(out.ext, ExtFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})
 	}
 	return out, nil
-}
-
-// sandboxLocal says why a process's image could be restored only in its
-// own sandbox, or "": it has a file of the sandbox's /dev/shm open or
-// mapped (POSIX shared memory and semaphores), a tmpfs of the sandbox's own
-// that checkpoints do not carry, which criu records by path. nsPid and
-// comm name the process.
-func sandboxLocal(pid, nsPid int, comm string) string {
-	dir := "/proc/" + strconv.Itoa(pid) + "/"
-	for _, sub := range []string{"fd/", "map_files/"} {
-		ents, err := os.ReadDir(dir + sub)
-		if err != nil {
-			continue
-		}
-		for _, e := range ents {
-			if path, err := os.Readlink(dir + sub + e.Name()); err == nil && strings.HasPrefix(path, "/dev/shm/") {
-				return fmt.Sprintf("pid %d (%s) has %s open or mapped: the sandbox's /dev/shm is not part of its checkpoints, so the process comes back only in this sandbox, while it lasts",
-					nsPid, comm, strings.TrimSuffix(path, " (deleted)"))
-			}
-		}
-	}
-	return ""
 }
 
 // openExternal opens the files of u's dump that were on a detached mount,

@@ -109,10 +109,11 @@ func (ps *State) imageCopy(ctx context.Context, sw *criu.Swrk, c *Checkpoint, n 
 	if err != nil {
 		return u, err
 	}
-	if u.Ext, err = detachedFiles(cp.hostPid, mounts, map[string]bool{}); err != nil {
+	r, err := detachedFiles(cp.hostPid, mounts, map[string]bool{})
+	if err != nil {
 		return u, err
 	}
-	u.Local = sandboxLocal(cp.hostPid, t.NSPid, t.Comm)
+	u.Ext, u.Local = r.ext, r.local(t.NSPid, t.Comm)
 	ext := make([]string, len(u.Ext))
 	for i, e := range u.Ext {
 		ext[i] = e.Key

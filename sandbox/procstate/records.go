@@ -80,7 +80,7 @@ type Unit struct {
 	// Bytes is the size of the images, charged to the checkpoint budget.
 	Bytes int64 `json:"bytes,omitempty"`
 	// Local says why the images restore only in the sandbox they were
-	// made in (sandboxLocal), if they do.
+	// made in (reach.local), if they do.
 	Local string `json:"local,omitempty"`
 }
 
