@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -69,7 +70,7 @@ func releaseLeftovers(cg *cgroup.Cgroup, inodes []uint64) (left bool, err error)
 // redirectLeftovers passes over cg until no process of it holds one of the
 // pipes, each holder given the null device (nullAt), by deadline.
 func redirectLeftovers(cg *cgroup.Cgroup, inodes []uint64, deadline time.Time) error {
-	tr := ptfork.NewSession()
+	tr := ptfork.NewSession().Unfollowed() // each pass lists the group's processes again
 	defer tr.Close()
 	pause := 50 * time.Microsecond
 	for range leftoverRounds {
@@ -114,54 +115,32 @@ func stoppable(pid int) bool {
 	if _, shared, err := ptfork.SharesParentMemory(pid); err != nil || shared {
 		return false
 	}
-	raw, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return false
-	}
-	s := string(raw)
-	i := strings.LastIndexByte(s, ')')
-	return i < 0 || i+2 >= len(s) || s[i+2] != 'D'
-}
-
-// heldPipe is one of a process's descriptors on the command's pipes.
-type heldPipe struct {
-	fd      int
-	cloexec bool
+	st, err := ptfork.State(pid)
+	return err == nil && st != 'D'
 }
 
 // heldPipes lists pid's descriptors that are one of the pipes (inodes).
-func heldPipes(pid int, inodes []uint64) ([]heldPipe, error) {
+func heldPipes(pid int, inodes []uint64) ([]int, error) {
 	dir := "/proc/" + strconv.Itoa(pid) + "/fd"
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
-	var out []heldPipe
+	var out []int
 	for _, e := range ents {
 		link, err := os.Readlink(dir + "/" + e.Name())
 		if err != nil || !strings.HasPrefix(link, "pipe:[") {
 			continue
 		}
 		ino, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimPrefix(link, "pipe:["), "]"), 10, 64)
-		if err != nil || !containsInode(inodes, ino) {
+		if err != nil || !slices.Contains(inodes, ino) {
 			continue
 		}
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
+		if fd, err := strconv.Atoi(e.Name()); err == nil {
+			out = append(out, fd)
 		}
-		out = append(out, heldPipe{fd: fd, cloexec: fdCloexec(pid, fd)})
 	}
 	return out, nil
-}
-
-func containsInode(inodes []uint64, ino uint64) bool {
-	for _, i := range inodes {
-		if i == ino {
-			return true
-		}
-	}
-	return false
 }
 
 // fdCloexec reads whether pid's descriptor fd is close-on-exec.
@@ -201,40 +180,32 @@ func nullAt(tr *ptfork.Session, pid int, inodes []uint64) error {
 	return errors.Join(injectNull(p, fds), p.Detach())
 }
 
-func injectNull(p *ptfork.Proc, fds []heldPipe) error {
-	const page = 4096
-	addr, err := p.Syscall(unix.SYS_MMAP, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
+func injectNull(p *ptfork.Proc, fds []int) (err error) {
+	mem := p.Scratch()
+	defer func() { err = errors.Join(err, mem.Release()) }()
+	path, err := mem.Put("/dev/null")
 	if err != nil {
-		return fmt.Errorf("mapping a page: %w", err)
+		return err
 	}
-	err = func() error {
-		if err := p.Write(addr, []byte("/dev/null\x00")); err != nil {
-			return err
-		}
-		fdcwd := unix.AT_FDCWD
-		nfd, err := p.Syscall(unix.SYS_OPENAT, uintptr(fdcwd), addr, unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("opening /dev/null: %w", err)
-		}
-		for _, h := range fds {
-			flags := uintptr(0)
-			if h.cloexec {
-				flags = unix.O_CLOEXEC
-			}
-			if _, err := p.Syscall(unix.SYS_DUP3, nfd, uintptr(h.fd), flags); err != nil {
-				_, _ = p.Syscall(unix.SYS_CLOSE, nfd)
-				return fmt.Errorf("dup3 onto fd %d: %w", h.fd, err)
-			}
-		}
-		if _, err := p.Syscall(unix.SYS_CLOSE, nfd); err != nil {
-			return fmt.Errorf("close: %w", err)
-		}
-		return nil
-	}()
-	if _, uerr := p.Syscall(unix.SYS_MUNMAP, addr, page); uerr != nil && err == nil {
-		err = fmt.Errorf("unmapping the page: %w", uerr)
+	fdcwd := unix.AT_FDCWD
+	nfd, err := p.Syscall(unix.SYS_OPENAT, uintptr(fdcwd), path, unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("opening /dev/null: %w", err)
 	}
-	return err
+	for _, fd := range fds {
+		flags := uintptr(0)
+		if fdCloexec(p.Pid, fd) {
+			flags = unix.O_CLOEXEC
+		}
+		if _, err := p.Syscall(unix.SYS_DUP3, nfd, uintptr(fd), flags); err != nil {
+			_, _ = p.Syscall(unix.SYS_CLOSE, nfd)
+			return fmt.Errorf("dup3 onto fd %d: %w", fd, err)
+		}
+	}
+	if _, err := p.Syscall(unix.SYS_CLOSE, nfd); err != nil {
+		return fmt.Errorf("close: %w", err)
+	}
+	return nil
 }
 
 // pipeInodes returns the inodes of the pipes fs are ends of (without

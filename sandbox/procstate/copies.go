@@ -320,9 +320,9 @@ func closeFiles(fs []*os.File) {
 // it makes itself. For a session's shell it returns the server's ends of its
 // new stdin, stdout and stderr pipes.
 func fixUp(cp *ptfork.Proc, t Template) (stdio [3]*os.File, err error) {
-	mem := &scratch{cp: cp}
+	mem := cp.Scratch()
 	defer func() {
-		if uerr := mem.release(); uerr != nil && err == nil {
+		if uerr := mem.Release(); uerr != nil && err == nil {
 			err = uerr
 		}
 	}()
@@ -335,50 +335,11 @@ func fixUp(cp *ptfork.Proc, t Template) (stdio [3]*os.File, err error) {
 	if t.Session == "" {
 		return stdio, nil
 	}
-	if _, err := mem.put(""); err != nil { // scratch for pipe2's result
+	a, err := mem.Put("") // room for pipe2's result
+	if err != nil {
 		return stdio, err
 	}
-	return sessionPipes(cp, mem.addr)
-}
-
-// scratch is a page of a stopped copy's memory for the arguments of the
-// system calls injected into it, mapped when first needed (not on the
-// stack: the copy may run on a stack of its own making, with live data
-// below its stack pointer).
-type scratch struct {
-	cp   *ptfork.Proc
-	addr uintptr
-	ok   bool // mapped
-}
-
-const scratchSize = 4096
-
-// put writes p, NUL-terminated, at the start of the page and returns its
-// address in the copy.
-func (m *scratch) put(p string) (uintptr, error) {
-	b := append([]byte(p), 0)
-	if len(b) > scratchSize {
-		return 0, fmt.Errorf("path too long: %q", p)
-	}
-	if !m.ok {
-		a, err := m.cp.Syscall(unix.SYS_MMAP, 0, scratchSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
-		if err != nil {
-			return 0, fmt.Errorf("mapping scratch memory: %w", err)
-		}
-		m.addr, m.ok = a, true
-	}
-	return m.addr, m.cp.Write(m.addr, b)
-}
-
-// release unmaps the page, if it was mapped.
-func (m *scratch) release() error {
-	if !m.ok {
-		return nil
-	}
-	if _, err := m.cp.Syscall(unix.SYS_MUNMAP, m.addr, scratchSize); err != nil {
-		return fmt.Errorf("unmapping scratch memory: %w", err)
-	}
-	return nil
+	return sessionPipes(cp, a)
 }
 
 // fixUpIdentity gives the copy back what its template was made not to
@@ -405,11 +366,11 @@ func fixUpIdentity(cp *ptfork.Proc, t Template) error {
 // fixUpFiles points the copy's working directory and the files it has open
 // in the sandbox's root at the restored root: each file is reopened by path
 // with the same flags, on the same fd, at the same offset.
-func fixUpFiles(cp *ptfork.Proc, t Template, mem *scratch) error {
+func fixUpFiles(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
 	// A cwd at the root needs nothing: the root swap re-pointed the
 	// template's, and the copy inherits it.
 	if t.Cwd != "/" {
-		a, err := mem.put(t.Cwd)
+		a, err := mem.Put(t.Cwd)
 		if err != nil {
 			return err
 		}
@@ -426,8 +387,8 @@ func fixUpFiles(cp *ptfork.Proc, t Template, mem *scratch) error {
 }
 
 // reopenFile reopens f in the copy, on its fd, at its offset.
-func reopenFile(cp *ptfork.Proc, f File, mem *scratch) error {
-	a, err := mem.put(f.Path)
+func reopenFile(cp *ptfork.Proc, f File, mem *ptfork.Scratch) error {
+	a, err := mem.Put(f.Path)
 	if err != nil {
 		return err
 	}

@@ -85,6 +85,19 @@ type Session struct {
 	// thread stays locked so that it ends with its goroutine, and the
 	// kernel detaches its tracees then.
 	stuck bool
+	// unfollowed: the processes seized do not take the children they fork
+	// into the session (Unfollowed).
+	unfollowed bool
+}
+
+// Unfollowed makes the session's seizes leave a tracee's new children
+// alone (no PTRACE_O_TRACEFORK or TRACECLONE), for a session that injects
+// no fork and finds new processes by listing them: a child attached at
+// its birth stays stopped, and keeps its parent in a vfork, until the
+// session takes it up. It returns s.
+func (s *Session) Unfollowed() *Session {
+	s.unfollowed = true
+	return s
 }
 
 // init keeps the main goroutine on the main thread (an init's
@@ -213,7 +226,11 @@ func (s *Session) seize(pid int) (*Proc, error) {
 	// wakes it here, and nothing has to migrate a running task.
 	p := &Proc{s: s, Pid: pid}
 	s.pin(p)
-	if err := ptrace(unix.PTRACE_SEIZE, pid, 0, unix.PTRACE_O_TRACEFORK|unix.PTRACE_O_TRACECLONE|ptraceOTraceSysgood); err != nil {
+	opts := uintptr(ptraceOTraceSysgood)
+	if !s.unfollowed {
+		opts |= unix.PTRACE_O_TRACEFORK | unix.PTRACE_O_TRACECLONE
+	}
+	if err := ptrace(unix.PTRACE_SEIZE, pid, 0, opts); err != nil {
 		_ = p.unpin()
 		if errors.Is(err, unix.ESRCH) {
 			return nil, fmt.Errorf("%w: pid %d", ErrGone, pid)
@@ -321,6 +338,60 @@ func describe(pid int) string {
 		state += " in " + string(w)
 	}
 	return state
+}
+
+// Scratch is a page of a stopped tracee's memory for the arguments of the
+// system calls injected into it, mapped when first needed (not on the
+// stack: the tracee may run on a stack of its own making, with live data
+// below its stack pointer), and unmapped by Release.
+type Scratch struct {
+	p    *Proc
+	addr uintptr
+	ok   bool // mapped
+}
+
+const scratchSize = 4096
+
+// Scratch returns p's scratch page, not mapped yet.
+func (p *Proc) Scratch() *Scratch { return &Scratch{p: p} }
+
+// Put writes s, NUL-terminated, at the start of the page and returns its
+// address in the tracee.
+func (m *Scratch) Put(s string) (uintptr, error) {
+	b := append([]byte(s), 0)
+	if len(b) > scratchSize {
+		return 0, fmt.Errorf("path too long: %q", s)
+	}
+	if !m.ok {
+		a, err := m.p.Syscall(unix.SYS_MMAP, 0, scratchSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, ^uintptr(0), 0)
+		if err != nil {
+			return 0, fmt.Errorf("mapping scratch memory: %w", err)
+		}
+		m.addr, m.ok = a, true
+	}
+	return m.addr, m.p.Write(m.addr, b)
+}
+
+// Release unmaps the page, if it was mapped.
+func (m *Scratch) Release() error {
+	if !m.ok {
+		return nil
+	}
+	m.ok = false
+	if _, err := m.p.Syscall(unix.SYS_MUNMAP, m.addr, scratchSize); err != nil {
+		return fmt.Errorf("unmapping scratch memory: %w", err)
+	}
+	return nil
+}
+
+// State is pid's state letter in /proc/<pid>/stat (R, S, D, T, Z, …);
+// ErrGone once it is gone.
+func State(pid int) (byte, error) {
+	f, err := statFields(pid)
+	if err != nil {
+		return 0, err
+	}
+	return f[0][0], nil
 }
 
 // statFields are the fields of /proc/<pid>/stat after the command name:
