@@ -418,8 +418,8 @@ func TestTemplateServiceAndDatabase(t *testing.T) {
 	}
 }
 
-// TestProcessPathChoice: what the fast path cannot copy — threads, trees, an open deleted file
-// — is saved with CRIU, each process reported with the reason, and restored; a session's
+// TestProcessPathChoice: what the fast path cannot copy — more threads than a copy takes,
+// trees, an open deleted file — is saved with CRIU, each process reported with the reason, and restored; a session's
 // shell with a child is saved with CRIU too, with fresh pipes to the server at restore; an open
 // deleted file is refused with a clear error, and files only still works.
 func TestProcessPathChoice(t *testing.T) {
@@ -438,8 +438,8 @@ func TestProcessPathChoice(t *testing.T) {
 		methods string
 		reason  string
 	}{
-		{"threads", []string{"python3", "-c", "import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)"},
-			procs + " | grep -qx python3:2", "python3:criu", "threads"},
+		{"many threads", []string{"python3", "-c", "import threading,time; [threading.Thread(target=time.sleep,args=(100,)).start() for _ in range(69)]; time.sleep(100)"},
+			procs + " | grep -qx python3:70", "python3:criu", "70 threads"},
 		{"tree", []string{"sh", "-c", "sleep 100 & sleep 100"},
 			`[ "$(` + procs + ` | grep -cx sleep:1)" = 2 ]`, "sh:criu sleep:criu sleep:criu", "child of"},
 		{"tree and threads", []string{"sh", "-c", "sleep 100 & python3 -c 'import threading,time; threading.Thread(target=time.sleep,args=(100,)).start(); time.sleep(100)'"},

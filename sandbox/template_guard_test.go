@@ -246,7 +246,8 @@ func TestTemplatesSurviveTheAgent(t *testing.T) {
 // attacks from a second thread: a filter stacked on the process must
 // reach every thread of it.
 const attackerPy = `
-import os, signal, threading
+import os, signal, subprocess, threading
+subprocess.Popen(["sleep", "1000000"])  # a tree: CRIU takes it
 fd = os.open("/tmp/actl", os.O_RDWR)
 f = os.fdopen(fd, "r")
 def counters():
@@ -309,11 +310,12 @@ func TestCRIURestoredCannotReachTemplates(t *testing.T) {
 			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/attacker.py"}, Background: true}); err != nil {
 				t.Fatal(err)
 			}
+			waitFor(t, s, "cat /proc/[0-9]*/comm 2>/dev/null | grep -qx sleep")
 			saved, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := methods(saved.Processes); got != "python3:criu python3:criu" {
+			if got := methods(saved.Processes); got != "python3:criu python3:criu sleep:criu" {
 				t.Fatalf("captured %q", got)
 			}
 			if err := s.Restore(ctx, saved.ID); err != nil {
@@ -324,8 +326,8 @@ func TestCRIURestoredCannotReachTemplates(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			// The counter by template; the attacker, two threads, by CRIU.
-			if got := methods(ck.Processes); got != "python3:template python3:criu" {
+			// The counter by template; the attacker, with its child, by CRIU.
+			if got := methods(ck.Processes); got != "python3:template python3:criu sleep:criu" {
 				t.Fatalf("captured %q", got)
 			}
 			// The attacker of the second round is restored from the

@@ -257,7 +257,7 @@ func forkParked(c *Checkpoint, a *aheadCopies, g *cgroup.Cgroup, tpls []*ptfork.
 			return fmt.Errorf("stopping the template of %s: %w", t.name(), err)
 		}
 		forkMu.Lock()
-		cp, nsPid, err := tpls[i].Fork()
+		cp, nsPid, err := copyTemplate(tpls[i], t)
 		forkMu.Unlock()
 		if err != nil {
 			return fmt.Errorf("copying %s: %w", t.name(), err)

@@ -33,8 +33,8 @@ func (ps *State) Groups() []*cgroup.Cgroup {
 // instant. Called with the sandbox's state changes serialised, its
 // pending root (if any) swapped in.
 //
-// Single-threaded processes are stopped by ptrace, not by the freezer: each
-// is seized and interrupted, and the command group is listed again until
+// Processes are stopped by ptrace, not by the freezer: each, every thread
+// of it, is seized and interrupted, and the command group is listed again until
 // no new process appears (a stopped process cannot fork). Trees for CRIU
 // are released from ptrace and dumped by criu, which leaves them stopped.
 func (ps *State) Capture(ctx context.Context, c *Checkpoint, allCRIU bool, copyFS func() error) (err error) {
@@ -82,7 +82,7 @@ func (ps *State) Capture(ctx context.Context, c *Checkpoint, allCRIU bool, copyF
 // the order they were found.
 type stopSet struct {
 	seized   map[int]*ptfork.Proc // in ptrace-stop
-	threaded map[int]bool         // cannot be seized: they go on until criu stops them
+	threaded map[int]string       // cannot be seized (why): they go on until criu stops them
 	order    []int
 }
 
@@ -91,16 +91,16 @@ type stopSet struct {
 // called exec.
 const stopWait = 10 * time.Second
 
-// stopAll seizes and stops every single-threaded process of the command
-// group, listing the group again until no new process appears: once it
-// returns, nothing in the group can fork but the threaded processes it
-// names (which criu stops). A process that exits meanwhile is left out.
+// stopAll seizes and stops every process of the command group, each of
+// its threads, listing the group again until no new process appears: once
+// it returns, nothing in the group can fork but the processes whose
+// threads it could not take (ptfork.ErrThreads), which criu stops. A process that exits meanwhile is left out.
 //
 // A child of vfork that has not called exec yet is left to run until it
 // does, and so is its parent, which waits for it in the kernel where no
 // ptrace stop reaches it: stopping the child would hold both forever.
 func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
-	stop := stopSet{seized: map[int]*ptfork.Proc{}, threaded: map[int]bool{}}
+	stop := stopSet{seized: map[int]*ptfork.Proc{}, threaded: map[int]string{}}
 	limit := stopWait
 	if ps.cfg.StopWait != nil {
 		limit = cmp.Or(ps.cfg.StopWait(), stopWait)
@@ -154,7 +154,7 @@ func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
 // and a stopped process does not vfork.
 func (stop *stopSet) vforkHeld(pids []int) (held map[int]bool, why string, err error) {
 	for _, pid := range pids {
-		if stop.seized[pid] != nil || stop.threaded[pid] {
+		if _, ok := stop.threaded[pid]; ok || stop.seized[pid] != nil {
 			continue
 		}
 		ppid, shared, err := ptfork.SharesParentMemory(pid)
@@ -181,7 +181,7 @@ func (stop *stopSet) vforkHeld(pids []int) (held map[int]bool, why string, err e
 // threaded process.
 func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int, held map[int]bool) (fresh []*ptfork.Proc, more bool, err error) {
 	for _, pid := range pids {
-		if stop.seized[pid] != nil || stop.threaded[pid] || held[pid] {
+		if _, ok := stop.threaded[pid]; ok || stop.seized[pid] != nil || held[pid] {
 			continue
 		}
 		p, err := tr.Seize(pid)
@@ -189,7 +189,7 @@ func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int, held map[int]bool)
 			continue
 		}
 		if errors.Is(err, ptfork.ErrThreads) {
-			stop.threaded[pid], more = true, true
+			stop.threaded[pid], more = threadsReason(pid), true
 			stop.order = append(stop.order, pid)
 			continue
 		}
@@ -202,6 +202,19 @@ func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int, held map[int]bool)
 	return fresh, more, nil
 }
 
+// threadsReason says why the threads of process pid, refused by Seize
+// (ptfork.ErrThreads), cannot be copied, in the sandbox's terms.
+func threadsReason(pid int) string {
+	n := 0
+	if ents, err := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/task"); err == nil {
+		n = len(ents)
+	}
+	if n > ptfork.MaxThreads {
+		return fmt.Sprintf("it has %d threads (template copies take at most %d)", n, ptfork.MaxThreads)
+	}
+	return "its main thread has exited while its other threads run"
+}
+
 // inspectAll inspects the stopped processes, in order, naming the session
 // whose shell each is. A threaded process that ended meanwhile is left
 // out; any other failure fails the capture.
@@ -210,11 +223,15 @@ func (ps *State) inspectAll(stop stopSet, rootMnt uint64) ([]procInfo, error) {
 	procs := make([]procInfo, 0, len(stop.order))
 	for _, pid := range stop.order {
 		pi, err := inspect(pid, rootMnt)
+		why, threaded := stop.threaded[pid]
 		if err != nil {
-			if stop.threaded[pid] {
+			if threaded {
 				continue // it ended meanwhile
 			}
 			return nil, fmt.Errorf("inspecting pid %d: %w", pid, err)
+		}
+		if threaded && pi.reason == "" {
+			pi.reason = why
 		}
 		pi.tpl.Session = sessionOf[pid]
 		procs = append(procs, pi)
@@ -360,6 +377,7 @@ func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc,
 	if err != nil {
 		return nil, err
 	}
+	t.threads = cp.States()
 	reapIfOurs(cp.Pid)
 	if t.Leader {
 		// Born in the process's session and group, the template would
@@ -386,6 +404,12 @@ func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc,
 		t.Start = start
 	}
 	return cp, nil
+}
+
+// copyTemplate forks a copy of seized, stopped template p of t.
+func copyTemplate(p *ptfork.Proc, t Template) (*ptfork.Proc, int, error) {
+	p.UseStates(t.threads)
+	return p.Fork()
 }
 
 // guardTemplate makes a new template non-dumpable, recording the process's
@@ -433,7 +457,7 @@ func (ps *State) templatesFull(units []procTree, allCRIU bool) (string, error) {
 	n := 0
 	for _, u := range units {
 		if u.criuReason(allCRIU) == "" {
-			n++
+			n += max(1, u.procs[0].tpl.Threads) // a pid per thread
 		}
 	}
 	if lim <= 0 || n == 0 {

@@ -198,7 +198,7 @@ func (ps *State) forkCopies(tr *ptfork.Session, c *Checkpoint, tg *cgroup.Cgroup
 			}
 			return copies, true, fmt.Errorf("%w: stopping template of %s: %w", ErrProcesses, t.name(), err)
 		}
-		cp, nsPid, err := tpls[i].Fork()
+		cp, nsPid, err := copyTemplate(tpls[i], t)
 		if err != nil {
 			return copies, true, ps.copyError(t.name(), err)
 		}

@@ -21,7 +21,8 @@ import (
 // Process checkpoints, general path (CRIU; see docs/ARCHITECTURE.md).
 //
 // A process tree the fast path cannot copy — a command with children, a
-// multithreaded program, or a process with an open deleted file, a shared
+// program of more than ptfork.MaxThreads threads, or a process with an
+// open deleted file, a shared
 // writable file mapping or a root of its own — is saved as a CRIU image
 // instead (criu.DumpTree: pid namespace external, user and mount namespaces
 // joined, the tree left stopped). ProcessesCRIU takes every tree this way.

@@ -6,8 +6,8 @@
 //
 // Process checkpoints, fast path (template fork; see docs/ARCHITECTURE.md).
 //
-// At a checkpoint with live processes (Capture), every single-threaded
-// process of the sandbox's command group is seized with ptrace and
+// At a checkpoint with live processes (Capture), every process of the
+// sandbox's command group, each of its threads, is seized with ptrace and
 // interrupted, not frozen, and the group is listed again until no new
 // process appears (a stopped process cannot fork). A child of vfork that
 // has not called exec yet, and its parent, which the kernel holds until that
@@ -39,8 +39,9 @@
 // pipes between processes) stay shared with the template, which is frozen:
 // a listening socket keeps listening on the same port.
 //
-// Templates are copies of one thread: multithreaded processes, process trees
-// (a command with children), processes with a writable shared file mapping
+// A template is a copy of one process, every thread of it (sandbox/ptfork):
+// process trees (a command with children), processes of more than
+// ptfork.MaxThreads threads, processes with a writable shared file mapping
 // or with a root of their own take the general path (criu.go); an
 // open deleted file is refused with ErrProcesses naming the process.
 // Templates live in the sandbox's pid namespace, so only the sandbox that

@@ -161,7 +161,7 @@ func (ps *State) stoppedCopies(tg *cgroup.Cgroup, tpls []Template) (out []stoppe
 			return out, fmt.Errorf("stopping the template of %s: %w", t.name(), err)
 		}
 		ps.forkMu.Lock() // no root swap while it is cloned (ahead.go)
-		cp, nsPid, err := seized[i].Fork()
+		cp, nsPid, err := copyTemplate(seized[i], t)
 		ps.forkMu.Unlock()
 		if err != nil {
 			return out, fmt.Errorf("copying %s: %w", t.name(), err)

@@ -59,8 +59,8 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 			ns := strings.Fields(v)
 			pi.tpl.NSPid, _ = strconv.Atoi(ns[len(ns)-1])
 		case "Threads":
-			if v != "1" {
-				pi.reason = "it has " + v + " threads (template copies are single-threaded)"
+			if n, _ := strconv.Atoi(v); n > 1 {
+				pi.tpl.Threads = n
 			}
 		}
 	}

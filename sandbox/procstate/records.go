@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"os"
 	"strings"
+
+	"github.com/deltagym/deltagym/sandbox/ptfork"
 )
 
 // Checkpoint is what a checkpoint keeps of its processes, with its id and
@@ -42,6 +44,13 @@ type Template struct {
 	// copies get the flag back. 0 in records that predate the guard, whose
 	// templates kept the process's flag.
 	Dumpable int `json:"dumpable,omitempty"`
+	// Threads is the process's number of threads when it has more than
+	// one; each copy has as many.
+	Threads int `json:"threads,omitempty"`
+	// threads are the template's threads' states (ptfork.ThreadStates),
+	// given to each copy without reading them again; nil once the record
+	// is read back from disk, when they are read.
+	threads ptfork.ThreadStates
 }
 
 // File is a file a template has open in the sandbox's root.

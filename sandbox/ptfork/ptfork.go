@@ -16,9 +16,10 @@
 // one attachment from the same OS thread: a Session locks the calling
 // goroutine to its thread until Close.
 //
-// Only the calling thread of the target is copied, so multithreaded programs
-// are refused (ErrThreads); the target's children are not copied either (a
-// process tree is the caller's business).
+// A multithreaded process is copied whole: each of its threads is seized,
+// and the copy gets one thread per thread of the process (threads.go). The
+// target's children are not copied (a process tree is the caller's
+// business).
 //
 // One injected system call costs two ptrace stops. What a copy costs, with
 // the tracer and the process on one CPU and across two (see Session), is
@@ -44,8 +45,9 @@ import (
 
 // Sentinel errors.
 var (
-	// ErrThreads: the process has more than one thread.
-	ErrThreads = errors.New("process is multithreaded")
+	// ErrThreads: the threads of a process cannot be copied: more than
+	// MaxThreads, or its main thread has exited while others run.
+	ErrThreads = errors.New("threads cannot be copied")
 	// ErrGone: the process no longer exists.
 	ErrGone = errors.New("process is gone")
 	// ErrStop: the process did not stop as expected.
@@ -175,6 +177,15 @@ type Proc struct {
 	stopped  bool // its registers are saved
 	pinned   bool
 	mask     unix.CPUSet // its own, while pinned
+	// threads are the other threads of a process seized whole (Seize),
+	// each stopped on its own; group is a thread's leader.
+	threads []*Proc
+	group   *Proc
+	// restartBlock: Regs restart the interrupted call with restart_syscall.
+	restartBlock bool
+	// state is a thread's own state beyond its registers, once read or
+	// given (threads.go).
+	state *threadState
 }
 
 // Attach seizes the process and waits for it to stop. The process must be
@@ -194,19 +205,31 @@ func (s *Session) Attach(pid int) (*Proc, error) {
 	return p, nil
 }
 
-// Seize attaches to pid and asks it to stop, without waiting. A child the
-// session attached when a tracee forked (see Wait) is returned as it is:
+// Seize attaches to pid and asks it to stop, without waiting: every thread
+// of it, each a Proc of the session, listed by the leader's (Threads). A
+// child the session attached when a tracee forked is returned as it is:
 // its first stop is already on its way.
 func (s *Session) Seize(pid int) (*Proc, error) {
 	if p := s.procs[pid]; p != nil && p.attached && !p.stopped {
 		return p, nil
 	}
-	if n, err := threads(pid); err != nil {
+	tids, err := tasks(pid)
+	if err != nil {
 		return nil, err
-	} else if n != 1 {
-		return nil, fmt.Errorf("%w: pid %d has %d threads", ErrThreads, pid, n)
 	}
-	return s.seize(pid)
+	if len(tids) > MaxThreads {
+		return nil, fmt.Errorf("%w: pid %d has %d threads, more than %d", ErrThreads, pid, len(tids), MaxThreads)
+	}
+	p, err := s.seize(pid)
+	if err != nil {
+		return nil, err
+	}
+	if len(tids) > 1 {
+		if err := p.seizeThreads(tids); err != nil {
+			return nil, errors.Join(err, p.Detach())
+		}
+	}
+	return p, nil
 }
 
 // SeizeLeader is Seize for a process of any number of threads: it attaches
@@ -247,7 +270,8 @@ func (s *Session) seize(pid int) (*Proc, error) {
 	return p, nil
 }
 
-// Wait waits for a seized process to stop and saves its registers.
+// Wait waits for a seized process, every thread of it, to stop and saves
+// their registers.
 func (p *Proc) Wait() error {
 	for {
 		ws, err := wait(p.Pid)
@@ -255,7 +279,10 @@ func (p *Proc) Wait() error {
 			return err
 		}
 		if done, err := p.settle(ws); done {
-			return err
+			if err != nil || len(p.threads) == 0 {
+				return err
+			}
+			return p.waitThreads(time.Now().Add(24 * time.Hour))
 		}
 	}
 }
@@ -281,7 +308,10 @@ func (p *Proc) WaitFor(d time.Duration) error {
 			return fmt.Errorf("waiting for pid %d: %w", p.Pid, err)
 		case wpid == p.Pid:
 			if done, err := p.settle(ws); done {
-				return err
+				if err != nil || len(p.threads) == 0 {
+					return err
+				}
+				return p.waitThreads(deadline)
 			}
 			continue
 		}
@@ -454,15 +484,16 @@ func (p *Proc) saveRegs() error {
 	if err := unix.PtraceGetRegs(p.Pid, &p.Regs); err != nil {
 		return fmt.Errorf("reading registers of pid %d: %w", p.Pid, err)
 	}
-	rewind(&p.Regs)
+	p.restartBlock = rewind(&p.Regs)
 	p.stopped = true
 	return nil
 }
 
 // rewind makes an interrupted, restartable system call start again when
 // the registers resume, and clears orig_rax so the kernel does not restart
-// it a second time.
-func rewind(r *unix.PtraceRegs) {
+// it a second time. It reports whether the call restarts by
+// restart_syscall.
+func rewind(r *unix.PtraceRegs) (restartBlock bool) {
 	if int64(r.Orig_rax) >= 0 {
 		switch -int64(r.Rax) {
 		case erestartsys, erestartnointr, erestartnohand:
@@ -471,9 +502,11 @@ func rewind(r *unix.PtraceRegs) {
 		case erestartRestartblock:
 			r.Rax = unix.SYS_RESTART_SYSCALL
 			r.Rip -= 2
+			restartBlock = true
 		}
 	}
 	r.Orig_rax = ^uint64(0)
+	return restartBlock
 }
 
 // Syscall runs one system call in the stopped process's own context and
@@ -557,9 +590,26 @@ const CloneFlags = unix.CLONE_PARENT | uintptr(unix.SIGCHLD)
 
 // Fork makes a copy of the stopped process with clone(CloneFlags): the copy
 // is a sibling (its parent reaps it), stopped and attached to this session
-// with the registers the original had when it stopped. It returns the copy
+// with the registers the original had when it stopped, and a thread for
+// each of the original's other threads (threads.go). It returns the copy
 // and its pid as the original's pid namespace sees it.
 func (p *Proc) Fork() (*Proc, int, error) {
+	if p.group != nil {
+		return nil, 0, fmt.Errorf("%w: thread %d is not its process's leader %d", ErrStop, p.Pid, p.group.Pid)
+	}
+	c, nsPid, err := p.forkLeader()
+	if err != nil || len(p.threads) == 0 {
+		return c, nsPid, err
+	}
+	if err := p.forkThreads(c); err != nil {
+		c.Kill()
+		return nil, 0, err
+	}
+	return c, nsPid, nil
+}
+
+// forkLeader is Fork for the leader alone.
+func (p *Proc) forkLeader() (*Proc, int, error) {
 	nsPid, child, err := p.syscall(unix.SYS_CLONE, []uintptr{CloneFlags, 0, 0, 0, 0})
 	if err != nil {
 		if child > 0 {
@@ -599,8 +649,17 @@ func (p *Proc) Fork() (*Proc, int, error) {
 const detachWait = time.Second
 
 // Detach restores the registers saved at the stop and lets the process go
-// (or, in a frozen cgroup, stay frozen). It is idempotent.
+// (or, in a frozen cgroup, stay frozen), every thread of it. It is
+// idempotent.
 func (p *Proc) Detach() error {
+	var errs []error
+	for _, t := range p.threads {
+		errs = append(errs, t.Detach())
+	}
+	return errors.Join(append(errs, p.detach())...)
+}
+
+func (p *Proc) detach() error {
 	if !p.attached {
 		return nil
 	}
@@ -632,9 +691,18 @@ func (p *Proc) Detach() error {
 	return err
 }
 
-// Kill ends a stopped process (a copy that could not be fixed up).
+// Kill ends a stopped process (a copy that could not be fixed up), every
+// thread of it.
 func (p *Proc) Kill() {
 	_ = unix.Kill(p.Pid, unix.SIGKILL)
+	for _, t := range p.threads {
+		t.reap()
+	}
+	p.reap()
+}
+
+// reap waits for killed tracee p to end.
+func (p *Proc) reap() {
 	if p.attached {
 		p.attached = false
 		delete(p.s.procs, p.Pid)
@@ -648,12 +716,29 @@ func (p *Proc) Kill() {
 }
 
 // SignalsPending reports whether a signal is pending for the stopped
-// process (to it, or to its thread group), besides Signal, the one its
-// stop dequeued: detached, it would act on them. It reads the pending
-// sets from /proc (a signal queued without its siginfo, past
-// RLIMIT_SIGPENDING, is in them too).
+// process (to it, to one of its threads, or to its thread group; a
+// thread's stop that dequeued one counts), besides Signal, the one the
+// leader's stop dequeued: detached, it would act on them. It
+// reads the pending sets from /proc (a signal queued without its siginfo,
+// past RLIMIT_SIGPENDING, is in them too).
 func (p *Proc) SignalsPending() (bool, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(p.Pid) + "/status")
+	if pending, err := p.signalsPending(); err != nil || pending {
+		return pending, err
+	}
+	for _, t := range p.threads {
+		if pending, err := t.signalsPending(); err != nil || pending || t.Signal != 0 {
+			return true, err
+		}
+	}
+	return false, nil
+}
+
+func (p *Proc) signalsPending() (bool, error) {
+	path := "/proc/" + strconv.Itoa(p.Pid) + "/status"
+	if p.group != nil {
+		path = "/proc/" + strconv.Itoa(p.group.Pid) + "/task/" + strconv.Itoa(p.Pid) + "/status"
+	}
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return false, err
 	}
@@ -669,7 +754,7 @@ func (p *Proc) SignalsPending() (bool, error) {
 		}
 	}
 	if n != 2 {
-		return false, fmt.Errorf("no SigPnd and ShdPnd in /proc/%d/status", p.Pid)
+		return false, fmt.Errorf("no SigPnd and ShdPnd in %s", path)
 	}
 	return false, nil
 }
@@ -720,25 +805,6 @@ func wait(pid int) (unix.WaitStatus, error) {
 		}
 		return ws, nil
 	}
-}
-
-// threads counts pid's threads: the entries of /proc/<pid>/task, a third of
-// the cost of reading the count from /proc/<pid>/status (which formats
-// every field of it).
-func threads(pid int) (int, error) {
-	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/task")
-	if err != nil {
-		return 0, fmt.Errorf("%w: pid %d: %w", ErrGone, pid, err)
-	}
-	defer f.Close()
-	names, err := f.Readdirnames(-1)
-	if err != nil {
-		return 0, fmt.Errorf("%w: pid %d: %w", ErrGone, pid, err)
-	}
-	if len(names) == 0 {
-		return 0, fmt.Errorf("%w: pid %d has no threads left", ErrGone, pid)
-	}
-	return len(names), nil
 }
 
 // vdsoOff is the offset of a `syscall` instruction (0f 05) in the vDSO,

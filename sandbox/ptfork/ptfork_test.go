@@ -218,26 +218,6 @@ func TestSyscallInCopy(t *testing.T) {
 	}
 }
 
-func TestRefusesThreads(t *testing.T) {
-	needRoot(t)
-	py, err := exec.LookPath("python3")
-	if err != nil {
-		t.Skip("python3 not on the host")
-	}
-	cmd := exec.Command(py, "-c", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\nprint('go', flush=True)\ntime.sleep(60)")
-	out, _ := cmd.StdoutPipe()
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	bufio.NewReader(out).ReadString('\n')
-	s := NewSession()
-	defer s.Close()
-	if _, err := s.Attach(cmd.Process.Pid); err == nil || !strings.Contains(err.Error(), "threads") {
-		t.Fatalf("attach to a 2-thread process: %v", err)
-	}
-}
-
 func BenchmarkFork8MB(b *testing.B) {
 	needRoot(b)
 	cmd, lines := counter(b)
@@ -419,18 +399,8 @@ int main(int argc, char **argv) {
 // child has called exec.
 func TestWaitForVforkParent(t *testing.T) {
 	needRoot(t)
-	cc := os.Getenv("CC")
-	if cc == "" {
-		cc = "cc"
-	}
 	dir := t.TempDir()
-	src, bin, gate := filepath.Join(dir, "vf.c"), filepath.Join(dir, "vf"), filepath.Join(dir, "go")
-	if err := os.WriteFile(src, []byte(vforkSource), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command(cc, "-O2", "-Wall", "-o", bin, src).CombinedOutput(); err != nil {
-		t.Fatalf("building the vfork helper with %s (as make init builds dg-init): %v\n%s", cc, err, out)
-	}
+	bin, gate := buildC(t, dir, "vf", vforkSource), filepath.Join(dir, "go")
 	cmd := exec.Command(bin, gate)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -515,4 +485,23 @@ func BenchmarkSharesParentMemory(b *testing.B) {
 			b.Fatal(shared, err)
 		}
 	}
+}
+
+// buildC compiles C source src into dir/name with $CC (cc if unset), as
+// make init builds dg-init, and returns the binary's path.
+func buildC(t testing.TB, dir, name, src string, flags ...string) string {
+	t.Helper()
+	cc := os.Getenv("CC")
+	if cc == "" {
+		cc = "cc"
+	}
+	path, bin := filepath.Join(dir, name+".c"), filepath.Join(dir, name)
+	if err := os.WriteFile(path, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args := append([]string{"-O2", "-Wall", "-o", bin, path}, flags...)
+	if out, err := exec.Command(cc, args...).CombinedOutput(); err != nil {
+		t.Fatalf("building %s with %s: %v\n%s", name, cc, err, out)
+	}
+	return bin
 }
