@@ -34,3 +34,11 @@ $(SERVICES_ROOTFS)/.deltagym-image-stamp:
 $(SERVICES_ROOTFS)/.deltagym-identity-stamp: scripts/image-identity.sh $(SERVICES_ROOTFS)/.deltagym-image-stamp
 	@./scripts/image-identity.sh $(SERVICES_ROOTFS)
 	@touch $@
+
+# The services' rollback benchmarks (BenchmarkRollbackPostgres, -Redis, -Node), verbose so that a
+# benchmark skipped says why (docs/PERFORMANCE.md, "Services").
+.PHONY: bench-services
+BENCH_TARGETS += bench-services
+
+bench-services: deps $(BIN)/dg-init criu image-services ## service rollbacks (Postgres, Redis, Node): the default process mode against criu, p50/p99 and server CPU per rollback
+	DELTAGYM_INIT=$(BIN)/dg-init go test -run '^$$' -bench 'RollbackPostgres|RollbackRedis|RollbackNode' -benchtime 50x -v -timeout 30m ./sandbox/

@@ -174,6 +174,26 @@ var redisService = service{
 	changed: "changed,,3 keys=2",
 }
 
+// redisClientService is redisService with a redis-cli client connected
+// over TCP, reading commands from the FIFO /tmp/rc (held open for reading
+// and writing) and writing its answers to /tmp/rc.out.
+var redisClientService = service{
+	name: "redis+client",
+	start: func(t testing.TB, s *sandbox.Sandbox) {
+		redisService.start(t, s)
+		background(t, s, "mkfifo /tmp/rc && exec redis-cli 0<>/tmp/rc >/tmp/rc.out 2>&1")
+		waitFor(t, s, `[ "$(redis-cli client list | wc -l)" = 2 ]`)
+	},
+	change:  redisService.change,
+	state:   redisService.state,
+	want:    redisService.want,
+	changed: redisService.changed,
+	alive: func(t testing.TB, s *sandbox.Sandbox, tag string) {
+		shell(t, s, "echo 'echo ping-"+tag+"' >/tmp/rc")
+		waitFor(t, s, "grep -qx ping-"+tag+" /tmp/rc.out")
+	},
+}
+
 // nodeCounterJS is an HTTP server holding a counter in memory: GET answers
 // it, POST adds one and answers it.
 const nodeCounterJS = `
@@ -219,14 +239,20 @@ var serviceShapes = []struct {
 	refused string
 }{
 	// Postgres attaches a System V shared memory segment (its interlock,
-	// whatever shared_memory_type) and maps its buffers MAP_SHARED|MAP_ANONYMOUS:
-	// the process-state walk takes both for files on a detached mount
-	// (/SYSV<key> (deleted), /dev/zero (deleted)), and beyond it CRIU
-	// dumps no SysV mapping of a tree whose IPC namespace it does not dump.
+	// whatever shared_memory_type) and maps its buffers
+	// MAP_SHARED|MAP_ANONYMOUS: the process-state walk takes both for files
+	// on a detached mount (/SYSV<key> (deleted), /dev/zero (deleted));
+	// beyond it CRIU dumps no SysV mapping of a tree whose IPC namespace it
+	// does not dump, nor a unix socket whose peer is in another tree (a
+	// psql client's, in process mode criu: "External socket is used").
 	{svc: postgresService, refused: "reaches /SYSV"},
 	// Redis (its background I/O threads) and Node (V8's and libuv's
 	// threads) are multi-threaded: CRIU.
 	{svc: redisService, want: map[string]capture{"redis-server": {"criu", 1, "threads"}}},
+	// A client connected over TCP: CRIU dumps no established connection
+	// (the runtime does not ask it to, --tcp-established), and each
+	// process tree goes into a dump of its own, apart from its peer.
+	{svc: redisClientService, refused: "Connected TCP socket"},
 	{svc: nodeService, want: map[string]capture{"node": {"criu", 1, "threads"}}},
 }
 
