@@ -271,8 +271,8 @@ func capturedBy(ck sandbox.CheckpointInfo) map[string]capture {
 }
 
 // TestServiceShapes checkpoints a Postgres server with three connected
-// psql clients, a Redis server and a Node HTTP server, each in a sandbox of
-// its own; changes their state; restores in place, forks three times and,
+// psql clients, a Redis server alone and with a connected client, and a
+// Node HTTP server, each in a sandbox of its own; changes their state; restores in place, forks three times and,
 // after a restart of the runtime, restores in a new sandbox, reading the
 // state back by a query each time. It asserts the mechanism each service's
 // processes got, or the checkpoint's refusal (serviceShapes).
