@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# build-default-image.sh OUT_DIR builds the default sandbox image rootfs for `make run`:
-# a Debian bookworm minbase with bash, coreutils, python3, git and ca-certificates, made by
-# Debian's mmdebstrap, with the host name "sandbox" and localhost entries in /etc/hosts
-# (image-identity.sh), never the build host's. It builds into a temp dir beside OUT_DIR and
-# renames it into place, so OUT_DIR is either complete (with a stamp file) or absent. A second
-# run with the same OUT_DIR does nothing.
+# build-default-image.sh OUT_DIR [KIND] builds a sandbox image rootfs made by Debian's
+# mmdebstrap from Debian bookworm minbase, with the host name "sandbox" and localhost entries in
+# /etc/hosts (image-identity.sh), never the build host's. KIND names the package set:
+#   default   (the default) the image `make run` uses: bash, coreutils, procps, python3, git and
+#             ca-certificates;
+#   services  the default's packages with Debian's postgresql-15 (the cluster 15/main its
+#             package creates, with the default configuration), redis-server and nodejs, for
+#             the service rows of the process-shape tests (make image-services).
+# It builds into a temp dir beside OUT_DIR and renames it into place, so OUT_DIR is either
+# complete (with a stamp file) or absent. A second run with the same OUT_DIR does nothing.
 set -euo pipefail
 
-if [ $# -ne 1 ]; then
-	echo "usage: $0 OUT_DIR" >&2
+if [ $# -lt 1 ] || [ $# -gt 2 ]; then
+	echo "usage: $0 OUT_DIR [default|services]" >&2
 	exit 2
 fi
 out=$1
+kind=${2:-default}
 stamp=.deltagym-image-stamp
 suite=bookworm
 include=bash,coreutils,procps,python3,git,ca-certificates
+case "$kind" in
+default) ;;
+services) include=$include,postgresql-15,redis-server,nodejs ;;
+*)
+	echo "usage: $0 OUT_DIR [default|services]: unknown image kind $kind" >&2
+	exit 2
+	;;
+esac
 
 if [ -f "$out/$stamp" ]; then
 	echo "build-default-image: $out is already built ($(head -n1 "$out/$stamp")); nothing to do"
@@ -60,7 +73,11 @@ mkdir -p "$tmp/rootfs/var/lib/apt/lists/partial"
 "$here/image-identity.sh" "$tmp/rootfs"
 
 echo "build-default-image: [4/4] installing into $out"
-printf 'mmdebstrap %s minbase include=%s built %s\n' "$suite" "$include" "$(date -u +%FT%TZ)" >"$tmp/rootfs/$stamp"
+if [ "$kind" = default ]; then
+	printf 'mmdebstrap %s minbase include=%s built %s\n' "$suite" "$include" "$(date -u +%FT%TZ)" >"$tmp/rootfs/$stamp"
+else
+	printf 'mmdebstrap %s minbase include=%s (%s) built %s\n' "$suite" "$include" "$kind" "$(date -u +%FT%TZ)" >"$tmp/rootfs/$stamp"
+fi
 mv -T "$tmp/rootfs" "$out"
 size=$(du -sh "$out" | cut -f1)
 files=$(find "$out" -xdev | wc -l)
