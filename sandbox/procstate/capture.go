@@ -373,6 +373,9 @@ func (ps *State) makeTemplates(c *Checkpoint, tplProcs []procInfo, seized map[in
 // ptrace-stop. It updates t to describe the template (its pid and start
 // time). The template, if one was forked, is returned even on error.
 func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc, error) {
+	if err := readItimer(p, t); err != nil {
+		return nil, err
+	}
 	cp, _, err := p.Fork()
 	if err != nil {
 		return nil, err

@@ -332,6 +332,9 @@ func fixUp(cp *ptfork.Proc, t Template) (stdio [3]*os.File, err error) {
 	if err := fixUpFiles(cp, t, mem); err != nil {
 		return stdio, err
 	}
+	if err := fixUpPrivate(cp, t, mem); err != nil {
+		return stdio, err
+	}
 	if t.Session == "" {
 		return stdio, nil
 	}

@@ -552,6 +552,12 @@ func detachedFiles(pid int, mounts sandboxMounts, seen map[string]bool) (reach, 
 		if err != nil {
 			continue
 		}
+		if path == "/dev/zero (deleted)" {
+			continue // anonymous shared memory: criu saves its contents
+		}
+		if strings.HasPrefix(path, "/SYSV") && strings.HasSuffix(path, " (deleted)") {
+			return reach{}, fmt.Errorf("%w: pid %d attaches System V shared memory, which CRIU saves only with the IPC namespace, and a sandbox's is not saved; checkpoint files only (process mode filesystem)", ErrProcesses, pid)
+		}
 		if !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
 			return reach{}, fmt.Errorf("%w: pid %d reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, pid, path)
 		}

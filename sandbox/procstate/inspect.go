@@ -51,19 +51,7 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 	if err != nil {
 		return pi, err
 	}
-	for _, line := range strings.Split(string(status), "\n") {
-		k, v, _ := strings.Cut(line, ":")
-		v = strings.TrimSpace(v)
-		switch k {
-		case "NSpid":
-			ns := strings.Fields(v)
-			pi.tpl.NSPid, _ = strconv.Atoi(ns[len(ns)-1])
-		case "Threads":
-			if n, _ := strconv.Atoi(v); n > 1 {
-				pi.tpl.Threads = n
-			}
-		}
-	}
+	readStatus(string(status), &pi.tpl)
 	if mnt, err := mntID(dir + "/root"); err != nil {
 		return pi, err
 	} else if mnt != rootMnt && pi.reason == "" {
@@ -77,7 +65,11 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 	} else if mnt != rootMnt && pi.reason == "" {
 		pi.reason = "its working directory " + pi.tpl.Cwd + " is outside the sandbox's root filesystem"
 	}
-	if err := inspectFiles(dir, rootMnt, &pi); err != nil {
+	specials, err := inspectFiles(dir, rootMnt, &pi)
+	if err != nil {
+		return pi, err
+	}
+	if err := inspectPrivate(pid, specials, &pi); err != nil {
 		return pi, err
 	}
 	if pi.reason == "" {
@@ -86,11 +78,38 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 	return pi, err
 }
 
-func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
+// inspectFiles records the regular files pi's process has open in the
+// sandbox's root, and returns its fds that are not paths (pipes, sockets,
+// anonymous inodes) for inspectPrivate.
+// readStatus records in t what a /proc/<pid>/status file tells of it.
+func readStatus(status string, t *Template) {
+	for line := range strings.Lines(status) {
+		k, v, _ := strings.Cut(line, ":")
+		v = strings.TrimSpace(v)
+		switch k {
+		case "NSpid":
+			ns := strings.Fields(v)
+			t.NSPid, _ = strconv.Atoi(ns[len(ns)-1])
+		case "SigCgt", "SigIgn", "SigBlk":
+			// SIGALRM (14) handled, ignored or blocked: it may have
+			// an interval timer running, which a fork does not keep.
+			if m, err := strconv.ParseUint(v, 16, 64); err == nil && m&(1<<13) != 0 {
+				t.alarm = true
+			}
+		case "Threads":
+			if n, _ := strconv.Atoi(v); n > 1 {
+				t.Threads = n
+			}
+		}
+	}
+}
+
+func inspectFiles(dir string, rootMnt uint64, pi *procInfo) ([]special, error) {
 	ents, err := os.ReadDir(dir + "/fd")
 	if err != nil {
-		return err
+		return nil, err
 	}
+	var specials []special
 	for _, e := range ents {
 		fd, err := strconv.Atoi(e.Name())
 		if err != nil {
@@ -100,11 +119,13 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
 		if err != nil {
 			continue // closed meanwhile
 		}
-		if !strings.HasPrefix(link, "/") {
-			continue // pipes, sockets, anonymous inodes: shared with the template
-		}
 		info, err := os.ReadFile(dir + "/fdinfo/" + e.Name())
 		if err != nil {
+			continue
+		}
+		if !strings.HasPrefix(link, "/") {
+			fl, _ := strconv.ParseInt(fdinfoField(string(info), "flags"), 8, 64)
+			specials = append(specials, special{fd: fd, link: link, flags: int(fl), info: string(info)})
 			continue
 		}
 		var tf File
@@ -137,7 +158,7 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) error {
 		}
 		pi.tpl.Files = append(pi.tpl.Files, tf)
 	}
-	return nil
+	return specials, nil
 }
 
 // sharedWritableMap names a file the process maps shared and writable: a
@@ -166,32 +187,26 @@ type procmapQuery struct {
 	VMANameAddr, BuildIDAddr                           uint64
 }
 
-// sharedWritableQuery walks the shared, writable, file-backed mappings of
-// an open maps file with PROCMAP_QUERY.
+// sharedWritableQuery finds the first shared, writable, file-backed mapping
+// (anonymous shared memory is backed by a file of the kernel's) of an open
+// maps file with PROCMAP_QUERY.
 func sharedWritableQuery(maps *os.File) (string, error) {
 	name := make([]byte, unix.PathMax)
-	for addr := uint64(0); ; {
-		q := procmapQuery{
-			Size:        uint64(unsafe.Sizeof(procmapQuery{})),
-			QueryFlags:  procmapCoveringOrNext | procmapWritable | procmapShared | procmapFileBacked,
-			QueryAddr:   addr,
-			VMANameSize: uint32(len(name)),
-			VMANameAddr: uint64(uintptr(unsafe.Pointer(&name[0]))),
-		}
-		_, _, errno := unix.Syscall(unix.SYS_IOCTL, maps.Fd(), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
-		runtime.KeepAlive(name)
-		if errno == unix.ENOENT {
-			return "", nil // no more
-		}
-		if errno != 0 {
-			return "", errno
-		}
-		p := string(name[:max(int(q.VMANameSize)-1, 0)]) // the size counts the NUL
-		if strings.HasPrefix(p, "/") && !strings.HasPrefix(p, "/dev/") {
-			return "it maps " + p + " shared and writable", nil
-		}
-		addr = q.VMAEnd
+	q := procmapQuery{
+		Size:        uint64(unsafe.Sizeof(procmapQuery{})),
+		QueryFlags:  procmapCoveringOrNext | procmapWritable | procmapShared | procmapFileBacked,
+		VMANameSize: uint32(len(name)),
+		VMANameAddr: uint64(uintptr(unsafe.Pointer(&name[0]))),
 	}
+	_, _, errno := unix.Syscall(unix.SYS_IOCTL, maps.Fd(), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
+	runtime.KeepAlive(name)
+	if errno == unix.ENOENT {
+		return "", nil // none
+	}
+	if errno != 0 {
+		return "", errno
+	}
+	return sharedWhy(string(name[:max(int(q.VMANameSize)-1, 0)])), nil // the size counts the NUL
 }
 
 // sharedWritableScan is sharedWritableQuery by reading the maps file.
@@ -202,12 +217,22 @@ func sharedWritableScan(maps *os.File) (string, error) {
 		if len(fl) < 6 || len(fl[1]) < 4 || fl[1][1] != 'w' || fl[1][3] != 's' {
 			continue
 		}
-		p := fl[5]
-		if strings.HasPrefix(p, "/") && !strings.HasPrefix(p, "/dev/") {
-			return "it maps " + p + " shared and writable", nil
-		}
+		return sharedWhy(strings.Join(fl[5:], " ")), nil
 	}
 	return "", sc.Err()
+}
+
+// sharedWhy says why a process that maps name shared and writable is not
+// copied: the copy would share that memory with its template and with the
+// live process, and what one wrote the others would read.
+func sharedWhy(name string) string {
+	switch {
+	case name == "/dev/zero (deleted)" || name == "":
+		return "it maps anonymous memory shared and writable"
+	case strings.HasPrefix(name, "/SYSV"):
+		return "it attaches System V shared memory"
+	}
+	return "it maps " + strings.TrimSuffix(name, " (deleted)") + " shared and writable"
 }
 
 func mntID(path string) (uint64, error) {

@@ -47,6 +47,14 @@ type Template struct {
 	// Threads is the process's number of threads when it has more than
 	// one; each copy has as many.
 	Threads int `json:"threads,omitempty"`
+	// Itimer is the process's ITIMER_REAL (struct itimerval: interval
+	// seconds and microseconds, then what was left of the value) when it
+	// ran; each copy is given it (a fork does not inherit it).
+	Itimer [4]int64 `json:"itimer,omitzero"`
+	// alarm: SIGALRM is handled, ignored or blocked, so Itimer is read.
+	alarm bool
+	// Private are the descriptions each copy gets its own of (private.go).
+	Private []Private `json:"private,omitempty"`
 	// threads are the template's threads' states (ptfork.ThreadStates),
 	// given to each copy without reading them again; nil once the record
 	// is read back from disk, when they are read.

@@ -1,0 +1,127 @@
+package sandbox_test
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// descriptionsPy holds a description of each kind a copy must not share
+// with its template: a pipe to itself with data in it, an eventfd, an
+// epoll instance watching both, a listening TCP socket and a connection to
+// it (both ends its own) with data on the way. SIGUSR1 changes every one
+// (and leaves a connection waiting to be accepted); SIGUSR2 writes
+// /tmp/desc.<n> (n counting reports) describing them without changing
+// them.
+const descriptionsPy = `
+import os, select, signal, socket, time
+r, w = os.pipe()
+os.write(w, b"ckpt")
+efd = os.eventfd(5)
+ep = select.epoll()
+ep.register(r, select.EPOLLIN)
+ep.register(efd, select.EPOLLIN)
+ls = socket.socket()
+ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("127.0.0.1", 7007))
+ls.listen(8)
+c = socket.create_connection(("127.0.0.1", 7007))
+s, _ = ls.accept()
+c.sendall(b"hello")
+todo = []
+signal.signal(signal.SIGUSR1, lambda *a: todo.append("change"))
+signal.signal(signal.SIGUSR2, lambda *a: todo.append("report"))
+n = 0
+def report():
+    global n
+    n += 1
+    data = os.read(r, 100) if select.select([r], [], [], 0)[0] else b""
+    if data:
+        os.write(w, data)
+    v = os.eventfd_read(efd)
+    os.eventfd_write(efd, v)
+    ready = sorted("pipe" if fd == r else "eventfd" for fd, _ in ep.poll(0))
+    try:
+        conn = s.recv(100, socket.MSG_PEEK | socket.MSG_DONTWAIT).decode()
+    except OSError as e:
+        conn = "errno %d" % e.errno
+    waiting = bool(select.select([ls], [], [], 0)[0])
+    line = "pipe=%s eventfd=%d epoll=%s conn=%s waiting=%s" % (data.decode(), v, ",".join(ready), conn, waiting)
+    with open("/tmp/desc.tmp", "w") as f:
+        f.write(line)
+    os.rename("/tmp/desc.tmp", "/tmp/desc.%d" % n)
+def change():
+    os.read(r, 100)
+    os.write(w, b"changed")
+    os.eventfd_write(efd, 7)
+    ep.unregister(efd)
+    try:
+        c.sendall(b"more")
+    except OSError:
+        pass  # reset in a copy
+    global extra
+    extra = socket.create_connection(("127.0.0.1", 7007))
+    open("/tmp/changed", "w").close()
+open("/tmp/ready", "w").close()
+while True:
+    while todo:
+        {"change": change, "report": report}[todo.pop(0)]()
+    time.sleep(0.01)
+`
+
+// TestCopiesOwnDescriptions: the copies of a template each get their own
+// pipe, eventfd and epoll instance in the checkpoint's state, though each
+// copy changed its own before the next restore; a connection the process
+// held comes back reset, and no connection made to an earlier copy waits
+// on the listening socket. Three restores in a row report the same.
+func TestCopiesOwnDescriptions(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	if err := s.WriteFile(ctx, "/tmp/desc.py", []byte(descriptionsPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/desc.py"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	report := func(n int) string {
+		t.Helper()
+		sh(t, s, "pkill -USR2 -f '[d]esc.py'")
+		waitFor(t, s, fmt.Sprintf("[ -e /tmp/desc.%d ]", n))
+		return sh(t, s, fmt.Sprintf("cat /tmp/desc.%d", n))
+	}
+	before := report(1)
+	if want := "pipe=ckpt eventfd=5 epoll=eventfd,pipe conn=hello waiting=False"; before != want {
+		t.Fatalf("before the checkpoint: %q, want %q", before, want)
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := methods(ck.Processes); got != "python3:template" {
+		t.Fatalf("captured %q", got)
+	}
+	// The live process changes them all after the checkpoint, too.
+	sh(t, s, "pkill -USR1 -f '[d]esc.py'")
+	waitFor(t, s, "[ -e /tmp/changed ]")
+	if got := report(2); !strings.HasPrefix(got, "pipe=changed eventfd=12 epoll=pipe conn=hellomore waiting=True") {
+		t.Fatalf("after the change: %q", got)
+	}
+	for round := range 3 {
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		// The copy counts reports from the checkpoint's 1.
+		if got, want := report(2), "pipe=ckpt eventfd=5 epoll=eventfd,pipe conn=errno 107 waiting=False"; got != want {
+			t.Fatalf("round %d: restored %q, want %q (the connection reset: ENOTCONN)", round, got, want)
+		}
+		sh(t, s, "pkill -USR1 -f '[d]esc.py'")
+		waitFor(t, s, "[ -e /tmp/changed ]")
+		if got := report(3); !strings.HasPrefix(got, "pipe=changed eventfd=12 epoll=pipe ") || !strings.HasSuffix(got, "waiting=True") {
+			t.Fatalf("round %d: after the copy's change: %q", round, got)
+		}
+	}
+}

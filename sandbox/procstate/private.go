@@ -1,0 +1,616 @@
+package procstate
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/ptfork"
+)
+
+// A template's copies share the open file descriptions of the template,
+// as any fork shares its parent's. What a copy writes into one that it
+// shares with the template (a pipe's buffer, an eventfd's count, an epoll
+// instance's interest list, a connection's stream) the next copy would
+// find, and the live process goes on with those of the checkpoint after
+// it, changing them too. So a capture records, while the process is
+// stopped, the state of each description that is the process's alone —
+// a pipe whose two ends it holds (and what the pipe holds), an eventfd,
+// an epoll instance (what it watches) — and every copy is given new ones
+// in that state by calls injected into it (fixUpPrivate). A connected TCP
+// socket cannot be duplicated: each copy gets a new, unconnected socket of
+// its kind in its place, so the copy sees the connection reset (reads fail
+// with ENOTCONN, polls report a hang-up), as after a network failure, and
+// no copy reads what another sent. A listening socket stays shared — it
+// holds the port, which a new socket could not bind while the template
+// holds it — and its queue of connections not yet accepted is emptied
+// before each copy runs, so no copy accepts one made before it. Unix
+// sockets stay shared.
+
+// Private is a description of a template whose copies each get their own.
+type Private struct {
+	// Kind: "pipe", "eventfd", "timerfd", "epoll", "socket" (reset),
+	// "listen" (drained), "unixlisten" (bound again).
+	Kind string `json:"kind"`
+	FD   int    `json:"fd"`
+	// Flags are the fd's file status flags and O_CLOEXEC (fdinfo's flags).
+	Flags int `json:"flags"`
+	// Write are a pipe's write ends (FD is its read end), with their flags.
+	Write []PrivateFD `json:"write,omitempty"`
+	// Data is what a pipe held.
+	Data []byte `json:"data,omitempty"`
+	// Size is a pipe's capacity, if not the default.
+	Size int `json:"size,omitempty"`
+	// Count is an eventfd's count; Semaphore its mode.
+	Count     uint64 `json:"count,omitempty"`
+	Semaphore bool   `json:"semaphore,omitempty"`
+	// Watches are what an epoll instance watches.
+	Watches []Watch `json:"watches,omitempty"`
+	// Domain, Type and Proto are a socket's; Path is the path a listening
+	// unix socket is bound to.
+	Domain int    `json:"domain,omitempty"`
+	Type   int    `json:"type,omitempty"`
+	Proto  int    `json:"proto,omitempty"`
+	Path   string `json:"path,omitempty"`
+	// Clock and Timer are a timerfd's clock and what was left of its
+	// timer: interval and value (struct itimerspec: seconds, nanoseconds).
+	Clock int       `json:"clock,omitempty"`
+	Timer [4]uint64 `json:"timer,omitzero"`
+}
+
+// PrivateFD is one more fd of a description, with its flags.
+type PrivateFD struct {
+	FD    int `json:"fd"`
+	Flags int `json:"flags"`
+}
+
+// Watch is one entry of an epoll instance's interest list.
+type Watch struct {
+	FD     int    `json:"fd"`
+	Events uint32 `json:"events"`
+	Data   uint64 `json:"data"`
+}
+
+const (
+	defaultPipeSize  = 65536
+	eventfdSemaphore = 1 // EFD_SEMAPHORE
+)
+
+// special is an fd whose target is not a path: a pipe, a socket, an
+// anonymous inode.
+type special struct {
+	fd    int
+	link  string
+	flags int
+	info  string // the fdinfo file
+}
+
+// inspectPrivate records in pi the descriptions of process pid among
+// specials that its copies get their own of, or sets pi.reason when one
+// cannot be given (see epollPrivate).
+func inspectPrivate(pid int, specials []special, pi *procInfo) error {
+	if len(specials) == 0 {
+		return nil
+	}
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(pidfd)
+	pipes := map[string]*Private{}
+	var writeEnds []special
+	var epolls []special
+	for _, sp := range specials {
+		switch {
+		case strings.HasPrefix(sp.link, "pipe:"):
+			if sp.flags&unix.O_ACCMODE == unix.O_WRONLY {
+				writeEnds = append(writeEnds, sp)
+			} else if pipes[sp.link] == nil {
+				pipes[sp.link] = &Private{Kind: "pipe", FD: sp.fd, Flags: sp.flags}
+			}
+		case sp.link == "anon_inode:[eventfd]":
+			p := Private{Kind: "eventfd", FD: sp.fd, Flags: sp.flags}
+			p.Count, _ = strconv.ParseUint(fdinfoField(sp.info, "eventfd-count"), 16, 64)
+			p.Semaphore = fdinfoField(sp.info, "eventfd-semaphore") == "1"
+			pi.tpl.Private = append(pi.tpl.Private, p)
+		case sp.link == "anon_inode:[timerfd]":
+			if p, ok := timerfdPrivate(sp); ok {
+				pi.tpl.Private = append(pi.tpl.Private, p)
+			}
+		case sp.link == "anon_inode:[eventpoll]":
+			epolls = append(epolls, sp)
+		case strings.HasPrefix(sp.link, "socket:"):
+			if p, ok := socketPrivate(pidfd, sp); ok {
+				pi.tpl.Private = append(pi.tpl.Private, p)
+			}
+		}
+	}
+	if err := pipePrivates(pidfd, specials, pipes, writeEnds, pi); err != nil {
+		return err
+	}
+	for _, sp := range epolls {
+		p, why := epollPrivate(pid, sp, specials)
+		if why != "" {
+			if pi.reason == "" {
+				pi.reason = why
+			}
+			continue
+		}
+		pi.tpl.Private = append(pi.tpl.Private, p) // after what it watches
+	}
+	return nil
+}
+
+// pipePrivates records the pipes of pipes (by link, with a read end each)
+// whose write ends (among writeEnds) the process holds too, with what they
+// hold, and their other read ends.
+func pipePrivates(pidfd int, specials []special, pipes map[string]*Private, writeEnds []special, pi *procInfo) error {
+	for _, w := range writeEnds {
+		if p := pipes[w.link]; p != nil {
+			p.Write = append(p.Write, PrivateFD{FD: w.fd, Flags: w.flags})
+		}
+	}
+	for _, sp := range specials {
+		// Every read end of a pipe whose write end the process holds.
+		p := pipes[sp.link]
+		if p == nil || len(p.Write) == 0 || sp.flags&unix.O_ACCMODE == unix.O_WRONLY {
+			continue
+		}
+		if sp.fd != p.FD {
+			pi.tpl.Private = append(pi.tpl.Private, Private{Kind: "pipe", FD: sp.fd, Flags: sp.flags, Size: -p.FD - 1})
+			continue
+		}
+		if err := pipeContents(pidfd, p); err != nil {
+			return fmt.Errorf("reading the pipe of fd %d: %w", p.FD, err)
+		}
+		pi.tpl.Private = append(pi.tpl.Private, *p)
+	}
+	return nil
+}
+
+// fdinfoField is the value of field k of an fdinfo file.
+func fdinfoField(info, k string) string {
+	for line := range strings.Lines(info) {
+		if key, v, ok := strings.Cut(line, ":"); ok && key == k {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
+// socketPrivate classifies socket sp of the process behind pidfd: a
+// listening one is drained at each restore, a connected TCP one reset.
+func socketPrivate(pidfd int, sp special) (Private, bool) {
+	fd, err := unix.PidfdGetfd(pidfd, sp.fd, 0)
+	if err != nil {
+		return Private{}, false
+	}
+	defer unix.Close(fd)
+	domain, err1 := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
+	typ, err2 := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE)
+	proto, err3 := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL)
+	if on, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err == nil && on == 1 {
+		// A unix socket bound to a path: the restored root's file at the
+		// path is a copy, which no socket is bound to; the copy binds it
+		// again. Others keep their address (and the template holds it).
+		if sa, err := unix.Getsockname(fd); err == nil && domain == unix.AF_UNIX && err2 == nil {
+			if u, ok := sa.(*unix.SockaddrUnix); ok && u.Name != "" && u.Name[0] != '@' && u.Name[0] != 0 {
+				return Private{Kind: "unixlisten", FD: sp.fd, Flags: sp.flags, Type: typ, Path: u.Name}, true
+			}
+		}
+		return Private{Kind: "listen", FD: sp.fd, Flags: sp.flags}, true
+	}
+	if err1 != nil || err2 != nil || err3 != nil || typ != unix.SOCK_STREAM || domain != unix.AF_INET && domain != unix.AF_INET6 {
+		return Private{}, false
+	}
+	if _, err := unix.Getpeername(fd); err != nil {
+		return Private{}, false // not connected
+	}
+	return Private{Kind: "socket", FD: sp.fd, Flags: sp.flags, Domain: domain, Type: typ, Proto: proto}, true
+}
+
+// timerfdPrivate reads timerfd sp's clock and what is left of its timer.
+// Expirations not read yet count as one coming at once.
+func timerfdPrivate(sp special) (Private, bool) {
+	p := Private{Kind: "timerfd", FD: sp.fd, Flags: sp.flags}
+	var err error
+	if p.Clock, err = strconv.Atoi(fdinfoField(sp.info, "clockid")); err != nil {
+		return p, false
+	}
+	parse := func(k string) (uint64, uint64, bool) {
+		var s, ns uint64
+		_, err := fmt.Sscanf(fdinfoField(sp.info, k), "(%d, %d)", &s, &ns)
+		return s, ns, err == nil
+	}
+	vs, vns, ok1 := parse("it_value")
+	is, ins, ok2 := parse("it_interval")
+	if !ok1 || !ok2 {
+		return p, false
+	}
+	if ticks, _ := strconv.ParseUint(fdinfoField(sp.info, "ticks"), 10, 64); ticks > 0 {
+		vs, vns = 0, 1
+	}
+	p.Timer = [4]uint64{is, ins, vs, vns}
+	return p, true
+}
+
+// pipeContents reads what pipe p holds without taking it out (tee into a
+// pipe of the server's), and its capacity.
+func pipeContents(pidfd int, p *Private) error {
+	src, err := unix.PidfdGetfd(pidfd, p.FD, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(src)
+	if size, err := unix.FcntlInt(uintptr(src), unix.F_GETPIPE_SZ, 0); err == nil && size != defaultPipeSize {
+		p.Size = size
+	}
+	var fds [2]int
+	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
+		return err
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	if p.Size > 0 {
+		if _, err := unix.FcntlInt(uintptr(fds[1]), unix.F_SETPIPE_SZ, p.Size); err != nil {
+			return err
+		}
+	}
+	n, err := unix.Tee(src, fds[1], 1<<30, unix.SPLICE_F_NONBLOCK)
+	if err == unix.EAGAIN || n == 0 {
+		return nil // empty
+	}
+	if err != nil {
+		return err
+	}
+	p.Data = make([]byte, n)
+	_, err = unix.Read(fds[0], p.Data)
+	return err
+}
+
+// epollPrivate reads the interest list of epoll instance sp of process
+// pid. It says why not (a reason for CRIU) if the instance watches another
+// epoll instance, or a description the process no longer has on the fd it
+// was added with (the list names fd numbers).
+func epollPrivate(pid int, sp special, specials []special) (Private, string) {
+	p := Private{Kind: "epoll", FD: sp.fd, Flags: sp.flags}
+	sc := bufio.NewScanner(strings.NewReader(sp.info))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 6 || f[0] != "tfd:" || f[2] != "events:" || f[4] != "data:" {
+			continue
+		}
+		tfd, err1 := strconv.Atoi(f[1])
+		ev, err2 := strconv.ParseUint(f[3], 16, 32)
+		data, err3 := strconv.ParseUint(f[5], 16, 64)
+		if err1 != nil || err2 != nil || err3 != nil {
+			return p, fmt.Sprintf("its epoll instance (fd %d) lists an entry it cannot parse", sp.fd)
+		}
+		for _, o := range specials {
+			if o.fd == tfd && o.link == "anon_inode:[eventpoll]" {
+				return p, fmt.Sprintf("its epoll instance (fd %d) watches another (fd %d)", sp.fd, tfd)
+			}
+		}
+		var st unix.Stat_t
+		ino, _ := strconv.ParseUint(strings.TrimPrefix(fieldAfter(f, "ino:"), "ino:"), 16, 64)
+		if unix.Stat("/proc/"+strconv.Itoa(pid)+"/fd/"+strconv.Itoa(tfd), &st) != nil || st.Ino != ino {
+			return p, fmt.Sprintf("its epoll instance (fd %d) watches fd %d, which it has closed or reused since", sp.fd, tfd)
+		}
+		p.Watches = append(p.Watches, Watch{FD: tfd, Events: uint32(ev), Data: data})
+	}
+	return p, ""
+}
+
+// readItimer records the interval timer of stopped process p in t, if its
+// SIGALRM disposition says it may have one running.
+func readItimer(p *ptfork.Proc, t *Template) (err error) {
+	if !t.alarm {
+		return nil
+	}
+	mem := p.Scratch()
+	defer func() { err = errors.Join(err, mem.Release()) }()
+	a, err := mem.Put("")
+	if err != nil {
+		return err
+	}
+	if _, err := p.Syscall(unix.SYS_GETITIMER, unix.ITIMER_REAL, a); err != nil {
+		return fmt.Errorf("reading the interval timer: %w", err)
+	}
+	var b [32]byte
+	if err := p.Read(a, b[:]); err != nil {
+		return err
+	}
+	for i := range t.Itimer {
+		t.Itimer[i] = int64(binary.NativeEndian.Uint64(b[8*i:]))
+	}
+	return nil
+}
+
+// fixItimer gives copy cp t's interval timer.
+func fixItimer(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
+	if t.Itimer == [4]int64{} {
+		return nil
+	}
+	var b [32]byte
+	for i, v := range t.Itimer {
+		binary.NativeEndian.PutUint64(b[8*i:], uint64(v))
+	}
+	a, err := mem.Put(string(b[:]))
+	if err == nil {
+		_, err = cp.Syscall(unix.SYS_SETITIMER, unix.ITIMER_REAL, a, 0)
+	}
+	if err != nil {
+		return fmt.Errorf("setting the interval timer: %w", err)
+	}
+	return nil
+}
+
+// fieldAfter is the field of f that starts with prefix, or "".
+func fieldAfter(f []string, prefix string) string {
+	for _, x := range f {
+		if strings.HasPrefix(x, prefix) {
+			return x
+		}
+	}
+	return ""
+}
+
+// fixUpPrivate gives copy cp its own descriptions in place of those t
+// records (see above).
+func fixUpPrivate(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
+	if err := fixItimer(cp, t, mem); err != nil {
+		return err
+	}
+	if len(t.Private) == 0 {
+		return nil
+	}
+	for _, p := range t.Private {
+		var err error
+		switch p.Kind {
+		case "pipe":
+			err = privatePipe(cp, p, mem)
+		case "eventfd":
+			flags := p.Flags & (unix.O_NONBLOCK | unix.O_CLOEXEC)
+			if p.Semaphore {
+				flags |= eventfdSemaphore
+			}
+			err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
+				return cp.Syscall(unix.SYS_EVENTFD2, uintptr(p.Count), uintptr(flags))
+			})
+		case "socket":
+			typ := p.Type | p.Flags&unix.O_NONBLOCK // SOCK_NONBLOCK is O_NONBLOCK
+			err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
+				return cp.Syscall(unix.SYS_SOCKET, uintptr(p.Domain), uintptr(typ), uintptr(p.Proto))
+			})
+		case "timerfd":
+			err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
+				return privateTimerfd(cp, p, mem)
+			})
+		case "unixlisten":
+			err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
+				return rebindUnix(cp, p, mem)
+			})
+		case "epoll":
+			err = privateEpoll(cp, p, mem)
+		case "listen":
+			err = drainListener(cp.Pid, p.FD)
+		}
+		if err != nil {
+			return fmt.Errorf("giving the copy its own %s (fd %d): %w", p.Kind, p.FD, err)
+		}
+	}
+	return nil
+}
+
+// replaceFD puts the description make returns (an fd of the copy's) on fd,
+// with its close-on-exec flag from flags, and closes the one make gave.
+func replaceFD(cp *ptfork.Proc, fd, flags int, make func() (uintptr, error)) error {
+	nfd, err := make()
+	if err != nil {
+		return err
+	}
+	if _, err := cp.Syscall(unix.SYS_DUP3, nfd, uintptr(fd), uintptr(flags&unix.O_CLOEXEC)); err != nil {
+		return fmt.Errorf("dup3 onto fd %d: %w", fd, err)
+	}
+	_, err = cp.Syscall(unix.SYS_CLOSE, nfd)
+	return err
+}
+
+// privatePipe gives the copy a new pipe holding what the template's held:
+// on its read end's fd and its write ends' (p), or, for a second read end
+// (Size < 0 names the first's fd), a duplicate of the new read end.
+func privatePipe(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
+	if p.Size < 0 {
+		_, err := cp.Syscall(unix.SYS_DUP3, uintptr(-p.Size-1), uintptr(p.FD), uintptr(p.Flags&unix.O_CLOEXEC))
+		if err == nil {
+			_, err = cp.Syscall(unix.SYS_FCNTL, uintptr(p.FD), unix.F_SETFL, uintptr(p.Flags&unix.O_NONBLOCK))
+		}
+		return err
+	}
+	a, err := mem.Put("")
+	if err != nil {
+		return err
+	}
+	if _, err := cp.Syscall(unix.SYS_PIPE2, a, unix.O_CLOEXEC); err != nil {
+		return fmt.Errorf("pipe2: %w", err)
+	}
+	var b [8]byte
+	if err := cp.Read(a, b[:]); err != nil {
+		return err
+	}
+	r, w := uintptr(binary.NativeEndian.Uint32(b[:4])), uintptr(binary.NativeEndian.Uint32(b[4:]))
+	if p.Size > 0 {
+		if _, err := cp.Syscall(unix.SYS_FCNTL, r, unix.F_SETPIPE_SZ, uintptr(p.Size)); err != nil {
+			return fmt.Errorf("setting the pipe's size: %w", err)
+		}
+	}
+	if len(p.Data) > 0 {
+		if err := fillPipe(cp.Pid, int(w), p.Data); err != nil {
+			return err
+		}
+	}
+	ends := append([]PrivateFD{{FD: p.FD, Flags: p.Flags}}, p.Write...)
+	for i, e := range ends {
+		src := r
+		if i > 0 {
+			src = w
+		}
+		if _, err := cp.Syscall(unix.SYS_DUP3, src, uintptr(e.FD), uintptr(e.Flags&unix.O_CLOEXEC)); err != nil {
+			return fmt.Errorf("dup3 onto fd %d: %w", e.FD, err)
+		}
+		if _, err := cp.Syscall(unix.SYS_FCNTL, uintptr(e.FD), unix.F_SETFL, uintptr(e.Flags&unix.O_NONBLOCK)); err != nil {
+			return fmt.Errorf("fcntl of fd %d: %w", e.FD, err)
+		}
+	}
+	for _, fd := range []uintptr{r, w} {
+		if !slicesContainsFD(ends, int(fd)) {
+			if _, err := cp.Syscall(unix.SYS_CLOSE, fd); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func slicesContainsFD(ends []PrivateFD, fd int) bool {
+	for _, e := range ends {
+		if e.FD == fd {
+			return true
+		}
+	}
+	return false
+}
+
+// fillPipe writes data into the write end fd of stopped process pid's new
+// pipe, from the server (it fits: it came out of a pipe of that size).
+func fillPipe(pid, fd int, data []byte) error {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(pidfd)
+	w, err := unix.PidfdGetfd(pidfd, fd, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(w)
+	for len(data) > 0 {
+		n, err := unix.Write(w, data)
+		if err != nil {
+			return fmt.Errorf("filling the pipe: %w", err)
+		}
+		data = data[n:]
+	}
+	return nil
+}
+
+// privateEpoll gives the copy a new epoll instance watching what p's did,
+// on the fds it has now (its own descriptions where it was given them).
+func privateEpoll(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
+	ep, err := cp.Syscall(unix.SYS_EPOLL_CREATE1, uintptr(p.Flags&unix.O_CLOEXEC))
+	if err != nil {
+		return fmt.Errorf("epoll_create1: %w", err)
+	}
+	var ev [12]byte // struct epoll_event, packed
+	for _, w := range p.Watches {
+		binary.NativeEndian.PutUint32(ev[:4], w.Events)
+		binary.NativeEndian.PutUint64(ev[4:], w.Data)
+		a, err := mem.Put(string(ev[:]))
+		if err != nil {
+			return err
+		}
+		if _, err := cp.Syscall(unix.SYS_EPOLL_CTL, ep, unix.EPOLL_CTL_ADD, uintptr(w.FD), a); err != nil {
+			return fmt.Errorf("watching fd %d: %w", w.FD, err)
+		}
+	}
+	if _, err := cp.Syscall(unix.SYS_DUP3, ep, uintptr(p.FD), uintptr(p.Flags&unix.O_CLOEXEC)); err != nil {
+		return fmt.Errorf("dup3 onto fd %d: %w", p.FD, err)
+	}
+	_, err = cp.Syscall(unix.SYS_CLOSE, ep)
+	return err
+}
+
+// privateTimerfd makes a timerfd in the copy on p's clock, armed with what
+// was left of p's timer, relative to now.
+func privateTimerfd(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error) {
+	fd, err := cp.Syscall(unix.SYS_TIMERFD_CREATE, uintptr(p.Clock), uintptr(p.Flags&(unix.O_NONBLOCK|unix.O_CLOEXEC)))
+	if err != nil || p.Timer == [4]uint64{} {
+		return fd, err
+	}
+	var b [32]byte
+	for i, v := range p.Timer {
+		binary.NativeEndian.PutUint64(b[8*i:], v)
+	}
+	a, err := mem.Put(string(b[:]))
+	if err == nil {
+		_, err = cp.Syscall(unix.SYS_TIMERFD_SETTIME, fd, 0, a, 0)
+	}
+	return fd, err
+}
+
+// rebindUnix makes a unix socket of p's type in the copy, bound to p's
+// path (the restored root's file there, a socket no one is bound to, is
+// removed first) and listening.
+func rebindUnix(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error) {
+	if len(p.Path) >= 108 {
+		return 0, fmt.Errorf("socket path too long: %q", p.Path)
+	}
+	fd, err := cp.Syscall(unix.SYS_SOCKET, unix.AF_UNIX, uintptr(p.Type|p.Flags&unix.O_NONBLOCK), 0)
+	if err != nil {
+		return 0, err
+	}
+	a, err := mem.Put(p.Path)
+	if err != nil {
+		return fd, err
+	}
+	fdcwd := unix.AT_FDCWD
+	if _, err := cp.Syscall(unix.SYS_UNLINKAT, uintptr(fdcwd), a, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fd, fmt.Errorf("removing %s: %w", p.Path, err)
+	}
+	var sa [110]byte // struct sockaddr_un: family, path, NUL
+	binary.NativeEndian.PutUint16(sa[:2], unix.AF_UNIX)
+	copy(sa[2:], p.Path)
+	if a, err = mem.Put(string(sa[:2+len(p.Path)])); err != nil {
+		return fd, err
+	}
+	if _, err := cp.Syscall(unix.SYS_BIND, fd, a, uintptr(2+len(p.Path)+1)); err != nil {
+		return fd, fmt.Errorf("binding %s: %w", p.Path, err)
+	}
+	if _, err := cp.Syscall(unix.SYS_LISTEN, fd, unix.SOMAXCONN); err != nil {
+		return fd, fmt.Errorf("listening on %s: %w", p.Path, err)
+	}
+	return fd, nil
+}
+
+// drainListener ends the connections waiting to be accepted on listening
+// socket fd of stopped process pid, from the server: they were made to an
+// earlier copy, or to the process after the checkpoint.
+func drainListener(pid, fd int) error {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(pidfd)
+	l, err := unix.PidfdGetfd(pidfd, fd, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(l)
+	for {
+		// poll first: accept on a blocking socket would wait.
+		pfd := []unix.PollFd{{Fd: int32(l), Events: unix.POLLIN}}
+		if n, err := unix.Poll(pfd, 0); err != nil || n == 0 {
+			return nil
+		}
+		c, _, err := unix.Accept4(l, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC)
+		if err != nil {
+			return nil
+		}
+		unix.Close(c)
+	}
+}
