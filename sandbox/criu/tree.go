@@ -36,6 +36,9 @@ package criu
 //   - Bind mounts of host device nodes (/dev/null …) are external mounts
 //     (mnt[] auto-detection); cgroups are left alone (manage-cgroups ignore)
 //     and the tree is placed by starting criu in the target cgroups.
+//   - Unix sockets bound to a path lose the mount id criu recorded
+//     (unixSocketsInRoot): the id is of the sandbox's mounts at the dump,
+//     which criu would look up among the namespaces it restored.
 //   - Restore runs in criu's unprivileged mode: inside the sandbox's user
 //     namespace the tasks lack host CAP_NET_ADMIN, and socket restore fails
 //     on SO_SNDBUFFORCE ("Unable to set socket SO_SNDBUFFORCE/SO_RCVBUFFORCE:
@@ -60,6 +63,7 @@ import (
 
 	"github.com/checkpoint-restore/go-criu/v7/crit"
 	criucore "github.com/checkpoint-restore/go-criu/v7/crit/images/criu-core"
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/inventory"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/pstree"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/seccomp"
@@ -263,7 +267,39 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 	if err := dropNotify(o.ImagesDir); err != nil {
 		return fmt.Errorf("rewriting the seccomp filters in %s: %w", o.ImagesDir, err)
 	}
+	if err := unixSocketsInRoot(o.ImagesDir); err != nil {
+		return fmt.Errorf("rewriting the unix sockets in %s: %w", o.ImagesDir, err)
+	}
 	return nil
+}
+
+// unixSocketsInRoot rewrites the unix sockets of a dump that are bound to
+// a path so that a restore binds them in the mount namespace it joins. criu
+// records the id of the mount a socket's path is on and looks the mount up
+// at restore among the namespaces it restored ("Unable to find the N
+// mount"): the tree's mount namespace is joined, not restored, and a mount
+// id is of the sandbox's mounts at the dump, not the restore's. Without
+// one, criu binds the path (absolute) in the namespace it runs in, the
+// sandbox's.
+func unixSocketsInRoot(dir string) error {
+	path := filepath.Join(dir, "files.img")
+	img, err := decodeImage(path, &fdinfo.FileEntry{})
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	changed := false
+	for _, e := range img.Entries {
+		if u := e.Message.(*fdinfo.FileEntry).GetUsk(); u != nil && u.MntId != nil {
+			u.MntId, changed = nil, true
+		}
+	}
+	if !changed {
+		return nil
+	}
+	return encodeImage(path, img)
 }
 
 // Returns of a seccomp filter's instructions (struct sock_filter: u16 code,
