@@ -27,9 +27,8 @@ import (
 
 // threaded is how a checkpoint takes a multi-threaded process that is not
 // part of a tree, and what its restores and forks bring back: the cells of
-// both threaded rows (a threaded probe is a tree's root under CRIU; a
-// single process, as template is, once templates copy threads).
-var threaded = criuRoot
+// both threaded rows.
+var threaded = template
 
 // Cell values of the matrix. A checkpoint's method is "template", "CRIU"
 // or "refused: <what the error says>". A restore, fork or restore after a
@@ -57,22 +56,13 @@ type cells struct{ method, inPlace, fork, restart string }
 // Cells shared by rows.
 var (
 	// template is a single process copied from a template: in place, a
-	// copy; in a fork or after a restart, a CRIU image of a copy. A
-	// fork's child does not inherit the interval timer; the timerfd is
-	// one description with the template and the process it copied, which
-	// changed it since; the unix socket's path in the restored files is
-	// a copy of the socket's file that the checkpoint made, bound to
-	// nothing (the socket, shared with the template, is bound to the
-	// original file). criu binds the path anew.
-	template = cells{"template", "differs: itimer_interval itimer_value timerfd_interval unix_accepts",
-		"differs: itimer_interval itimer_value timerfd_interval", "differs: itimer_interval itimer_value timerfd_interval"}
+	// copy; in a fork or after a restart, a CRIU image of a copy.
+	template = cells{"template", yes, yes, yes}
 	// templateLeftover is template for a process whose session and group
 	// leader (the shell that started it) is gone: an image of it is
 	// restored leading its own session and group, as criu restores only
 	// a tree whose leaders it holds (criu.leadOwnSession).
-	templateLeftover = cells{"template", template.inPlace,
-		"differs: itimer_interval itimer_value leads_group leads_session timerfd_interval",
-		"differs: itimer_interval itimer_value leads_group leads_session timerfd_interval"}
+	templateLeftover = cells{"template", yes, "differs: leads_group leads_session", "differs: leads_group leads_session"}
 	// criuTree is a tree whose probes run below its root.
 	criuTree = cells{"CRIU", yes, yes, yes}
 	// criuRoot is a tree or process whose root is a probe: restored as a
@@ -101,7 +91,7 @@ var shapes = []processShape{
 	row("Python threads", "background exec of `python3 probe.py 4`", execBackground("python3 /usr/local/bin/probe.py 4 main -T"), threaded, "main"),
 	row("session shell with a job", "session command `probe &`", execSession("probe -T &"), criuTree, "main"),
 	row("single process, TCP connection", "background exec of `probe`, connected to itself", execBackground("probe"),
-		cells{"template", template.inPlace, "fails: Connected TCP socket", "fails: ended without saving them"}, "main"),
+		cells{"template", "differs: tcp_conn", "differs: tcp_conn", "differs: tcp_conn"}, "main"),
 	row("shell → child, TCP connection", "background exec of `sh -c 'probe; echo done'`, connected to itself",
 		execBackground("sh -c 'probe; echo done'"), cells{method: "refused: Connected TCP socket"}, "main"),
 }

@@ -274,7 +274,8 @@ func (w *Swrk) DumpTree(ctx context.Context, o TreeDumpOpts) error {
 }
 
 // unixSocketsInRoot rewrites the unix sockets of a dump that are bound to
-// a path so that a restore binds them in the mount namespace it joins. criu
+// a path so that a restore binds them in the mount namespace it joins, and
+// drops the sizes of its regular files (below). criu
 // records the id of the mount a socket's path is on and looks the mount up
 // at restore among the namespaces it restored ("Unable to find the N
 // mount"): the tree's mount namespace is joined, not restored, and a mount
@@ -294,6 +295,13 @@ func unixSocketsInRoot(dir string) error {
 	for _, e := range img.Entries {
 		if u := e.Message.(*fdinfo.FileEntry).GetUsk(); u != nil && u.MntId != nil {
 			u.MntId, changed = nil, true
+		}
+		// A file's size at the dump is not checked at restore: an image
+		// made from a template is dumped in the live root (procstate,
+		// image.go), where a file the process writes may have grown since
+		// the checkpoint, whose files a restore brings back.
+		if r := e.Message.(*fdinfo.FileEntry).GetReg(); r != nil && r.Size != nil {
+			r.Size, changed = nil, true
 		}
 	}
 	if !changed {

@@ -376,7 +376,7 @@ func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc,
 	if err := readItimer(p, t); err != nil {
 		return nil, err
 	}
-	cp, _, err := p.Fork()
+	cp, err := forkWhole(p)
 	if err != nil {
 		return nil, err
 	}

@@ -556,10 +556,10 @@ func detachedFiles(pid int, mounts sandboxMounts, seen map[string]bool) (reach, 
 			continue // anonymous shared memory: criu saves its contents
 		}
 		if strings.HasPrefix(path, "/SYSV") && strings.HasSuffix(path, " (deleted)") {
-			return reach{}, fmt.Errorf("%w: pid %d attaches System V shared memory, which CRIU saves only with the IPC namespace, and a sandbox's is not saved; checkpoint files only (process mode filesystem)", ErrProcesses, pid)
+			return reach{}, fmt.Errorf("%w: it attaches System V shared memory, which CRIU saves only with the IPC namespace, and a sandbox's is not saved; checkpoint files only (process mode filesystem)", ErrProcesses)
 		}
 		if !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
-			return reach{}, fmt.Errorf("%w: pid %d reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, pid, path)
+			return reach{}, fmt.Errorf("%w: it reaches %s on a detached mount, which cannot be found again by path", ErrProcesses, path)
 		}
 		seen[key] = true
 		out.ext = append(out.ext, ExtFile{Key: key, Path: path, Dir: st.Mode&unix.S_IFMT == unix.S_IFDIR})

@@ -35,9 +35,12 @@
 // sandbox's root is reopened by path with the same flags and offset (so it
 // reaches the restored state, not the discarded upper); a session's shell
 // gets fresh pipes for stdin, stdout and stderr (the server takes its ends
-// with pidfd_getfd). Other descriptions (the host's /dev/null, sockets,
-// pipes between processes) stay shared with the template, which is frozen:
-// a listening socket keeps listening on the same port.
+// with pidfd_getfd); the descriptions that are the process's alone (a pipe
+// to itself, an eventfd, a timerfd, an epoll instance) are made anew in the
+// state the capture recorded, a connected TCP socket is reset
+// (private.go). Other descriptions (the host's /dev/null, listening
+// sockets, pipes between processes) stay shared with the template, which
+// is frozen: a listening socket keeps listening on the same port.
 //
 // A template is a copy of one process, every thread of it (sandbox/ptfork):
 // process trees (a command with children), processes of more than

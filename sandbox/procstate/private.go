@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -329,6 +331,90 @@ func readItimer(p *ptfork.Proc, t *Template) (err error) {
 		t.Itimer[i] = int64(binary.NativeEndian.Uint64(b[8*i:]))
 	}
 	return nil
+}
+
+// forkWhole forks stopped process p with all its memory. A fork leaves out
+// what the process marked MADV_DONTFORK (V8, and so Node, marks its heap
+// so): a template without it would fault on its first touch. When the
+// copy's address space is smaller than p's, the copy is ended, p's
+// regions marked so are marked to be copied, p is forked again, and the
+// marks are put back on p; the template keeps its memory marked to be
+// copied, and so its copies do (a fork of theirs copies it).
+func forkWhole(p *ptfork.Proc) (*ptfork.Proc, error) {
+	cp, _, err := p.Fork()
+	if err != nil {
+		return nil, err
+	}
+	a, b := vmSize(p.Pid), vmSize(cp.Pid)
+	if a == b || a == 0 || b == 0 {
+		return cp, nil
+	}
+	cp.Kill()
+	regions, err := dontForkRegions(p.Pid)
+	if err != nil {
+		return nil, err
+	}
+	mark := func(advice uintptr) error {
+		for _, r := range regions {
+			if _, err := p.Syscall(unix.SYS_MADVISE, r[0], r[1]-r[0], advice); err != nil {
+				return fmt.Errorf("madvise of %#x-%#x: %w", r[0], r[1], err)
+			}
+		}
+		return nil
+	}
+	if err := mark(unix.MADV_DOFORK); err != nil {
+		return nil, errors.Join(err, mark(unix.MADV_DONTFORK))
+	}
+	cp, _, err = p.Fork()
+	return cp, errors.Join(err, mark(unix.MADV_DONTFORK))
+}
+
+// vmSize is the size of pid's address space in pages (statm), 0 if it
+// cannot be read.
+func vmSize(pid int) uint64 {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/statm")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	n, _ := strconv.ParseUint(f[0], 10, 64)
+	return n
+}
+
+// dontForkRegions lists pid's mappings marked MADV_DONTFORK ("dc" in
+// smaps' VmFlags), merged where they touch.
+func dontForkRegions(pid int) ([][2]uintptr, error) {
+	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/smaps")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out [][2]uintptr
+	var cur [2]uintptr
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := sc.Text()
+		if lo, hi, ok := strings.Cut(strings.Fields(line + " ")[0], "-"); ok && !strings.HasSuffix(lo, ":") {
+			l, err1 := strconv.ParseUint(lo, 16, 64)
+			h, err2 := strconv.ParseUint(hi, 16, 64)
+			if err1 == nil && err2 == nil {
+				cur = [2]uintptr{uintptr(l), uintptr(h)}
+			}
+			continue
+		}
+		if !strings.HasPrefix(line, "VmFlags:") || !slices.Contains(strings.Fields(line), "dc") {
+			continue
+		}
+		if n := len(out); n > 0 && out[n-1][1] == cur[0] {
+			out[n-1][1] = cur[1]
+		} else {
+			out = append(out, cur)
+		}
+	}
+	return out, sc.Err()
 }
 
 // fixItimer gives copy cp t's interval timer.
