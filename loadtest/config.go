@@ -27,6 +27,16 @@ const (
 	ProcessCRIU = "criu"
 )
 
+// Process shapes of the rollback-process scenario (Config.ProcessShape).
+const (
+	// ShapeSingle is one single-threaded python3 process.
+	ShapeSingle = "single"
+	// ShapeThreads is one python3 process of four threads.
+	ShapeThreads = "threads"
+	// ShapeTree is a shell running the python3 process as its child (sh -c 'python3 …; exit').
+	ShapeTree = "tree"
+)
+
 // Config configures Run.
 type Config struct {
 	// Addr is the server's host:port (gRPC over unencrypted HTTP/2).
@@ -57,6 +67,9 @@ type Config struct {
 	// ProcessMethod is how the rollback-process scenario's checkpoints capture its
 	// process: ProcessTemplate (default) or ProcessCRIU.
 	ProcessMethod string
+	// ProcessShape is the shape of the rollback-process scenario's processes:
+	// ShapeSingle (default), ShapeThreads or ShapeTree.
+	ProcessShape string
 	// API is how the rollback scenarios call the server: APIUnary (default) makes the
 	// restore and each step a unary call; APIStream sends a sandbox's steps on one StepStream
 	// of its own, the restore carried by the first step of each iteration
@@ -93,6 +106,7 @@ func (c *Config) Validate() error {
 	c.Group = cmp.Or(c.Group, 8)
 	c.ProcessMB = cmp.Or(c.ProcessMB, 8)
 	c.ProcessMethod = cmp.Or(c.ProcessMethod, ProcessTemplate)
+	c.ProcessShape = cmp.Or(c.ProcessShape, ShapeSingle)
 	c.Conns = cmp.Or(c.Conns, 1)
 	c.SampleInterval = cmp.Or(c.SampleInterval, time.Second)
 	switch {
@@ -110,6 +124,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("process size %d MiB is not within 1..1024: %w", c.ProcessMB, ErrInvalid)
 	case c.ProcessMethod != ProcessTemplate && c.ProcessMethod != ProcessCRIU:
 		return fmt.Errorf("process method %q is neither %q nor %q: %w", c.ProcessMethod, ProcessTemplate, ProcessCRIU, ErrInvalid)
+	case c.ProcessShape != ShapeSingle && c.ProcessShape != ShapeThreads && c.ProcessShape != ShapeTree:
+		return fmt.Errorf("process shape %q is none of %q, %q, %q: %w", c.ProcessShape, ShapeSingle, ShapeThreads, ShapeTree, ErrInvalid)
 	case c.Group < 1:
 		return fmt.Errorf("group %d: at least one child per fork: %w", c.Group, ErrInvalid)
 	case c.Conns < 1:

@@ -15,7 +15,8 @@ import (
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
-// The rollback-process scenario: per sandbox, one single-threaded python3 process holds
+// The rollback-process scenario: per sandbox, one python3 process (single-threaded, of
+// four threads, or the child of a shell: Config.ProcessShape) holds
 // Config.ProcessMB MiB (every page written) and a counter, and serves them on a loopback
 // TCP port of the sandbox's own network namespace. The sandbox is checkpointed once with
 // the process captured (a template, or CRIU); then each iteration restores it, asks the
@@ -30,8 +31,11 @@ const (
 	procReady = "/tmp/loadtest-proc.ready"
 )
 
-// procProgram is the process: python3 -c procProgram MIB COUNTER PORT READY_FIFO.
-const procProgram = `import socket, sys
+// procProgram is the process: python3 -c procProgram MIB COUNTER PORT READY_FIFO THREADS.
+// Its threads beyond the first wait, as a pool's workers do.
+const procProgram = `import socket, sys, threading, time
+for _ in range(int(sys.argv[5]) - 1):
+    threading.Thread(target=time.sleep, args=(1e9,), daemon=True).start()
 P = 4096
 buf = bytearray(int(sys.argv[1]) << 20)
 n = len(buf) // P
@@ -70,6 +74,7 @@ type rollbackProcessWorker struct {
 	base
 	mb          int
 	method      string
+	shape       string
 	ck          string
 	want        int // the counter at the checkpoint
 	skipRestore bool
@@ -150,9 +155,15 @@ func (w *rollbackProcessWorker) setup(ctx context.Context) error {
 		return fmt.Errorf("env %s has no python3 and bash (or no mkfifo): %w", w.env, ErrUnavailable)
 	}
 	w.want = 1000 + w.id
+	argv := []string{"python3", "-c", procProgram, strconv.Itoa(w.mb), strconv.Itoa(w.want), strconv.Itoa(procPort), procReady, "1"}
+	switch w.shape {
+	case ShapeThreads:
+		argv[len(argv)-1] = "4"
+	case ShapeTree:
+		argv = append([]string{"sh", "-c", `"$@"; exit`, "sh"}, argv...)
+	}
 	_, err = w.step(ctx, &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{
-		Argv:       []string{"python3", "-c", procProgram, strconv.Itoa(w.mb), strconv.Itoa(w.want), strconv.Itoa(procPort), procReady},
-		Background: true}}}, false)
+		Argv: argv, Background: true}}}, false)
 	if err != nil {
 		return fmt.Errorf("starting the process: %w", err)
 	}
@@ -164,6 +175,10 @@ func (w *rollbackProcessWorker) setup(ctx context.Context) error {
 		return fmt.Errorf("before the checkpoint: %w", err)
 	}
 	mode, method := deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE, deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
+	if w.shape == ShapeTree {
+		// A tree is not copied: CRIU takes it in either mode.
+		method = deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
+	}
 	if w.method == ProcessCRIU {
 		mode, method = deltagymv1.ProcessMode_PROCESS_MODE_CRIU, deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
 	}

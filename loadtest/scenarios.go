@@ -38,7 +38,7 @@ func newWorker(scenario string, id int, c deltagymv1.EnvServiceClient, cfg *Conf
 	case "rollback-exec":
 		return &rollbackExecWorker{base: b}
 	case "rollback-process":
-		return &rollbackProcessWorker{base: b, mb: cfg.ProcessMB, method: cfg.ProcessMethod}
+		return &rollbackProcessWorker{base: b, mb: cfg.ProcessMB, method: cfg.ProcessMethod, shape: cfg.ProcessShape}
 	case "steps":
 		return &stepsWorker{base: b}
 	case "grpo":

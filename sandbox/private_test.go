@@ -125,3 +125,72 @@ func TestCopiesOwnDescriptions(t *testing.T) {
 		}
 	}
 }
+
+// sharedMemPy maps anonymous memory shared and writable (mmap.mmap(-1, n)
+// is MAP_SHARED) holding "ckpt"; SIGUSR1 overwrites it, SIGUSR2 writes it
+// to /tmp/shm.<n>.
+const sharedMemPy = `
+import mmap, os, signal, time
+m = mmap.mmap(-1, 4096)
+m[:4] = b"ckpt"
+todo = []
+signal.signal(signal.SIGUSR1, lambda *a: todo.append("change"))
+signal.signal(signal.SIGUSR2, lambda *a: todo.append("report"))
+n = 0
+open("/tmp/ready", "w").close()
+while True:
+    while todo:
+        if todo.pop(0) == "change":
+            m[:4] = b"new!"
+            open("/tmp/changed", "w").close()
+        else:
+            n += 1
+            with open("/tmp/shm.tmp", "wb") as f:
+                f.write(m[:4])
+            os.rename("/tmp/shm.tmp", "/tmp/shm.%d" % n)
+    time.sleep(0.01)
+`
+
+// TestSharedMemoryNotShared: a process that maps memory shared and
+// writable is not a template (its copies would share that memory with the
+// template and the live process): CRIU saves it, and three restores, each
+// after the memory was overwritten, bring back the checkpoint's contents.
+func TestSharedMemoryNotShared(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	if err := s.WriteFile(ctx, "/tmp/shm.py", []byte(sharedMemPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/shm.py"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	report := func(n int) string {
+		t.Helper()
+		sh(t, s, "pkill -USR2 -f '[s]hm.py'")
+		waitFor(t, s, fmt.Sprintf("[ -e /tmp/shm.%d ]", n))
+		return sh(t, s, fmt.Sprintf("cat /tmp/shm.%d", n))
+	}
+	if got := report(1); got != "ckpt" {
+		t.Fatalf("before the checkpoint: %q", got)
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck.Processes) != 1 || ck.Processes[0].Method != sandbox.CaptureCRIU || !strings.Contains(ck.Processes[0].Reason, "shared and writable") {
+		t.Fatalf("captured %+v, want CRIU for memory mapped shared and writable", ck.Processes)
+	}
+	for round := range 3 {
+		sh(t, s, "pkill -USR1 -f '[s]hm.py'")
+		waitFor(t, s, "[ -e /tmp/changed ]")
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		if got := report(2); got != "ckpt" {
+			t.Fatalf("round %d: restored memory %q, want the checkpoint's", round, got)
+		}
+	}
+}

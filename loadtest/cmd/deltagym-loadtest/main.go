@@ -114,6 +114,7 @@ func parseArgs(args []string, stderr io.Writer) (*options, int) {
 	fs.IntVar(&cfg.FileSize, "file-size", 4096, "bytes the rollback scenario writes per iteration")
 	fs.IntVar(&cfg.ProcessMB, "process-mb", 8, "rollback-process: MiB the process of each sandbox holds (every page written)")
 	fs.StringVar(&cfg.ProcessMethod, "process-method", loadtest.ProcessTemplate, "rollback-process: how checkpoints capture the process: template, or criu")
+	fs.StringVar(&cfg.ProcessShape, "process-shape", loadtest.ShapeSingle, "rollback-process: the process's shape: single, threads (four), or tree (a shell running it as its child)")
 	fs.BoolVar(&o.noCRIU, "no-criu", false, "rollback-process: do not measure (or probe) the CRIU variant beside the template run")
 	fs.IntVar(&cfg.Group, "group", 8, "children per fork in the grpo scenario")
 	fs.StringVar(&cfg.API, "api", "", "rollback scenarios: "+loadtest.APIStream+" (one StepStream per sandbox; the restore rides on a step, restore_checkpoint_id) or "+loadtest.APIUnary+" (Restore and each step a unary call); default "+loadtest.APIStream+" for rollback and rollback-exec, "+loadtest.APIUnary+" for the others")
