@@ -715,6 +715,27 @@ func adoptNamespaces(dir string) error {
 	return err
 }
 
+// TreeThreads lists the ids of the threads of the tree dumped in dir, as
+// its pid namespace numbers them, the processes' own ids among them: a
+// restore gives each its id back, so none may be taken.
+func TreeThreads(dir string) ([]int, error) {
+	tree, err := decodeImage(filepath.Join(dir, "pstree.img"), &pstree.PstreeEntry{})
+	if err != nil {
+		return nil, err
+	}
+	var out []int
+	for _, e := range tree.Entries {
+		p := e.Message.(*pstree.PstreeEntry)
+		out = append(out, int(p.GetPid()))
+		for _, t := range p.GetThreads() {
+			if int(t) != int(p.GetPid()) {
+				out = append(out, int(t))
+			}
+		}
+	}
+	return out, nil
+}
+
 // leadOwnSession rewrites the process tree image of a dump so that the
 // tree's root leads the session and the process group of every process
 // whose leader is not in the tree: the root of `cmd &`, whose shell has

@@ -291,11 +291,19 @@ func (ps *State) waitPidsFree(u Unit) error {
 	for _, p := range u.Procs {
 		want[p.NSPid] = true
 	}
+	// A thread's id is not listed in /proc, but it is taken while the
+	// thread lives (an ended process's threads exit one by one).
+	tids, _ := criu.TreeThreads(u.Dir)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		holder, err := pidHolder(procDir, want)
 		if err != nil {
 			return err
+		}
+		for _, tid := range tids {
+			if _, serr := os.Stat(procDir + "/" + strconv.Itoa(tid)); holder == "" && serr == nil && !want[tid] {
+				holder = fmt.Sprintf("thread id %d is still taken", tid)
+			}
 		}
 		if holder == "" {
 			return nil
