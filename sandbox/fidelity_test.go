@@ -234,8 +234,31 @@ func (f *fidRun) note(format string, args ...any) {
 
 func (f *fidRun) fatalf(format string, args ...any) {
 	f.t.Helper()
+	msg := fmt.Sprintf(format, args...)
 	tail := f.journal[max(0, len(f.journal)-40):]
-	f.t.Fatalf("seed %d (DG_FID_SEED=%d to replay): %s\nlive writers %v\nlast steps:\n  %s", f.seed, f.seed, fmt.Sprintf(format, args...), f.live, strings.Join(tail, "\n  "))
+	f.t.Fatalf("seed %d (DG_FID_SEED=%d to replay): %s\nlive writers %v\nlast steps:\n  %s\n%s", f.seed, f.seed, msg, f.live, strings.Join(tail, "\n  "), f.diagnose(msg))
+}
+
+// diagnose returns the end of the CRIU log msg names, which goes with the
+// test's directory, and the sandbox's processes and threads.
+func (f *fidRun) diagnose(msg string) string {
+	var out strings.Builder
+	if _, rest, ok := strings.Cut(msg, "criu's log: "); ok {
+		name, _, _ := strings.Cut(rest, ")")
+		if log, err := os.ReadFile(name); err == nil {
+			lines := strings.Split(strings.TrimSpace(string(log)), "\n")
+			fmt.Fprintf(&out, "the end of %s:\n  %s\n", name, strings.Join(lines[max(0, len(lines)-40):], "\n  "))
+		}
+	}
+	out.WriteString("the sandbox's threads (tid, tgid: stat):\n")
+	procDir := fmt.Sprintf("/proc/%d/root/proc", f.s.InitPid())
+	tasks, _ := filepath.Glob(procDir + "/[0-9]*/task/[0-9]*")
+	for _, task := range tasks {
+		st, _ := os.ReadFile(task + "/stat")
+		rel := strings.TrimPrefix(task, procDir+"/")
+		fmt.Fprintf(&out, "  %s: %.120s\n", rel, strings.TrimSpace(string(st)))
+	}
+	return out.String()
 }
 
 func (f *fidRun) exec(sb *sandbox.Sandbox, req sandbox.ExecRequest) string {
@@ -740,7 +763,7 @@ func (f *fidRun) round() {
 
 // TestRestoreFidelity runs the model's random file operations with
 // background writers of every process shape (see the comment at the top
-// of this file): DG_FID_ROUNDS rounds (30 by default), seeded by
+// of this file): DG_FID_ROUNDS rounds (40 by default), seeded by
 // DG_FID_SEED (the time by default; a failure prints it).
 func TestRestoreFidelity(t *testing.T) {
 	needCRIU(t)
@@ -753,7 +776,7 @@ func TestRestoreFidelity(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	rounds := 30
+	rounds := 40
 	if v := os.Getenv("DG_FID_ROUNDS"); v != "" {
 		var err error
 		if rounds, err = strconv.Atoi(v); err != nil {
