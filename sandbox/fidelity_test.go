@@ -50,6 +50,23 @@ import (
 const bugForkImageLiveRoot = "known bug: the CRIU images of templates are made in the live root, not the checkpoint's (procstate.stoppedCopies): " +
 	"a fork fails when a file a template has open changed since the checkpoint"
 
+// bugRestoreIDsTaken names a known fidelity bug, seen now and then in
+// TestRestoreFidelity (about one run of 80 rounds in five): a restore in
+// place of a checkpoint whose multi-threaded writer CRIU saved fails, criu
+// finding the process's pid or a thread's id taken (EEXIST: "Can't fork for
+// <pid>: File exists", or "Unable to create a thread: -17"), though no
+// process of the sandbox has it once the restore has failed. The ids are
+// those the writer had before the restore killed it. procstate.waitPidsFree
+// waits for the pids of a tree's processes to be free, not for the ids of
+// their threads.
+const bugRestoreIDsTaken = "known bug: an in-place restore of a multi-threaded CRIU process now and then finds its pid or a thread's id still taken (criu: EEXIST)"
+
+// knownRestoreBug reports whether err is bugRestoreIDsTaken's failure.
+func knownRestoreBug(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "criu") && (strings.Contains(msg, ": File exists") || strings.Contains(msg, "Unable to create a thread: -17"))
+}
+
 // runKnownBugs: DG_FID_KNOWN_BUGS=1 runs what the known bugs above break,
 // to see them fail (and fixed).
 func runKnownBugs() bool { return os.Getenv("DG_FID_KNOWN_BUGS") != "" }
@@ -205,6 +222,7 @@ type fidSnap struct {
 	templated []*fidWriter
 	epoch     int            // /fid/epoch at the checkpoint
 	least     map[string]int // records each file had before the checkpoint
+	table     string         // the sandbox's threads at the checkpoint
 }
 
 // fidRun is the state of one run of TestRestoreFidelity.
@@ -224,6 +242,7 @@ type fidRun struct {
 	epoch   int            // the value in the sandbox's /fid/epoch
 	seen    map[string]int // records each live file had at its last check
 	journal []string
+	target  *fidSnap // the checkpoint being restored or forked, for diagnose
 	stats   map[string]int
 	methods map[string]int // processes captured, by method
 }
@@ -250,13 +269,27 @@ func (f *fidRun) diagnose(msg string) string {
 			fmt.Fprintf(&out, "the end of %s:\n  %s\n", name, strings.Join(lines[max(0, len(lines)-40):], "\n  "))
 		}
 	}
-	out.WriteString("the sandbox's threads (tid, tgid: stat):\n")
-	procDir := fmt.Sprintf("/proc/%d/root/proc", f.s.InitPid())
+	if f.target != nil {
+		fmt.Fprintf(&out, "the threads of checkpoint %s:\n%s", f.target.id, f.target.table)
+	}
+	fmt.Fprintf(&out, "the sandbox's threads:\n%s", threadTable(f.s))
+	return out.String()
+}
+
+// threadTable lists the threads of sb's pid namespace: tgid/task/tid,
+// then comm, state, ppid, process group and session.
+func threadTable(sb *sandbox.Sandbox) string {
+	var out strings.Builder
+	procDir := fmt.Sprintf("/proc/%d/root/proc", sb.InitPid())
+	last, _ := os.ReadFile(procDir + "/sys/kernel/ns_last_pid")
+	fmt.Fprintf(&out, "  ns_last_pid %s", last)
 	tasks, _ := filepath.Glob(procDir + "/[0-9]*/task/[0-9]*")
 	for _, task := range tasks {
 		st, _ := os.ReadFile(task + "/stat")
-		rel := strings.TrimPrefix(task, procDir+"/")
-		fmt.Fprintf(&out, "  %s: %.120s\n", rel, strings.TrimSpace(string(st)))
+		if i := strings.LastIndexByte(string(st), ')'); i > 0 && len(st) > i+2 {
+			f := strings.Fields(string(st[i+2:]))
+			fmt.Fprintf(&out, "  %s %s %s\n", strings.TrimPrefix(task, procDir+"/"), st[:i+1], strings.Join(f[:min(4, len(f))], " "))
+		}
 	}
 	return out.String()
 }
@@ -616,7 +649,7 @@ func (f *fidRun) checkpoint() {
 		}
 	}
 	f.snaps = append(f.snaps, fidSnap{id: ck.ID, m: f.m.clone(), live: slices.Clone(f.live), stale: slices.Clone(f.stale),
-		templated: templated, epoch: f.epoch, least: least})
+		templated: templated, epoch: f.epoch, least: least, table: threadTable(f.s)})
 	f.epoch++
 	f.setEpoch(f.s, f.epoch)
 	f.note("checkpoint %s (epoch %d): %s", ck.ID, f.epoch-1, methods(ck.Processes))
@@ -636,7 +669,13 @@ func (f *fidRun) goTo(snap fidSnap) {
 func (f *fidRun) restore(i int, kind string) {
 	f.t.Helper()
 	snap := f.snaps[i]
+	f.target = &snap
+	defer func() { f.target = nil }()
 	if err := f.s.Restore(f.t.Context(), snap.id); err != nil {
+		if knownRestoreBug(err) && !runKnownBugs() {
+			f.t.Logf("%s %s: %v\n%s", kind, snap.id, err, f.diagnose(err.Error()))
+			f.t.Skipf("seed %d: %s (DG_FID_KNOWN_BUGS=1 fails instead)", f.seed, bugRestoreIDsTaken)
+		}
 		f.fatalf("%s %s: %v", kind, snap.id, err)
 	}
 	f.goTo(snap)
@@ -651,6 +690,8 @@ func (f *fidRun) fork(i int) {
 	f.t.Helper()
 	ctx := f.t.Context()
 	snap := f.snaps[i]
+	f.target = &snap
+	defer func() { f.target = nil }()
 	// The images forks restore templates from are not of the checkpoint's
 	// instant (bugForkImageLiveRoot): unless asked, forks start without
 	// the templates' processes, leaving their writers' files behind.
