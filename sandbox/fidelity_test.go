@@ -51,12 +51,12 @@ const bugForkImageLiveRoot = "known bug: the CRIU images of templates are made i
 	"a fork fails when a file a template has open changed since the checkpoint"
 
 // bugRestoreIDsTaken names a known fidelity bug, seen now and then in
-// TestRestoreFidelity (about one run of 80 rounds in five): a restore in
+// TestRestoreFidelity (about one run of 80 rounds in four): a restore in
 // place of a checkpoint whose multi-threaded writer CRIU saved fails, criu
 // finding the process's pid or a thread's id taken (EEXIST: "Can't fork for
 // <pid>: File exists", or "Unable to create a thread: -17"), though no
 // process of the sandbox has it once the restore has failed. The ids are
-// those the writer had before the restore killed it. procstate.waitPidsFree
+// those the writer had before the restore killed it; procstate.waitPidsFree
 // waits for the pids of a tree's processes to be free, not for the ids of
 // their threads.
 const bugRestoreIDsTaken = "known bug: an in-place restore of a multi-threaded CRIU process now and then finds its pid or a thread's id still taken (criu: EEXIST)"
@@ -612,12 +612,17 @@ func (f *fidRun) stopWriter(w *fidWriter) {
 	mk := w.marker()
 	// The pattern does not match its own shell's command line.
 	f.exec(f.s, sandbox.ExecRequest{Command: fmt.Sprintf("pkill -KILL -f '%s[@]' || true", strings.TrimSuffix(mk, "@"))})
+	// Polled until the kernel has reaped them, the deadline a watchdog.
 	deadline := time.Now().Add(20 * time.Second)
 	for f.procs(f.s).anywhere[mk] != 0 {
 		if time.Now().After(deadline) {
 			f.fatalf("writer %s still runs 20 s after SIGKILL", w)
 		}
-		time.Sleep(5 * time.Millisecond) // a watchdog-bounded poll for the kernel's reaping
+		select {
+		case <-f.t.Context().Done():
+			f.fatalf("stopping writer %s: %v", w, f.t.Context().Err())
+		case <-time.After(5 * time.Millisecond):
+		}
 	}
 	f.exec(f.s, sandbox.ExecRequest{Command: "rm -f " + strings.Join(w.files(), " ")})
 	f.live = slices.DeleteFunc(slices.Clone(f.live), func(x *fidWriter) bool { return x == w })
