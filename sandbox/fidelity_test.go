@@ -58,7 +58,9 @@ const bugForkImageLiveRoot = "known bug: the CRIU images of templates are made i
 // process of the sandbox has it once the restore has failed. The ids are
 // those the writer had before the restore killed it; procstate.waitPidsFree
 // waits for the pids of a tree's processes to be free, not for the ids of
-// their threads.
+// their threads. TestCRIURestoreThreadedInPlace reproduces it: one
+// multi-threaded process, checkpointed and restored in place again and again
+// (a tree of single-threaded processes passes 150 rounds).
 const bugRestoreIDsTaken = "known bug: an in-place restore of a multi-threaded CRIU process now and then finds its pid or a thread's id still taken (criu: EEXIST)"
 
 // knownRestoreBug reports whether err is bugRestoreIDsTaken's failure.
@@ -931,4 +933,43 @@ for line in open("/tmp/ctl"):
 			}
 		})
 	}
+}
+
+// A multi-threaded process saved by CRIU comes back from checkpoint after
+// checkpoint, each restored in place right after it was taken: 200 rounds
+// of checkpoint, a command, restore (about 40 s).
+func TestCRIURestoreThreadedInPlace(t *testing.T) {
+	if !runKnownBugs() {
+		t.Skip(bugRestoreIDsTaken + ": within about 100 rounds here (DG_FID_KNOWN_BUGS=1 runs it)")
+	}
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	sh(t, s, "mkdir -p /fid/out && echo 1 > /fid/epoch")
+	if err := s.WriteFile(ctx, "/fid/w.py", []byte(fidWriterPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/fid/w.py", "threads", "/fid/out/t", "@t@"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -s /fid/out/t.2 ]")
+	var prev string
+	for round := range 200 {
+		ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+		if err != nil {
+			t.Fatalf("round %d: checkpoint: %v", round, err)
+		}
+		if prev != "" {
+			if err := b.rt.ReleaseCheckpoint(prev); err != nil {
+				t.Fatal(err)
+			}
+		}
+		prev = ck.ID
+		sh(t, s, "true")
+		if err := s.Restore(ctx, ck.ID); err != nil {
+			t.Fatalf("round %d: restore: %v\nthe sandbox's threads:\n%s", round, err, threadTable(s))
+		}
+	}
+	waitFor(t, s, "[ $(ls /proc/$(pgrep -f '[@]t@')/task | wc -l) = 4 ]")
 }
