@@ -44,29 +44,17 @@ import (
 // (or a restore elsewhere, or after a restart) restores a template's
 // process from is dumped from a copy of the template fixed up in the
 // sandbox's live root (procstate.stoppedCopies), not in the checkpoint's
-// files. A file the template has open that has changed since the
-// checkpoint fails the fork: CRIU's size check ("File … has bad size",
-// for a file not opened O_APPEND) or the copy's reopen (the file removed).
+// files. A file the template has open that has been removed since the
+// checkpoint fails the fork (the copy's reopen finds no file).
 const bugForkImageLiveRoot = "known bug: the CRIU images of templates are made in the live root, not the checkpoint's (procstate.stoppedCopies): " +
-	"a fork fails when a file a template has open changed since the checkpoint"
+	"a fork fails when a file a template has open was removed since the checkpoint"
 
-// bugRestoreIDsTaken names a known fidelity bug, seen now and then in
-// TestRestoreFidelity (about one run of 80 rounds in four): a restore in
-// place of a checkpoint whose multi-threaded writer CRIU saved fails, criu
-// finding the process's pid or a thread's id taken (EEXIST: "Can't fork for
-// <pid>: File exists", or "Unable to create a thread: -17"), though no
-// process of the sandbox has it once the restore has failed. The ids are
-// those the writer had before the restore killed it; procstate.waitPidsFree
-// waits for the pids of a tree's processes to be free, not for the ids of
-// their threads. TestCRIURestoreThreadedInPlace reproduces it: one
-// multi-threaded process, checkpointed and restored in place again and again
-// (a tree of single-threaded processes passes 150 rounds).
-const bugRestoreIDsTaken = "known bug: an in-place restore of a multi-threaded CRIU process now and then finds its pid or a thread's id still taken (criu: EEXIST)"
-
-// knownRestoreBug reports whether err is bugRestoreIDsTaken's failure.
-func knownRestoreBug(err error) bool {
-	msg := err.Error()
-	return strings.Contains(msg, "criu") && (strings.Contains(msg, ": File exists") || strings.Contains(msg, "Unable to create a thread: -17"))
+// fidRounds is DG_FID_ROUNDS, or def when it is unset or not a number.
+func fidRounds(def int) int {
+	if n, err := strconv.Atoi(os.Getenv("DG_FID_ROUNDS")); err == nil && n > 0 {
+		return n
+	}
+	return def
 }
 
 // runKnownBugs: DG_FID_KNOWN_BUGS=1 runs what the known bugs above break,
@@ -679,10 +667,6 @@ func (f *fidRun) restore(i int, kind string) {
 	f.target = &snap
 	defer func() { f.target = nil }()
 	if err := f.s.Restore(f.t.Context(), snap.id); err != nil {
-		if knownRestoreBug(err) && !runKnownBugs() {
-			f.t.Logf("%s %s: %v\n%s", kind, snap.id, err, f.diagnose(err.Error()))
-			f.t.Skipf("seed %d: %s (DG_FID_KNOWN_BUGS=1 fails instead)", f.seed, bugRestoreIDsTaken)
-		}
 		f.fatalf("%s %s: %v", kind, snap.id, err)
 	}
 	f.goTo(snap)
@@ -824,13 +808,7 @@ func TestRestoreFidelity(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	rounds := 40
-	if v := os.Getenv("DG_FID_ROUNDS"); v != "" {
-		var err error
-		if rounds, err = strconv.Atoi(v); err != nil {
-			t.Fatal(err)
-		}
-	}
+	rounds := fidRounds(40)
 	t.Logf("seed %d (DG_FID_SEED=%d to replay), %d rounds (DG_FID_ROUNDS)", seed, seed, rounds)
 	rng := rand.New(rand.NewSource(seed))
 	f := &fidRun{t: t, b: b, s: b.create(t, sandbox.Spec{Image: img}), seed: seed, rng: rng, m: newModel(),
@@ -891,8 +869,8 @@ func TestForkTemplateOfChangedFile(t *testing.T) {
 		name, mode, change string
 		bug                string
 	}{
-		{"grown", "w", "echo more >> /tmp/f", bugForkImageLiveRoot},
-		{"shrunk", "w", "truncate -s 1 /tmp/f", bugForkImageLiveRoot},
+		{"grown", "w", "echo more >> /tmp/f", ""},
+		{"shrunk", "w", "truncate -s 1 /tmp/f", ""},
 		{"appended to", "a", "echo more >> /tmp/f", ""},
 		{"removed", "w", "rm /tmp/f", bugForkImageLiveRoot},
 	} {
@@ -936,12 +914,11 @@ for line in open("/tmp/ctl"):
 }
 
 // A multi-threaded process saved by CRIU comes back from checkpoint after
-// checkpoint, each restored in place right after it was taken: 200 rounds
-// of checkpoint, a command, restore (about 40 s).
+// checkpoint, each restored in place right after it was taken: rounds of
+// checkpoint, a command, restore; each restore waits for the ids of the
+// threads the restore killed to be free, which criu gives back
+// (DG_FID_ROUNDS rounds, 60 by default, about 12 s).
 func TestCRIURestoreThreadedInPlace(t *testing.T) {
-	if !runKnownBugs() {
-		t.Skip(bugRestoreIDsTaken + ": within about 100 rounds here (DG_FID_KNOWN_BUGS=1 runs it)")
-	}
 	needCRIU(t)
 	b := setup(t)
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
@@ -955,7 +932,7 @@ func TestCRIURestoreThreadedInPlace(t *testing.T) {
 	}
 	waitFor(t, s, "[ -s /fid/out/t.2 ]")
 	var prev string
-	for round := range 200 {
+	for round := range fidRounds(60) {
 		ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
 		if err != nil {
 			t.Fatalf("round %d: checkpoint: %v", round, err)

@@ -10,8 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/ptfork"
@@ -184,7 +182,7 @@ func (ps *State) stoppedCopies(tg *cgroup.Cgroup, tpls []Template) (out []stoppe
 			cp.Kill()
 			return out, fmt.Errorf("fixing up the copy of %s: %w", t.name(), err)
 		}
-		cp.Signal = unix.SIGSTOP
+		cp.StopOnDetach()
 		if err := cp.Detach(); err != nil {
 			cp.Kill()
 			return out, err

@@ -121,6 +121,16 @@ func (p *Proc) UseStates(st ThreadStates) {
 	}
 }
 
+// StopOnDetach has Detach leave stopped process p stopped (SIGSTOP),
+// every thread of it: each is detached with the signal pending, so none
+// runs an instruction of its own before the group stops.
+func (p *Proc) StopOnDetach() {
+	p.Signal = unix.SIGSTOP
+	for _, t := range p.threads {
+		t.Signal = unix.SIGSTOP
+	}
+}
+
 // tasks lists pid's threads, the leader first.
 func tasks(pid int) ([]int, error) {
 	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/task")
