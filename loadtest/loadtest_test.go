@@ -35,6 +35,8 @@ func TestConfigValidate(t *testing.T) {
 		{"rollback-process", Config{Addr: "x:1", Scenario: "rollback-process"}, true},
 		{"negative process size", Config{Addr: "x:1", ProcessMB: -1}, false},
 		{"unknown process method", Config{Addr: "x:1", ProcessMethod: "dump"}, false},
+		{"unknown process shape", Config{Addr: "x:1", ProcessShape: "ring"}, false},
+		{"threads", Config{Addr: "x:1", Scenario: "rollback-process", ProcessShape: ShapeThreads}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.cfg.Validate()

@@ -22,12 +22,19 @@ func skipUnavailable(t *testing.T, err error) {
 }
 
 // TestRollbackProcessScenario runs rollback-process against the real server for a few
-// seconds: every iteration restores an 8 MiB python3 process from its template and finds
-// it at its checkpointed counter, with no errors.
+// seconds in each shape: every iteration restores an 8 MiB python3 process (from its
+// template; a shell's child, with the shell, from CRIU) and finds it at its checkpointed
+// counter, with no errors.
 func TestRollbackProcessScenario(t *testing.T) {
 	s := needServer(t)
-	rep, err := Run(t.Context(), Config{Addr: s.Addr, Token: s.Token, Scenario: "rollback-process", Concurrency: 4,
-		Duration: 4 * time.Second, Warmup: time.Second})
+	for _, shape := range []string{ShapeSingle, ShapeThreads, ShapeTree} {
+		t.Run(shape, func(t *testing.T) { rollbackProcessShape(t, s.Addr, s.Token, shape) })
+	}
+}
+
+func rollbackProcessShape(t *testing.T, addr, token, shape string) {
+	rep, err := Run(t.Context(), Config{Addr: addr, Token: token, Scenario: "rollback-process", Concurrency: 4,
+		ProcessShape: shape, Duration: 3 * time.Second, Warmup: time.Second})
 	skipUnavailable(t, err)
 	if err != nil {
 		t.Fatal(err)
