@@ -194,3 +194,59 @@ func TestSharedMemoryNotShared(t *testing.T) {
 		}
 	}
 }
+
+// What a template copy cannot carry goes to CRIU, saying why, or is left
+// as it is: pipes to itself holding more than a copy carries; a unix
+// socket bound to a relative path (the cwd of its bind is not known), whose listener stays
+// shared, and the file at that path from the checkpoint's cwd untouched.
+func TestTemplateLimits(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := t.Context()
+	bigPipe := `import fcntl, os, time
+r, w = os.pipe()
+fcntl.fcntl(w, 1031, 1 << 20)
+os.write(w, b"x" * (300 << 10))
+open("/tmp/ready", "w").close()
+time.sleep(1e9)
+`
+	relSocket := `import os, socket, time
+os.makedirs("/tmp/d", exist_ok=True)
+os.chdir("/tmp/d")
+s = socket.socket(socket.AF_UNIX)
+s.bind("answer.txt")
+s.listen()
+os.chdir("/work")
+open("/tmp/ready", "w").close()
+time.sleep(1e9)
+`
+	for _, c := range []struct{ name, prog, ready, method, reason string }{
+		{"big pipe", bigPipe, "[ -e /tmp/ready ]", "python3:criu", "pipes to itself"},
+		{"relative unix socket", relSocket, "[ -e /tmp/ready ]", "python3:template", ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+			sh(t, s, "mkdir -p /work && echo 42 > /work/answer.txt")
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", c.prog}, Background: true}); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, s, c.ready)
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatalf("checkpoint: %v", err)
+			}
+			if got := methods(ck.Processes); got != c.method || !strings.Contains(ck.Processes[0].Reason, c.reason) {
+				t.Fatalf("captured %q (%+v), want %s saying %q", got, ck.Processes, c.method, c.reason)
+			}
+			if strings.ContainsAny(ck.Processes[0].Reason, "0123456789") && c.reason != "" && !strings.Contains(c.reason, "pipes") {
+				t.Errorf("reason %q names a number (a host pid?)", ck.Processes[0].Reason)
+			}
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				t.Fatalf("restore: %v", err)
+			}
+			if got := sh(t, s, "cat /work/answer.txt"); got != "42\n" {
+				t.Fatalf("/work/answer.txt after the restore: %q", got)
+			}
+		})
+	}
+}

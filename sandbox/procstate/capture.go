@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"regexp"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -140,7 +142,7 @@ func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
 					delete(stop.seized, p.Pid)
 					continue // it exited
 				}
-				return stop, fmt.Errorf("%w: stopping the sandbox's processes: %w; checkpoint files only (process mode filesystem)", ErrProcesses, err)
+				return stop, fmt.Errorf("%w: stopping the sandbox's processes: %s: %w; checkpoint files only (process mode filesystem)", ErrProcesses, sandboxName(p.Pid), errnoOf(err))
 			}
 			stop.order = append(stop.order, p.Pid)
 		}
@@ -194,12 +196,41 @@ func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int, held map[int]bool)
 			continue
 		}
 		if err != nil {
-			return nil, false, fmt.Errorf("%w: pid %d: %w", ErrProcesses, pid, err)
+			return nil, false, fmt.Errorf("%w: %s cannot be stopped to be copied (%w); checkpoint files only (process mode filesystem)", ErrProcesses, sandboxName(pid), errnoOf(err))
 		}
 		stop.seized[pid] = p
 		fresh = append(fresh, p)
 	}
 	return fresh, more, nil
+}
+
+// sandboxName names host process pid as the sandbox sees it: "pid N
+// (comm)", or "a process" once it is gone.
+func sandboxName(pid int) string {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return "a process"
+	}
+	t := Template{Comm: "?"}
+	readStatus(string(b), &t)
+	if k, v, ok := strings.Cut(strings.SplitN(string(b), "\n", 2)[0], ":"); ok && k == "Name" {
+		t.Comm = strings.TrimSpace(v)
+	}
+	return t.name()
+}
+
+// errnoOf is err's errno, which names no host pid, or a generic error.
+func errnoOf(err error) error {
+	var e unix.Errno
+	if errors.As(err, &e) {
+		return e
+	}
+	for _, known := range []error{ptfork.ErrNoStop, ptfork.ErrThreads, ptfork.ErrGone} {
+		if errors.Is(err, known) {
+			return known
+		}
+	}
+	return errors.New("ptrace refused")
 }
 
 // threadsReason says why the threads of process pid, refused by Seize
@@ -445,8 +476,21 @@ func (ps *State) copyError(name string, err error) error {
 	if perr := PidsError(err, ps.h.PidsLimit(), ps.h.Cgroup()); perr != err {
 		return fmt.Errorf("copying %s: %w", name, perr)
 	}
-	return fmt.Errorf("%w: copying %s: %w", ErrProcesses, name, err)
+	return fmt.Errorf("%w: copying %s: %w", ErrProcesses, name, scrubPids{err})
 }
+
+// hostPid matches the host pids sandbox/ptfork's errors name.
+var hostPid = regexp.MustCompile(`\b(pid|thread|copy|tid) [0-9]+`)
+
+// scrubPids is an error whose message names no host pid (the sandbox's
+// pids differ; the host's are not the client's business), unwrapping to
+// the error it scrubs.
+type scrubPids struct{ err error }
+
+func (e scrubPids) Error() string {
+	return hostPid.ReplaceAllString(e.err.Error(), "$1 of the sandbox")
+}
+func (e scrubPids) Unwrap() error { return e.err }
 
 // templatesFull says why the processes of units that a checkpoint in mode
 // would copy as templates go to CRIU instead, if they do: frozen copies

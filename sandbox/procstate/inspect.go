@@ -65,7 +65,7 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 	} else if mnt != rootMnt && pi.reason == "" {
 		pi.reason = "its working directory " + pi.tpl.Cwd + " is outside the sandbox's root filesystem"
 	}
-	specials, err := inspectFiles(dir, rootMnt, &pi)
+	specials, err := inspectFiles(pid, dir, rootMnt, &pi)
 	if err != nil {
 		return pi, err
 	}
@@ -104,7 +104,7 @@ func readStatus(status string, t *Template) {
 	}
 }
 
-func inspectFiles(dir string, rootMnt uint64, pi *procInfo) ([]special, error) {
+func inspectFiles(pid int, dir string, rootMnt uint64, pi *procInfo) ([]special, error) {
 	ents, err := os.ReadDir(dir + "/fd")
 	if err != nil {
 		return nil, err
@@ -125,7 +125,7 @@ func inspectFiles(dir string, rootMnt uint64, pi *procInfo) ([]special, error) {
 		}
 		if !strings.HasPrefix(link, "/") {
 			fl, _ := strconv.ParseInt(fdinfoField(string(info), "flags"), 8, 64)
-			specials = append(specials, special{fd: fd, link: link, flags: int(fl), info: string(info)})
+			specials = append(specials, special{pid: pid, fd: fd, link: link, flags: int(fl), info: string(info)})
 			continue
 		}
 		var tf File

@@ -81,11 +81,19 @@ type Watch struct {
 const (
 	defaultPipeSize  = 65536
 	eventfdSemaphore = 1 // EFD_SEMAPHORE
+	// maxPipeBytes bounds what a template's pipes to itself may hold, all
+	// together, and maxPrivate how many descriptions it may have its
+	// copies get their own of: the record keeps them, and each copy is
+	// given them by injected calls. A process past either is saved by
+	// CRIU, whose images count against the checkpoint budget.
+	maxPipeBytes = 256 << 10
+	maxPrivate   = 1024
 )
 
 // special is an fd whose target is not a path: a pipe, a socket, an
 // anonymous inode.
 type special struct {
+	pid   int // the process's host pid
 	fd    int
 	link  string
 	flags int
@@ -135,6 +143,9 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 	if err := pipePrivates(pidfd, specials, pipes, writeEnds, pi); err != nil {
 		return err
 	}
+	if n := len(pi.tpl.Private) + len(epolls); n > maxPrivate && pi.reason == "" {
+		pi.reason = fmt.Sprintf("it holds %d pipes, eventfds, timerfds, epoll instances and sockets a copy would get its own of (template copies take at most %d)", n, maxPrivate)
+	}
 	for _, sp := range epolls {
 		p, why := epollPrivate(pid, sp, specials)
 		if why != "" {
@@ -152,6 +163,7 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 // whose write ends (among writeEnds) the process holds too, with what they
 // hold, and their other read ends.
 func pipePrivates(pidfd int, specials []special, pipes map[string]*Private, writeEnds []special, pi *procInfo) error {
+	held := 0
 	for _, w := range writeEnds {
 		if p := pipes[w.link]; p != nil {
 			p.Write = append(p.Write, PrivateFD{FD: w.fd, Flags: w.flags})
@@ -169,6 +181,12 @@ func pipePrivates(pidfd int, specials []special, pipes map[string]*Private, writ
 		}
 		if err := pipeContents(pidfd, p); err != nil {
 			return fmt.Errorf("reading the pipe of fd %d: %w", p.FD, err)
+		}
+		if held += max(len(p.Data), p.Size); held > maxPipeBytes {
+			if pi.reason == "" {
+				pi.reason = fmt.Sprintf("its pipes to itself hold, or can hold, more than %d bytes (template copies carry at most that)", maxPipeBytes)
+			}
+			return nil
 		}
 		pi.tpl.Private = append(pi.tpl.Private, *p)
 	}
@@ -200,8 +218,10 @@ func socketPrivate(pidfd int, sp special) (Private, bool) {
 		// A unix socket bound to a path: the restored root's file at the
 		// path is a copy, which no socket is bound to; the copy binds it
 		// again. Others keep their address (and the template holds it).
+		// Only an absolute path whose file is a socket: a relative one
+		// was resolved against the cwd of the bind, which is not known.
 		if sa, err := unix.Getsockname(fd); err == nil && domain == unix.AF_UNIX && err2 == nil {
-			if u, ok := sa.(*unix.SockaddrUnix); ok && u.Name != "" && u.Name[0] != '@' && u.Name[0] != 0 {
+			if u, ok := sa.(*unix.SockaddrUnix); ok && strings.HasPrefix(u.Name, "/") && isSocketIn(sp.pid, u.Name) {
 				return Private{Kind: "unixlisten", FD: sp.fd, Flags: sp.flags, Type: typ, Path: u.Name}, true
 			}
 		}
@@ -241,6 +261,24 @@ func timerfdPrivate(sp special) (Private, bool) {
 	return p, true
 }
 
+// isSocketIn reports whether path, resolved in the root of process pid
+// (never outside it), is a socket.
+func isSocketIn(pid int, path string) bool {
+	root, err := unix.Open("/proc/"+strconv.Itoa(pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(root)
+	fd, err := unix.Openat2(root, strings.TrimLeft(path, "/"), &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	return unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK
+}
+
 // pipeContents reads what pipe p holds without taking it out (tee into a
 // pipe of the server's), and its capacity.
 func pipeContents(pidfd int, p *Private) error {
@@ -251,6 +289,9 @@ func pipeContents(pidfd int, p *Private) error {
 	defer unix.Close(src)
 	if size, err := unix.FcntlInt(uintptr(src), unix.F_GETPIPE_SZ, 0); err == nil && size != defaultPipeSize {
 		p.Size = size
+	}
+	if p.Size > maxPipeBytes {
+		return nil // not read: too large to carry (pipePrivates)
 	}
 	var fds [2]int
 	if err := unix.Pipe2(fds[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
@@ -585,6 +626,15 @@ func fillPipe(pid, fd int, data []byte) error {
 		return err
 	}
 	defer unix.Close(w)
+	// Non-blocking (the write end's own flags are set after): a pipe the
+	// kernel made smaller than asked (its user past its pipe pages) would
+	// hold the server's write forever.
+	if _, err := unix.FcntlInt(uintptr(w), unix.F_SETFL, unix.O_NONBLOCK); err != nil {
+		return err
+	}
+	if size, err := unix.FcntlInt(uintptr(w), unix.F_GETPIPE_SZ, 0); err == nil && size < len(data) {
+		return fmt.Errorf("the new pipe holds %d bytes, less than the %d the process's held (its user is past its pipe pages)", size, len(data))
+	}
 	for len(data) > 0 {
 		n, err := unix.Write(w, data)
 		if err != nil {
@@ -654,9 +704,13 @@ func rebindUnix(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error
 	if err != nil {
 		return fd, err
 	}
-	fdcwd := unix.AT_FDCWD
-	if _, err := cp.Syscall(unix.SYS_UNLINKAT, uintptr(fdcwd), a, 0); err != nil && !errors.Is(err, unix.ENOENT) {
-		return fd, fmt.Errorf("removing %s: %w", p.Path, err)
+	// Only a socket is removed (the restored root's copy of the bound
+	// one): anything else at the path stays, and the bind fails.
+	if isSocketIn(cp.Pid, p.Path) {
+		fdcwd := unix.AT_FDCWD
+		if _, err := cp.Syscall(unix.SYS_UNLINKAT, uintptr(fdcwd), a, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fd, fmt.Errorf("removing %s: %w", p.Path, err)
+		}
 	}
 	var sa [110]byte // struct sockaddr_un: family, path, NUL
 	binary.NativeEndian.PutUint16(sa[:2], unix.AF_UNIX)

@@ -220,6 +220,12 @@ func (s *Session) Seize(pid int) (*Proc, error) {
 	if len(tids) > MaxThreads {
 		return nil, fmt.Errorf("%w: pid %d has %d threads, more than %d", ErrThreads, pid, len(tids), MaxThreads)
 	}
+	if len(tids) > 1 {
+		// A zombie leader cannot be seized (EPERM), nor run the clone.
+		if st, err := State(pid); err == nil && st == 'Z' {
+			return nil, fmt.Errorf("%w: the main thread of pid %d has exited and its other threads run on", ErrThreads, pid)
+		}
+	}
 	p, err := s.seize(pid)
 	if err != nil {
 		return nil, err

@@ -155,12 +155,8 @@ func tasks(pid int) ([]int, error) {
 }
 
 // seizeThreads seizes the threads of the group whose leader p is, but the
-// leader, as p's threads. A leader that has exited while its threads run
-// (a zombie) cannot run the clone a copy needs: ErrThreads.
+// leader, as p's threads.
 func (p *Proc) seizeThreads(tids []int) error {
-	if st, err := State(p.Pid); err == nil && st == 'Z' {
-		return fmt.Errorf("%w: the main thread of pid %d has exited and its other threads run on", ErrThreads, p.Pid)
-	}
 	for _, tid := range tids[1:] {
 		if err := p.addSeized(tid); err != nil {
 			return err
@@ -222,6 +218,9 @@ func (p *Proc) waitThreads(deadline time.Time) error {
 		}
 		if !fresh {
 			return nil
+		}
+		if len(p.threads)+1 > MaxThreads {
+			return fmt.Errorf("%w: pid %d started threads while stopping, past %d", ErrThreads, p.Pid, MaxThreads)
 		}
 	}
 }
