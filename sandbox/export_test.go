@@ -165,3 +165,14 @@ func (r *Runtime) HoldRetirement() (release func()) {
 		}
 	})
 }
+
+// CheckpointShm returns the layer holding checkpoint id's copy of /dev/shm
+// ("" for none).
+func (r *Runtime) CheckpointShm(id string) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c := r.ckpts[id]; c != nil {
+		return c.Shm
+	}
+	return ""
+}

@@ -1,0 +1,249 @@
+package sandbox
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/fscred"
+	"github.com/deltagym/deltagym/sandbox/launch"
+)
+
+// The sandbox's /dev/shm in its checkpoints. Each sandbox has a tmpfs of
+// its own on /dev/shm (the init mounts it: initproc's setup_mounts), where
+// POSIX shared memory and semaphores live. A checkpoint carries what it
+// holds, taken at the instant of its files and processes: a sealed layer of
+// its own (checkpoint.Shm), made only when /dev/shm is not empty. A restore,
+// a fork and a sandbox made from the checkpoint after a restart give the
+// sandbox exactly that /dev/shm.
+//
+// Files are carried with their names, types (regular files, directories,
+// symlinks, FIFOs; sockets and device nodes are left out), modes, owners
+// (stored relative to the sandbox's id range, as layers store them),
+// access and modification times, and contents (holes stay holes). A
+// restore rewrites in place a regular file that still has its name and no
+// other (the inode a frozen template maps stays the one the name reaches)
+// and replaces everything else; what the sandbox added since is removed.
+//
+// Nothing is read or written while /dev/shm is known: shmState remembers
+// what it held when last seen (empty, or a copy of a layer), until a
+// process of the sandbox may run. So a checkpoint or restore of a sandbox
+// whose /dev/shm stayed empty, and in which no process ran since, costs no
+// system call.
+
+// The bounds of a sandbox's /dev/shm, which init.c's setup_mounts mounts
+// with them, and of the depth of directories a checkpoint copies.
+const (
+	shmBytes  = 64 << 20
+	shmInodes = 16384
+	shmDepth  = 64
+)
+
+// shmState is what the sandbox's /dev/shm is known to hold.
+type shmState struct {
+	// dirty: a process of the sandbox may have run since known was set.
+	// Set before any command, session or restored process starts.
+	dirty atomic.Bool
+	// known, while not dirty: "" for an empty /dev/shm, else the layer
+	// whose copy it holds. Guarded by Sandbox.op (written under the write
+	// lock; read under either).
+	known string
+}
+
+// shmMayChange marks the sandbox's /dev/shm unknown: a process is about to
+// run.
+func (s *Sandbox) shmMayChange() { s.shm.dirty.Store(true) }
+
+// shmSeen records that the sandbox's /dev/shm holds layer (or nothing,
+// for ""), and whether processes run on that may change it. Called with op
+// held (write).
+func (s *Sandbox) shmSeen(layer string, running bool) {
+	s.shm.known = layer
+	s.shm.dirty.Store(running)
+}
+
+// shmUsed returns the bytes the sandbox's /dev/shm holds, for admission.
+// Called with op held.
+func (s *Sandbox) shmUsed() int64 {
+	if !s.shm.dirty.Load() {
+		if s.shm.known == "" {
+			return 0
+		}
+		n, _ := s.rt.layers.SealedSize(s.shm.known)
+		return n
+	}
+	var st unix.Statfs_t
+	if unix.Statfs(s.shmPath(), &st) != nil {
+		return 0 // the capture that follows fails too
+	}
+	return int64(st.Blocks-st.Bfree) * st.Bsize
+}
+
+// shmMounts is the number of layers a checkpoint may make to copy the
+// sandbox's /dev/shm (one, unless it is known). Called with op held.
+func (s *Sandbox) shmMounts() int {
+	if s.shm.dirty.Load() {
+		return 1
+	}
+	return 0
+}
+
+// shmPath is the sandbox's /dev/shm seen from the server: through its
+// init's root, which holds /dev whatever root is pending.
+func (s *Sandbox) shmPath() string {
+	return "/proc/" + strconv.Itoa(s.init.Pid) + "/root/dev/shm"
+}
+
+// openShm opens the sandbox's /dev/shm. The sandbox cannot replace it (/dev
+// is a read-only bind, and mounts are refused to its processes); it is
+// checked to be a tmpfs's root all the same, never the shared /dev tree's
+// mount point.
+func (s *Sandbox) openShm() (int, error) {
+	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
+	}
+	defer unix.Close(root)
+	fd, err := unix.Openat2(root, "dev/shm", &unix.OpenHow{
+		Flags:   unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		return -1, fmt.Errorf("opening the sandbox's /dev/shm: %w", err)
+	}
+	var fs unix.Statfs_t
+	var st unix.Statx_t
+	if err := unix.Fstatfs(fd, &fs); err != nil || fs.Type != unix.TMPFS_MAGIC ||
+		unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_TYPE, &st) != nil || st.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
+		unix.Close(fd)
+		return -1, fmt.Errorf("opening the sandbox's /dev/shm: %w", errShmNotMounted)
+	}
+	return fd, nil
+}
+
+var errShmNotMounted = errors.New("not the sandbox's own tmpfs")
+
+// captureShm records the sandbox's /dev/shm in c (c.Shm, and its bytes in
+// c.Size): a copy sealed as a layer of its own, none if it is empty, the
+// known layer if it holds one and no process ran since. Nothing in the
+// sandbox runs meanwhile (its processes are stopped, or there are none);
+// called with op held (write).
+func (s *Sandbox) captureShm(c *checkpoint) error {
+	r := s.rt
+	if !s.shm.dirty.Load() {
+		if s.shm.known == "" {
+			return nil
+		}
+		if r.layers.Ref(s.shm.known) == nil {
+			c.Shm = s.shm.known
+			n, _ := r.layers.SealedSize(c.Shm)
+			c.Size += n
+			return nil
+		}
+		// Released since: copy what the sandbox holds.
+	}
+	src, err := s.openShm()
+	if err != nil {
+		return err
+	}
+	defer unix.Close(src)
+	if empty, err := s.shmEmpty(src); err != nil || empty {
+		return err
+	}
+	id, err := r.layers.NewUpper(shmBytes, shmInodes)
+	if err != nil {
+		return fmt.Errorf("copying /dev/shm: %w", err)
+	}
+	var size int64
+	err = s.copyShmInto(src, r.layers.Path(id))
+	if err == nil {
+		size, err = r.layers.Seal(id)
+	}
+	if err != nil {
+		r.layers.Unref(id)
+		return err
+	}
+	c.Shm = id
+	c.Size += size
+	return nil
+}
+
+// shmEmpty reports whether the sandbox's /dev/shm (fd) is as its init
+// made it: no entry, mode 1777, owned by the sandbox's root.
+func (s *Sandbox) shmEmpty(fd int) (bool, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return false, fmt.Errorf("reading /dev/shm: %w", err)
+	}
+	if st.Mode != unix.S_IFDIR|0o1777 || st.Uid != uint32(s.hostID) || st.Gid != uint32(s.hostID) {
+		return false, nil
+	}
+	names, err := dirNames(fd)
+	if err != nil {
+		return false, fmt.Errorf("reading /dev/shm: %w", err)
+	}
+	return len(names) == 0, nil
+}
+
+// copyShmInto copies the sandbox's /dev/shm (src) into dir, a new directory
+// of a layer's tmpfs, with owners made relative to the sandbox's range.
+func (s *Sandbox) copyShmInto(src int, dir string) error {
+	if err := unix.Mkdir(dir, 0o700); err != nil {
+		return fmt.Errorf("copying /dev/shm: %w", err)
+	}
+	dst, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("copying /dev/shm: %w", err)
+	}
+	defer unix.Close(dst)
+	sy := &shmSync{shift: -int64(s.hostID), deep: true, top: -1}
+	if err := sy.tree(src, dst, 0); err != nil {
+		return fmt.Errorf("copying /dev/shm: %w", err)
+	}
+	return nil
+}
+
+// restoreShm gives the sandbox's /dev/shm what checkpoint c holds (nothing
+// if c has no layer of it), unless it is known to hold it already. The
+// processes a restore killed are waited for first (one still running could
+// write after the copy). Called with op held (write), after killAll and
+// before any process of c comes back.
+func (s *Sandbox) restoreShm(c *checkpoint) error {
+	if !s.shm.dirty.Load() && s.shm.known == c.Shm {
+		return nil
+	}
+	if !s.killedQuiet(time.Now().Add(keepWait)) {
+		s.waitKilled()
+	}
+	dst, err := s.openShm()
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dst)
+	src := -1
+	if c.Shm != "" {
+		if src, err = unix.Open(s.rt.layers.Path(c.Shm), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
+			return fmt.Errorf("%w: checkpoint %s: its /dev/shm is gone", ErrNotFound, c.ID)
+		}
+		defer unix.Close(src)
+	}
+	// The sandbox's tmpfs takes new files only from ids its user namespace
+	// maps: the work runs as the sandbox's root, with the server's
+	// capabilities.
+	err = fscred.Run(s.hostID, s.hostID, true, func() error {
+		sy := &shmSync{shift: int64(s.hostID), top: dst}
+		return sy.tree(src, dst, 0)
+	})
+	if err != nil {
+		return fmt.Errorf("restoring /dev/shm: %w", err)
+	}
+	s.shmSeen(c.Shm, false)
+	return nil
+}
+
+// idRange is the size of a sandbox's uid and gid range.
+const idRange = launch.IDRange
