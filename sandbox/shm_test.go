@@ -362,3 +362,83 @@ func TestShmCheckpointBudget(t *testing.T) {
 		t.Fatalf("a refused checkpoint left %d layer mounts, had %d", m, mounts)
 	}
 }
+
+// segPy maps /dev/shm/seg shared (POSIX shared memory as shm_open makes
+// it), writes A into it, and copies what its mapping holds to /tmp/seen
+// every 10 ms.
+const segPy = `import mmap, os, time
+fd = os.open('/dev/shm/seg', os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+m = mmap.mmap(fd, 4096)
+m[0:1] = b'A'
+while True:
+    with open('/tmp/seen.new', 'wb') as f:
+        f.write(m[0:1])
+    os.rename('/tmp/seen.new', '/tmp/seen')
+    time.sleep(0.01)
+`
+
+// seen returns what s's segPy process reads from its mapping now, and what
+// /dev/shm/seg holds.
+func seen(t *testing.T, s *sandbox.Sandbox) (mapped, file string) {
+	t.Helper()
+	sh(t, s, "rm -f /tmp/seen")
+	waitFor(t, s, "[ -s /tmp/seen ]")
+	return sh(t, s, "cat /tmp/seen"), sh(t, s, "head -c1 /dev/shm/seg")
+}
+
+// A process with a segment of /dev/shm mapped comes back mapping it with
+// the checkpoint's contents, in the file and in its memory: restored in
+// place (a template's copy, whose mapping is the very inode the restore
+// rewrote), forked into other sandboxes and restored after a restart
+// (CRIU, which maps the file by path), and as a CRIU tree in place.
+func TestShmMappedByProcess(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", segPy}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -s /tmp/seen ]")
+	change := func(s *sandbox.Sandbox) {
+		sh(t, s, "printf B | dd of=/dev/shm/seg conv=notrunc 2>/dev/null")
+		if m, f := seen(t, s); m != "B" || f != "B" {
+			t.Fatalf("after a write: the mapping holds %q, the file %q", m, f)
+		}
+	}
+	check := func(what string, s *sandbox.Sandbox) {
+		t.Helper()
+		if m, f := seen(t, s); m != "A" || f != "A" {
+			t.Fatalf("%s: the mapping holds %q, the file %q, want the checkpoint's A", what, m, f)
+		}
+	}
+	for _, mode := range []sandbox.ProcessMode{sandbox.ProcessesTemplate, sandbox.ProcessesCRIU} {
+		ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: mode})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("process mode %d: %+v", mode, ck.Processes)
+		for i := range 2 {
+			change(s)
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				t.Fatal(err)
+			}
+			check(fmt.Sprintf("mode %d, restore %d in place", mode, i), s)
+		}
+		kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = kids[0].Destroy(ctx) })
+		check(fmt.Sprintf("mode %d, a fork", mode), kids[0])
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	change(s)
+	b.restart(t)
+	after := b.create(t, sandbox.Spec{Checkpoint: ck.ID})
+	check("after a restart", after)
+}
