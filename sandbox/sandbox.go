@@ -183,7 +183,7 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	if src.ck != nil {
 		// The init's /dev/shm is empty: the checkpoint's, before its
 		// processes (CRIU opens their files by path).
-		if err = s.restoreShm(src.ck); err != nil {
+		if err = s.restoreShm(src.ck, false, false); err != nil {
 			return nil, err
 		}
 	}
@@ -879,7 +879,9 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if err := s.restoreRoot(c, again, len(units) == 0 && !copies, copies && len(units) == 0); err != nil {
 		return err
 	}
-	if err := s.restoreShm(c); err != nil {
+	if copies && len(units) == 0 {
+		s.deferShm(c)
+	} else if err := s.restoreShm(c, false, false); err != nil {
 		return err
 	}
 	if o.FreshEntropy {
@@ -925,6 +927,9 @@ func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []p
 		return nil
 	}
 	err := s.procs.SpawnCopies(&c.Checkpoint, start, again)
+	if serr := s.shmDeferred(); err == nil && serr != nil {
+		err = serr // the copies run on another /dev/shm: ended below
+	}
 	if err == nil {
 		return nil
 	}
@@ -938,6 +943,9 @@ func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []p
 		return err
 	}
 	s.waitKilled()
+	if serr := s.restoreShm(c, true, true); serr != nil {
+		return errors.Join(err, serr)
+	}
 	if ierr := s.procs.RestoreTrees(ctx, &c.Checkpoint, imgs); ierr != nil {
 		_ = s.killAll()
 		return errors.Join(err, ierr)

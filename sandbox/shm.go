@@ -50,8 +50,13 @@ type shmState struct {
 	dirty atomic.Bool
 	// known, while not dirty: "" for an empty /dev/shm, else the layer
 	// whose copy it holds. Guarded by Sandbox.op (written under the write
-	// lock; read under either).
+	// lock; read under either), as are the fields below.
 	known string
+	// pending is the checkpoint whose /dev/shm a restore of template
+	// copies writes back once the processes it killed are settled, before
+	// the copies run (settleShm); err is how that went.
+	pending *checkpoint
+	err     error
 }
 
 // shmMayChange marks the sandbox's /dev/shm unknown: a process is about to
@@ -98,31 +103,27 @@ func (s *Sandbox) shmPath() string {
 	return "/proc/" + strconv.Itoa(s.init.Pid) + "/root/dev/shm"
 }
 
-// openShm opens the sandbox's /dev/shm. The sandbox cannot replace it (/dev
-// is a read-only bind, and mounts are refused to its processes); it is
-// checked to be a tmpfs's root all the same, never the shared /dev tree's
-// mount point.
-func (s *Sandbox) openShm() (int, error) {
-	root, err := unix.Open("/proc/"+strconv.Itoa(s.init.Pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
-	}
-	defer unix.Close(root)
-	fd, err := unix.Openat2(root, "dev/shm", &unix.OpenHow{
-		Flags:   unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
-	})
-	if err != nil {
-		return -1, fmt.Errorf("opening the sandbox's /dev/shm: %w", err)
-	}
-	var fs unix.Statfs_t
+// openShm opens the sandbox's /dev/shm, and returns how its root looks.
+// The sandbox cannot replace it or anything on its path (/dev is a
+// read-only bind of a tree of the host's root, /dev/shm a mount on it, and
+// mounts are refused to its processes); it is checked to be a mount's root
+// all the same, never the shared /dev tree's mount point. Two system calls
+// and a close: a restore of template copies makes them whenever processes
+// ran.
+func (s *Sandbox) openShm() (int, unix.Statx_t, error) {
 	var st unix.Statx_t
-	if err := unix.Fstatfs(fd, &fs); err != nil || fs.Type != unix.TMPFS_MAGIC ||
-		unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_TYPE, &st) != nil || st.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
-		unix.Close(fd)
-		return -1, fmt.Errorf("opening the sandbox's /dev/shm: %w", errShmNotMounted)
+	fd, err := unix.Open(s.shmPath(), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) {
+		return -1, st, fmt.Errorf("%w: the sandbox's init went away", ErrClosed)
 	}
-	return fd, nil
+	if err != nil {
+		return -1, st, fmt.Errorf("opening the sandbox's /dev/shm: %w", err)
+	}
+	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_BASIC_STATS, &st); err != nil || st.Attributes&unix.STATX_ATTR_MOUNT_ROOT == 0 {
+		unix.Close(fd)
+		return -1, st, fmt.Errorf("opening the sandbox's /dev/shm: %w", errors.Join(err, errShmNotMounted))
+	}
+	return fd, st, nil
 }
 
 var errShmNotMounted = errors.New("not the sandbox's own tmpfs")
@@ -146,12 +147,12 @@ func (s *Sandbox) captureShm(c *checkpoint) error {
 		}
 		// Released since: copy what the sandbox holds.
 	}
-	src, err := s.openShm()
+	src, st, err := s.openShm()
 	if err != nil {
 		return err
 	}
 	defer unix.Close(src)
-	if empty, err := s.shmEmpty(src); err != nil || empty {
+	if empty, err := s.shmEmpty(src, &st); err != nil || empty {
 		return err
 	}
 	id, err := r.layers.NewUpper(shmBytes, shmInodes)
@@ -172,17 +173,14 @@ func (s *Sandbox) captureShm(c *checkpoint) error {
 	return nil
 }
 
-// shmEmpty reports whether the sandbox's /dev/shm (fd) is as its init
-// made it: no entry, mode 1777, owned by the sandbox's root.
-func (s *Sandbox) shmEmpty(fd int) (bool, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return false, fmt.Errorf("reading /dev/shm: %w", err)
-	}
+// shmEmpty reports whether the sandbox's /dev/shm (fd, its root looking as
+// st says) is as its init made it: no entry, mode 1777, owned by the
+// sandbox's root.
+func (s *Sandbox) shmEmpty(fd int, st *unix.Statx_t) (bool, error) {
 	if st.Mode != unix.S_IFDIR|0o1777 || st.Uid != uint32(s.hostID) || st.Gid != uint32(s.hostID) {
 		return false, nil
 	}
-	names, err := dirNames(fd)
+	names, err := dirNamesHere(fd) // just opened: from the start
 	if err != nil {
 		return false, fmt.Errorf("reading /dev/shm: %w", err)
 	}
@@ -208,22 +206,33 @@ func (s *Sandbox) copyShmInto(src int, dir string) error {
 }
 
 // restoreShm gives the sandbox's /dev/shm what checkpoint c holds (nothing
-// if c has no layer of it), unless it is known to hold it already. The
-// processes a restore killed are waited for first (one still running could
-// write after the copy). Called with op held (write), after killAll and
-// before any process of c comes back.
-func (s *Sandbox) restoreShm(c *checkpoint) error {
+// if c has no layer of it), unless it is known to hold it already; running:
+// processes run on it next. Unless settled (settleKilled has let the
+// copies run), the processes a restore killed are waited for first, until
+// they make no system call again: one still running could write after the
+// copy. Called with op held (write), after killAll and before any process
+// of c runs.
+func (s *Sandbox) restoreShm(c *checkpoint, settled, running bool) error {
 	if !s.shm.dirty.Load() && s.shm.known == c.Shm {
+		s.shm.dirty.Store(running)
 		return nil
 	}
-	if !s.killedQuiet(time.Now().Add(keepWait)) {
+	if !settled && !s.killedQuiet(time.Now().Add(keepWait)) {
 		s.waitKilled()
 	}
-	dst, err := s.openShm()
+	dst, st, err := s.openShm()
 	if err != nil {
 		return err
 	}
 	defer unix.Close(dst)
+	if c.Shm == "" {
+		// The common case, processes ran and left /dev/shm empty: one
+		// directory read.
+		if empty, err := s.shmEmpty(dst, &st); err == nil && empty {
+			s.shmSeen("", running)
+			return nil
+		}
+	}
 	src := -1
 	if c.Shm != "" {
 		if src, err = unix.Open(s.rt.layers.Path(c.Shm), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
@@ -241,8 +250,40 @@ func (s *Sandbox) restoreShm(c *checkpoint) error {
 	if err != nil {
 		return fmt.Errorf("restoring /dev/shm: %w", err)
 	}
-	s.shmSeen(c.Shm, false)
+	s.shmSeen(c.Shm, running)
 	return nil
+}
+
+// deferShm has the /dev/shm of c, whose template copies a restore brings
+// back, written back by settleShm: once the killed processes are settled,
+// which the restore waits for anyway while the copies are readied, so the
+// wait overlaps with that work as it would without /dev/shm. Called with
+// op held (write).
+func (s *Sandbox) deferShm(c *checkpoint) {
+	s.shm.pending, s.shm.err = c, nil
+}
+
+// settleShm writes back the /dev/shm deferred by deferShm, if any, the
+// killed processes settled (procstate.Host.SettleKilled). Called with op
+// held (write).
+func (s *Sandbox) settleShm() {
+	if c := s.shm.pending; c != nil {
+		s.shm.pending = nil
+		s.shm.err = s.restoreShm(c, true, true)
+	}
+}
+
+// shmDeferred returns how writing back the deferred /dev/shm went, writing
+// it back now if nothing settled the killed processes (the copies failed
+// before). Called with op held (write).
+func (s *Sandbox) shmDeferred() error {
+	if c := s.shm.pending; c != nil {
+		s.shm.pending = nil
+		s.shm.err = s.restoreShm(c, false, true)
+	}
+	err := s.shm.err
+	s.shm.err = nil
+	return err
 }
 
 // idRange is the size of a sandbox's uid and gid range.

@@ -342,6 +342,11 @@ func dirNames(fd int) ([]string, error) {
 	if _, err := unix.Seek(fd, 0, 0); err != nil {
 		return nil, err
 	}
+	return dirNamesHere(fd)
+}
+
+// dirNamesHere lists directory fd from its offset, without . and ..
+func dirNamesHere(fd int) ([]string, error) {
 	var names []string
 	buf := make([]byte, 8192)
 	for {
