@@ -176,3 +176,14 @@ func (r *Runtime) CheckpointShm(id string) string {
 	}
 	return ""
 }
+
+// ShmEmpty looks at the sandbox's /dev/shm as a restore of template copies
+// does once processes ran, and reports whether it is empty.
+func (s *Sandbox) ShmEmpty() (bool, error) {
+	fd, st, err := s.openShm()
+	if err != nil {
+		return false, err
+	}
+	defer unix.Close(fd)
+	return s.shmEmpty(fd, &st)
+}

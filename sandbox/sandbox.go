@@ -879,15 +879,20 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if err := s.restoreRoot(c, again, len(units) == 0 && !copies, copies && len(units) == 0); err != nil {
 		return err
 	}
-	if copies && len(units) == 0 {
-		s.deferShm(c)
-	} else if err := s.restoreShm(c, false, false); err != nil {
-		return err
+	// Template copies alone: /dev/shm once the killed are settled.
+	deferShm := copies && len(units) == 0
+	if !deferShm {
+		if err := s.restoreShm(c, false, false); err != nil {
+			return err
+		}
 	}
 	if o.FreshEntropy {
 		if err := s.writeSeed(newSeed()); err != nil {
 			return err
 		}
+	}
+	if deferShm {
+		s.deferShm(c)
 	}
 	return s.restoreProcesses(ctx, c, units, copies, start, again)
 }
