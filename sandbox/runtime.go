@@ -293,19 +293,19 @@ func (c *checkpoint) imageBytes() int64 {
 func (c *checkpoint) info() CheckpointInfo {
 	ci := CheckpointInfo{ID: c.ID, Parent: c.Parent, Image: c.Image, SandboxID: c.SandboxID,
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created, Labels: cloneLabels(c.Labels)}
-	// procstate's Unit.Local says that an image whose process has a file
-	// of /dev/shm restores only in its own sandbox: the checkpoint carries
-	// /dev/shm (shm.go), so it restores in any.
 	for i, p := range c.Procs {
 		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
-			pc.ImagePid, pc.Saved = c.TplImages[i].Procs[0].NSPid, true
+			u := c.TplImages[i]
+			pc.ImagePid, pc.Unsaved = u.Procs[0].NSPid, shmUnsaved(u, p.NSPid, p.Comm, true)
+			pc.Saved = pc.Unsaved == ""
 		}
 		ci.Processes = append(ci.Processes, pc)
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {
-			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Saved: true}
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Unsaved: shmUnsaved(u, p.NSPid, p.Comm, false)}
+			pc.Saved = pc.Unsaved == ""
 			if i == 0 {
 				pc.Session = u.Session
 			}

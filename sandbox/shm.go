@@ -3,7 +3,9 @@ package sandbox
 import (
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -11,6 +13,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/fscred"
 	"github.com/deltagym/deltagym/sandbox/launch"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // The sandbox's /dev/shm in its checkpoints. Each sandbox has a tmpfs of
@@ -284,6 +287,34 @@ func (s *Sandbox) shmDeferred() error {
 	err := s.shm.err
 	s.shm.err = nil
 	return err
+}
+
+// shmUnsaved says why CRIU image u, of process nsPid (comm), does not
+// restore anywhere, or "": tpl says whether the image is of a template.
+// procstate marks an image whose process has a file of /dev/shm open or
+// mapped (Unit.Local); the checkpoint carries /dev/shm, so the image
+// restores in any sandbox, unless the file was removed while held
+// (Python's multiprocessing removes its semaphores at once): criu keeps
+// such a file as a ghost file, which it cannot link back into a sandbox's
+// /dev/shm at restore. Only images so marked are looked at.
+func shmUnsaved(u procstate.Unit, nsPid int, comm string, tpl bool) string {
+	if u.Local == "" {
+		return ""
+	}
+	ents, err := os.ReadDir(u.Dir)
+	if err != nil {
+		return u.Local
+	}
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), "ghost-file-") {
+			why := fmt.Sprintf("pid %d (%s) holds a file of /dev/shm that was removed (a POSIX semaphore or shared memory unlinked while in use): CRIU keeps it as a ghost file, which it cannot restore in a sandbox", nsPid, comm)
+			if tpl {
+				return why + ", so the process comes back only as its template, in this sandbox"
+			}
+			return why + ", so the checkpoint cannot bring the process back (take it with process mode template, or filesystem)"
+		}
+	}
+	return ""
 }
 
 // idRange is the size of a sandbox's uid and gid range.

@@ -442,3 +442,39 @@ func TestShmMappedByProcess(t *testing.T) {
 	after := b.create(t, sandbox.Spec{Checkpoint: ck.ID})
 	check("after a restart", after)
 }
+
+// A file of /dev/shm removed while a process holds it (Python's
+// multiprocessing makes its semaphores so) is in no copy of /dev/shm, and
+// criu keeps it as a ghost file, which does not restore in a sandbox: a
+// durable checkpoint says the process is not saved and why, and its
+// template still brings it back in place; a CRIU checkpoint says so too.
+func TestShmRemovedWhileHeld(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	prog := beatPy("lock", "import multiprocessing\nl = multiprocessing.Lock()")
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/beat-lock ]")
+	ck, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck.Processes) != 1 || ck.Processes[0].Saved || !strings.Contains(ck.Processes[0].Unsaved, "ghost file") {
+		t.Fatalf("durable checkpoint of a process holding a removed /dev/shm file: %+v, want unsaved", ck.Processes)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	sh(t, s, "rm -f /tmp/beat-lock")
+	waitFor(t, s, "[ -e /tmp/beat-lock ]")
+	crit, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(crit.Processes) != 1 || crit.Processes[0].Saved || !strings.Contains(crit.Processes[0].Unsaved, "ghost file") {
+		t.Fatalf("CRIU checkpoint of a process holding a removed /dev/shm file: %+v, want unsaved", crit.Processes)
+	}
+}
