@@ -385,8 +385,9 @@ func (r *Runtime) unreserve(n int) {
 }
 
 // admitCheckpoint refuses a checkpoint beyond the count, mount or bytes
-// caps (need: the bytes it would add), before anything is captured.
-func (r *Runtime) admitCheckpoint(need int64) error {
+// caps (need: the bytes it would add; mounts: the layers it may make beside
+// its top one, a copy of /dev/shm), before anything is captured.
+func (r *Runtime) admitCheckpoint(need int64, mounts int) error {
 	if b := r.cfg.CheckpointBudgetBytes; b > 0 {
 		if used := r.CheckpointBytes(); used+need > b {
 			return r.capError(CapCheckpointBytes, b, used, need, "bytes of checkpoints (sealed layers and process images)")
@@ -401,8 +402,8 @@ func (r *Runtime) admitCheckpoint(need int64) error {
 		return r.capError(CapCheckpoints, int64(c), int64(len(r.ckpts)), 1, "checkpoints")
 	}
 	if c := a.caps.Mounts; c > 0 {
-		if used := r.layers.Mounts() + a.reserved*mountsPerSandbox; used+1 > c {
-			return r.capError(CapMounts, int64(c), int64(used), 1, "layer mounts (one a checkpoint)")
+		if used := r.layers.Mounts() + a.reserved*mountsPerSandbox; used+1+mounts > c {
+			return r.capError(CapMounts, int64(c), int64(used), int64(1+mounts), "layer mounts (one a checkpoint, two with /dev/shm)")
 		}
 	}
 	return nil
@@ -411,7 +412,7 @@ func (r *Runtime) admitCheckpoint(need int64) error {
 // CheckCheckpointAdmission returns the refusal (ErrCap) a checkpoint would get now by the count
 // and mount caps, and by the bytes cap for what is held already: for a caller that does
 // something before it checkpoints (a step with a checkpoint after it).
-func (r *Runtime) CheckCheckpointAdmission() error { return r.admitCheckpoint(0) }
+func (r *Runtime) CheckCheckpointAdmission() error { return r.admitCheckpoint(0, 0) }
 
 // Caps returns the caps in force (0: none).
 func (r *Runtime) Caps() Caps { return r.adm.caps }

@@ -783,3 +783,69 @@ func BenchmarkRollbackAfterAllocWithProcess(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkShm: a checkpoint, then a restore, of a sandbox whose /dev/shm
+// holds one 4 KiB segment (a Postgres dynamic shared memory control
+// segment's size), one of 8 MiB, or 256 of 4 KiB; a command changes one
+// byte of it before each (not timed), so each copies and writes back the
+// whole. The empty case is BenchmarkCheckpoint's and BenchmarkRollback's.
+func BenchmarkShm(b *testing.B) {
+	for _, c := range []struct {
+		name        string
+		files, size int
+	}{{"4KiB", 1, 4 << 10}, {"8MiB", 1, 8 << 20}, {"256x4KiB", 256, 4 << 10}} {
+		b.Run("shm="+c.name, func(b *testing.B) {
+			bb := setup(b)
+			s := bb.create(b, sandbox.Spec{})
+			ctx := context.Background()
+			fill := fmt.Sprintf("for i in $(seq %d); do dd if=/dev/urandom of=/dev/shm/seg$i bs=%d count=1 2>/dev/null; done", c.files, c.size)
+			_, err := s.Exec(ctx, sandbox.ExecRequest{Command: fill})
+			must(b, err)
+			base, err := s.Checkpoint(ctx)
+			must(b, err)
+			change := sandbox.ExecRequest{Command: "printf x | dd of=/dev/shm/seg1 conv=notrunc 2>/dev/null"}
+			var ck, rs lat
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				_, err := s.Exec(ctx, change)
+				must(b, err)
+				b.StartTimer()
+				var info sandbox.CheckpointInfo
+				ck.time(func() { info, err = s.Checkpoint(ctx) })
+				must(b, err)
+				b.StopTimer()
+				_, err = s.Exec(ctx, change)
+				must(b, err)
+				b.StartTimer()
+				rs.time(func() { err = s.Restore(ctx, base.ID) })
+				must(b, err)
+				b.StopTimer()
+				must(b, bb.rt.ReleaseCheckpoint(info.ID))
+				b.StartTimer()
+			}
+			ck.report(b, "checkpoint-")
+			rs.report(b, "restore-")
+		})
+	}
+}
+
+// BenchmarkShmEmptyCheck: what a restore of template copies adds when
+// processes ran and left /dev/shm empty (the common case with processes):
+// an open, a statx and a directory read.
+func BenchmarkShmEmptyCheck(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{})
+	var l lat
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		var empty bool
+		var err error
+		l.time(func() { empty, err = s.ShmEmpty() })
+		must(b, err)
+		if !empty {
+			b.Fatal("a new sandbox's /dev/shm is not empty")
+		}
+	}
+	l.report(b, "")
+}

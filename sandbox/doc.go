@@ -22,6 +22,9 @@
 //     when the processes are captured too; sandbox/procstate), a copy of the
 //     upper is sealed as the checkpoint's top layer, and the sandbox goes on
 //     with the upper it had.
+//   - /dev/shm, a tmpfs of each sandbox's own outside the overlay, is copied
+//     into a sealed layer of the checkpoint's own when it is not empty, at
+//     the instant of the upper (shm.go); restores and forks write it back.
 //   - Restore: every process but the init is killed, then an overlay of the
 //     checkpoint's layers with a fresh upper is swapped in. Any sandbox of the
 //     same image can restore any checkpoint, whichever sandbox made it.

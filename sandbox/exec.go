@@ -432,6 +432,7 @@ func (s *Sandbox) spawnBackground(sr initproc.SpawnRequest) (ExecResult, error) 
 		defer null.Close()
 		sr.Stdin, sr.Stdout, sr.Stderr = null, null, null
 	}
+	s.shmMayChange()
 	pid, _, err := s.init.Conn.Spawn(sr)
 	if err != nil {
 		return ExecResult{}, s.spawnError(err)
@@ -484,6 +485,7 @@ func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initp
 		errW.Close()
 		return ExecResult{}, groupEnded, err
 	}
+	s.shmMayChange()
 	rc.pid, rc.exitc, err = s.init.Conn.Spawn(sr)
 	if direct && errors.Is(err, initproc.ErrSpawn) && !errors.Is(err, initproc.ErrClosed) {
 		// Not found or not executable: let the shell run it and say so,

@@ -165,3 +165,25 @@ func (r *Runtime) HoldRetirement() (release func()) {
 		}
 	})
 }
+
+// CheckpointShm returns the layer holding checkpoint id's copy of /dev/shm
+// ("" for none).
+func (r *Runtime) CheckpointShm(id string) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c := r.ckpts[id]; c != nil {
+		return c.Shm
+	}
+	return ""
+}
+
+// ShmEmpty looks at the sandbox's /dev/shm as a restore of template copies
+// does once processes ran, and reports whether it is empty.
+func (s *Sandbox) ShmEmpty() (bool, error) {
+	fd, st, err := s.openShm()
+	if err != nil {
+		return false, err
+	}
+	defer unix.Close(fd)
+	return s.shmEmpty(fd, &st)
+}

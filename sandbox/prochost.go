@@ -54,7 +54,12 @@ func (h *procHost) Subgroup(prefix string) (*cgroup.Cgroup, error) { return h.sb
 
 func (h *procHost) MoveCopy(g *cgroup.Cgroup, pid int) error { return h.sb().moveCopy(g, pid) }
 
-func (h *procHost) SettleKilled(tpls []procstate.Template) { h.sb().settleKilled(tpls) }
+// SettleKilled settles the killed processes, then writes back the /dev/shm
+// of the checkpoint the copies are of (deferShm).
+func (h *procHost) SettleKilled(tpls []procstate.Template) {
+	h.sb().settleKilled(tpls)
+	h.sb().settleShm()
+}
 
 func (h *procHost) SessionShells() map[int]string {
 	h.mu.Lock()

@@ -95,8 +95,7 @@ type ProcessCapture struct {
 	// server.
 	Saved bool
 	// Unsaved says why the process is not saved: a durable checkpoint
-	// could not save it, or its image restores only in its own sandbox (it
-	// has a file of the sandbox's /dev/shm open or mapped).
+	// could not save it.
 	Unsaved string
 }
 

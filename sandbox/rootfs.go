@@ -612,7 +612,7 @@ func (s *Sandbox) sealAndSwap(c *checkpoint) error {
 	s.fs.stack = stack
 	_ = refAll(r, stack) // the checkpoint's references; all exist
 	c.Layers = slices.Clone(stack)
-	c.Size = size
+	c.Size += size
 	return nil
 }
 
@@ -634,14 +634,14 @@ func (s *Sandbox) linkUp() error {
 	})
 }
 
-// copyUpper is the path for a sandbox with live processes: freeze, seal a
-// copy of the upper, thaw.
-func (s *Sandbox) copyUpper(c *checkpoint) error {
+// copyUpper is the path for a sandbox with live processes: freeze, copy the
+// files (files: a copy of the upper sealed, and /dev/shm's), thaw.
+func (s *Sandbox) copyUpper(files func() error) error {
 	work := s.workGroup()
 	if err := work.Freeze(); err != nil {
 		return fmt.Errorf("freezing sandbox: %w", err)
 	}
-	err := s.copyUpperFrozen(c)
+	err := files()
 	if terr := work.Thaw(); terr != nil {
 		err = errors.Join(err, fmt.Errorf("thawing sandbox: %w", terr))
 	}
@@ -676,7 +676,7 @@ func (s *Sandbox) copyUpperFrozen(c *checkpoint) error {
 		_ = r.layers.Ref(l)
 	}
 	c.Layers = append(slices.Clone(s.fs.stack), id)
-	c.Size = size
+	c.Size += size
 	return nil
 }
 

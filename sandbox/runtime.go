@@ -247,7 +247,10 @@ type checkpoint struct {
 	// shorter stack that stands for Layers: one merged layer, or for a hot
 	// checkpoint the bottom of Layers and one layer merged from the rest.
 	// It holds a reference to each of its layers.
-	Flat    []string  `json:"flat,omitempty"`
+	Flat []string `json:"flat,omitempty"`
+	// Shm is the sealed layer holding a copy of the sandbox's /dev/shm,
+	// "" when it was empty (shm.go). It holds a reference to it.
+	Shm     string    `json:"shm,omitempty"`
 	Size    int64     `json:"size"`
 	Created time.Time `json:"created"`
 	// Pinned checkpoints never expire (CheckpointOptions.Pinned).
@@ -268,6 +271,15 @@ type checkpoint struct {
 	imageErr error
 }
 
+// unrefFiles drops c's references to its layers, for a checkpoint that
+// could not be completed.
+func (c *checkpoint) unrefFiles(r *Runtime) {
+	unrefAll(r, c.Layers)
+	if c.Shm != "" {
+		r.layers.Unref(c.Shm)
+	}
+}
+
 // imageBytes is the size of c's CRIU images. Called with Runtime.mu held
 // (TplImages may change).
 func (c *checkpoint) imageBytes() int64 {
@@ -284,13 +296,16 @@ func (c *checkpoint) info() CheckpointInfo {
 	for i, p := range c.Procs {
 		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
-			pc.ImagePid, pc.Saved, pc.Unsaved = c.TplImages[i].Procs[0].NSPid, c.TplImages[i].Local == "", c.TplImages[i].Local
+			u := c.TplImages[i]
+			pc.ImagePid, pc.Unsaved = u.Procs[0].NSPid, shmUnsaved(u, p.NSPid, p.Comm, true)
+			pc.Saved = pc.Unsaved == ""
 		}
 		ci.Processes = append(ci.Processes, pc)
 	}
 	for _, u := range c.Images {
 		for i, p := range u.Procs {
-			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Saved: u.Local == "", Unsaved: u.Local}
+			pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureCRIU, Reason: u.Why, Unsaved: shmUnsaved(u, p.NSPid, p.Comm, false)}
+			pc.Saved = pc.Unsaved == ""
 			if i == 0 {
 				pc.Session = u.Session
 			}
@@ -867,6 +882,9 @@ func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
 		for _, l := range c.Flat {
 			keep[l]++
 		}
+		if c.Shm != "" {
+			keep[c.Shm]++
+		}
 		if len(c.Flat) > 0 {
 			r.flat[stackKey(c.Layers)] = &c
 		}
@@ -886,7 +904,7 @@ func (r *Runtime) dropLost(missing []string) {
 		gone[l] = true
 	}
 	for id, c := range r.ckpts {
-		for _, l := range append(slices.Clone(c.Layers), c.Flat...) {
+		for _, l := range append(slices.Concat(c.Layers, c.Flat), c.Shm) {
 			if gone[l] {
 				r.log.Warn("checkpoint lost: its layers did not survive (tmpfs is not kept across reboots)", "checkpoint", id)
 				r.dropCheckpointLocked(c, false)
@@ -1095,6 +1113,9 @@ func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 		}
 		for _, l := range c.Flat {
 			r.layers.Unref(l)
+		}
+		if c.Shm != "" {
+			r.layers.Unref(c.Shm)
 		}
 	}
 }

@@ -61,6 +61,8 @@ type Sandbox struct {
 	fs    rootFS
 	cmds  cmdGroups
 	procs *procstate.State
+	// shm is what the sandbox's /dev/shm is known to hold (shm.go).
+	shm shmState
 
 	bg sync.WaitGroup // background retirements of killed command groups, spare groups
 
@@ -177,6 +179,13 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 	}
 	if err = s.startRoot(src.ck, &undo); err != nil {
 		return nil, err
+	}
+	if src.ck != nil {
+		// The init's /dev/shm is empty: the checkpoint's, before its
+		// processes (CRIU opens their files by path).
+		if err = s.restoreShm(src.ck, false, false); err != nil {
+			return nil, err
+		}
 	}
 	if src.ck != nil && !spec.FilesOnly {
 		if err = s.startProcesses(ctx, src); err != nil {
@@ -363,6 +372,7 @@ func (s *Sandbox) startProcesses(ctx context.Context, src createSource) error {
 	}
 	unboost := s.boostCPU() // as a restore does
 	defer unboost()
+	s.shmMayChange()
 	return s.procs.RestoreTrees(ctx, &src.ck.Checkpoint, units)
 }
 
@@ -667,7 +677,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	// checkpoints drop the roots built ahead (switchRoot).
 	s.lastRestore = ""
 	r := s.rt
-	if err := r.admitCheckpoint(s.upperUsed()); err != nil {
+	if err := r.admitCheckpoint(s.upperUsed()+s.shmUsed(), s.shmMounts()); err != nil {
 		return CheckpointInfo{}, err
 	}
 	c := &checkpoint{Checkpoint: procstate.Checkpoint{ID: newID("ck-"), SandboxID: s.id}, Parent: s.head, Image: s.img.info.Name, Created: time.Now(),
@@ -675,11 +685,11 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	if err := s.capture(ctx, c, mode); err != nil {
 		// A step after the files were copied failed (a template's fork,
 		// say): the copy's references go (none were taken otherwise).
-		unrefAll(r, c.Layers)
+		c.unrefFiles(r)
 		return CheckpointInfo{}, err
 	}
 	if err := r.addCheckpoint(c); err != nil {
-		unrefAll(r, c.Layers)
+		c.unrefFiles(r)
 		s.procs.Drop(c.ID)
 		if len(c.Images) > 0 {
 			_ = os.RemoveAll(r.criuDir(c.ID))
@@ -767,11 +777,22 @@ func (s *Sandbox) capture(ctx context.Context, c *checkpoint, mode ProcessMode) 
 	if err != nil {
 		return err
 	}
+	// The files of a sandbox whose processes are stopped: /dev/shm's, then
+	// the upper's.
+	files := func() error {
+		if err := s.captureShm(c); err != nil {
+			return err
+		}
+		return s.copyUpperFrozen(c)
+	}
 	switch {
 	case !live:
+		if err = s.captureShm(c); err != nil {
+			break
+		}
 		err = s.sealAndSwap(c)
 		if errors.Is(err, unix.EBUSY) {
-			err = s.copyUpper(c)
+			err = s.copyUpper(func() error { return s.copyUpperFrozen(c) })
 		}
 	case mode == ProcessesTemplate, mode == ProcessesCRIU:
 		// As for a restore (boostCPU): each process must get a CPU to
@@ -782,14 +803,17 @@ func (s *Sandbox) capture(ctx context.Context, c *checkpoint, mode ProcessMode) 
 		s.waitKilled()
 		err = s.materialize() // processes run: it is, but be sure
 		if err == nil {
-			err = s.procs.Capture(ctx, &c.Checkpoint, mode == ProcessesCRIU, func() error { return s.copyUpperFrozen(c) })
+			err = s.procs.Capture(ctx, &c.Checkpoint, mode == ProcessesCRIU, files)
 		}
 		unboost()
 		if err != nil && !errors.Is(err, ErrProcesses) {
 			err = fmt.Errorf("capturing processes: %w", err)
 		}
 	default:
-		err = s.copyUpper(c)
+		err = s.copyUpper(files)
+	}
+	if err == nil {
+		s.shmSeen(c.Shm, live)
 	}
 	return err
 }
@@ -855,10 +879,20 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	if err := s.restoreRoot(c, again, len(units) == 0 && !copies, copies && len(units) == 0); err != nil {
 		return err
 	}
+	// Template copies alone: /dev/shm once the killed are settled.
+	deferShm := copies && len(units) == 0
+	if !deferShm {
+		if err := s.restoreShm(c, false, false); err != nil {
+			return err
+		}
+	}
 	if o.FreshEntropy {
 		if err := s.writeSeed(newSeed()); err != nil {
 			return err
 		}
+	}
+	if deferShm {
+		s.deferShm(c)
 	}
 	return s.restoreProcesses(ctx, c, units, copies, start, again)
 }
@@ -885,6 +919,9 @@ func (s *Sandbox) restorePlan(ctx context.Context, c *checkpoint) (units []procs
 // templates' images serve instead where c has them. Called with op held,
 // the root restored.
 func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []procstate.Unit, copies bool, start time.Time, again bool) error {
+	if len(units) > 0 || copies {
+		s.shmMayChange()
+	}
 	if len(units) > 0 {
 		if err := s.procs.RestoreTrees(ctx, &c.Checkpoint, units); err != nil {
 			_ = s.killAll()
@@ -895,6 +932,9 @@ func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []p
 		return nil
 	}
 	err := s.procs.SpawnCopies(&c.Checkpoint, start, again)
+	if serr := s.shmDeferred(); err == nil && serr != nil {
+		err = serr // the copies run on another /dev/shm: ended below
+	}
 	if err == nil {
 		return nil
 	}
@@ -908,6 +948,9 @@ func (s *Sandbox) restoreProcesses(ctx context.Context, c *checkpoint, units []p
 		return err
 	}
 	s.waitKilled()
+	if serr := s.restoreShm(c, true, true); serr != nil {
+		return errors.Join(err, serr)
+	}
 	if ierr := s.procs.RestoreTrees(ctx, &c.Checkpoint, imgs); ierr != nil {
 		_ = s.killAll()
 		return errors.Join(err, ierr)

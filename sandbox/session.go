@@ -137,6 +137,7 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 		outW.Close()
 		return nil, err
 	}
+	s.shmMayChange()
 	_, wait, err := s.init.Conn.Spawn(initproc.SpawnRequest{
 		Argv: []string{"bash", "--noprofile", "--norc"}, Env: s.env([]string{"PS1=", "PS2="}),
 		Cwd: s.cwd(""), UID: s.spec.UID, GID: s.spec.GID, Flags: initproc.FlagSetsid, CgroupProcs: procs,

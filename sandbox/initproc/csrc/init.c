@@ -181,9 +181,11 @@ static int setup_mounts(void) {
 	}
 	// /dev is the spawn root's tree, shared by every sandbox (the launcher
 	// builds it: launch.buildDevTree says why it is not a tmpfs of each
-	// sandbox's); only /dev/shm, which the sandbox writes, is its own.
+	// sandbox's); only /dev/shm, which the sandbox writes, is its own. Its
+	// bytes and inodes bound what a checkpoint copies of it (sandbox/shm.go
+	// has the same figures).
 	TRY(mount("/.devsrc", "/dev", NULL, MS_BIND | MS_REC, NULL), "mounting /dev");
-	TRY(mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m"), "mounting /dev/shm");
+	TRY(mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m,nr_inodes=16384"), "mounting /dev/shm");
 	TRY(mount(NULL, "/dev", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC, NULL), "sealing /dev");
 	return 0;
 }

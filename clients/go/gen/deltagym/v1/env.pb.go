@@ -997,10 +997,8 @@ type ProcessCapture struct {
 	// restart, or once its frozen template is lost.
 	Saved bool `protobuf:"varint,5,opt,name=saved,proto3" json:"saved,omitempty"`
 	// unsaved_reason says why the process is not saved: kept only as a frozen
-	// template in its sandbox (durable was not asked for), why saving it
-	// failed (CRIU's error, naming the process and its log), or why its image
-	// restores only in its own sandbox (a file of the sandbox's /dev/shm, which
-	// checkpoints do not carry, open or mapped).
+	// template in its sandbox (durable was not asked for), or why saving it
+	// failed (CRIU's error, naming the process and its log).
 	UnsavedReason string `protobuf:"bytes,6,opt,name=unsaved_reason,json=unsavedReason,proto3" json:"unsaved_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
