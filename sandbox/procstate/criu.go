@@ -505,14 +505,14 @@ type reach struct {
 	shm string
 }
 
-// local says why the process nsPid (comm) comes back only in its own
-// sandbox, or "".
+// local names the file of the sandbox's /dev/shm process nsPid (comm) has
+// open or mapped, or "": the sandbox looks at the images of such a process
+// for a file removed while held, which criu cannot restore in a sandbox.
 func (r reach) local(nsPid int, comm string) string {
 	if r.shm == "" {
 		return ""
 	}
-	return fmt.Sprintf("pid %d (%s) has %s open or mapped: the sandbox's /dev/shm is not part of its checkpoints, so the process comes back only in this sandbox, while it lasts",
-		nsPid, comm, strings.TrimSuffix(r.shm, " (deleted)"))
+	return fmt.Sprintf("pid %d (%s) has %s open or mapped", nsPid, comm, strings.TrimSuffix(r.shm, " (deleted)"))
 }
 
 // detachedFiles lists the files pid maps, runs, has open or has as its cwd

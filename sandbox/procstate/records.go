@@ -96,8 +96,9 @@ type Unit struct {
 	Stopped bool `json:"stopped,omitempty"`
 	// Bytes is the size of the images, charged to the checkpoint budget.
 	Bytes int64 `json:"bytes,omitempty"`
-	// Local says why the images restore only in the sandbox they were
-	// made in (reach.local), if they do.
+	// Local names a file of the sandbox's /dev/shm a process of the
+	// images has open or mapped (reach.local): if it was removed while
+	// held, the images restore in no sandbox (the sandbox looks).
 	Local string `json:"local,omitempty"`
 }
 
