@@ -187,26 +187,33 @@ type procmapQuery struct {
 	VMANameAddr, BuildIDAddr                           uint64
 }
 
-// sharedWritableQuery finds the first shared, writable, file-backed mapping
+// sharedWritableQuery finds the shared, writable, file-backed mappings
 // (anonymous shared memory is backed by a file of the kernel's) of an open
-// maps file with PROCMAP_QUERY.
+// maps file with PROCMAP_QUERY, and says why the first one that counts
+// keeps the process from being a template (sharedWhy).
 func sharedWritableQuery(maps *os.File) (string, error) {
 	name := make([]byte, unix.PathMax)
-	q := procmapQuery{
-		Size:        uint64(unsafe.Sizeof(procmapQuery{})),
-		QueryFlags:  procmapCoveringOrNext | procmapWritable | procmapShared | procmapFileBacked,
-		VMANameSize: uint32(len(name)),
-		VMANameAddr: uint64(uintptr(unsafe.Pointer(&name[0]))),
+	for addr := uint64(0); ; {
+		q := procmapQuery{
+			Size:        uint64(unsafe.Sizeof(procmapQuery{})),
+			QueryFlags:  procmapCoveringOrNext | procmapWritable | procmapShared | procmapFileBacked,
+			QueryAddr:   addr,
+			VMANameSize: uint32(len(name)),
+			VMANameAddr: uint64(uintptr(unsafe.Pointer(&name[0]))),
+		}
+		_, _, errno := unix.Syscall(unix.SYS_IOCTL, maps.Fd(), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
+		runtime.KeepAlive(name)
+		if errno == unix.ENOENT {
+			return "", nil // no more
+		}
+		if errno != 0 {
+			return "", errno
+		}
+		if why := sharedWhy(string(name[:max(int(q.VMANameSize)-1, 0)])); why != "" { // the size counts the NUL
+			return why, nil
+		}
+		addr = q.VMAEnd
 	}
-	_, _, errno := unix.Syscall(unix.SYS_IOCTL, maps.Fd(), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
-	runtime.KeepAlive(name)
-	if errno == unix.ENOENT {
-		return "", nil // none
-	}
-	if errno != 0 {
-		return "", errno
-	}
-	return sharedWhy(string(name[:max(int(q.VMANameSize)-1, 0)])), nil // the size counts the NUL
 }
 
 // sharedWritableScan is sharedWritableQuery by reading the maps file.
@@ -217,16 +224,24 @@ func sharedWritableScan(maps *os.File) (string, error) {
 		if len(fl) < 6 || len(fl[1]) < 4 || fl[1][1] != 'w' || fl[1][3] != 's' {
 			continue
 		}
-		return sharedWhy(strings.Join(fl[5:], " ")), nil
+		if why := sharedWhy(strings.Join(fl[5:], " ")); why != "" {
+			return why, nil
+		}
 	}
 	return "", sc.Err()
 }
 
 // sharedWhy says why a process that maps name shared and writable is not
 // copied: the copy would share that memory with its template and with the
-// live process, and what one wrote the others would read.
+// live process, and what one wrote the others would read. A file of
+// /dev/shm removed while mapped (a POSIX semaphore: Python's
+// multiprocessing removes its own at once) is the exception, "": CRIU
+// cannot restore such a file in a sandbox, so a template, sharing it, is
+// the only way the process comes back.
 func sharedWhy(name string) string {
 	switch {
+	case strings.HasPrefix(name, "/dev/shm/") && strings.HasSuffix(name, " (deleted)"):
+		return ""
 	case name == "/dev/zero (deleted)" || name == "":
 		return "it maps anonymous memory shared and writable"
 	case strings.HasPrefix(name, "/SYSV"):
