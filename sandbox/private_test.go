@@ -1,6 +1,7 @@
 package sandbox_test
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -248,5 +249,54 @@ time.sleep(1e9)
 				t.Fatalf("/work/answer.txt after the restore: %q", got)
 			}
 		})
+	}
+}
+
+// removedShmPy maps a file of /dev/shm shared and writable and removes it,
+// as POSIX semaphores and multiprocessing's shared memory are; with
+// argument "tree" it runs as the child of a shell.
+const removedShmPy = `import mmap, os, time
+f = open("/dev/shm/seg", "w+b")
+f.truncate(4096)
+m = mmap.mmap(f.fileno(), 4096)
+os.unlink("/dev/shm/seg")
+open("/tmp/ready", "w").close()
+time.sleep(1e9)
+`
+
+// A process that maps a /dev/shm file it removed stays a template (CRIU
+// cannot bring such a file back in a sandbox), and the checkpoint says
+// that its copies share it; in a process tree, which only CRIU takes, the
+// checkpoint is refused, saying why, rather than taken and never restored.
+func TestRemovedShmShared(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := t.Context()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	if err := s.WriteFile(ctx, "/tmp/rm.py", []byte(removedShmPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/rm.py"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := methods(ck.Processes); got != "python3:template" || !strings.Contains(ck.Processes[0].Reason, "/dev/shm/seg") || !strings.Contains(ck.Processes[0].Reason, "not rolled back") {
+		t.Fatalf("captured %q (%+v), want a template whose reason names the shared file", got, ck.Processes)
+	}
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	sh(t, s, "rm /tmp/ready")
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", "python3 /tmp/rm.py; true"}, Background: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	_, err = s.Checkpoint(ctx)
+	if !errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "removed while in use") {
+		t.Fatalf("checkpoint of a tree holding a removed /dev/shm file: %v, want it refused saying why", err)
 	}
 }

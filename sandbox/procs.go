@@ -84,7 +84,9 @@ type ProcessCapture struct {
 	Command string // its name
 	Method  CaptureMethod
 	Session string // the session whose shell it is, if any
-	Reason  string // why the general path (criu) took it
+	// Reason says why the general path (criu) took the process, or, for
+	// a template, what its copies share with it.
+	Reason string
 	// ImagePid is the pid a template's process has in forks, and in
 	// restores in other sandboxes, which bring it back from a CRIU image
 	// of a copy of the template: that copy's pid (0 until the image is

@@ -295,6 +295,9 @@ func (c *checkpoint) info() CheckpointInfo {
 		Depth: len(c.Layers), SizeBytes: c.Size, Created: c.Created, Labels: cloneLabels(c.Labels)}
 	for i, p := range c.Procs {
 		pc := ProcessCapture{Pid: p.NSPid, Command: p.Comm, Method: CaptureTemplate, Session: p.Session}
+		if p.Shares != "" {
+			pc.Reason = "its copies share " + p.Shares + " (removed from /dev/shm while in use) with it: what they write there is not rolled back"
+		}
 		if i < len(c.TplImages) && len(c.TplImages[i].Procs) > 0 {
 			u := c.TplImages[i]
 			pc.ImagePid, pc.Unsaved = u.Procs[0].NSPid, shmUnsaved(u, p.NSPid, p.Comm, true)

@@ -401,8 +401,8 @@ var processModes = map[string]deltagymv1.ProcessMode{
 
 type checkpointCmd struct {
 	Sandbox   string `arg:"" help:"the sandbox to checkpoint"`
-	Durable   bool   `help:"save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (an agent's kill -9 -1 included)"`
-	Processes string `predictor:"processes" placeholder:"template|criu|files" help:"how to capture live processes: template (frozen copies, restorable in this sandbox; trees and multithreaded programs go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none; also filesystem); default: the env's"`
+	Durable   bool   `help:"save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (closed, reaped, its init killed) or the server"`
+	Processes string `predictor:"processes" placeholder:"template|criu|files" help:"how to capture live processes: template (frozen copies, restorable in this sandbox; process trees go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none; also filesystem); default: the env's"`
 	Quiet     bool   `short:"q" name:"quiet" help:"print only the checkpoint ID"`
 }
 

@@ -2,6 +2,7 @@ package procstate
 
 import (
 	"bufio"
+	"cmp"
 	"errors"
 	"fmt"
 	"os"
@@ -72,9 +73,9 @@ func inspect(pid int, rootMnt uint64) (procInfo, error) {
 	if err := inspectPrivate(pid, specials, &pi); err != nil {
 		return pi, err
 	}
-	if pi.reason == "" {
-		pi.reason, err = sharedWritableMap(dir)
-	}
+	why, removed, err := sharedWritableMap(dir)
+	pi.reason = cmp.Or(pi.reason, why)
+	pi.tpl.Shares = removed
 	return pi, err
 }
 
@@ -165,17 +166,17 @@ func inspectFiles(pid int, dir string, rootMnt uint64, pi *procInfo) ([]special,
 // copy would write through to the live state's file, not its own. It asks
 // the kernel for such mappings only (PROCMAP_QUERY, Linux 6.11), or else
 // reads and parses the whole maps file, which costs many times more.
-func sharedWritableMap(dir string) (string, error) {
+func sharedWritableMap(dir string) (why, removed string, err error) {
 	f, err := os.Open(dir + "/maps")
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	defer f.Close()
-	name, err := sharedWritableQuery(f)
+	why, removed, err = sharedWritableQuery(f)
 	if errors.Is(err, unix.ENOTTY) || errors.Is(err, unix.EINVAL) {
 		return sharedWritableScan(f)
 	}
-	return name, err
+	return why, removed, err
 }
 
 // procmapQuery is struct procmap_query of linux/fs.h.
@@ -191,7 +192,7 @@ type procmapQuery struct {
 // (anonymous shared memory is backed by a file of the kernel's) of an open
 // maps file with PROCMAP_QUERY, and says why the first one that counts
 // keeps the process from being a template (sharedWhy).
-func sharedWritableQuery(maps *os.File) (string, error) {
+func sharedWritableQuery(maps *os.File) (why, removed string, err error) {
 	name := make([]byte, unix.PathMax)
 	for addr := uint64(0); ; {
 		q := procmapQuery{
@@ -204,31 +205,35 @@ func sharedWritableQuery(maps *os.File) (string, error) {
 		_, _, errno := unix.Syscall(unix.SYS_IOCTL, maps.Fd(), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
 		runtime.KeepAlive(name)
 		if errno == unix.ENOENT {
-			return "", nil // no more
+			return "", removed, nil // no more
 		}
 		if errno != 0 {
-			return "", errno
+			return "", "", errno
 		}
-		if why := sharedWhy(string(name[:max(int(q.VMANameSize)-1, 0)])); why != "" { // the size counts the NUL
-			return why, nil
+		why, shm := sharedWhy(string(name[:max(int(q.VMANameSize)-1, 0)])) // the size counts the NUL
+		if why != "" {
+			return why, removed, nil
 		}
+		removed = cmp.Or(removed, shm)
 		addr = q.VMAEnd
 	}
 }
 
 // sharedWritableScan is sharedWritableQuery by reading the maps file.
-func sharedWritableScan(maps *os.File) (string, error) {
+func sharedWritableScan(maps *os.File) (why, removed string, err error) {
 	sc := bufio.NewScanner(maps)
 	for sc.Scan() {
 		fl := strings.Fields(sc.Text())
 		if len(fl) < 6 || len(fl[1]) < 4 || fl[1][1] != 'w' || fl[1][3] != 's' {
 			continue
 		}
-		if why := sharedWhy(strings.Join(fl[5:], " ")); why != "" {
-			return why, nil
+		why, shm := sharedWhy(strings.Join(fl[5:], " "))
+		if why != "" {
+			return why, removed, nil
 		}
+		removed = cmp.Or(removed, shm)
 	}
-	return "", sc.Err()
+	return "", removed, sc.Err()
 }
 
 // sharedWhy says why a process that maps name shared and writable is not
@@ -238,16 +243,16 @@ func sharedWritableScan(maps *os.File) (string, error) {
 // multiprocessing removes its own at once) is the exception, "": CRIU
 // cannot restore such a file in a sandbox, so a template, sharing it, is
 // the only way the process comes back.
-func sharedWhy(name string) string {
+func sharedWhy(name string) (why, removedShm string) {
 	switch {
 	case strings.HasPrefix(name, "/dev/shm/") && strings.HasSuffix(name, " (deleted)"):
-		return ""
+		return "", strings.TrimSuffix(name, " (deleted)")
 	case name == "/dev/zero (deleted)" || name == "":
-		return "it maps anonymous memory shared and writable"
+		return "it maps anonymous memory shared and writable", ""
 	case strings.HasPrefix(name, "/SYSV"):
-		return "it attaches System V shared memory"
+		return "it attaches System V shared memory", ""
 	}
-	return "it maps " + strings.TrimSuffix(name, " (deleted)") + " shared and writable"
+	return "it maps " + strings.TrimSuffix(name, " (deleted)") + " shared and writable", ""
 }
 
 func mntID(path string) (uint64, error) {
@@ -265,6 +270,10 @@ func (t procTree) criuCapturable() error {
 		if p.deleted != "" {
 			return fmt.Errorf("%w: %s cannot be captured: %s, which neither template copies nor CRIU can bring back in a sandbox; close it, end the process, or checkpoint files only (process mode filesystem)",
 				ErrProcesses, p.tpl.name(), p.deleted)
+		}
+		if p.tpl.Shares != "" {
+			return fmt.Errorf("%w: %s cannot be captured by CRIU: it maps %s, a file of /dev/shm removed while in use (a POSIX semaphore, or multiprocessing's shared memory), which CRIU cannot bring back in a sandbox; a process alone (not a tree) is taken as a template in process mode template, else checkpoint files only (process mode filesystem)",
+				ErrProcesses, p.tpl.name(), p.tpl.Shares)
 		}
 		if p.tpl.Session != "" && p.tpl.HostPid != t.procs[0].tpl.HostPid {
 			return fmt.Errorf("%w: session %q cannot be captured: its shell %s is not the root of its process tree; end it, or checkpoint files only (process mode filesystem)",

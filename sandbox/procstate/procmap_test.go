@@ -67,7 +67,7 @@ sys.stdin.read()
 		{"private-rw", ""},
 	} {
 		dir := "/proc/" + strconv.Itoa(start(c.mode))
-		got, err := sharedWritableMap(dir)
+		got, _, err := sharedWritableMap(dir)
 		if err != nil || got != c.want {
 			t.Errorf("%s: sharedWritableMap = %q, %v; want %q", c.mode, got, err, c.want)
 		}
@@ -75,13 +75,13 @@ sys.stdin.read()
 		if err != nil {
 			t.Fatal(err)
 		}
-		scanned, err := sharedWritableScan(f)
+		scanned, _, err := sharedWritableScan(f)
 		f.Close()
 		if err != nil || scanned != c.want {
 			t.Errorf("%s: from the maps file: %q, %v; want %q", c.mode, scanned, err, c.want)
 		}
 		f, _ = os.Open(dir + "/maps")
-		queried, err := sharedWritableQuery(f)
+		queried, _, err := sharedWritableQuery(f)
 		f.Close()
 		if err != nil && !strings.Contains(err.Error(), "inappropriate ioctl") {
 			t.Errorf("%s: PROCMAP_QUERY: %v", c.mode, err)

@@ -53,6 +53,11 @@ type Template struct {
 	Itimer [4]int64 `json:"itimer,omitzero"`
 	// alarm: SIGALRM is handled, ignored or blocked, so Itimer is read.
 	alarm bool
+	// Shares names a file of /dev/shm the process maps shared and writable
+	// and had removed (a POSIX semaphore, multiprocessing's shared
+	// memory): CRIU cannot bring it back in a sandbox, so the process is a
+	// template all the same, and its copies share that memory with it.
+	Shares string `json:"shares,omitempty"`
 	// Private are the descriptions each copy gets its own of (private.go).
 	Private []Private `json:"private,omitempty"`
 	// threads are the template's threads' states (ptfork.ThreadStates),

@@ -261,6 +261,7 @@ func TestPostgresKilled(t *testing.T) {
 	b := setupURL(t, url, func(c *ledger.Config) { c.QueueRows = 500 })
 	const total = 20_000
 	killAt := make(chan struct{})
+	killed := make(chan struct{})
 	appended := make(chan struct{})
 	go func() {
 		defer close(appended)
@@ -275,7 +276,10 @@ func TestPostgresKilled(t *testing.T) {
 				_ = b.w.EpisodeEnded(ledger.EpisodeEnd{ID: ep, Status: ledger.StatusTruncated})
 			}
 			if i == 5_000 {
+				// The rest is appended once Postgres is killed, so that
+				// its delivery meets the kill.
 				close(killAt)
+				<-killed
 			}
 		}
 	}()
@@ -288,11 +292,17 @@ func TestPostgresKilled(t *testing.T) {
 	// The postmaster leads its process group (pgserver starts it with Setpgid): killing the
 	// group ends it and every backend at once, so no backend started meanwhile goes on serving.
 	must(t, syscall.Kill(-pid, syscall.SIGKILL))
+	close(killed)
 	<-appended
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	must(t, b.w.Flush(ctx))
 	st := b.w.Stats()
+	// The supervisor counts its restart once the new postmaster is ready,
+	// which the writer may have found first.
+	for deadline := time.Now().Add(time.Minute); srv.Restarts() == 0 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
 	t.Logf("stats %+v; postgres restarts %d", st, srv.Restarts())
 	if srv.Restarts() != 1 || srv.Pid() == pid || srv.Pid() == 0 {
 		t.Fatalf("postmaster %d killed: %d restarts, now pid %d; want it started again once", pid, srv.Restarts(), srv.Pid())

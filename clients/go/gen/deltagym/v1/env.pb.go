@@ -90,9 +90,10 @@ const (
 	// PROCESS_MODE_FILESYSTEM means only the filesystem is captured; restoring
 	// ends every process but init.
 	ProcessMode_PROCESS_MODE_FILESYSTEM ProcessMode = 1
-	// PROCESS_MODE_TEMPLATE keeps frozen copies of single-threaded processes and
-	// restores them by fork: about a millisecond, restorable only into the
-	// sandbox that made it; other processes fall back to CRIU.
+	// PROCESS_MODE_TEMPLATE keeps frozen copies of processes (every thread, up
+	// to 64) and restores them by fork: about a millisecond, restorable only
+	// into the sandbox that made it; process trees and what a copy cannot
+	// carry fall back to CRIU.
 	ProcessMode_PROCESS_MODE_TEMPLATE ProcessMode = 2
 	// PROCESS_MODE_CRIU dumps processes with CRIU: tens of milliseconds,
 	// restorable into any sandbox of the env and durable.
@@ -990,7 +991,8 @@ type ProcessCapture struct {
 	// method is how the process was captured.
 	Method CaptureMethod `protobuf:"varint,3,opt,name=method,proto3,enum=deltagym.v1.CaptureMethod" json:"method,omitempty"`
 	// reason explains the method when it is not the one asked for (for example
-	// "multi-threaded").
+	// "child of pid 1 (sh)" for a process of a tree), or, for a template, what
+	// its copies share with it (a removed /dev/shm file).
 	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
 	// saved is set when the process has a CRIU image that restores anywhere:
 	// the checkpoint brings it back after its sandbox is gone, after a server
