@@ -261,7 +261,7 @@ func (s *Session) seize(pid int) (*Proc, error) {
 	}
 	if err := ptrace(unix.PTRACE_SEIZE, pid, 0, opts); err != nil {
 		_ = p.unpin()
-		if errors.Is(err, unix.ESRCH) {
+		if errors.Is(err, unix.ESRCH) || errors.Is(err, unix.EPERM) && exited(pid) {
 			return nil, fmt.Errorf("%w: pid %d", ErrGone, pid)
 		}
 		return nil, fmt.Errorf("seizing pid %d: %w", pid, err)
@@ -418,6 +418,13 @@ func (m *Scratch) Release() error {
 		return fmt.Errorf("unmapping scratch memory: %w", err)
 	}
 	return nil
+}
+
+// exited reports whether pid has exited (a zombie, or gone): ptrace
+// refuses to attach to an exiting task with EPERM.
+func exited(pid int) bool {
+	st, err := State(pid)
+	return err != nil || st == 'Z' || st == 'X'
 }
 
 // State is pid's state letter in /proc/<pid>/stat (R, S, D, T, Z, …);
