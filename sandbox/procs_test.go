@@ -28,22 +28,42 @@ func filesOnly(c *sandbox.Config) { c.ProcessMode = sandbox.ProcessesNone }
 // `make image`, or skips.
 func defaultImage(t testing.TB, b *bundle) string {
 	t.Helper()
-	if _, err := b.rt.ImportImage(t.Context(), "default", defaultRootfs(t)); err != nil {
-		t.Fatal(err)
-	}
-	return "default"
+	return importProjectImage(t, b, "default", defaultRootfs(t))
 }
 
 // defaultRootfs returns the root of the default image, or skips.
 func defaultRootfs(t testing.TB) string {
 	t.Helper()
+	return projectRootfs(t, "default", "image", "usr/bin/python3")
+}
+
+// importProjectImage imports the rootfs of one of the project's images as
+// name into b's runtime.
+func importProjectImage(t testing.TB, b *bundle, name, rootfs string) string {
+	t.Helper()
+	if _, err := b.rt.ImportImage(t.Context(), name, rootfs); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+// projectRootfs returns the root of the project's image name, built by
+// `make <target>` into .data/images/<name>, which must hold bins; or skips
+// (fails in CI, whose `make test` builds every image first).
+func projectRootfs(t testing.TB, name, target string, bins ...string) string {
+	t.Helper()
 	out, err := exec.Command("go", "env", "GOMOD").Output()
 	if err != nil {
 		t.Fatal(err)
 	}
-	root := filepath.Join(filepath.Dir(strings.TrimSpace(string(out))), ".data", "images", "default", "rootfs")
-	if _, err := os.Stat(filepath.Join(root, "usr", "bin", "python3")); err != nil {
-		t.Skipf("the default image is not built (make image): %v", err)
+	root := filepath.Join(filepath.Dir(strings.TrimSpace(string(out))), ".data", "images", name, "rootfs")
+	for _, bin := range bins {
+		if _, err := os.Stat(filepath.Join(root, bin)); err != nil {
+			if os.Getenv("CI") != "" {
+				t.Fatalf("the %s image is not built (make %s runs before make test): %v", name, target, err)
+			}
+			t.Skipf("the %s image is not built (make %s): %v", name, target, err)
+		}
 	}
 	return root
 }

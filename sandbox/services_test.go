@@ -4,9 +4,6 @@ import (
 	"context"
 	"fmt"
 	"maps"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -20,29 +17,13 @@ import (
 // builds it first, a missing image fails the test instead.
 func servicesImage(t testing.TB, b *bundle) string {
 	t.Helper()
-	if _, err := b.rt.ImportImage(t.Context(), "services", servicesRootfs(t)); err != nil {
-		t.Fatal(err)
-	}
-	return "services"
+	return importProjectImage(t, b, "services", servicesRootfs(t))
 }
 
 // servicesRootfs returns the root of the services image, or skips.
 func servicesRootfs(t testing.TB) string {
 	t.Helper()
-	out, err := exec.Command("go", "env", "GOMOD").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	root := filepath.Join(filepath.Dir(strings.TrimSpace(string(out))), ".data", "images", "services", "rootfs")
-	for _, bin := range []string{"usr/lib/postgresql/15/bin/postgres", "usr/bin/redis-server", "usr/bin/node"} {
-		if _, err := os.Stat(filepath.Join(root, bin)); err != nil {
-			if os.Getenv("CI") != "" {
-				t.Fatalf("the services image is not built (make image-services runs before make test): %v", err)
-			}
-			t.Skipf("the services image is not built (make image-services): %v", err)
-		}
-	}
-	return root
+	return projectRootfs(t, "services", "image-services", "usr/lib/postgresql/15/bin/postgres", "usr/bin/redis-server", "usr/bin/node")
 }
 
 // asPostgres runs what follows as the user postgres, which owns the

@@ -142,7 +142,7 @@ func (ps *State) stopAll(tr *ptfork.Session) (stopSet, error) {
 					delete(stop.seized, p.Pid)
 					continue // it exited
 				}
-				return stop, fmt.Errorf("%w: stopping the sandbox's processes: %s: %w; checkpoint files only (process mode filesystem)", ErrProcesses, sandboxName(p.Pid), errnoOf(err))
+				return stop, fmt.Errorf("%w: stopping the sandbox's processes: %s: %w; checkpoint files only (process mode filesystem)", ErrProcesses, sandboxName(p.Pid), scrubPids{err})
 			}
 			stop.order = append(stop.order, p.Pid)
 		}
@@ -196,7 +196,7 @@ func (stop *stopSet) seizeNew(tr *ptfork.Session, pids []int, held map[int]bool)
 			continue
 		}
 		if err != nil {
-			return nil, false, fmt.Errorf("%w: %s cannot be stopped to be copied (%w); checkpoint files only (process mode filesystem)", ErrProcesses, sandboxName(pid), errnoOf(err))
+			return nil, false, fmt.Errorf("%w: %s cannot be stopped to be copied (%w); checkpoint files only (process mode filesystem)", ErrProcesses, sandboxName(pid), scrubPids{err})
 		}
 		stop.seized[pid] = p
 		fresh = append(fresh, p)
@@ -217,20 +217,6 @@ func sandboxName(pid int) string {
 		t.Comm = strings.TrimSpace(v)
 	}
 	return t.name()
-}
-
-// errnoOf is err's errno, which names no host pid, or a generic error.
-func errnoOf(err error) error {
-	var e unix.Errno
-	if errors.As(err, &e) {
-		return e
-	}
-	for _, known := range []error{ptfork.ErrNoStop, ptfork.ErrThreads, ptfork.ErrGone} {
-		if errors.Is(err, known) {
-			return known
-		}
-	}
-	return errors.New("ptrace refused")
 }
 
 // threadsReason says why the threads of process pid, refused by Seize

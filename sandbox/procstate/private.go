@@ -31,8 +31,11 @@ import (
 // no copy reads what another sent. A listening socket stays shared — it
 // holds the port, which a new socket could not bind while the template
 // holds it — and its queue of connections not yet accepted is emptied
-// before each copy runs, so no copy accepts one made before it. Unix
-// sockets stay shared.
+// before each copy runs, so no copy accepts one made before it; a unix
+// socket listening at an absolute path is bound again there (the restored
+// file is a copy no socket is bound to). Connected unix sockets stay
+// shared. What a fork drops is given back too: the interval timer
+// (readItimer, fixItimer), and memory marked MADV_DONTFORK (forkWhole).
 
 // Private is a description of a template whose copies each get their own.
 type Private struct {
@@ -42,7 +45,9 @@ type Private struct {
 	FD   int    `json:"fd"`
 	// Flags are the fd's file status flags and O_CLOEXEC (fdinfo's flags).
 	Flags int `json:"flags"`
-	// Write are a pipe's write ends (FD is its read end), with their flags.
+	// Read are a pipe's other read ends (FD is the first) and Write its
+	// write ends, with their flags.
+	Read  []PrivateFD `json:"read,omitempty"`
 	Write []PrivateFD `json:"write,omitempty"`
 	// Data is what a pipe held.
 	Data []byte `json:"data,omitempty"`
@@ -112,16 +117,23 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 		return err
 	}
 	defer unix.Close(pidfd)
-	pipes := map[string]*Private{}
+	var pipes []*Private // in the order of their first read ends
+	byLink := map[string]*Private{}
 	var writeEnds []special
 	var epolls []special
 	for _, sp := range specials {
 		switch {
 		case strings.HasPrefix(sp.link, "pipe:"):
-			if sp.flags&unix.O_ACCMODE == unix.O_WRONLY {
+			p := byLink[sp.link]
+			switch {
+			case sp.flags&unix.O_ACCMODE == unix.O_WRONLY:
 				writeEnds = append(writeEnds, sp)
-			} else if pipes[sp.link] == nil {
-				pipes[sp.link] = &Private{Kind: "pipe", FD: sp.fd, Flags: sp.flags}
+			case p == nil:
+				p = &Private{Kind: "pipe", FD: sp.fd, Flags: sp.flags}
+				byLink[sp.link] = p
+				pipes = append(pipes, p)
+			default:
+				p.Read = append(p.Read, PrivateFD{FD: sp.fd, Flags: sp.flags})
 			}
 		case sp.link == "anon_inode:[eventfd]":
 			p := Private{Kind: "eventfd", FD: sp.fd, Flags: sp.flags}
@@ -140,7 +152,12 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 			}
 		}
 	}
-	if err := pipePrivates(pidfd, specials, pipes, writeEnds, pi); err != nil {
+	for _, w := range writeEnds {
+		if p := byLink[w.link]; p != nil {
+			p.Write = append(p.Write, PrivateFD{FD: w.fd, Flags: w.flags})
+		}
+	}
+	if err := pipePrivates(pidfd, pipes, pi); err != nil {
 		return err
 	}
 	if n := len(pi.tpl.Private) + len(epolls); n > maxPrivate && pi.reason == "" {
@@ -159,25 +176,13 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 	return nil
 }
 
-// pipePrivates records the pipes of pipes (by link, with a read end each)
-// whose write ends (among writeEnds) the process holds too, with what they
-// hold, and their other read ends.
-func pipePrivates(pidfd int, specials []special, pipes map[string]*Private, writeEnds []special, pi *procInfo) error {
+// pipePrivates records the pipes whose write ends the process holds too
+// (pipes to itself), with what they hold.
+func pipePrivates(pidfd int, pipes []*Private, pi *procInfo) error {
 	held := 0
-	for _, w := range writeEnds {
-		if p := pipes[w.link]; p != nil {
-			p.Write = append(p.Write, PrivateFD{FD: w.fd, Flags: w.flags})
-		}
-	}
-	for _, sp := range specials {
-		// Every read end of a pipe whose write end the process holds.
-		p := pipes[sp.link]
-		if p == nil || len(p.Write) == 0 || sp.flags&unix.O_ACCMODE == unix.O_WRONLY {
-			continue
-		}
-		if sp.fd != p.FD {
-			pi.tpl.Private = append(pi.tpl.Private, Private{Kind: "pipe", FD: sp.fd, Flags: sp.flags, Size: -p.FD - 1})
-			continue
+	for _, p := range pipes {
+		if len(p.Write) == 0 {
+			continue // the other end is another process's: shared
 		}
 		if err := pipeContents(pidfd, p); err != nil {
 			return fmt.Errorf("reading the pipe of fd %d: %w", p.FD, err)
@@ -548,17 +553,9 @@ func replaceFD(cp *ptfork.Proc, fd, flags int, make func() (uintptr, error)) err
 	return err
 }
 
-// privatePipe gives the copy a new pipe holding what the template's held:
-// on its read end's fd and its write ends' (p), or, for a second read end
-// (Size < 0 names the first's fd), a duplicate of the new read end.
+// privatePipe gives the copy a new pipe holding what the template's held,
+// on the fds of its read ends and of its write ends (p).
 func privatePipe(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
-	if p.Size < 0 {
-		_, err := cp.Syscall(unix.SYS_DUP3, uintptr(-p.Size-1), uintptr(p.FD), uintptr(p.Flags&unix.O_CLOEXEC))
-		if err == nil {
-			_, err = cp.Syscall(unix.SYS_FCNTL, uintptr(p.FD), unix.F_SETFL, uintptr(p.Flags&unix.O_NONBLOCK))
-		}
-		return err
-	}
 	a, err := mem.Put("")
 	if err != nil {
 		return err
@@ -581,10 +578,11 @@ func privatePipe(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
 			return err
 		}
 	}
-	ends := append([]PrivateFD{{FD: p.FD, Flags: p.Flags}}, p.Write...)
+	reads := append([]PrivateFD{{FD: p.FD, Flags: p.Flags}}, p.Read...)
+	ends := append(reads, p.Write...)
 	for i, e := range ends {
 		src := r
-		if i > 0 {
+		if i >= len(reads) {
 			src = w
 		}
 		if _, err := cp.Syscall(unix.SYS_DUP3, src, uintptr(e.FD), uintptr(e.Flags&unix.O_CLOEXEC)); err != nil {
@@ -594,23 +592,13 @@ func privatePipe(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
 			return fmt.Errorf("fcntl of fd %d: %w", e.FD, err)
 		}
 	}
+	// The new pipe's fds were free, so none of the ends: both go.
 	for _, fd := range []uintptr{r, w} {
-		if !slicesContainsFD(ends, int(fd)) {
-			if _, err := cp.Syscall(unix.SYS_CLOSE, fd); err != nil {
-				return err
-			}
+		if _, err := cp.Syscall(unix.SYS_CLOSE, fd); err != nil {
+			return err
 		}
 	}
 	return nil
-}
-
-func slicesContainsFD(ends []PrivateFD, fd int) bool {
-	for _, e := range ends {
-		if e.FD == fd {
-			return true
-		}
-	}
-	return false
 }
 
 // fillPipe writes data into the write end fd of stopped process pid's new

@@ -636,25 +636,32 @@ func (p *Proc) forkLeader() (*Proc, int, error) {
 	c := &Proc{s: p.s, Pid: child, attached: true, stopped: true, sysAddr: p.sysAddr, Regs: p.Regs,
 		pinned: p.pinned, mask: p.mask} // born on the session's CPU
 	p.s.procs[child] = c
-	// The auto-attached copy starts in a PTRACE_EVENT_STOP.
-	for {
-		ws, err := wait(child)
-		if err != nil {
-			return nil, 0, err
-		}
-		if ws.Exited() || ws.Signaled() {
-			c.attached = false
-			delete(p.s.procs, child)
-			return nil, 0, fmt.Errorf("%w: copy %d of pid %d ended at birth", ErrGone, child, p.Pid)
-		}
-		if ws.Stopped() {
-			break
-		}
+	if err := c.awaitBirth(); err != nil {
+		return nil, 0, fmt.Errorf("copy of pid %d: %w", p.Pid, err)
 	}
 	if err := unix.PtraceSetRegs(child, &c.Regs); err != nil {
 		return nil, 0, fmt.Errorf("setting registers of copy %d: %w", child, err)
 	}
 	return c, int(nsPid), nil
+}
+
+// awaitBirth waits for the first stop of new tracee c, a copy or a thread
+// auto-attached at its birth (a PTRACE_EVENT_STOP).
+func (c *Proc) awaitBirth() error {
+	for {
+		ws, err := wait(c.Pid)
+		if err != nil {
+			return err
+		}
+		if ws.Exited() || ws.Signaled() {
+			c.attached = false
+			delete(c.s.procs, c.Pid)
+			return fmt.Errorf("%w: %d ended at birth", ErrGone, c.Pid)
+		}
+		if ws.Stopped() {
+			return nil
+		}
+	}
 }
 
 // detachWait bounds Detach's wait for a process seized but not yet

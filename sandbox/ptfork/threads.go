@@ -358,19 +358,8 @@ func (c *Proc) addThread(t *Proc, cs *Scratch, inherited []byte) (*Proc, error) 
 // registers and st; its name is inherited, the one set only if it
 // differs.
 func (nt *Proc) takeState(st *threadState, cs *Scratch, inherited []byte) error {
-	for {
-		ws, err := wait(nt.Pid)
-		if err != nil {
-			return err
-		}
-		if ws.Exited() || ws.Signaled() {
-			nt.attached = false
-			delete(nt.s.procs, nt.Pid)
-			return fmt.Errorf("%w: thread %d ended at birth", ErrGone, nt.Pid)
-		}
-		if ws.Stopped() {
-			break
-		}
+	if err := nt.awaitBirth(); err != nil {
+		return err
 	}
 	iov := unix.Iovec{Base: &st.xstate[0], Len: uint64(len(st.xstate))}
 	if err := ptracePtr(unix.PTRACE_SETREGSET, nt.Pid, ntX86Xstate, unsafe.Pointer(&iov)); err != nil {
