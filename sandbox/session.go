@@ -6,6 +6,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"regexp"
@@ -156,7 +157,7 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 	_, _ = rand.Read(b[:])
 	se := &session{
 		name: name, cg: cg, stdin: inW, outF: outR, errF: errR,
-		stdout: bufio.NewReaderSize(outR, 64*1024), stderr: bufio.NewReaderSize(errR, 64*1024),
+		stdout: shellStream(outR), stderr: shellStream(errR),
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
 	}
 	go se.watchExit(wait)
@@ -402,6 +403,37 @@ func (se *session) close() {
 	se.closePipes()
 }
 
+// shellStream reads one of a shell's output pipes.
+func shellStream(f *os.File) *bufio.Reader {
+	return bufio.NewReaderSize(drainingReader{f}, 64*1024)
+}
+
+// drainingReader reads a pipe whose read deadline ends the wait for more, not the reading of
+// what is there: past the deadline, it still returns what the pipe holds until it is empty.
+// A reader scheduled late after stopReading set the deadline so loses none of what the shell
+// wrote before it exited.
+type drainingReader struct{ f *os.File }
+
+func (r drainingReader) Read(p []byte) (int, error) {
+	n, err := r.f.Read(p)
+	if n > 0 || !errors.Is(err, os.ErrDeadlineExceeded) || len(p) == 0 {
+		return n, err
+	}
+	rc, cerr := r.f.SyscallConn()
+	if cerr != nil {
+		return 0, err
+	}
+	// Control, unlike Read, does not look at the deadline; the descriptor is non-blocking.
+	var got int
+	var rerr error
+	if cerr := rc.Control(func(fd uintptr) {
+		got, rerr = unix.Read(int(fd), p)
+	}); cerr != nil || rerr != nil || got <= 0 {
+		return 0, err
+	}
+	return got, nil
+}
+
 // exitDrain is how long a session's streams are still read after its shell exited: what the
 // shell wrote is in the pipes already.
 const exitDrain = 100 * time.Millisecond
@@ -439,7 +471,7 @@ func (s *Sandbox) adoptSession(name string, cg *cgroup.Cgroup, hostPid int, stdi
 	_, _ = rand.Read(b[:])
 	se := &session{
 		name: name, cg: cg, hostPid: hostPid, stdin: stdio[0], outF: stdio[1], errF: stdio[2],
-		stdout: bufio.NewReaderSize(stdio[1], 64*1024), stderr: bufio.NewReaderSize(stdio[2], 64*1024),
+		stdout: shellStream(stdio[1]), stderr: shellStream(stdio[2]),
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
 	}
 	go se.watchExit(exit)
