@@ -30,6 +30,8 @@ require (
 	google.golang.org/protobuf v1.36.12
 )
 
+require github.com/coder/websocket v1.8.15
+
 require (
 	codeberg.org/go-fonts/liberation v0.5.0 // indirect
 	codeberg.org/go-latex/latex v0.2.0 // indirect

@@ -31,7 +31,7 @@ const TokenFile = "token"
 const tokenPathPrefix = "/t/"
 
 // publicPaths are served without a token when Config.PublicHealth is set: health, reflection
-// and metrics, which tell nothing of the sandboxes.
+// and metrics, which tell nothing of the sandboxes (and OpenEnv's /openenv/{env}/health, isPublic).
 var publicPaths = []string{
 	"/grpc.health.v1.Health/",
 	"/grpc.reflection.v1.ServerReflection/",
@@ -121,7 +121,9 @@ func isPublic(p string) bool {
 			return true
 		}
 	}
-	return false
+	// An OpenEnv env's health, which AutoEnv probes without headers: /openenv/{env}/health.
+	env, ok := strings.CutPrefix(p, "/openenv/")
+	return ok && strings.Count(env, "/") == 1 && strings.HasSuffix(env, "/health") && !strings.HasPrefix(env, "/")
 }
 
 // isLoopback reports whether addr (host:port) listens on loopback only.

@@ -16,6 +16,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/egress"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
+	"github.com/deltagym/deltagym/server/openenv"
 )
 
 // Config configures a Server.
@@ -100,6 +101,12 @@ type Config struct {
 	MaxRequestBytes int
 	// LeaseTTL is how long a sandbox lives without a call or heartbeat. Default 10m.
 	LeaseTTL time.Duration
+	// OpenEnvStepCap bounds a command run through the OpenEnv protocol. Default 55s: the step
+	// answers inside the 60 s OpenEnv's clients wait for a message.
+	OpenEnvStepCap time.Duration
+	// OpenEnvMaxSessions bounds the OpenEnv sessions open at once (WebSockets and MCP
+	// sessions). Default 4096.
+	OpenEnvMaxSessions int
 	// AcquireTimeout bounds how long a Reset waits for a warm sandbox. Default 10s.
 	AcquireTimeout time.Duration
 	// DefaultPoolSize is the pool size of envs whose spec says 0. Default 2.
@@ -135,6 +142,9 @@ func parseBytes(v string) (int64, error) {
 
 // defaultImportMaxBytes is Config.ImportMaxBytes when unset.
 const defaultImportMaxBytes = 16 << 30
+
+// defaultOpenEnvMaxSessions is the default of Config.OpenEnvMaxSessions.
+const defaultOpenEnvMaxSessions = 4096
 
 // minPostgresMemoryMB and maxPostgresMemoryMB bound the memory cap of the private Postgres.
 const (
@@ -217,6 +227,10 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", cmp.Or(c.MaxRequestBytes, RequestCapFor(sandbox.MaxFileBytes)),
 		"largest accepted request message, in `bytes` (the default carries a write_file of the largest file a sandbox takes, 64 MiB, in every encoding: Connect JSON base64-encodes it)")
 	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")
+	fs.IntVar(&c.OpenEnvMaxSessions, "openenv-max-sessions", cmp.Or(c.OpenEnvMaxSessions, defaultOpenEnvMaxSessions),
+		"most OpenEnv sessions (WebSockets and MCP sessions) open at once; past it a session is refused with CAPACITY_REACHED")
+	fs.DurationVar(&c.OpenEnvStepCap, "openenv-step-cap", cmp.Or(c.OpenEnvStepCap, openenv.DefaultStepCap),
+		"longest a command runs through the OpenEnv protocol: its step answers, timed out with what it printed, inside the clients' wait for a message (60 s unless they set message_timeout_s)")
 	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
 	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", max(c.ShutdownTimeout, 30*time.Second), "graceful shutdown drain limit")
@@ -288,6 +302,9 @@ func (c *Config) defaults() error {
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 30 * time.Second
+	}
+	if c.OpenEnvMaxSessions <= 0 {
+		c.OpenEnvMaxSessions = defaultOpenEnvMaxSessions
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

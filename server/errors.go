@@ -79,6 +79,16 @@ func (s *Server) toConnect(err error) error {
 	return connect.NewError(code, errors.New(s.message(err)))
 }
 
+// describe is err's text for a client of another protocol than Connect's: message, or for an
+// internal error a pointer at the log, which has it.
+func (s *Server) describe(err error) string {
+	if codeOf(err) == connect.CodeInternal {
+		s.log.Error("internal error", "err", err)
+		return "internal error (details in the server log)"
+	}
+	return s.message(err)
+}
+
 // message is err's text for a client: host paths scrubbed and without the words of its class,
 // which its code says, or the field that holds it ("not_found: checkpoint …", not
 // "not_found: not found: checkpoint …" nor "… env not ready: failed precondition").

@@ -24,6 +24,7 @@ import (
 	"github.com/deltagym/deltagym/server/episode"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
+	"github.com/deltagym/deltagym/server/openenv"
 )
 
 // Server is a running deltagym service: the sandbox runtime, the env pools, the ledger and the
@@ -42,6 +43,7 @@ type Server struct {
 	token     string // the bearer token clients send; "" with auth off
 	imports   *importRoot
 
+	openenv *openenv.Handler // nil until the handler is built
 	core    *episode.Core
 	coreSet chan struct{} // closed once core is set: the runtime's expiry hook reads it then
 	regMu   sync.Mutex    // serialises RegisterEnv's keeping of specs
@@ -282,6 +284,9 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
+	s.openenv = openenv.New(openenv.Config{Core: s.core, Pools: s.pools, Log: s.log, Describe: s.describe,
+		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.LeaseTTL, StepCap: s.cfg.OpenEnvStepCap, MaxSessions: s.cfg.OpenEnvMaxSessions})
+	mux.Handle(openenv.Prefix, s.openenv)
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
 		refuse: s.obs.authRefused, next: capBodies(mux, s.cfg.MaxRequestBytes)}
 	if g.on {
@@ -332,6 +337,10 @@ func (s *Server) Close(ctx context.Context) error {
 		s.closing = true
 		srvs := s.httpSrvs
 		s.mu.Unlock()
+		if s.openenv != nil {
+			// Its WebSockets are hijacked connections, which the HTTP servers' shutdown leaves be.
+			s.openenv.Close(ctx)
+		}
 		for _, hs := range srvs {
 			if err := hs.Shutdown(ctx); err != nil {
 				errs = append(errs, fmt.Errorf("draining http: %w", err))

@@ -1,0 +1,373 @@
+package openenv
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
+
+// An mcpSession is a session made by openenv/session/create: it lives until
+// openenv/session/close, or until it has been idle (no call, no socket) for a lease's TTL, and
+// at most one WebSocket attaches to it at a time (/ws?session_id=).
+type mcpSession struct {
+	id string // immutable
+	s  *session
+	// The fields below are guarded by Handler.mu, which checklocks cannot name from here.
+
+	// socket is the WebSocket attached, nil for none.
+	// +checklocksignore
+	socket *socket
+	// used is when a call last touched the session.
+	// +checklocksignore
+	used time.Time
+	// closing asks the attached socket to close the session when it ends.
+	// +checklocksignore
+	closing bool
+}
+
+var errSessionNotFound = fmt.Errorf("session not found: %w", errdefs.ErrNotFound)
+
+// JSON-RPC 2.0's error codes.
+const (
+	rpcParse          = -32700
+	rpcInvalidRequest = -32600
+	rpcNoMethod       = -32601
+	rpcInvalidParams  = -32602
+	rpcServer         = -32000
+)
+
+type rpcRequest struct {
+	JSONRPC string          `json:"jsonrpc"`
+	Method  string          `json:"method"`
+	Params  json.RawMessage `json:"params,omitempty"`
+	ID      json.RawMessage `json:"id,omitempty"`
+}
+
+type rpcResponse struct {
+	JSONRPC string          `json:"jsonrpc"`
+	ID      json.RawMessage `json:"id"`
+	Result  any             `json:"result,omitempty"`
+	Error   *rpcError       `json:"error,omitempty"`
+}
+
+type rpcError struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+	// Data carries OpenEnv's error code.
+	Data *errorData `json:"data,omitempty"`
+}
+
+// serveMCP answers a JSON-RPC request (HTTP 200 for the protocol's own errors, as JSON-RPC over
+// HTTP does).
+func (h *Handler) serveMCP(w http.ResponseWriter, r *http.Request) {
+	env, err := h.envOf(r)
+	if err != nil {
+		h.httpError(w, err)
+		return
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, h.cfg.MaxMessageBytes))
+	if err != nil {
+		writeJSON(w, http.StatusRequestEntityTooLarge, rpcResponse{JSONRPC: "2.0", ID: json.RawMessage("null"),
+			Error: &rpcError{Code: rpcInvalidRequest, Message: fmt.Sprintf("reading the request: %v", err)}})
+		return
+	}
+	writeJSON(w, http.StatusOK, h.rpcEnv(r.Context(), env, body))
+}
+
+// rpcEnv answers a JSON-RPC request on env's /mcp, whose session is named by its params.
+func (h *Handler) rpcEnv(ctx context.Context, env string, body []byte) rpcResponse {
+	req, resp, ok := decodeRPC(body)
+	if !ok {
+		return resp
+	}
+	var p struct {
+		SessionID string `json:"session_id"`
+	}
+	_ = json.Unmarshal(req.Params, &p)
+	switch req.Method {
+	case "openenv/session/create":
+		id, err := h.createMCP(env)
+		return h.reply(resp, map[string]any{"session_id": id}, err)
+	case "openenv/session/close":
+		closed, err := h.closeMCP(ctx, env, p.SessionID)
+		return h.reply(resp, map[string]any{"session_id": p.SessionID, "closed": closed, "closing": !closed}, err)
+	case "tools/call":
+		m, err := h.useMCP(env, p.SessionID)
+		if err != nil {
+			return h.reply(resp, nil, err)
+		}
+		return h.call(ctx, m.s, req, resp)
+	}
+	return h.dispatch(ctx, nil, req, resp)
+}
+
+// rpc answers a JSON-RPC request sent on a socket (a frame of type mcp), on that socket's
+// session.
+func (h *Handler) rpc(ctx context.Context, s *session, body []byte) rpcResponse {
+	req, resp, ok := decodeRPC(body)
+	if !ok {
+		return resp
+	}
+	if req.Method == "tools/call" {
+		return h.call(ctx, s, req, resp)
+	}
+	return h.dispatch(ctx, s, req, resp)
+}
+
+func decodeRPC(body []byte) (rpcRequest, rpcResponse, bool) {
+	var req rpcRequest
+	resp := rpcResponse{JSONRPC: "2.0", ID: json.RawMessage("null")}
+	if err := json.Unmarshal(body, &req); err != nil {
+		resp.Error = &rpcError{Code: rpcParse, Message: fmt.Sprintf("the request is not JSON-RPC 2.0 (a JSON object): %v", err)}
+		return req, resp, false
+	}
+	if len(req.ID) > 0 {
+		resp.ID = req.ID
+	}
+	if req.JSONRPC != "2.0" || req.Method == "" {
+		resp.Error = &rpcError{Code: rpcInvalidRequest, Message: `a JSON-RPC request has "jsonrpc": "2.0" and a method`}
+		return req, resp, false
+	}
+	return req, resp, true
+}
+
+// dispatch answers the methods that need no session of the request's own.
+func (h *Handler) dispatch(ctx context.Context, s *session, req rpcRequest, resp rpcResponse) rpcResponse {
+	switch req.Method {
+	case "initialize":
+		return h.reply(resp, map[string]any{"protocolVersion": "2025-06-18", "capabilities": map[string]any{"tools": map[string]any{}},
+			"serverInfo": map[string]any{"name": "deltagym", "version": "1"}}, nil)
+	case "tools/list":
+		return h.reply(resp, map[string]any{"tools": tools}, nil)
+	case "ping":
+		return h.reply(resp, map[string]any{}, nil)
+	}
+	resp.Error = &rpcError{Code: rpcNoMethod, Message: fmt.Sprintf("no method %.64q: the methods are initialize, tools/list, tools/call, openenv/session/create and openenv/session/close", req.Method)}
+	return resp
+}
+
+func (h *Handler) reply(resp rpcResponse, result any, err error) rpcResponse {
+	if err != nil {
+		code := rpcServer
+		if errors.Is(err, errdefs.ErrInvalidArgument) || errors.Is(err, errSessionNotFound) {
+			code = rpcInvalidParams
+		}
+		msg := h.describe(err)
+		resp.Error = &rpcError{Code: code, Message: msg, Data: &errorData{Code: codeOf(err), Message: msg}}
+		return resp
+	}
+	resp.Result = result
+	return resp
+}
+
+// call runs a tool on s: the tool's arguments become an action, and its answer is MCP's
+// content with the observation as structured data.
+func (h *Handler) call(ctx context.Context, s *session, req rpcRequest, resp rpcResponse) rpcResponse {
+	var p struct {
+		Name      string          `json:"name"`
+		Arguments json.RawMessage `json:"arguments"`
+	}
+	if err := json.Unmarshal(req.Params, &p); err != nil {
+		return h.reply(resp, nil, invalid("tools/call's params are {name, arguments, session_id}: %v", err))
+	}
+	raw, err := toolArgs(p.Name, p.Arguments)
+	if err != nil {
+		return h.reply(resp, nil, err)
+	}
+	res, err := s.step(ctx, raw)
+	if err != nil {
+		return h.reply(resp, nil, err)
+	}
+	return h.reply(resp, toolResult(res), nil)
+}
+
+// toolResult is MCP's answer to a tool call: the output as text, and the observation as data.
+func toolResult(r Result) map[string]any {
+	o := r.Observation
+	var text string
+	switch {
+	case o.Error != "":
+		text = o.Error
+	case o.Stdout != nil:
+		text = *o.Stdout + *o.Stderr
+	case o.Content != nil:
+		text = *o.Content
+	default:
+		b, _ := json.Marshal(o)
+		text = string(b)
+	}
+	return map[string]any{"content": []map[string]any{{"type": "text", "text": text}}, "isError": o.Error != "", "data": r}
+}
+
+// createMCP makes a session of env.
+func (h *Handler) createMCP(env string) (string, error) {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	id := "os-" + hex.EncodeToString(b[:])
+	m := &mcpSession{id: id, s: h.newSession(env), used: time.Now()}
+	idle := h.reapIdle()
+	defer func() {
+		for _, s := range idle {
+			s.close(context.Background())
+		}
+	}()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := h.admitLocked(); err != nil {
+		return "", err
+	}
+	h.mcp[id] = m
+	return id, nil
+}
+
+// reapIdle forgets the MCP sessions idle past a lease's TTL with no socket, and returns them to
+// be closed.
+func (h *Handler) reapIdle() []*session {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var idle []*session
+	for id, m := range h.mcp {
+		if m.socket == nil && time.Since(m.used) > h.cfg.LeaseTTL {
+			delete(h.mcp, id)
+			idle = append(idle, m.s)
+		}
+	}
+	return idle
+}
+
+// useMCP finds session id of env and marks it used.
+func (h *Handler) useMCP(env, id string) (*mcpSession, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	m := h.mcp[id]
+	if id == "" {
+		return nil, invalid("tools/call needs the session_id that openenv/session/create returned")
+	}
+	if m == nil || m.s.env != env {
+		return nil, fmt.Errorf("%w: no MCP session %.64q on env %q (openenv/session/create makes one)", errSessionNotFound, id, env)
+	}
+	m.used = time.Now()
+	return m, nil
+}
+
+// closeMCP closes session id, or, with a socket attached, has the socket close it when it
+// ends; it says which.
+func (h *Handler) closeMCP(ctx context.Context, env, id string) (bool, error) {
+	h.mu.Lock()
+	m := h.mcp[id]
+	if m == nil || m.s.env != env {
+		h.mu.Unlock()
+		return false, fmt.Errorf("%w: no MCP session %.64q on env %q", errSessionNotFound, id, env)
+	}
+	if m.socket != nil {
+		m.closing = true
+		h.mu.Unlock()
+		return false, nil
+	}
+	delete(h.mcp, id)
+	h.mu.Unlock()
+	m.s.close(ctx)
+	return true, nil
+}
+
+// toolAction recognises the MCP actions that OpenEnv's MCP client steps with over a socket:
+// {"type": "list_tools"} and {"type": "call_tool", "tool_name", "arguments"}.
+func toolAction(data json.RawMessage) (mcpAction, bool) {
+	if !bytes.Contains(data, []byte(`"type"`)) {
+		return mcpAction{}, false
+	}
+	var a mcpAction
+	if json.Unmarshal(data, &a) != nil || (a.Type != "list_tools" && a.Type != "call_tool") {
+		return mcpAction{}, false
+	}
+	return a, true
+}
+
+type mcpAction struct {
+	Type      string          `json:"type"`
+	ToolName  string          `json:"tool_name"`
+	Arguments json.RawMessage `json:"arguments"`
+}
+
+// answerTool answers an MCP action stepped over a socket, as OpenEnv's MCP observations.
+func (k *socket) answerTool(a mcpAction) {
+	if a.Type == "list_tools" {
+		k.send(frame{Type: "observation", Data: mustJSON(map[string]any{"observation": map[string]any{"tools": tools}, "reward": 0, "done": false})})
+		return
+	}
+	obs := map[string]any{"tool_name": a.ToolName}
+	var res Result
+	raw, err := toolArgs(a.ToolName, a.Arguments)
+	if err == nil {
+		res, err = k.s.step(k.ctx, raw)
+	}
+	if err != nil {
+		obs["error"] = map[string]any{"error_type": codeOf(err), "message": k.h.describe(err)}
+	} else {
+		obs["result"] = toolResult(res)
+		obs["metadata"] = res.Metadata
+	}
+	k.send(frame{Type: "observation", Data: mustJSON(map[string]any{"observation": obs, "reward": res.Reward, "done": res.Done})})
+}
+
+// toolArgs turns a tool's arguments into the action it stands for.
+func toolArgs(name string, args json.RawMessage) (json.RawMessage, error) {
+	var m map[string]json.RawMessage
+	if t := bytes.TrimSpace(args); len(t) > 0 && !bytes.Equal(t, []byte("null")) {
+		if err := json.Unmarshal(args, &m); err != nil {
+			return nil, invalid("tool %.64q's arguments are an object, not %.64s", name, args)
+		}
+	}
+	if m == nil {
+		m = map[string]json.RawMessage{}
+	}
+	a := map[string]json.RawMessage{"command": json.RawMessage(`""`)}
+	take := func(keys ...string) {
+		for _, k := range keys {
+			if v, ok := m[k]; ok {
+				a[k] = v
+			}
+		}
+	}
+	switch name {
+	case "bash":
+		take("command", "timeout", "cwd", "env", "session")
+	case "write_file":
+		a["write_file"] = mustJSON(m)
+	case "read_file":
+		a["read_file"] = mustJSON(m)
+	case "submit":
+		a["submit"] = json.RawMessage("true")
+		if v, ok := m["answer"]; ok {
+			a["submit"] = v
+		}
+	case "checkpoint":
+		a["checkpoint"] = json.RawMessage("true")
+	case "restore":
+		id, ok := m["checkpoint_id"]
+		if !ok {
+			return nil, invalid("tool restore needs checkpoint_id, the checkpoint to restore")
+		}
+		a["restore"] = id
+		take("fresh_entropy")
+	case "evaluate":
+		a["evaluate"] = json.RawMessage("true")
+	default:
+		names := make([]string, len(tools))
+		for i, t := range tools {
+			names[i] = t.Name
+		}
+		return nil, invalid("no tool %.64q: the tools are %s", name, strings.Join(names, ", "))
+	}
+	return mustJSON(a), nil
+}

@@ -1,0 +1,290 @@
+package openenv
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+)
+
+// pingEvery is how often the server pings a socket, and how long it waits for the pong: a
+// client gone without closing its connection frees its sandbox within twice that.
+const pingEvery = 30 * time.Second
+
+// queuedFrames is how many frames a socket reads ahead of the one being answered; the reader
+// stops there (back-pressure), and while it reads it answers the client's pings, which a long
+// step must not hold up.
+const queuedFrames = 64
+
+// A socket is one WebSocket: one session, answered one frame at a time, in order.
+type socket struct {
+	h      *Handler
+	c      *websocket.Conn
+	s      *session
+	mcp    *mcpSession // the MCP session it is attached to, nil for a socket's own session
+	ctx    context.Context
+	cancel context.CancelFunc
+	done   chan struct{} // closed once the socket is over and its session closed or detached
+}
+
+// frame is a message of either side.
+type frame struct {
+	Type string          `json:"type"`
+	Data json.RawMessage `json:"data,omitempty"`
+}
+
+func (h *Handler) serveWS(w http.ResponseWriter, r *http.Request) {
+	env := r.PathValue("env")
+	_, refuse := h.cfg.Pools.Env(env)
+	c, err := websocket.Accept(w, r, nil)
+	if err != nil {
+		return // Accept answered the request
+	}
+	c.SetReadLimit(h.cfg.MaxMessageBytes)
+	k := &socket{h: h, c: c, done: make(chan struct{})}
+	k.ctx, k.cancel = context.WithCancel(context.Background())
+	defer close(k.done)
+	defer k.cancel()
+	if refuse == nil {
+		refuse = h.attach(k, env, r.URL.Query().Get("session_id"))
+	}
+	if refuse != nil {
+		k.refuse(refuse)
+		return
+	}
+	k.run()
+}
+
+// attach admits k: with an MCP session's ID, to that session; else to a session of its own.
+func (h *Handler) attach(k *socket, env, sid string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if sid != "" {
+		m := h.mcp[sid]
+		switch {
+		case h.closing:
+			return errClosing
+		case m == nil || m.s.env != env:
+			return fmt.Errorf("%w: no MCP session %.64q on env %q (openenv/session/create makes one)", errSessionNotFound, sid, env)
+		case m.socket != nil:
+			return fmt.Errorf("MCP session %s already has a WebSocket attached: %w", sid, errdefs.ErrFailedPrecondition)
+		}
+		m.socket, k.mcp, k.s = k, m, m.s
+	} else {
+		if err := h.admitLocked(); err != nil {
+			return err
+		}
+		k.s = h.newSession(env)
+	}
+	h.sockets[k] = struct{}{}
+	return nil
+}
+
+// refuse answers a socket that gets no session: an error frame at once, and again to the
+// client's first frame (a client whose first send fails on the closed socket reads the queued
+// frame; one whose send succeeds reads the answer to it), then a close.
+func (k *socket) refuse(err error) {
+	ctx, cancel := context.WithTimeout(k.ctx, 10*time.Second)
+	defer cancel()
+	k.sendError(ctx, err)
+	if _, _, rerr := k.c.Read(ctx); rerr == nil {
+		k.sendError(ctx, err)
+	}
+	_ = k.c.Close(websocket.StatusPolicyViolation, truncateReason(k.h.describe(err)))
+}
+
+// run answers k's frames until the client closes, goes away, or the server shuts down; then
+// closes k's own session (and its sandbox) or detaches k from its MCP session.
+func (k *socket) run() {
+	msgs := make(chan []byte, queuedFrames)
+	go k.read(msgs)
+	go k.ping()
+	tick := time.NewTicker(k.h.keepAliveEvery())
+	defer tick.Stop()
+	defer k.end()
+	for {
+		select {
+		case data, ok := <-msgs:
+			if !ok || !k.handle(data) {
+				return
+			}
+		case <-tick.C:
+			k.s.keepAlive()
+		case <-k.ctx.Done():
+			return
+		}
+	}
+}
+
+func (k *socket) read(msgs chan<- []byte) {
+	defer close(msgs)
+	for {
+		_, data, err := k.c.Read(k.ctx)
+		if err != nil {
+			k.cancel() // aborts the call in progress: nobody is left to answer
+			return
+		}
+		select {
+		case msgs <- data:
+		case <-k.ctx.Done():
+			return
+		}
+	}
+}
+
+func (k *socket) ping() {
+	t := time.NewTicker(pingEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			ctx, cancel := context.WithTimeout(k.ctx, pingEvery)
+			err := k.c.Ping(ctx)
+			cancel()
+			if err != nil {
+				k.cancel()
+				return
+			}
+		case <-k.ctx.Done():
+			return
+		}
+	}
+}
+
+// end closes or detaches k's session and the socket.
+func (k *socket) end() {
+	k.cancel()
+	h := k.h
+	m := k.mcp // set by attach, before run
+	var mid string
+	if m != nil {
+		mid = m.id
+	}
+	h.mu.Lock()
+	delete(h.sockets, k)
+	closeSession := m == nil
+	if m != nil {
+		m.socket, m.used = nil, time.Now()
+		if m.closing {
+			delete(h.mcp, mid)
+			closeSession = true
+		}
+	}
+	h.mu.Unlock()
+	if closeSession {
+		k.s.close(context.Background())
+	} else {
+		k.s.keepAlive()
+	}
+	_ = k.c.Close(websocket.StatusNormalClosure, "")
+}
+
+// shutdown ends k for a server that shuts down.
+func (k *socket) shutdown() {
+	go func() { _ = k.c.Close(websocket.StatusGoingAway, "the server is shutting down") }()
+	k.cancel()
+}
+
+// handle answers one frame; false ends the socket (a close frame).
+func (k *socket) handle(data []byte) bool {
+	var f frame
+	if err := json.Unmarshal(data, &f); err != nil {
+		k.send(frame{Type: "error", Data: mustJSON(errorData{Code: codeInvalidJSON,
+			Message: fmt.Sprintf("the message is not a JSON object: %v", err)})})
+		return true
+	}
+	switch f.Type {
+	case "reset":
+		args, err := kwargs(f.Data)
+		if err != nil {
+			k.sendError(k.ctx, err)
+			return true
+		}
+		k.answer(k.s.reset(k.ctx, args))
+	case "step":
+		if tool, ok := toolAction(f.Data); ok {
+			k.answerTool(tool)
+			return true
+		}
+		k.answer(k.s.step(k.ctx, f.Data))
+	case "state":
+		st, err := k.s.state(k.ctx)
+		if err != nil {
+			k.sendError(k.ctx, err)
+			return true
+		}
+		k.send(frame{Type: "state", Data: mustJSON(st)})
+	case "mcp":
+		k.send(frame{Type: "mcp", Data: mustJSON(k.h.rpc(k.ctx, k.s, f.Data))})
+	case "close":
+		return false
+	default:
+		k.send(frame{Type: "error", Data: mustJSON(errorData{Code: codeUnknownType,
+			Message: fmt.Sprintf("unknown message type %.64q: the types are reset, step, state, mcp and close", f.Type)})})
+	}
+	return true
+}
+
+// kwargs reads a reset's data: an object of keyword arguments, or nothing.
+func kwargs(data json.RawMessage) (map[string]json.RawMessage, error) {
+	if t := bytes.TrimSpace(data); len(t) == 0 || bytes.Equal(t, []byte("null")) {
+		return nil, nil
+	}
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(data, &m); err != nil {
+		return nil, invalid("reset's data is an object of keyword arguments (seed, checkpoint_id, group_id, run, fresh_entropy, task options), not %.64s", data)
+	}
+	return m, nil
+}
+
+func (k *socket) answer(r Result, err error) {
+	if err != nil {
+		k.sendError(k.ctx, err)
+		return
+	}
+	k.send(frame{Type: "observation", Data: mustJSON(r)})
+}
+
+func (k *socket) sendError(ctx context.Context, err error) {
+	k.sendCtx(ctx, frame{Type: "error", Data: mustJSON(errorData{Code: codeOf(err), Message: k.h.describe(err)})})
+}
+
+func (k *socket) send(f frame) { k.sendCtx(k.ctx, f) }
+
+func (k *socket) sendCtx(ctx context.Context, f frame) {
+	// The frame is written around its data, which is JSON already: encoding the frame would
+	// scan the data again.
+	b := make([]byte, 0, len(f.Data)+len(f.Type)+20)
+	b = append(b, `{"type":`...)
+	b = append(b, mustJSON(f.Type)...)
+	if len(f.Data) > 0 {
+		b = append(b, `,"data":`...)
+		b = append(b, f.Data...)
+	}
+	b = append(b, '}')
+	if err := k.c.Write(ctx, websocket.MessageText, b); err != nil {
+		k.cancel()
+	}
+}
+
+func mustJSON(v any) json.RawMessage {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("openenv: encoding %T: %v", v, err)) // only the package's own types are encoded
+	}
+	return b
+}
+
+// truncateReason fits a close reason in a control frame (123 bytes).
+func truncateReason(s string) string {
+	if len(s) > 120 {
+		return s[:120]
+	}
+	return s
+}

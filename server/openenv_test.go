@@ -1,0 +1,433 @@
+package server_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/coder/websocket"
+
+	"github.com/deltagym/deltagym/server"
+)
+
+// oeSocket is a Go client of the OpenEnv WebSocket protocol.
+type oeSocket struct {
+	t testing.TB
+	c *websocket.Conn
+}
+
+func dialOpenEnv(t testing.TB, b *bundle, env string) *oeSocket {
+	t.Helper()
+	c, resp, err := websocket.Dial(t.Context(), "ws://"+b.addr+"/openenv/"+env+"/ws",
+		&websocket.DialOptions{HTTPHeader: http.Header{"Authorization": {"Bearer " + b.token}}})
+	if resp != nil && resp.Body != nil {
+		resp.Body.Close()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadLimit(1 << 26)
+	t.Cleanup(func() { c.CloseNow() })
+	return &oeSocket{t, c}
+}
+
+// send sends a frame and returns the answer's type and data.
+func (o *oeSocket) send(f any) (string, json.RawMessage) {
+	o.t.Helper()
+	b, _ := json.Marshal(f)
+	ctx, cancel := context.WithTimeout(o.t.Context(), time.Minute)
+	defer cancel()
+	if err := o.c.Write(ctx, websocket.MessageText, b); err != nil {
+		o.t.Fatal(err)
+	}
+	_, raw, err := o.c.Read(ctx)
+	if err != nil {
+		o.t.Fatal(err)
+	}
+	var ans struct {
+		Type string          `json:"type"`
+		Data json.RawMessage `json:"data"`
+	}
+	if err := json.Unmarshal(raw, &ans); err != nil {
+		o.t.Fatalf("answer %s: %v", raw, err)
+	}
+	return ans.Type, ans.Data
+}
+
+type oeResult struct {
+	Observation map[string]any `json:"observation"`
+	Reward      float64        `json:"reward"`
+	Done        bool           `json:"done"`
+	Metadata    struct {
+		SandboxID    string `json:"sandbox_id"`
+		EpisodeID    string `json:"episode_id"`
+		CheckpointID string `json:"checkpoint_id"`
+		StepIndex    int    `json:"step_index"`
+		StepCount    int    `json:"step_count"`
+		Terminated   bool   `json:"terminated"`
+		Truncated    bool   `json:"truncated"`
+	} `json:"metadata"`
+}
+
+// do sends a reset or step and returns its observation, failing on an error frame.
+func (o *oeSocket) do(typ string, data any) oeResult {
+	o.t.Helper()
+	at, raw := o.send(map[string]any{"type": typ, "data": data})
+	if at != "observation" {
+		o.t.Fatalf("%s %v: answered %s %s", typ, data, at, raw)
+	}
+	var r oeResult
+	if err := json.Unmarshal(raw, &r); err != nil {
+		o.t.Fatal(err)
+	}
+	return r
+}
+
+// fails sends a frame and returns the error frame's code and message.
+func (o *oeSocket) fails(f any) (code, msg string) {
+	o.t.Helper()
+	at, raw := o.send(f)
+	if at != "error" {
+		o.t.Fatalf("%v: answered %s %s, want an error", f, at, raw)
+	}
+	var e struct{ Code, Message string }
+	_ = json.Unmarshal(raw, &e)
+	return e.Code, e.Message
+}
+
+func TestOpenEnvEpisode(t *testing.T) {
+	b := setup(t, nil)
+	o := dialOpenEnv(t, b, "task")
+	r := o.do("reset", map[string]any{"seed": 7, "Q": "why"})
+	if r.Metadata.SandboxID == "" || r.Metadata.EpisodeID == "" || r.Metadata.CheckpointID == "" || r.Done {
+		t.Fatalf("reset: %+v", r)
+	}
+	if got := r.Observation["stdout"]; got != "seed=7 q=why\n" || r.Observation["task"] != "write 42 to /tmp/answer" {
+		t.Fatalf("reset's observation: %v", r.Observation)
+	}
+	first := r.Metadata
+	r = o.do("step", map[string]any{"command": "echo hi; echo err >&2; exit 3"})
+	if r.Observation["stdout"] != "hi\n" || r.Observation["stderr"] != "err\n" || r.Observation["exit_code"] != 3.0 || r.Metadata.StepIndex != 0 {
+		t.Fatalf("step: %+v", r)
+	}
+	if nested := r.Observation["metadata"].(map[string]any); nested["sandbox_id"] != first.SandboxID {
+		t.Fatalf("the observation's own metadata: %v", nested)
+	}
+	r = o.do("step", map[string]any{"command": "", "write_file": map[string]any{"path": "/tmp/answer", "content": "41"}, "checkpoint": true})
+	ck := r.Metadata.CheckpointID
+	if ck == "" || r.Observation["checkpoint_id"] != ck || r.Observation["size"] != 2.0 {
+		t.Fatalf("write with a checkpoint: %+v", r)
+	}
+	if r = o.do("step", map[string]any{"command": "", "read_file": "/tmp/answer"}); r.Observation["content"] != "41" {
+		t.Fatalf("read: %+v", r)
+	}
+	if r = o.do("step", map[string]any{"command": "", "read_file": "/nonexistent"}); r.Observation["error"] == nil || r.Observation["errno"] != "no such file or directory" {
+		t.Fatalf("a read of a missing file: %+v", r)
+	}
+	if r = o.do("step", map[string]any{"command": "", "evaluate": true}); r.Reward != 0 || r.Done || r.Observation["evaluation"] == nil {
+		t.Fatalf("evaluate of a wrong answer: %+v", r)
+	}
+	if r = o.do("step", map[string]any{"command": "echo 42 > /tmp/answer", "restore": ck}); r.Metadata.EpisodeID == first.EpisodeID {
+		t.Fatalf("a step with a restore stays in its episode: %+v", r)
+	}
+	if at, raw := o.send(map[string]any{"type": "state"}); at != "state" || !strings.Contains(string(raw), `"step_count":3`) {
+		t.Fatalf("state: %s %s", at, raw)
+	}
+	if r = o.do("step", map[string]any{"command": "submit"}); r.Reward != 1 || !r.Done || !r.Metadata.Terminated {
+		t.Fatalf("submit of the right answer: %+v", r)
+	}
+	code, msg := o.fails(map[string]any{"type": "step", "data": map[string]any{"command": "true"}})
+	if code != "EXECUTION_ERROR" || !strings.Contains(msg, "ended") {
+		t.Fatalf("a step after the end: %s %s", code, msg)
+	}
+	// The same reset again restores the start: the same sandbox, a new episode.
+	r = o.do("reset", map[string]any{"seed": 7, "Q": "why"})
+	if r.Metadata.SandboxID != first.SandboxID || r.Metadata.EpisodeID == first.EpisodeID || r.Observation["stdout"] != "seed=7 q=why\n" {
+		t.Fatalf("a reset like the last: %+v", r)
+	}
+	if r = o.do("step", map[string]any{"command": "cat /tmp/answer /tmp/seed"}); r.Observation["stdout"] != "7\n" {
+		t.Fatalf("the state after a reset like the last: %+v", r)
+	}
+	// Another seed is another Reset: a new sandbox, and the old one is closed.
+	r = o.do("reset", map[string]any{"seed": 8})
+	if r.Metadata.SandboxID == first.SandboxID {
+		t.Fatalf("a reset with another seed kept the sandbox: %+v", r)
+	}
+	if _, err := b.srv.Pools().Lease(first.SandboxID); err == nil {
+		t.Fatal("the session's previous sandbox is still leased")
+	}
+	// Closing the socket closes its sandbox.
+	last := r.Metadata.SandboxID
+	o.c.Close(websocket.StatusNormalClosure, "")
+	waitUnleased(t, b, last)
+}
+
+// waitUnleased waits until sandbox id is no longer leased.
+func waitUnleased(t *testing.T, b *bundle, id string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := b.srv.Pools().Lease(id); err != nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sandbox %s still leased 30 s after its socket closed", id)
+		}
+		time.Sleep(10 * time.Millisecond) // a watchdog's poll: the close runs on the server's side
+	}
+}
+
+func TestOpenEnvForkFromCheckpoint(t *testing.T) {
+	b := setup(t, nil)
+	o := dialOpenEnv(t, b, "plain")
+	o.do("reset", nil)
+	r := o.do("step", map[string]any{"command": "echo forked > /tmp/x", "checkpoint": true})
+	ck := r.Metadata.CheckpointID
+	kids := make([]oeResult, 3)
+	for i := range kids {
+		k := dialOpenEnv(t, b, "plain")
+		kids[i] = k.do("reset", map[string]any{"checkpoint_id": ck, "group_id": "g1"})
+		if got := k.do("step", map[string]any{"command": "cat /tmp/x"}); got.Observation["stdout"] != "forked\n" || got.Metadata.StepIndex != 1 {
+			t.Fatalf("a fork's step: %+v", got)
+		}
+	}
+	if kids[0].Metadata.SandboxID == kids[1].Metadata.SandboxID {
+		t.Fatal("two forks share a sandbox")
+	}
+	if got := b.srv.Pools(); got == nil {
+		t.Fatal("no pools")
+	}
+	code, msg := dialOpenEnv(t, b, "task").fails(map[string]any{"type": "reset", "data": map[string]any{"checkpoint_id": ck}})
+	if code != "VALIDATION_ERROR" || !strings.Contains(msg, `/openenv/plain`) {
+		t.Fatalf("a fork of another env's checkpoint: %s %s", code, msg)
+	}
+}
+
+func TestOpenEnvBadInput(t *testing.T) {
+	b := setup(t, nil)
+	o := dialOpenEnv(t, b, "plain")
+	for _, c := range []struct {
+		frame any
+		code  string
+		says  string
+	}{
+		{"not json", "INVALID_JSON", "not a JSON object"},
+		{map[string]any{"type": "jump"}, "UNKNOWN_TYPE", "reset, step, state"},
+		{map[string]any{"type": "step", "data": map[string]any{"cmd": "ls"}}, "VALIDATION_ERROR", "unknown field"},
+		{map[string]any{"type": "step", "data": map[string]any{"read_file": "/x"}}, "VALIDATION_ERROR", "command is required"},
+		{map[string]any{"type": "step", "data": map[string]any{"command": ""}}, "VALIDATION_ERROR", "exactly one"},
+		{map[string]any{"type": "step", "data": map[string]any{"command": "ls", "read_file": "/x"}}, "VALIDATION_ERROR", "at once"},
+		{map[string]any{"type": "step", "data": map[string]any{"command": "", "checkpoint": true, "evaluate": true}}, "VALIDATION_ERROR", "exactly one"},
+		{map[string]any{"type": "step", "data": map[string]any{"command": "ls", "timeout": -1}}, "VALIDATION_ERROR", "timeout"},
+		{map[string]any{"type": "step", "data": map[string]any{"command": "", "restore": "ck-nope"}}, "EXECUTION_ERROR", "ck-nope"},
+		{map[string]any{"type": "reset", "data": map[string]any{"seed": "x"}}, "VALIDATION_ERROR", "seed is an integer"},
+		{map[string]any{"type": "reset", "data": []int{1}}, "VALIDATION_ERROR", "keyword arguments"},
+		{map[string]any{"type": "reset", "data": map[string]any{"opt": map[string]any{}}}, "VALIDATION_ERROR", "string, number or boolean"},
+	} {
+		var code, msg string
+		if s, ok := c.frame.(string); ok {
+			// A text frame that is not JSON.
+			ctx := t.Context()
+			must(t, o.c.Write(ctx, websocket.MessageText, []byte(s)))
+			_, raw, err := o.c.Read(ctx)
+			must(t, err)
+			var f struct {
+				Data struct{ Code, Message string }
+			}
+			_ = json.Unmarshal(raw, &f)
+			code, msg = f.Data.Code, f.Data.Message
+		} else {
+			code, msg = o.fails(c.frame)
+		}
+		if code != c.code || !strings.Contains(msg, c.says) {
+			t.Errorf("%v: %s %q, want %s saying %q", c.frame, code, msg, c.code, c.says)
+		}
+	}
+	// The socket goes on after errors, and nothing was leased for the bad ones but the reset's.
+	if r := o.do("step", map[string]any{"command": "cat /tmp/plain"}); r.Observation["stdout"] != "plain\n" {
+		t.Fatalf("a step after errors: %+v", r)
+	}
+	if n := len(b.srv.Pools().Leases()); n != 1 {
+		t.Fatalf("%d sandboxes leased, want the one socket's", n)
+	}
+}
+
+func TestOpenEnvHTTP(t *testing.T) {
+	b := setup(t, nil)
+	get := func(path string, auth bool) (int, map[string]any) {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://"+b.addr+path, nil)
+		if auth {
+			req.Header.Set("Authorization", "Bearer "+b.token)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		must(t, err)
+		defer resp.Body.Close()
+		var m map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&m)
+		return resp.StatusCode, m
+	}
+	if code, m := get("/t/"+b.token+"/openenv/task/health", false); code != 200 || m["status"] != "healthy" {
+		t.Fatalf("health through the URL token: %d %v", code, m)
+	}
+	if code, _ := get("/openenv/task/health", false); code != http.StatusUnauthorized {
+		t.Fatalf("health without a token: %d", code)
+	}
+	if code, m := get("/openenv/nope/health", true); code != 404 || !strings.Contains(m["detail"].(string), "nope") {
+		t.Fatalf("health of an unknown env: %d %v", code, m)
+	}
+	code, m := get("/openenv/task/schema", true)
+	action, _ := m["action"].(map[string]any)
+	if code != 200 || action["title"] != "DeltagymAction" || action["required"].([]any)[0] != "command" || m["observation"] == nil || m["state"] == nil {
+		t.Fatalf("schema: %d %v", code, m)
+	}
+	if code, m := get("/openenv/task/metadata", true); code != 200 || m["name"] != "task" {
+		t.Fatalf("metadata: %d %v", code, m)
+	}
+	post := func(path, body string) (int, map[string]any) {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+b.addr+path, strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+b.token)
+		resp, err := http.DefaultClient.Do(req)
+		must(t, err)
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(resp.Body)
+		var m map[string]any
+		_ = json.Unmarshal(raw, &m)
+		return resp.StatusCode, m
+	}
+	if code, m := post("/openenv/task/reset", `{"seed": 3}`); code != 200 || !strings.Contains(m["observation"].(map[string]any)["stdout"].(string), "seed=3") {
+		t.Fatalf("stateless reset: %d %v", code, m)
+	}
+	if code, m := post("/openenv/task/step", `{"action": {"command": "echo $((6*7))"}}`); code != 200 || m["observation"].(map[string]any)["stdout"] != "42\n" {
+		t.Fatalf("stateless step: %d %v", code, m)
+	}
+	if code, m := post("/openenv/task/step", `{"action": {"command": 1}}`); code != 422 || m["code"] != "VALIDATION_ERROR" {
+		t.Fatalf("stateless step with a bad action: %d %v", code, m)
+	}
+	waitNoLeases(t, b)
+	// MCP: a session, its tools, a call, a close.
+	rpc := func(method string, params map[string]any) map[string]any {
+		body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+		code, m := post("/openenv/task/mcp", string(body))
+		if code != 200 {
+			t.Fatalf("%s: %d %v", method, code, m)
+		}
+		return m
+	}
+	sid := rpc("openenv/session/create", map[string]any{})["result"].(map[string]any)["session_id"].(string)
+	var names []string
+	for _, tl := range rpc("tools/list", map[string]any{"session_id": sid})["result"].(map[string]any)["tools"].([]any) {
+		names = append(names, tl.(map[string]any)["name"].(string))
+	}
+	if got := strings.Join(names, ","); got != "bash,write_file,read_file,submit,checkpoint,restore,evaluate" {
+		t.Fatalf("tools: %s", got)
+	}
+	res := rpc("tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "echo 42 > /tmp/answer; echo ok"}})
+	if text := res["result"].(map[string]any)["content"].([]any)[0].(map[string]any)["text"]; text != "ok\n" {
+		t.Fatalf("tools/call bash: %v", res)
+	}
+	res = rpc("tools/call", map[string]any{"session_id": sid, "name": "submit"})
+	if r := res["result"].(map[string]any)["data"].(map[string]any); r["reward"] != 1.0 || r["done"] != true {
+		t.Fatalf("tools/call submit: %v", res)
+	}
+	if e := rpc("tools/call", map[string]any{"session_id": sid, "name": "rm"})["error"].(map[string]any); e["code"] != -32602.0 || !strings.Contains(e["message"].(string), "bash") {
+		t.Fatalf("an unknown tool: %v", e)
+	}
+	if r := rpc("openenv/session/close", map[string]any{"session_id": sid})["result"].(map[string]any); r["closed"] != true {
+		t.Fatalf("close: %v", r)
+	}
+	if e := rpc("tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "true"}})["error"]; e == nil {
+		t.Fatal("a call on a closed session succeeded")
+	}
+	waitNoLeases(t, b)
+}
+
+func waitNoLeases(t *testing.T, b *bundle) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for len(b.srv.Pools().Leases()) > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d sandboxes still leased", len(b.srv.Pools().Leases()))
+		}
+		time.Sleep(10 * time.Millisecond) // a watchdog's poll
+	}
+}
+
+func TestOpenEnvCapacity(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.OpenEnvMaxSessions = 1 })
+	o := dialOpenEnv(t, b, "plain")
+	o.do("reset", nil)
+	second := dialOpenEnv(t, b, "plain")
+	if code, msg := second.fails(map[string]any{"type": "reset"}); code != "CAPACITY_REACHED" || !strings.Contains(msg, "openenv-max-sessions") {
+		t.Fatalf("a session past the cap: %s %s", code, msg)
+	}
+	c, resp, err := websocket.Dial(t.Context(), "ws://"+b.addr+"/openenv/plain/ws", nil)
+	if resp != nil && resp.Body != nil {
+		resp.Body.Close()
+	}
+	if err == nil {
+		c.CloseNow()
+		t.Fatal("a socket without a token was accepted")
+	}
+}
+
+func TestOpenEnvLongStep(t *testing.T) {
+	b := setup(t, func(c *server.Config) {
+		c.OpenEnvStepCap = 2 * time.Second
+		c.LeaseTTL = time.Second
+		c.PublicHealth = true
+	})
+	o := dialOpenEnv(t, b, "plain")
+	r := o.do("reset", nil)
+	first, err := b.srv.Pools().Lease(r.Metadata.SandboxID)
+	must(t, err)
+	expires := first.Expires()
+	// The socket renews its sandbox's lease while it is open, with no message sent.
+	deadline := time.Now().Add(30 * time.Second)
+	for !first.Expires().After(expires.Add(100 * time.Millisecond)) {
+		if time.Now().After(deadline) {
+			t.Fatal("the lease of an open socket's sandbox was not renewed")
+		}
+		time.Sleep(10 * time.Millisecond) // a watchdog's poll
+	}
+	// A command past the cap answers timed out, with what it printed; the server answers
+	// pings while it runs.
+	done := make(chan oeResult)
+	go func() {
+		done <- o.do("step", map[string]any{"command": "echo partial; touch /tmp/started; sleep 100"})
+	}()
+	box, err := b.srv.Runtime().Get(r.Metadata.SandboxID)
+	must(t, err)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+		if _, _, err := box.ReadFile(t.Context(), "/tmp/started", 0, 1); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the step did not start")
+		}
+	}
+	pinged := make(chan error, 1)
+	go func() { pinged <- o.c.Ping(t.Context()) }()
+	select {
+	case err := <-pinged:
+		must(t, err)
+	case r = <-done:
+		t.Fatalf("the step answered (%+v) before a ping during it did", r)
+	}
+	r = <-done
+	if r.Observation["timed_out"] != true || r.Observation["stdout"] != "partial\n" {
+		t.Fatalf("a step past the cap: %+v", r)
+	}
+	// With --public-health, AutoEnv's probe needs no token.
+	resp, err := http.Get("http://" + b.addr + "/openenv/plain/health")
+	must(t, err)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("public health: %d", resp.StatusCode)
+	}
+}
