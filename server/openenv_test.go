@@ -11,6 +11,7 @@ import (
 
 	"github.com/coder/websocket"
 
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/server"
 )
 
@@ -139,6 +140,14 @@ func TestOpenEnvEpisode(t *testing.T) {
 	}
 	if r = o.do("step", map[string]any{"command": "submit"}); r.Reward != 1 || !r.Done || !r.Metadata.Terminated {
 		t.Fatalf("submit of the right answer: %+v", r)
+	}
+	// The ledger has the episode's path as the API's would be: two steps inherited from the
+	// checkpoint, and its own two.
+	tr := b.episode(t, r.Metadata.EpisodeID)
+	if st := tr.GetSteps(); tr.GetEpisode().GetStatus() != deltagymv1.EpisodeStatus_EPISODE_STATUS_TERMINATED || len(st) != 4 ||
+		!st[1].GetInherited() || st[1].GetAction().GetWriteFile().GetContent() == nil ||
+		st[2].GetAction().GetExec().GetCommand() != "echo 42 > /tmp/answer" || st[3].GetReward() != 1 {
+		t.Fatalf("the ledger's trajectory: %v", tr)
 	}
 	code, msg := o.fails(map[string]any{"type": "step", "data": map[string]any{"command": "true"}})
 	if code != "EXECUTION_ERROR" || !strings.Contains(msg, "ended") {

@@ -20,7 +20,7 @@ const pingEvery = 30 * time.Second
 // queuedFrames is how many frames a socket reads ahead of the one being answered; the reader
 // stops there (back-pressure), and while it reads it answers the client's pings, which a long
 // step must not hold up.
-const queuedFrames = 64
+const queuedFrames = 4
 
 // A socket is one WebSocket: one session, answered one frame at a time, in order.
 type socket struct {
