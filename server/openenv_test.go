@@ -440,3 +440,40 @@ func TestOpenEnvLongStep(t *testing.T) {
 		t.Fatalf("public health: %d", resp.StatusCode)
 	}
 }
+
+func TestOpenEnvShutdown(t *testing.T) {
+	b := setup(t, nil)
+	o := dialOpenEnv(t, b, "plain")
+	r := o.do("reset", nil)
+	frame, _ := json.Marshal(map[string]any{"type": "step", "data": map[string]any{"command": "touch /tmp/started; sleep 100"}})
+	must(t, o.c.Write(t.Context(), websocket.MessageText, frame))
+	box, err := b.srv.Runtime().Get(r.Metadata.SandboxID)
+	must(t, err)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+		if _, _, err := box.ReadFile(t.Context(), "/tmp/started", 0, 1); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the step did not start")
+		}
+	}
+	// The server shuts down with the step running: the step is aborted and the socket told,
+	// not dropped.
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	closed := make(chan error, 1)
+	go func() { closed <- b.srv.Close(ctx) }()
+	for {
+		_, raw, err := o.c.Read(ctx)
+		if err != nil {
+			if websocket.CloseStatus(err) != websocket.StatusGoingAway {
+				t.Fatalf("the socket ended with %v, want going away", err)
+			}
+			break
+		}
+		if !strings.Contains(string(raw), `"error"`) {
+			t.Fatalf("an answer to the aborted step that is no error: %s", raw)
+		}
+	}
+	must(t, <-closed)
+}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/coder/websocket"
@@ -24,13 +25,19 @@ const queuedFrames = 4
 
 // A socket is one WebSocket: one session, answered one frame at a time, in order.
 type socket struct {
-	h      *Handler
-	c      *websocket.Conn
-	s      *session
-	mcp    *mcpSession // the MCP session it is attached to, nil for a socket's own session
-	ctx    context.Context
-	cancel context.CancelFunc
-	done   chan struct{} // closed once the socket is over and its session closed or detached
+	h   *Handler
+	c   *websocket.Conn
+	s   *session
+	mcp *mcpSession // the MCP session it is attached to, nil for a socket's own session
+	// conn is the connection's life: reads and the close handshake run under it.
+	conn       context.Context
+	connCancel context.CancelFunc
+	// ctx is the calls': it ends when the client goes away or the server shuts down, which
+	// aborts the call in progress and ends run.
+	ctx       context.Context
+	cancel    context.CancelFunc
+	goingAway atomic.Bool   // the server shuts down
+	done      chan struct{} // closed once the socket is over and its session closed or detached
 }
 
 // frame is a message of either side.
@@ -48,9 +55,10 @@ func (h *Handler) serveWS(w http.ResponseWriter, r *http.Request) {
 	}
 	c.SetReadLimit(h.cfg.MaxMessageBytes)
 	k := &socket{h: h, c: c, done: make(chan struct{})}
-	k.ctx, k.cancel = context.WithCancel(context.Background())
+	k.conn, k.connCancel = context.WithCancel(context.Background())
+	k.ctx, k.cancel = context.WithCancel(k.conn)
 	defer close(k.done)
-	defer k.cancel()
+	defer k.connCancel()
 	if refuse == nil {
 		refuse = h.attach(k, env, r.URL.Query().Get("session_id"))
 	}
@@ -125,7 +133,7 @@ func (k *socket) run() {
 func (k *socket) read(msgs chan<- []byte) {
 	defer close(msgs)
 	for {
-		_, data, err := k.c.Read(k.ctx)
+		_, data, err := k.c.Read(k.conn)
 		if err != nil {
 			k.cancel() // aborts the call in progress: nobody is left to answer
 			return
@@ -182,12 +190,18 @@ func (k *socket) end() {
 	} else {
 		k.s.keepAlive()
 	}
-	_ = k.c.Close(websocket.StatusNormalClosure, "")
+	if k.goingAway.Load() {
+		_ = k.c.Close(websocket.StatusGoingAway, "the server is shutting down")
+	} else {
+		_ = k.c.Close(websocket.StatusNormalClosure, "")
+	}
+	k.connCancel()
 }
 
-// shutdown ends k for a server that shuts down.
+// shutdown ends k for a server that shuts down: the call in progress is aborted, the session
+// closed, the client told.
 func (k *socket) shutdown() {
-	go func() { _ = k.c.Close(websocket.StatusGoingAway, "the server is shutting down") }()
+	k.goingAway.Store(true)
 	k.cancel()
 }
 
