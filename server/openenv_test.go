@@ -341,7 +341,7 @@ func TestOpenEnvHTTP(t *testing.T) {
 		t.Fatalf("tools/call bash: %v", res)
 	}
 	res = rpc("tools/call", map[string]any{"session_id": sid, "name": "submit"})
-	if r := res["result"].(map[string]any)["data"].(map[string]any); r["reward"] != 1.0 || r["done"] != true {
+	if r := res["result"].(map[string]any)["data"].(map[string]any); r["reward"] != 1.0 || r["done"] != true || r["verdict"] == nil {
 		t.Fatalf("tools/call submit: %v", res)
 	}
 	if e := rpc("tools/call", map[string]any{"session_id": sid, "name": "rm"})["error"].(map[string]any); e["code"] != -32602.0 || !strings.Contains(e["message"].(string), "bash") {

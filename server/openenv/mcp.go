@@ -206,7 +206,12 @@ func toolResult(r Result) map[string]any {
 		b, _ := json.Marshal(o)
 		text = string(b)
 	}
-	return map[string]any{"content": []map[string]any{{"type": "text", "text": text}}, "isError": o.Error != "", "data": r}
+	// The data is the observation with the step's reward and done beside its fields: what a tool
+	// caller reads first (stdout, content, checkpoint_id) is at the top.
+	var data map[string]any
+	_ = json.Unmarshal(mustJSON(o), &data)
+	data["reward"], data["done"] = r.Reward, r.Done
+	return map[string]any{"content": []map[string]any{{"type": "text", "text": text}}, "isError": o.Error != "", "data": data}
 }
 
 // createMCP makes a session of env.
