@@ -32,7 +32,11 @@ export DELTAGYM_VERIFIERS040_PYTHON := $(CURDIR)/$(verifiers040_VENV)/bin/python
 
 .PHONY: openenv-venvs openenv-clients-smoke
 
-openenv-venvs: $(openenv010_STAMP) $(openenv030_STAMP) $(verifiers040_STAMP) ## create the pinned venvs of the OpenEnv clients (openenv 0.10.0, openenv-core 0.3.0, verifiers 0.4.0) in .cache
+OE_STAMPS := $(openenv010_STAMP) $(openenv030_STAMP) $(verifiers040_STAMP)
+
+# The three are built at once: each is mostly waiting on downloads.
+openenv-venvs: ## create the pinned venvs of the OpenEnv clients (openenv 0.10.0, openenv-core 0.3.0, verifiers 0.4.0) in .cache
+	@$(MAKE) --no-print-directory -j3 $(OE_STAMPS)
 
 # Each client program, pointed at a port nothing listens on, must fail cleanly: one JSON result
 # line that says so, exit status 1.
