@@ -24,6 +24,7 @@ import (
 	"github.com/deltagym/deltagym/server/episode"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
+	"github.com/deltagym/deltagym/server/swerex"
 )
 
 // Server is a running deltagym service: the sandbox runtime, the env pools, the ledger and the
@@ -282,6 +283,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
+	mux.Handle(swerex.Prefix, swerex.New(swerex.Config{Core: s.core, Logger: s.log, Message: s.message, Internal: isInternal, MaxBody: int64(s.cfg.MaxRequestBytes)}))
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
 		refuse: s.obs.authRefused, next: capBodies(mux, s.cfg.MaxRequestBytes)}
 	if g.on {
