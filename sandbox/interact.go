@@ -16,9 +16,10 @@ import (
 // the keyboard (the way pexpect drives a shell). The command is not fed </dev/null: it reads
 // the session's input, and its stderr goes with its stdout into Stdout, in the order written.
 // The call returns when the output shows a match of one of Expect (ExecResult.Matched; the
-// command still runs and the session is attached to it), when the command ends, or at the
-// timeout, which leaves it running (TimedOut, Signal ""). The output is what came before the
-// match; what came after it is the start of the next call's. While a command is attached:
+// command still runs, ExitCode -1, and the session is attached to it), when the command ends
+// (its status), or at the timeout, which leaves it running (TimedOut, ExitCode -1, Signal "").
+// The output is what came before the match; what came after it is the start of the next
+// call's. While a command is attached:
 //
 //   - a call with Interact sends its Command and a newline to the command's input (an empty
 //     Command is the Enter key alone), and waits the same way;
