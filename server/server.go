@@ -24,7 +24,6 @@ import (
 	"github.com/deltagym/deltagym/server/episode"
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
-	"github.com/deltagym/deltagym/server/swerex"
 )
 
 // Server is a running deltagym service: the sandbox runtime, the env pools, the ledger and the
@@ -278,12 +277,12 @@ func (s *Server) buildHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
+	s.mountSwerex(mux)
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)))
 	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
-	mux.Handle(swerex.Prefix, swerex.New(swerex.Config{Core: s.core, Logger: s.log, Message: s.message, Internal: isInternal, MaxBody: int64(s.cfg.MaxRequestBytes)}))
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
 		refuse: s.obs.authRefused, next: capBodies(mux, s.cfg.MaxRequestBytes)}
 	if g.on {
