@@ -45,6 +45,10 @@ type ExecRequest struct {
 	Session string
 	// MaxOutput caps each of stdout and stderr; 0 means 1 MiB.
 	MaxOutput int
+	// Interact runs a Session command as a terminal would run it for a person at the keyboard
+	// (interact.go): the command reads the session's input, and what it prints is answered as
+	// it comes, when it shows one of the expected strings.
+	Interact *Interact
 }
 
 // ExecResult is the outcome of a command.
@@ -61,10 +65,14 @@ type ExecResult struct {
 	Pid      int
 	Start    time.Time
 	Duration time.Duration
+	// Matched is the Interact.Expect string whose appearance in the output ended the wait of
+	// an interactive command, which still runs; "" when the command ended or timed out.
+	Matched string
 }
 
 func (req *ExecRequest) validate() error {
-	if len(req.Argv) == 0 && req.Command == "" {
+	if len(req.Argv) == 0 && req.Command == "" && (req.Interact == nil || req.Session == "") {
+		// An interactive command's input may be an empty line (the Enter key alone).
 		return fmt.Errorf("%w: exec needs argv or a command", ErrInvalid)
 	}
 	if len(req.Argv) > 0 && req.Command != "" {
@@ -89,6 +97,9 @@ func (req *ExecRequest) validate() error {
 	}
 	if strings.IndexByte(req.Command, 0) >= 0 {
 		return fmt.Errorf("%w: NUL byte in command", ErrInvalid)
+	}
+	if err := req.Interact.validate(req.Session); err != nil {
+		return err
 	}
 	if req.Session != "" {
 		return nil // the command goes to the session's shell on its stdin

@@ -33,7 +33,8 @@ type out struct {
 // cannot break out of the protocol; eval runs it in the shell itself, so cd,
 // exports and functions persist — followed by a line that prints a sentinel
 // with $? on stdout and a sentinel on stderr. The sentinels carry a random
-// nonce per session, so no output can fake them.
+// nonce per session, so no output can fake them. An interactive command
+// (Interact, interact.go) reads the shell's input instead of /dev/null.
 type session struct {
 	// +checklocks:mu
 	name    string
@@ -51,6 +52,12 @@ type session struct {
 
 	mu     sync.Mutex // one command at a time
 	broken bool
+	// attached: an interactive command (interact.go) still runs, its sentinel to come.
+	// +checklocks:mu
+	attached bool
+	// pending is output read past an interactive command's match: the next call's.
+	// +checklocks:mu
+	pending []byte
 }
 
 var sessionNameRE = regexp.MustCompile(`^[a-zA-Z0-9_.-]{1,64}$`)
@@ -201,6 +208,17 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 		return ExecResult{}, sessionEnded(se.name)
 	}
 	tag := "__DG_" + se.nonce
+	if req.Interact != nil {
+		return se.interact(ctx, gen, req, tag)
+	}
+	if se.attached {
+		if err := se.detach(ctx, gen, tag); err != nil {
+			return ExecResult{}, err
+		}
+		if se.broken {
+			return ExecResult{}, sessionEnded(se.name)
+		}
+	}
 	start := time.Now()
 	if _, err := se.stdin.Write([]byte(sessionScript(req, tag))); err != nil {
 		se.broken = true
@@ -337,18 +355,7 @@ func (se *session) abortRun(outc, errc chan out, err error) error {
 }
 
 // killChildren kills every process of the session but its shell.
-func (se *session) killChildren() {
-	if se.cg.Freeze() != nil {
-		return
-	}
-	pids, _ := se.cg.Pids()
-	for _, p := range pids {
-		if p != se.hostPid {
-			_ = killPid(p)
-		}
-	}
-	_ = se.cg.Thaw()
-}
+func (se *session) killChildren() { se.signalChildren(unix.SIGKILL) }
 
 // readUntil reads lines until one starts with marker (and, for the stdout
 // marker, carries the exit code), keeping at most limit bytes of what came
@@ -454,8 +461,6 @@ func (se *session) closePipes() {
 	se.outF.Close()
 	se.errF.Close()
 }
-
-func killPid(hostPid int) error { return unix.Kill(hostPid, unix.SIGKILL) }
 
 func signalName(n int) string {
 	if name := unix.SignalName(unix.Signal(n)); name != "" {

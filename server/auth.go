@@ -20,6 +20,8 @@ import (
 	"syscall"
 
 	"connectrpc.com/connect"
+
+	"github.com/deltagym/deltagym/server/swerex"
 )
 
 // TokenFile is the name of the file in the data directory that holds the server's bearer token
@@ -40,8 +42,9 @@ var publicPaths = []string{
 }
 
 // gate admits a request when it carries the server's token, in an "Authorization: Bearer"
-// header or as the URL prefix /t/<token>/, which it strips (with auth off too, so that a client
-// configured with a token keeps working). It runs before any handler, so a
+// header, in an X-API-Key header for SWE-ReX's paths (swerex.Prefix), or as the URL prefix
+// /t/<token>/, which it strips (with auth off too, so that a client configured with a token
+// keeps working). It runs before any handler, so a
 // refused request's body is never read or decoded. Tokens are compared by their SHA-256 sums
 // in constant time, so that neither their contents nor their lengths leak through timing.
 type gate struct {
@@ -66,6 +69,15 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !g.on || g.public && isPublic(r.URL.Path) {
+		g.next.ServeHTTP(w, r)
+		return
+	}
+	if key := r.Header.Get("X-API-Key"); key != "" && strings.HasPrefix(r.URL.Path, swerex.Prefix) {
+		// SWE-ReX's client sends its auth_token there.
+		if !g.match(key) {
+			g.deny(w, r, "wrong token")
+			return
+		}
 		g.next.ServeHTTP(w, r)
 		return
 	}
@@ -104,6 +116,16 @@ func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 	if g.refuse != nil {
 		g.refuse(reason)
 	}
+	p := r.URL.Path
+	if rest, ok := strings.CutPrefix(p, tokenPathPrefix); ok {
+		_, rest, _ = strings.Cut(rest, "/")
+		p = "/" + rest
+	}
+	if strings.HasPrefix(p, swerex.Prefix) {
+		// In SWE-ReX's error form, which its client raises as PermissionError.
+		swerex.WriteException(w, swerex.Unauthenticated, swerexHint, map[string]any{"code": "unauthenticated"})
+		return
+	}
 	if g.errw.IsSupported(r) {
 		_ = g.errw.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errors.New(unauthenticatedHint)))
 		return
@@ -111,6 +133,11 @@ func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 	w.Header().Set("WWW-Authenticate", "Bearer")
 	http.Error(w, "unauthenticated: "+unauthenticatedHint, http.StatusUnauthorized)
 }
+
+// swerexHint is what a refused SWE-ReX client is told.
+var swerexHint = fmt.Sprintf("missing or wrong token: give RemoteRuntime the server's token as auth_token (sent as X-API-Key), or put it "+
+	"in the host's path (http://HOST:PORT/t/<token>/swerex/<sandbox_id>); without --token the server keeps its token in the file %q of its "+
+	"data directory (--data), readable by the user that runs it", TokenFile)
 
 func isPublic(p string) bool {
 	if path.Clean(p) != p {

@@ -279,6 +279,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
+	s.mountSwerex(mux)
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)))
 	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))

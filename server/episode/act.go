@@ -68,7 +68,10 @@ func validate(a Action) error {
 // on argv and the environment are checked by the runtime (sandbox.ExecRequest), which knows the
 // sandbox's own environment.
 func validateExec(x Exec) error {
-	if (x.Command == "") == (len(x.Argv) == 0) {
+	if x.Interact != nil && x.Session == "" {
+		return fmt.Errorf("an interactive exec runs in a session: %w", ErrInvalid)
+	}
+	if (x.Command == "") == (len(x.Argv) == 0) && (x.Interact == nil || len(x.Argv) > 0) {
 		return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
 	}
 	if x.Session != "" && len(x.Argv) > 0 {
@@ -140,7 +143,7 @@ func (c *Core) exec(ctx context.Context, l *envpool.Lease, x Exec, left time.Dur
 	span.SetAttributes(append(attrs, attribute.Float64("deltagym.exec.timeout_seconds", timeout.Seconds()),
 		attribute.Bool("deltagym.exec.background", x.Background))...)
 	res, err := l.Sandbox().Exec(ctx, sandbox.ExecRequest{Argv: x.Argv, Command: x.Command, Stdin: x.Stdin, Env: sortedEnv(x.Env),
-		Cwd: x.Cwd, Timeout: timeout, Background: x.Background, Session: x.Session, MaxOutput: env.OutputCap()})
+		Cwd: x.Cwd, Timeout: timeout, Background: x.Background, Session: x.Session, MaxOutput: env.OutputCap(), Interact: x.Interact})
 	if err == nil {
 		span.SetAttributes(attribute.Int("deltagym.exec.exit_code", res.ExitCode), attribute.Bool("deltagym.exec.timed_out", res.TimedOut))
 	}

@@ -87,6 +87,9 @@ func TestValidateExec(t *testing.T) {
 		{"NUL in a key", Exec{Command: "true", Env: map[string]string{"A\x00": "x"}}, false},
 		{"empty key", Exec{Command: "true", Env: map[string]string{"": "x"}}, false},
 		{"NUL in a value", Exec{Command: "true", Env: map[string]string{"A": "x\x00"}}, false},
+		{"interactive input: an empty line", Exec{Session: "s", Interact: &sandbox.Interact{}}, true},
+		{"interactive without a session", Exec{Command: "cat", Interact: &sandbox.Interact{}}, false},
+		{"interactive argv", Exec{Argv: []string{"cat"}, Session: "s", Interact: &sandbox.Interact{}}, false},
 	} {
 		err := validate(tc.x)
 		if tc.ok != (err == nil) || err != nil && !errors.Is(err, errdefs.ErrInvalidArgument) {

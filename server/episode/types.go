@@ -28,6 +28,9 @@ type Exec struct {
 	Background bool
 	// Session runs Command in the named persistent shell (started on first use).
 	Session string
+	// Interact runs a Session command interactively (sandbox.Interact): Command is the
+	// command, or the input of the one attached, which may be empty (the Enter key alone).
+	Interact *sandbox.Interact
 }
 
 // WriteFile writes (or appends to) a file in the sandbox.

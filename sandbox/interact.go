@@ -1,0 +1,372 @@
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Interact makes a session command interactive, as a terminal runs a program for a person at
+// the keyboard (the way pexpect drives a shell). The command is not fed </dev/null: it reads
+// the session's input, and its stderr goes with its stdout into Stdout, in the order written.
+// The call returns when the output shows a match of one of Expect (ExecResult.Matched; the
+// command still runs, ExitCode -1, and the session is attached to it), when the command ends
+// (its status), or at the timeout, which leaves it running (TimedOut, ExitCode -1, Signal "").
+// The output is what came before the match; what came after it is the start of the next
+// call's. While a command is attached:
+//
+//   - a call with Interact sends its Command and a newline to the command's input (an empty
+//     Command is the Enter key alone), and waits the same way;
+//   - a call with Interact and Interrupt sends SIGINT to every process of the session but its
+//     shell (a terminal's Ctrl-C) and waits the same way; if the timeout passes with no match,
+//     they are killed. Its Command is not used (a caller may record there what the key sends,
+//     "\x03"); without an attached command, an interrupt has nothing to do and returns at once;
+//   - a call without Interact kills the attached command first (what it still printed is
+//     dropped) and then runs.
+//
+// The matches are searched for in the output since the last one, outside the session's own
+// sentinel, the earliest first (a tie goes to the first pattern), as pexpect does.
+type Interact struct {
+	Expect    []*regexp.Regexp
+	Interrupt bool
+}
+
+// validate checks an Interact of a request for session (nil is valid).
+func (it *Interact) validate(session string) error {
+	if it == nil {
+		return nil
+	}
+	if session == "" {
+		return fmt.Errorf("%w: an interactive command runs in a session", ErrInvalid)
+	}
+	for i, re := range it.Expect {
+		if re == nil || re.String() == "" || re.MatchString("") {
+			return fmt.Errorf("%w: expect pattern %d matches the empty string, so it would match at once", ErrInvalid, i)
+		}
+	}
+	return nil
+}
+
+// Bounds of the output an interactive command's wait keeps: the patterns are searched for in
+// the last interactWindow bytes (with interactKeep of them kept when the window slides), and
+// what slid out of it is kept up to the request's MaxOutput.
+const (
+	interactWindow = 1 << 20
+	interactKeep   = 64 << 10
+)
+
+// interactScript is what the shell is fed to start req interactively: the command with its
+// environment and directory and its stderr on its stdout, then the stdout sentinel, on one line
+// (the command reads the same input as the shell: whatever follows is the command's input).
+func interactScript(req ExecRequest, tag string) string {
+	script := ""
+	for _, kv := range req.Env {
+		k, v, _ := strings.Cut(kv, "=")
+		script += "export " + k + "=" + ansiC(v) + "; "
+	}
+	if req.Cwd != "" {
+		script += "cd " + ansiC(req.Cwd) + " && "
+	}
+	return script + "eval " + ansiC(req.Command) + " 2>&1; __dg_rc=$?; printf '\\n" + tag + "_RC=%d\\n' \"$__dg_rc\"\n"
+}
+
+// chunk is one read of a session's stdout.
+type chunk struct {
+	data []byte
+	err  error
+}
+
+// interact runs req, which has Interact, in the session. Called with se.mu held.
+// +checklocks:se.mu
+func (se *session) interact(ctx, gen context.Context, req ExecRequest, tag string) (ExecResult, error) {
+	start := time.Now()
+	res := ExecResult{Start: start, ExitCode: -1}
+	it := req.Interact
+	switch {
+	case se.attached && it.Interrupt:
+		se.signalChildren(unix.SIGINT)
+	case it.Interrupt:
+		res.ExitCode, res.Duration = 0, time.Since(start)
+		return res, nil
+	case se.attached:
+		if _, err := se.stdin.Write([]byte(req.Command + "\n")); err != nil {
+			se.broken = true
+			return ExecResult{}, sessionEnded(se.name)
+		}
+	default:
+		if _, err := se.stdin.Write([]byte(interactScript(req, tag))); err != nil {
+			se.broken = true
+			return ExecResult{}, sessionEnded(se.name)
+		}
+		se.attached = true
+	}
+	m := &matcher{sentinel: []byte("\n" + tag + "_RC="), expect: it.Expect, limit: req.MaxOutput, acc: se.pending}
+	se.pending = nil
+	err := se.converse(ctx, gen, m, req.Timeout, it.Interrupt, &res)
+	res.Duration = time.Since(start)
+	return res, err
+}
+
+// detach ends the command the session is attached to (killing what the session runs) and reads
+// its output to its sentinel, which it drops. Called with se.mu held.
+// +checklocks:se.mu
+func (se *session) detach(ctx, gen context.Context, tag string) error {
+	se.signalChildren(unix.SIGKILL)
+	m := &matcher{sentinel: []byte("\n" + tag + "_RC="), limit: 0, acc: se.pending}
+	se.pending = nil
+	var res ExecResult
+	if err := se.converse(ctx, gen, m, time.Second, false, &res); err != nil {
+		return err
+	}
+	if res.TimedOut {
+		// Its shell is stuck: end it.
+		se.broken = true
+		_ = se.cg.Kill()
+	}
+	return nil
+}
+
+// converse reads the attached command's output with m until m finds a match or the sentinel,
+// the shell exits, or timeout passes (then, for an interrupt, it kills what the session runs
+// and waits a second more). It fills res. Called with se.mu held.
+// +checklocks:se.mu
+func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.Duration, interrupt bool, res *ExecResult) error {
+	if m.scan() {
+		se.settle(m, res)
+		return nil
+	}
+	chunks := make(chan chunk, 4)
+	stop := make(chan struct{})
+	go se.readChunks(chunks, stop)
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	exited := se.exited
+	killed := false
+	for {
+		select {
+		case c, ok := <-chunks:
+			if !ok || c.err != nil {
+				// The shell exited (or its stream broke): it is gone with what it printed.
+				if ok {
+					for range chunks {
+					}
+				}
+				se.ended(m, res)
+				return nil
+			}
+			if m.add(c.data) {
+				se.pending = append(se.pending, se.stopChunks(chunks, stop)...)
+				se.settle(m, res)
+				return nil
+			}
+		case <-exited:
+			exited = nil
+			se.stopReading(exitDrain)
+		case <-timer.C:
+			if interrupt && !killed {
+				se.signalChildren(unix.SIGKILL)
+				killed = true
+				timer.Reset(time.Second)
+				continue
+			}
+			se.pending = append(se.pending, se.stopChunks(chunks, stop)...)
+			res.TimedOut = true
+			res.Stdout, res.StdoutTruncated = m.output(len(m.acc))
+			if killed {
+				se.broken = true
+				_ = se.cg.Kill()
+			}
+			return nil
+		case <-ctx.Done():
+			return se.abortConverse(chunks, fmt.Errorf("session command cut short: %w", context.Cause(ctx)))
+		case <-gen.Done():
+			return se.abortConverse(chunks, fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted))
+		}
+	}
+}
+
+// readChunks reads the session's stdout into out until a read fails or stop is closed, then
+// closes out.
+func (se *session) readChunks(out chan<- chunk, stop <-chan struct{}) {
+	defer close(out)
+	for {
+		buf := make([]byte, 32<<10)
+		n, err := se.stdout.Read(buf)
+		out <- chunk{data: buf[:n], err: err}
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// stopChunks stops readChunks and returns what it read that the caller did not take. The
+// session's stdout is left as it was (its buffer keeps what was not read, and no error).
+// +checklocks:se.mu
+func (se *session) stopChunks(chunks <-chan chunk, stop chan struct{}) []byte {
+	close(stop)
+	_ = se.outF.SetReadDeadline(time.Now())
+	var rest []byte
+	for c := range chunks {
+		rest = append(rest, c.data...)
+	}
+	if se.outF.SetReadDeadline(time.Time{}) != nil {
+		se.broken = true
+	}
+	return rest
+}
+
+// abortConverse breaks the session on an abort and returns err.
+// +checklocks:se.mu
+func (se *session) abortConverse(chunks <-chan chunk, err error) error {
+	se.broken = true
+	_ = se.cg.Kill()
+	se.outF.Close()
+	se.errF.Close()
+	for range chunks {
+	}
+	return err
+}
+
+// settle fills res from m's match or sentinel; the session is detached at the sentinel.
+// +checklocks:se.mu
+func (se *session) settle(m *matcher, res *ExecResult) {
+	res.Stdout, res.StdoutTruncated = m.output(m.stop)
+	se.pending = append(m.acc[m.next:len(m.acc):len(m.acc)], se.pending...)
+	if m.matched != nil {
+		res.Matched = m.matched.String()
+		return
+	}
+	se.attached = false
+	res.ExitCode = m.rc
+	if m.rc > 128 {
+		res.ExitCode, res.Signal = -1, signalName(m.rc-128)
+	}
+}
+
+// ended fills res for a session whose shell exited during an interactive command.
+// +checklocks:se.mu
+func (se *session) ended(m *matcher, res *ExecResult) {
+	se.broken = true
+	res.Stdout, res.StdoutTruncated = m.output(len(m.acc))
+	res.ExitCode = 0
+	select {
+	case <-se.exited:
+		if se.status.Signaled() {
+			res.ExitCode, res.Signal = -1, signalName(int(se.status.Signal()))
+		} else {
+			res.ExitCode = se.status.ExitStatus()
+		}
+	case <-time.After(200 * time.Millisecond):
+	}
+}
+
+// signalChildren sends sig to every process of the session but its shell.
+func (se *session) signalChildren(sig unix.Signal) {
+	if se.cg.Freeze() != nil {
+		return
+	}
+	pids, _ := se.cg.Pids()
+	for _, p := range pids {
+		if p != se.hostPid {
+			_ = unix.Kill(p, sig)
+		}
+	}
+	_ = se.cg.Thaw()
+}
+
+// matcher finds, in an interactive command's output, the earliest match of its patterns or the
+// session's sentinel ("\n" + tag + "_RC=<status>\n"), whichever comes first.
+type matcher struct {
+	sentinel []byte
+	expect   []*regexp.Regexp
+	limit    int
+	acc      []byte // the search window
+	out      []byte // what slid out of the window, up to limit
+	slid     bool   // more slid out than out keeps
+
+	// The outcome (scan returned true): the output ends at acc[:stop]; acc[next:] is the
+	// next call's; matched is the pattern that matched, nil at the sentinel (status rc).
+	stop, next int
+	matched    *regexp.Regexp
+	rc         int
+}
+
+// add takes more output and reports whether the match or the sentinel is in.
+func (m *matcher) add(b []byte) bool {
+	m.acc = append(m.acc, b...)
+	if m.scan() {
+		return true
+	}
+	if len(m.acc) > interactWindow {
+		cut := len(m.acc) - interactKeep
+		room := max(m.limit-len(m.out), 0)
+		m.out = append(m.out, m.acc[:min(cut, room)]...)
+		m.slid = m.slid || cut > room
+		m.acc = append([]byte(nil), m.acc[cut:]...)
+	}
+	return false
+}
+
+// scan looks for the outcome in acc.
+func (m *matcher) scan() bool {
+	end := len(m.acc)
+	complete := false
+	if i := bytes.Index(m.acc, m.sentinel); i >= 0 {
+		end = i
+		digits := m.acc[i+len(m.sentinel):]
+		if nl := bytes.IndexByte(digits, '\n'); nl >= 0 {
+			if rc, err := strconv.Atoi(string(digits[:nl])); err == nil {
+				complete, m.rc, m.next = true, rc, i+len(m.sentinel)+nl+1
+			}
+		}
+	} else {
+		end -= partialSuffix(m.acc, m.sentinel)
+	}
+	best := -1
+	for _, re := range m.expect {
+		loc := re.FindIndex(m.acc[:end])
+		if loc != nil && (best < 0 || loc[0] < best) {
+			best, m.matched, m.stop, m.next = loc[0], re, loc[0], loc[1]
+		}
+	}
+	if best >= 0 {
+		return true
+	}
+	if complete {
+		m.stop = end
+		return true
+	}
+	return false
+}
+
+// partialSuffix returns the length of the longest suffix of b, at least 2 bytes long, that is
+// a proper prefix of s: a sentinel that may still be coming.
+func partialSuffix(b, s []byte) int {
+	for n := min(len(b), len(s)-1); n >= 2; n-- {
+		if bytes.Equal(b[len(b)-n:], s[:n]) {
+			return n
+		}
+	}
+	return 0
+}
+
+// output returns what slid out of the window and acc[:stop], up to limit, and whether it was
+// cut.
+func (m *matcher) output(stop int) ([]byte, bool) {
+	out := append(append([]byte(nil), m.out...), m.acc[:stop]...)
+	if len(out) > m.limit {
+		return out[:m.limit], true
+	}
+	return out, m.slid
+}

@@ -1,0 +1,85 @@
+package sandbox_test
+
+import (
+	"errors"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// An interactive session command reads the session's input while the session goes on: it is
+// answered at a match of its patterns, sent input, interrupted, and ended by a plain command.
+func TestSessionInteract(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: "busybox"})
+	// busybox has no bash; sessions start one, so stand ash in for it.
+	if err := s.WriteFile(t.Context(), "/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash\n"), 0o755, false); err != nil {
+		t.Fatal(err)
+	}
+	prompt := regexp.MustCompile(`> `)
+	run := func(cmd string, it *sandbox.Interact, timeout time.Duration) sandbox.ExecResult {
+		t.Helper()
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: cmd, Interact: it, Timeout: timeout})
+		if err != nil {
+			t.Fatalf("session %q: %v", cmd, err)
+		}
+		return res
+	}
+	expect := &sandbox.Interact{Expect: []*regexp.Regexp{prompt}}
+
+	// A reader of its input that prompts twice before the first line: the text past the first
+	// match is the start of the next answer.
+	res := run(`sh -c 'printf "one> two> "; while read -r l; do echo "got $l" >&2; printf "> "; done'`, expect, 5*time.Second)
+	if string(res.Stdout) != "one" || res.Matched != "> " || res.TimedOut {
+		t.Fatalf("start: %q matched %q timed out %v", res.Stdout, res.Matched, res.TimedOut)
+	}
+	if res := run("hello", expect, 5*time.Second); string(res.Stdout) != "two" || res.Matched != "> " {
+		t.Fatalf("the output past the first match: %q matched %q", res.Stdout, res.Matched)
+	}
+	// Its stderr comes with its stdout; each answer ends at the next match (the first line's
+	// prompt: the second line's waits in the output).
+	if res := run("hello", expect, 5*time.Second); string(res.Stdout) != "got hello\n" || res.Matched != "> " {
+		t.Fatalf("input: %q matched %q", res.Stdout, res.Matched)
+	}
+	// A plain command ends it first.
+	if res := run("echo after; echo $((1+1))", nil, 5*time.Second); string(res.Stdout) != "after\n2\n" || res.ExitCode != 0 {
+		t.Fatalf("plain command after an interactive one: %q exit %d", res.Stdout, res.ExitCode)
+	}
+
+	// A command that ends before any match answers with its status.
+	res = run("echo a; echo b >&2; echo c; exit_with() { return $1; }; exit_with 3", expect, 5*time.Second)
+	if string(res.Stdout) != "a\nb\nc\n" || res.ExitCode != 3 || res.Matched != "" {
+		t.Fatalf("ended: %q exit %d matched %q", res.Stdout, res.ExitCode, res.Matched)
+	}
+
+	// A timeout leaves it running; an interrupt ends it (SIGINT).
+	res = run("echo started; sleep 100", expect, 300*time.Millisecond)
+	if !res.TimedOut || string(res.Stdout) != "started\n" || res.Signal != "" {
+		t.Fatalf("timeout: %+v", res)
+	}
+	res = run("\x03", &sandbox.Interact{Interrupt: true}, 5*time.Second)
+	if res.TimedOut || res.ExitCode != -1 || res.Signal != "SIGINT" {
+		t.Fatalf("interrupt: %+v", res)
+	}
+	// With nothing attached, an interrupt has nothing to do.
+	if res := run("\x03", &sandbox.Interact{Interrupt: true}, 5*time.Second); res.ExitCode != 0 || len(res.Stdout) != 0 {
+		t.Fatalf("interrupt of nothing: %+v", res)
+	}
+	// A program that ignores SIGINT is killed once the interrupt's timeout passes.
+	run(`sh -c 'trap "" INT; echo ready; sleep 100'`, &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile("ready")}}, 5*time.Second)
+	res = run("\x03", &sandbox.Interact{Interrupt: true}, 200*time.Millisecond)
+	if res.ExitCode != -1 || res.Signal != "SIGKILL" {
+		t.Fatalf("interrupt of a program that ignores it: %+v", res)
+	}
+	if res := run("pwd", nil, 5*time.Second); string(res.Stdout) != "/\n" {
+		t.Fatalf("session after the interrupts: %q", res.Stdout)
+	}
+
+	// A pattern that matches the empty string is refused.
+	_, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: "cat", Interact: &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile("x*")}}})
+	if !errors.Is(err, sandbox.ErrInvalid) {
+		t.Fatalf("empty-matching pattern: %v", err)
+	}
+}
