@@ -123,6 +123,9 @@ func TestOpenEnvEpisode(t *testing.T) {
 	if ck == "" || r.Observation["checkpoint_id"] != ck || r.Observation["size"] != 2.0 {
 		t.Fatalf("write with a checkpoint: %+v", r)
 	}
+	if k := dialOpenEnv(t, b, "task").do("reset", map[string]any{"checkpoint_id": ck}); k.Observation["task"] != "write 42 to /tmp/answer" {
+		t.Fatalf("a reset from a checkpoint shows no task: %+v", k)
+	}
 	if r = o.do("step", map[string]any{"command": "", "read_file": "/tmp/answer"}); r.Observation["content"] != "41" {
 		t.Fatalf("read: %+v", r)
 	}
@@ -132,8 +135,9 @@ func TestOpenEnvEpisode(t *testing.T) {
 	if r = o.do("step", map[string]any{"command": "", "evaluate": true}); r.Reward != 0 || r.Done || r.Observation["evaluation"] == nil {
 		t.Fatalf("evaluate of a wrong answer: %+v", r)
 	}
-	if r = o.do("step", map[string]any{"command": "echo 42 > /tmp/answer", "restore": ck}); r.Metadata.EpisodeID == first.EpisodeID {
-		t.Fatalf("a step with a restore stays in its episode: %+v", r)
+	r = o.do("step", map[string]any{"command": "echo 42 > /tmp/answer", "restore": ck})
+	if r.Metadata.EpisodeID == first.EpisodeID || r.Observation["restored_to"] != ck || r.Observation["metadata"].(map[string]any)["start_checkpoint_id"] != ck {
+		t.Fatalf("a step with a restore: %+v", r)
 	}
 	if at, raw := o.send(map[string]any{"type": "state"}); at != "state" || !strings.Contains(string(raw), `"step_count":3`) {
 		t.Fatalf("state: %s %s", at, raw)
@@ -236,6 +240,7 @@ func TestOpenEnvBadInput(t *testing.T) {
 		{map[string]any{"type": "reset", "data": map[string]any{"seed": "x"}}, "VALIDATION_ERROR", "seed is an integer"},
 		{map[string]any{"type": "reset", "data": []int{1}}, "VALIDATION_ERROR", "keyword arguments"},
 		{map[string]any{"type": "reset", "data": map[string]any{"opt": map[string]any{}}}, "VALIDATION_ERROR", "string, number or boolean"},
+		{map[string]any{"type": "reset", "data": map[string]any{"fresh_entropy": true}}, "VALIDATION_ERROR", "goes with checkpoint_id"},
 	} {
 		var code, msg string
 		if s, ok := c.frame.(string); ok {
@@ -297,6 +302,12 @@ func TestOpenEnvHTTP(t *testing.T) {
 	if code, m := get("/openenv/task/metadata", true); code != 200 || m["name"] != "task" {
 		t.Fatalf("metadata: %d %v", code, m)
 	}
+	if code, m := get("/openenv/", true); code != 200 || len(m["envs"].([]any)) != len(testEnvs) {
+		t.Fatalf("the list of envs: %d %v", code, m)
+	}
+	if code, m := get("/openenv/task/reset", true); code != http.StatusMethodNotAllowed || !strings.Contains(m["detail"].(string), "takes POST") {
+		t.Fatalf("a reset by GET: %d %v", code, m)
+	}
 	post := func(path, body string) (int, map[string]any) {
 		t.Helper()
 		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+b.addr+path, strings.NewReader(body))
@@ -340,6 +351,16 @@ func TestOpenEnvHTTP(t *testing.T) {
 	if text := res["result"].(map[string]any)["content"].([]any)[0].(map[string]any)["text"]; text != "ok\n" {
 		t.Fatalf("tools/call bash: %v", res)
 	}
+	res = rpc("tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "echo out; exit 2"}})
+	if r := res["result"].(map[string]any); r["content"].([]any)[0].(map[string]any)["text"] != "out\n\n[exit code 2]" || r["isError"] != true {
+		t.Fatalf("tools/call bash of a failing command: %v", res)
+	}
+	if e := rpc("tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"cmd": "ls"}})["error"].(map[string]any); !strings.Contains(e["message"].(string), `no argument "cmd"`) {
+		t.Fatalf("tools/call with an unknown argument: %v", e)
+	}
+	if code, m := post("/openenv/task/mcp", `{"jsonrpc": "2.0", "method": "notifications/initialized"}`); code != http.StatusAccepted || m != nil {
+		t.Fatalf("a notification: %d %v", code, m)
+	}
 	res = rpc("tools/call", map[string]any{"session_id": sid, "name": "submit"})
 	if r := res["result"].(map[string]any)["data"].(map[string]any); r["reward"] != 1.0 || r["done"] != true || r["verdict"] == nil {
 		t.Fatalf("tools/call submit: %v", res)
@@ -368,12 +389,51 @@ func waitNoLeases(t *testing.T, b *bundle) {
 }
 
 func TestOpenEnvCapacity(t *testing.T) {
-	b := setup(t, func(c *server.Config) { c.OpenEnvMaxSessions = 1 })
-	o := dialOpenEnv(t, b, "plain")
-	o.do("reset", nil)
-	second := dialOpenEnv(t, b, "plain")
-	if code, msg := second.fails(map[string]any{"type": "reset"}); code != "CAPACITY_REACHED" || !strings.Contains(msg, "openenv-max-sessions") {
+	b := setup(t, func(c *server.Config) { c.OpenEnvMaxSessions = 2 })
+	first, second := dialOpenEnv(t, b, "plain"), dialOpenEnv(t, b, "plain")
+	first.do("reset", nil)
+	second.do("reset", nil)
+	if code, msg := dialOpenEnv(t, b, "plain").fails(map[string]any{"type": "reset"}); code != "CAPACITY_REACHED" || !strings.Contains(msg, "openenv-max-sessions") {
 		t.Fatalf("a session past the cap: %s %s", code, msg)
+	}
+	first.c.Close(websocket.StatusNormalClosure, "")
+	second.c.Close(websocket.StatusNormalClosure, "")
+	create := func() map[string]any {
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+b.addr+"/openenv/plain/mcp",
+			strings.NewReader(`{"jsonrpc": "2.0", "id": 1, "method": "openenv/session/create"}`))
+		req.Header.Set("Authorization", "Bearer "+b.token)
+		resp, err := http.DefaultClient.Do(req)
+		must(t, err)
+		defer resp.Body.Close()
+		var m map[string]any
+		must(t, json.NewDecoder(resp.Body).Decode(&m))
+		return m
+	}
+	// The closed sockets' slots free as their ends run.
+	var a map[string]any
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+		if a = create(); a["error"] == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no MCP session after the sockets closed: %v", a)
+		}
+	}
+	// An MCP session with its socket attached is one session: there is room for one more.
+	sid := a["result"].(map[string]any)["session_id"].(string)
+	attached, resp, err := websocket.Dial(t.Context(), "ws://"+b.addr+"/openenv/plain/ws?session_id="+sid,
+		&websocket.DialOptions{HTTPHeader: http.Header{"Authorization": {"Bearer " + b.token}}})
+	if resp != nil && resp.Body != nil {
+		resp.Body.Close()
+	}
+	must(t, err)
+	defer attached.CloseNow()
+	(&oeSocket{t, attached}).do("reset", nil)
+	if m := create(); m["error"] != nil {
+		t.Fatalf("a second MCP session beside one with a socket attached: %v", m)
+	}
+	if m := create(); m["error"] == nil || m["error"].(map[string]any)["data"].(map[string]any)["code"] != "CAPACITY_REACHED" {
+		t.Fatalf("a third MCP session: %v", m)
 	}
 	c, resp, err := websocket.Dial(t.Context(), "ws://"+b.addr+"/openenv/plain/ws", nil)
 	if resp != nil && resp.Body != nil {

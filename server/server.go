@@ -386,7 +386,8 @@ func Run(ctx context.Context, cfg Config) error {
 		_ = s.Close(context.WithoutCancel(ctx))
 		return fmt.Errorf("listening on %s: %w", s.cfg.Addr, err)
 	}
-	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", !s.cfg.NoAuth)
+	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", !s.cfg.NoAuth,
+		"openenv", openenv.Prefix+"{env}", "swerex", "/swerex/{sandbox_id}")
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(ln) }()
 	var serveErr error

@@ -85,7 +85,7 @@ func decodeAction(raw json.RawMessage) (Action, error) {
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&a); err != nil {
-		return a, invalid("the action is not an action object (command, write_file, read_file, submit, checkpoint, restore, evaluate, timeout, cwd, env, session): %v", err)
+		return a, invalid("the action is not an action object (command, write_file, read_file, submit, checkpoint, restore, fresh_entropy, evaluate, timeout, cwd, env, session, metadata): %v", err)
 	}
 	return a, nil
 }

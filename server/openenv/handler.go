@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -49,6 +50,8 @@ type Handler struct {
 	mu sync.Mutex
 	// +checklocks:mu
 	sockets map[*socket]struct{}
+	// +checklocks:mu
+	own int // sockets with a session of their own (not attached to an MCP session)
 	// +checklocks:mu
 	mcp map[string]*mcpSession
 	// +checklocks:mu
@@ -119,7 +122,7 @@ func (h *Handler) admitLocked() error {
 	if h.closing {
 		return errClosing
 	}
-	if max := h.cfg.MaxSessions; max > 0 && len(h.sockets)+len(h.mcp) >= max {
+	if max := h.cfg.MaxSessions; max > 0 && h.own+len(h.mcp) >= max {
 		return errCapacity
 	}
 	return nil
@@ -145,7 +148,7 @@ const (
 // pool at its caps CAPACITY_REACHED, the rest EXECUTION_ERROR.
 func codeOf(err error) string {
 	switch {
-	case errors.Is(err, errdefs.ErrInvalidArgument):
+	case errors.Is(err, errdefs.ErrInvalidArgument), errors.Is(err, envpool.ErrUnknownEnv):
 		return codeValidation
 	case errors.Is(err, errCapacity), errors.Is(err, errdefs.ErrResourceExhausted):
 		return codeCapacity
@@ -203,7 +206,38 @@ func (h *Handler) httpError(w http.ResponseWriter, err error) {
 	writeJSON(w, status, map[string]any{"detail": h.describe(err), "code": codeOf(err)})
 }
 
+// endpoints are the paths below an env's, with the method each takes.
+var endpoints = map[string]string{"ws": "GET", "health": "GET", "schema": "GET", "metadata": "GET", "state": "GET",
+	"reset": "POST", "step": "POST", "mcp": "POST"}
+
+// notFound answers what no endpoint serves: the list of envs at Prefix, 405 for an endpoint
+// asked with the wrong method, 404 for the rest.
 func (h *Handler) notFound(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusNotFound, map[string]any{"detail": "OpenEnv serves " + Prefix +
-		"{env}/ws, /health, /schema, /metadata, /state, /reset, /step and /mcp (GET for ws, health, schema, metadata and state; POST for the rest)"})
+	if r.URL.Path == Prefix && r.Method == http.MethodGet {
+		var envs []map[string]string
+		for _, e := range h.cfg.Pools.Envs() {
+			envs = append(envs, map[string]string{"name": e.Name(), "base_url": Prefix + e.Name(), "description": e.Spec().GetDescription()})
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"envs": envs})
+		return
+	}
+	const usage = "OpenEnv serves " + Prefix + "{env}/ws, /health, /schema, /metadata, /state (GET) and /reset, /step, /mcp (POST); GET " +
+		Prefix + " lists the envs"
+	rest, _ := strings.CutPrefix(r.URL.Path, Prefix)
+	if _, ep, ok := strings.Cut(rest, "/"); ok && endpoints[ep] != "" && endpoints[ep] != r.Method {
+		w.Header().Set("Allow", endpoints[ep])
+		writeJSON(w, http.StatusMethodNotAllowed, map[string]any{"detail": fmt.Sprintf("%s takes %s, not %s: %s", r.URL.Path, endpoints[ep], r.Method, usage),
+			"code": codeValidation})
+		return
+	}
+	writeJSON(w, http.StatusNotFound, map[string]any{"detail": usage, "code": codeValidation})
+}
+
+// task is env's task text ("" for an env gone from the catalog).
+func (h *Handler) task(env string) string {
+	e, err := h.cfg.Pools.Env(env)
+	if err != nil {
+		return ""
+	}
+	return e.Task()
 }

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"sort"
 	"strings"
 	"time"
 
@@ -58,6 +59,8 @@ type rpcResponse struct {
 	ID      json.RawMessage `json:"id"`
 	Result  any             `json:"result,omitempty"`
 	Error   *rpcError       `json:"error,omitempty"`
+	// notification says the request had no id: nothing is sent back.
+	notification bool
 }
 
 type rpcError struct {
@@ -81,7 +84,14 @@ func (h *Handler) serveMCP(w http.ResponseWriter, r *http.Request) {
 			Error: &rpcError{Code: rpcInvalidRequest, Message: fmt.Sprintf("reading the request: %v", err)}})
 		return
 	}
-	writeJSON(w, http.StatusOK, h.rpcEnv(r.Context(), env, body))
+	resp := h.rpcEnv(r.Context(), env, body)
+	if resp.notification {
+		// JSON-RPC answers no notification (a request without an id), MCP's
+		// notifications/initialized among them.
+		w.WriteHeader(http.StatusAccepted)
+		return
+	}
+	writeJSON(w, http.StatusOK, resp)
 }
 
 // rpcEnv answers a JSON-RPC request on env's /mcp, whose session is named by its params.
@@ -131,8 +141,11 @@ func decodeRPC(body []byte) (rpcRequest, rpcResponse, bool) {
 		resp.Error = &rpcError{Code: rpcParse, Message: fmt.Sprintf("the request is not JSON-RPC 2.0 (a JSON object): %v", err)}
 		return req, resp, false
 	}
-	if len(req.ID) > 0 {
+	if len(req.ID) > 0 && string(req.ID) != "null" {
 		resp.ID = req.ID
+	} else if strings.HasPrefix(req.Method, "notifications/") {
+		resp.notification = true
+		return req, resp, false
 	}
 	if req.JSONRPC != "2.0" || req.Method == "" {
 		resp.Error = &rpcError{Code: rpcInvalidRequest, Message: `a JSON-RPC request has "jsonrpc": "2.0" and a method`}
@@ -195,11 +208,24 @@ func (h *Handler) call(ctx context.Context, s *session, req rpcRequest, resp rpc
 func toolResult(r Result) map[string]any {
 	o := r.Observation
 	var text string
+	failed := o.Error != ""
 	switch {
 	case o.Error != "":
 		text = o.Error
 	case o.Stdout != nil:
+		// What a model reads is this text: a failure is said in it, not only in data.
 		text = *o.Stdout + *o.Stderr
+		switch {
+		case o.TimedOut:
+			text += fmt.Sprintf("\n[timed out after %.1f s: killed]", o.Duration)
+			failed = true
+		case o.Signal != "":
+			text += "\n[killed by " + o.Signal + "]"
+			failed = true
+		case o.ExitCode != nil && *o.ExitCode != 0:
+			text += fmt.Sprintf("\n[exit code %d]", *o.ExitCode)
+			failed = true
+		}
 	case o.Content != nil:
 		text = *o.Content
 	default:
@@ -211,7 +237,7 @@ func toolResult(r Result) map[string]any {
 	var data map[string]any
 	_ = json.Unmarshal(mustJSON(o), &data)
 	data["reward"], data["done"] = r.Reward, r.Done
-	return map[string]any{"content": []map[string]any{{"type": "text", "text": text}}, "isError": o.Error != "", "data": data}
+	return map[string]any{"content": []map[string]any{{"type": "text", "text": text}}, "isError": failed, "data": data}
 }
 
 // createMCP makes a session of env.
@@ -336,6 +362,14 @@ func toolArgs(name string, args json.RawMessage) (json.RawMessage, error) {
 	if m == nil {
 		m = map[string]json.RawMessage{}
 	}
+	if t, ok := toolNamed(name); ok {
+		props, _ := t.InputSchema["properties"].(obj)
+		for k := range m {
+			if _, known := props[k]; !known {
+				return nil, invalid("tool %s takes no argument %.64q (its arguments: %s)", name, k, strings.Join(sortedKeys(props), ", "))
+			}
+		}
+	}
 	a := map[string]json.RawMessage{"command": json.RawMessage(`""`)}
 	take := func(keys ...string) {
 		for _, k := range keys {
@@ -375,4 +409,22 @@ func toolArgs(name string, args json.RawMessage) (json.RawMessage, error) {
 		return nil, invalid("no tool %.64q: the tools are %s", name, strings.Join(names, ", "))
 	}
 	return mustJSON(a), nil
+}
+
+func toolNamed(name string) (tool, bool) {
+	for _, t := range tools {
+		if t.Name == name {
+			return t, true
+		}
+	}
+	return tool{}, false
+}
+
+func sortedKeys(m obj) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }

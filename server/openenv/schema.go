@@ -20,7 +20,7 @@ var writeFileSchema = obj{"type": "object", "title": "WriteFile", "additionalPro
 
 var readFileSchema = obj{"type": "object", "title": "ReadFile", "additionalProperties": false, "required": []string{"path"},
 	"properties": obj{
-		"path":      str("the file's path in the sandbox"),
+		"path":      str("the file's path in the sandbox (relative to the env's workdir)"),
 		"offset":    integer("where to start reading, in bytes"),
 		"max_bytes": integer("how much to read at most (0: the env's output cap)"),
 	}}
@@ -32,7 +32,7 @@ var actionSchema = obj{
 	"title": "DeltagymAction", "type": "object", "additionalProperties": false, "required": []string{"command"},
 	"description": "One step. command is a shell command (\"submit\" submits); it may be empty only when exactly one of write_file, read_file, submit, checkpoint, restore and evaluate is set. checkpoint and restore also go with a command, write or read: the checkpoint is taken after it, the restore done before it.",
 	"properties": obj{
-		"command":       str("a shell command run by bash -c (or in session's persistent shell); \"submit\" submits"),
+		"command":       str("a shell command, run by /bin/sh -c (in the persistent bash named by session when set); \"submit\" submits"),
 		"write_file":    writeFileSchema,
 		"read_file":     obj{"anyOf": []obj{str("the file's path"), readFileSchema}},
 		"submit":        obj{"anyOf": []obj{{"type": "boolean"}, {"type": "string"}}, "description": "true, or the answer: runs the env's verifier and ends the episode"},
@@ -40,7 +40,7 @@ var actionSchema = obj{
 		"restore":       str("a checkpoint ID to restore before the step (a new episode starts there)"),
 		"fresh_entropy": boolean("with restore: give the restored state a new seed"),
 		"evaluate":      boolean("run the env's verifier on the current state without ending the episode; the reward is in reward and observation.evaluation"),
-		"timeout":       num("the command's timeout in seconds (at most 55)"),
+		"timeout":       num("the command's timeout in seconds; more than the server's step cap (55 s by default) is the cap"),
 		"cwd":           str("the command's working directory"),
 		"env":           obj{"type": "object", "additionalProperties": obj{"type": "string"}, "description": "environment variables of the command"},
 		"session":       str("run the command in this persistent shell (cd and exports persist)"),
@@ -113,7 +113,7 @@ func args(required []string, props obj) obj {
 
 // tools are the actions as MCP tools.
 var tools = []tool{
-	{"bash", "Run a shell command in the sandbox; returns its output.", args([]string{"command"}, obj{
+	{"bash", "Run a shell command in the sandbox (/bin/sh -c, or the persistent bash named by session); returns its output.", args([]string{"command"}, obj{
 		"command": str("the command"), "timeout": num("seconds, at most 55"), "cwd": str("working directory"),
 		"env":     obj{"type": "object", "additionalProperties": obj{"type": "string"}},
 		"session": str("a persistent shell to run it in")})},

@@ -17,14 +17,14 @@ import (
 // step or state, which reset it with no options) and closed with the session. Calls on a
 // session run one at a time (mu).
 type session struct {
-	h   *Handler
-	env string
+	h   *Handler // never changes
+	env string   // never changes
 
 	mu sync.Mutex
 	// +checklocks:mu
 	sandbox string // "" until the first reset, and after the sandbox was lost
 	// +checklocks:mu
-	start string // the checkpoint the episode started from
+	resetStart string // the checkpoint the last plain reset started from: a reset like it restores it
 	// +checklocks:mu
 	resetKey string // what the last plain reset asked (seed and options), "" for none
 	// +checklocks:mu
@@ -88,6 +88,9 @@ func resetArgsOf(data map[string]json.RawMessage) (resetArgs, error) {
 		}
 		r.options[k] = s
 	}
+	if r.freshEntropy && r.checkpoint == "" {
+		return r, invalid("reset's fresh_entropy goes with checkpoint_id (a plain reset without a seed gets new entropy)")
+	}
 	if r.checkpoint != "" && len(r.options) > 0 {
 		return r, invalid("a reset from checkpoint_id starts where the checkpoint is, so it takes no task options (got %d)", len(r.options))
 	}
@@ -149,12 +152,12 @@ func (s *session) resetLocked(ctx context.Context, args resetArgs) (Result, erro
 	if args.checkpoint != "" {
 		return s.forkLocked(ctx, args)
 	}
-	if key := args.key(); s.sandbox != "" && key == s.resetKey && s.start != "" {
+	if key := args.key(); s.sandbox != "" && key == s.resetKey && s.resetStart != "" {
 		// The seed decides the state: an unseeded reset gets new entropy, as a Reset would.
-		r, err := s.h.core.Restore(ctx, episode.RestoreRequest{SandboxID: s.sandbox, CheckpointID: s.start, FreshEntropy: args.seed == nil})
+		r, err := s.h.core.Restore(ctx, episode.RestoreRequest{SandboxID: s.sandbox, CheckpointID: s.resetStart, FreshEntropy: args.seed == nil})
 		if err == nil {
 			obs := s.resetObs
-			return s.resultLocked(obs, r.EpisodeID, s.start, nil), nil
+			return s.resultLocked(obs, r.EpisodeID, s.resetStart, nil), nil
 		}
 		s.h.log.Debug("restoring the start at a reset; resetting instead", "sandbox", s.sandbox, "err", err)
 	}
@@ -191,7 +194,7 @@ func (s *session) forkLocked(ctx context.Context, args resetArgs) (Result, error
 	c := r.Children[0]
 	s.replaceLocked(c.SandboxID, args.checkpoint)
 	s.resetKey = "" // a plain reset after it resets the env
-	return s.resultLocked(Observation{}, c.EpisodeID, args.checkpoint, nil), nil
+	return s.resultLocked(Observation{Task: s.h.task(s.env)}, c.EpisodeID, args.checkpoint, nil), nil
 }
 
 // replaceLocked makes id the session's sandbox, closing the one it held.
@@ -202,7 +205,7 @@ func (s *session) replaceLocked(id, start string) {
 			s.h.log.Warn("closing a session's previous sandbox", "sandbox", old, "err", err)
 		}
 	}
-	s.sandbox, s.start = id, start
+	s.sandbox, s.resetStart = id, start
 }
 
 // ensureLocked resets the session when it has no sandbox yet: a step or state before any
@@ -225,6 +228,7 @@ func (s *session) step(ctx context.Context, raw json.RawMessage) (Result, error)
 	if err != nil {
 		return Result{}, err
 	}
+	core := s.h.core
 	p, err := planOf(a, s.h.cfg.StepCap)
 	if err != nil {
 		return Result{}, err
@@ -236,30 +240,32 @@ func (s *session) step(ctx context.Context, raw json.RawMessage) (Result, error)
 	}
 	switch {
 	case p.act != nil:
-		r, err := s.h.core.Step(ctx, episode.StepRequest{SandboxID: s.sandbox, Action: p.act, Checkpoint: p.checkpoint,
+		r, err := core.Step(ctx, episode.StepRequest{SandboxID: s.sandbox, Action: p.act, Checkpoint: p.checkpoint,
 			RestoreCheckpointID: p.restore, RestoreFreshEntropy: p.freshEntropy})
 		if err != nil {
 			return Result{}, err
 		}
-		return s.stepResultLocked(r), nil
+		res := s.stepResultLocked(r)
+		res.Observation.RestoredTo = p.restore
+		return res, nil
 	case p.evaluate:
-		v, err := s.h.core.Evaluate(ctx, s.sandbox)
+		v, err := core.Evaluate(ctx, s.sandbox)
 		if err != nil {
 			return Result{}, err
 		}
 		return s.evaluationLocked(v)
 	case p.restore != "":
-		r, err := s.h.core.Restore(ctx, episode.RestoreRequest{SandboxID: s.sandbox, CheckpointID: p.restore, FreshEntropy: p.freshEntropy})
+		r, err := core.Restore(ctx, episode.RestoreRequest{SandboxID: s.sandbox, CheckpointID: p.restore, FreshEntropy: p.freshEntropy})
 		if err != nil {
 			return Result{}, err
 		}
 		return s.resultLocked(Observation{RestoredTo: p.restore}, r.EpisodeID, p.restore, nil), nil
 	default:
-		r, err := s.h.core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: s.sandbox})
+		r, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: s.sandbox})
 		if err != nil {
 			return Result{}, err
 		}
-		info, err := s.h.core.Sandbox(s.sandbox)
+		info, err := core.Sandbox(s.sandbox)
 		if err != nil {
 			return Result{}, err
 		}
@@ -306,14 +312,14 @@ func (s *session) stepResultLocked(r episode.StepResult) Result {
 // reset, restore, checkpoint or evaluation.
 // +checklocks:s.mu
 func (s *session) resultLocked(obs Observation, ep, ckpt string, step *episode.StepResult) Result {
-	m := Metadata{Env: s.env, SandboxID: s.sandbox, EpisodeID: ep, CheckpointID: ckpt, StartCheckpointID: s.start, StepIndex: -1}
+	m := Metadata{Env: s.env, SandboxID: s.sandbox, EpisodeID: ep, CheckpointID: ckpt, StepIndex: -1}
 	if step != nil {
 		m.StepIndex, m.Terminated, m.Truncated = step.StepIndex, step.Terminated, step.Truncated
 		m.TruncatedBy = step.Info["truncated_by"]
 		m.Info = step.Info
 	}
 	if info, err := s.h.core.Sandbox(s.sandbox); err == nil {
-		m.StepCount = info.NextStepIndex
+		m.StepCount, m.StartCheckpointID = info.NextStepIndex, info.StartCheckpoint
 		if step == nil && info.Done {
 			m.Terminated = true // the episode had ended before; a reset or restore goes on
 		}
@@ -324,18 +330,18 @@ func (s *session) resultLocked(obs Observation, ep, ckpt string, step *episode.S
 
 // state is the session's episode and how many steps its path has.
 func (s *session) state(ctx context.Context) (State, error) {
-	env := s.env // immutable
+	env, core := s.env, s.h.core
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.ensureLocked(ctx); err != nil {
 		return State{}, err
 	}
-	info, err := s.h.core.Sandbox(s.sandbox)
+	info, err := core.Sandbox(s.sandbox)
 	if err != nil {
 		return State{}, err
 	}
 	return State{EpisodeID: info.EpisodeID, StepCount: info.NextStepIndex, SandboxID: s.sandbox, Env: env,
-		Done: info.Done, StartCheckpointID: s.start}, nil
+		Done: info.Done, StartCheckpointID: info.StartCheckpoint}, nil
 }
 
 // keepAlive renews the lease of the session's sandbox.
@@ -351,6 +357,7 @@ func (s *session) keepAlive() {
 // close ends the session and closes its sandbox; it is idempotent. It waits for a call in
 // progress, which the caller aborts by cancelling its context.
 func (s *session) close(ctx context.Context) {
+	h := s.h
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -359,8 +366,8 @@ func (s *session) close(ctx context.Context) {
 	s.closed = true
 	if id := s.sandbox; id != "" {
 		s.sandbox = ""
-		if err := s.h.core.Close(context.WithoutCancel(ctx), id); err != nil {
-			s.h.log.Warn("closing a session's sandbox", "sandbox", id, "err", err)
+		if err := h.core.Close(context.WithoutCancel(ctx), id); err != nil {
+			h.log.Warn("closing a session's sandbox", "sandbox", id, "err", err)
 		}
 	}
 }

@@ -89,6 +89,7 @@ func (h *Handler) attach(k *socket, env, sid string) error {
 			return err
 		}
 		k.s = h.newSession(env)
+		h.own++
 	}
 	h.sockets[k] = struct{}{}
 	return nil
@@ -177,6 +178,9 @@ func (k *socket) end() {
 	h.mu.Lock()
 	delete(h.sockets, k)
 	closeSession := m == nil
+	if m == nil {
+		h.own--
+	}
 	if m != nil {
 		m.socket, m.used = nil, time.Now()
 		if m.closing {
