@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -111,7 +112,7 @@ func (k *socket) refuse(err error) {
 // run answers k's frames until the client closes, goes away, or the server shuts down; then
 // closes k's own session (and its sandbox) or detaches k from its MCP session.
 func (k *socket) run() {
-	msgs := make(chan []byte, queuedFrames)
+	msgs := make(chan *bytes.Buffer, queuedFrames)
 	go k.read(msgs)
 	go k.ping()
 	tick := time.NewTicker(k.h.keepAliveEvery())
@@ -119,8 +120,13 @@ func (k *socket) run() {
 	defer k.end()
 	for {
 		select {
-		case data, ok := <-msgs:
-			if !ok || !k.handle(data) {
+		case buf, ok := <-msgs:
+			if !ok {
+				return
+			}
+			goOn := k.handle(buf.Bytes())
+			putBuffer(buf)
+			if !goOn {
 				return
 			}
 		case <-tick.C:
@@ -131,19 +137,44 @@ func (k *socket) run() {
 	}
 }
 
-func (k *socket) read(msgs chan<- []byte) {
+func (k *socket) read(msgs chan<- *bytes.Buffer) {
 	defer close(msgs)
 	for {
-		_, data, err := k.c.Read(k.conn)
+		_, r, err := k.c.Reader(k.conn)
+		buf := getBuffer()
+		if err == nil {
+			_, err = buf.ReadFrom(r) // within the read limit
+		}
 		if err != nil {
+			putBuffer(buf)
 			k.cancel() // aborts the call in progress: nobody is left to answer
 			return
 		}
 		select {
-		case msgs <- data:
+		case msgs <- buf:
 		case <-k.ctx.Done():
+			putBuffer(buf)
 			return
 		}
+	}
+}
+
+// buffers are the frames' buffers, read and written, used again: a step's frames are most of
+// what the front end allocates.
+var buffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+// maxPooled is the largest buffer kept for use again: a large write_file's frame is not kept.
+const maxPooled = 64 << 10
+
+func getBuffer() *bytes.Buffer {
+	b := buffers.Get().(*bytes.Buffer)
+	b.Reset()
+	return b
+}
+
+func putBuffer(b *bytes.Buffer) {
+	if b.Cap() <= maxPooled {
+		buffers.Put(b)
 	}
 }
 
@@ -266,7 +297,22 @@ func (k *socket) answer(r Result, err error) {
 		k.sendError(k.ctx, err)
 		return
 	}
-	k.send(frame{Type: "observation", Data: mustJSON(r)})
+	buf := getBuffer()
+	defer putBuffer(buf)
+	enc := json.NewEncoder(buf)
+	enc.SetEscapeHTML(false) // text as it is: a model reads it
+	if err := enc.Encode(observationFrame{Type: "observation", Data: &r}); err != nil {
+		panic(fmt.Sprintf("openenv: encoding an observation: %v", err)) // the package's own types
+	}
+	if err := k.c.Write(k.ctx, websocket.MessageText, buf.Bytes()); err != nil {
+		k.cancel()
+	}
+}
+
+// observationFrame is the answer to a reset or step.
+type observationFrame struct {
+	Type string  `json:"type"`
+	Data *Result `json:"data"`
 }
 
 func (k *socket) sendError(ctx context.Context, err error) {
