@@ -1,0 +1,6 @@
+//go:build !race
+
+package server_test
+
+// raceEnabled says the tests run under the race detector.
+const raceEnabled = false
