@@ -215,8 +215,8 @@ func mkdirAll(root int, rel string) error {
 // fileOp runs fn on a thread with the sandbox user's fsuid, with an fd of
 // the sandbox's root and path made relative to it.
 func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error {
-	if path == "" || strings.IndexByte(path, 0) >= 0 || len(path) > 4096 {
-		return fmt.Errorf("%w: path %q", ErrInvalid, path)
+	if err := CheckPath(path); err != nil {
+		return err
 	}
 	if !strings.HasPrefix(path, "/") {
 		// Relative paths are relative to the sandbox's working directory.

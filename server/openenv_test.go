@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -262,11 +263,48 @@ func TestOpenEnvBadInput(t *testing.T) {
 		}
 	}
 	// The socket goes on after errors, and nothing was leased for the bad ones but the reset's.
-	if r := o.do("step", map[string]any{"command": "cat /tmp/plain"}); r.Observation["stdout"] != "plain\n" {
+	r := o.do("step", map[string]any{"command": "echo A > /tmp/state; cat /tmp/plain", "checkpoint": true})
+	if r.Observation["stdout"] != "plain\n" {
 		t.Fatalf("a step after errors: %+v", r)
+	}
+	ck, ep := r.Metadata.CheckpointID, r.Metadata.EpisodeID
+	o.do("step", map[string]any{"command": "echo B > /tmp/state"})
+	// An action the runtime would refuse is refused before its restore: nothing changes.
+	for _, bad := range []map[string]any{
+		{"command": "true", "session": "../x"},
+		{"command": "", "write_file": map[string]any{"path": "/tmp/a\x00b", "content": "x"}},
+		{"command": "", "write_file": map[string]any{"path": "/tmp/a", "content": "x", "mode": 0o4777}},
+		{"command": "", "submit": strings.Repeat("x", 200_000)},
+	} {
+		bad["restore"] = ck
+		if code, _ := o.fails(map[string]any{"type": "step", "data": bad}); code != "VALIDATION_ERROR" {
+			t.Errorf("%.80v: %s, want VALIDATION_ERROR", bad, code)
+		}
+	}
+	if r := o.do("step", map[string]any{"command": "cat /tmp/state"}); r.Observation["stdout"] != "B\n" || r.Metadata.EpisodeID != ep {
+		t.Fatalf("refused actions with a restore changed the sandbox: %+v", r)
+	}
+	// A timeout below a nanosecond is the shortest, not none.
+	if r := o.do("step", map[string]any{"command": "sleep 30", "timeout": 1e-10}); r.Observation["timed_out"] != true {
+		t.Fatalf("a step with a tiny timeout: %+v", r)
 	}
 	if n := len(b.srv.Pools().Leases()); n != 1 {
 		t.Fatalf("%d sandboxes leased, want the one socket's", n)
+	}
+}
+
+func TestOpenEnvLargeFrame(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.MaxRequestBytes = 1 << 20 })
+	o := dialOpenEnv(t, b, "plain")
+	o.do("reset", nil)
+	big, _ := json.Marshal(map[string]any{"type": "step", "data": map[string]any{"command": "",
+		"write_file": map[string]any{"path": "/tmp/big", "content": strings.Repeat("x", 3<<20)}}})
+	code, msg := o.fails(json.RawMessage(big))
+	if code != "VALIDATION_ERROR" || !strings.Contains(msg, "past the server's 1048576") {
+		t.Fatalf("a frame past the limit: %s %s", code, msg)
+	}
+	if r := o.do("step", map[string]any{"command": "ls /tmp/big || echo none"}); r.Observation["stdout"] != "none\n" {
+		t.Fatalf("the socket after a frame past the limit: %+v", r)
 	}
 }
 
@@ -358,8 +396,13 @@ func TestOpenEnvHTTP(t *testing.T) {
 	if e := rpc("tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"cmd": "ls"}})["error"].(map[string]any); !strings.Contains(e["message"].(string), `no argument "cmd"`) {
 		t.Fatalf("tools/call with an unknown argument: %v", e)
 	}
-	if code, m := post("/openenv/task/mcp", `{"jsonrpc": "2.0", "method": "notifications/initialized"}`); code != http.StatusAccepted || m != nil {
-		t.Fatalf("a notification: %d %v", code, m)
+	for _, note := range []string{`{"jsonrpc": "2.0", "method": "notifications/initialized"}`, `{"jsonrpc": "2.0", "method": "ping"}`} {
+		if code, m := post("/openenv/task/mcp", note); code != http.StatusAccepted || m != nil {
+			t.Fatalf("a notification %s: %d %v", note, code, m)
+		}
+	}
+	if code, m := post("/openenv/task/step", `{"action": {"command": "true"}} {}`); code != 422 {
+		t.Fatalf("a step's body with more after it: %d %v", code, m)
 	}
 	res = rpc("tools/call", map[string]any{"session_id": sid, "name": "submit"})
 	if r := res["result"].(map[string]any)["data"].(map[string]any); r["reward"] != 1.0 || r["done"] != true || r["verdict"] == nil {
@@ -536,4 +579,68 @@ func TestOpenEnvShutdown(t *testing.T) {
 		}
 	}
 	must(t, <-closed)
+}
+
+// mcpCall posts a JSON-RPC request to env's /mcp and returns the answer.
+func mcpCall(t *testing.T, b *bundle, env, method string, params map[string]any) map[string]any {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+	req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+b.addr+"/openenv/"+env+"/mcp", bytes.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+b.token)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return map[string]any{"transport_error": err.Error()}
+	}
+	defer resp.Body.Close()
+	var m map[string]any
+	_ = json.NewDecoder(resp.Body).Decode(&m)
+	return m
+}
+
+// A shutdown aborts the MCP calls in progress and those waiting their turn: it ends in its time.
+func TestOpenEnvShutdownMCP(t *testing.T) {
+	b := setup(t, nil)
+	sid := mcpCall(t, b, "plain", "openenv/session/create", nil)["result"].(map[string]any)["session_id"].(string)
+	mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "true"}})
+	answers := make(chan map[string]any, 3)
+	for range 3 {
+		go func() {
+			answers <- mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash",
+				"arguments": map[string]any{"command": "touch /tmp/started; sleep 50"}})
+		}()
+	}
+	box, err := b.srv.Runtime().Get(b.srv.Pools().Leases()[0].ID())
+	must(t, err)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+		if _, _, err := box.ReadFile(t.Context(), "/tmp/started", 0, 1); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the call did not start")
+		}
+	}
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	must(t, b.srv.Close(ctx))
+	if took := time.Since(start); took > 15*time.Second {
+		t.Fatalf("the shutdown took %v with MCP calls running and waiting", took)
+	}
+	for range 3 {
+		if a := <-answers; a["result"] != nil {
+			t.Fatalf("a call answered a result across the shutdown: %v", a)
+		}
+	}
+}
+
+// An MCP session idle (no call, no socket) for the lease's TTL is closed, and found no more.
+func TestOpenEnvMCPIdle(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.LeaseTTL = 500 * time.Millisecond })
+	sid := mcpCall(t, b, "plain", "openenv/session/create", nil)["result"].(map[string]any)["session_id"].(string)
+	mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "true"}})
+	waitNoLeases(t, b) // the lease expires, unrenewed
+	e, _ := mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "true"}})["error"].(map[string]any)
+	if e == nil || !strings.Contains(e["message"].(string), "idle") {
+		t.Fatalf("a call on an idle session: %v", e)
+	}
 }

@@ -70,6 +70,13 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if abs, err := filepath.Abs(cfg.EnvsDir); err == nil {
 		s.scrubbers = append(s.scrubbers, [2]string{abs, "$ENVS"})
 	}
+	// The helpers' host paths (CRIU's private prefix, the init), which their errors name.
+	if dir := filepath.Dir(filepath.Dir(cfg.CRIU)); filepath.IsAbs(cfg.CRIU) && dir != "/" {
+		s.scrubbers = append(s.scrubbers, [2]string{dir, "$CRIU"})
+	}
+	if filepath.IsAbs(cfg.InitBinary) {
+		s.scrubbers = append(s.scrubbers, [2]string{cfg.InitBinary, "$INIT"})
+	}
 	defer func() {
 		if err != nil {
 			_ = s.Close(context.WithoutCancel(ctx))

@@ -47,17 +47,34 @@ func validate(a Action) error {
 		if x.Path == "" {
 			return fmt.Errorf("write_file needs a path: %w", ErrInvalid)
 		}
-		if x.Mode > 0o7777 {
-			return fmt.Errorf("write_file mode %o has bits beyond 07777: %w", uint32(x.Mode), ErrInvalid)
+		if err := sandbox.CheckPath(x.Path); err != nil {
+			return fmt.Errorf("write_file: %w", err)
+		}
+		if x.Mode&^os.ModePerm != 0 {
+			return fmt.Errorf("write_file mode %o has bits other than permissions (0 to 0777): %w", uint32(x.Mode), ErrInvalid)
+		}
+		if len(x.Content) > sandbox.MaxFileBytes {
+			return fmt.Errorf("write_file of %d bytes exceeds the file cap of %d bytes; write the file in parts (append): %w",
+				len(x.Content), sandbox.MaxFileBytes, ErrInvalid)
 		}
 	case ReadFile:
 		if x.Path == "" {
 			return fmt.Errorf("read_file needs a path: %w", ErrInvalid)
 		}
+		if err := sandbox.CheckPath(x.Path); err != nil {
+			return fmt.Errorf("read_file: %w", err)
+		}
 		if x.Offset < 0 || x.MaxBytes < 0 {
 			return fmt.Errorf("read_file offset and max_bytes must not be negative: %w", ErrInvalid)
 		}
 	case Submit:
+		// The answer reaches the verifier as a variable of its environment: one the init would
+		// refuse is refused here, before a restore that goes with the step.
+		if x.Answer != nil {
+			if err := initproc.CheckArgs([]string{"sh"}, []string{"DELTAGYM_ANSWER=" + *x.Answer}, "/"); err != nil {
+				return fmt.Errorf("submit's answer: %w: %w", err, ErrInvalid)
+			}
+		}
 	default:
 		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit; in JSON exec, writeFile, readFile or submit, other names are ignored): %w", ErrInvalid)
 	}
@@ -76,6 +93,14 @@ func validateExec(x Exec) error {
 	}
 	if x.Session != "" && len(x.Argv) > 0 {
 		return fmt.Errorf("exec with a session takes a command, not argv: %w", ErrInvalid)
+	}
+	if x.Session != "" {
+		if err := sandbox.CheckSessionName(x.Session); err != nil {
+			return err
+		}
+	}
+	if strings.IndexByte(x.Cwd, 0) >= 0 {
+		return fmt.Errorf("exec cwd %.64q has a NUL byte: %w", x.Cwd, ErrInvalid)
 	}
 	if x.Timeout < 0 {
 		return fmt.Errorf("exec timeout_seconds must be a finite number of seconds, 0 or more (0: the env's step timeout), not a negative, NaN or infinite one: %w", ErrInvalid)

@@ -181,7 +181,8 @@ func execOf(a Action, cmd string, stepCap time.Duration) (episode.Exec, error) {
 	}
 	timeout := stepCap
 	if a.Timeout > 0 && a.Timeout < stepCap.Seconds() {
-		timeout = time.Duration(a.Timeout * float64(time.Second))
+		// A timeout shorter than a nanosecond is the shortest there is, not none.
+		timeout = max(time.Duration(a.Timeout*float64(time.Second)), time.Nanosecond)
 	}
 	return episode.Exec{Command: cmd, Env: a.Env, Cwd: a.Cwd, Timeout: timeout, Session: a.Session}, nil
 }

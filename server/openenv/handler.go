@@ -100,14 +100,27 @@ func (h *Handler) Close(ctx context.Context) {
 	}
 	h.mcp = map[string]*mcpSession{}
 	h.mu.Unlock()
-	for _, s := range socks {
-		s.shutdown()
+	// Every session's call in progress is aborted at once; the waits below end with ctx.
+	for _, k := range socks {
+		k.shutdown()
 	}
-	for _, s := range socks {
-		<-s.done
-	}
+	var wg sync.WaitGroup
 	for _, m := range sessions {
-		m.s.close(ctx)
+		m.s.end()
+		wg.Go(func() { m.s.close(ctx) })
+	}
+	closed := make(chan struct{})
+	go func() {
+		for _, k := range socks {
+			<-k.done
+		}
+		wg.Wait()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-ctx.Done():
+		h.log.Warn("OpenEnv sessions still closing at the end of the shutdown's time", "err", ctx.Err())
 	}
 }
 
@@ -122,6 +135,7 @@ func (h *Handler) admitLocked() error {
 	if h.closing {
 		return errClosing
 	}
+	h.reapLocked()
 	if max := h.cfg.MaxSessions; max > 0 && h.own+len(h.mcp) >= max {
 		return errCapacity
 	}

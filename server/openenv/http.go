@@ -3,6 +3,7 @@ package openenv
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"strings"
@@ -64,13 +65,21 @@ func (h *Handler) stateless(w http.ResponseWriter, r *http.Request) {
 	}
 	h.mu.Lock()
 	err = h.admitLocked()
+	if err == nil {
+		h.own++ // a session while the request runs
+	}
 	h.mu.Unlock()
 	if err != nil {
 		h.httpError(w, err)
 		return
 	}
 	s := h.newSession(env)
-	defer s.close(r.Context())
+	defer func() {
+		s.close(r.Context())
+		h.mu.Lock()
+		h.own--
+		h.mu.Unlock()
+	}()
 	var res Result
 	if strings.HasSuffix(r.URL.Path, "/reset") {
 		var args map[string]json.RawMessage
@@ -100,7 +109,11 @@ func stepBody(body []byte) (json.RawMessage, error) {
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil {
+	err := dec.Decode(&req)
+	if err == nil && dec.More() {
+		err = errors.New("more after the object")
+	}
+	if err != nil {
 		return nil, invalid(`a step's body is {"action": {...}, "timeout_s": seconds, "request_id": "..."}: %v`, err)
 	}
 	if req.Action == nil {

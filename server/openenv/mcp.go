@@ -141,14 +141,17 @@ func decodeRPC(body []byte) (rpcRequest, rpcResponse, bool) {
 		resp.Error = &rpcError{Code: rpcParse, Message: fmt.Sprintf("the request is not JSON-RPC 2.0 (a JSON object): %v", err)}
 		return req, resp, false
 	}
-	if len(req.ID) > 0 && string(req.ID) != "null" {
+	hasID := len(req.ID) > 0 && string(req.ID) != "null"
+	if hasID {
 		resp.ID = req.ID
-	} else if strings.HasPrefix(req.Method, "notifications/") {
-		resp.notification = true
-		return req, resp, false
 	}
 	if req.JSONRPC != "2.0" || req.Method == "" {
 		resp.Error = &rpcError{Code: rpcInvalidRequest, Message: `a JSON-RPC request has "jsonrpc": "2.0" and a method`}
+		return req, resp, false
+	}
+	if !hasID {
+		// A request without an id is a notification: JSON-RPC answers none.
+		resp.notification = true
 		return req, resp, false
 	}
 	return req, resp, true
@@ -246,12 +249,6 @@ func (h *Handler) createMCP(env string) (string, error) {
 	_, _ = rand.Read(b[:])
 	id := "os-" + hex.EncodeToString(b[:])
 	m := &mcpSession{id: id, s: h.newSession(env), used: time.Now()}
-	idle := h.reapIdle()
-	defer func() {
-		for _, s := range idle {
-			s.close(context.Background())
-		}
-	}()
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if err := h.admitLocked(); err != nil {
@@ -261,19 +258,22 @@ func (h *Handler) createMCP(env string) (string, error) {
 	return id, nil
 }
 
-// reapIdle forgets the MCP sessions idle past a lease's TTL with no socket, and returns them to
-// be closed.
-func (h *Handler) reapIdle() []*session {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	var idle []*session
+// reapLocked forgets the MCP sessions idle past a lease's TTL with no socket (their sandboxes'
+// leases have expired too) and closes them.
+// +checklocks:h.mu
+func (h *Handler) reapLocked() {
 	for id, m := range h.mcp {
-		if m.socket == nil && time.Since(m.used) > h.cfg.LeaseTTL {
+		if h.idleLocked(m) {
 			delete(h.mcp, id)
-			idle = append(idle, m.s)
+			go m.s.close(context.Background())
 		}
 	}
-	return idle
+}
+
+// idleLocked says m has had no call and no socket for a lease's TTL.
+// +checklocks:h.mu
+func (h *Handler) idleLocked(m *mcpSession) bool {
+	return m.socket == nil && time.Since(m.used) > h.cfg.LeaseTTL
 }
 
 // useMCP finds session id of env and marks it used.
@@ -284,8 +284,17 @@ func (h *Handler) useMCP(env, id string) (*mcpSession, error) {
 	if id == "" {
 		return nil, invalid("tools/call needs the session_id that openenv/session/create returned")
 	}
-	if m == nil || m.s.env != env {
-		return nil, fmt.Errorf("%w: no MCP session %.64q on env %q (openenv/session/create makes one)", errSessionNotFound, id, env)
+	if m != nil && h.idleLocked(m) {
+		delete(h.mcp, id)
+		go m.s.close(context.Background())
+		m = nil
+	}
+	switch {
+	case m == nil || m.s.env != env:
+		return nil, fmt.Errorf("%w: no MCP session %.64q on env %q (openenv/session/create makes one; a session idle for the lease's TTL is closed)",
+			errSessionNotFound, id, env)
+	case m.closing:
+		return nil, fmt.Errorf("MCP session %s is closing (openenv/session/close): it takes no more calls: %w", id, errdefs.ErrFailedPrecondition)
 	}
 	m.used = time.Now()
 	return m, nil

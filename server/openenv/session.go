@@ -3,11 +3,13 @@ package openenv
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"sort"
 	"sync"
 
+	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/episode"
 )
@@ -19,6 +21,10 @@ import (
 type session struct {
 	h   *Handler // never changes
 	env string   // never changes
+	// life ends when the session is closed: it aborts the call in progress, and the calls
+	// waiting for their turn find the session closed.
+	life context.Context
+	end  context.CancelFunc
 
 	mu sync.Mutex
 	// +checklocks:mu
@@ -33,7 +39,28 @@ type session struct {
 	closed bool
 }
 
-func (h *Handler) newSession(env string) *session { return &session{h: h, env: env} }
+func (h *Handler) newSession(env string) *session {
+	life, end := context.WithCancel(context.Background())
+	return &session{h: h, env: env, life: life, end: end}
+}
+
+// bind returns ctx, ended with the session too, and the function that releases it.
+func (s *session) bind(ctx context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(s.life, cancel)
+	return ctx, func() { stop(); cancel() }
+}
+
+// lostLocked is err of a call whose sandbox is gone (its lease expired, the server reaped it):
+// the session lets go of it, so that its next call starts a new episode, and says so.
+// +checklocks:s.mu
+func (s *session) lostLocked(err error) error {
+	if errors.Is(err, envpool.ErrLeaseEnded) || errors.Is(err, envpool.ErrUnknownSandbox) {
+		s.sandbox, s.resetKey = "", ""
+		return fmt.Errorf("%w; the session's next reset or step starts a new episode in a new sandbox", err)
+	}
+	return err
+}
 
 // resetArgs is a reset's data: the seed, the extension's checkpoint_id, group_id and run, and
 // every other key as an option of the env's task (a string, number or boolean).
@@ -139,6 +166,8 @@ func (s *session) reset(ctx context.Context, data map[string]json.RawMessage) (R
 	if err != nil {
 		return Result{}, err
 	}
+	ctx, done := s.bind(ctx)
+	defer done()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.resetLocked(ctx, args)
@@ -233,11 +262,20 @@ func (s *session) step(ctx context.Context, raw json.RawMessage) (Result, error)
 	if err != nil {
 		return Result{}, err
 	}
+	ctx, done := s.bind(ctx)
+	defer done()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.ensureLocked(ctx); err != nil {
 		return Result{}, err
 	}
+	res, err := s.stepLocked(ctx, core, p)
+	return res, s.lostLocked(err)
+}
+
+// stepLocked performs the plan p.
+// +checklocks:s.mu
+func (s *session) stepLocked(ctx context.Context, core *episode.Core, p plan) (Result, error) {
 	switch {
 	case p.act != nil:
 		r, err := core.Step(ctx, episode.StepRequest{SandboxID: s.sandbox, Action: p.act, Checkpoint: p.checkpoint,
@@ -331,6 +369,8 @@ func (s *session) resultLocked(obs Observation, ep, ckpt string, step *episode.S
 // state is the session's episode and how many steps its path has.
 func (s *session) state(ctx context.Context) (State, error) {
 	env, core := s.env, s.h.core
+	ctx, done := s.bind(ctx)
+	defer done()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.ensureLocked(ctx); err != nil {
@@ -338,7 +378,7 @@ func (s *session) state(ctx context.Context) (State, error) {
 	}
 	info, err := core.Sandbox(s.sandbox)
 	if err != nil {
-		return State{}, err
+		return State{}, s.lostLocked(err)
 	}
 	return State{EpisodeID: info.EpisodeID, StepCount: info.NextStepIndex, SandboxID: s.sandbox, Env: env,
 		Done: info.Done, StartCheckpointID: info.StartCheckpoint}, nil
@@ -358,6 +398,7 @@ func (s *session) keepAlive() {
 // progress, which the caller aborts by cancelling its context.
 func (s *session) close(ctx context.Context) {
 	h := s.h
+	s.end() // the call in progress ends, and those waiting find the session closed
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {

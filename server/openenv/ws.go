@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"sync"
 	"sync/atomic"
@@ -19,10 +20,21 @@ import (
 // client gone without closing its connection frees its sandbox within twice that.
 const pingEvery = 30 * time.Second
 
-// queuedFrames is how many frames a socket reads ahead of the one being answered; the reader
-// stops there (back-pressure), and while it reads it answers the client's pings, which a long
-// step must not hold up.
-const queuedFrames = 4
+// A socket reads ahead of the frame being answered, so that it answers the client's pings during
+// a long step: at most queuedFrames frames, and while they hold less than readAhead bytes; a
+// large frame is read once those before it are answered. A socket so holds at most one large
+// frame besides the one it answers.
+const (
+	queuedFrames = 4
+	readAhead    = 1 << 20
+)
+
+// inbound is a frame read: its bytes, or, for a frame past the handler's limit (read and
+// dropped), its size so far.
+type inbound struct {
+	buf      *bytes.Buffer
+	tooLarge int64
+}
 
 // A socket is one WebSocket: one session, answered one frame at a time, in order.
 type socket struct {
@@ -37,8 +49,13 @@ type socket struct {
 	// aborts the call in progress and ends run.
 	ctx       context.Context
 	cancel    context.CancelFunc
-	goingAway atomic.Bool   // the server shuts down
-	done      chan struct{} // closed once the socket is over and its session closed or detached
+	goingAway atomic.Bool // the server shuts down
+	// queued is the bytes of the frames read and not yet answered, pending their count;
+	// answered signals the reader that one was.
+	queued   atomic.Int64
+	pending  atomic.Int32
+	answered chan struct{}
+	done     chan struct{} // closed once the socket is over and its session closed or detached
 }
 
 // frame is a message of either side.
@@ -54,8 +71,8 @@ func (h *Handler) serveWS(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		return // Accept answered the request
 	}
-	c.SetReadLimit(h.cfg.MaxMessageBytes)
-	k := &socket{h: h, c: c, done: make(chan struct{})}
+	c.SetReadLimit(-1) // read enforces the limit itself, answering a frame past it with an error
+	k := &socket{h: h, c: c, done: make(chan struct{}), answered: make(chan struct{}, 1)}
 	k.conn, k.connCancel = context.WithCancel(context.Background())
 	k.ctx, k.cancel = context.WithCancel(k.conn)
 	defer close(k.done)
@@ -103,8 +120,10 @@ func (k *socket) refuse(err error) {
 	ctx, cancel := context.WithTimeout(k.ctx, 10*time.Second)
 	defer cancel()
 	k.sendError(ctx, err)
-	if _, _, rerr := k.c.Read(ctx); rerr == nil {
-		k.sendError(ctx, err)
+	if _, r, rerr := k.c.Reader(ctx); rerr == nil {
+		if _, rerr := io.Copy(io.Discard, r); rerr == nil {
+			k.sendError(ctx, err)
+		}
 	}
 	_ = k.c.Close(websocket.StatusPolicyViolation, truncateReason(k.h.describe(err)))
 }
@@ -112,7 +131,7 @@ func (k *socket) refuse(err error) {
 // run answers k's frames until the client closes, goes away, or the server shuts down; then
 // closes k's own session (and its sandbox) or detaches k from its MCP session.
 func (k *socket) run() {
-	msgs := make(chan *bytes.Buffer, queuedFrames)
+	msgs := make(chan inbound, queuedFrames)
 	go k.read(msgs)
 	go k.ping()
 	tick := time.NewTicker(k.h.keepAliveEvery())
@@ -120,12 +139,24 @@ func (k *socket) run() {
 	defer k.end()
 	for {
 		select {
-		case buf, ok := <-msgs:
+		case in, ok := <-msgs:
 			if !ok {
 				return
 			}
-			goOn := k.handle(buf.Bytes())
-			putBuffer(buf)
+			goOn := true
+			if in.buf == nil {
+				k.sendError(k.ctx, invalid("a frame of %d bytes, past the server's %d (--max-request-bytes): write a large file in parts (write_file with append)",
+					in.tooLarge, k.h.cfg.MaxMessageBytes))
+			} else {
+				goOn = k.handle(in.buf.Bytes())
+				k.queued.Add(-int64(in.buf.Len()))
+				putBuffer(in.buf)
+			}
+			k.pending.Add(-1)
+			select {
+			case k.answered <- struct{}{}:
+			default:
+			}
 			if !goOn {
 				return
 			}
@@ -137,26 +168,53 @@ func (k *socket) run() {
 	}
 }
 
-func (k *socket) read(msgs chan<- *bytes.Buffer) {
+func (k *socket) read(msgs chan<- inbound) {
 	defer close(msgs)
 	for {
-		_, r, err := k.c.Reader(k.conn)
-		buf := getBuffer()
-		if err == nil {
-			_, err = buf.ReadFrom(r) // within the read limit
+		for k.queued.Load() >= readAhead {
+			select {
+			case <-k.answered:
+			case <-k.ctx.Done():
+				return
+			}
 		}
+		in, err := k.readFrame()
 		if err != nil {
-			putBuffer(buf)
 			k.cancel() // aborts the call in progress: nobody is left to answer
 			return
 		}
+		k.pending.Add(1)
 		select {
-		case msgs <- buf:
+		case msgs <- in:
 		case <-k.ctx.Done():
-			putBuffer(buf)
+			if in.buf != nil {
+				putBuffer(in.buf)
+			}
 			return
 		}
 	}
+}
+
+// readFrame reads the next frame; one past the limit is read to its end and dropped.
+func (k *socket) readFrame() (inbound, error) {
+	_, r, err := k.c.Reader(k.conn)
+	if err != nil {
+		return inbound{}, err
+	}
+	limit := k.h.cfg.MaxMessageBytes
+	buf := getBuffer()
+	n, err := buf.ReadFrom(io.LimitReader(r, limit+1))
+	if err != nil {
+		putBuffer(buf)
+		return inbound{}, err
+	}
+	if n > limit {
+		putBuffer(buf)
+		m, err := io.Copy(io.Discard, r)
+		return inbound{tooLarge: n + m}, err
+	}
+	k.queued.Add(n)
+	return inbound{buf: buf}, nil
 }
 
 // buffers are the frames' buffers, read and written, used again: a step's frames are most of
@@ -184,6 +242,11 @@ func (k *socket) ping() {
 	for {
 		select {
 		case <-t.C:
+			if k.pending.Load() > 0 {
+				// The client is heard from: it sent what is being answered. Its pong may wait
+				// behind frames the reader has not read yet.
+				continue
+			}
 			ctx, cancel := context.WithTimeout(k.ctx, pingEvery)
 			err := k.c.Ping(ctx)
 			cancel()
@@ -270,7 +333,9 @@ func (k *socket) handle(data []byte) bool {
 		}
 		k.send(frame{Type: "state", Data: mustJSON(st)})
 	case "mcp":
-		k.send(frame{Type: "mcp", Data: mustJSON(k.h.rpc(k.ctx, k.s, f.Data))})
+		if resp := k.h.rpc(k.ctx, k.s, f.Data); !resp.notification {
+			k.send(frame{Type: "mcp", Data: mustJSON(resp)})
+		}
 	case "close":
 		return false
 	default:
