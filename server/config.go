@@ -62,12 +62,8 @@ type Config struct {
 	DatabaseURL string
 	// NoLedger turns the ledger off (for benchmarks); ledger queries then fail.
 	NoLedger bool
-	// EgressResolver resolves the names sandboxes ask the egress proxy for. Default the
-	// system's resolver.
-	EgressResolver egress.Resolver
-	// EgressLimits are the server's limits of each sandbox's egress, which an env may lower: a
-	// field left 0 is egress.DefaultLimits's; negative, no limit (--egress-* flags).
-	EgressLimits egress.Limits
+	// Egress holds the settings of the sandboxes' egress proxy.
+	Egress EgressSettings
 	// PostgresMemoryMB caps the memory of the private Postgres (its shared buffers, backends
 	// and the page cache of its files) with a control group of its own, in MiB. Default 512
 	// (pgserver.DefaultMemoryLimit); negative: no cap. Ignored with DatabaseURL.
@@ -101,12 +97,8 @@ type Config struct {
 	MaxRequestBytes int
 	// LeaseTTL is how long a sandbox lives without a call or heartbeat. Default 10m.
 	LeaseTTL time.Duration
-	// OpenEnvStepCap bounds a command run through the OpenEnv protocol. Default 55s: the step
-	// answers inside the 60 s OpenEnv's clients wait for a message.
-	OpenEnvStepCap time.Duration
-	// OpenEnvMaxSessions bounds the OpenEnv sessions open at once (WebSockets and MCP
-	// sessions). Default 4096.
-	OpenEnvMaxSessions int
+	// OpenEnv holds the settings of the OpenEnv front end.
+	OpenEnv OpenEnvSettings
 	// AcquireTimeout bounds how long a Reset waits for a warm sandbox. Default 10s.
 	AcquireTimeout time.Duration
 	// DefaultPoolSize is the pool size of envs whose spec says 0. Default 2.
@@ -143,7 +135,27 @@ func parseBytes(v string) (int64, error) {
 // defaultImportMaxBytes is Config.ImportMaxBytes when unset.
 const defaultImportMaxBytes = 16 << 30
 
-// defaultOpenEnvMaxSessions is the default of Config.OpenEnvMaxSessions.
+// EgressSettings are the settings of the sandboxes' egress proxy.
+type EgressSettings struct {
+	// Resolver resolves the names sandboxes ask the egress proxy for. Default the system's
+	// resolver.
+	Resolver egress.Resolver
+	// Limits are the server's limits of each sandbox's egress, which an env may lower: a field
+	// left 0 is egress.DefaultLimits's; negative, no limit (--egress-* flags).
+	Limits egress.Limits
+}
+
+// OpenEnvSettings are the settings of the OpenEnv front end (server/openenv).
+type OpenEnvSettings struct {
+	// StepCap bounds a command run through the OpenEnv protocol. Default 55s: the step answers
+	// inside the 60 s OpenEnv's clients wait for a message.
+	StepCap time.Duration
+	// MaxSessions bounds the OpenEnv sessions open at once (WebSockets with sessions of their
+	// own and MCP sessions). Default 4096.
+	MaxSessions int
+}
+
+// defaultOpenEnvMaxSessions is the default of OpenEnvSettings.MaxSessions.
 const defaultOpenEnvMaxSessions = 4096
 
 // minPostgresMemoryMB and maxPostgresMemoryMB bound the memory cap of the private Postgres.
@@ -227,15 +239,15 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", cmp.Or(c.MaxRequestBytes, RequestCapFor(sandbox.MaxFileBytes)),
 		"largest accepted request message, in `bytes` (the default carries a write_file of the largest file a sandbox takes, 64 MiB, in every encoding: Connect JSON base64-encodes it)")
 	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")
-	fs.IntVar(&c.OpenEnvMaxSessions, "openenv-max-sessions", cmp.Or(c.OpenEnvMaxSessions, defaultOpenEnvMaxSessions),
+	fs.IntVar(&c.OpenEnv.MaxSessions, "openenv-max-sessions", cmp.Or(c.OpenEnv.MaxSessions, defaultOpenEnvMaxSessions),
 		"most OpenEnv sessions (WebSockets and MCP sessions) open at once; past it a session is refused with CAPACITY_REACHED")
-	fs.DurationVar(&c.OpenEnvStepCap, "openenv-step-cap", cmp.Or(c.OpenEnvStepCap, openenv.DefaultStepCap),
+	fs.DurationVar(&c.OpenEnv.StepCap, "openenv-step-cap", cmp.Or(c.OpenEnv.StepCap, openenv.DefaultStepCap),
 		"longest a command runs through the OpenEnv protocol: its step answers, timed out with what it printed, inside the clients' wait for a message (60 s unless they set message_timeout_s)")
 	fs.DurationVar(&c.AcquireTimeout, "acquire-timeout", max(c.AcquireTimeout, 10*time.Second), "how long Reset waits for a warm sandbox")
 	fs.IntVar(&c.DefaultPoolSize, "pool-size", max(c.DefaultPoolSize, 2), "warm pool size of envs that do not set one")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", max(c.ShutdownTimeout, 30*time.Second), "graceful shutdown drain limit")
 	c.Admission.registerFlags(fs)
-	registerEgressFlags(fs, &c.EgressLimits)
+	registerEgressFlags(fs, &c.Egress.Limits)
 	// The trace exporter is configured by the standard OpenTelemetry environment (see
 	// traceExporter); the flag is a shorthand for its endpoint variable.
 	fs.Func("trace-endpoint", "OTLP collector `URL` to export traces to, such as http://127.0.0.1:4318 (sets OTEL_EXPORTER_OTLP_ENDPOINT; "+
@@ -303,8 +315,8 @@ func (c *Config) defaults() error {
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 30 * time.Second
 	}
-	if c.OpenEnvMaxSessions <= 0 {
-		c.OpenEnvMaxSessions = defaultOpenEnvMaxSessions
+	if c.OpenEnv.MaxSessions <= 0 {
+		c.OpenEnv.MaxSessions = defaultOpenEnvMaxSessions
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

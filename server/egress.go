@@ -38,10 +38,10 @@ func (s *Server) newEgress() (*egress.Proxy, error) {
 		metric.WithDescription("bytes through the egress proxy, by env and direction (up: from the sandbox)")); err != nil {
 		return nil, err
 	}
-	return egress.New(egress.Config{Resolver: s.cfg.EgressResolver, Recorder: r, Limits: egressLimits(s.cfg.EgressLimits), Log: s.log})
+	return egress.New(egress.Config{Resolver: s.cfg.Egress.Resolver, Recorder: r, Limits: egressLimits(s.cfg.Egress.Limits), Log: s.log})
 }
 
-// egressLimits are the limits in force of a config's Config.EgressLimits: a field left 0 is
+// egressLimits are the limits in force of a config's Config.Egress.Limits: a field left 0 is
 // egress.DefaultLimits's, a negative one bounds nothing (0 in egress.Limits).
 func egressLimits(c egress.Limits) egress.Limits {
 	d := egress.DefaultLimits()
@@ -73,7 +73,7 @@ func egressLimits(c egress.Limits) egress.Limits {
 	return l
 }
 
-// registerEgressFlags binds the server's egress limits (Config.EgressLimits) to flags of fs.
+// registerEgressFlags binds the server's egress limits (Config.Egress.Limits) to flags of fs.
 func registerEgressFlags(fs *flag.FlagSet, l *egress.Limits) {
 	d := egress.DefaultLimits()
 	const tail = "; an env's egress.limits may lower it (0: the default; -1: no limit)"

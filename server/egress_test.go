@@ -57,7 +57,7 @@ func TestEgress(t *testing.T) {
 		if pgPort == "" {
 			pgPort = "5432"
 		}
-		c.EgressResolver = hosts{"localhost": {netip.MustParseAddr("127.0.0.1")}, "private.test": {netip.MustParseAddr("10.0.0.7")}}
+		c.Egress.Resolver = hosts{"localhost": {netip.MustParseAddr("127.0.0.1")}, "private.test": {netip.MustParseAddr("10.0.0.7")}}
 		envs := map[string]string{
 			"egress.json": fmt.Sprintf(`{"name": "egress", "image": "default", "pool_size": 1,
 				"egress": {"allow": [%q, "private.test:80", "localhost:%s"]}}`, idx, pgPort),
@@ -150,7 +150,7 @@ func TestEgressLimits(t *testing.T) {
 	idx := index.Listener.Addr().String()
 	b := setup(t, func(c *server.Config) {
 		c.DatabaseURL = pgtest.Start(t)
-		c.EgressLimits = egress.Limits{MaxBytesDown: 1 << 20}
+		c.Egress.Limits = egress.Limits{MaxBytesDown: 1 << 20}
 		spec := fmt.Sprintf(`{"name": "egress", "image": "default", "pool_size": 1,
 			"egress": {"allow": [%q], "limits": {"max_bytes_down": 2000}}}`, idx)
 		must(t, os.WriteFile(filepath.Join(c.EnvsDir, "egress.json"), []byte(spec), 0o644))
@@ -210,8 +210,8 @@ func TestEgressFlags(t *testing.T) {
 	must(t, fs.Parse([]string{"--egress-max-connections=3", "--egress-connections-per-second=0.5", "--egress-max-bytes-down=1MiB",
 		"--egress-bytes-per-second-up=-1", "--egress-idle-timeout=90s"}))
 	want := egress.Limits{MaxConns: 3, ConnsPerSecond: 0.5, MaxBytesDown: 1 << 20, BytesPerSecondUp: -1, IdleTimeout: 90 * time.Second}
-	if c.EgressLimits != want {
-		t.Fatalf("limits %+v, want %+v", c.EgressLimits, want)
+	if c.Egress.Limits != want {
+		t.Fatalf("limits %+v, want %+v", c.Egress.Limits, want)
 	}
 	for _, bad := range []string{"--egress-max-connections=-2", "--egress-connections-per-second=NaN", "--egress-max-bytes-up=lots", "--egress-idle-timeout=-5s"} {
 		fs := flag.NewFlagSet("serve", flag.ContinueOnError)

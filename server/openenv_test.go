@@ -432,7 +432,7 @@ func waitNoLeases(t *testing.T, b *bundle) {
 }
 
 func TestOpenEnvCapacity(t *testing.T) {
-	b := setup(t, func(c *server.Config) { c.OpenEnvMaxSessions = 2 })
+	b := setup(t, func(c *server.Config) { c.OpenEnv.MaxSessions = 2 })
 	first, second := dialOpenEnv(t, b, "plain"), dialOpenEnv(t, b, "plain")
 	first.do("reset", nil)
 	second.do("reset", nil)
@@ -490,7 +490,7 @@ func TestOpenEnvCapacity(t *testing.T) {
 
 func TestOpenEnvLongStep(t *testing.T) {
 	b := setup(t, func(c *server.Config) {
-		c.OpenEnvStepCap = 2 * time.Second
+		c.OpenEnv.StepCap = 2 * time.Second
 		c.LeaseTTL = time.Second
 		c.PublicHealth = true
 	})

@@ -293,7 +293,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
 	s.openenv = openenv.New(openenv.Config{Core: s.core, Pools: s.pools, Log: s.log, Describe: s.describe,
-		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.LeaseTTL, StepCap: s.cfg.OpenEnvStepCap, MaxSessions: s.cfg.OpenEnvMaxSessions})
+		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.LeaseTTL, StepCap: s.cfg.OpenEnv.StepCap, MaxSessions: s.cfg.OpenEnv.MaxSessions})
 	mux.Handle(openenv.Prefix, s.openenv)
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
 		refuse: s.obs.authRefused, next: capBodies(mux, s.cfg.MaxRequestBytes)}
