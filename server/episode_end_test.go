@@ -15,6 +15,7 @@ import (
 	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server"
+	"github.com/deltagym/deltagym/server/episode"
 )
 
 // register adds an env to b's catalog through the API.
@@ -298,5 +299,20 @@ func TestVerifierFailure(t *testing.T) {
 				t.Fatalf("recorded steps: %v", ep.GetSteps())
 			}
 		})
+	}
+}
+
+// A step's large output is cut in the ledger, and what the step did is kept: its exit status,
+// the size and sum of the whole observation.
+func TestLargeObservationRecorded(t *testing.T) {
+	b := setup(t, nil)
+	rr, err := b.grpc.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	_, err = b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("head -c 200000 /dev/zero | tr '\\0' a; exit 7")})
+	must(t, err)
+	st := b.episode(t, rr.GetEpisodeId()).GetSteps()[0]
+	x := st.GetObservation().GetExec()
+	if x.GetExitCode() != 7 || len(x.GetStdout()) != episode.ObservationBulkCap/4 || st.GetObservationSizeBytes() < 200_000 {
+		t.Fatalf("the recorded step: exit %d, %d bytes of stdout, size %d", x.GetExitCode(), len(x.GetStdout()), st.GetObservationSizeBytes())
 	}
 }

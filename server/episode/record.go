@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -172,12 +173,45 @@ func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took 
 	}
 	obs := ObservationProto(res.Observation)
 	obsBytes, _ := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+	sum := sha256.Sum256(obsBytes)
+	size := int64(len(obsBytes))
+	if len(obsBytes) > ObservationBulkCap {
+		// The ledger keeps a prefix of a large observation: its bulk is cut here instead, so that
+		// what is kept still decodes (an exit code, a duration), with the whole one's size and sum.
+		cutBulk(obs)
+		obsBytes, _ = proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+	}
 	c.ledgerErr(c.rec.Step(ledger.StepRow{EpisodeID: ep, Index: index, Action: action, ActionValid: true, Observation: obsBytes,
+		ObservationSize: size, ObservationSHA256: sum[:],
 		Reward: res.Reward, Terminated: res.Terminated, Truncated: res.Truncated, StartedAt: start, Duration: took,
 		CheckpointID: res.CheckpointID}))
 	if sub := res.Observation.Submit; sub != nil && verr == nil { // a submit the verifier judged
 		c.ledgerErr(c.rec.Reward(ledger.RewardRow{EpisodeID: ep, StepIndex: &index, Source: ledger.SourceVerifier,
 			Components: sub.Components, Value: res.Reward}))
+	}
+}
+
+// ObservationBulkCap is the size past which a recorded observation's bulk (a command's output, a
+// file read) is cut, each part to a quarter of it: under the ledger's own cap on what it stores
+// (64 KiB by default), with room for the rest of the message.
+const ObservationBulkCap = 48 << 10
+
+// cutBulk cuts the bulk of o, a recorded observation, to ObservationBulkCap/4 each.
+func cutBulk(o *deltagymv1.Observation) {
+	const part = ObservationBulkCap / 4
+	cut := func(b []byte) []byte { return b[:min(len(b), part):min(len(b), part)] }
+	switch k := o.GetKind().(type) {
+	case *deltagymv1.Observation_Exec:
+		k.Exec.Stdout, k.Exec.Stderr = cut(k.Exec.Stdout), cut(k.Exec.Stderr)
+	case *deltagymv1.Observation_ReadFile:
+		k.ReadFile.Content = cut(k.ReadFile.Content)
+	case *deltagymv1.Observation_Submit:
+		if len(k.Submit.Output) > part {
+			k.Submit.Output = strings.ToValidUTF8(k.Submit.Output[:part], "")
+		}
+	}
+	if e := o.GetError(); e != nil && len(e.Message) > part {
+		e.Message = strings.ToValidUTF8(e.Message[:part], "")
 	}
 }
 

@@ -350,7 +350,7 @@ func TestExportObservations(t *testing.T) {
 	}{
 		{map[string]any{"text": "fine"}, "", false},
 		{nil, "bad", false},
-		{nil, "far too long to ", true},
+		{map[string]any{"text": "far too long to "}, "", true}, // a cut one is given to the decoder too
 	}
 	if len(line.Steps) != len(want) {
 		t.Fatalf("exported %d steps, want %d: %s", len(line.Steps), len(want), buf.String())

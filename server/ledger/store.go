@@ -528,7 +528,9 @@ type ExportedStep struct {
 type ExportOptions struct {
 	Run string // "" for every run
 	// Observation, if set, turns a stored observation into the JSON the export shows (false if
-	// it cannot). One cut at Config.ObservationCap is never given to it.
+	// it cannot). One that was cut (ExportedStep.ObservationTruncated) is given to it too: the
+	// episode core cuts an observation's bulk, not its bytes, so that it decodes, while a prefix
+	// cut at Config.ObservationCap may not.
 	Observation func(stored []byte) (json.RawMessage, bool)
 }
 
@@ -562,7 +564,7 @@ func (s *Store) ExportWith(ctx context.Context, w io.Writer, o ExportOptions) er
 		}
 		for _, st := range steps {
 			x := ExportedStep{StepRow: st, ObservationTruncated: int64(len(st.Observation)) < st.ObservationSize}
-			if o.Observation != nil && !x.ObservationTruncated {
+			if o.Observation != nil {
 				if j, ok := o.Observation(st.Observation); ok {
 					x.Observation = j
 				}
