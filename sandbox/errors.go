@@ -45,6 +45,9 @@ var (
 	// ErrSessionEnded: a shell session's shell has exited (a command run
 	// in it ended it); the session's next command starts another shell.
 	ErrSessionEnded = fmt.Errorf("session ended: %w", errdefs.ErrFailedPrecondition)
+	// ErrExpectBudget: an interactive command's search of its output for its patterns took
+	// more than a call allows (interact.go); the command goes on.
+	ErrExpectBudget = fmt.Errorf("the expect patterns' search of the output took more than %v: %w", expectBudget, errdefs.ErrResourceExhausted)
 )
 
 // FileError is a file action's failure that the sandbox's filesystem gave:

@@ -78,7 +78,7 @@ func (req *ExecRequest) validate() error {
 	if len(req.Argv) > 0 && req.Command != "" {
 		return fmt.Errorf("%w: exec takes argv or a command, not both", ErrInvalid)
 	}
-	if req.Session != "" && req.Command == "" {
+	if req.Session != "" && len(req.Argv) > 0 {
 		return fmt.Errorf("%w: a session runs a shell command, not argv", ErrInvalid)
 	}
 	if req.Session != "" && req.Background {

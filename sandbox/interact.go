@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"regexp/syntax"
 	"strconv"
 	"strings"
 	"time"
@@ -37,7 +38,8 @@ type Interact struct {
 	Interrupt bool
 }
 
-// validate checks an Interact of a request for session (nil is valid).
+// validate checks an Interact of a request for session (nil is valid): its patterns within
+// the bounds below.
 func (it *Interact) validate(session string) error {
 	if it == nil {
 		return nil
@@ -45,17 +47,74 @@ func (it *Interact) validate(session string) error {
 	if session == "" {
 		return fmt.Errorf("%w: an interactive command runs in a session", ErrInvalid)
 	}
+	if len(it.Expect) > MaxExpect {
+		return fmt.Errorf("%w: %d expect patterns, more than %d", ErrInvalid, len(it.Expect), MaxExpect)
+	}
+	insts := 0
 	for i, re := range it.Expect {
 		if re == nil || re.String() == "" || re.MatchString("") {
 			return fmt.Errorf("%w: expect pattern %d matches the empty string, so it would match at once", ErrInvalid, i)
+		}
+		n, err := ExpectSize(re.String())
+		if err != nil {
+			return fmt.Errorf("%w: expect pattern %d: %w", ErrInvalid, i, err)
+		}
+		if insts += n; insts > MaxExpectInsts {
+			return fmt.Errorf("%w: the expect patterns compile to more than %d instructions", ErrInvalid, MaxExpectInsts)
 		}
 	}
 	return nil
 }
 
-// Bounds of the output an interactive command's wait keeps: the patterns are searched for in
-// the last interactWindow bytes (with interactKeep of them kept when the window slides), and
-// what slid out of it is kept up to the request's MaxOutput.
+// Bounds of an Interact's patterns, which bound the work of their search (matcher): at most
+// MaxExpect patterns of at most MaxExpectBytes each, whose compiled programs hold at most
+// MaxExpectInsts instructions in all. A front end checks the count and the lengths before it
+// compiles any (ExpectSize).
+const (
+	MaxExpect      = 16
+	MaxExpectBytes = 1024
+	MaxExpectInsts = 2000
+)
+
+// ExpectSize is the size of pattern's program (its instructions, as regexp compiles it), for
+// a pattern of at most MaxExpectBytes: what the search of its matches costs per byte.
+func ExpectSize(pattern string) (int, error) {
+	if len(pattern) > MaxExpectBytes {
+		return 0, fmt.Errorf("%d bytes, more than %d", len(pattern), MaxExpectBytes)
+	}
+	prog, err := expectProg(pattern)
+	if err != nil {
+		return 0, err
+	}
+	return len(prog.Inst), nil
+}
+
+// expectProg compiles pattern as regexp.Compile does.
+func expectProg(pattern string) (*syntax.Prog, error) {
+	re, err := syntax.Parse(pattern, syntax.Perl)
+	if err != nil {
+		return nil, err
+	}
+	return syntax.Compile(re.Simplify())
+}
+
+// Bounds of the search of an interactive command's output for its patterns, as pexpect's
+// searchwindowsize bounds its search: each search covers at most expectStep bytes not yet
+// searched and the expectOverlap bytes before them (from the start of a line up to
+// expectOverlap bytes earlier still, so that ^ and \b see what precedes them), so a match is
+// found if it starts at most expectOverlap bytes before the output that completes it; a
+// pattern anchored at the start of the text (\A, ^ without the m flag) matches only at the
+// start of the output. The searches of one call take at most expectBudget in all (and one
+// search more): past it the call fails with ErrExpectBudget.
+const (
+	expectStep    = 4 << 10
+	expectOverlap = 2 << 10
+	expectBudget  = 2 * time.Second
+)
+
+// Bounds of the output an interactive command's wait keeps: the sentinel and the patterns are
+// searched for in the last interactWindow bytes (with interactKeep of them kept when the window
+// slides), and what slid out of it is kept up to the request's MaxOutput.
 const (
 	interactWindow = 1 << 20
 	interactKeep   = 64 << 10
@@ -106,7 +165,7 @@ func (se *session) interact(ctx, gen context.Context, req ExecRequest, tag strin
 		}
 		se.attached = true
 	}
-	m := &matcher{sentinel: []byte("\n" + tag + "_RC="), expect: it.Expect, limit: req.MaxOutput, acc: se.pending}
+	m := newMatcher(tag, it.Expect, req.MaxOutput, se.pending)
 	se.pending = nil
 	err := se.converse(ctx, gen, m, req.Timeout, it.Interrupt, &res)
 	res.Duration = time.Since(start)
@@ -118,7 +177,7 @@ func (se *session) interact(ctx, gen context.Context, req ExecRequest, tag strin
 // +checklocks:se.mu
 func (se *session) detach(ctx, gen context.Context, tag string) error {
 	se.signalChildren(unix.SIGKILL)
-	m := &matcher{sentinel: []byte("\n" + tag + "_RC="), limit: 0, acc: se.pending}
+	m := newMatcher(tag, nil, 0, se.pending)
 	se.pending = nil
 	var res ExecResult
 	if err := se.converse(ctx, gen, m, time.Second, false, &res); err != nil {
@@ -134,12 +193,15 @@ func (se *session) detach(ctx, gen context.Context, tag string) error {
 
 // converse reads the attached command's output with m until m finds a match or the sentinel,
 // the shell exits, or timeout passes (then, for an interrupt, it kills what the session runs
-// and waits a second more). It fills res. Called with se.mu held.
+// and waits a second more). It fills res. The search stops between its steps for the
+// timeout, ctx and gen; past its budget it fails (the command goes on, the session attached
+// to it, its output kept for the next call). Called with se.mu held.
 // +checklocks:se.mu
 func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.Duration, interrupt bool, res *ExecResult) error {
-	if m.scan() {
-		se.settle(m, res)
-		return nil
+	deadline := time.Now().Add(timeout)
+	m.halt = func() bool { return ctx.Err() != nil || gen.Err() != nil || !time.Now().Before(deadline) }
+	if found, err := m.scan(); found || err != nil {
+		return se.settleOr(m, res, err)
 	}
 	chunks := make(chan chunk, 4)
 	stop := make(chan struct{})
@@ -149,6 +211,7 @@ func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.D
 	exited := se.exited
 	killed := false
 	for {
+		var data []byte
 		select {
 		case c, ok := <-chunks:
 			if !ok || c.err != nil {
@@ -160,11 +223,7 @@ func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.D
 				se.ended(m, res)
 				return nil
 			}
-			if m.add(c.data) {
-				se.pending = append(se.pending, se.stopChunks(chunks, stop)...)
-				se.settle(m, res)
-				return nil
-			}
+			data = c.data
 		case <-exited:
 			exited = nil
 			se.stopReading(exitDrain)
@@ -172,6 +231,7 @@ func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.D
 			if interrupt && !killed {
 				se.signalChildren(unix.SIGKILL)
 				killed = true
+				deadline = time.Now().Add(time.Second)
 				timer.Reset(time.Second)
 				continue
 			}
@@ -188,7 +248,26 @@ func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.D
 		case <-gen.Done():
 			return se.abortConverse(chunks, fmt.Errorf("%w: the sandbox was restored or closed", ErrAborted))
 		}
+		// Each turn searches what is left of the output: a search that stopped for an event
+		// goes on in the next turn, if that event does not end the call.
+		if found, err := m.add(data); found || err != nil {
+			se.pending = append(se.pending, se.stopChunks(chunks, stop)...)
+			return se.settleOr(m, res, err)
+		}
 	}
+}
+
+// settleOr ends converse's call: with the outcome m found (settle), or, when the search ran
+// past its budget (err), with err, keeping the output for the next call (m's, then what
+// se.pending holds).
+// +checklocks:se.mu
+func (se *session) settleOr(m *matcher, res *ExecResult, err error) error {
+	if err != nil {
+		se.pending = append(append([]byte(nil), m.acc...), se.pending...)
+		return err
+	}
+	se.settle(m, res)
+	return nil
 }
 
 // readChunks reads the session's stdout into out until a read fails or stop is closed, then
@@ -286,14 +365,24 @@ func (se *session) signalChildren(sig unix.Signal) {
 }
 
 // matcher finds, in an interactive command's output, the earliest match of its patterns or the
-// session's sentinel ("\n" + tag + "_RC=<status>\n"), whichever comes first.
+// session's sentinel ("\n" + tag + "_RC=<status>\n"), whichever comes first. The patterns'
+// search is bounded (expectStep, expectOverlap, expectBudget); the sentinel's, a literal, is
+// not, but looks at each byte once.
 type matcher struct {
 	sentinel []byte
 	expect   []*regexp.Regexp
+	anchored []bool // expect[i] matches only at the start of the text
 	limit    int
 	acc      []byte // the search window
 	out      []byte // what slid out of the window, up to limit
 	slid     bool   // more slid out than out keeps
+	shifted  bool   // acc[0] is not the start of the output: some slid out
+
+	scanned  int           // the patterns were searched for in acc[:scanned]
+	sentFrom int           // no sentinel starts before acc[sentFrom]
+	sentAt   int           // the sentinel's start in acc, -1 before it is found
+	spent    time.Duration // the patterns' search in this call
+	halt     func() bool   // the search stops between its steps when it reports true
 
 	// The outcome (scan returned true): the output ends at acc[:stop]; acc[next:] is the
 	// next call's; matched is the pattern that matched, nil at the sentinel (status rc).
@@ -302,11 +391,23 @@ type matcher struct {
 	rc         int
 }
 
+// newMatcher is the matcher of the session's sentinel of tag and patterns expect, with the
+// output acc read before the call.
+func newMatcher(tag string, expect []*regexp.Regexp, limit int, acc []byte) *matcher {
+	m := &matcher{sentinel: []byte("\n" + tag + "_RC="), expect: expect, limit: limit, acc: acc, sentAt: -1,
+		anchored: make([]bool, len(expect))}
+	for i, re := range expect {
+		prog, err := expectProg(re.String())
+		m.anchored[i] = err == nil && prog.StartCond()&syntax.EmptyBeginText != 0
+	}
+	return m
+}
+
 // add takes more output and reports whether the match or the sentinel is in.
-func (m *matcher) add(b []byte) bool {
+func (m *matcher) add(b []byte) (bool, error) {
 	m.acc = append(m.acc, b...)
-	if m.scan() {
-		return true
+	if found, err := m.scan(); found || err != nil {
+		return found, err
 	}
 	if len(m.acc) > interactWindow {
 		cut := len(m.acc) - interactKeep
@@ -314,40 +415,89 @@ func (m *matcher) add(b []byte) bool {
 		m.out = append(m.out, m.acc[:min(cut, room)]...)
 		m.slid = m.slid || cut > room
 		m.acc = append([]byte(nil), m.acc[cut:]...)
+		m.shifted = true
+		m.scanned, m.sentFrom = max(m.scanned-cut, 0), max(m.sentFrom-cut, 0)
+		if m.sentAt >= 0 {
+			m.sentAt -= cut
+		}
 	}
-	return false
+	return false, nil
 }
 
-// scan looks for the outcome in acc.
-func (m *matcher) scan() bool {
-	end := len(m.acc)
-	complete := false
-	if i := bytes.Index(m.acc, m.sentinel); i >= 0 {
-		end = i
-		digits := m.acc[i+len(m.sentinel):]
-		if nl := bytes.IndexByte(digits, '\n'); nl >= 0 {
-			if rc, err := strconv.Atoi(string(digits[:nl])); err == nil {
-				complete, m.rc, m.next = true, rc, i+len(m.sentinel)+nl+1
-			}
+// scan looks for the outcome in acc, searching for the patterns a step at a time until it
+// finds one, has searched all, the halt function stops it, or the budget is spent.
+func (m *matcher) scan() (bool, error) {
+	end, complete := m.findSentinel()
+	for m.scanned < end {
+		if m.spent > expectBudget {
+			return false, ErrExpectBudget
 		}
-	} else {
-		end -= partialSuffix(m.acc, m.sentinel)
-	}
-	best := -1
-	for _, re := range m.expect {
-		loc := re.FindIndex(m.acc[:end])
-		if loc != nil && (best < 0 || loc[0] < best) {
-			best, m.matched, m.stop, m.next = loc[0], re, loc[0], loc[1]
+		if m.halt != nil && m.halt() {
+			return false, nil
 		}
-	}
-	if best >= 0 {
-		return true
+		hi := min(end, m.scanned+expectStep)
+		start := time.Now()
+		found := m.search(hi)
+		m.spent += time.Since(start)
+		m.scanned = hi
+		if found {
+			return true, nil
+		}
 	}
 	if complete {
-		m.stop = end
-		return true
+		m.matched, m.stop = nil, end
+		return true, nil
 	}
-	return false
+	return false, nil
+}
+
+// findSentinel looks for the sentinel in what it has not looked at yet and returns where the
+// output the patterns are searched in ends (before the sentinel, or a start of it) and
+// whether the sentinel is complete (m.rc and m.next set).
+func (m *matcher) findSentinel() (end int, complete bool) {
+	if m.sentAt < 0 {
+		from := max(0, m.sentFrom-len(m.sentinel)+1)
+		if i := bytes.Index(m.acc[from:], m.sentinel); i >= 0 {
+			m.sentAt = from + i
+		} else {
+			m.sentFrom = len(m.acc)
+			return len(m.acc) - partialSuffix(m.acc, m.sentinel), false
+		}
+	}
+	digits := m.acc[m.sentAt+len(m.sentinel):]
+	if nl := bytes.IndexByte(digits, '\n'); nl >= 0 {
+		if rc, err := strconv.Atoi(string(digits[:nl])); err == nil {
+			m.rc, m.next = rc, m.sentAt+len(m.sentinel)+nl+1
+			return m.sentAt, true
+		}
+	}
+	return m.sentAt, false
+}
+
+// search searches acc[:hi] past m.scanned (and the overlap before it) for the earliest match
+// of the patterns (a tie goes to the first pattern).
+func (m *matcher) search(hi int) bool {
+	from := 0
+	if lo := m.scanned - expectOverlap; lo > 0 {
+		// From the start of a line, for ^ (with m) and \b at the search's start.
+		from = lo
+		back := max(0, lo-expectOverlap)
+		if nl := bytes.LastIndexByte(m.acc[back:lo], '\n'); nl >= 0 {
+			from = back + nl + 1
+		}
+	}
+	atStart := from == 0 && !m.shifted
+	best := -1
+	for i, re := range m.expect {
+		if m.anchored[i] && !atStart {
+			continue
+		}
+		loc := re.FindIndex(m.acc[from:hi])
+		if loc != nil && (best < 0 || from+loc[0] < best) {
+			best, m.matched, m.stop, m.next = from+loc[0], re, from+loc[0], from+loc[1]
+		}
+	}
+	return best >= 0
 }
 
 // partialSuffix returns the length of the longest suffix of b, at least 2 bytes long, that is

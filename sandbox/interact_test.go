@@ -3,6 +3,8 @@ package sandbox_test
 import (
 	"errors"
 	"regexp"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,5 +83,59 @@ func TestSessionInteract(t *testing.T) {
 	_, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: "cat", Interact: &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile("x*")}}})
 	if !errors.Is(err, sandbox.ErrInvalid) {
 		t.Fatalf("empty-matching pattern: %v", err)
+	}
+}
+
+// However costly its patterns and however fast its output, an interactive command's call ends
+// at its timeout, or when the search for its patterns used its budget, saying so; the session
+// goes on. Patterns past the bounds are refused.
+func TestSessionInteractCostlyPatterns(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: "busybox"})
+	if err := s.WriteFile(t.Context(), "/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash\n"), 0o755, false); err != nil {
+		t.Fatal(err)
+	}
+	// Every byte starts a match attempt that runs 1000 bytes on: about 1000 steps a byte each.
+	costly := &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile(`(?:.{100}){10}q`), regexp.MustCompile(`(?:[a-z]{100}){9}Q`)}}
+	call := func(cmd string, it *sandbox.Interact, timeout time.Duration) (sandbox.ExecResult, time.Duration, error) {
+		start := time.Now()
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: cmd, Interact: it, Timeout: timeout, MaxOutput: 1 << 16})
+		return res, time.Since(start), err
+	}
+	res, took, err := call("yes abcdefgh", costly, time.Second)
+	if err != nil && !errors.Is(err, sandbox.ErrExpectBudget) || err == nil && !res.TimedOut {
+		t.Fatalf("a costly search with a timeout of 1s: %+v, %v", res.TimedOut, err)
+	}
+	if took > 3*time.Second {
+		t.Fatalf("a costly search with a timeout of 1s took %v", took)
+	}
+	_, took, err = call("", costly, time.Minute)
+	if !errors.Is(err, sandbox.ErrExpectBudget) || took > 5*time.Second {
+		t.Fatalf("a costly search with a timeout of 1m: %v after %v, want ErrExpectBudget within its budget", err, took)
+	}
+	if res, _, err := call("\x03", &sandbox.Interact{Interrupt: true}, 5*time.Second); err != nil || res.Signal != "SIGINT" {
+		t.Fatalf("interrupt after the search's budget: %+v, %v", res, err)
+	}
+	if res, _, err := call("pwd", nil, 5*time.Second); err != nil || string(res.Stdout) != "/\n" {
+		t.Fatalf("session after the search's budget: %q, %v", res.Stdout, err)
+	}
+
+	many := make([]*regexp.Regexp, sandbox.MaxExpect+1)
+	for i := range many {
+		many[i] = regexp.MustCompile("p" + strconv.Itoa(i))
+	}
+	large := []*regexp.Regexp{regexp.MustCompile(`(?:.{100}){10}q`), regexp.MustCompile(`(?:.{100}){10}r`)}
+	for _, tc := range []struct {
+		expect []*regexp.Regexp
+		words  string
+	}{
+		{many, "17 expect patterns, more than 16"},
+		{[]*regexp.Regexp{regexp.MustCompile(strings.Repeat("a", sandbox.MaxExpectBytes+1))}, "1025 bytes, more than 1024"},
+		{large, "more than 2000 instructions"},
+	} {
+		_, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: "cat", Interact: &sandbox.Interact{Expect: tc.expect}})
+		if !errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), tc.words) {
+			t.Fatalf("patterns past the bounds: %v, want ErrInvalid with %q", err, tc.words)
+		}
 	}
 }

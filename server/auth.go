@@ -72,7 +72,7 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		g.next.ServeHTTP(w, r)
 		return
 	}
-	if key := r.Header.Get("X-API-Key"); key != "" && strings.HasPrefix(r.URL.Path, swerex.Prefix) {
+	if key := r.Header.Get("X-API-Key"); key != "" && swerex.Owns(r.URL.Path) {
 		// SWE-ReX's client sends its auth_token there.
 		if !g.match(key) {
 			g.deny(w, r, "wrong token")
@@ -121,7 +121,7 @@ func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 		_, rest, _ = strings.Cut(rest, "/")
 		p = "/" + rest
 	}
-	if strings.HasPrefix(p, swerex.Prefix) {
+	if swerex.Owns(p) {
 		// In SWE-ReX's error form, which its client raises as PermissionError.
 		swerex.WriteException(w, swerex.Unauthenticated, swerexHint, map[string]any{"code": "unauthenticated"})
 		return

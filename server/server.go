@@ -25,6 +25,7 @@ import (
 	"github.com/deltagym/deltagym/server/ledger"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 	"github.com/deltagym/deltagym/server/openenv"
+	"github.com/deltagym/deltagym/server/swerex"
 )
 
 // Server is a running deltagym service: the sandbox runtime, the env pools, the ledger and the
@@ -44,6 +45,7 @@ type Server struct {
 	imports   *importRoot
 
 	openenv *openenv.Handler // nil until the handler is built
+	swerex  *swerex.Handler  // nil until the handler is built
 	core    *episode.Core
 	coreSet chan struct{} // closed once core is set: the runtime's expiry hook reads it then
 	regMu   sync.Mutex    // serialises RegisterEnv's keeping of specs
@@ -296,7 +298,7 @@ func (s *Server) buildHandler() http.Handler {
 		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.LeaseTTL, StepCap: s.cfg.OpenEnv.StepCap, MaxSessions: s.cfg.OpenEnv.MaxSessions})
 	mux.Handle(openenv.Prefix, s.openenv)
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
-		refuse: s.obs.authRefused, next: capBodies(mux, s.cfg.MaxRequestBytes)}
+		refuse: s.obs.authRefused, next: capBodies(s.swerexFirst(mux), s.cfg.MaxRequestBytes)}
 	if g.on {
 		g.want = sha256.Sum256([]byte(s.token))
 	}

@@ -9,6 +9,20 @@ import (
 // mountSwerex serves the SWE-ReX front end (server/swerex), over the server's episode core, on
 // mux at swerex.Prefix.
 func (s *Server) mountSwerex(mux *http.ServeMux) {
-	mux.Handle(swerex.Prefix, swerex.New(swerex.Config{Core: s.core, Logger: s.log, Message: s.message, Internal: isInternal,
-		MaxBody: int64(s.cfg.MaxRequestBytes)}))
+	s.swerex = swerex.New(swerex.Config{Core: s.core, Logger: s.log, Message: s.message, Internal: isInternal,
+		MaxBody: int64(s.cfg.MaxRequestBytes)})
+	mux.Handle(swerex.Prefix, s.swerex)
+}
+
+// swerexFirst sends the SWE-ReX front end's paths (swerex.Owns) to it before mux sees them:
+// mux answers an unclean path (/swerex/./x) with a redirect and /swerex with one to /swerex/,
+// which SWE-ReX's client cannot read; the front end answers them in its error form.
+func (s *Server) swerexFirst(mux http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if swerex.Owns(r.URL.Path) && s.swerex != nil {
+			s.swerex.ServeHTTP(w, r)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
 }

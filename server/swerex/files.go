@@ -1,7 +1,9 @@
 package swerex
 
 import (
+	"bufio"
 	"encoding/json"
+	"net/http"
 	"path"
 	"strconv"
 	"strings"
@@ -105,11 +107,20 @@ func commandExec(cmd *command) (episode.Exec, error) {
 	return x, nil
 }
 
-// absolute refuses a path that is not absolute: the sandbox's working directory is not the
-// client's, nor that of SWE-ReX's server.
+// maxPath is the longest path the sandbox's kernel takes (PATH_MAX less the NUL).
+const maxPath = 4095
+
+// absolute refuses a path that is not absolute (the sandbox's working directory is not the
+// client's, nor that of SWE-ReX's server), or that no path can be: one with a NUL byte, or
+// longer than the kernel takes.
 func absolute(field, p string) error {
-	if !strings.HasPrefix(p, "/") {
-		return invalid("%s %s is not an absolute path: give it from / (the sandbox's working directory is not the client's)", field, pyRepr(p))
+	switch {
+	case !strings.HasPrefix(p, "/"):
+		return invalid("%s %s is not an absolute path: give it from / (the sandbox's working directory is not the client's)", field, pyRepr(truncate(p, 256)))
+	case strings.IndexByte(p, 0) >= 0:
+		return invalid("%s %s holds a NUL byte, which no path can", field, pyRepr(truncate(p, 256)))
+	case len(p) > maxPath:
+		return invalid("%s %s is %d bytes long, longer than a path can be (%d bytes, PATH_MAX less its NUL)", field, pyRepr(truncate(p, 64)), len(p), maxPath)
 	}
 	return nil
 }
@@ -150,6 +161,11 @@ func (h *Handler) readFile(c *call) (any, error) {
 		case o.ReadFile == nil:
 			return nil, raise(excSwerex, "the step was not performed: %s", skipped(res))
 		}
+		if data == nil {
+			// The file's size as the first step saw it (bounded by the cap below): the
+			// content is read into one buffer.
+			data = make([]byte, 0, min(max(o.ReadFile.Size, int64(len(o.ReadFile.Content))), sandbox.MaxFileBytes+1))
+		}
 		data = append(data, o.ReadFile.Content...)
 		if !o.ReadFile.Truncated || len(o.ReadFile.Content) == 0 {
 			break
@@ -163,7 +179,67 @@ func (h *Handler) readFile(c *call) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return readFileResponse{Content: content}, nil
+	return fileContent(content), nil
+}
+
+// fileContent is read_file's answer, ReadFileResponse, written as it is encoded: the answer
+// takes the memory of its content, not that of its JSON encoding too (up to six bytes a byte).
+type fileContent string
+
+func (f fileContent) writeJSON(w http.ResponseWriter) {
+	w.Header().Set("Content-Type", "application/json")
+	bw := bufio.NewWriterSize(w, 64<<10)
+	_, _ = bw.WriteString(`{"content":`)
+	writeJSONString(bw, string(f))
+	_ = bw.WriteByte('}')
+	_ = bw.Flush()
+}
+
+// writeJSONString writes s as a JSON string: ", \ and control characters escaped, a byte
+// that is not UTF-8 as U+FFFD (as encoding/json writes it).
+func writeJSONString(w *bufio.Writer, s string) {
+	const hex = "0123456789abcdef"
+	_ = w.WriteByte('"')
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' && c < utf8.RuneSelf {
+			i++
+			continue
+		}
+		if c >= utf8.RuneSelf {
+			r, n := utf8.DecodeRuneInString(s[i:])
+			if r != utf8.RuneError || n != 1 {
+				i += n
+				continue
+			}
+		}
+		_, _ = w.WriteString(s[start:i])
+		switch c {
+		case '"', '\\':
+			_ = w.WriteByte('\\')
+			_ = w.WriteByte(c)
+		case '\n':
+			_, _ = w.WriteString(`\n`)
+		case '\r':
+			_, _ = w.WriteString(`\r`)
+		case '\t':
+			_, _ = w.WriteString(`\t`)
+		default:
+			if c >= utf8.RuneSelf {
+				_, _ = w.WriteString(`\ufffd`)
+			} else {
+				// WriteString and WriteByte: a slice given to Write would escape, one a byte.
+				_, _ = w.WriteString(`\u00`)
+				_ = w.WriteByte(hex[c>>4])
+				_ = w.WriteByte(hex[c&0xf])
+			}
+		}
+		i++
+		start = i
+	}
+	_, _ = w.WriteString(s[start:])
+	_ = w.WriteByte('"')
 }
 
 // decoder returns the decoding of Path.read_text(encoding, errors) for the encodings this

@@ -96,7 +96,7 @@ var sandboxIDRE = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,128}$`)
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rest, _ := strings.CutPrefix(r.URL.Path, Prefix)
 	id, endpoint, _ := strings.Cut(rest, "/")
-	if !sandboxIDRE.MatchString(id) {
+	if !sandboxIDRE.MatchString(id) || id == "." || id == ".." {
 		WriteException(w, excValue, "the path is /swerex/{sandbox_id}/{endpoint}, with the id of a sandbox that Reset or Fork handed out; "+
 			"give RemoteRuntime host=\"http://HOST:PORT/swerex/SANDBOX_ID\" and port=None", map[string]any{"code": "invalid_argument"})
 		return
@@ -116,7 +116,20 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.writeError(w, r, err)
 		return
 	}
+	if a, ok := out.(streamed); ok {
+		a.writeJSON(w)
+		return
+	}
 	writeJSON(w, out)
+}
+
+// streamed is an answer that writes its JSON itself, as it goes (read_file's content).
+type streamed interface{ writeJSON(http.ResponseWriter) }
+
+// Owns reports whether path is the handler's: Prefix and what is under it, and Prefix without
+// its slash (which the handler answers in SWE-ReX's form, as it does unclean paths under it).
+func Owns(path string) bool {
+	return strings.HasPrefix(path, Prefix) || path == strings.TrimSuffix(Prefix, "/")
 }
 
 // root answers what SWE-ReX's server answers at its root, for a sandbox that is there.
@@ -153,7 +166,8 @@ func (h *Handler) step(c *call, a episode.Action) (episode.StepResult, error) {
 	return h.core.Step(c.ctx, episode.StepRequest{SandboxID: c.id, Action: a})
 }
 
-// seconds converts a client's timeout in seconds (nil: the env's step timeout).
+// seconds converts a client's timeout in seconds (nil: the env's step timeout); one under a
+// nanosecond is a nanosecond, not 0 (which would be the env's whole step timeout).
 func seconds(field string, t *float64) (time.Duration, error) {
 	if t == nil {
 		return 0, nil
@@ -161,5 +175,5 @@ func seconds(field string, t *float64) (time.Duration, error) {
 	if !(*t > 0) || *t > 1e6 {
 		return 0, invalid("%s %v is not a number of seconds above 0 (null: the env's step timeout)", field, *t)
 	}
-	return time.Duration(*t * float64(time.Second)), nil
+	return max(time.Duration(*t*float64(time.Second)), time.Nanosecond), nil
 }

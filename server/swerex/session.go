@@ -176,11 +176,16 @@ func (h *Handler) runInSession(c *call) (any, error) {
 	if kind != "bash" && kind != "bash_interrupt" {
 		return nil, invalid("action_type %q: an action is a bash or a bash_interrupt one", kind)
 	}
-	expect, err := patterns(a.Expect)
-	if err != nil {
+	// The sandbox and the session first: the patterns are compiled only for a call that
+	// would run.
+	if _, err := h.core.Touch(c.id); err != nil {
 		return nil, err
 	}
 	sh, err := h.session(c.id, name)
+	if err != nil {
+		return nil, err
+	}
+	expect, err := patterns(a.Expect)
 	if err != nil {
 		return nil, err
 	}
@@ -190,10 +195,28 @@ func (h *Handler) runInSession(c *call) (any, error) {
 	return h.run(c, sh, &a, expect)
 }
 
-// patterns compiles the expect strings as pexpect does, as regular expressions.
+// patterns compiles the expect strings as pexpect does, as regular expressions, within the
+// bounds of sandbox.Interact (their count and lengths checked before any is compiled).
 func patterns(expect []string) ([]*regexp.Regexp, error) {
+	if len(expect) > sandbox.MaxExpect {
+		return nil, invalid("%d expect strings, more than the %d this server takes", len(expect), sandbox.MaxExpect)
+	}
+	for _, e := range expect {
+		if len(e) > sandbox.MaxExpectBytes {
+			return nil, invalid("expect string %s is %d bytes long, more than the %d this server takes", pyRepr(truncate(e, 64)), len(e), sandbox.MaxExpectBytes)
+		}
+	}
 	out := make([]*regexp.Regexp, len(expect))
+	insts := 0
 	for i, e := range expect {
+		n, err := sandbox.ExpectSize(e)
+		if err != nil {
+			return nil, invalid("expect string %s is not a regular expression this server reads (Go's RE2 syntax; pexpect takes them as regular expressions too): %v", pyRepr(e), err)
+		}
+		if insts += n; insts > sandbox.MaxExpectInsts {
+			return nil, invalid("the expect strings compile to more than %d instructions in all (the work of their search per byte of output), "+
+				"more than this server takes: use fewer or simpler ones (a literal prompt is one instruction a byte)", sandbox.MaxExpectInsts)
+		}
 		re, err := regexp.Compile(e)
 		if err != nil {
 			return nil, invalid("expect string %s is not a regular expression this server reads (Go's RE2 syntax; pexpect takes them as regular expressions too): %v", pyRepr(e), err)
@@ -227,6 +250,10 @@ func (h *Handler) run(c *call, sh *shell, a *action, expect []*regexp.Regexp) (a
 		return nil, err
 	}
 	interactive := a.IsInteractiveCommand || a.IsInteractiveQuit || len(expect) > 0
+	if *a.Command == "" && !interactive {
+		return nil, invalid("the bash action's command is empty: give a command; an empty one is the Enter key alone, " +
+			"input to an interactive program (is_interactive_command)")
+	}
 	x := episode.Exec{Command: *a.Command, Session: sh.name, Timeout: timeout}
 	if interactive {
 		x.Interact = &sandbox.Interact{Expect: expect}
@@ -295,6 +322,9 @@ func (h *Handler) interrupt(c *call, sh *shell, a *action, expect []*regexp.Rege
 	if a.Timeout != nil {
 		t = *a.Timeout
 	}
+	if _, err := seconds("timeout", &t); err != nil {
+		return nil, err
+	}
 	n := 3
 	if a.NRetry != nil {
 		n = *a.NRetry
@@ -303,7 +333,7 @@ func (h *Handler) interrupt(c *call, sh *shell, a *action, expect []*regexp.Rege
 		return nil, invalid("n_retry %d is not between 1 and 100", n)
 	}
 	total := t * float64(n)
-	timeout, err := seconds("timeout", &total)
+	timeout, err := seconds("timeout times n_retry", &total)
 	if err != nil {
 		return nil, err
 	}

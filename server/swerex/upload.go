@@ -23,7 +23,8 @@ const (
 
 // upload takes the client's multipart form (file, target_path, unzip) and writes the file to
 // target_path, or, with unzip, the zip's files under target_path: each file a write_file step,
-// the zip's empty directories one mkdir step.
+// the zip's empty directories mkdir steps (mkdirBatches). Every entry of the zip is checked
+// (unzipPlan) before anything is written.
 func (h *Handler) upload(c *call) (any, error) {
 	form, err := h.uploadForm(c.r)
 	if err != nil {
@@ -42,8 +43,8 @@ func (h *Handler) upload(c *call) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(dirs) > 0 {
-		x := episode.Exec{Argv: append([]string{"mkdir", "-p", "--"}, dirs...)}
+	for _, batch := range mkdirBatches(dirs) {
+		x := episode.Exec{Argv: append([]string{"mkdir", "-p", "--"}, batch...)}
 		res, err := h.step(c, x)
 		if err != nil {
 			return nil, err
@@ -144,6 +145,19 @@ type zipFile struct {
 	mode uint32
 }
 
+// verify reads the file's content through, which checks it against its size and checksum.
+func (z zipFile) verify() error {
+	rc, err := z.f.Open()
+	if err == nil {
+		_, err = io.Copy(io.Discard, rc)
+		rc.Close()
+	}
+	if err != nil {
+		return invalid("the upload's zip entry %s: %v: nothing was written", pyRepr(z.f.Name), err)
+	}
+	return nil
+}
+
 // read returns the file's content, checked against its size and checksum.
 func (z zipFile) read() ([]byte, error) {
 	rc, err := z.f.Open()
@@ -158,8 +172,34 @@ func (z zipFile) read() ([]byte, error) {
 	return b, nil
 }
 
-// unzipPlan checks a zip's entries before anything is written, and returns its files and the
-// directories that hold none (which extraction makes) under target.
+// Bounds of one mkdir step of an upload's directories, well within what a command takes
+// (initproc.MaxEntries, MaxPayload), the sandbox's environment included.
+const (
+	mkdirBatchDirs  = 1000
+	mkdirBatchBytes = 64 << 10
+)
+
+// mkdirBatches splits dirs into the argv lists of mkdir steps.
+func mkdirBatches(dirs []string) [][]string {
+	var out [][]string
+	var cur []string
+	size := 0
+	for _, d := range dirs {
+		if len(cur) > 0 && (len(cur) == mkdirBatchDirs || size+len(d)+1 > mkdirBatchBytes) {
+			out, cur, size = append(out, cur), nil, 0
+		}
+		cur = append(cur, d)
+		size += len(d) + 1
+	}
+	if len(cur) > 0 {
+		out = append(out, cur)
+	}
+	return out
+}
+
+// unzipPlan checks a zip's entries before anything is written (their paths, sizes and
+// checksums, read through, and that no path is both a file and a directory), and returns its
+// files and the directories that hold none (which extraction makes) under target.
 func unzipPlan(data []byte, target string) ([]zipFile, []string, error) {
 	zr, err := zip.NewReader(bytes.NewReader(data), int64(len(data)))
 	if err != nil {
@@ -176,6 +216,9 @@ func unzipPlan(data []byte, target string) ([]zipFile, []string, error) {
 		if !ok {
 			return nil, nil, invalid("the upload's zip entry %s leaves its directory or names none", pyRepr(f.Name))
 		}
+		if err := absolute("the upload's zip entry "+pyRepr(truncate(f.Name, 64))+" makes the path", p); err != nil {
+			return nil, nil, err
+		}
 		if f.FileInfo().IsDir() {
 			dirs[p] = true
 			continue
@@ -187,6 +230,9 @@ func unzipPlan(data []byte, target string) ([]zipFile, []string, error) {
 			return nil, nil, invalid("the upload's zip holds more than %d bytes; upload it in parts", maxUploadBytes)
 		}
 		files = append(files, zipFile{f: f, path: p, mode: uint32(f.Mode().Perm())})
+	}
+	if err := checkEntries(files, dirs); err != nil {
+		return nil, nil, err
 	}
 	// A directory that holds a file is made by that file's write.
 	for _, f := range files {
@@ -201,6 +247,32 @@ func unzipPlan(data []byte, target string) ([]zipFile, []string, error) {
 	}
 	slices.Sort(list)
 	return files, list, nil
+}
+
+// checkEntries refuses a zip whose files' contents do not read back as their headers say (the
+// reader checks the size and the CRC-32 at each entry's end), or that makes a path both a file
+// and a directory (an entry's directory, or one of its parents, is another's file).
+func checkEntries(files []zipFile, dirs map[string]bool) error {
+	isDir := make(map[string]bool, len(dirs)+len(files))
+	for d := range dirs {
+		isDir[d] = true
+	}
+	for _, f := range files {
+		for d := parent(f.path); d != "/" && !isDir[d]; d = parent(d) {
+			isDir[d] = true
+		}
+	}
+	for _, f := range files {
+		if isDir[f.path] {
+			return invalid("the upload's zip makes %s both a file (entry %s) and a directory: nothing was written", pyRepr(f.path), pyRepr(f.f.Name))
+		}
+	}
+	for _, f := range files {
+		if err := f.verify(); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // parent is p's directory.

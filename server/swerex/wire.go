@@ -87,9 +87,7 @@ type readFileRequest struct {
 	Errors   *string `json:"errors"`
 }
 
-type readFileResponse struct {
-	Content string `json:"content"`
-}
+// ReadFileResponse, {"content": …}, is fileContent (files.go), written as it is encoded.
 
 type writeFileRequest struct {
 	Content *string `json:"content"`
