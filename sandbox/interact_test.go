@@ -1,6 +1,7 @@
 package sandbox_test
 
 import (
+	"context"
 	"errors"
 	"regexp"
 	"strconv"
@@ -137,5 +138,30 @@ func TestSessionInteractCostlyPatterns(t *testing.T) {
 		if !errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), tc.words) {
 			t.Fatalf("patterns past the bounds: %v, want ErrInvalid with %q", err, tc.words)
 		}
+	}
+}
+
+// A session copied from a checkpoint (its shell a template's copy, with pipes of its own) takes
+// an interactive command as the session it was: the wait for it ends at its timeout.
+func TestSessionInteractAfterRestore(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "cd /tmp"}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	must(t, s.Restore(ctx, ck.ID))
+	wctx, cancel := context.WithTimeout(ctx, time.Minute) // a watchdog past the command's timeout
+	defer cancel()
+	it := &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile(`never`)}}
+	res, err := s.Exec(wctx, sandbox.ExecRequest{Session: "main", Command: "echo hi; sleep 100", Interact: it, Timeout: 2 * time.Second})
+	if err != nil || !res.TimedOut || string(res.Stdout) != "hi\n" {
+		t.Fatalf("an interactive command after a restore: %+v, %v", res, err)
+	}
+	res, err = s.Exec(wctx, sandbox.ExecRequest{Session: "main", Command: "pwd", Timeout: 10 * time.Second})
+	if err != nil || string(res.Stdout) != "/tmp\n" {
+		t.Fatalf("a command after it: %+v, %v", res, err)
 	}
 }

@@ -451,6 +451,14 @@ func sessionPipes(cp *ptfork.Proc, mem uintptr) (stdio [3]*os.File, err error) {
 			closeFiles(stdio[:])
 			return [3]*os.File{}, fmt.Errorf("pidfd_getfd: %w", err)
 		}
+		// Non-blocking, so that os.NewFile makes it pollable: the session's reads take
+		// deadlines (an interactive command's wait ends at its timeout). The flag is our end's
+		// open file description's: the copy's ends are other descriptions.
+		if err := unix.SetNonblock(h, true); err != nil {
+			unix.Close(h)
+			closeFiles(stdio[:])
+			return [3]*os.File{}, fmt.Errorf("making the session's pipe non-blocking: %w", err)
+		}
 		stdio[i] = os.NewFile(uintptr(h), names[i])
 	}
 	for _, fd := range slices.Concat(mine[:], theirs[:]) {
