@@ -28,12 +28,15 @@ type out struct {
 	ok        bool
 }
 
-// A session is a persistent bash, fed commands on its stdin. Each command is
+// A session is a persistent bash (aliases expanded, as in a terminal), fed commands on its
+// stdin. Each command is
 // sent as `eval $'…' </dev/null` — ANSI-C quoted, so any text is one word and
 // cannot break out of the protocol; eval runs it in the shell itself, so cd,
 // exports and functions persist — followed by a line that prints a sentinel
 // with $? on stdout and a sentinel on stderr. The sentinels carry a random
-// nonce per session, so no output can fake them. An interactive command
+// nonce per session, so that no output matches them by chance; the shell is
+// the agent's own, and a command that reads the nonce from it can end its own
+// step early, which misleads no one but its own trajectory. An interactive command
 // (Interact, interact.go) reads the shell's input instead of /dev/null.
 type session struct {
 	// +checklocks:mu
@@ -147,7 +150,7 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 	}
 	s.shmMayChange()
 	_, wait, err := s.init.Conn.Spawn(initproc.SpawnRequest{
-		Argv: []string{"bash", "--noprofile", "--norc"}, Env: s.env([]string{"PS1=", "PS2="}),
+		Argv: []string{"bash", "--noprofile", "--norc", "-O", "expand_aliases"}, Env: s.env([]string{"PS1=", "PS2="}),
 		Cwd: s.cwd(""), UID: s.spec.UID, GID: s.spec.GID, Flags: initproc.FlagSetsid, CgroupProcs: procs,
 		Stdin: inR, Stdout: outW, Stderr: errW,
 	})

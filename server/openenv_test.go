@@ -644,3 +644,17 @@ func TestOpenEnvMCPIdle(t *testing.T) {
 		t.Fatalf("a call on an idle session: %v", e)
 	}
 }
+
+// A step past the env's step budget says which budget ended the episode.
+func TestOpenEnvBudgetSpent(t *testing.T) {
+	b := setup(t, nil)
+	o := dialOpenEnv(t, b, "short")
+	o.do("reset", nil)
+	o.do("step", map[string]any{"command": "true"})
+	if r := o.do("step", map[string]any{"command": "true"}); !r.Done || !r.Metadata.Truncated {
+		t.Fatalf("the step that spends the budget: %+v", r)
+	}
+	if code, msg := o.fails(map[string]any{"type": "step", "data": map[string]any{"command": "true"}}); code != "EXECUTION_ERROR" || !strings.Contains(msg, "max_steps 2") {
+		t.Fatalf("a step past the budget: %s %s", code, msg)
+	}
+}

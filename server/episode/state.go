@@ -1,6 +1,7 @@
 package episode
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/hex"
 	"slices"
@@ -35,6 +36,7 @@ type state struct {
 	started   time.Time
 	ended     bool
 	status    ledger.Status
+	why       string // how it ended, in words, when a budget or a failure ended it
 }
 
 // current returns a copy of b's episode state.
@@ -125,6 +127,8 @@ type ended struct {
 	status ledger.Status
 	class  ledger.FailureClass
 	msg    string
+	// why says how, where msg (a failure's) does not: the budget that truncated it.
+	why string
 }
 
 // endEpisode ends b's running episode (if it runs) and records it.
@@ -134,7 +138,7 @@ func (c *Core) endEpisode(b *box, e ended) {
 		b.mu.Unlock()
 		return
 	}
-	b.ep.ended, b.ep.status = true, e.status
+	b.ep.ended, b.ep.status, b.ep.why = true, e.status, cmp.Or(e.why, e.msg)
 	ep, total := b.ep.id, b.ep.total
 	b.mu.Unlock()
 	if c.rec != nil {

@@ -82,7 +82,11 @@ func (c *Core) beginTurn(ctx context.Context, b *box, restore string, fresh bool
 func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, error) {
 	cur := b.current()
 	if cur.ended {
-		return StepResult{}, fmt.Errorf("sandbox %s: episode %s is %s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, ErrEpisodeEnded)
+		why := ""
+		if cur.why != "" {
+			why = " (" + cur.why + ")"
+		}
+		return StepResult{}, fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded)
 	}
 	if req.Checkpoint {
 		// Refused before the action runs: nothing changes, no step is counted.
@@ -141,7 +145,7 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	case res.Terminated:
 		c.endEpisode(b, ended{status: ledger.StatusTerminated})
 	case res.Truncated:
-		c.endEpisode(b, ended{status: ledger.StatusTruncated})
+		c.endEpisode(b, ended{status: ledger.StatusTruncated, why: budgetWords(env, res.Info["truncated_by"])})
 	}
 	return res, nil
 }
@@ -155,6 +159,17 @@ func budgetLeft(env *envpool.Env, ran time.Duration) (left time.Duration, spent 
 	}
 	left = d - ran
 	return left, left <= 0
+}
+
+// budgetWords says which of env's budgets truncated an episode.
+func budgetWords(env *envpool.Env, by string) string {
+	switch by {
+	case "max_steps":
+		return fmt.Sprintf("its env's step budget, max_steps %d, is spent", env.MaxSteps())
+	case "max_seconds":
+		return fmt.Sprintf("its env's time budget, max_seconds %v, is spent", env.MaxDuration())
+	}
+	return ""
 }
 
 // truncate truncates step index of an episode that has run for elapsed when it reaches one of

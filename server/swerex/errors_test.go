@@ -180,3 +180,16 @@ func TestAuth(t *testing.T) {
 		t.Fatalf("ListEnvs with X-API-Key only: status %d, want 401", code)
 	}
 }
+
+// A command in a session of a sandbox that is not there says so, not that the session is
+// missing; a command whose directory is missing names the directory.
+func TestWhatIsMissing(t *testing.T) {
+	needServer(t)
+	code, body := post(t, http.MethodPost, "/swerex/sb-0000000000000000/run_in_session", "application/json",
+		strings.NewReader(`{"command": "true", "session": "default"}`), key)
+	wantException(t, code, body, "swerex.exceptions.SwerexException", "sb-0000000000000000")
+	id, _ := lease(t)
+	code, body = post(t, http.MethodPost, "/swerex/"+id+"/execute", "application/json",
+		strings.NewReader(`{"command": "pwd", "shell": true, "cwd": "/nope"}`), key)
+	wantException(t, code, body, "builtins.FileNotFoundError", "'/nope'")
+}

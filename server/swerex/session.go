@@ -1,10 +1,12 @@
 package swerex
 
 import (
+	"fmt"
 	"regexp"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/episode"
@@ -52,6 +54,10 @@ func (h *Handler) session(id, name string) (*shell, error) {
 	defer h.mu.Unlock()
 	if sh := h.sessions[id][name]; sh != nil {
 		return sh, nil
+	}
+	// A sandbox that is gone (or never was) is said as such, not as a session to create.
+	if _, err := h.core.Sandbox(id); err != nil {
+		return nil, err
 	}
 	return nil, raise(excSessionNotFound, "session %s does not exist", pyRepr(name))
 }
@@ -268,7 +274,7 @@ func (h *Handler) run(c *call, sh *shell, a *action, expect []*regexp.Regexp) (a
 		return nil, err
 	}
 	if r.TimedOut {
-		return nil, raise(excTimeout, "timeout after %s while running command %s", timeoutWords(a.Timeout), pyRepr(*a.Command))
+		return nil, raise(excTimeout, "timeout after %s while running command %s", ranFor(a.Timeout, r.Duration), pyRepr(*a.Command))
 	}
 	obs := observation{Output: output(r), ExpectString: ps1, SessionType: "bash"}
 	if r.Matched != "" {
@@ -385,6 +391,15 @@ func timeoutWords(asked *float64) string {
 		return strconv.FormatFloat(*asked, 'g', -1, 64) + " seconds"
 	}
 	return "the env's step timeout"
+}
+
+// ranFor says the timeout a timed-out command ran into: the one asked, or the env's step timeout
+// when that one is shorter (the least of the two wins).
+func ranFor(asked *float64, ran time.Duration) string {
+	if asked != nil && ran.Seconds() < *asked-0.5 {
+		return fmt.Sprintf("%.0f seconds (the env's step timeout, shorter than the %s asked)", ran.Seconds(), timeoutWords(asked))
+	}
+	return timeoutWords(asked)
 }
 
 func ptr[T any](v T) *T { return &v }
