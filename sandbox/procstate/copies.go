@@ -130,7 +130,7 @@ func (ps *State) letRun(copies []liveCopy) error {
 			return err
 		}
 		if lc.t.Session != "" {
-			ps.h.AdoptSession(lc.t.Session, lc.cg, lc.cp.Pid, lc.stdio, exit)
+			ps.h.AdoptSession(lc.t.Session, lc.t.Attached, lc.cg, lc.cp.Pid, lc.stdio, exit)
 			copies[i].stdio = [3]*os.File{} // the session's now
 		}
 	}
@@ -450,6 +450,13 @@ func sessionPipes(cp *ptfork.Proc, mem uintptr) (stdio [3]*os.File, err error) {
 		if err != nil {
 			closeFiles(stdio[:])
 			return [3]*os.File{}, fmt.Errorf("pidfd_getfd: %w", err)
+		}
+		// Non-blocking, so that the file takes read deadlines (an interactive
+		// command's reads end by one): the description is the server's alone.
+		if err := unix.SetNonblock(h, true); err != nil {
+			unix.Close(h)
+			closeFiles(stdio[:])
+			return [3]*os.File{}, fmt.Errorf("making the session's pipe non-blocking: %w", err)
 		}
 		stdio[i] = os.NewFile(uintptr(h), names[i])
 	}
