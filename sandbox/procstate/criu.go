@@ -45,8 +45,9 @@ import (
 // restored before template copies are forked, whose new pids could take
 // theirs.
 //
-// A session's shell is the root of its tree: its stdio pipes to the server
-// are recorded by inode and replaced at restore by fresh ones (inherit_fd).
+// A session's shell is the root of its tree: its pipes to the server are
+// recorded by inode, by their part (stdin, stdout, stderr, wherever the tree
+// holds them), and replaced at restore by fresh ones (inherit_fd).
 //
 // A process brought back from a template maps files of an earlier root, a
 // mount the swaps have detached, which criu cannot find: such files are
