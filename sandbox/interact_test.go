@@ -169,3 +169,95 @@ func TestSessionInteractAfterRestore(t *testing.T) {
 		t.Fatalf("a command after it: %+v, %v", res, err)
 	}
 }
+
+// A restore or a fork of a checkpoint taken while a session is attached to an interactive
+// program is attached to that program as it was: its input goes to the program, an interrupt
+// ends it, a plain command ends it first, and the end of a program that ended before the
+// checkpoint is seen. So too for a durable checkpoint after a restart (CRIU's images).
+func TestSessionInteractCheckpoint(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: "busybox"})
+	if err := s.WriteFile(t.Context(), "/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash\n"), 0o755, false); err != nil {
+		t.Fatal(err)
+	}
+	expect := &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile(`> `)}}
+	run := func(s *sandbox.Sandbox, cmd string, it *sandbox.Interact) sandbox.ExecResult {
+		t.Helper()
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: cmd, Interact: it, Timeout: 5 * time.Second, MaxOutput: 1 << 16})
+		if err != nil || res.TimedOut {
+			t.Fatalf("session %q: %+v, %v", cmd, res, err)
+		}
+		return res
+	}
+	input := func(s *sandbox.Sandbox, line, want string) {
+		t.Helper()
+		if res := run(s, line, expect); string(res.Stdout) != want || res.Matched != "> " {
+			t.Fatalf("input %q: %q matched %q, want %q", line, res.Stdout, res.Matched, want)
+		}
+	}
+	// A counter of its input lines; "quit" says bye and ends it with status 7.
+	const counter = `sh -c 'n=0; printf "> "; while read -r l; do [ "$l" = quit ] && { printf "bye> "; exit 7; }; n=$((n+1)); echo "got $l $n"; printf "> "; done'`
+	run(s, counter, expect)
+	input(s, "a", "got a 1\n")
+	ck, err := s.Checkpoint(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	input(s, "b", "got b 2\n")
+	if err := s.Restore(t.Context(), ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	input(s, "c", "got c 2\n")
+	if res := run(s, "\x03", &sandbox.Interact{Interrupt: true}); res.Signal != "SIGINT" {
+		t.Fatalf("interrupt in the restored session: %+v", res)
+	}
+	if res := run(s, "echo $((1+1))", nil); string(res.Stdout) != "2\n" {
+		t.Fatalf("plain command in the restored session: %q", res.Stdout)
+	}
+
+	kids, err := b.rt.Fork(t.Context(), ck.ID, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kids[0].Destroy(context.Background()) })
+	input(kids[0], "d", "got d 2\n")
+	if res := run(kids[0], "echo plain", nil); string(res.Stdout) != "plain\n" || res.ExitCode != 0 {
+		t.Fatalf("plain command in the fork: %+v", res)
+	}
+
+	// The program ends before the checkpoint, its end unread: the restore sees it.
+	if err := s.Restore(t.Context(), ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if res := run(s, "quit", expect); string(res.Stdout) != "bye" || res.Matched != "> " {
+		t.Fatalf("quit: %q matched %q", res.Stdout, res.Matched)
+	}
+	ended, err := s.Checkpoint(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Restore(t.Context(), ended.ID); err != nil {
+		t.Fatal(err)
+	}
+	if res := run(s, "", expect); res.ExitCode != 7 || res.Matched != "" {
+		t.Fatalf("the end of a program that ended before the checkpoint: %+v", res)
+	}
+
+	// A durable checkpoint, with CRIU's images, after a restart.
+	run(s, counter, expect)
+	input(s, "e", "got e 1\n")
+	durable, err := s.CheckpointWith(t.Context(), sandbox.CheckpointOptions{Processes: sandbox.ProcessesCRIU, Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.restart(t)
+	s2 := b.create(t, sandbox.Spec{Checkpoint: durable.ID})
+	input(s2, "f", "got f 2\n")
+	if res := run(s2, "quit", expect); res.Matched != "> " {
+		t.Fatalf("quit after the restart: %+v", res)
+	}
+	if res := run(s2, "echo $((6*7))", nil); string(res.Stdout) != "42\n" {
+		t.Fatalf("plain command after the restart: %q", res.Stdout)
+	}
+}

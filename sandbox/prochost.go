@@ -3,6 +3,7 @@ package sandbox
 import (
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -61,18 +62,20 @@ func (h *procHost) SettleKilled(tpls []procstate.Template) {
 	h.sb().settleShm()
 }
 
-func (h *procHost) SessionShells() map[int]string {
+func (h *procHost) SessionShells() map[int]procstate.SessionShell {
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	out := make(map[int]string, len(h.sessions))
-	for name, se := range h.sessions {
-		out[se.hostPid] = name
+	sessions := make(map[string]*session, len(h.sessions))
+	maps.Copy(sessions, h.sessions)
+	h.mu.Unlock()
+	out := make(map[int]procstate.SessionShell, len(sessions))
+	for name, se := range sessions {
+		out[se.hostPid] = procstate.SessionShell{Name: name, Attached: se.attachedState(), Pipes: se.pipeKeys()}
 	}
 	return out
 }
 
-func (h *procHost) AdoptSession(name string, cg *cgroup.Cgroup, pid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent) {
-	h.sb().adoptSession(name, cg, pid, stdio, exit)
+func (h *procHost) AdoptSession(name string, att *procstate.Attached, cg *cgroup.Cgroup, pid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent) {
+	h.sb().adoptSession(name, att, cg, pid, stdio, exit)
 }
 
 func (h *procHost) CRIU() (*criu.Swrk, error) { return h.rt.criuSwrk() }

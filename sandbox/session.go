@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 type out struct {
@@ -473,14 +475,20 @@ func signalName(n int) string {
 }
 
 // adoptSession makes a process copy of a session's shell (procs.go) the
-// session name, with the server's ends of its new pipes.
-func (s *Sandbox) adoptSession(name string, cg *cgroup.Cgroup, hostPid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent) {
+// session name, with the server's ends of its new pipes. A shell that ran an
+// interactive command (att) is the session's attached to it: the command's
+// sentinel has the nonce the shell read, and the output read past the last
+// answer is the next call's. An idle one gets a nonce of its own.
+func (s *Sandbox) adoptSession(name string, att *procstate.Attached, cg *cgroup.Cgroup, hostPid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent) {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	se := &session{
 		name: name, cg: cg, hostPid: hostPid, stdin: stdio[0], outF: stdio[1], errF: stdio[2],
 		stdout: shellStream(stdio[1]), stderr: shellStream(stdio[2]),
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
+	}
+	if att != nil {
+		se.nonce, se.attached, se.pending = att.Nonce, true, slices.Clone(att.Pending)
 	}
 	go se.watchExit(exit)
 	s.mu.Lock()
@@ -491,6 +499,67 @@ func (s *Sandbox) adoptSession(name string, cg *cgroup.Cgroup, hostPid int, stdi
 		old.close()
 	}
 }
+
+// attachedState is the session's state for a checkpoint's record when it is
+// attached to an interactive command, nil when it is not: the nonce and the
+// last attachedKeep bytes of the output past the last answer (the sentinel,
+// if the command ended since, is in them). That output is first read from
+// the pipe, where a copy of the shell would not find it: the checkpoint has
+// stopped the shell and the command, so it is all there is.
+func (se *session) attachedState() *procstate.Attached {
+	se.mu.Lock()
+	defer se.mu.Unlock()
+	if !se.attached || se.broken {
+		return nil
+	}
+	se.pending = append(se.pending, se.readAvailable()...)
+	return &procstate.Attached{Nonce: se.nonce, Pending: slices.Clone(se.pending[max(len(se.pending)-attachedKeep, 0):])}
+}
+
+// readAvailable reads what the shell's stdout holds now, without waiting.
+// +checklocks:se.mu
+func (se *session) readAvailable() []byte {
+	if se.outF.SetReadDeadline(time.Now()) != nil {
+		return nil
+	}
+	var out []byte
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := se.stdout.Read(buf)
+		out = append(out, buf[:n]...)
+		if err != nil {
+			break
+		}
+	}
+	if se.outF.SetReadDeadline(time.Time{}) != nil {
+		se.broken = true
+	}
+	return out
+}
+
+// pipeKeys are the keys (pipe:[inode], as /proc names them) of the shell's
+// stdin, stdout and stderr pipes; none if one is closed.
+func (se *session) pipeKeys() [3]string {
+	var keys [3]string
+	for i, f := range []*os.File{se.stdin, se.outF, se.errF} {
+		// Through Control: Fd would make the descriptor blocking, and its read
+		// deadlines of no effect.
+		rc, err := f.SyscallConn()
+		if err != nil {
+			return [3]string{}
+		}
+		var st unix.Stat_t
+		var serr error
+		if err := rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
+			return [3]string{}
+		}
+		keys[i] = "pipe:[" + strconv.FormatUint(st.Ino, 10) + "]"
+	}
+	return keys
+}
+
+// attachedKeep bounds the output an attached session's record keeps.
+const attachedKeep = interactKeep
 
 func (se *session) watchExit(exit <-chan initproc.ExitEvent) {
 	if ev, ok := <-exit; ok {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -250,10 +251,38 @@ func (ps *State) inspectAll(stop stopSet, rootMnt uint64) ([]procInfo, error) {
 		if threaded && pi.reason == "" {
 			pi.reason = why
 		}
-		pi.tpl.Session = sessionOf[pid]
+		if sh, ok := sessionOf[pid]; ok {
+			pi.tpl.Session, pi.tpl.Attached, pi.tpl.sessionPipes = sh.Name, sh.Attached, sh.Pipes
+			if fd := pipeElsewhere(pid, sh.Pipes); fd >= 0 && pi.reason == "" {
+				// A copy gets fresh pipes on fds 0, 1 and 2 only.
+				pi.reason = fmt.Sprintf("its shell holds a pipe of session %s on fd %d (an interactive command's redirection runs)", sh.Name, fd)
+			}
+		}
 		procs = append(procs, pi)
 	}
 	return procs, nil
+}
+
+// pipeElsewhere returns an fd above 2 on which process pid holds one of the
+// pipes keys, -1 if none.
+func pipeElsewhere(pid int, keys [3]string) int {
+	if keys[0] == "" {
+		return -1
+	}
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		return -1
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil || fd <= 2 {
+			continue
+		}
+		if link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fd)); err == nil && slices.Contains(keys[:], link) {
+			return fd
+		}
+	}
+	return -1
 }
 
 // planCapture sorts the process trees into those copied as templates (one

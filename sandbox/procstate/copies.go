@@ -130,7 +130,7 @@ func (ps *State) letRun(copies []liveCopy) error {
 			return err
 		}
 		if lc.t.Session != "" {
-			ps.h.AdoptSession(lc.t.Session, lc.cg, lc.cp.Pid, lc.stdio, exit)
+			ps.h.AdoptSession(lc.t.Session, lc.t.Attached, lc.cg, lc.cp.Pid, lc.stdio, exit)
 			copies[i].stdio = [3]*os.File{} // the session's now
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -44,8 +45,9 @@ import (
 // restored before template copies are forked, whose new pids could take
 // theirs.
 //
-// A session's shell is the root of its tree: its stdio pipes to the server
-// are recorded by inode and replaced at restore by fresh ones (inherit_fd).
+// A session's shell is the root of its tree: its pipes to the server are
+// recorded by inode, by their part (stdin, stdout, stderr, wherever the tree
+// holds them), and replaced at restore by fresh ones (inherit_fd).
 //
 // A process brought back from a template maps files of an earlier root, a
 // mount the swaps have detached, which criu cannot find: such files are
@@ -67,7 +69,8 @@ func (u Unit) name() string {
 // and leaves it stopped. procs are its processes (host pids), root first;
 // mounts are the sandbox's mounts.
 func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, procs []procInfo, why string, mounts sandboxMounts) (Unit, error) {
-	u := Unit{Dir: filepath.Join(ps.cfg.CRIUDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session}
+	u := Unit{Dir: filepath.Join(ps.cfg.CRIUDir(c.ID), strconv.Itoa(n)), Why: why, Session: procs[0].tpl.Session,
+		Attached: procs[0].tpl.Attached}
 	seen := map[string]bool{}
 	for _, p := range procs {
 		u.Procs = append(u.Procs, UnitProc{NSPid: p.tpl.NSPid, Comm: p.tpl.Comm})
@@ -83,12 +86,21 @@ func (ps *State) dumpTree(ctx context.Context, c *Checkpoint, n int, root int, p
 		ext[i] = e.Key
 	}
 	if u.Session != "" {
+		keys := procs[0].tpl.sessionPipes
 		for fd := range u.Pipes {
 			link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", root, fd))
-			if err != nil || !strings.HasPrefix(link, "pipe:[") {
+			if err != nil || !strings.HasPrefix(link, "pipe:[") || keys[0] != "" && !slices.Contains(keys[:], link) {
 				return u, fmt.Errorf("%w: session %q: its shell's fd %d is %q, not the server's pipe", ErrProcesses, u.Session, fd, link)
 			}
 			u.Pipes[fd] = link
+		}
+		if keys[0] != "" {
+			// By the pipe's part, not by the fd that holds it now: a shell
+			// running an interactive command holds its stderr pipe on
+			// another fd (saved from the command's 2>&1), and its fd 2 is
+			// the stdout pipe; the restore replaces each pipe wherever it
+			// is held.
+			u.Pipes = keys
 		}
 	}
 	sw, err := ps.h.CRIU()
@@ -207,7 +219,7 @@ func (ps *State) restoreTree(ctx context.Context, sw *criu.Swrk, run string, c *
 		return fmt.Errorf("%w: restoring %s from checkpoint %s's CRIU image: %w", ErrProcesses, u.name(), c.ID, err)
 	}
 	if u.Session != "" {
-		ps.h.AdoptSession(u.Session, cg, pid, ours, exit)
+		ps.h.AdoptSession(u.Session, u.Attached, cg, pid, ours, exit)
 	}
 	ps.h.Log().Debug("process tree restored", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "took", time.Since(start))
 	return nil

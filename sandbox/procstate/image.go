@@ -92,7 +92,7 @@ type stopped struct {
 
 // imageCopy dumps copy cp of template n of c (criu kills it).
 func (ps *State) imageCopy(ctx context.Context, sw *criu.Swrk, c *Checkpoint, n int, t Template, cp stopped) (Unit, error) {
-	u := Unit{Dir: filepath.Join(ps.cfg.CRIUDir(c.ID), "t"+strconv.Itoa(n)), Why: "saved from its template", Session: t.Session, Stopped: true,
+	u := Unit{Dir: filepath.Join(ps.cfg.CRIUDir(c.ID), "t"+strconv.Itoa(n)), Why: "saved from its template", Session: t.Session, Attached: t.Attached, Stopped: true,
 		Procs: []UnitProc{{NSPid: cp.nsPid, Comm: t.Comm}}}
 	if t.Session != "" {
 		for fd := range u.Pipes {

@@ -36,6 +36,9 @@ type Template struct {
 	Cwd     string `json:"cwd"`
 	Files   []File `json:"files,omitempty"`
 	Session string `json:"session,omitempty"`
+	// Attached is the state of the session whose shell this is, when the
+	// shell ran an interactive command (the session was attached to it).
+	Attached *Attached `json:"attached,omitempty"`
 	// Leader is set when the process led its own session (as every
 	// command does): its copies call setsid, so that they lead one too.
 	Leader bool `json:"leader,omitempty"`
@@ -60,10 +63,35 @@ type Template struct {
 	Shares string `json:"shares,omitempty"`
 	// Private are the descriptions each copy gets its own of (private.go).
 	Private []Private `json:"private,omitempty"`
+	// sessionPipes are the keys (pipe:[inode]) of the session's stdin,
+	// stdout and stderr pipes at the capture, for a session's shell whose
+	// server gave them (SessionShell.Pipes).
+	sessionPipes [3]string
 	// threads are the template's threads' states (ptfork.ThreadStates),
 	// given to each copy without reading them again; nil once the record
 	// is read back from disk, when they are read.
 	threads ptfork.ThreadStates
+}
+
+// SessionShell is a session's shell as a checkpoint records it: the
+// session's name, and its state if it is attached.
+type SessionShell struct {
+	Name     string
+	Attached *Attached
+	// Pipes are the keys (pipe:[inode]) of the session's stdin, stdout
+	// and stderr pipes, "" where the server does not know them.
+	Pipes [3]string
+}
+
+// Attached is the state of a session attached to an interactive command
+// (sandbox.Interact) that its shell runs: the nonce of the sentinel the
+// shell prints when the command ends (the shell read it at the command's
+// start), and the command's output read past the last call's answer, the
+// next call's. A shell brought back in this state is the session's,
+// attached to the command brought back with it.
+type Attached struct {
+	Nonce   string `json:"nonce"`
+	Pending []byte `json:"pending,omitempty"`
 }
 
 // File is a file a template has open in the sandbox's root.
@@ -94,6 +122,9 @@ type Unit struct {
 	// server's pipes, replaced by fresh ones at restore.
 	Session string    `json:"session,omitempty"`
 	Pipes   [3]string `json:"pipes,omitzero"`
+	// Attached is the session's state when its shell ran an interactive
+	// command (Template.Attached).
+	Attached *Attached `json:"attached,omitempty"`
 	// Ext are the files the tree reached on a detached mount.
 	Ext []ExtFile `json:"ext,omitempty"`
 	// Stopped is set when the image is of a stopped task (made from a

@@ -53,10 +53,11 @@ type Host interface {
 	SettleKilled(tpls []Template)
 
 	// SessionShells maps the host pid of each session's shell to the
-	// session's name; AdoptSession makes a shell brought back the shell
-	// of session name (stdio: the server's ends of its pipes).
-	SessionShells() map[int]string
-	AdoptSession(name string, cg *cgroup.Cgroup, pid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent)
+	// session's name and state; AdoptSession makes a shell brought back
+	// the shell of session name, in state att (nil: idle) (stdio: the
+	// server's ends of its pipes).
+	SessionShells() map[int]SessionShell
+	AdoptSession(name string, att *Attached, cg *cgroup.Cgroup, pid int, stdio [3]*os.File, exit <-chan initproc.ExitEvent)
 
 	// Guard hands the init a seccomp listener of a process restored by
 	// criu (initproc.Conn.Guard).

@@ -1,6 +1,7 @@
 package swerex
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -177,6 +178,17 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	var ex *exception
 	if errors.As(err, &ex) {
 		WriteException(w, ex.class, ex.msg, ex.extra)
+		return
+	}
+	if r.Context().Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+		// The client went away (or its deadline passed) during the call: not the server's
+		// fault, and no one reads the answer.
+		h.log.Debug("call ended by its client", "path", r.URL.Path, "err", err)
+		code := "canceled"
+		if errors.Is(err, context.DeadlineExceeded) {
+			code = "deadline_exceeded"
+		}
+		WriteException(w, excSwerex, h.cfg.Message(err), map[string]any{"code": code})
 		return
 	}
 	class := errdefs.Class(err)
