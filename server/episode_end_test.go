@@ -316,3 +316,26 @@ func TestLargeObservationRecorded(t *testing.T) {
 		t.Fatalf("the recorded step: exit %d, %d bytes of stdout, size %d", x.GetExitCode(), len(x.GetStdout()), st.GetObservationSizeBytes())
 	}
 }
+
+// A step whose caller goes away while the action runs is a step: what it did stays, so it is
+// recorded and counted, and the caller gets its own error.
+func TestStepCutByCaller(t *testing.T) {
+	b := setup(t, nil)
+	rr, err := b.grpc.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+	defer cancel()
+	_, err = b.grpc.Step(ctx, &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("touch /tmp/side; sleep 60")})
+	if codeOf(err) != connect.CodeDeadlineExceeded {
+		t.Fatalf("a step past its caller's deadline: %v", err)
+	}
+	r, err := b.grpc.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: rr.GetSandboxId(), Action: execAction("ls /tmp/side")})
+	must(t, err)
+	if r.GetStepIndex() != 1 {
+		t.Fatalf("the step after a cut one has index %d, want 1", r.GetStepIndex())
+	}
+	st := b.episode(t, rr.GetEpisodeId()).GetSteps()
+	if len(st) != 2 || st[0].GetObservation().GetError().GetErrnoName() != "ECANCELED" {
+		t.Fatalf("the recorded steps: %v", st)
+	}
+}

@@ -35,8 +35,10 @@ import (
 //   - The infrastructure's: the server or the machine failed (InfraFailure); the episode ends
 //     failed with class infra.
 //
-// What is none of these (an abort by Restore or Close, the caller's own deadline, the pids
-// limit) fails the call with its own code and leaves the episode as it is.
+// What is none of these (an abort by Restore or Close, the pids limit) fails the call with its
+// own code and leaves the episode as it is. A call its caller ended while the action ran (the
+// caller went away, or its deadline passed) fails with its own code too, but the action ran and
+// what it did stays: it is a step, recorded and counted, its observation an ECANCELED error.
 
 // validate checks an action before anything runs.
 func validate(a Action) error {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/internal/errdefs"
@@ -99,18 +101,15 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	index := cur.base + cur.own
 	res := StepResult{EpisodeID: cur.id, StepIndex: index, Info: map[string]string{}}
 	var out outcome
+	var cutErr error // the caller ended the call while the action ran
 	if left, spent := budgetLeft(env, start.Sub(cur.started)); spent {
 		res.Truncated = true
 		res.Info["truncated_by"] = "max_seconds"
 		res.Info["action_skipped"] = "the episode's time budget was spent before the step began"
 	} else {
 		var err error
-		if out, err = c.act(ctx, b, req.Action, left); err != nil {
-			ae := agentError(req.Action, err, b.lease.Sandbox().Done())
-			if ae == nil || envpool.Aborted(ctx) {
-				return StepResult{}, c.stepFailed(ctx, b, err)
-			}
-			out = outcome{obs: Observation{Error: ae}} // the agent's: observed, recorded, counted
+		if out, cutErr, err = c.perform(ctx, b, req.Action, left); err != nil {
+			return StepResult{}, err
 		}
 	}
 	took := time.Since(start)
@@ -125,7 +124,7 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	if !res.Terminated && !res.Truncated {
 		truncate(env, index, elapsed, &res)
 	}
-	if req.Checkpoint {
+	if req.Checkpoint && cutErr == nil {
 		id, err := c.checkpointAfter(ctx, b)
 		switch {
 		case errors.Is(err, errdefs.ErrResourceExhausted):
@@ -147,6 +146,9 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	case res.Truncated:
 		c.endEpisode(b, ended{status: ledger.StatusTruncated, why: budgetWords(env, res.Info["truncated_by"])})
 	}
+	if cutErr != nil {
+		return StepResult{}, cutErr
+	}
 	return res, nil
 }
 
@@ -159,6 +161,33 @@ func budgetLeft(env *envpool.Env, ran time.Duration) (left time.Duration, spent 
 	}
 	left = d - ran
 	return left, left <= 0
+}
+
+// perform runs a within the time left and says how it went: its outcome (an error the agent's
+// state caused is observed, recorded and counted), the caller's error if the caller ended the
+// call while it ran, or the error that fails the call.
+func (c *Core) perform(ctx context.Context, b *box, a Action, left time.Duration) (out outcome, cutErr, err error) {
+	if out, err = c.act(ctx, b, a, left); err == nil {
+		return out, nil, nil
+	}
+	ae := agentError(a, err, b.lease.Sandbox().Done())
+	if ae == nil && callerCut(ctx) {
+		// The action ran, cut short, and what it did so far stays: it is a step, recorded and
+		// counted, while the caller, gone, gets its error.
+		ae = &ActionError{Errno: unix.ECANCELED,
+			Message: "the call was ended by its caller (gone, or past its deadline) while the action ran: what the action did so far stays"}
+		cutErr = callErr(ctx, err)
+	}
+	if ae == nil || envpool.Aborted(ctx) {
+		return outcome{}, nil, c.stepFailed(ctx, b, err)
+	}
+	return outcome{obs: Observation{Error: ae}}, cutErr, nil
+}
+
+// callerCut says the call's caller ended it (it went away, or its deadline passed), rather than
+// a Restore or Close aborting it.
+func callerCut(ctx context.Context) bool {
+	return ctx.Err() != nil && !envpool.Aborted(ctx)
 }
 
 // budgetWords says which of env's budgets truncated an episode.
