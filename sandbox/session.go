@@ -152,7 +152,7 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 	}
 	s.shmMayChange()
 	_, wait, err := s.init.Conn.Spawn(initproc.SpawnRequest{
-		Argv: []string{"bash", "--noprofile", "--norc", "-O", "expand_aliases"}, Env: s.env([]string{"PS1=", "PS2="}),
+		Argv: []string{"bash", "--noprofile", "--norc"}, Env: s.env([]string{"PS1=", "PS2="}),
 		Cwd: s.cwd(""), UID: s.spec.UID, GID: s.spec.GID, Flags: initproc.FlagSetsid, CgroupProcs: procs,
 		Stdin: inR, Stdout: outW, Stderr: errW,
 	})
@@ -173,6 +173,13 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
 	}
 	go se.watchExit(wait)
+	// Aliases expand, as in a terminal: said in the shell's input, not by -O, which a shell that
+	// stands in for bash (busybox's ash) refuses. It prints nothing, there or here. The pipe
+	// takes it whole (a pipe's buffer is far larger), whatever the shell does yet.
+	if _, err := inW.Write([]byte("shopt -s expand_aliases 2>/dev/null\n")); err != nil {
+		se.close()
+		return nil, fmt.Errorf("starting session %s: %w", name, err)
+	}
 	// The only process in the group right now is bash: remember its host
 	// pid, so a timeout can kill what it runs and spare it.
 	pids, err := cg.Pids()
