@@ -30,8 +30,7 @@ type out struct {
 	ok        bool
 }
 
-// A session is a persistent bash (aliases expanded, as in a terminal), fed commands on its
-// stdin. Each command is
+// A session is a persistent bash, fed commands on its stdin. Each command is
 // sent as `eval $'…' </dev/null` — ANSI-C quoted, so any text is one word and
 // cannot break out of the protocol; eval runs it in the shell itself, so cd,
 // exports and functions persist — followed by a line that prints a sentinel
@@ -173,13 +172,6 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
 	}
 	go se.watchExit(wait)
-	// Aliases expand, as in a terminal: said in the shell's input, not by -O, which a shell that
-	// stands in for bash (busybox's ash) refuses. It prints nothing, there or here. The pipe
-	// takes it whole (a pipe's buffer is far larger), whatever the shell does yet.
-	if _, err := inW.Write([]byte("shopt -s expand_aliases 2>/dev/null\n")); err != nil {
-		se.close()
-		return nil, fmt.Errorf("starting session %s: %w", name, err)
-	}
 	// The only process in the group right now is bash: remember its host
 	// pid, so a timeout can kill what it runs and spare it.
 	pids, err := cg.Pids()
