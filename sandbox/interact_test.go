@@ -229,6 +229,16 @@ func TestSessionInteractCheckpoint(t *testing.T) {
 	if res := run(s, "quit", expect); string(res.Stdout) != "bye" || res.Matched != "> " {
 		t.Fatalf("quit: %q matched %q", res.Stdout, res.Matched)
 	}
+	// The checkpoint is taken once the program has ended (it exits just after its last prompt).
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Command: "ps | grep -c '[n]=0' || true"})
+		if err == nil && string(res.Stdout) == "0\n" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the program did not end: %+v, %v", res, err)
+		}
+	}
 	ended, err := s.Checkpoint(t.Context())
 	if err != nil {
 		t.Fatal(err)

@@ -317,6 +317,13 @@ func (ps *State) waitPidsFree(u Unit) error {
 				holder = fmt.Sprintf("thread id %d is still taken", tid)
 			}
 		}
+		// A pid the listing does not show may still be taken: by a thread of another process
+		// (thread ids are not listed, but /proc answers them) that is still exiting.
+		for pid := range want {
+			if _, serr := os.Stat(procDir + "/" + strconv.Itoa(pid)); holder == "" && serr == nil {
+				holder = fmt.Sprintf("pid %d is still taken (by a thread, or a process still ending)", pid)
+			}
+		}
 		if holder == "" {
 			return nil
 		}
