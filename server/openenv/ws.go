@@ -119,10 +119,10 @@ func (h *Handler) attach(k *socket, env, sid string) error {
 func (k *socket) refuse(err error) {
 	ctx, cancel := context.WithTimeout(k.ctx, 10*time.Second)
 	defer cancel()
-	k.sendError(ctx, err)
+	k.sendError(err)
 	if _, r, rerr := k.c.Reader(ctx); rerr == nil {
 		if _, rerr := io.Copy(io.Discard, r); rerr == nil {
-			k.sendError(ctx, err)
+			k.sendError(err)
 		}
 	}
 	_ = k.c.Close(websocket.StatusPolicyViolation, truncateReason(k.h.describe(err)))
@@ -145,7 +145,7 @@ func (k *socket) run() {
 			}
 			goOn := true
 			if in.buf == nil {
-				k.sendError(k.ctx, invalid("a frame of %d bytes, past the server's %d (--max-request-bytes): write a large file in parts (write_file with append)",
+				k.sendError(invalid("a frame of %d bytes, past the server's %d (--max-request-bytes): write a large file in parts (write_file with append)",
 					in.tooLarge, k.h.cfg.MaxMessageBytes))
 			} else {
 				goOn = k.handle(in.buf.Bytes())
@@ -315,7 +315,7 @@ func (k *socket) handle(data []byte) bool {
 	case "reset":
 		args, err := kwargs(f.Data)
 		if err != nil {
-			k.sendError(k.ctx, err)
+			k.sendError(err)
 			return true
 		}
 		k.answer(k.s.reset(k.ctx, args))
@@ -328,7 +328,7 @@ func (k *socket) handle(data []byte) bool {
 	case "state":
 		st, err := k.s.state(k.ctx)
 		if err != nil {
-			k.sendError(k.ctx, err)
+			k.sendError(err)
 			return true
 		}
 		k.send(frame{Type: "state", Data: mustJSON(st)})
@@ -359,7 +359,7 @@ func kwargs(data json.RawMessage) (map[string]json.RawMessage, error) {
 
 func (k *socket) answer(r Result, err error) {
 	if err != nil {
-		k.sendError(k.ctx, err)
+		k.sendError(err)
 		return
 	}
 	buf := getBuffer()
@@ -369,9 +369,7 @@ func (k *socket) answer(r Result, err error) {
 	if err := enc.Encode(observationFrame{Type: "observation", Data: &r}); err != nil {
 		panic(fmt.Sprintf("openenv: encoding an observation: %v", err)) // the package's own types
 	}
-	if err := k.c.Write(k.ctx, websocket.MessageText, buf.Bytes()); err != nil {
-		k.cancel()
-	}
+	k.write(buf.Bytes())
 }
 
 // observationFrame is the answer to a reset or step.
@@ -380,13 +378,24 @@ type observationFrame struct {
 	Data *Result `json:"data"`
 }
 
-func (k *socket) sendError(ctx context.Context, err error) {
-	k.sendCtx(ctx, frame{Type: "error", Data: mustJSON(errorData{Code: codeOf(err), Message: k.h.describe(err)})})
+func (k *socket) sendError(err error) {
+	k.send(frame{Type: "error", Data: mustJSON(errorData{Code: codeOf(err), Message: k.h.describe(err)})})
 }
 
-func (k *socket) send(f frame) { k.sendCtx(k.ctx, f) }
+// writeWait bounds a frame's write: a client that reads nothing for that long is gone.
+const writeWait = 30 * time.Second
 
-func (k *socket) sendCtx(ctx context.Context, f frame) {
+// write writes a text frame within the connection's life, not the calls': a write whose context
+// ends closes the connection, and the answer to a call aborted by a shutdown is still to be sent.
+func (k *socket) write(b []byte) {
+	ctx, cancel := context.WithTimeout(k.conn, writeWait)
+	defer cancel()
+	if err := k.c.Write(ctx, websocket.MessageText, b); err != nil {
+		k.cancel()
+	}
+}
+
+func (k *socket) send(f frame) {
 	// The frame is written around its data, which is JSON already: encoding the frame would
 	// scan the data again.
 	b := make([]byte, 0, len(f.Data)+len(f.Type)+20)
@@ -397,9 +406,7 @@ func (k *socket) sendCtx(ctx context.Context, f frame) {
 		b = append(b, f.Data...)
 	}
 	b = append(b, '}')
-	if err := k.c.Write(ctx, websocket.MessageText, b); err != nil {
-		k.cancel()
-	}
+	k.write(b)
 }
 
 func mustJSON(v any) json.RawMessage {
