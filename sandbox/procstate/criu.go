@@ -142,14 +142,32 @@ func (ps *State) RestoreTrees(ctx context.Context, c *Checkpoint, units []Unit) 
 		return err
 	}
 	for _, u := range units {
-		if err := ps.waitPidsFree(u); err != nil {
-			return err
-		}
-		if err := ps.restoreTree(ctx, sw, run, c, u); err != nil {
-			return err
+		for attempt := 0; ; attempt++ {
+			if err := ps.waitPidsFree(u); err != nil {
+				return err
+			}
+			err := ps.restoreTree(ctx, sw, run, c, u)
+			if err == nil {
+				break
+			}
+			// A failed restore leaves nothing of the tree (criu's, or the guard's, kill). One
+			// that lost a race for a pid, or whose guard found a copy stopped by another cause,
+			// is tried once more, once the pids are free again.
+			if attempt > 0 || !transientRestore(err) {
+				return err
+			}
+			ps.h.Log().Warn("restoring a process tree again", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "err", err)
 		}
 	}
 	return nil
+}
+
+// transientRestore says a tree's restore failed for a cause that passes: criu found a pid it
+// needed taken at its fork (criu's own words), or the guard met an unexpected ptrace stop.
+func transientRestore(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "Can't fork for") && strings.Contains(msg, "File exists") ||
+		strings.Contains(msg, "unexpected ptrace stop")
 }
 
 // restoreTree has criu restore the process tree of unit u of checkpoint c
