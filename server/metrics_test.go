@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strconv"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -61,9 +62,18 @@ func TestAdmissionMetrics(t *testing.T) {
 			t.Errorf("cap %s and its use are not reported:\n%s", c, m)
 		}
 	}
-	live := gauge(m, "deltagym_sandboxes_live", `[^}]*`)
-	if used := gauge(m, "deltagym_admission_used", `cap="sandboxes"[^}]*`); used < 1 || used != live {
-		t.Errorf("sandboxes used %d, live %d", used, live)
+	// The two gauges are read apart: while the pool refills, a sandbox made between the reads
+	// counts in one only. They agree once it is full.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+		live := gauge(m, "deltagym_sandboxes_live", `[^}]*`)
+		used := gauge(m, "deltagym_admission_used", `cap="sandboxes"[^}]*`)
+		if used >= 1 && used == live {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sandboxes used %d, live %d", used, live)
+		}
+		m = b.scrape(t)
 	}
 	if got := gauge(m, "deltagym_sandboxes_retiring", `[^}]*`); got < 0 {
 		t.Errorf("no deltagym_sandboxes_retiring:\n%s", m)
