@@ -237,10 +237,16 @@ func toolResult(r Result) map[string]any {
 	}
 	// The data is the observation with the step's reward and done beside its fields: what a tool
 	// caller reads first (stdout, content, checkpoint_id) is at the top.
-	var data map[string]any
-	_ = json.Unmarshal(mustJSON(o), &data)
-	data["reward"], data["done"] = r.Reward, r.Done
+	data := toolData{Observation: o, Reward: r.Reward, Done: r.Done}
 	return map[string]any{"content": []map[string]any{{"type": "text", "text": text}}, "isError": failed, "data": data}
+}
+
+// toolData is a tool call's structured answer: the observation's fields, with the step's reward
+// and done among them (JSON flattens the embedded observation).
+type toolData struct {
+	Observation
+	Reward float64 `json:"reward"`
+	Done   bool    `json:"done"`
 }
 
 // createMCP makes a session of env.
