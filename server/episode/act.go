@@ -230,7 +230,7 @@ func agentError(a Action, err error, gone <-chan struct{}) *ActionError {
 	}
 	var fe *sandbox.FileError
 	if errors.As(err, &fe) {
-		return &ActionError{Errno: fe.Errno, Message: fe.Path + ": " + fe.Msg}
+		return &ActionError{Errno: fe.Errno, Message: fe.Path + ": " + fe.Msg, Path: fe.Path}
 	}
 	var se *initproc.SpawnError
 	if errors.As(err, &se) {
@@ -240,7 +240,11 @@ func agentError(a Action, err error, gone <-chan struct{}) *ActionError {
 		case se.Errno == unix.E2BIG, se.Errno == unix.EFAULT, se.Errno == unix.EBADF, se.Errno == unix.EIO, se.Errno == unix.ENFILE:
 			return nil
 		}
-		return &ActionError{Errno: se.Errno, Message: se.Error()}
+		ae := &ActionError{Errno: se.Errno, Message: se.Error()}
+		if x, ok := a.(Exec); ok && se.Step == initproc.StepCwd {
+			ae.Path = x.Cwd // the directory the command was to start in, not its program
+		}
+		return ae
 	}
 	if errors.Is(err, sandbox.ErrSessionEnded) {
 		select {

@@ -81,6 +81,9 @@ type Observation struct {
 type ActionError struct {
 	Errno   unix.Errno
 	Message string
+	// Path is the path the errno is about, when the runtime says: a file action's, or the
+	// directory a command could not start in.
+	Path string
 }
 
 // WriteFileResult is the size of the file after a write.

@@ -22,10 +22,8 @@ func execOf(res episode.StepResult, x episode.Exec) (*sandbox.ExecResult, error)
 		if len(x.Argv) > 0 {
 			what = x.Argv[0]
 		}
-		if x.Cwd != "" && strings.Contains(o.Error.Message, "changing to directory") {
-			// The init failed to enter the directory (initproc's spawn step), not to find the
-			// program: the path in the error is the directory's.
-			what = x.Cwd
+		if o.Error.Path != "" {
+			what = o.Error.Path // the directory it could not start in, say, not its program
 		}
 		return nil, osError(o.Error, what)
 	case o.Exec == nil:
