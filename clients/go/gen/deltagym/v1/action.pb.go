@@ -21,6 +21,67 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// FileType is the type of a path inside the sandbox.
+type FileType int32
+
+const (
+	// FILE_TYPE_UNSPECIFIED is not used.
+	FileType_FILE_TYPE_UNSPECIFIED FileType = 0
+	// FILE_TYPE_FILE is a regular file.
+	FileType_FILE_TYPE_FILE FileType = 1
+	// FILE_TYPE_DIRECTORY is a directory.
+	FileType_FILE_TYPE_DIRECTORY FileType = 2
+	// FILE_TYPE_SYMLINK is a symbolic link.
+	FileType_FILE_TYPE_SYMLINK FileType = 3
+	// FILE_TYPE_OTHER is a FIFO, a socket or a device.
+	FileType_FILE_TYPE_OTHER FileType = 4
+)
+
+// Enum value maps for FileType.
+var (
+	FileType_name = map[int32]string{
+		0: "FILE_TYPE_UNSPECIFIED",
+		1: "FILE_TYPE_FILE",
+		2: "FILE_TYPE_DIRECTORY",
+		3: "FILE_TYPE_SYMLINK",
+		4: "FILE_TYPE_OTHER",
+	}
+	FileType_value = map[string]int32{
+		"FILE_TYPE_UNSPECIFIED": 0,
+		"FILE_TYPE_FILE":        1,
+		"FILE_TYPE_DIRECTORY":   2,
+		"FILE_TYPE_SYMLINK":     3,
+		"FILE_TYPE_OTHER":       4,
+	}
+)
+
+func (x FileType) Enum() *FileType {
+	p := new(FileType)
+	*p = x
+	return p
+}
+
+func (x FileType) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (FileType) Descriptor() protoreflect.EnumDescriptor {
+	return file_deltagym_v1_action_proto_enumTypes[0].Descriptor()
+}
+
+func (FileType) Type() protoreflect.EnumType {
+	return &file_deltagym_v1_action_proto_enumTypes[0]
+}
+
+func (x FileType) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use FileType.Descriptor instead.
+func (FileType) EnumDescriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{0}
+}
+
 // Action is one thing an agent does in a sandbox during Step. Exactly one
 // kind is set; a Step with no kind set is InvalidArgument.
 type Action struct {
@@ -33,6 +94,14 @@ type Action struct {
 	//	*Action_WriteFile
 	//	*Action_ReadFile
 	//	*Action_Submit
+	//	*Action_ListDir
+	//	*Action_Stat
+	//	*Action_Remove
+	//	*Action_MakeDir
+	//	*Action_Upload
+	//	*Action_Download
+	//	*Action_ListProcesses
+	//	*Action_Signal
 	Kind          isAction_Kind `protobuf_oneof:"kind"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -111,6 +180,78 @@ func (x *Action) GetSubmit() *SubmitAction {
 	return nil
 }
 
+func (x *Action) GetListDir() *ListDirAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_ListDir); ok {
+			return x.ListDir
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetStat() *StatAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_Stat); ok {
+			return x.Stat
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetRemove() *RemoveAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_Remove); ok {
+			return x.Remove
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetMakeDir() *MakeDirAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_MakeDir); ok {
+			return x.MakeDir
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetUpload() *UploadAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_Upload); ok {
+			return x.Upload
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetDownload() *DownloadAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_Download); ok {
+			return x.Download
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetListProcesses() *ListProcessesAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_ListProcesses); ok {
+			return x.ListProcesses
+		}
+	}
+	return nil
+}
+
+func (x *Action) GetSignal() *SignalAction {
+	if x != nil {
+		if x, ok := x.Kind.(*Action_Signal); ok {
+			return x.Signal
+		}
+	}
+	return nil
+}
+
 type isAction_Kind interface {
 	isAction_Kind()
 }
@@ -136,6 +277,48 @@ type Action_Submit struct {
 	Submit *SubmitAction `protobuf:"bytes,4,opt,name=submit,proto3,oneof"`
 }
 
+type Action_ListDir struct {
+	// list_dir lists a directory inside the sandbox.
+	ListDir *ListDirAction `protobuf:"bytes,5,opt,name=list_dir,json=listDir,proto3,oneof"`
+}
+
+type Action_Stat struct {
+	// stat describes a path inside the sandbox, or says it does not exist.
+	Stat *StatAction `protobuf:"bytes,6,opt,name=stat,proto3,oneof"`
+}
+
+type Action_Remove struct {
+	// remove removes a file, or a directory with everything in it.
+	Remove *RemoveAction `protobuf:"bytes,7,opt,name=remove,proto3,oneof"`
+}
+
+type Action_MakeDir struct {
+	// make_dir creates a directory and, with parents, its missing parents.
+	MakeDir *MakeDirAction `protobuf:"bytes,8,opt,name=make_dir,json=makeDir,proto3,oneof"`
+}
+
+type Action_Upload struct {
+	// upload unpacks a tar archive into a directory inside the sandbox.
+	Upload *UploadAction `protobuf:"bytes,9,opt,name=upload,proto3,oneof"`
+}
+
+type Action_Download struct {
+	// download packs a file or a directory inside the sandbox as a tar
+	// archive.
+	Download *DownloadAction `protobuf:"bytes,10,opt,name=download,proto3,oneof"`
+}
+
+type Action_ListProcesses struct {
+	// list_processes lists the processes running in the sandbox.
+	ListProcesses *ListProcessesAction `protobuf:"bytes,11,opt,name=list_processes,json=listProcesses,proto3,oneof"`
+}
+
+type Action_Signal struct {
+	// signal sends a signal to a process (or its process group) in the
+	// sandbox.
+	Signal *SignalAction `protobuf:"bytes,12,opt,name=signal,proto3,oneof"`
+}
+
 func (*Action_Exec) isAction_Kind() {}
 
 func (*Action_WriteFile) isAction_Kind() {}
@@ -143,6 +326,22 @@ func (*Action_WriteFile) isAction_Kind() {}
 func (*Action_ReadFile) isAction_Kind() {}
 
 func (*Action_Submit) isAction_Kind() {}
+
+func (*Action_ListDir) isAction_Kind() {}
+
+func (*Action_Stat) isAction_Kind() {}
+
+func (*Action_Remove) isAction_Kind() {}
+
+func (*Action_MakeDir) isAction_Kind() {}
+
+func (*Action_Upload) isAction_Kind() {}
+
+func (*Action_Download) isAction_Kind() {}
+
+func (*Action_ListProcesses) isAction_Kind() {}
+
+func (*Action_Signal) isAction_Kind() {}
 
 // ExecAction runs a process inside the sandbox, as the sandbox's user, with
 // the sandbox root as its root. Exactly one of command and argv is set.
@@ -478,6 +677,14 @@ type Observation struct {
 	//	*Observation_ReadFile
 	//	*Observation_Submit
 	//	*Observation_Reset_
+	//	*Observation_ListDir
+	//	*Observation_Stat
+	//	*Observation_Remove
+	//	*Observation_MakeDir
+	//	*Observation_Upload
+	//	*Observation_Download
+	//	*Observation_ListProcesses
+	//	*Observation_Signal
 	Kind isObservation_Kind `protobuf_oneof:"kind"`
 	// error is set, and kind is not, when the action could not be carried out
 	// because of the sandbox's own state, which the agent made: a file action's
@@ -573,6 +780,78 @@ func (x *Observation) GetReset_() *ResetResult {
 	return nil
 }
 
+func (x *Observation) GetListDir() *ListDirResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_ListDir); ok {
+			return x.ListDir
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetStat() *StatResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_Stat); ok {
+			return x.Stat
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetRemove() *RemoveResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_Remove); ok {
+			return x.Remove
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetMakeDir() *MakeDirResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_MakeDir); ok {
+			return x.MakeDir
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetUpload() *UploadResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_Upload); ok {
+			return x.Upload
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetDownload() *DownloadResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_Download); ok {
+			return x.Download
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetListProcesses() *ListProcessesResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_ListProcesses); ok {
+			return x.ListProcesses
+		}
+	}
+	return nil
+}
+
+func (x *Observation) GetSignal() *SignalResult {
+	if x != nil {
+		if x, ok := x.Kind.(*Observation_Signal); ok {
+			return x.Signal
+		}
+	}
+	return nil
+}
+
 func (x *Observation) GetError() *ActionError {
 	if x != nil {
 		return x.Error
@@ -609,6 +888,46 @@ type Observation_Reset_ struct {
 	Reset_ *ResetResult `protobuf:"bytes,5,opt,name=reset,proto3,oneof"`
 }
 
+type Observation_ListDir struct {
+	// list_dir is the result of a ListDirAction.
+	ListDir *ListDirResult `protobuf:"bytes,7,opt,name=list_dir,json=listDir,proto3,oneof"`
+}
+
+type Observation_Stat struct {
+	// stat is the result of a StatAction.
+	Stat *StatResult `protobuf:"bytes,8,opt,name=stat,proto3,oneof"`
+}
+
+type Observation_Remove struct {
+	// remove is the result of a RemoveAction.
+	Remove *RemoveResult `protobuf:"bytes,9,opt,name=remove,proto3,oneof"`
+}
+
+type Observation_MakeDir struct {
+	// make_dir is the result of a MakeDirAction.
+	MakeDir *MakeDirResult `protobuf:"bytes,10,opt,name=make_dir,json=makeDir,proto3,oneof"`
+}
+
+type Observation_Upload struct {
+	// upload is the result of an UploadAction.
+	Upload *UploadResult `protobuf:"bytes,11,opt,name=upload,proto3,oneof"`
+}
+
+type Observation_Download struct {
+	// download is the result of a DownloadAction.
+	Download *DownloadResult `protobuf:"bytes,12,opt,name=download,proto3,oneof"`
+}
+
+type Observation_ListProcesses struct {
+	// list_processes is the result of a ListProcessesAction.
+	ListProcesses *ListProcessesResult `protobuf:"bytes,13,opt,name=list_processes,json=listProcesses,proto3,oneof"`
+}
+
+type Observation_Signal struct {
+	// signal is the result of a SignalAction.
+	Signal *SignalResult `protobuf:"bytes,14,opt,name=signal,proto3,oneof"`
+}
+
 func (*Observation_Exec) isObservation_Kind() {}
 
 func (*Observation_WriteFile) isObservation_Kind() {}
@@ -618,6 +937,22 @@ func (*Observation_ReadFile) isObservation_Kind() {}
 func (*Observation_Submit) isObservation_Kind() {}
 
 func (*Observation_Reset_) isObservation_Kind() {}
+
+func (*Observation_ListDir) isObservation_Kind() {}
+
+func (*Observation_Stat) isObservation_Kind() {}
+
+func (*Observation_Remove) isObservation_Kind() {}
+
+func (*Observation_MakeDir) isObservation_Kind() {}
+
+func (*Observation_Upload) isObservation_Kind() {}
+
+func (*Observation_Download) isObservation_Kind() {}
+
+func (*Observation_ListProcesses) isObservation_Kind() {}
+
+func (*Observation_Signal) isObservation_Kind() {}
 
 // ActionError is why an action failed in the sandbox (Observation.error).
 type ActionError struct {
@@ -707,7 +1042,13 @@ type ExecResult struct {
 	// background processes), measured inside the server.
 	DurationSeconds float64 `protobuf:"fixed64,8,opt,name=duration_seconds,json=durationSeconds,proto3" json:"duration_seconds,omitempty"`
 	// pid is the process id inside the sandbox of a background process.
-	Pid           int32 `protobuf:"varint,9,opt,name=pid,proto3" json:"pid,omitempty"`
+	Pid int32 `protobuf:"varint,9,opt,name=pid,proto3" json:"pid,omitempty"`
+	// matched is the ExecAction.expect pattern whose match ended an
+	// interactive step's wait; empty when the command ended or timed out.
+	Matched string `protobuf:"bytes,10,opt,name=matched,proto3" json:"matched,omitempty"`
+	// running is set when an interactive command is still attached to its
+	// session after the step (it did not end).
+	Running       bool `protobuf:"varint,11,opt,name=running,proto3" json:"running,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -803,6 +1144,20 @@ func (x *ExecResult) GetPid() int32 {
 		return x.Pid
 	}
 	return 0
+}
+
+func (x *ExecResult) GetMatched() string {
+	if x != nil {
+		return x.Matched
+	}
+	return ""
+}
+
+func (x *ExecResult) GetRunning() bool {
+	if x != nil {
+		return x.Running
+	}
+	return false
 }
 
 // WriteFileResult is the outcome of a WriteFileAction.
@@ -1028,17 +1383,1084 @@ func (x *ResetResult) GetHook() *ExecResult {
 	return nil
 }
 
+// ListDirAction lists a directory inside the sandbox. Paths are resolved as
+// for ReadFileAction.
+type ListDirAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the directory to list.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// depth is how many levels below path to list: 0 and 1 list path's own
+	// entries, 2 their children too, and so on. Symbolic links are listed,
+	// never followed.
+	Depth int32 `protobuf:"varint,2,opt,name=depth,proto3" json:"depth,omitempty"`
+	// max_entries bounds the entries returned; zero means 10,000, the most
+	// allowed. ListDirResult.truncated says when more were left out.
+	MaxEntries    int32 `protobuf:"varint,3,opt,name=max_entries,json=maxEntries,proto3" json:"max_entries,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListDirAction) Reset() {
+	*x = ListDirAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListDirAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListDirAction) ProtoMessage() {}
+
+func (x *ListDirAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListDirAction.ProtoReflect.Descriptor instead.
+func (*ListDirAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ListDirAction) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ListDirAction) GetDepth() int32 {
+	if x != nil {
+		return x.Depth
+	}
+	return 0
+}
+
+func (x *ListDirAction) GetMaxEntries() int32 {
+	if x != nil {
+		return x.MaxEntries
+	}
+	return 0
+}
+
+// FileInfo describes one path inside the sandbox.
+type FileInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the path relative to the listed directory (ListDirResult), or
+	// as asked (StatResult).
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// type is its type (of the link itself for a symbolic link).
+	Type FileType `protobuf:"varint,2,opt,name=type,proto3,enum=deltagym.v1.FileType" json:"type,omitempty"`
+	// size is its size in bytes.
+	Size int64 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	// mode holds its permission bits (and setuid, setgid and sticky).
+	Mode uint32 `protobuf:"varint,4,opt,name=mode,proto3" json:"mode,omitempty"`
+	// modify_time_seconds is its modification time, in seconds since the
+	// Unix epoch.
+	ModifyTimeSeconds float64 `protobuf:"fixed64,5,opt,name=modify_time_seconds,json=modifyTimeSeconds,proto3" json:"modify_time_seconds,omitempty"`
+	// symlink_target is the target of a symbolic link.
+	SymlinkTarget string `protobuf:"bytes,6,opt,name=symlink_target,json=symlinkTarget,proto3" json:"symlink_target,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FileInfo) Reset() {
+	*x = FileInfo{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FileInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FileInfo) ProtoMessage() {}
+
+func (x *FileInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
+func (*FileInfo) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *FileInfo) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *FileInfo) GetType() FileType {
+	if x != nil {
+		return x.Type
+	}
+	return FileType_FILE_TYPE_UNSPECIFIED
+}
+
+func (x *FileInfo) GetSize() int64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *FileInfo) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *FileInfo) GetModifyTimeSeconds() float64 {
+	if x != nil {
+		return x.ModifyTimeSeconds
+	}
+	return 0
+}
+
+func (x *FileInfo) GetSymlinkTarget() string {
+	if x != nil {
+		return x.SymlinkTarget
+	}
+	return ""
+}
+
+// ListDirResult is the outcome of a ListDirAction.
+type ListDirResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// entries lists the directory's entries (and, with depth, theirs),
+	// sorted by path.
+	Entries []*FileInfo `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
+	// truncated is set when max_entries left entries out.
+	Truncated     bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListDirResult) Reset() {
+	*x = ListDirResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListDirResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListDirResult) ProtoMessage() {}
+
+func (x *ListDirResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListDirResult.ProtoReflect.Descriptor instead.
+func (*ListDirResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ListDirResult) GetEntries() []*FileInfo {
+	if x != nil {
+		return x.Entries
+	}
+	return nil
+}
+
+func (x *ListDirResult) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
+}
+
+// StatAction describes a path inside the sandbox. A missing path is not an
+// error: StatResult.exists is false.
+type StatAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the path to describe; a final symbolic link is not followed.
+	Path          string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StatAction) Reset() {
+	*x = StatAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StatAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StatAction) ProtoMessage() {}
+
+func (x *StatAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StatAction.ProtoReflect.Descriptor instead.
+func (*StatAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *StatAction) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+// StatResult is the outcome of a StatAction.
+type StatResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// exists is set when the path exists.
+	Exists bool `protobuf:"varint,1,opt,name=exists,proto3" json:"exists,omitempty"`
+	// info describes it when it exists.
+	Info          *FileInfo `protobuf:"bytes,2,opt,name=info,proto3" json:"info,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StatResult) Reset() {
+	*x = StatResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StatResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StatResult) ProtoMessage() {}
+
+func (x *StatResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StatResult.ProtoReflect.Descriptor instead.
+func (*StatResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *StatResult) GetExists() bool {
+	if x != nil {
+		return x.Exists
+	}
+	return false
+}
+
+func (x *StatResult) GetInfo() *FileInfo {
+	if x != nil {
+		return x.Info
+	}
+	return nil
+}
+
+// RemoveAction removes a path inside the sandbox. A missing path is not an
+// error (RemoveResult.removed is 0).
+type RemoveAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the file, symbolic link or directory to remove. The sandbox's
+	// root cannot be removed.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// recursive removes a directory with everything in it; without it, a
+	// directory must be empty.
+	Recursive     bool `protobuf:"varint,2,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RemoveAction) Reset() {
+	*x = RemoveAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RemoveAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RemoveAction) ProtoMessage() {}
+
+func (x *RemoveAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RemoveAction.ProtoReflect.Descriptor instead.
+func (*RemoveAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *RemoveAction) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *RemoveAction) GetRecursive() bool {
+	if x != nil {
+		return x.Recursive
+	}
+	return false
+}
+
+// RemoveResult is the outcome of a RemoveAction.
+type RemoveResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// removed counts the paths removed.
+	Removed       int64 `protobuf:"varint,1,opt,name=removed,proto3" json:"removed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RemoveResult) Reset() {
+	*x = RemoveResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RemoveResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RemoveResult) ProtoMessage() {}
+
+func (x *RemoveResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RemoveResult.ProtoReflect.Descriptor instead.
+func (*RemoveResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *RemoveResult) GetRemoved() int64 {
+	if x != nil {
+		return x.Removed
+	}
+	return 0
+}
+
+// MakeDirAction creates a directory inside the sandbox.
+type MakeDirAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the directory to create.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// mode holds its permission bits; zero means 0755.
+	Mode uint32 `protobuf:"varint,2,opt,name=mode,proto3" json:"mode,omitempty"`
+	// parents creates missing parents too, and makes an existing directory
+	// no error.
+	Parents       bool `protobuf:"varint,3,opt,name=parents,proto3" json:"parents,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MakeDirAction) Reset() {
+	*x = MakeDirAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MakeDirAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MakeDirAction) ProtoMessage() {}
+
+func (x *MakeDirAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MakeDirAction.ProtoReflect.Descriptor instead.
+func (*MakeDirAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *MakeDirAction) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *MakeDirAction) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *MakeDirAction) GetParents() bool {
+	if x != nil {
+		return x.Parents
+	}
+	return false
+}
+
+// MakeDirResult is the outcome of a MakeDirAction.
+type MakeDirResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// created is set when the directory did not exist before.
+	Created       bool `protobuf:"varint,1,opt,name=created,proto3" json:"created,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MakeDirResult) Reset() {
+	*x = MakeDirResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MakeDirResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MakeDirResult) ProtoMessage() {}
+
+func (x *MakeDirResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MakeDirResult.ProtoReflect.Descriptor instead.
+func (*MakeDirResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *MakeDirResult) GetCreated() bool {
+	if x != nil {
+		return x.Created
+	}
+	return false
+}
+
+// UploadAction unpacks a tar archive (ustar, pax or GNU; uncompressed, or
+// gzip-compressed) into a directory inside the sandbox, created when
+// missing. Regular files, directories, symbolic links and hard links within
+// the archive are unpacked, owned by the sandbox's user, with the
+// permission bits the archive gives (setuid, setgid and sticky dropped);
+// entries that would land outside the directory, devices and FIFOs are
+// refused, and the archive is checked whole before anything is written.
+type UploadAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the directory to unpack into.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// tar is the archive, at most 64 MiB.
+	Tar           []byte `protobuf:"bytes,2,opt,name=tar,proto3" json:"tar,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UploadAction) Reset() {
+	*x = UploadAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UploadAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UploadAction) ProtoMessage() {}
+
+func (x *UploadAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UploadAction.ProtoReflect.Descriptor instead.
+func (*UploadAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *UploadAction) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *UploadAction) GetTar() []byte {
+	if x != nil {
+		return x.Tar
+	}
+	return nil
+}
+
+// UploadResult is the outcome of an UploadAction.
+type UploadResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// files counts the entries unpacked.
+	Files int64 `protobuf:"varint,1,opt,name=files,proto3" json:"files,omitempty"`
+	// bytes counts the bytes of file contents written.
+	Bytes         int64 `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UploadResult) Reset() {
+	*x = UploadResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UploadResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UploadResult) ProtoMessage() {}
+
+func (x *UploadResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UploadResult.ProtoReflect.Descriptor instead.
+func (*UploadResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *UploadResult) GetFiles() int64 {
+	if x != nil {
+		return x.Files
+	}
+	return 0
+}
+
+func (x *UploadResult) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+// DownloadAction packs a path inside the sandbox as an uncompressed tar
+// archive (PAX), its entries named relative to path's parent: a directory
+// "src" gives "src/", "src/a.py", and so on.
+type DownloadAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is the file or directory to pack.
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// max_bytes bounds the archive; zero means 64 MiB, the most allowed. A
+	// larger tree is an error (EFBIG), not a cut archive.
+	MaxBytes      int64 `protobuf:"varint,2,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DownloadAction) Reset() {
+	*x = DownloadAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DownloadAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DownloadAction) ProtoMessage() {}
+
+func (x *DownloadAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DownloadAction.ProtoReflect.Descriptor instead.
+func (*DownloadAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *DownloadAction) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *DownloadAction) GetMaxBytes() int64 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+// DownloadResult is the outcome of a DownloadAction.
+type DownloadResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// tar is the archive.
+	Tar []byte `protobuf:"bytes,1,opt,name=tar,proto3" json:"tar,omitempty"`
+	// files counts its entries.
+	Files         int64 `protobuf:"varint,2,opt,name=files,proto3" json:"files,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DownloadResult) Reset() {
+	*x = DownloadResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DownloadResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DownloadResult) ProtoMessage() {}
+
+func (x *DownloadResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DownloadResult.ProtoReflect.Descriptor instead.
+func (*DownloadResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *DownloadResult) GetTar() []byte {
+	if x != nil {
+		return x.Tar
+	}
+	return nil
+}
+
+func (x *DownloadResult) GetFiles() int64 {
+	if x != nil {
+		return x.Files
+	}
+	return 0
+}
+
+// ListProcessesAction lists the processes running in the sandbox (other
+// than its init).
+type ListProcessesAction struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListProcessesAction) Reset() {
+	*x = ListProcessesAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListProcessesAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListProcessesAction) ProtoMessage() {}
+
+func (x *ListProcessesAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListProcessesAction.ProtoReflect.Descriptor instead.
+func (*ListProcessesAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{25}
+}
+
+// ProcessInfo describes a process in the sandbox.
+type ProcessInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// pid is its process ID inside the sandbox.
+	Pid int32 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	// ppid is its parent's process ID inside the sandbox.
+	Ppid int32 `protobuf:"varint,2,opt,name=ppid,proto3" json:"ppid,omitempty"`
+	// pgid is its process group.
+	Pgid int32 `protobuf:"varint,3,opt,name=pgid,proto3" json:"pgid,omitempty"`
+	// sid is its session.
+	Sid int32 `protobuf:"varint,4,opt,name=sid,proto3" json:"sid,omitempty"`
+	// argv is its command line.
+	Argv []string `protobuf:"bytes,5,rep,name=argv,proto3" json:"argv,omitempty"`
+	// state is its state letter as in /proc (R, S, D, Z, T ...).
+	State string `protobuf:"bytes,6,opt,name=state,proto3" json:"state,omitempty"`
+	// session names the persistent session the process runs in, if any.
+	Session string `protobuf:"bytes,7,opt,name=session,proto3" json:"session,omitempty"`
+	// start_seconds is how long ago it started, in seconds.
+	StartSeconds  float64 `protobuf:"fixed64,8,opt,name=start_seconds,json=startSeconds,proto3" json:"start_seconds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ProcessInfo) Reset() {
+	*x = ProcessInfo{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ProcessInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ProcessInfo) ProtoMessage() {}
+
+func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
+func (*ProcessInfo) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ProcessInfo) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetPpid() int32 {
+	if x != nil {
+		return x.Ppid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetPgid() int32 {
+	if x != nil {
+		return x.Pgid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetSid() int32 {
+	if x != nil {
+		return x.Sid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetArgv() []string {
+	if x != nil {
+		return x.Argv
+	}
+	return nil
+}
+
+func (x *ProcessInfo) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *ProcessInfo) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *ProcessInfo) GetStartSeconds() float64 {
+	if x != nil {
+		return x.StartSeconds
+	}
+	return 0
+}
+
+// ListProcessesResult is the outcome of a ListProcessesAction.
+type ListProcessesResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// processes lists them by pid.
+	Processes     []*ProcessInfo `protobuf:"bytes,1,rep,name=processes,proto3" json:"processes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListProcessesResult) Reset() {
+	*x = ListProcessesResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListProcessesResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListProcessesResult) ProtoMessage() {}
+
+func (x *ListProcessesResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListProcessesResult.ProtoReflect.Descriptor instead.
+func (*ListProcessesResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *ListProcessesResult) GetProcesses() []*ProcessInfo {
+	if x != nil {
+		return x.Processes
+	}
+	return nil
+}
+
+// SignalAction sends a signal to a process in the sandbox.
+type SignalAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// pid is the process (or, with process_group, the process group) inside
+	// the sandbox. The sandbox's init (pid 1) cannot be signalled.
+	Pid int32 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	// signal is the signal number; zero means SIGTERM (15).
+	Signal int32 `protobuf:"varint,2,opt,name=signal,proto3" json:"signal,omitempty"`
+	// process_group signals the whole process group pid.
+	ProcessGroup  bool `protobuf:"varint,3,opt,name=process_group,json=processGroup,proto3" json:"process_group,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignalAction) Reset() {
+	*x = SignalAction{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignalAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignalAction) ProtoMessage() {}
+
+func (x *SignalAction) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignalAction.ProtoReflect.Descriptor instead.
+func (*SignalAction) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *SignalAction) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *SignalAction) GetSignal() int32 {
+	if x != nil {
+		return x.Signal
+	}
+	return 0
+}
+
+func (x *SignalAction) GetProcessGroup() bool {
+	if x != nil {
+		return x.ProcessGroup
+	}
+	return false
+}
+
+// SignalResult is the outcome of a SignalAction.
+type SignalResult struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignalResult) Reset() {
+	*x = SignalResult{}
+	mi := &file_deltagym_v1_action_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignalResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignalResult) ProtoMessage() {}
+
+func (x *SignalResult) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_action_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignalResult.ProtoReflect.Descriptor instead.
+func (*SignalResult) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_action_proto_rawDescGZIP(), []int{29}
+}
+
 var File_deltagym_v1_action_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\n" +
-	"\x18deltagym/v1/action.proto\x12\vdeltagym.v1\"\xef\x01\n" +
+	"\x18deltagym/v1/action.proto\x12\vdeltagym.v1\"\xb5\x05\n" +
 	"\x06Action\x12-\n" +
 	"\x04exec\x18\x01 \x01(\v2\x17.deltagym.v1.ExecActionH\x00R\x04exec\x12=\n" +
 	"\n" +
 	"write_file\x18\x02 \x01(\v2\x1c.deltagym.v1.WriteFileActionH\x00R\twriteFile\x12:\n" +
 	"\tread_file\x18\x03 \x01(\v2\x1b.deltagym.v1.ReadFileActionH\x00R\breadFile\x123\n" +
-	"\x06submit\x18\x04 \x01(\v2\x19.deltagym.v1.SubmitActionH\x00R\x06submitB\x06\n" +
+	"\x06submit\x18\x04 \x01(\v2\x19.deltagym.v1.SubmitActionH\x00R\x06submit\x127\n" +
+	"\blist_dir\x18\x05 \x01(\v2\x1a.deltagym.v1.ListDirActionH\x00R\alistDir\x12-\n" +
+	"\x04stat\x18\x06 \x01(\v2\x17.deltagym.v1.StatActionH\x00R\x04stat\x123\n" +
+	"\x06remove\x18\a \x01(\v2\x19.deltagym.v1.RemoveActionH\x00R\x06remove\x127\n" +
+	"\bmake_dir\x18\b \x01(\v2\x1a.deltagym.v1.MakeDirActionH\x00R\amakeDir\x123\n" +
+	"\x06upload\x18\t \x01(\v2\x19.deltagym.v1.UploadActionH\x00R\x06upload\x129\n" +
+	"\bdownload\x18\n" +
+	" \x01(\v2\x1b.deltagym.v1.DownloadActionH\x00R\bdownload\x12I\n" +
+	"\x0elist_processes\x18\v \x01(\v2 .deltagym.v1.ListProcessesActionH\x00R\rlistProcesses\x123\n" +
+	"\x06signal\x18\f \x01(\v2\x19.deltagym.v1.SignalActionH\x00R\x06signalB\x06\n" +
 	"\x04kind\"\xb1\x02\n" +
 	"\n" +
 	"ExecAction\x12\x18\n" +
@@ -1066,21 +2488,30 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\tmax_bytes\x18\x03 \x01(\x03R\bmaxBytes\"6\n" +
 	"\fSubmitAction\x12\x1b\n" +
 	"\x06answer\x18\x01 \x01(\tH\x00R\x06answer\x88\x01\x01B\t\n" +
-	"\a_answer\"\xd6\x02\n" +
+	"\a_answer\"\x9c\x06\n" +
 	"\vObservation\x12-\n" +
 	"\x04exec\x18\x01 \x01(\v2\x17.deltagym.v1.ExecResultH\x00R\x04exec\x12=\n" +
 	"\n" +
 	"write_file\x18\x02 \x01(\v2\x1c.deltagym.v1.WriteFileResultH\x00R\twriteFile\x12:\n" +
 	"\tread_file\x18\x03 \x01(\v2\x1b.deltagym.v1.ReadFileResultH\x00R\breadFile\x123\n" +
 	"\x06submit\x18\x04 \x01(\v2\x19.deltagym.v1.SubmitResultH\x00R\x06submit\x120\n" +
-	"\x05reset\x18\x05 \x01(\v2\x18.deltagym.v1.ResetResultH\x00R\x05reset\x12.\n" +
+	"\x05reset\x18\x05 \x01(\v2\x18.deltagym.v1.ResetResultH\x00R\x05reset\x127\n" +
+	"\blist_dir\x18\a \x01(\v2\x1a.deltagym.v1.ListDirResultH\x00R\alistDir\x12-\n" +
+	"\x04stat\x18\b \x01(\v2\x17.deltagym.v1.StatResultH\x00R\x04stat\x123\n" +
+	"\x06remove\x18\t \x01(\v2\x19.deltagym.v1.RemoveResultH\x00R\x06remove\x127\n" +
+	"\bmake_dir\x18\n" +
+	" \x01(\v2\x1a.deltagym.v1.MakeDirResultH\x00R\amakeDir\x123\n" +
+	"\x06upload\x18\v \x01(\v2\x19.deltagym.v1.UploadResultH\x00R\x06upload\x129\n" +
+	"\bdownload\x18\f \x01(\v2\x1b.deltagym.v1.DownloadResultH\x00R\bdownload\x12I\n" +
+	"\x0elist_processes\x18\r \x01(\v2 .deltagym.v1.ListProcessesResultH\x00R\rlistProcesses\x123\n" +
+	"\x06signal\x18\x0e \x01(\v2\x19.deltagym.v1.SignalResultH\x00R\x06signal\x12.\n" +
 	"\x05error\x18\x06 \x01(\v2\x18.deltagym.v1.ActionErrorR\x05errorB\x06\n" +
 	"\x04kind\"\\\n" +
 	"\vActionError\x12\x14\n" +
 	"\x05errno\x18\x01 \x01(\x05R\x05errno\x12\x1d\n" +
 	"\n" +
 	"errno_name\x18\x02 \x01(\tR\terrnoName\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"\xa1\x02\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\xd5\x02\n" +
 	"\n" +
 	"ExecResult\x12\x16\n" +
 	"\x06stdout\x18\x01 \x01(\fR\x06stdout\x12\x16\n" +
@@ -1091,7 +2522,10 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\x10stdout_truncated\x18\x06 \x01(\bR\x0fstdoutTruncated\x12)\n" +
 	"\x10stderr_truncated\x18\a \x01(\bR\x0fstderrTruncated\x12)\n" +
 	"\x10duration_seconds\x18\b \x01(\x01R\x0fdurationSeconds\x12\x10\n" +
-	"\x03pid\x18\t \x01(\x05R\x03pid\"%\n" +
+	"\x03pid\x18\t \x01(\x05R\x03pid\x12\x18\n" +
+	"\amatched\x18\n" +
+	" \x01(\tR\amatched\x12\x18\n" +
+	"\arunning\x18\v \x01(\bR\arunning\"%\n" +
 	"\x0fWriteFileResult\x12\x12\n" +
 	"\x04size\x18\x01 \x01(\x03R\x04size\"\\\n" +
 	"\x0eReadFileResult\x12\x18\n" +
@@ -1108,7 +2542,75 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\x01R\x05value:\x028\x01\"N\n" +
 	"\vResetResult\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12+\n" +
-	"\x04hook\x18\x02 \x01(\v2\x17.deltagym.v1.ExecResultR\x04hookB\xaf\x01\n" +
+	"\x04hook\x18\x02 \x01(\v2\x17.deltagym.v1.ExecResultR\x04hook\"Z\n" +
+	"\rListDirAction\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x14\n" +
+	"\x05depth\x18\x02 \x01(\x05R\x05depth\x12\x1f\n" +
+	"\vmax_entries\x18\x03 \x01(\x05R\n" +
+	"maxEntries\"\xc8\x01\n" +
+	"\bFileInfo\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12)\n" +
+	"\x04type\x18\x02 \x01(\x0e2\x15.deltagym.v1.FileTypeR\x04type\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\x03R\x04size\x12\x12\n" +
+	"\x04mode\x18\x04 \x01(\rR\x04mode\x12.\n" +
+	"\x13modify_time_seconds\x18\x05 \x01(\x01R\x11modifyTimeSeconds\x12%\n" +
+	"\x0esymlink_target\x18\x06 \x01(\tR\rsymlinkTarget\"^\n" +
+	"\rListDirResult\x12/\n" +
+	"\aentries\x18\x01 \x03(\v2\x15.deltagym.v1.FileInfoR\aentries\x12\x1c\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\" \n" +
+	"\n" +
+	"StatAction\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\"O\n" +
+	"\n" +
+	"StatResult\x12\x16\n" +
+	"\x06exists\x18\x01 \x01(\bR\x06exists\x12)\n" +
+	"\x04info\x18\x02 \x01(\v2\x15.deltagym.v1.FileInfoR\x04info\"@\n" +
+	"\fRemoveAction\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x1c\n" +
+	"\trecursive\x18\x02 \x01(\bR\trecursive\"(\n" +
+	"\fRemoveResult\x12\x18\n" +
+	"\aremoved\x18\x01 \x01(\x03R\aremoved\"Q\n" +
+	"\rMakeDirAction\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
+	"\x04mode\x18\x02 \x01(\rR\x04mode\x12\x18\n" +
+	"\aparents\x18\x03 \x01(\bR\aparents\")\n" +
+	"\rMakeDirResult\x12\x18\n" +
+	"\acreated\x18\x01 \x01(\bR\acreated\"4\n" +
+	"\fUploadAction\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x10\n" +
+	"\x03tar\x18\x02 \x01(\fR\x03tar\":\n" +
+	"\fUploadResult\x12\x14\n" +
+	"\x05files\x18\x01 \x01(\x03R\x05files\x12\x14\n" +
+	"\x05bytes\x18\x02 \x01(\x03R\x05bytes\"A\n" +
+	"\x0eDownloadAction\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x1b\n" +
+	"\tmax_bytes\x18\x02 \x01(\x03R\bmaxBytes\"8\n" +
+	"\x0eDownloadResult\x12\x10\n" +
+	"\x03tar\x18\x01 \x01(\fR\x03tar\x12\x14\n" +
+	"\x05files\x18\x02 \x01(\x03R\x05files\"\x15\n" +
+	"\x13ListProcessesAction\"\xc2\x01\n" +
+	"\vProcessInfo\x12\x10\n" +
+	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x12\n" +
+	"\x04ppid\x18\x02 \x01(\x05R\x04ppid\x12\x12\n" +
+	"\x04pgid\x18\x03 \x01(\x05R\x04pgid\x12\x10\n" +
+	"\x03sid\x18\x04 \x01(\x05R\x03sid\x12\x12\n" +
+	"\x04argv\x18\x05 \x03(\tR\x04argv\x12\x14\n" +
+	"\x05state\x18\x06 \x01(\tR\x05state\x12\x18\n" +
+	"\asession\x18\a \x01(\tR\asession\x12#\n" +
+	"\rstart_seconds\x18\b \x01(\x01R\fstartSeconds\"M\n" +
+	"\x13ListProcessesResult\x126\n" +
+	"\tprocesses\x18\x01 \x03(\v2\x18.deltagym.v1.ProcessInfoR\tprocesses\"]\n" +
+	"\fSignalAction\x12\x10\n" +
+	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x16\n" +
+	"\x06signal\x18\x02 \x01(\x05R\x06signal\x12#\n" +
+	"\rprocess_group\x18\x03 \x01(\bR\fprocessGroup\"\x0e\n" +
+	"\fSignalResult*~\n" +
+	"\bFileType\x12\x19\n" +
+	"\x15FILE_TYPE_UNSPECIFIED\x10\x00\x12\x12\n" +
+	"\x0eFILE_TYPE_FILE\x10\x01\x12\x17\n" +
+	"\x13FILE_TYPE_DIRECTORY\x10\x02\x12\x15\n" +
+	"\x11FILE_TYPE_SYMLINK\x10\x03\x12\x13\n" +
+	"\x0fFILE_TYPE_OTHER\x10\x04B\xaf\x01\n" +
 	"\x0fcom.deltagym.v1B\vActionProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
@@ -1123,42 +2625,82 @@ func file_deltagym_v1_action_proto_rawDescGZIP() []byte {
 	return file_deltagym_v1_action_proto_rawDescData
 }
 
-var file_deltagym_v1_action_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_deltagym_v1_action_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_deltagym_v1_action_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_deltagym_v1_action_proto_goTypes = []any{
-	(*Action)(nil),          // 0: deltagym.v1.Action
-	(*ExecAction)(nil),      // 1: deltagym.v1.ExecAction
-	(*WriteFileAction)(nil), // 2: deltagym.v1.WriteFileAction
-	(*ReadFileAction)(nil),  // 3: deltagym.v1.ReadFileAction
-	(*SubmitAction)(nil),    // 4: deltagym.v1.SubmitAction
-	(*Observation)(nil),     // 5: deltagym.v1.Observation
-	(*ActionError)(nil),     // 6: deltagym.v1.ActionError
-	(*ExecResult)(nil),      // 7: deltagym.v1.ExecResult
-	(*WriteFileResult)(nil), // 8: deltagym.v1.WriteFileResult
-	(*ReadFileResult)(nil),  // 9: deltagym.v1.ReadFileResult
-	(*SubmitResult)(nil),    // 10: deltagym.v1.SubmitResult
-	(*ResetResult)(nil),     // 11: deltagym.v1.ResetResult
-	nil,                     // 12: deltagym.v1.ExecAction.EnvEntry
-	nil,                     // 13: deltagym.v1.SubmitResult.ComponentsEntry
+	(FileType)(0),               // 0: deltagym.v1.FileType
+	(*Action)(nil),              // 1: deltagym.v1.Action
+	(*ExecAction)(nil),          // 2: deltagym.v1.ExecAction
+	(*WriteFileAction)(nil),     // 3: deltagym.v1.WriteFileAction
+	(*ReadFileAction)(nil),      // 4: deltagym.v1.ReadFileAction
+	(*SubmitAction)(nil),        // 5: deltagym.v1.SubmitAction
+	(*Observation)(nil),         // 6: deltagym.v1.Observation
+	(*ActionError)(nil),         // 7: deltagym.v1.ActionError
+	(*ExecResult)(nil),          // 8: deltagym.v1.ExecResult
+	(*WriteFileResult)(nil),     // 9: deltagym.v1.WriteFileResult
+	(*ReadFileResult)(nil),      // 10: deltagym.v1.ReadFileResult
+	(*SubmitResult)(nil),        // 11: deltagym.v1.SubmitResult
+	(*ResetResult)(nil),         // 12: deltagym.v1.ResetResult
+	(*ListDirAction)(nil),       // 13: deltagym.v1.ListDirAction
+	(*FileInfo)(nil),            // 14: deltagym.v1.FileInfo
+	(*ListDirResult)(nil),       // 15: deltagym.v1.ListDirResult
+	(*StatAction)(nil),          // 16: deltagym.v1.StatAction
+	(*StatResult)(nil),          // 17: deltagym.v1.StatResult
+	(*RemoveAction)(nil),        // 18: deltagym.v1.RemoveAction
+	(*RemoveResult)(nil),        // 19: deltagym.v1.RemoveResult
+	(*MakeDirAction)(nil),       // 20: deltagym.v1.MakeDirAction
+	(*MakeDirResult)(nil),       // 21: deltagym.v1.MakeDirResult
+	(*UploadAction)(nil),        // 22: deltagym.v1.UploadAction
+	(*UploadResult)(nil),        // 23: deltagym.v1.UploadResult
+	(*DownloadAction)(nil),      // 24: deltagym.v1.DownloadAction
+	(*DownloadResult)(nil),      // 25: deltagym.v1.DownloadResult
+	(*ListProcessesAction)(nil), // 26: deltagym.v1.ListProcessesAction
+	(*ProcessInfo)(nil),         // 27: deltagym.v1.ProcessInfo
+	(*ListProcessesResult)(nil), // 28: deltagym.v1.ListProcessesResult
+	(*SignalAction)(nil),        // 29: deltagym.v1.SignalAction
+	(*SignalResult)(nil),        // 30: deltagym.v1.SignalResult
+	nil,                         // 31: deltagym.v1.ExecAction.EnvEntry
+	nil,                         // 32: deltagym.v1.SubmitResult.ComponentsEntry
 }
 var file_deltagym_v1_action_proto_depIdxs = []int32{
-	1,  // 0: deltagym.v1.Action.exec:type_name -> deltagym.v1.ExecAction
-	2,  // 1: deltagym.v1.Action.write_file:type_name -> deltagym.v1.WriteFileAction
-	3,  // 2: deltagym.v1.Action.read_file:type_name -> deltagym.v1.ReadFileAction
-	4,  // 3: deltagym.v1.Action.submit:type_name -> deltagym.v1.SubmitAction
-	12, // 4: deltagym.v1.ExecAction.env:type_name -> deltagym.v1.ExecAction.EnvEntry
-	7,  // 5: deltagym.v1.Observation.exec:type_name -> deltagym.v1.ExecResult
-	8,  // 6: deltagym.v1.Observation.write_file:type_name -> deltagym.v1.WriteFileResult
-	9,  // 7: deltagym.v1.Observation.read_file:type_name -> deltagym.v1.ReadFileResult
-	10, // 8: deltagym.v1.Observation.submit:type_name -> deltagym.v1.SubmitResult
-	11, // 9: deltagym.v1.Observation.reset:type_name -> deltagym.v1.ResetResult
-	6,  // 10: deltagym.v1.Observation.error:type_name -> deltagym.v1.ActionError
-	13, // 11: deltagym.v1.SubmitResult.components:type_name -> deltagym.v1.SubmitResult.ComponentsEntry
-	7,  // 12: deltagym.v1.ResetResult.hook:type_name -> deltagym.v1.ExecResult
-	13, // [13:13] is the sub-list for method output_type
-	13, // [13:13] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	2,  // 0: deltagym.v1.Action.exec:type_name -> deltagym.v1.ExecAction
+	3,  // 1: deltagym.v1.Action.write_file:type_name -> deltagym.v1.WriteFileAction
+	4,  // 2: deltagym.v1.Action.read_file:type_name -> deltagym.v1.ReadFileAction
+	5,  // 3: deltagym.v1.Action.submit:type_name -> deltagym.v1.SubmitAction
+	13, // 4: deltagym.v1.Action.list_dir:type_name -> deltagym.v1.ListDirAction
+	16, // 5: deltagym.v1.Action.stat:type_name -> deltagym.v1.StatAction
+	18, // 6: deltagym.v1.Action.remove:type_name -> deltagym.v1.RemoveAction
+	20, // 7: deltagym.v1.Action.make_dir:type_name -> deltagym.v1.MakeDirAction
+	22, // 8: deltagym.v1.Action.upload:type_name -> deltagym.v1.UploadAction
+	24, // 9: deltagym.v1.Action.download:type_name -> deltagym.v1.DownloadAction
+	26, // 10: deltagym.v1.Action.list_processes:type_name -> deltagym.v1.ListProcessesAction
+	29, // 11: deltagym.v1.Action.signal:type_name -> deltagym.v1.SignalAction
+	31, // 12: deltagym.v1.ExecAction.env:type_name -> deltagym.v1.ExecAction.EnvEntry
+	8,  // 13: deltagym.v1.Observation.exec:type_name -> deltagym.v1.ExecResult
+	9,  // 14: deltagym.v1.Observation.write_file:type_name -> deltagym.v1.WriteFileResult
+	10, // 15: deltagym.v1.Observation.read_file:type_name -> deltagym.v1.ReadFileResult
+	11, // 16: deltagym.v1.Observation.submit:type_name -> deltagym.v1.SubmitResult
+	12, // 17: deltagym.v1.Observation.reset:type_name -> deltagym.v1.ResetResult
+	15, // 18: deltagym.v1.Observation.list_dir:type_name -> deltagym.v1.ListDirResult
+	17, // 19: deltagym.v1.Observation.stat:type_name -> deltagym.v1.StatResult
+	19, // 20: deltagym.v1.Observation.remove:type_name -> deltagym.v1.RemoveResult
+	21, // 21: deltagym.v1.Observation.make_dir:type_name -> deltagym.v1.MakeDirResult
+	23, // 22: deltagym.v1.Observation.upload:type_name -> deltagym.v1.UploadResult
+	25, // 23: deltagym.v1.Observation.download:type_name -> deltagym.v1.DownloadResult
+	28, // 24: deltagym.v1.Observation.list_processes:type_name -> deltagym.v1.ListProcessesResult
+	30, // 25: deltagym.v1.Observation.signal:type_name -> deltagym.v1.SignalResult
+	7,  // 26: deltagym.v1.Observation.error:type_name -> deltagym.v1.ActionError
+	32, // 27: deltagym.v1.SubmitResult.components:type_name -> deltagym.v1.SubmitResult.ComponentsEntry
+	8,  // 28: deltagym.v1.ResetResult.hook:type_name -> deltagym.v1.ExecResult
+	0,  // 29: deltagym.v1.FileInfo.type:type_name -> deltagym.v1.FileType
+	14, // 30: deltagym.v1.ListDirResult.entries:type_name -> deltagym.v1.FileInfo
+	14, // 31: deltagym.v1.StatResult.info:type_name -> deltagym.v1.FileInfo
+	27, // 32: deltagym.v1.ListProcessesResult.processes:type_name -> deltagym.v1.ProcessInfo
+	33, // [33:33] is the sub-list for method output_type
+	33, // [33:33] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_action_proto_init() }
@@ -1171,6 +2713,14 @@ func file_deltagym_v1_action_proto_init() {
 		(*Action_WriteFile)(nil),
 		(*Action_ReadFile)(nil),
 		(*Action_Submit)(nil),
+		(*Action_ListDir)(nil),
+		(*Action_Stat)(nil),
+		(*Action_Remove)(nil),
+		(*Action_MakeDir)(nil),
+		(*Action_Upload)(nil),
+		(*Action_Download)(nil),
+		(*Action_ListProcesses)(nil),
+		(*Action_Signal)(nil),
 	}
 	file_deltagym_v1_action_proto_msgTypes[4].OneofWrappers = []any{}
 	file_deltagym_v1_action_proto_msgTypes[5].OneofWrappers = []any{
@@ -1179,19 +2729,28 @@ func file_deltagym_v1_action_proto_init() {
 		(*Observation_ReadFile)(nil),
 		(*Observation_Submit)(nil),
 		(*Observation_Reset_)(nil),
+		(*Observation_ListDir)(nil),
+		(*Observation_Stat)(nil),
+		(*Observation_Remove)(nil),
+		(*Observation_MakeDir)(nil),
+		(*Observation_Upload)(nil),
+		(*Observation_Download)(nil),
+		(*Observation_ListProcesses)(nil),
+		(*Observation_Signal)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_action_proto_rawDesc), len(file_deltagym_v1_action_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   14,
+			NumEnums:      1,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
 		GoTypes:           file_deltagym_v1_action_proto_goTypes,
 		DependencyIndexes: file_deltagym_v1_action_proto_depIdxs,
+		EnumInfos:         file_deltagym_v1_action_proto_enumTypes,
 		MessageInfos:      file_deltagym_v1_action_proto_msgTypes,
 	}.Build()
 	File_deltagym_v1_action_proto = out.File

@@ -79,6 +79,59 @@ func (ImageFormat) EnumDescriptor() ([]byte, []int) {
 	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{0}
 }
 
+// OutputStream names one of a command's output streams.
+type OutputStream int32
+
+const (
+	// OUTPUT_STREAM_UNSPECIFIED is not used.
+	OutputStream_OUTPUT_STREAM_UNSPECIFIED OutputStream = 0
+	// OUTPUT_STREAM_STDOUT is standard output.
+	OutputStream_OUTPUT_STREAM_STDOUT OutputStream = 1
+	// OUTPUT_STREAM_STDERR is standard error.
+	OutputStream_OUTPUT_STREAM_STDERR OutputStream = 2
+)
+
+// Enum value maps for OutputStream.
+var (
+	OutputStream_name = map[int32]string{
+		0: "OUTPUT_STREAM_UNSPECIFIED",
+		1: "OUTPUT_STREAM_STDOUT",
+		2: "OUTPUT_STREAM_STDERR",
+	}
+	OutputStream_value = map[string]int32{
+		"OUTPUT_STREAM_UNSPECIFIED": 0,
+		"OUTPUT_STREAM_STDOUT":      1,
+		"OUTPUT_STREAM_STDERR":      2,
+	}
+)
+
+func (x OutputStream) Enum() *OutputStream {
+	p := new(OutputStream)
+	*p = x
+	return p
+}
+
+func (x OutputStream) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (OutputStream) Descriptor() protoreflect.EnumDescriptor {
+	return file_deltagym_v1_env_service_proto_enumTypes[1].Descriptor()
+}
+
+func (OutputStream) Type() protoreflect.EnumType {
+	return &file_deltagym_v1_env_service_proto_enumTypes[1]
+}
+
+func (x OutputStream) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use OutputStream.Descriptor instead.
+func (OutputStream) EnumDescriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{1}
+}
+
 // ListEnvsRequest is the request of ListEnvs.
 type ListEnvsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -430,9 +483,13 @@ type ResetRequest struct {
 	// run names the training or search run the episode belongs to.
 	Run string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
 	// group_id names the group (for example a GRPO group) of the episode.
-	GroupId       string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	GroupId string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"` // lease_ttl_seconds is how long the sandbox lives without a call or a
+	// heartbeat; zero means the server's --lease-ttl. It is at most the
+	// server's --max-lease-ttl (InvalidArgument past it) and stays the
+	// sandbox's until a Heartbeat changes it.
+	LeaseTtlSeconds float64 `protobuf:"fixed64,7,opt,name=lease_ttl_seconds,json=leaseTtlSeconds,proto3" json:"lease_ttl_seconds,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ResetRequest) Reset() {
@@ -505,6 +562,13 @@ func (x *ResetRequest) GetGroupId() string {
 		return x.GroupId
 	}
 	return ""
+}
+
+func (x *ResetRequest) GetLeaseTtlSeconds() float64 {
+	if x != nil {
+		return x.LeaseTtlSeconds
+	}
+	return 0
 }
 
 // ResetResponse is the response of Reset.
@@ -622,8 +686,17 @@ type StepRequest struct {
 	// restore_fresh_entropy is RestoreRequest.fresh_entropy for the restore of
 	// restore_checkpoint_id; without it, it is InvalidArgument.
 	RestoreFreshEntropy bool `protobuf:"varint,5,opt,name=restore_fresh_entropy,json=restoreFreshEntropy,proto3" json:"restore_fresh_entropy,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// setup marks a step that sets the task up rather than one the agent
+	// takes: the trainer copying a repository in, installing a package,
+	// starting a service, before the agent's first step or between its
+	// steps. A setup step is performed and recorded in the ledger like any
+	// other (TrajectoryStep.setup), takes a step_index, and counts against
+	// neither of the env's budgets: not max_steps, and its time is not
+	// counted in max_seconds. A submit cannot be a setup step
+	// (InvalidArgument).
+	Setup         bool `protobuf:"varint,6,opt,name=setup,proto3" json:"setup,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StepRequest) Reset() {
@@ -691,6 +764,13 @@ func (x *StepRequest) GetRestoreFreshEntropy() bool {
 	return false
 }
 
+func (x *StepRequest) GetSetup() bool {
+	if x != nil {
+		return x.Setup
+	}
+	return false
+}
+
 // StepResponse is the response of Step.
 type StepResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -710,7 +790,9 @@ type StepResponse struct {
 	// inherited from the checkpoint the episode started from.
 	StepIndex int32 `protobuf:"varint,7,opt,name=step_index,json=stepIndex,proto3" json:"step_index,omitempty"`
 	// episode_id is the episode the step belongs to.
-	EpisodeId     string `protobuf:"bytes,8,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
+	EpisodeId string `protobuf:"bytes,8,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"` // steps_left is how many more agent steps the episode's max_steps allows
+	// after this one; -1 when the env has no step budget.
+	StepsLeft     int32 `protobuf:"varint,9,opt,name=steps_left,json=stepsLeft,proto3" json:"steps_left,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -801,6 +883,205 @@ func (x *StepResponse) GetEpisodeId() string {
 	return ""
 }
 
+func (x *StepResponse) GetStepsLeft() int32 {
+	if x != nil {
+		return x.StepsLeft
+	}
+	return 0
+}
+
+// StreamStepRequest is the request of StreamStep.
+type StreamStepRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// step is the step to perform.
+	Step          *StepRequest `protobuf:"bytes,1,opt,name=step,proto3" json:"step,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamStepRequest) Reset() {
+	*x = StreamStepRequest{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamStepRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamStepRequest) ProtoMessage() {}
+
+func (x *StreamStepRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamStepRequest.ProtoReflect.Descriptor instead.
+func (*StreamStepRequest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *StreamStepRequest) GetStep() *StepRequest {
+	if x != nil {
+		return x.Step
+	}
+	return nil
+}
+
+// StreamStepResponse is one message of a StreamStep: output, then the
+// step's response last.
+type StreamStepResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// event is what this message carries.
+	//
+	// Types that are valid to be assigned to Event:
+	//
+	//	*StreamStepResponse_Output
+	//	*StreamStepResponse_Step
+	Event         isStreamStepResponse_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamStepResponse) Reset() {
+	*x = StreamStepResponse{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamStepResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamStepResponse) ProtoMessage() {}
+
+func (x *StreamStepResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamStepResponse.ProtoReflect.Descriptor instead.
+func (*StreamStepResponse) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *StreamStepResponse) GetEvent() isStreamStepResponse_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *StreamStepResponse) GetOutput() *OutputChunk {
+	if x != nil {
+		if x, ok := x.Event.(*StreamStepResponse_Output); ok {
+			return x.Output
+		}
+	}
+	return nil
+}
+
+func (x *StreamStepResponse) GetStep() *StepResponse {
+	if x != nil {
+		if x, ok := x.Event.(*StreamStepResponse_Step); ok {
+			return x.Step
+		}
+	}
+	return nil
+}
+
+type isStreamStepResponse_Event interface {
+	isStreamStepResponse_Event()
+}
+
+type StreamStepResponse_Output struct {
+	// output is a piece of the command's output, as produced.
+	Output *OutputChunk `protobuf:"bytes,1,opt,name=output,proto3,oneof"`
+}
+
+type StreamStepResponse_Step struct {
+	// step is the step's response, the stream's last message.
+	Step *StepResponse `protobuf:"bytes,2,opt,name=step,proto3,oneof"`
+}
+
+func (*StreamStepResponse_Output) isStreamStepResponse_Event() {}
+
+func (*StreamStepResponse_Step) isStreamStepResponse_Event() {}
+
+// OutputChunk is a piece of a command's output, in the order the server
+// read it. The chunks of one stream, joined, begin with what the step's
+// response holds (which is cut at the env's output cap; the chunks are
+// cut there too).
+type OutputChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// stream is the stream the bytes were written to.
+	Stream OutputStream `protobuf:"varint,1,opt,name=stream,proto3,enum=deltagym.v1.OutputStream" json:"stream,omitempty"`
+	// data holds the bytes.
+	Data          []byte `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OutputChunk) Reset() {
+	*x = OutputChunk{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OutputChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OutputChunk) ProtoMessage() {}
+
+func (x *OutputChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OutputChunk.ProtoReflect.Descriptor instead.
+func (*OutputChunk) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *OutputChunk) GetStream() OutputStream {
+	if x != nil {
+		return x.Stream
+	}
+	return OutputStream_OUTPUT_STREAM_UNSPECIFIED
+}
+
+func (x *OutputChunk) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
 // StepStreamRequest is one step sent on a StepStream.
 type StepStreamRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -814,7 +1095,7 @@ type StepStreamRequest struct {
 
 func (x *StepStreamRequest) Reset() {
 	*x = StepStreamRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[10]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -826,7 +1107,7 @@ func (x *StepStreamRequest) String() string {
 func (*StepStreamRequest) ProtoMessage() {}
 
 func (x *StepStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[10]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -839,7 +1120,7 @@ func (x *StepStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepStreamRequest.ProtoReflect.Descriptor instead.
 func (*StepStreamRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{10}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *StepStreamRequest) GetRequestId() uint64 {
@@ -874,7 +1155,7 @@ type StepStreamResponse struct {
 
 func (x *StepStreamResponse) Reset() {
 	*x = StepStreamResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[11]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -886,7 +1167,7 @@ func (x *StepStreamResponse) String() string {
 func (*StepStreamResponse) ProtoMessage() {}
 
 func (x *StepStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[11]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -899,7 +1180,7 @@ func (x *StepStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepStreamResponse.ProtoReflect.Descriptor instead.
 func (*StepStreamResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{11}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *StepStreamResponse) GetRequestId() uint64 {
@@ -958,14 +1239,17 @@ type ErrorStatus struct {
 	// code is the gRPC status code (the same numbers as Connect codes).
 	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
 	// message is the error message.
-	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"` // reason is the error's reason, as in the google.rpc.ErrorInfo the
+	// server attaches to the errors of unary calls (for example
+	// SANDBOX_NOT_FOUND); empty when it has none.
+	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ErrorStatus) Reset() {
 	*x = ErrorStatus{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[12]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -977,7 +1261,7 @@ func (x *ErrorStatus) String() string {
 func (*ErrorStatus) ProtoMessage() {}
 
 func (x *ErrorStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[12]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -990,7 +1274,7 @@ func (x *ErrorStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ErrorStatus.ProtoReflect.Descriptor instead.
 func (*ErrorStatus) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{12}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ErrorStatus) GetCode() int32 {
@@ -1003,6 +1287,13 @@ func (x *ErrorStatus) GetCode() int32 {
 func (x *ErrorStatus) GetMessage() string {
 	if x != nil {
 		return x.Message
+	}
+	return ""
+}
+
+func (x *ErrorStatus) GetReason() string {
+	if x != nil {
+		return x.Reason
 	}
 	return ""
 }
@@ -1032,7 +1323,7 @@ type CheckpointRequest struct {
 
 func (x *CheckpointRequest) Reset() {
 	*x = CheckpointRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[13]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1044,7 +1335,7 @@ func (x *CheckpointRequest) String() string {
 func (*CheckpointRequest) ProtoMessage() {}
 
 func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[13]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1057,7 +1348,7 @@ func (x *CheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointRequest.ProtoReflect.Descriptor instead.
 func (*CheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{13}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CheckpointRequest) GetSandboxId() string {
@@ -1107,7 +1398,7 @@ type CheckpointResponse struct {
 
 func (x *CheckpointResponse) Reset() {
 	*x = CheckpointResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[14]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1119,7 +1410,7 @@ func (x *CheckpointResponse) String() string {
 func (*CheckpointResponse) ProtoMessage() {}
 
 func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[14]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1132,7 +1423,7 @@ func (x *CheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointResponse.ProtoReflect.Descriptor instead.
 func (*CheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{14}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CheckpointResponse) GetCheckpointId() string {
@@ -1188,7 +1479,7 @@ type RestoreRequest struct {
 
 func (x *RestoreRequest) Reset() {
 	*x = RestoreRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[15]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1200,7 +1491,7 @@ func (x *RestoreRequest) String() string {
 func (*RestoreRequest) ProtoMessage() {}
 
 func (x *RestoreRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[15]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1213,7 +1504,7 @@ func (x *RestoreRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreRequest.ProtoReflect.Descriptor instead.
 func (*RestoreRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{15}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *RestoreRequest) GetSandboxId() string {
@@ -1251,7 +1542,7 @@ type RestoreResponse struct {
 
 func (x *RestoreResponse) Reset() {
 	*x = RestoreResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[16]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1263,7 +1554,7 @@ func (x *RestoreResponse) String() string {
 func (*RestoreResponse) ProtoMessage() {}
 
 func (x *RestoreResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[16]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1276,7 +1567,7 @@ func (x *RestoreResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreResponse.ProtoReflect.Descriptor instead.
 func (*RestoreResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{16}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RestoreResponse) GetEpisodeId() string {
@@ -1319,14 +1610,16 @@ type ForkRequest struct {
 	// $RANDOM in every restored session. Other processes keep the random
 	// state they had in memory: a program that should diverge reads the
 	// seed file.
-	FreshEntropy  bool `protobuf:"varint,7,opt,name=fresh_entropy,json=freshEntropy,proto3" json:"fresh_entropy,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	FreshEntropy bool `protobuf:"varint,7,opt,name=fresh_entropy,json=freshEntropy,proto3" json:"fresh_entropy,omitempty"`
+	// lease_ttl_seconds is ResetRequest.lease_ttl_seconds for each child.
+	LeaseTtlSeconds float64 `protobuf:"fixed64,8,opt,name=lease_ttl_seconds,json=leaseTtlSeconds,proto3" json:"lease_ttl_seconds,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[17]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1338,7 +1631,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[17]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1351,7 +1644,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{17}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ForkRequest) GetSource() isForkRequest_Source {
@@ -1414,6 +1707,13 @@ func (x *ForkRequest) GetFreshEntropy() bool {
 	return false
 }
 
+func (x *ForkRequest) GetLeaseTtlSeconds() float64 {
+	if x != nil {
+		return x.LeaseTtlSeconds
+	}
+	return 0
+}
+
 type isForkRequest_Source interface {
 	isForkRequest_Source()
 }
@@ -1453,7 +1753,7 @@ type ForkResponse struct {
 
 func (x *ForkResponse) Reset() {
 	*x = ForkResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[18]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1465,7 +1765,7 @@ func (x *ForkResponse) String() string {
 func (*ForkResponse) ProtoMessage() {}
 
 func (x *ForkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[18]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1478,7 +1778,7 @@ func (x *ForkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkResponse.ProtoReflect.Descriptor instead.
 func (*ForkResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{18}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ForkResponse) GetSandboxIds() []string {
@@ -1520,7 +1820,7 @@ type ReleaseCheckpointRequest struct {
 
 func (x *ReleaseCheckpointRequest) Reset() {
 	*x = ReleaseCheckpointRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[19]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1532,7 +1832,7 @@ func (x *ReleaseCheckpointRequest) String() string {
 func (*ReleaseCheckpointRequest) ProtoMessage() {}
 
 func (x *ReleaseCheckpointRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[19]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1545,7 +1845,7 @@ func (x *ReleaseCheckpointRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseCheckpointRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseCheckpointRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{19}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ReleaseCheckpointRequest) GetCheckpointId() string {
@@ -1564,7 +1864,7 @@ type ReleaseCheckpointResponse struct {
 
 func (x *ReleaseCheckpointResponse) Reset() {
 	*x = ReleaseCheckpointResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[20]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1576,7 +1876,7 @@ func (x *ReleaseCheckpointResponse) String() string {
 func (*ReleaseCheckpointResponse) ProtoMessage() {}
 
 func (x *ReleaseCheckpointResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[20]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1589,7 +1889,7 @@ func (x *ReleaseCheckpointResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseCheckpointResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseCheckpointResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{20}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{23}
 }
 
 // EvaluateRequest is the request of Evaluate.
@@ -1603,7 +1903,7 @@ type EvaluateRequest struct {
 
 func (x *EvaluateRequest) Reset() {
 	*x = EvaluateRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[21]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1615,7 +1915,7 @@ func (x *EvaluateRequest) String() string {
 func (*EvaluateRequest) ProtoMessage() {}
 
 func (x *EvaluateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[21]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1628,7 +1928,7 @@ func (x *EvaluateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvaluateRequest.ProtoReflect.Descriptor instead.
 func (*EvaluateRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{21}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *EvaluateRequest) GetSandboxId() string {
@@ -1655,7 +1955,7 @@ type EvaluateResponse struct {
 
 func (x *EvaluateResponse) Reset() {
 	*x = EvaluateResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[22]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1667,7 +1967,7 @@ func (x *EvaluateResponse) String() string {
 func (*EvaluateResponse) ProtoMessage() {}
 
 func (x *EvaluateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[22]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1680,7 +1980,7 @@ func (x *EvaluateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EvaluateResponse.ProtoReflect.Descriptor instead.
 func (*EvaluateResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{22}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *EvaluateResponse) GetReward() float64 {
@@ -1722,7 +2022,7 @@ type CloseRequest struct {
 
 func (x *CloseRequest) Reset() {
 	*x = CloseRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[23]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1734,7 +2034,7 @@ func (x *CloseRequest) String() string {
 func (*CloseRequest) ProtoMessage() {}
 
 func (x *CloseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[23]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1747,7 +2047,7 @@ func (x *CloseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseRequest.ProtoReflect.Descriptor instead.
 func (*CloseRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{23}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *CloseRequest) GetSandboxId() string {
@@ -1766,7 +2066,7 @@ type CloseResponse struct {
 
 func (x *CloseResponse) Reset() {
 	*x = CloseResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[24]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1778,7 +2078,7 @@ func (x *CloseResponse) String() string {
 func (*CloseResponse) ProtoMessage() {}
 
 func (x *CloseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[24]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1791,21 +2091,25 @@ func (x *CloseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseResponse.ProtoReflect.Descriptor instead.
 func (*CloseResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{24}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{27}
 }
 
 // HeartbeatRequest is the request of Heartbeat.
 type HeartbeatRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// sandbox_ids are the sandboxes whose leases to renew.
-	SandboxIds    []string `protobuf:"bytes,1,rep,name=sandbox_ids,json=sandboxIds,proto3" json:"sandbox_ids,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SandboxIds []string `protobuf:"bytes,1,rep,name=sandbox_ids,json=sandboxIds,proto3" json:"sandbox_ids,omitempty"`
+	// lease_ttl_seconds, when set, becomes the TTL of these sandboxes' leases
+	// from now on (as ResetRequest.lease_ttl_seconds): a caller extends a
+	// sandbox's life, or shortens it. Zero keeps each sandbox's TTL.
+	LeaseTtlSeconds float64 `protobuf:"fixed64,2,opt,name=lease_ttl_seconds,json=leaseTtlSeconds,proto3" json:"lease_ttl_seconds,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[25]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1817,7 +2121,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[25]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1830,7 +2134,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{25}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *HeartbeatRequest) GetSandboxIds() []string {
@@ -1838,6 +2142,13 @@ func (x *HeartbeatRequest) GetSandboxIds() []string {
 		return x.SandboxIds
 	}
 	return nil
+}
+
+func (x *HeartbeatRequest) GetLeaseTtlSeconds() float64 {
+	if x != nil {
+		return x.LeaseTtlSeconds
+	}
+	return 0
 }
 
 // HeartbeatResponse is the response of Heartbeat.
@@ -1854,7 +2165,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[26]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1866,7 +2177,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[26]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1879,7 +2190,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{26}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *HeartbeatResponse) GetLeases() []*Lease {
@@ -1909,7 +2220,7 @@ type Lease struct {
 
 func (x *Lease) Reset() {
 	*x = Lease{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[27]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1921,7 +2232,7 @@ func (x *Lease) String() string {
 func (*Lease) ProtoMessage() {}
 
 func (x *Lease) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[27]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1934,7 +2245,7 @@ func (x *Lease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Lease.ProtoReflect.Descriptor instead.
 func (*Lease) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{27}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Lease) GetSandboxId() string {
@@ -1962,7 +2273,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[28]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1974,7 +2285,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[28]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1987,7 +2298,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{28}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *GetSandboxRequest) GetSandboxId() string {
@@ -2008,7 +2319,7 @@ type GetSandboxResponse struct {
 
 func (x *GetSandboxResponse) Reset() {
 	*x = GetSandboxResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[29]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2020,7 +2331,7 @@ func (x *GetSandboxResponse) String() string {
 func (*GetSandboxResponse) ProtoMessage() {}
 
 func (x *GetSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[29]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2033,7 +2344,7 @@ func (x *GetSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxResponse.ProtoReflect.Descriptor instead.
 func (*GetSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{29}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *GetSandboxResponse) GetSandbox() *Sandbox {
@@ -2059,7 +2370,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[30]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2071,7 +2382,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[30]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2084,7 +2395,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{30}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListSandboxesRequest) GetEnv() string {
@@ -2119,7 +2430,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[31]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2131,7 +2442,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[31]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2144,7 +2455,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{31}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -2172,7 +2483,7 @@ type ListCheckpointsRequest struct {
 
 func (x *ListCheckpointsRequest) Reset() {
 	*x = ListCheckpointsRequest{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[32]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2184,7 +2495,7 @@ func (x *ListCheckpointsRequest) String() string {
 func (*ListCheckpointsRequest) ProtoMessage() {}
 
 func (x *ListCheckpointsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[32]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2197,7 +2508,7 @@ func (x *ListCheckpointsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCheckpointsRequest.ProtoReflect.Descriptor instead.
 func (*ListCheckpointsRequest) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{32}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ListCheckpointsRequest) GetEnv() string {
@@ -2239,7 +2550,7 @@ type ListCheckpointsResponse struct {
 
 func (x *ListCheckpointsResponse) Reset() {
 	*x = ListCheckpointsResponse{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[33]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2251,7 +2562,7 @@ func (x *ListCheckpointsResponse) String() string {
 func (*ListCheckpointsResponse) ProtoMessage() {}
 
 func (x *ListCheckpointsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[33]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2264,7 +2575,7 @@ func (x *ListCheckpointsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListCheckpointsResponse.ProtoReflect.Descriptor instead.
 func (*ListCheckpointsResponse) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{33}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ListCheckpointsResponse) GetCheckpoints() []*CheckpointSummary {
@@ -2317,7 +2628,7 @@ type CheckpointSummary struct {
 
 func (x *CheckpointSummary) Reset() {
 	*x = CheckpointSummary{}
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[34]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2329,7 +2640,7 @@ func (x *CheckpointSummary) String() string {
 func (*CheckpointSummary) ProtoMessage() {}
 
 func (x *CheckpointSummary) ProtoReflect() protoreflect.Message {
-	mi := &file_deltagym_v1_env_service_proto_msgTypes[34]
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2342,7 +2653,7 @@ func (x *CheckpointSummary) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CheckpointSummary.ProtoReflect.Descriptor instead.
 func (*CheckpointSummary) Descriptor() ([]byte, []int) {
-	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{34}
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *CheckpointSummary) GetCheckpointId() string {
@@ -2474,14 +2785,15 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\vlayer_count\x18\x03 \x01(\x05R\n" +
 	"layerCount\x12\x1d\n" +
 	"\n" +
-	"size_bytes\x18\x04 \x01(\x03R\tsizeBytes\"\x96\x02\n" +
+	"size_bytes\x18\x04 \x01(\x03R\tsizeBytes\"\xc2\x02\n" +
 	"\fResetRequest\x12\x10\n" +
 	"\x03env\x18\x01 \x01(\tR\x03env\x12\x17\n" +
 	"\x04seed\x18\x02 \x01(\x03H\x00R\x04seed\x88\x01\x01\x12@\n" +
 	"\aoptions\x18\x03 \x03(\v2&.deltagym.v1.ResetRequest.OptionsEntryR\aoptions\x12'\n" +
 	"\x0fidempotency_key\x18\x04 \x01(\tR\x0eidempotencyKey\x12\x10\n" +
 	"\x03run\x18\x05 \x01(\tR\x03run\x12\x19\n" +
-	"\bgroup_id\x18\x06 \x01(\tR\agroupId\x1a:\n" +
+	"\bgroup_id\x18\x06 \x01(\tR\agroupId\x12*\n" +
+	"\x11lease_ttl_seconds\x18\a \x01(\x01R\x0fleaseTtlSeconds\x1a:\n" +
 	"\fOptionsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B\a\n" +
@@ -2497,7 +2809,7 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x11lease_expire_time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x0fleaseExpireTime\x1a7\n" +
 	"\tInfoEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xf7\x01\n" +
 	"\vStepRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
@@ -2506,7 +2818,8 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"checkpoint\x18\x03 \x01(\bR\n" +
 	"checkpoint\x122\n" +
 	"\x15restore_checkpoint_id\x18\x04 \x01(\tR\x13restoreCheckpointId\x122\n" +
-	"\x15restore_fresh_entropy\x18\x05 \x01(\bR\x13restoreFreshEntropy\"\xf5\x02\n" +
+	"\x15restore_fresh_entropy\x18\x05 \x01(\bR\x13restoreFreshEntropy\x12\x14\n" +
+	"\x05setup\x18\x06 \x01(\bR\x05setup\"\x94\x03\n" +
 	"\fStepResponse\x12:\n" +
 	"\vobservation\x18\x01 \x01(\v2\x18.deltagym.v1.ObservationR\vobservation\x12\x16\n" +
 	"\x06reward\x18\x02 \x01(\x01R\x06reward\x12\x1e\n" +
@@ -2519,10 +2832,21 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\n" +
 	"step_index\x18\a \x01(\x05R\tstepIndex\x12\x1d\n" +
 	"\n" +
-	"episode_id\x18\b \x01(\tR\tepisodeId\x1a7\n" +
+	"episode_id\x18\b \x01(\tR\tepisodeId\x12\x1d\n" +
+	"\n" +
+	"steps_left\x18\t \x01(\x05R\tstepsLeft\x1a7\n" +
 	"\tInfoEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"`\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"A\n" +
+	"\x11StreamStepRequest\x12,\n" +
+	"\x04step\x18\x01 \x01(\v2\x18.deltagym.v1.StepRequestR\x04step\"\x82\x01\n" +
+	"\x12StreamStepResponse\x122\n" +
+	"\x06output\x18\x01 \x01(\v2\x18.deltagym.v1.OutputChunkH\x00R\x06output\x12/\n" +
+	"\x04step\x18\x02 \x01(\v2\x19.deltagym.v1.StepResponseH\x00R\x04stepB\a\n" +
+	"\x05event\"T\n" +
+	"\vOutputChunk\x121\n" +
+	"\x06stream\x18\x01 \x01(\x0e2\x19.deltagym.v1.OutputStreamR\x06stream\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\"`\n" +
 	"\x11StepStreamRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\x04R\trequestId\x12,\n" +
@@ -2532,10 +2856,11 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"request_id\x18\x01 \x01(\x04R\trequestId\x12/\n" +
 	"\x04step\x18\x02 \x01(\v2\x19.deltagym.v1.StepResponseH\x00R\x04step\x120\n" +
 	"\x05error\x18\x03 \x01(\v2\x18.deltagym.v1.ErrorStatusH\x00R\x05errorB\b\n" +
-	"\x06result\";\n" +
+	"\x06result\"S\n" +
 	"\vErrorStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\x89\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\x89\x01\n" +
 	"\x11CheckpointRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x18\n" +
@@ -2555,7 +2880,7 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x0fRestoreResponse\x12\x1d\n" +
 	"\n" +
 	"episode_id\x18\x01 \x01(\tR\tepisodeId\x12&\n" +
-	"\x0fnext_step_index\x18\x02 \x01(\x05R\rnextStepIndex\"\xe8\x01\n" +
+	"\x0fnext_step_index\x18\x02 \x01(\x05R\rnextStepIndex\"\x94\x02\n" +
 	"\vForkRequest\x12%\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tH\x00R\fcheckpointId\x12\x1f\n" +
 	"\n" +
@@ -2564,7 +2889,8 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\bgroup_id\x18\x04 \x01(\tR\agroupId\x12\x10\n" +
 	"\x03run\x18\x05 \x01(\tR\x03run\x12'\n" +
 	"\x0fidempotency_key\x18\x06 \x01(\tR\x0eidempotencyKey\x12#\n" +
-	"\rfresh_entropy\x18\a \x01(\bR\ffreshEntropyB\b\n" +
+	"\rfresh_entropy\x18\a \x01(\bR\ffreshEntropy\x12*\n" +
+	"\x11lease_ttl_seconds\x18\b \x01(\x01R\x0fleaseTtlSecondsB\b\n" +
 	"\x06source\"\xb0\x01\n" +
 	"\fForkResponse\x12\x1f\n" +
 	"\vsandbox_ids\x18\x01 \x03(\tR\n" +
@@ -2592,10 +2918,11 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\fCloseRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"\x0f\n" +
-	"\rCloseResponse\"3\n" +
+	"\rCloseResponse\"_\n" +
 	"\x10HeartbeatRequest\x12\x1f\n" +
 	"\vsandbox_ids\x18\x01 \x03(\tR\n" +
-	"sandboxIds\"o\n" +
+	"sandboxIds\x12*\n" +
+	"\x11lease_ttl_seconds\x18\x02 \x01(\x01R\x0fleaseTtlSeconds\"o\n" +
 	"\x11HeartbeatResponse\x12*\n" +
 	"\x06leases\x18\x01 \x03(\v2\x12.deltagym.v1.LeaseR\x06leases\x12.\n" +
 	"\x13unknown_sandbox_ids\x18\x02 \x03(\tR\x11unknownSandboxIds\"c\n" +
@@ -2649,7 +2976,12 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17IMAGE_FORMAT_OCI_LAYOUT\x10\x01\x12\x1f\n" +
 	"\x1bIMAGE_FORMAT_DOCKER_ARCHIVE\x10\x02\x12\x1b\n" +
-	"\x17IMAGE_FORMAT_ROOTFS_DIR\x10\x032\xd9\t\n" +
+	"\x17IMAGE_FORMAT_ROOTFS_DIR\x10\x03*a\n" +
+	"\fOutputStream\x12\x1d\n" +
+	"\x19OUTPUT_STREAM_UNSPECIFIED\x10\x00\x12\x18\n" +
+	"\x14OUTPUT_STREAM_STDOUT\x10\x01\x12\x18\n" +
+	"\x14OUTPUT_STREAM_STDERR\x10\x022\xaa\n" +
+	"\n" +
 	"\n" +
 	"EnvService\x12G\n" +
 	"\bListEnvs\x12\x1c.deltagym.v1.ListEnvsRequest\x1a\x1d.deltagym.v1.ListEnvsResponse\x12P\n" +
@@ -2658,7 +2990,9 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x05Reset\x12\x19.deltagym.v1.ResetRequest\x1a\x1a.deltagym.v1.ResetResponse\x12;\n" +
 	"\x04Step\x12\x18.deltagym.v1.StepRequest\x1a\x19.deltagym.v1.StepResponse\x12Q\n" +
 	"\n" +
-	"StepStream\x12\x1e.deltagym.v1.StepStreamRequest\x1a\x1f.deltagym.v1.StepStreamResponse(\x010\x01\x12M\n" +
+	"StepStream\x12\x1e.deltagym.v1.StepStreamRequest\x1a\x1f.deltagym.v1.StepStreamResponse(\x010\x01\x12O\n" +
+	"\n" +
+	"StreamStep\x12\x1e.deltagym.v1.StreamStepRequest\x1a\x1f.deltagym.v1.StreamStepResponse0\x01\x12M\n" +
 	"\n" +
 	"Checkpoint\x12\x1e.deltagym.v1.CheckpointRequest\x1a\x1f.deltagym.v1.CheckpointResponse\x12D\n" +
 	"\aRestore\x12\x1b.deltagym.v1.RestoreRequest\x1a\x1c.deltagym.v1.RestoreResponse\x12;\n" +
@@ -2685,122 +3019,132 @@ func file_deltagym_v1_env_service_proto_rawDescGZIP() []byte {
 	return file_deltagym_v1_env_service_proto_rawDescData
 }
 
-var file_deltagym_v1_env_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_deltagym_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
+var file_deltagym_v1_env_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_deltagym_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
 var file_deltagym_v1_env_service_proto_goTypes = []any{
 	(ImageFormat)(0),                  // 0: deltagym.v1.ImageFormat
-	(*ListEnvsRequest)(nil),           // 1: deltagym.v1.ListEnvsRequest
-	(*ListEnvsResponse)(nil),          // 2: deltagym.v1.ListEnvsResponse
-	(*RegisterEnvRequest)(nil),        // 3: deltagym.v1.RegisterEnvRequest
-	(*RegisterEnvResponse)(nil),       // 4: deltagym.v1.RegisterEnvResponse
-	(*ImportImageRequest)(nil),        // 5: deltagym.v1.ImportImageRequest
-	(*ImportImageResponse)(nil),       // 6: deltagym.v1.ImportImageResponse
-	(*ResetRequest)(nil),              // 7: deltagym.v1.ResetRequest
-	(*ResetResponse)(nil),             // 8: deltagym.v1.ResetResponse
-	(*StepRequest)(nil),               // 9: deltagym.v1.StepRequest
-	(*StepResponse)(nil),              // 10: deltagym.v1.StepResponse
-	(*StepStreamRequest)(nil),         // 11: deltagym.v1.StepStreamRequest
-	(*StepStreamResponse)(nil),        // 12: deltagym.v1.StepStreamResponse
-	(*ErrorStatus)(nil),               // 13: deltagym.v1.ErrorStatus
-	(*CheckpointRequest)(nil),         // 14: deltagym.v1.CheckpointRequest
-	(*CheckpointResponse)(nil),        // 15: deltagym.v1.CheckpointResponse
-	(*RestoreRequest)(nil),            // 16: deltagym.v1.RestoreRequest
-	(*RestoreResponse)(nil),           // 17: deltagym.v1.RestoreResponse
-	(*ForkRequest)(nil),               // 18: deltagym.v1.ForkRequest
-	(*ForkResponse)(nil),              // 19: deltagym.v1.ForkResponse
-	(*ReleaseCheckpointRequest)(nil),  // 20: deltagym.v1.ReleaseCheckpointRequest
-	(*ReleaseCheckpointResponse)(nil), // 21: deltagym.v1.ReleaseCheckpointResponse
-	(*EvaluateRequest)(nil),           // 22: deltagym.v1.EvaluateRequest
-	(*EvaluateResponse)(nil),          // 23: deltagym.v1.EvaluateResponse
-	(*CloseRequest)(nil),              // 24: deltagym.v1.CloseRequest
-	(*CloseResponse)(nil),             // 25: deltagym.v1.CloseResponse
-	(*HeartbeatRequest)(nil),          // 26: deltagym.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),         // 27: deltagym.v1.HeartbeatResponse
-	(*Lease)(nil),                     // 28: deltagym.v1.Lease
-	(*GetSandboxRequest)(nil),         // 29: deltagym.v1.GetSandboxRequest
-	(*GetSandboxResponse)(nil),        // 30: deltagym.v1.GetSandboxResponse
-	(*ListSandboxesRequest)(nil),      // 31: deltagym.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),     // 32: deltagym.v1.ListSandboxesResponse
-	(*ListCheckpointsRequest)(nil),    // 33: deltagym.v1.ListCheckpointsRequest
-	(*ListCheckpointsResponse)(nil),   // 34: deltagym.v1.ListCheckpointsResponse
-	(*CheckpointSummary)(nil),         // 35: deltagym.v1.CheckpointSummary
-	nil,                               // 36: deltagym.v1.ResetRequest.OptionsEntry
-	nil,                               // 37: deltagym.v1.ResetResponse.InfoEntry
-	nil,                               // 38: deltagym.v1.StepResponse.InfoEntry
-	nil,                               // 39: deltagym.v1.EvaluateResponse.ComponentsEntry
-	(*EnvInfo)(nil),                   // 40: deltagym.v1.EnvInfo
-	(*EnvSpec)(nil),                   // 41: deltagym.v1.EnvSpec
-	(*Observation)(nil),               // 42: deltagym.v1.Observation
-	(*timestamppb.Timestamp)(nil),     // 43: google.protobuf.Timestamp
-	(*Action)(nil),                    // 44: deltagym.v1.Action
-	(ProcessMode)(0),                  // 45: deltagym.v1.ProcessMode
-	(*ProcessCapture)(nil),            // 46: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),                   // 47: deltagym.v1.Sandbox
+	(OutputStream)(0),                 // 1: deltagym.v1.OutputStream
+	(*ListEnvsRequest)(nil),           // 2: deltagym.v1.ListEnvsRequest
+	(*ListEnvsResponse)(nil),          // 3: deltagym.v1.ListEnvsResponse
+	(*RegisterEnvRequest)(nil),        // 4: deltagym.v1.RegisterEnvRequest
+	(*RegisterEnvResponse)(nil),       // 5: deltagym.v1.RegisterEnvResponse
+	(*ImportImageRequest)(nil),        // 6: deltagym.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),       // 7: deltagym.v1.ImportImageResponse
+	(*ResetRequest)(nil),              // 8: deltagym.v1.ResetRequest
+	(*ResetResponse)(nil),             // 9: deltagym.v1.ResetResponse
+	(*StepRequest)(nil),               // 10: deltagym.v1.StepRequest
+	(*StepResponse)(nil),              // 11: deltagym.v1.StepResponse
+	(*StreamStepRequest)(nil),         // 12: deltagym.v1.StreamStepRequest
+	(*StreamStepResponse)(nil),        // 13: deltagym.v1.StreamStepResponse
+	(*OutputChunk)(nil),               // 14: deltagym.v1.OutputChunk
+	(*StepStreamRequest)(nil),         // 15: deltagym.v1.StepStreamRequest
+	(*StepStreamResponse)(nil),        // 16: deltagym.v1.StepStreamResponse
+	(*ErrorStatus)(nil),               // 17: deltagym.v1.ErrorStatus
+	(*CheckpointRequest)(nil),         // 18: deltagym.v1.CheckpointRequest
+	(*CheckpointResponse)(nil),        // 19: deltagym.v1.CheckpointResponse
+	(*RestoreRequest)(nil),            // 20: deltagym.v1.RestoreRequest
+	(*RestoreResponse)(nil),           // 21: deltagym.v1.RestoreResponse
+	(*ForkRequest)(nil),               // 22: deltagym.v1.ForkRequest
+	(*ForkResponse)(nil),              // 23: deltagym.v1.ForkResponse
+	(*ReleaseCheckpointRequest)(nil),  // 24: deltagym.v1.ReleaseCheckpointRequest
+	(*ReleaseCheckpointResponse)(nil), // 25: deltagym.v1.ReleaseCheckpointResponse
+	(*EvaluateRequest)(nil),           // 26: deltagym.v1.EvaluateRequest
+	(*EvaluateResponse)(nil),          // 27: deltagym.v1.EvaluateResponse
+	(*CloseRequest)(nil),              // 28: deltagym.v1.CloseRequest
+	(*CloseResponse)(nil),             // 29: deltagym.v1.CloseResponse
+	(*HeartbeatRequest)(nil),          // 30: deltagym.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),         // 31: deltagym.v1.HeartbeatResponse
+	(*Lease)(nil),                     // 32: deltagym.v1.Lease
+	(*GetSandboxRequest)(nil),         // 33: deltagym.v1.GetSandboxRequest
+	(*GetSandboxResponse)(nil),        // 34: deltagym.v1.GetSandboxResponse
+	(*ListSandboxesRequest)(nil),      // 35: deltagym.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),     // 36: deltagym.v1.ListSandboxesResponse
+	(*ListCheckpointsRequest)(nil),    // 37: deltagym.v1.ListCheckpointsRequest
+	(*ListCheckpointsResponse)(nil),   // 38: deltagym.v1.ListCheckpointsResponse
+	(*CheckpointSummary)(nil),         // 39: deltagym.v1.CheckpointSummary
+	nil,                               // 40: deltagym.v1.ResetRequest.OptionsEntry
+	nil,                               // 41: deltagym.v1.ResetResponse.InfoEntry
+	nil,                               // 42: deltagym.v1.StepResponse.InfoEntry
+	nil,                               // 43: deltagym.v1.EvaluateResponse.ComponentsEntry
+	(*EnvInfo)(nil),                   // 44: deltagym.v1.EnvInfo
+	(*EnvSpec)(nil),                   // 45: deltagym.v1.EnvSpec
+	(*Observation)(nil),               // 46: deltagym.v1.Observation
+	(*timestamppb.Timestamp)(nil),     // 47: google.protobuf.Timestamp
+	(*Action)(nil),                    // 48: deltagym.v1.Action
+	(ProcessMode)(0),                  // 49: deltagym.v1.ProcessMode
+	(*ProcessCapture)(nil),            // 50: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),                   // 51: deltagym.v1.Sandbox
 }
 var file_deltagym_v1_env_service_proto_depIdxs = []int32{
-	40, // 0: deltagym.v1.ListEnvsResponse.envs:type_name -> deltagym.v1.EnvInfo
-	41, // 1: deltagym.v1.RegisterEnvRequest.spec:type_name -> deltagym.v1.EnvSpec
-	40, // 2: deltagym.v1.RegisterEnvResponse.env:type_name -> deltagym.v1.EnvInfo
+	44, // 0: deltagym.v1.ListEnvsResponse.envs:type_name -> deltagym.v1.EnvInfo
+	45, // 1: deltagym.v1.RegisterEnvRequest.spec:type_name -> deltagym.v1.EnvSpec
+	44, // 2: deltagym.v1.RegisterEnvResponse.env:type_name -> deltagym.v1.EnvInfo
 	0,  // 3: deltagym.v1.ImportImageRequest.format:type_name -> deltagym.v1.ImageFormat
-	36, // 4: deltagym.v1.ResetRequest.options:type_name -> deltagym.v1.ResetRequest.OptionsEntry
-	42, // 5: deltagym.v1.ResetResponse.observation:type_name -> deltagym.v1.Observation
-	37, // 6: deltagym.v1.ResetResponse.info:type_name -> deltagym.v1.ResetResponse.InfoEntry
-	43, // 7: deltagym.v1.ResetResponse.lease_expire_time:type_name -> google.protobuf.Timestamp
-	44, // 8: deltagym.v1.StepRequest.action:type_name -> deltagym.v1.Action
-	42, // 9: deltagym.v1.StepResponse.observation:type_name -> deltagym.v1.Observation
-	38, // 10: deltagym.v1.StepResponse.info:type_name -> deltagym.v1.StepResponse.InfoEntry
-	9,  // 11: deltagym.v1.StepStreamRequest.step:type_name -> deltagym.v1.StepRequest
-	10, // 12: deltagym.v1.StepStreamResponse.step:type_name -> deltagym.v1.StepResponse
-	13, // 13: deltagym.v1.StepStreamResponse.error:type_name -> deltagym.v1.ErrorStatus
-	45, // 14: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
-	46, // 15: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	46, // 16: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	39, // 17: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
-	28, // 18: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
-	43, // 19: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
-	47, // 20: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
-	47, // 21: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
-	35, // 22: deltagym.v1.ListCheckpointsResponse.checkpoints:type_name -> deltagym.v1.CheckpointSummary
-	43, // 23: deltagym.v1.CheckpointSummary.create_time:type_name -> google.protobuf.Timestamp
-	43, // 24: deltagym.v1.CheckpointSummary.last_used_time:type_name -> google.protobuf.Timestamp
-	43, // 25: deltagym.v1.CheckpointSummary.expire_time:type_name -> google.protobuf.Timestamp
-	1,  // 26: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
-	3,  // 27: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
-	5,  // 28: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
-	7,  // 29: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
-	9,  // 30: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
-	11, // 31: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
-	14, // 32: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
-	16, // 33: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
-	18, // 34: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
-	20, // 35: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
-	22, // 36: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
-	24, // 37: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
-	26, // 38: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
-	29, // 39: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
-	31, // 40: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
-	33, // 41: deltagym.v1.EnvService.ListCheckpoints:input_type -> deltagym.v1.ListCheckpointsRequest
-	2,  // 42: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
-	4,  // 43: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
-	6,  // 44: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
-	8,  // 45: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
-	10, // 46: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
-	12, // 47: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
-	15, // 48: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
-	17, // 49: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
-	19, // 50: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
-	21, // 51: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
-	23, // 52: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
-	25, // 53: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
-	27, // 54: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
-	30, // 55: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
-	32, // 56: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
-	34, // 57: deltagym.v1.EnvService.ListCheckpoints:output_type -> deltagym.v1.ListCheckpointsResponse
-	42, // [42:58] is the sub-list for method output_type
-	26, // [26:42] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	40, // 4: deltagym.v1.ResetRequest.options:type_name -> deltagym.v1.ResetRequest.OptionsEntry
+	46, // 5: deltagym.v1.ResetResponse.observation:type_name -> deltagym.v1.Observation
+	41, // 6: deltagym.v1.ResetResponse.info:type_name -> deltagym.v1.ResetResponse.InfoEntry
+	47, // 7: deltagym.v1.ResetResponse.lease_expire_time:type_name -> google.protobuf.Timestamp
+	48, // 8: deltagym.v1.StepRequest.action:type_name -> deltagym.v1.Action
+	46, // 9: deltagym.v1.StepResponse.observation:type_name -> deltagym.v1.Observation
+	42, // 10: deltagym.v1.StepResponse.info:type_name -> deltagym.v1.StepResponse.InfoEntry
+	10, // 11: deltagym.v1.StreamStepRequest.step:type_name -> deltagym.v1.StepRequest
+	14, // 12: deltagym.v1.StreamStepResponse.output:type_name -> deltagym.v1.OutputChunk
+	11, // 13: deltagym.v1.StreamStepResponse.step:type_name -> deltagym.v1.StepResponse
+	1,  // 14: deltagym.v1.OutputChunk.stream:type_name -> deltagym.v1.OutputStream
+	10, // 15: deltagym.v1.StepStreamRequest.step:type_name -> deltagym.v1.StepRequest
+	11, // 16: deltagym.v1.StepStreamResponse.step:type_name -> deltagym.v1.StepResponse
+	17, // 17: deltagym.v1.StepStreamResponse.error:type_name -> deltagym.v1.ErrorStatus
+	49, // 18: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
+	50, // 19: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	50, // 20: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	43, // 21: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
+	32, // 22: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
+	47, // 23: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
+	51, // 24: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
+	51, // 25: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
+	39, // 26: deltagym.v1.ListCheckpointsResponse.checkpoints:type_name -> deltagym.v1.CheckpointSummary
+	47, // 27: deltagym.v1.CheckpointSummary.create_time:type_name -> google.protobuf.Timestamp
+	47, // 28: deltagym.v1.CheckpointSummary.last_used_time:type_name -> google.protobuf.Timestamp
+	47, // 29: deltagym.v1.CheckpointSummary.expire_time:type_name -> google.protobuf.Timestamp
+	2,  // 30: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
+	4,  // 31: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
+	6,  // 32: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
+	8,  // 33: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
+	10, // 34: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
+	15, // 35: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
+	12, // 36: deltagym.v1.EnvService.StreamStep:input_type -> deltagym.v1.StreamStepRequest
+	18, // 37: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
+	20, // 38: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
+	22, // 39: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
+	24, // 40: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
+	26, // 41: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
+	28, // 42: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
+	30, // 43: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
+	33, // 44: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
+	35, // 45: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
+	37, // 46: deltagym.v1.EnvService.ListCheckpoints:input_type -> deltagym.v1.ListCheckpointsRequest
+	3,  // 47: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
+	5,  // 48: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
+	7,  // 49: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
+	9,  // 50: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
+	11, // 51: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
+	16, // 52: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
+	13, // 53: deltagym.v1.EnvService.StreamStep:output_type -> deltagym.v1.StreamStepResponse
+	19, // 54: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
+	21, // 55: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
+	23, // 56: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
+	25, // 57: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
+	27, // 58: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
+	29, // 59: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
+	31, // 60: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
+	34, // 61: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
+	36, // 62: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
+	38, // 63: deltagym.v1.EnvService.ListCheckpoints:output_type -> deltagym.v1.ListCheckpointsResponse
+	47, // [47:64] is the sub-list for method output_type
+	30, // [30:47] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_service_proto_init() }
@@ -2812,10 +3156,14 @@ func file_deltagym_v1_env_service_proto_init() {
 	file_deltagym_v1_env_proto_init()
 	file_deltagym_v1_env_service_proto_msgTypes[6].OneofWrappers = []any{}
 	file_deltagym_v1_env_service_proto_msgTypes[11].OneofWrappers = []any{
+		(*StreamStepResponse_Output)(nil),
+		(*StreamStepResponse_Step)(nil),
+	}
+	file_deltagym_v1_env_service_proto_msgTypes[14].OneofWrappers = []any{
 		(*StepStreamResponse_Step)(nil),
 		(*StepStreamResponse_Error)(nil),
 	}
-	file_deltagym_v1_env_service_proto_msgTypes[17].OneofWrappers = []any{
+	file_deltagym_v1_env_service_proto_msgTypes[20].OneofWrappers = []any{
 		(*ForkRequest_CheckpointId)(nil),
 		(*ForkRequest_SandboxId)(nil),
 	}
@@ -2824,8 +3172,8 @@ func file_deltagym_v1_env_service_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_service_proto_rawDesc), len(file_deltagym_v1_env_service_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   39,
+			NumEnums:      2,
+			NumMessages:   42,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

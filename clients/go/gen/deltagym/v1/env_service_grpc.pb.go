@@ -25,6 +25,7 @@ const (
 	EnvService_Reset_FullMethodName             = "/deltagym.v1.EnvService/Reset"
 	EnvService_Step_FullMethodName              = "/deltagym.v1.EnvService/Step"
 	EnvService_StepStream_FullMethodName        = "/deltagym.v1.EnvService/StepStream"
+	EnvService_StreamStep_FullMethodName        = "/deltagym.v1.EnvService/StreamStep"
 	EnvService_Checkpoint_FullMethodName        = "/deltagym.v1.EnvService/Checkpoint"
 	EnvService_Restore_FullMethodName           = "/deltagym.v1.EnvService/Restore"
 	EnvService_Fork_FullMethodName              = "/deltagym.v1.EnvService/Fork"
@@ -69,6 +70,12 @@ type EnvServiceClient interface {
 	// sandboxes may come back in any order, matched by request_id. A failed
 	// step yields an error response and the stream goes on.
 	StepStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StepStreamRequest, StepStreamResponse], error)
+	// StreamStep performs one step as Step does, and sends a command's output
+	// as it is produced, in chunks, before the step's response: for long
+	// commands whose progress the caller shows or reacts to. The ledger
+	// records the step as for Step. Actions other than exec send only the
+	// response. Cancelling the call cuts the step short as it does for Step.
+	StreamStep(ctx context.Context, in *StreamStepRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[StreamStepResponse], error)
 	// Checkpoint saves the sandbox's whole state (files and processes) as an
 	// immutable checkpoint.
 	Checkpoint(ctx context.Context, in *CheckpointRequest, opts ...grpc.CallOption) (*CheckpointResponse, error)
@@ -169,6 +176,25 @@ func (c *envServiceClient) StepStream(ctx context.Context, opts ...grpc.CallOpti
 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type EnvService_StepStreamClient = grpc.BidiStreamingClient[StepStreamRequest, StepStreamResponse]
+
+func (c *envServiceClient) StreamStep(ctx context.Context, in *StreamStepRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[StreamStepResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &EnvService_ServiceDesc.Streams[1], EnvService_StreamStep_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[StreamStepRequest, StreamStepResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type EnvService_StreamStepClient = grpc.ServerStreamingClient[StreamStepResponse]
 
 func (c *envServiceClient) Checkpoint(ctx context.Context, in *CheckpointRequest, opts ...grpc.CallOption) (*CheckpointResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
@@ -302,6 +328,12 @@ type EnvServiceServer interface {
 	// sandboxes may come back in any order, matched by request_id. A failed
 	// step yields an error response and the stream goes on.
 	StepStream(grpc.BidiStreamingServer[StepStreamRequest, StepStreamResponse]) error
+	// StreamStep performs one step as Step does, and sends a command's output
+	// as it is produced, in chunks, before the step's response: for long
+	// commands whose progress the caller shows or reacts to. The ledger
+	// records the step as for Step. Actions other than exec send only the
+	// response. Cancelling the call cuts the step short as it does for Step.
+	StreamStep(*StreamStepRequest, grpc.ServerStreamingServer[StreamStepResponse]) error
 	// Checkpoint saves the sandbox's whole state (files and processes) as an
 	// immutable checkpoint.
 	Checkpoint(context.Context, *CheckpointRequest) (*CheckpointResponse, error)
@@ -357,6 +389,9 @@ func (UnimplementedEnvServiceServer) Step(context.Context, *StepRequest) (*StepR
 }
 func (UnimplementedEnvServiceServer) StepStream(grpc.BidiStreamingServer[StepStreamRequest, StepStreamResponse]) error {
 	return status.Error(codes.Unimplemented, "method StepStream not implemented")
+}
+func (UnimplementedEnvServiceServer) StreamStep(*StreamStepRequest, grpc.ServerStreamingServer[StreamStepResponse]) error {
+	return status.Error(codes.Unimplemented, "method StreamStep not implemented")
 }
 func (UnimplementedEnvServiceServer) Checkpoint(context.Context, *CheckpointRequest) (*CheckpointResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Checkpoint not implemented")
@@ -505,6 +540,17 @@ func _EnvService_StepStream_Handler(srv interface{}, stream grpc.ServerStream) e
 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type EnvService_StepStreamServer = grpc.BidiStreamingServer[StepStreamRequest, StepStreamResponse]
+
+func _EnvService_StreamStep_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(StreamStepRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(EnvServiceServer).StreamStep(m, &grpc.GenericServerStream[StreamStepRequest, StreamStepResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type EnvService_StreamStepServer = grpc.ServerStreamingServer[StreamStepResponse]
 
 func _EnvService_Checkpoint_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(CheckpointRequest)
@@ -760,6 +806,11 @@ var EnvService_ServiceDesc = grpc.ServiceDesc{
 			Handler:       _EnvService_StepStream_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
+		},
+		{
+			StreamName:    "StreamStep",
+			Handler:       _EnvService_StreamStep_Handler,
+			ServerStreams: true,
 		},
 	},
 	Metadata: "deltagym/v1/env_service.proto",

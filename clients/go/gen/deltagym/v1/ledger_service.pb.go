@@ -508,8 +508,11 @@ type TrajectoryStep struct {
 	ActionBulkSizeBytes int64 `protobuf:"varint,14,opt,name=action_bulk_size_bytes,json=actionBulkSizeBytes,proto3" json:"action_bulk_size_bytes,omitempty"`
 	// action_bulk_sha256 is the hex SHA-256 of the whole bulk, when cut.
 	ActionBulkSha256 string `protobuf:"bytes,15,opt,name=action_bulk_sha256,json=actionBulkSha256,proto3" json:"action_bulk_sha256,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// setup is set for a step that set the task up (StepRequest.setup),
+	// which counted against no budget.
+	Setup         bool `protobuf:"varint,16,opt,name=setup,proto3" json:"setup,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *TrajectoryStep) Reset() {
@@ -645,6 +648,13 @@ func (x *TrajectoryStep) GetActionBulkSha256() string {
 		return x.ActionBulkSha256
 	}
 	return ""
+}
+
+func (x *TrajectoryStep) GetSetup() bool {
+	if x != nil {
+		return x.Setup
+	}
+	return false
 }
 
 // CheckpointNode is one checkpoint in a tree.
@@ -1491,7 +1501,7 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\x01R\x05value\x12\x16\n" +
 	"\x06source\x18\x03 \x01(\tR\x06source\x12;\n" +
 	"\vreport_time\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"reportTime\"\xfe\x04\n" +
+	"reportTime\"\x94\x05\n" +
 	"\x0eTrajectoryStep\x12\x1d\n" +
 	"\n" +
 	"step_index\x18\x01 \x01(\x05R\tstepIndex\x12\x1d\n" +
@@ -1513,7 +1523,8 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\x10duration_seconds\x18\f \x01(\x01R\x0fdurationSeconds\x12#\n" +
 	"\rcheckpoint_id\x18\r \x01(\tR\fcheckpointId\x123\n" +
 	"\x16action_bulk_size_bytes\x18\x0e \x01(\x03R\x13actionBulkSizeBytes\x12,\n" +
-	"\x12action_bulk_sha256\x18\x0f \x01(\tR\x10actionBulkSha256\"\xb9\x02\n" +
+	"\x12action_bulk_sha256\x18\x0f \x01(\tR\x10actionBulkSha256\x12\x14\n" +
+	"\x05setup\x18\x10 \x01(\bR\x05setup\"\xb9\x02\n" +
 	"\x0eCheckpointNode\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12/\n" +

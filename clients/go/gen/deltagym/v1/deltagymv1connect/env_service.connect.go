@@ -45,6 +45,8 @@ const (
 	EnvServiceStepProcedure = "/deltagym.v1.EnvService/Step"
 	// EnvServiceStepStreamProcedure is the fully-qualified name of the EnvService's StepStream RPC.
 	EnvServiceStepStreamProcedure = "/deltagym.v1.EnvService/StepStream"
+	// EnvServiceStreamStepProcedure is the fully-qualified name of the EnvService's StreamStep RPC.
+	EnvServiceStreamStepProcedure = "/deltagym.v1.EnvService/StreamStep"
 	// EnvServiceCheckpointProcedure is the fully-qualified name of the EnvService's Checkpoint RPC.
 	EnvServiceCheckpointProcedure = "/deltagym.v1.EnvService/Checkpoint"
 	// EnvServiceRestoreProcedure is the fully-qualified name of the EnvService's Restore RPC.
@@ -93,6 +95,12 @@ type EnvServiceClient interface {
 	// sandboxes may come back in any order, matched by request_id. A failed
 	// step yields an error response and the stream goes on.
 	StepStream(context.Context) *connect.BidiStreamForClient[v1.StepStreamRequest, v1.StepStreamResponse]
+	// StreamStep performs one step as Step does, and sends a command's output
+	// as it is produced, in chunks, before the step's response: for long
+	// commands whose progress the caller shows or reacts to. The ledger
+	// records the step as for Step. Actions other than exec send only the
+	// response. Cancelling the call cuts the step short as it does for Step.
+	StreamStep(context.Context, *connect.Request[v1.StreamStepRequest]) (*connect.ServerStreamForClient[v1.StreamStepResponse], error)
 	// Checkpoint saves the sandbox's whole state (files and processes) as an
 	// immutable checkpoint.
 	Checkpoint(context.Context, *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error)
@@ -170,6 +178,12 @@ func NewEnvServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithSchema(envServiceMethods.ByName("StepStream")),
 			connect.WithClientOptions(opts...),
 		),
+		streamStep: connect.NewClient[v1.StreamStepRequest, v1.StreamStepResponse](
+			httpClient,
+			baseURL+EnvServiceStreamStepProcedure,
+			connect.WithSchema(envServiceMethods.ByName("StreamStep")),
+			connect.WithClientOptions(opts...),
+		),
 		checkpoint: connect.NewClient[v1.CheckpointRequest, v1.CheckpointResponse](
 			httpClient,
 			baseURL+EnvServiceCheckpointProcedure,
@@ -241,6 +255,7 @@ type envServiceClient struct {
 	reset             *connect.Client[v1.ResetRequest, v1.ResetResponse]
 	step              *connect.Client[v1.StepRequest, v1.StepResponse]
 	stepStream        *connect.Client[v1.StepStreamRequest, v1.StepStreamResponse]
+	streamStep        *connect.Client[v1.StreamStepRequest, v1.StreamStepResponse]
 	checkpoint        *connect.Client[v1.CheckpointRequest, v1.CheckpointResponse]
 	restore           *connect.Client[v1.RestoreRequest, v1.RestoreResponse]
 	fork              *connect.Client[v1.ForkRequest, v1.ForkResponse]
@@ -281,6 +296,11 @@ func (c *envServiceClient) Step(ctx context.Context, req *connect.Request[v1.Ste
 // StepStream calls deltagym.v1.EnvService.StepStream.
 func (c *envServiceClient) StepStream(ctx context.Context) *connect.BidiStreamForClient[v1.StepStreamRequest, v1.StepStreamResponse] {
 	return c.stepStream.CallBidiStream(ctx)
+}
+
+// StreamStep calls deltagym.v1.EnvService.StreamStep.
+func (c *envServiceClient) StreamStep(ctx context.Context, req *connect.Request[v1.StreamStepRequest]) (*connect.ServerStreamForClient[v1.StreamStepResponse], error) {
+	return c.streamStep.CallServerStream(ctx, req)
 }
 
 // Checkpoint calls deltagym.v1.EnvService.Checkpoint.
@@ -356,6 +376,12 @@ type EnvServiceHandler interface {
 	// sandboxes may come back in any order, matched by request_id. A failed
 	// step yields an error response and the stream goes on.
 	StepStream(context.Context, *connect.BidiStream[v1.StepStreamRequest, v1.StepStreamResponse]) error
+	// StreamStep performs one step as Step does, and sends a command's output
+	// as it is produced, in chunks, before the step's response: for long
+	// commands whose progress the caller shows or reacts to. The ledger
+	// records the step as for Step. Actions other than exec send only the
+	// response. Cancelling the call cuts the step short as it does for Step.
+	StreamStep(context.Context, *connect.Request[v1.StreamStepRequest], *connect.ServerStream[v1.StreamStepResponse]) error
 	// Checkpoint saves the sandbox's whole state (files and processes) as an
 	// immutable checkpoint.
 	Checkpoint(context.Context, *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error)
@@ -427,6 +453,12 @@ func NewEnvServiceHandler(svc EnvServiceHandler, opts ...connect.HandlerOption) 
 		EnvServiceStepStreamProcedure,
 		svc.StepStream,
 		connect.WithSchema(envServiceMethods.ByName("StepStream")),
+		connect.WithHandlerOptions(opts...),
+	)
+	envServiceStreamStepHandler := connect.NewServerStreamHandler(
+		EnvServiceStreamStepProcedure,
+		svc.StreamStep,
+		connect.WithSchema(envServiceMethods.ByName("StreamStep")),
 		connect.WithHandlerOptions(opts...),
 	)
 	envServiceCheckpointHandler := connect.NewUnaryHandler(
@@ -503,6 +535,8 @@ func NewEnvServiceHandler(svc EnvServiceHandler, opts ...connect.HandlerOption) 
 			envServiceStepHandler.ServeHTTP(w, r)
 		case EnvServiceStepStreamProcedure:
 			envServiceStepStreamHandler.ServeHTTP(w, r)
+		case EnvServiceStreamStepProcedure:
+			envServiceStreamStepHandler.ServeHTTP(w, r)
 		case EnvServiceCheckpointProcedure:
 			envServiceCheckpointHandler.ServeHTTP(w, r)
 		case EnvServiceRestoreProcedure:
@@ -554,6 +588,10 @@ func (UnimplementedEnvServiceHandler) Step(context.Context, *connect.Request[v1.
 
 func (UnimplementedEnvServiceHandler) StepStream(context.Context, *connect.BidiStream[v1.StepStreamRequest, v1.StepStreamResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.EnvService.StepStream is not implemented"))
+}
+
+func (UnimplementedEnvServiceHandler) StreamStep(context.Context, *connect.Request[v1.StreamStepRequest], *connect.ServerStream[v1.StreamStepResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.EnvService.StreamStep is not implemented"))
 }
 
 func (UnimplementedEnvServiceHandler) Checkpoint(context.Context, *connect.Request[v1.CheckpointRequest]) (*connect.Response[v1.CheckpointResponse], error) {

@@ -18,10 +18,19 @@ class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IMAGE_FORMAT_OCI_LAYOUT: _ClassVar[ImageFormat]
     IMAGE_FORMAT_DOCKER_ARCHIVE: _ClassVar[ImageFormat]
     IMAGE_FORMAT_ROOTFS_DIR: _ClassVar[ImageFormat]
+
+class OutputStream(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_STREAM_UNSPECIFIED: _ClassVar[OutputStream]
+    OUTPUT_STREAM_STDOUT: _ClassVar[OutputStream]
+    OUTPUT_STREAM_STDERR: _ClassVar[OutputStream]
 IMAGE_FORMAT_UNSPECIFIED: ImageFormat
 IMAGE_FORMAT_OCI_LAYOUT: ImageFormat
 IMAGE_FORMAT_DOCKER_ARCHIVE: ImageFormat
 IMAGE_FORMAT_ROOTFS_DIR: ImageFormat
+OUTPUT_STREAM_UNSPECIFIED: OutputStream
+OUTPUT_STREAM_STDOUT: OutputStream
+OUTPUT_STREAM_STDERR: OutputStream
 
 class ListEnvsRequest(_message.Message):
     __slots__ = ()
@@ -72,7 +81,7 @@ class ImportImageResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., layer_count: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
-    __slots__ = ("env", "seed", "options", "idempotency_key", "run", "group_id")
+    __slots__ = ("env", "seed", "options", "idempotency_key", "run", "group_id", "lease_ttl_seconds")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,13 +95,15 @@ class ResetRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     env: str
     seed: int
     options: _containers.ScalarMap[str, str]
     idempotency_key: str
     run: str
     group_id: str
-    def __init__(self, env: _Optional[str] = ..., seed: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ..., idempotency_key: _Optional[str] = ..., run: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+    lease_ttl_seconds: float
+    def __init__(self, env: _Optional[str] = ..., seed: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ..., idempotency_key: _Optional[str] = ..., run: _Optional[str] = ..., group_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
     __slots__ = ("sandbox_id", "episode_id", "checkpoint_id", "observation", "info", "lease_expire_time")
@@ -118,21 +129,23 @@ class ResetResponse(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., info: _Optional[_Mapping[str, str]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("sandbox_id", "action", "checkpoint", "restore_checkpoint_id", "restore_fresh_entropy")
+    __slots__ = ("sandbox_id", "action", "checkpoint", "restore_checkpoint_id", "restore_fresh_entropy", "setup")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FRESH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     action: _action_pb2.Action
     checkpoint: bool
     restore_checkpoint_id: str
     restore_fresh_entropy: bool
-    def __init__(self, sandbox_id: _Optional[str] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., checkpoint: _Optional[bool] = ..., restore_checkpoint_id: _Optional[str] = ..., restore_fresh_entropy: _Optional[bool] = ...) -> None: ...
+    setup: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., checkpoint: _Optional[bool] = ..., restore_checkpoint_id: _Optional[str] = ..., restore_fresh_entropy: _Optional[bool] = ..., setup: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "reward", "terminated", "truncated", "checkpoint_id", "info", "step_index", "episode_id")
+    __slots__ = ("observation", "reward", "terminated", "truncated", "checkpoint_id", "info", "step_index", "episode_id", "steps_left")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +161,7 @@ class StepResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LEFT_FIELD_NUMBER: _ClassVar[int]
     observation: _action_pb2.Observation
     reward: float
     terminated: bool
@@ -156,7 +170,30 @@ class StepResponse(_message.Message):
     info: _containers.ScalarMap[str, str]
     step_index: int
     episode_id: str
-    def __init__(self, observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., checkpoint_id: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., step_index: _Optional[int] = ..., episode_id: _Optional[str] = ...) -> None: ...
+    steps_left: int
+    def __init__(self, observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., checkpoint_id: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., step_index: _Optional[int] = ..., episode_id: _Optional[str] = ..., steps_left: _Optional[int] = ...) -> None: ...
+
+class StreamStepRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepRequest
+    def __init__(self, step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+
+class StreamStepResponse(_message.Message):
+    __slots__ = ("output", "step")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    output: OutputChunk
+    step: StepResponse
+    def __init__(self, output: _Optional[_Union[OutputChunk, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("stream", "data")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    stream: OutputStream
+    data: bytes
+    def __init__(self, stream: _Optional[_Union[OutputStream, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepStreamRequest(_message.Message):
     __slots__ = ("request_id", "step")
@@ -177,12 +214,14 @@ class StepStreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ..., error: _Optional[_Union[ErrorStatus, _Mapping]] = ...) -> None: ...
 
 class ErrorStatus(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("sandbox_id", "durable", "process_mode")
@@ -227,7 +266,7 @@ class RestoreResponse(_message.Message):
     def __init__(self, episode_id: _Optional[str] = ..., next_step_index: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "sandbox_id", "n", "group_id", "run", "idempotency_key", "fresh_entropy")
+    __slots__ = ("checkpoint_id", "sandbox_id", "n", "group_id", "run", "idempotency_key", "fresh_entropy", "lease_ttl_seconds")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +274,7 @@ class ForkRequest(_message.Message):
     RUN_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     FRESH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     sandbox_id: str
     n: int
@@ -242,7 +282,8 @@ class ForkRequest(_message.Message):
     run: str
     idempotency_key: str
     fresh_entropy: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., n: _Optional[int] = ..., group_id: _Optional[str] = ..., run: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., fresh_entropy: _Optional[bool] = ...) -> None: ...
+    lease_ttl_seconds: float
+    def __init__(self, checkpoint_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ..., n: _Optional[int] = ..., group_id: _Optional[str] = ..., run: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., fresh_entropy: _Optional[bool] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ForkResponse(_message.Message):
     __slots__ = ("sandbox_ids", "episode_ids", "checkpoint_id", "processes")
@@ -302,10 +343,12 @@ class CloseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("sandbox_ids",)
+    __slots__ = ("sandbox_ids", "lease_ttl_seconds")
     SANDBOX_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sandbox_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sandbox_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease_ttl_seconds: float
+    def __init__(self, sandbox_ids: _Optional[_Iterable[str]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("leases", "unknown_sandbox_ids")

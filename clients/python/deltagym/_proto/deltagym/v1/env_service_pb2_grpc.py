@@ -70,6 +70,11 @@ class EnvServiceStub:
                 request_serializer=deltagym_dot_v1_dot_env__service__pb2.StepStreamRequest.SerializeToString,
                 response_deserializer=deltagym_dot_v1_dot_env__service__pb2.StepStreamResponse.FromString,
                 _registered_method=True)
+        self.StreamStep = channel.unary_stream(
+                '/deltagym.v1.EnvService/StreamStep',
+                request_serializer=deltagym_dot_v1_dot_env__service__pb2.StreamStepRequest.SerializeToString,
+                response_deserializer=deltagym_dot_v1_dot_env__service__pb2.StreamStepResponse.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/deltagym.v1.EnvService/Checkpoint',
                 request_serializer=deltagym_dot_v1_dot_env__service__pb2.CheckpointRequest.SerializeToString,
@@ -177,6 +182,17 @@ class EnvServiceServicer:
         one sandbox are performed in the order sent; responses for different
         sandboxes may come back in any order, matched by request_id. A failed
         step yields an error response and the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamStep(self, request, context):
+        """StreamStep performs one step as Step does, and sends a command's output
+        as it is produced, in chunks, before the step's response: for long
+        commands whose progress the caller shows or reacts to. The ledger
+        records the step as for Step. Actions other than exec send only the
+        response. Cancelling the call cuts the step short as it does for Step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -292,6 +308,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.StepStream,
                     request_deserializer=deltagym_dot_v1_dot_env__service__pb2.StepStreamRequest.FromString,
                     response_serializer=deltagym_dot_v1_dot_env__service__pb2.StepStreamResponse.SerializeToString,
+            ),
+            'StreamStep': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamStep,
+                    request_deserializer=deltagym_dot_v1_dot_env__service__pb2.StreamStepRequest.FromString,
+                    response_serializer=deltagym_dot_v1_dot_env__service__pb2.StreamStepResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -512,6 +533,33 @@ class EnvService:
             '/deltagym.v1.EnvService/StepStream',
             deltagym_dot_v1_dot_env__service__pb2.StepStreamRequest.SerializeToString,
             deltagym_dot_v1_dot_env__service__pb2.StepStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deltagym.v1.EnvService/StreamStep',
+            deltagym_dot_v1_dot_env__service__pb2.StreamStepRequest.SerializeToString,
+            deltagym_dot_v1_dot_env__service__pb2.StreamStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -99,7 +99,7 @@ class ReportedReward(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., source: _Optional[str] = ..., report_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class TrajectoryStep(_message.Message):
-    __slots__ = ("step_index", "episode_id", "inherited", "action", "observation", "observation_size_bytes", "observation_sha256", "reward", "terminated", "truncated", "start_time", "duration_seconds", "checkpoint_id", "action_bulk_size_bytes", "action_bulk_sha256")
+    __slots__ = ("step_index", "episode_id", "inherited", "action", "observation", "observation_size_bytes", "observation_sha256", "reward", "terminated", "truncated", "start_time", "duration_seconds", "checkpoint_id", "action_bulk_size_bytes", "action_bulk_sha256", "setup")
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     INHERITED_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class TrajectoryStep(_message.Message):
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_BULK_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTION_BULK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SETUP_FIELD_NUMBER: _ClassVar[int]
     step_index: int
     episode_id: str
     inherited: bool
@@ -130,7 +131,8 @@ class TrajectoryStep(_message.Message):
     checkpoint_id: str
     action_bulk_size_bytes: int
     action_bulk_sha256: str
-    def __init__(self, step_index: _Optional[int] = ..., episode_id: _Optional[str] = ..., inherited: _Optional[bool] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., observation_size_bytes: _Optional[int] = ..., observation_sha256: _Optional[str] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., duration_seconds: _Optional[float] = ..., checkpoint_id: _Optional[str] = ..., action_bulk_size_bytes: _Optional[int] = ..., action_bulk_sha256: _Optional[str] = ...) -> None: ...
+    setup: bool
+    def __init__(self, step_index: _Optional[int] = ..., episode_id: _Optional[str] = ..., inherited: _Optional[bool] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., observation_size_bytes: _Optional[int] = ..., observation_sha256: _Optional[str] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., duration_seconds: _Optional[float] = ..., checkpoint_id: _Optional[str] = ..., action_bulk_size_bytes: _Optional[int] = ..., action_bulk_sha256: _Optional[str] = ..., setup: _Optional[bool] = ...) -> None: ...
 
 class CheckpointNode(_message.Message):
     __slots__ = ("checkpoint_id", "parent_id", "kind", "sandbox_id", "episode_id", "step_index", "create_time", "released")
