@@ -5,7 +5,7 @@ DEPS_GROUPS += postgres image
 PY_PYTHON ?= python3
 PY_VENV := .cache/py-venv
 # Every package of the test venv, pinned (the SDK's own floors are in its pyproject).
-PY_PINS := grpcio==1.85.3 protobuf==7.36.2 gymnasium==1.4.0 numpy==2.4.6 cloudpickle==3.1.3 \
+PY_PINS := grpcio==1.85.3 protobuf==7.36.2 googleapis-common-protos==1.76.0 gymnasium==1.4.0 numpy==2.4.6 cloudpickle==3.1.3 \
 	Farama-Notifications==0.0.6 typing_extensions==4.16.0 pytest==9.2.0 pytest-timeout==2.4.0 \
 	iniconfig==2.3.1 packaging==26.4 pluggy==1.7.0 Pygments==2.21.0 setuptools==80.9.0 wheel==0.45.1
 # The stamp's name changes with the pins, so new pins rebuild the venv.
