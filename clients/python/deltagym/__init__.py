@@ -36,3 +36,10 @@ __all__ = [
     "Unauthenticated", "AlreadyExists", "PermissionDenied", "DeadlineExceeded", "Unavailable", "Unimplemented",
     "Internal",
 ]
+
+# With Gymnasium installed, `import deltagym` registers the Gymnasium ids of
+# the built-in envs ("deltagym/shell-v0"), so gymnasium.make finds them.
+import importlib.util as _importlib_util
+
+if _importlib_util.find_spec("gymnasium") is not None:
+    from . import gym as gym  # noqa: E402
