@@ -42,4 +42,4 @@ __all__ = [
 import importlib.util as _importlib_util
 
 if _importlib_util.find_spec("gymnasium") is not None:
-    from . import gym as gym  # noqa: E402
+    from . import gym as gym

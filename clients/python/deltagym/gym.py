@@ -51,8 +51,7 @@ except ImportError as e:  # the extra is not installed
 import numpy as np
 
 from . import _common as c
-from ._proto.deltagym.v1 import action_pb2
-from ._proto.deltagym.v1 import env_service_pb2 as es
+from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .actions import command, submit
 from .client import Client, Sandbox
 

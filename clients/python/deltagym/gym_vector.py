@@ -127,7 +127,7 @@ class SandboxVectorEnv(VectorEnv[Obs, Sequence[str], np.ndarray]):
         for i, fut in resets:
             obs[i], info = fut.result()
             infos = self._add_info(infos, info, i)
-        for i, resp in zip(stepping, responses):
+        for i, resp in zip(stepping, responses, strict=True):
             if isinstance(resp, DeltagymError):
                 raise resp
             obs[i], rewards[i], terminated[i], truncated[i], info = self.envs[i].apply(resp)

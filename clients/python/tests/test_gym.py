@@ -11,16 +11,18 @@ import pytest
 
 gymnasium = pytest.importorskip("gymnasium", reason="deltagym.gym needs gymnasium (the [gym] extra)")
 
-from gymnasium.utils.env_checker import check_env
+from gymnasium.utils.env_checker import check_env  # noqa: E402
 
-import deltagym
-from deltagym.gym import (
+import deltagym  # noqa: E402
+from deltagym.gym import (  # noqa: E402
     BUILTIN_ENVS,
     SAMPLE_COMMANDS,
     SandboxEnv,
     ShellCommandSpace,
     register_envs,
 )
+
+from .doc_examples import run_example  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -161,3 +163,9 @@ def test_register_envs_uses_the_client(server, client):
         gymnasium.registry.pop("deltagym/shell-v0")
         assert deltagym.gym.register_builtin_envs() == ["deltagym/shell-v0"]
     assert gymnasium.spec("deltagym/shell-v0").entry_point == "deltagym.gym:SandboxEnv"
+
+
+def test_docs_example(server, monkeypatch):
+    monkeypatch.setenv("DELTAGYM_ADDR", server.addr)
+    ns = run_example("gymnasium.md")
+    assert ns["env"].unwrapped.client._closed and ns["envs"].client._closed

@@ -9,10 +9,10 @@ import pytest
 
 gymnasium = pytest.importorskip("gymnasium", reason="deltagym.gym needs gymnasium (the [gym] extra)")
 
-from gymnasium.vector import AutoresetMode
+from gymnasium.vector import AutoresetMode  # noqa: E402
 
-from deltagym.gym import SandboxEnv
-from deltagym.gym_vector import SandboxVectorEnv
+from deltagym.gym import SandboxEnv  # noqa: E402
+from deltagym.gym_vector import SandboxVectorEnv  # noqa: E402
 
 
 def test_make_vec_steps_and_autoresets_next_step(server):

@@ -7,10 +7,12 @@ import pytest
 
 skyrl_gym = pytest.importorskip("skyrl_gym", reason="needs skyrl-gym (make python-integrations-test)")
 
-from skyrl_gym.envs.base_text_env import BaseTextEnv
+from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 
-from deltagym import FailedPrecondition, NotFound
-from deltagym.integrations.skyrl import INSTRUCTIONS, DeltagymTextEnv
+from deltagym import FailedPrecondition, NotFound  # noqa: E402
+from deltagym.integrations.skyrl import INSTRUCTIONS, DeltagymTextEnv  # noqa: E402
+
+from .doc_examples import run_example  # noqa: E402
 
 PROMPT = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Solve the task."}]
 
@@ -81,3 +83,9 @@ def test_bad_extras_are_refused(server, client):
     with pytest.raises(RuntimeError, match="init"):
         env.step("<bash>true</bash>")
     env.close()
+
+
+def test_docs_example(server, monkeypatch):
+    monkeypatch.setenv("DELTAGYM_ADDR", server.addr)
+    ns = run_example("skyrl.md")
+    assert "seed=7" in ns["prompt"][-1]["content"] and ns["env"].get_metrics()["reward"] == 1.0

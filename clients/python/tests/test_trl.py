@@ -13,8 +13,10 @@ import pytest
 
 transformers_utils = pytest.importorskip("transformers.utils", reason="needs transformers (make python-integrations-test)")
 
-from deltagym import FailedPrecondition, NotFound
-from deltagym.integrations.trl import SandboxEnvironment, environment_factory
+from deltagym import FailedPrecondition, NotFound  # noqa: E402
+from deltagym.integrations.trl import SandboxEnvironment, environment_factory  # noqa: E402
+
+from .doc_examples import run_example  # noqa: E402
 
 TOOLS = {"bash", "write_file", "read_file", "submit"}
 
@@ -68,7 +70,7 @@ def test_grpo_groups_fork_from_one_checkpoint(server, client):
                 {"prompt": [{"role": "user", "content": "second"}], "seed": 2, "options": {"WHO": "trl"}}]
         batch = _batch(rows, g)
         pool += [factory() for _ in range(len(batch) - len(pool))]
-        observations = [env.reset(**row) for env, row in zip(pool, batch)]
+        observations = [env.reset(**row) for env, row in zip(pool, batch, strict=True)]
         assert all(o.startswith("\n\nWrite 42") for o in observations)
         assert all("seed=1 who=nobody" in o for o in observations[:g])
         assert all("seed=2 who=trl" in o for o in observations[g:])
@@ -120,7 +122,7 @@ def test_groups_without_a_size_fork_on_demand(server, client):
     factory = environment_factory("shell", client=client, run=run)
     try:
         pool = [factory() for _ in range(4)]
-        for env, row in zip(pool, [{"prompt": "a"}] * 3 + [{"prompt": "b"}]):
+        for env, row in zip(pool, [{"prompt": "a"}] * 3 + [{"prompt": "b"}], strict=True):
             env.reset(**row)
         assert len({env.group_id for env in pool[:3]}) == 1 and pool[3].group_id != pool[0].group_id
         assert len({env.start_checkpoint_id for env in pool[:3]}) == 1
@@ -145,3 +147,11 @@ def test_bad_rows_are_refused(server, client):
         factory.close()
     with pytest.raises(RuntimeError, match="closed"):
         factory()
+
+
+def test_docs_example(server, client, monkeypatch):
+    monkeypatch.setenv("DELTAGYM_ADDR", server.addr)
+    ns = run_example("trl.md")
+    assert ns["rewards"] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert all("seed=" in o for o in ns["observations"])
+    assert not {env.sandbox_id for env in ns["pool"]} & {s.sandbox_id for s in client.list_sandboxes()}

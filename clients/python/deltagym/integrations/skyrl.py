@@ -34,11 +34,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # type: ignore[import-untyped]
-from skyrl_gym.envs.registration import register, registry  # type: ignore[import-untyped]
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from skyrl_gym.envs.registration import register, registry  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-from .. import _common as c
-from ..client import Client, Sandbox
+from deltagym import _common as c
+from deltagym.client import Client, Sandbox
 
 __all__ = ["ENV_ID", "INSTRUCTIONS", "DeltagymTextEnv", "register_env"]
 

@@ -37,8 +37,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _common as c
-from ..client import Client, Sandbox
+from deltagym import _common as c
+from deltagym.client import Client, Sandbox
 
 __all__ = ["SandboxEnvironment", "SandboxEnvironmentFactory", "environment_factory"]
 
