@@ -23,7 +23,7 @@ can still be inspected (envs.envs[i].sandbox).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -46,43 +46,29 @@ class SandboxVectorEnv(VectorEnv[Obs, Sequence[str], np.ndarray]):
 
     Args:
         num_envs: how many sandboxes.
-        env, session, submit_command, run, group_id, reset_options,
-            max_action_length, max_observation_length: as SandboxEnv's.
+        env: the catalog name of the server env.
         client: a deltagym.Client to share (not closed by close()); default
             one made from addr and token, closed by close().
+        kwargs: the other arguments of each SandboxEnv (session,
+            submit_command, run, group_id, reset_options, max_action_length,
+            max_observation_length).
     """
 
     metadata: dict[str, Any] = {"autoreset_mode": AutoresetMode.NEXT_STEP, "render_modes": []}  # noqa: RUF012  # Gymnasium reads it per class
 
-    def __init__(
-        self,
-        num_envs: int,
-        env: str = "shell",
-        *,
-        client: Client | None = None,
-        addr: str | None = None,
-        token: str | None = None,
-        session: str = "",
-        submit_command: str | None = "submit",
-        run: str = "",
-        group_id: str = "",
-        reset_options: Mapping[str, Any] | None = None,
-        max_action_length: int = 4096,
-        max_observation_length: int = 16384,
-    ) -> None:
+    def __init__(self, num_envs: int, env: str = "shell", *, client: Client | None = None, addr: str | None = None,
+                 token: str | None = None, **kwargs: Any) -> None:
         if num_envs < 1:
             raise ValueError(f"SandboxVectorEnv needs num_envs >= 1, not {num_envs}")
         self.num_envs = num_envs
         self._own_client = client is None
         self.client = client or Client(addr, token=token)
-        self.envs = [SandboxEnv(env, client=self.client, session=session, submit_command=submit_command, run=run,
-                                group_id=group_id, reset_options=reset_options, max_action_length=max_action_length,
-                                max_observation_length=max_observation_length) for _ in range(num_envs)]
+        self.envs = [SandboxEnv(env, client=self.client, **kwargs) for _ in range(num_envs)]
         self.single_action_space = self.envs[0].action_space
         self.single_observation_space = self.envs[0].observation_space
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
-        self._pool = ThreadPoolExecutor(max_workers=num_envs, thread_name_prefix="deltagym-vector")
+        self._pool = ThreadPoolExecutor(max_workers=min(num_envs, 64), thread_name_prefix="deltagym-vector")
         self._autoreset = np.zeros(num_envs, dtype=np.bool_)
 
     def reset(self, *, seed: int | Sequence[int | None] | None = None,
