@@ -13,7 +13,7 @@ import pytest
 
 transformers_utils = pytest.importorskip("transformers.utils", reason="needs transformers (make python-integrations-test)")
 
-from deltagym import FailedPrecondition, NotFound  # noqa: E402
+from deltagym import DeltagymError, FailedPrecondition, NotFound  # noqa: E402
 from deltagym.integrations.trl import SandboxEnvironment, environment_factory  # noqa: E402
 
 from .doc_examples import run_example  # noqa: E402
@@ -155,3 +155,15 @@ def test_docs_example(server, client, monkeypatch):
     assert ns["rewards"] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert all("seed=" in o for o in ns["observations"])
     assert not {env.sandbox_id for env in ns["pool"]} & {s.sandbox_id for s in client.list_sandboxes()}
+
+
+def test_a_group_whose_forks_fail_leaks_no_sandbox(server, client):
+    run = "trl-fork-fails"
+    factory = environment_factory("shell", client=client, run=run, num_generations=100_000)
+    try:
+        env = factory()
+        with pytest.raises(DeltagymError):  # more forks than the server makes at once
+            env.reset(prompt="x")
+        assert _live(client, run) == set() and env.sandbox_id == ""
+    finally:
+        factory.close()

@@ -132,13 +132,13 @@ class SandboxEnvironmentFactory:
             if self._closed:
                 raise RuntimeError("SandboxEnvironmentFactory is closed")
             if key == self._key and (self.num_generations is None or self._claimed < self.num_generations):
-                self._claimed += 1
                 if self._spare:
                     sb = self._spare.pop(0)
                 else:
                     sb = self.client.fork(checkpoint_id=self._checkpoint_id, n=1, group_id=self._group_id,
                                           run=self.run)[0]
                     sb.env = self.env
+                self._claimed += 1
                 return sb, self._observation, self._group_id
             spare, self._spare = self._spare, []
             self._key = None
@@ -151,8 +151,13 @@ class SandboxEnvironmentFactory:
             self._observation = c.observation_text(sb.reset_response.observation)
             self._claimed = 1
             if self.num_generations is not None and self.num_generations > 1:
-                self._spare = self.client.fork(checkpoint_id=sb.start_checkpoint_id, n=self.num_generations - 1,
-                                               group_id=gid, run=self.run)
+                try:
+                    self._spare = self.client.fork(checkpoint_id=sb.start_checkpoint_id,
+                                                   n=self.num_generations - 1, group_id=gid, run=self.run)
+                except BaseException:
+                    self._key = None  # no group: the next reset starts one
+                    sb.close()
+                    raise
                 for k in self._spare:
                     k.env = self.env
             return sb, self._observation, gid
