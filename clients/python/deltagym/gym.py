@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, SupportsFloat
 
 try:
@@ -193,6 +193,8 @@ class SandboxEnv(gymnasium.Env[str, str]):
         run, group_id: recorded with each episode in the ledger.
         reset_options: default Reset options, merged under reset(options=...).
         max_action_length, max_observation_length: bounds of the Text spaces.
+        sample_commands: what action_space.sample() draws from (default
+            SAMPLE_COMMANDS); commands that suit the env's image and task.
     """
 
     metadata: dict[str, Any] = {"render_modes": ["ansi"]}  # noqa: RUF012  # Gymnasium reads it per class
@@ -212,6 +214,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         max_action_length: int = 4096,
         max_observation_length: int = 16384,
         render_mode: str | None = None,
+        sample_commands: Sequence[str] = SAMPLE_COMMANDS,
         _sandbox: Sandbox | None = None,
     ) -> None:
         super().__init__()
@@ -226,7 +229,8 @@ class SandboxEnv(gymnasium.Env[str, str]):
         self.render_mode = render_mode
         self.max_action_length = max_action_length
         self.max_observation_length = max_observation_length
-        self.action_space = ShellCommandSpace(max_action_length)
+        self.sample_commands = tuple(sample_commands)
+        self.action_space = ShellCommandSpace(max_action_length, commands=self.sample_commands)
         self.observation_space = spaces.Text(max_length=max_observation_length, min_length=0,
                                              charset="".join(sorted(OBSERVATION_CHARSET)))
         self.sandbox: Sandbox | None = _sandbox
@@ -311,7 +315,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
                            run=self.run, group_id=group_id or self.group_id, reset_options=self.reset_options,
                            max_action_length=self.max_action_length,
                            max_observation_length=self.max_observation_length,
-                           render_mode=self.render_mode, _sandbox=k)
+                           render_mode=self.render_mode, sample_commands=self.sample_commands, _sandbox=k)
             e._last_obs = self._last_obs
             out.append(e)
         return out

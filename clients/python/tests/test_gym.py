@@ -107,6 +107,11 @@ def test_action_space_samples_are_varied_valid_commands(server):
     assert [space.sample() for _ in range(40)] == first
     assert len(set(first)) >= 10 and all(space.contains(a) for a in first)
     assert space.contains("cat <<'EOF' | grep -c x\nx\nEOF") and not space.contains("caf\u00e9")
+    with pytest.raises(ValueError, match="not in the space"):
+        SandboxEnv(env="shell", addr=server.addr, sample_commands=["echo caf\u00e9"])
+    env = SandboxEnv(env="shell", addr=server.addr, sample_commands=["echo a", "echo b"])
+    assert {env.action_space.sample() for _ in range(20)} == {"echo a", "echo b"}
+    env.close()
     env = SandboxEnv(env="shell", addr=server.addr)
     try:
         env.reset()
