@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/sandbox"
 )
 
@@ -117,7 +118,7 @@ func (l *Lease) Begin(ctx context.Context) (context.Context, func(), error) {
 		return nil, nil, ctx.Err()
 	case <-l.ended:
 		l.inflight.Add(-1)
-		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
+		return nil, nil, errdefs.WithDetail(fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded), "", "sandbox_id", l.ID())
 	}
 	cctx, cancel := context.WithCancelCause(ctx)
 	// The ended check and the cancel's store under one lock, which Abort takes too: an end and
@@ -129,7 +130,7 @@ func (l *Lease) Begin(ctx context.Context) (context.Context, func(), error) {
 		cancel(nil)
 		<-l.turn
 		l.inflight.Add(-1)
-		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
+		return nil, nil, errdefs.WithDetail(fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded), "", "sandbox_id", l.ID())
 	default:
 	}
 	l.cancel = cancel

@@ -35,14 +35,14 @@ func (c *Core) reset(ctx context.Context, req ResetRequest) (ResetResult, error)
 	}
 	env, err := c.pools.Env(req.Env)
 	if err != nil {
-		return ResetResult{}, err
+		return ResetResult{}, about(err, "env", req.Env)
 	}
 	start := time.Now()
 	octx, done := c.cfg.Observe(ctx, "reset")
 	l, res, err := c.pools.Reset(octx, env, envpool.ResetParams{Seed: req.Seed, Options: req.Options})
 	done(err)
 	if err != nil {
-		return ResetResult{}, err
+		return ResetResult{}, about(err, "env", req.Env)
 	}
 	if err := c.abandoned(ctx, l); err != nil {
 		return ResetResult{}, err
@@ -158,7 +158,7 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	}
 	env, err := c.pools.Env(from.Env)
 	if err != nil {
-		return ForkResult{}, err
+		return ForkResult{}, about(err, "env", from.Env)
 	}
 	octx, done := c.cfg.Observe(ctx, "fork")
 	// Processes kept as templates reach the children through CRIU images made from the

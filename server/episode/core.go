@@ -128,12 +128,12 @@ func (c *Core) lookup(id string) (*box, error) {
 	case b != nil:
 		return b, nil
 	case c.gone.has(id):
-		return nil, fmt.Errorf("sandbox %s: %w", id, envpool.ErrLeaseEnded)
+		return nil, about(fmt.Errorf("sandbox %s: %w", id, envpool.ErrLeaseEnded), "sandbox_id", id)
 	case c.prevRun[id]:
-		return nil, fmt.Errorf("sandbox %s ended with the server's previous run (its episode failed, class infra); Reset for a new one: %w",
-			id, envpool.ErrUnknownSandbox)
+		return nil, about(fmt.Errorf("sandbox %s ended with the server's previous run (its episode failed, class infra); Reset for a new one: %w",
+			id, envpool.ErrUnknownSandbox), "sandbox_id", id)
 	}
-	return nil, fmt.Errorf("sandbox %q: %w", id, envpool.ErrUnknownSandbox)
+	return nil, about(fmt.Errorf("sandbox %q: %w", id, envpool.ErrUnknownSandbox), "sandbox_id", id)
 }
 
 // adopt starts keeping b.

@@ -96,7 +96,8 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 		if cur.why != "" {
 			why = " (" + cur.why + ")"
 		}
-		return StepResult{}, fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded)
+		return StepResult{}, about(fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded),
+			"sandbox_id", b.lease.ID(), "episode_id", cur.id)
 	}
 	if req.Checkpoint {
 		// Refused before the action runs: nothing changes, no step is counted.

@@ -14,6 +14,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
 )
 
 // Flusher is what a Store needs of a Writer: queries flush first so they see rows written just
@@ -194,7 +196,7 @@ func (s *Store) Episode(ctx context.Context, id string) (Episode, error) {
 func (s *Store) episode(ctx context.Context, id string) (Episode, error) {
 	e, err := scanEpisode(s.pool.QueryRow(ctx, "SELECT "+episodeCols+" FROM episodes WHERE id = $1", id))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Episode{}, fmt.Errorf("episode %s: %w", id, ErrNotFound)
+		return Episode{}, errdefs.WithDetail(fmt.Errorf("episode %s: %w", id, ErrNotFound), "EPISODE_NOT_FOUND", "episode_id", id)
 	}
 	if err != nil {
 		return Episode{}, fmt.Errorf("reading episode %s: %w", id, err)
@@ -281,7 +283,7 @@ func (s *Store) checkpointAt(ctx context.Context, id string, env *string) (strin
 	var step *int32
 	err := s.pool.QueryRow(ctx, "SELECT env, episode_id, step_index FROM checkpoints WHERE id = $1", id).Scan(env, &ep, &step)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return "", 0, fmt.Errorf("checkpoint %s: %w", id, ErrNotFound)
+		return "", 0, errdefs.WithDetail(fmt.Errorf("checkpoint %s: %w", id, ErrNotFound), "CHECKPOINT_NOT_FOUND", "checkpoint_id", id)
 	}
 	if err != nil {
 		return "", 0, fmt.Errorf("reading checkpoint %s: %w", id, err)
