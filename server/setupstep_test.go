@@ -3,6 +3,7 @@ package server_test
 import (
 	"errors"
 	"io"
+	"slices"
 	"testing"
 	"time"
 
@@ -18,18 +19,6 @@ func setupFlags(tr *deltagymv1.GetTrajectoryResponse) []bool {
 		out = append(out, s.GetSetup())
 	}
 	return out
-}
-
-func sameFlags(a, b []bool) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // TestSetupSteps checks setup steps over Connect and gRPC on an env of two agent steps: they
@@ -68,7 +57,7 @@ func TestSetupSteps(t *testing.T) {
 			if last.GetInfo()["truncated_by"] != "max_steps" {
 				t.Fatalf("the second agent step was truncated by %q", last.GetInfo()["truncated_by"])
 			}
-			if got, want := setupFlags(b.episode(t, rr.GetEpisodeId())), []bool{true, false, true, false}; !sameFlags(got, want) {
+			if got, want := setupFlags(b.episode(t, rr.GetEpisodeId())), []bool{true, false, true, false}; !slices.Equal(got, want) {
 				t.Fatalf("recorded setup flags %v, want %v", got, want)
 			}
 
@@ -77,7 +66,7 @@ func TestSetupSteps(t *testing.T) {
 			st := step(&deltagymv1.StepRequest{Action: execAction("true"), Setup: true, RestoreCheckpointId: ckpt}, 2, 1, false)
 			step(&deltagymv1.StepRequest{Action: execAction("true"), Setup: true}, 3, 1, false)
 			step(&deltagymv1.StepRequest{Action: execAction("true")}, 4, 0, true)
-			if got, want := setupFlags(b.episode(t, st.GetEpisodeId())), []bool{true, false, true, true, false}; !sameFlags(got, want) {
+			if got, want := setupFlags(b.episode(t, st.GetEpisodeId())), []bool{true, false, true, true, false}; !slices.Equal(got, want) {
 				t.Fatalf("restored episode's setup flags %v, want %v", got, want)
 			}
 
@@ -144,7 +133,7 @@ func TestSetupStepOnStream(t *testing.T) {
 	if len(left) != 2 || left[0] != 2 || left[1] != 1 {
 		t.Fatalf("steps_left on the stream: %v, want [2 1]", left)
 	}
-	if got, want := setupFlags(b.episode(t, rr.Msg.GetEpisodeId())), []bool{true, false}; !sameFlags(got, want) {
+	if got, want := setupFlags(b.episode(t, rr.Msg.GetEpisodeId())), []bool{true, false}; !slices.Equal(got, want) {
 		t.Fatalf("recorded setup flags %v, want %v", got, want)
 	}
 }

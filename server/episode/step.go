@@ -91,13 +91,8 @@ func (c *Core) beginTurn(ctx context.Context, b *box, restore string, fresh bool
 // step performs req's action on b, whose turn the caller holds (ctx is the turn's).
 func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, error) {
 	cur := b.current()
-	if cur.ended {
-		why := ""
-		if cur.why != "" {
-			why = " (" + cur.why + ")"
-		}
-		return StepResult{}, about(fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded),
-			"sandbox_id", b.lease.ID(), "episode_id", cur.id)
+	if err := endedErr(b, cur); err != nil {
+		return StepResult{}, err
 	}
 	if req.Checkpoint {
 		// Refused before the action runs: nothing changes, no step is counted.
@@ -109,20 +104,9 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	start := time.Now()
 	index := cur.base + cur.own
 	res := StepResult{EpisodeID: cur.id, StepIndex: index, Info: map[string]string{}}
-	var out outcome
-	var cutErr error // the caller ended the call while the action ran
-	if left, spent := budgetLeft(env, start.Sub(cur.started)-cur.setupTime); spent && !req.Setup {
-		res.Truncated = true
-		res.Info["truncated_by"] = "max_seconds"
-		res.Info["action_skipped"] = "the episode's time budget was spent before the step began"
-	} else {
-		if req.Setup {
-			left = 0 // bounded by the step timeout alone
-		}
-		var err error
-		if out, cutErr, err = c.perform(ctx, b, req.Action, left); err != nil {
-			return StepResult{}, err
-		}
+	out, cutErr, err := c.attempt(ctx, b, req, start.Sub(cur.started)-cur.setupTime, &res)
+	if err != nil {
+		return StepResult{}, err
 	}
 	took := time.Since(start)
 	res.Observation, res.Reward, res.Terminated = out.obs, out.reward, out.terminated
@@ -163,6 +147,38 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 		return StepResult{}, cutErr
 	}
 	return res, nil
+}
+
+// endedErr is the error of a step on b, whose episode is cur, once cur has ended; nil while it
+// runs.
+func endedErr(b *box, cur state) error {
+	if !cur.ended {
+		return nil
+	}
+	why := ""
+	if cur.why != "" {
+		why = " (" + cur.why + ")"
+	}
+	return about(fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded),
+		"sandbox_id", b.lease.ID(), "episode_id", cur.id)
+}
+
+// attempt performs req's action on b within what the time budget has left of an episode that
+// has run for ran (setup steps' time left out), as perform does; with the budget spent, the
+// action is skipped and res truncated. A setup step is bounded by the step timeout alone.
+// cutErr is the caller's error when the caller ended the call while the action ran.
+func (c *Core) attempt(ctx context.Context, b *box, req *StepRequest, ran time.Duration, res *StepResult) (out outcome, cutErr, err error) {
+	left, spent := budgetLeft(b.lease.Env(), ran)
+	switch {
+	case req.Setup:
+		left = 0
+	case spent:
+		res.Truncated = true
+		res.Info["truncated_by"] = "max_seconds"
+		res.Info["action_skipped"] = "the episode's time budget was spent before the step began"
+		return outcome{}, nil, nil
+	}
+	return c.perform(ctx, b, req.Action, left)
 }
 
 // budgetLeft returns the time left in env's time budget for an episode that has run for ran
