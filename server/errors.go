@@ -95,8 +95,8 @@ const ErrorDomain = "deltagym.dev"
 // first match first: an error that is several (an ended episode in a closed sandbox) gets the
 // reason of the one listed first. A reason an error carries itself (errdefs.WithDetail: where
 // the sentinel is too broad, as the runtime's not-found for checkpoints and images) comes
-// before these. The reasons are the API's (docs/API.md, "Error reasons"): a reason, once
-// given, keeps its meaning.
+// before these. The reasons are the API's (docs/OPERATIONS.md, "Error reasons"): a reason,
+// once given, keeps its meaning.
 var reasons = []struct {
 	err    error
 	reason string

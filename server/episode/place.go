@@ -116,7 +116,8 @@ func (c *Core) restorable(b *box, id string) (Place, error) {
 		return Place{}, err
 	}
 	if env := b.lease.Env().Name(); p.Env != env {
-		return Place{}, fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w", id, p.Env, b.lease.ID(), env, ErrOtherEnv)
+		return Place{}, about(fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w", id, p.Env, b.lease.ID(), env, ErrOtherEnv),
+			"checkpoint_id", id, "sandbox_id", b.lease.ID())
 	}
 	return p, nil
 }

@@ -303,8 +303,8 @@ func (c *Core) stepFailed(ctx context.Context, b *box, err error) error {
 	}
 	c.endEpisode(b, ended{status: ledger.StatusFailed, class: ledger.FailureInfra, msg: msg})
 	if gone {
-		return fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
-			b.lease.ID(), ep, sandbox.ErrClosed)
+		return about(fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
+			b.lease.ID(), ep, sandbox.ErrClosed), "sandbox_id", b.lease.ID(), "episode_id", ep)
 	}
 	return err
 }
