@@ -103,11 +103,12 @@ func entryName(name string) (string, error) {
 	return path.Clean(name), nil
 }
 
-// checkArchive reads archive whole, refusing it (ErrInvalid) unless each
+// CheckArchive reads archive whole, refusing it (ErrInvalid) unless each
 // entry is a file, directory, symlink or hard link to an earlier entry, named
 // inside the directory, below no non-directory of the archive, and the
-// limits hold.
-func checkArchive(ctx context.Context, archive []byte) error {
+// limits hold. Upload checks its archive so; a caller that does something
+// first (a restore before a step) checks it up front.
+func CheckArchive(ctx context.Context, archive []byte) error {
 	if len(archive) > MaxArchiveBytes {
 		return fmt.Errorf("%w: upload: an archive of %d bytes: at most %d", ErrInvalid, len(archive), MaxArchiveBytes)
 	}
@@ -202,7 +203,7 @@ func addName(seen map[string]byte, name string, typ byte) error {
 
 // Upload unpacks archive, a tar archive (ustar, pax or GNU; plain or gzip),
 // into the directory path (resolved in the root; created with its missing
-// parents). The archive is checked whole first (checkArchive): a bad one is
+// parents). The archive is checked whole first (CheckArchive): a bad one is
 // ErrInvalid and writes nothing. Entries are then written below the
 // directory's descriptor with beneath: a parent that is a symlink, in the
 // archive or in the sandbox, or another mount, is refused, never written
@@ -210,7 +211,7 @@ func addName(seen map[string]byte, name string, typ byte) error {
 // but a directory, which stays and takes the archive's mode. Modes keep
 // their permission bits only; everything is owned by the sandbox's user.
 func (s *Sandbox) Upload(ctx context.Context, dir string, archive []byte) (UploadStats, error) {
-	if err := checkArchive(ctx, archive); err != nil {
+	if err := CheckArchive(ctx, archive); err != nil {
 		return UploadStats{}, err
 	}
 	var u *unpacker

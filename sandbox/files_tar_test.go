@@ -26,7 +26,7 @@ type entry struct {
 	mode int64
 }
 
-func tarOf(t *testing.T, entries ...entry) []byte {
+func tarOf(t testing.TB, entries ...entry) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -52,7 +52,7 @@ func tarOf(t *testing.T, entries ...entry) []byte {
 	return buf.Bytes()
 }
 
-func gzipOf(t *testing.T, b []byte) []byte {
+func gzipOf(t testing.TB, b []byte) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	zw := gzip.NewWriter(&buf)
@@ -339,4 +339,19 @@ func TestUploadRacesSymlinkSwap(t *testing.T) {
 	if left, err := os.ReadDir(canary); err != nil || len(left) != 0 {
 		t.Errorf("written through a symlink to the host: %v, %v", left, err)
 	}
+}
+
+// Whatever the bytes, CheckArchive accepts them or refuses them with ErrInvalid; it never
+// panics or fails otherwise.
+func FuzzCheckArchive(f *testing.F) {
+	ok := tarOf(f, entry{name: "d/", typ: tar.TypeDir}, file("d/f", "x"), entry{name: "d/h", typ: tar.TypeLink, link: "d/f"},
+		entry{name: "d/s", typ: tar.TypeSymlink, link: "/etc"})
+	for _, seed := range [][]byte{ok, gzipOf(f, ok), tarOf(f, file("../x", "x")), {}, {0x1f, 0x8b}} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if err := sandbox.CheckArchive(t.Context(), b); err != nil && !errors.Is(err, sandbox.ErrInvalid) {
+			t.Fatalf("CheckArchive: %v, want nil or ErrInvalid", err)
+		}
+	})
 }
