@@ -74,9 +74,13 @@ func (c *cappedReader) Read(p []byte) (int, error) {
 }
 
 // nextEntry is tr's next header, with its name checked and cleaned (relative,
-// no ".."; "." for the directory itself); nil at the end.
+// no ".."; "." for the directory itself); nil at the end. A PAX global header
+// (git archive's comment) is no entry: skipped.
 func nextEntry(tr *tar.Reader) (*tar.Header, string, error) {
 	hdr, err := tr.Next()
+	for err == nil && hdr.Typeflag == tar.TypeXGlobalHeader {
+		hdr, err = tr.Next()
+	}
 	if err == io.EOF {
 		return nil, "", nil
 	}
@@ -223,7 +227,8 @@ func (s *Sandbox) Upload(ctx context.Context, dir string, archive []byte) (Uploa
 		if fd != root {
 			defer unix.Close(fd)
 		}
-		u = &unpacker{ctx: ctx, dir: fd, shown: strings.TrimSuffix(dir, "/"), buf: make([]byte, 256<<10)}
+		u = &unpacker{ctx: ctx, dir: fd, shown: strings.TrimSuffix(dir, "/"), buf: make([]byte, 256<<10), lastFd: -1}
+		defer u.closeLast()
 		return u.unpack(archive)
 	})
 	if u == nil {
@@ -258,6 +263,9 @@ type unpacker struct {
 	stats UploadStats
 	dirs  []dirMeta
 	buf   []byte
+	// last is the parent of the last entry, open as lastFd (-1: none).
+	last   string
+	lastFd int
 }
 
 // dirMeta is an unpacked directory's mode and time, set once everything is
@@ -297,12 +305,9 @@ func (u *unpacker) unpack(archive []byte) error {
 // entry writes one entry of the archive, named name below the directory.
 func (u *unpacker) entry(tr *tar.Reader, hdr *tar.Header, name string) error {
 	parent, base := path.Split(name)
-	pfd, err := u.parentDir(strings.TrimSuffix(parent, "/"))
+	pfd, err := u.parent(strings.TrimSuffix(parent, "/"))
 	if err != nil {
 		return err
-	}
-	if pfd != u.dir {
-		defer unix.Close(pfd)
 	}
 	mode := uint32(hdr.Mode) & 0o777
 	if hdr.Typeflag == tar.TypeDir {
@@ -412,6 +417,31 @@ func (u *unpacker) finishDirs() error {
 func setTimes(dir int, name string, mtime time.Time) error {
 	ts := unix.NsecToTimespec(mtime.UnixNano())
 	return unix.UtimesNanoAt(dir, name, []unix.Timespec{ts, ts}, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+// parent is parentDir(rel), kept open for the entries that follow in the
+// same directory (an archive lists a directory's entries together).
+func (u *unpacker) parent(rel string) (int, error) {
+	if u.lastFd >= 0 && u.last == rel {
+		return u.lastFd, nil
+	}
+	u.closeLast()
+	fd, err := u.parentDir(rel)
+	if err != nil {
+		return -1, err
+	}
+	if fd != u.dir {
+		u.last, u.lastFd = rel, fd
+	}
+	return fd, nil
+}
+
+// closeLast closes the parent kept open.
+func (u *unpacker) closeLast() {
+	if u.lastFd >= 0 {
+		unix.Close(u.lastFd)
+		u.lastFd = -1
+	}
 }
 
 // parentDir opens rel ("" for the directory itself) below the directory,

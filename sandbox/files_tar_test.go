@@ -355,3 +355,34 @@ func FuzzCheckArchive(f *testing.F) {
 		}
 	})
 }
+
+// An archive of as many entries as an upload takes (files in directories, after git
+// archive's PAX global header, which is no entry) is written whole.
+func TestUploadMostEntries(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{})
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(tw.WriteHeader(&tar.Header{Typeflag: tar.TypeXGlobalHeader, Name: "pax_global_header", PAXRecords: map[string]string{"comment": "0123abcd"}}))
+	const dirs = 100
+	for d := range dirs {
+		must(tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: "d" + strconv.Itoa(d) + "/", Mode: 0o755}))
+		for f := range sandbox.MaxUploadEntries/dirs - 1 {
+			must(tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: "d" + strconv.Itoa(d) + "/" + strconv.Itoa(f), Mode: 0o644}))
+		}
+	}
+	must(tw.Close())
+	st, err := s.Upload(t.Context(), "/many", gzipOf(t, buf.Bytes()))
+	if err != nil || st.Files != sandbox.MaxUploadEntries {
+		t.Fatalf("Upload: %+v, %v; want %d files", st, err, sandbox.MaxUploadEntries)
+	}
+	if out := sh(t, s, "find /many -type f | wc -l"); strings.TrimSpace(out) != strconv.Itoa(sandbox.MaxUploadEntries-dirs) {
+		t.Errorf("%s files in the sandbox", out)
+	}
+}

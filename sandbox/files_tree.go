@@ -93,7 +93,8 @@ func readlinkAt(dir int, name string) (string, error) {
 
 // splitLast splits rel (relative to the root, not empty) into its parent,
 // resolved in the root, and its last name, which is not followed. A last
-// name of "." or ".." names no entry of its parent: ErrInvalid.
+// name of "." or ".." names no entry of its parent: ErrInvalid
+// (CheckEntryPath).
 func splitLast(shown, rel string) (parent, name string, err error) {
 	rel = strings.TrimRight(rel, "/")
 	parent, name = ".", rel
@@ -106,13 +107,29 @@ func splitLast(shown, rel string) (parent, name string, err error) {
 	return parent, name, nil
 }
 
+// CheckEntryPath refuses, as Remove, MakeDir and Download would whatever the
+// sandbox holds, a path that names no entry of a directory: one ending in "."
+// or "..", or the root.
+func CheckEntryPath(path string) error {
+	if err := CheckPath(path); err != nil {
+		return err
+	}
+	rel := strings.TrimRight(path, "/")
+	if rel == "" {
+		return fmt.Errorf("%w: the sandbox's root itself: name an entry below it", ErrInvalid)
+	}
+	_, _, err := splitLast(path, rel)
+	return err
+}
+
 // openParent opens the parent of rel (splitLast) as an O_PATH directory.
 func openParent(root int, parent string) (int, error) {
 	return unix.Openat2(root, parent, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolve})
 }
 
 // Stat describes path without following a final symlink; a missing path
-// (or one below a file) is not an error: ok is false.
+// (or one below a file) is not an error: ok is false. A path ending in "."
+// or ".." describes the directory it resolves to.
 func (s *Sandbox) Stat(ctx context.Context, path string) (fi FileInfo, ok bool, err error) {
 	err = s.fileOpIn(path, true, func(root int, rel string) error {
 		var st unix.Stat_t
@@ -125,7 +142,8 @@ func (s *Sandbox) Stat(ctx context.Context, path string) (fi FileInfo, ok bool, 
 		}
 		parent, name, err := splitLast(path, rel)
 		if err != nil {
-			return err
+			// A path ending in "." or "..": the directory it resolves to.
+			parent, name = strings.TrimRight(rel, "/"), "."
 		}
 		dir, err := openParent(root, parent)
 		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) {

@@ -102,8 +102,11 @@ func TestListDirAndStat(t *testing.T) {
 			t.Errorf("Stat %s: %+v, %v, %v; want exists %v type %v", tc.path, fi, ok, err, tc.exists, tc.typ)
 		}
 	}
-	if _, _, err := s.Stat(ctx, "/l/.."); !errors.Is(err, sandbox.ErrInvalid) {
-		t.Errorf("Stat of a path ending in ..: %v", err)
+	// A path ending in . or .. is the directory it resolves to.
+	d, _, _ := s.Stat(ctx, "/l/d")
+	sh(t, s, "chmod 700 /l/d/e")
+	if fi, ok, err := s.Stat(ctx, "/l/d/e/.."); err != nil || !ok || fi.Type != sandbox.TypeDir || fi.Mode != d.Mode || fi.Size != d.Size {
+		t.Errorf("Stat /l/d/e/..: %+v, %v, %v; want /l/d's %+v", fi, ok, err, d)
 	}
 }
 

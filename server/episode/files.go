@@ -137,7 +137,12 @@ func validateFiles(a Action) (ok bool, err error) {
 	if path == "" {
 		return true, fmt.Errorf("%s needs a path: %w", a.Kind(), ErrInvalid)
 	}
-	if err := sandbox.CheckPath(path); err != nil {
+	check := sandbox.CheckPath
+	switch a.(type) {
+	case Remove, MakeDir, Download:
+		check = sandbox.CheckEntryPath
+	}
+	if err := check(path); err != nil {
 		return true, fmt.Errorf("%s: %w", a.Kind(), err)
 	}
 	return true, nil
