@@ -211,8 +211,8 @@ func addName(seen map[string]byte, name string, typ byte) error {
 // ErrInvalid and writes nothing. Entries are then written below the
 // directory's descriptor with beneath: a parent that is a symlink, in the
 // archive or in the sandbox, or another mount, is refused, never written
-// through. Files, directories and symlinks replace what is at their name,
-// but a directory, which stays and takes the archive's mode. Modes keep
+// through. Files and symlinks replace what is at their name, but a
+// directory (EISDIR); a directory already there stays as it is. Modes keep
 // their permission bits only; everything is owned by the sandbox's user.
 func (s *Sandbox) Upload(ctx context.Context, dir string, archive []byte) (UploadStats, error) {
 	if err := CheckArchive(ctx, archive); err != nil {
@@ -377,17 +377,20 @@ func (u *unpacker) file(tr *tar.Reader, dir int, name string, mode uint32) error
 	return unix.Fchmod(fd, mode)
 }
 
-// mkdir makes the directory name in dir, or keeps the one there, and notes
-// its mode and time for finishDirs.
+// mkdir makes the directory name in dir and notes its mode and time for
+// finishDirs, or keeps the directory there as it is (an upload into / does
+// not change /tmp's mode).
 func (u *unpacker) mkdir(dir int, name, full string, mode uint32, mtime time.Time) error {
 	err := unix.Mkdirat(dir, name, 0o700)
 	if errors.Is(err, unix.EEXIST) {
+		// A symlink there is not a directory (O_PATH|O_NOFOLLOW opens the link).
 		fd, oerr := unix.Openat2(dir, name, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: beneath})
 		if oerr != nil {
 			return &FileError{Errno: unix.EEXIST, Msg: "exists, not as a directory"}
 		}
-		unix.Close(fd)
-	} else if err != nil {
+		return unix.Close(fd)
+	}
+	if err != nil {
 		return err
 	}
 	u.dirs = append(u.dirs, dirMeta{name: full, mode: mode, mtime: mtime})

@@ -184,6 +184,16 @@ func TestUpload(t *testing.T) {
 	if _, err := s.Upload(ctx, "/tmp/r", tarOf(t, file("d", "x"))); fileErrno(err) != unix.EISDIR {
 		t.Errorf("a file over a directory: %v, want EISDIR", err)
 	}
+	// A directory already there keeps its mode; a symlink where the archive has a directory is EEXIST.
+	if _, err := s.Upload(ctx, "/", tarOf(t, entry{name: "tmp/", typ: tar.TypeDir, mode: 0o700}, file("tmp/up", "x"))); err != nil {
+		t.Errorf("upload into /: %v", err)
+	}
+	if out := sh(t, s, "stat -c %a /tmp"); out != "1777\n" {
+		t.Errorf("/tmp's mode after an upload with a tmp/ entry: %s", out)
+	}
+	if _, err := s.Upload(ctx, "/tmp/t", tarOf(t, entry{name: "l/", typ: tar.TypeDir})); fileErrno(err) != unix.EEXIST {
+		t.Errorf("a directory over a symlink: %v, want EEXIST", err)
+	}
 	// The user's permissions hold.
 	if _, err := s.Upload(ctx, "/root", tarOf(t, file("x", "x"))); fileErrno(err) != unix.EACCES {
 		t.Errorf("upload into a directory the user may not write: %v, want EACCES", err)
