@@ -8,9 +8,12 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
+	"runtime/metrics"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -99,6 +102,7 @@ func TestUploadRefusesHostileArchives(t *testing.T) {
 		{"bad gzip", []byte{0x1f, 0x8b, 0, 0, 0}, `not valid gzip`},
 		{"too many entries", gzipOf(t, tarOf(t, many...)), `more than 100000 entries`},
 		{"gzip bomb", gzipBomb(t, 20, 64), `file contents of more than`},
+		{"metadata bomb", metaBomb(t, 1400), `unpacks to more than`},
 		{"over the archive cap", make([]byte, sandbox.MaxArchiveBytes+1), `at most`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -135,6 +139,59 @@ func gzipBomb(t *testing.T, n, mib int) []byte {
 		}
 	}
 	return out.Bytes()
+}
+
+// metaBomb is a gzip stream of n entries of the same directory (which an archive may repeat),
+// each with a PAX record of 1 MiB: a few MiB that unpack to n MiB of headers.
+func metaBomb(t testing.TB, n int) []byte {
+	t.Helper()
+	var hdr bytes.Buffer
+	tw := tar.NewWriter(&hdr)
+	if err := tw.WriteHeader(&tar.Header{Name: "m/", Typeflag: tar.TypeDir, Mode: 0o755, Format: tar.FormatPAX,
+		PAXRecords: map[string]string{"comment": strings.Repeat("a", 1<<20-64)}}); err != nil {
+		t.Fatal(err)
+	}
+	tw.Flush()
+	member := gzipOf(t, hdr.Bytes())
+	return bytes.Repeat(member, n)
+}
+
+// Checking a bomb reads it as a stream: the heap it holds at any time (sampled while it runs)
+// is a small part of what it unpacks to.
+func TestCheckArchiveBombMemory(t *testing.T) {
+	heap := []metrics.Sample{{Name: "/memory/classes/heap/objects:bytes"}}
+	for name, bomb := range map[string][]byte{"contents": gzipBomb(t, 20, 64), "metadata": metaBomb(t, 1400)} {
+		runtime.GC()
+		metrics.Read(heap)
+		base := heap[0].Value.Uint64()
+		done := make(chan struct{})
+		peak := make(chan uint64)
+		go func() {
+			var most uint64
+			tick := time.NewTicker(2 * time.Millisecond)
+			defer tick.Stop()
+			for {
+				s := []metrics.Sample{{Name: heap[0].Name}}
+				metrics.Read(s)
+				most = max(most, s[0].Value.Uint64())
+				select {
+				case <-done:
+					peak <- most
+					return
+				case <-tick.C:
+				}
+			}
+		}()
+		err := sandbox.CheckArchive(t.Context(), bomb)
+		close(done)
+		most := <-peak
+		if !errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), "more than") {
+			t.Errorf("%s bomb: %v, want ErrInvalid for its size", name, err)
+		}
+		if most > base+128<<20 {
+			t.Errorf("%s bomb: the heap grew from %d MiB to %d MiB while it was checked", name, base>>20, most>>20)
+		}
+	}
 }
 
 func TestUpload(t *testing.T) {

@@ -177,8 +177,20 @@ func TestFileActionsOverWire(t *testing.T) {
 					t.Errorf("%T %v: %v, want InvalidArgument", a, a.(interface{ GetPath() string }).GetPath(), err)
 				}
 			}
-			if after, ok := nextStep(t, c, sb); after != before || !ok {
-				t.Errorf("refused requests took steps: %d then %d", before, after)
+			// A hostile archive with a restore: refused before the restore, which does not happen.
+			var hostile bytes.Buffer
+			tw := tar.NewWriter(&hostile)
+			must(t, tw.WriteHeader(&tar.Header{Name: "../escape", Typeflag: tar.TypeReg, Mode: 0o644}))
+			must(t, tw.Close())
+			_, err = c.Step(t.Context(), &deltagymv1.StepRequest{SandboxId: sb, RestoreCheckpointId: rr.GetCheckpointId(),
+				Action: fileAction(&deltagymv1.UploadAction{Path: "/w", Tar: hostile.Bytes()})})
+			if codeOf(err) != connect.CodeInvalidArgument || !strings.Contains(err.Error(), `".."`) {
+				t.Errorf("upload of ../escape with a restore: %v, want InvalidArgument naming the \"..\"", err)
+			}
+			g, err := c.GetSandbox(t.Context(), &deltagymv1.GetSandboxRequest{SandboxId: sb})
+			must(t, err)
+			if after, ok := nextStep(t, c, sb); after != before || !ok || g.GetSandbox().GetEpisodeId() != ep {
+				t.Errorf("refused requests took steps or restored: step %d then %d, episode %s then %s", before, after, ep, g.GetSandbox().GetEpisodeId())
 			}
 
 			tr, err := c.GetTrajectory(t.Context(), &deltagymv1.GetTrajectoryRequest{EpisodeId: ep})
