@@ -321,6 +321,13 @@ func (s *Sandbox) Remove(ctx context.Context, path string, recursive bool) (remo
 	return removed, err
 }
 
+// A directory is emptied removeBatch names at a time, at most maxRemoveRounds
+// times (4M entries).
+const (
+	removeBatch     = 1024
+	maxRemoveRounds = 4096
+)
+
 // remover is one Remove's walk.
 type remover struct {
 	ctx       context.Context
@@ -361,11 +368,15 @@ func (r *remover) remove(dir int, name string, depth int) error {
 		return err
 	}
 	defer unix.Close(fd)
-	for {
+	for round := 0; ; round++ {
 		if err := r.ctx.Err(); err != nil {
 			return err
 		}
-		names, more, err := readNamesMax(fd, 1024)
+		if round == maxRemoveRounds {
+			// A process of the sandbox filling it as fast as it is emptied.
+			return &FileError{Errno: unix.ENOTEMPTY, Msg: "kept filling while it was removed"}
+		}
+		names, more, err := readNamesMax(fd, removeBatch)
 		if err != nil {
 			return err
 		}
