@@ -60,6 +60,25 @@ func action(a *deltagymv1.Action) episode.Action {
 	case *deltagymv1.Action_Submit:
 		return episode.Submit{Answer: k.Submit.Answer}
 	}
+	return treeAction(a)
+}
+
+// treeAction is a's domain form for a tree action; nil for another kind.
+func treeAction(a *deltagymv1.Action) episode.Action {
+	switch k := a.GetKind().(type) {
+	case *deltagymv1.Action_ListDir:
+		return episode.ListDir{Path: k.ListDir.GetPath(), Depth: int(k.ListDir.GetDepth()), MaxEntries: int(k.ListDir.GetMaxEntries())}
+	case *deltagymv1.Action_Stat:
+		return episode.Stat{Path: k.Stat.GetPath()}
+	case *deltagymv1.Action_Remove:
+		return episode.Remove{Path: k.Remove.GetPath(), Recursive: k.Remove.GetRecursive()}
+	case *deltagymv1.Action_MakeDir:
+		return episode.MakeDir{Path: k.MakeDir.GetPath(), Mode: episode.FileMode(k.MakeDir.GetMode()), Parents: k.MakeDir.GetParents()}
+	case *deltagymv1.Action_Upload:
+		return episode.Upload{Path: k.Upload.GetPath(), Tar: k.Upload.GetTar()}
+	case *deltagymv1.Action_Download:
+		return episode.Download{Path: k.Download.GetPath(), MaxBytes: k.Download.GetMaxBytes()}
+	}
 	return nil
 }
 

@@ -42,6 +42,9 @@ import (
 
 // validate checks an action before anything runs.
 func validate(a Action) error {
+	if ok, err := validateFiles(a); ok {
+		return err
+	}
 	switch x := a.(type) {
 	case Exec:
 		return validateExec(x)
@@ -78,7 +81,7 @@ func validate(a Action) error {
 			}
 		}
 	default:
-		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit; in JSON exec, writeFile, readFile or submit, other names are ignored): %w", ErrInvalid)
+		return fmt.Errorf("action has no kind set (exec, write_file, read_file, submit, list_dir, stat, remove, make_dir, upload or download; in JSON exec, writeFile, readFile, submit, listDir, stat, remove, makeDir, upload or download, other names are ignored): %w", ErrInvalid)
 	}
 	return nil
 }
@@ -135,6 +138,9 @@ type outcome struct {
 func (c *Core) act(ctx context.Context, b *box, a Action, left time.Duration) (outcome, error) {
 	l := b.lease
 	attrs := []attribute.KeyValue{attribute.String("deltagym.sandbox_id", l.ID()), attribute.String("deltagym.env", l.Env().Name())}
+	if out, ok, err := c.treeAction(ctx, l, a, attrs); ok {
+		return out, err
+	}
 	switch x := a.(type) {
 	case Exec:
 		return c.exec(ctx, l, x, left, attrs)

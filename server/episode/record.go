@@ -68,6 +68,9 @@ func (c *Core) stored(ctx context.Context, err error) error {
 
 // actionProto is a's API form.
 func actionProto(a Action) *deltagymv1.Action {
+	if p := treeActionProto(a); p != nil {
+		return p
+	}
 	switch x := a.(type) {
 	case Exec:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv,
@@ -86,6 +89,9 @@ func actionProto(a Action) *deltagymv1.Action {
 
 // ObservationProto is o's API form (nil for a skipped step's).
 func ObservationProto(o Observation) *deltagymv1.Observation {
+	if p := treeObservationProto(o); p != nil && o.Error == nil {
+		return p
+	}
 	switch {
 	case o.Error != nil:
 		e := o.Error
@@ -143,6 +149,8 @@ func recordedAction(a Action) ([]byte, error) {
 		bulk = &k.WriteFile.Content
 	case *deltagymv1.Action_Exec:
 		bulk = &k.Exec.Stdin
+	case *deltagymv1.Action_Upload:
+		bulk = &k.Upload.Tar
 	}
 	if bulk == nil || len(*bulk) <= ActionBytesCap {
 		return protojson.Marshal(p)
@@ -205,6 +213,18 @@ func cutBulk(o *deltagymv1.Observation) {
 		k.Exec.Stdout, k.Exec.Stderr = cut(k.Exec.Stdout), cut(k.Exec.Stderr)
 	case *deltagymv1.Observation_ReadFile:
 		k.ReadFile.Content = cut(k.ReadFile.Content)
+	case *deltagymv1.Observation_Download:
+		k.Download.Tar = cut(k.Download.Tar)
+	case *deltagymv1.Observation_ListDir:
+		// The first entries, as many as fit in the bulk's share.
+		size, n := 0, 0
+		for _, e := range k.ListDir.Entries {
+			if size += proto.Size(e) + 4; size > 3*part {
+				break
+			}
+			n++
+		}
+		k.ListDir.Entries = k.ListDir.Entries[:n]
 	case *deltagymv1.Observation_Submit:
 		if len(k.Submit.Output) > part {
 			k.Submit.Output = strings.ToValidUTF8(k.Submit.Output[:part], "")

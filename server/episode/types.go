@@ -73,7 +73,14 @@ type Observation struct {
 	WriteFile *WriteFileResult
 	ReadFile  *ReadFileResult
 	Submit    *SubmitResult
-	Error     *ActionError
+	// The tree actions' (files.go).
+	ListDir  *ListDirResult
+	Stat     *StatResult
+	Remove   *RemoveResult
+	MakeDir  *MakeDirResult
+	Upload   *sandbox.UploadStats
+	Download *DownloadResult
+	Error    *ActionError
 }
 
 // ActionError is why the sandbox's state refused an action: the errno it gave and what failed
