@@ -59,6 +59,11 @@ func action(a *deltagymv1.Action) episode.Action {
 		return episode.ReadFile{Path: r.GetPath(), Offset: r.GetOffset(), MaxBytes: r.GetMaxBytes()}
 	case *deltagymv1.Action_Submit:
 		return episode.Submit{Answer: k.Submit.Answer}
+	case *deltagymv1.Action_ListProcesses:
+		return episode.ListProcesses{}
+	case *deltagymv1.Action_Signal:
+		x := k.Signal
+		return episode.Signal{Pid: int(x.GetPid()), Signal: int(x.GetSignal()), Group: x.GetProcessGroup()}
 	}
 	return nil
 }

@@ -80,6 +80,8 @@ func actionProto(a Action) *deltagymv1.Action {
 			Offset: x.Offset, MaxBytes: x.MaxBytes}}}
 	case Submit:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagymv1.SubmitAction{Answer: x.Answer}}}
+	case ListProcesses, Signal:
+		return processActionProto(x)
 	}
 	return nil
 }
@@ -101,6 +103,8 @@ func ObservationProto(o Observation) *deltagymv1.Observation {
 	case o.Submit != nil:
 		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Submit{Submit: &deltagymv1.SubmitResult{
 			Components: o.Submit.Components, Output: o.Submit.Output}}}
+	case o.ListProcesses != nil, o.Signal != nil:
+		return processObservationProto(o)
 	}
 	return nil
 }
@@ -109,7 +113,7 @@ func ObservationProto(o Observation) *deltagymv1.Observation {
 func ExecResultProto(r sandbox.ExecResult) *deltagymv1.ExecResult {
 	return &deltagymv1.ExecResult{Stdout: r.Stdout, Stderr: r.Stderr, ExitCode: int32(r.ExitCode), Signal: signalNumber(r.Signal),
 		TimedOut: r.TimedOut, StdoutTruncated: r.StdoutTruncated, StderrTruncated: r.StderrTruncated,
-		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid)}
+		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid), Matched: r.Matched, Running: r.Running}
 }
 
 // signalNumber converts a signal name ("SIGKILL") to its number (0 if none or unknown).

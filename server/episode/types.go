@@ -31,7 +31,33 @@ type Exec struct {
 	// Interact runs a Session command interactively (sandbox.Interact): Command is the
 	// command, or the input of the one attached, which may be empty (the Enter key alone).
 	Interact *sandbox.Interact
+	// Output, when set, is given the command's output as it is read (sandbox.ExecRequest's
+	// Output): StreamStep's. It is not part of the action (nor of its record).
+	Output func(stream int, p []byte)
 }
+
+// ListProcesses lists the sandbox's processes (sandbox.Sandbox.ListProcesses).
+type ListProcesses struct{}
+
+// Signal sends Signal (0: SIGTERM) to process Pid of the sandbox, or with Group to its process
+// group (sandbox.Sandbox.Signal).
+type Signal struct {
+	Pid    int
+	Signal int
+	Group  bool
+}
+
+// Kind returns "list_processes".
+func (ListProcesses) Kind() string { return "list_processes" }
+
+// Kind returns "signal".
+func (Signal) Kind() string { return "signal" }
+
+// ListProcessesResult is the sandbox's processes, by pid.
+type ListProcessesResult struct{ Processes []sandbox.Process }
+
+// SignalResult is a signal sent.
+type SignalResult struct{}
 
 // WriteFile writes (or appends to) a file in the sandbox.
 type WriteFile struct {
@@ -74,6 +100,9 @@ type Observation struct {
 	ReadFile  *ReadFileResult
 	Submit    *SubmitResult
 	Error     *ActionError
+
+	ListProcesses *ListProcessesResult
+	Signal        *SignalResult
 }
 
 // ActionError is why the sandbox's state refused an action: the errno it gave and what failed
