@@ -38,6 +38,10 @@ type Interact struct {
 	Interrupt bool
 }
 
+// CheckInteract checks it, of a request for session, as Exec does (ErrInvalid): for a front
+// end that checks a request before anything runs.
+func CheckInteract(it *Interact, session string) error { return it.validate(session) }
+
 // validate checks an Interact of a request for session (nil is valid): its patterns within
 // the bounds below.
 func (it *Interact) validate(session string) error {

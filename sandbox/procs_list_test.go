@@ -40,24 +40,13 @@ func waitProcs(t *testing.T, s *sandbox.Sandbox, ok func([]sandbox.Process) bool
 	}
 }
 
-// waitProcGone waits until no process of s has pid.
+// waitProcGone waits until no process of s has pid (or it is a zombie).
 func waitProcGone(t *testing.T, s *sandbox.Sandbox, pid int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ps, err := s.ListProcesses(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
+	waitProcs(t, s, func(ps []sandbox.Process) bool {
 		p, ok := findProc(ps, pid)
-		if !ok || p.State == "Z" {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("process %d still runs: %+v", pid, p)
-		}
-		time.Sleep(10 * time.Millisecond) // polling /proc: the exit has no event to wait on here
-	}
+		return !ok || p.State == "Z"
+	})
 }
 
 // ListProcesses shows the sandbox's processes by their pids inside it, with their sessions;

@@ -93,6 +93,9 @@ func validateExec(x Exec) error {
 	if x.Interact != nil && x.Session == "" {
 		return fmt.Errorf("an interactive exec runs in a session: %w", ErrInvalid)
 	}
+	if err := sandbox.CheckInteract(x.Interact, x.Session); err != nil {
+		return fmt.Errorf("exec: %w", err)
+	}
 	if (x.Command == "") == (len(x.Argv) == 0) && (x.Interact == nil || len(x.Argv) > 0) {
 		return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
 	}
