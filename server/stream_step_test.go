@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 )
 
 // streamed is what a StreamStep sent: its output per stream, the number of output messages and
@@ -116,6 +118,41 @@ func TestStreamStep(t *testing.T) {
 		t.Fatalf("recorded: %v", obs)
 	}
 
+	// A client that reads nothing holds the command up in nothing: the step ends (and counts)
+	// with megabytes of output unread, far more than the client's HTTP/2 window (64 KiB here)
+	// and the sockets' buffers hold, which then all come.
+	n0, _ := nextStep(t, c, sb)
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true)
+	small := &http.Client{Transport: &http.Transport{Protocols: &protos,
+		HTTP2: &http.HTTP2Config{MaxReceiveBufferPerConnection: 64 << 10, MaxReceiveBufferPerStream: 64 << 10}}}
+	slow := deltagymv1connect.NewEnvServiceClient(small, "http://"+b.addr, connect.WithInterceptors(bearer(b.token)))
+	us, err := slow.StreamStep(ctx, connect.NewRequest(&deltagymv1.StreamStepRequest{Step: &deltagymv1.StepRequest{SandboxId: sb,
+		Action: execAction("seq 1 400000; seq 1 400000 >&2")}}))
+	must(t, err)
+	deadline := time.Now().Add(30 * time.Second)
+	for n, _ := nextStep(t, c, sb); n != n0+1; n, _ = nextStep(t, c, sb) {
+		if time.Now().After(deadline) {
+			t.Fatal("the step waits for its client to read its output")
+		}
+		time.Sleep(10 * time.Millisecond) // the server's progress has no event the client sees
+	}
+	var outBytes, errBytes int
+	var last *deltagymv1.StepResponse
+	for us.Receive() {
+		if o := us.Msg().GetOutput(); o.GetStream() == deltagymv1.OutputStream_OUTPUT_STREAM_STDERR {
+			errBytes += len(o.GetData())
+		} else {
+			outBytes += len(o.GetData())
+		}
+		last = us.Msg().GetStep()
+	}
+	must(t, us.Err())
+	us.Close()
+	if x := last.GetObservation().GetExec(); !x.GetStdoutTruncated() || outBytes != len(x.GetStdout()) || errBytes != len(x.GetStderr()) || outBytes < 1<<20 {
+		t.Fatalf("unread output: %d and %d bytes streamed, response %d and %d", outBytes, errBytes, len(x.GetStdout()), len(x.GetStderr()))
+	}
+
 	// Errors are Step's, as the call's error.
 	if _, err := streamStep(ctx, b, &deltagymv1.StepRequest{SandboxId: "nope", Action: execAction("true")}, nil); connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("unknown sandbox: %v", err)
@@ -141,7 +178,7 @@ func TestStreamStep(t *testing.T) {
 		t.Fatalf("cancelled: %v after %v", err, time.Since(start))
 	}
 	// The server notices the client left, ends the command and counts the step.
-	deadline := time.Now().Add(30 * time.Second)
+	deadline = time.Now().Add(30 * time.Second)
 	for {
 		if after, _ := nextStep(t, c, sb); after == before+1 {
 			break
