@@ -267,3 +267,76 @@ func TestProcessActions(t *testing.T) {
 		})
 	}
 }
+
+func interactAction(cmd string, expect []string, interrupt bool) *deltagymv1.Action {
+	return argvAction(&deltagymv1.ExecAction{Command: cmd, Session: "i", Interactive: true, Expect: expect, Interrupt: interrupt, TimeoutSeconds: 10})
+}
+
+// An interactive exec over the API: started, answered at its prompt, given input, interrupted;
+// the caller's mistakes refused; the ledger records the flags and where each wait ended.
+func TestInteractiveExec(t *testing.T) {
+	b := setup(t, nil)
+	for _, cl := range b.clients() {
+		t.Run(cl.name, func(t *testing.T) {
+			c, ctx := cl.c, t.Context()
+			rr, err := c.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
+			must(t, err)
+			sb, ep := rr.GetSandboxId(), rr.GetEpisodeId()
+			defer c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: sb})
+			box, err := b.srv.Runtime().Get(sb)
+			must(t, err)
+			must(t, box.WriteFile(ctx, "/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash\n"), 0o755, false))
+			prompt := []string{`> $`}
+			st, err := c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: interactAction(`sh -c 'while printf "ask> "; read -r l; do echo "got $l"; done'`, prompt, false)})
+			must(t, err)
+			if x := st.GetObservation().GetExec(); x.GetMatched() != prompt[0] || !x.GetRunning() || string(x.GetStdout()) != "ask" {
+				t.Fatalf("start: %v", st.GetObservation())
+			}
+			st, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: interactAction("hello", prompt, false)})
+			must(t, err)
+			if x := st.GetObservation().GetExec(); !strings.Contains(string(x.GetStdout()), "got hello") || !x.GetRunning() {
+				t.Fatalf("input: %v", st.GetObservation())
+			}
+			st, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: interactAction("", nil, true)})
+			must(t, err)
+			if x := st.GetObservation().GetExec(); x.GetRunning() || x.GetMatched() != "" || x.GetSignal() != int32(unix.SIGINT) || x.GetTimedOut() {
+				t.Fatalf("interrupt: %v", st.GetObservation())
+			}
+			n, _ := nextStep(t, c, sb)
+			many := make([]string, 17)
+			for i := range many {
+				many[i] = "x"
+			}
+			for name, a := range map[string]*deltagymv1.Action{
+				"no session":          argvAction(&deltagymv1.ExecAction{Command: "x", Interactive: true}),
+				"17 patterns":         interactAction("x", many, false),
+				"a pattern too large": interactAction("x", []string{strings.Repeat("a", 1025)}, false),
+				"not a pattern":       interactAction("x", []string{"(("}, false),
+				"matching nothing":    interactAction("x", []string{"a*"}, false),
+				"costly patterns":     interactAction("x", []string{strings.Repeat("[a-z]{1,100}", 40)}, false),
+				"expect alone":        argvAction(&deltagymv1.ExecAction{Command: "x", Session: "i", Expect: []string{"x"}}),
+				"interrupt alone":     argvAction(&deltagymv1.ExecAction{Session: "i", Interrupt: true}),
+				"interrupt with text": interactAction("ls", nil, true),
+			} {
+				if _, err := c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: a}); err == nil || !strings.Contains(err.Error(), "nvalid") {
+					t.Errorf("%s: %v, want InvalidArgument", name, err)
+				}
+			}
+			if m, _ := nextStep(t, c, sb); m != n {
+				t.Fatalf("refused steps counted: %d then %d", n, m)
+			}
+			tr, err := c.GetTrajectory(ctx, &deltagymv1.GetTrajectoryRequest{EpisodeId: ep})
+			must(t, err)
+			steps := tr.GetSteps()
+			if len(steps) != 3 {
+				t.Fatalf("recorded %d steps", len(steps))
+			}
+			first, last := steps[0].GetAction().GetExec(), steps[2].GetAction().GetExec()
+			if !first.GetInteractive() || !slices.Equal(first.GetExpect(), prompt) || first.GetInterrupt() ||
+				!last.GetInteractive() || !last.GetInterrupt() || last.GetCommand() != "" ||
+				steps[0].GetObservation().GetExec().GetMatched() != prompt[0] || !steps[0].GetObservation().GetExec().GetRunning() {
+				t.Fatalf("recorded: %v", steps)
+			}
+		})
+	}
+}

@@ -77,6 +77,8 @@ func validate(a Action) error {
 				return fmt.Errorf("submit's answer: %w: %w", err, ErrInvalid)
 			}
 		}
+	case Refused:
+		return x.Err
 	case ListProcesses:
 	case Signal:
 		return validateSignal(x)

@@ -70,8 +70,15 @@ func (c *Core) stored(ctx context.Context, err error) error {
 func actionProto(a Action) *deltagymv1.Action {
 	switch x := a.(type) {
 	case Exec:
-		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv,
-			Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd, TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}}}
+		e := &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv, Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd,
+			TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}
+		if it := x.Interact; it != nil {
+			e.Interactive, e.Interrupt = true, it.Interrupt
+			for _, re := range it.Expect {
+				e.Expect = append(e.Expect, re.String())
+			}
+		}
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: e}}
 	case WriteFile:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{Path: x.Path,
 			Content: x.Content, Mode: uint32(x.Mode), Append: x.Append}}}

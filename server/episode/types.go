@@ -36,6 +36,13 @@ type Exec struct {
 	Output func(stream int, p []byte)
 }
 
+// Refused is an action its front end could not decode (patterns that do not compile, flags
+// that do not go together): validate refuses it with Err, before anything runs.
+type Refused struct{ Err error }
+
+// Kind returns "refused".
+func (Refused) Kind() string { return "refused" }
+
 // ListProcesses lists the sandbox's processes (sandbox.Sandbox.ListProcesses).
 type ListProcesses struct{}
 
