@@ -73,8 +73,15 @@ func actionProto(a Action) *deltagymv1.Action {
 	}
 	switch x := a.(type) {
 	case Exec:
-		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv,
-			Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd, TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}}}
+		e := &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv, Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd,
+			TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}
+		if it := x.Interact; it != nil {
+			e.Interactive, e.Interrupt = true, it.Interrupt
+			for _, re := range it.Expect {
+				e.Expect = append(e.Expect, re.String())
+			}
+		}
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: e}}
 	case WriteFile:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{Path: x.Path,
 			Content: x.Content, Mode: uint32(x.Mode), Append: x.Append}}}
@@ -83,6 +90,8 @@ func actionProto(a Action) *deltagymv1.Action {
 			Offset: x.Offset, MaxBytes: x.MaxBytes}}}
 	case Submit:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagymv1.SubmitAction{Answer: x.Answer}}}
+	case ListProcesses, Signal:
+		return processActionProto(x)
 	}
 	return nil
 }
@@ -107,6 +116,8 @@ func ObservationProto(o Observation) *deltagymv1.Observation {
 	case o.Submit != nil:
 		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Submit{Submit: &deltagymv1.SubmitResult{
 			Components: o.Submit.Components, Output: o.Submit.Output}}}
+	case o.ListProcesses != nil, o.Signal != nil:
+		return processObservationProto(o)
 	}
 	return nil
 }
@@ -115,7 +126,7 @@ func ObservationProto(o Observation) *deltagymv1.Observation {
 func ExecResultProto(r sandbox.ExecResult) *deltagymv1.ExecResult {
 	return &deltagymv1.ExecResult{Stdout: r.Stdout, Stderr: r.Stderr, ExitCode: int32(r.ExitCode), Signal: signalNumber(r.Signal),
 		TimedOut: r.TimedOut, StdoutTruncated: r.StdoutTruncated, StderrTruncated: r.StderrTruncated,
-		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid)}
+		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid), Matched: r.Matched, Running: r.Running}
 }
 
 // signalNumber converts a signal name ("SIGKILL") to its number (0 if none or unknown).
