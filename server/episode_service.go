@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 
 	"connectrpc.com/connect"
 	"go.opentelemetry.io/otel/attribute"
@@ -60,11 +59,6 @@ func (e *envService) StepStream(ctx context.Context, stream *connect.BidiStream[
 	return e.s.stepStream(ctx, stream)
 }
 
-// StreamStep is not served yet.
-func (e *envService) StreamStep(ctx context.Context, req *connect.Request[deltagymv1.StreamStepRequest], stream *connect.ServerStream[deltagymv1.StreamStepResponse]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("StreamStep is not served by this server"))
-}
-
 func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltagymv1.CheckpointRequest]) (*connect.Response[deltagymv1.CheckpointResponse], error) {
 	// An undefined mode is refused before the request waits for the sandbox.
 	mode, err := processMode(req.Msg.GetProcessMode())
@@ -119,9 +113,14 @@ func (e *envService) Close(ctx context.Context, req *connect.Request[deltagymv1.
 }
 
 func (e *envService) Heartbeat(ctx context.Context, req *connect.Request[deltagymv1.HeartbeatRequest]) (*connect.Response[deltagymv1.HeartbeatResponse], error) {
+	// A TTL refused is refused before any lease is renewed.
+	ttl := leaseTTL(req.Msg.GetLeaseTtlSeconds())
+	if err := e.s.core.CheckLeaseTTL(ttl); err != nil {
+		return nil, e.s.toConnect(err)
+	}
 	resp := &deltagymv1.HeartbeatResponse{}
 	for _, id := range req.Msg.GetSandboxIds() {
-		t, err := e.s.core.Touch(id)
+		t, err := e.s.core.Renew(id, ttl)
 		if err != nil {
 			resp.UnknownSandboxIds = append(resp.UnknownSandboxIds, id)
 			continue

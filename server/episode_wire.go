@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"regexp"
 	"strconv"
 	"time"
 
@@ -18,7 +19,7 @@ import (
 
 func resetRequest(m *deltagymv1.ResetRequest) episode.ResetRequest {
 	r := episode.ResetRequest{Env: m.GetEnv(), Options: m.GetOptions(), Run: m.GetRun(), Group: m.GetGroupId(),
-		IdempotencyKey: m.GetIdempotencyKey()}
+		IdempotencyKey: m.GetIdempotencyKey(), LeaseTTL: leaseTTL(m.GetLeaseTtlSeconds())}
 	if m.Seed != nil {
 		seed := m.GetSeed()
 		r.Seed = &seed
@@ -41,16 +42,14 @@ func resetResponse(r episode.ResetResult) *deltagymv1.ResetResponse {
 
 func stepRequest(m *deltagymv1.StepRequest) episode.StepRequest {
 	return episode.StepRequest{SandboxID: m.GetSandboxId(), Action: action(m.GetAction()), Checkpoint: m.GetCheckpoint(),
-		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy()}
+		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy(), Setup: m.GetSetup()}
 }
 
 // action is a's domain form; nil (which the core refuses) for an action of no kind.
 func action(a *deltagymv1.Action) episode.Action {
 	switch k := a.GetKind().(type) {
 	case *deltagymv1.Action_Exec:
-		x := k.Exec
-		return episode.Exec{Command: x.GetCommand(), Argv: x.GetArgv(), Stdin: x.GetStdin(), Env: x.GetEnv(), Cwd: x.GetCwd(),
-			Timeout: seconds(x.GetTimeoutSeconds()), Background: x.GetBackground(), Session: x.GetSession()}
+		return execAction(k.Exec)
 	case *deltagymv1.Action_WriteFile:
 		w := k.WriteFile
 		return episode.WriteFile{Path: w.GetPath(), Content: w.GetContent(), Mode: os.FileMode(w.GetMode()), Append: w.GetAppend()}
@@ -59,8 +58,75 @@ func action(a *deltagymv1.Action) episode.Action {
 		return episode.ReadFile{Path: r.GetPath(), Offset: r.GetOffset(), MaxBytes: r.GetMaxBytes()}
 	case *deltagymv1.Action_Submit:
 		return episode.Submit{Answer: k.Submit.Answer}
+	case *deltagymv1.Action_ListProcesses:
+		return episode.ListProcesses{}
+	case *deltagymv1.Action_Signal:
+		x := k.Signal
+		return episode.Signal{Pid: int(x.GetPid()), Signal: int(x.GetSignal()), Group: x.GetProcessGroup()}
+	}
+	return treeAction(a)
+}
+
+// treeAction is a's domain form for a tree action; nil for another kind.
+func treeAction(a *deltagymv1.Action) episode.Action {
+	switch k := a.GetKind().(type) {
+	case *deltagymv1.Action_ListDir:
+		return episode.ListDir{Path: k.ListDir.GetPath(), Depth: int(k.ListDir.GetDepth()), MaxEntries: int(k.ListDir.GetMaxEntries())}
+	case *deltagymv1.Action_Stat:
+		return episode.Stat{Path: k.Stat.GetPath()}
+	case *deltagymv1.Action_Remove:
+		return episode.Remove{Path: k.Remove.GetPath(), Recursive: k.Remove.GetRecursive()}
+	case *deltagymv1.Action_MakeDir:
+		return episode.MakeDir{Path: k.MakeDir.GetPath(), Mode: episode.FileMode(k.MakeDir.GetMode()), Parents: k.MakeDir.GetParents()}
+	case *deltagymv1.Action_Upload:
+		return episode.Upload{Path: k.Upload.GetPath(), Tar: k.Upload.GetTar()}
+	case *deltagymv1.Action_Download:
+		return episode.Download{Path: k.Download.GetPath(), MaxBytes: k.Download.GetMaxBytes()}
 	}
 	return nil
+}
+
+// execAction is x's domain form; an interactive one's patterns that cannot be compiled, or
+// flags that do not go together, make it episode.Refused.
+func execAction(x *deltagymv1.ExecAction) episode.Action {
+	e := episode.Exec{Command: x.GetCommand(), Argv: x.GetArgv(), Stdin: x.GetStdin(), Env: x.GetEnv(), Cwd: x.GetCwd(),
+		Timeout: seconds(x.GetTimeoutSeconds()), Background: x.GetBackground(), Session: x.GetSession()}
+	switch {
+	case !x.GetInteractive() && (len(x.GetExpect()) > 0 || x.GetInterrupt()):
+		return episode.Refused{Err: fmt.Errorf("exec: expect and interrupt are for an interactive exec (set interactive): %w", ErrInvalid)}
+	case !x.GetInteractive():
+		return e
+	case x.GetInterrupt() && (x.GetCommand() != "" || len(x.GetArgv()) > 0):
+		return episode.Refused{Err: fmt.Errorf("exec: an interrupt sends Ctrl-C, not a command: leave command empty: %w", ErrInvalid)}
+	}
+	expect, err := expectPatterns(x.GetExpect())
+	if err != nil {
+		return episode.Refused{Err: err}
+	}
+	e.Interact = &sandbox.Interact{Expect: expect, Interrupt: x.GetInterrupt()}
+	return e
+}
+
+// expectPatterns compiles an interactive exec's expect patterns, their count and lengths
+// checked against sandbox.Interact's bounds before any is compiled (validate checks the rest).
+func expectPatterns(expect []string) ([]*regexp.Regexp, error) {
+	if len(expect) > sandbox.MaxExpect {
+		return nil, fmt.Errorf("exec: %d expect patterns, more than %d: %w", len(expect), sandbox.MaxExpect, ErrInvalid)
+	}
+	for i, e := range expect {
+		if len(e) > sandbox.MaxExpectBytes {
+			return nil, fmt.Errorf("exec: expect pattern %d is %d bytes long, more than %d: %w", i, len(e), sandbox.MaxExpectBytes, ErrInvalid)
+		}
+	}
+	out := make([]*regexp.Regexp, len(expect))
+	for i, e := range expect {
+		re, err := regexp.Compile(e)
+		if err != nil {
+			return nil, fmt.Errorf("exec: expect pattern %d is not a regular expression (RE2 syntax): %v: %w", i, err, ErrInvalid)
+		}
+		out[i] = re
+	}
+	return out, nil
 }
 
 // seconds converts a number of seconds from the wire, saturating where a Duration ends. NaN
@@ -79,9 +145,23 @@ func seconds(s float64) time.Duration {
 	}
 }
 
+// leaseTTL converts a lease_ttl_seconds from the wire: negative, NaN and the infinities
+// become negative, which the core refuses, and a positive TTL under a nanosecond stays
+// positive (zero means the default).
+func leaseTTL(s float64) time.Duration {
+	switch {
+	case s < 0 || math.IsNaN(s) || math.IsInf(s, 0):
+		return -1
+	case s > 0:
+		return max(seconds(s), 1)
+	}
+	return 0
+}
+
 func stepResponse(r episode.StepResult) *deltagymv1.StepResponse {
 	return &deltagymv1.StepResponse{EpisodeId: r.EpisodeID, StepIndex: int32(r.StepIndex), Observation: episode.ObservationProto(r.Observation),
-		Reward: r.Reward, Terminated: r.Terminated, Truncated: r.Truncated, CheckpointId: r.CheckpointID, Info: r.Info}
+		Reward: r.Reward, Terminated: r.Terminated, Truncated: r.Truncated, CheckpointId: r.CheckpointID, Info: r.Info,
+		StepsLeft: int32(r.StepsLeft)}
 }
 
 // processMode is a request's process mode. A value the API does not define (a number sent
@@ -114,7 +194,8 @@ func checkpointResponse(r episode.CheckpointResult, scrub func(string) string) *
 
 func forkRequest(m *deltagymv1.ForkRequest) episode.ForkRequest {
 	return episode.ForkRequest{CheckpointID: m.GetCheckpointId(), SandboxID: m.GetSandboxId(), N: int(m.GetN()), Run: m.GetRun(),
-		Group: m.GetGroupId(), FreshEntropy: m.GetFreshEntropy(), IdempotencyKey: m.GetIdempotencyKey()}
+		Group: m.GetGroupId(), FreshEntropy: m.GetFreshEntropy(), IdempotencyKey: m.GetIdempotencyKey(),
+		LeaseTTL: leaseTTL(m.GetLeaseTtlSeconds())}
 }
 
 var captureMethods = map[episode.Capture]deltagymv1.CaptureMethod{

@@ -31,7 +31,40 @@ type Exec struct {
 	// Interact runs a Session command interactively (sandbox.Interact): Command is the
 	// command, or the input of the one attached, which may be empty (the Enter key alone).
 	Interact *sandbox.Interact
+	// Output, when set, is given the command's output as it is read (sandbox.ExecRequest's
+	// Output): StreamStep's. It is not part of the action (nor of its record).
+	Output func(stream int, p []byte)
 }
+
+// Refused is an action its front end could not decode (patterns that do not compile, flags
+// that do not go together): validate refuses it with Err, before anything runs.
+type Refused struct{ Err error }
+
+// Kind returns "refused".
+func (Refused) Kind() string { return "refused" }
+
+// ListProcesses lists the sandbox's processes (sandbox.Sandbox.ListProcesses).
+type ListProcesses struct{}
+
+// Signal sends Signal (0: SIGTERM) to process Pid of the sandbox, or with Group to its process
+// group (sandbox.Sandbox.Signal).
+type Signal struct {
+	Pid    int
+	Signal int
+	Group  bool
+}
+
+// Kind returns "list_processes".
+func (ListProcesses) Kind() string { return "list_processes" }
+
+// Kind returns "signal".
+func (Signal) Kind() string { return "signal" }
+
+// ListProcessesResult is the sandbox's processes, by pid.
+type ListProcessesResult struct{ Processes []sandbox.Process }
+
+// SignalResult is a signal sent.
+type SignalResult struct{}
 
 // WriteFile writes (or appends to) a file in the sandbox.
 type WriteFile struct {
@@ -73,7 +106,17 @@ type Observation struct {
 	WriteFile *WriteFileResult
 	ReadFile  *ReadFileResult
 	Submit    *SubmitResult
-	Error     *ActionError
+	// The tree actions' (files.go).
+	ListDir  *ListDirResult
+	Stat     *StatResult
+	Remove   *RemoveResult
+	MakeDir  *MakeDirResult
+	Upload   *sandbox.UploadStats
+	Download *DownloadResult
+	// The process actions' (procs.go).
+	ListProcesses *ListProcessesResult
+	Signal        *SignalResult
+	Error         *ActionError
 }
 
 // ActionError is why the sandbox's state refused an action: the errno it gave and what failed
@@ -113,6 +156,9 @@ type ResetRequest struct {
 	// IdempotencyKey, when set, makes a retry with the same key and request return the first
 	// call's result.
 	IdempotencyKey string
+	// LeaseTTL is the sandbox's lease TTL (envpool.Lease.SetTTL): 0 means the pools' default;
+	// negative or past Config.MaxLeaseTTL is ErrInvalid.
+	LeaseTTL time.Duration
 }
 
 // ResetResult is a reset's sandbox and episode.
@@ -144,6 +190,10 @@ type StepRequest struct {
 	RestoreCheckpointID string
 	// RestoreFreshEntropy gives the restored state a new seed (sandbox.RestoreOptions).
 	RestoreFreshEntropy bool
+	// Setup marks a step that sets the task up: performed, numbered and recorded as any, it
+	// counts against neither of the env's budgets (not max_steps, and its time not in
+	// max_seconds). A submit cannot be one.
+	Setup bool
 }
 
 // StepResult is a step's outcome. Info carries "truncated_by" (max_steps or max_seconds),
@@ -157,6 +207,9 @@ type StepResult struct {
 	Truncated    bool
 	CheckpointID string
 	Info         map[string]string
+	// StepsLeft is how many more agent steps the env's max_steps allows after this one; -1
+	// when it has none.
+	StepsLeft int
 }
 
 // CheckpointRequest checkpoints a sandbox. Processes is how its processes are captured:
@@ -200,6 +253,8 @@ type ForkRequest struct {
 	Group          string
 	FreshEntropy   bool
 	IdempotencyKey string
+	// LeaseTTL is ResetRequest.LeaseTTL for each child.
+	LeaseTTL time.Duration
 }
 
 // ForkResult lists the children and what became of the source's processes in them.
