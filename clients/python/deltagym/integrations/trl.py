@@ -211,12 +211,13 @@ class SandboxEnvironment:
 
     def reset(self, **row: Any) -> str:
         """Releases the previous rollout's sandbox and starts this row's
-        episode; returns the task and the reset hook's output, which TRL
-        appends to the row's last user message."""
+        episode; returns the task and the reset hook's output after a blank
+        line ("" when there are none), which TRL appends to the row's last
+        user message."""
         self._release()
         sb, observation, gid = self._factory._claim(row)
         self._sandbox, self._group_id = sb, gid
-        return "\n\n" + observation
+        return "\n\n" + observation.rstrip("\n") if observation.strip() else ""
 
     def bash(self, command: str) -> str:
         """Runs a shell command in the sandbox and returns its output.
