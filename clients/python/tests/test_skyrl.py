@@ -89,3 +89,17 @@ def test_docs_example(server, monkeypatch):
     monkeypatch.setenv("DELTAGYM_ADDR", server.addr)
     ns = run_example("skyrl.md")
     assert "seed=7" in ns["prompt"][-1]["content"] and ns["env"].get_metrics()["reward"] == 1.0
+
+
+def test_env_config_from_a_training_config(server):
+    # SkyRL hands the env its section of the Hydra config, an OmegaConf DictConfig.
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"addr": server.addr, "session": "agent", "max_output_chars": 16})
+    env = skyrl_gym.make("deltagym", env_config=cfg, extras={"max_turns": 3})
+    try:
+        env.init([{"role": "user", "content": "Go."}])
+        env.step("<bash>cd /tmp</bash>")
+        out = env.step("<bash>pwd; seq 1 20</bash>")
+        assert out["observations"][0]["content"] == "/tmp\n1\n2\n3\n4\n5\n6\n[cut at 16 characters]\n"
+    finally:
+        env.close()
