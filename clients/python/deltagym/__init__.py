@@ -1,38 +1,72 @@
 """deltagym: Python SDK for deltagym sandbox servers.
 
-Client and AsyncClient cover every call of EnvService and LedgerService;
-Sandbox and AsyncSandbox are leased sandboxes whose leases are renewed in the
-background until closed. deltagym.gym holds the Gymnasium env, deltagym.grpo
-group rollouts, deltagym.tree checkpoint tree search.
+Sandbox (and deltagym.aio.AsyncSandbox) is a leased sandbox with typed
+results: commands, streaming output, files, processes, setup steps,
+checkpoints, restores and forks. Client and AsyncClient are the low-level
+clients covering every call of EnvService and LedgerService, returning the
+server's messages (deltagym.raw holds the generated modules). deltagym.gym
+holds the Gymnasium env, deltagym.grpo group rollouts, deltagym.tree
+checkpoint tree search, deltagym.errors the exceptions.
 """
 
-from . import actions, errors
+from . import actions, errors, raw, types
 from ._common import RetryPolicy, observation_text
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2, ledger_service_pb2
 from .aio import AsyncClient, AsyncSandbox
-from .client import Client, Sandbox
+from .client import Client, SandboxHandle
 from .errors import (
     Aborted,
+    ActionFailed,
     AlreadyExists,
+    CheckpointNotFound,
+    CommandExitError,
     DeadlineExceeded,
     DeltagymError,
+    EnvNotFound,
+    EpisodeEnded,
+    EpisodeNotFound,
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    NoCapacity,
     NotFound,
     PermissionDenied,
+    RateLimited,
     ResourceExhausted,
+    SandboxClosed,
+    SandboxError,
+    SandboxNotFound,
+    Timeout,
     Unauthenticated,
     Unavailable,
     Unimplemented,
+)
+from .sandbox import CommandStream, Files, Process, Processes, Sandbox
+from .types import (
+    Checkpoint,
+    CommandResult,
+    Evaluation,
+    FileInfo,
+    OutputChunk,
+    ProcessInfo,
+    Restored,
+    SandboxInfo,
+    StepInfo,
+    StepResult,
+    SubmitResult,
+    UploadResult,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "Sandbox", "AsyncClient", "AsyncSandbox", "RetryPolicy", "observation_text", "actions", "errors",
+    "Sandbox", "AsyncSandbox", "CommandStream", "Files", "Processes", "Process",
+    "Client", "AsyncClient", "SandboxHandle", "RetryPolicy", "observation_text", "actions", "errors", "raw", "types",
     "action_pb2", "env_pb2", "env_service_pb2", "ledger_service_pb2",
+    "CommandResult", "StepInfo", "StepResult", "OutputChunk", "FileInfo", "UploadResult", "ProcessInfo",
+    "SubmitResult", "Evaluation", "Checkpoint", "Restored", "SandboxInfo",
     "DeltagymError", "NotFound", "InvalidArgument", "FailedPrecondition", "ResourceExhausted", "Aborted",
     "Unauthenticated", "AlreadyExists", "PermissionDenied", "DeadlineExceeded", "Unavailable", "Unimplemented",
-    "Internal",
+    "Internal", "SandboxNotFound", "CheckpointNotFound", "EnvNotFound", "EpisodeNotFound", "EpisodeEnded",
+    "SandboxClosed", "RateLimited", "NoCapacity", "Timeout", "SandboxError", "CommandExitError", "ActionFailed",
 ]

@@ -150,6 +150,15 @@ def lease_seconds(ts: Any, now: float) -> Optional[float]:
     return ts.seconds + ts.nanos / 1e9 - now
 
 
+def ttl_seconds(ttl: Optional[float]) -> float:
+    """A lease TTL as the requests carry it: 0 for the server's default."""
+    if ttl is None:
+        return 0.0
+    if not ttl > 0 or ttl == float("inf"):
+        raise ValueError(f"lease_ttl must be a positive number of seconds, not {ttl}")
+    return float(ttl)
+
+
 def heartbeat_interval(ttl: Optional[float]) -> float:
     if ttl is None or ttl <= 0:
         return DEFAULT_HEARTBEAT

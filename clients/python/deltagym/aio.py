@@ -30,9 +30,13 @@ from ._proto.deltagym.v1 import (
 from .actions import command as _command, argv as _argv, read_file as _read_file, submit as _submit, write_file as _write_file
 from .errors import DeltagymError, from_code, from_rpc_error
 
-__all__ = ["AsyncClient", "AsyncSandbox"]
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncSandboxHandle", "AsyncCommandStream", "AsyncFiles",
+           "AsyncProcesses", "AsyncProcess"]
 
 log = logging.getLogger("deltagym")
+
+# The deadline argument's default: the client's own timeout.
+_DEFAULT: Any = object()
 
 
 class AsyncClient:
@@ -60,15 +64,16 @@ class AsyncClient:
         self._env = es_grpc.EnvServiceStub(self._channel)
         self._ledger = ls_grpc.LedgerServiceStub(self._channel)
         self._lease_ttl: Optional[float] = None
-        self._handles: "set[AsyncSandbox]" = set()
+        self._handles: "set[AsyncSandboxHandle]" = set()
         self._closed = False
 
-    async def _call(self, name: str, fn: Any, req: Any, safe: bool) -> Any:
+    async def _call(self, name: str, fn: Any, req: Any, safe: bool, timeout: Any = _DEFAULT) -> Any:
         policy = self.retry if safe else c.NO_RETRY
         attempt = 0
+        deadline = self.timeout if timeout is _DEFAULT else timeout
         while True:
             try:
-                return await fn(req, metadata=self._md, timeout=self.timeout)
+                return await fn(req, metadata=self._md, timeout=deadline)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
                     await asyncio.sleep(policy.backoff(attempt))
@@ -122,17 +127,30 @@ class AsyncClient:
         run: str = "",
         group_id: str = "",
         idempotency_key: Optional[str] = None,
-    ) -> "AsyncSandbox":
+        lease_ttl: Optional[float] = None,
+        timeout: Any = _DEFAULT,
+    ) -> "AsyncSandboxHandle":
+        """Leases a warm sandbox of env and starts an episode (as Client.reset)."""
         req = c.reset_request(env, seed, options, run, group_id, idempotency_key)
-        resp: es.ResetResponse = await self._call("Reset", self._env.Reset, req, True)
+        req.lease_ttl_seconds = c.ttl_seconds(lease_ttl)
+        resp: es.ResetResponse = await self._call("Reset", self._env.Reset, req, True, timeout)
         self._saw_lease(resp.lease_expire_time)
-        return AsyncSandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
-                            start_checkpoint_id=resp.checkpoint_id, reset=resp)
+        return AsyncSandboxHandle(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
+                                  start_checkpoint_id=resp.checkpoint_id, reset=resp, lease_ttl=lease_ttl)
 
     async def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
-                   restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+                   restore: Optional[str] = None, fresh_entropy: bool = False, setup: bool = False,
+                   timeout: Any = _DEFAULT) -> es.StepResponse:
+        """Performs one action (as Client.step)."""
         req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy)
-        return await self._call("Step", self._env.Step, req, False)
+        req.setup = setup
+        return await self._call("Step", self._env.Step, req, False, timeout)
+
+    def stream_step(self, req: es.StepRequest, *, timeout: Any = _DEFAULT) -> "_AsyncStream":
+        """Starts a StreamStep (as Client.stream_step), iterated with async for."""
+        deadline = self.timeout if timeout is _DEFAULT else timeout
+        call = self._env.StreamStep(es.StreamStepRequest(step=req), metadata=self._md, timeout=deadline)
+        return _AsyncStream(call, bool(self._md))
 
     async def step_stream(self, steps: Sequence[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
         """Pipelines steps on one StepStream; results in the order sent."""
@@ -144,7 +162,7 @@ class AsyncClient:
                 if r.WhichOneof("result") == "step":
                     out[r.request_id] = r.step
                 else:
-                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
+                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream", reason=r.error.reason)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "StepStream", bool(self._md)) from None
         for i, o in enumerate(out):
@@ -152,13 +170,17 @@ class AsyncClient:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
         return out
 
-    async def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+    async def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None,
+                         timeout: Any = _DEFAULT) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint."""
         req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
-        return await self._call("Checkpoint", self._env.Checkpoint, req, False)
+        return await self._call("Checkpoint", self._env.Checkpoint, req, False, timeout)
 
-    async def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+    async def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False,
+                      timeout: Any = _DEFAULT) -> es.RestoreResponse:
+        """Puts the sandbox at a checkpoint; a new episode starts there."""
         req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id, fresh_entropy=fresh_entropy)
-        return await self._call("Restore", self._env.Restore, req, False)
+        return await self._call("Restore", self._env.Restore, req, False, timeout)
 
     async def fork(
         self,
@@ -170,30 +192,43 @@ class AsyncClient:
         run: str = "",
         fresh_entropy: bool = False,
         idempotency_key: Optional[str] = None,
-    ) -> List["AsyncSandbox"]:
+        lease_ttl: Optional[float] = None,
+        timeout: Any = _DEFAULT,
+    ) -> List["AsyncSandboxHandle"]:
+        """Creates n sandboxes at a checkpoint or a sandbox's current state (as Client.fork)."""
         req = c.fork_request(checkpoint_id, sandbox_id, n, group_id, run, fresh_entropy, idempotency_key)
-        resp: es.ForkResponse = await self._call("Fork", self._env.Fork, req, True)
-        return [AsyncSandbox(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id)
+        req.lease_ttl_seconds = c.ttl_seconds(lease_ttl)
+        resp: es.ForkResponse = await self._call("Fork", self._env.Fork, req, True, timeout)
+        return [AsyncSandboxHandle(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id,
+                                   lease_ttl=lease_ttl)
                 for sid, eid in zip(resp.sandbox_ids, resp.episode_ids)]
 
     async def release_checkpoint(self, checkpoint_id: str) -> None:
         req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
         await self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
 
-    async def evaluate(self, sandbox_id: str) -> es.EvaluateResponse:
-        return await self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True)
+    async def evaluate(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> es.EvaluateResponse:
+        """Runs the verifier on the sandbox's state without changing it."""
+        return await self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True, timeout)
 
-    async def close_sandbox(self, sandbox_id: str) -> None:
-        await self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True)
+    async def close_sandbox(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> None:
+        """Ends the sandbox's episode and frees it. Closing twice succeeds."""
+        await self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True, timeout)
 
-    async def heartbeat(self, sandbox_ids: Sequence[Union[str, "AsyncSandbox"]]) -> es.HeartbeatResponse:
-        resp = await self._call("Heartbeat", self._env.Heartbeat, es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids)), True)
-        for lease in resp.leases:
-            self._saw_lease(lease.expire_time)
+    async def heartbeat(self, sandbox_ids: Sequence[Union[str, "AsyncSandboxHandle"]], *, lease_ttl: Optional[float] = None,
+                        timeout: Any = _DEFAULT) -> es.HeartbeatResponse:
+        """Renews the leases of sandboxes; with lease_ttl, their TTL becomes that many seconds."""
+        req = es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids), lease_ttl_seconds=c.ttl_seconds(lease_ttl))
+        resp = await self._call("Heartbeat", self._env.Heartbeat, req, True, timeout)
+        if lease_ttl is None:
+            for lease in resp.leases:
+                self._saw_lease(lease.expire_time)
         return resp
 
-    async def get_sandbox(self, sandbox_id: str) -> env_pb2.Sandbox:
-        return (await self._call("GetSandbox", self._env.GetSandbox, es.GetSandboxRequest(sandbox_id=sandbox_id), True)).sandbox
+    async def get_sandbox(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> env_pb2.Sandbox:
+        """Describes one sandbox."""
+        req = es.GetSandboxRequest(sandbox_id=sandbox_id)
+        return (await self._call("GetSandbox", self._env.GetSandbox, req, True, timeout)).sandbox
 
     async def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> List[env_pb2.Sandbox]:
         req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
@@ -232,12 +267,35 @@ class AsyncClient:
         await self._call("ReportReward", self._ledger.ReportReward, req, False)
 
 
-class AsyncSandbox:
-    """A leased sandbox whose lease an asyncio task renews until close();
-    `async with` closes it. Attributes as for deltagym.Sandbox."""
+class _AsyncStream:
+    """A StreamStep call's responses, its errors raised as DeltagymError."""
+
+    def __init__(self, call: Any, sent_token: bool) -> None:
+        self._call = call
+        self._it = call.__aiter__()
+        self._sent_token = sent_token
+
+    def __aiter__(self) -> "_AsyncStream":
+        return self
+
+    async def __anext__(self) -> es.StreamStepResponse:
+        try:
+            return await self._it.__anext__()  # type: ignore[no-any-return]
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "StreamStep", self._sent_token) from None
+
+    def cancel(self) -> None:
+        """Cancels the call, which cuts the step short."""
+        self._call.cancel()
+
+
+class AsyncSandboxHandle:
+    """A leased sandbox as the low-level AsyncClient sees it, whose lease an
+    asyncio task renews until close(); `async with` closes it. Attributes as
+    for deltagym.client.SandboxHandle. (The typed API is deltagym.aio.AsyncSandbox.)"""
 
     def __init__(self, client: AsyncClient, sandbox_id: str, *, env: str, episode_id: str, start_checkpoint_id: str,
-                 reset: Optional[es.ResetResponse] = None) -> None:
+                 reset: Optional[es.ResetResponse] = None, lease_ttl: Optional[float] = None) -> None:
         self.client = client
         self.id = sandbox_id
         self.env = env
@@ -246,13 +304,23 @@ class AsyncSandbox:
         self.reset_response = reset
         self.lost = False
         self.closed = False
-        self._task: Optional[asyncio.Task] = None
+        self.lease_ttl = lease_ttl
+        self.lease_expires_at: Optional[float] = None
+        if reset is not None:
+            self.saw_lease(reset.lease_expire_time)
+        self._task: Optional[asyncio.Task[None]] = None
         client._handles.add(self)
         if client.heartbeat_enabled:
             self._task = asyncio.get_running_loop().create_task(self._heartbeats(), name=f"deltagym-heartbeat-{sandbox_id}")
 
     def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+        return f"AsyncSandboxHandle(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+
+    def saw_lease(self, ts: Any) -> None:
+        """Records the lease expiry a response gave (a Timestamp)."""
+        at = c.lease_seconds(ts, 0.0)
+        if at is not None:
+            self.lease_expires_at = at
 
     @property
     def observation(self) -> Optional[action_pb2.Observation]:
@@ -260,12 +328,15 @@ class AsyncSandbox:
 
     async def _heartbeats(self) -> None:
         while True:
-            await asyncio.sleep(c.heartbeat_interval(self.client._lease_ttl))
+            await asyncio.sleep(c.heartbeat_interval(self.lease_ttl or self.client._lease_ttl))
             try:
                 resp = await self.client.heartbeat([self.id])
             except DeltagymError as e:
                 log.warning("heartbeat of sandbox %s: %s", self.id, e)
                 continue
+            for lease in resp.leases:
+                if lease.sandbox_id == self.id:
+                    self.saw_lease(lease.expire_time)
             if self.id in resp.unknown_sandbox_ids:
                 self.lost = True
                 return
@@ -299,7 +370,7 @@ class AsyncSandbox:
         self.episode_id = resp.episode_id
         return resp
 
-    async def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["AsyncSandbox"]:
+    async def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["AsyncSandboxHandle"]:
         kids = await self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy)
         for k in kids:
             k.env = self.env
@@ -311,8 +382,8 @@ class AsyncSandbox:
     async def describe(self) -> env_pb2.Sandbox:
         return await self.client.get_sandbox(self.id)
 
-    async def close(self) -> None:
-        """Stops the heartbeat task and closes the sandbox. Idempotent."""
+    async def detach(self) -> None:
+        """Stops the heartbeat task and forgets the sandbox without closing it."""
         if self.closed:
             return
         self.closed = True
@@ -323,10 +394,20 @@ class AsyncSandbox:
             except asyncio.CancelledError:
                 pass
         self.client._handles.discard(self)
-        await self.client.close_sandbox(self.id)
 
-    async def __aenter__(self) -> "AsyncSandbox":
+    async def close(self, *, timeout: Any = _DEFAULT) -> None:
+        """Stops the heartbeat task and closes the sandbox. Idempotent."""
+        if self.closed:
+            return
+        await self.detach()
+        await self.client.close_sandbox(self.id, timeout=timeout)
+
+    async def __aenter__(self) -> "AsyncSandboxHandle":
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+# The typed API, on top of the handles above.
+from ._aio_sandbox import AsyncCommandStream, AsyncFiles, AsyncProcess, AsyncProcesses, AsyncSandbox  # noqa: E402

@@ -31,9 +31,12 @@ from ._proto.deltagym.v1 import (
 from .actions import command as _command, argv as _argv, read_file as _read_file, submit as _submit, write_file as _write_file
 from .errors import DeltagymError, from_code, from_rpc_error
 
-__all__ = ["Client", "Sandbox"]
+__all__ = ["Client", "SandboxHandle", "Sandbox"]
 
 log = logging.getLogger("deltagym")
+
+# The deadline argument's default: the client's own timeout.
+_DEFAULT: Any = object()
 
 
 class Client:
@@ -68,18 +71,19 @@ class Client:
         self._env = es_grpc.EnvServiceStub(self._channel)
         self._ledger = ls_grpc.LedgerServiceStub(self._channel)
         self._lease_ttl: Optional[float] = None
-        self._handles: "set[Sandbox]" = set()
+        self._handles: "set[SandboxHandle]" = set()
         self._lock = threading.Lock()
         self._closed = False
 
     # --- plumbing -------------------------------------------------------------
 
-    def _call(self, name: str, fn: Callable[..., Any], req: Any, safe: bool) -> Any:
+    def _call(self, name: str, fn: Callable[..., Any], req: Any, safe: bool, timeout: Any = _DEFAULT) -> Any:
         policy = self.retry if safe else c.NO_RETRY
         attempt = 0
+        deadline = self.timeout if timeout is _DEFAULT else timeout
         while True:
             try:
-                return fn(req, metadata=self._md, timeout=self.timeout)
+                return fn(req, metadata=self._md, timeout=deadline)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
                     time.sleep(policy.backoff(attempt))
@@ -138,22 +142,39 @@ class Client:
         run: str = "",
         group_id: str = "",
         idempotency_key: Optional[str] = None,
-    ) -> "Sandbox":
+        lease_ttl: Optional[float] = None,
+        timeout: Any = _DEFAULT,
+    ) -> "SandboxHandle":
         """Leases a warm sandbox of env and starts an episode. Retried safely:
-        each call carries an idempotency key (a fresh one unless given)."""
+        each call carries an idempotency key (a fresh one unless given).
+        lease_ttl: seconds the sandbox lives without a call or heartbeat
+        (default: the server's --lease-ttl). timeout: this call's deadline."""
         req = c.reset_request(env, seed, options, run, group_id, idempotency_key)
-        resp: es.ResetResponse = self._call("Reset", self._env.Reset, req, True)
+        req.lease_ttl_seconds = c.ttl_seconds(lease_ttl)
+        resp: es.ResetResponse = self._call("Reset", self._env.Reset, req, True, timeout)
         self._saw_lease(resp.lease_expire_time)
-        return Sandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
-                       start_checkpoint_id=resp.checkpoint_id, reset=resp)
+        return SandboxHandle(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
+                             start_checkpoint_id=resp.checkpoint_id, reset=resp, lease_ttl=lease_ttl)
 
     def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
-             restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+             restore: Optional[str] = None, fresh_entropy: bool = False, setup: bool = False,
+             timeout: Any = _DEFAULT) -> es.StepResponse:
         """Performs one action (an Action, or a str run as a shell command). Never retried.
         With restore, the sandbox is first restored to that checkpoint, as restore() does
-        (a new episode starts there; fresh_entropy as in restore), in the same call."""
+        (a new episode starts there; fresh_entropy as in restore), in the same call.
+        setup marks a setup step (StepRequest.setup)."""
         req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy)
-        return self._call("Step", self._env.Step, req, False)
+        req.setup = setup
+        return self._call("Step", self._env.Step, req, False, timeout)
+
+    def stream_step(self, req: es.StepRequest, *, timeout: Any = _DEFAULT) -> "_Stream":
+        """Starts a StreamStep: the output chunks of the step's command as they
+        come, then its StepResponse. Never retried. Errors raise as
+        DeltagymError while iterating; the returned iterator is also the
+        gRPC call (cancel() cuts the step short)."""
+        deadline = self.timeout if timeout is _DEFAULT else timeout
+        call = self._env.StreamStep(es.StreamStepRequest(step=req), metadata=self._md, timeout=deadline)
+        return _Stream(call, bool(self._md))
 
     def step_stream(self, steps: Iterable[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
         """Pipelines steps over many sandboxes on one StepStream. Returns, in
@@ -165,7 +186,7 @@ class Client:
                 if r.WhichOneof("result") == "step":
                     out[r.request_id] = r.step
                 else:
-                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
+                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream", reason=r.error.reason)
         except grpc.RpcError as e:
             raise from_rpc_error(e, "StepStream", bool(self._md)) from None
         for i, o in enumerate(out):
@@ -173,15 +194,17 @@ class Client:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
         return out
 
-    def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+    def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None,
+                   timeout: Any = _DEFAULT) -> es.CheckpointResponse:
         """Saves the sandbox's whole state as an immutable checkpoint."""
         req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
-        return self._call("Checkpoint", self._env.Checkpoint, req, False)
+        return self._call("Checkpoint", self._env.Checkpoint, req, False, timeout)
 
-    def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+    def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False,
+                timeout: Any = _DEFAULT) -> es.RestoreResponse:
         """Puts the sandbox at a checkpoint; a new episode starts there."""
         req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id, fresh_entropy=fresh_entropy)
-        return self._call("Restore", self._env.Restore, req, False)
+        return self._call("Restore", self._env.Restore, req, False, timeout)
 
     def fork(
         self,
@@ -193,12 +216,16 @@ class Client:
         run: str = "",
         fresh_entropy: bool = False,
         idempotency_key: Optional[str] = None,
-    ) -> List["Sandbox"]:
+        lease_ttl: Optional[float] = None,
+        timeout: Any = _DEFAULT,
+    ) -> List["SandboxHandle"]:
         """Creates n sandboxes at a checkpoint or at a sandbox's current state
-        and returns their handles. Retried safely with an idempotency key."""
+        and returns their handles. Retried safely with an idempotency key.
+        lease_ttl as for reset, for each child."""
         req = c.fork_request(checkpoint_id, sandbox_id, n, group_id, run, fresh_entropy, idempotency_key)
-        resp: es.ForkResponse = self._call("Fork", self._env.Fork, req, True)
-        return [Sandbox(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id)
+        req.lease_ttl_seconds = c.ttl_seconds(lease_ttl)
+        resp: es.ForkResponse = self._call("Fork", self._env.Fork, req, True, timeout)
+        return [SandboxHandle(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id, lease_ttl=lease_ttl)
                 for sid, eid in zip(resp.sandbox_ids, resp.episode_ids)]
 
     def release_checkpoint(self, checkpoint_id: str) -> None:
@@ -206,24 +233,28 @@ class Client:
         req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
         self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
 
-    def evaluate(self, sandbox_id: str) -> es.EvaluateResponse:
+    def evaluate(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> es.EvaluateResponse:
         """Runs the verifier on the sandbox's state without changing it."""
-        return self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True)
+        return self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True, timeout)
 
-    def close_sandbox(self, sandbox_id: str) -> None:
+    def close_sandbox(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> None:
         """Ends the sandbox's episode and frees it. Closing twice succeeds."""
-        self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True)
+        self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True, timeout)
 
-    def heartbeat(self, sandbox_ids: Sequence[Union[str, "Sandbox"]]) -> es.HeartbeatResponse:
-        """Renews the leases of sandboxes."""
-        resp = self._call("Heartbeat", self._env.Heartbeat, es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids)), True)
-        for lease in resp.leases:
-            self._saw_lease(lease.expire_time)
+    def heartbeat(self, sandbox_ids: Sequence[Union[str, "SandboxHandle"]], *, lease_ttl: Optional[float] = None,
+                  timeout: Any = _DEFAULT) -> es.HeartbeatResponse:
+        """Renews the leases of sandboxes; with lease_ttl, their TTL becomes that many seconds."""
+        req = es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids), lease_ttl_seconds=c.ttl_seconds(lease_ttl))
+        resp = self._call("Heartbeat", self._env.Heartbeat, req, True, timeout)
+        if lease_ttl is None:
+            for lease in resp.leases:
+                self._saw_lease(lease.expire_time)
         return resp
 
-    def get_sandbox(self, sandbox_id: str) -> env_pb2.Sandbox:
+    def get_sandbox(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> env_pb2.Sandbox:
         """Describes one sandbox."""
-        return self._call("GetSandbox", self._env.GetSandbox, es.GetSandboxRequest(sandbox_id=sandbox_id), True).sandbox
+        req = es.GetSandboxRequest(sandbox_id=sandbox_id)
+        return self._call("GetSandbox", self._env.GetSandbox, req, True, timeout).sandbox
 
     def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> List[env_pb2.Sandbox]:
         """Lists the live sandboxes, filtered by env, run and group."""
@@ -267,9 +298,32 @@ class Client:
         self._call("ReportReward", self._ledger.ReportReward, req, False)
 
 
-class Sandbox:
-    """A leased sandbox. Its lease is renewed by a background thread until
-    close(); use it as a context manager to close it.
+class _Stream:
+    """A StreamStep call's responses, its errors raised as DeltagymError."""
+
+    def __init__(self, call: Any, sent_token: bool) -> None:
+        self._call = call
+        self._sent_token = sent_token
+
+    def __iter__(self) -> "_Stream":
+        return self
+
+    def __next__(self) -> es.StreamStepResponse:
+        try:
+            return next(self._call)  # type: ignore[no-any-return]
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "StreamStep", self._sent_token) from None
+
+    def cancel(self) -> None:
+        """Cancels the call, which cuts the step short."""
+        self._call.cancel()
+
+
+class SandboxHandle:
+    """A leased sandbox as the low-level Client sees it: every call returns
+    the server's messages. Its lease is renewed by a background thread
+    until close(); use it as a context manager to close it. (The typed
+    API is deltagym.Sandbox.)
 
     Attributes:
         id: the sandbox ID.
@@ -278,10 +332,12 @@ class Sandbox:
         start_checkpoint_id: the checkpoint the first episode started from.
         reset_response: the ResetResponse, for sandboxes made by Reset.
         lost: set when a heartbeat found the sandbox unknown (reaped or closed elsewhere).
+        lease_ttl: the TTL this handle asked for, else None (the server's default).
+        lease_expires_at: when the lease runs out (Unix seconds) by the last answer seen, else None.
     """
 
     def __init__(self, client: Client, sandbox_id: str, *, env: str, episode_id: str, start_checkpoint_id: str,
-                 reset: Optional[es.ResetResponse] = None) -> None:
+                 reset: Optional[es.ResetResponse] = None, lease_ttl: Optional[float] = None) -> None:
         self.client = client
         self.id = sandbox_id
         self.env = env
@@ -290,6 +346,10 @@ class Sandbox:
         self.reset_response = reset
         self.lost = False
         self.closed = False
+        self.lease_ttl = lease_ttl
+        self.lease_expires_at: Optional[float] = None
+        if reset is not None:
+            self.saw_lease(reset.lease_expire_time)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         with client._lock:
@@ -299,7 +359,17 @@ class Sandbox:
             self._thread.start()
 
     def __repr__(self) -> str:
-        return f"Sandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+        return f"SandboxHandle(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+
+    def saw_lease(self, ts: Any) -> None:
+        """Records the lease expiry a response gave (a Timestamp)."""
+        at = c.lease_seconds(ts, 0.0)
+        if at is not None:
+            self.lease_expires_at = at
+
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats: a fraction of this sandbox's TTL."""
+        return c.heartbeat_interval(self.lease_ttl or self.client._lease_ttl)
 
     @property
     def observation(self) -> Optional[action_pb2.Observation]:
@@ -307,12 +377,15 @@ class Sandbox:
         return self.reset_response.observation if self.reset_response else None
 
     def _heartbeats(self) -> None:
-        while not self._stop.wait(c.heartbeat_interval(self.client._lease_ttl)):
+        while not self._stop.wait(self.heartbeat_interval()):
             try:
                 resp = self.client.heartbeat([self.id])
             except DeltagymError as e:
                 log.warning("heartbeat of sandbox %s: %s", self.id, e)
                 continue
+            for lease in resp.leases:
+                if lease.sandbox_id == self.id:
+                    self.saw_lease(lease.expire_time)
             if self.id in resp.unknown_sandbox_ids:
                 self.lost = True
                 return
@@ -351,7 +424,7 @@ class Sandbox:
         self.episode_id = resp.episode_id
         return resp
 
-    def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["Sandbox"]:
+    def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["SandboxHandle"]:
         """Creates n sandboxes at this sandbox's current state."""
         kids = self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy)
         for k in kids:
@@ -364,8 +437,9 @@ class Sandbox:
     def describe(self) -> env_pb2.Sandbox:
         return self.client.get_sandbox(self.id)
 
-    def close(self) -> None:
-        """Stops the heartbeats and closes the sandbox. Idempotent."""
+    def detach(self) -> None:
+        """Stops the heartbeats and forgets the sandbox without closing it:
+        it lives on until its lease runs out or another client closes it."""
         if self.closed:
             return
         self.closed = True
@@ -374,10 +448,21 @@ class Sandbox:
             self._thread.join()
         with self.client._lock:
             self.client._handles.discard(self)
-        self.client.close_sandbox(self.id)
 
-    def __enter__(self) -> "Sandbox":
+    def close(self, *, timeout: Any = _DEFAULT) -> None:
+        """Stops the heartbeats and closes the sandbox. Idempotent."""
+        if self.closed:
+            return
+        self.detach()
+        self.client.close_sandbox(self.id, timeout=timeout)
+
+    def __enter__(self) -> "SandboxHandle":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# Sandbox is the low-level handle's former name, kept for code that imports
+# it from here; deltagym.Sandbox is the typed API.
+Sandbox = SandboxHandle

@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, Dict, List, Optional, Union
 
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es, ledger_service_pb2 as ls
 from .actions import submit
-from .aio import AsyncClient, AsyncSandbox
+from .aio import AsyncClient, AsyncSandbox, AsyncSandboxHandle
 
 __all__ = ["Rollout", "GroupResult", "Policy", "run_group", "wait_advantages"]
 
@@ -35,7 +35,7 @@ class Rollout:
     """One episode of a group, as the policy sees it while it runs."""
 
     index: int
-    sandbox: AsyncSandbox
+    sandbox: AsyncSandboxHandle
     episode_id: str
     steps: List[es.StepResponse] = field(default_factory=list)
     reward: float = 0.0
@@ -73,7 +73,7 @@ class GroupResult:
 
 async def run_group(
     client: AsyncClient,
-    source: Union[AsyncSandbox, str],
+    source: Union[AsyncSandboxHandle, AsyncSandbox, str],
     policy: Policy,
     *,
     size: int = 8,
@@ -91,10 +91,10 @@ async def run_group(
     group's advantages from the ledger. The forked sandboxes are closed
     unless keep is set."""
     gid = group_id or f"grpo-{uuid.uuid4().hex[:12]}"
-    if isinstance(source, AsyncSandbox):
-        kids = await client.fork(sandbox_id=source.id, n=size, group_id=gid, run=run, fresh_entropy=fresh_entropy)
-    else:
+    if isinstance(source, str):
         kids = await client.fork(checkpoint_id=source, n=size, group_id=gid, run=run, fresh_entropy=fresh_entropy)
+    else:
+        kids = await client.fork(sandbox_id=source.id, n=size, group_id=gid, run=run, fresh_entropy=fresh_entropy)
     rollouts = [Rollout(index=i, sandbox=k, episode_id=k.episode_id) for i, k in enumerate(kids)]
     try:
         await asyncio.gather(*(_roll(r, policy, max_steps) for r in rollouts))

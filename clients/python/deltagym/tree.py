@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
 from . import _common as c
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .actions import coerce
-from .client import Sandbox
+from .client import SandboxHandle
+from .sandbox import Sandbox
 
 __all__ = ["Node", "SearchTree"]
 
@@ -69,8 +70,8 @@ class SearchTree:
         exploration: the UCT exploration constant.
     """
 
-    def __init__(self, sandbox: Sandbox, *, root_checkpoint_id: Optional[str] = None, exploration: float = 1.4) -> None:
-        self.sandbox = sandbox
+    def __init__(self, sandbox: Union[SandboxHandle, Sandbox], *, root_checkpoint_id: Optional[str] = None, exploration: float = 1.4) -> None:
+        self.sandbox: SandboxHandle = sandbox.handle if isinstance(sandbox, Sandbox) else sandbox
         self.exploration = exploration
         ck = root_checkpoint_id or sandbox.checkpoint().checkpoint_id
         self.root = Node(checkpoint_id=ck)
