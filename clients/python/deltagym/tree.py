@@ -73,7 +73,7 @@ class SearchTree:
     def __init__(self, sandbox: Union[SandboxHandle, Sandbox], *, root_checkpoint_id: Optional[str] = None, exploration: float = 1.4) -> None:
         self.sandbox: SandboxHandle = sandbox.handle if isinstance(sandbox, Sandbox) else sandbox
         self.exploration = exploration
-        ck = root_checkpoint_id or sandbox.checkpoint().checkpoint_id
+        ck = root_checkpoint_id or self.sandbox.checkpoint().checkpoint_id
         self.root = Node(checkpoint_id=ck)
         self._own = [] if root_checkpoint_id else [ck]
         self.current: Node = self.root
