@@ -103,7 +103,8 @@ class AsyncSandbox:
     # --- making -------------------------------------------------------------------------------
 
     @staticmethod
-    def _client(client: Optional[AsyncClient], addr: Optional[str], token: Optional[str]) -> tuple[AsyncClient, Optional[_AsyncOwner]]:
+    def _client(client: Optional[AsyncClient], addr: Optional[str],
+                token: Optional[str]) -> tuple[AsyncClient, Optional[_AsyncOwner]]:
         if client is not None:
             return client, None
         c = AsyncClient(addr, token=token)
