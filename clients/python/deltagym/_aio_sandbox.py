@@ -11,14 +11,15 @@ deltagym.Sandbox as coroutines.
 
 from __future__ import annotations
 
+import builtins
 import inspect
 import signal as _signal
-from typing import Any, AsyncIterator, Callable, ContextManager, List, Mapping, Optional, Sequence, Union
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
-from . import _convert as cv
-from . import _ops as ops
-from ._proto.deltagym.v1 import action_pb2
-from ._proto.deltagym.v1 import env_service_pb2 as es
+from . import _convert as cv, _ops as ops
+from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .aio import AsyncClient, AsyncSandboxHandle
 from .errors import CommandExitError, NotFound, from_code
 from .sandbox import ProcessMode, _checkpoint_id, to_process_mode
@@ -36,7 +37,7 @@ from .types import (
     UploadResult,
 )
 
-__all__ = ["AsyncSandbox", "AsyncCommandStream", "AsyncFiles", "AsyncProcesses", "AsyncProcess"]
+__all__ = ["AsyncCommandStream", "AsyncFiles", "AsyncProcess", "AsyncProcesses", "AsyncSandbox"]
 
 AsyncOutputCallback = Callable[[str], Any]
 """A callback of AsyncSandbox.run(): a function or a coroutine function, called with each piece of output's text."""
@@ -86,8 +87,8 @@ class AsyncSandbox:
         processes: process operations (AsyncProcesses).
     """
 
-    def __init__(self, handle: AsyncSandboxHandle, *, timeout: Optional[float] = None, task: str = "",
-                 owner: Optional[_AsyncOwner] = None) -> None:
+    def __init__(self, handle: AsyncSandboxHandle, *, timeout: float | None = None, task: str = "",
+                 owner: _AsyncOwner | None = None) -> None:
         self._h = handle
         self.client = handle.client
         self.timeout = timeout if timeout is not None else handle.client.timeout
@@ -103,17 +104,17 @@ class AsyncSandbox:
     # --- making -------------------------------------------------------------------------------
 
     @staticmethod
-    def _client(client: Optional[AsyncClient], addr: Optional[str],
-                token: Optional[str]) -> tuple[AsyncClient, Optional[_AsyncOwner]]:
+    def _client(client: AsyncClient | None, addr: str | None,
+                token: str | None) -> tuple[AsyncClient, _AsyncOwner | None]:
         if client is not None:
             return client, None
         c = AsyncClient(addr, token=token)
         return c, _AsyncOwner(c)
 
     @classmethod
-    async def create(cls, env: str = "shell", *, seed: Optional[int] = None, options: Optional[Mapping[str, Any]] = None,
-               run: str = "", group_id: str = "", lease_ttl: Optional[float] = None, timeout: Optional[float] = None,
-               addr: Optional[str] = None, token: Optional[str] = None, client: Optional[AsyncClient] = None) -> "AsyncSandbox":
+    async def create(cls, env: str = "shell", *, seed: int | None = None, options: Mapping[str, Any] | None = None,
+               run: str = "", group_id: str = "", lease_ttl: float | None = None, timeout: float | None = None,
+               addr: str | None = None, token: str | None = None, client: AsyncClient | None = None) -> AsyncSandbox:
         """Leases a warm sandbox of env and starts an episode.
 
         Args:
@@ -140,8 +141,8 @@ class AsyncSandbox:
         return cls(h, timeout=timeout, task=cv.reset_task(h.reset_response), owner=owner)
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, timeout: Optional[float] = None, addr: Optional[str] = None,
-                token: Optional[str] = None, client: Optional[AsyncClient] = None) -> "AsyncSandbox":
+    async def connect(cls, sandbox_id: str, *, timeout: float | None = None, addr: str | None = None,
+                token: str | None = None, client: AsyncClient | None = None) -> AsyncSandbox:
         """Attaches to a live sandbox by ID (made by another process or
         client) and renews its lease from here on. close() closes the
         sandbox; detach() lets go of it and leaves it running.
@@ -159,10 +160,10 @@ class AsyncSandbox:
         return cls(h, timeout=timeout, owner=owner)
 
     @classmethod
-    async def fork_from(cls, checkpoint: Union[Checkpoint, str], n: int = 1, *, group_id: str = "", run: str = "",
-                  fresh_entropy: bool = False, lease_ttl: Optional[float] = None, timeout: Optional[float] = None,
-                  addr: Optional[str] = None, token: Optional[str] = None,
-                  client: Optional[AsyncClient] = None) -> List["AsyncSandbox"]:
+    async def fork_from(cls, checkpoint: Checkpoint | str, n: int = 1, *, group_id: str = "", run: str = "",
+                  fresh_entropy: bool = False, lease_ttl: float | None = None, timeout: float | None = None,
+                  addr: str | None = None, token: str | None = None,
+                  client: AsyncClient | None = None) -> list[AsyncSandbox]:
         """Creates n sandboxes at a checkpoint, each in a new episode. They
         share one client (this call's, or one made for them, closed with
         the last of them). fresh_entropy gives each fresh random state."""
@@ -198,7 +199,7 @@ class AsyncSandbox:
         return self._h.episode_id
 
     @property
-    def lease_expires_at(self) -> Optional[float]:
+    def lease_expires_at(self) -> float | None:
         """When the lease runs out (Unix seconds) by the last answer seen, None when unknown."""
         return self._h.lease_expires_at
 
@@ -210,7 +211,7 @@ class AsyncSandbox:
     def __repr__(self) -> str:
         return f"AsyncSandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
 
-    def setup(self) -> ContextManager[None]:
+    def setup(self) -> AbstractContextManager[None]:
         """Marks every call on this sandbox inside the `with` block as a
         setup step: recorded in the ledger, counted against neither
         max_steps nor max_seconds. It holds for this thread or asyncio
@@ -218,10 +219,10 @@ class AsyncSandbox:
         setup= argument overrides it; submit is never a setup step."""
         return ops.setup_context(self.id)
 
-    def _setup(self, setup: Optional[bool]) -> bool:
+    def _setup(self, setup: bool | None) -> bool:
         return ops.is_setup(self.id, setup)
 
-    async def _step(self, action: action_pb2.Action, setup: bool, deadline: Optional[float],
+    async def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
               checkpoint: bool = False) -> es.StepResponse:
         req = ops.step_request(self.id, action, setup, checkpoint)
         resp: es.StepResponse = await self.client._call("Step", self.client._env.Step, req, False, deadline)
@@ -231,17 +232,17 @@ class AsyncSandbox:
     def _saw_step(self, resp: es.StepResponse) -> None:
         self._h.episode_id = resp.episode_id or self._h.episode_id
 
-    async def _act(self, action: action_pb2.Action, kind: str, setup: Optional[bool], timeout: Optional[float]) -> Any:
+    async def _act(self, action: action_pb2.Action, kind: str, setup: bool | None, timeout: float | None) -> Any:
         s = self._setup(setup)
         x, _ = cv.observation(await self._step(action, s, ops.deadline(timeout, self.timeout)), kind, s)
         return x
 
     # --- commands -------------------------------------------------------------------------------
 
-    async def run(self, cmd: Union[str, Sequence[str]], *, timeout: Optional[float] = None, cwd: Optional[str] = None,
-            env: Optional[Mapping[str, str]] = None, stdin: Union[str, bytes, None] = None,
-            session: Optional[str] = None, check: bool = False, on_stdout: Optional[AsyncOutputCallback] = None,
-            on_stderr: Optional[AsyncOutputCallback] = None, setup: Optional[bool] = None,
+    async def run(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: Mapping[str, str] | None = None, stdin: str | bytes | None = None,
+            session: str | None = None, check: bool = False, on_stdout: AsyncOutputCallback | None = None,
+            on_stderr: AsyncOutputCallback | None = None, setup: bool | None = None,
             checkpoint: bool = False) -> CommandResult:
         """Runs a command and returns its result.
 
@@ -281,10 +282,10 @@ class AsyncSandbox:
             raise CommandExitError(result)
         return result
 
-    def stream(self, cmd: Union[str, Sequence[str]], *, timeout: Optional[float] = None, cwd: Optional[str] = None,
-               env: Optional[Mapping[str, str]] = None, stdin: Union[str, bytes, None] = None,
-               session: Optional[str] = None, setup: Optional[bool] = None,
-               checkpoint: bool = False) -> "AsyncCommandStream":
+    def stream(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+               env: Mapping[str, str] | None = None, stdin: str | bytes | None = None,
+               session: str | None = None, setup: bool | None = None,
+               checkpoint: bool = False) -> AsyncCommandStream:
         """Runs a command with its output streamed (StreamStep): `async for`
         the returned AsyncCommandStream for OutputChunks as they come, then
         await its result(). Arguments as for run(). Leaving an `async with`
@@ -294,8 +295,8 @@ class AsyncSandbox:
         req = ops.step_request(self.id, action, s, checkpoint)
         return AsyncCommandStream(self, req, s, ops.command_deadline(timeout, self.timeout))
 
-    async def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> StepResult:
+    async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
+             timeout: float | None = None) -> StepResult:
         """Performs one raw action (a deltagym.actions builder's Action, or a
         str run as a shell command). An action the sandbox refused is a
         StepResult with error set, not an exception."""
@@ -312,18 +313,18 @@ class AsyncSandbox:
 
     # --- episode --------------------------------------------------------------------------------
 
-    async def submit(self, answer: Optional[str] = None, *, timeout: Optional[float] = None) -> SubmitResult:
+    async def submit(self, answer: str | None = None, *, timeout: float | None = None) -> SubmitResult:
         """Ends the episode: the env's verifier runs and gives the reward. Never a setup step."""
         from .actions import submit
 
         return cv.submit_result(await self._step(submit(answer), False, ops.deadline(timeout, self.timeout)))
 
-    async def evaluate(self, *, timeout: Optional[float] = None) -> Evaluation:
+    async def evaluate(self, *, timeout: float | None = None) -> Evaluation:
         """Runs the verifier on the sandbox's state without changing it or ending the episode."""
         return cv.evaluation(await self.client.evaluate(self.id, timeout=ops.deadline(timeout, self.timeout)))
 
-    async def checkpoint(self, *, durable: bool = False, process_mode: Optional[ProcessMode] = None,
-                   timeout: Optional[float] = None) -> Checkpoint:
+    async def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
+                   timeout: float | None = None) -> Checkpoint:
         """Saves the sandbox's whole state (files and processes) as an
         immutable checkpoint. durable saves every process as a CRIU image
         before answering (Checkpoint.not_durable says why one could not
@@ -332,8 +333,8 @@ class AsyncSandbox:
                                    timeout=ops.deadline(timeout, self.timeout))
         return cv.checkpoint(r)
 
-    async def restore(self, checkpoint: Union[Checkpoint, str], *, fresh_entropy: bool = False,
-                timeout: Optional[float] = None) -> Restored:
+    async def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
+                timeout: float | None = None) -> Restored:
         """Puts the sandbox back at a checkpoint; a new episode starts there."""
         r = await self.client.restore(self.id, _checkpoint_id(checkpoint), fresh_entropy=fresh_entropy,
                                 timeout=ops.deadline(timeout, self.timeout))
@@ -341,7 +342,7 @@ class AsyncSandbox:
         return cv.restored(r)
 
     async def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False,
-             lease_ttl: Optional[float] = None, timeout: Optional[float] = None) -> List["AsyncSandbox"]:
+             lease_ttl: float | None = None, timeout: float | None = None) -> list[AsyncSandbox]:
         """Creates n sandboxes at this sandbox's current state, each in a new
         episode, calling through this sandbox's client (kept open until the
         last of them closes)."""
@@ -351,14 +352,14 @@ class AsyncSandbox:
             h.env = self.env
         return [AsyncSandbox(h, timeout=self.timeout, owner=self._owner) for h in hs]
 
-    async def describe(self, *, timeout: Optional[float] = None) -> SandboxInfo:
+    async def describe(self, *, timeout: float | None = None) -> SandboxInfo:
         """The server's description of the sandbox."""
         info = cv.sandbox_info(await self.client.get_sandbox(self.id, timeout=ops.deadline(timeout, self.timeout)))
         if info.lease_expires_at is not None:
             self._h.lease_expires_at = info.lease_expires_at
         return info
 
-    async def is_alive(self, *, timeout: Optional[float] = None) -> bool:
+    async def is_alive(self, *, timeout: float | None = None) -> bool:
         """Whether the server still has the sandbox, open (its episode may have ended)."""
         if self._closed:
             return False
@@ -367,7 +368,7 @@ class AsyncSandbox:
         except NotFound:
             return False
 
-    async def extend_lease(self, ttl: Optional[float] = None, *, timeout: Optional[float] = None) -> Optional[float]:
+    async def extend_lease(self, ttl: float | None = None, *, timeout: float | None = None) -> float | None:
         """Renews the lease now; with ttl, the lease's TTL becomes ttl seconds
         from now on (longer or shorter), and the heartbeats follow it.
         Returns the new expiry (Unix seconds). SandboxNotFound when the
@@ -383,7 +384,7 @@ class AsyncSandbox:
                 self._h.saw_lease(lease.expire_time)
         return self._h.lease_expires_at
 
-    async def close(self, *, timeout: Optional[float] = None) -> None:
+    async def close(self, *, timeout: float | None = None) -> None:
         """Closes the sandbox (ends its episode and frees it) and, when this
         sandbox made its client, the client once its forks are closed too.
         Idempotent; a sandbox already gone closes quietly."""
@@ -408,7 +409,7 @@ class AsyncSandbox:
         if self._owner is not None:
             await self._owner.release()
 
-    async def __aenter__(self) -> "AsyncSandbox":
+    async def __aenter__(self) -> AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -422,15 +423,15 @@ class AsyncCommandStream:
     command ended. An async context manager: leaving it early cancels the
     call, which cuts the command short."""
 
-    def __init__(self, sb: AsyncSandbox, req: es.StepRequest, setup: bool, deadline: Optional[float]) -> None:
+    def __init__(self, sb: AsyncSandbox, req: es.StepRequest, setup: bool, deadline: float | None) -> None:
         self._sb = sb
         self._setup = setup
         self._call = sb.client.stream_step(req, timeout=deadline)
         self._dec = cv.ChunkDecoder()
-        self._result: Optional[CommandResult] = None
+        self._result: CommandResult | None = None
         self._done = False
 
-    async def __aenter__(self) -> "AsyncCommandStream":
+    async def __aenter__(self) -> AsyncCommandStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -484,7 +485,7 @@ class AsyncFiles:
     def __init__(self, sb: AsyncSandbox) -> None:
         self._sb = sb
 
-    async def read_bytes(self, path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> bytes:
+    async def read_bytes(self, path: str, *, setup: bool | None = None, timeout: float | None = None) -> bytes:
         """The whole file, read in parts when larger than one read may return."""
         out = bytearray()
         while True:
@@ -493,71 +494,71 @@ class AsyncFiles:
             if not x.truncated or not x.content:
                 return bytes(out)
 
-    async def read(self, path: str, *, encoding: str = "utf-8", errors: str = "replace", setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> str:
+    async def read(self, path: str, *, encoding: str = "utf-8", errors: str = "replace", setup: bool | None = None,
+             timeout: float | None = None) -> str:
         """The whole file as text."""
         return (await self.read_bytes(path, setup=setup, timeout=timeout)).decode(encoding, errors)
 
-    async def write(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, append: bool = False,
-              setup: Optional[bool] = None, timeout: Optional[float] = None) -> int:
+    async def write(self, path: str, data: str | bytes, *, mode: int | None = None, append: bool = False,
+              setup: bool | None = None, timeout: float | None = None) -> int:
         """Creates, replaces or (append) extends a file; mode is a new file's
         permission bits (default 0644). Returns the file's size after."""
         x = await self._sb._act(ops.write_action(path, data, mode, append), "write_file", setup, timeout)
         return int(x.size)
 
-    async def list(self, path: str = ".", depth: int = 1, *, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> List[FileInfo]:
+    async def list(self, path: str = ".", depth: int = 1, *, setup: bool | None = None,
+             timeout: float | None = None) -> builtins.list[FileInfo]:
         """The entries of a directory (depth levels down), sorted by path,
         paths relative to it; links are listed, not followed."""
         x = await self._sb._act(ops.list_action(path, depth), "list_dir", setup, timeout)
         return [cv.file_info(f) for f in x.entries]
 
-    async def stat(self, path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> Optional[FileInfo]:
+    async def stat(self, path: str, *, setup: bool | None = None, timeout: float | None = None) -> FileInfo | None:
         """A path's FileInfo (of a final link itself), None when it does not exist."""
         x = await self._sb._act(ops.stat_action(path), "stat", setup, timeout)
         return cv.file_info(x.info) if x.exists else None
 
-    async def exists(self, path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> bool:
+    async def exists(self, path: str, *, setup: bool | None = None, timeout: float | None = None) -> bool:
         """Whether the path exists."""
         return (await self.stat(path, setup=setup, timeout=timeout)) is not None
 
-    async def remove(self, path: str, *, recursive: bool = False, setup: Optional[bool] = None,
-               timeout: Optional[float] = None) -> int:
+    async def remove(self, path: str, *, recursive: bool = False, setup: bool | None = None,
+               timeout: float | None = None) -> int:
         """Removes a file, a link or (recursive) a directory with everything
         in it. Returns how many paths went; a missing path is 0."""
         x = await self._sb._act(ops.remove_action(path, recursive), "remove", setup, timeout)
         return int(x.removed)
 
-    async def mkdir(self, path: str, *, parents: bool = True, mode: Optional[int] = None, setup: Optional[bool] = None,
-              timeout: Optional[float] = None) -> bool:
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int | None = None, setup: bool | None = None,
+              timeout: float | None = None) -> bool:
         """Creates a directory (and its missing parents, by default).
         Returns whether it was created (False: it existed)."""
         x = await self._sb._act(ops.mkdir_action(path, parents, mode), "make_dir", setup, timeout)
         return bool(x.created)
 
-    async def upload_tar(self, data: bytes, remote_dir: str, *, setup: Optional[bool] = None,
-                   timeout: Optional[float] = None) -> UploadResult:
+    async def upload_tar(self, data: bytes, remote_dir: str, *, setup: bool | None = None,
+                   timeout: float | None = None) -> UploadResult:
         """Unpacks a tar archive (plain or gzip, at most 64 MiB) into
         remote_dir, created when missing. The server refuses entries that
         would land outside it, devices and FIFOs."""
         x = await self._sb._act(ops.upload_action(data, remote_dir), "upload", setup, timeout)
         return cv.upload_result(x)
 
-    async def upload(self, local_path: str, remote_dir: str, *, setup: Optional[bool] = None,
-               timeout: Optional[float] = None) -> UploadResult:
+    async def upload(self, local_path: str, remote_dir: str, *, setup: bool | None = None,
+               timeout: float | None = None) -> UploadResult:
         """Copies a local file or directory into remote_dir, as `cp -r
         local_path remote_dir/` would (a directory "src" lands as
         remote_dir/src), packed as a tar archive in memory."""
         return await self.upload_tar(ops.pack(local_path), remote_dir, setup=setup, timeout=timeout)
 
-    async def download_tar(self, remote_path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> bytes:
+    async def download_tar(self, remote_path: str, *, setup: bool | None = None, timeout: float | None = None) -> bytes:
         """A file or directory packed as a tar archive, entries named below
         its base name ("src/", "src/a.py" ...); at most 64 MiB."""
         x = await self._sb._act(ops.download_action(remote_path), "download", setup, timeout)
         return bytes(x.tar)
 
-    async def download(self, remote_path: str, local_dir: str, *, setup: Optional[bool] = None,
-                 timeout: Optional[float] = None) -> List[str]:
+    async def download(self, remote_path: str, local_dir: str, *, setup: bool | None = None,
+                 timeout: float | None = None) -> builtins.list[str]:
         """Copies a file or directory of the sandbox into local_dir (as
         local_dir/<base name>) and returns the local paths written. The
         archive is checked whole first: an entry that is absolute, has a
@@ -585,8 +586,8 @@ class AsyncProcess:
     def __repr__(self) -> str:
         return f"Process(pid={self.pid}, session={self.session!r})"
 
-    async def send(self, text: str, *, expect: Optional[Sequence[str]] = None, timeout: Optional[float] = None,
-             setup: Optional[bool] = None) -> CommandResult:
+    async def send(self, text: str, *, expect: Sequence[str] | None = None, timeout: float | None = None,
+             setup: bool | None = None) -> CommandResult:
         """Writes text and a newline to an interactive process and returns its
         output: when one of the expect patterns (regular expressions)
         matches, when the process ends, or at the timeout (the process runs on)."""
@@ -596,7 +597,7 @@ class AsyncProcess:
         s = self._sb._setup(setup)
         return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
 
-    async def interrupt(self, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> CommandResult:
+    async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult:
         """Sends SIGINT to the interactive process (Ctrl-C)."""
         if not self.session:
             await self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
@@ -605,8 +606,8 @@ class AsyncProcess:
         s = self._sb._setup(setup)
         return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
 
-    async def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> None:
+    async def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
+             timeout: float | None = None) -> None:
         """Sends a signal (default SIGKILL) to the process, or its process group."""
         if not self.pid:
             raise ValueError("this process's pid is unknown (an interactive one): use interrupt()")
@@ -620,15 +621,15 @@ class AsyncProcesses:
         self._sb = sb
         self._n = 0
 
-    def _session(self, session: Optional[str]) -> str:
+    def _session(self, session: str | None) -> str:
         if session:
             return session
         self._n += 1
         return f"proc-{self._n}"
 
-    async def start(self, cmd: Union[str, Sequence[str]], *, session: Optional[str] = None, stdin: bool = False,
-              cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None, expect: Optional[Sequence[str]] = None,
-              timeout: Optional[float] = None, setup: Optional[bool] = None) -> "AsyncProcess":
+    async def start(self, cmd: str | Sequence[str], *, session: str | None = None, stdin: bool = False,
+              cwd: str | None = None, env: Mapping[str, str] | None = None, expect: Sequence[str] | None = None,
+              timeout: float | None = None, setup: bool | None = None) -> AsyncProcess:
         """Starts a process and returns at once. Without stdin, it runs in
         the background (its output discarded; captured by checkpoints like
         any process) and Process.pid is its pid. With stdin, it runs as an
@@ -649,13 +650,13 @@ class AsyncProcesses:
         r = cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
         return AsyncProcess(self._sb, 0, name, r)
 
-    async def list(self, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> List[ProcessInfo]:
+    async def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:
         """The processes running in the sandbox (its init excluded), by pid."""
         x = await self._sb._act(ops.list_processes_action(), "list_processes", setup, timeout)
         return [cv.process_info(p) for p in x.processes]
 
-    async def kill(self, pid: int, signal: int = _signal.SIGKILL, *, group: bool = False, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> None:
+    async def kill(self, pid: int, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
+             timeout: float | None = None) -> None:
         """Sends a signal (default SIGKILL) to a process of the sandbox, or
         with group to its process group. ActionFailed (ESRCH) when there is
         no such process in the sandbox."""

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import codecs
 import math
-from typing import Any, Optional
+from typing import Any
 
 from ._common import lease_seconds
-from ._proto.deltagym.v1 import action_pb2, env_pb2
-from ._proto.deltagym.v1 import env_service_pb2 as es
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
 from .errors import ActionFailed
 from .types import (
     ActionErrorInfo,
@@ -74,7 +73,7 @@ def step_info(r: es.StepResponse, setup: bool) -> StepInfo:
                     checkpoint_id=r.checkpoint_id, steps_left=r.steps_left, setup=setup, info=info)
 
 
-def action_error(r: es.StepResponse, step: StepInfo) -> Optional[ActionFailed]:
+def action_error(r: es.StepResponse, step: StepInfo) -> ActionFailed | None:
     """The ActionFailed of a response whose observation is an error, else None."""
     if not r.observation.HasField("error"):
         return None
@@ -140,7 +139,7 @@ def file_info(f: action_pb2.FileInfo) -> FileInfo:
 
 def upload_result(x: action_pb2.UploadResult) -> UploadResult:
     """An UploadResult of the message."""
-    return UploadResult(files=x.files, size=getattr(x, "bytes"))
+    return UploadResult(files=x.files, size=x.bytes)
 
 
 def process_info(p: action_pb2.ProcessInfo) -> ProcessInfo:
@@ -169,7 +168,7 @@ def evaluation(r: es.EvaluateResponse) -> Evaluation:
     return Evaluation(reward=r.reward, components=dict(r.components), output=r.output, duration=r.duration_seconds)
 
 
-def _instant(ts: Any) -> Optional[float]:
+def _instant(ts: Any) -> float | None:
     """A Timestamp as Unix seconds, None when unset."""
     return lease_seconds(ts, 0.0)
 

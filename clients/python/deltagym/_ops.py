@@ -10,10 +10,10 @@ import io
 import os
 import stat as statmod
 import tarfile
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-from ._proto.deltagym.v1 import action_pb2
-from ._proto.deltagym.v1 import env_service_pb2 as es
+from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .errors import UnsafeArchiveError
 
 # The sandboxes whose calls in the current context are setup steps. A
@@ -40,19 +40,19 @@ def setup_context(sandbox_id: str) -> Iterator[None]:
         _SETUP.reset(tok)
 
 
-def is_setup(sandbox_id: str, setup: Optional[bool]) -> bool:
+def is_setup(sandbox_id: str, setup: bool | None) -> bool:
     """setup when given, else whether the current context marks sandbox_id."""
     return setup if setup is not None else sandbox_id in _SETUP.get()
 
 
-def deadline(timeout: Optional[float], default: Optional[float]) -> Optional[float]:
+def deadline(timeout: float | None, default: float | None) -> float | None:
     """The call deadline: timeout when given, else the default."""
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive, not {timeout}")
     return timeout if timeout is not None else default
 
 
-def command_deadline(timeout: Optional[float], default: Optional[float]) -> Optional[float]:
+def command_deadline(timeout: float | None, default: float | None) -> float | None:
     """The call deadline of a command whose own timeout is timeout: that
     plus DEADLINE_MARGIN, else the default."""
     if timeout is None:
@@ -62,37 +62,38 @@ def command_deadline(timeout: Optional[float], default: Optional[float]) -> Opti
     return timeout + DEADLINE_MARGIN
 
 
-def _bytes(v: Union[str, bytes]) -> bytes:
+def _bytes(v: str | bytes) -> bytes:
     return v.encode() if isinstance(v, str) else bytes(v)
 
 
-def exec_action(cmd: Union[str, Sequence[str]], *, timeout: Optional[float] = None, cwd: Optional[str] = None,
-                env: Optional[Mapping[str, str]] = None, stdin: Union[str, bytes, None] = None,
-                session: Optional[str] = None, background: bool = False) -> action_pb2.Action:
+def exec_action(cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+                env: Mapping[str, str] | None = None, stdin: str | bytes | None = None,
+                session: str | None = None, background: bool = False) -> action_pb2.Action:
     """An exec action: a str runs as `/bin/sh -c cmd` (or in the session),
     a sequence as argv without a shell."""
     x = action_pb2.ExecAction(stdin=_bytes(stdin or b""), env=dict(env or {}), cwd=cwd or "",
                               timeout_seconds=timeout or 0.0, background=background, session=session or "")
     if isinstance(cmd, str):
         x.command = cmd
-    elif isinstance(cmd, (bytes, bytearray)):
-        raise TypeError("cmd must be a str or a sequence of str, not bytes")
-    else:
-        x.argv.extend(str(a) for a in cmd)
+        return action_pb2.Action(exec=x)
+    args = list(cmd)
+    if not all(isinstance(a, str) for a in args):
+        raise TypeError("cmd must be a str or a sequence of str")
+    x.argv.extend(args)
     return action_pb2.Action(exec=x)
 
 
-def interactive_action(session: str, text: str, *, expect: Sequence[str] = (), timeout: Optional[float] = None,
+def interactive_action(session: str, text: str, *, expect: Sequence[str] = (), timeout: float | None = None,
                        interrupt: bool = False) -> action_pb2.Action:
     """An interactive session step: text written to the attached program, or an interrupt."""
     if not HAS_INTERACTIVE:
         raise NotImplementedError("this deltagym API has no interactive session commands "
                                   "(ExecAction.interactive, expect and interrupt)")
     x = action_pb2.ExecAction(command=text, session=session, timeout_seconds=timeout or 0.0)
-    setattr(x, "interactive", True)
-    if interrupt:
-        setattr(x, "interrupt", True)
-    getattr(x, "expect").extend(expect)
+    dyn: Any = x  # the fields are looked up at run time: not every build's API has them
+    dyn.interactive = True
+    dyn.interrupt = interrupt
+    dyn.expect.extend(expect)
     return action_pb2.Action(exec=x)
 
 
@@ -108,7 +109,7 @@ def read_action(path: str, offset: int) -> action_pb2.Action:
     return action_pb2.Action(read_file=action_pb2.ReadFileAction(path=path, offset=offset))
 
 
-def write_action(path: str, data: Union[str, bytes], mode: Optional[int], append: bool) -> action_pb2.Action:
+def write_action(path: str, data: str | bytes, mode: int | None, append: bool) -> action_pb2.Action:
     """A write of data to path."""
     return action_pb2.Action(write_file=action_pb2.WriteFileAction(path=path, content=_bytes(data), mode=mode or 0,
                                                                    append=append))
@@ -131,7 +132,7 @@ def remove_action(path: str, recursive: bool) -> action_pb2.Action:
     return action_pb2.Action(remove=action_pb2.RemoveAction(path=path, recursive=recursive))
 
 
-def mkdir_action(path: str, parents: bool, mode: Optional[int]) -> action_pb2.Action:
+def mkdir_action(path: str, parents: bool, mode: int | None) -> action_pb2.Action:
     """A directory creation."""
     return action_pb2.Action(make_dir=action_pb2.MakeDirAction(path=path, parents=parents, mode=mode or 0))
 
@@ -156,7 +157,7 @@ def signal_action(pid: int, sig: int, group: bool) -> action_pb2.Action:
     return action_pb2.Action(signal=action_pb2.SignalAction(pid=int(pid), signal=int(sig), process_group=group))
 
 
-def pack(local_path: Union[str, os.PathLike[str]]) -> bytes:
+def pack(local_path: str | os.PathLike[str]) -> bytes:
     """A tar archive in memory of a local file or directory, its entries
     named below the path's base name (a directory "src" gives "src/...",
     as the server's downloads do). Symbolic links are kept as links."""
@@ -241,7 +242,11 @@ def _inside(root: str, path: str) -> bool:
     return real == root or real.startswith(root + os.sep)
 
 
-def extract(data: bytes, local_dir: Union[str, os.PathLike[str]]) -> list[str]:
+def _open_tar(data: bytes) -> tarfile.TarFile:
+    return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+
+
+def extract(data: bytes, local_dir: str | os.PathLike[str]) -> list[str]:
     """Unpacks a tar archive into local_dir (created when missing) after
     check_archive passed: directories and files first, then hard links,
     then symbolic links, so no write follows a link the archive made; a
@@ -249,7 +254,7 @@ def extract(data: bytes, local_dir: Union[str, os.PathLike[str]]) -> list[str]:
     disk) is refused. Permission bits keep rwx only. Returns the paths
     written, in archive order."""
     try:
-        tf = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+        tf = _open_tar(data)
     except tarfile.TarError as e:
         raise UnsafeArchiveError(f"not a tar archive: {e}") from None
     with tf:

@@ -18,48 +18,49 @@ from :class:`SandboxError`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 if TYPE_CHECKING:
     from .types import ActionErrorInfo, CommandResult, StepInfo
 
 __all__ = [
-    "DeltagymError",
-    "Cancelled",
-    "Unknown",
-    "InvalidArgument",
-    "DeadlineExceeded",
-    "NotFound",
-    "AlreadyExists",
-    "PermissionDenied",
-    "ResourceExhausted",
-    "FailedPrecondition",
-    "Aborted",
-    "OutOfRange",
-    "Unimplemented",
-    "Internal",
-    "Unavailable",
-    "DataLoss",
-    "Unauthenticated",
-    "SandboxNotFound",
-    "CheckpointNotFound",
-    "EnvNotFound",
-    "EpisodeNotFound",
-    "EpisodeEnded",
-    "SandboxClosed",
-    "RateLimited",
-    "NoCapacity",
-    "Timeout",
-    "SandboxError",
-    "CommandExitError",
-    "ActionFailed",
-    "UnsafeArchiveError",
     "ERROR_DOMAIN",
-    "from_rpc_error",
+    "Aborted",
+    "ActionFailed",
+    "AlreadyExists",
+    "Cancelled",
+    "CheckpointNotFound",
+    "CommandExitError",
+    "DataLoss",
+    "DeadlineExceeded",
+    "DeltagymError",
+    "EnvNotFound",
+    "EpisodeEnded",
+    "EpisodeNotFound",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "NoCapacity",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "RateLimited",
+    "ResourceExhausted",
+    "SandboxClosed",
+    "SandboxError",
+    "SandboxNotFound",
+    "Timeout",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "Unknown",
+    "UnsafeArchiveError",
     "from_code",
+    "from_rpc_error",
 ]
 
 
@@ -76,8 +77,8 @@ class DeltagymError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, code: Optional[grpc.StatusCode] = None, method: str = "",
-                 reason: str = "", metadata: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None) -> None:
         if code is not None:
             self.code = code
         self.message = message
@@ -215,10 +216,10 @@ class RateLimited(ResourceExhausted):
         retry_after: seconds to wait before trying again, when the server said (None when not).
     """
 
-    def __init__(self, message: str, *, code: Optional[grpc.StatusCode] = None, method: str = "",
-                 reason: str = "", metadata: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None) -> None:
         super().__init__(message, code=code, method=method, reason=reason, metadata=metadata)
-        self.retry_after: Optional[float] = _seconds(self.metadata.get("retry_after_seconds", ""))
+        self.retry_after: float | None = _seconds(self.metadata.get("retry_after_seconds", ""))
 
 
 class NoCapacity(ResourceExhausted):
@@ -255,7 +256,7 @@ _BY_REASON: dict[str, type[DeltagymError]] = {
 _BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _seconds(v: str) -> Optional[float]:
+def _seconds(v: str) -> float | None:
     try:
         f = float(v)
     except ValueError:
@@ -264,7 +265,7 @@ def _seconds(v: str) -> Optional[float]:
 
 
 def from_code(code: grpc.StatusCode | int, message: str, method: str = "", *, reason: str = "",
-              metadata: Optional[Mapping[str, str]] = None) -> DeltagymError:
+              metadata: Mapping[str, str] | None = None) -> DeltagymError:
     """Returns the exception for a status code (a grpc.StatusCode or its
     number) and the server's reason: the reason's class when it is one of
     this status code's, else the status code's class."""
@@ -277,7 +278,7 @@ def from_code(code: grpc.StatusCode | int, message: str, method: str = "", *, re
     return cls(message, code=code, method=method, reason=reason, metadata=metadata)
 
 
-def error_info(trailers: Optional[Iterable[Any]]) -> tuple[str, dict[str, str]]:
+def error_info(trailers: Iterable[Any] | None) -> tuple[str, dict[str, str]]:
     """Returns the reason and metadata of the first google.rpc.ErrorInfo in
     the grpc-status-details-bin trailer (preferring the deltagym.dev
     domain), or ("", {}) when there is none or it does not parse."""
@@ -289,7 +290,7 @@ def error_info(trailers: Optional[Iterable[Any]]) -> tuple[str, dict[str, str]]:
             status = status_pb2.Status.FromString(value)
         except Exception:  # a malformed trailer is no reason to hide the status
             return "", {}
-        found: Optional[error_details_pb2.ErrorInfo] = None
+        found: error_details_pb2.ErrorInfo | None = None
         for d in status.details:
             if not d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
                 continue
@@ -310,16 +311,15 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True
     """Converts a grpc.RpcError (sync or aio) into the matching DeltagymError.
     An UNAUTHENTICATED error of a client that sent no token says where it
     looked for one."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code is None:
-        code = grpc.StatusCode.UNKNOWN
+    e: Any = err  # a sync grpc.Call or an aio AioRpcError; a bare RpcError has neither method
+    code = (e.code() if hasattr(e, "code") else None) or grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.UNAUTHENTICATED and not sent_token:
         details = (details or "") + NO_TOKEN_HINT
     trailers = None
-    if hasattr(err, "trailing_metadata"):
+    if hasattr(e, "trailing_metadata"):
         try:
-            trailers = err.trailing_metadata()
+            trailers = e.trailing_metadata()
         except Exception:  # some transport errors carry no call to ask
             trailers = None
     reason, md = error_info(trailers)
@@ -339,7 +339,7 @@ class CommandExitError(SandboxError):
         result: the command's CommandResult.
     """
 
-    def __init__(self, result: "CommandResult") -> None:
+    def __init__(self, result: CommandResult) -> None:
         self.result = result
         if result.timed_out:
             why = "timed out"
@@ -361,7 +361,7 @@ class ActionFailed(SandboxError):
         step: the step's StepInfo.
     """
 
-    def __init__(self, error: "ActionErrorInfo", step: "StepInfo") -> None:
+    def __init__(self, error: ActionErrorInfo, step: StepInfo) -> None:
         self.error = error
         self.step = step
         self.errno = error.errno

@@ -12,14 +12,15 @@
 
 from __future__ import annotations
 
+import builtins
 import signal as _signal
 import threading
-from typing import Any, Callable, ContextManager, Iterator, List, Literal, Mapping, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
-from . import _convert as cv
-from . import _ops as ops
-from ._proto.deltagym.v1 import action_pb2, env_pb2
-from ._proto.deltagym.v1 import env_service_pb2 as es
+from . import _convert as cv, _ops as ops
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
 from .client import Client, SandboxHandle
 from .errors import CommandExitError, NotFound, from_code
 from .types import (
@@ -36,7 +37,7 @@ from .types import (
     UploadResult,
 )
 
-__all__ = ["Sandbox", "CommandStream", "Files", "Processes", "Process", "ProcessMode"]
+__all__ = ["CommandStream", "Files", "Process", "ProcessMode", "Processes", "Sandbox"]
 
 ProcessMode = Literal["filesystem", "template", "criu"]
 """How a checkpoint captures processes (EnvSpec.process_mode)."""
@@ -51,7 +52,7 @@ OutputCallback = Callable[[str], Any]
 """A callback of run(): called with each piece of output's text as it arrives."""
 
 
-def to_process_mode(mode: Optional[str]) -> Optional[env_pb2.ProcessMode]:
+def to_process_mode(mode: str | None) -> env_pb2.ProcessMode | None:
     """The ProcessMode of a mode name, None for the env's own."""
     if mode is None:
         return None
@@ -106,8 +107,8 @@ class Sandbox:
         processes: process operations (Processes).
     """
 
-    def __init__(self, handle: SandboxHandle, *, timeout: Optional[float] = None, task: str = "",
-                 owner: Optional[_Owner] = None) -> None:
+    def __init__(self, handle: SandboxHandle, *, timeout: float | None = None, task: str = "",
+                 owner: _Owner | None = None) -> None:
         self._h = handle
         self.client = handle.client
         self.timeout = timeout if timeout is not None else handle.client.timeout
@@ -123,16 +124,16 @@ class Sandbox:
     # --- making -------------------------------------------------------------------------------
 
     @staticmethod
-    def _client(client: Optional[Client], addr: Optional[str], token: Optional[str]) -> tuple[Client, Optional[_Owner]]:
+    def _client(client: Client | None, addr: str | None, token: str | None) -> tuple[Client, _Owner | None]:
         if client is not None:
             return client, None
         c = Client(addr, token=token)
         return c, _Owner(c)
 
     @classmethod
-    def create(cls, env: str = "shell", *, seed: Optional[int] = None, options: Optional[Mapping[str, Any]] = None,
-               run: str = "", group_id: str = "", lease_ttl: Optional[float] = None, timeout: Optional[float] = None,
-               addr: Optional[str] = None, token: Optional[str] = None, client: Optional[Client] = None) -> "Sandbox":
+    def create(cls, env: str = "shell", *, seed: int | None = None, options: Mapping[str, Any] | None = None,
+               run: str = "", group_id: str = "", lease_ttl: float | None = None, timeout: float | None = None,
+               addr: str | None = None, token: str | None = None, client: Client | None = None) -> Sandbox:
         """Leases a warm sandbox of env and starts an episode.
 
         Args:
@@ -159,8 +160,8 @@ class Sandbox:
         return cls(h, timeout=timeout, task=cv.reset_task(h.reset_response), owner=owner)
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, timeout: Optional[float] = None, addr: Optional[str] = None,
-                token: Optional[str] = None, client: Optional[Client] = None) -> "Sandbox":
+    def connect(cls, sandbox_id: str, *, timeout: float | None = None, addr: str | None = None,
+                token: str | None = None, client: Client | None = None) -> Sandbox:
         """Attaches to a live sandbox by ID (made by another process or
         client) and renews its lease from here on. close() closes the
         sandbox; detach() lets go of it and leaves it running.
@@ -178,10 +179,10 @@ class Sandbox:
         return cls(h, timeout=timeout, owner=owner)
 
     @classmethod
-    def fork_from(cls, checkpoint: Union[Checkpoint, str], n: int = 1, *, group_id: str = "", run: str = "",
-                  fresh_entropy: bool = False, lease_ttl: Optional[float] = None, timeout: Optional[float] = None,
-                  addr: Optional[str] = None, token: Optional[str] = None,
-                  client: Optional[Client] = None) -> List["Sandbox"]:
+    def fork_from(cls, checkpoint: Checkpoint | str, n: int = 1, *, group_id: str = "", run: str = "",
+                  fresh_entropy: bool = False, lease_ttl: float | None = None, timeout: float | None = None,
+                  addr: str | None = None, token: str | None = None,
+                  client: Client | None = None) -> list[Sandbox]:
         """Creates n sandboxes at a checkpoint, each in a new episode. They
         share one client (this call's, or one made for them, closed with
         the last of them). fresh_entropy gives each fresh random state."""
@@ -217,7 +218,7 @@ class Sandbox:
         return self._h.episode_id
 
     @property
-    def lease_expires_at(self) -> Optional[float]:
+    def lease_expires_at(self) -> float | None:
         """When the lease runs out (Unix seconds) by the last answer seen, None when unknown."""
         return self._h.lease_expires_at
 
@@ -229,7 +230,7 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
 
-    def setup(self) -> ContextManager[None]:
+    def setup(self) -> AbstractContextManager[None]:
         """Marks every call on this sandbox inside the `with` block as a
         setup step: recorded in the ledger, counted against neither
         max_steps nor max_seconds. It holds for this thread or asyncio
@@ -237,10 +238,10 @@ class Sandbox:
         setup= argument overrides it; submit is never a setup step."""
         return ops.setup_context(self.id)
 
-    def _setup(self, setup: Optional[bool]) -> bool:
+    def _setup(self, setup: bool | None) -> bool:
         return ops.is_setup(self.id, setup)
 
-    def _step(self, action: action_pb2.Action, setup: bool, deadline: Optional[float],
+    def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
               checkpoint: bool = False) -> es.StepResponse:
         req = ops.step_request(self.id, action, setup, checkpoint)
         resp: es.StepResponse = self.client._call("Step", self.client._env.Step, req, False, deadline)
@@ -250,17 +251,17 @@ class Sandbox:
     def _saw_step(self, resp: es.StepResponse) -> None:
         self._h.episode_id = resp.episode_id or self._h.episode_id
 
-    def _act(self, action: action_pb2.Action, kind: str, setup: Optional[bool], timeout: Optional[float]) -> Any:
+    def _act(self, action: action_pb2.Action, kind: str, setup: bool | None, timeout: float | None) -> Any:
         s = self._setup(setup)
         x, _ = cv.observation(self._step(action, s, ops.deadline(timeout, self.timeout)), kind, s)
         return x
 
     # --- commands -------------------------------------------------------------------------------
 
-    def run(self, cmd: Union[str, Sequence[str]], *, timeout: Optional[float] = None, cwd: Optional[str] = None,
-            env: Optional[Mapping[str, str]] = None, stdin: Union[str, bytes, None] = None,
-            session: Optional[str] = None, check: bool = False, on_stdout: Optional[OutputCallback] = None,
-            on_stderr: Optional[OutputCallback] = None, setup: Optional[bool] = None,
+    def run(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+            env: Mapping[str, str] | None = None, stdin: str | bytes | None = None,
+            session: str | None = None, check: bool = False, on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None, setup: bool | None = None,
             checkpoint: bool = False) -> CommandResult:
         """Runs a command and returns its result.
 
@@ -298,10 +299,10 @@ class Sandbox:
             raise CommandExitError(result)
         return result
 
-    def stream(self, cmd: Union[str, Sequence[str]], *, timeout: Optional[float] = None, cwd: Optional[str] = None,
-               env: Optional[Mapping[str, str]] = None, stdin: Union[str, bytes, None] = None,
-               session: Optional[str] = None, setup: Optional[bool] = None,
-               checkpoint: bool = False) -> "CommandStream":
+    def stream(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
+               env: Mapping[str, str] | None = None, stdin: str | bytes | None = None,
+               session: str | None = None, setup: bool | None = None,
+               checkpoint: bool = False) -> CommandStream:
         """Runs a command with its output streamed (StreamStep): iterate the
         returned CommandStream for OutputChunks as they come, then read
         its result. Arguments as for run(). Leaving the `with` block before
@@ -311,8 +312,8 @@ class Sandbox:
         req = ops.step_request(self.id, action, s, checkpoint)
         return CommandStream(self, req, s, ops.command_deadline(timeout, self.timeout))
 
-    def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> StepResult:
+    def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
+             timeout: float | None = None) -> StepResult:
         """Performs one raw action (a deltagym.actions builder's Action, or a
         str run as a shell command). An action the sandbox refused is a
         StepResult with error set, not an exception."""
@@ -329,18 +330,18 @@ class Sandbox:
 
     # --- episode --------------------------------------------------------------------------------
 
-    def submit(self, answer: Optional[str] = None, *, timeout: Optional[float] = None) -> SubmitResult:
+    def submit(self, answer: str | None = None, *, timeout: float | None = None) -> SubmitResult:
         """Ends the episode: the env's verifier runs and gives the reward. Never a setup step."""
         from .actions import submit
 
         return cv.submit_result(self._step(submit(answer), False, ops.deadline(timeout, self.timeout)))
 
-    def evaluate(self, *, timeout: Optional[float] = None) -> Evaluation:
+    def evaluate(self, *, timeout: float | None = None) -> Evaluation:
         """Runs the verifier on the sandbox's state without changing it or ending the episode."""
         return cv.evaluation(self.client.evaluate(self.id, timeout=ops.deadline(timeout, self.timeout)))
 
-    def checkpoint(self, *, durable: bool = False, process_mode: Optional[ProcessMode] = None,
-                   timeout: Optional[float] = None) -> Checkpoint:
+    def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
+                   timeout: float | None = None) -> Checkpoint:
         """Saves the sandbox's whole state (files and processes) as an
         immutable checkpoint. durable saves every process as a CRIU image
         before answering (Checkpoint.not_durable says why one could not
@@ -349,8 +350,8 @@ class Sandbox:
                                    timeout=ops.deadline(timeout, self.timeout))
         return cv.checkpoint(r)
 
-    def restore(self, checkpoint: Union[Checkpoint, str], *, fresh_entropy: bool = False,
-                timeout: Optional[float] = None) -> Restored:
+    def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
+                timeout: float | None = None) -> Restored:
         """Puts the sandbox back at a checkpoint; a new episode starts there."""
         r = self.client.restore(self.id, _checkpoint_id(checkpoint), fresh_entropy=fresh_entropy,
                                 timeout=ops.deadline(timeout, self.timeout))
@@ -358,7 +359,7 @@ class Sandbox:
         return cv.restored(r)
 
     def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False,
-             lease_ttl: Optional[float] = None, timeout: Optional[float] = None) -> List["Sandbox"]:
+             lease_ttl: float | None = None, timeout: float | None = None) -> list[Sandbox]:
         """Creates n sandboxes at this sandbox's current state, each in a new
         episode, calling through this sandbox's client (kept open until the
         last of them closes)."""
@@ -368,14 +369,14 @@ class Sandbox:
             h.env = self.env
         return [Sandbox(h, timeout=self.timeout, owner=self._owner) for h in hs]
 
-    def describe(self, *, timeout: Optional[float] = None) -> SandboxInfo:
+    def describe(self, *, timeout: float | None = None) -> SandboxInfo:
         """The server's description of the sandbox."""
         info = cv.sandbox_info(self.client.get_sandbox(self.id, timeout=ops.deadline(timeout, self.timeout)))
         if info.lease_expires_at is not None:
             self._h.lease_expires_at = info.lease_expires_at
         return info
 
-    def is_alive(self, *, timeout: Optional[float] = None) -> bool:
+    def is_alive(self, *, timeout: float | None = None) -> bool:
         """Whether the server still has the sandbox, open (its episode may have ended)."""
         if self._closed:
             return False
@@ -384,7 +385,7 @@ class Sandbox:
         except NotFound:
             return False
 
-    def extend_lease(self, ttl: Optional[float] = None, *, timeout: Optional[float] = None) -> Optional[float]:
+    def extend_lease(self, ttl: float | None = None, *, timeout: float | None = None) -> float | None:
         """Renews the lease now; with ttl, the lease's TTL becomes ttl seconds
         from now on (longer or shorter), and the heartbeats follow it.
         Returns the new expiry (Unix seconds). SandboxNotFound when the
@@ -400,7 +401,7 @@ class Sandbox:
                 self._h.saw_lease(lease.expire_time)
         return self._h.lease_expires_at
 
-    def close(self, *, timeout: Optional[float] = None) -> None:
+    def close(self, *, timeout: float | None = None) -> None:
         """Closes the sandbox (ends its episode and frees it) and, when this
         sandbox made its client, the client once its forks are closed too.
         Idempotent; a sandbox already gone closes quietly."""
@@ -425,14 +426,14 @@ class Sandbox:
         if self._owner is not None:
             self._owner.release()
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-def _checkpoint_id(checkpoint: Union[Checkpoint, str]) -> str:
+def _checkpoint_id(checkpoint: Checkpoint | str) -> str:
     cid = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
     if not isinstance(cid, str) or not cid:
         raise ValueError("checkpoint must be a Checkpoint or a non-empty checkpoint ID")
@@ -445,15 +446,15 @@ class CommandStream:
     A context manager: leaving it early cancels the call, which cuts the
     command short."""
 
-    def __init__(self, sb: Sandbox, req: es.StepRequest, setup: bool, deadline: Optional[float]) -> None:
+    def __init__(self, sb: Sandbox, req: es.StepRequest, setup: bool, deadline: float | None) -> None:
         self._sb = sb
         self._setup = setup
         self._call = sb.client.stream_step(req, timeout=deadline)
         self._dec = cv.ChunkDecoder()
-        self._result: Optional[CommandResult] = None
+        self._result: CommandResult | None = None
         self._done = False
 
-    def __enter__(self) -> "CommandStream":
+    def __enter__(self) -> CommandStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -508,7 +509,7 @@ class Files:
     def __init__(self, sb: Sandbox) -> None:
         self._sb = sb
 
-    def read_bytes(self, path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> bytes:
+    def read_bytes(self, path: str, *, setup: bool | None = None, timeout: float | None = None) -> bytes:
         """The whole file, read in parts when larger than one read may return."""
         out = bytearray()
         while True:
@@ -517,71 +518,71 @@ class Files:
             if not x.truncated or not x.content:
                 return bytes(out)
 
-    def read(self, path: str, *, encoding: str = "utf-8", errors: str = "replace", setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> str:
+    def read(self, path: str, *, encoding: str = "utf-8", errors: str = "replace", setup: bool | None = None,
+             timeout: float | None = None) -> str:
         """The whole file as text."""
         return self.read_bytes(path, setup=setup, timeout=timeout).decode(encoding, errors)
 
-    def write(self, path: str, data: Union[str, bytes], *, mode: Optional[int] = None, append: bool = False,
-              setup: Optional[bool] = None, timeout: Optional[float] = None) -> int:
+    def write(self, path: str, data: str | bytes, *, mode: int | None = None, append: bool = False,
+              setup: bool | None = None, timeout: float | None = None) -> int:
         """Creates, replaces or (append) extends a file; mode is a new file's
         permission bits (default 0644). Returns the file's size after."""
         x = self._sb._act(ops.write_action(path, data, mode, append), "write_file", setup, timeout)
         return int(x.size)
 
-    def list(self, path: str = ".", depth: int = 1, *, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> List[FileInfo]:
+    def list(self, path: str = ".", depth: int = 1, *, setup: bool | None = None,
+             timeout: float | None = None) -> builtins.list[FileInfo]:
         """The entries of a directory (depth levels down), sorted by path,
         paths relative to it; links are listed, not followed."""
         x = self._sb._act(ops.list_action(path, depth), "list_dir", setup, timeout)
         return [cv.file_info(f) for f in x.entries]
 
-    def stat(self, path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> Optional[FileInfo]:
+    def stat(self, path: str, *, setup: bool | None = None, timeout: float | None = None) -> FileInfo | None:
         """A path's FileInfo (of a final link itself), None when it does not exist."""
         x = self._sb._act(ops.stat_action(path), "stat", setup, timeout)
         return cv.file_info(x.info) if x.exists else None
 
-    def exists(self, path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> bool:
+    def exists(self, path: str, *, setup: bool | None = None, timeout: float | None = None) -> bool:
         """Whether the path exists."""
         return self.stat(path, setup=setup, timeout=timeout) is not None
 
-    def remove(self, path: str, *, recursive: bool = False, setup: Optional[bool] = None,
-               timeout: Optional[float] = None) -> int:
+    def remove(self, path: str, *, recursive: bool = False, setup: bool | None = None,
+               timeout: float | None = None) -> int:
         """Removes a file, a link or (recursive) a directory with everything
         in it. Returns how many paths went; a missing path is 0."""
         x = self._sb._act(ops.remove_action(path, recursive), "remove", setup, timeout)
         return int(x.removed)
 
-    def mkdir(self, path: str, *, parents: bool = True, mode: Optional[int] = None, setup: Optional[bool] = None,
-              timeout: Optional[float] = None) -> bool:
+    def mkdir(self, path: str, *, parents: bool = True, mode: int | None = None, setup: bool | None = None,
+              timeout: float | None = None) -> bool:
         """Creates a directory (and its missing parents, by default).
         Returns whether it was created (False: it existed)."""
         x = self._sb._act(ops.mkdir_action(path, parents, mode), "make_dir", setup, timeout)
         return bool(x.created)
 
-    def upload_tar(self, data: bytes, remote_dir: str, *, setup: Optional[bool] = None,
-                   timeout: Optional[float] = None) -> UploadResult:
+    def upload_tar(self, data: bytes, remote_dir: str, *, setup: bool | None = None,
+                   timeout: float | None = None) -> UploadResult:
         """Unpacks a tar archive (plain or gzip, at most 64 MiB) into
         remote_dir, created when missing. The server refuses entries that
         would land outside it, devices and FIFOs."""
         x = self._sb._act(ops.upload_action(data, remote_dir), "upload", setup, timeout)
         return cv.upload_result(x)
 
-    def upload(self, local_path: str, remote_dir: str, *, setup: Optional[bool] = None,
-               timeout: Optional[float] = None) -> UploadResult:
+    def upload(self, local_path: str, remote_dir: str, *, setup: bool | None = None,
+               timeout: float | None = None) -> UploadResult:
         """Copies a local file or directory into remote_dir, as `cp -r
         local_path remote_dir/` would (a directory "src" lands as
         remote_dir/src), packed as a tar archive in memory."""
         return self.upload_tar(ops.pack(local_path), remote_dir, setup=setup, timeout=timeout)
 
-    def download_tar(self, remote_path: str, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> bytes:
+    def download_tar(self, remote_path: str, *, setup: bool | None = None, timeout: float | None = None) -> bytes:
         """A file or directory packed as a tar archive, entries named below
         its base name ("src/", "src/a.py" ...); at most 64 MiB."""
         x = self._sb._act(ops.download_action(remote_path), "download", setup, timeout)
         return bytes(x.tar)
 
-    def download(self, remote_path: str, local_dir: str, *, setup: Optional[bool] = None,
-                 timeout: Optional[float] = None) -> List[str]:
+    def download(self, remote_path: str, local_dir: str, *, setup: bool | None = None,
+                 timeout: float | None = None) -> builtins.list[str]:
         """Copies a file or directory of the sandbox into local_dir (as
         local_dir/<base name>) and returns the local paths written. The
         archive is checked whole first: an entry that is absolute, has a
@@ -609,8 +610,8 @@ class Process:
     def __repr__(self) -> str:
         return f"Process(pid={self.pid}, session={self.session!r})"
 
-    def send(self, text: str, *, expect: Optional[Sequence[str]] = None, timeout: Optional[float] = None,
-             setup: Optional[bool] = None) -> CommandResult:
+    def send(self, text: str, *, expect: Sequence[str] | None = None, timeout: float | None = None,
+             setup: bool | None = None) -> CommandResult:
         """Writes text and a newline to an interactive process and returns its
         output: when one of the expect patterns (regular expressions)
         matches, when the process ends, or at the timeout (the process runs on)."""
@@ -620,7 +621,7 @@ class Process:
         s = self._sb._setup(setup)
         return cv.exec_response(self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
 
-    def interrupt(self, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> CommandResult:
+    def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult:
         """Sends SIGINT to the interactive process (Ctrl-C)."""
         if not self.session:
             self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
@@ -629,8 +630,8 @@ class Process:
         s = self._sb._setup(setup)
         return cv.exec_response(self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
 
-    def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> None:
+    def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
+             timeout: float | None = None) -> None:
         """Sends a signal (default SIGKILL) to the process, or its process group."""
         if not self.pid:
             raise ValueError("this process's pid is unknown (an interactive one): use interrupt()")
@@ -645,16 +646,16 @@ class Processes:
         self._n = 0
         self._lock = threading.Lock()
 
-    def _session(self, session: Optional[str]) -> str:
+    def _session(self, session: str | None) -> str:
         if session:
             return session
         with self._lock:
             self._n += 1
             return f"proc-{self._n}"
 
-    def start(self, cmd: Union[str, Sequence[str]], *, session: Optional[str] = None, stdin: bool = False,
-              cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None, expect: Optional[Sequence[str]] = None,
-              timeout: Optional[float] = None, setup: Optional[bool] = None) -> Process:
+    def start(self, cmd: str | Sequence[str], *, session: str | None = None, stdin: bool = False,
+              cwd: str | None = None, env: Mapping[str, str] | None = None, expect: Sequence[str] | None = None,
+              timeout: float | None = None, setup: bool | None = None) -> Process:
         """Starts a process and returns at once. Without stdin, it runs in
         the background (its output discarded; captured by checkpoints like
         any process) and Process.pid is its pid. With stdin, it runs as an
@@ -675,13 +676,13 @@ class Processes:
         r = cv.exec_response(self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
         return Process(self._sb, 0, name, r)
 
-    def list(self, *, setup: Optional[bool] = None, timeout: Optional[float] = None) -> List[ProcessInfo]:
+    def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:
         """The processes running in the sandbox (its init excluded), by pid."""
         x = self._sb._act(ops.list_processes_action(), "list_processes", setup, timeout)
         return [cv.process_info(p) for p in x.processes]
 
-    def kill(self, pid: int, signal: int = _signal.SIGKILL, *, group: bool = False, setup: Optional[bool] = None,
-             timeout: Optional[float] = None) -> None:
+    def kill(self, pid: int, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
+             timeout: float | None = None) -> None:
         """Sends a signal (default SIGKILL) to a process of the sandbox, or
         with group to its process group. ActionFailed (ESRCH) when there is
         no such process in the sandbox."""

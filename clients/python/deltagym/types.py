@@ -4,16 +4,30 @@ message types. They are made from the server's responses in one place
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Optional, Union
+from typing import Literal
 
 __all__ = [
-    "InfoValue", "StepInfo", "CommandResult", "OutputChunk", "ActionErrorInfo", "StepResult",
-    "FileType", "FileInfo", "UploadResult", "ProcessInfo", "SubmitResult", "Evaluation",
-    "ProcessCapture", "Checkpoint", "Restored", "SandboxInfo",
+    "ActionErrorInfo",
+    "Checkpoint",
+    "CommandResult",
+    "Evaluation",
+    "FileInfo",
+    "FileType",
+    "InfoValue",
+    "OutputChunk",
+    "ProcessCapture",
+    "ProcessInfo",
+    "Restored",
+    "SandboxInfo",
+    "StepInfo",
+    "StepResult",
+    "SubmitResult",
+    "UploadResult",
 ]
 
-InfoValue = Union[str, int, float, bool]
+InfoValue = str | int | float | bool
 """A value of StepInfo.info: the server's text, parsed when it is a number or a boolean."""
 
 FileType = Literal["file", "dir", "symlink", "other"]
@@ -136,8 +150,8 @@ class StepResult:
     step: StepInfo
     kind: str
     text: str
-    command: Optional[CommandResult] = None
-    error: Optional[ActionErrorInfo] = None
+    command: CommandResult | None = None
+    error: ActionErrorInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,5 +327,5 @@ class SandboxInfo:
     state: str
     next_step_index: int
     start_checkpoint_id: str
-    lease_expires_at: Optional[float]
-    created_at: Optional[float]
+    lease_expires_at: float | None
+    created_at: float | None

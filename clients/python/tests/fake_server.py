@@ -16,18 +16,16 @@ import tarfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from deltagym._proto.deltagym.v1 import action_pb2 as ap
-from deltagym._proto.deltagym.v1 import env_pb2
-from deltagym._proto.deltagym.v1 import env_service_pb2 as es
-from deltagym._proto.deltagym.v1 import env_service_pb2_grpc as es_grpc
+from deltagym._proto.deltagym.v1 import action_pb2 as ap, env_pb2, env_service_pb2 as es, env_service_pb2_grpc as es_grpc
 
 READ_CAP = 8  # bytes per read, so reads of longer files come in parts
 
@@ -52,13 +50,13 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         self.setups: list[bool] = []
         self.signals: list[tuple[int, int, bool]] = []
         self.tars: dict[str, bytes] = {}
-        self.deadlines: list[Optional[float]] = []
+        self.deadlines: list[float | None] = []
         self.lock = threading.Lock()
 
     # --- helpers ---
 
     def _abort(self, ctx: grpc.ServicerContext, code: grpc.StatusCode, msg: str, reason: str = "",
-               md: Optional[dict[str, str]] = None) -> Any:
+               md: dict[str, str] | None = None) -> Any:
         if reason:
             info = error_details_pb2.ErrorInfo(reason=reason, domain="deltagym.dev", metadata=md or {})
             detail = any_pb2.Any()

@@ -8,8 +8,8 @@ import io
 import os
 import tarfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
