@@ -154,8 +154,10 @@ class AsyncSandbox:
             if owner is not None:
                 await c.close()
             raise
+        # The lease's time left bounds its TTL from below: heartbeats at a third of it keep it.
+        c._saw_lease(info.lease_expire_time)
         h = AsyncSandboxHandle(c, info.sandbox_id, env=info.env, episode_id=info.episode_id,
-                          start_checkpoint_id=info.start_checkpoint_id)
+                               start_checkpoint_id=info.start_checkpoint_id)
         h.saw_lease(info.lease_expire_time)
         return cls(h, timeout=timeout, owner=owner)
 
@@ -168,11 +170,17 @@ class AsyncSandbox:
         share one client (this call's, or one made for them, closed with
         the last of them). fresh_entropy gives each fresh random state."""
         c, owner = cls._client(client, addr, token)
+        hs: list[AsyncSandboxHandle] = []
         try:
             hs = await c.fork(checkpoint_id=_checkpoint_id(checkpoint), n=n, group_id=group_id, run=run,
-                        fresh_entropy=fresh_entropy, lease_ttl=lease_ttl,
-                        timeout=timeout if timeout is not None else c.timeout)
+                              fresh_entropy=fresh_entropy, lease_ttl=lease_ttl,
+                              timeout=timeout if timeout is not None else c.timeout)
+            if hs and c._lease_ttl is None:
+                # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
+                await c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)
         except BaseException:
+            for h in hs:
+                await h.detach()
             if owner is not None:
                 await c.close()
             raise

@@ -117,15 +117,18 @@ class AsyncClient:
     # --- EnvService -----------------------------------------------------------
 
     async def list_envs(self) -> list[env_pb2.EnvInfo]:
+        """Returns the catalog with the state of each env's warm pool."""
         return list((await self._call("ListEnvs", self._env.ListEnvs, es.ListEnvsRequest(), True)).envs)
 
     async def register_env(self, spec: env_pb2.EnvSpec | Mapping[str, Any], *, replace: bool = False) -> env_pb2.EnvInfo:
+        """Adds an env (an EnvSpec or its JSON form as a dict) to the catalog."""
         req = es.RegisterEnvRequest(spec=c.env_spec(spec), replace=replace)
         resp: es.RegisterEnvResponse = await self._call("RegisterEnv", self._env.RegisterEnv, req, False)
         return resp.env
 
     async def import_image(self, name: str, path: str, *, format: es.ImageFormat | str | None = None,
                      reference: str = "") -> es.ImportImageResponse:
+        """Imports a base image from a path on the server."""
         req = es.ImportImageRequest(name=name, path=path, format=format, reference=reference)
         resp: es.ImportImageResponse = await self._call("ImportImage", self._env.ImportImage, req, False)
         return resp
@@ -219,6 +222,7 @@ class AsyncClient:
                 for sid, eid in zip(resp.sandbox_ids, resp.episode_ids, strict=False)]
 
     async def release_checkpoint(self, checkpoint_id: str) -> None:
+        """Drops the caller's hold on a checkpoint."""
         req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
         await self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
 
@@ -249,6 +253,7 @@ class AsyncClient:
         return resp.sandbox
 
     async def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> list[env_pb2.Sandbox]:
+        """Lists the live sandboxes, filtered by env, run and group."""
         req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
         return list((await self._call("ListSandboxes", self._env.ListSandboxes, req, True)).sandboxes)
 
@@ -256,12 +261,14 @@ class AsyncClient:
 
     async def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
                             page_token: str = "") -> ls.ListEpisodesResponse:
+        """Returns one page of episodes in the order they started, oldest first."""
         req = ls.ListEpisodesRequest(run=run, group_id=group_id, env=env, page_size=page_size, page_token=page_token)
         resp: ls.ListEpisodesResponse = await self._call("ListEpisodes", self._ledger.ListEpisodes, req, True)
         return resp
 
     async def iter_episodes(self, *, run: str = "", group_id: str = "", env: str = "",
                             page_size: int = 0) -> AsyncIterator[ls.Episode]:
+        """Yields every matching episode in the order they started, fetching pages as needed."""
         token = ""
         while True:
             page = await self.list_episodes(run=run, group_id=group_id, env=env, page_size=page_size, page_token=token)
@@ -272,20 +279,24 @@ class AsyncClient:
                 return
 
     async def get_trajectory(self, episode_id: str) -> ls.GetTrajectoryResponse:
+        """Returns an episode and its steps, inherited ones first."""
         req = ls.GetTrajectoryRequest(episode_id=episode_id)
         resp: ls.GetTrajectoryResponse = await self._call("GetTrajectory", self._ledger.GetTrajectory, req, True)
         return resp
 
     async def get_checkpoint_tree(self, *, run: str | None = None, episode_id: str | None = None) -> list[ls.CheckpointNode]:
+        """Returns the checkpoints of a run or of an episode's lineage, parents first."""
         resp = await self._call("GetCheckpointTree", self._ledger.GetCheckpointTree, c.tree_request(run, episode_id), True)
         return list(resp.nodes)
 
     async def get_group_advantages(self, group_id: str, *, reward_source: str = "") -> ls.GetGroupAdvantagesResponse:
+        """Computes the group-relative (GRPO) advantages of a group's episodes."""
         req = ls.GetGroupAdvantagesRequest(group_id=group_id, reward_source=reward_source)
         resp: ls.GetGroupAdvantagesResponse = await self._call("GetGroupAdvantages", self._ledger.GetGroupAdvantages, req, True)
         return resp
 
     async def report_reward(self, episode_id: str, name: str, value: float, *, source: str = "") -> None:
+        """Records a reward for an episode (same name and source replaces)."""
         req = ls.ReportRewardRequest(episode_id=episode_id, name=name, value=value, source=source)
         await self._call("ReportReward", self._ledger.ReportReward, req, False)
 
@@ -347,6 +358,7 @@ class AsyncSandboxHandle:
 
     @property
     def observation(self) -> action_pb2.Observation | None:
+        """The Reset observation, for sandboxes made by Reset."""
         return self.reset_response.observation if self.reset_response else None
 
     async def _heartbeats(self) -> None:
@@ -366,45 +378,56 @@ class AsyncSandboxHandle:
 
     async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False,
                    restore: str | None = None, fresh_entropy: bool = False) -> es.StepResponse:
+        """Performs one action; a str is run as a shell command."""
         resp = await self.client.step(self.id, action, checkpoint=checkpoint, restore=restore, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id or self.episode_id
         return resp
 
     async def exec(self, cmd: str, *, session: str = "", checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        """Runs a shell command (in a persistent session when named)."""
         return await self.step(_command(cmd, session=session, **kw), checkpoint=checkpoint)
 
     async def run(self, args: Sequence[str], *, checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        """Executes a program directly, without a shell."""
         return await self.step(_argv(args, **kw), checkpoint=checkpoint)
 
     async def write_file(self, path: str, content: bytes | str, *, mode: int = 0, append: bool = False) -> es.StepResponse:
+        """Writes (or with append extends) a file inside the sandbox."""
         return await self.step(_write_file(path, content, mode=mode, append=append))
 
     async def read_file(self, path: str, *, offset: int = 0, max_bytes: int = 0) -> es.StepResponse:
+        """Reads (part of) a file inside the sandbox."""
         return await self.step(_read_file(path, offset=offset, max_bytes=max_bytes))
 
     async def submit(self, answer: str | None = None) -> es.StepResponse:
+        """Ends the episode; the response carries the verifier's reward."""
         return await self.step(_submit(answer))
 
     async def checkpoint(self, *, durable: bool = False,
                    process_mode: env_pb2.ProcessMode | str | None = None) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint."""
         return await self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
 
     async def restore(self, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+        """Puts the sandbox at a checkpoint; a new episode starts there."""
         resp = await self.client.restore(self.id, checkpoint_id, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id
         return resp
 
     async def fork(self, n: int = 1, *, group_id: str = "", run: str = "",
                    fresh_entropy: bool = False) -> list[AsyncSandboxHandle]:
+        """Creates n sandboxes at this sandbox's current state."""
         kids = await self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy)
         for k in kids:
             k.env = self.env
         return kids
 
     async def evaluate(self) -> es.EvaluateResponse:
+        """Runs the verifier on the sandbox's state without changing it."""
         return await self.client.evaluate(self.id)
 
     async def describe(self) -> env_pb2.Sandbox:
+        """Describes the sandbox (GetSandbox)."""
         return await self.client.get_sandbox(self.id)
 
     async def detach(self) -> None:

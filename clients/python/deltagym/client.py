@@ -421,9 +421,11 @@ class SandboxHandle:
         return self.step(_argv(args, **kw), checkpoint=checkpoint)
 
     def write_file(self, path: str, content: bytes | str, *, mode: int = 0, append: bool = False) -> es.StepResponse:
+        """Writes (or with append extends) a file inside the sandbox."""
         return self.step(_write_file(path, content, mode=mode, append=append))
 
     def read_file(self, path: str, *, offset: int = 0, max_bytes: int = 0) -> es.StepResponse:
+        """Reads (part of) a file inside the sandbox."""
         return self.step(_read_file(path, offset=offset, max_bytes=max_bytes))
 
     def submit(self, answer: str | None = None) -> es.StepResponse:
@@ -432,9 +434,11 @@ class SandboxHandle:
 
     def checkpoint(self, *, durable: bool = False,
                    process_mode: env_pb2.ProcessMode | str | None = None) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint."""
         return self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
 
     def restore(self, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+        """Puts the sandbox at a checkpoint; a new episode starts there."""
         resp = self.client.restore(self.id, checkpoint_id, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id
         return resp
@@ -447,9 +451,11 @@ class SandboxHandle:
         return kids
 
     def evaluate(self) -> es.EvaluateResponse:
+        """Runs the verifier on the sandbox's state without changing it."""
         return self.client.evaluate(self.id)
 
     def describe(self) -> env_pb2.Sandbox:
+        """Describes the sandbox (GetSandbox)."""
         return self.client.get_sandbox(self.id)
 
     def detach(self) -> None:
