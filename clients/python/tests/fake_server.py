@@ -121,6 +121,18 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         yield es.StreamStepResponse(step=es.StepResponse(observation=obs, step_index=sb.step_index,
                                                          episode_id=sb.episode, steps_left=-1))
 
+    def StepStream(self, reqs: Iterator[es.StepStreamRequest],
+                   ctx: grpc.ServicerContext) -> Iterator[es.StepStreamResponse]:
+        for r in reqs:
+            sb = self.sandboxes.get(r.step.sandbox_id)
+            if sb is None or sb.closed:
+                yield es.StepStreamResponse(request_id=r.request_id, error=es.ErrorStatus(
+                    code=grpc.StatusCode.NOT_FOUND.value[0], message="unknown sandbox", reason="SANDBOX_NOT_FOUND"))
+                continue
+            sb.step_index += 1
+            yield es.StepStreamResponse(request_id=r.request_id, step=es.StepResponse(
+                observation=self._exec(r.step.action.exec, ctx), step_index=sb.step_index, episode_id=sb.episode))
+
     def _act(self, sb: FakeSandbox, a: ap.Action, ctx: grpc.ServicerContext) -> ap.Observation:
         kind = a.WhichOneof("kind")
         if kind == "exec":

@@ -167,6 +167,9 @@ def test_errors(server, sb):
     assert e.value.reason == "ENV_NOT_FOUND"
     with pytest.raises(errors.CheckpointNotFound):
         sb.restore("no-such-checkpoint")
+    reqs = [deltagym.env_service_pb2.StepRequest(sandbox_id="no-such-sandbox", action=deltagym.actions.command("true"))]
+    (gone,) = sb.client.step_stream(reqs)
+    assert isinstance(gone, errors.SandboxNotFound) and gone.reason == "SANDBOX_NOT_FOUND"
     with pytest.raises(errors.Timeout):
         sb.step("sleep 5", timeout=0.5)  # the call's deadline, shorter than the command
 

@@ -337,7 +337,15 @@ def test_connect_and_detach(fake: FakeServer) -> None:
     b.close()  # idempotent
 
 
-def test_step_stream_reason() -> None:
+def test_step_stream_errors_carry_reasons(sb: deltagym.Sandbox) -> None:
+    reqs = [deltagym.env_service_pb2.StepRequest(sandbox_id=i, action=deltagym.actions.command("echo s"))
+            for i in (sb.id, "gone")]
+    ok, gone = sb.client.step_stream(reqs)
+    assert not isinstance(ok, Exception) and ok.observation.exec.stdout == b"s\n"
+    assert isinstance(gone, errors.SandboxNotFound) and gone.reason == "SANDBOX_NOT_FOUND"
+
+
+def test_from_code_reasons() -> None:
     e = errors.from_code(5, "gone", "StepStream", reason="SANDBOX_NOT_FOUND")
     assert isinstance(e, errors.SandboxNotFound) and e.reason == "SANDBOX_NOT_FOUND"
     assert isinstance(errors.from_code(4, "late"), errors.Timeout)
