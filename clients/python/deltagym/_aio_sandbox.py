@@ -605,11 +605,13 @@ class AsyncProcess:
         s = self._sb._setup(setup)
         return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
 
-    async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult:
-        """Sends SIGINT to the interactive process (Ctrl-C)."""
+    async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
+        """Sends SIGINT (Ctrl-C): to an interactive process through its
+        session, returning the output it gave; to a background process
+        as a signal, returning None."""
         if not self.session:
             await self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
-            return self.result
+            return None
         action = ops.interactive_action(self.session, "", interrupt=True, timeout=timeout)
         s = self._sb._setup(setup)
         return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import deltagym
-from deltagym import errors
+from deltagym import _ops as ops, errors
 from deltagym.aio import AsyncSandbox
 
 from .fake_server import FakeServer
@@ -285,6 +285,15 @@ def test_processes(fake: FakeServer, sb: deltagym.Sandbox) -> None:
     p.kill()
     sb.processes.kill(7, 15, group=True)
     assert fake.service.signals == [(42, 9, False), (7, 15, True)]
+
+
+def test_interactive_needs_the_api(sb: deltagym.Sandbox) -> None:
+    if ops.HAS_INTERACTIVE:
+        pytest.skip("this build's API has interactive exec fields")
+    with pytest.raises(NotImplementedError, match="interactive"):
+        sb.processes.start("python3 -i", stdin=True)
+    p = sb.processes.start("sleep 100")
+    assert p.interrupt() is None  # a background process gets SIGINT as a signal
 
 
 def test_episode_calls(sb: deltagym.Sandbox) -> None:
