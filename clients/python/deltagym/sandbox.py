@@ -99,7 +99,7 @@ class Sandbox:
         id: the sandbox ID.
         env: the env's catalog name.
         episode_id: the current episode (a restore starts a new one).
-        task: the task text Reset gave ("" for connected and forked sandboxes).
+        task: the task text Reset gave (a fork's parent's; "" when connected or forked from a checkpoint).
         start_checkpoint: the checkpoint the first episode started from.
         timeout: the default call deadline, None for none.
         client: the low-level Client the sandbox calls through.
@@ -375,7 +375,7 @@ class Sandbox:
                               lease_ttl=lease_ttl, timeout=ops.deadline(timeout, self.timeout))
         for h in hs:
             h.env = self.env
-        return [Sandbox(h, timeout=self.timeout, owner=self._owner) for h in hs]
+        return [Sandbox(h, timeout=self.timeout, task=self.task, owner=self._owner) for h in hs]
 
     def describe(self, *, timeout: float | None = None) -> SandboxInfo:
         """The server's description of the sandbox."""

@@ -321,7 +321,7 @@ def test_episode_calls(sb: deltagym.Sandbox) -> None:
 def test_fork_shares_owned_client(fake: FakeServer) -> None:
     parent = deltagym.Sandbox.create("shell", addr=fake.addr, token="t")
     kids = parent.fork(2)
-    assert len(kids) == 2 and all(k.env == "shell" for k in kids)
+    assert len(kids) == 2 and all(k.env == "shell" and k.task == parent.task for k in kids)
     parent.close()
     assert kids[0].run("echo alive").stdout == "alive\n"  # the shared client stays open
     assert not parent.is_alive()
