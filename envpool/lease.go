@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/sandbox"
 )
 
@@ -21,6 +22,7 @@ type Lease struct {
 	turn     chan struct{} // capacity 1: held by the call in progress
 	inflight atomic.Int32
 	expires  atomic.Int64 // unix nanoseconds of the Manager's Clock
+	ttl      atomic.Int64 // the lease's own TTL (SetTTL); 0: Config.LeaseTTL
 
 	mu sync.Mutex
 	// cancel is the context cancel of the call in progress (nil between calls).
@@ -79,11 +81,28 @@ func (l *Lease) Expires() time.Time { return time.Unix(0, l.expires.Load()) }
 // Ended is closed once the lease was closed or reaped.
 func (l *Lease) Ended() <-chan struct{} { return l.ended }
 
-// Touch renews the lease and returns its new expiry.
+// Touch renews the lease for its TTL and returns its new expiry.
 func (l *Lease) Touch() time.Time {
-	t := l.m.clock.Now().Add(l.m.cfg.LeaseTTL)
+	t := l.m.clock.Now().Add(l.TTL())
 	l.expires.Store(t.UnixNano())
 	return t
+}
+
+// TTL returns how long the lease lives without a call or Touch: its own (SetTTL), else
+// Config.LeaseTTL.
+func (l *Lease) TTL() time.Duration {
+	if d := time.Duration(l.ttl.Load()); d > 0 {
+		return d
+	}
+	return l.m.cfg.LeaseTTL
+}
+
+// SetTTL makes d the lease's TTL from now on (0 or less: Config.LeaseTTL), renews the lease
+// for it, and returns its new expiry. A shorter TTL brings the expiry nearer: the reaper goes
+// by the expiry alone.
+func (l *Lease) SetTTL(d time.Duration) time.Time {
+	l.ttl.Store(int64(max(d, 0)))
+	return l.Touch()
 }
 
 // Begin waits for the sandbox's turn (calls on one sandbox run one at a time, in arrival order
@@ -99,7 +118,7 @@ func (l *Lease) Begin(ctx context.Context) (context.Context, func(), error) {
 		return nil, nil, ctx.Err()
 	case <-l.ended:
 		l.inflight.Add(-1)
-		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
+		return nil, nil, errdefs.WithDetail(fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded), "", "sandbox_id", l.ID())
 	}
 	cctx, cancel := context.WithCancelCause(ctx)
 	// The ended check and the cancel's store under one lock, which Abort takes too: an end and
@@ -111,7 +130,7 @@ func (l *Lease) Begin(ctx context.Context) (context.Context, func(), error) {
 		cancel(nil)
 		<-l.turn
 		l.inflight.Add(-1)
-		return nil, nil, fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded)
+		return nil, nil, errdefs.WithDetail(fmt.Errorf("sandbox %s: %w", l.ID(), ErrLeaseEnded), "", "sandbox_id", l.ID())
 	default:
 	}
 	l.cancel = cancel

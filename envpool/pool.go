@@ -149,6 +149,9 @@ func (p *pool) setup(ctx context.Context) (string, error) {
 	name := p.env.Name()
 	sb, err := p.m.rt.Create(ctx, p.env.sandboxSpec())
 	if err != nil {
+		if errors.Is(err, sandbox.ErrNotFound) { // of a sandbox made from an image: the image's
+			err = errdefs.WithDetail(err, "IMAGE_NOT_FOUND", "image", p.env.spec.GetImage())
+		}
 		return "", p.setupErr(fmt.Sprintf("creating setup sandbox from image %q", p.env.spec.GetImage()), err)
 	}
 	defer func() {

@@ -40,6 +40,7 @@ var suite = []struct {
 	{"ExhaustedNamesCap", testExhaustedNamesCap},
 	{"RefillBackoff", testRefillBackoff},
 	{"LeaseExpiry", testLeaseExpiry},
+	{"LeaseOwnTTL", testLeaseOwnTTL},
 	{"CallInFlightKeepsReaperAway", testCallInFlight},
 	{"DiedSandboxReaped", testDiedSandbox},
 	{"DeadWarmSandboxSkipped", testDeadWarmSandbox},
@@ -453,6 +454,39 @@ func testLeaseExpiry(t *testing.T, h *harness) {
 	b.sweep(t, leaseTTL/2+reapEvery)
 	if e := b.ended(t); e.id != kept.ID() || e.reason != envpool.EndExpired {
 		t.Fatalf("ended %s (%s), want %s expired", e.id, e.reason, kept.ID())
+	}
+}
+
+// testLeaseOwnTTL: a lease with a TTL of its own (SetTTL) is renewed for it, by Touch and by
+// calls, and reaped by it, while one with the Manager's lives on; SetTTL(0) brings the
+// Manager's back.
+func testLeaseOwnTTL(t *testing.T, h *harness) {
+	s := spec("e", h.image)
+	s.PoolSize = 3
+	b := setup(t, h, s)
+	env := b.env(t, "e")
+	short, long, back := b.acquire(t, env), b.acquire(t, env), b.acquire(t, env)
+	const own = 4 * reapEvery
+	if exp := short.SetTTL(own); !exp.Equal(b.clk.Now().Add(own)) || short.TTL() != own {
+		t.Fatalf("SetTTL(%v): expires %v (TTL %v), want %v", own, exp, short.TTL(), b.clk.Now().Add(own))
+	}
+	back.SetTTL(own)
+	if exp := back.SetTTL(0); !exp.Equal(b.clk.Now().Add(leaseTTL)) || back.TTL() != leaseTTL {
+		t.Fatalf("SetTTL(0): expires %v (TTL %v), want the Manager's %v", exp, back.TTL(), leaseTTL)
+	}
+	run(t, short, cmdTrue) // a call renews for the lease's own TTL
+	if !short.Expires().Equal(b.clk.Now().Add(own)) {
+		t.Fatalf("after a call the lease expires %v, want %v", short.Expires(), b.clk.Now().Add(own))
+	}
+	b.sweep(t, own+reapEvery)
+	if e := b.ended(t); e.id != short.ID() || e.reason != envpool.EndExpired {
+		t.Fatalf("ended %s (%s), want %s expired", e.id, e.reason, short.ID())
+	}
+	b.noneEnded(t)
+	for _, l := range []*envpool.Lease{long, back} {
+		if got, err := b.m.Lease(l.ID()); err != nil || got != l {
+			t.Fatalf("a lease on the Manager's TTL was reaped by another's: %v", err)
+		}
 	}
 }
 

@@ -258,7 +258,7 @@ func TestPoolExhausted(t *testing.T) {
 }
 
 func TestLeaseExpiry(t *testing.T) {
-	b := setup(t, func(c *server.Config) { c.LeaseTTL = 300 * time.Millisecond })
+	b := setup(t, func(c *server.Config) { c.Lease.TTL = 300 * time.Millisecond })
 	rr, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))
 	must(t, err)
 	kept, err := b.connect.Reset(t.Context(), connect.NewRequest(&deltagymv1.ResetRequest{Env: "plain"}))

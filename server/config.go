@@ -15,6 +15,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/sandbox/egress"
+	"github.com/deltagym/deltagym/server/episode"
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 	"github.com/deltagym/deltagym/server/openenv"
 )
@@ -95,8 +96,8 @@ type Config struct {
 	// MaxRequestBytes bounds one request message. Default RequestCapFor(sandbox.MaxFileBytes):
 	// a write_file of the largest file a sandbox takes fits in every encoding.
 	MaxRequestBytes int
-	// LeaseTTL is how long a sandbox lives without a call or heartbeat. Default 10m.
-	LeaseTTL time.Duration
+	// Lease holds the settings of the sandboxes' leases.
+	Lease LeaseSettings
 	// OpenEnv holds the settings of the OpenEnv front end.
 	OpenEnv OpenEnvSettings
 	// AcquireTimeout bounds how long a Reset waits for a warm sandbox. Default 10s.
@@ -145,6 +146,15 @@ type EgressSettings struct {
 	Limits egress.Limits
 }
 
+// LeaseSettings are the settings of the sandboxes' leases.
+type LeaseSettings struct {
+	// TTL is how long a sandbox lives without a call or heartbeat, unless its Reset, Fork or a
+	// Heartbeat set its own (lease_ttl_seconds). Default 10m.
+	TTL time.Duration
+	// MaxTTL bounds the TTL a call may set, and TTL. Default 24h.
+	MaxTTL time.Duration
+}
+
 // OpenEnvSettings are the settings of the OpenEnv front end (server/openenv).
 type OpenEnvSettings struct {
 	// StepCap bounds a command run through the OpenEnv protocol. Default 55s: the step answers
@@ -154,6 +164,9 @@ type OpenEnvSettings struct {
 	// own and MCP sessions). Default 4096.
 	MaxSessions int
 }
+
+// defaultLeaseTTL is the default of LeaseSettings.TTL.
+const defaultLeaseTTL = 10 * time.Minute
 
 // defaultOpenEnvMaxSessions is the default of OpenEnvSettings.MaxSessions.
 const defaultOpenEnvMaxSessions = 4096
@@ -238,7 +251,10 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", cmp.Or(c.MaxRequestBytes, RequestCapFor(sandbox.MaxFileBytes)),
 		"largest accepted request message, in `bytes` (the default carries a write_file of the largest file a sandbox takes, 64 MiB, in every encoding: Connect JSON base64-encodes it)")
-	fs.DurationVar(&c.LeaseTTL, "lease-ttl", max(c.LeaseTTL, 10*time.Minute), "sandbox lease TTL, renewed by every call and heartbeat")
+	fs.DurationVar(&c.Lease.TTL, "lease-ttl", max(c.Lease.TTL, defaultLeaseTTL),
+		"sandbox lease TTL, renewed by every call and heartbeat, unless the sandbox's Reset, Fork or a Heartbeat set its own (lease_ttl_seconds)")
+	fs.DurationVar(&c.Lease.MaxTTL, "max-lease-ttl", max(c.Lease.MaxTTL, episode.DefaultMaxLeaseTTL),
+		"longest lease TTL a Reset, Fork or Heartbeat may set for its sandboxes (lease_ttl_seconds), and longest --lease-ttl")
 	fs.IntVar(&c.OpenEnv.MaxSessions, "openenv-max-sessions", cmp.Or(c.OpenEnv.MaxSessions, defaultOpenEnvMaxSessions),
 		"most OpenEnv sessions (WebSockets and MCP sessions) open at once; past it a session is refused with CAPACITY_REACHED")
 	fs.DurationVar(&c.OpenEnv.StepCap, "openenv-step-cap", cmp.Or(c.OpenEnv.StepCap, openenv.DefaultStepCap),
@@ -315,6 +331,12 @@ func (c *Config) defaults() error {
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = 30 * time.Second
 	}
+	if c.Lease.TTL <= 0 {
+		c.Lease.TTL = defaultLeaseTTL
+	}
+	if c.Lease.MaxTTL <= 0 {
+		c.Lease.MaxTTL = max(episode.DefaultMaxLeaseTTL, c.Lease.TTL)
+	}
 	if c.OpenEnv.MaxSessions <= 0 {
 		c.OpenEnv.MaxSessions = defaultOpenEnvMaxSessions
 	}
@@ -340,6 +362,9 @@ func (c *Config) check() error {
 	}
 	if err := c.Admission.check(); err != nil {
 		return err
+	}
+	if c.Lease.TTL > c.Lease.MaxTTL {
+		return fmt.Errorf("server: --lease-ttl %v is longer than --max-lease-ttl %v", c.Lease.TTL, c.Lease.MaxTTL)
 	}
 	if c.NoLedger && c.LedgerSync {
 		return errors.New("server: --no-ledger and --ledger-sync exclude each other: without a ledger there are no rows to fsync")

@@ -97,7 +97,7 @@ func restartConfig(t *testing.T) server.Config {
 		removeCgroupRoot(cg)
 	})
 	return server.Config{DataDir: data, EnvsDir: envs, InitBinary: initBinary(t), CRIU: criuBinary(), CgroupRoot: cg,
-		DefaultImageDir: imagetest.Busybox(t), LeaseTTL: time.Minute, DatabaseURL: pgtest.Start(t)}
+		DefaultImageDir: imagetest.Busybox(t), Lease: server.LeaseSettings{TTL: time.Minute}, DatabaseURL: pgtest.Start(t)}
 }
 
 // An episode running when its server is killed ends failed (infra) once the server is back, as

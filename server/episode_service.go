@@ -119,9 +119,14 @@ func (e *envService) Close(ctx context.Context, req *connect.Request[deltagymv1.
 }
 
 func (e *envService) Heartbeat(ctx context.Context, req *connect.Request[deltagymv1.HeartbeatRequest]) (*connect.Response[deltagymv1.HeartbeatResponse], error) {
+	// A TTL refused is refused before any lease is renewed.
+	ttl := leaseTTL(req.Msg.GetLeaseTtlSeconds())
+	if err := e.s.core.CheckLeaseTTL(ttl); err != nil {
+		return nil, e.s.toConnect(err)
+	}
 	resp := &deltagymv1.HeartbeatResponse{}
 	for _, id := range req.Msg.GetSandboxIds() {
-		t, err := e.s.core.Touch(id)
+		t, err := e.s.core.Renew(id, ttl)
 		if err != nil {
 			resp.UnknownSandboxIds = append(resp.UnknownSandboxIds, id)
 			continue

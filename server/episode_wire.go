@@ -18,7 +18,7 @@ import (
 
 func resetRequest(m *deltagymv1.ResetRequest) episode.ResetRequest {
 	r := episode.ResetRequest{Env: m.GetEnv(), Options: m.GetOptions(), Run: m.GetRun(), Group: m.GetGroupId(),
-		IdempotencyKey: m.GetIdempotencyKey()}
+		IdempotencyKey: m.GetIdempotencyKey(), LeaseTTL: leaseTTL(m.GetLeaseTtlSeconds())}
 	if m.Seed != nil {
 		seed := m.GetSeed()
 		r.Seed = &seed
@@ -41,7 +41,7 @@ func resetResponse(r episode.ResetResult) *deltagymv1.ResetResponse {
 
 func stepRequest(m *deltagymv1.StepRequest) episode.StepRequest {
 	return episode.StepRequest{SandboxID: m.GetSandboxId(), Action: action(m.GetAction()), Checkpoint: m.GetCheckpoint(),
-		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy()}
+		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy(), Setup: m.GetSetup()}
 }
 
 // action is a's domain form; nil (which the core refuses) for an action of no kind.
@@ -79,9 +79,23 @@ func seconds(s float64) time.Duration {
 	}
 }
 
+// leaseTTL converts a lease_ttl_seconds from the wire: negative, NaN and the infinities
+// become negative, which the core refuses, and a positive TTL under a nanosecond stays
+// positive (zero means the default).
+func leaseTTL(s float64) time.Duration {
+	switch {
+	case s < 0 || math.IsNaN(s) || math.IsInf(s, 0):
+		return -1
+	case s > 0:
+		return max(seconds(s), 1)
+	}
+	return 0
+}
+
 func stepResponse(r episode.StepResult) *deltagymv1.StepResponse {
 	return &deltagymv1.StepResponse{EpisodeId: r.EpisodeID, StepIndex: int32(r.StepIndex), Observation: episode.ObservationProto(r.Observation),
-		Reward: r.Reward, Terminated: r.Terminated, Truncated: r.Truncated, CheckpointId: r.CheckpointID, Info: r.Info}
+		Reward: r.Reward, Terminated: r.Terminated, Truncated: r.Truncated, CheckpointId: r.CheckpointID, Info: r.Info,
+		StepsLeft: int32(r.StepsLeft)}
 }
 
 // processMode is a request's process mode. A value the API does not define (a number sent
@@ -114,7 +128,8 @@ func checkpointResponse(r episode.CheckpointResult, scrub func(string) string) *
 
 func forkRequest(m *deltagymv1.ForkRequest) episode.ForkRequest {
 	return episode.ForkRequest{CheckpointID: m.GetCheckpointId(), SandboxID: m.GetSandboxId(), N: int(m.GetN()), Run: m.GetRun(),
-		Group: m.GetGroupId(), FreshEntropy: m.GetFreshEntropy(), IdempotencyKey: m.GetIdempotencyKey()}
+		Group: m.GetGroupId(), FreshEntropy: m.GetFreshEntropy(), IdempotencyKey: m.GetIdempotencyKey(),
+		LeaseTTL: leaseTTL(m.GetLeaseTtlSeconds())}
 }
 
 var captureMethods = map[episode.Capture]deltagymv1.CaptureMethod{

@@ -7,8 +7,11 @@ import (
 	"strings"
 
 	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 
+	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/episode"
 )
 
@@ -76,7 +79,70 @@ func (s *Server) toConnect(err error) error {
 		s.log.Error("internal error", "err", err)
 		return connect.NewError(code, errors.New("internal error (details in the server log)"))
 	}
-	return connect.NewError(code, errors.New(s.message(err)))
+	ce = connect.NewError(code, errors.New(s.message(err)))
+	if info := errorInfo(err); info != nil {
+		if d, derr := connect.NewErrorDetail(info); derr == nil {
+			ce.AddDetail(d)
+		}
+	}
+	return ce
+}
+
+// ErrorDomain is the domain of the google.rpc.ErrorInfo the server attaches to its errors.
+const ErrorDomain = "deltagym.dev"
+
+// reasons maps the error sentinels to the reasons of the ErrorInfo that toConnect attaches,
+// first match first: an error that is several (an ended episode in a closed sandbox) gets the
+// reason of the one listed first. A reason an error carries itself (errdefs.WithDetail: where
+// the sentinel is too broad, as the runtime's not-found for checkpoints and images) comes
+// before these. The reasons are the API's (docs/OPERATIONS.md, "Error reasons"): a reason,
+// once given, keeps its meaning.
+var reasons = []struct {
+	err    error
+	reason string
+}{
+	{envpool.ErrUnknownSandbox, "SANDBOX_NOT_FOUND"},
+	{envpool.ErrUnknownEnv, "ENV_NOT_FOUND"},
+	{episode.ErrEpisodeEnded, "EPISODE_ENDED"},
+	{envpool.ErrLeaseEnded, "SANDBOX_CLOSED"},
+	{sandbox.ErrClosed, "SANDBOX_CLOSED"},
+	{envpool.ErrExhausted, "NO_CAPACITY"},
+	{envpool.ErrWaiting, "NO_CAPACITY"},
+	{sandbox.ErrCap, "NO_CAPACITY"},
+	{envpool.ErrNotReady, "ENV_NOT_READY"},
+	{episode.ErrOtherEnv, "CHECKPOINT_OF_OTHER_ENV"},
+	{ErrNoLedger, "LEDGER_DISABLED"},
+	{envpool.ErrClosed, "SHUTTING_DOWN"},
+}
+
+// errorInfo is the google.rpc.ErrorInfo of err: its reason (errdefs.DetailOf, else the
+// reasons table) and metadata; nil for an error of no known reason.
+func errorInfo(err error) *errdetails.ErrorInfo {
+	d := errdefs.DetailOf(err)
+	if d.Reason == "" {
+		for _, r := range reasons {
+			if errors.Is(err, r.err) {
+				d.Reason = r.reason
+				break
+			}
+		}
+	}
+	if d.Reason == "" {
+		return nil
+	}
+	return &errdetails.ErrorInfo{Reason: d.Reason, Domain: ErrorDomain, Metadata: d.Meta}
+}
+
+// reasonOf is the reason toConnect attaches to err; "" for none.
+func reasonOf(err error) string {
+	if codeOf(err) == connect.CodeInternal {
+		return ""
+	}
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ""
+	}
+	return errorInfo(err).GetReason()
 }
 
 // describe is err's text for a client of another protocol than Connect's: message, or for an

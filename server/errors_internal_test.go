@@ -110,3 +110,36 @@ type causedBy struct{ own, cause error }
 
 func (e causedBy) Error() string   { return e.own.Error() + ": " + e.cause.Error() }
 func (e causedBy) Unwrap() []error { return []error{e.own, e.cause} }
+
+// The reasons of the sentinels, first match first, with a reason an error carries before them;
+// internal errors, Connect errors of the server's own and malformed requests have none.
+func TestErrorReasonsTable(t *testing.T) {
+	s := &Server{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	ended := fmt.Errorf("sandbox s: %w", envpool.ErrLeaseEnded)
+	for _, tc := range []struct {
+		err  error
+		want string
+	}{
+		{fmt.Errorf("env e: %w", envpool.ErrExhausted), "NO_CAPACITY"},
+		{fmt.Errorf("fork: %w: the cap", sandbox.ErrCap), "NO_CAPACITY"},
+		{fmt.Errorf("%w (%w)", episode.ErrEpisodeEnded, ended), "EPISODE_ENDED"},
+		{ended, "SANDBOX_CLOSED"},
+		{fmt.Errorf("env e: %w: %w", envpool.ErrNotReady, errdefs.WithDetail(sandbox.ErrNotFound, "IMAGE_NOT_FOUND", "image", "i")), "IMAGE_NOT_FOUND"},
+		{fmt.Errorf("env e: %w", envpool.ErrNotReady), "ENV_NOT_READY"},
+		{ErrNoLedger, "LEDGER_DISABLED"},
+		{fmt.Errorf("no action: %w", ErrInvalid), ""},
+		{errors.New("boom"), ""},
+		{connect.NewError(connect.CodeResourceExhausted, errors.New("too big")), ""},
+	} {
+		if got := reasonOf(tc.err); got != tc.want {
+			t.Errorf("reasonOf(%v) = %q, want %q", tc.err, got, tc.want)
+		}
+		var ce *connect.Error
+		if !errors.As(s.toConnect(tc.err), &ce) {
+			t.Fatalf("toConnect(%v) is no Connect error", tc.err)
+		}
+		if n := len(ce.Details()); (n == 1) != (tc.want != "") || n > 1 {
+			t.Errorf("toConnect(%v) has %d details, want a reason %q", tc.err, n, tc.want)
+		}
+	}
+}

@@ -114,7 +114,7 @@ func (g *ledgerService) GetTrajectory(ctx context.Context, req *connect.Request[
 		ts := &deltagymv1.TrajectoryStep{StepIndex: int32(i), EpisodeId: s.EpisodeID, Inherited: s.Inherited,
 			ObservationSizeBytes: s.ObservationSize, ObservationSha256: fmt.Sprintf("%x", s.ObservationSHA256), Reward: s.Reward,
 			Terminated: s.Terminated, Truncated: s.Truncated, StartTime: timestamppb.New(s.StartedAt),
-			DurationSeconds: s.Duration.Seconds(), CheckpointId: s.CheckpointID}
+			DurationSeconds: s.Duration.Seconds(), CheckpointId: s.CheckpointID, Setup: s.Setup}
 		if len(s.Action) > 0 && string(s.Action) != "null" {
 			a := &deltagymv1.Action{}
 			if (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal(s.Action, a) == nil {

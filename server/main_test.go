@@ -107,7 +107,7 @@ func setup(t testing.TB, mod func(*server.Config)) *bundle {
 	cg := fmt.Sprintf("dgsrvtest%d_%d", os.Getpid(), serverCount.Add(1))
 	busybox := imagetest.Busybox(t)
 	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: init, CRIU: criuBinary(), CgroupRoot: cg, DefaultImageDir: busybox,
-		LeaseTTL: time.Minute, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Lease: server.LeaseSettings{TTL: time.Minute}, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
 		ImportRoot: filepath.Dir(busybox)} // the test's own directory: the busybox rootfs is importable
 	if mod != nil {
 		mod(&cfg)

@@ -491,7 +491,7 @@ func TestOpenEnvCapacity(t *testing.T) {
 func TestOpenEnvLongStep(t *testing.T) {
 	b := setup(t, func(c *server.Config) {
 		c.OpenEnv.StepCap = 2 * time.Second
-		c.LeaseTTL = time.Second
+		c.Lease.TTL = time.Second
 		c.PublicHealth = true
 	})
 	o := dialOpenEnv(t, b, "plain")
@@ -635,7 +635,7 @@ func TestOpenEnvShutdownMCP(t *testing.T) {
 
 // An MCP session idle (no call, no socket) for the lease's TTL is closed, and found no more.
 func TestOpenEnvMCPIdle(t *testing.T) {
-	b := setup(t, func(c *server.Config) { c.LeaseTTL = 500 * time.Millisecond })
+	b := setup(t, func(c *server.Config) { c.Lease.TTL = 500 * time.Millisecond })
 	sid := mcpCall(t, b, "plain", "openenv/session/create", nil)["result"].(map[string]any)["session_id"].(string)
 	mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "true"}})
 	waitNoLeases(t, b) // the lease expires, unrenewed

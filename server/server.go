@@ -146,7 +146,7 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		rec = s.writer
 	}
 	core, err := episode.New(episode.Config{Runtime: s.rt, Ledger: rec, Logger: s.log, Observe: s.obs.op, Internal: isInternal,
-		Scrub: s.scrub, Ended: s.rt.Ended()})
+		Scrub: s.scrub, Ended: s.rt.Ended(), MaxLeaseTTL: s.cfg.Lease.MaxTTL})
 	if err != nil {
 		return err
 	}
@@ -157,7 +157,7 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		return err
 	}
 	s.pools, err = envpool.New(envpool.Config{
-		Runtime: s.rt, LeaseTTL: s.cfg.LeaseTTL, AcquireTimeout: s.cfg.AcquireTimeout, DefaultPoolSize: s.cfg.DefaultPoolSize,
+		Runtime: s.rt, LeaseTTL: s.cfg.Lease.TTL, AcquireTimeout: s.cfg.AcquireTimeout, DefaultPoolSize: s.cfg.DefaultPoolSize,
 		Logger: s.log, OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded, OpenVerifierFiles: s.imports.openVerifierFiles, Egress: proxy,
 	}, specs)
 	if err != nil {
@@ -181,7 +181,7 @@ func (s *Server) labelFromLedger(ctx context.Context) error {
 		if err != nil {
 			return episode.Place{}, false, err
 		}
-		return episode.Place{Env: p.Env, Episode: p.Episode, Run: p.Run, Group: p.Group, Own: p.Own, Steps: p.Global}, true, nil
+		return episode.Place{Env: p.Env, Episode: p.Episode, Run: p.Run, Group: p.Group, Own: p.Own, Steps: p.Global, Agent: p.Agent}, true, nil
 	})
 	if n > 0 {
 		s.log.Info("checkpoints labelled with their places from the ledger", "checkpoints", n)
@@ -295,7 +295,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
 	s.openenv = openenv.New(openenv.Config{Core: s.core, Pools: s.pools, Log: s.log, Describe: s.describe,
-		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.LeaseTTL, StepCap: s.cfg.OpenEnv.StepCap, MaxSessions: s.cfg.OpenEnv.MaxSessions})
+		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.Lease.TTL, StepCap: s.cfg.OpenEnv.StepCap, MaxSessions: s.cfg.OpenEnv.MaxSessions})
 	mux.Handle(openenv.Prefix, s.openenv)
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
 		refuse: s.obs.authRefused, next: capBodies(s.swerexFirst(mux), s.cfg.MaxRequestBytes)}

@@ -44,7 +44,7 @@ func (s *Server) stepStream(ctx context.Context, stream *connect.BidiStream[delt
 		if err != nil {
 			ce := s.toConnect(err).(*connect.Error)
 			send(&deltagymv1.StepStreamResponse{RequestId: req.GetRequestId(), Result: &deltagymv1.StepStreamResponse_Error{
-				Error: &deltagymv1.ErrorStatus{Code: int32(ce.Code()), Message: ce.Message()}}})
+				Error: &deltagymv1.ErrorStatus{Code: int32(ce.Code()), Message: ce.Message(), Reason: reasonOf(err)}}})
 			return
 		}
 		send(&deltagymv1.StepStreamResponse{RequestId: req.GetRequestId(), Result: &deltagymv1.StepStreamResponse_Step{Step: resp}})

@@ -73,11 +73,13 @@ type resetCmd struct {
 	RunName        string            `name:"run" help:"run the episode belongs to"`
 	Group          string            `help:"group (GRPO) the episode belongs to"`
 	IdempotencyKey string            `help:"idempotency key (default: a random one, so retries are safe)"`
+	LeaseTTL       seconds           `name:"lease-ttl" placeholder:"DURATION" help:"how long the sandbox lives without a call or heartbeat: a duration (90s, 2h) or seconds (default: the server's --lease-ttl; at most its --max-lease-ttl)"`
 	Quiet          bool              `short:"q" name:"quiet" help:"print only the sandbox ID"`
 }
 
 func (r *resetCmd) Run(ctx context.Context, a *app) error {
-	req := &deltagymv1.ResetRequest{Env: r.Env, Run: r.RunName, GroupId: r.Group, IdempotencyKey: r.IdempotencyKey, Seed: r.Seed}
+	req := &deltagymv1.ResetRequest{Env: r.Env, Run: r.RunName, GroupId: r.Group, IdempotencyKey: r.IdempotencyKey, Seed: r.Seed,
+		LeaseTtlSeconds: time.Duration(r.LeaseTTL).Seconds()}
 	if len(r.Option) > 0 {
 		req.Options = r.Option
 	}
@@ -146,6 +148,7 @@ type execCmd struct {
 	Env        map[string]string `mapsep:"none" placeholder:"KEY=VALUE" help:"environment variable for the command (repeatable)"`
 	Stdin      string            `placeholder:"FILE" help:"file to give the command as standard input (- for this process's stdin)"`
 	Checkpoint bool              `help:"checkpoint the state after the command and print its ID on stderr (stdout is the command's; --json has it as checkpointId)"`
+	Setup      bool              `help:"run it as a setup step: recorded as any step, counted against none of the env's budgets"`
 }
 
 func (e *execCmd) Run(ctx context.Context, a *app) error {
@@ -169,7 +172,7 @@ func (e *execCmd) Run(ctx context.Context, a *app) error {
 	}
 	defer c.Close()
 	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
-		SandboxId: e.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: action}}, Checkpoint: e.Checkpoint,
+		SandboxId: e.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: action}}, Checkpoint: e.Checkpoint, Setup: e.Setup,
 	}))
 	if err != nil {
 		return err
@@ -508,15 +511,16 @@ func (r *restoreCmd) Run(ctx context.Context, a *app) error {
 }
 
 type forkCmd struct {
-	Source         string `arg:"" optional:"" help:"the checkpoint to fork from, or a sandbox (sb-…) whose current state to fork"`
-	Checkpoint     string `placeholder:"ID" help:"checkpoint to fork from"`
-	Sandbox        string `placeholder:"ID" help:"sandbox whose current state to fork (checkpointed first)"`
-	N              int    `short:"n" name:"count" default:"1" placeholder:"N" help:"number of sandboxes to create (default ${default})"`
-	Group          string `help:"group (GRPO) of the new episodes"`
-	RunName        string `name:"run" help:"run of the new episodes (default: the source's)"`
-	IdempotencyKey string `help:"idempotency key (default: a random one, so retries are safe)"`
-	FreshEntropy   bool   `help:"give each child distinct randomness"`
-	Quiet          bool   `short:"q" name:"quiet" help:"print only the new sandbox IDs, one per line"`
+	Source         string  `arg:"" optional:"" help:"the checkpoint to fork from, or a sandbox (sb-…) whose current state to fork"`
+	Checkpoint     string  `placeholder:"ID" help:"checkpoint to fork from"`
+	Sandbox        string  `placeholder:"ID" help:"sandbox whose current state to fork (checkpointed first)"`
+	N              int     `short:"n" name:"count" default:"1" placeholder:"N" help:"number of sandboxes to create (default ${default})"`
+	Group          string  `help:"group (GRPO) of the new episodes"`
+	RunName        string  `name:"run" help:"run of the new episodes (default: the source's)"`
+	IdempotencyKey string  `help:"idempotency key (default: a random one, so retries are safe)"`
+	FreshEntropy   bool    `help:"give each child distinct randomness"`
+	LeaseTTL       seconds `name:"lease-ttl" placeholder:"DURATION" help:"how long each child lives without a call or heartbeat, as reset's --lease-ttl"`
+	Quiet          bool    `short:"q" name:"quiet" help:"print only the new sandbox IDs, one per line"`
 }
 
 func (f *forkCmd) Help() string {
@@ -535,7 +539,8 @@ func (f *forkCmd) Run(ctx context.Context, a *app) error {
 			ckpt = f.Source
 		}
 	}
-	req := &deltagymv1.ForkRequest{GroupId: f.Group, Run: f.RunName, IdempotencyKey: f.IdempotencyKey, FreshEntropy: f.FreshEntropy}
+	req := &deltagymv1.ForkRequest{GroupId: f.Group, Run: f.RunName, IdempotencyKey: f.IdempotencyKey, FreshEntropy: f.FreshEntropy,
+		LeaseTtlSeconds: time.Duration(f.LeaseTTL).Seconds()}
 	switch {
 	case (ckpt == "") == (sandbox == ""):
 		return usageErrorf("give exactly one of --checkpoint and --sandbox")

@@ -330,3 +330,27 @@ func TestCLICatalog(t *testing.T) {
 	mustContain(t, "exec in the registered env", out, "cli2")
 	cli(t, exitOK, "", "close", sb)
 }
+
+// TestCLILeaseTTL: reset --lease-ttl sets the sandbox's own TTL, which the server bounds by its
+// --max-lease-ttl; exec --setup takes a setup step.
+func TestCLILeaseTTL(t *testing.T) {
+	needServer(t)
+	t.Setenv("DELTAGYM_ADDR", testAddr)
+	t.Setenv("DELTAGYM_TOKEN", testToken)
+	out, _ := cli(t, exitOK, "", "reset", "shell", "--lease-ttl", "2h", "--json")
+	var reset deltagymv1.ResetResponse
+	if err := protojson.Unmarshal([]byte(out), &reset); err != nil || reset.GetSandboxId() == "" {
+		t.Fatalf("reset --json printed %q: %v", out, err)
+	}
+	t.Cleanup(func() { runCLI(t, "", "close", reset.GetSandboxId()) })
+	if left := time.Until(reset.GetLeaseExpireTime().AsTime()); left <= 119*time.Minute || left > 2*time.Hour {
+		t.Fatalf("reset --lease-ttl 2h: the lease expires in %v", left)
+	}
+	out, _ = cli(t, exitOK, "", "exec", reset.GetSandboxId(), "--setup", "--json", "true")
+	var st deltagymv1.StepResponse
+	if err := protojson.Unmarshal([]byte(out), &st); err != nil || st.GetStepIndex() != 0 {
+		t.Fatalf("exec --setup --json printed %q: %v", out, err)
+	}
+	_, errOut := cli(t, exitError, "", "reset", "shell", "--lease-ttl", "48h")
+	mustContain(t, "reset --lease-ttl past the server's maximum", errOut, "invalid_argument", "--max-lease-ttl")
+}

@@ -101,3 +101,69 @@ func Strip(msg string, class error) string {
 	}
 	return strings.Join(kept, ": ")
 }
+
+// Detail is what an error tells a client's program besides its text and class: a reason, in
+// UPPER_SNAKE_CASE (SANDBOX_NOT_FOUND), and metadata naming what the error is about
+// (sandbox_id, checkpoint_id, env). The server sends them as a google.rpc.ErrorInfo.
+type Detail struct {
+	Reason string
+	Meta   map[string]string
+}
+
+// detailed is an error with a Detail; its text and class are its cause's.
+type detailed struct {
+	cause  error
+	detail Detail
+}
+
+func (e *detailed) Error() string { return e.cause.Error() }
+func (e *detailed) Unwrap() error { return e.cause }
+
+// WithDetail returns err carrying reason (empty: none of its own; one set nearer err's top
+// wins) and metadata from kv, pairs of key and value; err as it is when nil. The error's text
+// and class are err's.
+func WithDetail(err error, reason string, kv ...string) error {
+	if err == nil {
+		return nil
+	}
+	d := Detail{Reason: reason, Meta: map[string]string{}}
+	for i := 0; i+1 < len(kv); i += 2 {
+		d.Meta[kv[i]] = kv[i+1]
+	}
+	return &detailed{cause: err, detail: d}
+}
+
+// DetailOf gathers the Details err's chain carries, as errors.As walks it: the reason and
+// each metadata key nearest the top win. The zero Detail when it carries none.
+func DetailOf(err error) Detail {
+	var out Detail
+	walkDetails(err, &out)
+	return out
+}
+
+func walkDetails(err error, out *Detail) {
+	if err == nil {
+		return
+	}
+	if d, ok := err.(*detailed); ok {
+		if out.Reason == "" {
+			out.Reason = d.detail.Reason
+		}
+		for k, v := range d.detail.Meta {
+			if _, set := out.Meta[k]; !set {
+				if out.Meta == nil {
+					out.Meta = map[string]string{}
+				}
+				out.Meta[k] = v
+			}
+		}
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		walkDetails(u.Unwrap(), out)
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			walkDetails(e, out)
+		}
+	}
+}

@@ -52,3 +52,24 @@ func TestMessage(t *testing.T) {
 		}
 	}
 }
+
+func TestDetail(t *testing.T) {
+	inner := WithDetail(fmt.Errorf("checkpoint c: %w", ErrNotFound), "CHECKPOINT_NOT_FOUND", "checkpoint_id", "c", "env", "inner")
+	outer := WithDetail(fmt.Errorf("restoring: %w", inner), "", "sandbox_id", "s", "env", "outer")
+	if outer.Error() != "restoring: checkpoint c: not found" || Class(outer) != ErrNotFound || !errors.Is(outer, ErrNotFound) {
+		t.Fatalf("a detail changed the error: %q, class %v", outer, Class(outer))
+	}
+	d := DetailOf(fmt.Errorf("x: %w", outer))
+	want := map[string]string{"checkpoint_id": "c", "sandbox_id": "s", "env": "outer"}
+	if d.Reason != "CHECKPOINT_NOT_FOUND" || fmt.Sprint(d.Meta) != fmt.Sprint(want) {
+		t.Fatalf("DetailOf = %+v, want the inner reason and %v", d, want)
+	}
+	// Across a join, the first branch's reason wins.
+	j := errors.Join(WithDetail(ErrNotFound, "A"), WithDetail(ErrNotFound, "B", "k", "v"))
+	if d := DetailOf(j); d.Reason != "A" || d.Meta["k"] != "v" {
+		t.Fatalf("DetailOf of a join = %+v", d)
+	}
+	if d := DetailOf(errors.New("plain")); d.Reason != "" || d.Meta != nil || WithDetail(nil, "R") != nil {
+		t.Fatalf("DetailOf of a plain error = %+v", d)
+	}
+}

@@ -21,6 +21,9 @@ func (c *Core) Reset(ctx context.Context, req ResetRequest) (ResetResult, error)
 	if err := checkReset(&req); err != nil {
 		return ResetResult{}, err
 	}
+	if err := c.CheckLeaseTTL(req.LeaseTTL); err != nil {
+		return ResetResult{}, err
+	}
 	return c.resets.do(ctx, "reset", req.IdempotencyKey, resetPrint(&req), func() (ResetResult, error) {
 		return c.reset(ctx, req)
 	})
@@ -32,18 +35,19 @@ func (c *Core) reset(ctx context.Context, req ResetRequest) (ResetResult, error)
 	}
 	env, err := c.pools.Env(req.Env)
 	if err != nil {
-		return ResetResult{}, err
+		return ResetResult{}, about(err, "env", req.Env)
 	}
 	start := time.Now()
 	octx, done := c.cfg.Observe(ctx, "reset")
 	l, res, err := c.pools.Reset(octx, env, envpool.ResetParams{Seed: req.Seed, Options: req.Options})
 	done(err)
 	if err != nil {
-		return ResetResult{}, err
+		return ResetResult{}, about(err, "env", req.Env)
 	}
 	if err := c.abandoned(ctx, l); err != nil {
 		return ResetResult{}, err
 	}
+	l.SetTTL(req.LeaseTTL)
 	// The pools' checkpoints are on no episode's path: the episode's steps count from 0.
 	_, ep := c.handOver(l, begin{run: req.Run, group: req.Group, seed: req.Seed, ckpt: res.Checkpoint})
 	if err := c.stored(ctx, nil); err != nil {
@@ -131,6 +135,9 @@ func (c *Core) Fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	if err := checkFork(&req); err != nil {
 		return ForkResult{}, err
 	}
+	if err := c.CheckLeaseTTL(req.LeaseTTL); err != nil {
+		return ForkResult{}, err
+	}
 	return c.forks.do(ctx, "fork", req.IdempotencyKey, forkPrint(&req), func() (ForkResult, error) {
 		return c.fork(ctx, req)
 	})
@@ -151,7 +158,7 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	}
 	env, err := c.pools.Env(from.Env)
 	if err != nil {
-		return ForkResult{}, err
+		return ForkResult{}, about(err, "env", from.Env)
 	}
 	octx, done := c.cfg.Observe(ctx, "fork")
 	// Processes kept as templates reach the children through CRIU images made from the
@@ -173,6 +180,7 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	res := ForkResult{CheckpointID: ckpt, Processes: c.forkProcesses(ckpt, skipWhy)}
 	s := begin{run: cmp.Or(req.Run, from.Run), group: cmp.Or(req.Group, from.Group), ckpt: ckpt, from: from}
 	for _, l := range leases {
+		l.SetTTL(req.LeaseTTL)
 		_, ep := c.handOver(l, s)
 		res.Children = append(res.Children, Child{SandboxID: l.ID(), EpisodeID: ep})
 	}

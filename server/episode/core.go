@@ -39,6 +39,8 @@ type Config struct {
 	EndedMax int
 	// IdempotencyTTL is how long a Reset's or Fork's idempotency key is remembered. Default 1h.
 	IdempotencyTTL time.Duration
+	// MaxLeaseTTL bounds the lease TTL a Reset, Fork or Heartbeat asks for. Default 24h.
+	MaxLeaseTTL time.Duration
 }
 
 // Validate checks the config and fills in defaults.
@@ -66,6 +68,9 @@ func (c *Config) Validate() error {
 	}
 	if c.IdempotencyTTL <= 0 {
 		c.IdempotencyTTL = time.Hour
+	}
+	if c.MaxLeaseTTL <= 0 {
+		c.MaxLeaseTTL = DefaultMaxLeaseTTL
 	}
 	return nil
 }
@@ -123,12 +128,12 @@ func (c *Core) lookup(id string) (*box, error) {
 	case b != nil:
 		return b, nil
 	case c.gone.has(id):
-		return nil, fmt.Errorf("sandbox %s: %w", id, envpool.ErrLeaseEnded)
+		return nil, about(fmt.Errorf("sandbox %s: %w", id, envpool.ErrLeaseEnded), "sandbox_id", id)
 	case c.prevRun[id]:
-		return nil, fmt.Errorf("sandbox %s ended with the server's previous run (its episode failed, class infra); Reset for a new one: %w",
-			id, envpool.ErrUnknownSandbox)
+		return nil, about(fmt.Errorf("sandbox %s ended with the server's previous run (its episode failed, class infra); Reset for a new one: %w",
+			id, envpool.ErrUnknownSandbox), "sandbox_id", id)
 	}
-	return nil, fmt.Errorf("sandbox %q: %w", id, envpool.ErrUnknownSandbox)
+	return nil, about(fmt.Errorf("sandbox %q: %w", id, envpool.ErrUnknownSandbox), "sandbox_id", id)
 }
 
 // adopt starts keeping b.
@@ -159,6 +164,35 @@ func (c *Core) Touch(id string) (time.Time, error) {
 	b, err := c.lookup(id)
 	if err != nil {
 		return time.Time{}, err
+	}
+	return b.lease.Touch(), nil
+}
+
+// DefaultMaxLeaseTTL is Config.MaxLeaseTTL when unset.
+const DefaultMaxLeaseTTL = 24 * time.Hour
+
+// CheckLeaseTTL checks a lease TTL a call asks for: 0 (the sandbox's own, or the pools'
+// default) up to Config.MaxLeaseTTL. The wire's NaN and infinities arrive negative.
+func (c *Core) CheckLeaseTTL(d time.Duration) error {
+	if d < 0 || d > c.cfg.MaxLeaseTTL {
+		return fmt.Errorf("lease_ttl_seconds must be a number of seconds from 0 (the default) up to the server's --max-lease-ttl, %v: %w",
+			c.cfg.MaxLeaseTTL, ErrInvalid)
+	}
+	return nil
+}
+
+// Renew renews the lease of sandbox id, for ttl from now on when it is positive (checked by
+// CheckLeaseTTL) or else its own TTL, and returns its new expiry.
+func (c *Core) Renew(id string, ttl time.Duration) (time.Time, error) {
+	if err := c.CheckLeaseTTL(ttl); err != nil {
+		return time.Time{}, err
+	}
+	b, err := c.lookup(id)
+	if err != nil {
+		return time.Time{}, err
+	}
+	if ttl > 0 {
+		return b.lease.SetTTL(ttl), nil
 	}
 	return b.lease.Touch(), nil
 }

@@ -179,10 +179,11 @@ func resetPrint(r *ResetRequest) [sha256.Size]byte {
 	for _, k := range slices.Sorted(maps.Keys(r.Options)) {
 		p.str(k).str(r.Options[k])
 	}
-	return p.str(r.Run).str(r.Group).sum()
+	return p.str(r.Run).str(r.Group).num(int64(r.LeaseTTL)).sum()
 }
 
 // forkPrint fingerprints a Fork without its idempotency key.
 func forkPrint(r *ForkRequest) [sha256.Size]byte {
-	return newPrinter().str(r.CheckpointID).str(r.SandboxID).num(int64(r.N)).str(r.Run).str(r.Group).flag(r.FreshEntropy).sum()
+	return newPrinter().str(r.CheckpointID).str(r.SandboxID).num(int64(r.N)).str(r.Run).str(r.Group).flag(r.FreshEntropy).
+		num(int64(r.LeaseTTL)).sum()
 }

@@ -24,6 +24,9 @@ type Place struct {
 	Own int
 	// Steps is the steps on its path: the index of the next step after restoring it.
 	Steps int
+	// Agent is the agent's steps among Steps (the rest set the task up): what an episode
+	// that starts there has spent of its env's max_steps.
+	Agent int
 	// task is the variables of the task its sandbox worked on (envpool.Lease.Task; nil for
 	// none): a sandbox restored to it, or forked from it, works on that task. A pointer keeps
 	// Place comparable.
@@ -46,6 +49,7 @@ const (
 	labelGroup   = "deltagym.group"
 	labelOwn     = "deltagym.own_steps"
 	labelSteps   = "deltagym.steps"
+	labelAgent   = "deltagym.agent_steps"
 )
 
 // labels encodes p as checkpoint labels.
@@ -53,6 +57,7 @@ func (p Place) labels() map[string]string {
 	m := map[string]string{labelEnv: p.Env}
 	if p.Episode != "" {
 		m[labelEpisode], m[labelOwn], m[labelSteps] = p.Episode, strconv.Itoa(p.Own), strconv.Itoa(p.Steps)
+		m[labelAgent] = strconv.Itoa(p.Agent)
 	}
 	if p.Run != "" {
 		m[labelRun] = p.Run
@@ -75,6 +80,10 @@ func placeOf(labels map[string]string) (Place, bool) {
 	}
 	p.Own, _ = strconv.Atoi(labels[labelOwn])
 	p.Steps, _ = strconv.Atoi(labels[labelSteps])
+	p.Agent = p.Steps // labelled before setup steps existed: every step was the agent's
+	if a, err := strconv.Atoi(labels[labelAgent]); err == nil && a >= 0 && a <= p.Steps {
+		p.Agent = a
+	}
 	return p, true
 }
 
@@ -87,7 +96,7 @@ func (c *Core) CheckpointPlace(id string) (Place, error) {
 	}
 	info, err := c.rt.Checkpoint(id)
 	if err != nil {
-		return Place{}, err
+		return Place{}, checkpointErr(err, id)
 	}
 	if p, ok := placeOf(info.Labels); ok {
 		return p, nil
@@ -107,7 +116,8 @@ func (c *Core) restorable(b *box, id string) (Place, error) {
 		return Place{}, err
 	}
 	if env := b.lease.Env().Name(); p.Env != env {
-		return Place{}, fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w", id, p.Env, b.lease.ID(), env, ErrOtherEnv)
+		return Place{}, about(fmt.Errorf("checkpoint %s is of env %s, sandbox %s of env %s: %w", id, p.Env, b.lease.ID(), env, ErrOtherEnv),
+			"checkpoint_id", id, "sandbox_id", b.lease.ID())
 	}
 	return p, nil
 }
@@ -153,7 +163,7 @@ func (c *Core) ReleaseCheckpoint(id string) error {
 		return fmt.Errorf("checkpoint_id is required: %w", ErrInvalid)
 	}
 	if err := c.rt.ReleaseCheckpoint(id); err != nil {
-		return err
+		return checkpointErr(err, id)
 	}
 	if c.rec != nil {
 		c.ledgerErr(c.rec.CheckpointReleased(id, time.Now()))

@@ -164,10 +164,10 @@ func recordedAction(a Action) ([]byte, error) {
 	return json.Marshal(fields)
 }
 
-// recordStep records step index (the episode's own count) of episode ep, and a submit's reward
+// recordStep records step index (the episode's own count) of episode ep, req's, and a submit's reward
 // (none for a submit the time budget skipped, whose verifier never ran).
-func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took time.Duration, res *StepResult, verr error) {
-	action, err := recordedAction(a)
+func (c *Core) recordStep(ep string, index int, req *StepRequest, start time.Time, took time.Duration, res *StepResult, verr error) {
+	action, err := recordedAction(req.Action)
 	if err != nil { // recorded as JSON null, and said
 		c.ledgerErr(fmt.Errorf("episode %s step %d: encoding the action: %w", ep, index, err))
 	}
@@ -184,7 +184,7 @@ func (c *Core) recordStep(ep string, index int, a Action, start time.Time, took 
 	c.ledgerErr(c.rec.Step(ledger.StepRow{EpisodeID: ep, Index: index, Action: action, ActionValid: true, Observation: obsBytes,
 		ObservationSize: size, ObservationSHA256: sum[:],
 		Reward: res.Reward, Terminated: res.Terminated, Truncated: res.Truncated, StartedAt: start, Duration: took,
-		CheckpointID: res.CheckpointID}))
+		CheckpointID: res.CheckpointID, Setup: req.Setup}))
 	if sub := res.Observation.Submit; sub != nil && verr == nil { // a submit the verifier judged
 		c.ledgerErr(c.rec.Reward(ledger.RewardRow{EpisodeID: ep, StepIndex: &index, Source: ledger.SourceVerifier,
 			Components: sub.Components, Value: res.Reward}))

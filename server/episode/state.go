@@ -32,6 +32,11 @@ type state struct {
 	startCkpt string
 	base      int // steps inherited from the start checkpoint
 	own       int // the episode's own steps so far
+	// agentBase and agentOwn count the agent's steps among base and own: setup steps
+	// (StepRequest.Setup) are numbered with them but count against no budget.
+	agentBase int
+	agentOwn  int
+	setupTime time.Duration // the own setup steps' time, which the time budget does not count
 	total     float64
 	started   time.Time
 	ended     bool
@@ -50,7 +55,8 @@ func (b *box) current() state {
 func (b *box) place() Place {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return Place{Env: b.lease.Env().Name(), Episode: b.ep.id, Run: b.ep.run, Group: b.ep.group, Own: b.ep.own, Steps: b.ep.base + b.ep.own}.
+	return Place{Env: b.lease.Env().Name(), Episode: b.ep.id, Run: b.ep.run, Group: b.ep.group, Own: b.ep.own, Steps: b.ep.base + b.ep.own,
+		Agent: b.ep.agentBase + b.ep.agentOwn}.
 		withTask(b.lease.Task())
 }
 
@@ -93,7 +99,7 @@ func (c *Core) startEpisode(b *box, s begin) string {
 	ep := newID("ep_")
 	b.mu.Lock()
 	b.ep = state{id: ep, run: s.run, group: s.group, seed: s.seed, startCkpt: s.ckpt, base: s.from.Steps,
-		started: now, status: ledger.StatusRunning}
+		agentBase: s.from.Agent, started: now, status: ledger.StatusRunning}
 	b.mu.Unlock()
 	if c.rec != nil {
 		row := ledger.EpisodeStart{ID: ep, Env: b.lease.Env().Name(), Run: s.run, Group: s.group, StartCheckpoint: s.ckpt,

@@ -24,7 +24,12 @@ import (
 // the budget by no more than the time it takes to kill it and collect its output; such an exec
 // comes back timed out and its step truncated. (A submit's verifier is not bounded by the
 // budget: judging the episode is not the agent's time.) The step budget (budgets.max_steps)
-// truncates the step that reaches it.
+// truncates the agent's step that reaches it.
+//
+// Setup steps (req.Setup) count against neither budget: one runs whatever the time budget has
+// left (within the step timeout), its time is taken out of the episode's for max_seconds, and
+// it is not counted for max_steps; it is numbered and recorded as any other, across checkpoints
+// too (Place.Agent).
 //
 // Failures: an action that the sandbox's own state refused (agentError) is the agent's: the
 // step answers with Observation.Error, is recorded and counted, and the episode goes on. A
@@ -38,6 +43,9 @@ func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
 	}
 	if req.RestoreCheckpointID == "" && req.RestoreFreshEntropy {
 		return StepResult{}, fmt.Errorf("restore_fresh_entropy is set without restore_checkpoint_id: %w", ErrInvalid)
+	}
+	if _, submit := req.Action.(Submit); submit && req.Setup {
+		return StepResult{}, fmt.Errorf("a submit cannot be a setup step: it ends the agent's episode: %w", ErrInvalid)
 	}
 	b, err := c.lookup(req.SandboxID)
 	if err != nil {
@@ -83,12 +91,8 @@ func (c *Core) beginTurn(ctx context.Context, b *box, restore string, fresh bool
 // step performs req's action on b, whose turn the caller holds (ctx is the turn's).
 func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, error) {
 	cur := b.current()
-	if cur.ended {
-		why := ""
-		if cur.why != "" {
-			why = " (" + cur.why + ")"
-		}
-		return StepResult{}, fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded)
+	if err := endedErr(b, cur); err != nil {
+		return StepResult{}, err
 	}
 	if req.Checkpoint {
 		// Refused before the action runs: nothing changes, no step is counted.
@@ -100,17 +104,9 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	start := time.Now()
 	index := cur.base + cur.own
 	res := StepResult{EpisodeID: cur.id, StepIndex: index, Info: map[string]string{}}
-	var out outcome
-	var cutErr error // the caller ended the call while the action ran
-	if left, spent := budgetLeft(env, start.Sub(cur.started)); spent {
-		res.Truncated = true
-		res.Info["truncated_by"] = "max_seconds"
-		res.Info["action_skipped"] = "the episode's time budget was spent before the step began"
-	} else {
-		var err error
-		if out, cutErr, err = c.perform(ctx, b, req.Action, left); err != nil {
-			return StepResult{}, err
-		}
+	out, cutErr, err := c.attempt(ctx, b, req, start.Sub(cur.started)-cur.setupTime, &res)
+	if err != nil {
+		return StepResult{}, err
 	}
 	took := time.Since(start)
 	res.Observation, res.Reward, res.Terminated = out.obs, out.reward, out.terminated
@@ -120,10 +116,11 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	if out.refused != "" {
 		res.Info["verifier_refused"] = out.refused
 	}
-	own, elapsed := b.count(out.reward)
-	if !res.Terminated && !res.Truncated {
-		truncate(env, index, elapsed, &res)
+	own, agent, elapsed := b.count(out.reward, req.Setup, took)
+	if !req.Setup && !res.Terminated && !res.Truncated {
+		truncate(env, agent, elapsed, &res)
 	}
+	res.StepsLeft = stepsLeft(env, agent)
 	if req.Checkpoint && cutErr == nil {
 		id, err := c.checkpointAfter(ctx, b)
 		switch {
@@ -136,7 +133,7 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 		res.CheckpointID = id
 	}
 	if c.rec != nil {
-		c.recordStep(cur.id, own-1, req.Action, start, took, &res, out.verr)
+		c.recordStep(cur.id, own-1, req, start, took, &res, out.verr)
 	}
 	switch {
 	case res.Terminated && out.verr != nil:
@@ -150,6 +147,38 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 		return StepResult{}, cutErr
 	}
 	return res, nil
+}
+
+// endedErr is the error of a step on b, whose episode is cur, once cur has ended; nil while it
+// runs.
+func endedErr(b *box, cur state) error {
+	if !cur.ended {
+		return nil
+	}
+	why := ""
+	if cur.why != "" {
+		why = " (" + cur.why + ")"
+	}
+	return about(fmt.Errorf("sandbox %s: episode %s is %s%s; Restore or Reset to go on: %w", b.lease.ID(), cur.id, cur.status, why, ErrEpisodeEnded),
+		"sandbox_id", b.lease.ID(), "episode_id", cur.id)
+}
+
+// attempt performs req's action on b within what the time budget has left of an episode that
+// has run for ran (setup steps' time left out), as perform does; with the budget spent, the
+// action is skipped and res truncated. A setup step is bounded by the step timeout alone.
+// cutErr is the caller's error when the caller ended the call while the action ran.
+func (c *Core) attempt(ctx context.Context, b *box, req *StepRequest, ran time.Duration, res *StepResult) (out outcome, cutErr, err error) {
+	left, spent := budgetLeft(b.lease.Env(), ran)
+	switch {
+	case req.Setup:
+		left = 0
+	case spent:
+		res.Truncated = true
+		res.Info["truncated_by"] = "max_seconds"
+		res.Info["action_skipped"] = "the episode's time budget was spent before the step began"
+		return outcome{}, nil, nil
+	}
+	return c.perform(ctx, b, req.Action, left)
 }
 
 // budgetLeft returns the time left in env's time budget for an episode that has run for ran
@@ -201,10 +230,11 @@ func budgetWords(env *envpool.Env, by string) string {
 	return ""
 }
 
-// truncate truncates step index of an episode that has run for elapsed when it reaches one of
-// env's budgets.
-func truncate(env *envpool.Env, index int, elapsed time.Duration, res *StepResult) {
-	if n := env.MaxSteps(); n > 0 && index+1 >= n {
+// truncate truncates an agent's step, its episode's agent-th on its path (setup steps left
+// out), after which the episode has run for elapsed (setup steps' time left out), when it
+// reaches one of env's budgets.
+func truncate(env *envpool.Env, agent int, elapsed time.Duration, res *StepResult) {
+	if n := env.MaxSteps(); n > 0 && agent >= n {
 		res.Truncated = true
 		res.Info["truncated_by"] = "max_steps"
 	} else if d := env.MaxDuration(); d > 0 && elapsed >= d {
@@ -213,14 +243,30 @@ func truncate(env *envpool.Env, index int, elapsed time.Duration, res *StepResul
 	}
 }
 
-// count counts a step of b's episode with its reward, and returns the episode's own steps and
-// how long it has run.
-func (b *box) count(reward float64) (own int, elapsed time.Duration) {
+// stepsLeft is how many more agent steps env's max_steps allows an episode whose path holds
+// agent of them; -1 when env has no step budget.
+func stepsLeft(env *envpool.Env, agent int) int {
+	n := env.MaxSteps()
+	if n <= 0 {
+		return -1
+	}
+	return max(n-agent, 0)
+}
+
+// count counts a step of b's episode, a setup step or the agent's, that took took with its
+// reward, and returns the episode's own steps, the agent's steps on its path, and how long it
+// has run less its setup steps' time.
+func (b *box) count(reward float64, setup bool, took time.Duration) (own, agent int, elapsed time.Duration) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.ep.own++
+	if setup {
+		b.ep.setupTime += took
+	} else {
+		b.ep.agentOwn++
+	}
 	b.ep.total += reward
-	return b.ep.own, time.Since(b.ep.started)
+	return b.ep.own, b.ep.agentBase + b.ep.agentOwn, time.Since(b.ep.started) - b.ep.setupTime
 }
 
 // checkpointAfter checkpoints b after a step, in the env's process mode.
@@ -257,8 +303,8 @@ func (c *Core) stepFailed(ctx context.Context, b *box, err error) error {
 	}
 	c.endEpisode(b, ended{status: ledger.StatusFailed, class: ledger.FailureInfra, msg: msg})
 	if gone {
-		return fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
-			b.lease.ID(), ep, sandbox.ErrClosed)
+		return about(fmt.Errorf("sandbox %s went away during the step (its init died); episode %s failed (infra); Reset for a new sandbox: %w",
+			b.lease.ID(), ep, sandbox.ErrClosed), "sandbox_id", b.lease.ID(), "episode_id", ep)
 	}
 	return err
 }

@@ -113,6 +113,9 @@ type ResetRequest struct {
 	// IdempotencyKey, when set, makes a retry with the same key and request return the first
 	// call's result.
 	IdempotencyKey string
+	// LeaseTTL is the sandbox's lease TTL (envpool.Lease.SetTTL): 0 means the pools' default;
+	// negative or past Config.MaxLeaseTTL is ErrInvalid.
+	LeaseTTL time.Duration
 }
 
 // ResetResult is a reset's sandbox and episode.
@@ -144,6 +147,10 @@ type StepRequest struct {
 	RestoreCheckpointID string
 	// RestoreFreshEntropy gives the restored state a new seed (sandbox.RestoreOptions).
 	RestoreFreshEntropy bool
+	// Setup marks a step that sets the task up: performed, numbered and recorded as any, it
+	// counts against neither of the env's budgets (not max_steps, and its time not in
+	// max_seconds). A submit cannot be one.
+	Setup bool
 }
 
 // StepResult is a step's outcome. Info carries "truncated_by" (max_steps or max_seconds),
@@ -157,6 +164,9 @@ type StepResult struct {
 	Truncated    bool
 	CheckpointID string
 	Info         map[string]string
+	// StepsLeft is how many more agent steps the env's max_steps allows after this one; -1
+	// when it has none.
+	StepsLeft int
 }
 
 // CheckpointRequest checkpoints a sandbox. Processes is how its processes are captured:
@@ -200,6 +210,8 @@ type ForkRequest struct {
 	Group          string
 	FreshEntropy   bool
 	IdempotencyKey string
+	// LeaseTTL is ResetRequest.LeaseTTL for each child.
+	LeaseTTL time.Duration
 }
 
 // ForkResult lists the children and what became of the source's processes in them.

@@ -6,6 +6,8 @@ import (
 	"math"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
 )
 
 // AdvantageEpsilon is added to the group's standard deviation so an all-equal group gives zero
@@ -74,7 +76,7 @@ func (s *Store) Advantages(ctx context.Context, group, rewardSource string) (*Gr
 		return nil, fmt.Errorf("reading group %s: %w", group, err)
 	}
 	if len(eps) == 0 {
-		return nil, fmt.Errorf("group %s: %w", group, ErrNotFound)
+		return nil, errdefs.WithDetail(fmt.Errorf("group %s: %w", group, ErrNotFound), "GROUP_NOT_FOUND", "group_id", group)
 	}
 	out := &GroupAdvantages{Group: group, RewardSource: rewardSource, Counted: []Advantage{}, Excluded: []ExcludedEpisode{}}
 	for _, e := range eps {

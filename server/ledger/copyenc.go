@@ -10,7 +10,7 @@ import (
 // copySteps is the COPY statement stepCopier's stream is written for (the columns in the order
 // appendStepTuple encodes them).
 const copySteps = `COPY steps (episode_id, idx, action, observation, observation_size, observation_sha256,
-	reward, terminated, truncated, started_at, duration_ns, checkpoint_id) FROM STDIN (FORMAT binary)`
+	reward, terminated, truncated, started_at, duration_ns, checkpoint_id, setup) FROM STDIN (FORMAT binary)`
 
 // copyHeader starts a binary COPY stream: signature, flags, header extension length.
 var copyHeader = []byte("PGCOPY\n\xff\r\n\x00\x00\x00\x00\x00\x00\x00\x00\x00")
@@ -20,18 +20,18 @@ const pgEpochMicros = 946684800 * 1_000_000
 
 // stepTupleSize is the exact size appendStepTuple adds for s.
 func stepTupleSize(s *StepRow) int {
-	n := 2 + 12*4 // field count, field lengths
-	n += len(s.EpisodeID) + 4 + 1 + len(s.Action) + len(s.Observation) + 8 + len(s.ObservationSHA256) + 8 + 1 + 1 + 8 + 8
+	n := 2 + 13*4 // field count, field lengths
+	n += len(s.EpisodeID) + 4 + 1 + len(s.Action) + len(s.Observation) + 8 + len(s.ObservationSHA256) + 8 + 1 + 1 + 8 + 8 + 1
 	n += len(s.CheckpointID)
 	return n
 }
 
 // appendStepTuple encodes s as one tuple of the binary COPY format, in copySteps's column order.
-// It writes the bytes itself instead of going through pgx's type map: a step is twelve
-// fixed-type values, and the generic path (one []any and twelve encode plans per row) costs
+// It writes the bytes itself instead of going through pgx's type map: a step is thirteen
+// fixed-type values, and the generic path (one []any and thirteen encode plans per row) costs
 // the writer more Go CPU per row (BenchmarkStepCopy; docs/PERFORMANCE.md, "Binary COPY").
 func appendStepTuple(b []byte, s *StepRow) []byte {
-	b = binary.BigEndian.AppendUint16(b, 12)
+	b = binary.BigEndian.AppendUint16(b, 13)
 	b = appendField(b, s.EpisodeID)
 	b = binary.BigEndian.AppendUint32(b, 4)
 	b = binary.BigEndian.AppendUint32(b, uint32(int32(s.Index)))
@@ -52,7 +52,7 @@ func appendStepTuple(b []byte, s *StepRow) []byte {
 	} else {
 		b = appendField(b, s.CheckpointID)
 	}
-	return b
+	return appendBool(b, s.Setup)
 }
 
 func appendField[T string | []byte](b []byte, v T) []byte {

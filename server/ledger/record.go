@@ -143,6 +143,7 @@ func (r *record) appendPayload(b []byte) []byte {
 		e.time(s.StartedAt)
 		e.i64(int64(s.Duration))
 		e.str(s.CheckpointID)
+		e.bool(s.Setup) // last: records of earlier versions end before it
 	case recCheckpoint:
 		s := r.ckpt
 		e.str(s.ID)
@@ -204,6 +205,9 @@ func (r *record) decodePayload(b []byte) error {
 		r.step = &StepRow{EpisodeID: d.str(), Index: int(d.i64()), Action: d.bytes(), Observation: d.bytes(),
 			ObservationSize: d.i64(), ObservationSHA256: d.bytes(), Reward: d.f64(), Terminated: d.bool(),
 			Truncated: d.bool(), StartedAt: d.time(), Duration: time.Duration(d.i64()), CheckpointID: d.str()}
+		if len(d.b) > 0 { // spooled by an earlier version without it
+			r.step.Setup = d.bool()
+		}
 	case recCheckpoint:
 		r.ckpt = &CheckpointRow{ID: d.str(), ParentID: d.str(), Kind: CheckpointKind(d.str()), Env: d.str(),
 			Sandbox: d.str(), EpisodeID: d.str(), StepIndex: int(d.i64()), CreatedAt: d.time()}

@@ -24,7 +24,7 @@ func sampleRecords() []record {
 	return []record{
 		{kind: recEpisodeStart, start: &EpisodeStart{ID: "e", Env: "env", Run: "r", Group: "g", Seed: -7, StartCheckpoint: "c0", ParentEpisode: "p", StartedAt: now}},
 		{kind: recStep, step: &StepRow{EpisodeID: "e", Index: 3, Action: json.RawMessage(`{"a":1}`), Observation: []byte("out"),
-			ObservationSize: 3, ObservationSHA256: []byte{1, 2, 3}, Reward: 0.25, Terminated: true, StartedAt: now, Duration: time.Second, CheckpointID: "c1"}},
+			ObservationSize: 3, ObservationSHA256: []byte{1, 2, 3}, Reward: 0.25, Terminated: true, StartedAt: now, Duration: time.Second, CheckpointID: "c1", Setup: true}},
 		{kind: recCheckpoint, ckpt: &CheckpointRow{ID: "c1", ParentID: "c0", Kind: KindUser, Env: "env", Sandbox: "s", EpisodeID: "e", StepIndex: 4, CreatedAt: now}},
 		{kind: recRelease, release: &checkpointRelease{ID: "c1", At: now}},
 		{kind: recReward, reward: &RewardRow{EpisodeID: "e", StepIndex: &step, Source: "verifier", Components: map[string]float64{"x": 1.5}, Value: 2, CreatedAt: now}},
@@ -46,6 +46,24 @@ func TestEpisodeStartOfEarlierVersion(t *testing.T) {
 	got, n, err := parseFrame(b)
 	if err != nil || n != len(b) || !reflect.DeepEqual(got, r) {
 		t.Fatalf("parse = %+v, %d, %v; want %+v", got.start, n, err, r.start)
+	}
+}
+
+// A step spooled by an earlier version, without the setup flag, still reads: the agent's.
+func TestStepOfEarlierVersion(t *testing.T) {
+	r := record{seq: 9, kind: recStep, step: &StepRow{EpisodeID: "e", Index: 2, Action: json.RawMessage("1"), Observation: []byte("o"),
+		StartedAt: time.Unix(1700000000, 0).UTC()}}
+	b := appendFrame(nil, &r)
+	b = b[:len(b)-1] // the setup flag: one byte
+	binary.LittleEndian.PutUint32(b, uint32(len(b)-frameHeader))
+	binary.LittleEndian.PutUint32(b[4:], crc32.Checksum(b[8:], castagnoli))
+	got, n, err := parseFrame(b)
+	if err != nil || n != len(b) || !reflect.DeepEqual(got, r) {
+		t.Fatalf("parse = %+v, %d, %v; want %+v", got.step, n, err, r.step)
+	}
+	r.step.Setup = true
+	if got, _, err := parseFrame(appendFrame(nil, &r)); err != nil || !got.step.Setup {
+		t.Fatalf("a setup step parses as %+v, %v", got.step, err)
 	}
 }
 

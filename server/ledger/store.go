@@ -14,6 +14,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
 )
 
 // Flusher is what a Store needs of a Writer: queries flush first so they see rows written just
@@ -194,7 +196,7 @@ func (s *Store) Episode(ctx context.Context, id string) (Episode, error) {
 func (s *Store) episode(ctx context.Context, id string) (Episode, error) {
 	e, err := scanEpisode(s.pool.QueryRow(ctx, "SELECT "+episodeCols+" FROM episodes WHERE id = $1", id))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Episode{}, fmt.Errorf("episode %s: %w", id, ErrNotFound)
+		return Episode{}, errdefs.WithDetail(fmt.Errorf("episode %s: %w", id, ErrNotFound), "EPISODE_NOT_FOUND", "episode_id", id)
 	}
 	if err != nil {
 		return Episode{}, fmt.Errorf("reading episode %s: %w", id, err)
@@ -205,10 +207,11 @@ func (s *Store) episode(ctx context.Context, id string) (Episode, error) {
 // CheckpointPlace is where a checkpoint was taken, as the ledger recorded it: its env, and,
 // for one taken in an episode, that episode, its run and group, the episode's own steps then
 // (Own), and the steps on its path from the Reset then, inherited ones included (Global: the
-// index of the next step after restoring it).
+// index of the next step after restoring it), of which Agent are the agent's (the rest set the
+// task up: StepRow.Setup).
 type CheckpointPlace struct {
 	Env, Episode, Run, Group string
-	Own, Global              int
+	Own, Global, Agent       int
 }
 
 // CheckpointPlace returns where checkpoint id was taken (ErrNotFound if the ledger has no
@@ -229,6 +232,10 @@ func (s *Store) CheckpointPlace(ctx context.Context, id string) (CheckpointPlace
 		return p, err
 	}
 	p.Episode, p.Run, p.Group, p.Own, p.Global = ep, e.Run, e.Group, own, own
+	setup, err := s.setupSteps(ctx, ep, own)
+	if err != nil {
+		return p, err
+	}
 	seen := map[string]bool{ep: true}
 	for range maxAncestry {
 		if e.StartCheckpoint == "" {
@@ -243,6 +250,11 @@ func (s *Store) CheckpointPlace(ctx context.Context, id string) (CheckpointPlace
 			return p, err
 		}
 		p.Global += limit
+		n, err := s.setupSteps(ctx, up, limit)
+		if err != nil {
+			return p, err
+		}
+		setup += n
 		seen[up] = true
 		if e, err = s.episode(ctx, up); errors.Is(err, ErrNotFound) {
 			break
@@ -250,7 +262,18 @@ func (s *Store) CheckpointPlace(ctx context.Context, id string) (CheckpointPlace
 			return p, err
 		}
 	}
+	p.Agent = p.Global - setup
 	return p, nil
+}
+
+// setupSteps counts the setup steps among episode ep's first limit steps.
+func (s *Store) setupSteps(ctx context.Context, ep string, limit int) (int, error) {
+	var n int
+	err := s.pool.QueryRow(ctx, "SELECT count(*) FROM steps WHERE episode_id = $1 AND idx < $2 AND setup", ep, limit).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("counting the setup steps of %s: %w", ep, err)
+	}
+	return n, nil
 }
 
 // checkpointAt reads checkpoint id's episode (empty if none) and step index, and its env
@@ -260,7 +283,7 @@ func (s *Store) checkpointAt(ctx context.Context, id string, env *string) (strin
 	var step *int32
 	err := s.pool.QueryRow(ctx, "SELECT env, episode_id, step_index FROM checkpoints WHERE id = $1", id).Scan(env, &ep, &step)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return "", 0, fmt.Errorf("checkpoint %s: %w", id, ErrNotFound)
+		return "", 0, errdefs.WithDetail(fmt.Errorf("checkpoint %s: %w", id, ErrNotFound), "CHECKPOINT_NOT_FOUND", "checkpoint_id", id)
 	}
 	if err != nil {
 		return "", 0, fmt.Errorf("reading checkpoint %s: %w", id, err)
@@ -351,7 +374,7 @@ func (s *Store) Trajectory(ctx context.Context, episodeID string) (*Trajectory, 
 }
 
 const stepCols = `episode_id, idx, action, observation, observation_size, observation_sha256, reward,
-	terminated, truncated, started_at, duration_ns, coalesce(checkpoint_id, '')`
+	terminated, truncated, started_at, duration_ns, coalesce(checkpoint_id, ''), setup`
 
 func (s *Store) steps(ctx context.Context, episodeID string, limit int) ([]StepRow, error) {
 	if limit < 0 {
@@ -367,7 +390,7 @@ func (s *Store) steps(ctx context.Context, episodeID string, limit int) ([]StepR
 		var dur int64
 		var action []byte
 		err := r.Scan(&st.EpisodeID, &idx, &action, &st.Observation, &st.ObservationSize, &st.ObservationSHA256,
-			&st.Reward, &st.Terminated, &st.Truncated, &st.StartedAt, &dur, &st.CheckpointID)
+			&st.Reward, &st.Terminated, &st.Truncated, &st.StartedAt, &dur, &st.CheckpointID, &st.Setup)
 		st.Index, st.Duration, st.Action, st.StartedAt = int(idx), time.Duration(dur), json.RawMessage(action), st.StartedAt.UTC()
 		return st, err
 	})

@@ -110,6 +110,9 @@ type StepRow struct {
 	StartedAt         time.Time       `json:"started_at"`
 	Duration          time.Duration   `json:"duration_ns"`
 	CheckpointID      string          `json:"checkpoint_id,omitempty"` // a checkpoint taken after the step
+	// Setup marks a step that set the task up (the API's StepRequest.setup): numbered among the
+	// episode's steps, counted against none of its env's budgets.
+	Setup bool `json:"setup,omitempty"`
 	// ActionValid says that Action is valid JSON already (protojson's output, as the server
 	// records it), so Writer.Step does not check it again: the check costs about what making
 	// it did (for a write_file of 4 KiB, its content base64 in the JSON).

@@ -934,8 +934,8 @@ const (
 		failure_message = 'the server ended (it crashed or was killed) while the episode ran'
 		WHERE sandbox = ANY($1) AND status = 'running'`
 	insertStep = `INSERT INTO steps (episode_id, idx, action, observation, observation_size, observation_sha256,
-		reward, terminated, truncated, started_at, duration_ns, checkpoint_id)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT DO NOTHING`
+		reward, terminated, truncated, started_at, duration_ns, checkpoint_id, setup)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT DO NOTHING`
 	insertReward = `INSERT INTO rewards (episode_id, step_index, source, components, value, created_at)
 		VALUES ($1, $2, $3, $4, $5, $6)`
 	upsertMark = `INSERT INTO ledger_spool_marks (spool_id, seq) VALUES ($1, $2)
@@ -951,7 +951,7 @@ func nullStr(s string) any {
 
 func stepValues(s *StepRow) []any {
 	return []any{s.EpisodeID, int32(s.Index), s.Action, s.Observation, s.ObservationSize,
-		s.ObservationSHA256, s.Reward, s.Terminated, s.Truncated, s.StartedAt, int64(s.Duration), nullStr(s.CheckpointID)}
+		s.ObservationSHA256, s.Reward, s.Terminated, s.Truncated, s.StartedAt, int64(s.Duration), nullStr(s.CheckpointID), s.Setup}
 }
 
 func rewardValues(r *RewardRow) []any {

@@ -96,7 +96,7 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 		DefaultImageDir: image,
 		AuthToken:       opts.AuthToken,
 		ImportRoot:      cmp.Or(opts.ImportRoot, filepath.Dir(image)),
-		LeaseTTL:        opts.LeaseTTL,
+		Lease:           server.LeaseSettings{TTL: opts.LeaseTTL},
 		AcquireTimeout:  time.Minute,
 		Logger:          slog.New(slog.NewTextHandler(logFile, nil)),
 	})
