@@ -115,6 +115,20 @@ def test_files(tmp_path: Path, sb):
     assert sb.files.remove("/work/d", recursive=True) >= 2
 
 
+def test_download_of_hostile_trees(tmp_path: Path, sb):
+    # The sandbox's own links come down as links when they stay inside...
+    sb.run("mkdir -p /work/t/sub && echo x > /work/t/sub/f && ln -s sub/f /work/t/ok", check=True)
+    sb.files.download("/work/t", str(tmp_path / "good"))
+    assert (tmp_path / "good/t/ok").read_text() == "x\n" and os.path.islink(tmp_path / "good/t/ok")
+    # ... and a link that leads out of the directory refuses the archive, writing nothing.
+    for target in ("/etc/passwd", "../../../../etc/passwd"):
+        sb.run(f"rm -rf /work/h && mkdir -p /work/h && echo y > /work/h/a && ln -s {target} /work/h/evil", check=True)
+        out = tmp_path / "bad"
+        with pytest.raises(errors.UnsafeArchiveError):
+            sb.files.download("/work/h", str(out))
+        assert not out.exists() or not any(out.iterdir())
+
+
 def test_processes(sb):
     p = sb.processes.start("sleep 300")
     assert p.pid > 1
