@@ -15,10 +15,10 @@ import builtins
 import inspect
 import signal as _signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 from . import _convert as cv, _ops as ops
+from ._base import SandboxBase
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .aio import AsyncClient, AsyncSandboxHandle
 from .errors import CommandExitError, NotFound, from_code
@@ -60,31 +60,12 @@ class _AsyncOwner:
             await self.client.close()
 
 
-class AsyncSandbox:
-    """The asyncio Sandbox: every method of deltagym.Sandbox, as a coroutine;
-    `async with` closes it; callbacks of run() may be coroutine functions.
-
-    A leased sandbox: commands, files, processes, checkpoints, with typed
-    results. Make one with AsyncSandbox.create (a fresh episode of an env),
-    Sandbox.connect (attach to a live sandbox by ID) or Sandbox.fork_from
-    (copies of a checkpoint). A background thread renews the lease until
-    close(); `with` closes it.
-
-    Every method takes timeout= (seconds): the call's deadline, by default
-    the sandbox's (create's timeout=, else the client's). A deadline that
-    passes raises deltagym.errors.Timeout. Every acting method takes
-    setup= (see setup()).
-
-    Attributes:
-        id: the sandbox ID.
-        env: the env's catalog name.
-        episode_id: the current episode (a restore starts a new one).
-        task: the task text Reset gave (a fork's parent's; "" when connected or forked from a checkpoint).
-        start_checkpoint: the checkpoint the first episode started from.
-        timeout: the default call deadline, None for none.
-        client: the low-level Client the sandbox calls through.
-        files: file operations (AsyncFiles).
-        processes: process operations (AsyncProcesses).
+class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
+    """The asyncio Sandbox: what deltagym.Sandbox is, with every call a
+    coroutine. `async with` closes it; an asyncio task renews the lease;
+    run()'s callbacks may be coroutine functions; stream() is iterated
+    with `async for` and its result awaited. Attributes as Sandbox's, with
+    client an AsyncClient, files AsyncFiles and processes AsyncProcesses.
     """
 
     def __init__(self, handle: AsyncSandboxHandle, *, timeout: float | None = None, task: str = "",
@@ -115,20 +96,7 @@ class AsyncSandbox:
     async def create(cls, env: str = "shell", *, seed: int | None = None, options: Mapping[str, Any] | None = None,
                run: str = "", group_id: str = "", lease_ttl: float | None = None, timeout: float | None = None,
                addr: str | None = None, token: str | None = None, client: AsyncClient | None = None) -> AsyncSandbox:
-        """Leases a warm sandbox of env and starts an episode.
-
-        Args:
-            env: the env's catalog name.
-            seed: the episode's seed (the env's task may depend on it).
-            options: Reset options of the env.
-            run: the run the episode belongs to (ledger).
-            group_id: the group the episode belongs to (ledger; GRPO).
-            lease_ttl: seconds the sandbox lives without a call or heartbeat; default the server's.
-            timeout: the default deadline of this sandbox's calls, and of this one.
-            addr: host:port; default $DELTAGYM_ADDR, else 127.0.0.1:8080.
-            token: bearer token; default $DELTAGYM_TOKEN, $DELTAGYM_TOKEN_FILE, or the server's data dir.
-            client: a Client to call through (not closed by close()); default a new one this sandbox owns.
-        """
+        """As deltagym.Sandbox.create, awaited."""
         c, owner = cls._client(client, addr, token)
         try:
             h = await c.reset(env, seed=seed, options=options, run=run, group_id=group_id, lease_ttl=lease_ttl,
@@ -143,10 +111,7 @@ class AsyncSandbox:
     @classmethod
     async def connect(cls, sandbox_id: str, *, timeout: float | None = None, addr: str | None = None,
                 token: str | None = None, client: AsyncClient | None = None) -> AsyncSandbox:
-        """Attaches to a live sandbox by ID (made by another process or
-        client) and renews its lease from here on. close() closes the
-        sandbox; detach() lets go of it and leaves it running.
-        SandboxNotFound when there is no such sandbox."""
+        """As deltagym.Sandbox.connect, awaited."""
         c, owner = cls._client(client, addr, token)
         try:
             info = await c.get_sandbox(sandbox_id, timeout=timeout if timeout is not None else c.timeout)
@@ -166,9 +131,7 @@ class AsyncSandbox:
                   fresh_entropy: bool = False, lease_ttl: float | None = None, timeout: float | None = None,
                   addr: str | None = None, token: str | None = None,
                   client: AsyncClient | None = None) -> list[AsyncSandbox]:
-        """Creates n sandboxes at a checkpoint, each in a new episode. They
-        share one client (this call's, or one made for them, closed with
-        the last of them). fresh_entropy gives each fresh random state."""
+        """As deltagym.Sandbox.fork_from, awaited."""
         c, owner = cls._client(client, addr, token)
         hs: list[AsyncSandboxHandle] = []
         try:
@@ -189,56 +152,12 @@ class AsyncSandbox:
             await c.close()
         return kids
 
-    # --- state ----------------------------------------------------------------------------------
-
-    @property
-    def id(self) -> str:
-        """The sandbox ID."""
-        return self._h.id
-
-    @property
-    def env(self) -> str:
-        """The env's catalog name."""
-        return self._h.env
-
-    @property
-    def episode_id(self) -> str:
-        """The current episode."""
-        return self._h.episode_id
-
-    @property
-    def lease_expires_at(self) -> float | None:
-        """When the lease runs out (Unix seconds) by the last answer seen, None when unknown."""
-        return self._h.lease_expires_at
-
-    @property
-    def handle(self) -> AsyncSandboxHandle:
-        """The low-level handle, whose calls return the server's messages."""
-        return self._h
-
-    def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
-
-    def setup(self) -> AbstractContextManager[None]:
-        """Marks every call on this sandbox inside the `with` block as a
-        setup step: recorded in the ledger, counted against neither
-        max_steps nor max_seconds. It holds for this thread or asyncio
-        task (and tasks started inside), not for others. A method's
-        setup= argument overrides it; submit is never a setup step."""
-        return ops.setup_context(self.id)
-
-    def _setup(self, setup: bool | None) -> bool:
-        return ops.is_setup(self.id, setup)
-
     async def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
               checkpoint: bool = False) -> es.StepResponse:
         req = ops.step_request(self.id, action, setup, checkpoint)
         resp: es.StepResponse = await self.client._call("Step", self.client._env.Step, req, False, deadline)
         self._saw_step(resp)
         return resp
-
-    def _saw_step(self, resp: es.StepResponse) -> None:
-        self._h.episode_id = resp.episode_id or self._h.episode_id
 
     async def _act(self, action: action_pb2.Action, kind: str, setup: bool | None, timeout: float | None) -> Any:
         s = self._setup(setup)
@@ -252,25 +171,7 @@ class AsyncSandbox:
             session: str | None = None, check: bool = False, on_stdout: AsyncOutputCallback | None = None,
             on_stderr: AsyncOutputCallback | None = None, setup: bool | None = None,
             checkpoint: bool = False) -> CommandResult:
-        """Runs a command and returns its result.
-
-        Args:
-            cmd: a str runs as `/bin/sh -c cmd` (or in the session); a sequence is argv, without a shell.
-            timeout: the command's timeout in seconds (default the env's step timeout); the
-                call's deadline is that plus a margin.
-            cwd: working directory (default the env's, or the session's).
-            env: variables added to the env's environment.
-            stdin: written to the command's standard input, which is then closed.
-            session: a persistent shell session (created on first use) to run in.
-            check: raise CommandExitError when the command fails (non-zero, timed out, killed).
-            on_stdout: called with standard output's text as it arrives (uses StreamStep).
-            on_stderr: called with standard error's text as it arrives (uses StreamStep).
-            setup: a setup step (default: what setup() says).
-            checkpoint: take a checkpoint after the step (result.step.checkpoint_id).
-
-        Raises ActionFailed when the sandbox cannot start the command (an
-        argv program that is missing), a DeltagymError when the call fails.
-        """
+        """As deltagym.Sandbox.run, awaited."""
         if on_stdout is not None or on_stderr is not None:
             async with self.stream(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session,
                                    setup=setup, checkpoint=checkpoint) as s:
@@ -305,9 +206,7 @@ class AsyncSandbox:
 
     async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> StepResult:
-        """Performs one raw action (a deltagym.actions builder's Action, or a
-        str run as a shell command). An action the sandbox refused is a
-        StepResult with error set, not an exception."""
+        """As deltagym.Sandbox.step, awaited."""
         from .actions import coerce
 
         s = self._setup(setup)
@@ -333,10 +232,7 @@ class AsyncSandbox:
 
     async def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
                    timeout: float | None = None) -> Checkpoint:
-        """Saves the sandbox's whole state (files and processes) as an
-        immutable checkpoint. durable saves every process as a CRIU image
-        before answering (Checkpoint.not_durable says why one could not
-        be); process_mode overrides the env's."""
+        """As deltagym.Sandbox.checkpoint, awaited."""
         r = await self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
                                    timeout=ops.deadline(timeout, self.timeout))
         return cv.checkpoint(r)
@@ -351,9 +247,7 @@ class AsyncSandbox:
 
     async def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False,
              lease_ttl: float | None = None, timeout: float | None = None) -> list[AsyncSandbox]:
-        """Creates n sandboxes at this sandbox's current state, each in a new
-        episode, calling through this sandbox's client (kept open until the
-        last of them closes)."""
+        """As deltagym.Sandbox.fork, awaited."""
         hs = await self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
                               lease_ttl=lease_ttl, timeout=ops.deadline(timeout, self.timeout))
         for h in hs:
@@ -377,10 +271,7 @@ class AsyncSandbox:
             return False
 
     async def extend_lease(self, ttl: float | None = None, *, timeout: float | None = None) -> float | None:
-        """Renews the lease now; with ttl, the lease's TTL becomes ttl seconds
-        from now on (longer or shorter), and the heartbeats follow it.
-        Returns the new expiry (Unix seconds). SandboxNotFound when the
-        sandbox is gone."""
+        """As deltagym.Sandbox.extend_lease, awaited."""
         resp = await self.client.heartbeat([self.id], lease_ttl=ttl, timeout=ops.deadline(timeout, self.timeout))
         if self.id in resp.unknown_sandbox_ids:
             raise from_code(5, f"sandbox {self.id} is gone (closed, or its lease ran out)", "Heartbeat",
@@ -393,9 +284,7 @@ class AsyncSandbox:
         return self._h.lease_expires_at
 
     async def close(self, *, timeout: float | None = None) -> None:
-        """Closes the sandbox (ends its episode and frees it) and, when this
-        sandbox made its client, the client once its forks are closed too.
-        Idempotent; a sandbox already gone closes quietly."""
+        """As deltagym.Sandbox.close, awaited."""
         if self._closed:
             return
         self._closed = True
@@ -408,8 +297,7 @@ class AsyncSandbox:
                 await self._owner.release()
 
     async def detach(self) -> None:
-        """Lets go of the sandbox without closing it: the heartbeats stop and
-        it lives on until its lease runs out (Sandbox.connect takes it up)."""
+        """As deltagym.Sandbox.detach, awaited."""
         if self._closed:
             return
         self._closed = True
@@ -509,15 +397,13 @@ class AsyncFiles:
 
     async def write(self, path: str, data: str | bytes, *, mode: int | None = None, append: bool = False,
               setup: bool | None = None, timeout: float | None = None) -> int:
-        """Creates, replaces or (append) extends a file; mode is a new file's
-        permission bits (default 0644). Returns the file's size after."""
+        """As deltagym.Files.write, awaited."""
         x = await self._sb._act(ops.write_action(path, data, mode, append), "write_file", setup, timeout)
         return int(x.size)
 
     async def list(self, path: str = ".", depth: int = 1, *, setup: bool | None = None,
              timeout: float | None = None) -> builtins.list[FileInfo]:
-        """The entries of a directory (depth levels down), sorted by path,
-        paths relative to it; links are listed, not followed."""
+        """As deltagym.Files.list, awaited."""
         x = await self._sb._act(ops.list_action(path, depth), "list_dir", setup, timeout)
         return [cv.file_info(f) for f in x.entries]
 
@@ -532,47 +418,35 @@ class AsyncFiles:
 
     async def remove(self, path: str, *, recursive: bool = False, setup: bool | None = None,
                timeout: float | None = None) -> int:
-        """Removes a file, a link or (recursive) a directory with everything
-        in it. Returns how many paths went; a missing path is 0."""
+        """As deltagym.Files.remove, awaited."""
         x = await self._sb._act(ops.remove_action(path, recursive), "remove", setup, timeout)
         return int(x.removed)
 
     async def mkdir(self, path: str, *, parents: bool = True, mode: int | None = None, setup: bool | None = None,
               timeout: float | None = None) -> bool:
-        """Creates a directory (and its missing parents, by default).
-        Returns whether it was created (False: it existed)."""
+        """As deltagym.Files.mkdir, awaited."""
         x = await self._sb._act(ops.mkdir_action(path, parents, mode), "make_dir", setup, timeout)
         return bool(x.created)
 
     async def upload_tar(self, data: bytes, remote_dir: str, *, setup: bool | None = None,
                    timeout: float | None = None) -> UploadResult:
-        """Unpacks a tar archive (plain or gzip, at most 64 MiB) into
-        remote_dir, created when missing. The server refuses entries that
-        would land outside it, devices and FIFOs."""
+        """As deltagym.Files.upload_tar, awaited."""
         x = await self._sb._act(ops.upload_action(data, remote_dir), "upload", setup, timeout)
         return cv.upload_result(x)
 
     async def upload(self, local_path: str, remote_dir: str, *, setup: bool | None = None,
                timeout: float | None = None) -> UploadResult:
-        """Copies a local file or directory into remote_dir, as `cp -r
-        local_path remote_dir/` would (a directory "src" lands as
-        remote_dir/src), packed as a tar archive in memory."""
+        """As deltagym.Files.upload, awaited."""
         return await self.upload_tar(ops.pack(local_path), remote_dir, setup=setup, timeout=timeout)
 
     async def download_tar(self, remote_path: str, *, setup: bool | None = None, timeout: float | None = None) -> bytes:
-        """A file or directory packed as a tar archive, entries named below
-        its base name ("src/", "src/a.py" ...); at most 64 MiB."""
+        """As deltagym.Files.download_tar, awaited."""
         x = await self._sb._act(ops.download_action(remote_path), "download", setup, timeout)
         return bytes(x.tar)
 
     async def download(self, remote_path: str, local_dir: str, *, setup: bool | None = None,
                  timeout: float | None = None) -> builtins.list[str]:
-        """Copies a file or directory of the sandbox into local_dir (as
-        local_dir/<base name>) and returns the local paths written. The
-        archive is checked whole first: an entry that is absolute, has a
-        '..' part, is a device or FIFO, lies below a link, or a link that
-        leads outside local_dir raises UnsafeArchiveError and nothing is
-        written; no write follows a link."""
+        """As deltagym.Files.download, awaited."""
         return ops.extract(await self.download_tar(remote_path, setup=setup, timeout=timeout), local_dir)
 
 
@@ -596,9 +470,7 @@ class AsyncProcess:
 
     async def send(self, text: str, *, expect: Sequence[str] | None = None, timeout: float | None = None,
              setup: bool | None = None) -> CommandResult:
-        """Writes text and a newline to an interactive process and returns its
-        output: when one of the expect patterns (regular expressions)
-        matches, when the process ends, or at the timeout (the process runs on)."""
+        """As deltagym.Process.send, awaited."""
         if not self.session:
             raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
         action = ops.interactive_action(self.session, text, expect=expect or (), timeout=timeout)
@@ -606,9 +478,7 @@ class AsyncProcess:
         return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
 
     async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
-        """Sends SIGINT (Ctrl-C): to an interactive process through its
-        session, returning the output it gave; to a background process
-        as a signal, returning None."""
+        """As deltagym.Process.interrupt, awaited."""
         if not self.session:
             await self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
             return None
@@ -640,12 +510,7 @@ class AsyncProcesses:
     async def start(self, cmd: str | Sequence[str], *, session: str | None = None, stdin: bool = False,
               cwd: str | None = None, env: Mapping[str, str] | None = None, expect: Sequence[str] | None = None,
               timeout: float | None = None, setup: bool | None = None) -> AsyncProcess:
-        """Starts a process and returns at once. Without stdin, it runs in
-        the background (its output discarded; captured by checkpoints like
-        any process) and Process.pid is its pid. With stdin, it runs as an
-        interactive command in a session (named, or "proc-<n>"), and
-        Process.send writes to it; start returns when one of expect
-        matches, or at the timeout."""
+        """As deltagym.Processes.start, awaited."""
         s = self._sb._setup(setup)
         if not stdin:
             action = ops.exec_action(cmd, cwd=cwd, env=env, session=session, background=True)
@@ -667,8 +532,6 @@ class AsyncProcesses:
 
     async def kill(self, pid: int, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> None:
-        """Sends a signal (default SIGKILL) to a process of the sandbox, or
-        with group to its process group. ActionFailed (ESRCH) when there is
-        no such process in the sandbox."""
+        """As deltagym.Processes.kill, awaited."""
         await self._sb._act(ops.signal_action(pid, int(signal), group), "signal", setup, timeout)
 

@@ -16,10 +16,10 @@ import builtins
 import signal as _signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 from . import _convert as cv, _ops as ops
+from ._base import SandboxBase
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
 from .client import Client, SandboxHandle
 from .errors import CommandExitError, NotFound, from_code
@@ -83,7 +83,7 @@ class _Owner:
             self.client.close()
 
 
-class Sandbox:
+class Sandbox(SandboxBase[SandboxHandle]):
     """A leased sandbox: commands, files, processes, checkpoints, with typed
     results. Make one with Sandbox.create (a fresh episode of an env),
     Sandbox.connect (attach to a live sandbox by ID) or Sandbox.fork_from
@@ -208,56 +208,12 @@ class Sandbox:
             c.close()
         return kids
 
-    # --- state ----------------------------------------------------------------------------------
-
-    @property
-    def id(self) -> str:
-        """The sandbox ID."""
-        return self._h.id
-
-    @property
-    def env(self) -> str:
-        """The env's catalog name."""
-        return self._h.env
-
-    @property
-    def episode_id(self) -> str:
-        """The current episode."""
-        return self._h.episode_id
-
-    @property
-    def lease_expires_at(self) -> float | None:
-        """When the lease runs out (Unix seconds) by the last answer seen, None when unknown."""
-        return self._h.lease_expires_at
-
-    @property
-    def handle(self) -> SandboxHandle:
-        """The low-level handle, whose calls return the server's messages."""
-        return self._h
-
-    def __repr__(self) -> str:
-        return f"Sandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
-
-    def setup(self) -> AbstractContextManager[None]:
-        """Marks every call on this sandbox inside the `with` block as a
-        setup step: recorded in the ledger, counted against neither
-        max_steps nor max_seconds. It holds for this thread or asyncio
-        task (and tasks started inside), not for others. A method's
-        setup= argument overrides it; submit is never a setup step."""
-        return ops.setup_context(self.id)
-
-    def _setup(self, setup: bool | None) -> bool:
-        return ops.is_setup(self.id, setup)
-
     def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
               checkpoint: bool = False) -> es.StepResponse:
         req = ops.step_request(self.id, action, setup, checkpoint)
         resp: es.StepResponse = self.client._call("Step", self.client._env.Step, req, False, deadline)
         self._saw_step(resp)
         return resp
-
-    def _saw_step(self, resp: es.StepResponse) -> None:
-        self._h.episode_id = resp.episode_id or self._h.episode_id
 
     def _act(self, action: action_pb2.Action, kind: str, setup: bool | None, timeout: float | None) -> Any:
         s = self._setup(setup)
