@@ -161,7 +161,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
 
     async def _act(self, action: action_pb2.Action, kind: str, setup: bool | None, timeout: float | None) -> Any:
         s = self._setup(setup)
-        x, _ = cv.observation(await self._step(action, s, ops.deadline(timeout, self.timeout)), kind, s)
+        x, _ = cv.observation(await self._step(action, s, self._deadline(timeout)), kind, s)
         return x
 
     # --- commands -------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         else:
             action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
             s_ = self._setup(setup)
-            resp = await self._step(action, s_, ops.command_deadline(timeout, self.timeout), checkpoint)
+            resp = await self._step(action, s_, self._command_deadline(timeout), checkpoint)
             result = cv.exec_response(resp, s_)
         if check and not result.ok:
             raise CommandExitError(result)
@@ -202,7 +202,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
         s = self._setup(setup)
         req = ops.step_request(self.id, action, s, checkpoint)
-        return AsyncCommandStream(self, req, s, ops.command_deadline(timeout, self.timeout))
+        return AsyncCommandStream(self, req, s, self._command_deadline(timeout))
 
     async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> StepResult:
@@ -213,7 +213,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         act = coerce(action)
         if act.WhichOneof("kind") == "submit":
             s = False
-        dl = ops.deadline(timeout, self.timeout)
+        dl = self._deadline(timeout)
         if act.WhichOneof("kind") == "exec" and act.exec.timeout_seconds > 0 and timeout is None:
             dl = ops.command_deadline(act.exec.timeout_seconds, self.timeout)
         return cv.step_result(await self._step(act, s, dl, checkpoint), s)
@@ -224,24 +224,24 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         """Ends the episode: the env's verifier runs and gives the reward. Never a setup step."""
         from .actions import submit
 
-        return cv.submit_result(await self._step(submit(answer), False, ops.deadline(timeout, self.timeout)))
+        return cv.submit_result(await self._step(submit(answer), False, self._deadline(timeout)))
 
     async def evaluate(self, *, timeout: float | None = None) -> Evaluation:
         """Runs the verifier on the sandbox's state without changing it or ending the episode."""
-        return cv.evaluation(await self.client.evaluate(self.id, timeout=ops.deadline(timeout, self.timeout)))
+        return cv.evaluation(await self.client.evaluate(self.id, timeout=self._deadline(timeout)))
 
     async def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
                    timeout: float | None = None) -> Checkpoint:
         """As deltagym.Sandbox.checkpoint, awaited."""
         r = await self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
-                                   timeout=ops.deadline(timeout, self.timeout))
+                                   timeout=self._deadline(timeout))
         return cv.checkpoint(r)
 
     async def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
                 timeout: float | None = None) -> Restored:
         """Puts the sandbox back at a checkpoint; a new episode starts there."""
         r = await self.client.restore(self.id, _checkpoint_id(checkpoint), fresh_entropy=fresh_entropy,
-                                timeout=ops.deadline(timeout, self.timeout))
+                                timeout=self._deadline(timeout))
         self._h.episode_id = r.episode_id
         return cv.restored(r)
 
@@ -249,14 +249,14 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
              lease_ttl: float | None = None, timeout: float | None = None) -> list[AsyncSandbox]:
         """As deltagym.Sandbox.fork, awaited."""
         hs = await self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
-                              lease_ttl=lease_ttl, timeout=ops.deadline(timeout, self.timeout))
+                              lease_ttl=lease_ttl, timeout=self._deadline(timeout))
         for h in hs:
             h.env = self.env
         return [AsyncSandbox(h, timeout=self.timeout, task=self.task, owner=self._owner) for h in hs]
 
     async def describe(self, *, timeout: float | None = None) -> SandboxInfo:
         """The server's description of the sandbox."""
-        info = cv.sandbox_info(await self.client.get_sandbox(self.id, timeout=ops.deadline(timeout, self.timeout)))
+        info = cv.sandbox_info(await self.client.get_sandbox(self.id, timeout=self._deadline(timeout)))
         if info.lease_expires_at is not None:
             self._h.lease_expires_at = info.lease_expires_at
         return info
@@ -272,7 +272,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
 
     async def extend_lease(self, ttl: float | None = None, *, timeout: float | None = None) -> float | None:
         """As deltagym.Sandbox.extend_lease, awaited."""
-        resp = await self.client.heartbeat([self.id], lease_ttl=ttl, timeout=ops.deadline(timeout, self.timeout))
+        resp = await self.client.heartbeat([self.id], lease_ttl=ttl, timeout=self._deadline(timeout))
         if self.id in resp.unknown_sandbox_ids:
             raise from_code(5, f"sandbox {self.id} is gone (closed, or its lease ran out)", "Heartbeat",
                             reason="SANDBOX_NOT_FOUND", metadata={"sandbox_id": self.id})
@@ -475,7 +475,7 @@ class AsyncProcess:
             raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
         action = ops.interactive_action(self.session, text, expect=expect or (), timeout=timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
+        return cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
 
     async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
         """As deltagym.Process.interrupt, awaited."""
@@ -484,7 +484,7 @@ class AsyncProcess:
             return None
         action = ops.interactive_action(self.session, "", interrupt=True, timeout=timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
+        return cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
 
     async def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> None:
@@ -514,7 +514,7 @@ class AsyncProcesses:
         s = self._sb._setup(setup)
         if not stdin:
             action = ops.exec_action(cmd, cwd=cwd, env=env, session=session, background=True)
-            r = cv.exec_response(await self._sb._step(action, s, ops.deadline(timeout, self._sb.timeout)), s)
+            r = cv.exec_response(await self._sb._step(action, s, self._sb._deadline(timeout)), s)
             return AsyncProcess(self._sb, r.pid, "", r)
         if not isinstance(cmd, str):
             raise TypeError("an interactive process's cmd is a str, typed into its session")
@@ -522,7 +522,7 @@ class AsyncProcesses:
         if cwd or env:
             raise ValueError("an interactive process takes no cwd or env: cd or export in its session first")
         action = ops.interactive_action(name, cmd, expect=expect or (), timeout=timeout)
-        r = cv.exec_response(await self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
+        r = cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
         return AsyncProcess(self._sb, 0, name, r)
 
     async def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:

@@ -8,6 +8,7 @@ from typing import Generic, Protocol, TypeVar
 
 from . import _ops as ops
 from ._proto.deltagym.v1 import env_service_pb2 as es
+from .errors import SandboxClosed
 
 
 class Handle(Protocol):
@@ -26,6 +27,8 @@ class SandboxBase(Generic[H]):
     """The state of a Sandbox or AsyncSandbox, read from its handle."""
 
     _h: H
+    _closed: bool
+    timeout: float | None
 
     @property
     def id(self) -> str:
@@ -65,6 +68,21 @@ class SandboxBase(Generic[H]):
 
     def _setup(self, setup: bool | None) -> bool:
         return ops.is_setup(self.id, setup)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        """A call's deadline (timeout, else the sandbox's); SandboxClosed once this sandbox is closed."""
+        self._check_open()
+        return ops.deadline(timeout, self.timeout)
+
+    def _command_deadline(self, timeout: float | None) -> float | None:
+        """A command's call deadline (its timeout plus a margin, else the sandbox's)."""
+        self._check_open()
+        return ops.command_deadline(timeout, self.timeout)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.id} was closed (or detached) by this client", method="",
+                                reason="SANDBOX_CLOSED", metadata={"sandbox_id": self.id})
 
     def _saw_step(self, resp: es.StepResponse) -> None:
         self._h.episode_id = resp.episode_id or self._h.episode_id

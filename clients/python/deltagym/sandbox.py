@@ -217,7 +217,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
 
     def _act(self, action: action_pb2.Action, kind: str, setup: bool | None, timeout: float | None) -> Any:
         s = self._setup(setup)
-        x, _ = cv.observation(self._step(action, s, ops.deadline(timeout, self.timeout)), kind, s)
+        x, _ = cv.observation(self._step(action, s, self._deadline(timeout)), kind, s)
         return x
 
     # --- commands -------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         else:
             action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
             s_ = self._setup(setup)
-            resp = self._step(action, s_, ops.command_deadline(timeout, self.timeout), checkpoint)
+            resp = self._step(action, s_, self._command_deadline(timeout), checkpoint)
             result = cv.exec_response(resp, s_)
         if check and not result.ok:
             raise CommandExitError(result)
@@ -274,7 +274,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
         s = self._setup(setup)
         req = ops.step_request(self.id, action, s, checkpoint)
-        return CommandStream(self, req, s, ops.command_deadline(timeout, self.timeout))
+        return CommandStream(self, req, s, self._command_deadline(timeout))
 
     def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> StepResult:
@@ -287,7 +287,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         act = coerce(action)
         if act.WhichOneof("kind") == "submit":
             s = False
-        dl = ops.deadline(timeout, self.timeout)
+        dl = self._deadline(timeout)
         if act.WhichOneof("kind") == "exec" and act.exec.timeout_seconds > 0 and timeout is None:
             dl = ops.command_deadline(act.exec.timeout_seconds, self.timeout)
         return cv.step_result(self._step(act, s, dl, checkpoint), s)
@@ -298,11 +298,11 @@ class Sandbox(SandboxBase[SandboxHandle]):
         """Ends the episode: the env's verifier runs and gives the reward. Never a setup step."""
         from .actions import submit
 
-        return cv.submit_result(self._step(submit(answer), False, ops.deadline(timeout, self.timeout)))
+        return cv.submit_result(self._step(submit(answer), False, self._deadline(timeout)))
 
     def evaluate(self, *, timeout: float | None = None) -> Evaluation:
         """Runs the verifier on the sandbox's state without changing it or ending the episode."""
-        return cv.evaluation(self.client.evaluate(self.id, timeout=ops.deadline(timeout, self.timeout)))
+        return cv.evaluation(self.client.evaluate(self.id, timeout=self._deadline(timeout)))
 
     def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
                    timeout: float | None = None) -> Checkpoint:
@@ -311,14 +311,14 @@ class Sandbox(SandboxBase[SandboxHandle]):
         before answering (Checkpoint.not_durable says why one could not
         be); process_mode overrides the env's."""
         r = self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
-                                   timeout=ops.deadline(timeout, self.timeout))
+                                   timeout=self._deadline(timeout))
         return cv.checkpoint(r)
 
     def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
                 timeout: float | None = None) -> Restored:
         """Puts the sandbox back at a checkpoint; a new episode starts there."""
         r = self.client.restore(self.id, _checkpoint_id(checkpoint), fresh_entropy=fresh_entropy,
-                                timeout=ops.deadline(timeout, self.timeout))
+                                timeout=self._deadline(timeout))
         self._h.episode_id = r.episode_id
         return cv.restored(r)
 
@@ -328,14 +328,14 @@ class Sandbox(SandboxBase[SandboxHandle]):
         episode, calling through this sandbox's client (kept open until the
         last of them closes)."""
         hs = self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
-                              lease_ttl=lease_ttl, timeout=ops.deadline(timeout, self.timeout))
+                              lease_ttl=lease_ttl, timeout=self._deadline(timeout))
         for h in hs:
             h.env = self.env
         return [Sandbox(h, timeout=self.timeout, task=self.task, owner=self._owner) for h in hs]
 
     def describe(self, *, timeout: float | None = None) -> SandboxInfo:
         """The server's description of the sandbox."""
-        info = cv.sandbox_info(self.client.get_sandbox(self.id, timeout=ops.deadline(timeout, self.timeout)))
+        info = cv.sandbox_info(self.client.get_sandbox(self.id, timeout=self._deadline(timeout)))
         if info.lease_expires_at is not None:
             self._h.lease_expires_at = info.lease_expires_at
         return info
@@ -354,7 +354,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         from now on (longer or shorter), and the heartbeats follow it.
         Returns the new expiry (Unix seconds). SandboxNotFound when the
         sandbox is gone."""
-        resp = self.client.heartbeat([self.id], lease_ttl=ttl, timeout=ops.deadline(timeout, self.timeout))
+        resp = self.client.heartbeat([self.id], lease_ttl=ttl, timeout=self._deadline(timeout))
         if self.id in resp.unknown_sandbox_ids:
             raise from_code(5, f"sandbox {self.id} is gone (closed, or its lease ran out)", "Heartbeat",
                             reason="SANDBOX_NOT_FOUND", metadata={"sandbox_id": self.id})
@@ -583,7 +583,7 @@ class Process:
             raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
         action = ops.interactive_action(self.session, text, expect=expect or (), timeout=timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
+        return cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
 
     def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
         """Sends SIGINT (Ctrl-C): to an interactive process through its
@@ -594,7 +594,7 @@ class Process:
             return None
         action = ops.interactive_action(self.session, "", interrupt=True, timeout=timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
+        return cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
 
     def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> None:
@@ -631,7 +631,7 @@ class Processes:
         s = self._sb._setup(setup)
         if not stdin:
             action = ops.exec_action(cmd, cwd=cwd, env=env, session=session, background=True)
-            r = cv.exec_response(self._sb._step(action, s, ops.deadline(timeout, self._sb.timeout)), s)
+            r = cv.exec_response(self._sb._step(action, s, self._sb._deadline(timeout)), s)
             return Process(self._sb, r.pid, "", r)
         if not isinstance(cmd, str):
             raise TypeError("an interactive process's cmd is a str, typed into its session")
@@ -639,7 +639,7 @@ class Processes:
         if cwd or env:
             raise ValueError("an interactive process takes no cwd or env: cd or export in its session first")
         action = ops.interactive_action(name, cmd, expect=expect or (), timeout=timeout)
-        r = cv.exec_response(self._sb._step(action, s, ops.command_deadline(timeout, self._sb.timeout)), s)
+        r = cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
         return Process(self._sb, 0, name, r)
 
     def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:

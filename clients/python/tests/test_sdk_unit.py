@@ -344,6 +344,10 @@ def test_connect_and_detach(fake: FakeServer) -> None:
     b.close()
     assert fake.service.sandboxes[a.id].closed
     b.close()  # idempotent
+    with pytest.raises(errors.SandboxClosed):
+        b.run("echo late")
+    with pytest.raises(errors.SandboxClosed):
+        b.files.read("/a")
 
 
 def test_step_stream_errors_carry_reasons(sb: deltagym.Sandbox) -> None:
