@@ -49,7 +49,21 @@ type ExecRequest struct {
 	// (interact.go): the command reads the session's input, and what it prints is answered as
 	// it comes, when it shows one of the expected strings.
 	Interact *Interact
+	// Output, when set, is given the command's output as it is read, in order per stream
+	// (OutputStdout, OutputStderr), cut at MaxOutput as the result is: the pieces of one
+	// stream, joined, begin with the result's bytes (a session's may hold a little more,
+	// which is the next step's). It is called from the goroutines that read the output,
+	// one per stream, so calls for different streams may overlap; p is the caller's to keep
+	// and must not be written to. A call that blocks holds up the reading of that stream,
+	// and so the command once its pipe is full; it must return promptly. Not for Background.
+	Output func(stream int, p []byte)
 }
+
+// The streams of ExecRequest.Output.
+const (
+	OutputStdout = 1
+	OutputStderr = 2
+)
 
 // ExecResult is the outcome of a command.
 type ExecResult struct {
@@ -68,6 +82,9 @@ type ExecResult struct {
 	// Matched is the Interact.Expect string whose appearance in the output ended the wait of
 	// an interactive command, which still runs; "" when the command ended or timed out.
 	Matched string
+	// Running is set when an interactive command is still attached to its session after the
+	// call (it matched, or timed out without ending).
+	Running bool
 }
 
 func (req *ExecRequest) validate() error {
@@ -521,8 +538,8 @@ func (s *Sandbox) runCommand(ctx, gen context.Context, req ExecRequest, sr initp
 			stdinW.Close()
 		}()
 	}
-	rc.stdout = newCapture(outR, req.MaxOutput)
-	rc.stderr = newCapture(errR, req.MaxOutput)
+	rc.stdout = newCapture(outR, req.MaxOutput, streamOutput(req.Output, OutputStdout))
+	rc.stderr = newCapture(errR, req.MaxOutput, streamOutput(req.Output, OutputStderr))
 	return s.waitCommand(ctx, gen, req.Timeout, cg, rc)
 }
 
@@ -662,7 +679,11 @@ type capture struct {
 // stop ends the reading where it is.
 func (c *capture) stop() { _ = c.f.SetReadDeadline(time.Now()) }
 
-func newCapture(r *os.File, limit int) *capture {
+// newCapture reads r, keeping at most limit bytes, and gives each piece it keeps to out (when
+// not nil): a slice of the kept bytes themselves, which are only appended to, never written
+// over (a reallocation copies them and leaves the old array as it was), so nothing is copied
+// for out.
+func newCapture(r *os.File, limit int, out func([]byte)) *capture {
 	c := &capture{f: r, done: make(chan struct{})}
 	go func() {
 		defer close(c.done)
@@ -675,7 +696,11 @@ func newCapture(r *os.File, limit int) *capture {
 					c.truncated = true
 					n = max(room, 0)
 				}
+				from := len(c.buf)
 				c.buf = append(c.buf, chunk[:n]...)
+				if out != nil && n > 0 {
+					out(c.buf[from:len(c.buf):len(c.buf)])
+				}
 			}
 			if err != nil {
 				return
@@ -683,6 +708,14 @@ func newCapture(r *os.File, limit int) *capture {
 		}
 	}()
 	return c
+}
+
+// streamOutput is out bound to stream, or nil without out.
+func streamOutput(out func(int, []byte), stream int) func([]byte) {
+	if out == nil {
+		return nil
+	}
+	return func(p []byte) { out(stream, p) }
 }
 
 func (c *capture) wait() ([]byte, bool) {

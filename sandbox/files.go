@@ -215,6 +215,12 @@ func mkdirAll(root int, rel string) error {
 // fileOp runs fn on a thread with the sandbox user's fsuid, with an fd of
 // the sandbox's root and path made relative to it.
 func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error {
+	return s.fileOpIn(path, false, fn)
+}
+
+// fileOpIn is fileOp; with orRoot, a path that names the sandbox's root
+// itself is given to fn as "", else it is refused.
+func (s *Sandbox) fileOpIn(path string, orRoot bool, fn func(root int, rel string) error) error {
 	if err := CheckPath(path); err != nil {
 		return err
 	}
@@ -223,7 +229,7 @@ func (s *Sandbox) fileOp(path string, fn func(root int, rel string) error) error
 		path = s.cwd("") + "/" + path
 	}
 	rel := strings.TrimLeft(path, "/")
-	if rel == "" {
+	if rel == "" && !orRoot {
 		return fmt.Errorf("%w: %s is a directory", ErrInvalid, path)
 	}
 	_, err := s.beginExec()
@@ -267,6 +273,9 @@ var fileErrors = map[unix.Errno]struct {
 	unix.EROFS:        {"read-only file system", nil},
 	unix.ENAMETOOLONG: {"name too long", nil},
 	unix.EAGAIN:       {"changed while being resolved; try again", nil},
+	unix.EEXIST:       {"already exists", nil},
+	unix.ENOTEMPTY:    {"directory not empty", nil},
+	unix.EBUSY:        {"a mount point, or in use", nil},
 }
 
 // fileError turns err, a file action's failure on path, into a *FileError

@@ -38,6 +38,10 @@ type Interact struct {
 	Interrupt bool
 }
 
+// CheckInteract checks it, of a request for session, as Exec does (ErrInvalid): for a front
+// end that checks a request before anything runs.
+func CheckInteract(it *Interact, session string) error { return it.validate(session) }
+
 // validate checks an Interact of a request for session (nil is valid): its patterns within
 // the bounds below.
 func (it *Interact) validate(session string) error {
@@ -166,9 +170,11 @@ func (se *session) interact(ctx, gen context.Context, req ExecRequest, tag strin
 		se.attached = true
 	}
 	m := newMatcher(tag, it.Expect, req.MaxOutput, se.pending)
+	m.emit = streamOutput(req.Output, OutputStdout)
 	se.pending = nil
 	err := se.converse(ctx, gen, m, req.Timeout, it.Interrupt, &res)
 	res.Duration = time.Since(start)
+	res.Running = err == nil && se.attached && !se.broken
 	return res, err
 }
 
@@ -237,6 +243,7 @@ func (se *session) converse(ctx, gen context.Context, m *matcher, timeout time.D
 			}
 			se.pending = append(se.pending, se.stopChunks(chunks, stop)...)
 			res.TimedOut = true
+			m.give(len(m.acc))
 			res.Stdout, res.StdoutTruncated = m.output(len(m.acc))
 			if killed {
 				se.broken = true
@@ -337,6 +344,7 @@ func (se *session) settle(m *matcher, res *ExecResult) {
 // +checklocks:se.mu
 func (se *session) ended(m *matcher, res *ExecResult) {
 	se.broken = true
+	m.give(len(m.acc))
 	res.Stdout, res.StdoutTruncated = m.output(len(m.acc))
 	res.ExitCode = 0
 	select {
@@ -377,6 +385,13 @@ type matcher struct {
 	out      []byte // what slid out of the window, up to limit
 	slid     bool   // more slid out than out keeps
 	shifted  bool   // acc[0] is not the start of the output: some slid out
+	base     int    // how much of the output slid out before acc[0]
+
+	// emit, when not nil, is given the output as it is searched (ExecRequest.Output): up to
+	// the sentinel (or what may be its start), or to the match, and up to limit in all; given
+	// counts what it was given. What it is given past a match is the next call's output too.
+	emit  func([]byte)
+	given int
 
 	scanned  int           // the patterns were searched for in acc[:scanned]
 	sentFrom int           // no sentinel starts before acc[sentFrom]
@@ -415,7 +430,7 @@ func (m *matcher) add(b []byte) (bool, error) {
 		m.out = append(m.out, m.acc[:min(cut, room)]...)
 		m.slid = m.slid || cut > room
 		m.acc = append([]byte(nil), m.acc[cut:]...)
-		m.shifted = true
+		m.shifted, m.base = true, m.base+cut
 		m.scanned, m.sentFrom = max(m.scanned-cut, 0), max(m.sentFrom-cut, 0)
 		if m.sentAt >= 0 {
 			m.sentAt -= cut
@@ -441,14 +456,30 @@ func (m *matcher) scan() (bool, error) {
 		m.spent += time.Since(start)
 		m.scanned = hi
 		if found {
+			m.give(m.stop)
 			return true, nil
 		}
 	}
 	if complete {
 		m.matched, m.stop = nil, end
-		return true, nil
 	}
-	return false, nil
+	m.give(end)
+	return complete, nil
+}
+
+// give gives emit the output up to acc[upto] that it was not given yet, within limit.
+func (m *matcher) give(upto int) {
+	if m.emit == nil {
+		return
+	}
+	from := max(m.given-m.base, 0)
+	upto = min(upto, from+m.limit-m.given)
+	if upto <= from {
+		return
+	}
+	p := append([]byte(nil), m.acc[from:upto]...)
+	m.given += len(p)
+	m.emit(p)
 }
 
 // findSentinel looks for the sentinel in what it has not looked at yet and returns where the

@@ -231,11 +231,11 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 	outc := make(chan out, 1)
 	errc := make(chan out, 1)
 	go func() {
-		d, t, rc, ok := readUntil(se.stdout, tag+"_RC=", req.MaxOutput)
+		d, t, rc, ok := readUntil(se.stdout, tag+"_RC=", req.MaxOutput, streamOutput(req.Output, OutputStdout))
 		outc <- out{d, t, rc, ok}
 	}()
 	go func() {
-		d, t, _, ok := readUntil(se.stderr, tag, req.MaxOutput)
+		d, t, _, ok := readUntil(se.stderr, tag, req.MaxOutput, streamOutput(req.Output, OutputStderr))
 		errc <- out{d, t, 0, ok}
 	}()
 	res := ExecResult{Start: start, ExitCode: -1}
@@ -363,10 +363,12 @@ func (se *session) killChildren() { se.signalChildren(unix.SIGKILL) }
 
 // readUntil reads lines until one starts with marker (and, for the stdout
 // marker, carries the exit code), keeping at most limit bytes of what came
-// before it, minus the newline the sentinel printf added.
-func readUntil(r *bufio.Reader, marker string, limit int) (data []byte, truncated bool, rc int, ok bool) {
+// before it, minus the newline the sentinel printf added. out, when not nil, is
+// given what is kept as it is read, a line (or a buffer's worth) at a time.
+func readUntil(r *bufio.Reader, marker string, limit int, out func([]byte)) (data []byte, truncated bool, rc int, ok bool) {
 	var buf bytes.Buffer
 	atLineStart := true
+	sent := streamed{out: out, limit: limit}
 	for {
 		line, err := r.ReadSlice('\n')
 		if atLineStart && bytes.HasPrefix(line, []byte(marker)) && (len(line) > 0 && line[len(line)-1] == '\n') {
@@ -376,6 +378,9 @@ func readUntil(r *bufio.Reader, marker string, limit int) (data []byte, truncate
 					b := buf.Bytes()
 					if len(b) > 0 && b[len(b)-1] == '\n' {
 						b = b[:len(b)-1]
+					}
+					if len(b) > limit { // cut, the newline kept for the sentinel's was the command's
+						b = b[:limit]
 					}
 					return b, truncated, n, true
 				}
@@ -389,17 +394,62 @@ func readUntil(r *bufio.Reader, marker string, limit int) (data []byte, truncate
 				line = line[:max(room, 0)]
 			}
 			buf.Write(line)
+			sent.add(line)
 		}
 		if err != nil && err != bufio.ErrBufferFull {
 			b := buf.Bytes()
 			if len(b) > limit {
 				b = b[:limit]
 			}
+			sent.flush()
 			return b, truncated, 0, false
 		}
 		if err == bufio.ErrBufferFull {
 			atLineStart = false
 		}
+	}
+}
+
+// streamed gives a session command's output to out as readUntil reads it, up to limit
+// bytes, holding a final newline back until more follows: the newline before the sentinel is
+// the sentinel's, not the command's.
+type streamed struct {
+	out   func([]byte)
+	limit int
+	n     int  // bytes given
+	held  bool // a newline is held back
+}
+
+// add gives line (which the reader reuses: it is copied) to out.
+func (s *streamed) add(line []byte) {
+	if s.out == nil || len(line) == 0 {
+		return
+	}
+	p := make([]byte, 0, len(line)+1)
+	if s.held {
+		p = append(p, '\n')
+	}
+	p = append(p, line...)
+	s.held = p[len(p)-1] == '\n'
+	if s.held {
+		p = p[:len(p)-1]
+	}
+	s.give(p)
+}
+
+// flush gives the newline held back: the stream ended without a sentinel.
+func (s *streamed) flush() {
+	if s.out != nil && s.held {
+		s.held = false
+		s.give([]byte{'\n'})
+	}
+}
+
+func (s *streamed) give(p []byte) {
+	p = p[:min(len(p), s.limit-s.n)]
+	if len(p) > 0 {
+		s.n += len(p)
+		s.out(p)
 	}
 }
 

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 
 	"connectrpc.com/connect"
 	"go.opentelemetry.io/otel/attribute"
@@ -58,11 +57,6 @@ func actionKind(a *deltagymv1.Action) string {
 
 func (e *envService) StepStream(ctx context.Context, stream *connect.BidiStream[deltagymv1.StepStreamRequest, deltagymv1.StepStreamResponse]) error {
 	return e.s.stepStream(ctx, stream)
-}
-
-// StreamStep is not served yet.
-func (e *envService) StreamStep(ctx context.Context, req *connect.Request[deltagymv1.StreamStepRequest], stream *connect.ServerStream[deltagymv1.StreamStepResponse]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("StreamStep is not served by this server"))
 }
 
 func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltagymv1.CheckpointRequest]) (*connect.Response[deltagymv1.CheckpointResponse], error) {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"regexp"
 	"strconv"
 	"time"
 
@@ -48,9 +49,7 @@ func stepRequest(m *deltagymv1.StepRequest) episode.StepRequest {
 func action(a *deltagymv1.Action) episode.Action {
 	switch k := a.GetKind().(type) {
 	case *deltagymv1.Action_Exec:
-		x := k.Exec
-		return episode.Exec{Command: x.GetCommand(), Argv: x.GetArgv(), Stdin: x.GetStdin(), Env: x.GetEnv(), Cwd: x.GetCwd(),
-			Timeout: seconds(x.GetTimeoutSeconds()), Background: x.GetBackground(), Session: x.GetSession()}
+		return execAction(k.Exec)
 	case *deltagymv1.Action_WriteFile:
 		w := k.WriteFile
 		return episode.WriteFile{Path: w.GetPath(), Content: w.GetContent(), Mode: os.FileMode(w.GetMode()), Append: w.GetAppend()}
@@ -59,8 +58,75 @@ func action(a *deltagymv1.Action) episode.Action {
 		return episode.ReadFile{Path: r.GetPath(), Offset: r.GetOffset(), MaxBytes: r.GetMaxBytes()}
 	case *deltagymv1.Action_Submit:
 		return episode.Submit{Answer: k.Submit.Answer}
+	case *deltagymv1.Action_ListProcesses:
+		return episode.ListProcesses{}
+	case *deltagymv1.Action_Signal:
+		x := k.Signal
+		return episode.Signal{Pid: int(x.GetPid()), Signal: int(x.GetSignal()), Group: x.GetProcessGroup()}
+	}
+	return treeAction(a)
+}
+
+// treeAction is a's domain form for a tree action; nil for another kind.
+func treeAction(a *deltagymv1.Action) episode.Action {
+	switch k := a.GetKind().(type) {
+	case *deltagymv1.Action_ListDir:
+		return episode.ListDir{Path: k.ListDir.GetPath(), Depth: int(k.ListDir.GetDepth()), MaxEntries: int(k.ListDir.GetMaxEntries())}
+	case *deltagymv1.Action_Stat:
+		return episode.Stat{Path: k.Stat.GetPath()}
+	case *deltagymv1.Action_Remove:
+		return episode.Remove{Path: k.Remove.GetPath(), Recursive: k.Remove.GetRecursive()}
+	case *deltagymv1.Action_MakeDir:
+		return episode.MakeDir{Path: k.MakeDir.GetPath(), Mode: episode.FileMode(k.MakeDir.GetMode()), Parents: k.MakeDir.GetParents()}
+	case *deltagymv1.Action_Upload:
+		return episode.Upload{Path: k.Upload.GetPath(), Tar: k.Upload.GetTar()}
+	case *deltagymv1.Action_Download:
+		return episode.Download{Path: k.Download.GetPath(), MaxBytes: k.Download.GetMaxBytes()}
 	}
 	return nil
+}
+
+// execAction is x's domain form; an interactive one's patterns that cannot be compiled, or
+// flags that do not go together, make it episode.Refused.
+func execAction(x *deltagymv1.ExecAction) episode.Action {
+	e := episode.Exec{Command: x.GetCommand(), Argv: x.GetArgv(), Stdin: x.GetStdin(), Env: x.GetEnv(), Cwd: x.GetCwd(),
+		Timeout: seconds(x.GetTimeoutSeconds()), Background: x.GetBackground(), Session: x.GetSession()}
+	switch {
+	case !x.GetInteractive() && (len(x.GetExpect()) > 0 || x.GetInterrupt()):
+		return episode.Refused{Err: fmt.Errorf("exec: expect and interrupt are for an interactive exec (set interactive): %w", ErrInvalid)}
+	case !x.GetInteractive():
+		return e
+	case x.GetInterrupt() && (x.GetCommand() != "" || len(x.GetArgv()) > 0):
+		return episode.Refused{Err: fmt.Errorf("exec: an interrupt sends Ctrl-C, not a command: leave command empty: %w", ErrInvalid)}
+	}
+	expect, err := expectPatterns(x.GetExpect())
+	if err != nil {
+		return episode.Refused{Err: err}
+	}
+	e.Interact = &sandbox.Interact{Expect: expect, Interrupt: x.GetInterrupt()}
+	return e
+}
+
+// expectPatterns compiles an interactive exec's expect patterns, their count and lengths
+// checked against sandbox.Interact's bounds before any is compiled (validate checks the rest).
+func expectPatterns(expect []string) ([]*regexp.Regexp, error) {
+	if len(expect) > sandbox.MaxExpect {
+		return nil, fmt.Errorf("exec: %d expect patterns, more than %d: %w", len(expect), sandbox.MaxExpect, ErrInvalid)
+	}
+	for i, e := range expect {
+		if len(e) > sandbox.MaxExpectBytes {
+			return nil, fmt.Errorf("exec: expect pattern %d is %d bytes long, more than %d: %w", i, len(e), sandbox.MaxExpectBytes, ErrInvalid)
+		}
+	}
+	out := make([]*regexp.Regexp, len(expect))
+	for i, e := range expect {
+		re, err := regexp.Compile(e)
+		if err != nil {
+			return nil, fmt.Errorf("exec: expect pattern %d is not a regular expression (RE2 syntax): %v: %w", i, err, ErrInvalid)
+		}
+		out[i] = re
+	}
+	return out, nil
 }
 
 // seconds converts a number of seconds from the wire, saturating where a Duration ends. NaN

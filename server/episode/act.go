@@ -42,6 +42,9 @@ import (
 
 // validate checks an action before anything runs.
 func validate(a Action) error {
+	if ok, err := validateFiles(a); ok {
+		return err
+	}
 	switch x := a.(type) {
 	case Exec:
 		return validateExec(x)
@@ -77,8 +80,13 @@ func validate(a Action) error {
 				return fmt.Errorf("submit's answer: %w: %w", err, ErrInvalid)
 			}
 		}
+	case Refused:
+		return x.Err
+	case ListProcesses:
+	case Signal:
+		return validateSignal(x)
 	default:
-		return fmt.Errorf("action has no kind set (exec, write_file, read_file or submit; in JSON exec, writeFile, readFile or submit, other names are ignored): %w", ErrInvalid)
+		return fmt.Errorf("action has no kind set (exec, write_file, read_file, submit, list_dir, stat, remove, make_dir, upload or download; in JSON exec, writeFile, readFile, submit, listDir, stat, remove, makeDir, upload or download, other names are ignored): %w", ErrInvalid)
 	}
 	return nil
 }
@@ -89,6 +97,9 @@ func validate(a Action) error {
 func validateExec(x Exec) error {
 	if x.Interact != nil && x.Session == "" {
 		return fmt.Errorf("an interactive exec runs in a session: %w", ErrInvalid)
+	}
+	if err := sandbox.CheckInteract(x.Interact, x.Session); err != nil {
+		return fmt.Errorf("exec: %w", err)
 	}
 	if (x.Command == "") == (len(x.Argv) == 0) && (x.Interact == nil || len(x.Argv) > 0) {
 		return fmt.Errorf("exec needs exactly one of command and argv: %w", ErrInvalid)
@@ -135,6 +146,9 @@ type outcome struct {
 func (c *Core) act(ctx context.Context, b *box, a Action, left time.Duration) (outcome, error) {
 	l := b.lease
 	attrs := []attribute.KeyValue{attribute.String("deltagym.sandbox_id", l.ID()), attribute.String("deltagym.env", l.Env().Name())}
+	if out, ok, err := c.treeAction(ctx, l, a, attrs); ok {
+		return out, err
+	}
 	switch x := a.(type) {
 	case Exec:
 		return c.exec(ctx, l, x, left, attrs)
@@ -142,6 +156,8 @@ func (c *Core) act(ctx context.Context, b *box, a Action, left time.Duration) (o
 		return c.writeFile(ctx, l, x, attrs)
 	case ReadFile:
 		return c.readFile(ctx, l, x, attrs)
+	case ListProcesses, Signal:
+		return c.processAction(ctx, l, x, attrs)
 	case Submit:
 		ctx, done := c.cfg.Observe(ctx, "verify")
 		trace.SpanFromContext(ctx).SetAttributes(attrs...)
@@ -170,7 +186,8 @@ func (c *Core) exec(ctx context.Context, l *envpool.Lease, x Exec, left time.Dur
 	span.SetAttributes(append(attrs, attribute.Float64("deltagym.exec.timeout_seconds", timeout.Seconds()),
 		attribute.Bool("deltagym.exec.background", x.Background))...)
 	res, err := l.Sandbox().Exec(ctx, sandbox.ExecRequest{Argv: x.Argv, Command: x.Command, Stdin: x.Stdin, Env: sortedEnv(x.Env),
-		Cwd: x.Cwd, Timeout: timeout, Background: x.Background, Session: x.Session, MaxOutput: env.OutputCap(), Interact: x.Interact})
+		Cwd: x.Cwd, Timeout: timeout, Background: x.Background, Session: x.Session, MaxOutput: env.OutputCap(), Interact: x.Interact,
+		Output: x.Output})
 	if err == nil {
 		span.SetAttributes(attribute.Int("deltagym.exec.exit_code", res.ExitCode), attribute.Bool("deltagym.exec.timed_out", res.TimedOut))
 	}
@@ -231,6 +248,10 @@ func agentError(a Action, err error, gone <-chan struct{}) *ActionError {
 	var fe *sandbox.FileError
 	if errors.As(err, &fe) {
 		return &ActionError{Errno: fe.Errno, Message: fe.Path + ": " + fe.Msg, Path: fe.Path}
+	}
+	var pe *sandbox.ProcError
+	if errors.As(err, &pe) {
+		return &ActionError{Errno: pe.Errno, Message: pe.Msg}
 	}
 	var se *initproc.SpawnError
 	if errors.As(err, &se) {

@@ -68,10 +68,20 @@ func (c *Core) stored(ctx context.Context, err error) error {
 
 // actionProto is a's API form.
 func actionProto(a Action) *deltagymv1.Action {
+	if p := treeActionProto(a); p != nil {
+		return p
+	}
 	switch x := a.(type) {
 	case Exec:
-		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv,
-			Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd, TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}}}
+		e := &deltagymv1.ExecAction{Command: x.Command, Argv: x.Argv, Stdin: x.Stdin, Env: x.Env, Cwd: x.Cwd,
+			TimeoutSeconds: x.Timeout.Seconds(), Background: x.Background, Session: x.Session}
+		if it := x.Interact; it != nil {
+			e.Interactive, e.Interrupt = true, it.Interrupt
+			for _, re := range it.Expect {
+				e.Expect = append(e.Expect, re.String())
+			}
+		}
+		return &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: e}}
 	case WriteFile:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{Path: x.Path,
 			Content: x.Content, Mode: uint32(x.Mode), Append: x.Append}}}
@@ -80,12 +90,17 @@ func actionProto(a Action) *deltagymv1.Action {
 			Offset: x.Offset, MaxBytes: x.MaxBytes}}}
 	case Submit:
 		return &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagymv1.SubmitAction{Answer: x.Answer}}}
+	case ListProcesses, Signal:
+		return processActionProto(x)
 	}
 	return nil
 }
 
 // ObservationProto is o's API form (nil for a skipped step's).
 func ObservationProto(o Observation) *deltagymv1.Observation {
+	if p := treeObservationProto(o); p != nil && o.Error == nil {
+		return p
+	}
 	switch {
 	case o.Error != nil:
 		e := o.Error
@@ -101,6 +116,8 @@ func ObservationProto(o Observation) *deltagymv1.Observation {
 	case o.Submit != nil:
 		return &deltagymv1.Observation{Kind: &deltagymv1.Observation_Submit{Submit: &deltagymv1.SubmitResult{
 			Components: o.Submit.Components, Output: o.Submit.Output}}}
+	case o.ListProcesses != nil, o.Signal != nil:
+		return processObservationProto(o)
 	}
 	return nil
 }
@@ -109,7 +126,7 @@ func ObservationProto(o Observation) *deltagymv1.Observation {
 func ExecResultProto(r sandbox.ExecResult) *deltagymv1.ExecResult {
 	return &deltagymv1.ExecResult{Stdout: r.Stdout, Stderr: r.Stderr, ExitCode: int32(r.ExitCode), Signal: signalNumber(r.Signal),
 		TimedOut: r.TimedOut, StdoutTruncated: r.StdoutTruncated, StderrTruncated: r.StderrTruncated,
-		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid)}
+		DurationSeconds: r.Duration.Seconds(), Pid: int32(r.Pid), Matched: r.Matched, Running: r.Running}
 }
 
 // signalNumber converts a signal name ("SIGKILL") to its number (0 if none or unknown).
@@ -143,6 +160,8 @@ func recordedAction(a Action) ([]byte, error) {
 		bulk = &k.WriteFile.Content
 	case *deltagymv1.Action_Exec:
 		bulk = &k.Exec.Stdin
+	case *deltagymv1.Action_Upload:
+		bulk = &k.Upload.Tar
 	}
 	if bulk == nil || len(*bulk) <= ActionBytesCap {
 		return protojson.Marshal(p)
@@ -205,6 +224,18 @@ func cutBulk(o *deltagymv1.Observation) {
 		k.Exec.Stdout, k.Exec.Stderr = cut(k.Exec.Stdout), cut(k.Exec.Stderr)
 	case *deltagymv1.Observation_ReadFile:
 		k.ReadFile.Content = cut(k.ReadFile.Content)
+	case *deltagymv1.Observation_Download:
+		k.Download.Tar = cut(k.Download.Tar)
+	case *deltagymv1.Observation_ListDir:
+		// The first entries, as many as fit in the bulk's share.
+		size, n := 0, 0
+		for _, e := range k.ListDir.Entries {
+			if size += proto.Size(e) + 4; size > 3*part {
+				break
+			}
+			n++
+		}
+		k.ListDir.Entries = k.ListDir.Entries[:n]
 	case *deltagymv1.Observation_Submit:
 		if len(k.Submit.Output) > part {
 			k.Submit.Output = strings.ToValidUTF8(k.Submit.Output[:part], "")

@@ -9,9 +9,11 @@ import (
 	"github.com/deltagym/deltagym/sandbox"
 )
 
-// Action is what a step does: one of Exec, WriteFile, ReadFile and Submit.
+// Action is what a step does: Exec, WriteFile, ReadFile or Submit; a tree action (ListDir,
+// Stat, Remove, MakeDir, Upload, Download: files.go); a process action (ListProcesses, Signal);
+// or Refused, a request the wire could not make into one.
 type Action interface {
-	// Kind names the action: "exec", "write_file", "read_file" or "submit".
+	// Kind names the action as its proto field does: "exec", "write_file", "list_dir" ...
 	Kind() string
 }
 
@@ -31,7 +33,40 @@ type Exec struct {
 	// Interact runs a Session command interactively (sandbox.Interact): Command is the
 	// command, or the input of the one attached, which may be empty (the Enter key alone).
 	Interact *sandbox.Interact
+	// Output, when set, is given the command's output as it is read (sandbox.ExecRequest's
+	// Output): StreamStep's. It is not part of the action (nor of its record).
+	Output func(stream int, p []byte)
 }
+
+// Refused is an action its front end could not decode (patterns that do not compile, flags
+// that do not go together): validate refuses it with Err, before anything runs.
+type Refused struct{ Err error }
+
+// Kind returns "refused".
+func (Refused) Kind() string { return "refused" }
+
+// ListProcesses lists the sandbox's processes (sandbox.Sandbox.ListProcesses).
+type ListProcesses struct{}
+
+// Signal sends Signal (0: SIGTERM) to process Pid of the sandbox, or with Group to its process
+// group (sandbox.Sandbox.Signal).
+type Signal struct {
+	Pid    int
+	Signal int
+	Group  bool
+}
+
+// Kind returns "list_processes".
+func (ListProcesses) Kind() string { return "list_processes" }
+
+// Kind returns "signal".
+func (Signal) Kind() string { return "signal" }
+
+// ListProcessesResult is the sandbox's processes, by pid.
+type ListProcessesResult struct{ Processes []sandbox.Process }
+
+// SignalResult is a signal sent.
+type SignalResult struct{}
 
 // WriteFile writes (or appends to) a file in the sandbox.
 type WriteFile struct {
@@ -73,7 +108,17 @@ type Observation struct {
 	WriteFile *WriteFileResult
 	ReadFile  *ReadFileResult
 	Submit    *SubmitResult
-	Error     *ActionError
+	// The tree actions' (files.go).
+	ListDir  *ListDirResult
+	Stat     *StatResult
+	Remove   *RemoveResult
+	MakeDir  *MakeDirResult
+	Upload   *sandbox.UploadStats
+	Download *DownloadResult
+	// The process actions' (procs.go).
+	ListProcesses *ListProcessesResult
+	Signal        *SignalResult
+	Error         *ActionError
 }
 
 // ActionError is why the sandbox's state refused an action: the errno it gave and what failed

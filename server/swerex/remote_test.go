@@ -68,7 +68,8 @@ func TestRemoteRuntime(t *testing.T) {
 		case x.GetSession() == "swerex.default" && x.GetCommand() == "pwd; echo $FOO":
 			saw.session = string(r.GetStdout()) == "/tmp\nbar\n"
 		case x.GetSession() == "swerex.default" && x.GetCommand() == "print(x)":
-			saw.interactive = strings.HasPrefix(string(r.GetStdout()), "42\n")
+			// Answered at the prompt: the ledger says so, and that python still runs.
+			saw.interactive = strings.HasPrefix(string(r.GetStdout()), "42\n") && r.GetMatched() != "" && r.GetRunning()
 		case a.GetWriteFile().GetPath() == "/work/notes/a.txt":
 			saw.write = string(a.GetWriteFile().GetContent()) == "hello\nwörld\n"
 		case a.GetReadFile().GetPath() == "/work/notes/a.txt":

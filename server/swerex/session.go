@@ -343,7 +343,7 @@ func (h *Handler) interrupt(c *call, sh *shell, a *action, expect []*regexp.Rege
 	if err != nil {
 		return nil, err
 	}
-	x := episode.Exec{Command: "\x03", Session: sh.name, Timeout: timeout, Interact: &sandbox.Interact{Expect: expect, Interrupt: true}}
+	x := episode.Exec{Session: sh.name, Timeout: timeout, Interact: &sandbox.Interact{Expect: expect, Interrupt: true}}
 	res, err := h.step(c, x)
 	sh.started.Store(true)
 	if err != nil {

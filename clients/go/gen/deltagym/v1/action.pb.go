@@ -383,7 +383,25 @@ type ExecAction struct {
 	// session names a persistent bash session, created on first use, in which
 	// command runs; shell state (cwd, variables, functions, jobs) persists
 	// between steps and is part of checkpoints. Empty means a fresh process.
-	Session       string `protobuf:"bytes,8,opt,name=session,proto3" json:"session,omitempty"`
+	Session string `protobuf:"bytes,8,opt,name=session,proto3" json:"session,omitempty"`
+	// interactive runs command in session as a terminal runs a program for a
+	// person at the keyboard (as pexpect drives a shell): the command reads the
+	// session's input, its stderr comes with its stdout, and the step returns
+	// when the output shows a match of one of expect (ExecResult.matched; the
+	// command still runs, ExecResult.running), when the command ends, or at
+	// the timeout, which leaves it running. While a command is attached, an
+	// interactive step's command is sent to its input with a newline (an empty
+	// command is the Enter key alone), and a step that is not interactive ends
+	// it first. Needs session.
+	Interactive bool `protobuf:"varint,9,opt,name=interactive,proto3" json:"interactive,omitempty"`
+	// expect holds regular expressions (RE2 syntax), at most 16 of at most
+	// 1,024 bytes each, whose first match in the output ends an interactive
+	// step's wait; none that matches the empty string. Only with interactive.
+	Expect []string `protobuf:"bytes,10,rep,name=expect,proto3" json:"expect,omitempty"`
+	// interrupt sends SIGINT to what the session runs (a terminal's Ctrl-C)
+	// and waits as an interactive step does; what still runs when the timeout
+	// passes with no match is killed. Needs interactive and an empty command.
+	Interrupt     bool `protobuf:"varint,11,opt,name=interrupt,proto3" json:"interrupt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -472,6 +490,27 @@ func (x *ExecAction) GetSession() string {
 		return x.Session
 	}
 	return ""
+}
+
+func (x *ExecAction) GetInteractive() bool {
+	if x != nil {
+		return x.Interactive
+	}
+	return false
+}
+
+func (x *ExecAction) GetExpect() []string {
+	if x != nil {
+		return x.Expect
+	}
+	return nil
+}
+
+func (x *ExecAction) GetInterrupt() bool {
+	if x != nil {
+		return x.Interrupt
+	}
+	return false
 }
 
 // WriteFileAction writes a file inside the sandbox. The path is resolved
@@ -2461,7 +2500,7 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	" \x01(\v2\x1b.deltagym.v1.DownloadActionH\x00R\bdownload\x12I\n" +
 	"\x0elist_processes\x18\v \x01(\v2 .deltagym.v1.ListProcessesActionH\x00R\rlistProcesses\x123\n" +
 	"\x06signal\x18\f \x01(\v2\x19.deltagym.v1.SignalActionH\x00R\x06signalB\x06\n" +
-	"\x04kind\"\xb1\x02\n" +
+	"\x04kind\"\x89\x03\n" +
 	"\n" +
 	"ExecAction\x12\x18\n" +
 	"\acommand\x18\x01 \x01(\tR\acommand\x12\x12\n" +
@@ -2473,7 +2512,11 @@ const file_deltagym_v1_action_proto_rawDesc = "" +
 	"\n" +
 	"background\x18\a \x01(\bR\n" +
 	"background\x12\x18\n" +
-	"\asession\x18\b \x01(\tR\asession\x1a6\n" +
+	"\asession\x18\b \x01(\tR\asession\x12 \n" +
+	"\vinteractive\x18\t \x01(\bR\vinteractive\x12\x16\n" +
+	"\x06expect\x18\n" +
+	" \x03(\tR\x06expect\x12\x1c\n" +
+	"\tinterrupt\x18\v \x01(\bR\tinterrupt\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"k\n" +

@@ -49,7 +49,7 @@ class Action(_message.Message):
     def __init__(self, exec: _Optional[_Union[ExecAction, _Mapping]] = ..., write_file: _Optional[_Union[WriteFileAction, _Mapping]] = ..., read_file: _Optional[_Union[ReadFileAction, _Mapping]] = ..., submit: _Optional[_Union[SubmitAction, _Mapping]] = ..., list_dir: _Optional[_Union[ListDirAction, _Mapping]] = ..., stat: _Optional[_Union[StatAction, _Mapping]] = ..., remove: _Optional[_Union[RemoveAction, _Mapping]] = ..., make_dir: _Optional[_Union[MakeDirAction, _Mapping]] = ..., upload: _Optional[_Union[UploadAction, _Mapping]] = ..., download: _Optional[_Union[DownloadAction, _Mapping]] = ..., list_processes: _Optional[_Union[ListProcessesAction, _Mapping]] = ..., signal: _Optional[_Union[SignalAction, _Mapping]] = ...) -> None: ...
 
 class ExecAction(_message.Message):
-    __slots__ = ("command", "argv", "stdin", "env", "cwd", "timeout_seconds", "background", "session")
+    __slots__ = ("command", "argv", "stdin", "env", "cwd", "timeout_seconds", "background", "session", "interactive", "expect", "interrupt")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class ExecAction(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    INTERACTIVE_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FIELD_NUMBER: _ClassVar[int]
+    INTERRUPT_FIELD_NUMBER: _ClassVar[int]
     command: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     stdin: bytes
@@ -73,7 +76,10 @@ class ExecAction(_message.Message):
     timeout_seconds: float
     background: bool
     session: str
-    def __init__(self, command: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., background: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
+    interactive: bool
+    expect: _containers.RepeatedScalarFieldContainer[str]
+    interrupt: bool
+    def __init__(self, command: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., background: _Optional[bool] = ..., session: _Optional[str] = ..., interactive: _Optional[bool] = ..., expect: _Optional[_Iterable[str]] = ..., interrupt: _Optional[bool] = ...) -> None: ...
 
 class WriteFileAction(_message.Message):
     __slots__ = ("path", "content", "mode", "append")
