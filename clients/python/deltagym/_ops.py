@@ -11,7 +11,6 @@ import os
 import stat as statmod
 import tarfile
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .errors import UnsafeArchiveError
@@ -24,11 +23,6 @@ _SETUP: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("deltagy
 # A command's call deadline is its timeout plus this much, so the server's
 # own timeout (which kills the command and answers) fires first.
 DEADLINE_MARGIN = 30.0
-
-_EXEC_FIELDS = action_pb2.ExecAction.DESCRIPTOR.fields_by_name
-# Whether this build's API has interactive session commands.
-HAS_INTERACTIVE = all(f in _EXEC_FIELDS for f in ("interactive", "expect", "interrupt"))
-
 
 @contextlib.contextmanager
 def setup_context(sandbox_id: str) -> Iterator[None]:
@@ -85,16 +79,14 @@ def exec_action(cmd: str | Sequence[str], *, timeout: float | None = None, cwd: 
 
 def interactive_action(session: str, text: str, *, expect: Sequence[str] = (), timeout: float | None = None,
                        interrupt: bool = False) -> action_pb2.Action:
-    """An interactive session step: text written to the attached program, or an interrupt."""
-    if not HAS_INTERACTIVE:
-        raise NotImplementedError("this deltagym API has no interactive session commands "
-                                  "(ExecAction.interactive, expect and interrupt)")
-    x = action_pb2.ExecAction(command=text, session=session, timeout_seconds=timeout or 0.0)
-    dyn: Any = x  # the fields are looked up at run time: not every build's API has them
-    dyn.interactive = True
-    dyn.interrupt = interrupt
-    dyn.expect.extend(expect)
-    return action_pb2.Action(exec=x)
+    """An interactive session step: text (and a newline) written to the
+    program attached to the session, or starting it; with interrupt, a
+    SIGINT to it (text must be empty)."""
+    if isinstance(expect, str):
+        raise TypeError("expect is a sequence of patterns, not one str")
+    return action_pb2.Action(exec=action_pb2.ExecAction(
+        command=text, session=session, interactive=True, expect=list(expect), interrupt=interrupt,
+        timeout_seconds=timeout or 0.0))
 
 
 def step_request(sandbox_id: str, action: action_pb2.Action, setup: bool, checkpoint: bool = False) -> es.StepRequest:

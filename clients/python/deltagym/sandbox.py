@@ -626,8 +626,11 @@ class Processes:
         the background (its output discarded; captured by checkpoints like
         any process) and Process.pid is its pid. With stdin, it runs as an
         interactive command in a session (named, or "proc-<n>"), and
-        Process.send writes to it; start returns when one of expect
-        matches, or at the timeout."""
+        Process.send writes to it (its stderr comes with its stdout);
+        start returns when one of expect (regular expressions, RE2)
+        matches, when the program ends, or at the timeout (default the
+        env's step timeout), which leaves it running: give a prompt to
+        expect, or a short timeout."""
         s = self._sb._setup(setup)
         if not stdin:
             action = ops.exec_action(cmd, cwd=cwd, env=env, session=session, background=True)

@@ -3,7 +3,8 @@
 errors with google.rpc.ErrorInfo details, streamed output), so the client's
 wire handling is exercised without a deltagym server or root.
 
-Commands it knows: "echo TEXT", "exit N", "fail" (stderr, exit 1),
+Commands it knows: "echo TEXT", "exit N", "fail" (stderr, exit 1), any
+interactive one (a program answering "got LINE" at a "> " prompt),
 "block" (waits until the call is cancelled or its deadline passes),
 "stream" (output in chunks, a UTF-8 character split across two), and the
 error commands "ratelimit", "nocapacity", "ended" and "weird" (a reason
@@ -51,6 +52,8 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         self.signals: list[tuple[int, int, bool]] = []
         self.tars: dict[str, bytes] = {}
         self.deadlines: list[float | None] = []
+        self.execs: list[ap.ExecAction] = []
+        self.attached: dict[str, str] = {}
         self.lock = threading.Lock()
 
     # --- helpers ---
@@ -189,7 +192,22 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         self._abort(ctx, grpc.StatusCode.INVALID_ARGUMENT, f"action {kind} not in the fake")
         raise AssertionError
 
+    def _interactive(self, x: ap.ExecAction) -> ap.Observation:
+        """An interactive step: a program that answers "got LINE" and prompts "> "."""
+        matched = x.expect[0] if x.expect else ""
+        if x.interrupt:
+            self.attached.pop(x.session, None)
+            return ap.Observation(exec=ap.ExecResult(stdout=b"^C\n", exit_code=-1, signal=2))
+        if x.session not in self.attached:
+            self.attached[x.session] = x.command
+            return ap.Observation(exec=ap.ExecResult(stdout=b"> ", exit_code=-1, matched=matched, running=True))
+        out = f"got {x.command}\n> ".encode()
+        return ap.Observation(exec=ap.ExecResult(stdout=out, exit_code=-1, matched=matched, running=True))
+
     def _exec(self, x: ap.ExecAction, ctx: grpc.ServicerContext) -> ap.Observation:
+        self.execs.append(x)
+        if x.interactive:
+            return self._interactive(x)
         cmd = x.command or " ".join(x.argv)
         if x.background:
             return ap.Observation(exec=ap.ExecResult(exit_code=-1, pid=42))

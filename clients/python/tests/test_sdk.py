@@ -140,6 +140,17 @@ def test_processes(sb):
         sb.processes.kill(99999)
 
 
+def test_interactive_process(sb):
+    prompt = [r"> $"]
+    p = sb.processes.start("""sh -c 'while printf "ask> "; read -r l; do echo "got $l"; done'""", stdin=True,
+                           expect=prompt, timeout=10)
+    assert p.result.running and p.result.matched == prompt[0] and p.result.stdout.startswith("ask")
+    r = p.send("hello", expect=prompt, timeout=10)
+    assert "got hello" in r.stdout and r.running
+    stopped = p.interrupt(timeout=10)
+    assert stopped is not None and not stopped.running
+
+
 def test_setup_steps(sb):
     with sb.setup():
         r = sb.run("echo setup")

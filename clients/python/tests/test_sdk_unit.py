@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import deltagym
-from deltagym import _ops as ops, errors
+from deltagym import errors
 from deltagym.aio import AsyncSandbox
 
 from .fake_server import FakeServer
@@ -287,13 +287,26 @@ def test_processes(fake: FakeServer, sb: deltagym.Sandbox) -> None:
     assert fake.service.signals == [(42, 9, False), (7, 15, True)]
 
 
-def test_interactive_needs_the_api(sb: deltagym.Sandbox) -> None:
-    if ops.HAS_INTERACTIVE:
-        pytest.skip("this build's API has interactive exec fields")
-    with pytest.raises(NotImplementedError, match="interactive"):
-        sb.processes.start("python3 -i", stdin=True)
-    p = sb.processes.start("sleep 100")
-    assert p.interrupt() is None  # a background process gets SIGINT as a signal
+def test_interactive_process(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    p = sb.processes.start("repl", stdin=True, expect=[r"> $"], timeout=5)
+    assert p.session == "proc-1" and p.pid == 0 and p.result.running and p.result.matched == "> $"
+    r = p.send("hello", expect=[r"> $"])
+    assert r.stdout == "got hello\n> " and r.running
+    x = fake.service.execs[-1]
+    assert (x.command, x.session, x.interactive, list(x.expect), x.interrupt) == ("hello", "proc-1", True, ["> $"], False)
+    stopped = p.interrupt()
+    assert stopped is not None and not stopped.running and stopped.signal == 2
+    x = fake.service.execs[-1]
+    assert (x.command, x.interactive, x.interrupt) == ("", True, True)
+    with pytest.raises(ValueError):
+        p.kill()  # its pid is the session's business
+    with pytest.raises(TypeError):
+        p.send("x", expect="> ")  # type: ignore[arg-type]
+    q = sb.processes.start("other", stdin=True, session="mine")
+    assert q.session == "mine"
+    bg = sb.processes.start("sleep 100")
+    assert bg.interrupt() is None  # a background process gets SIGINT as a signal
+    assert fake.service.signals[-1] == (42, 2, False)
 
 
 def test_episode_calls(sb: deltagym.Sandbox) -> None:
