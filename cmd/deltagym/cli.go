@@ -49,6 +49,7 @@ type app struct {
 	stdout, stderr io.Writer
 
 	clientFlags
+	Version kong.VersionFlag `help:"print the version and exit"`
 
 	Serve       serveCmd       `cmd:"" passthrough:"" help:"run the server in the foreground (deltagym serve -h lists its flags)"`
 	Envs        envsCmd        `cmd:"" help:"list the env catalog and warm pools"`
@@ -75,6 +76,7 @@ type app struct {
 	Purge       purgeCmd       `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`
 	Completion  completionCmd  `cmd:"" help:"print the shell completion script for bash, zsh or fish"`
 	Help        helpCmd        `cmd:"" help:"describe a command"`
+	VersionCmd  versionCmd     `cmd:"" name:"version" help:"print the version"`
 }
 
 // Main runs the CLI with args (without the program name) and returns the exit status.
@@ -95,7 +97,7 @@ func (a *app) parser(ctx context.Context) (*kong.Kong, error) {
 		kong.Exit(func(code int) { panic(exitPanic(code)) }),
 		kong.ExplicitGroups([]kong.Group{{Key: "client", Title: "Client flags (commands that call a server):"}}),
 		kong.ConfigureHelp(kong.HelpOptions{Compact: true, WrapUpperBound: 100}),
-		kong.Vars{"defaultAddr": deltagym.DefaultAddr},
+		kong.Vars{"defaultAddr": deltagym.DefaultAddr, "version": versionLine()},
 		kong.BindTo(ctx, (*context.Context)(nil)),
 		kong.Bind(a),
 	)
@@ -206,6 +208,17 @@ func (h *helpCmd) Run(kctx *kong.Context) error {
 	}
 	return sub.Run() // serve passes --help on to its own flags; kong printed the others' help and exited
 }
+
+// versionCmd is `deltagym version`: the line --version prints.
+type versionCmd struct{}
+
+func (versionCmd) Run(a *app) error {
+	_, err := fmt.Fprintln(a.stdout, versionLine())
+	return err
+}
+
+// versionLine names the program and its version (the file VERSION at the repository's root).
+func versionLine() string { return "deltagym " + version }
 
 // seconds is a duration flag that also takes a plain number of seconds.
 type seconds time.Duration

@@ -9,6 +9,7 @@ group rollouts, deltagym.tree checkpoint tree search.
 from . import actions, errors
 from ._common import RetryPolicy, observation_text
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2, ledger_service_pb2
+from ._version import __version__
 from .aio import AsyncClient, AsyncSandbox
 from .client import Client, Sandbox
 from .errors import (
@@ -27,9 +28,8 @@ from .errors import (
     Unimplemented,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "Client", "Sandbox", "AsyncClient", "AsyncSandbox", "RetryPolicy", "observation_text", "actions", "errors",
     "action_pb2", "env_pb2", "env_service_pb2", "ledger_service_pb2",
     "DeltagymError", "NotFound", "InvalidArgument", "FailedPrecondition", "ResourceExhausted", "Aborted",
