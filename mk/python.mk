@@ -92,3 +92,16 @@ python-wheel-test: python-dist ## install the Python SDK's wheel into a fresh ve
 	$(PY_WHEEL_VENV)/bin/python -I clients/python/tools/check_dist.py installed $(PY_VERSION) gym
 
 TEST_PREREQS += python-wheel-test
+
+# The SDK's own cost per step over the raw generated stub (docs/PERFORMANCE.md, "The Python
+# SDK's overhead"): in process against a trivial servicer (the client's cost alone), then against
+# a private server on the default image (no ledger), N interleaved pairs each.
+PY_BENCH_ARGS ?= --steps 2000
+
+.PHONY: python-bench
+
+python-bench: deps $(BIN)/deltagym $(BIN)/dg-init image $(PY_VENV)/.deltagym-installed ## the Python SDK's cost per step over the generated stub (p50/p99), in process and against a real server
+	$(PY_VENV)/bin/python clients/python/bench/overhead.py --serve $(BIN)/deltagym --init $(BIN)/dg-init \
+		--image-dir $(DATA)/images/default $(PY_BENCH_ARGS)
+
+BENCH_TARGETS += python-bench

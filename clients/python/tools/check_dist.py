@@ -21,7 +21,7 @@ import pkgutil
 import re
 import sys
 import tarfile
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 # The modules the SDK's documentation names; each must import with the bare install
 # (deltagym.gym needs the extra "gym").
@@ -61,7 +61,7 @@ def check_installed(version: str, extra: str) -> list[str]:
     if dist.version != version or deltagym.__version__ != version:
         problems.append(f"version: distribution {dist.version}, deltagym.__version__ {deltagym.__version__}, want {version}")
     # The files the wheel installed (its RECORD) that are still there.
-    files = {PurePosixPath(str(f)) for f in dist.files or () if dist.locate_file(f).exists()}
+    files = {PurePosixPath(str(f)) for f in dist.files or () if Path(str(dist.locate_file(f))).exists()}
     if PurePosixPath("deltagym/py.typed") not in files:
         problems.append("the wheel has no deltagym/py.typed: type checkers would ignore the package's annotations")
     problems += _stubs_missing(files, "wheel")
