@@ -95,7 +95,7 @@ TEST_PREREQS += python-wheel-test
 
 # The SDK's own cost per step over the raw generated stub (docs/PERFORMANCE.md, "The Python
 # SDK's overhead"): in process against a trivial servicer (the client's cost alone), then against
-# a private server on the default image (no ledger), N interleaved pairs each.
+# a private server on the default image (no ledger), N interleaved rounds each (raw stub, Client.step, Sandbox.run).
 PY_BENCH_ARGS ?= --steps 2000
 
 .PHONY: python-bench

@@ -1,10 +1,11 @@
 """The Python SDK's own cost per step over the generated stub (make python-bench).
 
-Each variant times --steps steps of one tiny command (`true`, as argv) two ways on one gRPC
-channel: through the raw generated stub (EnvServiceStub.Step with a hand-built StepRequest) and
-through the SDK (Sandbox.run). The two alternate, raw first on even steps and SDK first on odd
-ones, so that the machine's drift and any order effect fall on both alike; the SDK's overhead is
-the difference within each pair.
+Each variant times --steps rounds of one tiny command (`true`, as argv) three ways on one gRPC
+channel: through the raw generated stub (EnvServiceStub.Step with a hand-built StepRequest), the
+low-level Client.step, and the SDK's face, Sandbox.run (which also turns the response into a
+CommandResult). Each round calls each once, starting one path later than the round before, so
+that the machine's drift and any order effect fall on all alike; a path's overhead is its time
+minus the raw stub's in the same round.
 
 - server: a real deltagym server, started here (--serve bin/deltagym, with --init and
   --image-dir: a private data dir, free loopback port, no ledger; stopped by its PID at the end)
@@ -12,7 +13,7 @@ the difference within each pair.
 - inprocess: a trivial EnvService servicer in this process that answers every Step with the same
   response: no sandbox, no server work, so the difference is the client's cost alone.
 
-Prints p50 and p99 (nearest rank) of each path and of the difference, in microseconds, with the
+Prints p50 and p99 (nearest rank) of each path and of each difference, in microseconds, with the
 machine's load average before and after.
 """
 
@@ -59,12 +60,15 @@ ENV = {
 class Result:
     variant: str
     raw_ns: list[int]
-    sdk_ns: list[int]
+    step_ns: list[int]
+    run_ns: list[int]
 
-    def rows(self) -> list[tuple[str, str, list[int]]]:
-        diff = [s - r for s, r in zip(self.sdk_ns, self.raw_ns, strict=True)]
-        return [(self.variant, "raw stub", self.raw_ns), (self.variant, "Sandbox.run", self.sdk_ns),
-                (self.variant, "SDK - raw", diff)]
+    def rows(self) -> list[tuple[str, list[int]]]:
+        def over_raw(xs: list[int]) -> list[int]:
+            return [x - r for x, r in zip(xs, self.raw_ns, strict=True)]
+
+        return [("raw stub", self.raw_ns), ("Client.step", self.step_ns), ("Sandbox.run", self.run_ns),
+                ("Client.step - raw", over_raw(self.step_ns)), ("Sandbox.run - raw", over_raw(self.run_ns))]
 
 
 def percentile(xs: list[int], p: float) -> int:
@@ -73,34 +77,41 @@ def percentile(xs: list[int], p: float) -> int:
     return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
 
 
-def interleave(raw_step: Callable[[], object], sdk_step: Callable[[], object], steps: int,
-               warmup: int) -> tuple[list[int], list[int]]:
-    """Times steps pairs of (raw, SDK) calls, alternating which goes first, after warmup untimed pairs."""
+def interleave(paths: list[Callable[[], object]], steps: int, warmup: int) -> list[list[int]]:
+    """Times steps rounds of one call of each path, after warmup untimed rounds; each round starts
+    one path later than the one before, so that every path takes every place in turn."""
     for _ in range(warmup):
-        raw_step()
-        sdk_step()
-    raw_ns, sdk_ns = [], []
+        for p in paths:
+            p()
+    times: list[list[int]] = [[] for _ in paths]
     clock = time.perf_counter_ns
+    n = len(paths)
     for i in range(steps):
-        first, second = (raw_step, sdk_step) if i % 2 == 0 else (sdk_step, raw_step)
-        t0 = clock()
-        first()
-        t1 = clock()
-        second()
-        t2 = clock()
-        a, b = t1 - t0, t2 - t1
-        raw_ns.append(a if i % 2 == 0 else b)
-        sdk_ns.append(b if i % 2 == 0 else a)
-    return raw_ns, sdk_ns
+        for k in range(n):
+            j = (i + k) % n
+            t0 = clock()
+            paths[j]()
+            times[j].append(clock() - t0)
+    return times
+
+
+def open_sandbox(client: deltagym.Client, env: str) -> Any:
+    """The SDK's sandbox on client (which it does not close): Sandbox.create, or in an SDK
+    without it, the handle that Client.reset returns."""
+    create = getattr(deltagym.Sandbox, "create", None)
+    if create is None:
+        return client.reset(env)
+    return create(env, client=client)
 
 
 def measure(variant: str, addr: str, token: str, env: str, steps: int, warmup: int) -> Result:
-    """Both paths on one channel to addr (with the SDK's options), against a sandbox of env."""
+    """The three paths on one channel to addr (with the SDK's options), against a sandbox of env."""
     md = (("authorization", f"Bearer {token}"),) if token else ()
+    action = action_pb2.Action(exec=action_pb2.ExecAction(argv=ARGV))
     with grpc.insecure_channel(addr, options=CHANNEL_OPTIONS) as ch, \
-            deltagym.Client(addr, token=token, channel=ch) as client, client.reset(env) as sb:
+            deltagym.Client(addr, token=token, channel=ch) as client, open_sandbox(client, env) as sb:
         stub = es_grpc.EnvServiceStub(ch)
-        req = es.StepRequest(sandbox_id=sb.id, action=action_pb2.Action(exec=action_pb2.ExecAction(argv=ARGV)))
+        req = es.StepRequest(sandbox_id=sb.id, action=action)
 
         def raw_step() -> object:
             resp = stub.Step(req, metadata=md)
@@ -108,11 +119,14 @@ def measure(variant: str, addr: str, token: str, env: str, steps: int, warmup: i
                 raise RuntimeError(f"raw step: {resp}")
             return resp
 
-        def sdk_step() -> object:
+        def client_step() -> object:
+            return client.step(sb.id, action)
+
+        def sandbox_run() -> object:
             return sb.run(ARGV)
 
-        raw_ns, sdk_ns = interleave(raw_step, sdk_step, steps, warmup)
-    return Result(variant, raw_ns, sdk_ns)
+        raw_ns, step_ns, run_ns = interleave([raw_step, client_step, sandbox_run], steps, warmup)
+    return Result(variant, raw_ns, step_ns, run_ns)
 
 
 class TrivialEnv(es_grpc.EnvServiceServicer):  # type: ignore[misc]  # the generated gRPC module is untyped
@@ -216,17 +230,17 @@ def remove_below(tmp: Path) -> None:
 def report(results: list[Result], load: tuple[tuple[float, ...], tuple[float, ...]]) -> None:
     print(f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load[0])}, "
           f"after: {' '.join(f'{x:.2f}' for x in load[1])}")
-    print(f"{'variant':<10} {'path':<12} {'steps':>6} {'p50 us':>9} {'p99 us':>9}")
+    print(f"{'variant':<10} {'path':<18} {'steps':>6} {'p50 us':>9} {'p99 us':>9}")
     for r in results:
-        for variant, path, xs in r.rows():
-            print(f"{variant:<10} {path:<12} {len(xs):>6} {percentile(xs, 50) / 1e3:>9.1f} {percentile(xs, 99) / 1e3:>9.1f}")
+        for path, xs in r.rows():
+            print(f"{r.variant:<10} {path:<18} {len(xs):>6} {percentile(xs, 50) / 1e3:>9.1f} {percentile(xs, 99) / 1e3:>9.1f}")
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variant", choices=["server", "inprocess", "both"], default="both")
-    ap.add_argument("--steps", type=int, default=2000, help="timed pairs per variant (default 2000)")
-    ap.add_argument("--warmup", type=int, default=200, help="untimed pairs first (default 200)")
+    ap.add_argument("--steps", type=int, default=2000, help="timed rounds per variant (default 2000)")
+    ap.add_argument("--warmup", type=int, default=200, help="untimed rounds first (default 200)")
     ap.add_argument("--addr", help="a running server (with --token or $DELTAGYM_TOKEN...), instead of --serve")
     ap.add_argument("--token", default=None)
     ap.add_argument("--env", default="bench", help="with --addr: the env whose sandbox runs the commands")
