@@ -2,7 +2,8 @@
 
     check_dist.py sdist SDIST VERSION
         (any Python) the source distribution holds what a wheel is built from: the
-        package, its generated messages with their .pyi stubs, py.typed, the README.
+        package, its generated messages with their .pyi stubs, py.typed, the README,
+        whose links all work on PyPI's page (none is a path in the repository).
     check_dist.py installed VERSION [EXTRA]
         (the Python of a fresh venv holding the wheel and only its dependencies, run with
         -I so that the source tree is not on sys.path) every public module imports; a
@@ -28,6 +29,9 @@ from pathlib import Path, PurePosixPath
 DOCUMENTED = ("deltagym", "deltagym.aio", "deltagym.errors", "deltagym.gym")
 NEEDS_EXTRA = {"deltagym.gym": "gym"}
 EXTRA_RE = re.compile(r"\[([a-z0-9][a-z0-9_.-]*)\]")
+# A Markdown link or image whose target is a path: PyPI shows the README away from the
+# repository, where such a target is not found.
+RELATIVE_LINK_RE = re.compile(r"\]\((?!https?://|mailto:|#)([^)\s]+)")
 
 
 def check_sdist(path: str, version: str) -> list[str]:
@@ -35,6 +39,10 @@ def check_sdist(path: str, version: str) -> list[str]:
     root = PurePosixPath(f"deltagym-{version}")
     with tarfile.open(path) as tf:
         names = {PurePosixPath(n) for n in tf.getnames()}
+        readme = tf.extractfile(str(root / "README.md")) if root / "README.md" in names else None
+        text = readme.read().decode() if readme else ""
+    problems += [f"README.md links to {t!r}, which PyPI's page cannot reach: link to the repository's URL instead"
+                 for t in RELATIVE_LINK_RE.findall(text)]
     for want in ("pyproject.toml", "README.md", "PKG-INFO", "deltagym/__init__.py", "deltagym/_version.py",
                  "deltagym/py.typed"):
         if root / want not in names:
