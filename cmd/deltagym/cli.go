@@ -49,7 +49,6 @@ type app struct {
 	stdout, stderr io.Writer
 
 	clientFlags
-	Version kong.VersionFlag `help:"print the version and exit"`
 
 	Serve       serveCmd       `cmd:"" passthrough:"" help:"run the server in the foreground (deltagym serve -h lists its flags)"`
 	Envs        envsCmd        `cmd:"" help:"list the env catalog and warm pools"`
@@ -97,7 +96,7 @@ func (a *app) parser(ctx context.Context) (*kong.Kong, error) {
 		kong.Exit(func(code int) { panic(exitPanic(code)) }),
 		kong.ExplicitGroups([]kong.Group{{Key: "client", Title: "Client flags (commands that call a server):"}}),
 		kong.ConfigureHelp(kong.HelpOptions{Compact: true, WrapUpperBound: 100}),
-		kong.Vars{"defaultAddr": deltagym.DefaultAddr, "version": versionLine()},
+		kong.Vars{"defaultAddr": deltagym.DefaultAddr},
 		kong.BindTo(ctx, (*context.Context)(nil)),
 		kong.Bind(a),
 	)
@@ -209,16 +208,14 @@ func (h *helpCmd) Run(kctx *kong.Context) error {
 	return sub.Run() // serve passes --help on to its own flags; kong printed the others' help and exited
 }
 
-// versionCmd is `deltagym version`: the line --version prints.
+// versionCmd is `deltagym version`: the program's name and version (the file VERSION at the
+// repository's root).
 type versionCmd struct{}
 
 func (versionCmd) Run(a *app) error {
-	_, err := fmt.Fprintln(a.stdout, versionLine())
+	_, err := fmt.Fprintln(a.stdout, "deltagym "+version)
 	return err
 }
-
-// versionLine names the program and its version (the file VERSION at the repository's root).
-func versionLine() string { return "deltagym " + version }
 
 // seconds is a duration flag that also takes a plain number of seconds.
 type seconds time.Duration
