@@ -79,6 +79,7 @@ python-dist: $(PY_TOOLS_STAMP) ## build the Python SDK's sdist and wheel into .c
 # PyPI; every public module must import there (python -I: not from the source tree), a module
 # that needs an extra must say which, and with the gym extra deltagym.gym imports. mypy, from the
 # tools venv, type-checks a user's program against the installed package (py.typed, the stubs).
+# PY_PYTHON=python3.10 (or any other Python the package supports) tests the wheel on that Python.
 python-wheel-test: python-dist ## install the Python SDK's wheel into a fresh venv from PyPI and import every public module
 	rm -rf $(PY_WHEEL_VENV)
 	$(PY_PYTHON) -m venv $(PY_WHEEL_VENV)
