@@ -13,8 +13,8 @@ minus the raw stub's in the same round.
 - inprocess: a trivial EnvService servicer in this process that answers every Step with the same
   response: no sandbox, no server work, so the difference is the client's cost alone.
 
-Prints p50 and p99 (nearest rank) of each path and of each difference, in microseconds, with the
-machine's load average before and after.
+Prints p50 and p99 (nearest rank) of each path and of each difference, in microseconds, of the wall
+time and of the calling thread's CPU time, with the machine's load average before and after.
 """
 
 from __future__ import annotations
@@ -56,19 +56,23 @@ ENV = {
 }
 
 
+PATHS = ("raw stub", "Client.step", "Sandbox.run")
+
+
 @dataclass
 class Result:
+    """Per path (PATHS), each timed call's wall time and the calling thread's CPU time, in ns."""
+
     variant: str
-    raw_ns: list[int]
-    step_ns: list[int]
-    run_ns: list[int]
+    wall: list[list[int]]
+    cpu: list[list[int]]
 
-    def rows(self) -> list[tuple[str, list[int]]]:
-        def over_raw(xs: list[int]) -> list[int]:
-            return [x - r for x, r in zip(xs, self.raw_ns, strict=True)]
+    def rows(self) -> list[tuple[str, list[int], list[int]]]:
+        def over_raw(xs: list[list[int]], k: int) -> list[int]:
+            return [x - r for x, r in zip(xs[k], xs[0], strict=True)]
 
-        return [("raw stub", self.raw_ns), ("Client.step", self.step_ns), ("Sandbox.run", self.run_ns),
-                ("Client.step - raw", over_raw(self.step_ns)), ("Sandbox.run - raw", over_raw(self.run_ns))]
+        rows = [(name, self.wall[k], self.cpu[k]) for k, name in enumerate(PATHS)]
+        return rows + [(f"{PATHS[k]} - raw", over_raw(self.wall, k), over_raw(self.cpu, k)) for k in (1, 2)]
 
 
 def percentile(xs: list[int], p: float) -> int:
@@ -77,22 +81,27 @@ def percentile(xs: list[int], p: float) -> int:
     return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
 
 
-def interleave(paths: list[Callable[[], object]], steps: int, warmup: int) -> list[list[int]]:
+def interleave(paths: list[Callable[[], object]], steps: int, warmup: int) -> tuple[list[list[int]], list[list[int]]]:
     """Times steps rounds of one call of each path, after warmup untimed rounds; each round starts
-    one path later than the one before, so that every path takes every place in turn."""
+    one path later than the one before, so that every path takes every place in turn. Returns the
+    wall times and the calling thread's CPU times (the gRPC client's work on a synchronous call is
+    done on it), which another process's load barely moves."""
     for _ in range(warmup):
         for p in paths:
             p()
-    times: list[list[int]] = [[] for _ in paths]
-    clock = time.perf_counter_ns
+    wall: list[list[int]] = [[] for _ in paths]
+    cpu: list[list[int]] = [[] for _ in paths]
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     n = len(paths)
     for i in range(steps):
         for k in range(n):
             j = (i + k) % n
-            t0 = clock()
+            c0, t0 = cpu_clock(), clock()
             paths[j]()
-            times[j].append(clock() - t0)
-    return times
+            t1, c1 = clock(), cpu_clock()
+            wall[j].append(t1 - t0)
+            cpu[j].append(c1 - c0)
+    return wall, cpu
 
 
 def open_sandbox(client: deltagym.Client, env: str) -> Any:
@@ -125,8 +134,8 @@ def measure(variant: str, addr: str, token: str, env: str, steps: int, warmup: i
         def sandbox_run() -> object:
             return sb.run(ARGV)
 
-        raw_ns, step_ns, run_ns = interleave([raw_step, client_step, sandbox_run], steps, warmup)
-    return Result(variant, raw_ns, step_ns, run_ns)
+        wall, cpu = interleave([raw_step, client_step, sandbox_run], steps, warmup)
+    return Result(variant, wall, cpu)
 
 
 class TrivialEnv(es_grpc.EnvServiceServicer):  # type: ignore[misc]  # the generated gRPC module is untyped
@@ -230,10 +239,15 @@ def remove_below(tmp: Path) -> None:
 def report(results: list[Result], load: tuple[tuple[float, ...], tuple[float, ...]]) -> None:
     print(f"load average (1, 5, 15 min) before: {' '.join(f'{x:.2f}' for x in load[0])}, "
           f"after: {' '.join(f'{x:.2f}' for x in load[1])}")
-    print(f"{'variant':<10} {'path':<18} {'steps':>6} {'p50 us':>9} {'p99 us':>9}")
+    print(f"{'variant':<10} {'path':<18} {'steps':>6} {'p50 us':>9} {'p99 us':>9} {'cpu p50 us':>11} {'cpu p99 us':>11}")
     for r in results:
-        for path, xs in r.rows():
-            print(f"{r.variant:<10} {path:<18} {len(xs):>6} {percentile(xs, 50) / 1e3:>9.1f} {percentile(xs, 99) / 1e3:>9.1f}")
+        for path, wall, cpu in r.rows():
+            print(f"{r.variant:<10} {path:<18} {len(wall):>6} {us(wall, 50):>9.1f} {us(wall, 99):>9.1f} "
+                  f"{us(cpu, 50):>11.1f} {us(cpu, 99):>11.1f}")
+
+
+def us(xs: list[int], p: float) -> float:
+    return percentile(xs, p) / 1e3
 
 
 def main(argv: list[str]) -> int:
