@@ -45,6 +45,7 @@ from deltagym._common import CHANNEL_OPTIONS, resolve_token
 from deltagym._proto.deltagym.v1 import action_pb2, env_service_pb2 as es, env_service_pb2_grpc as es_grpc
 
 ARGV = ["true"]
+PATHS = ("raw stub", "Client.step", "Sandbox.run")
 ENV = {
     "name": "bench",
     "description": "the Python SDK overhead benchmark: one warm sandbox, no budgets",
@@ -54,9 +55,6 @@ ENV = {
     "limits": {"step_timeout_seconds": 30},
     "pool_size": 1,
 }
-
-
-PATHS = ("raw stub", "Client.step", "Sandbox.run")
 
 
 @dataclass
@@ -256,8 +254,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=2000, help="timed rounds per variant (default 2000)")
     ap.add_argument("--warmup", type=int, default=200, help="untimed rounds first (default 200)")
     ap.add_argument("--addr", help="a running server (with --token or $DELTAGYM_TOKEN...), instead of --serve")
-    ap.add_argument("--token", default=None)
-    ap.add_argument("--env", default="bench", help="with --addr: the env whose sandbox runs the commands")
+    ap.add_argument("--token", default=None, help="with --addr: the server's token (default as the SDK finds it)")
+    ap.add_argument("--env", default="bench",
+                    help="with --addr: the env whose sandbox runs the commands (no max_steps below the rounds' steps)")
     ap.add_argument("--serve", help="the deltagym binary to start a private server with (bin/deltagym)")
     ap.add_argument("--init", help="with --serve: the sandbox init (bin/dg-init)")
     ap.add_argument("--image-dir", help="with --serve: the built default image (.data/images/default)")
