@@ -12,6 +12,7 @@ checkpoint tree search, deltagym.errors the exceptions.
 from . import actions, errors, raw, types
 from ._common import RetryPolicy, observation_text
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2, ledger_service_pb2
+from ._version import __version__
 from .aio import AsyncClient, AsyncSandbox
 from .client import Client, SandboxHandle
 from .errors import (
@@ -57,9 +58,8 @@ from .types import (
     UploadResult,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "Aborted",
     "ActionFailed",
     "AlreadyExists",
