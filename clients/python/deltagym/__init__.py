@@ -59,7 +59,6 @@ from .types import (
 )
 
 __all__ = [
-    "__version__",
     "Aborted",
     "ActionFailed",
     "AlreadyExists",
@@ -107,6 +106,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "UploadResult",
+    "__version__",
     "action_pb2",
     "actions",
     "env_pb2",

@@ -71,7 +71,9 @@ class SearchTree:
         exploration: the UCT exploration constant.
     """
 
-    def __init__(self, sandbox: SandboxHandle | Sandbox, *, root_checkpoint_id: str | None = None, exploration: float = 1.4) -> None:
+    def __init__(
+        self, sandbox: SandboxHandle | Sandbox, *, root_checkpoint_id: str | None = None, exploration: float = 1.4
+    ) -> None:
         self.sandbox: SandboxHandle = sandbox.handle if isinstance(sandbox, Sandbox) else sandbox
         self.exploration = exploration
         ck = root_checkpoint_id or self.sandbox.checkpoint().checkpoint_id
