@@ -75,6 +75,7 @@ type app struct {
 	Purge       purgeCmd       `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`
 	Completion  completionCmd  `cmd:"" help:"print the shell completion script for bash, zsh or fish"`
 	Help        helpCmd        `cmd:"" help:"describe a command"`
+	VersionCmd  versionCmd     `cmd:"" name:"version" help:"print the version"`
 }
 
 // Main runs the CLI with args (without the program name) and returns the exit status.
@@ -205,6 +206,15 @@ func (h *helpCmd) Run(kctx *kong.Context) error {
 		return usageErrorf("%v", err)
 	}
 	return sub.Run() // serve passes --help on to its own flags; kong printed the others' help and exited
+}
+
+// versionCmd is `deltagym version`: the program's name and version (the file VERSION at the
+// repository's root).
+type versionCmd struct{}
+
+func (versionCmd) Run(a *app) error {
+	_, err := fmt.Fprintln(a.stdout, "deltagym "+version)
+	return err
 }
 
 // seconds is a duration flag that also takes a plain number of seconds.

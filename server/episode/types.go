@@ -9,9 +9,11 @@ import (
 	"github.com/deltagym/deltagym/sandbox"
 )
 
-// Action is what a step does: one of Exec, WriteFile, ReadFile and Submit.
+// Action is what a step does: Exec, WriteFile, ReadFile or Submit; a tree action (ListDir,
+// Stat, Remove, MakeDir, Upload, Download: files.go); a process action (ListProcesses, Signal);
+// or Refused, a request the wire could not make into one.
 type Action interface {
-	// Kind names the action: "exec", "write_file", "read_file" or "submit".
+	// Kind names the action as its proto field does: "exec", "write_file", "list_dir" ...
 	Kind() string
 }
 

@@ -1,40 +1,121 @@
 """deltagym: Python SDK for deltagym sandbox servers.
 
-Client and AsyncClient cover every call of EnvService and LedgerService;
-Sandbox and AsyncSandbox are leased sandboxes whose leases are renewed in the
-background until closed. deltagym.gym holds the Gymnasium env, deltagym.grpo
-group rollouts, deltagym.tree checkpoint tree search.
+Sandbox (and deltagym.aio.AsyncSandbox) is a leased sandbox with typed
+results: commands, streaming output, files, processes, setup steps,
+checkpoints, restores and forks. Client and AsyncClient are the low-level
+clients covering every call of EnvService and LedgerService, returning the
+server's messages (deltagym.raw holds the generated modules). deltagym.gym
+holds the Gymnasium env, deltagym.grpo group rollouts, deltagym.tree
+checkpoint tree search, deltagym.errors the exceptions.
 """
 
-from . import actions, errors
+from . import actions, errors, raw, types
 from ._common import RetryPolicy, observation_text
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2, ledger_service_pb2
+from ._version import __version__
 from .aio import AsyncClient, AsyncSandbox
-from .client import Client, Sandbox
+from .client import Client, SandboxHandle
 from .errors import (
     Aborted,
+    ActionFailed,
     AlreadyExists,
+    CheckpointNotFound,
+    CommandExitError,
     DeadlineExceeded,
     DeltagymError,
+    EnvNotFound,
+    EpisodeEnded,
+    EpisodeNotFound,
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    NoCapacity,
     NotFound,
     PermissionDenied,
+    RateLimited,
     ResourceExhausted,
+    SandboxClosed,
+    SandboxError,
+    SandboxNotFound,
+    Timeout,
     Unauthenticated,
     Unavailable,
     Unimplemented,
 )
-
-__version__ = "0.1.0"
+from .sandbox import CommandStream, Files, Process, Processes, Sandbox
+from .types import (
+    Checkpoint,
+    CommandResult,
+    Evaluation,
+    FileInfo,
+    OutputChunk,
+    ProcessInfo,
+    Restored,
+    SandboxInfo,
+    StepInfo,
+    StepResult,
+    SubmitResult,
+    UploadResult,
+)
 
 __all__ = [
-    "Client", "Sandbox", "AsyncClient", "AsyncSandbox", "RetryPolicy", "observation_text", "actions", "errors",
-    "action_pb2", "env_pb2", "env_service_pb2", "ledger_service_pb2",
-    "DeltagymError", "NotFound", "InvalidArgument", "FailedPrecondition", "ResourceExhausted", "Aborted",
-    "Unauthenticated", "AlreadyExists", "PermissionDenied", "DeadlineExceeded", "Unavailable", "Unimplemented",
+    "Aborted",
+    "ActionFailed",
+    "AlreadyExists",
+    "AsyncClient",
+    "AsyncSandbox",
+    "Checkpoint",
+    "CheckpointNotFound",
+    "Client",
+    "CommandExitError",
+    "CommandResult",
+    "CommandStream",
+    "DeadlineExceeded",
+    "DeltagymError",
+    "EnvNotFound",
+    "EpisodeEnded",
+    "EpisodeNotFound",
+    "Evaluation",
+    "FailedPrecondition",
+    "FileInfo",
+    "Files",
     "Internal",
+    "InvalidArgument",
+    "NoCapacity",
+    "NotFound",
+    "OutputChunk",
+    "PermissionDenied",
+    "Process",
+    "ProcessInfo",
+    "Processes",
+    "RateLimited",
+    "ResourceExhausted",
+    "Restored",
+    "RetryPolicy",
+    "Sandbox",
+    "SandboxClosed",
+    "SandboxError",
+    "SandboxHandle",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "StepInfo",
+    "StepResult",
+    "SubmitResult",
+    "Timeout",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "UploadResult",
+    "__version__",
+    "action_pb2",
+    "actions",
+    "env_pb2",
+    "env_service_pb2",
+    "errors",
+    "ledger_service_pb2",
+    "observation_text",
+    "raw",
+    "types",
 ]
 
 # With Gymnasium installed, `import deltagym` registers the Gymnasium ids of

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import random
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any
 
 from google.protobuf import json_format
 
@@ -33,7 +34,7 @@ MIN_HEARTBEAT = 0.2
 DEFAULT_HEARTBEAT = 60.0
 
 
-def resolve_addr(addr: Optional[str]) -> str:
+def resolve_addr(addr: str | None) -> str:
     """Returns addr, else $DELTAGYM_ADDR, else 127.0.0.1:8080. A leading
     http:// is dropped (gRPC targets have no scheme)."""
     a = addr or os.environ.get("DELTAGYM_ADDR") or DEFAULT_ADDR
@@ -43,7 +44,7 @@ def resolve_addr(addr: Optional[str]) -> str:
     return a.rstrip("/")
 
 
-def resolve_token(token: Optional[str]) -> str:
+def resolve_token(token: str | None) -> str:
     """Returns the bearer token to send: token when given, else
     $DELTAGYM_TOKEN, else the contents of the file $DELTAGYM_TOKEN_FILE (an
     OSError when it cannot be read), else the file "token" of the server's
@@ -66,7 +67,7 @@ def resolve_token(token: Optional[str]) -> str:
         return ""  # no server here, or not this user's to read
 
 
-def metadata(token: str) -> tuple:
+def metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
@@ -98,10 +99,11 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+DEFAULT_RETRY = RetryPolicy()
 
 
-def reset_request(env: str, seed: Optional[int], options: Optional[Mapping[str, Any]], run: str,
-                  group_id: str, idempotency_key: Optional[str]) -> es.ResetRequest:
+def reset_request(env: str, seed: int | None, options: Mapping[str, Any] | None, run: str,
+                  group_id: str, idempotency_key: str | None) -> es.ResetRequest:
     req = es.ResetRequest(env=env, options={k: str(v) for k, v in (options or {}).items()},
                           run=run, group_id=group_id, idempotency_key=idempotency_key or new_key())
     if seed is not None:
@@ -109,8 +111,8 @@ def reset_request(env: str, seed: Optional[int], options: Optional[Mapping[str, 
     return req
 
 
-def fork_request(checkpoint_id: Optional[str], sandbox_id: Optional[str], n: int, group_id: str, run: str,
-                 fresh_entropy: bool, idempotency_key: Optional[str]) -> es.ForkRequest:
+def fork_request(checkpoint_id: str | None, sandbox_id: str | None, n: int, group_id: str, run: str,
+                 fresh_entropy: bool, idempotency_key: str | None) -> es.ForkRequest:
     if (checkpoint_id is None) == (sandbox_id is None):
         raise ValueError("fork needs exactly one of checkpoint_id and sandbox_id")
     req = es.ForkRequest(n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
@@ -122,35 +124,45 @@ def fork_request(checkpoint_id: Optional[str], sandbox_id: Optional[str], n: int
     return req
 
 
-def tree_request(run: Optional[str], episode_id: Optional[str]) -> ls.GetCheckpointTreeRequest:
+def tree_request(run: str | None, episode_id: str | None) -> ls.GetCheckpointTreeRequest:
     if (run is None) == (episode_id is None):
         raise ValueError("get_checkpoint_tree needs exactly one of run and episode_id")
     return ls.GetCheckpointTreeRequest(run=run) if run is not None else ls.GetCheckpointTreeRequest(episode_id=episode_id)
 
 
-def env_spec(spec: Union[env_pb2.EnvSpec, Mapping[str, Any]]) -> env_pb2.EnvSpec:
+def env_spec(spec: env_pb2.EnvSpec | Mapping[str, Any]) -> env_pb2.EnvSpec:
     """Accepts an EnvSpec or its JSON form as a dict (as in catalog files)."""
     if isinstance(spec, env_pb2.EnvSpec):
         return spec
     return json_format.ParseDict(dict(spec), env_pb2.EnvSpec())
 
 
-def step_request(sandbox_id: str, action: Union[action_pb2.Action, str], checkpoint: bool,
-                 restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepRequest:
+def step_request(sandbox_id: str, action: action_pb2.Action | str, checkpoint: bool,
+                 restore: str | None = None, fresh_entropy: bool = False) -> es.StepRequest:
     from .actions import coerce
 
     return es.StepRequest(sandbox_id=sandbox_id, action=coerce(action), checkpoint=checkpoint,
                           restore_checkpoint_id=restore or "", restore_fresh_entropy=fresh_entropy)
 
 
-def lease_seconds(ts: Any, now: float) -> Optional[float]:
+def lease_seconds(ts: Any, now: float) -> float | None:
     """Seconds from now until a google.protobuf.Timestamp, or None when unset."""
     if ts is None or (ts.seconds == 0 and ts.nanos == 0):
         return None
-    return ts.seconds + ts.nanos / 1e9 - now
+    at: float = ts.seconds + ts.nanos / 1e9
+    return at - now
 
 
-def heartbeat_interval(ttl: Optional[float]) -> float:
+def ttl_seconds(ttl: float | None) -> float:
+    """A lease TTL as the requests carry it: 0 for the server's default."""
+    if ttl is None:
+        return 0.0
+    if not ttl > 0 or ttl == float("inf"):
+        raise ValueError(f"lease_ttl must be a positive number of seconds, not {ttl}")
+    return float(ttl)
+
+
+def heartbeat_interval(ttl: float | None) -> float:
     if ttl is None or ttl <= 0:
         return DEFAULT_HEARTBEAT
     return max(MIN_HEARTBEAT, ttl * HEARTBEAT_FRACTION)
@@ -190,5 +202,5 @@ def exec_text(r: action_pb2.ExecResult) -> str:
     return text
 
 
-def ids(items: Sequence[Any]) -> list:
+def ids(items: Sequence[Any]) -> list[str]:
     return [getattr(i, "id", i) for i in items]

@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Union
+from collections.abc import Iterable, Mapping
 
 from ._proto.deltagym.v1 import action_pb2
 
-__all__ = ["Action", "command", "argv", "write_file", "read_file", "submit", "coerce"]
+__all__ = ["Action", "argv", "coerce", "command", "read_file", "submit", "write_file"]
 
 Action = action_pb2.Action
 
@@ -21,8 +21,8 @@ def command(
     cmd: str,
     *,
     session: str = "",
-    stdin: Union[bytes, str] = b"",
-    env: Optional[Mapping[str, str]] = None,
+    stdin: bytes | str = b"",
+    env: Mapping[str, str] | None = None,
     cwd: str = "",
     timeout: float = 0.0,
     background: bool = False,
@@ -36,8 +36,8 @@ def command(
 def argv(
     args: Iterable[str],
     *,
-    stdin: Union[bytes, str] = b"",
-    env: Optional[Mapping[str, str]] = None,
+    stdin: bytes | str = b"",
+    env: Mapping[str, str] | None = None,
     cwd: str = "",
     timeout: float = 0.0,
     background: bool = False,
@@ -48,7 +48,7 @@ def argv(
         timeout_seconds=timeout, background=background))
 
 
-def write_file(path: str, content: Union[bytes, str], *, mode: int = 0, append: bool = False) -> action_pb2.Action:
+def write_file(path: str, content: bytes | str, *, mode: int = 0, append: bool = False) -> action_pb2.Action:
     """Creates, replaces or (with append) extends a file inside the sandbox."""
     return action_pb2.Action(write_file=action_pb2.WriteFileAction(
         path=path, content=_bytes(content), mode=mode, append=append))
@@ -59,14 +59,14 @@ def read_file(path: str, *, offset: int = 0, max_bytes: int = 0) -> action_pb2.A
     return action_pb2.Action(read_file=action_pb2.ReadFileAction(path=path, offset=offset, max_bytes=max_bytes))
 
 
-def submit(answer: Optional[str] = None) -> action_pb2.Action:
+def submit(answer: str | None = None) -> action_pb2.Action:
     """Ends the episode; the env's verifier runs and its reward is returned."""
     if answer is None:
         return action_pb2.Action(submit=action_pb2.SubmitAction())
     return action_pb2.Action(submit=action_pb2.SubmitAction(answer=answer))
 
 
-def coerce(action: Union[action_pb2.Action, str]) -> action_pb2.Action:
+def coerce(action: action_pb2.Action | str) -> action_pb2.Action:
     """Returns action itself, or, for a string, a shell command action."""
     if isinstance(action, action_pb2.Action):
         return action
@@ -75,5 +75,5 @@ def coerce(action: Union[action_pb2.Action, str]) -> action_pb2.Action:
     raise TypeError(f"action must be an Action or a str, not {type(action).__name__}")
 
 
-def _bytes(v: Union[bytes, str]) -> bytes:
+def _bytes(v: bytes | str) -> bytes:
     return v.encode() if isinstance(v, str) else bytes(v)

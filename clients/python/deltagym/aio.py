@@ -11,9 +11,11 @@ deltagym.client, awaited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, List, Mapping, Optional, Sequence, Union
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -27,12 +29,23 @@ from ._proto.deltagym.v1 import (
     ledger_service_pb2 as ls,
     ledger_service_pb2_grpc as ls_grpc,
 )
-from .actions import command as _command, argv as _argv, read_file as _read_file, submit as _submit, write_file as _write_file
+from .actions import argv as _argv, command as _command, read_file as _read_file, submit as _submit, write_file as _write_file
 from .errors import DeltagymError, from_code, from_rpc_error
 
-__all__ = ["AsyncClient", "AsyncSandbox"]
+__all__ = [
+    "AsyncClient",
+    "AsyncCommandStream",
+    "AsyncFiles",
+    "AsyncProcess",
+    "AsyncProcesses",
+    "AsyncSandbox",
+    "AsyncSandboxHandle",
+]
 
 log = logging.getLogger("deltagym")
+
+# The deadline argument's default: the client's own timeout.
+_DEFAULT: Any = object()
 
 
 class AsyncClient:
@@ -42,13 +55,13 @@ class AsyncClient:
 
     def __init__(
         self,
-        addr: Optional[str] = None,
+        addr: str | None = None,
         *,
-        token: Optional[str] = None,
-        timeout: Optional[float] = None,
-        retry: c.RetryPolicy = c.RetryPolicy(),
+        token: str | None = None,
+        timeout: float | None = None,
+        retry: c.RetryPolicy = c.DEFAULT_RETRY,
         heartbeat: bool = True,
-        channel: Optional[grpc.aio.Channel] = None,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
         self.addr = c.resolve_addr(addr)
         self._md = c.metadata(c.resolve_token(token))
@@ -59,16 +72,17 @@ class AsyncClient:
         self._channel = channel or grpc.aio.insecure_channel(self.addr, options=c.CHANNEL_OPTIONS)
         self._env = es_grpc.EnvServiceStub(self._channel)
         self._ledger = ls_grpc.LedgerServiceStub(self._channel)
-        self._lease_ttl: Optional[float] = None
-        self._handles: "set[AsyncSandbox]" = set()
+        self._lease_ttl: float | None = None
+        self._handles: set[AsyncSandboxHandle] = set()
         self._closed = False
 
-    async def _call(self, name: str, fn: Any, req: Any, safe: bool) -> Any:
+    async def _call(self, name: str, fn: Any, req: Any, safe: bool, timeout: Any = _DEFAULT) -> Any:
         policy = self.retry if safe else c.NO_RETRY
         attempt = 0
+        deadline = self.timeout if timeout is _DEFAULT else timeout
         while True:
             try:
-                return await fn(req, metadata=self._md, timeout=self.timeout)
+                return await fn(req, metadata=self._md, timeout=deadline)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
                     await asyncio.sleep(policy.backoff(attempt))
@@ -88,13 +102,13 @@ class AsyncClient:
         self._closed = True
         handles = list(self._handles)
         results = await asyncio.gather(*(h.close() for h in handles), return_exceptions=True)
-        for h, r in zip(handles, results):
+        for h, r in zip(handles, results, strict=False):
             if isinstance(r, BaseException):
                 log.warning("closing sandbox %s: %s", h.id, r)
         if self._own_channel:
             await self._channel.close(None)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -102,49 +116,69 @@ class AsyncClient:
 
     # --- EnvService -----------------------------------------------------------
 
-    async def list_envs(self) -> List[env_pb2.EnvInfo]:
+    async def list_envs(self) -> list[env_pb2.EnvInfo]:
+        """Returns the catalog with the state of each env's warm pool."""
         return list((await self._call("ListEnvs", self._env.ListEnvs, es.ListEnvsRequest(), True)).envs)
 
-    async def register_env(self, spec: Union[env_pb2.EnvSpec, Mapping[str, Any]], *, replace: bool = False) -> env_pb2.EnvInfo:
+    async def register_env(self, spec: env_pb2.EnvSpec | Mapping[str, Any], *, replace: bool = False) -> env_pb2.EnvInfo:
+        """Adds an env (an EnvSpec or its JSON form as a dict) to the catalog."""
         req = es.RegisterEnvRequest(spec=c.env_spec(spec), replace=replace)
-        return (await self._call("RegisterEnv", self._env.RegisterEnv, req, False)).env
+        resp: es.RegisterEnvResponse = await self._call("RegisterEnv", self._env.RegisterEnv, req, False)
+        return resp.env
 
-    async def import_image(self, name: str, path: str, *, format: Optional[Union[es.ImageFormat, str]] = None, reference: str = "") -> es.ImportImageResponse:
+    async def import_image(self, name: str, path: str, *, format: es.ImageFormat | str | None = None,
+                     reference: str = "") -> es.ImportImageResponse:
+        """Imports a base image from a path on the server."""
         req = es.ImportImageRequest(name=name, path=path, format=format, reference=reference)
-        return await self._call("ImportImage", self._env.ImportImage, req, False)
+        resp: es.ImportImageResponse = await self._call("ImportImage", self._env.ImportImage, req, False)
+        return resp
 
     async def reset(
         self,
         env: str,
         *,
-        seed: Optional[int] = None,
-        options: Optional[Mapping[str, Any]] = None,
+        seed: int | None = None,
+        options: Mapping[str, Any] | None = None,
         run: str = "",
         group_id: str = "",
-        idempotency_key: Optional[str] = None,
-    ) -> "AsyncSandbox":
+        idempotency_key: str | None = None,
+        lease_ttl: float | None = None,
+        timeout: Any = _DEFAULT,
+    ) -> AsyncSandboxHandle:
+        """Leases a warm sandbox of env and starts an episode (as Client.reset)."""
         req = c.reset_request(env, seed, options, run, group_id, idempotency_key)
-        resp: es.ResetResponse = await self._call("Reset", self._env.Reset, req, True)
+        req.lease_ttl_seconds = c.ttl_seconds(lease_ttl)
+        resp: es.ResetResponse = await self._call("Reset", self._env.Reset, req, True, timeout)
         self._saw_lease(resp.lease_expire_time)
-        return AsyncSandbox(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
-                            start_checkpoint_id=resp.checkpoint_id, reset=resp)
+        return AsyncSandboxHandle(self, resp.sandbox_id, env=env, episode_id=resp.episode_id,
+                                  start_checkpoint_id=resp.checkpoint_id, reset=resp, lease_ttl=lease_ttl)
 
-    async def step(self, sandbox_id: str, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
-                   restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+    async def step(self, sandbox_id: str, action: action_pb2.Action | str, *, checkpoint: bool = False,
+                   restore: str | None = None, fresh_entropy: bool = False, setup: bool = False,
+                   timeout: Any = _DEFAULT) -> es.StepResponse:
+        """Performs one action (as Client.step)."""
         req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy)
-        return await self._call("Step", self._env.Step, req, False)
+        req.setup = setup
+        resp: es.StepResponse = await self._call("Step", self._env.Step, req, False, timeout)
+        return resp
 
-    async def step_stream(self, steps: Sequence[es.StepRequest]) -> List[Union[es.StepResponse, DeltagymError]]:
+    def stream_step(self, req: es.StepRequest, *, timeout: Any = _DEFAULT) -> _AsyncStream:
+        """Starts a StreamStep (as Client.stream_step), iterated with async for."""
+        deadline = self.timeout if timeout is _DEFAULT else timeout
+        call = self._env.StreamStep(es.StreamStepRequest(step=req), metadata=self._md, timeout=deadline)
+        return _AsyncStream(call, bool(self._md))
+
+    async def step_stream(self, steps: Sequence[es.StepRequest]) -> list[es.StepResponse | DeltagymError]:
         """Pipelines steps on one StepStream; results in the order sent."""
         reqs = [es.StepStreamRequest(request_id=i, step=s) for i, s in enumerate(steps)]
-        out: List[Any] = [None] * len(reqs)
+        out: list[Any] = [None] * len(reqs)
         try:
             call = self._env.StepStream(iter(reqs), metadata=self._md, timeout=self.timeout)
             async for r in call:
                 if r.WhichOneof("result") == "step":
                     out[r.request_id] = r.step
                 else:
-                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream")
+                    out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream", reason=r.error.reason)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "StepStream", bool(self._md)) from None
         for i, o in enumerate(out):
@@ -152,50 +186,74 @@ class AsyncClient:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
         return out
 
-    async def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+    async def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: env_pb2.ProcessMode | str | None = None,
+                         timeout: Any = _DEFAULT) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint."""
         req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
-        return await self._call("Checkpoint", self._env.Checkpoint, req, False)
+        resp: es.CheckpointResponse = await self._call("Checkpoint", self._env.Checkpoint, req, False, timeout)
+        return resp
 
-    async def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+    async def restore(self, sandbox_id: str, checkpoint_id: str, *, fresh_entropy: bool = False,
+                      timeout: Any = _DEFAULT) -> es.RestoreResponse:
+        """Puts the sandbox at a checkpoint; a new episode starts there."""
         req = es.RestoreRequest(sandbox_id=sandbox_id, checkpoint_id=checkpoint_id, fresh_entropy=fresh_entropy)
-        return await self._call("Restore", self._env.Restore, req, False)
+        resp: es.RestoreResponse = await self._call("Restore", self._env.Restore, req, False, timeout)
+        return resp
 
     async def fork(
         self,
         *,
-        checkpoint_id: Optional[str] = None,
-        sandbox_id: Optional[str] = None,
+        checkpoint_id: str | None = None,
+        sandbox_id: str | None = None,
         n: int = 1,
         group_id: str = "",
         run: str = "",
         fresh_entropy: bool = False,
-        idempotency_key: Optional[str] = None,
-    ) -> List["AsyncSandbox"]:
+        idempotency_key: str | None = None,
+        lease_ttl: float | None = None,
+        timeout: Any = _DEFAULT,
+    ) -> list[AsyncSandboxHandle]:
+        """Creates n sandboxes at a checkpoint or a sandbox's current state (as Client.fork)."""
         req = c.fork_request(checkpoint_id, sandbox_id, n, group_id, run, fresh_entropy, idempotency_key)
-        resp: es.ForkResponse = await self._call("Fork", self._env.Fork, req, True)
-        return [AsyncSandbox(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id)
-                for sid, eid in zip(resp.sandbox_ids, resp.episode_ids)]
+        req.lease_ttl_seconds = c.ttl_seconds(lease_ttl)
+        resp: es.ForkResponse = await self._call("Fork", self._env.Fork, req, True, timeout)
+        return [AsyncSandboxHandle(self, sid, env="", episode_id=eid, start_checkpoint_id=resp.checkpoint_id,
+                                   lease_ttl=lease_ttl)
+                for sid, eid in zip(resp.sandbox_ids, resp.episode_ids, strict=False)]
 
     async def release_checkpoint(self, checkpoint_id: str) -> None:
+        """Drops the caller's hold on a checkpoint."""
         req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
         await self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
 
-    async def evaluate(self, sandbox_id: str) -> es.EvaluateResponse:
-        return await self._call("Evaluate", self._env.Evaluate, es.EvaluateRequest(sandbox_id=sandbox_id), True)
-
-    async def close_sandbox(self, sandbox_id: str) -> None:
-        await self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True)
-
-    async def heartbeat(self, sandbox_ids: Sequence[Union[str, "AsyncSandbox"]]) -> es.HeartbeatResponse:
-        resp = await self._call("Heartbeat", self._env.Heartbeat, es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids)), True)
-        for lease in resp.leases:
-            self._saw_lease(lease.expire_time)
+    async def evaluate(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> es.EvaluateResponse:
+        """Runs the verifier on the sandbox's state without changing it."""
+        req = es.EvaluateRequest(sandbox_id=sandbox_id)
+        resp: es.EvaluateResponse = await self._call("Evaluate", self._env.Evaluate, req, True, timeout)
         return resp
 
-    async def get_sandbox(self, sandbox_id: str) -> env_pb2.Sandbox:
-        return (await self._call("GetSandbox", self._env.GetSandbox, es.GetSandboxRequest(sandbox_id=sandbox_id), True)).sandbox
+    async def close_sandbox(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> None:
+        """Ends the sandbox's episode and frees it. Closing twice succeeds."""
+        await self._call("Close", self._env.Close, es.CloseRequest(sandbox_id=sandbox_id), True, timeout)
 
-    async def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> List[env_pb2.Sandbox]:
+    async def heartbeat(self, sandbox_ids: Sequence[str | AsyncSandboxHandle], *, lease_ttl: float | None = None,
+                        timeout: Any = _DEFAULT) -> es.HeartbeatResponse:
+        """Renews the leases of sandboxes; with lease_ttl, their TTL becomes that many seconds."""
+        req = es.HeartbeatRequest(sandbox_ids=c.ids(sandbox_ids), lease_ttl_seconds=c.ttl_seconds(lease_ttl))
+        resp: es.HeartbeatResponse = await self._call("Heartbeat", self._env.Heartbeat, req, True, timeout)
+        if lease_ttl is None:
+            for lease in resp.leases:
+                self._saw_lease(lease.expire_time)
+        return resp
+
+    async def get_sandbox(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> env_pb2.Sandbox:
+        """Describes one sandbox."""
+        req = es.GetSandboxRequest(sandbox_id=sandbox_id)
+        resp: es.GetSandboxResponse = await self._call("GetSandbox", self._env.GetSandbox, req, True, timeout)
+        return resp.sandbox
+
+    async def list_sandboxes(self, *, env: str = "", run: str = "", group_id: str = "") -> list[env_pb2.Sandbox]:
+        """Lists the live sandboxes, filtered by env, run and group."""
         req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
         return list((await self._call("ListSandboxes", self._env.ListSandboxes, req, True)).sandboxes)
 
@@ -203,10 +261,14 @@ class AsyncClient:
 
     async def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
                             page_token: str = "") -> ls.ListEpisodesResponse:
+        """Returns one page of episodes in the order they started, oldest first."""
         req = ls.ListEpisodesRequest(run=run, group_id=group_id, env=env, page_size=page_size, page_token=page_token)
-        return await self._call("ListEpisodes", self._ledger.ListEpisodes, req, True)
+        resp: ls.ListEpisodesResponse = await self._call("ListEpisodes", self._ledger.ListEpisodes, req, True)
+        return resp
 
-    async def iter_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0) -> AsyncIterator[ls.Episode]:
+    async def iter_episodes(self, *, run: str = "", group_id: str = "", env: str = "",
+                            page_size: int = 0) -> AsyncIterator[ls.Episode]:
+        """Yields every matching episode in the order they started, fetching pages as needed."""
         token = ""
         while True:
             page = await self.list_episodes(run=run, group_id=group_id, env=env, page_size=page_size, page_token=token)
@@ -217,27 +279,57 @@ class AsyncClient:
                 return
 
     async def get_trajectory(self, episode_id: str) -> ls.GetTrajectoryResponse:
-        return await self._call("GetTrajectory", self._ledger.GetTrajectory, ls.GetTrajectoryRequest(episode_id=episode_id), True)
+        """Returns an episode and its steps, inherited ones first."""
+        req = ls.GetTrajectoryRequest(episode_id=episode_id)
+        resp: ls.GetTrajectoryResponse = await self._call("GetTrajectory", self._ledger.GetTrajectory, req, True)
+        return resp
 
-    async def get_checkpoint_tree(self, *, run: Optional[str] = None, episode_id: Optional[str] = None) -> List[ls.CheckpointNode]:
+    async def get_checkpoint_tree(self, *, run: str | None = None, episode_id: str | None = None) -> list[ls.CheckpointNode]:
+        """Returns the checkpoints of a run or of an episode's lineage, parents first."""
         resp = await self._call("GetCheckpointTree", self._ledger.GetCheckpointTree, c.tree_request(run, episode_id), True)
         return list(resp.nodes)
 
     async def get_group_advantages(self, group_id: str, *, reward_source: str = "") -> ls.GetGroupAdvantagesResponse:
+        """Computes the group-relative (GRPO) advantages of a group's episodes."""
         req = ls.GetGroupAdvantagesRequest(group_id=group_id, reward_source=reward_source)
-        return await self._call("GetGroupAdvantages", self._ledger.GetGroupAdvantages, req, True)
+        resp: ls.GetGroupAdvantagesResponse = await self._call("GetGroupAdvantages", self._ledger.GetGroupAdvantages, req, True)
+        return resp
 
     async def report_reward(self, episode_id: str, name: str, value: float, *, source: str = "") -> None:
+        """Records a reward for an episode (same name and source replaces)."""
         req = ls.ReportRewardRequest(episode_id=episode_id, name=name, value=value, source=source)
         await self._call("ReportReward", self._ledger.ReportReward, req, False)
 
 
-class AsyncSandbox:
-    """A leased sandbox whose lease an asyncio task renews until close();
-    `async with` closes it. Attributes as for deltagym.Sandbox."""
+class _AsyncStream:
+    """A StreamStep call's responses, its errors raised as DeltagymError."""
+
+    def __init__(self, call: Any, sent_token: bool) -> None:
+        self._call = call
+        self._it = call.__aiter__()
+        self._sent_token = sent_token
+
+    def __aiter__(self) -> _AsyncStream:
+        return self
+
+    async def __anext__(self) -> es.StreamStepResponse:
+        try:
+            return await self._it.__anext__()  # type: ignore[no-any-return]
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "StreamStep", self._sent_token) from None
+
+    def cancel(self) -> None:
+        """Cancels the call, which cuts the step short."""
+        self._call.cancel()
+
+
+class AsyncSandboxHandle:
+    """A leased sandbox as the low-level AsyncClient sees it, whose lease an
+    asyncio task renews until close(); `async with` closes it. Attributes as
+    for deltagym.client.SandboxHandle. (The typed API is deltagym.aio.AsyncSandbox.)"""
 
     def __init__(self, client: AsyncClient, sandbox_id: str, *, env: str, episode_id: str, start_checkpoint_id: str,
-                 reset: Optional[es.ResetResponse] = None) -> None:
+                 reset: es.ResetResponse | None = None, lease_ttl: float | None = None) -> None:
         self.client = client
         self.id = sandbox_id
         self.env = env
@@ -246,87 +338,122 @@ class AsyncSandbox:
         self.reset_response = reset
         self.lost = False
         self.closed = False
-        self._task: Optional[asyncio.Task] = None
+        self.lease_ttl = lease_ttl
+        self.lease_expires_at: float | None = None
+        if reset is not None:
+            self.saw_lease(reset.lease_expire_time)
+        self._task: asyncio.Task[None] | None = None
         client._handles.add(self)
         if client.heartbeat_enabled:
             self._task = asyncio.get_running_loop().create_task(self._heartbeats(), name=f"deltagym-heartbeat-{sandbox_id}")
 
     def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+        return f"AsyncSandboxHandle(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+
+    def saw_lease(self, ts: Any) -> None:
+        """Records the lease expiry a response gave (a Timestamp)."""
+        at = c.lease_seconds(ts, 0.0)
+        if at is not None:
+            self.lease_expires_at = at
 
     @property
-    def observation(self) -> Optional[action_pb2.Observation]:
+    def observation(self) -> action_pb2.Observation | None:
+        """The Reset observation, for sandboxes made by Reset."""
         return self.reset_response.observation if self.reset_response else None
 
     async def _heartbeats(self) -> None:
         while True:
-            await asyncio.sleep(c.heartbeat_interval(self.client._lease_ttl))
+            await asyncio.sleep(c.heartbeat_interval(self.lease_ttl or self.client._lease_ttl))
             try:
                 resp = await self.client.heartbeat([self.id])
             except DeltagymError as e:
                 log.warning("heartbeat of sandbox %s: %s", self.id, e)
                 continue
+            for lease in resp.leases:
+                if lease.sandbox_id == self.id:
+                    self.saw_lease(lease.expire_time)
             if self.id in resp.unknown_sandbox_ids:
                 self.lost = True
                 return
 
-    async def step(self, action: Union[action_pb2.Action, str], *, checkpoint: bool = False,
-                   restore: Optional[str] = None, fresh_entropy: bool = False) -> es.StepResponse:
+    async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False,
+                   restore: str | None = None, fresh_entropy: bool = False) -> es.StepResponse:
+        """Performs one action; a str is run as a shell command."""
         resp = await self.client.step(self.id, action, checkpoint=checkpoint, restore=restore, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id or self.episode_id
         return resp
 
     async def exec(self, cmd: str, *, session: str = "", checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        """Runs a shell command (in a persistent session when named)."""
         return await self.step(_command(cmd, session=session, **kw), checkpoint=checkpoint)
 
     async def run(self, args: Sequence[str], *, checkpoint: bool = False, **kw: Any) -> es.StepResponse:
+        """Executes a program directly, without a shell."""
         return await self.step(_argv(args, **kw), checkpoint=checkpoint)
 
-    async def write_file(self, path: str, content: Union[bytes, str], *, mode: int = 0, append: bool = False) -> es.StepResponse:
+    async def write_file(self, path: str, content: bytes | str, *, mode: int = 0, append: bool = False) -> es.StepResponse:
+        """Writes (or with append extends) a file inside the sandbox."""
         return await self.step(_write_file(path, content, mode=mode, append=append))
 
     async def read_file(self, path: str, *, offset: int = 0, max_bytes: int = 0) -> es.StepResponse:
+        """Reads (part of) a file inside the sandbox."""
         return await self.step(_read_file(path, offset=offset, max_bytes=max_bytes))
 
-    async def submit(self, answer: Optional[str] = None) -> es.StepResponse:
+    async def submit(self, answer: str | None = None) -> es.StepResponse:
+        """Ends the episode; the response carries the verifier's reward."""
         return await self.step(_submit(answer))
 
-    async def checkpoint(self, *, durable: bool = False, process_mode: Optional[Union[env_pb2.ProcessMode, str]] = None) -> es.CheckpointResponse:
+    async def checkpoint(self, *, durable: bool = False,
+                   process_mode: env_pb2.ProcessMode | str | None = None) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint."""
         return await self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
 
     async def restore(self, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
+        """Puts the sandbox at a checkpoint; a new episode starts there."""
         resp = await self.client.restore(self.id, checkpoint_id, fresh_entropy=fresh_entropy)
         self.episode_id = resp.episode_id
         return resp
 
-    async def fork(self, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False) -> List["AsyncSandbox"]:
+    async def fork(self, n: int = 1, *, group_id: str = "", run: str = "",
+                   fresh_entropy: bool = False) -> list[AsyncSandboxHandle]:
+        """Creates n sandboxes at this sandbox's current state."""
         kids = await self.client.fork(sandbox_id=self.id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy)
         for k in kids:
             k.env = self.env
         return kids
 
     async def evaluate(self) -> es.EvaluateResponse:
+        """Runs the verifier on the sandbox's state without changing it."""
         return await self.client.evaluate(self.id)
 
     async def describe(self) -> env_pb2.Sandbox:
+        """Describes the sandbox (GetSandbox)."""
         return await self.client.get_sandbox(self.id)
 
-    async def close(self) -> None:
-        """Stops the heartbeat task and closes the sandbox. Idempotent."""
+    async def detach(self) -> None:
+        """Stops the heartbeat task and forgets the sandbox without closing it."""
         if self.closed:
             return
         self.closed = True
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self.client._handles.discard(self)
-        await self.client.close_sandbox(self.id)
 
-    async def __aenter__(self) -> "AsyncSandbox":
+    async def close(self, *, timeout: Any = _DEFAULT) -> None:
+        """Stops the heartbeat task and closes the sandbox. Idempotent."""
+        if self.closed:
+            return
+        await self.detach()
+        await self.client.close_sandbox(self.id, timeout=timeout)
+
+    async def __aenter__(self) -> AsyncSandboxHandle:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+# The typed API, on top of the handles above.
+from ._aio_sandbox import AsyncCommandStream, AsyncFiles, AsyncProcess, AsyncProcesses, AsyncSandbox  # noqa: E402

@@ -1,36 +1,66 @@
-"""Exceptions raised by the deltagym clients, one class per gRPC status code.
+"""Exceptions raised by the deltagym clients.
 
 Every error a call can raise is a :class:`DeltagymError` carrying the status
-``code`` (a :class:`grpc.StatusCode`) and the server's ``message``. Catch a
-subclass (``NotFound``, ``InvalidArgument`` ...) to handle one kind of failure.
+``code`` (a :class:`grpc.StatusCode`), the server's ``message``, and the
+``reason`` and ``metadata`` of the google.rpc.ErrorInfo the server attaches
+(in the ``grpc-status-details-bin`` trailer; on StepStream, in
+ErrorStatus.reason). There is one class per status code (``NotFound``,
+``InvalidArgument`` ...) and, below them, one per reason the server names
+(``SandboxNotFound``, ``RateLimited`` ...); a reason this client does not
+know gives the status code's class. Every DEADLINE_EXCEEDED, the server's
+or this client's own deadline, is a :class:`Timeout`.
+
+Failures inside the sandbox are not call errors: :class:`CommandExitError`
+(a command that failed under ``check=True``) and :class:`ActionFailed` (an
+action the sandbox's state refused, such as reading a missing file) derive
+from :class:`SandboxError`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+
+if TYPE_CHECKING:
+    from .types import ActionErrorInfo, CommandResult, StepInfo
 
 __all__ = [
-    "DeltagymError",
-    "Cancelled",
-    "Unknown",
-    "InvalidArgument",
-    "DeadlineExceeded",
-    "NotFound",
-    "AlreadyExists",
-    "PermissionDenied",
-    "ResourceExhausted",
-    "FailedPrecondition",
+    "ERROR_DOMAIN",
     "Aborted",
-    "OutOfRange",
-    "Unimplemented",
-    "Internal",
-    "Unavailable",
+    "ActionFailed",
+    "AlreadyExists",
+    "Cancelled",
+    "CheckpointNotFound",
+    "CommandExitError",
     "DataLoss",
+    "DeadlineExceeded",
+    "DeltagymError",
+    "EnvNotFound",
+    "EpisodeEnded",
+    "EpisodeNotFound",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "NoCapacity",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "RateLimited",
+    "ResourceExhausted",
+    "SandboxClosed",
+    "SandboxError",
+    "SandboxNotFound",
+    "Timeout",
     "Unauthenticated",
-    "from_rpc_error",
+    "Unavailable",
+    "Unimplemented",
+    "Unknown",
+    "UnsafeArchiveError",
     "from_code",
+    "from_rpc_error",
 ]
 
 
@@ -41,15 +71,20 @@ class DeltagymError(Exception):
         code: the gRPC status code.
         message: the server's (or the transport's) message.
         method: the RPC that failed, e.g. "Step", when known.
+        reason: the server's ErrorInfo reason, such as "SANDBOX_NOT_FOUND"; "" when it gave none.
+        metadata: the ErrorInfo's metadata, such as {"sandbox_id": "..."}.
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, code: Optional[grpc.StatusCode] = None, method: str = "") -> None:
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None) -> None:
         if code is not None:
             self.code = code
         self.message = message
         self.method = method
+        self.reason = reason
+        self.metadata: dict[str, str] = dict(metadata or {})
         where = f"{method}: " if method else ""
         super().__init__(f"{where}{self.code.name.lower()}: {message}")
 
@@ -150,24 +185,122 @@ class Unauthenticated(DeltagymError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class SandboxNotFound(NotFound):
+    """The sandbox is unknown: never leased, closed, or reaped when its lease ran out (SANDBOX_NOT_FOUND)."""
+
+
+class CheckpointNotFound(NotFound):
+    """The checkpoint is unknown or released (CHECKPOINT_NOT_FOUND)."""
+
+
+class EnvNotFound(NotFound):
+    """The env is not in the server's catalog (ENV_NOT_FOUND)."""
+
+
+class EpisodeNotFound(NotFound):
+    """The episode is unknown to the ledger (EPISODE_NOT_FOUND)."""
+
+
+class EpisodeEnded(FailedPrecondition):
+    """The sandbox's episode has ended (submitted or out of budget); restore or fork to go on (EPISODE_ENDED)."""
+
+
+class SandboxClosed(FailedPrecondition):
+    """The sandbox is closed (SANDBOX_CLOSED)."""
+
+
+class RateLimited(ResourceExhausted):
+    """The server refused the call for its rate (RATE_LIMITED).
+
+    Attributes:
+        retry_after: seconds to wait before trying again, when the server said (None when not).
+    """
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, code=code, method=method, reason=reason, metadata=metadata)
+        self.retry_after: float | None = _seconds(self.metadata.get("retry_after_seconds", ""))
+
+
+class NoCapacity(ResourceExhausted):
+    """No warm sandbox is free and the server may not make more now (NO_CAPACITY)."""
+
+
+class Timeout(DeadlineExceeded):
+    """The call's deadline passed: the server's, or the one this client set (timeout=)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[DeltagymError]] = {
     cls.code: cls
     for cls in (
-        Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
+        Cancelled, Unknown, InvalidArgument, Timeout, NotFound, AlreadyExists,
         PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange,
         Unimplemented, Internal, Unavailable, DataLoss, Unauthenticated,
     )
 }
 
+# The domain of the ErrorInfo details the server attaches.
+ERROR_DOMAIN = "deltagym.dev"
+
+_BY_REASON: dict[str, type[DeltagymError]] = {
+    "SANDBOX_NOT_FOUND": SandboxNotFound,
+    "CHECKPOINT_NOT_FOUND": CheckpointNotFound,
+    "ENV_NOT_FOUND": EnvNotFound,
+    "EPISODE_NOT_FOUND": EpisodeNotFound,
+    "EPISODE_ENDED": EpisodeEnded,
+    "SANDBOX_CLOSED": SandboxClosed,
+    "RATE_LIMITED": RateLimited,
+    "NO_CAPACITY": NoCapacity,
+}
+
 _BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def from_code(code: grpc.StatusCode | int, message: str, method: str = "") -> DeltagymError:
-    """Returns the exception for a status code (a grpc.StatusCode or its number)."""
+def _seconds(v: str) -> float | None:
+    try:
+        f = float(v)
+    except ValueError:
+        return None
+    return f if f >= 0 and f == f and f != float("inf") else None
+
+
+def from_code(code: grpc.StatusCode | int, message: str, method: str = "", *, reason: str = "",
+              metadata: Mapping[str, str] | None = None) -> DeltagymError:
+    """Returns the exception for a status code (a grpc.StatusCode or its
+    number) and the server's reason: the reason's class when it is one of
+    this status code's, else the status code's class."""
     if isinstance(code, int):
         code = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
     cls = _BY_CODE.get(code, DeltagymError)
-    return cls(message, code=code, method=method)
+    sem = _BY_REASON.get(reason)
+    if sem is not None and issubclass(sem, cls):
+        cls = sem
+    return cls(message, code=code, method=method, reason=reason, metadata=metadata)
+
+
+def error_info(trailers: Iterable[Any] | None) -> tuple[str, dict[str, str]]:
+    """Returns the reason and metadata of the first google.rpc.ErrorInfo in
+    the grpc-status-details-bin trailer (preferring the deltagym.dev
+    domain), or ("", {}) when there is none or it does not parse."""
+    for item in trailers or ():
+        key, value = item[0], item[1]
+        if key != "grpc-status-details-bin" or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # a malformed trailer is no reason to hide the status
+            return "", {}
+        found: error_details_pb2.ErrorInfo | None = None
+        for d in status.details:
+            if not d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                continue
+            info = error_details_pb2.ErrorInfo()
+            d.Unpack(info)
+            if found is None or (info.domain == ERROR_DOMAIN and found.domain != ERROR_DOMAIN):
+                found = info
+        if found is not None:
+            return found.reason, dict(found.metadata)
+    return "", {}
 
 
 NO_TOKEN_HINT = (" (this client found no token: pass token=, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, "
@@ -178,10 +311,65 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True
     """Converts a grpc.RpcError (sync or aio) into the matching DeltagymError.
     An UNAUTHENTICATED error of a client that sent no token says where it
     looked for one."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code is None:
-        code = grpc.StatusCode.UNKNOWN
+    e: Any = err  # a sync grpc.Call or an aio AioRpcError; a bare RpcError has neither method
+    code = (e.code() if hasattr(e, "code") else None) or grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.UNAUTHENTICATED and not sent_token:
         details = (details or "") + NO_TOKEN_HINT
-    return from_code(code, details or "", method)
+    trailers = None
+    if hasattr(e, "trailing_metadata"):
+        try:
+            trailers = e.trailing_metadata()
+        except Exception:  # some transport errors carry no call to ask
+            trailers = None
+    reason, md = error_info(trailers)
+    return from_code(code, details or "", method, reason=reason, metadata=md)
+
+
+class SandboxError(Exception):
+    """Base of the failures inside a sandbox that are not call errors: the
+    call succeeded, and what it ran failed."""
+
+
+class CommandExitError(SandboxError):
+    """A command run with check=True failed: it exited non-zero, timed out
+    or was killed by a signal.
+
+    Attributes:
+        result: the command's CommandResult.
+    """
+
+    def __init__(self, result: CommandResult) -> None:
+        self.result = result
+        if result.timed_out:
+            why = "timed out"
+        elif result.signal:
+            why = f"was killed by signal {result.signal}"
+        else:
+            why = f"exited with {result.exit_code}"
+        tail = (result.stderr or result.stdout)[-500:]
+        super().__init__(f"command {why}" + (f": {tail}" if tail else ""))
+
+
+class ActionFailed(SandboxError):
+    """The sandbox's state refused an action (a missing file, a directory
+    where a file was expected, a program that is not executable ...). The
+    step is recorded and counts; the episode goes on.
+
+    Attributes:
+        error: the errno, its name and the server's message.
+        step: the step's StepInfo.
+    """
+
+    def __init__(self, error: ActionErrorInfo, step: StepInfo) -> None:
+        self.error = error
+        self.step = step
+        self.errno = error.errno
+        self.errno_name = error.errno_name
+        super().__init__(f"{error.errno_name}: {error.message}")
+
+
+class UnsafeArchiveError(SandboxError):
+    """A downloaded archive holds an entry that would land outside the
+    target directory, a device or FIFO, or a link that leads out; nothing
+    was written."""

@@ -20,14 +20,14 @@ import asyncio
 import inspect
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Dict, List, Optional, Union
 
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es, ledger_service_pb2 as ls
 from .actions import submit
-from .aio import AsyncClient, AsyncSandbox
+from .aio import AsyncClient, AsyncSandbox, AsyncSandboxHandle
 
-__all__ = ["Rollout", "GroupResult", "Policy", "run_group", "wait_advantages"]
+__all__ = ["GroupResult", "Policy", "Rollout", "run_group", "wait_advantages"]
 
 
 @dataclass
@@ -35,9 +35,9 @@ class Rollout:
     """One episode of a group, as the policy sees it while it runs."""
 
     index: int
-    sandbox: AsyncSandbox
+    sandbox: AsyncSandboxHandle
     episode_id: str
-    steps: List[es.StepResponse] = field(default_factory=list)
+    steps: list[es.StepResponse] = field(default_factory=list)
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = False
@@ -47,7 +47,7 @@ class Rollout:
         return self.terminated or self.truncated
 
 
-Policy = Callable[[Rollout], Union[Optional[action_pb2.Action], str, Awaitable[Union[Optional[action_pb2.Action], str]]]]
+Policy = Callable[[Rollout], action_pb2.Action | str | Awaitable[action_pb2.Action | str | None] | None]
 
 
 @dataclass
@@ -56,10 +56,10 @@ class GroupResult:
 
     group_id: str
     checkpoint_id: str
-    rollouts: List[Rollout]
+    rollouts: list[Rollout]
     advantages: ls.GetGroupAdvantagesResponse
 
-    def advantage(self, rollout: Union[Rollout, str]) -> float:
+    def advantage(self, rollout: Rollout | str) -> float:
         """The advantage of a rollout (or an episode ID)."""
         eid = rollout if isinstance(rollout, str) else rollout.episode_id
         for a in self.advantages.advantages:
@@ -67,18 +67,18 @@ class GroupResult:
                 return a.advantage
         raise KeyError(f"episode {eid} not in group {self.group_id}")
 
-    def by_episode(self) -> Dict[str, ls.GroupAdvantage]:
+    def by_episode(self) -> dict[str, ls.GroupAdvantage]:
         return {a.episode_id: a for a in self.advantages.advantages}
 
 
 async def run_group(
     client: AsyncClient,
-    source: Union[AsyncSandbox, str],
+    source: AsyncSandboxHandle | AsyncSandbox | str,
     policy: Policy,
     *,
     size: int = 8,
     max_steps: int = 16,
-    group_id: Optional[str] = None,
+    group_id: str | None = None,
     run: str = "",
     fresh_entropy: bool = True,
     reward_source: str = "",
@@ -91,10 +91,10 @@ async def run_group(
     group's advantages from the ledger. The forked sandboxes are closed
     unless keep is set."""
     gid = group_id or f"grpo-{uuid.uuid4().hex[:12]}"
-    if isinstance(source, AsyncSandbox):
-        kids = await client.fork(sandbox_id=source.id, n=size, group_id=gid, run=run, fresh_entropy=fresh_entropy)
-    else:
+    if isinstance(source, str):
         kids = await client.fork(checkpoint_id=source, n=size, group_id=gid, run=run, fresh_entropy=fresh_entropy)
+    else:
+        kids = await client.fork(sandbox_id=source.id, n=size, group_id=gid, run=run, fresh_entropy=fresh_entropy)
     rollouts = [Rollout(index=i, sandbox=k, episode_id=k.episode_id) for i, k in enumerate(kids)]
     try:
         await asyncio.gather(*(_roll(r, policy, max_steps) for r in rollouts))
@@ -129,7 +129,7 @@ def _record(r: Rollout, resp: es.StepResponse) -> None:
     r.episode_id = resp.episode_id or r.episode_id
 
 
-async def wait_advantages(client: AsyncClient, group_id: str, episode_ids: List[str], *, reward_source: str = "",
+async def wait_advantages(client: AsyncClient, group_id: str, episode_ids: list[str], *, reward_source: str = "",
                           timeout: float = 30.0) -> ls.GetGroupAdvantagesResponse:
     """Fetches the group's advantages, polling until the ledger has recorded
     every episode of episode_ids as finished (it records asynchronously)."""

@@ -14,13 +14,15 @@ millisecond on the server), so one sandbox serves the whole search.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+from typing import Any
 
 from . import _common as c
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .actions import coerce
-from .client import Sandbox
+from .client import SandboxHandle
+from .sandbox import Sandbox
 
 __all__ = ["Node", "SearchTree"]
 
@@ -30,14 +32,14 @@ class Node:
     """A state of the search: the checkpoint after `action` from `parent`."""
 
     checkpoint_id: str
-    parent: Optional["Node"] = None
-    action: Optional[action_pb2.Action] = None
+    parent: Node | None = None
+    action: action_pb2.Action | None = None
     observation: str = ""
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = False
     depth: int = 0
-    children: List["Node"] = field(default_factory=list)
+    children: list[Node] = field(default_factory=list)
     visits: int = 0
     value_sum: float = 0.0
 
@@ -50,10 +52,10 @@ class Node:
     def done(self) -> bool:
         return self.terminated or self.truncated
 
-    def path(self) -> List["Node"]:
+    def path(self) -> list[Node]:
         """The nodes from the root to this one."""
-        out: List[Node] = []
-        n: Optional[Node] = self
+        out: list[Node] = []
+        n: Node | None = self
         while n is not None:
             out.append(n)
             n = n.parent
@@ -69,10 +71,12 @@ class SearchTree:
         exploration: the UCT exploration constant.
     """
 
-    def __init__(self, sandbox: Sandbox, *, root_checkpoint_id: Optional[str] = None, exploration: float = 1.4) -> None:
-        self.sandbox = sandbox
+    def __init__(
+        self, sandbox: SandboxHandle | Sandbox, *, root_checkpoint_id: str | None = None, exploration: float = 1.4
+    ) -> None:
+        self.sandbox: SandboxHandle = sandbox.handle if isinstance(sandbox, Sandbox) else sandbox
         self.exploration = exploration
-        ck = root_checkpoint_id or sandbox.checkpoint().checkpoint_id
+        ck = root_checkpoint_id or self.sandbox.checkpoint().checkpoint_id
         self.root = Node(checkpoint_id=ck)
         self._own = [] if root_checkpoint_id else [ck]
         self.current: Node = self.root
@@ -91,7 +95,7 @@ class SearchTree:
             self.sandbox.restore(node.checkpoint_id)
             self.current = node
 
-    def expand(self, node: Node, actions: Iterable[Union[action_pb2.Action, str]]) -> List[Node]:
+    def expand(self, node: Node, actions: Iterable[action_pb2.Action | str]) -> list[Node]:
         """Tries each action from node's state and adds a child per action,
         checkpointed after the step. A str is a shell command."""
         kids = []
@@ -117,13 +121,13 @@ class SearchTree:
 
     def backpropagate(self, node: Node, value: float) -> None:
         """Adds value to the node and each ancestor."""
-        n: Optional[Node] = node
+        n: Node | None = node
         while n is not None:
             n.visits += 1
             n.value_sum += value
             n = n.parent
 
-    def select(self, node: Optional[Node] = None) -> Node:
+    def select(self, node: Node | None = None) -> Node:
         """Descends from node (default the root) by UCT to a leaf."""
         n = node or self.root
         while n.children:
@@ -135,7 +139,7 @@ class SearchTree:
             return math.inf
         return kid.value + self.exploration * math.sqrt(math.log(max(parent.visits, 1)) / kid.visits)
 
-    def best_leaf(self, key: Optional[Callable[[Node], Any]] = None) -> Node:
+    def best_leaf(self, key: Callable[[Node], Any] | None = None) -> Node:
         """The leaf with the highest key (default: value, then reward)."""
         k = key or (lambda n: (n.value, n.reward))
         return max((n for n in self.nodes() if not n.children), key=k)

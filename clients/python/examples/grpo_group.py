@@ -10,7 +10,8 @@ the ledger computed. Run against `make run` (env "shell"):
 import argparse
 import asyncio
 
-from deltagym import AsyncClient, actions
+from deltagym import actions
+from deltagym.aio import AsyncSandbox
 from deltagym.grpo import Rollout, run_group
 
 
@@ -29,9 +30,8 @@ async def main() -> None:
     ap.add_argument("--env", default="shell")
     ap.add_argument("--size", type=int, default=8)
     args = ap.parse_args()
-    async with AsyncClient() as client:
-        async with await client.reset(args.env, seed=7) as root:
-            group = await run_group(client, root, policy, size=args.size, max_steps=4)
+    async with await AsyncSandbox.create(args.env, seed=7) as root:
+        group = await run_group(root.client, root.handle, policy, size=args.size, max_steps=4)
     print(f"group {group.group_id}: mean={group.advantages.mean:.3f} std={group.advantages.std:.3f} "
           f"counted={group.advantages.counted_count}")
     for r in group.rollouts:

@@ -12,7 +12,7 @@ sandbox backtracks to the best node found before submitting. Run against
 import argparse
 import sys
 
-from deltagym import Client
+import deltagym
 from deltagym.tree import SearchTree
 
 
@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--env", default="shell")
     ap.add_argument("--iterations", type=int, default=6)
     args = ap.parse_args()
-    with Client() as client, client.reset(args.env, seed=1) as sb:
+    with deltagym.Sandbox.create(args.env, seed=1) as sb:
         tree = SearchTree(sb)
         for _ in range(args.iterations):
             leaf = tree.select()
@@ -39,7 +39,7 @@ def main() -> int:
                 tree.backpropagate(leaf, tree.evaluate(leaf))
         best = tree.best_leaf()
         tree.backtrack(best)
-        answer = sb.read_file("/work/answer.txt").observation.read_file.content.decode()
+        answer = sb.files.read("/work/answer.txt")
         result = sb.submit()
         print(f"explored {sum(1 for _ in tree.nodes())} nodes; best path: "
               + " | ".join(n.action.exec.command for n in best.path()[1:]))

@@ -18,9 +18,8 @@ def test_token_auth(token_server, monkeypatch):
         with pytest.raises(deltagym.Unauthenticated) as ei:
             c.list_envs()
         assert ei.value.code == grpc.StatusCode.UNAUTHENTICATED
-    with Client(token_server.addr, token="wrong") as c:
-        with pytest.raises(deltagym.Unauthenticated):
-            c.list_envs()
+    with Client(token_server.addr, token="wrong") as c, pytest.raises(deltagym.Unauthenticated):
+        c.list_envs()
     with Client(token_server.addr, token=TOKEN) as c:
         assert c.list_envs() == []
     monkeypatch.setenv("DELTAGYM_TOKEN", TOKEN)

@@ -40,7 +40,7 @@ def test_async_env_service(server):
                 assert {s.sandbox_id for s in await c.list_sandboxes(group_id=gid)} == {k.id for k in kids}
                 assert (await c.get_sandbox(kids[0].id)).group_id == gid
                 hb = await c.heartbeat(kids)
-                assert {l.sandbox_id for l in hb.leases} == {k.id for k in kids}
+                assert {lease.sandbox_id for lease in hb.leases} == {k.id for k in kids}
                 # Concurrent steps on several sandboxes.
                 outs = await asyncio.gather(*(k.exec(f"echo {i}") for i, k in enumerate(kids)))
                 assert [o.observation.exec.stdout for o in outs] == [b"0\n", b"1\n"]
@@ -79,11 +79,10 @@ def test_async_heartbeat_keeps_lease(server):
     from .conftest import LEASE_TTL
 
     async def main():
-        async with AsyncClient(server.addr) as c:
-            async with await c.reset("shell") as sb:
-                await asyncio.sleep(LEASE_TTL * 2)
-                assert not sb.lost
-                assert (await sb.exec("echo alive")).observation.exec.stdout == b"alive\n"
+        async with AsyncClient(server.addr) as c, await c.reset("shell") as sb:
+            await asyncio.sleep(LEASE_TTL * 2)
+            assert not sb.lost
+            assert (await sb.exec("echo alive")).observation.exec.stdout == b"alive\n"
     run(main())
 
 

@@ -3,6 +3,7 @@ heartbeats and context managers."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import threading
@@ -166,7 +167,7 @@ def test_step_stream(client: Client):
         reqs.append(es.StepRequest(sandbox_id=a.id, action=actions.Action()))
         out = client.step_stream(reqs)
         assert len(out) == len(reqs)
-        for req, r in zip(reqs[:6], out[:6]):
+        for req, r in zip(reqs[:6], out[:6], strict=False):
             assert isinstance(r, es.StepResponse), r
             assert r.observation.exec.stdout.decode() == req.action.exec.command[5:] + "\n"
         assert isinstance(out[6], deltagym.NotFound)
@@ -201,7 +202,7 @@ def test_heartbeat_keeps_lease(server):
         a = live.reset("shell")
         b = idle.reset("shell")
         hb = live.heartbeat([a, "sb-nope"])
-        assert [l.sandbox_id for l in hb.leases] == [a.id] and list(hb.unknown_sandbox_ids) == ["sb-nope"]
+        assert [lease.sandbox_id for lease in hb.leases] == [a.id] and list(hb.unknown_sandbox_ids) == ["sb-nope"]
         # Wait past the lease TTL: the handle's heartbeats keep a alive, b is reaped.
         time.sleep(LEASE_TTL * 2)
         assert a.exec("echo alive").observation.exec.stdout == b"alive\n"
@@ -344,7 +345,7 @@ class _Forwarder:
         while not self.stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -361,10 +362,8 @@ class _Forwarder:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self.stop.set()

@@ -12,7 +12,7 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("name,needs_ledger", [("grpo_group.py", True), ("mcts_search.py", False)])
+@pytest.mark.parametrize(("name", "needs_ledger"), [("grpo_group.py", True), ("mcts_search.py", False)])
 def test_example(server, name, needs_ledger):
     if needs_ledger:
         server.require_ledger()

@@ -503,8 +503,8 @@ type TrajectoryStep struct {
 	// checkpoint_id is the checkpoint taken after the step, if any.
 	CheckpointId string `protobuf:"bytes,13,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
 	// action_bulk_size_bytes is set when the ledger cut the action's bulk — a
-	// write_file's content or an exec's stdin — at its cap of 64 KiB: the
-	// whole bulk's size (action holds its first 64 KiB).
+	// write_file's content, an upload's archive or an exec's stdin — at its
+	// cap of 64 KiB: the whole bulk's size (action holds its first 64 KiB).
 	ActionBulkSizeBytes int64 `protobuf:"varint,14,opt,name=action_bulk_size_bytes,json=actionBulkSizeBytes,proto3" json:"action_bulk_size_bytes,omitempty"`
 	// action_bulk_sha256 is the hex SHA-256 of the whole bulk, when cut.
 	ActionBulkSha256 string `protobuf:"bytes,15,opt,name=action_bulk_sha256,json=actionBulkSha256,proto3" json:"action_bulk_sha256,omitempty"`

@@ -1,0 +1,88 @@
+"""What Sandbox and AsyncSandbox share that does no I/O: the handle's
+state, the setup context and the bookkeeping of a step's answer."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Generic, Protocol, TypeVar
+
+from . import _ops as ops
+from ._proto.deltagym.v1 import env_service_pb2 as es
+from .errors import SandboxClosed
+
+
+class Handle(Protocol):
+    """The low-level handle's state a Sandbox reads (SandboxHandle, AsyncSandboxHandle)."""
+
+    id: str
+    env: str
+    episode_id: str
+    lease_expires_at: float | None
+
+
+H = TypeVar("H", bound=Handle)
+
+
+class SandboxBase(Generic[H]):
+    """The state of a Sandbox or AsyncSandbox, read from its handle."""
+
+    _h: H
+    _closed: bool
+    timeout: float | None
+
+    @property
+    def id(self) -> str:
+        """The sandbox ID."""
+        return self._h.id
+
+    @property
+    def env(self) -> str:
+        """The env's catalog name."""
+        return self._h.env
+
+    @property
+    def episode_id(self) -> str:
+        """The current episode."""
+        return self._h.episode_id
+
+    @property
+    def lease_expires_at(self) -> float | None:
+        """When the lease runs out (Unix seconds) by the last answer seen, None when unknown."""
+        return self._h.lease_expires_at
+
+    @property
+    def handle(self) -> H:
+        """The low-level handle, whose calls return the server's messages."""
+        return self._h
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
+
+    def setup(self) -> AbstractContextManager[None]:
+        """Marks every call on this sandbox inside the `with` block as a
+        setup step: recorded in the ledger, counted against neither
+        max_steps nor max_seconds. It holds for this thread or asyncio
+        task (and tasks started inside), not for others. A method's
+        setup= argument overrides it; submit is never a setup step."""
+        return ops.setup_context(self.id)
+
+    def _setup(self, setup: bool | None) -> bool:
+        return ops.is_setup(self.id, setup)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        """A call's deadline (timeout, else the sandbox's); SandboxClosed once this sandbox is closed."""
+        self._check_open()
+        return ops.deadline(timeout, self.timeout)
+
+    def _command_deadline(self, timeout: float | None) -> float | None:
+        """A command's call deadline (its timeout plus a margin, else the sandbox's)."""
+        self._check_open()
+        return ops.command_deadline(timeout, self.timeout)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.id} was closed (or detached) by this client", method="",
+                                reason="SANDBOX_CLOSED", metadata={"sandbox_id": self.id})
+
+    def _saw_step(self, resp: es.StepResponse) -> None:
+        self._h.episode_id = resp.episode_id or self._h.episode_id

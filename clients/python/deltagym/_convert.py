@@ -1,0 +1,207 @@
+"""Conversion of the server's messages into the typed results of
+deltagym.types: the one place that reads generated messages for the
+Sandbox API."""
+
+from __future__ import annotations
+
+import codecs
+import math
+from typing import Any
+
+from ._common import lease_seconds
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
+from .errors import ActionFailed
+from .types import (
+    ActionErrorInfo,
+    Checkpoint,
+    CommandResult,
+    Evaluation,
+    FileInfo,
+    FileType,
+    InfoValue,
+    OutputChunk,
+    ProcessCapture,
+    ProcessInfo,
+    Restored,
+    SandboxInfo,
+    StepInfo,
+    StepResult,
+    SubmitResult,
+    UploadResult,
+)
+
+_FILE_TYPES: dict[int, FileType] = {
+    action_pb2.FILE_TYPE_FILE: "file",
+    action_pb2.FILE_TYPE_DIRECTORY: "dir",
+    action_pb2.FILE_TYPE_SYMLINK: "symlink",
+}
+
+_STATES = {
+    env_pb2.SANDBOX_STATE_READY: "ready",
+    env_pb2.SANDBOX_STATE_DONE: "done",
+    env_pb2.SANDBOX_STATE_CLOSED: "closed",
+}
+
+_METHODS = {
+    env_pb2.CAPTURE_METHOD_NONE: "none",
+    env_pb2.CAPTURE_METHOD_TEMPLATE: "template",
+    env_pb2.CAPTURE_METHOD_CRIU: "criu",
+}
+
+
+def info_value(v: str) -> InfoValue:
+    """Parses one StepResponse.info value: "true"/"false" as booleans,
+    integers and finite floats as numbers, anything else as it is."""
+    if v in ("true", "false"):
+        return v == "true"
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return f if math.isfinite(f) else v
+
+
+def step_info(r: es.StepResponse, setup: bool) -> StepInfo:
+    """The StepInfo of a step's response; setup is what the request asked."""
+    info = {k: info_value(v) for k, v in r.info.items()}
+    return StepInfo(index=r.step_index, episode_id=r.episode_id, reward=r.reward, terminated=r.terminated,
+                    truncated=r.truncated, truncated_by=r.info.get("truncated_by", ""),
+                    checkpoint_id=r.checkpoint_id, steps_left=r.steps_left, setup=setup, info=info)
+
+
+def action_error(r: es.StepResponse, step: StepInfo) -> ActionFailed | None:
+    """The ActionFailed of a response whose observation is an error, else None."""
+    if not r.observation.HasField("error"):
+        return None
+    e = r.observation.error
+    return ActionFailed(ActionErrorInfo(errno=e.errno, errno_name=e.errno_name, message=e.message), step)
+
+
+def observation(r: es.StepResponse, kind: str, setup: bool) -> tuple[Any, StepInfo]:
+    """The observation's result of the kind asked for and the StepInfo;
+    raises ActionFailed when the sandbox refused the action."""
+    step = step_info(r, setup)
+    err = action_error(r, step)
+    if err is not None:
+        raise err
+    got = r.observation.WhichOneof("kind")
+    if got != kind:
+        raise ValueError(f"the server answered a {kind} action with a {got or 'empty'} observation")
+    return getattr(r.observation, kind), step
+
+
+def command_result(x: action_pb2.ExecResult, step: StepInfo) -> CommandResult:
+    """A CommandResult of an ExecResult."""
+    out, err = bytes(x.stdout), bytes(x.stderr)
+    return CommandResult(
+        stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
+        stdout_bytes=out, stderr_bytes=err, exit_code=x.exit_code, signal=x.signal, timed_out=x.timed_out,
+        truncated=x.stdout_truncated or x.stderr_truncated, duration=x.duration_seconds, pid=x.pid,
+        matched=x.matched, running=x.running, step=step)
+
+
+def exec_response(r: es.StepResponse, setup: bool) -> CommandResult:
+    """The CommandResult of an exec step's response (ActionFailed when refused)."""
+    x, step = observation(r, "exec", setup)
+    return command_result(x, step)
+
+
+def step_result(r: es.StepResponse, setup: bool) -> StepResult:
+    """The StepResult of a raw action's response; an action error is data here, not raised."""
+    from ._common import observation_text
+
+    step = step_info(r, setup)
+    kind = r.observation.WhichOneof("kind") or ""
+    text = observation_text(r.observation)
+    if r.observation.HasField("error"):
+        e = r.observation.error
+        return StepResult(step=step, kind="", text=text,
+                          error=ActionErrorInfo(errno=e.errno, errno_name=e.errno_name, message=e.message))
+    cmd = command_result(r.observation.exec, step) if kind == "exec" else None
+    return StepResult(step=step, kind=kind, text=text, command=cmd)
+
+
+def submit_result(r: es.StepResponse) -> SubmitResult:
+    """The SubmitResult of a submit step's response."""
+    x, step = observation(r, "submit", False)
+    return SubmitResult(reward=r.reward, components=dict(x.components), output=x.output, step=step)
+
+
+def file_info(f: action_pb2.FileInfo) -> FileInfo:
+    """A FileInfo of the message."""
+    return FileInfo(path=f.path, type=_FILE_TYPES.get(f.type, "other"), size=f.size, mode=f.mode,
+                    mtime=f.modify_time_seconds, symlink_target=f.symlink_target)
+
+
+def upload_result(x: action_pb2.UploadResult) -> UploadResult:
+    """An UploadResult of the message."""
+    return UploadResult(files=x.files, size=x.bytes)
+
+
+def process_info(p: action_pb2.ProcessInfo) -> ProcessInfo:
+    """A ProcessInfo of the message."""
+    return ProcessInfo(pid=p.pid, ppid=p.ppid, pgid=p.pgid, sid=p.sid, argv=tuple(p.argv), state=p.state,
+                       session=p.session, started_ago=p.start_seconds)
+
+
+def checkpoint(r: es.CheckpointResponse) -> Checkpoint:
+    """A Checkpoint of a Checkpoint response."""
+    procs = tuple(ProcessCapture(pid=p.pid, command=p.command, method=_METHODS.get(p.method, "unspecified"),
+                                 reason=p.reason, saved=p.saved, unsaved_reason=p.unsaved_reason)
+                  for p in r.processes)
+    return Checkpoint(id=r.checkpoint_id, parent_id=r.parent_id, depth=r.depth, processes=procs,
+                      durable=r.durable,
+                      not_durable=tuple(p.unsaved_reason for p in procs if not p.saved and p.unsaved_reason))
+
+
+def restored(r: es.RestoreResponse) -> Restored:
+    """A Restored of a Restore response."""
+    return Restored(episode_id=r.episode_id, next_step_index=r.next_step_index)
+
+
+def evaluation(r: es.EvaluateResponse) -> Evaluation:
+    """An Evaluation of an Evaluate response."""
+    return Evaluation(reward=r.reward, components=dict(r.components), output=r.output, duration=r.duration_seconds)
+
+
+def _instant(ts: Any) -> float | None:
+    """A Timestamp as Unix seconds, None when unset."""
+    return lease_seconds(ts, 0.0)
+
+
+def sandbox_info(s: env_pb2.Sandbox) -> SandboxInfo:
+    """A SandboxInfo of the message."""
+    return SandboxInfo(id=s.sandbox_id, env=s.env, episode_id=s.episode_id, run=s.run, group_id=s.group_id,
+                       state=_STATES.get(s.state, "unspecified"), next_step_index=s.next_step_index,
+                       start_checkpoint_id=s.start_checkpoint_id, lease_expires_at=_instant(s.lease_expire_time),
+                       created_at=_instant(s.create_time))
+
+
+def reset_task(r: es.ResetResponse) -> str:
+    """The task text of a Reset's observation."""
+    return r.observation.reset.task if r.observation.HasField("reset") else ""
+
+
+class ChunkDecoder:
+    """Turns a StreamStep's OutputChunk messages into OutputChunks, decoding
+    each stream's UTF-8 incrementally so a character split across two
+    chunks comes whole in the second."""
+
+    def __init__(self) -> None:
+        self._dec = {
+            "stdout": codecs.getincrementaldecoder("utf-8")("replace"),
+            "stderr": codecs.getincrementaldecoder("utf-8")("replace"),
+        }
+
+    def chunk(self, c: es.OutputChunk) -> OutputChunk:
+        """The OutputChunk of one message."""
+        name = "stderr" if c.stream == es.OUTPUT_STREAM_STDERR else "stdout"
+        data = bytes(c.data)
+        if name == "stderr":
+            return OutputChunk(stream="stderr", data=data, text=self._dec[name].decode(data))
+        return OutputChunk(stream="stdout", data=data, text=self._dec[name].decode(data))
+

@@ -1,0 +1,331 @@
+"""The typed results of the Sandbox API: frozen dataclasses, no generated
+message types. They are made from the server's responses in one place
+(deltagym._convert); deltagym.raw holds the messages themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ActionErrorInfo",
+    "Checkpoint",
+    "CommandResult",
+    "Evaluation",
+    "FileInfo",
+    "FileType",
+    "InfoValue",
+    "OutputChunk",
+    "ProcessCapture",
+    "ProcessInfo",
+    "Restored",
+    "SandboxInfo",
+    "StepInfo",
+    "StepResult",
+    "SubmitResult",
+    "UploadResult",
+]
+
+InfoValue = str | int | float | bool
+"""A value of StepInfo.info: the server's text, parsed when it is a number or a boolean."""
+
+FileType = Literal["file", "dir", "symlink", "other"]
+"""The type of a path inside a sandbox (of the link itself for a symbolic link)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What the episode says about one step.
+
+    Attributes:
+        index: the step's index in its episode (inherited steps count).
+        episode_id: the episode the step belongs to.
+        reward: the step's reward (the verifier's, on submit).
+        terminated: the episode ended (submit).
+        truncated: a budget ended the episode.
+        truncated_by: "max_steps" or "max_seconds" when truncated, else "".
+        checkpoint_id: the checkpoint taken after the step, when asked for.
+        steps_left: agent steps the episode's max_steps allows after this one; -1 without a budget.
+        setup: the step was a setup step (counted against no budget).
+        info: the server's extra facts, numbers and booleans parsed.
+    """
+
+    index: int
+    episode_id: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    truncated_by: str
+    checkpoint_id: str
+    steps_left: int
+    setup: bool
+    info: Mapping[str, InfoValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """The outcome of a command.
+
+    Attributes:
+        stdout: standard output decoded as UTF-8 (bad bytes replaced).
+        stderr: standard error decoded as UTF-8 (bad bytes replaced).
+        stdout_bytes: standard output as sent.
+        stderr_bytes: standard error as sent.
+        exit_code: the exit status; -1 when killed by a signal or still running.
+        signal: the signal that killed the command, or 0.
+        timed_out: the command's timeout killed it.
+        truncated: either stream was cut at the env's output cap.
+        duration: seconds from start to exit, measured by the server.
+        pid: the pid inside the sandbox of a background process, else 0.
+        matched: the expect pattern that ended an interactive step's wait, else "".
+        running: an interactive command is still attached to its session.
+        step: the step's StepInfo.
+    """
+
+    stdout: str
+    stderr: str
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    exit_code: int
+    signal: int
+    timed_out: bool
+    truncated: bool
+    duration: float
+    pid: int
+    matched: str
+    running: bool
+    step: StepInfo
+
+    @property
+    def ok(self) -> bool:
+        """Whether the command exited with status 0, in time and not by a signal."""
+        return self.exit_code == 0 and not self.timed_out and self.signal == 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChunk:
+    """A piece of a command's output, as the server read it.
+
+    Attributes:
+        stream: "stdout" or "stderr".
+        data: the bytes.
+        text: the bytes decoded as UTF-8; a character split across chunks is
+            decoded whole in the chunk that completes it.
+    """
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ActionErrorInfo:
+    """Why an action failed because of the sandbox's own state (a missing
+    file, a program that is not executable ...).
+
+    Attributes:
+        errno: the Linux error number, such as 2.
+        errno_name: its name, such as "ENOENT".
+        message: what failed and where.
+    """
+
+    errno: int
+    errno_name: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """The outcome of a raw action (Sandbox.step).
+
+    Attributes:
+        step: the step's StepInfo.
+        kind: the observation's kind ("exec", "read_file", "submit", ...), "" for an error.
+        text: the observation rendered as the text an agent reads.
+        command: the command's result, for an exec action.
+        error: why the action failed in the sandbox, when it did.
+    """
+
+    step: StepInfo
+    kind: str
+    text: str
+    command: CommandResult | None = None
+    error: ActionErrorInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """One path inside a sandbox.
+
+    Attributes:
+        path: relative to the listed directory (files.list), or as asked (files.stat).
+        type: "file", "dir", "symlink" or "other".
+        size: size in bytes.
+        mode: permission bits (with setuid, setgid and sticky).
+        mtime: modification time, seconds since the Unix epoch.
+        symlink_target: a symbolic link's target, else "".
+    """
+
+    path: str
+    type: FileType
+    size: int
+    mode: int
+    mtime: float
+    symlink_target: str
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    """What an upload unpacked.
+
+    Attributes:
+        files: entries unpacked.
+        size: bytes of file contents written.
+    """
+
+    files: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """A process running in a sandbox.
+
+    Attributes:
+        pid: its pid inside the sandbox.
+        ppid: its parent's pid.
+        pgid: its process group.
+        sid: its session id.
+        argv: its command line.
+        state: its state letter as in /proc (R, S, D, Z, T ...).
+        session: the persistent session it runs in, else "".
+        started_ago: seconds since it started.
+    """
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    argv: tuple[str, ...]
+    state: str
+    session: str
+    started_ago: float
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitResult:
+    """The verifier's verdict on a submit.
+
+    Attributes:
+        reward: the reward.
+        components: named parts of the reward.
+        output: the verifier's output.
+        step: the submit step's StepInfo.
+    """
+
+    reward: float
+    components: Mapping[str, float]
+    output: str
+    step: StepInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The verifier's verdict on the sandbox's state, which it leaves as it was.
+
+    Attributes:
+        reward: the reward.
+        components: named parts of the reward.
+        output: the verifier's output.
+        duration: seconds the verifier took.
+    """
+
+    reward: float
+    components: Mapping[str, float]
+    output: str
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessCapture:
+    """How a checkpoint captured one live process.
+
+    Attributes:
+        pid: its pid inside the sandbox.
+        command: its command line, for display.
+        method: "none", "template" or "criu".
+        reason: why the method is not the one asked for, when it is not.
+        saved: it has a CRIU image that restores anywhere.
+        unsaved_reason: why it is not saved, when it is not.
+    """
+
+    pid: int
+    command: str
+    method: str
+    reason: str
+    saved: bool
+    unsaved_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """An immutable checkpoint of a sandbox's whole state.
+
+    Attributes:
+        id: the checkpoint ID (what restore and fork_from take).
+        parent_id: the checkpoint it descends from.
+        depth: delta layers its files stack on the image.
+        processes: how each live process was captured.
+        durable: every process is saved, so nothing that happens to the sandbox can take them.
+        not_durable: the reasons of the processes that are not saved.
+    """
+
+    id: str
+    parent_id: str = ""
+    depth: int = 0
+    processes: tuple[ProcessCapture, ...] = ()
+    durable: bool = False
+    not_durable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Where a restore put the sandbox.
+
+    Attributes:
+        episode_id: the new episode, started at the checkpoint.
+        next_step_index: the index its next step takes.
+    """
+
+    episode_id: str
+    next_step_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxInfo:
+    """A sandbox as the server describes it.
+
+    Attributes:
+        id: the sandbox ID.
+        env: its env's catalog name.
+        episode_id: its current episode.
+        run: the run it belongs to.
+        group_id: the group it belongs to.
+        state: "ready", "done" (the episode ended) or "closed".
+        next_step_index: the index the next step takes.
+        start_checkpoint_id: the checkpoint its first episode started from.
+        lease_expires_at: when its lease runs out (Unix seconds), None when unknown.
+        created_at: when it was leased (Unix seconds), None when unknown.
+    """
+
+    id: str
+    env: str
+    episode_id: str
+    run: str
+    group_id: str
+    state: str
+    next_step_index: int
+    start_checkpoint_id: str
+    lease_expires_at: float | None
+    created_at: float | None

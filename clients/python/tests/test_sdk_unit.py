@@ -1,0 +1,395 @@
+"""Unit tests of the typed SDK against the in-process fake server
+(tests/fake_server.py): no deltagym server, no root."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tarfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import deltagym
+from deltagym import errors
+from deltagym.aio import AsyncSandbox
+
+from .fake_server import FakeServer
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServer]:
+    s = FakeServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def sb(fake: FakeServer) -> Iterator[deltagym.Sandbox]:
+    with deltagym.Sandbox.create("shell", addr=fake.addr, token="t", timeout=10) as s:
+        yield s
+
+
+def _tar(*entries: tarfile.TarInfo, data: bytes = b"x") -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for e in entries:
+            if e.isreg():
+                e.size = len(data)
+                tf.addfile(e, io.BytesIO(data))
+            else:
+                tf.addfile(e)
+    return buf.getvalue()
+
+
+def _entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    t = tarfile.TarInfo(name)
+    t.type = kind
+    t.linkname = link
+    t.mode = 0o4755 if kind == tarfile.REGTYPE else 0o755
+    return t
+
+
+def test_create_run_typed(sb: deltagym.Sandbox) -> None:
+    assert sb.task == "write 42" and sb.env == "shell" and sb.start_checkpoint.id == "ck-start"
+    assert sb.lease_expires_at is not None
+    r = sb.run("echo hi")
+    assert isinstance(r, deltagym.CommandResult)
+    assert (r.stdout, r.stdout_bytes, r.exit_code, r.ok, r.duration) == ("hi\n", b"hi\n", 0, True, 0.25)
+    assert r.step.index == 1 and r.step.episode_id == sb.episode_id and r.step.steps_left == -1
+    assert r.step.info == {"elapsed": 0.5, "count": 3, "flag": True, "who": "x"}
+    assert not r.step.setup
+    assert sb.run(["echo", "argv"]).stdout == "argv\n"
+
+
+def test_check_raises_command_exit_error(sb: deltagym.Sandbox) -> None:
+    r = sb.run("fail")
+    assert not r.ok and r.exit_code == 1 and r.stderr == "boom\n"
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("exit 3", check=True)
+    assert e.value.result.exit_code == 3 and isinstance(e.value, errors.SandboxError)
+    assert not isinstance(e.value, errors.DeltagymError)
+
+
+def test_action_error_raises_action_failed(sb: deltagym.Sandbox) -> None:
+    with pytest.raises(errors.ActionFailed) as e:
+        sb.run(["nosuchprogram"])
+    assert e.value.errno_name == "ENOENT" and e.value.errno == 2
+    res = sb.step(deltagym.actions.argv(["nosuchprogram"]))
+    assert res.error is not None and res.error.errno_name == "ENOENT" and res.kind == ""
+
+
+def test_error_reasons(sb: deltagym.Sandbox) -> None:
+    with pytest.raises(errors.RateLimited) as e:
+        sb.run("ratelimit")
+    assert e.value.retry_after == 2.5 and e.value.reason == "RATE_LIMITED"
+    assert e.value.metadata == {"retry_after_seconds": "2.5"} and isinstance(e.value, errors.ResourceExhausted)
+    with pytest.raises(errors.NoCapacity):
+        sb.run("nocapacity")
+    with pytest.raises(errors.EpisodeEnded):
+        sb.run("ended")
+    with pytest.raises(errors.NotFound) as nf:  # an unknown reason: the status code's class
+        sb.run("weird")
+    assert type(nf.value) is errors.NotFound and nf.value.reason == "SOMETHING_NEW" and nf.value.metadata == {"k": "v"}
+    with pytest.raises(errors.Internal) as inn:  # a reason of another status code does not change the class
+        sb.run("mismatch")
+    assert type(inn.value) is errors.Internal
+    with pytest.raises(errors.CheckpointNotFound) as ck:
+        sb.restore("nope")
+    assert ck.value.metadata == {"checkpoint_id": "nope"}
+
+
+def test_unknown_sandbox_and_env(fake: FakeServer) -> None:
+    with pytest.raises(errors.SandboxNotFound) as e:
+        deltagym.Sandbox.connect("missing", addr=fake.addr, token="t")
+    assert e.value.metadata == {"sandbox_id": "missing"}
+    with pytest.raises(errors.EnvNotFound):
+        deltagym.Sandbox.create("nope", addr=fake.addr, token="t")
+
+
+def test_timeout_is_timeout(sb: deltagym.Sandbox) -> None:
+    with pytest.raises(errors.Timeout) as e:
+        sb.step("block", timeout=0.3)
+    assert isinstance(e.value, errors.DeadlineExceeded)
+    assert sb.run("echo still").stdout == "still\n"
+
+
+def test_command_deadline_has_margin(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    sb.run("echo a", timeout=100)
+    sb.files.write("f", "x", timeout=2)
+    long_, short = fake.service.deadlines[-2:]
+    assert long_ is not None and long_ > 100  # the command's timeout plus the margin
+    assert short is not None and short < 2.5 and long_ < 131
+
+
+def test_setup_context_threads(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    inside = threading.Event()
+    other_done = threading.Event()
+    seen: dict[str, bool] = {}
+
+    def other() -> None:
+        inside.wait(10)
+        seen["other"] = sb.run("echo other").step.setup
+        other_done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with sb.setup():
+        inside.set()
+        assert other_done.wait(10)  # the other thread stepped while this one was in setup
+        r = sb.run("echo setup")
+        assert r.step.setup
+        assert not sb.run("echo forced", setup=False).step.setup
+        assert not sb.submit().step.setup  # never setup
+    t.join()
+    assert seen["other"] is False
+    assert not sb.run("echo after").step.setup
+    assert fake.service.setups.count(True) == 1
+
+
+def test_setup_context_asyncio_tasks(fake: FakeServer) -> None:
+    async def main() -> tuple[bool, bool, bool]:
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t") as sb:
+            started = asyncio.Event()
+            release = asyncio.Event()
+
+            async def outside() -> bool:
+                await started.wait()
+                r = (await sb.run("echo out")).step.setup
+                release.set()
+                return r
+
+            t = asyncio.create_task(outside())
+            with sb.setup():
+                child = asyncio.create_task(sb.run("echo child"))  # made inside: inherits setup
+                started.set()
+                await release.wait()
+                mine = (await sb.run("echo mine")).step.setup
+            return await t, (await child).step.setup, mine
+
+    other, child, mine = asyncio.run(main())
+    assert (other, child, mine) == (False, True, True)
+
+
+def test_streaming_callbacks_and_iterator(sb: deltagym.Sandbox) -> None:
+    out: list[str] = []
+    err: list[str] = []
+    r = sb.run("stream", on_stdout=out.append, on_stderr=err.append)
+    assert "".join(out) == "one\ncafé\n" and err == ["err\n"]
+    assert out[-2:] == ["caf", "é\n"]  # the split character comes whole with the chunk that ends it
+    assert r.stdout == "one\ncafé\n" and r.step.index >= 1
+    with sb.stream("stream") as s:
+        chunks = list(s)
+        assert s.result.ok
+    assert [c.stream for c in chunks] == ["stdout", "stderr", "stdout", "stdout"]
+    assert b"".join(c.data for c in chunks if c.stream == "stdout") == "one\ncafé\n".encode()
+
+
+def test_async_streaming_async_callback(fake: FakeServer) -> None:
+    async def main() -> tuple[list[str], str]:
+        got: list[str] = []
+
+        async def cb(text: str) -> None:
+            await asyncio.sleep(0)
+            got.append(text)
+
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t") as sb:
+            r = await sb.run("stream", on_stdout=cb)
+            async with sb.stream("stream") as s:
+                texts = [c.text async for c in s]
+                assert (await s.result()).ok
+            return got, "".join(texts) + r.stdout
+
+    got, joined = asyncio.run(main())
+    assert "".join(got) == "one\ncafé\n" and joined.startswith("one\nerr\ncafé\n")
+
+
+def test_files(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    assert sb.files.write("/w/a.txt", "hello, a longer text") == 20
+    assert sb.files.read("/w/a.txt") == "hello, a longer text"  # three reads of READ_CAP bytes
+    assert sb.files.write("/w/a.txt", b"!", append=True) == 21
+    assert sb.files.read_bytes("/w/a.txt").endswith(b"!")
+    st = sb.files.stat("/w/a.txt")
+    assert st is not None and st.type == "file" and st.size == 21 and st.mode == 0o644
+    assert sb.files.stat("/w/none") is None and not sb.files.exists("/w/none") and sb.files.exists("/w/a.txt")
+    assert [f.path for f in sb.files.list("/w")] == ["a.txt"]
+    assert sb.files.mkdir("/w/d") is True
+    with pytest.raises(errors.ActionFailed):
+        sb.files.read("/w/none")
+    assert sb.files.remove("/w/a.txt") == 1 and sb.files.remove("/w/a.txt") == 0
+
+
+def test_upload_and_download(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "m.py").write_text("print(1)\n")
+    up = sb.files.upload(str(src), "/work")
+    assert up.files == 3 and up.size == 9
+    sbx = fake.service.sandboxes[sb.id]
+    assert sbx.files["/work/src/pkg/m.py"] == b"print(1)\n"
+
+    fake.service.tars["/work/src"] = _tar(_entry("src", tarfile.DIRTYPE), _entry("src/a.txt"),
+                                          _entry("src/l", tarfile.SYMTYPE, "a.txt"),
+                                          _entry("src/h", tarfile.LNKTYPE, "src/a.txt"))
+    out = tmp_path / "out"
+    paths = sb.files.download("/work/src", str(out))
+    assert sorted(os.path.relpath(p, out) for p in paths) == ["src", "src/a.txt", "src/h", "src/l"]
+    assert (out / "src/a.txt").read_bytes() == b"x" and os.readlink(out / "src/l") == "a.txt"
+    assert (out / "src/a.txt").stat().st_mode & 0o7777 == 0o755  # setuid dropped
+
+
+@pytest.mark.parametrize("entries", [
+    [_entry("../evil")],
+    [_entry("/etc/evil")],
+    [_entry("a/../../evil")],
+    [_entry("dev", tarfile.CHRTYPE)],
+    [_entry("fifo", tarfile.FIFOTYPE)],
+    [_entry("l", tarfile.SYMTYPE, "/etc")],
+    [_entry("l", tarfile.SYMTYPE, "../..")],
+    [_entry("l", tarfile.SYMTYPE, "x"), _entry("l/evil")],  # a write through the archive's own link
+    [_entry("p", tarfile.SYMTYPE, "q/r"), _entry("q", tarfile.SYMTYPE, "."), _entry("r", tarfile.SYMTYPE, "..")],
+    [_entry("s", tarfile.SYMTYPE, "d"), _entry("d", tarfile.SYMTYPE, "e/.."), _entry("e", tarfile.SYMTYPE, "..")],
+    [_entry("h", tarfile.LNKTYPE, "/etc/passwd")],
+    [_entry("h", tarfile.LNKTYPE, "notinarchive")],
+])
+def test_download_refuses_unsafe_archives(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox,
+                                          entries: list[tarfile.TarInfo]) -> None:
+    fake.service.tars["/x"] = _tar(*entries)
+    out = tmp_path / "out"
+    with pytest.raises(errors.UnsafeArchiveError):
+        sb.files.download("/x", str(out))
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+    assert not (tmp_path / "evil").exists()
+
+
+def test_download_refuses_links_on_disk(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(outside, out / "src")
+    fake.service.tars["/y"] = _tar(_entry("src/a.txt"))
+    with pytest.raises(errors.UnsafeArchiveError):
+        sb.files.download("/y", str(out))
+    assert not (outside / "a.txt").exists()
+
+
+def test_processes(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    p = sb.processes.start("sleep 100")
+    assert p.pid == 42 and p.session == ""
+    ps = sb.processes.list()
+    assert ps[0].pid == 7 and ps[0].argv == ("sleep", "100") and ps[0].started_ago == 2.0
+    p.kill()
+    sb.processes.kill(7, 15, group=True)
+    assert fake.service.signals == [(42, 9, False), (7, 15, True)]
+
+
+def test_interactive_process(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    p = sb.processes.start("repl", stdin=True, expect=[r"> $"], timeout=5)
+    assert p.session == "proc-1" and p.pid == 0 and p.result.running and p.result.matched == "> $"
+    r = p.send("hello", expect=[r"> $"])
+    assert r.stdout == "got hello\n> " and r.running
+    x = fake.service.execs[-1]
+    assert (x.command, x.session, x.interactive, list(x.expect), x.interrupt) == ("hello", "proc-1", True, ["> $"], False)
+    stopped = p.interrupt()
+    assert stopped is not None and not stopped.running and stopped.signal == 2
+    x = fake.service.execs[-1]
+    assert (x.command, x.interactive, x.interrupt) == ("", True, True)
+    with pytest.raises(ValueError):
+        p.kill()  # its pid is the session's business
+    with pytest.raises(TypeError):
+        p.send("x", expect="> ")  # type: ignore[arg-type]
+    q = sb.processes.start("other", stdin=True, session="mine")
+    assert q.session == "mine"
+    bg = sb.processes.start("sleep 100")
+    assert bg.interrupt() is None  # a background process gets SIGINT as a signal
+    assert fake.service.signals[-1] == (42, 2, False)
+
+
+def test_episode_calls(sb: deltagym.Sandbox) -> None:
+    ck = sb.checkpoint(durable=True, process_mode="criu")
+    assert ck.id == "ck-1" and not ck.durable and ck.not_durable == ("kept as a frozen template",)
+    assert ck.processes[0].method == "template"
+    old = sb.episode_id
+    r = sb.restore(ck)
+    assert r.next_step_index == 3 and sb.episode_id == r.episode_id != old
+    ev = sb.evaluate()
+    assert (ev.reward, dict(ev.components), ev.output) == (0.5, {"a": 0.5}, "half")
+    sub = sb.submit("42")
+    assert sub.reward == 1.0 and sub.step.terminated and sub.components == {"answer": 1.0}
+    info = sb.describe()
+    assert info.state == "ready" and info.id == sb.id and info.lease_expires_at is not None
+    assert sb.is_alive()
+    at = sb.extend_lease(600)
+    assert at is not None and sb.handle.lease_ttl == 600
+    with pytest.raises(ValueError):
+        sb.extend_lease(-1)
+    with pytest.raises(ValueError):
+        sb.checkpoint(process_mode="bogus")  # type: ignore[arg-type]
+
+
+def test_fork_shares_owned_client(fake: FakeServer) -> None:
+    parent = deltagym.Sandbox.create("shell", addr=fake.addr, token="t")
+    kids = parent.fork(2)
+    assert len(kids) == 2 and all(k.env == "shell" and k.task == parent.task for k in kids)
+    parent.close()
+    assert kids[0].run("echo alive").stdout == "alive\n"  # the shared client stays open
+    assert not parent.is_alive()
+    for k in kids:
+        k.close()
+    with pytest.raises(ValueError):
+        deltagym.Sandbox.fork_from("", 1, addr=fake.addr, token="t")
+    more = deltagym.Sandbox.fork_from(deltagym.Checkpoint(id="ck-1"), 2, addr=fake.addr, token="t")
+    assert len(more) == 2
+    for m in more:
+        m.close()
+
+
+def test_connect_and_detach(fake: FakeServer) -> None:
+    a = deltagym.Sandbox.create("shell", addr=fake.addr, token="t")
+    a.detach()
+    assert not fake.service.sandboxes[a.id].closed
+    b = deltagym.Sandbox.connect(a.id, addr=fake.addr, token="t")
+    assert b.env == "shell" and b.episode_id == a.episode_id and b.run("echo x").ok
+    b.close()
+    assert fake.service.sandboxes[a.id].closed
+    b.close()  # idempotent
+    with pytest.raises(errors.SandboxClosed):
+        b.run("echo late")
+    with pytest.raises(errors.SandboxClosed):
+        b.files.read("/a")
+
+
+def test_step_stream_errors_carry_reasons(sb: deltagym.Sandbox) -> None:
+    reqs = [deltagym.env_service_pb2.StepRequest(sandbox_id=i, action=deltagym.actions.command("echo s"))
+            for i in (sb.id, "gone")]
+    ok, gone = sb.client.step_stream(reqs)
+    assert not isinstance(ok, Exception) and ok.observation.exec.stdout == b"s\n"
+    assert isinstance(gone, errors.SandboxNotFound) and gone.reason == "SANDBOX_NOT_FOUND"
+
+
+def test_from_code_reasons() -> None:
+    e = errors.from_code(5, "gone", "StepStream", reason="SANDBOX_NOT_FOUND")
+    assert isinstance(e, errors.SandboxNotFound) and e.reason == "SANDBOX_NOT_FOUND"
+    assert isinstance(errors.from_code(4, "late"), errors.Timeout)
+
+
+def test_async_sandbox_files_and_errors(fake: FakeServer) -> None:
+    async def main() -> None:
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t", timeout=10) as sb:
+            assert await sb.files.write("/a", "0123456789abc") == 13
+            assert await sb.files.read("/a") == "0123456789abc"
+            assert await sb.files.exists("/a")
+            with pytest.raises(errors.RateLimited):
+                await sb.run("ratelimit")
+            with pytest.raises(errors.Timeout):
+                await sb.step("block", timeout=0.3)
+            kids = await sb.fork(1)
+            assert (await kids[0].run("echo k")).stdout == "k\n"
+            await kids[0].close()
+            assert (await sb.checkpoint()).id == "ck-1"
+
+    asyncio.run(main())

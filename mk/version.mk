@@ -1,0 +1,21 @@
+# version.mk: the project's version is the one line of VERSION at the root. scripts/version.sh
+# writes it into the files that carry it (generated, committed): cmd/deltagym/version.go, which
+# `deltagym version` prints, and clients/python/deltagym/_version.py,
+# deltagym.__version__ and the Python package's version. `make generate` rewrites them and
+# `make checkgenerate` fails when they are stale.
+VERSION_FILES := cmd/deltagym/version.go clients/python/deltagym/_version.py
+
+.PHONY: generate-version checkgenerate-version
+
+generate-version: ## write VERSION into the files that carry it (the CLI's, the Python SDK's)
+	./scripts/version.sh
+
+checkgenerate-version: ## fail if the files that carry VERSION say another version
+	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	./scripts/version.sh "$$tmp"; \
+	status=0; \
+	for f in $(VERSION_FILES); do diff -u "$$f" "$$tmp/$$f" >&2 || status=1; done; \
+	if [ $$status -ne 0 ]; then echo "checkgenerate: the version files are stale; run 'make generate'" >&2; exit 1; fi
+
+generate: generate-version
+checkgenerate: checkgenerate-version
