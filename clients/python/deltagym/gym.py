@@ -45,8 +45,7 @@ try:
     import gymnasium
     from gymnasium import spaces
 except ImportError as e:  # the extra is not installed
-    raise ImportError('deltagym.gym needs Gymnasium: pip install gymnasium, or install this client with '
-                      'its extra, from the repository\'s root: pip install "./clients/python[gym]"') from e
+    raise ImportError('deltagym.gym needs Gymnasium: pip install "deltagym[gym]"') from e
 
 import numpy as np
 

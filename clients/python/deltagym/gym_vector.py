@@ -27,9 +27,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_space
+try:
+    import numpy as np
+    from gymnasium.vector import AutoresetMode, VectorEnv
+    from gymnasium.vector.utils import batch_space
+except ImportError as e:  # the extra is not installed
+    raise ImportError('deltagym.gym_vector needs Gymnasium: pip install "deltagym[gym]"') from e
 
 from . import _common as c
 from .client import Client

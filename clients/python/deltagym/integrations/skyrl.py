@@ -34,8 +34,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # type: ignore[import-untyped, import-not-found, unused-ignore]
-from skyrl_gym.envs.registration import register, registry  # type: ignore[import-untyped, import-not-found, unused-ignore]
+try:
+    from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    from skyrl_gym.envs.registration import register, registry  # type: ignore[import-untyped, import-not-found, unused-ignore]
+except ImportError as e:  # the extra is not installed
+    raise ImportError('deltagym.integrations.skyrl needs SkyRL-Gym: pip install "deltagym[skyrl]"') from e
 
 from deltagym import _common as c
 from deltagym.client import Client, Sandbox
