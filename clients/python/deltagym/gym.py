@@ -52,7 +52,7 @@ import numpy as np
 from . import _common as c
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .actions import command, submit
-from .client import Client, Sandbox
+from .client import Client, SandboxHandle
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -214,7 +214,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         max_observation_length: int = 16384,
         render_mode: str | None = None,
         sample_commands: Sequence[str] = SAMPLE_COMMANDS,
-        _sandbox: Sandbox | None = None,
+        _sandbox: SandboxHandle | None = None,
     ) -> None:
         super().__init__()
         self.env_name = env
@@ -232,7 +232,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
         self.action_space = ShellCommandSpace(max_action_length, commands=self.sample_commands)
         self.observation_space = spaces.Text(max_length=max_observation_length, min_length=0,
                                              charset="".join(sorted(OBSERVATION_CHARSET)))
-        self.sandbox: Sandbox | None = _sandbox
+        self.sandbox: SandboxHandle | None = _sandbox
         self._last_obs = ""
         self.last_response: es.StepResponse | None = None
 
@@ -340,7 +340,7 @@ class SandboxEnv(gymnasium.Env[str, str]):
 
     # --- helpers --------------------------------------------------------------
 
-    def _need_sandbox(self) -> Sandbox:
+    def _need_sandbox(self) -> SandboxHandle:
         if self.sandbox is None:
             raise RuntimeError("SandboxEnv: call reset() first")
         return self.sandbox

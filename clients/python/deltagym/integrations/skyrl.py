@@ -41,7 +41,12 @@ except ImportError as e:  # the extra is not installed
     raise ImportError('deltagym.integrations.skyrl needs SkyRL-Gym: pip install "deltagym[skyrl]"') from e
 
 from deltagym import _common as c
-from deltagym.client import Client, Sandbox
+from deltagym.client import Client, SandboxHandle
+
+# The low-level handle, not deltagym.Sandbox: the model reads what the
+# server observed, rendered as observation_text does, and a Reset's text
+# includes the reset hook's output (an env may state its question there),
+# which Sandbox.task leaves out.
 
 __all__ = ["ENV_ID", "INSTRUCTIONS", "DeltagymTextEnv", "register_env"]
 
@@ -102,7 +107,7 @@ class DeltagymTextEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym has no ty
         client = _get(env_config, "client", None)
         self._own_client = client is None
         self.client: Client = client or Client(_get(env_config, "addr", None), token=_get(env_config, "token", None))
-        self.sandbox: Sandbox | None = None
+        self.sandbox: SandboxHandle | None = None
         self.reward = 0.0
         self.commands = 0
         self.failed_commands = 0
@@ -168,12 +173,12 @@ class DeltagymTextEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym has no ty
 
     # --- helpers --------------------------------------------------------------
 
-    def _need_sandbox(self) -> Sandbox:
+    def _need_sandbox(self) -> SandboxHandle:
         if self.sandbox is None:
             raise RuntimeError("DeltagymTextEnv: call init() first")
         return self.sandbox
 
-    def _submit(self, sb: Sandbox, answer: str | None, kept: str) -> BaseTextEnvStepOutput:
+    def _submit(self, sb: SandboxHandle, answer: str | None, kept: str) -> BaseTextEnvStepOutput:
         resp = sb.submit(answer)
         self.done = True
         self.reward = float(resp.reward)

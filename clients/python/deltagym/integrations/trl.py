@@ -38,7 +38,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from deltagym import _common as c
-from deltagym.client import Client, Sandbox
+from deltagym.client import Client, SandboxHandle
+
+# The low-level handle, not deltagym.Sandbox: the model reads what the
+# server observed, rendered as observation_text does, and a Reset's text
+# includes the reset hook's output (an env may state its question there),
+# which Sandbox.task leaves out.
 
 __all__ = ["SandboxEnvironment", "SandboxEnvironmentFactory", "environment_factory"]
 
@@ -93,7 +98,7 @@ class SandboxEnvironmentFactory:
         self._checkpoint_id = ""
         self._observation = ""
         self._claimed = 0
-        self._spare: list[Sandbox] = []
+        self._spare: list[SandboxHandle] = []
         self._instances: weakref.WeakSet[SandboxEnvironment] = weakref.WeakSet()
         self._closed = False
 
@@ -122,7 +127,7 @@ class SandboxEnvironmentFactory:
         if self._own_client:
             self.client.close()
 
-    def _claim(self, row: Mapping[str, Any]) -> tuple[Sandbox, str, str]:
+    def _claim(self, row: Mapping[str, Any]) -> tuple[SandboxHandle, str, str]:
         """A sandbox for a rollout of row, its reset observation and its
         group ID: a fork of the current group's checkpoint when row is the
         current group's and the group is not full, else a new group's Reset."""
@@ -188,7 +193,7 @@ class SandboxEnvironment:
 
     def __init__(self, factory: SandboxEnvironmentFactory) -> None:
         self._factory = factory
-        self._sandbox: Sandbox | None = None
+        self._sandbox: SandboxHandle | None = None
         self._group_id = ""
         self._reward: float | None = None
         self._truncated = False
@@ -283,12 +288,12 @@ class SandboxEnvironment:
 
     # --- helpers --------------------------------------------------------------
 
-    def _need_sandbox(self) -> Sandbox:
+    def _need_sandbox(self) -> SandboxHandle:
         if self._sandbox is None:
             raise RuntimeError("SandboxEnvironment: reset() has not been called")
         return self._sandbox
 
-    def _act(self, do: Callable[[Sandbox], Any]) -> str:
+    def _act(self, do: Callable[[SandboxHandle], Any]) -> str:
         sb = self._need_sandbox()
         if self._reward is not None or self._truncated:
             raise RuntimeError("the episode has ended; no more tool calls")
