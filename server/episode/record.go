@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -56,7 +57,11 @@ func (c *Core) stored(ctx context.Context, err error) error {
 	}
 	serr := c.rec.Stored(ctx)
 	if err != nil {
-		c.ledgerErr(serr)
+		if ctx.Err() == nil || !errors.Is(serr, ctx.Err()) {
+			c.ledgerErr(serr)
+		}
+		// Else the caller left (or its deadline passed) before the spool took the rows: they
+		// stay queued and are stored as any others, so there is nothing to warn of.
 		return err
 	}
 	return serr
