@@ -18,7 +18,9 @@ from :class:`SandboxError`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import shlex
+import signal
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -333,22 +335,49 @@ class SandboxError(Exception):
 
 class CommandExitError(SandboxError):
     """A command run with check=True failed: it exited non-zero, timed out
-    or was killed by a signal.
+    or was killed by a signal. The message names the command (cut to 200
+    characters), how it failed and the end of its stderr (its stdout when
+    the stderr is empty).
 
     Attributes:
         result: the command's CommandResult.
+        command: the command as run: a str, or its argv joined as a shell would quote it.
     """
 
-    def __init__(self, result: CommandResult) -> None:
+    def __init__(self, result: CommandResult, command: str | Sequence[str] = "") -> None:
         self.result = result
+        self.command = command if isinstance(command, str) else shlex.join(command)
         if result.timed_out:
-            why = "timed out"
+            why = f"timed out after {result.duration:g}s" if result.duration else "timed out"
         elif result.signal:
-            why = f"was killed by signal {result.signal}"
+            why = f"was killed by signal {result.signal}{_signal_name(result.signal)}"
         else:
             why = f"exited with {result.exit_code}"
-        tail = (result.stderr or result.stdout)[-500:]
-        super().__init__(f"command {why}" + (f": {tail}" if tail else ""))
+        cmd = self.command if len(self.command) <= _COMMAND_CHARS else self.command[:_COMMAND_CHARS - 3] + "..."
+        what = f"command {cmd!r}" if cmd else "command"
+        if result.stderr:
+            tail = "; stderr: " + _tail(result.stderr)
+        elif result.stdout:
+            tail = "; stdout: " + _tail(result.stdout)
+        else:
+            tail = ""
+        super().__init__(f"{what} {why}{tail}")
+
+
+# How much of a failed command, and of the end of its output, a CommandExitError's message shows.
+_COMMAND_CHARS = 200
+_TAIL_CHARS = 500
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= _TAIL_CHARS else "..." + text[-_TAIL_CHARS:]
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return f" ({signal.Signals(n).name})"
+    except ValueError:
+        return ""
 
 
 class ActionFailed(SandboxError):

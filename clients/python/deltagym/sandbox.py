@@ -260,7 +260,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
             resp = self._step(action, s_, self._command_deadline(timeout), checkpoint)
             result = cv.exec_response(resp, s_)
         if check and not result.ok:
-            raise CommandExitError(result)
+            raise CommandExitError(result, cmd)
         return result
 
     def stream(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,

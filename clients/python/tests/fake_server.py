@@ -3,7 +3,9 @@
 errors with google.rpc.ErrorInfo details, streamed output), so the client's
 wire handling is exercised without a deltagym server or root.
 
-Commands it knows: "echo TEXT", "exit N", "fail" (stderr, exit 1), any
+Commands it knows: "echo TEXT", "exit N", "fail" (stderr, exit 1),
+"spew ..." (1,211 bytes of stderr, exit 2), "hang" (timed out), "killed"
+(by SIGKILL), any
 interactive one (a program answering "got LINE" at a "> " prompt),
 "block" (waits until the call is cancelled or its deadline passes),
 "stream" (output in chunks, a UTF-8 character split across two), and the
@@ -217,6 +219,13 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
             return ap.Observation(exec=ap.ExecResult(exit_code=int(cmd[5:])))
         if cmd == "fail":
             return ap.Observation(exec=ap.ExecResult(stderr=b"boom\n", exit_code=1))
+        if cmd.startswith("spew "):
+            return ap.Observation(exec=ap.ExecResult(stderr=b"noise\n" * 200 + b"last words\n", exit_code=2))
+        if cmd == "hang":
+            return ap.Observation(exec=ap.ExecResult(stdout=b"waiting\n", exit_code=-1, timed_out=True,
+                                                     duration_seconds=1.5))
+        if cmd == "killed":
+            return ap.Observation(exec=ap.ExecResult(exit_code=-1, signal=9))
         if cmd == "block":
             done = threading.Event()
             ctx.add_callback(done.set)

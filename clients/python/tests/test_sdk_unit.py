@@ -74,6 +74,28 @@ def test_check_raises_command_exit_error(sb: deltagym.Sandbox) -> None:
     assert not isinstance(e.value, errors.DeltagymError)
 
 
+def test_command_exit_error_says_what_failed(sb: deltagym.Sandbox) -> None:
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("fail", check=True)
+    assert str(e.value) == "command 'fail' exited with 1; stderr: boom\n" and e.value.command == "fail"
+    long = "spew " + "x" * 300
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run(long, check=True)
+    msg = str(e.value)
+    assert msg.startswith("command '" + long[:197] + "...' exited with 2; stderr: ...")
+    assert msg.endswith("noise\nlast words\n") and len(msg) < 200 + 500 + 60
+    assert e.value.command == long  # the whole command stays on the error
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run(["spew", "it's"], check=True)
+    assert e.value.command == "spew 'it'\"'\"'s'"
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("hang", check=True)
+    assert str(e.value) == "command 'hang' timed out after 1.5s; stdout: waiting\n"
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("killed", check=True)
+    assert str(e.value) == "command 'killed' was killed by signal 9 (SIGKILL)"
+
+
 def test_action_error_raises_action_failed(sb: deltagym.Sandbox) -> None:
     with pytest.raises(errors.ActionFailed) as e:
         sb.run(["nosuchprogram"])
