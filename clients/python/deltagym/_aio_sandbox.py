@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from . import _convert as cv, _ops as ops
-from ._base import SandboxBase
+from ._base import ProcessBase, SandboxBase
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .aio import AsyncClient, AsyncSandboxHandle
 from .errors import CommandExitError, NotFound, from_code
@@ -450,41 +450,30 @@ class AsyncFiles:
         return ops.extract(await self.download_tar(remote_path, setup=setup, timeout=timeout), local_dir)
 
 
-class AsyncProcess:
-    """A process started by AsyncSandbox.processes.start.
+class AsyncProcess(ProcessBase):
+    """A process started by AsyncSandbox.processes.start (see deltagym.Process)."""
 
-    Attributes:
-        pid: its pid inside the sandbox (0 for an interactive one, which lives in its session).
-        session: the session of an interactive process, else "".
-        result: the result of the step that started it.
-    """
-
-    def __init__(self, sb: AsyncSandbox, pid: int, session: str, result: CommandResult) -> None:
+    def __init__(self, sb: AsyncSandbox, pid: int, session: str, result: CommandResult,
+                 expect: Sequence[str] = ()) -> None:
+        super().__init__(pid, session, result, expect)
         self._sb = sb
-        self.pid = pid
-        self.session = session
-        self.result = result
-
-    def __repr__(self) -> str:
-        return f"Process(pid={self.pid}, session={self.session!r})"
 
     async def send(self, text: str, *, expect: Sequence[str] | None = None, timeout: float | None = None,
-             setup: bool | None = None) -> CommandResult:
+                   setup: bool | None = None) -> CommandResult:
         """As deltagym.Process.send, awaited."""
-        if not self.session:
-            raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
-        action = ops.interactive_action(self.session, text, expect=expect or (), timeout=timeout)
+        action = self._send_action(text, expect, timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
+        return self._saw(cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s))
 
-    async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
+    async def interrupt(self, *, expect: Sequence[str] | None = None, setup: bool | None = None,
+                        timeout: float | None = None) -> CommandResult | None:
         """As deltagym.Process.interrupt, awaited."""
         if not self.session:
             await self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
             return None
-        action = ops.interactive_action(self.session, "", interrupt=True, timeout=timeout)
+        action = self._interrupt_action(expect, timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
+        return self._saw(cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s))
 
     async def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> None:
@@ -492,6 +481,7 @@ class AsyncProcess:
         if not self.pid:
             raise ValueError("this process's pid is unknown (an interactive one): use interrupt()")
         await self._sb.processes.kill(self.pid, signal, group=group, setup=setup, timeout=timeout)
+        self._killed = self._killed or signal == _signal.SIGKILL
 
 
 class AsyncProcesses:
@@ -523,7 +513,7 @@ class AsyncProcesses:
             raise ValueError("an interactive process takes no cwd or env: cd or export in its session first")
         action = ops.interactive_action(name, cmd, expect=expect or (), timeout=timeout)
         r = cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
-        return AsyncProcess(self._sb, 0, name, r)
+        return AsyncProcess(self._sb, 0, name, r, expect or ())
 
     async def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:
         """The processes running in the sandbox (its init excluded), by pid."""

@@ -50,6 +50,7 @@ __all__ = [
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
+    "ProcessEnded",
     "RateLimited",
     "ResourceExhausted",
     "SandboxClosed",
@@ -396,6 +397,29 @@ class ActionFailed(SandboxError):
         self.errno = error.errno
         self.errno_name = error.errno_name
         super().__init__(f"{error.errno_name}: {error.message}")
+
+
+class ProcessEnded(SandboxError):
+    """An interactive process has ended (a step's result said it no longer
+    runs), so there is nothing to send text to: what was sent would go to
+    the session's shell instead. Start it again with processes.start.
+
+    Attributes:
+        session: the process's session.
+        result: the result of the step that saw it end.
+    """
+
+    def __init__(self, session: str, result: CommandResult) -> None:
+        self.session = session
+        self.result = result
+        if result.signal:
+            how = f"was killed by signal {result.signal}{_signal_name(result.signal)}"
+        elif result.exit_code >= 0:
+            how = f"exited with {result.exit_code}"
+        else:
+            how = "ended"
+        super().__init__(f"the interactive process of session {session!r} {how}; "
+                         "processes.start runs it again, run(..., session=) runs shell commands there")
 
 
 class UnsafeArchiveError(SandboxError):

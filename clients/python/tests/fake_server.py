@@ -195,14 +195,23 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         raise AssertionError
 
     def _interactive(self, x: ap.ExecAction) -> ap.Observation:
-        """An interactive step: a program that answers "got LINE" and prompts "> "."""
+        """An interactive step: a program that answers "got LINE" and prompts
+        "> ", ends on "exit", and prompts again after Ctrl-C, as a REPL does:
+        an interrupt that expects nothing waits out its timeout, and the
+        program is killed."""
         matched = x.expect[0] if x.expect else ""
         if x.interrupt:
+            if matched:
+                return ap.Observation(exec=ap.ExecResult(stdout=b"KeyboardInterrupt\n> ", exit_code=-1,
+                                                         matched=matched, running=True))
             self.attached.pop(x.session, None)
-            return ap.Observation(exec=ap.ExecResult(stdout=b"^C\n", exit_code=-1, signal=2))
+            return ap.Observation(exec=ap.ExecResult(stdout=b"^C\n", exit_code=-1, signal=9, timed_out=True))
         if x.session not in self.attached:
             self.attached[x.session] = x.command
             return ap.Observation(exec=ap.ExecResult(stdout=b"> ", exit_code=-1, matched=matched, running=True))
+        if x.command == "exit":
+            self.attached.pop(x.session, None)
+            return ap.Observation(exec=ap.ExecResult(stdout=b"bye\n", exit_code=0))
         out = f"got {x.command}\n> ".encode()
         return ap.Observation(exec=ap.ExecResult(stdout=out, exit_code=-1, matched=matched, running=True))
 

@@ -316,19 +316,31 @@ def test_interactive_process(fake: FakeServer, sb: deltagym.Sandbox) -> None:
     assert r.stdout == "got hello\n> " and r.running
     x = fake.service.execs[-1]
     assert (x.command, x.session, x.interactive, list(x.expect), x.interrupt) == ("hello", "proc-1", True, ["> $"], False)
-    stopped = p.interrupt()
-    assert stopped is not None and not stopped.running and stopped.signal == 2
+    back = p.interrupt()  # waits for start's patterns: the prompt shown again
+    assert back is not None and back.running and back.matched == "> $" and p.running
     x = fake.service.execs[-1]
-    assert (x.command, x.interactive, x.interrupt) == ("", True, True)
-    with pytest.raises(ValueError):
-        p.kill()  # its pid is the session's business
+    assert (x.command, x.interactive, x.interrupt, list(x.expect)) == ("", True, True, ["> $"])
+    assert p.send("again").stdout == "got again\n> " and list(fake.service.execs[-1].expect) == ["> $"]
     with pytest.raises(TypeError):
         p.send("x", expect="> ")  # type: ignore[arg-type]
+    stopped = p.interrupt(expect=(), timeout=1)  # nothing to wait for: killed at the timeout
+    assert stopped is not None and not stopped.running and stopped.signal == 9 and not p.running
+    n = len(fake.service.execs)
+    with pytest.raises(errors.ProcessEnded) as ended:
+        p.send("typed into the shell?")
+    assert len(fake.service.execs) == n and ended.value.session == "proc-1" and "signal 9 (SIGKILL)" in str(ended.value)
+    with pytest.raises(ValueError):
+        p.kill()  # its pid is the session's business
     q = sb.processes.start("other", stdin=True, session="mine")
     assert q.session == "mine"
+    assert q.send("exit").exit_code == 0 and not q.running
+    with pytest.raises(errors.ProcessEnded, match="'mine' exited with 0"):
+        q.send("more")
     bg = sb.processes.start("sleep 100")
     assert bg.interrupt() is None  # a background process gets SIGINT as a signal
-    assert fake.service.signals[-1] == (42, 2, False)
+    assert fake.service.signals[-1] == (42, 2, False) and bg.running
+    bg.kill()
+    assert not bg.running
 
 
 def test_episode_calls(sb: deltagym.Sandbox) -> None:
