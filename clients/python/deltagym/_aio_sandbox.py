@@ -12,6 +12,7 @@ deltagym.Sandbox as coroutines.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import inspect
 import signal as _signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -74,7 +75,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         self.client = handle.client
         self.timeout = timeout if timeout is not None else handle.client.timeout
         self.task = task
-        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id)
+        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id, env=handle.env)
         self._owner = owner
         if owner is not None:
             owner.acquire()
@@ -141,6 +142,12 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
             if hs and c._lease_ttl is None:
                 # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
                 await c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)
+            env = checkpoint.env if isinstance(checkpoint, Checkpoint) else ""
+            if hs and not env:
+                # A fork's answer has no env: the first child's description has it.
+                env = (await c.get_sandbox(hs[0].id, timeout=timeout if timeout is not None else c.timeout)).env
+            for h in hs:
+                h.env = env
         except BaseException:
             for h in hs:
                 await h.detach()
@@ -235,7 +242,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         """As deltagym.Sandbox.checkpoint, awaited."""
         r = await self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
                                    timeout=self._deadline(timeout))
-        return cv.checkpoint(r)
+        return dataclasses.replace(cv.checkpoint(r), env=self.env)
 
     async def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
                 timeout: float | None = None) -> Restored:

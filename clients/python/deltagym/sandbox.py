@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import signal as _signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -113,7 +114,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         self.client = handle.client
         self.timeout = timeout if timeout is not None else handle.client.timeout
         self.task = task
-        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id)
+        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id, env=handle.env)
         self._owner = owner
         if owner is not None:
             owner.acquire()
@@ -187,7 +188,9 @@ class Sandbox(SandboxBase[SandboxHandle]):
                   client: Client | None = None) -> list[Sandbox]:
         """Creates n sandboxes at a checkpoint, each in a new episode. They
         share one client (this call's, or one made for them, closed with
-        the last of them). fresh_entropy gives each fresh random state."""
+        the last of them). fresh_entropy gives each fresh random state.
+        Their env is the checkpoint's: a Checkpoint from checkpoint() knows
+        it; for a checkpoint ID, the first child's description tells it."""
         c, owner = cls._client(client, addr, token)
         hs: list[SandboxHandle] = []
         try:
@@ -197,6 +200,12 @@ class Sandbox(SandboxBase[SandboxHandle]):
             if hs and c._lease_ttl is None:
                 # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
                 c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)
+            env = checkpoint.env if isinstance(checkpoint, Checkpoint) else ""
+            if hs and not env:
+                # A fork's answer has no env: the first child's description has it.
+                env = (c.get_sandbox(hs[0].id, timeout=timeout if timeout is not None else c.timeout)).env
+            for h in hs:
+                h.env = env
         except BaseException:
             for h in hs:
                 h.detach()
@@ -312,7 +321,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         be); process_mode overrides the env's."""
         r = self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
                                    timeout=self._deadline(timeout))
-        return cv.checkpoint(r)
+        return dataclasses.replace(cv.checkpoint(r), env=self.env)
 
     def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
                 timeout: float | None = None) -> Restored:

@@ -56,6 +56,7 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         self.deadlines: list[float | None] = []
         self.execs: list[ap.ExecAction] = []
         self.attached: dict[str, str] = {}
+        self.described: list[str] = []
         self.lock = threading.Lock()
 
     # --- helpers ---
@@ -299,6 +300,7 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
 
     def GetSandbox(self, req: es.GetSandboxRequest, ctx: grpc.ServicerContext) -> es.GetSandboxResponse:
         sb = self._sandbox(req.sandbox_id, ctx)
+        self.described.append(sb.id)
         return es.GetSandboxResponse(sandbox=env_pb2.Sandbox(
             sandbox_id=sb.id, env=sb.env, episode_id=sb.episode, state=env_pb2.SANDBOX_STATE_READY,
             next_step_index=sb.step_index, start_checkpoint_id="ck-start", lease_expire_time=self._lease(sb)))

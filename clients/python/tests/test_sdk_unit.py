@@ -377,9 +377,34 @@ def test_fork_shares_owned_client(fake: FakeServer) -> None:
     with pytest.raises(ValueError):
         deltagym.Sandbox.fork_from("", 1, addr=fake.addr, token="t")
     more = deltagym.Sandbox.fork_from(deltagym.Checkpoint(id="ck-1"), 2, addr=fake.addr, token="t")
-    assert len(more) == 2
+    assert len(more) == 2 and [m.env for m in more] == ["shell", "shell"]  # told by the first child's description
+    assert fake.service.described == [more[0].id]
     for m in more:
         m.close()
+
+
+def test_fork_from_knows_the_env(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    ck = sb.checkpoint()
+    assert ck.env == "shell" and sb.start_checkpoint.env == "shell"
+    kids = deltagym.Sandbox.fork_from(ck, 2, client=sb.client)
+    assert [k.env for k in kids] == ["shell", "shell"] and fake.service.described == []  # the checkpoint knew
+    assert kids[0].start_checkpoint.env == "shell"
+    by_id = deltagym.Sandbox.fork_from(ck.id, 1, client=sb.client)
+    assert by_id[0].env == "shell" and fake.service.described == [by_id[0].id]
+    for k in kids + by_id:
+        k.close()
+
+    async def main() -> None:
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t", timeout=10) as a:
+            ack = await a.checkpoint()
+            assert ack.env == "shell"
+            akids = await AsyncSandbox.fork_from(ack, 1, client=a.client)
+            aby_id = await AsyncSandbox.fork_from(ack.id, 1, client=a.client)
+            assert akids[0].env == aby_id[0].env == "shell" and fake.service.described[-1] == aby_id[0].id
+            for k in akids + aby_id:
+                await k.close()
+
+    asyncio.run(main())
 
 
 def test_connect_and_detach(fake: FakeServer) -> None:
