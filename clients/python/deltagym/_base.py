@@ -4,7 +4,6 @@ state, the setup context and the bookkeeping of a step's answer."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import Generic, Protocol, TypeVar
 
 from . import _ops as ops
@@ -60,13 +59,14 @@ class SandboxBase(Generic[H]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
 
-    def setup(self) -> AbstractContextManager[None]:
-        """Marks every call on this sandbox inside the `with` block as a
-        setup step: recorded in the ledger, counted against neither
-        max_steps nor max_seconds. It holds for this thread or asyncio
-        task (and tasks started inside), not for others. A method's
-        setup= argument overrides it; submit is never a setup step."""
-        return ops.setup_context(self.id)
+    def setup(self) -> ops.SetupContext:
+        """Marks every call on this sandbox inside the `with` (or `async
+        with`) block as a setup step: recorded in the ledger, counted
+        against neither max_steps nor max_seconds. It holds for this
+        thread or asyncio task (and tasks started inside), not for others.
+        A method's setup= argument overrides it; submit is never a setup
+        step."""
+        return ops.SetupContext(self.id)
 
     def _setup(self, setup: bool | None) -> bool:
         return ops.is_setup(self.id, setup)

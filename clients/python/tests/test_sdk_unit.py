@@ -196,6 +196,35 @@ def test_setup_context_asyncio_tasks(fake: FakeServer) -> None:
     assert (other, child, mine) == (False, True, True)
 
 
+def test_setup_async_with(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    async def main() -> list[bool]:
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t") as a:
+            started = asyncio.Event()
+            release = asyncio.Event()
+
+            async def outside() -> bool:
+                await started.wait()
+                r = (await a.run("echo out")).step.setup
+                release.set()
+                return r
+
+            t = asyncio.create_task(outside())
+            ctx = a.setup()
+            async with ctx:
+                started.set()
+                await release.wait()  # the other task ran its step meanwhile, not as setup
+                inside = (await a.run("echo in")).step.setup
+                async with ctx:  # the same context entered again, nested
+                    nested = (await a.run("echo nested")).step.setup
+                still = (await a.run("echo still")).step.setup
+            after = (await a.run("echo after")).step.setup
+            async with sb.setup():  # a Sandbox's too
+                sync_inside = sb.run("echo sync").step.setup
+            return [await t, inside, nested, still, after, sync_inside, sb.run("echo out").step.setup]
+
+    assert asyncio.run(main()) == [False, True, True, True, False, True, False]
+
+
 def test_streaming_callbacks_and_iterator(sb: deltagym.Sandbox) -> None:
     out: list[str] = []
     err: list[str] = []
