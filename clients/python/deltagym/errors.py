@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
+from ._common import token_files
+
 if TYPE_CHECKING:
     from .types import ActionErrorInfo, CommandResult, StepInfo
 
@@ -306,8 +308,13 @@ def error_info(trailers: Iterable[Any] | None) -> tuple[str, dict[str, str]]:
     return "", {}
 
 
-NO_TOKEN_HINT = (" (this client found no token: pass token=, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, "
-                 "or run from the directory that holds the server's data directory .data, or set $DELTAGYM_DATA to it)")
+def no_token_hint() -> str:
+    """What an UNAUTHENTICATED error of a client that sent no token adds:
+    how to give one, and which files it looked in."""
+    files = token_files()
+    looked = f"; it looked in {', '.join(files)}" if files else ""
+    return (" (this client found no token: pass token=, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, or set "
+            f"$DELTAGYM_DATA to the server's data directory{looked})")
 
 
 def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True) -> DeltagymError:
@@ -318,7 +325,7 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True
     code = (e.code() if hasattr(e, "code") else None) or grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.UNAUTHENTICATED and not sent_token:
-        details = (details or "") + NO_TOKEN_HINT
+        details = (details or "") + no_token_hint()
     trailers = None
     if hasattr(e, "trailing_metadata"):
         try:

@@ -11,10 +11,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 import deltagym
-from deltagym import errors
+from deltagym import _common, errors
 from deltagym.aio import AsyncSandbox
 
 from .fake_server import FakeServer
@@ -481,3 +482,43 @@ def test_async_sandbox_files_and_errors(fake: FakeServer) -> None:
             assert (await sb.checkpoint()).id == "ck-1"
 
     asyncio.run(main())
+
+
+class _Refused(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAUTHENTICATED
+
+    def details(self) -> str:
+        return "missing bearer token"
+
+
+def test_token_found_above_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("DELTAGYM_TOKEN", "DELTAGYM_TOKEN_FILE", "DELTAGYM_DATA"):
+        monkeypatch.delenv(k, raising=False)
+    repo = tmp_path / "repo"
+    deep = repo / "clients" / "python"
+    deep.mkdir(parents=True)
+    (repo / ".git").write_text("gitdir: elsewhere\n")  # a worktree's .git is a file
+    (repo / ".data").mkdir()
+    (repo / ".data" / "token").write_text("tok-repo\n")
+    (tmp_path / ".data").mkdir()
+    (tmp_path / ".data" / "token").write_text("tok-outside\n")
+    monkeypatch.chdir(deep)
+    looked = [str(deep / ".data/token"), str(repo / "clients/.data/token"), str(repo / ".data/token")]
+    assert _common.token_files() == looked  # up to the checkout's root, not past it
+    assert _common.resolve_token(None) == "tok-repo"
+    (deep / ".data").mkdir()
+    (deep / ".data" / "token").write_text("")  # an empty file is no token: the search goes on
+    assert _common.resolve_token(None) == "tok-repo"
+    (deep / ".data" / "token").write_text("tok-near\n")
+    assert _common.resolve_token(None) == "tok-near"
+    (deep / ".data" / "token").unlink()
+    (repo / ".data" / "token").unlink()
+    assert _common.resolve_token(None) == ""
+    e = errors.from_rpc_error(_Refused(), "ListEnvs", sent_token=False)
+    assert isinstance(e, errors.Unauthenticated) and "found no token" in e.message
+    assert e.message.endswith("it looked in " + ", ".join(looked) + ")")
+    assert "found no token" not in errors.from_rpc_error(_Refused(), "ListEnvs", sent_token=True).message
+    monkeypatch.setenv("DELTAGYM_DATA", str(tmp_path / ".data"))
+    assert _common.token_files() == [str(tmp_path / ".data/token")]
+    assert _common.resolve_token(None) == "tok-outside"
