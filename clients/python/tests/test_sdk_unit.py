@@ -480,6 +480,14 @@ def test_async_sandbox_files_and_errors(fake: FakeServer) -> None:
             assert (await kids[0].run("echo k")).stdout == "k\n"
             await kids[0].close()
             assert (await sb.checkpoint()).id == "ck-1"
+            p = await sb.processes.start("repl", stdin=True, expect=[r"> $"])
+            back = await p.interrupt()
+            assert back is not None and back.matched == "> $" and p.running
+            assert (await p.send("exit")).exit_code == 0 and not p.running
+            with pytest.raises(errors.ProcessEnded):
+                await p.send("more")
+            with pytest.raises(errors.CommandExitError, match="command 'fail' exited with 1; stderr: boom"):
+                await sb.run("fail", check=True)
 
     asyncio.run(main())
 
