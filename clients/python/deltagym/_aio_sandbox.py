@@ -12,13 +12,14 @@ deltagym.Sandbox as coroutines.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import inspect
 import signal as _signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from . import _convert as cv, _ops as ops
-from ._base import SandboxBase
+from ._base import ProcessBase, SandboxBase
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .aio import AsyncClient, AsyncSandboxHandle
 from .errors import CommandExitError, NotFound, from_code
@@ -74,7 +75,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         self.client = handle.client
         self.timeout = timeout if timeout is not None else handle.client.timeout
         self.task = task
-        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id)
+        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id, env=handle.env)
         self._owner = owner
         if owner is not None:
             owner.acquire()
@@ -141,6 +142,12 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
             if hs and c._lease_ttl is None:
                 # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
                 await c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)
+            env = checkpoint.env if isinstance(checkpoint, Checkpoint) else ""
+            if hs and not env:
+                # A fork's answer has no env: the first child's description has it.
+                env = (await c.get_sandbox(hs[0].id, timeout=timeout if timeout is not None else c.timeout)).env
+            for h in hs:
+                h.env = env
         except BaseException:
             for h in hs:
                 await h.detach()
@@ -188,7 +195,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
             resp = await self._step(action, s_, self._command_deadline(timeout), checkpoint)
             result = cv.exec_response(resp, s_)
         if check and not result.ok:
-            raise CommandExitError(result)
+            raise CommandExitError(result, cmd)
         return result
 
     def stream(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
@@ -235,7 +242,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         """As deltagym.Sandbox.checkpoint, awaited."""
         r = await self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
                                    timeout=self._deadline(timeout))
-        return cv.checkpoint(r)
+        return dataclasses.replace(cv.checkpoint(r), env=self.env)
 
     async def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
                 timeout: float | None = None) -> Restored:
@@ -450,41 +457,30 @@ class AsyncFiles:
         return ops.extract(await self.download_tar(remote_path, setup=setup, timeout=timeout), local_dir)
 
 
-class AsyncProcess:
-    """A process started by AsyncSandbox.processes.start.
+class AsyncProcess(ProcessBase):
+    """A process started by AsyncSandbox.processes.start (see deltagym.Process)."""
 
-    Attributes:
-        pid: its pid inside the sandbox (0 for an interactive one, which lives in its session).
-        session: the session of an interactive process, else "".
-        result: the result of the step that started it.
-    """
-
-    def __init__(self, sb: AsyncSandbox, pid: int, session: str, result: CommandResult) -> None:
+    def __init__(self, sb: AsyncSandbox, pid: int, session: str, result: CommandResult,
+                 expect: Sequence[str] = ()) -> None:
+        super().__init__(pid, session, result, expect)
         self._sb = sb
-        self.pid = pid
-        self.session = session
-        self.result = result
-
-    def __repr__(self) -> str:
-        return f"Process(pid={self.pid}, session={self.session!r})"
 
     async def send(self, text: str, *, expect: Sequence[str] | None = None, timeout: float | None = None,
-             setup: bool | None = None) -> CommandResult:
+                   setup: bool | None = None) -> CommandResult:
         """As deltagym.Process.send, awaited."""
-        if not self.session:
-            raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
-        action = ops.interactive_action(self.session, text, expect=expect or (), timeout=timeout)
+        action = self._send_action(text, expect, timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
+        return self._saw(cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s))
 
-    async def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
+    async def interrupt(self, *, expect: Sequence[str] | None = None, setup: bool | None = None,
+                        timeout: float | None = None) -> CommandResult | None:
         """As deltagym.Process.interrupt, awaited."""
         if not self.session:
             await self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
             return None
-        action = ops.interactive_action(self.session, "", interrupt=True, timeout=timeout)
+        action = self._interrupt_action(expect, timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
+        return self._saw(cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s))
 
     async def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> None:
@@ -492,6 +488,7 @@ class AsyncProcess:
         if not self.pid:
             raise ValueError("this process's pid is unknown (an interactive one): use interrupt()")
         await self._sb.processes.kill(self.pid, signal, group=group, setup=setup, timeout=timeout)
+        self._killed = self._killed or signal == _signal.SIGKILL
 
 
 class AsyncProcesses:
@@ -523,7 +520,7 @@ class AsyncProcesses:
             raise ValueError("an interactive process takes no cwd or env: cd or export in its session first")
         action = ops.interactive_action(name, cmd, expect=expect or (), timeout=timeout)
         r = cv.exec_response(await self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
-        return AsyncProcess(self._sb, 0, name, r)
+        return AsyncProcess(self._sb, 0, name, r, expect or ())
 
     async def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:
         """The processes running in the sandbox (its init excluded), by pid."""

@@ -3,12 +3,13 @@ state, the setup context and the bookkeeping of a step's answer."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 from . import _ops as ops
-from ._proto.deltagym.v1 import env_service_pb2 as es
-from .errors import SandboxClosed
+from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
+from .errors import ProcessEnded, SandboxClosed
+from .types import CommandResult
 
 
 class Handle(Protocol):
@@ -58,13 +59,14 @@ class SandboxBase(Generic[H]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, env={self.env!r}, episode_id={self.episode_id!r})"
 
-    def setup(self) -> AbstractContextManager[None]:
-        """Marks every call on this sandbox inside the `with` block as a
-        setup step: recorded in the ledger, counted against neither
-        max_steps nor max_seconds. It holds for this thread or asyncio
-        task (and tasks started inside), not for others. A method's
-        setup= argument overrides it; submit is never a setup step."""
-        return ops.setup_context(self.id)
+    def setup(self) -> ops.SetupContext:
+        """Marks every call on this sandbox inside the `with` (or `async
+        with`) block as a setup step: recorded in the ledger, counted
+        against neither max_steps nor max_seconds. It holds for this
+        thread or asyncio task (and tasks started inside), not for others.
+        A method's setup= argument overrides it; submit is never a setup
+        step."""
+        return ops.SetupContext(self.id)
 
     def _setup(self, setup: bool | None) -> bool:
         return ops.is_setup(self.id, setup)
@@ -86,3 +88,53 @@ class SandboxBase(Generic[H]):
 
     def _saw_step(self, resp: es.StepResponse) -> None:
         self._h.episode_id = resp.episode_id or self._h.episode_id
+
+
+class ProcessBase:
+    """What Process and AsyncProcess share that does no I/O: what the steps
+    said of the process, and the actions that talk to it.
+
+    Attributes:
+        pid: its pid inside the sandbox (0 for an interactive one, which lives in its session).
+        session: the session of an interactive process, else "".
+        result: the result of the step that started it.
+        expect: the patterns given to processes.start, which send and interrupt wait for by default.
+    """
+
+    def __init__(self, pid: int, session: str, result: CommandResult, expect: Sequence[str] = ()) -> None:
+        self.pid = pid
+        self.session = session
+        self.result = result
+        self.expect = tuple(expect)
+        self._last = result
+        self._killed = False
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid}, session={self.session!r}, running={self.running})"
+
+    @property
+    def running(self) -> bool:
+        """Whether the process runs, as far as this client saw: for an
+        interactive process, whether the last step that talked to it
+        (start, send, interrupt) left it attached to its session; for a
+        background one, until its kill() sent SIGKILL (processes.list()
+        tells what the sandbox runs)."""
+        if self.session:
+            return self._last.running
+        return not self._killed
+
+    def _send_action(self, text: str, expect: Sequence[str] | None, timeout: float | None) -> action_pb2.Action:
+        if not self.session:
+            raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
+        if not self._last.running:
+            raise ProcessEnded(self.session, self._last)
+        return ops.interactive_action(self.session, text, expect=self.expect if expect is None else expect,
+                                      timeout=timeout)
+
+    def _interrupt_action(self, expect: Sequence[str] | None, timeout: float | None) -> action_pb2.Action:
+        return ops.interactive_action(self.session, "", expect=self.expect if expect is None else expect,
+                                      timeout=timeout, interrupt=True)
+
+    def _saw(self, r: CommandResult) -> CommandResult:
+        self._last = r
+        return r

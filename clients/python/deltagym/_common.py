@@ -47,9 +47,9 @@ def resolve_addr(addr: str | None) -> str:
 def resolve_token(token: str | None) -> str:
     """Returns the bearer token to send: token when given, else
     $DELTAGYM_TOKEN, else the contents of the file $DELTAGYM_TOKEN_FILE (an
-    OSError when it cannot be read), else the file "token" of the server's
-    data directory ($DELTAGYM_DATA, else .data), which a server started
-    without a token writes, if this user may read it; else ""."""
+    OSError when it cannot be read), else the first of token_files() that
+    this user may read and that holds one (a server started without a
+    token writes it there); else ""."""
     if token is not None:
         return token
     env = os.environ.get("DELTAGYM_TOKEN", "")
@@ -59,12 +59,38 @@ def resolve_token(token: str | None) -> str:
     if path:
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
-    data = os.environ.get("DELTAGYM_DATA") or ".data"
+    for p in token_files():
+        try:
+            with open(p, encoding="utf-8") as f:
+                found = f.read().strip()
+        except OSError:
+            continue  # no server here, or not this user's to read
+        if found:
+            return found
+    return ""
+
+
+def token_files() -> list[str]:
+    """The files resolve_token looks in for the token of a server that made
+    its own: "token" of $DELTAGYM_DATA when set; else .data/token in the
+    working directory and in each directory above it, up to the first
+    that holds .git (a checkout's root, where `make serve` keeps .data) or
+    the filesystem root, so a program run from anywhere in a checkout
+    finds its server's token."""
+    data = os.environ.get("DELTAGYM_DATA")
+    if data:
+        return [os.path.join(data, "token")]
     try:
-        with open(os.path.join(data, "token"), encoding="utf-8") as f:
-            return f.read().strip()
-    except OSError:
-        return ""  # no server here, or not this user's to read
+        d = os.getcwd()
+    except OSError:  # the working directory was removed
+        return []
+    out = []
+    while True:
+        out.append(os.path.join(d, ".data", "token"))
+        parent = os.path.dirname(d)
+        if parent == d or os.path.lexists(os.path.join(d, ".git")):
+            return out
+        d = parent
 
 
 def metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -4,13 +4,12 @@ and files.download."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import io
 import os
 import stat as statmod
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .errors import UnsafeArchiveError
@@ -24,14 +23,28 @@ _SETUP: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("deltagy
 # own timeout (which kills the command and answers) fires first.
 DEADLINE_MARGIN = 30.0
 
-@contextlib.contextmanager
-def setup_context(sandbox_id: str) -> Iterator[None]:
-    """Marks the calls on sandbox_id in this context as setup steps."""
-    tok = _SETUP.set(_SETUP.get() | {sandbox_id})
-    try:
-        yield
-    finally:
-        _SETUP.reset(tok)
+class SetupContext:
+    """Marks the calls on a sandbox in this context as setup steps: a
+    context manager for `with` and for `async with` alike (entering it
+    does no I/O, so the two are one)."""
+
+    __slots__ = ("_id", "_tokens")
+
+    def __init__(self, sandbox_id: str) -> None:
+        self._id = sandbox_id
+        self._tokens: list[contextvars.Token[frozenset[str]]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_SETUP.set(_SETUP.get() | {self._id}))
+
+    def __exit__(self, *exc: object) -> None:
+        _SETUP.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__()
 
 
 def is_setup(sandbox_id: str, setup: bool | None) -> bool:

@@ -18,11 +18,15 @@ from :class:`SandboxError`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import shlex
+import signal
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+
+from ._common import token_files
 
 if TYPE_CHECKING:
     from .types import ActionErrorInfo, CommandResult, StepInfo
@@ -48,6 +52,7 @@ __all__ = [
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
+    "ProcessEnded",
     "RateLimited",
     "ResourceExhausted",
     "SandboxClosed",
@@ -303,8 +308,13 @@ def error_info(trailers: Iterable[Any] | None) -> tuple[str, dict[str, str]]:
     return "", {}
 
 
-NO_TOKEN_HINT = (" (this client found no token: pass token=, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, "
-                 "or run from the directory that holds the server's data directory .data, or set $DELTAGYM_DATA to it)")
+def no_token_hint() -> str:
+    """What an UNAUTHENTICATED error of a client that sent no token adds:
+    how to give one, and which files it looked in."""
+    files = token_files()
+    looked = f"; it looked in {', '.join(files)}" if files else ""
+    return (" (this client found no token: pass token=, set $DELTAGYM_TOKEN or $DELTAGYM_TOKEN_FILE, or set "
+            f"$DELTAGYM_DATA to the server's data directory{looked})")
 
 
 def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True) -> DeltagymError:
@@ -315,7 +325,7 @@ def from_rpc_error(err: grpc.RpcError, method: str = "", sent_token: bool = True
     code = (e.code() if hasattr(e, "code") else None) or grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.UNAUTHENTICATED and not sent_token:
-        details = (details or "") + NO_TOKEN_HINT
+        details = (details or "") + no_token_hint()
     trailers = None
     if hasattr(e, "trailing_metadata"):
         try:
@@ -333,22 +343,49 @@ class SandboxError(Exception):
 
 class CommandExitError(SandboxError):
     """A command run with check=True failed: it exited non-zero, timed out
-    or was killed by a signal.
+    or was killed by a signal. The message names the command (cut to 200
+    characters), how it failed and the end of its stderr (its stdout when
+    the stderr is empty).
 
     Attributes:
         result: the command's CommandResult.
+        command: the command as run: a str, or its argv joined as a shell would quote it.
     """
 
-    def __init__(self, result: CommandResult) -> None:
+    def __init__(self, result: CommandResult, command: str | Sequence[str] = "") -> None:
         self.result = result
+        self.command = command if isinstance(command, str) else shlex.join(command)
         if result.timed_out:
-            why = "timed out"
+            why = f"timed out after {result.duration:g}s" if result.duration else "timed out"
         elif result.signal:
-            why = f"was killed by signal {result.signal}"
+            why = f"was killed by signal {result.signal}{_signal_name(result.signal)}"
         else:
             why = f"exited with {result.exit_code}"
-        tail = (result.stderr or result.stdout)[-500:]
-        super().__init__(f"command {why}" + (f": {tail}" if tail else ""))
+        cmd = self.command if len(self.command) <= _COMMAND_CHARS else self.command[:_COMMAND_CHARS - 3] + "..."
+        what = f"command {cmd!r}" if cmd else "command"
+        if result.stderr:
+            tail = "; stderr: " + _tail(result.stderr)
+        elif result.stdout:
+            tail = "; stdout: " + _tail(result.stdout)
+        else:
+            tail = ""
+        super().__init__(f"{what} {why}{tail}")
+
+
+# How much of a failed command, and of the end of its output, a CommandExitError's message shows.
+_COMMAND_CHARS = 200
+_TAIL_CHARS = 500
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= _TAIL_CHARS else "..." + text[-_TAIL_CHARS:]
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return f" ({signal.Signals(n).name})"
+    except ValueError:
+        return ""
 
 
 class ActionFailed(SandboxError):
@@ -367,6 +404,29 @@ class ActionFailed(SandboxError):
         self.errno = error.errno
         self.errno_name = error.errno_name
         super().__init__(f"{error.errno_name}: {error.message}")
+
+
+class ProcessEnded(SandboxError):
+    """An interactive process has ended (a step's result said it no longer
+    runs), so there is nothing to send text to: what was sent would go to
+    the session's shell instead. Start it again with processes.start.
+
+    Attributes:
+        session: the process's session.
+        result: the result of the step that saw it end.
+    """
+
+    def __init__(self, session: str, result: CommandResult) -> None:
+        self.session = session
+        self.result = result
+        if result.signal:
+            how = f"was killed by signal {result.signal}{_signal_name(result.signal)}"
+        elif result.exit_code >= 0:
+            how = f"exited with {result.exit_code}"
+        else:
+            how = "ended"
+        super().__init__(f"the interactive process of session {session!r} {how}; "
+                         "processes.start runs it again, run(..., session=) runs shell commands there")
 
 
 class UnsafeArchiveError(SandboxError):

@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import signal as _signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from . import _convert as cv, _ops as ops
-from ._base import SandboxBase
+from ._base import ProcessBase, SandboxBase
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
 from .client import Client, SandboxHandle
 from .errors import CommandExitError, NotFound, from_code
@@ -113,7 +114,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         self.client = handle.client
         self.timeout = timeout if timeout is not None else handle.client.timeout
         self.task = task
-        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id)
+        self.start_checkpoint = Checkpoint(id=handle.start_checkpoint_id, env=handle.env)
         self._owner = owner
         if owner is not None:
             owner.acquire()
@@ -187,7 +188,9 @@ class Sandbox(SandboxBase[SandboxHandle]):
                   client: Client | None = None) -> list[Sandbox]:
         """Creates n sandboxes at a checkpoint, each in a new episode. They
         share one client (this call's, or one made for them, closed with
-        the last of them). fresh_entropy gives each fresh random state."""
+        the last of them). fresh_entropy gives each fresh random state.
+        Their env is the checkpoint's: a Checkpoint from checkpoint() knows
+        it; for a checkpoint ID, the first child's description tells it."""
         c, owner = cls._client(client, addr, token)
         hs: list[SandboxHandle] = []
         try:
@@ -197,6 +200,12 @@ class Sandbox(SandboxBase[SandboxHandle]):
             if hs and c._lease_ttl is None:
                 # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
                 c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)
+            env = checkpoint.env if isinstance(checkpoint, Checkpoint) else ""
+            if hs and not env:
+                # A fork's answer has no env: the first child's description has it.
+                env = (c.get_sandbox(hs[0].id, timeout=timeout if timeout is not None else c.timeout)).env
+            for h in hs:
+                h.env = env
         except BaseException:
             for h in hs:
                 h.detach()
@@ -260,7 +269,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
             resp = self._step(action, s_, self._command_deadline(timeout), checkpoint)
             result = cv.exec_response(resp, s_)
         if check and not result.ok:
-            raise CommandExitError(result)
+            raise CommandExitError(result, cmd)
         return result
 
     def stream(self, cmd: str | Sequence[str], *, timeout: float | None = None, cwd: str | None = None,
@@ -312,7 +321,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         be); process_mode overrides the env's."""
         r = self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
                                    timeout=self._deadline(timeout))
-        return cv.checkpoint(r)
+        return dataclasses.replace(cv.checkpoint(r), env=self.env)
 
     def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,
                 timeout: float | None = None) -> Restored:
@@ -556,45 +565,49 @@ class Files:
         return ops.extract(self.download_tar(remote_path, setup=setup, timeout=timeout), local_dir)
 
 
-class Process:
+class Process(ProcessBase):
     """A process started by Sandbox.processes.start.
 
     Attributes:
         pid: its pid inside the sandbox (0 for an interactive one, which lives in its session).
         session: the session of an interactive process, else "".
         result: the result of the step that started it.
+        expect: the patterns given to processes.start, which send and interrupt wait for by default.
+        running: whether it runs, as far as this client saw (see ProcessBase.running).
     """
 
-    def __init__(self, sb: Sandbox, pid: int, session: str, result: CommandResult) -> None:
+    def __init__(self, sb: Sandbox, pid: int, session: str, result: CommandResult,
+                 expect: Sequence[str] = ()) -> None:
+        super().__init__(pid, session, result, expect)
         self._sb = sb
-        self.pid = pid
-        self.session = session
-        self.result = result
-
-    def __repr__(self) -> str:
-        return f"Process(pid={self.pid}, session={self.session!r})"
 
     def send(self, text: str, *, expect: Sequence[str] | None = None, timeout: float | None = None,
              setup: bool | None = None) -> CommandResult:
         """Writes text and a newline to an interactive process and returns its
-        output: when one of the expect patterns (regular expressions)
-        matches, when the process ends, or at the timeout (the process runs on)."""
-        if not self.session:
-            raise ValueError("send needs an interactive process (processes.start(..., stdin=True))")
-        action = ops.interactive_action(self.session, text, expect=expect or (), timeout=timeout)
+        output: when one of the expect patterns (regular expressions;
+        default the ones given to processes.start, () for none) matches,
+        when the process ends, or at the timeout (the process runs on).
+        ProcessEnded when an earlier step saw the process end: the text
+        would go to the session's shell."""
+        action = self._send_action(text, expect, timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
+        return self._saw(cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s))
 
-    def interrupt(self, *, setup: bool | None = None, timeout: float | None = None) -> CommandResult | None:
-        """Sends SIGINT (Ctrl-C): to an interactive process through its
-        session, returning the output it gave; to a background process
-        as a signal, returning None."""
+    def interrupt(self, *, expect: Sequence[str] | None = None, setup: bool | None = None,
+                  timeout: float | None = None) -> CommandResult | None:
+        """Sends SIGINT (Ctrl-C). To an interactive process through its
+        session, and returns the output it gave: when one of the expect
+        patterns (default the ones given to processes.start, () for none)
+        matches, such as the prompt a REPL shows again after Ctrl-C, or
+        when the process ends. When the timeout (default the env's step
+        timeout) passes with no match, what the session runs is killed
+        (SIGKILL). To a background process as a signal, returning None."""
         if not self.session:
             self.kill(_signal.SIGINT, setup=setup, timeout=timeout)
             return None
-        action = ops.interactive_action(self.session, "", interrupt=True, timeout=timeout)
+        action = self._interrupt_action(expect, timeout)
         s = self._sb._setup(setup)
-        return cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
+        return self._saw(cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s))
 
     def kill(self, signal: int = _signal.SIGKILL, *, group: bool = False, setup: bool | None = None,
              timeout: float | None = None) -> None:
@@ -602,6 +615,7 @@ class Process:
         if not self.pid:
             raise ValueError("this process's pid is unknown (an interactive one): use interrupt()")
         self._sb.processes.kill(self.pid, signal, group=group, setup=setup, timeout=timeout)
+        self._killed = self._killed or signal == _signal.SIGKILL
 
 
 class Processes:
@@ -643,7 +657,7 @@ class Processes:
             raise ValueError("an interactive process takes no cwd or env: cd or export in its session first")
         action = ops.interactive_action(name, cmd, expect=expect or (), timeout=timeout)
         r = cv.exec_response(self._sb._step(action, s, self._sb._command_deadline(timeout)), s)
-        return Process(self._sb, 0, name, r)
+        return Process(self._sb, 0, name, r, expect or ())
 
     def list(self, *, setup: bool | None = None, timeout: float | None = None) -> builtins.list[ProcessInfo]:
         """The processes running in the sandbox (its init excluded), by pid."""

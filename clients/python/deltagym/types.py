@@ -279,6 +279,7 @@ class Checkpoint:
         processes: how each live process was captured.
         durable: every process is saved, so nothing that happens to the sandbox can take them.
         not_durable: the reasons of the processes that are not saved.
+        env: the env of the sandbox it was taken of ("" when not known), which Sandbox.fork_from's children get.
     """
 
     id: str
@@ -287,6 +288,7 @@ class Checkpoint:
     processes: tuple[ProcessCapture, ...] = ()
     durable: bool = False
     not_durable: tuple[str, ...] = ()
+    env: str = ""
 
 
 @dataclass(frozen=True, slots=True)

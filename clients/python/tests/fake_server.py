@@ -3,7 +3,9 @@
 errors with google.rpc.ErrorInfo details, streamed output), so the client's
 wire handling is exercised without a deltagym server or root.
 
-Commands it knows: "echo TEXT", "exit N", "fail" (stderr, exit 1), any
+Commands it knows: "echo TEXT", "exit N", "fail" (stderr, exit 1),
+"spew ..." (1,211 bytes of stderr, exit 2), "hang" (timed out), "killed"
+(by SIGKILL), any
 interactive one (a program answering "got LINE" at a "> " prompt),
 "block" (waits until the call is cancelled or its deadline passes),
 "stream" (output in chunks, a UTF-8 character split across two), and the
@@ -54,6 +56,7 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         self.deadlines: list[float | None] = []
         self.execs: list[ap.ExecAction] = []
         self.attached: dict[str, str] = {}
+        self.described: list[str] = []
         self.lock = threading.Lock()
 
     # --- helpers ---
@@ -193,14 +196,23 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         raise AssertionError
 
     def _interactive(self, x: ap.ExecAction) -> ap.Observation:
-        """An interactive step: a program that answers "got LINE" and prompts "> "."""
+        """An interactive step: a program that answers "got LINE" and prompts
+        "> ", ends on "exit", and prompts again after Ctrl-C, as a REPL does:
+        an interrupt that expects nothing waits out its timeout, and the
+        program is killed."""
         matched = x.expect[0] if x.expect else ""
         if x.interrupt:
+            if matched:
+                return ap.Observation(exec=ap.ExecResult(stdout=b"KeyboardInterrupt\n> ", exit_code=-1,
+                                                         matched=matched, running=True))
             self.attached.pop(x.session, None)
-            return ap.Observation(exec=ap.ExecResult(stdout=b"^C\n", exit_code=-1, signal=2))
+            return ap.Observation(exec=ap.ExecResult(stdout=b"^C\n", exit_code=-1, signal=9, timed_out=True))
         if x.session not in self.attached:
             self.attached[x.session] = x.command
             return ap.Observation(exec=ap.ExecResult(stdout=b"> ", exit_code=-1, matched=matched, running=True))
+        if x.command == "exit":
+            self.attached.pop(x.session, None)
+            return ap.Observation(exec=ap.ExecResult(stdout=b"bye\n", exit_code=0))
         out = f"got {x.command}\n> ".encode()
         return ap.Observation(exec=ap.ExecResult(stdout=out, exit_code=-1, matched=matched, running=True))
 
@@ -217,6 +229,13 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
             return ap.Observation(exec=ap.ExecResult(exit_code=int(cmd[5:])))
         if cmd == "fail":
             return ap.Observation(exec=ap.ExecResult(stderr=b"boom\n", exit_code=1))
+        if cmd.startswith("spew "):
+            return ap.Observation(exec=ap.ExecResult(stderr=b"noise\n" * 200 + b"last words\n", exit_code=2))
+        if cmd == "hang":
+            return ap.Observation(exec=ap.ExecResult(stdout=b"waiting\n", exit_code=-1, timed_out=True,
+                                                     duration_seconds=1.5))
+        if cmd == "killed":
+            return ap.Observation(exec=ap.ExecResult(exit_code=-1, signal=9))
         if cmd == "block":
             done = threading.Event()
             ctx.add_callback(done.set)
@@ -281,6 +300,7 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
 
     def GetSandbox(self, req: es.GetSandboxRequest, ctx: grpc.ServicerContext) -> es.GetSandboxResponse:
         sb = self._sandbox(req.sandbox_id, ctx)
+        self.described.append(sb.id)
         return es.GetSandboxResponse(sandbox=env_pb2.Sandbox(
             sandbox_id=sb.id, env=sb.env, episode_id=sb.episode, state=env_pb2.SANDBOX_STATE_READY,
             next_step_index=sb.step_index, start_checkpoint_id="ck-start", lease_expire_time=self._lease(sb)))

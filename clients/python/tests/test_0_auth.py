@@ -36,7 +36,7 @@ def _clear_token_env(monkeypatch):
 def test_generated_token(built, tmp_path, monkeypatch):
     """Without --token the server writes a token to <data>/token (0600), and
     the client finds it: $DELTAGYM_TOKEN, then $DELTAGYM_TOKEN_FILE, then the
-    data directory's file ($DELTAGYM_DATA, else .data)."""
+    data directory's file ($DELTAGYM_DATA, else .data here or above)."""
     import os
     import stat
 
@@ -50,7 +50,7 @@ def test_generated_token(built, tmp_path, monkeypatch):
         with Client(s.addr) as c:
             with pytest.raises(deltagym.Unauthenticated) as ei:
                 c.list_envs()
-            assert "found no token" in ei.value.message
+            assert "found no token" in ei.value.message and str(tmp_path / ".data" / "token") in ei.value.message
         monkeypatch.setenv("DELTAGYM_DATA", str(s.data))
         with Client(s.addr) as c:
             assert c.list_envs() == []

@@ -147,8 +147,35 @@ def test_interactive_process(sb):
     assert p.result.running and p.result.matched == prompt[0] and p.result.stdout.startswith("ask")
     r = p.send("hello", expect=prompt, timeout=10)
     assert "got hello" in r.stdout and r.running
-    stopped = p.interrupt(timeout=10)
-    assert stopped is not None and not stopped.running
+    stopped = p.interrupt(timeout=10)  # the loop dies of SIGINT: the step returns as it ends
+    assert stopped is not None and not stopped.running and not p.running
+    with pytest.raises(errors.ProcessEnded):
+        p.send("into the shell?")
+
+
+# A REPL that asks again after Ctrl-C (the trap runs once read returns) and ends at the end of its input.
+REPL = """intr=0
+trap 'intr=1; printf "interrupted\\nask> "' INT
+printf 'ask> '
+while :; do
+  read -r l; s=$?
+  if [ $s -eq 0 ]; then echo "got $l"; printf 'ask> '; elif [ $intr -eq 1 ]; then intr=0; else exit; fi
+done
+"""
+
+
+def test_interrupt_waits_for_the_prompt(sb):
+    sb.files.write("/tmp/repl.sh", REPL)
+    p = sb.processes.start("sh /tmp/repl.sh", stdin=True, expect=[r"ask> $"], timeout=10)
+    assert p.running and p.result.matched == "ask> $"
+    back = p.interrupt(timeout=10)  # start's prompt: the program lives on and asks again
+    assert back is not None and back.running and back.matched == "ask> $" and "interrupted" in back.stdout
+    assert "got again" in p.send("again", timeout=10).stdout
+    killed = p.interrupt(expect=(), timeout=1)  # no prompt to wait for: killed when the timeout passes
+    assert killed is not None and not killed.running and not p.running
+    with pytest.raises(errors.ProcessEnded):
+        p.send("into the shell?")
+    assert sb.run("echo still here", session=p.session).stdout == "still here\n"
 
 
 def test_setup_steps(sb):

@@ -11,10 +11,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 import deltagym
-from deltagym import errors
+from deltagym import _common, errors
 from deltagym.aio import AsyncSandbox
 
 from .fake_server import FakeServer
@@ -72,6 +73,28 @@ def test_check_raises_command_exit_error(sb: deltagym.Sandbox) -> None:
         sb.run("exit 3", check=True)
     assert e.value.result.exit_code == 3 and isinstance(e.value, errors.SandboxError)
     assert not isinstance(e.value, errors.DeltagymError)
+
+
+def test_command_exit_error_says_what_failed(sb: deltagym.Sandbox) -> None:
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("fail", check=True)
+    assert str(e.value) == "command 'fail' exited with 1; stderr: boom\n" and e.value.command == "fail"
+    long = "spew " + "x" * 300
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run(long, check=True)
+    msg = str(e.value)
+    assert msg.startswith("command '" + long[:197] + "...' exited with 2; stderr: ...")
+    assert msg.endswith("noise\nlast words\n") and len(msg) < 200 + 500 + 60
+    assert e.value.command == long  # the whole command stays on the error
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run(["spew", "it's"], check=True)
+    assert e.value.command == "spew 'it'\"'\"'s'"
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("hang", check=True)
+    assert str(e.value) == "command 'hang' timed out after 1.5s; stdout: waiting\n"
+    with pytest.raises(errors.CommandExitError) as e:
+        sb.run("killed", check=True)
+    assert str(e.value) == "command 'killed' was killed by signal 9 (SIGKILL)"
 
 
 def test_action_error_raises_action_failed(sb: deltagym.Sandbox) -> None:
@@ -172,6 +195,35 @@ def test_setup_context_asyncio_tasks(fake: FakeServer) -> None:
 
     other, child, mine = asyncio.run(main())
     assert (other, child, mine) == (False, True, True)
+
+
+def test_setup_async_with(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    async def main() -> list[bool]:
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t") as a:
+            started = asyncio.Event()
+            release = asyncio.Event()
+
+            async def outside() -> bool:
+                await started.wait()
+                r = (await a.run("echo out")).step.setup
+                release.set()
+                return r
+
+            t = asyncio.create_task(outside())
+            ctx = a.setup()
+            async with ctx:
+                started.set()
+                await release.wait()  # the other task ran its step meanwhile, not as setup
+                inside = (await a.run("echo in")).step.setup
+                async with ctx:  # the same context entered again, nested
+                    nested = (await a.run("echo nested")).step.setup
+                still = (await a.run("echo still")).step.setup
+            after = (await a.run("echo after")).step.setup
+            async with sb.setup():  # a Sandbox's too
+                sync_inside = sb.run("echo sync").step.setup
+            return [await t, inside, nested, still, after, sync_inside, sb.run("echo out").step.setup]
+
+    assert asyncio.run(main()) == [False, True, True, True, False, True, False]
 
 
 def test_streaming_callbacks_and_iterator(sb: deltagym.Sandbox) -> None:
@@ -294,19 +346,31 @@ def test_interactive_process(fake: FakeServer, sb: deltagym.Sandbox) -> None:
     assert r.stdout == "got hello\n> " and r.running
     x = fake.service.execs[-1]
     assert (x.command, x.session, x.interactive, list(x.expect), x.interrupt) == ("hello", "proc-1", True, ["> $"], False)
-    stopped = p.interrupt()
-    assert stopped is not None and not stopped.running and stopped.signal == 2
+    back = p.interrupt()  # waits for start's patterns: the prompt shown again
+    assert back is not None and back.running and back.matched == "> $" and p.running
     x = fake.service.execs[-1]
-    assert (x.command, x.interactive, x.interrupt) == ("", True, True)
-    with pytest.raises(ValueError):
-        p.kill()  # its pid is the session's business
+    assert (x.command, x.interactive, x.interrupt, list(x.expect)) == ("", True, True, ["> $"])
+    assert p.send("again").stdout == "got again\n> " and list(fake.service.execs[-1].expect) == ["> $"]
     with pytest.raises(TypeError):
         p.send("x", expect="> ")  # type: ignore[arg-type]
+    stopped = p.interrupt(expect=(), timeout=1)  # nothing to wait for: killed at the timeout
+    assert stopped is not None and not stopped.running and stopped.signal == 9 and not p.running
+    n = len(fake.service.execs)
+    with pytest.raises(errors.ProcessEnded) as ended:
+        p.send("typed into the shell?")
+    assert len(fake.service.execs) == n and ended.value.session == "proc-1" and "signal 9 (SIGKILL)" in str(ended.value)
+    with pytest.raises(ValueError):
+        p.kill()  # its pid is the session's business
     q = sb.processes.start("other", stdin=True, session="mine")
     assert q.session == "mine"
+    assert q.send("exit").exit_code == 0 and not q.running
+    with pytest.raises(errors.ProcessEnded, match="'mine' exited with 0"):
+        q.send("more")
     bg = sb.processes.start("sleep 100")
     assert bg.interrupt() is None  # a background process gets SIGINT as a signal
-    assert fake.service.signals[-1] == (42, 2, False)
+    assert fake.service.signals[-1] == (42, 2, False) and bg.running
+    bg.kill()
+    assert not bg.running
 
 
 def test_episode_calls(sb: deltagym.Sandbox) -> None:
@@ -343,9 +407,34 @@ def test_fork_shares_owned_client(fake: FakeServer) -> None:
     with pytest.raises(ValueError):
         deltagym.Sandbox.fork_from("", 1, addr=fake.addr, token="t")
     more = deltagym.Sandbox.fork_from(deltagym.Checkpoint(id="ck-1"), 2, addr=fake.addr, token="t")
-    assert len(more) == 2
+    assert len(more) == 2 and [m.env for m in more] == ["shell", "shell"]  # told by the first child's description
+    assert fake.service.described == [more[0].id]
     for m in more:
         m.close()
+
+
+def test_fork_from_knows_the_env(fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    ck = sb.checkpoint()
+    assert ck.env == "shell" and sb.start_checkpoint.env == "shell"
+    kids = deltagym.Sandbox.fork_from(ck, 2, client=sb.client)
+    assert [k.env for k in kids] == ["shell", "shell"] and fake.service.described == []  # the checkpoint knew
+    assert kids[0].start_checkpoint.env == "shell"
+    by_id = deltagym.Sandbox.fork_from(ck.id, 1, client=sb.client)
+    assert by_id[0].env == "shell" and fake.service.described == [by_id[0].id]
+    for k in kids + by_id:
+        k.close()
+
+    async def main() -> None:
+        async with await AsyncSandbox.create("shell", addr=fake.addr, token="t", timeout=10) as a:
+            ack = await a.checkpoint()
+            assert ack.env == "shell"
+            akids = await AsyncSandbox.fork_from(ack, 1, client=a.client)
+            aby_id = await AsyncSandbox.fork_from(ack.id, 1, client=a.client)
+            assert akids[0].env == aby_id[0].env == "shell" and fake.service.described[-1] == aby_id[0].id
+            for k in akids + aby_id:
+                await k.close()
+
+    asyncio.run(main())
 
 
 def test_connect_and_detach(fake: FakeServer) -> None:
@@ -391,5 +480,53 @@ def test_async_sandbox_files_and_errors(fake: FakeServer) -> None:
             assert (await kids[0].run("echo k")).stdout == "k\n"
             await kids[0].close()
             assert (await sb.checkpoint()).id == "ck-1"
+            p = await sb.processes.start("repl", stdin=True, expect=[r"> $"])
+            back = await p.interrupt()
+            assert back is not None and back.matched == "> $" and p.running
+            assert (await p.send("exit")).exit_code == 0 and not p.running
+            with pytest.raises(errors.ProcessEnded):
+                await p.send("more")
+            with pytest.raises(errors.CommandExitError, match="command 'fail' exited with 1; stderr: boom"):
+                await sb.run("fail", check=True)
 
     asyncio.run(main())
+
+
+class _Refused(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAUTHENTICATED
+
+    def details(self) -> str:
+        return "missing bearer token"
+
+
+def test_token_found_above_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("DELTAGYM_TOKEN", "DELTAGYM_TOKEN_FILE", "DELTAGYM_DATA"):
+        monkeypatch.delenv(k, raising=False)
+    repo = tmp_path / "repo"
+    deep = repo / "clients" / "python"
+    deep.mkdir(parents=True)
+    (repo / ".git").write_text("gitdir: elsewhere\n")  # a worktree's .git is a file
+    (repo / ".data").mkdir()
+    (repo / ".data" / "token").write_text("tok-repo\n")
+    (tmp_path / ".data").mkdir()
+    (tmp_path / ".data" / "token").write_text("tok-outside\n")
+    monkeypatch.chdir(deep)
+    looked = [str(deep / ".data/token"), str(repo / "clients/.data/token"), str(repo / ".data/token")]
+    assert _common.token_files() == looked  # up to the checkout's root, not past it
+    assert _common.resolve_token(None) == "tok-repo"
+    (deep / ".data").mkdir()
+    (deep / ".data" / "token").write_text("")  # an empty file is no token: the search goes on
+    assert _common.resolve_token(None) == "tok-repo"
+    (deep / ".data" / "token").write_text("tok-near\n")
+    assert _common.resolve_token(None) == "tok-near"
+    (deep / ".data" / "token").unlink()
+    (repo / ".data" / "token").unlink()
+    assert _common.resolve_token(None) == ""
+    e = errors.from_rpc_error(_Refused(), "ListEnvs", sent_token=False)
+    assert isinstance(e, errors.Unauthenticated) and "found no token" in e.message
+    assert e.message.endswith("it looked in " + ", ".join(looked) + ")")
+    assert "found no token" not in errors.from_rpc_error(_Refused(), "ListEnvs", sent_token=True).message
+    monkeypatch.setenv("DELTAGYM_DATA", str(tmp_path / ".data"))
+    assert _common.token_files() == [str(tmp_path / ".data/token")]
+    assert _common.resolve_token(None) == "tok-outside"

@@ -95,11 +95,13 @@ def test_env_config_from_a_training_config(server):
     # SkyRL hands the env its section of the Hydra config, an OmegaConf DictConfig.
     omegaconf = pytest.importorskip("omegaconf")
     cfg = omegaconf.OmegaConf.create({"addr": server.addr, "session": "agent", "max_output_chars": 16})
-    env = skyrl_gym.make("deltagym", env_config=cfg, extras={"max_turns": 3})
+    env = skyrl_gym.make("deltagym", env_config=cfg, extras={"max_turns": 4})
     try:
         env.init([{"role": "user", "content": "Go."}])
         env.step("<bash>cd /tmp</bash>")
         out = env.step("<bash>pwd; seq 1 20</bash>")
         assert out["observations"][0]["content"] == "/tmp\n1\n2\n3\n4\n5\n6\n[cut at 16 characters]\n"
+        nudge = env.step("I am thinking about it.")  # the format's reminder is never cut
+        assert nudge["observations"][0]["content"] == "No action found. " + INSTRUCTIONS and not nudge["done"]
     finally:
         env.close()

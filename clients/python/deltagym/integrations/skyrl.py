@@ -139,8 +139,7 @@ class DeltagymTextEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym has no ty
         self.turns += 1
         m = _ACTION.search(action)
         if m is None:
-            text = "No action found. " + INSTRUCTIONS
-            return self._out(text, action, {"action": "none"})
+            return self._out("", action, {"action": "none"}, reminder="No action found. " + INSTRUCTIONS)
         kept = action[: m.end()]
         if m.group("cmd") is None:
             return self._submit(sb, m.group("answer") or None, kept)
@@ -186,7 +185,9 @@ class DeltagymTextEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym has no ty
         return BaseTextEnvStepOutput(observations=[], reward=self.reward, done=True, metadata=meta,
                                      postprocessed_action=kept)
 
-    def _out(self, text: str, kept: str, meta: dict[str, Any]) -> BaseTextEnvStepOutput:
+    def _out(self, text: str, kept: str, meta: dict[str, Any], reminder: str = "") -> BaseTextEnvStepOutput:
+        """The turn's observation: text (what the sandbox gave) cut at
+        max_output_chars, then reminder (of the format) whole."""
         if self.turns >= self.max_turns:  # the last turn: grade what is there
             out = self._submit(self._need_sandbox(), None, kept)
             out["metadata"] = {**meta, **out["metadata"], "action": meta["action"]}
@@ -194,8 +195,8 @@ class DeltagymTextEnv(BaseTextEnv):  # type: ignore[misc]  # skyrl_gym has no ty
         n = self.max_output_chars
         if len(text) > n:
             text = text[:n] + f"\n[cut at {n} characters]\n"
-        return BaseTextEnvStepOutput(observations=[{"role": "user", "content": text}], reward=0.0, done=False,
-                                     metadata=meta, postprocessed_action=kept)
+        return BaseTextEnvStepOutput(observations=[{"role": "user", "content": text + reminder}], reward=0.0,
+                                     done=False, metadata=meta, postprocessed_action=kept)
 
 
 def register_env(env_id: str = ENV_ID, **kwargs: Any) -> None:
