@@ -31,8 +31,8 @@ lint-go: lint-tools ## lint the Go modules: golangci-lint, then checklocks
 
 lint-python: python-tools ## lint the Python SDK: mypy --strict and ruff check (pinned, .cache/py-tools-venv)
 	@cd clients/python && status=0; \
-	$(CURDIR)/$(PY_TOOLS_VENV)/bin/mypy --cache-dir $(CURDIR)/.cache/mypy || status=1; \
-	$(CURDIR)/$(PY_TOOLS_VENV)/bin/ruff check --cache-dir $(CURDIR)/.cache/ruff --output-format concise . || status=1; \
+	$(CURDIR)/$(PY_TOOLS_VENV)/bin/python -m mypy --cache-dir $(CURDIR)/.cache/mypy || status=1; \
+	$(CURDIR)/$(PY_TOOLS_VENV)/bin/python -m ruff check --cache-dir $(CURDIR)/.cache/ruff --output-format concise . || status=1; \
 	exit $$status
 
 lint: lint-go lint-python ## run every linter (proto, golangci-lint, checklocks, mypy, ruff)

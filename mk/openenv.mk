@@ -18,8 +18,8 @@ $(1)_STAMP := $$($(1)_VENV)/.deltagym-$$(shell cksum < $(2) | cut -d' ' -f1)
 $$($(1)_STAMP):
 	rm -rf $$($(1)_VENV)
 	$(OE_PYTHON) -m venv $$($(1)_VENV)
-	$$($(1)_VENV)/bin/pip install -q --disable-pip-version-check -r $(2)
-	$$($(1)_VENV)/bin/pip check
+	$$($(1)_VENV)/bin/python -m pip install -q --disable-pip-version-check -r $(2)
+	$$($(1)_VENV)/bin/python -m pip check
 	$$($(1)_VENV)/bin/python -c '$(3)'
 	touch $$@
 endef

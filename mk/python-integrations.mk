@@ -29,15 +29,15 @@ PYI_TESTS := tests/test_trl.py tests/test_skyrl.py
 $(PYI_VENV_STAMP):
 	rm -rf $(PYI_VENV)
 	$(PYI_PYTHON) -m venv $(PYI_VENV)
-	$(PYI_VENV)/bin/pip install -q --disable-pip-version-check --no-deps $(PYI_PINS)
-	$(PYI_VENV)/bin/pip check
+	$(PYI_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(PYI_PINS)
+	$(PYI_VENV)/bin/python -m pip check
 	! $(PYI_VENV)/bin/python -c 'import torch' 2>/dev/null
 	touch $@
 
 # The package is installed (not editable) whenever its sources change.
 $(PYI_VENV)/.deltagym-installed: $(PYI_VENV_STAMP) $(PYI_SOURCES)
-	$(PYI_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./clients/python
-	$(PYI_VENV)/bin/pip check
+	$(PYI_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./clients/python
+	$(PYI_VENV)/bin/python -m pip check
 	touch $@
 
 python-integrations-venv: $(PYI_VENV)/.deltagym-installed ## create the venv of the TRL and SkyRL adapter tests in .cache/py-integrations-venv (pinned)

@@ -18,13 +18,13 @@ PY_SOURCES := $(shell find clients/python/deltagym -name '*.py' -o -name '*.pyi'
 $(PY_VENV_STAMP):
 	rm -rf $(PY_VENV)
 	$(PY_PYTHON) -m venv $(PY_VENV)
-	$(PY_VENV)/bin/pip install -q --disable-pip-version-check $(PY_PINS)
+	$(PY_VENV)/bin/python -m pip install -q --disable-pip-version-check $(PY_PINS)
 	touch $@
 
 # The package is installed (not editable) whenever its sources change.
 $(PY_VENV)/.deltagym-installed: $(PY_VENV_STAMP) $(PY_SOURCES)
-	$(PY_VENV)/bin/pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps "./clients/python[test]"
-	$(PY_VENV)/bin/pip check
+	$(PY_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps "./clients/python[test]"
+	$(PY_VENV)/bin/python -m pip check
 	touch $@
 
 python-venv: $(PY_VENV)/.deltagym-installed ## create the Python SDK test venv in .cache/py-venv (pinned)
@@ -55,8 +55,8 @@ PY_TOOLS_STAMP := $(PY_TOOLS_VENV)/.deltagym-$(shell printf '%s' '$(PY_TOOLS_PIN
 $(PY_TOOLS_STAMP):
 	rm -rf $(PY_TOOLS_VENV)
 	$(PY_PYTHON) -m venv $(PY_TOOLS_VENV)
-	$(PY_TOOLS_VENV)/bin/pip install -q --disable-pip-version-check --no-deps $(PY_TOOLS_PINS)
-	$(PY_TOOLS_VENV)/bin/pip check
+	$(PY_TOOLS_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(PY_TOOLS_PINS)
+	$(PY_TOOLS_VENV)/bin/python -m pip check
 	touch $@
 
 .PHONY: python-tools python-dist python-wheel-test
@@ -72,7 +72,7 @@ PY_WHEEL_VENV := .cache/py-wheel-venv
 python-dist: $(PY_TOOLS_STAMP) ## build the Python SDK's sdist and wheel into .cache/py-dist, and check them (twine check)
 	rm -rf $(PY_DIST)
 	$(PY_TOOLS_VENV)/bin/python -m build --quiet --no-isolation --outdir $(PY_DIST) clients/python
-	$(PY_TOOLS_VENV)/bin/twine check --strict $(PY_DIST)/*
+	$(PY_TOOLS_VENV)/bin/python -m twine check --strict $(PY_DIST)/*
 	$(PY_TOOLS_VENV)/bin/python clients/python/tools/check_dist.py sdist $(PY_DIST)/deltagym-$(PY_VERSION).tar.gz $(PY_VERSION)
 
 # The wheel goes into a fresh venv with only its declared dependencies, which pip resolves from
@@ -83,13 +83,13 @@ python-dist: $(PY_TOOLS_STAMP) ## build the Python SDK's sdist and wheel into .c
 python-wheel-test: python-dist ## install the Python SDK's wheel into a fresh venv from PyPI and import every public module
 	rm -rf $(PY_WHEEL_VENV)
 	$(PY_PYTHON) -m venv $(PY_WHEEL_VENV)
-	$(PY_WHEEL_VENV)/bin/pip install -q --disable-pip-version-check $(PY_DIST)/deltagym-$(PY_VERSION)-py3-none-any.whl
-	$(PY_WHEEL_VENV)/bin/pip check
+	$(PY_WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check $(PY_DIST)/deltagym-$(PY_VERSION)-py3-none-any.whl
+	$(PY_WHEEL_VENV)/bin/python -m pip check
 	$(PY_WHEEL_VENV)/bin/python -I clients/python/tools/check_dist.py installed $(PY_VERSION)
-	$(PY_TOOLS_VENV)/bin/mypy --strict --cache-dir /dev/null --python-executable $(PY_WHEEL_VENV)/bin/python \
+	$(PY_TOOLS_VENV)/bin/python -m mypy --strict --cache-dir /dev/null --python-executable $(PY_WHEEL_VENV)/bin/python \
 		clients/python/tools/typed_user.py
-	$(PY_WHEEL_VENV)/bin/pip install -q --disable-pip-version-check "$(PY_DIST)/deltagym-$(PY_VERSION)-py3-none-any.whl[gym]"
-	$(PY_WHEEL_VENV)/bin/pip check
+	$(PY_WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(PY_DIST)/deltagym-$(PY_VERSION)-py3-none-any.whl[gym]"
+	$(PY_WHEEL_VENV)/bin/python -m pip check
 	$(PY_WHEEL_VENV)/bin/python -I clients/python/tools/check_dist.py installed $(PY_VERSION) gym
 
 TEST_PREREQS += python-wheel-test

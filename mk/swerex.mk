@@ -21,8 +21,8 @@ export DELTAGYM_SWEREX_PYTHON := $(CURDIR)/$(SWEREX_VENV)/bin/python
 $(SWEREX_VENV_STAMP):
 	rm -rf $(SWEREX_VENV)
 	$(SWEREX_PYTHON) -m venv $(SWEREX_VENV)
-	$(SWEREX_VENV)/bin/pip install -q --disable-pip-version-check --no-deps $(SWEREX_PINS)
-	$(SWEREX_VENV)/bin/pip check
+	$(SWEREX_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(SWEREX_PINS)
+	$(SWEREX_VENV)/bin/python -m pip check
 	touch $@
 
 swerex-venv: $(SWEREX_VENV_STAMP) ## create the venv with swe-rex 1.4.0's client in .cache/swerex-venv (pinned)

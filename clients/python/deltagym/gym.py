@@ -45,7 +45,9 @@ try:
     import gymnasium
     from gymnasium import spaces
 except ImportError as e:  # the extra is not installed
-    raise ImportError('deltagym.gym needs Gymnasium: pip install "deltagym[gym]"') from e
+    raise ImportError(
+        'deltagym.gym needs Gymnasium: pip install "deltagym[gym]", or "./clients/python[gym]" from a checkout'
+    ) from e
 
 import numpy as np
 

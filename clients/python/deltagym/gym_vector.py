@@ -32,7 +32,9 @@ try:
     from gymnasium.vector import AutoresetMode, VectorEnv
     from gymnasium.vector.utils import batch_space
 except ImportError as e:  # the extra is not installed
-    raise ImportError('deltagym.gym_vector needs Gymnasium: pip install "deltagym[gym]"') from e
+    raise ImportError(
+        'deltagym.gym_vector needs Gymnasium: pip install "deltagym[gym]", or "./clients/python[gym]" from a checkout'
+    ) from e
 
 from . import _common as c
 from .client import Client

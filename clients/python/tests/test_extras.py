@@ -17,4 +17,4 @@ def test_core_without_gymnasium():
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    assert 'pip install "./clients/python[gym]"' in out
+    assert 'pip install "deltagym[gym]"' in out and '"./clients/python[gym]" from a checkout' in out

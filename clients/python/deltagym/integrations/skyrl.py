@@ -38,7 +38,9 @@ try:
     from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # type: ignore[import-untyped, import-not-found, unused-ignore]
     from skyrl_gym.envs.registration import register, registry  # type: ignore[import-untyped, import-not-found, unused-ignore]
 except ImportError as e:  # the extra is not installed
-    raise ImportError('deltagym.integrations.skyrl needs SkyRL-Gym: pip install "deltagym[skyrl]"') from e
+    raise ImportError(
+        'deltagym.integrations.skyrl needs SkyRL-Gym: pip install "deltagym[skyrl]", or "./clients/python[skyrl]" from a checkout'
+    ) from e
 
 from deltagym import _common as c
 from deltagym.client import Client, SandboxHandle
