@@ -9,7 +9,8 @@ import io
 import os
 import stat as statmod
 import tarfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO
 
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .errors import UnsafeArchiveError
@@ -185,61 +186,114 @@ def _member_path(name: str) -> str:
     return "/".join(parts)
 
 
-def _resolve_link(path: str, links: Mapping[str, str]) -> None:
-    """Follows the archive's own symbolic links from path the way the kernel
-    would; UnsafeArchiveError when that leaves the root."""
-    out: list[str] = []
-    todo = path.split("/")
-    hops = 0
-    while todo:
-        comp = todo.pop(0)
-        if comp in ("", "."):
-            continue
-        if comp == "..":
-            if not out:
-                raise UnsafeArchiveError(f"archive link {path!r} leads outside the directory")
-            out.pop()
-            continue
-        out.append(comp)
-        target = links.get("/".join(out))
-        if target is None:
-            continue
-        hops += 1
-        if hops > 40 or target.startswith("/"):
-            raise UnsafeArchiveError(f"archive link {path!r} is absolute or loops")
-        out.pop()
-        todo = target.split("/") + todo
+def _check_link_target(path: str, target: str) -> None:
+    """UnsafeArchiveError unless the symbolic link at path (normalized,
+    relative to the root) has a relative target whose '..' parts all lead
+    it and number at most the link's depth below the root. Such a target
+    first climbs to an ancestor of the link's own directory, which is a
+    real directory inside the root, then only descends; so it resolves
+    inside the root whatever the names it descends through are, as long
+    as every link among them obeys the same rule. The rule depends on no
+    other entry, of this archive or on disk, so no later extraction can
+    turn a link made by an earlier one outward."""
+    if not target or target.startswith("/") or "\\" in target or "\x00" in target:
+        raise UnsafeArchiveError(f"archive link {path!r} to {target!r}: empty, absolute or not a plain path")
+    parts = [c for c in target.split("/") if c not in ("", ".")]
+    up = 0
+    while up < len(parts) and parts[up] == "..":
+        up += 1
+    if ".." in parts[up:]:
+        raise UnsafeArchiveError(f"archive link {path!r} to {target!r}: a '..' after a name")
+    if up > path.count("/"):
+        raise UnsafeArchiveError(f"archive link {path!r} to {target!r} leads outside the directory")
+
+
+def _check_names(members: Sequence[tuple[tarfile.TarInfo, str]]) -> None:
+    """UnsafeArchiveError when two entries claim one path (except a
+    directory named twice), or an entry lies below one that is not a
+    directory. Names that differ only in case are one name on a
+    case-insensitive file system: they conflict when one is a symbolic
+    link, or one a directory and the other not; files may differ in case."""
+    seen: dict[str, tarfile.TarInfo] = {}
+    for m, path in members:
+        prev = seen.get(path)
+        if prev is not None and not (prev.isdir() and m.isdir()):
+            raise UnsafeArchiveError(f"archive entry {path!r} appears twice")
+        seen[path] = m
+    variants: dict[str, list[str]] = {}
+    nondirs: dict[str, str] = {}  # the case-folded path of each non-directory -> its path
+    for path, m in seen.items():
+        variants.setdefault(path.casefold(), []).append(path)
+        if not m.isdir():
+            nondirs.setdefault(path.casefold(), path)
+    for path, m in seen.items():
+        for other in variants[path.casefold()]:
+            if other != path and (m.issym() or m.isdir() != seen[other].isdir()):
+                raise UnsafeArchiveError(f"archive entries {path!r} and {other!r} differ only in case")
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            above = nondirs.get("/".join(parts[:i]).casefold())
+            if above is not None:
+                raise UnsafeArchiveError(f"archive entry {path!r} lies below {above!r}, which is not a directory")
 
 
 def check_archive(tf: tarfile.TarFile) -> list[tuple[tarfile.TarInfo, str]]:
     """Checks every member of the archive before anything is written: plain
-    relative paths only, files, directories and links only, no entry
-    below one of the archive's symbolic links, hard links to files of the
-    archive, symbolic links that stay inside by the archive's own links.
-    Returns the members with their normalized paths."""
+    relative paths only; files, directories and links only; no path named
+    twice (a directory may be), nor by case variants when one is a link or
+    file and the other not alike; no entry below a file or link of the
+    archive; hard links to earlier files of it; symbolic links by
+    _check_link_target. Returns the members with their normalized paths,
+    a directory named twice once."""
     members: list[tuple[tarfile.TarInfo, str]] = []
-    links: dict[str, str] = {}
     files: set[str] = set()
     for m in tf.getmembers():
         path = _member_path(m.name)
         if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
             raise UnsafeArchiveError(f"archive entry {m.name!r}: a device, FIFO or other special file")
         if m.issym():
-            links[path] = m.linkname
+            _check_link_target(path, m.linkname)
         elif m.islnk():
             if _member_path(m.linkname) not in files:
                 raise UnsafeArchiveError(f"archive hard link {m.name!r} to {m.linkname!r}, not an earlier file of it")
         elif m.isreg():
             files.add(path)
         members.append((m, path))
-    for _, path in members:
+    _check_names(members)
+    dirs: set[str] = set()
+    unique = []
+    for m, path in members:
+        if m.isdir():
+            if path in dirs:
+                continue
+            dirs.add(path)
+        unique.append((m, path))
+    return unique
+
+
+def _check_disk(root: str, members: Sequence[tuple[tarfile.TarInfo, str]]) -> None:
+    """UnsafeArchiveError when what is already in root is in the way: a
+    symbolic link or file where an entry needs a directory above it, a
+    directory where the archive puts a file or link, or anything but a
+    directory where it puts one. Entries never land below a link on disk,
+    so an entry's depth in the archive is its depth below root."""
+    for m, path in members:
         parts = path.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in links:
-                raise UnsafeArchiveError(f"archive entry {path!r} lies below a symbolic link of the archive")
-    for path in links:
-        _resolve_link(path, links)
-    return members
+        cur = root
+        for i, comp in enumerate(parts):
+            cur = os.path.join(cur, comp)
+            try:
+                mode = os.lstat(cur).st_mode
+            except FileNotFoundError:
+                break
+            rel = "/".join(parts[:i + 1])
+            if i < len(parts) - 1 or m.isdir():
+                if statmod.S_ISLNK(mode):
+                    raise UnsafeArchiveError(f"{rel!r} is a symbolic link in {root}; the archive needs a directory there")
+                if not statmod.S_ISDIR(mode):
+                    raise UnsafeArchiveError(f"{rel!r} is a file in {root}; the archive needs a directory there")
+            elif statmod.S_ISDIR(mode):
+                raise UnsafeArchiveError(f"{rel!r} is a directory in {root}; the archive puts a file or link there")
 
 
 def _inside(root: str, path: str) -> bool:
@@ -251,13 +305,74 @@ def _open_tar(data: bytes) -> tarfile.TarFile:
     return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
 
 
+def _mkdir(path: str) -> None:
+    """Makes the directory path unless one is there; UnsafeArchiveError when
+    anything else is, a symbolic link above all (never followed)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+    if not statmod.S_ISDIR(os.lstat(path).st_mode):
+        raise UnsafeArchiveError(f"{path} is a symbolic link or file; the archive needs a directory there")
+
+
+def _place(root: str, path: str) -> str:
+    """The path of an entry below root, its parent directories made one by
+    one, none of them a symbolic link."""
+    parts = path.split("/")
+    cur = root
+    for comp in parts[:-1]:
+        cur = os.path.join(cur, comp)
+        _mkdir(cur)
+    return os.path.join(cur, parts[-1])
+
+
+def _unlink_nondir(dest: str) -> None:
+    """Removes a file or link at dest, so what replaces it is a new inode
+    and not a write through a name already there."""
+    if os.path.lexists(dest):
+        if os.path.isdir(dest) and not os.path.islink(dest):
+            raise UnsafeArchiveError(f"{dest} is a directory; the archive puts a file or link there")
+        os.unlink(dest)
+
+
+def _write_dir(dest: str, mode: int) -> None:
+    _mkdir(dest)
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, (mode & 0o777) | statmod.S_IRWXU)
+    finally:
+        os.close(fd)
+
+
+def _write_file(dest: str, src: IO[bytes], mode: int) -> None:
+    _unlink_nondir(dest)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        while chunk := src.read(1 << 20):
+            f.write(chunk)
+        os.fchmod(f.fileno(), mode & 0o777)
+
+
 def extract(data: bytes, local_dir: str | os.PathLike[str]) -> list[str]:
     """Unpacks a tar archive into local_dir (created when missing) after
-    check_archive passed: directories and files first, then hard links,
-    then symbolic links, so no write follows a link the archive made; a
-    path whose parent resolves outside local_dir (through links already on
-    disk) is refused. Permission bits keep rwx only. Returns the paths
-    written, in archive order."""
+    check_archive and _check_disk passed, so a bad archive, or one that
+    clashes with what local_dir holds, writes nothing. Directories and
+    files first, then hard links, then symbolic links, so no write follows
+    a link the archive made; no entry lands below a symbolic link already
+    on disk; files and links replace files and links already there, never
+    directories, and a file is always a new inode. Permission bits keep
+    rwx only.
+
+    Every symbolic link made has a target that climbs only to its own
+    ancestors inside local_dir and then descends (see _check_link_target),
+    so it stays inside whatever a later extraction adds. A link may still
+    descend through a link that was in local_dir before and that this
+    module did not make; the links are resolved on disk once made, and when
+    one resolves outside local_dir, the links made by this call are removed
+    and UnsafeArchiveError raised (the files and directories stay). Links
+    already in local_dir are the caller's: none is followed to write, and
+    their own targets are not checked.
+
+    Returns the paths written, in the order written."""
     try:
         tf = _open_tar(data)
     except tarfile.TarError as e:
@@ -266,50 +381,46 @@ def extract(data: bytes, local_dir: str | os.PathLike[str]) -> list[str]:
         members = check_archive(tf)
         os.makedirs(local_dir, exist_ok=True)
         root = os.path.realpath(local_dir)
+        _check_disk(root, members)
         out: list[str] = []
-
-        def target(path: str) -> str:
-            dest = os.path.join(root, *path.split("/"))
-            if not _inside(root, os.path.dirname(dest)):
-                raise UnsafeArchiveError(f"{path!r} would land outside {root} through a link on disk")
-            return dest
-
         for m, path in members:
             if m.isdir():
-                dest = target(path)
-                if os.path.islink(dest):
-                    raise UnsafeArchiveError(f"{dest} is a symbolic link on disk")
-                os.makedirs(dest, exist_ok=True)
-                os.chmod(dest, (m.mode & 0o777) | statmod.S_IRWXU)
+                dest = _place(root, path)
+                _write_dir(dest, m.mode)
                 out.append(dest)
             elif m.isreg():
-                dest = target(path)
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                dest = _place(root, path)
                 src = tf.extractfile(m)
                 if src is None:
                     raise UnsafeArchiveError(f"archive entry {path!r} has no contents")
-                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, m.mode & 0o777)
-                with os.fdopen(fd, "wb") as f:
-                    while chunk := src.read(1 << 20):
-                        f.write(chunk)
-                os.chmod(dest, m.mode & 0o777)
+                _write_file(dest, src, m.mode)
                 out.append(dest)
         for m, path in members:
             if m.islnk():
-                dest = target(path)
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                if os.path.lexists(dest):
-                    os.unlink(dest)
-                os.link(target(_member_path(m.linkname)), dest, follow_symlinks=False)
+                dest = _place(root, path)
+                _unlink_nondir(dest)
+                os.link(_place(root, _member_path(m.linkname)), dest, follow_symlinks=False)
                 out.append(dest)
+        made: list[str] = []
         for m, path in members:
             if m.issym():
-                dest = target(path)
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                if os.path.lexists(dest):
-                    if os.path.isdir(dest) and not os.path.islink(dest):
-                        raise UnsafeArchiveError(f"{dest} is a directory; the archive makes it a link")
-                    os.unlink(dest)
+                dest = _place(root, path)
+                _unlink_nondir(dest)
                 os.symlink(m.linkname, dest)
+                made.append(dest)
                 out.append(dest)
+        _check_links(root, made)
     return out
+
+
+def _check_links(root: str, made: Sequence[str]) -> None:
+    """Removes the links made and raises UnsafeArchiveError when one of them
+    resolves outside root (through a link that was already on disk)."""
+    bad = next((p for p in made if not _inside(root, p)), None)
+    if bad is None:
+        return
+    for p in made:
+        if os.path.islink(p):
+            os.unlink(p)
+    raise UnsafeArchiveError(f"archive link {os.path.relpath(bad, root)!r} resolves outside the directory "
+                             "through a link already in it; the archive's links were removed")

@@ -558,10 +558,12 @@ class Files:
                  timeout: float | None = None) -> builtins.list[str]:
         """Copies a file or directory of the sandbox into local_dir (as
         local_dir/<base name>) and returns the local paths written. The
-        archive is checked whole first: an entry that is absolute, has a
-        '..' part, is a device or FIFO, lies below a link, or a link that
-        leads outside local_dir raises UnsafeArchiveError and nothing is
-        written; no write follows a link."""
+        archive, and what local_dir holds, are checked first: an entry that
+        is absolute, has a '..' part, is a device or FIFO, is named twice,
+        lies below a link, or a link whose target is absolute or climbs
+        above its own depth raises UnsafeArchiveError and nothing is
+        written; no write follows a link (the SDK README's Files section
+        has the rules)."""
         return ops.extract(self.download_tar(remote_path, setup=setup, timeout=timeout), local_dir)
 
 

@@ -329,6 +329,124 @@ def test_download_refuses_links_on_disk(tmp_path: Path, fake: FakeServer, sb: de
     assert not (outside / "a.txt").exists()
 
 
+def _reachable_outside(root: Path) -> list[str]:
+    """The paths below root (links not followed) that resolve outside it."""
+    real = os.path.realpath(root)
+    bad = []
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            r = os.path.realpath(os.path.join(d, n))
+            if r != real and not r.startswith(real + os.sep):
+                bad.append(os.path.relpath(os.path.join(d, n), root))
+    return bad
+
+
+def _download(fake: FakeServer, sb: deltagym.Sandbox, out: Path, *entries: tarfile.TarInfo) -> list[str]:
+    fake.service.tars["/t"] = _tar(*entries)
+    return sb.files.download("/t", str(out))
+
+
+def test_download_links_stay_inside_across_archives(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(errors.UnsafeArchiveError):  # climbs through d/b, which a later archive could make a link
+        _download(fake, sb, out, _entry("a", tarfile.SYMTYPE, "d/b/../.."))
+    assert not out.exists() or not any(out.iterdir())
+    # Links that obey the rule, some dangling, then an archive that fills in their names with links.
+    _download(fake, sb, out, _entry("d", tarfile.DIRTYPE), _entry("d/e", tarfile.DIRTYPE),
+              _entry("x", tarfile.SYMTYPE, "d/b/c"), _entry("d/e/up", tarfile.SYMTYPE, "../../d/b"),
+              _entry("d/e/f", tarfile.SYMTYPE, "../b/c/c/c"))
+    _download(fake, sb, out, _entry("d", tarfile.DIRTYPE), _entry("d/b", tarfile.SYMTYPE, ".."),
+              _entry("c", tarfile.SYMTYPE, "d/b"))
+    assert os.path.realpath(out / "x") == os.path.realpath(out)  # x -> d/b/c = ../c -> d/b -> ..
+    assert _reachable_outside(out) == []
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("entries", [
+    [_entry("L", tarfile.SYMTYPE, "."), _entry("a", tarfile.SYMTYPE, "l/..")],  # one name on a case-insensitive disk
+    [_entry("L", tarfile.SYMTYPE, "sub"), _entry("l/f")],
+    [_entry("L", tarfile.SYMTYPE, "x"), _entry("l", tarfile.SYMTYPE, "y")],
+    [_entry("A"), _entry("a", tarfile.DIRTYPE)],
+    [_entry("d", tarfile.DIRTYPE), _entry("d/l", tarfile.SYMTYPE, "../..")],  # above its depth
+    [_entry("l", tarfile.SYMTYPE, "")],
+    [_entry("a"), _entry("a", tarfile.DIRTYPE)],  # a file, then a directory of its name
+    [_entry("a", tarfile.DIRTYPE), _entry("a")],
+    [_entry("a"), _entry("a/b")],
+    [_entry("a"), _entry("a")],
+    [_entry("a"), _entry("h", tarfile.LNKTYPE, "a"), _entry("h/b")],
+    [_entry("l", tarfile.SYMTYPE, "x"), _entry("l", tarfile.SYMTYPE, "y")],
+])
+def test_download_refuses_conflicting_names(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox,
+                                            entries: list[tarfile.TarInfo]) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(errors.UnsafeArchiveError):
+        _download(fake, sb, out, *entries)
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_download_accepts_links_within_their_depth(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    out = tmp_path / "out"
+    paths = _download(fake, sb, out, _entry("d", tarfile.DIRTYPE), _entry("d", tarfile.DIRTYPE), _entry("d/e/f"),
+                      _entry("d/e/up", tarfile.SYMTYPE, "../../d/./e//f"), _entry("self", tarfile.SYMTYPE, "."),
+                      _entry("Readme"), _entry("README"))
+    assert sorted(os.path.relpath(p, out) for p in paths) == ["README", "Readme", "d", "d/e/f", "d/e/up", "self"]
+    assert (out / "d/e/up").read_bytes() == b"x" and _reachable_outside(out) == []
+
+
+def test_download_refuses_what_is_in_the_way_on_disk(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "f").write_text("mine")
+    (out / "dir").mkdir()
+    for entries in ([_entry("ok"), _entry("f/a")], [_entry("ok"), _entry("dir")],
+                    [_entry("ok"), _entry("dir", tarfile.SYMTYPE, "f")], [_entry("ok"), _entry("f", tarfile.DIRTYPE)]):
+        with pytest.raises(errors.UnsafeArchiveError):
+            _download(fake, sb, out, *entries)
+        assert sorted(os.listdir(out)) == ["dir", "f"] and not any((out / "dir").iterdir())
+    assert (out / "f").read_text() == "mine"
+
+
+def test_download_replaces_links_and_hard_links_with_new_files(tmp_path: Path, fake: FakeServer,
+                                                               sb: deltagym.Sandbox) -> None:
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    outside.chmod(0o600)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(outside, out / "l")
+    os.link(outside, out / "h")
+    paths = _download(fake, sb, out, _entry("l"), _entry("h"))
+    assert len(paths) == 2 and (out / "l").read_bytes() == b"x" and not (out / "l").is_symlink()
+    assert (out / "h").read_bytes() == b"x" and (out / "h").stat().st_mode & 0o777 == 0o755
+    assert outside.read_text() == "keep" and outside.stat().st_mode & 0o777 == 0o600
+
+
+def test_download_sets_modes_by_descriptor(tmp_path: Path, fake: FakeServer, sb: deltagym.Sandbox,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_chmod(*a: object, **k: object) -> None:
+        raise AssertionError("a mode set by path may follow a link swapped in after the open")
+
+    monkeypatch.setattr(os, "chmod", no_chmod)
+    out = tmp_path / "out"
+    d = _entry("d", tarfile.DIRTYPE)
+    d.mode = 0o500
+    _download(fake, sb, out, d, _entry("d/f"))
+    assert (out / "d").stat().st_mode & 0o777 == 0o700 and (out / "d/f").stat().st_mode & 0o7777 == 0o755
+
+
+def test_download_removes_links_out_through_a_link_on_disk(tmp_path: Path, fake: FakeServer,
+                                                           sb: deltagym.Sandbox) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(outside, out / "mine")  # the caller's own link
+    with pytest.raises(errors.UnsafeArchiveError):
+        _download(fake, sb, out, _entry("f"), _entry("ok", tarfile.SYMTYPE, "f"), _entry("l", tarfile.SYMTYPE, "mine"))
+    assert sorted(os.listdir(out)) == ["f", "mine"] and os.readlink(out / "mine") == str(outside)
+    assert _reachable_outside(out) == ["mine"] and not any(outside.iterdir())
+
+
 def test_processes(fake: FakeServer, sb: deltagym.Sandbox) -> None:
     p = sb.processes.start("sleep 100")
     assert p.pid == 42 and p.session == ""
