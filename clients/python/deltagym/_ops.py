@@ -4,12 +4,13 @@ and files.download."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import io
 import os
 import stat as statmod
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
 
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
