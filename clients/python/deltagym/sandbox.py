@@ -213,7 +213,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         return self._send(ops.step_request(self.id, action, setup, checkpoint), deadline)
 
     def _send(self, req: es.StepRequest, deadline: float | None) -> es.StepResponse:
-        resp: es.StepResponse = self.client._call("Step", self.client._env.Step, req, False, deadline)
+        resp: es.StepResponse = self.client._call_once("Step", self.client._env.Step, req, deadline)
         self._saw_step(resp)
         return resp
 
@@ -258,7 +258,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
                 result = s.result
         else:
             s_ = self._setup(setup)
-            req = ops.exec_request(self.id, s_, checkpoint, cmd, timeout, cwd, env, stdin, session)
+            req = ops.exec_request(self._h.id, s_, checkpoint, cmd, timeout, cwd, env, stdin, session)
             result = cv.exec_response(self._send(req, self._command_deadline(timeout)), s_)
         if check and not result.ok:
             raise CommandExitError(result)
