@@ -5,8 +5,10 @@ Sandbox API."""
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ._common import lease_seconds
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
@@ -76,17 +78,38 @@ def info_value(v: str) -> InfoValue:
     return f
 
 
-# The results of a step are built with positional arguments, in their
-# fields' order: a frozen dataclass's call by keyword costs a third more, on
-# the path of every step.
+T = TypeVar("T")
+
+
+def _maker(cls: type[T]) -> Callable[..., T]:
+    """A constructor of the frozen, slotted dataclass cls that takes its
+    fields positionally, in their order, and sets each slot through its
+    descriptor. The dataclass's own __init__ sets them through
+    object.__setattr__ (frozen) from keywords, at twice the cost; this
+    runs for every step's result. It skips nothing the __init__ does: cls
+    has no __post_init__, and every field is given."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # cls is a dataclass
+    if getattr(cls, "__post_init__", None) is not None or not all(n in vars(cls) for n in names):
+        raise TypeError(f"{cls.__name__} is not a slotted dataclass without __post_init__")
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    env.update({f"_set_{n}": vars(cls)[n].__set__ for n in names})
+    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+    exec(f"def make({', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", env)
+    make: Callable[..., T] = env["make"]
+    return make
+
+
+_step_info = _maker(StepInfo)
+_command_result = _maker(CommandResult)
+
 
 def step_info(r: es.StepResponse, setup: bool) -> StepInfo:
     """The StepInfo of a step's response; setup is what the request asked."""
     raw = r.info
     info = {k: info_value(raw[k]) for k in raw} if raw else {}  # by key: faster than the map's items()
     # index, episode_id, reward, terminated, truncated, truncated_by, checkpoint_id, steps_left, setup, info
-    return StepInfo(r.step_index, r.episode_id, r.reward, r.terminated, r.truncated, raw.get("truncated_by", ""),
-                    r.checkpoint_id, r.steps_left, setup, info)
+    return _step_info(r.step_index, r.episode_id, r.reward, r.terminated, r.truncated, raw.get("truncated_by", ""),
+                      r.checkpoint_id, r.steps_left, setup, info)
 
 
 def action_error(r: es.StepResponse, step: StepInfo) -> ActionFailed | None:
@@ -122,9 +145,9 @@ def command_result(x: action_pb2.ExecResult, step: StepInfo) -> CommandResult:
     out, err = x.stdout, x.stderr
     # stdout, stderr, stdout_bytes, stderr_bytes, exit_code, signal, timed_out, truncated, duration, pid,
     # matched, running, step
-    return CommandResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), out, err, x.exit_code,
-                         x.signal, x.timed_out, x.stdout_truncated or x.stderr_truncated, x.duration_seconds, x.pid,
-                         x.matched, x.running, step)
+    return _command_result(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), out, err, x.exit_code,
+                           x.signal, x.timed_out, x.stdout_truncated or x.stderr_truncated, x.duration_seconds, x.pid,
+                           x.matched, x.running, step)
 
 
 def exec_response(r: es.StepResponse, setup: bool) -> CommandResult:

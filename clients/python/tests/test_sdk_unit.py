@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import math
 import os
+import pickle
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -431,9 +433,14 @@ def test_exec_response_maps_every_field() -> None:
     step = StepInfo(index=4, episode_id="ep", reward=0.25, terminated=True, truncated=True, truncated_by="max_steps",
                     checkpoint_id="ck", steps_left=6, setup=True,
                     info={"truncated_by": "max_steps", "server_seconds": 0.5, "n": 2, "ok": True})
-    assert _convert.exec_response(r, True) == CommandResult(
+    got = _convert.exec_response(r, True)
+    assert got == CommandResult(
         stdout="out\ufffd", stderr="err", stdout_bytes=b"out\xff", stderr_bytes=b"err", exit_code=3, signal=9,
         timed_out=True, truncated=True, duration=1.5, pid=77, matched="\\$ ", running=True, step=step)
+    # Made without the dataclass's __init__, it is the same frozen value.
+    assert repr(got) == repr(dataclasses.replace(got)) and pickle.loads(pickle.dumps(got)) == got
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.step.index = 5  # type: ignore[misc]
     r.observation.exec.Clear()
     r.ClearField("info")
     assert _convert.exec_response(r, False).step.info == {}
@@ -458,3 +465,20 @@ def test_exec_request_is_exec_action_in_a_request() -> None:
             assert got == want, (cmd, kw)
     with pytest.raises(TypeError, match="sequence of str"):
         _ops.exec_request("sb", False, False, ["ls", b"-l"], None, None, None, None, None)  # type: ignore[list-item]
+
+
+def test_maker_refuses_what_it_would_skip() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Unslotted:
+        a: int
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        a: int
+
+        def __post_init__(self) -> None:
+            pass
+
+    for cls in (Unslotted, Checked):
+        with pytest.raises(TypeError, match="not a slotted dataclass"):
+            _convert._maker(cls)
