@@ -73,8 +73,8 @@ def info_value(v: str) -> InfoValue:
     if _NOT_INT.isdisjoint(v):
         try:
             return int(v)
-        except ValueError:  # beyond int()'s digit limit
-            return v
+        except ValueError:  # beyond int()'s digit limit (leading zeros), as float() reads it
+            return f
     return f
 
 

@@ -418,7 +418,7 @@ def _info_value_reference(v: str) -> object:
 def test_info_value_parses_as_int_then_float() -> None:
     for v in ["true", "false", "True", "", " ", "0", "42", "-7", "+3", "007", "1_000", "1__0", " 12 ", "\u0661\u0662",
               "0.5", "-0.0", ".5", "5.", "1e3", "1E-2", "1_0.5", "inf", "-inf", "Infinity", "nan", "NaN", "1e400",
-              "0x10", "abc", "12abc", "9" * 5000, "1.5e", "n", "e"]:
+              "0x10", "abc", "12abc", "9" * 5000, "0" * 5000 + "1", "1.5e", "n", "e"]:
         got, want = _convert.info_value(v), _info_value_reference(v)
         assert (got, type(got)) == (want, type(want)), v
 
