@@ -161,7 +161,9 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
 
     async def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
               checkpoint: bool = False) -> es.StepResponse:
-        req = ops.step_request(self.id, action, setup, checkpoint)
+        return await self._send(ops.step_request(self.id, action, setup, checkpoint), deadline)
+
+    async def _send(self, req: es.StepRequest, deadline: float | None) -> es.StepResponse:
         resp: es.StepResponse = await self.client._call("Step", self.client._env.Step, req, False, deadline)
         self._saw_step(resp)
         return resp
@@ -190,10 +192,9 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
                             await r
                 result = await s.result()
         else:
-            action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
             s_ = self._setup(setup)
-            resp = await self._step(action, s_, self._command_deadline(timeout), checkpoint)
-            result = cv.exec_response(resp, s_)
+            req = ops.exec_request(self.id, s_, checkpoint, cmd, timeout, cwd, env, stdin, session)
+            result = cv.exec_response(await self._send(req, self._command_deadline(timeout)), s_)
         if check and not result.ok:
             raise CommandExitError(result, cmd)
         return result
@@ -206,9 +207,8 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         the returned AsyncCommandStream for OutputChunks as they come, then
         await its result(). Arguments as for run(). Leaving an `async with`
         block before the end cancels the call, which cuts the command short."""
-        action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
         s = self._setup(setup)
-        req = ops.step_request(self.id, action, s, checkpoint)
+        req = ops.exec_request(self.id, s, checkpoint, cmd, timeout, cwd, env, stdin, session)
         return AsyncCommandStream(self, req, s, self._command_deadline(timeout))
 
     async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,

@@ -69,22 +69,23 @@ class SandboxBase(Generic[H]):
         return ops.SetupContext(self.id)
 
     def _setup(self, setup: bool | None) -> bool:
-        return ops.is_setup(self.id, setup)
+        return ops.is_setup(self._h.id, setup)
 
     def _deadline(self, timeout: float | None) -> float | None:
         """A call's deadline (timeout, else the sandbox's); SandboxClosed once this sandbox is closed."""
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         return ops.deadline(timeout, self.timeout)
 
     def _command_deadline(self, timeout: float | None) -> float | None:
         """A command's call deadline (its timeout plus a margin, else the sandbox's)."""
-        self._check_open()
+        if self._closed:
+            raise self._closed_error()
         return ops.command_deadline(timeout, self.timeout)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxClosed(f"sandbox {self.id} was closed (or detached) by this client", method="",
-                                reason="SANDBOX_CLOSED", metadata={"sandbox_id": self.id})
+    def _closed_error(self) -> SandboxClosed:
+        return SandboxClosed(f"sandbox {self.id} was closed (or detached) by this client", method="",
+                             reason="SANDBOX_CLOSED", metadata={"sandbox_id": self.id})
 
     def _saw_step(self, resp: es.StepResponse) -> None:
         self._h.episode_id = resp.episode_id or self._h.episode_id

@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, ledger_service_pb2 as ls
+from .actions import coerce
 
 DEFAULT_ADDR = "127.0.0.1:8080"
 
@@ -165,8 +166,6 @@ def env_spec(spec: env_pb2.EnvSpec | Mapping[str, Any]) -> env_pb2.EnvSpec:
 
 def step_request(sandbox_id: str, action: action_pb2.Action | str, checkpoint: bool,
                  restore: str | None = None, fresh_entropy: bool = False) -> es.StepRequest:
-    from .actions import coerce
-
     return es.StepRequest(sandbox_id=sandbox_id, action=coerce(action), checkpoint=checkpoint,
                           restore_checkpoint_id=restore or "", restore_fresh_entropy=fresh_entropy)
 

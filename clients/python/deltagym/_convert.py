@@ -5,8 +5,10 @@ Sandbox API."""
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ._common import lease_seconds
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
@@ -49,28 +51,65 @@ _METHODS = {
 }
 
 
+# Characters of a number that float() reads and int() does not: a fraction,
+# an exponent, inf, infinity and nan. A string float() reads without any of
+# them is an integer to int() too.
+_NOT_INT = frozenset(".eEnN")
+
+
 def info_value(v: str) -> InfoValue:
     """Parses one StepResponse.info value: "true"/"false" as booleans,
     integers and finite floats as numbers, anything else as it is."""
-    if v in ("true", "false"):
-        return v == "true"
-    try:
-        return int(v)
-    except ValueError:
-        pass
+    if v == "true":
+        return True
+    if v == "false":
+        return False
     try:
         f = float(v)
     except ValueError:
         return v
-    return f if math.isfinite(f) else v
+    if not math.isfinite(f):
+        return v
+    if _NOT_INT.isdisjoint(v):
+        try:
+            return int(v)
+        except ValueError:  # beyond int()'s digit limit (leading zeros), as float() reads it
+            return f
+    return f
+
+
+T = TypeVar("T")
+
+
+def _maker(cls: type[T]) -> Callable[..., T]:
+    """A constructor of the frozen, slotted dataclass cls that takes its
+    fields positionally, in their order, and sets each slot through its
+    descriptor. The dataclass's own __init__ sets them through
+    object.__setattr__ (frozen) from keywords, at twice the cost; this
+    runs for every step's result. It skips nothing the __init__ does: cls
+    has no __post_init__, and every field is given."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # cls is a dataclass
+    if getattr(cls, "__post_init__", None) is not None or not all(n in vars(cls) for n in names):
+        raise TypeError(f"{cls.__name__} is not a slotted dataclass without __post_init__")
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    env.update({f"_set_{n}": vars(cls)[n].__set__ for n in names})
+    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+    exec(f"def make({', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", env)
+    make: Callable[..., T] = env["make"]
+    return make
+
+
+_step_info = _maker(StepInfo)
+_command_result = _maker(CommandResult)
 
 
 def step_info(r: es.StepResponse, setup: bool) -> StepInfo:
     """The StepInfo of a step's response; setup is what the request asked."""
-    info = {k: info_value(v) for k, v in r.info.items()}
-    return StepInfo(index=r.step_index, episode_id=r.episode_id, reward=r.reward, terminated=r.terminated,
-                    truncated=r.truncated, truncated_by=r.info.get("truncated_by", ""),
-                    checkpoint_id=r.checkpoint_id, steps_left=r.steps_left, setup=setup, info=info)
+    raw = r.info
+    info = {k: info_value(raw[k]) for k in raw} if raw else {}  # by key: faster than the map's items()
+    # index, episode_id, reward, terminated, truncated, truncated_by, checkpoint_id, steps_left, setup, info
+    return _step_info(r.step_index, r.episode_id, r.reward, r.terminated, r.truncated, raw.get("truncated_by", ""),
+                      r.checkpoint_id, r.steps_left, setup, info)
 
 
 def action_error(r: es.StepResponse, step: StepInfo) -> ActionFailed | None:
@@ -81,33 +120,42 @@ def action_error(r: es.StepResponse, step: StepInfo) -> ActionFailed | None:
     return ActionFailed(ActionErrorInfo(errno=e.errno, errno_name=e.errno_name, message=e.message), step)
 
 
+def _refused(r: es.StepResponse, kind: str, step: StepInfo) -> Exception:
+    """What to raise for a response without the kind's result: its
+    ActionFailed, or a ValueError when it has another kind's."""
+    err = action_error(r, step)
+    if err is not None:
+        return err
+    got = r.observation.WhichOneof("kind")
+    return ValueError(f"the server answered a {kind} action with a {got or 'empty'} observation")
+
+
 def observation(r: es.StepResponse, kind: str, setup: bool) -> tuple[Any, StepInfo]:
     """The observation's result of the kind asked for and the StepInfo;
     raises ActionFailed when the sandbox refused the action."""
     step = step_info(r, setup)
-    err = action_error(r, step)
-    if err is not None:
-        raise err
-    got = r.observation.WhichOneof("kind")
-    if got != kind:
-        raise ValueError(f"the server answered a {kind} action with a {got or 'empty'} observation")
-    return getattr(r.observation, kind), step
+    obs = r.observation
+    if obs.HasField(kind) and not obs.HasField("error"):
+        return getattr(obs, kind), step
+    raise _refused(r, kind, step)
 
 
 def command_result(x: action_pb2.ExecResult, step: StepInfo) -> CommandResult:
     """A CommandResult of an ExecResult."""
-    out, err = bytes(x.stdout), bytes(x.stderr)
-    return CommandResult(
-        stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
-        stdout_bytes=out, stderr_bytes=err, exit_code=x.exit_code, signal=x.signal, timed_out=x.timed_out,
-        truncated=x.stdout_truncated or x.stderr_truncated, duration=x.duration_seconds, pid=x.pid,
-        matched=x.matched, running=x.running, step=step)
+    out, err = x.stdout, x.stderr
+    # stdout, stderr, stdout_bytes, stderr_bytes, exit_code, signal, timed_out, truncated, duration, pid,
+    # matched, running, step
+    return _command_result(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), out, err, x.exit_code,
+                           x.signal, x.timed_out, x.stdout_truncated or x.stderr_truncated, x.duration_seconds, x.pid,
+                           x.matched, x.running, step)
 
 
 def exec_response(r: es.StepResponse, setup: bool) -> CommandResult:
     """The CommandResult of an exec step's response (ActionFailed when refused)."""
-    x, step = observation(r, "exec", setup)
-    return command_result(x, step)
+    obs = r.observation
+    if obs.HasField("exec") and not obs.HasField("error"):
+        return command_result(obs.exec, step_info(r, setup))
+    raise _refused(r, "exec", step_info(r, setup))
 
 
 def step_result(r: es.StepResponse, setup: bool) -> StepResult:

@@ -80,16 +80,45 @@ def exec_action(cmd: str | Sequence[str], *, timeout: float | None = None, cwd: 
                 session: str | None = None, background: bool = False) -> action_pb2.Action:
     """An exec action: a str runs as `/bin/sh -c cmd` (or in the session),
     a sequence as argv without a shell."""
-    x = action_pb2.ExecAction(stdin=_bytes(stdin or b""), env=dict(env or {}), cwd=cwd or "",
-                              timeout_seconds=timeout or 0.0, background=background, session=session or "")
+    return action_pb2.Action(exec=_exec_fields(cmd, timeout, cwd, env, stdin, session, background))
+
+
+def exec_request(sandbox_id: str, setup: bool, checkpoint: bool, cmd: str | Sequence[str], timeout: float | None,
+                 cwd: str | None, env: Mapping[str, str] | None, stdin: str | bytes | None,
+                 session: str | None) -> es.StepRequest:
+    """The StepRequest of exec_action(cmd, ...). Built by one constructor
+    from a dict of the fields set (proto3 sends no default value): no
+    action message is made and then copied into the request, no field
+    set one by one."""
+    x = _exec_fields(cmd, timeout, cwd, env, stdin, session, False)
+    return es.StepRequest(sandbox_id=sandbox_id, action={"exec": x}, checkpoint=checkpoint, setup=setup)
+
+
+def _exec_fields(cmd: str | Sequence[str], timeout: float | None, cwd: str | None, env: Mapping[str, str] | None,
+                 stdin: str | bytes | None, session: str | None, background: bool) -> dict[str, object]:
+    """The ExecAction fields of a command that are not their default."""
+    x: dict[str, object]
     if isinstance(cmd, str):
-        x.command = cmd
-        return action_pb2.Action(exec=x)
-    args = list(cmd)
-    if not all(isinstance(a, str) for a in args):
-        raise TypeError("cmd must be a str or a sequence of str")
-    x.argv.extend(args)
-    return action_pb2.Action(exec=x)
+        x = {"command": cmd}
+    else:
+        args = list(cmd)
+        for a in args:
+            if not isinstance(a, str):
+                raise TypeError("cmd must be a str or a sequence of str")
+        x = {"argv": args}
+    if stdin:
+        x["stdin"] = _bytes(stdin)
+    if env:
+        x["env"] = dict(env)
+    if cwd:
+        x["cwd"] = cwd
+    if timeout:
+        x["timeout_seconds"] = timeout
+    if background:
+        x["background"] = True
+    if session:
+        x["session"] = session
+    return x
 
 
 def interactive_action(session: str, text: str, *, expect: Sequence[str] = (), timeout: float | None = None,

@@ -79,9 +79,11 @@ class Client:
     # --- plumbing -------------------------------------------------------------
 
     def _call(self, name: str, fn: Callable[..., Any], req: Any, safe: bool, timeout: Any = _DEFAULT) -> Any:
-        policy = self.retry if safe else c.NO_RETRY
-        attempt = 0
         deadline = self.timeout if timeout is _DEFAULT else timeout
+        if not safe:
+            return self._call_once(name, fn, req, deadline)
+        policy = self.retry
+        attempt = 0
         while True:
             try:
                 return fn(req, metadata=self._md, timeout=deadline)
@@ -91,6 +93,13 @@ class Client:
                     attempt += 1
                     continue
                 raise from_rpc_error(e, name, bool(self._md)) from None
+
+    def _call_once(self, name: str, fn: Callable[..., Any], req: Any, deadline: float | None) -> Any:
+        """A call that is never retried (unsafe to repeat), with this deadline."""
+        try:
+            return fn(req, metadata=self._md, timeout=deadline)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, name, bool(self._md)) from None
 
     def _saw_lease(self, ts: Any) -> None:
         ttl = c.lease_seconds(ts, time.time())

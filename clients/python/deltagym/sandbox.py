@@ -219,8 +219,10 @@ class Sandbox(SandboxBase[SandboxHandle]):
 
     def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
               checkpoint: bool = False) -> es.StepResponse:
-        req = ops.step_request(self.id, action, setup, checkpoint)
-        resp: es.StepResponse = self.client._call("Step", self.client._env.Step, req, False, deadline)
+        return self._send(ops.step_request(self.id, action, setup, checkpoint), deadline)
+
+    def _send(self, req: es.StepRequest, deadline: float | None) -> es.StepResponse:
+        resp: es.StepResponse = self.client._call_once("Step", self.client._env.Step, req, deadline)
         self._saw_step(resp)
         return resp
 
@@ -264,10 +266,9 @@ class Sandbox(SandboxBase[SandboxHandle]):
                         cb(chunk.text)
                 result = s.result
         else:
-            action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
             s_ = self._setup(setup)
-            resp = self._step(action, s_, self._command_deadline(timeout), checkpoint)
-            result = cv.exec_response(resp, s_)
+            req = ops.exec_request(self._h.id, s_, checkpoint, cmd, timeout, cwd, env, stdin, session)
+            result = cv.exec_response(self._send(req, self._command_deadline(timeout)), s_)
         if check and not result.ok:
             raise CommandExitError(result, cmd)
         return result
@@ -280,9 +281,8 @@ class Sandbox(SandboxBase[SandboxHandle]):
         returned CommandStream for OutputChunks as they come, then read
         its result. Arguments as for run(). Leaving the `with` block before
         the end cancels the call, which cuts the command short."""
-        action = ops.exec_action(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, session=session)
         s = self._setup(setup)
-        req = ops.step_request(self.id, action, s, checkpoint)
+        req = ops.exec_request(self.id, s, checkpoint, cmd, timeout, cwd, env, stdin, session)
         return CommandStream(self, req, s, self._command_deadline(timeout))
 
     def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,

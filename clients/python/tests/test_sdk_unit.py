@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
+import math
 import os
+import pickle
 import tarfile
 import threading
 from collections.abc import Iterator
@@ -15,8 +18,9 @@ import grpc
 import pytest
 
 import deltagym
-from deltagym import _common, errors
+from deltagym import _common, _convert, _ops, errors, raw
 from deltagym.aio import AsyncSandbox
+from deltagym.types import CommandResult, StepInfo
 
 from .fake_server import FakeServer
 
@@ -648,3 +652,88 @@ def test_token_found_above_the_working_directory(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("DELTAGYM_DATA", str(tmp_path / ".data"))
     assert _common.token_files() == [str(tmp_path / ".data/token")]
     assert _common.resolve_token(None) == "tok-outside"
+
+
+def _info_value_reference(v: str) -> object:
+    """StepInfo.info's parsing as its docstring states it, by trial:
+    info_value must agree with it on every string."""
+    if v in ("true", "false"):
+        return v == "true"
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return f if math.isfinite(f) else v
+
+
+def test_info_value_parses_as_int_then_float() -> None:
+    for v in ["true", "false", "True", "", " ", "0", "42", "-7", "+3", "007", "1_000", "1__0", " 12 ", "\u0661\u0662",
+              "0.5", "-0.0", ".5", "5.", "1e3", "1E-2", "1_0.5", "inf", "-inf", "Infinity", "nan", "NaN", "1e400",
+              "0x10", "abc", "12abc", "9" * 5000, "0" * 5000 + "1", "1.5e", "n", "e"]:
+        got, want = _convert.info_value(v), _info_value_reference(v)
+        assert (got, type(got)) == (want, type(want)), v
+
+
+def test_exec_response_maps_every_field() -> None:
+    r = raw.env_service_pb2.StepResponse(
+        observation=raw.action_pb2.Observation(exec=raw.action_pb2.ExecResult(
+            stdout=b"out\xff", stderr=b"err", exit_code=3, signal=9, timed_out=True, stdout_truncated=True,
+            duration_seconds=1.5, pid=77, matched="\\$ ", running=True)),
+        step_index=4, episode_id="ep", reward=0.25, terminated=True, truncated=True, checkpoint_id="ck",
+        steps_left=6, info={"truncated_by": "max_steps", "server_seconds": "0.5", "n": "2", "ok": "true"})
+    step = StepInfo(index=4, episode_id="ep", reward=0.25, terminated=True, truncated=True, truncated_by="max_steps",
+                    checkpoint_id="ck", steps_left=6, setup=True,
+                    info={"truncated_by": "max_steps", "server_seconds": 0.5, "n": 2, "ok": True})
+    got = _convert.exec_response(r, True)
+    assert got == CommandResult(
+        stdout="out\ufffd", stderr="err", stdout_bytes=b"out\xff", stderr_bytes=b"err", exit_code=3, signal=9,
+        timed_out=True, truncated=True, duration=1.5, pid=77, matched="\\$ ", running=True, step=step)
+    # Made without the dataclass's __init__, it is the same frozen value.
+    assert repr(got) == repr(dataclasses.replace(got)) and pickle.loads(pickle.dumps(got)) == got
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.step.index = 5  # type: ignore[misc]
+    r.observation.exec.Clear()
+    r.ClearField("info")
+    assert _convert.exec_response(r, False).step.info == {}
+    r.observation.error.errno_name = "ENOENT"
+    with pytest.raises(errors.ActionFailed):
+        _convert.exec_response(r, False)
+    r.observation.ClearField("error")
+    r.observation.submit.output = "x"
+    with pytest.raises(ValueError, match="answered a exec action with a submit observation"):
+        _convert.exec_response(r, False)
+
+
+def test_exec_request_is_exec_action_in_a_request() -> None:
+    for cmd, kw in [(["true"], {}), ("echo hi", {"session": "main"}),
+                    (("a", "b"), {"timeout": 2.5, "cwd": "/w", "env": {"A": "1"}, "stdin": "in"}),
+                    ("cat", {"stdin": b"\x00raw"})]:
+        for setup, checkpoint in [(False, False), (True, True)]:
+            want = raw.env_service_pb2.StepRequest(sandbox_id="sb", action=_ops.exec_action(cmd, **kw),
+                                                   setup=setup, checkpoint=checkpoint)
+            got = _ops.exec_request("sb", setup, checkpoint, cmd, kw.get("timeout"), kw.get("cwd"), kw.get("env"),
+                                    kw.get("stdin"), kw.get("session"))
+            assert got == want, (cmd, kw)
+    with pytest.raises(TypeError, match="sequence of str"):
+        _ops.exec_request("sb", False, False, ["ls", b"-l"], None, None, None, None, None)  # type: ignore[list-item]
+
+
+def test_maker_refuses_what_it_would_skip() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Unslotted:
+        a: int
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        a: int
+
+        def __post_init__(self) -> None:
+            pass
+
+    for cls in (Unslotted, Checked):
+        with pytest.raises(TypeError, match="not a slotted dataclass"):
+            _convert._maker(cls)
