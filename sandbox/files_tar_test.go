@@ -159,52 +159,44 @@ func metaBomb(t testing.TB, n int) []byte {
 	return bytes.Repeat(member, n)
 }
 
-// namesBomb is a gzip stream of n files of distinct names of some 4,000 bytes each (15
-// components of 255 bytes and a number), all in the same directories: a few KiB per thousand
-// entries that the check, were it to keep the names, would keep 4 KB of each.
-func namesBomb(t testing.TB, n int) []byte {
+// gzipHeaders is a gzip stream of a tar archive of the n headers hdr gives, streamed: the
+// archive, however large, is never held whole.
+func gzipHeaders(t testing.TB, n int, hdr func(i int) *tar.Header) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	zw := gzip.NewWriter(&buf)
 	tw := tar.NewWriter(zw)
-	dir := strings.Repeat(strings.Repeat("d", 255)+"/", 15)
 	for i := range n {
-		if err := tw.WriteHeader(&tar.Header{Name: dir + strconv.Itoa(i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX}); err != nil {
+		if err := tw.WriteHeader(hdr(i)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := tw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := zw.Close(); err != nil {
+	if err := errors.Join(tw.Close(), zw.Close()); err != nil {
 		t.Fatal(err)
 	}
 	return buf.Bytes()
 }
 
+// namesBomb is a gzip stream of n files of distinct names of some 4,000 bytes each (15
+// components of 255 bytes and a number), all in the same directories: a few KiB per thousand
+// entries that the check, were it to keep the names, would keep 4 KB of each.
+func namesBomb(t testing.TB, n int) []byte {
+	dir := strings.Repeat(strings.Repeat("d", 255)+"/", 15)
+	return gzipHeaders(t, n, func(i int) *tar.Header {
+		return &tar.Header{Name: dir + strconv.Itoa(i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX}
+	})
+}
+
 // commentBomb is a gzip stream of n files of distinct names, each with a PAX record of
-// 1 MiB, which the tar reader gives in the same string as the name (a PAX record too): a valid archive whose
-// check keeps the names, not the records.
+// 1 MiB, which the tar reader gives in the same string as the name (a PAX record too): a
+// valid archive whose check keeps the names, not the records.
 func commentBomb(t testing.TB, n int) []byte {
-	t.Helper()
-	var buf bytes.Buffer
-	zw := gzip.NewWriter(&buf)
-	tw := tar.NewWriter(zw)
 	comment := strings.Repeat("a", 1<<20-256)
 	long := strings.Repeat("c", 120) // past a ustar name: a PAX record
-	for i := range n {
-		if err := tw.WriteHeader(&tar.Header{Name: long + strconv.Itoa(i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX,
-			PAXRecords: map[string]string{"comment": comment}}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := zw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
+	return gzipHeaders(t, n, func(i int) *tar.Header {
+		return &tar.Header{Name: long + strconv.Itoa(i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX,
+			PAXRecords: map[string]string{"comment": comment}}
+	})
 }
 
 // Checking a bomb reads it as a stream: the heap it holds at any time (sampled while it runs)
