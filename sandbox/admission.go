@@ -287,6 +287,8 @@ type admission struct {
 	// ranges holds the free host id ranges.
 	// +checklocks:mu
 	ranges []int
+	// rangesTotal counts the host id ranges, free or not (hostRanges).
+	rangesTotal int
 }
 
 // fdRecount is how old a count of the server's descriptors admission uses
@@ -423,6 +425,9 @@ func (r *Runtime) Caps() Caps { return r.adm.caps }
 func (r *Runtime) admission() error {
 	h := ReadHost()
 	d := HostCaps(h)
+	if n := r.adm.rangesTotal; n < d.Sandboxes {
+		d.Sandboxes, d.Why = n, "uid ranges" // the host's users hold some
+	}
 	r.adm.caps = r.cfg.Caps.withHost(d)
 	c := r.adm.caps
 	r.hot = newHotSet(hotSandboxes(r.cfg.HotSandboxes, c.Descriptors))

@@ -31,6 +31,13 @@ const (
 	// maxUnpackedMeta bounds what an archive holds besides file contents
 	// (headers, PAX records, padding) once decompressed.
 	maxUnpackedMeta = 256 << 20
+	// maxUploadNameBytes bounds the bytes of the distinct names of an upload's
+	// entries, which its check keeps (their parents are slices of them): with
+	// maxUploadComponents it bounds the check's memory, whatever the archive
+	// unpacks to.
+	maxUploadNameBytes = 16 << 20
+	// maxNameComponent is the longest path component Linux takes (NAME_MAX).
+	maxNameComponent = 255
 )
 
 // UploadStats is what an upload unpacked: its entries and the bytes of file
@@ -101,8 +108,14 @@ func entryName(name string) (string, error) {
 		return "", fmt.Errorf("%w: upload: entry name %.80q is empty, too long or has a NUL byte", ErrInvalid, name)
 	case strings.HasPrefix(name, "/"):
 		return "", fmt.Errorf("%w: upload: entry %.80q is absolute: names are relative to the directory", ErrInvalid, name)
-	case slices.Contains(strings.Split(name, "/"), ".."):
-		return "", fmt.Errorf("%w: upload: entry %.80q has a \"..\": names stay inside the directory", ErrInvalid, name)
+	}
+	for c := range strings.SplitSeq(name, "/") {
+		switch {
+		case c == "..":
+			return "", fmt.Errorf("%w: upload: entry %.80q has a \"..\": names stay inside the directory", ErrInvalid, name)
+		case len(c) > maxNameComponent:
+			return "", fmt.Errorf("%w: upload: entry %.80q has a path component of %d bytes: at most %d (NAME_MAX)", ErrInvalid, name, len(c), maxNameComponent)
+		}
 	}
 	return path.Clean(name), nil
 }
@@ -120,9 +133,7 @@ func CheckArchive(ctx context.Context, archive []byte) error {
 	if err != nil {
 		return err
 	}
-	// seen holds each name of the archive and each of their parents, with
-	// its type (a parent is a directory).
-	seen := map[string]byte{}
+	seen := nameSet{types: map[string]byte{}}
 	var entries, components int
 	var contents int64
 	for {
@@ -147,7 +158,7 @@ func CheckArchive(ctx context.Context, archive []byte) error {
 				return fmt.Errorf("%w: upload: file contents of more than %d bytes", ErrInvalid, MaxUnpackedBytes)
 			}
 		}
-		if err := addName(seen, name, hdr.Typeflag); err != nil {
+		if err := seen.add(name, hdr.Typeflag); err != nil {
 			return err
 		}
 	}
@@ -155,7 +166,7 @@ func CheckArchive(ctx context.Context, archive []byte) error {
 
 // checkType refuses an entry of a type an upload does not write, and a hard
 // link to anything but an earlier file of the archive.
-func checkType(hdr *tar.Header, name string, seen map[string]byte) error {
+func checkType(hdr *tar.Header, name string, seen nameSet) error {
 	switch hdr.Typeflag {
 	case tar.TypeReg, tar.TypeDir:
 	case tar.TypeSymlink:
@@ -167,7 +178,7 @@ func checkType(hdr *tar.Header, name string, seen map[string]byte) error {
 		if err != nil {
 			return err
 		}
-		if t, ok := seen[target]; !ok || (t != tar.TypeReg && t != tar.TypeLink) {
+		if t, ok := seen.types[target]; !ok || (t != tar.TypeReg && t != tar.TypeLink) {
 			return fmt.Errorf("%w: upload: hard link %.80q to %.80q: a hard link names an earlier file of the same archive", ErrInvalid, name, hdr.Linkname)
 		}
 	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
@@ -178,10 +189,21 @@ func checkType(hdr *tar.Header, name string, seen map[string]byte) error {
 	return nil
 }
 
-// addName records name, of type typ, and its parents as directories in seen;
-// an entry below a non-directory of the archive, or a name the archive gives
-// twice but as two directories, is refused.
-func addName(seen map[string]byte, name string, typ byte) error {
+// nameSet holds each name of an archive and each of their parents, with its
+// type (a parent is a directory).
+type nameSet struct {
+	types map[string]byte
+	// bytes counts the bytes of the names kept: copies, since a name the
+	// tar reader gives may be a slice of its whole PAX header. A parent is a
+	// slice of the name that adds it.
+	bytes int
+}
+
+// add records name, of type typ, and its parents as directories; an entry
+// below a non-directory of the archive, or a name the archive gives twice but
+// as two directories, is refused, as are names past maxUploadNameBytes.
+func (ns *nameSet) add(name string, typ byte) error {
+	seen := ns.types
 	if name == "." {
 		if typ != tar.TypeDir {
 			return fmt.Errorf("%w: upload: the directory itself (\".\") as a non-directory", ErrInvalid)
@@ -190,6 +212,12 @@ func addName(seen map[string]byte, name string, typ byte) error {
 	}
 	if t, ok := seen[name]; ok && (t != tar.TypeDir || typ != tar.TypeDir) {
 		return fmt.Errorf("%w: upload: %.80q is in the archive twice, or both a parent of entries and not a directory", ErrInvalid, name)
+	}
+	if _, ok := seen[name]; !ok {
+		if ns.bytes += len(name); ns.bytes > maxUploadNameBytes {
+			return fmt.Errorf("%w: upload: the archive's names take more than %d MiB", ErrInvalid, maxUploadNameBytes>>20)
+		}
+		name = strings.Clone(name)
 	}
 	seen[name] = typ
 	for p := path.Dir(name); p != "."; p = path.Dir(p) {

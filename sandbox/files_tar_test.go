@@ -104,6 +104,9 @@ func TestUploadRefusesHostileArchives(t *testing.T) {
 		{"gzip bomb", gzipBomb(t, 20, 64), `file contents of more than`},
 		{"metadata bomb", metaBomb(t, 1400), `unpacks to more than`},
 		{"over the archive cap", make([]byte, sandbox.MaxArchiveBytes+1), `at most`},
+		{"a component past NAME_MAX", tarOf(t, file("d/"+strings.Repeat("n", 256), "x")), `NAME_MAX`},
+		{"a hard link's component past NAME_MAX", tarOf(t, file("f", "x"), entry{name: "l", typ: tar.TypeLink, link: strings.Repeat("n", 256)}), `NAME_MAX`},
+		{"names past their cap", namesBomb(t, 5000), `names take more than 16 MiB`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			st, err := s.Upload(ctx, "/up/"+strings.ReplaceAll(tc.name, " ", "-"), tc.archive)
@@ -156,11 +159,59 @@ func metaBomb(t testing.TB, n int) []byte {
 	return bytes.Repeat(member, n)
 }
 
+// gzipHeaders is a gzip stream of a tar archive of the n headers hdr gives, streamed: the
+// archive, however large, is never held whole.
+func gzipHeaders(t testing.TB, n int, hdr func(i int) *tar.Header) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	zw := gzip.NewWriter(&buf)
+	tw := tar.NewWriter(zw)
+	for i := range n {
+		if err := tw.WriteHeader(hdr(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := errors.Join(tw.Close(), zw.Close()); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// namesBomb is a gzip stream of n files of distinct names of some 4,000 bytes each (15
+// components of 255 bytes and a number), all in the same directories: a few KiB per thousand
+// entries that the check, were it to keep the names, would keep 4 KB of each.
+func namesBomb(t testing.TB, n int) []byte {
+	dir := strings.Repeat(strings.Repeat("d", 255)+"/", 15)
+	return gzipHeaders(t, n, func(i int) *tar.Header {
+		return &tar.Header{Name: dir + strconv.Itoa(i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX}
+	})
+}
+
+// commentBomb is a gzip stream of n files of distinct names, each with a PAX record of
+// 1 MiB, which the tar reader gives in the same string as the name (a PAX record too): a
+// valid archive whose check keeps the names, not the records.
+func commentBomb(t testing.TB, n int) []byte {
+	comment := strings.Repeat("a", 1<<20-256)
+	long := strings.Repeat("c", 120) // past a ustar name: a PAX record
+	return gzipHeaders(t, n, func(i int) *tar.Header {
+		return &tar.Header{Name: long + strconv.Itoa(i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX,
+			PAXRecords: map[string]string{"comment": comment}}
+	})
+}
+
 // Checking a bomb reads it as a stream: the heap it holds at any time (sampled while it runs)
-// is a small part of what it unpacks to.
+// is a small part of what it unpacks to, and of what its names take.
 func TestCheckArchiveBombMemory(t *testing.T) {
 	heap := []metrics.Sample{{Name: "/memory/classes/heap/objects:bytes"}}
-	for name, bomb := range map[string][]byte{"contents": gzipBomb(t, 20, 64), "metadata": metaBomb(t, 1400)} {
+	for name, tc := range map[string]struct {
+		bomb []byte
+		says string // "" for an archive the check takes
+	}{
+		"contents": {gzipBomb(t, 20, 64), "more than"},
+		"metadata": {metaBomb(t, 1400), "more than"},
+		"names":    {namesBomb(t, 40000), "names take more than"},
+		"comments": {commentBomb(t, 200), ""},
+	} {
 		runtime.GC()
 		metrics.Read(heap)
 		base := heap[0].Value.Uint64()
@@ -182,11 +233,11 @@ func TestCheckArchiveBombMemory(t *testing.T) {
 				}
 			}
 		}()
-		err := sandbox.CheckArchive(t.Context(), bomb)
+		err := sandbox.CheckArchive(t.Context(), tc.bomb)
 		close(done)
 		most := <-peak
-		if !errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), "more than") {
-			t.Errorf("%s bomb: %v, want ErrInvalid for its size", name, err)
+		if tc.says == "" && err != nil || tc.says != "" && (!errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), tc.says)) {
+			t.Errorf("%s bomb: %v, want ErrInvalid saying %q (none when empty)", name, err, tc.says)
 		}
 		if most > base+128<<20 {
 			t.Errorf("%s bomb: the heap grew from %d MiB to %d MiB while it was checked", name, base>>20, most>>20)

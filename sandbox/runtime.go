@@ -410,13 +410,6 @@ type testHooks struct {
 	onWarm atomic.Pointer[func(ready int)]
 }
 
-// Host id ranges: sandbox n maps its ids 0..launch.IDRange-1 onto
-// firstHostID+n*launch.IDRange and up, all below 2^31.
-const (
-	firstHostID = 1 << 20
-	maxRanges   = 1 << 15
-)
-
 // New starts a runtime on cfg.DataDir. It reconciles what an earlier run
 // left: checkpoints whose layers survived are adopted, every other layer is
 // discarded, leftover cgroups are removed, and sandboxes that were live are
@@ -438,9 +431,15 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		done: make(chan struct{}), flatSem: make(chan struct{}, 1), ret: retirement{slots: make(chan struct{}, retireSlots())},
 		links: overlay.NewLinks(), hot: newHotSet(0),
 	}
-	for i := maxRanges - 1; i >= 0; i-- {
-		r.adm.ranges = append(r.adm.ranges, firstHostID+i*launch.IDRange)
+	ranges, dropped, err := hostRanges(hostIDFiles)
+	if err != nil {
+		return nil, err
 	}
+	if dropped > 0 {
+		r.log.Info("host id ranges: ranges that hold an id of a user or group of the host, or of a subordinate range, are none of a sandbox's",
+			"dropped", dropped, "left", len(ranges))
+	}
+	r.adm.ranges, r.adm.rangesTotal = ranges, len(ranges)
 	var cleanup []func()
 	fail := func(err error) (*Runtime, error) {
 		for i := len(cleanup) - 1; i >= 0; i-- {
@@ -1427,7 +1426,7 @@ func (r *Runtime) takeRange() (int, error) {
 	r.adm.mu.Lock()
 	defer r.adm.mu.Unlock()
 	if len(r.adm.ranges) == 0 {
-		return 0, fmt.Errorf("%w: no free uid range (%d sandboxes live)", ErrBudget, maxRanges)
+		return 0, fmt.Errorf("%w: no free uid range (%d sandboxes live)", ErrBudget, r.adm.rangesTotal)
 	}
 	h := r.adm.ranges[len(r.adm.ranges)-1]
 	r.adm.ranges = r.adm.ranges[:len(r.adm.ranges)-1]

@@ -20,11 +20,17 @@ import (
 // A slow client never slows the command: the goroutines that read the command's output hand
 // each piece to a queue and go on, and a sender goroutine sends what the queue holds, joined,
 // as the client takes it. The queue is bounded by the step itself: each stream's pieces are cut
-// at the env's output cap, as the result is, and they are slices of the result's own bytes for a
-// plain command (a session's are copies of the same size), so a client that reads nothing costs
-// at most the output the step returns anyway. What is still queued when the step ends is sent
-// before the response. A client that goes away, or a send that fails, cuts the step short as a
-// cancelled Step is.
+// at the env's output cap, as the result is, and joined as they are queued (outputQueue), so a
+// client that reads nothing costs a parked handler and at most about twice the output cap per
+// stream (the response's bytes and the queued copies). What is still queued when the step ends
+// is sent before the response. A client that goes away, or a send that fails, cuts the step
+// short as a cancelled Step is.
+//
+// A client that keeps its connection but reads nothing parks the handler until it reads,
+// cancels or goes, or the server closes: a blocked Send ends only when the HTTP/2 stream does,
+// and the handler reaches no write deadline of the stream through Connect (returning while the
+// sender's Send is blocked would race it on the stream), so it has no clean way to end such a
+// stream itself.
 func (e *envService) StreamStep(ctx context.Context, req *connect.Request[deltagymv1.StreamStepRequest], stream *connect.ServerStream[deltagymv1.StreamStepResponse]) error {
 	m := req.Msg.GetStep()
 	if m == nil {
@@ -76,17 +82,40 @@ func (s *Server) streamStep(ctx context.Context, m *deltagymv1.StepRequest, stre
 const outputChunkMax = 64 << 10
 
 // outputQueue holds the pieces of a command's output not sent yet (StreamStep).
+//
+// A piece is joined, as it is put, to the last piece of its stream that the sender has not
+// taken yet, up to outputChunkMax, and a piece that does not fit fills that one up before a new
+// one holds the rest. So whatever the client reads, a stream has at most one queued piece that is
+// not full, and the queue holds at most the stream's output bytes (copies, or, for a plain
+// command's lone piece, a slice of the result itself) plus outputChunkMax and a message's
+// overhead per stream: however small the pieces the readers hand over (a line each, a pipe read
+// each), a client that reads nothing costs no more than the output cap per stream, which the
+// step's response holds anyway, so at most about twice the cap in all. The order of one stream's
+// bytes is kept; a stream's piece joined to one queued before a piece of the other stream is sent
+// before that piece, as it would have been had its reader been scheduled sooner.
 type outputQueue struct {
 	mu sync.Mutex
+	// pieces are the queued pieces, oldest first.
 	// +checklocks:mu
 	pieces []*deltagymv1.OutputChunk
+	// tail holds, per stream, the last queued piece of the stream, or nil once the sender took it.
+	// +checklocks:mu
+	tail map[deltagymv1.OutputStream]*queuedPiece
 	// +checklocks:mu
 	closed bool
 	// ready is signalled when a piece is queued or the queue closed.
 	ready chan struct{}
 }
 
-func newOutputQueue() *outputQueue { return &outputQueue{ready: make(chan struct{}, 1)} }
+// queuedPiece is a queued piece and whether its bytes are the queue's own, to append to.
+type queuedPiece struct {
+	c     *deltagymv1.OutputChunk
+	owned bool
+}
+
+func newOutputQueue() *outputQueue {
+	return &outputQueue{ready: make(chan struct{}, 1), tail: make(map[deltagymv1.OutputStream]*queuedPiece, 2)}
+}
 
 var outputStreams = map[int]deltagymv1.OutputStream{
 	sandbox.OutputStdout: deltagymv1.OutputStream_OUTPUT_STREAM_STDOUT,
@@ -95,11 +124,41 @@ var outputStreams = map[int]deltagymv1.OutputStream{
 
 // put queues piece p of stream (sandbox.ExecRequest.Output); p is not written to after.
 func (q *outputQueue) put(stream int, p []byte) {
-	c := &deltagymv1.OutputChunk{Stream: outputStreams[stream], Data: p}
+	if len(p) == 0 {
+		return
+	}
+	st := outputStreams[stream]
 	q.mu.Lock()
-	q.pieces = append(q.pieces, c)
+	if t := q.tail[st]; t != nil {
+		p = t.fill(p)
+	}
+	for len(p) > 0 {
+		// p, or what did not fit, starts a piece: p itself (never written to), cut at
+		// outputChunkMax so that a later piece joins a piece of the queue's own.
+		n := min(len(p), outputChunkMax)
+		t := &queuedPiece{c: &deltagymv1.OutputChunk{Stream: st, Data: p[:n:n]}}
+		q.pieces = append(q.pieces, t.c)
+		q.tail[st] = t
+		p = p[n:]
+	}
 	q.mu.Unlock()
 	q.signal()
+}
+
+// fill appends to t what of p fits below outputChunkMax and returns the rest of p. Its bytes
+// become the queue's own, in a buffer of outputChunkMax: the piece is joined only while the
+// sender has not taken it.
+func (t *queuedPiece) fill(p []byte) []byte {
+	d := t.c.Data
+	n := min(len(p), outputChunkMax-len(d))
+	if n == 0 {
+		return p
+	}
+	if !t.owned {
+		d, t.owned = append(make([]byte, 0, outputChunkMax), d...), true
+	}
+	t.c.Data = append(d, p[:n]...)
+	return p[n:]
 }
 
 // close ends the queue: drain returns once it has sent what it holds.
@@ -117,45 +176,37 @@ func (q *outputQueue) signal() {
 	}
 }
 
-// drain sends the queued pieces with send, in order, joining the neighbours of one stream up
-// to outputChunkMax, until the queue is closed and empty or a send fails.
+// take removes the oldest queued piece, or returns nil and whether the queue is closed.
+func (q *outputQueue) take() (*deltagymv1.OutputChunk, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.pieces) == 0 {
+		q.pieces = nil // the array held pieces sent since
+		return nil, q.closed
+	}
+	c := q.pieces[0]
+	q.pieces[0] = nil
+	q.pieces = q.pieces[1:]
+	if t := q.tail[c.Stream]; t != nil && t.c == c {
+		q.tail[c.Stream] = nil
+	}
+	return c, false
+}
+
+// drain sends the queued pieces with send, oldest first, one at a time (what is not taken yet
+// goes on being joined to), until the queue is closed and empty or a send fails.
 func (q *outputQueue) drain(send func(*deltagymv1.OutputChunk) error) error {
 	for {
-		q.mu.Lock()
-		pieces, closed := q.pieces, q.closed
-		q.pieces = nil
-		q.mu.Unlock()
-		for _, c := range joinPieces(pieces) {
+		c, closed := q.take()
+		switch {
+		case c != nil:
 			if err := send(c); err != nil {
 				return err
 			}
-		}
-		if closed {
+		case closed:
 			return nil
-		}
-		if len(pieces) == 0 {
+		default:
 			<-q.ready
 		}
 	}
-}
-
-// joinPieces joins neighbouring pieces of one stream, up to outputChunkMax each.
-func joinPieces(pieces []*deltagymv1.OutputChunk) []*deltagymv1.OutputChunk {
-	if len(pieces) < 2 {
-		return pieces
-	}
-	out := pieces[:0:0]
-	owned := false // out's last holds a buffer of its own, not a piece's bytes
-	for _, p := range pieces {
-		if n := len(out); n > 0 && out[n-1].Stream == p.Stream && len(out[n-1].Data)+len(p.Data) <= outputChunkMax {
-			last := out[n-1]
-			if !owned { // the pieces are the result's bytes, never written to
-				last.Data, owned = append(make([]byte, 0, outputChunkMax), last.Data...), true
-			}
-			last.Data = append(last.Data, p.Data...)
-			continue
-		}
-		out, owned = append(out, p), false
-	}
-	return out
 }
