@@ -1024,10 +1024,12 @@ func (*StreamStepResponse_Output) isStreamStepResponse_Event() {}
 
 func (*StreamStepResponse_Step) isStreamStepResponse_Event() {}
 
-// OutputChunk is a piece of a command's output, in the order the server
-// read it. The chunks of one stream, joined, begin with what the step's
-// response holds (which is cut at the env's output cap; the chunks are
-// cut there too).
+// OutputChunk is a piece of a command's output. The chunks of one stream
+// come in the order the server read them and, joined, begin with what the
+// step's response holds (which is cut at the env's output cap; the chunks
+// are cut there too). Between the two streams the order is only roughly
+// the order of reading: output queued for a client that reads slowly is
+// joined per stream, up to 64 KiB a chunk.
 type OutputChunk struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// stream is the stream the bytes were written to.
