@@ -483,7 +483,8 @@ type ResetRequest struct {
 	// run names the training or search run the episode belongs to.
 	Run string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
 	// group_id names the group (for example a GRPO group) of the episode.
-	GroupId string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"` // lease_ttl_seconds is how long the sandbox lives without a call or a
+	GroupId string `protobuf:"bytes,6,opt,name=group_id,json=groupId,proto3" json:"group_id,omitempty"`
+	// lease_ttl_seconds is how long the sandbox lives without a call or a
 	// heartbeat; zero means the server's --lease-ttl. It is at most the
 	// server's --max-lease-ttl (InvalidArgument past it) and stays the
 	// sandbox's until a Heartbeat changes it.
@@ -790,7 +791,8 @@ type StepResponse struct {
 	// inherited from the checkpoint the episode started from.
 	StepIndex int32 `protobuf:"varint,7,opt,name=step_index,json=stepIndex,proto3" json:"step_index,omitempty"`
 	// episode_id is the episode the step belongs to.
-	EpisodeId string `protobuf:"bytes,8,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"` // steps_left is how many more agent steps the episode's max_steps allows
+	EpisodeId string `protobuf:"bytes,8,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
+	// steps_left is how many more agent steps the episode's max_steps allows
 	// after this one; -1 when the env has no step budget.
 	StepsLeft     int32 `protobuf:"varint,9,opt,name=steps_left,json=stepsLeft,proto3" json:"steps_left,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -1241,7 +1243,8 @@ type ErrorStatus struct {
 	// code is the gRPC status code (the same numbers as Connect codes).
 	Code int32 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
 	// message is the error message.
-	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"` // reason is the error's reason, as in the google.rpc.ErrorInfo the
+	Message string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	// reason is the error's reason, as in the google.rpc.ErrorInfo the
 	// server attaches to the errors of unary calls (for example
 	// SANDBOX_NOT_FOUND); empty when it has none.
 	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
