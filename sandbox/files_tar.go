@@ -210,15 +210,19 @@ func (ns *nameSet) add(name string, typ byte) error {
 		}
 		return nil
 	}
-	if t, ok := seen[name]; ok && (t != tar.TypeDir || typ != tar.TypeDir) {
-		return fmt.Errorf("%w: upload: %.80q is in the archive twice, or both a parent of entries and not a directory", ErrInvalid, name)
-	}
-	if _, ok := seen[name]; !ok {
-		if ns.bytes += len(name); ns.bytes > maxUploadNameBytes {
-			return fmt.Errorf("%w: upload: the archive's names take more than %d MiB", ErrInvalid, maxUploadNameBytes>>20)
+	if t, ok := seen[name]; ok {
+		if t != tar.TypeDir || typ != tar.TypeDir {
+			return fmt.Errorf("%w: upload: %.80q is in the archive twice, or both a parent of entries and not a directory", ErrInvalid, name)
 		}
-		name = strings.Clone(name)
+		// A directory named again: it and its parents are in the set. Storing the name
+		// again would swap in the new key, a slice of its entry's whole PAX header,
+		// keeping that alive uncounted.
+		return nil
 	}
+	if ns.bytes += len(name); ns.bytes > maxUploadNameBytes {
+		return fmt.Errorf("%w: upload: the archive's names take more than %d MiB", ErrInvalid, maxUploadNameBytes>>20)
+	}
+	name = strings.Clone(name) // not a slice of the header it came in
 	seen[name] = typ
 	for p := path.Dir(name); p != "."; p = path.Dir(p) {
 		t, ok := seen[p]

@@ -199,6 +199,20 @@ func commentBomb(t testing.TB, n int) []byte {
 	})
 }
 
+// repeatedDirBomb is n directories, each named twice: plainly, then in a PAX header with a
+// comment of about 1 MiB, as the name of an entry the check has seen already.
+func repeatedDirBomb(t testing.TB, n int) []byte {
+	comment := strings.Repeat("a", 1<<20-256)
+	long := strings.Repeat("c", 120)
+	return gzipHeaders(t, 2*n, func(i int) *tar.Header {
+		h := &tar.Header{Name: long + strconv.Itoa(i/2) + "/", Typeflag: tar.TypeDir, Mode: 0o755, Format: tar.FormatPAX}
+		if i%2 == 1 {
+			h.PAXRecords = map[string]string{"comment": comment}
+		}
+		return h
+	})
+}
+
 // Checking a bomb reads it as a stream: the heap it holds at any time (sampled while it runs)
 // is a small part of what it unpacks to, and of what its names take.
 func TestCheckArchiveBombMemory(t *testing.T) {
@@ -211,6 +225,7 @@ func TestCheckArchiveBombMemory(t *testing.T) {
 		"metadata": {metaBomb(t, 1400), "more than"},
 		"names":    {namesBomb(t, 40000), "names take more than"},
 		"comments": {commentBomb(t, 200), ""},
+		"repeated": {repeatedDirBomb(t, 300), ""},
 	} {
 		runtime.GC()
 		metrics.Read(heap)
