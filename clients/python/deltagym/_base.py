@@ -133,6 +133,10 @@ class ProcessBase:
                                       timeout=timeout)
 
     def _interrupt_action(self, expect: Sequence[str] | None, timeout: float | None) -> action_pb2.Action:
+        # An ended program's session may run another's by now (a later start in the same
+        # session): its Ctrl-C is not this handle's to send.
+        if not self._last.running:
+            raise ProcessEnded(self.session, self._last)
         return ops.interactive_action(self.session, "", expect=self.expect if expect is None else expect,
                                       timeout=timeout, interrupt=True)
 

@@ -488,6 +488,10 @@ def test_interactive_process(fake: FakeServer, sb: deltagym.Sandbox) -> None:
     assert q.send("exit").exit_code == 0 and not q.running
     with pytest.raises(errors.ProcessEnded, match="'mine' exited with 0"):
         q.send("more")
+    n = len(fake.service.execs)
+    with pytest.raises(errors.ProcessEnded):
+        q.interrupt()  # the session may run another program by now: not this handle's Ctrl-C
+    assert len(fake.service.execs) == n
     bg = sb.processes.start("sleep 100")
     assert bg.interrupt() is None  # a background process gets SIGINT as a signal
     assert fake.service.signals[-1] == (42, 2, False) and bg.running
