@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
 from . import _ops as ops
+from ._common import observation_text
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .errors import ProcessEnded, SandboxClosed
 from .types import CommandResult
@@ -19,6 +20,7 @@ class Handle(Protocol):
     env: str
     episode_id: str
     lease_expires_at: float | None
+    reset_response: es.ResetResponse | None
 
 
 H = TypeVar("H", bound=Handle)
@@ -50,6 +52,15 @@ class SandboxBase(Generic[H]):
     def lease_expires_at(self) -> float | None:
         """When the lease runs out (Unix seconds) by the last answer seen, None when unknown."""
         return self._h.lease_expires_at
+
+    @property
+    def observation(self) -> str:
+        """The first observation as an agent reads it: the task and the
+        output of the env's reset hook (where an env such as the built-in
+        shell prints the task's particulars); "" for a sandbox that was
+        connected to or forked."""
+        r = self._h.reset_response
+        return observation_text(r.observation) if r is not None else ""
 
     @property
     def handle(self) -> H:

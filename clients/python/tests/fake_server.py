@@ -95,7 +95,8 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
                          lease_ttl=req.lease_ttl_seconds or 60.0)
         self.sandboxes[sb.id] = sb
         return es.ResetResponse(sandbox_id=sb.id, episode_id=sb.episode, checkpoint_id="ck-start",
-                                observation=ap.Observation(reset=ap.ResetResult(task="write 42")),
+                                observation=ap.Observation(reset=ap.ResetResult(
+                                    task="write 42", hook=ap.ExecResult(stdout=b"the answer goes in /work/answer.txt\n"))),
                                 lease_expire_time=self._lease(sb))
 
     def Step(self, req: es.StepRequest, ctx: grpc.ServicerContext) -> es.StepResponse:

@@ -201,6 +201,12 @@ def test_setup_threads(sb):
     assert results == {"other": False, "mine": True}
 
 
+def test_observation(server):
+    with deltagym.Sandbox.create("shell", addr=server.addr, seed=7) as s:
+        assert s.task == "Write 42 to /work/answer.txt, then submit."
+        assert s.observation == s.task + "\nseed=7 who=nobody\n"  # the reset hook's output too
+
+
 def test_lease(server):
     with deltagym.Sandbox.create("shell", addr=server.addr, lease_ttl=30) as s:
         first = s.lease_expires_at

@@ -60,6 +60,7 @@ def _entry(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.
 
 def test_create_run_typed(sb: deltagym.Sandbox) -> None:
     assert sb.task == "write 42" and sb.env == "shell" and sb.start_checkpoint.id == "ck-start"
+    assert sb.observation == "write 42\nthe answer goes in /work/answer.txt\n"  # the task and the reset hook's output
     assert sb.lease_expires_at is not None
     r = sb.run("echo hi")
     assert isinstance(r, deltagym.CommandResult)
@@ -525,6 +526,7 @@ def test_fork_shares_owned_client(fake: FakeServer) -> None:
     parent = deltagym.Sandbox.create("shell", addr=fake.addr, token="t")
     kids = parent.fork(2)
     assert len(kids) == 2 and all(k.env == "shell" and k.task == parent.task for k in kids)
+    assert all(k.observation == "" for k in kids)  # no Reset of their own
     parent.close()
     assert kids[0].run("echo alive").stdout == "alive\n"  # the shared client stays open
     assert not parent.is_alive()
