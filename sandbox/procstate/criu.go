@@ -152,15 +152,29 @@ func (ps *State) RestoreTrees(ctx context.Context, c *Checkpoint, units []Unit) 
 			}
 			// A failed restore leaves nothing of the tree (criu's, or the guard's, kill). One
 			// that lost a race for a pid, or whose guard found a copy stopped by another cause,
-			// is tried once more, once the pids are free again.
-			if attempt > 0 || !transientRestore(err) {
+			// is tried again once the pids are free, after a pause that doubles each time: a
+			// pid whose process the kernel is still releasing reads as free in /proc before a
+			// fork may take it again.
+			if attempt >= restoreAttempts-1 || !transientRestore(err) {
 				return err
 			}
 			ps.h.Log().Warn("restoring a process tree again", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "err", err)
+			select {
+			case <-ctx.Done():
+				return err
+			case <-time.After(restorePause << attempt):
+			}
 		}
 	}
 	return nil
 }
+
+// A tree's restore that fails for a cause that passes (transientRestore) is tried
+// restoreAttempts times in all, restorePause, then twice that, and so on, apart.
+const (
+	restoreAttempts = 4
+	restorePause    = 20 * time.Millisecond
+)
 
 // transientRestore says a tree's restore failed for a cause that passes: criu found a pid it
 // needed taken at its fork (criu's own words), or the guard met an unexpected ptrace stop.
