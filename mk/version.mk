@@ -1,9 +1,9 @@
 # version.mk: the project's version is the one line of VERSION at the root. scripts/version.sh
-# writes it into the files that carry it (generated, committed): cmd/deltagym/version.go, which
-# `deltagym version` prints, and clients/python/deltagym/_version.py,
+# writes it into the files that carry it (generated, committed): internal/version/version.go, which
+# `deltagym version` prints and NodeService.GetNode reports, and clients/python/deltagym/_version.py,
 # deltagym.__version__ and the Python package's version. `make generate` rewrites them and
 # `make checkgenerate` fails when they are stale.
-VERSION_FILES := cmd/deltagym/version.go clients/python/deltagym/_version.py
+VERSION_FILES := internal/version/version.go clients/python/deltagym/_version.py
 
 .PHONY: generate-version checkgenerate-version
 

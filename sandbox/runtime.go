@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"cmp"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -26,6 +25,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/criu"
 	"github.com/deltagym/deltagym/sandbox/image"
@@ -39,6 +39,9 @@ import (
 type Config struct {
 	// DataDir holds images, layers and checkpoints (under DataDir/store).
 	DataDir string
+	// Node is the name of the node the runtime runs on (internal/nodeid.CheckName), carried
+	// by every sandbox and checkpoint ID it makes; "": IDs of no node.
+	Node string
 	// InitBinary is the static dg-init that runs as pid 1 of every
 	// sandbox (`make init` builds bin/dg-init; internal/locate.Init finds
 	// it). Required.
@@ -134,6 +137,11 @@ func (c Config) Validate() error {
 	}
 	if c.InitBinary == "" {
 		return fmt.Errorf("%w: InitBinary is empty: no sandbox init (make init builds bin/dg-init)", ErrInvalid)
+	}
+	if c.Node != "" {
+		if err := nodeid.CheckName(c.Node); err != nil {
+			return fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
 	}
 	if c.CheckpointBudgetBytes < 0 || c.CheckpointTTL < 0 || c.DefaultDiskBytes < 0 || c.DefaultInodes < 0 || c.NetPool < 0 || c.FlattenDepth < 0 {
 		return fmt.Errorf("%w: negative budget, TTL, disk size, inode count or pool size", ErrInvalid)
@@ -1416,11 +1424,8 @@ func (r *Runtime) lookup(id string) (*checkpoint, error) {
 	return c, nil
 }
 
-func newID(prefix string) string {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	return prefix + hex.EncodeToString(b[:])
-}
+// newID returns a new id of prefix ("sb", "ck") that names the runtime's node.
+func (r *Runtime) newID(prefix string) string { return nodeid.New(prefix, r.cfg.Node) }
 
 func (r *Runtime) takeRange() (int, error) {
 	r.adm.mu.Lock()

@@ -155,7 +155,7 @@ func (r *Runtime) create(ctx context.Context, spec Spec) (_ *Sandbox, err error)
 		head = src.ck.ID
 	}
 	s := &Sandbox{
-		rt: r, id: newID("sb-"), spec: spec, img: src.img,
+		rt: r, id: r.newID("sb"), spec: spec, img: src.img,
 		fs:   rootFS{upperFD: -1, root: -1, idmapped: map[string]int{}},
 		cmds: cmdGroups{reuseW: make(chan workGroup, 1)},
 		gen:  gen, abort: abort, head: head,
@@ -680,7 +680,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	if err := r.admitCheckpoint(s.upperUsed()+s.shmUsed(), s.shmMounts()); err != nil {
 		return CheckpointInfo{}, err
 	}
-	c := &checkpoint{Checkpoint: procstate.Checkpoint{ID: newID("ck-"), SandboxID: s.id}, Parent: s.head, Image: s.img.info.Name, Created: time.Now(),
+	c := &checkpoint{Checkpoint: procstate.Checkpoint{ID: s.rt.newID("ck"), SandboxID: s.id}, Parent: s.head, Image: s.img.info.Name, Created: time.Now(),
 		Labels: cloneLabels(o.Labels), Pinned: o.Pinned}
 	if err := s.capture(ctx, c, mode); err != nil {
 		// A step after the files were copied failed (a template's fork,

@@ -129,7 +129,7 @@ func (r *Runtime) takeInit(hostname string) (*warmInit, error) {
 		}
 	}
 	r.kickWarm()
-	return r.startInit(newID("sb-"), hostname)
+	return r.startInit(r.newID("sb"), hostname)
 }
 
 // maxFork is the largest fan-out of one Fork.
@@ -247,7 +247,7 @@ func (r *Runtime) warmLoop() {
 // leave no room; it returns false when the runtime is closing.
 func (r *Runtime) refillWarm() bool {
 	for len(r.warm.ready) < r.warmWanted(time.Now()) && r.warmRoom() {
-		w, err := r.startInit(newID("sb-"), "")
+		w, err := r.startInit(r.newID("sb"), "")
 		if err != nil {
 			r.log.Warn("starting a warm sandbox init", "err", err)
 			select {

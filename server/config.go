@@ -87,12 +87,10 @@ type Config struct {
 	TokenGroup string
 	// PublicHealth serves health, reflection and /metrics without a token.
 	PublicHealth bool
-	// ImportRoot is the only host directory ImportImage reads from: a request names a path
-	// below it. Default DataDir/imports.
-	ImportRoot string
-	// ImportMaxBytes caps what one image import may write (file contents, after
-	// decompression). Default 16 GiB.
-	ImportMaxBytes int64
+	// Import holds the settings of ImportImage.
+	Import ImportSettings
+	// Cluster holds the node's identity and its peers.
+	Cluster ClusterSettings
 	// MaxRequestBytes bounds one request message. Default RequestCapFor(sandbox.MaxFileBytes):
 	// a write_file of the largest file a sandbox takes fits in every encoding.
 	MaxRequestBytes int
@@ -133,7 +131,7 @@ func parseBytes(v string) (int64, error) {
 	return n << sh, nil
 }
 
-// defaultImportMaxBytes is Config.ImportMaxBytes when unset.
+// defaultImportMaxBytes is Config.Import.MaxBytes when unset.
 const defaultImportMaxBytes = 16 << 30
 
 // EgressSettings are the settings of the sandboxes' egress proxy.
@@ -144,6 +142,28 @@ type EgressSettings struct {
 	// Limits are the server's limits of each sandbox's egress, which an env may lower: a field
 	// left 0 is egress.DefaultLimits's; negative, no limit (--egress-* flags).
 	Limits egress.Limits
+}
+
+// ImportSettings are the settings of ImportImage.
+type ImportSettings struct {
+	// Root is the only host directory ImportImage reads from: a request names a path below
+	// it. Default DataDir/imports.
+	Root string
+	// MaxBytes caps what one image import may write (file contents, after decompression).
+	// Default 16 GiB.
+	MaxBytes int64
+}
+
+// ClusterSettings are a node's identity in a cluster.
+type ClusterSettings struct {
+	// Node is the node's name (internal/nodeid.CheckName), carried by every sandbox and
+	// checkpoint ID it makes, stable across restarts: the Kubernetes node's name in a cluster.
+	// Default: the name the data directory keeps (DataDir/node-name), else one made of the
+	// host name; the name in use is kept there.
+	Node string
+	// AdvertiseAddr is the host:port other nodes and clients reach the node at, reported by
+	// NodeService.GetNode. Default "": not reported (a node on its own).
+	AdvertiseAddr string
 }
 
 // LeaseSettings are the settings of the sandboxes' leases.
@@ -210,6 +230,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		"a new cluster is made by the first, an existing one run by the first of its own major version (make postgres installs PostgreSQL 17 in .cache/postgres)")
 	fs.StringVar(&c.DatabaseURL, "database-url", def(c.DatabaseURL, "DELTAGYM_DATABASE_URL", ""), "external Postgres URL for the ledger (default: private cluster in the data dir)")
 	fs.BoolVar(&c.NoLedger, "no-ledger", c.NoLedger, "run without the trajectory ledger")
+	c.Cluster.registerFlags(fs, def)
 	c.PostgresMemoryMB = cmp.Or(c.PostgresMemoryMB, pgserver.DefaultMemoryLimit>>20)
 	fs.Func("postgres-memory-mb", fmt.Sprintf("memory cap of the private Postgres in `MiB`, page cache included: a control group of its own, "+
 		"in which the ledger's growing files reuse its pages (%d to %d; -1: no cap) (default %d)", minPostgresMemoryMB, maxPostgresMemoryMB, c.PostgresMemoryMB),
@@ -240,13 +261,13 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&c.NoAuth, "no-auth", c.NoAuth, "serve without a token (only on a loopback --addr: every local user can then drive the server)")
 	fs.StringVar(&c.TokenGroup, "token-group", c.TokenGroup, "a `group` (name or gid) that may read the generated token file (mode 0640)")
 	fs.BoolVar(&c.PublicHealth, "public-health", c.PublicHealth, "serve gRPC health, reflection and /metrics without a token")
-	fs.StringVar(&c.ImportRoot, "import-root", c.ImportRoot, "the only host `directory` ImportImage reads images from; requests name paths below it (default <data>/imports)")
+	fs.StringVar(&c.Import.Root, "import-root", c.Import.Root, "the only host `directory` ImportImage reads images from; requests name paths below it (default <data>/imports)")
 	fs.Func("import-max-bytes", "most `bytes` one image import may write, after decompression: a number, or one with a unit such as 500MiB or 16GiB (default 16GiB)", func(v string) error {
 		n, err := parseBytes(v)
 		if err != nil || n <= 0 {
 			return fmt.Errorf("%q: a positive size in bytes, such as 1073741824, 500MiB or 16GiB", v)
 		}
-		c.ImportMaxBytes = n
+		c.Import.MaxBytes = n
 		return nil
 	})
 	fs.IntVar(&c.MaxRequestBytes, "max-request-bytes", cmp.Or(c.MaxRequestBytes, RequestCapFor(sandbox.MaxFileBytes)),
@@ -316,14 +337,14 @@ func (c *Config) defaults() error {
 	if c.DefaultImageDir == "" {
 		c.DefaultImageDir = filepath.Join(c.DataDir, "images", "default", "rootfs")
 	}
-	if c.ImportRoot == "" {
-		c.ImportRoot = filepath.Join(c.DataDir, "imports")
+	if c.Import.Root == "" {
+		c.Import.Root = filepath.Join(c.DataDir, "imports")
 	}
-	if c.ImportRoot, err = filepath.Abs(c.ImportRoot); err != nil {
+	if c.Import.Root, err = filepath.Abs(c.Import.Root); err != nil {
 		return err
 	}
-	if c.ImportMaxBytes <= 0 {
-		c.ImportMaxBytes = defaultImportMaxBytes
+	if c.Import.MaxBytes <= 0 {
+		c.Import.MaxBytes = defaultImportMaxBytes
 	}
 	if c.MaxRequestBytes <= 0 {
 		c.MaxRequestBytes = RequestCapFor(sandbox.MaxFileBytes)
@@ -361,6 +382,9 @@ func (c *Config) check() error {
 		return errors.New("server: --no-ledger and --database-url exclude each other")
 	}
 	if err := c.Admission.check(); err != nil {
+		return err
+	}
+	if err := c.Cluster.check(); err != nil {
 		return err
 	}
 	if c.Lease.TTL > c.Lease.MaxTTL {

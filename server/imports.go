@@ -13,7 +13,7 @@ import (
 	"github.com/deltagym/deltagym/sandbox/image"
 )
 
-// importRoot is the one host directory that ImportImage reads from (Config.ImportRoot). A
+// importRoot is the one host directory that ImportImage reads from (Config.Import.Root). A
 // request names a path below it, relative to it or absolute; the path is resolved from a
 // descriptor of the root with openat2(RESOLVE_BENEATH), so neither ".." nor a symlink leads out
 // of it, and the import then reads through the descriptor of what was resolved, never by name

@@ -128,7 +128,7 @@ var quotedPath = regexp.MustCompile(`image path "(?:[^"\\]|\\.)*"`)
 // route, gets the same refusal whether or not it exists, and nothing is imported.
 func TestImportOutsideRoot(t *testing.T) {
 	root := t.TempDir()
-	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.ImportRoot = root })
+	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.Import.Root = root })
 	must(t, os.Symlink("/etc", filepath.Join(root, "abs-link")))
 	must(t, os.Symlink("../../../../../../../../etc", filepath.Join(root, "rel-link")))
 	must(t, os.Mkdir(filepath.Join(root, "d"), 0o755))
@@ -176,7 +176,7 @@ func TestImportOutsideRoot(t *testing.T) {
 // follows it lands in its own files, never the host's.
 func TestImportInsideRoot(t *testing.T) {
 	root := t.TempDir()
-	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.ImportRoot = root })
+	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.Import.Root = root })
 	img := filepath.Join(root, "images", "bb")
 	must(t, os.MkdirAll(filepath.Dir(img), 0o755))
 	if out, err := exec.Command("cp", "-a", b.busybox, img).CombinedOutput(); err != nil {
@@ -218,7 +218,7 @@ func TestImportInsideRoot(t *testing.T) {
 // and leaves nothing behind; one under the cap imports.
 func TestImportSizeCap(t *testing.T) {
 	root := t.TempDir()
-	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.ImportRoot = root; c.ImportMaxBytes = 1 << 20 })
+	b := setup(t, func(c *server.Config) { c.NoLedger = true; c.Import.Root = root; c.Import.MaxBytes = 1 << 20 })
 	for _, d := range []string{"big", "many", "small"} {
 		must(t, os.Mkdir(filepath.Join(root, d), 0o755))
 	}

@@ -108,7 +108,7 @@ func setup(t testing.TB, mod func(*server.Config)) *bundle {
 	busybox := imagetest.Busybox(t)
 	cfg := server.Config{DataDir: data, EnvsDir: envs, InitBinary: init, CRIU: criuBinary(), CgroupRoot: cg, DefaultImageDir: busybox,
 		Lease: server.LeaseSettings{TTL: time.Minute}, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		ImportRoot: filepath.Dir(busybox)} // the test's own directory: the busybox rootfs is importable
+		Import: server.ImportSettings{Root: filepath.Dir(busybox)}} // the test's own directory: the busybox rootfs is importable
 	if mod != nil {
 		mod(&cfg)
 	}

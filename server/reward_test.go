@@ -121,7 +121,7 @@ func TestPristineVerifierFiles(t *testing.T) {
 	must(t, os.MkdirAll(imports+"/judged", 0o755))
 	must(t, os.WriteFile(imports+"/judged/expected.txt", []byte("42\n"), 0o644))
 	must(t, os.WriteFile(imports+"/judged/check.sh", []byte(`[ "$(cat /work/out/answer.txt 2>/dev/null)" = "$(cat /verifier/expected.txt)" ] && echo 1 || echo 0`+"\n"), 0o644))
-	b := setup(t, func(c *server.Config) { c.ImportRoot = imports })
+	b := setup(t, func(c *server.Config) { c.Import.Root = imports })
 	b.register(t, judgedSpec())
 	for _, a := range []attack{
 		{name: "honest", steps: []string{"mkdir -p /work/out && echo 42 > /work/out/answer.txt"}, reward: 1},
@@ -205,7 +205,7 @@ func TestPristineVerifierFilesRefused(t *testing.T) {
 	imports, outside := t.TempDir(), t.TempDir()
 	must(t, os.WriteFile(imports+"/file", []byte("x"), 0o644))
 	must(t, os.Symlink(outside, imports+"/out"))
-	b := setup(t, func(c *server.Config) { c.ImportRoot = imports })
+	b := setup(t, func(c *server.Config) { c.Import.Root = imports })
 	for _, dir := range []string{"missing", "../" + filepath.Base(outside), outside, "out", "file"} {
 		t.Run(dir, func(t *testing.T) {
 			spec := judgedSpec()

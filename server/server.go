@@ -68,7 +68,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 		return nil, err
 	}
 	s := &Server{cfg: cfg, log: cfg.Logger}
-	s.scrubbers = [][2]string{{cfg.ImportRoot, "$IMPORTS"}, {cfg.DataDir, "$DATA"}}
+	s.scrubbers = [][2]string{{cfg.Import.Root, "$IMPORTS"}, {cfg.DataDir, "$DATA"}}
 	if abs, err := filepath.Abs(cfg.EnvsDir); err == nil {
 		s.scrubbers = append(s.scrubbers, [2]string{abs, "$ENVS"})
 	}
@@ -87,10 +87,13 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if err := checkDataDir(cfg.DataDir); err != nil {
 		return nil, err
 	}
+	if s.cfg.Cluster.Node, err = nodeName(cfg.DataDir, cfg.Cluster.Node); err != nil {
+		return nil, err
+	}
 	if err := s.setupAuth(); err != nil {
 		return nil, err
 	}
-	if s.imports, err = openImportRoot(cfg.ImportRoot, cfg.ImportMaxBytes); err != nil {
+	if s.imports, err = openImportRoot(cfg.Import.Root, cfg.Import.MaxBytes); err != nil {
 		return nil, err
 	}
 	specs, err := envpool.LoadDir(cfg.EnvsDir)
@@ -107,7 +110,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if _, err := sandbox.RaiseNoFile(); err != nil {
 		s.log.Warn("raising the descriptor limit", "err", err)
 	}
-	rcfg := sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
+	rcfg := sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), Node: s.cfg.Cluster.Node, InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
 		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore, Logger: cfg.Logger}
 	cfg.Admission.runtimeConfig(&rcfg, sandbox.ReadHost())
 	s.coreSet = make(chan struct{})
@@ -146,7 +149,7 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		rec = s.writer
 	}
 	core, err := episode.New(episode.Config{Runtime: s.rt, Ledger: rec, Logger: s.log, Observe: s.obs.op, Internal: isInternal,
-		Scrub: s.scrub, Ended: s.rt.Ended(), MaxLeaseTTL: s.cfg.Lease.MaxTTL})
+		Scrub: s.scrub, Ended: s.rt.Ended(), MaxLeaseTTL: s.cfg.Lease.MaxTTL, Node: s.cfg.Cluster.Node, NodeAddr: s.peerAddr})
 	if err != nil {
 		return err
 	}
@@ -288,9 +291,10 @@ func (s *Server) buildHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
+	mux.Handle(deltagymv1connect.NewNodeServiceHandler(&nodeService{s}, opts...))
 	s.mountSwerex(mux)
-	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)))
-	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName)
+	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName, deltagymv1connect.NodeServiceName)))
+	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName, deltagymv1connect.NodeServiceName)
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
@@ -395,7 +399,7 @@ func Run(ctx context.Context, cfg Config) error {
 		_ = s.Close(context.WithoutCancel(ctx))
 		return fmt.Errorf("listening on %s: %w", s.cfg.Addr, err)
 	}
-	s.log.Info("deltagym serving", "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", !s.cfg.NoAuth,
+	s.log.Info("deltagym serving", "node", s.cfg.Cluster.Node, "addr", ln.Addr().String(), "data", s.cfg.DataDir, "ledger", s.writer != nil, "auth", !s.cfg.NoAuth,
 		"openenv", openenv.Prefix+"{env}", "swerex", "/swerex/{sandbox_id}")
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(ln) }()

@@ -324,9 +324,9 @@ func TestImportMaxBytesFlag(t *testing.T) {
 		cfg, err := parseServe(args)
 		switch {
 		case c.want < 0 && err == nil:
-			t.Errorf("--import-max-bytes %q accepted: %d", c.arg, cfg.ImportMaxBytes)
-		case c.want >= 0 && (err != nil || cfg.ImportMaxBytes != c.want):
-			t.Errorf("--import-max-bytes %q: %d, %v; want %d", c.arg, cfg.ImportMaxBytes, err, c.want)
+			t.Errorf("--import-max-bytes %q accepted: %d", c.arg, cfg.Import.MaxBytes)
+		case c.want >= 0 && (err != nil || cfg.Import.MaxBytes != c.want):
+			t.Errorf("--import-max-bytes %q: %d, %v; want %d", c.arg, cfg.Import.MaxBytes, err, c.want)
 		}
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/willabides/kongplete"
 
 	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
+	"github.com/deltagym/deltagym/internal/version"
 )
 
 // Exit statuses.
@@ -213,7 +214,7 @@ func (h *helpCmd) Run(kctx *kong.Context) error {
 type versionCmd struct{}
 
 func (versionCmd) Run(a *app) error {
-	_, err := fmt.Fprintln(a.stdout, "deltagym "+version)
+	_, err := fmt.Fprintln(a.stdout, "deltagym "+version.Version)
 	return err
 }
 

@@ -41,6 +41,12 @@ type Config struct {
 	IdempotencyTTL time.Duration
 	// MaxLeaseTTL bounds the lease TTL a Reset, Fork or Heartbeat asks for. Default 24h.
 	MaxLeaseTTL time.Duration
+	// Node is this node's name: a call on a sandbox or checkpoint whose ID names another
+	// node fails with ErrWrongNode, naming it. Default "": IDs are not checked.
+	Node string
+	// NodeAddr returns the address of a node of the cluster by name, for ErrWrongNode's
+	// message; "" when unknown. Default: none known.
+	NodeAddr func(node string) string
 }
 
 // Validate checks the config and fills in defaults.
@@ -132,6 +138,9 @@ func (c *Core) lookup(id string) (*box, error) {
 	case c.prevRun[id]:
 		return nil, about(fmt.Errorf("sandbox %s ended with the server's previous run (its episode failed, class infra); Reset for a new one: %w",
 			id, envpool.ErrUnknownSandbox), "sandbox_id", id)
+	}
+	if err := c.wrongNode("sandbox_id", id); err != nil {
+		return nil, err
 	}
 	return nil, about(fmt.Errorf("sandbox %q: %w", id, envpool.ErrUnknownSandbox), "sandbox_id", id)
 }

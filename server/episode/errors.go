@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/sandbox"
 )
 
@@ -18,16 +19,41 @@ var (
 	// ErrOtherEnv means a restore of a checkpoint of another env than the sandbox's.
 	ErrOtherEnv = fmt.Errorf("a sandbox restores only checkpoints of its own env; fork the checkpoint for sandboxes of its env: %w",
 		errdefs.ErrFailedPrecondition)
+	// ErrWrongNode means a call on a sandbox or checkpoint another node of the cluster holds:
+	// its ID names that node (internal/nodeid).
+	ErrWrongNode = fmt.Errorf("held by another node: %w", errdefs.ErrFailedPrecondition)
 )
 
 // about returns err with metadata kv (errdefs.WithDetail), pairs of key and value naming what
 // it is about: the API's error reasons carry them (sandbox_id, checkpoint_id, env).
 func about(err error, kv ...string) error { return errdefs.WithDetail(err, "", kv...) }
 
+// wrongNode returns the error of a call on id (of field, "sandbox_id" or "checkpoint_id") that
+// this node does not hold, when id names another node; nil when id names this one or none.
+func (c *Core) wrongNode(field, id string) error {
+	owner := nodeid.Node(id)
+	if owner == "" || owner == c.cfg.Node {
+		return nil
+	}
+	where := "node " + owner
+	addr := ""
+	if c.cfg.NodeAddr != nil {
+		if addr = c.cfg.NodeAddr(owner); addr != "" {
+			where += " (" + addr + ")"
+		}
+	}
+	return errdefs.WithDetail(fmt.Errorf("%s %s is on %s, not on this node (%s): send calls on it to its node, or use a cluster client, which does: %w",
+		field[:len(field)-3], id, where, c.cfg.Node, ErrWrongNode), "WRONG_NODE", field, id, "node", owner, "address", addr)
+}
+
 // checkpointErr is err, from the runtime about checkpoint id, with its reason
-// (CHECKPOINT_NOT_FOUND for the runtime's not-found, which says no more than that) and id.
-func checkpointErr(err error, id string) error {
+// (CHECKPOINT_NOT_FOUND for the runtime's not-found, which says no more than that, or
+// WRONG_NODE when id names another node) and id.
+func (c *Core) checkpointErr(err error, id string) error {
 	if errors.Is(err, sandbox.ErrNotFound) {
+		if werr := c.wrongNode("checkpoint_id", id); werr != nil {
+			return werr
+		}
 		return errdefs.WithDetail(err, "CHECKPOINT_NOT_FOUND", "checkpoint_id", id)
 	}
 	return about(err, "checkpoint_id", id)

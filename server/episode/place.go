@@ -96,7 +96,7 @@ func (c *Core) CheckpointPlace(id string) (Place, error) {
 	}
 	info, err := c.rt.Checkpoint(id)
 	if err != nil {
-		return Place{}, checkpointErr(err, id)
+		return Place{}, c.checkpointErr(err, id)
 	}
 	if p, ok := placeOf(info.Labels); ok {
 		return p, nil
@@ -163,7 +163,7 @@ func (c *Core) ReleaseCheckpoint(id string) error {
 		return fmt.Errorf("checkpoint_id is required: %w", ErrInvalid)
 	}
 	if err := c.rt.ReleaseCheckpoint(id); err != nil {
-		return checkpointErr(err, id)
+		return c.checkpointErr(err, id)
 	}
 	if c.rec != nil {
 		c.ledgerErr(c.rec.CheckpointReleased(id, time.Now()))

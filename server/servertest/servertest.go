@@ -95,7 +95,7 @@ func Start(ctx context.Context, opts Options) (*Server, string, error) {
 		PostgresBinDirs: pgBin,
 		DefaultImageDir: image,
 		AuthToken:       opts.AuthToken,
-		ImportRoot:      cmp.Or(opts.ImportRoot, filepath.Dir(image)),
+		Import:          server.ImportSettings{Root: cmp.Or(opts.ImportRoot, filepath.Dir(image))},
 		Lease:           server.LeaseSettings{TTL: opts.LeaseTTL},
 		AcquireTimeout:  time.Minute,
 		Logger:          slog.New(slog.NewTextHandler(logFile, nil)),

@@ -42,6 +42,7 @@ from .errors import (
     Unauthenticated,
     Unavailable,
     Unimplemented,
+    WrongNode,
 )
 from .sandbox import CommandStream, Files, Process, Processes, Sandbox
 from .types import (
@@ -108,6 +109,7 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "UploadResult",
+    "WrongNode",
     "__version__",
     "action_pb2",
     "actions",

@@ -214,6 +214,21 @@ class SandboxClosed(FailedPrecondition):
     """The sandbox is closed (SANDBOX_CLOSED)."""
 
 
+class WrongNode(FailedPrecondition):
+    """Another node of the cluster holds the sandbox or checkpoint (WRONG_NODE).
+
+    Attributes:
+        node: the name of the node that holds it.
+        address: its host:port, when the node that answered knows it ("" when not).
+    """
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, code=code, method=method, reason=reason, metadata=metadata)
+        self.node: str = self.metadata.get("node", "")
+        self.address: str = self.metadata.get("address", "")
+
+
 class RateLimited(ResourceExhausted):
     """The server refused the call for its rate (RATE_LIMITED).
 
@@ -254,6 +269,7 @@ _BY_REASON: dict[str, type[DeltagymError]] = {
     "EPISODE_NOT_FOUND": EpisodeNotFound,
     "EPISODE_ENDED": EpisodeEnded,
     "SANDBOX_CLOSED": SandboxClosed,
+    "WRONG_NODE": WrongNode,
     "RATE_LIMITED": RateLimited,
     "NO_CAPACITY": NoCapacity,
 }

@@ -1,0 +1,158 @@
+package server
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/internal/nodeid"
+	"github.com/deltagym/deltagym/internal/version"
+)
+
+// registerFlags binds the settings to flags of fs; def gives a flag's default: the value set,
+// else the environment variable's, else the built-in one.
+func (c *ClusterSettings) registerFlags(fs *flag.FlagSet, def func(v, env, d string) string) {
+	fs.StringVar(&c.Node, "node-name", def(c.Node, "DELTAGYM_NODE_NAME", ""), "the node's `name`, carried by every sandbox and checkpoint ID it makes and stable across restarts "+
+		"(lowercase letters, digits, '-' and '.'; in a cluster, the Kubernetes node's name) (default: the name the data directory keeps, else one made of the host name)")
+	fs.StringVar(&c.AdvertiseAddr, "advertise-addr", def(c.AdvertiseAddr, "DELTAGYM_ADVERTISE_ADDR", ""), "the `host:port` other nodes and clients reach this node at, "+
+		"reported by NodeService.GetNode (default: none, a node on its own)")
+}
+
+// check refuses a node name or an address that cannot be one.
+func (c *ClusterSettings) check() error {
+	if c.Node != "" {
+		if err := nodeid.CheckName(c.Node); err != nil {
+			return fmt.Errorf("server: --node-name: %w", err)
+		}
+	}
+	if a := c.AdvertiseAddr; a != "" {
+		if host, port, err := net.SplitHostPort(a); err != nil || host == "" || port == "" {
+			return fmt.Errorf("server: --advertise-addr %q: want host:port, as 10.0.0.7:8080", a)
+		}
+	}
+	return nil
+}
+
+// nodeNameFile is the file of the data directory that keeps the node's name.
+const nodeNameFile = "node-name"
+
+// nodeName returns the node's name: want (--node-name) when set, else the name dataDir keeps,
+// else one made of the host name; the name returned is kept in dataDir for the next start, so
+// that the IDs of the checkpoints kept across a restart go on naming this node.
+func nodeName(dataDir, want string) (string, error) {
+	path := filepath.Join(dataDir, nodeNameFile)
+	kept, err := os.ReadFile(path)
+	switch {
+	case err == nil:
+		if k := strings.TrimSpace(string(kept)); want == "" && nodeid.CheckName(k) == nil {
+			return k, nil
+		}
+	case !errors.Is(err, fs.ErrNotExist):
+		return "", fmt.Errorf("reading the node's name: %w", err)
+	}
+	name := want
+	if name == "" {
+		host, err := os.Hostname()
+		if err != nil {
+			return "", fmt.Errorf("naming the node after its host (set --node-name): %w", err)
+		}
+		name = nodeid.FromHostname(host)
+	}
+	if strings.TrimSpace(string(kept)) == name {
+		return name, nil
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(name+"\n"), 0o644); err != nil {
+		return "", fmt.Errorf("keeping the node's name: %w", err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return "", fmt.Errorf("keeping the node's name: %w", err)
+	}
+	return name, nil
+}
+
+// nodeService serves NodeService.
+type nodeService struct{ s *Server }
+
+// GetNode implements NodeService.GetNode.
+func (n *nodeService) GetNode(_ context.Context, _ *connect.Request[deltagymv1.GetNodeRequest]) (*connect.Response[deltagymv1.GetNodeResponse], error) {
+	return connect.NewResponse(&deltagymv1.GetNodeResponse{Node: n.s.nodeInfo()}), nil
+}
+
+// nodeInfo describes the node and its load now.
+func (s *Server) nodeInfo() *deltagymv1.NodeInfo {
+	s.mu.Lock()
+	draining := s.closing
+	s.mu.Unlock()
+	info := &deltagymv1.NodeInfo{
+		Name: s.cfg.Cluster.Node, Address: s.cfg.Cluster.AdvertiseAddr, Version: version.Version, Draining: draining,
+		Sandboxes: int32(s.rt.Sandboxes()), Checkpoints: int32(s.rt.Checkpoints()), MaxSandboxes: int32(max(s.rt.Caps().Sandboxes, 0)),
+		Cpus: int32(runtime.NumCPU()), MeasuredAt: timestamppb.Now(),
+	}
+	if load, err := loadAverage(); err == nil {
+		info.CpuLoad = load / float64(info.Cpus)
+	}
+	info.MemoryAvailableBytes, info.MemoryTotalBytes = memory()
+	return info
+}
+
+// loadAverage reads the load average of the last minute.
+func loadAverage() (float64, error) {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0, err
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0, errors.New("/proc/loadavg is empty")
+	}
+	return strconv.ParseFloat(f[0], 64)
+}
+
+// memory reads MemAvailable and MemTotal of /proc/meminfo, in bytes; 0 for what it cannot read.
+func memory() (available, total int64) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, 0
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 2 {
+			continue
+		}
+		kib, err := strconv.ParseInt(f[1], 10, 64)
+		if err != nil {
+			continue
+		}
+		switch f[0] {
+		case "MemAvailable:":
+			available = kib << 10
+		case "MemTotal:":
+			total = kib << 10
+		}
+	}
+	return available, total
+}
+
+// peerAddr returns the address of node name, as its load report gives it; "" when unknown.
+func (s *Server) peerAddr(name string) string {
+	if name == s.cfg.Cluster.Node {
+		return s.cfg.Cluster.AdvertiseAddr
+	}
+	return ""
+}
