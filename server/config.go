@@ -164,6 +164,10 @@ type ClusterSettings struct {
 	// AdvertiseAddr is the host:port other nodes and clients reach the node at, reported by
 	// NodeService.GetNode. Default "": not reported (a node on its own).
 	AdvertiseAddr string
+	// DrainTimeout is how long Run drains before it shuts down: the node takes no new
+	// sandboxes (Reset and Fork fail with DRAINING, GetNode reports it draining) while the
+	// sandboxes it holds run until their leases end or this time does. Default 0: no drain.
+	DrainTimeout time.Duration
 }
 
 // LeaseSettings are the settings of the sandboxes' leases.

@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -30,6 +31,9 @@ func (c *ClusterSettings) registerFlags(fs *flag.FlagSet, def func(v, env, d str
 		"(lowercase letters, digits, '-' and '.'; in a cluster, the Kubernetes node's name) (default: the name the data directory keeps, else one made of the host name)")
 	fs.StringVar(&c.AdvertiseAddr, "advertise-addr", def(c.AdvertiseAddr, "DELTAGYM_ADVERTISE_ADDR", ""), "the `host:port` other nodes and clients reach this node at, "+
 		"reported by NodeService.GetNode (default: none, a node on its own)")
+	fs.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, drain for up to this `duration` before shutting down: take no new sandboxes (Reset and Fork "+
+		"fail with DRAINING, so that cluster clients place them elsewhere) while the sandboxes held run until their leases end (default 0: no drain; keep it, with "+
+		"--shutdown-timeout, within the time the node is given to stop)")
 }
 
 // check refuses a node name or an address that cannot be one.
@@ -38,6 +42,9 @@ func (c *ClusterSettings) check() error {
 		if err := nodeid.CheckName(c.Node); err != nil {
 			return fmt.Errorf("server: --node-name: %w", err)
 		}
+	}
+	if c.DrainTimeout < 0 {
+		return fmt.Errorf("server: --drain-timeout %v is negative", c.DrainTimeout)
 	}
 	if a := c.AdvertiseAddr; a != "" {
 		if host, port, err := net.SplitHostPort(a); err != nil || host == "" || port == "" {
@@ -96,7 +103,7 @@ func (n *nodeService) GetNode(_ context.Context, _ *connect.Request[deltagymv1.G
 // nodeInfo describes the node and its load now.
 func (s *Server) nodeInfo() *deltagymv1.NodeInfo {
 	s.mu.Lock()
-	draining := s.closing
+	draining := s.closing || s.core.Draining()
 	s.mu.Unlock()
 	info := &deltagymv1.NodeInfo{
 		Name: s.cfg.Cluster.Node, Address: s.cfg.Cluster.AdvertiseAddr, Version: version.Version, Draining: draining,
@@ -155,4 +162,34 @@ func (s *Server) peerAddr(name string) string {
 		return s.cfg.Cluster.AdvertiseAddr
 	}
 	return ""
+}
+
+// BeginDrain makes the node take no new sandboxes: Reset and Fork fail with DRAINING and GetNode
+// reports the node draining, while the sandboxes it holds run on. Drained waits for them.
+func (s *Server) BeginDrain() {
+	if !s.core.Draining() {
+		s.log.Info("draining: no new sandboxes; waiting for the leased ones to end", "leased", s.core.Leased())
+	}
+	s.core.Drain()
+}
+
+// drainPoll is how often Drained looks at the sandboxes still leased.
+const drainPoll = 100 * time.Millisecond
+
+// Drained waits until no sandbox is leased (closed, or reaped when its lease ended), or ctx
+// ends; it returns how many were still leased then.
+func (s *Server) Drained(ctx context.Context) int {
+	t := time.NewTicker(drainPoll)
+	defer t.Stop()
+	for {
+		n := s.core.Leased()
+		if n == 0 {
+			return 0
+		}
+		select {
+		case <-ctx.Done():
+			return n
+		case <-t.C:
+		}
+	}
 }

@@ -1,8 +1,10 @@
 package server_test
 
 import (
+	"context"
 	"net/http"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -73,4 +75,44 @@ func TestNodeIdentity(t *testing.T) {
 	// Nothing changed: the sandbox still steps.
 	_, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: execAction("true")})
 	must(t, err)
+}
+
+// TestDrain: a draining node takes no new sandboxes (Reset and Fork fail with DRAINING, GetNode
+// says so) while the sandbox it holds steps, checkpoints and restores on; Drained returns once
+// that sandbox is closed.
+func TestDrain(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.Cluster.Node = "node-d" })
+	ctx := t.Context()
+	c := b.clients()[0].c
+	rr, err := c.Reset(ctx, &deltagymv1.ResetRequest{Env: "short"})
+	must(t, err)
+	sb := rr.GetSandboxId()
+	b.srv.BeginDrain()
+	nodes := deltagymv1connect.NewNodeServiceClient(http.DefaultClient, "http://"+b.addr, connect.WithInterceptors(bearer(b.token)))
+	gr, err := nodes.GetNode(ctx, connect.NewRequest(&deltagymv1.GetNodeRequest{}))
+	must(t, err)
+	if !gr.Msg.GetNode().GetDraining() {
+		t.Fatalf("GetNode of a draining node: %v", gr.Msg.GetNode())
+	}
+	for _, cl := range b.clients() {
+		_, err := cl.c.Reset(ctx, &deltagymv1.ResetRequest{Env: "short"})
+		wantReason(t, cl.name+": Reset on a draining node", err, connect.CodeUnavailable, "DRAINING", "node", "node-d")
+		_, err = cl.c.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: rr.GetCheckpointId()}, N: 1})
+		wantReason(t, cl.name+": Fork on a draining node", err, connect.CodeUnavailable, "DRAINING", "node", "node-d")
+	}
+	_, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: execAction("true")})
+	must(t, err)
+	_, err = c.Restore(ctx, &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: rr.GetCheckpointId()})
+	must(t, err)
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	left := b.srv.Drained(short)
+	cancel()
+	if left != 1 {
+		t.Fatalf("Drained with one sandbox leased: %d left", left)
+	}
+	_, err = c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: sb})
+	must(t, err)
+	if left := b.srv.Drained(ctx); left != 0 {
+		t.Fatalf("Drained after the close: %d left", left)
+	}
 }

@@ -408,6 +408,14 @@ func Run(ctx context.Context, cfg Config) error {
 	case <-ctx.Done():
 	case serveErr = <-errc:
 	}
+	if d := s.cfg.Cluster.DrainTimeout; d > 0 && serveErr == nil {
+		s.BeginDrain()
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d)
+		if left := s.Drained(dctx); left > 0 {
+			s.log.Warn("drain timed out: ending the sandboxes still leased", "leased", left, "after", d)
+		}
+		cancel()
+	}
 	s.log.Info("shutting down")
 	start := time.Now()
 	kept := s.rt.Checkpoints()

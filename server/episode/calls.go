@@ -30,6 +30,9 @@ func (c *Core) Reset(ctx context.Context, req ResetRequest) (ResetResult, error)
 }
 
 func (c *Core) reset(ctx context.Context, req ResetRequest) (ResetResult, error) {
+	if err := c.drainErr("reset"); err != nil {
+		return ResetResult{}, err
+	}
 	if req.Env == "" {
 		return ResetResult{}, fmt.Errorf("reset needs an env: %w", ErrInvalid)
 	}
@@ -144,6 +147,9 @@ func (c *Core) Fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 }
 
 func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
+	if err := c.drainErr("fork"); err != nil {
+		return ForkResult{}, err
+	}
 	if req.N < 1 || req.N > MaxFork {
 		return ForkResult{}, fmt.Errorf("fork n %d is not between 1 and %d: %w", req.N, MaxFork, ErrInvalid)
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/deltagym/deltagym/envpool"
@@ -98,6 +99,8 @@ type Core struct {
 
 	resets *idempotency[ResetResult]
 	forks  *idempotency[ForkResult]
+
+	draining atomic.Bool // Drain was called: no new sandboxes
 }
 
 // New returns a Core. Give it its pools with UsePools before any other call; the pools' hooks

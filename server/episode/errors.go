@@ -22,6 +22,9 @@ var (
 	// ErrWrongNode means a call on a sandbox or checkpoint another node of the cluster holds:
 	// its ID names that node (internal/nodeid).
 	ErrWrongNode = fmt.Errorf("held by another node: %w", errdefs.ErrFailedPrecondition)
+	// ErrDraining means a Reset or Fork on a node that is draining: shutting down, it takes no
+	// new sandboxes while those it holds run until their leases end.
+	ErrDraining = fmt.Errorf("draining: %w", errdefs.ErrUnavailable)
 )
 
 // about returns err with metadata kv (errdefs.WithDetail), pairs of key and value naming what
@@ -44,6 +47,29 @@ func (c *Core) wrongNode(field, id string) error {
 	}
 	return errdefs.WithDetail(fmt.Errorf("%s %s is on %s, not on this node (%s): send calls on it to its node, or use a cluster client, which does: %w",
 		field[:len(field)-3], id, where, c.cfg.Node, ErrWrongNode), "WRONG_NODE", field, id, "node", owner, "address", addr)
+}
+
+// Drain makes the node take no new sandboxes: Reset and Fork fail with ErrDraining from now
+// on, while the sandboxes handed out run on. Leased says when they are all gone.
+func (c *Core) Drain() { c.draining.Store(true) }
+
+// Draining reports whether Drain was called.
+func (c *Core) Draining() bool { return c.draining.Load() }
+
+// Leased returns how many sandboxes are handed out and not ended.
+func (c *Core) Leased() int {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return len(c.boxes)
+}
+
+// drainErr is ErrDraining's error for a call that would make sandboxes, nil when not draining.
+func (c *Core) drainErr(call string) error {
+	if !c.draining.Load() {
+		return nil
+	}
+	return errdefs.WithDetail(fmt.Errorf("%s refused: node %s is draining (shutting down): it takes no new sandboxes while those it holds run until their leases end; "+
+		"place new work on another node: %w", call, c.cfg.Node, ErrDraining), "DRAINING", "node", c.cfg.Node)
 }
 
 // checkpointErr is err, from the runtime about checkpoint id, with its reason

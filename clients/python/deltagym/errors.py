@@ -242,6 +242,19 @@ class RateLimited(ResourceExhausted):
         self.retry_after: float | None = _seconds(self.metadata.get("retry_after_seconds", ""))
 
 
+class Draining(Unavailable):
+    """The node is draining (shutting down): it takes no new sandboxes; place them on another node (DRAINING).
+
+    Attributes:
+        node: the name of the node.
+    """
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, code=code, method=method, reason=reason, metadata=metadata)
+        self.node: str = self.metadata.get("node", "")
+
+
 class NoCapacity(ResourceExhausted):
     """No warm sandbox is free and the server may not make more now (NO_CAPACITY)."""
 
@@ -270,6 +283,7 @@ _BY_REASON: dict[str, type[DeltagymError]] = {
     "EPISODE_ENDED": EpisodeEnded,
     "SANDBOX_CLOSED": SandboxClosed,
     "WRONG_NODE": WrongNode,
+    "DRAINING": Draining,
     "RATE_LIMITED": RateLimited,
     "NO_CAPACITY": NoCapacity,
 }
