@@ -1,13 +1,14 @@
 # version.mk: the project's version is the one line of VERSION at the root. scripts/version.sh
 # writes it into the files that carry it (generated, committed): internal/version/version.go, which
-# `deltagym version` prints and NodeService.GetNode reports, and clients/python/deltagym/_version.py,
-# deltagym.__version__ and the Python package's version. `make generate` rewrites them and
+# `deltagym version` prints and NodeService.GetNode reports, clients/python/deltagym/_version.py,
+# deltagym.__version__ and the Python package's version, and the version and appVersion of the
+# Helm chart's Chart.yaml (the node image's tag). `make generate` rewrites them and
 # `make checkgenerate` fails when they are stale.
-VERSION_FILES := internal/version/version.go clients/python/deltagym/_version.py
+VERSION_FILES := internal/version/version.go clients/python/deltagym/_version.py deploy/helm/deltagym/Chart.yaml
 
 .PHONY: generate-version checkgenerate-version
 
-generate-version: ## write VERSION into the files that carry it (the CLI's, the Python SDK's)
+generate-version: ## write VERSION into the files that carry it (the CLI's, the Python SDK's, the Helm chart's)
 	./scripts/version.sh
 
 checkgenerate-version: ## fail if the files that carry VERSION say another version

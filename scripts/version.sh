@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # version.sh [OUT] writes the files that carry the project's version, the one line of VERSION at
 # the repository's root, below OUT (default: the repository): internal/version/version.go
-# (`deltagym version`, and what NodeService.GetNode reports) and the Python SDK's
+# (`deltagym version`, and what NodeService.GetNode reports), the Python SDK's
 # clients/python/deltagym/_version.py (deltagym.__version__ and, through setuptools, the
-# package's version). `make generate` runs it into the repository,
+# package's version), and the Helm chart's deploy/helm/deltagym/Chart.yaml (its version and
+# appVersion lines; the rest of that file is written by hand and copied as it is). `make
+# generate` runs it into the repository,
 # `make checkgenerate` into a temporary directory that it compares.
 set -euo pipefail
 
@@ -33,3 +35,19 @@ cat >"$out/clients/python/deltagym/_version.py" <<PY
 
 __version__ = "$version"
 PY
+
+# The chart's appVersion is VERSION as it is: the node image's tag, and the image tag the chart
+# defaults to. Its version is the same in SemVer 2, which Helm requires: a pre-release takes a
+# hyphen (1.0.0rc1 is 1.0.0-rc1).
+chart=deploy/helm/deltagym/Chart.yaml
+chart_version=$(sed -E 's/^([0-9]+\.[0-9]+\.[0-9]+)((a|b|rc)[0-9]+)$/\1-\2/' <<<"$version")
+for key in version appVersion; do
+	if [ "$(grep -c "^$key: " "$root/$chart")" != 1 ]; then
+		echo "version.sh: $chart must hold one line \"$key: ...\"" >&2
+		exit 1
+	fi
+done
+mkdir -p "$out/$(dirname "$chart")"
+sed -E -e "s/^version: .*/version: $chart_version/" -e "s/^appVersion: .*/appVersion: \"$version\"/" \
+	"$root/$chart" >"$out/$chart.tmp"
+mv "$out/$chart.tmp" "$out/$chart"
