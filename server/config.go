@@ -56,7 +56,8 @@ type Config struct {
 	// per restore, more latency.
 	ForkAtRestore bool
 	// DefaultImageDir is imported as the image "default" at start when that image is missing
-	// and the directory exists. Default DataDir/images/default/rootfs.
+	// and the directory exists (a rootfs directory, or any other source ImportImage takes).
+	// Default DataDir/images/default/rootfs; `deltagym serve` takes it from --default-image.
 	DefaultImageDir string
 	// DatabaseURL is an external Postgres for the ledger; "" starts the private cluster in
 	// DataDir (unless NoLedger).
@@ -227,6 +228,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Addr, "addr", def(c.Addr, "DELTAGYM_ADDR", "127.0.0.1:8080"), "listen address (Connect, gRPC, gRPC-Web, /metrics)")
 	fs.StringVar(&c.DataDir, "data", def(c.DataDir, "DELTAGYM_DATA", ".data"), "data directory: images, checkpoints, ledger spool, private Postgres")
 	fs.StringVar(&c.EnvsDir, "envs", def(c.EnvsDir, "DELTAGYM_ENVS", "envs"), "directory of env spec files (*.json)")
+	fs.StringVar(&c.DefaultImageDir, "default-image", c.DefaultImageDir, "the image imported as \"default\" at start when the data directory has none: "+
+		"a rootfs `directory`, an OCI layout or a docker save tarball (default <data>/images/default/rootfs, where make image builds it)")
 	fs.StringVar(&c.InitBinary, "init", def(c.InitBinary, "DELTAGYM_INIT", ""), "path of the sandbox init binary (dg-init; make init builds bin/dg-init)")
 	fs.StringVar(&c.CRIU, "criu", c.CRIU, "`path` of the CRIU 4.2.1+ wrapper that saves the processes templates cannot (make criu installs .cache/criu/bin/criu; "+
 		"used once it is there, even if installed while the server runs; empty: none, and the checkpoints that need it fail)")

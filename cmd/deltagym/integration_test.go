@@ -235,13 +235,16 @@ func TestCLI(t *testing.T) {
 }
 
 // TestServe runs `deltagym serve` in-process on its own port, data directory
-// and cgroup root, and stops it by cancelling its context, as SIGINT would.
+// and cgroup root, and stops it by cancelling its context, as SIGINT would. Its
+// default image is imported from where --default-image says (as the node
+// image's entrypoint has it), not from the fresh data directory.
 func TestServe(t *testing.T) {
 	needServer(t)
 	addr := closedAddr(t)
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	done := make(chan int, 1)
+	stopped := false // the server's exit code was taken from done
 	var stderr strings.Builder
 	a := &app{stdin: strings.NewReader(""), stdout: io.Discard, stderr: &stderr}
 	data, err := os.MkdirTemp("", "dgserve-")
@@ -249,6 +252,11 @@ func TestServe(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() {
+		// A test that failed while the server runs stops it before cleaning its data.
+		if !stopped {
+			cancel()
+			<-done
+		}
 		// The runtime keeps checkpoint layers mounted for a restart.
 		if err := sandbox.Purge(filepath.Join(data, "sandbox")); err != nil {
 			t.Error(err)
@@ -257,8 +265,12 @@ func TestServe(t *testing.T) {
 			t.Error(err)
 		}
 	}()
+	envs := t.TempDir()
+	if err := os.WriteFile(filepath.Join(envs, "onbox.json"), []byte(`{"name": "onbox", "image": "default", "pool_size": 1}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	go func() {
-		done <- a.main(ctx, []string{"serve", "--addr", addr, "--data", data, "--envs", t.TempDir(),
+		done <- a.main(ctx, []string{"serve", "--addr", addr, "--data", data, "--envs", envs, "--default-image", testImage,
 			"--init", testInit, "--no-ledger", "--token", "serve-token"})
 	}()
 	c, err := deltagym.Dial(addr, deltagym.WithToken("serve-token"), deltagym.WithRetry(100, 20*time.Millisecond))
@@ -266,16 +278,25 @@ func TestServe(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	envs, err := c.ListEnvs(ctx) // retried until the server listens
-	if err != nil || len(envs) != 0 {
-		t.Fatalf("ListEnvs on `deltagym serve` with an empty catalog = %v, %v", envs, err)
+	listed, err := c.ListEnvs(ctx) // retried until the server listens
+	if err != nil || len(listed) != 1 {
+		t.Fatalf("ListEnvs on `deltagym serve` with a catalog of one env = %v, %v", listed, err)
 	}
 	if _, err := c.Reset(ctx, "shell"); connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("Reset of an env not in the catalog = %v, want NotFound", err)
 	}
+	sb, err := c.Reset(ctx, "onbox")
+	if err != nil {
+		t.Fatalf("Reset of an env on the image --default-image names: %v", err)
+	}
+	if err := sb.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
 	t0 := time.Now()
 	cancel()
-	if code := <-done; code != exitOK {
+	code := <-done
+	stopped = true
+	if code != exitOK {
 		t.Fatalf("serve exited %d: %s", code, stderr.String())
 	}
 	t.Logf("serve stopped %v after its context ended", time.Since(t0))

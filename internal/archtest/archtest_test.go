@@ -19,13 +19,15 @@ const module = "github.com/deltagym/deltagym"
 
 // forbidden maps a package prefix (below the module) to the prefixes its packages must not
 // import, directly or not: dependencies point proto → sandbox → envpool → server → cmd, and the
-// clients and the load generator use only the generated API.
+// clients and the load generator use only the generated API; the build's programs (scripts/)
+// stand alone.
 var forbidden = map[string][]string{
 	"sandbox":   {"envpool", "server", "cmd", "loadtest"},
 	"envpool":   {"server", "cmd", "loadtest"},
 	"server":    {"cmd", "loadtest"},
 	"loadtest":  {"sandbox", "envpool", "server", "cmd"},
 	"internal/": {"sandbox", "envpool", "server", "cmd", "loadtest"},
+	"scripts/":  {"sandbox", "envpool", "server", "cmd", "loadtest"},
 }
 
 type pkg struct {

@@ -8,7 +8,7 @@ import (
 )
 
 // The default image's build (scripts/build-default-image.sh) gives the rootfs the host name
-// "sandbox" and localhost entries in /etc/hosts, in place of what mmdebstrap leaves (the build
+// "sandbox" (or the one it names) and localhost entries in /etc/hosts, in place of what mmdebstrap leaves (the build
 // host's name, no hosts file), keeps a hosts file the build made, and replaces a symbolic link
 // at either path rather than writing through it.
 func TestImageIdentity(t *testing.T) {
@@ -67,5 +67,12 @@ func TestImageIdentity(t *testing.T) {
 	run(root)
 	if got, fi := read(outside), must(os.Lstat(filepath.Join(etc, "hosts"))); got != "host's\n" || !fi.Mode().IsRegular() {
 		t.Fatalf("a symlinked /etc/hosts was written through (%q) or kept (%v)", got, fi.Mode())
+	}
+	// A second argument names the host (the node image's root is "deltagym-node").
+	if out, err := exec.Command(script, root, "deltagym-node").CombinedOutput(); err != nil {
+		t.Fatalf("%s %s deltagym-node: %v\n%s", script, root, err, out)
+	}
+	if got := read(filepath.Join(etc, "hostname")); got != "deltagym-node\n" {
+		t.Fatalf("/etc/hostname %q, want deltagym-node", got)
 	}
 }
