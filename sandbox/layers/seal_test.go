@@ -12,7 +12,7 @@ import (
 	"github.com/deltagym/deltagym/internal/testenv"
 )
 
-func newStore(t *testing.T) *Store {
+func newStore(t testing.TB) *Store {
 	t.Helper()
 	testenv.Privileged(t, "layers are tmpfs mounts")
 	dir := t.TempDir()

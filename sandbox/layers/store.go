@@ -43,7 +43,19 @@ type Store struct {
 	// sizes holds the bytes used by each sealed layer.
 	// +checklocks:mu
 	sizes map[string]int64
-	wg    sync.WaitGroup // discards in flight
+	// digests holds the digest of each sealed layer whose transfer stream
+	// was hashed (Export, Digest, Import): a sealed layer never changes, so
+	// it holds until the layer is discarded or unsealed. byDigest maps each
+	// such digest to one layer (LayerByDigest).
+	// +checklocks:mu
+	digests map[string]string
+	// +checklocks:mu
+	byDigest map[string]string
+	// unseals counts Unseal calls: a digest computed across one is not
+	// kept.
+	// +checklocks:mu
+	unseals uint64
+	wg      sync.WaitGroup // discards in flight
 
 	pending atomic.Int64 // discards in flight, for Pending
 }
@@ -53,7 +65,8 @@ func New(dir string) (*Store, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating layer store: %w", err)
 	}
-	return &Store{dir: dir, refs: map[string]int{}, sizes: map[string]int64{}}, nil
+	return &Store{dir: dir, refs: map[string]int{}, sizes: map[string]int64{},
+		digests: map[string]string{}, byDigest: map[string]string{}}, nil
 }
 
 // Dir returns the directory of layer id (holding up/, work/ and fs/).
@@ -192,6 +205,8 @@ func (s *Store) Unseal(id string) error {
 	}
 	s.mu.Lock()
 	delete(s.sizes, id)
+	s.forgetDigest(id)
+	s.unseals++
 	s.mu.Unlock()
 	return nil
 }
@@ -265,6 +280,7 @@ func (s *Store) Unref(id string) {
 	}
 	delete(s.refs, id)
 	delete(s.sizes, id)
+	s.forgetDigest(id)
 	s.wg.Add(1)
 	s.pending.Add(1)
 	s.mu.Unlock()
