@@ -371,6 +371,8 @@ type Runtime struct {
 	done    chan struct{}
 	wg      sync.WaitGroup
 	hooks   testHooks
+	// adopting are the layer imports of checkpoints of other nodes in flight (transfer.go).
+	adopting adoptions
 }
 
 // procImages is the runtime's CRIU runner and the bookkeeping of the CRIU

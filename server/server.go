@@ -49,6 +49,7 @@ type Server struct {
 	core    *episode.Core
 	coreSet chan struct{} // closed once core is set: the runtime's expiry hook reads it then
 	regMu   sync.Mutex    // serialises RegisterEnv's keeping of specs
+	peers   peers         // NodeService clients of the other nodes (transfer.go)
 
 	mu sync.Mutex
 	// +checklocks:mu
@@ -149,7 +150,8 @@ func (s *Server) startEpisodes(specs []*deltagymv1.EnvSpec) error {
 		rec = s.writer
 	}
 	core, err := episode.New(episode.Config{Runtime: s.rt, Ledger: rec, Logger: s.log, Observe: s.obs.op, Internal: isInternal,
-		Scrub: s.scrub, Ended: s.rt.Ended(), MaxLeaseTTL: s.cfg.Lease.MaxTTL, Node: s.cfg.Cluster.Node, NodeAddr: s.peerAddr})
+		Scrub: s.scrub, Ended: s.rt.Ended(), MaxLeaseTTL: s.cfg.Lease.MaxTTL, Node: s.cfg.Cluster.Node, NodeAddr: s.peerAddr,
+		Fetch: s.fetchCheckpoint})
 	if err != nil {
 		return err
 	}

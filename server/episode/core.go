@@ -48,6 +48,10 @@ type Config struct {
 	// NodeAddr returns the address of a node of the cluster by name, for ErrWrongNode's
 	// message; "" when unknown. Default: none known.
 	NodeAddr func(node string) string
+	// Fetch makes the runtime hold checkpoint id, whose ID names another node, by fetching it
+	// from that node, for a Restore or Fork of it here. Default nil: such a checkpoint is
+	// another node's (ErrWrongNode).
+	Fetch func(ctx context.Context, id string) error
 }
 
 // Validate checks the config and fills in defaults.

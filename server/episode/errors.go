@@ -1,6 +1,7 @@
 package episode
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -70,6 +71,20 @@ func (c *Core) drainErr(call string) error {
 	}
 	return errdefs.WithDetail(fmt.Errorf("%s refused: node %s is draining (shutting down): it takes no new sandboxes while those it holds run until their leases end; "+
 		"place new work on another node: %w", call, c.cfg.Node, ErrDraining), "DRAINING", "node", c.cfg.Node)
+}
+
+// hold makes sure the runtime holds checkpoint id before a Restore or Fork of it: a checkpoint
+// of another node is fetched from it (Config.Fetch). It returns nil for a checkpoint of this
+// node or of none, held or not: the lookup that follows says which.
+func (c *Core) hold(ctx context.Context, id string) error {
+	owner := nodeid.Node(id)
+	if c.cfg.Fetch == nil || owner == "" || owner == c.cfg.Node {
+		return nil
+	}
+	if _, err := c.rt.Checkpoint(id); err == nil {
+		return nil
+	}
+	return c.cfg.Fetch(ctx, id)
 }
 
 // checkpointErr is err, from the runtime about checkpoint id, with its reason

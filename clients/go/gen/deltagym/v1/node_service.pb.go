@@ -254,6 +254,366 @@ func (x *NodeInfo) GetMeasuredAt() *timestamppb.Timestamp {
 	return nil
 }
 
+// DescribeCheckpointRequest is the request of DescribeCheckpoint.
+type DescribeCheckpointRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint, held by this node.
+	CheckpointId  string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DescribeCheckpointRequest) Reset() {
+	*x = DescribeCheckpointRequest{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DescribeCheckpointRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DescribeCheckpointRequest) ProtoMessage() {}
+
+func (x *DescribeCheckpointRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DescribeCheckpointRequest.ProtoReflect.Descriptor instead.
+func (*DescribeCheckpointRequest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *DescribeCheckpointRequest) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+// DescribeCheckpointResponse is the response of DescribeCheckpoint.
+type DescribeCheckpointResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint.
+	Manifest      *CheckpointManifest `protobuf:"bytes,1,opt,name=manifest,proto3" json:"manifest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DescribeCheckpointResponse) Reset() {
+	*x = DescribeCheckpointResponse{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DescribeCheckpointResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DescribeCheckpointResponse) ProtoMessage() {}
+
+func (x *DescribeCheckpointResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DescribeCheckpointResponse.ProtoReflect.Descriptor instead.
+func (*DescribeCheckpointResponse) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *DescribeCheckpointResponse) GetManifest() *CheckpointManifest {
+	if x != nil {
+		return x.Manifest
+	}
+	return nil
+}
+
+// CheckpointManifest describes a checkpoint for another node: everything but
+// the contents of its layers.
+type CheckpointManifest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint's ID.
+	CheckpointId string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// The checkpoint it was taken after, "" for none.
+	ParentId string `protobuf:"bytes,2,opt,name=parent_id,json=parentId,proto3" json:"parent_id,omitempty"`
+	// The name of its image, which the other node must hold.
+	Image string `protobuf:"bytes,3,opt,name=image,proto3" json:"image,omitempty"`
+	// The digest of that image, which the other node's image of that name must
+	// have.
+	ImageDigest string `protobuf:"bytes,4,opt,name=image_digest,json=imageDigest,proto3" json:"image_digest,omitempty"`
+	// Its delta layers, bottom first.
+	Layers []*LayerDescriptor `protobuf:"bytes,5,rep,name=layers,proto3" json:"layers,omitempty"`
+	// The layer of the sandbox's /dev/shm, unset when it was empty.
+	Shm *LayerDescriptor `protobuf:"bytes,6,opt,name=shm,proto3" json:"shm,omitempty"`
+	// Its labels.
+	Labels map[string]string `protobuf:"bytes,7,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// When it was taken.
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	// The live processes it captured, which do not move between nodes.
+	Processes     int32 `protobuf:"varint,9,opt,name=processes,proto3" json:"processes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CheckpointManifest) Reset() {
+	*x = CheckpointManifest{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CheckpointManifest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CheckpointManifest) ProtoMessage() {}
+
+func (x *CheckpointManifest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CheckpointManifest.ProtoReflect.Descriptor instead.
+func (*CheckpointManifest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *CheckpointManifest) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *CheckpointManifest) GetParentId() string {
+	if x != nil {
+		return x.ParentId
+	}
+	return ""
+}
+
+func (x *CheckpointManifest) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
+func (x *CheckpointManifest) GetImageDigest() string {
+	if x != nil {
+		return x.ImageDigest
+	}
+	return ""
+}
+
+func (x *CheckpointManifest) GetLayers() []*LayerDescriptor {
+	if x != nil {
+		return x.Layers
+	}
+	return nil
+}
+
+func (x *CheckpointManifest) GetShm() *LayerDescriptor {
+	if x != nil {
+		return x.Shm
+	}
+	return nil
+}
+
+func (x *CheckpointManifest) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *CheckpointManifest) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *CheckpointManifest) GetProcesses() int32 {
+	if x != nil {
+		return x.Processes
+	}
+	return 0
+}
+
+// LayerDescriptor names a sealed layer by its content.
+type LayerDescriptor struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "sha256:" and the hex SHA-256 of its transfer stream.
+	Digest string `protobuf:"bytes,1,opt,name=digest,proto3" json:"digest,omitempty"`
+	// The bytes it holds.
+	SizeBytes     int64 `protobuf:"varint,2,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LayerDescriptor) Reset() {
+	*x = LayerDescriptor{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LayerDescriptor) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LayerDescriptor) ProtoMessage() {}
+
+func (x *LayerDescriptor) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LayerDescriptor.ProtoReflect.Descriptor instead.
+func (*LayerDescriptor) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *LayerDescriptor) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *LayerDescriptor) GetSizeBytes() int64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+// FetchLayerRequest is the request of FetchLayer.
+type FetchLayerRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The layer's digest, as a CheckpointManifest names it.
+	Digest        string `protobuf:"bytes,1,opt,name=digest,proto3" json:"digest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FetchLayerRequest) Reset() {
+	*x = FetchLayerRequest{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FetchLayerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FetchLayerRequest) ProtoMessage() {}
+
+func (x *FetchLayerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FetchLayerRequest.ProtoReflect.Descriptor instead.
+func (*FetchLayerRequest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *FetchLayerRequest) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+// FetchLayerResponse is one piece of a layer's transfer stream; the pieces,
+// in order, are the whole stream.
+type FetchLayerResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The next bytes of the stream.
+	Data          []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FetchLayerResponse) Reset() {
+	*x = FetchLayerResponse{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FetchLayerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FetchLayerResponse) ProtoMessage() {}
+
+func (x *FetchLayerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FetchLayerResponse.ProtoReflect.Descriptor instead.
+func (*FetchLayerResponse) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *FetchLayerResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
 var File_deltagym_v1_node_service_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_node_service_proto_rawDesc = "" +
@@ -276,9 +636,38 @@ const file_deltagym_v1_node_service_proto_rawDesc = "" +
 	" \x01(\x03R\x14memoryAvailableBytes\x12,\n" +
 	"\x12memory_total_bytes\x18\v \x01(\x03R\x10memoryTotalBytes\x12;\n" +
 	"\vmeasured_at\x18\f \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"measuredAt2S\n" +
+	"measuredAt\"@\n" +
+	"\x19DescribeCheckpointRequest\x12#\n" +
+	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\"Y\n" +
+	"\x1aDescribeCheckpointResponse\x12;\n" +
+	"\bmanifest\x18\x01 \x01(\v2\x1f.deltagym.v1.CheckpointManifestR\bmanifest\"\xce\x03\n" +
+	"\x12CheckpointManifest\x12#\n" +
+	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
+	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12\x14\n" +
+	"\x05image\x18\x03 \x01(\tR\x05image\x12!\n" +
+	"\fimage_digest\x18\x04 \x01(\tR\vimageDigest\x124\n" +
+	"\x06layers\x18\x05 \x03(\v2\x1c.deltagym.v1.LayerDescriptorR\x06layers\x12.\n" +
+	"\x03shm\x18\x06 \x01(\v2\x1c.deltagym.v1.LayerDescriptorR\x03shm\x12C\n" +
+	"\x06labels\x18\a \x03(\v2+.deltagym.v1.CheckpointManifest.LabelsEntryR\x06labels\x129\n" +
+	"\n" +
+	"created_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x1c\n" +
+	"\tprocesses\x18\t \x01(\x05R\tprocesses\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"H\n" +
+	"\x0fLayerDescriptor\x12\x16\n" +
+	"\x06digest\x18\x01 \x01(\tR\x06digest\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\x02 \x01(\x03R\tsizeBytes\"+\n" +
+	"\x11FetchLayerRequest\x12\x16\n" +
+	"\x06digest\x18\x01 \x01(\tR\x06digest\"(\n" +
+	"\x12FetchLayerResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data2\x8b\x02\n" +
 	"\vNodeService\x12D\n" +
-	"\aGetNode\x12\x1b.deltagym.v1.GetNodeRequest\x1a\x1c.deltagym.v1.GetNodeResponseB\xb4\x01\n" +
+	"\aGetNode\x12\x1b.deltagym.v1.GetNodeRequest\x1a\x1c.deltagym.v1.GetNodeResponse\x12e\n" +
+	"\x12DescribeCheckpoint\x12&.deltagym.v1.DescribeCheckpointRequest\x1a'.deltagym.v1.DescribeCheckpointResponse\x12O\n" +
+	"\n" +
+	"FetchLayer\x12\x1e.deltagym.v1.FetchLayerRequest\x1a\x1f.deltagym.v1.FetchLayerResponse0\x01B\xb4\x01\n" +
 	"\x0fcom.deltagym.v1B\x10NodeServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
@@ -293,23 +682,39 @@ func file_deltagym_v1_node_service_proto_rawDescGZIP() []byte {
 	return file_deltagym_v1_node_service_proto_rawDescData
 }
 
-var file_deltagym_v1_node_service_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_deltagym_v1_node_service_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_deltagym_v1_node_service_proto_goTypes = []any{
-	(*GetNodeRequest)(nil),        // 0: deltagym.v1.GetNodeRequest
-	(*GetNodeResponse)(nil),       // 1: deltagym.v1.GetNodeResponse
-	(*NodeInfo)(nil),              // 2: deltagym.v1.NodeInfo
-	(*timestamppb.Timestamp)(nil), // 3: google.protobuf.Timestamp
+	(*GetNodeRequest)(nil),             // 0: deltagym.v1.GetNodeRequest
+	(*GetNodeResponse)(nil),            // 1: deltagym.v1.GetNodeResponse
+	(*NodeInfo)(nil),                   // 2: deltagym.v1.NodeInfo
+	(*DescribeCheckpointRequest)(nil),  // 3: deltagym.v1.DescribeCheckpointRequest
+	(*DescribeCheckpointResponse)(nil), // 4: deltagym.v1.DescribeCheckpointResponse
+	(*CheckpointManifest)(nil),         // 5: deltagym.v1.CheckpointManifest
+	(*LayerDescriptor)(nil),            // 6: deltagym.v1.LayerDescriptor
+	(*FetchLayerRequest)(nil),          // 7: deltagym.v1.FetchLayerRequest
+	(*FetchLayerResponse)(nil),         // 8: deltagym.v1.FetchLayerResponse
+	nil,                                // 9: deltagym.v1.CheckpointManifest.LabelsEntry
+	(*timestamppb.Timestamp)(nil),      // 10: google.protobuf.Timestamp
 }
 var file_deltagym_v1_node_service_proto_depIdxs = []int32{
-	2, // 0: deltagym.v1.GetNodeResponse.node:type_name -> deltagym.v1.NodeInfo
-	3, // 1: deltagym.v1.NodeInfo.measured_at:type_name -> google.protobuf.Timestamp
-	0, // 2: deltagym.v1.NodeService.GetNode:input_type -> deltagym.v1.GetNodeRequest
-	1, // 3: deltagym.v1.NodeService.GetNode:output_type -> deltagym.v1.GetNodeResponse
-	3, // [3:4] is the sub-list for method output_type
-	2, // [2:3] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	2,  // 0: deltagym.v1.GetNodeResponse.node:type_name -> deltagym.v1.NodeInfo
+	10, // 1: deltagym.v1.NodeInfo.measured_at:type_name -> google.protobuf.Timestamp
+	5,  // 2: deltagym.v1.DescribeCheckpointResponse.manifest:type_name -> deltagym.v1.CheckpointManifest
+	6,  // 3: deltagym.v1.CheckpointManifest.layers:type_name -> deltagym.v1.LayerDescriptor
+	6,  // 4: deltagym.v1.CheckpointManifest.shm:type_name -> deltagym.v1.LayerDescriptor
+	9,  // 5: deltagym.v1.CheckpointManifest.labels:type_name -> deltagym.v1.CheckpointManifest.LabelsEntry
+	10, // 6: deltagym.v1.CheckpointManifest.created_at:type_name -> google.protobuf.Timestamp
+	0,  // 7: deltagym.v1.NodeService.GetNode:input_type -> deltagym.v1.GetNodeRequest
+	3,  // 8: deltagym.v1.NodeService.DescribeCheckpoint:input_type -> deltagym.v1.DescribeCheckpointRequest
+	7,  // 9: deltagym.v1.NodeService.FetchLayer:input_type -> deltagym.v1.FetchLayerRequest
+	1,  // 10: deltagym.v1.NodeService.GetNode:output_type -> deltagym.v1.GetNodeResponse
+	4,  // 11: deltagym.v1.NodeService.DescribeCheckpoint:output_type -> deltagym.v1.DescribeCheckpointResponse
+	8,  // 12: deltagym.v1.NodeService.FetchLayer:output_type -> deltagym.v1.FetchLayerResponse
+	10, // [10:13] is the sub-list for method output_type
+	7,  // [7:10] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_node_service_proto_init() }
@@ -323,7 +728,7 @@ func file_deltagym_v1_node_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_node_service_proto_rawDesc), len(file_deltagym_v1_node_service_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

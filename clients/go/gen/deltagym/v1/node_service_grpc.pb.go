@@ -19,7 +19,9 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	NodeService_GetNode_FullMethodName = "/deltagym.v1.NodeService/GetNode"
+	NodeService_GetNode_FullMethodName            = "/deltagym.v1.NodeService/GetNode"
+	NodeService_DescribeCheckpoint_FullMethodName = "/deltagym.v1.NodeService/DescribeCheckpoint"
+	NodeService_FetchLayer_FullMethodName         = "/deltagym.v1.NodeService/FetchLayer"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -35,6 +37,16 @@ const (
 type NodeServiceClient interface {
 	// GetNode returns the node's name, address and load.
 	GetNode(ctx context.Context, in *GetNodeRequest, opts ...grpc.CallOption) (*GetNodeResponse, error)
+	// DescribeCheckpoint returns what another node needs to hold a checkpoint of
+	// this one: its image, its layers by digest and its labels. A node asked to
+	// restore or fork a checkpoint of another asks its owner, then fetches the
+	// layers it lacks with FetchLayer.
+	DescribeCheckpoint(ctx context.Context, in *DescribeCheckpointRequest, opts ...grpc.CallOption) (*DescribeCheckpointResponse, error)
+	// FetchLayer streams a sealed layer this node holds, named by its digest, in
+	// the layer transfer format (docs/ARCHITECTURE.md, "Nodes"). Only layers of
+	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
+	// are found.
+	FetchLayer(ctx context.Context, in *FetchLayerRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchLayerResponse], error)
 }
 
 type nodeServiceClient struct {
@@ -55,6 +67,35 @@ func (c *nodeServiceClient) GetNode(ctx context.Context, in *GetNodeRequest, opt
 	return out, nil
 }
 
+func (c *nodeServiceClient) DescribeCheckpoint(ctx context.Context, in *DescribeCheckpointRequest, opts ...grpc.CallOption) (*DescribeCheckpointResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DescribeCheckpointResponse)
+	err := c.cc.Invoke(ctx, NodeService_DescribeCheckpoint_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *nodeServiceClient) FetchLayer(ctx context.Context, in *FetchLayerRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchLayerResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &NodeService_ServiceDesc.Streams[0], NodeService_FetchLayer_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[FetchLayerRequest, FetchLayerResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type NodeService_FetchLayerClient = grpc.ServerStreamingClient[FetchLayerResponse]
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations must embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -68,6 +109,16 @@ func (c *nodeServiceClient) GetNode(ctx context.Context, in *GetNodeRequest, opt
 type NodeServiceServer interface {
 	// GetNode returns the node's name, address and load.
 	GetNode(context.Context, *GetNodeRequest) (*GetNodeResponse, error)
+	// DescribeCheckpoint returns what another node needs to hold a checkpoint of
+	// this one: its image, its layers by digest and its labels. A node asked to
+	// restore or fork a checkpoint of another asks its owner, then fetches the
+	// layers it lacks with FetchLayer.
+	DescribeCheckpoint(context.Context, *DescribeCheckpointRequest) (*DescribeCheckpointResponse, error)
+	// FetchLayer streams a sealed layer this node holds, named by its digest, in
+	// the layer transfer format (docs/ARCHITECTURE.md, "Nodes"). Only layers of
+	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
+	// are found.
+	FetchLayer(*FetchLayerRequest, grpc.ServerStreamingServer[FetchLayerResponse]) error
 	mustEmbedUnimplementedNodeServiceServer()
 }
 
@@ -80,6 +131,12 @@ type UnimplementedNodeServiceServer struct{}
 
 func (UnimplementedNodeServiceServer) GetNode(context.Context, *GetNodeRequest) (*GetNodeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetNode not implemented")
+}
+func (UnimplementedNodeServiceServer) DescribeCheckpoint(context.Context, *DescribeCheckpointRequest) (*DescribeCheckpointResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DescribeCheckpoint not implemented")
+}
+func (UnimplementedNodeServiceServer) FetchLayer(*FetchLayerRequest, grpc.ServerStreamingServer[FetchLayerResponse]) error {
+	return status.Error(codes.Unimplemented, "method FetchLayer not implemented")
 }
 func (UnimplementedNodeServiceServer) mustEmbedUnimplementedNodeServiceServer() {}
 func (UnimplementedNodeServiceServer) testEmbeddedByValue()                     {}
@@ -120,6 +177,35 @@ func _NodeService_GetNode_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeService_DescribeCheckpoint_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DescribeCheckpointRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeServiceServer).DescribeCheckpoint(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeService_DescribeCheckpoint_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeServiceServer).DescribeCheckpoint(ctx, req.(*DescribeCheckpointRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _NodeService_FetchLayer_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(FetchLayerRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(NodeServiceServer).FetchLayer(m, &grpc.GenericServerStream[FetchLayerRequest, FetchLayerResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type NodeService_FetchLayerServer = grpc.ServerStreamingServer[FetchLayerResponse]
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -131,7 +217,17 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "GetNode",
 			Handler:    _NodeService_GetNode_Handler,
 		},
+		{
+			MethodName: "DescribeCheckpoint",
+			Handler:    _NodeService_DescribeCheckpoint_Handler,
+		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "FetchLayer",
+			Handler:       _NodeService_FetchLayer_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "deltagym/v1/node_service.proto",
 }

@@ -35,12 +35,27 @@ const (
 const (
 	// NodeServiceGetNodeProcedure is the fully-qualified name of the NodeService's GetNode RPC.
 	NodeServiceGetNodeProcedure = "/deltagym.v1.NodeService/GetNode"
+	// NodeServiceDescribeCheckpointProcedure is the fully-qualified name of the NodeService's
+	// DescribeCheckpoint RPC.
+	NodeServiceDescribeCheckpointProcedure = "/deltagym.v1.NodeService/DescribeCheckpoint"
+	// NodeServiceFetchLayerProcedure is the fully-qualified name of the NodeService's FetchLayer RPC.
+	NodeServiceFetchLayerProcedure = "/deltagym.v1.NodeService/FetchLayer"
 )
 
 // NodeServiceClient is a client for the deltagym.v1.NodeService service.
 type NodeServiceClient interface {
 	// GetNode returns the node's name, address and load.
 	GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error)
+	// DescribeCheckpoint returns what another node needs to hold a checkpoint of
+	// this one: its image, its layers by digest and its labels. A node asked to
+	// restore or fork a checkpoint of another asks its owner, then fetches the
+	// layers it lacks with FetchLayer.
+	DescribeCheckpoint(context.Context, *connect.Request[v1.DescribeCheckpointRequest]) (*connect.Response[v1.DescribeCheckpointResponse], error)
+	// FetchLayer streams a sealed layer this node holds, named by its digest, in
+	// the layer transfer format (docs/ARCHITECTURE.md, "Nodes"). Only layers of
+	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
+	// are found.
+	FetchLayer(context.Context, *connect.Request[v1.FetchLayerRequest]) (*connect.ServerStreamForClient[v1.FetchLayerResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the deltagym.v1.NodeService service. By default, it
@@ -60,12 +75,26 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("GetNode")),
 			connect.WithClientOptions(opts...),
 		),
+		describeCheckpoint: connect.NewClient[v1.DescribeCheckpointRequest, v1.DescribeCheckpointResponse](
+			httpClient,
+			baseURL+NodeServiceDescribeCheckpointProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("DescribeCheckpoint")),
+			connect.WithClientOptions(opts...),
+		),
+		fetchLayer: connect.NewClient[v1.FetchLayerRequest, v1.FetchLayerResponse](
+			httpClient,
+			baseURL+NodeServiceFetchLayerProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("FetchLayer")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // nodeServiceClient implements NodeServiceClient.
 type nodeServiceClient struct {
-	getNode *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
+	getNode            *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
+	describeCheckpoint *connect.Client[v1.DescribeCheckpointRequest, v1.DescribeCheckpointResponse]
+	fetchLayer         *connect.Client[v1.FetchLayerRequest, v1.FetchLayerResponse]
 }
 
 // GetNode calls deltagym.v1.NodeService.GetNode.
@@ -73,10 +102,30 @@ func (c *nodeServiceClient) GetNode(ctx context.Context, req *connect.Request[v1
 	return c.getNode.CallUnary(ctx, req)
 }
 
+// DescribeCheckpoint calls deltagym.v1.NodeService.DescribeCheckpoint.
+func (c *nodeServiceClient) DescribeCheckpoint(ctx context.Context, req *connect.Request[v1.DescribeCheckpointRequest]) (*connect.Response[v1.DescribeCheckpointResponse], error) {
+	return c.describeCheckpoint.CallUnary(ctx, req)
+}
+
+// FetchLayer calls deltagym.v1.NodeService.FetchLayer.
+func (c *nodeServiceClient) FetchLayer(ctx context.Context, req *connect.Request[v1.FetchLayerRequest]) (*connect.ServerStreamForClient[v1.FetchLayerResponse], error) {
+	return c.fetchLayer.CallServerStream(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the deltagym.v1.NodeService service.
 type NodeServiceHandler interface {
 	// GetNode returns the node's name, address and load.
 	GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error)
+	// DescribeCheckpoint returns what another node needs to hold a checkpoint of
+	// this one: its image, its layers by digest and its labels. A node asked to
+	// restore or fork a checkpoint of another asks its owner, then fetches the
+	// layers it lacks with FetchLayer.
+	DescribeCheckpoint(context.Context, *connect.Request[v1.DescribeCheckpointRequest]) (*connect.Response[v1.DescribeCheckpointResponse], error)
+	// FetchLayer streams a sealed layer this node holds, named by its digest, in
+	// the layer transfer format (docs/ARCHITECTURE.md, "Nodes"). Only layers of
+	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
+	// are found.
+	FetchLayer(context.Context, *connect.Request[v1.FetchLayerRequest], *connect.ServerStream[v1.FetchLayerResponse]) error
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -92,10 +141,26 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("GetNode")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceDescribeCheckpointHandler := connect.NewUnaryHandler(
+		NodeServiceDescribeCheckpointProcedure,
+		svc.DescribeCheckpoint,
+		connect.WithSchema(nodeServiceMethods.ByName("DescribeCheckpoint")),
+		connect.WithHandlerOptions(opts...),
+	)
+	nodeServiceFetchLayerHandler := connect.NewServerStreamHandler(
+		NodeServiceFetchLayerProcedure,
+		svc.FetchLayer,
+		connect.WithSchema(nodeServiceMethods.ByName("FetchLayer")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/deltagym.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceGetNodeProcedure:
 			nodeServiceGetNodeHandler.ServeHTTP(w, r)
+		case NodeServiceDescribeCheckpointProcedure:
+			nodeServiceDescribeCheckpointHandler.ServeHTTP(w, r)
+		case NodeServiceFetchLayerProcedure:
+			nodeServiceFetchLayerHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -107,4 +172,12 @@ type UnimplementedNodeServiceHandler struct{}
 
 func (UnimplementedNodeServiceHandler) GetNode(context.Context, *connect.Request[v1.GetNodeRequest]) (*connect.Response[v1.GetNodeResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.NodeService.GetNode is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) DescribeCheckpoint(context.Context, *connect.Request[v1.DescribeCheckpointRequest]) (*connect.Response[v1.DescribeCheckpointResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.NodeService.DescribeCheckpoint is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) FetchLayer(context.Context, *connect.Request[v1.FetchLayerRequest], *connect.ServerStream[v1.FetchLayerResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.NodeService.FetchLayer is not implemented"))
 }

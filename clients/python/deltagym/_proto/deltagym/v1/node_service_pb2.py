@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65ltagym/v1/node_service.proto\x12\x0b\x64\x65ltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x10\n\x0eGetNodeRequest\"<\n\x0fGetNodeResponse\x12)\n\x04node\x18\x01 \x01(\x0b\x32\x15.deltagym.v1.NodeInfoR\x04node\"\xa3\x03\n\x08NodeInfo\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\x12\x18\n\x07version\x18\x03 \x01(\tR\x07version\x12\x1a\n\x08\x64raining\x18\x04 \x01(\x08R\x08\x64raining\x12\x1c\n\tsandboxes\x18\x05 \x01(\x05R\tsandboxes\x12#\n\rmax_sandboxes\x18\x06 \x01(\x05R\x0cmaxSandboxes\x12 \n\x0b\x63heckpoints\x18\x07 \x01(\x05R\x0b\x63heckpoints\x12\x12\n\x04\x63pus\x18\x08 \x01(\x05R\x04\x63pus\x12\x19\n\x08\x63pu_load\x18\t \x01(\x01R\x07\x63puLoad\x12\x34\n\x16memory_available_bytes\x18\n \x01(\x03R\x14memoryAvailableBytes\x12,\n\x12memory_total_bytes\x18\x0b \x01(\x03R\x10memoryTotalBytes\x12;\n\x0bmeasured_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampR\nmeasuredAt2S\n\x0bNodeService\x12\x44\n\x07GetNode\x12\x1b.deltagym.v1.GetNodeRequest\x1a\x1c.deltagym.v1.GetNodeResponseB\xb4\x01\n\x0f\x63om.deltagym.v1B\x10NodeServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03\x44XX\xaa\x02\x0b\x44\x65ltagym.V1\xca\x02\x0b\x44\x65ltagym\\V1\xe2\x02\x17\x44\x65ltagym\\V1\\GPBMetadata\xea\x02\x0c\x44\x65ltagym::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65ltagym/v1/node_service.proto\x12\x0b\x64\x65ltagym.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x10\n\x0eGetNodeRequest\"<\n\x0fGetNodeResponse\x12)\n\x04node\x18\x01 \x01(\x0b\x32\x15.deltagym.v1.NodeInfoR\x04node\"\xa3\x03\n\x08NodeInfo\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n\x07\x61\x64\x64ress\x18\x02 \x01(\tR\x07\x61\x64\x64ress\x12\x18\n\x07version\x18\x03 \x01(\tR\x07version\x12\x1a\n\x08\x64raining\x18\x04 \x01(\x08R\x08\x64raining\x12\x1c\n\tsandboxes\x18\x05 \x01(\x05R\tsandboxes\x12#\n\rmax_sandboxes\x18\x06 \x01(\x05R\x0cmaxSandboxes\x12 \n\x0b\x63heckpoints\x18\x07 \x01(\x05R\x0b\x63heckpoints\x12\x12\n\x04\x63pus\x18\x08 \x01(\x05R\x04\x63pus\x12\x19\n\x08\x63pu_load\x18\t \x01(\x01R\x07\x63puLoad\x12\x34\n\x16memory_available_bytes\x18\n \x01(\x03R\x14memoryAvailableBytes\x12,\n\x12memory_total_bytes\x18\x0b \x01(\x03R\x10memoryTotalBytes\x12;\n\x0bmeasured_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.TimestampR\nmeasuredAt\"@\n\x19\x44\x65scribeCheckpointRequest\x12#\n\rcheckpoint_id\x18\x01 \x01(\tR\x0c\x63heckpointId\"Y\n\x1a\x44\x65scribeCheckpointResponse\x12;\n\x08manifest\x18\x01 \x01(\x0b\x32\x1f.deltagym.v1.CheckpointManifestR\x08manifest\"\xce\x03\n\x12\x43heckpointManifest\x12#\n\rcheckpoint_id\x18\x01 \x01(\tR\x0c\x63heckpointId\x12\x1b\n\tparent_id\x18\x02 \x01(\tR\x08parentId\x12\x14\n\x05image\x18\x03 \x01(\tR\x05image\x12!\n\x0cimage_digest\x18\x04 \x01(\tR\x0bimageDigest\x12\x34\n\x06layers\x18\x05 \x03(\x0b\x32\x1c.deltagym.v1.LayerDescriptorR\x06layers\x12.\n\x03shm\x18\x06 \x01(\x0b\x32\x1c.deltagym.v1.LayerDescriptorR\x03shm\x12\x43\n\x06labels\x18\x07 \x03(\x0b\x32+.deltagym.v1.CheckpointManifest.LabelsEntryR\x06labels\x12\x39\n\ncreated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x1c\n\tprocesses\x18\t \x01(\x05R\tprocesses\x1a\x39\n\x0bLabelsEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\"H\n\x0fLayerDescriptor\x12\x16\n\x06\x64igest\x18\x01 \x01(\tR\x06\x64igest\x12\x1d\n\nsize_bytes\x18\x02 \x01(\x03R\tsizeBytes\"+\n\x11\x46\x65tchLayerRequest\x12\x16\n\x06\x64igest\x18\x01 \x01(\tR\x06\x64igest\"(\n\x12\x46\x65tchLayerResponse\x12\x12\n\x04\x64\x61ta\x18\x01 \x01(\x0cR\x04\x64\x61ta2\x8b\x02\n\x0bNodeService\x12\x44\n\x07GetNode\x12\x1b.deltagym.v1.GetNodeRequest\x1a\x1c.deltagym.v1.GetNodeResponse\x12\x65\n\x12\x44\x65scribeCheckpoint\x12&.deltagym.v1.DescribeCheckpointRequest\x1a\'.deltagym.v1.DescribeCheckpointResponse\x12O\n\nFetchLayer\x12\x1e.deltagym.v1.FetchLayerRequest\x1a\x1f.deltagym.v1.FetchLayerResponse0\x01\x42\xb4\x01\n\x0f\x63om.deltagym.v1B\x10NodeServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03\x44XX\xaa\x02\x0b\x44\x65ltagym.V1\xca\x02\x0b\x44\x65ltagym\\V1\xe2\x02\x17\x44\x65ltagym\\V1\\GPBMetadata\xea\x02\x0c\x44\x65ltagym::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,28 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deltagym.v1.node_service_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017com.deltagym.v1B\020NodeServiceProtoP\001ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\242\002\003DXX\252\002\013Deltagym.V1\312\002\013Deltagym\\V1\342\002\027Deltagym\\V1\\GPBMetadata\352\002\014Deltagym::V1'
+  _globals['_CHECKPOINTMANIFEST_LABELSENTRY']._loaded_options = None
+  _globals['_CHECKPOINTMANIFEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_GETNODEREQUEST']._serialized_start=80
   _globals['_GETNODEREQUEST']._serialized_end=96
   _globals['_GETNODERESPONSE']._serialized_start=98
   _globals['_GETNODERESPONSE']._serialized_end=158
   _globals['_NODEINFO']._serialized_start=161
   _globals['_NODEINFO']._serialized_end=580
-  _globals['_NODESERVICE']._serialized_start=582
-  _globals['_NODESERVICE']._serialized_end=665
+  _globals['_DESCRIBECHECKPOINTREQUEST']._serialized_start=582
+  _globals['_DESCRIBECHECKPOINTREQUEST']._serialized_end=646
+  _globals['_DESCRIBECHECKPOINTRESPONSE']._serialized_start=648
+  _globals['_DESCRIBECHECKPOINTRESPONSE']._serialized_end=737
+  _globals['_CHECKPOINTMANIFEST']._serialized_start=740
+  _globals['_CHECKPOINTMANIFEST']._serialized_end=1202
+  _globals['_CHECKPOINTMANIFEST_LABELSENTRY']._serialized_start=1145
+  _globals['_CHECKPOINTMANIFEST_LABELSENTRY']._serialized_end=1202
+  _globals['_LAYERDESCRIPTOR']._serialized_start=1204
+  _globals['_LAYERDESCRIPTOR']._serialized_end=1276
+  _globals['_FETCHLAYERREQUEST']._serialized_start=1278
+  _globals['_FETCHLAYERREQUEST']._serialized_end=1321
+  _globals['_FETCHLAYERRESPONSE']._serialized_start=1323
+  _globals['_FETCHLAYERRESPONSE']._serialized_end=1363
+  _globals['_NODESERVICE']._serialized_start=1366
+  _globals['_NODESERVICE']._serialized_end=1633
 # @@protoc_insertion_point(module_scope)

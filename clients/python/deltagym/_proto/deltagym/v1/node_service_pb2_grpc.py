@@ -45,6 +45,16 @@ class NodeServiceStub:
                 request_serializer=deltagym_dot_v1_dot_node__service__pb2.GetNodeRequest.SerializeToString,
                 response_deserializer=deltagym_dot_v1_dot_node__service__pb2.GetNodeResponse.FromString,
                 _registered_method=True)
+        self.DescribeCheckpoint = channel.unary_unary(
+                '/deltagym.v1.NodeService/DescribeCheckpoint',
+                request_serializer=deltagym_dot_v1_dot_node__service__pb2.DescribeCheckpointRequest.SerializeToString,
+                response_deserializer=deltagym_dot_v1_dot_node__service__pb2.DescribeCheckpointResponse.FromString,
+                _registered_method=True)
+        self.FetchLayer = channel.unary_stream(
+                '/deltagym.v1.NodeService/FetchLayer',
+                request_serializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerRequest.SerializeToString,
+                response_deserializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -63,6 +73,26 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeCheckpoint(self, request, context):
+        """DescribeCheckpoint returns what another node needs to hold a checkpoint of
+        this one: its image, its layers by digest and its labels. A node asked to
+        restore or fork a checkpoint of another asks its owner, then fetches the
+        layers it lacks with FetchLayer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchLayer(self, request, context):
+        """FetchLayer streams a sealed layer this node holds, named by its digest, in
+        the layer transfer format (docs/ARCHITECTURE.md, "Nodes"). Only layers of
+        checkpoints DescribeCheckpoint described, or that the node fetched itself,
+        are found.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -70,6 +100,16 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.GetNode,
                     request_deserializer=deltagym_dot_v1_dot_node__service__pb2.GetNodeRequest.FromString,
                     response_serializer=deltagym_dot_v1_dot_node__service__pb2.GetNodeResponse.SerializeToString,
+            ),
+            'DescribeCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeCheckpoint,
+                    request_deserializer=deltagym_dot_v1_dot_node__service__pb2.DescribeCheckpointRequest.FromString,
+                    response_serializer=deltagym_dot_v1_dot_node__service__pb2.DescribeCheckpointResponse.SerializeToString,
+            ),
+            'FetchLayer': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchLayer,
+                    request_deserializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerRequest.FromString,
+                    response_serializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,6 +145,60 @@ class NodeService:
             '/deltagym.v1.NodeService/GetNode',
             deltagym_dot_v1_dot_node__service__pb2.GetNodeRequest.SerializeToString,
             deltagym_dot_v1_dot_node__service__pb2.GetNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltagym.v1.NodeService/DescribeCheckpoint',
+            deltagym_dot_v1_dot_node__service__pb2.DescribeCheckpointRequest.SerializeToString,
+            deltagym_dot_v1_dot_node__service__pb2.DescribeCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchLayer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deltagym.v1.NodeService/FetchLayer',
+            deltagym_dot_v1_dot_node__service__pb2.FetchLayerRequest.SerializeToString,
+            deltagym_dot_v1_dot_node__service__pb2.FetchLayerResponse.FromString,
             options,
             channel_credentials,
             insecure,

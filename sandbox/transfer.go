@@ -1,0 +1,280 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox/layers"
+)
+
+// A checkpoint moves between nodes of a cluster as a manifest (CheckpointManifest: its image,
+// its layers by digest, its labels) and the layers the receiving node lacks, each in the layer
+// transfer format (layers.Store.Export), verified against its digest as it is imported
+// (layers.Store.Import). The receiving node holds the checkpoint under the same ID, as it
+// holds its own: restores and forks of it there use its copy, the layers count against its
+// checkpoint caps, and it is released by its checkpoint TTL (or a release) like any other.
+
+// LayerRef names a sealed layer by its content: the digest of its transfer stream and the
+// bytes it holds.
+type LayerRef struct {
+	Digest string
+	Bytes  int64
+}
+
+// CheckpointManifest is what a node needs to hold a checkpoint made on another: everything
+// but the layers' contents.
+type CheckpointManifest struct {
+	ID     string
+	Parent string
+	// Image is the name of the checkpoint's image and ImageDigest its digest: the receiving
+	// node must hold the same image under that name.
+	Image, ImageDigest string
+	// Layers are the checkpoint's delta layers, bottom first: the shortest equivalent stack
+	// (a flattened checkpoint's merged layers).
+	Layers []LayerRef
+	// Shm is the layer of the sandbox's /dev/shm, nil when it was empty.
+	Shm     *LayerRef
+	Labels  map[string]string
+	Created time.Time
+	// Processes counts the live processes the checkpoint captured.
+	Processes int
+}
+
+// ErrProcessesStay means a checkpoint's processes cannot be moved to another node: its files
+// can, not what ran.
+var ErrProcessesStay = fmt.Errorf("a checkpoint's processes do not move between nodes: %w", errdefs.ErrFailedPrecondition)
+
+// CheckpointManifest describes checkpoint id for another node. The first call hashes each of
+// its layers (layers.Store.Digest: a read of the layer, kept with it afterwards).
+func (r *Runtime) CheckpointManifest(id string) (CheckpointManifest, error) {
+	r.mu.Lock()
+	c := r.ckpts[id]
+	if c == nil {
+		r.mu.Unlock()
+		return CheckpointManifest{}, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
+	}
+	stack := slices.Clone(c.Layers)
+	if len(c.Flat) > 0 {
+		stack = slices.Clone(c.Flat)
+	}
+	m := CheckpointManifest{ID: c.ID, Parent: c.Parent, Image: c.Image, Labels: cloneLabels(c.Labels), Created: c.Created,
+		Processes: len(c.Procs)}
+	for _, u := range c.Images {
+		m.Processes += len(u.Procs)
+	}
+	shm := c.Shm
+	if im := r.images[c.Image]; im != nil {
+		m.ImageDigest = im.info.Digest
+	}
+	// The layers stay while the references are held: a release meanwhile leaves them be.
+	held := slices.Clone(stack)
+	if shm != "" {
+		held = append(held, shm)
+	}
+	for _, l := range held {
+		_ = r.layers.Ref(l)
+	}
+	r.mu.Unlock()
+	defer unrefAll(r, held)
+	ref := func(l string) (LayerRef, error) {
+		d, err := r.layers.Digest(l)
+		if err != nil {
+			return LayerRef{}, fmt.Errorf("hashing a layer of checkpoint %s: %w", id, err)
+		}
+		n, _ := r.layers.SealedSize(l)
+		return LayerRef{Digest: d, Bytes: n}, nil
+	}
+	for _, l := range stack {
+		lr, err := ref(l)
+		if err != nil {
+			return CheckpointManifest{}, err
+		}
+		m.Layers = append(m.Layers, lr)
+	}
+	if shm != "" {
+		lr, err := ref(shm)
+		if err != nil {
+			return CheckpointManifest{}, err
+		}
+		m.Shm = &lr
+	}
+	return m, nil
+}
+
+// ExportLayer writes the sealed layer of digest to w in the transfer format. Only layers whose
+// digest the runtime knows are found: those of the checkpoints CheckpointManifest described,
+// and those imported.
+func (r *Runtime) ExportLayer(w io.Writer, digest string) error {
+	id, err := r.layers.LayerByDigest(digest)
+	if err != nil {
+		return fmt.Errorf("%w: layer %s: not held by this node", ErrNotFound, digest)
+	}
+	defer r.layers.Unref(id)
+	got, err := r.layers.Export(w, id)
+	if err != nil {
+		return err
+	}
+	if got != digest {
+		return fmt.Errorf("layer %s exported as %s", digest, got)
+	}
+	return nil
+}
+
+// LayerFetcher opens the transfer stream of a layer from the node that holds it.
+type LayerFetcher func(ctx context.Context, l LayerRef) (io.ReadCloser, error)
+
+// adoptLimits are the size and inode limits of the filesystem of an imported layer that holds
+// n bytes on its node: as much as a sandbox's writable layer gets by default, or n and some
+// slack when more (a tmpfs counts its directories' and small files' blocks a little
+// differently on each node); a layer of whiteouts holds no bytes but an inode each. The
+// digest, checked at the end, bounds what a stream may write anyway.
+func (r *Runtime) adoptLimits(n int64) (size, inodes int64) {
+	size = max(n+n/8+4<<20, r.cfg.DefaultDiskBytes)
+	inodes = max(r.cfg.DefaultInodes, size/inodeBytes, minInodes)
+	return size, inodes
+}
+
+// AdoptCheckpoint makes the runtime hold checkpoint m, made on another node: the layers it
+// lacks are fetched and imported (each verified against its digest), the ones it has (an
+// earlier adoption, a layer of its own) are shared. It fails with ErrProcessesStay for a
+// checkpoint with processes and ErrMismatch when the runtime lacks its image or holds another
+// of that name; on any error nothing is left. Adopting a checkpoint the runtime holds already is a
+// no-op.
+func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fetch LayerFetcher) (CheckpointInfo, error) {
+	if info, err := r.Checkpoint(m.ID); err == nil {
+		return info, nil
+	}
+	unlock, err := r.adopting.lock(ctx, "checkpoint "+m.ID)
+	if err != nil {
+		return CheckpointInfo{}, err
+	}
+	defer unlock()
+	if info, err := r.Checkpoint(m.ID); err == nil {
+		return info, nil // adopted while this call waited
+	}
+	if m.Processes > 0 {
+		return CheckpointInfo{}, fmt.Errorf("checkpoint %s holds %d live processes: %w; restore it on its own node, or checkpoint with process mode filesystem",
+			m.ID, m.Processes, ErrProcessesStay)
+	}
+	im, err := r.Image(m.Image)
+	if err != nil {
+		return CheckpointInfo{}, fmt.Errorf("checkpoint %s is of image %q, which this node does not hold: %w", m.ID, m.Image, ErrMismatch)
+	}
+	if m.ImageDigest != "" && im.Digest != m.ImageDigest {
+		return CheckpointInfo{}, fmt.Errorf("checkpoint %s is of image %q %s; this node's image of that name is %s: %w", m.ID, m.Image, m.ImageDigest, im.Digest, ErrMismatch)
+	}
+	var total int64
+	for _, l := range m.Layers {
+		total += l.Bytes
+	}
+	mounts := len(m.Layers)
+	if m.Shm != nil {
+		total += m.Shm.Bytes
+		mounts++
+	}
+	if err := r.admitCheckpoint(total, mounts); err != nil {
+		return CheckpointInfo{}, err
+	}
+	c := &checkpoint{Image: m.Image, Created: m.Created, Labels: cloneLabels(m.Labels)}
+	c.ID = m.ID
+	ok := false
+	defer func() {
+		if !ok {
+			c.unrefFiles(r)
+		}
+	}()
+	for _, l := range m.Layers {
+		id, err := r.adoptLayer(ctx, l, fetch)
+		if err != nil {
+			return CheckpointInfo{}, fmt.Errorf("checkpoint %s: %w", m.ID, err)
+		}
+		c.Layers = append(c.Layers, id)
+		c.Size += l.Bytes
+	}
+	if m.Shm != nil {
+		id, err := r.adoptLayer(ctx, *m.Shm, fetch)
+		if err != nil {
+			return CheckpointInfo{}, fmt.Errorf("checkpoint %s: /dev/shm: %w", m.ID, err)
+		}
+		c.Shm = id
+	}
+	if err := r.addCheckpoint(c); err != nil {
+		return CheckpointInfo{}, err
+	}
+	ok = true
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return c.info(), nil
+}
+
+// adoptLayer returns a layer of digest l with a reference held: the runtime's own when it has
+// one, else one imported from fetch's stream. Concurrent adoptions of one digest import it
+// once.
+func (r *Runtime) adoptLayer(ctx context.Context, l LayerRef, fetch LayerFetcher) (string, error) {
+	if id, err := r.layers.LayerByDigest(l.Digest); err == nil {
+		return id, nil
+	}
+	unlock, err := r.adopting.lock(ctx, "layer "+l.Digest)
+	if err != nil {
+		return "", err
+	}
+	defer unlock()
+	if id, err := r.layers.LayerByDigest(l.Digest); err == nil {
+		return id, nil
+	}
+	rc, err := fetch(ctx, l)
+	if err != nil {
+		return "", fmt.Errorf("fetching layer %s: %w", l.Digest, err)
+	}
+	defer rc.Close()
+	size, inodes := r.adoptLimits(l.Bytes)
+	id, err := r.layers.Import(rc, l.Digest, size, layers.WithInodes(inodes))
+	if err != nil {
+		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+			return "", err
+		}
+		return "", fmt.Errorf("importing layer %s: %w", l.Digest, err)
+	}
+	return id, nil
+}
+
+// adoptions serialise the adoptions of one checkpoint, and the imports of one layer, by key.
+type adoptions struct {
+	mu sync.Mutex
+	// +checklocks:mu
+	m map[string]chan struct{} // each closes when its holder unlocks
+}
+
+// lock waits until no one holds key, or ctx ends, and takes it.
+func (a *adoptions) lock(ctx context.Context, key string) (unlock func(), err error) {
+	for {
+		a.mu.Lock()
+		if a.m == nil {
+			a.m = map[string]chan struct{}{}
+		}
+		wait, busy := a.m[key]
+		if !busy {
+			done := make(chan struct{})
+			a.m[key] = done
+			a.mu.Unlock()
+			return func() {
+				a.mu.Lock()
+				delete(a.m, key)
+				a.mu.Unlock()
+				close(done)
+			}, nil
+		}
+		a.mu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}

@@ -1,0 +1,271 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/internal/nodeid"
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// layerChunk is the size of FetchLayer's messages: large enough that a message's own cost is
+// small beside its copy, small enough to stay far below every client's message limit.
+const layerChunk = 1 << 20
+
+// DescribeCheckpoint implements NodeService.DescribeCheckpoint.
+func (n *nodeService) DescribeCheckpoint(_ context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
+	id := req.Msg.GetCheckpointId()
+	if id == "" {
+		return nil, n.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	}
+	m, err := n.s.rt.CheckpointManifest(id)
+	if err != nil {
+		if errors.Is(err, sandbox.ErrNotFound) {
+			err = errdefs.WithDetail(err, "CHECKPOINT_NOT_FOUND", "checkpoint_id", id)
+		}
+		return nil, n.s.toConnect(err)
+	}
+	return connect.NewResponse(&deltagymv1.DescribeCheckpointResponse{Manifest: manifestToProto(m)}), nil
+}
+
+// FetchLayer implements NodeService.FetchLayer.
+func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[deltagymv1.FetchLayerRequest], stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error {
+	d := req.Msg.GetDigest()
+	if d == "" {
+		return n.s.toConnect(fmt.Errorf("digest is required: %w", ErrInvalid))
+	}
+	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk)}
+	if err := n.s.rt.ExportLayer(w, d); err != nil {
+		if w.err != nil {
+			return w.err // the client went away: its error, not the export's
+		}
+		return n.s.toConnect(err)
+	}
+	return w.flush()
+}
+
+// chunkSender is an io.Writer that sends what it is given as FetchLayer messages of up to
+// layerChunk bytes.
+type chunkSender struct {
+	send func(*deltagymv1.FetchLayerResponse) error
+	ctx  context.Context
+	buf  []byte
+	err  error // the first send's error: every later write fails with it
+}
+
+func (c *chunkSender) Write(p []byte) (int, error) {
+	n := len(p)
+	for len(p) > 0 {
+		if c.err != nil {
+			return 0, c.err
+		}
+		k := min(len(p), cap(c.buf)-len(c.buf))
+		c.buf = append(c.buf, p[:k]...)
+		p = p[k:]
+		if len(c.buf) == cap(c.buf) {
+			if err := c.flush(); err != nil {
+				return 0, err
+			}
+		}
+	}
+	return n, nil
+}
+
+func (c *chunkSender) flush() error {
+	if c.err != nil || len(c.buf) == 0 {
+		return c.err
+	}
+	if err := c.ctx.Err(); err != nil {
+		c.err = err
+		return err
+	}
+	if err := c.send(&deltagymv1.FetchLayerResponse{Data: c.buf}); err != nil {
+		c.err = err
+		return err
+	}
+	c.buf = c.buf[:0]
+	return nil
+}
+
+// manifestToProto is m on the wire.
+func manifestToProto(m sandbox.CheckpointManifest) *deltagymv1.CheckpointManifest {
+	p := &deltagymv1.CheckpointManifest{CheckpointId: m.ID, ParentId: m.Parent, Image: m.Image, ImageDigest: m.ImageDigest,
+		Labels: m.Labels, CreatedAt: timestamppb.New(m.Created), Processes: int32(m.Processes)}
+	for _, l := range m.Layers {
+		p.Layers = append(p.Layers, &deltagymv1.LayerDescriptor{Digest: l.Digest, SizeBytes: l.Bytes})
+	}
+	if m.Shm != nil {
+		p.Shm = &deltagymv1.LayerDescriptor{Digest: m.Shm.Digest, SizeBytes: m.Shm.Bytes}
+	}
+	return p
+}
+
+// manifestFromProto is the manifest a peer sent, checked: every layer named by a digest, sizes
+// not negative.
+func manifestFromProto(p *deltagymv1.CheckpointManifest) (sandbox.CheckpointManifest, error) {
+	m := sandbox.CheckpointManifest{ID: p.GetCheckpointId(), Parent: p.GetParentId(), Image: p.GetImage(), ImageDigest: p.GetImageDigest(),
+		Labels: p.GetLabels(), Created: p.GetCreatedAt().AsTime(), Processes: int(p.GetProcesses())}
+	ref := func(d *deltagymv1.LayerDescriptor) (sandbox.LayerRef, error) {
+		if d.GetDigest() == "" || d.GetSizeBytes() < 0 {
+			return sandbox.LayerRef{}, fmt.Errorf("a layer of checkpoint %s has digest %q and size %d", m.ID, d.GetDigest(), d.GetSizeBytes())
+		}
+		return sandbox.LayerRef{Digest: d.GetDigest(), Bytes: d.GetSizeBytes()}, nil
+	}
+	for _, d := range p.GetLayers() {
+		l, err := ref(d)
+		if err != nil {
+			return m, err
+		}
+		m.Layers = append(m.Layers, l)
+	}
+	if p.GetShm() != nil {
+		l, err := ref(p.GetShm())
+		if err != nil {
+			return m, err
+		}
+		m.Shm = &l
+	}
+	return m, nil
+}
+
+// peers are the NodeService clients of the other nodes, by address.
+type peers struct {
+	mu sync.Mutex
+	// +checklocks:mu
+	clients map[string]deltagymv1connect.NodeServiceClient
+}
+
+// nodeClient returns the NodeService client of the node at addr, with the server's token.
+func (s *Server) nodeClient(addr string) deltagymv1connect.NodeServiceClient {
+	s.peers.mu.Lock()
+	defer s.peers.mu.Unlock()
+	if c := s.peers.clients[addr]; c != nil {
+		return c
+	}
+	if s.peers.clients == nil {
+		s.peers.clients = map[string]deltagymv1connect.NodeServiceClient{}
+	}
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true) // streams between nodes: h2c with prior knowledge
+	hc := &http.Client{Transport: &http.Transport{Protocols: &protos}}
+	var opts []connect.ClientOption
+	if tok := s.Token(); tok != "" {
+		opts = append(opts, connect.WithInterceptors(peerBearer(tok)))
+	}
+	c := deltagymv1connect.NewNodeServiceClient(hc, "http://"+addr, opts...)
+	s.peers.clients[addr] = c
+	return c
+}
+
+// fetchCheckpoint makes the runtime hold checkpoint id, which names another node: it asks
+// that node for its manifest and the layers the runtime lacks (episode.Config.Fetch).
+func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
+	owner := nodeid.Node(id)
+	addr := s.peerAddr(owner)
+	if addr == "" {
+		return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s, whose address this node (%s) does not know (--peers): %w",
+			id, owner, s.cfg.Cluster.Node, errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
+	}
+	peer := s.nodeClient(addr)
+	dr, err := peer.DescribeCheckpoint(ctx, connect.NewRequest(&deltagymv1.DescribeCheckpointRequest{CheckpointId: id}))
+	if err != nil {
+		return peerErr(err, id, owner, addr)
+	}
+	m, err := manifestFromProto(dr.Msg.GetManifest())
+	if err != nil {
+		return fmt.Errorf("node %s (%s) described checkpoint %s badly: %v: %w", owner, addr, id, err, errdefs.ErrUnavailable)
+	}
+	if m.ID != id {
+		return fmt.Errorf("node %s (%s) described checkpoint %s as %s: %w", owner, addr, id, m.ID, errdefs.ErrUnavailable)
+	}
+	fetch := func(ctx context.Context, l sandbox.LayerRef) (io.ReadCloser, error) {
+		ctx, cancel := context.WithCancel(ctx)
+		st, err := peer.FetchLayer(ctx, connect.NewRequest(&deltagymv1.FetchLayerRequest{Digest: l.Digest}))
+		if err != nil {
+			cancel()
+			return nil, peerErr(err, id, owner, addr)
+		}
+		return &layerStream{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
+	}
+	if _, err := s.rt.AdoptCheckpoint(ctx, m, fetch); err != nil {
+		return errdefs.WithDetail(err, "", "checkpoint_id", id)
+	}
+	return nil
+}
+
+// peerErr is the error of a call to node owner at addr about checkpoint id: what the node
+// said (its not-found is the checkpoint's), or that it could not be reached.
+func peerErr(err error, id, owner, addr string) error {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		switch ce.Code() {
+		case connect.CodeNotFound:
+			return errdefs.WithDetail(fmt.Errorf("checkpoint %s: node %s has no such checkpoint (released or expired): %w", id, owner, sandbox.ErrNotFound),
+				"CHECKPOINT_NOT_FOUND", "checkpoint_id", id)
+		case connect.CodeFailedPrecondition, connect.CodeInvalidArgument, connect.CodeResourceExhausted:
+			return fmt.Errorf("node %s (%s), asked for checkpoint %s: %s: %w", owner, addr, id, ce.Message(), errdefs.ErrFailedPrecondition)
+		}
+	}
+	return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s (%s), which did not answer: %v: %w", id, owner, addr, err, errdefs.ErrUnavailable),
+		"NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
+}
+
+// layerStream reads a FetchLayer stream's bytes.
+type layerStream struct {
+	st     *connect.ServerStreamForClient[deltagymv1.FetchLayerResponse]
+	cancel context.CancelFunc
+	wrap   func(error) error
+	rest   []byte
+}
+
+func (l *layerStream) Read(p []byte) (int, error) {
+	for len(l.rest) == 0 {
+		if !l.st.Receive() {
+			if err := l.st.Err(); err != nil {
+				return 0, l.wrap(err)
+			}
+			return 0, io.EOF
+		}
+		l.rest = l.st.Msg().GetData()
+	}
+	n := copy(p, l.rest)
+	l.rest = l.rest[n:]
+	return n, nil
+}
+
+func (l *layerStream) Close() error {
+	l.cancel()
+	return l.st.Close()
+}
+
+// peerBearer sets the bearer token on calls to other nodes.
+type peerBearer string
+
+func (b peerBearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		req.Header().Set("Authorization", "Bearer "+string(b))
+		return next(ctx, req)
+	}
+}
+
+func (b peerBearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		c := next(ctx, spec)
+		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
+		return c
+	}
+}
+
+func (b peerBearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
