@@ -107,7 +107,7 @@ func (s *Server) nodeInfo() *deltagymv1.NodeInfo {
 	s.mu.Unlock()
 	info := &deltagymv1.NodeInfo{
 		Name: s.cfg.Cluster.Node, Address: s.cfg.Cluster.AdvertiseAddr, Version: version.Version, Draining: draining,
-		Sandboxes: int32(s.rt.Sandboxes()), Checkpoints: int32(s.rt.Checkpoints()), MaxSandboxes: int32(max(s.rt.Caps().Sandboxes, 0)),
+		Sandboxes: int32(s.core.Leased()), Checkpoints: int32(s.rt.Checkpoints()), MaxSandboxes: int32(max(s.rt.Caps().Sandboxes, 0)),
 		Cpus: int32(runtime.NumCPU()), MeasuredAt: timestamppb.Now(),
 	}
 	if load, err := loadAverage(); err == nil {
