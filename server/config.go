@@ -164,6 +164,13 @@ type ClusterSettings struct {
 	// AdvertiseAddr is the host:port other nodes and clients reach the node at, reported by
 	// NodeService.GetNode. Default "": not reported (a node on its own).
 	AdvertiseAddr string
+	// Peers names the nodes of the cluster, this one among them or not, as the Go client's
+	// DialCluster takes a target: "dns:NAME:PORT" (every address of NAME a node, as a
+	// Kubernetes headless Service lists them) or a comma-separated list of host:port. The node
+	// asks each for its report, with its own token (a cluster has one), when it starts and every
+	// 10 s after, so that a call on another node's ID fails with WRONG_NODE giving that node's
+	// address. Default "": a node that knows no peer (WRONG_NODE names the node alone).
+	Peers string
 }
 
 // LeaseSettings are the settings of the sandboxes' leases.
