@@ -169,6 +169,13 @@ type ClusterSettings struct {
 	// sandboxes (Reset and Fork fail with DRAINING, GetNode reports it draining) while the
 	// sandboxes it holds run until their leases end or this time does. Default 0: no drain.
 	DrainTimeout time.Duration
+	// Peers names the nodes of the cluster, this one among them or not, as the Go client's
+	// DialCluster takes a target: "dns:NAME:PORT" (every address of NAME a node, as a
+	// Kubernetes headless Service lists them) or a comma-separated list of host:port. The node
+	// asks each for its report, with its own token (a cluster has one), when it starts and every
+	// 10 s after, so that a call on another node's ID fails with WRONG_NODE giving that node's
+	// address. Default "": a node that knows no peer (WRONG_NODE names the node alone).
+	Peers string
 }
 
 // LeaseSettings are the settings of the sandboxes' leases.

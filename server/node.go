@@ -3,6 +3,7 @@ package server
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -19,6 +20,7 @@ import (
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/deltagym/deltagym/clients/go/deltagym"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/internal/version"
@@ -34,6 +36,9 @@ func (c *ClusterSettings) registerFlags(fs *flag.FlagSet, def func(v, env, d str
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, drain for up to this `duration` before shutting down: take no new sandboxes (Reset and Fork "+
 		"fail with DRAINING, so that cluster clients place them elsewhere) while the sandboxes held run until their leases end (default 0: no drain; keep it, with "+
 		"--shutdown-timeout, within the time the node is given to stop)")
+	fs.StringVar(&c.Peers, "peers", def(c.Peers, "DELTAGYM_PEERS", ""), "the cluster's nodes, which this node asks for their names and addresses so that "+
+		"a call on another node's sandbox or checkpoint fails with WRONG_NODE giving the owner's address: dns:NAME:PORT (every address of NAME a node, "+
+		"as a Kubernetes headless Service lists them) or a comma-separated list of `host:port` (default: none)")
 }
 
 // check refuses a node name or an address that cannot be one.
@@ -51,6 +56,33 @@ func (c *ClusterSettings) check() error {
 			return fmt.Errorf("server: --advertise-addr %q: want host:port, as 10.0.0.7:8080", a)
 		}
 	}
+	if c.Peers != "" {
+		if err := deltagym.CheckClusterTarget(c.Peers); err != nil {
+			return fmt.Errorf("server: --peers: %w", err)
+		}
+	}
+	return nil
+}
+
+// dialPeers starts the discovery of the node's peers (--peers): the Go client's Cluster, which
+// asks every node for its report with the node's own token, once before it returns (within a
+// few seconds, whether they answer or not) and every DefaultRefresh after.
+func (s *Server) dialPeers(ctx context.Context) error {
+	if s.cfg.Cluster.Peers == "" {
+		return nil
+	}
+	peers, err := deltagym.DialCluster(ctx, s.cfg.Cluster.Peers, deltagym.WithToken(s.token))
+	if err != nil {
+		return fmt.Errorf("discovering the peers (--peers): %w", err)
+	}
+	s.peers = peers
+	var answering []string
+	for _, n := range peers.Nodes() {
+		if n.Err == nil {
+			answering = append(answering, n.Name+"@"+n.Addr)
+		}
+	}
+	s.log.Info("peers asked for their reports", "peers", s.cfg.Cluster.Peers, "answering", answering)
 	return nil
 }
 
@@ -107,7 +139,7 @@ func (s *Server) nodeInfo() *deltagymv1.NodeInfo {
 	s.mu.Unlock()
 	info := &deltagymv1.NodeInfo{
 		Name: s.cfg.Cluster.Node, Address: s.cfg.Cluster.AdvertiseAddr, Version: version.Version, Draining: draining,
-		Sandboxes: int32(s.rt.Sandboxes()), Checkpoints: int32(s.rt.Checkpoints()), MaxSandboxes: int32(max(s.rt.Caps().Sandboxes, 0)),
+		Sandboxes: int32(s.core.Leased()), Checkpoints: int32(s.rt.Checkpoints()), MaxSandboxes: int32(max(s.rt.Caps().Sandboxes, 0)),
 		Cpus: int32(runtime.NumCPU()), MeasuredAt: timestamppb.Now(),
 	}
 	if load, err := loadAverage(); err == nil {
@@ -156,12 +188,20 @@ func memory() (available, total int64) {
 	return available, total
 }
 
-// peerAddr returns the address of node name, as its load report gives it; "" when unknown.
+// peerAddr returns the address of node name: the one it advertises in its report, else the one
+// this node reached it at (--peers); "" when no peer reports that name.
 func (s *Server) peerAddr(name string) string {
 	if name == s.cfg.Cluster.Node {
 		return s.cfg.Cluster.AdvertiseAddr
 	}
-	return ""
+	if s.peers == nil {
+		return ""
+	}
+	st, ok := s.peers.Node(name)
+	if !ok {
+		return ""
+	}
+	return cmp.Or(st.Report.GetAddress(), st.Addr)
 }
 
 // BeginDrain makes the node take no new sandboxes: Reset and Fork fail with DRAINING and GetNode

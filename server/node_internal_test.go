@@ -41,7 +41,7 @@ func TestNodeName(t *testing.T) {
 	}
 }
 
-// TestClusterFlags: --node-name and --advertise-addr refuse what cannot be a node's name or
+// TestClusterFlags: --node-name, --advertise-addr and --peers refuse what cannot be a node's name or
 // address, saying what they want.
 func TestClusterFlags(t *testing.T) {
 	for _, c := range []struct {
@@ -55,6 +55,10 @@ func TestClusterFlags(t *testing.T) {
 		{ClusterSettings{Node: "-a"}, false},
 		{ClusterSettings{AdvertiseAddr: "10.0.0.1"}, false},
 		{ClusterSettings{AdvertiseAddr: ":8080"}, false},
+		{ClusterSettings{Peers: "dns:deltagym.deltagym.svc.cluster.local:8080"}, true},
+		{ClusterSettings{Peers: "10.0.0.1:8080,10.0.0.2:8080"}, true},
+		{ClusterSettings{Peers: "dns:deltagym"}, false},
+		{ClusterSettings{Peers: "10.0.0.1:8080,10.0.0.2"}, false},
 	} {
 		if err := c.s.check(); (err == nil) != c.ok {
 			t.Errorf("%+v: %v, want ok %v", c.s, err, c.ok)

@@ -2,7 +2,10 @@ package server_test
 
 import (
 	"context"
+	"net"
 	"net/http"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,13 +18,61 @@ import (
 	"github.com/deltagym/deltagym/server"
 )
 
+// peer is another node of the cluster, as this node's discovery of its peers sees it: its
+// NodeService, which reports its name and the address it advertises, and records the
+// Authorization header it was asked with.
+type peer struct {
+	name       string
+	advertised string
+	addr       string // where it listens
+
+	mu sync.Mutex
+	// +checklocks:mu
+	auth string
+}
+
+func startPeer(t *testing.T, name, advertised string) *peer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &peer{name: name, advertised: advertised, addr: ln.Addr().String()}
+	mux := http.NewServeMux()
+	mux.Handle(deltagymv1connect.NewNodeServiceHandler(p))
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true)
+	srv := &http.Server{Handler: mux, Protocols: &protos}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(ln)
+	}()
+	t.Cleanup(func() {
+		_ = srv.Close()
+		<-served
+	})
+	return p
+}
+
+func (p *peer) GetNode(_ context.Context, req *connect.Request[deltagymv1.GetNodeRequest]) (*connect.Response[deltagymv1.GetNodeResponse], error) {
+	p.mu.Lock()
+	p.auth = req.Header().Get("Authorization")
+	p.mu.Unlock()
+	return connect.NewResponse(&deltagymv1.GetNodeResponse{Node: &deltagymv1.NodeInfo{Name: p.name, Address: p.advertised}}), nil
+}
+
 // TestNodeIdentity: a node's IDs carry its name, GetNode reports its name, address and load,
-// and a call on an ID of another node fails with WRONG_NODE naming it, while an ID of no node
-// is still an unknown one.
+// and a call on an ID of another node fails with WRONG_NODE naming it, with the address its
+// peers (--peers) give, while an ID of no node is still an unknown one.
 func TestNodeIdentity(t *testing.T) {
+	peerB := startPeer(t, "node-b", "10.0.0.8:8080") // advertises its address
+	peerC := startPeer(t, "node-c", "")              // does not: it is where the node reached it
 	b := setup(t, func(c *server.Config) {
 		c.Cluster.Node = "node-a"
 		c.Cluster.AdvertiseAddr = "10.0.0.7:8080"
+		c.Cluster.Peers = peerB.addr + "," + peerC.addr
 	})
 	ctx := t.Context()
 	nodes := deltagymv1connect.NewNodeServiceClient(http.DefaultClient, "http://"+b.addr, connect.WithInterceptors(bearer(b.token)))
@@ -55,16 +106,34 @@ func TestNodeIdentity(t *testing.T) {
 		t.Fatalf("GetSandbox of its own sandbox: %v", gs)
 	}
 
+	for _, p := range []*peer{peerB, peerC} {
+		p.mu.Lock()
+		auth := p.auth
+		p.mu.Unlock()
+		if auth != "Bearer "+b.token {
+			t.Fatalf("%s was asked for its report with %q, want the node's own token", p.name, auth)
+		}
+	}
 	otherSB, otherCK := nodeid.New("sb", "node-b"), nodeid.New("ck", "node-b")
+	const addrB = "10.0.0.8:8080"
 	for _, cl := range b.clients() {
 		_, err := cl.c.GetSandbox(ctx, &deltagymv1.GetSandboxRequest{SandboxId: otherSB})
-		wantReason(t, cl.name+": GetSandbox of node-b's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "sandbox_id", otherSB, "node", "node-b")
+		wantReason(t, cl.name+": GetSandbox of node-b's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "sandbox_id", otherSB, "node", "node-b", "address", addrB)
 		_, err = cl.c.Step(ctx, &deltagymv1.StepRequest{SandboxId: otherSB, Action: execAction("true")})
-		wantReason(t, cl.name+": Step in node-b's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "sandbox_id", otherSB, "node", "node-b")
+		wantReason(t, cl.name+": Step in node-b's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "sandbox_id", otherSB, "node", "node-b", "address", addrB)
 		_, err = cl.c.Restore(ctx, &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: otherCK})
-		wantReason(t, cl.name+": Restore of node-b's checkpoint", err, connect.CodeFailedPrecondition, "WRONG_NODE", "checkpoint_id", otherCK, "node", "node-b")
+		wantReason(t, cl.name+": Restore of node-b's checkpoint", err, connect.CodeFailedPrecondition, "WRONG_NODE", "checkpoint_id", otherCK, "node", "node-b", "address", addrB)
 		_, err = cl.c.ReleaseCheckpoint(ctx, &deltagymv1.ReleaseCheckpointRequest{CheckpointId: otherCK})
-		wantReason(t, cl.name+": ReleaseCheckpoint of node-b's checkpoint", err, connect.CodeFailedPrecondition, "WRONG_NODE", "checkpoint_id", otherCK, "node", "node-b")
+		wantReason(t, cl.name+": ReleaseCheckpoint of node-b's checkpoint", err, connect.CodeFailedPrecondition, "WRONG_NODE", "checkpoint_id", otherCK, "node", "node-b", "address", addrB)
+		if !strings.Contains(err.Error(), "node node-b ("+addrB+")") {
+			t.Fatalf("%s: WRONG_NODE's message %q does not give node-b's address", cl.name, err)
+		}
+		sbC := nodeid.New("sb", "node-c")
+		_, err = cl.c.GetSandbox(ctx, &deltagymv1.GetSandboxRequest{SandboxId: sbC})
+		wantReason(t, cl.name+": GetSandbox of node-c's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "node", "node-c", "address", peerC.addr)
+		sbD := nodeid.New("sb", "node-d")
+		_, err = cl.c.GetSandbox(ctx, &deltagymv1.GetSandboxRequest{SandboxId: sbD})
+		wantReason(t, cl.name+": GetSandbox of a sandbox of a node no peer reports", err, connect.CodeFailedPrecondition, "WRONG_NODE", "node", "node-d", "address", "")
 		// An ID of no node is this node's: unknown, not another's.
 		_, err = cl.c.GetSandbox(ctx, &deltagymv1.GetSandboxRequest{SandboxId: "sb-0123456789abcdef"})
 		wantReason(t, cl.name+": GetSandbox of an ID of no node", err, connect.CodeNotFound, "SANDBOX_NOT_FOUND")

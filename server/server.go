@@ -17,6 +17,7 @@ import (
 	"connectrpc.com/grpchealth"
 	"connectrpc.com/grpcreflect"
 
+	"github.com/deltagym/deltagym/clients/go/deltagym"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 	"github.com/deltagym/deltagym/envpool"
@@ -44,8 +45,9 @@ type Server struct {
 	token     string // the bearer token clients send; "" with auth off
 	imports   *importRoot
 
-	openenv *openenv.Handler // nil until the handler is built
-	swerex  *swerex.Handler  // nil until the handler is built
+	peers   *deltagym.Cluster // the cluster's nodes (--peers); nil without
+	openenv *openenv.Handler  // nil until the handler is built
+	swerex  *swerex.Handler   // nil until the handler is built
 	core    *episode.Core
 	coreSet chan struct{} // closed once core is set: the runtime's expiry hook reads it then
 	regMu   sync.Mutex    // serialises RegisterEnv's keeping of specs
@@ -88,10 +90,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if err := checkDataDir(cfg.DataDir); err != nil {
 		return nil, err
 	}
-	if s.cfg.Cluster.Node, err = nodeName(cfg.DataDir, cfg.Cluster.Node); err != nil {
-		return nil, err
-	}
-	if err := s.setupAuth(); err != nil {
+	if err := s.identify(ctx); err != nil {
 		return nil, err
 	}
 	if s.imports, err = openImportRoot(cfg.Import.Root, cfg.Import.MaxBytes); err != nil {
@@ -141,6 +140,18 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	s.registerRuntimeMetrics()
 	s.handler = s.buildHandler()
 	return s, nil
+}
+
+// identify settles the node's name, its token and its peers.
+func (s *Server) identify(ctx context.Context) error {
+	var err error
+	if s.cfg.Cluster.Node, err = nodeName(s.cfg.DataDir, s.cfg.Cluster.Node); err != nil {
+		return err
+	}
+	if err := s.setupAuth(); err != nil {
+		return err
+	}
+	return s.dialPeers(ctx)
 }
 
 // startEpisodes starts the episode core and the pools whose sandboxes it hands out.
@@ -383,6 +394,9 @@ func (s *Server) Close(ctx context.Context) error {
 		}
 		if s.imports != nil {
 			errs = append(errs, s.imports.Close())
+		}
+		if s.peers != nil {
+			errs = append(errs, s.peers.Close())
 		}
 		s.closeErr = errors.Join(errs...)
 	})

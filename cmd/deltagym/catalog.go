@@ -2,12 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/encoding/protojson"
 
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
@@ -31,19 +33,31 @@ func (r *registerEnvCmd) Run(ctx context.Context, a *app) error {
 		}
 		return fmt.Errorf("%s: not an env spec (the JSON of envs/*.json; fields in proto/deltagym/v1/env.proto): %v", from, err)
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: spec, Replace: r.Replace}))
-	if err != nil {
-		return err
+	// Each node keeps its own catalog: in a cluster the env goes to every node, so that a
+	// Reset placed on any of them finds it.
+	var registered []*deltagymv1.EnvInfo
+	err = c.each(func(_ string, cl *deltagym.Client) error {
+		res, err := cl.EnvService().RegisterEnv(ctx, connect.NewRequest(&deltagymv1.RegisterEnvRequest{Spec: spec, Replace: r.Replace}))
+		if err != nil {
+			return err
+		}
+		if a.JSON {
+			if err := printJSON(a.stdout, res.Msg); err != nil {
+				return err
+			}
+		}
+		registered = append(registered, res.Msg.GetEnv())
+		return nil
+	})
+	if !a.JSON && len(registered) > 0 {
+		err = errors.Join(printEnvs(a.stdout, &deltagymv1.ListEnvsResponse{Envs: registered[:1]}), err)
 	}
-	if a.JSON {
-		return printJSON(a.stdout, res.Msg)
-	}
-	return printEnvs(a.stdout, &deltagymv1.ListEnvsResponse{Envs: []*deltagymv1.EnvInfo{res.Msg.GetEnv()}})
+	return err
 }
 
 // imageFormats are the values of import-image --format ("": found out from the path).
@@ -68,18 +82,22 @@ func (ic *importImageCmd) Run(ctx context.Context, a *app) error {
 		return usageErrorf("--format %q: want oci, docker or rootfs", ic.Format)
 	}
 	req := &deltagymv1.ImportImageRequest{Name: ic.Name, Path: ic.Path, Format: format}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ImportImage(ctx, connect.NewRequest(req))
-	if err != nil {
-		return err
-	}
-	if a.JSON {
-		return printJSON(a.stdout, res.Msg)
-	}
-	return fields(a.stdout, "image", res.Msg.GetName(), "digest", res.Msg.GetDigest(),
-		"layers", strconv.Itoa(int(res.Msg.GetLayerCount())))
+	// Each node keeps its own images, read from its own import root: in a cluster every node
+	// imports the path from its own machine.
+	return c.each(func(node string, cl *deltagym.Client) error {
+		res, err := cl.EnvService().ImportImage(ctx, connect.NewRequest(req))
+		if err != nil {
+			return err
+		}
+		if a.JSON {
+			return printJSON(a.stdout, res.Msg)
+		}
+		return fields(a.stdout, "node", node, "image", res.Msg.GetName(), "digest", res.Msg.GetDigest(),
+			"layers", strconv.Itoa(int(res.Msg.GetLayerCount())))
+	})
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -38,7 +39,7 @@ func usageErrorf(format string, args ...any) error {
 // clientFlags are the flags of every subcommand that calls a server. They sit on the root, so
 // that they go before or after the subcommand (deltagym --addr X envs, deltagym envs --addr X).
 type clientFlags struct {
-	Addr  string `group:"client" placeholder:"HOST:PORT" help:"server address, host:port or URL (default $DELTAGYM_ADDR or ${defaultAddr})"`
+	Addr  string `group:"client" placeholder:"HOST:PORT" help:"server address, host:port or URL; or a cluster, dns:NAME:PORT (every address of NAME a node) or a comma-separated list of addresses, whose commands then go to the node that holds their sandbox or checkpoint, and reset to the least loaded (default $DELTAGYM_ADDR or ${defaultAddr})"`
 	Token string `group:"client" placeholder:"TOKEN" help:"bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file in its data directory, $DELTAGYM_DATA or .data)"`
 	JSON  bool   `group:"client" name:"json" help:"print responses as JSON (protojson), one object per line"`
 }
@@ -68,15 +69,21 @@ type app struct {
 	Close       closeCmd       `cmd:"" help:"close sandboxes"`
 	Sandboxes   sandboxesCmd   `cmd:"" help:"list leased sandboxes"`
 	Checkpoints checkpointsCmd `cmd:"" help:"list the checkpoints the server holds and what keeps each (release frees them)"`
-	Episodes    episodesCmd    `cmd:"" help:"list recorded episodes"`
-	Trajectory  trajectoryCmd  `cmd:"" help:"print an episode's steps from its reset"`
-	Advantages  advantagesCmd  `cmd:"" help:"group-relative (GRPO) advantages"`
-	Traj        trajCmd        `cmd:"" help:"export trajectories from the ledger database"`
-	DB          dbCmd          `cmd:"" name:"db" help:"print the ledger database URL (for psql)"`
-	Purge       purgeCmd       `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`
-	Completion  completionCmd  `cmd:"" help:"print the shell completion script for bash, zsh or fish"`
-	Help        helpCmd        `cmd:"" help:"describe a command"`
-	VersionCmd  versionCmd     `cmd:"" name:"version" help:"print the version"`
+	Nodes       nodesCmd       `cmd:"" help:"list the nodes of the cluster --addr names (or the one server): name, address, version, load"`
+	ledgerCmds
+	Purge      purgeCmd      `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`
+	Completion completionCmd `cmd:"" help:"print the shell completion script for bash, zsh or fish"`
+	Help       helpCmd       `cmd:"" help:"describe a command"`
+	VersionCmd versionCmd    `cmd:"" name:"version" help:"print the version"`
+}
+
+// ledgerCmds are the commands that read the ledger, in the order of the CLI's help.
+type ledgerCmds struct {
+	Episodes   episodesCmd   `cmd:"" help:"list recorded episodes"`
+	Trajectory trajectoryCmd `cmd:"" help:"print an episode's steps from its reset"`
+	Advantages advantagesCmd `cmd:"" help:"group-relative (GRPO) advantages"`
+	Traj       trajCmd       `cmd:"" help:"export trajectories from the ledger database"`
+	DB         dbCmd         `cmd:"" name:"db" help:"print the ledger database URL (for psql)"`
 }
 
 // Main runs the CLI with args (without the program name) and returns the exit status.
@@ -188,8 +195,9 @@ func describeError(err error, a *app) string {
 		msg += " (with this CLI: checkpoint --processes files)"
 	}
 	if connect.CodeOf(err) == connect.CodeUnavailable {
-		addr, aerr := deltagym.BaseURL(a.Addr)
-		if aerr == nil {
+		if addr := cmp.Or(a.Addr, os.Getenv(deltagym.EnvAddr)); deltagym.IsClusterTarget(addr) {
+			msg += " (`deltagym nodes` lists the cluster's nodes)"
+		} else if addr, aerr := deltagym.BaseURL(a.Addr); aerr == nil {
 			msg += fmt.Sprintf(" (is a server running at %s? start one with `make run` or `deltagym serve`)", addr)
 		}
 	}
@@ -238,8 +246,8 @@ func (f *seconds) UnmarshalText(b []byte) error {
 	return nil
 }
 
-// dial connects to the server named by the client flags.
-func (a *app) dial() (*deltagym.Client, error) {
+// dial connects to the server or the cluster the client flags name.
+func (a *app) dial(ctx context.Context) (*conn, error) {
 	// The token is resolved here so that describeError, not the client, gives the advice
 	// about a missing one, in terms of this CLI's flags.
 	tok := a.Token
@@ -249,9 +257,20 @@ func (a *app) dial() (*deltagym.Client, error) {
 			return nil, usageErrorf("%v", err)
 		}
 	}
-	c, err := deltagym.Dial(a.Addr, deltagym.WithToken(tok))
+	addr := cmp.Or(a.Addr, os.Getenv(deltagym.EnvAddr))
+	if deltagym.IsClusterTarget(addr) {
+		if err := deltagym.CheckClusterTarget(addr); err != nil {
+			return nil, usageErrorf("--addr: %v", err)
+		}
+		cl, err := deltagym.DialCluster(ctx, addr, deltagym.WithToken(tok))
+		if err != nil {
+			return nil, err
+		}
+		return &conn{cluster: cl}, nil
+	}
+	c, err := deltagym.Dial(addr, deltagym.WithToken(tok))
 	if err != nil {
 		return nil, usageErrorf("%v", err)
 	}
-	return c, nil
+	return &conn{one: c, addr: cmp.Or(addr, deltagym.DefaultAddr)}, nil
 }

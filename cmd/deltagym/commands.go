@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -23,12 +24,16 @@ import (
 type envsCmd struct{}
 
 func (*envsCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ListEnvs(ctx, connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
+	node, err := c.any()
+	if err != nil {
+		return err
+	}
+	res, err := node.EnvService().ListEnvs(ctx, connect.NewRequest(&deltagymv1.ListEnvsRequest{}))
 	if err != nil {
 		return err
 	}
@@ -86,12 +91,16 @@ func (r *resetCmd) Run(ctx context.Context, a *app) error {
 	if req.IdempotencyKey == "" {
 		req.IdempotencyKey = deltagym.NewIdempotencyKey()
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Reset(ctx, connect.NewRequest(req))
+	env, err := c.place()
+	if err != nil {
+		return err
+	}
+	res, err := env.Reset(ctx, connect.NewRequest(req))
 	if err != nil {
 		return err
 	}
@@ -166,12 +175,16 @@ func (e *execCmd) Run(ctx context.Context, a *app) error {
 		}
 		action.Stdin = b
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
+	env, err := c.owner(e.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
 		SandboxId: e.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: action}}, Checkpoint: e.Checkpoint, Setup: e.Setup,
 	}))
 	if err != nil {
@@ -331,12 +344,16 @@ func (wc *writeCmd) Run(ctx context.Context, a *app) error {
 	if action.Content, err = readInput(a.stdin, wc.From); err != nil {
 		return err
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
+	env, err := c.owner(wc.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
 		SandboxId: wc.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: action}},
 	}))
 	if err != nil {
@@ -363,12 +380,16 @@ type readCmd struct {
 }
 
 func (r *readCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
+	env, err := c.owner(r.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
 		SandboxId: r.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{
 			Path: r.Path, Offset: r.Offset, MaxBytes: r.MaxBytes,
 		}}},
@@ -414,12 +435,16 @@ func (ck *checkpointCmd) Run(ctx context.Context, a *app) error {
 	if !ok {
 		return usageErrorf("--processes %q: want template, criu or files", ck.Processes)
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: ck.Sandbox, Durable: ck.Durable, ProcessMode: mode}))
+	env, err := c.owner(ck.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: ck.Sandbox, Durable: ck.Durable, ProcessMode: mode}))
 	if err != nil {
 		return err
 	}
@@ -495,12 +520,16 @@ type restoreCmd struct {
 }
 
 func (r *restoreCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: r.Sandbox, CheckpointId: r.Checkpoint, FreshEntropy: r.FreshEntropy}))
+	env, err := c.owner(r.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Restore(ctx, connect.NewRequest(&deltagymv1.RestoreRequest{SandboxId: r.Sandbox, CheckpointId: r.Checkpoint, FreshEntropy: r.FreshEntropy}))
 	if err != nil {
 		return err
 	}
@@ -556,12 +585,16 @@ func (f *forkCmd) Run(ctx context.Context, a *app) error {
 	if req.IdempotencyKey == "" {
 		req.IdempotencyKey = deltagym.NewIdempotencyKey()
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Fork(ctx, connect.NewRequest(req))
+	env, err := c.owner(cmp.Or(ckpt, sandbox))
+	if err != nil {
+		return err
+	}
+	res, err := env.Fork(ctx, connect.NewRequest(req))
 	if err != nil {
 		return err
 	}
@@ -617,12 +650,16 @@ type releaseCmd struct {
 }
 
 func (r *releaseCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ReleaseCheckpoint(ctx, connect.NewRequest(&deltagymv1.ReleaseCheckpointRequest{CheckpointId: r.Checkpoint}))
+	env, err := c.owner(r.Checkpoint)
+	if err != nil {
+		return err
+	}
+	res, err := env.ReleaseCheckpoint(ctx, connect.NewRequest(&deltagymv1.ReleaseCheckpointRequest{CheckpointId: r.Checkpoint}))
 	if err != nil {
 		return err
 	}
@@ -638,12 +675,16 @@ type evaluateCmd struct {
 }
 
 func (e *evaluateCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Evaluate(ctx, connect.NewRequest(&deltagymv1.EvaluateRequest{SandboxId: e.Sandbox}))
+	env, err := c.owner(e.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Evaluate(ctx, connect.NewRequest(&deltagymv1.EvaluateRequest{SandboxId: e.Sandbox}))
 	if err != nil {
 		return err
 	}
@@ -686,12 +727,16 @@ type submitCmd struct {
 
 func (sc *submitCmd) Run(ctx context.Context, a *app) error {
 	action := &deltagymv1.SubmitAction{Answer: sc.Answer}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
+	env, err := c.owner(sc.Sandbox)
+	if err != nil {
+		return err
+	}
+	res, err := env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{
 		SandboxId: sc.Sandbox, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: action}},
 	}))
 	if err != nil {
@@ -717,14 +762,19 @@ type closeCmd struct {
 }
 
 func (cc *closeCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
 	var errs []error
 	for _, id := range cc.Sandboxes {
-		res, err := c.EnvService().Close(ctx, connect.NewRequest(&deltagymv1.CloseRequest{SandboxId: id}))
+		env, err := c.owner(id)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		res, err := env.Close(ctx, connect.NewRequest(&deltagymv1.CloseRequest{SandboxId: id}))
 		switch {
 		case err != nil:
 			errs = append(errs, fmt.Errorf("%s: %w", id, err))
@@ -746,25 +796,25 @@ type sandboxesCmd struct {
 }
 
 func (sc *sandboxesCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ListSandboxes(ctx, connect.NewRequest(&deltagymv1.ListSandboxesRequest{Env: sc.Env, Run: sc.RunName, GroupId: sc.Group}))
-	if err != nil {
-		return err
+	sandboxes, lerr := c.listSandboxes(ctx, deltagym.SandboxFilter{Env: sc.Env, Run: sc.RunName, Group: sc.Group})
+	if sandboxes == nil && lerr != nil {
+		return lerr
 	}
 	if a.JSON {
-		return printJSON(a.stdout, res.Msg)
+		return errors.Join(printJSON(a.stdout, &deltagymv1.ListSandboxesResponse{Sandboxes: sandboxes}), lerr)
 	}
 	now := time.Now()
 	t := newTable(a.stdout, "SANDBOX", "ENV", "STATE", "EPISODE", "STEP", "RUN", "GROUP", "LEASE")
-	for _, s := range res.Msg.GetSandboxes() {
+	for _, s := range sandboxes {
 		t.row(s.GetSandboxId(), s.GetEnv(), sandboxState(s.GetState()), orDash(s.GetEpisodeId()),
 			strconv.Itoa(int(s.GetNextStepIndex())), orDash(s.GetRun()), orDash(s.GetGroupId()), orDash(formatLease(s.GetLeaseExpireTime(), now)))
 	}
-	return t.flush()
+	return errors.Join(t.flush(), lerr) // what the nodes that answered hold, then what failed
 }
 
 type checkpointsCmd struct {
@@ -775,26 +825,25 @@ type checkpointsCmd struct {
 }
 
 func (cc *checkpointsCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.EnvService().ListCheckpoints(ctx, connect.NewRequest(&deltagymv1.ListCheckpointsRequest{Env: cc.Env, Run: cc.RunName,
-		GroupId: cc.Group, EpisodeId: cc.Episode}))
-	if err != nil {
-		return err
+	checkpoints, lerr := c.listCheckpoints(ctx, deltagym.CheckpointFilter{Env: cc.Env, Run: cc.RunName, Group: cc.Group, Episode: cc.Episode})
+	if checkpoints == nil && lerr != nil {
+		return lerr
 	}
 	if a.JSON {
-		return printJSON(a.stdout, res.Msg)
+		return errors.Join(printJSON(a.stdout, &deltagymv1.ListCheckpointsResponse{Checkpoints: checkpoints}), lerr)
 	}
 	now := time.Now()
 	t := newTable(a.stdout, "CHECKPOINT", "ENV", "EPISODE", "STEP", "CREATED", "BYTES", "PROCS", "HELD BY")
-	for _, k := range res.Msg.GetCheckpoints() {
+	for _, k := range checkpoints {
 		t.row(k.GetCheckpointId(), k.GetEnv(), orDash(k.GetEpisodeId()), strconv.Itoa(int(k.GetStepIndex())), formatTime(k.GetCreateTime()),
 			strconv.FormatInt(k.GetSizeBytes(), 10), strconv.Itoa(int(k.GetProcesses())), checkpointHold(k, now))
 	}
-	return t.flush()
+	return errors.Join(t.flush(), lerr)
 }
 
 // checkpointHold says what keeps checkpoint k: its pool, live sandboxes descending from it, or
@@ -823,7 +872,7 @@ func (ec *episodesCmd) Run(ctx context.Context, a *app) error {
 	if limit < 0 {
 		return usageErrorf("--limit %d: want 0 or more", limit)
 	}
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
@@ -834,7 +883,11 @@ func (ec *episodesCmd) Run(ctx context.Context, a *app) error {
 	}
 	var episodes []*deltagymv1.Episode
 	more := false
-	for e, err := range c.Episodes(ctx, deltagym.EpisodeFilter{Run: ec.RunName, Group: ec.Group, Env: ec.Env, PageSize: pageSize}) {
+	led, err := c.any()
+	if err != nil {
+		return err
+	}
+	for e, err := range led.Episodes(ctx, deltagym.EpisodeFilter{Run: ec.RunName, Group: ec.Group, Env: ec.Env, PageSize: pageSize}) {
 		if err != nil {
 			return err
 		}
@@ -888,12 +941,16 @@ type trajectoryCmd struct {
 }
 
 func (tc *trajectoryCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.Trajectory(ctx, tc.Episode)
+	led, err := c.any()
+	if err != nil {
+		return err
+	}
+	res, err := led.Trajectory(ctx, tc.Episode)
 	if err != nil {
 		return err
 	}
@@ -954,12 +1011,16 @@ type advantagesCmd struct {
 }
 
 func (ac *advantagesCmd) Run(ctx context.Context, a *app) error {
-	c, err := a.dial()
+	c, err := a.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	res, err := c.GroupAdvantages(ctx, ac.Group, ac.Source)
+	led, err := c.any()
+	if err != nil {
+		return err
+	}
+	res, err := led.GroupAdvantages(ctx, ac.Group, ac.Source)
 	if err != nil {
 		return err
 	}

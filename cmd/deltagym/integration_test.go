@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -374,4 +375,63 @@ func TestCLILeaseTTL(t *testing.T) {
 	}
 	_, errOut := cli(t, exitError, "", "reset", "shell", "--lease-ttl", "48h")
 	mustContain(t, "reset --lease-ttl past the server's maximum", errOut, "invalid_argument", "--max-lease-ttl")
+}
+
+// TestCLINodes: `nodes` lists the server --addr names, or every node of a cluster target; a
+// cluster's commands go to the node an ID names, reset to the least loaded. The cluster here
+// is the test server at two addresses: one node, keyed by the name it reports.
+func TestCLINodes(t *testing.T) {
+	needServer(t)
+	t.Setenv("DELTAGYM_ADDR", testAddr)
+	t.Setenv("DELTAGYM_TOKEN", testToken)
+	c, err := deltagym.Dial(testAddr, deltagym.WithToken(testToken))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	info, err := c.GetNode(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := info.GetName()
+	out, _ := cli(t, exitOK, "", "nodes")
+	mustContain(t, "nodes", out, "NAME", "ADDRESS", "SANDBOXES", "CPU LOAD", "MEMORY AVAILABLE", name, " "+testAddr+" ", " ok")
+	out, _ = cli(t, exitOK, "", "nodes", "--json")
+	var gn deltagymv1.GetNodeResponse
+	if err := protojson.Unmarshal([]byte(out), &gn); err != nil || gn.GetNode().GetName() != name || gn.GetNode().GetCpus() < 1 {
+		t.Fatalf("nodes --json printed %q: %v", out, err)
+	}
+
+	_, port, err := net.SplitHostPort(testAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cluster := testAddr + ",localhost:" + port
+	t.Setenv("DELTAGYM_ADDR", cluster)
+	out, _ = cli(t, exitOK, "", "nodes")
+	if rows := strings.Count(out, "\n"); rows != 2 || !strings.Contains(out, name+"  ") || !strings.Contains(out, " ok") {
+		t.Fatalf("nodes of %s: %q, want one node, %s", cluster, out, name)
+	}
+	out, _ = cli(t, exitOK, "", "reset", "shell", "-q")
+	sb := strings.TrimSpace(out)
+	t.Cleanup(func() { runCLI(t, "", "close", sb) })
+	if deltagym.NodeOf(sb) != name {
+		t.Fatalf("reset through the cluster made %q, not a sandbox of %s", sb, name)
+	}
+	out, _ = cli(t, exitOK, "", "exec", sb, "--", "echo", "routed")
+	if out != "routed\n" {
+		t.Fatalf("exec through the cluster printed %q", out)
+	}
+	out, _ = cli(t, exitOK, "", "sandboxes")
+	mustContain(t, "sandboxes through the cluster", out, sb)
+	out, _ = cli(t, exitOK, "", "checkpoint", sb, "-q")
+	ck := strings.TrimSpace(out)
+	out, _ = cli(t, exitOK, "", "fork", ck, "-q")
+	kid := strings.TrimSpace(out)
+	cli(t, exitOK, "", "close", kid, sb)
+	cli(t, exitOK, "", "release", ck)
+	_, errOut := cli(t, exitError, "", "exec", "sb-node-z-0123456789abcdef", "true")
+	mustContain(t, "exec in a sandbox of a node the cluster lacks", errOut, "unavailable", "node node-z is unreachable", "nodes: "+name)
+	_, errOut = cli(t, exitUsage, "", "envs", "--addr", "dns:nope")
+	mustContain(t, "a bad cluster target", errOut, "want dns:NAME:PORT")
 }

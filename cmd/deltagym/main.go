@@ -3,7 +3,9 @@
 // fork, evaluate, submit and close them, and read the trajectory ledger.
 //
 // Every client subcommand takes --addr (default $DELTAGYM_ADDR or
-// 127.0.0.1:8080), --token (default $DELTAGYM_TOKEN, else the file
+// 127.0.0.1:8080; a cluster target, dns:NAME:PORT or a comma-separated list,
+// routes each command to the node that holds its sandbox or checkpoint, and
+// reset to the least loaded: conn.go), --token (default $DELTAGYM_TOKEN, else the file
 // $DELTAGYM_TOKEN_FILE, else the server's token file, .data/token or
 // $DELTAGYM_DATA/token) and --json (print the
 // response as protojson, one object per line). Exit status: 0 on success, 1

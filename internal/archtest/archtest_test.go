@@ -20,15 +20,19 @@ const module = "github.com/deltagym/deltagym"
 // forbidden maps a package prefix (below the module) to the prefixes its packages must not
 // import, directly or not: dependencies point proto → sandbox → envpool → server → cmd, and the
 // clients and the load generator use only the generated API; the build's programs (scripts/)
-// stand alone.
+// stand alone. The server alone speaks to other nodes (through the Go client's Cluster): the
+// layers below it do not reach the Go client.
 var forbidden = map[string][]string{
-	"sandbox":   {"envpool", "server", "cmd", "loadtest"},
-	"envpool":   {"server", "cmd", "loadtest"},
+	"sandbox":   {"envpool", "server", "cmd", "loadtest", goClient},
+	"envpool":   {"server", "cmd", "loadtest", goClient},
 	"server":    {"cmd", "loadtest"},
 	"loadtest":  {"sandbox", "envpool", "server", "cmd"},
-	"internal/": {"sandbox", "envpool", "server", "cmd", "loadtest"},
-	"scripts/":  {"sandbox", "envpool", "server", "cmd", "loadtest"},
+	"internal/": {"sandbox", "envpool", "server", "cmd", "loadtest", goClient},
+	"scripts/":  {"sandbox", "envpool", "server", "cmd", "loadtest", goClient},
 }
+
+// goClient is the Go client's package, in its own module below this one's path.
+const goClient = "clients/go/deltagym"
 
 type pkg struct {
 	ImportPath string

@@ -82,6 +82,14 @@ type config struct {
 	backoff     time.Duration
 	maxBackoff  time.Duration
 	connectOpts []connect.ClientOption
+
+	// A Cluster's settings (DialCluster); Dial ignores them.
+	refresh   time.Duration
+	resolver  *net.Resolver
+	onRefresh func() // test hook, called after each refresh
+	// node watches every attempt of a call to one node of a Cluster, innermost; nil for a
+	// Client of its own.
+	node connect.Interceptor
 }
 
 // WithToken sends token as a bearer token on every call. Without it, Dial uses
@@ -126,6 +134,7 @@ type Client struct {
 	baseURL string
 	env     deltagymv1connect.EnvServiceClient
 	ledger  deltagymv1connect.LedgerServiceClient
+	nodes   deltagymv1connect.NodeServiceClient
 	ownHTTP *http.Client
 
 	mu sync.Mutex
@@ -175,6 +184,9 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 		copts = append(copts, connect.WithProtoJSON())
 	}
 	interceptors := []connect.Interceptor{retryInterceptor{attempts: cfg.attempts, backoff: cfg.backoff, max: cfg.maxBackoff}}
+	if cfg.node != nil {
+		interceptors = append(interceptors, cfg.node)
+	}
 	if cfg.token != "" {
 		interceptors = append([]connect.Interceptor{bearerInterceptor("Bearer " + cfg.token)}, interceptors...)
 	} else if !cfg.tokenSet {
@@ -184,6 +196,7 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 	copts = append(copts, cfg.connectOpts...)
 	c.env = deltagymv1connect.NewEnvServiceClient(hc, base, copts...)
 	c.ledger = deltagymv1connect.NewLedgerServiceClient(hc, base, copts...)
+	c.nodes = deltagymv1connect.NewNodeServiceClient(hc, base, copts...)
 	return c, nil
 }
 
@@ -195,6 +208,9 @@ func BaseURL(addr string) (string, error) {
 	}
 	if addr == "" {
 		addr = DefaultAddr
+	}
+	if IsClusterTarget(addr) {
+		return "", fmt.Errorf("%w %q: a cluster (dns:NAME:PORT or a comma-separated list) is dialled with DialCluster", ErrBadAddress, addr)
 	}
 	if !strings.Contains(addr, "://") {
 		if _, _, err := net.SplitHostPort(addr); err != nil {
@@ -240,6 +256,21 @@ func (c *Client) EnvService() deltagymv1connect.EnvServiceClient { return c.env 
 
 // LedgerService returns the generated LedgerService client this Client wraps.
 func (c *Client) LedgerService() deltagymv1connect.LedgerServiceClient { return c.ledger }
+
+// NodeService returns the generated NodeService client this Client wraps.
+func (c *Client) NodeService() deltagymv1connect.NodeServiceClient { return c.nodes }
+
+// GetNode returns the server's report of itself: its node name, address, version and load.
+func (c *Client) GetNode(ctx context.Context) (*deltagymv1.NodeInfo, error) {
+	if err := c.checkOpen(); err != nil {
+		return nil, err
+	}
+	res, err := c.nodes.GetNode(ctx, connect.NewRequest(&deltagymv1.GetNodeRequest{}))
+	if err != nil {
+		return nil, fmt.Errorf("asking for the node's report: %w", err)
+	}
+	return res.Msg.GetNode(), nil
+}
 
 // Close stops the heartbeats of every Sandbox of this client (the sandboxes
 // themselves stay open on the server until closed or reaped) and frees idle

@@ -8,6 +8,14 @@
 // keep its lease alive with a background heartbeat (KeepAlive) that Close
 // stops.
 //
+// DialCluster returns a Cluster: a client of every node of a deltagym cluster
+// ("dns:NAME:PORT", as a Kubernetes headless Service names them, or a list of
+// addresses), with no router in between. It asks each node for its report at
+// every refresh, places each Reset on the least loaded node (Spread), and
+// sends every call on a sandbox or checkpoint to the node its ID names
+// (NodeOf); a call on a node that does not answer fails at once with
+// Unavailable and a *NodeError naming the node.
+//
 // Calls are retried only when that is safe: on Unavailable, for calls that
 // change nothing (ListEnvs, GetSandbox, ListSandboxes, ListCheckpoints, Heartbeat, the ledger
 // queries), for Close and ReportReward, which are idempotent, and for Reset and

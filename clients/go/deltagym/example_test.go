@@ -253,3 +253,37 @@ func ExampleClient_StepStream() {
 	// 3: exit 0 "one\ntwo\n"
 	// 4: not_found
 }
+
+func ExampleDialCluster() {
+	ctx := context.Background()
+	// A cluster is named by "dns:NAME:PORT" (every address of NAME a node, as a Kubernetes
+	// headless Service lists its pods) or by a comma-separated list of addresses; "" means
+	// $DELTAGYM_ADDR, here one server: a cluster of one node.
+	cl, err := deltagym.DialCluster(ctx, "")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer cl.Close()
+
+	sb, err := cl.Reset(ctx, "shell") // on the least loaded node
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer sb.Close(ctx)
+
+	// A handle of a sandbox known by its ID alone goes to the node the ID names.
+	again, err := cl.Sandbox(sb.ID())
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	res, err := again.Exec(ctx, "echo routed")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	fmt.Printf("%d node, on it: %v; %s", len(cl.Nodes()), cl.Nodes()[0].Name == deltagym.NodeOf(sb.ID()), res.Stdout)
+	// Output: 1 node, on it: true; routed
+}

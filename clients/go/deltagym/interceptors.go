@@ -50,6 +50,7 @@ var readOnlyOrIdempotent = map[string]bool{
 	deltagymv1connect.LedgerServiceGetCheckpointTreeProcedure:  true,
 	deltagymv1connect.LedgerServiceGetGroupAdvantagesProcedure: true,
 	deltagymv1connect.LedgerServiceReportRewardProcedure:       true,
+	deltagymv1connect.NodeServiceGetNodeProcedure:              true,
 }
 
 // retrySafe reports whether a call may be sent again after Unavailable, when
@@ -69,7 +70,9 @@ func retrySafe(procedure string, msg any) bool {
 
 // retryInterceptor retries unary calls that are safe to retry while the
 // server is Unavailable, with jittered exponential backoff, within the call's
-// context. Streams and unsafe calls are sent once.
+// context. Streams and unsafe calls are sent once, and so is a call to a node
+// a Cluster finds unreachable (a *NodeError): the Cluster sends new work to
+// the other nodes at once, and learns when the node is back from its refresh.
 type retryInterceptor struct {
 	attempts     int
 	backoff, max time.Duration
@@ -83,7 +86,8 @@ func (r retryInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		delay := r.backoff
 		for attempt := 1; ; attempt++ {
 			res, err := next(ctx, req)
-			if err == nil || connect.CodeOf(err) != connect.CodeUnavailable || attempt >= r.attempts {
+			var down *NodeError
+			if err == nil || connect.CodeOf(err) != connect.CodeUnavailable || attempt >= r.attempts || errors.As(err, &down) {
 				return res, err
 			}
 			// Full jitter in [delay/2, delay) spreads the retries of many clients.

@@ -4,17 +4,19 @@ Sandbox (and deltagym.aio.AsyncSandbox) is a leased sandbox with typed
 results: commands, streaming output, files, processes, setup steps,
 checkpoints, restores and forks. Client and AsyncClient are the low-level
 clients covering every call of EnvService and LedgerService, returning the
-server's messages (deltagym.raw holds the generated modules). deltagym.gym
-holds the Gymnasium env, deltagym.grpo group rollouts, deltagym.tree
+server's messages (deltagym.raw holds the generated modules). Cluster (and
+deltagym.aio.AsyncCluster) routes the calls over a cluster of nodes,
+placing new sandboxes by load. deltagym.gym holds the Gymnasium env, deltagym.grpo group rollouts, deltagym.tree
 checkpoint tree search, deltagym.errors the exceptions.
 """
 
-from . import actions, errors, raw, types
+from . import actions, cluster, errors, raw, types
 from ._common import RetryPolicy, observation_text
 from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2, ledger_service_pb2
 from ._version import __version__
-from .aio import AsyncClient, AsyncSandbox
+from .aio import AsyncClient, AsyncCluster, AsyncSandbox
 from .client import Client, SandboxHandle
+from .cluster import Cluster
 from .errors import (
     Aborted,
     ActionFailed,
@@ -31,6 +33,7 @@ from .errors import (
     Internal,
     InvalidArgument,
     NoCapacity,
+    NodeUnavailable,
     NotFound,
     PermissionDenied,
     ProcessEnded,
@@ -51,6 +54,7 @@ from .types import (
     CommandResult,
     Evaluation,
     FileInfo,
+    NodeInfo,
     OutputChunk,
     ProcessInfo,
     Restored,
@@ -66,10 +70,12 @@ __all__ = [
     "ActionFailed",
     "AlreadyExists",
     "AsyncClient",
+    "AsyncCluster",
     "AsyncSandbox",
     "Checkpoint",
     "CheckpointNotFound",
     "Client",
+    "Cluster",
     "CommandExitError",
     "CommandResult",
     "CommandStream",
@@ -86,6 +92,8 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "NoCapacity",
+    "NodeInfo",
+    "NodeUnavailable",
     "NotFound",
     "OutputChunk",
     "PermissionDenied",
@@ -115,6 +123,7 @@ __all__ = [
     "__version__",
     "action_pb2",
     "actions",
+    "cluster",
     "env_pb2",
     "env_service_pb2",
     "errors",

@@ -16,14 +16,14 @@ import dataclasses
 import inspect
 import signal as _signal
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _convert as cv, _ops as ops
 from ._base import ProcessBase, SandboxBase
 from ._proto.deltagym.v1 import action_pb2, env_service_pb2 as es
 from .aio import AsyncClient, AsyncSandboxHandle
 from .errors import CommandExitError, NotFound, from_code
-from .sandbox import ProcessMode, _checkpoint_id, to_process_mode
+from .sandbox import ProcessMode, _checkpoint_id, only_one, to_process_mode
 from .types import (
     Checkpoint,
     CommandResult,
@@ -37,6 +37,9 @@ from .types import (
     SubmitResult,
     UploadResult,
 )
+
+if TYPE_CHECKING:
+    from ._aio_cluster import AsyncCluster
 
 __all__ = ["AsyncCommandStream", "AsyncFiles", "AsyncProcess", "AsyncProcesses", "AsyncSandbox"]
 
@@ -86,8 +89,11 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
     # --- making -------------------------------------------------------------------------------
 
     @staticmethod
-    def _client(client: AsyncClient | None, addr: str | None,
-                token: str | None) -> tuple[AsyncClient, _AsyncOwner | None]:
+    async def _client(client: AsyncClient | None, addr: str | None, token: str | None,
+                      cluster: AsyncCluster | None = None, id: str = "") -> tuple[AsyncClient, _AsyncOwner | None]:
+        if cluster is not None:
+            only_one(client, addr, token)
+            return await cluster.client_for(id), None
         if client is not None:
             return client, None
         c = AsyncClient(addr, token=token)
@@ -96,9 +102,16 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
     @classmethod
     async def create(cls, env: str = "shell", *, seed: int | None = None, options: Mapping[str, Any] | None = None,
                run: str = "", group_id: str = "", lease_ttl: float | None = None, timeout: float | None = None,
-               addr: str | None = None, token: str | None = None, client: AsyncClient | None = None) -> AsyncSandbox:
-        """As deltagym.Sandbox.create, awaited."""
-        c, owner = cls._client(client, addr, token)
+               addr: str | None = None, token: str | None = None, client: AsyncClient | None = None,
+               cluster: AsyncCluster | None = None) -> AsyncSandbox:
+        """As deltagym.Sandbox.create, awaited (cluster: a deltagym.aio.AsyncCluster)."""
+        if cluster is not None:
+            only_one(client, addr, token)
+            h = await cluster.reset(env, seed=seed, options=options, run=run, group_id=group_id, lease_ttl=lease_ttl,
+                                    timeout=ops.deadline(None, timeout if timeout is not None else cluster.timeout))
+            assert h.reset_response is not None
+            return cls(h, timeout=timeout, task=cv.reset_task(h.reset_response))
+        c, owner = await cls._client(client, addr, token)
         try:
             h = await c.reset(env, seed=seed, options=options, run=run, group_id=group_id, lease_ttl=lease_ttl,
                         timeout=ops.deadline(None, timeout if timeout is not None else c.timeout))
@@ -111,9 +124,10 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, timeout: float | None = None, addr: str | None = None,
-                token: str | None = None, client: AsyncClient | None = None) -> AsyncSandbox:
+                token: str | None = None, client: AsyncClient | None = None,
+                cluster: AsyncCluster | None = None) -> AsyncSandbox:
         """As deltagym.Sandbox.connect, awaited."""
-        c, owner = cls._client(client, addr, token)
+        c, owner = await cls._client(client, addr, token, cluster, sandbox_id)
         try:
             info = await c.get_sandbox(sandbox_id, timeout=timeout if timeout is not None else c.timeout)
         except BaseException:
@@ -131,14 +145,18 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
     async def fork_from(cls, checkpoint: Checkpoint | str, n: int = 1, *, group_id: str = "", run: str = "",
                   fresh_entropy: bool = False, lease_ttl: float | None = None, timeout: float | None = None,
                   addr: str | None = None, token: str | None = None,
-                  client: AsyncClient | None = None) -> list[AsyncSandbox]:
+                  client: AsyncClient | None = None, cluster: AsyncCluster | None = None) -> list[AsyncSandbox]:
         """As deltagym.Sandbox.fork_from, awaited."""
-        c, owner = cls._client(client, addr, token)
+        c, owner = await cls._client(client, addr, token, cluster, _checkpoint_id(checkpoint))
         hs: list[AsyncSandboxHandle] = []
         try:
-            hs = await c.fork(checkpoint_id=_checkpoint_id(checkpoint), n=n, group_id=group_id, run=run,
-                              fresh_entropy=fresh_entropy, lease_ttl=lease_ttl,
-                              timeout=timeout if timeout is not None else c.timeout)
+            dl = timeout if timeout is not None else c.timeout
+            if cluster is not None:  # the cluster counts them placed on the checkpoint's node
+                hs = await cluster.fork(_checkpoint_id(checkpoint), n, group_id=group_id, run=run,
+                                        fresh_entropy=fresh_entropy, lease_ttl=lease_ttl, timeout=dl)
+            else:
+                hs = await c.fork(checkpoint_id=_checkpoint_id(checkpoint), n=n, group_id=group_id, run=run,
+                                  fresh_entropy=fresh_entropy, lease_ttl=lease_ttl, timeout=dl)
             if hs and c._lease_ttl is None:
                 # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
                 await c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._common import lease_seconds
-from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, node_service_pb2 as ns
 from .errors import ActionFailed
 from .types import (
     ActionErrorInfo,
@@ -21,6 +21,7 @@ from .types import (
     FileInfo,
     FileType,
     InfoValue,
+    NodeInfo,
     OutputChunk,
     ProcessCapture,
     ProcessInfo,
@@ -227,6 +228,14 @@ def sandbox_info(s: env_pb2.Sandbox) -> SandboxInfo:
                        state=_STATES.get(s.state, "unspecified"), next_step_index=s.next_step_index,
                        start_checkpoint_id=s.start_checkpoint_id, lease_expires_at=_instant(s.lease_expire_time),
                        created_at=_instant(s.create_time))
+
+
+def node_info(n: ns.NodeInfo, address: str) -> NodeInfo:
+    """A NodeInfo of the message, for the node reached at address."""
+    return NodeInfo(name=n.name, address=address, advertise_address=n.address, version=n.version, draining=n.draining,
+                    sandboxes=n.sandboxes, max_sandboxes=n.max_sandboxes, checkpoints=n.checkpoints, cpus=n.cpus,
+                    cpu_load=n.cpu_load, memory_available=n.memory_available_bytes, memory_total=n.memory_total_bytes,
+                    measured_at=_instant(n.measured_at))
 
 
 def reset_task(r: es.ResetResponse) -> str:

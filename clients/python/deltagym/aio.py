@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -28,12 +28,15 @@ from ._proto.deltagym.v1 import (
     env_service_pb2_grpc as es_grpc,
     ledger_service_pb2 as ls,
     ledger_service_pb2_grpc as ls_grpc,
+    node_service_pb2 as ns,
+    node_service_pb2_grpc as ns_grpc,
 )
 from .actions import argv as _argv, command as _command, read_file as _read_file, submit as _submit, write_file as _write_file
-from .errors import DeltagymError, from_code, from_rpc_error
+from .errors import DeltagymError, Draining, from_code, from_rpc_error, on_node
 
 __all__ = [
     "AsyncClient",
+    "AsyncCluster",
     "AsyncCommandStream",
     "AsyncFiles",
     "AsyncProcess",
@@ -49,9 +52,9 @@ _DEFAULT: Any = object()
 
 
 class AsyncClient:
-    """An asyncio connection to a deltagym server covering EnvService and
-    LedgerService. Arguments as for deltagym.Client. Create it inside a
-    running event loop."""
+    """An asyncio connection to a deltagym server covering EnvService,
+    LedgerService and NodeService. Arguments and attributes as for
+    deltagym.Client. Create it inside a running event loop."""
 
     def __init__(
         self,
@@ -72,6 +75,8 @@ class AsyncClient:
         self._channel = channel or grpc.aio.insecure_channel(self.addr, options=c.CHANNEL_OPTIONS)
         self._env = es_grpc.EnvServiceStub(self._channel)
         self._ledger = ls_grpc.LedgerServiceStub(self._channel)
+        self._node_service = ns_grpc.NodeServiceStub(self._channel)
+        self.node = ""
         self._lease_ttl: float | None = None
         self._handles: set[AsyncSandboxHandle] = set()
         self._closed = False
@@ -84,11 +89,18 @@ class AsyncClient:
             try:
                 return await fn(req, metadata=self._md, timeout=deadline)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
+                err = self._error(e, name)
+                # A draining node stays draining: its DRAINING is for the caller to go elsewhere.
+                if err.code == grpc.StatusCode.UNAVAILABLE and not isinstance(err, Draining) \
+                        and attempt + 1 < policy.max_attempts:
                     await asyncio.sleep(policy.backoff(attempt))
                     attempt += 1
                     continue
-                raise from_rpc_error(e, name, bool(self._md)) from None
+                raise err from None
+
+    def _error(self, e: grpc.RpcError, method: str) -> DeltagymError:
+        """The DeltagymError of a failed call: a NodeUnavailable when the server is a cluster's node that cannot be reached."""
+        return on_node(from_rpc_error(e, method, bool(self._md)), self.node, self.addr)
 
     def _saw_lease(self, ts: Any) -> None:
         ttl = c.lease_seconds(ts, time.time())
@@ -166,7 +178,7 @@ class AsyncClient:
         """Starts a StreamStep (as Client.stream_step), iterated with async for."""
         deadline = self.timeout if timeout is _DEFAULT else timeout
         call = self._env.StreamStep(es.StreamStepRequest(step=req), metadata=self._md, timeout=deadline)
-        return _AsyncStream(call, bool(self._md))
+        return _AsyncStream(call, self._error)
 
     async def step_stream(self, steps: Sequence[es.StepRequest]) -> list[es.StepResponse | DeltagymError]:
         """Pipelines steps on one StepStream; results in the order sent."""
@@ -180,7 +192,7 @@ class AsyncClient:
                 else:
                     out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream", reason=r.error.reason)
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "StepStream", bool(self._md)) from None
+            raise self._error(e, "StepStream") from None
         for i, o in enumerate(out):
             if o is None:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
@@ -257,6 +269,12 @@ class AsyncClient:
         req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
         return list((await self._call("ListSandboxes", self._env.ListSandboxes, req, True)).sandboxes)
 
+    async def get_node(self, *, timeout: Any = _DEFAULT) -> ns.NodeInfo:
+        """Describes the server as a node of a cluster (as Client.get_node)."""
+        resp: ns.GetNodeResponse = await self._call("GetNode", self._node_service.GetNode, ns.GetNodeRequest(), True,
+                                                    timeout)
+        return resp.node
+
     # --- LedgerService --------------------------------------------------------
 
     async def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
@@ -304,10 +322,10 @@ class AsyncClient:
 class _AsyncStream:
     """A StreamStep call's responses, its errors raised as DeltagymError."""
 
-    def __init__(self, call: Any, sent_token: bool) -> None:
+    def __init__(self, call: Any, error: Callable[[grpc.RpcError, str], DeltagymError]) -> None:
         self._call = call
         self._it = call.__aiter__()
-        self._sent_token = sent_token
+        self._error = error
 
     def __aiter__(self) -> _AsyncStream:
         return self
@@ -316,7 +334,7 @@ class _AsyncStream:
         try:
             return await self._it.__anext__()  # type: ignore[no-any-return]
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "StreamStep", self._sent_token) from None
+            raise self._error(e, "StreamStep") from None
 
     def cancel(self) -> None:
         """Cancels the call, which cuts the step short."""
@@ -455,5 +473,6 @@ class AsyncSandboxHandle:
         await self.close()
 
 
-# The typed API, on top of the handles above.
+# The typed API and the cluster, on top of the handles above.
+from ._aio_cluster import AsyncCluster  # noqa: E402
 from ._aio_sandbox import AsyncCommandStream, AsyncFiles, AsyncProcess, AsyncProcesses, AsyncSandbox  # noqa: E402

@@ -28,9 +28,11 @@ from ._proto.deltagym.v1 import (
     env_service_pb2_grpc as es_grpc,
     ledger_service_pb2 as ls,
     ledger_service_pb2_grpc as ls_grpc,
+    node_service_pb2 as ns,
+    node_service_pb2_grpc as ns_grpc,
 )
 from .actions import argv as _argv, command as _command, read_file as _read_file, submit as _submit, write_file as _write_file
-from .errors import DeltagymError, from_code, from_rpc_error
+from .errors import DeltagymError, Draining, from_code, from_rpc_error, on_node
 
 __all__ = ["Client", "Sandbox", "SandboxHandle"]
 
@@ -41,7 +43,7 @@ _DEFAULT: Any = object()
 
 
 class Client:
-    """A connection to a deltagym server covering EnvService and LedgerService.
+    """A connection to a deltagym server covering EnvService, LedgerService and NodeService.
 
     Args:
         addr: host:port of the server; default $DELTAGYM_ADDR, else 127.0.0.1:8080.
@@ -50,6 +52,10 @@ class Client:
         retry: how safe calls are retried on UNAVAILABLE (see RetryPolicy).
         heartbeat: whether sandbox handles renew their leases in a background thread.
         channel: an existing grpc.Channel to use instead of dialing addr.
+
+    Attributes:
+        node: the name of the cluster node the server is, set by deltagym.Cluster ("" outside
+            one): an UNAVAILABLE of a call then raises NodeUnavailable naming the node and addr.
     """
 
     def __init__(
@@ -71,6 +77,8 @@ class Client:
         self._channel = channel or grpc.insecure_channel(self.addr, options=c.CHANNEL_OPTIONS)
         self._env = es_grpc.EnvServiceStub(self._channel)
         self._ledger = ls_grpc.LedgerServiceStub(self._channel)
+        self._node_service = ns_grpc.NodeServiceStub(self._channel)
+        self.node = ""
         self._lease_ttl: float | None = None
         self._handles: set[SandboxHandle] = set()
         self._lock = threading.Lock()
@@ -88,18 +96,25 @@ class Client:
             try:
                 return fn(req, metadata=self._md, timeout=deadline)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < policy.max_attempts:
+                err = self._error(e, name)
+                # A draining node stays draining: its DRAINING is for the caller to go elsewhere.
+                if err.code == grpc.StatusCode.UNAVAILABLE and not isinstance(err, Draining) \
+                        and attempt + 1 < policy.max_attempts:
                     time.sleep(policy.backoff(attempt))
                     attempt += 1
                     continue
-                raise from_rpc_error(e, name, bool(self._md)) from None
+                raise err from None
 
     def _call_once(self, name: str, fn: Callable[..., Any], req: Any, deadline: float | None) -> Any:
         """A call that is never retried (unsafe to repeat), with this deadline."""
         try:
             return fn(req, metadata=self._md, timeout=deadline)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, name, bool(self._md)) from None
+            raise self._error(e, name) from None
+
+    def _error(self, e: grpc.RpcError, method: str) -> DeltagymError:
+        """The DeltagymError of a failed call: a NodeUnavailable when the server is a cluster's node that cannot be reached."""
+        return on_node(from_rpc_error(e, method, bool(self._md)), self.node, self.addr)
 
     def _saw_lease(self, ts: Any) -> None:
         ttl = c.lease_seconds(ts, time.time())
@@ -188,7 +203,7 @@ class Client:
         gRPC call (cancel() cuts the step short)."""
         deadline = self.timeout if timeout is _DEFAULT else timeout
         call = self._env.StreamStep(es.StreamStepRequest(step=req), metadata=self._md, timeout=deadline)
-        return _Stream(call, bool(self._md))
+        return _Stream(call, self._error)
 
     def step_stream(self, steps: Iterable[es.StepRequest]) -> list[es.StepResponse | DeltagymError]:
         """Pipelines steps over many sandboxes on one StepStream. Returns, in
@@ -202,7 +217,7 @@ class Client:
                 else:
                     out[r.request_id] = from_code(r.error.code, r.error.message, "StepStream", reason=r.error.reason)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, "StepStream", bool(self._md)) from None
+            raise self._error(e, "StepStream") from None
         for i, o in enumerate(out):
             if o is None:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
@@ -280,6 +295,11 @@ class Client:
         req = es.ListSandboxesRequest(env=env, run=run, group_id=group_id)
         return list(self._call("ListSandboxes", self._env.ListSandboxes, req, True).sandboxes)
 
+    def get_node(self, *, timeout: Any = _DEFAULT) -> ns.NodeInfo:
+        """Describes the server as a node of a cluster: its name, address and load (NodeService.GetNode)."""
+        resp: ns.GetNodeResponse = self._call("GetNode", self._node_service.GetNode, ns.GetNodeRequest(), True, timeout)
+        return resp.node
+
     # --- LedgerService --------------------------------------------------------
 
     def list_episodes(self, *, run: str = "", group_id: str = "", env: str = "", page_size: int = 0,
@@ -324,9 +344,9 @@ class Client:
 class _Stream:
     """A StreamStep call's responses, its errors raised as DeltagymError."""
 
-    def __init__(self, call: Any, sent_token: bool) -> None:
+    def __init__(self, call: Any, error: Callable[[grpc.RpcError, str], DeltagymError]) -> None:
         self._call = call
-        self._sent_token = sent_token
+        self._error = error
 
     def __iter__(self) -> _Stream:
         return self
@@ -335,7 +355,7 @@ class _Stream:
         try:
             return next(self._call)  # type: ignore[no-any-return]
         except grpc.RpcError as e:
-            raise from_rpc_error(e, "StreamStep", self._sent_token) from None
+            raise self._error(e, "StreamStep") from None
 
     def cancel(self) -> None:
         """Cancels the call, which cuts the step short."""

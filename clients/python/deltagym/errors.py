@@ -49,6 +49,7 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "NoCapacity",
+    "NodeUnavailable",
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
@@ -66,6 +67,7 @@ __all__ = [
     "UnsafeArchiveError",
     "from_code",
     "from_rpc_error",
+    "on_node",
 ]
 
 
@@ -255,6 +257,29 @@ class Draining(Unavailable):
         self.node: str = self.metadata.get("node", "")
 
 
+class NodeUnavailable(Unavailable):
+    """A node of a cluster cannot be reached (it stopped, or left the cluster and no longer
+    answers), or the cluster does not know it. Raised by the clients of a deltagym.Cluster for
+    the calls on the node's sandboxes and checkpoints; the message names the node and its
+    address. New sandboxes go to the other nodes.
+
+    Attributes:
+        node: the node's name.
+        address: the host:port it was last reached at ("" when this client never reached it).
+    """
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, method: str = "",
+                 reason: str = "", metadata: Mapping[str, str] | None = None, node: str = "",
+                 address: str = "") -> None:
+        md = dict(metadata or {})
+        for k, v in (("node", node), ("address", address)):
+            if v or k not in md:
+                md[k] = v
+        super().__init__(message, code=code, method=method, reason=reason, metadata=md)
+        self.node: str = self.metadata["node"]
+        self.address: str = self.metadata["address"]
+
+
 class NoCapacity(ResourceExhausted):
     """No warm sandbox is free and the server may not make more now (NO_CAPACITY)."""
 
@@ -311,6 +336,16 @@ def from_code(code: grpc.StatusCode | int, message: str, method: str = "", *, re
     if sem is not None and issubclass(sem, cls):
         cls = sem
     return cls(message, code=code, method=method, reason=reason, metadata=metadata)
+
+
+def on_node(err: DeltagymError, node: str, address: str) -> DeltagymError:
+    """Returns err as a call to a cluster's node (named node, reached at address) raised it: an
+    UNAVAILABLE becomes a NodeUnavailable naming the node, but for the node's own DRAINING,
+    which says it answers; every other error is err. Outside a cluster (node "") it is err."""
+    if not node or not isinstance(err, Unavailable) or isinstance(err, (Draining, NodeUnavailable)):
+        return err
+    return NodeUnavailable(f"node {node} ({address}) is unavailable: {err.message}", method=err.method,
+                           reason=err.reason, metadata=err.metadata, node=node, address=address)
 
 
 def error_info(trailers: Iterable[Any] | None) -> tuple[str, dict[str, str]]:

@@ -17,7 +17,7 @@ import dataclasses
 import signal as _signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _convert as cv, _ops as ops
 from ._base import ProcessBase, SandboxBase
@@ -37,6 +37,9 @@ from .types import (
     SubmitResult,
     UploadResult,
 )
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
 
 __all__ = ["CommandStream", "Files", "Process", "ProcessMode", "Processes", "Sandbox"]
 
@@ -125,7 +128,11 @@ class Sandbox(SandboxBase[SandboxHandle]):
     # --- making -------------------------------------------------------------------------------
 
     @staticmethod
-    def _client(client: Client | None, addr: str | None, token: str | None) -> tuple[Client, _Owner | None]:
+    def _client(client: Client | None, addr: str | None, token: str | None, cluster: Cluster | None = None,
+                id: str = "") -> tuple[Client, _Owner | None]:
+        if cluster is not None:
+            only_one(client, addr, token)
+            return cluster.client_for(id), None
         if client is not None:
             return client, None
         c = Client(addr, token=token)
@@ -134,7 +141,8 @@ class Sandbox(SandboxBase[SandboxHandle]):
     @classmethod
     def create(cls, env: str = "shell", *, seed: int | None = None, options: Mapping[str, Any] | None = None,
                run: str = "", group_id: str = "", lease_ttl: float | None = None, timeout: float | None = None,
-               addr: str | None = None, token: str | None = None, client: Client | None = None) -> Sandbox:
+               addr: str | None = None, token: str | None = None, client: Client | None = None,
+               cluster: Cluster | None = None) -> Sandbox:
         """Leases a warm sandbox of env and starts an episode.
 
         Args:
@@ -148,7 +156,15 @@ class Sandbox(SandboxBase[SandboxHandle]):
             addr: host:port; default $DELTAGYM_ADDR, else 127.0.0.1:8080.
             token: bearer token; default $DELTAGYM_TOKEN, $DELTAGYM_TOKEN_FILE, or the server's data dir.
             client: a Client to call through (not closed by close()); default a new one this sandbox owns.
+            cluster: a deltagym.Cluster to place the sandbox on, on its least-loaded node
+                (instead of addr, token and client); the sandbox calls through that node's client.
         """
+        if cluster is not None:
+            only_one(client, addr, token)
+            h = cluster.reset(env, seed=seed, options=options, run=run, group_id=group_id, lease_ttl=lease_ttl,
+                              timeout=ops.deadline(None, timeout if timeout is not None else cluster.timeout))
+            assert h.reset_response is not None
+            return cls(h, timeout=timeout, task=cv.reset_task(h.reset_response))
         c, owner = cls._client(client, addr, token)
         try:
             h = c.reset(env, seed=seed, options=options, run=run, group_id=group_id, lease_ttl=lease_ttl,
@@ -162,12 +178,13 @@ class Sandbox(SandboxBase[SandboxHandle]):
 
     @classmethod
     def connect(cls, sandbox_id: str, *, timeout: float | None = None, addr: str | None = None,
-                token: str | None = None, client: Client | None = None) -> Sandbox:
+                token: str | None = None, client: Client | None = None, cluster: Cluster | None = None) -> Sandbox:
         """Attaches to a live sandbox by ID (made by another process or
         client) and renews its lease from here on. close() closes the
         sandbox; detach() lets go of it and leaves it running.
-        SandboxNotFound when there is no such sandbox."""
-        c, owner = cls._client(client, addr, token)
+        SandboxNotFound when there is no such sandbox. With cluster, the
+        calls go to the node the ID names."""
+        c, owner = cls._client(client, addr, token, cluster, sandbox_id)
         try:
             info = c.get_sandbox(sandbox_id, timeout=timeout if timeout is not None else c.timeout)
         except BaseException:
@@ -185,18 +202,24 @@ class Sandbox(SandboxBase[SandboxHandle]):
     def fork_from(cls, checkpoint: Checkpoint | str, n: int = 1, *, group_id: str = "", run: str = "",
                   fresh_entropy: bool = False, lease_ttl: float | None = None, timeout: float | None = None,
                   addr: str | None = None, token: str | None = None,
-                  client: Client | None = None) -> list[Sandbox]:
+                  client: Client | None = None, cluster: Cluster | None = None) -> list[Sandbox]:
         """Creates n sandboxes at a checkpoint, each in a new episode. They
         share one client (this call's, or one made for them, closed with
-        the last of them). fresh_entropy gives each fresh random state.
-        Their env is the checkpoint's: a Checkpoint from checkpoint() knows
-        it; for a checkpoint ID, the first child's description tells it."""
-        c, owner = cls._client(client, addr, token)
+        the last of them; with cluster, the client of the node holding
+        the checkpoint, where they all are). fresh_entropy gives each
+        fresh random state. Their env is the checkpoint's: a Checkpoint
+        from checkpoint() knows it; for a checkpoint ID, the first child's
+        description tells it."""
+        c, owner = cls._client(client, addr, token, cluster, _checkpoint_id(checkpoint))
         hs: list[SandboxHandle] = []
         try:
-            hs = c.fork(checkpoint_id=_checkpoint_id(checkpoint), n=n, group_id=group_id, run=run,
-                        fresh_entropy=fresh_entropy, lease_ttl=lease_ttl,
-                        timeout=timeout if timeout is not None else c.timeout)
+            dl = timeout if timeout is not None else c.timeout
+            if cluster is not None:  # the cluster counts them placed on the checkpoint's node
+                hs = cluster.fork(_checkpoint_id(checkpoint), n, group_id=group_id, run=run,
+                                  fresh_entropy=fresh_entropy, lease_ttl=lease_ttl, timeout=dl)
+            else:
+                hs = c.fork(checkpoint_id=_checkpoint_id(checkpoint), n=n, group_id=group_id, run=run,
+                            fresh_entropy=fresh_entropy, lease_ttl=lease_ttl, timeout=dl)
             if hs and c._lease_ttl is None:
                 # A fork's answer has no lease time: one heartbeat learns the TTL the heartbeats keep to.
                 c.heartbeat(hs, timeout=timeout if timeout is not None else c.timeout)
@@ -404,6 +427,13 @@ class Sandbox(SandboxBase[SandboxHandle]):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def only_one(client: object, addr: str | None, token: str | None) -> None:
+    """Refuses a cluster= given with what names one server (client=, addr=, token=)."""
+    given = [f"{n}=" for n, v in (("client", client), ("addr", addr), ("token", token)) if v is not None]
+    if given:
+        raise ValueError(f"cluster= calls through the cluster's nodes (and with its token): drop {', '.join(given)}")
 
 
 def _checkpoint_id(checkpoint: Checkpoint | str) -> str:

@@ -16,6 +16,7 @@ __all__ = [
     "FileInfo",
     "FileType",
     "InfoValue",
+    "NodeInfo",
     "OutputChunk",
     "ProcessCapture",
     "ProcessInfo",
@@ -331,3 +332,38 @@ class SandboxInfo:
     start_checkpoint_id: str
     lease_expires_at: float | None
     created_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A node of a cluster and its load, as it reported them (NodeService.GetNode).
+
+    Attributes:
+        name: the node's name, the NODE part of the sandbox and checkpoint IDs it makes.
+        address: the host:port this client reaches it at (where it was found).
+        advertise_address: the host:port the node says it is reached at ("" when it was not given one).
+        version: the server's version.
+        draining: the node is shutting down: it takes no new sandboxes; those it holds run on.
+        sandboxes: sandboxes leased to clients.
+        max_sandboxes: sandboxes the node may hold at once; 0 for no cap.
+        checkpoints: checkpoints the node holds.
+        cpus: the node's CPUs.
+        cpu_load: runnable threads per CPU, averaged over the last minute.
+        memory_available: bytes of memory the node can still give without swapping (0 when unknown).
+        memory_total: the node's memory in bytes (0 when unknown).
+        measured_at: when the node measured this (Unix seconds), None when unknown.
+    """
+
+    name: str
+    address: str
+    advertise_address: str = ""
+    version: str = ""
+    draining: bool = False
+    sandboxes: int = 0
+    max_sandboxes: int = 0
+    checkpoints: int = 0
+    cpus: int = 0
+    cpu_load: float = 0.0
+    memory_available: int = 0
+    memory_total: int = 0
+    measured_at: float | None = None

@@ -54,16 +54,33 @@ class Server:
     ledger: bool
     data: Path
     log: Path
+    proc: subprocess.Popen[bytes] | None = None
 
     def require_ledger(self) -> None:
         if not self.ledger:
             pytest.skip("ledger off: Debian's postgresql is not installed (scripts/deps.sh postgres)")
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_on(*hosts: str) -> int:
+    """A port free on every one of hosts (loopback addresses), as a headless Service's pods share one."""
+    for _ in range(20):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind((hosts[0], 0))
+            port = first.getsockname()[1]
+            try:
+                for h in hosts[1:]:
+                    stack.enter_context(socket.socket()).bind((h, port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no port free on every one of {hosts}")
 
 
 def _is_static(path: str) -> bool:
@@ -150,9 +167,10 @@ def built() -> Iterator[_Built]:
 
 
 @contextlib.contextmanager
-def _serve(built: _Built, envs: dict, extra: list, ledger: bool) -> Iterator[Server]:
-    """Runs `deltagym serve` on a free port with a fresh data dir holding the
-    Busybox image as "default" and a catalog of envs; stops it by its PID."""
+def _serve(built: _Built, envs: dict, extra: list, ledger: bool, host: str = "127.0.0.1",
+           port: int = 0) -> Iterator[Server]:
+    """Runs `deltagym serve` on host at port (default a free one) with a fresh data dir
+    holding the Busybox image as "default" and a catalog of envs; stops it by its PID."""
     tmp = Path(tempfile.mkdtemp(prefix="deltagym-pytest-"))
     data = tmp / "data"
     _busybox_rootfs(data / "images/default/rootfs")
@@ -160,7 +178,7 @@ def _serve(built: _Built, envs: dict, extra: list, ledger: bool) -> Iterator[Ser
     catalog.mkdir()
     for name, spec in envs.items():
         (catalog / f"{name}.json").write_text(json.dumps(spec, indent=1))
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"{host}:{port or _free_port(host)}"
     log = tmp / "server.log"
     args = [str(built.binary), "serve", "--addr", addr, "--data", str(data), "--envs", str(catalog),
             "--init", built.init, "--lease-ttl", f"{LEASE_TTL}s", *extra]
@@ -179,7 +197,7 @@ def _serve(built: _Built, envs: dict, extra: list, ledger: bool) -> Iterator[Ser
             if time.monotonic() > deadline:
                 pytest.fail(f"deltagym serve not healthy after 120s:\n{log.read_text()[-4000:]}")
             time.sleep(0.1)
-        yield Server(addr=addr, ledger=ledger, data=data, log=log)
+        yield Server(addr=addr, ledger=ledger, data=data, log=log, proc=proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -10,7 +10,13 @@ interactive one (a program answering "got LINE" at a "> " prompt),
 "block" (waits until the call is cancelled or its deadline passes),
 "stream" (output in chunks, a UTF-8 character split across two), and the
 error commands "ratelimit", "nocapacity", "ended" and "weird" (a reason
-the client does not know)."""
+the client does not know).
+
+With a node name, it is a node of a cluster: its sandbox and checkpoint IDs
+name it ("sb-NODE-HEX16"), a call on an ID of another node fails with
+WRONG_NODE, NodeService.GetNode reports its load (FakeNodeService: the
+sandboxes it holds plus `preloaded`, `max_sandboxes`, `cpu_load`), and while
+`draining` Reset and Fork fail with DRAINING."""
 
 from __future__ import annotations
 
@@ -28,7 +34,15 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
-from deltagym._proto.deltagym.v1 import action_pb2 as ap, env_pb2, env_service_pb2 as es, env_service_pb2_grpc as es_grpc
+from deltagym._cluster import node_of
+from deltagym._proto.deltagym.v1 import (
+    action_pb2 as ap,
+    env_pb2,
+    env_service_pb2 as es,
+    env_service_pb2_grpc as es_grpc,
+    node_service_pb2 as ns,
+    node_service_pb2_grpc as ns_grpc,
+)
 
 READ_CAP = 8  # bytes per read, so reads of longer files come in parts
 
@@ -48,7 +62,12 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
     """The model. Tests read setups (each step's setup flag, in order),
     signals, and may put archives into tars (path → tar bytes) for download."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: str = "") -> None:
+        self.node = node
+        self.draining = False
+        self.max_sandboxes = 0
+        self.checkpoints: set[str] = set() if node else {"ck-1"}
+        self.resets = 0  # Reset calls, refused ones included
         self.sandboxes: dict[str, FakeSandbox] = {}
         self.setups: list[bool] = []
         self.signals: list[tuple[int, int, bool]] = []
@@ -71,8 +90,29 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
             ctx.set_trailing_metadata((("grpc-status-details-bin", st.SerializeToString()),))
         ctx.abort(code, msg)
 
+    def _id(self, prefix: str) -> str:
+        return f"{prefix}-{self.node}-{uuid.uuid4().hex[:16]}" if self.node else uuid.uuid4().hex
+
+    def open_sandboxes(self) -> int:
+        return sum(not sb.closed for sb in self.sandboxes.values())
+
+    def _wrong_node(self, field: str, id: str, ctx: grpc.ServicerContext) -> None:
+        owner = node_of(id)
+        if self.node and owner and owner != self.node:
+            self._abort(ctx, grpc.StatusCode.FAILED_PRECONDITION, f"{field[:-3]} {id} is on node {owner}, not on this node",
+                        "WRONG_NODE", {field: id, "node": owner, "address": ""})
+
+    def _draining(self, call: str, ctx: grpc.ServicerContext) -> None:
+        if self.draining:
+            self._abort(ctx, grpc.StatusCode.UNAVAILABLE, f"{call} refused: node {self.node} is draining", "DRAINING",
+                        {"node": self.node})
+        if self.max_sandboxes and self.open_sandboxes() >= self.max_sandboxes:
+            self._abort(ctx, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call} refused: node {self.node} is full", "NO_CAPACITY")
+
     def _sandbox(self, sid: str, ctx: grpc.ServicerContext) -> FakeSandbox:
         sb = self.sandboxes.get(sid)
+        if sb is None:
+            self._wrong_node("sandbox_id", sid, ctx)
         if sb is None or sb.closed:
             self._abort(ctx, grpc.StatusCode.NOT_FOUND, f"sandbox {sid} not found", "SANDBOX_NOT_FOUND",
                         {"sandbox_id": sid})
@@ -91,7 +131,9 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
     def Reset(self, req: es.ResetRequest, ctx: grpc.ServicerContext) -> es.ResetResponse:
         if req.env != "shell":
             self._abort(ctx, grpc.StatusCode.NOT_FOUND, f"env {req.env} not found", "ENV_NOT_FOUND", {"env": req.env})
-        sb = FakeSandbox(id=uuid.uuid4().hex, env=req.env, episode=uuid.uuid4().hex,
+        self.resets += 1
+        self._draining("Reset", ctx)
+        sb = FakeSandbox(id=self._id("sb"), env=req.env, episode=uuid.uuid4().hex,
                          lease_ttl=req.lease_ttl_seconds or 60.0)
         self.sandboxes[sb.id] = sb
         return es.ResetResponse(sandbox_id=sb.id, episode_id=sb.episode, checkpoint_id="ck-start",
@@ -256,13 +298,16 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
 
     def Checkpoint(self, req: es.CheckpointRequest, ctx: grpc.ServicerContext) -> es.CheckpointResponse:
         self._sandbox(req.sandbox_id, ctx)
-        return es.CheckpointResponse(checkpoint_id="ck-1", parent_id="ck-start", depth=1, durable=False, processes=[
+        ck = self._id("ck") if self.node else "ck-1"
+        self.checkpoints.add(ck)
+        return es.CheckpointResponse(checkpoint_id=ck, parent_id="ck-start", depth=1, durable=False, processes=[
             env_pb2.ProcessCapture(pid=7, command="sleep 100", method=env_pb2.CAPTURE_METHOD_TEMPLATE,
                                    saved=False, unsaved_reason="kept as a frozen template")])
 
     def Restore(self, req: es.RestoreRequest, ctx: grpc.ServicerContext) -> es.RestoreResponse:
         sb = self._sandbox(req.sandbox_id, ctx)
-        if req.checkpoint_id != "ck-1":
+        if req.checkpoint_id not in self.checkpoints:
+            self._wrong_node("checkpoint_id", req.checkpoint_id, ctx)
             self._abort(ctx, grpc.StatusCode.NOT_FOUND, "no checkpoint", "CHECKPOINT_NOT_FOUND",
                         {"checkpoint_id": req.checkpoint_id})
         sb.episode = uuid.uuid4().hex
@@ -273,9 +318,12 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         return es.EvaluateResponse(reward=0.5, components={"a": 0.5}, output="half", duration_seconds=0.1)
 
     def Fork(self, req: es.ForkRequest, ctx: grpc.ServicerContext) -> es.ForkResponse:
+        if req.WhichOneof("source") == "checkpoint_id" and req.checkpoint_id not in self.checkpoints:
+            self._wrong_node("checkpoint_id", req.checkpoint_id, ctx)
+        self._draining("Fork", ctx)
         ids, eps = [], []
         for _ in range(req.n):
-            sb = FakeSandbox(id=uuid.uuid4().hex, env="shell", episode=uuid.uuid4().hex)
+            sb = FakeSandbox(id=self._id("sb"), env="shell", episode=uuid.uuid4().hex)
             self.sandboxes[sb.id] = sb
             ids.append(sb.id)
             eps.append(sb.episode)
@@ -307,15 +355,43 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
             next_step_index=sb.step_index, start_checkpoint_id="ck-start", lease_expire_time=self._lease(sb)))
 
 
-class FakeServer:
-    """The fake service on a real gRPC server; addr is host:port."""
+class FakeNodeService(ns_grpc.NodeServiceServicer):
+    """NodeService over a FakeEnvService: its name and load. Tests set preloaded (sandboxes
+    held besides the fake's own), cpu_load and memory; tokens holds each call's bearer token,
+    and asked is released once per call."""
 
-    def __init__(self) -> None:
-        self.service = FakeEnvService()
+    def __init__(self, env: FakeEnvService, address: str) -> None:
+        self.env = env
+        self.address = address
+        self.preloaded = 0
+        self.cpu_load = 0.1
+        self.memory = (6 << 30, 8 << 30)
+        self.tokens: list[str] = []
+        self.asked = threading.Semaphore(0)
+
+    def GetNode(self, req: ns.GetNodeRequest, ctx: grpc.ServicerContext) -> ns.GetNodeResponse:
+        self.tokens.append(dict(ctx.invocation_metadata()).get("authorization", ""))
+        self.asked.release()
+        e = self.env
+        return ns.GetNodeResponse(node=ns.NodeInfo(
+            name=e.node, address=self.address, version="test", draining=e.draining,
+            sandboxes=e.open_sandboxes() + self.preloaded, max_sandboxes=e.max_sandboxes,
+            checkpoints=len(e.checkpoints), cpus=2, cpu_load=self.cpu_load,
+            memory_available_bytes=self.memory[0], memory_total_bytes=self.memory[1]))
+
+
+class FakeServer:
+    """The fake services on a real gRPC server; addr is host:port. With node, a node of a
+    cluster named so (see the module's doc), on host and port (0: a free one)."""
+
+    def __init__(self, node: str = "", host: str = "127.0.0.1", port: int = 0) -> None:
+        self.service = FakeEnvService(node)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         es_grpc.add_EnvServiceServicer_to_server(self.service, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        self.addr = f"127.0.0.1:{port}"
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.addr = f"{host}:{self.port}"
+        self.nodes = FakeNodeService(self.service, self.addr)
+        ns_grpc.add_NodeServiceServicer_to_server(self.nodes, self.server)
         self.server.start()
 
     def stop(self) -> None:
