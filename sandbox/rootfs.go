@@ -331,7 +331,7 @@ func (s *Sandbox) withRootFor(rel string, fn func(root int) error) error {
 // +checklocksread:s.fs.mu
 func (s *Sandbox) withRootHeld(rel string, fn func(root int) error) error {
 	if s.fs.root >= 0 {
-		if !s.fs.covered.Load() && (rel == "" || s.rt.covers.Needed(s.fs.root, rel)) {
+		if !s.fs.covered.Load() && (rel == "" || s.rt.ovl.covers.Needed(s.fs.root, rel)) {
 			if err := s.coverRoot(); err != nil {
 				return err
 			}
@@ -359,7 +359,7 @@ func (s *Sandbox) coverRoot() error {
 	if s.fs.covered.Load() {
 		return nil
 	}
-	if err := s.rt.covers.Apply(s.fs.root); err != nil {
+	if err := s.rt.ovl.covers.Apply(s.fs.root); err != nil {
 		return err
 	}
 	s.fs.covered.Store(true)
@@ -627,7 +627,7 @@ func (s *Sandbox) linkUp() error {
 	}
 	lowers := s.lowerDirs(s.fs.stack)
 	return s.withRootHeld("", func(root int) error {
-		if _, err := s.rt.links.Materialize(root, index, lowers); err != nil {
+		if _, err := s.rt.ovl.links.Materialize(root, index, lowers); err != nil {
 			return fmt.Errorf("keeping hard links whole: %w", err)
 		}
 		return nil

@@ -326,6 +326,12 @@ func (c *checkpoint) info() CheckpointInfo {
 	return ci
 }
 
+// overlays are the overlay helpers every root of the runtime shares.
+type overlays struct {
+	links  *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
+	covers *overlay.Covers // for roots not swapped in yet (Sandbox.root)
+}
+
 // Runtime creates and tracks sandboxes, images and checkpoints.
 type Runtime struct {
 	cfg     Config
@@ -340,8 +346,7 @@ type Runtime struct {
 	lock    *os.File
 	adm     admission       // caps and what counts against them (admission.go)
 	hot     *hotSet         // sandboxes keeping their descriptors (hot.go)
-	links   *overlay.Links  // hard-link groups of lowers (sandbox.linkUp)
-	covers  *overlay.Covers // for roots not swapped in yet (Sandbox.root)
+	ovl     overlays        // the overlay helpers every root shares
 
 	// pimg is the runtime's CRIU and the images of checkpoints' processes.
 	pimg procImages
@@ -439,7 +444,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
 		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
 		done: make(chan struct{}), flatSem: make(chan struct{}, 1), ret: retirement{slots: make(chan struct{}, retireSlots())},
-		links: overlay.NewLinks(), hot: newHotSet(0),
+		ovl: overlays{links: overlay.NewLinks()}, hot: newHotSet(0),
 	}
 	ranges, dropped, err := hostRanges(hostIDFiles)
 	if err != nil {
@@ -576,10 +581,10 @@ func (r *Runtime) openHost(cleanup *[]func()) error {
 		return err
 	}
 	*cleanup = append(*cleanup, func() { r.devnull.Close() })
-	if r.covers, err = makeCovers(r.store); err != nil {
+	if r.ovl.covers, err = makeCovers(r.store); err != nil {
 		return err
 	}
-	*cleanup = append(*cleanup, func() { r.covers.Close() })
+	*cleanup = append(*cleanup, func() { r.ovl.covers.Close() })
 	if r.spawn, err = launch.NewSpawnNS(r.cfg.InitBinary); err != nil {
 		return err
 	}
@@ -1535,7 +1540,7 @@ func (r *Runtime) Close(ctx context.Context) error {
 	r.layers.Wait()
 	errs = append(errs, r.cg.RemoveBase())
 	r.devnull.Close()
-	r.covers.Close()
+	r.ovl.covers.Close()
 	r.lock.Close()
 	return errors.Join(errs...)
 }

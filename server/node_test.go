@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/http"
 	"strings"
@@ -22,6 +23,7 @@ import (
 // NodeService, which reports its name and the address it advertises, and records the
 // Authorization header it was asked with.
 type peer struct {
+	deltagymv1connect.UnimplementedNodeServiceHandler
 	name       string
 	advertised string
 	addr       string // where it listens
@@ -54,6 +56,11 @@ func startPeer(t *testing.T, name, advertised string) *peer {
 		<-served
 	})
 	return p
+}
+
+// DescribeCheckpoint answers as a node that holds no checkpoint.
+func (p *peer) DescribeCheckpoint(_ context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
+	return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("checkpoint %q: unknown or released checkpoint", req.Msg.GetCheckpointId()))
 }
 
 func (p *peer) GetNode(_ context.Context, req *connect.Request[deltagymv1.GetNodeRequest]) (*connect.Response[deltagymv1.GetNodeResponse], error) {
@@ -121,8 +128,10 @@ func TestNodeIdentity(t *testing.T) {
 		wantReason(t, cl.name+": GetSandbox of node-b's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "sandbox_id", otherSB, "node", "node-b", "address", addrB)
 		_, err = cl.c.Step(ctx, &deltagymv1.StepRequest{SandboxId: otherSB, Action: execAction("true")})
 		wantReason(t, cl.name+": Step in node-b's sandbox", err, connect.CodeFailedPrecondition, "WRONG_NODE", "sandbox_id", otherSB, "node", "node-b", "address", addrB)
+		// A restore of node-b's checkpoint asks node-b for it (TestCheckpointMoves), which has
+		// none.
 		_, err = cl.c.Restore(ctx, &deltagymv1.RestoreRequest{SandboxId: sb, CheckpointId: otherCK})
-		wantReason(t, cl.name+": Restore of node-b's checkpoint", err, connect.CodeFailedPrecondition, "WRONG_NODE", "checkpoint_id", otherCK, "node", "node-b", "address", addrB)
+		wantReason(t, cl.name+": Restore of a checkpoint node-b lacks", err, connect.CodeNotFound, "CHECKPOINT_NOT_FOUND", "checkpoint_id", otherCK)
 		_, err = cl.c.ReleaseCheckpoint(ctx, &deltagymv1.ReleaseCheckpointRequest{CheckpointId: otherCK})
 		wantReason(t, cl.name+": ReleaseCheckpoint of node-b's checkpoint", err, connect.CodeFailedPrecondition, "WRONG_NODE", "checkpoint_id", otherCK, "node", "node-b", "address", addrB)
 		if !strings.Contains(err.Error(), "node node-b ("+addrB+")") {

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -51,7 +52,6 @@ type Server struct {
 	core    *episode.Core
 	coreSet chan struct{} // closed once core is set: the runtime's expiry hook reads it then
 	regMu   sync.Mutex    // serialises RegisterEnv's keeping of specs
-	peers   peers         // NodeService clients of the other nodes (transfer.go)
 
 	mu sync.Mutex
 	// +checklocks:mu
@@ -304,7 +304,9 @@ func (s *Server) buildHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
-	mux.Handle(deltagymv1connect.NewNodeServiceHandler(&nodeService{s}, opts...))
+	// NodeService answers uncompressed: its big answers, FetchLayer's layers, go between nodes
+	// on a fast network, and gzip would cost a node's CPU more time than the bytes take.
+	mux.Handle(deltagymv1connect.NewNodeServiceHandler(&nodeService{s}, append(slices.Clone(opts), connect.WithCompression("gzip", nil, nil))...))
 	s.mountSwerex(mux)
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName, deltagymv1connect.NodeServiceName)))
 	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName, deltagymv1connect.NodeServiceName)

@@ -5,14 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
-	"sync"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
-	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/sandbox"
@@ -138,45 +135,21 @@ func manifestFromProto(p *deltagymv1.CheckpointManifest) (sandbox.CheckpointMani
 	return m, nil
 }
 
-// peers are the NodeService clients of the other nodes, by address.
-type peers struct {
-	mu sync.Mutex
-	// +checklocks:mu
-	clients map[string]deltagymv1connect.NodeServiceClient
-}
-
-// nodeClient returns the NodeService client of the node at addr, with the server's token.
-func (s *Server) nodeClient(addr string) deltagymv1connect.NodeServiceClient {
-	s.peers.mu.Lock()
-	defer s.peers.mu.Unlock()
-	if c := s.peers.clients[addr]; c != nil {
-		return c
-	}
-	if s.peers.clients == nil {
-		s.peers.clients = map[string]deltagymv1connect.NodeServiceClient{}
-	}
-	var protos http.Protocols
-	protos.SetUnencryptedHTTP2(true) // streams between nodes: h2c with prior knowledge
-	hc := &http.Client{Transport: &http.Transport{Protocols: &protos}}
-	var opts []connect.ClientOption
-	if tok := s.Token(); tok != "" {
-		opts = append(opts, connect.WithInterceptors(peerBearer(tok)))
-	}
-	c := deltagymv1connect.NewNodeServiceClient(hc, "http://"+addr, opts...)
-	s.peers.clients[addr] = c
-	return c
-}
-
 // fetchCheckpoint makes the runtime hold checkpoint id, which names another node: it asks
 // that node for its manifest and the layers the runtime lacks (episode.Config.Fetch).
 func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
 	owner := nodeid.Node(id)
-	addr := s.peerAddr(owner)
-	if addr == "" {
-		return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s, whose address this node (%s) does not know (--peers): %w",
+	if s.peers == nil {
+		return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s, and this node (%s) knows no other (--peers): %w",
 			id, owner, s.cfg.Cluster.Node, errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
 	}
-	peer := s.nodeClient(addr)
+	cl, err := s.peers.NodeClient(owner)
+	if err != nil {
+		return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s, which this node (%s) cannot reach: %v: %w",
+			id, owner, s.cfg.Cluster.Node, connectMessage(err), errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
+	}
+	addr := s.peerAddr(owner)
+	peer := cl.NodeService()
 	dr, err := peer.DescribeCheckpoint(ctx, connect.NewRequest(&deltagymv1.DescribeCheckpointRequest{CheckpointId: id}))
 	if err != nil {
 		return peerErr(err, id, owner, addr)
@@ -248,24 +221,11 @@ func (l *layerStream) Close() error {
 	return l.st.Close()
 }
 
-// peerBearer sets the bearer token on calls to other nodes.
-type peerBearer string
-
-func (b peerBearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		req.Header().Set("Authorization", "Bearer "+string(b))
-		return next(ctx, req)
+// connectMessage is err's message without its code's words.
+func connectMessage(err error) string {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce.Message()
 	}
-}
-
-func (b peerBearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
-		c := next(ctx, spec)
-		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
-		return c
-	}
-}
-
-func (b peerBearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
+	return err.Error()
 }

@@ -50,11 +50,11 @@ func TestCheckpointMoves(t *testing.T) {
 
 	fr, err := cb.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ckA}, N: 2})
 	must(t, err)
-	for _, s := range fr.GetSandboxes() {
-		if nodeid.Node(s.GetSandboxId()) != "node-b" {
-			t.Fatalf("a child of the fork on node B is %s", s.GetSandboxId())
+	for _, s := range fr.GetSandboxIds() {
+		if nodeid.Node(s) != "node-b" {
+			t.Fatalf("a child of the fork on node B is %s", s)
 		}
-		if got := run(t, cb, s.GetSandboxId(), probe); got != want {
+		if got := run(t, cb, s, probe); got != want {
 			t.Fatalf("a fork on node B of node A's checkpoint reads %q, want %q", got, want)
 		}
 	}
@@ -117,7 +117,7 @@ func BenchmarkCrossNodeFork(b *testing.B) {
 		fr, err := c.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck}, N: 1})
 		d := time.Since(start)
 		must(b, err)
-		_, err = c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: fr.GetSandboxes()[0].GetSandboxId()})
+		_, err = c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: fr.GetSandboxIds()[0]})
 		must(b, err)
 		return d
 	}

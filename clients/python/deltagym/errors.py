@@ -260,8 +260,9 @@ class Draining(Unavailable):
 class NodeUnavailable(Unavailable):
     """A node of a cluster cannot be reached (it stopped, or left the cluster and no longer
     answers), or the cluster does not know it. Raised by the clients of a deltagym.Cluster for
-    the calls on the node's sandboxes and checkpoints; the message names the node and its
-    address. New sandboxes go to the other nodes.
+    the calls on the node's sandboxes and checkpoints, and by a node asked to restore or fork
+    a checkpoint of another that it cannot reach (NODE_UNAVAILABLE); the message names the
+    node and its address. New sandboxes go to the other nodes.
 
     Attributes:
         node: the node's name.
@@ -309,6 +310,7 @@ _BY_REASON: dict[str, type[DeltagymError]] = {
     "SANDBOX_CLOSED": SandboxClosed,
     "WRONG_NODE": WrongNode,
     "DRAINING": Draining,
+    "NODE_UNAVAILABLE": NodeUnavailable,
     "RATE_LIMITED": RateLimited,
     "NO_CAPACITY": NoCapacity,
 }
