@@ -111,6 +111,7 @@ var reasons = []struct {
 	{sandbox.ErrCap, "NO_CAPACITY"},
 	{envpool.ErrNotReady, "ENV_NOT_READY"},
 	{episode.ErrOtherEnv, "CHECKPOINT_OF_OTHER_ENV"},
+	{sandbox.ErrProcessesStay, "PROCESSES_STAY"},
 	{ErrNoLedger, "LEDGER_DISABLED"},
 	{envpool.ErrClosed, "SHUTTING_DOWN"},
 }

@@ -145,6 +145,11 @@ func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
 	}
 	cl, err := s.peers.NodeClient(owner)
 	if err != nil {
+		// Not known at the last refresh (a node started after this one asked, say): ask again.
+		_ = s.peers.Refresh(ctx) // an error names the nodes it did not reach: owner may be among the others
+		cl, err = s.peers.NodeClient(owner)
+	}
+	if err != nil {
 		return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s, which this node (%s) cannot reach: %v: %w",
 			id, owner, s.cfg.Cluster.Node, connectMessage(err), errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
 	}

@@ -80,8 +80,10 @@ func TestCheckpointMoves(t *testing.T) {
 	pk, err := ca.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: sbA})
 	must(t, err)
 	_, err = cb.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: pk.GetCheckpointId()}, N: 1})
-	if connect.CodeOf(err) != connect.CodeFailedPrecondition || !strings.Contains(err.Error(), "processes") {
-		t.Fatalf("a fork on node B of a checkpoint of node A with a process: %v, want failed_precondition about its processes", err)
+	wantReason(t, "a fork on node B of a checkpoint of node A with a process", err, connect.CodeFailedPrecondition, "PROCESSES_STAY",
+		"checkpoint_id", pk.GetCheckpointId())
+	if !strings.Contains(err.Error(), "processes") {
+		t.Fatalf("a fork on node B of a checkpoint of node A with a process: %v, want a message about its processes", err)
 	}
 	// A checkpoint node A does not hold, and one of a node B does not know.
 	gone := nodeid.New("ck", "node-a")

@@ -836,32 +836,86 @@ type forkPart struct {
 	n int
 }
 
-// forkParts splits a Fork of n children from a checkpoint held by owner over the nodes. Every
-// child goes to owner: another node would need the checkpoint's layers, which nodes do not
-// send each other. Once they do, the split is Spread's over the nodes that may take
-// sandboxes, and Fork merges the parts' results as it does this one's.
+// forkParts splits a Fork of n children from a checkpoint held by owner over the nodes that may
+// take sandboxes, by load (Spread): a node other than owner fetches the checkpoint's layers
+// from it first. With no node to place on, every child goes to owner, which then says why it
+// cannot take them.
 func (c *Cluster) forkParts(owner *member, n int) []forkPart {
-	return []forkPart{{m: owner, n: n}}
+	ms, loads, err := c.candidates(nil)
+	if err != nil || len(ms) == 0 {
+		return []forkPart{{m: owner, n: n}}
+	}
+	var parts []forkPart
+	for i, k := range Spread(loads, n) {
+		if k > 0 {
+			parts = append(parts, forkPart{m: ms[i], n: k})
+		}
+	}
+	if len(parts) == 0 {
+		return []forkPart{{m: owner, n: n}}
+	}
+	return parts
 }
 
-// Fork creates n sandboxes at the state of checkpoint checkpointID, on the node that holds it.
-// The children's handles are bound to the Clients of the nodes that made them. Like Reset, it
-// carries an idempotency key and is retried safely.
+// movesNot reports whether err is a node's refusal of a checkpoint of another node that it
+// cannot hold, which the owner can serve: its processes stay on their node (PROCESSES_STAY),
+// or the owner is unreachable from it (NODE_UNAVAILABLE).
+func movesNot(err error) bool {
+	r := ErrorReason(err)
+	return r == "PROCESSES_STAY" || r == "NODE_UNAVAILABLE"
+}
+
+// Fork creates n sandboxes at the state of checkpoint checkpointID, spread over the nodes by
+// load: a GRPO group forked from one checkpoint lands on every node, in one call, each node's
+// part made in parallel (a node fetches the checkpoint from its owner once, then holds it). A
+// part that a node cannot make because the checkpoint cannot move to it (its processes ran,
+// which stay on their node; the owner out of its reach) is made on the owner instead. The
+// children's handles are bound to the Clients of the nodes that made them, in the order of
+// the nodes' names. Like Reset, every part carries an idempotency key (the key given, with the
+// node's name) and is retried safely. When a part fails, the children of the others are kept
+// and returned beside the error.
 func (c *Cluster) Fork(ctx context.Context, checkpointID string, n int, opts ...EpisodeOption) (*ForkResult, error) {
 	owner, err := c.route(checkpointID)
 	if err != nil {
 		return nil, fmt.Errorf("fork of checkpoint %s: %w", checkpointID, err)
 	}
+	key := episodeOptions(opts).key
+	if key == "" {
+		key = NewIdempotencyKey()
+	}
+	parts := c.forkParts(owner, n)
+	results := make([]*ForkResult, len(parts))
+	errs := make([]error, len(parts))
+	var wg sync.WaitGroup
+	for i, p := range parts {
+		wg.Go(func() {
+			p.m.place(p.n)
+			partOpts := append(slices.Clone(opts), WithIdempotencyKey(key+"/"+p.m.status().Name))
+			res, err := p.m.client.Fork(ctx, checkpointID, p.n, partOpts...)
+			if err != nil && p.m != owner && movesNot(err) {
+				p.m.place(-p.n)
+				owner.place(p.n)
+				p.m = owner
+				res, err = owner.client.Fork(ctx, checkpointID, p.n, append(slices.Clone(opts), WithIdempotencyKey(key+"/"+owner.status().Name+"/for/"+parts[i].m.status().Name))...)
+			}
+			if err != nil {
+				p.m.place(-p.n)
+			}
+			results[i], errs[i] = res, err
+		})
+	}
+	wg.Wait()
 	out := &ForkResult{CheckpointID: checkpointID}
-	for _, p := range c.forkParts(owner, n) {
-		p.m.place(p.n)
-		res, err := p.m.client.Fork(ctx, checkpointID, p.n, opts...)
-		if err != nil {
-			p.m.place(-p.n)
+	for _, res := range results {
+		if res != nil {
+			out.Sandboxes = append(out.Sandboxes, res.Sandboxes...)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		if len(out.Sandboxes) == 0 {
 			return nil, err
 		}
-		out.CheckpointID = res.CheckpointID
-		out.Sandboxes = append(out.Sandboxes, res.Sandboxes...)
+		return out, err
 	}
 	return out, nil
 }

@@ -265,13 +265,30 @@ func TestClusterRouting(t *testing.T) {
 	if err != nil || len(listed) != 9 {
 		t.Fatalf("ListSandboxes: %d, %v", len(listed), err)
 	}
-	fork, err := cl.Fork(ctx, "ck-node-c-00000000000000aa", 2)
-	if err != nil || len(fork.Sandboxes) != 2 {
+	// A fork spreads over the nodes by load, a checkpoint of node-c on all three; one whose
+	// processes stay on node-c (PROCESSES_STAY elsewhere) is made on node-c whole.
+	fork, err := cl.Fork(ctx, "ck-node-c-00000000000000aa", 6)
+	if err != nil || len(fork.Sandboxes) != 6 {
 		t.Fatalf("Fork of node-c's checkpoint: %+v, %v", fork, err)
 	}
+	on := map[string]int{}
 	for _, sb := range fork.Sandboxes {
-		if info, err := sb.Info(ctx); err != nil || deltagym.NodeOf(sb.ID()) != "node-c" || info.GetEnv() != "node-c" {
+		info, err := sb.Info(ctx)
+		if err != nil || info.GetEnv() != deltagym.NodeOf(sb.ID()) {
 			t.Fatalf("a child of node-c's checkpoint: %s on %q, %v", sb.ID(), info.GetEnv(), err)
+		}
+		on[info.GetEnv()]++
+	}
+	if len(on) != 3 {
+		t.Fatalf("a fork of 6 over three equal nodes went to %v", on)
+	}
+	fork, err = cl.Fork(ctx, "ck-node-c-000000000000beef", 4)
+	if err != nil || len(fork.Sandboxes) != 4 {
+		t.Fatalf("Fork of node-c's checkpoint with processes: %+v, %v", fork, err)
+	}
+	for _, sb := range fork.Sandboxes {
+		if deltagym.NodeOf(sb.ID()) != "node-c" {
+			t.Fatalf("a child of node-c's checkpoint with processes is %s", sb.ID())
 		}
 	}
 	if err := cl.ReleaseCheckpoint(ctx, "ck-node-b-00000000000000aa"); err != nil {
@@ -320,7 +337,7 @@ func TestClusterRouting(t *testing.T) {
 	if err == nil || len(hb.Leases) != 6 || !strings.Contains(err.Error(), wantDown) {
 		t.Fatalf("Heartbeat with node-b down: %d leases, %v; want the 6 of the others and an error naming node-b", len(hb.Leases), err)
 	}
-	if listed, err = cl.ListSandboxes(ctx, deltagym.SandboxFilter{}); err == nil || len(listed) != 8+6 {
+	if listed, err = cl.ListSandboxes(ctx, deltagym.SandboxFilter{}); err == nil || len(listed) != before+6 {
 		t.Fatalf("ListSandboxes with node-b down: %d, %v", len(listed), err)
 	}
 

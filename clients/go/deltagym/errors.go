@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 )
 
 // Sentinel errors returned (wrapped) by this package. Errors from the server
@@ -56,3 +57,23 @@ func (e *NodeError) Error() string {
 
 // Unwrap returns the cause.
 func (e *NodeError) Unwrap() error { return e.Err }
+
+// ErrorReason returns the reason of the google.rpc.ErrorInfo a server attached to err (such as
+// "WRONG_NODE", "DRAINING", "PROCESSES_STAY"; docs/OPERATIONS.md lists them), "" when it has
+// none.
+func ErrorReason(err error) string {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return ""
+	}
+	for _, d := range ce.Details() {
+		v, derr := d.Value()
+		if derr != nil {
+			continue
+		}
+		if info, ok := v.(*errdetails.ErrorInfo); ok {
+			return info.GetReason()
+		}
+	}
+	return ""
+}

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"golang.org/x/net/dns/dnsmessage"
 
 	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
@@ -164,6 +165,7 @@ func listenSamePort(t testing.TB, ips ...string) (lns []net.Listener, port int) 
 type fakeNode struct {
 	deltagymv1connect.UnimplementedEnvServiceHandler
 	deltagymv1connect.UnimplementedLedgerServiceHandler
+	deltagymv1connect.UnimplementedNodeServiceHandler
 
 	name   string
 	addr   string
@@ -253,9 +255,18 @@ func (f *fakeNode) GetSandbox(_ context.Context, req *connect.Request[deltagymv1
 	return connect.NewResponse(&deltagymv1.GetSandboxResponse{Sandbox: &deltagymv1.Sandbox{SandboxId: req.Msg.GetSandboxId(), Env: f.name}}), nil
 }
 
+// Fork forks a checkpoint of any node, as a real node does once it has fetched it from its
+// owner, but one whose ID says "beef" (a checkpoint with processes, which do not move) only on
+// its own node: elsewhere it refuses, with PROCESSES_STAY.
 func (f *fakeNode) Fork(_ context.Context, req *connect.Request[deltagymv1.ForkRequest]) (*connect.Response[deltagymv1.ForkResponse], error) {
-	if err := f.owns(req.Msg.GetCheckpointId()); err != nil {
-		return nil, err
+	if id := req.Msg.GetCheckpointId(); strings.Contains(id, "beef") {
+		if err := f.owns(id); err != nil {
+			ce := connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("checkpoint %s holds live processes: they do not move between nodes", id))
+			if d, derr := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "PROCESSES_STAY", Domain: "deltagym.dev"}); derr == nil {
+				ce.AddDetail(d)
+			}
+			return nil, ce
+		}
 	}
 	res := &deltagymv1.ForkResponse{CheckpointId: req.Msg.GetCheckpointId()}
 	for range req.Msg.GetN() {

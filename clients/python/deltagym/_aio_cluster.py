@@ -183,14 +183,46 @@ class AsyncCluster:
     async def fork(self, checkpoint_id: str, n: int = 1, *, group_id: str = "", run: str = "",
                    fresh_entropy: bool = False, idempotency_key: str | None = None, lease_ttl: float | None = None,
                    timeout: Any = _DEFAULT) -> list[AsyncSandboxHandle]:
-        """Creates n sandboxes at a checkpoint, all on the node that holds it (as Cluster.fork)."""
-        client = await self.client_for(checkpoint_id)
+        """Creates n sandboxes at a checkpoint, spread over the nodes by load, each node's part
+        made concurrently; a part a node cannot make because the checkpoint cannot move to it
+        is made on its owner (as Cluster.fork)."""
+        owner = await self.client_for(checkpoint_id)
         deadline = self.timeout if timeout is _DEFAULT else timeout
-        kids = await client.fork(checkpoint_id=checkpoint_id, n=n, group_id=group_id, run=run,
-                                 fresh_entropy=fresh_entropy, idempotency_key=idempotency_key, lease_ttl=lease_ttl,
-                                 timeout=deadline)
-        self._members.placed(client.node, len(kids))
-        return kids
+        key = idempotency_key or c.new_key()
+        plan: list[tuple[AsyncClient, int]] = [(m.client, k) for m, k in self._members.fork_plan(n)] or [(owner, n)]
+
+        async def part(client: AsyncClient, k: int) -> list[AsyncSandboxHandle]:
+            try:
+                kids = await client.fork(checkpoint_id=checkpoint_id, n=k, group_id=group_id, run=run,
+                                         fresh_entropy=fresh_entropy, idempotency_key=f"{key}/{client.node}",
+                                         lease_ttl=lease_ttl, timeout=deadline)
+                self._members.placed(client.node, len(kids))
+                return kids
+            except DeltagymError as e:
+                if client is owner or not cl.moves_not(e):
+                    raise
+            kids = await owner.fork(checkpoint_id=checkpoint_id, n=k, group_id=group_id, run=run,
+                                    fresh_entropy=fresh_entropy, idempotency_key=f"{key}/{owner.node}/for/{client.node}",
+                                    lease_ttl=lease_ttl, timeout=deadline)
+            self._members.placed(owner.node, len(kids))
+            return kids
+
+        results = await asyncio.gather(*(part(client, k) for client, k in plan), return_exceptions=True)
+        out: list[AsyncSandboxHandle] = []
+        failed: BaseException | None = None
+        for r in results:
+            if isinstance(r, BaseException):
+                failed = failed or r
+            else:
+                out.extend(r)
+        if failed is not None:
+            for kid in out:
+                try:
+                    await kid.close()
+                except DeltagymError as e:  # the others are closed all the same
+                    log.warning("closing %s after a failed fork: %s", kid.id, e)
+            raise failed
+        return out
 
     # --- lifecycle ----------------------------------------------------------------------------
 

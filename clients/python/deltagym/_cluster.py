@@ -353,6 +353,16 @@ class Membership(Generic[C]):
             by_name = {m.name: m for m in live}
             return [by_name[n.name] for n in rank([m.projected() for m in live])]
 
+    def fork_plan(self, n: int) -> list[tuple[Member[C], int]]:
+        """Splits a fork of n children over the members that take new sandboxes, by load
+        (spread); [] when none does."""
+        with self._lock:
+            live = [m for m in self._members.values() if m.listed and m.reached and not m.info.draining]
+            if not live:
+                return []
+            counts = spread(n, [m.projected() for m in live])
+            return [(m, counts[m.name]) for m in sorted(live, key=lambda m: m.name) if counts.get(m.name)]
+
     def placed(self, name: str, n: int) -> None:
         """Counts n sandboxes placed on the node since its report."""
         with self._lock:
@@ -456,3 +466,13 @@ def placement_error(call: str, target: str, errors: Sequence[tuple[str, Deltagym
 
 # The errors on which a placement tries the next node: the node drains, is full or is gone.
 RETRY_ELSEWHERE = (Draining, NoCapacity, NodeUnavailable)
+
+# The reasons of a node's refusal of another node's checkpoint that its owner can serve: its
+# processes stay on their node, or the owner is out of the node's reach.
+MOVES_NOT = ("PROCESSES_STAY", "NODE_UNAVAILABLE")
+
+
+def moves_not(e: DeltagymError) -> bool:
+    """Whether e refuses a checkpoint that cannot move to the node asked, which its owner can
+    fork instead."""
+    return e.reason in MOVES_NOT

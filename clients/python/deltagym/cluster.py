@@ -16,6 +16,7 @@ call on a sandbox or checkpoint goes to the node its ID names (node_of).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -213,14 +214,55 @@ class Cluster:
     def fork(self, checkpoint_id: str, n: int = 1, *, group_id: str = "", run: str = "", fresh_entropy: bool = False,
              idempotency_key: str | None = None, lease_ttl: float | None = None,
              timeout: Any = _DEFAULT) -> list[SandboxHandle]:
-        """Creates n sandboxes at a checkpoint, all on the node that holds it (as Client.fork);
-        their handles' calls go to that node."""
-        client = self.client_for(checkpoint_id)
+        """Creates n sandboxes at a checkpoint (as Client.fork), spread over the nodes by load:
+        a GRPO group forked from one checkpoint lands on every node in one call, each node's
+        part made in parallel (a node fetches the checkpoint from its owner once, then holds
+        it). A part that a node cannot make because the checkpoint cannot move to it (its
+        processes ran, which stay on their node; the owner out of its reach) is made on the
+        owner instead. Each handle's calls go to the node that made it. When a part fails,
+        the children of the others are closed and the error raised."""
+        owner = self.client_for(checkpoint_id)
         deadline = self.timeout if timeout is _DEFAULT else timeout
-        kids = client.fork(checkpoint_id=checkpoint_id, n=n, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
-                           idempotency_key=idempotency_key, lease_ttl=lease_ttl, timeout=deadline)
-        self._members.placed(client.node, len(kids))
-        return kids
+        key = idempotency_key or c.new_key()
+        plan: list[tuple[Client, int]] = [(m.client, k) for m, k in self._members.fork_plan(n)] or [(owner, n)]
+
+        def part(client: Client, k: int) -> list[SandboxHandle]:
+            try:
+                kids = client.fork(checkpoint_id=checkpoint_id, n=k, group_id=group_id, run=run,
+                                   fresh_entropy=fresh_entropy, idempotency_key=f"{key}/{client.node}",
+                                   lease_ttl=lease_ttl, timeout=deadline)
+                self._members.placed(client.node, len(kids))
+                return kids
+            except DeltagymError as e:
+                if client is owner or not cl.moves_not(e):
+                    raise
+            kids = owner.fork(checkpoint_id=checkpoint_id, n=k, group_id=group_id, run=run, fresh_entropy=fresh_entropy,
+                              idempotency_key=f"{key}/{owner.node}/for/{client.node}", lease_ttl=lease_ttl,
+                              timeout=deadline)
+            self._members.placed(owner.node, len(kids))
+            return kids
+
+        if len(plan) == 1:
+            return part(*plan[0])
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(plan)) as pool:
+            futures = [pool.submit(part, client, k) for client, k in plan]
+            concurrent.futures.wait(futures)
+        out: list[SandboxHandle] = []
+        failed: BaseException | None = None
+        for f in futures:
+            e = f.exception()
+            if e is None:
+                out.extend(f.result())
+            elif failed is None:
+                failed = e
+        if failed is not None:
+            for kid in out:
+                try:
+                    kid.close()
+                except DeltagymError as e:  # the others are closed all the same
+                    log.warning("closing %s after a failed fork: %s", kid.id, e)
+            raise failed
+        return out
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -318,8 +318,13 @@ class FakeEnvService(es_grpc.EnvServiceServicer):
         return es.EvaluateResponse(reward=0.5, components={"a": 0.5}, output="half", duration_seconds=0.1)
 
     def Fork(self, req: es.ForkRequest, ctx: grpc.ServicerContext) -> es.ForkResponse:
-        if req.WhichOneof("source") == "checkpoint_id" and req.checkpoint_id not in self.checkpoints:
-            self._wrong_node("checkpoint_id", req.checkpoint_id, ctx)
+        # A checkpoint of another node is forked as a real node does once it fetched it from
+        # its owner, but one whose ID says "beef" (one with processes, which do not move) only
+        # on its own node.
+        ck, owner = req.checkpoint_id, node_of(req.checkpoint_id)
+        if req.WhichOneof("source") == "checkpoint_id" and self.node and owner and owner != self.node and "beef" in ck:
+            self._abort(ctx, grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint {ck} holds live processes: they do not move "
+                        "between nodes", "PROCESSES_STAY", {"checkpoint_id": ck})
         self._draining("Fork", ctx)
         ids, eps = [], []
         for _ in range(req.n):

@@ -78,7 +78,8 @@ def pair(built: _Built) -> Iterator[Pair]:
     with contextlib.ExitStack() as stack:
         nodes = {name: stack.enter_context(_serve(
             built, env, ["--token", TOKEN, "--node-name", name, "--max-sandboxes", str(MAX_SANDBOXES),
-                         "--drain-timeout", f"{DRAIN}s"], False, host=ip, port=port))
+                         "--drain-timeout", f"{DRAIN}s", "--peers", ",".join(f"{x}:{port}" for x in IPS.values())],
+            False, host=ip, port=port))
             for name, ip in IPS.items()}
         for s in nodes.values():
             _wait_warm(s.addr)
@@ -103,11 +104,14 @@ def test_spread_and_routing(pair: Pair) -> None:
                 assert sb.client.addr == pair.nodes[node_of(sb.id)].addr
                 assert sb.run("echo $((6*7))").stdout == "42\n"
             on_b = next(sb for sb in sbs if node_of(sb.id) == "node-b")
+            assert on_b.run("echo moved > /tmp/moved").ok
             ck = on_b.checkpoint()
             assert node_of(ck.id) == "node-b"
-            kids = deltagym.Sandbox.fork_from(ck, 2, cluster=cluster, timeout=60)
-            assert [node_of(k.id) for k in kids] == ["node-b", "node-b"]
+            # A fork spreads by load: node-a fetches node-b's checkpoint and forks it too.
+            kids = deltagym.Sandbox.fork_from(ck, 4, cluster=cluster, timeout=60)
+            assert len(kids) == 4 and {node_of(k.id) for k in kids} == {"node-a", "node-b"}
             for k in kids:
+                assert k.run("cat /tmp/moved").stdout == "moved\n"
                 k.close()
             again = deltagym.Sandbox.connect(on_b.id, cluster=cluster)
             assert again.client is on_b.client and again.describe().id == on_b.id

@@ -234,12 +234,19 @@ def test_calls_go_to_the_node_the_id_names(two: list[FakeServer], monkeypatch: p
             assert sb.client is client and sb.run("echo there").stdout == "there\n"
             ck = sb.checkpoint()
             assert node_of(ck.id) == "b"
-            kids = deltagym.Sandbox.fork_from(ck, 3, cluster=cluster)
-            assert {node_of(k.id) for k in kids} == {"b"} and all(k.client is client for k in kids)
+            # A fork spreads over the nodes by load: node a forks node b's checkpoint too.
+            kids = deltagym.Sandbox.fork_from(ck, 4, cluster=cluster)
+            assert {node_of(k.id) for k in kids} == {"a", "b"}
+            assert all(k.client is cluster.clients()[node_of(k.id)] for k in kids)
             assert {k.env for k in kids} == {"shell"}
             for k in kids:
                 k.close()
-        assert a.service.sandboxes == {} and a.service.execs == []
+            # One whose processes stay on node b (PROCESSES_STAY on node a) is made on node b whole.
+            kids = deltagym.Sandbox.fork_from("ck-b-000000000000beef", 3, cluster=cluster)
+            assert {node_of(k.id) for k in kids} == {"b"} and all(k.client is client for k in kids)
+            for k in kids:
+                k.close()
+        assert all(s.closed for s in a.service.sandboxes.values()) and a.service.execs == []
         # An ID of a node the cluster does not know: NodeUnavailable naming it, after a refresh
         # unless one ended within ROUTE_REFRESH seconds.
         gets = len(a.nodes.tokens)
@@ -451,6 +458,11 @@ def test_async_cluster(two: list[FakeServer]) -> None:
                 assert sb.client.node == "a" and (await sb.run("echo hi")).stdout == "hi\n"
                 ck = await sb.checkpoint()
                 kids = await AsyncSandbox.fork_from(ck, 2, cluster=cluster)
+                assert len(kids) == 2 and {node_of(k.id) for k in kids} <= {"a", "b"}
+                assert all(k.client is cluster.clients()[node_of(k.id)] for k in kids)
+                for k in kids:
+                    await k.close()
+                kids = await AsyncSandbox.fork_from("ck-a-000000000000beef", 3, cluster=cluster)
                 assert {node_of(k.id) for k in kids} == {"a"}
                 for k in kids:
                     await k.close()
