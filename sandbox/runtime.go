@@ -344,9 +344,9 @@ type Runtime struct {
 	devnull *os.File
 	skel    string
 	lock    *os.File
-	adm     admission       // caps and what counts against them (admission.go)
-	hot     *hotSet         // sandboxes keeping their descriptors (hot.go)
-	ovl     overlays        // the overlay helpers every root shares
+	adm     admission // caps and what counts against them (admission.go)
+	hot     *hotSet   // sandboxes keeping their descriptors (hot.go)
+	ovl     overlays  // the overlay helpers every root shares
 
 	// pimg is the runtime's CRIU and the images of checkpoints' processes.
 	pimg procImages

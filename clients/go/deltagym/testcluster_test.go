@@ -13,8 +13,8 @@ import (
 	"testing"
 
 	"connectrpc.com/connect"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"golang.org/x/net/dns/dnsmessage"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 
 	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
