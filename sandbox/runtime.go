@@ -376,8 +376,9 @@ type Runtime struct {
 	done    chan struct{}
 	wg      sync.WaitGroup
 	hooks   testHooks
-	// adopting are the layer imports of checkpoints of other nodes in flight (transfer.go).
-	adopting adoptions
+	// adopting serialises the adoptions of one checkpoint of another node, and the imports of
+	// one of its layers, by key (transfer.go).
+	adopting keyedLocks
 }
 
 // procImages is the runtime's CRIU runner and the bookkeeping of the CRIU

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
@@ -242,39 +241,4 @@ func (r *Runtime) adoptLayer(ctx context.Context, l LayerRef, fetch LayerFetcher
 		return "", fmt.Errorf("importing layer %s: %w", l.Digest, err)
 	}
 	return id, nil
-}
-
-// adoptions serialise the adoptions of one checkpoint, and the imports of one layer, by key.
-type adoptions struct {
-	mu sync.Mutex
-	// +checklocks:mu
-	m map[string]chan struct{} // each closes when its holder unlocks
-}
-
-// lock waits until no one holds key, or ctx ends, and takes it.
-func (a *adoptions) lock(ctx context.Context, key string) (unlock func(), err error) {
-	for {
-		a.mu.Lock()
-		if a.m == nil {
-			a.m = map[string]chan struct{}{}
-		}
-		wait, busy := a.m[key]
-		if !busy {
-			done := make(chan struct{})
-			a.m[key] = done
-			a.mu.Unlock()
-			return func() {
-				a.mu.Lock()
-				delete(a.m, key)
-				a.mu.Unlock()
-				close(done)
-			}, nil
-		}
-		a.mu.Unlock()
-		select {
-		case <-wait:
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-	}
 }
