@@ -171,6 +171,10 @@ func WriteException(w http.ResponseWriter, classPath, msg string, extra map[stri
 // Unauthenticated is the class of the answer to a request without the server's token.
 const Unauthenticated = excPermission
 
+// Unavailable is the class of the answer to a request whose sandbox's node did not answer the
+// node that passed the request on.
+const Unavailable = excSwerex
+
 // writeError answers err in SWE-ReX's form: an *exception as it is; an error of the episode
 // core or the server by its class (invalid argument: ValueError; the rest SwerexException with
 // the class's code in extra_info), an internal one without detail (logged).

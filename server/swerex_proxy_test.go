@@ -1,0 +1,84 @@
+package server_test
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/internal/nodeid"
+	"github.com/deltagym/deltagym/server"
+)
+
+// swerexCall sends a SWE-ReX request to the server at addr and returns its status and body.
+func swerexCall(t *testing.T, addr, method, path, body, token string, header map[string]string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), method, "http://"+addr+path, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-API-Key", token)
+	for k, v := range header {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}
+
+// TestSwerexProxy: SWE-ReX's client, which follows no error to another node, reaches a sandbox
+// of node A through node B: B passes the request on to A, whose answer it returns; a sandbox
+// of a node B does not know gets WRONG_NODE in SWE-ReX's form, and a request already passed
+// on is never passed on again.
+func TestSwerexProxy(t *testing.T) {
+	const token = "cluster-token"
+	a := setup(t, func(c *server.Config) { c.Cluster.Node, c.AuthToken, c.NoLedger = "node-a", token, true })
+	b := setup(t, func(c *server.Config) {
+		c.Cluster.Node, c.AuthToken, c.NoLedger = "node-b", token, true
+		c.Cluster.Peers = a.addr
+	})
+	ca := a.clients()[0].c
+	rr, err := ca.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	sb := rr.GetSandboxId()
+
+	code, body := swerexCall(t, b.addr, http.MethodGet, "/swerex/"+sb+"/is_alive", "", token, nil)
+	if code != http.StatusOK || !strings.Contains(body, `"is_alive":true`) {
+		t.Fatalf("is_alive through node B: %d %s", code, body)
+	}
+	code, body = swerexCall(t, b.addr, http.MethodPost, "/swerex/"+sb+"/execute", `{"command": "echo via-b > /tmp/via; cat /tmp/via", "shell": true}`, token, nil)
+	var out struct {
+		Stdout   string `json:"stdout"`
+		ExitCode int    `json:"exit_code"`
+	}
+	if code != http.StatusOK || json.Unmarshal([]byte(body), &out) != nil || out.Stdout != "via-b\n" || out.ExitCode != 0 {
+		t.Fatalf("execute through node B: %d %s", code, body)
+	}
+	if got := run(t, ca, sb, "cat /tmp/via"); got != "via-b\n" {
+		t.Fatalf("node A's sandbox after an execute through node B reads %q", got)
+	}
+	// The token is still checked, by both nodes.
+	if code, body = swerexCall(t, b.addr, http.MethodGet, "/swerex/"+sb+"/is_alive", "", "wrong", nil); code != 511 || !strings.Contains(body, "PermissionError") {
+		t.Fatalf("is_alive through node B with a wrong token: %d %s", code, body)
+	}
+	// A request another node passed on is answered here: WRONG_NODE, not passed on again.
+	code, body = swerexCall(t, b.addr, http.MethodGet, "/swerex/"+sb+"/is_alive", "", token, map[string]string{"Deltagym-Proxied-By": "node-z"})
+	if code != 511 || !strings.Contains(body, "is on node node-a") {
+		t.Fatalf("is_alive of node A's sandbox on node B, passed on already: %d %s", code, body)
+	}
+	far := nodeid.New("sb", "node-z")
+	code, body = swerexCall(t, b.addr, http.MethodGet, "/swerex/"+far+"/is_alive", "", token, nil)
+	if code != 511 || !strings.Contains(body, "node-z") {
+		t.Fatalf("is_alive of a sandbox of a node B does not know: %d %s", code, body)
+	}
+}
