@@ -5,17 +5,20 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"time"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/sandbox/layers"
+	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
 // A checkpoint moves between nodes of a cluster as a manifest (CheckpointManifest: its image,
-// its layers by digest, its labels) and the layers the receiving node lacks, each in the layer
-// transfer format (layers.Store.Export), verified against its digest as it is imported
-// (layers.Store.Import). The receiving node holds the checkpoint under the same ID, as it
+// its layers by digest, its labels, its processes' images by digest) and the layers the
+// receiving node lacks, each in the layer transfer format (layers.Store.Export), verified
+// against its digest as it is imported (layers.Store.Import), with its processes' CRIU images
+// (transfer_images.go). The receiving node holds the checkpoint under the same ID, as it
 // holds its own: restores and forks of it there use its copy, the layers count against its
 // checkpoint caps, and it is released by its checkpoint TTL (or a release) like any other.
 
@@ -43,15 +46,25 @@ type CheckpointManifest struct {
 	Created time.Time
 	// Processes counts the live processes the checkpoint captured.
 	Processes int
+	// Units are the CRIU images of those processes (transfer_images.go), each Dir the name of
+	// its directory below the checkpoint's images directory, ImagesDigest the digest of their
+	// stream (ExportImages) and ImagesBytes its files' bytes; none when the processes could
+	// not be saved, ProcessesWhy saying why.
+	Units        []procstate.Unit
+	ImagesDigest string
+	ImagesBytes  int64
+	ProcessesWhy string
 }
 
-// ErrProcessesStay means a checkpoint's processes cannot be moved to another node: its files
-// can, not what ran.
-var ErrProcessesStay = fmt.Errorf("a checkpoint's processes do not move between nodes: %w", errdefs.ErrFailedPrecondition)
+// ErrProcessesStay means a checkpoint's processes cannot be moved to another node: their CRIU
+// images could not be had (CheckpointManifest.ProcessesWhy says why).
+var ErrProcessesStay = fmt.Errorf("a checkpoint's processes stay on their node: %w", errdefs.ErrFailedPrecondition)
 
 // CheckpointManifest describes checkpoint id for another node. The first call hashes each of
-// its layers (layers.Store.Digest: a read of the layer, kept with it afterwards).
-func (r *Runtime) CheckpointManifest(id string) (CheckpointManifest, error) {
+// its layers (layers.Store.Digest: a read of the layer, kept with it afterwards). A checkpoint
+// with processes gets their CRIU images, made from its templates now if need be (the sandbox
+// that holds them must be alive, or they must have been saved), and hashed.
+func (r *Runtime) CheckpointManifest(ctx context.Context, id string) (CheckpointManifest, error) {
 	r.mu.Lock()
 	c := r.ckpts[id]
 	if c == nil {
@@ -103,7 +116,26 @@ func (r *Runtime) CheckpointManifest(id string) (CheckpointManifest, error) {
 		}
 		m.Shm = &lr
 	}
+	if m.Processes > 0 {
+		r.describeImages(ctx, c, &m)
+	}
 	return m, nil
+}
+
+// describeImages fills in m's process images, those of c, or why there are none.
+func (r *Runtime) describeImages(ctx context.Context, c *checkpoint, m *CheckpointManifest) {
+	units, err := r.portableUnits(ctx, c)
+	if err == nil {
+		m.ImagesDigest, err = writeImages(io.Discard, r.criuDir(c.ID), units)
+	}
+	if err != nil {
+		m.ProcessesWhy = err.Error()
+		return
+	}
+	m.Units = units
+	for _, u := range units {
+		m.ImagesBytes += u.Bytes
+	}
 }
 
 // ExportLayer writes the sealed layer of digest to w in the transfer format. Only layers whose
@@ -141,11 +173,13 @@ func (r *Runtime) adoptLimits(n int64) (size, inodes int64) {
 
 // AdoptCheckpoint makes the runtime hold checkpoint m, made on another node: the layers it
 // lacks are fetched and imported (each verified against its digest), the ones it has (an
-// earlier adoption, a layer of its own) are shared. It fails with ErrProcessesStay for a
-// checkpoint with processes and ErrMismatch when the runtime lacks its image or holds another
-// of that name; on any error nothing is left. Adopting a checkpoint the runtime holds already is a
-// no-op.
-func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fetch LayerFetcher) (CheckpointInfo, error) {
+// earlier adoption, a layer of its own) are shared; its processes' CRIU images, when it has
+// processes, are fetched with fetchImages and checked against their digest, and serve every
+// restore and fork of it here. It fails with ErrProcessesStay for a checkpoint whose processes
+// have no images (the manifest says why) and ErrMismatch when the runtime lacks its image or
+// holds another of that name; on any error nothing is left. Adopting a checkpoint the runtime
+// holds already is a no-op.
+func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fetch LayerFetcher, fetchImages ImagesFetcher) (CheckpointInfo, error) {
 	if info, err := r.Checkpoint(m.ID); err == nil {
 		return info, nil
 	}
@@ -157,27 +191,7 @@ func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fet
 	if info, err := r.Checkpoint(m.ID); err == nil {
 		return info, nil // adopted while this call waited
 	}
-	if m.Processes > 0 {
-		return CheckpointInfo{}, fmt.Errorf("checkpoint %s holds %d live processes: %w; restore it on its own node, or checkpoint with process mode filesystem",
-			m.ID, m.Processes, ErrProcessesStay)
-	}
-	im, err := r.Image(m.Image)
-	if err != nil {
-		return CheckpointInfo{}, fmt.Errorf("checkpoint %s is of image %q, which this node does not hold: %w", m.ID, m.Image, ErrMismatch)
-	}
-	if m.ImageDigest != "" && im.Digest != m.ImageDigest {
-		return CheckpointInfo{}, fmt.Errorf("checkpoint %s is of image %q %s; this node's image of that name is %s: %w", m.ID, m.Image, m.ImageDigest, im.Digest, ErrMismatch)
-	}
-	var total int64
-	for _, l := range m.Layers {
-		total += l.Bytes
-	}
-	mounts := len(m.Layers)
-	if m.Shm != nil {
-		total += m.Shm.Bytes
-		mounts++
-	}
-	if err := r.admitCheckpoint(total, mounts); err != nil {
+	if err := r.adoptable(m, fetchImages != nil); err != nil {
 		return CheckpointInfo{}, err
 	}
 	c := &checkpoint{Image: m.Image, Created: m.Created, Labels: cloneLabels(m.Labels)}
@@ -188,10 +202,65 @@ func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fet
 			c.unrefFiles(r)
 		}
 	}()
+	if err := r.adoptLayers(ctx, c, m, fetch); err != nil {
+		return CheckpointInfo{}, err
+	}
+	if len(m.Units) > 0 {
+		units, err := r.adoptImages(ctx, m, fetchImages)
+		if err != nil {
+			return CheckpointInfo{}, err
+		}
+		c.Images = units
+	}
+	if err := r.addCheckpoint(c); err != nil {
+		if len(c.Images) > 0 {
+			_ = os.RemoveAll(r.criuDir(c.ID))
+		}
+		return CheckpointInfo{}, err
+	}
+	ok = true
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return c.info(), nil
+}
+
+// adoptable refuses checkpoint m before anything is fetched: processes without images (or
+// without a way to fetch them), an image this runtime lacks or holds with another digest, or
+// what the checkpoint caps would refuse.
+func (r *Runtime) adoptable(m CheckpointManifest, canFetchImages bool) error {
+	if m.Processes > 0 && (len(m.Units) == 0 || !canFetchImages) {
+		why := m.ProcessesWhy
+		if why == "" {
+			why = "their node sent no images of them"
+		}
+		return fmt.Errorf("checkpoint %s holds %d live processes, whose images cannot be had (%s): %w; restore it on its own node, or checkpoint with process mode filesystem",
+			m.ID, m.Processes, why, ErrProcessesStay)
+	}
+	im, err := r.Image(m.Image)
+	if err != nil {
+		return fmt.Errorf("checkpoint %s is of image %q, which this node does not hold: %w", m.ID, m.Image, ErrMismatch)
+	}
+	if m.ImageDigest != "" && im.Digest != m.ImageDigest {
+		return fmt.Errorf("checkpoint %s is of image %q %s; this node's image of that name is %s: %w", m.ID, m.Image, m.ImageDigest, im.Digest, ErrMismatch)
+	}
+	total := m.ImagesBytes
+	for _, l := range m.Layers {
+		total += l.Bytes
+	}
+	mounts := len(m.Layers)
+	if m.Shm != nil {
+		total += m.Shm.Bytes
+		mounts++
+	}
+	return r.admitCheckpoint(total, mounts)
+}
+
+// adoptLayers gives c the layers of m, with a reference to each (c.unrefFiles drops them).
+func (r *Runtime) adoptLayers(ctx context.Context, c *checkpoint, m CheckpointManifest, fetch LayerFetcher) error {
 	for _, l := range m.Layers {
 		id, err := r.adoptLayer(ctx, l, fetch)
 		if err != nil {
-			return CheckpointInfo{}, fmt.Errorf("checkpoint %s: %w", m.ID, err)
+			return fmt.Errorf("checkpoint %s: %w", m.ID, err)
 		}
 		c.Layers = append(c.Layers, id)
 		c.Size += l.Bytes
@@ -199,17 +268,11 @@ func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fet
 	if m.Shm != nil {
 		id, err := r.adoptLayer(ctx, *m.Shm, fetch)
 		if err != nil {
-			return CheckpointInfo{}, fmt.Errorf("checkpoint %s: /dev/shm: %w", m.ID, err)
+			return fmt.Errorf("checkpoint %s: /dev/shm: %w", m.ID, err)
 		}
 		c.Shm = id
 	}
-	if err := r.addCheckpoint(c); err != nil {
-		return CheckpointInfo{}, err
-	}
-	ok = true
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return c.info(), nil
+	return nil
 }
 
 // adoptLayer returns a layer of digest l with a reference held: the runtime's own when it has

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -20,19 +21,40 @@ import (
 const layerChunk = 1 << 20
 
 // DescribeCheckpoint implements NodeService.DescribeCheckpoint.
-func (n *nodeService) DescribeCheckpoint(_ context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
+func (n *nodeService) DescribeCheckpoint(ctx context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
 	id := req.Msg.GetCheckpointId()
 	if id == "" {
 		return nil, n.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
 	}
-	m, err := n.s.rt.CheckpointManifest(id)
+	m, err := n.s.rt.CheckpointManifest(ctx, id)
 	if err != nil {
 		if errors.Is(err, sandbox.ErrNotFound) {
 			err = errdefs.WithDetail(err, "CHECKPOINT_NOT_FOUND", "checkpoint_id", id)
 		}
 		return nil, n.s.toConnect(err)
 	}
-	return connect.NewResponse(&deltagymv1.DescribeCheckpointResponse{Manifest: manifestToProto(m)}), nil
+	m.ProcessesWhy = n.s.scrub(m.ProcessesWhy)
+	p, err := manifestToProto(m)
+	if err != nil {
+		return nil, n.s.toConnect(err)
+	}
+	return connect.NewResponse(&deltagymv1.DescribeCheckpointResponse{Manifest: p}), nil
+}
+
+// FetchImages implements NodeService.FetchImages.
+func (n *nodeService) FetchImages(ctx context.Context, req *connect.Request[deltagymv1.FetchImagesRequest], stream *connect.ServerStream[deltagymv1.FetchImagesResponse]) error {
+	id := req.Msg.GetCheckpointId()
+	if id == "" {
+		return n.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	}
+	w := &chunkSender{send: func(b []byte) error { return stream.Send(&deltagymv1.FetchImagesResponse{Data: b}) }, ctx: ctx, buf: make([]byte, 0, layerChunk)}
+	if _, err := n.s.rt.ExportImages(ctx, w, id); err != nil {
+		if w.err != nil {
+			return w.err
+		}
+		return n.s.toConnect(err)
+	}
+	return w.flush()
 }
 
 // FetchLayer implements NodeService.FetchLayer.
@@ -41,7 +63,7 @@ func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[delta
 	if d == "" {
 		return n.s.toConnect(fmt.Errorf("digest is required: %w", ErrInvalid))
 	}
-	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk)}
+	w := &chunkSender{send: func(b []byte) error { return stream.Send(&deltagymv1.FetchLayerResponse{Data: b}) }, ctx: ctx, buf: make([]byte, 0, layerChunk)}
 	if err := n.s.rt.ExportLayer(w, d); err != nil {
 		if w.err != nil {
 			return w.err // the client went away: its error, not the export's
@@ -51,10 +73,10 @@ func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[delta
 	return w.flush()
 }
 
-// chunkSender is an io.Writer that sends what it is given as FetchLayer messages of up to
-// layerChunk bytes.
+// chunkSender is an io.Writer that sends what it is given as messages of up to layerChunk
+// bytes (FetchLayer's, FetchImages').
 type chunkSender struct {
-	send func(*deltagymv1.FetchLayerResponse) error
+	send func([]byte) error
 	ctx  context.Context
 	buf  []byte
 	err  error // the first send's error: every later write fails with it
@@ -86,7 +108,7 @@ func (c *chunkSender) flush() error {
 		c.err = err
 		return err
 	}
-	if err := c.send(&deltagymv1.FetchLayerResponse{Data: c.buf}); err != nil {
+	if err := c.send(c.buf); err != nil {
 		c.err = err
 		return err
 	}
@@ -95,23 +117,40 @@ func (c *chunkSender) flush() error {
 }
 
 // manifestToProto is m on the wire.
-func manifestToProto(m sandbox.CheckpointManifest) *deltagymv1.CheckpointManifest {
+func manifestToProto(m sandbox.CheckpointManifest) (*deltagymv1.CheckpointManifest, error) {
 	p := &deltagymv1.CheckpointManifest{CheckpointId: m.ID, ParentId: m.Parent, Image: m.Image, ImageDigest: m.ImageDigest,
-		Labels: m.Labels, CreatedAt: timestamppb.New(m.Created), Processes: int32(m.Processes)}
+		Labels: m.Labels, CreatedAt: timestamppb.New(m.Created), Processes: int32(m.Processes),
+		ImagesDigest: m.ImagesDigest, ImagesBytes: m.ImagesBytes, ProcessesWhy: m.ProcessesWhy}
+	if len(m.Units) > 0 {
+		b, err := json.Marshal(m.Units)
+		if err != nil {
+			return nil, err
+		}
+		p.ProcessUnits = b
+	}
 	for _, l := range m.Layers {
 		p.Layers = append(p.Layers, &deltagymv1.LayerDescriptor{Digest: l.Digest, SizeBytes: l.Bytes})
 	}
 	if m.Shm != nil {
 		p.Shm = &deltagymv1.LayerDescriptor{Digest: m.Shm.Digest, SizeBytes: m.Shm.Bytes}
 	}
-	return p
+	return p, nil
 }
 
 // manifestFromProto is the manifest a peer sent, checked: every layer named by a digest, sizes
 // not negative.
 func manifestFromProto(p *deltagymv1.CheckpointManifest) (sandbox.CheckpointManifest, error) {
 	m := sandbox.CheckpointManifest{ID: p.GetCheckpointId(), Parent: p.GetParentId(), Image: p.GetImage(), ImageDigest: p.GetImageDigest(),
-		Labels: p.GetLabels(), Created: p.GetCreatedAt().AsTime(), Processes: int(p.GetProcesses())}
+		Labels: p.GetLabels(), Created: p.GetCreatedAt().AsTime(), Processes: int(p.GetProcesses()),
+		ImagesDigest: p.GetImagesDigest(), ImagesBytes: p.GetImagesBytes(), ProcessesWhy: p.GetProcessesWhy()}
+	if b := p.GetProcessUnits(); len(b) > 0 {
+		if err := json.Unmarshal(b, &m.Units); err != nil {
+			return m, fmt.Errorf("the process images of checkpoint %s: %v", m.ID, err)
+		}
+		if m.ImagesBytes < 0 || m.ImagesDigest == "" {
+			return m, fmt.Errorf("the process images of checkpoint %s have digest %q and size %d", m.ID, m.ImagesDigest, m.ImagesBytes)
+		}
+	}
 	ref := func(d *deltagymv1.LayerDescriptor) (sandbox.LayerRef, error) {
 		if d.GetDigest() == "" || d.GetSizeBytes() < 0 {
 			return sandbox.LayerRef{}, fmt.Errorf("a layer of checkpoint %s has digest %q and size %d", m.ID, d.GetDigest(), d.GetSizeBytes())
@@ -173,9 +212,18 @@ func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
 			cancel()
 			return nil, peerErr(err, id, owner, addr)
 		}
-		return &layerStream{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
+		return &chunkStream[deltagymv1.FetchLayerResponse, *deltagymv1.FetchLayerResponse]{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
 	}
-	if _, err := s.rt.AdoptCheckpoint(ctx, m, fetch); err != nil {
+	fetchImages := func(ctx context.Context) (io.ReadCloser, error) {
+		ctx, cancel := context.WithCancel(ctx)
+		st, err := peer.FetchImages(ctx, connect.NewRequest(&deltagymv1.FetchImagesRequest{CheckpointId: id}))
+		if err != nil {
+			cancel()
+			return nil, peerErr(err, id, owner, addr)
+		}
+		return &chunkStream[deltagymv1.FetchImagesResponse, *deltagymv1.FetchImagesResponse]{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
+	}
+	if _, err := s.rt.AdoptCheckpoint(ctx, m, fetch, fetchImages); err != nil {
 		return errdefs.WithDetail(err, "", "checkpoint_id", id)
 	}
 	return nil
@@ -198,15 +246,19 @@ func peerErr(err error, id, owner, addr string) error {
 		"NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
 }
 
-// layerStream reads a FetchLayer stream's bytes.
-type layerStream struct {
-	st     *connect.ServerStreamForClient[deltagymv1.FetchLayerResponse]
+// chunkStream reads the bytes of a stream of messages that carry data (FetchLayer's,
+// FetchImages').
+type chunkStream[M any, PM interface {
+	*M
+	GetData() []byte
+}] struct {
+	st     *connect.ServerStreamForClient[M]
 	cancel context.CancelFunc
 	wrap   func(error) error
 	rest   []byte
 }
 
-func (l *layerStream) Read(p []byte) (int, error) {
+func (l *chunkStream[M, PM]) Read(p []byte) (int, error) {
 	for len(l.rest) == 0 {
 		if !l.st.Receive() {
 			if err := l.st.Err(); err != nil {
@@ -214,14 +266,14 @@ func (l *layerStream) Read(p []byte) (int, error) {
 			}
 			return 0, io.EOF
 		}
-		l.rest = l.st.Msg().GetData()
+		l.rest = PM(l.st.Msg()).GetData()
 	}
 	n := copy(p, l.rest)
 	l.rest = l.rest[n:]
 	return n, nil
 }
 
-func (l *layerStream) Close() error {
+func (l *chunkStream[M, PM]) Close() error {
 	l.cancel()
 	return l.st.Close()
 }

@@ -74,17 +74,39 @@ func TestCheckpointMoves(t *testing.T) {
 		t.Fatalf("a checkpoint of node B's sandbox is %s", ckB.GetCheckpointId())
 	}
 
-	// Processes do not move: refused, saying so.
+	// Processes move as CRIU images: made from the template on node A, fetched by node B.
+	const sleeper = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -c '^sleep 1000 $'"
 	_, err = ca.Step(ctx, &deltagymv1.StepRequest{SandboxId: sbA, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: "sleep 1000", Background: true}}}})
 	must(t, err)
 	pk, err := ca.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: sbA})
 	must(t, err)
-	_, err = cb.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: pk.GetCheckpointId()}, N: 1})
-	wantReason(t, "a fork on node B of a checkpoint of node A with a process", err, connect.CodeFailedPrecondition, "PROCESSES_STAY",
-		"checkpoint_id", pk.GetCheckpointId())
-	if !strings.Contains(err.Error(), "processes") {
-		t.Fatalf("a fork on node B of a checkpoint of node A with a process: %v, want a message about its processes", err)
+	fr, err = cb.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: pk.GetCheckpointId()}, N: 1})
+	must(t, err)
+	if got := run(t, cb, fr.GetSandboxIds()[0], sleeper+"; cat /tmp/f"); got != "1\nmoved\n" {
+		t.Fatalf("a fork on node B of node A's checkpoint with a process reads %q, want the process running and the files", got)
 	}
+	_, err = cb.Restore(ctx, &deltagymv1.RestoreRequest{SandboxId: sbB, CheckpointId: pk.GetCheckpointId()})
+	must(t, err)
+	if got := run(t, cb, sbB, sleeper); got != "1\n" {
+		t.Fatalf("a restore on node B of node A's checkpoint with a process: %q processes, want 1", got)
+	}
+	_, err = cb.Restore(ctx, &deltagymv1.RestoreRequest{SandboxId: sbB, CheckpointId: ckB.GetCheckpointId()})
+	must(t, err)
+	// A process whose image cannot be made (it holds a file removed since the checkpoint, and
+	// its image is made from a copy in the sandbox's live root) stays: refused, saying why.
+	run(t, ca, sbA, "pkill sleep; echo held > /tmp/held")
+	_, err = ca.Step(ctx, &deltagymv1.StepRequest{SandboxId: sbA, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: "exec 3</tmp/held; exec sleep 1001", Background: true}}}})
+	must(t, err)
+	hk, err := ca.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: sbA})
+	must(t, err)
+	run(t, ca, sbA, "rm /tmp/held")
+	_, err = cb.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: hk.GetCheckpointId()}, N: 1})
+	wantReason(t, "a fork on node B of a checkpoint of node A whose process has no image", err, connect.CodeFailedPrecondition, "PROCESSES_STAY",
+		"checkpoint_id", hk.GetCheckpointId())
+	if !strings.Contains(err.Error(), "processes") {
+		t.Fatalf("a fork on node B of a checkpoint whose process has no image: %v, want a message about its processes", err)
+	}
+
 	// A checkpoint node A does not hold, and one of a node B does not know.
 	gone := nodeid.New("ck", "node-a")
 	_, err = cb.Fork(ctx, &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: gone}, N: 1})

@@ -868,8 +868,9 @@ func movesNot(err error) bool {
 // Fork creates n sandboxes at the state of checkpoint checkpointID, spread over the nodes by
 // load: a GRPO group forked from one checkpoint lands on every node, in one call, each node's
 // part made in parallel (a node fetches the checkpoint from its owner once, then holds it). A
-// part that a node cannot make because the checkpoint cannot move to it (its processes ran,
-// which stay on their node; the owner out of its reach) is made on the owner instead. The
+// part that a node cannot make because the checkpoint cannot move to it (its processes have
+// no CRIU images, so they stay on their node; the owner is out of its reach) is made on the
+// owner instead. The
 // children's handles are bound to the Clients of the nodes that made them, in the order of
 // the nodes' names. Like Reset, every part carries an idempotency key (the key given, with the
 // node's name) and is retried safely. When a part fails, the children of the others are kept

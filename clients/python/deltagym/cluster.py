@@ -218,8 +218,8 @@ class Cluster:
         a GRPO group forked from one checkpoint lands on every node in one call, each node's
         part made in parallel (a node fetches the checkpoint from its owner once, then holds
         it). A part that a node cannot make because the checkpoint cannot move to it (its
-        processes ran, which stay on their node; the owner out of its reach) is made on the
-        owner instead. Each handle's calls go to the node that made it. When a part fails,
+        processes have no CRIU images, so they stay on their node; the owner is out of its
+        reach) is made on the owner instead. Each handle's calls go to the node that made it. When a part fails,
         the children of the others are closed and the error raised."""
         owner = self.client_for(checkpoint_id)
         deadline = self.timeout if timeout is _DEFAULT else timeout

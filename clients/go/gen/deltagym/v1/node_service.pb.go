@@ -367,8 +367,17 @@ type CheckpointManifest struct {
 	Labels map[string]string `protobuf:"bytes,7,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// When it was taken.
 	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
-	// The live processes it captured, which do not move between nodes.
-	Processes     int32 `protobuf:"varint,9,opt,name=processes,proto3" json:"processes,omitempty"`
+	// The live processes it captured.
+	Processes int32 `protobuf:"varint,9,opt,name=processes,proto3" json:"processes,omitempty"`
+	// The CRIU images of those processes, as the node records them (JSON, read
+	// by a node of the same version); empty when they could not be saved.
+	ProcessUnits []byte `protobuf:"bytes,10,opt,name=process_units,json=processUnits,proto3" json:"process_units,omitempty"`
+	// "sha256:" and the hex SHA-256 of their stream (FetchImages).
+	ImagesDigest string `protobuf:"bytes,11,opt,name=images_digest,json=imagesDigest,proto3" json:"images_digest,omitempty"`
+	// The bytes of their files.
+	ImagesBytes int64 `protobuf:"varint,12,opt,name=images_bytes,json=imagesBytes,proto3" json:"images_bytes,omitempty"`
+	// Why the processes have no images, when they have none.
+	ProcessesWhy  string `protobuf:"bytes,13,opt,name=processes_why,json=processesWhy,proto3" json:"processes_why,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -464,6 +473,34 @@ func (x *CheckpointManifest) GetProcesses() int32 {
 		return x.Processes
 	}
 	return 0
+}
+
+func (x *CheckpointManifest) GetProcessUnits() []byte {
+	if x != nil {
+		return x.ProcessUnits
+	}
+	return nil
+}
+
+func (x *CheckpointManifest) GetImagesDigest() string {
+	if x != nil {
+		return x.ImagesDigest
+	}
+	return ""
+}
+
+func (x *CheckpointManifest) GetImagesBytes() int64 {
+	if x != nil {
+		return x.ImagesBytes
+	}
+	return 0
+}
+
+func (x *CheckpointManifest) GetProcessesWhy() string {
+	if x != nil {
+		return x.ProcessesWhy
+	}
+	return ""
 }
 
 // LayerDescriptor names a sealed layer by its content.
@@ -614,6 +651,99 @@ func (x *FetchLayerResponse) GetData() []byte {
 	return nil
 }
 
+// FetchImagesRequest is the request of FetchImages.
+type FetchImagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The checkpoint, held by this node.
+	CheckpointId  string `protobuf:"bytes,1,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FetchImagesRequest) Reset() {
+	*x = FetchImagesRequest{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FetchImagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FetchImagesRequest) ProtoMessage() {}
+
+func (x *FetchImagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FetchImagesRequest.ProtoReflect.Descriptor instead.
+func (*FetchImagesRequest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *FetchImagesRequest) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+// FetchImagesResponse is one piece of the stream of a checkpoint's process
+// images; the pieces, in order, are the whole stream.
+type FetchImagesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The next bytes of the stream.
+	Data          []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FetchImagesResponse) Reset() {
+	*x = FetchImagesResponse{}
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FetchImagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FetchImagesResponse) ProtoMessage() {}
+
+func (x *FetchImagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_node_service_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FetchImagesResponse.ProtoReflect.Descriptor instead.
+func (*FetchImagesResponse) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_node_service_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *FetchImagesResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
 var File_deltagym_v1_node_service_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_node_service_proto_rawDesc = "" +
@@ -640,7 +770,7 @@ const file_deltagym_v1_node_service_proto_rawDesc = "" +
 	"\x19DescribeCheckpointRequest\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\"Y\n" +
 	"\x1aDescribeCheckpointResponse\x12;\n" +
-	"\bmanifest\x18\x01 \x01(\v2\x1f.deltagym.v1.CheckpointManifestR\bmanifest\"\xce\x03\n" +
+	"\bmanifest\x18\x01 \x01(\v2\x1f.deltagym.v1.CheckpointManifestR\bmanifest\"\xe0\x04\n" +
 	"\x12CheckpointManifest\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12\x14\n" +
@@ -651,7 +781,12 @@ const file_deltagym_v1_node_service_proto_rawDesc = "" +
 	"\x06labels\x18\a \x03(\v2+.deltagym.v1.CheckpointManifest.LabelsEntryR\x06labels\x129\n" +
 	"\n" +
 	"created_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x1c\n" +
-	"\tprocesses\x18\t \x01(\x05R\tprocesses\x1a9\n" +
+	"\tprocesses\x18\t \x01(\x05R\tprocesses\x12#\n" +
+	"\rprocess_units\x18\n" +
+	" \x01(\fR\fprocessUnits\x12#\n" +
+	"\rimages_digest\x18\v \x01(\tR\fimagesDigest\x12!\n" +
+	"\fimages_bytes\x18\f \x01(\x03R\vimagesBytes\x12#\n" +
+	"\rprocesses_why\x18\r \x01(\tR\fprocessesWhy\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"H\n" +
@@ -662,12 +797,17 @@ const file_deltagym_v1_node_service_proto_rawDesc = "" +
 	"\x11FetchLayerRequest\x12\x16\n" +
 	"\x06digest\x18\x01 \x01(\tR\x06digest\"(\n" +
 	"\x12FetchLayerResponse\x12\x12\n" +
-	"\x04data\x18\x01 \x01(\fR\x04data2\x8b\x02\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\"9\n" +
+	"\x12FetchImagesRequest\x12#\n" +
+	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\")\n" +
+	"\x13FetchImagesResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data2\xdf\x02\n" +
 	"\vNodeService\x12D\n" +
 	"\aGetNode\x12\x1b.deltagym.v1.GetNodeRequest\x1a\x1c.deltagym.v1.GetNodeResponse\x12e\n" +
 	"\x12DescribeCheckpoint\x12&.deltagym.v1.DescribeCheckpointRequest\x1a'.deltagym.v1.DescribeCheckpointResponse\x12O\n" +
 	"\n" +
-	"FetchLayer\x12\x1e.deltagym.v1.FetchLayerRequest\x1a\x1f.deltagym.v1.FetchLayerResponse0\x01B\xb4\x01\n" +
+	"FetchLayer\x12\x1e.deltagym.v1.FetchLayerRequest\x1a\x1f.deltagym.v1.FetchLayerResponse0\x01\x12R\n" +
+	"\vFetchImages\x12\x1f.deltagym.v1.FetchImagesRequest\x1a .deltagym.v1.FetchImagesResponse0\x01B\xb4\x01\n" +
 	"\x0fcom.deltagym.v1B\x10NodeServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
@@ -682,7 +822,7 @@ func file_deltagym_v1_node_service_proto_rawDescGZIP() []byte {
 	return file_deltagym_v1_node_service_proto_rawDescData
 }
 
-var file_deltagym_v1_node_service_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_deltagym_v1_node_service_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_deltagym_v1_node_service_proto_goTypes = []any{
 	(*GetNodeRequest)(nil),             // 0: deltagym.v1.GetNodeRequest
 	(*GetNodeResponse)(nil),            // 1: deltagym.v1.GetNodeResponse
@@ -693,25 +833,29 @@ var file_deltagym_v1_node_service_proto_goTypes = []any{
 	(*LayerDescriptor)(nil),            // 6: deltagym.v1.LayerDescriptor
 	(*FetchLayerRequest)(nil),          // 7: deltagym.v1.FetchLayerRequest
 	(*FetchLayerResponse)(nil),         // 8: deltagym.v1.FetchLayerResponse
-	nil,                                // 9: deltagym.v1.CheckpointManifest.LabelsEntry
-	(*timestamppb.Timestamp)(nil),      // 10: google.protobuf.Timestamp
+	(*FetchImagesRequest)(nil),         // 9: deltagym.v1.FetchImagesRequest
+	(*FetchImagesResponse)(nil),        // 10: deltagym.v1.FetchImagesResponse
+	nil,                                // 11: deltagym.v1.CheckpointManifest.LabelsEntry
+	(*timestamppb.Timestamp)(nil),      // 12: google.protobuf.Timestamp
 }
 var file_deltagym_v1_node_service_proto_depIdxs = []int32{
 	2,  // 0: deltagym.v1.GetNodeResponse.node:type_name -> deltagym.v1.NodeInfo
-	10, // 1: deltagym.v1.NodeInfo.measured_at:type_name -> google.protobuf.Timestamp
+	12, // 1: deltagym.v1.NodeInfo.measured_at:type_name -> google.protobuf.Timestamp
 	5,  // 2: deltagym.v1.DescribeCheckpointResponse.manifest:type_name -> deltagym.v1.CheckpointManifest
 	6,  // 3: deltagym.v1.CheckpointManifest.layers:type_name -> deltagym.v1.LayerDescriptor
 	6,  // 4: deltagym.v1.CheckpointManifest.shm:type_name -> deltagym.v1.LayerDescriptor
-	9,  // 5: deltagym.v1.CheckpointManifest.labels:type_name -> deltagym.v1.CheckpointManifest.LabelsEntry
-	10, // 6: deltagym.v1.CheckpointManifest.created_at:type_name -> google.protobuf.Timestamp
+	11, // 5: deltagym.v1.CheckpointManifest.labels:type_name -> deltagym.v1.CheckpointManifest.LabelsEntry
+	12, // 6: deltagym.v1.CheckpointManifest.created_at:type_name -> google.protobuf.Timestamp
 	0,  // 7: deltagym.v1.NodeService.GetNode:input_type -> deltagym.v1.GetNodeRequest
 	3,  // 8: deltagym.v1.NodeService.DescribeCheckpoint:input_type -> deltagym.v1.DescribeCheckpointRequest
 	7,  // 9: deltagym.v1.NodeService.FetchLayer:input_type -> deltagym.v1.FetchLayerRequest
-	1,  // 10: deltagym.v1.NodeService.GetNode:output_type -> deltagym.v1.GetNodeResponse
-	4,  // 11: deltagym.v1.NodeService.DescribeCheckpoint:output_type -> deltagym.v1.DescribeCheckpointResponse
-	8,  // 12: deltagym.v1.NodeService.FetchLayer:output_type -> deltagym.v1.FetchLayerResponse
-	10, // [10:13] is the sub-list for method output_type
-	7,  // [7:10] is the sub-list for method input_type
+	9,  // 10: deltagym.v1.NodeService.FetchImages:input_type -> deltagym.v1.FetchImagesRequest
+	1,  // 11: deltagym.v1.NodeService.GetNode:output_type -> deltagym.v1.GetNodeResponse
+	4,  // 12: deltagym.v1.NodeService.DescribeCheckpoint:output_type -> deltagym.v1.DescribeCheckpointResponse
+	8,  // 13: deltagym.v1.NodeService.FetchLayer:output_type -> deltagym.v1.FetchLayerResponse
+	10, // 14: deltagym.v1.NodeService.FetchImages:output_type -> deltagym.v1.FetchImagesResponse
+	11, // [11:15] is the sub-list for method output_type
+	7,  // [7:11] is the sub-list for method input_type
 	7,  // [7:7] is the sub-list for extension type_name
 	7,  // [7:7] is the sub-list for extension extendee
 	0,  // [0:7] is the sub-list for field type_name
@@ -728,7 +872,7 @@ func file_deltagym_v1_node_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_node_service_proto_rawDesc), len(file_deltagym_v1_node_service_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   10,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

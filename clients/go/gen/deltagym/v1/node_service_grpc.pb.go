@@ -22,6 +22,7 @@ const (
 	NodeService_GetNode_FullMethodName            = "/deltagym.v1.NodeService/GetNode"
 	NodeService_DescribeCheckpoint_FullMethodName = "/deltagym.v1.NodeService/DescribeCheckpoint"
 	NodeService_FetchLayer_FullMethodName         = "/deltagym.v1.NodeService/FetchLayer"
+	NodeService_FetchImages_FullMethodName        = "/deltagym.v1.NodeService/FetchImages"
 )
 
 // NodeServiceClient is the client API for NodeService service.
@@ -47,6 +48,9 @@ type NodeServiceClient interface {
 	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
 	// are found.
 	FetchLayer(ctx context.Context, in *FetchLayerRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchLayerResponse], error)
+	// FetchImages streams the CRIU images of the processes of a checkpoint this
+	// node holds, as DescribeCheckpoint named them.
+	FetchImages(ctx context.Context, in *FetchImagesRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchImagesResponse], error)
 }
 
 type nodeServiceClient struct {
@@ -96,6 +100,25 @@ func (c *nodeServiceClient) FetchLayer(ctx context.Context, in *FetchLayerReques
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type NodeService_FetchLayerClient = grpc.ServerStreamingClient[FetchLayerResponse]
 
+func (c *nodeServiceClient) FetchImages(ctx context.Context, in *FetchImagesRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FetchImagesResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &NodeService_ServiceDesc.Streams[1], NodeService_FetchImages_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[FetchImagesRequest, FetchImagesResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type NodeService_FetchImagesClient = grpc.ServerStreamingClient[FetchImagesResponse]
+
 // NodeServiceServer is the server API for NodeService service.
 // All implementations must embed UnimplementedNodeServiceServer
 // for forward compatibility.
@@ -119,6 +142,9 @@ type NodeServiceServer interface {
 	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
 	// are found.
 	FetchLayer(*FetchLayerRequest, grpc.ServerStreamingServer[FetchLayerResponse]) error
+	// FetchImages streams the CRIU images of the processes of a checkpoint this
+	// node holds, as DescribeCheckpoint named them.
+	FetchImages(*FetchImagesRequest, grpc.ServerStreamingServer[FetchImagesResponse]) error
 	mustEmbedUnimplementedNodeServiceServer()
 }
 
@@ -137,6 +163,9 @@ func (UnimplementedNodeServiceServer) DescribeCheckpoint(context.Context, *Descr
 }
 func (UnimplementedNodeServiceServer) FetchLayer(*FetchLayerRequest, grpc.ServerStreamingServer[FetchLayerResponse]) error {
 	return status.Error(codes.Unimplemented, "method FetchLayer not implemented")
+}
+func (UnimplementedNodeServiceServer) FetchImages(*FetchImagesRequest, grpc.ServerStreamingServer[FetchImagesResponse]) error {
+	return status.Error(codes.Unimplemented, "method FetchImages not implemented")
 }
 func (UnimplementedNodeServiceServer) mustEmbedUnimplementedNodeServiceServer() {}
 func (UnimplementedNodeServiceServer) testEmbeddedByValue()                     {}
@@ -206,6 +235,17 @@ func _NodeService_FetchLayer_Handler(srv interface{}, stream grpc.ServerStream) 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type NodeService_FetchLayerServer = grpc.ServerStreamingServer[FetchLayerResponse]
 
+func _NodeService_FetchImages_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(FetchImagesRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(NodeServiceServer).FetchImages(m, &grpc.GenericServerStream[FetchImagesRequest, FetchImagesResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type NodeService_FetchImagesServer = grpc.ServerStreamingServer[FetchImagesResponse]
+
 // NodeService_ServiceDesc is the grpc.ServiceDesc for NodeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -226,6 +266,11 @@ var NodeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "FetchLayer",
 			Handler:       _NodeService_FetchLayer_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "FetchImages",
+			Handler:       _NodeService_FetchImages_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -40,6 +40,8 @@ const (
 	NodeServiceDescribeCheckpointProcedure = "/deltagym.v1.NodeService/DescribeCheckpoint"
 	// NodeServiceFetchLayerProcedure is the fully-qualified name of the NodeService's FetchLayer RPC.
 	NodeServiceFetchLayerProcedure = "/deltagym.v1.NodeService/FetchLayer"
+	// NodeServiceFetchImagesProcedure is the fully-qualified name of the NodeService's FetchImages RPC.
+	NodeServiceFetchImagesProcedure = "/deltagym.v1.NodeService/FetchImages"
 )
 
 // NodeServiceClient is a client for the deltagym.v1.NodeService service.
@@ -56,6 +58,9 @@ type NodeServiceClient interface {
 	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
 	// are found.
 	FetchLayer(context.Context, *connect.Request[v1.FetchLayerRequest]) (*connect.ServerStreamForClient[v1.FetchLayerResponse], error)
+	// FetchImages streams the CRIU images of the processes of a checkpoint this
+	// node holds, as DescribeCheckpoint named them.
+	FetchImages(context.Context, *connect.Request[v1.FetchImagesRequest]) (*connect.ServerStreamForClient[v1.FetchImagesResponse], error)
 }
 
 // NewNodeServiceClient constructs a client for the deltagym.v1.NodeService service. By default, it
@@ -87,6 +92,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(nodeServiceMethods.ByName("FetchLayer")),
 			connect.WithClientOptions(opts...),
 		),
+		fetchImages: connect.NewClient[v1.FetchImagesRequest, v1.FetchImagesResponse](
+			httpClient,
+			baseURL+NodeServiceFetchImagesProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("FetchImages")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -95,6 +106,7 @@ type nodeServiceClient struct {
 	getNode            *connect.Client[v1.GetNodeRequest, v1.GetNodeResponse]
 	describeCheckpoint *connect.Client[v1.DescribeCheckpointRequest, v1.DescribeCheckpointResponse]
 	fetchLayer         *connect.Client[v1.FetchLayerRequest, v1.FetchLayerResponse]
+	fetchImages        *connect.Client[v1.FetchImagesRequest, v1.FetchImagesResponse]
 }
 
 // GetNode calls deltagym.v1.NodeService.GetNode.
@@ -112,6 +124,11 @@ func (c *nodeServiceClient) FetchLayer(ctx context.Context, req *connect.Request
 	return c.fetchLayer.CallServerStream(ctx, req)
 }
 
+// FetchImages calls deltagym.v1.NodeService.FetchImages.
+func (c *nodeServiceClient) FetchImages(ctx context.Context, req *connect.Request[v1.FetchImagesRequest]) (*connect.ServerStreamForClient[v1.FetchImagesResponse], error) {
+	return c.fetchImages.CallServerStream(ctx, req)
+}
+
 // NodeServiceHandler is an implementation of the deltagym.v1.NodeService service.
 type NodeServiceHandler interface {
 	// GetNode returns the node's name, address and load.
@@ -126,6 +143,9 @@ type NodeServiceHandler interface {
 	// checkpoints DescribeCheckpoint described, or that the node fetched itself,
 	// are found.
 	FetchLayer(context.Context, *connect.Request[v1.FetchLayerRequest], *connect.ServerStream[v1.FetchLayerResponse]) error
+	// FetchImages streams the CRIU images of the processes of a checkpoint this
+	// node holds, as DescribeCheckpoint named them.
+	FetchImages(context.Context, *connect.Request[v1.FetchImagesRequest], *connect.ServerStream[v1.FetchImagesResponse]) error
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -153,6 +173,12 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(nodeServiceMethods.ByName("FetchLayer")),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceFetchImagesHandler := connect.NewServerStreamHandler(
+		NodeServiceFetchImagesProcedure,
+		svc.FetchImages,
+		connect.WithSchema(nodeServiceMethods.ByName("FetchImages")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/deltagym.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceGetNodeProcedure:
@@ -161,6 +187,8 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 			nodeServiceDescribeCheckpointHandler.ServeHTTP(w, r)
 		case NodeServiceFetchLayerProcedure:
 			nodeServiceFetchLayerHandler.ServeHTTP(w, r)
+		case NodeServiceFetchImagesProcedure:
+			nodeServiceFetchImagesHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -180,4 +208,8 @@ func (UnimplementedNodeServiceHandler) DescribeCheckpoint(context.Context, *conn
 
 func (UnimplementedNodeServiceHandler) FetchLayer(context.Context, *connect.Request[v1.FetchLayerRequest], *connect.ServerStream[v1.FetchLayerResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.NodeService.FetchLayer is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) FetchImages(context.Context, *connect.Request[v1.FetchImagesRequest], *connect.ServerStream[v1.FetchImagesResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.NodeService.FetchImages is not implemented"))
 }

@@ -60,7 +60,7 @@ class DescribeCheckpointResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[CheckpointManifest, _Mapping]] = ...) -> None: ...
 
 class CheckpointManifest(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_id", "image", "image_digest", "layers", "shm", "labels", "created_at", "processes")
+    __slots__ = ("checkpoint_id", "parent_id", "image", "image_digest", "layers", "shm", "labels", "created_at", "processes", "process_units", "images_digest", "images_bytes", "processes_why")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,10 @@ class CheckpointManifest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_UNITS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_WHY_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_id: str
     image: str
@@ -86,7 +90,11 @@ class CheckpointManifest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     created_at: _timestamp_pb2.Timestamp
     processes: int
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerDescriptor, _Mapping]]] = ..., shm: _Optional[_Union[LayerDescriptor, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., processes: _Optional[int] = ...) -> None: ...
+    process_units: bytes
+    images_digest: str
+    images_bytes: int
+    processes_why: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., image: _Optional[str] = ..., image_digest: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerDescriptor, _Mapping]]] = ..., shm: _Optional[_Union[LayerDescriptor, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., processes: _Optional[int] = ..., process_units: _Optional[bytes] = ..., images_digest: _Optional[str] = ..., images_bytes: _Optional[int] = ..., processes_why: _Optional[str] = ...) -> None: ...
 
 class LayerDescriptor(_message.Message):
     __slots__ = ("digest", "size_bytes")
@@ -103,6 +111,18 @@ class FetchLayerRequest(_message.Message):
     def __init__(self, digest: _Optional[str] = ...) -> None: ...
 
 class FetchLayerResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class FetchImagesRequest(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class FetchImagesResponse(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes

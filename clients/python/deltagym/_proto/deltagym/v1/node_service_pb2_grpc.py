@@ -55,6 +55,11 @@ class NodeServiceStub:
                 request_serializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerRequest.SerializeToString,
                 response_deserializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerResponse.FromString,
                 _registered_method=True)
+        self.FetchImages = channel.unary_stream(
+                '/deltagym.v1.NodeService/FetchImages',
+                request_serializer=deltagym_dot_v1_dot_node__service__pb2.FetchImagesRequest.SerializeToString,
+                response_deserializer=deltagym_dot_v1_dot_node__service__pb2.FetchImagesResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -93,6 +98,14 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchImages(self, request, context):
+        """FetchImages streams the CRIU images of the processes of a checkpoint this
+        node holds, as DescribeCheckpoint named them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.FetchLayer,
                     request_deserializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerRequest.FromString,
                     response_serializer=deltagym_dot_v1_dot_node__service__pb2.FetchLayerResponse.SerializeToString,
+            ),
+            'FetchImages': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchImages,
+                    request_deserializer=deltagym_dot_v1_dot_node__service__pb2.FetchImagesRequest.FromString,
+                    response_serializer=deltagym_dot_v1_dot_node__service__pb2.FetchImagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -199,6 +217,33 @@ class NodeService:
             '/deltagym.v1.NodeService/FetchLayer',
             deltagym_dot_v1_dot_node__service__pb2.FetchLayerRequest.SerializeToString,
             deltagym_dot_v1_dot_node__service__pb2.FetchLayerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deltagym.v1.NodeService/FetchImages',
+            deltagym_dot_v1_dot_node__service__pb2.FetchImagesRequest.SerializeToString,
+            deltagym_dot_v1_dot_node__service__pb2.FetchImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
