@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"sync"
 	"time"
@@ -169,13 +170,16 @@ func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fet
 	if m.ImageDigest != "" && im.Digest != m.ImageDigest {
 		return CheckpointInfo{}, fmt.Errorf("checkpoint %s is of image %q %s; this node's image of that name is %s: %w", m.ID, m.Image, m.ImageDigest, im.Digest, ErrMismatch)
 	}
+	// The sizes are the peer's word: their sum saturates rather than wrap past 2^63 into a
+	// need the caps would admit.
 	var total int64
+	add := func(n int64) { total += min(n, math.MaxInt64-total) }
 	for _, l := range m.Layers {
-		total += l.Bytes
+		add(l.Bytes)
 	}
 	mounts := len(m.Layers)
 	if m.Shm != nil {
-		total += m.Shm.Bytes
+		add(m.Shm.Bytes)
 		mounts++
 	}
 	if err := r.admitCheckpoint(total, mounts); err != nil {

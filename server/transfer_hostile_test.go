@@ -1,0 +1,97 @@
+package server_test
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"connectrpc.com/connect"
+
+	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
+	"github.com/deltagym/deltagym/internal/nodeid"
+	"github.com/deltagym/deltagym/server"
+)
+
+// hostilePeer is a node of the cluster that lies: it reports its name, then answers
+// DescribeCheckpoint and FetchLayer as its describe and fetch say.
+type hostilePeer struct {
+	deltagymv1connect.UnimplementedNodeServiceHandler
+	name     string
+	addr     string
+	describe func(id string) *deltagymv1.CheckpointManifest
+	fetch    func(ctx context.Context, digest string, stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error
+	fetches  atomic.Int64
+}
+
+func startHostilePeer(t *testing.T, p *hostilePeer) *hostilePeer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.addr = ln.Addr().String()
+	mux := http.NewServeMux()
+	mux.Handle(deltagymv1connect.NewNodeServiceHandler(p))
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true)
+	srv := &http.Server{Handler: mux, Protocols: &protos}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(ln)
+	}()
+	t.Cleanup(func() {
+		_ = srv.Close()
+		<-served
+	})
+	return p
+}
+
+func (p *hostilePeer) GetNode(context.Context, *connect.Request[deltagymv1.GetNodeRequest]) (*connect.Response[deltagymv1.GetNodeResponse], error) {
+	return connect.NewResponse(&deltagymv1.GetNodeResponse{Node: &deltagymv1.NodeInfo{Name: p.name}}), nil
+}
+
+func (p *hostilePeer) DescribeCheckpoint(_ context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
+	return connect.NewResponse(&deltagymv1.DescribeCheckpointResponse{Manifest: p.describe(req.Msg.GetCheckpointId())}), nil
+}
+
+func (p *hostilePeer) FetchLayer(ctx context.Context, req *connect.Request[deltagymv1.FetchLayerRequest], stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error {
+	p.fetches.Add(1)
+	if p.fetch == nil {
+		return connect.NewError(connect.CodeNotFound, nil)
+	}
+	return p.fetch(ctx, req.Msg.GetDigest(), stream)
+}
+
+// digestOf makes a well-formed layer digest of one repeated hex digit.
+func digestOf(c byte) string { return "sha256:" + strings.Repeat(string(c), 64) }
+
+// TestAdoptRefusesHugeSizes: a peer whose manifest claims layers so large that their sum
+// passes the largest int64 is refused by the checkpoint bytes cap, before any layer is
+// fetched: the sum does not wrap into a small or negative need.
+func TestAdoptRefusesHugeSizes(t *testing.T) {
+	const token = "cluster-token"
+	evil := startHostilePeer(t, &hostilePeer{name: "evil", describe: func(id string) *deltagymv1.CheckpointManifest {
+		return &deltagymv1.CheckpointManifest{CheckpointId: id, Image: "default", Layers: []*deltagymv1.LayerDescriptor{
+			{Digest: digestOf('a'), SizeBytes: 1 << 62}, {Digest: digestOf('b'), SizeBytes: 1 << 62}}}
+	}})
+	b := setup(t, func(c *server.Config) {
+		c.Cluster.Node, c.AuthToken, c.NoLedger = "node-b", token, true
+		c.Cluster.Peers = evil.addr
+	})
+	for _, cl := range b.clients() {
+		ck := nodeid.New("ck", "evil")
+		_, err := cl.c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck}, N: 1})
+		if codeOf(err) != connect.CodeResourceExhausted {
+			t.Fatalf("%s: a fork of a checkpoint whose layers claim 2^63 bytes: %v, want resource_exhausted", cl.name, err)
+		}
+		if n := evil.fetches.Load(); n != 0 {
+			t.Fatalf("%s: %d layers fetched of a checkpoint beyond the cap", cl.name, n)
+		}
+	}
+}
