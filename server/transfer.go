@@ -13,6 +13,7 @@ import (
 	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
 )
 
 // layerChunk is the size of FetchLayer's messages: large enough that a message's own cost is
@@ -22,8 +23,8 @@ const layerChunk = 1 << 20
 // DescribeCheckpoint implements NodeService.DescribeCheckpoint.
 func (n *nodeService) DescribeCheckpoint(_ context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
 	id := req.Msg.GetCheckpointId()
-	if id == "" {
-		return nil, n.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	if err := checkNodeArg("checkpoint_id", id); err != nil {
+		return nil, n.s.toConnect(err)
 	}
 	m, err := n.s.rt.CheckpointManifest(id)
 	if err != nil {
@@ -38,8 +39,8 @@ func (n *nodeService) DescribeCheckpoint(_ context.Context, req *connect.Request
 // FetchLayer implements NodeService.FetchLayer.
 func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[deltagymv1.FetchLayerRequest], stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error {
 	d := req.Msg.GetDigest()
-	if d == "" {
-		return n.s.toConnect(fmt.Errorf("digest is required: %w", ErrInvalid))
+	if err := checkNodeArg("digest", d); err != nil {
+		return n.s.toConnect(err)
 	}
 	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk)}
 	if err := n.s.rt.ExportLayer(w, d); err != nil {
@@ -49,6 +50,18 @@ func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[delta
 		return n.s.toConnect(err)
 	}
 	return w.flush()
+}
+
+// checkNodeArg refuses an empty checkpoint ID or digest, or one longer than any this server
+// makes (episode.MaxID), so that an error about it can quote it.
+func checkNodeArg(field, v string) error {
+	switch {
+	case v == "":
+		return fmt.Errorf("%s is required: %w", field, ErrInvalid)
+	case len(v) > episode.MaxID:
+		return fmt.Errorf("%s of %d bytes is not one of this server (at most %d): %w", field, len(v), episode.MaxID, ErrInvalid)
+	}
+	return nil
 }
 
 // chunkSender is an io.Writer that sends what it is given as FetchLayer messages of up to

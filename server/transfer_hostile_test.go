@@ -95,3 +95,24 @@ func TestAdoptRefusesHugeSizes(t *testing.T) {
 		}
 	}
 }
+
+// TestNodeServiceBoundsIDs: DescribeCheckpoint and FetchLayer refuse an ID or digest longer
+// than any the server makes with invalid_argument, and their errors do not quote it whole.
+func TestNodeServiceBoundsIDs(t *testing.T) {
+	b := setup(t, func(c *server.Config) { c.Cluster.Node, c.NoLedger = "node-a", true })
+	nodes := deltagymv1connect.NewNodeServiceClient(http.DefaultClient, "http://"+b.addr, connect.WithInterceptors(bearer(b.token)))
+	long := nodeid.New("ck", "node-a") + strings.Repeat("x", 1<<20)
+	_, err := nodes.DescribeCheckpoint(t.Context(), connect.NewRequest(&deltagymv1.DescribeCheckpointRequest{CheckpointId: long}))
+	if connect.CodeOf(err) != connect.CodeInvalidArgument || len(err.Error()) > 1024 {
+		t.Fatalf("DescribeCheckpoint of a 1 MiB id: %.200s (%d bytes), want a short invalid_argument", err, len(err.Error()))
+	}
+	st, err := nodes.FetchLayer(t.Context(), connect.NewRequest(&deltagymv1.FetchLayerRequest{Digest: "sha256:" + strings.Repeat("0", 1<<20)}))
+	must(t, err)
+	for st.Receive() {
+		t.Fatal("FetchLayer of a 1 MiB digest sent data")
+	}
+	if err := st.Err(); connect.CodeOf(err) != connect.CodeInvalidArgument || len(err.Error()) > 1024 {
+		t.Fatalf("FetchLayer of a 1 MiB digest: %.200s (%d bytes), want a short invalid_argument", err, len(err.Error()))
+	}
+	_ = st.Close()
+}
