@@ -176,6 +176,10 @@ type ClusterSettings struct {
 	// 10 s after, so that a call on another node's ID fails with WRONG_NODE giving that node's
 	// address. Default "": a node that knows no peer (WRONG_NODE names the node alone).
 	Peers string
+	// LayerSendTimeout is how long FetchLayer waits for its reader to take a message before
+	// it ends the stream, so that a reader that stalls pins no layer, nor the stream's
+	// buffers. Default 1m.
+	LayerSendTimeout time.Duration
 }
 
 // LeaseSettings are the settings of the sandboxes' leases.
@@ -371,6 +375,9 @@ func (c *Config) defaults() error {
 	}
 	if c.Lease.MaxTTL <= 0 {
 		c.Lease.MaxTTL = max(episode.DefaultMaxLeaseTTL, c.Lease.TTL)
+	}
+	if c.Cluster.LayerSendTimeout <= 0 {
+		c.Cluster.LayerSendTimeout = defaultLayerSendTimeout
 	}
 	if c.OpenEnv.MaxSessions <= 0 {
 		c.OpenEnv.MaxSessions = defaultOpenEnvMaxSessions

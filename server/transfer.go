@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -42,7 +44,7 @@ func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[delta
 	if err := checkNodeArg("digest", d); err != nil {
 		return n.s.toConnect(err)
 	}
-	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk)}
+	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk), timeout: n.s.cfg.Cluster.LayerSendTimeout}
 	if err := n.s.rt.ExportLayer(w, d); err != nil {
 		if w.err != nil {
 			return w.err // the client went away: its error, not the export's
@@ -64,13 +66,30 @@ func checkNodeArg(field, v string) error {
 	return nil
 }
 
+// defaultLayerSendTimeout is ClusterSettings.LayerSendTimeout's default: a node that takes
+// nothing of a layer for a minute is not reading it.
+const defaultLayerSendTimeout = time.Minute
+
+// sendDeadlineKey keys the http.ResponseController of a NodeService call in its context.
+type sendDeadlineKey struct{}
+
+// withSendDeadlines gives the calls of handler h (mounted at path) their response's
+// controller, through which a stream sets the deadline of each message it sends.
+func withSendDeadlines(path string, h http.Handler) (string, http.Handler) {
+	return path, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), sendDeadlineKey{}, http.NewResponseController(w))))
+	})
+}
+
 // chunkSender is an io.Writer that sends what it is given as FetchLayer messages of up to
-// layerChunk bytes.
+// layerChunk bytes. A message the reader does not take within timeout ends the stream: a
+// stalled reader pins neither the layer nor the buffers.
 type chunkSender struct {
-	send func(*deltagymv1.FetchLayerResponse) error
-	ctx  context.Context
-	buf  []byte
-	err  error // the first send's error: every later write fails with it
+	send    func(*deltagymv1.FetchLayerResponse) error
+	ctx     context.Context
+	buf     []byte
+	timeout time.Duration
+	err     error // the first send's error: every later write fails with it
 }
 
 func (c *chunkSender) Write(p []byte) (int, error) {
@@ -98,6 +117,9 @@ func (c *chunkSender) flush() error {
 	if err := c.ctx.Err(); err != nil {
 		c.err = err
 		return err
+	}
+	if rc, ok := c.ctx.Value(sendDeadlineKey{}).(*http.ResponseController); ok {
+		_ = rc.SetWriteDeadline(time.Now().Add(c.timeout)) // a writer without deadlines sends as before
 	}
 	if err := c.send(&deltagymv1.FetchLayerResponse{Data: c.buf}); err != nil {
 		c.err = err

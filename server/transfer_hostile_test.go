@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -115,4 +116,60 @@ func TestNodeServiceBoundsIDs(t *testing.T) {
 		t.Fatalf("FetchLayer of a 1 MiB digest: %.200s (%d bytes), want a short invalid_argument", err, len(err.Error()))
 	}
 	_ = st.Close()
+}
+
+// TestFetchLayerStalledReader: a FetchLayer whose reader stops taking its messages is ended
+// after Cluster.LayerSendTimeout without progress: it pins no layer (nor its memory) beyond
+// that, here the layer of a checkpoint released meanwhile.
+func TestFetchLayerStalledReader(t *testing.T) {
+	b := setup(t, func(c *server.Config) {
+		c.Cluster.Node, c.NoLedger = "node-a", true
+		c.Admission.CheckpointBytes = 1 << 30
+		c.Cluster.LayerSendTimeout = 500 * time.Millisecond
+	})
+	ctx := t.Context()
+	c := b.clients()[0].c
+	rr, err := c.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	run(t, c, rr.GetSandboxId(), "head -c 33554432 /dev/urandom > /tmp/big")
+	ck, err := c.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: rr.GetSandboxId()})
+	must(t, err)
+	var protos http.Protocols
+	protos.SetUnencryptedHTTP2(true)
+	h2c := &http.Client{Transport: &http.Transport{Protocols: &protos}}
+	nodes := deltagymv1connect.NewNodeServiceClient(h2c, "http://"+b.addr, connect.WithInterceptors(bearer(b.token)))
+	dr, err := nodes.DescribeCheckpoint(ctx, connect.NewRequest(&deltagymv1.DescribeCheckpointRequest{CheckpointId: ck.GetCheckpointId()}))
+	must(t, err)
+	layers := dr.Msg.GetManifest().GetLayers()
+	top := layers[len(layers)-1]
+	if top.GetSizeBytes() < 32<<20 {
+		t.Fatalf("the checkpoint's top layer: %v, want one of 32 MiB", top)
+	}
+	st, err := nodes.FetchLayer(ctx, connect.NewRequest(&deltagymv1.FetchLayerRequest{Digest: top.GetDigest()}))
+	must(t, err)
+	defer st.Close()
+	if !st.Receive() {
+		t.Fatalf("FetchLayer: %v", st.Err())
+	}
+	// The reader stalls; the checkpoint and its sandbox go.
+	_, err = c.Close(ctx, &deltagymv1.CloseRequest{SandboxId: rr.GetSandboxId()})
+	must(t, err)
+	_, err = c.ReleaseCheckpoint(ctx, &deltagymv1.ReleaseCheckpointRequest{CheckpointId: ck.GetCheckpointId()})
+	must(t, err)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) { // a watchdog's poll
+		used := gauge(b.scrape(t), "deltagym_admission_used", `cap="checkpoint-bytes"[^}]*`)
+		if used >= 0 && used < 16<<20 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a stalled FetchLayer pins its released layer: %d bytes of checkpoints held", used)
+		}
+	}
+	got := int64(len(st.Msg().GetData()))
+	for st.Receive() {
+		got += int64(len(st.Msg().GetData()))
+	}
+	if st.Err() == nil {
+		t.Fatalf("a stalled FetchLayer ended without an error, after %d bytes", got)
+	}
 }
