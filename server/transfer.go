@@ -44,7 +44,7 @@ func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[delta
 	if err := checkNodeArg("digest", d); err != nil {
 		return n.s.toConnect(err)
 	}
-	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk), timeout: n.s.cfg.Cluster.LayerSendTimeout}
+	w := &chunkSender{send: stream.Send, ctx: ctx, buf: make([]byte, 0, layerChunk), timeout: n.s.cfg.Cluster.LayerTimeout}
 	if err := n.s.rt.ExportLayer(w, d); err != nil {
 		if w.err != nil {
 			return w.err // the client went away: its error, not the export's
@@ -66,9 +66,9 @@ func checkNodeArg(field, v string) error {
 	return nil
 }
 
-// defaultLayerSendTimeout is ClusterSettings.LayerSendTimeout's default: a node that takes
+// defaultLayerTimeout is ClusterSettings.LayerTimeout's default: a node that takes
 // nothing of a layer for a minute is not reading it.
-const defaultLayerSendTimeout = time.Minute
+const defaultLayerTimeout = time.Minute
 
 // sendDeadlineKey keys the http.ResponseController of a NodeService call in its context.
 type sendDeadlineKey struct{}
@@ -208,7 +208,12 @@ func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
 			cancel()
 			return nil, peerErr(err, id, owner, addr)
 		}
-		return &layerStream{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
+		stalled := func() error {
+			return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s (%s), which sent nothing of layer %s for %v: %w",
+				id, owner, addr, l.Digest, s.cfg.Cluster.LayerTimeout, errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
+		}
+		return &layerStream{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) },
+			stall: time.AfterFunc(s.cfg.Cluster.LayerTimeout, cancel), timeout: s.cfg.Cluster.LayerTimeout, stalled: stalled}, nil
 	}
 	if _, err := s.rt.AdoptCheckpoint(ctx, m, fetch); err != nil {
 		return errdefs.WithDetail(err, "", "checkpoint_id", id)
@@ -233,17 +238,26 @@ func peerErr(err error, id, owner, addr string) error {
 		"NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
 }
 
-// layerStream reads a FetchLayer stream's bytes.
+// layerStream reads a FetchLayer stream's bytes. A peer that sends no message for timeout
+// (stall, armed for each message) has its stream cancelled: the error is stalled's.
 type layerStream struct {
-	st     *connect.ServerStreamForClient[deltagymv1.FetchLayerResponse]
-	cancel context.CancelFunc
-	wrap   func(error) error
-	rest   []byte
+	st      *connect.ServerStreamForClient[deltagymv1.FetchLayerResponse]
+	cancel  context.CancelFunc
+	wrap    func(error) error
+	stall   *time.Timer
+	timeout time.Duration
+	stalled func() error
+	rest    []byte
 }
 
 func (l *layerStream) Read(p []byte) (int, error) {
 	for len(l.rest) == 0 {
-		if !l.st.Receive() {
+		l.stall.Reset(l.timeout)
+		ok := l.st.Receive()
+		if !l.stall.Stop() {
+			return 0, l.stalled()
+		}
+		if !ok {
 			if err := l.st.Err(); err != nil {
 				return 0, l.wrap(err)
 			}
@@ -257,6 +271,7 @@ func (l *layerStream) Read(p []byte) (int, error) {
 }
 
 func (l *layerStream) Close() error {
+	l.stall.Stop()
 	l.cancel()
 	return l.st.Close()
 }

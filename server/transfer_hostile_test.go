@@ -119,13 +119,13 @@ func TestNodeServiceBoundsIDs(t *testing.T) {
 }
 
 // TestFetchLayerStalledReader: a FetchLayer whose reader stops taking its messages is ended
-// after Cluster.LayerSendTimeout without progress: it pins no layer (nor its memory) beyond
+// after Cluster.LayerTimeout without progress: it pins no layer (nor its memory) beyond
 // that, here the layer of a checkpoint released meanwhile.
 func TestFetchLayerStalledReader(t *testing.T) {
 	b := setup(t, func(c *server.Config) {
 		c.Cluster.Node, c.NoLedger = "node-a", true
 		c.Admission.CheckpointBytes = 1 << 30
-		c.Cluster.LayerSendTimeout = 500 * time.Millisecond
+		c.Cluster.LayerTimeout = 500 * time.Millisecond
 	})
 	ctx := t.Context()
 	c := b.clients()[0].c
@@ -171,5 +171,38 @@ func TestFetchLayerStalledReader(t *testing.T) {
 	}
 	if st.Err() == nil {
 		t.Fatalf("a stalled FetchLayer ended without an error, after %d bytes", got)
+	}
+}
+
+// TestFetchLayerStalledPeer: a peer that starts a layer and then sends nothing more is given
+// up on after Cluster.LayerTimeout: the Fork fails with NODE_UNAVAILABLE, the peer's stream
+// is cancelled, and a retry asks again rather than wait on the first.
+func TestFetchLayerStalledPeer(t *testing.T) {
+	ended := make(chan struct{}, 2)
+	evil := startHostilePeer(t, &hostilePeer{name: "evil",
+		describe: func(id string) *deltagymv1.CheckpointManifest {
+			return &deltagymv1.CheckpointManifest{CheckpointId: id, Image: "default", Layers: []*deltagymv1.LayerDescriptor{{Digest: digestOf('c'), SizeBytes: 4096}}}
+		},
+		fetch: func(ctx context.Context, _ string, stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error {
+			defer func() { ended <- struct{}{} }()
+			if err := stream.Send(&deltagymv1.FetchLayerResponse{Data: []byte("dglayer\x01")}); err != nil {
+				return err
+			}
+			<-ctx.Done()
+			return ctx.Err()
+		}})
+	b := setup(t, func(c *server.Config) {
+		c.Cluster.Node, c.NoLedger = "node-b", true
+		c.Cluster.Peers = evil.addr
+		c.Cluster.LayerTimeout = 500 * time.Millisecond
+	})
+	ck := nodeid.New("ck", "evil")
+	for i, cl := range b.clients() {
+		_, err := cl.c.Fork(t.Context(), &deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: ck}, N: 1})
+		wantReason(t, cl.name+": a fork of a checkpoint whose layer stalls", err, connect.CodeUnavailable, "NODE_UNAVAILABLE", "checkpoint_id", ck, "node", "evil")
+		<-ended // the peer's stream was cancelled
+		if n := evil.fetches.Load(); n != int64(i+1) {
+			t.Fatalf("%s: %d fetches, want %d", cl.name, n, i+1)
+		}
 	}
 }
