@@ -391,7 +391,7 @@ func (r *Runtime) unreserve(n int) {
 // its top one, a copy of /dev/shm), before anything is captured.
 func (r *Runtime) admitCheckpoint(need int64, mounts int) error {
 	if b := r.cfg.CheckpointBudgetBytes; b > 0 {
-		if used := r.CheckpointBytes(); used+need > b {
+		if used := r.CheckpointBytes(); need > b-used { // not used+need: a peer's need may be near 2^63
 			return r.capError(CapCheckpointBytes, b, used, need, "bytes of checkpoints (sealed layers and process images)")
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"slices"
 	"time"
@@ -243,13 +244,17 @@ func (r *Runtime) adoptable(m CheckpointManifest, canFetchImages bool) error {
 	if m.ImageDigest != "" && im.Digest != m.ImageDigest {
 		return fmt.Errorf("checkpoint %s is of image %q %s; this node's image of that name is %s: %w", m.ID, m.Image, m.ImageDigest, im.Digest, ErrMismatch)
 	}
-	total := m.ImagesBytes
+	// The sizes are the peer's word: their sum saturates rather than wrap past 2^63 into a
+	// need the caps would admit.
+	var total int64
+	add := func(n int64) { total += min(max(n, 0), math.MaxInt64-total) }
+	add(m.ImagesBytes)
 	for _, l := range m.Layers {
-		total += l.Bytes
+		add(l.Bytes)
 	}
 	mounts := len(m.Layers)
 	if m.Shm != nil {
-		total += m.Shm.Bytes
+		add(m.Shm.Bytes)
 		mounts++
 	}
 	return r.admitCheckpoint(total, mounts)
@@ -263,7 +268,8 @@ func (r *Runtime) adoptLayers(ctx context.Context, c *checkpoint, m CheckpointMa
 			return fmt.Errorf("checkpoint %s: %w", m.ID, err)
 		}
 		c.Layers = append(c.Layers, id)
-		c.Size += l.Bytes
+		n, _ := r.layers.SealedSize(id) // what it holds here, not what the peer said
+		c.Size += n
 	}
 	if m.Shm != nil {
 		id, err := r.adoptLayer(ctx, *m.Shm, fetch)

@@ -176,6 +176,11 @@ type ClusterSettings struct {
 	// 10 s after, so that a call on another node's ID fails with WRONG_NODE giving that node's
 	// address. Default "": a node that knows no peer (WRONG_NODE names the node alone).
 	Peers string
+	// LayerTimeout is how long either end of a FetchLayer waits for the other: the node
+	// serving it for its reader to take a message, the node fetching for its peer to send one;
+	// then it ends the stream, so that a stalled reader pins no layer, nor the stream's
+	// buffers, and a stalled peer holds no adoption. Default 1m.
+	LayerTimeout time.Duration
 }
 
 // LeaseSettings are the settings of the sandboxes' leases.
@@ -371,6 +376,9 @@ func (c *Config) defaults() error {
 	}
 	if c.Lease.MaxTTL <= 0 {
 		c.Lease.MaxTTL = max(episode.DefaultMaxLeaseTTL, c.Lease.TTL)
+	}
+	if c.Cluster.LayerTimeout <= 0 {
+		c.Cluster.LayerTimeout = defaultLayerTimeout
 	}
 	if c.OpenEnv.MaxSessions <= 0 {
 		c.OpenEnv.MaxSessions = defaultOpenEnvMaxSessions

@@ -306,7 +306,7 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))
 	// NodeService answers uncompressed: its big answers, FetchLayer's layers, go between nodes
 	// on a fast network, and gzip would cost a node's CPU more time than the bytes take.
-	mux.Handle(deltagymv1connect.NewNodeServiceHandler(&nodeService{s}, append(slices.Clone(opts), connect.WithCompression("gzip", nil, nil))...))
+	mux.Handle(withSendDeadlines(deltagymv1connect.NewNodeServiceHandler(&nodeService{s}, append(slices.Clone(opts), connect.WithCompression("gzip", nil, nil))...)))
 	s.mountSwerex(mux)
 	mux.Handle(grpchealth.NewHandler(grpchealth.NewStaticChecker(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName, deltagymv1connect.NodeServiceName)))
 	reflector := grpcreflect.NewStaticReflector(deltagymv1connect.EnvServiceName, deltagymv1connect.LedgerServiceName, deltagymv1connect.NodeServiceName)

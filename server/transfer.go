@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
+	"time"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -14,6 +16,7 @@ import (
 	"github.com/deltagym/deltagym/internal/errdefs"
 	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
 )
 
 // layerChunk is the size of FetchLayer's messages: large enough that a message's own cost is
@@ -23,8 +26,8 @@ const layerChunk = 1 << 20
 // DescribeCheckpoint implements NodeService.DescribeCheckpoint.
 func (n *nodeService) DescribeCheckpoint(ctx context.Context, req *connect.Request[deltagymv1.DescribeCheckpointRequest]) (*connect.Response[deltagymv1.DescribeCheckpointResponse], error) {
 	id := req.Msg.GetCheckpointId()
-	if id == "" {
-		return nil, n.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	if err := checkNodeArg("checkpoint_id", id); err != nil {
+		return nil, n.s.toConnect(err)
 	}
 	m, err := n.s.rt.CheckpointManifest(ctx, id)
 	if err != nil {
@@ -44,10 +47,11 @@ func (n *nodeService) DescribeCheckpoint(ctx context.Context, req *connect.Reque
 // FetchImages implements NodeService.FetchImages.
 func (n *nodeService) FetchImages(ctx context.Context, req *connect.Request[deltagymv1.FetchImagesRequest], stream *connect.ServerStream[deltagymv1.FetchImagesResponse]) error {
 	id := req.Msg.GetCheckpointId()
-	if id == "" {
-		return n.s.toConnect(fmt.Errorf("checkpoint_id is required: %w", ErrInvalid))
+	if err := checkNodeArg("checkpoint_id", id); err != nil {
+		return n.s.toConnect(err)
 	}
-	w := &chunkSender{send: func(b []byte) error { return stream.Send(&deltagymv1.FetchImagesResponse{Data: b}) }, ctx: ctx, buf: make([]byte, 0, layerChunk)}
+	w := &chunkSender{send: func(b []byte) error { return stream.Send(&deltagymv1.FetchImagesResponse{Data: b}) }, ctx: ctx, buf: make([]byte, 0, layerChunk),
+		timeout: n.s.cfg.Cluster.LayerTimeout}
 	if _, err := n.s.rt.ExportImages(ctx, w, id); err != nil {
 		if w.err != nil {
 			return w.err
@@ -60,10 +64,11 @@ func (n *nodeService) FetchImages(ctx context.Context, req *connect.Request[delt
 // FetchLayer implements NodeService.FetchLayer.
 func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[deltagymv1.FetchLayerRequest], stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error {
 	d := req.Msg.GetDigest()
-	if d == "" {
-		return n.s.toConnect(fmt.Errorf("digest is required: %w", ErrInvalid))
+	if err := checkNodeArg("digest", d); err != nil {
+		return n.s.toConnect(err)
 	}
-	w := &chunkSender{send: func(b []byte) error { return stream.Send(&deltagymv1.FetchLayerResponse{Data: b}) }, ctx: ctx, buf: make([]byte, 0, layerChunk)}
+	w := &chunkSender{send: func(b []byte) error { return stream.Send(&deltagymv1.FetchLayerResponse{Data: b}) }, ctx: ctx, buf: make([]byte, 0, layerChunk),
+		timeout: n.s.cfg.Cluster.LayerTimeout}
 	if err := n.s.rt.ExportLayer(w, d); err != nil {
 		if w.err != nil {
 			return w.err // the client went away: its error, not the export's
@@ -73,13 +78,42 @@ func (n *nodeService) FetchLayer(ctx context.Context, req *connect.Request[delta
 	return w.flush()
 }
 
+// checkNodeArg refuses an empty checkpoint ID or digest, or one longer than any this server
+// makes (episode.MaxID), so that an error about it can quote it.
+func checkNodeArg(field, v string) error {
+	switch {
+	case v == "":
+		return fmt.Errorf("%s is required: %w", field, ErrInvalid)
+	case len(v) > episode.MaxID:
+		return fmt.Errorf("%s of %d bytes is not one of this server (at most %d): %w", field, len(v), episode.MaxID, ErrInvalid)
+	}
+	return nil
+}
+
+// defaultLayerTimeout is ClusterSettings.LayerTimeout's default: a node that takes
+// nothing of a layer for a minute is not reading it.
+const defaultLayerTimeout = time.Minute
+
+// sendDeadlineKey keys the http.ResponseController of a NodeService call in its context.
+type sendDeadlineKey struct{}
+
+// withSendDeadlines gives the calls of handler h (mounted at path) their response's
+// controller, through which a stream sets the deadline of each message it sends.
+func withSendDeadlines(path string, h http.Handler) (string, http.Handler) {
+	return path, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), sendDeadlineKey{}, http.NewResponseController(w))))
+	})
+}
+
 // chunkSender is an io.Writer that sends what it is given as messages of up to layerChunk
-// bytes (FetchLayer's, FetchImages').
+// bytes (FetchLayer's, FetchImages'). A message the reader does not take within timeout ends
+// the stream: a stalled reader pins neither the layer nor the buffers.
 type chunkSender struct {
-	send func([]byte) error
-	ctx  context.Context
-	buf  []byte
-	err  error // the first send's error: every later write fails with it
+	send    func([]byte) error
+	ctx     context.Context
+	buf     []byte
+	timeout time.Duration
+	err     error // the first send's error: every later write fails with it
 }
 
 func (c *chunkSender) Write(p []byte) (int, error) {
@@ -107,6 +141,9 @@ func (c *chunkSender) flush() error {
 	if err := c.ctx.Err(); err != nil {
 		c.err = err
 		return err
+	}
+	if rc, ok := c.ctx.Value(sendDeadlineKey{}).(*http.ResponseController); ok {
+		_ = rc.SetWriteDeadline(time.Now().Add(c.timeout)) // a writer without deadlines sends as before
 	}
 	if err := c.send(c.buf); err != nil {
 		c.err = err
@@ -212,7 +249,12 @@ func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
 			cancel()
 			return nil, peerErr(err, id, owner, addr)
 		}
-		return &chunkStream[deltagymv1.FetchLayerResponse, *deltagymv1.FetchLayerResponse]{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
+		stalled := func() error {
+			return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s (%s), which sent nothing of layer %s for %v: %w",
+				id, owner, addr, l.Digest, s.cfg.Cluster.LayerTimeout, errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
+		}
+		return &chunkStream[deltagymv1.FetchLayerResponse, *deltagymv1.FetchLayerResponse]{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) },
+			stall: time.AfterFunc(s.cfg.Cluster.LayerTimeout, cancel), timeout: s.cfg.Cluster.LayerTimeout, stalled: stalled}, nil
 	}
 	fetchImages := func(ctx context.Context) (io.ReadCloser, error) {
 		ctx, cancel := context.WithCancel(ctx)
@@ -221,7 +263,12 @@ func (s *Server) fetchCheckpoint(ctx context.Context, id string) error {
 			cancel()
 			return nil, peerErr(err, id, owner, addr)
 		}
-		return &chunkStream[deltagymv1.FetchImagesResponse, *deltagymv1.FetchImagesResponse]{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) }}, nil
+		stalled := func() error {
+			return errdefs.WithDetail(fmt.Errorf("checkpoint %s is on node %s (%s), which sent nothing of its process images for %v: %w",
+				id, owner, addr, s.cfg.Cluster.LayerTimeout, errdefs.ErrUnavailable), "NODE_UNAVAILABLE", "checkpoint_id", id, "node", owner)
+		}
+		return &chunkStream[deltagymv1.FetchImagesResponse, *deltagymv1.FetchImagesResponse]{st: st, cancel: cancel, wrap: func(err error) error { return peerErr(err, id, owner, addr) },
+			stall: time.AfterFunc(s.cfg.Cluster.LayerTimeout, cancel), timeout: s.cfg.Cluster.LayerTimeout, stalled: stalled}, nil
 	}
 	if _, err := s.rt.AdoptCheckpoint(ctx, m, fetch, fetchImages); err != nil {
 		return errdefs.WithDetail(err, "", "checkpoint_id", id)
@@ -247,20 +294,29 @@ func peerErr(err error, id, owner, addr string) error {
 }
 
 // chunkStream reads the bytes of a stream of messages that carry data (FetchLayer's,
-// FetchImages').
+// FetchImages'). A peer that sends no message for timeout (stall, armed for each message) has
+// its stream cancelled: the error is stalled's.
 type chunkStream[M any, PM interface {
 	*M
 	GetData() []byte
 }] struct {
-	st     *connect.ServerStreamForClient[M]
-	cancel context.CancelFunc
-	wrap   func(error) error
-	rest   []byte
+	st      *connect.ServerStreamForClient[M]
+	cancel  context.CancelFunc
+	wrap    func(error) error
+	stall   *time.Timer
+	timeout time.Duration
+	stalled func() error
+	rest    []byte
 }
 
 func (l *chunkStream[M, PM]) Read(p []byte) (int, error) {
 	for len(l.rest) == 0 {
-		if !l.st.Receive() {
+		l.stall.Reset(l.timeout)
+		ok := l.st.Receive()
+		if !l.stall.Stop() {
+			return 0, l.stalled()
+		}
+		if !ok {
 			if err := l.st.Err(); err != nil {
 				return 0, l.wrap(err)
 			}
@@ -274,6 +330,7 @@ func (l *chunkStream[M, PM]) Read(p []byte) (int, error) {
 }
 
 func (l *chunkStream[M, PM]) Close() error {
+	l.stall.Stop()
 	l.cancel()
 	return l.st.Close()
 }

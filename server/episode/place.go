@@ -78,8 +78,10 @@ func placeOf(labels map[string]string) (Place, bool) {
 	if p.Env == "" {
 		return Place{}, false
 	}
+	// Labels may come from another node's manifest: a negative count would lengthen budgets.
 	p.Own, _ = strconv.Atoi(labels[labelOwn])
 	p.Steps, _ = strconv.Atoi(labels[labelSteps])
+	p.Own, p.Steps = max(p.Own, 0), max(p.Steps, 0)
 	p.Agent = p.Steps // labelled before setup steps existed: every step was the agent's
 	if a, err := strconv.Atoi(labels[labelAgent]); err == nil && a >= 0 && a <= p.Steps {
 		p.Agent = a
