@@ -313,9 +313,9 @@ func (s *Server) buildHandler() http.Handler {
 	mux.Handle(grpcreflect.NewHandlerV1(reflector))
 	mux.Handle(grpcreflect.NewHandlerV1Alpha(reflector))
 	mux.Handle("/metrics", s.obs.metricsHandler())
-	s.openenv = openenv.New(openenv.Config{Core: s.core, Pools: s.pools, Log: s.log, Describe: s.describe,
+	s.openenv = openenv.New(openenv.Config{Core: s.core, Pools: s.pools, Log: s.log, Describe: s.describe, Node: s.cfg.Cluster.Node,
 		MaxMessageBytes: int64(s.cfg.MaxRequestBytes), LeaseTTL: s.cfg.Lease.TTL, StepCap: s.cfg.OpenEnv.StepCap, MaxSessions: s.cfg.OpenEnv.MaxSessions})
-	mux.Handle(openenv.Prefix, s.openenv)
+	mux.Handle(openenv.Prefix, s.openenvFirst(s.openenv))
 	g := &gate{on: !s.cfg.NoAuth, public: s.cfg.PublicHealth, errw: connect.NewErrorWriter(opts...),
 		refuse: s.obs.authRefused, next: capBodies(s.swerexFirst(mux), s.cfg.MaxRequestBytes)}
 	if g.on {

@@ -1,14 +1,8 @@
 package server
 
 import (
-	"fmt"
-	"log/slog"
 	"net/http"
-	"net/http/httputil"
-	"net/url"
 	"strings"
-
-	"github.com/deltagym/deltagym/internal/nodeid"
 
 	"github.com/deltagym/deltagym/server/swerex"
 )
@@ -40,41 +34,12 @@ func (s *Server) swerexFirst(mux http.Handler) http.Handler {
 	})
 }
 
-// proxiedHeader marks a request one node passed to another, which answers it itself: a request
-// is passed on once at most, whatever the nodes believe of each other.
-const proxiedHeader = "Deltagym-Proxied-By"
-
 // swerexProxy returns the reverse proxy of a SWE-ReX request to the node that holds its
-// sandbox, when that is another node whose address this node knows (--peers); nil when this
-// node answers it: its own sandbox, an ID of no node, a node it does not know (the front end
-// then says WRONG_NODE), or a request another node passed on.
+// sandbox (passOn); nil when this node answers it.
 func (s *Server) swerexProxy(r *http.Request) http.Handler {
-	if r.Header.Get(proxiedHeader) != "" {
-		return nil
-	}
 	rest, _ := strings.CutPrefix(r.URL.Path, swerex.Prefix)
 	id, _, _ := strings.Cut(rest, "/")
-	owner := nodeid.Node(id)
-	if owner == "" || owner == s.cfg.Cluster.Node {
-		return nil
-	}
-	addr := s.peerAddr(owner)
-	if addr == "" {
-		return nil
-	}
-	target := &url.URL{Scheme: "http", Host: addr}
-	node := s.cfg.Cluster.Node
-	return &httputil.ReverseProxy{
-		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.SetURL(target)
-			pr.Out.Host = addr
-			pr.Out.Header.Set(proxiedHeader, node)
-		},
-		FlushInterval: -1, // read_file's content streams
-		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {
-			swerex.WriteException(w, swerex.Unavailable, fmt.Sprintf("sandbox %s is on node %s (%s), which did not answer: %v", id, owner, addr, err),
-				map[string]any{"code": "unavailable"})
-		},
-		ErrorLog: slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
-	}
+	return s.passOn(r, id, func(w http.ResponseWriter, msg string) {
+		swerex.WriteException(w, swerex.Unavailable, msg, map[string]any{"code": "unavailable"})
+	})
 }

@@ -2,10 +2,13 @@ package server_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/coder/websocket"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 	"github.com/deltagym/deltagym/internal/nodeid"
@@ -80,5 +83,49 @@ func TestSwerexProxy(t *testing.T) {
 	code, body = swerexCall(t, b.addr, http.MethodGet, "/swerex/"+far+"/is_alive", "", token, nil)
 	if code != 511 || !strings.Contains(body, "node-z") {
 		t.Fatalf("is_alive of a sandbox of a node B does not know: %d %s", code, body)
+	}
+}
+
+// TestOpenEnvProxy: an MCP session made on node A is reachable through node B, whose calls on
+// it (and a WebSocket attaching to it) go to A: a client behind a load balancer keeps its
+// session whichever node its requests reach. Its ID names node A.
+func TestOpenEnvProxy(t *testing.T) {
+	const token = "cluster-token"
+	a := setup(t, func(c *server.Config) { c.Cluster.Node, c.AuthToken, c.NoLedger = "node-a", token, true })
+	b := setup(t, func(c *server.Config) {
+		c.Cluster.Node, c.AuthToken, c.NoLedger = "node-b", token, true
+		c.Cluster.Peers = a.addr
+	})
+	sid := mcpCall(t, a, "plain", "openenv/session/create", nil)["result"].(map[string]any)["session_id"].(string)
+	if nodeid.Node(sid) != "node-a" {
+		t.Fatalf("an MCP session of node A is %q", sid)
+	}
+	res := mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "echo through-b > /tmp/t; cat /tmp/t"}})
+	if out, _ := json.Marshal(res); !strings.Contains(string(out), "through-b") || res["error"] != nil {
+		t.Fatalf("tools/call on node A's session through node B: %s", out)
+	}
+	res = mcpCall(t, a, "plain", "tools/call", map[string]any{"session_id": sid, "name": "bash", "arguments": map[string]any{"command": "cat /tmp/t"}})
+	if out, _ := json.Marshal(res); !strings.Contains(string(out), "through-b") {
+		t.Fatalf("node A's session after a call through node B: %s", out)
+	}
+	// A session of a node B does not know is not found there, as any unknown session.
+	res = mcpCall(t, b, "plain", "tools/call", map[string]any{"session_id": nodeid.New("os", "node-z"), "name": "bash", "arguments": map[string]any{"command": "true"}})
+	if res["error"] == nil {
+		t.Fatalf("tools/call on a session of an unknown node: %v", res)
+	}
+	// A WebSocket through node B attaches to node A's session.
+	ws, resp, err := websocket.Dial(t.Context(), "ws://"+b.addr+"/openenv/plain/ws?session_id="+sid,
+		&websocket.DialOptions{HTTPHeader: http.Header{"Authorization": {"Bearer " + token}}})
+	if resp != nil && resp.Body != nil {
+		resp.Body.Close()
+	}
+	must(t, err)
+	if r := (&oeSocket{t, ws}).do("step", map[string]any{"command": "cat /tmp/t"}); !strings.Contains(fmt.Sprint(r.Observation), "through-b") {
+		t.Fatalf("a step on node A's session through a socket to node B: %v", r.Observation)
+	}
+	ws.CloseNow()
+	closed := mcpCall(t, b, "plain", "openenv/session/close", map[string]any{"session_id": sid})
+	if out, _ := json.Marshal(closed); closed["error"] != nil || !strings.Contains(string(out), sid) {
+		t.Fatalf("openenv/session/close of node A's session through node B: %s", out)
 	}
 }

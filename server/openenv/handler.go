@@ -38,6 +38,10 @@ type Config struct {
 	// MaxSessions bounds the open sessions (sockets and MCP sessions); a session past it is
 	// refused with CAPACITY_REACHED.
 	MaxSessions int
+	// Node is the node's name, carried by the IDs of the MCP sessions it makes (as a
+	// sandbox's by its ID: internal/nodeid), so that a node passes a call on another's session
+	// to it. "": IDs of no node.
+	Node string
 }
 
 // Handler serves OpenEnv's protocol for every env of the catalog, at Prefix + env.

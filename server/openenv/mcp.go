@@ -3,8 +3,6 @@ package openenv
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,6 +13,7 @@ import (
 	"time"
 
 	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/internal/nodeid"
 )
 
 // An mcpSession is a session made by openenv/session/create: it lives until
@@ -251,9 +250,7 @@ type toolData struct {
 
 // createMCP makes a session of env.
 func (h *Handler) createMCP(env string) (string, error) {
-	var b [12]byte
-	_, _ = rand.Read(b[:])
-	id := "os-" + hex.EncodeToString(b[:])
+	id := nodeid.New("os", h.cfg.Node)
 	m := &mcpSession{id: id, s: h.newSession(env), used: time.Now()}
 	h.mu.Lock()
 	defer h.mu.Unlock()
