@@ -41,12 +41,18 @@ func (s *Server) passOn(r *http.Request, id string, unavailable func(http.Respon
 		return nil
 	}
 	target := &url.URL{Scheme: "http", Host: addr}
-	node := s.cfg.Cluster.Node
+	node, token := s.cfg.Cluster.Node, s.token
 	return &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(target)
 			pr.Out.Host = addr
 			pr.Out.Header.Set(proxiedHeader, node)
+			// The request passed this node's gate, however it carried the token (a header, an
+			// X-API-Key, a /t/<token>/ prefix the gate stripped): it goes on with the cluster's
+			// token in the header.
+			if token != "" {
+				pr.Out.Header.Set("Authorization", "Bearer "+token)
+			}
 		},
 		FlushInterval: -1, // answers that stream (SWE-ReX's read_file) go on as they come
 		ErrorHandler: func(w http.ResponseWriter, _ *http.Request, err error) {

@@ -23,7 +23,9 @@ func swerexCall(t *testing.T, addr, method, path, body, token string, header map
 		t.Fatal(err)
 	}
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-API-Key", token)
+	if token != "" {
+		req.Header.Set("X-API-Key", token)
+	}
 	for k, v := range header {
 		req.Header.Set(k, v)
 	}
@@ -69,6 +71,10 @@ func TestSwerexProxy(t *testing.T) {
 	}
 	if got := run(t, ca, sb, "cat /tmp/via"); got != "via-b\n" {
 		t.Fatalf("node A's sandbox after an execute through node B reads %q", got)
+	}
+	// A token in the URL, which the gate strips, goes on in the header.
+	if code, body = swerexCall(t, b.addr, http.MethodGet, "/t/"+token+"/swerex/"+sb+"/is_alive", "", "", nil); code != http.StatusOK || !strings.Contains(body, `"is_alive":true`) {
+		t.Fatalf("is_alive through node B with the token in the URL: %d %s", code, body)
 	}
 	// The token is still checked, by both nodes.
 	if code, body = swerexCall(t, b.addr, http.MethodGet, "/swerex/"+sb+"/is_alive", "", "wrong", nil); code != 511 || !strings.Contains(body, "PermissionError") {
