@@ -136,6 +136,7 @@ type Client struct {
 	ledger  deltagymv1connect.LedgerServiceClient
 	nodes   deltagymv1connect.NodeServiceClient
 	ownHTTP *http.Client
+	dialer  *shutDialer // ownHTTP's
 
 	mu sync.Mutex
 	// +checklocks:mu
@@ -173,7 +174,7 @@ func Dial(addr string, opts ...Option) (*Client, error) {
 	c := &Client{baseURL: base, keepalive: make(map[*Sandbox]struct{})}
 	hc := cfg.httpClient
 	if hc == nil {
-		c.ownHTTP = newHTTPClient()
+		c.ownHTTP, c.dialer = newHTTPClient()
 		hc = c.ownHTTP
 	}
 	var copts []connect.ClientOption
@@ -229,12 +230,13 @@ func BaseURL(addr string) (string, error) {
 }
 
 // newHTTPClient returns a client that speaks HTTP/2 only: with prior knowledge
-// over cleartext for http:// URLs, over TLS for https:// ones.
-func newHTTPClient() *http.Client {
+// over cleartext for http:// URLs, over TLS for https:// ones; and its dialer,
+// which a Close of the Client shuts.
+func newHTTPClient() (*http.Client, *shutDialer) {
 	var protocols http.Protocols
 	protocols.SetUnencryptedHTTP2(true)
 	protocols.SetHTTP2(true)
-	dialer := &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}
+	dialer := &shutDialer{d: net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}}
 	return &http.Client{Transport: &http.Transport{
 		Protocols:   &protocols,
 		DialContext: dialer.DialContext,
@@ -244,7 +246,65 @@ func newHTTPClient() *http.Client {
 			PingTimeout:     15 * time.Second,
 		},
 		TLSHandshakeTimeout: 10 * time.Second,
-	}}
+	}}, dialer
+}
+
+// shutDialer is the dialer of a Client's own HTTP client, which the Client's Close shuts so
+// that no connection outlives it (each keeps a reader goroutine until the server closes it):
+// the connections it made are closed, in use or not, and one a call began to dial before the
+// shut and made after it is closed at once.
+type shutDialer struct {
+	d  net.Dialer
+	mu sync.Mutex
+	// +checklocks:mu
+	shut bool
+	// +checklocks:mu
+	conns map[*shutConn]struct{}
+}
+
+// DialContext dials as net.Dialer does, unless the dialer is shut.
+func (s *shutDialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	conn, err := s.d.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.shut {
+		conn.Close()
+		return nil, ErrClientClosed
+	}
+	c := &shutConn{Conn: conn, s: s}
+	if s.conns == nil {
+		s.conns = map[*shutConn]struct{}{}
+	}
+	s.conns[c] = struct{}{}
+	return c, nil
+}
+
+// shutDown closes every connection the dialer made and makes every later dial fail.
+func (s *shutDialer) shutDown() {
+	s.mu.Lock()
+	s.shut = true
+	conns := s.conns
+	s.conns = nil
+	s.mu.Unlock()
+	for c := range conns {
+		_ = c.Conn.Close()
+	}
+}
+
+// shutConn is a connection of a shutDialer, which forgets it when it is closed.
+type shutConn struct {
+	net.Conn
+	s *shutDialer
+}
+
+func (c *shutConn) Close() error {
+	c.s.mu.Lock()
+	delete(c.s.conns, c)
+	c.s.mu.Unlock()
+	return c.Conn.Close()
 }
 
 // Addr returns the base URL of the server.
@@ -273,8 +333,9 @@ func (c *Client) GetNode(ctx context.Context) (*deltagymv1.NodeInfo, error) {
 }
 
 // Close stops the heartbeats of every Sandbox of this client (the sandboxes
-// themselves stay open on the server until closed or reaped) and frees idle
-// connections. Close is idempotent; calls after it fail with ErrClientClosed.
+// themselves stay open on the server until closed or reaped) and closes its
+// connections (with its own HTTP client: those of calls still in flight too, which
+// fail). Close is idempotent; calls after it fail with ErrClientClosed.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -291,6 +352,7 @@ func (c *Client) Close() error {
 		s.stopKeepAlive()
 	}
 	if c.ownHTTP != nil {
+		c.dialer.shutDown()
 		c.ownHTTP.CloseIdleConnections()
 	}
 	return nil

@@ -146,6 +146,11 @@ type Cluster struct {
 	// discoverErr is why the last discovery failed; nil when it listed the nodes.
 	// +checklocks:mu
 	discoverErr error
+	// clashes are the names that answering addresses advertising different addresses report
+	// alike, with those addresses: two nodes given one name, or one posing as another. Calls on
+	// their IDs and placements on them fail until the last refresh finds one address again.
+	// +checklocks:mu
+	clashes map[string][]string
 	// +checklocks:mu
 	closed bool
 }
@@ -355,6 +360,7 @@ func (c *Cluster) knownMember(addr string) *member {
 // +checklocks:c.mu
 func (c *Cluster) regroup() {
 	byName := make(map[string]*member, len(c.byName))
+	advertised := map[string][]string{}
 	var dropped []*member
 	for addr, m := range c.members {
 		st := m.status()
@@ -365,6 +371,9 @@ func (c *Cluster) regroup() {
 		}
 		if st.Err != nil || st.Name == "" {
 			continue
+		}
+		if a := st.Report.GetAddress(); a != "" && !slices.Contains(advertised[st.Name], a) {
+			advertised[st.Name] = append(advertised[st.Name], a)
 		}
 		if cur := byName[st.Name]; cur == nil || preferred(m, cur) {
 			byName[st.Name] = m
@@ -394,6 +403,37 @@ func (c *Cluster) regroup() {
 		}
 	}
 	c.byName = byName
+	c.clashes = clashes(advertised)
+}
+
+// clashes returns the names of advertised (the addresses each name's answering nodes advertise)
+// that nodes advertising more than one address report, with those addresses, sorted; nil for
+// none.
+func clashes(advertised map[string][]string) map[string][]string {
+	var out map[string][]string
+	for name, addrs := range advertised {
+		if len(addrs) > 1 {
+			slices.Sort(addrs)
+			if out == nil {
+				out = map[string][]string{}
+			}
+			out[name] = addrs
+		}
+	}
+	return out
+}
+
+// clash is the error of a call on node name while nodes at several addresses report that name.
+//
+// +checklocks:c.mu
+func (c *Cluster) clash(name string) error {
+	addrs := c.clashes[name]
+	if addrs == nil {
+		return nil
+	}
+	return connect.NewError(connect.CodeUnavailable, &NodeError{Node: name, Err: fmt.Errorf(
+		"nodes at %s all report the name %s: two nodes given one name, or one posing as another; calls on its IDs go nowhere until one is renamed or gone",
+		strings.Join(addrs, " and "), name)})
 }
 
 // preferred reports whether m serves its node's IDs rather than cur, another address of the
@@ -674,6 +714,9 @@ func (c *Cluster) route(id string) (*member, error) {
 			"%q names no node (a cluster's IDs are PREFIX-NODE-HEX, as sb-node-a-3f2a9c0d1e4b5a69), and the cluster has %d: give an ID its nodes made",
 			id, len(c.byName)))
 	}
+	if err := c.clash(node); err != nil {
+		return nil, err
+	}
 	m := c.byName[node]
 	if m == nil {
 		return nil, connect.NewError(connect.CodeUnavailable, &NodeError{Node: node, Err: c.unknownNode()})
@@ -739,6 +782,10 @@ func (c *Cluster) candidates(skip []*member) ([]*member, []*deltagymv1.NodeInfo,
 	for _, n := range names {
 		m := c.byName[n]
 		if slices.Contains(skip, m) {
+			continue
+		}
+		if c.clashes[n] != nil {
+			why = append(why, fmt.Sprintf("%s reported by several nodes", n))
 			continue
 		}
 		l, ok := m.load()

@@ -461,7 +461,7 @@ func TestClusterOfOne(t *testing.T) {
 // goroutine; it is idempotent, and calls after it fail with ErrClientClosed.
 func TestClusterClose(t *testing.T) {
 	fc := startFakeCluster(t)
-	before := runtime.NumGoroutine()
+	before := clientGoroutines()
 	cl, err := deltagym.DialCluster(t.Context(), fc.target, deltagym.WithToken(fc.token), deltagym.WithResolver(fc.dns.resolver()),
 		deltagym.WithRefreshInterval(5*time.Millisecond))
 	if err != nil {
@@ -493,15 +493,31 @@ func TestClusterClose(t *testing.T) {
 		t.Fatalf("a handle's call after Close: %v", err)
 	}
 	// Goroutines that are on their way out (connections' readers closing) may still run: give
-	// them until they are done, as goleak does.
+	// them until they are done, as goleak does. The fake nodes' own goroutines (a connection
+	// the server side has not seen closed yet) are not the client's.
 	deadline := time.Now().Add(10 * time.Second)
-	for delay := time.Millisecond; runtime.NumGoroutine() > before; delay = min(2*delay, 100*time.Millisecond) {
+	for delay := time.Millisecond; clientGoroutines() > before; delay = min(2*delay, 100*time.Millisecond) {
 		if time.Now().After(deadline) {
 			buf := make([]byte, 1<<20)
-			t.Fatalf("%d goroutines before DialCluster, %d after Close:\n%s", before, runtime.NumGoroutine(), buf[:runtime.Stack(buf, true)])
+			t.Fatalf("%d goroutines of the client before DialCluster, %d after Close:\n%s", before, clientGoroutines(), buf[:runtime.Stack(buf, true)])
 		}
 		time.Sleep(delay)
 	}
+}
+
+// serverFrames mark a goroutine of the test's fake nodes or DNS server, not of the client.
+var serverFrames = []string{"net/http.(*conn).serve", "net/http.(*http2serverConn)", "net/http.(*Server)", "(*dnsServer)"}
+
+// clientGoroutines counts the goroutines of the process but those of the test's servers.
+func clientGoroutines() int {
+	buf := make([]byte, 1<<22)
+	n := 0
+	for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+		if !slices.ContainsFunc(serverFrames, func(f string) bool { return strings.Contains(g, f) }) {
+			n++
+		}
+	}
+	return n
 }
 
 // BenchmarkClusterRoute times what a Cluster adds to a call before it is sent: reading the node
@@ -518,5 +534,47 @@ func BenchmarkClusterRoute(b *testing.B) {
 		if _, err := cl.Sandbox(id); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// TestClusterNameClash: nodes at two addresses that advertise different addresses but report
+// one name (two nodes given one name, or one posing as another) get no calls on that name's
+// IDs and no new sandboxes, each refused naming both addresses, while the other nodes serve on;
+// once one of them is gone, the name serves again.
+func TestClusterNameClash(t *testing.T) {
+	const token = "t"
+	listen := func() net.Listener {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ln
+	}
+	twinA := startFake(t, "twin", token, listen())
+	twinB := startFake(t, "twin", token, listen())
+	other := startFake(t, "other", token, listen())
+	cl, err := deltagym.DialCluster(t.Context(), twinA.addr+","+twinB.addr+","+other.addr, deltagym.WithToken(token), deltagym.WithRefreshInterval(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx := t.Context()
+	_, err = cl.Sandbox("sb-twin-0000000000000001")
+	if connect.CodeOf(err) != connect.CodeUnavailable || !strings.Contains(err.Error(), "all report the name twin") ||
+		!strings.Contains(err.Error(), twinA.addr) || !strings.Contains(err.Error(), twinB.addr) {
+		t.Fatalf("Sandbox of a clashing name's ID: %v, want unavailable naming both addresses", err)
+	}
+	for range 3 {
+		sb, err := cl.Reset(ctx, "shell")
+		if err != nil || deltagym.NodeOf(sb.ID()) != "other" {
+			t.Fatalf("Reset beside a clashing name: %v, %v; want node other", sb, err)
+		}
+	}
+	twinB.stop()
+	if err := cl.Refresh(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Sandbox("sb-twin-0000000000000001"); err != nil {
+		t.Fatalf("Sandbox of twin's ID once one of the two is gone: %v", err)
 	}
 }
