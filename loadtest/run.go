@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
@@ -22,15 +23,26 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	opts := DialOptions(cfg.Token)
 	clients := make([]deltagymv1.EnvServiceClient, cfg.Conns)
-	for i := range clients {
-		conn, err := grpc.NewClient(cfg.Addr, opts...)
-		if err != nil {
-			return nil, fmt.Errorf("dialing %s: %w", cfg.Addr, err)
+	var cluster *clusterEnv
+	if deltagym.IsClusterTarget(cfg.Addr) {
+		// The Cluster keeps one connection to each node.
+		var err error
+		if cluster, err = dialCluster(ctx, &cfg); err != nil {
+			return nil, err
 		}
-		defer conn.Close()
-		clients[i] = deltagymv1.NewEnvServiceClient(conn)
+		defer cluster.closeCluster()
+		clients = []deltagymv1.EnvServiceClient{cluster}
+	} else {
+		opts := DialOptions(cfg.Token)
+		for i := range clients {
+			conn, err := grpc.NewClient(cfg.Addr, opts...)
+			if err != nil {
+				return nil, fmt.Errorf("dialing %s: %w", cfg.Addr, err)
+			}
+			defer conn.Close()
+			clients[i] = deltagymv1.NewEnvServiceClient(conn)
+		}
 	}
 
 	// Set up every sandbox, a few at a time (Reset waits on the warm pool).
@@ -94,6 +106,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	r := newReport(cfg, rec, setupTime)
 	r.Backlog, r.Interrupted = backlog, interrupted
+	if cluster != nil {
+		r.Nodes = cluster.placedOn()
+	}
 	return r, nil
 }
 
