@@ -37,9 +37,10 @@ type looper struct {
 	sb   *deltagym.Sandbox
 	node string
 
-	n   atomic.Int64
-	mu  sync.Mutex
-	err error // +checklocks:mu
+	n  atomic.Int64
+	mu sync.Mutex
+	// +checklocks:mu
+	err error
 }
 
 func (w *looper) count() int64 { return w.n.Load() }

@@ -23,27 +23,11 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	clients := make([]deltagymv1.EnvServiceClient, cfg.Conns)
-	var cluster *clusterEnv
-	if deltagym.IsClusterTarget(cfg.Addr) {
-		// The Cluster keeps one connection to each node.
-		var err error
-		if cluster, err = dialCluster(ctx, &cfg); err != nil {
-			return nil, err
-		}
-		defer cluster.closeCluster()
-		clients = []deltagymv1.EnvServiceClient{cluster}
-	} else {
-		opts := DialOptions(cfg.Token)
-		for i := range clients {
-			conn, err := grpc.NewClient(cfg.Addr, opts...)
-			if err != nil {
-				return nil, fmt.Errorf("dialing %s: %w", cfg.Addr, err)
-			}
-			defer conn.Close()
-			clients[i] = deltagymv1.NewEnvServiceClient(conn)
-		}
+	clients, cluster, closeClients, err := dial(ctx, &cfg)
+	if err != nil {
+		return nil, err
 	}
+	defer closeClients()
 
 	// Set up every sandbox, a few at a time (Reset waits on the warm pool).
 	workers := make([]worker, cfg.Concurrency)
@@ -110,6 +94,35 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		r.Nodes = cluster.placedOn()
 	}
 	return r, nil
+}
+
+// dial returns the clients the workers share: cfg.Conns connections to one server, or the
+// cluster cfg.Addr names (its Cluster keeps one connection to each node), with the function that
+// closes them.
+func dial(ctx context.Context, cfg *Config) (clients []deltagymv1.EnvServiceClient, cluster *clusterEnv, closeAll func(), err error) {
+	if deltagym.IsClusterTarget(cfg.Addr) {
+		if cluster, err = dialCluster(ctx, cfg); err != nil {
+			return nil, nil, nil, err
+		}
+		return []deltagymv1.EnvServiceClient{cluster}, cluster, func() { _ = cluster.closeCluster() }, nil
+	}
+	var conns []*grpc.ClientConn
+	closeAll = func() {
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	}
+	opts := DialOptions(cfg.Token)
+	for range cfg.Conns {
+		conn, err := grpc.NewClient(cfg.Addr, opts...)
+		if err != nil {
+			closeAll()
+			return nil, nil, nil, fmt.Errorf("dialing %s: %w", cfg.Addr, err)
+		}
+		conns = append(conns, conn)
+		clients = append(clients, deltagymv1.NewEnvServiceClient(conn))
+	}
+	return clients, nil, closeAll, nil
 }
 
 // setupError sums up the sandboxes' set-up errors (nil when none failed): each distinct error

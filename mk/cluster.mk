@@ -8,6 +8,7 @@ test-cluster: deps postgres $(BIN)/deltagym $(BIN)/dg-init image ## the cluster 
 	DELTAGYM_INIT=$(BIN)/dg-init DELTAGYM_BIN=$(BIN)/deltagym go test -count=1 -v -run '^TestCluster$$' -timeout 10m ./clustertest/
 
 bench-cluster: deps postgres $(BIN)/deltagym $(BIN)/dg-init image ## routed against direct calls, GetNode refresh, placement of a 64-child fork over three real nodes (p50/p99)
-	DELTAGYM_INIT=$(BIN)/dg-init DELTAGYM_BIN=$(BIN)/deltagym go test -count=1 -run '^$$' -bench Cluster -benchtime 2000x -timeout 30m ./clustertest/
+	DELTAGYM_INIT=$(BIN)/dg-init DELTAGYM_BIN=$(BIN)/deltagym go test -count=1 -run '^$$' -bench 'ClusterRoutedCall|ClusterRefresh' -benchtime 2000x -timeout 30m ./clustertest/
+	DELTAGYM_INIT=$(BIN)/dg-init DELTAGYM_BIN=$(BIN)/deltagym go test -count=1 -run '^$$' -bench ClusterPlacement -benchtime 5x -timeout 30m ./clustertest/
 
 BENCH_TARGETS += bench-cluster
