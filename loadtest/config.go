@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 )
 
 // The APIs Config.API names.
@@ -39,8 +41,14 @@ const (
 
 // Config configures Run.
 type Config struct {
-	// Addr is the server's host:port (gRPC over unencrypted HTTP/2).
+	// Addr is the server's host:port (gRPC over unencrypted HTTP/2), or a cluster target
+	// (`dns:NAME:PORT`, or a comma-separated list of addresses): the run then goes through the Go
+	// client's Cluster, which places each sandbox on the least loaded node, spreads each fork
+	// over the nodes and sends every call to the node that holds its sandbox or checkpoint.
 	Addr string
+	// ClusterOptions are the Go client's options for a cluster target (its resolver, its HTTP
+	// client); the token is Token.
+	ClusterOptions []deltagym.Option
 	// Token is the bearer token, if the server wants one.
 	Token string
 	// Scenario is one of Scenarios.
@@ -143,6 +151,11 @@ func (c *Config) checkTarget() error {
 	}
 	if c.Addr == "" {
 		return fmt.Errorf("no server address: pass --addr host:port of a running server (make run serves on 127.0.0.1:8080), or --serve bin/deltagym to start one: %w", ErrInvalid)
+	}
+	if deltagym.IsClusterTarget(c.Addr) {
+		if err := deltagym.CheckClusterTarget(c.Addr); err != nil {
+			return fmt.Errorf("cluster target %q: %w: %w", c.Addr, err, ErrInvalid)
+		}
 	}
 	switch c.API {
 	case "":

@@ -37,6 +37,10 @@ func TestConfigValidate(t *testing.T) {
 		{"unknown process method", Config{Addr: "x:1", ProcessMethod: "dump"}, false},
 		{"unknown process shape", Config{Addr: "x:1", ProcessShape: "ring"}, false},
 		{"threads", Config{Addr: "x:1", Scenario: "rollback-process", ProcessShape: ShapeThreads}, true},
+		{"cluster by DNS", Config{Addr: "dns:nodes.example:8080", Scenario: "grpo"}, true},
+		{"cluster by list", Config{Addr: "10.0.0.1:8080,10.0.0.2:8080"}, true},
+		{"cluster by DNS without a port", Config{Addr: "dns:nodes.example"}, false},
+		{"cluster list of nothing", Config{Addr: ", ,"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.cfg.Validate()

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"slices"
@@ -42,6 +43,9 @@ type Report struct {
 	Timeline []Sample `json:"timeline"`
 	// Flatness compares the first and last window of the measured timeline.
 	Flatness *Flatness `json:"flatness,omitempty"`
+	// Nodes counts the sandboxes the run made on each node of a cluster (Resets and fork
+	// children), by node name; empty against one server.
+	Nodes map[string]int `json:"nodes,omitempty"`
 	// Errors counts failures by "operation: code".
 	Errors map[string]int64 `json:"errors"`
 	// Machine describes the load on the machine during the run.
@@ -131,6 +135,14 @@ func (r *Report) WriteSummary(w io.Writer) {
 	if r.Rate > 0 && r.Throughput < 0.98*r.Rate {
 		fmt.Fprintf(w, "open loop: %.0f/s offered, %.0f/s completed: the server did not keep up (%d iterations still queued at the end; latencies count from when each was due)\n",
 			r.Rate, r.Throughput, r.Backlog)
+	}
+	if len(r.Nodes) > 0 {
+		names := slices.Sorted(maps.Keys(r.Nodes))
+		parts := make([]string, len(names))
+		for i, n := range names {
+			parts[i] = fmt.Sprintf("%s %d", n, r.Nodes[n])
+		}
+		fmt.Fprintf(w, "sandboxes made per node: %s\n", strings.Join(parts, ", "))
 	}
 	fmt.Fprintf(w, "%-16s %10s %9s %9s %9s %9s %9s\n", "op", "count", "/s", "p50 ms", "p90 ms", "p99 ms", "max ms")
 	ops := make([]string, 0, len(r.Ops))

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	deltagym "github.com/deltagym/deltagym/clients/go/deltagym"
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
 )
 
@@ -22,16 +23,11 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	opts := DialOptions(cfg.Token)
-	clients := make([]deltagymv1.EnvServiceClient, cfg.Conns)
-	for i := range clients {
-		conn, err := grpc.NewClient(cfg.Addr, opts...)
-		if err != nil {
-			return nil, fmt.Errorf("dialing %s: %w", cfg.Addr, err)
-		}
-		defer conn.Close()
-		clients[i] = deltagymv1.NewEnvServiceClient(conn)
+	clients, cluster, closeClients, err := dial(ctx, &cfg)
+	if err != nil {
+		return nil, err
 	}
+	defer closeClients()
 
 	// Set up every sandbox, a few at a time (Reset waits on the warm pool).
 	workers := make([]worker, cfg.Concurrency)
@@ -94,7 +90,39 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	r := newReport(cfg, rec, setupTime)
 	r.Backlog, r.Interrupted = backlog, interrupted
+	if cluster != nil {
+		r.Nodes = cluster.placedOn()
+	}
 	return r, nil
+}
+
+// dial returns the clients the workers share: cfg.Conns connections to one server, or the
+// cluster cfg.Addr names (its Cluster keeps one connection to each node), with the function that
+// closes them.
+func dial(ctx context.Context, cfg *Config) (clients []deltagymv1.EnvServiceClient, cluster *clusterEnv, closeAll func(), err error) {
+	if deltagym.IsClusterTarget(cfg.Addr) {
+		if cluster, err = dialCluster(ctx, cfg); err != nil {
+			return nil, nil, nil, err
+		}
+		return []deltagymv1.EnvServiceClient{cluster}, cluster, func() { _ = cluster.closeCluster() }, nil
+	}
+	var conns []*grpc.ClientConn
+	closeAll = func() {
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	}
+	opts := DialOptions(cfg.Token)
+	for range cfg.Conns {
+		conn, err := grpc.NewClient(cfg.Addr, opts...)
+		if err != nil {
+			closeAll()
+			return nil, nil, nil, fmt.Errorf("dialing %s: %w", cfg.Addr, err)
+		}
+		conns = append(conns, conn)
+		clients = append(clients, deltagymv1.NewEnvServiceClient(conn))
+	}
+	return clients, nil, closeAll, nil
 }
 
 // setupError sums up the sandboxes' set-up errors (nil when none failed): each distinct error

@@ -578,3 +578,18 @@ func TestClusterNameClash(t *testing.T) {
 		t.Fatalf("Sandbox of twin's ID once one of the two is gone: %v", err)
 	}
 }
+
+// BenchmarkSpread times the placement of a Fork's 64 children over 100 nodes of unequal loads
+// (Spread's water-filling: one score per node for each child), as a Cluster of 100 nodes makes it.
+func BenchmarkSpread(b *testing.B) {
+	nodes := make([]*deltagymv1.NodeInfo, 100)
+	for i := range nodes {
+		nodes[i] = &deltagymv1.NodeInfo{Name: fmt.Sprintf("node-%d", i), Sandboxes: int32(i % 17 * 5), MaxSandboxes: 1000,
+			Cpus: 64, CpuLoad: float64(i%5) / 10, MemoryAvailableBytes: 200 << 30, MemoryTotalBytes: 256 << 30}
+	}
+	for b.Loop() {
+		if got := deltagym.Spread(nodes, 64); len(got) != len(nodes) {
+			b.Fatalf("Spread gave %d counts for %d nodes", len(got), len(nodes))
+		}
+	}
+}

@@ -102,7 +102,7 @@ func parseArgs(args []string, stderr io.Writer) (*options, int) {
 	fs := flag.NewFlagSet("deltagym-loadtest", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfg, srv := &o.cfg, &o.srv
-	fs.StringVar(&cfg.Addr, "addr", os.Getenv("DELTAGYM_ADDR"), "server address host:port (ignored with --serve)")
+	fs.StringVar(&cfg.Addr, "addr", os.Getenv("DELTAGYM_ADDR"), "server address host:port, or a cluster's target: dns:NAME:PORT or a comma-separated list of addresses (ignored with --serve)")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token (default $DELTAGYM_TOKEN, else the file $DELTAGYM_TOKEN_FILE, else the server's token file, .data/token or $DELTAGYM_DATA/token; ignored with --serve)")
 	fs.StringVar(&cfg.Scenario, "scenario", "rollback", "scenario: "+strings.Join(loadtest.Scenarios, ", ")+", or density")
 	fs.IntVar(&o.densityN, "density-n", 1000, "density: idle sandboxes to start")
@@ -331,7 +331,10 @@ const scenarioHelp = `Scenarios (--scenario), each per sandbox, --concurrency sa
   density           start --density-n idle sandboxes; report memory per sandbox and start time
 The throughput line reads "<N> <unit>/s": rollbacks, steps, groups, tree-ops or iterations.
 With --serve the load test starts its own server (--init, --data, --envs, --image-dir);
-without it, --addr (or DELTAGYM_ADDR) names a running one, e.g. 127.0.0.1:8080 from make run.
+without it, --addr (or DELTAGYM_ADDR) names a running one, e.g. 127.0.0.1:8080 from make run,
+or a cluster of them: dns:NAME:PORT (every A record of NAME a node) or host:port,host:port,...
+Against a cluster each sandbox goes to the least loaded node, a grpo fork spreads its children
+over the nodes, and the report counts the sandboxes each node made.
 `
 
 // checkArgs rejects what the flags cannot mean before anything starts.
@@ -353,7 +356,7 @@ func checkArgs(o *options) error {
 			return errors.New(c.msg)
 		}
 	}
-	if o.srv.Binary == "" && cfg.Addr != "" {
+	if o.srv.Binary == "" && cfg.Addr != "" && !deltagym.IsClusterTarget(cfg.Addr) {
 		if _, port, err := net.SplitHostPort(cfg.Addr); err != nil || port == "" {
 			return fmt.Errorf("--addr %q is not host:port (for example 127.0.0.1:8080)", cfg.Addr)
 		}

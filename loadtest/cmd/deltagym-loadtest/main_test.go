@@ -18,6 +18,7 @@ func TestRunRejectsBadInput(t *testing.T) {
 		{"unknown scenario before a server starts", []string{"--serve", "/nonexistent", "--scenario", "nope", "--quiet"}, 2, "is not one of"},
 		{"stray word", []string{"extra", "--addr", "127.0.0.1:1"}, 2, `unexpected argument "extra"`},
 		{"address without a port", []string{"--addr", "localhost"}, 2, "is not host:port"},
+		{"cluster target without a port", []string{"--addr", "dns:nodes.example", "--quiet"}, 2, "want dns:NAME:PORT"},
 		{"zero concurrency", []string{"--addr", "127.0.0.1:1", "--concurrency", "0"}, 2, "at least one sandbox"},
 		{"zero duration", []string{"--addr", "127.0.0.1:1", "--duration", "0s"}, 2, "must be positive"},
 		{"negative density", []string{"--addr", "127.0.0.1:1", "--scenario", "density", "--density-n", "-5"}, 2, "--density-n -5"},
