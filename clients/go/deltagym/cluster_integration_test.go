@@ -85,8 +85,9 @@ func (n *serverNode) logText() string {
 	return string(b)
 }
 
-// waitNode waits until the server at addr answers with every env warm.
-func waitNode(addr, token string, exited <-chan error) error {
+// waitNode waits until the server at addr answers with every env warm. A server that exits
+// meanwhile leaves its exit in exited again, for the stop that follows.
+func waitNode(addr, token string, exited chan error) error {
 	c, err := deltagym.Dial(addr, deltagym.WithToken(token), deltagym.WithRetry(1, 0))
 	if err != nil {
 		return err
@@ -108,6 +109,7 @@ func waitNode(addr, token string, exited <-chan error) error {
 		}
 		select {
 		case werr := <-exited:
+			exited <- werr
 			return fmt.Errorf("the server exited while starting: %v", werr)
 		case <-tick.C:
 		}

@@ -168,7 +168,7 @@ func startTestServer() (stop func() error, err error) {
 }
 
 // waitReady waits until the server answers ListEnvs with every env warm.
-func waitReady(addr string, exited <-chan error) error {
+func waitReady(addr string, exited chan error) error {
 	deadline := time.Now().Add(3 * time.Minute)
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
@@ -191,6 +191,7 @@ func waitReady(addr string, exited <-chan error) error {
 		}
 		select {
 		case werr := <-exited:
+			exited <- werr // for the stop that follows
 			return fmt.Errorf("the server exited while starting: %v", werr)
 		case <-tick.C:
 		}
