@@ -260,6 +260,10 @@ class Membership(Generic[C]):
         self._retired: list[C] = []  # guarded by _lock
         self._unreached: dict[str, str] = {}  # guarded by _lock: address -> why
         self._addrs: list[str] = []  # guarded by _lock
+        # Names that answering nodes advertising different addresses report alike (two nodes
+        # given one name, or one posing as another), with those addresses: no calls on their
+        # IDs, no placements on them, until a refresh finds one again. Guarded by _lock.
+        self._clashes: dict[str, list[str]] = {}
         self.refreshed_at = 0.0  # time.monotonic() of the last apply; guarded by _lock
 
     def addresses(self) -> list[str]:
@@ -289,7 +293,13 @@ class Membership(Generic[C]):
             if isinstance(r, NodeInfo):
                 answered.setdefault(r.name, []).append(a)
         probed = dict(plan)
+        clashes: dict[str, list[str]] = {}
+        for name, where in answered.items():
+            adv = sorted({r.advertise_address for a in where if isinstance(r := results[a], NodeInfo) and r.advertise_address})
+            if len(adv) > 1:
+                clashes[name] = adv
         with self._lock:
+            self._clashes = clashes
             self._addrs = list(addrs)
             self._unreached = {a: r for a, r in results.items() if isinstance(r, str)}
             for name, where in answered.items():
@@ -349,7 +359,7 @@ class Membership(Generic[C]):
         """The members that take new sandboxes (listed, reached, not draining), best first
         by their reports with the sandboxes placed since (rank)."""
         with self._lock:
-            live = [m for m in self._members.values() if m.listed and m.reached]
+            live = [m for m in self._members.values() if m.listed and m.reached and m.name not in self._clashes]
             by_name = {m.name: m for m in live}
             return [by_name[n.name] for n in rank([m.projected() for m in live])]
 
@@ -357,7 +367,8 @@ class Membership(Generic[C]):
         """Splits a fork of n children over the members that take new sandboxes, by load
         (spread); [] when none does."""
         with self._lock:
-            live = [m for m in self._members.values() if m.listed and m.reached and not m.info.draining]
+            live = [m for m in self._members.values()
+                    if m.listed and m.reached and not m.info.draining and m.name not in self._clashes]
             if not live:
                 return []
             counts = spread(n, [m.projected() for m in live])
@@ -387,6 +398,10 @@ class Membership(Generic[C]):
         ValueError for an ID of no node when the cluster has more than one."""
         name = node_of(id)
         with self._lock:
+            if name in self._clashes:
+                raise NodeUnavailable(f"{kind} {id} is on node {name}, and the nodes at {' and '.join(self._clashes[name])} all "
+                                      f"report that name: two nodes given one name, or one posing as another; calls on its "
+                                      "IDs go nowhere until one is renamed or gone", node=name)
             if name:
                 m = self._members.get(name)
                 return m.client if m is not None else None

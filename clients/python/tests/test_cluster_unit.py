@@ -509,3 +509,23 @@ def test_async_resolver_may_be_a_coroutine() -> None:
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_name_two_nodes_report_goes_nowhere() -> None:
+    """Nodes at two addresses that advertise different addresses but report one name (two nodes
+    given one name, or one posing as another) get no calls on that name's IDs and no new
+    sandboxes, each refused naming both addresses; once one is gone, the name serves again."""
+    twin_a, twin_b, other = FakeServer("twin"), FakeServer("twin"), FakeServer("other")
+    try:
+        with deltagym.Cluster(_static([twin_a, twin_b, other]), token="t", refresh=REFRESH, heartbeat=False) as cluster:
+            with pytest.raises(errors.NodeUnavailable, match="all report that name") as ei:
+                cluster.client_for("sb-twin-0123456789abcdef")
+            assert twin_a.addr in str(ei.value) and twin_b.addr in str(ei.value) and ei.value.node == "twin"
+            for _ in range(3):
+                assert node_of(cluster.reset("shell").id) == "other"
+            twin_b.stop()
+            cluster.refresh()
+            assert cluster.client_for("sb-twin-0123456789abcdef").node == "twin"
+    finally:
+        for f in (twin_a, twin_b, other):
+            f.stop()
