@@ -39,6 +39,11 @@ import (
 type Config struct {
 	// DataDir holds images, layers and checkpoints (under DataDir/store).
 	DataDir string
+	// DigestAhead hashes each checkpoint's new layers in the background, one at a time, as a
+	// node of a cluster does: another node that fetches the checkpoint then finds their
+	// digests known (CheckpointManifest) instead of waiting for them. Best effort: a layer
+	// the queue has no room for is hashed when first asked.
+	DigestAhead bool
 	// Node is the name of the node the runtime runs on (internal/nodeid.CheckName), carried
 	// by every sandbox and checkpoint ID it makes; "": IDs of no node.
 	Node string
@@ -376,9 +381,8 @@ type Runtime struct {
 	done    chan struct{}
 	wg      sync.WaitGroup
 	hooks   testHooks
-	// adopting serialises the adoptions of one checkpoint of another node, and the imports of
-	// one of its layers, by key (transfer.go).
-	adopting keyedLocks
+	// xfer is what moving checkpoints between nodes keeps (transfer.go).
+	xfer transferState
 }
 
 // procImages is the runtime's CRIU runner and the bookkeeping of the CRIU
@@ -613,6 +617,11 @@ func (r *Runtime) startLoops() {
 	if r.cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()
+	}
+	if r.cfg.DigestAhead {
+		r.xfer.ahead = make(chan string, digestQueue)
+		r.wg.Add(1)
+		go r.digestLoop()
 	}
 }
 

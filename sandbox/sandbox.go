@@ -699,6 +699,7 @@ func (s *Sandbox) CheckpointWith(ctx context.Context, o CheckpointOptions) (Chec
 	r.moveHead(s.head, c.ID)
 	s.head = c.ID
 	r.maybeFlatten(c)
+	r.digestAhead(c)
 	var serr error
 	if o.Durable && len(c.Procs) > 0 {
 		serr = s.saveDurable(ctx, c)

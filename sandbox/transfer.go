@@ -23,6 +23,49 @@ import (
 // holds its own: restores and forks of it there use its copy, the layers count against its
 // checkpoint caps, and it is released by its checkpoint TTL (or a release) like any other.
 
+// transferState is what moving checkpoints between nodes keeps.
+type transferState struct {
+	// adopting serialises the adoptions of one checkpoint of another node, and the imports
+	// of one of its layers, by key.
+	adopting keyedLocks
+	// ahead are the layers to hash in the background (Config.DigestAhead); nil without.
+	ahead chan string
+}
+
+// digestQueue bounds the layers waiting to be hashed ahead.
+const digestQueue = 256
+
+// digestAhead queues the layers c added (its top delta, its /dev/shm layer) to be hashed in
+// the background, unless the queue is full.
+func (r *Runtime) digestAhead(c *checkpoint) {
+	if r.xfer.ahead == nil || len(c.Layers) == 0 {
+		return
+	}
+	for _, l := range []string{c.Layers[len(c.Layers)-1], c.Shm} {
+		if l == "" {
+			continue
+		}
+		select {
+		case r.xfer.ahead <- l:
+		default:
+		}
+	}
+}
+
+// digestLoop hashes the queued layers, one at a time, until the runtime closes. A layer
+// discarded meanwhile is skipped (Digest fails).
+func (r *Runtime) digestLoop() {
+	defer r.wg.Done()
+	for {
+		select {
+		case <-r.done:
+			return
+		case l := <-r.xfer.ahead:
+			_, _ = r.layers.Digest(l)
+		}
+	}
+}
+
 // LayerRef names a sealed layer by its content: the digest of its transfer stream and the
 // bytes it holds.
 type LayerRef struct {
@@ -184,7 +227,7 @@ func (r *Runtime) AdoptCheckpoint(ctx context.Context, m CheckpointManifest, fet
 	if info, err := r.Checkpoint(m.ID); err == nil {
 		return info, nil
 	}
-	unlock, err := r.adopting.lock(ctx, "checkpoint "+m.ID)
+	unlock, err := r.xfer.adopting.lock(ctx, "checkpoint "+m.ID)
 	if err != nil {
 		return CheckpointInfo{}, err
 	}
@@ -288,7 +331,7 @@ func (r *Runtime) adoptLayer(ctx context.Context, l LayerRef, fetch LayerFetcher
 	if id, err := r.layers.LayerByDigest(l.Digest); err == nil {
 		return id, nil
 	}
-	unlock, err := r.adopting.lock(ctx, "layer "+l.Digest)
+	unlock, err := r.xfer.adopting.lock(ctx, "layer "+l.Digest)
 	if err != nil {
 		return "", err
 	}

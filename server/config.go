@@ -176,6 +176,10 @@ type ClusterSettings struct {
 	// 10 s after, so that a call on another node's ID fails with WRONG_NODE giving that node's
 	// address. Default "": a node that knows no peer (WRONG_NODE names the node alone).
 	Peers string
+	// DigestAhead hashes each checkpoint's new layers in the background
+	// (sandbox.Config.DigestAhead), so that another node fetching it need not wait for their
+	// digests. Default: on when Peers is set.
+	DigestAhead bool
 	// LayerTimeout is how long either end of a FetchLayer waits for the other: the node
 	// serving it for its reader to take a message, the node fetching for its peer to send one;
 	// then it ends the stream, so that a stalled reader pins no layer, nor the stream's

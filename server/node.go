@@ -36,6 +36,8 @@ func (c *ClusterSettings) registerFlags(fs *flag.FlagSet, def func(v, env, d str
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", c.DrainTimeout, "on SIGTERM, drain for up to this `duration` before shutting down: take no new sandboxes (Reset and Fork "+
 		"fail with DRAINING, so that cluster clients place them elsewhere) while the sandboxes held run until their leases end (default 0: no drain; keep it, with "+
 		"--shutdown-timeout, within the time the node is given to stop)")
+	fs.BoolVar(&c.DigestAhead, "digest-ahead", c.DigestAhead, "hash each checkpoint's new layers in the background, so that another node "+
+		"fetching the checkpoint need not wait for their digests (default: on with --peers)")
 	fs.StringVar(&c.Peers, "peers", def(c.Peers, "DELTAGYM_PEERS", ""), "the cluster's nodes, which this node asks for their names and addresses so that "+
 		"a call on another node's sandbox or checkpoint fails with WRONG_NODE giving the owner's address: dns:NAME:PORT (every address of NAME a node, "+
 		"as a Kubernetes headless Service lists them) or a comma-separated list of `host:port` (default: none)")

@@ -110,7 +110,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if _, err := sandbox.RaiseNoFile(); err != nil {
 		s.log.Warn("raising the descriptor limit", "err", err)
 	}
-	rcfg := sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), Node: s.cfg.Cluster.Node, InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
+	rcfg := sandbox.Config{DataDir: filepath.Join(cfg.DataDir, "sandbox"), Node: s.cfg.Cluster.Node, DigestAhead: cfg.Cluster.DigestAhead || cfg.Cluster.Peers != "", InitBinary: cfg.InitBinary, CRIU: cfg.CRIU,
 		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore, Logger: cfg.Logger}
 	cfg.Admission.runtimeConfig(&rcfg, sandbox.ReadHost())
 	s.coreSet = make(chan struct{})

@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -126,7 +127,10 @@ func TestCheckpointMoves(t *testing.T) {
 // none of the delta's. The same round's Fork on A, of the same checkpoint, is timed beside it.
 func BenchmarkCrossNodeFork(b *testing.B) {
 	const token = "cluster-token"
-	a := setup(b, func(c *server.Config) { c.Cluster.Node, c.AuthToken, c.NoLedger = "node-a", token, true })
+	a := setup(b, func(c *server.Config) {
+		c.Cluster.Node, c.AuthToken, c.NoLedger = "node-a", token, true
+		c.Cluster.DigestAhead = os.Getenv("DELTAGYM_BENCH_DIGEST_AHEAD") != "0" // as with --peers
+	})
 	nb := setup(b, func(c *server.Config) {
 		c.Cluster.Node, c.AuthToken, c.NoLedger = "node-b", token, true
 		c.Cluster.Peers = a.addr

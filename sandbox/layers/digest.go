@@ -12,13 +12,30 @@ import (
 // is discarded or unsealed, so later calls cost a map look-up. A layer
 // made by Import has its digest from the start.
 func (s *Store) Digest(id string) (string, error) {
-	s.mu.Lock()
-	d, ok := s.digests[id]
-	s.mu.Unlock()
-	if ok {
-		return d, nil
+	for {
+		s.mu.Lock()
+		if d, ok := s.digests[id]; ok {
+			s.mu.Unlock()
+			return d, nil
+		}
+		wait, busy := s.hashing[id]
+		if !busy {
+			done := make(chan struct{})
+			if s.hashing == nil {
+				s.hashing = map[string]chan struct{}{}
+			}
+			s.hashing[id] = done
+			s.mu.Unlock()
+			d, err := s.Export(io.Discard, id)
+			s.mu.Lock()
+			delete(s.hashing, id)
+			s.mu.Unlock()
+			close(done)
+			return d, err
+		}
+		s.mu.Unlock()
+		<-wait // then the digest is known, or the first hash failed and this one tries
 	}
-	return s.Export(io.Discard, id)
 }
 
 // LayerByDigest returns a sealed layer of the store whose digest is digest,

@@ -51,6 +51,10 @@ type Store struct {
 	digests map[string]string
 	// +checklocks:mu
 	byDigest map[string]string
+	// hashing are the layers Digest is hashing, each channel closed when it is done, so that
+	// a second Digest of one layer waits for the first instead of reading it again.
+	// +checklocks:mu
+	hashing map[string]chan struct{}
 	// unseals counts Unseal calls: a digest computed across one is not
 	// kept.
 	// +checklocks:mu
