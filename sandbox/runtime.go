@@ -833,6 +833,7 @@ func (r *Runtime) reconcile(ctx context.Context) error {
 		return err
 	}
 	r.dropLost(missing)
+	r.sweepImages()
 	sort.Strings(r.ended)
 	if len(r.ended) > 0 {
 		r.log.Info("the sandboxes of the previous run ended with it (warm-pool ones included)", "count", len(r.ended))
@@ -917,6 +918,20 @@ func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
 		}
 	}
 	return keep, nil
+}
+
+// sweepImages removes what an earlier run left of process images: adoptions it did not finish
+// (hidden directories) and the images of checkpoints the runtime does not hold.
+func (r *Runtime) sweepImages() {
+	dir := filepath.Join(r.store, "criu")
+	entries, _ := os.ReadDir(dir) // none before the first images
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, e := range entries {
+		if e.Name() != "run" && r.ckpts[e.Name()] == nil {
+			_ = os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
 }
 
 // dropLost drops the checkpoints one of whose layers is among missing.

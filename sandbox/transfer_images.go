@@ -152,7 +152,8 @@ func (r *Runtime) adoptImages(ctx context.Context, m CheckpointManifest, fetch I
 	}
 	defer rc.Close()
 	h := sha256.New()
-	if err := readImages(io.TeeReader(rc, h), tmp, names, m.ImagesBytes); err != nil {
+	held, err := readImages(io.TeeReader(rc, h), tmp, names, m.ImagesBytes)
+	if err != nil {
 		return nil, fmt.Errorf("the process images of checkpoint %s: %w", m.ID, err)
 	}
 	// What follows the tar's end (nothing, from a node of this version) is hashed too, up to
@@ -169,47 +170,51 @@ func (r *Runtime) adoptImages(ctx context.Context, m CheckpointManifest, fetch I
 		return nil, err
 	}
 	ok = true
+	// Each unit counts against the checkpoint caps as what it holds here, not as the peer said.
 	units := slices.Clone(m.Units)
 	for i := range units {
+		units[i].Bytes = held[units[i].Dir]
 		units[i].Dir = filepath.Join(dir, units[i].Dir)
 	}
 	return units, nil
 }
 
 // readImages extracts a stream of process images into dir: regular files only, each named
-// UNIT/FILE with UNIT one of units and FILE a plain name, at most limit bytes in all. The stream
-// is another node's: names are checked before anything is made, files are created new (never
-// through a link) in directories readImages made.
-func readImages(r io.Reader, dir string, units map[string]bool, limit int64) error {
+// UNIT/FILE with UNIT one of units and FILE a plain name, at most limit bytes in all. It returns
+// the bytes of each unit's files. The stream is another node's: names are checked before
+// anything is made, files are created new (never through a link) in directories readImages
+// made.
+func readImages(r io.Reader, dir string, units map[string]bool, limit int64) (map[string]int64, error) {
 	for u := range units {
 		if err := os.Mkdir(filepath.Join(dir, u), 0o700); err != nil {
-			return err
+			return nil, err
 		}
 	}
+	held := map[string]int64{}
 	tr := tar.NewReader(r)
 	var total int64
 	files := 0
 	for {
 		hdr, err := tr.Next()
 		if errors.Is(err, io.EOF) {
-			return nil
+			return held, nil
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
 		unit, name, found := strings.Cut(hdr.Name, "/")
 		if hdr.Typeflag != tar.TypeReg || !found || !units[unit] || name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
-			return fmt.Errorf("an entry %q of type %q: want UNIT/FILE, a regular file of a unit the manifest names", hdr.Name, hdr.Typeflag)
+			return nil, fmt.Errorf("an entry %q of type %q: want UNIT/FILE, a regular file of a unit the manifest names", hdr.Name, hdr.Typeflag)
 		}
 		if files++; files > maxImageFiles*len(units) {
-			return errors.New("too many files")
+			return nil, errors.New("too many files")
 		}
 		if total += hdr.Size; hdr.Size < 0 || total > limit {
-			return fmt.Errorf("more than the %d bytes the manifest says", limit)
+			return nil, fmt.Errorf("more than the %d bytes the manifest says", limit)
 		}
 		fd, err := unix.Open(filepath.Join(dir, unit, name), unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 		if err != nil {
-			return fmt.Errorf("%s: %w", hdr.Name, err)
+			return nil, fmt.Errorf("%s: %w", hdr.Name, err)
 		}
 		f := os.NewFile(uintptr(fd), hdr.Name)
 		_, err = io.CopyN(f, tr, hdr.Size)
@@ -217,7 +222,8 @@ func readImages(r io.Reader, dir string, units map[string]bool, limit int64) err
 			err = cerr
 		}
 		if err != nil {
-			return fmt.Errorf("%s: %w", hdr.Name, err)
+			return nil, fmt.Errorf("%s: %w", hdr.Name, err)
 		}
+		held[unit] += hdr.Size
 	}
 }

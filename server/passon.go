@@ -49,9 +49,11 @@ func (s *Server) passOn(r *http.Request, id string, unavailable func(http.Respon
 			pr.Out.Header.Set(proxiedHeader, node)
 			// The request passed this node's gate, however it carried the token (a header, an
 			// X-API-Key, a /t/<token>/ prefix the gate stripped): it goes on with the cluster's
-			// token in the header.
+			// token in the header, and no other: an X-API-Key the gate did not look at (the URL's
+			// token is checked first) would be the one the next node checks.
 			if token != "" {
 				pr.Out.Header.Set("Authorization", "Bearer "+token)
+				pr.Out.Header.Del("X-API-Key")
 			}
 		},
 		FlushInterval: -1, // answers that stream (SWE-ReX's read_file) go on as they come

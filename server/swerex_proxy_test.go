@@ -76,6 +76,11 @@ func TestSwerexProxy(t *testing.T) {
 	if code, body = swerexCall(t, b.addr, http.MethodGet, "/t/"+token+"/swerex/"+sb+"/is_alive", "", "", nil); code != http.StatusOK || !strings.Contains(body, `"is_alive":true`) {
 		t.Fatalf("is_alive through node B with the token in the URL: %d %s", code, body)
 	}
+	// So does one whose client also sent an X-API-Key the gate did not look at (a token in the
+	// URL is checked first): the next node, which looks at an X-API-Key first, sees the header.
+	if code, body = swerexCall(t, b.addr, http.MethodGet, "/t/"+token+"/swerex/"+sb+"/is_alive", "", "stale", nil); code != http.StatusOK || !strings.Contains(body, `"is_alive":true`) {
+		t.Fatalf("is_alive through node B with the token in the URL and another X-API-Key: %d %s", code, body)
+	}
 	// The token is still checked, by both nodes.
 	if code, body = swerexCall(t, b.addr, http.MethodGet, "/swerex/"+sb+"/is_alive", "", "wrong", nil); code != 511 || !strings.Contains(body, "PermissionError") {
 		t.Fatalf("is_alive through node B with a wrong token: %d %s", code, body)

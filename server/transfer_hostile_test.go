@@ -26,6 +26,8 @@ type hostilePeer struct {
 	describe func(id string) *deltagymv1.CheckpointManifest
 	fetch    func(ctx context.Context, digest string, stream *connect.ServerStream[deltagymv1.FetchLayerResponse]) error
 	fetches  atomic.Int64
+	images   []byte // the stream FetchImages sends
+	imaged   atomic.Int64
 }
 
 func startHostilePeer(t *testing.T, p *hostilePeer) *hostilePeer {
@@ -67,6 +69,11 @@ func (p *hostilePeer) FetchLayer(ctx context.Context, req *connect.Request[delta
 		return connect.NewError(connect.CodeNotFound, nil)
 	}
 	return p.fetch(ctx, req.Msg.GetDigest(), stream)
+}
+
+func (p *hostilePeer) FetchImages(_ context.Context, _ *connect.Request[deltagymv1.FetchImagesRequest], stream *connect.ServerStream[deltagymv1.FetchImagesResponse]) error {
+	p.imaged.Add(1)
+	return stream.Send(&deltagymv1.FetchImagesResponse{Data: p.images})
 }
 
 // digestOf makes a well-formed layer digest of one repeated hex digit.
