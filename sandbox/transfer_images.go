@@ -38,8 +38,13 @@ var unitName = regexp.MustCompile(`^t?[0-9]{1,6}$`)
 // maxTrailer bounds what a stream of process images may hold after the tar's end.
 const maxTrailer = 1 << 16
 
-// maxImageFiles bounds the files of one unit's images (criu writes a few per process).
-const maxImageFiles = 1 << 16
+// maxImageFiles bounds the files of a checkpoint's images from another node, all units
+// together (criu writes a few per process), and maxUnits its units: what a peer's stream may
+// make in the store whatever its manifest says.
+const (
+	maxImageFiles = 1 << 16
+	maxUnits      = 1 << 12
+)
 
 // portableUnits returns c's process images for another node, making those of its templates if
 // need be (the sandbox that holds them must be alive, or they must have been saved), each
@@ -127,10 +132,16 @@ type ImagesFetcher func(ctx context.Context) (io.ReadCloser, error)
 // them against m's digest, and returns m's units as the runtime's own (each Dir a path); on
 // error nothing is left.
 func (r *Runtime) adoptImages(ctx context.Context, m CheckpointManifest, fetch ImagesFetcher) ([]procstate.Unit, error) {
+	if len(m.Units) > maxUnits {
+		return nil, fmt.Errorf("checkpoint %s: %d units of process images, more than %d", m.ID, len(m.Units), maxUnits)
+	}
 	names := map[string]bool{}
 	for _, u := range m.Units {
 		if !unitName.MatchString(u.Dir) || names[u.Dir] {
 			return nil, fmt.Errorf("checkpoint %s: a unit of process images named %q", m.ID, u.Dir)
+		}
+		if u.Session != "" && !sessionNameRE.MatchString(u.Session) {
+			return nil, fmt.Errorf("checkpoint %s: a unit of process images of session %.64q, which is no session's name", m.ID, u.Session)
 		}
 		names[u.Dir] = true
 	}
@@ -206,7 +217,7 @@ func readImages(r io.Reader, dir string, units map[string]bool, limit int64) (ma
 		if hdr.Typeflag != tar.TypeReg || !found || !units[unit] || name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
 			return nil, fmt.Errorf("an entry %q of type %q: want UNIT/FILE, a regular file of a unit the manifest names", hdr.Name, hdr.Typeflag)
 		}
-		if files++; files > maxImageFiles*len(units) {
+		if files++; files > maxImageFiles {
 			return nil, errors.New("too many files")
 		}
 		if total += hdr.Size; hdr.Size < 0 || total > limit {
