@@ -135,6 +135,18 @@ func TestOpenEnvProxy(t *testing.T) {
 		t.Fatalf("a step on node A's session through a socket to node B: %v", r.Observation)
 	}
 	ws.CloseNow()
+	// A reset from node A's checkpoint on a socket of node B: B fetches the checkpoint first.
+	ca := a.clients()[0].c
+	rr, err := ca.Reset(t.Context(), &deltagymv1.ResetRequest{Env: "plain"})
+	must(t, err)
+	run(t, ca, rr.GetSandboxId(), "echo from-a > /tmp/from")
+	ck, err := ca.Checkpoint(t.Context(), &deltagymv1.CheckpointRequest{SandboxId: rr.GetSandboxId()})
+	must(t, err)
+	onB := dialOpenEnv(t, b, "plain")
+	onB.do("reset", map[string]any{"checkpoint_id": ck.GetCheckpointId()})
+	if r := onB.do("step", map[string]any{"command": "cat /tmp/from"}); !strings.Contains(fmt.Sprint(r.Observation), "from-a") {
+		t.Fatalf("a step after a reset on node B from node A's checkpoint: %v", r.Observation)
+	}
 	closed := mcpCall(t, b, "plain", "openenv/session/close", map[string]any{"session_id": sid})
 	if out, _ := json.Marshal(closed); closed["error"] != nil || !strings.Contains(string(out), sid) {
 		t.Fatalf("openenv/session/close of node A's session through node B: %s", out)

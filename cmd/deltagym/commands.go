@@ -590,30 +590,64 @@ func (f *forkCmd) Run(ctx context.Context, a *app) error {
 		return err
 	}
 	defer c.Close()
-	env, err := c.owner(cmp.Or(ckpt, sandbox))
-	if err != nil {
-		return err
+	var res *connect.Response[deltagymv1.ForkResponse]
+	var partErr error // a cluster's fork: the parts that failed, beside the children made
+	if c.cluster != nil && ckpt != "" {
+		// A checkpoint's children spread over the nodes, as the cluster client's Fork spreads them.
+		res, partErr = clusterFork(ctx, c.cluster, ckpt, f, req.GetIdempotencyKey())
+		if res == nil {
+			return partErr
+		}
+	} else {
+		env, err := c.owner(cmp.Or(ckpt, sandbox))
+		if err != nil {
+			return err
+		}
+		if res, err = env.Fork(ctx, connect.NewRequest(req)); err != nil {
+			return err
+		}
 	}
-	res, err := env.Fork(ctx, connect.NewRequest(req))
-	if err != nil {
-		return err
-	}
+	return errors.Join(f.print(a, res.Msg), partErr)
+}
+
+// print prints a Fork's answer as the command's flags ask.
+func (f *forkCmd) print(a *app, m *deltagymv1.ForkResponse) error {
 	switch {
 	case a.JSON:
-		return printJSON(a.stdout, res.Msg)
+		return printJSON(a.stdout, m)
 	case f.Quiet:
-		for _, id := range res.Msg.GetSandboxIds() {
+		for _, id := range m.GetSandboxIds() {
 			fmt.Fprintln(a.stdout, id)
 		}
 		// Processes the children run without are worth a word even here.
-		for _, p := range res.Msg.GetProcesses() {
+		for _, p := range m.GetProcesses() {
 			if p.GetMethod() == deltagymv1.CaptureMethod_CAPTURE_METHOD_NONE {
 				fmt.Fprintf(a.stderr, "deltagym: pid %d (%s): %s\n", p.GetPid(), p.GetCommand(), oneLine(p.GetReason()))
 			}
 		}
 		return nil
 	}
-	return printFork(a.stdout, res.Msg)
+	return printFork(a.stdout, m)
+}
+
+// clusterFork forks checkpoint ckpt over the cluster's nodes (deltagym.Cluster.Fork) and
+// answers as one node's Fork would: the children's sandboxes and episodes, in order.
+func clusterFork(ctx context.Context, cl *deltagym.Cluster, ckpt string, f *forkCmd, key string) (*connect.Response[deltagymv1.ForkResponse], error) {
+	opts := []deltagym.EpisodeOption{deltagym.WithGroup(f.Group), deltagym.WithRun(f.RunName), deltagym.WithIdempotencyKey(key),
+		deltagym.WithLeaseTTL(time.Duration(f.LeaseTTL))}
+	if f.FreshEntropy {
+		opts = append(opts, deltagym.WithFreshEntropy())
+	}
+	fr, err := cl.Fork(ctx, ckpt, f.N, opts...)
+	if fr == nil {
+		return nil, err
+	}
+	m := &deltagymv1.ForkResponse{CheckpointId: cmp.Or(fr.CheckpointID, ckpt)}
+	for _, s := range fr.Sandboxes {
+		m.SandboxIds = append(m.SandboxIds, s.ID())
+		m.EpisodeIds = append(m.EpisodeIds, s.EpisodeID())
+	}
+	return connect.NewResponse(m), err
 }
 
 func printFork(w io.Writer, m *deltagymv1.ForkResponse) error {

@@ -22,7 +22,7 @@ var (
 		errdefs.ErrFailedPrecondition)
 	// ErrWrongNode means a call on a sandbox or checkpoint another node of the cluster holds:
 	// its ID names that node (internal/nodeid).
-	ErrWrongNode = fmt.Errorf("held by another node: %w", errdefs.ErrFailedPrecondition)
+	ErrWrongNode = fmt.Errorf("%w", errdefs.ErrFailedPrecondition)
 	// ErrDraining means a Reset or Fork on a node that is draining: shutting down, it takes no
 	// new sandboxes while those it holds run until their leases end.
 	ErrDraining = fmt.Errorf("draining: %w", errdefs.ErrUnavailable)
@@ -73,10 +73,11 @@ func (c *Core) drainErr(call string) error {
 		"place new work on another node: %w", call, c.cfg.Node, ErrDraining), "DRAINING", "node", c.cfg.Node)
 }
 
-// hold makes sure the runtime holds checkpoint id before a Restore or Fork of it: a checkpoint
+// Hold makes sure the runtime holds checkpoint id before a Restore or Fork of it: a checkpoint
 // of another node is fetched from it (Config.Fetch). It returns nil for a checkpoint of this
-// node or of none, held or not: the lookup that follows says which.
-func (c *Core) hold(ctx context.Context, id string) error {
+// node or of none, held or not: the lookup that follows says which. A front end that looks a
+// checkpoint up (CheckpointPlace) before it forks calls it first.
+func (c *Core) Hold(ctx context.Context, id string) error {
 	owner := nodeid.Node(id)
 	if c.cfg.Fetch == nil || owner == "" || owner == c.cfg.Node {
 		return nil

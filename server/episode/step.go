@@ -69,7 +69,7 @@ func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
 func (c *Core) beginTurn(ctx context.Context, b *box, restore string, fresh bool) (context.Context, func(), error) {
 	var from Place
 	if restore != "" {
-		if err := c.hold(ctx, restore); err != nil {
+		if err := c.Hold(ctx, restore); err != nil {
 			return nil, nil, err
 		}
 		var err error

@@ -421,6 +421,7 @@ type episodeConfig struct {
 	run, group   string
 	key          string
 	freshEntropy bool
+	leaseTTL     time.Duration
 }
 
 // WithSeed sets the Reset seed, handed to the env's reset hook as
@@ -451,6 +452,10 @@ func WithIdempotencyKey(key string) EpisodeOption { return func(e *episodeConfig
 // WithFreshEntropy gives each child of a Fork distinct randomness.
 func WithFreshEntropy() EpisodeOption { return func(e *episodeConfig) { e.freshEntropy = true } }
 
+// WithLeaseTTL sets the lease TTL of the sandboxes started (lease_ttl_seconds: up to the
+// server's --max-lease-ttl); 0, the server's --lease-ttl.
+func WithLeaseTTL(d time.Duration) EpisodeOption { return func(e *episodeConfig) { e.leaseTTL = d } }
+
 func episodeOptions(opts []EpisodeOption) episodeConfig {
 	var e episodeConfig
 	for _, o := range opts {
@@ -472,12 +477,13 @@ func (c *Client) Reset(ctx context.Context, env string, opts ...EpisodeOption) (
 	}
 	e := episodeOptions(opts)
 	res, err := c.env.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{
-		Env:            env,
-		Seed:           e.seed,
-		Options:        e.options,
-		IdempotencyKey: e.key,
-		Run:            e.run,
-		GroupId:        e.group,
+		Env:             env,
+		Seed:            e.seed,
+		Options:         e.options,
+		IdempotencyKey:  e.key,
+		Run:             e.run,
+		GroupId:         e.group,
+		LeaseTtlSeconds: e.leaseTTL.Seconds(),
 	}))
 	if err != nil {
 		return nil, fmt.Errorf("reset of env %q: %w", env, err)
@@ -524,6 +530,7 @@ func (c *Client) fork(ctx context.Context, req *deltagymv1.ForkRequest, n int, o
 	req.Run = e.run
 	req.IdempotencyKey = e.key
 	req.FreshEntropy = e.freshEntropy
+	req.LeaseTtlSeconds = e.leaseTTL.Seconds()
 	res, err := c.env.Fork(ctx, connect.NewRequest(req))
 	if err != nil {
 		return nil, err

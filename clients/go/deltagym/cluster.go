@@ -670,19 +670,19 @@ func (c *Cluster) unknownNode() error {
 		names = append(names, n)
 	}
 	slices.Sort(names)
+	var why []string // the addresses that do not answer: the node may be one of them
+	for _, m := range c.members {
+		if st := m.status(); st.Err != nil && st.Name == "" {
+			why = append(why, (&NodeError{Addr: st.Addr, Err: st.Err}).Error())
+		}
+	}
+	slices.Sort(why)
 	msg := fmt.Sprintf("no node of %s reports that name (nodes: %s)", c.target, strings.Join(names, ", "))
 	if len(names) == 0 {
-		var why []string
-		for _, m := range c.members {
-			if st := m.status(); st.Err != nil {
-				why = append(why, (&NodeError{Addr: st.Addr, Err: st.Err}).Error())
-			}
-		}
-		slices.Sort(why)
 		msg = fmt.Sprintf("no node of %s has answered", c.target)
-		if len(why) > 0 {
-			msg += ": " + strings.Join(why, "; ")
-		}
+	}
+	if len(why) > 0 {
+		msg += ": " + strings.Join(why, "; ")
 	}
 	if c.discoverErr != nil {
 		return fmt.Errorf("%s; %w", msg, c.discoverErr)
@@ -990,6 +990,14 @@ func each[T any](c *Cluster, f func(*Client) (T, error)) ([]T, error) {
 	for i, n := range names {
 		ms[i] = c.byName[n]
 	}
+	// An address the target lists that never answered is a node not asked: say so, so that
+	// a merged list does not pass for the whole cluster's.
+	var silent []error
+	for _, m := range c.members {
+		if st := m.status(); st.Name == "" && st.Err != nil {
+			silent = append(silent, connect.NewError(connect.CodeUnavailable, &NodeError{Addr: st.Addr, Err: st.Err}))
+		}
+	}
 	c.mu.Unlock()
 	out := make([]T, len(ms))
 	errs := make([]error, len(ms))
@@ -998,7 +1006,7 @@ func each[T any](c *Cluster, f func(*Client) (T, error)) ([]T, error) {
 		wg.Go(func() { out[i], errs[i] = f(m.client) })
 	}
 	wg.Wait()
-	return out, errors.Join(errs...)
+	return out, errors.Join(append(errs, silent...)...)
 }
 
 // ListSandboxes lists the sandboxes leased on every node, node by node. When some nodes cannot

@@ -317,6 +317,21 @@ func TestClusterOfServers(t *testing.T) {
 	if out := runBin(t, a.bin, a.token, "exec", "--addr", peers, onB.ID(), "--", "cat", "/work/mark"); out != "node-b\n" {
 		t.Fatalf("deltagym exec in node-b's sandbox through the cluster printed %q", out)
 	}
+	// The CLI's fork of a checkpoint spreads its children over the nodes, as Cluster.Fork does.
+	kidsOut := runBin(t, a.bin, a.token, "fork", "--addr", peers, cks["node-a"], "-n", "3", "-q")
+	cliKids := strings.Fields(kidsOut)
+	kidNodes := map[string]bool{}
+	for _, id := range cliKids {
+		kidNodes[deltagym.NodeOf(id)] = true
+		kid, err := cl.Sandbox(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = kid.Close(context.Background()) })
+	}
+	if len(cliKids) != 3 || len(kidNodes) < 2 {
+		t.Fatalf("deltagym fork -n 3 through the cluster printed %q: want three children on two nodes or more", kidsOut)
+	}
 
 	// node-b stops: calls on its sandboxes fail naming it, Resets go to the others.
 	if _, err := onB.Exec(ctx, "echo kept > /work/kept"); err != nil {
