@@ -194,7 +194,9 @@ func describeError(err error, a *app) string {
 	if connect.CodeOf(err) == connect.CodeFailedPrecondition && strings.Contains(msg, "(process mode filesystem)") {
 		msg += " (with this CLI: checkpoint --processes files)"
 	}
-	if connect.CodeOf(err) == connect.CodeUnavailable {
+	// An unavailable with a reason is the server's own answer (DRAINING, NODE_UNAVAILABLE): it
+	// is running, and says why.
+	if connect.CodeOf(err) == connect.CodeUnavailable && deltagym.ErrorReason(err) == "" {
 		if addr := cmp.Or(a.Addr, os.Getenv(deltagym.EnvAddr)); deltagym.IsClusterTarget(addr) {
 			msg += " (`deltagym nodes` lists the cluster's nodes)"
 		} else if addr, aerr := deltagym.BaseURL(a.Addr); aerr == nil {
