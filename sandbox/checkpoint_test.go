@@ -255,6 +255,10 @@ func TestRestartKeepsCheckpoints(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	pinned, err := s.CheckpointWith(ctx, sandbox.CheckpointOptions{Pinned: true})
+	if err != nil {
+		t.Fatal(err)
+	}
 	live := s.ID()
 	// Stop the runtime as a crash would leave it: abandon it without
 	// closing, so its sandbox's init dies with its socket.
@@ -270,6 +274,15 @@ func TestRestartKeepsCheckpoints(t *testing.T) {
 		t.Fatalf("a clean close left %v", ended)
 	}
 	_ = live
+	// A pin is its owner's, which did not outlive the runtime: kept, but no longer pinned.
+	for _, c := range rt2.ListCheckpoints() {
+		if c.ID == pinned.ID && c.Hold.Pinned {
+			t.Fatalf("checkpoint %s still pinned after a restart: %+v", c.ID, c.Hold)
+		}
+	}
+	if _, err := rt2.Checkpoint(pinned.ID); err != nil {
+		t.Fatalf("a pinned checkpoint after a restart: %v", err)
+	}
 	k, err := rt2.Fork(ctx, ck.ID, 1, sandbox.Spec{})
 	if err != nil {
 		t.Fatal(err)

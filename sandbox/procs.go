@@ -48,7 +48,8 @@ type CheckpointOptions struct {
 	Labels map[string]string
 	// Pinned keeps the checkpoint until it is released, whatever
 	// Config.CheckpointTTL: for checkpoints whose owner releases them
-	// (a pool's, a reset cache's).
+	// (a pool's, a reset cache's). A pin lasts as long as the runtime: a
+	// checkpoint kept across a restart expires by the TTL.
 	Pinned bool
 }
 

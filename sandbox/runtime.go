@@ -902,6 +902,10 @@ func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
 			_ = os.Remove(p)
 			continue
 		}
+		// A pin is its owner's (a pool, a reset cache), which did not outlive the runtime that
+		// pinned it: from now on the checkpoint expires by the TTL like any other, or every
+		// restart would add its pools' checkpoints to those that never go.
+		c.Pinned = false
 		r.ckpts[c.ID] = &c
 		r.pimg.bytes.Add(c.imageBytes())
 		for _, l := range c.Layers {
