@@ -1,6 +1,7 @@
 package server_test
 
 import (
+	"net/http"
 	"os"
 	"strings"
 	"testing"
@@ -9,6 +10,7 @@ import (
 	"connectrpc.com/connect"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/clients/go/gen/deltagym/v1/deltagymv1connect"
 	"github.com/deltagym/deltagym/internal/benchq"
 	"github.com/deltagym/deltagym/internal/nodeid"
 	"github.com/deltagym/deltagym/server"
@@ -125,6 +127,9 @@ func TestCheckpointMoves(t *testing.T) {
 // is 50 MB (1,000 files of 50 KiB of random bytes), cold: each round writes new files on A,
 // from the same base, and checkpoints them there (untimed), so B holds the base's layers but
 // none of the delta's. The same round's Fork on A, of the same checkpoint, is timed beside it.
+// DELTAGYM_BENCH_HASHED=1 waits (untimed) for A's hash of the new layer before the fork, as a
+// fork that comes later than its checkpoint finds it; DELTAGYM_BENCH_DIGEST_AHEAD=0 turns A's
+// hashing ahead off.
 func BenchmarkCrossNodeFork(b *testing.B) {
 	const token = "cluster-token"
 	a := setup(b, func(c *server.Config) {
@@ -137,6 +142,8 @@ func BenchmarkCrossNodeFork(b *testing.B) {
 	})
 	ctx := b.Context()
 	ca, cb := a.clients()[1].c, nb.clients()[1].c
+	nodeA := deltagymv1connect.NewNodeServiceClient(http.DefaultClient, "http://"+a.addr, connect.WithInterceptors(bearer(token)))
+	hashed := os.Getenv("DELTAGYM_BENCH_HASHED") == "1"
 	rr, err := ca.Reset(ctx, &deltagymv1.ResetRequest{Env: "plain"})
 	must(b, err)
 	sb, base := rr.GetSandboxId(), rr.GetCheckpointId()
@@ -159,6 +166,13 @@ func BenchmarkCrossNodeFork(b *testing.B) {
 		must(b, err)
 		ck, err := ca.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: sb})
 		must(b, err)
+		if hashed {
+			// The fork comes after the background hashing of the new layer is done, as a fork
+			// that does not follow its checkpoint at once does: asking A for the manifest
+			// waits for it.
+			_, err = nodeA.DescribeCheckpoint(ctx, connect.NewRequest(&deltagymv1.DescribeCheckpointRequest{CheckpointId: ck.GetCheckpointId()}))
+			must(b, err)
+		}
 		b.StartTimer()
 		cross = append(cross, fork(cb, ck.GetCheckpointId()))
 		b.StopTimer()
