@@ -82,14 +82,7 @@ func routed[Req, Res any](ctx context.Context, e *clusterEnv, id string,
 	m func(deltagymv1connect.EnvServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Res], error), req *Req,
 ) (*Res, error) {
 	c, err := e.cl.Owner(id)
-	if err != nil {
-		return nil, grpcError(err)
-	}
-	res, err := m(c.EnvService(), ctx, connect.NewRequest(req))
-	if err != nil {
-		return nil, grpcError(err)
-	}
-	return res.Msg, nil
+	return callOn(ctx, c, err, m, req)
 }
 
 // anyNode sends req to any node that answers: the nodes share their envs and their ledger.
@@ -97,6 +90,14 @@ func anyNode[Req, Res any](ctx context.Context, e *clusterEnv,
 	m func(deltagymv1connect.EnvServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Res], error), req *Req,
 ) (*Res, error) {
 	c, err := e.cl.Any()
+	return callOn(ctx, c, err, m, req)
+}
+
+// callOn sends req by method m of c's EnvService, c the node routed or anyNode chose (err: why
+// none could be).
+func callOn[Req, Res any](ctx context.Context, c *deltagym.Client, err error,
+	m func(deltagymv1connect.EnvServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Res], error), req *Req,
+) (*Res, error) {
 	if err != nil {
 		return nil, grpcError(err)
 	}

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/deltagym/deltagym/sandbox/layers"
 	"github.com/deltagym/deltagym/sandbox/procstate"
 )
 
@@ -105,7 +106,7 @@ func writeImages(w io.Writer, dir string, units []procstate.Unit) (string, error
 	if err := tw.Close(); err != nil {
 		return "", err
 	}
-	return "sha256:" + hex.EncodeToString(h.Sum(nil)), nil
+	return layers.DigestOf(h), nil
 }
 
 func writeImageFile(tw *tar.Writer, path, name string) error {
@@ -172,7 +173,7 @@ func (r *Runtime) adoptImages(ctx context.Context, m CheckpointManifest, fetch I
 	if n, err := io.Copy(h, io.LimitReader(rc, maxTrailer+1)); err != nil || n > maxTrailer {
 		return nil, fmt.Errorf("the process images of checkpoint %s: the stream goes on after its end (%d bytes): %v", m.ID, n, err)
 	}
-	if got := "sha256:" + hex.EncodeToString(h.Sum(nil)); got != m.ImagesDigest {
+	if got := layers.DigestOf(h); got != m.ImagesDigest {
 		return nil, fmt.Errorf("the process images of checkpoint %s: the stream's digest is %s, the manifest's %s", m.ID, got, m.ImagesDigest)
 	}
 	dir := r.criuDir(m.ID)

@@ -29,7 +29,7 @@ const proxiedHeader = "Deltagym-Proxied-By"
 // then says WRONG_NODE or not found), or a request another node passed on. unavailable answers
 // in the front end's error form when that node does not answer.
 func (s *Server) passOn(r *http.Request, id string, unavailable func(http.ResponseWriter, string)) http.Handler {
-	if r.Header.Get(proxiedHeader) != "" {
+	if s.peers == nil || r.Header.Get(proxiedHeader) != "" {
 		return nil
 	}
 	owner := nodeid.Node(id)
@@ -83,8 +83,8 @@ func (s *Server) openenvFirst(h http.Handler) http.Handler {
 // handler serves it.
 func (s *Server) openenvProxy(r *http.Request) http.Handler {
 	rest, ok := strings.CutPrefix(r.URL.Path, openenv.Prefix)
-	if !ok || r.Header.Get(proxiedHeader) != "" {
-		return nil
+	if !ok || s.peers == nil || r.Header.Get(proxiedHeader) != "" {
+		return nil // a node of no cluster reads no MCP body twice
 	}
 	_, endpoint, _ := strings.Cut(rest, "/")
 	var id string

@@ -123,8 +123,9 @@ func xattrBytes(xs []xattr) int {
 	return n
 }
 
-// digestOf formats the digest of a stream hashed by h.
-func digestOf(h hash.Hash) string { return digestPrefix + hex.EncodeToString(h.Sum(nil)) }
+// DigestOf is the digest of what h hashed, as the layers and the process images between nodes
+// name theirs: "sha256:" and the hex SHA-256.
+func DigestOf(h hash.Hash) string { return digestPrefix + hex.EncodeToString(h.Sum(nil)) }
 
 // checkDigest refuses a digest not of the form "sha256:" and 64 lowercase
 // hex digits.
@@ -216,7 +217,7 @@ func (a *asyncHash) Write(p []byte) (int, error) {
 // digest waits for everything written to be hashed and returns the digest.
 func (a *asyncHash) digest() string {
 	a.close()
-	return digestOf(a.h)
+	return DigestOf(a.h)
 }
 
 // close ends the hashing goroutine once it has hashed what was written. It

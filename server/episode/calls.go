@@ -204,10 +204,7 @@ func (c *Core) forkSource(ctx context.Context, req *ForkRequest) (ckpt string, f
 	case (req.CheckpointID == "") == (req.SandboxID == ""):
 		return "", Place{}, "", fmt.Errorf("fork needs a checkpoint_id or a sandbox_id: %w", ErrInvalid)
 	case req.CheckpointID != "":
-		if err := c.Hold(ctx, req.CheckpointID); err != nil {
-			return "", Place{}, "", err
-		}
-		from, err = c.CheckpointPlace(req.CheckpointID)
+		from, err = c.CheckpointPlace(ctx, req.CheckpointID)
 		return req.CheckpointID, from, "", err
 	}
 	b, err := c.lookup(req.SandboxID)

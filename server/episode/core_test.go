@@ -259,7 +259,7 @@ func TestEpisodeLifecycle(t *testing.T) {
 	}
 	ck, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: sb})
 	must(t, err)
-	if p, err := core.CheckpointPlace(ck.Info.ID); err != nil || p != (episode.Place{Env: "e", Episode: ep, Run: "run", Group: "g", Own: 3, Steps: 3, Agent: 3}) {
+	if p, err := core.CheckpointPlace(t.Context(), ck.Info.ID); err != nil || p != (episode.Place{Env: "e", Episode: ep, Run: "run", Group: "g", Own: 3, Steps: 3, Agent: 3}) {
 		t.Fatalf("the checkpoint's place: %+v, %v", p, err)
 	}
 	sub := stepOK(t, core, sb, episode.Submit{})
@@ -325,7 +325,7 @@ func TestEpisodeLifecycle(t *testing.T) {
 	}
 
 	must(t, core.ReleaseCheckpoint(ck.Info.ID))
-	if _, err := core.CheckpointPlace(ck.Info.ID); !errors.Is(err, sandbox.ErrNotFound) {
+	if _, err := core.CheckpointPlace(t.Context(), ck.Info.ID); !errors.Is(err, sandbox.ErrNotFound) {
 		t.Fatalf("a released checkpoint's place: %v", err)
 	}
 	if _, err := rt.Checkpoint(ck.Info.ID); !errors.Is(err, sandbox.ErrNotFound) {

@@ -1,7 +1,6 @@
 package episode
 
 import (
-	"context"
 	"errors"
 	"fmt"
 
@@ -73,19 +72,11 @@ func (c *Core) drainErr(call string) error {
 		"place new work on another node: %w", call, c.cfg.Node, ErrDraining), "DRAINING", "node", c.cfg.Node)
 }
 
-// Hold makes sure the runtime holds checkpoint id before a Restore or Fork of it: a checkpoint
-// of another node is fetched from it (Config.Fetch). It returns nil for a checkpoint of this
-// node or of none, held or not: the lookup that follows says which. A front end that looks a
-// checkpoint up (CheckpointPlace) before it forks calls it first.
-func (c *Core) Hold(ctx context.Context, id string) error {
+// fetchable reports whether checkpoint id is another node's that this node may fetch
+// (Config.Fetch).
+func (c *Core) fetchable(id string) bool {
 	owner := nodeid.Node(id)
-	if c.cfg.Fetch == nil || owner == "" || owner == c.cfg.Node {
-		return nil
-	}
-	if _, err := c.rt.Checkpoint(id); err == nil {
-		return nil
-	}
-	return c.cfg.Fetch(ctx, id)
+	return c.cfg.Fetch != nil && owner != "" && owner != c.cfg.Node
 }
 
 // checkpointErr is err, from the runtime about checkpoint id, with its reason

@@ -92,11 +92,19 @@ func placeOf(labels map[string]string) (Place, bool) {
 // CheckpointPlace returns where checkpoint id was taken. A checkpoint the core neither took
 // nor labelled (one made through the runtime by a tool in the same process) is on no episode's
 // path; its env is the first one on its image.
-func (c *Core) CheckpointPlace(id string) (Place, error) {
+func (c *Core) CheckpointPlace(ctx context.Context, id string) (Place, error) {
 	if err := checkID("checkpoint_id", id); err != nil {
 		return Place{}, err
 	}
 	info, err := c.rt.Checkpoint(id)
+	if err != nil && errors.Is(err, sandbox.ErrNotFound) && c.fetchable(id) {
+		// Another node's, not held here yet: fetched from it (Config.Fetch), on every Restore
+		// and Fork of it, which look it up here first.
+		if ferr := c.cfg.Fetch(ctx, id); ferr != nil {
+			return Place{}, ferr
+		}
+		info, err = c.rt.Checkpoint(id)
+	}
 	if err != nil {
 		return Place{}, c.checkpointErr(err, id)
 	}
@@ -112,8 +120,8 @@ func (c *Core) CheckpointPlace(id string) (Place, error) {
 
 // restorable checks that checkpoint id exists and can be restored in b's sandbox, and returns
 // where it was taken.
-func (c *Core) restorable(b *box, id string) (Place, error) {
-	p, err := c.CheckpointPlace(id)
+func (c *Core) restorable(ctx context.Context, b *box, id string) (Place, error) {
+	p, err := c.CheckpointPlace(ctx, id)
 	if err != nil {
 		return Place{}, err
 	}

@@ -69,11 +69,8 @@ func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
 func (c *Core) beginTurn(ctx context.Context, b *box, restore string, fresh bool) (context.Context, func(), error) {
 	var from Place
 	if restore != "" {
-		if err := c.Hold(ctx, restore); err != nil {
-			return nil, nil, err
-		}
 		var err error
-		if from, err = c.restorable(b, restore); err != nil {
+		if from, err = c.restorable(ctx, b, restore); err != nil {
 			return nil, nil, err
 		}
 		b.lease.Abort()

@@ -206,10 +206,7 @@ func (s *session) resetLocked(ctx context.Context, args resetArgs) (Result, erro
 // forkLocked starts the session's episode at a checkpoint of its env: a Fork of one.
 // +checklocks:s.mu
 func (s *session) forkLocked(ctx context.Context, args resetArgs) (Result, error) {
-	if err := s.h.core.Hold(ctx, args.checkpoint); err != nil { // another node's: fetched first
-		return Result{}, err
-	}
-	p, err := s.h.core.CheckpointPlace(args.checkpoint)
+	p, err := s.h.core.CheckpointPlace(ctx, args.checkpoint)
 	if err != nil {
 		return Result{}, err
 	}
