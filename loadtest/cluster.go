@@ -214,6 +214,11 @@ func (e *clusterEnv) ReleaseCheckpoint(ctx context.Context, in *deltagymv1.Relea
 	return routed(ctx, e, in.GetCheckpointId(), deltagymv1connect.EnvServiceClient.ReleaseCheckpoint, in)
 }
 
+// DiffCheckpoints goes to the node of checkpoint_id, which fetches the base when it is another's.
+func (e *clusterEnv) DiffCheckpoints(ctx context.Context, in *deltagymv1.DiffCheckpointsRequest, _ ...grpc.CallOption) (*deltagymv1.DiffCheckpointsResponse, error) {
+	return routed(ctx, e, in.GetCheckpointId(), deltagymv1connect.EnvServiceClient.DiffCheckpoints, in)
+}
+
 func (e *clusterEnv) Evaluate(ctx context.Context, in *deltagymv1.EvaluateRequest, _ ...grpc.CallOption) (*deltagymv1.EvaluateResponse, error) {
 	return routed(ctx, e, in.GetSandboxId(), deltagymv1connect.EnvServiceClient.Evaluate, in)
 }

@@ -156,3 +156,8 @@ func (e *envService) ListSandboxes(ctx context.Context, req *connect.Request[del
 	}
 	return connect.NewResponse(resp), nil
 }
+
+// DiffCheckpoints compares two checkpoints.
+func (e *envService) DiffCheckpoints(ctx context.Context, req *connect.Request[deltagymv1.DiffCheckpointsRequest]) (*connect.Response[deltagymv1.DiffCheckpointsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("DiffCheckpoints is not served by this server yet"))
+}

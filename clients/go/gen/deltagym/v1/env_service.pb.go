@@ -687,6 +687,12 @@ type StepRequest struct {
 	// restore_fresh_entropy is RestoreRequest.fresh_entropy for the restore of
 	// restore_checkpoint_id; without it, it is InvalidArgument.
 	RestoreFreshEntropy bool `protobuf:"varint,5,opt,name=restore_fresh_entropy,json=restoreFreshEntropy,proto3" json:"restore_fresh_entropy,omitempty"`
+	// checkpoint_wait_for_digest is CheckpointRequest.wait_for_digest for the
+	// checkpoint asked by checkpoint (InvalidArgument without it).
+	CheckpointWaitForDigest bool `protobuf:"varint,7,opt,name=checkpoint_wait_for_digest,json=checkpointWaitForDigest,proto3" json:"checkpoint_wait_for_digest,omitempty"`
+	// checkpoint_dedupe is CheckpointRequest.dedupe for the checkpoint asked by
+	// checkpoint (InvalidArgument without it).
+	CheckpointDedupe bool `protobuf:"varint,8,opt,name=checkpoint_dedupe,json=checkpointDedupe,proto3" json:"checkpoint_dedupe,omitempty"`
 	// setup marks a step that sets the task up rather than one the agent
 	// takes: the trainer copying a repository in, installing a package,
 	// starting a service, before the agent's first step or between its
@@ -765,6 +771,20 @@ func (x *StepRequest) GetRestoreFreshEntropy() bool {
 	return false
 }
 
+func (x *StepRequest) GetCheckpointWaitForDigest() bool {
+	if x != nil {
+		return x.CheckpointWaitForDigest
+	}
+	return false
+}
+
+func (x *StepRequest) GetCheckpointDedupe() bool {
+	if x != nil {
+		return x.CheckpointDedupe
+	}
+	return false
+}
+
 func (x *StepRequest) GetSetup() bool {
 	if x != nil {
 		return x.Setup
@@ -794,9 +814,15 @@ type StepResponse struct {
 	EpisodeId string `protobuf:"bytes,8,opt,name=episode_id,json=episodeId,proto3" json:"episode_id,omitempty"`
 	// steps_left is how many more agent steps the episode's max_steps allows
 	// after this one; -1 when the env has no step budget.
-	StepsLeft     int32 `protobuf:"varint,9,opt,name=steps_left,json=stepsLeft,proto3" json:"steps_left,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	StepsLeft int32 `protobuf:"varint,9,opt,name=steps_left,json=stepsLeft,proto3" json:"steps_left,omitempty"`
+	// checkpoint_digest is the state digest of checkpoint_id, when the step
+	// asked to wait for it (checkpoint_wait_for_digest or checkpoint_dedupe).
+	CheckpointDigest *StateDigest `protobuf:"bytes,10,opt,name=checkpoint_digest,json=checkpointDigest,proto3" json:"checkpoint_digest,omitempty"`
+	// checkpoint_deduplicated is CheckpointResponse.deduplicated for
+	// checkpoint_id.
+	CheckpointDeduplicated bool `protobuf:"varint,11,opt,name=checkpoint_deduplicated,json=checkpointDeduplicated,proto3" json:"checkpoint_deduplicated,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *StepResponse) Reset() {
@@ -890,6 +916,20 @@ func (x *StepResponse) GetStepsLeft() int32 {
 		return x.StepsLeft
 	}
 	return 0
+}
+
+func (x *StepResponse) GetCheckpointDigest() *StateDigest {
+	if x != nil {
+		return x.CheckpointDigest
+	}
+	return nil
+}
+
+func (x *StepResponse) GetCheckpointDeduplicated() bool {
+	if x != nil {
+		return x.CheckpointDeduplicated
+	}
+	return false
 }
 
 // StreamStepRequest is the request of StreamStep.
@@ -1321,7 +1361,21 @@ type CheckpointRequest struct {
 	Durable bool `protobuf:"varint,2,opt,name=durable,proto3" json:"durable,omitempty"`
 	// process_mode is how to capture live processes; unspecified means the
 	// env's default.
-	ProcessMode   ProcessMode `protobuf:"varint,3,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
+	ProcessMode ProcessMode `protobuf:"varint,3,opt,name=process_mode,json=processMode,proto3,enum=deltagym.v1.ProcessMode" json:"process_mode,omitempty"`
+	// wait_for_digest makes Checkpoint wait for the checkpoint's state digest
+	// and return it (CheckpointResponse.digest). Without it Checkpoint answers
+	// as soon as the checkpoint is taken, and the digest, computed in the
+	// background, is reported by ListCheckpoints, DiffCheckpoints and the
+	// ledger once ready.
+	WaitForDigest bool `protobuf:"varint,4,opt,name=wait_for_digest,json=waitForDigest,proto3" json:"wait_for_digest,omitempty"`
+	// dedupe, which implies wait_for_digest, answers with an existing
+	// checkpoint of the env whose two digests (files and processes) equal the
+	// new one's instead of keeping a second copy of the same state:
+	// checkpoint_id is then that checkpoint's and deduplicated is set. The
+	// ledger keeps the edge from the sandbox's previous checkpoint to it, so
+	// in the ledger a checkpoint can have more than one parent
+	// (CheckpointNode.parent_ids): the tree is a graph.
+	Dedupe        bool `protobuf:"varint,5,opt,name=dedupe,proto3" json:"dedupe,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1377,6 +1431,20 @@ func (x *CheckpointRequest) GetProcessMode() ProcessMode {
 	return ProcessMode_PROCESS_MODE_UNSPECIFIED
 }
 
+func (x *CheckpointRequest) GetWaitForDigest() bool {
+	if x != nil {
+		return x.WaitForDigest
+	}
+	return false
+}
+
+func (x *CheckpointRequest) GetDedupe() bool {
+	if x != nil {
+		return x.Dedupe
+	}
+	return false
+}
+
 // CheckpointResponse is the response of Checkpoint.
 type CheckpointResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1396,7 +1464,13 @@ type CheckpointResponse struct {
 	// process kept only as a frozen template, or one a durable checkpoint
 	// could not save, leaves it unset; its processes entry says why
 	// (unsaved_reason). The checkpoint's files are kept either way.
-	Durable       bool `protobuf:"varint,5,opt,name=durable,proto3" json:"durable,omitempty"`
+	Durable bool `protobuf:"varint,5,opt,name=durable,proto3" json:"durable,omitempty"`
+	// digest is the checkpoint's state digest, with wait_for_digest or dedupe.
+	Digest *StateDigest `protobuf:"bytes,6,opt,name=digest,proto3" json:"digest,omitempty"`
+	// deduplicated is set when dedupe found the state in an existing
+	// checkpoint, whose ID checkpoint_id is; the sandbox's state now descends
+	// from it, and parent_id is the sandbox's previous checkpoint.
+	Deduplicated  bool `protobuf:"varint,7,opt,name=deduplicated,proto3" json:"deduplicated,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1462,6 +1536,20 @@ func (x *CheckpointResponse) GetProcesses() []*ProcessCapture {
 func (x *CheckpointResponse) GetDurable() bool {
 	if x != nil {
 		return x.Durable
+	}
+	return false
+}
+
+func (x *CheckpointResponse) GetDigest() *StateDigest {
+	if x != nil {
+		return x.Digest
+	}
+	return nil
+}
+
+func (x *CheckpointResponse) GetDeduplicated() bool {
+	if x != nil {
+		return x.Deduplicated
 	}
 	return false
 }
@@ -2626,7 +2714,9 @@ type CheckpointSummary struct {
 	LastUsedTime *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=last_used_time,json=lastUsedTime,proto3" json:"last_used_time,omitempty"`
 	// expire_time is when the server's checkpoint TTL (--checkpoint-ttl)
 	// releases it if nothing uses it before; unset if it does not expire.
-	ExpireTime    *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=expire_time,json=expireTime,proto3" json:"expire_time,omitempty"`
+	ExpireTime *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=expire_time,json=expireTime,proto3" json:"expire_time,omitempty"`
+	// digest is its state digest; unset until computed.
+	Digest        *StateDigest `protobuf:"bytes,16,opt,name=digest,proto3" json:"digest,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2766,11 +2856,185 @@ func (x *CheckpointSummary) GetExpireTime() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *CheckpointSummary) GetDigest() *StateDigest {
+	if x != nil {
+		return x.Digest
+	}
+	return nil
+}
+
+// DiffCheckpointsRequest is the request of DiffCheckpoints.
+type DiffCheckpointsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// base_checkpoint_id is the checkpoint compared against.
+	BaseCheckpointId string `protobuf:"bytes,1,opt,name=base_checkpoint_id,json=baseCheckpointId,proto3" json:"base_checkpoint_id,omitempty"`
+	// checkpoint_id is the checkpoint compared; both must be of one env.
+	CheckpointId string `protobuf:"bytes,2,opt,name=checkpoint_id,json=checkpointId,proto3" json:"checkpoint_id,omitempty"`
+	// detail is how much to say of each changed file.
+	Detail DiffDetail `protobuf:"varint,3,opt,name=detail,proto3,enum=deltagym.v1.DiffDetail" json:"detail,omitempty"`
+	// path keeps the changes at this absolute path and below it only; empty
+	// means the whole tree.
+	Path string `protobuf:"bytes,4,opt,name=path,proto3" json:"path,omitempty"`
+	// max_paths is the most path changes to return; zero means 10,000, and
+	// values above 100,000 are capped. Past it, truncated is set.
+	MaxPaths      int32 `protobuf:"varint,5,opt,name=max_paths,json=maxPaths,proto3" json:"max_paths,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DiffCheckpointsRequest) Reset() {
+	*x = DiffCheckpointsRequest{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DiffCheckpointsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DiffCheckpointsRequest) ProtoMessage() {}
+
+func (x *DiffCheckpointsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DiffCheckpointsRequest.ProtoReflect.Descriptor instead.
+func (*DiffCheckpointsRequest) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *DiffCheckpointsRequest) GetBaseCheckpointId() string {
+	if x != nil {
+		return x.BaseCheckpointId
+	}
+	return ""
+}
+
+func (x *DiffCheckpointsRequest) GetCheckpointId() string {
+	if x != nil {
+		return x.CheckpointId
+	}
+	return ""
+}
+
+func (x *DiffCheckpointsRequest) GetDetail() DiffDetail {
+	if x != nil {
+		return x.Detail
+	}
+	return DiffDetail_DIFF_DETAIL_UNSPECIFIED
+}
+
+func (x *DiffCheckpointsRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *DiffCheckpointsRequest) GetMaxPaths() int32 {
+	if x != nil {
+		return x.MaxPaths
+	}
+	return 0
+}
+
+// DiffCheckpointsResponse is the response of DiffCheckpoints.
+type DiffCheckpointsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// paths are the changed paths, sorted by path. A removed or added
+	// directory is listed with everything below it.
+	Paths []*PathChange `protobuf:"bytes,1,rep,name=paths,proto3" json:"paths,omitempty"`
+	// truncated is set when there were more than max_paths changes.
+	Truncated bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	// processes are the processes that differ, by pid.
+	Processes []*ProcessChange `protobuf:"bytes,3,rep,name=processes,proto3" json:"processes,omitempty"`
+	// base_digest is the state digest of base_checkpoint_id.
+	BaseDigest *StateDigest `protobuf:"bytes,4,opt,name=base_digest,json=baseDigest,proto3" json:"base_digest,omitempty"`
+	// digest is the state digest of checkpoint_id.
+	Digest        *StateDigest `protobuf:"bytes,5,opt,name=digest,proto3" json:"digest,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DiffCheckpointsResponse) Reset() {
+	*x = DiffCheckpointsResponse{}
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DiffCheckpointsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DiffCheckpointsResponse) ProtoMessage() {}
+
+func (x *DiffCheckpointsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deltagym_v1_env_service_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DiffCheckpointsResponse.ProtoReflect.Descriptor instead.
+func (*DiffCheckpointsResponse) Descriptor() ([]byte, []int) {
+	return file_deltagym_v1_env_service_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *DiffCheckpointsResponse) GetPaths() []*PathChange {
+	if x != nil {
+		return x.Paths
+	}
+	return nil
+}
+
+func (x *DiffCheckpointsResponse) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
+}
+
+func (x *DiffCheckpointsResponse) GetProcesses() []*ProcessChange {
+	if x != nil {
+		return x.Processes
+	}
+	return nil
+}
+
+func (x *DiffCheckpointsResponse) GetBaseDigest() *StateDigest {
+	if x != nil {
+		return x.BaseDigest
+	}
+	return nil
+}
+
+func (x *DiffCheckpointsResponse) GetDigest() *StateDigest {
+	if x != nil {
+		return x.Digest
+	}
+	return nil
+}
+
 var File_deltagym_v1_env_service_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1ddeltagym/v1/env_service.proto\x12\vdeltagym.v1\x1a\x18deltagym/v1/action.proto\x1a\x15deltagym/v1/env.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x11\n" +
+	"\x1ddeltagym/v1/env_service.proto\x12\vdeltagym.v1\x1a\x18deltagym/v1/action.proto\x1a\x15deltagym/v1/env.proto\x1a\x17deltagym/v1/state.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x11\n" +
 	"\x0fListEnvsRequest\"<\n" +
 	"\x10ListEnvsResponse\x12(\n" +
 	"\x04envs\x18\x01 \x03(\v2\x14.deltagym.v1.EnvInfoR\x04envs\"X\n" +
@@ -2814,7 +3078,7 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x11lease_expire_time\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x0fleaseExpireTime\x1a7\n" +
 	"\tInfoEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xf7\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe1\x02\n" +
 	"\vStepRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12+\n" +
@@ -2823,8 +3087,10 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"checkpoint\x18\x03 \x01(\bR\n" +
 	"checkpoint\x122\n" +
 	"\x15restore_checkpoint_id\x18\x04 \x01(\tR\x13restoreCheckpointId\x122\n" +
-	"\x15restore_fresh_entropy\x18\x05 \x01(\bR\x13restoreFreshEntropy\x12\x14\n" +
-	"\x05setup\x18\x06 \x01(\bR\x05setup\"\x94\x03\n" +
+	"\x15restore_fresh_entropy\x18\x05 \x01(\bR\x13restoreFreshEntropy\x12;\n" +
+	"\x1acheckpoint_wait_for_digest\x18\a \x01(\bR\x17checkpointWaitForDigest\x12+\n" +
+	"\x11checkpoint_dedupe\x18\b \x01(\bR\x10checkpointDedupe\x12\x14\n" +
+	"\x05setup\x18\x06 \x01(\bR\x05setup\"\x94\x04\n" +
 	"\fStepResponse\x12:\n" +
 	"\vobservation\x18\x01 \x01(\v2\x18.deltagym.v1.ObservationR\vobservation\x12\x16\n" +
 	"\x06reward\x18\x02 \x01(\x01R\x06reward\x12\x1e\n" +
@@ -2839,7 +3105,10 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\n" +
 	"episode_id\x18\b \x01(\tR\tepisodeId\x12\x1d\n" +
 	"\n" +
-	"steps_left\x18\t \x01(\x05R\tstepsLeft\x1a7\n" +
+	"steps_left\x18\t \x01(\x05R\tstepsLeft\x12E\n" +
+	"\x11checkpoint_digest\x18\n" +
+	" \x01(\v2\x18.deltagym.v1.StateDigestR\x10checkpointDigest\x127\n" +
+	"\x17checkpoint_deduplicated\x18\v \x01(\bR\x16checkpointDeduplicated\x1a7\n" +
 	"\tInfoEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"A\n" +
@@ -2865,18 +3134,22 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\vErrorStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"\x89\x01\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xc9\x01\n" +
 	"\x11CheckpointRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x18\n" +
 	"\adurable\x18\x02 \x01(\bR\adurable\x12;\n" +
-	"\fprocess_mode\x18\x03 \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\"\xc1\x01\n" +
+	"\fprocess_mode\x18\x03 \x01(\x0e2\x18.deltagym.v1.ProcessModeR\vprocessMode\x12&\n" +
+	"\x0fwait_for_digest\x18\x04 \x01(\bR\rwaitForDigest\x12\x16\n" +
+	"\x06dedupe\x18\x05 \x01(\bR\x06dedupe\"\x97\x02\n" +
 	"\x12CheckpointResponse\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12\x14\n" +
 	"\x05depth\x18\x03 \x01(\x05R\x05depth\x129\n" +
 	"\tprocesses\x18\x04 \x03(\v2\x1b.deltagym.v1.ProcessCaptureR\tprocesses\x12\x18\n" +
-	"\adurable\x18\x05 \x01(\bR\adurable\"y\n" +
+	"\adurable\x18\x05 \x01(\bR\adurable\x120\n" +
+	"\x06digest\x18\x06 \x01(\v2\x18.deltagym.v1.StateDigestR\x06digest\x12\"\n" +
+	"\fdeduplicated\x18\a \x01(\bR\fdeduplicated\"y\n" +
 	"\x0eRestoreRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12#\n" +
@@ -2954,7 +3227,7 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\n" +
 	"episode_id\x18\x04 \x01(\tR\tepisodeId\"[\n" +
 	"\x17ListCheckpointsResponse\x12@\n" +
-	"\vcheckpoints\x18\x01 \x03(\v2\x1e.deltagym.v1.CheckpointSummaryR\vcheckpoints\"\xa4\x04\n" +
+	"\vcheckpoints\x18\x01 \x03(\v2\x1e.deltagym.v1.CheckpointSummaryR\vcheckpoints\"\xd6\x04\n" +
 	"\x11CheckpointSummary\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12\x10\n" +
@@ -2976,7 +3249,21 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\x10live_descendants\x18\r \x01(\x05R\x0fliveDescendants\x12@\n" +
 	"\x0elast_used_time\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\flastUsedTime\x12;\n" +
 	"\vexpire_time\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\n" +
-	"expireTime*\x86\x01\n" +
+	"expireTime\x120\n" +
+	"\x06digest\x18\x10 \x01(\v2\x18.deltagym.v1.StateDigestR\x06digest\"\xcd\x01\n" +
+	"\x16DiffCheckpointsRequest\x12,\n" +
+	"\x12base_checkpoint_id\x18\x01 \x01(\tR\x10baseCheckpointId\x12#\n" +
+	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\x12/\n" +
+	"\x06detail\x18\x03 \x01(\x0e2\x17.deltagym.v1.DiffDetailR\x06detail\x12\x12\n" +
+	"\x04path\x18\x04 \x01(\tR\x04path\x12\x1b\n" +
+	"\tmax_paths\x18\x05 \x01(\x05R\bmaxPaths\"\x8d\x02\n" +
+	"\x17DiffCheckpointsResponse\x12-\n" +
+	"\x05paths\x18\x01 \x03(\v2\x17.deltagym.v1.PathChangeR\x05paths\x12\x1c\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\x128\n" +
+	"\tprocesses\x18\x03 \x03(\v2\x1a.deltagym.v1.ProcessChangeR\tprocesses\x129\n" +
+	"\vbase_digest\x18\x04 \x01(\v2\x18.deltagym.v1.StateDigestR\n" +
+	"baseDigest\x120\n" +
+	"\x06digest\x18\x05 \x01(\v2\x18.deltagym.v1.StateDigestR\x06digest*\x86\x01\n" +
 	"\vImageFormat\x12\x1c\n" +
 	"\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17IMAGE_FORMAT_OCI_LAYOUT\x10\x01\x12\x1f\n" +
@@ -2985,8 +3272,7 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\fOutputStream\x12\x1d\n" +
 	"\x19OUTPUT_STREAM_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14OUTPUT_STREAM_STDOUT\x10\x01\x12\x18\n" +
-	"\x14OUTPUT_STREAM_STDERR\x10\x022\xaa\n" +
-	"\n" +
+	"\x14OUTPUT_STREAM_STDERR\x10\x022\x88\v\n" +
 	"\n" +
 	"EnvService\x12G\n" +
 	"\bListEnvs\x12\x1c.deltagym.v1.ListEnvsRequest\x1a\x1d.deltagym.v1.ListEnvsResponse\x12P\n" +
@@ -3009,7 +3295,8 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\n" +
 	"GetSandbox\x12\x1e.deltagym.v1.GetSandboxRequest\x1a\x1f.deltagym.v1.GetSandboxResponse\x12V\n" +
 	"\rListSandboxes\x12!.deltagym.v1.ListSandboxesRequest\x1a\".deltagym.v1.ListSandboxesResponse\x12\\\n" +
-	"\x0fListCheckpoints\x12#.deltagym.v1.ListCheckpointsRequest\x1a$.deltagym.v1.ListCheckpointsResponseB\xb3\x01\n" +
+	"\x0fListCheckpoints\x12#.deltagym.v1.ListCheckpointsRequest\x1a$.deltagym.v1.ListCheckpointsResponse\x12\\\n" +
+	"\x0fDiffCheckpoints\x12#.deltagym.v1.DiffCheckpointsRequest\x1a$.deltagym.v1.DiffCheckpointsResponseB\xb3\x01\n" +
 	"\x0fcom.deltagym.v1B\x0fEnvServiceProtoP\x01ZBgithub.com/deltagym/deltagym/clients/go/gen/deltagym/v1;deltagymv1\xa2\x02\x03DXX\xaa\x02\vDeltagym.V1\xca\x02\vDeltagym\\V1\xe2\x02\x17Deltagym\\V1\\GPBMetadata\xea\x02\fDeltagym::V1b\x06proto3"
 
 var (
@@ -3025,7 +3312,7 @@ func file_deltagym_v1_env_service_proto_rawDescGZIP() []byte {
 }
 
 var file_deltagym_v1_env_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_deltagym_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_deltagym_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 44)
 var file_deltagym_v1_env_service_proto_goTypes = []any{
 	(ImageFormat)(0),                  // 0: deltagym.v1.ImageFormat
 	(OutputStream)(0),                 // 1: deltagym.v1.OutputStream
@@ -3067,89 +3354,105 @@ var file_deltagym_v1_env_service_proto_goTypes = []any{
 	(*ListCheckpointsRequest)(nil),    // 37: deltagym.v1.ListCheckpointsRequest
 	(*ListCheckpointsResponse)(nil),   // 38: deltagym.v1.ListCheckpointsResponse
 	(*CheckpointSummary)(nil),         // 39: deltagym.v1.CheckpointSummary
-	nil,                               // 40: deltagym.v1.ResetRequest.OptionsEntry
-	nil,                               // 41: deltagym.v1.ResetResponse.InfoEntry
-	nil,                               // 42: deltagym.v1.StepResponse.InfoEntry
-	nil,                               // 43: deltagym.v1.EvaluateResponse.ComponentsEntry
-	(*EnvInfo)(nil),                   // 44: deltagym.v1.EnvInfo
-	(*EnvSpec)(nil),                   // 45: deltagym.v1.EnvSpec
-	(*Observation)(nil),               // 46: deltagym.v1.Observation
-	(*timestamppb.Timestamp)(nil),     // 47: google.protobuf.Timestamp
-	(*Action)(nil),                    // 48: deltagym.v1.Action
-	(ProcessMode)(0),                  // 49: deltagym.v1.ProcessMode
-	(*ProcessCapture)(nil),            // 50: deltagym.v1.ProcessCapture
-	(*Sandbox)(nil),                   // 51: deltagym.v1.Sandbox
+	(*DiffCheckpointsRequest)(nil),    // 40: deltagym.v1.DiffCheckpointsRequest
+	(*DiffCheckpointsResponse)(nil),   // 41: deltagym.v1.DiffCheckpointsResponse
+	nil,                               // 42: deltagym.v1.ResetRequest.OptionsEntry
+	nil,                               // 43: deltagym.v1.ResetResponse.InfoEntry
+	nil,                               // 44: deltagym.v1.StepResponse.InfoEntry
+	nil,                               // 45: deltagym.v1.EvaluateResponse.ComponentsEntry
+	(*EnvInfo)(nil),                   // 46: deltagym.v1.EnvInfo
+	(*EnvSpec)(nil),                   // 47: deltagym.v1.EnvSpec
+	(*Observation)(nil),               // 48: deltagym.v1.Observation
+	(*timestamppb.Timestamp)(nil),     // 49: google.protobuf.Timestamp
+	(*Action)(nil),                    // 50: deltagym.v1.Action
+	(*StateDigest)(nil),               // 51: deltagym.v1.StateDigest
+	(ProcessMode)(0),                  // 52: deltagym.v1.ProcessMode
+	(*ProcessCapture)(nil),            // 53: deltagym.v1.ProcessCapture
+	(*Sandbox)(nil),                   // 54: deltagym.v1.Sandbox
+	(DiffDetail)(0),                   // 55: deltagym.v1.DiffDetail
+	(*PathChange)(nil),                // 56: deltagym.v1.PathChange
+	(*ProcessChange)(nil),             // 57: deltagym.v1.ProcessChange
 }
 var file_deltagym_v1_env_service_proto_depIdxs = []int32{
-	44, // 0: deltagym.v1.ListEnvsResponse.envs:type_name -> deltagym.v1.EnvInfo
-	45, // 1: deltagym.v1.RegisterEnvRequest.spec:type_name -> deltagym.v1.EnvSpec
-	44, // 2: deltagym.v1.RegisterEnvResponse.env:type_name -> deltagym.v1.EnvInfo
+	46, // 0: deltagym.v1.ListEnvsResponse.envs:type_name -> deltagym.v1.EnvInfo
+	47, // 1: deltagym.v1.RegisterEnvRequest.spec:type_name -> deltagym.v1.EnvSpec
+	46, // 2: deltagym.v1.RegisterEnvResponse.env:type_name -> deltagym.v1.EnvInfo
 	0,  // 3: deltagym.v1.ImportImageRequest.format:type_name -> deltagym.v1.ImageFormat
-	40, // 4: deltagym.v1.ResetRequest.options:type_name -> deltagym.v1.ResetRequest.OptionsEntry
-	46, // 5: deltagym.v1.ResetResponse.observation:type_name -> deltagym.v1.Observation
-	41, // 6: deltagym.v1.ResetResponse.info:type_name -> deltagym.v1.ResetResponse.InfoEntry
-	47, // 7: deltagym.v1.ResetResponse.lease_expire_time:type_name -> google.protobuf.Timestamp
-	48, // 8: deltagym.v1.StepRequest.action:type_name -> deltagym.v1.Action
-	46, // 9: deltagym.v1.StepResponse.observation:type_name -> deltagym.v1.Observation
-	42, // 10: deltagym.v1.StepResponse.info:type_name -> deltagym.v1.StepResponse.InfoEntry
-	10, // 11: deltagym.v1.StreamStepRequest.step:type_name -> deltagym.v1.StepRequest
-	14, // 12: deltagym.v1.StreamStepResponse.output:type_name -> deltagym.v1.OutputChunk
-	11, // 13: deltagym.v1.StreamStepResponse.step:type_name -> deltagym.v1.StepResponse
-	1,  // 14: deltagym.v1.OutputChunk.stream:type_name -> deltagym.v1.OutputStream
-	10, // 15: deltagym.v1.StepStreamRequest.step:type_name -> deltagym.v1.StepRequest
-	11, // 16: deltagym.v1.StepStreamResponse.step:type_name -> deltagym.v1.StepResponse
-	17, // 17: deltagym.v1.StepStreamResponse.error:type_name -> deltagym.v1.ErrorStatus
-	49, // 18: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
-	50, // 19: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	50, // 20: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
-	43, // 21: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
-	32, // 22: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
-	47, // 23: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
-	51, // 24: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
-	51, // 25: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
-	39, // 26: deltagym.v1.ListCheckpointsResponse.checkpoints:type_name -> deltagym.v1.CheckpointSummary
-	47, // 27: deltagym.v1.CheckpointSummary.create_time:type_name -> google.protobuf.Timestamp
-	47, // 28: deltagym.v1.CheckpointSummary.last_used_time:type_name -> google.protobuf.Timestamp
-	47, // 29: deltagym.v1.CheckpointSummary.expire_time:type_name -> google.protobuf.Timestamp
-	2,  // 30: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
-	4,  // 31: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
-	6,  // 32: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
-	8,  // 33: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
-	10, // 34: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
-	15, // 35: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
-	12, // 36: deltagym.v1.EnvService.StreamStep:input_type -> deltagym.v1.StreamStepRequest
-	18, // 37: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
-	20, // 38: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
-	22, // 39: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
-	24, // 40: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
-	26, // 41: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
-	28, // 42: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
-	30, // 43: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
-	33, // 44: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
-	35, // 45: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
-	37, // 46: deltagym.v1.EnvService.ListCheckpoints:input_type -> deltagym.v1.ListCheckpointsRequest
-	3,  // 47: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
-	5,  // 48: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
-	7,  // 49: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
-	9,  // 50: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
-	11, // 51: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
-	16, // 52: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
-	13, // 53: deltagym.v1.EnvService.StreamStep:output_type -> deltagym.v1.StreamStepResponse
-	19, // 54: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
-	21, // 55: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
-	23, // 56: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
-	25, // 57: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
-	27, // 58: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
-	29, // 59: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
-	31, // 60: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
-	34, // 61: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
-	36, // 62: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
-	38, // 63: deltagym.v1.EnvService.ListCheckpoints:output_type -> deltagym.v1.ListCheckpointsResponse
-	47, // [47:64] is the sub-list for method output_type
-	30, // [30:47] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	42, // 4: deltagym.v1.ResetRequest.options:type_name -> deltagym.v1.ResetRequest.OptionsEntry
+	48, // 5: deltagym.v1.ResetResponse.observation:type_name -> deltagym.v1.Observation
+	43, // 6: deltagym.v1.ResetResponse.info:type_name -> deltagym.v1.ResetResponse.InfoEntry
+	49, // 7: deltagym.v1.ResetResponse.lease_expire_time:type_name -> google.protobuf.Timestamp
+	50, // 8: deltagym.v1.StepRequest.action:type_name -> deltagym.v1.Action
+	48, // 9: deltagym.v1.StepResponse.observation:type_name -> deltagym.v1.Observation
+	44, // 10: deltagym.v1.StepResponse.info:type_name -> deltagym.v1.StepResponse.InfoEntry
+	51, // 11: deltagym.v1.StepResponse.checkpoint_digest:type_name -> deltagym.v1.StateDigest
+	10, // 12: deltagym.v1.StreamStepRequest.step:type_name -> deltagym.v1.StepRequest
+	14, // 13: deltagym.v1.StreamStepResponse.output:type_name -> deltagym.v1.OutputChunk
+	11, // 14: deltagym.v1.StreamStepResponse.step:type_name -> deltagym.v1.StepResponse
+	1,  // 15: deltagym.v1.OutputChunk.stream:type_name -> deltagym.v1.OutputStream
+	10, // 16: deltagym.v1.StepStreamRequest.step:type_name -> deltagym.v1.StepRequest
+	11, // 17: deltagym.v1.StepStreamResponse.step:type_name -> deltagym.v1.StepResponse
+	17, // 18: deltagym.v1.StepStreamResponse.error:type_name -> deltagym.v1.ErrorStatus
+	52, // 19: deltagym.v1.CheckpointRequest.process_mode:type_name -> deltagym.v1.ProcessMode
+	53, // 20: deltagym.v1.CheckpointResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	51, // 21: deltagym.v1.CheckpointResponse.digest:type_name -> deltagym.v1.StateDigest
+	53, // 22: deltagym.v1.ForkResponse.processes:type_name -> deltagym.v1.ProcessCapture
+	45, // 23: deltagym.v1.EvaluateResponse.components:type_name -> deltagym.v1.EvaluateResponse.ComponentsEntry
+	32, // 24: deltagym.v1.HeartbeatResponse.leases:type_name -> deltagym.v1.Lease
+	49, // 25: deltagym.v1.Lease.expire_time:type_name -> google.protobuf.Timestamp
+	54, // 26: deltagym.v1.GetSandboxResponse.sandbox:type_name -> deltagym.v1.Sandbox
+	54, // 27: deltagym.v1.ListSandboxesResponse.sandboxes:type_name -> deltagym.v1.Sandbox
+	39, // 28: deltagym.v1.ListCheckpointsResponse.checkpoints:type_name -> deltagym.v1.CheckpointSummary
+	49, // 29: deltagym.v1.CheckpointSummary.create_time:type_name -> google.protobuf.Timestamp
+	49, // 30: deltagym.v1.CheckpointSummary.last_used_time:type_name -> google.protobuf.Timestamp
+	49, // 31: deltagym.v1.CheckpointSummary.expire_time:type_name -> google.protobuf.Timestamp
+	51, // 32: deltagym.v1.CheckpointSummary.digest:type_name -> deltagym.v1.StateDigest
+	55, // 33: deltagym.v1.DiffCheckpointsRequest.detail:type_name -> deltagym.v1.DiffDetail
+	56, // 34: deltagym.v1.DiffCheckpointsResponse.paths:type_name -> deltagym.v1.PathChange
+	57, // 35: deltagym.v1.DiffCheckpointsResponse.processes:type_name -> deltagym.v1.ProcessChange
+	51, // 36: deltagym.v1.DiffCheckpointsResponse.base_digest:type_name -> deltagym.v1.StateDigest
+	51, // 37: deltagym.v1.DiffCheckpointsResponse.digest:type_name -> deltagym.v1.StateDigest
+	2,  // 38: deltagym.v1.EnvService.ListEnvs:input_type -> deltagym.v1.ListEnvsRequest
+	4,  // 39: deltagym.v1.EnvService.RegisterEnv:input_type -> deltagym.v1.RegisterEnvRequest
+	6,  // 40: deltagym.v1.EnvService.ImportImage:input_type -> deltagym.v1.ImportImageRequest
+	8,  // 41: deltagym.v1.EnvService.Reset:input_type -> deltagym.v1.ResetRequest
+	10, // 42: deltagym.v1.EnvService.Step:input_type -> deltagym.v1.StepRequest
+	15, // 43: deltagym.v1.EnvService.StepStream:input_type -> deltagym.v1.StepStreamRequest
+	12, // 44: deltagym.v1.EnvService.StreamStep:input_type -> deltagym.v1.StreamStepRequest
+	18, // 45: deltagym.v1.EnvService.Checkpoint:input_type -> deltagym.v1.CheckpointRequest
+	20, // 46: deltagym.v1.EnvService.Restore:input_type -> deltagym.v1.RestoreRequest
+	22, // 47: deltagym.v1.EnvService.Fork:input_type -> deltagym.v1.ForkRequest
+	24, // 48: deltagym.v1.EnvService.ReleaseCheckpoint:input_type -> deltagym.v1.ReleaseCheckpointRequest
+	26, // 49: deltagym.v1.EnvService.Evaluate:input_type -> deltagym.v1.EvaluateRequest
+	28, // 50: deltagym.v1.EnvService.Close:input_type -> deltagym.v1.CloseRequest
+	30, // 51: deltagym.v1.EnvService.Heartbeat:input_type -> deltagym.v1.HeartbeatRequest
+	33, // 52: deltagym.v1.EnvService.GetSandbox:input_type -> deltagym.v1.GetSandboxRequest
+	35, // 53: deltagym.v1.EnvService.ListSandboxes:input_type -> deltagym.v1.ListSandboxesRequest
+	37, // 54: deltagym.v1.EnvService.ListCheckpoints:input_type -> deltagym.v1.ListCheckpointsRequest
+	40, // 55: deltagym.v1.EnvService.DiffCheckpoints:input_type -> deltagym.v1.DiffCheckpointsRequest
+	3,  // 56: deltagym.v1.EnvService.ListEnvs:output_type -> deltagym.v1.ListEnvsResponse
+	5,  // 57: deltagym.v1.EnvService.RegisterEnv:output_type -> deltagym.v1.RegisterEnvResponse
+	7,  // 58: deltagym.v1.EnvService.ImportImage:output_type -> deltagym.v1.ImportImageResponse
+	9,  // 59: deltagym.v1.EnvService.Reset:output_type -> deltagym.v1.ResetResponse
+	11, // 60: deltagym.v1.EnvService.Step:output_type -> deltagym.v1.StepResponse
+	16, // 61: deltagym.v1.EnvService.StepStream:output_type -> deltagym.v1.StepStreamResponse
+	13, // 62: deltagym.v1.EnvService.StreamStep:output_type -> deltagym.v1.StreamStepResponse
+	19, // 63: deltagym.v1.EnvService.Checkpoint:output_type -> deltagym.v1.CheckpointResponse
+	21, // 64: deltagym.v1.EnvService.Restore:output_type -> deltagym.v1.RestoreResponse
+	23, // 65: deltagym.v1.EnvService.Fork:output_type -> deltagym.v1.ForkResponse
+	25, // 66: deltagym.v1.EnvService.ReleaseCheckpoint:output_type -> deltagym.v1.ReleaseCheckpointResponse
+	27, // 67: deltagym.v1.EnvService.Evaluate:output_type -> deltagym.v1.EvaluateResponse
+	29, // 68: deltagym.v1.EnvService.Close:output_type -> deltagym.v1.CloseResponse
+	31, // 69: deltagym.v1.EnvService.Heartbeat:output_type -> deltagym.v1.HeartbeatResponse
+	34, // 70: deltagym.v1.EnvService.GetSandbox:output_type -> deltagym.v1.GetSandboxResponse
+	36, // 71: deltagym.v1.EnvService.ListSandboxes:output_type -> deltagym.v1.ListSandboxesResponse
+	38, // 72: deltagym.v1.EnvService.ListCheckpoints:output_type -> deltagym.v1.ListCheckpointsResponse
+	41, // 73: deltagym.v1.EnvService.DiffCheckpoints:output_type -> deltagym.v1.DiffCheckpointsResponse
+	56, // [56:74] is the sub-list for method output_type
+	38, // [38:56] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_env_service_proto_init() }
@@ -3159,6 +3462,7 @@ func file_deltagym_v1_env_service_proto_init() {
 	}
 	file_deltagym_v1_action_proto_init()
 	file_deltagym_v1_env_proto_init()
+	file_deltagym_v1_state_proto_init()
 	file_deltagym_v1_env_service_proto_msgTypes[6].OneofWrappers = []any{}
 	file_deltagym_v1_env_service_proto_msgTypes[11].OneofWrappers = []any{
 		(*StreamStepResponse_Output)(nil),
@@ -3178,7 +3482,7 @@ func file_deltagym_v1_env_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deltagym_v1_env_service_proto_rawDesc), len(file_deltagym_v1_env_service_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   42,
+			NumMessages:   44,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -36,6 +36,7 @@ const (
 	EnvService_GetSandbox_FullMethodName        = "/deltagym.v1.EnvService/GetSandbox"
 	EnvService_ListSandboxes_FullMethodName     = "/deltagym.v1.EnvService/ListSandboxes"
 	EnvService_ListCheckpoints_FullMethodName   = "/deltagym.v1.EnvService/ListCheckpoints"
+	EnvService_DiffCheckpoints_FullMethodName   = "/deltagym.v1.EnvService/DiffCheckpoints"
 )
 
 // EnvServiceClient is the client API for EnvService service.
@@ -104,6 +105,12 @@ type EnvServiceClient interface {
 	// was taken and what keeps it from expiring: what to release when the
 	// checkpoint cap refuses a Checkpoint.
 	ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error)
+	// DiffCheckpoints compares two checkpoints of one env: the paths added,
+	// removed and changed from the base to the checkpoint, and the processes
+	// that came, went or changed. It reads the checkpoints' digests' per-path
+	// indexes, not their whole trees, and file contents only for the details
+	// asked.
+	DiffCheckpoints(ctx context.Context, in *DiffCheckpointsRequest, opts ...grpc.CallOption) (*DiffCheckpointsResponse, error)
 }
 
 type envServiceClient struct {
@@ -296,6 +303,16 @@ func (c *envServiceClient) ListCheckpoints(ctx context.Context, in *ListCheckpoi
 	return out, nil
 }
 
+func (c *envServiceClient) DiffCheckpoints(ctx context.Context, in *DiffCheckpointsRequest, opts ...grpc.CallOption) (*DiffCheckpointsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DiffCheckpointsResponse)
+	err := c.cc.Invoke(ctx, EnvService_DiffCheckpoints_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // EnvServiceServer is the server API for EnvService service.
 // All implementations must embed UnimplementedEnvServiceServer
 // for forward compatibility.
@@ -362,6 +379,12 @@ type EnvServiceServer interface {
 	// was taken and what keeps it from expiring: what to release when the
 	// checkpoint cap refuses a Checkpoint.
 	ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error)
+	// DiffCheckpoints compares two checkpoints of one env: the paths added,
+	// removed and changed from the base to the checkpoint, and the processes
+	// that came, went or changed. It reads the checkpoints' digests' per-path
+	// indexes, not their whole trees, and file contents only for the details
+	// asked.
+	DiffCheckpoints(context.Context, *DiffCheckpointsRequest) (*DiffCheckpointsResponse, error)
 	mustEmbedUnimplementedEnvServiceServer()
 }
 
@@ -422,6 +445,9 @@ func (UnimplementedEnvServiceServer) ListSandboxes(context.Context, *ListSandbox
 }
 func (UnimplementedEnvServiceServer) ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListCheckpoints not implemented")
+}
+func (UnimplementedEnvServiceServer) DiffCheckpoints(context.Context, *DiffCheckpointsRequest) (*DiffCheckpointsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DiffCheckpoints not implemented")
 }
 func (UnimplementedEnvServiceServer) mustEmbedUnimplementedEnvServiceServer() {}
 func (UnimplementedEnvServiceServer) testEmbeddedByValue()                    {}
@@ -732,6 +758,24 @@ func _EnvService_ListCheckpoints_Handler(srv interface{}, ctx context.Context, d
 	return interceptor(ctx, in, info, handler)
 }
 
+func _EnvService_DiffCheckpoints_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DiffCheckpointsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(EnvServiceServer).DiffCheckpoints(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: EnvService_DiffCheckpoints_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(EnvServiceServer).DiffCheckpoints(ctx, req.(*DiffCheckpointsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // EnvService_ServiceDesc is the grpc.ServiceDesc for EnvService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -798,6 +842,10 @@ var EnvService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListCheckpoints",
 			Handler:    _EnvService_ListCheckpoints_Handler,
+		},
+		{
+			MethodName: "DiffCheckpoints",
+			Handler:    _EnvService_DiffCheckpoints_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

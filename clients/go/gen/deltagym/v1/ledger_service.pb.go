@@ -677,7 +677,12 @@ type CheckpointNode struct {
 	CreateTime *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=create_time,json=createTime,proto3" json:"create_time,omitempty"`
 	// released is set once it was released or expired; it can no longer be
 	// restored.
-	Released      bool `protobuf:"varint,8,opt,name=released,proto3" json:"released,omitempty"`
+	Released bool `protobuf:"varint,8,opt,name=released,proto3" json:"released,omitempty"`
+	// parent_ids lists every checkpoint it was reached from, parent_id first:
+	// more than one when a deduplicating Checkpoint found its state again.
+	ParentIds []string `protobuf:"bytes,9,rep,name=parent_ids,json=parentIds,proto3" json:"parent_ids,omitempty"`
+	// digest is its state digest; unset until computed.
+	Digest        *StateDigest `protobuf:"bytes,10,opt,name=digest,proto3" json:"digest,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -766,6 +771,20 @@ func (x *CheckpointNode) GetReleased() bool {
 		return x.Released
 	}
 	return false
+}
+
+func (x *CheckpointNode) GetParentIds() []string {
+	if x != nil {
+		return x.ParentIds
+	}
+	return nil
+}
+
+func (x *CheckpointNode) GetDigest() *StateDigest {
+	if x != nil {
+		return x.Digest
+	}
+	return nil
 }
 
 // ListEpisodesRequest is the request of ListEpisodes. Empty filters match
@@ -1472,7 +1491,7 @@ var File_deltagym_v1_ledger_service_proto protoreflect.FileDescriptor
 
 const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\n" +
-	" deltagym/v1/ledger_service.proto\x12\vdeltagym.v1\x1a\x18deltagym/v1/action.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8c\x05\n" +
+	" deltagym/v1/ledger_service.proto\x12\vdeltagym.v1\x1a\x18deltagym/v1/action.proto\x1a\x17deltagym/v1/state.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8c\x05\n" +
 	"\aEpisode\x12\x1d\n" +
 	"\n" +
 	"episode_id\x18\x01 \x01(\tR\tepisodeId\x12\x10\n" +
@@ -1524,7 +1543,7 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"\rcheckpoint_id\x18\r \x01(\tR\fcheckpointId\x123\n" +
 	"\x16action_bulk_size_bytes\x18\x0e \x01(\x03R\x13actionBulkSizeBytes\x12,\n" +
 	"\x12action_bulk_sha256\x18\x0f \x01(\tR\x10actionBulkSha256\x12\x14\n" +
-	"\x05setup\x18\x10 \x01(\bR\x05setup\"\xb9\x02\n" +
+	"\x05setup\x18\x10 \x01(\bR\x05setup\"\x8a\x03\n" +
 	"\x0eCheckpointNode\x12#\n" +
 	"\rcheckpoint_id\x18\x01 \x01(\tR\fcheckpointId\x12\x1b\n" +
 	"\tparent_id\x18\x02 \x01(\tR\bparentId\x12/\n" +
@@ -1537,7 +1556,11 @@ const file_deltagym_v1_ledger_service_proto_rawDesc = "" +
 	"step_index\x18\x06 \x01(\x05R\tstepIndex\x12;\n" +
 	"\vcreate_time\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"createTime\x12\x1a\n" +
-	"\breleased\x18\b \x01(\bR\breleased\"\x90\x01\n" +
+	"\breleased\x18\b \x01(\bR\breleased\x12\x1d\n" +
+	"\n" +
+	"parent_ids\x18\t \x03(\tR\tparentIds\x120\n" +
+	"\x06digest\x18\n" +
+	" \x01(\v2\x18.deltagym.v1.StateDigestR\x06digest\"\x90\x01\n" +
 	"\x13ListEpisodesRequest\x12\x10\n" +
 	"\x03run\x18\x01 \x01(\tR\x03run\x12\x19\n" +
 	"\bgroup_id\x18\x02 \x01(\tR\agroupId\x12\x10\n" +
@@ -1647,6 +1670,7 @@ var file_deltagym_v1_ledger_service_proto_goTypes = []any{
 	(*timestamppb.Timestamp)(nil),      // 18: google.protobuf.Timestamp
 	(*Action)(nil),                     // 19: deltagym.v1.Action
 	(*Observation)(nil),                // 20: deltagym.v1.Observation
+	(*StateDigest)(nil),                // 21: deltagym.v1.StateDigest
 }
 var file_deltagym_v1_ledger_service_proto_depIdxs = []int32{
 	0,  // 0: deltagym.v1.Episode.status:type_name -> deltagym.v1.EpisodeStatus
@@ -1660,26 +1684,27 @@ var file_deltagym_v1_ledger_service_proto_depIdxs = []int32{
 	18, // 8: deltagym.v1.TrajectoryStep.start_time:type_name -> google.protobuf.Timestamp
 	2,  // 9: deltagym.v1.CheckpointNode.kind:type_name -> deltagym.v1.CheckpointKind
 	18, // 10: deltagym.v1.CheckpointNode.create_time:type_name -> google.protobuf.Timestamp
-	3,  // 11: deltagym.v1.ListEpisodesResponse.episodes:type_name -> deltagym.v1.Episode
-	3,  // 12: deltagym.v1.GetTrajectoryResponse.episode:type_name -> deltagym.v1.Episode
-	5,  // 13: deltagym.v1.GetTrajectoryResponse.steps:type_name -> deltagym.v1.TrajectoryStep
-	6,  // 14: deltagym.v1.GetCheckpointTreeResponse.nodes:type_name -> deltagym.v1.CheckpointNode
-	14, // 15: deltagym.v1.GetGroupAdvantagesResponse.advantages:type_name -> deltagym.v1.GroupAdvantage
-	7,  // 16: deltagym.v1.LedgerService.ListEpisodes:input_type -> deltagym.v1.ListEpisodesRequest
-	9,  // 17: deltagym.v1.LedgerService.GetTrajectory:input_type -> deltagym.v1.GetTrajectoryRequest
-	11, // 18: deltagym.v1.LedgerService.GetCheckpointTree:input_type -> deltagym.v1.GetCheckpointTreeRequest
-	13, // 19: deltagym.v1.LedgerService.GetGroupAdvantages:input_type -> deltagym.v1.GetGroupAdvantagesRequest
-	16, // 20: deltagym.v1.LedgerService.ReportReward:input_type -> deltagym.v1.ReportRewardRequest
-	8,  // 21: deltagym.v1.LedgerService.ListEpisodes:output_type -> deltagym.v1.ListEpisodesResponse
-	10, // 22: deltagym.v1.LedgerService.GetTrajectory:output_type -> deltagym.v1.GetTrajectoryResponse
-	12, // 23: deltagym.v1.LedgerService.GetCheckpointTree:output_type -> deltagym.v1.GetCheckpointTreeResponse
-	15, // 24: deltagym.v1.LedgerService.GetGroupAdvantages:output_type -> deltagym.v1.GetGroupAdvantagesResponse
-	17, // 25: deltagym.v1.LedgerService.ReportReward:output_type -> deltagym.v1.ReportRewardResponse
-	21, // [21:26] is the sub-list for method output_type
-	16, // [16:21] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	21, // 11: deltagym.v1.CheckpointNode.digest:type_name -> deltagym.v1.StateDigest
+	3,  // 12: deltagym.v1.ListEpisodesResponse.episodes:type_name -> deltagym.v1.Episode
+	3,  // 13: deltagym.v1.GetTrajectoryResponse.episode:type_name -> deltagym.v1.Episode
+	5,  // 14: deltagym.v1.GetTrajectoryResponse.steps:type_name -> deltagym.v1.TrajectoryStep
+	6,  // 15: deltagym.v1.GetCheckpointTreeResponse.nodes:type_name -> deltagym.v1.CheckpointNode
+	14, // 16: deltagym.v1.GetGroupAdvantagesResponse.advantages:type_name -> deltagym.v1.GroupAdvantage
+	7,  // 17: deltagym.v1.LedgerService.ListEpisodes:input_type -> deltagym.v1.ListEpisodesRequest
+	9,  // 18: deltagym.v1.LedgerService.GetTrajectory:input_type -> deltagym.v1.GetTrajectoryRequest
+	11, // 19: deltagym.v1.LedgerService.GetCheckpointTree:input_type -> deltagym.v1.GetCheckpointTreeRequest
+	13, // 20: deltagym.v1.LedgerService.GetGroupAdvantages:input_type -> deltagym.v1.GetGroupAdvantagesRequest
+	16, // 21: deltagym.v1.LedgerService.ReportReward:input_type -> deltagym.v1.ReportRewardRequest
+	8,  // 22: deltagym.v1.LedgerService.ListEpisodes:output_type -> deltagym.v1.ListEpisodesResponse
+	10, // 23: deltagym.v1.LedgerService.GetTrajectory:output_type -> deltagym.v1.GetTrajectoryResponse
+	12, // 24: deltagym.v1.LedgerService.GetCheckpointTree:output_type -> deltagym.v1.GetCheckpointTreeResponse
+	15, // 25: deltagym.v1.LedgerService.GetGroupAdvantages:output_type -> deltagym.v1.GetGroupAdvantagesResponse
+	17, // 26: deltagym.v1.LedgerService.ReportReward:output_type -> deltagym.v1.ReportRewardResponse
+	22, // [22:27] is the sub-list for method output_type
+	17, // [17:22] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_deltagym_v1_ledger_service_proto_init() }
@@ -1688,6 +1713,7 @@ func file_deltagym_v1_ledger_service_proto_init() {
 		return
 	}
 	file_deltagym_v1_action_proto_init()
+	file_deltagym_v1_state_proto_init()
 	file_deltagym_v1_ledger_service_proto_msgTypes[0].OneofWrappers = []any{}
 	file_deltagym_v1_ledger_service_proto_msgTypes[8].OneofWrappers = []any{
 		(*GetCheckpointTreeRequest_Run)(nil),

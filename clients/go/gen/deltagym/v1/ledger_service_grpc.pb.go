@@ -40,7 +40,10 @@ type LedgerServiceClient interface {
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(ctx context.Context, in *GetTrajectoryRequest, opts ...grpc.CallOption) (*GetTrajectoryResponse, error)
 	// GetCheckpointTree returns the checkpoints of a run or of an episode's
-	// lineage, with their parent links.
+	// lineage, with their parent links. A checkpoint found again by a
+	// deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
+	// from each checkpoint it was reached from, so the tree is a directed
+	// acyclic graph.
 	GetCheckpointTree(ctx context.Context, in *GetCheckpointTreeRequest, opts ...grpc.CallOption) (*GetCheckpointTreeResponse, error)
 	// GetGroupAdvantages computes group-relative advantages (GRPO) of the
 	// episodes of a group.
@@ -122,7 +125,10 @@ type LedgerServiceServer interface {
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(context.Context, *GetTrajectoryRequest) (*GetTrajectoryResponse, error)
 	// GetCheckpointTree returns the checkpoints of a run or of an episode's
-	// lineage, with their parent links.
+	// lineage, with their parent links. A checkpoint found again by a
+	// deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
+	// from each checkpoint it was reached from, so the tree is a directed
+	// acyclic graph.
 	GetCheckpointTree(context.Context, *GetCheckpointTreeRequest) (*GetCheckpointTreeResponse, error)
 	// GetGroupAdvantages computes group-relative advantages (GRPO) of the
 	// episodes of a group.

@@ -70,6 +70,9 @@ const (
 	// EnvServiceListCheckpointsProcedure is the fully-qualified name of the EnvService's
 	// ListCheckpoints RPC.
 	EnvServiceListCheckpointsProcedure = "/deltagym.v1.EnvService/ListCheckpoints"
+	// EnvServiceDiffCheckpointsProcedure is the fully-qualified name of the EnvService's
+	// DiffCheckpoints RPC.
+	EnvServiceDiffCheckpointsProcedure = "/deltagym.v1.EnvService/DiffCheckpoints"
 )
 
 // EnvServiceClient is a client for the deltagym.v1.EnvService service.
@@ -129,6 +132,12 @@ type EnvServiceClient interface {
 	// was taken and what keeps it from expiring: what to release when the
 	// checkpoint cap refuses a Checkpoint.
 	ListCheckpoints(context.Context, *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error)
+	// DiffCheckpoints compares two checkpoints of one env: the paths added,
+	// removed and changed from the base to the checkpoint, and the processes
+	// that came, went or changed. It reads the checkpoints' digests' per-path
+	// indexes, not their whole trees, and file contents only for the details
+	// asked.
+	DiffCheckpoints(context.Context, *connect.Request[v1.DiffCheckpointsRequest]) (*connect.Response[v1.DiffCheckpointsResponse], error)
 }
 
 // NewEnvServiceClient constructs a client for the deltagym.v1.EnvService service. By default, it
@@ -244,6 +253,12 @@ func NewEnvServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithSchema(envServiceMethods.ByName("ListCheckpoints")),
 			connect.WithClientOptions(opts...),
 		),
+		diffCheckpoints: connect.NewClient[v1.DiffCheckpointsRequest, v1.DiffCheckpointsResponse](
+			httpClient,
+			baseURL+EnvServiceDiffCheckpointsProcedure,
+			connect.WithSchema(envServiceMethods.ByName("DiffCheckpoints")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -266,6 +281,7 @@ type envServiceClient struct {
 	getSandbox        *connect.Client[v1.GetSandboxRequest, v1.GetSandboxResponse]
 	listSandboxes     *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
 	listCheckpoints   *connect.Client[v1.ListCheckpointsRequest, v1.ListCheckpointsResponse]
+	diffCheckpoints   *connect.Client[v1.DiffCheckpointsRequest, v1.DiffCheckpointsResponse]
 }
 
 // ListEnvs calls deltagym.v1.EnvService.ListEnvs.
@@ -353,6 +369,11 @@ func (c *envServiceClient) ListCheckpoints(ctx context.Context, req *connect.Req
 	return c.listCheckpoints.CallUnary(ctx, req)
 }
 
+// DiffCheckpoints calls deltagym.v1.EnvService.DiffCheckpoints.
+func (c *envServiceClient) DiffCheckpoints(ctx context.Context, req *connect.Request[v1.DiffCheckpointsRequest]) (*connect.Response[v1.DiffCheckpointsResponse], error) {
+	return c.diffCheckpoints.CallUnary(ctx, req)
+}
+
 // EnvServiceHandler is an implementation of the deltagym.v1.EnvService service.
 type EnvServiceHandler interface {
 	// ListEnvs returns the catalog with the state of each env's warm pool.
@@ -410,6 +431,12 @@ type EnvServiceHandler interface {
 	// was taken and what keeps it from expiring: what to release when the
 	// checkpoint cap refuses a Checkpoint.
 	ListCheckpoints(context.Context, *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error)
+	// DiffCheckpoints compares two checkpoints of one env: the paths added,
+	// removed and changed from the base to the checkpoint, and the processes
+	// that came, went or changed. It reads the checkpoints' digests' per-path
+	// indexes, not their whole trees, and file contents only for the details
+	// asked.
+	DiffCheckpoints(context.Context, *connect.Request[v1.DiffCheckpointsRequest]) (*connect.Response[v1.DiffCheckpointsResponse], error)
 }
 
 // NewEnvServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -521,6 +548,12 @@ func NewEnvServiceHandler(svc EnvServiceHandler, opts ...connect.HandlerOption) 
 		connect.WithSchema(envServiceMethods.ByName("ListCheckpoints")),
 		connect.WithHandlerOptions(opts...),
 	)
+	envServiceDiffCheckpointsHandler := connect.NewUnaryHandler(
+		EnvServiceDiffCheckpointsProcedure,
+		svc.DiffCheckpoints,
+		connect.WithSchema(envServiceMethods.ByName("DiffCheckpoints")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/deltagym.v1.EnvService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case EnvServiceListEnvsProcedure:
@@ -557,6 +590,8 @@ func NewEnvServiceHandler(svc EnvServiceHandler, opts ...connect.HandlerOption) 
 			envServiceListSandboxesHandler.ServeHTTP(w, r)
 		case EnvServiceListCheckpointsProcedure:
 			envServiceListCheckpointsHandler.ServeHTTP(w, r)
+		case EnvServiceDiffCheckpointsProcedure:
+			envServiceDiffCheckpointsHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -632,4 +667,8 @@ func (UnimplementedEnvServiceHandler) ListSandboxes(context.Context, *connect.Re
 
 func (UnimplementedEnvServiceHandler) ListCheckpoints(context.Context, *connect.Request[v1.ListCheckpointsRequest]) (*connect.Response[v1.ListCheckpointsResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.EnvService.ListCheckpoints is not implemented"))
+}
+
+func (UnimplementedEnvServiceHandler) DiffCheckpoints(context.Context, *connect.Request[v1.DiffCheckpointsRequest]) (*connect.Response[v1.DiffCheckpointsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("deltagym.v1.EnvService.DiffCheckpoints is not implemented"))
 }

@@ -59,7 +59,10 @@ type LedgerServiceClient interface {
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
 	// GetCheckpointTree returns the checkpoints of a run or of an episode's
-	// lineage, with their parent links.
+	// lineage, with their parent links. A checkpoint found again by a
+	// deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
+	// from each checkpoint it was reached from, so the tree is a directed
+	// acyclic graph.
 	GetCheckpointTree(context.Context, *connect.Request[v1.GetCheckpointTreeRequest]) (*connect.Response[v1.GetCheckpointTreeResponse], error)
 	// GetGroupAdvantages computes group-relative advantages (GRPO) of the
 	// episodes of a group.
@@ -156,7 +159,10 @@ type LedgerServiceHandler interface {
 	// GetTrajectory returns an episode and its steps, in order.
 	GetTrajectory(context.Context, *connect.Request[v1.GetTrajectoryRequest]) (*connect.Response[v1.GetTrajectoryResponse], error)
 	// GetCheckpointTree returns the checkpoints of a run or of an episode's
-	// lineage, with their parent links.
+	// lineage, with their parent links. A checkpoint found again by a
+	// deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
+	// from each checkpoint it was reached from, so the tree is a directed
+	// acyclic graph.
 	GetCheckpointTree(context.Context, *connect.Request[v1.GetCheckpointTreeRequest]) (*connect.Response[v1.GetCheckpointTreeResponse], error)
 	// GetGroupAdvantages computes group-relative advantages (GRPO) of the
 	// episodes of a group.

@@ -2,6 +2,7 @@ import datetime
 
 from deltagym._proto.deltagym.v1 import action_pb2 as _action_pb2
 from deltagym._proto.deltagym.v1 import env_pb2 as _env_pb2
+from deltagym._proto.deltagym.v1 import state_pb2 as _state_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -129,23 +130,27 @@ class ResetResponse(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., info: _Optional[_Mapping[str, str]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("sandbox_id", "action", "checkpoint", "restore_checkpoint_id", "restore_fresh_entropy", "setup")
+    __slots__ = ("sandbox_id", "action", "checkpoint", "restore_checkpoint_id", "restore_fresh_entropy", "checkpoint_wait_for_digest", "checkpoint_dedupe", "setup")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FRESH_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_WAIT_FOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DEDUPE_FIELD_NUMBER: _ClassVar[int]
     SETUP_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     action: _action_pb2.Action
     checkpoint: bool
     restore_checkpoint_id: str
     restore_fresh_entropy: bool
+    checkpoint_wait_for_digest: bool
+    checkpoint_dedupe: bool
     setup: bool
-    def __init__(self, sandbox_id: _Optional[str] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., checkpoint: _Optional[bool] = ..., restore_checkpoint_id: _Optional[str] = ..., restore_fresh_entropy: _Optional[bool] = ..., setup: _Optional[bool] = ...) -> None: ...
+    def __init__(self, sandbox_id: _Optional[str] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., checkpoint: _Optional[bool] = ..., restore_checkpoint_id: _Optional[str] = ..., restore_fresh_entropy: _Optional[bool] = ..., checkpoint_wait_for_digest: _Optional[bool] = ..., checkpoint_dedupe: _Optional[bool] = ..., setup: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "reward", "terminated", "truncated", "checkpoint_id", "info", "step_index", "episode_id", "steps_left")
+    __slots__ = ("observation", "reward", "terminated", "truncated", "checkpoint_id", "info", "step_index", "episode_id", "steps_left", "checkpoint_digest", "checkpoint_deduplicated")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +167,8 @@ class StepResponse(_message.Message):
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     observation: _action_pb2.Observation
     reward: float
     terminated: bool
@@ -171,7 +178,9 @@ class StepResponse(_message.Message):
     step_index: int
     episode_id: str
     steps_left: int
-    def __init__(self, observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., checkpoint_id: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., step_index: _Optional[int] = ..., episode_id: _Optional[str] = ..., steps_left: _Optional[int] = ...) -> None: ...
+    checkpoint_digest: _state_pb2.StateDigest
+    checkpoint_deduplicated: bool
+    def __init__(self, observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., checkpoint_id: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., step_index: _Optional[int] = ..., episode_id: _Optional[str] = ..., steps_left: _Optional[int] = ..., checkpoint_digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ..., checkpoint_deduplicated: _Optional[bool] = ...) -> None: ...
 
 class StreamStepRequest(_message.Message):
     __slots__ = ("step",)
@@ -224,28 +233,36 @@ class ErrorStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("sandbox_id", "durable", "process_mode")
+    __slots__ = ("sandbox_id", "durable", "process_mode", "wait_for_digest", "dedupe")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_MODE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEDUPE_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     durable: bool
     process_mode: _env_pb2.ProcessMode
-    def __init__(self, sandbox_id: _Optional[str] = ..., durable: _Optional[bool] = ..., process_mode: _Optional[_Union[_env_pb2.ProcessMode, str]] = ...) -> None: ...
+    wait_for_digest: bool
+    dedupe: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., durable: _Optional[bool] = ..., process_mode: _Optional[_Union[_env_pb2.ProcessMode, str]] = ..., wait_for_digest: _Optional[bool] = ..., dedupe: _Optional[bool] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_id", "depth", "processes", "durable")
+    __slots__ = ("checkpoint_id", "parent_id", "depth", "processes", "durable", "digest", "deduplicated")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_id: str
     depth: int
     processes: _containers.RepeatedCompositeFieldContainer[_env_pb2.ProcessCapture]
     durable: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., depth: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[_env_pb2.ProcessCapture, _Mapping]]] = ..., durable: _Optional[bool] = ...) -> None: ...
+    digest: _state_pb2.StateDigest
+    deduplicated: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., depth: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[_env_pb2.ProcessCapture, _Mapping]]] = ..., durable: _Optional[bool] = ..., digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ..., deduplicated: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("sandbox_id", "checkpoint_id", "fresh_entropy")
@@ -413,7 +430,7 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointSummary, _Mapping]]] = ...) -> None: ...
 
 class CheckpointSummary(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_id", "env", "episode_id", "run", "group_id", "step_index", "create_time", "size_bytes", "depth", "processes", "pinned", "live_descendants", "last_used_time", "expire_time")
+    __slots__ = ("checkpoint_id", "parent_id", "env", "episode_id", "run", "group_id", "step_index", "create_time", "size_bytes", "depth", "processes", "pinned", "live_descendants", "last_used_time", "expire_time", "digest")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +446,7 @@ class CheckpointSummary(_message.Message):
     LIVE_DESCENDANTS_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TIME_FIELD_NUMBER: _ClassVar[int]
     EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_id: str
     env: str
@@ -444,4 +462,33 @@ class CheckpointSummary(_message.Message):
     live_descendants: int
     last_used_time: _timestamp_pb2.Timestamp
     expire_time: _timestamp_pb2.Timestamp
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., env: _Optional[str] = ..., episode_id: _Optional[str] = ..., run: _Optional[str] = ..., group_id: _Optional[str] = ..., step_index: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., depth: _Optional[int] = ..., processes: _Optional[int] = ..., pinned: _Optional[bool] = ..., live_descendants: _Optional[int] = ..., last_used_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    digest: _state_pb2.StateDigest
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., env: _Optional[str] = ..., episode_id: _Optional[str] = ..., run: _Optional[str] = ..., group_id: _Optional[str] = ..., step_index: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., size_bytes: _Optional[int] = ..., depth: _Optional[int] = ..., processes: _Optional[int] = ..., pinned: _Optional[bool] = ..., live_descendants: _Optional[int] = ..., last_used_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ...) -> None: ...
+
+class DiffCheckpointsRequest(_message.Message):
+    __slots__ = ("base_checkpoint_id", "checkpoint_id", "detail", "path", "max_paths")
+    BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PATHS_FIELD_NUMBER: _ClassVar[int]
+    base_checkpoint_id: str
+    checkpoint_id: str
+    detail: _state_pb2.DiffDetail
+    path: str
+    max_paths: int
+    def __init__(self, base_checkpoint_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., detail: _Optional[_Union[_state_pb2.DiffDetail, str]] = ..., path: _Optional[str] = ..., max_paths: _Optional[int] = ...) -> None: ...
+
+class DiffCheckpointsResponse(_message.Message):
+    __slots__ = ("paths", "truncated", "processes", "base_digest", "digest")
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedCompositeFieldContainer[_state_pb2.PathChange]
+    truncated: bool
+    processes: _containers.RepeatedCompositeFieldContainer[_state_pb2.ProcessChange]
+    base_digest: _state_pb2.StateDigest
+    digest: _state_pb2.StateDigest
+    def __init__(self, paths: _Optional[_Iterable[_Union[_state_pb2.PathChange, _Mapping]]] = ..., truncated: _Optional[bool] = ..., processes: _Optional[_Iterable[_Union[_state_pb2.ProcessChange, _Mapping]]] = ..., base_digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ..., digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ...) -> None: ...

@@ -125,6 +125,11 @@ class EnvServiceStub:
                 request_serializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.DiffCheckpoints = channel.unary_unary(
+                '/deltagym.v1.EnvService/DiffCheckpoints',
+                request_serializer=deltagym_dot_v1_dot_env__service__pb2.DiffCheckpointsRequest.SerializeToString,
+                response_deserializer=deltagym_dot_v1_dot_env__service__pb2.DiffCheckpointsResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -276,6 +281,17 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DiffCheckpoints(self, request, context):
+        """DiffCheckpoints compares two checkpoints of one env: the paths added,
+        removed and changed from the base to the checkpoint, and the processes
+        that came, went or changed. It reads the checkpoints' digests' per-path
+        indexes, not their whole trees, and file contents only for the details
+        asked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -363,6 +379,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'DiffCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.DiffCheckpoints,
+                    request_deserializer=deltagym_dot_v1_dot_env__service__pb2.DiffCheckpointsRequest.FromString,
+                    response_serializer=deltagym_dot_v1_dot_env__service__pb2.DiffCheckpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -830,6 +851,33 @@ class EnvService:
             '/deltagym.v1.EnvService/ListCheckpoints',
             deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsRequest.SerializeToString,
             deltagym_dot_v1_dot_env__service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiffCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deltagym.v1.EnvService/DiffCheckpoints',
+            deltagym_dot_v1_dot_env__service__pb2.DiffCheckpointsRequest.SerializeToString,
+            deltagym_dot_v1_dot_env__service__pb2.DiffCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

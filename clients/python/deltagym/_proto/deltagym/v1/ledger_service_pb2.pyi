@@ -1,6 +1,7 @@
 import datetime
 
 from deltagym._proto.deltagym.v1 import action_pb2 as _action_pb2
+from deltagym._proto.deltagym.v1 import state_pb2 as _state_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -135,7 +136,7 @@ class TrajectoryStep(_message.Message):
     def __init__(self, step_index: _Optional[int] = ..., episode_id: _Optional[str] = ..., inherited: _Optional[bool] = ..., action: _Optional[_Union[_action_pb2.Action, _Mapping]] = ..., observation: _Optional[_Union[_action_pb2.Observation, _Mapping]] = ..., observation_size_bytes: _Optional[int] = ..., observation_sha256: _Optional[str] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., duration_seconds: _Optional[float] = ..., checkpoint_id: _Optional[str] = ..., action_bulk_size_bytes: _Optional[int] = ..., action_bulk_sha256: _Optional[str] = ..., setup: _Optional[bool] = ...) -> None: ...
 
 class CheckpointNode(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_id", "kind", "sandbox_id", "episode_id", "step_index", "create_time", "released")
+    __slots__ = ("checkpoint_id", "parent_id", "kind", "sandbox_id", "episode_id", "step_index", "create_time", "released", "parent_ids", "digest")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +145,8 @@ class CheckpointNode(_message.Message):
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_id: str
     kind: CheckpointKind
@@ -152,7 +155,9 @@ class CheckpointNode(_message.Message):
     step_index: int
     create_time: _timestamp_pb2.Timestamp
     released: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., sandbox_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., step_index: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., released: _Optional[bool] = ...) -> None: ...
+    parent_ids: _containers.RepeatedScalarFieldContainer[str]
+    digest: _state_pb2.StateDigest
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., sandbox_id: _Optional[str] = ..., episode_id: _Optional[str] = ..., step_index: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., released: _Optional[bool] = ..., parent_ids: _Optional[_Iterable[str]] = ..., digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ...) -> None: ...
 
 class ListEpisodesRequest(_message.Message):
     __slots__ = ("run", "group_id", "env", "page_size", "page_token")

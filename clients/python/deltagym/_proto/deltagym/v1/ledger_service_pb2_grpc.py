@@ -86,7 +86,10 @@ class LedgerServiceServicer:
 
     def GetCheckpointTree(self, request, context):
         """GetCheckpointTree returns the checkpoints of a run or of an episode's
-        lineage, with their parent links.
+        lineage, with their parent links. A checkpoint found again by a
+        deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
+        from each checkpoint it was reached from, so the tree is a directed
+        acyclic graph.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
