@@ -1,6 +1,7 @@
 package server
 
 import (
+	"errors"
 	"context"
 
 	"connectrpc.com/connect"
@@ -159,5 +160,5 @@ func (e *envService) ListSandboxes(ctx context.Context, req *connect.Request[del
 
 // DiffCheckpoints compares two checkpoints.
 func (e *envService) DiffCheckpoints(ctx context.Context, req *connect.Request[deltagymv1.DiffCheckpointsRequest]) (*connect.Response[deltagymv1.DiffCheckpointsResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, fmt.Errorf("DiffCheckpoints is not served by this server yet"))
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("DiffCheckpoints is not served by this server yet"))
 }
