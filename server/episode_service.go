@@ -1,8 +1,8 @@
 package server
 
 import (
-	"errors"
 	"context"
+	"errors"
 
 	"connectrpc.com/connect"
 	"go.opentelemetry.io/otel/attribute"
