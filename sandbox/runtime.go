@@ -74,6 +74,9 @@ type Config struct {
 	// CheckpointTTL released, once it is gone (on the runtime's own
 	// goroutine, with no lock held).
 	OnCheckpointExpired func(id string)
+	// OnStateDigest, if set, is called once with each checkpoint's state digest when it is
+	// computed (StateDigest), on the runtime's own goroutine with no lock held: for the ledger.
+	OnStateDigest func(id string, d StateDigest)
 	// DefaultDiskBytes is the writable layer's size when Limits has none.
 	DefaultDiskBytes int64
 	// DefaultInodes is the writable layer's inode limit (its files,

@@ -1,0 +1,109 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+)
+
+// StateDigest identifies the state a checkpoint holds: equal digests, equal states, however
+// they were reached. Files covers the merged tree: each path's type, permission bits, owner
+// and group as the sandbox sees them, content, symlink target and xattrs, not times. Processes
+// covers what the process capture describes stably; "" when the checkpoint holds no process.
+// Both are "sha256:" and 64 hex digits.
+type StateDigest struct {
+	Files     string
+	Processes string
+}
+
+// IsZero reports whether d is no digest (not computed yet).
+func (d StateDigest) IsZero() bool { return d.Files == "" }
+
+// ChangeKind is how a path or a process differs between two checkpoints.
+type ChangeKind int
+
+// Change kinds.
+const (
+	ChangeAdded ChangeKind = iota + 1
+	ChangeRemoved
+	ChangeModified
+)
+
+// DiffDetail is how much DiffCheckpoints says of each changed file.
+type DiffDetail int
+
+// Diff details.
+const (
+	// DiffPaths gives paths, types, sizes and modes.
+	DiffPaths DiffDetail = iota
+	// DiffLines also counts lines added and removed in text files of at most 64 KiB.
+	DiffLines
+	// DiffUnified also gives their unified diff (three lines of context).
+	DiffUnified
+)
+
+// DiffOptions shape a DiffCheckpoints.
+type DiffOptions struct {
+	Detail DiffDetail
+	// Path keeps changes at this absolute path and below; "": all.
+	Path string
+	// MaxPaths is the most path changes returned (Diff.Truncated past it); 0: 10,000.
+	MaxPaths int
+}
+
+// PathChange is one path that differs between two checkpoints.
+type PathChange struct {
+	Path             string // absolute in the sandbox
+	Kind             ChangeKind
+	OldType, NewType FileType // 0 when absent on that side
+	OldSize, NewSize int64
+	OldMode, NewMode uint32 // permission bits with setuid, setgid, sticky
+	// MetadataOnly: content and link target kept; mode, owner or xattrs changed.
+	MetadataOnly bool
+	// Binary (DiffLines and up): a regular file not text on either side, or over 64 KiB.
+	Binary                   bool
+	LinesAdded, LinesRemoved int
+	Unified                  string // DiffUnified, text files only
+}
+
+// ProcessChange is one process that differs between two checkpoints.
+type ProcessChange struct {
+	Kind    ChangeKind
+	Pid     int // in the sandbox's pid namespace
+	Command string
+	Details []string // what changed in a modified process, e.g. "cwd /a -> /b"
+}
+
+// Diff is what DiffCheckpoints found.
+type Diff struct {
+	Paths     []PathChange // sorted by path
+	Truncated bool
+	Processes []ProcessChange // sorted by pid
+	Base      StateDigest
+	Target    StateDigest
+}
+
+var errDigestUnbuilt = errors.New("state digests are not computed by this runtime")
+
+// StateDigest returns checkpoint id's digest, waiting until it is computed or ctx ends.
+// ErrNotFound for an unknown or released checkpoint.
+func (r *Runtime) StateDigest(ctx context.Context, id string) (StateDigest, error) {
+	return StateDigest{}, errDigestUnbuilt
+}
+
+// StateDigestReady returns checkpoint id's digest if it is computed, without waiting.
+func (r *Runtime) StateDigestReady(id string) (StateDigest, bool) { return StateDigest{}, false }
+
+// Dedupe waits for checkpoint id's digest and looks for another checkpoint of the same image
+// holding the same state (both digests equal). Found, it releases id, makes the sandbox that
+// took id descend from the one found (its next checkpoint's parent), and returns the one
+// found; otherwise it returns id's own info with dup false.
+func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, dup bool, err error) {
+	return CheckpointInfo{}, false, errDigestUnbuilt
+}
+
+// DiffCheckpoints compares checkpoint id against base (both held by the runtime, of the same
+// image): ErrNotFound for an unknown one, ErrInvalid for checkpoints of different images or a
+// bad path.
+func (r *Runtime) DiffCheckpoints(ctx context.Context, base, id string, opt DiffOptions) (Diff, error) {
+	return Diff{}, errDigestUnbuilt
+}
