@@ -92,7 +92,8 @@ class Progress:
         chosen: the cell it explored from.
         explore_steps: the steps this exploration took.
         reached: the cell of the state it ended in; None when the episode ended
-            (a submit, a budget), which leaves no state to return to.
+            (a submit, a budget), which leaves no state to return to, or when the
+            cell function gave None for it (a dead end).
         score: the score of that state (0.0 when the episode ended).
         new: the state was not in the archive.
         improved: the state was, and this way to it was better (higher score, or
@@ -178,7 +179,7 @@ class _Archive:
             cell.improved += 1
             self._hold(ck.id)
             return cell, False, True, self._drop(old)
-        return cell, False, False, self._unheld(ck.id)
+        return cell, False, False, self.unheld(ck.id)
 
     def _hold(self, id: str) -> None:
         self.holds[id] = self.holds.get(id, 0) + 1
@@ -187,9 +188,9 @@ class _Archive:
         self.holds[id] -= 1
         if self.holds[id] == 0:
             del self.holds[id]
-        return self._unheld(id)
+        return self.unheld(id)
 
-    def _unheld(self, id: str) -> list[str]:
+    def unheld(self, id: str) -> list[str]:
         """[id] when the search took it and no cell keeps it (it is then no longer its own)."""
         if id in self.own and id not in self.holds:
             self.own.discard(id)
@@ -280,8 +281,10 @@ class GoExplore(_Search["Sandbox"]):
         score: the score of the state the sandbox is in (higher is better);
             default the env verifier's reward (Sandbox.evaluate).
         cell: what identifies the state the sandbox is in (a hashable value; it may
-            run commands, as it runs after the checkpoint is taken); default the
-            checkpoint's state digest, which needs a server that computes them.
+            run commands, as it runs after the checkpoint is taken), or None for a
+            state not worth returning to (a dead end), which is not filed and whose
+            checkpoint is released; default the checkpoint's state digest, which
+            needs a server that computes them.
         dedupe: checkpoints answer with an existing checkpoint of the same state
             (Sandbox.checkpoint(dedupe=True)) instead of keeping a copy.
         explore_steps: the most actions taken from what the policy returns, per
@@ -322,6 +325,9 @@ class GoExplore(_Search["Sandbox"]):
         ck = self._checkpoint()
         score = self._score()
         key = self._cell(ck)
+        if key is None:  # a state the cell function says is not worth returning to
+            self._release(self.archive.unheld(ck.id))
+            return self._progress(chosen, took, None, score, False, False)
         reached, new, improved, drop = self.archive.offer(key, ck, score, chosen.steps + took, chosen.key,
                                                           self.iterations)
         self._release(drop)
@@ -439,6 +445,9 @@ class AsyncGoExplore(_Search["AsyncSandbox"]):
         ck = await self._checkpoint()
         score = await self._score()
         key = await self._cell(ck)
+        if key is None:  # a state the cell function says is not worth returning to
+            await self._release(self.archive.unheld(ck.id))
+            return self._progress(chosen, took, None, score, False, False)
         reached, new, improved, drop = self.archive.offer(key, ck, score, chosen.steps + took, chosen.key,
                                                           self.iterations)
         await self._release(drop)
