@@ -183,9 +183,10 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--attempts", type=int, default=50, help="stage attempts per trial, for each strategy")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--image", default="default", help="an image with python3 and git")
     args = ap.parse_args()
     with deltagym.Client() as client:
-        client.register_env(SPEC, replace=True)
+        client.register_env({**SPEC, "image": args.image}, replace=True)
         solved = {"git-diff restart": 0, "full checkpoint": 0}
         for t in range(args.trials):
             seed = args.seed * 1000 + t
