@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,8 @@ import deltagym
 from deltagym import Client, aio
 from deltagym.search import AsyncGoExplore, GoExplore, Progress, _Archive
 from deltagym.types import Checkpoint, StateDigest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def counter(sb: deltagym.Sandbox) -> int:
@@ -195,6 +199,21 @@ def test_async_search(server, client: Client) -> None:
         assert listed(client, run) == set()
 
     asyncio.run(main())
+
+
+def test_readme_example(server, client: Client, monkeypatch: pytest.MonkeyPatch,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    text = README.read_text().split("\n## Go-Explore over checkpoints\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```python\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
+    monkeypatch.setenv("DELTAGYM_ADDR", server.addr)
+    with deltagym.Sandbox.create("shell", client=client) as sb:
+        probe = client.checkpoint(sb.id, wait_for_digest=True)
+        client.release_checkpoint(probe.checkpoint_id)
+    if not probe.digest.files:
+        pytest.skip("this server computes no state digests yet")
+    exec(compile(block, str(README), "exec"), {"__name__": "readme"})  # the repository's own docs
+    score, steps, cells, reward = capsys.readouterr().out.split()
+    assert float(score) == 1.0 and int(steps) >= 2 and int(cells) >= 3 and float(reward) == 1.0
 
 
 # --- the archive on its own ------------------------------------------------------------------
