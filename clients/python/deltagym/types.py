@@ -561,7 +561,8 @@ def _stat_line(p: PathChange, detail: DiffDetail, width: int) -> str:
             plus = round(p.lines_added * _STAT_BAR / n)
             plus = min(max(plus, 1 if p.lines_added else 0), _STAT_BAR - (1 if p.lines_removed else 0))
             minus = _STAT_BAR - plus
-        return f"{name} | {n} {'+' * plus}{'-' * minus}".rstrip()
+        mode = f" (mode {p.old_mode:o} -> {p.new_mode:o})" if p.kind == "modified" and p.old_mode != p.new_mode else ""
+        return f"{name} | {n} {'+' * plus}{'-' * minus}".rstrip() + mode
     if p.kind == "added":
         return f"{name} | new {p.new_type or 'path'}, {p.new_size} bytes, mode {p.new_mode:o}"
     if p.kind == "removed":

@@ -153,8 +153,8 @@ def test_stat_reads_as_git_diff_stat() -> None:
     d = CheckpointDiff(
         base_checkpoint_id="ck-a", checkpoint_id="ck-b", detail="lines",
         paths=(
-            PathChange(path="/w/a.py", kind="modified", old_type="file", new_type="file", lines_added=3,
-                       lines_removed=1),
+            PathChange(path="/w/a.py", kind="modified", old_type="file", new_type="file", old_mode=0o644,
+                       new_mode=0o755, lines_added=3, lines_removed=1),
             PathChange(path="/w/big", kind="added", new_type="file", new_size=9, lines_added=100),
             PathChange(path="/w/img", kind="modified", old_type="file", new_type="file", old_size=10, new_size=20,
                        binary=True),
@@ -166,7 +166,7 @@ def test_stat_reads_as_git_diff_stat() -> None:
         processes=(ProcessChange(kind="modified", pid=7, command="python3 app.py", details=("cwd /a -> /b",)),),
     )
     assert str(d) == "\n".join([
-        " /w/a.py | 4 +++-",
+        " /w/a.py | 4 +++- (mode 644 -> 755)",
         " /w/big  | 100 " + "+" * 40,
         " /w/img  | Bin 10 -> 20 bytes",
         " /w/d    | new dir, 0 bytes, mode 755",
