@@ -383,9 +383,9 @@ type Runtime struct {
 	ret   retirement        // teardowns of closed sandboxes (retire.go)
 	jobs  ckptJobs          // flattening and state digests of checkpoints, in the background
 	folds *procstate.Folder // processes to fold into huge pages
-	done    chan struct{}
-	wg      sync.WaitGroup
-	hooks   testHooks
+	done  chan struct{}
+	wg    sync.WaitGroup
+	hooks testHooks
 	// xfer is what moving checkpoints between nodes keeps (transfer.go).
 	xfer transferState
 }
