@@ -39,6 +39,10 @@ type recorder struct {
 	// +checklocks:mu
 	released []string
 	// +checklocks:mu
+	digests map[string]ledger.Digest
+	// +checklocks:mu
+	edges []ledger.CheckpointEdge
+	// +checklocks:mu
 	unstored []string // the kinds of the rows tied to an answer recorded since the last Stored
 	// +checklocks:mu
 	stored []string // the kinds of those rows Stored stored
@@ -105,6 +109,24 @@ func (r *recorder) Reward(w ledger.RewardRow) error {
 	defer r.mu.Unlock()
 	r.rewards = append(r.rewards, w)
 	r.recorded("reward")
+	return nil
+}
+
+func (r *recorder) CheckpointDigest(id string, d ledger.Digest) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.digests == nil {
+		r.digests = map[string]ledger.Digest{}
+	}
+	r.digests[id] = d
+	return nil
+}
+
+func (r *recorder) CheckpointEdge(e ledger.CheckpointEdge) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.edges = append(r.edges, e)
+	r.recorded("edge")
 	return nil
 }
 
