@@ -92,7 +92,7 @@ func (c *Core) dedupe(ctx context.Context, b *box, t taken, p Place) (taken, err
 		return t, nil
 	}
 	if fp, ok := c.placeHeld(found.ID); ok && fp.Env == p.Env && sameTask(fp, p) {
-		if t.parent != "" && t.parent != found.ID && c.rec != nil {
+		if t.parent != "" && t.parent != found.ID && t.parent != found.Parent && c.rec != nil {
 			c.ledgerErr(c.rec.CheckpointEdge(ledger.CheckpointEdge{ChildID: found.ID, ParentID: t.parent, CreatedAt: time.Now()}))
 		}
 		return taken{info: found, parent: t.parent, digest: t.digest, dup: true}, nil
