@@ -114,13 +114,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore, Logger: cfg.Logger}
 	cfg.Admission.runtimeConfig(&rcfg, sandbox.ReadHost())
 	s.coreSet = make(chan struct{})
-	rcfg.OnCheckpointExpired = func(id string) {
-		select {
-		case <-s.coreSet:
-			s.core.CheckpointExpired(id)
-		default: // expired before the core started: no episode knew it
-		}
-	}
+	s.runtimeHooks(&rcfg)
 	s.rt, err = sandbox.New(ctx, rcfg)
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
@@ -140,6 +134,24 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	s.registerRuntimeMetrics()
 	s.handler = s.buildHandler()
 	return s, nil
+}
+
+// runtimeHooks points the runtime's hooks at the episode core, once it has started.
+func (s *Server) runtimeHooks(rcfg *sandbox.Config) {
+	rcfg.OnCheckpointExpired = func(id string) {
+		select {
+		case <-s.coreSet:
+			s.core.CheckpointExpired(id)
+		default: // expired before the core started: no episode knew it
+		}
+	}
+	rcfg.OnStateDigest = func(id string, d sandbox.StateDigest) {
+		select {
+		case <-s.coreSet:
+			s.core.StateDigest(id, d)
+		default: // a checkpoint of the previous run's, recomputed: its digest was recorded then
+		}
+	}
 }
 
 // identify settles the node's name, its token and its peers.

@@ -21,6 +21,8 @@ const (
 	recReward
 	recSandboxesEnded
 	recEgress
+	recDigest
+	recEdge
 )
 
 // sandboxesEnded records that sandboxes ended under their running episodes (a crash of the
@@ -36,6 +38,12 @@ type checkpointRelease struct {
 	At time.Time
 }
 
+// checkpointDigest records a checkpoint's state digest.
+type checkpointDigest struct {
+	ID     string
+	Digest Digest
+}
+
 // record is one row on its way to Postgres; exactly one of the pointers is set, per kind.
 type record struct {
 	seq     uint64
@@ -48,6 +56,8 @@ type record struct {
 	reward  *RewardRow
 	ended   *sandboxesEnded
 	egress  *EgressRow
+	digest  *checkpointDigest
+	edge    *CheckpointEdge
 }
 
 // Frame layout: payload length (u32 LE), CRC-32C of everything after the CRC (u32 LE),
@@ -182,6 +192,8 @@ func (r *record) appendPayload(b []byte) []byte {
 		}
 	case recEgress:
 		e.egress(r.egress)
+	case recDigest, recEdge:
+		e.graph(r)
 	}
 	return e.b
 }
@@ -214,15 +226,7 @@ func (r *record) decodePayload(b []byte) error {
 	case recRelease:
 		r.release = &checkpointRelease{ID: d.str(), At: d.time()}
 	case recSandboxesEnded:
-		e := &sandboxesEnded{}
-		if n := d.i64(); n > 0 && n < int64(len(b)) {
-			e.IDs = make([]string, n)
-			for i := range e.IDs {
-				e.IDs[i] = d.str()
-			}
-		}
-		e.At = d.time()
-		r.ended = e
+		r.ended = d.ended(len(b))
 	case recReward:
 		s := &RewardRow{EpisodeID: d.str()}
 		if d.bool() {
@@ -240,6 +244,8 @@ func (r *record) decodePayload(b []byte) error {
 		r.reward = s
 	case recEgress:
 		r.egress = d.egress()
+	case recDigest, recEdge:
+		d.graph(r)
 	default:
 		return fmt.Errorf("unknown record kind %d", r.kind)
 	}
@@ -253,6 +259,41 @@ func (r *record) decodePayload(b []byte) error {
 }
 
 type enc struct{ b []byte }
+
+// graph encodes a record of the checkpoint graph: a digest or an edge.
+func (e *enc) graph(r *record) {
+	if r.kind == recDigest {
+		e.str(r.digest.ID)
+		e.str(r.digest.Digest.Files)
+		e.str(r.digest.Digest.Processes)
+		return
+	}
+	e.str(r.edge.ChildID)
+	e.str(r.edge.ParentID)
+	e.time(r.edge.CreatedAt)
+}
+
+// ended decodes a recSandboxesEnded payload of size bytes.
+func (d *dec) ended(size int) *sandboxesEnded {
+	e := &sandboxesEnded{}
+	if n := d.i64(); n > 0 && n < int64(size) {
+		e.IDs = make([]string, n)
+		for i := range e.IDs {
+			e.IDs[i] = d.str()
+		}
+	}
+	e.At = d.time()
+	return e
+}
+
+// graph decodes what enc.graph encoded into r.
+func (d *dec) graph(r *record) {
+	if r.kind == recDigest {
+		r.digest = &checkpointDigest{ID: d.str(), Digest: Digest{Files: d.str(), Processes: d.str()}}
+		return
+	}
+	r.edge = &CheckpointEdge{ChildID: d.str(), ParentID: d.str(), CreatedAt: d.time()}
+}
 
 func (e *enc) str(s string) {
 	e.b = binary.AppendUvarint(e.b, uint64(len(s)))
