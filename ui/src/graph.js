@@ -17,10 +17,13 @@ export function digestKey(n) {
   return d && d.files ? `${d.files} ${d.processes || ''}` : null;
 }
 
-// ended says whether an episode's total_reward is final and counts towards node rewards:
-// it ended, and not on a failure of the server's (which group advantages leave out too).
+const finished = new Set(['EPISODE_STATUS_TERMINATED', 'EPISODE_STATUS_TRUNCATED', 'EPISODE_STATUS_FAILED']);
+
+// ended says whether an episode's total_reward is final and counts towards node rewards, as
+// group advantages count it: it terminated, was truncated or failed, and not on a failure of
+// the server's. A branched episode (ended by a Restore) has no reward of its own.
 export function ended(e) {
-  return e.status && e.status !== 'EPISODE_STATUS_RUNNING' && e.failureClass !== 'FAILURE_CLASS_INFRA';
+  return finished.has(e.status) && e.failureClass !== 'FAILURE_CLASS_INFRA';
 }
 
 // buildGraph turns GetCheckpointTree's nodes (parents before children) and the run's

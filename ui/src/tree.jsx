@@ -53,6 +53,9 @@ export function Tree({ graph, selected, onSelect }) {
                     {`${d.ids.join('\n')}\n${kind}, step ${d.members[0].stepIndex || 0}\nreward ${fmt(d.reward)} over ${d.count} episodes\n${d.started} episodes started here`}
                   </title>
                   <circle r={radius(d)} fill={colourOf(graph, d.reward)} />
+                  <text class="label" x={radius(d) + 3} y={-radius(d) + 1}>
+                    {kind === 'user' ? `s${d.members[0].stepIndex || 0}` : kind}
+                  </text>
                   {d.ids.length > 1 && (
                     <text class="count" dy="0.35em">
                       {d.ids.length}
