@@ -1,13 +1,14 @@
-// build.mjs bundles the web view into ../server/webui/dist: index.html and, under assets/,
+// build.mjs bundles the web view into ../server/webui/dist (or the directory its argument
+// names): index.html and, under assets/,
 // one script and one style sheet named by the hash of their contents (served as immutable).
 // The same sources give the same bytes: no time stamps, no absolute paths, no source maps.
 import { mkdir, readFile, rm, writeFile } from 'node:fs/promises';
-import { basename, dirname, join } from 'node:path';
+import { basename, dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import * as esbuild from 'esbuild';
 
 const here = dirname(fileURLToPath(import.meta.url));
-const out = join(here, '..', 'server', 'webui', 'dist');
+const out = process.argv[2] ? resolve(process.argv[2]) : join(here, '..', 'server', 'webui', 'dist');
 
 const result = await esbuild.build({
   absWorkingDir: here,
@@ -42,4 +43,4 @@ const page = (await readFile(join(here, 'index.html'), 'utf8'))
   .replace('{{JS}}', `assets/${names.JS}`)
   .replace('{{CSS}}', `assets/${names.CSS}`);
 await writeFile(join(out, 'index.html'), page);
-console.log(`webui: ${Object.values(names).join(', ')} in ${out}`);
+console.log(`webui: ${names.JS} and ${names.CSS} in ${out}`);
