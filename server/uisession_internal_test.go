@@ -39,7 +39,17 @@ type uiClient struct {
 	hc  *http.Client
 }
 
-func (c uiClient) do(method, path string, body string, hdr map[string]string, cookies ...*http.Cookie) (*http.Response, string) {
+// answer is what do returns of a response, read whole.
+type answer struct {
+	StatusCode int
+	Header     http.Header
+	Trailer    http.Header
+	cookies    []*http.Cookie
+}
+
+func (a answer) Cookies() []*http.Cookie { return a.cookies }
+
+func (c uiClient) do(method, path string, body string, hdr map[string]string, cookies ...*http.Cookie) (answer, string) {
 	c.t.Helper()
 	req, err := http.NewRequestWithContext(c.t.Context(), method, c.url+path, strings.NewReader(body))
 	if err != nil {
@@ -60,7 +70,7 @@ func (c uiClient) do(method, path string, body string, hdr map[string]string, co
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	return resp, string(b)
+	return answer{StatusCode: resp.StatusCode, Header: resp.Header, Trailer: resp.Trailer, cookies: resp.Cookies()}, string(b)
 }
 
 var jsonHdr = map[string]string{"Content-Type": "application/json"}

@@ -390,7 +390,10 @@ func plainHTTP(t *testing.T, b uiBundle, cookie string) {
 		if withCookie {
 			req.AddCookie(&http.Cookie{Name: "deltagym_session", Value: cookie})
 		}
-		resp := of(http.DefaultClient.Do(req)).in(t)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer resp.Body.Close()
 		body := of(io.ReadAll(resp.Body)).in(t)
 		// gRPC's status comes in a header or, after the body, in a trailer.

@@ -1,7 +1,6 @@
 package webui_test
 
 import (
-	"io"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -11,7 +10,13 @@ import (
 	"github.com/deltagym/deltagym/server/webui"
 )
 
-func get(t *testing.T, h http.Handler, method, path string, hdr ...string) (*http.Response, string) {
+// served is what get returns of an answer.
+type served struct {
+	StatusCode int
+	Header     http.Header
+}
+
+func get(t *testing.T, h http.Handler, method, path string, hdr ...string) (served, string) {
 	t.Helper()
 	r := httptest.NewRequestWithContext(t.Context(), method, path, nil)
 	for i := 0; i+1 < len(hdr); i += 2 {
@@ -19,12 +24,7 @@ func get(t *testing.T, h http.Handler, method, path string, hdr ...string) (*htt
 	}
 	w := httptest.NewRecorder()
 	h.ServeHTTP(w, r)
-	resp := w.Result()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp, string(b)
+	return served{StatusCode: w.Code, Header: w.Header()}, w.Body.String()
 }
 
 // TestServe checks what the page and its assets are served with: their types, the
