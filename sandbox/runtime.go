@@ -271,6 +271,8 @@ type checkpoint struct {
 	Created time.Time `json:"created"`
 	// Pinned checkpoints never expire (CheckpointOptions.Pinned).
 	Pinned bool `json:"pinned,omitempty"`
+	// Digest is its state digest once computed (digest_jobs.go). Guarded by Runtime.mu.
+	Digest *digestRec `json:"digest,omitempty"`
 	// Labels are the caller's (CheckpointInfo.Labels). Once the checkpoint is
 	// added, guarded by Runtime.mu and replaced, never changed in place.
 	Labels map[string]string `json:"labels,omitempty"`
@@ -378,14 +380,21 @@ type Runtime struct {
 
 	warm warmInits // ready inits (warm.go)
 
-	ret     retirement        // teardowns of closed sandboxes (retire.go)
-	flatSem chan struct{}     // one flattening at a time
-	folds   *procstate.Folder // processes to fold into huge pages
-	done    chan struct{}
-	wg      sync.WaitGroup
-	hooks   testHooks
+	ret   retirement        // teardowns of closed sandboxes (retire.go)
+	jobs  ckptJobs          // flattening and state digests of checkpoints, in the background
+	folds *procstate.Folder // processes to fold into huge pages
+	done  chan struct{}
+	wg    sync.WaitGroup
+	hooks testHooks
 	// xfer is what moving checkpoints between nodes keeps (transfer.go).
 	xfer transferState
+}
+
+// ckptJobs are the background work on checkpoints once taken.
+type ckptJobs struct {
+	flatSem chan struct{} // one flattening at a time
+	// digests are the checkpoints' state digests and indexes (digest_jobs.go).
+	digests *stateDigests
 }
 
 // procImages is the runtime's CRIU runner and the bookkeeping of the CRIU
@@ -451,7 +460,7 @@ func New(ctx context.Context, cfg Config) (*Runtime, error) {
 		cfg: cfg, log: log, store: filepath.Join(cfg.DataDir, "store"),
 		sandboxes: map[string]*Sandbox{}, images: map[string]*imageRec{}, ckpts: map[string]*checkpoint{},
 		flat: map[string]*checkpoint{}, flatBusy: map[string]bool{},
-		done: make(chan struct{}), flatSem: make(chan struct{}, 1), ret: retirement{slots: make(chan struct{}, retireSlots())},
+		done: make(chan struct{}), jobs: ckptJobs{flatSem: make(chan struct{}, 1), digests: newStateDigests()}, ret: retirement{slots: make(chan struct{}, retireSlots())},
 		ovl: overlays{links: overlay.NewLinks()}, hot: newHotSet(0),
 	}
 	ranges, dropped, err := hostRanges(hostIDFiles)
@@ -620,6 +629,10 @@ func (r *Runtime) startLoops() {
 	if r.cfg.CheckpointTTL > 0 {
 		r.wg.Add(1)
 		go r.expireLoop()
+	}
+	for range digestWorkers() {
+		r.wg.Add(1)
+		go r.stateDigestLoop()
 	}
 	if r.cfg.DigestAhead {
 		r.xfer.ahead = make(chan string, digestQueue)
@@ -910,6 +923,7 @@ func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
 		// restart would add its pools' checkpoints to those that never go.
 		c.Pinned = false
 		r.ckpts[c.ID] = &c
+		r.jobs.digests.add(c.ID, c.Digest)
 		r.pimg.bytes.Add(c.imageBytes())
 		for _, l := range c.Layers {
 			keep[l]++
@@ -1136,6 +1150,7 @@ func (r *Runtime) dropTemplatesLocked(c *checkpoint) {
 // +checklocks:r.mu
 func (r *Runtime) dropCheckpointLocked(c *checkpoint, unref bool) {
 	delete(r.ckpts, c.ID)
+	r.jobs.digests.drop(c.ID)
 	r.dropTemplatesLocked(c)
 	if len(c.Flat) > 0 {
 		k := stackKey(c.Layers)
@@ -1283,8 +1298,8 @@ func (r *Runtime) flatten(c *checkpoint, hot bool) {
 	go func() {
 		defer r.wg.Done()
 		defer unrefAll(r, c.Layers)
-		r.flatSem <- struct{}{}
-		defer func() { <-r.flatSem }()
+		r.jobs.flatSem <- struct{}{}
+		defer func() { <-r.jobs.flatSem }()
 		done := func() {
 			r.mu.Lock()
 			delete(r.flatBusy, c.ID)
@@ -1342,6 +1357,7 @@ func (r *Runtime) flatten(c *checkpoint, hot bool) {
 			r.log.Warn("recording flattened checkpoint", "checkpoint", c.ID, "err", err)
 		}
 		r.flat[stackKey(c.Layers)] = c
+		r.jobs.digests.alias(c.ID, stackKey(flat))
 	}()
 }
 
@@ -1419,6 +1435,7 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	}
 	r.mu.Lock()
 	r.ckpts[c.ID] = c
+	r.jobs.digests.add(c.ID, nil)
 	r.pimg.bytes.Add(c.imageBytes())
 	r.mu.Unlock()
 	return nil

@@ -2,7 +2,8 @@ package sandbox
 
 import (
 	"context"
-	"errors"
+	"fmt"
+	"time"
 )
 
 // StateDigest identifies the state a checkpoint holds: equal digests, equal states, however
@@ -82,28 +83,92 @@ type Diff struct {
 	Target    StateDigest
 }
 
-var errDigestUnbuilt = errors.New("state digests are not computed by this runtime")
-
 // StateDigest returns checkpoint id's digest, waiting until it is computed or ctx ends.
 // ErrNotFound for an unknown or released checkpoint.
 func (r *Runtime) StateDigest(ctx context.Context, id string) (StateDigest, error) {
-	return StateDigest{}, errDigestUnbuilt
+	ck := r.jobs.digests.get(id)
+	if ck == nil {
+		return StateDigest{}, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
+	}
+	select {
+	case <-ck.done:
+		if ck.err != nil {
+			return StateDigest{}, ck.err
+		}
+		return ck.d, nil
+	case <-ctx.Done():
+		return StateDigest{}, ctx.Err()
+	case <-r.done:
+		return StateDigest{}, fmt.Errorf("%w: the runtime is closed", ErrClosed)
+	}
 }
 
 // StateDigestReady returns checkpoint id's digest if it is computed, without waiting.
-func (r *Runtime) StateDigestReady(id string) (StateDigest, bool) { return StateDigest{}, false }
+func (r *Runtime) StateDigestReady(id string) (StateDigest, bool) {
+	ck := r.jobs.digests.get(id)
+	if ck == nil {
+		return StateDigest{}, false
+	}
+	select {
+	case <-ck.done:
+		return ck.d, ck.err == nil
+	default:
+		return StateDigest{}, false
+	}
+}
 
 // Dedupe waits for checkpoint id's digest and looks for another checkpoint of the same image
 // holding the same state (both digests equal). Found, it releases id, makes the sandbox that
 // took id descend from the one found (its next checkpoint's parent), and returns the one
 // found; otherwise it returns id's own info with dup false.
+//
+// Of several equal checkpoints the oldest is found. The found one counts as used (its TTL
+// starts again), and the sandbox's head moves to it, so it does not expire while the sandbox
+// lives. Two Dedupes that would each find the other's checkpoint run one after the other
+// (under Runtime.mu): the second finds the first's gone and keeps its own.
 func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, dup bool, err error) {
-	return CheckpointInfo{}, false, errDigestUnbuilt
-}
-
-// DiffCheckpoints compares checkpoint id against base (both held by the runtime, of the same
-// image): ErrNotFound for an unknown one, ErrInvalid for checkpoints of different images or a
-// bad path.
-func (r *Runtime) DiffCheckpoints(ctx context.Context, base, id string, opt DiffOptions) (Diff, error) {
-	return Diff{}, errDigestUnbuilt
+	d, err := r.StateDigest(ctx, id)
+	if err != nil {
+		return CheckpointInfo{}, false, err
+	}
+	c, err := r.lookup(id)
+	if err != nil {
+		return CheckpointInfo{}, false, err
+	}
+	// The sandbox that took id, if it lives: its head moves under its op lock, which comes
+	// before Runtime.mu.
+	r.mu.Lock()
+	s := r.sandboxes[c.SandboxID]
+	r.mu.Unlock()
+	if s != nil {
+		s.op.Lock()
+		defer s.op.Unlock()
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.ckpts[id] != c {
+		return CheckpointInfo{}, false, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
+	}
+	var found *checkpoint
+	for _, o := range r.ckpts {
+		if o == c || o.Image != c.Image || o.Digest == nil || o.Digest.Files != d.Files || o.Digest.Processes != d.Processes {
+			continue
+		}
+		if found == nil || o.Created.Before(found.Created) || o.Created.Equal(found.Created) && o.ID < found.ID {
+			found = o
+		}
+	}
+	if found == nil {
+		return c.info(), false, nil
+	}
+	found.used.Store(time.Now().UnixNano())
+	if s != nil && r.sandboxes[s.id] == s && s.head == id {
+		// The head moves before c goes: found is held by it from now on, and c's index stays
+		// known (as found's) for the sandbox's next checkpoint, whose stack begins as c's.
+		r.moveHead(id, found.ID)
+		s.head = found.ID
+		r.jobs.digests.adopt(found.ID, id)
+	}
+	r.dropCheckpointLocked(c, true)
+	return found.info(), true, nil
 }

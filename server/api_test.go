@@ -27,6 +27,7 @@ type api interface {
 	GetSandbox(context.Context, *deltagymv1.GetSandboxRequest) (*deltagymv1.GetSandboxResponse, error)
 	ListSandboxes(context.Context, *deltagymv1.ListSandboxesRequest) (*deltagymv1.ListSandboxesResponse, error)
 	ListCheckpoints(context.Context, *deltagymv1.ListCheckpointsRequest) (*deltagymv1.ListCheckpointsResponse, error)
+	DiffCheckpoints(context.Context, *deltagymv1.DiffCheckpointsRequest) (*deltagymv1.DiffCheckpointsResponse, error)
 	ListEpisodes(context.Context, *deltagymv1.ListEpisodesRequest) (*deltagymv1.ListEpisodesResponse, error)
 	GetTrajectory(context.Context, *deltagymv1.GetTrajectoryRequest) (*deltagymv1.GetTrajectoryResponse, error)
 	GetCheckpointTree(context.Context, *deltagymv1.GetCheckpointTreeRequest) (*deltagymv1.GetCheckpointTreeResponse, error)
@@ -70,6 +71,9 @@ func (c connectAPI) Restore(ctx context.Context, r *deltagymv1.RestoreRequest) (
 }
 func (c connectAPI) Fork(ctx context.Context, r *deltagymv1.ForkRequest) (*deltagymv1.ForkResponse, error) {
 	return call(c.e.Fork, ctx, r)
+}
+func (c connectAPI) DiffCheckpoints(ctx context.Context, r *deltagymv1.DiffCheckpointsRequest) (*deltagymv1.DiffCheckpointsResponse, error) {
+	return call(c.e.DiffCheckpoints, ctx, r)
 }
 func (c connectAPI) ReleaseCheckpoint(ctx context.Context, r *deltagymv1.ReleaseCheckpointRequest) (*deltagymv1.ReleaseCheckpointResponse, error) {
 	return call(c.e.ReleaseCheckpoint, ctx, r)
@@ -142,6 +146,9 @@ func (c grpcAPI) Restore(ctx context.Context, r *deltagymv1.RestoreRequest) (*de
 }
 func (c grpcAPI) Fork(ctx context.Context, r *deltagymv1.ForkRequest) (*deltagymv1.ForkResponse, error) {
 	return g(c.EnvServiceClient.Fork, ctx, r)
+}
+func (c grpcAPI) DiffCheckpoints(ctx context.Context, r *deltagymv1.DiffCheckpointsRequest) (*deltagymv1.DiffCheckpointsResponse, error) {
+	return g(c.EnvServiceClient.DiffCheckpoints, ctx, r)
 }
 func (c grpcAPI) ReleaseCheckpoint(ctx context.Context, r *deltagymv1.ReleaseCheckpointRequest) (*deltagymv1.ReleaseCheckpointResponse, error) {
 	return g(c.EnvServiceClient.ReleaseCheckpoint, ctx, r)

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 
 	"connectrpc.com/connect"
 	"go.opentelemetry.io/otel/attribute"
@@ -66,10 +65,12 @@ func (e *envService) Checkpoint(ctx context.Context, req *connect.Request[deltag
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
-	r, err := e.s.core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: req.Msg.GetSandboxId(), Processes: mode, Durable: req.Msg.GetDurable()})
+	r, err := e.s.core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: req.Msg.GetSandboxId(), Processes: mode, Durable: req.Msg.GetDurable(),
+		WaitDigest: req.Msg.GetWaitForDigest(), Dedupe: req.Msg.GetDedupe()})
 	if err != nil {
 		return nil, e.s.toConnect(err)
 	}
+	trace.SpanFromContext(ctx).SetAttributes(attribute.String("deltagym.checkpoint_id", r.Info.ID), attribute.Bool("deltagym.deduplicated", r.Deduplicated))
 	return connect.NewResponse(checkpointResponse(r, e.s.scrub)), nil
 }
 
@@ -158,7 +159,20 @@ func (e *envService) ListSandboxes(ctx context.Context, req *connect.Request[del
 	return connect.NewResponse(resp), nil
 }
 
-// DiffCheckpoints compares two checkpoints.
+// DiffCheckpoints compares two checkpoints of one env.
 func (e *envService) DiffCheckpoints(ctx context.Context, req *connect.Request[deltagymv1.DiffCheckpointsRequest]) (*connect.Response[deltagymv1.DiffCheckpointsResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("DiffCheckpoints is not served by this server yet"))
+	m := req.Msg
+	span := trace.SpanFromContext(ctx)
+	span.SetAttributes(attribute.String("deltagym.checkpoint_id", m.GetCheckpointId()), attribute.String("deltagym.base_checkpoint_id", m.GetBaseCheckpointId()))
+	detail, err := diffDetail(m.GetDetail())
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	d, err := e.s.core.DiffCheckpoints(ctx, episode.DiffRequest{Base: m.GetBaseCheckpointId(), ID: m.GetCheckpointId(), Detail: detail,
+		Path: m.GetPath(), MaxPaths: int(m.GetMaxPaths())})
+	if err != nil {
+		return nil, e.s.toConnect(err)
+	}
+	span.SetAttributes(attribute.Int("deltagym.paths", len(d.Paths)), attribute.Bool("deltagym.truncated", d.Truncated))
+	return connect.NewResponse(diffResponse(d)), nil
 }

@@ -42,7 +42,8 @@ func resetResponse(r episode.ResetResult) *deltagymv1.ResetResponse {
 
 func stepRequest(m *deltagymv1.StepRequest) episode.StepRequest {
 	return episode.StepRequest{SandboxID: m.GetSandboxId(), Action: action(m.GetAction()), Checkpoint: m.GetCheckpoint(),
-		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy(), Setup: m.GetSetup()}
+		RestoreCheckpointID: m.GetRestoreCheckpointId(), RestoreFreshEntropy: m.GetRestoreFreshEntropy(), Setup: m.GetSetup(),
+		CheckpointWaitDigest: m.GetCheckpointWaitForDigest(), CheckpointDedupe: m.GetCheckpointDedupe()}
 }
 
 // action is a's domain form; nil (which the core refuses) for an action of no kind.
@@ -161,7 +162,15 @@ func leaseTTL(s float64) time.Duration {
 func stepResponse(r episode.StepResult) *deltagymv1.StepResponse {
 	return &deltagymv1.StepResponse{EpisodeId: r.EpisodeID, StepIndex: int32(r.StepIndex), Observation: episode.ObservationProto(r.Observation),
 		Reward: r.Reward, Terminated: r.Terminated, Truncated: r.Truncated, CheckpointId: r.CheckpointID, Info: r.Info,
-		StepsLeft: int32(r.StepsLeft)}
+		StepsLeft: int32(r.StepsLeft), CheckpointDigest: digestProto(r.CheckpointDigest), CheckpointDeduplicated: r.CheckpointDeduplicated}
+}
+
+// digestProto is d's API form; nil for no digest.
+func digestProto(d sandbox.StateDigest) *deltagymv1.StateDigest {
+	if d.IsZero() {
+		return nil
+	}
+	return &deltagymv1.StateDigest{Files: d.Files, Processes: d.Processes}
 }
 
 // processMode is a request's process mode. A value the API does not define (a number sent
@@ -177,7 +186,8 @@ func processMode(asked deltagymv1.ProcessMode) (sandbox.ProcessMode, error) {
 // out of the reasons (criu's messages name its logs).
 func checkpointResponse(r episode.CheckpointResult, scrub func(string) string) *deltagymv1.CheckpointResponse {
 	info := r.Info
-	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: info.Parent, Depth: int32(info.Depth), Durable: r.Durable}
+	resp := &deltagymv1.CheckpointResponse{CheckpointId: info.ID, ParentId: r.Parent, Depth: int32(info.Depth), Durable: r.Durable,
+		Digest: digestProto(r.Digest), Deduplicated: r.Deduplicated}
 	for _, p := range info.Processes {
 		m := deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
 		if p.Method == sandbox.CaptureCRIU {
@@ -234,7 +244,7 @@ func checkpointSummaryProto(d episode.CheckpointDesc) *deltagymv1.CheckpointSumm
 	i, p, h := d.Info, d.Place, d.Info.Hold
 	out := &deltagymv1.CheckpointSummary{CheckpointId: i.ID, ParentId: i.Parent, Env: p.Env, EpisodeId: p.Episode, Run: p.Run,
 		GroupId: p.Group, StepIndex: int32(p.Steps), CreateTime: timestamppb.New(i.Created), SizeBytes: i.SizeBytes,
-		Depth: int32(i.Depth), Processes: int32(len(i.Processes)), Pinned: h.Pinned, LiveDescendants: int32(h.Heads)}
+		Depth: int32(i.Depth), Processes: int32(len(i.Processes)), Pinned: h.Pinned, LiveDescendants: int32(h.Heads), Digest: digestProto(d.Digest)}
 	if !h.LastUsed.IsZero() {
 		out.LastUsedTime = timestamppb.New(h.LastUsed)
 	}
@@ -242,4 +252,40 @@ func checkpointSummaryProto(d episode.CheckpointDesc) *deltagymv1.CheckpointSumm
 		out.ExpireTime = timestamppb.New(h.Expires)
 	}
 	return out
+}
+
+// diffDetail is a DiffCheckpoints request's detail; one the API does not define is ErrInvalid.
+func diffDetail(d deltagymv1.DiffDetail) (sandbox.DiffDetail, error) {
+	switch d {
+	case deltagymv1.DiffDetail_DIFF_DETAIL_UNSPECIFIED, deltagymv1.DiffDetail_DIFF_DETAIL_PATHS:
+		return sandbox.DiffPaths, nil
+	case deltagymv1.DiffDetail_DIFF_DETAIL_LINES:
+		return sandbox.DiffLines, nil
+	case deltagymv1.DiffDetail_DIFF_DETAIL_UNIFIED:
+		return sandbox.DiffUnified, nil
+	}
+	return 0, fmt.Errorf("detail %d is not one of DIFF_DETAIL_PATHS, DIFF_DETAIL_LINES or DIFF_DETAIL_UNIFIED: %w", d, ErrInvalid)
+}
+
+var changeKinds = map[sandbox.ChangeKind]deltagymv1.ChangeKind{
+	sandbox.ChangeAdded:    deltagymv1.ChangeKind_CHANGE_KIND_ADDED,
+	sandbox.ChangeRemoved:  deltagymv1.ChangeKind_CHANGE_KIND_REMOVED,
+	sandbox.ChangeModified: deltagymv1.ChangeKind_CHANGE_KIND_MODIFIED,
+}
+
+// diffResponse is d's API form.
+func diffResponse(d sandbox.Diff) *deltagymv1.DiffCheckpointsResponse {
+	resp := &deltagymv1.DiffCheckpointsResponse{Truncated: d.Truncated, BaseDigest: digestProto(d.Base), Digest: digestProto(d.Target),
+		Paths: make([]*deltagymv1.PathChange, 0, len(d.Paths))}
+	for _, p := range d.Paths {
+		resp.Paths = append(resp.Paths, &deltagymv1.PathChange{Path: p.Path, Kind: changeKinds[p.Kind], OldType: episode.FileTypeProto(p.OldType),
+			NewType: episode.FileTypeProto(p.NewType), OldSize: p.OldSize, NewSize: p.NewSize, OldMode: p.OldMode, NewMode: p.NewMode,
+			MetadataOnly: p.MetadataOnly, Binary: p.Binary, LinesAdded: int32(p.LinesAdded), LinesRemoved: int32(p.LinesRemoved),
+			UnifiedDiff: p.Unified})
+	}
+	for _, p := range d.Processes {
+		resp.Processes = append(resp.Processes, &deltagymv1.ProcessChange{Kind: changeKinds[p.Kind], Pid: int32(p.Pid), Command: p.Command,
+			Details: p.Details})
+	}
+	return resp
 }

@@ -141,22 +141,20 @@ func (g *ledgerService) GetCheckpointTree(ctx context.Context, req *connect.Requ
 	if err != nil {
 		return nil, g.s.toConnect(err)
 	}
-	roots, err := st.CheckpointTree(ctx, req.Msg.GetRun(), req.Msg.GetEpisodeId())
+	// The graph's order: parents before children (Store.CheckpointGraph).
+	nodes, err := st.CheckpointGraph(ctx, req.Msg.GetRun(), req.Msg.GetEpisodeId())
 	if err != nil {
 		return nil, g.s.toConnect(err)
 	}
-	resp := &deltagymv1.GetCheckpointTreeResponse{}
-	var walk func(n *ledger.CheckpointNode)
-	walk = func(n *ledger.CheckpointNode) {
-		resp.Nodes = append(resp.Nodes, &deltagymv1.CheckpointNode{CheckpointId: n.ID, ParentId: n.ParentID, Kind: checkpointKind[n.Kind],
+	resp := &deltagymv1.GetCheckpointTreeResponse{Nodes: make([]*deltagymv1.CheckpointNode, 0, len(nodes))}
+	for _, n := range nodes {
+		node := &deltagymv1.CheckpointNode{CheckpointId: n.ID, ParentId: n.ParentID, Kind: checkpointKind[n.Kind],
 			SandboxId: n.Sandbox, EpisodeId: n.EpisodeID, StepIndex: int32(n.StepIndex), CreateTime: timestamppb.New(n.CreatedAt),
-			Released: n.ReleasedAt != nil})
-		for _, c := range n.Children {
-			walk(c)
+			Released: n.ReleasedAt != nil, ParentIds: n.ParentIDs}
+		if n.Digest.Files != "" {
+			node.Digest = &deltagymv1.StateDigest{Files: n.Digest.Files, Processes: n.Digest.Processes}
 		}
-	}
-	for _, r := range roots {
-		walk(r)
+		resp.Nodes = append(resp.Nodes, node)
 	}
 	return connect.NewResponse(resp), nil
 }

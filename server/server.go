@@ -122,6 +122,15 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 		default: // expired before the core started: no episode knew it
 		}
 	}
+	// A digest computed before the core started is of a checkpoint the ledger already has
+	// one for, or will never have a row of: there is no episode yet.
+	rcfg.OnStateDigest = func(id string, d sandbox.StateDigest) {
+		select {
+		case <-s.coreSet:
+			s.core.StateDigest(id, d)
+		default:
+		}
+	}
 	s.rt, err = sandbox.New(ctx, rcfg)
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)

@@ -82,12 +82,15 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 	if err != nil {
 		return CheckpointResult{}, callErr(cctx, err)
 	}
-	c.recordCheckpoint(ledger.KindUser, info, p)
+	t, err := c.settle(cctx, b, info, p, req.WaitDigest, req.Dedupe)
+	if err != nil {
+		return CheckpointResult{}, callErr(cctx, err)
+	}
 	if err := c.stored(ctx, nil); err != nil {
 		return CheckpointResult{}, err
 	}
-	res := CheckpointResult{Info: info, Durable: true}
-	for _, pc := range info.Processes {
+	res := CheckpointResult{Info: t.info, Parent: t.parent, Durable: true, Digest: t.digest, Deduplicated: t.dup}
+	for _, pc := range t.info.Processes {
 		res.Durable = res.Durable && pc.Saved
 	}
 	return res, nil

@@ -105,6 +105,10 @@ type Core struct {
 	forks  *idempotency[ForkResult]
 
 	draining atomic.Bool // Drain was called: no new sandboxes
+
+	// relMu orders the core's releases of checkpoints (write) after deduplicating checkpoints
+	// (read), so that the checkpoint a dedupe found is held when it is answered.
+	relMu sync.RWMutex
 }
 
 // New returns a Core. Give it its pools with UsePools before any other call; the pools' hooks

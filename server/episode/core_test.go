@@ -39,6 +39,10 @@ type recorder struct {
 	// +checklocks:mu
 	released []string
 	// +checklocks:mu
+	digests map[string]ledger.Digest
+	// +checklocks:mu
+	edges []ledger.CheckpointEdge
+	// +checklocks:mu
 	unstored []string // the kinds of the rows tied to an answer recorded since the last Stored
 	// +checklocks:mu
 	stored []string // the kinds of those rows Stored stored
@@ -108,6 +112,24 @@ func (r *recorder) Reward(w ledger.RewardRow) error {
 	return nil
 }
 
+func (r *recorder) CheckpointDigest(id string, d ledger.Digest) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.digests == nil {
+		r.digests = map[string]ledger.Digest{}
+	}
+	r.digests[id] = d
+	return nil
+}
+
+func (r *recorder) CheckpointEdge(e ledger.CheckpointEdge) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.edges = append(r.edges, e)
+	r.recorded("edge")
+	return nil
+}
+
 func (r *recorder) Checkpoint(c ledger.CheckpointRow) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -174,6 +196,18 @@ func setup(t *testing.T) (*episode.Core, *sandbox.Runtime, *recorder) {
 // setupWith is setup with the core's configuration changed by mod.
 func setupWith(t *testing.T, mod func(*episode.Config)) (*episode.Core, *sandbox.Runtime, *recorder, *envpool.Manager) {
 	t.Helper()
+	return setupEnvs(t, mod, baseSpec())
+}
+
+// baseSpec is env "e" of setup.
+func baseSpec() *deltagymv1.EnvSpec {
+	return &deltagymv1.EnvSpec{Name: "e", Image: "default", Setup: []string{"echo base > /tmp/base"},
+		Verifier: "cat /tmp/answer 2>/dev/null || echo 0", Budgets: &deltagymv1.Budgets{MaxSteps: 4}, PoolSize: 2}
+}
+
+// setupEnvs is setupWith with pools of specs.
+func setupEnvs(t *testing.T, mod func(*episode.Config), specs ...*deltagymv1.EnvSpec) (*episode.Core, *sandbox.Runtime, *recorder, *envpool.Manager) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: sandboxes use namespaces, mounts and cgroups")
 	}
@@ -186,6 +220,13 @@ func setupWith(t *testing.T, mod func(*episode.Config)) (*episode.Core, *sandbox
 	ctx := t.Context()
 	cfg := sandbox.Config{DataDir: filepath.Join(t.TempDir(), "data"), InitBinary: init, CRIU: criu,
 		CgroupRoot: fmt.Sprintf("dgeptest-%d-%d", os.Getpid(), runtimes.Add(1))}
+	// The core is made after the runtime: the hook reaches it once it is.
+	var hooked atomic.Pointer[episode.Core]
+	cfg.OnStateDigest = func(id string, d sandbox.StateDigest) {
+		if c := hooked.Load(); c != nil {
+			c.StateDigest(id, d)
+		}
+	}
 	rt, err := sandbox.New(ctx, cfg)
 	must(t, err)
 	t.Cleanup(func() {
@@ -209,10 +250,9 @@ func setupWith(t *testing.T, mod func(*episode.Config)) (*episode.Core, *sandbox
 	}
 	core, err := episode.New(ecfg)
 	must(t, err)
-	spec := &deltagymv1.EnvSpec{Name: "e", Image: "default", Setup: []string{"echo base > /tmp/base"},
-		Verifier: "cat /tmp/answer 2>/dev/null || echo 0", Budgets: &deltagymv1.Budgets{MaxSteps: 4}, PoolSize: 2}
+	hooked.Store(core)
 	pools, err := envpool.New(envpool.Config{Runtime: rt, LeaseTTL: time.Minute, AcquireTimeout: time.Minute, Logger: log,
-		OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded}, []*deltagymv1.EnvSpec{spec})
+		OnCheckpoint: core.PoolCheckpoint, OnEnd: core.LeaseEnded}, specs)
 	must(t, err)
 	core.UsePools(pools)
 	t.Cleanup(func() {
@@ -465,4 +505,30 @@ func TestAbandonedCallsCloseTheirSandboxes(t *testing.T) {
 	if n := pools.Active("e"); n != 1 {
 		t.Fatalf("%d leases of env e, want the one handed over", n)
 	}
+}
+
+// ckptsOf returns the checkpoint rows of episode ep ("": all).
+func (r *recorder) ckptsOf(ep string) []ledger.CheckpointRow {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []ledger.CheckpointRow
+	for _, c := range r.ckpts {
+		if ep == "" || c.EpisodeID == ep {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// edgesOf returns the parents of the graph edges recorded into checkpoint id.
+func (r *recorder) edgesOf(id string) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, e := range r.edges {
+		if e.ChildID == id {
+			out = append(out, e.ParentID)
+		}
+	}
+	return out
 }

@@ -276,6 +276,9 @@ var fileTypes = map[sandbox.FileType]deltagymv1.FileType{
 	sandbox.TypeOther:   deltagymv1.FileType_FILE_TYPE_OTHER,
 }
 
+// FileTypeProto is t's API form (unspecified for none).
+func FileTypeProto(t sandbox.FileType) deltagymv1.FileType { return fileTypes[t] }
+
 // fileInfoProto is fi's API form.
 func fileInfoProto(fi sandbox.FileInfo) *deltagymv1.FileInfo {
 	return &deltagymv1.FileInfo{Path: fi.Path, Type: fileTypes[fi.Type], Size: fi.Size, Mode: fi.Mode,

@@ -172,7 +172,10 @@ func (c *Core) ReleaseCheckpoint(id string) error {
 	if id == "" {
 		return fmt.Errorf("checkpoint_id is required: %w", ErrInvalid)
 	}
-	if err := c.rt.ReleaseCheckpoint(id); err != nil {
+	c.relMu.Lock()
+	err := c.rt.ReleaseCheckpoint(id)
+	c.relMu.Unlock()
+	if err != nil {
 		return c.checkpointErr(err, id)
 	}
 	if c.rec != nil {
@@ -215,6 +218,8 @@ type CheckpointFilter struct {
 type CheckpointDesc struct {
 	Info  sandbox.CheckpointInfo
 	Place Place
+	// Digest is its state digest, zero until computed.
+	Digest sandbox.StateDigest
 }
 
 // Checkpoints lists the checkpoints the runtime holds that match f, oldest first: the ones
@@ -233,7 +238,8 @@ func (c *Core) Checkpoints(f CheckpointFilter) []CheckpointDesc {
 			(f.Episode != "" && p.Episode != f.Episode) {
 			continue
 		}
-		out = append(out, CheckpointDesc{Info: info, Place: p})
+		d, _ := c.rt.StateDigestReady(info.ID)
+		out = append(out, CheckpointDesc{Info: info, Place: p, Digest: d})
 	}
 	return out
 }

@@ -30,6 +30,10 @@ type Recorder interface {
 	Reward(ledger.RewardRow) error
 	Checkpoint(ledger.CheckpointRow) error
 	CheckpointReleased(id string, at time.Time) error
+	// CheckpointDigest records a checkpoint's state digest once computed; CheckpointEdge a
+	// parent link of the checkpoint graph that a deduplicating checkpoint made.
+	CheckpointDigest(id string, d ledger.Digest) error
+	CheckpointEdge(ledger.CheckpointEdge) error
 	// Stored waits until every row recorded before the call is stored where a crash of the
 	// server does not lose it (ledger.Writer.Stored: the spool), without waiting for the
 	// database.

@@ -41,6 +41,9 @@ func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
 	if err := validate(req.Action); err != nil {
 		return StepResult{}, err
 	}
+	if !req.Checkpoint && (req.CheckpointWaitDigest || req.CheckpointDedupe) {
+		return StepResult{}, fmt.Errorf("checkpoint_wait_for_digest or checkpoint_dedupe is set without checkpoint: %w", ErrInvalid)
+	}
 	if req.RestoreCheckpointID == "" && req.RestoreFreshEntropy {
 		return StepResult{}, fmt.Errorf("restore_fresh_entropy is set without restore_checkpoint_id: %w", ErrInvalid)
 	}
@@ -122,15 +125,18 @@ func (c *Core) step(ctx context.Context, b *box, req *StepRequest) (StepResult, 
 	}
 	res.StepsLeft = stepsLeft(env, agent)
 	if req.Checkpoint && cutErr == nil {
-		id, err := c.checkpointAfter(ctx, b)
+		t, derr, err := c.checkpointAfter(ctx, b, req)
 		switch {
 		case errors.Is(err, errdefs.ErrResourceExhausted):
 			// A cap filled since the check above: the step stands, recorded, without its checkpoint.
 			res.Info["checkpoint_refused"] = err.Error()
 		case err != nil:
 			return StepResult{}, c.stepFailed(ctx, b, fmt.Errorf("checkpointing after the step: %w", err))
+		case derr != nil:
+			// The checkpoint is taken and kept; its digest is not known yet. The step stands.
+			res.Info["checkpoint_digest_error"] = c.cfg.Scrub(derr.Error())
 		}
-		res.CheckpointID = id
+		res.CheckpointID, res.CheckpointDigest, res.CheckpointDeduplicated = t.info.ID, t.digest, t.dup
 	}
 	if c.rec != nil {
 		c.recordStep(cur.id, own-1, req, start, took, &res, out.verr)
@@ -269,21 +275,28 @@ func (b *box) count(reward float64, setup bool, took time.Duration) (own, agent 
 	return b.ep.own, b.ep.agentBase + b.ep.agentOwn, time.Since(b.ep.started) - b.ep.setupTime
 }
 
-// checkpointAfter checkpoints b after a step, in the env's process mode.
-func (c *Core) checkpointAfter(ctx context.Context, b *box) (string, error) {
+// checkpointAfter checkpoints b after a step, in the env's process mode, as req asks. derr is
+// the error of the digest it waited for, or of the look for an equal checkpoint: the
+// checkpoint taken is then answered without them.
+func (c *Core) checkpointAfter(ctx context.Context, b *box, req *StepRequest) (t taken, derr, err error) {
 	mode, err := processMode(b.lease.Env(), sandbox.ProcessesDefault)
 	if err != nil {
-		return "", err
+		return taken{}, nil, err
 	}
 	p := b.place()
 	octx, done := c.cfg.Observe(ctx, "checkpoint")
 	info, err := b.lease.Sandbox().CheckpointWith(octx, sandbox.CheckpointOptions{Processes: mode, Labels: p.labels()})
 	done(err)
 	if err != nil {
-		return "", err
+		return taken{}, nil, err
 	}
-	c.recordCheckpoint(ledger.KindUser, info, p)
-	return info.ID, nil
+	t, derr = c.settle(ctx, b, info, p, req.CheckpointWaitDigest, req.CheckpointDedupe)
+	if derr != nil {
+		if _, held := c.placeHeld(info.ID); held {
+			t = taken{info: info, parent: info.Parent}
+		}
+	}
+	return t, derr, nil
 }
 
 // stepFailed handles err, the failure of a step's action on b (ctx is the turn's): an

@@ -196,6 +196,10 @@ type StepRequest struct {
 	// counts against neither of the env's budgets (not max_steps, and its time not in
 	// max_seconds). A submit cannot be one.
 	Setup bool
+	// CheckpointWaitDigest and CheckpointDedupe are CheckpointRequest's WaitDigest and Dedupe
+	// for the checkpoint after the step; either without Checkpoint is ErrInvalid.
+	CheckpointWaitDigest bool
+	CheckpointDedupe     bool
 }
 
 // StepResult is a step's outcome. Info carries "truncated_by" (max_steps or max_seconds),
@@ -208,7 +212,11 @@ type StepResult struct {
 	Terminated   bool
 	Truncated    bool
 	CheckpointID string
-	Info         map[string]string
+	// CheckpointDigest and CheckpointDeduplicated are CheckpointResult's Digest and
+	// Deduplicated for CheckpointID.
+	CheckpointDigest       sandbox.StateDigest
+	CheckpointDeduplicated bool
+	Info                   map[string]string
 	// StepsLeft is how many more agent steps the env's max_steps allows after this one; -1
 	// when it has none.
 	StepsLeft int
@@ -221,14 +229,25 @@ type CheckpointRequest struct {
 	Processes sandbox.ProcessMode
 	// Durable also saves the processes kept as templates as CRIU images.
 	Durable bool
+	// WaitDigest waits for the checkpoint's state digest (CheckpointResult.Digest).
+	WaitDigest bool
+	// Dedupe, which implies WaitDigest, answers with an existing checkpoint of the sandbox's
+	// env and task holding the same state, if there is one, instead of keeping the new one.
+	Dedupe bool
 }
 
 // CheckpointResult is the checkpoint taken; Durable says whether it brings its processes back
 // after its sandbox is gone or the server restarts: every one has an image (Info.Processes'
 // Saved), which a durable request waits for.
 type CheckpointResult struct {
-	Info    sandbox.CheckpointInfo
+	Info sandbox.CheckpointInfo
+	// Parent is the sandbox's previous checkpoint: Info.Parent, unless Deduplicated.
+	Parent  string
 	Durable bool
+	// Digest is the checkpoint's state digest, with WaitDigest or Dedupe.
+	Digest sandbox.StateDigest
+	// Deduplicated: Info is an existing checkpoint found holding the sandbox's state.
+	Deduplicated bool
 }
 
 // RestoreRequest puts a sandbox at a checkpoint of its env and starts the episode there.

@@ -476,6 +476,10 @@ func prepare(batch []record) *delivery {
 			d.later.Queue(updateEnded, r.ended.IDs, r.ended.At)
 		case recEgress:
 			d.inserts.Queue(insertEgress, egressValues(r.egress)...)
+		case recDigest:
+			d.inserts.Queue(insertDigest, r.digest.ID, r.digest.Digest.Files, r.digest.Digest.Processes)
+		case recEdge:
+			d.inserts.Queue(insertEdge, r.edge.ChildID, r.edge.ParentID, r.edge.CreatedAt)
 		}
 	}
 	return d

@@ -21,7 +21,8 @@ import (
 const childStoredEnv = "DELTAGYM_LEDGER_KILL_STORED"
 
 // storedChild is the process TestSIGKILLKeepsStoredRows kills: storedCallers goroutines each
-// append a step and a reward of their own episode, call Stored, and only then print
+// append a step and a reward of their own episode, a digest and a graph edge of a checkpoint
+// of the step, call Stored, and only then print
 // "stored EPISODE INDEX", as the server answers a step.
 func storedChild() int {
 	w, err := ledger.NewWriter(ledger.Config{URL: os.Getenv(childURLEnv), SpoolDir: os.Getenv(childEnv), Logger: quiet,
@@ -43,6 +44,15 @@ func storedChild() int {
 				err := w.Step(ledger.StepRow{EpisodeID: ep, Index: i, Action: json.RawMessage(`"a"`), Observation: []byte("obs")})
 				if err == nil {
 					err = w.Reward(ledger.RewardRow{EpisodeID: ep, StepIndex: &step, Source: "verifier", Value: 1})
+				}
+				// The checkpoint graph's rows: a digest of each step's checkpoint and an edge
+				// from the one before.
+				ck := fmt.Sprintf("%s/c%d", ep, i)
+				if err == nil {
+					err = w.CheckpointDigest(ck, ledger.Digest{Files: "sha256:" + strings.Repeat("0", 64)})
+				}
+				if err == nil && i > 0 {
+					err = w.CheckpointEdge(ledger.CheckpointEdge{ChildID: ck, ParentID: fmt.Sprintf("%s/c%d", ep, i-1)})
 				}
 				if err == nil {
 					err = w.Stored(context.Background())
@@ -108,6 +118,11 @@ func TestSIGKILLKeepsStoredRows(t *testing.T) {
 				rewards := count(t, url, "SELECT count(*) FROM rewards WHERE episode_id = $1 AND step_index <= $2", e, top)
 				if steps != top+1 || rewards != top+1 {
 					t.Fatalf("episode %s: steps 0 to %d acknowledged, %d steps and %d rewards of them delivered", e, top, steps, rewards)
+				}
+				digests := count(t, url, "SELECT count(*) FROM checkpoint_digests WHERE split_part(id, '/c', 1) = $1 AND split_part(id, '/c', 2)::int <= $2", e, top)
+				edges := count(t, url, "SELECT count(*) FROM checkpoint_edges WHERE split_part(child_id, '/c', 1) = $1 AND split_part(child_id, '/c', 2)::int <= $2", e, top)
+				if digests != top+1 || edges != top {
+					t.Fatalf("episode %s: steps 0 to %d acknowledged, %d digests and %d edges of their checkpoints delivered", e, top, digests, edges)
 				}
 			}
 			t.Logf("killed after %d acknowledged steps of %d callers: all delivered", n, len(acked))

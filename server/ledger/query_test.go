@@ -367,3 +367,89 @@ func TestExportObservations(t *testing.T) {
 		}
 	}
 }
+
+// graphFixture adds to branchFixture the links of deduplicating checkpoints: C2's sandbox found
+// C3's state (C3 gets a second parent, newer than it), then C3's sandbox C2's (a cycle: left
+// out), C4's C1's (a cycle through parent_id: left out) and C4's X, a checkpoint of another
+// run (X joins run r's graph); and digests, one of a checkpoint the ledger has no row of.
+func graphFixture(t *testing.T, b *bundle) {
+	t.Helper()
+	branchFixture(t, b)
+	w := b.w
+	must(t, w.EpisodeStarted(ledger.EpisodeStart{ID: "e9", Env: "env", Run: "r2", StartCheckpoint: "P", StartedAt: b.at(9)}))
+	must(t, w.Checkpoint(ledger.CheckpointRow{ID: "X", ParentID: "P", Kind: ledger.KindUser, Env: "env", EpisodeID: "e9", CreatedAt: b.at(10)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "C3", ParentID: "C2", CreatedAt: b.at(11)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "C2", ParentID: "C3", CreatedAt: b.at(12)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "C1", ParentID: "C4", CreatedAt: b.at(13)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "X", ParentID: "C4", CreatedAt: b.at(14)}))
+	// Recorded again (a replay): kept once.
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "X", ParentID: "C4", CreatedAt: b.at(15)}))
+	must(t, w.CheckpointDigest("C2", ledger.Digest{Files: "sha256:f2", Processes: "sha256:p2"}))
+	must(t, w.CheckpointDigest("C2", ledger.Digest{Files: "sha256:other"}))
+	must(t, w.CheckpointDigest("released-at-once", ledger.Digest{Files: "sha256:f"}))
+}
+
+func TestCheckpointGraph(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	graphFixture(t, b)
+	cases := []struct {
+		name, run, episode string
+		order              string            // the nodes in the answer's order
+		parents            map[string]string // a node's ParentIDs, joined by spaces
+		tree               string
+	}{
+		{"run r", "r", "", "P C1 C2 C3 C4 X", map[string]string{"P": "", "C1": "P", "C2": "C1", "C3": "C1 C2", "C4": "C2", "X": "P C4"},
+			"P(C1(C3,C2(C4)),X)"},
+		{"run r2: X's link from C4, outside the set, is listed", "r2", "", "P X", map[string]string{"P": "", "X": "P C4"}, "P(X)"},
+		// C4's descendants by either link: X, and C1 (the link left out of the graph
+		// still leads to it) with its own.
+		{"episode e3: descendants by both links", "", "e3", "P C1 C2 C3 C4 X", map[string]string{"C3": "C1 C2", "C4": "C2", "X": "P C4"},
+			"P(C1(C3,C2(C4)),X)"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			nodes, err := b.store.CheckpointGraph(t.Context(), c.run, c.episode)
+			must(t, err)
+			var order []string
+			pos := map[string]int{}
+			for i, n := range nodes {
+				order = append(order, n.ID)
+				pos[n.ID] = i
+			}
+			if got := strings.Join(order, " "); got != c.order {
+				t.Fatalf("order = %q, want %q", got, c.order)
+			}
+			for _, n := range nodes {
+				for _, p := range n.ParentIDs {
+					if i, ok := pos[p]; ok && i >= pos[n.ID] {
+						t.Fatalf("%s comes before its parent %s", n.ID, p)
+					}
+				}
+				if want, ok := c.parents[n.ID]; ok && strings.Join(n.ParentIDs, " ") != want {
+					t.Fatalf("%s: parents %q, want %q", n.ID, n.ParentIDs, want)
+				}
+				if wantDigest := (n.ID == "C2"); wantDigest != (n.Digest == ledger.Digest{Files: "sha256:f2", Processes: "sha256:p2"}) ||
+					!wantDigest && n.Digest != (ledger.Digest{}) {
+					t.Fatalf("%s: digest %+v", n.ID, n.Digest)
+				}
+			}
+			roots, err := b.store.CheckpointTree(t.Context(), c.run, c.episode)
+			must(t, err)
+			if got := render(roots); got != c.tree {
+				t.Fatalf("tree = %q, want %q", got, c.tree)
+			}
+		})
+	}
+	if n := count(t, b.url, "SELECT count(*) FROM checkpoint_edges WHERE child_id = 'X'"); n != 1 {
+		t.Fatalf("X has %d edge rows, want 1", n)
+	}
+	for _, bad := range []ledger.CheckpointEdge{{ChildID: "A"}, {ParentID: "A"}, {ChildID: "A", ParentID: "A"}} {
+		if err := b.w.CheckpointEdge(bad); !errors.Is(err, ledger.ErrInvalid) {
+			t.Fatalf("edge %+v: %v, want ErrInvalid", bad, err)
+		}
+	}
+	if err := b.w.CheckpointDigest("A", ledger.Digest{}); !errors.Is(err, ledger.ErrInvalid) {
+		t.Fatalf("empty digest: %v, want ErrInvalid", err)
+	}
+}

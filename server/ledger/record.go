@@ -21,6 +21,8 @@ const (
 	recReward
 	recSandboxesEnded
 	recEgress
+	recDigest
+	recEdge
 )
 
 // sandboxesEnded records that sandboxes ended under their running episodes (a crash of the
@@ -36,6 +38,12 @@ type checkpointRelease struct {
 	At time.Time
 }
 
+// checkpointDigest records a checkpoint's state digest.
+type checkpointDigest struct {
+	ID     string
+	Digest Digest
+}
+
 // record is one row on its way to Postgres; exactly one of the pointers is set, per kind.
 type record struct {
 	seq     uint64
@@ -48,6 +56,8 @@ type record struct {
 	reward  *RewardRow
 	ended   *sandboxesEnded
 	egress  *EgressRow
+	digest  *checkpointDigest
+	edge    *CheckpointEdge
 }
 
 // Frame layout: payload length (u32 LE), CRC-32C of everything after the CRC (u32 LE),
@@ -182,6 +192,14 @@ func (r *record) appendPayload(b []byte) []byte {
 		}
 	case recEgress:
 		e.egress(r.egress)
+	case recDigest:
+		e.str(r.digest.ID)
+		e.str(r.digest.Digest.Files)
+		e.str(r.digest.Digest.Processes)
+	case recEdge:
+		e.str(r.edge.ChildID)
+		e.str(r.edge.ParentID)
+		e.time(r.edge.CreatedAt)
 	}
 	return e.b
 }
@@ -240,6 +258,10 @@ func (r *record) decodePayload(b []byte) error {
 		r.reward = s
 	case recEgress:
 		r.egress = d.egress()
+	case recDigest:
+		r.digest = &checkpointDigest{ID: d.str(), Digest: Digest{Files: d.str(), Processes: d.str()}}
+	case recEdge:
+		r.edge = &CheckpointEdge{ChildID: d.str(), ParentID: d.str(), CreatedAt: d.time()}
 	default:
 		return fmt.Errorf("unknown record kind %d", r.kind)
 	}

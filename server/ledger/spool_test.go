@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -32,6 +33,9 @@ func sampleRecords() []record {
 		{kind: recEpisodeEnd, end: &EpisodeEnd{ID: "e", Status: StatusFailed, FailureClass: FailureInfra, FailureMessage: "its sandbox died", TotalReward: 1, EndedAt: now}},
 		{kind: recEpisodeStart, start: &EpisodeStart{ID: "e2", Env: "env", Sandbox: "sb-1", StartedAt: now}},
 		{kind: recSandboxesEnded, ended: &sandboxesEnded{IDs: []string{"sb-1", "sb-2"}, At: now}},
+		{kind: recDigest, digest: &checkpointDigest{ID: "c1", Digest: Digest{Files: "sha256:" + strings.Repeat("a", 64), Processes: "sha256:" + strings.Repeat("b", 64)}}},
+		{kind: recDigest, digest: &checkpointDigest{ID: "c0", Digest: Digest{Files: "sha256:" + strings.Repeat("c", 64)}}},
+		{kind: recEdge, edge: &CheckpointEdge{ChildID: "c0", ParentID: "c1", CreatedAt: now}},
 	}
 }
 

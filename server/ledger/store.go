@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"cmp"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -8,7 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"sort"
+	"slices"
 	"strings"
 	"time"
 
@@ -429,33 +430,73 @@ func (s *Store) rewards(ctx context.Context, episodeID string) ([]RewardRow, err
 // CheckpointNode is a checkpoint in a tree, with the checkpoints descending from it.
 type CheckpointNode struct {
 	CheckpointRow
+	// ParentIDs are the checkpoints it was reached from: ParentID first, then the extra links
+	// (CheckpointEdge) in the order they were recorded, less any that would close a cycle.
+	ParentIDs []string `json:"parent_ids,omitempty"`
+	// Digest is its state digest; zero until recorded.
+	Digest Digest `json:"digest"`
+	// Children are the checkpoints whose first parent in the set it is, in creation order:
+	// each node is under one parent, so walking them visits every node once.
 	Children []*CheckpointNode `json:"children,omitempty"`
 }
 
-// CheckpointTree returns the checkpoint forest of a run (every checkpoint taken in its episodes
-// or that they started from, with their ancestors) or, if episode is set, of one episode (the
-// checkpoints it took and started from, their ancestors, and every checkpoint descending from the
-// ones it took). Roots are checkpoints whose parent is not in the set; children are in creation
-// order.
+// CheckpointTree returns the forest of CheckpointGraph: its roots, each node under the first of
+// its parents in the set.
 func (s *Store) CheckpointTree(ctx context.Context, run, episode string) ([]*CheckpointNode, error) {
+	nodes, err := s.CheckpointGraph(ctx, run, episode)
+	if err != nil {
+		return nil, err
+	}
+	var roots []*CheckpointNode
+	for _, n := range nodes {
+		if !n.placed {
+			roots = append(roots, &n.CheckpointNode)
+		}
+	}
+	return roots, nil
+}
+
+// GraphNode is a node of CheckpointGraph's answer.
+type GraphNode struct {
+	CheckpointNode
+	placed bool // under a parent's Children
+}
+
+// CheckpointGraph returns the checkpoint graph of a run (every checkpoint taken in its episodes
+// or that they started from, the ones a deduplicating checkpoint of theirs found, and their
+// ancestors) or, if episode is set, of one episode (the checkpoints it took and started from,
+// their ancestors, and every checkpoint descending from the ones it took, by either kind of
+// parent link).
+//
+// The nodes come in a topological order of the graph, parents before children: the depth-first
+// order of the forest (children in creation order) in which a checkpoint with several parents
+// in the set comes right after the last of them. A checkpoint's own parent_id is always older
+// than it, but an extra link may come from a newer checkpoint (a sandbox that went back to a
+// state it had been in): a link that would close a cycle is left out of ParentIDs, so the graph
+// stays acyclic; links are considered in the order they were recorded.
+func (s *Store) CheckpointGraph(ctx context.Context, run, episode string) ([]*GraphNode, error) {
 	if (run == "") == (episode == "") {
 		return nil, fmt.Errorf("checkpoint tree needs exactly one of run and episode: %w", ErrInvalid)
 	}
 	if err := s.flush(ctx); err != nil {
 		return nil, err
 	}
-	const cols = `id, coalesce(parent_id, ''), kind, env, sandbox, coalesce(episode_id, ''), coalesce(step_index, 0), created_at, released_at`
+	const cols = `n.id, coalesce(n.parent_id, ''), n.kind, n.env, n.sandbox, coalesce(n.episode_id, ''), coalesce(n.step_index, 0),
+		n.created_at, n.released_at, coalesce(d.files, ''), coalesce(d.processes, '')`
 	var q string
 	var arg string
 	if run != "" {
 		arg = run
-		q = `WITH RECURSIVE seed AS (
+		q = `WITH RECURSIVE seed0 AS (
 			SELECT c.id FROM checkpoints c JOIN episodes e ON c.episode_id = e.id WHERE e.run = $1
 			UNION SELECT start_checkpoint FROM episodes WHERE run = $1 AND start_checkpoint IS NOT NULL
+		), seed AS (
+			SELECT id FROM seed0
+			UNION SELECT child_id FROM checkpoint_edges WHERE parent_id IN (SELECT id FROM seed0)
 		), anc AS (
 			SELECT c.* FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
 			UNION SELECT p.* FROM checkpoints p JOIN anc ON p.id = anc.parent_id
-		) SELECT ` + cols + ` FROM anc`
+		) SELECT ` + cols + ` FROM anc n LEFT JOIN checkpoint_digests d ON d.id = n.id`
 	} else {
 		arg = episode
 		if _, err := s.episode(ctx, episode); err != nil {
@@ -467,45 +508,154 @@ func (s *Store) CheckpointTree(ctx context.Context, run, episode string) ([]*Che
 		), anc AS (
 			SELECT c.* FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
 			UNION SELECT p.* FROM checkpoints p JOIN anc ON p.id = anc.parent_id
+		), links AS (
+			SELECT id AS child, parent_id AS parent FROM checkpoints
+			UNION ALL SELECT child_id, parent_id FROM checkpoint_edges
 		), des AS (
 			SELECT c.* FROM checkpoints c WHERE c.episode_id = $1
-			UNION SELECT ch.* FROM checkpoints ch JOIN des ON ch.parent_id = des.id
-		) SELECT ` + cols + ` FROM anc UNION SELECT ` + cols + ` FROM des`
+			UNION SELECT ch.* FROM des JOIN links l ON l.parent = des.id JOIN checkpoints ch ON ch.id = l.child
+		), g AS (
+			SELECT * FROM anc UNION SELECT * FROM des
+		) SELECT ` + cols + ` FROM g n LEFT JOIN checkpoint_digests d ON d.id = n.id`
 	}
 	rows, err := s.pool.Query(ctx, q, arg)
 	if err != nil {
 		return nil, fmt.Errorf("reading checkpoint tree: %w", err)
 	}
-	nodes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (*CheckpointNode, error) {
-		n := &CheckpointNode{}
+	nodes, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (*GraphNode, error) {
+		n := &GraphNode{}
 		var kind string
 		var step int32
-		err := r.Scan(&n.ID, &n.ParentID, &kind, &n.Env, &n.Sandbox, &n.EpisodeID, &step, &n.CreatedAt, &n.ReleasedAt)
+		err := r.Scan(&n.ID, &n.ParentID, &kind, &n.Env, &n.Sandbox, &n.EpisodeID, &step, &n.CreatedAt, &n.ReleasedAt,
+			&n.Digest.Files, &n.Digest.Processes)
 		n.Kind, n.StepIndex, n.CreatedAt = CheckpointKind(kind), int(step), n.CreatedAt.UTC()
 		return n, err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("reading checkpoint tree: %w", err)
 	}
-	sort.Slice(nodes, func(i, j int) bool {
-		if !nodes[i].CreatedAt.Equal(nodes[j].CreatedAt) {
-			return nodes[i].CreatedAt.Before(nodes[j].CreatedAt)
-		}
-		return nodes[i].ID < nodes[j].ID
+	ids := make([]string, len(nodes))
+	for i, n := range nodes {
+		ids[i] = n.ID
+	}
+	rows, err = s.pool.Query(ctx, `SELECT child_id, parent_id, created_at FROM checkpoint_edges WHERE child_id = ANY($1)
+		ORDER BY created_at, parent_id`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("reading checkpoint graph edges: %w", err)
+	}
+	edges, err := pgx.CollectRows(rows, pgx.RowToStructByPos[CheckpointEdge])
+	if err != nil {
+		return nil, fmt.Errorf("reading checkpoint graph edges: %w", err)
+	}
+	return orderGraph(nodes, edges), nil
+}
+
+// orderGraph links nodes by their parent_id and by edges (in order; those that would close a
+// cycle are dropped) and returns them parents before children (CheckpointGraph).
+func orderGraph(nodes []*GraphNode, edges []CheckpointEdge) []*GraphNode {
+	slices.SortFunc(nodes, func(a, b *GraphNode) int {
+		return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
 	})
-	byID := make(map[string]*CheckpointNode, len(nodes))
+	byID := make(map[string]*GraphNode, len(nodes))
 	for _, n := range nodes {
 		byID[n.ID] = n
 	}
-	var roots []*CheckpointNode
+	// out holds each node's children in the set by any link; nodes are in creation order, so
+	// those by parent_id come in creation order.
+	out := make(map[*GraphNode][]*GraphNode)
+	pending := make(map[*GraphNode]int, len(nodes))
 	for _, n := range nodes {
-		if p, ok := byID[n.ParentID]; ok && n.ParentID != n.ID {
-			p.Children = append(p.Children, n)
-		} else {
+		if n.ParentID != "" {
+			n.ParentIDs = append(n.ParentIDs, n.ParentID)
+		}
+		if p, ok := byID[n.ParentID]; ok && p != n {
+			out[p] = append(out[p], n)
+			pending[n]++
+		}
+	}
+	extra := false
+	for _, e := range edges {
+		c, p := byID[e.ChildID], byID[e.ParentID]
+		if c == nil || slices.Contains(c.ParentIDs, e.ParentID) {
+			continue
+		}
+		if p != nil {
+			if p == c || reaches(out, c, p) {
+				continue // a cycle: the state came back to where it had been
+			}
+			out[p] = append(out[p], c)
+			pending[c]++
+			extra = true
+		}
+		c.ParentIDs = append(c.ParentIDs, e.ParentID)
+	}
+	if extra {
+		for p, cs := range out {
+			slices.SortStableFunc(cs, func(a, b *GraphNode) int {
+				return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
+			})
+			out[p] = cs
+		}
+	}
+	order := make([]*GraphNode, 0, len(nodes))
+	// Depth first from each root, a node once the last of its parents is out: an explicit
+	// stack, as a chain of checkpoints may be as long as a run.
+	var roots, stack []*GraphNode
+	for _, n := range nodes {
+		if pending[n] == 0 {
 			roots = append(roots, n)
 		}
 	}
-	return roots, nil
+	for _, r := range roots {
+		stack = append(stack[:0], r)
+		for len(stack) > 0 {
+			n := stack[len(stack)-1]
+			stack = stack[:len(stack)-1]
+			order = append(order, n)
+			cs := out[n]
+			for i := len(cs) - 1; i >= 0; i-- {
+				if pending[cs[i]]--; pending[cs[i]] == 0 {
+					stack = append(stack, cs[i])
+				}
+			}
+		}
+	}
+	// The forest: each node under the first of its parents in the set.
+	for _, n := range order {
+		for _, pid := range n.ParentIDs {
+			if p, ok := byID[pid]; ok && p != n {
+				p.Children = append(p.Children, &n.CheckpointNode)
+				n.placed = true
+				break
+			}
+		}
+	}
+	for _, n := range nodes {
+		slices.SortStableFunc(n.Children, func(a, b *CheckpointNode) int {
+			return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
+		})
+	}
+	return order
+}
+
+// reaches says whether to is from or below it by the links in out.
+func reaches(out map[*GraphNode][]*GraphNode, from, to *GraphNode) bool {
+	seen := map[*GraphNode]bool{from: true}
+	stack := []*GraphNode{from}
+	for len(stack) > 0 {
+		n := stack[len(stack)-1]
+		stack = stack[:len(stack)-1]
+		if n == to {
+			return true
+		}
+		for _, c := range out[n] {
+			if !seen[c] {
+				seen[c] = true
+				stack = append(stack, c)
+			}
+		}
+	}
+	return false
 }
 
 // ReportReward records a reward synchronously (typically one computed by a trainer, with its

@@ -133,6 +133,22 @@ type CheckpointRow struct {
 	ReleasedAt *time.Time     `json:"released_at,omitempty"` // read side only
 }
 
+// Digest is a checkpoint's state digest (sandbox.StateDigest): Files of its filesystem,
+// Processes of its live processes ("" when it holds none).
+type Digest struct {
+	Files     string `json:"files"`
+	Processes string `json:"processes,omitempty"`
+}
+
+// CheckpointEdge is a parent link of the checkpoint graph besides a checkpoint's own parent_id:
+// a deduplicating checkpoint of a sandbox whose previous checkpoint was ParentID found the
+// sandbox's state in ChildID, taken elsewhere. A zero CreatedAt means now.
+type CheckpointEdge struct {
+	ChildID   string    `json:"child_id"`
+	ParentID  string    `json:"parent_id"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
 // RewardRow is one reward of an episode, from the verifier or a trainer.
 type RewardRow struct {
 	EpisodeID  string             `json:"episode_id"`
@@ -175,6 +191,29 @@ func (r *CheckpointRow) validate() error {
 	}
 	if !r.Kind.valid() {
 		return fmt.Errorf("checkpoint %s: kind %q: %w", r.ID, r.Kind, ErrInvalid)
+	}
+	return nil
+}
+
+func (r *CheckpointEdge) validate() error {
+	if r.ChildID == "" || r.ParentID == "" {
+		return fmt.Errorf("checkpoint edge needs a child and a parent: %w", ErrInvalid)
+	}
+	if len(r.ChildID) > MaxIDLen || len(r.ParentID) > MaxIDLen {
+		return fmt.Errorf("checkpoint edge: ids of %d and %d bytes: over %d: %w", len(r.ChildID), len(r.ParentID), MaxIDLen, ErrInvalid)
+	}
+	if r.ChildID == r.ParentID {
+		return fmt.Errorf("checkpoint edge from %s to itself: %w", r.ChildID, ErrInvalid)
+	}
+	return nil
+}
+
+func (d *Digest) validate(id string) error {
+	if id == "" || d.Files == "" {
+		return fmt.Errorf("checkpoint digest needs an id and a files digest: %w", ErrInvalid)
+	}
+	if len(id) > MaxIDLen || len(d.Files) > MaxIDLen || len(d.Processes) > MaxIDLen {
+		return fmt.Errorf("checkpoint digest of %s: over %d bytes: %w", id, MaxIDLen, ErrInvalid)
 	}
 	return nil
 }

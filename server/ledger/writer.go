@@ -407,6 +407,28 @@ func (w *Writer) CheckpointReleased(id string, at time.Time) error {
 	return w.append(record{kind: recRelease, release: &checkpointRelease{ID: id, At: at}})
 }
 
+// CheckpointDigest records checkpoint id's state digest, once computed. It may come before or
+// after the checkpoint's own row, or for a checkpoint never recorded (one a deduplicating
+// Checkpoint released at once), which the ledger's queries do not show.
+func (w *Writer) CheckpointDigest(id string, d Digest) error {
+	if err := d.validate(id); err != nil {
+		return err
+	}
+	return w.append(record{kind: recDigest, digest: &checkpointDigest{ID: id, Digest: d}})
+}
+
+// CheckpointEdge records a parent link of the checkpoint graph besides the child's own
+// parent_id (CheckpointEdge). Recording one twice keeps one.
+func (w *Writer) CheckpointEdge(e CheckpointEdge) error {
+	if err := e.validate(); err != nil {
+		return err
+	}
+	if e.CreatedAt.IsZero() {
+		e.CreatedAt = time.Now()
+	}
+	return w.append(record{kind: recEdge, edge: &e})
+}
+
 // Reward records a reward (typically the verifier's). A zero CreatedAt means now.
 func (w *Writer) Reward(r RewardRow) error {
 	if err := r.validate(); err != nil {
@@ -929,6 +951,8 @@ const (
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (id) DO NOTHING`
 	updateEpisode = `UPDATE episodes SET status = $2, failure_class = $3, total_reward = $4, ended_at = $5,
 		failure_message = $6 WHERE id = $1`
+	insertDigest  = `INSERT INTO checkpoint_digests (id, files, processes) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING`
+	insertEdge    = `INSERT INTO checkpoint_edges (child_id, parent_id, created_at) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`
 	updateRelease = "UPDATE checkpoints SET released_at = $2 WHERE id = $1 AND released_at IS NULL"
 	updateEnded   = `UPDATE episodes SET status = 'failed', failure_class = 'infra', ended_at = $2,
 		failure_message = 'the server ended (it crashed or was killed) while the episode ran'
@@ -996,6 +1020,10 @@ func (w *Writer) applyOne(ctx context.Context, tx pgx.Tx, r *record) error {
 		_, err = sp.Exec(ctx, updateEnded, r.ended.IDs, r.ended.At)
 	case recEgress:
 		_, err = sp.Exec(ctx, insertEgress, egressValues(r.egress)...)
+	case recDigest:
+		_, err = sp.Exec(ctx, insertDigest, r.digest.ID, r.digest.Digest.Files, r.digest.Digest.Processes)
+	case recEdge:
+		_, err = sp.Exec(ctx, insertEdge, r.edge.ChildID, r.edge.ParentID, r.edge.CreatedAt)
 	}
 	if err != nil {
 		_ = sp.Rollback(ctx)

@@ -1,0 +1,166 @@
+package episode_test
+
+import (
+	"errors"
+	"slices"
+	"testing"
+
+	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/sandbox"
+	"github.com/deltagym/deltagym/server/episode"
+)
+
+// Deduplicating checkpoints through the core: the state found again in a checkpoint of the
+// env is answered with that checkpoint and the sandbox descends from it, while a checkpoint of
+// another env on the same image, or one released, is never found; and DiffCheckpoints between
+// them.
+func TestDedupeAndDiff(t *testing.T) {
+	other := baseSpec()
+	other.Name = "f"
+	core, rt, rec, _ := setupEnvs(t, nil, baseSpec(), other)
+	ctx := t.Context()
+	write := func(sb, path, content string) {
+		t.Helper()
+		stepOK(t, core, sb, episode.WriteFile{Path: path, Content: []byte(content)})
+	}
+	reset := func(env string) string {
+		t.Helper()
+		rr, err := core.Reset(ctx, episode.ResetRequest{Env: env, Run: "r"})
+		must(t, err)
+		return rr.SandboxID
+	}
+	// The first of a state is kept: nothing holds it yet.
+	a := reset("e")
+	write(a, "/tmp/y", "2\n")
+	first, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: a, Dedupe: true})
+	must(t, err)
+	if first.Deduplicated || first.Digest.IsZero() || first.Parent != first.Info.Parent {
+		t.Fatalf("first checkpoint of a state: %+v", first)
+	}
+	// Another sandbox of the env reaches it after a checkpoint of its own.
+	b := reset("e")
+	write(b, "/tmp/z", "1\n")
+	prev, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: b, WaitDigest: true})
+	must(t, err)
+	if prev.Digest.IsZero() || prev.Digest == first.Digest {
+		t.Fatalf("digest of another state: %+v, first %+v", prev.Digest, first.Digest)
+	}
+	stepOK(t, core, b, episode.Remove{Path: "/tmp/z"})
+	held := len(rt.ListCheckpoints())
+	recorded := len(rec.ckptsOf(""))
+	write(b, "/tmp/y", "2\n")
+	dup, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: b, Dedupe: true})
+	must(t, err)
+	if !dup.Deduplicated || dup.Info.ID != first.Info.ID || dup.Parent != prev.Info.ID || dup.Digest != first.Digest {
+		t.Fatalf("deduplicated checkpoint: %+v, want %s with parent %s", dup, first.Info.ID, prev.Info.ID)
+	}
+	if n := len(rt.ListCheckpoints()); n != held {
+		t.Fatalf("the runtime holds %d checkpoints, %d before: the new one is not released", n, held)
+	}
+	if n := len(rec.ckptsOf("")); n != recorded {
+		t.Fatalf("the ledger has %d checkpoint rows, %d before: the released one is recorded", n, recorded)
+	}
+	if e := rec.edgesOf(first.Info.ID); !slices.Equal(e, []string{prev.Info.ID}) {
+		t.Fatalf("edges into %s: %v, want from %s", first.Info.ID, e, prev.Info.ID)
+	}
+	// The sandbox descends from the one found; the one found keeps where it was taken.
+	next, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: b})
+	must(t, err)
+	if next.Info.Parent != first.Info.ID {
+		t.Fatalf("the sandbox's next checkpoint descends from %s, want %s", next.Info.Parent, first.Info.ID)
+	}
+	if p, err := core.CheckpointPlace(ctx, first.Info.ID); err != nil || p.Episode == "" || p.Own != 1 {
+		t.Fatalf("the found checkpoint's place: %+v, %v", p, err)
+	}
+	// Through a step: the same, and either flag alone is refused.
+	c := reset("e")
+	r, err := core.Step(ctx, episode.StepRequest{SandboxID: c, Action: episode.WriteFile{Path: "/tmp/y", Content: []byte("2\n")},
+		Checkpoint: true, CheckpointDedupe: true})
+	must(t, err)
+	if !r.CheckpointDeduplicated || r.CheckpointID != first.Info.ID || r.CheckpointDigest != first.Digest {
+		t.Fatalf("a deduplicating step: %+v", r)
+	}
+	if s := rec.stepsOf(r.EpisodeID); len(s) != 1 || s[0].CheckpointID != first.Info.ID {
+		t.Fatalf("the step's row: %+v", s)
+	}
+	for _, req := range []episode.StepRequest{{SandboxID: c, Action: episode.Exec{Command: "true"}, CheckpointDedupe: true},
+		{SandboxID: c, Action: episode.Exec{Command: "true"}, CheckpointWaitDigest: true}} {
+		if _, err := core.Step(ctx, req); !errors.Is(err, episode.ErrInvalid) {
+			t.Fatalf("a checkpoint flag without checkpoint: %v, want ErrInvalid", err)
+		}
+	}
+	// Another env on the same image holds the same state apart.
+	f := reset("f")
+	write(f, "/tmp/y", "2\n")
+	fck, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: f, Dedupe: true})
+	must(t, err)
+	if fck.Deduplicated || fck.Info.ID == first.Info.ID || fck.Digest != first.Digest {
+		t.Fatalf("a checkpoint of env f with env e's state: %+v", fck)
+	}
+	// A released checkpoint is not found: the state is found in the next oldest, b's.
+	must(t, core.ReleaseCheckpoint(first.Info.ID))
+	d := reset("e")
+	write(d, "/tmp/y", "2\n")
+	found, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: d, Dedupe: true})
+	must(t, err)
+	if !found.Deduplicated || found.Info.ID != next.Info.ID {
+		t.Fatalf("after the release of %s: %+v, want %s", first.Info.ID, found, next.Info.ID)
+	}
+
+	// DiffCheckpoints: what b did from prev to next (removed /tmp/z, wrote /tmp/y).
+	diff, err := core.DiffCheckpoints(ctx, episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, Detail: sandbox.DiffLines})
+	must(t, err)
+	var got []string
+	for _, p := range diff.Paths {
+		if p.Path == "/tmp/y" || p.Path == "/tmp/z" {
+			got = append(got, p.Path)
+			if p.Path == "/tmp/y" && (p.Kind != sandbox.ChangeAdded || p.LinesAdded != 1) {
+				t.Fatalf("/tmp/y: %+v", p)
+			}
+			if p.Path == "/tmp/z" && p.Kind != sandbox.ChangeRemoved {
+				t.Fatalf("/tmp/z: %+v", p)
+			}
+		}
+	}
+	if !slices.Equal(got, []string{"/tmp/y", "/tmp/z"}) || diff.Base != prev.Digest || diff.Target != first.Digest {
+		t.Fatalf("diff: %+v", diff)
+	}
+	if only, err := core.DiffCheckpoints(ctx, episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, Path: "/tmp/z"}); err != nil ||
+		len(only.Paths) != 1 || only.Paths[0].Path != "/tmp/z" {
+		t.Fatalf("diff under /tmp/z: %+v, %v", only, err)
+	}
+	if one, err := core.DiffCheckpoints(ctx, episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, MaxPaths: 1}); err != nil ||
+		len(one.Paths) != 1 || !one.Truncated {
+		t.Fatalf("diff of one path at most: %+v, %v", one, err)
+	}
+	for _, c := range []struct {
+		name string
+		req  episode.DiffRequest
+		want error
+	}{
+		{"no base", episode.DiffRequest{ID: next.Info.ID}, episode.ErrInvalid},
+		{"no checkpoint", episode.DiffRequest{Base: prev.Info.ID}, episode.ErrInvalid},
+		{"negative max_paths", episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, MaxPaths: -1}, episode.ErrInvalid},
+		{"relative path", episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, Path: "tmp"}, episode.ErrInvalid},
+		{"path with ..", episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, Path: "/tmp/../etc"}, episode.ErrInvalid},
+		{"different envs", episode.DiffRequest{Base: fck.Info.ID, ID: next.Info.ID}, episode.ErrInvalid},
+		{"unknown checkpoint", episode.DiffRequest{Base: prev.Info.ID, ID: "nope"}, sandbox.ErrNotFound},
+		{"unknown base", episode.DiffRequest{Base: "nope", ID: next.Info.ID}, sandbox.ErrNotFound},
+		{"released base", episode.DiffRequest{Base: first.Info.ID, ID: next.Info.ID}, sandbox.ErrNotFound},
+	} {
+		if _, err := core.DiffCheckpoints(ctx, c.req); !errors.Is(err, c.want) {
+			t.Fatalf("%s: %v, want %v", c.name, err, c.want)
+		}
+	}
+	if _, err := core.DiffCheckpoints(ctx, episode.DiffRequest{Base: fck.Info.ID, ID: next.Info.ID}); errdefs.DetailOf(err).Reason != "CHECKPOINT_OF_OTHER_ENV" {
+		t.Fatalf("different envs: reason %q", errdefs.DetailOf(err).Reason)
+	}
+	// ListCheckpoints reports the digests computed.
+	for _, cd := range core.Checkpoints(episode.CheckpointFilter{Env: "e"}) {
+		if cd.Info.ID == next.Info.ID {
+			if want, _ := rt.StateDigestReady(next.Info.ID); cd.Digest != want {
+				t.Fatalf("listed digest %+v, want %+v", cd.Digest, want)
+			}
+		}
+	}
+}
