@@ -119,7 +119,8 @@ var submit = &deltagymv1.Action{Kind: &deltagymv1.Action_Submit{Submit: &deltagy
 type uiRun struct {
 	run      string
 	restored string // a checkpoint taken after the Restore: its steps are partly inherited
-	forkSB   string // the sandbox of the Fork, still leased
+	forkSB   string // the sandbox of the first Fork, its episode submitted
+	liveSB   string // the sandbox of the second Fork, its episode running
 }
 
 func makeRun(t *testing.T, b uiBundle) uiRun {
@@ -129,7 +130,10 @@ func makeRun(t *testing.T, b uiBundle) uiRun {
 	reset := of(b.env.Reset(ctx, connect.NewRequest(&deltagymv1.ResetRequest{Env: "uitask", Run: r.run, GroupId: "g1"}))).in(t).Msg
 	sb := reset.GetSandboxId()
 	step := func(sb string, a *deltagymv1.Action, ckpt bool) *deltagymv1.StepResponse {
-		return of(b.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: a, Checkpoint: ckpt}))).in(t).Msg
+		// Each checkpoint's digest is in before the step answers: the tree the test reads is
+		// the one the page draws, merged by digest.
+		return of(b.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: sb, Action: a, Checkpoint: ckpt,
+			CheckpointWaitForDigest: ckpt}))).in(t).Msg
 	}
 	c1 := step(sb, execAction("echo 1 > /tmp/answer"), true).GetCheckpointId()
 	c2 := step(sb, execAction("echo 42 > /tmp/answer"), true).GetCheckpointId()
@@ -146,7 +150,25 @@ func makeRun(t *testing.T, b uiBundle) uiRun {
 	fork := of(b.env.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: c2},
 		N: 1, GroupId: "g1"}))).in(t).Msg
 	r.forkSB = fork.GetSandboxIds()[0]
+	// A checkpoint of c2's state again (one drawn node with c2), then a change: reward 0.
+	if same := step(r.forkSB, execAction("true"), true); same.GetCheckpointDigest().GetFiles() == "" {
+		t.Fatalf("checkpoint %s has no digest", same.GetCheckpointId())
+	}
 	step(r.forkSB, execAction("echo 7 > /tmp/answer"), true)
+	if st := step(r.forkSB, submit, false); st.GetReward() != 0 {
+		t.Fatalf("the fork's submit: reward %v, want 0", st.GetReward())
+	}
+	// Another group from c1: a checkpoint of its own, then back at c2's state by a
+	// deduplicating checkpoint, which gives c2 a second parent (a DAG).
+	fork2 := of(b.env.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: c1},
+		N: 1, GroupId: "g2"}))).in(t).Msg
+	r.liveSB = fork2.GetSandboxIds()[0]
+	step(r.liveSB, execAction("echo x > /tmp/other"), true)
+	back := of(b.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: r.liveSB, Action: execAction("rm /tmp/other; echo 42 > /tmp/answer"),
+		Checkpoint: true, CheckpointDedupe: true}))).in(t).Msg
+	if !back.GetCheckpointDeduplicated() {
+		t.Fatalf("a deduplicating checkpoint at c2's state made a new one, %s", back.GetCheckpointId())
+	}
 	of(b.ledger.ReportReward(ctx, connect.NewRequest(&deltagymv1.ReportRewardRequest{EpisodeId: first, Name: "judge", Value: 0.5, Source: "judge"}))).in(t)
 	return r
 }
@@ -219,6 +241,14 @@ func TestBrowser(t *testing.T) {
 	tree := of(b.ledger.GetCheckpointTree(ctx, connect.NewRequest(&deltagymv1.GetCheckpointTreeRequest{
 		Scope: &deltagymv1.GetCheckpointTreeRequest_Run{Run: r.run}}))).in(t).Msg.GetNodes()
 	want := wantDrawn(tree)
+	multi := 0
+	for _, n := range tree {
+		multi = max(multi, len(n.GetParentIds()))
+	}
+	if len(want) == len(tree) || multi < 2 {
+		t.Errorf("the run's %d checkpoints make %d drawn nodes, the most parents of one is %d: want some merged by digest and a DAG link",
+			len(tree), len(want), multi)
+	}
 	var node *deltagymv1.CheckpointNode
 	for _, n := range tree {
 		if n.GetCheckpointId() == r.restored {
@@ -346,7 +376,7 @@ func TestBrowser(t *testing.T) {
 	}
 
 	// Live: a checkpoint taken now appears, and the selection stays.
-	step := of(b.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: r.forkSB, Action: execAction("echo live > /tmp/live"), Checkpoint: true}))).in(t).Msg
+	step := of(b.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: r.liveSB, Action: execAction("echo live > /tmp/live"), Checkpoint: true}))).in(t).Msg
 	waitFor("the new checkpoint", `document.querySelector('#checkpoint-tree g.node[data-checkpoint-ids~="`+step.GetCheckpointId()+`"]') !== null`)
 	if kept := of(chromedp.Run(bctx, chromedp.Evaluate[string](`document.querySelector('#checkpoint-tree g.node.selected')?.dataset.nodeKey || ''`))).in(t); kept != r.restored {
 		t.Errorf("after an update the selected node is %q, want %s", kept, r.restored)

@@ -55,12 +55,8 @@ export function Tree({ graph, selected, onSelect }) {
                   <circle r={radius(d)} fill={colourOf(graph, d.reward)} />
                   <text class="label" x={radius(d) + 3} y={-radius(d) + 1}>
                     {kind === 'user' ? `s${d.members[0].stepIndex || 0}` : kind}
+                    {d.ids.length > 1 ? ` ×${d.ids.length}` : ''}
                   </text>
-                  {d.ids.length > 1 && (
-                    <text class="count" dy="0.35em">
-                      {d.ids.length}
-                    </text>
-                  )}
                 </g>
               );
             })}
@@ -103,8 +99,8 @@ function Legend({ graph }) {
       </svg>
       <p class="small muted">
         Colour: the mean total reward of the ended episodes that took the checkpoint or started from it, and of those below it.
-        Size: the episodes that started from it. Checkpoints of one state digest are one node (the number in it); dashed links
-        are further parents.
+        Size: the episodes that started from it. Checkpoints of one state digest are one node (×n: how many); dashed links are
+        further parents. Labels: the step a checkpoint was taken after (s1, s2…), or its kind.
       </p>
     </div>
   );
