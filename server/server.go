@@ -115,22 +115,7 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 		CgroupRoot: cfg.CgroupRoot, KeepCgroupOptions: cfg.KeepCgroupOptions, ForkAtRestore: cfg.ForkAtRestore, Logger: cfg.Logger}
 	cfg.Admission.runtimeConfig(&rcfg, sandbox.ReadHost())
 	s.coreSet = make(chan struct{})
-	rcfg.OnCheckpointExpired = func(id string) {
-		select {
-		case <-s.coreSet:
-			s.core.CheckpointExpired(id)
-		default: // expired before the core started: no episode knew it
-		}
-	}
-	// A digest computed before the core started is of a checkpoint the ledger already has
-	// one for, or will never have a row of: there is no episode yet.
-	rcfg.OnStateDigest = func(id string, d sandbox.StateDigest) {
-		select {
-		case <-s.coreSet:
-			s.core.StateDigest(id, d)
-		default:
-		}
-	}
+	s.runtimeHooks(&rcfg)
 	s.rt, err = sandbox.New(ctx, rcfg)
 	if err != nil {
 		return nil, fmt.Errorf("starting sandbox runtime: %w", err)
@@ -150,6 +135,24 @@ func New(ctx context.Context, cfg Config) (_ *Server, err error) {
 	s.registerRuntimeMetrics()
 	s.handler = s.buildHandler()
 	return s, nil
+}
+
+// runtimeHooks points the runtime's hooks at the episode core, once it has started.
+func (s *Server) runtimeHooks(rcfg *sandbox.Config) {
+	rcfg.OnCheckpointExpired = func(id string) {
+		select {
+		case <-s.coreSet:
+			s.core.CheckpointExpired(id)
+		default: // expired before the core started: no episode knew it
+		}
+	}
+	rcfg.OnStateDigest = func(id string, d sandbox.StateDigest) {
+		select {
+		case <-s.coreSet:
+			s.core.StateDigest(id, d)
+		default: // a checkpoint of the previous run's, recomputed: its digest was recorded then
+		}
+	}
 }
 
 // identify settles the node's name, its token and its peers.

@@ -69,6 +69,7 @@ type app struct {
 	Close       closeCmd       `cmd:"" help:"close sandboxes"`
 	Sandboxes   sandboxesCmd   `cmd:"" help:"list leased sandboxes"`
 	Checkpoints checkpointsCmd `cmd:"" help:"list the checkpoints the server holds and what keeps each (release frees them)"`
+	Diff        diffCmd        `cmd:"" help:"compare two checkpoints of an env: the files changed (as git diff --stat; --unified for the diffs) and the processes"`
 	Nodes       nodesCmd       `cmd:"" help:"list the nodes of the cluster --addr names (or the one server): name, address, version, load"`
 	ledgerCmds
 	Purge      purgeCmd      `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`

@@ -428,6 +428,8 @@ type checkpointCmd struct {
 	Durable   bool   `help:"save processes kept as templates as CRIU images at once, so the checkpoint keeps them whatever happens to the sandbox (closed, reaped, its init killed) or the server"`
 	Processes string `predictor:"processes" placeholder:"template|criu|files" help:"how to capture live processes: template (frozen copies, restorable in this sandbox; process trees go to CRIU), criu (CRIU images, restorable anywhere, forks carry them) or files (none; also filesystem); default: the env's"`
 	Quiet     bool   `short:"q" name:"quiet" help:"print only the checkpoint ID"`
+	Wait      bool   `name:"wait-digest" help:"wait for the checkpoint's state digest and print it"`
+	Dedupe    bool   `help:"answer with an existing checkpoint of the env holding the same state, if there is one, instead of keeping a second copy (implies --wait-digest)"`
 }
 
 func (ck *checkpointCmd) Run(ctx context.Context, a *app) error {
@@ -444,7 +446,8 @@ func (ck *checkpointCmd) Run(ctx context.Context, a *app) error {
 	if err != nil {
 		return err
 	}
-	res, err := env.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: ck.Sandbox, Durable: ck.Durable, ProcessMode: mode}))
+	res, err := env.Checkpoint(ctx, connect.NewRequest(&deltagymv1.CheckpointRequest{SandboxId: ck.Sandbox, Durable: ck.Durable, ProcessMode: mode,
+		WaitForDigest: ck.Wait, Dedupe: ck.Dedupe}))
 	if err != nil {
 		return err
 	}
@@ -488,8 +491,15 @@ func printCheckpoint(w io.Writer, m *deltagymv1.CheckpointResponse, durable bool
 		"parent", m.GetParentId(),
 		"depth", strconv.Itoa(int(m.GetDepth())),
 		"durable", state,
+		"digest", m.GetDigest().GetFiles(),
+		"processes digest", m.GetDigest().GetProcesses(),
 	); err != nil {
 		return err
+	}
+	if m.GetDeduplicated() {
+		if _, err := fmt.Fprintf(w, "deduplicated: %s (an existing checkpoint of the env holds this state; the sandbox descends from it)\n", m.GetCheckpointId()); err != nil {
+			return err
+		}
 	}
 	if len(m.GetProcesses()) == 0 {
 		return nil

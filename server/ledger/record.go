@@ -192,14 +192,8 @@ func (r *record) appendPayload(b []byte) []byte {
 		}
 	case recEgress:
 		e.egress(r.egress)
-	case recDigest:
-		e.str(r.digest.ID)
-		e.str(r.digest.Digest.Files)
-		e.str(r.digest.Digest.Processes)
-	case recEdge:
-		e.str(r.edge.ChildID)
-		e.str(r.edge.ParentID)
-		e.time(r.edge.CreatedAt)
+	case recDigest, recEdge:
+		e.graph(r)
 	}
 	return e.b
 }
@@ -232,15 +226,7 @@ func (r *record) decodePayload(b []byte) error {
 	case recRelease:
 		r.release = &checkpointRelease{ID: d.str(), At: d.time()}
 	case recSandboxesEnded:
-		e := &sandboxesEnded{}
-		if n := d.i64(); n > 0 && n < int64(len(b)) {
-			e.IDs = make([]string, n)
-			for i := range e.IDs {
-				e.IDs[i] = d.str()
-			}
-		}
-		e.At = d.time()
-		r.ended = e
+		r.ended = d.ended(len(b))
 	case recReward:
 		s := &RewardRow{EpisodeID: d.str()}
 		if d.bool() {
@@ -258,10 +244,8 @@ func (r *record) decodePayload(b []byte) error {
 		r.reward = s
 	case recEgress:
 		r.egress = d.egress()
-	case recDigest:
-		r.digest = &checkpointDigest{ID: d.str(), Digest: Digest{Files: d.str(), Processes: d.str()}}
-	case recEdge:
-		r.edge = &CheckpointEdge{ChildID: d.str(), ParentID: d.str(), CreatedAt: d.time()}
+	case recDigest, recEdge:
+		d.graph(r)
 	default:
 		return fmt.Errorf("unknown record kind %d", r.kind)
 	}
@@ -275,6 +259,41 @@ func (r *record) decodePayload(b []byte) error {
 }
 
 type enc struct{ b []byte }
+
+// graph encodes a record of the checkpoint graph: a digest or an edge.
+func (e *enc) graph(r *record) {
+	if r.kind == recDigest {
+		e.str(r.digest.ID)
+		e.str(r.digest.Digest.Files)
+		e.str(r.digest.Digest.Processes)
+		return
+	}
+	e.str(r.edge.ChildID)
+	e.str(r.edge.ParentID)
+	e.time(r.edge.CreatedAt)
+}
+
+// ended decodes a recSandboxesEnded payload of size bytes.
+func (d *dec) ended(size int) *sandboxesEnded {
+	e := &sandboxesEnded{}
+	if n := d.i64(); n > 0 && n < int64(size) {
+		e.IDs = make([]string, n)
+		for i := range e.IDs {
+			e.IDs[i] = d.str()
+		}
+	}
+	e.At = d.time()
+	return e
+}
+
+// graph decodes what enc.graph encoded into r.
+func (d *dec) graph(r *record) {
+	if r.kind == recDigest {
+		r.digest = &checkpointDigest{ID: d.str(), Digest: Digest{Files: d.str(), Processes: d.str()}}
+		return
+	}
+	r.edge = &CheckpointEdge{ChildID: d.str(), ParentID: d.str(), CreatedAt: d.time()}
+}
 
 func (e *enc) str(s string) {
 	e.b = binary.AppendUvarint(e.b, uint64(len(s)))

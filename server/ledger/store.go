@@ -560,6 +560,29 @@ func orderGraph(nodes []*GraphNode, edges []CheckpointEdge) []*GraphNode {
 	for _, n := range nodes {
 		byID[n.ID] = n
 	}
+	out, pending := linkGraph(nodes, byID, edges)
+	order := walkGraph(nodes, out, pending)
+	// The forest: each node under the first of its parents in the set.
+	for _, n := range order {
+		for _, pid := range n.ParentIDs {
+			if p, ok := byID[pid]; ok && p != n {
+				p.Children = append(p.Children, &n.CheckpointNode)
+				n.placed = true
+				break
+			}
+		}
+	}
+	for _, n := range nodes {
+		slices.SortStableFunc(n.Children, func(a, b *CheckpointNode) int {
+			return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
+		})
+	}
+	return order
+}
+
+// linkGraph sets the nodes' ParentIDs and returns each node's children in the set by either
+// link, in creation order, and how many parents in the set each has.
+func linkGraph(nodes []*GraphNode, byID map[string]*GraphNode, edges []CheckpointEdge) (map[*GraphNode][]*GraphNode, map[*GraphNode]int) {
 	// out holds each node's children in the set by any link; nodes are in creation order, so
 	// those by parent_id come in creation order.
 	out := make(map[*GraphNode][]*GraphNode)
@@ -597,6 +620,11 @@ func orderGraph(nodes []*GraphNode, edges []CheckpointEdge) []*GraphNode {
 			out[p] = cs
 		}
 	}
+	return out, pending
+}
+
+// walkGraph returns the nodes parents before children (CheckpointGraph's order).
+func walkGraph(nodes []*GraphNode, out map[*GraphNode][]*GraphNode, pending map[*GraphNode]int) []*GraphNode {
 	order := make([]*GraphNode, 0, len(nodes))
 	// Depth first from each root, a node once the last of its parents is out: an explicit
 	// stack, as a chain of checkpoints may be as long as a run.
@@ -619,21 +647,6 @@ func orderGraph(nodes []*GraphNode, edges []CheckpointEdge) []*GraphNode {
 				}
 			}
 		}
-	}
-	// The forest: each node under the first of its parents in the set.
-	for _, n := range order {
-		for _, pid := range n.ParentIDs {
-			if p, ok := byID[pid]; ok && p != n {
-				p.Children = append(p.Children, &n.CheckpointNode)
-				n.placed = true
-				break
-			}
-		}
-	}
-	for _, n := range nodes {
-		slices.SortStableFunc(n.Children, func(a, b *CheckpointNode) int {
-			return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
-		})
 	}
 	return order
 }

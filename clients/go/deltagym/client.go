@@ -561,6 +561,43 @@ func (c *Client) ReleaseCheckpoint(ctx context.Context, checkpointID string) err
 	return nil
 }
 
+// DiffOption sets a field of a DiffCheckpoints call.
+type DiffOption func(*deltagymv1.DiffCheckpointsRequest)
+
+// WithDiffDetail says how much to tell of each changed file: paths (the
+// default), line counts, or unified diffs too.
+func WithDiffDetail(d deltagymv1.DiffDetail) DiffOption {
+	return func(r *deltagymv1.DiffCheckpointsRequest) { r.Detail = d }
+}
+
+// WithDiffPath keeps the changes at an absolute path and below it only.
+func WithDiffPath(path string) DiffOption {
+	return func(r *deltagymv1.DiffCheckpointsRequest) { r.Path = path }
+}
+
+// WithMaxPaths bounds the path changes returned (the server's default is
+// 10,000); past it the response is truncated.
+func WithMaxPaths(n int) DiffOption {
+	return func(r *deltagymv1.DiffCheckpointsRequest) { r.MaxPaths = int32(min(n, math.MaxInt32)) }
+}
+
+// DiffCheckpoints compares checkpoint checkpointID against base, both of one
+// env: the paths added, removed and changed, and the processes that differ.
+func (c *Client) DiffCheckpoints(ctx context.Context, base, checkpointID string, opts ...DiffOption) (*deltagymv1.DiffCheckpointsResponse, error) {
+	if err := c.checkOpen(); err != nil {
+		return nil, err
+	}
+	req := &deltagymv1.DiffCheckpointsRequest{BaseCheckpointId: base, CheckpointId: checkpointID}
+	for _, o := range opts {
+		o(req)
+	}
+	res, err := c.env.DiffCheckpoints(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, fmt.Errorf("diff of checkpoint %s against %s: %w", checkpointID, base, err)
+	}
+	return res.Msg, nil
+}
+
 // HeartbeatResult is the outcome of a Heartbeat.
 type HeartbeatResult struct {
 	// Leases maps each live sandbox asked about to its new lease expiry.

@@ -763,6 +763,16 @@ func (c *Cluster) ReleaseCheckpoint(ctx context.Context, checkpointID string) er
 	return m.client.ReleaseCheckpoint(ctx, checkpointID)
 }
 
+// DiffCheckpoints compares two checkpoints on the node of checkpointID, which
+// fetches base from its node if it is another's.
+func (c *Cluster) DiffCheckpoints(ctx context.Context, base, checkpointID string, opts ...DiffOption) (*deltagymv1.DiffCheckpointsResponse, error) {
+	m, err := c.route(checkpointID)
+	if err != nil {
+		return nil, fmt.Errorf("diff of checkpoint %s against %s: %w", checkpointID, base, err)
+	}
+	return m.client.DiffCheckpoints(ctx, base, checkpointID, opts...)
+}
+
 // candidates returns the members that may take new sandboxes, but those of skip, sorted by
 // name, with their loads.
 func (c *Cluster) candidates(skip []*member) ([]*member, []*deltagymv1.NodeInfo, error) {

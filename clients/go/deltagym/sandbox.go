@@ -108,6 +108,9 @@ type StepResult struct {
 	// CheckpointID is the checkpoint of the state after the step, when
 	// WithCheckpoint asked for one.
 	CheckpointID string
+	// CheckpointDigest is CheckpointID's state digest when the step asked to
+	// wait for it.
+	CheckpointDigest *deltagymv1.StateDigest
 	// Info holds extra env- or server-defined facts.
 	Info map[string]string
 	// Observation is the raw observation.
@@ -312,14 +315,15 @@ func (s *Sandbox) step(ctx context.Context, req *deltagymv1.StepRequest) (*delta
 
 func stepResult(m *deltagymv1.StepResponse) StepResult {
 	return StepResult{
-		EpisodeID:    m.GetEpisodeId(),
-		StepIndex:    int(m.GetStepIndex()),
-		Reward:       m.GetReward(),
-		Terminated:   m.GetTerminated(),
-		Truncated:    m.GetTruncated(),
-		CheckpointID: m.GetCheckpointId(),
-		Info:         m.GetInfo(),
-		Observation:  m.GetObservation(),
+		EpisodeID:        m.GetEpisodeId(),
+		StepIndex:        int(m.GetStepIndex()),
+		Reward:           m.GetReward(),
+		Terminated:       m.GetTerminated(),
+		Truncated:        m.GetTruncated(),
+		CheckpointID:     m.GetCheckpointId(),
+		CheckpointDigest: m.GetCheckpointDigest(),
+		Info:             m.GetInfo(),
+		Observation:      m.GetObservation(),
 	}
 }
 
@@ -448,6 +452,18 @@ func WithProcessMode(m deltagymv1.ProcessMode) CheckpointOption {
 	return func(r *deltagymv1.CheckpointRequest) { r.ProcessMode = m }
 }
 
+// WaitDigest makes Checkpoint wait for the checkpoint's state digest
+// (Checkpoint.Digest); without it the digest is computed in the background.
+func WaitDigest() CheckpointOption {
+	return func(r *deltagymv1.CheckpointRequest) { r.WaitForDigest = true }
+}
+
+// Dedupe, which implies WaitDigest, answers with an existing checkpoint of the
+// sandbox's env holding the same state, if there is one, instead of keeping a
+// second copy of it (Checkpoint.Deduplicated); the sandbox's state then
+// descends from that checkpoint.
+func Dedupe() CheckpointOption { return func(r *deltagymv1.CheckpointRequest) { r.Dedupe = true } }
+
 // Checkpoint is a saved state of a sandbox.
 type Checkpoint struct {
 	// ID identifies the checkpoint, server-wide.
@@ -461,6 +477,12 @@ type Checkpoint struct {
 	Durable bool
 	// Processes tells how each live process was captured.
 	Processes []*deltagymv1.ProcessCapture
+	// Digest is the checkpoint's state digest, with WaitDigest or Dedupe.
+	Digest *deltagymv1.StateDigest
+	// Deduplicated is set when Dedupe found the state in an existing
+	// checkpoint: ID is that checkpoint's, and ParentID the sandbox's
+	// previous checkpoint.
+	Deduplicated bool
 }
 
 // Checkpoint saves the sandbox's whole state as an immutable checkpoint.
@@ -477,7 +499,8 @@ func (s *Sandbox) Checkpoint(ctx context.Context, opts ...CheckpointOption) (*Ch
 		return nil, fmt.Errorf("checkpoint of sandbox %s: %w", s.id, err)
 	}
 	m := res.Msg
-	return &Checkpoint{ID: m.GetCheckpointId(), ParentID: m.GetParentId(), Depth: int(m.GetDepth()), Durable: m.GetDurable(), Processes: m.GetProcesses()}, nil
+	return &Checkpoint{ID: m.GetCheckpointId(), ParentID: m.GetParentId(), Depth: int(m.GetDepth()), Durable: m.GetDurable(), Processes: m.GetProcesses(),
+		Digest: m.GetDigest(), Deduplicated: m.GetDeduplicated()}, nil
 }
 
 // RestoreResult is the outcome of Restore.
