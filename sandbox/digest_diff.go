@@ -89,7 +89,7 @@ func diffPath(p string) ([]string, error) {
 	}
 	comps := strings.Split(p[1:], "/")
 	if slices.Contains(comps, "..") {
-		return nil, fmt.Errorf("%w: diff path %q: must not hold ..", ErrInvalid, p)
+		return nil, fmt.Errorf("%w: diff path %q: must not hold a .. component", ErrInvalid, p)
 	}
 	return comps, nil
 }

@@ -34,7 +34,8 @@ type digestRec struct {
 	Processes string `json:"processes,omitempty"`
 }
 
-// ckDigest is what the runtime knows of one checkpoint's state digest.
+// ckDigest is what the runtime knows of one checkpoint's state digest. Its fields but done, d,
+// err and stop are guarded by stateDigests.mu (checklocks cannot name another type's lock).
 type ckDigest struct {
 	// done is closed once d (or err) is set; they do not change after.
 	done chan struct{}
@@ -43,20 +44,14 @@ type ckDigest struct {
 	// stop is closed when the checkpoint is released: its computation stops.
 	stop chan struct{}
 	// finished: done is closed. closed: the checkpoint was released (stop is closed).
-	// +checklocks:stateDigests.mu
 	finished bool
-	// +checklocks:stateDigests.mu
-	closed bool
+	closed   bool
 	// files is the index of its layers (without /dev/shm), shm of its /dev/shm layer; nil
 	// until computed (after a restart: until needed).
-	// +checklocks:stateDigests.mu
 	files *dnode
-	// +checklocks:stateDigests.mu
-	shm *dnode
-	// +checklocks:stateDigests.mu
+	shm   *dnode
 	procs []procSum
 	// keys are the stacks (stackKey) whose index is files, registered in stateDigests.stacks.
-	// +checklocks:stateDigests.mu
 	keys []string
 }
 
@@ -137,8 +132,7 @@ func (sd *stateDigests) dropLocked(id string, ck *ckDigest) {
 	ck.keys, ck.files, ck.shm, ck.procs = nil, nil, nil, nil
 }
 
-// finishLocked closes done, once.
-// +checklocks:stateDigests.mu
+// finishLocked closes done, once. Called with stateDigests.mu held.
 func (ck *ckDigest) finishLocked() {
 	if !ck.finished {
 		ck.finished = true
@@ -225,12 +219,11 @@ func (r *Runtime) stateDigestLoop() {
 // ckSnapshot is what a digest's computation reads of a checkpoint, taken under Runtime.mu,
 // with a reference held on each layer.
 type ckSnapshot struct {
-	id, image   string
-	layers      []string
-	flat        []string
-	shm         string
-	procs       []procInput
-	sandboxLive bool
+	id, image string
+	layers    []string
+	flat      []string
+	shm       string
+	procs     []procInput
 }
 
 // snapshot takes c's layers (a reference each) and what its processes' digest reads.

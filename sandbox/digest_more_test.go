@@ -425,3 +425,35 @@ func TestDiffHostile(t *testing.T) {
 	}
 	_ = bytes.MinRead
 }
+
+// A checkpoint with a live process has a processes digest; a diff names the process by pid;
+// released checkpoints leave no digest state behind.
+func TestStateDigestProcessesAndFreed(t *testing.T) {
+	b := setup(t)
+	ctx := t.Context()
+	s := b.create(t, sandbox.Spec{})
+	noProc, d0 := ckDigest(t, b, s)
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Command: "cd /tmp && exec sleep 1000", Background: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	withProc, d1 := ckDigest(t, b, s)
+	if d1.Processes == "" || d1.Processes == d0.Processes || d1.Files != d0.Files {
+		t.Fatalf("with a process: %v (without: %v)", d1, d0)
+	}
+	diff, err := b.rt.DiffCheckpoints(ctx, noProc.ID, withProc.ID, sandbox.DiffOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(diff.Processes) != 1 || diff.Processes[0].Kind != sandbox.ChangeAdded || !strings.Contains(diff.Processes[0].Command, "sleep") {
+		t.Fatalf("process diff %+v (pid %d)", diff.Processes, res.Pid)
+	}
+	for _, id := range []string{noProc.ID, withProc.ID} {
+		if err := b.rt.ReleaseCheckpoint(id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, st := b.rt.DigestIndexes(); n != 0 || st != 0 {
+		t.Fatalf("after release: %d digests, %d stack indexes kept", n, st)
+	}
+}

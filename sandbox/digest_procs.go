@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"hash"
 	"io"
 	"os"
 	"path/filepath"
@@ -147,41 +148,8 @@ func templateMemory(hostPid int, start uint64, canceled func() error) (sum [32]b
 	buf := make([]byte, 1<<20)
 	sc := bufio.NewScanner(bytes.NewReader(maps))
 	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		if len(f) < 5 || f[1] != "rw-p" {
-			continue
-		}
-		lo, hi, found := strings.Cut(f[0], "-")
-		if !found {
-			continue
-		}
-		start, err1 := strconv.ParseUint(lo, 16, 64)
-		end, err2 := strconv.ParseUint(hi, 16, 64)
-		if err1 != nil || err2 != nil || end < start {
-			continue
-		}
-		var rec [16]byte
-		binary.LittleEndian.PutUint64(rec[:], start)
-		binary.LittleEndian.PutUint64(rec[8:], end)
-		h.Write(rec[:])
-		if len(f) >= 6 {
-			io.WriteString(h, f[5])
-		}
-		for off := start; off < end; {
-			if canceled() != nil {
-				return sum, "", false
-			}
-			n := int(min(uint64(len(buf)), end-off))
-			k, err := mem.ReadAt(buf[:n], int64(off))
-			if k > 0 {
-				h.Write(buf[:k])
-			}
-			if err != nil || k < n {
-				// An unreadable range (a guard page's neighbour): its length stands for it.
-				io.WriteString(h, "?")
-				break
-			}
-			off += uint64(n)
+		if !hashMapping(h, mem, sc.Text(), buf, canceled) {
+			return sum, "", false
 		}
 	}
 	if st, err := procstate.StartTime(hostPid); err != nil || st != start {
@@ -221,4 +189,46 @@ func imagesHash(dir string) ([32]byte, error) {
 	var out [32]byte
 	h.Sum(out[:0])
 	return out, nil
+}
+
+// hashMapping hashes the range, name and contents of the mapping of line (of /proc/PID/maps)
+// if it is private and writable; false if canceled.
+func hashMapping(h hash.Hash, mem *os.File, line string, buf []byte, canceled func() error) bool {
+	f := strings.Fields(line)
+	if len(f) < 5 || f[1] != "rw-p" {
+		return true
+	}
+	lo, hi, found := strings.Cut(f[0], "-")
+	if !found {
+		return true
+	}
+	start, err1 := strconv.ParseUint(lo, 16, 64)
+	end, err2 := strconv.ParseUint(hi, 16, 64)
+	if err1 != nil || err2 != nil || end < start {
+		return true
+	}
+	var rec [16]byte
+	binary.LittleEndian.PutUint64(rec[:], start)
+	binary.LittleEndian.PutUint64(rec[8:], end)
+	h.Write(rec[:])
+	if len(f) >= 6 {
+		io.WriteString(h, f[5])
+	}
+	for off := start; off < end; {
+		if canceled() != nil {
+			return false
+		}
+		n := int(min(uint64(len(buf)), end-off))
+		k, err := mem.ReadAt(buf[:n], int64(off))
+		if k > 0 {
+			h.Write(buf[:k])
+		}
+		if err != nil || k < n {
+			// An unreadable range: the mark stands for the rest of it.
+			io.WriteString(h, "?")
+			break
+		}
+		off += uint64(n)
+	}
+	return true
 }

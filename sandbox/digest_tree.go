@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"os"
 	"slices"
 	"strings"
 
@@ -121,12 +122,24 @@ func overlayMark(name string) bool {
 // readXattrs returns p's xattrs, sorted by name, but overlayfs's marks; never follows a
 // symlink.
 func readXattrs(p string) ([]xattrKV, error) {
-	buf := make([]byte, 1024)
+	return xattrsBy(func(b []byte) (int, error) { return unix.Llistxattr(p, b) },
+		func(name string, b []byte) (int, error) { return unix.Lgetxattr(p, name, b) })
+}
+
+// fdXattrs is readXattrs of an open file.
+func fdXattrs(fd int) ([]xattrKV, error) {
+	return xattrsBy(func(b []byte) (int, error) { return unix.Flistxattr(fd, b) },
+		func(name string, b []byte) (int, error) { return unix.Fgetxattr(fd, name, b) })
+}
+
+func xattrsBy(list func([]byte) (int, error), get func(string, []byte) (int, error)) ([]xattrKV, error) {
+	var stack [256]byte
+	buf := stack[:]
 	var size int
 	for {
-		n, err := unix.Llistxattr(p, buf)
+		n, err := list(buf)
 		if errors.Is(err, unix.ERANGE) {
-			m, err := unix.Llistxattr(p, nil)
+			m, err := list(nil)
 			if err != nil {
 				return nil, err
 			}
@@ -152,9 +165,9 @@ func readXattrs(p string) ([]xattrKV, error) {
 		}
 		val := make([]byte, 256)
 		for {
-			n, err := unix.Lgetxattr(p, name, val)
+			n, err := get(name, val)
 			if errors.Is(err, unix.ERANGE) {
-				m, err := unix.Lgetxattr(p, name, nil)
+				m, err := get(name, nil)
 				if err != nil {
 					return nil, err
 				}
@@ -251,30 +264,42 @@ func whiteout(st *unix.Stat_t) bool {
 	return st.Mode&unix.S_IFMT == unix.S_IFCHR && st.Rdev == 0
 }
 
+// file makes the index entry of regular file name in dirfd (its directory entry's type):
+// opened without following a symlink or blocking, and checked to be a regular file, so a
+// FIFO or a device is never read.
+func (w *layerWalk) file(dirfd int, name, p string) (*dnode, error) {
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening %s: %w", p, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, fmt.Errorf("opening %s: %w", p, cmpErr(err, unix.ESTALE))
+	}
+	xs, err := fdXattrs(fd)
+	if err != nil {
+		return nil, fmt.Errorf("reading xattrs of %s: %w", p, err)
+	}
+	n := &dnode{attr: attrHash(&st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777), size: st.Size}
+	if n.data, err = contentHash(fd, st.Size, w.buf); err != nil {
+		return nil, fmt.Errorf("reading %s: %w", p, err)
+	}
+	n.seal()
+	return n, nil
+}
+
 // leaf makes the index entry of non-directory p.
 func (w *layerWalk) leaf(dirfd int, name, p string, st *unix.Stat_t) (*dnode, error) {
+	if st.Mode&unix.S_IFMT == unix.S_IFREG {
+		return w.file(dirfd, name, p)
+	}
 	xs, err := readXattrs(p)
 	if err != nil {
 		return nil, fmt.Errorf("reading xattrs of %s: %w", p, err)
 	}
 	n := &dnode{attr: attrHash(st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777), size: st.Size}
 	switch st.Mode & unix.S_IFMT {
-	case unix.S_IFREG:
-		fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return nil, fmt.Errorf("opening %s: %w", p, err)
-		}
-		var fst unix.Stat_t
-		if err := unix.Fstat(fd, &fst); err != nil || fst.Ino != st.Ino || fst.Mode&unix.S_IFMT != unix.S_IFREG {
-			unix.Close(fd)
-			return nil, fmt.Errorf("opening %s: %w", p, cmpErr(err, unix.ESTALE))
-		}
-		n.size = fst.Size
-		n.data, err = contentHash(fd, fst.Size, w.buf)
-		unix.Close(fd)
-		if err != nil {
-			return nil, fmt.Errorf("reading %s: %w", p, err)
-		}
 	case unix.S_IFLNK:
 		target, err := readlinkat(dirfd, name)
 		if err != nil {
@@ -363,15 +388,24 @@ func (w *layerWalk) apply(base *dnode, dirfd int, p string, depth int, keepAttr 
 	case keepAttr && base != nil:
 		out.attr, out.mode = base.attr, base.mode
 	}
-	names, err := readDirNames(dirfd)
+	ents, err := readDirEntries(dirfd)
 	if err != nil {
 		return nil, fmt.Errorf("listing %s: %w", p, err)
 	}
-	for _, name := range names {
+	for _, e := range ents {
 		if err := w.tick(); err != nil {
 			return nil, err
 		}
+		name := e.Name()
 		cp := p + "/" + name
+		if e.Type().IsRegular() {
+			k, err := w.file(dirfd, name, cp)
+			if err != nil {
+				return nil, err
+			}
+			out.kids[name] = k
+			continue
+		}
 		var cst unix.Stat_t
 		if err := unix.Fstatat(dirfd, name, &cst, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return nil, fmt.Errorf("indexing %s: %w", cp, err)
@@ -409,8 +443,9 @@ func (w *layerWalk) tick() error {
 	return nil
 }
 
-// readDirNames lists the names of directory fd.
-func readDirNames(fd int) ([]string, error) {
+// readDirEntries lists the entries of directory fd, with their types as the directory gives
+// them.
+func readDirEntries(fd int) ([]os.DirEntry, error) {
 	dfd, err := unix.Dup(fd)
 	if err != nil {
 		return nil, err
@@ -422,7 +457,7 @@ func readDirNames(fd int) ([]string, error) {
 	}
 	f := newDirFile(dfd)
 	defer f.Close()
-	return f.Readdirnames(-1)
+	return f.ReadDir(-1)
 }
 
 // applyLayer returns root (nil: none) with layer directory p over it.

@@ -86,6 +86,8 @@
 //     nothing.
 //  8. procstate.State.mu: templates, copies forked ahead, processes seen
 //     live.
+//     8a. stateDigests.mu: checkpoints' state digests and indexes (digest_jobs.go); taken under
+//     Runtime.mu or alone, it takes nothing.
 //  9. Sandbox.mu and session.mu: sessions, the abort context, group names;
 //     they take nothing.
 //

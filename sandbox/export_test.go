@@ -187,3 +187,12 @@ func (s *Sandbox) ShmEmpty() (bool, error) {
 	defer unix.Close(fd)
 	return s.shmEmpty(fd, &st)
 }
+
+// DigestIndexes returns how many checkpoints' state digests and stacks' indexes the runtime
+// keeps in memory.
+func (r *Runtime) DigestIndexes() (ckpts, stacks int) {
+	sd := r.jobs.digests
+	sd.mu.Lock()
+	defer sd.mu.Unlock()
+	return len(sd.ckpts), len(sd.stacks)
+}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"regexp"
 	"regexp/syntax"
 	"strconv"
@@ -25,8 +26,10 @@ import (
 //   - a call with Interact sends its Command and a newline to the command's input (an empty
 //     Command is the Enter key alone), and waits the same way;
 //   - a call with Interact and Interrupt sends SIGINT to every process of the session but its
-//     shell (a terminal's Ctrl-C) and waits the same way; if the timeout passes with no match,
-//     they are killed. Its Command is not used (a caller may record there what the key sends,
+//     shell (a terminal's Ctrl-C) once none of them is runnable, as a person presses it at a
+//     prompt the program waits at (or once they ran 100 ms on the CPU, a busy program, or half
+//     the timeout passed), and waits the same way; if the timeout passes with no match, they
+//     are killed. Its Command is not used (a caller may record there what the key sends,
 //     "\x03"); without an attached command, an interrupt has nothing to do and returns at once;
 //   - a call without Interact kills the attached command first (what it still printed is
 //     dropped) and then runs.
@@ -153,6 +156,7 @@ func (se *session) interact(ctx, gen context.Context, req ExecRequest, tag strin
 	it := req.Interact
 	switch {
 	case se.attached && it.Interrupt:
+		se.awaitWaiting(ctx, gen, start.Add(req.Timeout/2))
 		se.signalChildren(unix.SIGINT)
 	case it.Interrupt:
 		res.ExitCode, res.Duration = 0, time.Since(start)
@@ -172,7 +176,7 @@ func (se *session) interact(ctx, gen context.Context, req ExecRequest, tag strin
 	m := newMatcher(tag, it.Expect, req.MaxOutput, se.pending)
 	m.emit = streamOutput(req.Output, OutputStdout)
 	se.pending = nil
-	err := se.converse(ctx, gen, m, req.Timeout, it.Interrupt, &res)
+	err := se.converse(ctx, gen, m, req.Timeout-time.Since(start), it.Interrupt, &res)
 	res.Duration = time.Since(start)
 	res.Running = err == nil && se.attached && !se.broken
 	return res, err
@@ -356,6 +360,82 @@ func (se *session) ended(m *matcher, res *ExecResult) {
 		}
 	case <-time.After(200 * time.Millisecond):
 	}
+}
+
+// interruptBusy is how long the command of a session may run on the CPU before an interrupt
+// goes to it without waiting for it to wait (awaitWaiting): far more than a program needs from
+// its prompt's write to its read, little for a person's Ctrl-C of a busy one.
+const interruptBusy = 100 * time.Millisecond
+
+// awaitWaiting waits, before an interrupt, until no thread of what the session runs (its shell
+// aside) is runnable: until the program waits, as it does when a person at a terminal sees its
+// prompt and presses Ctrl-C. A program may lose a SIGINT that comes between its prompt's write
+// and its read: Busybox's ash and dash only note the signal in their handler, for the trap to
+// run when the command in progress ends, and their read builtin looks at the note only when the
+// signal cuts its wait short, so one noted just before the wait begins goes unseen until a line
+// comes, which the caller, waiting for the answer to its interrupt, does not send. It returns
+// once the command waits, once its threads ran interruptBusy on the CPU since the call (a busy
+// program, which an interrupt is most for), at deadline, or when ctx or gen ends. Only the
+// session's calls write its input, under se.mu, so a program found waiting for input still
+// waits when the signal comes.
+func (se *session) awaitWaiting(ctx, gen context.Context, deadline time.Time) {
+	ran := map[int]uint64{} // a thread's CPU time (clock ticks) when last seen
+	var busy uint64         // the CPU time of the threads since the call
+	first := true
+	for pause := 20 * time.Microsecond; ; pause = min(2*pause, time.Millisecond) {
+		tids, err := se.cg.Threads()
+		if err != nil {
+			return
+		}
+		waiting := true
+		for _, tid := range tids {
+			if tid == se.hostPid {
+				continue
+			}
+			state, ticks, ok := threadRun(tid)
+			if !ok {
+				continue // gone
+			}
+			last, seen := ran[tid]
+			if !seen && first {
+				last = ticks // what it ran before the call is not the call's
+			}
+			busy += ticks - min(last, ticks)
+			ran[tid] = ticks
+			waiting = waiting && state != 'R'
+		}
+		first = false
+		if waiting || busy*uint64(time.Second/clockTicks) >= uint64(interruptBusy) ||
+			!time.Now().Before(deadline) || ctx.Err() != nil || gen.Err() != nil {
+			return
+		}
+		nap(pause)
+	}
+}
+
+// threadRun reads thread tid's state (R: runnable) and the CPU time it ran (user and system,
+// in clock ticks) from /proc; ok is false once it is gone.
+func threadRun(tid int) (state byte, ticks uint64, ok bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(tid) + "/stat")
+	if err != nil {
+		return 0, 0, false
+	}
+	// pid (comm) state ppid … utime stime …, 14th and 15th; comm may hold spaces and
+	// parentheses.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, 0, false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 13 || len(f[0]) == 0 {
+		return 0, 0, false
+	}
+	utime, uerr := strconv.ParseUint(string(f[11]), 10, 64)
+	stime, serr := strconv.ParseUint(string(f[12]), 10, 64)
+	if uerr != nil || serr != nil {
+		return 0, 0, false
+	}
+	return f[0][0], utime + stime, true
 }
 
 // signalChildren sends sig to every process of the session but its shell.

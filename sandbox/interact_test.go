@@ -87,6 +87,67 @@ func TestSessionInteract(t *testing.T) {
 	}
 }
 
+// An interrupt reaches a program that waits for its input, as a person's Ctrl-C at its prompt
+// does, even when it comes between the prompt's write and the read: a shell whose trap only
+// notes the signal, for its read to see, would note one that comes before its read blocks
+// and wait on, deaf to it, as this program (which ignores SIGINT until it reads) would be. A
+// program that never waits, busy on the CPU, still gets it at once.
+func TestSessionInterruptAtThePrompt(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: "busybox"})
+	if err := s.WriteFile(t.Context(), "/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash\n"), 0o755, false); err != nil {
+		t.Fatal(err)
+	}
+	// Between its prompt and its read, some milliseconds of CPU: far less than a busy program
+	// runs before its interrupt goes anyway, far more than the call's way back from the prompt.
+	const repl = `trap '' INT
+printf 'ask> '
+i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done
+trap 'intr=1; printf "interrupted\nask> "' INT
+while :; do
+  intr=0; read -r l; st=$?
+  if [ $st -eq 0 ]; then echo "got $l"; printf 'ask> '; elif [ $intr -eq 0 ]; then exit; fi
+done
+`
+	if err := s.WriteFile(t.Context(), "/tmp/repl.sh", []byte(repl), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	prompt := &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile(`ask> $`)}}
+	run := func(cmd string, it *sandbox.Interact, timeout time.Duration) sandbox.ExecResult {
+		t.Helper()
+		res, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: cmd, Interact: it, Timeout: timeout})
+		if err != nil {
+			t.Fatalf("session %q: %v", cmd, err)
+		}
+		return res
+	}
+	interrupt := &sandbox.Interact{Interrupt: true, Expect: prompt.Expect}
+	for i := range 3 {
+		if res := run("sh /tmp/repl.sh", prompt, 5*time.Second); res.Matched == "" || !res.Running {
+			t.Fatalf("start %d: %+v", i, res)
+		}
+		res := run("\x03", interrupt, 5*time.Second)
+		if res.Matched == "" || !res.Running || string(res.Stdout) != "interrupted\n" {
+			t.Fatalf("interrupt %d at the prompt: %q matched %q running %v signal %q", i, res.Stdout, res.Matched, res.Running, res.Signal)
+		}
+		if res := run("again", prompt, 5*time.Second); string(res.Stdout) != "got again\n" {
+			t.Fatalf("input %d after the interrupt: %+v", i, res)
+		}
+		if res := run("echo plain", nil, 5*time.Second); string(res.Stdout) != "plain\n" {
+			t.Fatalf("plain command %d: %+v", i, res)
+		}
+	}
+
+	// A program busy on the CPU gets its interrupt once it has run a little, long before the
+	// call's time is half spent.
+	run(`sh -c 'echo ready; while :; do :; done'`, &sandbox.Interact{Expect: []*regexp.Regexp{regexp.MustCompile("ready")}}, 5*time.Second)
+	start := time.Now()
+	res := run("\x03", &sandbox.Interact{Interrupt: true}, 20*time.Second)
+	if res.Signal != "SIGINT" || time.Since(start) > 10*time.Second {
+		t.Fatalf("interrupt of a busy program: %+v after %v", res, time.Since(start))
+	}
+}
+
 // However costly its patterns and however fast its output, an interactive command's call ends
 // at its timeout, or when the search for its patterns used its budget, saying so; the session
 // goes on. Patterns past the bounds are refused.

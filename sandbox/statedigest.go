@@ -143,11 +143,45 @@ func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, d
 	if s != nil {
 		s.op.Lock()
 		defer s.op.Unlock()
+		return s.dedupe(c, d)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.ckpts[id] != c {
-		return CheckpointInfo{}, false, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, id)
+	found, err := r.findDupLocked(c, d)
+	if found == nil || err != nil {
+		return c.info(), false, err
+	}
+	r.dropCheckpointLocked(c, true)
+	return found.info(), true, nil
+}
+
+// dedupe is Dedupe of c, a checkpoint s took, whose digest is d.
+// +checklocks:s.op
+func (s *Sandbox) dedupe(c *checkpoint, d StateDigest) (CheckpointInfo, bool, error) {
+	r := s.rt
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	found, err := r.findDupLocked(c, d)
+	if found == nil || err != nil {
+		return c.info(), false, err
+	}
+	if r.sandboxes[s.id] == s && s.head == c.ID {
+		// The head moves before c goes: found is held by it from now on, and c's index stays
+		// known (as found's) for the sandbox's next checkpoint, whose stack begins as c's.
+		r.moveHead(c.ID, found.ID)
+		s.head = found.ID
+		r.jobs.digests.adopt(found.ID, c.ID)
+	}
+	r.dropCheckpointLocked(c, true)
+	return found.info(), true, nil
+}
+
+// findDupLocked returns the oldest checkpoint other than c of c's image whose digest is d
+// (nil: none), and counts it as used.
+// +checklocks:r.mu
+func (r *Runtime) findDupLocked(c *checkpoint, d StateDigest) (*checkpoint, error) {
+	if r.ckpts[c.ID] != c {
+		return nil, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, c.ID)
 	}
 	var found *checkpoint
 	for _, o := range r.ckpts {
@@ -158,17 +192,8 @@ func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, d
 			found = o
 		}
 	}
-	if found == nil {
-		return c.info(), false, nil
+	if found != nil {
+		found.used.Store(time.Now().UnixNano())
 	}
-	found.used.Store(time.Now().UnixNano())
-	if s != nil && r.sandboxes[s.id] == s && s.head == id {
-		// The head moves before c goes: found is held by it from now on, and c's index stays
-		// known (as found's) for the sandbox's next checkpoint, whose stack begins as c's.
-		r.moveHead(id, found.ID)
-		s.head = found.ID
-		r.jobs.digests.adopt(found.ID, id)
-	}
-	r.dropCheckpointLocked(c, true)
-	return found.info(), true, nil
+	return found, nil
 }

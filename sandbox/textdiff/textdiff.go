@@ -134,60 +134,82 @@ func (d *differ) compare(alo, ahi, blo, bhi int) {
 // ok is false if the search passed maxWork first.
 func (d *differ) middleSnake(alo, ahi, blo, bhi int) (x0, y0, x1, y1 int, ok bool) {
 	n, m := ahi-alo, bhi-blo
-	delta := n - m
-	odd := delta&1 != 0
+	s := snakeSearch{d: d, alo: alo, blo: blo, ahi: ahi, bhi: bhi, n: n, m: m, delta: n - m}
 	maxD := (n + m + 1) / 2
-	off := maxD + 1
+	s.off = maxD + 1
 	size := 2*maxD + 3
 	if cap(d.vf) < size {
 		d.vf, d.vb = make([]int, size), make([]int, size)
 	}
-	vf, vb := d.vf[:size], d.vb[:size]
-	vf[off+1], vb[off+1] = 0, 0
-	a, b := d.a, d.b
+	s.vf, s.vb = d.vf[:size], d.vb[:size]
+	s.vf[s.off+1], s.vb[s.off+1] = 0, 0
+	odd := s.delta&1 != 0
 	for D := 0; D <= maxD; D++ {
 		if d.work > maxWork {
 			return 0, 0, 0, 0, false
 		}
 		for k := -D; k <= D; k += 2 {
-			var x int
-			if k == -D || k != D && vf[off+k-1] < vf[off+k+1] {
-				x = vf[off+k+1]
-			} else {
-				x = vf[off+k-1] + 1
-			}
-			y := x - k
-			sx, sy := x, y
-			for x < n && y < m && a[alo+x] == b[blo+y] {
-				x, y = x+1, y+1
-			}
-			d.work += x - sx + 1
-			vf[off+k] = x
-			if kr := delta - k; odd && kr >= -(D-1) && kr <= D-1 && x+vb[off+kr] >= n {
+			sx, sy, x, y := s.forward(D, k)
+			if kr := s.delta - k; odd && kr >= -(D-1) && kr <= D-1 && x+s.vb[s.off+kr] >= n {
 				return alo + sx, blo + sy, alo + x, blo + y, true
 			}
 		}
 		for k := -D; k <= D; k += 2 {
-			var x int
-			if k == -D || k != D && vb[off+k-1] < vb[off+k+1] {
-				x = vb[off+k+1]
-			} else {
-				x = vb[off+k-1] + 1
-			}
-			y := x - k
-			sx, sy := x, y
-			for x < n && y < m && a[ahi-1-x] == b[bhi-1-y] {
-				x, y = x+1, y+1
-			}
-			d.work += x - sx + 1
-			vb[off+k] = x
-			if kf := delta - k; !odd && kf >= -D && kf <= D && x+vf[off+kf] >= n {
+			sx, sy, x, y := s.reverse(D, k)
+			if kf := s.delta - k; !odd && kf >= -D && kf <= D && x+s.vf[s.off+kf] >= n {
 				return alo + n - x, blo + m - y, alo + n - sx, blo + m - sy, true
 			}
 		}
 	}
 	// Unreachable: the searches meet by D = ceil((n+m)/2).
 	return 0, 0, 0, 0, false
+}
+
+// snakeSearch is the state of one middleSnake: the furthest x reached on each diagonal k
+// (offset by off) going forward (vf) and, in reversed coordinates, backward (vb).
+type snakeSearch struct {
+	d                        *differ
+	alo, blo, ahi, bhi, n, m int
+	delta, off               int
+	vf, vb                   []int
+}
+
+// forward extends the furthest D-path on diagonal k from the start: the snake it ends with.
+func (s *snakeSearch) forward(D, k int) (sx, sy, x, y int) {
+	v := s.vf
+	if k == -D || k != D && v[s.off+k-1] < v[s.off+k+1] {
+		x = v[s.off+k+1]
+	} else {
+		x = v[s.off+k-1] + 1
+	}
+	y = x - k
+	sx, sy = x, y
+	a, b := s.d.a, s.d.b
+	for x < s.n && y < s.m && a[s.alo+x] == b[s.blo+y] {
+		x, y = x+1, y+1
+	}
+	s.d.work += x - sx + 1
+	v[s.off+k] = x
+	return sx, sy, x, y
+}
+
+// reverse extends the furthest D-path on reversed diagonal k from the end.
+func (s *snakeSearch) reverse(D, k int) (sx, sy, x, y int) {
+	v := s.vb
+	if k == -D || k != D && v[s.off+k-1] < v[s.off+k+1] {
+		x = v[s.off+k+1]
+	} else {
+		x = v[s.off+k-1] + 1
+	}
+	y = x - k
+	sx, sy = x, y
+	a, b := s.d.a, s.d.b
+	for x < s.n && y < s.m && a[s.ahi-1-x] == b[s.bhi-1-y] {
+		x, y = x+1, y+1
+	}
+	s.d.work += x - sx + 1
+	v[s.off+k] = x
+	return sx, sy, x, y
 }
 
 // Stat returns the lines added and removed from a to b.

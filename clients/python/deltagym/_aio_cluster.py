@@ -22,10 +22,10 @@ import grpc
 import grpc.aio
 
 from . import _cluster as cl, _common as c
-from ._proto.deltagym.v1 import node_service_pb2 as ns
+from ._proto.deltagym.v1 import env_service_pb2 as es, node_service_pb2 as ns
 from .aio import AsyncClient, AsyncSandboxHandle
 from .errors import DeltagymError
-from .types import NodeInfo
+from .types import Checkpoint, CheckpointDiff, DiffDetail, NodeInfo
 
 __all__ = ["AsyncCluster", "AsyncResolver"]
 
@@ -146,6 +146,25 @@ class AsyncCluster:
         if found is None:
             raise self._members.unknown(id, kind)
         return found
+
+    async def diff_checkpoints(self, base: Checkpoint | str, checkpoint: Checkpoint | str, *,
+                               detail: DiffDetail = "paths", path: str | None = None, max_paths: int | None = None,
+                               timeout: Any = _DEFAULT) -> CheckpointDiff:
+        """As Cluster.diff_checkpoints, awaited."""
+        ck = c.checkpoint_id(checkpoint)
+        client = await self.client_for(ck)
+        return await client.diff_checkpoints(base, ck, detail=detail, path=path, max_paths=max_paths,
+                                             timeout=self.timeout if timeout is _DEFAULT else timeout)
+
+    async def list_checkpoints(self, *, env: str = "", run: str = "", group_id: str = "", episode_id: str = "",
+                               timeout: Any = _DEFAULT) -> list[es.CheckpointSummary]:
+        """As Cluster.list_checkpoints, awaited (the nodes asked at once)."""
+        await self.start()
+        deadline = self.timeout if timeout is _DEFAULT else timeout
+        parts = await asyncio.gather(*(client.list_checkpoints(env=env, run=run, group_id=group_id,
+                                                               episode_id=episode_id, timeout=deadline)
+                                       for client in self.clients().values()))
+        return sorted((ck for part in parts for ck in part), key=lambda ck: (ck.create_time.seconds, ck.create_time.nanos))
 
     # --- placement ----------------------------------------------------------------------------
 

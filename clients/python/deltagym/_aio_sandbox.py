@@ -178,8 +178,8 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         return kids
 
     async def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
-              checkpoint: bool = False) -> es.StepResponse:
-        return await self._send(ops.step_request(self.id, action, setup, checkpoint), deadline)
+                    checkpoint: bool = False, wait_for_digest: bool = False, dedupe: bool = False) -> es.StepResponse:
+        return await self._send(ops.step_request(self.id, action, setup, checkpoint, wait_for_digest, dedupe), deadline)
 
     async def _send(self, req: es.StepRequest, deadline: float | None) -> es.StepResponse:
         resp: es.StepResponse = await self.client._call("Step", self.client._env.Step, req, False, deadline)
@@ -230,7 +230,8 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         return AsyncCommandStream(self, req, s, self._command_deadline(timeout))
 
     async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
-             timeout: float | None = None) -> StepResult:
+                   checkpoint_wait_for_digest: bool = False, checkpoint_dedupe: bool = False,
+                   timeout: float | None = None) -> StepResult:
         """As deltagym.Sandbox.step, awaited."""
         from .actions import coerce
 
@@ -241,7 +242,7 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         dl = self._deadline(timeout)
         if act.WhichOneof("kind") == "exec" and act.exec.timeout_seconds > 0 and timeout is None:
             dl = ops.command_deadline(act.exec.timeout_seconds, self.timeout)
-        return cv.step_result(await self._step(act, s, dl, checkpoint), s)
+        return cv.step_result(await self._step(act, s, dl, checkpoint, checkpoint_wait_for_digest, checkpoint_dedupe), s)
 
     # --- episode --------------------------------------------------------------------------------
 
@@ -256,10 +257,12 @@ class AsyncSandbox(SandboxBase[AsyncSandboxHandle]):
         return cv.evaluation(await self.client.evaluate(self.id, timeout=self._deadline(timeout)))
 
     async def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
-                   timeout: float | None = None) -> Checkpoint:
+                         wait_for_digest: bool = False, dedupe: bool = False,
+                         timeout: float | None = None) -> Checkpoint:
         """As deltagym.Sandbox.checkpoint, awaited."""
         r = await self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
-                                   timeout=self._deadline(timeout))
+                                         wait_for_digest=wait_for_digest, dedupe=dedupe,
+                                         timeout=self._deadline(timeout))
         return dataclasses.replace(cv.checkpoint(r), env=self.env)
 
     async def restore(self, checkpoint: Checkpoint | str, *, fresh_entropy: bool = False,

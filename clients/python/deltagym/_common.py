@@ -12,8 +12,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, ledger_service_pb2 as ls
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, ledger_service_pb2 as ls, state_pb2
 from .actions import coerce
+from .types import Checkpoint, DiffDetail
 
 DEFAULT_ADDR = "127.0.0.1:8080"
 
@@ -165,9 +166,54 @@ def env_spec(spec: env_pb2.EnvSpec | Mapping[str, Any]) -> env_pb2.EnvSpec:
 
 
 def step_request(sandbox_id: str, action: action_pb2.Action | str, checkpoint: bool,
-                 restore: str | None = None, fresh_entropy: bool = False) -> es.StepRequest:
+                 restore: str | None = None, fresh_entropy: bool = False, wait_for_digest: bool = False,
+                 dedupe: bool = False) -> es.StepRequest:
+    """A StepRequest; wait_for_digest and dedupe are the checkpoint's (checkpoint_wait_for_digest,
+    checkpoint_dedupe), so they need checkpoint."""
+    if (wait_for_digest or dedupe) and not checkpoint:
+        raise ValueError("checkpoint_wait_for_digest and checkpoint_dedupe need checkpoint=True")
     return es.StepRequest(sandbox_id=sandbox_id, action=coerce(action), checkpoint=checkpoint,
-                          restore_checkpoint_id=restore or "", restore_fresh_entropy=fresh_entropy)
+                          restore_checkpoint_id=restore or "", restore_fresh_entropy=fresh_entropy,
+                          checkpoint_wait_for_digest=wait_for_digest, checkpoint_dedupe=dedupe)
+
+
+def checkpoint_request(sandbox_id: str, durable: bool, process_mode: env_pb2.ProcessMode | str | None,
+                       wait_for_digest: bool, dedupe: bool) -> es.CheckpointRequest:
+    """A CheckpointRequest."""
+    return es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode,
+                                wait_for_digest=wait_for_digest, dedupe=dedupe)
+
+
+DIFF_DETAILS: dict[str, state_pb2.DiffDetail] = {
+    "paths": state_pb2.DIFF_DETAIL_PATHS,
+    "lines": state_pb2.DIFF_DETAIL_LINES,
+    "unified": state_pb2.DIFF_DETAIL_UNIFIED,
+}
+
+
+def checkpoint_id(checkpoint: Checkpoint | str, what: str = "checkpoint") -> str:
+    """The ID of a Checkpoint or of a checkpoint ID; ValueError when empty."""
+    cid = checkpoint.id if isinstance(checkpoint, Checkpoint) else checkpoint
+    if not isinstance(cid, str) or not cid:
+        raise ValueError(f"{what} must be a Checkpoint or a non-empty checkpoint ID")
+    return cid
+
+
+def diff_request(base: Checkpoint | str, checkpoint: Checkpoint | str, detail: DiffDetail, path: str | None,
+                 max_paths: int | None) -> es.DiffCheckpointsRequest:
+    """A DiffCheckpointsRequest; ValueError for a detail or max_paths the server would refuse."""
+    if detail not in DIFF_DETAILS:
+        raise ValueError(f"detail must be one of {sorted(DIFF_DETAILS)}, not {detail!r}")
+    if max_paths is not None and max_paths <= 0:
+        raise ValueError(f"max_paths must be positive, not {max_paths}")
+    return es.DiffCheckpointsRequest(base_checkpoint_id=checkpoint_id(base, "base"),
+                                     checkpoint_id=checkpoint_id(checkpoint), detail=DIFF_DETAILS[detail],
+                                     path=path or "", max_paths=max_paths or 0)
+
+
+def list_checkpoints_request(env: str, run: str, group_id: str, episode_id: str) -> es.ListCheckpointsRequest:
+    """A ListCheckpointsRequest."""
+    return es.ListCheckpointsRequest(env=env, run=run, group_id=group_id, episode_id=episode_id)
 
 
 def lease_seconds(ts: Any, now: float) -> float | None:

@@ -11,22 +11,28 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._common import lease_seconds
-from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, node_service_pb2 as ns
+from ._proto.deltagym.v1 import action_pb2, env_pb2, env_service_pb2 as es, node_service_pb2 as ns, state_pb2
 from .errors import ActionFailed
 from .types import (
     ActionErrorInfo,
+    ChangeKind,
     Checkpoint,
+    CheckpointDiff,
     CommandResult,
+    DiffDetail,
     Evaluation,
     FileInfo,
     FileType,
     InfoValue,
     NodeInfo,
     OutputChunk,
+    PathChange,
     ProcessCapture,
+    ProcessChange,
     ProcessInfo,
     Restored,
     SandboxInfo,
+    StateDigest,
     StepInfo,
     StepResult,
     SubmitResult,
@@ -37,6 +43,12 @@ _FILE_TYPES: dict[int, FileType] = {
     action_pb2.FILE_TYPE_FILE: "file",
     action_pb2.FILE_TYPE_DIRECTORY: "dir",
     action_pb2.FILE_TYPE_SYMLINK: "symlink",
+}
+
+_CHANGE_KINDS: dict[int, ChangeKind] = {
+    state_pb2.CHANGE_KIND_ADDED: "added",
+    state_pb2.CHANGE_KIND_REMOVED: "removed",
+    state_pb2.CHANGE_KIND_MODIFIED: "modified",
 }
 
 _STATES = {
@@ -108,9 +120,19 @@ def step_info(r: es.StepResponse, setup: bool) -> StepInfo:
     """The StepInfo of a step's response; setup is what the request asked."""
     raw = r.info
     info = {k: info_value(raw[k]) for k in raw} if raw else {}  # by key: faster than the map's items()
-    # index, episode_id, reward, terminated, truncated, truncated_by, checkpoint_id, steps_left, setup, info
+    ck = r.checkpoint_id
+    digest = state_digest(r.checkpoint_digest) if ck and r.HasField("checkpoint_digest") else None
+    # index, episode_id, reward, terminated, truncated, truncated_by, checkpoint_id, steps_left, setup, info,
+    # checkpoint_digest, checkpoint_deduplicated
     return _step_info(r.step_index, r.episode_id, r.reward, r.terminated, r.truncated, raw.get("truncated_by", ""),
-                      r.checkpoint_id, r.steps_left, setup, info)
+                      ck, r.steps_left, setup, info, digest, r.checkpoint_deduplicated)
+
+
+def state_digest(d: state_pb2.StateDigest) -> StateDigest | None:
+    """A StateDigest of the message, None when it is unset (not computed)."""
+    if not d.files:
+        return None
+    return StateDigest(files=d.files, processes=d.processes)
 
 
 def action_error(r: es.StepResponse, step: StepInfo) -> ActionFailed | None:
@@ -204,7 +226,29 @@ def checkpoint(r: es.CheckpointResponse) -> Checkpoint:
                   for p in r.processes)
     return Checkpoint(id=r.checkpoint_id, parent_id=r.parent_id, depth=r.depth, processes=procs,
                       durable=r.durable,
-                      not_durable=tuple(p.unsaved_reason for p in procs if not p.saved and p.unsaved_reason))
+                      not_durable=tuple(p.unsaved_reason for p in procs if not p.saved and p.unsaved_reason),
+                      digest=state_digest(r.digest), deduplicated=r.deduplicated)
+
+
+def _file_type(t: int) -> FileType | None:
+    return _FILE_TYPES.get(t, "other") if t else None
+
+
+def path_change(p: state_pb2.PathChange) -> PathChange:
+    """A PathChange of the message."""
+    return PathChange(path=p.path, kind=_CHANGE_KINDS.get(p.kind, "modified"), old_type=_file_type(p.old_type),
+                      new_type=_file_type(p.new_type), old_size=p.old_size, new_size=p.new_size,
+                      old_mode=p.old_mode, new_mode=p.new_mode, metadata_only=p.metadata_only, binary=p.binary,
+                      lines_added=p.lines_added, lines_removed=p.lines_removed, unified_diff=p.unified_diff)
+
+
+def checkpoint_diff(r: es.DiffCheckpointsResponse, base: str, checkpoint: str, detail: DiffDetail) -> CheckpointDiff:
+    """A CheckpointDiff of a DiffCheckpoints response, for the request's checkpoints and detail."""
+    procs = tuple(ProcessChange(kind=_CHANGE_KINDS.get(p.kind, "modified"), pid=p.pid, command=p.command,
+                                details=tuple(p.details)) for p in r.processes)
+    return CheckpointDiff(base_checkpoint_id=base, checkpoint_id=checkpoint, detail=detail,
+                          paths=tuple(path_change(p) for p in r.paths), processes=procs, truncated=r.truncated,
+                          base_digest=state_digest(r.base_digest), digest=state_digest(r.digest))
 
 
 def restored(r: es.RestoreResponse) -> Restored:

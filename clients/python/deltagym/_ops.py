@@ -133,9 +133,15 @@ def interactive_action(session: str, text: str, *, expect: Sequence[str] = (), t
         timeout_seconds=timeout or 0.0))
 
 
-def step_request(sandbox_id: str, action: action_pb2.Action, setup: bool, checkpoint: bool = False) -> es.StepRequest:
-    """A StepRequest."""
-    return es.StepRequest(sandbox_id=sandbox_id, action=action, checkpoint=checkpoint, setup=setup)
+def step_request(sandbox_id: str, action: action_pb2.Action, setup: bool, checkpoint: bool = False,
+                 wait_for_digest: bool = False, dedupe: bool = False) -> es.StepRequest:
+    """A StepRequest; wait_for_digest and dedupe are the checkpoint's, so they need checkpoint."""
+    if not (wait_for_digest or dedupe):
+        return es.StepRequest(sandbox_id=sandbox_id, action=action, checkpoint=checkpoint, setup=setup)
+    if not checkpoint:
+        raise ValueError("checkpoint_wait_for_digest and checkpoint_dedupe need checkpoint=True")
+    return es.StepRequest(sandbox_id=sandbox_id, action=action, checkpoint=True, setup=setup,
+                          checkpoint_wait_for_digest=wait_for_digest, checkpoint_dedupe=dedupe)
 
 
 # --- files ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from . import _common as c
+from . import _common as c, _convert as cv
 from ._proto.deltagym.v1 import (
     action_pb2,
     env_pb2,
@@ -33,6 +33,7 @@ from ._proto.deltagym.v1 import (
 )
 from .actions import argv as _argv, command as _command, read_file as _read_file, submit as _submit, write_file as _write_file
 from .errors import DeltagymError, Draining, from_code, from_rpc_error, on_node
+from .types import Checkpoint, CheckpointDiff, DiffDetail
 
 __all__ = [
     "AsyncClient",
@@ -167,9 +168,11 @@ class AsyncClient:
 
     async def step(self, sandbox_id: str, action: action_pb2.Action | str, *, checkpoint: bool = False,
                    restore: str | None = None, fresh_entropy: bool = False, setup: bool = False,
+                   checkpoint_wait_for_digest: bool = False, checkpoint_dedupe: bool = False,
                    timeout: Any = _DEFAULT) -> es.StepResponse:
         """Performs one action (as Client.step)."""
-        req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy)
+        req = c.step_request(sandbox_id, action, checkpoint, restore, fresh_entropy, checkpoint_wait_for_digest,
+                             checkpoint_dedupe)
         req.setup = setup
         resp: es.StepResponse = await self._call("Step", self._env.Step, req, False, timeout)
         return resp
@@ -198,10 +201,15 @@ class AsyncClient:
                 out[i] = from_code(grpc.StatusCode.UNKNOWN, "no response on the stream", "StepStream")
         return out
 
-    async def checkpoint(self, sandbox_id: str, *, durable: bool = False, process_mode: env_pb2.ProcessMode | str | None = None,
-                         timeout: Any = _DEFAULT) -> es.CheckpointResponse:
-        """Saves the sandbox's whole state as an immutable checkpoint."""
-        req = es.CheckpointRequest(sandbox_id=sandbox_id, durable=durable, process_mode=process_mode)
+    async def checkpoint(self, sandbox_id: str, *, durable: bool = False,
+                         process_mode: env_pb2.ProcessMode | str | None = None, wait_for_digest: bool = False,
+                         dedupe: bool = False, timeout: Any = _DEFAULT) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint. wait_for_digest
+        answers once the checkpoint's state digest is computed, with it (digest);
+        dedupe, which implies it, answers with an existing checkpoint of the env that
+        holds the same state, if there is one, instead of keeping a second copy
+        (deduplicated is then set)."""
+        req = c.checkpoint_request(sandbox_id, durable, process_mode, wait_for_digest, dedupe)
         resp: es.CheckpointResponse = await self._call("Checkpoint", self._env.Checkpoint, req, False, timeout)
         return resp
 
@@ -237,6 +245,31 @@ class AsyncClient:
         """Drops the caller's hold on a checkpoint."""
         req = es.ReleaseCheckpointRequest(checkpoint_id=checkpoint_id)
         await self._call("ReleaseCheckpoint", self._env.ReleaseCheckpoint, req, False)
+
+    async def diff_checkpoints(self, base: Checkpoint | str, checkpoint: Checkpoint | str, *,
+                               detail: DiffDetail = "paths", path: str | None = None, max_paths: int | None = None,
+                               timeout: Any = _DEFAULT) -> CheckpointDiff:
+        """What differs from base to checkpoint (Checkpoints or IDs, of one env): the
+        paths added, removed and modified, and the processes that came, went or
+        changed, as a typed CheckpointDiff (str() of it reads as `git diff --stat`).
+        detail "paths" gives types, sizes and modes; "lines" also counts the lines
+        added and removed in each text file of at most 64 KiB; "unified" also gives
+        their unified diffs. path keeps the changes at that absolute path and below;
+        max_paths caps the paths returned (default 10,000, at most 100,000), past
+        which truncated is set. Read-only, so retried safely."""
+        req = c.diff_request(base, checkpoint, detail, path, max_paths)
+        resp: es.DiffCheckpointsResponse = await self._call("DiffCheckpoints", self._env.DiffCheckpoints, req, True,
+                                                            timeout)
+        return cv.checkpoint_diff(resp, req.base_checkpoint_id, req.checkpoint_id, detail)
+
+    async def list_checkpoints(self, *, env: str = "", run: str = "", group_id: str = "", episode_id: str = "",
+                               timeout: Any = _DEFAULT) -> list[es.CheckpointSummary]:
+        """Lists the checkpoints the server holds, oldest first, filtered by env, run,
+        group and episode: where each was taken, what keeps it, its digest once computed."""
+        req = c.list_checkpoints_request(env, run, group_id, episode_id)
+        resp: es.ListCheckpointsResponse = await self._call("ListCheckpoints", self._env.ListCheckpoints, req, True,
+                                                            timeout)
+        return list(resp.checkpoints)
 
     async def evaluate(self, sandbox_id: str, *, timeout: Any = _DEFAULT) -> es.EvaluateResponse:
         """Runs the verifier on the sandbox's state without changing it."""
@@ -395,9 +428,11 @@ class AsyncSandboxHandle:
                 return
 
     async def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False,
-                   restore: str | None = None, fresh_entropy: bool = False) -> es.StepResponse:
+                   restore: str | None = None, fresh_entropy: bool = False, checkpoint_wait_for_digest: bool = False,
+                   checkpoint_dedupe: bool = False) -> es.StepResponse:
         """Performs one action; a str is run as a shell command."""
-        resp = await self.client.step(self.id, action, checkpoint=checkpoint, restore=restore, fresh_entropy=fresh_entropy)
+        resp = await self.client.step(self.id, action, checkpoint=checkpoint, restore=restore, fresh_entropy=fresh_entropy,
+                                      checkpoint_wait_for_digest=checkpoint_wait_for_digest, checkpoint_dedupe=checkpoint_dedupe)
         self.episode_id = resp.episode_id or self.episode_id
         return resp
 
@@ -421,10 +456,12 @@ class AsyncSandboxHandle:
         """Ends the episode; the response carries the verifier's reward."""
         return await self.step(_submit(answer))
 
-    async def checkpoint(self, *, durable: bool = False,
-                   process_mode: env_pb2.ProcessMode | str | None = None) -> es.CheckpointResponse:
-        """Saves the sandbox's whole state as an immutable checkpoint."""
-        return await self.client.checkpoint(self.id, durable=durable, process_mode=process_mode)
+    async def checkpoint(self, *, durable: bool = False, process_mode: env_pb2.ProcessMode | str | None = None,
+                         wait_for_digest: bool = False, dedupe: bool = False) -> es.CheckpointResponse:
+        """Saves the sandbox's whole state as an immutable checkpoint (wait_for_digest and
+        dedupe as for Client.checkpoint)."""
+        return await self.client.checkpoint(self.id, durable=durable, process_mode=process_mode,
+                                            wait_for_digest=wait_for_digest, dedupe=dedupe)
 
     async def restore(self, checkpoint_id: str, *, fresh_entropy: bool = False) -> es.RestoreResponse:
         """Puts the sandbox at a checkpoint; a new episode starts there."""

@@ -27,10 +27,10 @@ import grpc
 
 from . import _cluster as cl, _common as c
 from ._cluster import CPU_WEIGHT, MEMORY_WEIGHT, node_of, rank, score, spread
-from ._proto.deltagym.v1 import node_service_pb2 as ns
+from ._proto.deltagym.v1 import env_service_pb2 as es, node_service_pb2 as ns
 from .client import Client, SandboxHandle
 from .errors import DeltagymError
-from .types import NodeInfo
+from .types import Checkpoint, CheckpointDiff, DiffDetail, NodeInfo
 
 __all__ = ["CPU_WEIGHT", "MEMORY_WEIGHT", "Cluster", "Resolver", "node_of", "rank", "score", "spread"]
 
@@ -176,6 +176,24 @@ class Cluster:
         if found is None:
             raise self._members.unknown(id, kind)
         return found
+
+    def diff_checkpoints(self, base: Checkpoint | str, checkpoint: Checkpoint | str, *, detail: DiffDetail = "paths",
+                         path: str | None = None, max_paths: int | None = None,
+                         timeout: Any = _DEFAULT) -> CheckpointDiff:
+        """What differs from base to checkpoint (as Client.diff_checkpoints), asked of the
+        node that holds checkpoint, which fetches base from its own node when it must."""
+        ck = c.checkpoint_id(checkpoint)
+        return self.client_for(ck).diff_checkpoints(base, ck, detail=detail, path=path, max_paths=max_paths,
+                                                    timeout=self.timeout if timeout is _DEFAULT else timeout)
+
+    def list_checkpoints(self, *, env: str = "", run: str = "", group_id: str = "", episode_id: str = "",
+                         timeout: Any = _DEFAULT) -> list[es.CheckpointSummary]:
+        """The checkpoints every node holds (as Client.list_checkpoints), oldest first."""
+        deadline = self.timeout if timeout is _DEFAULT else timeout
+        out = [ck for client in self.clients().values()
+               for ck in client.list_checkpoints(env=env, run=run, group_id=group_id, episode_id=episode_id,
+                                                 timeout=deadline)]
+        return sorted(out, key=lambda ck: (ck.create_time.seconds, ck.create_time.nanos))
 
     # --- placement ----------------------------------------------------------------------------
 

@@ -241,8 +241,9 @@ class Sandbox(SandboxBase[SandboxHandle]):
         return kids
 
     def _step(self, action: action_pb2.Action, setup: bool, deadline: float | None,
-              checkpoint: bool = False) -> es.StepResponse:
-        return self._send(ops.step_request(self.id, action, setup, checkpoint), deadline)
+              checkpoint: bool = False, wait_for_digest: bool = False,
+              dedupe: bool = False) -> es.StepResponse:
+        return self._send(ops.step_request(self.id, action, setup, checkpoint, wait_for_digest, dedupe), deadline)
 
     def _send(self, req: es.StepRequest, deadline: float | None) -> es.StepResponse:
         resp: es.StepResponse = self.client._call_once("Step", self.client._env.Step, req, deadline)
@@ -309,10 +310,15 @@ class Sandbox(SandboxBase[SandboxHandle]):
         return CommandStream(self, req, s, self._command_deadline(timeout))
 
     def step(self, action: action_pb2.Action | str, *, checkpoint: bool = False, setup: bool | None = None,
+             checkpoint_wait_for_digest: bool = False, checkpoint_dedupe: bool = False,
              timeout: float | None = None) -> StepResult:
         """Performs one raw action (a deltagym.actions builder's Action, or a
         str run as a shell command). An action the sandbox refused is a
-        StepResult with error set, not an exception."""
+        StepResult with error set, not an exception. checkpoint takes a
+        checkpoint after the step (result.step.checkpoint_id);
+        checkpoint_wait_for_digest and checkpoint_dedupe are checkpoint()'s
+        wait_for_digest and dedupe for it (result.step.checkpoint_digest,
+        result.step.checkpoint_deduplicated)."""
         from .actions import coerce
 
         s = self._setup(setup)
@@ -322,7 +328,7 @@ class Sandbox(SandboxBase[SandboxHandle]):
         dl = self._deadline(timeout)
         if act.WhichOneof("kind") == "exec" and act.exec.timeout_seconds > 0 and timeout is None:
             dl = ops.command_deadline(act.exec.timeout_seconds, self.timeout)
-        return cv.step_result(self._step(act, s, dl, checkpoint), s)
+        return cv.step_result(self._step(act, s, dl, checkpoint, checkpoint_wait_for_digest, checkpoint_dedupe), s)
 
     # --- episode --------------------------------------------------------------------------------
 
@@ -337,12 +343,18 @@ class Sandbox(SandboxBase[SandboxHandle]):
         return cv.evaluation(self.client.evaluate(self.id, timeout=self._deadline(timeout)))
 
     def checkpoint(self, *, durable: bool = False, process_mode: ProcessMode | None = None,
-                   timeout: float | None = None) -> Checkpoint:
+                   wait_for_digest: bool = False, dedupe: bool = False, timeout: float | None = None) -> Checkpoint:
         """Saves the sandbox's whole state (files and processes) as an
         immutable checkpoint. durable saves every process as a CRIU image
         before answering (Checkpoint.not_durable says why one could not
-        be); process_mode overrides the env's."""
+        be); process_mode overrides the env's. wait_for_digest answers once
+        the checkpoint's state digest is computed, with it
+        (Checkpoint.digest: equal digests, equal states). dedupe, which
+        implies it, answers with an existing checkpoint of the env holding
+        the same state, when there is one, instead of keeping a second copy:
+        Checkpoint.id is then that checkpoint's and deduplicated is set."""
         r = self.client.checkpoint(self.id, durable=durable, process_mode=to_process_mode(process_mode),
+                                   wait_for_digest=wait_for_digest, dedupe=dedupe,
                                    timeout=self._deadline(timeout))
         return dataclasses.replace(cv.checkpoint(r), env=self.env)
 

@@ -10,18 +10,24 @@ from typing import Literal
 
 __all__ = [
     "ActionErrorInfo",
+    "ChangeKind",
     "Checkpoint",
+    "CheckpointDiff",
     "CommandResult",
+    "DiffDetail",
     "Evaluation",
     "FileInfo",
     "FileType",
     "InfoValue",
     "NodeInfo",
     "OutputChunk",
+    "PathChange",
     "ProcessCapture",
+    "ProcessChange",
     "ProcessInfo",
     "Restored",
     "SandboxInfo",
+    "StateDigest",
     "StepInfo",
     "StepResult",
     "SubmitResult",
@@ -33,6 +39,36 @@ InfoValue = str | int | float | bool
 
 FileType = Literal["file", "dir", "symlink", "other"]
 """The type of a path inside a sandbox (of the link itself for a symbolic link)."""
+
+ChangeKind = Literal["added", "removed", "modified"]
+"""How a path or a process differs between two checkpoints (CheckpointDiff)."""
+
+DiffDetail = Literal["paths", "lines", "unified"]
+"""How much a CheckpointDiff says of each changed file: paths, types, sizes and modes; with
+"lines" also the lines added and removed in each text file; with "unified" also its unified diff."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateDigest:
+    """What identifies the state a checkpoint holds: two checkpoints with
+    equal digests hold the same state, however they were reached. Frozen
+    and hashable, so it can key a dict (deltagym.search's archive does).
+
+    Attributes:
+        files: the digest of its filesystem ("sha256:" and 64 hex digits): every
+            path's type, permission bits, owner, content, link target and extended
+            attributes; not times, not inode numbers.
+        processes: the digest of its live processes ("sha256:..."), "" when it holds none.
+    """
+
+    files: str
+    processes: str = ""
+
+    def __str__(self) -> str:
+        short = self.files.removeprefix("sha256:")[:12]
+        if self.processes:
+            return f"files {short} processes {self.processes.removeprefix('sha256:')[:12]}"
+        return f"files {short}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +86,10 @@ class StepInfo:
         steps_left: agent steps the episode's max_steps allows after this one; -1 without a budget.
         setup: the step was a setup step (counted against no budget).
         info: the server's extra facts, numbers and booleans parsed.
+        checkpoint_digest: checkpoint_id's state digest, when the step asked to wait
+            for it (checkpoint_wait_for_digest or checkpoint_dedupe), else None.
+        checkpoint_deduplicated: checkpoint_dedupe found the state in an existing
+            checkpoint, which checkpoint_id is.
     """
 
     index: int
@@ -62,6 +102,8 @@ class StepInfo:
     steps_left: int
     setup: bool
     info: Mapping[str, InfoValue] = field(default_factory=dict)
+    checkpoint_digest: StateDigest | None = None
+    checkpoint_deduplicated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +323,10 @@ class Checkpoint:
         durable: every process is saved, so nothing that happens to the sandbox can take them.
         not_durable: the reasons of the processes that are not saved.
         env: the env of the sandbox it was taken of ("" when not known), which Sandbox.fork_from's children get.
+        digest: its state digest, when the checkpoint was asked to wait for it
+            (wait_for_digest or dedupe), else None.
+        deduplicated: dedupe found the state in an existing checkpoint: id is that
+            checkpoint's, and parent_id the sandbox's previous checkpoint.
     """
 
     id: str
@@ -290,6 +336,8 @@ class Checkpoint:
     durable: bool = False
     not_durable: tuple[str, ...] = ()
     env: str = ""
+    digest: StateDigest | None = None
+    deduplicated: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,3 +415,162 @@ class NodeInfo:
     memory_available: int = 0
     memory_total: int = 0
     measured_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PathChange:
+    """One path that differs between two checkpoints (CheckpointDiff.paths).
+
+    Attributes:
+        path: the absolute path in the sandbox.
+        kind: "added", "removed" or "modified".
+        old_type: its type in the base; None when added.
+        new_type: its type in the checkpoint; None when removed.
+        old_size: its size in bytes in the base.
+        new_size: its size in bytes in the checkpoint.
+        old_mode: its permission bits in the base.
+        new_mode: its permission bits in the checkpoint.
+        metadata_only: a modified path kept its content (and link target) and
+            changed only its mode, owner or extended attributes.
+        binary: with detail "lines" or "unified", a regular file whose content on
+            either side is not text or is over 64 KiB: no line counts, no unified diff.
+        lines_added: lines added, for a text file (detail "lines" or "unified").
+        lines_removed: lines removed, for a text file (detail "lines" or "unified").
+        unified_diff: the change as a unified diff, for a text file (detail "unified").
+    """
+
+    path: str
+    kind: ChangeKind
+    old_type: FileType | None = None
+    new_type: FileType | None = None
+    old_size: int = 0
+    new_size: int = 0
+    old_mode: int = 0
+    new_mode: int = 0
+    metadata_only: bool = False
+    binary: bool = False
+    lines_added: int = 0
+    lines_removed: int = 0
+    unified_diff: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessChange:
+    """One process that differs between two checkpoints (CheckpointDiff.processes).
+
+    Attributes:
+        kind: "added", "removed" or "modified".
+        pid: its pid in the sandbox (in the checkpoint; in the base when removed).
+        command: its command line, arguments joined by spaces.
+        details: what changed in a modified process ("cwd /a -> /b", "memory" ...).
+    """
+
+    kind: ChangeKind
+    pid: int
+    command: str
+    details: tuple[str, ...] = ()
+
+
+# The widest a stat() bar gets, in characters, as git keeps its own to the terminal.
+_STAT_BAR = 40
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointDiff:
+    """What differs from a base checkpoint to a checkpoint
+    (Client.diff_checkpoints). str() of it is stat().
+
+    Attributes:
+        base_checkpoint_id: the checkpoint compared against.
+        checkpoint_id: the checkpoint compared.
+        detail: the detail asked: "paths", "lines" or "unified".
+        paths: the changed paths, sorted by path; a directory added or removed is
+            listed with everything below it.
+        processes: the processes that came, went or changed, by pid.
+        truncated: there were more path changes than max_paths.
+        base_digest: the base's state digest, None when not computed.
+        digest: the checkpoint's state digest, None when not computed.
+    """
+
+    base_checkpoint_id: str
+    checkpoint_id: str
+    detail: DiffDetail
+    paths: tuple[PathChange, ...] = ()
+    processes: tuple[ProcessChange, ...] = ()
+    truncated: bool = False
+    base_digest: StateDigest | None = None
+    digest: StateDigest | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Whether the two checkpoints hold the same files and processes (as far as listed)."""
+        return not self.paths and not self.processes and not self.truncated
+
+    @property
+    def insertions(self) -> int:
+        """The lines added over every text file (0 unless detail is "lines" or "unified")."""
+        return sum(p.lines_added for p in self.paths)
+
+    @property
+    def deletions(self) -> int:
+        """The lines removed over every text file (0 unless detail is "lines" or "unified")."""
+        return sum(p.lines_removed for p in self.paths)
+
+    def unified(self) -> str:
+        """The unified diffs of the text files, one after another (detail "unified")."""
+        return "".join(p.unified_diff if p.unified_diff.endswith("\n") else p.unified_diff + "\n"
+                       for p in self.paths if p.unified_diff)
+
+    def stat(self) -> str:
+        """A summary as `git diff --stat` gives: a line per path with its
+        count of changed lines and a bar of + and -, "Bin A -> B bytes" for a
+        binary file, or what happened to it when its lines were not counted
+        (detail "paths", a directory, a link, a change of mode); a line per
+        process that changed; then the totals."""
+        width = max((len(p.path) for p in self.paths), default=0)
+        lines = [" " + _stat_line(p, self.detail, width) for p in self.paths]
+        for c in self.processes:
+            what = f" ({', '.join(c.details)})" if c.details else ""
+            lines.append(f" process {c.pid} {c.kind}: {c.command}{what}")
+        if self.truncated:
+            lines.append(" ... (more paths than max_paths)")
+        n = len(self.paths)
+        total = f" {n} path{'' if n == 1 else 's'} changed"
+        if self.detail != "paths":
+            ins, dels = self.insertions, self.deletions
+            total += f", {ins} insertion{'' if ins == 1 else 's'}(+), {dels} deletion{'' if dels == 1 else 's'}(-)"
+        if self.processes:
+            k = len(self.processes)
+            total += f", {k} process{'' if k == 1 else 'es'} changed"
+        lines.append(total)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.stat()
+
+
+def _stat_line(p: PathChange, detail: DiffDetail, width: int) -> str:
+    name = p.path.ljust(width)
+    if p.binary:
+        return f"{name} | Bin {p.old_size} -> {p.new_size} bytes"
+    counted = detail != "paths" and (p.old_type in (None, "file")) and (p.new_type in (None, "file"))
+    if counted and not p.metadata_only:
+        n = p.lines_added + p.lines_removed
+        plus, minus = p.lines_added, p.lines_removed
+        if n > _STAT_BAR:  # scaled as git does, each side that has lines keeping a mark
+            plus = round(p.lines_added * _STAT_BAR / n)
+            plus = min(max(plus, 1 if p.lines_added else 0), _STAT_BAR - (1 if p.lines_removed else 0))
+            minus = _STAT_BAR - plus
+        mode = f" (mode {p.old_mode:o} -> {p.new_mode:o})" if p.kind == "modified" and p.old_mode != p.new_mode else ""
+        return f"{name} | {n} {'+' * plus}{'-' * minus}".rstrip() + mode
+    if p.kind == "added":
+        return f"{name} | new {p.new_type or 'path'}, {p.new_size} bytes, mode {p.new_mode:o}"
+    if p.kind == "removed":
+        return f"{name} | deleted {p.old_type or 'path'}, {p.old_size} bytes"
+    if p.old_type != p.new_type:
+        return f"{name} | {p.old_type} -> {p.new_type}"
+    if p.metadata_only:
+        if p.old_mode != p.new_mode:
+            return f"{name} | mode {p.old_mode:o} -> {p.new_mode:o}"
+        return f"{name} | owner or attributes"
+    return f"{name} | {p.old_size} -> {p.new_size} bytes"

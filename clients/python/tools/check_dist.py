@@ -26,7 +26,8 @@ from pathlib import Path, PurePosixPath
 
 # The modules the SDK's documentation names: each must be in the wheel and import with the bare
 # install, but for those that need an extra. Every other public module is found and checked too.
-DOCUMENTED = ("deltagym", "deltagym.aio", "deltagym.errors", "deltagym.gym", "deltagym.raw", "deltagym.types")
+DOCUMENTED = ("deltagym", "deltagym.aio", "deltagym.errors", "deltagym.gym", "deltagym.raw", "deltagym.search",
+              "deltagym.types")
 NEEDS_EXTRA = {"deltagym.gym": "gym", "deltagym.gym_vector": "gym", "deltagym.integrations.skyrl": "skyrl"}
 EXTRA_RE = re.compile(r"\[([a-z0-9][a-z0-9_.-]*)\]")
 # A Markdown link or image whose target is a path: PyPI shows the README away from the

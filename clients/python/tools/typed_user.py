@@ -4,6 +4,8 @@ names below come from the package's annotations and the generated messages' .pyi
 
 import deltagym
 from deltagym import errors
+from deltagym.search import Cell, GoExplore
+from deltagym.types import CheckpointDiff, StateDigest
 
 version: str = deltagym.__version__
 
@@ -15,3 +17,18 @@ def env_names(client: deltagym.Client) -> list[str]:
 
 def is_missing(e: errors.DeltagymError) -> bool:
     return isinstance(e, errors.NotFound)
+
+
+def changed_lines(client: deltagym.Client, base: deltagym.Checkpoint, ck: str) -> int:
+    diff: CheckpointDiff = client.diff_checkpoints(base, ck, detail="lines")
+    return sum(p.lines_added + p.lines_removed for p in diff.paths)
+
+
+def digest_of(sb: deltagym.Sandbox) -> StateDigest | None:
+    return sb.checkpoint(wait_for_digest=True).digest
+
+
+def search(sb: deltagym.Sandbox) -> float:
+    with GoExplore(sb, lambda s: ["true"], cell=lambda s: s.files.read("/work/answer.txt")) as g:
+        best: Cell = g.run(iterations=3)
+        return best.score

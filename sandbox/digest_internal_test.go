@@ -1,0 +1,45 @@
+package sandbox
+
+import (
+	"bufio"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/deltagym/deltagym/internal/benchq"
+	"github.com/deltagym/deltagym/sandbox/procstate"
+)
+
+// BenchmarkTemplateMemory hashes the private writable memory of a process holding 8 MiB of
+// data, as the processes digest does for a template.
+func BenchmarkTemplateMemory(b *testing.B) {
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		b.Skip("python3 is not installed")
+	}
+	cmd := exec.Command(py, "-c", "import sys,time\nx=bytearray(b'a'*(8<<20))\nprint('ready',flush=True)\ntime.sleep(600)")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "ready\n" {
+		b.Fatalf("python3: %q %v", line, err)
+	}
+	start, err := procstate.StartTime(cmd.Process.Pid)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var lat []time.Duration
+	for b.Loop() {
+		t := time.Now()
+		if _, _, ok := templateMemory(cmd.Process.Pid, start, func() error { return nil }); !ok {
+			b.Fatal("memory not read")
+		}
+		lat = append(lat, time.Since(t))
+	}
+	benchq.Report(b, lat, "")
+}
