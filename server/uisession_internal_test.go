@@ -218,8 +218,7 @@ func TestUICookieGate(t *testing.T) {
 
 func TestUISessionEnds(t *testing.T) {
 	t.Parallel()
-	g := uiGate(uiTestToken, true)
-	c := startUI(t, g, false)
+	c := startUI(t, uiGate(uiTestToken, true), false)
 	ck, csrf := c.signIn(uiTestToken)
 	hdr := map[string]string{"Content-Type": "application/json", uiCSRFHeader: csrf}
 	list := deltagymv1connect.LedgerServiceListEpisodesProcedure
@@ -241,10 +240,14 @@ func TestUISessionEnds(t *testing.T) {
 	if resp, _ := c.do("POST", list, "{}", hdr, &bad); resp.StatusCode != http.StatusUnauthorized {
 		t.Errorf("a changed cookie: %d, want 401", resp.StatusCode)
 	}
-	// Past its expiry, the session is refused.
-	g.ui.now = func() time.Time { return time.Now().Add(uiSessionTTL + time.Minute) }
-	if resp, _ := c.do("POST", list, "{}", hdr, ck); resp.StatusCode != http.StatusUnauthorized {
+	// Past its expiry, the session is refused: a server of the same token, its clock past it.
+	later := uiGate(uiTestToken, true)
+	later.ui.now = func() time.Time { return time.Now().Add(uiSessionTTL + time.Minute) }
+	if resp, _ := startUI(t, later, false).do("POST", list, "{}", hdr, ck); resp.StatusCode != http.StatusUnauthorized {
 		t.Errorf("an expired session: %d, want 401", resp.StatusCode)
+	}
+	if resp, body := c.do("POST", list, "{}", hdr, ck); resp.StatusCode != http.StatusOK {
+		t.Errorf("the session before its expiry: %d %s, want it reached", resp.StatusCode, body)
 	}
 }
 
