@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # deps.sh installs the Debian packages deltagym needs, idempotently.
-# Each caller names the groups it needs: base (always), postgres, image, criu.
+# Each caller names the groups it needs: base (always), postgres, image, browser.
 # A package already installed is never touched, so on a warm machine it costs one dpkg-query
 # per package.
 set -euo pipefail
@@ -11,6 +11,7 @@ for group in "$@"; do
 	base) ;;
 	postgres) need+=(postgresql patchelf) ;;
 	image) need+=(busybox-static mmdebstrap) ;;
+	browser) need+=(chromium) ;; # the web view's browser test (server/webui)
 	*) echo "deps.sh: unknown group $group" >&2; exit 2 ;;
 	esac
 done

@@ -44,7 +44,9 @@ var publicPaths = []string{
 // gate admits a request when it carries the server's token, in an "Authorization: Bearer"
 // header, in an X-API-Key header for SWE-ReX's paths (swerex.Prefix), or as the URL prefix
 // /t/<token>/, which it strips (with auth off too, so that a client configured with a token
-// keeps working). It runs before any handler, so a
+// keeps working); or, for the web view's calls alone, the web view's session cookie and its
+// CSRF token (uisession.go). The web view's page and session endpoint (isUIPath) need no
+// token: the page holds no data, and the endpoint checks the token itself. It runs before any handler, so a
 // refused request's body is never read or decoded. Tokens are compared by their SHA-256 sums
 // in constant time, so that neither their contents nor their lengths leak through timing.
 type gate struct {
@@ -53,6 +55,7 @@ type gate struct {
 	public bool // publicPaths need no token
 	errw   *connect.ErrorWriter
 	refuse func(reason string)
+	ui     *uiSessions // the web view's sessions; nil when auth is off
 	next   http.Handler
 }
 
@@ -68,7 +71,7 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		g.next.ServeHTTP(w, r)
 		return
 	}
-	if !g.on || g.public && isPublic(r.URL.Path) {
+	if !g.on || g.public && isPublic(r.URL.Path) || isUIPath(r.URL.Path) {
 		g.next.ServeHTTP(w, r)
 		return
 	}
@@ -81,7 +84,12 @@ func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		g.next.ServeHTTP(w, r)
 		return
 	}
-	scheme, got, ok := strings.Cut(r.Header.Get("Authorization"), " ")
+	authz := r.Header.Get("Authorization")
+	if authz == "" && g.ui != nil && hasCookie(r, uiSessionCookie) {
+		g.serveCookie(w, r)
+		return
+	}
+	scheme, got, ok := strings.Cut(authz, " ")
 	switch {
 	case !ok || !strings.EqualFold(scheme, "Bearer"): // the scheme's case does not matter (RFC 9110)
 		g.deny(w, r, "no token")
@@ -109,6 +117,17 @@ var unauthenticatedHint = fmt.Sprintf("missing or wrong bearer token: send \"Aut
 	TokenFile)
 
 func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
+	g.denyWith(w, r, reason, connect.CodeUnauthenticated, errors.New(unauthenticatedHint))
+}
+
+// hasCookie reports whether r carries a cookie of that name.
+func hasCookie(r *http.Request, name string) bool {
+	_, err := r.Cookie(name)
+	return err == nil
+}
+
+// denyWith refuses r with code and err (Unauthenticated: HTTP 401, PermissionDenied: 403).
+func (g *gate) denyWith(w http.ResponseWriter, r *http.Request, reason string, code connect.Code, err error) {
 	// The connection is closed after the answer (HTTP/1: Connection: close; HTTP/2: the server
 	// sends GOAWAY for it), so that a client without the token cannot keep descriptors of the
 	// server's open.
@@ -127,11 +146,16 @@ func (g *gate) deny(w http.ResponseWriter, r *http.Request, reason string) {
 		return
 	}
 	if g.errw.IsSupported(r) {
-		_ = g.errw.Write(w, r, connect.NewError(connect.CodeUnauthenticated, errors.New(unauthenticatedHint)))
+		_ = g.errw.Write(w, r, connect.NewError(code, err))
 		return
 	}
-	w.Header().Set("WWW-Authenticate", "Bearer")
-	http.Error(w, "unauthenticated: "+unauthenticatedHint, http.StatusUnauthorized)
+	status := http.StatusUnauthorized
+	if code == connect.CodePermissionDenied {
+		status = http.StatusForbidden
+	} else {
+		w.Header().Set("WWW-Authenticate", "Bearer")
+	}
+	http.Error(w, code.String()+": "+err.Error(), status)
 }
 
 // swerexHint is what a refused SWE-ReX client is told.

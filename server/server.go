@@ -28,6 +28,7 @@ import (
 	"github.com/deltagym/deltagym/server/ledger/pgserver"
 	"github.com/deltagym/deltagym/server/openenv"
 	"github.com/deltagym/deltagym/server/swerex"
+	"github.com/deltagym/deltagym/server/webui"
 )
 
 // Server is a running deltagym service: the sandbox runtime, the env pools, the ledger and the
@@ -332,7 +333,11 @@ func (s *Server) buildHandler() http.Handler {
 		refuse: s.obs.authRefused, next: capBodies(s.swerexFirst(mux), s.cfg.MaxRequestBytes)}
 	if g.on {
 		g.want = sha256.Sum256([]byte(s.token))
+		g.ui = newUISessions(s.token)
 	}
+	// The web view: its page (a client of the API above) and its session endpoint.
+	mux.Handle(webui.Prefix, webui.Handler())
+	mux.Handle(uiSessionPath, &uiSessionHandler{g: g})
 	return growStacks(g)
 }
 
