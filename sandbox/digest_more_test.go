@@ -117,13 +117,22 @@ func TestDedupe(t *testing.T) {
 	sh(t, s, "mkdir -p /w; echo v > /w/v")
 	first, _ := ckDigest(t, b, s)
 	// Not found: its own info.
-	if info, dup, err := b.rt.Dedupe(ctx, first.ID); err != nil || dup || info.ID != first.ID {
+	if info, dup, err := b.rt.Dedupe(ctx, first.ID, nil); err != nil || dup || info.ID != first.ID {
 		t.Fatalf("unique: %+v %v %v", info, dup, err)
 	}
 	o := b.create(t, sandbox.Spec{})
 	sh(t, o, "mkdir -p /w; echo v > /w/v")
 	second, _ := ckDigest(t, b, o)
-	info, dup, err := b.rt.Dedupe(ctx, second.ID)
+	// A match that refuses the one equal checkpoint: kept, not deduplicated.
+	var asked []string
+	refuse := func(o sandbox.CheckpointInfo) bool { asked = append(asked, o.ID); return false }
+	if info, dup, err := b.rt.Dedupe(ctx, second.ID, refuse); err != nil || dup || info.ID != second.ID {
+		t.Fatalf("refused by match: %+v %v %v", info, dup, err)
+	}
+	if !slices.Equal(asked, []string{first.ID}) {
+		t.Fatalf("match was asked of %v, want only %s", asked, first.ID)
+	}
+	info, dup, err := b.rt.Dedupe(ctx, second.ID, func(o sandbox.CheckpointInfo) bool { return o.ID == first.ID })
 	if err != nil || !dup || info.ID != first.ID {
 		t.Fatalf("dedupe: %+v %v %v", info, dup, err)
 	}
@@ -154,7 +163,7 @@ func TestDedupe(t *testing.T) {
 		res := make([]sandbox.CheckpointInfo, 2)
 		errs := make([]error, 2)
 		for i, id := range []string{cx.ID, cy.ID} {
-			wg.Go(func() { res[i], _, errs[i] = b.rt.Dedupe(ctx, id) })
+			wg.Go(func() { res[i], _, errs[i] = b.rt.Dedupe(ctx, id, nil) })
 		}
 		wg.Wait()
 		if errs[0] != nil || errs[1] != nil || res[0].ID != res[1].ID {

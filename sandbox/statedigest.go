@@ -118,7 +118,8 @@ func (r *Runtime) StateDigestReady(id string) (StateDigest, bool) {
 }
 
 // Dedupe waits for checkpoint id's digest and looks for another checkpoint of the same image
-// holding the same state (both digests equal). Found, it releases id, makes the sandbox that
+// holding the same state (both digests equal) that match accepts (nil: any). match is called
+// with Runtime.mu held: it must not call the runtime. Found, it releases id, makes the sandbox that
 // took id descend from the one found (its next checkpoint's parent), and returns the one
 // found; otherwise it returns id's own info with dup false.
 //
@@ -126,7 +127,7 @@ func (r *Runtime) StateDigestReady(id string) (StateDigest, bool) {
 // starts again), and the sandbox's head moves to it, so it does not expire while the sandbox
 // lives. Two Dedupes that would each find the other's checkpoint run one after the other
 // (under Runtime.mu): the second finds the first's gone and keeps its own.
-func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, dup bool, err error) {
+func (r *Runtime) Dedupe(ctx context.Context, id string, match func(CheckpointInfo) bool) (info CheckpointInfo, dup bool, err error) {
 	d, err := r.StateDigest(ctx, id)
 	if err != nil {
 		return CheckpointInfo{}, false, err
@@ -143,11 +144,11 @@ func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, d
 	if s != nil {
 		s.op.Lock()
 		defer s.op.Unlock()
-		return s.dedupe(c, d)
+		return s.dedupe(c, d, match)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	found, err := r.findDupLocked(c, d)
+	found, err := r.findDupLocked(c, d, match)
 	if found == nil || err != nil {
 		return c.info(), false, err
 	}
@@ -157,11 +158,11 @@ func (r *Runtime) Dedupe(ctx context.Context, id string) (info CheckpointInfo, d
 
 // dedupe is Dedupe of c, a checkpoint s took, whose digest is d.
 // +checklocks:s.op
-func (s *Sandbox) dedupe(c *checkpoint, d StateDigest) (CheckpointInfo, bool, error) {
+func (s *Sandbox) dedupe(c *checkpoint, d StateDigest, match func(CheckpointInfo) bool) (CheckpointInfo, bool, error) {
 	r := s.rt
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	found, err := r.findDupLocked(c, d)
+	found, err := r.findDupLocked(c, d, match)
 	if found == nil || err != nil {
 		return c.info(), false, err
 	}
@@ -176,10 +177,10 @@ func (s *Sandbox) dedupe(c *checkpoint, d StateDigest) (CheckpointInfo, bool, er
 	return found.info(), true, nil
 }
 
-// findDupLocked returns the oldest checkpoint other than c of c's image whose digest is d
-// (nil: none), and counts it as used.
+// findDupLocked returns the oldest checkpoint other than c of c's image whose digest is d and
+// that match accepts (nil: none), and counts it as used.
 // +checklocks:r.mu
-func (r *Runtime) findDupLocked(c *checkpoint, d StateDigest) (*checkpoint, error) {
+func (r *Runtime) findDupLocked(c *checkpoint, d StateDigest, match func(CheckpointInfo) bool) (*checkpoint, error) {
 	if r.ckpts[c.ID] != c {
 		return nil, fmt.Errorf("%w: checkpoint %q: unknown or released checkpoint", ErrNotFound, c.ID)
 	}
@@ -188,7 +189,10 @@ func (r *Runtime) findDupLocked(c *checkpoint, d StateDigest) (*checkpoint, erro
 		if o == c || o.Image != c.Image || o.Digest == nil || o.Digest.Files != d.Files || o.Digest.Processes != d.Processes {
 			continue
 		}
-		if found == nil || o.Created.Before(found.Created) || o.Created.Equal(found.Created) && o.ID < found.ID {
+		if found != nil && !o.Created.Before(found.Created) && (!o.Created.Equal(found.Created) || o.ID > found.ID) {
+			continue
+		}
+		if match == nil || match(o.info()) {
 			found = o
 		}
 	}

@@ -82,7 +82,7 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 	if err != nil {
 		return CheckpointResult{}, callErr(cctx, err)
 	}
-	t, err := c.settle(cctx, b, info, p, req.WaitDigest, req.Dedupe)
+	t, err := c.settle(cctx, info, p, req.WaitDigest, req.Dedupe)
 	if err != nil {
 		return CheckpointResult{}, callErr(cctx, err)
 	}

@@ -34,7 +34,7 @@ type taken struct {
 // holding the same state (dedupe). Called in b's turn, so b's state is still info's. An error
 // is the digest's or the look's: the checkpoint taken is kept (and recorded) unless it says
 // so, and the zero taken is returned with it, for the caller to answer the checkpoint taken.
-func (c *Core) settle(ctx context.Context, b *box, info sandbox.CheckpointInfo, p Place, wait, dedupe bool) (taken, error) {
+func (c *Core) settle(ctx context.Context, info sandbox.CheckpointInfo, p Place, wait, dedupe bool) (taken, error) {
 	t := taken{info: info, parent: info.Parent}
 	if !wait && !dedupe {
 		c.recordCheckpoint(ledger.KindUser, info, p)
@@ -56,7 +56,7 @@ func (c *Core) settle(ctx context.Context, b *box, info sandbox.CheckpointInfo, 
 	if !dedupe {
 		return t, nil
 	}
-	return c.dedupe(ctx, b, t, p)
+	return c.dedupe(ctx, t, p)
 }
 
 // dedupe looks for a checkpoint of p's env and task other than t's holding t's state (its
@@ -64,22 +64,28 @@ func (c *Core) settle(ctx context.Context, b *box, info sandbox.CheckpointInfo, 
 // next checkpoint descends from the one found, and the ledger links the sandbox's previous
 // checkpoint to it (CheckpointEdge). t's checkpoint is recorded only if kept.
 //
-// The runtime's Dedupe matches on the image alone, and of several equal checkpoints finds the
-// oldest. Another env may run the same image (its pool checkpoints then hold the same first
-// state), so Dedupe is called only when the oldest equal checkpoint is of p's env and task; and
-// what it found is checked again afterwards, since checkpoints come and go meanwhile. Releases
+// The runtime matches on the image; another env may run the same image (its pool checkpoints
+// then hold the same first state), so the match also asks for p's env and task. Releases
 // through the core wait while it runs (relMu), so the one found is held when it is answered.
-// Should it not be p's env's after all (taken by another caller between the look and Dedupe),
-// the sandbox, whose state is t's still, is checkpointed again and that checkpoint kept.
-func (c *Core) dedupe(ctx context.Context, b *box, t taken, p Place) (taken, error) {
-	if !c.oursOldest(t, p) {
-		c.recordCheckpoint(ledger.KindUser, t.info, p)
-		return t, nil
+func (c *Core) dedupe(ctx context.Context, t taken, p Place) (taken, error) {
+	// The env of a checkpoint that keeps no place in its labels is its image's first env
+	// (placeOfInfo); every candidate has t's image, so that env is looked up once, here, as the
+	// match runs under the runtime's lock and must not call into the pools.
+	imageEnv := ""
+	if env, err := c.pools.EnvForImage(t.info.Image); err == nil {
+		imageEnv = env.Name()
+	}
+	match := func(o sandbox.CheckpointInfo) bool {
+		op, ok := placeOf(o.Labels)
+		if !ok {
+			op = Place{Env: imageEnv}
+		}
+		return op.Env == p.Env && sameTask(op, p)
 	}
 	c.relMu.RLock()
 	defer c.relMu.RUnlock()
 	octx, done := c.cfg.Observe(ctx, "dedupe")
-	found, dup, err := c.rt.Dedupe(octx, t.info.ID)
+	found, dup, err := c.rt.Dedupe(octx, t.info.ID, match)
 	done(err)
 	switch {
 	case err != nil:
@@ -91,50 +97,10 @@ func (c *Core) dedupe(ctx context.Context, b *box, t taken, p Place) (taken, err
 		c.recordCheckpoint(ledger.KindUser, t.info, p)
 		return t, nil
 	}
-	if fp, ok := c.placeHeld(found.ID); ok && fp.Env == p.Env && sameTask(fp, p) {
-		if t.parent != "" && t.parent != found.ID && t.parent != found.Parent && c.rec != nil {
-			c.ledgerErr(c.rec.CheckpointEdge(ledger.CheckpointEdge{ChildID: found.ID, ParentID: t.parent, CreatedAt: time.Now()}))
-		}
-		return taken{info: found, parent: t.parent, digest: t.digest, dup: true}, nil
+	if t.parent != "" && t.parent != found.ID && t.parent != found.Parent && c.rec != nil {
+		c.ledgerErr(c.rec.CheckpointEdge(ledger.CheckpointEdge{ChildID: found.ID, ParentID: t.parent, CreatedAt: time.Now()}))
 	}
-	// t's checkpoint is gone: the sandbox's state, unchanged, is checkpointed again.
-	c.log.Warn("a deduplicating checkpoint found a checkpoint of another env; checkpointing again", "sandbox", b.lease.ID(),
-		"checkpoint", t.info.ID, "found", found.ID)
-	mode, err := processMode(b.lease.Env(), sandbox.ProcessesDefault)
-	if err != nil {
-		return taken{}, err
-	}
-	again, err := b.lease.Sandbox().CheckpointWith(ctx, sandbox.CheckpointOptions{Processes: mode, Labels: p.labels()})
-	if err != nil {
-		return taken{}, callErr(ctx, err)
-	}
-	again.Parent = t.parent
-	c.recordCheckpoint(ledger.KindUser, again, p)
-	return taken{info: again, parent: t.parent, digest: t.digest}, nil
-}
-
-// oursOldest says whether, of the checkpoints the runtime holds of t's image and state other
-// than t's, the oldest (the one Dedupe finds) is of p's env and task; false when there is none.
-func (c *Core) oursOldest(t taken, p Place) bool {
-	var oldest *sandbox.CheckpointInfo
-	all := c.rt.ListCheckpoints()
-	for i := range all {
-		o := &all[i]
-		if o.ID == t.info.ID || o.Image != t.info.Image {
-			continue
-		}
-		if d, ok := c.rt.StateDigestReady(o.ID); !ok || d != t.digest {
-			continue
-		}
-		if oldest == nil || o.Created.Before(oldest.Created) || o.Created.Equal(oldest.Created) && o.ID < oldest.ID {
-			oldest = o
-		}
-	}
-	if oldest == nil {
-		return false
-	}
-	op := c.placeOfInfo(*oldest)
-	return op.Env == p.Env && sameTask(op, p)
+	return taken{info: found, parent: t.parent, digest: t.digest, dup: true}, nil
 }
 
 // placeHeld is where checkpoint id, held by the runtime, was taken; false if it is not held.

@@ -106,7 +106,6 @@ func TestDedupeAndDiff(t *testing.T) {
 	if !found.Deduplicated || found.Info.ID != next.Info.ID {
 		t.Fatalf("after the release of %s: %+v, want %s", first.Info.ID, found, next.Info.ID)
 	}
-
 	// DiffCheckpoints: what b did from prev to next (removed /tmp/z, wrote /tmp/y).
 	diff, err := core.DiffCheckpoints(ctx, episode.DiffRequest{Base: prev.Info.ID, ID: next.Info.ID, Detail: sandbox.DiffLines})
 	must(t, err)
@@ -162,5 +161,22 @@ func TestDedupeAndDiff(t *testing.T) {
 				t.Fatalf("listed digest %+v, want %+v", cd.Digest, want)
 			}
 		}
+	}
+	// With every one of env e released, env f's is the oldest of the state: env e keeps a new
+	// one, and the next of env e finds that one, not the older of env f.
+	must(t, core.ReleaseCheckpoint(next.Info.ID))
+	g := reset("e")
+	write(g, "/tmp/y", "2\n")
+	kept, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: g, Dedupe: true})
+	must(t, err)
+	if kept.Deduplicated || kept.Info.ID == fck.Info.ID {
+		t.Fatalf("with only env f's holding the state: %+v", kept)
+	}
+	h := reset("e")
+	write(h, "/tmp/y", "2\n")
+	again, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: h, Dedupe: true})
+	must(t, err)
+	if !again.Deduplicated || again.Info.ID != kept.Info.ID {
+		t.Fatalf("env e's own past env f's older one: %+v, want %s", again, kept.Info.ID)
 	}
 }

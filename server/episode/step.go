@@ -290,7 +290,7 @@ func (c *Core) checkpointAfter(ctx context.Context, b *box, req *StepRequest) (t
 	if err != nil {
 		return taken{}, nil, err
 	}
-	t, derr = c.settle(ctx, b, info, p, req.CheckpointWaitDigest, req.CheckpointDedupe)
+	t, derr = c.settle(ctx, info, p, req.CheckpointWaitDigest, req.CheckpointDedupe)
 	if derr != nil {
 		if _, held := c.placeHeld(info.ID); held {
 			t = taken{info: info, parent: info.Parent}
