@@ -278,7 +278,12 @@ func (c *Core) Evaluate(ctx context.Context, id string) (Verdict, error) {
 	v, err := c.pools.Evaluate(octx, b.lease)
 	done(err)
 	if v.Checkpoint.ID != "" {
+		// Recorded, then released: the verifier's fork is gone, no caller learns its ID, and
+		// kept it would wait for the TTL once the sandbox moved on, one per Evaluate.
 		c.labelCheckpoint(ledger.KindEvaluate, v.Checkpoint, p)
+		if err := c.ReleaseCheckpoint(v.Checkpoint.ID); err != nil {
+			c.log.Warn("releasing an evaluate checkpoint", "checkpoint", v.Checkpoint.ID, "err", err)
+		}
 	}
 	if err != nil {
 		return Verdict{}, callErr(cctx, err)

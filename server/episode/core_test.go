@@ -147,6 +147,13 @@ func (r *recorder) CheckpointReleased(id string, _ time.Time) error {
 	return nil
 }
 
+// wasReleased says whether the release of checkpoint id was recorded.
+func (r *recorder) wasReleased(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Contains(r.released, id)
+}
+
 // end returns how episode id ended, false if it did not.
 func (r *recorder) end(id string) (ledger.EpisodeEnd, bool) {
 	r.mu.Lock()
@@ -351,6 +358,22 @@ func TestEpisodeLifecycle(t *testing.T) {
 	must(t, err)
 	if v.Reward != 1 {
 		t.Fatalf("evaluate: %+v", v)
+	}
+	// Its checkpoint is recorded, then released: nothing else would ever release it.
+	var evals []string
+	for _, c := range rec.ckptsOf("") {
+		if c.Kind == ledger.KindEvaluate {
+			evals = append(evals, c.ID)
+		}
+	}
+	if len(evals) != 1 {
+		t.Fatalf("evaluate checkpoints recorded: %v, want one", evals)
+	}
+	if _, err := rt.Checkpoint(evals[0]); !errors.Is(err, sandbox.ErrNotFound) {
+		t.Fatalf("the evaluate checkpoint is still held: %v", err)
+	}
+	if !rec.wasReleased(evals[0]) {
+		t.Fatalf("the release of evaluate checkpoint %s is not recorded", evals[0])
 	}
 	must(t, core.Close(ctx, kid))
 	must(t, core.Close(ctx, kid)) // closing a closed sandbox succeeds
