@@ -46,6 +46,17 @@ func TestDedupeAndDiff(t *testing.T) {
 				diff.GetPaths()[0].GetKind() != deltagymv1.ChangeKind_CHANGE_KIND_ADDED {
 				t.Fatalf("DiffCheckpoints = %v, %v", diff, err)
 			}
+			// Through a step: a third sandbox writes the state and checkpoints it with dedupe.
+			third := reset(t, c)
+			w, err := third.WriteFile(ctx, "/tmp/state", content, deltagym.WithCheckpointDedupe())
+			if err != nil || !w.CheckpointDeduplicated || w.CheckpointID != first.ID || w.CheckpointDigest.GetFiles() != first.Digest.GetFiles() {
+				t.Fatalf("WriteFile(WithCheckpointDedupe) = %+v, %v; want %s", w, err, first.ID)
+			}
+			e, err := third.Exec(ctx, "echo more > /tmp/more", deltagym.WithCheckpointDigest())
+			if err != nil || e.CheckpointID == "" || e.CheckpointDeduplicated || !strings.HasPrefix(e.CheckpointDigest.GetFiles(), "sha256:") ||
+				e.CheckpointDigest.GetFiles() == first.Digest.GetFiles() {
+				t.Fatalf("Exec(WithCheckpointDigest) = %+v, %v", e.StepResult, err)
+			}
 			var ce *connect.Error
 			if _, err := c.DiffCheckpoints(ctx, base.ID, "ck_nope"); !errors.As(err, &ce) || ce.Code() != connect.CodeNotFound {
 				t.Fatalf("DiffCheckpoints of an unknown checkpoint: %v", err)

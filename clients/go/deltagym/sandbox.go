@@ -109,8 +109,11 @@ type StepResult struct {
 	// WithCheckpoint asked for one.
 	CheckpointID string
 	// CheckpointDigest is CheckpointID's state digest when the step asked to
-	// wait for it.
+	// wait for it (WithCheckpointDigest, WithCheckpointDedupe).
 	CheckpointDigest *deltagymv1.StateDigest
+	// CheckpointDeduplicated is set when WithCheckpointDedupe found the state
+	// in an existing checkpoint, whose ID CheckpointID is.
+	CheckpointDeduplicated bool
 	// Info holds extra env- or server-defined facts.
 	Info map[string]string
 	// Observation is the raw observation.
@@ -177,6 +180,8 @@ type StepOption func(*stepConfig)
 
 type stepConfig struct {
 	checkpoint bool
+	ckDigest   bool
+	ckDedupe   bool
 	stdin      []byte
 	env        map[string]string
 	cwd        string
@@ -192,6 +197,26 @@ type stepConfig struct {
 // WithCheckpoint asks for a checkpoint of the state after the step; its ID is
 // in StepResult.CheckpointID.
 func WithCheckpoint() StepOption { return func(c *stepConfig) { c.checkpoint = true } }
+
+// WithCheckpointDigest, which implies WithCheckpoint, waits for the
+// checkpoint's state digest (StepResult.CheckpointDigest), as WaitDigest does
+// for Checkpoint.
+func WithCheckpointDigest() StepOption {
+	return func(c *stepConfig) { c.checkpoint, c.ckDigest = true, true }
+}
+
+// WithCheckpointDedupe, which implies WithCheckpoint, answers an existing
+// checkpoint of the env holding the state after the step, if there is one
+// (StepResult.CheckpointDeduplicated), as Dedupe does for Checkpoint.
+func WithCheckpointDedupe() StepOption {
+	return func(c *stepConfig) { c.checkpoint, c.ckDedupe = true, true }
+}
+
+// request is the step request of action with c's checkpoint options.
+func (c *stepConfig) request(action *deltagymv1.Action) *deltagymv1.StepRequest {
+	return &deltagymv1.StepRequest{Action: action, Checkpoint: c.checkpoint,
+		CheckpointWaitForDigest: c.ckDigest, CheckpointDedupe: c.ckDedupe}
+}
 
 // WithStdin gives an exec its standard input.
 func WithStdin(stdin []byte) StepOption { return func(c *stepConfig) { c.stdin = stdin } }
@@ -315,15 +340,16 @@ func (s *Sandbox) step(ctx context.Context, req *deltagymv1.StepRequest) (*delta
 
 func stepResult(m *deltagymv1.StepResponse) StepResult {
 	return StepResult{
-		EpisodeID:        m.GetEpisodeId(),
-		StepIndex:        int(m.GetStepIndex()),
-		Reward:           m.GetReward(),
-		Terminated:       m.GetTerminated(),
-		Truncated:        m.GetTruncated(),
-		CheckpointID:     m.GetCheckpointId(),
-		CheckpointDigest: m.GetCheckpointDigest(),
-		Info:             m.GetInfo(),
-		Observation:      m.GetObservation(),
+		EpisodeID:              m.GetEpisodeId(),
+		StepIndex:              int(m.GetStepIndex()),
+		Reward:                 m.GetReward(),
+		Terminated:             m.GetTerminated(),
+		Truncated:              m.GetTruncated(),
+		CheckpointID:           m.GetCheckpointId(),
+		CheckpointDigest:       m.GetCheckpointDigest(),
+		CheckpointDeduplicated: m.GetCheckpointDeduplicated(),
+		Info:                   m.GetInfo(),
+		Observation:            m.GetObservation(),
 	}
 }
 
@@ -349,7 +375,7 @@ func (s *Sandbox) Exec(ctx context.Context, command string, opts ...StepOption) 
 	c := stepOptions(opts)
 	a := c.exec()
 	a.Command = command
-	res, err := s.Step(ctx, &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: a}}, c.checkpoint)
+	res, err := s.step(ctx, c.request(&deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: a}}))
 	if err != nil {
 		return nil, err
 	}
@@ -362,7 +388,7 @@ func (s *Sandbox) Run(ctx context.Context, argv []string, opts ...StepOption) (*
 	a := c.exec()
 	a.Argv = argv
 	a.Session = ""
-	res, err := s.Step(ctx, &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: a}}, c.checkpoint)
+	res, err := s.step(ctx, c.request(&deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: a}}))
 	if err != nil {
 		return nil, err
 	}
@@ -372,9 +398,9 @@ func (s *Sandbox) Run(ctx context.Context, argv []string, opts ...StepOption) (*
 // WriteFile writes content to path inside the sandbox.
 func (s *Sandbox) WriteFile(ctx context.Context, path string, content []byte, opts ...StepOption) (*WriteResult, error) {
 	c := stepOptions(opts)
-	res, err := s.Step(ctx, &deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{
+	res, err := s.step(ctx, c.request(&deltagymv1.Action{Kind: &deltagymv1.Action_WriteFile{WriteFile: &deltagymv1.WriteFileAction{
 		Path: path, Content: content, Mode: c.mode, Append: c.append,
-	}}}, c.checkpoint)
+	}}}))
 	if err != nil {
 		return nil, err
 	}
@@ -385,9 +411,9 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, content []byte, op
 // ReadResult.Truncated tells whether there is more).
 func (s *Sandbox) ReadFile(ctx context.Context, path string, opts ...StepOption) (*ReadResult, error) {
 	c := stepOptions(opts)
-	res, err := s.Step(ctx, &deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{
+	res, err := s.step(ctx, c.request(&deltagymv1.Action{Kind: &deltagymv1.Action_ReadFile{ReadFile: &deltagymv1.ReadFileAction{
 		Path: path, Offset: c.offset, MaxBytes: c.maxBytes,
-	}}}, c.checkpoint)
+	}}}))
 	if err != nil {
 		return nil, err
 	}
