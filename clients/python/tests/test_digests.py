@@ -18,13 +18,11 @@ from deltagym.types import CheckpointDiff, PathChange, ProcessChange, StateDiges
 
 @pytest.fixture
 def digests(client: Client) -> None:
-    """Skips a test of a server that serves no state digests (DiffCheckpoints unimplemented)."""
+    """Checks that the server serves state digests, which every test using it needs."""
     with deltagym.Sandbox.create("shell", client=client) as sb:
-        ck = sb.checkpoint()
+        ck = sb.checkpoint(wait_for_digest=True)
         try:
-            client.diff_checkpoints(ck, ck)
-        except deltagym.Unimplemented:
-            pytest.skip("this server computes no state digests yet (DiffCheckpoints is unimplemented)")
+            assert ck.digest is not None and ck.digest.files.startswith("sha256:")
         finally:
             client.release_checkpoint(ck.id)
 
