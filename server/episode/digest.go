@@ -100,7 +100,13 @@ func (c *Core) dedupe(ctx context.Context, t taken, p Place) (taken, error) {
 	if t.parent != "" && t.parent != found.ID && t.parent != found.Parent && c.rec != nil {
 		c.ledgerErr(c.rec.CheckpointEdge(ledger.CheckpointEdge{ChildID: found.ID, ParentID: t.parent, CreatedAt: time.Now()}))
 	}
-	return taken{info: found, parent: t.parent, digest: t.digest, dup: true}, nil
+	parent := t.parent
+	if parent == found.ID {
+		// Nothing changed since the sandbox's previous checkpoint, which is the one found: its
+		// own parent is the answer's, as no checkpoint is its own parent.
+		parent = found.Parent
+	}
+	return taken{info: found, parent: parent, digest: t.digest, dup: true}, nil
 }
 
 // placeHeld is where checkpoint id, held by the runtime, was taken; false if it is not held.

@@ -37,6 +37,15 @@ func TestDedupeAndDiff(t *testing.T) {
 	if first.Deduplicated || first.Digest.IsZero() || first.Parent != first.Info.Parent {
 		t.Fatalf("first checkpoint of a state: %+v", first)
 	}
+	// Again with nothing changed: the same one, whose parent is its own parent, not itself.
+	same, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: a, Dedupe: true})
+	must(t, err)
+	if !same.Deduplicated || same.Info.ID != first.Info.ID || same.Parent != first.Parent || same.Parent == same.Info.ID {
+		t.Fatalf("a deduplicating checkpoint with nothing changed: %+v, want %s with parent %s", same, first.Info.ID, first.Parent)
+	}
+	if e := rec.edgesOf(first.Info.ID); len(e) != 0 {
+		t.Fatalf("edges into %s after a checkpoint of an unchanged sandbox: %v", first.Info.ID, e)
+	}
 	// Another sandbox of the env reaches it after a checkpoint of its own.
 	b := reset("e")
 	write(b, "/tmp/z", "1\n")
