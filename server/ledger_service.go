@@ -88,9 +88,19 @@ func (g *ledgerService) ListEpisodes(ctx context.Context, req *connect.Request[d
 	if err != nil {
 		return nil, g.s.toConnect(err)
 	}
+	ids := make([]string, len(eps))
+	for i, e := range eps {
+		ids[i] = e.ID
+	}
+	rewards, err := st.EpisodeRewards(ctx, ids)
+	if err != nil {
+		return nil, g.s.toConnect(err)
+	}
 	resp := &deltagymv1.ListEpisodesResponse{NextPageToken: next}
 	for _, e := range eps {
-		resp.Episodes = append(resp.Episodes, episodeProto(e))
+		ep := episodeProto(e)
+		ep.Rewards = rewardsProto(rewards[e.ID])
+		resp.Episodes = append(resp.Episodes, ep)
 	}
 	return connect.NewResponse(resp), nil
 }

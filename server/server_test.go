@@ -188,6 +188,15 @@ func TestEveryRPC(t *testing.T) {
 			}
 			_, err = c.ReportReward(ctx, &deltagymv1.ReportRewardRequest{EpisodeId: fk.GetEpisodeIds()[1], Name: "judge", Value: 0.5, Source: "judge"})
 			must(t, err)
+			eps, err = c.ListEpisodes(ctx, &deltagymv1.ListEpisodesRequest{Run: run})
+			must(t, err)
+			for _, e := range eps.GetEpisodes() {
+				rs := e.GetRewards()
+				if judged := e.GetEpisodeId() == fk.GetEpisodeIds()[1]; judged != (len(rs) == 1) ||
+					judged && (rs[0].GetName() != "judge" || rs[0].GetSource() != "judge" || rs[0].GetValue() != 0.5) {
+					t.Fatalf("listed episode %s has rewards %v; want the judge's 0.5 on %s alone", e.GetEpisodeId(), rs, fk.GetEpisodeIds()[1])
+				}
+			}
 			adv, err := c.GetGroupAdvantages(ctx, &deltagymv1.GetGroupAdvantagesRequest{GroupId: group})
 			must(t, err)
 			if adv.GetCountedCount() != 1 {

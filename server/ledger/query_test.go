@@ -243,6 +243,26 @@ func TestListEpisodesPaginates(t *testing.T) {
 	}
 }
 
+func TestEpisodeRewards(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for i, id := range []string{"a", "b", "c"} {
+		must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: id, Env: "env", Run: "r", StartedAt: b.at(i)}))
+	}
+	must(t, b.store.ReportReward(t.Context(), ledger.RewardRow{EpisodeID: "a", Source: "judge", Components: map[string]float64{"score": 1}, Value: 1}))
+	must(t, b.store.ReportReward(t.Context(), ledger.RewardRow{EpisodeID: "a", Source: "judge", Components: map[string]float64{"score": 2}, Value: 2}))
+	must(t, b.store.ReportReward(t.Context(), ledger.RewardRow{EpisodeID: "c", Source: "search", Components: map[string]float64{"cells": 5}, Value: 5}))
+	got, err := b.store.EpisodeRewards(t.Context(), []string{"a", "b", "c", "unknown"})
+	must(t, err)
+	if len(got) != 2 || len(got["a"]) != 2 || got["a"][0].Value != 1 || got["a"][1].Value != 2 || len(got["c"]) != 1 ||
+		got["c"][0].Source != "search" || got["c"][0].Components["cells"] != 5 {
+		t.Fatalf("rewards of a, b, c: %+v; want a's two in the order reported, none for b, c's one", got)
+	}
+	if got, err := b.store.EpisodeRewards(t.Context(), nil); err != nil || len(got) != 0 {
+		t.Fatalf("rewards of no episodes: %v, %v", got, err)
+	}
+}
+
 func TestExportRoundTrip(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

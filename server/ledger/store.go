@@ -407,7 +407,41 @@ func (s *Store) rewards(ctx context.Context, episodeID string) ([]RewardRow, err
 	if err != nil {
 		return nil, fmt.Errorf("reading rewards of %s: %w", episodeID, err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RewardRow, error) {
+	out, err := collectRewards(rows)
+	if err != nil {
+		return nil, fmt.Errorf("reading rewards of %s: %w", episodeID, err)
+	}
+	return out, nil
+}
+
+// EpisodeRewards returns the rewards recorded for each of the episodes, in the order they were
+// recorded, by episode ID; an episode without rewards has no entry. One query serves a whole
+// page of ListEpisodes.
+func (s *Store) EpisodeRewards(ctx context.Context, episodeIDs []string) (map[string][]RewardRow, error) {
+	out := map[string][]RewardRow{}
+	if len(episodeIDs) == 0 {
+		return out, nil
+	}
+	if err := s.flush(ctx); err != nil {
+		return nil, err
+	}
+	rows, err := s.pool.Query(ctx, `SELECT episode_id, step_index, source, components, value, created_at
+		FROM rewards WHERE episode_id = ANY($1) ORDER BY id`, episodeIDs)
+	if err != nil {
+		return nil, fmt.Errorf("reading rewards of %d episodes: %w", len(episodeIDs), err)
+	}
+	rs, err := collectRewards(rows)
+	if err != nil {
+		return nil, fmt.Errorf("reading rewards of %d episodes: %w", len(episodeIDs), err)
+	}
+	for _, r := range rs {
+		out[r.EpisodeID] = append(out[r.EpisodeID], r)
+	}
+	return out, nil
+}
+
+func collectRewards(rows pgx.Rows) ([]RewardRow, error) {
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (RewardRow, error) {
 		var rw RewardRow
 		var step *int32
 		err := r.Scan(&rw.EpisodeID, &step, &rw.Source, &rw.Components, &rw.Value, &rw.CreatedAt)
@@ -421,10 +455,6 @@ func (s *Store) rewards(ctx context.Context, episodeID string) ([]RewardRow, err
 		rw.CreatedAt = rw.CreatedAt.UTC()
 		return rw, err
 	})
-	if err != nil {
-		return nil, fmt.Errorf("reading rewards of %s: %w", episodeID, err)
-	}
-	return out, nil
 }
 
 // CheckpointNode is a checkpoint in a tree, with the checkpoints descending from it.
