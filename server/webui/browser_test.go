@@ -121,6 +121,16 @@ type uiRun struct {
 	restored string // a checkpoint taken after the Restore: its steps are partly inherited
 	forkSB   string // the sandbox of the first Fork, its episode submitted
 	liveSB   string // the sandbox of the second Fork, its episode running
+	search   searchRun
+}
+
+// searchRun is what a search leaves: two sandboxes reach one state (a and b, one drawn node,
+// taken without dedupe), one goes on (a2, then a3), and the search releases what it no longer
+// keeps (a and a2). Its episodes carry a score reported as a search reports it.
+type searchRun struct {
+	a, b, a2, a3 string
+	scoreA       float64 // the score of a's episode; b's is scoreB
+	scoreB       float64
 }
 
 func makeRun(t *testing.T, b uiBundle) uiRun {
@@ -170,6 +180,28 @@ func makeRun(t *testing.T, b uiBundle) uiRun {
 		t.Fatalf("a deduplicating checkpoint at c2's state made a new one, %s", back.GetCheckpointId())
 	}
 	of(b.ledger.ReportReward(ctx, connect.NewRequest(&deltagymv1.ReportRewardRequest{EpisodeId: first, Name: "judge", Value: 0.5, Source: "judge"}))).in(t)
+
+	// A search from c1.
+	s := searchRun{scoreA: 3, scoreB: 1}
+	sf := of(b.env.Fork(ctx, connect.NewRequest(&deltagymv1.ForkRequest{Source: &deltagymv1.ForkRequest_CheckpointId{CheckpointId: c1},
+		N: 2, GroupId: "search"}))).in(t).Msg
+	sa, sbb := sf.GetSandboxIds()[0], sf.GetSandboxIds()[1]
+	ca := step(sa, execAction("echo 9 > /tmp/answer"), true)
+	cb := step(sbb, execAction("echo 9 > /tmp/answer"), true)
+	if ca.GetCheckpointDigest().GetFiles() != cb.GetCheckpointDigest().GetFiles() {
+		t.Fatalf("two sandboxes at one state took checkpoints of digests %v and %v", ca.GetCheckpointDigest(), cb.GetCheckpointDigest())
+	}
+	s.a, s.b = ca.GetCheckpointId(), cb.GetCheckpointId()
+	s.a2 = step(sa, execAction("echo 10 > /tmp/answer"), true).GetCheckpointId()
+	s.a3 = step(sa, execAction("echo 11 > /tmp/answer"), true).GetCheckpointId()
+	for _, id := range []string{s.a, s.a2} {
+		of(b.env.ReleaseCheckpoint(ctx, connect.NewRequest(&deltagymv1.ReleaseCheckpointRequest{CheckpointId: id}))).in(t)
+	}
+	for i, v := range []float64{s.scoreA, s.scoreB} {
+		of(b.ledger.ReportReward(ctx, connect.NewRequest(&deltagymv1.ReportRewardRequest{EpisodeId: sf.GetEpisodeIds()[i],
+			Name: "score", Value: v, Source: "goexplore"}))).in(t)
+	}
+	r.search = s
 	return r
 }
 
@@ -317,6 +349,11 @@ func TestBrowser(t *testing.T) {
 	if !slices.EqualFunc(got, want, func(a, b drawnNode) bool { return slices.Equal(a.IDs, b.IDs) && slices.Equal(a.Parents, b.Parents) }) {
 		t.Fatalf("drawn nodes\n%+v\nwant (the ledger's)\n%+v", got, want)
 	}
+	// The tree's box takes the window's height, and the root is in view in it at load.
+	if bad := of(chromedp.Run(bctx, chromedp.Evaluate[string](rootInView))).in(t); bad != "" {
+		shot(t, bctx, "root")
+		t.Errorf("at load the tree's root is not in view: %s", bad)
+	}
 
 	// A node's steps are its episode's trajectory up to it.
 	sel := `#checkpoint-tree g.node[data-node-key="` + r.restored + `"] circle`
@@ -345,6 +382,9 @@ func TestBrowser(t *testing.T) {
 	// The diff against its parent: the API's answer, or its error shown as a message.
 	run("opening the diff", chromedp.Click("#diff-toggle"))
 	waitFor("the diff", `['done', 'error'].includes(document.querySelector('#diff-panel')?.dataset.state)`)
+	if base := of(chromedp.Run(bctx, chromedp.Evaluate[string](`document.querySelector('#diff-panel').dataset.base`))).in(t); base != node.GetParentId() {
+		t.Errorf("the diff of %s is against %s, want its parent %s (held)", r.restored, base, node.GetParentId())
+	}
 	diff, derr := b.env.DiffCheckpoints(ctx, connect.NewRequest(&deltagymv1.DiffCheckpointsRequest{BaseCheckpointId: node.GetParentId(),
 		CheckpointId: r.restored, Detail: deltagymv1.DiffDetail_DIFF_DETAIL_LINES}))
 	if derr != nil {
@@ -375,11 +415,13 @@ func TestBrowser(t *testing.T) {
 		t.Errorf("the forked sandbox %s started from %q, want %s", forked.Value, sb.GetStartCheckpointId(), r.restored)
 	}
 
+	searchNodes(t, b, bctx, r.search, tree, run, waitFor)
+
 	// Live: a checkpoint taken now appears, and the selection stays.
 	step := of(b.env.Step(ctx, connect.NewRequest(&deltagymv1.StepRequest{SandboxId: r.liveSB, Action: execAction("echo live > /tmp/live"), Checkpoint: true}))).in(t).Msg
 	waitFor("the new checkpoint", `document.querySelector('#checkpoint-tree g.node[data-checkpoint-ids~="`+step.GetCheckpointId()+`"]') !== null`)
-	if kept := of(chromedp.Run(bctx, chromedp.Evaluate[string](`document.querySelector('#checkpoint-tree g.node.selected')?.dataset.nodeKey || ''`))).in(t); kept != r.restored {
-		t.Errorf("after an update the selected node is %q, want %s", kept, r.restored)
+	if kept := of(chromedp.Run(bctx, chromedp.Evaluate[string](`document.querySelector('#checkpoint-tree g.node.selected')?.dataset.nodeKey || ''`))).in(t); kept != r.search.a3 {
+		t.Errorf("after an update the selected node is %q, want %s", kept, r.search.a3)
 	}
 	shot(t, bctx, "run")
 
@@ -387,6 +429,155 @@ func TestBrowser(t *testing.T) {
 	run("signing out", chromedp.Click("#sign-out"), chromedp.WaitVisible("#sign-in"))
 	if c := sessionCookie(); c != nil {
 		t.Errorf("after sign-out the browser keeps cookie %+v", c)
+	}
+}
+
+// rootInView says why the tree's first root is not inside both the tree's box and the window,
+// or that the box is short of the window's height; "" when all is well.
+const rootInView = `(() => {
+	const g = document.querySelector('#checkpoint-tree g.node.root circle');
+	if (!g) return 'no root drawn';
+	const r = g.getBoundingClientRect();
+	const b = document.querySelector('.tree-box').getBoundingClientRect();
+	const inBox = r.width > 0 && r.left >= b.left && r.right <= b.right && r.top >= b.top && r.bottom <= b.bottom;
+	const inWindow = r.left >= 0 && r.top >= 0 && r.right <= innerWidth && r.bottom <= innerHeight;
+	if (inBox && inWindow && b.height >= 0.6 * innerHeight) return '';
+	return JSON.stringify({root: r, box: b, window: [innerWidth, innerHeight]});
+})()`
+
+// watchDiffs records the bodies of the page's DiffCheckpoints calls in window.diffCalls.
+const watchDiffs = `(() => {
+	if (window.diffCalls) return true;
+	window.diffCalls = [];
+	const f = window.fetch;
+	window.fetch = function (url, init) {
+		if (String(url).endsWith('/DiffCheckpoints')) window.diffCalls.push(JSON.parse(init.body));
+		return f.call(window, url, init);
+	};
+	return true;
+})()`
+
+// diffCall is the body of one of the page's DiffCheckpoints calls.
+type diffCall struct {
+	Base       string `json:"baseCheckpointId"`
+	Checkpoint string `json:"checkpointId"`
+}
+
+// searchNodes checks the nodes a search leaves: a node whose first checkpoint is released is
+// diffed and forked by its held one; a node with every checkpoint released shows why no diff
+// is possible and calls nothing; a node whose parent is released is diffed against the nearest
+// held ancestor, which the panel names; and the tree can be coloured by the search's score.
+func searchNodes(t *testing.T, b uiBundle, bctx context.Context, s searchRun, tree []*deltagymv1.CheckpointNode,
+	run func(string, ...chromedp.Action[chromedp.Void]), waitFor func(string, string)) {
+	t.Helper()
+	ctx := t.Context()
+	eval := func(expr string) string {
+		t.Helper()
+		return of(chromedp.Run(bctx, chromedp.Evaluate[string](expr))).in(t)
+	}
+	calls := func() []diffCall {
+		t.Helper()
+		return of(chromedp.Run(bctx, chromedp.Evaluate[[]diffCall](`window.diffCalls`))).in(t)
+	}
+	nodeSel := func(id string) string { return `#checkpoint-tree g.node[data-checkpoint-ids~="` + id + `"]` }
+	parentOf := map[string]string{}
+	for _, n := range tree {
+		parentOf[n.GetCheckpointId()] = n.GetParentId()
+	}
+	wantPaths := func(base, id string) []string {
+		t.Helper()
+		d := of(b.env.DiffCheckpoints(ctx, connect.NewRequest(&deltagymv1.DiffCheckpointsRequest{BaseCheckpointId: base, CheckpointId: id,
+			Detail: deltagymv1.DiffDetail_DIFF_DETAIL_LINES}))).in(t).Msg
+		var out []string
+		for _, p := range d.GetPaths() {
+			out = append(out, p.GetPath())
+		}
+		return out
+	}
+	shownPaths := func() []string {
+		t.Helper()
+		return of(chromedp.Run(bctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll('#diff-paths tr[data-path]')].map(tr => tr.dataset.path)`))).in(t)
+	}
+	if !of(chromedp.Run(bctx, chromedp.Evaluate[bool](watchDiffs))).in(t) {
+		t.Fatal("watching the page's DiffCheckpoints calls")
+	}
+
+	// a and b: one node, a first and released, b held.
+	if ids := strings.Fields(eval(`document.querySelector('` + nodeSel(s.b) + `')?.dataset.checkpointIds || ''`)); !slices.Equal(ids, []string{s.a, s.b}) {
+		t.Fatalf("the node of %s holds %q, want [%s %s]: one state, its first checkpoint released", s.b, ids, s.a, s.b)
+	}
+	run("selecting the node of a released and a held checkpoint", chromedp.Click(nodeSel(s.b)+" circle"),
+		chromedp.WaitVisible(`#node-panel[data-held-id="`+s.b+`"]`), chromedp.Click("#diff-toggle"))
+	waitFor("the held checkpoint's diff", `['done', 'error'].includes(document.querySelector('#diff-panel')?.dataset.state)`)
+	if st := eval(`document.querySelector('#diff-panel').dataset.state`); st != "done" {
+		t.Fatalf("the diff of %s: %s (%s)", s.b, st, eval(`document.querySelector('#diff-error')?.textContent || ''`))
+	}
+	if c := calls(); len(c) != 1 || c[0] != (diffCall{parentOf[s.b], s.b}) {
+		t.Errorf("the page's DiffCheckpoints calls %+v, want one of %s against its parent %s", c, s.b, parentOf[s.b])
+	}
+	if got, want := shownPaths(), wantPaths(parentOf[s.b], s.b); !slices.Equal(got, want) || !slices.Contains(got, "/tmp/answer") {
+		t.Errorf("diff paths shown %q, want the API's %q (with /tmp/answer)", got, want)
+	}
+	run("forking the held checkpoint", chromedp.Click("#fork"), chromedp.WaitVisible("#fork-result"))
+	forked := eval(`document.querySelector('#fork-result').dataset.sandboxId`)
+	sb := of(b.env.GetSandbox(ctx, connect.NewRequest(&deltagymv1.GetSandboxRequest{SandboxId: forked}))).in(t).Msg.GetSandbox()
+	if sb.GetStartCheckpointId() != s.b {
+		t.Errorf("the fork of the node of %s and %s started from %q, want the held %s", s.a, s.b, sb.GetStartCheckpointId(), s.b)
+	}
+	of(b.env.Close(ctx, connect.NewRequest(&deltagymv1.CloseRequest{SandboxId: forked}))).in(t)
+
+	// a2: every checkpoint released. The panel says why there is no diff, calls nothing, and
+	// cannot fork.
+	run("selecting a released node", chromedp.Click(nodeSel(s.a2)+" circle"),
+		chromedp.WaitVisible(`#node-panel[data-node-key="`+s.a2+`"] #diff-unavailable`))
+	msg := eval(`document.querySelector('#diff-unavailable').textContent`)
+	if !strings.Contains(msg, "released") || !strings.Contains(msg, "held by the server") || !strings.Contains(msg, "close(keep=") {
+		t.Errorf("a released node's diff says %q; want why (released, a diff needs both held) and what to do (close(keep=...))", msg)
+	}
+	if state := eval(`JSON.stringify([!!document.querySelector('#diff-toggle'), document.querySelector('#fork').disabled,
+		document.querySelector('#fork-unavailable')?.textContent || ''])`); state != `[false,true," every checkpoint of this node was released: none can be forked"]` {
+		t.Errorf("a released node's panel: [diff button, fork disabled, reason] = %s; want no diff button and the fork disabled with its reason", state)
+	}
+	if c := calls(); len(c) != 1 {
+		t.Errorf("the page called DiffCheckpoints for a released node: %+v", c[1:])
+	}
+
+	// a3: its parent a2 released, a's node held by b: the diff is against b, two levels up.
+	run("selecting a node under a released one", chromedp.Click(nodeSel(s.a3)+" circle"),
+		chromedp.WaitVisible(`#node-panel[data-node-key="`+s.a3+`"] #diff-toggle`))
+	if text := eval(`document.querySelector('#diff-toggle').textContent`); !strings.Contains(text, "2 levels up") {
+		t.Errorf("the diff button of %s (its parent released) says %q; want it to name the ancestor, 2 levels up", s.a3, text)
+	}
+	run("the diff two levels up", chromedp.Click("#diff-toggle"))
+	waitFor("the diff two levels up", `document.querySelector('#diff-panel')?.dataset.state === 'done'`)
+	if c := calls(); len(c) != 2 || c[1] != (diffCall{s.b, s.a3}) {
+		t.Errorf("the page's DiffCheckpoints calls %+v, want a second of %s against %s", c, s.a3, s.b)
+	}
+	if got, want := shownPaths(), wantPaths(s.b, s.a3); !slices.Equal(got, want) {
+		t.Errorf("diff paths shown %q, want the API's %q", got, want)
+	}
+
+	// Colour by the search's score: listed beside the judge's, and the legend follows.
+	options := of(chromedp.Run(bctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll('#colour-by option')].map(o => o.textContent)`))).in(t)
+	if !slices.Equal(options, []string{"total reward", "score (goexplore)", "judge (judge)"}) {
+		t.Errorf("colour-by choices %q, want total reward and the reported rewards", options)
+	}
+	if src, reward := eval(`document.querySelector('#legend-range').dataset.source`), eval(`document.querySelector('`+nodeSel(s.a3)+`').dataset.reward`); src != "total reward" || reward != "" {
+		t.Errorf("by default the legend shows %q and %s's reward is %q; want total reward, and none (its episode runs)", src, s.a3, reward)
+	}
+	eval(`(() => {
+		const sel = document.querySelector('#colour-by');
+		sel.value = [...sel.options].find(o => o.textContent === 'score (goexplore)').value;
+		sel.dispatchEvent(new Event('change', {bubbles: true}));
+		return '';
+	})()`)
+	waitFor("the legend of the score", `document.querySelector('#legend-range').dataset.source === 'score (goexplore)'`)
+	got := eval(`(() => { const l = document.querySelector('#legend-range');
+		return [l.dataset.min, l.dataset.max, l.textContent.trim(), document.querySelector('` + nodeSel(s.a3) + `').dataset.reward].join('|'); })()`)
+	// a3 was taken in a's episode alone; a and b's node in both, as was every node above it.
+	want := fmt.Sprintf("%v|%v|score (goexplore): %v to %v|%v", (s.scoreA+s.scoreB)/2, s.scoreA, (s.scoreA+s.scoreB)/2, s.scoreA, s.scoreA)
+	if got != want {
+		t.Errorf("coloured by the score: [min, max, legend, %s's reward] = %q, want %q", s.a3, got, want)
 	}
 }
 

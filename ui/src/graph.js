@@ -26,12 +26,56 @@ export function ended(e) {
   return finished.has(e.status) && e.failureClass !== 'FAILURE_CLASS_INFRA';
 }
 
+// totalReward is the colour-by choice of every episode's total_reward.
+export const totalReward = '';
+
+// rewardKey names a reported reward (ReportedReward's source and name) as a colour-by choice.
+export function rewardKey(source, name) {
+  return JSON.stringify([source || '', name || '']);
+}
+
+// rewardLabel names a colour-by choice for a person: "name (source)".
+export function rewardLabel(key) {
+  if (!key) return 'total reward';
+  const [source, name] = JSON.parse(key);
+  return `${name} (${source})`;
+}
+
+// rewardChoices lists the reported rewards found in the episodes, by source then name: the
+// choices of what to colour by beside total_reward.
+export function rewardChoices(episodes) {
+  const seen = new Map();
+  for (const e of episodes) {
+    for (const r of e.rewards || []) {
+      const key = rewardKey(r.source, r.name);
+      if (!seen.has(key)) seen.set(key, { key, source: r.source || '', name: r.name || '' });
+    }
+  }
+  return [...seen.values()].sort((a, b) => a.source.localeCompare(b.source) || a.name.localeCompare(b.name));
+}
+
+// valueOf returns what an episode counts for under a colour-by choice, or null when it counts
+// for nothing. Under total_reward an episode counts once ended. A reported reward counts
+// whatever the episode's state, for it is reported when known (a search scores states of
+// episodes that are still running); its latest report counts, as a report replaces an
+// earlier one of its name and source. An episode that failed on the server's fault counts
+// for neither.
+export function valueOf(e, by) {
+  if (!by) return ended(e) ? e.totalReward || 0 : null;
+  if (e.failureClass === 'FAILURE_CLASS_INFRA') return null;
+  let v = null;
+  for (const r of e.rewards || []) {
+    if (rewardKey(r.source, r.name) === by) v = r.value || 0;
+  }
+  return v;
+}
+
 // buildGraph turns GetCheckpointTree's nodes (parents before children) and the run's
-// episodes into drawn nodes. A drawn node's reward is the mean total_reward of the ended
-// episodes that took one of its checkpoints or started from one, and of those of every drawn
-// node below it; null when there are none. Its size counts the episodes that started from
-// one of its checkpoints (Episode.start_checkpoint_id).
-export function buildGraph(nodes, episodes) {
+// episodes into drawn nodes. A drawn node's reward is the mean value (valueOf, under the
+// colour-by choice by) of the episodes that took one of its checkpoints or started from one,
+// and of those of every drawn node below it; null when none counts. Its size counts the
+// episodes that started from one of its checkpoints (Episode.start_checkpoint_id).
+export function buildGraph(nodes, episodes, by = totalReward) {
   const byCkpt = new Map();
   const byDigest = new Map();
   const drawn = [];
@@ -82,8 +126,8 @@ export function buildGraph(nodes, episodes) {
   for (const e of episodes) {
     const start = byCkpt.get(e.startCheckpointId);
     if (start) start.started++;
-    if (!ended(e)) continue;
-    const reward = e.totalReward || 0;
+    const reward = valueOf(e, by);
+    if (reward === null) continue;
     const stack = [...(takenIn.get(e.episodeId) || [])];
     if (start) stack.push(start);
     const seen = new Set();
@@ -111,6 +155,37 @@ export function buildGraph(nodes, episodes) {
   return { drawn, byCkpt, min: min === Infinity ? null : min, max: max === -Infinity ? null : max };
 }
 
+// heldId returns a checkpoint of a drawn node that the server still holds (any: they share
+// one state), or null when every one was released.
+export function heldId(d) {
+  const m = d.members.find((n) => !n.released);
+  return m ? m.checkpointId : null;
+}
+
+// diffBase finds what a drawn node is diffed against: a held checkpoint of its nearest
+// ancestor that has one, searched breadth-first through every parent link, first parents
+// first. It returns { id, node, levels } (levels 1: a parent) or null when no ancestor is
+// held. A parent the graph lacks is passed over: nothing says it is held.
+export function diffBase(graph, d) {
+  const seen = new Set([d]);
+  let level = [d];
+  for (let levels = 1; level.length; levels++) {
+    const next = [];
+    for (const cur of level) {
+      for (const p of cur.parents) {
+        const pd = graph.byCkpt.get(p);
+        if (!pd || seen.has(pd)) continue;
+        seen.add(pd);
+        const id = heldId(pd);
+        if (id) return { id, node: pd, levels };
+        next.push(pd);
+      }
+    }
+    level = next;
+  }
+  return null;
+}
+
 // radius is a drawn node's radius: its area grows with the episodes started from it.
 export function radius(d) {
   return Math.min(6 + 3 * Math.sqrt(d.started), 22);
@@ -118,7 +193,8 @@ export function radius(d) {
 
 const depthStep = 90;
 
-// layout places the drawn nodes (x along depth, y across) and returns the edges to draw.
+// layout places the drawn nodes (x along depth, y across) and returns the edges to draw, the
+// first root's place and the box that holds them all.
 export function layout(graph) {
   const roots = graph.drawn.filter((d) => !d.primary);
   const maxR = graph.drawn.reduce((m, d) => Math.max(m, radius(d)), 6);
@@ -146,10 +222,11 @@ export function layout(graph) {
     minY = 0;
     maxY = 0;
   }
-  return { pos, edges, box: { x: -pad, y: minY - pad, width: maxX + 2 * pad, height: maxY - minY + 2 * pad } };
+  const first = roots.length ? pos.get(roots[0]) : { x: 0, y: 0 };
+  return { pos, edges, root: first, box: { x: -pad, y: minY - pad, width: maxX + 2 * pad, height: maxY - minY + 2 * pad } };
 }
 
-// ownSteps returns the steps of a trajectory up to a checkpoint taken after the episode's
+// stepsUpTo returns the steps of a trajectory up to a checkpoint taken after the episode's
 // stepIndex-th own step: every inherited step, then its first stepIndex own steps.
 export function stepsUpTo(steps, stepIndex) {
   const out = [];

@@ -1,13 +1,14 @@
 import { useMemo, useState } from 'preact/hooks';
 import { call, listAllEpisodes } from './api.js';
-import { buildGraph } from './graph.js';
+import { buildGraph, rewardChoices, rewardLabel, totalReward } from './graph.js';
 import { NodePanel } from './node.jsx';
 import { usePoll } from './poll.js';
 import { Tree } from './tree.jsx';
 import { ErrorLine, fmt, shortId, statusName } from './util.jsx';
 
-// RunView shows one run: its groups with rewards and GRPO advantages, and its checkpoint
-// tree; a selected node keeps its selection across updates (by checkpoint ID).
+// RunView shows one run: its checkpoint tree, coloured by a choice of reward, with the
+// selected node's panel beside it, then its groups with rewards and GRPO advantages. A
+// selected node keeps its selection across updates (by checkpoint ID).
 export function RunView({ run }) {
   const data = usePoll(async () => {
     const [episodes, tree] = await Promise.all([
@@ -21,22 +22,34 @@ export function RunView({ run }) {
     return { episodes, nodes: tree.nodes || [], groups };
   }, [run]);
   const [selected, setSelected] = useState('');
+  const [by, setBy] = useState(totalReward);
   const episodes = data.data?.episodes || [];
-  const graph = useMemo(() => buildGraph(data.data?.nodes || [], episodes), [data.data]);
+  const choices = useMemo(() => rewardChoices(episodes), [data.data]);
+  const graph = useMemo(() => buildGraph(data.data?.nodes || [], episodes, by), [data.data, by]);
   const node = selected ? graph.byCkpt.get(selected) : null;
+  const label = rewardLabel(by);
   return (
     <div class="run" data-run={run}>
       <h2>
         Run <span class="mono">{run || '(no run)'}</span>
       </h2>
       <ErrorLine error={data.error} />
+      <div class={node ? 'run-body with-panel' : 'run-body'}>
+        <section class="tree-section">
+          <h3>Checkpoint tree</h3>
+          {data.loaded && !graph.drawn.length && <p class="muted">no checkpoints in this run yet</p>}
+          {graph.drawn.length > 0 && (
+            <Tree
+              graph={graph}
+              selected={node ? node.key : ''}
+              onSelect={(d) => setSelected(d.ids[0])}
+              colour={{ by, label, choices, onBy: setBy }}
+            />
+          )}
+        </section>
+        {node && <NodePanel key={node.key} node={node} graph={graph} episodes={episodes} label={label} onClose={() => setSelected('')} />}
+      </div>
       <Groups groups={data.data?.groups || []} episodes={episodes} />
-      <section class="tree-section">
-        <h3>Checkpoint tree</h3>
-        {data.loaded && !graph.drawn.length && <p class="muted">no checkpoints in this run yet</p>}
-        {graph.drawn.length > 0 && <Tree graph={graph} selected={node ? node.key : ''} onSelect={(d) => setSelected(d.ids[0])} />}
-      </section>
-      {node && <NodePanel key={node.key} node={node} graph={graph} episodes={episodes} />}
     </div>
   );
 }
