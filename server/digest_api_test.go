@@ -86,7 +86,18 @@ func TestDigestDedupeDiff(t *testing.T) {
 			}
 			_, err = c.DiffCheckpoints(ctx, &deltagymv1.DiffCheckpointsRequest{BaseCheckpointId: own.GetCheckpointId(), CheckpointId: "ck_nope"})
 			wantReason(t, "DiffCheckpoints of an unknown checkpoint", err, connect.CodeNotFound, "CHECKPOINT_NOT_FOUND", "checkpoint_id", "ck_nope")
-			// ListCheckpoints reports the digest; the ledger's graph the second parent.
+			// An undo: the second sandbox goes back to its own checkpoint's state, which a
+			// deduplicating Checkpoint finds: an edge from the first's checkpoint to an
+			// ancestor of it, closing a cycle, which the ledger's graph keeps.
+			_, err = c.Step(ctx, &deltagymv1.StepRequest{SandboxId: sb, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Remove{Remove: &deltagymv1.RemoveAction{Path: "/tmp/a"}}}})
+			must(t, err)
+			write(sb, "/tmp/b", false, false, false)
+			back, err := c.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: sb, Dedupe: true})
+			must(t, err)
+			if !back.GetDeduplicated() || back.GetCheckpointId() != own.GetCheckpointId() || back.GetParentId() != first.GetCheckpointId() {
+				t.Fatalf("a deduplicating Checkpoint back at %s: %v, want it with parent %s", own.GetCheckpointId(), back, first.GetCheckpointId())
+			}
+			// ListCheckpoints reports the digest; the ledger's graph the second parents.
 			list, err := c.ListCheckpoints(ctx, &deltagymv1.ListCheckpointsRequest{Run: run})
 			must(t, err)
 			for _, s := range list.GetCheckpoints() {
@@ -100,24 +111,29 @@ func TestDigestDedupeDiff(t *testing.T) {
 			for _, n := range tree.GetNodes() {
 				in[n.GetCheckpointId()] = true
 			}
-			found := false
+			found := 0
 			for _, n := range tree.GetNodes() {
-				for _, p := range n.GetParentIds() {
-					if in[p] && !seen[p] {
-						t.Fatalf("%s comes before its parent %s", n.GetCheckpointId(), p)
-					}
+				if p := n.GetParentId(); in[p] && !seen[p] {
+					t.Fatalf("%s comes before its parent %s", n.GetCheckpointId(), p)
 				}
 				seen[n.GetCheckpointId()] = true
-				if n.GetCheckpointId() == first.GetCheckpointId() {
-					found = true
-					if ps := n.GetParentIds(); len(ps) != 2 || ps[0] != n.GetParentId() || ps[1] != own.GetCheckpointId() ||
+				ps := n.GetParentIds()
+				switch n.GetCheckpointId() {
+				case first.GetCheckpointId():
+					found++
+					if len(ps) != 2 || ps[0] != n.GetParentId() || ps[1] != own.GetCheckpointId() ||
 						n.GetDigest().GetFiles() != first.GetCheckpointDigest().GetFiles() {
 						t.Fatalf("the ledger's node of %s: %v", first.GetCheckpointId(), n)
 					}
+				case own.GetCheckpointId():
+					found++
+					if len(ps) != 2 || ps[0] != n.GetParentId() || ps[1] != first.GetCheckpointId() {
+						t.Fatalf("the ledger's node of %s, found again by an undo: %v", own.GetCheckpointId(), n)
+					}
 				}
 			}
-			if !found {
-				t.Fatalf("%s is not in the run's graph: %v", first.GetCheckpointId(), tree.GetNodes())
+			if found != 2 {
+				t.Fatalf("%s and %s are not both in the run's graph: %v", first.GetCheckpointId(), own.GetCheckpointId(), tree.GetNodes())
 			}
 		})
 	}

@@ -389,9 +389,10 @@ func TestExportObservations(t *testing.T) {
 }
 
 // graphFixture adds to branchFixture the links of deduplicating checkpoints: C2's sandbox found
-// C3's state (C3 gets a second parent, newer than it), then C3's sandbox C2's (a cycle: left
-// out), C4's C1's (a cycle through parent_id: left out) and C4's X, a checkpoint of another
-// run (X joins run r's graph); and digests, one of a checkpoint the ledger has no row of.
+// C3's state (C3 gets a second parent, newer than it), then C3's sandbox C2's (a cycle: C2 back
+// to a state it had been reached from), C4's C1's (a cycle through parent_id: an undo to an
+// ancestor) and C4's X, a checkpoint of another run (X joins run r's graph); and digests, one
+// of a checkpoint the ledger has no row of.
 func graphFixture(t *testing.T, b *bundle) {
 	t.Helper()
 	branchFixture(t, b)
@@ -413,19 +414,20 @@ func TestCheckpointGraph(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	graphFixture(t, b)
+	// Every link is kept, those closing a cycle too; the order follows parent_id and the links
+	// that close no cycle with those recorded before them (C3 after C2), not C2's from C3 nor
+	// C1's from C4.
+	all := map[string]string{"P": "", "C1": "P C4", "C2": "C1 C3", "C3": "C1 C2", "C4": "C2", "X": "P C4"}
 	cases := []struct {
 		name, run, episode string
 		order              string            // the nodes in the answer's order
 		parents            map[string]string // a node's ParentIDs, joined by spaces
 		tree               string
 	}{
-		{"run r", "r", "", "P C1 C2 C3 C4 X", map[string]string{"P": "", "C1": "P", "C2": "C1", "C3": "C1 C2", "C4": "C2", "X": "P C4"},
-			"P(C1(C3,C2(C4)),X)"},
+		{"run r", "r", "", "P C1 C2 C3 C4 X", all, "P(C1(C3,C2(C4)),X)"},
 		{"run r2: X's link from C4, outside the set, is listed", "r2", "", "P X", map[string]string{"P": "", "X": "P C4"}, "P(X)"},
-		// C4's descendants by either link: X, and C1 (the link left out of the graph
-		// still leads to it) with its own.
-		{"episode e3: descendants by both links", "", "e3", "P C1 C2 C3 C4 X", map[string]string{"C3": "C1 C2", "C4": "C2", "X": "P C4"},
-			"P(C1(C3,C2(C4)),X)"},
+		// C4's descendants by either link, through the cycles: X, and C1 with its own.
+		{"episode e3: descendants by both links", "", "e3", "P C1 C2 C3 C4 X", all, "P(C1(C3,C2(C4)),X)"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -441,10 +443,11 @@ func TestCheckpointGraph(t *testing.T) {
 				t.Fatalf("order = %q, want %q", got, c.order)
 			}
 			for _, n := range nodes {
-				for _, p := range n.ParentIDs {
-					if i, ok := pos[p]; ok && i >= pos[n.ID] {
-						t.Fatalf("%s comes before its parent %s", n.ID, p)
-					}
+				if len(n.ParentIDs) > 0 && n.ParentIDs[0] != n.ParentID {
+					t.Fatalf("%s: parents %q, want its parent_id %s first", n.ID, n.ParentIDs, n.ParentID)
+				}
+				if i, ok := pos[n.ParentID]; ok && i >= pos[n.ID] {
+					t.Fatalf("%s comes before its parent %s", n.ID, n.ParentID)
 				}
 				if want, ok := c.parents[n.ID]; ok && strings.Join(n.ParentIDs, " ") != want {
 					t.Fatalf("%s: parents %q, want %q", n.ID, n.ParentIDs, want)
@@ -471,5 +474,55 @@ func TestCheckpointGraph(t *testing.T) {
 	}
 	if err := b.w.CheckpointDigest("A", ledger.Digest{}); !errors.Is(err, ledger.ErrInvalid) {
 		t.Fatalf("empty digest: %v, want ErrInvalid", err)
+	}
+}
+
+// TestCheckpointGraphCycle reads a graph whose cycle of links lies among checkpoints whose own
+// parents are outside the set: A and B, each found again from the other, reached from episode
+// u1's E. Every node is in the answer and in the forest once, under a parent that comes before
+// it; B, whose only parent in the set (A) comes after it, is a root.
+func TestCheckpointGraphCycle(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	w := b.w
+	must(t, w.Checkpoint(ledger.CheckpointRow{ID: "Q", Kind: ledger.KindPool, Env: "env", CreatedAt: b.at(0)}))
+	must(t, w.EpisodeStarted(ledger.EpisodeStart{ID: "u1", Env: "env", Run: "u", StartCheckpoint: "Q", StartedAt: b.at(1)}))
+	must(t, w.Checkpoint(ledger.CheckpointRow{ID: "E", ParentID: "Q", Kind: ledger.KindUser, Env: "env", EpisodeID: "u1", CreatedAt: b.at(2)}))
+	must(t, w.Checkpoint(ledger.CheckpointRow{ID: "Q2", Kind: ledger.KindPool, Env: "env", CreatedAt: b.at(3)}))
+	must(t, w.EpisodeStarted(ledger.EpisodeStart{ID: "u2", Env: "env", Run: "u2", StartCheckpoint: "Q2", StartedAt: b.at(4)}))
+	must(t, w.Checkpoint(ledger.CheckpointRow{ID: "A", ParentID: "Q2", Kind: ledger.KindUser, Env: "env", EpisodeID: "u2", CreatedAt: b.at(5)}))
+	must(t, w.Checkpoint(ledger.CheckpointRow{ID: "B", ParentID: "Q2", Kind: ledger.KindUser, Env: "env", EpisodeID: "u2", CreatedAt: b.at(6)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "A", ParentID: "B", CreatedAt: b.at(7)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "B", ParentID: "A", CreatedAt: b.at(8)}))
+	must(t, w.CheckpointEdge(ledger.CheckpointEdge{ChildID: "A", ParentID: "E", CreatedAt: b.at(9)}))
+	cases := []struct {
+		name, run, episode string
+		order, tree        string
+	}{
+		{"episode u1: down through the cycle", "", "u1", "Q E B A", "Q(E),B(A)"},
+		{"run u: the checkpoint E found", "u", "", "Q E Q2 A", "Q(E),Q2(A)"},
+		{"run u2", "u2", "", "Q2 B A", "Q2(A,B)"},
+	}
+	parents := map[string]string{"Q": "", "E": "Q", "Q2": "", "A": "Q2 B E", "B": "Q2 A"}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			nodes, err := b.store.CheckpointGraph(t.Context(), c.run, c.episode)
+			must(t, err)
+			var order []string
+			for _, n := range nodes {
+				order = append(order, n.ID)
+				if got := strings.Join(n.ParentIDs, " "); got != parents[n.ID] {
+					t.Fatalf("%s: parents %q, want %q", n.ID, got, parents[n.ID])
+				}
+			}
+			if got := strings.Join(order, " "); got != c.order {
+				t.Fatalf("order = %q, want %q", got, c.order)
+			}
+			roots, err := b.store.CheckpointTree(t.Context(), c.run, c.episode)
+			must(t, err)
+			if got := render(roots); got != c.tree {
+				t.Fatalf("tree = %q, want %q", got, c.tree)
+			}
+		})
 	}
 }

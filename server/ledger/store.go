@@ -461,17 +461,19 @@ func collectRewards(rows pgx.Rows) ([]RewardRow, error) {
 type CheckpointNode struct {
 	CheckpointRow
 	// ParentIDs are the checkpoints it was reached from: ParentID first, then the extra links
-	// (CheckpointEdge) in the order they were recorded, less any that would close a cycle.
+	// (CheckpointEdge) in the order they were recorded, every one of them, including links
+	// that close a cycle (a sandbox that went back to a state it had been in).
 	ParentIDs []string `json:"parent_ids,omitempty"`
 	// Digest is its state digest; zero until recorded.
 	Digest Digest `json:"digest"`
-	// Children are the checkpoints whose first parent in the set it is, in creation order:
-	// each node is under one parent, so walking them visits every node once.
+	// Children are the checkpoints placed under it in the forest, in creation order: each node
+	// is under one parent, the first of its parents in the set that comes before it in
+	// CheckpointGraph's order, so walking them visits every node once.
 	Children []*CheckpointNode `json:"children,omitempty"`
 }
 
 // CheckpointTree returns the forest of CheckpointGraph: its roots, each node under the first of
-// its parents in the set.
+// its parents in the set that comes before it.
 func (s *Store) CheckpointTree(ctx context.Context, run, episode string) ([]*CheckpointNode, error) {
 	nodes, err := s.CheckpointGraph(ctx, run, episode)
 	if err != nil {
@@ -492,18 +494,60 @@ type GraphNode struct {
 	placed bool // under a parent's Children
 }
 
+const graphCols = `n.id, coalesce(n.parent_id, ''), n.kind, n.env, n.sandbox, coalesce(n.episode_id, ''), coalesce(n.step_index, 0),
+	n.created_at, n.released_at, coalesce(d.files, ''), coalesce(d.processes, '')`
+
+// graphRunQuery selects the checkpoints of a run's graph: those taken in its episodes or that
+// they started from (seed0), those their edges lead to (seed), and the ancestors of all by
+// parent_id. The recursion carries ids alone (UNION compares those, not whole rows) and joins
+// by the primary key; where Postgres hashes checkpoints for it, the hash is built once per
+// query, not per step. UNION keeps each checkpoint once, so it ends even on a cycle.
+const graphRunQuery = `WITH RECURSIVE seed0 AS (
+		SELECT c.id FROM checkpoints c JOIN episodes e ON c.episode_id = e.id WHERE e.run = $1
+		UNION SELECT start_checkpoint FROM episodes WHERE run = $1 AND start_checkpoint IS NOT NULL
+	), seed AS (
+		SELECT id FROM seed0
+		UNION SELECT e.child_id FROM checkpoint_edges e WHERE e.parent_id IN (SELECT id FROM seed0)
+	), anc (id, parent_id) AS (
+		SELECT c.id, c.parent_id FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
+		UNION SELECT p.id, p.parent_id FROM anc JOIN checkpoints p ON p.id = anc.parent_id
+	) SELECT ` + graphCols + ` FROM anc JOIN checkpoints n ON n.id = anc.id LEFT JOIN checkpoint_digests d ON d.id = n.id`
+
+// graphEpisodeQuery selects the checkpoints of an episode's graph: those it took or started
+// from and their ancestors by parent_id (anc), and every checkpoint descending from the ones
+// it took by either link (des). Each step of a recursion looks its rows' neighbours up by index
+// (checkpoints by primary key and by parent_id, checkpoint_edges by parent_id), so its cost
+// follows the rows it reaches, not the size of the tables; UNION keeps each checkpoint once,
+// so a cycle of edges ends the descent rather than looping.
+const graphEpisodeQuery = `WITH RECURSIVE seed AS (
+		SELECT id FROM checkpoints WHERE episode_id = $1
+		UNION SELECT start_checkpoint FROM episodes WHERE id = $1 AND start_checkpoint IS NOT NULL
+	), anc (id, parent_id) AS (
+		SELECT c.id, c.parent_id FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
+		UNION SELECT p.id, p.parent_id FROM anc JOIN checkpoints p ON p.id = anc.parent_id
+	), des (id) AS (
+		SELECT id FROM checkpoints WHERE episode_id = $1
+		UNION SELECT l.id FROM des CROSS JOIN LATERAL (
+			SELECT c.id FROM checkpoints c WHERE c.parent_id = des.id
+			UNION ALL SELECT e.child_id FROM checkpoint_edges e WHERE e.parent_id = des.id
+		) l
+	), g AS (
+		SELECT id FROM anc UNION SELECT id FROM des
+	) SELECT ` + graphCols + ` FROM g JOIN checkpoints n ON n.id = g.id LEFT JOIN checkpoint_digests d ON d.id = n.id`
+
 // CheckpointGraph returns the checkpoint graph of a run (every checkpoint taken in its episodes
 // or that they started from, the ones a deduplicating checkpoint of theirs found, and their
 // ancestors) or, if episode is set, of one episode (the checkpoints it took and started from,
 // their ancestors, and every checkpoint descending from the ones it took, by either kind of
 // parent link).
 //
-// The nodes come in a topological order of the graph, parents before children: the depth-first
-// order of the forest (children in creation order) in which a checkpoint with several parents
-// in the set comes right after the last of them. A checkpoint's own parent_id is always older
-// than it, but an extra link may come from a newer checkpoint (a sandbox that went back to a
-// state it had been in): a link that would close a cycle is left out of ParentIDs, so the graph
-// stays acyclic; links are considered in the order they were recorded.
+// The graph is directed and may have cycles: a checkpoint's own parent_id is always older than
+// it, but an extra link may come from a newer checkpoint, and one from a descendant when a
+// sandbox went back to a state it had passed through (an undo). Every link is in ParentIDs.
+// The nodes come parents before children along parent_id (the tree of first parents, which is
+// acyclic) and along each extra link that closes no cycle with the links recorded before it:
+// the depth-first order of the forest (children in creation order) in which a checkpoint with
+// several such parents in the set comes right after the last of them.
 func (s *Store) CheckpointGraph(ctx context.Context, run, episode string) ([]*GraphNode, error) {
 	if (run == "") == (episode == "") {
 		return nil, fmt.Errorf("checkpoint tree needs exactly one of run and episode: %w", ErrInvalid)
@@ -511,42 +555,12 @@ func (s *Store) CheckpointGraph(ctx context.Context, run, episode string) ([]*Gr
 	if err := s.flush(ctx); err != nil {
 		return nil, err
 	}
-	const cols = `n.id, coalesce(n.parent_id, ''), n.kind, n.env, n.sandbox, coalesce(n.episode_id, ''), coalesce(n.step_index, 0),
-		n.created_at, n.released_at, coalesce(d.files, ''), coalesce(d.processes, '')`
-	var q string
-	var arg string
-	if run != "" {
-		arg = run
-		q = `WITH RECURSIVE seed0 AS (
-			SELECT c.id FROM checkpoints c JOIN episodes e ON c.episode_id = e.id WHERE e.run = $1
-			UNION SELECT start_checkpoint FROM episodes WHERE run = $1 AND start_checkpoint IS NOT NULL
-		), seed AS (
-			SELECT id FROM seed0
-			UNION SELECT child_id FROM checkpoint_edges WHERE parent_id IN (SELECT id FROM seed0)
-		), anc AS (
-			SELECT c.* FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
-			UNION SELECT p.* FROM checkpoints p JOIN anc ON p.id = anc.parent_id
-		) SELECT ` + cols + ` FROM anc n LEFT JOIN checkpoint_digests d ON d.id = n.id`
-	} else {
-		arg = episode
+	q, arg := graphRunQuery, run
+	if episode != "" {
+		q, arg = graphEpisodeQuery, episode
 		if _, err := s.episode(ctx, episode); err != nil {
 			return nil, err
 		}
-		q = `WITH RECURSIVE seed AS (
-			SELECT id FROM checkpoints WHERE episode_id = $1
-			UNION SELECT start_checkpoint FROM episodes WHERE id = $1 AND start_checkpoint IS NOT NULL
-		), anc AS (
-			SELECT c.* FROM checkpoints c WHERE c.id IN (SELECT id FROM seed)
-			UNION SELECT p.* FROM checkpoints p JOIN anc ON p.id = anc.parent_id
-		), links AS (
-			SELECT id AS child, parent_id AS parent FROM checkpoints
-			UNION ALL SELECT child_id, parent_id FROM checkpoint_edges
-		), des AS (
-			SELECT c.* FROM checkpoints c WHERE c.episode_id = $1
-			UNION SELECT ch.* FROM des JOIN links l ON l.parent = des.id JOIN checkpoints ch ON ch.id = l.child
-		), g AS (
-			SELECT * FROM anc UNION SELECT * FROM des
-		) SELECT ` + cols + ` FROM g n LEFT JOIN checkpoint_digests d ON d.id = n.id`
 	}
 	rows, err := s.pool.Query(ctx, q, arg)
 	if err != nil {
@@ -580,23 +594,29 @@ func (s *Store) CheckpointGraph(ctx context.Context, run, episode string) ([]*Gr
 	return orderGraph(nodes, edges), nil
 }
 
-// orderGraph links nodes by their parent_id and by edges (in order; those that would close a
-// cycle are dropped) and returns them parents before children (CheckpointGraph).
+// orderGraph links nodes by their parent_id and by edges (in order, every one in ParentIDs;
+// those that would close a cycle not followed for the order) and returns them parents before
+// children (CheckpointGraph).
 func orderGraph(nodes []*GraphNode, edges []CheckpointEdge) []*GraphNode {
 	slices.SortFunc(nodes, func(a, b *GraphNode) int {
 		return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
 	})
-	byID := make(map[string]*GraphNode, len(nodes))
-	for _, n := range nodes {
-		byID[n.ID] = n
+	index := make(map[string]int32, len(nodes))
+	for i, n := range nodes {
+		index[n.ID] = int32(i)
 	}
-	out, pending := linkGraph(nodes, byID, edges)
+	out, pending := linkGraph(nodes, index, edges)
 	order := walkGraph(nodes, out, pending)
-	// The forest: each node under the first of its parents in the set.
-	for _, n := range order {
+	// The forest: each node under the first of its parents in the set that comes before it,
+	// so that a link closing a cycle never makes a node its own ancestor in the forest.
+	pos := make([]int, len(nodes))
+	for i, n := range order {
+		pos[index[n.ID]] = i
+	}
+	for i, n := range order {
 		for _, pid := range n.ParentIDs {
-			if p, ok := byID[pid]; ok && p != n {
-				p.Children = append(p.Children, &n.CheckpointNode)
+			if p, ok := index[pid]; ok && pos[p] < i {
+				nodes[p].Children = append(nodes[p].Children, &n.CheckpointNode)
 				n.placed = true
 				break
 			}
@@ -610,58 +630,58 @@ func orderGraph(nodes []*GraphNode, edges []CheckpointEdge) []*GraphNode {
 	return order
 }
 
-// linkGraph sets the nodes' ParentIDs and returns each node's children in the set by either
-// link, in creation order, and how many parents in the set each has.
-func linkGraph(nodes []*GraphNode, byID map[string]*GraphNode, edges []CheckpointEdge) (map[*GraphNode][]*GraphNode, map[*GraphNode]int) {
-	// out holds each node's children in the set by any link; nodes are in creation order, so
-	// those by parent_id come in creation order.
-	out := make(map[*GraphNode][]*GraphNode)
-	pending := make(map[*GraphNode]int, len(nodes))
-	for _, n := range nodes {
+// linkGraph sets the nodes' ParentIDs and returns, by index in nodes (creation order), each
+// node's children in the set by the links the order follows (parent_id, and each edge that
+// closes no cycle with those before it), in creation order, and how many such parents in the
+// set each has.
+func linkGraph(nodes []*GraphNode, index map[string]int32, edges []CheckpointEdge) ([][]int32, []int32) {
+	out := make([][]int32, len(nodes))
+	in := make([][]int32, len(nodes))
+	pending := make([]int32, len(nodes))
+	for i, n := range nodes {
 		if n.ParentID != "" {
 			n.ParentIDs = append(n.ParentIDs, n.ParentID)
 		}
-		if p, ok := byID[n.ParentID]; ok && p != n {
-			out[p] = append(out[p], n)
-			pending[n]++
+		if p, ok := index[n.ParentID]; ok && p != int32(i) {
+			out[p] = append(out[p], int32(i))
+			in[i] = append(in[i], p)
+			pending[i]++
 		}
 	}
+	if len(edges) == 0 {
+		return out, pending
+	}
+	t := newTopo(walkGraph(nodes, out, slices.Clone(pending)), index, out, in)
 	extra := false
 	for _, e := range edges {
-		c, p := byID[e.ChildID], byID[e.ParentID]
-		if c == nil || slices.Contains(c.ParentIDs, e.ParentID) {
+		c, ok := index[e.ChildID]
+		if !ok || slices.Contains(nodes[c].ParentIDs, e.ParentID) {
 			continue
 		}
-		if p != nil {
-			if p == c || reaches(out, c, p) {
-				continue // a cycle: the state came back to where it had been
-			}
-			out[p] = append(out[p], c)
+		nodes[c].ParentIDs = append(nodes[c].ParentIDs, e.ParentID)
+		if p, ok := index[e.ParentID]; ok && p != c && t.link(p, c) {
 			pending[c]++
 			extra = true
-		}
-		c.ParentIDs = append(c.ParentIDs, e.ParentID)
+		} // else outside the set, or a cycle: the state came back to where it had been
 	}
 	if extra {
-		for p, cs := range out {
-			slices.SortStableFunc(cs, func(a, b *GraphNode) int {
-				return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
-			})
-			out[p] = cs
+		for _, cs := range out {
+			slices.Sort(cs)
 		}
 	}
 	return out, pending
 }
 
-// walkGraph returns the nodes parents before children (CheckpointGraph's order).
-func walkGraph(nodes []*GraphNode, out map[*GraphNode][]*GraphNode, pending map[*GraphNode]int) []*GraphNode {
+// walkGraph returns the nodes parents before children (CheckpointGraph's order), consuming
+// pending.
+func walkGraph(nodes []*GraphNode, out [][]int32, pending []int32) []*GraphNode {
 	order := make([]*GraphNode, 0, len(nodes))
 	// Depth first from each root, a node once the last of its parents is out: an explicit
 	// stack, as a chain of checkpoints may be as long as a run.
-	var roots, stack []*GraphNode
-	for _, n := range nodes {
-		if pending[n] == 0 {
-			roots = append(roots, n)
+	var roots, stack []int32
+	for r := range nodes {
+		if pending[r] == 0 {
+			roots = append(roots, int32(r))
 		}
 	}
 	for _, r := range roots {
@@ -669,7 +689,7 @@ func walkGraph(nodes []*GraphNode, out map[*GraphNode][]*GraphNode, pending map[
 		for len(stack) > 0 {
 			n := stack[len(stack)-1]
 			stack = stack[:len(stack)-1]
-			order = append(order, n)
+			order = append(order, nodes[n])
 			cs := out[n]
 			for i := len(cs) - 1; i >= 0; i-- {
 				if pending[cs[i]]--; pending[cs[i]] == 0 {
@@ -681,24 +701,82 @@ func walkGraph(nodes []*GraphNode, out map[*GraphNode][]*GraphNode, pending map[
 	return order
 }
 
-// reaches says whether to is from or below it by the links in out.
-func reaches(out map[*GraphNode][]*GraphNode, from, to *GraphNode) bool {
-	seen := map[*GraphNode]bool{from: true}
-	stack := []*GraphNode{from}
-	for len(stack) > 0 {
-		n := stack[len(stack)-1]
-		stack = stack[:len(stack)-1]
-		if n == to {
-			return true
-		}
-		for _, c := range out[n] {
-			if !seen[c] {
-				seen[c] = true
-				stack = append(stack, c)
+// topo keeps a topological order of the links followed so far as links are added (the dynamic
+// topological sort of Pearce and Kelly): a link along the order changes nothing, and one
+// against it is checked by a search confined to the nodes placed between its two ends, so the
+// check of a link costs the span it crosses, not the graph.
+type topo struct {
+	out, in [][]int32 // the links followed, by node index
+	place   []int32   // each node's place in the order
+	mark    []uint32  // visited in search number seen
+	seen    uint32
+	fwd     []int32 // reached from the child
+	bwd     []int32 // reaching the parent
+	stack   []int32
+	places  []int32
+}
+
+// newTopo starts from order, a topological order of the links in out and in.
+func newTopo(order []*GraphNode, index map[string]int32, out, in [][]int32) *topo {
+	t := &topo{out: out, in: in, place: make([]int32, len(out)), mark: make([]uint32, len(out))}
+	for i, n := range order {
+		t.place[index[n.ID]] = int32(i)
+	}
+	return t
+}
+
+// link follows p→c and says so, unless c reaches p by the links followed (it would close a
+// cycle).
+func (t *topo) link(p, c int32) bool {
+	lo, hi := t.place[c], t.place[p]
+	if hi < lo {
+		t.out[p], t.in[c] = append(t.out[p], c), append(t.in[c], p)
+		return true
+	}
+	t.seen++
+	// Forward from c through the nodes placed before p: reaching p closes a cycle.
+	t.fwd = t.search(t.fwd[:0], c, t.out, func(n int32) bool { return t.place[n] <= hi })
+	if t.mark[p] == t.seen {
+		return false
+	}
+	// Back from p through the nodes placed after c; none of them is in fwd, else c would
+	// reach p. Those reaching p move before those c reaches, in the places both held.
+	t.bwd = t.search(t.bwd[:0], p, t.in, func(n int32) bool { return t.place[n] > lo })
+	byPlace := func(a, b int32) int { return cmp.Compare(t.place[a], t.place[b]) }
+	slices.SortFunc(t.fwd, byPlace)
+	slices.SortFunc(t.bwd, byPlace)
+	t.places = t.places[:0]
+	for _, n := range t.bwd {
+		t.places = append(t.places, t.place[n])
+	}
+	for _, n := range t.fwd {
+		t.places = append(t.places, t.place[n])
+	}
+	slices.Sort(t.places)
+	for i, n := range append(t.bwd, t.fwd...) {
+		t.place[n] = t.places[i]
+	}
+	t.out[p], t.in[c] = append(t.out[p], c), append(t.in[c], p)
+	return true
+}
+
+// search appends to into the nodes reached from start by links (start included), going only
+// through nodes within says are in range, and marks them seen.
+func (t *topo) search(into []int32, start int32, links [][]int32, within func(int32) bool) []int32 {
+	t.mark[start] = t.seen
+	t.stack = append(t.stack[:0], start)
+	for len(t.stack) > 0 {
+		n := t.stack[len(t.stack)-1]
+		t.stack = t.stack[:len(t.stack)-1]
+		into = append(into, n)
+		for _, m := range links[n] {
+			if t.mark[m] != t.seen && within(m) {
+				t.mark[m] = t.seen
+				t.stack = append(t.stack, m)
 			}
 		}
 	}
-	return false
+	return into
 }
 
 // ReportReward records a reward synchronously (typically one computed by a trainer, with its

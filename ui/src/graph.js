@@ -1,8 +1,9 @@
 // The checkpoint graph of a run as the page draws it. Checkpoints whose state digests are
 // equal (files and processes) are one drawn node; a checkpoint reached from several others
-// (parent_ids) has several parents, so the graph is a DAG. It is laid out as a tree along
-// each drawn node's first parent drawn before it, and its other parent links are drawn
-// apart.
+// (parent_ids) has several parents, and the graph may have cycles (a deduplicating checkpoint
+// that found an ancestor's state: an undo). It is laid out as a tree along each drawn node's
+// first parent drawn before it, which no cycle can break, and its other parent links, a link
+// back to an ancestor among them, are drawn apart (dashed).
 import { hierarchy, tree } from 'd3-hierarchy';
 
 // parentIdsOf returns every parent of a checkpoint node, parent_id first.

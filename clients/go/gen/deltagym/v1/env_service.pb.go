@@ -1374,7 +1374,9 @@ type CheckpointRequest struct {
 	// checkpoint_id is then that checkpoint's and deduplicated is set. The
 	// ledger keeps the edge from the sandbox's previous checkpoint to it, so
 	// in the ledger a checkpoint can have more than one parent
-	// (CheckpointNode.parent_ids): the tree is a graph.
+	// (CheckpointNode.parent_ids): the tree is a directed graph that may have
+	// cycles (a dedupe that finds an ancestor). Along parent_id alone (the tree
+	// of first parents) it is always acyclic.
 	Dedupe        bool `protobuf:"varint,5,opt,name=dedupe,proto3" json:"dedupe,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -679,7 +679,8 @@ type CheckpointNode struct {
 	// restored.
 	Released bool `protobuf:"varint,8,opt,name=released,proto3" json:"released,omitempty"`
 	// parent_ids lists every checkpoint it was reached from, parent_id first:
-	// more than one when a deduplicating Checkpoint found its state again.
+	// more than one when a deduplicating Checkpoint found its state again. All
+	// are listed, those that close a cycle too (one may be a descendant of it).
 	ParentIds []string `protobuf:"bytes,9,rep,name=parent_ids,json=parentIds,proto3" json:"parent_ids,omitempty"`
 	// digest is its state digest; unset until computed.
 	Digest        *StateDigest `protobuf:"bytes,10,opt,name=digest,proto3" json:"digest,omitempty"`
@@ -1119,7 +1120,9 @@ func (*GetCheckpointTreeRequest_EpisodeId) isGetCheckpointTreeRequest_Scope() {}
 // GetCheckpointTreeResponse is the response of GetCheckpointTree.
 type GetCheckpointTreeResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// nodes are the checkpoints, parents before children.
+	// nodes are the checkpoints, parents before children along parent_id
+	// (the tree of first parents, which is acyclic) and along every other
+	// parent link that closes no cycle with those recorded before it.
 	Nodes         []*CheckpointNode `protobuf:"bytes,1,rep,name=nodes,proto3" json:"nodes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -61,8 +61,10 @@ type LedgerServiceClient interface {
 	// GetCheckpointTree returns the checkpoints of a run or of an episode's
 	// lineage, with their parent links. A checkpoint found again by a
 	// deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
-	// from each checkpoint it was reached from, so the tree is a directed
-	// acyclic graph.
+	// from each checkpoint it was reached from, so the tree is a directed graph
+	// that may have cycles (a dedupe that finds an ancestor: a sandbox back in
+	// a state it had passed through). Along parent_id alone (the tree of first
+	// parents) it is always acyclic.
 	GetCheckpointTree(context.Context, *connect.Request[v1.GetCheckpointTreeRequest]) (*connect.Response[v1.GetCheckpointTreeResponse], error)
 	// GetGroupAdvantages computes group-relative advantages (GRPO) of the
 	// episodes of a group.
@@ -161,8 +163,10 @@ type LedgerServiceHandler interface {
 	// GetCheckpointTree returns the checkpoints of a run or of an episode's
 	// lineage, with their parent links. A checkpoint found again by a
 	// deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
-	// from each checkpoint it was reached from, so the tree is a directed
-	// acyclic graph.
+	// from each checkpoint it was reached from, so the tree is a directed graph
+	// that may have cycles (a dedupe that finds an ancestor: a sandbox back in
+	// a state it had passed through). Along parent_id alone (the tree of first
+	// parents) it is always acyclic.
 	GetCheckpointTree(context.Context, *connect.Request[v1.GetCheckpointTreeRequest]) (*connect.Response[v1.GetCheckpointTreeResponse], error)
 	// GetGroupAdvantages computes group-relative advantages (GRPO) of the
 	// episodes of a group.

@@ -88,8 +88,10 @@ class LedgerServiceServicer:
         """GetCheckpointTree returns the checkpoints of a run or of an episode's
         lineage, with their parent links. A checkpoint found again by a
         deduplicating Checkpoint (CheckpointRequest.dedupe) has a parent link
-        from each checkpoint it was reached from, so the tree is a directed
-        acyclic graph.
+        from each checkpoint it was reached from, so the tree is a directed graph
+        that may have cycles (a dedupe that finds an ancestor: a sandbox back in
+        a state it had passed through). Along parent_id alone (the tree of first
+        parents) it is always acyclic.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
