@@ -1471,7 +1471,9 @@ type CheckpointResponse struct {
 	Digest *StateDigest `protobuf:"bytes,6,opt,name=digest,proto3" json:"digest,omitempty"`
 	// deduplicated is set when dedupe found the state in an existing
 	// checkpoint, whose ID checkpoint_id is; the sandbox's state now descends
-	// from it, and parent_id is the sandbox's previous checkpoint.
+	// from it, and parent_id is the sandbox's previous checkpoint (or, when
+	// that is the one found, as nothing changed since, the found one's own
+	// parent).
 	Deduplicated  bool `protobuf:"varint,7,opt,name=deduplicated,proto3" json:"deduplicated,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
