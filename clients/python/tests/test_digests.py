@@ -10,8 +10,8 @@ import os
 import re
 import subprocess
 import uuid
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import json_format
