@@ -68,8 +68,8 @@ type app struct {
 	Submit      submitCmd      `cmd:"" help:"end the episode and run the verifier"`
 	Close       closeCmd       `cmd:"" help:"close sandboxes"`
 	Sandboxes   sandboxesCmd   `cmd:"" help:"list leased sandboxes"`
-	Checkpoints checkpointsCmd `cmd:"" help:"list the checkpoints the server holds and what keeps each (release frees them)"`
-	Diff        diffCmd        `cmd:"" help:"compare two checkpoints of an env: the files changed (as git diff --stat; --unified for the diffs) and the processes"`
+	Checkpoints checkpointsCmd `cmd:"" help:"list the checkpoints the server holds, each with its state digest in short (the first 12 hex digits of its files', +p when it holds processes, - until computed) and what keeps it (release frees them)"`
+	Diff        diffCmd        `cmd:"" help:"compare two checkpoints of an env: the files changed, in git diff --stat's form with the sandbox's absolute paths (a directory's ending in /, not counted as a file), and the processes; two equal states print nothing"`
 	Nodes       nodesCmd       `cmd:"" help:"list the nodes of the cluster --addr names (or the one server): name, address, version, load"`
 	ledgerCmds
 	Purge      purgeCmd      `cmd:"" help:"end what a crashed server left running and delete its sandbox store: checkpoints, layers and imported images (import them again; the default image is imported at start); keeps the ledger and the registered envs"`

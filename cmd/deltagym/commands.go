@@ -882,12 +882,26 @@ func (cc *checkpointsCmd) Run(ctx context.Context, a *app) error {
 		return errors.Join(printJSON(a.stdout, &deltagymv1.ListCheckpointsResponse{Checkpoints: checkpoints}), lerr)
 	}
 	now := time.Now()
-	t := newTable(a.stdout, "CHECKPOINT", "ENV", "EPISODE", "STEP", "CREATED", "BYTES", "PROCS", "HELD BY")
+	t := newTable(a.stdout, "CHECKPOINT", "ENV", "EPISODE", "STEP", "CREATED", "BYTES", "PROCS", "DIGEST", "HELD BY")
 	for _, k := range checkpoints {
 		t.row(k.GetCheckpointId(), k.GetEnv(), orDash(k.GetEpisodeId()), strconv.Itoa(int(k.GetStepIndex())), formatTime(k.GetCreateTime()),
-			strconv.FormatInt(k.GetSizeBytes(), 10), strconv.Itoa(int(k.GetProcesses())), checkpointHold(k, now))
+			strconv.FormatInt(k.GetSizeBytes(), 10), strconv.Itoa(int(k.GetProcesses())), shortDigest(k.GetDigest()), checkpointHold(k, now))
 	}
 	return errors.Join(t.flush(), lerr)
+}
+
+// shortDigest is state digest d in short: the first 12 hex digits of its files' digest, with
+// "+p" when it has a processes' digest (the checkpoint holds processes); "-" until computed.
+func shortDigest(d *deltagymv1.StateDigest) string {
+	files := strings.TrimPrefix(d.GetFiles(), "sha256:")
+	if files == "" {
+		return "-"
+	}
+	short := files[:min(12, len(files))]
+	if d.GetProcesses() != "" {
+		short += "+p"
+	}
+	return short
 }
 
 // checkpointHold says what keeps checkpoint k: its pool, live sandboxes descending from it, or

@@ -15,9 +15,9 @@ import (
 type diffCmd struct {
 	Base       string `arg:"" help:"the checkpoint compared against"`
 	Checkpoint string `arg:"" help:"the checkpoint compared (of the same env)"`
-	Unified    bool   `short:"u" help:"print each changed text file's unified diff instead of the summary"`
-	Path       string `placeholder:"PATH" help:"only changes at this absolute path and below it"`
-	MaxPaths   int32  `placeholder:"N" help:"the most changed paths to list (default: the server's, 10000)"`
+	Unified    bool   `short:"u" help:"print the changes as a patch git apply takes (git's extended headers for modes, new and deleted files) instead of the summary; what a patch cannot carry (directories, owners, symbolic links, whose targets the server does not send) is said on lines starting with # that git apply skips"`
+	Path       string `placeholder:"PATH" help:"only changes at this absolute path and below it; process changes, which are under no path, are left out"`
+	MaxPaths   int32  `placeholder:"N" help:"the most changed paths to list and count (default: the server's, 10000; at most 100000)"`
 }
 
 func (d *diffCmd) Run(ctx context.Context, a *app) error {
@@ -47,71 +47,118 @@ func (d *diffCmd) Run(ctx context.Context, a *app) error {
 	if a.JSON {
 		return printJSON(a.stdout, m)
 	}
+	if d.Path != "" {
+		m.Processes = nil
+	}
 	if d.Unified {
-		err = printUnified(a.stdout, m)
+		_, err = io.WriteString(a.stdout, unifiedText(m))
 	} else {
-		err = printStat(a.stdout, m)
+		_, err = io.WriteString(a.stdout, statText(m))
 	}
-	if err != nil {
-		return err
-	}
-	if m.GetTruncated() {
-		if _, err := fmt.Fprintf(a.stdout, "(only the first %d changed paths: --max-paths lists more)\n", len(m.GetPaths())); err != nil {
-			return err
-		}
-	}
-	return printProcessChanges(a.stdout, m.GetProcesses())
-}
-
-// statWidth is the widest +/- bar of printStat.
-const statWidth = 50
-
-// printStat prints m as `git diff --stat` does: a line per path with its lines added and
-// removed (Bin OLD -> NEW bytes for a binary file, 0 for a change that is not of a text
-// file's lines), and a summary.
-func printStat(w io.Writer, m *deltagymv1.DiffCheckpointsResponse) error {
-	paths := m.GetPaths()
-	width, most := 0, 0
-	for _, p := range paths {
-		width = max(width, len(p.GetPath()))
-		most = max(most, int(p.GetLinesAdded()+p.GetLinesRemoved()))
-	}
-	countWidth := len(strconv.Itoa(most))
-	var ins, del int
-	for _, p := range paths {
-		ins += int(p.GetLinesAdded())
-		del += int(p.GetLinesRemoved())
-		var stat string
-		switch {
-		case p.GetBinary():
-			stat = fmt.Sprintf("Bin %d -> %d bytes", p.GetOldSize(), p.GetNewSize())
-		default:
-			n := int(p.GetLinesAdded() + p.GetLinesRemoved())
-			plus, minus := int(p.GetLinesAdded()), int(p.GetLinesRemoved())
-			if most > statWidth {
-				// Scaled as git scales: each side at least one mark when it has any.
-				plus, minus = scaled(plus, most), scaled(minus, most)
-			}
-			stat = fmt.Sprintf("%*d %s%s", countWidth, n, strings.Repeat("+", plus), strings.Repeat("-", minus))
-			stat = strings.TrimRight(stat, " ")
-		}
-		if _, err := fmt.Fprintf(w, " %-*s | %s\n", width, p.GetPath(), stat); err != nil {
-			return err
-		}
-	}
-	_, err := fmt.Fprintln(w, diffSummary(len(paths), ins, del))
 	return err
 }
 
-func scaled(n, most int) int {
-	if n == 0 {
-		return 0
+// The text forms of a diff below are the Python SDK's CheckpointDiff.stat() and .unified()
+// too (clients/python/deltagym/types.py); the two are kept equal, character for character,
+// and testdata/diff_stat.golden is the case both test against.
+
+// statGraph is the widest +/- bar of statText (git fits its own to the terminal).
+const statGraph = 50
+
+// isDirChange reports whether p is of a directory on each side it exists on: git tracks no
+// directories, so it is listed with a trailing / and not counted as a file.
+func isDirChange(p *deltagymv1.PathChange) bool {
+	dirOrNone := func(t deltagymv1.FileType) bool {
+		return t == deltagymv1.FileType_FILE_TYPE_UNSPECIFIED || t == deltagymv1.FileType_FILE_TYPE_DIRECTORY
 	}
-	return max(1, n*statWidth/most)
+	return dirOrNone(p.GetOldType()) && dirOrNone(p.GetNewType())
 }
 
-// diffSummary is git's summary line: " 2 files changed, 3 insertions(+), 1 deletion(-)".
+// statText is m as `git diff --stat` prints a diff: a line per path with its lines added and
+// removed and a bar of + and - (Bin OLD -> NEW bytes for a binary file; 0 for a change that
+// is not of a text file's lines: a mode, a link, a directory), then the summary, then the
+// processes that changed. Paths are the sandbox's, absolute; a directory's ends in /. Two
+// equal states give "".
+func statText(m *deltagymv1.DiffCheckpointsResponse) string {
+	var b strings.Builder
+	paths := m.GetPaths()
+	nameWidth, most, numberWidth := 0, 0, 0
+	for _, p := range paths {
+		nameWidth = max(nameWidth, len(statName(p)))
+		if p.GetBinary() {
+			numberWidth = 3 // counts line up with "Bin", as git's do
+			continue
+		}
+		most = max(most, int(p.GetLinesAdded()+p.GetLinesRemoved()))
+	}
+	numberWidth = max(numberWidth, len(strconv.Itoa(most)))
+	var files, ins, del int
+	for _, p := range paths {
+		if !isDirChange(p) {
+			files++
+		}
+		fmt.Fprintf(&b, " %-*s |", nameWidth, statName(p))
+		if p.GetBinary() {
+			fmt.Fprintf(&b, " %*s %d -> %d bytes\n", numberWidth, "Bin", p.GetOldSize(), p.GetNewSize())
+			continue
+		}
+		add, rem := int(p.GetLinesAdded()), int(p.GetLinesRemoved())
+		ins += add
+		del += rem
+		fmt.Fprintf(&b, " %*d", numberWidth, add+rem)
+		if add+rem > 0 {
+			add, rem = statBar(add, rem, most)
+			fmt.Fprintf(&b, " %s%s", strings.Repeat("+", add), strings.Repeat("-", rem))
+		}
+		b.WriteByte('\n')
+	}
+	if len(paths) > 0 {
+		b.WriteString(diffSummary(files, ins, del) + "\n")
+	}
+	if m.GetTruncated() {
+		b.WriteString(truncatedNote(len(paths)) + "\n")
+	}
+	b.WriteString(processesText(m.GetProcesses(), ""))
+	return b.String()
+}
+
+func statName(p *deltagymv1.PathChange) string {
+	if isDirChange(p) && p.GetPath() != "/" {
+		return p.GetPath() + "/"
+	}
+	return p.GetPath()
+}
+
+// statBar scales a path's added and removed lines to the bar as git does: when the most
+// changed path has more than statGraph, each side that has lines keeps at least one mark.
+func statBar(add, rem, most int) (int, int) {
+	if most <= statGraph {
+		return add, rem
+	}
+	linear := func(n int) int {
+		if n == 0 {
+			return 0
+		}
+		return 1 + n*(statGraph-1)/most
+	}
+	total := linear(add + rem)
+	if total < 2 && add > 0 && rem > 0 {
+		total = 2
+	}
+	if add < rem {
+		add = linear(add)
+		return add, total - add
+	}
+	rem = linear(rem)
+	return total - rem, rem
+}
+
+// diffSummary is git's summary line: " 2 files changed, 3 insertions(+), 1 deletion(-)", a
+// zero count left out unless both are.
 func diffSummary(files, ins, del int) string {
+	if files == 0 {
+		return " 0 files changed"
+	}
 	s := fmt.Sprintf(" %d %s changed", files, plural(files, "file", "files"))
 	if ins > 0 || del == 0 {
 		s += fmt.Sprintf(", %d %s(+)", ins, plural(ins, "insertion", "insertions"))
@@ -122,6 +169,11 @@ func diffSummary(files, ins, del int) string {
 	return s
 }
 
+// truncatedNote says that a truncated diff's list, and the totals, are of its first n paths.
+func truncatedNote(n int) string {
+	return fmt.Sprintf("(more paths changed: the list and the totals cover the first %d only; --max-paths N lists up to N, 100000 at most)", n)
+}
+
 func plural(n int, one, many string) string {
 	if n == 1 {
 		return one
@@ -129,51 +181,141 @@ func plural(n int, one, many string) string {
 	return many
 }
 
-// printUnified prints each changed path's unified diff; a change with none (binary, not a
-// regular file, metadata only) gets a line saying what changed.
-func printUnified(w io.Writer, m *deltagymv1.DiffCheckpointsResponse) error {
+// unifiedText is m as a patch that git apply takes (with its default -p1, from the sandbox's
+// root): each regular file's change under git's header, `diff --git a/PATH b/PATH`, with its
+// extended headers (old mode and new mode, new file mode, deleted file mode) and its unified
+// diff, or git's "Binary files ... differ" (which git apply refuses, as it does git's own).
+// What a patch cannot carry — a directory, an owner or extended attribute, a symbolic link
+// (the diff holds no link target), a special file — and the processes are said on lines
+// starting with "# ", which git apply skips. Two equal states give "".
+func unifiedText(m *deltagymv1.DiffCheckpointsResponse) string {
+	var b strings.Builder
 	for _, p := range m.GetPaths() {
-		var err error
-		switch {
-		case p.GetUnifiedDiff() != "":
-			_, err = io.WriteString(w, p.GetUnifiedDiff())
-		case p.GetBinary():
-			_, err = fmt.Fprintf(w, "Binary files a%s and b%s differ\n", p.GetPath(), p.GetPath())
-		default:
-			_, err = fmt.Fprintf(w, "%s %s: %s\n", changeMark(p.GetKind()), p.GetPath(), pathChangeWords(p))
-		}
-		if err != nil {
-			return err
-		}
+		writePatch(&b, p)
 	}
-	return nil
+	if m.GetTruncated() {
+		b.WriteString("# " + truncatedNote(len(m.GetPaths())) + "\n")
+	}
+	b.WriteString(processesText(m.GetProcesses(), "# "))
+	return b.String()
 }
 
-// pathChangeWords says what changed of a path that has no unified diff.
-func pathChangeWords(p *deltagymv1.PathChange) string {
-	typ := func(t deltagymv1.FileType) string {
-		return strings.ToLower(strings.TrimPrefix(t.String(), "FILE_TYPE_"))
+// writePatch writes path change p's part of unifiedText.
+func writePatch(b *strings.Builder, p *deltagymv1.PathChange) {
+	const file, none = deltagymv1.FileType_FILE_TYPE_FILE, deltagymv1.FileType_FILE_TYPE_UNSPECIFIED
+	oldT, newT := p.GetOldType(), p.GetNewType()
+	if oldT != file && newT != file {
+		fmt.Fprintf(b, "# %s: %s\n", statName(p), notPatched(p))
+		return
 	}
+	path := p.GetPath()
+	if oldT == file && newT == file && p.GetMetadataOnly() && p.GetOldMode() == p.GetNewMode() {
+		fmt.Fprintf(b, "# %s: owner or extended attributes changed\n", path)
+		return
+	}
+	// A path whose type changed to or from a file's is, as in git, a deletion and an addition;
+	// the side that is not a file is a note.
+	if oldT != file && oldT != none {
+		fmt.Fprintf(b, "# %s: deleted %s\n", typedPath(path, oldT), fileTypeWord(oldT))
+	}
+	fmt.Fprintf(b, "diff --git a%s b%s\n", path, path)
+	oldName, newName := "a"+path, "b"+path
+	switch {
+	case oldT != file:
+		oldName = "/dev/null"
+		fmt.Fprintf(b, "new file mode %s\n", gitMode(p.GetNewMode()))
+	case newT != file:
+		newName = "/dev/null"
+		fmt.Fprintf(b, "deleted file mode %s\n", gitMode(p.GetOldMode()))
+	case p.GetOldMode() != p.GetNewMode():
+		fmt.Fprintf(b, "old mode %s\nnew mode %s\n", gitMode(p.GetOldMode()), gitMode(p.GetNewMode()))
+	}
+	switch {
+	case p.GetBinary():
+		fmt.Fprintf(b, "Binary files %s and %s differ\n", oldName, newName)
+	case p.GetUnifiedDiff() != "":
+		b.WriteString(ensureNewline(p.GetUnifiedDiff()))
+	}
+	if newT != file && newT != none {
+		fmt.Fprintf(b, "# %s: new %s\n", typedPath(path, newT), newTypeWords(newT, p.GetNewMode()))
+	}
+}
+
+// gitMode is a regular file's mode as git writes it: 100 and the permission bits.
+func gitMode(perm uint32) string { return fmt.Sprintf("100%03o", perm&0o777) }
+
+// typedPath is path as statText lists a path of type t: a directory's with a trailing /.
+func typedPath(path string, t deltagymv1.FileType) string {
+	if t == deltagymv1.FileType_FILE_TYPE_DIRECTORY && path != "/" {
+		return path + "/"
+	}
+	return path
+}
+
+func fileTypeWord(t deltagymv1.FileType) string {
+	switch t {
+	case deltagymv1.FileType_FILE_TYPE_FILE:
+		return "file"
+	case deltagymv1.FileType_FILE_TYPE_DIRECTORY:
+		return "directory"
+	case deltagymv1.FileType_FILE_TYPE_SYMLINK:
+		return "symlink"
+	}
+	return "special file"
+}
+
+// newTypeWords says what a path became: its type and mode, and for a symbolic link that its
+// target is not in the diff.
+func newTypeWords(t deltagymv1.FileType, mode uint32) string {
+	if t == deltagymv1.FileType_FILE_TYPE_SYMLINK {
+		return "symlink (its target is not in the diff)"
+	}
+	return fmt.Sprintf("%s, mode %o", fileTypeWord(t), mode)
+}
+
+// notPatched says what changed of a path that is a regular file on neither side.
+func notPatched(p *deltagymv1.PathChange) string {
+	oldT, newT := p.GetOldType(), p.GetNewType()
 	switch p.GetKind() {
 	case deltagymv1.ChangeKind_CHANGE_KIND_ADDED:
-		return fmt.Sprintf("new %s, mode %o", typ(p.GetNewType()), p.GetNewMode())
+		return "new " + newTypeWords(newT, p.GetNewMode())
 	case deltagymv1.ChangeKind_CHANGE_KIND_REMOVED:
-		return fmt.Sprintf("deleted %s", typ(p.GetOldType()))
+		return "deleted " + fileTypeWord(oldT)
+	}
+	if oldT != newT {
+		return fmt.Sprintf("%s -> %s", fileTypeWord(oldT), newTypeWords(newT, p.GetNewMode()))
 	}
 	var parts []string
-	if p.GetOldType() != p.GetNewType() {
-		parts = append(parts, fmt.Sprintf("%s -> %s", typ(p.GetOldType()), typ(p.GetNewType())))
-	}
 	if p.GetOldMode() != p.GetNewMode() {
 		parts = append(parts, fmt.Sprintf("mode %o -> %o", p.GetOldMode(), p.GetNewMode()))
 	}
-	if p.GetMetadataOnly() && len(parts) == 0 {
-		parts = append(parts, "owner or extended attributes")
-	}
-	if len(parts) == 0 {
-		parts = append(parts, fmt.Sprintf("%d -> %d bytes", p.GetOldSize(), p.GetNewSize()))
+	switch {
+	case !p.GetMetadataOnly() && newT == deltagymv1.FileType_FILE_TYPE_SYMLINK:
+		parts = append(parts, "target changed (not in the diff)")
+	case !p.GetMetadataOnly():
+		parts = append(parts, "content changed")
+	case len(parts) == 0:
+		parts = append(parts, "owner or extended attributes changed")
 	}
 	return strings.Join(parts, ", ")
+}
+
+// processesText lists the processes that came (+), went (-) or changed (~), each line
+// starting with prefix.
+func processesText(procs []*deltagymv1.ProcessChange, prefix string) string {
+	if len(procs) == 0 {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteString(prefix + "processes:\n")
+	for _, p := range procs {
+		fmt.Fprintf(&b, "%s %s pid %d %s", prefix, changeMark(p.GetKind()), p.GetPid(), shortText(p.GetCommand(), 60))
+		if len(p.GetDetails()) > 0 {
+			b.WriteString(": " + strings.Join(p.GetDetails(), ", "))
+		}
+		b.WriteByte('\n')
+	}
+	return b.String()
 }
 
 func changeMark(k deltagymv1.ChangeKind) string {
@@ -184,24 +326,4 @@ func changeMark(k deltagymv1.ChangeKind) string {
 		return "-"
 	}
 	return "~"
-}
-
-// printProcessChanges lists the processes that came (+), went (-) or changed (~).
-func printProcessChanges(w io.Writer, procs []*deltagymv1.ProcessChange) error {
-	if len(procs) == 0 {
-		return nil
-	}
-	if _, err := fmt.Fprintln(w, "processes:"); err != nil {
-		return err
-	}
-	for _, p := range procs {
-		line := fmt.Sprintf(" %s pid %d %s", changeMark(p.GetKind()), p.GetPid(), shortText(p.GetCommand(), 60))
-		if len(p.GetDetails()) > 0 {
-			line += ": " + strings.Join(p.GetDetails(), ", ")
-		}
-		if _, err := fmt.Fprintln(w, line); err != nil {
-			return err
-		}
-	}
-	return nil
 }

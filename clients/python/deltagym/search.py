@@ -20,9 +20,11 @@ that reached it (by score, then by fewer steps from the start) and counts
 how often it was reached and chosen. An iteration chooses a cell at random,
 weighted by novelty (1/sqrt(1 + times chosen)) and score, restores its
 checkpoint (a new episode there, in about a millisecond), lets the policy
-act, checkpoints the state it ends in and files it in the archive. The
-search releases every checkpoint it took and no longer keeps, and the rest
-at close(): it leaves none behind on the server.
+act, checkpoints the state it ends in and files it in the archive; it reports
+the state's score to the ledger as a reward of the explored episode ("score",
+source "goexplore"; report_scores=False does not), so that the search's tree
+can be coloured by it. The search releases every checkpoint it took and no
+longer keeps, and the rest at close(): it leaves none behind on the server.
 
 AsyncGoExplore is the same over an AsyncSandbox.
 """
@@ -37,13 +39,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._proto.deltagym.v1 import action_pb2
+from .errors import DeltagymError
 from .types import Checkpoint
 
 if TYPE_CHECKING:
     from ._aio_sandbox import AsyncSandbox
     from .sandbox import Sandbox
 
-__all__ = ["Action", "AsyncGoExplore", "AsyncPolicy", "Cell", "GoExplore", "Policy", "Progress"]
+__all__ = ["SCORE_REWARD", "SCORE_SOURCE", "Action", "AsyncGoExplore", "AsyncPolicy", "Cell", "GoExplore", "Policy",
+           "Progress"]
+
+SCORE_REWARD = "score"
+"""The name of the reward by which a search reports an explored episode's score (report_scores)."""
+SCORE_SOURCE = "goexplore"
+"""The source of the rewards a search reports (report_scores)."""
 
 Action = action_pb2.Action | str
 """An action a policy returns: an Action (deltagym.actions) or a str run as a shell command."""
@@ -218,7 +227,7 @@ class _Search(Generic[S]):
     def __init__(self, sandbox: S, policy: Callable[[S], Any], *, score: Callable[[S], Any] | None = None,
                  cell: Callable[[S], Any] | None = None, dedupe: bool = False, explore_steps: int | None = None,
                  novelty_weight: float = 1.0, score_weight: float = 1.0, weight: Callable[[Cell], float] | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, report_scores: bool = True) -> None:
         if explore_steps is not None and explore_steps <= 0:
             raise ValueError(f"explore_steps must be positive, not {explore_steps}")
         self.sandbox = sandbox
@@ -228,6 +237,7 @@ class _Search(Generic[S]):
         self.dedupe = dedupe
         self.explore_steps = explore_steps
         self.archive = _Archive(random.Random(seed), novelty_weight, score_weight, weight)
+        self.report_scores = report_scores
         self.iterations = 0
         self.steps = 0
         self._closed = False
@@ -251,6 +261,10 @@ class _Search(Generic[S]):
             raise RuntimeError(f"the server gave no state digest for checkpoint {ck.id}: it computes none, "
                                "so key the archive by a function of the state (cell=)")
         return ck.digest
+
+    def _reportable(self, score: float) -> bool:
+        """Whether to report score: reporting is on and the server takes it (a finite number)."""
+        return self.report_scores and math.isfinite(score)
 
     def _limit(self, steps: int | None) -> int | None:
         """The most steps the next exploration may take: explore_steps, within what is left of steps."""
@@ -294,6 +308,13 @@ class GoExplore(_Search["Sandbox"]):
             over the archive.
         weight: a weight of a cell instead (a function of the Cell).
         seed: the seed of the selection's random choices.
+        report_scores: after each exploration that ends in a state (not in a
+            submit or a budget), report that state's score to the ledger as a reward
+            of the explored episode (the one the restore started): name "score"
+            (SCORE_REWARD), source "goexplore" (SCORE_SOURCE), read back by
+            get_trajectory (its Episode.rewards), so that the search's tree can be
+            coloured by it. On a server without a ledger it turns itself off at the
+            first report; a score that is not a finite number is not reported.
     """
 
     def start(self) -> Cell:
@@ -315,7 +336,8 @@ class GoExplore(_Search["Sandbox"]):
         chosen = self.archive.select()
         chosen.chosen += 1
         sb = self.sandbox
-        first = sb.restore(chosen.checkpoint).next_step_index
+        restored = sb.restore(chosen.checkpoint)
+        first = restored.next_step_index
         limit = self._limit(steps)
         self._explore(limit)
         info = sb.describe()
@@ -324,6 +346,7 @@ class GoExplore(_Search["Sandbox"]):
             return self._progress(chosen, took, None, 0.0, False, False)
         ck = self._checkpoint()
         score = self._score()
+        self._report(restored.episode_id, score)
         key = self._cell(ck)
         if key is None:  # a state the cell function says is not worth returning to
             self._release(self.archive.unheld(ck.id))
@@ -408,6 +431,16 @@ class GoExplore(_Search["Sandbox"]):
         for id in ids:
             self.sandbox.client.release_checkpoint(id)
 
+    def _report(self, episode_id: str, score: float) -> None:
+        if not self._reportable(score):
+            return
+        try:
+            self.sandbox.client.report_reward(episode_id, SCORE_REWARD, score, source=SCORE_SOURCE)
+        except DeltagymError as e:
+            if e.reason != "LEDGER_DISABLED":
+                raise
+            self.report_scores = False  # a server without a ledger takes no reward
+
 
 async def _maybe_await(x: Any) -> Any:
     return await x if inspect.isawaitable(x) else x
@@ -436,7 +469,8 @@ class AsyncGoExplore(_Search["AsyncSandbox"]):
         chosen = self.archive.select()
         chosen.chosen += 1
         sb = self.sandbox
-        first = (await sb.restore(chosen.checkpoint)).next_step_index
+        restored = await sb.restore(chosen.checkpoint)
+        first = restored.next_step_index
         await self._explore(self._limit(steps))
         info = await sb.describe()
         took = max(0, info.next_step_index - first)
@@ -444,6 +478,7 @@ class AsyncGoExplore(_Search["AsyncSandbox"]):
             return self._progress(chosen, took, None, 0.0, False, False)
         ck = await self._checkpoint()
         score = await self._score()
+        await self._report(restored.episode_id, score)
         key = await self._cell(ck)
         if key is None:  # a state the cell function says is not worth returning to
             await self._release(self.archive.unheld(ck.id))
@@ -524,6 +559,16 @@ class AsyncGoExplore(_Search["AsyncSandbox"]):
     async def _release(self, ids: Iterable[str]) -> None:
         for id in ids:
             await self.sandbox.client.release_checkpoint(id)
+
+    async def _report(self, episode_id: str, score: float) -> None:
+        if not self._reportable(score):
+            return
+        try:
+            await self.sandbox.client.report_reward(episode_id, SCORE_REWARD, score, source=SCORE_SOURCE)
+        except DeltagymError as e:
+            if e.reason != "LEDGER_DISABLED":
+                raise
+            self.report_scores = False  # a server without a ledger takes no reward
 
 
 async def _aiter(actions: Iterable[Action] | AsyncIterable[Action]) -> AsyncIterator[Action]:

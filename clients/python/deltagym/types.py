@@ -471,8 +471,11 @@ class ProcessChange:
     details: tuple[str, ...] = ()
 
 
-# The widest a stat() bar gets, in characters, as git keeps its own to the terminal.
-_STAT_BAR = 40
+# The widest a stat() bar gets, in characters (git fits its own to the terminal).
+_STAT_GRAPH = 50
+# The line that ends a truncated diff's stat(), or a "# " line of its unified().
+_TRUNCATED = ("(more paths changed: the list and the totals cover the first {} only; "
+              "--max-paths N lists up to N, 100000 at most)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,60 +520,194 @@ class CheckpointDiff:
         return sum(p.lines_removed for p in self.paths)
 
     def unified(self) -> str:
-        """The unified diffs of the text files, one after another (detail "unified")."""
-        return "".join(p.unified_diff if p.unified_diff.endswith("\n") else p.unified_diff + "\n"
-                       for p in self.paths if p.unified_diff)
+        """The changes as a patch that `git apply` takes (its default -p1, from the sandbox's
+        root), with detail "unified"; the same text as `deltagym diff -u` prints. Each regular
+        file's change comes under git's header, `diff --git a/PATH b/PATH`, with its extended
+        headers (`old mode`/`new mode`, `new file mode`, `deleted file mode`, modes as 100 and
+        the permission bits) and its unified diff, or git's "Binary files ... differ" (which
+        git apply refuses, as it does git's own). What a patch cannot carry (a directory, an
+        owner or extended attribute, a symbolic link, whose target the server does not send,
+        a special file) and the processes are said on lines starting with "# ", which git
+        apply skips. Equal states give ""."""
+        out = [_patch(p) for p in self.paths]
+        if self.truncated:
+            out.append("# " + _TRUNCATED.format(len(self.paths)) + "\n")
+        out.append(_processes_text(self.processes, "# "))
+        return "".join(out)
 
     def stat(self) -> str:
-        """A summary as `git diff --stat` gives: a line per path with its
-        count of changed lines and a bar of + and -, "Bin A -> B bytes" for a
-        binary file, or what happened to it when its lines were not counted
-        (detail "paths", a directory, a link, a change of mode); a line per
-        process that changed; then the totals."""
-        width = max((len(p.path) for p in self.paths), default=0)
-        lines = [" " + _stat_line(p, self.detail, width) for p in self.paths]
-        for c in self.processes:
-            what = f" ({', '.join(c.details)})" if c.details else ""
-            lines.append(f" process {c.pid} {c.kind}: {c.command}{what}")
+        """A summary in `git diff --stat`'s form, the same text as `deltagym diff` prints
+        (without its final newline): a line per path, the sandbox's absolute path (a
+        directory's ending in "/"), with its count of changed lines and a bar of + and - (at
+        most 50 marks, scaled as git scales), "Bin OLD -> NEW bytes" for a binary file, or 0
+        for a change that is not of a text file's lines (a mode, a link, a directory); then
+        git's summary (directories are not counted as files, symbolic links and mode changes
+        are; a zero count is left out unless both are); on a truncated diff, a line saying
+        that the list and the totals cover the listed paths only; then the processes that
+        changed, "+", "-" or "~" and the pid. With detail "paths" (no line counts) a path's
+        line is its name only and the summary its count of files. Equal states give ""."""
+        lines: list[str] = []
+        if self.paths:
+            lines = _stat_lines(self.paths, self.detail)
         if self.truncated:
-            lines.append(" ... (more paths than max_paths)")
-        n = len(self.paths)
-        total = f" {n} path{'' if n == 1 else 's'} changed"
-        if self.detail != "paths":
-            ins, dels = self.insertions, self.deletions
-            total += f", {ins} insertion{'' if ins == 1 else 's'}(+), {dels} deletion{'' if dels == 1 else 's'}(-)"
-        if self.processes:
-            k = len(self.processes)
-            total += f", {k} process{'' if k == 1 else 'es'} changed"
-        lines.append(total)
-        return "\n".join(lines)
+            lines.append(_TRUNCATED.format(len(self.paths)))
+        out = "".join(line + "\n" for line in lines) + _processes_text(self.processes, "")
+        return out.removesuffix("\n")
 
     def __str__(self) -> str:
         return self.stat()
 
 
-def _stat_line(p: PathChange, detail: DiffDetail, width: int) -> str:
-    name = p.path.ljust(width)
-    if p.binary:
-        return f"{name} | Bin {p.old_size} -> {p.new_size} bytes"
-    counted = detail != "paths" and (p.old_type in (None, "file")) and (p.new_type in (None, "file"))
-    if counted and not p.metadata_only:
+def _is_dir_change(p: PathChange) -> bool:
+    """Whether p is of a directory on each side it exists on: git tracks no directories, so it
+    is listed with a trailing "/" and not counted as a file."""
+    return p.old_type in (None, "dir") and p.new_type in (None, "dir")
+
+
+def _stat_name(p: PathChange) -> str:
+    return p.path + "/" if _is_dir_change(p) and p.path != "/" else p.path
+
+
+def _stat_lines(paths: tuple[PathChange, ...], detail: DiffDetail) -> list[str]:
+    files = sum(1 for p in paths if not _is_dir_change(p))
+    if detail == "paths":
+        return [" " + _stat_name(p) for p in paths] + [f" {files} file{'' if files == 1 else 's'} changed"]
+    name_width = max(len(_stat_name(p)) for p in paths)
+    most = max((p.lines_added + p.lines_removed for p in paths if not p.binary), default=0)
+    number_width = max(3 if any(p.binary for p in paths) else 0, len(str(most)))  # counts line up with "Bin"
+    lines = []
+    for p in paths:
+        name = _stat_name(p).ljust(name_width)
+        if p.binary:
+            lines.append(f" {name} | {'Bin':>{number_width}} {p.old_size} -> {p.new_size} bytes")
+            continue
         n = p.lines_added + p.lines_removed
-        plus, minus = p.lines_added, p.lines_removed
-        if n > _STAT_BAR:  # scaled as git does, each side that has lines keeping a mark
-            plus = round(p.lines_added * _STAT_BAR / n)
-            plus = min(max(plus, 1 if p.lines_added else 0), _STAT_BAR - (1 if p.lines_removed else 0))
-            minus = _STAT_BAR - plus
-        mode = f" (mode {p.old_mode:o} -> {p.new_mode:o})" if p.kind == "modified" and p.old_mode != p.new_mode else ""
-        return f"{name} | {n} {'+' * plus}{'-' * minus}".rstrip() + mode
+        line = f" {name} | {n:>{number_width}}"
+        if n:
+            plus, minus = _stat_bar(p.lines_added, p.lines_removed, most)
+            line += " " + "+" * plus + "-" * minus
+        lines.append(line)
+    ins = sum(p.lines_added for p in paths if not p.binary)
+    dels = sum(p.lines_removed for p in paths if not p.binary)
+    lines.append(_diff_summary(files, ins, dels))
+    return lines
+
+
+def _stat_bar(add: int, rem: int, most: int) -> tuple[int, int]:
+    """A path's + and - marks, scaled as git scales them past _STAT_GRAPH: each side that has
+    lines keeps at least one."""
+    if most <= _STAT_GRAPH:
+        return add, rem
+
+    def linear(n: int) -> int:
+        return 1 + n * (_STAT_GRAPH - 1) // most if n else 0
+
+    total = linear(add + rem)
+    if total < 2 and add and rem:
+        total = 2
+    if add < rem:
+        add = linear(add)
+        return add, total - add
+    rem = linear(rem)
+    return total - rem, rem
+
+
+def _diff_summary(files: int, ins: int, dels: int) -> str:
+    """git's summary line: " 2 files changed, 3 insertions(+), 1 deletion(-)"."""
+    if not files:
+        return " 0 files changed"
+    s = f" {files} file{'' if files == 1 else 's'} changed"
+    if ins or not dels:
+        s += f", {ins} insertion{'' if ins == 1 else 's'}(+)"
+    if dels or not ins:
+        s += f", {dels} deletion{'' if dels == 1 else 's'}(-)"
+    return s
+
+
+def _short_text(s: str, n: int) -> str:
+    """s's first line, cut to n characters with "…"."""
+    first, nl, _ = s.partition("\n")
+    if len(first) > n:
+        return first[:n - 1] + "…"
+    return first + "…" if nl else first
+
+
+def _processes_text(procs: tuple[ProcessChange, ...], prefix: str) -> str:
+    if not procs:
+        return ""
+    marks = {"added": "+", "removed": "-"}
+    out = [f"{prefix}processes:\n"]
+    for c in procs:
+        what = ": " + ", ".join(c.details) if c.details else ""
+        out.append(f"{prefix} {marks.get(c.kind, '~')} pid {c.pid} {_short_text(c.command, 60)}{what}\n")
+    return "".join(out)
+
+
+_TYPE_WORDS = {"file": "file", "dir": "directory", "symlink": "symlink"}
+
+
+def _type_word(t: FileType | None) -> str:
+    return _TYPE_WORDS.get(t or "", "special file")
+
+
+def _typed_path(path: str, t: FileType | None) -> str:
+    return path + "/" if t == "dir" and path != "/" else path
+
+
+def _new_type_words(t: FileType | None, mode: int) -> str:
+    if t == "symlink":
+        return "symlink (its target is not in the diff)"
+    return f"{_type_word(t)}, mode {mode:o}"
+
+
+def _git_mode(perm: int) -> str:
+    return f"100{perm & 0o777:03o}"
+
+
+def _not_patched(p: PathChange) -> str:
+    """What changed of a path that is a regular file on neither side."""
     if p.kind == "added":
-        return f"{name} | new {p.new_type or 'path'}, {p.new_size} bytes, mode {p.new_mode:o}"
+        return "new " + _new_type_words(p.new_type, p.new_mode)
     if p.kind == "removed":
-        return f"{name} | deleted {p.old_type or 'path'}, {p.old_size} bytes"
+        return "deleted " + _type_word(p.old_type)
     if p.old_type != p.new_type:
-        return f"{name} | {p.old_type} -> {p.new_type}"
-    if p.metadata_only:
-        if p.old_mode != p.new_mode:
-            return f"{name} | mode {p.old_mode:o} -> {p.new_mode:o}"
-        return f"{name} | owner or attributes"
-    return f"{name} | {p.old_size} -> {p.new_size} bytes"
+        return f"{_type_word(p.old_type)} -> {_new_type_words(p.new_type, p.new_mode)}"
+    parts = []
+    if p.old_mode != p.new_mode:
+        parts.append(f"mode {p.old_mode:o} -> {p.new_mode:o}")
+    if not p.metadata_only and p.new_type == "symlink":
+        parts.append("target changed (not in the diff)")
+    elif not p.metadata_only:
+        parts.append("content changed")
+    elif not parts:
+        parts.append("owner or extended attributes changed")
+    return ", ".join(parts)
+
+
+def _patch(p: PathChange) -> str:
+    """p's part of CheckpointDiff.unified()."""
+    old_file, new_file = p.old_type == "file", p.new_type == "file"
+    if not old_file and not new_file:
+        return f"# {_stat_name(p)}: {_not_patched(p)}\n"
+    if old_file and new_file and p.metadata_only and p.old_mode == p.new_mode:
+        return f"# {p.path}: owner or extended attributes changed\n"
+    out = []
+    if not old_file and p.old_type is not None:
+        out.append(f"# {_typed_path(p.path, p.old_type)}: deleted {_type_word(p.old_type)}\n")
+    out.append(f"diff --git a{p.path} b{p.path}\n")
+    old_name, new_name = "a" + p.path, "b" + p.path
+    if not old_file:
+        old_name = "/dev/null"
+        out.append(f"new file mode {_git_mode(p.new_mode)}\n")
+    elif not new_file:
+        new_name = "/dev/null"
+        out.append(f"deleted file mode {_git_mode(p.old_mode)}\n")
+    elif p.old_mode != p.new_mode:
+        out.append(f"old mode {_git_mode(p.old_mode)}\nnew mode {_git_mode(p.new_mode)}\n")
+    if p.binary:
+        out.append(f"Binary files {old_name} and {new_name} differ\n")
+    elif p.unified_diff:
+        out.append(p.unified_diff if p.unified_diff.endswith("\n") else p.unified_diff + "\n")
+    if not new_file and p.new_type is not None:
+        out.append(f"# {_typed_path(p.path, p.new_type)}: new {_new_type_words(p.new_type, p.new_mode)}\n")
+    return "".join(out)

@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import re
+import subprocess
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
+from google.protobuf import json_format
 
 import deltagym
 from deltagym import Client, aio, client as client_mod, sandbox as sandbox_mod, search
+from deltagym._convert import checkpoint_diff
+from deltagym._proto.deltagym.v1 import env_service_pb2 as es
 from deltagym.types import CheckpointDiff, PathChange, ProcessChange, StateDigest
 
 
@@ -93,10 +100,10 @@ def test_diff_checkpoints_typed(client: Client, digests: None) -> None:
         assert f.metadata_only and (f.old_mode & 0o777, f.new_mode & 0o777) == (0o644, 0o600)
         assert by["/work/bin"].binary and not by["/work/bin"].unified_diff
         stat = str(d)
-        assert re.search(r"^ /work/t\.txt +\| 3 \+\+-$", stat, re.M), stat
-        assert "| Bin 2 -> 3 bytes" in stat and "| mode 644 -> 600" in stat, stat
-        assert stat.splitlines()[-1].startswith(f" {len(d.paths)} paths changed, {d.insertions} insertion"), stat
-        assert d.unified().count("@@") >= 2
+        assert re.search(r"^ /work/t\.txt +\|   3 \+\+-$", stat, re.M), stat
+        assert "| Bin 2 -> 3 bytes" in stat and re.search(r"^ /work/m/f +\|   0$", stat, re.M), stat
+        assert stat.splitlines()[-1] == f" 5 files changed, {d.insertions} insertions(+), {d.deletions} deletions(-)", stat
+        assert "old mode 100644\nnew mode 100600\n" in d.unified() and d.unified().count("@@") >= 2
         only = client.diff_checkpoints(base.id, ck.id, path="/work/m", max_paths=1)
         assert only.detail == "paths" and len(only.paths) == 1 and only.truncated
         assert only.paths[0].path.startswith("/work/m/") and only.paths[0].lines_added == 0
@@ -147,15 +154,67 @@ def test_list_checkpoints_lists_what_checkpoint_took(client: Client) -> None:
         assert client.list_checkpoints(run=run) == []
 
 
+def test_stat_and_unified_are_the_clis(server: Any, built: Any, client: Client, digests: None) -> None:
+    """stat() and unified() print what `deltagym diff` and `deltagym diff -u` print for the
+    same two checkpoints: the CLI binary the fixture built, run against the same server."""
+    with deltagym.Sandbox.create("shell", client=client) as sb:
+        sb.run("mkdir -p /work/p && cd /work/p && printf 'one\\ntwo\\n' > b.txt && chmod 600 b.txt && "
+               "printf 'x\\n' > x.sh && printf 'bye\\n' > gone && printf '\\000' > bin")
+        base = sb.checkpoint()
+        sb.run("cd /work/p && printf 'one\\nTWO\\nthree\\n' > b.txt && chmod 644 b.txt && chmod 755 x.sh && rm gone && "
+               "mkdir d && printf 'n\\n' > d/n && ln -s b.txt link && printf '\\000\\001' > bin")
+        ck = sb.checkpoint()
+        env = {**os.environ, "DELTAGYM_ADDR": server.addr}
+
+        def cli(*args: str) -> str:
+            p = subprocess.run([str(built.binary), "diff", base.id, ck.id, *args], env=env, capture_output=True,
+                               text=True, timeout=60)
+            assert p.returncode == 0, p.stderr
+            return p.stdout
+
+        for path, max_paths in ((None, None), ("/work/p", 2)):
+            lines = client.diff_checkpoints(base, ck, detail="lines", path=path, max_paths=max_paths)
+            unified = client.diff_checkpoints(base, ck, detail="unified", path=path, max_paths=max_paths)
+            if path:  # the CLI leaves processes out of a diff under a path; these have none
+                assert not lines.processes
+            args = [*(["--path", path] if path else []), *(["--max-paths", str(max_paths)] if max_paths else [])]
+            assert lines.stat() + "\n" == cli(*args)
+            assert unified.unified() == cli("-u", *args)
+        whole = client.diff_checkpoints(base, ck, detail="lines", path="/work/p")
+        assert whole.stat().splitlines()[-1] == " 6 files changed, 3 insertions(+), 2 deletions(-)", whole.stat()
+        assert " /work/p/d/    |   0\n" in whole.stat() and " /work/p/link  |   0\n" in whole.stat()
+        same = client.diff_checkpoints(ck, ck, detail="unified")
+        assert same.stat() == same.unified() == _cli_same(built, env, ck.id) == ""
+        for c in (base, ck):
+            client.release_checkpoint(c.id)
+
+
+def _cli_same(built: Any, env: dict[str, str], ck: str) -> str:
+    """What `deltagym diff CK CK` prints."""
+    p = subprocess.run([str(built.binary), "diff", ck, ck], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+TESTDATA = Path(__file__).resolve().parents[3] / "cmd/deltagym/testdata"
+
+
+def test_stat_and_unified_match_the_clis_golden_texts() -> None:
+    """The diff of cmd/deltagym/testdata/diff.json, every kind of change, gives the texts the
+    CLI's own test holds it to (diff.stat.golden, diff.unified.golden)."""
+    r = json_format.Parse((TESTDATA / "diff.json").read_text(), es.DiffCheckpointsResponse())
+    d = checkpoint_diff(r, "ck-a", "ck-b", "unified")
+    assert d.stat() + "\n" == (TESTDATA / "diff.stat.golden").read_text()
+    assert d.unified() == (TESTDATA / "diff.unified.golden").read_text()
+    assert str(d) == d.stat()
+
+
 def test_stat_reads_as_git_diff_stat() -> None:
     d = CheckpointDiff(
         base_checkpoint_id="ck-a", checkpoint_id="ck-b", detail="lines",
         paths=(
             PathChange(path="/w/a.py", kind="modified", old_type="file", new_type="file", old_mode=0o644,
                        new_mode=0o755, lines_added=3, lines_removed=1),
-            PathChange(path="/w/big", kind="added", new_type="file", new_size=9, lines_added=100),
-            PathChange(path="/w/img", kind="modified", old_type="file", new_type="file", old_size=10, new_size=20,
-                       binary=True),
             PathChange(path="/w/d", kind="added", new_type="dir", new_mode=0o755),
             PathChange(path="/w/gone", kind="removed", old_type="symlink", old_size=4),
             PathChange(path="/w/x", kind="modified", old_type="file", new_type="file", old_mode=0o644,
@@ -164,20 +223,26 @@ def test_stat_reads_as_git_diff_stat() -> None:
         processes=(ProcessChange(kind="modified", pid=7, command="python3 app.py", details=("cwd /a -> /b",)),),
     )
     assert str(d) == "\n".join([
-        " /w/a.py | 4 +++- (mode 644 -> 755)",
-        " /w/big  | 100 " + "+" * 40,
-        " /w/img  | Bin 10 -> 20 bytes",
-        " /w/d    | new dir, 0 bytes, mode 755",
-        " /w/gone | deleted symlink, 4 bytes",
-        " /w/x    | mode 644 -> 755",
-        " process 7 modified: python3 app.py (cwd /a -> /b)",
-        " 6 paths changed, 103 insertions(+), 1 deletion(-), 1 process changed",
+        " /w/a.py | 4 +++-",
+        " /w/d/   | 0",
+        " /w/gone | 0",
+        " /w/x    | 0",
+        " 3 files changed, 3 insertions(+), 1 deletion(-)",
+        "processes:",
+        " ~ pid 7 python3 app.py: cwd /a -> /b",
     ])
-    assert d.insertions == 103 and d.deletions == 1 and not d.empty
+    assert d.insertions == 3 and d.deletions == 1 and not d.empty
     one = CheckpointDiff(base_checkpoint_id="a", checkpoint_id="b", detail="paths",
                          paths=(PathChange(path="/f", kind="modified", old_type="file", new_type="file", old_size=1,
                                            new_size=2),))
-    assert one.stat() == " /f | 1 -> 2 bytes\n 1 path changed"
+    assert one.stat() == " /f\n 1 file changed"
+    removed = CheckpointDiff(base_checkpoint_id="a", checkpoint_id="b", detail="lines",
+                             paths=(PathChange(path="/f", kind="removed", old_type="file", lines_removed=1),))
+    assert removed.stat() == " /f | 1 -\n 1 file changed, 1 deletion(-)"
+    dirs = CheckpointDiff(base_checkpoint_id="a", checkpoint_id="b", detail="lines",
+                          paths=(PathChange(path="/d", kind="added", new_type="dir", new_mode=0o755),))
+    assert dirs.stat() == " /d/ | 0\n 0 files changed"
+    assert CheckpointDiff(base_checkpoint_id="a", checkpoint_id="a", detail="paths").stat() == ""
     assert CheckpointDiff(base_checkpoint_id="a", checkpoint_id="a", detail="paths").empty
 
 

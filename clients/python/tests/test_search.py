@@ -12,10 +12,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 import deltagym
-from deltagym import Client, aio
+import deltagym.errors
+from deltagym import Client, aio, search as search_mod
 from deltagym.search import AsyncGoExplore, GoExplore, Progress, _Archive
 from deltagym.types import Checkpoint, StateDigest
 
@@ -168,6 +170,56 @@ def test_default_cell_is_the_state_digest(client: Client, run_sb: tuple[str, del
     assert len(took) == 7 and not set(took) & listed(client, run)
 
 
+def test_scores_are_reported_to_the_ledger(server, client: Client, run_sb: tuple[str, deltagym.Sandbox],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    server.require_ledger()
+    run, sb = run_sb
+    start = sb.episode_id
+    scores: dict[str, float] = {}
+
+    def watch(p: Progress) -> None:
+        scores[sb.episode_id] = p.score  # the episode the iteration's restore started
+
+    with GoExplore(sb, adder(random.Random(11)), cell=counter, score=lambda s: float(counter(s)) / 10,
+                   seed=11) as search:
+        search.run(iterations=4, on_progress=watch)
+    assert len(scores) == 4 and start not in scores
+    for ep, score in scores.items():
+        rewards = [(r.name, r.value, r.source) for r in client.get_trajectory(ep).episode.rewards]
+        assert rewards == [(search_mod.SCORE_REWARD, score, search_mod.SCORE_SOURCE)] == [("score", score, "goexplore")]
+    assert set(scores) < {e.episode_id for e in client.iter_episodes(run=run)}
+    assert not client.get_trajectory(start).episode.rewards  # the start was not explored
+
+    # report_scores=False reports nothing.
+    quiet_eps: list[str] = []
+    with GoExplore(sb, adder(random.Random(12)), cell=counter, score=lambda s: 1.0, seed=12,
+                   report_scores=False) as quiet:
+        quiet.run(iterations=2, on_progress=lambda p: quiet_eps.append(sb.episode_id))
+    assert len(quiet_eps) == 2 and all(not client.get_trajectory(ep).episode.rewards for ep in quiet_eps)
+
+    # A server without a ledger refuses the first report: the search goes on without reporting.
+    calls: list[str] = []
+
+    def refuse(episode_id: str, name: str, value: float, *, source: str = "") -> None:
+        calls.append(episode_id)
+        raise deltagym.errors.from_code(grpc.StatusCode.FAILED_PRECONDITION, "ledger disabled on this server",
+                                        "ReportReward", reason="LEDGER_DISABLED")
+
+    monkeypatch.setattr(sb.client, "report_reward", refuse)
+    with GoExplore(sb, adder(random.Random(13)), cell=counter, score=lambda s: 1.0, seed=13) as off:
+        off.run(iterations=3)
+        assert len(calls) == 1 and not off.report_scores and off.iterations == 3
+
+    # Any other refusal is the caller's to see.
+    def broken(episode_id: str, name: str, value: float, *, source: str = "") -> None:
+        raise deltagym.errors.from_code(grpc.StatusCode.INTERNAL, "ledger write failed", "ReportReward")
+
+    monkeypatch.setattr(sb.client, "report_reward", broken)
+    with GoExplore(sb, adder(random.Random(14)), cell=counter, score=lambda s: 1.0, seed=14) as loud, \
+            pytest.raises(deltagym.errors.DeltagymError, match="ledger write failed"):
+        loud.step()
+
+
 def test_async_search(server, client: Client) -> None:
     run = f"run-{uuid.uuid4().hex[:8]}"
 
@@ -182,12 +234,19 @@ def test_async_search(server, client: Client) -> None:
 
             seen: list[Progress] = []
 
+            episodes: list[str] = []
+
             async def watch(p: Progress) -> None:
                 seen.append(p)
+                episodes.append(sb.episode_id)
 
             async with AsyncGoExplore(sb, policy, cell=cell, score=cell, seed=2) as search:
                 best = await search.run(iterations=5, on_progress=watch)
                 assert len(seen) == 5 and best.score == best.key and best.key >= 2
+                if server.ledger:  # each explored episode's score, reported as a reward
+                    got = [[(r.name, r.value, r.source) for r in (await sb.client.get_trajectory(ep)).episode.rewards]
+                           for ep in episodes]
+                    assert got == [[("score", p.score, "goexplore")] for p in seen]
                 assert listed(client, run) == {c.checkpoint.id for c in search.cells.values()}
                 await search.restore(best)
                 assert await cell(sb) == best.key
