@@ -310,37 +310,43 @@ func diffNames(a, b *hnode, out []string) []string {
 		return out
 	}
 	for f := range uint(1 << hbits) {
-		ia, oka := a.index(f)
-		ib, okb := b.index(f)
-		var sa, sb *hslot
-		if oka {
-			sa = &a.slots[ia]
+		out = diffSlots(a.slot(f), b.slot(f), out)
+	}
+	return out
+}
+
+// slot is h's slot of bit f, nil if none.
+func (h *hnode) slot(f uint) *hslot {
+	if i, ok := h.index(f); ok {
+		return &h.slots[i]
+	}
+	return nil
+}
+
+// diffSlots is diffNames of slots sa and sb (either nil) of one bit.
+func diffSlots(sa, sb *hslot, out []string) []string {
+	switch {
+	case sa == nil && sb == nil:
+		return out
+	case sa != nil && sb != nil && sa.sub != nil && sb.sub != nil:
+		return diffNames(sa.sub, sb.sub, out)
+	case sa != nil && sb != nil && sa.sub == nil && sb.sub == nil && sa.name == sb.name:
+		if sa.val != sb.val && sa.val.hash != sb.val.hash {
+			out = append(out, sa.name)
 		}
-		if okb {
-			sb = &b.slots[ib]
+		return out
+	}
+	// An entry against a node, or two entries of other names: the union of the two, each
+	// compared by hash.
+	ma := slotEntries(sa)
+	for name, v := range slotEntries(sb) {
+		if w, ok := ma[name]; !ok || w.hash != v.hash {
+			out = append(out, name)
 		}
-		switch {
-		case sa == nil && sb == nil:
-		case sa != nil && sb != nil && sa.sub != nil && sb.sub != nil:
-			out = diffNames(sa.sub, sb.sub, out)
-		case sa != nil && sb != nil && sa.sub == nil && sb.sub == nil && sa.name == sb.name:
-			if sa.val != sb.val && sa.val.hash != sb.val.hash {
-				out = append(out, sa.name)
-			}
-		default:
-			// An entry against a node, or two entries of other names: the union of the two,
-			// each compared by hash.
-			ma := slotEntries(sa)
-			for name, v := range slotEntries(sb) {
-				if w, ok := ma[name]; !ok || w.hash != v.hash {
-					out = append(out, name)
-				}
-				delete(ma, name)
-			}
-			for name := range ma {
-				out = append(out, name)
-			}
-		}
+		delete(ma, name)
+	}
+	for name := range ma {
+		out = append(out, name)
 	}
 	return out
 }
