@@ -19,6 +19,13 @@ import (
 // differ; file contents are read only for DiffLines and DiffUnified, from the checkpoints'
 // sealed layers (the topmost layer holding the path, below whiteouts), read-only, by
 // descriptors that follow no symlink.
+//
+// What one diff costs is bounded as a whole, not only per file, since the sandbox chooses the
+// files: the paths listed (count and bytes), the file content read, the line diffs' search
+// work and the unified text returned each have a budget per request. Files whose pair of
+// contents (by their content hashes) was diffed already reuse that result, so a thousand
+// names of one pair cost one diff. Past a budget, the files left get no line counts or
+// unified diff (Diff.DetailsTruncated).
 
 const (
 	// diffTextBytes is the largest file whose lines are counted.
@@ -26,6 +33,17 @@ const (
 	// defaultDiffPaths and maxDiffPaths bound DiffOptions.MaxPaths.
 	defaultDiffPaths = 10_000
 	maxDiffPaths     = 100_000
+	// diffPathBytes bounds the bytes of the paths a diff lists (Diff.Truncated past it).
+	diffPathBytes = 16 << 20
+	// diffReadBytes bounds the file content a diff reads; each file read counts a page more,
+	// for finding it in the layers.
+	diffReadBytes = 64 << 20
+	diffReadCost  = 4 << 10
+	// diffWork bounds the line diffs' search work, all files together (textdiff.Budget): ten
+	// files' worth of the bound of one.
+	diffWork = 40_000_000
+	// diffUnifiedBytes bounds the unified diffs' text, all files together.
+	diffUnifiedBytes = 16 << 20
 )
 
 // DiffCheckpoints compares checkpoint id against base (both held by the runtime, of the same
@@ -63,7 +81,7 @@ func (r *Runtime) DiffCheckpoints(ctx context.Context, base, id string, opt Diff
 	if err != nil {
 		return Diff{}, err
 	}
-	dw := treeDiff{limit: limit}
+	dw := treeDiff{limit: limit, sums: map[string][2][32]byte{}}
 	prefix := "/" + strings.Join(comps, "/")
 	dw.diff(prefix, lookupNode(ta, comps), lookupNode(tb, comps))
 	slices.SortFunc(dw.out, func(a, b PathChange) int { return strings.Compare(a.Path, b.Path) })
@@ -72,7 +90,7 @@ func (r *Runtime) DiffCheckpoints(ctx context.Context, base, id string, opt Diff
 		out.Paths, out.Truncated = out.Paths[:limit], true
 	}
 	if opt.Detail >= DiffLines {
-		if err := r.diffContents(ctx, cb, ct, out.Paths, opt.Detail); err != nil {
+		if out.DetailsTruncated, err = r.diffContents(ctx, cb, ct, out.Paths, dw.sums, opt.Detail); err != nil {
 			return Diff{}, err
 		}
 	}
@@ -99,10 +117,14 @@ type treeDiff struct {
 	limit     int
 	out       []PathChange
 	truncated bool
+	pathBytes int
+	// sums are the content hashes of the regular files among the changes, by path: base's
+	// and target's (zero for a side that is not a regular file).
+	sums map[string][2][32]byte
 }
 
 // full reports whether the diff has more changes than it returns (one past the limit is
-// collected, to know that it was passed).
+// collected, to know that it was passed), or paths of more bytes than diffPathBytes.
 func (t *treeDiff) full() bool {
 	if len(t.out) > t.limit {
 		t.truncated = true
@@ -110,7 +132,25 @@ func (t *treeDiff) full() bool {
 	return t.truncated
 }
 
-func (t *treeDiff) add(ch PathChange) { t.out = append(t.out, ch) }
+// add adds change ch between entries a and b (either nil), unless its path would take the
+// paths past diffPathBytes.
+func (t *treeDiff) add(ch PathChange, a, b *dnode) {
+	if t.pathBytes += len(ch.Path); t.pathBytes > diffPathBytes {
+		t.truncated = true
+		return
+	}
+	t.out = append(t.out, ch)
+	if ch.OldType == TypeFile || ch.NewType == TypeFile {
+		var sum [2][32]byte
+		if ch.OldType == TypeFile {
+			sum[0] = a.data
+		}
+		if ch.NewType == TypeFile {
+			sum[1] = b.data
+		}
+		t.sums[ch.Path] = sum
+	}
+}
 
 func side(n *dnode) (FileType, int64, uint32) {
 	if n == nil {
@@ -134,19 +174,19 @@ func (t *treeDiff) diff(p string, a, b *dnode) {
 	switch {
 	case a == nil:
 		ch.Kind = ChangeAdded
-		t.add(ch)
+		t.add(ch, a, b)
 		t.all(p, b, ChangeAdded)
 		return
 	case b == nil:
 		ch.Kind = ChangeRemoved
-		t.add(ch)
+		t.add(ch, a, b)
 		t.all(p, a, ChangeRemoved)
 		return
 	}
 	ch.Kind = ChangeModified
 	if !a.isDir() || !b.isDir() {
 		ch.MetadataOnly = a.mode&unix.S_IFMT == b.mode&unix.S_IFMT && a.data == b.data && a.size == b.size
-		t.add(ch)
+		t.add(ch, a, b)
 		if a.isDir() {
 			t.all(p, a, ChangeRemoved)
 		}
@@ -157,20 +197,12 @@ func (t *treeDiff) diff(p string, a, b *dnode) {
 	}
 	if a.attr != b.attr {
 		ch.MetadataOnly = true
-		t.add(ch)
+		t.add(ch, a, b)
 	}
-	names := make([]string, 0, len(a.kids)+len(b.kids))
-	for n := range a.kids {
-		names = append(names, n)
-	}
-	for n := range b.kids {
-		if a.kids[n] == nil {
-			names = append(names, n)
-		}
-	}
+	names := diffNames(a.kids, b.kids, nil)
 	slices.Sort(names)
 	for _, n := range names {
-		t.diff(join(p, n), a.kids[n], b.kids[n])
+		t.diff(join(p, n), a.kids.get(n), b.kids.get(n))
 	}
 }
 
@@ -179,18 +211,19 @@ func (t *treeDiff) all(p string, n *dnode, kind ChangeKind) {
 	if !n.isDir() {
 		return
 	}
-	for _, name := range sortedNames(n) {
+	for _, name := range n.kids.names() {
 		if t.full() {
 			return
 		}
-		k := n.kids[name]
+		k := n.kids.get(name)
 		ch := PathChange{Path: join(p, name), Kind: kind}
 		if kind == ChangeAdded {
 			ch.NewType, ch.NewSize, ch.NewMode = side(k)
+			t.add(ch, nil, k)
 		} else {
 			ch.OldType, ch.OldSize, ch.OldMode = side(k)
+			t.add(ch, k, nil)
 		}
-		t.add(ch)
 		t.all(ch.Path, k, kind)
 	}
 }
@@ -245,48 +278,61 @@ func diffProcs(a, b []procSum) []ProcessChange {
 	return out
 }
 
+// fileDetail is what a diff says of a pair of text contents (or of a binary one).
+type fileDetail struct {
+	binary         bool
+	added, removed int
+	hunks          string // DiffUnified
+}
+
+// diffBudget is what is left of one diff's budgets for file details.
+type diffBudget struct {
+	read, unified int
+	work          textdiff.Budget
+}
+
 // diffContents fills in line counts (and unified diffs) of the regular files among changes,
-// reading them from the layers of base and target, held meanwhile.
-func (r *Runtime) diffContents(ctx context.Context, base, target *checkpoint, changes []PathChange, detail DiffDetail) error {
+// whose content hashes are sums, reading them from the layers of base and target, held
+// meanwhile. It reports whether a budget ran out, leaving files without details.
+func (r *Runtime) diffContents(ctx context.Context, base, target *checkpoint, changes []PathChange, sums map[string][2][32]byte, detail DiffDetail) (truncated bool, err error) {
 	ra, err := r.openFiles(base)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer ra.close()
 	rb, err := r.openFiles(target)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer rb.close()
+	bu := diffBudget{read: diffReadBytes, unified: diffUnifiedBytes, work: textdiff.Budget{Work: diffWork}}
+	memo := map[[2][32]byte]*fileDetail{}
 	for i := range changes {
 		ch := &changes[i]
 		if ch.OldType != TypeFile && ch.NewType != TypeFile || ch.MetadataOnly {
 			continue
 		}
 		if err := ctx.Err(); err != nil {
-			return err
+			return false, err
 		}
 		if ch.OldSize > diffTextBytes || ch.NewSize > diffTextBytes {
 			ch.Binary = true
 			continue
 		}
-		var a, b []byte
-		if ch.OldType == TypeFile {
-			if a, err = ra.read(ch.Path); err != nil {
-				return err
+		sum := sums[ch.Path]
+		det := memo[sum]
+		if det == nil {
+			if bu.read <= 0 || bu.work.Spent() {
+				truncated = true
+				continue
 			}
-		}
-		if ch.NewType == TypeFile {
-			if b, err = rb.read(ch.Path); err != nil {
-				return err
+			if det, err = fileDiff(ra, rb, ch, detail, &bu); err != nil {
+				return false, err
 			}
+			memo[sum] = det
 		}
-		if !isText(a) || !isText(b) {
-			ch.Binary = true
-			continue
-		}
-		if detail < DiffUnified {
-			ch.LinesAdded, ch.LinesRemoved = textdiff.Stat(string(a), string(b))
+		ch.Binary, ch.LinesAdded, ch.LinesRemoved = det.binary, det.added, det.removed
+		if det.hunks == "" {
 			continue
 		}
 		oldName, newName := "a"+ch.Path, "b"+ch.Path
@@ -296,9 +342,43 @@ func (r *Runtime) diffContents(ctx context.Context, base, target *checkpoint, ch
 		if ch.NewType != TypeFile {
 			newName = "/dev/null"
 		}
-		ch.Unified, ch.LinesAdded, ch.LinesRemoved = textdiff.Unified(oldName, newName, string(a), string(b), 3)
+		u := textdiff.Header(oldName, newName) + det.hunks
+		if len(u) > bu.unified {
+			// Past the budget: no unified diff from here on.
+			bu.unified, truncated = 0, true
+			continue
+		}
+		bu.unified -= len(u)
+		ch.Unified = u
 	}
-	return nil
+	return truncated, nil
+}
+
+// fileDiff reads change ch's two sides and diffs them within budget bu.
+func fileDiff(ra, rb *ckFiles, ch *PathChange, detail DiffDetail, bu *diffBudget) (*fileDetail, error) {
+	var a, b []byte
+	var err error
+	if ch.OldType == TypeFile {
+		if a, err = ra.read(ch.Path); err != nil {
+			return nil, err
+		}
+	}
+	if ch.NewType == TypeFile {
+		if b, err = rb.read(ch.Path); err != nil {
+			return nil, err
+		}
+	}
+	bu.read -= len(a) + len(b) + diffReadCost
+	if !isText(a) || !isText(b) {
+		return &fileDetail{binary: true}, nil
+	}
+	det := &fileDetail{}
+	if detail < DiffUnified {
+		det.added, det.removed = bu.work.Stat(string(a), string(b))
+	} else {
+		det.hunks, det.added, det.removed = bu.work.Hunks(string(a), string(b), 3)
+	}
+	return det, nil
 }
 
 // isText reports whether b is text: valid UTF-8 without a NUL byte (and within the size read).
@@ -422,7 +502,7 @@ func statBeneath(root int, rel string, st *unix.Stat_t) error {
 	return unix.Fstat(fd, st)
 }
 
-// opaqueBeneath reports whether directory rel below root is overlayfs-opaque.
+// opaqueBeneath reports whether directory rel below root is overlayfs-opaque (isOpaqueDir).
 func opaqueBeneath(root int, rel string) bool {
 	fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: layerResolve})
 	if err != nil {
@@ -430,12 +510,8 @@ func opaqueBeneath(root int, rel string) bool {
 	}
 	defer unix.Close(fd)
 	var buf [4]byte
-	for _, name := range []string{"trusted.overlay.opaque", "user.overlay.opaque"} {
-		if n, err := unix.Fgetxattr(fd, name, buf[:]); err == nil && n == 1 && buf[0] == 'y' {
-			return true
-		}
-	}
-	return false
+	n, err := unix.Fgetxattr(fd, opaqueMark, buf[:])
+	return err == nil && n == 1 && buf[0] == 'y'
 }
 
 // readBeneath reads up to diffTextBytes+1 bytes of the regular file rel below root: never

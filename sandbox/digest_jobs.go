@@ -392,7 +392,7 @@ func (r *Runtime) bestPrefix(cands ...[]string) (stack []string, base *dnode, fr
 }
 
 // indexFormat versions the image index cache's files.
-const indexFormat = "deltagym-index-1"
+const indexFormat = "deltagym-index-2"
 
 // imageIndex returns image's index: the skeleton (if it needs it) and its layers, from memory,
 // from its cache file, or computed and cached.
@@ -435,7 +435,7 @@ func (r *Runtime) imageIndex(image string, w *layerWalk) (*dnode, error) {
 	}
 	if root == nil {
 		st := unix.Stat_t{Mode: unix.S_IFDIR | 0o755}
-		root = &dnode{attr: attrHash(&st, nil), mode: st.Mode, kids: map[string]*dnode{}}
+		root = &dnode{attr: attrHash(&st, nil), mode: st.Mode}
 		root.seal()
 	}
 	if err := writeIndex(cache, root); err != nil {
@@ -467,14 +467,14 @@ func writeIndex(p string, root *dnode) error {
 		binary.LittleEndian.PutUint32(b[0:], uint32(len(name)))
 		binary.LittleEndian.PutUint32(b[4:], n.mode)
 		binary.LittleEndian.PutUint64(b[8:], uint64(n.size))
-		binary.LittleEndian.PutUint32(b[16:], uint32(len(n.kids)))
+		binary.LittleEndian.PutUint32(b[16:], uint32(n.kids.size()))
 		bw.Write(b[:])
 		io.WriteString(bw, name)
 		bw.Write(n.attr[:])
 		bw.Write(n.data[:])
 		if n.isDir() {
-			for _, k := range sortedNames(n) {
-				enc(k, n.kids[k])
+			for _, k := range n.kids.names() {
+				enc(k, n.kids.get(k))
 			}
 		}
 	}
@@ -498,6 +498,7 @@ func readIndex(p string) (*dnode, error) {
 	if _, err := io.ReadFull(br, head); err != nil || string(head) != indexFormat+"\n" {
 		return nil, errors.New("not an index of this format")
 	}
+	e := newEdit()
 	var dec func(depth int) (string, *dnode, error)
 	dec = func(depth int) (string, *dnode, error) {
 		if depth > maxDigestDepth {
@@ -524,13 +525,12 @@ func readIndex(p string) (*dnode, error) {
 			return "", nil, err
 		}
 		if n.isDir() {
-			n.kids = make(map[string]*dnode, min(kids, 1<<16))
 			for range kids {
 				k, kn, err := dec(depth + 1)
 				if err != nil {
 					return "", nil, err
 				}
-				n.kids[k] = kn
+				n.kids = n.kids.set(e, k, kn)
 			}
 		}
 		n.seal()
@@ -545,15 +545,6 @@ func readIndex(p string) (*dnode, error) {
 		return nil, errors.New("index does not match its hash")
 	}
 	return root, nil
-}
-
-func sortedNames(n *dnode) []string {
-	names := make([]string, 0, len(n.kids))
-	for k := range n.kids {
-		names = append(names, k)
-	}
-	slices.Sort(names)
-	return names
 }
 
 // newDirFile wraps directory descriptor fd for Readdirnames; closing it closes fd.

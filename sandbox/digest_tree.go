@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"os"
 	"slices"
 	"strings"
@@ -21,11 +20,12 @@ import (
 //
 // A checkpoint's merged tree is indexed as a Merkle tree of dnodes: each entry's hash covers
 // its type, permission bits, owner, group, extended attributes and content (a file's data, a
-// symlink's target, a device's number), a directory's also its sorted (name, hash) pairs.
-// Times and inode numbers are left out, so two trees that show the same files hash the same
-// however they were reached. Trees are immutable once built: a checkpoint's tree is its
-// parent's (or the image's) with the paths its own layers hold replaced, copying only the
-// directories on the way to them; every other directory is shared.
+// symlink's target, a device's number), a directory's also its entries' trie (digest_dir.go:
+// a Merkle hash over its names and their hashes). Times and inode numbers are left out, so two
+// trees that show the same files hash the same however they were reached. Trees are immutable
+// once built: a checkpoint's tree is its parent's (or the image's) with the paths its own
+// layers hold replaced, copying only the directories on the way to them, and of each only the
+// trie nodes on the way to the entries changed; everything else is shared.
 
 // dnode is one entry of an index. Immutable once its tree is built.
 type dnode struct {
@@ -34,7 +34,7 @@ type dnode struct {
 	data [32]byte // content: a file's data, a symlink's target, a device's number
 	mode uint32   // st_mode: type and permission bits
 	size int64
-	kids map[string]*dnode // a directory's entries
+	kids *hnode // a directory's entries (nil: none)
 }
 
 // isDir reports whether n is a directory.
@@ -59,14 +59,9 @@ func (n *dnode) seal() {
 	h.Write(n.attr[:])
 	h.Write(n.data[:])
 	if n.isDir() {
-		var b [8]byte
-		for _, name := range slices.Sorted(maps.Keys(n.kids)) {
-			binary.LittleEndian.PutUint64(b[:], uint64(len(name)))
-			h.Write(b[:])
-			io.WriteString(h, name)
-			k := n.kids[name]
-			h.Write(k.hash[:])
-		}
+		n.kids.seal()
+		t := trieHash(n.kids)
+		h.Write(t[:])
 	}
 	h.Sum(n.hash[:0])
 }
@@ -85,7 +80,7 @@ func sandboxID(id uint32) uint32 {
 }
 
 // attrHash hashes an entry's type, permission bits, owner and group as the sandbox sees
-// them, and its xattrs (sorted, overlayfs's own marks left out).
+// them, and its xattrs (sorted, overlayfs's own marks left out: overlayMark).
 func attrHash(st *unix.Stat_t, xattrs []xattrKV) [32]byte {
 	var b [16]byte
 	binary.LittleEndian.PutUint32(b[0:], st.Mode&(unix.S_IFMT|0o7777))
@@ -114,10 +109,20 @@ type xattrKV struct {
 }
 
 // overlayMark reports whether xattr name is overlayfs's own bookkeeping (the opaque mark,
-// origins, impurity), not the sandbox's.
+// origins, impurity), not the sandbox's. The runtime's overlays keep their marks in the
+// trusted namespace (no mount is userxattr), which a sandbox cannot write; a user.overlay.*
+// xattr is the sandbox's own, which overlayfs shows and does not act on, so it is hashed like
+// any other and hides nothing.
 func overlayMark(name string) bool {
-	return strings.HasPrefix(name, "trusted.overlay.") || strings.HasPrefix(name, "user.overlay.")
+	return strings.HasPrefix(name, overlayPrefix)
 }
+
+// overlayPrefix is the namespace of overlayfs's marks on the runtime's layers; opaqueMark is
+// its opaque directory's.
+const (
+	overlayPrefix = "trusted.overlay."
+	opaqueMark    = overlayPrefix + "opaque"
+)
 
 // readXattrs returns p's xattrs, sorted by name, but overlayfs's marks; never follows a
 // symlink.
@@ -199,7 +204,8 @@ const chunkSize = 64 << 10
 
 // contentHash hashes the regular file fd of size bytes by chunks (chunkSize), reading only
 // its data extents (SEEK_DATA).
-func contentHash(fd int, size int64, buf []byte) ([32]byte, error) {
+// read counts the bytes read.
+func contentHash(fd int, size int64, buf []byte, read *int64) ([32]byte, error) {
 	h := sha256.New()
 	var b [8]byte
 	binary.LittleEndian.PutUint64(b[:], uint64(size))
@@ -225,6 +231,7 @@ func contentHash(fd int, size int64, buf []byte) ([32]byte, error) {
 		if err != nil {
 			return [32]byte{}, err
 		}
+		*read += int64(got)
 		if got < n {
 			clear(buf[got:n]) // shrank meanwhile: layers are sealed, so only a host's doing
 		}
@@ -254,6 +261,14 @@ func allZero(b []byte) bool {
 // layerWalk builds index entries from one layer directory.
 type layerWalk struct {
 	buf []byte
+	// e is the batch the walk's tries are built in (one per layer applied).
+	e *edit
+	// links are the entries of the regular files with more than one link met in the walk,
+	// by device and inode: each is hashed once however many names it has, in the layers of
+	// the walk (sealed and held meanwhile, so an inode is not reused).
+	links map[[2]uint64]*dnode
+	// hashed counts the bytes of file content read.
+	hashed int64
 	// canceled is polled between entries; an error from it ends the walk.
 	canceled func() error
 	n        int
@@ -277,15 +292,28 @@ func (w *layerWalk) file(dirfd int, name, p string) (*dnode, error) {
 	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return nil, fmt.Errorf("opening %s: %w", p, cmpErr(err, unix.ESTALE))
 	}
+	var ino [2]uint64
+	if st.Nlink > 1 {
+		ino = [2]uint64{st.Dev, st.Ino}
+		if n := w.links[ino]; n != nil {
+			return n, nil
+		}
+	}
 	xs, err := fdXattrs(fd)
 	if err != nil {
 		return nil, fmt.Errorf("reading xattrs of %s: %w", p, err)
 	}
 	n := &dnode{attr: attrHash(&st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777), size: st.Size}
-	if n.data, err = contentHash(fd, st.Size, w.buf); err != nil {
+	if n.data, err = contentHash(fd, st.Size, w.buf, &w.hashed); err != nil {
 		return nil, fmt.Errorf("reading %s: %w", p, err)
 	}
 	n.seal()
+	if st.Nlink > 1 {
+		if w.links == nil {
+			w.links = map[[2]uint64]*dnode{}
+		}
+		w.links[ino] = n
+	}
 	return n, nil
 }
 
@@ -345,18 +373,15 @@ func dirNode(p string, st *unix.Stat_t) (*dnode, error) {
 	if err != nil {
 		return nil, fmt.Errorf("reading xattrs of %s: %w", p, err)
 	}
-	return &dnode{attr: attrHash(st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777), kids: map[string]*dnode{}}, nil
+	return &dnode{attr: attrHash(st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777)}, nil
 }
 
-// isOpaqueDir reports whether directory p is overlayfs-opaque (hides the layers below).
+// isOpaqueDir reports whether directory p is overlayfs-opaque (hides the layers below): it
+// has the opaque mark of the runtime's overlays (overlayPrefix), and no other.
 func isOpaqueDir(p string) bool {
 	var buf [4]byte
-	for _, name := range []string{"trusted.overlay.opaque", "user.overlay.opaque"} {
-		if n, err := unix.Lgetxattr(p, name, buf[:]); err == nil && n == 1 && buf[0] == 'y' {
-			return true
-		}
-	}
-	return false
+	n, err := unix.Lgetxattr(p, opaqueMark, buf[:])
+	return err == nil && n == 1 && buf[0] == 'y'
 }
 
 // maxDigestDepth bounds the directories a layer walk descends (a descriptor each).
@@ -381,7 +406,7 @@ func (w *layerWalk) apply(base *dnode, dirfd int, p string, depth int, keepAttr 
 	}
 	switch {
 	case base != nil && base.isDir() && !isOpaqueDir(p):
-		out.kids = maps.Clone(base.kids)
+		out.kids = base.kids // shared: changed below in the walk's batch, copying as it goes
 		if keepAttr {
 			out.attr, out.mode = base.attr, base.mode
 		}
@@ -403,7 +428,7 @@ func (w *layerWalk) apply(base *dnode, dirfd int, p string, depth int, keepAttr 
 			if err != nil {
 				return nil, err
 			}
-			out.kids[name] = k
+			out.kids = out.kids.set(w.e, name, k)
 			continue
 		}
 		var cst unix.Stat_t
@@ -412,24 +437,24 @@ func (w *layerWalk) apply(base *dnode, dirfd int, p string, depth int, keepAttr 
 		}
 		switch {
 		case whiteout(&cst):
-			delete(out.kids, name)
+			out.kids = out.kids.set(w.e, name, nil)
 		case cst.Mode&unix.S_IFMT == unix.S_IFDIR:
 			cfd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 			if err != nil {
 				return nil, fmt.Errorf("opening %s: %w", cp, err)
 			}
-			k, err := w.apply(out.kids[name], cfd, cp, depth+1, false)
+			k, err := w.apply(out.kids.get(name), cfd, cp, depth+1, false)
 			unix.Close(cfd)
 			if err != nil {
 				return nil, err
 			}
-			out.kids[name] = k
+			out.kids = out.kids.set(w.e, name, k)
 		default:
 			k, err := w.leaf(dirfd, name, cp, &cst)
 			if err != nil {
 				return nil, err
 			}
-			out.kids[name] = k
+			out.kids = out.kids.set(w.e, name, k)
 		}
 	}
 	out.seal()
@@ -467,6 +492,7 @@ func (w *layerWalk) applyLayer(root *dnode, p string) (*dnode, error) {
 		return nil, fmt.Errorf("opening layer %s: %w", p, err)
 	}
 	defer unix.Close(fd)
+	w.e = newEdit()
 	return w.apply(root, fd, p, 0, root != nil)
 }
 
@@ -474,7 +500,7 @@ func (w *layerWalk) applyLayer(root *dnode, p string) (*dnode, error) {
 // shm (nil: empty) under a directory of fixed attributes (the tmpfs's root, mode 1777).
 func withShm(root, shm *dnode) *dnode {
 	st := unix.Stat_t{Mode: unix.S_IFDIR | 0o1777}
-	sd := &dnode{attr: attrHash(&st, nil), mode: st.Mode, kids: map[string]*dnode{}}
+	sd := &dnode{attr: attrHash(&st, nil), mode: st.Mode}
 	if shm != nil {
 		sd.kids = shm.kids
 	}
@@ -491,12 +517,11 @@ func replaceAt(root *dnode, comps []string, n *dnode) *dnode {
 	out := &dnode{}
 	if root != nil && root.isDir() {
 		*out = *root
-		out.kids = maps.Clone(root.kids)
 	} else {
 		st := unix.Stat_t{Mode: unix.S_IFDIR | 0o755}
-		out.attr, out.mode, out.kids = attrHash(&st, nil), st.Mode, map[string]*dnode{}
+		out.attr, out.mode = attrHash(&st, nil), st.Mode
 	}
-	out.kids[comps[0]] = replaceAt(out.kids[comps[0]], comps[1:], n)
+	out.kids = out.kids.set(newEdit(), comps[0], replaceAt(out.kids.get(comps[0]), comps[1:], n))
 	out.seal()
 	return out
 }
@@ -508,7 +533,7 @@ func lookupNode(root *dnode, comps []string) *dnode {
 		if n == nil || !n.isDir() {
 			return nil
 		}
-		n = n.kids[c]
+		n = n.kids.get(c)
 	}
 	return n
 }

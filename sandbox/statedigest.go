@@ -77,10 +77,14 @@ type ProcessChange struct {
 // Diff is what DiffCheckpoints found.
 type Diff struct {
 	Paths     []PathChange // sorted by path
-	Truncated bool
-	Processes []ProcessChange // sorted by pid
-	Base      StateDigest
-	Target    StateDigest
+	Truncated bool         // more changes than Paths (DiffOptions.MaxPaths, or 16 MiB of paths)
+	// DetailsTruncated: the diff's budgets for file details (content read, line diff work,
+	// 16 MiB of unified text) ran out, and some text files have no line counts or unified
+	// diff. Files of one pair of contents share their details.
+	DetailsTruncated bool
+	Processes        []ProcessChange // sorted by pid
+	Base             StateDigest
+	Target           StateDigest
 }
 
 // StateDigest returns checkpoint id's digest, waiting until it is computed or ctx ends.

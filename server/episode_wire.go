@@ -275,7 +275,7 @@ var changeKinds = map[sandbox.ChangeKind]deltagymv1.ChangeKind{
 
 // diffResponse is d's API form.
 func diffResponse(d sandbox.Diff) *deltagymv1.DiffCheckpointsResponse {
-	resp := &deltagymv1.DiffCheckpointsResponse{Truncated: d.Truncated, BaseDigest: digestProto(d.Base), Digest: digestProto(d.Target),
+	resp := &deltagymv1.DiffCheckpointsResponse{Truncated: d.Truncated, DetailsTruncated: d.DetailsTruncated, BaseDigest: digestProto(d.Base), Digest: digestProto(d.Target),
 		Paths: make([]*deltagymv1.PathChange, 0, len(d.Paths))}
 	for _, p := range d.Paths {
 		resp.Paths = append(resp.Paths, &deltagymv1.PathChange{Path: p.Path, Kind: changeKinds[p.Kind], OldType: episode.FileTypeProto(p.OldType),

@@ -24,6 +24,13 @@ const requestSlack = 1 << 20
 // write_file of fileBytes bytes as Connect JSON, and so in every other encoding.
 func RequestCapFor(fileBytes int) int { return (fileBytes+2)/3*4 + requestSlack }
 
+// ResponseCap is the largest response message a server with request cap requestCap sends:
+// the request cap, or what carries a read of the largest file a sandbox holds (a download, a
+// read_file) as Connect JSON if that is more. The largest answers the API gives (a file read,
+// a diff within its budgets) fit; a message past it fails with ResourceExhausted instead of
+// being built and sent whatever its size.
+func ResponseCap(requestCap int) int { return max(requestCap, RequestCapFor(sandbox.MaxFileBytes)) }
+
 // capBodies refuses a request message over limit bytes with ResourceExhausted and a message
 // that names the request cap and the file cap and says what to do. It counts each message as
 // it is read: an enveloped one (gRPC, gRPC-Web, Connect streams) by the size in its prefix,

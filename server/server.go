@@ -308,6 +308,8 @@ const compressMinBytes = 32 << 10
 func (s *Server) buildHandler() http.Handler {
 	opts := []connect.HandlerOption{
 		connect.WithReadMaxBytes(s.cfg.MaxRequestBytes),
+		// No answer is unbounded: one past the cap fails ResourceExhausted rather than being sent.
+		connect.WithSendMaxBytes(ResponseCap(s.cfg.MaxRequestBytes)),
 		// Small responses go uncompressed: gzip costs more CPU than the bytes it saves (resetting
 		// a pooled compressor alone is a measurable share of the server's CPU under a Step load).
 		connect.WithCompressMinBytes(compressMinBytes),

@@ -42,11 +42,41 @@ func Lines(text string) []string {
 	return lines
 }
 
+// Budget is search work shared by a series of diffs (those of one request, say): each diff's
+// search stops at maxWork or at what is left of the budget, whichever is less (the rest of
+// its texts is then given as deletions and insertions, a correct script, not the shortest),
+// and takes the work it did from it.
+type Budget struct {
+	// Work is the search steps left; at or below zero the budget is spent.
+	Work int
+}
+
+// Spent reports whether b has no work left.
+func (b *Budget) Spent() bool { return b.Work <= 0 }
+
+// limit is the bound of the next diff's search; nil b bounds it by maxWork only.
+func (b *Budget) limit() int {
+	if b == nil {
+		return maxWork
+	}
+	return max(0, min(maxWork, b.Work))
+}
+
+func (b *Budget) take(work int) {
+	if b != nil {
+		b.Work -= max(work, 1)
+	}
+}
+
 // Diff returns an edit script from a to b, in order: a shortest one unless the search passed
 // its bound.
-func Diff(a, b []string) []Op {
-	d := differ{a: a, b: b}
+func Diff(a, b []string) []Op { return (*Budget)(nil).Diff(a, b) }
+
+// Diff is Diff within budget b.
+func (bu *Budget) Diff(a, b []string) []Op {
+	d := differ{a: a, b: b, limit: bu.limit()}
 	d.compare(0, len(a), 0, len(b))
+	bu.take(d.work)
 	// Within each run of changes, deletions first (as diff(1) writes them), then number the
 	// ops again.
 	ops := d.ops
@@ -90,6 +120,7 @@ type differ struct {
 	ops    []Op
 	vf, vb []int
 	work   int
+	limit  int // the bound of work
 }
 
 func (d *differ) compare(alo, ahi, blo, bhi int) {
@@ -103,7 +134,7 @@ func (d *differ) compare(alo, ahi, blo, bhi int) {
 	}
 	ahi, bhi = ahi-n, bhi-n
 	switch {
-	case alo == ahi || blo == bhi || d.work > maxWork:
+	case alo == ahi || blo == bhi || d.work > d.limit:
 		for i := alo; i < ahi; i++ {
 			d.ops = append(d.ops, Op{Delete, i, blo})
 		}
@@ -113,7 +144,7 @@ func (d *differ) compare(alo, ahi, blo, bhi int) {
 	default:
 		x, y, u, v, ok := d.middleSnake(alo, ahi, blo, bhi)
 		if !ok {
-			d.work = maxWork + 1
+			d.work = d.limit + 1
 			d.compare(alo, ahi, blo, bhi)
 			break
 		}
@@ -131,7 +162,7 @@ func (d *differ) compare(alo, ahi, blo, bhi int) {
 // middleSnake finds the middle snake of a shortest edit script from a[alo:ahi] to b[blo:bhi]
 // (both non-empty, with no common first or last line): the diagonal run (x,y)-(u,v) that the
 // forward and reverse searches meet on. Each side of it needs fewer edits than the whole.
-// ok is false if the search passed maxWork first.
+// ok is false if the search passed its bound first.
 func (d *differ) middleSnake(alo, ahi, blo, bhi int) (x0, y0, x1, y1 int, ok bool) {
 	n, m := ahi-alo, bhi-blo
 	s := snakeSearch{d: d, alo: alo, blo: blo, ahi: ahi, bhi: bhi, n: n, m: m, delta: n - m}
@@ -145,7 +176,7 @@ func (d *differ) middleSnake(alo, ahi, blo, bhi int) (x0, y0, x1, y1 int, ok boo
 	s.vf[s.off+1], s.vb[s.off+1] = 0, 0
 	odd := s.delta&1 != 0
 	for D := 0; D <= maxD; D++ {
-		if d.work > maxWork {
+		if d.work > d.limit {
 			return 0, 0, 0, 0, false
 		}
 		for k := -D; k <= D; k += 2 {
@@ -213,8 +244,11 @@ func (s *snakeSearch) reverse(D, k int) (sx, sy, x, y int) {
 }
 
 // Stat returns the lines added and removed from a to b.
-func Stat(a, b string) (added, removed int) {
-	for _, op := range Diff(Lines(a), Lines(b)) {
+func Stat(a, b string) (added, removed int) { return (*Budget)(nil).Stat(a, b) }
+
+// Stat is Stat within budget bu.
+func (bu *Budget) Stat(a, b string) (added, removed int) {
+	for _, op := range bu.Diff(Lines(a), Lines(b)) {
 		switch op.Kind {
 		case Insert:
 			added++
@@ -229,8 +263,22 @@ func Stat(a, b string) (added, removed int) {
 // "--- oldName" and "+++ newName"; "" when they are equal. It also returns the lines added
 // and removed.
 func Unified(oldName, newName, a, b string, context int) (diff string, added, removed int) {
+	hunks, added, removed := (*Budget)(nil).Hunks(a, b, context)
+	if hunks == "" {
+		return "", 0, 0
+	}
+	return Header(oldName, newName) + hunks, added, removed
+}
+
+// Header is a unified diff's header: "--- oldName" and "+++ newName".
+func Header(oldName, newName string) string {
+	return fmt.Sprintf("--- %s\n+++ %s\n", oldName, newName)
+}
+
+// Hunks is Unified without its header, within budget bu: "" when a and b are equal.
+func (bu *Budget) Hunks(a, b string, context int) (diff string, added, removed int) {
 	al, bl := Lines(a), Lines(b)
-	ops := Diff(al, bl)
+	ops := bu.Diff(al, bl)
 	var changes []int
 	for i, op := range ops {
 		switch op.Kind {
@@ -246,7 +294,6 @@ func Unified(oldName, newName, a, b string, context int) (diff string, added, re
 		return "", 0, 0
 	}
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "--- %s\n+++ %s\n", oldName, newName)
 	for i := 0; i < len(changes); {
 		j := i
 		for j+1 < len(changes) && changes[j+1]-changes[j] <= 2*context+1 {

@@ -181,3 +181,31 @@ func BenchmarkDiff64K(b *testing.B) {
 		Stat(x.String(), y.String())
 	}
 }
+
+// A budget bounds the work of several diffs together: once spent, a pathological pair is
+// given as deletions and insertions at once (still a correct script), and the budget says so.
+func TestBudget(t *testing.T) {
+	a, b := strings.Repeat("a\n", 4000), strings.Repeat("b\nc\n", 2000)+"a\n"
+	exactAdded, exactRemoved := Stat(a, b)
+	bu := Budget{Work: 1000}
+	added, removed := bu.Stat(a, b)
+	if !bu.Spent() {
+		t.Fatalf("budget left %d after a diff past it", bu.Work)
+	}
+	if added < exactAdded || removed < exactRemoved || added-removed != exactAdded-exactRemoved {
+		t.Fatalf("within a budget: +%d -%d; exact +%d -%d", added, removed, exactAdded, exactRemoved)
+	}
+	// Spent, the next diff still yields a correct script, at once.
+	hunks, added, removed := bu.Hunks("x\ny\n", "x\nz\n", 3)
+	if added != 1 || removed != 1 || Header("a/f", "b/f")+hunks != "--- a/f\n+++ b/f\n@@ -1,2 +1,2 @@\n x\n-y\n+z\n" {
+		t.Fatalf("spent budget: %q +%d -%d", hunks, added, removed)
+	}
+	// Enough budget: the shortest script, and the work taken.
+	bu = Budget{Work: 1 << 30}
+	if added, removed := bu.Stat(a, b); added != exactAdded || removed != exactRemoved || bu.Work == 1<<30 {
+		t.Fatalf("ample budget: +%d -%d, left %d", added, removed, bu.Work)
+	}
+	if u, _, _ := Unified("a/f", "b/f", a, b, 3); u != Header("a/f", "b/f")+func() string { h, _, _ := (&Budget{Work: 1 << 30}).Hunks(a, b, 3); return h }() {
+		t.Fatal("Unified is not Header and Hunks")
+	}
+}

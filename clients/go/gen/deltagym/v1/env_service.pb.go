@@ -2957,16 +2957,22 @@ type DiffCheckpointsResponse struct {
 	// paths are the changed paths, sorted by path. A removed or added
 	// directory is listed with everything below it.
 	Paths []*PathChange `protobuf:"bytes,1,rep,name=paths,proto3" json:"paths,omitempty"`
-	// truncated is set when there were more than max_paths changes.
+	// truncated is set when there were more changes than max_paths, or than
+	// 16 MiB of paths.
 	Truncated bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
 	// processes are the processes that differ, by pid.
 	Processes []*ProcessChange `protobuf:"bytes,3,rep,name=processes,proto3" json:"processes,omitempty"`
 	// base_digest is the state digest of base_checkpoint_id.
 	BaseDigest *StateDigest `protobuf:"bytes,4,opt,name=base_digest,json=baseDigest,proto3" json:"base_digest,omitempty"`
 	// digest is the state digest of checkpoint_id.
-	Digest        *StateDigest `protobuf:"bytes,5,opt,name=digest,proto3" json:"digest,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Digest *StateDigest `protobuf:"bytes,5,opt,name=digest,proto3" json:"digest,omitempty"`
+	// details_truncated is set when the request's budgets for file details
+	// (file content read, line diff work, 16 MiB of unified diffs in all) ran
+	// out: some text files then have no line counts and no unified diff. Files
+	// of the same pair of contents share one result.
+	DetailsTruncated bool `protobuf:"varint,6,opt,name=details_truncated,json=detailsTruncated,proto3" json:"details_truncated,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *DiffCheckpointsResponse) Reset() {
@@ -3032,6 +3038,13 @@ func (x *DiffCheckpointsResponse) GetDigest() *StateDigest {
 		return x.Digest
 	}
 	return nil
+}
+
+func (x *DiffCheckpointsResponse) GetDetailsTruncated() bool {
+	if x != nil {
+		return x.DetailsTruncated
+	}
+	return false
 }
 
 var File_deltagym_v1_env_service_proto protoreflect.FileDescriptor
@@ -3260,14 +3273,15 @@ const file_deltagym_v1_env_service_proto_rawDesc = "" +
 	"\rcheckpoint_id\x18\x02 \x01(\tR\fcheckpointId\x12/\n" +
 	"\x06detail\x18\x03 \x01(\x0e2\x17.deltagym.v1.DiffDetailR\x06detail\x12\x12\n" +
 	"\x04path\x18\x04 \x01(\tR\x04path\x12\x1b\n" +
-	"\tmax_paths\x18\x05 \x01(\x05R\bmaxPaths\"\x8d\x02\n" +
+	"\tmax_paths\x18\x05 \x01(\x05R\bmaxPaths\"\xba\x02\n" +
 	"\x17DiffCheckpointsResponse\x12-\n" +
 	"\x05paths\x18\x01 \x03(\v2\x17.deltagym.v1.PathChangeR\x05paths\x12\x1c\n" +
 	"\ttruncated\x18\x02 \x01(\bR\ttruncated\x128\n" +
 	"\tprocesses\x18\x03 \x03(\v2\x1a.deltagym.v1.ProcessChangeR\tprocesses\x129\n" +
 	"\vbase_digest\x18\x04 \x01(\v2\x18.deltagym.v1.StateDigestR\n" +
 	"baseDigest\x120\n" +
-	"\x06digest\x18\x05 \x01(\v2\x18.deltagym.v1.StateDigestR\x06digest*\x86\x01\n" +
+	"\x06digest\x18\x05 \x01(\v2\x18.deltagym.v1.StateDigestR\x06digest\x12+\n" +
+	"\x11details_truncated\x18\x06 \x01(\bR\x10detailsTruncated*\x86\x01\n" +
 	"\vImageFormat\x12\x1c\n" +
 	"\x18IMAGE_FORMAT_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17IMAGE_FORMAT_OCI_LAYOUT\x10\x01\x12\x1f\n" +

@@ -480,15 +480,17 @@ class DiffCheckpointsRequest(_message.Message):
     def __init__(self, base_checkpoint_id: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., detail: _Optional[_Union[_state_pb2.DiffDetail, str]] = ..., path: _Optional[str] = ..., max_paths: _Optional[int] = ...) -> None: ...
 
 class DiffCheckpointsResponse(_message.Message):
-    __slots__ = ("paths", "truncated", "processes", "base_digest", "digest")
+    __slots__ = ("paths", "truncated", "processes", "base_digest", "digest", "details_truncated")
     PATHS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedCompositeFieldContainer[_state_pb2.PathChange]
     truncated: bool
     processes: _containers.RepeatedCompositeFieldContainer[_state_pb2.ProcessChange]
     base_digest: _state_pb2.StateDigest
     digest: _state_pb2.StateDigest
-    def __init__(self, paths: _Optional[_Iterable[_Union[_state_pb2.PathChange, _Mapping]]] = ..., truncated: _Optional[bool] = ..., processes: _Optional[_Iterable[_Union[_state_pb2.ProcessChange, _Mapping]]] = ..., base_digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ..., digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ...) -> None: ...
+    details_truncated: bool
+    def __init__(self, paths: _Optional[_Iterable[_Union[_state_pb2.PathChange, _Mapping]]] = ..., truncated: _Optional[bool] = ..., processes: _Optional[_Iterable[_Union[_state_pb2.ProcessChange, _Mapping]]] = ..., base_digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ..., digest: _Optional[_Union[_state_pb2.StateDigest, _Mapping]] = ..., details_truncated: _Optional[bool] = ...) -> None: ...
