@@ -118,6 +118,9 @@ func statText(m *deltagymv1.DiffCheckpointsResponse) string {
 	if m.GetTruncated() {
 		b.WriteString(truncatedNote(len(paths)) + "\n")
 	}
+	if m.GetDetailsTruncated() {
+		b.WriteString(detailsNote + "\n")
+	}
 	b.WriteString(processesText(m.GetProcesses(), ""))
 	return b.String()
 }
@@ -174,6 +177,10 @@ func truncatedNote(n int) string {
 	return fmt.Sprintf("(more paths changed: the list and the totals cover the first %d only; --max-paths N lists up to N, 100000 at most)", n)
 }
 
+// detailsNote says that the server's budgets for a diff's file details ran out
+// (details_truncated).
+const detailsNote = "(the server's budget for line counts and unified diffs ran out: some text files have neither; --path narrows the diff)"
+
 func plural(n int, one, many string) string {
 	if n == 1 {
 		return one
@@ -195,6 +202,9 @@ func unifiedText(m *deltagymv1.DiffCheckpointsResponse) string {
 	}
 	if m.GetTruncated() {
 		b.WriteString("# " + truncatedNote(len(m.GetPaths())) + "\n")
+	}
+	if m.GetDetailsTruncated() {
+		b.WriteString("# " + detailsNote + "\n")
 	}
 	b.WriteString(processesText(m.GetProcesses(), "# "))
 	return b.String()

@@ -248,6 +248,7 @@ def checkpoint_diff(r: es.DiffCheckpointsResponse, base: str, checkpoint: str, d
                                 details=tuple(p.details)) for p in r.processes)
     return CheckpointDiff(base_checkpoint_id=base, checkpoint_id=checkpoint, detail=detail,
                           paths=tuple(path_change(p) for p in r.paths), processes=procs, truncated=r.truncated,
+                          details_truncated=r.details_truncated,
                           base_digest=state_digest(r.base_digest), digest=state_digest(r.digest))
 
 

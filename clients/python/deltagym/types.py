@@ -476,6 +476,9 @@ _STAT_GRAPH = 50
 # The line that ends a truncated diff's stat(), or a "# " line of its unified().
 _TRUNCATED = ("(more paths changed: the list and the totals cover the first {} only; "
               "--max-paths N lists up to N, 100000 at most)")
+# The line that says a diff's details were cut short (details_truncated).
+_DETAILS_TRUNCATED = ("(the server's budget for line counts and unified diffs ran out: some text files "
+                      "have neither; --path narrows the diff)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,6 +494,8 @@ class CheckpointDiff:
             listed with everything below it.
         processes: the processes that came, went or changed, by pid.
         truncated: there were more path changes than max_paths.
+        details_truncated: the server's budgets for file details (content read, line diff
+            work, unified text) ran out: some text files have no line counts and no unified diff.
         base_digest: the base's state digest, None when not computed.
         digest: the checkpoint's state digest, None when not computed.
     """
@@ -501,6 +506,7 @@ class CheckpointDiff:
     paths: tuple[PathChange, ...] = ()
     processes: tuple[ProcessChange, ...] = ()
     truncated: bool = False
+    details_truncated: bool = False
     base_digest: StateDigest | None = None
     digest: StateDigest | None = None
 
@@ -532,6 +538,8 @@ class CheckpointDiff:
         out = [_patch(p) for p in self.paths]
         if self.truncated:
             out.append("# " + _TRUNCATED.format(len(self.paths)) + "\n")
+        if self.details_truncated:
+            out.append("# " + _DETAILS_TRUNCATED + "\n")
         out.append(_processes_text(self.processes, "# "))
         return "".join(out)
 
@@ -551,6 +559,8 @@ class CheckpointDiff:
             lines = _stat_lines(self.paths, self.detail)
         if self.truncated:
             lines.append(_TRUNCATED.format(len(self.paths)))
+        if self.details_truncated:
+            lines.append(_DETAILS_TRUNCATED)
         out = "".join(line + "\n" for line in lines) + _processes_text(self.processes, "")
         return out.removesuffix("\n")
 
