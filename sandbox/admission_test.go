@@ -310,6 +310,17 @@ func TestLayerInodeLimit(t *testing.T) {
 	if made < 90 || made >= 100 || !strings.Contains(out[1], "No space left") {
 		t.Fatalf("a layer limited to 100 inodes took %d files before: %q", made, out[1])
 	}
+	// Its checkpoint takes no inode of the sandbox's: it is taken, and holds every file.
+	info, err := s.CheckpointWith(t.Context(), sandbox.CheckpointOptions{})
+	if err != nil {
+		t.Fatalf("checkpointing a sandbox that used all its inodes: %v", err)
+	}
+	must(t, s.Restore(t.Context(), info.ID))
+	res, err = s.Exec(t.Context(), sandbox.ExecRequest{Command: "ls /d | wc -l"})
+	must(t, err)
+	if got, _ := strconv.Atoi(strings.TrimSpace(string(res.Stdout))); got != made {
+		t.Fatalf("the checkpoint of a full layer holds %d files, want %d", got, made)
+	}
 	// The default: one inode per 8 KiB of the layer's size.
 	d := b.create(t, sandbox.Spec{Limits: sandbox.Limits{DiskBytes: 8 << 20}})
 	res, err = d.Exec(t.Context(), sandbox.ExecRequest{Command: "mkdir /d && i=0; while touch /d/$i 2>/dev/null; do i=$((i+1)); [ $i -ge 10000 ] && break; done; echo $i"})

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/deltagym/deltagym/internal/wiretext"
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 )
 
@@ -325,7 +326,7 @@ func readArgv(h int) []string {
 	if len(b) == 0 {
 		return nil
 	}
-	return strings.Split(strings.ToValidUTF8(string(b), "\uFFFD"), "\x00")
+	return strings.Split(wiretext.String(string(b)), "\x00") // the API's rule for text that is not UTF-8
 }
 
 // sessionPids maps the host pids of the sandbox's sessions' processes to the sessions' names.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"strings"
 
 	"connectrpc.com/connect"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/internal/errdefs"
+	"github.com/deltagym/deltagym/internal/wiretext"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/episode"
 )
@@ -131,7 +133,11 @@ func errorInfo(err error) *errdetails.ErrorInfo {
 	if d.Reason == "" {
 		return nil
 	}
-	return &errdetails.ErrorInfo{Reason: d.Reason, Domain: ErrorDomain, Metadata: d.Meta}
+	// Metadata may quote a sandbox's path: made valid, in a copy of the error's own map, since a
+	// detail that is not UTF-8 would not marshal and the error would go without its reason.
+	info := &errdetails.ErrorInfo{Reason: d.Reason, Domain: ErrorDomain, Metadata: maps.Clone(d.Meta)}
+	wiretext.Message(info)
+	return info
 }
 
 // reasonOf is the reason toConnect attaches to err; "" for none.
@@ -158,9 +164,11 @@ func (s *Server) describe(err error) string {
 
 // message is err's text for a client: host paths scrubbed and without the words of its class,
 // which its code says, or the field that holds it ("not_found: checkpoint …", not
-// "not_found: not found: checkpoint …" nor "… env not ready: failed precondition").
+// "not_found: not found: checkpoint …" nor "… env not ready: failed precondition"). A path or
+// name the message quotes that is not UTF-8 is shown by wiretext's rule: every protocol's
+// error message is text.
 func (s *Server) message(err error) string {
-	return errdefs.Strip(s.scrub(err.Error()), errdefs.Class(err))
+	return wiretext.String(errdefs.Strip(s.scrub(err.Error()), errdefs.Class(err)))
 }
 
 // scrub replaces the server's host paths in a message.

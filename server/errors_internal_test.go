@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 
 	"github.com/deltagym/deltagym/envpool"
 	"github.com/deltagym/deltagym/internal/errdefs"
@@ -101,6 +102,31 @@ func TestToConnect(t *testing.T) {
 	got = s.toConnect(causedBy{fmt.Errorf("env x: %w", envpool.ErrNotReady), fmt.Errorf("image %q: %w", "y", sandbox.ErrNotFound)})
 	if !errors.As(got, &ce) || ce.Code() != connect.CodeFailedPrecondition || ce.Message() != `env x: env not ready: image "y": not found` {
 		t.Fatalf("an env not ready: %v", got)
+	}
+}
+
+// An error quoting a name that is not UTF-8 reaches the client with its message and its
+// ErrorInfo's metadata valid (each such byte U+FFFD), and the error's own metadata unchanged.
+func TestToConnectNotUTF8(t *testing.T) {
+	s := &Server{log: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	cause := errdefs.WithDetail(fmt.Errorf("reading /work/bad\xff\nname: %w", errdefs.ErrFailedPrecondition), "IS_A_DIRECTORY", "path", "/work/bad\xff\nname")
+	var ce *connect.Error
+	if !errors.As(s.toConnect(cause), &ce) || ce.Message() != "reading /work/bad\uFFFD\nname" {
+		t.Fatalf("message: %v", ce)
+	}
+	if len(ce.Details()) != 1 {
+		t.Fatalf("details: %v", ce.Details())
+	}
+	v, err := ce.Details()[0].Value()
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, ok := v.(*errdetails.ErrorInfo)
+	if !ok || info.GetReason() != "IS_A_DIRECTORY" || info.GetMetadata()["path"] != "/work/bad\uFFFD\nname" {
+		t.Fatalf("detail: %v", v)
+	}
+	if errdefs.DetailOf(cause).Meta["path"] != "/work/bad\xff\nname" {
+		t.Fatal("the error's own metadata changed")
 	}
 }
 

@@ -18,7 +18,8 @@ import (
 // enum's zero value. A checkpoint asked for with "processMode": "CRIU" (the name is
 // PROCESS_MODE_CRIU) would otherwise be taken with the env's default mode, and say nothing.
 // Unknown fields are still ignored, as connect does, so that a newer client's requests are
-// served.
+// served. A response holding text that is not UTF-8 is sent made valid (marshalValid), as the
+// binary codec sends it.
 //
 // A request is read strictly first: nearly all are, in one pass. One the strict read refuses
 // is read as connect reads it (unknown fields and enum names ignored), and if that succeeds,
@@ -38,20 +39,13 @@ func (c jsonCodec) Name() string { return c.name }
 
 func (c jsonCodec) IsBinary() bool { return false }
 
+// Marshal is protojson's, with text that is not UTF-8 made valid (marshalValid).
 func (c jsonCodec) Marshal(m any) ([]byte, error) {
-	pm, ok := m.(proto.Message)
-	if !ok {
-		return nil, fmt.Errorf("%T is not a proto.Message", m)
-	}
-	return protojson.MarshalOptions{}.Marshal(pm)
+	return marshalValid(m, func(pm proto.Message) ([]byte, error) { return protojson.MarshalOptions{}.Marshal(pm) })
 }
 
 func (c jsonCodec) MarshalAppend(dst []byte, m any) ([]byte, error) {
-	pm, ok := m.(proto.Message)
-	if !ok {
-		return nil, fmt.Errorf("%T is not a proto.Message", m)
-	}
-	return protojson.MarshalOptions{}.MarshalAppend(dst, pm)
+	return marshalValid(m, func(pm proto.Message) ([]byte, error) { return protojson.MarshalOptions{}.MarshalAppend(dst, pm) })
 }
 
 // MarshalStable is Marshal with protojson's varying whitespace taken out.

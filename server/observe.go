@@ -24,6 +24,8 @@ import (
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/deltagym/deltagym/internal/wiretext"
 )
 
 // observability holds the server's OpenTelemetry providers: metrics exported in Prometheus
@@ -187,7 +189,7 @@ func (o *observability) op(ctx context.Context, name string) (context.Context, f
 			return attribute.NewSet(attribute.String("op", name), attribute.Bool("error", err != nil))
 		}))
 		if err != nil {
-			span.SetStatus(codes.Error, err.Error())
+			span.SetStatus(codes.Error, wiretext.String(err.Error())) // exported as a protobuf string
 		}
 		span.End()
 	}
@@ -197,7 +199,7 @@ func (o *observability) finish(ctx context.Context, span trace.Span, procedure s
 	code := "ok"
 	if err != nil {
 		code = connect.CodeOf(err).String()
-		span.SetStatus(codes.Error, err.Error())
+		span.SetStatus(codes.Error, wiretext.String(err.Error())) // exported as a protobuf string
 	}
 	attrs := o.rpcAttrs.get(rpcLabels{procedure, code}, func() attribute.Set {
 		return attribute.NewSet(attribute.String("rpc", procedure), attribute.String("code", code))

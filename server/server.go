@@ -315,7 +315,7 @@ func (s *Server) buildHandler() http.Handler {
 		connect.WithCompressMinBytes(compressMinBytes),
 		connect.WithInterceptors(s.obs.interceptor(s.log)),
 	}
-	opts = append(opts, jsonCodecs()...)
+	opts = append(opts, codecs()...)
 	mux := http.NewServeMux()
 	mux.Handle(deltagymv1connect.NewEnvServiceHandler(&envService{s}, opts...))
 	mux.Handle(deltagymv1connect.NewLedgerServiceHandler(&ledgerService{s}, opts...))

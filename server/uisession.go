@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"path"
 	"strings"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -32,9 +33,15 @@ import (
 //     refused with PermissionDenied (403): a page of another site can make the browser send
 //     the cookie (were it not SameSite=Strict) but cannot read the token;
 //   - the cookie's value holds no token: it is an expiry and a random nonce with an HMAC
-//     keyed by a key derived from the token, so the server keeps no session state, and a new
-//     token (a restart with another) ends every session. The CSRF token is another HMAC of
-//     the same value.
+//     keyed by a key derived from the token, so the server keeps no state of live sessions,
+//     and a new token (a restart with another) ends every session. The CSRF token is another
+//     HMAC of the same value;
+//   - sign-out ends the session on the server, not only in the browser: the session's nonce is
+//     refused until the session's expiry (uiSessions.revoked), so a copy of the cookie and its
+//     CSRF token stops working too. The set is bounded: expired entries are dropped, and at
+//     uiMaxRevoked a sign-out ends every session signed in until then (uiSessions.minExpiry),
+//     the set's entries with them. Revocations live in the server's memory: a restart with the
+//     same token forgets them, as it keeps the sessions (a restart with a new one ends all).
 //
 // A bearer token is still accepted everywhere, cookie or not.
 
@@ -67,18 +74,80 @@ var uiCalls = map[string]bool{
 // expiry (Unix seconds, big-endian) and a 16-byte nonce.
 const uiSessionBytes = 1 + 8 + 16
 
+// uiMaxRevoked bounds the sessions signed out before their expiry that the server remembers.
+const uiMaxRevoked = 4096
+
+// uiNonce is a session's nonce, the key of its revocation.
+type uiNonce [uiSessionBytes - 9]byte
+
 // uiSessions issues and checks the web view's sessions under one server token.
 type uiSessions struct {
 	key [sha256.Size]byte // HMAC key, derived from the token
 	now func() time.Time
+
+	mu sync.Mutex
+	// revoked holds the nonces of sessions signed out, each until its session's expiry.
+	// +checklocks:mu
+	revoked map[uiNonce]time.Time
+	// minExpiry refuses every session that expires at or before it: those signed in before the
+	// sign-out that found revoked full.
+	// +checklocks:mu
+	minExpiry time.Time
 }
 
 func newUISessions(token string) *uiSessions {
 	m := hmac.New(sha256.New, []byte(token))
 	m.Write([]byte("deltagym web view sessions v1"))
-	u := &uiSessions{now: time.Now}
+	u := &uiSessions{now: time.Now, revoked: map[uiNonce]time.Time{}}
 	copy(u.key[:], m.Sum(nil))
 	return u
+}
+
+// revoke ends session v, which expires at exp, before its expiry. At uiMaxRevoked sessions
+// signed out and not yet expired, it ends every session issued until now instead, and forgets
+// them all.
+func (u *uiSessions) revoke(v []byte, exp time.Time) {
+	var n uiNonce
+	copy(n[:], v[9:])
+	now := u.now()
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if len(u.revoked) >= uiMaxRevoked {
+		for k, e := range u.revoked {
+			if !now.Before(e) {
+				delete(u.revoked, k)
+			}
+		}
+	}
+	if len(u.revoked) < uiMaxRevoked {
+		u.revoked[n] = exp
+		return
+	}
+	// Every session issued so far expires by the expiry one issued now would have; issue gives
+	// later ones a later expiry.
+	u.minExpiry = latest(u.minExpiry, now.Add(uiSessionTTL).Truncate(time.Second), exp)
+	clear(u.revoked)
+}
+
+// ended reports whether session v, which expires at exp, was signed out.
+func (u *uiSessions) ended(v []byte, exp time.Time) bool {
+	var n uiNonce
+	copy(n[:], v[9:])
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	_, revoked := u.revoked[n]
+	return revoked || !exp.After(u.minExpiry)
+}
+
+// latest is the latest of ts.
+func latest(ts ...time.Time) time.Time {
+	var m time.Time
+	for _, t := range ts {
+		if t.After(m) {
+			m = t
+		}
+	}
+	return m
 }
 
 func (u *uiSessions) mac(label string, value []byte) []byte {
@@ -91,6 +160,11 @@ func (u *uiSessions) mac(label string, value []byte) []byte {
 // issue makes a new session: the cookie's value, its CSRF token and its expiry.
 func (u *uiSessions) issue() (cookie, csrf string, expires time.Time) {
 	expires = u.now().Add(uiSessionTTL).Truncate(time.Second)
+	u.mu.Lock()
+	if !expires.After(u.minExpiry) { // signed in within the second of a sign-out that ended all
+		expires = u.minExpiry.Add(time.Second)
+	}
+	u.mu.Unlock()
 	v := make([]byte, uiSessionBytes)
 	v[0] = 1
 	binary.BigEndian.PutUint64(v[1:9], uint64(expires.Unix()))
@@ -103,8 +177,8 @@ func (u *uiSessions) csrf(v []byte) string {
 	return base64.RawURLEncoding.EncodeToString(u.mac("csrf\x00", v))
 }
 
-// check returns the session value of a cookie that this server issued and that has not
-// expired.
+// check returns the session value of a cookie that this server issued, that has not expired
+// and that was not signed out.
 func (u *uiSessions) check(cookie string) ([]byte, time.Time, bool) {
 	a, b, ok := strings.Cut(cookie, ".")
 	if !ok {
@@ -119,7 +193,7 @@ func (u *uiSessions) check(cookie string) ([]byte, time.Time, bool) {
 		return nil, time.Time{}, false
 	}
 	exp := time.Unix(int64(binary.BigEndian.Uint64(v[1:9])), 0)
-	if !u.now().Before(exp) {
+	if !u.now().Before(exp) || u.ended(v, exp) {
 		return nil, time.Time{}, false
 	}
 	return v, exp, true
@@ -160,7 +234,7 @@ var errCookieElsewhere = errors.New("the web view's session cookie is accepted o
 	"other clients send \"Authorization: Bearer <token>\"")
 
 // errStaleSession is what a call with a session cookie that is no longer good is told.
-var errStaleSession = errors.New("the web view's session has ended (it expired, or the server's token changed): sign in again")
+var errStaleSession = errors.New("the web view's session has ended (it expired, it was signed out, or the server's token changed): sign in again")
 
 // errNoCSRF is what a cookie-authenticated call without the session's CSRF token is told.
 var errNoCSRF = errors.New("a call authenticated by the web view's session cookie must carry the session's CSRF token in the " +
@@ -202,7 +276,8 @@ const uiSignInMaxBytes = 4 << 10
 
 // uiSessionHandler serves uiSessionPath: POST {"token": "..."} signs in (a cookie and the
 // CSRF token), GET says whether the cookie holds a live session (and its CSRF token), DELETE
-// signs out (clears the cookie). With auth off, every method answers {"auth": false}.
+// signs out (ends the cookie's session on the server and clears the cookie). With auth off,
+// every method answers {"auth": false}.
 type uiSessionHandler struct {
 	g *gate
 }
@@ -227,6 +302,9 @@ func (h *uiSessionHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case http.MethodPost:
 		h.signIn(w, r)
 	case http.MethodDelete:
+		if v, exp, ok := u.fromRequest(r); ok {
+			u.revoke(v, exp)
+		}
 		http.SetCookie(w, &http.Cookie{Name: uiSessionCookie, Value: "", Path: "/", MaxAge: -1, HttpOnly: true,
 			Secure: r.TLS != nil, SameSite: http.SameSiteStrictMode})
 		writeJSON(w, http.StatusOK, uiSessionResponse{Auth: true})

@@ -251,6 +251,100 @@ func TestUISessionEnds(t *testing.T) {
 	}
 }
 
+// Sign-out ends the session on the server: a copy of its cookie with its CSRF token is refused
+// after it, on the page's calls and at the session endpoint; another session goes on.
+func TestUISignOutEndsSession(t *testing.T) {
+	t.Parallel()
+	c := startUI(t, uiGate(uiTestToken, true), false)
+	ck, csrf := c.signIn(uiTestToken)
+	other, otherCSRF := c.signIn(uiTestToken)
+	list := deltagymv1connect.LedgerServiceListEpisodesProcedure
+	hdr := map[string]string{"Content-Type": "application/json", uiCSRFHeader: csrf}
+	if resp, body := c.do("POST", list, "{}", hdr, ck); resp.StatusCode != http.StatusOK || body != "reached" {
+		t.Fatalf("the session before sign-out: %d %s", resp.StatusCode, body)
+	}
+	if resp, _ := c.do("DELETE", uiSessionPath, "", nil, ck); resp.StatusCode != http.StatusOK {
+		t.Fatalf("sign-out: %d", resp.StatusCode)
+	}
+	if resp, body := c.do("POST", list, "{}", hdr, ck); resp.StatusCode != http.StatusUnauthorized || !strings.Contains(body, "signed out") {
+		t.Errorf("the signed-out cookie with its CSRF token: %d %s, want 401", resp.StatusCode, body)
+	}
+	if resp, _ := c.do("GET", uiSessionPath, "", nil, ck); resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("the session endpoint with the signed-out cookie: %d, want 401", resp.StatusCode)
+	}
+	otherHdr := map[string]string{"Content-Type": "application/json", uiCSRFHeader: otherCSRF}
+	if resp, body := c.do("POST", list, "{}", otherHdr, other); resp.StatusCode != http.StatusOK || body != "reached" {
+		t.Errorf("another session after a sign-out: %d %s, want it reached", resp.StatusCode, body)
+	}
+	// Signing out again, or without a session, is answered and changes nothing.
+	for _, cks := range [][]*http.Cookie{{ck}, nil} {
+		if resp, _ := c.do("DELETE", uiSessionPath, "", nil, cks...); resp.StatusCode != http.StatusOK {
+			t.Errorf("a second sign-out: %d", resp.StatusCode)
+		}
+	}
+}
+
+// The sessions signed out are remembered until their expiry, at most uiMaxRevoked of them: the
+// expired are dropped, and a sign-out that finds the set full of live ones ends every session
+// issued until then, while one issued after works.
+func TestUIRevokedBounded(t *testing.T) {
+	t.Parallel()
+	u := newUISessions(uiTestToken)
+	now := time.Now()
+	u.now = func() time.Time { return now }
+	revoke := func(cookie string) {
+		t.Helper()
+		v, exp, ok := u.check(cookie)
+		if !ok {
+			t.Fatalf("session %s refused before its sign-out", cookie)
+		}
+		u.revoke(v, exp)
+		if _, _, ok := u.check(cookie); ok {
+			t.Fatalf("session %s accepted after its sign-out", cookie)
+		}
+	}
+	for range uiMaxRevoked {
+		c, _, _ := u.issue()
+		revoke(c)
+	}
+	// Past their expiry, the next sign-out drops them.
+	now = now.Add(uiSessionTTL + time.Second)
+	kept, _, _ := u.issue()
+	revoke(kept)
+	u.mu.Lock()
+	n := len(u.revoked)
+	u.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("%d sessions remembered after the expired were dropped, want 1", n)
+	}
+	// Full of live ones: the sign-out that finds it so ends every session issued until then.
+	var live []string
+	for range uiMaxRevoked - 1 {
+		c, _, _ := u.issue()
+		revoke(c)
+	}
+	for range 3 {
+		c, _, _ := u.issue()
+		live = append(live, c)
+	}
+	revoke(live[0])
+	u.mu.Lock()
+	n = len(u.revoked)
+	u.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d sessions remembered past the cap, want none (ended by the expiry bound)", n)
+	}
+	for _, c := range append(live[1:], kept) {
+		if _, _, ok := u.check(c); ok {
+			t.Errorf("a session issued before the sign-out at the cap is accepted")
+		}
+	}
+	after, _, _ := u.issue() // within the same second
+	if _, _, ok := u.check(after); !ok {
+		t.Error("a session issued after the sign-out at the cap is refused")
+	}
+}
+
 func TestUIAuthOff(t *testing.T) {
 	t.Parallel()
 	c := startUI(t, uiGate("", false), false)

@@ -381,7 +381,7 @@ func (s *Store) Flatten(ids []string, sizeBytes int64, below []string) (string, 
 	for i, l := range ids {
 		srcs[i] = s.Path(l)
 	}
-	if err := os.Mkdir(s.Path(id), 0o755); err != nil {
+	if err := makeRoot(s.Dir(id), 0o755); err != nil {
 		s.Unref(id)
 		return "", fmt.Errorf("flattening: %w", err)
 	}

@@ -22,8 +22,8 @@ func moveUpper(d string) (moved bool, err error) {
 	if err := unix.Lstat(up, &st); err != nil {
 		return false, &os.PathError{Op: "lstat", Path: up, Err: err}
 	}
-	if err := unix.Mkdir(fs, 0o700); err != nil {
-		return false, &os.PathError{Op: "mkdir", Path: fs, Err: err}
+	if err := makeRoot(d, 0o700); err != nil { // the spare: no inode of the sandbox's
+		return false, err
 	}
 	err = moveEntries(up, fs)
 	if err == nil {
@@ -39,13 +39,17 @@ func moveUpper(d string) (moved bool, err error) {
 	return true, nil
 }
 
-// unmoveUpper undoes moveUpper: fs/'s entries go back to the upper.
+// unmoveUpper undoes moveUpper: fs/'s entries go back to the upper, and fs/
+// becomes the layer's spare again, for its next seal.
 func unmoveUpper(d string) error {
 	fs := filepath.Join(d, "fs")
 	if err := moveEntries(fs, filepath.Join(d, UpperDir)); err != nil {
 		return err
 	}
-	return os.Remove(fs)
+	if err := unix.Rename(fs, filepath.Join(d, spareDir)); err != nil {
+		return &os.PathError{Op: "rename", Path: fs, Err: err}
+	}
+	return nil
 }
 
 // indexLinks returns the names in the overlay index directory dir that link

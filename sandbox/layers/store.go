@@ -4,7 +4,8 @@
 // Each delta layer is its own small tmpfs, mounted in the server's mount
 // namespace at <dir>/<id>, holding up/ (the overlay upper), work/
 // (overlayfs's work dir) and, once sealed, fs/ (the layer, a lower of later
-// overlays). A tmpfs per layer gives three things at once:
+// overlays), which until then is fs.spare/, so that sealing needs no inode
+// of those the layer's limit leaves its writer. A tmpfs per layer gives three things at once:
 // the size limit of a sandbox's writable layer (size=), a discard that is one
 // lazy unmount instead of an rm of every file, and sealing that the kernel
 // enforces: a sealed layer's superblock is remounted read-only, so nothing —
@@ -86,6 +87,30 @@ const (
 	WorkDir  = "work"
 )
 
+// spareDir is the directory a new layer keeps for the root of the layer it
+// becomes (fs/): made with the layer, it takes the inode the root needs
+// before a sandbox can fill its upper, so that a sandbox that used all its
+// inodes can still be sealed. The root is the spare renamed (makeRoot), and
+// an unsealed layer's root goes back to being its spare.
+const spareDir = "fs.spare"
+
+// makeRoot makes fs/ of layer directory d: its spare renamed, or, in a layer
+// without one (made by an earlier version), a new directory. mode is the new
+// directory's.
+func makeRoot(d string, mode uint32) error {
+	fs := filepath.Join(d, "fs")
+	err := unix.Rename(filepath.Join(d, spareDir), fs)
+	if errors.Is(err, unix.ENOENT) {
+		err = unix.Mkdir(fs, mode)
+	} else if err == nil {
+		err = unix.Chmod(fs, mode)
+	}
+	if err != nil {
+		return &os.PathError{Op: "mkdir", Path: fs, Err: err}
+	}
+	return nil
+}
+
 // UpperPath returns the upper directory of writable layer id.
 func (s *Store) UpperPath(id string) string { return filepath.Join(s.dir, id, UpperDir) }
 
@@ -105,10 +130,10 @@ func (s *Store) NewUpper(sizeBytes, inodes int64) (string, error) {
 	if err := os.Mkdir(d, 0o700); err != nil {
 		return "", fmt.Errorf("creating layer %s: %w", id, err)
 	}
-	// The tmpfs's root and the upper and work directories take three.
+	// The tmpfs's root, the upper and work directories and the spare take four.
 	opts := "mode=755,nr_inodes=0"
 	if inodes > 0 {
-		opts = "mode=755,nr_inodes=" + strconv.FormatInt(inodes+3, 10)
+		opts = "mode=755,nr_inodes=" + strconv.FormatInt(inodes+4, 10)
 	}
 	if sizeBytes > 0 {
 		opts += ",size=" + strconv.FormatInt(sizeBytes, 10)
@@ -117,7 +142,7 @@ func (s *Store) NewUpper(sizeBytes, inodes int64) (string, error) {
 		os.Remove(d)
 		return "", fmt.Errorf("mounting layer %s: %w", id, err)
 	}
-	for _, sub := range []string{UpperDir, WorkDir} {
+	for _, sub := range []string{UpperDir, WorkDir, spareDir} {
 		if err := os.Mkdir(filepath.Join(d, sub), 0o755); err != nil {
 			s.discard(id)
 			return "", fmt.Errorf("creating layer %s: %w", id, err)
@@ -249,7 +274,7 @@ func (s *Store) SealedBytes() int64 {
 // CopyInto copies layer src into dst, a new empty upper, and seals dst. It
 // returns the bytes dst uses.
 func (s *Store) CopyInto(src, dst string) (int64, error) {
-	if err := os.Mkdir(s.Path(dst), 0o755); err != nil {
+	if err := makeRoot(s.Dir(dst), 0o755); err != nil {
 		return 0, fmt.Errorf("copying layer %s: %w", src, err)
 	}
 	if err := copyTree(s.UpperPath(src), s.Path(dst)); err != nil {

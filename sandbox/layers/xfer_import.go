@@ -112,7 +112,7 @@ func (s *Store) drop(id string) {
 // importInto writes the stream into fs/ of new layer id and checks its
 // digest.
 func (s *Store) importInto(id string, r io.Reader, want string, budget int64) error {
-	if err := unix.Mkdir(s.Path(id), 0o700); err != nil {
+	if err := makeRoot(s.Dir(id), 0o700); err != nil {
 		return fmt.Errorf("creating the layer's root: %w", err)
 	}
 	dfd, err := unix.Open(s.Dir(id), unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)

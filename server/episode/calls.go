@@ -84,9 +84,13 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 	}
 	t, err := c.settle(cctx, info, p, req.WaitDigest, req.Dedupe)
 	if err != nil {
+		c.dropTaken(info.ID)
 		return CheckpointResult{}, callErr(cctx, err)
 	}
 	if err := c.stored(ctx, nil); err != nil {
+		if !t.dup { // else the one answered is another call's, and this one's is released
+			c.dropTaken(t.info.ID)
+		}
 		return CheckpointResult{}, err
 	}
 	res := CheckpointResult{Info: t.info, Parent: t.parent, Durable: true, Digest: t.digest, Deduplicated: t.dup}
@@ -149,7 +153,7 @@ func (c *Core) Fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	})
 }
 
-func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
+func (c *Core) fork(ctx context.Context, req ForkRequest) (_ ForkResult, err error) {
 	if err := c.drainErr("fork"); err != nil {
 		return ForkResult{}, err
 	}
@@ -164,6 +168,13 @@ func (c *Core) fork(ctx context.Context, req ForkRequest) (ForkResult, error) {
 	ckpt, from, skipWhy, err := c.forkSource(ctx, &req)
 	if err != nil {
 		return ForkResult{}, err
+	}
+	if req.SandboxID != "" {
+		defer func() {
+			if err != nil { // the checkpoint taken to fork from, which only the answer names
+				c.dropTaken(ckpt)
+			}
+		}()
 	}
 	env, err := c.pools.Env(from.Env)
 	if err != nil {

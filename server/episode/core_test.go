@@ -445,9 +445,10 @@ func TestAnswersAfterRowsStored(t *testing.T) {
 }
 
 // A step whose rows cannot be stored fails as unavailable; it happened all the same, so the
-// episode counts it, its row stays recorded, and the next step comes after it.
+// episode counts it, its row stays recorded, and the next step comes after it. A checkpoint
+// taken by a call that fails so is released.
 func TestStepFailsWhenItsRowsCannotBeStored(t *testing.T) {
-	core, _, rec := setup(t)
+	core, rt, rec := setup(t)
 	ctx := t.Context()
 	rr, err := core.Reset(ctx, episode.ResetRequest{Env: "e"})
 	must(t, err)
@@ -459,13 +460,31 @@ func TestStepFailsWhenItsRowsCannotBeStored(t *testing.T) {
 	if _, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: rr.SandboxID}); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("a checkpoint whose row cannot be stored: %v, want unavailable", err)
 	}
+	_, err = core.Step(ctx, episode.StepRequest{SandboxID: rr.SandboxID, Checkpoint: true, Action: episode.Exec{Command: "true"}})
+	if !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("a checkpointing step whose rows cannot be stored: %v, want unavailable", err)
+	}
+	if _, err := core.Fork(ctx, episode.ForkRequest{SandboxID: rr.SandboxID, N: 1}); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("a fork whose rows cannot be stored: %v, want unavailable", err)
+	}
+	// The checkpoints those calls took, which their errors name to no one, are released.
+	var taken []string
+	for _, c := range rec.ckptsOf(rr.EpisodeID) {
+		taken = append(taken, c.ID)
+		if _, err := rt.Checkpoint(c.ID); !errors.Is(err, sandbox.ErrNotFound) || !rec.wasReleased(c.ID) {
+			t.Errorf("checkpoint %s of a call that failed is held (%v) or its release not recorded", c.ID, err)
+		}
+	}
+	if len(taken) != 3 {
+		t.Fatalf("checkpoints recorded %v, want the three calls'", taken)
+	}
 	rec.failStores(nil)
 	r := stepOK(t, core, rr.SandboxID, episode.ReadFile{Path: "/tmp/answer"})
-	if r.StepIndex != 1 || string(r.Observation.ReadFile.Content) != "1\n" {
-		t.Fatalf("the step after: index %d, /tmp/answer %q; want index 1 and the first step's write", r.StepIndex, r.Observation.ReadFile.Content)
+	if r.StepIndex != 2 || string(r.Observation.ReadFile.Content) != "1\n" {
+		t.Fatalf("the step after: index %d, /tmp/answer %q; want index 2 and the first step's write", r.StepIndex, r.Observation.ReadFile.Content)
 	}
-	if steps := rec.stepsOf(rr.EpisodeID); len(steps) != 2 || steps[0].Index != 0 || steps[1].Index != 1 {
-		t.Fatalf("recorded steps %+v, want 0 and 1", steps)
+	if steps := rec.stepsOf(rr.EpisodeID); len(steps) != 3 || steps[0].Index != 0 || steps[1].Index != 1 || steps[2].Index != 2 {
+		t.Fatalf("recorded steps %+v, want 0, 1 and 2", steps)
 	}
 }
 

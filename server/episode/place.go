@@ -184,6 +184,18 @@ func (c *Core) ReleaseCheckpoint(id string) error {
 	return nil
 }
 
+// dropTaken releases checkpoint id, which a call took and then failed after: the error names
+// no checkpoint, so no caller learns its ID, and kept it would be held until its TTL. One no
+// longer held (a deduplicating checkpoint's, released already) is left as it is.
+func (c *Core) dropTaken(id string) {
+	if _, err := c.rt.Checkpoint(id); err != nil {
+		return
+	}
+	if err := c.ReleaseCheckpoint(id); err != nil {
+		c.log.Warn("releasing the checkpoint of a call that failed", "checkpoint", id, "err", err)
+	}
+}
+
 // PlaceFinder looks up where a checkpoint was taken in a record other than the checkpoint's own
 // (the ledger); found is false when it has none.
 type PlaceFinder func(ctx context.Context, id string) (p Place, found bool, err error)

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	deltagymv1 "github.com/deltagym/deltagym/clients/go/gen/deltagym/v1"
+	"github.com/deltagym/deltagym/internal/wiretext"
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/ledger"
 )
@@ -200,7 +201,14 @@ func (c *Core) recordStep(ep string, index int, req *StepRequest, start time.Tim
 		c.ledgerErr(fmt.Errorf("episode %s step %d: encoding the action: %w", ep, index, err))
 	}
 	obs := ObservationProto(res.Observation)
-	obsBytes, _ := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+	obsBytes, err := proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+	if err != nil && wiretext.Message(obs) {
+		// A name or command a sandbox chose that is not UTF-8: recorded as the API sends it.
+		obsBytes, err = proto.MarshalOptions{Deterministic: true}.Marshal(obs)
+	}
+	if err != nil {
+		c.ledgerErr(fmt.Errorf("episode %s step %d: encoding the observation: %w", ep, index, err))
+	}
 	sum := sha256.Sum256(obsBytes)
 	size := int64(len(obsBytes))
 	if len(obsBytes) > ObservationBulkCap {

@@ -61,6 +61,9 @@ func (c *Core) Step(ctx context.Context, req StepRequest) (StepResult, error) {
 	defer end()
 	res, err := c.step(cctx, b, &req)
 	if err := c.stored(ctx, err); err != nil {
+		if res.CheckpointID != "" && !res.CheckpointDeduplicated { // named by no answer
+			c.dropTaken(res.CheckpointID)
+		}
 		return StepResult{}, err
 	}
 	return res, nil

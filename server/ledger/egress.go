@@ -44,6 +44,7 @@ func (w *Writer) Egress(r EgressRow) error {
 	if r.StartedAt.IsZero() {
 		r.StartedAt = time.Now()
 	}
+	r.Host, r.Reason = text(r.Host), text(r.Reason) // a sandbox's request names the host
 	return w.append(record{kind: recEgress, egress: &r})
 }
 

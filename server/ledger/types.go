@@ -3,7 +3,10 @@ package ledger
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
+
+	"github.com/deltagym/deltagym/internal/wiretext"
 )
 
 // Status is an episode's state in the ledger.
@@ -223,4 +226,11 @@ func (r *RewardRow) validate() error {
 		return fmt.Errorf("reward needs an episode id and a source: %w", ErrInvalid)
 	}
 	return nil
+}
+
+// text is s as a text column takes it: a Postgres text value is UTF-8 without NUL, and one that
+// is not fails its whole batch. Each byte that is not UTF-8 (wiretext's rule) and each NUL
+// becomes U+FFFD, so that what a sandbox wrote is stored, lossily, instead of refused.
+func text(s string) string {
+	return strings.ReplaceAll(wiretext.String(s), "\x00", wiretext.Replacement)
 }

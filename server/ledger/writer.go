@@ -315,6 +315,7 @@ func (w *Writer) EpisodeEnded(r EpisodeEnd) error {
 	if r.EndedAt.IsZero() {
 		r.EndedAt = time.Now()
 	}
+	r.FailureMessage = text(r.FailureMessage) // it may quote a sandbox's output or names
 	return w.append(record{kind: recEpisodeEnd, end: &r})
 }
 

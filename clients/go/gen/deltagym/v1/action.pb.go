@@ -1494,7 +1494,8 @@ func (x *ListDirAction) GetMaxEntries() int32 {
 type FileInfo struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// path is the path relative to the listed directory (ListDirResult), or
-	// as asked (StatResult).
+	// as asked (StatResult). Bytes that are not UTF-8 are shown as U+FFFD each (lossy;
+	// docs/OPERATIONS.md, "Text that is not UTF-8").
 	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	// type is its type (of the link itself for a symbolic link).
 	Type FileType `protobuf:"varint,2,opt,name=type,proto3,enum=deltagym.v1.FileType" json:"type,omitempty"`
@@ -1505,7 +1506,8 @@ type FileInfo struct {
 	// modify_time_seconds is its modification time, in seconds since the
 	// Unix epoch.
 	ModifyTimeSeconds float64 `protobuf:"fixed64,5,opt,name=modify_time_seconds,json=modifyTimeSeconds,proto3" json:"modify_time_seconds,omitempty"`
-	// symlink_target is the target of a symbolic link.
+	// symlink_target is the target of a symbolic link. Bytes that are not
+	// UTF-8 are shown as U+FFFD each, as in path.
 	SymlinkTarget string `protobuf:"bytes,6,opt,name=symlink_target,json=symlinkTarget,proto3" json:"symlink_target,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2234,7 +2236,8 @@ type ProcessInfo struct {
 	Pgid int32 `protobuf:"varint,3,opt,name=pgid,proto3" json:"pgid,omitempty"`
 	// sid is its session.
 	Sid int32 `protobuf:"varint,4,opt,name=sid,proto3" json:"sid,omitempty"`
-	// argv is its command line.
+	// argv is its command line. Bytes that are not UTF-8 are shown as U+FFFD each (lossy;
+	// docs/OPERATIONS.md, "Text that is not UTF-8").
 	Argv []string `protobuf:"bytes,5,rep,name=argv,proto3" json:"argv,omitempty"`
 	// state is its state letter as in /proc (R, S, D, Z, T ...).
 	State string `protobuf:"bytes,6,opt,name=state,proto3" json:"state,omitempty"`

@@ -986,7 +986,9 @@ type ProcessCapture struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// pid is the process id inside the sandbox.
 	Pid int32 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
-	// command is the process's command line (or name), for display.
+	// command is the process's command line (or name), for display. Bytes
+	// that are not UTF-8 are shown as U+FFFD each (lossy; docs/OPERATIONS.md,
+	// "Text that is not UTF-8").
 	Command string `protobuf:"bytes,2,opt,name=command,proto3" json:"command,omitempty"`
 	// method is how the process was captured.
 	Method CaptureMethod `protobuf:"varint,3,opt,name=method,proto3,enum=deltagym.v1.CaptureMethod" json:"method,omitempty"`

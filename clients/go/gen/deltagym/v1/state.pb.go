@@ -204,7 +204,8 @@ func (x *StateDigest) GetProcesses() string {
 // PathChange is one path that differs between two checkpoints.
 type PathChange struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// path is the absolute path in the sandbox.
+	// path is the absolute path in the sandbox. Bytes that are not UTF-8 are shown as U+FFFD each (lossy;
+	// docs/OPERATIONS.md, "Text that is not UTF-8").
 	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	// kind is how it differs.
 	Kind ChangeKind `protobuf:"varint,2,opt,name=kind,proto3,enum=deltagym.v1.ChangeKind" json:"kind,omitempty"`
@@ -367,7 +368,9 @@ type ProcessChange struct {
 	// pid is its process ID in the sandbox (in the checkpoint; in the base
 	// for a removed process).
 	Pid int32 `protobuf:"varint,2,opt,name=pid,proto3" json:"pid,omitempty"`
-	// command is its command line, arguments joined by spaces.
+	// command is its command line, arguments joined by spaces. Bytes that are
+	// not UTF-8 are shown as U+FFFD each (lossy; docs/OPERATIONS.md, "Text that
+	// is not UTF-8"), in details too.
 	Command string `protobuf:"bytes,3,opt,name=command,proto3" json:"command,omitempty"`
 	// details say what changed in a modified process (for example "cwd /a ->
 	// /b", "memory").
