@@ -466,3 +466,85 @@ func TestStateDigestProcessesAndFreed(t *testing.T) {
 		t.Fatalf("after release: %d digests, %d stack indexes kept", n, st)
 	}
 }
+
+// restingIn waits until process pid of s rests in system call nr (its
+// /proc/PID/syscall names it: blocked in it, not running).
+func restingIn(t *testing.T, s *sandbox.Sandbox, pid, nr int) {
+	t.Helper()
+	waitFor(t, s, fmt.Sprintf("grep -qs '^%d ' /proc/%d/syscall", nr, pid))
+}
+
+// Processes at rest checkpointed twice have equal processes digests: a
+// coreutils sleep (its relative clock_nanosleep writes the time it has left
+// back at each stop, the second time through restart_syscall), a Python
+// sleep and a session's shell at its prompt, each thread's rseq area
+// rewritten by the kernel on whatever CPU it last ran.
+func TestStateDigestIdleProcessesEqual(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	if _, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "cd /tmp; X=1"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, argv := range [][]string{{"sleep", "1000"}, {"python3", "-c", "import time; time.sleep(1000)"}} {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Argv: argv, Background: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		restingIn(t, s, res.Pid, unix.SYS_CLOCK_NANOSLEEP)
+	}
+	first, d1 := ckDigest(t, b, s)
+	for i := range 3 {
+		ck, d := ckDigest(t, b, s)
+		if d != d1 {
+			diff, err := b.rt.DiffCheckpoints(ctx, first.ID, ck.ID, sandbox.DiffOptions{})
+			t.Fatalf("checkpoint %d: %v, first %v (diff %+v %v)", i+2, d, d1, diff.Processes, err)
+		}
+	}
+}
+
+// counterFifoPy counts the lines it reads from the FIFO /tmp/ctl in memory
+// alone, and marks each by creating /tmp/ack.
+const counterFifoPy = `
+import os
+fd = os.open("/tmp/ctl", os.O_RDWR)
+n = 0
+while True:
+    os.read(fd, 1)
+    n += 1
+    open("/tmp/ack", "w").close()
+`
+
+// A process that changed its memory between two checkpoints has another
+// processes digest, though it rests in the same call and the files are
+// the same.
+func TestStateDigestChangedProcessDiffers(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	sh(t, s, "mkfifo /tmp/ctl")
+	if err := s.WriteFile(ctx, "/tmp/counter.py", []byte(counterFifoPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/counter.py"}, Background: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	step := func() {
+		t.Helper()
+		sh(t, s, "echo > /tmp/ctl")
+		waitFor(t, s, "[ -e /tmp/ack ]")
+		sh(t, s, "rm /tmp/ack")
+		restingIn(t, s, res.Pid, unix.SYS_READ)
+	}
+	step() // past its first read: the loop's objects made
+	_, before := ckDigest(t, b, s)
+	if _, again := ckDigest(t, b, s); again != before {
+		t.Fatalf("at rest twice: %v then %v", before, again)
+	}
+	step()
+	_, after := ckDigest(t, b, s)
+	if after.Files != before.Files || after.Processes == before.Processes {
+		t.Fatalf("counted once more: %v, before %v", after, before)
+	}
+}

@@ -24,11 +24,14 @@ import (
 // process in the capture's order (templates first, then the CRIU trees' processes): the
 // command (a live template's whole command line, else its name), its working directory, its
 // open files with their flags and offsets, its session, and its memory: a template's private
-// writable mappings read through /proc/PID/mem while it is held frozen, or, for a CRIU tree
-// and for a template whose process is no longer held, the contents of its CRIU images (which
-// hold its memory, registers and the parent links of the tree) but for criu's statistics and
-// logs. Pids are not hashed for templates (a copy comes back with another); a CRIU tree's are
-// part of its images, as it comes back with them.
+// writable mappings read through /proc/PID/mem while it is held frozen, but for the bytes
+// the kernel wrote that are not the program's (procstate.Template.KernelWrites: each thread's
+// rseq CPU and node fields, the time left an interrupted sleep or select wrote back), so that a
+// process at rest checkpointed twice hashes alike; or, for a CRIU tree and for a template whose
+// process is no longer held, the contents of its CRIU images (which hold its memory, registers
+// and the parent links of the tree) but for criu's statistics and logs. Pids are not hashed for
+// templates (a copy comes back with another); a CRIU tree's are part of its images, as it comes
+// back with them.
 
 // procInput is what the processes digest reads of one captured process.
 type procInput struct {
@@ -37,9 +40,11 @@ type procInput struct {
 	cwd     string
 	session string
 	files   []procstate.File
-	// hostPid and start name a template held frozen (0: none to read).
+	// hostPid and start name a template held frozen (0: none to read);
+	// masks are the ranges of its memory the kernel wrote, left out.
 	hostPid int
 	start   uint64
+	masks   []procstate.Span
 	// images is the directory of the CRIU images that hold the process ("": none); unit
 	// tells the processes of one tree apart.
 	images string
@@ -60,7 +65,7 @@ func procInputs(c *checkpoint, live bool, dir string) []procInput {
 	for i, t := range c.Procs {
 		p := procInput{pid: t.NSPid, comm: t.Comm, cwd: t.Cwd, session: t.Session, files: slices.Clone(t.Files), unit: -1}
 		if live {
-			p.hostPid, p.start = t.HostPid, t.Start
+			p.hostPid, p.start, p.masks = t.HostPid, t.Start, t.KernelWrites
 		}
 		if i < len(c.TplImages) && c.TplImages[i].Dir != "" {
 			p.images = filepath.Join(dir, c.TplImages[i].Dir)
@@ -81,7 +86,7 @@ func processDigest(in []procInput, canceled func() error) ([]procSum, string, er
 		return nil, "", nil
 	}
 	h := sha256.New()
-	io.WriteString(h, "deltagym-processes-1\n")
+	io.WriteString(h, "deltagym-processes-2\n")
 	sums := make([]procSum, 0, len(in))
 	imgs := map[string][32]byte{}
 	for i, p := range in {
@@ -94,7 +99,7 @@ func processDigest(in []procInput, canceled func() error) ([]procSum, string, er
 			fmt.Fprintf(&files, "%d %s flags=%#o pos=%d\n", f.FD, f.Path, f.Flags, f.Pos)
 		}
 		s.file = files.String()
-		mem, cmd, ok := templateMemory(p.hostPid, p.start, canceled)
+		mem, cmd, ok := templateMemory(p.hostPid, p.start, p.masks, canceled)
 		switch {
 		case ok:
 			s.mem = mem
@@ -122,8 +127,10 @@ func processDigest(in []procInput, canceled func() error) ([]procSum, string, er
 }
 
 // templateMemory hashes the private writable mappings of template hostPid (started at start),
-// their ranges and contents, and reads its command line; ok is false if it is not there.
-func templateMemory(hostPid int, start uint64, canceled func() error) (sum [32]byte, cmdline string, ok bool) {
+// their ranges and contents but the bytes of masks (procstate.Template.KernelWrites, which the
+// kernel wrote and the program did not: the ranges are hashed, their contents read as zeros),
+// and reads its command line; ok is false if it is not there.
+func templateMemory(hostPid int, start uint64, masks []procstate.Span, canceled func() error) (sum [32]byte, cmdline string, ok bool) {
 	if hostPid <= 0 {
 		return sum, "", false
 	}
@@ -145,10 +152,16 @@ func templateMemory(hostPid int, start uint64, canceled func() error) (sum [32]b
 	}
 	defer mem.Close()
 	h := sha256.New()
+	var rec [16]byte
+	for _, m := range masks {
+		binary.LittleEndian.PutUint64(rec[:], m.Addr)
+		binary.LittleEndian.PutUint64(rec[8:], m.Len)
+		h.Write(rec[:])
+	}
 	buf := make([]byte, 1<<20)
 	sc := bufio.NewScanner(bytes.NewReader(maps))
 	for sc.Scan() {
-		if !hashMapping(h, mem, sc.Text(), buf, canceled) {
+		if !hashMapping(h, mem, sc.Text(), buf, masks, canceled) {
 			return sum, "", false
 		}
 	}
@@ -192,8 +205,8 @@ func imagesHash(dir string) ([32]byte, error) {
 }
 
 // hashMapping hashes the range, name and contents of the mapping of line (of /proc/PID/maps)
-// if it is private and writable; false if canceled.
-func hashMapping(h hash.Hash, mem *os.File, line string, buf []byte, canceled func() error) bool {
+// if it is private and writable, the bytes of masks as zeros; false if canceled.
+func hashMapping(h hash.Hash, mem *os.File, line string, buf []byte, masks []procstate.Span, canceled func() error) bool {
 	f := strings.Fields(line)
 	if len(f) < 5 || f[1] != "rw-p" {
 		return true
@@ -221,6 +234,7 @@ func hashMapping(h hash.Hash, mem *os.File, line string, buf []byte, canceled fu
 		n := int(min(uint64(len(buf)), end-off))
 		k, err := mem.ReadAt(buf[:n], int64(off))
 		if k > 0 {
+			zeroMasked(buf[:k], off, masks)
 			h.Write(buf[:k])
 		}
 		if err != nil || k < n {
@@ -231,4 +245,15 @@ func hashMapping(h hash.Hash, mem *os.File, line string, buf []byte, canceled fu
 		off += uint64(n)
 	}
 	return true
+}
+
+// zeroMasked zeroes the bytes of b, read at address off, that masks cover.
+func zeroMasked(b []byte, off uint64, masks []procstate.Span) {
+	end := off + uint64(len(b))
+	for _, m := range masks {
+		lo, hi := max(m.Addr, off), min(m.Addr+m.Len, end)
+		if lo < hi {
+			clear(b[lo-off : hi-off])
+		}
+	}
 }

@@ -247,7 +247,34 @@ func (se *session) run(ctx, gen context.Context, req ExecRequest) (ExecResult, e
 	res.Stdout, res.StdoutTruncated = o.data, o.truncated
 	res.Stderr, res.StderrTruncated = e.data, e.truncated
 	se.conclude(&res, o, e)
+	if !se.broken {
+		se.atRest()
+	}
 	return res, nil
+}
+
+// atRestWait bounds atRest's wait for the shell to be back at rest.
+const atRestWait = 50 * time.Millisecond
+
+// atRest waits, up to atRestWait, for the shell to be back at rest: blocked reading its next
+// line from stdin. Bash prints the last sentinel before it has freed what the command left and
+// gone back to its read; a checkpoint taken in between would hold a shell in mid-step, whose
+// memory differs from that of the same shell at rest, so the two states' digests would differ
+// (statedigest.go). A shell that a background job of its own keeps busy is not waited for past
+// the bound. Called with se.mu held.
+func (se *session) atRest() {
+	path := "/proc/" + strconv.Itoa(se.hostPid) + "/syscall"
+	deadline := time.Now().Add(atRestWait)
+	pause := 20 * time.Microsecond
+	for {
+		// "0 0x0 ": read(0, …), the first field the call's number, the second its fd.
+		b, err := os.ReadFile(path)
+		if err != nil || bytes.HasPrefix(b, []byte("0 0x0 ")) || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(pause)
+		pause = min(2*pause, time.Millisecond)
+	}
 }
 
 // sessionScript is what the shell is fed to run req: the command with its

@@ -387,7 +387,10 @@ func (ps *State) makeTemplates(c *Checkpoint, tplProcs []procInfo, seized map[in
 		_ = tg.Delete()
 		return err
 	}
+	var waits []Wait
 	for i, pi := range tplProcs {
+		ps.noteKernelWrites(seized[pi.tpl.HostPid], &tplProcs[i].tpl)
+		waits = append(waits, tplProcs[i].tpl.Waits...)
 		t, err := forkTemplate(seized[pi.tpl.HostPid], &tplProcs[i].tpl, tg)
 		if t != nil {
 			made = append(made, t)
@@ -409,6 +412,7 @@ func (ps *State) makeTemplates(c *Checkpoint, tplProcs []procInfo, seized map[in
 	c.TplGroup = tg.Name()
 	ps.mu.Lock()
 	ps.tpls[c.ID] = tg
+	ps.waits = waits
 	ps.mu.Unlock()
 	ps.foldLive(live)
 	return nil

@@ -141,6 +141,7 @@ func (ps *State) letRun(copies []liveCopy) error {
 	}
 	for _, lc := range copies {
 		ps.liveSeen[lc.cp.Pid] = 0
+		ps.waits = append(ps.waits, lc.t.Waits...)
 	}
 	return nil
 }

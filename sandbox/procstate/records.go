@@ -63,6 +63,13 @@ type Template struct {
 	Shares string `json:"shares,omitempty"`
 	// Private are the descriptions each copy gets its own of (private.go).
 	Private []Private `json:"private,omitempty"`
+	// KernelWrites are the ranges of its memory the kernel wrote that hold
+	// no state of the program (kernelwrites.go), sorted; the processes
+	// digest leaves them out.
+	KernelWrites []Span `json:"kernel_writes,omitempty"`
+	// Waits are the waits with a time left its threads rested in, which
+	// its copies rest in too.
+	Waits []Wait `json:"waits,omitempty"`
 	// sessionPipes are the keys (pipe:[inode]) of the session's stdin,
 	// stdout and stderr pipes at the capture, for a session's shell whose
 	// server gave them (SessionShell.Pipes).

@@ -146,6 +146,11 @@ type State struct {
 	// into huge pages at its first checkpoint.
 	// +checklocks:mu
 	liveSeen map[int]uint64
+	// waits are the waits with a time left that the live processes'
+	// threads were last seen in: at their last capture, or as the
+	// templates' their copies are (kernelwrites.go).
+	// +checklocks:mu
+	waits []Wait
 	// restoredAt is when the last restore that brought back template
 	// copies returned.
 	// +checklocks:mu

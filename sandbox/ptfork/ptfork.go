@@ -183,6 +183,8 @@ type Proc struct {
 	group   *Proc
 	// restartBlock: Regs restart the interrupted call with restart_syscall.
 	restartBlock bool
+	// rest is where the thread was at the stop (Rests).
+	rest Rest
 	// state is a thread's own state beyond its registers, once read or
 	// given (threads.go).
 	state *threadState
@@ -497,9 +499,25 @@ func (p *Proc) saveRegs() error {
 	if err := unix.PtraceGetRegs(p.Pid, &p.Regs); err != nil {
 		return fmt.Errorf("reading registers of pid %d: %w", p.Pid, err)
 	}
+	p.rest = restOf(&p.Regs)
 	p.restartBlock = rewind(&p.Regs)
 	p.stopped = true
 	return nil
+}
+
+// restOf is where a thread stopped with registers r was: the call the stop
+// interrupted, if any, before rewind.
+func restOf(r *unix.PtraceRegs) Rest {
+	st := Rest{Nr: -1, Rip: r.Rip, Rsp: r.Rsp}
+	if int64(r.Orig_rax) < 0 {
+		return st
+	}
+	switch -int64(r.Rax) {
+	case erestartsys, erestartnointr, erestartnohand, erestartRestartblock:
+		st.Nr = int64(r.Orig_rax)
+		st.Args = [6]uint64{r.Rdi, r.Rsi, r.Rdx, r.R10, r.R8, r.R9}
+	}
+	return st
 }
 
 // rewind makes an interrupted, restartable system call start again when

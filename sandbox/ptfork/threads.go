@@ -131,6 +131,47 @@ func (p *Proc) StopOnDetach() {
 	}
 }
 
+// Rest is where a thread was when it stopped, as far as what the kernel
+// writes into its memory goes: the system call the stop interrupted, and
+// its restartable-sequences area.
+type Rest struct {
+	Tid int // host thread id
+	// Nr is the system call the stop interrupted (-1: none), with its
+	// arguments. A call the kernel had restarted before by restart_syscall
+	// (a relative sleep an earlier stop interrupted) is SYS_RESTART_SYSCALL:
+	// which call it restarts the kernel alone knows, and its arguments are
+	// those still in the registers (the restarted call's, as the kernel leaves them).
+	Nr   int64
+	Args [6]uint64
+	// Rip and Rsp are the instruction and stack pointers at the stop.
+	Rip, Rsp uint64
+	// Rseq is the address of the thread's rseq area and RseqSize its size
+	// (0: none registered).
+	Rseq     uint64
+	RseqSize uint32
+}
+
+// Rests returns where each thread of stopped process p was at its stop,
+// the leader first.
+func (p *Proc) Rests() ([]Rest, error) {
+	out := make([]Rest, 0, 1+len(p.threads))
+	for _, t := range append([]*Proc{p}, p.threads...) {
+		if !t.stopped {
+			return nil, fmt.Errorf("%w: thread %d is not stopped", ErrStop, t.Pid)
+		}
+		r := t.rest
+		var rc rseqConfig
+		if t.state != nil {
+			rc = t.state.rseq
+		} else if err := ptracePtr(ptraceGetRseqConfig, t.Pid, unsafe.Sizeof(rc), unsafe.Pointer(&rc)); err != nil {
+			return nil, fmt.Errorf("reading the rseq registration of thread %d: %w", t.Pid, err)
+		}
+		r.Tid, r.Rseq, r.RseqSize = t.Pid, rc.Pointer, rc.Size
+		out = append(out, r)
+	}
+	return out, nil
+}
+
 // tasks lists pid's threads, the leader first.
 func tasks(pid int) ([]int, error) {
 	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/task")
