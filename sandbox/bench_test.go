@@ -267,6 +267,24 @@ func BenchmarkExec(b *testing.B) {
 	l.report(b, "")
 }
 
+// BenchmarkSessionExec runs `true` in a session's shell: the sentinel's round trip, and the
+// wait for the shell to be back at its read of stdin before the exec returns (session.go,
+// atRest).
+func BenchmarkSessionExec(b *testing.B) {
+	bb := setup(b)
+	s := bb.create(b, sandbox.Spec{Image: defaultImage(b, bb)}) // its bash
+	ctx := context.Background()
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "true"})
+	must(b, err)
+	var l lat
+	b.ResetTimer()
+	for range b.N {
+		l.time(func() { _, err = s.Exec(ctx, sandbox.ExecRequest{Session: "main", Command: "true"}) })
+		must(b, err)
+	}
+	l.report(b, "")
+}
+
 // BenchmarkExecLeftover is an exec whose command leaves a process running
 // (`sleep 1000 & true` through the shell): the exec returns once the shell
 // has exited and the sleep holds /dev/null instead of the exec's pipes
