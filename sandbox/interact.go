@@ -62,6 +62,11 @@ func (it *Interact) validate(session string) error {
 		if re == nil || re.String() == "" || re.MatchString("") {
 			return fmt.Errorf("%w: expect pattern %d matches the empty string, so it would match at once", ErrInvalid, i)
 		}
+		// A pattern is text the ledger records with the step, which cannot hold NUL; \x00
+		// matches one.
+		if strings.IndexByte(re.String(), 0) >= 0 {
+			return fmt.Errorf("%w: expect pattern %d holds a NUL byte: write \\x00 to match one", ErrInvalid, i)
+		}
 		n, err := ExpectSize(re.String())
 		if err != nil {
 			return fmt.Errorf("%w: expect pattern %d: %w", ErrInvalid, i, err)

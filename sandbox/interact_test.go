@@ -194,6 +194,7 @@ func TestSessionInteractCostlyPatterns(t *testing.T) {
 		{many, "17 expect patterns, more than 16"},
 		{[]*regexp.Regexp{regexp.MustCompile(strings.Repeat("a", sandbox.MaxExpectBytes+1))}, "1025 bytes, more than 1024"},
 		{large, "more than 2000 instructions"},
+		{[]*regexp.Regexp{regexp.MustCompile("a\x00b")}, "pattern 0 holds a NUL byte"},
 	} {
 		_, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: "cat", Interact: &sandbox.Interact{Expect: tc.expect}})
 		if !errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), tc.words) {

@@ -5,6 +5,7 @@ import (
 
 	"github.com/deltagym/deltagym/sandbox"
 	"github.com/deltagym/deltagym/server/episode"
+	"github.com/deltagym/deltagym/server/ledger"
 )
 
 // Unexported functions the external tests use.
@@ -26,3 +27,7 @@ func (a *Admission) RuntimeConfig(h sandbox.Host) sandbox.Config {
 	a.runtimeConfig(&c, h)
 	return c
 }
+
+// LedgerWriter is the server's ledger writer (nil without a ledger), for tests that append a
+// row no request can make.
+func (s *Server) LedgerWriter() *ledger.Writer { return s.writer }

@@ -20,7 +20,8 @@ import (
 // deltagym_admission_used{cap} for each admission cap in force (sandbox.CapUses); all read from
 // the sandbox runtime at each scrape; and the standard process collector's process_resident_memory_bytes and
 // process_cpu_seconds_total, so a load generator that did not start the server can follow
-// its memory and CPU over time.
+// its memory and CPU over time. With a ledger, deltagym_ledger_rows_refused_total counts the
+// rows its Postgres refused, which the writer set aside (ledger.Stats.Dropped).
 const (
 	metricSandboxes       = "deltagym.sandboxes.live"
 	metricRetiring        = "deltagym.sandboxes.retiring"
@@ -29,6 +30,7 @@ const (
 	metricCheckpoints     = "deltagym.checkpoints"
 	metricDiscardBacklog  = "deltagym.layers.discard_backlog"
 	metricCheckpointBytes = "deltagym.checkpoints.bytes"
+	metricLedgerRefused   = "deltagym.ledger.rows_refused"
 )
 
 // registerRuntimeMetrics exports the runtime gauges and the process collector. A failure
@@ -42,6 +44,26 @@ func (s *Server) registerRuntimeMetrics() {
 	if err := s.obs.registerAdmission(count(s.rt.Retiring), s.rt.CapUses); err != nil {
 		s.log.Warn("admission metrics not exported", "err", err)
 	}
+	if w := s.writer; w != nil {
+		if err := s.obs.registerLedger(func() int64 { return int64(w.Stats().Dropped) }); err != nil {
+			s.log.Warn("ledger metrics not exported", "err", err)
+		}
+	}
+}
+
+// registerLedger registers the counter of ledger rows Postgres refused, observed at each
+// collection.
+func (o *observability) registerLedger(refused func() int64) error {
+	m := o.meterProvider.Meter("github.com/deltagym/deltagym/server")
+	if _, err := m.Int64ObservableCounter(metricLedgerRefused,
+		metric.WithDescription("ledger rows Postgres refused, which the writer logged and set aside, delivering the rest of their batch"),
+		metric.WithInt64Callback(func(_ context.Context, obs metric.Int64Observer) error {
+			obs.Observe(refused())
+			return nil
+		})); err != nil {
+		return fmt.Errorf("registering counter %s: %w", metricLedgerRefused, err)
+	}
+	return nil
 }
 
 // registerAdmission registers the gauges of retiring sandboxes and of the admission caps in

@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 
@@ -45,6 +46,9 @@ type GroupAdvantages struct {
 func (s *Store) Advantages(ctx context.Context, group, rewardSource string) (*GroupAdvantages, error) {
 	if group == "" {
 		return nil, fmt.Errorf("advantages need a group: %w", ErrInvalid)
+	}
+	if err := errors.Join(checkText("group_id", group), checkText("reward_source", rewardSource)); err != nil {
+		return nil, err
 	}
 	if rewardSource == "" {
 		rewardSource = SourceVerifier

@@ -41,3 +41,6 @@ func VacuumStatement(version int) (string, error) { return vacuumStatement(versi
 // SetBeforeWait makes Flush and Close call f each time before they wait for deliveries. Set it
 // before the first of those.
 func (w *Writer) SetBeforeWait(f func()) { w.beforeWait = f }
+
+// EncodeToken is ListEpisodes's page token for the episode id started at at.
+var EncodeToken = encodeToken

@@ -120,6 +120,11 @@ type EpisodeFilter struct {
 // ListEpisodes returns a page of episodes ordered by start time, and the token of the next page
 // ("" on the last page).
 func (s *Store) ListEpisodes(ctx context.Context, f EpisodeFilter) ([]Episode, string, error) {
+	for _, err := range []error{checkText("run", f.Run), checkText("group_id", f.Group), checkText("env", f.Env)} {
+		if err != nil {
+			return nil, "", err
+		}
+	}
 	if err := s.flush(ctx); err != nil {
 		return nil, "", err
 	}
@@ -179,7 +184,7 @@ func decodeToken(tok string) (time.Time, string, error) {
 	b, err := base64.RawURLEncoding.DecodeString(tok)
 	if err == nil {
 		ts, id, ok := strings.Cut(string(b), "|")
-		if at, perr := time.Parse(time.RFC3339Nano, ts); ok && perr == nil {
+		if at, perr := time.Parse(time.RFC3339Nano, ts); ok && perr == nil && checkText("", id) == nil {
 			return at, id, nil
 		}
 	}
@@ -195,6 +200,9 @@ func (s *Store) Episode(ctx context.Context, id string) (Episode, error) {
 }
 
 func (s *Store) episode(ctx context.Context, id string) (Episode, error) {
+	if err := checkText("episode_id", id); err != nil {
+		return Episode{}, err
+	}
 	e, err := scanEpisode(s.pool.QueryRow(ctx, "SELECT "+episodeCols+" FROM episodes WHERE id = $1", id))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Episode{}, errdefs.WithDetail(fmt.Errorf("episode %s: %w", id, ErrNotFound), "EPISODE_NOT_FOUND", "episode_id", id)
@@ -280,6 +288,9 @@ func (s *Store) setupSteps(ctx context.Context, ep string, limit int) (int, erro
 // checkpointAt reads checkpoint id's episode (empty if none) and step index, and its env
 // into env.
 func (s *Store) checkpointAt(ctx context.Context, id string, env *string) (string, int, error) {
+	if err := checkText("checkpoint_id", id); err != nil {
+		return "", 0, err
+	}
 	var ep *string
 	var step *int32
 	err := s.pool.QueryRow(ctx, "SELECT env, episode_id, step_index FROM checkpoints WHERE id = $1", id).Scan(env, &ep, &step)
@@ -552,6 +563,9 @@ func (s *Store) CheckpointGraph(ctx context.Context, run, episode string) ([]*Gr
 	if (run == "") == (episode == "") {
 		return nil, fmt.Errorf("checkpoint tree needs exactly one of run and episode: %w", ErrInvalid)
 	}
+	if err := errors.Join(checkText("run", run), checkText("episode_id", episode)); err != nil {
+		return nil, err
+	}
 	if err := s.flush(ctx); err != nil {
 		return nil, err
 	}
@@ -781,9 +795,20 @@ func (t *topo) search(into []int32, start int32, links [][]int32, within func(in
 
 // ReportReward records a reward synchronously (typically one computed by a trainer, with its
 // source name). The episode must exist.
+//
+// A source or component name that is not UTF-8 text without NUL is refused (ErrInvalid): the
+// caller chose it, and the ledger cannot hold it.
 func (s *Store) ReportReward(ctx context.Context, r RewardRow) error {
 	if err := r.validate(); err != nil {
 		return err
+	}
+	if err := checkText("source", r.Source); err != nil {
+		return err
+	}
+	for name := range r.Components {
+		if err := checkText("reward name", name); err != nil {
+			return err
+		}
 	}
 	if r.CreatedAt.IsZero() {
 		r.CreatedAt = time.Now()
@@ -837,6 +862,9 @@ func (s *Store) Export(ctx context.Context, w io.Writer, run string) error {
 // ExportWith writes the episodes o selects, one JSON object per line, each with its own steps
 // (not inherited ones) and rewards, ordered by run and start time.
 func (s *Store) ExportWith(ctx context.Context, w io.Writer, o ExportOptions) error {
+	if err := checkText("run", o.Run); err != nil {
+		return err
+	}
 	if err := s.flush(ctx); err != nil {
 		return err
 	}

@@ -1,10 +1,12 @@
 package ledger
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/deltagym/deltagym/internal/wiretext"
 )
@@ -228,9 +230,81 @@ func (r *RewardRow) validate() error {
 	return nil
 }
 
-// text is s as a text column takes it: a Postgres text value is UTF-8 without NUL, and one that
-// is not fails its whole batch. Each byte that is not UTF-8 (wiretext's rule) and each NUL
-// becomes U+FFFD, so that what a sandbox wrote is stored, lossily, instead of refused.
+// text is s as a text column takes it: a Postgres text value is UTF-8 without NUL, and Postgres
+// refuses a row that holds one (the writer then sets the row aside: Stats.Dropped). Each byte
+// that is not UTF-8 (wiretext's rule) and each NUL becomes U+FFFD, so that what a sandbox
+// wrote is stored, lossily, instead of refused.
 func text(s string) string {
 	return strings.ReplaceAll(wiretext.String(s), "\x00", wiretext.Replacement)
+}
+
+// checkText refuses (ErrInvalid) a value a caller hands the ledger to store or to look up that
+// no text column holds: one that is not UTF-8, or holds NUL. field names it as the API does.
+func checkText(field, v string) error {
+	if strings.IndexByte(v, 0) >= 0 || !utf8.ValidString(v) {
+		return fmt.Errorf("%s %.64q is not UTF-8 text without NUL, which the ledger cannot hold: %w", field, v, ErrInvalid)
+	}
+	return nil
+}
+
+// jsonbText is b, JSON text, as a jsonb value takes it. jsonb holds no U+0000 and no surrogate
+// outside a pair, which JSON may write as escapes (\u0000, \ud800) and Postgres refuses with
+// the row that holds them; each such escape becomes \ufffd, U+FFFD, as text does with NUL. It
+// returns b itself when b holds none, having looked only at b's backslashes: JSON escapes
+// nothing but in strings, and a write_file's content, base64 in the action, holds none.
+func jsonbText(b []byte) []byte {
+	var out []byte
+	last := 0
+	for i := 0; i < len(b); {
+		k := bytes.IndexByte(b[i:], '\\')
+		if k < 0 {
+			break
+		}
+		i += k
+		if i+6 > len(b) || b[i+1] != 'u' {
+			i += 2 // another escape, such as \" or \\: the character after the backslash is its own
+			continue
+		}
+		r, n := hex4(b[i+2:i+6]), 6
+		bad := r == 0 || (r >= 0xdc00 && r < 0xe000)
+		if r >= 0xd800 && r < 0xdc00 { // a high surrogate, whose low one must follow
+			if i+12 <= len(b) && b[i+6] == '\\' && b[i+7] == 'u' {
+				if lo := hex4(b[i+8 : i+12]); lo >= 0xdc00 && lo < 0xe000 {
+					n = 12
+				} else {
+					bad = true
+				}
+			} else {
+				bad = true
+			}
+		}
+		if bad {
+			out = append(append(out, b[last:i]...), `\ufffd`...)
+			last = i + 6
+			n = 6
+		}
+		i += n
+	}
+	if out == nil {
+		return b
+	}
+	return append(out, b[last:]...)
+}
+
+// hex4 is the value of four hex digits, or -1.
+func hex4(h []byte) int {
+	v := 0
+	for _, c := range h {
+		switch {
+		case c >= '0' && c <= '9':
+			v = v<<4 | int(c-'0')
+		case c >= 'a' && c <= 'f':
+			v = v<<4 | int(c-'a'+10)
+		case c >= 'A' && c <= 'F':
+			v = v<<4 | int(c-'A'+10)
+		default:
+			return -1
+		}
+	}
+	return v
 }

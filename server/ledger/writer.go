@@ -11,10 +11,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/internal/wiretext"
 )
 
 // Config configures a Writer.
@@ -344,7 +347,9 @@ const MaxActionBytes = 8 << 20
 // Step records one step. It caps the observation at Config.ObservationCap and fills in its
 // full size and SHA-256 unless ObservationSHA256 is already set (then 32 bytes). Ids over
 // MaxIDLen are refused (ErrInvalid). An empty action is stored as JSON null; one that is not
-// JSON is refused (ErrInvalid) unless ActionValid vouches for it. A zero StartedAt means now.
+// JSON is refused (ErrInvalid) unless ActionValid vouches for it. What of a JSON action jsonb
+// cannot hold is stored as U+FFFD: NUL and a lone surrogate (jsonbText), and, in an action
+// ActionValid does not vouch for, each byte that is not UTF-8. A zero StartedAt means now.
 func (w *Writer) Step(r StepRow) error {
 	if r.EpisodeID == "" || r.Index < 0 {
 		return fmt.Errorf("step needs an episode id and an index >= 0: %w", ErrInvalid)
@@ -365,9 +370,15 @@ func (w *Writer) Step(r StepRow) error {
 	}
 	if len(r.Action) == 0 {
 		r.Action = json.RawMessage("null")
-	} else if !r.ActionValid && !json.Valid(r.Action) {
-		return fmt.Errorf("episode %s step %d: action is not JSON: %w", r.EpisodeID, r.Index, ErrInvalid)
+	} else if !r.ActionValid {
+		if !json.Valid(r.Action) {
+			return fmt.Errorf("episode %s step %d: action is not JSON: %w", r.EpisodeID, r.Index, ErrInvalid)
+		}
+		if !utf8.Valid(r.Action) { // encoding/json's Valid takes any bytes in a string; jsonb does not
+			r.Action = json.RawMessage(wiretext.String(string(r.Action)))
+		}
 	}
+	r.Action = jsonbText(r.Action)
 	if r.ObservationSHA256 == nil {
 		sum := sha256.Sum256(r.Observation)
 		r.ObservationSHA256 = sum[:]
@@ -431,9 +442,24 @@ func (w *Writer) CheckpointEdge(e CheckpointEdge) error {
 }
 
 // Reward records a reward (typically the verifier's). A zero CreatedAt means now.
+//
+// Its source and component names are stored as text() keeps them (a verifier, which the
+// sandbox's state may steer, names the components): NUL and bytes that are not UTF-8 become
+// U+FFFD, and of names that then read the same one is kept.
 func (w *Writer) Reward(r RewardRow) error {
 	if err := r.validate(); err != nil {
 		return err
+	}
+	r.Source = text(r.Source)
+	for k := range r.Components {
+		if text(k) != k { // a copy: the caller's map is left as it is
+			comps := make(map[string]float64, len(r.Components))
+			for k, v := range r.Components {
+				comps[text(k)] = v
+			}
+			r.Components = comps
+			break
+		}
 	}
 	if r.CreatedAt.IsZero() {
 		r.CreatedAt = time.Now()

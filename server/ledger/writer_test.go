@@ -112,27 +112,6 @@ func TestInvalidRows(t *testing.T) {
 	}
 }
 
-// A row Postgres rejects (jsonb cannot hold \u0000) is skipped; the rest of its batch lands.
-func TestRejectedRowSkipped(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	must(t, b.w.EpisodeStarted(ledger.EpisodeStart{ID: "e", Env: "env"}))
-	for i := range 10 {
-		r := stepRow("e", i)
-		if i == 4 {
-			r.Action = json.RawMessage(`{"a":"\u0000"}`)
-		}
-		must(t, b.w.Step(r))
-	}
-	must(t, b.w.Flush(t.Context()))
-	if n := count(t, b.url, "SELECT count(*) FROM steps"); n != 9 {
-		t.Fatalf("steps = %d, want 9", n)
-	}
-	if st := b.w.Stats(); st.Dropped != 1 {
-		t.Fatalf("dropped = %d, want 1", st.Dropped)
-	}
-}
-
 func TestCloseTwiceAndAppendAfterClose(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
