@@ -53,6 +53,9 @@ type ckDigest struct {
 	procs []procSum
 	// keys are the stacks (stackKey) whose index is files, registered in stateDigests.stacks.
 	keys []string
+	// aliases are other stacks of the checkpoint's state (its merged stack, a sandbox's
+	// shortened stack restored from it) named before files was known: registered with it.
+	aliases []string
 }
 
 // stackIndex is the index of one stack of layers, and how many checkpoints register it.
@@ -129,7 +132,7 @@ func (sd *stateDigests) dropLocked(id string, ck *ckDigest) {
 	for _, k := range ck.keys {
 		sd.unregisterLocked(k)
 	}
-	ck.keys, ck.files, ck.shm, ck.procs = nil, nil, nil, nil
+	ck.keys, ck.aliases, ck.files, ck.shm, ck.procs = nil, nil, nil, nil, nil
 }
 
 // finishLocked closes done, once. Called with stateDigests.mu held.
@@ -162,13 +165,36 @@ func (sd *stateDigests) unregisterLocked(key string) {
 	}
 }
 
-// alias registers stack key (a flattened stack) as checkpoint id's, once its index is known.
+// alias registers stack key (another stack of its state: its flattened stack, or one a
+// sandbox restored from it sits on) as checkpoint id's: now if its index is known, else when
+// it becomes known. A child's digest built on that stack then finds its prefix, whichever
+// of the flattening and the digest finished first.
 func (sd *stateDigests) alias(id, key string) {
 	sd.mu.Lock()
 	defer sd.mu.Unlock()
-	if ck := sd.ckpts[id]; ck != nil && ck.files != nil {
+	ck := sd.ckpts[id]
+	switch {
+	case ck == nil || ck.closed:
+	case ck.files != nil:
 		sd.registerLocked(ck, key, ck.files)
+	case !slices.Contains(ck.aliases, key):
+		ck.aliases = append(ck.aliases, key)
 	}
+}
+
+// setIndexLocked records ck's index, computed from snapshot sn, and registers it under sn's
+// stacks and the aliases named meanwhile.
+// +checklocks:sd.mu
+func (sd *stateDigests) setIndexLocked(ck *ckDigest, sn ckSnapshot, files, shm *dnode, procs []procSum) {
+	ck.files, ck.shm, ck.procs = files, shm, procs
+	sd.registerLocked(ck, stackKey(sn.layers), files)
+	if len(sn.flat) > 0 {
+		sd.registerLocked(ck, stackKey(sn.flat), files)
+	}
+	for _, k := range ck.aliases {
+		sd.registerLocked(ck, k, files)
+	}
+	ck.aliases = nil
 }
 
 func (sd *stateDigests) pop() string {
@@ -222,8 +248,11 @@ type ckSnapshot struct {
 	id, image string
 	layers    []string
 	flat      []string
-	shm       string
-	procs     []procInput
+	// long are longer stacks of the same state (longFormsLocked), whose prefixes may be
+	// indexed when those of layers and flat are not.
+	long  [][]string
+	shm   string
+	procs []procInput
 }
 
 // snapshot takes c's layers (a reference each) and what its processes' digest reads.
@@ -237,15 +266,52 @@ func (r *Runtime) snapshotLocked(c *checkpoint) (ckSnapshot, error) {
 	if err := refAll(r, all); err != nil {
 		return ckSnapshot{}, err
 	}
+	for _, l := range r.longFormsLocked(sn.layers) {
+		// The checkpoints a long form names hold its layers (Runtime.mu is held).
+		if refAll(r, l) == nil {
+			sn.long = append(sn.long, l)
+		}
+	}
 	sn.procs = procInputs(c, r.sandboxes[c.SandboxID] != nil, r.criuDir(c.ID))
 	return sn, nil
 }
 
 func (r *Runtime) unrefSnapshot(sn ckSnapshot) {
 	unrefAll(r, slices.Concat(sn.layers, sn.flat))
+	for _, l := range sn.long {
+		unrefAll(r, l)
+	}
 	if sn.shm != "" {
 		r.layers.Unref(sn.shm)
 	}
+}
+
+// maxLongForms bounds the long forms of a stack (longFormsLocked): a stack sits on as many
+// merged layers as flattenings followed one another under it.
+const maxLongForms = 4
+
+// longFormsLocked returns stacks of stack's state, each longer than the last: stack with
+// its longest prefix that a held flattened checkpoint's merged stack (Flat) is replaced by
+// that checkpoint's Layers, then the same of the result. A sandbox's stack shortened by a
+// flattening that finished while it went on, or by a restore, is a merged stack under
+// layers its checkpoints were indexed without: its long form's prefixes are theirs.
+// +checklocks:r.mu
+func (r *Runtime) longFormsLocked(stack []string) [][]string {
+	var out [][]string
+	for range maxLongForms {
+		var by *checkpoint
+		for _, o := range r.flat {
+			if n := len(o.Flat); n <= len(stack) && (by == nil || n > len(by.Flat)) && slices.Equal(o.Flat, stack[:n]) {
+				by = o
+			}
+		}
+		if by == nil {
+			break
+		}
+		stack = slices.Concat(by.Layers, stack[len(by.Flat):])
+		out = append(out, stack)
+	}
+	return out
 }
 
 // computeDigest computes checkpoint id's state digest and records it.
@@ -303,18 +369,15 @@ func (r *Runtime) computeDigest(id string) {
 			r.log.Warn("recording a checkpoint's state digest", "checkpoint", id, "err", err)
 		}
 	}
-	flat := slices.Clone(c.Flat)
 	r.mu.Unlock()
 	sd.mu.Lock()
 	if ck.closed {
 		sd.mu.Unlock()
 		return
 	}
-	ck.d, ck.files, ck.shm, ck.procs = d, files, shm, procs
-	sd.registerLocked(ck, stackKey(sn.layers), files)
-	if len(flat) > 0 {
-		sd.registerLocked(ck, stackKey(flat), files)
-	}
+	// A flattening recorded after sn was taken named its stack (alias): registered here.
+	ck.d = d
+	sd.setIndexLocked(ck, sn, files, shm, procs)
 	sd.mu.Unlock()
 	// The hook first: whoever waits for the digest finds it recorded there too.
 	if r.cfg.OnStateDigest != nil {
@@ -335,20 +398,23 @@ func (h hashOf) Size() int                   { return 32 }
 func (h hashOf) BlockSize() int              { return 64 }
 
 // filesIndex returns the index of sn's layers over its image, from the longest prefix of its
-// stack (Layers or Flat) whose index is known, and that of its /dev/shm layer.
+// stack (Layers, Flat or a long form) whose index is known, and that of its /dev/shm layer.
 func (r *Runtime) filesIndex(sn ckSnapshot, canceled func() error) (files, shm *dnode, err error) {
 	w := &layerWalk{buf: make([]byte, chunkSize), canceled: canceled}
-	stack, base, from := r.bestPrefix(sn.layers, sn.flat)
+	stack, base, from := r.bestPrefix(slices.Concat([][]string{sn.layers, sn.flat}, sn.long)...)
 	if base == nil {
 		if base, err = r.imageIndex(sn.image, w); err != nil {
 			return nil, nil, err
 		}
 	}
-	files = base
+	files, walked := base, w.n
 	for _, l := range stack[from:] {
 		if files, err = w.applyLayer(files, r.layers.Path(l)); err != nil {
 			return nil, nil, err
 		}
+	}
+	if r.hooks.onDigestWalk != nil {
+		r.hooks.onDigestWalk(sn.id, len(stack)-from, w.n-walked)
 	}
 	if sn.shm != "" {
 		if shm, err = w.applyLayer(nil, r.layers.Path(sn.shm)); err != nil {
@@ -358,10 +424,10 @@ func (r *Runtime) filesIndex(sn ckSnapshot, canceled func() error) (files, shm *
 	return files, shm, nil
 }
 
-// bestPrefix returns, of the candidate stacks of one state (Layers, Flat), the one with the
-// fewest layers left to apply over the longest prefix whose index is known: that index and
-// the prefix's length. base is nil when no prefix is known: the shortest stack is applied
-// whole over the image's index.
+// bestPrefix returns, of the candidate stacks of one state (Layers, Flat, long forms), the
+// one with the fewest layers left to apply over the longest prefix whose index is known: that
+// index and the prefix's length. base is nil when no prefix is known: the shortest stack is
+// applied whole over the image's index.
 func (r *Runtime) bestPrefix(cands ...[]string) (stack []string, base *dnode, from int) {
 	sd := r.jobs.digests
 	sd.mu.Lock()
@@ -601,11 +667,7 @@ func (r *Runtime) indexOf(ctx context.Context, id string) (*dnode, []procSum, St
 	}
 	sd.mu.Lock()
 	if !ck.closed && ck.files == nil {
-		ck.files, ck.shm, ck.procs = files, shm, procs
-		sd.registerLocked(ck, stackKey(sn.layers), files)
-		if len(sn.flat) > 0 {
-			sd.registerLocked(ck, stackKey(sn.flat), files)
-		}
+		sd.setIndexLocked(ck, sn, files, shm, procs)
 	}
 	sd.mu.Unlock()
 	return withShm(files, shm), procs, d, nil
@@ -624,6 +686,14 @@ func (sd *stateDigests) adopt(into, from string) {
 		if si := sd.stacks[k]; si != nil && !slices.Contains(ci.keys, k) {
 			ci.keys = append(ci.keys, k)
 			si.refs++
+		}
+	}
+	for _, k := range cf.aliases {
+		switch {
+		case ci.files != nil:
+			sd.registerLocked(ci, k, ci.files)
+		case !slices.Contains(ci.aliases, k):
+			ci.aliases = append(ci.aliases, k)
 		}
 	}
 }

@@ -188,6 +188,23 @@ func (s *Sandbox) ShmEmpty() (bool, error) {
 	return s.shmEmpty(fd, &st)
 }
 
+// OnDigestWalk makes every files index the runtime builds call f with the
+// checkpoint, how many layers it applied over the index it started from and
+// how many entries it walked in them. Set it before the runtime is used.
+func (r *Runtime) OnDigestWalk(f func(id string, layers, entries int)) { r.hooks.onDigestWalk = f }
+
+// OnFlattened makes every flattening recorded call f with its checkpoint.
+// Set it before the runtime is used.
+func (r *Runtime) OnFlattened(f func(id string)) { r.hooks.onFlattened = f }
+
+// HoldFlattening keeps the background flattener from starting a merge
+// until the returned function (idempotent) lets it go.
+func (r *Runtime) HoldFlattening() (release func()) {
+	r.jobs.flatSem <- struct{}{}
+	var once sync.Once
+	return func() { once.Do(func() { <-r.jobs.flatSem }) }
+}
+
 // DigestIndexes returns how many checkpoints' state digests and stacks' indexes the runtime
 // keeps in memory.
 func (r *Runtime) DigestIndexes() (ckpts, stacks int) {

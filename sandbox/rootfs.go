@@ -691,7 +691,7 @@ func (s *Sandbox) restoreRoot(c *checkpoint, again, pending, mayKeep bool) error
 	r := s.rt
 	s.fs.mu.Lock()
 	defer s.fs.mu.Unlock()
-	stack := slices.Clone(r.shorten(c.Layers))
+	stack := slices.Clone(r.stackOf(c))
 	if again {
 		r.maybeFlattenHot(c)
 	}

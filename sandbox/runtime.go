@@ -440,6 +440,13 @@ type testHooks struct {
 	// each pass that filled it as far as its target and the caps allow
 	// (set while the warm loop runs).
 	onWarm atomic.Pointer[func(ready int)]
+	// onDigestWalk, if set, is told, for each files index built, how
+	// many layers it applied over the index it started from and how many
+	// entries it walked in them.
+	onDigestWalk func(id string, layers, entries int)
+	// onFlattened, if set, is told each checkpoint whose flattening is
+	// recorded.
+	onFlattened func(id string)
 }
 
 // New starts a runtime on cfg.DataDir. It reconciles what an earlier run
@@ -1204,6 +1211,18 @@ func (r *Runtime) shorten(stack []string) []string {
 	return stack
 }
 
+// stackOf returns the shortest stack of checkpoint c's state (shorten), for a sandbox to sit
+// on. One shorter than c's Layers is named an alias of c's index, so that the sandbox's next
+// checkpoint finds the index of what it sits on while c is held, even once the flattened
+// checkpoint whose merged layer that stack holds is released.
+func (r *Runtime) stackOf(c *checkpoint) []string {
+	stack := r.shorten(c.Layers)
+	if len(stack) < len(c.Layers) {
+		r.jobs.digests.alias(c.ID, stackKey(stack))
+	}
+	return stack
+}
+
 // imageLowers returns the layers under every delta of image: the skeleton
 // (if the image needs it) and the image's own, bottom first.
 func (r *Runtime) imageLowers(image string) []string {
@@ -1358,6 +1377,9 @@ func (r *Runtime) flatten(c *checkpoint, hot bool) {
 		}
 		r.flat[stackKey(c.Layers)] = c
 		r.jobs.digests.alias(c.ID, stackKey(flat))
+		if r.hooks.onFlattened != nil {
+			r.hooks.onFlattened(c.ID)
+		}
 	}()
 }
 

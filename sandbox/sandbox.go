@@ -332,7 +332,7 @@ func (s *Sandbox) startRoot(ck *checkpoint, undo *undoList) error {
 	r := s.rt
 	var stack []string
 	if ck != nil {
-		stack = r.shorten(ck.Layers)
+		stack = r.stackOf(ck)
 	}
 	if err := refAll(r, stack); err != nil {
 		return fmt.Errorf("%w: checkpoint %s was released", ErrNotFound, s.spec.Checkpoint)
