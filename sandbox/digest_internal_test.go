@@ -38,8 +38,8 @@ func BenchmarkTemplateMemory(b *testing.B) {
 	var lat []time.Duration
 	for b.Loop() {
 		t := time.Now()
-		if _, _, ok := templateMemory(cmd.Process.Pid, start, masks, func() error { return nil }); !ok {
-			b.Fatal("memory not read")
+		if _, _, ok, err := templateMemory(cmd.Process.Pid, start, masks, newProcBudget(0), func() error { return nil }); !ok || err != nil {
+			b.Fatalf("memory not read: %v", err)
 		}
 		lat = append(lat, time.Since(t))
 	}

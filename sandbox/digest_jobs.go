@@ -23,7 +23,10 @@ import (
 // State digests are computed off the checkpoint's path: addCheckpoint queues the checkpoint,
 // and digestWorkers (at most two goroutines, the runtime's) compute each one's files index
 // from the index of the longest prefix of its stack already known (its parent's, usually)
-// plus its own new layers, then its processes' digest. The digest is kept in the checkpoint's
+// plus its own new layers, then its processes' digest, within a procBudget. A worker takes the
+// oldest queued checkpoint of the sandbox with the fewest digests being computed, so one
+// sandbox's checkpoints queued by the dozen, or a job that runs to its deadline, hold back
+// another sandbox's by one job at most. The digest is kept in the checkpoint's
 // record, so a restarted runtime has it at once; the per-path index is memory only, rebuilt
 // when next needed (a diff, a child's digest) from the image's index, cached on disk per
 // image, and the checkpoint's layers.
@@ -75,19 +78,26 @@ type stateDigests struct {
 	// images are the indexes of images, by imageKey.
 	// +checklocks:mu
 	images map[string]*dnode
+	// queue holds the checkpoints whose digests are to compute, oldest first; running counts
+	// the digests being computed, by sandbox.
 	// +checklocks:mu
-	queue []string
-	kick  chan struct{}
+	queue []digestJob
+	// +checklocks:mu
+	running map[string]int
+	kick    chan struct{}
 }
+
+// digestJob is a checkpoint whose digest is to compute, and its sandbox's id.
+type digestJob struct{ id, sandbox string }
 
 func newStateDigests() *stateDigests {
 	return &stateDigests{ckpts: map[string]*ckDigest{}, stacks: map[string]*stackIndex{}, images: map[string]*dnode{},
-		kick: make(chan struct{}, 1)}
+		running: map[string]int{}, kick: make(chan struct{}, 1)}
 }
 
-// add registers checkpoint id; with rec (a record's digest) it is known already, else it is
-// queued.
-func (sd *stateDigests) add(id string, rec *digestRec) {
+// add registers checkpoint id of sandbox sandbox; with rec (a record's digest) it is known
+// already, else it is queued.
+func (sd *stateDigests) add(id, sandbox string, rec *digestRec) {
 	ck := &ckDigest{done: make(chan struct{}), stop: make(chan struct{})}
 	sd.mu.Lock()
 	defer sd.mu.Unlock()
@@ -100,7 +110,7 @@ func (sd *stateDigests) add(id string, rec *digestRec) {
 		ck.finishLocked()
 		return
 	}
-	sd.queue = append(sd.queue, id)
+	sd.queue = append(sd.queue, digestJob{id: id, sandbox: sandbox})
 	select {
 	case sd.kick <- struct{}{}:
 	default:
@@ -197,16 +207,37 @@ func (sd *stateDigests) setIndexLocked(ck *ckDigest, sn ckSnapshot, files, shm *
 	ck.aliases = nil
 }
 
-func (sd *stateDigests) pop() string {
+// pop takes the oldest queued job of the sandbox with the fewest jobs running, and counts it
+// running until finished; false if none is queued.
+func (sd *stateDigests) pop() (digestJob, bool) {
 	sd.mu.Lock()
 	defer sd.mu.Unlock()
 	if len(sd.queue) == 0 {
 		sd.queue = nil // let a long queue's array go
-		return ""
+		return digestJob{}, false
 	}
-	id := sd.queue[0]
-	sd.queue = sd.queue[1:]
-	return id
+	best := 0
+	for i, j := range sd.queue {
+		if sd.running[sd.queue[best].sandbox] == 0 {
+			break
+		}
+		if sd.running[j.sandbox] < sd.running[sd.queue[best].sandbox] {
+			best = i
+		}
+	}
+	j := sd.queue[best]
+	sd.queue = slices.Delete(sd.queue, best, best+1)
+	sd.running[j.sandbox]++
+	return j, true
+}
+
+// finished counts job j no longer running.
+func (sd *stateDigests) finished(j digestJob) {
+	sd.mu.Lock()
+	defer sd.mu.Unlock()
+	if sd.running[j.sandbox]--; sd.running[j.sandbox] <= 0 {
+		delete(sd.running, j.sandbox)
+	}
 }
 
 func (sd *stateDigests) get(id string) *ckDigest {
@@ -233,11 +264,12 @@ func (r *Runtime) stateDigestLoop() {
 				return
 			default:
 			}
-			id := r.jobs.digests.pop()
-			if id == "" {
+			j, ok := r.jobs.digests.pop()
+			if !ok {
 				break
 			}
-			r.computeDigest(id)
+			r.computeDigest(j.id)
+			r.jobs.digests.finished(j)
 		}
 	}
 }
@@ -253,6 +285,8 @@ type ckSnapshot struct {
 	long  [][]string
 	shm   string
 	procs []procInput
+	// memLimit is the sandbox's memory limit (0: none).
+	memLimit int64
 }
 
 // snapshot takes c's layers (a reference each) and what its processes' digest reads.
@@ -272,7 +306,11 @@ func (r *Runtime) snapshotLocked(c *checkpoint) (ckSnapshot, error) {
 			sn.long = append(sn.long, l)
 		}
 	}
-	sn.procs = procInputs(c, r.sandboxes[c.SandboxID] != nil, r.criuDir(c.ID))
+	s := r.sandboxes[c.SandboxID]
+	sn.procs = procInputs(c, s != nil, r.criuDir(c.ID))
+	if s != nil {
+		sn.memLimit = s.spec.Limits.MemoryBytes
+	}
 	return sn, nil
 }
 
@@ -333,6 +371,7 @@ func (r *Runtime) computeDigest(id string) {
 		return // released meanwhile
 	}
 	defer r.unrefSnapshot(sn)
+	budget := newProcBudget(sn.memLimit)
 	canceled := func() error {
 		select {
 		case <-ck.stop:
@@ -347,7 +386,11 @@ func (r *Runtime) computeDigest(id string) {
 	var procs []procSum
 	var pd string
 	if err == nil {
-		procs, pd, err = processDigest(sn.procs, canceled)
+		procs, pd, err = processDigest(sn.procs, budget, canceled)
+		if errors.Is(err, errOverBudget) {
+			r.log.Warn("leaving a checkpoint's processes digest unequal to any other", "checkpoint", id, "err", err)
+			err = nil
+		}
 	}
 	if err != nil {
 		if canceled() == nil {
@@ -661,8 +704,8 @@ func (r *Runtime) indexOf(ctx context.Context, id string) (*dnode, []procSum, St
 	if err != nil {
 		return nil, nil, StateDigest{}, err
 	}
-	procs, _, err = processDigest(sn.procs, canceled)
-	if err != nil {
+	procs, _, err = processDigest(sn.procs, newProcBudget(sn.memLimit), canceled)
+	if err != nil && !errors.Is(err, errOverBudget) {
 		return nil, nil, StateDigest{}, err
 	}
 	sd.mu.Lock()

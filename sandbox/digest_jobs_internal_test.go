@@ -23,7 +23,7 @@ func TestDigestAliasBeforeIndex(t *testing.T) {
 		}
 		return nil
 	}
-	sd.add("a", nil)
+	sd.add("a", "sb-a", nil)
 	sd.alias("a", "F")
 	sd.alias("a", "F")
 	if known("F") != nil {
@@ -39,8 +39,8 @@ func TestDigestAliasBeforeIndex(t *testing.T) {
 		t.Fatal("an alias named after the index is known: not registered")
 	}
 	// b, not indexed yet, takes c's alias (Dedupe: c is released, b has its state).
-	sd.add("b", nil)
-	sd.add("c", nil)
+	sd.add("b", "sb-b", nil)
+	sd.add("c", "sb-c", nil)
 	sd.alias("c", "H")
 	sd.adopt("b", "c")
 	sd.drop("c")

@@ -3,10 +3,11 @@ package sandbox
 import (
 	"bufio"
 	"bytes"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
+	"errors"
 	"fmt"
-	"hash"
 	"io"
 	"os"
 	"path/filepath"
@@ -24,7 +25,8 @@ import (
 // process in the capture's order (templates first, then the CRIU trees' processes): the
 // command (a live template's whole command line, else its name), its working directory, its
 // open files with their flags and offsets, its session, and its memory: a template's private
-// writable mappings read through /proc/PID/mem while it is held frozen, but for the bytes
+// writable mappings, their pages of their own (memWalk) read through /proc/PID/mem while it is
+// held frozen, within the checkpoint's procBudget, but for the bytes
 // the kernel wrote that are not the program's (procstate.Template.KernelWrites: each thread's
 // rseq CPU and node fields, the time left an interrupted sleep or select wrote back), so that a
 // process at rest checkpointed twice hashes alike; or, for a CRIU tree and for a template whose
@@ -80,15 +82,18 @@ func procInputs(c *checkpoint, live bool, dir string) []procInput {
 	return out
 }
 
-// processDigest summarises each process and returns the digest over them ("" for none).
-func processDigest(in []procInput, canceled func() error) ([]procSum, string, error) {
+// processDigest summarises each process and returns the digest over them ("" for none). Past
+// b, it returns errOverBudget with the summaries and a digest that equals no other
+// (unequalDigest): the processes left unhashed get memory sums that equal no other either.
+func processDigest(in []procInput, b *procBudget, canceled func() error) ([]procSum, string, error) {
 	if len(in) == 0 {
 		return nil, "", nil
 	}
 	h := sha256.New()
-	io.WriteString(h, "deltagym-processes-2\n")
+	io.WriteString(h, "deltagym-processes-3\n")
 	sums := make([]procSum, 0, len(in))
 	imgs := map[string][32]byte{}
+	var over error
 	for i, p := range in {
 		if err := canceled(); err != nil {
 			return nil, "", err
@@ -96,11 +101,25 @@ func processDigest(in []procInput, canceled func() error) ([]procSum, string, er
 		s := procSum{pid: p.pid, command: p.comm, cwd: p.cwd}
 		var files strings.Builder
 		for _, f := range slices.SortedFunc(slices.Values(p.files), func(a, b procstate.File) int { return a.FD - b.FD }) {
-			fmt.Fprintf(&files, "%d %s flags=%#o pos=%d\n", f.FD, f.Path, f.Flags, f.Pos)
+			fmt.Fprintf(&files, "%d %d:%s flags=%#o pos=%d\n", f.FD, len(f.Path), f.Path, f.Flags, f.Pos)
 		}
 		s.file = files.String()
-		mem, cmd, ok := templateMemory(p.hostPid, p.start, p.masks, canceled)
+		var mem [32]byte
+		var cmd string
+		ok := false
+		if over == nil {
+			var err error
+			mem, cmd, ok, err = templateMemory(p.hostPid, p.start, p.masks, b, canceled)
+			switch {
+			case errors.Is(err, errOverBudget):
+				over = err
+			case err != nil:
+				return nil, "", err
+			}
+		}
 		switch {
+		case over != nil:
+			_, _ = rand.Read(s.mem[:])
 		case ok:
 			s.mem = mem
 			if cmd != "" {
@@ -123,53 +142,70 @@ func processDigest(in []procInput, canceled func() error) ([]procSum, string, er
 		h.Write(s.mem[:])
 		sums = append(sums, s)
 	}
+	if over != nil {
+		return sums, unequalDigest(), over
+	}
 	return sums, layers.DigestOf(h), nil
 }
 
-// templateMemory hashes the private writable mappings of template hostPid (started at start),
-// their ranges and contents but the bytes of masks (procstate.Template.KernelWrites, which the
-// kernel wrote and the program did not: the ranges are hashed, their contents read as zeros),
-// and reads its command line; ok is false if it is not there.
-func templateMemory(hostPid int, start uint64, masks []procstate.Span, canceled func() error) (sum [32]byte, cmdline string, ok bool) {
+// templateMemory hashes the private writable mappings of template hostPid (started at start):
+// their ranges, names and pages of their own (memWalk), but the bytes of masks
+// (procstate.Template.KernelWrites, which the kernel wrote and the program did not: the ranges
+// are hashed, their contents read as zeros), and its command line, which it returns; ok is
+// false if it is not there. err is b's (errOverBudget) or canceled's.
+func templateMemory(hostPid int, start uint64, masks []procstate.Span, b *procBudget, canceled func() error) (sum [32]byte, cmdline string, ok bool, err error) {
 	if hostPid <= 0 {
-		return sum, "", false
+		return sum, "", false, nil
 	}
 	if st, err := procstate.StartTime(hostPid); err != nil || st != start {
-		return sum, "", false
+		return sum, "", false, nil
 	}
 	base := "/proc/" + strconv.Itoa(hostPid)
 	cl, err := os.ReadFile(base + "/cmdline")
 	if err != nil {
-		return sum, "", false
+		return sum, "", false, nil
 	}
 	maps, err := os.ReadFile(base + "/maps")
 	if err != nil {
-		return sum, "", false
+		return sum, "", false, nil
 	}
 	mem, err := os.Open(base + "/mem")
 	if err != nil {
-		return sum, "", false
+		return sum, "", false, nil
 	}
 	defer mem.Close()
+	pagemap, err := os.Open(base + "/pagemap")
+	if err != nil {
+		return sum, "", false, nil
+	}
+	defer pagemap.Close()
 	h := sha256.New()
 	var rec [16]byte
+	binary.LittleEndian.PutUint64(rec[:], uint64(len(cl)))
+	h.Write(rec[:8])
+	h.Write(cl)
+	binary.LittleEndian.PutUint64(rec[:], uint64(len(masks)))
+	h.Write(rec[:8])
 	for _, m := range masks {
 		binary.LittleEndian.PutUint64(rec[:], m.Addr)
 		binary.LittleEndian.PutUint64(rec[8:], m.Len)
 		h.Write(rec[:])
 	}
-	buf := make([]byte, 1<<20)
+	w := newMemWalk(h, mem, pagemap, masks, b, canceled)
 	sc := bufio.NewScanner(bytes.NewReader(maps))
 	for sc.Scan() {
-		if !hashMapping(h, mem, sc.Text(), buf, masks, canceled) {
-			return sum, "", false
+		if err := w.mapping(sc.Text()); err != nil {
+			if errors.Is(err, errOverBudget) || canceled() != nil {
+				return sum, "", false, err
+			}
+			return sum, "", false, nil
 		}
 	}
 	if st, err := procstate.StartTime(hostPid); err != nil || st != start {
-		return sum, "", false
+		return sum, "", false, nil
 	}
 	h.Sum(sum[:0])
-	return sum, strings.TrimRight(strings.ReplaceAll(string(cl), "\x00", " "), " "), true
+	return sum, strings.TrimRight(strings.ReplaceAll(string(cl), "\x00", " "), " "), true, nil
 }
 
 // imagesHash hashes the files of a CRIU images directory, sorted by name, but criu's
@@ -202,58 +238,4 @@ func imagesHash(dir string) ([32]byte, error) {
 	var out [32]byte
 	h.Sum(out[:0])
 	return out, nil
-}
-
-// hashMapping hashes the range, name and contents of the mapping of line (of /proc/PID/maps)
-// if it is private and writable, the bytes of masks as zeros; false if canceled.
-func hashMapping(h hash.Hash, mem *os.File, line string, buf []byte, masks []procstate.Span, canceled func() error) bool {
-	f := strings.Fields(line)
-	if len(f) < 5 || f[1] != "rw-p" {
-		return true
-	}
-	lo, hi, found := strings.Cut(f[0], "-")
-	if !found {
-		return true
-	}
-	start, err1 := strconv.ParseUint(lo, 16, 64)
-	end, err2 := strconv.ParseUint(hi, 16, 64)
-	if err1 != nil || err2 != nil || end < start {
-		return true
-	}
-	var rec [16]byte
-	binary.LittleEndian.PutUint64(rec[:], start)
-	binary.LittleEndian.PutUint64(rec[8:], end)
-	h.Write(rec[:])
-	if len(f) >= 6 {
-		io.WriteString(h, f[5])
-	}
-	for off := start; off < end; {
-		if canceled() != nil {
-			return false
-		}
-		n := int(min(uint64(len(buf)), end-off))
-		k, err := mem.ReadAt(buf[:n], int64(off))
-		if k > 0 {
-			zeroMasked(buf[:k], off, masks)
-			h.Write(buf[:k])
-		}
-		if err != nil || k < n {
-			// An unreadable range: the mark stands for the rest of it.
-			io.WriteString(h, "?")
-			break
-		}
-		off += uint64(n)
-	}
-	return true
-}
-
-// zeroMasked zeroes the bytes of b, read at address off, that masks cover.
-func zeroMasked(b []byte, off uint64, masks []procstate.Span) {
-	end := off + uint64(len(b))
-	for _, m := range masks {
-		lo, hi := max(m.Addr, off), min(m.Addr+m.Len, end)
-		if lo < hi {
-			clear(b[lo-off : hi-off])
-		}
-	}
 }

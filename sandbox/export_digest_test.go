@@ -81,3 +81,16 @@ func EntryOf(p string, shift uint32) (IndexEntry, error) {
 	}
 	return e, nil
 }
+
+// TemplatePids returns the host pids of checkpoint ck's templates.
+func (r *Runtime) TemplatePids(ck string) []int {
+	c, err := r.lookup(ck)
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, p := range c.Procs {
+		out = append(out, p.HostPid)
+	}
+	return out
+}

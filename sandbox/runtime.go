@@ -930,7 +930,7 @@ func (r *Runtime) loadCheckpoints() (keep map[string]int, err error) {
 		// restart would add its pools' checkpoints to those that never go.
 		c.Pinned = false
 		r.ckpts[c.ID] = &c
-		r.jobs.digests.add(c.ID, c.Digest)
+		r.jobs.digests.add(c.ID, c.SandboxID, c.Digest)
 		r.pimg.bytes.Add(c.imageBytes())
 		for _, l := range c.Layers {
 			keep[l]++
@@ -1457,7 +1457,7 @@ func (r *Runtime) addCheckpoint(c *checkpoint) error {
 	}
 	r.mu.Lock()
 	r.ckpts[c.ID] = c
-	r.jobs.digests.add(c.ID, nil)
+	r.jobs.digests.add(c.ID, c.SandboxID, nil)
 	r.pimg.bytes.Add(c.imageBytes())
 	r.mu.Unlock()
 	return nil
