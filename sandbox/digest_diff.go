@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"path"
 	"slices"
@@ -39,6 +40,10 @@ const (
 	// for finding it in the layers.
 	diffReadBytes = 64 << 20
 	diffReadCost  = 4 << 10
+	// diffLookupCost is what each directory lookup of finding a file in the layers counts
+	// against diffReadBytes: a path of hundreds of components in many layers costs its
+	// lookups, not only its bytes.
+	diffLookupCost = 256
 	// diffWork bounds the line diffs' search work, all files together (textdiff.Budget): ten
 	// files' worth of the bound of one.
 	diffWork = 40_000_000
@@ -358,17 +363,18 @@ func (r *Runtime) diffContents(ctx context.Context, base, target *checkpoint, ch
 func fileDiff(ra, rb *ckFiles, ch *PathChange, detail DiffDetail, bu *diffBudget) (*fileDetail, error) {
 	var a, b []byte
 	var err error
+	var na, nb int
 	if ch.OldType == TypeFile {
-		if a, err = ra.read(ch.Path); err != nil {
+		if a, na, err = ra.read(ch.Path); err != nil {
 			return nil, err
 		}
 	}
 	if ch.NewType == TypeFile {
-		if b, err = rb.read(ch.Path); err != nil {
+		if b, nb, err = rb.read(ch.Path); err != nil {
 			return nil, err
 		}
 	}
-	bu.read -= len(a) + len(b) + diffReadCost
+	bu.read -= len(a) + len(b) + diffReadCost + (na+nb)*diffLookupCost
 	if !isText(a) || !isText(b) {
 		return &fileDetail{binary: true}, nil
 	}
@@ -390,9 +396,21 @@ func isText(b []byte) bool {
 // first: the image's lowers, then its stack; shm is its /dev/shm layer's (-1: none).
 type ckFiles struct {
 	roots []int
-	shm   int
-	sn    ckSnapshot
-	r     *Runtime
+	// dirs is, for each of roots, the last directory a read walked to: the files of a diff
+	// come sorted, so the next file is most often in it.
+	dirs []layerDir
+	shm  int
+	sn   ckSnapshot
+	r    *Runtime
+}
+
+// layerDir is where walking a directory's path in one layer ended: at the directory (fd), or
+// before it (fd -1), settled when the layer then decides that nothing below it shows.
+type layerDir struct {
+	path    string
+	fd      int
+	opaque  bool
+	settled bool
 }
 
 func (r *Runtime) openFiles(c *checkpoint) (*ckFiles, error) {
@@ -425,6 +443,7 @@ func (r *Runtime) openFiles(c *checkpoint) (*ckFiles, error) {
 			return nil, fmt.Errorf("opening a layer of checkpoint %s: %w", c.ID, err)
 		}
 		f.roots = append(f.roots, fd)
+		f.dirs = append(f.dirs, layerDir{path: "\x00", fd: -1})
 	}
 	if sn.shm != "" {
 		fd, err := unix.Open(r.layers.Path(sn.shm), unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -441,6 +460,12 @@ func (f *ckFiles) close() {
 	for _, fd := range f.roots {
 		unix.Close(fd)
 	}
+	for _, d := range f.dirs {
+		if d.fd >= 0 {
+			unix.Close(d.fd)
+		}
+	}
+	f.dirs = nil
 	if f.shm >= 0 {
 		unix.Close(f.shm)
 	}
@@ -452,44 +477,96 @@ const layerResolve = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESO
 
 // read returns up to diffTextBytes+1 bytes of regular file p (absolute in the sandbox) as the
 // checkpoint shows it: from its /dev/shm layer below /dev/shm, else from the topmost layer
-// holding it, unless a whiteout, a non-directory or an opaque directory on its way hides it.
-func (f *ckFiles) read(p string) ([]byte, error) {
+// holding it, unless a whiteout, a non-directory or an opaque directory on its way hides it;
+// and the lookups it made, for the diff's budget. Each layer is walked one component at a time
+// from a descriptor of the directory above, so a path of depth d costs d lookups a layer, not
+// the d²/2 of resolving each of its prefixes from the layer's root.
+func (f *ckFiles) read(p string) (data []byte, lookups int, err error) {
 	rel := strings.TrimPrefix(p, "/")
 	if rest, ok := strings.CutPrefix(rel, "dev/shm/"); ok {
 		if f.shm < 0 {
-			return nil, nil
+			return nil, 1, nil
 		}
-		return readBeneath(f.shm, rest)
+		data, err := readBeneath(f.shm, rest)
+		return data, strings.Count(rest, "/") + 1, err
 	}
 	comps := strings.Split(rel, "/")
+	parent := strings.Join(comps[:len(comps)-1], "/")
 	for i := len(f.roots) - 1; i >= 0; i-- {
-		root := f.roots[i]
-		hidden := false
-		for j := 1; j < len(comps); j++ {
-			var st unix.Stat_t
-			err := statBeneath(root, strings.Join(comps[:j], "/"), &st)
-			if err != nil {
-				break // not in this layer: what is below shows through
-			}
-			if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-				return nil, nil // a whiteout or a file hides the path
-			}
-			if opaqueBeneath(root, strings.Join(comps[:j], "/")) {
-				hidden = true
-			}
+		if f.dirs[i].path != parent {
+			n := f.walkDir(i, comps[:len(comps)-1])
+			f.dirs[i].path = parent
+			lookups += n
 		}
-		var st unix.Stat_t
-		if err := statBeneath(root, rel, &st); err == nil {
-			if whiteout(&st) || st.Mode&unix.S_IFMT != unix.S_IFREG {
-				return nil, nil
+		d := f.dirs[i]
+		if d.fd < 0 && len(comps) > 1 {
+			if d.settled {
+				return nil, lookups, nil
 			}
-			return readBeneath(root, rel)
+			continue
 		}
-		if hidden {
-			return nil, nil
+		dir := f.roots[i]
+		if len(comps) > 1 {
+			dir = d.fd
+		}
+		lookups++
+		data, settled, err := readLast(dir, comps[len(comps)-1], d.opaque)
+		if err != nil || settled {
+			return data, lookups, err
 		}
 	}
-	return nil, nil
+	return nil, lookups, nil
+}
+
+// walkDir walks directory comps in layer i, a component at a time from a descriptor of the
+// directory above, and keeps where it ended in f.dirs[i] (its path is the caller's to set);
+// it returns its lookups.
+func (f *ckFiles) walkDir(i int, comps []string) (n int) {
+	d := &f.dirs[i]
+	if d.fd >= 0 {
+		unix.Close(d.fd)
+	}
+	*d = layerDir{fd: -1}
+	dir := f.roots[i]
+	for _, c := range comps {
+		n++
+		fd, err := unix.Openat2(dir, c, &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: layerResolve})
+		if dir != f.roots[i] {
+			unix.Close(dir)
+		}
+		switch {
+		case errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP):
+			d.settled = true // a whiteout, a file or a link hides what is below
+			return n
+		case err != nil:
+			d.settled = d.opaque // not in this layer: below shows through, unless opaque
+			return n
+		}
+		dir = fd
+		var buf [4]byte
+		if m, err := unix.Fgetxattr(fd, opaqueMark, buf[:]); err == nil && m == 1 && buf[0] == 'y' {
+			d.opaque = true
+		}
+	}
+	if dir != f.roots[i] {
+		d.fd = dir
+	}
+	return n
+}
+
+// readLast reads file name in directory dir of a layer: settled when the layer decides what
+// the checkpoint shows there (the file, or nothing: a whiteout or a special file; or, absent
+// below an opaque directory, nothing); not settled when what is below shows through.
+func readLast(dir int, name string, opaque bool) (data []byte, settled bool, err error) {
+	var st unix.Stat_t
+	if err := statBeneath(dir, name, &st); err != nil {
+		return nil, opaque, nil
+	}
+	if whiteout(&st) || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, true, nil
+	}
+	data, err = readBeneath(dir, name)
+	return data, true, err
 }
 
 // statBeneath lstats rel below the directory root without following symlinks.
@@ -500,18 +577,6 @@ func statBeneath(root int, rel string, st *unix.Stat_t) error {
 	}
 	defer unix.Close(fd)
 	return unix.Fstat(fd, st)
-}
-
-// opaqueBeneath reports whether directory rel below root is overlayfs-opaque (isOpaqueDir).
-func opaqueBeneath(root int, rel string) bool {
-	fd, err := unix.Openat2(root, rel, &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: layerResolve})
-	if err != nil {
-		return false
-	}
-	defer unix.Close(fd)
-	var buf [4]byte
-	n, err := unix.Fgetxattr(fd, opaqueMark, buf[:])
-	return err == nil && n == 1 && buf[0] == 'y'
 }
 
 // readBeneath reads up to diffTextBytes+1 bytes of the regular file rel below root: never

@@ -187,3 +187,54 @@ func benchHeldDirectory(b *testing.B, entries, depth int) {
 	b.ReportMetric(perCk/1024, "heap-KiB/ckpt")
 	ready.report(b, "ready-")
 }
+
+// deepShape makes n one-line text files at the bottom of a chain of depth directories under /w
+// in a checkpoint over one without them, and returns the two checkpoints.
+func deepShape(tb testing.TB, b *bundle, depth, n int) (string, string) {
+	tb.Helper()
+	ctx := context.Background()
+	s := b.create(tb, sandbox.Spec{})
+	base, err := s.Checkpoint(ctx)
+	must(tb, err)
+	sh(tb, s, fmt.Sprintf("mkdir -p /w && cd /w && i=0; while [ $i -lt %d ]; do mkdir y && cd y; i=$((i+1)); done; "+
+		"i=0; while [ $i -lt %d ]; do echo line $i > f$i; i=$((i+1)); done", depth, n))
+	ck, err := s.Checkpoint(ctx)
+	must(tb, err)
+	return base.ID, ck.ID
+}
+
+// BenchmarkDiffDeepPaths: the line counts of 200 files at the bottom of a chain of 500
+// directories, which a diff finds in the checkpoint's layers a component at a time.
+func BenchmarkDiffDeepPaths(b *testing.B) {
+	bb := setup(b)
+	ctx := context.Background()
+	base, ck := deepShape(b, bb, 500, 200)
+	var l lat
+	for b.Loop() {
+		t := time.Now()
+		_, err := bb.rt.DiffCheckpoints(ctx, base, ck, sandbox.DiffOptions{Detail: sandbox.DiffLines})
+		must(b, err)
+		l = append(l, time.Since(t))
+	}
+	l.report(b, "diff-")
+}
+
+// A diff's line counts of files deep below directories made in the checkpoint: found, counted.
+func TestDiffDeepPaths(t *testing.T) {
+	b := setup(t)
+	base, ck := deepShape(t, b, 100, 20)
+	d, err := b.rt.DiffCheckpoints(t.Context(), base, ck, sandbox.DiffOptions{Detail: sandbox.DiffLines})
+	must(t, err)
+	files := 0
+	for _, c := range d.Paths {
+		if c.NewType == sandbox.TypeFile {
+			files++
+			if c.Kind != sandbox.ChangeAdded || c.LinesAdded != 1 || c.Binary || strings.Count(c.Path, "/y") != 100 {
+				t.Fatalf("%+v", c)
+			}
+		}
+	}
+	if files != 20 {
+		t.Fatalf("%d files in the diff, want 20: %+v", files, d.Paths)
+	}
+}
