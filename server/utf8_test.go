@@ -47,9 +47,10 @@ func TestNamesNotUTF8(t *testing.T) {
 				}
 				return r
 			}
-			// busybox has no bash: stand ash in for it, with an argument that is not UTF-8. The
-			// session's shell renames itself.
-			step(writeFileAction("/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash -s \"$(printf 'ar\\377g')\"\n")))
+			// busybox has no bash: stand ash in for it, with an argument that is not UTF-8 (its
+			// byte in the script itself: a command substitution would fork while the session
+			// looks for its one shell). The session's shell renames itself.
+			step(writeFileAction("/bin/bash", []byte("#!/bin/sh\nexec /bin/busybox ash -s 'ar\xffg'\n")))
 			step(execAction(`chmod +x /bin/bash && touch "$(printf '/tmp/bad\377\nname')" && rm /tmp/plain`))
 			step(sessionAction(`printf 'ev\377\376il' > /proc/$$/comm`))
 
