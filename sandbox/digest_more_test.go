@@ -548,3 +548,26 @@ func TestStateDigestChangedProcessDiffers(t *testing.T) {
 		t.Fatalf("counted once more: %v, before %v", after, before)
 	}
 }
+
+// A directory of many files, hashed ahead on two goroutines: the same files written in
+// another order (with a file made and removed, and names that are links) digest alike, one
+// byte changed in one file does not, and a link's content is read once.
+func TestStateDigestManyFiles(t *testing.T) {
+	b := setup(t)
+	const make100 = "mkdir -p /w && cd /w && i=0; while [ $i -lt 100 ]; do echo file $i > f$i; i=$((i+1)); done; ln f7 l7; ln f7 m7"
+	s1 := b.create(t, sandbox.Spec{})
+	sh(t, s1, make100)
+	_, d1 := ckDigest(t, b, s1)
+	s2 := b.create(t, sandbox.Spec{})
+	sh(t, s2, "mkdir -p /w && cd /w && touch gone && i=99; while [ $i -ge 0 ]; do echo file $i > f$i; i=$((i-1)); done; ln f7 l7; ln f7 m7; rm gone")
+	_, d2 := ckDigest(t, b, s2)
+	if d1 != d2 {
+		t.Fatalf("the same files in another order: %v, want %v", d2, d1)
+	}
+	s3 := b.create(t, sandbox.Spec{})
+	sh(t, s3, make100+"; echo file 57. > f57")
+	_, d3 := ckDigest(t, b, s3)
+	if d3.Files == d1.Files {
+		t.Fatal("a file changed: the same files digest")
+	}
+}

@@ -10,6 +10,8 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -283,15 +285,11 @@ func whiteout(st *unix.Stat_t) bool {
 // opened without following a symlink or blocking, and checked to be a regular file, so a
 // FIFO or a device is never read.
 func (w *layerWalk) file(dirfd int, name, p string) (*dnode, error) {
-	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	fd, st, err := openFile(dirfd, name, p)
 	if err != nil {
-		return nil, fmt.Errorf("opening %s: %w", p, err)
+		return nil, err
 	}
 	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return nil, fmt.Errorf("opening %s: %w", p, cmpErr(err, unix.ESTALE))
-	}
 	var ino [2]uint64
 	if st.Nlink > 1 {
 		ino = [2]uint64{st.Dev, st.Ino}
@@ -299,15 +297,10 @@ func (w *layerWalk) file(dirfd int, name, p string) (*dnode, error) {
 			return n, nil
 		}
 	}
-	xs, err := fdXattrs(fd)
+	n, err := fileNode(fd, &st, p, w.buf, &w.hashed)
 	if err != nil {
-		return nil, fmt.Errorf("reading xattrs of %s: %w", p, err)
+		return nil, err
 	}
-	n := &dnode{attr: attrHash(&st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777), size: st.Size}
-	if n.data, err = contentHash(fd, st.Size, w.buf, &w.hashed); err != nil {
-		return nil, fmt.Errorf("reading %s: %w", p, err)
-	}
-	n.seal()
 	if st.Nlink > 1 {
 		if w.links == nil {
 			w.links = map[[2]uint64]*dnode{}
@@ -315,6 +308,108 @@ func (w *layerWalk) file(dirfd int, name, p string) (*dnode, error) {
 		w.links[ino] = n
 	}
 	return n, nil
+}
+
+// openFile opens regular file name in dirfd (never a FIFO's or device's open, never through a
+// link) and stats it.
+func openFile(dirfd int, name, p string) (int, unix.Stat_t, error) {
+	var st unix.Stat_t
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, st, fmt.Errorf("opening %s: %w", p, err)
+	}
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		unix.Close(fd)
+		return -1, st, fmt.Errorf("opening %s: %w", p, cmpErr(err, unix.ESTALE))
+	}
+	return fd, st, nil
+}
+
+// fileNode makes the index entry of the regular file open as fd, whose stat is st, reading it
+// with buf and counting what it reads in read.
+func fileNode(fd int, st *unix.Stat_t, p string, buf []byte, read *int64) (*dnode, error) {
+	xs, err := fdXattrs(fd)
+	if err != nil {
+		return nil, fmt.Errorf("reading xattrs of %s: %w", p, err)
+	}
+	n := &dnode{attr: attrHash(st, xs), mode: st.Mode & (unix.S_IFMT | 0o7777), size: st.Size}
+	if n.data, err = contentHash(fd, st.Size, buf, read); err != nil {
+		return nil, fmt.Errorf("reading %s: %w", p, err)
+	}
+	n.seal()
+	return n, nil
+}
+
+// aheadFiles is how many regular files a directory needs for its files to be hashed ahead on
+// two goroutines (hashAhead): a delta of many files gets its digest in about half the time
+// on an idle machine.
+const aheadFiles = 32
+
+// fileOf is regular file name's entry: the one made ahead, else made now (file).
+func (w *layerWalk) fileOf(ahead map[string]*dnode, dirfd int, name, p string) (*dnode, error) {
+	if k := ahead[name]; k != nil {
+		return k, nil
+	}
+	return w.file(dirfd, name, p)
+}
+
+// filesAhead is, for a directory of at least aheadFiles regular files, the entries hashAhead
+// made of them, by name; nil for a smaller one.
+func (w *layerWalk) filesAhead(dirfd int, p string, ents []os.DirEntry) map[string]*dnode {
+	var files []string
+	for _, e := range ents {
+		if e.Type().IsRegular() {
+			files = append(files, e.Name())
+		}
+	}
+	if len(files) < aheadFiles {
+		return nil
+	}
+	made := w.hashAhead(dirfd, p, files)
+	ahead := make(map[string]*dnode, len(files))
+	for i, name := range files {
+		if made[i] != nil {
+			ahead[name] = made[i]
+		}
+	}
+	return ahead
+}
+
+// hashAhead makes the entries of the regular files names of directory dirfd (path p) on two
+// goroutines, the walk's and one more, each with a buffer of its own. A file with more than
+// one link is left (nil) for the walk to hash once in order (layerWalk.links), as is one that
+// could not be opened or read: the walk meets it again and says why.
+func (w *layerWalk) hashAhead(dirfd int, p string, names []string) []*dnode {
+	out := make([]*dnode, len(names))
+	var next atomic.Int64
+	var read atomic.Int64
+	work := func(buf []byte) {
+		var n int64
+		for {
+			i := int(next.Add(1) - 1)
+			if i >= len(names) {
+				break
+			}
+			if i%256 == 255 && w.canceled != nil && w.canceled() != nil {
+				break
+			}
+			fd, st, err := openFile(dirfd, names[i], p+"/"+names[i])
+			if err != nil {
+				continue
+			}
+			if st.Nlink == 1 {
+				out[i], _ = fileNode(fd, &st, p+"/"+names[i], buf, &n)
+			}
+			unix.Close(fd)
+		}
+		read.Add(n)
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() { work(make([]byte, len(w.buf))) })
+	work(w.buf)
+	wg.Wait()
+	w.hashed += read.Load()
+	return out
 }
 
 // leaf makes the index entry of non-directory p.
@@ -417,6 +512,7 @@ func (w *layerWalk) apply(base *dnode, dirfd int, p string, depth int, keepAttr 
 	if err != nil {
 		return nil, fmt.Errorf("listing %s: %w", p, err)
 	}
+	ahead := w.filesAhead(dirfd, p, ents)
 	for _, e := range ents {
 		if err := w.tick(); err != nil {
 			return nil, err
@@ -424,7 +520,7 @@ func (w *layerWalk) apply(base *dnode, dirfd int, p string, depth int, keepAttr 
 		name := e.Name()
 		cp := p + "/" + name
 		if e.Type().IsRegular() {
-			k, err := w.file(dirfd, name, cp)
+			k, err := w.fileOf(ahead, dirfd, name, cp)
 			if err != nil {
 				return nil, err
 			}
