@@ -30,17 +30,22 @@ func TestFileContentStreamed(t *testing.T) {
 		}
 	}
 
+	// The process allocates besides (the suite's server, its digests of checkpoints in the
+	// background), in bursts: the least of five writes is the write's own, and it must be
+	// less than the text itself, where encoding it whole takes six times it.
 	nuls := strings.Repeat("\x00", 16<<20)
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	w := bufio.NewWriterSize(io.Discard, 64<<10)
-	writeJSONString(w, nuls)
-	_ = w.Flush()
-	runtime.ReadMemStats(&after)
-	// The process allocates besides (the suite's server): less than the text itself, where
-	// encoding it whole takes six times it.
-	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > uint64(len(nuls)) {
-		t.Fatalf("writing %d NULs as JSON allocated %d bytes", len(nuls), alloc)
+	least := uint64(1 << 63)
+	for range 5 {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		w := bufio.NewWriterSize(io.Discard, 64<<10)
+		writeJSONString(w, nuls)
+		_ = w.Flush()
+		runtime.ReadMemStats(&after)
+		least = min(least, after.TotalAlloc-before.TotalAlloc)
+	}
+	if least > uint64(len(nuls)) {
+		t.Fatalf("writing %d NULs as JSON allocated at least %d bytes in five tries", len(nuls), least)
 	}
 }
