@@ -452,15 +452,30 @@ func TestOpenEnvCapacity(t *testing.T) {
 		must(t, json.NewDecoder(resp.Body).Decode(&m))
 		return m
 	}
-	// The closed sockets' slots free as their ends run.
-	var a map[string]any
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
-		if a = create(); a["error"] == nil {
-			break
+	// The closed sockets' slots free as their ends run, each on its own time: wait for both.
+	createEventually := func() map[string]any {
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) { // a watchdog's poll
+			m := create()
+			if m["error"] == nil {
+				return m
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no MCP session after the sockets closed: %v", m)
+			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no MCP session after the sockets closed: %v", a)
-		}
+	}
+	a, spare := createEventually(), createEventually()
+	closeReq, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+b.addr+"/openenv/plain/mcp",
+		strings.NewReader(`{"jsonrpc": "2.0", "id": 2, "method": "openenv/session/close", "params": {"session_id": "`+
+			spare["result"].(map[string]any)["session_id"].(string)+`"}}`))
+	closeReq.Header.Set("Authorization", "Bearer "+b.token)
+	closeResp, err := http.DefaultClient.Do(closeReq)
+	must(t, err)
+	var closed map[string]any
+	must(t, json.NewDecoder(closeResp.Body).Decode(&closed))
+	closeResp.Body.Close()
+	if r, _ := closed["result"].(map[string]any); r == nil || r["closed"] != true {
+		t.Fatalf("closing the spare MCP session: %v", closed)
 	}
 	// An MCP session with its socket attached is one session: there is room for one more.
 	sid := a["result"].(map[string]any)["session_id"].(string)
