@@ -186,6 +186,10 @@ func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
 			return nil, fmt.Errorf("%w: the general path needs CRIU 4.2.1+ (run `make criu`): %w", ErrProcesses, err)
 		}
 		w.KeepLogs(filepath.Join(r.store, "criu-logs"), keptCRIULogs)
+		// meta is the runtime's own tmpfs, mode 0700 (mountMeta).
+		if err := w.CacheFeatures(filepath.Join(r.store, "meta", "criu")); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrProcesses, err)
+		}
 		r.pimg.swrk = w
 	}
 	return r.pimg.swrk, nil

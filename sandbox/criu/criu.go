@@ -10,9 +10,10 @@
 //
 // Both dump with --network-lock skip (the sandbox's net namespace is private, so there is nothing
 // to lock) and restore detached. A Service restore is a child of the criu service process, which
-// reaps it; a Swrk restore is a child of the caller (rst_sibling), who must reap it. Neither caches
-// CRIU's kernel feature detection, a fixed part of every call: see docs/CRIU.md ("Go: package
-// sandbox/criu") and, for what a call costs, docs/PERFORMANCE.md ("CRIU alone").
+// reaps it; a Swrk restore is a child of the caller (rst_sibling), who must reap it. Only a Swrk's
+// tree requests cache CRIU's kernel feature detection (Swrk.CacheFeatures), otherwise a fixed part
+// of every call: see docs/CRIU.md ("Go: package sandbox/criu") and, for what a call costs,
+// docs/PERFORMANCE.md ("CRIU alone").
 package criu
 
 import (

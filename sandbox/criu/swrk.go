@@ -7,21 +7,47 @@ import (
 	"path/filepath"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v7"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 )
 
 // Swrk runs one `criu swrk` worker per request through go-criu. It needs no long-lived process,
-// but pays CRIU's start-up (kernel feature detection) on every call.
+// but pays CRIU's start-up on every call, and its kernel feature detection too unless the call is
+// a tree's with CacheFeatures set.
 type Swrk struct {
 	bin string
 	// keep is where the log of a failed request is kept (KeepLogs).
 	keep *logKeeper
+	// features is the directory criu keeps its kernel feature cache in when it runs
+	// unprivileged (CacheFeatures); empty: none.
+	features string
 }
 
 // KeepLogs makes the Swrk keep the log of each failed request in dir, the
 // newest max of them, and name that copy in the error: the request's own
 // log goes with its images directory, which callers remove on failure.
 func (w *Swrk) KeepLogs(dir string, max int) { w.keep = &logKeeper{dir: dir, max: max} }
+
+// CacheFeatures makes criu keep the kernel features it detects (criu.kdat) in a directory below
+// dir named for the criu it runs, so that another criu installed under the same name never
+// reads this one's cache. dir must be on a tmpfs (criu keeps nothing elsewhere, so that a
+// reboot, and with it a new kernel, drops the cache) and writable by root alone: criu trusts
+// what it reads there. Without it every request probes the kernel again: about 12 ms of a
+// tree's restore (unprivileged: the cache is named by $XDG_RUNTIME_DIR) and most of a dump
+// (privileged: criu's rule is /run/criu.kdat, so a dump's criu sees a directory of the cache
+// over /run; see startInNS).
+func (w *Swrk) CacheFeatures(dir string) error {
+	var st unix.Stat_t
+	if err := unix.Stat(w.bin, &st); err != nil {
+		return fmt.Errorf("inspecting criu %q: %w", w.bin, err)
+	}
+	sub := filepath.Join(dir, fmt.Sprintf("%x-%x-%x-%x", st.Dev, st.Ino, st.Size, st.Mtim.Nano()))
+	if err := os.MkdirAll(sub, 0o700); err != nil {
+		return fmt.Errorf("creating criu's feature cache: %w", err)
+	}
+	w.features = sub
+	return nil
+}
 
 // NewSwrk returns a Swrk that runs bin, the CRIU 4.2.1+ wrapper (internal/locate.CRIU finds
 // it). It fails with ErrNotInstalled when bin is empty or not an executable file.

@@ -509,9 +509,16 @@ func (w *Swrk) swrkIn(ctx context.Context, ns nsFiles, extra []*os.File, started
 	theirs := os.NewFile(uintptr(pair[1]), "criu-swrk-child")
 	defer ours.Close()
 	cmd := exec.Command(w.bin, "swrk", "3")
+	if w.features != "" {
+		cmd.Env = append(os.Environ(), "XDG_RUNTIME_DIR="+w.features)
+	}
 	cmd.ExtraFiles = append([]*os.File{theirs}, extra...)
 	cmd.Stdout, cmd.Stderr = nil, nil
-	err = startInNS(cmd, ns)
+	run := ""
+	if typ == rpc.CriuReqType_DUMP && w.features != "" {
+		run = filepath.Join(w.features, "run")
+	}
+	err = startInNS(cmd, ns, run)
 	theirs.Close()
 	if err != nil {
 		return nil, fmt.Errorf("criu %s: starting criu swrk in the sandbox's namespaces: %w", typ, err)
@@ -541,7 +548,14 @@ func (w *Swrk) swrkIn(ctx context.Context, ns nsFiles, extra []*os.File, started
 // startInNS starts cmd from a thread that has entered the namespaces of ns
 // that criu must share with the tree. The thread is never unlocked, so the
 // Go runtime ends it instead of reusing it elsewhere.
-func startInNS(cmd *exec.Cmd, ns nsFiles) error {
+//
+// With run set, criu runs in a private copy of the host's mount namespace
+// with run (a directory on the runtime's tmpfs) over /run: a privileged criu
+// keeps its kernel feature cache only in /run/criu.kdat and only on a tmpfs,
+// and probing again costs a dump most of its time (the probes of a root
+// criu make network namespaces). The host's /run is never written. Should
+// the copy fail, criu runs where it would have and probes.
+func startInNS(cmd *exec.Cmd, ns nsFiles, run string) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
@@ -551,9 +565,31 @@ func startInNS(cmd *exec.Cmd, ns nsFiles) error {
 				return
 			}
 		}
+		if run != "" {
+			overRun(run)
+		}
 		errc <- cmd.Start()
 	}()
 	return <-errc
+}
+
+// overRun puts the calling thread, which must be locked and never unlocked,
+// in a private copy of its mount namespace with dir over /run.
+func overRun(dir string) {
+	if os.Mkdir(dir, 0o700) != nil {
+		if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+			return
+		}
+	}
+	// CLONE_FS: a Go thread shares its filesystem information with the
+	// process's other threads, which no mount namespace can be changed under.
+	if unix.Unshare(unix.CLONE_FS|unix.CLONE_NEWNS) != nil {
+		return
+	}
+	if unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, "") != nil {
+		return
+	}
+	_ = unix.Mount(dir, "/run", "", unix.MS_BIND, "")
 }
 
 // rpcFile is the caller's end of a swrk socket pair.

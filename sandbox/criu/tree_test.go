@@ -35,6 +35,8 @@ const counterCmd = `exec </dev/null >/dev/null 2>&1; sleep 1000 & i=0; while :; 
 type treeBundle struct {
 	rt   *sandbox.Runtime
 	swrk *criu.Swrk
+	// features is the swrk's feature cache (CacheFeatures).
+	features string
 }
 
 // setupTree skips unless root with CRIU and dg-init available.
@@ -73,7 +75,12 @@ func setupTree(t testing.TB) *treeBundle {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &treeBundle{rt: rt, swrk: swrk}
+	// The runtime's meta directory is a tmpfs of its own, as criu's cache needs.
+	features := filepath.Join(cfg.DataDir, "store", "meta", "criu")
+	if err := swrk.CacheFeatures(features); err != nil {
+		t.Fatal(err)
+	}
+	return &treeBundle{rt: rt, swrk: swrk, features: features}
 }
 
 func (b *treeBundle) create(t testing.TB) *sandbox.Sandbox {
@@ -343,6 +350,22 @@ func TestTreeSameSandbox(t *testing.T) {
 	}
 	defer func() { killTree(t, rpid) }()
 	checkInside(t, s, rpid, nsRoot, priv)
+	// The restore kept the kernel's features for the next one (read by the restore below).
+	// The dump's (privileged) and the restore's (unprivileged) each have their own.
+	for _, name := range []string{"*/criu.kdat", "*/run/criu.kdat"} {
+		if kdat, _ := filepath.Glob(filepath.Join(b.features, name)); len(kdat) != 1 {
+			t.Errorf("criu's feature cache %s after a dump and a restore: %v", name, kdat)
+		} else if fi, err := os.Stat(kdat[0]); err != nil || fi.Mode().Perm() != 0o600 {
+			t.Errorf("criu's feature cache %s: %v %v", name, fi, err)
+		}
+	}
+	// criu keeps a cache only on a tmpfs: on a host whose /run is not one, none is there.
+	var fs unix.Statfs_t
+	if err := unix.Statfs("/run", &fs); err == nil && fs.Type != unix.TMPFS_MAGIC {
+		if _, err := os.Stat("/run/criu.kdat"); err == nil {
+			t.Error("a dump wrote the host's /run/criu.kdat")
+		}
+	}
 	bump(t, s, 3) // continues from the dumped 2
 	bump(t, s, 4)
 	// A second dump and restore of the restored tree works the same way.
