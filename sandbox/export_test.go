@@ -213,3 +213,16 @@ func (r *Runtime) DigestIndexes() (ckpts, stacks int) {
 	defer sd.mu.Unlock()
 	return len(sd.ckpts), len(sd.stacks)
 }
+
+// SessionShell returns the host pid session name keeps for its shell, and the one hostPidIn
+// finds now among the session group's processes for pid nsPid of the sandbox.
+func (s *Sandbox) SessionShell(name string, nsPid int) (kept, found int, err error) {
+	s.mu.Lock()
+	se := s.sessions[name]
+	s.mu.Unlock()
+	if se == nil {
+		return 0, 0, ErrSessionEnded
+	}
+	found, err = s.hostPidIn(se.cg, nsPid)
+	return se.hostPid, found, err
+}

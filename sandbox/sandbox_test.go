@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -246,6 +247,65 @@ func TestBackgroundAndSession(t *testing.T) {
 	other, err := s.Exec(t.Context(), sandbox.ExecRequest{Session: "other", Command: "pwd; echo ${GREETING:-unset}"})
 	if err != nil || string(other.Stdout) != "/\nunset\n" {
 		t.Fatalf("sessions are not separate: %q %v", other.Stdout, err)
+	}
+}
+
+// TestSessionShellWrapperForks starts sessions whose `bash` is a wrapper that starts another
+// process before it execs the shell: the session tells its shell by pid, so commands run and a
+// timeout ends the command, not the shell.
+func TestSessionShellWrapperForks(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: "busybox"})
+	ctx := t.Context()
+	// The wrapper waits until its child runs, so that both are in the group when it execs.
+	wrapper := "#!/bin/sh\nsleep 1000 </dev/null >/dev/null 2>&1 &\n" +
+		"while ! grep -q '^Name:.*sleep' /proc/$!/status 2>/dev/null; do :; done\nexec /bin/busybox ash\n"
+	if err := s.WriteFile(ctx, "/bin/bash", []byte(wrapper), 0o755, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"a", "b", "c"} {
+		res, err := s.Exec(ctx, sandbox.ExecRequest{Session: name, Command: "X=" + name + "; echo $X"})
+		if err != nil || string(res.Stdout) != name+"\n" {
+			t.Fatalf("session %s: %q %v", name, res.Stdout, err)
+		}
+		res, err = s.Exec(ctx, sandbox.ExecRequest{Session: name, Command: "sleep 10", Timeout: 200 * time.Millisecond})
+		if err != nil || !res.TimedOut {
+			t.Fatalf("session %s, a command past its timeout: %+v %v", name, res, err)
+		}
+		res, err = s.Exec(ctx, sandbox.ExecRequest{Session: name, Command: "echo $X"})
+		if err != nil || string(res.Stdout) != name+"\n" {
+			t.Fatalf("session %s after a timeout: %q %v", name, res.Stdout, err)
+		}
+	}
+	// With a job of its own running beside the wrapper's leftover, the group holds three
+	// processes: the shell is still told apart, by its pid.
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Session: "a", Command: "sleep 1000 & echo $$"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nsPid, err := strconv.Atoi(strings.TrimSpace(string(res.Stdout)))
+	if err != nil {
+		t.Fatalf("the shell's pid: %q", res.Stdout)
+	}
+	kept, found, err := s.SessionShell("a", nsPid)
+	if err != nil || kept != found {
+		t.Fatalf("the session keeps host pid %d for its shell; its pid %d is host pid %d (%v)", kept, nsPid, found, err)
+	}
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", kept))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for line := range strings.Lines(string(st)) {
+		if v, ok := strings.CutPrefix(line, "NSpid:"); ok {
+			ids = strings.Fields(v)
+		}
+	}
+	if len(ids) == 0 || ids[len(ids)-1] != strconv.Itoa(nsPid) {
+		t.Fatalf("host pid %d (NSpid %v) is not the shell, pid %d of the sandbox", kept, ids, nsPid)
+	}
+	if _, _, err := s.SessionShell("a", 99999); !errors.Is(err, sandbox.ErrSessionEnded) {
+		t.Fatalf("a pid not in the group: %v", err)
 	}
 }
 

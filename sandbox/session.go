@@ -150,7 +150,7 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 		return nil, err
 	}
 	s.shmMayChange()
-	_, wait, err := s.init.Conn.Spawn(initproc.SpawnRequest{
+	nsPid, wait, err := s.init.Conn.Spawn(initproc.SpawnRequest{
 		Argv: []string{"bash", "--noprofile", "--norc"}, Env: s.env([]string{"PS1=", "PS2="}),
 		Cwd: s.cwd(""), UID: s.spec.UID, GID: s.spec.GID, Flags: initproc.FlagSetsid, CgroupProcs: procs,
 		Stdin: inR, Stdout: outW, Stderr: errW,
@@ -172,15 +172,35 @@ func (s *Sandbox) startSession(name string, cg *cgroup.Cgroup) (*session, error)
 		nonce: hex.EncodeToString(b[:]), exited: make(chan struct{}),
 	}
 	go se.watchExit(wait)
-	// The only process in the group right now is bash: remember its host
-	// pid, so a timeout can kill what it runs and spare it.
-	pids, err := cg.Pids()
-	if err != nil || len(pids) != 1 {
+	// Remember the shell's host pid, so a timeout can kill what it runs and spare it. It is
+	// told by its pid, not by being alone in the group: a `bash` that is a wrapper may have
+	// started others before it execs the shell.
+	host, err := s.hostPidIn(cg, nsPid)
+	if err != nil {
 		se.close()
-		return nil, fmt.Errorf("starting session %s: cannot find its shell (%v)", name, err)
+		return nil, fmt.Errorf("starting session %s: %w", name, err)
 	}
-	se.hostPid = pids[0]
+	se.hostPid = host
 	return se, nil
+}
+
+// hostPidIn returns the host pid of the process of group cg whose pid in the sandbox is nsPid.
+// It fails with ErrSessionEnded when there is none: the process has exited.
+func (s *Sandbox) hostPidIn(cg *cgroup.Cgroup, nsPid int) (int, error) {
+	level, err := s.nsLevel()
+	if err != nil {
+		return 0, err
+	}
+	hosts, err := cg.Pids()
+	if err != nil {
+		return 0, err
+	}
+	for _, h := range hosts {
+		if e, ok := readProcEntry(h, level); ok && e.pid == nsPid {
+			return h, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: its shell (bash, pid %d) exited as it started", ErrSessionEnded, nsPid)
 }
 
 // ansiC quotes s as a bash $'…' word.
