@@ -187,8 +187,13 @@ func (r *Runtime) criuSwrk() (*criu.Swrk, error) {
 		}
 		w.KeepLogs(filepath.Join(r.store, "criu-logs"), keptCRIULogs)
 		// meta is the runtime's own tmpfs, mode 0700 (mountMeta).
-		if err := w.CacheFeatures(filepath.Join(r.store, "meta", "criu")); err != nil {
-			return nil, fmt.Errorf("%w: %w", ErrProcesses, err)
+		cache := filepath.Join(r.store, "meta", "criu")
+		err = os.Mkdir(cache, 0o700)
+		if err == nil || errors.Is(err, os.ErrExist) {
+			err = w.CacheFeatures(cache, r.layers.Mounts)
+		}
+		if err != nil {
+			r.log.Warn("criu will probe the kernel at every call", "err", err)
 		}
 		r.pimg.swrk = w
 	}

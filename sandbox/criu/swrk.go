@@ -2,6 +2,7 @@ package criu
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -18,9 +19,10 @@ type Swrk struct {
 	bin string
 	// keep is where the log of a failed request is kept (KeepLogs).
 	keep *logKeeper
-	// features is the directory criu keeps its kernel feature cache in when it runs
-	// unprivileged (CacheFeatures); empty: none.
-	features string
+	// features is the directory criu keeps its kernel feature cache in (CacheFeatures); empty:
+	// none. hostMounts counts the mounts a dump's private namespace would copy; nil: few.
+	features   string
+	hostMounts func() int
 }
 
 // KeepLogs makes the Swrk keep the log of each failed request in dir, the
@@ -30,22 +32,44 @@ func (w *Swrk) KeepLogs(dir string, max int) { w.keep = &logKeeper{dir: dir, max
 
 // CacheFeatures makes criu keep the kernel features it detects (criu.kdat) in a directory below
 // dir named for the criu it runs, so that another criu installed under the same name never
-// reads this one's cache. dir must be on a tmpfs (criu keeps nothing elsewhere, so that a
-// reboot, and with it a new kernel, drops the cache) and writable by root alone: criu trusts
-// what it reads there. Without it every request probes the kernel again: about 12 ms of a
-// tree's restore (unprivileged: the cache is named by $XDG_RUNTIME_DIR) and most of a dump
+// reads this one's cache. dir must be a directory of a tmpfs (criu keeps nothing elsewhere, so
+// that a reboot, and with it a new kernel, drops the cache) that root alone may write: criu
+// trusts what it reads there. Without it every request probes the kernel again: about 12 ms of
+// a tree's restore (unprivileged: the cache is named by $XDG_RUNTIME_DIR) and most of a dump
 // (privileged: criu's rule is /run/criu.kdat, so a dump's criu sees a directory of the cache
 // over /run; see startInNS).
-func (w *Swrk) CacheFeatures(dir string) error {
+//
+// hostMounts, if set, counts the mounts of the caller's mount namespace; a dump takes the cache
+// only while they are at most maxCopiedMounts (see overRun). Call it before any request runs:
+// it removes what a criu killed while it saved the cache left behind.
+func (w *Swrk) CacheFeatures(dir string, hostMounts func() int) error {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return fmt.Errorf("inspecting criu's feature cache %s: %w", dir, err)
+	}
+	var fi unix.Stat_t
+	if err := unix.Lstat(dir, &fi); err != nil {
+		return fmt.Errorf("inspecting criu's feature cache %s: %w", dir, err)
+	}
+	if fs.Type != unix.TMPFS_MAGIC || fi.Mode&unix.S_IFMT != unix.S_IFDIR || fi.Uid != 0 || fi.Mode&0o022 != 0 {
+		return fmt.Errorf("criu's feature cache %s must be a directory of a tmpfs that root alone may write", dir)
+	}
 	var st unix.Stat_t
 	if err := unix.Stat(w.bin, &st); err != nil {
 		return fmt.Errorf("inspecting criu %q: %w", w.bin, err)
 	}
 	sub := filepath.Join(dir, fmt.Sprintf("%x-%x-%x-%x", st.Dev, st.Ino, st.Size, st.Mtim.Nano()))
-	if err := os.MkdirAll(sub, 0o700); err != nil {
+	if err := os.MkdirAll(filepath.Join(sub, "run"), 0o700); err != nil {
 		return fmt.Errorf("creating criu's feature cache: %w", err)
 	}
-	w.features = sub
+	// criu saves through this one name, opened O_EXCL: one left behind would have every later
+	// criu skip the save.
+	for _, d := range []string{sub, filepath.Join(sub, "run")} {
+		if err := os.Remove(filepath.Join(d, "criu.kdat.tmp")); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("clearing criu's feature cache: %w", err)
+		}
+	}
+	w.features, w.hostMounts = sub, hostMounts
 	return nil
 }
 

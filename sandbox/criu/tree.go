@@ -515,7 +515,7 @@ func (w *Swrk) swrkIn(ctx context.Context, ns nsFiles, extra []*os.File, started
 	cmd.ExtraFiles = append([]*os.File{theirs}, extra...)
 	cmd.Stdout, cmd.Stderr = nil, nil
 	run := ""
-	if typ == rpc.CriuReqType_DUMP && w.features != "" {
+	if typ == rpc.CriuReqType_DUMP && w.features != "" && w.mayCoverRun(opts.GetImagesDir()) {
 		run = filepath.Join(w.features, "run")
 	}
 	err = startInNS(cmd, ns, run)
@@ -573,13 +573,32 @@ func startInNS(cmd *exec.Cmd, ns nsFiles, run string) error {
 	return <-errc
 }
 
+// maxCopiedMounts bounds the mounts a dump's private mount namespace copies. The copy costs
+// about a microsecond a mount, all of it under the kernel's lock on every mount namespace, which
+// stalls every sandbox's mounts meanwhile: past the bound, a dump probes the kernel instead.
+const maxCopiedMounts = 2000
+
+// mayCoverRun says whether a dump with its images in images may run with the feature cache
+// over /run: not when that would hide what criu needs (its images, the wrapper) or copy too
+// many mounts.
+func (w *Swrk) mayCoverRun(images string) bool {
+	if w.hostMounts != nil && w.hostMounts() > maxCopiedMounts {
+		return false
+	}
+	for _, p := range []string{images, w.bin} {
+		real, err := filepath.EvalSymlinks(p)
+		if err != nil || real == "/run" || strings.HasPrefix(real, "/run/") {
+			return false
+		}
+	}
+	return true
+}
+
 // overRun puts the calling thread, which must be locked and never unlocked,
 // in a private copy of its mount namespace with dir over /run.
 func overRun(dir string) {
-	if os.Mkdir(dir, 0o700) != nil {
-		if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
-			return
-		}
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+		return
 	}
 	// CLONE_FS: a Go thread shares its filesystem information with the
 	// process's other threads, which no mount namespace can be changed under.

@@ -35,8 +35,8 @@ const counterCmd = `exec </dev/null >/dev/null 2>&1; sleep 1000 & i=0; while :; 
 type treeBundle struct {
 	rt   *sandbox.Runtime
 	swrk *criu.Swrk
-	// features is the swrk's feature cache (CacheFeatures).
-	features string
+	// bin is criu's wrapper; features the swrk's feature cache (CacheFeatures).
+	bin, features string
 }
 
 // setupTree skips unless root with CRIU and dg-init available.
@@ -76,11 +76,14 @@ func setupTree(t testing.TB) *treeBundle {
 		t.Fatal(err)
 	}
 	// The runtime's meta directory is a tmpfs of its own, as criu's cache needs.
-	features := filepath.Join(cfg.DataDir, "store", "meta", "criu")
-	if err := swrk.CacheFeatures(features); err != nil {
+	features := filepath.Join(cfg.DataDir, "store", "meta", "criu-test")
+	if err := os.Mkdir(features, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	return &treeBundle{rt: rt, swrk: swrk, features: features}
+	if err := swrk.CacheFeatures(features, nil); err != nil {
+		t.Fatal(err)
+	}
+	return &treeBundle{rt: rt, swrk: swrk, bin: bin, features: features}
 }
 
 func (b *treeBundle) create(t testing.TB) *sandbox.Sandbox {
@@ -588,4 +591,87 @@ func TestTreePythonSocket(t *testing.T) {
 	count(c, 3) // the copy continues from 2 with its listening socket
 	count(a, 3)
 	count(c, 4)
+}
+
+// TestFeatureCacheBounds: criu's feature cache is taken only where it is safe and cheap. A
+// dump whose images lie under /run, which the cache's directory covers for criu, and a dump
+// while the server's namespace holds more mounts than a copy should cost, run without it; a
+// save a killed criu left half done does not block the cache; a directory that is not a
+// root-only tmpfs is refused.
+func TestFeatureCacheBounds(t *testing.T) {
+	b := setupTree(t)
+	ctx := t.Context()
+	s := b.create(t)
+	root := startCounter(t, s)
+	defer killTree(t, root)
+	dump := func(w *criu.Swrk, img string) {
+		t.Helper()
+		if err := w.DumpTree(ctx, criu.TreeDumpOpts{Pid: root, NSPid: s.InitPid(), ImagesDir: img, LeaveRunning: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fresh := func(hostMounts func() int) (*criu.Swrk, string) {
+		t.Helper()
+		w, err := criu.NewSwrk(b.bin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir, err := os.MkdirTemp(filepath.Dir(b.features), "cache-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.CacheFeatures(dir, hostMounts); err != nil {
+			t.Fatal(err)
+		}
+		return w, dir
+	}
+	saved := func(dir string) bool {
+		m, _ := filepath.Glob(filepath.Join(dir, "*", "run", "criu.kdat"))
+		return len(m) == 1
+	}
+
+	// Too many mounts to copy: the dump goes without the cache.
+	w, dir := fresh(func() int { return 1 << 20 })
+	dump(w, t.TempDir())
+	if saved(dir) {
+		t.Error("a dump copied a mount namespace past its bound of mounts")
+	}
+	// Images under /run: the dump goes without the cache, and works.
+	if _, err := os.Stat("/run"); err == nil {
+		run, err := os.MkdirTemp("/run", "dgcriu-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(run) })
+		w, dir = fresh(nil)
+		dump(w, run)
+		if saved(dir) {
+			t.Error("a dump with its images under /run ran with /run covered")
+		}
+	}
+	// A save left half done is cleared at the next start.
+	w, dir = fresh(nil)
+	subs, _ := filepath.Glob(filepath.Join(dir, "*", "run"))
+	if len(subs) != 1 {
+		t.Fatalf("the cache's directories: %v", subs)
+	}
+	for _, d := range []string{subs[0], filepath.Dir(subs[0])} {
+		if err := os.WriteFile(filepath.Join(d, "criu.kdat.tmp"), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.CacheFeatures(dir, nil); err != nil {
+		t.Fatal(err)
+	}
+	dump(w, t.TempDir())
+	if !saved(dir) {
+		t.Error("no cache after a leftover of a half-done save")
+	}
+	// Not a tmpfs: refused.
+	if err := w.CacheFeatures(t.TempDir(), nil); err == nil {
+		var fs unix.Statfs_t
+		if unix.Statfs(os.TempDir(), &fs) == nil && fs.Type != unix.TMPFS_MAGIC {
+			t.Error("a cache directory on a disk was taken")
+		}
+	}
 }
