@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"mvdan.cc/sh/v3/syntax"
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/initproc"
@@ -438,8 +439,9 @@ const (
 )
 
 // execArgv returns the argv that runs req: its Argv, or its Command through
-// /bin/sh -c, or (direct) the words of a plain command line (plainCommand)
-// spawned without the shell.
+// /bin/sh -c (a background one that is one simple command with its program
+// exec'd: lastExec), or (direct) the words of a plain command line
+// (plainCommand) spawned without the shell.
 func execArgv(req ExecRequest) (argv []string, direct bool) {
 	if req.Command == "" {
 		return req.Argv, false
@@ -447,7 +449,59 @@ func execArgv(req ExecRequest) (argv []string, direct bool) {
 	if words, ok := plainCommand(req.Command); ok {
 		return words, true
 	}
+	if req.Background {
+		return []string{"/bin/sh", "-c", lastExec(req.Command, req.Env)}, false
+	}
 	return []string{"/bin/sh", "-c", req.Command}, false
+}
+
+// lastExec returns cmd with `exec ` before its command when the line is one simple command
+// that the shell would otherwise run as a child it waits for (dash does not exec the last
+// command of `sh -c`): a program named by a plain word that is no builtin or keyword, without
+// assignments, not in the background, negated or piped. The program then takes the shell's
+// place, pid included, and a checkpoint meets one process, which a template copies, instead of
+// a shell and its child, a tree, which CRIU takes. Its arguments, expansions and redirections
+// are the shell's as before. Only background commands take it: their output and exit status
+// are nobody's, so the one thing exec changes, the shell's words when the program is not
+// found, is seen by no one. Anything else comes back as it is, and so does every line when env
+// carries an exported bash function (a /bin/sh that is bash would run the function, exec the
+// program).
+func lastExec(cmd string, env []string) string {
+	if len(cmd) > maxExecRewrite {
+		return cmd
+	}
+	for _, e := range env {
+		if strings.HasPrefix(e, "BASH_FUNC_") {
+			return cmd
+		}
+	}
+	f, err := syntax.NewParser(syntax.Variant(syntax.LangPOSIX)).Parse(strings.NewReader(cmd), "")
+	if err != nil || len(f.Stmts) != 1 {
+		return cmd
+	}
+	st := f.Stmts[0]
+	call, ok := st.Cmd.(*syntax.CallExpr)
+	if !ok || st.Negated || st.Background || st.Coprocess || st.Disown || len(call.Assigns) > 0 || len(call.Args) == 0 {
+		return cmd
+	}
+	name := call.Args[0].Lit()
+	if name == "" || shellWords[name] || builtinTwins[name] {
+		return cmd
+	}
+	at := int(st.Pos().Offset())
+	return cmd[:at] + "exec " + cmd[at:]
+}
+
+// maxExecRewrite bounds the lines lastExec parses, well below initproc.MaxString less the
+// five bytes it adds.
+const maxExecRewrite = 16 << 10
+
+// builtinTwins are the shell builtins that have an executable of the same name which behaves
+// otherwise (dash's echo reads backslash escapes, coreutils' does not): a line that runs one
+// stays the shell's.
+var builtinTwins = map[string]bool{
+	"echo": true, "printf": true, "test": true, "[": true, "kill": true, "pwd": true, "true": true,
+	"false": true, ":": true,
 }
 
 // spawnBackground starts a background command (sr) and returns at once: the

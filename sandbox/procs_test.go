@@ -1211,3 +1211,64 @@ func TestRestoreKeepsUntouchedRoot(t *testing.T) {
 		}
 	}
 }
+
+// TestBackgroundCommandTakesShellsPlace: a background command line that is one command, here a
+// python3 program of several lines, runs as one process in the shell's place (pid included),
+// so its checkpoint is a template's and its restore brings it back; a line of two commands keeps
+// its shell, a tree.
+func TestBackgroundCommandTakesShellsPlace(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := t.Context()
+	const prog = "python3 -c 'import time\nopen(\"/tmp/one\", \"w\").close()\nwhile True:\n    time.sleep(1)\n'"
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Command: prog, Background: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/one ]")
+	procs, err := s.ListProcesses(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mine []sandbox.Process
+	for _, p := range procs {
+		if p.Pid == res.Pid || p.PPid == res.Pid {
+			mine = append(mine, p)
+		}
+	}
+	if len(mine) != 1 || mine[0].Pid != res.Pid || len(mine[0].Argv) == 0 || mine[0].Argv[0] != "python3" {
+		t.Fatalf("the background command's processes: %+v (pid %d)", mine, res.Pid)
+	}
+	ck, err := s.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ck.Processes) != 1 || ck.Processes[0].Method != sandbox.CaptureTemplate {
+		t.Fatalf("the checkpoint took %s", methods(ck.Processes))
+	}
+	sh(t, s, fmt.Sprintf("rm /tmp/one; kill %d", res.Pid))
+	if err := s.Restore(ctx, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	if out := sh(t, s, "ls /tmp/one"); out != "/tmp/one\n" {
+		t.Fatalf("after the restore: %q", out)
+	}
+	if procs, err = s.ListProcesses(ctx); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, p := range procs {
+		if len(p.Argv) > 0 && p.Argv[0] == "python3" {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("after the restore, %d python3 processes: %+v", n, procs)
+	}
+	// Two commands: the shell stays, with python3 its child.
+	res, err = s.Exec(ctx, sandbox.ExecRequest{Command: "python3 -c 'import time; time.sleep(1000)'; true", Background: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, fmt.Sprintf("pgrep -P %d python3", res.Pid))
+}
