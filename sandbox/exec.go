@@ -455,17 +455,20 @@ func execArgv(req ExecRequest) (argv []string, direct bool) {
 	return []string{"/bin/sh", "-c", req.Command}, false
 }
 
-// lastExec returns cmd with `exec ` before its command when the line is one simple command
-// that the shell would otherwise run as a child it waits for (dash does not exec the last
-// command of `sh -c`): a program named by a plain word that is no builtin or keyword, without
-// assignments, not in the background, negated or piped. The program then takes the shell's
-// place, pid included, and a checkpoint meets one process, which a template copies, instead of
-// a shell and its child, a tree, which CRIU takes. Its arguments, expansions and redirections
-// are the shell's as before. Only background commands take it: their output and exit status
-// are nobody's, so the one thing exec changes, the shell's words when the program is not
-// found, is seen by no one. Anything else comes back as it is, and so does every line when env
-// carries an exported bash function (a /bin/sh that is bash would run the function, exec the
-// program).
+// lastExec returns cmd with `exec ` before its last command when that is a simple command the
+// shell would otherwise run as a child it waits for before it exits (dash does not exec the
+// last command of `sh -c`): a program named by a plain word that is no builtin or keyword,
+// without assignments, not in the background, negated or piped, at the end of the line or of
+// its top-level `;`, `&&` and `||` lists (`cd /srv && python3 app.py`). The program then takes
+// the shell's place, pid included, and a checkpoint meets one process, which a template copies,
+// instead of a shell and its child, a tree, which CRIU takes. Its arguments, expansions and
+// redirections are the shell's as before, and what ran before it ran as before. Only background
+// commands take it: their output and exit status are nobody's, so the one thing exec changes,
+// the shell's words when the program is not found, is seen by no one. A line whose shell has
+// more to do after its last command (an EXIT trap), that runs jobs in the background (they would
+// become the program's children), or that may define functions or aliases (one could be the
+// program's name) comes back as it is, and so does every line when env carries an exported bash
+// function (a /bin/sh that is bash would run the function, exec the program).
 func lastExec(cmd string, env []string) string {
 	if len(cmd) > maxExecRewrite {
 		return cmd
@@ -476,12 +479,15 @@ func lastExec(cmd string, env []string) string {
 		}
 	}
 	f, err := syntax.NewParser(syntax.Variant(syntax.LangPOSIX)).Parse(strings.NewReader(cmd), "")
-	if err != nil || len(f.Stmts) != 1 {
+	if err != nil || len(f.Stmts) == 0 || !plainScript(f) {
 		return cmd
 	}
-	st := f.Stmts[0]
-	call, ok := st.Cmd.(*syntax.CallExpr)
-	if !ok || st.Negated || st.Background || st.Coprocess || st.Disown || len(call.Assigns) > 0 || len(call.Args) == 0 {
+	st := lastCall(f.Stmts[len(f.Stmts)-1])
+	if st == nil {
+		return cmd
+	}
+	call := st.Cmd.(*syntax.CallExpr)
+	if len(call.Assigns) > 0 || len(call.Args) == 0 {
 		return cmd
 	}
 	name := call.Args[0].Lit()
@@ -492,9 +498,64 @@ func lastExec(cmd string, env []string) string {
 	return cmd[:at] + "exec " + cmd[at:]
 }
 
-// maxExecRewrite bounds the lines lastExec parses, well below initproc.MaxString less the
-// five bytes it adds.
-const maxExecRewrite = 16 << 10
+// plainScript says whether f starts no job, defines no function and calls none of
+// scriptWords.
+func plainScript(f *syntax.File) bool {
+	plain := true
+	syntax.Walk(f, func(n syntax.Node) bool {
+		switch n := n.(type) {
+		case *syntax.Stmt:
+			plain = plain && !n.Background && !n.Coprocess && !n.Disown
+		case *syntax.FuncDecl:
+			plain = false
+		case *syntax.CallExpr:
+			if len(n.Args) > 0 && scriptWords[n.Args[0].Lit()] {
+				plain = false
+			}
+		}
+		return plain
+	})
+	return plain
+}
+
+// lastCall returns the statement that st runs last when it is a simple command, at the end of
+// st's `&&` and `||` lists, not negated; else nil.
+func lastCall(st *syntax.Stmt) *syntax.Stmt {
+	for {
+		if st.Negated || len(st.Redirs) > 0 && !isCall(st) {
+			return nil
+		}
+		bin, ok := st.Cmd.(*syntax.BinaryCmd)
+		if !ok {
+			break
+		}
+		if bin.Op != syntax.AndStmt && bin.Op != syntax.OrStmt {
+			return nil
+		}
+		st = bin.Y
+	}
+	if !isCall(st) {
+		return nil
+	}
+	return st
+}
+
+// isCall says whether st runs a simple command.
+func isCall(st *syntax.Stmt) bool {
+	_, ok := st.Cmd.(*syntax.CallExpr)
+	return ok
+}
+
+// scriptWords are the builtins after which lastExec leaves a line to its shell: they may set
+// an EXIT trap, define a function or alias, or wait for jobs.
+var scriptWords = map[string]bool{
+	"trap": true, "alias": true, "eval": true, ".": true, "source": true, "wait": true,
+}
+
+// maxExecRewrite bounds the lines lastExec parses, whose parse takes time in proportion to
+// their length (most for deep nesting such as `((((…`); well below initproc.MaxString less
+// the five bytes it adds.
+const maxExecRewrite = 8 << 10
 
 // builtinTwins are the shell builtins that have an executable of the same name which behaves
 // otherwise (dash's echo reads backslash escapes, coreutils' does not): a line that runs one

@@ -13,12 +13,32 @@ func TestLastExec(t *testing.T) {
 		{">/tmp/log node server.js", "exec >/tmp/log node server.js"},
 		{"./serve --port=8000 \"$(cat /tmp/port)\"", "exec ./serve --port=8000 \"$(cat /tmp/port)\""},
 		{"nohup python3 app.py", "exec nohup python3 app.py"},
-		// Left to the shell: several commands, pipelines, jobs, negation, assignments,
-		// builtins and keywords, names that are not plain words, what POSIX sh does not parse.
+		// The last command of top-level lists.
+		{"cd /srv && python3 app.py", "cd /srv && exec python3 app.py"},
+		{"cd /srv; python3 app.py > log 2>&1", "cd /srv; exec python3 app.py > log 2>&1"},
+		{"mkdir -p /run/app\ncd /run/app\nnode server.js\n", "mkdir -p /run/app\ncd /run/app\nexec node server.js\n"},
+		{"a && b || c", "a && b || exec c"},
+		{"a | b; c", "a | b; exec c"},
+		{"X=1; c", "X=1; exec c"},
+		// Left to the shell: a builtin last, pipelines, jobs, negation, assignments,
+		// builtins and keywords, names that are not plain words, what POSIX sh does not parse,
+		// traps, functions, aliases, eval and sourcing.
 		{"python3 a.py; echo done", ""},
 		{"python3 a.py\necho done", ""},
 		{"a | b", ""},
-		{"a && b", ""},
+		{"a && ! b", ""},
+		{"a & b", ""},
+		{"a && b &", ""},
+		{"a; b | c", ""},
+		{"trap 'rm /tmp/x' EXIT; b", ""},
+		{"f() { b; }; f", ""},
+		{"alias b=c; b", ""},
+		{"eval \"$X\"; b", ""},
+		{". /etc/profile; b", ""},
+		{"a & wait; b", ""},
+		{"if a; then b; fi; c", "if a; then b; fi; exec c"},
+		{"a; (b)", ""},
+		{"a; cd /x", ""},
 		{"python3 app.py &", ""},
 		{"! python3 app.py", ""},
 		{"PORT=1 python3 app.py", ""},
@@ -33,7 +53,7 @@ func TestLastExec(t *testing.T) {
 		{"(python3 app.py)", ""},
 		{"{ python3 app.py; }", ""},
 		{"if true; then python3 app.py; fi", ""},
-		{"[[ -f x ]] && y", ""},
+		{"[[ -f x ]] && y", "[[ -f x ]] && exec y"},
 		{"python3 <<EOF\nprint(1)\nEOF\n", "exec python3 <<EOF\nprint(1)\nEOF\n"},
 		{"python3 'unterminated", ""},
 		{"", ""},
@@ -72,4 +92,19 @@ func FuzzLastExec(f *testing.F) {
 			t.Fatalf("lastExec of its own result %q changed it again: %q", got, again)
 		}
 	})
+}
+
+// BenchmarkLastExec: what the parse adds to a background exec, for a usual line and for the
+// costliest lines it takes (deep nesting at maxExecRewrite).
+func BenchmarkLastExec(b *testing.B) {
+	for _, c := range []struct{ name, cmd string }{
+		{"usual", "cd /srv && python3 -c 'import app\napp.serve(port=8000)' > /tmp/app.log 2>&1"},
+		{"nested", strings.Repeat("((", maxExecRewrite/2)},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				lastExec(c.cmd, nil)
+			}
+		})
+	}
 }

@@ -1265,7 +1265,19 @@ func TestBackgroundCommandTakesShellsPlace(t *testing.T) {
 	if n != 1 {
 		t.Fatalf("after the restore, %d python3 processes: %+v", n, procs)
 	}
-	// Two commands: the shell stays, with python3 its child.
+	// The last command of a list takes the shell's place too, after what ran before it.
+	res, err = s.Exec(ctx, sandbox.ExecRequest{Command: "cd /tmp && python3 -c 'import time; open(\"two\", \"w\").close(); time.sleep(1000)'", Background: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "[ -e /tmp/two ]")
+	if procs, err = s.ListProcesses(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if i := slices.IndexFunc(procs, func(p sandbox.Process) bool { return p.Pid == res.Pid }); i < 0 || procs[i].Argv[0] != "python3" {
+		t.Fatalf("pid %d of `cd /tmp && python3 …` is not python3: %+v", res.Pid, procs)
+	}
+	// A builtin last: the shell stays, with python3 its child.
 	res, err = s.Exec(ctx, sandbox.ExecRequest{Command: "python3 -c 'import time; time.sleep(1000)'; true", Background: true})
 	if err != nil {
 		t.Fatal(err)

@@ -378,10 +378,10 @@ type ExecAction struct {
 	TimeoutSeconds float64 `protobuf:"fixed64,6,opt,name=timeout_seconds,json=timeoutSeconds,proto3" json:"timeout_seconds,omitempty"`
 	// background starts the process and returns at once with its pid; its
 	// output is discarded and it keeps running across later steps (and is
-	// captured by checkpoints like any other process). A command that is one
-	// program with its arguments and redirections runs with `exec` before it,
-	// so that the program takes the shell's place and pid: a checkpoint copies
-	// it as one process rather than a shell and its child.
+	// captured by checkpoints like any other process). A command whose last
+	// command is a program (`cd /srv && python3 app.py`) runs with `exec`
+	// before that program, so that it takes the shell's place and pid: a
+	// checkpoint copies it as one process rather than a shell and its child.
 	Background bool `protobuf:"varint,7,opt,name=background,proto3" json:"background,omitempty"`
 	// session names a persistent bash session, created on first use, in which
 	// command runs; shell state (cwd, variables, functions, jobs) persists
