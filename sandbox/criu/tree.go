@@ -545,6 +545,11 @@ func (w *Swrk) swrkIn(ctx context.Context, ns nsFiles, extra []*os.File, started
 	return exchange(ours, typ, opts, log, w.keep)
 }
 
+// init keeps the main goroutine on the main thread (an init's LockOSThread does), so that
+// startInNS never runs there: the main thread never ends, and one left in a sandbox's
+// namespaces, or in a private copy of the mount namespace, would stay so.
+func init() { runtime.LockOSThread() }
+
 // startInNS starts cmd from a thread that has entered the namespaces of ns
 // that criu must share with the tree. The thread is never unlocked, so the
 // Go runtime ends it instead of reusing it elsewhere.
