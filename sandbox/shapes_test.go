@@ -78,6 +78,7 @@ var (
 // namespace). Those two rows show what one does.
 var shapes = []processShape{
 	row("single process", "background exec of `probe`", execBackground("probe -T"), template, "main"),
+	row("a line ending in a program", "background exec of `cd /tmp && probe`", execBackground("cd /tmp && probe -T"), template, "main"),
 	row("`&`", "plain exec of `probe &`", execPlain("probe -T &"), templateLeftover, "main"),
 	row("`nohup … &`", "plain exec of `nohup probe &`", execPlain("nohup probe -T &"), templateLeftover, "main"),
 	row("double-forked daemon", "plain exec of `probe -d`", execPlain("probe -T -d"), templateLeftover, "main"),
