@@ -124,7 +124,7 @@ func (req *ExecRequest) validate() error {
 	}
 	// The request's own part against the init's limits; Spawn checks the
 	// whole, with the sandbox's environment, before it sends.
-	argv, _ := execArgv(*req)
+	argv, _ := execArgv(*req, req.Env)
 	if err := initproc.CheckArgs(argv, req.Env, req.Cwd); err != nil {
 		return invalidError{err}
 	}
@@ -241,6 +241,7 @@ var shellWords = map[string]bool{
 	"time": true, "coproc": true, "history": true, "fc": true, "dirs": true, "pushd": true, "popd": true,
 	"shopt": true, "enable": true, "builtin": true, "caller": true, "disown": true, "suspend": true,
 	"logout": true, "help": true, "mapfile": true, "readarray": true, "compgen": true, "complete": true,
+	"in": true, "{": true, "}": true, "!": true,
 }
 
 // execGroup is an empty cgroup for one command, with its cgroup.procs
@@ -393,7 +394,7 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}
-	argv, direct := execArgv(req)
+	argv, direct := execArgv(req, s.env(req.Env))
 	eg, err := s.execGroup()
 	if err != nil {
 		return ExecResult{}, err
@@ -439,10 +440,10 @@ const (
 )
 
 // execArgv returns the argv that runs req: its Argv, or its Command through
-// /bin/sh -c (a background one that is one simple command with its program
-// exec'd: lastExec), or (direct) the words of a plain command line
-// (plainCommand) spawned without the shell.
-func execArgv(req ExecRequest) (argv []string, direct bool) {
+// /bin/sh -c (a background one with its last program exec'd: lastExec, given
+// env, the command's whole environment), or (direct) the words of a plain
+// command line (plainCommand) spawned without the shell.
+func execArgv(req ExecRequest, env []string) (argv []string, direct bool) {
 	if req.Command == "" {
 		return req.Argv, false
 	}
@@ -450,7 +451,7 @@ func execArgv(req ExecRequest) (argv []string, direct bool) {
 		return words, true
 	}
 	if req.Background {
-		return []string{"/bin/sh", "-c", lastExec(req.Command, req.Env)}, false
+		return []string{"/bin/sh", "-c", lastExec(req.Command, env)}, false
 	}
 	return []string{"/bin/sh", "-c", req.Command}, false
 }
@@ -460,17 +461,24 @@ func execArgv(req ExecRequest) (argv []string, direct bool) {
 // last command of `sh -c`): a program named by a plain word that is no builtin or keyword,
 // without assignments, not in the background, negated or piped, at the end of the line or of
 // its top-level `;`, `&&` and `||` lists (`cd /srv && python3 app.py`). The program then takes
-// the shell's place, pid included, and a checkpoint meets one process, which a template copies,
-// instead of a shell and its child, a tree, which CRIU takes. Its arguments, expansions and
-// redirections are the shell's as before, and what ran before it ran as before. Only background
-// commands take it: their output and exit status are nobody's, so the one thing exec changes,
-// the shell's words when the program is not found, is seen by no one. A line whose shell has
-// more to do after its last command (an EXIT trap), that runs jobs in the background (they would
-// become the program's children), or that may define functions or aliases (one could be the
-// program's name) comes back as it is, and so does every line when env carries an exported bash
-// function (a /bin/sh that is bash would run the function, exec the program).
+// the shell's place, pid included (so `$$` names it), and a checkpoint meets one process, which a
+// template copies, instead of a shell and its child, a tree, which CRIU takes. Its arguments,
+// expansions and redirections are the shell's as before, and what ran before it ran as before.
+//
+// Only background commands take it: their output and exit status are nobody's, so what exec
+// changes besides, the shell's words when the program is not found, the `_` and `SHLVL` a bash
+// would have set, a SIGQUIT busybox ash ignores in what it execs itself, is seen by no one or
+// harmless. A line is left to its shell whenever the shell might do otherwise than the parse
+// says: if it has more to do after its last command (an EXIT trap); if it runs jobs (they would
+// become the program's children), as a heredoc on the last command does (its writer); if it may
+// define functions or aliases (one could take the program's name) or run a builtin by another
+// name (`command`, `builtin`, a quoted, escaped or expanded command name); if it holds bash's
+// `[[` or `coproc`, which a POSIX parse does not know; if a comment may end in a backslash,
+// which the parser reads as a continuation and shells do not. Every line is left so when env
+// carries an exported bash function (a /bin/sh that is bash would run the function, exec the
+// program).
 func lastExec(cmd string, env []string) string {
-	if len(cmd) > maxExecRewrite {
+	if len(cmd) > maxExecRewrite || strings.Contains(cmd, "#") && strings.Contains(cmd, "\\\n") {
 		return cmd
 	}
 	for _, e := range env {
@@ -490,16 +498,21 @@ func lastExec(cmd string, env []string) string {
 	if len(call.Assigns) > 0 || len(call.Args) == 0 {
 		return cmd
 	}
+	for _, r := range st.Redirs {
+		if r.Op == syntax.Hdoc || r.Op == syntax.DashHdoc {
+			return cmd
+		}
+	}
 	name := call.Args[0].Lit()
-	if name == "" || shellWords[name] || builtinTwins[name] {
+	if shellWords[name] || builtinTwins[name] || strings.HasPrefix(name, "-") {
 		return cmd
 	}
 	at := int(st.Pos().Offset())
 	return cmd[:at] + "exec " + cmd[at:]
 }
 
-// plainScript says whether f starts no job, defines no function and calls none of
-// scriptWords.
+// plainScript says whether f starts no job, defines no function, and names every command it
+// runs by a plain word (commandName) none of scriptWords.
 func plainScript(f *syntax.File) bool {
 	plain := true
 	syntax.Walk(f, func(n syntax.Node) bool {
@@ -509,13 +522,21 @@ func plainScript(f *syntax.File) bool {
 		case *syntax.FuncDecl:
 			plain = false
 		case *syntax.CallExpr:
-			if len(n.Args) > 0 && scriptWords[n.Args[0].Lit()] {
-				plain = false
+			if len(n.Args) > 0 {
+				name, ok := commandName(n.Args[0])
+				plain = plain && ok && !scriptWords[name]
 			}
 		}
 		return plain
 	})
 	return plain
+}
+
+// commandName returns the word w when it is a plain word: a literal with no quotes, no
+// expansion and no backslash, which every shell reads as it is.
+func commandName(w *syntax.Word) (string, bool) {
+	name := w.Lit()
+	return name, name != "" && !strings.ContainsRune(name, '\\')
 }
 
 // lastCall returns the statement that st runs last when it is a simple command, at the end of
@@ -546,10 +567,12 @@ func isCall(st *syntax.Stmt) bool {
 	return ok
 }
 
-// scriptWords are the builtins after which lastExec leaves a line to its shell: they may set
-// an EXIT trap, define a function or alias, or wait for jobs.
+// scriptWords are the commands for which lastExec leaves a line to its shell: they may set an
+// EXIT trap, define a function or alias, wait for jobs, run a builtin by another name, or be
+// bash syntax a POSIX parse reads as a command.
 var scriptWords = map[string]bool{
 	"trap": true, "alias": true, "eval": true, ".": true, "source": true, "wait": true,
+	"command": true, "builtin": true, "[[": true, "]]": true, "coproc": true,
 }
 
 // maxExecRewrite bounds the lines lastExec parses, whose parse takes time in proportion to
