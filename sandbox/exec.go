@@ -241,7 +241,7 @@ var shellWords = map[string]bool{
 	"time": true, "coproc": true, "history": true, "fc": true, "dirs": true, "pushd": true, "popd": true,
 	"shopt": true, "enable": true, "builtin": true, "caller": true, "disown": true, "suspend": true,
 	"logout": true, "help": true, "mapfile": true, "readarray": true, "compgen": true, "complete": true,
-	"in": true, "{": true, "}": true, "!": true,
+	"in": true, "{": true, "}": true, "!": true, "chdir": true, "bind": true, "compopt": true,
 }
 
 // execGroup is an empty cgroup for one command, with its cgroup.procs
@@ -468,17 +468,20 @@ func execArgv(req ExecRequest, env []string) (argv []string, direct bool) {
 // Only background commands take it: their output and exit status are nobody's, so what exec
 // changes besides, the shell's words when the program is not found, the `_` and `SHLVL` a bash
 // would have set, a SIGQUIT busybox ash ignores in what it execs itself, is seen by no one or
-// harmless. A line is left to its shell whenever the shell might do otherwise than the parse
-// says: if it has more to do after its last command (an EXIT trap); if it runs jobs (they would
-// become the program's children), as a heredoc on the last command does (its writer); if it may
-// define functions or aliases (one could take the program's name) or run a builtin by another
-// name (`command`, `builtin`, a quoted, escaped or expanded command name); if it holds bash's
-// `[[` or `coproc`, which a POSIX parse does not know; if a comment may end in a backslash,
-// which the parser reads as a continuation and shells do not. Every line is left so when env
-// carries an exported bash function (a /bin/sh that is bash would run the function, exec the
-// program).
+// harmless. The line is parsed as POSIX sh and as bash, and a line is left to its shell
+// whenever a shell might do otherwise than the parses say: if the two disagree on its last
+// command, or either fails; if it has more to do after its last command (an EXIT trap); if it
+// runs jobs (they would become the program's children); if it holds a heredoc (the last
+// command's has a writer that would become its child, and a parse may end one where a shell
+// does not) or a carriage return; if it may define functions or aliases (one could take the
+// program's name), run a builtin by another name (`command`, `builtin`, a quoted, escaped,
+// globbed, braced or expanded command name) or forbid exec (bash's `enable`, restricted mode);
+// if a comment may end in a backslash, which the parser reads as a continuation and shells do
+// not. Every line is left so when env carries an exported bash function (a /bin/sh that is
+// bash would run the function, exec the program).
 func lastExec(cmd string, env []string) string {
-	if len(cmd) > maxExecRewrite || strings.Contains(cmd, "#") && strings.Contains(cmd, "\\\n") {
+	if len(cmd) > maxExecRewrite || strings.ContainsAny(cmd, "\r") ||
+		strings.Contains(cmd, "#") && strings.Contains(cmd, "\\\n") {
 		return cmd
 	}
 	for _, e := range env {
@@ -486,33 +489,45 @@ func lastExec(cmd string, env []string) string {
 			return cmd
 		}
 	}
-	f, err := syntax.NewParser(syntax.Variant(syntax.LangPOSIX)).Parse(strings.NewReader(cmd), "")
-	if err != nil || len(f.Stmts) == 0 || !plainScript(f) {
-		return cmd
-	}
-	st := lastCall(f.Stmts[len(f.Stmts)-1])
-	if st == nil {
-		return cmd
-	}
-	call := st.Cmd.(*syntax.CallExpr)
-	if len(call.Assigns) > 0 || len(call.Args) == 0 {
-		return cmd
-	}
-	for _, r := range st.Redirs {
-		if r.Op == syntax.Hdoc || r.Op == syntax.DashHdoc {
+	// The line is read as POSIX sh and as bash (a /bin/sh may be either): both reads must
+	// accept it, find nothing that leaves it to its shell, and end in the same command.
+	at := -1
+	for _, lang := range []syntax.LangVariant{syntax.LangPOSIX, syntax.LangBash} {
+		f, err := syntax.NewParser(syntax.Variant(lang)).Parse(strings.NewReader(cmd), "")
+		if err != nil || len(f.Stmts) == 0 || !plainScript(f) {
 			return cmd
 		}
+		st := lastProgram(f)
+		if st == nil || at >= 0 && int(st.Pos().Offset()) != at {
+			return cmd
+		}
+		at = int(st.Pos().Offset())
 	}
-	name := call.Args[0].Lit()
-	if shellWords[name] || builtinTwins[name] || strings.HasPrefix(name, "-") {
-		return cmd
-	}
-	at := int(st.Pos().Offset())
 	return cmd[:at] + "exec " + cmd[at:]
 }
 
-// plainScript says whether f starts no job, defines no function, and names every command it
-// runs by a plain word (commandName) none of scriptWords.
+// lastProgram returns the statement of f that runs last when it runs a program lastExec may
+// exec (see there); else nil.
+func lastProgram(f *syntax.File) *syntax.Stmt {
+	st := lastCall(f.Stmts[len(f.Stmts)-1])
+	if st == nil {
+		return nil
+	}
+	call := st.Cmd.(*syntax.CallExpr)
+	if len(call.Assigns) > 0 || len(call.Args) == 0 {
+		return nil
+	}
+	name := call.Args[0].Lit()
+	if shellWords[name] || builtinTwins[name] || strings.HasPrefix(name, "-") {
+		return nil
+	}
+	return st
+}
+
+// plainScript says whether f starts no job, defines no function, holds no heredoc (a parse
+// may end one where a shell does not, and the last command's has a writer), names every
+// command it runs by a plain word (commandName) none of scriptWords, and sets no restricted
+// mode (bash's, which forbids exec).
 func plainScript(f *syntax.File) bool {
 	plain := true
 	syntax.Walk(f, func(n syntax.Node) bool {
@@ -521,10 +536,12 @@ func plainScript(f *syntax.File) bool {
 			plain = plain && !n.Background && !n.Coprocess && !n.Disown
 		case *syntax.FuncDecl:
 			plain = false
+		case *syntax.Redirect:
+			plain = plain && n.Op != syntax.Hdoc && n.Op != syntax.DashHdoc
 		case *syntax.CallExpr:
 			if len(n.Args) > 0 {
 				name, ok := commandName(n.Args[0])
-				plain = plain && ok && !scriptWords[name]
+				plain = plain && ok && !scriptWords[name] && (name != "set" || !restricts(n.Args[1:]))
 			}
 		}
 		return plain
@@ -533,10 +550,23 @@ func plainScript(f *syntax.File) bool {
 }
 
 // commandName returns the word w when it is a plain word: a literal with no quotes, no
-// expansion and no backslash, which every shell reads as it is.
+// expansion, no backslash and nothing a glob, brace or tilde expansion reads, which every
+// shell takes as it is.
 func commandName(w *syntax.Word) (string, bool) {
 	name := w.Lit()
-	return name, name != "" && !strings.ContainsRune(name, '\\')
+	return name, name != "" && !strings.ContainsAny(name, "\\*?[]{}~")
+}
+
+// restricts says whether set's arguments args may turn on bash's restricted mode (-r, -o
+// restricted) or are not all plain words.
+func restricts(args []*syntax.Word) bool {
+	for _, a := range args {
+		v, ok := commandName(a)
+		if !ok || v == "restricted" || strings.HasPrefix(v, "-") && !strings.HasPrefix(v, "--") && strings.ContainsRune(v, 'r') {
+			return true
+		}
+	}
+	return false
 }
 
 // lastCall returns the statement that st runs last when it is a simple command, at the end of
@@ -572,7 +602,9 @@ func isCall(st *syntax.Stmt) bool {
 // bash syntax a POSIX parse reads as a command.
 var scriptWords = map[string]bool{
 	"trap": true, "alias": true, "eval": true, ".": true, "source": true, "wait": true,
-	"command": true, "builtin": true, "[[": true, "]]": true, "coproc": true,
+	"command": true, "builtin": true, "[[": true, "]]": true, "coproc": true, "function": true,
+	"select": true, "mapfile": true, "readarray": true, "enable": true, "bind": true, "complete": true,
+	"compopt": true,
 }
 
 // maxExecRewrite bounds the lines lastExec parses, whose parse takes time in proportion to
