@@ -95,8 +95,9 @@ func TestAttackKillTemplates(t *testing.T) {
 		t.Fatalf("restoring the checkpoint after kill -9 -1: %v", err)
 	}
 	// The checkpoint's templates are processes of the sandbox too (frozen, in groups t<n> or
-	// i<n>): count the sleeps that run outside them.
-	live := `for p in $(pgrep -x sleep); do grep -Eq '/[ti][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
+	// i<n>), and so are the copies parked for the next restore (p<n>): count the sleeps that
+	// run outside them.
+	live := `for p in $(pgrep -x sleep); do grep -Eq '/[tip][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
 	if out := s.sh(t, sb, live); strings.TrimSpace(out) != "1" {
 		t.Fatalf("running sleeps after the restore: %q (all: %q)", out, s.sh(t, sb, "for p in $(pgrep -x sleep); do echo $p $(cat /proc/$p/cgroup); done"))
 	}
@@ -140,7 +141,7 @@ func TestAttackKillTemplatesFromCRIU(t *testing.T) {
 	if _, err := sb.Restore(t.Context(), ck.ID); err != nil {
 		t.Fatalf("restoring the checkpoint after kill -9 -1 from a restored process: %v", err)
 	}
-	live := `for p in $(pgrep -x sleep); do grep -Eq '/[ti][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
+	live := `for p in $(pgrep -x sleep); do grep -Eq '/[tip][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
 	if out := s.sh(t, sb, live); strings.TrimSpace(out) != "1" {
 		t.Fatalf("running sleeps after the restore: %q", out)
 	}
@@ -169,7 +170,9 @@ while True: a.append(bytearray(b'y' * (1 << 20)))"`)
 		if _, err := sb.Restore(t.Context(), ck.ID); err != nil {
 			t.Fatalf("restore %d after the OOM: %v", round, err)
 		}
-		live := `for p in $(pgrep python3); do grep -Eq '/[ti][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
+		// Templates (t), copies saved as images (i) and copies parked for the next restore (p)
+		// are not the live process.
+		live := `for p in $(pgrep python3); do grep -Eq '/[tip][0-9]+$' /proc/$p/cgroup || echo $p; done | wc -l`
 		if out := s.sh(t, sb, live); strings.TrimSpace(out) != "1" {
 			t.Fatalf("restore %d: %q python3 processes running", round, out)
 		}
