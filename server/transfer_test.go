@@ -100,6 +100,9 @@ func TestCheckpointMoves(t *testing.T) {
 	run(t, ca, sbA, "pkill sleep; echo held > /tmp/held")
 	_, err = ca.Step(ctx, &deltagymv1.StepRequest{SandboxId: sbA, Action: &deltagymv1.Action{Kind: &deltagymv1.Action_Exec{Exec: &deltagymv1.ExecAction{Command: "exec 3</tmp/held; exec sleep 1001", Background: true}}}})
 	must(t, err)
+	// The background command returns at its spawn: the checkpoint waits for the sleep, which
+	// runs only once the shell has opened the file.
+	run(t, ca, sbA, "until for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -q '^sleep 1001 $'; do :; done")
 	hk, err := ca.Checkpoint(ctx, &deltagymv1.CheckpointRequest{SandboxId: sbA})
 	must(t, err)
 	run(t, ca, sbA, "rm /tmp/held")
