@@ -394,13 +394,14 @@ func (s *Sandbox) Exec(ctx context.Context, req ExecRequest) (ExecResult, error)
 	if err := s.materialize(); err != nil {
 		return ExecResult{}, err
 	}
-	argv, direct := execArgv(req, s.env(req.Env))
+	env := s.env(req.Env)
+	argv, direct := execArgv(req, env)
 	eg, err := s.execGroup()
 	if err != nil {
 		return ExecResult{}, err
 	}
 	sr := initproc.SpawnRequest{
-		Argv: argv, Env: s.env(req.Env), Cwd: s.cwd(req.Cwd), UID: s.spec.UID, GID: s.spec.GID,
+		Argv: argv, Env: env, Cwd: s.cwd(req.Cwd), UID: s.spec.UID, GID: s.spec.GID,
 		Flags: initproc.FlagSetsid, CgroupProcs: eg.procs,
 		Stdin: s.rt.devnull, Stdout: s.rt.devnull, Stderr: s.rt.devnull,
 	}
