@@ -79,6 +79,11 @@ type cmdGroups struct {
 	// restore lets run (settleKilled), though not gone.
 	// +checklocks:mu
 	killedSettled bool
+	// disarmed holds the keys ("socket:[inode]") of the listening sockets
+	// the last restore shut down before it killed their processes
+	// (disarmListeners).
+	// +checklocks:mu
+	disarmed map[string]bool
 	// killPending: killed may still hold processes; the next command waits
 	// for them (beginExec), unless a wait found them gone (waitKilled).
 	killPending atomic.Bool
@@ -99,7 +104,11 @@ type cmdGroups struct {
 // system call writes lands in the upper being discarded). A background job
 // offers the old group for use again once it is empty, or removes it
 // (retireWork).
-func (s *Sandbox) killAll() error {
+func (s *Sandbox) killAll() error { return s.killFor(nil) }
+
+// killFor is killAll for a restore of c (nil for none), which first
+// disarms the listeners the copies of c are to listen anew on.
+func (s *Sandbox) killFor(c *procstate.Checkpoint) error {
 	s.mu.Lock()
 	sessions := s.sessions
 	s.sessions = map[string]*session{}
@@ -116,6 +125,10 @@ func (s *Sandbox) killAll() error {
 	}
 	s.cmds.mu.Lock()
 	defer s.cmds.mu.Unlock()
+	s.cmds.disarmed = nil
+	if c != nil {
+		s.disarmListeners(c)
+	}
 	return s.replaceWork()
 }
 
@@ -374,6 +387,12 @@ func (s *Sandbox) hasProcesses() (bool, error) {
 func (s *Sandbox) workPidsNow() ([]int, error) {
 	s.cmds.mu.Lock()
 	defer s.cmds.mu.Unlock()
+	return s.workPidsLocked()
+}
+
+// workPidsLocked is workPidsNow with s.cmds.mu held.
+// +checklocks:s.cmds.mu
+func (s *Sandbox) workPidsLocked() ([]int, error) {
 	w := s.workFilesNow()
 	if w.pids == nil {
 		l, err := s.cmds.work.OpenPids()
@@ -581,7 +600,7 @@ func (s *Sandbox) settleKilled(tpls []procstate.Template) {
 			s.waitKilledLocked()
 			s.settled("waited")
 			return
-		case tids != nil && ownSockets(tids, tpls):
+		case tids != nil && s.ownSockets(tids, tpls):
 			s.waitKilledLocked()
 			s.settled("sockets")
 			return
@@ -668,28 +687,31 @@ func (s *Sandbox) limitsRoom(n int) bool {
 }
 
 // ownSockets reports whether one of threads tids holds a socket that no
-// template of c holds (or its files cannot be read).
-func ownSockets(tids []int, tpls []procstate.Template) bool {
+// template of tpls holds (or its files cannot be read), other than the
+// listening sockets the restore shut down before it killed them
+// (disarmListeners).
+// +checklocks:s.cmds.mu
+func (s *Sandbox) ownSockets(tids []int, tpls []procstate.Template) bool {
 	var shared map[string]bool
 	for _, tid := range tids {
-		own, err := socketLinks(tid)
+		own, err := socketFDs(tid)
 		if err != nil {
 			return true
 		}
-		for _, l := range own {
+		for _, sk := range own {
 			if shared == nil {
 				shared = map[string]bool{}
 				for _, t := range tpls {
-					ls, err := socketLinks(t.HostPid)
+					ls, err := socketFDs(t.HostPid)
 					if err != nil {
 						return true
 					}
 					for _, l := range ls {
-						shared[l] = true
+						shared[l.key] = true
 					}
 				}
 			}
-			if !shared[l] {
+			if !shared[sk.key] && !s.cmds.disarmed[sk.key] {
 				return true
 			}
 		}
@@ -697,9 +719,81 @@ func ownSockets(tids []int, tpls []procstate.Template) bool {
 	return false
 }
 
-// socketLinks lists the sockets thread tid holds open ("socket:[inode]");
-// none for a thread gone.
-func socketLinks(tid int) ([]string, error) {
+// disarmListeners shuts down, from the server, the listening TCP sockets
+// of the sandbox's processes that no template holds, before a restore
+// kills the processes, and remembers them (ownSockets): a copy of c that
+// listens on one's address (procstate's listenTCP) can then bind it at
+// once, where the socket would otherwise keep it until its process has
+// exited, which for a large process takes milliseconds. A socket shut down
+// stops listening but keeps its address until it is closed; set to reuse
+// it, it lets a new socket with SO_REUSEADDR bind and listen there. Done
+// only for a checkpoint whose copies listen on TCP ports anew; it costs a
+// look at each process's descriptors. A process killed right after loses
+// nothing it would not have lost.
+// +checklocks:s.cmds.mu
+func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
+	if !c.ListensOnTCP() {
+		return
+	}
+	pids, err := s.workPidsLocked()
+	if err != nil {
+		return
+	}
+	seen := map[string]bool{}
+	for _, pid := range pids {
+		own, err := socketFDs(pid)
+		if err != nil {
+			continue
+		}
+		for _, sk := range own {
+			if seen[sk.key] || s.procs.TemplatesListen(sk.key) {
+				continue
+			}
+			seen[sk.key] = true
+			if disarmListener(pid, sk.fd) {
+				if s.cmds.disarmed == nil {
+					s.cmds.disarmed = map[string]bool{}
+				}
+				s.cmds.disarmed[sk.key] = true
+			}
+		}
+	}
+}
+
+// disarmListener shuts down socket fd of process pid if it is a listening
+// TCP socket, letting others bind its address (SO_REUSEADDR), and reports
+// whether it did.
+func disarmListener(pid, fd int) bool {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(pidfd)
+	sk, err := unix.PidfdGetfd(pidfd, fd, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(sk)
+	if on, err := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
+		return false
+	}
+	domain, err1 := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_DOMAIN)
+	typ, err2 := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_TYPE)
+	if err1 != nil || err2 != nil || domain != unix.AF_INET && domain != unix.AF_INET6 || typ != unix.SOCK_STREAM {
+		return false
+	}
+	return unix.SetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) == nil && unix.Shutdown(sk, unix.SHUT_RDWR) == nil
+}
+
+// socketFD is an fd of a socket, and the socket's key ("socket:[inode]").
+type socketFD struct {
+	fd  int
+	key string
+}
+
+// socketFDs lists the sockets thread tid holds open; none for a thread
+// gone.
+func socketFDs(tid int) ([]socketFD, error) {
 	dir := "/proc/" + strconv.Itoa(tid) + "/fd/"
 	ents, err := os.ReadDir(dir)
 	if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ESRCH) {
@@ -708,11 +802,14 @@ func socketLinks(tid int) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	var out []string
+	var out []socketFD
 	for _, e := range ents {
-		l, err := os.Readlink(dir + e.Name())
-		if err == nil && strings.HasPrefix(l, "socket:") {
-			out = append(out, l)
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if l, err := os.Readlink(dir + e.Name()); err == nil && strings.HasPrefix(l, "socket:") {
+			out = append(out, socketFD{fd: fd, key: l})
 		}
 	}
 	return out, nil

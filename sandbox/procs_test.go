@@ -699,19 +699,25 @@ func mustFilesOnly(t *testing.T, s *sandbox.Sandbox) string {
 // growPy waits until /tmp/grow exists, then takes as many megabytes as its
 // first argument says, writes its pid to /tmp/grown (renamed into place, so
 // whole once it exists), and sleeps. With "shared" as its second argument it
-// listens on a TCP port from the start (its checkpoint's templates hold the
-// socket too); with "own", once grown (they do not).
+// listens on an abstract unix socket from the start (its checkpoint's
+// templates hold the socket too); with "listener", on a TCP port from the
+// start (its templates let go of it, their copies listen anew); with
+// "own", it holds a socket pair once grown (they do not).
 const growPy = `
 import os, socket, sys, time
 mode = sys.argv[2]
 if mode == "shared":
-    shared = socket.create_server(("127.0.0.1", 0))
+    shared = socket.socket(socket.AF_UNIX)
+    shared.bind("\0grow-shared")
+    shared.listen()
+if mode == "listener":
+    listener = socket.create_server(("127.0.0.1", 8000))
 open("/tmp/ready", "w").close()
 while not os.path.exists("/tmp/grow"):
     time.sleep(0.002)
 more = b"y" * (int(sys.argv[1]) << 20)
 if mode == "own":
-    own = socket.create_server(("127.0.0.1", 0))
+    own = socket.socketpair()
 with open("/tmp/grown.new", "w") as f:
     f.write(str(os.getpid()))
 os.rename("/tmp/grown.new", "/tmp/grown")
@@ -875,11 +881,17 @@ func TestRestoreAfterProcessGrew(t *testing.T) {
 		// which on an idle machine it can have freed by then. A grace of
 		// 5 ms lets it free 125 MB of them.
 		{"memory limit", 1472, "none", 1536 << 20, 5 * time.Millisecond, "waited"},
-		// A listener the templates hold too: the copies share it.
+		// A listener the templates hold too (an abstract unix socket's:
+		// a listener bound to a port or a path is the process's own, and
+		// its copies listen anew): the copies share it.
 		{"shared socket", 768, "shared", 0, 10 * time.Millisecond, "exiting"},
-		// A listener of the killed process's own stays open until its
+		// A socket of the killed process's own stays open until its
 		// memory is freed: the restore waits.
 		{"own socket", 768, "own", 0, 10 * time.Millisecond, "sockets"},
+		// But for a listener the copy listens anew on, which the restore
+		// shuts down before the kill (disarmListeners), so that the copy
+		// binds its port at once.
+		{"listener", 768, "listener", 0, 10 * time.Millisecond, "exiting"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ctx := t.Context()

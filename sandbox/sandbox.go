@@ -870,7 +870,7 @@ func (s *Sandbox) restore(ctx context.Context, id string, o RestoreOptions) erro
 	case !copies:
 		s.procs.DropAhead() // kept for a checkpoint restored before
 	}
-	if err := s.killAll(); err != nil {
+	if err := s.killFor(&c.Checkpoint); err != nil {
 		return err
 	}
 	// A checkpoint restored twice in a row (no checkpoint in between) is

@@ -61,6 +61,7 @@ func (ps *State) Capture(ctx context.Context, c *Checkpoint, allCRIU bool, copyF
 	if err != nil {
 		return err
 	}
+	shareListeners(procs)
 	tplProcs, trees, err := ps.planCapture(splitTrees(procs), allCRIU)
 	if err != nil {
 		return err
@@ -410,7 +411,18 @@ func (ps *State) makeTemplates(c *Checkpoint, tplProcs []procInfo, seized map[in
 		c.Procs[i] = tplProcs[i].tpl
 	}
 	c.TplGroup = tg.Name()
+	var held []string
+	for _, t := range c.Procs {
+		for _, p := range t.Private {
+			if p.Kind == "listen" && p.link != "" {
+				held = append(held, p.link)
+			}
+		}
+	}
 	ps.mu.Lock()
+	if len(held) > 0 {
+		ps.listenHeld[c.ID] = held
+	}
 	ps.tpls[c.ID] = tg
 	ps.waits = waits
 	ps.mu.Unlock()
@@ -442,6 +454,9 @@ func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc,
 		}
 	}
 	if err := guardTemplate(cp, t); err != nil {
+		return cp, err
+	}
+	if err := freeListeners(cp, *t); err != nil {
 		return cp, err
 	}
 	if err := tg.Add(cp.Pid); err != nil {
@@ -654,6 +669,7 @@ func (ps *State) Drop(id string) {
 	tg := ps.tpls[id]
 	delete(ps.tpls, id)
 	delete(ps.folded, id)
+	delete(ps.listenHeld, id)
 	ps.mu.Unlock()
 	if tg == nil {
 		return

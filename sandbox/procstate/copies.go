@@ -53,14 +53,20 @@ func (ps *State) spawnCopiesLocked(c *Checkpoint, a *aheadCopies, start time.Tim
 	tr := ptfork.NewSession()
 	copies, thawed, err := ps.readyCopies(tr, c, tg, a)
 	if err == nil {
-		// The copies share their sockets with the templates, and so did
+		// The copies may share sockets with the templates (a listening
+		// one several processes hold, a connected unix one), and so did
 		// the processes the restore killed: one of those, not exiting
 		// yet, could accept a connection meant for the restored state and
 		// reset it as it dies. They exit while the copies are readied;
 		// settleKilled then waits, if need be, until they are past that
 		// (or gone).
 		ps.h.SettleKilled(c.Procs)
-		err = ps.letRun(copies)
+		// A copy listens where a killed process may have: once that one
+		// has let go of the address (settleKilled waits for the killed
+		// that hold sockets no template holds).
+		if err = listenAll(copies); err == nil {
+			err = ps.letRun(copies)
+		}
 	}
 	if err == nil {
 		ps.foldOnce(c)
@@ -116,6 +122,19 @@ func (ps *State) readyCopies(tr *ptfork.Session, c *Checkpoint, tg *cgroup.Cgrou
 	}
 }
 
+// listenAll gives each of copies its listening sockets (listenAnew).
+func listenAll(copies []liveCopy) error {
+	for _, lc := range copies {
+		if lc.mem == nil {
+			continue
+		}
+		if err := listenAnew(lc.cp, lc.t, lc.mem); err != nil {
+			return fmt.Errorf("%w: the copy of %s: %w", ErrProcesses, lc.t.name(), err)
+		}
+	}
+	return nil
+}
+
 // letRun detaches the ready copies, which then run: a session's shell
 // becomes its session's (its stdio is cleared from copies, the session's
 // now). Every copy is remembered as seen live (liveSeen), for the
@@ -156,6 +175,9 @@ type liveCopy struct {
 	stdio [3]*os.File               // session: the server's ends
 	exit  <-chan initproc.ExitEvent // set if the server reaps it
 	led   bool                      // it leads its session already (aheadProc.led)
+	// mem is the copy's scratch page, kept mapped by fixUp for
+	// listenAnew when the copy listens anew.
+	mem *ptfork.Scratch
 }
 
 // copyGroup returns the group a copy of t goes to: the command group, or a
@@ -297,7 +319,7 @@ func fixUpAll(copies []liveCopy) error {
 		var err error
 		t := lc.t
 		t.Leader = t.Leader && !lc.led
-		if lc.stdio, err = fixUp(lc.cp, t); err != nil {
+		if lc.stdio, lc.mem, err = fixUp(lc.cp, t, false); err != nil {
 			return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, lc.t.name(), err)
 		}
 	}
@@ -319,31 +341,50 @@ func closeFiles(fs []*os.File) {
 
 // fixUp makes a stopped copy belong to the restored state, by system calls
 // it makes itself. For a session's shell it returns the server's ends of its
-// new stdin, stdout and stderr pipes.
-func fixUp(cp *ptfork.Proc, t Template) (stdio [3]*os.File, err error) {
+// new stdin, stdout and stderr pipes. A copy to be saved as an image
+// (forImage) is made in the live sandbox, beside the live process.
+func fixUp(cp *ptfork.Proc, t Template, forImage bool) (stdio [3]*os.File, later *ptfork.Scratch, err error) {
 	mem := cp.Scratch()
-	defer func() {
-		if uerr := mem.Release(); uerr != nil && err == nil {
-			err = uerr
-		}
-	}()
+	if !forImage && listens(t) {
+		later = mem // for listenAnew, which releases it
+	} else {
+		defer func() {
+			if uerr := mem.Release(); uerr != nil && err == nil {
+				err = uerr
+			}
+		}()
+	}
 	if err := fixUpIdentity(cp, t); err != nil {
-		return stdio, err
+		return stdio, later, err
 	}
 	if err := fixUpFiles(cp, t, mem); err != nil {
-		return stdio, err
+		return stdio, later, err
 	}
-	if err := fixUpPrivate(cp, t, mem); err != nil {
-		return stdio, err
+	if err := fixUpPrivate(cp, t, mem, forImage); err != nil {
+		return stdio, later, err
 	}
 	if t.Session == "" {
-		return stdio, nil
+		return stdio, later, nil
 	}
 	a, err := mem.Put("") // room for pipe2's result
 	if err != nil {
-		return stdio, err
+		return stdio, later, err
 	}
-	return sessionPipes(cp, a)
+	stdio, err = sessionPipes(cp, a)
+	return stdio, later, err
+}
+
+// ListensOnTCP reports whether copies of c's templates listen anew on a
+// TCP port (private.go).
+func (c *Checkpoint) ListensOnTCP() bool {
+	return slices.ContainsFunc(c.Procs, func(t Template) bool {
+		return slices.ContainsFunc(t.Private, func(p Private) bool { return p.Kind == "tcplisten" })
+	})
+}
+
+// listens reports whether copies of t listen anew on a socket (private.go).
+func listens(t Template) bool {
+	return slices.ContainsFunc(t.Private, func(p Private) bool { return p.Kind == "tcplisten" || p.Kind == "unixlisten" })
 }
 
 // fixUpIdentity gives the copy back what its template was made not to

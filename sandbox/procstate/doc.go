@@ -37,10 +37,11 @@
 // gets fresh pipes for stdin, stdout and stderr (the server takes its ends
 // with pidfd_getfd); the descriptions that are the process's alone (a pipe
 // to itself, an eventfd, a timerfd, an epoll instance) are made anew in the
-// state the capture recorded, a connected TCP socket is reset
-// (private.go). Other descriptions (the host's /dev/null, listening
-// sockets, pipes between processes) stay shared with the template, which
-// is frozen: a listening socket keeps listening on the same port.
+// state the capture recorded, a connected TCP socket is reset, a listening
+// socket the template let go of listens anew where it did (private.go).
+// Other descriptions (the host's /dev/null, pipes between processes, a
+// listening socket several processes share) stay shared with the
+// template, which is frozen.
 //
 // A template is a copy of one process, every thread of it (sandbox/ptfork):
 // process trees (a command with children), processes of more than

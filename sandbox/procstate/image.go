@@ -1,6 +1,7 @@
 package procstate
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -9,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/deltagym/deltagym/sandbox/cgroup"
 	"github.com/deltagym/deltagym/sandbox/criu"
@@ -122,6 +125,11 @@ func (ps *State) imageCopy(ctx context.Context, sw *criu.Swrk, c *Checkpoint, n 
 	if err := sw.DumpTree(ctx, criu.TreeDumpOpts{Pid: cp.hostPid, NSPid: ps.h.InitPid(), ImagesDir: u.Dir, ExternalFiles: ext}); err != nil {
 		return u, err
 	}
+	// The copy's listening sockets were left unbound (the live process
+	// holds their addresses): its image has them listen.
+	if err := criu.SetListening(u.Dir, imageListeners(t)); err != nil {
+		return u, fmt.Errorf("recording the listening sockets in the image: %w", err)
+	}
 	u.Bytes = dirBytes(u.Dir)
 	return u, nil
 }
@@ -171,7 +179,7 @@ func (ps *State) stoppedCopies(tg *cgroup.Cgroup, tpls []Template) (out []stoppe
 			return out, fmt.Errorf("creating cgroup: %w", err)
 		}
 		out = append(out, stopped{hostPid: cp.Pid, nsPid: nsPid, cg: cg})
-		stdio, err := fixUp(cp, t)
+		stdio, _, err := fixUp(cp, t, true)
 		// The session's pipes only have to exist for the dump; criu
 		// records them by inode, and a restore hands in fresh ones.
 		closeFiles(stdio[:])
@@ -217,3 +225,27 @@ type ImageError struct {
 
 func (e *ImageError) Error() string { return e.Err.Error() }
 func (e *ImageError) Unwrap() error { return e.Err }
+
+// imageListeners are the listening sockets a copy of t has unbound when it
+// is made for an image (fixUp), as the image is to record them.
+func imageListeners(t Template) []criu.Listener {
+	var ls []criu.Listener
+	for _, p := range t.Private {
+		switch p.Kind {
+		case "tcplisten":
+			ip, port, ok := p.ListenAddr()
+			if !ok || len(p.Opts) < len(listenOpts) {
+				continue // fixUp failed on it already
+			}
+			l := criu.Listener{FD: p.FD, Backlog: p.Backlog, IP: ip, Port: port,
+				ReuseAddr: p.Opts[0] != 0, ReusePort: p.Opts[1] != 0, KeepAlive: p.Opts[3] != 0}
+			if len(p.Opts) > len(listenOpts) {
+				l.V6Only = new(p.Opts[len(listenOpts)] != 0)
+			}
+			ls = append(ls, l)
+		case "unixlisten":
+			ls = append(ls, criu.Listener{FD: p.FD, Backlog: cmp.Or(p.Backlog, unix.SOMAXCONN), Path: p.Path, Mode: p.Mode, UID: p.UID, GID: p.GID})
+		}
+	}
+	return ls
+}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -23,6 +24,27 @@ type procInfo struct {
 	// deleted names an open deleted file: neither path takes it (criu's
 	// ghost files fail to restore across the sandbox's mount namespace).
 	deleted string
+	// sockets are the keys ("socket:[inode]") of the sockets it holds.
+	sockets []string
+}
+
+// shareListeners keeps shared, among procs, each listening socket another
+// process holds too: a copy of one holder listening anew would shut the
+// others' copies out of its address (private.go).
+func shareListeners(procs []procInfo) {
+	holders := map[string]int{}
+	for _, pi := range procs {
+		for _, l := range slices.Compact(slices.Sorted(slices.Values(pi.sockets))) {
+			holders[l]++
+		}
+	}
+	for i := range procs {
+		for j, p := range procs[i].tpl.Private {
+			if (p.Kind == "tcplisten" || p.Kind == "unixlisten") && holders[p.link] > 1 {
+				procs[i].tpl.Private[j] = Private{Kind: "listen", FD: p.FD, Flags: p.Flags, link: p.link}
+			}
+		}
+	}
 }
 
 // inspect reads what a template of pid needs. rootMnt is the mount id of

@@ -2,13 +2,16 @@ package procstate
 
 import (
 	"bufio"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -28,19 +31,31 @@ import (
 // socket cannot be duplicated: each copy gets a new, unconnected socket of
 // its kind in its place, so the copy sees the connection reset (reads fail
 // with ENOTCONN, polls report a hang-up), as after a network failure, and
-// no copy reads what another sent. A listening socket stays shared — it
-// holds the port, which a new socket could not bind while the template
-// holds it — and its queue of connections not yet accepted is emptied
-// before each copy runs, so no copy accepts one made before it; a unix
-// socket listening at an absolute path is bound again there (the restored
-// file is a copy no socket is bound to). Connected unix sockets stay
-// shared. What a fork drops is given back too: the interval timer
+// no copy reads what another sent.
+//
+// A listening socket is the process's alone: its template does not keep it
+// (freeListeners puts an unbound socket of its kind in its place), so a
+// service the agent ends frees its port and its path at once, as it would
+// without checkpoints: a client is refused, and a new server binds them.
+// Each copy gets a new socket listening where the process's did, with its
+// options and backlog (a TCP socket: listenTCP; a unix socket bound to an
+// absolute path: rebindUnix, the restored root's file there being a copy
+// no socket is bound to), once the processes the restore killed have let
+// go of the address. A copy made to be saved as a CRIU image runs in the
+// live sandbox, where the live process holds the address: it gets an
+// unbound socket, which its image then records as listening (image.go).
+// A listening socket another process holds too (a pre-forked server's
+// workers) stays shared, since one copy binding its address would shut
+// the others out; its queue of connections not yet accepted is emptied
+// before each copy runs, so no copy accepts one made before it. Connected
+// unix sockets stay shared. What a fork drops is given back too: the interval timer
 // (readItimer, fixItimer), and memory marked MADV_DONTFORK (forkWhole).
 
 // Private is a description of a template whose copies each get their own.
 type Private struct {
 	// Kind: "pipe", "eventfd", "timerfd", "epoll", "socket" (reset),
-	// "listen" (drained), "unixlisten" (bound again).
+	// "tcplisten" and "unixlisten" (listening anew), "listen" (shared,
+	// drained).
 	Kind string `json:"kind"`
 	FD   int    `json:"fd"`
 	// Flags are the fd's file status flags and O_CLOEXEC (fdinfo's flags).
@@ -59,15 +74,28 @@ type Private struct {
 	// Watches are what an epoll instance watches.
 	Watches []Watch `json:"watches,omitempty"`
 	// Domain, Type and Proto are a socket's; Path is the path a listening
-	// unix socket is bound to.
+	// unix socket is bound to, and Mode, UID and GID its file's (as the
+	// sandbox sees them).
 	Domain int    `json:"domain,omitempty"`
 	Type   int    `json:"type,omitempty"`
 	Proto  int    `json:"proto,omitempty"`
 	Path   string `json:"path,omitempty"`
+	Mode   uint32 `json:"mode,omitempty"`
+	UID    uint32 `json:"uid,omitempty"`
+	GID    uint32 `json:"gid,omitempty"`
+	// Addr is the address a listening TCP socket is bound to (struct
+	// sockaddr_in or sockaddr_in6, as getsockname gives it); Backlog is a
+	// listening socket's backlog; Opts are a listening TCP socket's values
+	// of listenOpts, in that order.
+	Addr    []byte `json:"addr,omitempty"`
+	Backlog int    `json:"backlog,omitempty"`
+	Opts    []int  `json:"opts,omitempty"`
 	// Clock and Timer are a timerfd's clock and what was left of its
 	// timer: interval and value (struct itimerspec: seconds, nanoseconds).
 	Clock int       `json:"clock,omitempty"`
 	Timer [4]uint64 `json:"timer,omitzero"`
+	// link is the description's key ("socket:[inode]") at the capture.
+	link string
 }
 
 // PrivateFD is one more fd of a description, with its flags.
@@ -147,6 +175,7 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 		case sp.link == "anon_inode:[eventpoll]":
 			epolls = append(epolls, sp)
 		case strings.HasPrefix(sp.link, "socket:"):
+			pi.sockets = append(pi.sockets, sp.link)
 			if p, ok := socketPrivate(pidfd, sp); ok {
 				pi.tpl.Private = append(pi.tpl.Private, p)
 			}
@@ -209,7 +238,8 @@ func fdinfoField(info, k string) string {
 }
 
 // socketPrivate classifies socket sp of the process behind pidfd: a
-// listening one is drained at each restore, a connected TCP one reset.
+// listening one is made anew in each copy (or, shared, drained at each
+// restore), a connected TCP one reset.
 func socketPrivate(pidfd int, sp special) (Private, bool) {
 	fd, err := unix.PidfdGetfd(pidfd, sp.fd, 0)
 	if err != nil {
@@ -219,26 +249,134 @@ func socketPrivate(pidfd int, sp special) (Private, bool) {
 	domain, err1 := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
 	typ, err2 := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE)
 	proto, err3 := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL)
-	if on, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err == nil && on == 1 {
-		// A unix socket bound to a path: the restored root's file at the
-		// path is a copy, which no socket is bound to; the copy binds it
-		// again. Others keep their address (and the template holds it).
-		// Only an absolute path whose file is a socket: a relative one
-		// was resolved against the cwd of the bind, which is not known.
-		if sa, err := unix.Getsockname(fd); err == nil && domain == unix.AF_UNIX && err2 == nil {
-			if u, ok := sa.(*unix.SockaddrUnix); ok && strings.HasPrefix(u.Name, "/") && isSocketIn(sp.pid, u.Name) {
-				return Private{Kind: "unixlisten", FD: sp.fd, Flags: sp.flags, Type: typ, Path: u.Name}, true
-			}
-		}
-		return Private{Kind: "listen", FD: sp.fd, Flags: sp.flags}, true
+	if err1 != nil || err2 != nil || err3 != nil {
+		return Private{}, false
 	}
-	if err1 != nil || err2 != nil || err3 != nil || typ != unix.SOCK_STREAM || domain != unix.AF_INET && domain != unix.AF_INET6 {
+	if on, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err == nil && on == 1 {
+		if p, ok := listenerPrivate(fd, sp, domain, typ, proto); ok {
+			return p, true
+		}
+		return Private{Kind: "listen", FD: sp.fd, Flags: sp.flags, link: sp.link}, true
+	}
+	if typ != unix.SOCK_STREAM || domain != unix.AF_INET && domain != unix.AF_INET6 {
 		return Private{}, false
 	}
 	if _, err := unix.Getpeername(fd); err != nil {
 		return Private{}, false // not connected
 	}
 	return Private{Kind: "socket", FD: sp.fd, Flags: sp.flags, Domain: domain, Type: typ, Proto: proto}, true
+}
+
+// listenOpts are the options of a listening TCP socket that its copies
+// are given (a connection accepted inherits the last three).
+var listenOpts = [...]struct{ level, name int }{
+	{unix.SOL_SOCKET, unix.SO_REUSEADDR},
+	{unix.SOL_SOCKET, unix.SO_REUSEPORT},
+	{unix.IPPROTO_TCP, unix.TCP_DEFER_ACCEPT},
+	{unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+	{unix.IPPROTO_TCP, unix.TCP_NODELAY},
+}
+
+// listenerPrivate describes listening socket fd (sp) for copies that
+// listen anew: a TCP socket, with its address, options and backlog, or a
+// unix socket bound to an absolute path whose file is a socket (a
+// relative path was resolved against the cwd of the bind, which is not
+// known; an abstract name stays shared).
+func listenerPrivate(fd int, sp special, domain, typ, proto int) (Private, bool) {
+	p := Private{FD: sp.fd, Flags: sp.flags, Domain: domain, Type: typ, Proto: proto, link: sp.link}
+	switch domain {
+	case unix.AF_UNIX:
+		sa, err := unix.Getsockname(fd)
+		u, ok := sa.(*unix.SockaddrUnix)
+		if err != nil || !ok || !strings.HasPrefix(u.Name, "/") {
+			return p, false
+		}
+		st, ok := socketIn(sp.pid, u.Name)
+		if !ok {
+			return p, false
+		}
+		uid, ok1 := idIn(sp.pid, "uid_map", st.Uid)
+		gid, ok2 := idIn(sp.pid, "gid_map", st.Gid)
+		if !ok1 || !ok2 {
+			return p, false
+		}
+		p.Kind, p.Path, p.Backlog = "unixlisten", u.Name, unix.SOMAXCONN
+		p.Mode, p.UID, p.GID = st.Mode&^unix.S_IFMT, uid, gid
+		return p, true
+	case unix.AF_INET, unix.AF_INET6:
+		if typ != unix.SOCK_STREAM {
+			return p, false
+		}
+		addr, err := rawSockname(fd)
+		if err != nil {
+			return p, false
+		}
+		// A listening socket's backlog is what TCP_INFO reports as
+		// sacked (tcp_get_info).
+		info, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+		if err != nil {
+			return p, false
+		}
+		p.Kind, p.Addr, p.Backlog = "tcplisten", addr, int(info.Sacked)
+		for _, o := range listenOpts {
+			v, err := unix.GetsockoptInt(fd, o.level, o.name)
+			if err != nil {
+				return p, false
+			}
+			p.Opts = append(p.Opts, v)
+		}
+		if domain == unix.AF_INET6 {
+			v, err := unix.GetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY)
+			if err != nil {
+				return p, false
+			}
+			p.Opts = append(p.Opts, v)
+		}
+		return p, true
+	}
+	return p, false
+}
+
+// idIn is host id as process pid's user namespace sees it, by its map
+// ("uid_map" or "gid_map").
+func idIn(pid int, m string, id uint32) (uint32, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/" + m)
+	if err != nil {
+		return 0, false
+	}
+	for line := range strings.Lines(string(b)) {
+		var in, out, n uint32
+		if _, err := fmt.Sscan(line, &in, &out, &n); err == nil && id >= out && id-out < n {
+			return in + (id - out), true
+		}
+	}
+	return 0, false
+}
+
+// rawSockname is socket fd's address as the kernel gives it (struct
+// sockaddr_in or sockaddr_in6).
+func rawSockname(fd int) ([]byte, error) {
+	var buf [unix.SizeofSockaddrInet6]byte
+	n := uint32(len(buf))
+	if _, _, e := unix.Syscall(unix.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&n))); e != 0 {
+		return nil, e
+	}
+	if n > uint32(len(buf)) {
+		return nil, unix.EINVAL
+	}
+	return append([]byte(nil), buf[:n]...), nil
+}
+
+// ListenAddr returns the address of listening TCP socket p (tcplisten)
+// as an IP and a port.
+func (p Private) ListenAddr() (ip []byte, port int, ok bool) {
+	switch {
+	case p.Domain == unix.AF_INET && len(p.Addr) >= unix.SizeofSockaddrInet4:
+		return p.Addr[4:8], int(binary.BigEndian.Uint16(p.Addr[2:4])), true
+	case p.Domain == unix.AF_INET6 && len(p.Addr) >= unix.SizeofSockaddrInet6:
+		return p.Addr[8:24], int(binary.BigEndian.Uint16(p.Addr[2:4])), true
+	}
+	return nil, 0, false
 }
 
 // timerfdPrivate reads timerfd sp's clock and what is left of its timer.
@@ -269,19 +407,25 @@ func timerfdPrivate(sp special) (Private, bool) {
 // isSocketIn reports whether path, resolved in the root of process pid
 // (never outside it), is a socket.
 func isSocketIn(pid int, path string) bool {
+	_, ok := socketIn(pid, path)
+	return ok
+}
+
+// socketIn is isSocketIn, with the file's status.
+func socketIn(pid int, path string) (unix.Stat_t, bool) {
+	var st unix.Stat_t
 	root, err := unix.Open("/proc/"+strconv.Itoa(pid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return false
+		return st, false
 	}
 	defer unix.Close(root)
 	fd, err := unix.Openat2(root, strings.TrimLeft(path, "/"), &unix.OpenHow{Flags: unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
 		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
 	if err != nil {
-		return false
+		return st, false
 	}
 	defer unix.Close(fd)
-	var st unix.Stat_t
-	return unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK
+	return st, unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK
 }
 
 // pipeContents reads what pipe p holds without taking it out (tee into a
@@ -493,8 +637,11 @@ func fieldAfter(f []string, prefix string) string {
 }
 
 // fixUpPrivate gives copy cp its own descriptions in place of those t
-// records (see above).
-func fixUpPrivate(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
+// records (see above), but for its listening sockets: a copy to be saved
+// as an image (forImage) gets them unbound, and a copy of a restore gets
+// them from listenAnew, once the processes the restore killed are out of
+// the way.
+func fixUpPrivate(cp *ptfork.Proc, t Template, mem *ptfork.Scratch, forImage bool) error {
 	if err := fixItimer(cp, t, mem); err != nil {
 		return err
 	}
@@ -523,10 +670,10 @@ func fixUpPrivate(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
 			err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
 				return privateTimerfd(cp, p, mem)
 			})
-		case "unixlisten":
-			err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
-				return rebindUnix(cp, p, mem)
-			})
+		case "unixlisten", "tcplisten":
+			if forImage {
+				err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) { return unboundSocket(cp, p) })
+			}
 		case "epoll":
 			err = privateEpoll(cp, p, mem)
 		case "listen":
@@ -677,6 +824,119 @@ func privateTimerfd(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, e
 	return fd, err
 }
 
+// listenAnew gives copy cp, fixed up (fixUpPrivate), a new socket in
+// place of each listening socket t records, listening where the process's
+// did. It releases mem, cp's scratch page.
+func listenAnew(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) (err error) {
+	defer func() {
+		if uerr := mem.Release(); uerr != nil && err == nil {
+			err = uerr
+		}
+	}()
+	for _, p := range t.Private {
+		if p.Kind != "tcplisten" && p.Kind != "unixlisten" {
+			continue
+		}
+		err := replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
+			if p.Kind == "tcplisten" {
+				return listenTCP(cp, p, mem)
+			}
+			return rebindUnix(cp, p, mem)
+		})
+		if err != nil {
+			return fmt.Errorf("listening anew (fd %d): %w", p.FD, err)
+		}
+	}
+	return nil
+}
+
+// unboundSocket makes a socket of listening socket p's kind in cp, not
+// bound to anything.
+func unboundSocket(cp *ptfork.Proc, p Private) (uintptr, error) {
+	domain := p.Domain
+	if p.Kind == "unixlisten" {
+		domain = unix.AF_UNIX // records made before Domain was set
+	}
+	return cp.Syscall(unix.SYS_SOCKET, uintptr(domain), uintptr(p.Type|p.Flags&unix.O_NONBLOCK), uintptr(p.Proto))
+}
+
+// freeListeners puts an unbound socket of each listening socket's kind in
+// its place in template tpl (see above), so that the template does not
+// hold the address.
+func freeListeners(tpl *ptfork.Proc, t Template) error {
+	for _, p := range t.Private {
+		if p.Kind != "tcplisten" && p.Kind != "unixlisten" {
+			continue
+		}
+		if err := replaceFD(tpl, p.FD, p.Flags, func() (uintptr, error) { return unboundSocket(tpl, p) }); err != nil {
+			return fmt.Errorf("letting go of the listening socket of fd %d: %w", p.FD, err)
+		}
+	}
+	return nil
+}
+
+// listenTCP makes a TCP socket of p's kind in the copy, with p's options,
+// bound to p's address and listening with p's backlog. SO_REUSEADDR is on
+// for the bind (connections of the process the restore killed may linger
+// in TIME_WAIT on the port) and set to the process's value after it.
+func listenTCP(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error) {
+	if len(p.Opts) < len(listenOpts) {
+		return 0, fmt.Errorf("the record of the listening socket lacks its options")
+	}
+	ip, port, ok := p.ListenAddr()
+	if !ok {
+		return 0, fmt.Errorf("the record of the listening socket lacks its address")
+	}
+	where := fmt.Sprintf("%s port %d", netip.AddrFrom16([16]byte(append(make([]byte, 16-len(ip)), ip...))).Unmap(), port)
+	fd, err := cp.Syscall(unix.SYS_SOCKET, uintptr(p.Domain), uintptr(p.Type|p.Flags&unix.O_NONBLOCK), uintptr(p.Proto))
+	if err != nil {
+		return 0, err
+	}
+	set := func(level, name, v int) error {
+		var b [4]byte
+		binary.NativeEndian.PutUint32(b[:], uint32(v))
+		a, err := mem.Put(string(b[:]))
+		if err == nil {
+			_, err = cp.Syscall(unix.SYS_SETSOCKOPT, fd, uintptr(level), uintptr(name), a, 4)
+		}
+		return err
+	}
+	if err := set(unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+		return fd, fmt.Errorf("setting SO_REUSEADDR: %w", err)
+	}
+	for i, o := range listenOpts[1:] {
+		if v := p.Opts[i+1]; v != 0 {
+			if err := set(o.level, o.name, v); err != nil {
+				return fd, fmt.Errorf("setting option %d/%d: %w", o.level, o.name, err)
+			}
+		}
+	}
+	if p.Domain == unix.AF_INET6 && len(p.Opts) > len(listenOpts) {
+		if err := set(unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, p.Opts[len(listenOpts)]); err != nil {
+			return fd, fmt.Errorf("setting IPV6_V6ONLY: %w", err)
+		}
+	}
+	a, err := mem.Put(string(p.Addr))
+	if err != nil {
+		return fd, err
+	}
+	if _, err := cp.Syscall(unix.SYS_BIND, fd, a, uintptr(len(p.Addr))); err != nil {
+		if errors.Is(err, unix.EADDRINUSE) {
+			return fd, fmt.Errorf("listening on %s again: the address is in use by another socket of the sandbox", where)
+		}
+		return fd, fmt.Errorf("binding %s: %w", where, err)
+	}
+	if _, err := cp.Syscall(unix.SYS_LISTEN, fd, uintptr(max(p.Backlog, 0))); err != nil {
+		return fd, fmt.Errorf("listening on %s: %w", where, err)
+	}
+	if p.Opts[0] == 0 {
+		if err := set(unix.SOL_SOCKET, unix.SO_REUSEADDR, 0); err != nil {
+			return fd, fmt.Errorf("setting SO_REUSEADDR back: %w", err)
+		}
+	}
+	return fd, nil
+}
+
 // rebindUnix makes a unix socket of p's type in the copy, bound to p's
 // path (the restored root's file there, a socket no one is bound to, is
 // removed first) and listening.
@@ -709,10 +969,46 @@ func rebindUnix(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error
 	if _, err := cp.Syscall(unix.SYS_BIND, fd, a, uintptr(2+len(p.Path)+1)); err != nil {
 		return fd, fmt.Errorf("binding %s: %w", p.Path, err)
 	}
-	if _, err := cp.Syscall(unix.SYS_LISTEN, fd, unix.SOMAXCONN); err != nil {
+	if err := socketFileAsWas(cp, p, mem); err != nil {
+		return fd, err
+	}
+	if _, err := cp.Syscall(unix.SYS_LISTEN, fd, uintptr(cmp.Or(p.Backlog, unix.SOMAXCONN))); err != nil {
 		return fd, fmt.Errorf("listening on %s: %w", p.Path, err)
 	}
 	return fd, nil
+}
+
+// socketFileAsWas gives the file of the unix socket cp just bound at p's
+// path the mode and owner the process's had (the bind made it by the
+// copy's umask and credentials), where they differ. Records made before
+// they kept them (Mode 0) leave it as made.
+func socketFileAsWas(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
+	if p.Mode == 0 {
+		return nil
+	}
+	st, ok := socketIn(cp.Pid, p.Path)
+	if !ok {
+		return fmt.Errorf("the socket bound at %s is not there", p.Path)
+	}
+	uid, ok1 := idIn(cp.Pid, "uid_map", st.Uid)
+	gid, ok2 := idIn(cp.Pid, "gid_map", st.Gid)
+	if st.Mode&^unix.S_IFMT == p.Mode && ok1 && ok2 && uid == p.UID && gid == p.GID {
+		return nil
+	}
+	a, err := mem.Put(p.Path)
+	if err != nil {
+		return err
+	}
+	fdcwd := unix.AT_FDCWD
+	if !ok1 || !ok2 || uid != p.UID || gid != p.GID {
+		if _, err := cp.Syscall(unix.SYS_FCHOWNAT, uintptr(fdcwd), a, uintptr(p.UID), uintptr(p.GID), unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return fmt.Errorf("giving %s its owner %d:%d back: %w", p.Path, p.UID, p.GID, err)
+		}
+	}
+	if _, err := cp.Syscall(unix.SYS_FCHMODAT, uintptr(fdcwd), a, uintptr(p.Mode)); err != nil {
+		return fmt.Errorf("giving %s its mode %#o back: %w", p.Path, p.Mode, err)
+	}
+	return nil
 }
 
 // drainListener ends the connections waiting to be accepted on listening

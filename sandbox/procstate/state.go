@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -92,7 +93,7 @@ func New(h Host, cfg Config) *State {
 	if cfg.AheadAlways == nil {
 		cfg.AheadAlways = func() bool { return false }
 	}
-	return &State{h: h, cfg: cfg, tpls: map[string]*cgroup.Cgroup{}}
+	return &State{h: h, cfg: cfg, tpls: map[string]*cgroup.Cgroup{}, listenHeld: map[string][]string{}}
 }
 
 // Wait waits for the background jobs that make groups under the
@@ -129,6 +130,16 @@ type State struct {
 	// huge-page worker, on their first restore.
 	// +checklocks:mu
 	folded map[string]bool
+	// listenHeld holds, by checkpoint, the keys ("socket:[inode]") of the
+	// listening sockets its templates hold: those several processes
+	// shared (Private kind "listen"). Every other listening socket of a
+	// template is an unbound one in its place (freeListeners).
+	// +checklocks:mu
+	listenHeld map[string][]string
+	// adopted: templates re-adopted after a crash, whose listening
+	// sockets are not known (TemplatesListen says yes to every one).
+	// +checklocks:mu
+	adopted bool
 	// ahead holds the copies forked ahead for the next restore of the
 	// checkpoint restored last.
 	// +checklocks:mu
@@ -184,6 +195,25 @@ func (ps *State) Adopt(id string, tg *cgroup.Cgroup) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	ps.tpls[id] = tg
+	ps.adopted = true
+}
+
+// TemplatesListen reports whether a template of the sandbox (or a copy
+// forked ahead, which holds what its template does) holds listening socket
+// key ("socket:[inode]"). A listening socket no template holds is a live
+// process's alone.
+func (ps *State) TemplatesListen(key string) bool {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if ps.adopted {
+		return true
+	}
+	for _, keys := range ps.listenHeld {
+		if slices.Contains(keys, key) {
+			return true
+		}
+	}
+	return false
 }
 
 // IDs lists the checkpoints whose templates the sandbox holds.
@@ -208,6 +238,7 @@ func (ps *State) DeleteTemplates() error {
 	for id, tg := range ps.tpls {
 		errs = append(errs, tg.Delete())
 		delete(ps.tpls, id)
+		delete(ps.listenHeld, id)
 	}
 	return errors.Join(errs...)
 }
