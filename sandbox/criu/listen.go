@@ -4,7 +4,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
+	"path"
 	"path/filepath"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
 	sk_unix "github.com/checkpoint-restore/go-criu/v7/crit/images/sk-unix"
@@ -121,4 +127,71 @@ func setListening(f *fdinfo.FileEntry, l Listener) error {
 		return nil
 	}
 	return errors.New("not a socket of the listener's kind")
+}
+
+// clearSocketFiles removes, in the root of process nsPid (resolved there,
+// never outside it), the socket file at each absolute path a unix socket of
+// the images in dir is bound to, which criu binds again: a file there (the
+// checkpoint's copy of the file, to which no socket is bound) would fail
+// the bind with EADDRINUSE. Only a socket is removed; anything else at the
+// path stays, and criu's bind fails on it, saying so.
+func clearSocketFiles(dir string, nsPid int) error {
+	img, err := decodeImage(filepath.Join(dir, "files.img"), &fdinfo.FileEntry{})
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	root := -1
+	defer func() {
+		if root >= 0 {
+			unix.Close(root)
+		}
+	}()
+	for _, e := range img.Entries {
+		u := e.Message.(*fdinfo.FileEntry).GetUsk()
+		name := string(u.GetName())
+		if u == nil || u.GetDeleted() || !strings.HasPrefix(name, "/") || strings.IndexByte(name, 0) >= 0 {
+			continue
+		}
+		if root < 0 {
+			if root, err = unix.Open("/proc/"+strconv.Itoa(nsPid)+"/root", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
+				return err
+			}
+		}
+		if err := removeSocketFile(root, name); err != nil {
+			return fmt.Errorf("removing the socket file %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// removeSocketFile removes the file at path below root if it is a socket.
+func removeSocketFile(root int, p string) error {
+	p = path.Clean(p)
+	d, err := unix.Openat2(root, strings.TrimLeft(path.Dir(p), "/")+"/.", &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer unix.Close(d)
+	base := path.Base(p)
+	var st unix.Stat_t
+	if err := unix.Fstatat(d, base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return nil
+	}
+	if err := unix.Unlinkat(d, base, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return err
+	}
+	return nil
 }

@@ -401,6 +401,9 @@ func (w *Swrk) RestoreTree(ctx context.Context, o TreeRestoreOpts) (int, error) 
 		return 0, err
 	}
 	defer ns.close()
+	if err := clearSocketFiles(o.ImagesDir, o.NSPid); err != nil {
+		return 0, err
+	}
 	// criu's fds: 3 is the RPC socket, then the pid, user and mnt namespaces.
 	extra := []*os.File{ns["pid"], ns["user"], ns["mnt"]}
 	inherit := []*rpc.InheritFd{{Key: proto.String(pidNSKey), Fd: proto.Int32(4)}}
