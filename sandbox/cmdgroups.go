@@ -750,7 +750,7 @@ func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
 				continue
 			}
 			seen[sk.key] = true
-			if disarmListener(pid, sk.fd) {
+			if disarmListener(pid, sk.fd, sk.key) {
 				if s.cmds.disarmed == nil {
 					s.cmds.disarmed = map[string]bool{}
 				}
@@ -760,10 +760,10 @@ func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
 	}
 }
 
-// disarmListener shuts down socket fd of process pid if it is a listening
-// TCP socket, letting others bind its address (SO_REUSEADDR), and reports
+// disarmListener shuts down socket fd of process pid if it is still
+// socket key and a listening TCP socket, letting others bind its address (SO_REUSEADDR), and reports
 // whether it did.
-func disarmListener(pid, fd int) bool {
+func disarmListener(pid, fd int, key string) bool {
 	pidfd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
 		return false
@@ -774,6 +774,12 @@ func disarmListener(pid, fd int) bool {
 		return false
 	}
 	defer unix.Close(sk)
+	// The process runs: fd may hold another socket by now (one a
+	// template holds).
+	var st unix.Stat_t
+	if unix.Fstat(sk, &st) != nil || "socket:["+strconv.FormatUint(st.Ino, 10)+"]" != key {
+		return false
+	}
 	if on, err := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
 		return false
 	}

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
+	sk_inet "github.com/checkpoint-restore/go-criu/v7/crit/images/sk-inet"
 	sk_unix "github.com/checkpoint-restore/go-criu/v7/crit/images/sk-unix"
 	"google.golang.org/protobuf/proto"
 )
@@ -31,6 +32,7 @@ type Listener struct {
 	IP                              []byte
 	Port                            int
 	ReuseAddr, ReusePort, KeepAlive bool
+	FreeBind                        bool
 	V6Only                          *bool
 
 	Path           string
@@ -112,6 +114,12 @@ func setListening(f *fdinfo.FileEntry, l Listener) error {
 		sk.Backlog = proto.Uint32(uint32(l.Backlog))
 		if sk.Opts != nil {
 			sk.Opts.Reuseaddr, sk.Opts.SoReuseport, sk.Opts.SoKeepalive = proto.Bool(l.ReuseAddr), proto.Bool(l.ReusePort), proto.Bool(l.KeepAlive)
+		}
+		if l.FreeBind {
+			if sk.IpOpts == nil {
+				sk.IpOpts = &sk_inet.IpOptsEntry{}
+			}
+			sk.IpOpts.Freebind = proto.Bool(true)
 		}
 		if l.V6Only != nil {
 			sk.V6Only = proto.Bool(*l.V6Only)

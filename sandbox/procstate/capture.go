@@ -61,7 +61,7 @@ func (ps *State) Capture(ctx context.Context, c *Checkpoint, allCRIU bool, copyF
 	if err != nil {
 		return err
 	}
-	shareListeners(procs)
+	shareListeners(procs, ps.TemplatesListen)
 	tplProcs, trees, err := ps.planCapture(splitTrees(procs), allCRIU)
 	if err != nil {
 		return err

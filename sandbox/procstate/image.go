@@ -238,7 +238,7 @@ func imageListeners(t Template) []criu.Listener {
 				continue // fixUp failed on it already
 			}
 			l := criu.Listener{FD: p.FD, Backlog: p.Backlog, IP: ip, Port: port,
-				ReuseAddr: p.Opts[0] != 0, ReusePort: p.Opts[1] != 0, KeepAlive: p.Opts[3] != 0}
+				ReuseAddr: p.Opts[0] != 0, ReusePort: p.Opts[1] != 0, KeepAlive: p.Opts[3] != 0, FreeBind: p.Opts[5] != 0}
 			if len(p.Opts) > len(listenOpts) {
 				l.V6Only = new(p.Opts[len(listenOpts)] != 0)
 			}

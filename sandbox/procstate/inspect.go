@@ -30,8 +30,10 @@ type procInfo struct {
 
 // shareListeners keeps shared, among procs, each listening socket another
 // process holds too: a copy of one holder listening anew would shut the
-// others' copies out of its address (private.go).
-func shareListeners(procs []procInfo) {
+// others' copies out of its address (private.go). So does one that
+// templates hold (held): a checkpoint's, shared then, which keeps the
+// address as long as it is kept.
+func shareListeners(procs []procInfo, held func(key string) bool) {
 	holders := map[string]int{}
 	for _, pi := range procs {
 		for _, l := range slices.Compact(slices.Sorted(slices.Values(pi.sockets))) {
@@ -40,7 +42,7 @@ func shareListeners(procs []procInfo) {
 	}
 	for i := range procs {
 		for j, p := range procs[i].tpl.Private {
-			if (p.Kind == "tcplisten" || p.Kind == "unixlisten") && holders[p.link] > 1 {
+			if (p.Kind == "tcplisten" || p.Kind == "unixlisten") && (holders[p.link] > 1 || held(p.link)) {
 				procs[i].tpl.Private[j] = Private{Kind: "listen", FD: p.FD, Flags: p.Flags, link: p.link}
 			}
 		}

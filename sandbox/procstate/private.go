@@ -61,7 +61,8 @@ type Private struct {
 	// Flags are the fd's file status flags and O_CLOEXEC (fdinfo's flags).
 	Flags int `json:"flags"`
 	// Read are a pipe's other read ends (FD is the first) and Write its
-	// write ends, with their flags.
+	// write ends, with their flags; Read are also a listening socket's
+	// other fds (tcplisten, unixlisten).
 	Read  []PrivateFD `json:"read,omitempty"`
 	Write []PrivateFD `json:"write,omitempty"`
 	// Data is what a pipe held.
@@ -176,9 +177,7 @@ func inspectPrivate(pid int, specials []special, pi *procInfo) error {
 			epolls = append(epolls, sp)
 		case strings.HasPrefix(sp.link, "socket:"):
 			pi.sockets = append(pi.sockets, sp.link)
-			if p, ok := socketPrivate(pidfd, sp); ok {
-				pi.tpl.Private = append(pi.tpl.Private, p)
-			}
+			addSocketPrivate(pidfd, sp, pi)
 		}
 	}
 	for _, w := range writeEnds {
@@ -275,6 +274,7 @@ var listenOpts = [...]struct{ level, name int }{
 	{unix.IPPROTO_TCP, unix.TCP_DEFER_ACCEPT},
 	{unix.SOL_SOCKET, unix.SO_KEEPALIVE},
 	{unix.IPPROTO_TCP, unix.TCP_NODELAY},
+	{unix.SOL_IP, unix.IP_FREEBIND}, // bound to an address no interface has
 }
 
 // listenerPrivate describes listening socket fd (sp) for copies that
@@ -672,9 +672,15 @@ func fixUpPrivate(cp *ptfork.Proc, t Template, mem *ptfork.Scratch, forImage boo
 			})
 		case "unixlisten", "tcplisten":
 			if forImage {
-				err = replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) { return unboundSocket(cp, p) })
+				err = placeListener(cp, p, func() (uintptr, error) { return unboundSocket(cp, p) })
 			}
 		case "epoll":
+			if !forImage {
+				// A socket listening anew is put on its fd later: the
+				// epoll instance watches it then (listenAnew).
+				lfds := listenerFDs(t)
+				p.Watches = slices.DeleteFunc(slices.Clone(p.Watches), func(w Watch) bool { return lfds[w.FD] })
+			}
 			err = privateEpoll(cp, p, mem)
 		case "listen":
 			err = drainListener(cp.Pid, p.FD)
@@ -837,7 +843,7 @@ func listenAnew(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) (err error) {
 		if p.Kind != "tcplisten" && p.Kind != "unixlisten" {
 			continue
 		}
-		err := replaceFD(cp, p.FD, p.Flags, func() (uintptr, error) {
+		err := placeListener(cp, p, func() (uintptr, error) {
 			if p.Kind == "tcplisten" {
 				return listenTCP(cp, p, mem)
 			}
@@ -845,6 +851,87 @@ func listenAnew(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) (err error) {
 		})
 		if err != nil {
 			return fmt.Errorf("listening anew (fd %d): %w", p.FD, err)
+		}
+	}
+	return watchListeners(cp, t, mem)
+}
+
+// listenerFDs are the fds of t's sockets that listen anew in its copies.
+func listenerFDs(t Template) map[int]bool {
+	fds := map[int]bool{}
+	for _, p := range t.Private {
+		if p.Kind == "tcplisten" || p.Kind == "unixlisten" {
+			fds[p.FD] = true
+			for _, o := range p.Read {
+				fds[o.FD] = true
+			}
+		}
+	}
+	return fds
+}
+
+// watchListeners has copy cp's epoll instances (made by fixUpPrivate
+// without them) watch its sockets listening anew, as the process's did:
+// an instance watches a description, and the one on the fd at fixUp was
+// the template's unbound socket.
+func watchListeners(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
+	lfds := listenerFDs(t)
+	var ev [12]byte // struct epoll_event, packed
+	for _, p := range t.Private {
+		if p.Kind != "epoll" {
+			continue
+		}
+		for _, w := range p.Watches {
+			if !lfds[w.FD] {
+				continue
+			}
+			binary.NativeEndian.PutUint32(ev[:4], w.Events)
+			binary.NativeEndian.PutUint64(ev[4:], w.Data)
+			a, err := mem.Put(string(ev[:]))
+			if err != nil {
+				return err
+			}
+			if _, err := cp.Syscall(unix.SYS_EPOLL_CTL, uintptr(p.FD), unix.EPOLL_CTL_ADD, uintptr(w.FD), a); err != nil {
+				return fmt.Errorf("epoll instance of fd %d watching fd %d: %w", p.FD, w.FD, err)
+			}
+		}
+	}
+	return nil
+}
+
+// addSocketPrivate records socket sp in pi if its copies get their own:
+// one more fd of a listening socket made anew gets the new one too
+// (placeListener).
+func addSocketPrivate(pidfd int, sp special, pi *procInfo) {
+	if l := listenerOn(pi.tpl.Private, sp.link); l != nil {
+		l.Read = append(l.Read, PrivateFD{FD: sp.fd, Flags: sp.flags})
+		return
+	}
+	if p, ok := socketPrivate(pidfd, sp); ok {
+		pi.tpl.Private = append(pi.tpl.Private, p)
+	}
+}
+
+// listenerOn is the listening socket made anew (tcplisten, unixlisten)
+// among ps whose key is link, or nil.
+func listenerOn(ps []Private, link string) *Private {
+	for i, p := range ps {
+		if (p.Kind == "tcplisten" || p.Kind == "unixlisten") && p.link == link {
+			return &ps[i]
+		}
+	}
+	return nil
+}
+
+// placeListener puts the socket make returns in cp on listening socket
+// p's fd, and on its other fds (p.Read), so that they stay one socket.
+func placeListener(cp *ptfork.Proc, p Private, make func() (uintptr, error)) error {
+	if err := replaceFD(cp, p.FD, p.Flags, make); err != nil {
+		return err
+	}
+	for _, o := range p.Read {
+		if _, err := cp.Syscall(unix.SYS_DUP3, uintptr(p.FD), uintptr(o.FD), uintptr(o.Flags&unix.O_CLOEXEC)); err != nil {
+			return fmt.Errorf("dup3 onto fd %d: %w", o.FD, err)
 		}
 	}
 	return nil
@@ -868,7 +955,7 @@ func freeListeners(tpl *ptfork.Proc, t Template) error {
 		if p.Kind != "tcplisten" && p.Kind != "unixlisten" {
 			continue
 		}
-		if err := replaceFD(tpl, p.FD, p.Flags, func() (uintptr, error) { return unboundSocket(tpl, p) }); err != nil {
+		if err := placeListener(tpl, p, func() (uintptr, error) { return unboundSocket(tpl, p) }); err != nil {
 			return fmt.Errorf("letting go of the listening socket of fd %d: %w", p.FD, err)
 		}
 	}
@@ -887,7 +974,8 @@ func listenTCP(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error)
 	if !ok {
 		return 0, fmt.Errorf("the record of the listening socket lacks its address")
 	}
-	where := fmt.Sprintf("%s port %d", netip.AddrFrom16([16]byte(append(make([]byte, 16-len(ip)), ip...))).Unmap(), port)
+	a4, _ := netip.AddrFromSlice(ip)
+	where := fmt.Sprintf("%s port %d", a4.Unmap(), port)
 	fd, err := cp.Syscall(unix.SYS_SOCKET, uintptr(p.Domain), uintptr(p.Type|p.Flags&unix.O_NONBLOCK), uintptr(p.Proto))
 	if err != nil {
 		return 0, err
