@@ -761,8 +761,8 @@ func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
 }
 
 // disarmListener shuts down socket fd of process pid if it is still
-// socket key and a listening TCP socket, letting others bind its address (SO_REUSEADDR), and reports
-// whether it did.
+// socket key and a listening TCP socket, letting others bind its address
+// (SO_REUSEADDR), and reports whether it did.
 func disarmListener(pid, fd int, key string) bool {
 	pidfd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
