@@ -1,6 +1,7 @@
 package sandbox_test
 
 import (
+	"context"
 	"strings"
 	"testing"
 
@@ -34,32 +35,6 @@ while True:
     c.sendall(b"x")
     c.close()
 `
-
-// TestListenerDupped: a listening socket a process holds on two fds
-// restores, listening on both.
-func TestListenerDupped(t *testing.T) {
-	needCRIU(t)
-	b := setup(t)
-	ctx := t.Context()
-	s := pySandbox(t, b, map[string]string{"/tmp/srv.py": dupSrv})
-	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/srv.py", Background: true}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, s, "[ -e /tmp/ready ]")
-	ck, err := s.Checkpoint(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m := captureMethods(ck.Processes); m != "template" {
-		t.Fatalf("the server was taken by %s, want template", m)
-	}
-	if err := s.Restore(ctx, ck.ID); err != nil {
-		t.Fatal(err)
-	}
-	if got := strings.TrimSpace(sh(t, s, askTCP("8000"))); got != "x" {
-		t.Fatalf("the restored server answers %q", got)
-	}
-}
 
 // workersSrv is sharedSrv, each worker writing its pid to
 // /tmp/worker.<name>.
@@ -123,32 +98,6 @@ while True:
     c.close()
 `
 
-// TestListenerFreebind: a socket listening on an address no interface has
-// (IP_FREEBIND) restores.
-func TestListenerFreebind(t *testing.T) {
-	needCRIU(t)
-	b := setup(t)
-	ctx := t.Context()
-	s := pySandbox(t, b, map[string]string{"/tmp/srv.py": freebindSrv})
-	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/srv.py", Background: true}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, s, "[ -e /tmp/ready ]")
-	ck, err := s.Checkpoint(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m := captureMethods(ck.Processes); m != "template" {
-		t.Fatalf("the server was taken by %s, want template", m)
-	}
-	if err := s.Restore(ctx, ck.ID); err != nil {
-		t.Fatal(err)
-	}
-	if got := strings.TrimSpace(sh(t, s, askTCP("8000"))); got != "x" {
-		t.Fatalf("the restored server answers %q", got)
-	}
-}
-
 // epollSrv serves "x" on 127.0.0.1:8000, waiting for connections with
 // edge-triggered epoll.
 const epollSrv = `
@@ -170,32 +119,60 @@ while True:
             c.close()
 `
 
-// TestListenerEpoll: a server that waits on its listening socket with
-// epoll serves once restored (its epoll instance watches the socket that
-// listens anew).
-func TestListenerEpoll(t *testing.T) {
+// TestListenerShapes: servers whose listening socket is held in odd ways
+// serve once restored in place and in a fork: on two fds (dupSrv: the new
+// socket goes on both), bound to an address no interface has (freebindSrv:
+// IP_FREEBIND), and behind edge-triggered epoll (epollSrv: the copy's
+// epoll instance watches the socket that listens anew). But for a fork of
+// the IPv4 socket bound with IP_FREEBIND: criu sets IP_FREEBIND before the
+// bind only for IPv6, and the restore fails (forkErr).
+func TestListenerShapes(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
-	ctx := t.Context()
-	s := pySandbox(t, b, map[string]string{"/tmp/srv.py": epollSrv})
-	if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/srv.py", Background: true}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, s, "[ -e /tmp/ready ]")
-	if got := strings.TrimSpace(sh(t, s, askTCP("8000"))); got != "x" {
-		t.Fatalf("the server answers %q", got)
-	}
-	ck, err := s.Checkpoint(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m := captureMethods(ck.Processes); m != "template" {
-		t.Fatalf("the server was taken by %s, want template", m)
-	}
-	if err := s.Restore(ctx, ck.ID); err != nil {
-		t.Fatal(err)
-	}
-	if got := strings.TrimSpace(sh(t, s, askTCP("8000"))); got != "x" {
-		t.Fatalf("the restored server answers %q", got)
+	for _, c := range []struct{ name, prog, forkErr string }{
+		{"two fds", dupSrv, ""},
+		{"freebind", freebindSrv, "Can't bind inet socket"},
+		{"epoll", epollSrv, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx := t.Context()
+			s := pySandbox(t, b, map[string]string{"/tmp/srv.py": c.prog})
+			if _, err := s.Exec(ctx, sandbox.ExecRequest{Command: "python3 /tmp/srv.py", Background: true}); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, s, "[ -e /tmp/ready ]")
+			answers := func(s *sandbox.Sandbox, when string) {
+				t.Helper()
+				if got := strings.TrimSpace(sh(t, s, askTCP("8000"))); got != "x" {
+					t.Fatalf("%s, the server answers %q", when, got)
+				}
+			}
+			answers(s, "at the checkpoint")
+			ck, err := s.Checkpoint(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m := captureMethods(ck.Processes); m != "template" {
+				t.Fatalf("the server was taken by %s, want template", m)
+			}
+			if err := s.Restore(ctx, ck.ID); err != nil {
+				t.Fatal(err)
+			}
+			answers(s, "restored")
+			kids, err := b.rt.Fork(ctx, ck.ID, 1, sandbox.Spec{})
+			if c.forkErr != "" {
+				if err == nil || !strings.Contains(err.Error(), c.forkErr) {
+					t.Fatalf("fork: %v, want an error saying %q", err, c.forkErr)
+				}
+				answers(s, "after the fork failed")
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = kids[0].Destroy(context.Background()) })
+			answers(kids[0], "in a fork")
+			answers(s, "after the fork")
+		})
 	}
 }
