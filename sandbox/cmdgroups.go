@@ -724,12 +724,10 @@ func (s *Sandbox) ownSockets(tids []int, tpls []procstate.Template) bool {
 // kills the processes, and remembers them (ownSockets): a copy of c that
 // listens on one's address (procstate's listenTCP) can then bind it at
 // once, where the socket would otherwise keep it until its process has
-// exited, which for a large process takes milliseconds. A socket shut down
-// stops listening but keeps its address until it is closed; set to reuse
-// it, it lets a new socket with SO_REUSEADDR bind and listen there. Done
-// only for a checkpoint whose copies listen on TCP ports anew; it costs a
-// look at each process's descriptors. A process killed right after loses
-// nothing it would not have lost.
+// exited, which for a large process takes milliseconds
+// (procstate.DisarmListener). Done only for a checkpoint whose copies
+// listen on TCP ports anew; it costs a look at each process's descriptors.
+// A process killed right after loses nothing it would not have lost.
 // +checklocks:s.cmds.mu
 func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
 	if !c.ListensOnTCP() {
@@ -750,7 +748,7 @@ func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
 				continue
 			}
 			seen[sk.key] = true
-			if disarmListener(pid, sk.fd, sk.key) {
+			if procstate.DisarmListener(pid, sk.fd, sk.key) {
 				if s.cmds.disarmed == nil {
 					s.cmds.disarmed = map[string]bool{}
 				}
@@ -758,37 +756,6 @@ func (s *Sandbox) disarmListeners(c *procstate.Checkpoint) {
 			}
 		}
 	}
-}
-
-// disarmListener shuts down socket fd of process pid if it is still
-// socket key and a listening TCP socket, letting others bind its address
-// (SO_REUSEADDR), and reports whether it did.
-func disarmListener(pid, fd int, key string) bool {
-	pidfd, err := unix.PidfdOpen(pid, 0)
-	if err != nil {
-		return false
-	}
-	defer unix.Close(pidfd)
-	sk, err := unix.PidfdGetfd(pidfd, fd, 0)
-	if err != nil {
-		return false
-	}
-	defer unix.Close(sk)
-	// The process runs: fd may hold another socket by now (one a
-	// template holds).
-	var st unix.Stat_t
-	if unix.Fstat(sk, &st) != nil || "socket:["+strconv.FormatUint(st.Ino, 10)+"]" != key {
-		return false
-	}
-	if on, err := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
-		return false
-	}
-	domain, err1 := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_DOMAIN)
-	typ, err2 := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_TYPE)
-	if err1 != nil || err2 != nil || domain != unix.AF_INET && domain != unix.AF_INET6 || typ != unix.SOCK_STREAM {
-		return false
-	}
-	return unix.SetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) == nil && unix.Shutdown(sk, unix.SHUT_RDWR) == nil
 }
 
 // socketFD is an fd of a socket, and the socket's key ("socket:[inode]").

@@ -63,7 +63,8 @@ func (ps *State) spawnCopiesLocked(c *Checkpoint, a *aheadCopies, start time.Tim
 		ps.h.SettleKilled(c.Procs)
 		// A copy listens where a killed process may have: once that one
 		// has let go of the address (settleKilled waits for the killed
-		// that hold sockets no template holds).
+		// that hold sockets no template holds, but for the listening
+		// ones the restore shut down before the kill).
 		if err = listenAll(copies); err == nil {
 			err = ps.letRun(copies)
 		}
@@ -384,7 +385,7 @@ func (c *Checkpoint) ListensOnTCP() bool {
 
 // listens reports whether copies of t listen anew on a socket (private.go).
 func listens(t Template) bool {
-	return slices.ContainsFunc(t.Private, func(p Private) bool { return p.Kind == "tcplisten" || p.Kind == "unixlisten" })
+	return slices.ContainsFunc(t.Private, Private.listensAnew)
 }
 
 // fixUpIdentity gives the copy back what its template was made not to

@@ -155,9 +155,9 @@ func takeFd(pid, fd int) (*os.File, error) {
 	defer unix.Close(pfd)
 	n, err := unix.PidfdGetfd(pfd, fd, 0)
 	if err != nil {
-		return nil, fmt.Errorf("taking the listener: %w", err)
+		return nil, fmt.Errorf("taking fd %d: %w", fd, err)
 	}
-	return os.NewFile(uintptr(n), "seccomp-listener"), nil
+	return os.NewFile(uintptr(n), "fd "+strconv.Itoa(fd)+" of "+strconv.Itoa(pid)), nil
 }
 
 // taskCount returns the number of threads of pid.

@@ -42,7 +42,7 @@ func shareListeners(procs []procInfo, held func(key string) bool) {
 	}
 	for i := range procs {
 		for j, p := range procs[i].tpl.Private {
-			if (p.Kind == "tcplisten" || p.Kind == "unixlisten") && (holders[p.link] > 1 || held(p.link)) {
+			if p.listensAnew() && (holders[p.link] > 1 || held(p.link)) {
 				procs[i].tpl.Private[j] = Private{Kind: "listen", FD: p.FD, Flags: p.Flags, link: p.link}
 			}
 		}

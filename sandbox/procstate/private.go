@@ -48,8 +48,9 @@ import (
 // workers) stays shared, since one copy binding its address would shut
 // the others out; its queue of connections not yet accepted is emptied
 // before each copy runs, so no copy accepts one made before it. Connected
-// unix sockets stay shared. What a fork drops is given back too: the interval timer
-// (readItimer, fixItimer), and memory marked MADV_DONTFORK (forkWhole).
+// unix sockets stay shared. What a fork drops is given back too: the
+// interval timer (readItimer, fixItimer), and memory marked MADV_DONTFORK
+// (forkWhole).
 
 // Private is a description of a template whose copies each get their own.
 type Private struct {
@@ -366,6 +367,11 @@ func rawSockname(fd int) ([]byte, error) {
 	}
 	return append([]byte(nil), buf[:n]...), nil
 }
+
+// listensAnew reports whether p is a listening socket that each copy
+// listens on anew (tcplisten, unixlisten), its template holding an unbound
+// one in its place.
+func (p Private) listensAnew() bool { return p.Kind == "tcplisten" || p.Kind == "unixlisten" }
 
 // ListenAddr returns the address of listening TCP socket p (tcplisten)
 // as an IP and a port.
@@ -793,16 +799,9 @@ func privateEpoll(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
 	if err != nil {
 		return fmt.Errorf("epoll_create1: %w", err)
 	}
-	var ev [12]byte // struct epoll_event, packed
 	for _, w := range p.Watches {
-		binary.NativeEndian.PutUint32(ev[:4], w.Events)
-		binary.NativeEndian.PutUint64(ev[4:], w.Data)
-		a, err := mem.Put(string(ev[:]))
-		if err != nil {
+		if err := epollWatch(cp, ep, w, mem); err != nil {
 			return err
-		}
-		if _, err := cp.Syscall(unix.SYS_EPOLL_CTL, ep, unix.EPOLL_CTL_ADD, uintptr(w.FD), a); err != nil {
-			return fmt.Errorf("watching fd %d: %w", w.FD, err)
 		}
 	}
 	if _, err := cp.Syscall(unix.SYS_DUP3, ep, uintptr(p.FD), uintptr(p.Flags&unix.O_CLOEXEC)); err != nil {
@@ -810,6 +809,21 @@ func privateEpoll(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) error {
 	}
 	_, err = cp.Syscall(unix.SYS_CLOSE, ep)
 	return err
+}
+
+// epollWatch has epoll instance ep of copy cp watch w.
+func epollWatch(cp *ptfork.Proc, ep uintptr, w Watch, mem *ptfork.Scratch) error {
+	var ev [12]byte // struct epoll_event, packed
+	binary.NativeEndian.PutUint32(ev[:4], w.Events)
+	binary.NativeEndian.PutUint64(ev[4:], w.Data)
+	a, err := mem.Put(string(ev[:]))
+	if err != nil {
+		return err
+	}
+	if _, err := cp.Syscall(unix.SYS_EPOLL_CTL, ep, unix.EPOLL_CTL_ADD, uintptr(w.FD), a); err != nil {
+		return fmt.Errorf("watching fd %d: %w", w.FD, err)
+	}
+	return nil
 }
 
 // privateTimerfd makes a timerfd in the copy on p's clock, armed with what
@@ -840,7 +854,7 @@ func listenAnew(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) (err error) {
 		}
 	}()
 	for _, p := range t.Private {
-		if p.Kind != "tcplisten" && p.Kind != "unixlisten" {
+		if !p.listensAnew() {
 			continue
 		}
 		err := placeListener(cp, p, func() (uintptr, error) {
@@ -860,7 +874,7 @@ func listenAnew(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) (err error) {
 func listenerFDs(t Template) map[int]bool {
 	fds := map[int]bool{}
 	for _, p := range t.Private {
-		if p.Kind == "tcplisten" || p.Kind == "unixlisten" {
+		if p.listensAnew() {
 			fds[p.FD] = true
 			for _, o := range p.Read {
 				fds[o.FD] = true
@@ -876,7 +890,6 @@ func listenerFDs(t Template) map[int]bool {
 // the template's unbound socket.
 func watchListeners(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
 	lfds := listenerFDs(t)
-	var ev [12]byte // struct epoll_event, packed
 	for _, p := range t.Private {
 		if p.Kind != "epoll" {
 			continue
@@ -885,14 +898,8 @@ func watchListeners(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
 			if !lfds[w.FD] {
 				continue
 			}
-			binary.NativeEndian.PutUint32(ev[:4], w.Events)
-			binary.NativeEndian.PutUint64(ev[4:], w.Data)
-			a, err := mem.Put(string(ev[:]))
-			if err != nil {
-				return err
-			}
-			if _, err := cp.Syscall(unix.SYS_EPOLL_CTL, uintptr(p.FD), unix.EPOLL_CTL_ADD, uintptr(w.FD), a); err != nil {
-				return fmt.Errorf("epoll instance of fd %d watching fd %d: %w", p.FD, w.FD, err)
+			if err := epollWatch(cp, uintptr(p.FD), w, mem); err != nil {
+				return fmt.Errorf("epoll instance of fd %d: %w", p.FD, err)
 			}
 		}
 	}
@@ -916,7 +923,7 @@ func addSocketPrivate(pidfd int, sp special, pi *procInfo) {
 // among ps whose key is link, or nil.
 func listenerOn(ps []Private, link string) *Private {
 	for i, p := range ps {
-		if (p.Kind == "tcplisten" || p.Kind == "unixlisten") && p.link == link {
+		if p.listensAnew() && p.link == link {
 			return &ps[i]
 		}
 	}
@@ -952,7 +959,7 @@ func unboundSocket(cp *ptfork.Proc, p Private) (uintptr, error) {
 // hold the address.
 func freeListeners(tpl *ptfork.Proc, t Template) error {
 	for _, p := range t.Private {
-		if p.Kind != "tcplisten" && p.Kind != "unixlisten" {
+		if !p.listensAnew() {
 			continue
 		}
 		if err := placeListener(tpl, p, func() (uintptr, error) { return unboundSocket(tpl, p) }); err != nil {
@@ -974,8 +981,8 @@ func listenTCP(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error)
 	if !ok {
 		return 0, fmt.Errorf("the record of the listening socket lacks its address")
 	}
-	a4, _ := netip.AddrFromSlice(ip)
-	where := fmt.Sprintf("%s port %d", a4.Unmap(), port)
+	addr, _ := netip.AddrFromSlice(ip)
+	where := fmt.Sprintf("%s port %d", addr.Unmap(), port)
 	fd, err := cp.Syscall(unix.SYS_SOCKET, uintptr(p.Domain), uintptr(p.Type|p.Flags&unix.O_NONBLOCK), uintptr(p.Proto))
 	if err != nil {
 		return 0, err
@@ -1064,6 +1071,36 @@ func rebindUnix(cp *ptfork.Proc, p Private, mem *ptfork.Scratch) (uintptr, error
 		return fd, fmt.Errorf("listening on %s: %w", p.Path, err)
 	}
 	return fd, nil
+}
+
+// DisarmListener shuts down socket fd of running process pid, from the
+// server, if it is still socket key ("socket:[inode]": the process may
+// have put another there since it was listed) and a listening TCP socket,
+// set to let others bind its address (SO_REUSEADDR), and reports whether
+// it did. A socket shut down stops listening but keeps its address until
+// it is closed; a new socket with SO_REUSEADDR binds and listens there
+// (listenTCP). The caller makes sure no template holds it
+// (TemplatesListen).
+func DisarmListener(pid, fd int, key string) bool {
+	f, err := takeFd(pid, fd)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	sk := int(f.Fd())
+	var st unix.Stat_t
+	if unix.Fstat(sk, &st) != nil || "socket:["+strconv.FormatUint(st.Ino, 10)+"]" != key {
+		return false
+	}
+	if on, err := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || on != 1 {
+		return false
+	}
+	domain, err1 := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_DOMAIN)
+	typ, err2 := unix.GetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_TYPE)
+	if err1 != nil || err2 != nil || domain != unix.AF_INET && domain != unix.AF_INET6 || typ != unix.SOCK_STREAM {
+		return false
+	}
+	return unix.SetsockoptInt(sk, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) == nil && unix.Shutdown(sk, unix.SHUT_RDWR) == nil
 }
 
 // socketFileAsWas gives the file of the unix socket cp just bound at p's
