@@ -36,8 +36,9 @@ while True:
     c.close()
 `
 
-// workersSrv is sharedSrv, each worker writing its pid to
-// /tmp/worker.<name>.
+// workersSrv listens on 127.0.0.1:8000 and forks two workers that serve
+// it (each answers its own name and writes its pid to /tmp/worker.<name>),
+// then exits: two processes of their own, sharing one listening socket.
 const workersSrv = `
 import os, socket
 l = socket.create_server(("127.0.0.1", 8000))

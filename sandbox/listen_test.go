@@ -127,22 +127,6 @@ func TestListenersFreed(t *testing.T) {
 	}
 }
 
-// sharedSrv listens on 127.0.0.1:8000 and forks two workers that serve it
-// (each answers its own name), then exits: two processes of their own,
-// sharing one listening socket.
-const sharedSrv = `
-import os, socket
-l = socket.create_server(("127.0.0.1", 8000))
-for name in ("a", "b"):
-    if os.fork() == 0:
-        open("/tmp/worker." + name, "w").close()
-        while True:
-            c, _ = l.accept()
-            c.sendall(name.encode())
-            c.close()
-os._exit(0)
-`
-
 // TestListenerShared: a listening socket two processes hold stays shared
 // with their templates (a copy of one listening anew would shut the
 // other's out): the checkpoint restores with both serving.
@@ -150,7 +134,7 @@ func TestListenerShared(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
 	ctx := t.Context()
-	s := pySandbox(t, b, map[string]string{"/tmp/srv.py": sharedSrv})
+	s := pySandbox(t, b, map[string]string{"/tmp/srv.py": workersSrv})
 	sh(t, s, "python3 /tmp/srv.py")
 	waitFor(t, s, "[ -e /tmp/worker.a ] && [ -e /tmp/worker.b ]")
 	ck, err := s.Checkpoint(ctx)
