@@ -3,8 +3,8 @@
 // The init is a small static C program (csrc/init.c, built by the
 // Makefile). The server holds one end of a SOCK_SEQPACKET socket pair; the
 // init has the other as fd 3. A Conn waits for the init's hello, sends
-// requests (ping, spawn and guard to an init, clone to the zygote, `dg-init
-// --zygote`) and receives their replies and the exit events of the
+// requests (ping, spawn and guard to an init; clone and next pid to the
+// zygote, `dg-init --zygote`) and receives their replies and the exit events of the
 // processes the init reaps, one reader goroutine per Conn. Requests are
 // answered in order, so replies are matched by id. The init takes no part
 // in a root swap: the server does it from outside (sandbox/launch).
@@ -526,6 +526,24 @@ func (c *Conn) Clone(hostID uint32, hostname string, netns int, ctl *os.File) (i
 		return 0, nil, fmt.Errorf("cloning a sandbox init: %w", syscall.Errno(r.err))
 	}
 	return int(r.val), exit, nil
+}
+
+// msgNextPid is the zygote's request to set a pid namespace's next pid.
+const msgNextPid = 11
+
+// NextPid asks a zygote to have the next process made in pid namespace
+// pidns get pid (if it is free then: the kernel hands out the next free
+// one after it). Nothing else may make a process there in between: the
+// caller checks the pid it got.
+func (c *Conn) NextPid(pidns, pid int) error {
+	r, err := c.call(msgNextPid, binary.NativeEndian.AppendUint32(nil, uint32(int32(pid))), []int{pidns})
+	if err != nil {
+		return err
+	}
+	if err := errnoOrNil(r.err); err != nil {
+		return fmt.Errorf("setting the next pid of a sandbox to %d: %w", pid, err)
+	}
+	return nil
 }
 
 // Watch returns a channel that receives the exit of pid, a child of the

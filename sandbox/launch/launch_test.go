@@ -134,10 +134,14 @@ func TestStartSwapSpawn(t *testing.T) {
 	}
 	checkThreadsHome(t, home)
 
+	// The zygote sets the pid the next process of the sandbox gets.
+	if err := ns.NextPid(in, 4242); err != nil {
+		t.Fatal(err)
+	}
 	r, w, _ := os.Pipe()
 	devnull, _ := os.Open(os.DevNull)
 	_, exitc, err := in.Conn.Spawn(initproc.SpawnRequest{
-		Argv:   []string{"/bin/sh", "-c", "id; ls -ln /bin/busybox; echo hi > /tmp/x; ls -ln /tmp/x; grep Cap /proc/self/status; grep NoNewPrivs /proc/self/status; grep Seccomp: /proc/self/status; cat /proc/1/cmdline"},
+		Argv:   []string{"/bin/sh", "-c", "echo pid=$$; id; ls -ln /bin/busybox; echo hi > /tmp/x; ls -ln /tmp/x; grep Cap /proc/self/status; grep NoNewPrivs /proc/self/status; grep Seccomp: /proc/self/status; cat /proc/1/cmdline"},
 		Env:    []string{"PATH=/bin"},
 		Cwd:    "/",
 		Stdin:  devnull,
@@ -152,6 +156,9 @@ func TestStartSwapSpawn(t *testing.T) {
 	io.Copy(&out, r)
 	ev := <-exitc
 	t.Logf("exit %v\n%s", ev.Status.ExitStatus(), out.String())
+	if !strings.HasPrefix(out.String(), "pid=4242\n") {
+		t.Errorf("the command's pid is not the one set: %q", strings.SplitN(out.String(), "\n", 2)[0])
+	}
 	st, err := os.Stat(filepath.Join(upperBase, "fs", "tmp", "x"))
 	if err != nil {
 		t.Fatal(err)

@@ -640,8 +640,11 @@ func (p *Proc) Fork() (*Proc, int, error) {
 }
 
 // forkLeader is Fork for the leader alone.
-func (p *Proc) forkLeader() (*Proc, int, error) {
-	nsPid, child, err := p.syscall(unix.SYS_CLONE, []uintptr{CloneFlags, 0, 0, 0, 0})
+func (p *Proc) forkLeader() (*Proc, int, error) { return p.forkWith(CloneFlags) }
+
+// forkWith is forkLeader with the clone's flags given.
+func (p *Proc) forkWith(flags uintptr) (*Proc, int, error) {
+	nsPid, child, err := p.syscall(unix.SYS_CLONE, []uintptr{flags, 0, 0, 0, 0})
 	if err != nil {
 		if child > 0 {
 			_ = unix.Kill(child, unix.SIGKILL)

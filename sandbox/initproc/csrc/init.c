@@ -1073,9 +1073,13 @@ static int init_main(const char *hostname) {
 //
 //   ZSPAWN payload {u32 host_id, hostname} fds:[netns, init socket]
 //          reply {i32 err, i32 pid (host pid namespace)}
+//   ZNEXTPID payload {i32 pid} fds:[pid namespace]
+//          reply {i32 err, 0}: the namespace's next process gets pid,
+//          if it is free (a restore that must give a process its pid)
 //   events: EXIT {pid, status} when an init it cloned exits.
 
 #define ZSPAWN 10
+#define ZNEXTPID 11
 
 struct zargs {
 	int syncr, syncw, ctl;
@@ -1144,10 +1148,60 @@ static int zspawn(uint32_t len, int32_t *pid_out) {
 	return err;
 }
 
+// A pid namespace's next pid is set by writing the one before it to
+// ns_last_pid, which acts on the writer's own namespace: a child of the
+// zygote made in the namespace writes it, with the zygote's capabilities
+// (CAP_CHECKPOINT_RESTORE over the sandbox's user namespace), and exits
+// before the reply, so that its own pid is free again.
+static int own_pidns = -1;
+
+struct nextpid {
+	int32_t last;
+	int err;
+};
+
+static char npstack[16 * 1024] __attribute__((aligned(16)));
+
+static int nextpid_child(void *p) {
+	struct nextpid *a = p;
+	char num[16];
+	snprintf(num, sizeof num, "%d", a->last);
+	if (write_file("/proc/sys/kernel/ns_last_pid", num) < 0) a->err = errno;
+	_exit(0);
+}
+
+static int znextpid(uint32_t len) {
+	if (len != 4 || nfds != 1) return EINVAL;
+	int32_t want;
+	memcpy(&want, buf, 4);
+	if (want < 2) return EINVAL;
+	if (own_pidns < 0) {
+		own_pidns = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
+		if (own_pidns < 0) return errno;
+	}
+	if (setns(fds[0], CLONE_NEWPID) < 0) return errno;
+	// Shared memory, so a.err comes back; the zygote waits for the exit.
+	static struct nextpid a;
+	a = (struct nextpid){want - 1, 0};
+	pid_t c = clone(nextpid_child, npstack + sizeof npstack, CLONE_VM | CLONE_VFORK | SIGCHLD, &a);
+	int e = c < 0 ? errno : 0;
+	// The zygote's next inits are cloned from its own namespace: fatal if
+	// it cannot go back.
+	if (setns(own_pidns, CLONE_NEWPID) < 0) _exit(1);
+	if (c > 0)
+		while (waitpid(c, NULL, 0) < 0 && errno == EINTR) {
+		}
+	return e ? e : a.err;
+}
+
 // The zygote has nothing to keep: its inits see their own sockets close.
 static int zygote_gone(void) { return 0; }
 
 static void zygote_handle(struct hdr *h) {
+	if (h->type == ZNEXTPID) {
+		reply(h->id, znextpid(h->len), 0);
+		return;
+	}
 	if (h->type != ZSPAWN) {
 		reply(h->id, ENOSYS, 0);
 		return;
