@@ -17,7 +17,9 @@ import (
 //   - threads4: one python3 process of four threads (three sleeping in a
 //     loop, as worker threads wait for work);
 //   - tree: a shell running a python3 child, as `sh -c 'python3 app.py'`
-//     does, each process with about 8 MB of its own.
+//     does, each process with about 8 MB of its own;
+//   - shelltree: the same tree with a shell that holds little of its own,
+//     as a command line's shell does, and a python3 of about 8 MB.
 var shapePrograms = []struct{ name, cmd string }{
 	{"threads4", `exec python3 -c '
 import threading, time
@@ -36,6 +38,15 @@ open("/tmp/ready", "w").close()
 while True:
     time.sleep(0.05)
 '; echo ${#x}`},
+	{"shelltree", `python3 -c '
+import time
+b = bytearray(8 << 20)
+for i in range(0, len(b), 4096):
+    b[i] = 1
+open("/tmp/ready", "w").close()
+while True:
+    time.sleep(0.05)
+'; echo done`},
 }
 
 // shapeSandbox starts shape in a new sandbox of the default image and

@@ -27,6 +27,10 @@ func (s *Sandbox) AheadPids(ck string) []int {
 // no job running (AheadPids waits for one).
 func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.SetAheadTook(d) }
 
+// TreeCopies is the number of process trees the sandbox restored by
+// copies of their templates.
+func (s *Sandbox) TreeCopies() int64 { return s.procs.TreeCopies() }
+
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their
 // steps take against the job.

@@ -95,3 +95,5 @@ func (r *Runtime) procConfig() procstate.Config {
 		StopWait:      func() time.Duration { return r.hooks.stopWait },
 	}
 }
+
+func (h *procHost) NextPid(nsPid int) error { return h.rt.spawn.NextPid(h.init, nsPid) }

@@ -47,6 +47,9 @@ type processShape struct {
 	// roles are the roles of the probes the shape runs.
 	roles []string
 	cells
+	// copied: a tree restored in place by a copy of its templates, not
+	// from its images (procstate/tree.go).
+	copied bool
 }
 
 // cells are the expected cells of a row: the checkpoint's method, a
@@ -83,7 +86,7 @@ var shapes = []processShape{
 	row("`nohup … &`", "plain exec of `nohup probe &`", execPlain("nohup probe -T &"), templateLeftover, "main"),
 	row("double-forked daemon", "plain exec of `probe -d`", execPlain("probe -T -d"), templateLeftover, "main"),
 	row("`setsid`", "background exec of `setsid probe`", execBackground("setsid probe -T"), template, "main"),
-	row("shell → child", "background exec of `sh -c 'probe; echo done'`", execBackground("sh -c 'probe -T; echo done'"), criuTree, "main"),
+	copiedTree(row("shell → child", "background exec of `sh -c 'probe; echo done'`", execBackground("sh -c 'probe -T; echo done'"), criuTree, "main")),
 	row("parent with 3 workers", "background exec of `probe -w 3`", execBackground("probe -T -w 3 -n parent"), criuRoot,
 		"parent", "worker1", "worker2", "worker3"),
 	row("pipeline", "background exec of `probe -o | probe -i`", execBackground("probe -T -o -n writer | probe -T -i -n reader"), criuTree,
@@ -99,6 +102,12 @@ var shapes = []processShape{
 
 func row(name, started string, start func(*testing.T, *sandbox.Sandbox), c cells, roles ...string) processShape {
 	return processShape{name: name, started: started, start: start, roles: roles, cells: c}
+}
+
+// copiedTree marks r a tree restored in place by a copy of its templates.
+func copiedTree(r processShape) processShape {
+	r.copied = true
+	return r
 }
 
 // probeEnv is the environment every shape's probes start with.
@@ -413,11 +422,15 @@ func runShape(t *testing.T, b *bundle, img string, bin []byte, sh processShape, 
 	}
 	samePids := method != "template"
 	var got map[string]probeReport
+	copies := s.TreeCopies()
 	err = s.Restore(ctx, ck.ID)
 	if err == nil {
 		got = askReports(t, s, "", "restored", n)
 	}
 	checkCell(t, "restore in place", sh.inPlace, err, want, got, samePids)
+	if copied := s.TreeCopies() > copies; copied != sh.copied {
+		t.Errorf("restore in place: a tree copied from templates: %v, want %v", copied, sh.copied)
+	}
 	kids, err := b.rt.Fork(ctx, ck.ID, 3, sandbox.Spec{})
 	if err != nil {
 		checkCell(t, "fork", sh.fork, err, want, nil, samePids)

@@ -66,6 +66,17 @@ func (ps *State) Capture(ctx context.Context, c *Checkpoint, allCRIU bool, copyF
 	if err != nil {
 		return err
 	}
+	// Templates of trees too, made while they are stopped here: criu
+	// releases them running.
+	var tts []*treeTemplate
+	if !allCRIU {
+		tts = ps.makeTreeTemplates(trees, stop.seized)
+	}
+	defer func() {
+		if err != nil {
+			_ = endTrees(tts)
+		}
+	}()
 	if len(trees) > 0 {
 		resume, err := ps.dumpTrees(ctx, c, trees, stop)
 		defer func() { err = resume(err) }()
@@ -76,10 +87,13 @@ func (ps *State) Capture(ctx context.Context, c *Checkpoint, allCRIU bool, copyF
 	if err := copyFS(); err != nil {
 		return err
 	}
-	if len(tplProcs) == 0 {
-		return nil
+	if len(tplProcs) > 0 {
+		if err := ps.makeTemplates(c, tplProcs, stop.seized); err != nil {
+			return err
+		}
 	}
-	return ps.makeTemplates(c, tplProcs, stop.seized)
+	ps.keepTrees(c.ID, tts)
+	return nil
 }
 
 // stopSet is what stopAll stopped: the processes of the command group in
@@ -435,10 +449,16 @@ func (ps *State) makeTemplates(c *Checkpoint, tplProcs []procInfo, seized map[in
 // ptrace-stop. It updates t to describe the template (its pid and start
 // time). The template, if one was forked, is returned even on error.
 func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc, error) {
+	return forkTemplateWith(p, t, tg, forkWhole, nil)
+}
+
+// forkTemplateWith is forkTemplate with the fork given, and before, if not
+// nil, called with the template before it joins its frozen group.
+func forkTemplateWith(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup, fork func(*ptfork.Proc) (*ptfork.Proc, error), before func(*ptfork.Proc) error) (*ptfork.Proc, error) {
 	if err := readItimer(p, t); err != nil {
 		return nil, err
 	}
-	cp, err := forkWhole(p)
+	cp, err := fork(p)
 	if err != nil {
 		return nil, err
 	}
@@ -458,6 +478,11 @@ func forkTemplate(p *ptfork.Proc, t *Template, tg *cgroup.Cgroup) (*ptfork.Proc,
 	}
 	if err := freeListeners(cp, *t); err != nil {
 		return cp, err
+	}
+	if before != nil {
+		if err := before(cp); err != nil {
+			return cp, err
+		}
 	}
 	if err := tg.Add(cp.Pid); err != nil {
 		return cp, err
@@ -666,16 +691,21 @@ func (ps *State) Check(c *Checkpoint) error {
 func (ps *State) Drop(id string) {
 	ps.dropAhead(id, false)
 	ps.mu.Lock()
-	tg := ps.tpls[id]
+	tg, tts := ps.tpls[id], ps.trees[id]
 	delete(ps.tpls, id)
+	delete(ps.trees, id)
 	delete(ps.folded, id)
 	delete(ps.listenHeld, id)
 	ps.mu.Unlock()
-	if tg == nil {
+	if tg == nil && tts == nil {
 		return
 	}
 	del := func() {
-		if err := tg.Delete(); err != nil {
+		err := endTrees(tts)
+		if tg != nil {
+			err = errors.Join(err, tg.Delete())
+		}
+		if err != nil {
 			ps.h.Log().Warn("ending process templates", "sandbox", ps.h.ID(), "checkpoint", id, "err", err)
 		}
 	}

@@ -130,23 +130,46 @@ func (ps *State) RestoreTrees(ctx context.Context, c *Checkpoint, units []Unit) 
 	if len(units) == 0 {
 		return nil
 	}
-	ps.h.Settled() // criu joins the namespace
-	// Until the last swap's old root is detached, it sits on top of the
-	// new one, where criu, joining the namespace, would look for files.
-	sw, err := ps.h.CRIU()
-	if err != nil {
-		return err
-	}
 	run := ps.cfg.RunDir
-	if err := os.MkdirAll(run, 0o700); err != nil {
-		return err
+	var sw *criu.Swrk
+	swrk := func() (*criu.Swrk, error) {
+		if sw != nil {
+			return sw, nil
+		}
+		// criu joins the namespace: until the last swap's old root is
+		// detached, it sits on top of the new one, where criu would look
+		// for files.
+		ps.h.Settled()
+		s, err := ps.h.CRIU()
+		if err != nil {
+			return nil, err
+		}
+		if err := os.MkdirAll(run, 0o700); err != nil {
+			return nil, err
+		}
+		sw = s
+		return sw, nil
 	}
 	for _, u := range units {
 		for attempt := 0; ; attempt++ {
 			if err := ps.waitPidsFree(u); err != nil {
 				return err
 			}
-			err := ps.restoreTree(ctx, sw, run, c, u)
+			if tt := ps.treeOf(c, u); tt != nil && attempt == 0 {
+				err := ps.copyTree(tt)
+				if err == nil {
+					break
+				}
+				ps.h.Log().Warn("a process tree could not be copied from its templates; its images serve", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "err", err)
+				if err := ps.waitPidsFree(u); err != nil {
+					return err
+				}
+			}
+			sw, err := swrk()
+			if err != nil {
+				return err
+			}
+			err = ps.restoreTree(ctx, sw, run, c, u)
 			if err == nil {
 				break
 			}

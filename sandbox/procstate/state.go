@@ -30,6 +30,9 @@ type Host interface {
 	// Watch returns the exit of the sandbox's process nsPid, a child of
 	// the init, which reaps it.
 	Watch(nsPid int) <-chan initproc.ExitEvent
+	// NextPid has the next process made in the sandbox get pid nsPid, if
+	// it is free then.
+	NextPid(nsPid int) error
 	// OpenRoot opens the sandbox's root (O_PATH); the caller closes it.
 	OpenRoot() (int, error)
 	// Owner is the host uid and gid of the sandbox's user.
@@ -93,7 +96,7 @@ func New(h Host, cfg Config) *State {
 	if cfg.AheadAlways == nil {
 		cfg.AheadAlways = func() bool { return false }
 	}
-	return &State{h: h, cfg: cfg, tpls: map[string]*cgroup.Cgroup{}, listenHeld: map[string][]string{}}
+	return &State{h: h, cfg: cfg, tpls: map[string]*cgroup.Cgroup{}, listenHeld: map[string][]string{}, trees: map[string][]*treeTemplate{}}
 }
 
 // Wait waits for the background jobs that make groups under the
@@ -136,6 +139,12 @@ type State struct {
 	// template is an unbound one in its place (freeListeners).
 	// +checklocks:mu
 	listenHeld map[string][]string
+	// trees holds the tree templates of this sandbox's checkpoints
+	// (tree.go), each pair in a frozen group of its own.
+	// +checklocks:mu
+	trees map[string][]*treeTemplate
+	// treeCopies counts the trees restored by copies (TreeCopies).
+	treeCopies atomic.Int64
 	// adopted: templates re-adopted after a crash, whose listening
 	// sockets are not known (TemplatesListen says yes to every one).
 	// +checklocks:mu
@@ -239,6 +248,10 @@ func (ps *State) DeleteTemplates() error {
 		errs = append(errs, tg.Delete())
 		delete(ps.tpls, id)
 		delete(ps.listenHeld, id)
+	}
+	for id, tts := range ps.trees {
+		errs = append(errs, endTrees(tts))
+		delete(ps.trees, id)
 	}
 	return errors.Join(errs...)
 }

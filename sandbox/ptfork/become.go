@@ -46,6 +46,38 @@ func (p *Proc) ForkChild() (*Proc, int, error) {
 	return p.forkWith(uintptr(unix.SIGCHLD))
 }
 
+// ForkOrphan is ForkChild with the copy given to the init of the process's
+// pid namespace (or to the nearest subreaper above it): the process forks
+// a middle child, which forks the copy and is killed, and the process
+// reaps the middle child at once. The middle child sends the process no
+// signal when it ends (its exit signal is none), and is reaped by a
+// waitpid injected into the process, so the process sees nothing of it.
+// A copy of a process of a tree made this way is in no part of the tree:
+// a dump of the tree does not meet it.
+func (p *Proc) ForkOrphan() (*Proc, int, error) {
+	if p.group != nil || len(p.threads) > 0 {
+		return nil, 0, fmt.Errorf("%w: ForkOrphan is for a process of one thread", ErrThreads)
+	}
+	mid, midNs, err := p.forkWith(0)
+	if err != nil {
+		return nil, 0, err
+	}
+	c, nsPid, err := mid.forkWith(uintptr(unix.SIGCHLD))
+	mid.Kill()
+	// The middle child is a zombie of p's now, which only a wait for
+	// children of any exit signal (__WALL) reaps.
+	if _, werr := p.Syscall(unix.SYS_WAIT4, uintptr(midNs), 0, unix.WALL, 0); werr != nil {
+		err = errors.Join(err, fmt.Errorf("reaping the middle child %d of pid %d: %w", mid.Pid, p.Pid, werr))
+	}
+	if err != nil {
+		if c != nil {
+			c.Kill()
+		}
+		return nil, 0, err
+	}
+	return c, nsPid, nil
+}
+
 // vma is one line of /proc/<pid>/maps.
 type vma struct {
 	start, end uint64
@@ -131,7 +163,6 @@ type Source struct {
 	actions map[int][32]byte // struct kernel_sigaction of each caught signal
 	ignored uint64
 	umask   uint64
-	persona uint64
 	rlimits [unix.RLIMIT_RTTIME + 1]unix.Rlimit
 }
 
@@ -139,10 +170,11 @@ type Source struct {
 // descriptors and status. x, a copy of a stopped process, has the layout
 // of that process, which is read once for every copy.
 type Layout struct {
-	pid    int
-	maps   []vma
-	fds    map[int]bool // open descriptor: its close-on-exec flag
-	status map[string]string
+	pid     int
+	maps    []vma
+	fds     map[int]bool // open descriptor: its close-on-exec flag
+	status  map[string]string
+	persona uint64
 }
 
 // ReadLayout reads the layout of process pid, stopped.
@@ -157,6 +189,13 @@ func ReadLayout(pid int) (*Layout, error) {
 	}
 	if l.status, err = procStatus(pid); err != nil {
 		return nil, err
+	}
+	persona, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/personality")
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrGone, err)
+	}
+	if l.persona, err = strconv.ParseUint(strings.TrimSpace(string(persona)), 16, 64); err != nil {
+		return nil, fmt.Errorf("personality of pid %d: %w", pid, err)
 	}
 	return l, nil
 }
@@ -221,13 +260,6 @@ func (s *Source) readProc() (caught uint64, err error) {
 		return 0, fmt.Errorf("status of pid %d: %w", pid, err)
 	}
 	s.ignored, s.umask = ignored, umask
-	persona, err := os.ReadFile(dir + "personality")
-	if err != nil {
-		return 0, err
-	}
-	if s.persona, err = strconv.ParseUint(strings.TrimSpace(string(persona)), 16, 64); err != nil {
-		return 0, fmt.Errorf("personality of pid %d: %w", pid, err)
-	}
 	for r := range s.rlimits {
 		if err := unix.Prlimit(pid, r, nil, &s.rlimits[r]); err != nil {
 			return 0, fmt.Errorf("reading limit %d of pid %d: %w", r, pid, err)
@@ -315,7 +347,7 @@ func fdFlags(pid int) (map[int]bool, error) {
 // sameIdentity checks that x, of layout a, holds the credentials,
 // capabilities and seccomp filters of src: Become carries none of them.
 func sameIdentity(a *Layout, src *Source) error {
-	for _, k := range []string{"Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp", "Seccomp_filters", "NSpgid", "NSsid"} {
+	for _, k := range []string{"Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp", "Seccomp_filters"} {
 		if a.status[k] != src.status[k] {
 			return fmt.Errorf("%w: pid %d has %s %q, pid %d %q", ErrBecome, a.pid, k, a.status[k], src.pid, src.status[k])
 		}
@@ -332,9 +364,11 @@ func sameIdentity(a *Layout, src *Source) error {
 // children, and its executable's link (/proc/<pid>/exe).
 //
 // What it does not carry must already be the same, or it fails with
-// ErrBecome: credentials, capabilities, seccomp filters, process group and
-// session, and every descriptor the process has must be the same open file
-// at the same number in x (x's others are closed). The process may not map
+// ErrBecome: credentials, capabilities and seccomp filters, and every
+// descriptor the process has must be the same open file at the same
+// number in x (x's others are closed). Its process group and session are
+// the caller's (x may call setsid before). Nor does it carry interval
+// timers, POSIX timers or the working directory. The process may not map
 // memory shared and writable, nor a file that has no path. It must still
 // be stopped, as it was when s was read. x is unusable if Become fails
 // (kill it).
@@ -397,7 +431,7 @@ func (x *Proc) Become(s *Source, like *Layout) error {
 	if err := b.setActions(s, like); err != nil {
 		return err
 	}
-	b.setThread(s)
+	b.setThread(s, like)
 	if _, err := b.run(); err != nil {
 		return err
 	}
@@ -410,10 +444,25 @@ func (x *Proc) Become(s *Source, like *Layout) error {
 	return x.takeRegs(s)
 }
 
+const (
+	pageSize          = 4096
+	madvPopulateWrite = 23
+)
+
 // userTop is the top of a 47-bit user address space (its last page is
 // never mapped); a process maps above it (5-level page tables) only if it
 // asks for such an address.
 const userTop = 1<<47 - scratchSize
+
+// Fits checks that a copy of the process of layout like can become s's:
+// Become's checks, made once ahead.
+func (s *Source) Fits(like *Layout) error {
+	if err := sameIdentity(like, s); err != nil {
+		return err
+	}
+	_, err := fdsToClose(s, like.pid, like.fds)
+	return err
+}
 
 // batch gathers calls for Batch and the data they point to: data is two
 // pages of x's, code a third (readable, writable and executable).
@@ -458,24 +507,16 @@ func (b *batch) run() ([]uintptr, error) {
 	return out, nil
 }
 
-// fixFds closes x's descriptors that s's process does not have, checks
-// that each of its is the same open file in x, and gives each its
-// close-on-exec flag.
+// fixFds adds the calls that close x's descriptors (have) that s's
+// process does not have, and give each of its the close-on-exec flag it
+// has there.
 func (b *batch) fixFds(s *Source, have map[int]bool) error {
-	x := b.x
+	extra, err := fdsToClose(s, b.x.Pid, have)
+	if err != nil {
+		return err
+	}
 	for fd, cloexec := range s.fds {
-		xc, ok := have[fd]
-		if !ok {
-			return fmt.Errorf("%w: descriptor %d of pid %d is not open in pid %d", ErrBecome, fd, s.pid, x.Pid)
-		}
-		r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(x.Pid), uintptr(s.pid), kcmpFile, uintptr(fd), uintptr(fd), 0)
-		if e != 0 {
-			return fmt.Errorf("comparing descriptor %d of pids %d and %d: %w", fd, x.Pid, s.pid, e)
-		}
-		if r != 0 {
-			return fmt.Errorf("%w: descriptor %d of pid %d is another file in pid %d", ErrBecome, fd, s.pid, x.Pid)
-		}
-		if xc != cloexec {
+		if have[fd] != cloexec {
 			flag := uintptr(0)
 			if cloexec {
 				flag = unix.FD_CLOEXEC
@@ -483,13 +524,6 @@ func (b *batch) fixFds(s *Source, have map[int]bool) error {
 			b.add(unix.SYS_FCNTL, uintptr(fd), unix.F_SETFD, flag)
 		}
 	}
-	var extra []int
-	for fd := range have {
-		if _, ok := s.fds[fd]; !ok {
-			extra = append(extra, fd)
-		}
-	}
-	slices.Sort(extra)
 	for i := 0; i < len(extra); {
 		j := i
 		for j+1 < len(extra) && extra[j+1] == extra[j]+1 {
@@ -499,6 +533,32 @@ func (b *batch) fixFds(s *Source, have map[int]bool) error {
 		i = j + 1
 	}
 	return nil
+}
+
+// fdsToClose checks that each descriptor of s's process is the same open
+// file in process pid, whose descriptors are have, and returns pid's
+// others, sorted.
+func fdsToClose(s *Source, pid int, have map[int]bool) ([]int, error) {
+	for fd := range s.fds {
+		if _, ok := have[fd]; !ok {
+			return nil, fmt.Errorf("%w: descriptor %d of pid %d is not open in pid %d", ErrBecome, fd, s.pid, pid)
+		}
+		r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(s.pid), kcmpFile, uintptr(fd), uintptr(fd), 0)
+		if e != 0 {
+			return nil, fmt.Errorf("comparing descriptor %d of pids %d and %d: %w", fd, pid, s.pid, e)
+		}
+		if r != 0 {
+			return nil, fmt.Errorf("%w: descriptor %d of pid %d is another file in pid %d", ErrBecome, fd, s.pid, pid)
+		}
+	}
+	var extra []int
+	for fd := range have {
+		if _, ok := s.fds[fd]; !ok {
+			extra = append(extra, fd)
+		}
+	}
+	slices.Sort(extra)
+	return extra, nil
 }
 
 // dropRseq unregisters x's restartable sequence area before its memory
@@ -674,6 +734,17 @@ func (b *batch) mapLike(s *Source, paths []string, fds []uintptr) {
 		if relro {
 			b.add(unix.SYS_MPROTECT, uintptr(v.start), size, prot)
 		}
+		if prot&unix.PROT_WRITE != 0 {
+			// The pages to copy in, allocated in one call each run
+			// rather than one fault each, in huge pages where a run
+			// spans some.
+			if v.anon() && v.end-v.start >= 2<<20 {
+				b.add(unix.SYS_MADVISE, uintptr(v.start), size, unix.MADV_HUGEPAGE)
+			}
+			for _, r := range s.written[k] {
+				b.add(unix.SYS_MADVISE, uintptr(v.start+r.lo*pageSize), uintptr((r.hi-r.lo)*pageSize), madvPopulateWrite)
+			}
+		}
 	}
 	for _, fd := range fds {
 		b.add(unix.SYS_CLOSE, fd)
@@ -730,36 +801,61 @@ func writtenPages(src int, maps []vma) ([][]span, error) {
 }
 
 // copyWritten copies the written pages of src's mappings into dst, mapped
-// as src is.
+// as src is: with process_vm_readv and process_vm_writev where dst may
+// write, through /proc/<pid>/mem elsewhere.
 func copyWritten(src, dst int, maps []vma, written [][]span) error {
-	from, err := os.Open("/proc/" + strconv.Itoa(src) + "/mem")
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrGone, err)
-	}
-	defer from.Close()
-	// Through /proc/<pid>/mem, as a debugger writes: it writes pages the
-	// mapping does not let the process write (code it relocated, RELRO).
-	to, err := os.OpenFile("/proc/"+strconv.Itoa(dst)+"/mem", os.O_WRONLY, 0)
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrGone, err)
-	}
-	defer to.Close()
 	page := uint64(os.Getpagesize())
 	var buf []byte
+	var forced [][2]uint64 // address, size
 	for k, v := range maps {
+		if v.perms[1] != 'w' {
+			for _, r := range written[k] {
+				forced = append(forced, [2]uint64{v.start + r.lo*page, (r.hi - r.lo) * page})
+			}
+			continue
+		}
 		for _, r := range written[k] {
 			size := int((r.hi - r.lo) * page)
 			if cap(buf) < size {
 				buf = make([]byte, size)
 			}
 			b := buf[:size]
-			a := int64(v.start + r.lo*page)
-			if _, err := from.ReadAt(b, a); err != nil {
-				return fmt.Errorf("reading %#x+%d of pid %d: %w", a, size, src, err)
+			a := uintptr(v.start + r.lo*page)
+			local := []unix.Iovec{{Base: &b[0], Len: uint64(size)}}
+			remote := []unix.RemoteIovec{{Base: a, Len: size}}
+			if n, err := unix.ProcessVMReadv(src, local, remote, 0); err != nil || n != size {
+				return fmt.Errorf("reading %#x+%d of pid %d: %d bytes, %v", a, size, src, n, err)
 			}
-			if _, err := to.WriteAt(b, a); err != nil {
-				return fmt.Errorf("writing %#x+%d of pid %d: %w", a, size, dst, err)
+			if n, err := unix.ProcessVMWritev(dst, local, remote, 0); err != nil || n != size {
+				return fmt.Errorf("writing %#x+%d of pid %d: %d bytes, %v", a, size, dst, n, err)
 			}
+		}
+	}
+	if len(forced) == 0 {
+		return nil
+	}
+	from, err := os.Open("/proc/" + strconv.Itoa(src) + "/mem")
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrGone, err)
+	}
+	defer from.Close()
+	// As a debugger writes: pages the mapping does not let the process
+	// write (code it relocated, RELRO).
+	to, err := os.OpenFile("/proc/"+strconv.Itoa(dst)+"/mem", os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrGone, err)
+	}
+	defer to.Close()
+	for _, f := range forced {
+		if cap(buf) < int(f[1]) {
+			buf = make([]byte, f[1])
+		}
+		b := buf[:f[1]]
+		if _, err := from.ReadAt(b, int64(f[0])); err != nil {
+			return fmt.Errorf("reading %#x+%d of pid %d: %w", f[0], f[1], src, err)
+		}
+		if _, err := to.WriteAt(b, int64(f[0])); err != nil {
+			return fmt.Errorf("writing %#x+%d of pid %d: %w", f[0], f[1], dst, err)
 		}
 	}
 	return nil
@@ -838,12 +934,15 @@ func (b *batch) setActions(s *Source, like *Layout) error {
 	return nil
 }
 
-// setThread adds the calls that give x s's umask, personality, and the
-// state of its thread only the thread can set.
-func (b *batch) setThread(s *Source) {
+// setThread adds the calls that give x, of layout like, s's umask,
+// personality, and the state of its thread only the thread can set.
+func (b *batch) setThread(s *Source, like *Layout) {
 	st := s.state
 	b.add(unix.SYS_UMASK, uintptr(s.umask))
-	b.add(unix.SYS_PERSONALITY, uintptr(s.persona))
+	if s.persona != like.persona {
+		// Not otherwise: a sandbox may refuse the call.
+		b.add(unix.SYS_PERSONALITY, uintptr(s.persona))
+	}
 	if st.rseq.Size > 0 {
 		b.add(unix.SYS_RSEQ, uintptr(st.rseq.Pointer), uintptr(st.rseq.Size), 0, uintptr(st.rseq.Signature))
 	}

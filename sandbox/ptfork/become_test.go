@@ -106,6 +106,19 @@ func TestBecomeTree(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A copy of the child outside the tree: no child of it, nor of the
+	// parent, and the child has no middle child left, dead or alive.
+	o, _, err := cp.ForkOrphan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ppid, err := parentOf(o.Pid); err != nil || ppid == child || ppid == parent {
+		t.Errorf("the orphan copy %d has parent %d (%v)", o.Pid, ppid, err)
+	}
+	if kids, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", child, child)); err != nil || len(kids) != 0 {
+		t.Errorf("the child has children %q (%v) after ForkOrphan", kids, err)
+	}
+	o.Kill()
 	x, _, err := cp.Fork()
 	if err != nil {
 		t.Fatal(err)
@@ -181,8 +194,9 @@ func parentOf(pid int) (int, error) {
 	return strconv.Atoi(st["PPid"])
 }
 
-// BenchmarkForkTree copies a dash whose child is a python3 of 8 MB, as a
-// tree is copied: the child's fork, the copy's own fork, and Become.
+// BenchmarkForkTree copies a dash whose child is a python3, as a tree is
+// copied: the child's fork, the copy's own fork, and Become. Each holds
+// about 8 MB of its own (the shell in a variable).
 func BenchmarkForkTree(b *testing.B) {
 	needRoot(b)
 	py, err := exec.LookPath("python3")
@@ -193,11 +207,11 @@ func BenchmarkForkTree(b *testing.B) {
 	if err != nil {
 		b.Skip("dash not on the host")
 	}
-	cmd := exec.Command(dash, "-c", py+` -c 'import os, signal, sys
+	cmd := exec.Command(dash, "-c", `x=$(head -c 8000000 /dev/zero | tr '\0' x); `+py+` -c 'import os, signal, sys
 b = bytearray(8 << 20)
 for i in range(0, len(b), 4096): b[i] = 1
 print(os.getpid(), flush=True)
-signal.pause()'; echo done`)
+signal.pause()'; echo ${#x}`)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		b.Fatal(err)

@@ -1,0 +1,323 @@
+package procstate
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox/cgroup"
+	"github.com/deltagym/deltagym/sandbox/ptfork"
+)
+
+// A tree of two processes, a shell and the program it runs (`sh -c 'python3
+// app.py; echo done'`), is dumped by CRIU, which its forks, durable
+// checkpoints and restores after a restart need, and gets templates too: a
+// restore in place copies it from them, keeping its pids, in about a
+// millisecond where criu takes tens.
+//
+// Both templates are children of the sandbox's init, in no part of the
+// tree (ptfork.ForkOrphan for the child's): a later dump of the tree must
+// not meet them. A copy (copyTree) is made the way ptfork.Become describes:
+// the child's template forks X, which takes the root's pid
+// (Host.NextPid), leads a session of its own, forks the child's copy with
+// the child's pid, and becomes the root. Where the copy cannot be made
+// (the pids are taken, the template was killed), the tree's images serve.
+
+// treeTemplate is the pair of templates of a tree of two processes.
+type treeTemplate struct {
+	root, child Template
+	tg          *cgroup.Cgroup // frozen, theirs alone
+	src         *ptfork.Source // the root's template, read for Become
+	like        *ptfork.Layout // the child's template, what a fork of it has
+}
+
+// treeCopyable says why tree u gets no templates ("" if it does): it is
+// not a root that leads its session and group and one child in both, each
+// of one thread, a template on its own but for the tree.
+func (u procTree) treeCopyable() string {
+	if len(u.procs) != 2 {
+		return "more than two processes"
+	}
+	root, child := u.procs[0], u.procs[1]
+	switch {
+	case root.reason != "":
+		return root.reason
+	case child.reason != "":
+		return child.reason
+	case !root.tpl.Leader:
+		return "its root does not lead its session"
+	case root.tpl.Session != "" || child.tpl.Session != "":
+		return "a session's shell"
+	case root.tpl.Threads > 1 || child.tpl.Threads > 1:
+		return "a process of several threads"
+	case root.tpl.Shares != "" || child.tpl.Shares != "":
+		return "it shares memory with its templates"
+	case len(root.tpl.Private) > 0:
+		return "its root holds descriptions a copy gets its own of"
+	case root.tpl.Itimer != [4]int64{}:
+		return "its root has an interval timer"
+	}
+	ids, err := groupAndSession(child.tpl.HostPid)
+	if err != nil || ids != [2]int{root.tpl.HostPid, root.tpl.HostPid} {
+		return "its child is not in its root's process group"
+	}
+	return ""
+}
+
+// groupAndSession reads pid's process group and session (host pids).
+func groupAndSession(pid int) ([2]int, error) {
+	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return [2]int{}, err
+	}
+	i := strings.LastIndexByte(string(st), ')')
+	f := strings.Fields(string(st[i+1:]))
+	if len(f) < 4 {
+		return [2]int{}, fmt.Errorf("stat of pid %d", pid)
+	}
+	g, err1 := strconv.Atoi(f[2])
+	s, err2 := strconv.Atoi(f[3])
+	return [2]int{g, s}, errors.Join(err1, err2)
+}
+
+// makeTreeTemplates makes the templates of each tree of trees that
+// treeCopyable takes, from its stopped processes (seized), before criu
+// dumps it, and says so in the tree's reason. A tree whose templates
+// cannot be made is left to its images, as others; the error of one is
+// logged.
+func (ps *State) makeTreeTemplates(trees []procTree, seized map[int]*ptfork.Proc) []*treeTemplate {
+	var out []*treeTemplate
+	for i, u := range trees {
+		if u.treeCopyable() != "" {
+			continue
+		}
+		tt, err := ps.makeTreeTemplate(u, seized)
+		if err != nil {
+			ps.h.Log().Debug("a process tree gets no templates; its images serve", "sandbox", ps.h.ID(), "tree", u.procs[0].tpl.name(), "err", err)
+			continue
+		}
+		trees[i].why = fmt.Sprintf("%s, with %s a child of it, a tree: copied from templates in a restore in place, "+
+			"brought back from this image in a fork or after a restart (docs/PROCESS-SHAPES.md)", tt.root.name(), tt.child.name())
+		out = append(out, tt)
+	}
+	return out
+}
+
+func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*treeTemplate, error) {
+	rp, cp := seized[u.procs[0].tpl.HostPid], seized[u.procs[1].tpl.HostPid]
+	if rp == nil || cp == nil {
+		return nil, errors.New("not stopped")
+	}
+	tg, err := ps.frozenGroup("t")
+	if err != nil {
+		return nil, err
+	}
+	tt := &treeTemplate{root: u.procs[0].tpl, child: u.procs[1].tpl, tg: tg}
+	var made []*ptfork.Proc
+	fail := func(err error) (*treeTemplate, error) {
+		for _, t := range made {
+			t.Kill()
+		}
+		_ = tg.Delete()
+		return nil, err
+	}
+	// The root's template reads what Become needs before it freezes.
+	rt, err := forkTemplateWith(rp, &tt.root, tg, forkWhole,
+		func(t *ptfork.Proc) error {
+			var err error
+			tt.src, err = t.ReadSource()
+			return err
+		})
+	if rt != nil {
+		made = append(made, rt)
+	}
+	if err != nil {
+		return fail(err)
+	}
+	// The child's copies are born in a session the copy of the root
+	// makes: its template leads one of its own, not to hold the root's
+	// pid as its session's id.
+	tt.child.Leader = true
+	ct, err := forkTemplateWith(cp, &tt.child, tg, func(p *ptfork.Proc) (*ptfork.Proc, error) {
+		c, _, err := p.ForkOrphan()
+		return c, err
+	}, func(t *ptfork.Proc) error {
+		var err error
+		tt.like, err = ptfork.ReadLayout(t.Pid)
+		return err
+	})
+	tt.child.Leader = false
+	if ct != nil {
+		made = append(made, ct)
+	}
+	if err != nil {
+		return fail(err)
+	}
+	if err := tt.src.Fits(tt.like); err != nil {
+		return fail(err)
+	}
+	for _, t := range made {
+		if err := t.Detach(); err != nil {
+			return fail(err)
+		}
+	}
+	return tt, nil
+}
+
+// keepTrees records tts as checkpoint id's tree templates.
+func (ps *State) keepTrees(id string, tts []*treeTemplate) {
+	if len(tts) == 0 {
+		return
+	}
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	ps.trees[id] = tts
+}
+
+// endTrees ends the templates of tts (their groups).
+func endTrees(tts []*treeTemplate) error {
+	var errs []error
+	for _, tt := range tts {
+		errs = append(errs, tt.tg.Delete())
+	}
+	return errors.Join(errs...)
+}
+
+// treeOf returns the tree templates of checkpoint c for unit u, nil if it
+// has none.
+func (ps *State) treeOf(c *Checkpoint, u Unit) *treeTemplate {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for _, tt := range ps.trees[c.ID] {
+		if len(u.Procs) == 2 && u.Procs[0].NSPid == tt.root.NSPid && u.Procs[1].NSPid == tt.child.NSPid {
+			return tt
+		}
+	}
+	return nil
+}
+
+// TreeCopies is the number of process trees restored by copies of their
+// templates.
+func (ps *State) TreeCopies() int64 { return ps.treeCopies.Load() }
+
+// copyTree brings back the tree of tt by a copy of its templates, its pids
+// free. On error nothing of the copy is left.
+func (ps *State) copyTree(tt *treeTemplate) (err error) {
+	ps.run.Lock()
+	defer ps.run.Unlock()
+	for _, t := range []Template{tt.root, tt.child} {
+		if start, err := StartTime(t.HostPid); err != nil || start != t.Start {
+			return fmt.Errorf("the template of %s is gone", t.name())
+		}
+	}
+	tr := ptfork.NewSession()
+	defer tr.Close()
+	rt, err := tr.Seize(tt.root.HostPid)
+	if err != nil {
+		return err
+	}
+	ct, err := tr.Seize(tt.child.HostPid)
+	if err != nil {
+		return err
+	}
+	if err := ps.setTplFrozen(tt.tg, false); err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, ps.setTplFrozen(tt.tg, true)) }()
+	if err := errors.Join(rt.Wait(), ct.Wait()); err != nil {
+		return err
+	}
+	var made []*ptfork.Proc
+	x, c2, err := ps.forkTree(tt, ct, &made)
+	if err == nil {
+		err = ps.readyTree(tt, x, c2)
+	}
+	if err != nil {
+		for _, p := range made {
+			p.Kill()
+		}
+		return err
+	}
+	if err := errors.Join(c2.Detach(), x.Detach()); err != nil {
+		return err
+	}
+	ps.treeCopies.Add(1)
+	return nil
+}
+
+// forkTree forks the two processes of the copy of tt from the child's
+// template ct, with the tree's pids, into the command group; made lists
+// what it forked, for the caller to end on error.
+func (ps *State) forkTree(tt *treeTemplate, ct *ptfork.Proc, made *[]*ptfork.Proc) (x, c2 *ptfork.Proc, err error) {
+	fork := func(from *ptfork.Proc, t Template, child bool) (*ptfork.Proc, error) {
+		// The kernel hands out the pid after the last one: a child whose
+		// pid follows the root's gets it with no word to the zygote.
+		if !child || t.NSPid != tt.root.NSPid+1 {
+			if err := ps.h.NextPid(t.NSPid); err != nil {
+				return nil, err
+			}
+		}
+		var p *ptfork.Proc
+		var nsPid int
+		var err error
+		if child {
+			p, nsPid, err = from.ForkChild()
+		} else {
+			p, nsPid, err = from.Fork()
+		}
+		if err != nil {
+			return nil, ps.copyError(t.name(), err)
+		}
+		*made = append(*made, p)
+		if nsPid != t.NSPid {
+			return nil, fmt.Errorf("%w: the copy of %s got pid %d, not its own (taken)", ErrProcesses, t.name(), nsPid)
+		}
+		if err := ps.h.MoveCopy(ps.h.WorkGroup(), p.Pid); err != nil {
+			return nil, err
+		}
+		return p, ps.h.WorkGroup().JoinMemory(p.Pid)
+	}
+	if x, err = fork(ct, tt.root, false); err != nil {
+		return nil, nil, err
+	}
+	// The root leads its session and group, which its child is in.
+	if _, err := x.Syscall(unix.SYS_SETSID); err != nil {
+		return nil, nil, fmt.Errorf("setsid: %w", err)
+	}
+	if c2, err = fork(x, tt.child, true); err != nil {
+		return nil, nil, err
+	}
+	return x, c2, nil
+}
+
+// readyTree fixes up the child's copy c2 as a copy of its template, and
+// makes x the root's.
+func (ps *State) readyTree(tt *treeTemplate, x, c2 *ptfork.Proc) error {
+	_, later, err := fixUp(c2, tt.child, false)
+	if err != nil {
+		return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, tt.child.name(), err)
+	}
+	if err := x.Become(tt.src, tt.like); err != nil {
+		return fmt.Errorf("%w: copying %s: %w", ErrProcesses, tt.root.name(), err)
+	}
+	root := tt.root
+	root.Leader = false // it called setsid
+	if root.Cwd == "/" && tt.child.Cwd != "/" {
+		root.Cwd = "/." // chdir even so: x has the child's
+	}
+	if _, _, err := fixUp(x, root, false); err != nil {
+		return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, tt.root.name(), err)
+	}
+	if later == nil {
+		return nil
+	}
+	ps.h.SettleKilled([]Template{tt.root, tt.child})
+	if err := listenAnew(c2, tt.child, later); err != nil {
+		return fmt.Errorf("%w: the copy of %s: %w", ErrProcesses, tt.child.name(), err)
+	}
+	return nil
+}

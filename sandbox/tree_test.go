@@ -1,0 +1,104 @@
+package sandbox_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// treeProgram is a shell running a python3 child, then a command of its
+// own once the child ends. The child keeps a counter in memory, adds one
+// at each SIGUSR1, and writes it to /tmp/counter at each SIGUSR2; the
+// shell writes the child's exit status to /tmp/done.
+const treeProgram = `python3 -c '
+import os, signal
+n = [0]
+def add(*_): n[0] += 1
+def tell(*_):
+    with open("/tmp/counter.tmp", "w") as f: f.write("%d %d %d" % (n[0], os.getpid(), os.getppid()))
+    os.rename("/tmp/counter.tmp", "/tmp/counter")
+signal.signal(signal.SIGUSR1, add)
+signal.signal(signal.SIGUSR2, tell)
+open("/tmp/ready", "w").close()
+while True: signal.pause()
+'; echo "status $?" > /tmp/done`
+
+// TestTreeCopy restores a shell and its child in place by copies of their
+// templates, three times over and again from a checkpoint of a copy:
+// each restore has the checkpoint's pids, parent links, session and
+// memory, the shell waits for its child as before (it runs its next
+// command when the child ends), and the templates are unchanged by what
+// the copies did.
+func TestTreeCopy(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", treeProgram}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	// The live child: the templates, which ps lists too, lead sessions of
+	// their own.
+	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
+	ids := func() string {
+		return sh(t, s, "c="+child+"; ps -o pid=,ppid=,pgid=,sid=,comm= -p $c,$(ps -o ppid= -p $c | tr -d ' ')")
+	}
+	signal := func(sig string) { sh(t, s, "kill -"+sig+" "+child) }
+	// counter asks the child for its counter; it returns "n pid ppid".
+	counter := func() string {
+		return sh(t, s, "rm -f /tmp/counter; kill -USR2 "+child+"; while [ ! -e /tmp/counter ]; do sleep 0.01; done; cat /tmp/counter")
+	}
+	signal("USR1")
+	want, wantIDs := counter(), ids()
+	if !strings.HasPrefix(want, "1 ") {
+		t.Fatalf("the child's counter before the checkpoint: %q", want)
+	}
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	for i := range 3 {
+		// Changed: the counter, and, the second time, the child gone
+		// and the shell run to its end.
+		signal("USR1")
+		signal("USR1")
+		if i == 1 {
+			signal("TERM")
+			sh(t, s, "while [ ! -e /tmp/done ]; do sleep 0.01; done")
+		}
+		copies := s.TreeCopies()
+		must(t, s.Restore(ctx, ck.ID))
+		if s.TreeCopies() != copies+1 {
+			t.Fatalf("restore %d: the tree was not copied from its templates", i)
+		}
+		if got := ids(); got != wantIDs {
+			t.Fatalf("restore %d: the processes are\n%s\nnot, as at the checkpoint,\n%s", i, got, wantIDs)
+		}
+		if got := counter(); got != want {
+			t.Fatalf("restore %d: the child's counter, pid and parent %q, want %q", i, got, want)
+		}
+	}
+	// The shell waits for the copy of its child, which it forked as far
+	// as it knows: it runs on when the child ends.
+	signal("TERM")
+	sh(t, s, "while [ ! -e /tmp/done ]; do sleep 0.01; done")
+	if got := strings.TrimSpace(sh(t, s, "cat /tmp/done")); got != fmt.Sprintf("status %d", 128+15) {
+		t.Fatalf("the shell saw its child end with %q", got)
+	}
+	// A checkpoint of a copied tree is copied in turn.
+	must(t, s.Restore(ctx, ck.ID))
+	signal("USR1")
+	want2 := counter()
+	ck2, err := s.Checkpoint(ctx)
+	must(t, err)
+	signal("USR1")
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck2.ID))
+	if s.TreeCopies() != copies+1 {
+		t.Fatal("a checkpoint of a copied tree was not copied from its templates")
+	}
+	if got := counter(); got != want2 {
+		t.Fatalf("the copy of the copy: counter %q, want %q", got, want2)
+	}
+}
