@@ -206,9 +206,15 @@ func (ps *State) TreeCopies() int64 { return ps.treeCopies.Load() }
 
 // copyTree brings back the tree of tt by a copy of its templates, its pids
 // free. On error nothing of the copy is left.
-func (ps *State) copyTree(tt *treeTemplate) (err error) {
+func (ps *State) copyTree(tt *treeTemplate) error {
 	ps.run.Lock()
 	defer ps.run.Unlock()
+	return ps.copyTreeLocked(tt)
+}
+
+// copyTreeLocked is copyTree with run held.
+// +checklocks:ps.run
+func (ps *State) copyTreeLocked(tt *treeTemplate) error {
 	for _, t := range []Template{tt.root, tt.child} {
 		if start, err := StartTime(t.HostPid); err != nil || start != t.Start {
 			return fmt.Errorf("the template of %s is gone", t.name())
@@ -227,7 +233,14 @@ func (ps *State) copyTree(tt *treeTemplate) (err error) {
 	if err := ps.setTplFrozen(tt.tg, false); err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, ps.setTplFrozen(tt.tg, true)) }()
+	err = ps.copyThawed(tt, rt, ct)
+	// Frozen again before the templates are detached (tr.Close).
+	return errors.Join(err, ps.setTplFrozen(tt.tg, true))
+}
+
+// copyThawed makes the copy of tt once its templates rt and ct, seized,
+// are thawed into their stops.
+func (ps *State) copyThawed(tt *treeTemplate, rt, ct *ptfork.Proc) error {
 	if err := errors.Join(rt.Wait(), ct.Wait()); err != nil {
 		return err
 	}
