@@ -105,7 +105,9 @@ func (r *Runtime) readopt(ctx context.Context, id string) {
 		// Clear of the group names the crashed server used.
 		seq: 1 << 30}
 	s.procs = procstate.New((*procHost)(s), r.procConfig())
-	if cks := s.findTemplates(); len(cks) > 0 {
+	cks := s.findTemplates()
+	s.endUnadopted()
+	if len(cks) > 0 {
 		if err := s.endAllButTemplates(); err != nil {
 			r.log.Warn("ending the processes of a crashed server's sandbox", "sandbox", id, "err", err)
 		}
@@ -181,6 +183,33 @@ func (s *Sandbox) findTemplates() []*checkpoint {
 		cks = append(cks, c)
 	}
 	return cks
+}
+
+// endUnadopted removes the template groups of a crashed server's sandbox
+// that findTemplates did not adopt (a tree's templates, which no record
+// names: its images serve), killing their templates: frozen, killed one by
+// one, they would hold the pid namespace's end.
+func (s *Sandbox) endUnadopted() {
+	adopted := map[string]bool{}
+	for _, tg := range s.procs.Groups() {
+		adopted[tg.Name()] = true
+	}
+	ents, err := os.ReadDir(s.cg.Dirs()[0])
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if !e.IsDir() || !procstate.IsTemplateGroup(e.Name()) {
+			continue
+		}
+		g, err := s.cg.OpenSub(e.Name())
+		if err != nil || adopted[g.Name()] {
+			continue
+		}
+		if err := g.Delete(); err != nil {
+			s.rt.log.Warn("ending a crashed server's unrecorded templates", "sandbox", s.id, "group", e.Name(), "err", err)
+		}
+	}
 }
 
 // saveTemplates saves the templates of cks as CRIU images, oldest

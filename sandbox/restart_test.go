@@ -74,7 +74,8 @@ func crashChild() {
 
 // crashWithTemplates runs the counter of procs_test.go in the default
 // image and a session, and takes two checkpoints that keep both as
-// templates, at counts 3 and 5; it counts on to 6 and waits to be killed.
+// templates, at counts 3 and 5; it counts on to 6, checkpoints a shell
+// running a python3 child in another sandbox, and waits to be killed.
 // The session runs a command right before each checkpoint and before the
 // end: the init's exit events then often sit unread in the server's socket
 // when it dies, and the init sees ECONNRESET, not EOF.
@@ -147,7 +148,25 @@ func crashWithTemplates(rt *sandbox.Runtime, fail func(error)) {
 		fail(err)
 	}
 	incIn(kids[0], 5)
-	fmt.Println("READY", ids[0], ids[1], s.ID(), s.InitPid(), ck.ID, kids[0].InitPid())
+	// In a sandbox of its own (a checkpoint with images forks no copies
+	// ahead), a shell and its child: images, and templates no record
+	// names, used by a restore.
+	t, err := rt.Create(ctx, sandbox.Spec{Image: "default"})
+	if err != nil {
+		fail(err)
+	}
+	if _, err := t.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", "python3 -c 'import time; open(\"/tmp/tree\", \"w\").close(); time.sleep(1e9)'; echo done"}, Background: true}); err != nil {
+		fail(err)
+	}
+	runIn(t, "for i in $(seq 1000); do [ -e /tmp/tree ] && exit 0; sleep 0.01; done; exit 1")
+	tck, err := t.Checkpoint(ctx)
+	if err != nil {
+		fail(err)
+	}
+	if err := t.Restore(ctx, tck.ID); err != nil {
+		fail(err)
+	}
+	fmt.Println("READY", ids[0], ids[1], s.ID(), s.InitPid(), ck.ID, kids[0].InitPid(), tck.ID, t.InitPid())
 	select {}
 }
 
@@ -268,9 +287,10 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
 	f := crash(t, b, "templates", defaultRootfs(t))
-	ck3, ck5, sb, ckFork := f[0], f[1], f[2], f[4]
+	ck3, ck5, sb, ckFork, ckTree := f[0], f[1], f[2], f[4], f[6]
 	initPid, _ := strconv.Atoi(f[3])
 	forkInit, _ := strconv.Atoi(f[5])
+	treeInit, _ := strconv.Atoi(f[7])
 	if _, err := os.Stat(fmt.Sprintf("/proc/%d", forkInit)); err != nil {
 		t.Fatalf("the init of a forked sandbox with templates did not outlive its server: %v", err)
 	}
@@ -306,12 +326,23 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 		t.Fatal(err)
 	}
 	b.rt = rt
-	if ended := rt.Ended(); len(ended) != 2 || !slices.Contains(ended, sb) {
-		t.Fatalf("ended %v, want %s and the fork", ended, sb)
+	if ended := rt.Ended(); len(ended) != 3 || !slices.Contains(ended, sb) {
+		t.Fatalf("ended %v, want %s, the fork and the tree's", ended, sb)
 	}
 	waitGone(t, initPid, "the init of a re-adopted sandbox")
 	waitGone(t, forkInit, "the init of a re-adopted fork")
+	// Its tree's templates, which no record names, ended with it.
+	waitGone(t, treeInit, "the init of a sandbox with tree templates")
 	checkNoCgroups(t, b)
+	// The tree comes back from its images.
+	kt, err := rt.Fork(t.Context(), ckTree, 1, sandbox.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = kt[0].Destroy(context.Background()) })
+	if got := sh(t, kt[0], "ps -o comm= -p $(ps -o ppid= -p $(pgrep -x python3))"); strings.TrimSpace(got) != "sh" {
+		t.Fatalf("the tree in a fork of its checkpoint after the crash: the parent of its python3 is %q", got)
+	}
 	// The fork's checkpoint: its counter (a copy of a process criu
 	// restored, whose parent was the server) comes back at 4.
 	kf, err := rt.Fork(t.Context(), ckFork, 1, sandbox.Spec{})
@@ -332,6 +363,7 @@ func TestCrashReadoptsTemplates(t *testing.T) {
 	if got := sh(t, k[0], "cat /tmp/count"); got != "3" {
 		t.Fatalf("count file %q", got)
 	}
+
 	inc(t, k[0], 4)
 	if res, err := k[0].Exec(t.Context(), sandbox.ExecRequest{Session: "main", Command: "echo $X $(pwd)"}); err != nil || string(res.Stdout) != "kept /tmp\n" {
 		t.Fatalf("the session's shell after the crash: %v %+v", err, res)

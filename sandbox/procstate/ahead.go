@@ -407,8 +407,15 @@ func (ps *State) WaitAhead() {
 }
 
 // IsAheadGroup says whether name is that of a group of copies forked ahead.
-func IsAheadGroup(name string) bool {
-	if len(name) < 2 || name[0] != 'p' {
+func IsAheadGroup(name string) bool { return numbered(name, 'p') }
+
+// IsTemplateGroup reports whether a sub-group of a sandbox's group named
+// name holds templates (frozenGroup's "t" names).
+func IsTemplateGroup(name string) bool { return numbered(name, 't') }
+
+// numbered reports whether name is prefix followed by a decimal number.
+func numbered(name string, prefix byte) bool {
+	if len(name) < 2 || name[0] != prefix {
 		return false
 	}
 	for _, r := range name[1:] {
