@@ -112,6 +112,16 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 	if rp == nil || cp == nil {
 		return nil, errors.New("not stopped")
 	}
+	// Checked before anything is made: a root that is a subreaper would
+	// adopt the child's template (ForkOrphan checks the child), and a
+	// child with seccomp filters of its own might refuse ForkOrphan's
+	// wait4, leaving it a zombie.
+	if sub, err := rp.Subreaper(); err != nil || sub {
+		return nil, errors.Join(err, errors.New("its root is a subreaper"))
+	}
+	if err := ptfork.SameFilters(rp.Pid, cp.Pid); err != nil {
+		return nil, err
+	}
 	tg, err := ps.frozenGroup("t")
 	if err != nil {
 		return nil, err
@@ -144,7 +154,21 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 	tt.child.Leader = true
 	ct, err := forkTemplateWith(cp, &tt.child, tg, func(p *ptfork.Proc) (*ptfork.Proc, error) {
 		c, _, err := p.ForkOrphan()
-		return c, err
+		if err != nil {
+			return nil, err
+		}
+		// The init's child, out of the tree: not a subreaper's the tree
+		// holds (a dump of the tree would wait for it), and whole (a fork
+		// leaves out memory marked MADV_DONTFORK).
+		if ppid, perr := parentPid(c.Pid); perr != nil || ppid != ps.h.InitPid() {
+			c.Kill()
+			return nil, fmt.Errorf("the child's template is the child of pid %d, not of the init (a subreaper)", ppid)
+		}
+		if a, b := vmSize(p.Pid), vmSize(c.Pid); a != b {
+			c.Kill()
+			return nil, fmt.Errorf("the child's template maps %d pages, the child %d (memory marked not to be forked)", b, a)
+		}
+		return c, nil
 	}, func(t *ptfork.Proc) error {
 		var err error
 		tt.like, err = ptfork.ReadLayout(t.Pid)
@@ -166,6 +190,20 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 		}
 	}
 	return tt, nil
+}
+
+// parentPid reads pid's parent (host pids).
+func parentPid(pid int) (int, error) {
+	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	i := strings.LastIndexByte(string(st), ')')
+	f := strings.Fields(string(st[i+1:]))
+	if len(f) < 2 {
+		return 0, fmt.Errorf("stat of pid %d", pid)
+	}
+	return strconv.Atoi(f[1])
 }
 
 // keepTrees records tts as checkpoint id's tree templates.
@@ -215,11 +253,6 @@ func (ps *State) copyTree(tt *treeTemplate) error {
 // copyTreeLocked is copyTree with run held.
 // +checklocks:ps.run
 func (ps *State) copyTreeLocked(tt *treeTemplate) error {
-	for _, t := range []Template{tt.root, tt.child} {
-		if start, err := StartTime(t.HostPid); err != nil || start != t.Start {
-			return fmt.Errorf("the template of %s is gone", t.name())
-		}
-	}
 	tr := ptfork.NewSession()
 	defer tr.Close()
 	rt, err := tr.Seize(tt.root.HostPid)
@@ -229,6 +262,13 @@ func (ps *State) copyTreeLocked(tt *treeTemplate) error {
 	ct, err := tr.Seize(tt.child.HostPid)
 	if err != nil {
 		return err
+	}
+	// Seized, a pid is held: the processes are the templates if their
+	// start times are.
+	for _, t := range []Template{tt.root, tt.child} {
+		if start, err := StartTime(t.HostPid); err != nil || start != t.Start {
+			return fmt.Errorf("the template of %s is gone", t.name())
+		}
 	}
 	if err := ps.setTplFrozen(tt.tg, false); err != nil {
 		return err
@@ -249,13 +289,14 @@ func (ps *State) copyThawed(tt *treeTemplate, rt, ct *ptfork.Proc) error {
 	if err == nil {
 		err = ps.readyTree(tt, x, c2)
 	}
+	if err == nil {
+		err = errors.Join(c2.Detach(), x.Detach())
+	}
 	if err != nil {
 		for _, p := range made {
+			_ = unix.Kill(p.Pid, unix.SIGKILL) // detached or not
 			p.Kill()
 		}
-		return err
-	}
-	if err := errors.Join(c2.Detach(), x.Detach()); err != nil {
 		return err
 	}
 	ps.treeCopies.Add(1)

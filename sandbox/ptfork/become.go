@@ -58,6 +58,10 @@ func (p *Proc) ForkOrphan() (*Proc, int, error) {
 	if p.group != nil || len(p.threads) > 0 {
 		return nil, 0, fmt.Errorf("%w: ForkOrphan is for a process of one thread", ErrThreads)
 	}
+	// A subreaper would adopt the copy: refused before anything is made.
+	if sub, err := p.Subreaper(); err != nil || sub {
+		return nil, 0, errors.Join(err, fmt.Errorf("%w: pid %d is a subreaper", ErrBecome, p.Pid))
+	}
 	mid, midNs, err := p.forkWith(0)
 	if err != nil {
 		return nil, 0, err
@@ -69,6 +73,9 @@ func (p *Proc) ForkOrphan() (*Proc, int, error) {
 	if _, werr := p.Syscall(unix.SYS_WAIT4, uintptr(midNs), 0, unix.WALL, 0); werr != nil {
 		err = errors.Join(err, fmt.Errorf("reaping the middle child %d of pid %d: %w", mid.Pid, p.Pid, werr))
 	}
+	if err == nil {
+		err = orphanWhole(p.Pid, c.Pid)
+	}
 	if err != nil {
 		if c != nil {
 			c.Kill()
@@ -76,6 +83,50 @@ func (p *Proc) ForkOrphan() (*Proc, int, error) {
 		return nil, 0, err
 	}
 	return c, nsPid, nil
+}
+
+// Subreaper reports whether stopped process p is a child subreaper
+// (PR_SET_CHILD_SUBREAPER): an orphan below it goes to it, not to the init.
+func (p *Proc) Subreaper() (bool, error) {
+	sp := p.Scratch()
+	a, err := sp.Put("")
+	if err == nil {
+		const prGetChildSubreaper = 37
+		_, err = p.Syscall(unix.SYS_PRCTL, prGetChildSubreaper, a)
+	}
+	var v [4]byte
+	if err == nil {
+		err = p.Read(a, v[:])
+	}
+	if rerr := sp.Release(); err == nil {
+		err = rerr
+	}
+	if err != nil {
+		return false, fmt.Errorf("reading the subreaper flag of pid %d: %w", p.Pid, err)
+	}
+	return v != [4]byte{}, nil
+}
+
+// orphanWhole checks that c, p's ForkOrphan copy, was not adopted by p (a
+// subreaper) and has all of p's memory (a fork leaves out what is marked
+// MADV_DONTFORK).
+func orphanWhole(p, c int) error {
+	st, err := procStatus(c)
+	if err != nil {
+		return err
+	}
+	if st["PPid"] == strconv.Itoa(p) {
+		return fmt.Errorf("%w: pid %d, a subreaper, adopted its copy", ErrBecome, p)
+	}
+	a, err1 := os.ReadFile("/proc/" + strconv.Itoa(p) + "/statm")
+	b, err2 := os.ReadFile("/proc/" + strconv.Itoa(c) + "/statm")
+	if err := errors.Join(err1, err2); err != nil {
+		return fmt.Errorf("%w: %w", ErrGone, err)
+	}
+	if fa, fb := strings.Fields(string(a)), strings.Fields(string(b)); len(fa) == 0 || len(fb) == 0 || fa[0] != fb[0] {
+		return fmt.Errorf("%w: the copy of pid %d lacks memory of it (marked not to be forked)", ErrBecome, p)
+	}
+	return nil
 }
 
 // vma is one line of /proc/<pid>/maps.
@@ -379,21 +430,11 @@ func (x *Proc) Become(s *Source, like *Layout) error {
 	if len(x.threads) > 0 || x.group != nil {
 		return fmt.Errorf("%w: pid %d has more than one thread", ErrBecome, x.Pid)
 	}
-	if like == nil {
-		var err error
-		if like, err = ReadLayout(x.Pid); err != nil {
-			return err
-		}
-	}
-	if err := sameIdentity(like, s); err != nil {
+	like, err := x.checkBecome(s, like)
+	if err != nil {
 		return err
 	}
 	own := like.maps
-	for _, v := range own {
-		if v.start >= userTop && v.path != "[vsyscall]" {
-			return fmt.Errorf("%w: pid %d maps %#x, above 47 bits", ErrBecome, x.Pid, v.start)
-		}
-	}
 	base, err := x.placeScratch(own, s.maps)
 	if err != nil {
 		return err
@@ -460,8 +501,68 @@ func (s *Source) Fits(like *Layout) error {
 	if err := sameIdentity(like, s); err != nil {
 		return err
 	}
+	if err := sameFilters(like.pid, s.pid); err != nil {
+		return err
+	}
 	_, err := fdsToClose(s, like.pid, like.fds)
 	return err
+}
+
+// SameFilters is sameFilters for the server's checks ahead.
+func SameFilters(a, b int) error { return sameFilters(a, b) }
+
+// sameFilters checks that stopped tracees a and b have the same seccomp
+// filters, program for program (Become carries none): as many as each
+// other is not enough.
+func sameFilters(a, b int) error {
+	const ptraceSeccompGetFilter = 0x420c
+	for i := 0; ; i++ {
+		var prog [2][]byte
+		for k, pid := range []int{a, b} {
+			n, _, e := unix.Syscall6(unix.SYS_PTRACE, ptraceSeccompGetFilter, uintptr(pid), uintptr(i), 0, 0, 0)
+			if e == unix.ENOENT || e == unix.EINVAL && i == 0 {
+				continue // no filter at that index; no filter at all
+			}
+			if e != 0 {
+				return fmt.Errorf("reading seccomp filter %d of pid %d: %w", i, pid, e)
+			}
+			prog[k] = make([]byte, n*8) // struct sock_filter
+			if n > 0 {
+				if _, _, e := unix.Syscall6(unix.SYS_PTRACE, ptraceSeccompGetFilter, uintptr(pid), uintptr(i), uintptr(unsafe.Pointer(&prog[k][0])), 0, 0); e != 0 {
+					return fmt.Errorf("reading seccomp filter %d of pid %d: %w", i, pid, e)
+				}
+			}
+		}
+		if prog[0] == nil && prog[1] == nil {
+			return nil
+		}
+		if !bytes.Equal(prog[0], prog[1]) || prog[0] == nil || prog[1] == nil {
+			return fmt.Errorf("%w: pids %d and %d differ in seccomp filter %d", ErrBecome, a, b, i)
+		}
+	}
+}
+
+// checkBecome checks what Become does not carry, and returns x's layout
+// (like, or read now if nil).
+func (x *Proc) checkBecome(s *Source, like *Layout) (*Layout, error) {
+	if like == nil {
+		var err error
+		if like, err = ReadLayout(x.Pid); err != nil {
+			return nil, err
+		}
+	}
+	if err := sameIdentity(like, s); err != nil {
+		return nil, err
+	}
+	if err := sameFilters(x.Pid, s.pid); err != nil {
+		return nil, err
+	}
+	for _, v := range like.maps {
+		if v.start >= userTop && v.path != "[vsyscall]" {
+			return nil, fmt.Errorf("%w: pid %d maps %#x, above 47 bits", ErrBecome, x.Pid, v.start)
+		}
+	}
+	return like, nil
 }
 
 // batch gathers calls for Batch and the data they point to: data is two
@@ -637,6 +738,11 @@ func (b *batch) moveSpecials(own, src []vma, base uintptr) error {
 	x := b.x
 	type move struct{ from, to, size uint64 }
 	var moves []move
+	for _, w := range src {
+		if w.special() && w.path != "[vsyscall]" && !slices.ContainsFunc(own, func(v vma) bool { return v.path == w.path }) {
+			return fmt.Errorf("%w: the other process has %s, pid %d not", ErrBecome, w.path, x.Pid)
+		}
+	}
 	for _, v := range own {
 		if !v.special() || v.path == "[vsyscall]" {
 			continue
@@ -693,7 +799,9 @@ func (b *batch) openFiles(src []vma) []string {
 		paths = append(paths, v.path)
 	}
 	for _, p := range paths {
-		b.add(unix.SYS_OPENAT, atFdcwd, b.put(append([]byte(p), 0)), unix.O_RDONLY|unix.O_CLOEXEC)
+		// Not blocking: a FIFO put at the path since would hold the copy
+		// in its open (its map then fails, and so does Become).
+		b.add(unix.SYS_OPENAT, atFdcwd, b.put(append([]byte(p), 0)), unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK)
 	}
 	return paths
 }

@@ -37,6 +37,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -567,7 +568,7 @@ func (p *Proc) syscall(nr uintptr, args []uintptr) (uintptr, int, error) {
 	if err := unix.PtraceSetRegs(p.Pid, &regs); err != nil {
 		return 0, 0, fmt.Errorf("setting registers of pid %d: %w", p.Pid, err)
 	}
-	child := 0
+	child, steps := 0, 0
 	for {
 		if err := unix.PtraceSingleStep(p.Pid); err != nil {
 			return 0, 0, fmt.Errorf("stepping pid %d: %w", p.Pid, err)
@@ -592,10 +593,16 @@ func (p *Proc) syscall(nr uintptr, args []uintptr) (uintptr, int, error) {
 			child = int(msg)
 			continue
 		}
-		if ws.StopSignal() != unix.SIGTRAP {
+		if sig := ws.StopSignal(); sig != unix.SIGTRAP {
+			if steps++; steps > maxSteps || faulted(p.Pid, sig) {
+				// The instruction at sysAddr faults (a vDSO the
+				// process rewrote, or unmapped): stepping it again
+				// would fault again, forever.
+				return 0, child, fmt.Errorf("%w: pid %d took %s at an injected system call %d", ErrStop, p.Pid, unix.SignalName(sig), nr)
+			}
 			// A signal arrived while stepping: keep it for detach and
 			// step on (data 0 suppresses it now).
-			p.Signal = ws.StopSignal()
+			p.Signal = sig
 			continue
 		}
 		break
@@ -611,6 +618,25 @@ func (p *Proc) syscall(nr uintptr, args []uintptr) (uintptr, int, error) {
 		return 0, child, unix.Errno(-r)
 	}
 	return uintptr(out.Rax), child, nil
+}
+
+// maxSteps bounds the signals one injected call lets by before it gives up:
+// more than any number of other processes' signals can queue distinct.
+const maxSteps = 1024
+
+// faulted reports whether signal sig, which stopped tracee pid, is a fault
+// of its own instruction (the kernel's, si_code > 0), not one sent to it.
+func faulted(pid int, sig unix.Signal) bool {
+	switch sig {
+	case unix.SIGSEGV, unix.SIGBUS, unix.SIGILL, unix.SIGFPE:
+	default:
+		return false
+	}
+	var si [128]byte // siginfo_t: si_signo, si_errno, si_code
+	if _, _, e := unix.Syscall6(unix.SYS_PTRACE, unix.PTRACE_GETSIGINFO, uintptr(pid), 0, uintptr(unsafe.Pointer(&si[0])), 0, 0); e != 0 {
+		return true
+	}
+	return int32(binary.NativeEndian.Uint32(si[8:])) > 0
 }
 
 // CloneFlags are the flags of the clone Fork injects: a sibling (CLONE_PARENT)
@@ -891,6 +917,10 @@ func syscallInsn(pid int) (uint64, error) {
 	base, _, err := vdsoRange(strconv.Itoa(pid))
 	if err != nil {
 		return 0, err
+	}
+	var insn [2]byte
+	if n, err := unix.PtracePeekText(pid, uintptr(base+off), insn[:]); err != nil || n != 2 || insn != [2]byte{0x0f, 0x05} {
+		return 0, fmt.Errorf("%w: pid %d has no syscall instruction where its vDSO has one (rewritten)", ErrStop, pid)
 	}
 	return base + off, nil
 }

@@ -1,0 +1,320 @@
+package sandbox_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// treeChildWith is treeProgram with code run first in its python3 child.
+func treeChildWith(code string) string {
+	return strings.Replace(treeProgram, "import os, signal\n", "import os, signal\n"+code, 1)
+}
+
+// checkpointOrHang takes a checkpoint of s, failing the test if it has
+// not returned after 20 s (a checkpoint takes well under a second);
+// then it tries to destroy the sandbox, kills the sandbox's processes
+// whose command line holds marker, from the host, and waits for the
+// checkpoint to return.
+func checkpointOrHang(t *testing.T, s *sandbox.Sandbox, marker string) (sandbox.CheckpointInfo, error, bool) {
+	t.Helper()
+	type res struct {
+		ck  sandbox.CheckpointInfo
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		ck, err := s.Checkpoint(context.Background())
+		done <- res{ck, err}
+	}()
+	select {
+	case r := <-done:
+		return r.ck, r.err, true
+	case <-time.After(20 * time.Second):
+	}
+	t.Errorf("the checkpoint has not returned after 20 s")
+	for _, pid := range hostPids("criu") {
+		wchan, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/wchan")
+		cl, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+		t.Logf("criu pid %d (%s) waits in %s", pid, strings.ReplaceAll(string(cl), "\x00", " "), wchan)
+	}
+	for _, pid := range hostPids(marker) {
+		st, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+		for _, l := range strings.Split(string(st), "\n") {
+			if strings.HasPrefix(l, "State") || strings.HasPrefix(l, "PPid") || strings.HasPrefix(l, "TracerPid") {
+				t.Logf("pid %d: %s", pid, l)
+			}
+		}
+		kids, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/task/" + strconv.Itoa(pid) + "/children")
+		t.Logf("pid %d children %q", pid, kids)
+	}
+	// Nor does the sandbox's end come while the checkpoint holds it.
+	destroyed := make(chan error, 1)
+	go func() { destroyed <- s.Destroy(context.Background()) }()
+	select {
+	case err := <-destroyed:
+		t.Logf("the sandbox's Destroy returned %v", err)
+	case <-time.After(10 * time.Second):
+		t.Errorf("the sandbox's Destroy has not returned after 10 s either")
+	}
+	for _, pid := range hostPids(marker) {
+		_ = unix.Kill(pid, unix.SIGKILL)
+	}
+	r := <-done
+	t.Logf("after the kill of %q, the checkpoint returned %v", marker, r.err)
+	return r.ck, r.err, false
+}
+
+// hostPids lists the host pids of the processes whose command line holds
+// marker.
+func hostPids(marker string) []int {
+	var out []int
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		if cl, err := os.ReadFile("/proc/" + e.Name() + "/cmdline"); err == nil && strings.Contains(string(cl), marker) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// A process may rewrite its own vDSO (mapped with VM_MAYWRITE, for
+// debuggers), where ptfork injects every call: the checkpoint fails with
+// ErrProcesses saying so, at once, and the sandbox goes on (it hung, the
+// injection stepping a faulting instruction again and again).
+func TestAttackPatchedVdsoCheckpoint(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	const prog = `
+import ctypes, signal
+marker = "atkpatchedvdso"
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[vdso]"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(lo, hi - lo, 7) == 0
+buf = (ctypes.c_ubyte * (hi - lo)).from_address(lo)
+for i in range(hi - lo - 1):
+    if buf[i] == 0x0f and buf[i + 1] == 0x05:
+        buf[i + 1] = 0x0b
+open("/tmp/ready", "w").close()
+while True: signal.pause()
+`
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	if _, err, ok := checkpointOrHang(t, s, "atkpatchedvdso"); ok && (!errors.Is(err, sandbox.ErrProcesses) || !strings.Contains(err.Error(), "vDSO")) {
+		t.Fatalf("the checkpoint of a process with a rewritten vDSO: %v, want ErrProcesses naming the vDSO", err)
+	}
+	if got := sh(t, s, "echo ok"); got != "ok\n" {
+		t.Fatalf("the sandbox after the checkpoint: %q", got)
+	}
+}
+
+// A tree's child that is a child subreaper would adopt the template
+// ForkOrphan makes of it, which criu would then meet in the tree, frozen,
+// and wait for: the tree gets no templates, and its images serve.
+func TestAttackTreeSubreaper(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	prog := treeChildWith("import ctypes\nctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n")
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	before := sh(t, s, "ps -o pid=,ppid=,pgid=,sid=,stat=,comm=")
+	ck, err, ok := checkpointOrHang(t, s, "prctl(36")
+	if !ok {
+		return
+	}
+	must(t, err)
+	after := sh(t, s, "ps -o pid=,ppid=,pgid=,sid=,stat=,comm=")
+	t.Logf("before the checkpoint:\n%s\nafter:\n%s", before, after)
+	// The live child has a python3 child now: the template.
+	kids := sh(t, s, `for p in $(pgrep -x python3); do pp=$(ps -o ppid= -p $p | tr -d ' '); [ "$(cat /proc/$pp/comm 2>/dev/null)" = python3 ] && echo $p; done; true`)
+	if strings.TrimSpace(kids) != "" {
+		t.Errorf("a python3 process (%s) is the child of the live python3: the child's template was adopted", strings.TrimSpace(kids))
+	}
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck.ID))
+	if s.TreeCopies() != copies {
+		t.Errorf("a tree whose child is a subreaper was copied from templates")
+	}
+	// A new sandbox from the checkpoint takes its images.
+	f := b.create(t, sandbox.Spec{Checkpoint: ck.ID})
+	t.Logf("a sandbox from the checkpoint:\n%s", sh(t, f, "ps -o pid=,ppid=,pgid=,sid=,stat=,comm="))
+	if n := strings.Count(sh(t, f, "pgrep -x python3 || true"), "\n"); n != 1 {
+		t.Errorf("a sandbox from the checkpoint runs %d python3 processes, want 1", n)
+	}
+}
+
+// A tree's child that holds memory marked MADV_DONTFORK (pinned buffers,
+// RDMA and GPU libraries mark theirs so) would have a template without it
+// (ForkOrphan forks it twice): the tree gets no templates, and a restore in
+// place from its images brings that memory back.
+func TestAttackTreeDontFork(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	prog := treeChildWith(`import mmap
+m = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+m.write(b"\x07" * (1 << 20))
+m.madvise(mmap.MADV_DONTFORK)
+`)
+	prog = strings.Replace(prog, `"%d %d %d" % (n[0], os.getpid(), os.getppid())`, `"%d %d %d %d" % (n[0], os.getpid(), os.getppid(), m[12345])`, 1)
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
+	counter := func() string {
+		return strings.TrimSpace(sh(t, s, "rm -f /tmp/counter; kill -USR2 "+child+"; for i in $(seq 300); do [ -e /tmp/counter ] && break; sleep 0.01; done; cat /tmp/counter 2>/dev/null; cat /tmp/done 2>/dev/null; true"))
+	}
+	want := counter()
+	if !strings.HasSuffix(want, " 7") {
+		t.Fatalf("the child's answer before the checkpoint: %q", want)
+	}
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	t.Logf("captured: %+v", ck.Processes)
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck.ID))
+	if s.TreeCopies() != copies {
+		t.Errorf("a tree whose child has MADV_DONTFORK memory was copied from templates")
+	}
+	if got := counter(); got != want {
+		t.Fatalf("after a restore in place, the child answers %q, want %q", got, want)
+	}
+}
+
+// seccompTree is a python3 parent and child, each stacking a seccomp
+// filter of its own after the fork (so both have as many: Fits passes),
+// the parent's refusing getcwd, the child's refusing the call numbered
+// CHILDNR. The child counts SIGUSR1s and writes "count pid ppid" to
+// /tmp/counter at SIGUSR2; the parent writes whether getcwd is allowed to
+// /tmp/rootcwd at SIGUSR1.
+const seccompTree = `
+import ctypes, os, signal, struct
+libc = ctypes.CDLL(None, use_errno=True)
+def deny(nr):
+    prog = b"".join(struct.pack("HBBI", *i) for i in [(0x20, 0, 0, 0), (0x15, 0, 1, nr), (0x06, 0, 0, 0x50001), (0x06, 0, 0, 0x7fff0000)])
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", 4, ctypes.addressof(buf)), 16)
+    assert libc.prctl(22, 2, fprog, 0, 0) == 0, ctypes.get_errno()
+n = [0]
+def add(*_): n[0] += 1
+def tell(*_):
+    with open("/tmp/counter.tmp", "w") as f: f.write("%d %d %d" % (n[0], os.getpid(), os.getppid()))
+    os.rename("/tmp/counter.tmp", "/tmp/counter")
+pid = os.fork()
+if pid == 0:
+    deny(CHILDNR)
+    signal.signal(signal.SIGUSR1, add)
+    signal.signal(signal.SIGUSR2, tell)
+    open("/tmp/ready", "w").close()
+    while True: signal.pause()
+def cwd(*_):
+    try:
+        os.getcwd()
+        r = "allowed"
+    except OSError:
+        r = "denied"
+    with open("/tmp/rootcwd.tmp", "w") as f: f.write(r)
+    os.rename("/tmp/rootcwd.tmp", "/tmp/rootcwd")
+signal.signal(signal.SIGUSR1, cwd)
+deny(79)
+while True:
+    try:
+        os.waitpid(pid, 0)
+        break
+    except InterruptedError:
+        pass
+`
+
+// A tree whose child's own seccomp filter refuses rseq (which Become
+// calls in the copy) gets no templates, its filters differing from its
+// root's; the tree's images serve: the restore has the checkpoint's pids,
+// memory and no other process. (The root's parent is compared apart: a root restored by CRIU
+// has none in the sandbox, ppid 0, where it had the init.)
+func TestAttackTreeCopyFallback(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", strings.Replace(seccompTree, "CHILDNR", "334", 1)}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
+	ids := func() string {
+		return sh(t, s, "c="+child+"; ps -o pid=,pgid=,sid=,comm= -p $c,$(ps -o ppid= -p $c | tr -d ' ')")
+	}
+	counter := func() string {
+		return strings.TrimSpace(sh(t, s, "rm -f /tmp/counter; kill -USR2 "+child+"; for i in $(seq 300); do [ -e /tmp/counter ] && break; sleep 0.01; done; cat /tmp/counter 2>/dev/null; true"))
+	}
+	sh(t, s, "kill -USR1 "+child)
+	want, wantIDs := counter(), ids()
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	t.Logf("captured: %+v", ck.Processes)
+	all := "ps -o pid=,sid=,comm= | grep python3"
+	before := sh(t, s, all)
+	sh(t, s, "kill -USR1 "+child)
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck.ID))
+	t.Logf("tree copies %d -> %d", copies, s.TreeCopies())
+	if got := ids(); got != wantIDs {
+		t.Errorf("the processes are\n%s\nnot, as at the checkpoint,\n%s", got, wantIDs)
+	}
+	if got := counter(); got != want {
+		t.Errorf("the child answers %q, want %q", got, want)
+	}
+	if got := sh(t, s, all); got != before {
+		t.Errorf("the sandbox runs\n%s\nnot, as after the checkpoint,\n%s", got, before)
+	}
+}
+
+// A python3 parent and child that each stacked a seccomp filter of their
+// own after the fork have as many filters, but not the same: the tree gets
+// no templates (a copy of the root would have the child's filter), and a
+// restore in place from its images keeps the root's (getcwd refused).
+func TestAttackTreeSeccompSwap(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", strings.Replace(seccompTree, "CHILDNR", "110", 1)}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	const root = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" = $p ] && [ -n "$(pgrep -P $p)" ] && echo $p; done)`
+	rootCwd := func() string {
+		return strings.TrimSpace(sh(t, s, "rm -f /tmp/rootcwd; kill -USR1 "+root+"; for i in $(seq 300); do [ -e /tmp/rootcwd ] && break; sleep 0.01; done; cat /tmp/rootcwd 2>/dev/null; true"))
+	}
+	if got := rootCwd(); got != "denied" {
+		t.Fatalf("the root before the checkpoint: getcwd %q", got)
+	}
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck.ID))
+	if s.TreeCopies() != copies {
+		t.Errorf("a tree whose processes differ in seccomp filters was copied from templates")
+	}
+	if got := rootCwd(); got != "denied" {
+		t.Errorf("after a restore in place by copies, the root's getcwd is %q, not denied: it has the child's seccomp filter, not its own", got)
+	}
+}
