@@ -158,15 +158,11 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 			return nil, err
 		}
 		// The init's child, out of the tree: not a subreaper's the tree
-		// holds (a dump of the tree would wait for it), and whole (a fork
-		// leaves out memory marked MADV_DONTFORK).
+		// holds, which a dump of the tree would wait for (ForkOrphan
+		// checks the child, and that the copy is whole).
 		if ppid, perr := parentPid(c.Pid); perr != nil || ppid != ps.h.InitPid() {
 			c.Kill()
 			return nil, fmt.Errorf("the child's template is the child of pid %d, not of the init (a subreaper)", ppid)
-		}
-		if a, b := vmSize(p.Pid), vmSize(c.Pid); a != b {
-			c.Kill()
-			return nil, fmt.Errorf("the child's template maps %d pages, the child %d (memory marked not to be forked)", b, a)
 		}
 		return c, nil
 	}, func(t *ptfork.Proc) error {
