@@ -96,6 +96,8 @@ func TestBecomeTree(t *testing.T) {
 			child, _ = strconv.Atoi(f[1])
 		}
 	}
+	// The child outlives its parent's kill: ended on every path.
+	t.Cleanup(func() { _ = unix.Kill(child, unix.SIGKILL) })
 	s := NewSession()
 	defer s.Close()
 	sp, err := s.Attach(parent)
