@@ -251,7 +251,7 @@ while True:
 // root's; the tree's images serve: the restore has the checkpoint's pids,
 // memory and no other process. (The root's parent is compared apart: a root restored by CRIU
 // has none in the sandbox, ppid 0, where it had the init.)
-func TestAttackTreeCopyFallback(t *testing.T) {
+func TestAttackTreeChildFilterImages(t *testing.T) {
 	needCRIU(t)
 	b := setup(t)
 	ctx := context.Background()

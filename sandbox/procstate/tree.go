@@ -61,27 +61,30 @@ func (u procTree) treeCopyable() string {
 	case root.tpl.Itimer != [4]int64{}:
 		return "its root has an interval timer"
 	}
-	ids, err := groupAndSession(child.tpl.HostPid)
-	if err != nil || ids != [2]int{root.tpl.HostPid, root.tpl.HostPid} {
+	ids, err := statIDs(child.tpl.HostPid)
+	if err != nil || ids[1] != root.tpl.HostPid || ids[2] != root.tpl.HostPid {
 		return "its child is not in its root's process group"
 	}
 	return ""
 }
 
-// groupAndSession reads pid's process group and session (host pids).
-func groupAndSession(pid int) ([2]int, error) {
+// statIDs reads pid's parent, process group and session (host pids).
+func statIDs(pid int) ([3]int, error) {
 	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return [2]int{}, err
+		return [3]int{}, err
 	}
 	i := strings.LastIndexByte(string(st), ')')
 	f := strings.Fields(string(st[i+1:]))
 	if len(f) < 4 {
-		return [2]int{}, fmt.Errorf("stat of pid %d", pid)
+		return [3]int{}, fmt.Errorf("stat of pid %d", pid)
 	}
-	g, err1 := strconv.Atoi(f[2])
-	s, err2 := strconv.Atoi(f[3])
-	return [2]int{g, s}, errors.Join(err1, err2)
+	var ids [3]int
+	var errs [3]error
+	for k := range ids {
+		ids[k], errs[k] = strconv.Atoi(f[1+k])
+	}
+	return ids, errors.Join(errs[:]...)
 }
 
 // makeTreeTemplates makes the templates of each tree of trees that
@@ -160,9 +163,9 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 		// The init's child, out of the tree: not a subreaper's the tree
 		// holds, which a dump of the tree would wait for (ForkOrphan
 		// checks the child, and that the copy is whole).
-		if ppid, perr := parentPid(c.Pid); perr != nil || ppid != ps.h.InitPid() {
+		if ids, perr := statIDs(c.Pid); perr != nil || ids[0] != ps.h.InitPid() {
 			c.Kill()
-			return nil, fmt.Errorf("the child's template is the child of pid %d, not of the init (a subreaper)", ppid)
+			return nil, fmt.Errorf("the child's template is the child of pid %d, not of the init (a subreaper)", ids[0])
 		}
 		return c, nil
 	}, func(t *ptfork.Proc) error {
@@ -186,20 +189,6 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 		}
 	}
 	return tt, nil
-}
-
-// parentPid reads pid's parent (host pids).
-func parentPid(pid int) (int, error) {
-	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	i := strings.LastIndexByte(string(st), ')')
-	f := strings.Fields(string(st[i+1:]))
-	if len(f) < 2 {
-		return 0, fmt.Errorf("stat of pid %d", pid)
-	}
-	return strconv.Atoi(f[1])
 }
 
 // keepTrees records tts as checkpoint id's tree templates.

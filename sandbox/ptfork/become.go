@@ -111,11 +111,7 @@ func (p *Proc) Subreaper() (bool, error) {
 // subreaper) and has all of p's memory (a fork leaves out what is marked
 // MADV_DONTFORK).
 func orphanWhole(p, c int) error {
-	st, err := procStatus(c)
-	if err != nil {
-		return err
-	}
-	if st["PPid"] == strconv.Itoa(p) {
+	if ppid, err := parent(c); err != nil || ppid == p {
 		return fmt.Errorf("%w: pid %d, a subreaper, adopted its copy", ErrBecome, p)
 	}
 	a, err1 := os.ReadFile("/proc/" + strconv.Itoa(p) + "/statm")
@@ -291,13 +287,11 @@ func (src *Proc) ReadSource() (*Source, error) {
 func (s *Source) readProc() (caught uint64, err error) {
 	pid := s.pid
 	dir := "/proc/" + strconv.Itoa(pid) + "/"
-	stat, err := os.ReadFile(dir + "stat")
+	f, err := statFields(pid)
 	if err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrGone, err)
+		return 0, err
 	}
-	// The name, field 2, is in parentheses and may hold spaces.
-	i := bytes.LastIndexByte(stat, ')')
-	s.stat = append([]string{"", "", ""}, strings.Fields(string(stat[i+1:]))...)
+	s.stat = append([]string{"", "", ""}, f...)
 	if len(s.stat) < 52 {
 		return 0, fmt.Errorf("stat of pid %d: %d fields", pid, len(s.stat))
 	}
