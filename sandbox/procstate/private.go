@@ -541,7 +541,7 @@ func forkWhole(p *ptfork.Proc) (*ptfork.Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	a, b := vmSize(p.Pid), vmSize(cp.Pid)
+	a, b := ptfork.VMSize(p.Pid), ptfork.VMSize(cp.Pid)
 	if a == b || a == 0 || b == 0 {
 		return cp, nil
 	}
@@ -563,21 +563,6 @@ func forkWhole(p *ptfork.Proc) (*ptfork.Proc, error) {
 	}
 	cp, _, err = p.Fork()
 	return cp, errors.Join(err, mark(unix.MADV_DONTFORK))
-}
-
-// vmSize is the size of pid's address space in pages (statm), 0 if it
-// cannot be read.
-func vmSize(pid int) uint64 {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/statm")
-	if err != nil {
-		return 0
-	}
-	f := strings.Fields(string(b))
-	if len(f) == 0 {
-		return 0
-	}
-	n, _ := strconv.ParseUint(f[0], 10, 64)
-	return n
 }
 
 // dontForkRegions lists pid's mappings marked MADV_DONTFORK ("dc" in

@@ -114,15 +114,26 @@ func orphanWhole(p, c int) error {
 	if ppid, err := parent(c); err != nil || ppid == p {
 		return fmt.Errorf("%w: pid %d, a subreaper, adopted its copy", ErrBecome, p)
 	}
-	a, err1 := os.ReadFile("/proc/" + strconv.Itoa(p) + "/statm")
-	b, err2 := os.ReadFile("/proc/" + strconv.Itoa(c) + "/statm")
-	if err := errors.Join(err1, err2); err != nil {
-		return fmt.Errorf("%w: %w", ErrGone, err)
-	}
-	if fa, fb := strings.Fields(string(a)), strings.Fields(string(b)); len(fa) == 0 || len(fb) == 0 || fa[0] != fb[0] {
+	if a, b := VMSize(p), VMSize(c); a == 0 || a != b {
 		return fmt.Errorf("%w: the copy of pid %d lacks memory of it (marked not to be forked)", ErrBecome, p)
 	}
 	return nil
+}
+
+// VMSize is the size of pid's address space in pages (statm), 0 if it
+// cannot be read: a fork's is smaller when the process marked memory
+// MADV_DONTFORK.
+func VMSize(pid int) uint64 {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/statm")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	n, _ := strconv.ParseUint(f[0], 10, 64)
+	return n
 }
 
 // vma is one line of /proc/<pid>/maps.
