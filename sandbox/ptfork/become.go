@@ -233,6 +233,7 @@ type Layout struct {
 	fds     map[int]bool // open descriptor: its close-on-exec flag
 	status  map[string]string
 	persona uint64
+	stash   *stash // the memory of another process, if Stash placed it here
 }
 
 // ReadLayout reads the layout of process pid, stopped.
@@ -452,27 +453,19 @@ func (x *Proc) Become(s *Source, like *Layout) error {
 	if err := b.dropRseq(); err != nil {
 		return err
 	}
-	b.unmapAllBut(own, base)
-	if err := b.moveSpecials(own, s.maps, base); err != nil {
+	b.unmapAllBut(own, base, like.stash)
+	if err := b.moveSpecials(own, s.maps, base, like.stash); err != nil {
 		return err
 	}
-	if _, err := b.run(); err != nil {
+	if like.stash != nil {
+		// s's memory is at hand: moved, in the same batch.
+		if err := b.takeStash(s, like.stash); err != nil {
+			return err
+		}
+	} else if err := b.mapAnew(s); err != nil {
 		return err
 	}
-	// Batch 2: the files to map, opened; batch 3: s's mappings made.
-	paths := b.openFiles(s.maps)
-	fds, err := b.run()
-	if err != nil {
-		return err
-	}
-	b.mapLike(s, paths, fds)
-	if _, err := b.run(); err != nil {
-		return err
-	}
-	if err := copyWritten(s.pid, x.Pid, s.maps, s.written); err != nil {
-		return err
-	}
-	// Batch 4: the rest of the process and the thread.
+	// The last batch: the rest of the process and the thread.
 	b.setMM(s)
 	if err := b.setActions(s, like); err != nil {
 		return err
@@ -488,6 +481,25 @@ func (x *Proc) Become(s *Source, like *Layout) error {
 		return fmt.Errorf("unmapping the scratch pages of pid %d: %w", x.Pid, err)
 	}
 	return x.takeRegs(s)
+}
+
+// mapAnew runs the batch so far, then makes s's mappings in x and copies
+// in the pages s's process wrote.
+func (b *batch) mapAnew(s *Source) error {
+	if _, err := b.run(); err != nil {
+		return err
+	}
+	// A batch opens the files to map, the next maps them.
+	paths := b.openFiles(s.maps)
+	fds, err := b.run()
+	if err != nil {
+		return err
+	}
+	b.mapLike(s, paths, fds, nil)
+	if _, err := b.run(); err != nil {
+		return err
+	}
+	return copyWritten(s.pid, b.x.Pid, s.maps, s.written, nil)
 }
 
 const (
@@ -717,10 +729,13 @@ func cmpU64(a, b uint64) int {
 }
 
 // unmapAllBut unmaps every mapping of x but its vDSO, vvar pages,
-// vsyscall page and the scratch pages: a munmap for each gap between
-// those, whatever it holds.
-func (b *batch) unmapAllBut(own []vma, base uintptr) {
+// vsyscall page, the scratch pages and the stash st (if not nil): a munmap
+// for each gap between those, whatever it holds.
+func (b *batch) unmapAllBut(own []vma, base uintptr, st *stash) {
 	keep := []vma{{start: uint64(base), end: uint64(base) + 3*scratchSize}}
+	if st != nil {
+		keep = append(keep, vma{start: st.lo, end: st.hi})
+	}
 	for _, v := range own {
 		if v.special() && v.path != "[vsyscall]" {
 			keep = append(keep, v)
@@ -738,8 +753,8 @@ func (b *batch) unmapAllBut(own []vma, base uintptr) {
 
 // moveSpecials moves x's vDSO and vvar pages to where src has them (code
 // of src's caches their addresses), through a free range first when the
-// two places overlap.
-func (b *batch) moveSpecials(own, src []vma, base uintptr) error {
+// two places overlap (above the scratch pages and the stash st).
+func (b *batch) moveSpecials(own, src []vma, base uintptr, st *stash) error {
 	x := b.x
 	type move struct{ from, to, size uint64 }
 	var moves []move
@@ -778,9 +793,14 @@ func (b *batch) moveSpecials(own, src []vma, base uintptr) error {
 		}
 	}
 	if overlap {
-		// All but the scratch pages and the specials is unmapped by
-		// then: 1 GiB above the scratch pages is free of both.
-		park := uint64(base) + 3*scratchSize + 1<<30
+		// All but the scratch pages, the stash and the specials is
+		// unmapped by then: 1 GiB above the scratch pages and the stash
+		// is free of them.
+		park := uint64(base) + 3*scratchSize
+		if st != nil {
+			park = max(park, st.hi)
+		}
+		park += 1 << 30
 		for i, m := range moves {
 			remap(m.from, park, m.size)
 			moves[i].from = park
@@ -812,16 +832,21 @@ func (b *batch) openFiles(src []vma) []string {
 }
 
 // mapLike adds the calls that map s's mappings into x, at their addresses
-// with their protections: anonymous ones anew, files from the descriptors
-// fds opened (paths), which it then closes. A private file mapping the
+// (or mapping k at at[k], if at is not nil) with their protections:
+// anonymous ones anew, files from the descriptors fds opened (paths),
+// which it then closes. A private file mapping the
 // process wrote to and then made read-only (relocations, RELRO) is mapped
 // writable and then made read-only too: the kernel keeps such a mapping
 // apart from its neighbours, and so the copy's maps read as the process's.
-func (b *batch) mapLike(s *Source, paths []string, fds []uintptr) {
+func (b *batch) mapLike(s *Source, paths []string, fds []uintptr, at []uint64) {
 	const mapFixedNoreplace = 0x100000
 	for k, v := range s.maps {
 		if v.special() {
 			continue
+		}
+		start := v.start
+		if at != nil {
+			start = at[k]
 		}
 		size := uintptr(v.end - v.start)
 		prot := v.prot()
@@ -843,19 +868,19 @@ func (b *batch) mapLike(s *Source, paths []string, fds []uintptr) {
 		if relro {
 			first |= unix.PROT_WRITE
 		}
-		b.add(unix.SYS_MMAP, uintptr(v.start), size, first, flags, fd, off)
+		b.add(unix.SYS_MMAP, uintptr(start), size, first, flags, fd, off)
 		if relro {
-			b.add(unix.SYS_MPROTECT, uintptr(v.start), size, prot)
+			b.add(unix.SYS_MPROTECT, uintptr(start), size, prot)
 		}
 		if prot&unix.PROT_WRITE != 0 {
 			// The pages to copy in, allocated in one call each run
 			// rather than one fault each, in huge pages where a run
 			// spans some.
 			if v.anon() && v.end-v.start >= 2<<20 {
-				b.add(unix.SYS_MADVISE, uintptr(v.start), size, unix.MADV_HUGEPAGE)
+				b.add(unix.SYS_MADVISE, uintptr(start), size, unix.MADV_HUGEPAGE)
 			}
 			for _, r := range s.written[k] {
-				b.add(unix.SYS_MADVISE, uintptr(v.start+r.lo*pageSize), uintptr((r.hi-r.lo)*pageSize), madvPopulateWrite)
+				b.add(unix.SYS_MADVISE, uintptr(start+r.lo*pageSize), uintptr((r.hi-r.lo)*pageSize), madvPopulateWrite)
 			}
 		}
 	}
@@ -914,16 +939,22 @@ func writtenPages(src int, maps []vma) ([][]span, error) {
 }
 
 // copyWritten copies the written pages of src's mappings into dst, mapped
-// as src is: with process_vm_readv and process_vm_writev where dst may
-// write, through /proc/<pid>/mem elsewhere.
-func copyWritten(src, dst int, maps []vma, written [][]span) error {
+// as src is (mapping k at at[k], if at is not nil): with process_vm_readv
+// and process_vm_writev where dst may write, through /proc/<pid>/mem
+// elsewhere.
+func copyWritten(src, dst int, maps []vma, written [][]span, at []uint64) error {
 	page := uint64(os.Getpagesize())
 	var buf []byte
-	var forced [][2]uint64 // address, size
+	var forced [][3]uint64 // address in src, in dst, size
 	for k, v := range maps {
+		shift := uint64(0)
+		if at != nil {
+			shift = at[k] - v.start
+		}
 		if v.perms[1] != 'w' {
 			for _, r := range written[k] {
-				forced = append(forced, [2]uint64{v.start + r.lo*page, (r.hi - r.lo) * page})
+				a := v.start + r.lo*page
+				forced = append(forced, [3]uint64{a, a + shift, (r.hi - r.lo) * page})
 			}
 			continue
 		}
@@ -939,8 +970,9 @@ func copyWritten(src, dst int, maps []vma, written [][]span) error {
 			if n, err := unix.ProcessVMReadv(src, local, remote, 0); err != nil || n != size {
 				return fmt.Errorf("reading %#x+%d of pid %d: %d bytes, %v", a, size, src, n, err)
 			}
+			remote[0].Base += uintptr(shift)
 			if n, err := unix.ProcessVMWritev(dst, local, remote, 0); err != nil || n != size {
-				return fmt.Errorf("writing %#x+%d of pid %d: %d bytes, %v", a, size, dst, n, err)
+				return fmt.Errorf("writing %#x+%d of pid %d: %d bytes, %v", remote[0].Base, size, dst, n, err)
 			}
 		}
 	}
@@ -960,15 +992,15 @@ func copyWritten(src, dst int, maps []vma, written [][]span) error {
 	}
 	defer to.Close()
 	for _, f := range forced {
-		if cap(buf) < int(f[1]) {
-			buf = make([]byte, f[1])
+		if cap(buf) < int(f[2]) {
+			buf = make([]byte, f[2])
 		}
-		b := buf[:f[1]]
+		b := buf[:f[2]]
 		if _, err := from.ReadAt(b, int64(f[0])); err != nil {
-			return fmt.Errorf("reading %#x+%d of pid %d: %w", f[0], f[1], src, err)
+			return fmt.Errorf("reading %#x+%d of pid %d: %w", f[0], f[2], src, err)
 		}
-		if _, err := to.WriteAt(b, int64(f[0])); err != nil {
-			return fmt.Errorf("writing %#x+%d of pid %d: %w", f[0], f[1], dst, err)
+		if _, err := to.WriteAt(b, int64(f[1])); err != nil {
+			return fmt.Errorf("writing %#x+%d of pid %d: %w", f[1], f[2], dst, err)
 		}
 	}
 	return nil

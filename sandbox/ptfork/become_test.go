@@ -66,9 +66,17 @@ int main(void) {
 // TestBecomeTree copies a parent and its child the way a tree is copied:
 // the child is forked (X), X forks the child's copy, and X becomes the
 // parent. The parent's copy has its memory, its signal handler, its name
-// and arguments, and reaps the child's copy as its own child.
+// and arguments, and reaps the child's copy as its own child. Once with
+// the parent's pages copied in, once moved from a stash in the child's
+// orphan copy, which X is forked from; the child's copy then has the
+// child's maps, line for line.
 func TestBecomeTree(t *testing.T) {
 	needRoot(t)
+	t.Run("copied", func(t *testing.T) { testBecomeTree(t, false) })
+	t.Run("stashed", func(t *testing.T) { testBecomeTree(t, true) })
+}
+
+func testBecomeTree(t *testing.T, stashed bool) {
 	bin := buildC(t, t.TempDir(), "tree", treeSource)
 	cmd := exec.Command(bin)
 	out, err := cmd.StdoutPipe()
@@ -120,8 +128,20 @@ func TestBecomeTree(t *testing.T) {
 	if kids, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", child, child)); err != nil || len(kids) != 0 {
 		t.Errorf("the child has children %q (%v) after ForkOrphan", kids, err)
 	}
-	o.Kill()
-	x, _, err := cp.Fork()
+	defer o.Kill()
+	src, err := sp.ReadSource()
+	if err != nil {
+		t.Fatal(err)
+	}
+	from := cp
+	var like *Layout
+	if stashed {
+		if like, err = o.Stash(src); err != nil {
+			t.Fatal(err)
+		}
+		from = o
+	}
+	x, _, err := from.Fork()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,11 +152,10 @@ func TestBecomeTree(t *testing.T) {
 	if ppid, err := parentOf(c2.Pid); err != nil || ppid != x.Pid {
 		t.Fatalf("the child's copy %d has parent %d (%v), want %d", c2.Pid, ppid, err, x.Pid)
 	}
-	src, err := sp.ReadSource()
-	if err != nil {
+	if err := c2.DropStash(like); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.Become(src, nil); err != nil {
+	if err := x.Become(src, like); err != nil {
 		t.Fatal(err)
 	}
 	xPid, cPid := x.Pid, c2.Pid
@@ -171,6 +190,9 @@ func TestBecomeTree(t *testing.T) {
 	if a, b := layout(xPid), layout(parent); !slices.Equal(a, b) {
 		t.Errorf("the copy's maps differ from the parent's:\n%s\n--\n%s", strings.Join(a, "\n"), strings.Join(b, "\n"))
 	}
+	if a, b := layout(cPid), layout(child); !slices.Equal(a, b) {
+		t.Errorf("the child's copy's maps differ from the child's:\n%s\n--\n%s", strings.Join(a, "\n"), strings.Join(b, "\n"))
+	}
 	if err := unix.Kill(xPid, unix.SIGUSR1); err != nil {
 		t.Fatal(err)
 	}
@@ -198,9 +220,16 @@ func parentOf(pid int) (int, error) {
 
 // BenchmarkForkTree copies a dash whose child is a python3, as a tree is
 // copied: the child's fork, the copy's own fork, and Become. Each holds
-// about 8 MB of its own (the shell in a variable).
+// about 8 MB of its own (the shell in a variable). The shell's pages are
+// copied in, or moved from a stash in an orphan copy of the child, which
+// the child's copy then unmaps.
 func BenchmarkForkTree(b *testing.B) {
 	needRoot(b)
+	b.Run("copied", func(b *testing.B) { benchmarkForkTree(b, false) })
+	b.Run("stashed", func(b *testing.B) { benchmarkForkTree(b, true) })
+}
+
+func benchmarkForkTree(b *testing.B, stashed bool) {
 	py, err := exec.LookPath("python3")
 	if err != nil {
 		b.Skip("python3 not on the host")
@@ -247,18 +276,33 @@ signal.pause()'; echo ${#x}`)
 	if err != nil {
 		b.Fatal(err)
 	}
+	from := cp
 	like, err := ReadLayout(child)
 	if err != nil {
 		b.Fatal(err)
 	}
+	if stashed {
+		o, _, err := cp.ForkOrphan()
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer o.Kill()
+		if like, err = o.Stash(src); err != nil {
+			b.Fatal(err)
+		}
+		from = o
+	}
 	b.ResetTimer()
 	for range b.N {
-		x, _, err := cp.Fork()
+		x, _, err := from.Fork()
 		if err != nil {
 			b.Fatal(err)
 		}
 		c2, _, err := x.ForkChild()
 		if err != nil {
+			b.Fatal(err)
+		}
+		if err := c2.DropStash(like); err != nil {
 			b.Fatal(err)
 		}
 		if err := x.Become(src, like); err != nil {
