@@ -31,6 +31,14 @@ func (s *Sandbox) SetAheadTook(d time.Duration) { s.procs.SetAheadTook(d) }
 // copies of their templates.
 func (s *Sandbox) TreeCopies() int64 { return s.procs.TreeCopies() }
 
+// TreeStashes is the number of tree templates the sandbox made with the
+// root's memory stashed in the child's template.
+func (s *Sandbox) TreeStashes() int64 { return s.procs.TreeStashes() }
+
+// NoMemoryRoom makes checkpoints find no room for memory of the
+// sandboxes' own: a tree's root is not stashed.
+func (r *Runtime) NoMemoryRoom() { r.hooks.noRoom = true }
+
 // ForkAheadAlways makes the runtime fork copies ahead even after restores
 // that come back to back, so that tests do not depend on how long their
 // steps take against the job.

@@ -84,6 +84,13 @@ func (h *procHost) QueueFold(pid int, what string) {
 	h.rt.folds.Queue(pid, h.sb().memoryRoom, what, h.id)
 }
 
+func (h *procHost) MemoryRoom() int64 {
+	if h.rt.hooks.noRoom {
+		return 0
+	}
+	return h.sb().memoryRoom()
+}
+
 // procConfig is the process state's configuration for a sandbox of r.
 func (r *Runtime) procConfig() procstate.Config {
 	return procstate.Config{

@@ -433,6 +433,9 @@ type testHooks struct {
 	onRoom func(limit, current int64)
 	// killedGrace, if set, replaces the constant of that name.
 	killedGrace time.Duration
+	// noRoom makes the sandboxes' processes find no room for memory of
+	// their own at a checkpoint (procHost.MemoryRoom).
+	noRoom bool
 	// stopWait, if set, replaces procstate's bound on stopping the
 	// command group for a checkpoint.
 	stopWait time.Duration

@@ -31,10 +31,19 @@ while True: signal.pause()
 // each restore has the checkpoint's pids, parent links, session and
 // memory, the shell waits for its child as before (it runs its next
 // command when the child ends), and the templates are unchanged by what
-// the copies did.
+// the copies did. Once with the root's memory stashed in the child's
+// template, once (no room for the stash) copied at each restore.
 func TestTreeCopy(t *testing.T) {
+	t.Run("stashed", func(t *testing.T) { testTreeCopy(t, true) })
+	t.Run("copied", func(t *testing.T) { testTreeCopy(t, false) })
+}
+
+func testTreeCopy(t *testing.T, stashed bool) {
 	needCRIU(t)
 	b := setup(t)
+	if !stashed {
+		b.rt.NoMemoryRoom()
+	}
 	ctx := context.Background()
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", treeProgram}, Background: true})
@@ -58,6 +67,9 @@ func TestTreeCopy(t *testing.T) {
 	}
 	ck, err := s.Checkpoint(ctx)
 	must(t, err)
+	if got := s.TreeStashes(); got != map[bool]int64{true: 1}[stashed] {
+		t.Fatalf("%d tree templates with a stash, stashed %v", got, stashed)
+	}
 	for i := range 3 {
 		// Changed: the counter, and, the second time, the child gone
 		// and the shell run to its end.

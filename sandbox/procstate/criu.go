@@ -152,16 +152,17 @@ func (ps *State) RestoreTrees(ctx context.Context, c *Checkpoint, units []Unit) 
 	}
 	for _, u := range units {
 		for attempt := 0; ; attempt++ {
-			if err := ps.waitPidsFree(u); err != nil {
+			tt := ps.treeOf(c, u)
+			if err := ps.waitPidsFree(u, tt != nil); err != nil {
 				return err
 			}
-			if tt := ps.treeOf(c, u); tt != nil && attempt == 0 {
+			if tt != nil && attempt == 0 {
 				err := ps.copyTree(tt)
 				if err == nil {
 					break
 				}
 				ps.h.Log().Warn("a process tree could not be copied from its templates; its images serve", "sandbox", ps.h.ID(), "checkpoint", c.ID, "tree", u.name(), "err", err)
-				if err := ps.waitPidsFree(u); err != nil {
+				if err := ps.waitPidsFree(u, true); err != nil {
 					return err
 				}
 			}
@@ -351,8 +352,10 @@ func (ps *State) shellPipes() (ours, theirs [3]*os.File, err error) {
 // killed processes of the state being left may still be dying). A pid stays
 // taken while a process has it as its process group or session too, after
 // the process that had it is gone: a killed member of a session whose
-// leader was reaped first keeps the leader's pid from criu (EEXIST).
-func (ps *State) waitPidsFree(u Unit) error {
+// leader was reaped first keeps the leader's pid from criu (EEXIST). The
+// ids of u's threads other than its processes' are read from its images,
+// unless u is known to have none (single, a tree with templates).
+func (ps *State) waitPidsFree(u Unit, single bool) error {
 	procDir := fmt.Sprintf("/proc/%d/root/proc", ps.h.InitPid())
 	want := make(map[int]bool, len(u.Procs))
 	for _, p := range u.Procs {
@@ -360,7 +363,10 @@ func (ps *State) waitPidsFree(u Unit) error {
 	}
 	// A thread's id is not listed in /proc, but it is taken while the
 	// thread lives (an ended process's threads exit one by one).
-	tids, _ := criu.TreeThreads(u.Dir)
+	var tids []int
+	if !single {
+		tids, _ = criu.TreeThreads(u.Dir)
+	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		holder, err := pidHolder(procDir, want)

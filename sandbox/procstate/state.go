@@ -70,6 +70,10 @@ type Host interface {
 	CRIU() (*criu.Swrk, error)
 	// QueueFold hands process pid to the huge-page worker (Folder).
 	QueueFold(pid int, what string)
+	// MemoryRoom is how many more bytes the sandbox's processes and
+	// templates may take: short of three quarters of its memory limit,
+	// and of what the machine has available.
+	MemoryRoom() int64
 	Log() *slog.Logger
 }
 
@@ -145,6 +149,9 @@ type State struct {
 	trees map[string][]*treeTemplate
 	// treeCopies counts the trees restored by copies (TreeCopies).
 	treeCopies atomic.Int64
+	// treeStashes counts the tree templates made with the root stashed
+	// (TreeStashes).
+	treeStashes atomic.Int64
 	// adopted: templates re-adopted after a crash, whose listening
 	// sockets are not known (TemplatesListen says yes to every one).
 	// +checklocks:mu

@@ -6,6 +6,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -24,15 +25,19 @@ import (
 // not meet them. A copy (copyTree) is made the way ptfork.Become describes:
 // the child's template forks X, which takes the root's pid
 // (Host.NextPid), leads a session of its own, forks the child's copy with
-// the child's pid, and becomes the root. Where the copy cannot be made
-// (the pids are taken, the template was killed), the tree's images serve.
+// the child's pid, and becomes the root. The child's template holds the
+// root's memory too, out of the way (ptfork.Stash): X becomes the root by
+// moving those pages where they belong, which copies none, and the
+// child's copy unmaps them. Where the copy cannot be made (the pids are
+// taken, the template was killed), the tree's images serve.
 
 // treeTemplate is the pair of templates of a tree of two processes.
 type treeTemplate struct {
 	root, child Template
 	tg          *cgroup.Cgroup // frozen, theirs alone
 	src         *ptfork.Source // the root's template, read for Become
-	like        *ptfork.Layout // the child's template, what a fork of it has
+	like        *ptfork.Layout // the child's template, what a fork of it has, the root's memory stashed
+	folded      atomic.Bool    // the child's template was handed to the huge-page worker
 }
 
 // treeCopyable says why tree u gets no templates ("" if it does): it is
@@ -169,8 +174,20 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 		}
 		return c, nil
 	}, func(t *ptfork.Proc) error {
+		// The root's memory, stashed in the child's template: a copy
+		// moves it in place of its own instead of copying it. Unlike a
+		// template, the stash is memory of its own, taken at the
+		// checkpoint: where the sandbox has not the room, the root's
+		// pages are copied at each restore instead.
+		if tt.src.Written() >= ps.h.MemoryRoom() {
+			var err error
+			tt.like, err = ptfork.ReadLayout(t.Pid)
+			return err
+		}
 		var err error
-		tt.like, err = ptfork.ReadLayout(t.Pid)
+		if tt.like, err = t.Stash(tt.src); err == nil {
+			ps.treeStashes.Add(1)
+		}
 		return err
 	})
 	tt.child.Leader = false
@@ -227,6 +244,10 @@ func (ps *State) treeOf(c *Checkpoint, u Unit) *treeTemplate {
 // templates.
 func (ps *State) TreeCopies() int64 { return ps.treeCopies.Load() }
 
+// TreeStashes is the number of tree templates made with the root's memory
+// stashed in the child's.
+func (ps *State) TreeStashes() int64 { return ps.treeStashes.Load() }
+
 // copyTree brings back the tree of tt by a copy of its templates, its pids
 // free. On error nothing of the copy is left.
 func (ps *State) copyTree(tt *treeTemplate) error {
@@ -260,7 +281,22 @@ func (ps *State) copyTreeLocked(tt *treeTemplate) error {
 	}
 	err = ps.copyThawed(tt, rt, ct)
 	// Frozen again before the templates are detached (tr.Close).
-	return errors.Join(err, ps.setTplFrozen(tt.tg, true))
+	if err = errors.Join(err, ps.setTplFrozen(tt.tg, true)); err == nil {
+		ps.foldTree(tt)
+	}
+	return err
+}
+
+// foldTree hands the child's template of tt, which every copy forks twice
+// and which holds the root's memory too, to the huge-page worker the first
+// time tt is copied (fold.go): its forks then copy a page table entry for
+// each 2 MiB, and the root's stashed pages move into place in huge pages
+// (Stash keeps them aligned alike).
+func (ps *State) foldTree(tt *treeTemplate) {
+	if ps.cfg.SmallPages || tt.folded.Swap(true) {
+		return
+	}
+	ps.h.QueueFold(tt.child.HostPid, "a tree's template of "+tt.child.name())
 }
 
 // copyThawed makes the copy of tt once its templates rt and ct, seized,
@@ -336,6 +372,9 @@ func (ps *State) forkTree(tt *treeTemplate, ct *ptfork.Proc, made *[]*ptfork.Pro
 // readyTree fixes up the child's copy c2 as a copy of its template, and
 // makes x the root's.
 func (ps *State) readyTree(tt *treeTemplate, x, c2 *ptfork.Proc) error {
+	if err := c2.DropStash(tt.like); err != nil {
+		return fmt.Errorf("%w: the copy of %s: %w", ErrProcesses, tt.child.name(), err)
+	}
 	_, later, err := fixUp(c2, tt.child, false)
 	if err != nil {
 		return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, tt.child.name(), err)
