@@ -34,6 +34,9 @@ while True:
 '`},
 	{"tree", `x=$(head -c 8000000 /dev/zero | tr '\0' x); python3 -c '
 import time
+b = bytearray(8 << 20)
+for i in range(0, len(b), 4096):
+    b[i] = 1
 open("/tmp/ready", "w").close()
 while True:
     time.sleep(0.05)
