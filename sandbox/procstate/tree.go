@@ -28,15 +28,19 @@ import (
 // the child's pid, and becomes the root. The child's template holds the
 // root's memory too, out of the way (ptfork.Stash): X becomes the root by
 // moving those pages where they belong, which copies none, and the
-// child's copy unmaps them. Where the copy cannot be made (the pids are
-// taken, the template was killed), the tree's images serve.
+// child's copy unmaps them; the root then needs no template of its own
+// (where the sandbox has not the room for the stash, it has one, and a
+// copy's pages are copied from it). Where the copy cannot be made (the
+// pids are taken, the template was killed), the tree's images serve.
 
 // treeTemplate is the pair of templates of a tree of two processes.
 type treeTemplate struct {
+	// root is the root's template, or its record alone (HostPid 0) when
+	// the child's template holds its memory (like has a stash).
 	root, child Template
 	tg          *cgroup.Cgroup // frozen, theirs alone
-	src         *ptfork.Source // the root's template, read for Become
-	like        *ptfork.Layout // the child's template, what a fork of it has, the root's memory stashed
+	src         *ptfork.Source // the root (or its template), read for Become
+	like        *ptfork.Layout // the child's template, what a fork of it has
 	folded      atomic.Bool    // the child's template was handed to the huge-page worker
 }
 
@@ -143,54 +147,14 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 		_ = tg.Delete()
 		return nil, err
 	}
-	// The root's template reads what Become needs before it freezes.
-	rt, err := forkTemplateWith(rp, &tt.root, tg, forkWhole,
-		func(t *ptfork.Proc) error {
-			var err error
-			tt.src, err = t.ReadSource()
-			return err
-		})
+	rt, stash, err := ps.treeRoot(tt, rp)
 	if rt != nil {
 		made = append(made, rt)
 	}
 	if err != nil {
 		return fail(err)
 	}
-	// The child's copies are born in a session the copy of the root
-	// makes: its template leads one of its own, not to hold the root's
-	// pid as its session's id.
-	tt.child.Leader = true
-	ct, err := forkTemplateWith(cp, &tt.child, tg, func(p *ptfork.Proc) (*ptfork.Proc, error) {
-		c, _, err := p.ForkOrphan()
-		if err != nil {
-			return nil, err
-		}
-		// The init's child, out of the tree: not a subreaper's the tree
-		// holds, which a dump of the tree would wait for (ForkOrphan
-		// checks the child, and that the copy is whole).
-		if ids, perr := statIDs(c.Pid); perr != nil || ids[0] != ps.h.InitPid() {
-			c.Kill()
-			return nil, fmt.Errorf("the child's template is the child of pid %d, not of the init (a subreaper)", ids[0])
-		}
-		return c, nil
-	}, func(t *ptfork.Proc) error {
-		// The root's memory, stashed in the child's template: a copy
-		// moves it in place of its own instead of copying it. Unlike a
-		// template, the stash is memory of its own, taken at the
-		// checkpoint: where the sandbox has not the room, the root's
-		// pages are copied at each restore instead.
-		if tt.src.Written() >= ps.h.MemoryRoom() {
-			var err error
-			tt.like, err = ptfork.ReadLayout(t.Pid)
-			return err
-		}
-		var err error
-		if tt.like, err = t.Stash(tt.src); err == nil {
-			ps.treeStashes.Add(1)
-		}
-		return err
-	})
-	tt.child.Leader = false
+	ct, err := ps.treeChild(tt, cp, stash)
 	if ct != nil {
 		made = append(made, ct)
 	}
@@ -206,6 +170,84 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 		}
 	}
 	return tt, nil
+}
+
+// treeRoot reads what Become needs of the tree's root rp, stopped, into
+// tt, and says whether the root is to be stashed in the child's template
+// (treeChild), which copies then need alone: the root gets no template.
+// Unlike a template, a stash is memory of its own, taken at the
+// checkpoint: where the sandbox has not the room, the root gets a
+// template (rt), which its copies' pages are copied from at each
+// restore.
+func (ps *State) treeRoot(tt *treeTemplate, rp *ptfork.Proc) (rt *ptfork.Proc, stash bool, err error) {
+	src, err := rp.ReadSource()
+	if err != nil {
+		return nil, false, err
+	}
+	if src.Written() < ps.h.MemoryRoom() {
+		tt.src = src
+		return nil, true, rootRecord(rp, &tt.root)
+	}
+	// The root's template reads what Become needs before it freezes.
+	rt, err = forkTemplateWith(rp, &tt.root, tt.tg, forkWhole, func(t *ptfork.Proc) error {
+		var err error
+		tt.src, err = t.ReadSource()
+		return err
+	})
+	return rt, false, err
+}
+
+// treeChild makes the template of the tree's child cp, with the root's
+// memory stashed in it if stash.
+func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, stash bool) (*ptfork.Proc, error) {
+	// The child's copies are born in a session the copy of the root
+	// makes: its template leads one of its own, not to hold the root's
+	// pid as its session's id.
+	tt.child.Leader = true
+	defer func() { tt.child.Leader = false }()
+	return forkTemplateWith(cp, &tt.child, tt.tg, func(p *ptfork.Proc) (*ptfork.Proc, error) {
+		c, _, err := p.ForkOrphan()
+		if err != nil {
+			return nil, err
+		}
+		// The init's child, out of the tree: not a subreaper's the tree
+		// holds, which a dump of the tree would wait for (ForkOrphan
+		// checks the child, and that the copy is whole).
+		if ids, perr := statIDs(c.Pid); perr != nil || ids[0] != ps.h.InitPid() {
+			c.Kill()
+			return nil, fmt.Errorf("the child's template is the child of pid %d, not of the init (a subreaper)", ids[0])
+		}
+		return c, nil
+	}, func(t *ptfork.Proc) error {
+		var err error
+		if !stash {
+			tt.like, err = ptfork.ReadLayout(t.Pid)
+			return err
+		}
+		// A copy moves the root's memory in place of its own instead
+		// of copying it.
+		if tt.like, err = t.Stash(tt.src); err == nil {
+			ps.treeStashes.Add(1)
+		}
+		return err
+	})
+}
+
+// rootRecord reads into t, the record of stopped root p of a tree that
+// gets no template of its own, what a template's making reads of its
+// process and a copy is given back (fixUp): its interval timer and its
+// dumpable flag.
+func rootRecord(p *ptfork.Proc, t *Template) error {
+	if err := readItimer(p, t); err != nil {
+		return err
+	}
+	d, err := p.Syscall(unix.SYS_PRCTL, unix.PR_GET_DUMPABLE)
+	if err != nil {
+		return fmt.Errorf("reading the dumpable flag: %w", err)
+	}
+	t.Dumpable = int(d)
+	t.HostPid, t.Start = 0, 0 // no template
+	return nil
 }
 
 // keepTrees records tts as checkpoint id's tree templates.
@@ -261,17 +303,20 @@ func (ps *State) copyTree(tt *treeTemplate) error {
 func (ps *State) copyTreeLocked(tt *treeTemplate) error {
 	tr := ptfork.NewSession()
 	defer tr.Close()
-	rt, err := tr.Seize(tt.root.HostPid)
-	if err != nil {
-		return err
+	tpls := []Template{tt.child}
+	if tt.root.HostPid != 0 {
+		tpls = append(tpls, tt.root) // no stash: its pages are copied
 	}
-	ct, err := tr.Seize(tt.child.HostPid)
-	if err != nil {
-		return err
+	seized := make([]*ptfork.Proc, len(tpls))
+	for i, t := range tpls {
+		var err error
+		if seized[i], err = tr.Seize(t.HostPid); err != nil {
+			return err
+		}
 	}
 	// Seized, a pid is held: the processes are the templates if their
 	// start times are.
-	for _, t := range []Template{tt.root, tt.child} {
+	for _, t := range tpls {
 		if start, err := StartTime(t.HostPid); err != nil || start != t.Start {
 			return fmt.Errorf("the template of %s is gone", t.name())
 		}
@@ -279,7 +324,7 @@ func (ps *State) copyTreeLocked(tt *treeTemplate) error {
 	if err := ps.setTplFrozen(tt.tg, false); err != nil {
 		return err
 	}
-	err = ps.copyThawed(tt, rt, ct)
+	err := ps.copyThawed(tt, seized)
 	// Frozen again before the templates are detached (tr.Close).
 	if err = errors.Join(err, ps.setTplFrozen(tt.tg, true)); err == nil {
 		ps.foldTree(tt)
@@ -299,12 +344,15 @@ func (ps *State) foldTree(tt *treeTemplate) {
 	ps.h.QueueFold(tt.child.HostPid, "a tree's template of "+tt.child.name())
 }
 
-// copyThawed makes the copy of tt once its templates rt and ct, seized,
-// are thawed into their stops.
-func (ps *State) copyThawed(tt *treeTemplate, rt, ct *ptfork.Proc) error {
-	if err := errors.Join(rt.Wait(), ct.Wait()); err != nil {
-		return err
+// copyThawed makes the copy of tt once its templates, seized (the
+// child's first), are thawed into their stops.
+func (ps *State) copyThawed(tt *treeTemplate, seized []*ptfork.Proc) error {
+	for _, t := range seized {
+		if err := t.Wait(); err != nil {
+			return err
+		}
 	}
+	ct := seized[0]
 	var made []*ptfork.Proc
 	x, c2, err := ps.forkTree(tt, ct, &made)
 	if err == nil {

@@ -420,6 +420,10 @@ func sameIdentity(a *Layout, src *Source) error {
 // vector), umask, personality and limits. x keeps its own pid, parent and
 // children, and its executable's link (/proc/<pid>/exe).
 //
+// If like holds a stash of s's process's memory (Stash), x is a fork of
+// the process like was read of and that process is no longer needed: what
+// was checked when the stash was made holds for x.
+//
 // What it does not carry must already be the same, or it fails with
 // ErrBecome: credentials, capabilities and seccomp filters, and every
 // descriptor the process has must be the same open file at the same
@@ -447,7 +451,7 @@ func (x *Proc) Become(s *Source, like *Layout) error {
 	}
 	b := &batch{x: x, data: base, code: base + 2*scratchSize}
 	// Batch 1: descriptors, rseq, x's memory out, the vDSO where s's is.
-	if err := b.fixFds(s, like.fds); err != nil {
+	if err := b.fixFds(s, like); err != nil {
 		return err
 	}
 	if err := b.dropRseq(); err != nil {
@@ -571,8 +575,12 @@ func (x *Proc) checkBecome(s *Source, like *Layout) (*Layout, error) {
 	if err := sameIdentity(like, s); err != nil {
 		return nil, err
 	}
-	if err := sameFilters(x.Pid, s.pid); err != nil {
-		return nil, err
+	// A stash was made for a process that Fits, and s's may be gone
+	// since: x is a fork of that one.
+	if like.stash == nil {
+		if err := sameFilters(x.Pid, s.pid); err != nil {
+			return nil, err
+		}
 	}
 	for _, v := range like.maps {
 		if v.start >= userTop && v.path != "[vsyscall]" {
@@ -628,10 +636,14 @@ func (b *batch) run() ([]uintptr, error) {
 // fixFds adds the calls that close x's descriptors (have) that s's
 // process does not have, and give each of its the close-on-exec flag it
 // has there.
-func (b *batch) fixFds(s *Source, have map[int]bool) error {
-	extra, err := fdsToClose(s, b.x.Pid, have)
-	if err != nil {
-		return err
+func (b *batch) fixFds(s *Source, like *Layout) error {
+	have := like.fds
+	extra := fdsBeyond(s, have)
+	if like.stash == nil {
+		var err error
+		if extra, err = fdsToClose(s, b.x.Pid, have); err != nil {
+			return err
+		}
 	}
 	for fd, cloexec := range s.fds {
 		if have[fd] != cloexec {
@@ -669,6 +681,12 @@ func fdsToClose(s *Source, pid int, have map[int]bool) ([]int, error) {
 			return nil, fmt.Errorf("%w: descriptor %d of pid %d is another file in pid %d", ErrBecome, fd, s.pid, pid)
 		}
 	}
+	return fdsBeyond(s, have), nil
+}
+
+// fdsBeyond lists the descriptors of have that s's process does not
+// have, sorted.
+func fdsBeyond(s *Source, have map[int]bool) []int {
 	var extra []int
 	for fd := range have {
 		if _, ok := s.fds[fd]; !ok {
@@ -676,7 +694,7 @@ func fdsToClose(s *Source, pid int, have map[int]bool) ([]int, error) {
 		}
 	}
 	slices.Sort(extra)
-	return extra, nil
+	return extra
 }
 
 // dropRseq unregisters x's restartable sequence area before its memory

@@ -76,14 +76,18 @@ func planStash(own, src []vma) (*stash, error) {
 // for Become: each mapping of s's where no mapping of t's or s's is, with
 // its protections, its files mapped from their paths as t sees them, the
 // pages s's process wrote copied. t runs on as before; what it stashed is
-// its memory too, which it does not touch. t is unusable if Stash fails
-// (kill it).
+// its memory too, which it does not touch. t must be able to become s's
+// process (Fits); once the stash is made, Become needs that process no
+// more. t is unusable if Stash fails (kill it).
 func (t *Proc) Stash(s *Source) (*Layout, error) {
 	if len(t.threads) > 0 || t.group != nil {
 		return nil, fmt.Errorf("%w: pid %d has more than one thread", ErrBecome, t.Pid)
 	}
 	own, err := ReadLayout(t.Pid)
 	if err != nil {
+		return nil, err
+	}
+	if err := s.Fits(own); err != nil {
 		return nil, err
 	}
 	st, err := planStash(own.maps, s.maps)
