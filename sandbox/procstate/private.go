@@ -532,10 +532,8 @@ func readItimer(p *ptfork.Proc, t *Template) (err error) {
 // forkWhole forks stopped process p with all its memory. A fork leaves out
 // what the process marked MADV_DONTFORK (V8, and so Node, marks its heap
 // so): a template without it would fault on its first touch. When the
-// copy's address space is smaller than p's, the copy is ended, p's
-// regions marked so are marked to be copied, p is forked again, and the
-// marks are put back on p; the template keeps its memory marked to be
-// copied, and so its copies do (a fork of theirs copies it).
+// copy's address space is smaller than p's, the copy is ended and p is
+// forked again by withDoFork.
 func forkWhole(p *ptfork.Proc) (*ptfork.Proc, error) {
 	cp, _, err := p.Fork()
 	if err != nil {
@@ -546,6 +544,18 @@ func forkWhole(p *ptfork.Proc) (*ptfork.Proc, error) {
 		return cp, nil
 	}
 	cp.Kill()
+	return withDoFork(p, func() (*ptfork.Proc, error) {
+		cp, _, err := p.Fork()
+		return cp, err
+	})
+}
+
+// withDoFork calls fork, which forks stopped process p, with p's regions
+// marked MADV_DONTFORK marked to be copied, and puts the marks back on p
+// after; the copy keeps its memory marked to be copied, and so do its
+// copies (a fork of theirs copies it). On error nothing of the copy is
+// left.
+func withDoFork(p *ptfork.Proc, fork func() (*ptfork.Proc, error)) (*ptfork.Proc, error) {
 	regions, err := dontForkRegions(p.Pid)
 	if err != nil {
 		return nil, err
@@ -561,8 +571,12 @@ func forkWhole(p *ptfork.Proc) (*ptfork.Proc, error) {
 	if err := mark(unix.MADV_DOFORK); err != nil {
 		return nil, errors.Join(err, mark(unix.MADV_DONTFORK))
 	}
-	cp, _, err = p.Fork()
-	return cp, errors.Join(err, mark(unix.MADV_DONTFORK))
+	cp, err := fork()
+	if err = errors.Join(err, mark(unix.MADV_DONTFORK)); err != nil && cp != nil {
+		cp.Kill()
+		cp = nil
+	}
+	return cp, err
 }
 
 // dontForkRegions lists pid's mappings marked MADV_DONTFORK ("dc" in

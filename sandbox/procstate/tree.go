@@ -206,7 +206,16 @@ func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, stash bool) (*ptfo
 	tt.child.Leader = true
 	defer func() { tt.child.Leader = false }()
 	return forkTemplateWith(cp, &tt.child, tt.tg, func(p *ptfork.Proc) (*ptfork.Proc, error) {
-		c, _, err := p.ForkOrphan()
+		orphan := func() (*ptfork.Proc, error) {
+			c, _, err := p.ForkOrphan()
+			return c, err
+		}
+		c, err := orphan()
+		if errors.Is(err, ptfork.ErrPartial) {
+			// Memory marked MADV_DONTFORK (a Node child's heap): marked
+			// to be copied for the fork, as forkWhole does.
+			c, err = withDoFork(p, orphan)
+		}
 		if err != nil {
 			return nil, err
 		}

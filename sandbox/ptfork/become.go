@@ -37,6 +37,11 @@ const (
 // does not carry (credentials, descriptors, shared memory).
 var ErrBecome = errors.New("cannot take on the process")
 
+// ErrPartial: a copy lacks memory of the process it copies, which the
+// process marked MADV_DONTFORK (marked MADV_DOFORK for the fork, it would
+// be copied).
+var ErrPartial = errors.New("the copy lacks memory the process marked not to be forked")
+
 // ForkChild is Fork with the copy the stopped process's own child (a clone
 // without CLONE_PARENT). The process must have one thread.
 func (p *Proc) ForkChild() (*Proc, int, error) {
@@ -115,7 +120,7 @@ func orphanWhole(p, c int) error {
 		return fmt.Errorf("%w: pid %d, a subreaper, adopted its copy", ErrBecome, p)
 	}
 	if a, b := VMSize(p), VMSize(c); a == 0 || a != b {
-		return fmt.Errorf("%w: the copy of pid %d lacks memory of it (marked not to be forked)", ErrBecome, p)
+		return fmt.Errorf("%w: pid %d: %w", ErrBecome, p, ErrPartial)
 	}
 	return nil
 }
