@@ -176,7 +176,8 @@ func (w *rollbackProcessWorker) setup(ctx context.Context) error {
 	}
 	mode, method := deltagymv1.ProcessMode_PROCESS_MODE_TEMPLATE, deltagymv1.CaptureMethod_CAPTURE_METHOD_TEMPLATE
 	if w.shape == ShapeTree {
-		// A tree is not copied: CRIU takes it in either mode.
+		// A tree is dumped by CRIU in either mode (and gets templates
+		// too: its restores in place are copies of them).
 		method = deltagymv1.CaptureMethod_CAPTURE_METHOD_CRIU
 	}
 	if w.method == ProcessCRIU {
