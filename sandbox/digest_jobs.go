@@ -307,7 +307,7 @@ func (r *Runtime) snapshotLocked(c *checkpoint) (ckSnapshot, error) {
 		}
 	}
 	s := r.sandboxes[c.SandboxID]
-	sn.procs = procInputs(c, s != nil, r.criuDir(c.ID))
+	sn.procs = procInputs(c, s != nil)
 	if s != nil {
 		sn.memLimit = s.spec.Limits.MemoryBytes
 	}

@@ -62,7 +62,7 @@ type procSum struct {
 
 // procInputs lists c's processes; live says the sandbox holding its templates is alive.
 // Called with Runtime.mu held (TplImages may change).
-func procInputs(c *checkpoint, live bool, dir string) []procInput {
+func procInputs(c *checkpoint, live bool) []procInput {
 	var out []procInput
 	for i, t := range c.Procs {
 		p := procInput{pid: t.NSPid, comm: t.Comm, cwd: t.Cwd, session: t.Session, files: slices.Clone(t.Files), unit: -1}
@@ -70,13 +70,13 @@ func procInputs(c *checkpoint, live bool, dir string) []procInput {
 			p.hostPid, p.start, p.masks = t.HostPid, t.Start, t.KernelWrites
 		}
 		if i < len(c.TplImages) && c.TplImages[i].Dir != "" {
-			p.images = filepath.Join(dir, c.TplImages[i].Dir)
+			p.images = c.TplImages[i].Dir
 		}
 		out = append(out, p)
 	}
 	for ui, u := range c.Images {
 		for _, up := range u.Procs {
-			out = append(out, procInput{pid: up.NSPid, comm: up.Comm, session: u.Session, images: filepath.Join(dir, u.Dir), unit: ui})
+			out = append(out, procInput{pid: up.NSPid, comm: up.Comm, session: u.Session, images: u.Dir, unit: ui})
 		}
 	}
 	return out
@@ -130,13 +130,15 @@ func processDigest(in []procInput, b *procBudget, canceled func() error) ([]proc
 			if !seen {
 				var err error
 				if sum, err = imagesHash(p.images); err != nil {
-					sum = sha256.Sum256([]byte("unreadable"))
+					_, _ = rand.Read(sum[:]) // unread: equal to no other
 				}
 				imgs[p.images] = sum
 			}
 			s.mem = sum
 		default:
-			s.mem = sha256.Sum256([]byte("unreadable"))
+			// Nothing to read it from: equal to no other, so that no
+			// dedupe takes one process for another.
+			_, _ = rand.Read(s.mem[:])
 		}
 		fmt.Fprintf(h, "%d\x00%d\x00%q\x00%q\x00%q\x00%q\x00", i, p.unit, s.command, s.cwd, p.session, s.file)
 		h.Write(s.mem[:])
