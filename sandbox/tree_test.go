@@ -114,3 +114,39 @@ func testTreeCopy(t *testing.T, stashed bool) {
 		t.Fatalf("the copy of the copy: counter %q, want %q", got, want2)
 	}
 }
+
+// A file the shell and its child share, one open description with one
+// offset (`exec 3>log`, which the child inherits), is shared by their
+// copies too: what the child's copy writes after a restore is not written
+// over by what the shell writes once the child ends.
+func TestTreeCopySharedFile(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	const prog = `exec 3>/tmp/log; python3 -c '
+import os, signal
+def add(*_): os.write(3, b"child\n")
+signal.signal(signal.SIGUSR1, add)
+os.write(3, b"start\n")
+open("/tmp/ready", "w").close()
+while True: signal.pause()
+'; echo shell >&3; echo ended > /tmp/done`
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	sh(t, s, "kill -USR1 "+child) // changed after the checkpoint, undone by the restore
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck.ID))
+	if s.TreeCopies() != copies+1 {
+		t.Fatal("the tree was not copied from its templates")
+	}
+	sh(t, s, "kill -USR1 "+child+"; while [ \"$(wc -l < /tmp/log)\" -lt 2 ]; do sleep 0.01; done; kill "+child)
+	sh(t, s, "while [ ! -e /tmp/done ]; do sleep 0.01; done")
+	if got := sh(t, s, "cat /tmp/log"); got != "start\nchild\nshell\n" {
+		t.Fatalf("the shared log reads %q, want %q", got, "start\nchild\nshell\n")
+	}
+}

@@ -242,6 +242,21 @@ func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, stash bool) (*ptfo
 	})
 }
 
+// reopenFiles reopens files in stopped copy cp (reopenFile).
+func reopenFiles(cp *ptfork.Proc, files []File) (err error) {
+	if len(files) == 0 {
+		return nil
+	}
+	mem := cp.Scratch()
+	defer func() { err = errors.Join(err, mem.Release()) }()
+	for _, f := range files {
+		if err := reopenFile(cp, f, mem); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // rootRecord reads into t, the record of stopped root p of a tree that
 // gets no template of its own, what a template's making reads of its
 // process and a copy is given back (fixUp): its interval timer and its
@@ -420,6 +435,12 @@ func (ps *State) forkTree(tt *treeTemplate, ct *ptfork.Proc, made *[]*ptfork.Pro
 	if _, err := x.Syscall(unix.SYS_SETSID); err != nil {
 		return nil, nil, fmt.Errorf("setsid: %w", err)
 	}
+	// The child's files are reopened in X before it forks the child's
+	// copy, which so shares them with X: the root's files are the child's
+	// (Fits), and the two go on sharing their offsets (a log both write).
+	if err := reopenFiles(x, tt.child.Files); err != nil {
+		return nil, nil, fmt.Errorf("%w: the copy of %s: %w", ErrProcesses, tt.root.name(), err)
+	}
 	if c2, err = fork(x, tt.child, true); err != nil {
 		return nil, nil, err
 	}
@@ -432,7 +453,9 @@ func (ps *State) readyTree(tt *treeTemplate, x, c2 *ptfork.Proc) error {
 	if err := c2.DropStash(tt.like); err != nil {
 		return fmt.Errorf("%w: the copy of %s: %w", ErrProcesses, tt.child.name(), err)
 	}
-	_, later, err := fixUp(c2, tt.child, false)
+	child := tt.child
+	child.Files = nil // reopened in X, before the fork (forkTree)
+	_, later, err := fixUp(c2, child, false)
 	if err != nil {
 		return fmt.Errorf("%w: fixing up the copy of %s: %w", ErrProcesses, tt.child.name(), err)
 	}
@@ -441,6 +464,7 @@ func (ps *State) readyTree(tt *treeTemplate, x, c2 *ptfork.Proc) error {
 	}
 	root := tt.root
 	root.Leader = false // it called setsid
+	root.Files = nil    // the child's, reopened in X before the fork
 	if root.Cwd == "/" && tt.child.Cwd != "/" {
 		root.Cwd = "/." // chdir even so: x has the child's
 	}
