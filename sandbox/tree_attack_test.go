@@ -150,6 +150,12 @@ func TestAttackTreeSubreaper(t *testing.T) {
 	if strings.TrimSpace(kids) != "" {
 		t.Errorf("a python3 process (%s) is the child of the live python3: the child's template was adopted", strings.TrimSpace(kids))
 	}
+	// The checkpoint says why the tree is not copied.
+	for _, p := range ck.Processes {
+		if !strings.Contains(p.Reason, "not copied from templates") || !strings.Contains(p.Reason, "subreaper") {
+			t.Errorf("pid %d's reason does not say why the tree is not copied: %q", p.Pid, p.Reason)
+		}
+	}
 	copies := s.TreeCopies()
 	must(t, s.Restore(ctx, ck.ID))
 	if s.TreeCopies() != copies {

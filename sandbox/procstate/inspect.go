@@ -356,9 +356,9 @@ func (t procTree) criuReason(allCRIU bool) string {
 	case allCRIU:
 		return "process mode criu"
 	case len(t.procs) > 1:
-		return fmt.Sprintf("in the process tree of %s, with %s a child of it: process trees are not template-copied "+
-			"(a background command line that ends in its program, such as `cd /srv && python3 app.py`, runs as one process, which is; "+
-			"docs/PROCESS-SHAPES.md)", t.procs[0].tpl.name(), t.procs[1].tpl.name())
+		return fmt.Sprintf("in the process tree of %s, with %s a child of it: of process trees only a root with one child "+
+			"(a shell and the program it runs) is copied from templates (a background command line that ends in its program, "+
+			"such as `cd /srv && python3 app.py`, runs as one process, which is; docs/PROCESS-SHAPES.md)", t.procs[0].tpl.name(), t.procs[1].tpl.name())
 	default:
 		return t.procs[0].reason
 	}

@@ -98,18 +98,27 @@ func statIDs(pid int) ([3]int, error) {
 
 // makeTreeTemplates makes the templates of each tree of trees that
 // treeCopyable takes, from its stopped processes (seized), before criu
-// dumps it, and says so in the tree's reason. A tree whose templates
-// cannot be made is left to its images, as others; the error of one is
-// logged.
+// dumps it, and says so in the tree's reason. A tree of two whose
+// templates are not made is left to its images, as others, and its reason
+// says why.
 func (ps *State) makeTreeTemplates(trees []procTree, seized map[int]*ptfork.Proc) []*treeTemplate {
 	var out []*treeTemplate
 	for i, u := range trees {
-		if u.treeCopyable() != "" {
+		if len(u.procs) != 2 {
+			continue
+		}
+		notCopied := func(why string) {
+			trees[i].why = fmt.Sprintf("%s, with %s a child of it, a tree: not copied from templates (%s); brought back from this image, "+
+				"in a restore in place too (docs/PROCESS-SHAPES.md)", u.procs[0].tpl.name(), u.procs[1].tpl.name(), why)
+		}
+		if why := u.treeCopyable(); why != "" {
+			notCopied(why)
 			continue
 		}
 		tt, err := ps.makeTreeTemplate(u, seized)
 		if err != nil {
-			ps.h.Log().Debug("a process tree gets no templates; its images serve", "sandbox", ps.h.ID(), "tree", u.procs[0].tpl.name(), "err", err)
+			ps.h.Log().Info("a process tree gets no templates; its images serve", "sandbox", ps.h.ID(), "tree", u.procs[0].tpl.name(), "err", err)
+			notCopied(scrubPids{err}.Error())
 			continue
 		}
 		trees[i].why = fmt.Sprintf("%s, with %s a child of it, a tree: copied from templates in a restore in place, "+
