@@ -327,3 +327,189 @@ func TestAttackTreeSeccompSwap(t *testing.T) {
 		t.Errorf("after a restore in place by copies, the root's getcwd is %q, not denied: it has the child's seccomp filter, not its own", got)
 	}
 }
+
+// sparseRootTree is a python3 root that forks a child (which waits), then
+// maps MIB MiB and writes one byte in each 2 MiB of it: a 512th of it its
+// own, in small pages (the machine's THP setting is madvise or never, the
+// root asks for none). The root writes /tmp/ready when it is done.
+const sparseRootTree = `
+import mmap, os, signal
+pid = os.fork()
+if pid == 0:
+    while True: signal.pause()
+m = mmap.mmap(-1, MIB << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, MIB << 20, 2 << 20): m[i] = 1
+open("/tmp/ready", "w").close()
+while True:
+    try:
+        os.waitpid(pid, 0)
+        break
+    except InterruptedError:
+        pass
+`
+
+// memoryUse returns the usage and limit of the memory group (v1) with a
+// limit that holds host pid pid, or zeros.
+func memoryUse(pid int) (use, limit int64) {
+	cg, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
+	if err != nil {
+		return 0, 0
+	}
+	for _, l := range strings.Split(string(cg), "\n") {
+		f := strings.SplitN(l, ":", 3)
+		if len(f) != 3 || f[1] != "memory" {
+			continue
+		}
+		for dir := "/sys/fs/cgroup/memory" + f[2]; strings.HasPrefix(dir, "/sys/fs/cgroup/memory/"); dir = dir[:strings.LastIndexByte(dir, '/')] {
+			lb, _ := os.ReadFile(dir + "/memory.limit_in_bytes")
+			ub, _ := os.ReadFile(dir + "/memory.usage_in_bytes")
+			lim, _ := strconv.ParseInt(strings.TrimSpace(string(lb)), 10, 64)
+			if lim > 0 && lim < 1<<50 {
+				u, _ := strconv.ParseInt(strings.TrimSpace(string(ub)), 10, 64)
+				return u, lim
+			}
+		}
+	}
+	return 0, 0
+}
+
+// A tree's root that wrote one byte in each 2 MiB of a large region has
+// little memory of its own (Written: 768 KiB for 384 MiB), and the stash
+// is made for that little (MemoryRoom). But Stash maps each anonymous
+// mapping of 2 MiB or more MADV_HUGEPAGE and populates its written runs
+// (mapLike): each byte the root wrote costs a 2 MiB huge page in the
+// child's template, 512 times what was reckoned, charged to the sandbox
+// (the template makes it in the sandbox's memory group, before it is
+// held: forkTemplateWith's before) for as long as the checkpoint lives.
+// Here the stash takes ~384 MiB of a 512 MiB limit, and a command that
+// had room for 128 MiB before the checkpoint is OOM-killed after it. What a
+// checkpoint may take is three quarters of the limit less what is used.
+func TestAttackTreeStashFillsLimit(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	const limit = 512 << 20
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: limit}})
+	prog := strings.ReplaceAll(sparseRootTree, "MIB", "384")
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	const eat = `python3 -c 'b = bytearray(b"x") * (128 << 20); print(len(b))'`
+	if res, err := s.Exec(ctx, sandbox.ExecRequest{Command: eat, Timeout: 20 * time.Second}); err != nil || res.ExitCode != 0 {
+		t.Fatalf("128 MiB before the checkpoint: %v %+v", err, res)
+	}
+	hostRoot := hostPids("mmap.mmap(-1")[0]
+	use0, _ := memoryUse(hostRoot)
+	_, err = s.Checkpoint(ctx)
+	must(t, err)
+	use1, _ := memoryUse(hostRoot)
+	t.Logf("stashes %d; the sandbox's memory group uses %d MiB before the checkpoint, %d MiB after", s.TreeStashes(), use0>>20, use1>>20)
+	if s.TreeStashes() != 1 {
+		t.Skip("the root was not stashed")
+	}
+	if use1 > use0+limit/4 {
+		t.Errorf("the checkpoint of a root with 768 KiB of its own took %d MiB of the sandbox's %d MiB", (use1-use0)>>20, limit>>20)
+	}
+	res, err := s.Exec(ctx, sandbox.ExecRequest{Command: eat, Timeout: 20 * time.Second})
+	if err != nil || res.ExitCode != 0 {
+		t.Errorf("128 MiB after the checkpoint, which had room before it: %v exit %d signal %q %s", err, res.ExitCode, res.Signal, res.Stderr)
+	}
+}
+
+// tracedZombies lists the processes that are zombies traced by a thread
+// of this process (the server's ptrace sessions).
+func tracedZombies() []int {
+	own := map[string]bool{}
+	tasks, _ := os.ReadDir("/proc/self/task")
+	for _, e := range tasks {
+		own[e.Name()] = true
+	}
+	var out []int
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		st, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		if err != nil {
+			continue
+		}
+		var state, tracer string
+		for _, l := range strings.Split(string(st), "\n") {
+			if v, ok := strings.CutPrefix(l, "State:"); ok {
+				state = strings.TrimSpace(v)
+			}
+			if v, ok := strings.CutPrefix(l, "TracerPid:"); ok {
+				tracer = strings.TrimSpace(v)
+			}
+		}
+		if strings.HasPrefix(state, "Z") && own[tracer] {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// The stash's huge pages (see TestAttackTreeStashFillsLimit) take the
+// sandbox to its limit in the middle of the checkpoint, with its
+// processes seized: the kernel's OOM killer picks the largest process of
+// the sandbox's memory group, here another command (200 MiB of a 384 MiB
+// limit), stopped by the checkpoint, which ends it. Two faults:
+//
+//   - a command of the sandbox is OOM-killed by a checkpoint of a tree
+//     whose root has 1 MiB of its own;
+//   - the command, killed while seized and stopped (its registers
+//     saved), becomes a zombie traced by the server's thread; Proc.detach
+//     (ptfork.go) meets ESRCH, ignores it and never waits for the tracee,
+//     so the zombie stays traced for as long as that thread lives. Its
+//     parent cannot reap it, the sandbox's init cannot end
+//     (zap_pid_ns_processes waits for it), and Destroy hangs for ever.
+//
+// The test reaps the zombie itself (any thread of the tracer's process
+// may) once Destroy has hung, so that it ends.
+func TestAttackTreeStashOOMBystander(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: 384 << 20}})
+	const hold = `python3 -c 'import time; b = bytearray(b"x") * (200 << 20); open("/tmp/held", "w").close(); time.sleep(1e6)' # atkbystander`
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Command: hold, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/held ]")
+	prog := strings.ReplaceAll(sparseRootTree, "MIB", "512")
+	_, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	ck, err, ok := checkpointOrHang(t, s, "atkbystander")
+	if !ok {
+		return
+	}
+	t.Logf("the checkpoint: %v; captured %+v", err, ck.Processes)
+	if len(hostPids("atkbystander")) == 0 {
+		t.Errorf("the checkpoint of a tree whose root has 1 MiB of its own OOM-killed another command of the sandbox (200 MiB of its 384 MiB)")
+	}
+	zombies := tracedZombies()
+	if len(zombies) > 0 {
+		t.Errorf("pids %v, ended during the checkpoint, are zombies the server still traces", zombies)
+	}
+	destroyed := make(chan error, 1)
+	go func() { destroyed <- s.Destroy(context.Background()) }()
+	select {
+	case err := <-destroyed:
+		t.Logf("Destroy: %v", err)
+		return
+	case <-time.After(20 * time.Second):
+		t.Errorf("the sandbox's Destroy has not returned after 20 s")
+	}
+	for _, pid := range tracedZombies() {
+		_, werr := unix.Wait4(pid, nil, unix.WALL, nil)
+		t.Logf("reaped traced zombie %d: %v", pid, werr)
+	}
+	select {
+	case err := <-destroyed:
+		t.Logf("Destroy, once the zombie was reaped: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Errorf("the sandbox's Destroy has not returned after reaping the zombies either")
+	}
+}
