@@ -193,7 +193,7 @@ func (ps *State) treeRoot(tt *treeTemplate, rp *ptfork.Proc) (rt *ptfork.Proc, s
 	if err != nil {
 		return nil, false, err
 	}
-	if src.Written() < ps.h.MemoryRoom() {
+	if src.StashCost() < ps.h.MemoryRoom() {
 		tt.src = src
 		return nil, true, rootRecord(rp, &tt.root)
 	}
@@ -243,7 +243,14 @@ func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, stash bool) (*ptfo
 			return err
 		}
 		// A copy moves the root's memory in place of its own instead
-		// of copying it.
+		// of copying it. The stash is the template's own memory: made
+		// once the template is held (cgroup.HoldMemory), it is charged
+		// to the held group, as a template's fold is, not to the
+		// sandbox's processes, which it would push towards their OOM
+		// killer (MemoryRoom said there is room for it all the same).
+		if err := tt.tg.HoldMemory(t.Pid); err != nil {
+			return err
+		}
 		if tt.like, err = t.Stash(tt.src); err == nil {
 			ps.treeStashes.Add(1)
 		}

@@ -897,11 +897,9 @@ func (b *batch) mapLike(s *Source, paths []string, fds []uintptr, at []uint64) {
 		}
 		if prot&unix.PROT_WRITE != 0 {
 			// The pages to copy in, allocated in one call each run
-			// rather than one fault each, in huge pages where a run
-			// spans some.
-			if v.anon() && v.end-v.start >= 2<<20 {
-				b.add(unix.SYS_MADVISE, uintptr(start), size, unix.MADV_HUGEPAGE)
-			}
+			// rather than one fault each. Not asked for in huge pages:
+			// a run of one page would take 512 (and the mapping would
+			// keep the flag, which the process never set).
 			for _, r := range s.written[k] {
 				b.add(unix.SYS_MADVISE, uintptr(start+r.lo*pageSize), uintptr((r.hi-r.lo)*pageSize), madvPopulateWrite)
 			}

@@ -749,13 +749,31 @@ func (p *Proc) detach() error {
 	}
 	p.attached = false
 	delete(p.s.procs, p.Pid)
-	err := errors.Join(unix.PtraceSetRegs(p.Pid, &p.Regs), p.unpin())
-	if derr := ptrace(unix.PTRACE_DETACH, p.Pid, 0, uintptr(p.Signal)); derr != nil && !errors.Is(derr, unix.ESRCH) {
-		err = errors.Join(err, fmt.Errorf("detaching pid %d: %w", p.Pid, derr))
-	} else if errors.Is(err, unix.ESRCH) {
-		err = nil
+	serr := unix.PtraceSetRegs(p.Pid, &p.Regs)
+	err := p.unpin()
+	switch derr := ptrace(unix.PTRACE_DETACH, p.Pid, 0, uintptr(p.Signal)); {
+	case errors.Is(derr, unix.ESRCH):
+		// Killed in its stop (an OOM kill, a SIGKILL): ending, it is no
+		// longer stopped, and stays a zombie its parent cannot reap until
+		// its tracer waits for it.
+		waitGone(p.Pid)
+	case derr != nil:
+		err = errors.Join(err, serr, fmt.Errorf("detaching pid %d: %w", p.Pid, derr))
+	default:
+		err = errors.Join(err, serr)
 	}
 	return err
+}
+
+// waitGone waits, as its tracer, for tracee pid, killed, to end, so that
+// its parent may reap it.
+func waitGone(pid int) {
+	for {
+		ws, err := wait(pid)
+		if err != nil || ws.Exited() || ws.Signaled() {
+			return
+		}
+	}
 }
 
 // Kill ends a stopped process (a copy that could not be fixed up), every
@@ -773,12 +791,7 @@ func (p *Proc) reap() {
 	if p.attached {
 		p.attached = false
 		delete(p.s.procs, p.Pid)
-		for {
-			ws, err := wait(p.Pid)
-			if err != nil || ws.Exited() || ws.Signaled() {
-				return
-			}
-		}
+		waitGone(p.Pid)
 	}
 }
 

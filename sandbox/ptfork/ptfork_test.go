@@ -505,3 +505,59 @@ func buildC(t testing.TB, dir, name, src string, flags ...string) string {
 	}
 	return bin
 }
+
+// A tracee killed while stopped (an OOM kill during a checkpoint) is
+// waited for by its tracer at Detach: else it stays a zombie its parent
+// cannot reap for as long as the tracer's thread lives (and a sandbox's
+// init, waiting for it, cannot end).
+func TestDetachKilled(t *testing.T) {
+	needRoot(t)
+	// The shell is the parent; the test process only traces its child.
+	cmd := exec.Command("sh", "-c", "sleep 100 & echo $!; wait $!; echo reaped")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	lines := bufio.NewScanner(out)
+	if !lines.Scan() {
+		t.Fatal("no pid from the shell")
+	}
+	pid, err := strconv.Atoi(lines.Text())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := NewSession()
+	defer s.Close()
+	p, err := s.Attach(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Kill(pid, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Detach(); err != nil {
+		t.Fatalf("detaching a tracee killed in its stop: %v", err)
+	}
+	// The shell reaps it: no traced zombie is left (a zombie would hold
+	// the shell's wait for ever: bounded here).
+	reaped := make(chan string, 1)
+	go func() {
+		lines.Scan()
+		reaped <- lines.Text()
+	}()
+	select {
+	case got := <-reaped:
+		if got != "reaped" {
+			t.Fatalf("the shell printed %q, not that it reaped its killed child", got)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the shell has not reaped its child, killed in its stop and detached, after 30 s")
+	}
+}

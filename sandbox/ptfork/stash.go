@@ -5,7 +5,9 @@ package ptfork
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -122,16 +124,40 @@ func (t *Proc) Stash(s *Source) (*Layout, error) {
 	return like, nil
 }
 
-// Written is how many bytes of s's process's memory are its own: those
-// Become copies, and Stash places.
-func (s *Source) Written() int64 {
+// StashCost is how many bytes a stash of s's process takes: the pages it
+// wrote (those Become copies, and Stash places), and, where the machine
+// gives anonymous memory huge pages unasked (THP "always"), the whole of
+// each 2 MiB of an anonymous mapping it wrote a page of.
+func (s *Source) StashCost() int64 { return s.stashCost(thpAlways()) }
+
+func (s *Source) stashCost(always bool) int64 {
 	var n uint64
-	for _, w := range s.written {
+	for k, w := range s.written {
+		v := s.maps[k]
+		lo, hi := (v.start+hugeSize-1)&^(hugeSize-1), v.end&^(hugeSize-1)
+		counted := map[uint64]bool{}
 		for _, r := range w {
-			n += (r.hi - r.lo) * pageSize
+			for pg := r.lo; pg < r.hi; pg++ {
+				a := v.start + pg*pageSize
+				if !always || !v.anon() || a < lo || a >= hi {
+					n += pageSize
+					continue
+				}
+				if h := a &^ (hugeSize - 1); !counted[h] {
+					counted[h] = true
+					n += hugeSize
+				}
+			}
 		}
 	}
 	return int64(n)
+}
+
+// thpAlways reports whether the machine backs anonymous memory with
+// transparent huge pages unasked.
+func thpAlways() bool {
+	b, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/enabled")
+	return err == nil && strings.Contains(string(b), "[always]")
 }
 
 // DropStash unmaps from c, a fork of the process of layout like, what

@@ -63,3 +63,26 @@ func TestPlanStash(t *testing.T) {
 		t.Fatalf("no room: %v, want ErrBecome", err)
 	}
 }
+
+// A stash costs the pages the process wrote; where THP is "always", each
+// 2 MiB of an anonymous mapping it wrote a page of costs a huge page, but
+// for the mapping's ends short of 2 MiB and file mappings.
+func TestStashCost(t *testing.T) {
+	const base = 0x7f0000000000 // 2 MiB aligned
+	s := &Source{Layout: Layout{maps: []vma{
+		{start: base - 0x3000, end: base + 8<<20, perms: "rw-p"},
+		{start: base + 16<<20, end: base + 16<<20 + 0x5000, perms: "rw-p", ino: 7, path: "/lib/x.so"},
+		{start: base + 32<<20, end: base + 32<<20 + 0x2000, perms: "r-xp", path: "[vdso]"},
+	}}}
+	s.written = [][]span{
+		{{0, 1}, {3, 5}, {3 + 512, 3 + 513}}, // a page before the first 2 MiB, two in it, one in the next
+		{{0, 2}},
+		nil,
+	}
+	if got, want := s.stashCost(false), int64(6*pageSize); got != want {
+		t.Errorf("cost, THP madvise: %d, want %d", got, want)
+	}
+	if got, want := s.stashCost(true), int64(pageSize+2*hugeSize+2*pageSize); got != want {
+		t.Errorf("cost, THP always: %d, want %d", got, want)
+	}
+}
