@@ -103,4 +103,4 @@ func (r *Runtime) procConfig() procstate.Config {
 	}
 }
 
-func (h *procHost) NextPid(nsPid int) error { return h.rt.spawn.NextPid(h.init, nsPid) }
+func (h *procHost) NextPid(nsPid int) error { return h.init.Conn.SetNextPid(nsPid) }

@@ -30,8 +30,10 @@ const (
 	msgPing  = 1
 	msgSpawn = 3
 	msgGuard = 4
-	msgReply = 100
-	msgExit  = 101
+	// msgSetNextPid sets the sandbox's next pid (SetNextPid).
+	msgSetNextPid = 5
+	msgReply      = 100
+	msgExit       = 101
 )
 
 // Spawn flags; they match csrc/init.c.
@@ -528,15 +530,13 @@ func (c *Conn) Clone(hostID uint32, hostname string, netns int, ctl *os.File) (i
 	return int(r.val), exit, nil
 }
 
-// msgNextPid is the zygote's request to set a pid namespace's next pid.
-const msgNextPid = 11
-
-// NextPid asks a zygote to have the next process made in pid namespace
-// pidns get pid (if it is free then: the kernel hands out the next free
-// one after it). Nothing else may make a process there in between: the
-// caller checks the pid it got.
-func (c *Conn) NextPid(pidns, pid int) error {
-	r, err := c.call(msgNextPid, binary.NativeEndian.AppendUint32(nil, uint32(int32(pid))), []int{pidns})
+// SetNextPid has the next process made in the init's sandbox get pid, if
+// it is free then (the kernel hands out the next free one after it): the
+// init writes the sandbox's ns_last_pid, with a capability (over the
+// sandbox's user namespace) no command has. Nothing else may make a
+// process there in between: the caller checks the pid it got.
+func (c *Conn) SetNextPid(pid int) error {
+	r, err := c.call(msgSetNextPid, binary.NativeEndian.AppendUint32(nil, uint32(int32(pid))), nil)
 	if err != nil {
 		return err
 	}

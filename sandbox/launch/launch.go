@@ -568,17 +568,6 @@ func (p *detachPool) worker() {
 	}
 }
 
-// NextPid has the next process made in init's pid namespace get pid, if
-// it is free then (initproc.Conn.NextPid).
-func (s *SpawnNS) NextPid(in *Init, pid int) error {
-	fd, err := in.NS(unix.PIDFD_GET_PID_NAMESPACE)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(fd)
-	return s.zygote.NextPid(fd, pid)
-}
-
 // Start clones a new init (through the zygote) into new user, mount, pid,
 // ipc, uts and cgroup namespaces and the given net namespace, and waits for
 // its hello.

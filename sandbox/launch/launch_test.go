@@ -134,8 +134,8 @@ func TestStartSwapSpawn(t *testing.T) {
 	}
 	checkThreadsHome(t, home)
 
-	// The zygote sets the pid the next process of the sandbox gets.
-	if err := ns.NextPid(in, 4242); err != nil {
+	// The init sets the pid the next process of the sandbox gets.
+	if err := in.Conn.SetNextPid(4242); err != nil {
 		t.Fatal(err)
 	}
 	r, w, _ := os.Pipe()

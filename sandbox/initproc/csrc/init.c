@@ -30,7 +30,10 @@
 // request's, or argv[1] when run directly) at start, then confines itself
 // as it confines commands (see confine): the root swap is done by the
 // server from outside (see setup_mounts), so the init keeps no privilege
-// that a command lacks.
+// that a command lacks but CAP_CHECKPOINT_RESTORE over the sandbox's user
+// namespace, out of its bounding set (no command it starts has it), with
+// which it sets the pid the sandbox's next process gets (MSG_NEXTPID: a
+// restore that gives processes their pids back).
 // When the control socket closes (the server went away), the init kills
 // every process of the sandbox but the frozen templates of process
 // checkpoints (see orphaned), and exits once none of those is left: the
@@ -73,6 +76,7 @@ enum {
 	MSG_PING = 1,
 	MSG_SPAWN = 3,
 	MSG_GUARD = 4,
+	MSG_NEXTPID = 5,
 	MSG_REPLY = 100,
 	MSG_EXIT = 101,
 };
@@ -162,6 +166,11 @@ static void warn(const char *what) {
 	} while (0)
 
 // setup_mounts mounts the sandbox's own /proc and a minimal /dev on the
+// lastpid_fd is the sandbox's ns_last_pid, which the init writes for
+// MSG_NEXTPID with CAP_CHECKPOINT_RESTORE, a capability of its own alone
+// (confine).
+static int lastpid_fd = -1;
+
 // spawn root the init starts on. The server later stacks the sandbox's
 // overlay on top and moves both into it (the root swap is done from
 // outside: the kernel refuses to attach a mount made by host root into a
@@ -171,6 +180,9 @@ static void warn(const char *what) {
 static int setup_mounts(void) {
 	// Mounts are private already: the spawn namespace made them so.
 	TRY(mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL), "mounting proc");
+	// Opened before /proc/sys is made read-only (below): MSG_NEXTPID
+	// writes it, in the init's own pid namespace, the sandbox's.
+	lastpid_fd = open("/proc/sys/kernel/ns_last_pid", O_WRONLY | O_CLOEXEC);
 	// Masked and read-only /proc paths.
 	static const char *masked[] = {"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/sysrq-trigger", 0};
 	for (int i = 0; masked[i]; i++) mount("/.devsrc/null", masked[i], NULL, MS_BIND, NULL);
@@ -963,6 +975,10 @@ static int confine(void) {
 		d[c / 32].effective |= 1u << (c % 32);
 		d[c / 32].permitted |= 1u << (c % 32);
 	}
+	// The init keeps CAP_CHECKPOINT_RESTORE for MSG_NEXTPID; out of the
+	// bounding set, it is gone from every command at its exec.
+	d[CAP_CHECKPOINT_RESTORE / 32].effective |= 1u << (CAP_CHECKPOINT_RESTORE % 32);
+	d[CAP_CHECKPOINT_RESTORE / 32].permitted |= 1u << (CAP_CHECKPOINT_RESTORE % 32);
 	TRY(syscall(SYS_capset, &h, d), "dropping capabilities");
 	TRY(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs");
 	// Not dumpable: no command may read the secret in its memory.
@@ -1043,6 +1059,18 @@ static void init_handle(struct hdr *h) {
 		reply(h->id, e, pid);
 		break;
 	}
+	case MSG_NEXTPID: {
+		int32_t want;
+		if (h->len != 4 || (memcpy(&want, buf, 4), want < 2)) {
+			reply(h->id, EINVAL, 0);
+			break;
+		}
+		char num[16];
+		int n = snprintf(num, sizeof num, "%d", want - 1);
+		int e = lastpid_fd < 0 ? EBADF : pwrite(lastpid_fd, num, n, 0) == n ? 0 : errno ? errno : EIO;
+		reply(h->id, e, 0);
+		break;
+	}
 	case MSG_GUARD:
 		if (nfds != 1 || h->len != 0) {
 			reply(h->id, EINVAL, 0);
@@ -1073,13 +1101,9 @@ static int init_main(const char *hostname) {
 //
 //   ZSPAWN payload {u32 host_id, hostname} fds:[netns, init socket]
 //          reply {i32 err, i32 pid (host pid namespace)}
-//   ZNEXTPID payload {i32 pid} fds:[pid namespace]
-//          reply {i32 err, 0}: the namespace's next process gets pid,
-//          if it is free (a restore that must give a process its pid)
 //   events: EXIT {pid, status} when an init it cloned exits.
 
 #define ZSPAWN 10
-#define ZNEXTPID 11
 
 struct zargs {
 	int syncr, syncw, ctl;
@@ -1148,60 +1172,10 @@ static int zspawn(uint32_t len, int32_t *pid_out) {
 	return err;
 }
 
-// A pid namespace's next pid is set by writing the one before it to
-// ns_last_pid, which acts on the writer's own namespace: a child of the
-// zygote made in the namespace writes it, with the zygote's capabilities
-// (CAP_CHECKPOINT_RESTORE over the sandbox's user namespace), and exits
-// before the reply, so that its own pid is free again.
-static int own_pidns = -1;
-
-struct nextpid {
-	int32_t last;
-	int err;
-};
-
-static char npstack[16 * 1024] __attribute__((aligned(16)));
-
-static int nextpid_child(void *p) {
-	struct nextpid *a = p;
-	char num[16];
-	snprintf(num, sizeof num, "%d", a->last);
-	if (write_file("/proc/sys/kernel/ns_last_pid", num) < 0) a->err = errno;
-	_exit(0);
-}
-
-static int znextpid(uint32_t len) {
-	if (len != 4 || nfds != 1) return EINVAL;
-	int32_t want;
-	memcpy(&want, buf, 4);
-	if (want < 2) return EINVAL;
-	if (own_pidns < 0) {
-		own_pidns = open("/proc/self/ns/pid", O_RDONLY | O_CLOEXEC);
-		if (own_pidns < 0) return errno;
-	}
-	if (setns(fds[0], CLONE_NEWPID) < 0) return errno;
-	// Shared memory, so a.err comes back; the zygote waits for the exit.
-	static struct nextpid a;
-	a = (struct nextpid){want - 1, 0};
-	pid_t c = clone(nextpid_child, npstack + sizeof npstack, CLONE_VM | CLONE_VFORK | SIGCHLD, &a);
-	int e = c < 0 ? errno : 0;
-	// The zygote's next inits are cloned from its own namespace: fatal if
-	// it cannot go back.
-	if (setns(own_pidns, CLONE_NEWPID) < 0) _exit(1);
-	if (c > 0)
-		while (waitpid(c, NULL, 0) < 0 && errno == EINTR) {
-		}
-	return e ? e : a.err;
-}
-
 // The zygote has nothing to keep: its inits see their own sockets close.
 static int zygote_gone(void) { return 0; }
 
 static void zygote_handle(struct hdr *h) {
-	if (h->type == ZNEXTPID) {
-		reply(h->id, znextpid(h->len), 0);
-		return;
-	}
 	if (h->type != ZSPAWN) {
 		reply(h->id, ENOSYS, 0);
 		return;
