@@ -316,18 +316,7 @@ func TestAttackSyscallPatchedVdso(t *testing.T) {
 	bin := buildC(t, t.TempDir(), "vdso", patchedVdsoSource)
 	cmd := exec.Command(bin)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	lines := bufio.NewScanner(out)
+	lines := startLines(t, cmd)
 	if !lines.Scan() {
 		t.Fatalf("no line: %v", lines.Err())
 	}

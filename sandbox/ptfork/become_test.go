@@ -3,7 +3,6 @@
 package ptfork
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"os"
@@ -79,18 +78,7 @@ func TestBecomeTree(t *testing.T) {
 func testBecomeTree(t *testing.T, stashed bool) {
 	bin := buildC(t, t.TempDir(), "tree", treeSource)
 	cmd := exec.Command(bin)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	lines := bufio.NewScanner(out)
+	lines := startLines(t, cmd)
 	var parent, child int
 	for parent == 0 || child == 0 {
 		if !lines.Scan() {
@@ -243,22 +231,11 @@ b = bytearray(8 << 20)
 for i in range(0, len(b), 4096): b[i] = 1
 print(os.getpid(), flush=True)
 signal.pause()'; echo ${#x}`)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		b.Fatal(err)
+	lines := startLines(b, cmd)
+	if !lines.Scan() {
+		b.Fatal(lines.Err())
 	}
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil {
-		b.Fatal(err)
-	}
-	child, err := strconv.Atoi(strings.TrimSpace(line))
+	child, err := strconv.Atoi(strings.TrimSpace(lines.Text()))
 	if err != nil {
 		b.Fatal(err)
 	}

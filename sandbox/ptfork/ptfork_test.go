@@ -21,6 +21,24 @@ import (
 	"github.com/deltagym/deltagym/internal/testenv"
 )
 
+// startLines starts cmd, which the test's end kills and waits for, and
+// returns a scanner of its output.
+func startLines(tb testing.TB, cmd *exec.Cmd) *bufio.Scanner {
+	tb.Helper()
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return bufio.NewScanner(out)
+}
+
 func needRoot(t testing.TB) {
 	t.Helper()
 	testenv.Privileged(t, "ptrace of another process needs root (CAP_SYS_PTRACE)")
@@ -334,21 +352,10 @@ os.write(1, b"moved\n")
 while True:
     libc.syscall(34)  # pause
 `)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
 	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil || line != "moved\n" {
-		t.Fatalf("the helper did not move its vDSO: %q %v", line, err)
+	lines := startLines(t, cmd)
+	if !lines.Scan() || lines.Text() != "moved" {
+		t.Fatalf("the helper did not move its vDSO: %q %v", lines.Text(), lines.Err())
 	}
 	pid := cmd.Process.Pid
 	if base, ok := auxvVDSO(pid); !ok {
@@ -402,18 +409,7 @@ func TestWaitForVforkParent(t *testing.T) {
 	dir := t.TempDir()
 	bin, gate := buildC(t, dir, "vf", vforkSource), filepath.Join(dir, "go")
 	cmd := exec.Command(bin, gate)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	lines := bufio.NewScanner(out)
+	lines := startLines(t, cmd)
 	if !lines.Scan() || lines.Text() != "child" {
 		t.Fatalf("first line %q, want child", lines.Text())
 	}
@@ -514,18 +510,7 @@ func TestDetachKilled(t *testing.T) {
 	needRoot(t)
 	// The shell is the parent; the test process only traces its child.
 	cmd := exec.Command("sh", "-c", "sleep 100 & echo $!; wait $!; echo reaped")
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
-	lines := bufio.NewScanner(out)
+	lines := startLines(t, cmd)
 	if !lines.Scan() {
 		t.Fatal("no pid from the shell")
 	}
