@@ -93,11 +93,7 @@ func (c *Core) Checkpoint(ctx context.Context, req CheckpointRequest) (Checkpoin
 		}
 		return CheckpointResult{}, err
 	}
-	res := CheckpointResult{Info: t.info, Parent: t.parent, Durable: true, Digest: t.digest, Deduplicated: t.dup}
-	for _, pc := range t.info.Processes {
-		res.Durable = res.Durable && pc.Saved
-	}
-	return res, nil
+	return CheckpointResult{Info: t.info, Parent: t.parent, Durable: savedAll(t.info), Digest: t.digest, Deduplicated: t.dup}, nil
 }
 
 // Restore puts sandbox req.SandboxID, the same sandbox, at checkpoint req.CheckpointID (of its

@@ -75,12 +75,15 @@ func (c *Core) dedupe(ctx context.Context, t taken, p Place) (taken, error) {
 	if env, err := c.pools.EnvForImage(t.info.Image); err == nil {
 		imageEnv = env.Name()
 	}
+	// A durable checkpoint is answered only by a durable one: the one found must bring its
+	// processes back after a restart as t's would.
+	durable := savedAll(t.info)
 	match := func(o sandbox.CheckpointInfo) bool {
 		op, ok := placeOf(o.Labels)
 		if !ok {
 			op = Place{Env: imageEnv}
 		}
-		return op.Env == p.Env && sameTask(op, p)
+		return op.Env == p.Env && sameTask(op, p) && (!durable || savedAll(o))
 	}
 	c.relMu.RLock()
 	defer c.relMu.RUnlock()
@@ -210,4 +213,15 @@ func (c *Core) DiffCheckpoints(ctx context.Context, req DiffRequest) (sandbox.Di
 		return sandbox.Diff{}, callErr(ctx, err)
 	}
 	return d, nil
+}
+
+// savedAll reports whether every process of checkpoint info has an image (a durable
+// checkpoint's, or one with none).
+func savedAll(info sandbox.CheckpointInfo) bool {
+	for _, pc := range info.Processes {
+		if !pc.Saved {
+			return false
+		}
+	}
+	return true
 }

@@ -189,3 +189,30 @@ func TestDedupeAndDiff(t *testing.T) {
 		t.Fatalf("env e's own past env f's older one: %+v, want %s", again, kept.Info.ID)
 	}
 }
+
+// A durable checkpoint is never answered by one whose processes have no images: the state
+// found again in a checkpoint taken without durable is kept anew, durable, and that one
+// answers the next durable checkpoint of the same state.
+func TestDedupeDurable(t *testing.T) {
+	core, _, _, _ := setupEnvs(t, nil, baseSpec())
+	ctx := t.Context()
+	rr, err := core.Reset(ctx, episode.ResetRequest{Env: "e", Run: "r"})
+	must(t, err)
+	sb := rr.SandboxID
+	stepOK(t, core, sb, episode.Exec{Command: "sleep 1000", Background: true})
+	plain, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: sb, Dedupe: true})
+	must(t, err)
+	if plain.Durable || len(plain.Info.Processes) != 1 {
+		t.Fatalf("a checkpoint of a process as a template: %+v", plain)
+	}
+	durable, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: sb, Durable: true, Dedupe: true})
+	must(t, err)
+	if durable.Deduplicated || !durable.Durable || durable.Info.ID == plain.Info.ID {
+		t.Fatalf("a durable checkpoint of the state of a checkpoint that is not: %+v, not %s", durable, plain.Info.ID)
+	}
+	again, err := core.Checkpoint(ctx, episode.CheckpointRequest{SandboxID: sb, Durable: true, Dedupe: true})
+	must(t, err)
+	if !again.Durable || again.Deduplicated && again.Info.ID != durable.Info.ID {
+		t.Fatalf("a durable checkpoint of the same state again: %+v, want %s or a new durable one", again, durable.Info.ID)
+	}
+}
