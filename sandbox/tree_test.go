@@ -150,3 +150,47 @@ while True: signal.pause()
 		t.Fatalf("the shared log reads %q, want %q", got, "start\nchild\nshell\n")
 	}
 }
+
+// The usual service line, `sh -c 'python3 app.py > log 2>&1; echo done'`:
+// the shell keeps its own stdout and stderr at other descriptors (dash at
+// 10 and 11) while its child's go to the log, so the root has files its
+// child has not. The copy of the root opens them again (here /dev/null),
+// and the tree is copied from templates all the same.
+func TestTreeCopyRedirected(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	const prog = `python3 -c '
+import os, signal, sys
+def say(*_): print("line", flush=True)
+signal.signal(signal.SIGUSR1, say)
+print("start", flush=True)
+open("/tmp/ready", "w").close()
+while True: signal.pause()
+' > /tmp/app.log 2>&1; echo "status $?" > /tmp/done`
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
+	ck, err := s.Checkpoint(ctx)
+	must(t, err)
+	for _, p := range ck.Processes {
+		if !strings.Contains(p.Reason, "copied from templates in a restore in place") {
+			t.Fatalf("pid %d: %q", p.Pid, p.Reason)
+		}
+	}
+	sh(t, s, "kill -USR1 "+child) // undone by the restore
+	copies := s.TreeCopies()
+	must(t, s.Restore(ctx, ck.ID))
+	if s.TreeCopies() != copies+1 {
+		t.Fatal("the tree was not copied from its templates")
+	}
+	sh(t, s, "kill -USR1 "+child+"; while [ \"$(wc -l < /tmp/app.log)\" -lt 2 ]; do sleep 0.01; done; kill "+child)
+	sh(t, s, "while [ ! -e /tmp/done ]; do sleep 0.01; done")
+	// The shell's own "Terminated" goes to its stderr, the log then, after
+	// the child's line: one open file, one offset, as `2>&1` made it.
+	if got, want := sh(t, s, "cat /tmp/app.log; cat /tmp/done"), "start\nline\nTerminated\nstatus 143\n"; got != want {
+		t.Fatalf("the log and the shell's end read %q, want %q", got, want)
+	}
+}

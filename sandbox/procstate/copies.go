@@ -432,8 +432,16 @@ func fixUpFiles(cp *ptfork.Proc, t Template, mem *ptfork.Scratch) error {
 	return nil
 }
 
-// reopenFile reopens f in the copy, on its fd, at its offset.
+// reopenFile reopens f in the copy, on its fd, at its offset; one that is
+// the same open file as a lower descriptor (DupOf, reopened before it) is
+// a dup of that one.
 func reopenFile(cp *ptfork.Proc, f File, mem *ptfork.Scratch) error {
+	if f.DupOf > 0 {
+		if _, err := cp.Syscall(unix.SYS_DUP3, uintptr(f.DupOf-1), uintptr(f.FD), uintptr(f.Flags&unix.O_CLOEXEC)); err != nil {
+			return fmt.Errorf("dup3 of fd %d onto fd %d: %w", f.DupOf-1, f.FD, err)
+		}
+		return nil
+	}
 	a, err := mem.Put(f.Path)
 	if err != nil {
 		return err

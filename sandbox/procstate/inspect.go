@@ -183,7 +183,27 @@ func inspectFiles(pid int, dir string, rootMnt uint64, pi *procInfo) ([]special,
 		}
 		pi.tpl.Files = append(pi.tpl.Files, tf)
 	}
+	markDups(pid, pi.tpl.Files)
 	return specials, nil
+}
+
+// markDups sorts files, process pid's, by descriptor and marks each that
+// is the same open file as a lower one (DupOf).
+func markDups(pid int, files []File) {
+	slices.SortFunc(files, func(a, b File) int { return a.FD - b.FD })
+	for i := range files {
+		for j := range i {
+			if files[j].DupOf != 0 || files[j].Path != files[i].Path {
+				continue
+			}
+			const kcmpFile = 0
+			r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(pid), kcmpFile, uintptr(files[j].FD), uintptr(files[i].FD), 0)
+			if e == 0 && r == 0 {
+				files[i].DupOf = files[j].FD + 1
+				break
+			}
+		}
+	}
 }
 
 // sharedWritableMap names a file the process maps shared and writable: a

@@ -107,6 +107,10 @@ type File struct {
 	Path  string `json:"path"`
 	Flags int    `json:"flags"`
 	Pos   int64  `json:"pos"`
+	// DupOf is 1 + the lower descriptor of the process that is the same
+	// open file (`2>&1`), which a copy dups rather than opens again, so
+	// that the two keep one offset; 0 if none is.
+	DupOf int `json:"dup_of,omitempty"`
 }
 
 func (t Template) name() string { return fmt.Sprintf("pid %d (%s)", t.NSPid, t.Comm) }

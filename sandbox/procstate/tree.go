@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -42,6 +43,10 @@ type treeTemplate struct {
 	src         *ptfork.Source // the root (or its template), read for Become
 	like        *ptfork.Layout // the child's template, what a fork of it has
 	folded      atomic.Bool    // the child's template was handed to the huge-page worker
+	// rootFiles are the root's files its child does not share, opened
+	// again in the copy of the root (a shell's own stdout, saved at fd
+	// 10 while its child's goes to a log).
+	rootFiles []File
 }
 
 // treeCopyable says why tree u gets no templates ("" if it does): it is
@@ -163,7 +168,7 @@ func (ps *State) makeTreeTemplate(u procTree, seized map[int]*ptfork.Proc) (*tre
 	if err != nil {
 		return fail(err)
 	}
-	ct, err := ps.treeChild(tt, cp, stash)
+	ct, err := ps.treeChild(tt, cp, rp.Pid, stash)
 	if ct != nil {
 		made = append(made, ct)
 	}
@@ -206,9 +211,9 @@ func (ps *State) treeRoot(tt *treeTemplate, rp *ptfork.Proc) (rt *ptfork.Proc, s
 	return rt, false, err
 }
 
-// treeChild makes the template of the tree's child cp, with the root's
-// memory stashed in it if stash.
-func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, stash bool) (*ptfork.Proc, error) {
+// treeChild makes the template of the tree's child cp, with the memory of
+// the root (host pid root) stashed in it if stash.
+func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, root int, stash bool) (*ptfork.Proc, error) {
 	// The child's copies are born in a session the copy of the root
 	// makes: its template leads one of its own, not to hold the root's
 	// pid as its session's id.
@@ -238,9 +243,14 @@ func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, stash bool) (*ptfo
 		return c, nil
 	}, func(t *ptfork.Proc) error {
 		var err error
-		if !stash {
-			tt.like, err = ptfork.ReadLayout(t.Pid)
+		if tt.like, err = ptfork.ReadLayout(t.Pid); err != nil {
 			return err
+		}
+		if err := tt.rootOwnFiles(root); err != nil {
+			return err
+		}
+		if !stash {
+			return nil
 		}
 		// A copy moves the root's memory in place of its own instead
 		// of copying it. The stash is the template's own memory: made
@@ -270,6 +280,47 @@ func reopenFiles(cp *ptfork.Proc, files []File) (err error) {
 			return err
 		}
 	}
+	return nil
+}
+
+// reopenableDevices are the devices of the sandbox's /dev a descriptor of
+// which is the same as another opened anew: they keep no state of a
+// description's.
+var reopenableDevices = []string{"/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"}
+
+// rootOwnFiles finds the root's descriptors (of host pid root) that are not
+// its child's (its template's, tt.like), which the copy of the root opens
+// again by path (tt.rootFiles): files of the sandbox's root, and stateless
+// devices. Become then leaves them out. Any other (a pipe, a socket of the
+// root's alone) fails the tree's templates: a copy cannot have it.
+func (tt *treeTemplate) rootOwnFiles(root int) error {
+	fds, err := tt.src.Unshared(tt.like)
+	if err != nil {
+		return err
+	}
+	var files []File
+	for _, fd := range fds {
+		if i := slices.IndexFunc(tt.root.Files, func(f File) bool { return f.FD == fd }); i >= 0 {
+			files = append(files, tt.root.Files[i])
+			continue
+		}
+		dir := "/proc/" + strconv.Itoa(root) + "/"
+		link, err := os.Readlink(dir + "fd/" + strconv.Itoa(fd))
+		if err != nil {
+			return err
+		}
+		info, err := os.ReadFile(dir + "fdinfo/" + strconv.Itoa(fd))
+		if err != nil {
+			return err
+		}
+		if !slices.Contains(reopenableDevices, link) {
+			return fmt.Errorf("the root's descriptor %d (%s) is not its child's, nor a file a copy can open again", fd, link)
+		}
+		flags, _ := strconv.ParseInt(fdinfoField(string(info), "flags"), 8, 64)
+		files = append(files, File{FD: fd, Path: link, Flags: int(flags)})
+	}
+	tt.src.Without(fds)
+	tt.rootFiles = files
 	return nil
 }
 
@@ -479,8 +530,8 @@ func (ps *State) readyTree(tt *treeTemplate, x, c2 *ptfork.Proc) error {
 		return fmt.Errorf("%w: copying %s: %w", ErrProcesses, tt.root.name(), err)
 	}
 	root := tt.root
-	root.Leader = false // it called setsid
-	root.Files = nil    // the child's, reopened in X before the fork
+	root.Leader = false       // it called setsid
+	root.Files = tt.rootFiles // the rest are the child's, reopened in X before the fork
 	if root.Cwd == "/" && tt.child.Cwd != "/" {
 		root.Cwd = "/." // chdir even so: x has the child's
 	}

@@ -675,18 +675,55 @@ func (b *batch) fixFds(s *Source, like *Layout) error {
 // others, sorted.
 func fdsToClose(s *Source, pid int, have map[int]bool) ([]int, error) {
 	for fd := range s.fds {
-		if _, ok := have[fd]; !ok {
-			return nil, fmt.Errorf("%w: descriptor %d of pid %d is not open in pid %d", ErrBecome, fd, s.pid, pid)
+		same, err := sameFile(s, pid, have, fd)
+		if err != nil {
+			return nil, err
 		}
-		r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(s.pid), kcmpFile, uintptr(fd), uintptr(fd), 0)
-		if e != 0 {
-			return nil, fmt.Errorf("comparing descriptor %d of pids %d and %d: %w", fd, pid, s.pid, e)
-		}
-		if r != 0 {
-			return nil, fmt.Errorf("%w: descriptor %d of pid %d is another file in pid %d", ErrBecome, fd, s.pid, pid)
+		if !same {
+			return nil, fmt.Errorf("%w: descriptor %d of pid %d is not open in pid %d, or another file there", ErrBecome, fd, s.pid, pid)
 		}
 	}
 	return fdsBeyond(s, have), nil
+}
+
+// sameFile reports whether descriptor fd of s's process is the same open
+// file in process pid, whose descriptors are have.
+func sameFile(s *Source, pid int, have map[int]bool, fd int) (bool, error) {
+	if _, ok := have[fd]; !ok {
+		return false, nil
+	}
+	r, _, e := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(s.pid), kcmpFile, uintptr(fd), uintptr(fd), 0)
+	if e != 0 {
+		return false, fmt.Errorf("comparing descriptor %d of pids %d and %d: %w", fd, pid, s.pid, e)
+	}
+	return r == 0, nil
+}
+
+// Unshared lists, sorted, the descriptors of s's process that are not the
+// same open file in the stopped process of layout like: Become would refuse
+// them (Fits), unless they are left out (Without).
+func (s *Source) Unshared(like *Layout) ([]int, error) {
+	var out []int
+	for fd := range s.fds {
+		same, err := sameFile(s, like.pid, like.fds, fd)
+		if err != nil {
+			return nil, err
+		}
+		if !same {
+			out = append(out, fd)
+		}
+	}
+	slices.Sort(out)
+	return out, nil
+}
+
+// Without leaves descriptors fds of s's process out of what Become gives
+// the process that takes it on: that process's descriptors of those
+// numbers are closed, for the caller to open the files again.
+func (s *Source) Without(fds []int) {
+	for _, fd := range fds {
+		delete(s.fds, fd)
+	}
 }
 
 // fdsBeyond lists the descriptors of have that s's process does not
