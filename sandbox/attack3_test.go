@@ -1,0 +1,139 @@
+package sandbox_test
+
+import (
+	"context"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/deltagym/deltagym/sandbox"
+)
+
+// tracedThreadPy is a leftover (it holds the exec's stdout) whose second
+// thread has its parent, another python3 that holds none of the pipes and
+// never waits, for tracer (PTRACE_TRACEME). Once the server stops the
+// leftover's leader to give it the null device (leftovers.go, nullAt,
+// ptfork SeizeLeader) and has begun the dup3 calls it injects for the
+// stdout the leftover holds at 400 descriptors, that thread SIGKILLs its
+// own process, while its leader is in a stop between two of them: the leader,
+// woken from its stop, becomes a zombie that cannot be reaped while the
+// thread, a zombie its tracer must reap, is still in its thread group.
+const tracedThreadPy = `
+import ctypes, os, sys, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+if os.fork():
+    n = os.open("/dev/null", os.O_RDWR)
+    for i in (0, 1, 2):
+        os.dup2(n, i)
+    time.sleep(1e6)
+    sys.exit()
+def thread():
+    if libc.ptrace(0, 0, 0, 0) != 0:  # PTRACE_TRACEME: the parent above
+        print("traceme failed", ctypes.get_errno(), flush=True)
+    open("/tmp/atk3-ready", "w").close()
+    me = os.getpid()
+    fd = os.open("/proc/%d/stat" % me, os.O_RDONLY)
+    # The server's injected dup3 calls have begun once fd 100 is no
+    # longer the exec's pipe: kill at the next stop between two of them.
+    while os.readlink("/proc/self/fd/100").startswith("pipe:"):
+        pass
+    while True:
+        st = os.pread(fd, 512, 0)
+        if st[st.rindex(b")") + 2] == ord("t"):
+            os.kill(me, 9)
+for i in range(400):  # the server injects a dup3 for each: a longer stop
+    os.dup2(1, 100 + i)
+threading.Thread(target=thread, daemon=True).start()
+while True:
+    time.sleep(0.001)
+`
+
+// A hostile command's leftover, killed by one of its own threads while the
+// server holds its leader in a ptrace stop, hangs the exec for ever (its
+// timeout included), and with it the sandbox's Destroy (tearDown waits for
+// s.op, which the exec holds shared), every checkpoint and restore of it:
+// Proc.detach meets ESRCH and waitGone (ptfork.go) waits, with no bound,
+// for a leader the kernel will not report while a thread of it is a zombie
+// traced by another process of the sandbox, which never reaps it.
+func TestAttackLeftoverTracedThreadHangsExec(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := context.Background()
+	if err := s.WriteFile(ctx, "/tmp/atk3.py", []byte(tracedThreadPy), 0o644, false); err != nil {
+		t.Fatal(err)
+	}
+	type res struct {
+		r   sandbox.ExecResult
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		r, err := s.Exec(ctx, sandbox.ExecRequest{
+			Command: "python3 /tmp/atk3.py & until [ -e /tmp/atk3-ready ]; do sleep 0.01; done; sleep 0.2; echo started",
+			Timeout: 10 * time.Second,
+		})
+		done <- res{r, err}
+	}()
+	select {
+	case r := <-done:
+		t.Logf("the exec returned: %v %+v", r.err, r.r)
+		return
+	case <-time.After(30 * time.Second):
+	}
+	t.Errorf("the exec (timeout 10 s) has not returned after 30 s")
+	logPtforkStacks(t)
+	for _, pid := range hostPids("atk3.py") {
+		tasks, _ := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/task")
+		for _, task := range tasks {
+			st, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/task/" + task.Name() + "/status")
+			var keep []string
+			for _, l := range strings.Split(string(st), "\n") {
+				if strings.HasPrefix(l, "State") || strings.HasPrefix(l, "PPid") || strings.HasPrefix(l, "TracerPid") {
+					keep = append(keep, l)
+				}
+			}
+			t.Logf("pid %d task %s: %s", pid, task.Name(), strings.Join(keep, ", "))
+		}
+	}
+	destroyed := make(chan error, 1)
+	go func() { destroyed <- s.Destroy(context.Background()) }()
+	select {
+	case err := <-destroyed:
+		t.Logf("Destroy returned %v", err)
+	case <-time.After(10 * time.Second):
+		t.Errorf("the sandbox's Destroy has not returned after 10 s either")
+	}
+	// The tracer's end releases the traced zombie thread, and so the
+	// leader: the exec returns.
+	for _, pid := range hostPids("atk3.py") {
+		_ = unix.Kill(pid, unix.SIGKILL)
+	}
+	select {
+	case r := <-done:
+		t.Logf("once the sandbox's python3 were killed from the host, the exec returned %v", r.err)
+	case <-time.After(20 * time.Second):
+		t.Errorf("the exec has not returned after the kill either")
+	}
+	select {
+	case err := <-destroyed:
+		t.Logf("Destroy: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Errorf("Destroy has not returned after the kill either")
+	}
+}
+
+// logPtforkStacks logs the stacks of the goroutines in a ptrace session.
+func logPtforkStacks(t *testing.T) {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "ptfork.") {
+			t.Logf("%s", g)
+		}
+	}
+}
