@@ -137,3 +137,80 @@ func logPtforkStacks(t *testing.T) {
 		}
 	}
 }
+
+// denseRootTree is a python3 root that forks a child (which waits), then
+// writes every page of MIB MiB, and then a counter in it every 20 ms, so
+// that each checkpoint of it finds a state of its own. It writes
+// /tmp/ready once the region is written.
+const denseRootTree = `
+import mmap, os, signal, time
+pid = os.fork()
+if pid == 0:
+    while True: signal.pause()
+m = mmap.mmap(-1, MIB << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, MIB << 20, 4096): m[i] = 1
+open("/tmp/ready", "w").close()
+n = 0
+while True:
+    n += 1
+    m[0] = n & 0xff
+    m[1] = (n >> 8) & 0xff
+    time.sleep(0.02)
+`
+
+// heldUse returns the usage of the held memory group (cgroup/held.go) of
+// b's runtime, and its path.
+func heldUse(t *testing.T, b *bundle) (int64, string) {
+	dir := "/sys/fs/cgroup/memory/" + b.cfg.CgroupRoot + ".held"
+	raw, err := os.ReadFile(dir + "/memory.usage_in_bytes")
+	if err != nil {
+		t.Skipf("no held memory group (memory not a v1 controller?): %v", err)
+	}
+	u, _ := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64)
+	return u, dir
+}
+
+// The stash of a tree's root (procstate treeChild) is charged to the
+// runtime's held memory group, not to the sandbox's, and the room check
+// before it (MemoryRoom: three quarters of the sandbox's limit less its
+// use) does not count the stashes its earlier checkpoints hold: each
+// checkpoint of a tree whose root wrote a quarter of the limit takes
+// another quarter, in memory the sandbox's limit never sees. Six
+// checkpoints of a 256 MiB sandbox hold 384 MiB of stashes, beyond its
+// limit (docs/OPERATIONS.md: a sandbox's memory limit counts "templates of
+// its checkpoints included"); the number of checkpoints, not the sandbox's
+// limit, bounds what it takes, up to the held group's cap (the runtime's
+// whole --sandboxes-memory, a second time: the held group is outside the
+// runtime's root group) and the host's memory.
+func TestAttackTreeStashesPastTheLimit(t *testing.T) {
+	needCRIU(t)
+	b := setup(t)
+	ctx := context.Background()
+	const limit = 256 << 20
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: limit}})
+	prog := strings.ReplaceAll(denseRootTree, "MIB", "64")
+	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
+	must(t, err)
+	waitFor(t, s, "[ -e /tmp/ready ]")
+	hostRoot := hostPids("mmap.mmap(-1")[0]
+	held0, dir := heldUse(t, b)
+	var ids []string
+	for i := range 6 {
+		ck, err := s.Checkpoint(ctx)
+		must(t, err)
+		ids = append(ids, ck.ID)
+		use, _, kills := memoryUse(hostRoot)
+		held, _ := heldUse(t, b)
+		t.Logf("checkpoint %d: stashes %d; the sandbox uses %d MiB of %d (OOM kills %d), the held group %s %d MiB more than before the first",
+			i+1, s.TreeStashes(), use>>20, limit>>20, kills, dir, (held-held0)>>20)
+		time.Sleep(50 * time.Millisecond) // the root's counter moves on
+	}
+	held, _ := heldUse(t, b)
+	if s.TreeStashes() < 2 {
+		t.Skipf("the root was stashed %d times", s.TreeStashes())
+	}
+	if held-held0 > limit {
+		t.Errorf("the checkpoints of a sandbox limited to %d MiB hold %d MiB of stashes, charged to no limit of the sandbox's", limit>>20, (held-held0)>>20)
+	}
+	_ = ids
+}
