@@ -214,3 +214,101 @@ func TestAttackTreeStashesPastTheLimit(t *testing.T) {
 	}
 	_ = ids
 }
+
+// raceInitPy watches for new processes of the sandbox (the init's spawn
+// children between their clone and their exec among them, which hold the
+// init's CAP_CHECKPOINT_RESTORE and its descriptor of ns_last_pid) and
+// tries to reach each: ptrace, its descriptors, its memory, pidfd_getfd;
+// and the init's own. It prints what it got of a process that had the
+// capability or of the descriptor.
+const raceInitPy = `
+import ctypes, os, time, sys
+libc = ctypes.CDLL(None, use_errno=True)
+got = []
+def privileged(pid):
+    try:
+        st = open("/proc/%d/status" % pid).read()
+    except OSError:
+        return False
+    for l in st.splitlines():
+        if l.startswith("CapEff:") or l.startswith("CapPrm:"):
+            if int(l.split()[1], 16) & (1 << 40):
+                return True
+    return False
+def tryall(pid):
+    for fd in range(3, 12):
+        try:
+            l = os.readlink("/proc/%d/fd/%d" % (pid, fd))
+            if "ns_last_pid" in l:
+                got.append("readlink %d %d %s" % (pid, fd, l))
+            f = os.open("/proc/%d/fd/%d" % (pid, fd), os.O_WRONLY)
+            if "ns_last_pid" in l or privileged(pid):
+                got.append("opened %d fd %d: %s" % (pid, fd, l))
+            os.close(f)
+        except OSError:
+            pass
+    try:
+        f = os.open("/proc/%d/mem" % pid, os.O_RDONLY)
+        if privileged(pid):
+            got.append("mem of %d" % pid)
+        os.close(f)
+    except OSError:
+        pass
+    if libc.ptrace(0x4206, pid, 0, 0) == 0:  # PTRACE_SEIZE
+        if privileged(pid):
+            got.append("seized %d" % pid)
+        libc.ptrace(17, pid, 0, 0)
+    pfd = libc.syscall(434, pid, 0)  # pidfd_open
+    if pfd >= 0:
+        for fd in range(3, 12):
+            r = libc.syscall(438, pfd, fd, 0)  # pidfd_getfd
+            if r >= 0 and ("ns_last_pid" in os.readlink("/proc/self/fd/%d" % r) or privileged(pid)):
+                got.append("pidfd_getfd %d %d: %s" % (pid, fd, os.readlink("/proc/self/fd/%d" % r)))
+                os.close(r)
+        os.close(pfd)
+tryall(1)
+seen = set(os.listdir("/proc"))
+end = time.time() + float(sys.argv[1])
+open("/tmp/race-ready", "w").close()
+while time.time() < end:
+    now = set(os.listdir("/proc"))
+    for p in now - seen:
+        if p.isdigit() and int(p) != os.getpid():
+            tryall(int(p))
+    seen = now
+print("\n".join(got) if got else "nothing")
+`
+
+// A command reaches neither the init's CAP_CHECKPOINT_RESTORE nor its
+// descriptor of ns_last_pid: not in the init (non-dumpable, a capability
+// the command lacks), nor in a spawn child between its clone and its exec
+// (it shares the init's mm, non-dumpable, whose user namespace is the
+// host's), as root of the sandbox.
+func TestAttackInitNextPidOutOfReach(t *testing.T) {
+	b := setup(t)
+	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b)})
+	ctx := context.Background()
+	must(t, s.WriteFile(ctx, "/tmp/race.py", []byte(raceInitPy), 0o644, false))
+	type res struct {
+		r   sandbox.ExecResult
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		r, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "/tmp/race.py", "8"}, Timeout: 30 * time.Second})
+		done <- res{r, err}
+	}()
+	waitFor(t, s, "[ -e /tmp/race-ready ]")
+	for i := 0; i < 150; i++ {
+		if _, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"/bin/true"}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r := <-done
+	if r.err != nil || strings.TrimSpace(string(r.r.Stdout)) != "nothing" {
+		t.Errorf("a command reached the init or its spawn children: %v %q %q", r.err, r.r.Stdout, r.r.Stderr)
+	}
+	if out := sh(t, s, "grep -E 'CapEff|CapPrm|CapBnd' /proc/self/status"); strings.Contains(out, "00000100") {
+		t.Errorf("a command's capabilities: %q", out)
+	}
+}
