@@ -253,14 +253,10 @@ func (ps *State) treeChild(tt *treeTemplate, cp *ptfork.Proc, root int, stash bo
 			return nil
 		}
 		// A copy moves the root's memory in place of its own instead
-		// of copying it. The stash is the template's own memory: made
-		// once the template is held (cgroup.HoldMemory), it is charged
-		// to the held group, as a template's fold is, not to the
-		// sandbox's processes, which it would push towards their OOM
-		// killer (MemoryRoom said there is room for it all the same).
-		if err := tt.tg.HoldMemory(t.Pid); err != nil {
-			return err
-		}
+		// of copying it. The stash is the template's own memory, made
+		// in the sandbox's memory group, which it counts against as
+		// its checkpoints' templates do (treeRoot found the room for
+		// it): so many checkpoints stash no more than the limit holds.
 		if tt.like, err = t.Stash(tt.src); err == nil {
 			ps.treeStashes.Add(1)
 		}

@@ -756,7 +756,7 @@ func (p *Proc) detach() error {
 		// Killed in its stop (an OOM kill, a SIGKILL): ending, it is no
 		// longer stopped, and stays a zombie its parent cannot reap until
 		// its tracer waits for it.
-		waitGone(p.Pid)
+		p.waitGone()
 	case derr != nil:
 		err = errors.Join(err, serr, fmt.Errorf("detaching pid %d: %w", p.Pid, derr))
 	default:
@@ -765,14 +765,31 @@ func (p *Proc) detach() error {
 	return err
 }
 
-// waitGone waits, as its tracer, for tracee pid, killed, to end, so that
-// its parent may reap it.
-func waitGone(pid int) {
+// goneWait bounds waitGone: a killed process's end can wait for another
+// thread of it, a zombie someone else traces and never reaps.
+const goneWait = 2 * time.Second
+
+// waitGone waits, as its tracer, for tracee p, killed, to end, so that its
+// parent may reap it. Past goneWait it gives up and leaves it to the end
+// of the session's thread (stuck), which the kernel takes for its
+// tracer's.
+func (p *Proc) waitGone() {
+	deadline := time.Now().Add(goneWait)
+	pause := 50 * time.Microsecond
 	for {
-		ws, err := wait(pid)
-		if err != nil || ws.Exited() || ws.Signaled() {
+		var ws unix.WaitStatus
+		n, err := unix.Wait4(p.Pid, &ws, unix.WALL|unix.WNOHANG, nil)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil, n == p.Pid && (ws.Exited() || ws.Signaled()):
+			return
+		case time.Now().After(deadline):
+			p.s.stuck = true
 			return
 		}
+		time.Sleep(pause)
+		pause = min(2*pause, 10*time.Millisecond)
 	}
 }
 
@@ -791,7 +808,7 @@ func (p *Proc) reap() {
 	if p.attached {
 		p.attached = false
 		delete(p.s.procs, p.Pid)
-		waitGone(p.Pid)
+		p.waitGone()
 	}
 }
 
