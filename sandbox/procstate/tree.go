@@ -82,6 +82,16 @@ func (u procTree) treeCopyable() string {
 	return ""
 }
 
+// nsPids is err's message with the host pids of tree u's processes as the
+// sandbox numbers them, and any other host pid left out (scrubPids).
+func nsPids(err error, u procTree) string {
+	msg := err.Error()
+	for _, p := range u.procs {
+		msg = strings.ReplaceAll(msg, "pid "+strconv.Itoa(p.tpl.HostPid)+" ", "process "+strconv.Itoa(p.tpl.NSPid)+" ("+p.tpl.Comm+") ")
+	}
+	return scrubPids{errors.New(msg)}.Error()
+}
+
 // statIDs reads pid's parent, process group and session (host pids).
 func statIDs(pid int) ([3]int, error) {
 	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
@@ -123,7 +133,7 @@ func (ps *State) makeTreeTemplates(trees []procTree, seized map[int]*ptfork.Proc
 		tt, err := ps.makeTreeTemplate(u, seized)
 		if err != nil {
 			ps.h.Log().Info("a process tree gets no templates; its images serve", "sandbox", ps.h.ID(), "tree", u.procs[0].tpl.name(), "err", err)
-			notCopied(scrubPids{err}.Error())
+			notCopied(nsPids(err, u))
 			continue
 		}
 		trees[i].why = fmt.Sprintf("%s, with %s a child of it, a tree: copied from templates in a restore in place, "+
