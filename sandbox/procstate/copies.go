@@ -452,11 +452,15 @@ func reopenFile(cp *ptfork.Proc, f File, mem *ptfork.Scratch) error {
 	if err != nil {
 		return fmt.Errorf("reopening %s (fd %d): %w", f.Path, f.FD, err)
 	}
-	if _, err := cp.Syscall(unix.SYS_DUP3, nfd, uintptr(f.FD), uintptr(f.Flags&unix.O_CLOEXEC)); err != nil {
-		return fmt.Errorf("dup3 onto fd %d: %w", f.FD, err)
-	}
-	if _, err := cp.Syscall(unix.SYS_CLOSE, nfd); err != nil {
-		return fmt.Errorf("close: %w", err)
+	// The open takes the lowest free descriptor: f's own, if it is free
+	// (a tree's root's that Become closed), which needs no dup.
+	if nfd != uintptr(f.FD) {
+		if _, err := cp.Syscall(unix.SYS_DUP3, nfd, uintptr(f.FD), uintptr(f.Flags&unix.O_CLOEXEC)); err != nil {
+			return fmt.Errorf("dup3 onto fd %d: %w", f.FD, err)
+		}
+		if _, err := cp.Syscall(unix.SYS_CLOSE, nfd); err != nil {
+			return fmt.Errorf("close: %w", err)
+		}
 	}
 	if f.Flags&unix.O_APPEND == 0 && f.Pos > 0 {
 		if _, err := cp.Syscall(unix.SYS_LSEEK, uintptr(f.FD), uintptr(f.Pos), 0); err != nil && !errors.Is(err, unix.ESPIPE) {
