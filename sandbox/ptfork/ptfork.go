@@ -890,7 +890,14 @@ func ptrace(req int, pid int, addr, data uintptr) error {
 	return nil
 }
 
+// wait waits for a change of tracee pid. A tracee killed while another
+// thread of its is a zombie that someone else traces and never reaps
+// (a process of the sandbox that traced it) does not end until that thread
+// is reaped: if the wait lasts goneWait, the tracers of such threads are
+// killed (releaseZombies), which the sandbox's init then reaps.
 func wait(pid int) (unix.WaitStatus, error) {
+	watch := time.AfterFunc(goneWait, func() { releaseZombies(pid) })
+	defer watch.Stop()
 	var ws unix.WaitStatus
 	for {
 		_, err := unix.Wait4(pid, &ws, unix.WALL, nil)
@@ -901,6 +908,39 @@ func wait(pid int) (unix.WaitStatus, error) {
 			return 0, fmt.Errorf("waiting for pid %d: %w", pid, err)
 		}
 		return ws, nil
+	}
+}
+
+// releaseZombies kills the processes that trace a zombie thread of pid and
+// are not this one (see wait).
+func releaseZombies(pid int) {
+	dir := "/proc/" + strconv.Itoa(pid) + "/task/"
+	tasks, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range tasks {
+		st, err := os.ReadFile(dir + e.Name() + "/status")
+		if err != nil {
+			continue
+		}
+		var state, tracer string
+		for _, l := range strings.Split(string(st), "\n") {
+			if v, ok := strings.CutPrefix(l, "State:"); ok {
+				state = strings.TrimSpace(v)
+			}
+			if v, ok := strings.CutPrefix(l, "TracerPid:"); ok {
+				tracer = strings.TrimSpace(v)
+			}
+		}
+		t, _ := strconv.Atoi(tracer)
+		if !strings.HasPrefix(state, "Z") || t <= 0 {
+			continue
+		}
+		if _, err := os.Stat("/proc/self/task/" + tracer); err == nil {
+			continue // a thread of ours
+		}
+		_ = unix.Kill(t, unix.SIGKILL)
 	}
 }
 
