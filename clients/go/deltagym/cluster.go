@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"iter"
 	"math/rand/v2"
 	"net"
@@ -532,9 +533,10 @@ func (m *member) failed(ctx context.Context, err error) error {
 }
 
 // transportFailure reports whether err, of a call made within ctx, is the transport's rather
-// than a server's: Unavailable (connect's code for a connection refused or lost), or a
+// than a server's: Unavailable (connect's code for a connection refused or lost), a
 // connection the peer broke (EPIPE, ECONNRESET), which connect reports as Canceled although
-// ctx was not.
+// ctx was not, or an answer cut short by the peer's end (a read that met EOF in the middle
+// of a message), which it reports as Unknown.
 func transportFailure(ctx context.Context, err error) bool {
 	if err == nil || connect.IsWireError(err) {
 		return false
@@ -544,6 +546,8 @@ func transportFailure(ctx context.Context, err error) bool {
 		return true
 	case connect.CodeCanceled:
 		return ctx.Err() == nil && (errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET))
+	case connect.CodeUnknown:
+		return ctx.Err() == nil && errors.Is(err, io.ErrUnexpectedEOF)
 	}
 	return false
 }

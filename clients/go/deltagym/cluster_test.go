@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -590,6 +592,34 @@ func BenchmarkSpread(b *testing.B) {
 	for b.Loop() {
 		if got := deltagym.Spread(nodes, 64); len(got) != len(nodes) {
 			b.Fatalf("Spread gave %d counts for %d nodes", len(got), len(nodes))
+		}
+	}
+}
+
+// A call's error is the transport's when no server answered it: a connection refused or
+// lost, broken by the peer, or an answer cut short by the peer's end; a server's answer
+// (a wire error) never is, nor an error of the caller's own context.
+func TestTransportFailure(t *testing.T) {
+	ctx := context.Background()
+	done, cancel := context.WithCancel(ctx)
+	cancel()
+	cut := connect.NewError(connect.CodeUnknown, fmt.Errorf("read message: %w", io.ErrUnexpectedEOF))
+	wire := connect.NewWireError(connect.CodeUnknown, io.ErrUnexpectedEOF)
+	for _, c := range []struct {
+		name string
+		ctx  context.Context
+		err  error
+		want bool
+	}{
+		{"refused", ctx, connect.NewError(connect.CodeUnavailable, syscall.ECONNREFUSED), true},
+		{"reset", ctx, connect.NewError(connect.CodeCanceled, syscall.ECONNRESET), true},
+		{"cut short", ctx, cut, true},
+		{"cut short, the caller gone", done, cut, false},
+		{"a server's unknown", ctx, wire, false},
+		{"another unknown", ctx, connect.NewError(connect.CodeUnknown, errors.New("x")), false},
+	} {
+		if got := deltagym.TransportFailure(c.ctx, c.err); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
 		}
 	}
 }
