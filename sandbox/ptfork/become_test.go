@@ -239,6 +239,8 @@ signal.pause()'; echo ${#x}`)
 	if err != nil {
 		b.Fatal(err)
 	}
+	// The shell's child outlives the shell's kill: ended on every path.
+	b.Cleanup(func() { _ = unix.Kill(child, unix.SIGKILL) })
 	s := NewSession()
 	defer s.Close()
 	sp, err := s.Attach(cmd.Process.Pid)
