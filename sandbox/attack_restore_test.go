@@ -138,26 +138,6 @@ func logPtforkStacks(t *testing.T) {
 	}
 }
 
-// denseRootTree is a python3 root that forks a child (which waits), then
-// writes every page of MIB MiB, and then a counter in it every 20 ms, so
-// that each checkpoint of it finds a state of its own. It writes
-// /tmp/ready once the region is written.
-const denseRootTree = `
-import mmap, os, signal, time
-pid = os.fork()
-if pid == 0:
-    while True: signal.pause()
-m = mmap.mmap(-1, MIB << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-for i in range(0, MIB << 20, 4096): m[i] = 1
-open("/tmp/ready", "w").close()
-n = 0
-while True:
-    n += 1
-    m[0] = n & 0xff
-    m[1] = (n >> 8) & 0xff
-    time.sleep(0.02)
-`
-
 // heldUse returns the usage of the held memory group (cgroup/held.go) of
 // b's runtime, and its path.
 func heldUse(t *testing.T, b *bundle) (int64, string) {
@@ -186,7 +166,7 @@ func TestAttackTreeStashesPastTheLimit(t *testing.T) {
 	ctx := context.Background()
 	const limit = 256 << 20
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: limit}})
-	prog := strings.ReplaceAll(denseRootTree, "MIB", "64")
+	prog := rootTreeProgram(64, 4<<10) // every page written
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")

@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -188,9 +189,8 @@ m.madvise(mmap.MADV_DONTFORK)
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")
-	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
 	counter := func() string {
-		return strings.TrimSpace(sh(t, s, "rm -f /tmp/counter; kill -USR2 "+child+"; for i in $(seq 300); do [ -e /tmp/counter ] && break; sleep 0.01; done; cat /tmp/counter 2>/dev/null; cat /tmp/done 2>/dev/null; true"))
+		return strings.TrimSpace(sh(t, s, "rm -f /tmp/counter; kill -USR2 "+treeChildPid+"; for i in $(seq 300); do [ -e /tmp/counter ] && break; sleep 0.01; done; cat /tmp/counter 2>/dev/null; cat /tmp/done 2>/dev/null; true"))
 	}
 	want := counter()
 	if !strings.HasSuffix(want, " 7") {
@@ -268,21 +268,20 @@ func TestAttackTreeChildFilterImages(t *testing.T) {
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", strings.Replace(seccompTree, "CHILDNR", "334", 1)}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")
-	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
 	ids := func() string {
-		return sh(t, s, "c="+child+"; ps -o pid=,pgid=,sid=,comm= -p $c,$(ps -o ppid= -p $c | tr -d ' ')")
+		return sh(t, s, "c="+treeChildPid+"; ps -o pid=,pgid=,sid=,comm= -p $c,$(ps -o ppid= -p $c | tr -d ' ')")
 	}
 	counter := func() string {
-		return strings.TrimSpace(sh(t, s, "rm -f /tmp/counter; kill -USR2 "+child+"; for i in $(seq 300); do [ -e /tmp/counter ] && break; sleep 0.01; done; cat /tmp/counter 2>/dev/null; true"))
+		return strings.TrimSpace(sh(t, s, "rm -f /tmp/counter; kill -USR2 "+treeChildPid+"; for i in $(seq 300); do [ -e /tmp/counter ] && break; sleep 0.01; done; cat /tmp/counter 2>/dev/null; true"))
 	}
-	sh(t, s, "kill -USR1 "+child)
+	sh(t, s, "kill -USR1 "+treeChildPid)
 	want, wantIDs := counter(), ids()
 	ck, err := s.Checkpoint(ctx)
 	must(t, err)
 	t.Logf("captured: %+v", ck.Processes)
 	all := "ps -o pid=,sid=,comm= | grep python3"
 	before := sh(t, s, all)
-	sh(t, s, "kill -USR1 "+child)
+	sh(t, s, "kill -USR1 "+treeChildPid)
 	copies := s.TreeCopies()
 	must(t, s.Restore(ctx, ck.ID))
 	t.Logf("tree copies %d -> %d", copies, s.TreeCopies())
@@ -328,17 +327,18 @@ func TestAttackTreeSeccompSwap(t *testing.T) {
 	}
 }
 
-// sparseRootTree is a python3 root that forks a child (which waits), then
-// maps MIB MiB and writes one byte in each 2 MiB of it: a 512th of it its
-// own, in small pages (the machine's THP setting is madvise or never, the
-// root asks for none). The root writes /tmp/ready when it is done.
-const sparseRootTree = `
+// rootTreeProgram is a python3 root that forks a child (which waits), then
+// maps mib MiB and writes one byte in each stride bytes of it (in small
+// pages: the root asks for no huge page, the machine's THP setting is
+// madvise or never). The root writes /tmp/ready when it is done.
+func rootTreeProgram(mib, stride int) string {
+	return fmt.Sprintf(`
 import mmap, os, signal
 pid = os.fork()
 if pid == 0:
     while True: signal.pause()
-m = mmap.mmap(-1, MIB << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-for i in range(0, MIB << 20, 2 << 20): m[i] = 1
+m = mmap.mmap(-1, %d << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, %d << 20, %d): m[i] = 1
 open("/tmp/ready", "w").close()
 while True:
     try:
@@ -346,7 +346,8 @@ while True:
         break
     except InterruptedError:
         pass
-`
+`, mib, mib, stride)
+}
 
 // memoryUse returns the usage and limit of the memory group (v1) with a
 // limit that holds host pid pid, and the OOM kills in it, or zeros.
@@ -396,7 +397,7 @@ func TestAttackTreeStashFillsLimit(t *testing.T) {
 	ctx := context.Background()
 	const limit = 512 << 20
 	s := b.create(t, sandbox.Spec{Image: defaultImage(t, b), Limits: sandbox.Limits{MemoryBytes: limit}})
-	prog := strings.ReplaceAll(sparseRootTree, "MIB", "384")
+	prog := rootTreeProgram(384, 2<<20) // a byte in each 2 MiB
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")
@@ -483,7 +484,7 @@ func TestAttackTreeStashOOMBystander(t *testing.T) {
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Command: hold, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/held ]")
-	prog := strings.ReplaceAll(sparseRootTree, "MIB", "512")
+	prog := rootTreeProgram(512, 2<<20)
 	_, err = s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"python3", "-c", prog}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")

@@ -9,6 +9,10 @@ import (
 	"github.com/deltagym/deltagym/sandbox"
 )
 
+// treeChildPid is a shell word: the pid of the live tree's python3 child
+// (its template, which ps lists too, leads a session of its own).
+const treeChildPid = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
+
 // treeProgram is a shell running a python3 child, then a command of its
 // own once the child ends. The child keeps a counter in memory, adds one
 // at each SIGUSR1, and writes it to /tmp/counter at each SIGUSR2; the
@@ -51,14 +55,13 @@ func testTreeCopy(t *testing.T, stashed bool) {
 	waitFor(t, s, "[ -e /tmp/ready ]")
 	// The live child: the templates, which ps lists too, lead sessions of
 	// their own.
-	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
 	ids := func() string {
-		return sh(t, s, "c="+child+"; ps -o pid=,ppid=,pgid=,sid=,comm= -p $c,$(ps -o ppid= -p $c | tr -d ' ')")
+		return sh(t, s, "c="+treeChildPid+"; ps -o pid=,ppid=,pgid=,sid=,comm= -p $c,$(ps -o ppid= -p $c | tr -d ' ')")
 	}
-	signal := func(sig string) { sh(t, s, "kill -"+sig+" "+child) }
+	signal := func(sig string) { sh(t, s, "kill -"+sig+" "+treeChildPid) }
 	// counter asks the child for its counter; it returns "n pid ppid".
 	counter := func() string {
-		return sh(t, s, "rm -f /tmp/counter; kill -USR2 "+child+"; while [ ! -e /tmp/counter ]; do sleep 0.01; done; cat /tmp/counter")
+		return sh(t, s, "rm -f /tmp/counter; kill -USR2 "+treeChildPid+"; while [ ! -e /tmp/counter ]; do sleep 0.01; done; cat /tmp/counter")
 	}
 	signal("USR1")
 	want, wantIDs := counter(), ids()
@@ -135,16 +138,15 @@ while True: signal.pause()
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")
-	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
 	ck, err := s.Checkpoint(ctx)
 	must(t, err)
-	sh(t, s, "kill -USR1 "+child) // changed after the checkpoint, undone by the restore
+	sh(t, s, "kill -USR1 "+treeChildPid) // changed after the checkpoint, undone by the restore
 	copies := s.TreeCopies()
 	must(t, s.Restore(ctx, ck.ID))
 	if s.TreeCopies() != copies+1 {
 		t.Fatal("the tree was not copied from its templates")
 	}
-	sh(t, s, "kill -USR1 "+child+"; while [ \"$(wc -l < /tmp/log)\" -lt 2 ]; do sleep 0.01; done; kill "+child)
+	sh(t, s, "kill -USR1 "+treeChildPid+"; while [ \"$(wc -l < /tmp/log)\" -lt 2 ]; do sleep 0.01; done; kill "+treeChildPid)
 	sh(t, s, "while [ ! -e /tmp/done ]; do sleep 0.01; done")
 	if got := sh(t, s, "cat /tmp/log"); got != "start\nchild\nshell\n" {
 		t.Fatalf("the shared log reads %q, want %q", got, "start\nchild\nshell\n")
@@ -172,7 +174,6 @@ while True: signal.pause()
 	_, err := s.Exec(ctx, sandbox.ExecRequest{Argv: []string{"sh", "-c", prog}, Background: true})
 	must(t, err)
 	waitFor(t, s, "[ -e /tmp/ready ]")
-	const child = `$(for p in $(pgrep -x python3); do [ "$(ps -o sid= -p $p | tr -d ' ')" != $p ] && echo $p; done)`
 	ck, err := s.Checkpoint(ctx)
 	must(t, err)
 	for _, p := range ck.Processes {
@@ -180,13 +181,13 @@ while True: signal.pause()
 			t.Fatalf("pid %d: %q", p.Pid, p.Reason)
 		}
 	}
-	sh(t, s, "kill -USR1 "+child) // undone by the restore
+	sh(t, s, "kill -USR1 "+treeChildPid) // undone by the restore
 	copies := s.TreeCopies()
 	must(t, s.Restore(ctx, ck.ID))
 	if s.TreeCopies() != copies+1 {
 		t.Fatal("the tree was not copied from its templates")
 	}
-	sh(t, s, "kill -USR1 "+child+"; while [ \"$(wc -l < /tmp/app.log)\" -lt 2 ]; do sleep 0.01; done; kill "+child)
+	sh(t, s, "kill -USR1 "+treeChildPid+"; while [ \"$(wc -l < /tmp/app.log)\" -lt 2 ]; do sleep 0.01; done; kill "+treeChildPid)
 	sh(t, s, "while [ ! -e /tmp/done ]; do sleep 0.01; done")
 	// The shell's own "Terminated" goes to its stderr, the log then, after
 	// the child's line: one open file, one offset, as `2>&1` made it.

@@ -920,21 +920,17 @@ func releaseZombies(pid int) {
 		return
 	}
 	for _, e := range tasks {
-		st, err := os.ReadFile(dir + e.Name() + "/status")
+		tid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		var state, tracer string
-		for _, l := range strings.Split(string(st), "\n") {
-			if v, ok := strings.CutPrefix(l, "State:"); ok {
-				state = strings.TrimSpace(v)
-			}
-			if v, ok := strings.CutPrefix(l, "TracerPid:"); ok {
-				tracer = strings.TrimSpace(v)
-			}
+		st, err := procStatus(tid) // a thread's, at its tid
+		if err != nil {
+			continue
 		}
+		tracer := st["TracerPid"]
 		t, _ := strconv.Atoi(tracer)
-		if !strings.HasPrefix(state, "Z") || t <= 0 {
+		if !strings.HasPrefix(st["State"], "Z") || t <= 0 {
 			continue
 		}
 		if _, err := os.Stat("/proc/self/task/" + tracer); err == nil {
